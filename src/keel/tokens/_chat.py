@@ -1,0 +1,151 @@
+"""Counting whole prompts: message framing and tool schemas, not only text.
+
+A chat message costs more than its text. OpenAI's chat format frames each message as
+``<|start|>role<|message|>content<|end|>`` (3 tokens beyond the text, 1 more for a name) and
+primes the reply with 3 tokens. ChatML models (SmolLM2) frame each message as
+``<|im_start|>role\\n content<|im_end|>\\n``; for those the framing is tokenized exactly.
+Tool schemas are counted in the TypeScript-like form OpenAI renders them in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from keel.messages import Message
+from keel.tokens._base import Tokenizer
+from keel.tokens._catalog import ModelProfile
+
+__all__ = ["ChatTokenCounter", "render_tools_for_counting"]
+
+_OPENAI_PER_MESSAGE = 3
+_OPENAI_PER_NAME = 1
+_OPENAI_REPLY_PRIMING = 3
+_OPENAI_PER_TOOL_CALL = 6  # id, type and function framing of one call in an assistant turn
+_OPENAI_TOOLS_FRAMING = 12  # the system-side wrapper announcing the functions namespace
+
+_CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def _json_type(schema: Mapping[str, Any]) -> str:
+    if "enum" in schema:
+        return " | ".join(json.dumps(value) for value in schema["enum"])
+    kind = schema.get("type")
+    if kind == "array":
+        items = schema.get("items", {})
+        return f"{_json_type(items) if isinstance(items, Mapping) else 'any'}[]"
+    if kind == "object":
+        return "object"
+    if kind in ("integer", "number"):
+        return "number"
+    if isinstance(kind, list):
+        return " | ".join(str(part) for part in kind)
+    if "anyOf" in schema:
+        return " | ".join(_json_type(part) for part in schema["anyOf"])
+    return str(kind or "any")
+
+
+def render_tools_for_counting(tools: Sequence[Mapping[str, Any]]) -> str:
+    """Tools in OpenAI's ``tools`` format rendered as the model reads them."""
+    lines = ["namespace functions {", ""]
+    for tool in tools:
+        function = tool.get("function", tool)
+        description = function.get("description")
+        if description:
+            lines.append(f"// {description}")
+        parameters = function.get("parameters") or {}
+        properties: Mapping[str, Any] = parameters.get("properties") or {}
+        required = set(parameters.get("required") or ())
+        if properties:
+            lines.append(f"type {function['name']} = (_: {{")
+            for field, schema in properties.items():
+                if isinstance(schema, Mapping) and schema.get("description"):
+                    lines.append(f"// {schema['description']}")
+                optional = "" if field in required else "?"
+                field_type = _json_type(schema) if isinstance(schema, Mapping) else "any"
+                lines.append(f"{field}{optional}: {field_type},")
+            lines.append("}) => any;")
+        else:
+            lines.append(f"type {function['name']} = () => any;")
+        lines.append("")
+    lines.append("} // namespace functions")
+    return "\n".join(lines)
+
+
+class ChatTokenCounter:
+    """Counts prompts for one model: text, per-message framing, tool calls and tool schemas."""
+
+    def __init__(self, profile: ModelProfile, tokenizer: Tokenizer) -> None:
+        self.profile = profile
+        self.tokenizer = tokenizer
+
+    @property
+    def exact(self) -> bool:
+        """Whether counts are exact (False for estimated models)."""
+        return self.tokenizer.exact and self.profile.exact
+
+    def count_text(self, text: str) -> int:
+        """Tokens of plain text."""
+        return self.tokenizer.count(text)
+
+    def _chatml_render(self, message: Message) -> str:
+        body = message.content
+        if message.tool_calls:
+            calls = [
+                {"name": call.name, "arguments": call.arguments, "id": call.id}
+                for call in message.tool_calls
+            ]
+            body = (body + "\n" if body else "") + json.dumps(calls, ensure_ascii=False)
+        return f"<|im_start|>{message.role}\n{body}<|im_end|>\n"
+
+    def count_message(self, message: Message) -> int:
+        """Tokens one message costs in a prompt, framing included."""
+        if self.profile.chat_format == "chatml":
+            encode_template = getattr(self.tokenizer, "encode_template", None)
+            rendered = self._chatml_render(message)
+            if encode_template is not None:
+                return len(encode_template(rendered))
+            framing = self.tokenizer.count(f"<|im_start|>{message.role}\n") + 3
+            return framing + self.tokenizer.count(rendered)
+        tokens = _OPENAI_PER_MESSAGE + self.tokenizer.count(message.content)
+        if message.name:
+            tokens += _OPENAI_PER_NAME + self.tokenizer.count(message.name)
+        for call in message.tool_calls:
+            tokens += (
+                _OPENAI_PER_TOOL_CALL
+                + self.tokenizer.count(call.name)
+                + self.tokenizer.count(call.arguments)
+            )
+        return tokens
+
+    def count_messages(self, messages: Iterable[Message], *, prime_reply: bool = True) -> int:
+        """Tokens of a whole message list, including the reply priming."""
+        message_list = list(messages)
+        total = sum(self.count_message(message) for message in message_list)
+        if self.profile.chat_format == "chatml":
+            if not message_list or message_list[0].role != "system":
+                total += self.count_message(Message.system(_CHATML_DEFAULT_SYSTEM))
+            if prime_reply:
+                total += self._chatml_priming()
+            return total
+        return total + (_OPENAI_REPLY_PRIMING if prime_reply else 0)
+
+    def _chatml_priming(self) -> int:
+        encode_template = getattr(self.tokenizer, "encode_template", None)
+        if encode_template is not None:
+            return len(encode_template("<|im_start|>assistant\n"))
+        return self.tokenizer.count("assistant\n") + 1
+
+    def count_tools(self, tools: Sequence[Mapping[str, Any]]) -> int:
+        """Tokens the tool schemas add to a prompt (0 for none)."""
+        if not tools:
+            return 0
+        rendered = render_tools_for_counting(tools)
+        return self.tokenizer.count(rendered) + _OPENAI_TOOLS_FRAMING
+
+    def count_prompt(
+        self, messages: Iterable[Message], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> int:
+        """Tokens of a complete request: messages, framing, reply priming and tools."""
+        return self.count_messages(messages) + self.count_tools(tools)

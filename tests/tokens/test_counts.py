@@ -1,0 +1,141 @@
+"""Exact token counts, pinned. A change in any number means the tokenizer changed."""
+
+from __future__ import annotations
+
+import pytest
+
+from keel import Message, ToolCall
+from keel.errors import UnknownModelError
+from keel.tokens import count_tokens, counter_for, model_profile
+
+SAMPLES = {
+    "ascii": "Hello, world!",
+    "sentence": "The quick brown fox jumps over the lazy dog.",
+    "code": "def add(a: int, b: int) -> int:\n    return a + b\n",
+    "json": '{"origin": "LHR", "destination": "JFK", "passengers": 2, "dates": ["2026-12-01"]}',
+    "cjk": "你好，世界！今日は良い天気ですね。",
+    "emoji": "Booked ✈️ 🎉👍🏽",
+    "whitespace": "  leading and trailing  \n\n\ttabs",
+}
+
+PINNED = {
+    "cl100k_base": {
+        "ascii": 4,
+        "sentence": 10,
+        "code": 19,
+        "json": 32,
+        "cjk": 19,
+        "emoji": 14,
+        "whitespace": 7,
+    },
+    "o200k_base": {
+        "ascii": 4,
+        "sentence": 10,
+        "code": 19,
+        "json": 33,
+        "cjk": 11,
+        "emoji": 9,
+        "whitespace": 7,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "encoding"),
+    [("gpt-4", "cl100k_base"), ("gpt-3.5-turbo", "cl100k_base"), ("gpt-4o", "o200k_base")],
+)
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_openai_counts_are_pinned(model: str, encoding: str, sample: str) -> None:
+    result = count_tokens(SAMPLES[sample], model)
+    assert result.exact
+    assert result.encoding == encoding
+    assert result.tokens == PINNED[encoding][sample]
+
+
+def test_issue_example_hello_world_gpt4o() -> None:
+    result = count_tokens("Hello, world!", "gpt-4o")
+    assert result.model_dump() == {
+        "model": "gpt-4o",
+        "encoding": "o200k_base",
+        "tokens": 4,
+        "exact": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "encoding", "window"),
+    [
+        ("gpt-4o", "o200k_base", 128_000),
+        ("gpt-4o-mini", "o200k_base", 128_000),
+        ("gpt-4o-2024-08-06", "o200k_base", 128_000),
+        ("openai:gpt-4.1-mini", "o200k_base", 1_047_576),
+        ("o3-mini", "o200k_base", 200_000),
+        ("o1", "o200k_base", 200_000),
+        ("gpt-4", "cl100k_base", 8_192),
+        ("gpt-4-turbo-2024-04-09", "cl100k_base", 128_000),
+        ("gpt-35-turbo", "cl100k_base", 16_385),
+        ("openai-compatible:gpt-4o@http://127.0.0.1:8000/v1", "o200k_base", 128_000),
+        ("local:smollm2", "gguf:smollm2", 8_192),
+    ],
+)
+def test_model_table(name: str, encoding: str, window: int) -> None:
+    profile = model_profile(name)
+    assert (profile.encoding, profile.context_window, profile.exact) == (encoding, window, True)
+
+
+def test_unknown_model_is_an_error_unless_estimating() -> None:
+    with pytest.raises(UnknownModelError, match="no-such-model"):
+        count_tokens("hello", "no-such-model")
+    with pytest.raises(UnknownModelError):
+        model_profile("local:no-such-local")
+    estimate = count_tokens(SAMPLES["sentence"], "no-such-model", allow_estimate=True)
+    assert not estimate.exact
+    # 10 exact o200k tokens padded by the 1.25 safety factor, rounded up.
+    assert estimate.tokens == 13
+    assert "estimate" in estimate.encoding
+
+
+def test_openai_chat_overhead() -> None:
+    counter = counter_for("gpt-4o")
+    user = Message.user("Hello, world!")
+    assert counter.count_message(user) == 4 + 3
+    named = Message.user("Hello, world!", name="ada")
+    assert counter.count_message(named) == 4 + 3 + 1 + counter.count_text("ada")
+    # Two messages plus the 3 tokens that prime the reply.
+    assert counter.count_messages([Message.system("Be brief."), user]) == (
+        counter.count_text("Be brief.") + 3 + 7 + 3
+    )
+    call = ToolCall(id="c1", name="book", arguments='{"seat": "12A"}')
+    with_call = Message.assistant("", tool_calls=[call])
+    assert counter.count_message(with_call) > 3 + counter.count_text(call.arguments)
+
+
+def test_tool_schemas_cost_tokens_and_grow_with_fields() -> None:
+    counter = counter_for("gpt-4o")
+    small = {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Current time.", "parameters": {}},
+    }
+    big = {
+        "type": "function",
+        "function": {
+            "name": "book_flight",
+            "description": "Book a flight.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "origin": {"type": "string", "description": "IATA code"},
+                    "passengers": {"type": "integer"},
+                    "cabin": {"enum": ["economy", "business"]},
+                },
+                "required": ["origin"],
+            },
+        },
+    }
+    assert counter.count_tools([]) == 0
+    assert 0 < counter.count_tools([small]) < counter.count_tools([big])
+    assert counter.count_tools([small, big]) > counter.count_tools([big])
+    prompt = [Message.user("hi")]
+    assert counter.count_prompt(prompt, [big]) == counter.count_messages(prompt) + (
+        counter.count_tools([big])
+    )
