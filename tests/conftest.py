@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from keel.testing.servers import PostgresTestServer, postgres_server, redis_server
+
 
 @pytest.fixture(autouse=True)
 def _isolated_keel_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
@@ -20,3 +22,35 @@ def _isolated_keel_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     yield
+
+
+@pytest.fixture(scope="session")
+def postgres_test_server() -> Iterator[PostgresTestServer]:
+    """One real PostgreSQL 18 + pgvector server for the whole test session."""
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_test_server: PostgresTestServer) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+    with postgres_test_server.throwaway_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> Iterator[str]:
+    """One real redis-server for the whole test session."""
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def redis_url(redis_server_url: str) -> Iterator[str]:
+    """The session's Redis, emptied before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server_url)
+    client.flushall()
+    client.close()
+    yield redis_server_url

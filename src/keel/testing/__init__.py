@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from keel.models._scripted import ScriptedCall, ScriptedModel, ScriptedReply
+
+__all__ = ["ScriptedCall", "ScriptedModel", "ScriptedReply"]

@@ -54,9 +54,14 @@ def openai_encoding(name: str) -> OpenAIEncoding:
     """The exact tokenizer for ``cl100k_base`` or ``o200k_base`` (loaded once, then shared)."""
     if name not in OPENAI_ENCODINGS:
         raise UnknownModelError(name, f"known encodings: {', '.join(OPENAI_ENCODINGS)}")
-    import bpe_openai
+    import warnings
 
-    return OpenAIEncoding(name, bpe_openai.get_encoding(name))
+    with warnings.catch_warnings():
+        # bpe-openai reads its bundled vocabularies through a deprecated importlib API.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import bpe_openai
+
+        return OpenAIEncoding(name, bpe_openai.get_encoding(name))
 
 
 class EstimatingTokenizer:

@@ -1,0 +1,134 @@
+"""A deterministic model for tests and demos: replies come from a list or a function.
+
+Every call is recorded (messages, tools, options), so a test can assert exactly what the
+runtime sent. A scripted reply may be text, a Message, a Completion, an exception to raise,
+or a function of the call that returns any of those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from keel.errors import UsageError
+from keel.messages import Message, ToolCall, Usage
+from keel.models._base import ChatModel, Completion, ModelOptions, ToolSchema
+from keel.tokens import ChatTokenCounter, counter_for
+
+__all__ = ["ScriptedCall", "ScriptedModel", "ScriptedReply"]
+
+_call_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class ScriptedCall:
+    """What the scripted model received in one call."""
+
+    messages: tuple[Message, ...]
+    tools: tuple[ToolSchema, ...]
+    options: ModelOptions
+
+    @property
+    def last_user_text(self) -> str:
+        """The text of the newest user message, or ''."""
+        for message in reversed(self.messages):
+            if message.role == "user":
+                return message.content
+        return ""
+
+
+ScriptedReply = (
+    str | Message | Completion | BaseException | Callable[[ScriptedCall], "ScriptedReply"]
+)
+
+
+@dataclass
+class _Script:
+    replies: list[ScriptedReply] = field(default_factory=list)
+    position: int = 0
+
+
+class ScriptedModel(ChatModel):
+    """Answers from a script instead of a network or weights.
+
+    Args:
+        replies: replies in order, or one function called for every request.
+        model: whose window and tokenizer to report (default ``gpt-4o-mini``).
+        delay_s: sleep this long per call (to exercise timeouts).
+        repeat_last: when the list runs out, repeat its last reply instead of raising.
+    """
+
+    def __init__(
+        self,
+        replies: Iterable[ScriptedReply] | Callable[[ScriptedCall], ScriptedReply] = (),
+        *,
+        model: str = "gpt-4o-mini",
+        delay_s: float = 0.0,
+        repeat_last: bool = False,
+        counter: ChatTokenCounter | None = None,
+    ) -> None:
+        counter = counter or counter_for(model, allow_estimate=True)
+        super().__init__(f"scripted:{model}", counter.profile, counter)
+        self._policy: Callable[[ScriptedCall], ScriptedReply] | None = None
+        if callable(replies):
+            self._policy = replies
+            self._script = _Script()
+        else:
+            self._script = _Script(list(replies))
+        self.delay_s = delay_s
+        self.repeat_last = repeat_last
+        self.calls: list[ScriptedCall] = []
+
+    def _next_reply(self, call: ScriptedCall) -> ScriptedReply:
+        if self._policy is not None:
+            return self._policy(call)
+        script = self._script
+        if script.position >= len(script.replies):
+            if self.repeat_last and script.replies:
+                return script.replies[-1]
+            raise UsageError(f"scripted model ran out of replies after {script.position} calls")
+        reply = script.replies[script.position]
+        script.position += 1
+        return reply
+
+    async def _acomplete(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
+    ) -> Completion:
+        started = time.perf_counter()
+        call = ScriptedCall(tuple(messages), tuple(tools), options)
+        self.calls.append(call)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        reply = self._next_reply(call)
+        while callable(reply) and not isinstance(reply, BaseException):
+            reply = reply(call)
+        if isinstance(reply, BaseException):
+            raise reply
+        if isinstance(reply, Completion):
+            return reply
+        message = Message.assistant(reply) if isinstance(reply, str) else reply
+        usage = Usage(
+            prompt_tokens=self.counter.count_prompt(messages, tools),
+            completion_tokens=self.counter.count_message(message),
+        )
+        return Completion(
+            message=message,
+            finish_reason="tool_calls" if message.tool_calls else "stop",
+            usage=usage,
+            model=self.spec,
+            latency_ms=(time.perf_counter() - started) * 1000,
+            ttft_ms=(time.perf_counter() - started) * 1000,
+        )
+
+    @staticmethod
+    def tool_call(name: str, arguments: str = "{}", call_id: str | None = None) -> Message:
+        """An assistant message calling one tool; ids are ``call_1``, ``call_2``, ... by default."""
+        return Message.assistant(
+            "",
+            tool_calls=[
+                ToolCall(id=call_id or f"call_{next(_call_ids)}", name=name, arguments=arguments)
+            ],
+        )

