@@ -179,15 +179,20 @@ class SummaryPolicy(BaseModel):
     history holds more than ``max_turns`` turns, the oldest turns are folded into the running
     summary until it is back under ``target_ratio`` (and ``max_turns``), keeping at least
     ``keep_turns`` turns and the whole current turn raw.
+
+    The defaults (trigger 0.95, target 0.8) keep the window nearly full at all times, so the
+    prompt stays flat from turn to turn (within about 15% of the turns budget), while leaving
+    no gap between the summary and the window; each summarization folds about 15% of the
+    budget's worth of turns, so a model summarizer is called in useful batches.
     """
 
     model_config = _FROZEN
 
     trigger_ratio: float = Field(
-        default=0.8, gt=0.0, le=4.0, description="Summarize past this share of the turns budget."
+        default=0.95, gt=0.0, le=4.0, description="Summarize past this share of the turns budget."
     )
     target_ratio: float = Field(
-        default=0.5, gt=0.0, le=4.0, description="Summarize down to this share of it."
+        default=0.8, gt=0.0, le=4.0, description="Summarize down to this share of it."
     )
     max_turns: int | None = Field(
         default=None, ge=1, description="Also summarize when more turns than this are held."

@@ -47,13 +47,23 @@ class _Form:
 class Turn:
     """An atomic unit of history (see the module docstring); sizes are cached, never recounted."""
 
-    __slots__ = ("_hard", "forms", "pending", "pruned_total", "raw", "raw_total", "seq")
+    __slots__ = (
+        "_elided",
+        "_hard",
+        "forms",
+        "pending",
+        "pruned_total",
+        "raw",
+        "raw_total",
+        "seq",
+    )
 
     def __init__(self, seq: int) -> None:
         self.seq = seq
         self.raw: list[_Form] = []
         self.forms: list[_Form] = []  # pruned form (same object as raw when not pruned)
         self._hard: list[_Form] | None = None
+        self._elided: dict[tuple[int, int], _Form] = {}
         self.pending: set[str] = set()
         self.raw_total = 0
         self.pruned_total = 0
@@ -84,6 +94,17 @@ class Turn:
                 for form in self.raw
             ]
         return self._hard
+
+    def elided_form(self, conversation: Conversation, position: int, target: int) -> _Form:
+        """Message ``position`` with its middle elided to ``target`` content tokens (cached)."""
+        key = (position, target)
+        form = self._elided.get(key)
+        if form is None:
+            if len(self._elided) >= 8:
+                self._elided.clear()
+            form = conversation._cut_form(self.raw[position], target, "elided")
+            self._elided[key] = form
+        return form
 
     def __repr__(self) -> str:
         roles = ",".join(form.message.role for form in self.raw)
@@ -279,17 +300,31 @@ class Conversation:
         return _Form(message, tokens, max(0, tokens - framing), "")
 
     def _pruned_form(self, form: _Form, limit: int, how: str) -> _Form:
+        """``form`` with its content cut to ``limit`` tokens (itself when it is not larger)."""
         if form.content_tokens <= limit:
             return form
+        return self._cut_form(form, limit, how)
+
+    def _cut_form(self, form: _Form, target: int, how: str) -> _Form:
+        """The raw ``form`` with its content's middle cut to ``target`` tokens, marker stated."""
         message = form.message
         original = form.content_tokens
-        text = cut_middle(
-            self.counter.tokenizer, message.content, limit, original_tokens=original, kind="prune"
+        text, content_tokens = cut_middle(
+            self.counter.tokenizer,
+            message.content,
+            target,
+            original_tokens=original,
+            kind="prune" if how.startswith("pruned") else "elide",
         )
         metadata = {**message.metadata, "keel_cut": {"how": how, "original_tokens": original}}
         cut = message.model_copy(update={"content": text, "metadata": metadata})
-        tokens = self.counter.count_message(cut)
-        return _Form(cut, tokens, max(0, tokens - (form.tokens - original)), how)
+        framing = form.tokens - original
+        if self.counter.profile.chat_format == "openai":
+            # OpenAI framing is additive: the message costs its framing plus its content.
+            tokens = framing + content_tokens
+        else:
+            tokens = self.counter.count_message(cut)
+        return _Form(cut, tokens, max(0, tokens - framing), how)
 
     # --- summarizing -------------------------------------------------------------------
 
@@ -366,14 +401,13 @@ class Conversation:
                 )
                 summary_tokens = self.counter.count_text(summary)
                 if summary_tokens > self.summary_cap:
-                    summary = cut_middle(
+                    summary, summary_tokens = cut_middle(
                         self.counter.tokenizer,
                         summary,
                         self.summary_cap,
                         original_tokens=summary_tokens,
                         kind="elide",
                     )
-                    summary_tokens = self.counter.count_text(summary)
             if not summary.strip() and self._summary.strip():
                 raise ValueError("the summarizer returned an empty summary")
             if self.memory_sink is not None:

@@ -74,6 +74,7 @@ MEMORIES_HEADING = "Relevant memories (from earlier sessions, most relevant firs
 SUMMARY_HEADING = "Summary of the earlier conversation (older turns, condensed):"
 RULES_HEADING = "Operating rules (follow them in your next answer):"
 _BLOCK_CACHE_SIZE = 512
+_QUANTUM = 256
 
 
 def render_prompt(messages: Sequence[Message]) -> str:
@@ -361,7 +362,7 @@ class _Compilation:
         self.summary_cut: PrunedOutput | None = None
         cap = self.budget.summary_cap
         if self.summary_msg is not None and conv.summary_tokens > cap:
-            shorter = cut_middle(
+            shorter, shorter_t = cut_middle(
                 engine.counter.tokenizer,
                 conv.summary,
                 cap,
@@ -374,7 +375,7 @@ class _Compilation:
                 role="system",
                 tool_call_id=None,
                 original_tokens=conv.summary_tokens,
-                kept_tokens=engine.counter.count_text(shorter),
+                kept_tokens=shorter_t,
                 how="elided",
                 original=conv.summary,
             )
@@ -435,29 +436,17 @@ class _Compilation:
 
     def _elide(self, entry: _Entry, position: int, target: int) -> int:
         """Elide message ``position`` of ``entry`` to ``target`` content tokens; tokens saved."""
-        engine = self.engine
         current = entry.forms[position]
-        raw = entry.turn.raw[position]
-        framing = raw.tokens - raw.content_tokens
+        if target > _QUANTUM * 8:
+            # Coarse targets let consecutive prompts reuse one cached elision of a big message.
+            target -= target % _QUANTUM
         if target >= current.content_tokens:
             return 0
-        text = cut_middle(
-            engine.counter.tokenizer,
-            raw.message.content,
-            target,
-            original_tokens=raw.content_tokens,
-            kind="elide",
-        )
-        metadata = {
-            **raw.message.metadata,
-            "keel_cut": {"how": "elided", "original_tokens": raw.content_tokens},
-        }
-        message = raw.message.model_copy(update={"content": text, "metadata": metadata})
-        tokens = engine.counter.count_message(message)
-        if tokens >= current.tokens:
+        form = entry.turn.elided_form(self.conv, position, target)
+        if form.tokens >= current.tokens:
             return 0
-        entry.forms[position] = _Form(message, tokens, max(0, tokens - framing), "elided")
-        saved = current.tokens - tokens
+        entry.forms[position] = form
+        saved = current.tokens - form.tokens
         self.turns_t -= saved
         entry.tokens -= saved
         return saved
@@ -539,7 +528,7 @@ class _Compilation:
                 self.summary_msg, self.summary_t = None, 0
                 detail = "summary dropped: too little of it would fit"
             else:
-                shorter = cut_middle(
+                shorter, _ = cut_middle(
                     engine.counter.tokenizer,
                     self.summary_msg.content,
                     target,
@@ -634,8 +623,9 @@ class _Compilation:
             for position, form in enumerate(entry.forms):
                 if form.how:
                     raw = entry.turn.raw[position]
+                    # model_construct: the values are built here, validation would only cost.
                     pruned.append(
-                        PrunedOutput(
+                        PrunedOutput.model_construct(
                             message_index=len(messages),
                             role=raw.message.role,
                             tool_call_id=raw.message.tool_call_id,
@@ -669,7 +659,7 @@ class _Compilation:
             )
         budget = self.budget
         engine = self.engine
-        report = BudgetReport(
+        report = BudgetReport.model_construct(
             model=engine.model,
             exact=engine.counter.exact,
             window=budget.window,
@@ -677,7 +667,7 @@ class _Compilation:
             reserve=budget.reserve,
             limit=budget.limit,
             prompt_tokens=self.total,
-            sections=SectionTokens(
+            sections=SectionTokens.model_construct(
                 system=self.system_t,
                 memories=self.memories_t,
                 summary=self.summary_t,

@@ -271,7 +271,7 @@ class ModelSummarizer:
             content = message.content
             size = tokenizer.count(content)
             if size > self.tool_output_tokens:
-                content = cut_middle(
+                content, _ = cut_middle(
                     tokenizer, content, self.tool_output_tokens, original_tokens=size
                 )
             return f"[tool result {message.name or message.tool_call_id}] {content}"

@@ -13,47 +13,63 @@ __all__ = ["cut_middle", "elision_marker", "head_tokens", "pruning_marker", "tai
 _CHARS_PER_TOKEN_GUESS = 6
 
 
-def head_tokens(tokenizer: Tokenizer, text: str, count: int) -> str:
-    """The text of (at most) the first ``count`` tokens of ``text``."""
-    if count <= 0 or not text:
-        return ""
+def _head_ids(tokenizer: Tokenizer, text: str, count: int) -> list[int]:
     chars = count * _CHARS_PER_TOKEN_GUESS
     while True:
         ids = tokenizer.encode(text[:chars])
         if len(ids) > count or chars >= len(text):
-            break
+            return ids[:count]
         chars *= 2
-    return tokenizer.decode(ids[:count]).rstrip("\ufffd")
+
+
+def _tail_ids(tokenizer: Tokenizer, text: str, count: int) -> list[int]:
+    chars = count * _CHARS_PER_TOKEN_GUESS
+    while True:
+        ids = tokenizer.encode(text[-chars:])
+        if len(ids) > count or chars >= len(text):
+            return ids[-count:] if count else []
+        chars *= 2
+
+
+def head_tokens(tokenizer: Tokenizer, text: str, count: int) -> str:
+    """The text of (at most) the first ``count`` tokens of ``text``."""
+    if count <= 0 or not text:
+        return ""
+    return tokenizer.decode(_head_ids(tokenizer, text, count)).rstrip("\ufffd")
 
 
 def tail_tokens(tokenizer: Tokenizer, text: str, count: int) -> str:
     """The text of (at most) the last ``count`` tokens of ``text``."""
     if count <= 0 or not text:
         return ""
-    chars = count * _CHARS_PER_TOKEN_GUESS
-    while True:
-        ids = tokenizer.encode(text[-chars:])
-        if len(ids) > count or chars >= len(text):
-            break
-        chars *= 2
     # The first kept token may start inside a word; that is fine for a tail.
-    return tokenizer.decode(ids[-count:]).lstrip("\ufffd")
+    return tokenizer.decode(_tail_ids(tokenizer, text, count)).lstrip("\ufffd")
 
 
-def pruning_marker(original_tokens: int, kept_tokens: int) -> str:
-    """The marker left in a pruned tool result."""
+def pruning_marker(original_tokens: int) -> str:
+    """The marker left in a pruned tool result; it states the original size."""
     return (
-        f"\n[... {original_tokens - kept_tokens} of {original_tokens} tokens of tool output "
-        "pruned; the full output is in the trace ...]\n"
+        f"\n[... tool output pruned: the original had {original_tokens} tokens; its head and "
+        "tail are kept, the full output is in the trace ...]\n"
     )
 
 
-def elision_marker(original_tokens: int, kept_tokens: int) -> str:
+def elision_marker(original_tokens: int) -> str:
     """The marker left in a message whose middle was elided to fit the window."""
     return (
-        f"\n[... {original_tokens - kept_tokens} of {original_tokens} tokens elided to fit "
-        "the context window ...]\n"
+        f"\n[... middle elided to fit the context window: the original had {original_tokens} "
+        "tokens ...]\n"
     )
+
+
+def _snap_head(text: str, end: int) -> int:
+    cut = text.rfind(" ", max(0, end - 40), end)
+    return cut if cut > 0 else end
+
+
+def _snap_tail(text: str, start: int) -> int:
+    cut = text.find(" ", start, start + 40)
+    return cut if cut > 0 else start
 
 
 def cut_middle(
@@ -63,28 +79,34 @@ def cut_middle(
     *,
     original_tokens: int,
     kind: str = "prune",
-) -> str:
-    """``text`` cut to at most ``target_tokens`` tokens: head, marker, tail.
+) -> tuple[str, int]:
+    """``text`` cut to at most ``target_tokens`` tokens (head, marker, tail) and its size.
 
-    The marker states ``original_tokens``. The result is verified by an exact count (token
-    merges across the cut points can shift a count by one), so the bound always holds; when
-    the target cannot even hold the marker, the result is the marker's head, cut to size.
+    Two thirds of what is kept comes from the head, one third from the tail; the marker
+    states ``original_tokens``. Cut points are placed by characters (from the text's own
+    characters-per-token ratio, snapped to a space) and the result is verified by one exact
+    count, shrinking and retrying if it came out too large, so the bound always holds and
+    the cost is one count of the kept part, never of the whole text or a decode. When the
+    target cannot even hold the marker, the result is the marker's beginning, cut to size.
     """
     if original_tokens <= target_tokens:
-        return text
-    make_marker = pruning_marker if kind == "prune" else elision_marker
-    keep = target_tokens
+        return text, original_tokens
+    marker = (pruning_marker if kind == "prune" else elision_marker)(original_tokens)
+    marker_tokens = tokenizer.count(marker)
+    budget = target_tokens - marker_tokens - 2
+    chars_per_token = len(text) / max(1, original_tokens)
     for _ in range(8):
-        marker_tokens = tokenizer.count(make_marker(original_tokens, keep))
-        budget = max(0, keep - marker_tokens - 2)
-        head = head_tokens(tokenizer, text, budget - budget // 3)
-        tail = tail_tokens(tokenizer, text, budget // 3)
-        kept = tokenizer.count(head) + tokenizer.count(tail)
-        result = head + make_marker(original_tokens, kept) + tail
+        if budget <= 0:
+            break
+        head_chars = int(budget * 2 / 3 * chars_per_token)
+        tail_chars = int(budget / 3 * chars_per_token)
+        head_end = _snap_head(text, head_chars)
+        tail_start = _snap_tail(text, max(head_end, len(text) - tail_chars))
+        result = text[:head_end].rstrip() + marker + text[tail_start:].lstrip()
         size = tokenizer.count(result)
         if size <= target_tokens:
-            return result
-        keep -= size - target_tokens + 1
-        if keep <= 0:
-            break
-    return head_tokens(tokenizer, make_marker(original_tokens, 0).strip(), target_tokens)
+            return result, size
+        # Shrink in proportion to the overshoot, and a little more to converge fast.
+        budget = int(budget * (target_tokens - marker_tokens) / (size - marker_tokens)) - 4
+    short = head_tokens(tokenizer, marker.strip(), target_tokens)
+    return short, tokenizer.count(short)
