@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["Conversation", "SummaryOutcome", "Turn"]
 
 
+_CutHow = Literal["pruned", "pruned_hard", "elided"]
+
+
 @dataclass(frozen=True, slots=True)
 class _Form:
     """One way of sending a message: the message itself and its exact token cost."""
@@ -41,7 +44,7 @@ class _Form:
     message: Message
     tokens: int
     content_tokens: int
-    how: str  # "", "pruned", "pruned_hard", "elided"
+    how: _CutHow | None
 
 
 class Turn:
@@ -297,15 +300,15 @@ class Conversation:
             if message.content
             else tokens
         )
-        return _Form(message, tokens, max(0, tokens - framing), "")
+        return _Form(message, tokens, max(0, tokens - framing), None)
 
-    def _pruned_form(self, form: _Form, limit: int, how: str) -> _Form:
+    def _pruned_form(self, form: _Form, limit: int, how: _CutHow) -> _Form:
         """``form`` with its content cut to ``limit`` tokens (itself when it is not larger)."""
         if form.content_tokens <= limit:
             return form
         return self._cut_form(form, limit, how)
 
-    def _cut_form(self, form: _Form, target: int, how: str) -> _Form:
+    def _cut_form(self, form: _Form, target: int, how: _CutHow) -> _Form:
         """The raw ``form`` with its content's middle cut to ``target`` tokens, marker stated."""
         message = form.message
         original = form.content_tokens

@@ -27,8 +27,10 @@ one recorded in the :class:`BudgetReport`:
    (steps 3 and 4 could not make it fit whole anyway, only smaller).
 1. ``prune_tools_harder``: tool results outside the current turn are cut to
    ``PruningPolicy.hard_max_tokens`` (oldest first).
-2. ``shrink_window``: the oldest turns are dropped, down to the floor
-   (``SummaryPolicy.keep_turns`` newest turns, and always the whole current turn).
+2. (shrink the window) happens in the windowing itself: turns are taken newest first while
+   they fit, so when the prompt overflows the window already holds only its floor
+   (``SummaryPolicy.keep_turns`` newest turns and always the whole current turn); the turns
+   left out are listed under ``dropped`` in the report, not as a degradation.
 3. ``drop_memories``: memories are dropped, lowest-ranked first.
 4. ``shorten_summary``: the summary's middle is elided (dropped when too little would stay).
 5. ``elide_messages``: the middle of the largest messages (any of them, the newest user
@@ -503,14 +505,6 @@ class _Compilation:
             f"tool results of {touched} turns cut to {engine.pruning.hard_max_tokens} tokens",
         )
 
-        # 2. shrink the window down to the floor
-        before, dropped = self.total, 0
-        while self.total > limit and self.plan and self.plan[0].index < self.must_start:
-            entry = self.plan.pop(0)
-            self.turns_t -= entry.tokens
-            dropped += 1
-        self._step("shrink_window", before, f"{dropped} oldest turns dropped (floor kept)")
-
         # 3. drop memories, lowest-ranked first
         before, dropped = self.total, 0
         while self.total > limit and self.kept_memories:
@@ -542,21 +536,27 @@ class _Compilation:
         # 5. elide the middle of the largest messages
         if self.total > limit:
             before, count = self.total, 0
-            candidates = [
-                (entry.turn.raw[position].content_tokens, entry, position)
-                for entry in self.plan
-                for position in range(len(entry.forms))
-            ]
-            candidates.sort(key=lambda item: item[0], reverse=True)
             floor = engine.pruning.min_elided_tokens
-            for content_t, entry, position in candidates:
-                over = self.total - limit
-                if over <= 0 or content_t <= floor:
-                    break
-                current = entry.forms[position]
-                target = max(floor, current.content_tokens - over)
-                if self._elide(entry, position, target):
-                    count += 1
+            progress = True
+            while progress and self.total > limit:
+                # Largest first; repeated passes because a marker can eat part of a cut.
+                progress = False
+                candidates = sorted(
+                    (
+                        (entry.forms[position].content_tokens, entry, position)
+                        for entry in self.plan
+                        for position in range(len(entry.forms))
+                    ),
+                    key=lambda item: item[0],
+                    reverse=True,
+                )
+                for content_t, entry, position in candidates:
+                    over = self.total - limit
+                    if over <= 0 or content_t <= floor:
+                        break
+                    if self._elide(entry, position, max(floor, content_t - over)):
+                        count += 1
+                        progress = True
             self._step("elide_messages", before, f"middle of {count} messages elided")
 
         # 6. below the floor: oldest turns first, never the newest user message
@@ -621,7 +621,7 @@ class _Compilation:
             kept_raw += entry.turn.raw_total
             kept_messages += len(entry.forms)
             for position, form in enumerate(entry.forms):
-                if form.how:
+                if form.how is not None:
                     raw = entry.turn.raw[position]
                     # model_construct: the values are built here, validation would only cost.
                     pruned.append(
