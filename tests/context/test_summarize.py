@@ -15,6 +15,7 @@ from keel.context import (
     ModelSummarizer,
     SummaryPolicy,
     SummaryRequest,
+    summarizer_for,
 )
 from keel.errors import ModelUnavailableError
 from keel.messages import Message, ToolCall
@@ -223,3 +224,10 @@ def test_compiled_summary_respects_its_cap(summary_cap: int) -> None:
     conversation = engine.conversation("s", conversation_messages() * 1)
     conversation.summarize(force=True)
     assert 0 < conversation.summary_tokens <= summary_cap
+
+
+def test_default_summarizer_follows_the_configured_model() -> None:
+    assert isinstance(summarizer_for(None), ExtractiveSummarizer)
+    assert isinstance(summarizer_for(ScriptedModel(model="gpt-4")), ExtractiveSummarizer)  # 8k
+    chosen = summarizer_for(ScriptedModel(model="gpt-4o"))
+    assert isinstance(chosen, ModelSummarizer) and chosen.model.profile.name == "gpt-4o"

@@ -18,7 +18,16 @@ from keel.messages import Message
 from keel.models import ChatModel, ModelOptions
 from keel.tokens import ChatTokenCounter
 
-__all__ = ["ExtractiveSummarizer", "ModelSummarizer", "Summarizer", "SummaryRequest"]
+__all__ = [
+    "ExtractiveSummarizer",
+    "ModelSummarizer",
+    "Summarizer",
+    "SummaryRequest",
+    "summarizer_for",
+]
+
+SMALL_MODEL_WINDOW = 16_384
+"""Models with a window up to this size summarize extractively by default (see summarizer_for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,3 +358,18 @@ class ModelSummarizer:
             )
             summary = await self._ask(instructions, body, cap)
         return summary
+
+
+def summarizer_for(model: ChatModel | None) -> Summarizer:
+    """The default summarizer for an agent whose configured model is ``model``.
+
+    Extractive (no model call) when there is no model, or when it is a small local model
+    (the bundled SmolLM2, or any window of at most ``SMALL_MODEL_WINDOW`` tokens): such a
+    model's summaries lose more than they keep, and the call would compete with the agent's
+    own turns for the one local model. Otherwise a :class:`ModelSummarizer` on that model.
+    """
+    if model is None:
+        return ExtractiveSummarizer()
+    if model.spec.startswith("local:") or model.profile.context_window <= SMALL_MODEL_WINDOW:
+        return ExtractiveSummarizer()
+    return ModelSummarizer(model)
