@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from keel.context import ContextBudget, ContextEngine, ContextMemory, PruningPolicy
+from keel.context import (
+    ContextBudget,
+    ContextEngine,
+    ContextMemory,
+    ExtractiveSummarizer,
+    PruningPolicy,
+    SummaryPolicy,
+    SummaryRequest,
+)
 from keel.errors import ContextOverflowError
 from keel.messages import Message, ToolCall
 from tests.context._helpers import check_invariants, text_of
@@ -167,3 +176,64 @@ def test_invariants_hold_for_random_conversations(
         == report.prompt_tokens
     )
     assert sections.memories <= report.memories_cap + 50  # framing and heading aside
+
+
+class FlakySummarizer:
+    """The extractive summarizer, failing on the calls the test chooses."""
+
+    def __init__(self, failures: list[bool]) -> None:
+        self.failures = failures
+        self.calls = 0
+        self.inner = ExtractiveSummarizer()
+
+    async def summarize(self, request: SummaryRequest) -> str:
+        fail = self.failures[self.calls % len(self.failures)] if self.failures else False
+        self.calls += 1
+        if fail:
+            raise RuntimeError("summarizer failed")
+        return await self.inner.summarize(request)
+
+
+class ArchiveSink:
+    def __init__(self) -> None:
+        self.evicted: list[Message] = []
+
+    async def archive(self, session_id: str, evicted: Sequence[Message], summary: str) -> None:
+        self.evicted.extend(evicted)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    window=st.integers(2_000, 20_000),
+    specs=st.lists(turn_specs, min_size=1, max_size=25),
+    failures=st.lists(st.booleans(), max_size=4),
+    seed=st.integers(0, 1_000),
+)
+def test_summarizing_loses_nothing_and_keeps_tool_turns_whole(
+    window: int, specs: list[TurnSpec], failures: list[bool], seed: int
+) -> None:
+    sink = ArchiveSink()
+    engine = ContextEngine(
+        "gpt-4o",
+        budget=ContextBudget(window=window),
+        summarizer=FlakySummarizer(failures),
+        summary=SummaryPolicy(keep_turns=2),
+        memory_sink=sink,
+    )
+    conversation = engine.conversation("prop")
+    added: list[Message] = []
+    for message in build_history(specs, window, seed):
+        conversation.add(message)
+        added.append(message)
+        if message.role != "tool" and not message.tool_calls:
+            prompt = engine.compile(conversation, system="S", rules="R")
+            check_invariants(engine, prompt, added, has_rules=True)
+            conversation.summarize()
+    conversation.summarize(force=True)
+    event(f"turns summarized: {min(conversation.turns_summarized, 3)}+")
+    # Every message is either archived (with its whole turn) or still held, in order.
+    assert sink.evicted + conversation.messages == added
+    calls = {call.id for m in sink.evicted for call in m.tool_calls}
+    results = {m.tool_call_id for m in sink.evicted if m.role == "tool"}
+    assert calls == results
+    assert conversation.summary_tokens <= engine.budget.summary_cap
