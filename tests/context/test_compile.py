@@ -287,3 +287,32 @@ def test_smallest_window_keeps_the_floor_and_current_turn() -> None:
     check_invariants(engine, prompt, history, has_rules=True)
     ids = [m.tool_call_id for m in prompt.messages if m.role == "tool"]
     assert ids == ["c1", "c2"]
+
+
+def test_extra_headroom_tightens_the_limit_for_a_retry() -> None:
+    engine = ContextEngine("gpt-4o", budget=ContextBudget(window=4_000))
+    history = [Message.user(text_of(3_400))]
+    normal = engine.compile(history, system="S")
+    tighter = engine.compile(history, system="S", extra_headroom=500)
+    assert tighter.report.limit == normal.report.limit - 500
+    assert tighter.tokens <= tighter.report.limit < normal.tokens
+    with pytest.raises(UsageError):
+        engine.compile(history, system="S", extra_headroom=-1)
+
+
+def test_a_stored_session_resumes_with_its_summary() -> None:
+    engine = ContextEngine("gpt-4o")
+    first = engine.conversation("s", [Message.user(f"My code is {n}.") for n in range(8)])
+    first.summarize(force=True)
+    resumed = engine.conversation(
+        "s",
+        first.messages,
+        summary=first.summary,
+        turns_summarized=first.turns_summarized,
+    )
+    assert resumed.summary == first.summary and resumed.summary_tokens == first.summary_tokens
+    assert resumed.turns_summarized == first.turns_summarized == 5
+    assert resumed.raw_tokens == first.raw_tokens
+    prompt = engine.compile(resumed, system="S")
+    assert "My code is 0." in prompt.messages[1].content
+    assert prompt.report.turns_summarized == 5

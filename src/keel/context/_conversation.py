@@ -329,6 +329,12 @@ class Conversation:
             tokens = self.counter.count_message(cut)
         return _Form(cut, tokens, max(0, tokens - framing), how)
 
+    def _restore_summary(self, summary: str, turns_summarized: int) -> None:
+        """Set the running summary of a resumed session (before any message is added)."""
+        self._summary = summary
+        self._summary_tokens = self.counter.count_text(summary)
+        self._turns_summarized = turns_summarized
+
     # --- summarizing -------------------------------------------------------------------
 
     def _evictable_count(self) -> int:

@@ -63,7 +63,7 @@ from keel.context._report import (
 )
 from keel.context._summarize import ExtractiveSummarizer, Summarizer
 from keel.context._text import cut_middle
-from keel.errors import ContextOverflowError
+from keel.errors import ContextOverflowError, UsageError
 from keel.messages import Message
 from keel.models import ChatModel
 from keel.tokens import ChatTokenCounter, counter_for
@@ -204,9 +204,19 @@ class ContextEngine:
         return self.counter.profile.name
 
     def conversation(
-        self, session_id: str = "default", messages: Sequence[Message] = ()
+        self,
+        session_id: str = "default",
+        messages: Sequence[Message] = (),
+        *,
+        summary: str = "",
+        turns_summarized: int = 0,
     ) -> Conversation:
-        """A new, incremental conversation bound to this engine's counter and policies."""
+        """A new, incremental conversation bound to this engine's counter and policies.
+
+        To resume a stored session, pass the raw ``messages`` it still held and its running
+        ``summary`` (both read from :class:`Conversation` when it was saved); each message
+        is counted once here, then never again.
+        """
         conversation = Conversation(
             session_id,
             self.counter,
@@ -217,6 +227,8 @@ class ContextEngine:
             turns_budget=self.budget.limit - self.budget.summary_cap,
             memory_sink=self.memory_sink,
         )
+        if summary:
+            conversation._restore_summary(summary, turns_summarized)
         conversation.extend(messages)
         return conversation
 
@@ -264,6 +276,7 @@ class ContextEngine:
         rules: str | Sequence[str] = (),
         memories: Sequence[str | ContextMemory] = (),
         tools: Sequence[ToolSchema] = (),
+        extra_headroom: int = 0,
     ) -> CompiledPrompt:
         """Compile the prompt for the next model call.
 
@@ -275,6 +288,9 @@ class ContextEngine:
                 instructions): one text or one item per rule.
             memories: retrieved memories, ranked by score or by their order.
             tools: tool schemas in the OpenAI format, counted as the model sees them.
+            extra_headroom: tokens to leave free beyond the answer reserve, e.g. to retry
+                once with a smaller prompt after a provider answered that it was too long
+                (its tokenizer disagreeing with the catalogue).
 
         Raises:
             ContextOverflowError: the system prompt, rules, tool schemas and the newest user
@@ -284,7 +300,8 @@ class ContextEngine:
         conversation = (
             history if isinstance(history, Conversation) else self.conversation("adhoc", history)
         )
-        return _Compilation(self, conversation, system, rules, memories, tuple(tools)).run()
+        compilation = _Compilation(self, conversation, system, rules, memories, tuple(tools))
+        return compilation.run(extra_headroom)
 
 
 class _Compilation:
@@ -585,11 +602,13 @@ class _Compilation:
                 limit=limit,
             )
 
-    def run(self) -> CompiledPrompt:
+    def run(self, extra_headroom: int = 0) -> CompiledPrompt:
         engine = self.engine
         budget = self.budget
         self._check_caps()
-        self.limit = budget.limit
+        if extra_headroom < 0:
+            raise UsageError("extra_headroom must not be negative")
+        self.limit = budget.limit - extra_headroom
         self.fixed = self.system_t + self.rules_t + self.tools_t + engine._priming
         self._fit_memories()
         self._fit_summary()
@@ -665,7 +684,7 @@ class _Compilation:
             window=budget.window,
             effective_window=budget.effective_window,
             reserve=budget.reserve,
-            limit=budget.limit,
+            limit=self.limit,
             prompt_tokens=self.total,
             sections=SectionTokens.model_construct(
                 system=self.system_t,
