@@ -66,7 +66,7 @@ class Turn:
         self.raw: list[_Form] = []
         self.forms: list[_Form] = []  # pruned form (same object as raw when not pruned)
         self._hard: list[_Form] | None = None
-        self._elided: dict[tuple[int, int], _Form] = {}
+        self._elided: dict[tuple[int, int, str], _Form] = {}
         self.pending: set[str] = set()
         self.raw_total = 0
         self.pruned_total = 0
@@ -98,14 +98,16 @@ class Turn:
             ]
         return self._hard
 
-    def elided_form(self, conversation: Conversation, position: int, target: int) -> _Form:
-        """Message ``position`` with its middle elided to ``target`` content tokens (cached)."""
-        key = (position, target)
+    def cut_form(
+        self, conversation: Conversation, position: int, target: int, how: _CutHow = "elided"
+    ) -> _Form:
+        """Message ``position`` with its middle cut to ``target`` content tokens (cached)."""
+        key = (position, target, how)
         form = self._elided.get(key)
         if form is None:
             if len(self._elided) >= 8:
                 self._elided.clear()
-            form = conversation._cut_form(self.raw[position], target, "elided")
+            form = conversation._cut_form(self.raw[position], target, how)
             self._elided[key] = form
         return form
 
@@ -174,6 +176,8 @@ class Conversation:
         self._turns_summarized = 0
         self._messages_summarized = 0
         self._summarizing = False
+        self._window_start_seq = 0  # oldest turn in the last compiled window
+        self.summarize_outside_window = summary_policy.summarize_outside_window
 
     # --- reading -----------------------------------------------------------------------
 
@@ -225,6 +229,10 @@ class Conversation:
         if policy.max_turns is not None and len(self._turns) > policy.max_turns:
             return bool(self._evictable_count())
         if self._pruned_total > policy.trigger_ratio * self.turns_budget:
+            return bool(self._evictable_count())
+        outside = bool(self._turns) and self._turns[0].seq < self._window_start_seq
+        if self.summarize_outside_window and outside:
+            # The last prompt left turns out that no summary covers yet: fold them in.
             return bool(self._evictable_count())
         return False
 
@@ -357,7 +365,8 @@ class Conversation:
         for turn in self._turns[:evictable]:
             over_tokens = remaining > target
             over_turns = policy.max_turns is not None and count > policy.max_turns
-            if not (over_tokens or over_turns or force):
+            outside = self.summarize_outside_window and turn.seq < self._window_start_seq
+            if not (over_tokens or over_turns or outside or force):
                 break
             chosen.append(turn)
             remaining -= turn.pruned_total

@@ -20,6 +20,11 @@ Degradation: when the preflight count (exact: messages, framing, reply priming a
 schemas) exceeds the prompt limit, these steps are tried in this order until it fits, each
 one recorded in the :class:`BudgetReport`:
 
+Before any of them, as plain policy (not degradation): older tool results are pruned to
+``PruningPolicy.max_tokens``, and a recent one larger than ``PruningPolicy.recent_share`` of
+the recent-turns budget is cut to that share, so one giant output leaves room for the rest
+of the conversation.
+
 0. ``elide_oversized``: a message that alone is larger than the whole recent-turns budget
    (what system, rules, tools, memories and summary leave) can never be sent whole, so its
    middle is elided at once, to the share of that budget the other kept turns leave. Doing
@@ -411,6 +416,7 @@ class _Compilation:
         must_start = floor_start if newest_user is None else min(floor_start, newest_user)
         self.must_start = must_start
         room = self.limit - self.fixed - self.memories_t - self.summary_t
+        share_cap = int(room * self.engine.pruning.recent_share)
         plan: list[_Entry] = []
         used = 0
         position = 0  # history messages newer than the current one
@@ -430,6 +436,8 @@ class _Compilation:
                 split = size - (keep_recent - position)
                 forms = turn.forms[:split] + turn.raw[split:]
                 tokens = sum(form.tokens for form in forms)
+            if position < keep_recent:
+                forms, tokens = self._cap_recent_tools(turn, forms, tokens, share_cap)
             if index < must_start and used + tokens > room:
                 # A turn still in the recent zone may fit with its tool output pruned, as it
                 # would be a few messages later; only a turn that cannot fit even so ends it.
@@ -443,6 +451,22 @@ class _Compilation:
         plan.reverse()
         self.plan = plan
         self.turns_t = used
+
+    def _cap_recent_tools(
+        self, turn: Turn, forms: list[_Form], tokens: int, cap: int
+    ) -> tuple[list[_Form], int]:
+        """Recent tool results larger than their share of the turns budget, cut to it."""
+        if turn.raw_total <= cap or not turn.raw[0].message.tool_calls:
+            return forms, tokens
+        capped = list(forms)
+        for position, form in enumerate(forms):
+            if form.message.role == "tool" and form.tokens > cap:
+                framing = form.tokens - form.content_tokens
+                target = max(self.engine.pruning.max_tokens, cap - framing)
+                if target > _QUANTUM * 8:
+                    target -= target % _QUANTUM
+                capped[position] = turn.cut_form(self.conv, position, target, "pruned")
+        return capped, sum(form.tokens for form in capped)
 
     @property
     def total(self) -> int:
@@ -461,7 +485,7 @@ class _Compilation:
             target -= target % _QUANTUM
         if target >= current.content_tokens:
             return 0
-        form = entry.turn.elided_form(self.conv, position, target)
+        form = entry.turn.cut_form(self.conv, position, target)
         if form.tokens >= current.tokens:
             return 0
         entry.forms[position] = form
@@ -657,6 +681,10 @@ class _Compilation:
                 messages.append(form.message)
         if self.rules_msg is not None and not rules_placed:
             messages.append(self.rules_msg)
+        if self.plan:
+            conv._window_start_seq = self.plan[0].turn.seq
+        elif conv._turns:
+            conv._window_start_seq = conv._turns[-1].seq
         outside = len(conv._turns) - len(self.plan) - (1 if self.left_open else 0)
         if outside > 0:
             self.dropped.append(
