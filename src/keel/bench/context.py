@@ -328,6 +328,7 @@ def run_context_benchmark(
     ingest_ms = 0.0
     compiles = 0
     tool_sizes: list[int] = []
+    outside: list[int] = []
 
     def model_call(first: bool) -> None:
         nonlocal violations, max_prompt, degraded, compiles
@@ -347,6 +348,8 @@ def run_context_benchmark(
                 violation_examples.append("; ".join(problems))
         max_prompt = max(max_prompt, exact)
         degraded += bool(prompt.report.degradations)
+        if prompt.report.turns_outside_window:
+            outside.append(prompt.report.turns_outside_window)
         if first:
             first_prompt_tokens.append(exact)
         lc = lc_trim()
@@ -420,6 +423,10 @@ def run_context_benchmark(
         "assembly_ms_p99": round(_percentile(assembly_ms, 0.99), 4),
         "assembly_ms_max": round(max(assembly_ms), 4),
         "degraded_compiles": degraded,
+        # Turns held raw but left out of a prompt while a large recent output took the room
+        # (they return once it is pruned); the summary does not cover them meanwhile.
+        "compiles_with_turns_outside_window": len(outside),
+        "turns_outside_window_mean": round(statistics.fmean(outside), 1) if outside else 0.0,
         "ingest_ms_total": round(ingest_ms, 1),
         "summarizer": {
             "name": type(engine.summarizer).__name__,
