@@ -16,14 +16,16 @@ provider prompt caches keep hitting), and each block can be measured, capped and
 its own. Rules sit right before the newest user message because instructions closest to the
 end are followed most reliably; when the history has no user message they are last.
 
-Degradation: when the preflight count (exact: messages, framing, reply priming and tool
-schemas) exceeds the prompt limit, these steps are tried in this order until it fits, each
-one recorded in the :class:`BudgetReport`:
+Windowing: turns (whole tool-call units) are taken newest first while they fit the
+recent-turns budget (what system, rules, tools, memories and summary leave); the newest
+``SummaryPolicy.keep_turns`` turns and the whole current turn are always taken. As plain
+policy, not degradation, older tool results are pruned to ``PruningPolicy.max_tokens`` and a
+recent one larger than ``PruningPolicy.recent_share`` of that budget is cut to that share,
+so one giant output leaves room for the rest of the conversation.
 
-Before any of them, as plain policy (not degradation): older tool results are pruned to
-``PruningPolicy.max_tokens``, and a recent one larger than ``PruningPolicy.recent_share`` of
-the recent-turns budget is cut to that share, so one giant output leaves room for the rest
-of the conversation.
+Degradation: when the preflight count (exact: messages, framing, reply priming and tool
+schemas) still exceeds the prompt limit, these steps are tried in this order until it fits,
+each one recorded in the :class:`BudgetReport`:
 
 0. ``elide_oversized``: a message that alone is larger than the whole recent-turns budget
    (what system, rules, tools, memories and summary leave) can never be sent whole, so its
