@@ -316,3 +316,24 @@ def test_a_stored_session_resumes_with_its_summary() -> None:
     prompt = engine.compile(resumed, system="S")
     assert "My code is 0." in prompt.messages[1].content
     assert prompt.report.turns_summarized == 5
+
+
+def test_a_recent_giant_tool_output_takes_at_most_its_share() -> None:
+    engine = ContextEngine("gpt-4o", budget=ContextBudget(window=16_000))
+    history: list[Message] = []
+    for number in range(20):
+        history += [Message.user(f"q{number} " + text_of(40)), Message.assistant(f"a{number}")]
+    history += [Message.user("read the log"), *tool_turn("big", 30_000)]
+    prompt = engine.compile(history, system="S")
+    check_invariants(engine, prompt, history, has_rules=False)
+    report = prompt.report
+    room = report.limit - report.sections.system - report.sections.reply_priming
+    tool = prompt.messages[-1]
+    assert engine.counter.count_message(tool) <= room * engine.pruning.recent_share
+    original = engine.counter.count_text(text_of(30_000))
+    assert f"tool output pruned: the original had {original} tokens" in tool.content
+    assert report.turns_outside_window == 0  # every earlier turn is still in view
+    assert report.degradations == ()
+    assert [(p.tool_call_id, p.how, p.original_tokens) for p in report.pruned] == [
+        ("big", "pruned", original)
+    ]
