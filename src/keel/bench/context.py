@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from keel.context import ContextBudget, ContextEngine
+from keel.errors import UsageError
 from keel.messages import Message, ToolCall
 
 __all__ = ["check_prompt", "run_context_benchmark", "synthetic_conversation"]
@@ -225,14 +226,19 @@ def _langchain_baseline(
     counter_of: Callable[[Message], int], priming: int, limit: int
 ) -> tuple[Callable[[Message], None], Callable[[], dict[str, Any]]]:
     """The trim_messages baseline: ``add`` a keel message, ``trim`` at each model call."""
-    from langchain_core.messages import (
-        AIMessage,
-        BaseMessage,
-        HumanMessage,
-        SystemMessage,
-        ToolMessage,
-        trim_messages,
-    )
+    try:
+        from langchain_core.messages import (
+            AIMessage,
+            BaseMessage,
+            HumanMessage,
+            SystemMessage,
+            ToolMessage,
+            trim_messages,
+        )
+    except ImportError as exc:
+        raise UsageError(
+            "the trim_messages baseline needs langchain-core: pip install 'keel[bench]'"
+        ) from exc
 
     sizes: dict[int, int] = {}
     system = SystemMessage(content=SYSTEM_PROMPT + "\n" + "\n".join(RULES))
