@@ -310,7 +310,7 @@ def run_context_benchmark(
     tools_tokens = counter.count_tools(TOOLS)
     # trim_messages knows nothing of tool schemas: give it the room they leave.
     lc_add, lc_trim = _langchain_baseline(
-        counter.count_message, engine._priming, budget.limit - tools_tokens
+        counter.count_message, engine.reply_priming_tokens, budget.limit - tools_tokens
     )
     rules_first_line = "Operating rules"
     script = synthetic_conversation(turns, seed)
@@ -323,7 +323,7 @@ def run_context_benchmark(
     violation_examples: list[str] = []
     max_prompt = 0
     degraded = 0
-    full_tokens = counter.count_message(Message.system(SYSTEM_PROMPT)) + engine._priming
+    full_tokens = counter.count_message(Message.system(SYSTEM_PROMPT)) + engine.reply_priming_tokens
     full_tokens += counter.count_message(Message.system("\n".join(RULES))) + tools_tokens
     full_over_budget = 0
     full_over_window = 0

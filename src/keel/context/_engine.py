@@ -210,6 +210,11 @@ class ContextEngine:
         """The model name counts are for."""
         return self.counter.profile.name
 
+    @property
+    def reply_priming_tokens(self) -> int:
+        """Tokens the chat format adds to every prompt to prime the answer."""
+        return self._priming
+
     def conversation(
         self,
         session_id: str = "default",
