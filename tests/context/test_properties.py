@@ -91,7 +91,7 @@ def build_history(specs: list[TurnSpec], window: int, seed: int) -> list[Message
 
 
 @settings(
-    max_examples=200,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
