@@ -98,3 +98,9 @@ def test_summary_trigger_by_turn_count() -> None:
     assert len(conversation.turns) == 10
     assert "locker number is 0" in conversation.summary
     assert not conversation.needs_summary
+
+
+def test_a_conversation_compiles_only_with_its_own_engine() -> None:
+    conversation = ContextEngine("gpt-4o").conversation("s", [Message.user("hi")])
+    with pytest.raises(UsageError, match="counted for another model"):
+        ContextEngine("gpt-4").compile(conversation, system="S")

@@ -309,9 +309,15 @@ class ContextEngine:
                 message in its minimal form cannot fit the limit together, or the system
                 prompt or rules exceed a cap set for them.
         """
-        conversation = (
-            history if isinstance(history, Conversation) else self.conversation("adhoc", history)
-        )
+        if isinstance(history, Conversation):
+            if history.counter is not self.counter:
+                raise UsageError(
+                    "this conversation was counted for another model; create it with "
+                    "this engine's conversation()"
+                )
+            conversation = history
+        else:
+            conversation = self.conversation("adhoc", history)
         compilation = _Compilation(self, conversation, system, rules, memories, tuple(tools))
         return compilation.run(extra_headroom)
 
