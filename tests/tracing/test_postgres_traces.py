@@ -34,4 +34,4 @@ def test_settings_with_a_postgres_url_open_the_postgres_store(postgres_url: str)
 
 def test_an_unreachable_server_is_backend_unavailable() -> None:
     with pytest.raises(BackendUnavailableError):
-        PostgresTraceStore("postgresql://nobody@127.0.0.1:1/none?connect_timeout=1")
+        PostgresTraceStore("postgresql://nobody@127.0.0.1:1/none", connect_timeout=1)

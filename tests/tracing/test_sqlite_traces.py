@@ -9,7 +9,7 @@ import pytest
 from keel.stores import SQLiteDatabase
 from keel.stores._sqlite_traces import SQLiteTraceStore
 from keel.testing.trace_conformance import TraceStoreConformance
-from keel.tracing import TraceStore, Tracer
+from keel.tracing import Tracer, TraceStore
 
 
 class TestSQLiteTraceStore(TraceStoreConformance):

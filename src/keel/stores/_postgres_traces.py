@@ -159,18 +159,20 @@ class PostgresTraceStore(TraceStore):
         url: a ``postgresql://`` connection URL.
         min_size: connections the pool keeps open.
         max_size: most connections the pool opens.
+        connect_timeout: seconds to wait for the first connection (and for a free one).
     """
 
-    def __init__(self, url: str, *, min_size: int = 1, max_size: int = 4) -> None:
+    def __init__(
+        self, url: str, *, min_size: int = 1, max_size: int = 4, connect_timeout: float = 10.0
+    ) -> None:
         self.url = url
+        self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
+            url, min_size=min_size, max_size=max_size, open=False, timeout=connect_timeout
+        )
         try:
-            self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
-                url, min_size=min_size, max_size=max_size, open=False
-            )
-            self._pool.open(wait=True, timeout=10)
-        except psycopg.Error as exc:
-            raise _translate(exc, url) from exc
-        except Exception as exc:  # the pool raises its own PoolTimeout on an unreachable server
+            self._pool.open(wait=True, timeout=connect_timeout)
+        except Exception as exc:  # psycopg errors, or the pool's own PoolTimeout
+            self._pool.close()
             raise BackendUnavailableError(
                 f"PostgreSQL at {url.split('@')[-1]} is unavailable: {exc}"
             ) from exc
@@ -399,6 +401,18 @@ class PostgresTraceStore(TraceStore):
             )
             for row in rows
         ]
+
+    def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Up to ``limit`` run ids that start with ``prefix``."""
+        self._ensure()
+        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        with self._tx() as conn:
+            rows = conn.execute(
+                "SELECT run_id FROM trace_runs WHERE run_id LIKE %s ESCAPE '\\' "
+                "ORDER BY run_id LIMIT %s",
+                (pattern, limit),
+            ).fetchall()
+        return [str(row[0]) for row in rows]
 
     def delete_runs(self, *, before: datetime) -> int:
         """Delete runs started before ``before`` with their steps; returns how many runs."""

@@ -447,6 +447,18 @@ class SQLiteTraceStore(TraceStore):
             for row in rows
         ]
 
+    def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Up to ``limit`` run ids that start with ``prefix``."""
+        self._ensure()
+        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        with self.db.translated() as conn:
+            rows = conn.execute(
+                "SELECT run_id FROM trace_runs WHERE run_id LIKE ? ESCAPE '\\' "
+                "ORDER BY run_id LIMIT ?",
+                (pattern, limit),
+            ).fetchall()
+        return [str(row[0]) for row in rows]
+
     def delete_runs(self, *, before: datetime) -> int:
         """Delete runs started before ``before`` with their steps; returns how many runs."""
         self._ensure()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from keel.errors import StoreError
+from keel.errors import StoreError, UsageError
 from keel.messages import Usage
 from keel.tracing._models import Run, RunQuery, Step, StepKind
 from keel.tracing._store import TraceStore
@@ -166,9 +166,7 @@ class TraceStoreConformance:
         assert [n.step.step_id for n in tree[0].children] == ["t1", "t2"]
         assert trace_store.get_run_detail("missing") is None
 
-    def test_totals_are_exact_even_when_a_step_is_rewritten(
-        self, trace_store: TraceStore
-    ) -> None:
+    def test_totals_are_exact_even_when_a_step_is_rewritten(self, trace_store: TraceStore) -> None:
         trace_store.start_run(_run("r1"))
         trace_store.write_step(_step("r1", 0, "model", prompt_tokens=100, completion_tokens=20))
         trace_store.write_step(_step("r1", 1, "tool"))
@@ -275,6 +273,22 @@ class TraceStoreConformance:
         later = trace_store.session_stats(since=T0 + timedelta(minutes=1))
         assert [s.session_id for s in later] == ["calm"]
 
+    def test_run_ids_resolve_from_unique_prefixes(self, trace_store: TraceStore) -> None:
+        for run_id in ("abc123", "abd456", "x_y%z"):
+            trace_store.start_run(_run(run_id))
+        assert trace_store.run_ids_starting_with("ab") == ["abc123", "abd456"]
+        assert trace_store.run_ids_starting_with("x_") == ["x_y%z"]
+        assert trace_store.run_ids_starting_with("x%") == []
+        assert trace_store.resolve_run_id("abc") == "abc123"
+        assert trace_store.resolve_run_id("abd456") == "abd456"
+        assert trace_store.resolve_run_id("zzz") is None
+        try:
+            trace_store.resolve_run_id("ab")
+        except UsageError as exc:
+            assert "ambiguous" in str(exc)
+        else:
+            raise AssertionError("an ambiguous prefix did not raise UsageError")
+
     def test_delete_runs_removes_their_steps(self, trace_store: TraceStore) -> None:
         self._fill(trace_store)
         assert trace_store.delete_runs(before=T0 + timedelta(minutes=15)) == 2
@@ -300,12 +314,12 @@ class TraceStoreConformance:
     async def test_tracer_writes_redacted_runs(self, trace_store: TraceStore) -> None:
         tracer = Tracer(trace_store)
         secret = "sk-proj-ABCDEFGHIJKLMNOPQRSTUV123456"
-        async with await tracer.astart_run("s9", input=f"my key is {secret}") as run:
-            async with run.step("model", "scripted:policy") as call:
-                call.update(usage=Usage(prompt_tokens=30, completion_tokens=4))
-                call.update(raw_output=f"mail me at ann@example.com, key {secret}")
-                async with run.step("tool", "lookup", tool_arguments={"token": secret}) as tool:
-                    tool.update(tool_result={"owner": "ann@example.com"})
+        run = await tracer.astart_run("s9", input=f"my key is {secret}")
+        async with run, run.step("model", "scripted:policy") as call:
+            call.update(usage=Usage(prompt_tokens=30, completion_tokens=4))
+            call.update(raw_output=f"mail me at ann@example.com, key {secret}")
+            async with run.step("tool", "lookup", tool_arguments={"token": secret}) as tool:
+                tool.update(tool_result={"owner": "ann@example.com"})
         assert tracer.write_failures == 0
         detail = trace_store.get_run_detail(run.run_id)
         assert detail is not None and detail.run.status == "succeeded"

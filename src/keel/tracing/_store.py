@@ -11,6 +11,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from datetime import datetime
 
+from keel.errors import UsageError
 from keel.tracing._models import (
     Run,
     RunDetail,
@@ -91,6 +92,10 @@ class TraceStore(ABC):
         """The columns the indicators need, for the matching steps, oldest first."""
 
     @abstractmethod
+    def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Up to ``limit`` run ids that start with ``prefix`` (sorted), for short ids."""
+
+    @abstractmethod
     def delete_runs(self, *, before: datetime) -> int:
         """Delete runs (and their steps) started before ``before``; returns how many."""
 
@@ -106,6 +111,22 @@ class TraceStore(ABC):
         if run is None:
             return None
         return RunDetail(run=run, steps=tuple(self.get_steps(run_id)))
+
+    def resolve_run_id(self, run_id_or_prefix: str) -> str | None:
+        """The full id of the run ``run_id_or_prefix`` names exactly or as a unique prefix.
+
+        Raises:
+            UsageError: the prefix matches more than one run.
+        """
+        if self.get_run(run_id_or_prefix) is not None:
+            return run_id_or_prefix
+        matches = self.run_ids_starting_with(run_id_or_prefix, limit=2)
+        if len(matches) > 1:
+            raise UsageError(
+                f"run id prefix {run_id_or_prefix!r} is ambiguous ({', '.join(matches)}, ...); "
+                "give more characters"
+            )
+        return matches[0] if matches else None
 
     def session_stats(
         self,
