@@ -57,10 +57,18 @@ _ASSIGNMENT = re.compile(
     r"""(?ix)
     (["']?\b(?:password|passwd|pwd|secret|client_secret|api[_-]?key|apikey|access[_-]?token
         |refresh[_-]?token|auth[_-]?token|private[_-]?key|aws_secret_access_key)["']?
-    \s*[:=]\s*["']?)
-    ([^\s"',;}]{4,})
+    \s*[:=]\s*)
+    ("[^"\n]+"|'[^'\n]+'|[^\s"',;}]{4,})
     """
 )
+
+
+def _assignment(match: re.Match[str]) -> str:
+    value = match.group(2)
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{match.group(1)}{quote}[REDACTED:secret]{quote}"
+
+
 _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
 _CARD = re.compile(r"\b\d(?:[ -]?\d){12,18}\b")
 
@@ -94,7 +102,7 @@ def redact_secrets(text: str) -> str:
         text = pattern.sub(f"[REDACTED:{kind}]", text)
     text = _BEARER.sub(lambda m: f"{m.group(1)}[REDACTED:credential]", text)
     text = _AUTHORIZATION.sub(lambda m: f"{m.group(1)}[REDACTED:credential]", text)
-    text = _ASSIGNMENT.sub(lambda m: f"{m.group(1)}[REDACTED:secret]", text)
+    text = _ASSIGNMENT.sub(_assignment, text)
     text = _EMAIL.sub("[REDACTED:email]", text)
     return _CARD.sub(_card, text)
 
