@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from keel.cli._app import app, emit_json, out_console
+from keel.cli._app import app, bench_app, emit_json, out_console
 from keel.errors import UsageError
 
 if TYPE_CHECKING:
@@ -329,3 +329,22 @@ def stats_command(
             _console().print(f"[yellow]warning[/] {escape(item.session_id)}: {escape(warning)}")
     if not warnings:
         _console().print("[green]no indicator over its threshold[/]")
+
+
+@bench_app.command("traces")
+def bench_traces_command(
+    runs: Annotated[int, typer.Option("--runs", min=1, help="Runs to write.")] = 200,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps per run.")] = 20,
+    sessions: Annotated[int, typer.Option("--sessions", min=1, help="Sessions.")] = 10,
+    as_json: JsonOption = False,
+) -> None:
+    """What tracing costs per step on the embedded SQLite file, and query times."""
+    from keel.bench.traces import run_trace_bench
+
+    figures = run_trace_bench(runs=runs, steps=steps, sessions=sessions)
+    if as_json:
+        emit_json(figures)
+        return
+    console = _console()
+    for key, value in figures.items():
+        console.print(f"{key:>22}  {value}")

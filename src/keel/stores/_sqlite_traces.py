@@ -438,7 +438,7 @@ class SQLiteTraceStore(TraceStore):
                 run_id=row[1],
                 kind=row[2],
                 name=row[3],
-                started_at=_dt(row[4]),
+                started_at=_EPOCH + row[4] * _MICROSECOND,
                 attempt=row[5],
                 prompt_tokens=row[6],
                 ttft_ms=row[7],

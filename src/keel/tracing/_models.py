@@ -6,6 +6,7 @@ the :class:`~keel.tracing.Tracer` before a model of this module reaches a store.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -218,20 +219,31 @@ class RunQuery(BaseModel):
     limit: int = Field(default=100, ge=1, le=100_000, description="At most this many runs.")
 
 
-class StepMetric(BaseModel):
-    """The few columns of a step that the death-spiral indicators need."""
+@dataclass(frozen=True, slots=True)
+class StepMetric:
+    """The few columns of a step that the death-spiral indicators need.
 
-    model_config = _MODEL
+    A plain dataclass, not a Pydantic model: stats read thousands of these per query.
+    """
 
-    session_id: str = Field(description="Session of the step's run.")
-    run_id: str = Field(description="Run of the step.")
-    kind: StepKind = Field(description="Kind of the step.")
-    name: str = Field(description="Name of the step.")
-    started_at: UTCDateTime = Field(description="When the step started.")
-    attempt: int = Field(description="Attempt number (2+ is a retry).")
-    prompt_tokens: int = Field(description="Prompt tokens.")
-    ttft_ms: float | None = Field(description="Time to first token, ms.")
-    failed: bool = Field(description="Whether the step recorded an error.")
+    session_id: str
+    """Session of the step's run."""
+    run_id: str
+    """Run of the step."""
+    kind: str
+    """Kind of the step (a :data:`StepKind`)."""
+    name: str
+    """Name of the step."""
+    started_at: datetime
+    """When the step started (aware UTC)."""
+    attempt: int
+    """Attempt number (2+ is a retry)."""
+    prompt_tokens: int
+    """Prompt tokens."""
+    ttft_ms: float | None
+    """Time to first token in ms, if measured."""
+    failed: bool
+    """Whether the step recorded an error."""
 
 
 class StatsThresholds(BaseModel):
