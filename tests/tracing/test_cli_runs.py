@@ -178,3 +178,11 @@ def test_stats_json_has_the_indicators(filled: dict[str, str], keel: Callable[..
 def test_bad_since_is_a_usage_error(keel: Callable[..., Result]) -> None:
     result = keel("runs", "list", "--since", "yesterday-ish")
     assert result.returncode == 2 and "cannot read time" in result.stderr
+
+
+def test_prune_deletes_old_runs_only(filled: dict[str, str], keel: Callable[..., Result]) -> None:
+    kept = _last_json(keel("runs", "prune", "--older-than", "1d", "--json"))
+    assert kept["deleted_runs"] == 0
+    gone = _last_json(keel("runs", "prune", "--older-than", "2099-01-01", "--json"))
+    assert gone["deleted_runs"] == 3
+    assert _last_json(keel("runs", "list", "--json"))["count"] == 0

@@ -277,3 +277,37 @@ def test_exporters_get_finished_runs_and_cannot_break_the_agent() -> None:
     assert exported_run.prompt_tokens == 3
     assert [s.kind for s in steps] == ["model", "tool"]
     assert tracer.write_failures == 1 and "collector down" in str(tracer.last_error)
+
+
+def test_a_run_resumes_after_a_crash(store: SQLiteTraceStore) -> None:
+    first = Tracer(store)
+    run = first.start_run("s1", input="book it")
+    run.record("model", "m", prompt_tokens=10)
+    run.record("tool", "book", tool_call_id="c1")
+    # The worker dies here: the run stays "running" with its two steps.
+    crashed = store.get_run(run.run_id)
+    assert crashed is not None and crashed.status == "running" and crashed.step_count == 2
+
+    second = Tracer(store)
+    resumed = second.resume_run(run.run_id)
+    assert resumed is not None and resumed.session_id == "s1"
+    resumed.record("checkpoint", "resumed")
+    resumed.record("model", "m", prompt_tokens=12)
+    resumed.end(output="booked")
+    detail = store.get_run_detail(run.run_id)
+    assert detail is not None
+    assert [s.seq for s in detail.steps] == [0, 1, 2, 3]
+    assert [s.name for s in detail.steps] == ["m", "book", "resumed", "m"]
+    assert detail.run.status == "succeeded" and detail.run.prompt_tokens == 22
+    assert detail.run.input == "book it" and detail.run.started_at == crashed.started_at
+    assert second.resume_run("no-such-run") is None and second.write_failures == 1
+
+
+async def test_a_run_resumes_async(store: SQLiteTraceStore) -> None:
+    run = await Tracer(store).astart_run("s1")
+    await run.arecord("model", "m")
+    resumed = await Tracer(store).aresume_run(run.run_id)
+    assert resumed is not None
+    await resumed.arecord("model", "m2")
+    await resumed.aend()
+    assert [s.seq for s in store.get_steps(run.run_id)] == [0, 1]

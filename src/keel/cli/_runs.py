@@ -331,6 +331,28 @@ def stats_command(
         _console().print("[green]no indicator over its threshold[/]")
 
 
+@runs_app.command("prune")
+def prune_command(
+    older_than: Annotated[
+        str,
+        typer.Option(
+            "--older-than", help="Delete runs started before this: an age (30d) or ISO time."
+        ),
+    ],
+    as_json: JsonOption = False,
+) -> None:
+    """Delete old runs and their steps (trace retention)."""
+    from keel.tracing import parse_since
+
+    cutoff = parse_since(older_than)
+    with _store() as store:
+        deleted = store.delete_runs(before=cutoff)
+    if as_json:
+        emit_json({"deleted_runs": deleted, "before": cutoff.isoformat()})
+        return
+    _console().print(f"deleted {deleted} run(s) started before {cutoff:%Y-%m-%d %H:%M:%S} UTC")
+
+
 @bench_app.command("traces")
 def bench_traces_command(
     runs: Annotated[int, typer.Option("--runs", min=1, help="Runs to write.")] = 200,

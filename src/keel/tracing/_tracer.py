@@ -277,6 +277,67 @@ class Tracer:
                 self._failed("run start", exc)
         return handle
 
+    def _resumed(self, run: Run, steps: Sequence[Step]) -> RunTrace:
+        handle = RunTrace(
+            self,
+            run_id=run.run_id,
+            session_id=run.session_id,
+            user_id=run.user_id,
+            tenant_id=run.tenant_id,
+            agent=run.agent,
+        )
+        handle.started_at = run.started_at
+        handle._seq = count(max((step.seq for step in steps), default=-1) + 1)
+        handle._header = run.model_copy(
+            update={
+                "status": "running",
+                "ended_at": None,
+                "error_type": None,
+                "error_message": None,
+            }
+        )
+        return handle
+
+    def resume_run(self, run_id: str) -> RunTrace | None:
+        """Continue a stored run after a crash or restart (a new worker resuming a session).
+
+        The run is marked ``running`` again, keeps its steps and totals, and new steps are
+        ordered after the existing ones. Returns None (and counts a failure) when the run
+        cannot be read; never raises.
+        """
+        store = self.store
+        if store is None:
+            return None
+        try:
+            run = store.get_run(run_id)
+            if run is None:
+                raise LookupError(f"no run {run_id!r} to resume")
+            handle = self._resumed(run, store.get_steps(run_id))
+            assert handle._header is not None
+            store.start_run(handle._header)
+        except Exception as exc:
+            self._failed("run resume", exc)
+            return None
+        return handle
+
+    async def aresume_run(self, run_id: str) -> RunTrace | None:
+        """Async twin of :meth:`resume_run`."""
+        store = self.store
+        if store is None:
+            return None
+        try:
+            run = await store.aget_run(run_id)
+            if run is None:
+                raise LookupError(f"no run {run_id!r} to resume")
+            detail = await store.aget_run_detail(run_id)
+            handle = self._resumed(run, detail.steps if detail else ())
+            assert handle._header is not None
+            await store.astart_run(handle._header)
+        except Exception as exc:
+            self._failed("run resume", exc)
+            return None
+        return handle
+
     def _export(self, run: Run, steps: Sequence[Step]) -> None:
         for exporter in self.exporters:
             try:
