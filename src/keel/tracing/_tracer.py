@@ -277,7 +277,7 @@ class Tracer:
                 self._failed("run start", exc)
         return handle
 
-    def _resumed(self, run: Run, steps: Sequence[Step]) -> RunTrace:
+    def _resumed(self, run: Run, steps: Sequence[Step]) -> tuple[RunTrace, Run]:
         handle = RunTrace(
             self,
             run_id=run.run_id,
@@ -288,7 +288,7 @@ class Tracer:
         )
         handle.started_at = run.started_at
         handle._seq = count(max((step.seq for step in steps), default=-1) + 1)
-        handle._header = run.model_copy(
+        header = run.model_copy(
             update={
                 "status": "running",
                 "ended_at": None,
@@ -296,7 +296,8 @@ class Tracer:
                 "error_message": None,
             }
         )
-        return handle
+        handle._header = header
+        return handle, header
 
     def resume_run(self, run_id: str) -> RunTrace | None:
         """Continue a stored run after a crash or restart (a new worker resuming a session).
@@ -312,9 +313,8 @@ class Tracer:
             run = store.get_run(run_id)
             if run is None:
                 raise LookupError(f"no run {run_id!r} to resume")
-            handle = self._resumed(run, store.get_steps(run_id))
-            assert handle._header is not None
-            store.start_run(handle._header)
+            handle, header = self._resumed(run, store.get_steps(run_id))
+            store.start_run(header)
         except Exception as exc:
             self._failed("run resume", exc)
             return None
@@ -330,9 +330,8 @@ class Tracer:
             if run is None:
                 raise LookupError(f"no run {run_id!r} to resume")
             detail = await store.aget_run_detail(run_id)
-            handle = self._resumed(run, detail.steps if detail else ())
-            assert handle._header is not None
-            await store.astart_run(handle._header)
+            handle, header = self._resumed(run, detail.steps if detail else ())
+            await store.astart_run(header)
         except Exception as exc:
             self._failed("run resume", exc)
             return None
