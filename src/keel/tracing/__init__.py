@@ -37,6 +37,7 @@ from keel.tracing._models import (
 from keel.tracing._open import open_trace_store
 from keel.tracing._otel import OpenTelemetryExporter, export_run
 from keel.tracing._redact import Redactor, redact_json, redact_secrets
+from keel.tracing._render import render_run
 from keel.tracing._stats import LOOP_GUARD_NAME, percentile, session_stats
 from keel.tracing._store import TraceStore
 from keel.tracing._time import parse_since
@@ -83,6 +84,7 @@ __all__ = [
     "percentile",
     "redact_json",
     "redact_secrets",
+    "render_run",
     "session_stats",
     "status_for",
 ]
