@@ -35,6 +35,7 @@ from keel.errors import (
     ToolInDoubtError,
 )
 from keel.messages import Usage
+from keel.models import Completion
 from keel.tracing._models import Run, RunStatus, Step, StepKind
 from keel.tracing._redact import Redactor, redact_json, redact_secrets
 from keel.tracing._stats import LOOP_GUARD_NAME
@@ -72,11 +73,15 @@ class StepFields(TypedDict, total=False):
 
     Text fields are redacted before storage; ``budget``, ``parsed_action`` and ``attributes``
     are redacted recursively (every string value). Pydantic models are dumped to JSON.
+    ``usage`` fills the token counts; ``completion`` (a :class:`keel.models.Completion`) fills
+    tokens, model, finish reason, time to first token, attempt and the raw output (the text, or
+    the assistant message in the OpenAI wire format when it calls tools). Explicit fields win.
     """
 
     prompt_tokens: int
     completion_tokens: int
     usage: Usage
+    completion: Completion
     model: str | None
     finish_reason: str | None
     budget: Mapping[str, Any] | BaseModel | None
@@ -126,6 +131,22 @@ def _now() -> datetime:
 
 def _new_id() -> str:
     return uuid.uuid4().hex
+
+
+def _from_completion(data: dict[str, Any], completion: Completion) -> None:
+    message = completion.message
+    raw = (
+        json.dumps(message.to_openai(), ensure_ascii=False)
+        if message.tool_calls
+        else message.content
+    )
+    data.setdefault("usage", completion.usage)
+    data.setdefault("model", completion.model)
+    data.setdefault("finish_reason", completion.finish_reason)
+    data.setdefault("raw_output", raw)
+    if completion.ttft_ms is not None:
+        data.setdefault("ttft_ms", completion.ttft_ms)
+    data.setdefault("attempt", completion.attempts)
 
 
 def _jsonable(value: Any) -> Any:
@@ -494,6 +515,9 @@ class RunTrace:
             if isinstance(error, BaseException):
                 data.setdefault("error_type", type(error).__name__)
                 data.setdefault("error_message", str(error))
+            completion = data.pop("completion", None)
+            if isinstance(completion, Completion):
+                _from_completion(data, completion)
             usage = data.pop("usage", None)
             if isinstance(usage, Usage):
                 data.setdefault("prompt_tokens", usage.prompt_tokens)
