@@ -357,3 +357,25 @@ async def test_a_scripted_model_loop_traced_from_completions(store: SQLiteTraceS
     assert detail.run.output == "Your order A1 ships tomorrow."
     assert detail.run.model_calls == 2 and detail.run.tool_calls == 1
     assert detail.run.prompt_tokens == first.prompt_tokens + second.prompt_tokens > 0
+
+
+def test_a_failed_run_start_is_retried_with_the_next_write(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = SQLiteDatabase(tmp_path / "keel.db", busy_timeout_ms=50)
+    store = SQLiteTraceStore(db)
+    store.setup()
+    blocker = sqlite3.connect(tmp_path / "keel.db", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another writer holds the lock
+    tracer = Tracer(store)
+    run = tracer.start_run("s1", input="hello")
+    assert tracer.write_failures == 1  # the header could not be written
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    run.record("model", "m", prompt_tokens=3)
+    run.end(output="bye")
+    stored = store.get_run(run.run_id)
+    assert stored is not None and stored.input == "hello" and stored.output == "bye"
+    assert stored.step_count == 1 and tracer.write_failures == 1
+    store.close()
+    db.close()

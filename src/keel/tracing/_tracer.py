@@ -273,7 +273,7 @@ class Tracer:
         )
         store = self.store
         if header is not None and store is not None:
-            self._guard("run start", lambda: store.start_run(header))
+            handle._stored = self._guard("run start", lambda: store.start_run(header))
         return handle
 
     async def astart_run(
@@ -294,6 +294,7 @@ class Tracer:
         if header is not None and self.store is not None:
             try:
                 await self.store.astart_run(header)
+                handle._stored = True
             except Exception as exc:
                 self._failed("run start", exc)
         return handle
@@ -336,6 +337,7 @@ class Tracer:
                 raise LookupError(f"no run {run_id!r} to resume")
             handle, header = self._resumed(run, store.get_steps(run_id))
             store.start_run(header)
+            handle._stored = True
         except Exception as exc:
             self._failed("run resume", exc)
             return None
@@ -353,6 +355,7 @@ class Tracer:
             detail = await store.aget_run_detail(run_id)
             handle, header = self._resumed(run, detail.steps if detail else ())
             await store.astart_run(header)
+            handle._stored = True
         except Exception as exc:
             self._failed("run resume", exc)
             return None
@@ -391,6 +394,9 @@ class RunTrace:
         """``running`` until :meth:`end`."""
         self._seq = count()
         self._header: Run | None = None
+        # False until the header is in the store; a failed start (a locked database, a blip
+        # in the connection) is retried before the next write so the run's steps still land.
+        self._stored = False
         self._finished: list[Step] = []
 
     # --- steps --------------------------------------------------------------------------------
@@ -571,18 +577,36 @@ class RunTrace:
         if self.tracer.exporters:
             self._finished.append(step)
         store = self.tracer.store
-        if store is not None:
-            self.tracer._guard(f"step {step.kind}:{step.name}", lambda: store.write_step(step))
+        if store is None:
+            return
+
+        def write() -> None:
+            self._ensure_stored(store)
+            store.write_step(step)
+
+        self.tracer._guard(f"step {step.kind}:{step.name}", write)
+
+    def _ensure_stored(self, store: TraceStore) -> None:
+        if not self._stored and self._header is not None:
+            store.start_run(self._header)
+            self._stored = True
+
+    async def _aensure_stored(self, store: TraceStore) -> None:
+        if not self._stored and self._header is not None:
+            await store.astart_run(self._header)
+            self._stored = True
 
     async def _awrite(self, step: Step) -> None:
         if self.tracer.exporters:
             self._finished.append(step)
         store = self.tracer.store
-        if store is not None:
-            try:
-                await store.awrite_step(step)
-            except Exception as exc:
-                self.tracer._failed(f"step {step.kind}:{step.name}", exc)
+        if store is None:
+            return
+        try:
+            await self._aensure_stored(store)
+            await store.awrite_step(step)
+        except Exception as exc:
+            self.tracer._failed(f"step {step.kind}:{step.name}", exc)
 
     # --- ending -------------------------------------------------------------------------------
 
@@ -642,17 +666,19 @@ class RunTrace:
         store = self.tracer.store
         if store is not None:
             status_, ended, out, error_type, error_message = final
-            self.tracer._guard(
-                "run end",
-                lambda: store.end_run(
+
+            def write() -> None:
+                self._ensure_stored(store)
+                store.end_run(
                     self.run_id,
                     status=status_,
                     ended_at=ended,
                     output=out,
                     error_type=error_type,
                     error_message=error_message,
-                ),
-            )
+                )
+
+            self.tracer._guard("run end", write)
         self._exported(final)
 
     async def aend(
@@ -670,6 +696,7 @@ class RunTrace:
         if store is not None:
             status_, ended, out, error_type, error_message = final
             try:
+                await self._aensure_stored(store)
                 await store.aend_run(
                     self.run_id,
                     status=status_,
