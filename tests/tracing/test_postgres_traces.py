@@ -35,3 +35,18 @@ def test_settings_with_a_postgres_url_open_the_postgres_store(postgres_url: str)
 def test_an_unreachable_server_is_backend_unavailable() -> None:
     with pytest.raises(BackendUnavailableError):
         PostgresTraceStore("postgresql://nobody@127.0.0.1:1/none", connect_timeout=1)
+
+
+def test_a_shared_pool_is_used_and_left_open(postgres_url: str) -> None:
+    from psycopg_pool import ConnectionPool
+
+    pool = ConnectionPool(postgres_url, min_size=1, max_size=2, open=True)
+    try:
+        store = PostgresTraceStore(pool=pool)
+        store.setup()
+        assert store.list_runs() == []
+        store.close()
+        with pool.connection() as conn:  # still open after the store closed
+            assert conn.execute("SELECT count(*) FROM trace_runs").fetchone() == (0,)
+    finally:
+        pool.close()
