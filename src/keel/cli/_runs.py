@@ -63,6 +63,7 @@ def list_command(
     since: SinceOption = None,
     user: Annotated[str | None, typer.Option("--user", help="Only this user.")] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
+    agent: Annotated[str | None, typer.Option("--agent", help="Only this agent.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most N runs.")] = 50,
     as_json: JsonOption = False,
 ) -> None:
@@ -80,6 +81,7 @@ def list_command(
                 "session_id": session,
                 "user_id": user,
                 "tenant_id": tenant,
+                "agent": agent,
                 "status": status,
                 "min_steps": min_steps,
                 "tool_error": True if tool_error else None,
