@@ -176,6 +176,9 @@ def test_stats_json_has_the_indicators(filled: dict[str, str], keel: Callable[..
     assert long["ttft_p50_ms"] is not None
     assert by_id["s-fail"]["loops_caught"] == 1
     assert payload["warnings"] >= 2
+    lenient = _last_json(keel("runs", "stats", "--session", "s-fail", "--max-loops", "1", "--json"))
+    assert lenient["thresholds"]["max_loops"] == 1
+    assert not any("loops" in w for s in lenient["sessions"] for w in s["warnings"])
     plain = keel("runs", "stats", "--session", "s-fail")
     assert plain.returncode == 0 and "loops caught" in plain.stdout
 

@@ -203,6 +203,12 @@ def stats_command(
     max_ttft_p95_ms: Annotated[
         float, typer.Option("--max-ttft-p95-ms", min=0, help="Warn above this p95 TTFT.")
     ] = 5000.0,
+    max_state_resets: Annotated[
+        int, typer.Option("--max-state-resets", min=0, help="Warn above this many resets.")
+    ] = 0,
+    max_loops: Annotated[
+        int, typer.Option("--max-loops", min=0, help="Warn above this many loops caught.")
+    ] = 0,
     as_json: JsonOption = False,
 ) -> None:
     """Death-spiral indicators per session: retries, prompt growth, resets, TTFT, loops."""
@@ -214,6 +220,8 @@ def stats_command(
         max_retry_rate=max_retry_rate,
         max_prompt_growth=max_prompt_growth or 1e-9,
         max_ttft_p95_ms=max_ttft_p95_ms or 1e-9,
+        max_state_resets=max_state_resets,
+        max_loops=max_loops,
     )
     with _store() as store:
         stats = store.session_stats(
