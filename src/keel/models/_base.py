@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel.messages import Message, Usage
+from keel.models._toolcalls import ToolCallParseError
 from keel.tokens import ChatTokenCounter, ModelProfile
 
 __all__ = [
@@ -53,6 +54,13 @@ class ModelOptions(BaseModel):
         default=None, description="Whether the model may, must or must not call tools."
     )
     seed: int | None = Field(default=None, description="Sampling seed where supported.")
+    allow_truncated: bool = Field(
+        default=False,
+        description=(
+            "Return an answer cut by max_tokens (finish_reason='length') instead of raising "
+            "TruncatedResponseError. Off by default: a cut answer is never mistaken for a whole."
+        ),
+    )
 
 
 class Completion(BaseModel):
@@ -70,6 +78,23 @@ class Completion(BaseModel):
     )
     attempts: int = Field(default=1, ge=1, description="Requests made, retries included.")
     raw: Any = Field(default=None, description="The provider's raw response, for traces.")
+    tool_call_errors: tuple[ToolCallParseError, ...] = Field(
+        default=(),
+        description=(
+            "Tool-call attempts in the text that could not be read (models without native tool "
+            "calling); each has feedback to send back to the model."
+        ),
+    )
+
+    @property
+    def text(self) -> str:
+        """The answer text (may be empty when the model only called tools)."""
+        return self.message.content
+
+    @property
+    def truncated(self) -> bool:
+        """Whether generation stopped at max_tokens (only returned with allow_truncated)."""
+        return self.finish_reason == "length"
 
 
 class ToolCallDelta(BaseModel):
