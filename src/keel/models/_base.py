@@ -161,7 +161,14 @@ class ChatModel(ABC):
         options: ModelOptions | None = None,
     ) -> Completion:
         """Sync twin of :meth:`acomplete` (not for use inside a running event loop)."""
-        return asyncio.run(self.acomplete(messages, tools, options))
+
+        async def once() -> Completion:
+            try:
+                return await self.acomplete(messages, tools, options)
+            finally:
+                await self._release_loop_resources()
+
+        return asyncio.run(once())
 
     def astream(
         self,
@@ -181,9 +188,15 @@ class ChatModel(ABC):
         """Sync twin of :meth:`astream`: collects the chunks, then yields them."""
 
         async def collect() -> list[CompletionChunk]:
-            return [chunk async for chunk in self.astream(messages, tools, options)]
+            try:
+                return [chunk async for chunk in self.astream(messages, tools, options)]
+            finally:
+                await self._release_loop_resources()
 
         yield from asyncio.run(collect())
+
+    async def _release_loop_resources(self) -> None:  # noqa: B027  (optional hook)
+        """Hook: release what belongs to the running event loop (the sync twins end it)."""
 
     async def aclose(self) -> None:  # noqa: B027  (optional hook)
         """Release connections or loaded weights."""

@@ -271,9 +271,12 @@ class OpenAICompatibleModel(ChatModel):
                 completion_tokens=int(reported.completion_tokens or 0),
             )
         # The server sent no usage (many compatible servers do not stream it): count it.
+        count = self.counter.count_text
+        generated = count(message.content) + sum(
+            count(call.name) + count(call.arguments) for call in message.tool_calls
+        )
         return Usage(
-            prompt_tokens=self.counter.count_prompt(messages, tools),
-            completion_tokens=self.counter.count_message(message) if message else 0,
+            prompt_tokens=self.counter.count_prompt(messages, tools), completion_tokens=generated
         )
 
     def _check(self, completion: Completion, options: ModelOptions) -> Completion:
@@ -465,6 +468,11 @@ class OpenAICompatibleModel(ChatModel):
             raw={"streamed": True, "chunks": chunks, "finish_reason": finish},
         )
         yield CompletionChunk(completion=self._check(completion, options))
+
+    async def _release_loop_resources(self) -> None:
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.close()
 
     async def aclose(self) -> None:
         """Close the HTTP clients this model opened (not one passed in)."""
