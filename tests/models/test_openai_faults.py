@@ -90,11 +90,11 @@ async def test_500_forever_ends_in_unavailable(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_hang_past_the_timeout(
-    fault_server: FaultServer, fast_retry: RetryPolicy, stream: bool
+    fault_server: FaultServer, hang_retry: RetryPolicy, stream: bool
 ) -> None:
     started = time.monotonic()
     with pytest.raises(ModelTimeoutError) as caught:
-        await run(model_for(fault_server, "hang", fast_retry), stream=stream)
+        await run(model_for(fault_server, "hang", hang_retry), stream=stream)
     elapsed = time.monotonic() - started
     assert caught.value.attempts == 3
     assert 1.5 <= elapsed < 5  # three 0.5 s attempts and two short waits
