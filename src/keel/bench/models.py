@@ -40,6 +40,7 @@ class FaultCase:
     expected: type[KeelError] | None  # None: a successful answer (after retries)
     attempts: int
     options: dict[str, Any] | None = None
+    refused: bool = False  # send it to a port where nothing listens
 
 
 FAULT_CASES = (
@@ -57,11 +58,16 @@ FAULT_CASES = (
     FaultCase("finish_reason_length", "length", False, TruncatedResponseError, 1),
     FaultCase("context_length_exceeded", "context_length", False, ContextLengthExceededError, 1),
     FaultCase("unauthorized_401", "unauthorized", True, AuthenticationError, 1),
+    FaultCase("connection_refused", "ok", False, ModelUnavailableError, 3, refused=True),
 )
 """Every fault kind the bench checks."""
 
 
 async def _one_case(case: FaultCase, base_url: str, policy: RetryPolicy) -> dict[str, Any]:
+    if case.refused:
+        from keel.testing.servers import free_port
+
+        base_url = f"http://127.0.0.1:{free_port()}/v1"
     model = OpenAICompatibleModel(
         f"{case.scenario}#{case.name}", base_url=base_url, api_key="bench", retry=policy
     )
