@@ -124,6 +124,15 @@ async def test_stream_cut_midway_is_truncated_not_retried(
     assert fault_server.count("cut_stream") == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_cut_before_any_chunk_is_retried(
+    fault_server: FaultServer, fast_retry: RetryPolicy, stream: bool
+) -> None:
+    completion = await run(model_for(fault_server, "cut_early:1", fast_retry), stream=stream)
+    assert completion.attempts == 2
+    assert completion.text == "Hello from the fault server."
+
+
 async def test_body_cut_without_streaming_is_retried_then_unavailable(
     fault_server: FaultServer, fast_retry: RetryPolicy
 ) -> None:

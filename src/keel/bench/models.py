@@ -52,6 +52,7 @@ FAULT_CASES = (
     FaultCase("hang_past_timeout", "hang", False, ModelTimeoutError, 3),
     FaultCase("hang_past_timeout_stream", "hang", True, ModelTimeoutError, 3),
     FaultCase("stream_cut_midway", "cut_stream", True, TruncatedResponseError, 1),
+    FaultCase("stream_cut_before_first_chunk_then_ok", "cut_early:1", True, None, 2),
     FaultCase("body_cut_then_unavailable", "cut_stream", False, ModelUnavailableError, 3),
     FaultCase("malformed_tool_arguments", "malformed_tool_args", False, MalformedResponseError, 1),
     FaultCase("malformed_tool_args_stream", "malformed_tool_args", True, MalformedResponseError, 1),
