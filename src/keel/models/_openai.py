@@ -196,7 +196,8 @@ class OpenAICompatibleModel(ChatModel):
             "model": self.model,
             "messages": [message.to_openai() for message in messages],
         }
-        if tools and options.tool_choice != "none":
+        if tools:
+            # Sent even with tool_choice="none", so the prompt is the one that was counted.
             request["tools"] = [dict(tool) for tool in tools]
             if options.tool_choice:
                 request["tool_choice"] = options.tool_choice
