@@ -224,3 +224,16 @@ def test_request_carries_options(fault_server: FaultServer, fast_retry: RetryPol
     assert body["response_format"] == {"type": "json_object"}
     assert body["tools"][0]["function"]["name"] == "f"
     assert body["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_sync_stream_is_live_and_can_stop_early(
+    fault_server: FaultServer, fast_retry: RetryPolicy
+) -> None:
+    model = model_for(fault_server, "ok", fast_retry)
+    first = None
+    for chunk in model.stream(HI):
+        first = chunk
+        break
+    assert first is not None and first.text == "Hello " and first.completion is None
+    with pytest.raises(TruncatedResponseError):  # errors cross the thread, typed
+        list(model_for(fault_server, "cut_stream", fast_retry).stream(HI))
