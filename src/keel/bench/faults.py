@@ -629,7 +629,7 @@ def _kill_loop(
         payload = {"step": step, "messages": [m.model_dump(mode="json") for m in messages]}
         temporary = checkpoint.with_suffix(".tmp")
         temporary.write_text(json.dumps(payload))
-        os.replace(temporary, checkpoint)
+        temporary.replace(checkpoint)
 
     def after_step(record: StepRecord) -> None:
         if hooks_marker is not None and any(r.tool == "book_flight" for r in record.tool_results):

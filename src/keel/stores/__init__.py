@@ -9,6 +9,7 @@ from __future__ import annotations
 from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
 from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 
@@ -17,6 +18,8 @@ __all__ = [
     "JOURNAL_MIGRATIONS",
     "Migration",
     "MigrationSet",
+    "POSTGRES_JOURNAL_MIGRATIONS",
+    "PostgresToolJournal",
     "SQLiteDatabase",
     "SQLiteToolJournal",
     "open_database",

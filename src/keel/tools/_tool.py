@@ -13,6 +13,7 @@ import copy
 import functools
 import inspect
 import re
+import sys
 import typing
 import warnings
 from collections.abc import Callable
@@ -224,7 +225,7 @@ def _build_tool(
         raise ToolDefinitionError(f"tool {tool_name!r}: max_output_chars must be at least 1")
     summary, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
     try:
-        hints = typing.get_type_hints(fn, include_extras=True)
+        hints = _type_hints(fn)
     except Exception as exc:
         raise ToolDefinitionError(
             f"tool {tool_name!r}: cannot resolve its type annotations: {exc}"
@@ -295,6 +296,27 @@ def _build_tool(
             stacklevel=4,
         )
     return built
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The resolved annotations; string annotations may name classes local to the caller.
+
+    With ``from __future__ import annotations`` every annotation is a string, and a class
+    defined inside a function is invisible to ``get_type_hints``: the frames that called
+    ``@tool`` are searched for it.
+    """
+    try:
+        return typing.get_type_hints(fn, include_extras=True)
+    except NameError:
+        localns: dict[str, Any] = {}
+        frame = sys._getframe(1)
+        for _ in range(8):
+            if frame is None:
+                break
+            for name, value in frame.f_locals.items():
+                localns.setdefault(name, value)
+            frame = frame.f_back  # type: ignore[assignment]
+        return typing.get_type_hints(fn, localns=localns, include_extras=True)
 
 
 def _model_name(tool_name: str) -> str:
