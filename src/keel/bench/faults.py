@@ -43,7 +43,14 @@ from keel.stores import SQLiteDatabase, SQLiteToolJournal
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, ToolContext, ToolJournal, ToolRegistry, tool
 
-__all__ = ["FAULTS", "FaultBenchReport", "run_fault_bench"]
+__all__ = [
+    "FAULTS",
+    "FaultBenchReport",
+    "KillOutcome",
+    "kill_and_resume",
+    "resume_after_kill",
+    "run_fault_bench",
+]
 
 FAULTS = (
     "clean",
@@ -512,7 +519,7 @@ def run_fault_bench(
             outcomes = asyncio.run(_all_runs(runs - kills, seed, journal, world, progress))
         finally:
             db.close()
-        kill_outcomes = [_real_kill(folder, i, seed) for i in range(kills)]
+        kill_outcomes = [kill_and_resume(folder, i, seed) for i in range(kills)]
     by_fault: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     failures: list[str] = []
     for outcome in outcomes:
@@ -659,7 +666,7 @@ def _worker(folder: Path, session: str, mode: str) -> None:
     asyncio.run(loop.arun([Message.user("Book KL7 for two.")], session_id=session))
 
 
-def _real_kill(folder: Path, number: int, seed: int) -> KillOutcome:
+def kill_and_resume(folder: Path, number: int, seed: int) -> KillOutcome:
     mode = "in_tool" if number % 2 == 0 else "after_result"
     session = f"kill-{seed}-{number}"
     bookings = folder / "bookings.db"

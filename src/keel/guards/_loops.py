@@ -98,8 +98,8 @@ class LoopDetector:
     def check_call(self, tool: str, arguments: str | dict[str, Any]) -> LoopSignal | None:
         """Look at a proposed call before it runs; a signal means: do not run it."""
         call = (tool, normalize_arguments(arguments))
-        window = [*self._calls, call]
         self._calls.append(call)
+        window = list(self._calls)  # the newest loop_window calls, this one included
         repeats = sum(1 for seen in window if seen == call)
         if repeats > self.config.loop_max_repeats:
             return self._detect(

@@ -539,12 +539,6 @@ class ToolLoop:
                 await stop("tool_in_doubt", result.exception)
             if not result.ok:
                 run.errors.append(result.error or result.status)
-            signal = run.detector.check_error(call.name, None if result.ok else result.content)
-            if signal is not None:
-                on_loop(signal)
-                if signal.stop:
-                    await stop("loop_detected", signal.error())
-                notes.append(signal.advice())
             key = call.name if call.name in self.registry else "<unknown tools>"
             if result.ok:
                 tool_failures[key] = 0
@@ -558,6 +552,12 @@ class ToolLoop:
                         else "I kept trying to use tools that do not exist"
                     )
                     await stop("tool_retry_limit", error, what)
+            signal = run.detector.check_error(call.name, None if result.ok else result.content)
+            if signal is not None:
+                on_loop(signal)
+                if signal.stop:
+                    await stop("loop_detected", signal.error())
+                notes.append(signal.advice())
         fingerprint: str | None = None
         if self.hooks.state_fingerprint is not None:
             fingerprint = await _call(self.hooks.state_fingerprint)
