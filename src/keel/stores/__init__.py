@@ -16,9 +16,9 @@ from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 __all__ = [
     "CORE_MIGRATIONS",
     "JOURNAL_MIGRATIONS",
+    "POSTGRES_JOURNAL_MIGRATIONS",
     "Migration",
     "MigrationSet",
-    "POSTGRES_JOURNAL_MIGRATIONS",
     "PostgresToolJournal",
     "SQLiteDatabase",
     "SQLiteToolJournal",
