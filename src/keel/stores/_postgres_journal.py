@@ -130,7 +130,7 @@ class PostgresToolJournal(ToolJournal):
                 )
             for migration in migrations.migrations[applied:]:
                 if isinstance(migration.apply, str):
-                    conn.execute(migration.apply)  # type: ignore[arg-type]
+                    conn.execute(migration.apply)
                 else:
                     migration.apply(conn)
             if applied < migrations.version:
@@ -194,7 +194,7 @@ class PostgresToolJournal(ToolJournal):
         where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
         with self._transaction() as conn:
             rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM keel_tool_journal{where} "  # type: ignore[arg-type]
+                f"SELECT {_COLUMNS} FROM keel_tool_journal{where} "
                 "ORDER BY started_at, step, call_index",
                 params,
             ).fetchall()
@@ -234,7 +234,7 @@ class PostgresToolJournal(ToolJournal):
 
     def _update(self, key: str, sql: str, params: tuple[Any, ...]) -> JournalEntry:
         with self._transaction() as conn:
-            conn.execute(sql, (*params, key))  # type: ignore[arg-type]
+            conn.execute(sql, (*params, key))
             entry = self._select(conn, key)
         if entry is None:
             raise StoreError(f"no journal entry {key!r}")
@@ -243,7 +243,7 @@ class PostgresToolJournal(ToolJournal):
     @staticmethod
     def _select(conn: psycopg.Connection[Any], key: str) -> JournalEntry | None:
         row = conn.execute(
-            f"SELECT {_COLUMNS} FROM keel_tool_journal WHERE key = %s",  # type: ignore[arg-type]
+            f"SELECT {_COLUMNS} FROM keel_tool_journal WHERE key = %s",
             (key,),
         ).fetchone()
         return None if row is None else entry_from_row(row)

@@ -14,6 +14,7 @@ import functools
 import inspect
 import re
 import sys
+import types
 import typing
 import warnings
 from collections.abc import Callable
@@ -309,13 +310,13 @@ def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
         return typing.get_type_hints(fn, include_extras=True)
     except NameError:
         localns: dict[str, Any] = {}
-        frame = sys._getframe(1)
+        frame: types.FrameType | None = sys._getframe(1)
         for _ in range(8):
             if frame is None:
                 break
             for name, value in frame.f_locals.items():
                 localns.setdefault(name, value)
-            frame = frame.f_back  # type: ignore[assignment]
+            frame = frame.f_back
         return typing.get_type_hints(fn, localns=localns, include_extras=True)
 
 
