@@ -26,6 +26,9 @@ class GGUFTokenizer:
             raise UnknownModelError(
                 name, "exact counts need llama-cpp-python (the 'local' extra)"
             ) from exc
+        from keel._llama import silence_llama_logs
+
+        silence_llama_logs()
         self._name = name
         self.path = path
         self._vocab: Any = Llama(model_path=str(path), vocab_only=True, verbose=False)
