@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar
 
@@ -43,7 +43,7 @@ from keel.guards import (
 )
 from keel.messages import Message, ToolCall, Usage
 from keel.models import ChatModel, Completion, ModelOptions
-from keel.tools import ToolExecutor, ToolJournal, ToolRegistry, ToolResult
+from keel.tools import Tool, ToolExecutor, ToolJournal, ToolRegistry, ToolResult
 
 __all__ = ["LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]
 
@@ -241,7 +241,7 @@ class ToolLoop:
 
     Args:
         model: the chat model.
-        registry: the tools the model may call.
+        tools: the tools the model may call: a registry, or tools and typed functions.
         guards: limits and thresholds (defaults: the seed values).
         journal: exactly-once journal for side-effecting tools (default: in memory; pass a
             ``SQLiteToolJournal`` or ``PostgresToolJournal`` for crash safety).
@@ -256,7 +256,7 @@ class ToolLoop:
     def __init__(
         self,
         model: ChatModel,
-        registry: ToolRegistry,
+        tools: ToolRegistry | Iterable[Tool | Callable[..., Any]] = (),
         *,
         guards: GuardConfig | None = None,
         journal: ToolJournal | None = None,
@@ -267,14 +267,14 @@ class ToolLoop:
         options: ModelOptions | None = None,
     ) -> None:
         self.model = model
-        self.registry = registry
+        self.registry = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
         self.guards = guards or GuardConfig()
         self.hooks = hooks or LoopHooks()
         self.monitor = monitor or SpiralMonitor()
         self.agent = agent
         self.output_schema = output_schema
         self.executor = ToolExecutor(
-            registry,
+            self.registry,
             journal=journal,
             timeout_s=self.guards.tool_timeout_s,
             max_output_chars=self.guards.max_output_chars,
