@@ -69,8 +69,9 @@ FAULTS = (
     "slow_run",
     "structured_output",
     "crash_resume",
+    "mixed",
 )
-"""The fault kinds a run can draw."""
+"""The fault kinds a run can draw (``mixed``: several of the recoverable ones in one run)."""
 
 _GUARDS = GuardConfig(
     max_steps=8,
@@ -341,6 +342,22 @@ def _plan(fault: str, rng: random.Random) -> tuple[list[Any], dict[str, Any]]:
         else:
             action = _call("book_flight", {"flight": "KL7", "passengers": 2})
         plan = [*lead, action, _FINAL]
+    elif fault == "mixed":
+        fragments: list[list[Any]] = [
+            [_call(rng.choice(["serch_flights", "weather"]), "{}")],
+            [_call("book_flight", rng.choice(_REPAIRABLE))],
+            [
+                _call("book_flight", rng.choice(_INVALID)),
+                _call("book_flight", {"flight": "KL8", "passengers": 1}),
+            ],
+            [_call("flaky_lookup", {"code": rng.randint(1, 99)})],
+            [_call("export_history", {"lines": 300})],
+            [_call("slow_report", {"seconds": 30})],
+            [_truncated(rng.choice(["length", "fence", "empty"]))],
+            [_valid(rng)],
+        ]
+        chosen = rng.sample(fragments, rng.randint(2, 3))
+        plan = [*lead, *[reply for fragment in chosen for reply in fragment], _FINAL]
     else:  # pragma: no cover - FAULTS is exhaustive
         raise ValueError(fault)
     return plan, settings
