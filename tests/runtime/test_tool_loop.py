@@ -307,6 +307,7 @@ async def test_hooks_see_every_step_and_can_replace_the_prompt() -> None:
     assert result.ok
     assert prompts == [(10, 2), (11, 4)]
     assert [r.step for r in records] == [10, 11] == [s.step for s in result.steps]
+    assert result.next_step == 12
     assert model.calls[0].messages[0].content == "compiled" and len(model.calls[1].messages) == 2
 
 

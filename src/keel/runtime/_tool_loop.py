@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from keel.errors import (
     ModelError,
     ModelTimeoutError,
     StepLimitError,
+    StoreError,
     TimeLimitError,
     ToolError,
 )
@@ -44,6 +46,8 @@ from keel.guards import (
 from keel.messages import Message, ToolCall, Usage
 from keel.models import ChatModel, Completion, ModelOptions
 from keel.tools import Tool, ToolExecutor, ToolJournal, ToolRegistry, ToolResult
+
+logger = logging.getLogger("keel.runtime")
 
 __all__ = ["LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]
 
@@ -181,6 +185,9 @@ class LoopResult(BaseModel):
         default_factory=list, description="Every error met on the way (tools, model, guards)."
     )
     usage: Usage = Field(default_factory=Usage, description="Tokens of all model calls.")
+    next_step: int = Field(
+        description="The step number the session's next run starts at (``first_step``)."
+    )
     duration_ms: float = Field(ge=0, description="Wall time of the run.")
     reverted: bool = Field(
         default=False, description="True when the revert_to_last_good hook was called."
@@ -403,7 +410,13 @@ class ToolLoop:
         """One step. Returns (kind, completion, message); raises _Stop to end the run."""
         prompt = await _call(self.hooks.before_model_call, run.step, list(run.history))
         sent = list(prompt) if prompt is not None else list(run.history)
-        decision = self.journal.decision(run.session_id, run.step)
+        try:
+            decision = self.journal.decision(run.session_id, run.step)
+        except StoreError:
+            # Replay is an optimisation of resume; each side-effecting call is still claimed
+            # in the journal before it runs, and refused if that claim cannot be written.
+            logger.exception("could not read the journalled decision of step %s", run.step)
+            decision = None
         completion: Completion | None = None
         if decision is not None:
             message = decision
@@ -459,7 +472,10 @@ class ToolLoop:
             (found := self.registry.get(call.name)) is not None and found.side_effect
             for call in message.tool_calls
         ):
-            message = self.journal.record_decision(run.session_id, run.step, message)
+            try:
+                message = self.journal.record_decision(run.session_id, run.step, message)
+            except StoreError:
+                logger.exception("could not journal the decision of step %s", run.step)
         run.history.append(message)
         await self._run_calls(
             run, completion, message, tool_failures, replayed=decision is not None
@@ -658,6 +674,7 @@ class ToolLoop:
             error_message=None if error is None else str(error),
             errors=list(run.errors),
             usage=run.usage,
+            next_step=run.step,
             duration_ms=(time.perf_counter() - run.started) * 1000,
             reverted=reverted,
             loops_detected=run.loops,
