@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from keel.errors import GuardError, ModelUnavailableError
 from keel.guards import GuardConfig, SpiralMonitor
@@ -95,8 +95,8 @@ class _Crash(BaseException):
 class Answer(BaseModel):
     """The structured answer of the structured-output fault."""
 
-    flight: str
-    seats: int
+    flight: str = Field(description="Flight number.")
+    seats: int = Field(description="Seats booked.")
 
 
 @dataclass
@@ -496,20 +496,30 @@ async def _one_run(
 class FaultBenchReport(BaseModel):
     """The figures of one ``keel bench faults`` run."""
 
-    runs: int
-    unhandled_exceptions: int
-    ended_within_limits: int
-    loops_detected: int
-    repairs: int
-    double_executions: int
-    state_reverted_on_limit: int
-    limit_hits: int
-    resumed_after_crash: int
-    killed_subprocesses: int
-    idempotent_reruns: int
-    seconds: float
-    by_fault: dict[str, dict[str, int]]
-    failures: list[str]
+    runs: int = Field(description="Runs in all, the SIGKILLed subprocess runs included.")
+    unhandled_exceptions: int = Field(description="Runs that raised instead of ending (target 0).")
+    ended_within_limits: int = Field(
+        description="Runs that ended within their step limit and wall-clock limit (target: all)."
+    )
+    loops_detected: int = Field(description="Loop detections (warnings and stops).")
+    repairs: int = Field(description="Tool calls whose arguments were repaired and then ran.")
+    double_executions: int = Field(
+        description="Non-idempotent side-effecting calls that ran twice for one key (target 0)."
+    )
+    state_reverted_on_limit: int = Field(
+        description="Runs stopped by a guard whose revert_to_last_good hook was called."
+    )
+    limit_hits: int = Field(description="Runs stopped by a guard (step, time, loop).")
+    resumed_after_crash: int = Field(description="Runs crashed mid-tool-call and resumed.")
+    killed_subprocesses: int = Field(description="Of those, real subprocesses SIGKILLed.")
+    idempotent_reruns: int = Field(
+        description="In-doubt idempotent calls run again on resume (allowed by their policy)."
+    )
+    seconds: float = Field(description="Wall time of the benchmark.")
+    by_fault: dict[str, dict[str, int]] = Field(
+        description="Per fault kind: runs, and how many ended with each status."
+    )
+    failures: list[str] = Field(description="The first unhandled exceptions, if any.")
 
 
 def run_fault_bench(
