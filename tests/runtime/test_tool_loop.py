@@ -388,3 +388,21 @@ async def test_tools_can_be_given_as_a_list() -> None:
     result = await ToolLoop(model, [add, get_weather]).arun(USER, session_id="s1")
     assert result.ok and result.steps[0].tool_results[0].content == "5"
     assert ToolLoop(model).registry.names == []
+
+
+async def test_results_serialize_for_traces_whatever_the_tools_return() -> None:
+    class Opaque:
+        def __str__(self) -> str:
+            return "opaque-object"
+
+    @tool
+    def fetch(key: str) -> Opaque:
+        """Fetch an object."""
+        return Opaque()
+
+    model = ScriptedModel([call("fetch", {"key": "k"}), "Fetched."])
+    result = await ToolLoop(model, [fetch]).arun(USER, session_id="s1")
+    dumped = json.loads(result.model_dump_json())
+    assert dumped["steps"][0]["tool_results"][0]["output"] == "opaque-object"
+    assert dumped["status"] == "completed" and "error" not in dumped
+    assert LoopResult.model_fields["error"].exclude

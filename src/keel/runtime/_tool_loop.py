@@ -21,7 +21,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic_core import to_jsonable_python
 
 from keel.errors import (
     GuardError,
@@ -197,6 +198,10 @@ class LoopResult(BaseModel):
     spiral: SpiralSnapshot | None = Field(
         default=None, description="Death-spiral indicators of the session after the run."
     )
+
+    @field_serializer("output")
+    def _serialize_output(self, output: Any) -> Any:
+        return to_jsonable_python(output, fallback=str)
 
     @property
     def ok(self) -> bool:

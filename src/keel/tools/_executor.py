@@ -13,7 +13,8 @@ import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer
+from pydantic_core import to_jsonable_python
 
 from keel.errors import (
     KeelError,
@@ -77,6 +78,11 @@ class ToolResult(BaseModel):
     )
     attempt: int = Field(default=0, ge=0, description="Which start of the tool this was.")
     latency_ms: float = Field(default=0.0, ge=0, description="Wall time of the call.")
+
+    @field_serializer("output")
+    def _serialize_output(self, output: Any) -> Any:
+        # Traces must serialize whatever a tool returned; unknown types become their str().
+        return to_jsonable_python(output, fallback=str)
 
     @property
     def ok(self) -> bool:
