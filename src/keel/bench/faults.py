@@ -76,8 +76,8 @@ FAULTS = (
 _GUARDS = GuardConfig(
     max_steps=8,
     run_timeout_s=2.0,
-    model_timeout_s=0.05,
-    tool_timeout_s=0.05,
+    model_timeout_s=0.1,
+    tool_timeout_s=0.1,
     max_output_chars=500,
 )
 _SLOW_GUARDS = _GUARDS.model_copy(update={"run_timeout_s": 0.15})

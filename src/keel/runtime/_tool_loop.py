@@ -8,7 +8,21 @@ typed error when the run could not finish.
 
 It knows nothing of state, memory or context: the agent plugs those in through
 :class:`LoopHooks` (compile the prompt and checkpoint before each model call, trace after each
-step, fingerprint the state, revert it when a limit is hit).
+step, fingerprint the state, revert it when a limit is hit)::
+
+    from keel.runtime import LoopHooks, ToolLoop
+    from keel.stores import SQLiteDatabase, SQLiteToolJournal
+
+    loop = ToolLoop(
+        model,
+        [search_flights, book_flight],              # @tool functions, or a ToolRegistry
+        guards=GuardConfig(max_steps=12, run_timeout_s=60),
+        journal=SQLiteToolJournal(SQLiteDatabase("keel.db")),
+        hooks=LoopHooks(before_model_call=checkpoint, revert_to_last_good=revert),
+    )
+    result = await loop.arun(messages, session_id="user-42", first_step=next_step)
+    reply = result.text                             # always a clean message for the user
+    result.raise_for_status()                       # or inspect result.status / result.error
 """
 
 from __future__ import annotations
