@@ -9,13 +9,19 @@ from __future__ import annotations
 from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
+from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 
 __all__ = [
     "CORE_MIGRATIONS",
+    "JOURNAL_MIGRATIONS",
+    "POSTGRES_JOURNAL_MIGRATIONS",
     "Migration",
     "MigrationSet",
+    "PostgresToolJournal",
     "SQLiteDatabase",
+    "SQLiteToolJournal",
     "open_database",
     "translate_sqlite_error",
 ]
