@@ -222,6 +222,13 @@ def _percentile(values: Sequence[float], fraction: float) -> float:
     return ordered[index]
 
 
+def _spread(values: Sequence[int]) -> list[float]:
+    if len(values) < 2:
+        return [float(v) for v in values] * 2
+    deciles = statistics.quantiles(values, n=10)
+    return [round(deciles[0], 1), round(deciles[-1], 1)]
+
+
 def _langchain_baseline(
     counter_of: Callable[[Message], int], priming: int, limit: int
 ) -> tuple[Callable[[Message], None], Callable[[], dict[str, Any]]]:
@@ -425,6 +432,8 @@ def run_context_benchmark(
         if prompt_100 and prompt_last
         else None,
         "prompt_tokens_mean": round(statistics.fmean(first_prompt_tokens), 1),
+        # Spread of the per-turn prompt once the summary is established (turn 100 on).
+        "prompt_tokens_p10_p90": _spread(first_prompt_tokens[min(99, turns - 1) :]),
         "assembly_ms_p50": round(_percentile(assembly_ms, 0.50), 4),
         "assembly_ms_p99": round(_percentile(assembly_ms, 0.99), 4),
         "assembly_ms_max": round(max(assembly_ms), 4),
