@@ -11,6 +11,8 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from keel.messages import Message
 
 __all__ = [
@@ -68,7 +70,8 @@ def _overwrite(current: Any, update: Any) -> Any:
 def _items(update: Any) -> list[Any]:
     if isinstance(update, (list, tuple)):
         return list(update)
-    if isinstance(update, (str, bytes, Mapping)) or not isinstance(update, Iterable):
+    # Pydantic models are iterable (over their fields) but are single items here.
+    if isinstance(update, (str, bytes, Mapping, BaseModel)) or not isinstance(update, Iterable):
         return [update]
     return list(update)
 
