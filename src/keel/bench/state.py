@@ -171,9 +171,9 @@ def _langgraph_sqlite(steps: int, directory: Path) -> dict[str, Any]:
     conn.execute("PRAGMA synchronous=NORMAL")
     saver = SqliteSaver(conn)
     saver.setup()
-    config: dict[str, Any] = {"configurable": {"thread_id": "bench", "checkpoint_ns": ""}}
+    config: Any = {"configurable": {"thread_id": "bench", "checkpoint_ns": ""}}
     messages: list[Any] = []
-    checkpoint = empty_checkpoint()
+    checkpoint: Any = empty_checkpoint()
     started = time.perf_counter()
     for k in range(1, steps + 1):
         text = message_text(k)
@@ -188,16 +188,16 @@ def _langgraph_sqlite(steps: int, directory: Path) -> dict[str, Any]:
         }
         config = saver.put(
             config,
-            checkpoint,  # type: ignore[arg-type]
-            {"source": "loop", "step": k, "parents": {}},  # type: ignore[typeddict-item]
+            checkpoint,
+            {"source": "loop", "step": k, "parents": {}},
             {"messages": k, "step": k},
         )
     elapsed = time.perf_counter() - started
     read_ms = []
-    latest = {"configurable": {"thread_id": "bench", "checkpoint_ns": ""}}
+    latest: Any = {"configurable": {"thread_id": "bench", "checkpoint_ns": ""}}
     for _ in range(30):
         t0 = time.perf_counter()
-        found = saver.get_tuple(latest)  # type: ignore[arg-type]
+        found = saver.get_tuple(latest)
         read_ms.append((time.perf_counter() - t0) * 1000)
     assert found is not None and len(found.checkpoint["channel_values"]["messages"]) == steps
     conn.close()
@@ -245,9 +245,13 @@ def run_state_bench(
 
     say = progress or (lambda _text: None)
     results: dict[str, Any] = {"backends": {}}
-    with tempfile.TemporaryDirectory(prefix="keel-bench-state-") as tmp, _servers(
-        postgres_url, redis_url, "postgres" in backends, "redis" in backends
-    ) as (pg_url, rd_url):
+    with (
+        tempfile.TemporaryDirectory(prefix="keel-bench-state-") as tmp,
+        _servers(postgres_url, redis_url, "postgres" in backends, "redis" in backends) as (
+            pg_url,
+            rd_url,
+        ),
+    ):
         directory = Path(tmp)
         if "sqlite" in backends:
             say("sqlite ...")

@@ -36,6 +36,8 @@ class StoredCheckpoint:
         """Bytes of the payload."""
         if self.payload_size is not None:
             return self.payload_size
+        if self.payload.isascii():
+            return len(self.payload)
         return len(self.payload.encode())
 
 

@@ -103,13 +103,19 @@ def _add_messages(current: Any, update: Any) -> Any:
     a reducer, and it is explicit (same id), never by content.
     """
     result: list[Message] = list(current or ())
+    incoming = [
+        item if isinstance(item, Message) else Message.model_validate(item)
+        for item in _items(update)
+    ]
     positions: dict[str, int] = {}
-    for index, message in enumerate(result):
-        key = _message_id(message)
-        if key is not None:
-            positions[key] = index
-    for item in _items(update):
-        message = item if isinstance(item, Message) else Message.model_validate(item)
+    # Index the existing ids only when an incoming message carries one (the common case,
+    # plain appends, stays O(update)).
+    if any(_message_id(message) is not None for message in incoming):
+        for index, message in enumerate(result):
+            key = _message_id(message)
+            if key is not None:
+                positions[key] = index
+    for message in incoming:
         key = _message_id(message)
         if key is not None and key in positions:
             result[positions[key]] = message

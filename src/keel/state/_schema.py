@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, get_args, get_origin, get_type_hints
 
+import typing_extensions
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from keel.errors import StateDefinitionError, StateMigrationError, StateValidationError
@@ -22,6 +23,13 @@ from keel.state._reducers import Reducer, find_reducer, overwrite
 __all__ = ["JSONState", "StateMigration", "StateSchema"]
 
 S = TypeVar("S")
+
+_WRAPPERS = (
+    typing.Required,
+    typing.NotRequired,
+    typing_extensions.Required,
+    typing_extensions.NotRequired,
+)
 
 JSONState = dict[str, Any]
 """A state as plain JSON data: field name -> JSON value."""
@@ -92,7 +100,7 @@ class StateSchema(Generic[S]):
                     raise StateDefinitionError(f"{self.name}.{field_name}: {exc}") from exc
                 self.fields[field_name] = _Field(field_name, found or overwrite, info.is_required())
             self._adapter: TypeAdapter[Any] | None = None
-        elif typing.is_typeddict(state_type):
+        elif typing_extensions.is_typeddict(state_type):
             try:
                 self._adapter = TypeAdapter(state_type)
             except Exception as exc:
@@ -101,11 +109,14 @@ class StateSchema(Generic[S]):
                     "Python 3.11 declare it with typing_extensions.TypedDict"
                 ) from exc
             hints = get_type_hints(state_type, include_extras=True)
-            required_keys = cast(frozenset[str], state_type.__required_keys__)
+            # __required_keys__ is wrong under postponed annotations: decide from the hints.
+            total = bool(getattr(state_type, "__total__", True))
             for field_name, hint in hints.items():
                 metadata: tuple[Any, ...] = ()
+                required = total
                 # Required[...] / NotRequired[...] may wrap the Annotated.
-                while get_origin(hint) in (typing.Required, typing.NotRequired):
+                while get_origin(hint) in _WRAPPERS:
+                    required = get_origin(hint) in (typing.Required, typing_extensions.Required)
                     hint = get_args(hint)[0]
                 if get_origin(hint) is typing.Annotated:
                     metadata = tuple(getattr(hint, "__metadata__", ()))
@@ -113,9 +124,7 @@ class StateSchema(Generic[S]):
                     found = find_reducer(metadata)
                 except TypeError as exc:
                     raise StateDefinitionError(f"{self.name}.{field_name}: {exc}") from exc
-                self.fields[field_name] = _Field(
-                    field_name, found or overwrite, field_name in required_keys
-                )
+                self.fields[field_name] = _Field(field_name, found or overwrite, required)
         else:
             raise StateDefinitionError(
                 f"state type {state_type!r} must be a Pydantic BaseModel subclass or a TypedDict"
@@ -292,7 +301,7 @@ def _typed_dict_field_adapter(state_type: Any, field: str) -> TypeAdapter[Any]:
     adapter = _ADAPTERS.get(key)
     if adapter is None:
         hint = get_type_hints(state_type, include_extras=True)[field]
-        while get_origin(hint) in (typing.Required, typing.NotRequired):
+        while get_origin(hint) in _WRAPPERS:
             hint = get_args(hint)[0]
         adapter = TypeAdapter(hint)
         _ADAPTERS[key] = adapter

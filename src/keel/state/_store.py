@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import operator
 import secrets
 import threading
 import time
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from keel.errors import (
     ConflictError,
@@ -58,6 +59,7 @@ class _Base:
     stored_schema_version: int
     data: JSONState
     values: dict[str, Any]
+    state: Any
 
 
 def _seconds(value: float | timedelta | None) -> float | None:
@@ -183,6 +185,7 @@ class StateStore(Generic[S]):
             stored_schema_version=last.schema_version,
             data=migrated,
             values=self.schema.field_values(state),
+            state=state,
         )
         return base, state, last
 
@@ -261,28 +264,47 @@ class StateStore(Generic[S]):
             raise ConflictError(session_id, expected_version, base.version)
         return base
 
-    def _encode(self, base: _Base, state: S) -> tuple[JSONState, dict[str, Any]]:
-        """The new state's JSON and Python field values, reusing the base's JSON where unchanged."""
+    def _encode(
+        self, base: _Base, state: S
+    ) -> tuple[JSONState, dict[str, Any], dict[str, Any] | None]:
+        """The new state's JSON, its Python field values and, when it falls out of the
+        comparison for free, the delta against the base (None: compute it from the JSON)."""
         values = self.schema.field_values(state)
-        if self._fast_path and base.stored_schema_version == self.schema.version:
-            data: JSONState = {}
-            for name, value in values.items():
-                old = base.values.get(name, _MISSING)
-                if old is value:
+        if not (self._fast_path and base.stored_schema_version == self.schema.version):
+            return self.schema.to_json(state), values, None
+        data: JSONState = {}
+        sets: dict[str, Any] = {}
+        extends: dict[str, Any] = {}
+        for name, value in values.items():
+            old = base.values.get(name, _MISSING)
+            if old is value:
+                data[name] = base.data[name]
+                continue
+            if (
+                isinstance(value, list)
+                and isinstance(old, list)
+                and len(value) >= len(old)
+                and all(map(operator.is_, old, value))
+            ):
+                # The same objects plus a tail: only the tail is new (append-only growth).
+                if len(value) == len(old):
                     data[name] = base.data[name]
                     continue
-                if (
-                    isinstance(value, list)
-                    and isinstance(old, list)
-                    and len(value) >= len(old)
-                    and all(a is b for a, b in zip(old, value, strict=False))
-                ):
-                    tail = self.schema.field_to_json(name, value[len(old) :])
-                    data[name] = [*base.data[name], *tail]
-                    continue
-                data[name] = self.schema.field_to_json(name, value)
-            return data, values
-        return self.schema.to_json(state), values
+                tail = self.schema.field_to_json(name, value[len(old) :])
+                data[name] = [*base.data[name], *tail]
+                extends[name] = tail
+                continue
+            data[name] = self.schema.field_to_json(name, value)
+            if name not in base.data or data[name] != base.data[name]:
+                sets[name] = data[name]
+        if set(base.data) - set(data):
+            return data, values, None
+        delta: dict[str, Any] = {}
+        if sets:
+            delta["set"] = sets
+        if extends:
+            delta["extend"] = extends
+        return data, values, delta
 
     def _write(
         self,
@@ -298,7 +320,7 @@ class StateStore(Generic[S]):
             raise UsageError("a checkpoint needs a reason")
         if step is not None and step < 0:
             raise UsageError(f"step must be >= 0, got {step}")
-        data, values = self._encode(base, state)
+        data, values, delta = self._encode(base, state)
         version = base.version + 1
         full = (
             base.stored_schema_version != self.schema.version
@@ -307,7 +329,9 @@ class StateStore(Generic[S]):
         if full:
             payload = encode_full(data)
         else:
-            payload = json.dumps(diff(base.data, data), separators=(",", ":"), ensure_ascii=False)
+            if delta is None:
+                delta = diff(base.data, data)
+            payload = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
         row = StoredCheckpoint(
             version=version,
             created_at=self.clock(),
@@ -338,6 +362,7 @@ class StateStore(Generic[S]):
             stored_schema_version=self.schema.version,
             data=data,
             values=values,
+            state=state,
         )
         self._remember(new_base)
         return Checkpoint(_info(base.session_id, row), state)
@@ -399,6 +424,7 @@ class StateStore(Generic[S]):
                 self.schema.version,
                 data,
                 self.schema.field_values(typed),
+                typed,
             )
         return Checkpoint(_info(session_id, row), typed)
 
@@ -443,8 +469,7 @@ class StateStore(Generic[S]):
             StateValidationError: an unknown field or an invalid result.
         """
         base = self._base_for(session_id, expected_version)
-        current = self.schema.validate(base.values)
-        new_state = self.schema.apply(current, update)
+        new_state = self.schema.apply(cast(S, base.state), update)
         return self._write(base, new_state, reason=reason, step=step, good=good)
 
     def transact(
