@@ -18,9 +18,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar, cast
+
+from pydantic import BaseModel
 
 from keel.errors import (
     ConflictError,
@@ -60,6 +62,30 @@ class _Base:
     data: JSONState
     values: dict[str, Any]
     state: Any
+
+
+_IMMUTABLE: dict[type, bool] = {
+    str: True,
+    int: True,
+    float: True,
+    bool: True,
+    bytes: True,
+    type(None): True,
+}
+
+
+def _immutable(kind: type) -> bool:
+    """Whether values of this type cannot change in place (scalars, frozen Pydantic models),
+    so an identical object is known to serialise as it did before."""
+    known = _IMMUTABLE.get(kind)
+    if known is None:
+        known = (
+            isinstance(kind, type)
+            and issubclass(kind, BaseModel)
+            and bool(kind.model_config.get("frozen"))
+        )
+        _IMMUTABLE[kind] = known
+    return known
 
 
 def _seconds(value: float | timedelta | None) -> float | None:
@@ -247,6 +273,12 @@ class StateStore(Generic[S]):
     # --- writing ------------------------------------------------------------------------------
 
     def _remember(self, base: _Base) -> None:
+        # Keep our own list objects: a caller appending to the state's list in place must not
+        # change the base the next delta is computed against.
+        base = replace(
+            base,
+            values={k: list(v) if isinstance(v, list) else v for k, v in base.values.items()},
+        )
         with self._cache_lock:
             current = self._cache.get(base.session_id)
             if current is None or current.epoch != base.epoch or current.version <= base.version:
@@ -277,7 +309,7 @@ class StateStore(Generic[S]):
         extends: dict[str, Any] = {}
         for name, value in values.items():
             old = base.values.get(name, _MISSING)
-            if old is value:
+            if old is value and _immutable(type(value)):
                 data[name] = base.data[name]
                 continue
             if (
@@ -285,6 +317,7 @@ class StateStore(Generic[S]):
                 and isinstance(old, list)
                 and len(value) >= len(old)
                 and all(map(operator.is_, old, value))
+                and all(map(_immutable, set(map(type, old))))
             ):
                 # The same objects plus a tail: only the tail is new (append-only growth).
                 if len(value) == len(old):
@@ -414,8 +447,8 @@ class StateStore(Generic[S]):
             ttl=_seconds(ttl) if ttl is not None else self.default_ttl,
             now=now,
         )
-        with self._cache_lock:
-            self._cache[session_id] = _Base(
+        self._remember(
+            _Base(
                 session_id,
                 1,
                 epoch,
@@ -426,6 +459,7 @@ class StateStore(Generic[S]):
                 self.schema.field_values(typed),
                 typed,
             )
+        )
         return Checkpoint(_info(session_id, row), typed)
 
     def checkpoint(
