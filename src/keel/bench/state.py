@@ -300,6 +300,14 @@ def run_state_bench(
         "message_chars": len(message_text(1)),
         "writers": writers,
         "increments_per_writer": increments,
+        "keel": "StateStore.update per step (add_messages reducer, validation, compare-and-set, "
+        "delta + full snapshot every 100 versions); read = load of the head from a new store",
+        "langgraph": "SqliteSaver.put per step with the whole message list in channel_values "
+        "(what a StateGraph with an add_messages channel hands it); read = get_tuple",
+        "sqlite_settings": "both files WAL + synchronous=NORMAL; bytes = file after "
+        "wal_checkpoint(TRUNCATE)",
+        "server_bytes": "postgres: pg_total_relation_size of keel_state tables; redis: MEMORY "
+        "USAGE of keel keys",
     }
     return results
 
