@@ -74,6 +74,16 @@ _COLUMNS = (
 )
 
 
+def _redacted(url: str) -> str:
+    """The URL without its password."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}@{host}" if user else f"{scheme}://{host}"
+
+
 def _row(values: Any, payload_size: int | None = None) -> StoredCheckpoint:
     return StoredCheckpoint(
         version=int(values[0]),
@@ -114,19 +124,24 @@ class PostgresStateBackend(StateBackend):
             ) from exc
         self._psycopg = psycopg
         self.url = url
+        self._pool = ConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=timeout,
+            kwargs={"prepare_threshold": None, "autocommit": False},
+            open=False,
+        )
         try:
-            self._pool = ConnectionPool(
-                url,
-                min_size=min_size,
-                max_size=max_size,
-                timeout=timeout,
-                kwargs={"prepare_threshold": None, "autocommit": False},
-                open=True,
-            )
-            self._pool.wait(timeout=timeout)
+            self._pool.open(wait=True, timeout=timeout)
+            self.setup()
         except Exception as exc:
-            raise BackendUnavailableError(f"cannot connect to PostgreSQL: {exc}") from exc
-        self.setup()
+            self._pool.close()
+            if isinstance(exc, StoreError):
+                raise
+            raise BackendUnavailableError(
+                f"cannot connect to PostgreSQL at {_redacted(url)}: {exc}"
+            ) from exc
 
     @contextmanager
     def _tx(self) -> Iterator[Any]:

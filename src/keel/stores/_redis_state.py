@@ -207,7 +207,9 @@ class RedisStateBackend(StateBackend):
         try:
             self._client.ping()
         except redis.RedisError as exc:
-            raise BackendUnavailableError(f"Redis at {url} is unavailable: {exc}") from exc
+            self._client.close()
+            host = url.rpartition("@")[2]
+            raise BackendUnavailableError(f"Redis at {host} is unavailable: {exc}") from exc
         self._write = self._client.register_script(_WRITE)
         self._read = self._client.register_script(_READ)
         self._history = self._client.register_script(_HISTORY)
