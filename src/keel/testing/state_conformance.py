@@ -546,15 +546,42 @@ class StateBackendConformance:
             for opened in backends:
                 opened.close()
 
-    def _worker(self, url: str, session: str, mode: str, steps: int) -> subprocess.Popen[str]:
+    def _worker(
+        self, url: str, session: str, mode: str, steps: int, *extra: str
+    ) -> subprocess.Popen[str]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        command = [sys.executable, "-m", "keel.testing._state_worker", url, session, mode]
         return subprocess.Popen(
-            [sys.executable, "-m", "keel.testing._state_worker", url, session, mode, str(steps)],
+            [*command, str(steps), *extra],
+            stdin=subprocess.PIPE if mode == "increment" else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
+
+    def test_concurrent_writer_processes_lose_nothing(self, state_backend_url: str) -> None:
+        processes_n, increments = 4, 8
+        setup = StateStore(open_state_backend(state_backend_url), CounterState)
+        setup.create("procs", CounterState())
+        workers = [
+            self._worker(state_backend_url, "procs", "increment", increments, f"p{i}")
+            for i in range(processes_n)
+        ]
+        for worker in workers:
+            assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+        for worker in workers:
+            _out, err = worker.communicate(timeout=120)
+            assert worker.returncode == 0, err
+        final = setup.load("procs")
+        setup.close()
+        assert final.state.counter == processes_n * increments
+        expected = {f"p{i}:{j}" for i in range(processes_n) for j in range(increments)}
+        assert sorted(final.state.items) == sorted(expected)
 
     @staticmethod
     def _check_consistent(url: str, session: str) -> tuple[int, str, int]:
