@@ -74,6 +74,60 @@ _COLUMNS = (
 )
 
 
+_READ_CHAIN = f"""
+WITH h AS (
+    SELECT version, epoch, last_full, ttl, expires_at FROM keel_state_sessions
+    WHERE session_id = %(sid)s
+), t AS (
+    SELECT coalesce(%(v)s::integer, h.version) AS target FROM h
+), b AS (
+    SELECT max(c.version) AS base FROM keel_state_checkpoints c, t
+    WHERE c.session_id = %(sid)s AND c.kind = 'full' AND c.version <= t.target
+)
+SELECT h.version, h.epoch, h.last_full, h.ttl, h.expires_at, t.target,
+       {", ".join("c." + name.strip() for name in _COLUMNS.split(","))}
+FROM h CROSS JOIN t LEFT JOIN b ON true
+LEFT JOIN keel_state_checkpoints c
+    ON c.session_id = %(sid)s AND c.version >= b.base AND c.version <= t.target
+    AND t.target <= h.version AND t.target >= 1
+ORDER BY c.version
+"""
+
+_APPEND = f"""
+WITH head AS (
+    UPDATE keel_state_sessions SET
+        version = %(version)s::integer,
+        updated_at = %(now)s::double precision,
+        last_full = CASE WHEN %(full)s::boolean THEN %(version)s::integer ELSE last_full END,
+        expires_at = CASE WHEN ttl IS NULL THEN NULL ELSE %(now)s::double precision + ttl END
+    WHERE session_id = %(sid)s AND version = %(expected)s::integer AND epoch = %(epoch)s
+        AND (expires_at IS NULL OR expires_at > %(now)s::double precision)
+    RETURNING session_id
+)
+INSERT INTO keel_state_checkpoints (session_id, {_COLUMNS})
+SELECT head.session_id, %(version)s::integer, %(created_at)s::double precision,
+    %(step)s::integer, %(reason)s::text, %(kind)s::text, %(payload)s::text,
+    %(schema_name)s::text, %(schema_version)s::integer, %(good)s::boolean,
+    %(forked_from)s::text
+FROM head
+"""
+
+
+def _values(row: StoredCheckpoint) -> tuple[Any, ...]:
+    return (
+        row.version,
+        row.created_at,
+        row.step,
+        row.reason,
+        row.kind,
+        row.payload,
+        row.schema_name,
+        row.schema_version,
+        row.good,
+        row.forked_from,
+    )
+
+
 def _redacted(url: str) -> str:
     """The URL without its password."""
     if "@" not in url:
@@ -129,7 +183,7 @@ class PostgresStateBackend(StateBackend):
             min_size=min_size,
             max_size=max_size,
             timeout=timeout,
-            kwargs={"prepare_threshold": None, "autocommit": False},
+            kwargs={"prepare_threshold": None, "autocommit": True},
             open=False,
         )
         try:
@@ -144,12 +198,20 @@ class PostgresStateBackend(StateBackend):
             ) from exc
 
     @contextmanager
-    def _tx(self) -> Iterator[Any]:
-        """One transaction on a pooled connection; driver errors translated."""
+    def _tx(self, *, single: bool = False) -> Iterator[Any]:
+        """One transaction on a pooled connection; driver errors translated.
+
+        ``single=True`` runs one statement in autocommit (itself atomic): one round trip.
+        """
         psycopg = self._psycopg
         try:
-            with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-                yield cur
+            with self._pool.connection() as conn:
+                if single:
+                    with conn.cursor() as cur:
+                        yield cur
+                else:
+                    with conn.transaction(), conn.cursor() as cur:
+                        yield cur
         except (ConflictError, ExpiredError):
             raise
         except psycopg.OperationalError as exc:
@@ -211,24 +273,21 @@ class PostgresStateBackend(StateBackend):
             )
 
     def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        with self._tx() as cur:
-            # REPEATABLE READ: the head and the rows come from one snapshot.
-            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            head = self._head(cur, session_id)
-            if head is None:
-                return None
-            self._check_live(head, now)
-            target = head.version if version is None else version
-            if target > head.version or target < 1:
-                return None
-            cur.execute(
-                f"SELECT {_COLUMNS} FROM keel_state_checkpoints WHERE session_id = %s "
-                "AND version <= %s AND version >= (SELECT max(version) FROM "
-                "keel_state_checkpoints WHERE session_id = %s AND version <= %s "
-                "AND kind = 'full') ORDER BY version",
-                (session_id, target, session_id, target),
-            )
-            rows = [_row(values) for values in cur.fetchall()]
+        # One statement, so one snapshot: the head and the rows always agree.
+        with self._tx(single=True) as cur:
+            cur.execute(_READ_CHAIN, {"sid": session_id, "v": version})
+            found = cur.fetchall()
+        if not found:
+            return None
+        first = found[0]
+        head = SessionHead(
+            session_id, int(first[0]), str(first[1]), int(first[2]), first[3], first[4]
+        )
+        self._check_live(head, now)
+        if first[6] is None:  # no such version stored
+            return None
+        target = int(first[5])
+        rows = [_row(values[6:]) for values in found]
         if not rows or rows[-1].version != target or rows[0].kind != "full":
             return None
         if len(rows) != target - rows[0].version + 1:
@@ -246,12 +305,38 @@ class PostgresStateBackend(StateBackend):
         ttl: float | None,
         now: float,
     ) -> None:
+        if expected_version is not None:
+            self._append(session_id, row, expected_version, expected_epoch, now)
+            return
         with self._tx() as cur:
-            if expected_version is None:
+            cur.execute(
+                "INSERT INTO keel_state_sessions (session_id, version, epoch, last_full, "
+                "ttl, expires_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (session_id) DO NOTHING",
+                (
+                    session_id,
+                    row.version,
+                    new_epoch,
+                    row.version,
+                    ttl,
+                    None if ttl is None else now + ttl,
+                    now,
+                ),
+            )
+            if cur.rowcount != 1:
+                head = self._head(cur, session_id, for_update=True)
+                if head is not None and (head.expires_at is None or head.expires_at > now):
+                    raise ConflictError(session_id, None, head.version)
+                cur.execute(
+                    "DELETE FROM keel_state_checkpoints WHERE session_id = %s", (session_id,)
+                )
                 cur.execute(
                     "INSERT INTO keel_state_sessions (session_id, version, epoch, last_full, "
                     "ttl, expires_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-                    "ON CONFLICT (session_id) DO NOTHING",
+                    "ON CONFLICT (session_id) DO UPDATE SET version = excluded.version, "
+                    "epoch = excluded.epoch, last_full = excluded.last_full, "
+                    "ttl = excluded.ttl, expires_at = excluded.expires_at, "
+                    "updated_at = excluded.updated_at",
                     (
                         session_id,
                         row.version,
@@ -262,75 +347,51 @@ class PostgresStateBackend(StateBackend):
                         now,
                     ),
                 )
-                if cur.rowcount != 1:
-                    head = self._head(cur, session_id, for_update=True)
-                    if head is not None and (head.expires_at is None or head.expires_at > now):
-                        raise ConflictError(session_id, None, head.version)
-                    cur.execute(
-                        "DELETE FROM keel_state_checkpoints WHERE session_id = %s", (session_id,)
-                    )
-                    cur.execute(
-                        "INSERT INTO keel_state_sessions (session_id, version, epoch, last_full, "
-                        "ttl, expires_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-                        "ON CONFLICT (session_id) DO UPDATE SET version = excluded.version, "
-                        "epoch = excluded.epoch, last_full = excluded.last_full, "
-                        "ttl = excluded.ttl, expires_at = excluded.expires_at, "
-                        "updated_at = excluded.updated_at",
-                        (
-                            session_id,
-                            row.version,
-                            new_epoch,
-                            row.version,
-                            ttl,
-                            None if ttl is None else now + ttl,
-                            now,
-                        ),
-                    )
-            else:
-                cur.execute(
-                    "UPDATE keel_state_sessions SET version = %s, updated_at = %s, "
-                    "last_full = CASE WHEN %s THEN %s ELSE last_full END, "
-                    "expires_at = CASE WHEN ttl IS NULL THEN NULL ELSE %s + ttl END "
-                    "WHERE session_id = %s AND version = %s AND epoch = %s "
-                    "AND (expires_at IS NULL OR expires_at > %s)",
-                    (
-                        row.version,
-                        now,
-                        row.kind == "full",
-                        row.version,
-                        now,
-                        session_id,
-                        expected_version,
-                        expected_epoch,
-                        now,
-                    ),
-                )
-                if cur.rowcount != 1:
-                    cur.execute(
-                        "SELECT version FROM keel_state_sessions WHERE session_id = %s",
-                        (session_id,),
-                    )
-                    found = cur.fetchone()
-                    raise ConflictError(
-                        session_id, expected_version, None if found is None else int(found[0])
-                    )
             cur.execute(
                 f"INSERT INTO keel_state_checkpoints (session_id, {_COLUMNS}) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (
-                    session_id,
-                    row.version,
-                    row.created_at,
-                    row.step,
-                    row.reason,
-                    row.kind,
-                    row.payload,
-                    row.schema_name,
-                    row.schema_version,
-                    row.good,
-                    row.forked_from,
-                ),
+                (session_id, *_values(row)),
             )
+
+    def _append(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        expected_version: int,
+        expected_epoch: str | None,
+        now: float,
+    ) -> None:
+        # The version check, the head move and the row insert are one statement: atomic in
+        # autocommit, one round trip. A concurrent writer blocks on the head's row lock and
+        # then finds the version moved on, so its insert selects nothing.
+        with self._tx(single=True) as cur:
+            cur.execute(
+                _APPEND,
+                {
+                    "sid": session_id,
+                    "expected": expected_version,
+                    "epoch": expected_epoch,
+                    "now": now,
+                    "full": row.kind == "full",
+                    "version": row.version,
+                    "created_at": row.created_at,
+                    "step": row.step,
+                    "reason": row.reason,
+                    "kind": row.kind,
+                    "payload": row.payload,
+                    "schema_name": row.schema_name,
+                    "schema_version": row.schema_version,
+                    "good": row.good,
+                    "forked_from": row.forked_from,
+                },
+            )
+            if cur.rowcount == 1:
+                return
+            cur.execute(
+                "SELECT version FROM keel_state_sessions WHERE session_id = %s", (session_id,)
+            )
+            found = cur.fetchone()
+        raise ConflictError(session_id, expected_version, None if found is None else int(found[0]))
 
     def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
         with self._tx() as cur:
