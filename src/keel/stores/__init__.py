@@ -12,12 +12,11 @@ from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
-from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
+from keel.stores._sqlite_state import SQLiteStateBackend
 from keel.stores._state import open_state_backend
 
 __all__ = [
     "CORE_MIGRATIONS",
-    "STATE_MIGRATIONS",
     "Migration",
     "MigrationSet",
     "PostgresStateBackend",
