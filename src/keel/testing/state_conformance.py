@@ -376,11 +376,11 @@ class StateBackendConformance:
         other_backend = open_state_backend(state_backend_url)
         other = StateStore(other_backend, CounterState)
         try:
-            slow = store.session_lock("s", ttl=0.3)
+            slow = store.session_lock("s", ttl=1.0)
             assert slow.acquire()
             read = store.load("s")
             assert not other.session_lock("s", ttl=5).acquire(wait=0.05)
-            time.sleep(0.45)  # the slow writer stalls; its lease expires
+            time.sleep(1.2)  # the slow writer stalls; its lease expires
             with other.lock("s", ttl=5, wait=2):
                 other.update("s", {"counter": 5}, expected_version=cp.version)
             with pytest.raises(ConflictError):  # fencing: its lease is gone, its version stale
@@ -421,14 +421,17 @@ class StateBackendConformance:
         setup.create("order-1024", OrderState(order_id=1024, shipping_address="1 Old Road"))
         setup.close()
         both_read = threading.Barrier(2)
+        cancel_committed = threading.Event()
         outcome: dict[str, Any] = {}
 
-        def agent(name: str, think_s: float) -> None:
+        def agent(name: str) -> None:
             store = StateStore(open_state_backend(state_backend_url), OrderState)
             try:
                 current = store.load("order-1024")
-                both_read.wait()
-                time.sleep(think_s)  # the model call
+                both_read.wait()  # both hold version 1 now
+                if name == "address":
+                    # Its model call takes longer: it writes after the cancel committed.
+                    cancel_committed.wait(timeout=30)
                 conflicts = 0
                 while True:
                     state = current.state
@@ -453,6 +456,8 @@ class StateBackendConformance:
                             reason="after_transition",
                         )
                         outcome[name] = (conflicts, reply)
+                        if name == "cancel":
+                            cancel_committed.set()
                         return
                     except ConflictError:
                         conflicts += 1
@@ -461,8 +466,8 @@ class StateBackendConformance:
                 store.close()
 
         threads = [
-            threading.Thread(target=agent, args=("cancel", 0.0)),
-            threading.Thread(target=agent, args=("address", 0.15)),
+            threading.Thread(target=agent, args=("cancel",)),
+            threading.Thread(target=agent, args=("address",)),
         ]
         for thread in threads:
             thread.start()
@@ -638,7 +643,7 @@ class StateBackendConformance:
             assert ready.startswith("ready"), ready + (
                 process.stderr.read() if process.stderr else ""
             )
-            seen = [0]
+            seen = [int(ready.split()[1])]
 
             def drain(stream: Any = process.stdout, seen: list[int] = seen) -> None:
                 for line in stream:
