@@ -49,3 +49,38 @@ def test_bench_state_rejects_unknown_backend() -> None:
         env=os.environ.copy(),
     )
     assert result.returncode == 2 and "unknown backend" in result.stderr
+
+
+def test_bench_refuses_a_database_with_keel_state(postgres_url: str) -> None:
+    import pytest
+
+    from keel.bench.state import run_state_bench
+    from keel.errors import UsageError
+    from keel.state import StateStore
+    from keel.stores import PostgresStateBackend
+    from keel.testing._state_models import CounterState
+
+    store = StateStore(PostgresStateBackend(postgres_url), CounterState)
+    store.create("real-user-session", CounterState(counter=7))
+    with pytest.raises(UsageError, match="already holds keel state"):
+        run_state_bench(steps=5, backends=("postgres",), postgres_url=postgres_url, langgraph=False)
+    assert store.load("real-user-session").state.counter == 7
+    store.close()
+
+
+def test_bench_on_a_configured_empty_database_cleans_up(postgres_url: str) -> None:
+    from keel.bench.state import run_state_bench
+    from keel.stores import PostgresStateBackend
+
+    figures = run_state_bench(
+        steps=10,
+        writers=2,
+        increments=2,
+        backends=("postgres",),
+        postgres_url=postgres_url,
+        langgraph=False,
+    )
+    assert figures["backends"]["postgres"]["lost_updates"] == 0
+    backend = PostgresStateBackend(postgres_url)
+    assert backend.sessions() == []
+    backend.close()
