@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from dataclasses import replace as replace_dc
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar, cast
 
@@ -42,7 +43,7 @@ from keel.state._checkpoint import (
 from keel.state._delta import decode, diff, encode_full
 from keel.state._schema import JSONState, StateSchema
 
-__all__ = ["SessionLock", "StateStore"]
+__all__ = ["SessionLock", "StateStore", "vacuum"]
 
 S = TypeVar("S")
 
@@ -622,75 +623,10 @@ class StateStore(Generic[S]):
         Retained delta checkpoints whose base is removed are rewritten as full snapshots, so
         every retained version stays readable. The head and the newest good checkpoint are kept.
         """
-        now = self.clock()
-        expired = self.backend.purge_expired(now)
+        report = vacuum(self.backend, self.retention, now=self.clock())
         with self._cache_lock:
-            for session_id in expired:
-                self._cache.pop(session_id, None)
-        deleted = rebased = 0
-        policy = self.retention
-        if policy.keep_last is None and policy.max_age_s is None:
-            return VacuumReport(expired_sessions=expired)
-        for session_id in self.backend.sessions():
-            try:
-                rows = self.backend.history(session_id, now)
-            except ExpiredError:
-                continue  # purged by the next vacuum once its grace period is over
-            if len(rows) <= 1:
-                continue
-            keep = {row.version for row in rows}
-            if policy.keep_last is not None:
-                keep = {row.version for row in rows[-policy.keep_last :]}
-            if policy.max_age_s is not None:
-                keep = {v for v in keep if self._row(rows, v).created_at >= now - policy.max_age_s}
-            keep.add(rows[-1].version)
-            good = [row.version for row in rows if row.good]
-            if good:
-                keep.add(good[-1])
-            doomed = [row.version for row in rows if row.version not in keep]
-            if not doomed:
-                continue
-            # A kept delta needs its predecessor; rebase it as a full snapshot when that goes.
-            replace: list[StoredCheckpoint] = []
-            for row in rows:
-                if row.version in keep and row.kind == "delta" and (row.version - 1) not in keep:
-                    chain = self.backend.read_chain(session_id, row.version, now)
-                    if chain is None:
-                        continue
-                    data: JSONState | None = None
-                    for part in chain.rows:
-                        data = decode(part.payload, data)
-                    assert data is not None
-                    stored = chain.rows[-1]
-                    replace.append(
-                        StoredCheckpoint(
-                            version=stored.version,
-                            created_at=stored.created_at,
-                            step=stored.step,
-                            reason=stored.reason,
-                            kind="full",
-                            payload=encode_full(data),
-                            schema_name=stored.schema_name,
-                            schema_version=stored.schema_version,
-                            good=stored.good,
-                            forked_from=stored.forked_from,
-                        )
-                    )
-            self.backend.rewrite(session_id, doomed, replace)
-            deleted += len(doomed)
-            rebased += len(replace)
-            with self._cache_lock:
-                self._cache.pop(session_id, None)
-        return VacuumReport(
-            expired_sessions=expired, checkpoints_deleted=deleted, checkpoints_rebased=rebased
-        )
-
-    @staticmethod
-    def _row(rows: list[StoredCheckpoint], version: int) -> StoredCheckpoint:
-        for row in rows:
-            if row.version == version:
-                return row
-        raise KeyError(version)
+            self._cache.clear()
+        return report
 
     # --- locks --------------------------------------------------------------------------------
 
@@ -851,3 +787,57 @@ class StateStore(Generic[S]):
     async def aclose(self) -> None:
         """Async twin of ``close``."""
         await asyncio.to_thread(self.close)
+
+
+def vacuum(
+    backend: StateBackend, retention: Retention, *, now: float | None = None
+) -> VacuumReport:
+    """Vacuum a backend without knowing its state types (operators, ``keel state vacuum``).
+
+    Deletes expired sessions and applies ``retention`` to every session; kept deltas whose
+    predecessor goes are rebased as full snapshots. The head and the newest good checkpoint of
+    every session are always kept.
+    """
+    now = time.time() if now is None else now
+    expired = backend.purge_expired(now)
+    deleted = rebased = 0
+    if retention.keep_last is None and retention.max_age_s is None:
+        return VacuumReport(expired_sessions=expired)
+    for session_id in backend.sessions():
+        try:
+            rows = backend.history(session_id, now)
+        except ExpiredError:
+            continue  # removed by a later vacuum
+        if len(rows) <= 1:
+            continue
+        keep = {row.version for row in rows}
+        if retention.keep_last is not None:
+            keep = {row.version for row in rows[-retention.keep_last :]}
+        if retention.max_age_s is not None:
+            cutoff = now - retention.max_age_s
+            keep = {row.version for row in rows if row.version in keep and row.created_at >= cutoff}
+        keep.add(rows[-1].version)
+        good = [row.version for row in rows if row.good]
+        if good:
+            keep.add(good[-1])
+        doomed = [row.version for row in rows if row.version not in keep]
+        if not doomed:
+            continue
+        # A kept delta needs its predecessor; rebase it as a full snapshot when that goes.
+        replace: list[StoredCheckpoint] = []
+        for row in rows:
+            if row.version in keep and row.kind == "delta" and (row.version - 1) not in keep:
+                chain = backend.read_chain(session_id, row.version, now)
+                if chain is None:
+                    continue
+                data: JSONState | None = None
+                for part in chain.rows:
+                    data = decode(part.payload, data)
+                assert data is not None
+                replace.append(replace_dc(chain.rows[-1], kind="full", payload=encode_full(data)))
+        backend.rewrite(session_id, doomed, replace)
+        deleted += len(doomed)
+        rebased += len(replace)
+    return VacuumReport(
+        expired_sessions=expired, checkpoints_deleted=deleted, checkpoints_rebased=rebased
+    )
