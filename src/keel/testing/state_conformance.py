@@ -16,6 +16,7 @@ and the seeds' scenarios: the e-commerce race, 64 concurrent writers, and SIGKIL
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -411,7 +412,33 @@ class StateBackendConformance:
         assert (await store.arevert("a", expected_version=4)).state.counter == 2
         assert (await store.afork("a", "b")).state.counter == 2
         assert await store.adelete("b") is True
+        assert await store.adelete("b") is False
         assert (await store.avacuum()).expired_sessions == []
+        with pytest.raises(ConflictError):
+            await store.aupdate("a", {"counter": 1}, expected_version=1)
+        with pytest.raises(ConflictError):
+            await store.acreate("a", CounterState())
+        async with store.alock("a", ttl=5, wait=1) as lease:
+            assert lease.held
+            assert not await store.session_lock("a", ttl=5).aacquire(wait=0.05)
+        assert await store.session_lock("a", ttl=5).aacquire()
+        await store.aclose()
+
+    async def test_async_concurrent_writers_lose_nothing(self, backend: StateBackend) -> None:
+        store = StateStore(backend, CounterState)
+        await store.acreate("a", CounterState())
+
+        async def writer(index: int) -> None:
+            def bump(_state: CounterState) -> dict[str, Any]:
+                return {"counter": 1, "items": [f"t{index}"]}
+
+            await store.atransact("a", bump, max_attempts=10_000)
+
+        await asyncio.gather(*(writer(i) for i in range(24)))
+        final = await store.aload("a")
+        assert final.state.counter == 24 and final.version == 25
+        assert sorted(final.state.items) == sorted(f"t{i}" for i in range(24))
+        await store.aclose()
 
     # --- scenarios ----------------------------------------------------------------------------
 
