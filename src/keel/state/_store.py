@@ -4,7 +4,8 @@ Every write names the version it read; the backend appends the next version only
 still that version, else ``ConflictError`` and nothing of the write is visible. Checkpoints are
 stored as deltas (appended list tails, changed fields) with a full snapshot every
 ``snapshot_every`` versions, so storage grows with what changed. Sync methods have ``a``-prefixed
-async twins that run the same code in a worker thread.
+async twins with the same logic over the backend's async twins (native asyncio on PostgreSQL
+and Redis; a worker thread on SQLite).
 """
 
 from __future__ import annotations
