@@ -541,6 +541,7 @@ class StateBackendConformance:
         setup.close()
         assert (final.status == "cancelled") != (final.shipping_address == "2 New Street")
 
+    @pytest.mark.slow
     def test_64_concurrent_writers_lose_nothing(self, state_backend_url: str) -> None:
         writers, increments = 64, 3
         backends = [open_state_backend(state_backend_url) for _ in range(4)]
@@ -592,6 +593,7 @@ class StateBackendConformance:
             env=env,
         )
 
+    @pytest.mark.slow
     def test_concurrent_writer_processes_lose_nothing(self, state_backend_url: str) -> None:
         processes_n, increments = 4, 8
         setup = StateStore(open_state_backend(state_backend_url), CounterState)
@@ -658,6 +660,7 @@ class StateBackendConformance:
         assert (reason, step) == ("after_transition", 3)
         assert version == committed + 1 + 2 * 2  # finished the pending step, then 2 more
 
+    @pytest.mark.slow
     def test_sigkill_at_random_points_never_leaves_half_writes(
         self, state_backend_url: str
     ) -> None:
