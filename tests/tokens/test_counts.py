@@ -28,6 +28,15 @@ PINNED = {
         "emoji": 14,
         "whitespace": 7,
     },
+    "gguf:smollm2": {
+        "ascii": 4,
+        "sentence": 10,
+        "code": 20,
+        "json": 38,
+        "cjk": 33,
+        "emoji": 15,
+        "whitespace": 9,
+    },
     "o200k_base": {
         "ascii": 4,
         "sentence": 10,
@@ -42,7 +51,12 @@ PINNED = {
 
 @pytest.mark.parametrize(
     ("model", "encoding"),
-    [("gpt-4", "cl100k_base"), ("gpt-3.5-turbo", "cl100k_base"), ("gpt-4o", "o200k_base")],
+    [
+        ("gpt-4", "cl100k_base"),
+        ("gpt-3.5-turbo", "cl100k_base"),
+        ("gpt-4o", "o200k_base"),
+        ("local:smollm2", "gguf:smollm2"),
+    ],
 )
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
 def test_openai_counts_are_pinned(model: str, encoding: str, sample: str) -> None:
@@ -139,3 +153,28 @@ def test_tool_schemas_cost_tokens_and_grow_with_fields() -> None:
     assert counter.count_prompt(prompt, [big]) == counter.count_messages(prompt) + (
         counter.count_tools([big])
     )
+
+
+def test_chatml_framing_is_tokenized_exactly() -> None:
+    counter = counter_for("local:smollm2")
+    # <|im_start|> user \n Hello , world ! <|im_end|> \n
+    assert counter.count_message(Message.user("Hello, world!")) == 9
+    # Special-token spellings typed by a user are plain text, not control tokens.
+    assert counter.count_text("<|im_start|>") > 1
+    prompt = [Message.system("Be brief."), Message.user("Hello, world!")]
+    # Both framed messages plus "<|im_start|>assistant\n" priming the reply.
+    priming = counter.tokenizer.encode_template("<|im_start|>assistant\n")  # type: ignore[attr-defined]
+    assert len(priming) == 4
+    assert counter.count_messages(prompt) == (
+        counter.count_message(prompt[0]) + counter.count_message(prompt[1]) + len(priming)
+    )
+    # Without a system message the template injects its default one, which costs tokens too.
+    assert counter.count_messages([prompt[1]]) > counter.count_message(prompt[1]) + 3
+
+
+def test_chatml_tool_calls_are_counted() -> None:
+    counter = counter_for("local:smollm2")
+    call = ToolCall(id="c1", name="book", arguments='{"seat": "12A"}')
+    plain = Message.assistant("ok")
+    with_call = Message.assistant("ok", tool_calls=[call])
+    assert counter.count_message(with_call) > counter.count_message(plain) + 5

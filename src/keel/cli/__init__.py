@@ -7,7 +7,7 @@ import sys
 import click
 import typer
 
-from keel.cli import _doctor, _state, _tokens  # noqa: F401  (they register their commands)
+from keel.cli import _doctor, _models, _runs, _state, _tokens, _tools  # noqa: F401  (they register their commands)
 from keel.cli._app import app, err_console
 from keel.errors import KeelError, UsageError
 
@@ -17,7 +17,8 @@ __all__ = ["app", "main"]
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; a KeelError becomes one error line and a non-zero exit code."""
     try:
-        app(args=argv, prog_name="keel", standalone_mode=False)
+        # Without standalone mode click returns the exit code of typer.Exit instead of exiting.
+        result = app(args=argv, prog_name="keel", standalone_mode=False)
     except KeelError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
         return 2 if isinstance(exc, UsageError) else 1
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130
-    return 0
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ provider layer, once, never in callers.
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -15,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel.messages import Message, Usage
+from keel.models._toolcalls import ToolCallParseError
 from keel.tokens import ChatTokenCounter, ModelProfile
 
 __all__ = [
@@ -53,6 +56,13 @@ class ModelOptions(BaseModel):
         default=None, description="Whether the model may, must or must not call tools."
     )
     seed: int | None = Field(default=None, description="Sampling seed where supported.")
+    allow_truncated: bool = Field(
+        default=False,
+        description=(
+            "Return an answer cut by max_tokens (finish_reason='length') instead of raising "
+            "TruncatedResponseError. Off by default: a cut answer is never mistaken for a whole."
+        ),
+    )
 
 
 class Completion(BaseModel):
@@ -70,6 +80,23 @@ class Completion(BaseModel):
     )
     attempts: int = Field(default=1, ge=1, description="Requests made, retries included.")
     raw: Any = Field(default=None, description="The provider's raw response, for traces.")
+    tool_call_errors: tuple[ToolCallParseError, ...] = Field(
+        default=(),
+        description=(
+            "Tool-call attempts in the text that could not be read (models without native tool "
+            "calling); each has feedback to send back to the model."
+        ),
+    )
+
+    @property
+    def text(self) -> str:
+        """The answer text (may be empty when the model only called tools)."""
+        return self.message.content
+
+    @property
+    def truncated(self) -> bool:
+        """Whether generation stopped at max_tokens (only returned with allow_truncated)."""
+        return self.finish_reason == "length"
 
 
 class ToolCallDelta(BaseModel):
@@ -136,7 +163,14 @@ class ChatModel(ABC):
         options: ModelOptions | None = None,
     ) -> Completion:
         """Sync twin of :meth:`acomplete` (not for use inside a running event loop)."""
-        return asyncio.run(self.acomplete(messages, tools, options))
+
+        async def once() -> Completion:
+            try:
+                return await self.acomplete(messages, tools, options)
+            finally:
+                await self._release_loop_resources()
+
+        return asyncio.run(once())
 
     def astream(
         self,
@@ -153,12 +187,51 @@ class ChatModel(ABC):
         tools: Sequence[ToolSchema] = (),
         options: ModelOptions | None = None,
     ) -> Iterator[CompletionChunk]:
-        """Sync twin of :meth:`astream`: collects the chunks, then yields them."""
+        """Sync twin of :meth:`astream`: chunks arrive as they are generated.
 
-        async def collect() -> list[CompletionChunk]:
-            return [chunk async for chunk in self.astream(messages, tools, options)]
+        The async stream runs on its own event loop in a helper thread; leaving the loop early
+        (``break``) stops it after the chunk in flight.
+        """
+        handoff: queue.Queue[CompletionChunk | BaseException | None] = queue.Queue(maxsize=64)
+        stop = threading.Event()
 
-        yield from asyncio.run(collect())
+        async def pump() -> None:
+            try:
+                async for chunk in self.astream(messages, tools, options):
+                    while not stop.is_set():
+                        try:
+                            handoff.put(chunk, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            finally:
+                await self._release_loop_resources()
+
+        def run() -> None:
+            try:
+                asyncio.run(pump())
+                handoff.put(None)
+            except BaseException as exc:  # handed to the caller's thread, raised there
+                handoff.put(exc)
+
+        worker = threading.Thread(target=run, name="keel-model-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = handoff.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            # A producer blocked on the full queue sees this within 0.1 s and ends its loop.
+            stop.set()
+
+    async def _release_loop_resources(self) -> None:  # noqa: B027  (optional hook)
+        """Hook: release what belongs to the running event loop (the sync twins end it)."""
 
     async def aclose(self) -> None:  # noqa: B027  (optional hook)
         """Release connections or loaded weights."""

@@ -1,0 +1,119 @@
+"""``keel bench faults`` (the tool loop against seeded faulty runs) and ``keel tools ...``
+(an operator's view of the exactly-once journal)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from keel.cli._app import app, bench_app, emit_json, out_console
+
+if TYPE_CHECKING:
+    from keel.tools import ToolJournal
+
+
+@bench_app.command("faults")
+def bench_faults_command(
+    runs: Annotated[int, typer.Option("--runs", min=1, help="Randomized faulty runs.")] = 1000,
+    seed: Annotated[int, typer.Option("--seed", help="Seed; the same seed, the same runs.")] = 0,
+    kills: Annotated[
+        int,
+        typer.Option(
+            "--kills", min=0, help="How many of the runs are a subprocess SIGKILLed mid-call."
+        ),
+    ] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Run seeded faulty runs through the tool loop and count what went wrong."""
+    from keel.bench.faults import run_fault_bench
+
+    report = run_fault_bench(runs, seed=seed, kills=kills)
+    payload = report.model_dump()
+    if as_json:
+        emit_json(payload)
+        return
+    out_console.print(f"{report.runs} runs in {report.seconds:.1f} s (seed {seed})")
+    for name in (
+        "unhandled_exceptions",
+        "ended_within_limits",
+        "loops_detected",
+        "repairs",
+        "double_executions",
+        "state_reverted_on_limit",
+        "limit_hits",
+        "resumed_after_crash",
+        "killed_subprocesses",
+        "idempotent_reruns",
+    ):
+        out_console.print(f"  {name:<24} {payload[name]}")
+    out_console.print("by fault:")
+    for fault, row in report.by_fault.items():
+        detail = ", ".join(f"{status} {count}" for status, count in row.items() if status != "runs")
+        out_console.print(f"  {fault:<22} {row['runs']:>4} runs: {detail}")
+    for failure in report.failures:
+        out_console.print(f"  [red]failure[/] {failure}", markup=True)
+
+
+tools_app = typer.Typer(
+    help="Operate on the tool journal: side-effecting calls that are in doubt after a crash.",
+    no_args_is_help=True,
+)
+app.add_typer(tools_app, name="tools")
+
+
+def _journal() -> ToolJournal:
+    from keel.settings import load_settings
+    from keel.stores import PostgresToolJournal, SQLiteToolJournal, open_database
+
+    settings = load_settings()
+    if settings.sqlite_path is None:
+        return PostgresToolJournal(settings.database_url)
+    return SQLiteToolJournal(open_database(settings))
+
+
+@tools_app.command("in-doubt")
+def tools_in_doubt_command(
+    session: Annotated[
+        str | None, typer.Option("--session", help="Only this session's calls.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """List side-effecting calls that started and recorded no result (check them by hand)."""
+    entries = _journal().in_doubt(session)
+    if as_json:
+        emit_json({"in_doubt": [entry.model_dump() for entry in entries]})
+        return
+    if not entries:
+        out_console.print("no tool calls in doubt")
+        return
+    for entry in entries:
+        out_console.print(
+            f"{entry.key}  session={entry.session_id} step={entry.step} "
+            f"tool={entry.tool} attempts={entry.attempts} arguments={entry.arguments}"
+        )
+
+
+@tools_app.command("resolve")
+def tools_resolve_command(
+    key: Annotated[str, typer.Argument(help="The idempotency key of the in-doubt call.")],
+    outcome: Annotated[
+        str, typer.Option("--outcome", help="What really happened: 'succeeded' or 'failed'.")
+    ],
+    content: Annotated[
+        str, typer.Option("--content", help="The result the model will be shown on resume.")
+    ],
+) -> None:
+    """Record the outcome of an in-doubt call after checking it by hand."""
+    from keel.errors import UsageError
+
+    if outcome not in ("succeeded", "failed"):
+        raise UsageError(f"--outcome must be 'succeeded' or 'failed', not {outcome!r}")
+    journal = _journal()
+    entry = journal.get(key)
+    if entry is None:
+        raise UsageError(f"no tool call {key!r} in the journal")
+    if not entry.in_doubt:
+        raise UsageError(f"tool call {key!r} is not in doubt: its result is recorded")
+    journal.resolve(key, ok=outcome == "succeeded", content=content)
+    out_console.print(f"{key}: recorded as {outcome}")

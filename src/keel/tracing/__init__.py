@@ -1,0 +1,120 @@
+"""Run traces: every model call, tool call, guard event and state transition of a run, redacted,
+stored next to the rest of keel's data, queryable from ``keel runs``, exportable to
+OpenTelemetry.
+
+The runtime records through a :class:`Tracer`::
+
+    tracer = Tracer(open_trace_store())          # the database keel's settings name
+    run = await tracer.astart_run(session_id, user_id=user, input=message)
+    async with run:                              # ends succeeded, or with status_for(error)
+        async with run.step("model", model.spec, state_version=3, budget=report) as call:
+            completion = await model.acomplete(prompt, tools)
+            call.update(completion=completion)   # tokens, model, finish reason, ttft, output
+        for tool_call in completion.message.tool_calls:
+            async with run.step("tool", tool_call.name, parent=call,
+                                tool_call_id=tool_call.id,
+                                tool_arguments=tool_call.arguments) as tool:
+                tool.update(tool_result=result)  # stored whole
+        run.transition("searching", "booking", state_version=4)
+        await run.aend(output=reply)
+
+Steps opened inside a ``with run.step(...)`` block get it as their parent (per task, through a
+context variable); ``parent=`` overrides. ``run.record(...)`` writes an event that already
+happened; ``run.guard``, ``run.loop_caught`` and ``run.state_reset`` record the guard events the
+death-spiral indicators count. After a crash, ``tracer.resume_run(run_id)`` continues a run.
+
+Every text field, and every string inside JSON fields, passes through ``redact`` (default
+:func:`redact_secrets`, the built-in fallback for credentials and e-mail addresses) before it is
+stored or exported. Identifiers (run, session, user, tenant ids) are stored as given, because
+queries filter on them: use opaque ids, not e-mail addresses.
+
+Tracing never raises into the agent: a failed write is logged on the ``keel.tracing`` logger
+and counted in :attr:`Tracer.write_failures` (the last one in :attr:`Tracer.last_error`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from keel.tracing._models import (
+    RUN_STATUSES,
+    STEP_KINDS,
+    Run,
+    RunDetail,
+    RunQuery,
+    RunStatus,
+    SessionStats,
+    StatsThresholds,
+    Step,
+    StepKind,
+    StepMetric,
+    StepNode,
+)
+from keel.tracing._open import open_trace_store
+from keel.tracing._otel import OpenTelemetryExporter, export_run
+from keel.tracing._redact import Redactor, redact_json, redact_secrets
+from keel.tracing._render import render_run
+from keel.tracing._stats import LOOP_GUARD_NAME, percentile, session_stats
+from keel.tracing._store import TraceStore
+from keel.tracing._time import parse_since
+from keel.tracing._tracer import (
+    RunTrace,
+    StepFields,
+    StepTrace,
+    TraceExporter,
+    Tracer,
+    status_for,
+)
+
+if TYPE_CHECKING:
+    from keel.stores._postgres_traces import PostgresTraceStore
+    from keel.stores._sqlite_traces import SQLiteTraceStore
+
+__all__ = [
+    "LOOP_GUARD_NAME",
+    "RUN_STATUSES",
+    "STEP_KINDS",
+    "OpenTelemetryExporter",
+    "PostgresTraceStore",
+    "Redactor",
+    "Run",
+    "RunDetail",
+    "RunQuery",
+    "RunStatus",
+    "RunTrace",
+    "SQLiteTraceStore",
+    "SessionStats",
+    "StatsThresholds",
+    "Step",
+    "StepFields",
+    "StepKind",
+    "StepMetric",
+    "StepNode",
+    "StepTrace",
+    "TraceExporter",
+    "TraceStore",
+    "Tracer",
+    "export_run",
+    "open_trace_store",
+    "parse_since",
+    "percentile",
+    "redact_json",
+    "redact_secrets",
+    "render_run",
+    "session_stats",
+    "status_for",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The backends live in keel.stores (drivers stay there) and import this package, so they
+    # are loaded on first use; PostgreSQL also needs the optional psycopg driver.
+    if name == "SQLiteTraceStore":
+        from keel.stores._sqlite_traces import SQLiteTraceStore
+
+        return SQLiteTraceStore
+    if name == "PostgresTraceStore":
+        from keel.stores._postgres_traces import PostgresTraceStore
+
+        return PostgresTraceStore
+    raise AttributeError(f"module 'keel.tracing' has no attribute {name!r}")
