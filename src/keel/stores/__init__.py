@@ -10,8 +10,12 @@ from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
+from keel.stores._postgres_state import PostgresStateBackend
+from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
 from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
+from keel.stores._sqlite_state import SQLiteStateBackend
+from keel.stores._state import open_state_backend
 
 __all__ = [
     "CORE_MIGRATIONS",
@@ -19,10 +23,14 @@ __all__ = [
     "POSTGRES_JOURNAL_MIGRATIONS",
     "Migration",
     "MigrationSet",
+    "PostgresStateBackend",
     "PostgresToolJournal",
+    "RedisStateBackend",
     "SQLiteDatabase",
+    "SQLiteStateBackend",
     "SQLiteToolJournal",
     "open_database",
+    "open_state_backend",
     "translate_sqlite_error",
 ]
 
