@@ -9,13 +9,18 @@ from __future__ import annotations
 from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
+from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
 
 __all__ = [
     "CORE_MIGRATIONS",
+    "MEMORY_MIGRATIONS",
     "Migration",
     "MigrationSet",
+    "PostgresMemoryStore",
     "SQLiteDatabase",
+    "SQLiteMemoryStore",
     "open_database",
     "translate_sqlite_error",
 ]

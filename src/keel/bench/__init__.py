@@ -1,0 +1,1 @@
+"""Harnesses behind the ``keel bench ...`` commands."""
