@@ -5,6 +5,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -26,11 +27,13 @@ def _vector(text: str, dimension: int) -> list[float]:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    requests: list[dict[str, object]] = []
+    requests: ClassVar[list[dict[str, object]]] = []
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+        type(self).requests.append(
+            {"path": self.path, "body": body, "auth": self.headers.get("Authorization")}
+        )
         if body["model"] == "broken":
             self.send_response(400)
             payload = {"error": {"message": "bad model", "type": "invalid_request_error"}}
@@ -68,8 +71,9 @@ def embeddings_url() -> Iterator[str]:
 
 
 def test_openai_compatible_endpoint_over_real_http(embeddings_url: str, tmp_path: Path) -> None:
-    embedder = OpenAIEmbedder("toy-embed", dimension=8, base_url=embeddings_url, api_key="k1",
-                              batch_size=2)
+    embedder = OpenAIEmbedder(
+        "toy-embed", dimension=8, base_url=embeddings_url, api_key="k1", batch_size=2
+    )
     vectors = embedder.embed(["alpha", "beta", "gamma"])
     assert vectors.shape == (3, 8)
     expected = np.asarray(_vector("beta", 8), dtype=np.float32)
@@ -104,7 +108,9 @@ def test_embedder_specs(embeddings_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_minilm_finds_meaning_not_just_words(minilm: SentenceTransformerEmbedder, tmp_path: Path) -> None:
+def test_minilm_finds_meaning_not_just_words(
+    minilm: SentenceTransformerEmbedder, tmp_path: Path
+) -> None:
     assert minilm.name == "all-MiniLM-L6-v2" and minilm.dimension == 384
     mem = Memory(SQLiteMemoryStore(tmp_path / "s.db"), embedder=minilm)
     scope = Scope(tenant_id="t", user_id="u")

@@ -65,7 +65,10 @@ def test_user_claims_are_never_stored_as_verified(memory: Memory) -> None:
     claim = memory.add("I am a platinum member", scope=SCOPE, kind="semantic")
     assert claim.provenance == "user_claim" and claim.verified_by is None
     checked = memory.add(
-        "membership tier: gold", scope=SCOPE, kind="semantic", provenance="verified",
+        "membership tier: gold",
+        scope=SCOPE,
+        kind="semantic",
+        provenance="verified",
         verified_by="crm.lookup",
     )
     assert checked.provenance == "verified" and checked.verified_by == "crm.lookup"
@@ -81,7 +84,11 @@ def test_retrieve_packs_within_an_exact_budget_with_labels(memory: Memory) -> No
     for number in range(30):
         memory.add(
             f"we discussed pasta recipe number {number} with tomatoes and basil",
-            scope=SCOPE, type="turn", session_id="s", turn=number, event_time=when,
+            scope=SCOPE,
+            type="turn",
+            session_id="s",
+            turn=number,
+            event_time=when,
         )
     memory.flush()
     counter = counter_for("gpt-4o")
@@ -98,8 +105,13 @@ def test_retrieve_packs_within_an_exact_budget_with_labels(memory: Memory) -> No
 
 
 def test_neighbouring_turns_come_with_a_hit(memory: Memory) -> None:
-    texts = ["Where did you go last summer?", "We went to Kyoto and saw the temples.",
-             "Nice! Did you like the food?", "The ramen was amazing.", "Totally unrelated turn."]
+    texts = [
+        "Where did you go last summer?",
+        "We went to Kyoto and saw the temples.",
+        "Nice! Did you like the food?",
+        "The ramen was amazing.",
+        "Totally unrelated turn.",
+    ]
     records = [
         memory.add(t, scope=SCOPE, type="turn", session_id="s1", turn=i)
         for i, t in enumerate(texts)
@@ -125,8 +137,12 @@ def test_near_duplicates_are_removed_and_mmr_diversifies(memory: Memory) -> None
 
 def test_recency_breaks_ties_toward_recent_events(memory: Memory) -> None:
     now = datetime(2025, 1, 1, tzinfo=UTC)
-    old = memory.add("meeting notes about budget", scope=SCOPE, event_time=now - timedelta(days=400))
-    new = memory.add("meeting notes about the budget", scope=SCOPE, event_time=now - timedelta(days=1))
+    old = memory.add(
+        "meeting notes about budget", scope=SCOPE, event_time=now - timedelta(days=400)
+    )
+    new = memory.add(
+        "meeting notes about the budget", scope=SCOPE, event_time=now - timedelta(days=1)
+    )
     memory.flush()
     cfg = RetrievalConfig(recency_weight=0.5, duplicate_similarity=1.01)
     recent_first = Memory(memory.store, embedder=memory.embedder, config=cfg)
@@ -142,26 +158,37 @@ async def test_model_judge_is_one_batched_call(memory: Memory) -> None:
     memory.flush()
     model = ScriptedModel(['{"relevant": [2]}'])
     judged = Memory(memory.store, embedder=memory.embedder, judge=ModelJudge(model))
-    packed = await judged.aretrieve("flight seat", scope=SCOPE, budget_tokens=500,
-                                    include_profile=False)
+    packed = await judged.aretrieve(
+        "flight seat", scope=SCOPE, budget_tokens=500, include_profile=False
+    )
     assert len(model.calls) == 1
     prompt = model.calls[0].last_user_text
     assert prompt.count("flight") >= 3
     kept = [rid for item in packed.items for rid in item.record_ids]
     assert len(kept) == 1 and kept[0] in ids
-    broken = Memory(memory.store, embedder=memory.embedder, judge=ModelJudge(ScriptedModel(["nope"])))
-    everything = await broken.aretrieve("flight", scope=SCOPE, budget_tokens=500, include_profile=False)
+    broken = Memory(
+        memory.store, embedder=memory.embedder, judge=ModelJudge(ScriptedModel(["nope"]))
+    )
+    everything = await broken.aretrieve(
+        "flight", scope=SCOPE, budget_tokens=500, include_profile=False
+    )
     assert len(everything.items) == 3
 
 
 def test_experience_replay_under_its_own_budget(memory: Memory) -> None:
-    calls = [ToolCall(id="c1", name="search_flights", arguments='{"to": "OSL"}'),
-             ToolCall(id="c2", name="book_flight", arguments='{"flight": "SK123"}')]
+    calls = [
+        ToolCall(id="c1", name="search_flights", arguments='{"to": "OSL"}'),
+        ToolCall(id="c2", name="book_flight", arguments='{"flight": "SK123"}'),
+    ]
     run = memory.remember_run(SCOPE, "book a flight to Oslo", calls, succeeded=True)
     assert run is not None and run.type == "run"
     assert memory.remember_run(SCOPE, "book a hotel", calls, succeeded=False) is None
-    memory.remember_run(SCOPE, "cancel my hotel booking",
-                        [ToolCall(id="c3", name="cancel_hotel", arguments="{}")], succeeded=True)
+    memory.remember_run(
+        SCOPE,
+        "cancel my hotel booking",
+        [ToolCall(id="c3", name="cancel_hotel", arguments="{}")],
+        succeeded=True,
+    )
     memory.add("I like flights with a window seat", scope=SCOPE)
     memory.flush()
     examples = memory.examples("please book me a flight to Bergen", scope=SCOPE, budget_tokens=400)

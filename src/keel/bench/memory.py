@@ -21,9 +21,37 @@ from keel.memory import Embedder, Memory, MemoryStore, Scope
 
 __all__ = ["run_memory_bench", "synthetic_corpus"]
 
-_SYLLABLES = (
-    "ka to mi ra ne so lu pe di va ko re ti na mo shi ga be fu ro an el in or us ta lo mer vin"
-).split()
+_SYLLABLES = [
+    "ka",
+    "to",
+    "mi",
+    "ra",
+    "ne",
+    "so",
+    "lu",
+    "pe",
+    "di",
+    "va",
+    "ko",
+    "re",
+    "ti",
+    "na",
+    "mo",
+    "shi",
+    "ga",
+    "be",
+    "fu",
+    "ro",
+    "an",
+    "el",
+    "in",
+    "or",
+    "us",
+    "ta",
+    "lo",
+    "mer",
+    "vin",
+]
 
 
 def synthetic_corpus(records: int, *, seed: int = 7) -> tuple[list[str], list[str]]:

@@ -85,8 +85,14 @@ def reembed_command(
     finally:
         memory.close()
     if as_json:
-        emit_json({"reembedded": done, "model": after.configured, "before": before.counts,
-                   "after": after.counts})
+        emit_json(
+            {
+                "reembedded": done,
+                "model": after.configured,
+                "before": before.counts,
+                "after": after.counts,
+            }
+        )
         return
     out_console.print(f"re-embedded {done} records with {after.configured}")
 
@@ -121,8 +127,15 @@ def _print_locomo(result: dict[str, Any]) -> None:
         table.add_column(column)
     rows = [("keel", result), *((name, r) for name, r in result["baselines"].items())]
     for name, r in rows:
-        table.add_row(name, str(r["recall_at_5"]), str(r["recall_at_10"]), str(r["all_at_10"]),
-                      str(r["tokens_at_10"]), str(r["search_ms_p50"]), str(r["search_ms_p95"]))
+        table.add_row(
+            name,
+            str(r["recall_at_5"]),
+            str(r["recall_at_10"]),
+            str(r["all_at_10"]),
+            str(r["tokens_at_10"]),
+            str(r["search_ms_p50"]),
+            str(r["search_ms_p95"]),
+        )
     out_console.print(table)
     for category, r in result["by_category"].items():
         out_console.print(f"  {category}: R@10 {r['recall_at_10']} ({r['questions']} questions)")
@@ -131,12 +144,15 @@ def _print_locomo(result: dict[str, Any]) -> None:
 
 @bench_app.command("memory")
 def bench_memory_command(
-    records: Annotated[int, typer.Option("--records", min=100, help="Records to ingest.")] = 100_000,
+    records: Annotated[
+        int, typer.Option("--records", min=100, help="Records to ingest.")
+    ] = 100_000,
     postgres: Annotated[
         bool, typer.Option("--postgres/--no-postgres", help="Also run on a fresh PostgreSQL.")
     ] = False,
     postgres_records: Annotated[
-        int | None, typer.Option("--postgres-records", help="Records for PostgreSQL (default: same).")
+        int | None,
+        typer.Option("--postgres-records", help="Records for PostgreSQL (default: same)."),
     ] = None,
     vector_ops: Annotated[
         str, typer.Option("--pg-vector-ops", help="pgvector (operators + HNSW) or sql.")

@@ -43,7 +43,8 @@ def _normalize(matrix: npt.NDArray[Any]) -> FloatArray:
         array = array.reshape(1, -1)
     norms = np.linalg.norm(array, axis=1, keepdims=True)
     norms[norms == 0] = 1.0
-    return (array / norms).astype(np.float32, copy=False)
+    normalized: FloatArray = (array / norms).astype(np.float32, copy=False)
+    return normalized
 
 
 class Embedder(ABC):
@@ -62,7 +63,8 @@ class Embedder(ABC):
 
     def embed_one(self, text: str) -> FloatArray:
         """The vector of one text, shape ``(dimension,)``."""
-        return self.embed([text])[0]
+        row: FloatArray = self.embed([text])[0]
+        return row
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, dimension={self.dimension})"
@@ -100,7 +102,11 @@ class SentenceTransformerEmbedder(Embedder):
         # Intra-op threads for batches. Short queries always use one thread: on a loaded or
         # small machine, torch's spinning worker threads turn a 10 ms query into a second.
         self.threads = threads or max(1, _available_cpus() // 2)
-        self.dimension = 384 if self.name == DEFAULT_EMBEDDING_MODEL else self._model().get_sentence_embedding_dimension()
+        self.dimension = (
+            384
+            if self.name == DEFAULT_EMBEDDING_MODEL
+            else self._model().get_sentence_embedding_dimension()
+        )
         self._lock = threading.Lock()
 
     def _model(self) -> Any:
@@ -183,7 +189,9 @@ class OpenAIEmbedder(Embedder):
             try:
                 response = self._client.embeddings.create(model=self.name, input=batch)
             except openai.APIConnectionError as exc:
-                raise ModelUnavailableError(f"embeddings endpoint unreachable: {exc}", model=self.name) from exc
+                raise ModelUnavailableError(
+                    f"embeddings endpoint unreachable: {exc}", model=self.name
+                ) from exc
             except openai.APIError as exc:
                 raise ModelError(f"embeddings request failed: {exc}", model=self.name) from exc
             data = sorted(response.data, key=lambda item: item.index)

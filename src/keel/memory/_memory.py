@@ -195,7 +195,7 @@ class Memory:
         *,
         scope: Scope,
         kind: MemoryKind = "episodic",
-        type: str = "note",  # noqa: A002  (the record's field name)
+        type: str = "note",
         provenance: Provenance = "user_claim",
         verified_by: str | None = None,
         session_id: str | None = None,
@@ -354,9 +354,7 @@ class Memory:
 
     def pending(self) -> int:
         """Records waiting to be embedded (retries exhausted not counted)."""
-        return len(
-            [e for e in self.store.pending(100_000) if e.attempts < self.max_attempts]
-        )
+        return len([e for e in self.store.pending(100_000) if e.attempts < self.max_attempts])
 
     def start(self) -> None:
         """Start the background embedding thread (idempotent)."""
@@ -448,7 +446,9 @@ class Memory:
         """Current semantic facts and preferences of the user, newest first."""
         return self.store.list_records(scope, MemoryFilter(kinds=("semantic",)), limit=limit)
 
-    def recent(self, scope: Scope, *, limit: int = 10, types: Sequence[str] = ()) -> list[MemoryRecord]:
+    def recent(
+        self, scope: Scope, *, limit: int = 10, types: Sequence[str] = ()
+    ) -> list[MemoryRecord]:
         """The last ``limit`` episodic records (optionally of some types), newest first."""
         return self.store.list_records(
             scope,
@@ -481,7 +481,7 @@ class Memory:
         """The ``k`` most relevant memories of ``scope`` for ``query``, with their context."""
         filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
         ranked = self._rank(query, scope, filters, now=now)
-        return self._finish(ranked[: k * 3], scope, k)
+        return self._finish(self._diversify(ranked, scope, keep=k * 3), scope, k)
 
     async def asearch(self, query: str, *, scope: Scope, **options: Any) -> list[MemoryHit]:
         """Async twin of :meth:`search`."""
@@ -542,74 +542,81 @@ class Memory:
                 )
             )
         hits.sort(key=lambda h: (-h.score, h.record.id))
-        return self._diversify(hits, scope)
+        return hits
 
-    def _diversify(self, hits: list[MemoryHit], scope: Scope) -> list[MemoryHit]:
-        """Drop near-duplicates and, with ``mmr_lambda`` < 1, re-rank by MMR."""
+    def _diversify(self, hits: list[MemoryHit], scope: Scope, keep: int) -> list[MemoryHit]:
+        """Drop near-duplicates and, with ``mmr_lambda`` < 1, re-rank by MMR (vectorized)."""
         cfg = self.config
-        window = hits[: cfg.candidates]
+        window = hits[: max(keep * 4, 40)]
+        count = len(window)
+        if count <= 1:
+            return window
+        ids = [h.record.id for h in window]
         vectors: dict[str, Any] = {}
         if self.embedder is not None:
-            vectors = self.store.vectors(scope, [h.record.id for h in window], self.embedder.name)
-        words = {h.record.id: word_set(h.record.text) for h in window}
-
-        def similar(a: str, b: str) -> float:
-            if a in vectors and b in vectors:
-                return float(np.dot(vectors[a], vectors[b]))
-            wa, wb = words[a], words[b]
-            return len(wa & wb) / len(wa | wb) if wa and wb else 0.0
-
-        top = window[0].score if window else 1.0
-        selected: list[MemoryHit] = []
-        remaining = list(window)
-        while remaining:
-            best_index = 0
-            best_value = -math.inf
-            for index, hit in enumerate(remaining):
-                redundancy = max(
-                    (similar(hit.record.id, s.record.id) for s in selected[-20:]), default=0.0
-                )
-                if redundancy >= cfg.duplicate_similarity:
-                    continue
-                value = cfg.mmr_lambda * hit.score / top - (1 - cfg.mmr_lambda) * redundancy
-                if value > best_value:
-                    best_value, best_index = value, index
-                if cfg.mmr_lambda >= 1.0:
-                    break
-            if best_value == -math.inf:
-                break
-            chosen = remaining.pop(best_index)
+            vectors = self.store.vectors(scope, ids, self.embedder.name)
+        if len(vectors) == count:
+            matrix = np.stack([np.asarray(vectors[i], dtype=np.float32) for i in ids])
+            similarity = matrix @ matrix.T
+        else:
+            words = [word_set(h.record.text) for h in window]
+            similarity = np.zeros((count, count), dtype=np.float32)
+            for a in range(count):
+                for b in range(a + 1, count):
+                    union = words[a] | words[b]
+                    value = len(words[a] & words[b]) / len(union) if union else 0.0
+                    similarity[a, b] = similarity[b, a] = value
+        relevance = np.array([h.score for h in window], dtype=np.float64)
+        relevance = relevance / max(float(relevance.max()), 1e-12)
+        alive = np.ones(count, dtype=bool)
+        redundancy = np.zeros(count, dtype=np.float64)
+        selected: list[int] = []
+        while len(selected) < keep and alive.any():
+            values = cfg.mmr_lambda * relevance - (1 - cfg.mmr_lambda) * redundancy
+            values[~alive] = -np.inf
+            chosen = int(np.argmax(values))
             selected.append(chosen)
+            alive[chosen] = False
             # Near-duplicates of what was chosen are removed for good.
-            remaining = [
-                h
-                for h in remaining
-                if similar(h.record.id, chosen.record.id) < cfg.duplicate_similarity
-            ]
-            if len(selected) >= 60:
-                break
-        return selected
+            alive &= similarity[chosen] < cfg.duplicate_similarity
+            redundancy = np.maximum(redundancy, similarity[chosen])
+        return [window[i] for i in selected]
 
     def _finish(self, hits: list[MemoryHit], scope: Scope, k: int) -> list[MemoryHit]:
-        """Top ``k`` with neighbouring turns; turns already shown are not repeated."""
+        """Top ``k`` hits with their neighbouring turns.
+
+        A hit that an earlier hit already shows (as a neighbour) still counts as one of the
+        ``k`` and extends that earlier block with its own neighbours, so adjacent hits become
+        one contiguous block and no turn is shown twice.
+        """
         span = self.config.neighbours
-        shown: set[str] = set()
-        finished: list[MemoryHit] = []
-        for hit in hits:
-            if len(finished) >= k:
-                break
+        owner: dict[str, int] = {}
+        blocks: list[MemoryHit] = []
+        for hit in hits[:k]:
             record = hit.record
-            if hit.record.id in shown:
-                continue
-            context: tuple[MemoryRecord, ...] = ()
+            turns: tuple[MemoryRecord, ...] = (record,)
             if span and record.session_id is not None and record.turn is not None:
-                turns = self.store.session_turns(
-                    scope, record.session_id, record.turn - span, record.turn + span
-                )
-                context = tuple(r for r in turns if r.id not in shown or r.id == record.id)
-            finished.append(hit.model_copy(update={"context": context}))
-            shown.update(r.id for r in (context or (record,)))
-        return finished
+                turns = tuple(
+                    self.store.session_turns(
+                        scope, record.session_id, record.turn - span, record.turn + span
+                    )
+                ) or (record,)
+            if record.id in owner:
+                index = owner[record.id]
+                block = blocks[index]
+                merged = {r.id: r for r in block.records}
+                for turn in turns:
+                    if turn.id not in owner:
+                        merged[turn.id] = turn
+                        owner[turn.id] = index
+                ordered = sorted(merged.values(), key=lambda r: (r.turn or 0, r.created_at))
+                blocks[index] = block.model_copy(update={"context": tuple(ordered)})
+                continue
+            fresh = tuple(r for r in turns if r.id not in owner or r.id == record.id)
+            for turn in fresh:
+                owner[turn.id] = len(blocks)
+            blocks.append(hit.model_copy(update={"context": fresh if span else ()}))
+        return blocks
 
     # --- retrieval for a prompt -----------------------------------------------------------
 
@@ -661,8 +668,11 @@ class Memory:
             raise UsageError("budget_tokens must be >= 0")
         hits = await asyncio.to_thread(
             lambda: self.search(
-                query, scope=scope, k=max(k, self.config.judge_candidates if self.judge else k),
-                filters=filters, now=now,
+                query,
+                scope=scope,
+                k=max(k, self.config.judge_candidates if self.judge else k),
+                filters=filters,
+                now=now,
             )
         )
         if self.judge is not None and hits:
@@ -696,7 +706,11 @@ class Memory:
         for hit in hits:
             meta = hit.record.metadata
             calls = tuple(
-                ToolCall(id=str(c.get("id") or f"call_{i}"), name=str(c["name"]), arguments=str(c.get("arguments", "{}")))
+                ToolCall(
+                    id=str(c.get("id") or f"call_{i}"),
+                    name=str(c["name"]),
+                    arguments=str(c.get("arguments", "{}")),
+                )
                 for i, c in enumerate(meta.get("tool_calls", []))
                 if isinstance(c, dict) and "name" in c
             )

@@ -36,8 +36,15 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
         target, _, url = rest.partition("@")
         model, _, dim = target.rpartition("/")
         if not model or not dim.isdigit():
-            raise ConfigError(f"embedder spec {spec!r} needs MODEL/DIMENSION, e.g. openai:text-embedding-3-small/1536")
-        key = settings.openai_api_key.get_secret_value() if settings and settings.openai_api_key else None
+            raise ConfigError(
+                f"embedder spec {spec!r} needs MODEL/DIMENSION, "
+                "e.g. openai:text-embedding-3-small/1536"
+            )
+        key = (
+            settings.openai_api_key.get_secret_value()
+            if settings and settings.openai_api_key
+            else None
+        )
         base = url or (settings.openai_base_url if settings else None)
         return OpenAIEmbedder(model, dimension=int(dim), base_url=base, api_key=key)
     raise ConfigError(

@@ -70,7 +70,11 @@ def pack_items(
         if used + extra > budget:
             dropped += 1
             continue
-        chosen.append(PackedItem(section=section, text=text, tokens=tokens, record_ids=record_ids, score=score))
+        chosen.append(
+            PackedItem(
+                section=section, text=text, tokens=tokens, record_ids=record_ids, score=score
+            )
+        )
         seen.update(record_ids)
         used += extra
     text = "\n\n".join(item.text for item in chosen)
@@ -80,4 +84,6 @@ def pack_items(
         dropped += 1
         text = "\n\n".join(item.text for item in chosen)
         total = counter.count_text(text) if text else 0
-    return PackedMemory(items=tuple(chosen), text=text, tokens=total, budget=budget, dropped=dropped)
+    return PackedMemory(
+        items=tuple(chosen), text=text, tokens=total, budget=budget, dropped=dropped
+    )

@@ -35,11 +35,15 @@ class Scope(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    tenant_id: str = Field(min_length=1, description="The tenant (organisation, app) owning the data.")
+    tenant_id: str = Field(
+        min_length=1, description="The tenant (organisation, app) owning the data."
+    )
     user_id: str = Field(min_length=1, description="The end user within the tenant.")
 
 
-def content_hash(kind: str, type_: str, text: str, subject: str | None, attribute: str | None) -> str:
+def content_hash(
+    kind: str, type_: str, text: str, subject: str | None, attribute: str | None
+) -> str:
     """Identity of a memory's content within a scope (adding it twice is a no-op)."""
     normalized = " ".join(text.split())
     material = "\x1f".join((kind, type_, subject or "", attribute or "", normalized))
@@ -57,7 +61,7 @@ class MemoryRecord(BaseModel):
     kind: MemoryKind = Field(description="episodic, semantic or procedural.")
     type: str = Field(
         default="note",
-        description="Finer label within the kind: turn, summary, run, fact, preference, workflow...",
+        description="Finer label within the kind: turn, summary, run, fact, workflow...",
     )
     text: str = Field(description="The content, PII-masked before it was persisted.")
     provenance: Provenance = Field(description="user_claim, verified or inferred.")
@@ -108,7 +112,9 @@ class MemoryFilter(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    kinds: tuple[MemoryKind, ...] = Field(default=(), description="Only these kinds (all if empty).")
+    kinds: tuple[MemoryKind, ...] = Field(
+        default=(), description="Only these kinds (all if empty)."
+    )
     types: tuple[str, ...] = Field(default=(), description="Only these types (all if empty).")
     exclude_types: tuple[str, ...] = Field(default=(), description="Never these types.")
     session_id: str | None = Field(default=None, description="Only this session.")

@@ -76,7 +76,9 @@ class MemoryStore(ABC):
         """One record of ``scope`` by id (None if absent or another scope's)."""
 
     @abstractmethod
-    def fetch(self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter) -> list[MemoryRecord]:
+    def fetch(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> list[MemoryRecord]:
         """The records of ``scope`` among ``record_ids`` that pass ``filters`` (any order)."""
 
     @abstractmethod

@@ -47,7 +47,9 @@ class Detector:
                 continue
             if self.validate is not None and not self.validate(value):
                 continue
-            found.append(Finding(self.entity, match.start(self.group), match.end(self.group), value))
+            found.append(
+                Finding(self.entity, match.start(self.group), match.end(self.group), value)
+            )
         return found
 
 
@@ -169,7 +171,10 @@ DETECTORS: tuple[Detector, ...] = (
     ),
     Detector(
         "CREDIT_CARD",
-        re.compile(r"(?<![\d-])(?:\d{4}[ -]?){3}\d{1,7}(?![\d-])|(?<![\d-])\d{4}[ -]?\d{6}[ -]?\d{5}(?![\d-])"),
+        re.compile(
+            r"(?<![\d-])(?:\d{4}[ -]?){3}\d{1,7}(?![\d-])"
+            r"|(?<![\d-])\d{4}[ -]?\d{6}[ -]?\d{5}(?![\d-])"
+        ),
         _card,
         priority=50,
     ),

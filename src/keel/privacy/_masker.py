@@ -172,7 +172,12 @@ def _load_presidio() -> Any:
 def _presidio_findings(engine: Any, text: str) -> list[Finding]:
     results = engine.analyze(text=text, language="en")
     return [
-        Finding(str(result.entity_type), int(result.start), int(result.end), text[result.start : result.end])
+        Finding(
+            str(result.entity_type),
+            int(result.start),
+            int(result.end),
+            text[result.start : result.end],
+        )
         for result in results
         if float(result.score) >= 0.5
     ]

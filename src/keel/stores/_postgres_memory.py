@@ -66,9 +66,12 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
                 tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', text)) STORED,
                 UNIQUE (tenant_id, user_id, content_hash)
             );
-            CREATE INDEX memory_records_scope_time ON memory_records (tenant_id, user_id, created_at);
-            CREATE INDEX memory_records_session ON memory_records (tenant_id, user_id, session_id, turn);
-            CREATE INDEX memory_records_fact ON memory_records (tenant_id, user_id, subject, attribute);
+            CREATE INDEX memory_records_scope_time
+                ON memory_records (tenant_id, user_id, created_at);
+            CREATE INDEX memory_records_session
+                ON memory_records (tenant_id, user_id, session_id, turn);
+            CREATE INDEX memory_records_fact
+                ON memory_records (tenant_id, user_id, subject, attribute);
             CREATE INDEX memory_records_tsv ON memory_records USING GIN (tsv);
             CREATE TABLE memory_outbox (
                 id BIGSERIAL PRIMARY KEY,
@@ -413,9 +416,7 @@ class PostgresMemoryStore(MemoryStore):
             ).fetchall()
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
 
-    def vectors(
-        self, scope: Scope, record_ids: Sequence[str], model: str
-    ) -> dict[str, FloatArray]:
+    def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
         self.setup()
         found: dict[str, FloatArray] = {}
         if not record_ids:

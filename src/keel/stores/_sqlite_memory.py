@@ -325,9 +325,11 @@ class SQLiteMemoryStore(MemoryStore):
             + " ORDER BY score LIMIT ?"
         )
         try:
-            rows = self._conn().execute(
-                sql, (match, scope.tenant_id, scope.user_id, *params, int(limit))
-            ).fetchall()
+            rows = (
+                self._conn()
+                .execute(sql, (match, scope.tenant_id, scope.user_id, *params, int(limit)))
+                .fetchall()
+            )
         except sqlite3.Error as exc:
             raise translate_sqlite_error(exc, self.db.path) from exc
         # FTS5's bm25() is negative (more negative is better).
@@ -374,7 +376,11 @@ class SQLiteMemoryStore(MemoryStore):
             return [ScoredId(index.ids[int(positions[o])], float(scores[o])) for o in order]
         scores = index.matrix[: index.size] @ query
         want = min(index.size, limit * 2 + 20)
-        top = np.argpartition(-scores, want - 1)[:want] if want < index.size else np.arange(index.size)
+        top = (
+            np.argpartition(-scores, want - 1)[:want]
+            if want < index.size
+            else np.arange(index.size)
+        )
         top = top[np.argsort(-scores[top])]
         candidates = [index.ids[int(i)] for i in top]
         alive = {record.id for record in self.fetch(scope, candidates, filters)}
@@ -394,9 +400,7 @@ class SQLiteMemoryStore(MemoryStore):
         )
         return [str(row[0]) for row in rows]
 
-    def vectors(
-        self, scope: Scope, record_ids: Sequence[str], model: str
-    ) -> dict[str, FloatArray]:
+    def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
         index = self._index(scope, model)
         return {
             record_id: index.matrix[index.positions[record_id]]

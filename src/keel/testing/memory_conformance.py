@@ -147,9 +147,9 @@ class MemoryStoreConformance:
         vs = memory.store.vector_search(ALICE, vector, "keel-hashing-64", only_semantic, 10)
         assert [h.record_id for h in vs] == [fact.id]
         session = MemoryFilter(session_id="a")
-        assert [h.record_id for h in memory.store.keyword_search(ALICE, ["boots"], session, 10)] == [
-            turn.id
-        ]
+        assert [
+            h.record_id for h in memory.store.keyword_search(ALICE, ["boots"], session, 10)
+        ] == [turn.id]
         no_turns = MemoryFilter(exclude_types=("turn",))
         assert turn.id not in {
             h.record_id for h in memory.store.keyword_search(ALICE, ["boots"], no_turns, 10)
@@ -159,7 +159,9 @@ class MemoryStoreConformance:
     def test_session_turns_in_order(self, make_store: StoreFactory) -> None:
         memory = _memory(make_store())
         for number in (3, 1, 2, 5):
-            memory.add(f"turn number {number}", scope=ALICE, type="turn", session_id="s", turn=number)
+            memory.add(
+                f"turn number {number}", scope=ALICE, type="turn", session_id="s", turn=number
+            )
         memory.add("other session", scope=ALICE, type="turn", session_id="t", turn=2)
         turns = memory.store.session_turns(ALICE, "s", 1, 3)
         assert [t.turn for t in turns] == [1, 2, 3]
@@ -175,7 +177,12 @@ class MemoryStoreConformance:
         assert memory.forget(ALICE, drop.id)
         assert memory.get(ALICE, drop.id) is None
         vector = memory.embedder.embed_one("drop this memory")  # type: ignore[union-attr]
-        ids = [h.record_id for h in memory.store.vector_search(ALICE, vector, "keel-hashing-64", MemoryFilter(), 10)]
+        ids = [
+            h.record_id
+            for h in memory.store.vector_search(
+                ALICE, vector, "keel-hashing-64", MemoryFilter(), 10
+            )
+        ]
         assert ids == [keep.id]
         assert memory.store.embedding_models() == {"keel-hashing-64": 1}
         wider = Memory(memory.store, embedder=HashingEmbedder(32), masker=None)
