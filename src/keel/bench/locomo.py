@@ -7,8 +7,8 @@ categories 1-4 is searched with :meth:`keel.memory.Memory.search` under the defa
 or evidence is read at query time: evidence only scores the result afterwards.
 
 Metrics: R@k (share of a question's evidence turns among the turns retrieved for the top k
-hits, their neighbouring turns included; adjacent hits share one block), All@10, tokens of the retrieved turns (each turn counted once),
-search latency with the query embedding. Baselines in the same run: keyword-only (BM25) and
+hits, their neighbouring turns included; adjacent hits share one block), All@10, tokens of
+the retrieved turns (each turn counted once), search latency with the query embedding. Baselines in the same run: keyword-only (BM25) and
 dense-only, both without neighbours.
 """
 
@@ -227,8 +227,10 @@ def run_locomo(
                     tallies[name].latencies.append((time.perf_counter() - started) * 1000)
                     # With neighbours, adjacent hits merge into one block, so the top 5 hits
                     # are asked for, not read off the first 5 blocks.
-                    top5 = hits[:5] if memory.config.neighbours == 0 else memory.search(
-                        question, scope=scope, k=5
+                    top5 = (
+                        hits[:5]
+                        if memory.config.neighbours == 0
+                        else memory.search(question, scope=scope, k=5)
                     )
                     r5, _, _ = _score(top5, evidence, dia_of, counter)
                     r10, all10, tokens = _score(hits[:10], evidence, dia_of, counter)

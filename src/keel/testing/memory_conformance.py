@@ -199,7 +199,7 @@ class MemoryStoreConformance:
 
     def test_tenant_isolation_against_crafted_queries(self, make_store: StoreFactory) -> None:
         memory = _memory(make_store())
-        secret = memory.add("bob secret: the vault code is 4417", scope=BOB)
+        secret = memory.add("bob secret: the vault code is 4417", scope=BOB, session_id="bob-s")
         evil = memory.add("alice secret in another tenant", scope=EVE)
         mine = memory.add("alice likes secret gardens", scope=ALICE)
         memory.flush()
@@ -209,6 +209,10 @@ class MemoryStoreConformance:
             assert not foreign & {r.id for h in hits for r in h.records}, query
             packed = memory.retrieve(query, scope=ALICE, budget_tokens=500)
             assert "vault" not in packed.text and "another tenant" not in packed.text
+        crafted = MemoryFilter(session_id="bob-s", include_superseded=True, types=("note",))
+        assert memory.search("bob secret vault", scope=ALICE, filters=crafted) == []
+        assert memory.store.list_records(ALICE, crafted) == []
+        assert memory.store.session_turns(ALICE, "bob-s", -100, 100) == []
         assert memory.get(ALICE, secret.id) is None
         assert memory.store.fetch(ALICE, [secret.id, evil.id, mine.id], MemoryFilter()) == [
             memory.get(ALICE, mine.id)
