@@ -8,8 +8,8 @@ or evidence is read at query time: evidence only scores the result afterwards.
 
 Metrics: R@k (share of a question's evidence turns among the turns retrieved for the top k
 hits, their neighbouring turns included; adjacent hits share one block), All@10, tokens of
-the retrieved turns (each turn counted once), search latency with the query embedding. Baselines in the same run: keyword-only (BM25) and
-dense-only, both without neighbours.
+the retrieved turns (each turn counted once), search latency with the query embedding.
+Baselines in the same run: keyword-only (BM25) and dense-only, both without neighbours.
 """
 
 from __future__ import annotations
