@@ -250,3 +250,28 @@ def test_superseded_facts_hidden_unless_asked(memory: Memory) -> None:
     assert texts == ["user city: Porto"]
     history = MemoryFilter(include_superseded=True)
     assert len(memory.search("user city", scope=SCOPE, filters=history)) == 2
+
+
+def test_failed_embeddings_are_retried_not_lost(tmp_path: Path) -> None:
+    class Flaky(HashingEmbedder):
+        down = True
+
+        def embed(self, texts):  # type: ignore[no-untyped-def,override]
+            if self.down:
+                from keel.errors import ModelUnavailableError
+
+                raise ModelUnavailableError("embedding server down")
+            return super().embed(texts)
+
+    embedder = Flaky(32)
+    mem = Memory(SQLiteMemoryStore(tmp_path / "f.db"), embedder=embedder, max_attempts=2)
+    record = mem.add("remember the milk", scope=SCOPE)
+    assert mem.process_outbox() == 0 and mem.pending() == 1
+    assert mem.process_outbox() == 0 and mem.pending() == 0  # attempts exhausted
+    assert mem.last_error == "embedding server down"
+    # Keyword search never depended on the embedder.
+    assert mem.search("milk", scope=SCOPE)[0].record.id == record.id
+    embedder.down = False
+    assert mem.reembed() == 1
+    assert mem.embedding_status().counts == {"keel-hashing-32": 1}
+    mem.close()

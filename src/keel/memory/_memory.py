@@ -332,9 +332,7 @@ class Memory:
         batches = 0
         with self._process_lock:
             while max_batches is None or batches < max_batches:
-                entries = [
-                    e for e in self.store.pending(self.batch_size) if e.attempts < self.max_attempts
-                ]
+                entries = self.store.pending(self.batch_size, self.max_attempts)
                 if not entries:
                     break
                 batches += 1
@@ -354,7 +352,7 @@ class Memory:
 
     def pending(self) -> int:
         """Records waiting to be embedded (retries exhausted not counted)."""
-        return len([e for e in self.store.pending(100_000) if e.attempts < self.max_attempts])
+        return len(self.store.pending(1_000_000, self.max_attempts))
 
     def start(self) -> None:
         """Start the background embedding thread (idempotent)."""
@@ -497,12 +495,17 @@ class Memory:
         if terms and cfg.keyword_weight > 0:
             keyword = self.store.keyword_search(scope, terms, filters, cfg.candidates)
         vector_hits: list[ScoredId] = []
-        query_vector = None
         if self.embedder is not None and cfg.vector_weight > 0:
-            query_vector = self.embedder.embed_one(masked_query)
-            vector_hits = self.store.vector_search(
-                scope, query_vector, self.embedder.name, filters, cfg.candidates
-            )
+            try:
+                query_vector = self.embedder.embed_one(masked_query)
+            except KeelError as exc:
+                # A down embedding endpoint degrades search to keyword-only, never fails it.
+                self.last_error = str(exc)
+                logger.warning("query embedding failed, keyword search only: %s", exc)
+            else:
+                vector_hits = self.store.vector_search(
+                    scope, query_vector, self.embedder.name, filters, cfg.candidates
+                )
         scores: dict[str, float] = {}
         keyword_rank: dict[str, int] = {}
         vector_rank: dict[str, int] = {}

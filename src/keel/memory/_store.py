@@ -114,8 +114,9 @@ class MemoryStore(ABC):
         """Stored unit vectors of the given records (those that have one)."""
 
     @abstractmethod
-    def pending(self, limit: int) -> list[OutboxEntry]:
-        """Outbox entries not processed yet, oldest first."""
+    def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
+        """Outbox entries not processed yet with fewer than ``max_attempts`` failures, oldest
+        first."""
 
     @abstractmethod
     def complete(

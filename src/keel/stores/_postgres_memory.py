@@ -435,14 +435,14 @@ class PostgresMemoryStore(MemoryStore):
 
     # --- outbox -------------------------------------------------------------------------
 
-    def pending(self, limit: int) -> list[OutboxEntry]:
+    def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
         self.setup()
         with self._connection() as conn:
             rows = conn.execute(
                 "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                "ORDER BY o.id LIMIT %s",
-                (int(limit),),
+                "WHERE o.attempts < %s ORDER BY o.id LIMIT %s",
+                (int(max_attempts), int(limit)),
             ).fetchall()
         return [
             OutboxEntry(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), int(r[5]))
@@ -494,6 +494,10 @@ class PostgresMemoryStore(MemoryStore):
     def enqueue_reembed(self, model: str) -> int:
         self.setup()
         with self._connection() as conn:
+            # Entries that ran out of attempts (an embedder was down) get a fresh start.
+            retried = conn.execute(
+                "UPDATE memory_outbox SET attempts = 0 WHERE attempts > 0"
+            ).rowcount
             cursor = conn.execute(
                 "INSERT INTO memory_outbox (record_id, created_at) "
                 "SELECT id, %s FROM memory_records r WHERE "
@@ -501,7 +505,7 @@ class PostgresMemoryStore(MemoryStore):
                 "AND NOT EXISTS (SELECT 1 FROM memory_outbox o WHERE o.record_id = r.id)",
                 (time.time(), model),
             )
-            return int(cursor.rowcount)
+            return int(cursor.rowcount) + int(retried)
 
     def embedding_models(self) -> dict[str, int]:
         self.setup()

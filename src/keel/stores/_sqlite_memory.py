@@ -410,14 +410,14 @@ class SQLiteMemoryStore(MemoryStore):
 
     # --- outbox -------------------------------------------------------------------------
 
-    def pending(self, limit: int) -> list[OutboxEntry]:
+    def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
         rows = (
             self._conn()
             .execute(
                 "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                "ORDER BY o.id LIMIT ?",
-                (int(limit),),
+                "WHERE o.attempts < ? ORDER BY o.id LIMIT ?",
+                (int(max_attempts), int(limit)),
             )
             .fetchall()
         )
@@ -466,6 +466,10 @@ class SQLiteMemoryStore(MemoryStore):
         self._conn()
         try:
             with self.db.transaction() as conn:
+                # Entries that ran out of attempts (an embedder was down) get a fresh start.
+                retried = conn.execute(
+                    "UPDATE memory_outbox SET attempts = 0 WHERE attempts > 0"
+                ).rowcount
                 cursor = conn.execute(
                     "INSERT INTO memory_outbox (record_id, created_at) "
                     "SELECT id, ? FROM memory_records r WHERE "
@@ -473,7 +477,7 @@ class SQLiteMemoryStore(MemoryStore):
                     "AND NOT EXISTS (SELECT 1 FROM memory_outbox o WHERE o.record_id = r.id)",
                     (time.time(), model),
                 )
-                queued = cursor.rowcount
+                queued = cursor.rowcount + retried
         except sqlite3.Error as exc:
             raise translate_sqlite_error(exc, self.db.path) from exc
         return int(queued)
