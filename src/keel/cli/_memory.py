@@ -157,6 +157,14 @@ def bench_memory_command(
     vector_ops: Annotated[
         str, typer.Option("--pg-vector-ops", help="pgvector (operators + HNSW) or sql.")
     ] = "pgvector",
+    embedder_spec: Annotated[
+        str,
+        typer.Option(
+            "--embedder",
+            help="Embedder spec (default: the bundled all-MiniLM-L6-v2); hashing:384 measures "
+            "the storage and index path without model inference.",
+        ),
+    ] = "local:all-minilm-l6-v2",
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
 ) -> None:
     """Ingest synthetic records into the embedded memory, then measure search latency."""
@@ -164,7 +172,7 @@ def bench_memory_command(
 
     from keel.bench.memory import run_memory_bench
     from keel.errors import UsageError
-    from keel.memory import SentenceTransformerEmbedder
+    from keel.memory import embedder_from_spec
 
     if vector_ops not in {"pgvector", "sql"}:
         raise UsageError("--pg-vector-ops must be pgvector or sql")
@@ -185,7 +193,7 @@ def bench_memory_command(
 
             result = run_memory_bench(
                 records,
-                embedder=SentenceTransformerEmbedder(),
+                embedder=embedder_from_spec(embedder_spec),
                 postgres_store=factory,
                 postgres_records=postgres_records,
                 progress=report,
