@@ -257,7 +257,7 @@ class SQLiteMemoryStore(MemoryStore):
             chunk = ids[start : start + 500]
             records.extend(
                 self._query(
-                    f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = ? AND user_id = ? "
+                    f"SELECT {_SELECT} FROM memory_records WHERE +tenant_id = ? AND +user_id = ? "
                     f"AND id IN ({', '.join('?' for _ in chunk)})"
                     + (f" AND {where}" if where else ""),
                     (scope.tenant_id, scope.user_id, *chunk, *params),
@@ -313,27 +313,67 @@ class SQLiteMemoryStore(MemoryStore):
         # Terms are [a-z0-9] words (keyword_terms); quoting them makes each a plain phrase so
         # nothing can act as an FTS5 operator or column filter.
         safe = [term.replace('"', "") for term in terms if term.strip('"')]
-        if not safe:
+        if not safe or limit <= 0:
             return []
+        conn = self._conn()
+        safe = self._prune_common(conn, safe)
         match = " OR ".join(f'"{term}"' for term in safe)
         where, params = filter_sql(filters, "?", prefix="r.")
-        sql = (
+        scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
+        args = (scope.tenant_id, scope.user_id, *params)
+        # Fast path: FTS5's own top-N by rank (a bounded heap, no join per match), then the
+        # scope. The order is the same score, so when enough of the scope's rows are among
+        # them they ARE the scope's top rows; otherwise fall back to the full scoped query.
+        fast = (
+            "SELECT r.id, f.score FROM (SELECT rowid, rank AS score FROM memory_fts "
+            "WHERE memory_fts MATCH ? ORDER BY rank LIMIT ?) f "
+            f"JOIN memory_records r ON r.rowid = f.rowid WHERE {scoped} ORDER BY f.score LIMIT ?"
+        )
+        full = (
             "SELECT r.id, bm25(memory_fts) AS score FROM memory_fts "
             "JOIN memory_records r ON r.rowid = memory_fts.rowid "
-            "WHERE memory_fts MATCH ? AND r.tenant_id = ? AND r.user_id = ?"
-            + (f" AND {where}" if where else "")
-            + " ORDER BY score LIMIT ?"
+            f"WHERE memory_fts MATCH ? AND {scoped} ORDER BY score LIMIT ?"
         )
         try:
-            rows = (
-                self._conn()
-                .execute(sql, (match, scope.tenant_id, scope.user_id, *params, int(limit)))
-                .fetchall()
-            )
+            window = max(limit * 20, 1000)
+            rows = conn.execute(fast, (match, window, *args, int(limit))).fetchall()
+            if len(rows) < limit:
+                total = conn.execute(
+                    "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
+                    "LIMIT ?)",
+                    (match, window + 1),
+                ).fetchone()[0]
+                if int(total) > window:
+                    rows = conn.execute(full, (match, *args, int(limit))).fetchall()
         except sqlite3.Error as exc:
             raise translate_sqlite_error(exc, self.db.path) from exc
         # FTS5's bm25() is negative (more negative is better).
         return [ScoredId(str(row[0]), -float(row[1])) for row in rows]
+
+    def _prune_common(self, conn: sqlite3.Connection, terms: list[str]) -> list[str]:
+        """Drop terms found in a large share of all rows (keep the rarest if all are).
+
+        Such terms carry almost no BM25 weight (low IDF) but dominate the cost: FTS5 scores
+        every row that matches any term. The cut-off is an IDF floor, measured with a bounded
+        count per term.
+        """
+        if len(terms) < 2:
+            return terms
+        total_row = conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()
+        total = int(total_row[0] or 0)
+        cap = max(2000, total // 20)
+        if total <= cap:
+            return terms
+        frequencies: dict[str, int] = {}
+        for term in terms:
+            row = conn.execute(
+                "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
+                "LIMIT ?)",
+                (f'"{term}"', cap + 1),
+            ).fetchone()
+            frequencies[term] = int(row[0])
+        kept = [term for term in terms if frequencies[term] <= cap]
+        return kept or [min(terms, key=lambda term: frequencies[term])]
 
     def _index(self, scope: Scope, model: str) -> _ScopeIndex:
         key = (scope.tenant_id, scope.user_id, model)
@@ -383,9 +423,23 @@ class SQLiteMemoryStore(MemoryStore):
         )
         top = top[np.argsort(-scores[top])]
         candidates = [index.ids[int(i)] for i in top]
-        alive = {record.id for record in self.fetch(scope, candidates, filters)}
+        alive = self._alive(scope, candidates, filters)
         hits = [ScoredId(index.ids[int(i)], float(scores[i])) for i in top]
         return [hit for hit in hits if hit.record_id in alive][:limit]
+
+    def _alive(self, scope: Scope, record_ids: list[str], filters: MemoryFilter) -> set[str]:
+        where, params = filter_sql(filters, "?")
+        alive: set[str] = set()
+        conn = self._conn()
+        for start in range(0, len(record_ids), 500):
+            chunk = record_ids[start : start + 500]
+            rows = conn.execute(
+                "SELECT id FROM memory_records WHERE +tenant_id = ? AND +user_id = ? "
+                f"AND id IN ({', '.join('?' for _ in chunk)})" + (f" AND {where}" if where else ""),
+                (scope.tenant_id, scope.user_id, *chunk, *params),
+            ).fetchall()
+            alive.update(str(row[0]) for row in rows)
+        return alive
 
     def _allowed_ids(self, scope: Scope, filters: MemoryFilter) -> list[str]:
         where, params = filter_sql(filters, "?")
