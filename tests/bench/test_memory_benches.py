@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from keel.bench.locomo import parse_session_date, repair_evidence, run_locomo
+from keel.bench.memory import run_memory_bench, synthetic_corpus
+from keel.errors import ConfigError
+from keel.memory import HashingEmbedder
+
+
+def _tiny_locomo(path: Path) -> Path:
+    """A made-up conversation in LoCoMo's format (not LoCoMo data)."""
+    turns1 = [
+        {"speaker": "Ann", "dia_id": "D1:1", "text": "I started pottery classes this week."},
+        {"speaker": "Ben", "dia_id": "D1:2", "text": "Nice, what did you make?"},
+        {
+            "speaker": "Ann",
+            "dia_id": "D1:3",
+            "text": "A blue bowl for my mother.",
+            "blip_caption": "a photo of a blue ceramic bowl",
+        },
+    ]
+    turns2 = [
+        {"speaker": "Ben", "dia_id": "D2:1", "text": "I adopted a dog named Rex."},
+        {"speaker": "Ann", "dia_id": "D2:2", "text": "Rex is a lovely name for a dog!"},
+    ]
+    item = {
+        "sample_id": "tiny-1",
+        "conversation": {
+            "speaker_a": "Ann",
+            "speaker_b": "Ben",
+            "session_1_date_time": "1:56 pm on 8 May, 2023",
+            "session_1": turns1,
+            "session_2_date_time": "10:00 am on 2 June, 2023",
+            "session_2": turns2,
+        },
+        "qa": [
+            {
+                "question": "What did Ann make in pottery class?",
+                "answer": "a bowl",
+                "evidence": ["D1:3"],
+                "category": 4,
+            },
+            {
+                "question": "What is the name of Ben's dog?",
+                "answer": "Rex",
+                "evidence": ["D2:1; D2:2"],
+                "category": 1,
+            },
+            {
+                "question": "When did Ann start pottery?",
+                "answer": "May 2023",
+                "evidence": ["D:1:1", "D9:99"],
+                "category": 2,
+            },
+            {"question": "Unanswerable", "answer": "", "evidence": [], "category": 5},
+            {"question": "No evidence at all", "answer": "x", "evidence": ["D7:7"], "category": 3},
+        ],
+    }
+    path.write_text(json.dumps([item]), encoding="utf-8")
+    return path
+
+
+def test_evidence_repair_and_dates() -> None:
+    known = {"D8:6", "D9:17", "D11:26"}
+    assert repair_evidence(["D8:6; D9:17"], known) == (["D8:6", "D9:17"], 0)
+    assert repair_evidence(["D:11:26", "D40:1"], known) == (["D11:26"], 1)
+    assert parse_session_date("1:56 pm on 8 May, 2023") == datetime(2023, 5, 8, 13, 56, tzinfo=UTC)
+    assert parse_session_date("sometime") is None
+
+
+def test_locomo_harness_on_a_tiny_file(tmp_path: Path) -> None:
+    report = run_locomo(_tiny_locomo(tmp_path / "tiny.json"), embedder=HashingEmbedder(64))
+    assert report["questions"] == 3
+    assert report["questions_without_evidence"] == 1
+    assert report["dropped_evidence_ids"] == 2
+    assert report["recall_at_10"] == 1.0 and report["all_at_10"] == 1.0
+    assert set(report["baselines"]) == {"bm25", "dense"}
+    assert set(report["by_category"]) == {"single_hop", "multi_hop", "temporal"}
+    assert 0 < report["tokens_at_10"] < 200
+    with pytest.raises(ConfigError):
+        run_locomo(tmp_path / "missing.json", embedder=HashingEmbedder(8))
+
+
+def test_memory_bench_small() -> None:
+    texts, queries = synthetic_corpus(300)
+    assert len(texts) == 300 and len(queries) == 200 and texts == synthetic_corpus(300)[0]
+    report = run_memory_bench(300, embedder=HashingEmbedder(64), batch=100)
+    assert report["records"] == 300 and report["ingest_records_per_s"] > 0
+    assert report["search_ms_p95"] >= report["search_ms_p50"] > 0
