@@ -1,4 +1,10 @@
-"""Chat models behind one interface: OpenAI-compatible HTTP, the bundled local model, scripted."""
+"""Chat models behind one interface: OpenAI-compatible HTTP, the bundled local model, scripted.
+
+``resolve_model("openai:gpt-4o-mini")`` (or ``openai-compatible:MODEL@URL``, ``local:smollm2``,
+``scripted:NAME``) gives a :class:`ChatModel`; ``complete``/``acomplete`` return a checked
+:class:`Completion`, ``stream``/``astream`` yield :class:`CompletionChunk` s. Retries live in
+one place, :class:`RetryPolicy`; failures surface as :mod:`keel.errors` types.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +17,35 @@ from keel.models._base import (
     ToolCallDelta,
     ToolSchema,
 )
+from keel.models._local import LocalModel, loaded_local_models
+from keel.models._openai import OpenAICompatibleModel, is_context_length_error
+from keel.models._registry import resolve_model
+from keel.models._retry import RetryPolicy
+from keel.models._toolcalls import (
+    ParsedToolCalls,
+    ToolCallParseError,
+    parse_tool_calls,
+    render_tool_call,
+    render_tools_prompt,
+)
 
 __all__ = [
     "ChatModel",
     "Completion",
     "CompletionChunk",
     "FinishReason",
+    "LocalModel",
     "ModelOptions",
+    "OpenAICompatibleModel",
+    "ParsedToolCalls",
+    "RetryPolicy",
     "ToolCallDelta",
+    "ToolCallParseError",
     "ToolSchema",
+    "is_context_length_error",
+    "loaded_local_models",
+    "parse_tool_calls",
+    "render_tool_call",
+    "render_tools_prompt",
+    "resolve_model",
 ]

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel.messages import Message, Usage
+from keel.models._toolcalls import ToolCallParseError
 from keel.tokens import ChatTokenCounter, ModelProfile
 
 __all__ = [
@@ -53,6 +54,13 @@ class ModelOptions(BaseModel):
         default=None, description="Whether the model may, must or must not call tools."
     )
     seed: int | None = Field(default=None, description="Sampling seed where supported.")
+    allow_truncated: bool = Field(
+        default=False,
+        description=(
+            "Return an answer cut by max_tokens (finish_reason='length') instead of raising "
+            "TruncatedResponseError. Off by default: a cut answer is never mistaken for a whole."
+        ),
+    )
 
 
 class Completion(BaseModel):
@@ -70,6 +78,23 @@ class Completion(BaseModel):
     )
     attempts: int = Field(default=1, ge=1, description="Requests made, retries included.")
     raw: Any = Field(default=None, description="The provider's raw response, for traces.")
+    tool_call_errors: tuple[ToolCallParseError, ...] = Field(
+        default=(),
+        description=(
+            "Tool-call attempts in the text that could not be read (models without native tool "
+            "calling); each has feedback to send back to the model."
+        ),
+    )
+
+    @property
+    def text(self) -> str:
+        """The answer text (may be empty when the model only called tools)."""
+        return self.message.content
+
+    @property
+    def truncated(self) -> bool:
+        """Whether generation stopped at max_tokens (only returned with allow_truncated)."""
+        return self.finish_reason == "length"
 
 
 class ToolCallDelta(BaseModel):
@@ -136,7 +161,14 @@ class ChatModel(ABC):
         options: ModelOptions | None = None,
     ) -> Completion:
         """Sync twin of :meth:`acomplete` (not for use inside a running event loop)."""
-        return asyncio.run(self.acomplete(messages, tools, options))
+
+        async def once() -> Completion:
+            try:
+                return await self.acomplete(messages, tools, options)
+            finally:
+                await self._release_loop_resources()
+
+        return asyncio.run(once())
 
     def astream(
         self,
@@ -156,9 +188,15 @@ class ChatModel(ABC):
         """Sync twin of :meth:`astream`: collects the chunks, then yields them."""
 
         async def collect() -> list[CompletionChunk]:
-            return [chunk async for chunk in self.astream(messages, tools, options)]
+            try:
+                return [chunk async for chunk in self.astream(messages, tools, options)]
+            finally:
+                await self._release_loop_resources()
 
         yield from asyncio.run(collect())
+
+    async def _release_loop_resources(self) -> None:  # noqa: B027  (optional hook)
+        """Hook: release what belongs to the running event loop (the sync twins end it)."""
 
     async def aclose(self) -> None:  # noqa: B027  (optional hook)
         """Release connections or loaded weights."""

@@ -3,5 +3,13 @@
 from __future__ import annotations
 
 from keel.models._scripted import ScriptedCall, ScriptedModel, ScriptedReply
+from keel.testing._faults import FAULT_SCENARIOS, FaultRequest, FaultServer
 
-__all__ = ["ScriptedCall", "ScriptedModel", "ScriptedReply"]
+__all__ = [
+    "FAULT_SCENARIOS",
+    "FaultRequest",
+    "FaultServer",
+    "ScriptedCall",
+    "ScriptedModel",
+    "ScriptedReply",
+]

@@ -1,0 +1,363 @@
+"""The bundled local model: SmolLM2-135M-Instruct through llama-cpp-python, offline.
+
+The weights are loaded once per process and shared by every :class:`LocalModel` with the same
+settings. llama.cpp is not thread-safe for one context, so generations are serialized by a
+lock; they run in a worker thread so the event loop keeps serving while the model thinks.
+
+The model has no native tool calling: tools are described in the system prompt in the
+``<tool_call>`` format (:func:`~keel.models.render_tools_prompt`) and the reply is read with
+:func:`~keel.models.parse_tool_calls`. What cannot be read lands in
+``Completion.tool_call_errors`` instead of raising. ``json_mode``, ``json_schema`` and
+``tool_choice="required"`` are enforced with a llama.cpp grammar, so the reply is valid JSON by
+construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from keel.errors import (
+    ContextLengthExceededError,
+    ModelTimeoutError,
+    ModelUnavailableError,
+    TruncatedResponseError,
+    UnknownModelError,
+)
+from keel.messages import Message, Usage
+from keel.models._base import (
+    ChatModel,
+    Completion,
+    CompletionChunk,
+    FinishReason,
+    ModelOptions,
+    ToolCallDelta,
+    ToolSchema,
+)
+from keel.models._toolcalls import parse_tool_calls, render_tool_call, render_tools_prompt
+from keel.tokens import counter_for
+
+__all__ = ["LocalModel", "loaded_local_models"]
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+"""The system prompt SmolLM2's chat template uses when none is given (token counts match)."""
+
+_END = "<|im_end|>"
+_DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass
+class _Loaded:
+    llama: Any
+    lock: threading.Lock
+    load_s: float
+    path: Path
+    n_ctx: int
+
+
+_loaded: dict[tuple[str, int, int], _Loaded] = {}
+_loading = threading.Lock()
+
+
+def _load(path: Path, n_ctx: int, n_threads: int) -> _Loaded:
+    key = (str(path), n_ctx, n_threads)
+    with _loading:
+        cached = _loaded.get(key)
+        if cached is not None:
+            return cached
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:
+            raise ModelUnavailableError(
+                "the local model needs llama-cpp-python (install keel's 'local' extra)",
+                model="local:smollm2",
+            ) from exc
+        started = time.perf_counter()
+        try:
+            llama = Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_threads=n_threads,
+                n_threads_batch=n_threads,
+                n_batch=512,
+                # One token per micro-batch: with larger micro-batches this llama.cpp build
+                # evaluated SmolLM2's prompt wrongly (the greedy reply to "Say hello" became a
+                # row of emoji) while token-by-token evaluation was right. The prompt costs a
+                # little more time; the answer is correct.
+                n_ubatch=1,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelUnavailableError(
+                f"cannot load {path.name}: {exc}", model="local:smollm2"
+            ) from exc
+        loaded = _Loaded(llama, threading.Lock(), time.perf_counter() - started, path, n_ctx)
+        _loaded[key] = loaded
+        return loaded
+
+
+def loaded_local_models() -> dict[str, float]:
+    """The local models loaded in this process: file name -> seconds the load took."""
+    return {f"{Path(key[0]).name}@{key[1]}": value.load_s for key, value in _loaded.items()}
+
+
+def _grammar(schema: dict[str, Any] | None) -> Any:
+    from llama_cpp.llama_grammar import JSON_GBNF, LlamaGrammar
+
+    if schema is None:
+        return LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+    return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+
+
+def _required_call_schema(tools: Sequence[ToolSchema]) -> dict[str, Any]:
+    names = [str(tool.get("function", tool)["name"]) for tool in tools]
+    return {
+        "type": "object",
+        "properties": {"name": {"enum": names}, "arguments": {"type": "object"}},
+        "required": ["name", "arguments"],
+    }
+
+
+class LocalModel(ChatModel):
+    """SmolLM2-135M-Instruct running in-process (llama.cpp), no network.
+
+    Args:
+        name: the bundled model (only ``smollm2``).
+        model_path: a GGUF file to use instead of the bundled one (ChatML template expected).
+        n_ctx: context size to allocate (default: the model's window, 8192).
+        n_threads: CPU threads (default: half the cores, at least one; more threads than free
+            cores make llama.cpp's spinning workers much slower on a busy machine).
+    """
+
+    def __init__(
+        self,
+        name: str = "smollm2",
+        *,
+        model_path: str | Path | None = None,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+    ) -> None:
+        if name != "smollm2":
+            raise UnknownModelError(f"local:{name}", "bundled local models: smollm2")
+        counter = counter_for(f"local:{name}")
+        super().__init__(f"local:{name}", counter.profile, counter)
+        self._path = Path(model_path) if model_path is not None else None
+        self.n_ctx = n_ctx or counter.profile.context_window
+        self.n_threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
+
+    @property
+    def context_window(self) -> int:
+        """Tokens the loaded context holds, prompt plus answer."""
+        return min(self.n_ctx, self.profile.context_window)
+
+    def _model_path(self) -> Path:
+        if self._path is not None:
+            return self._path
+        from keel._assets import AssetMissingError, smollm2_gguf
+
+        try:
+            return smollm2_gguf()
+        except AssetMissingError as exc:
+            raise ModelUnavailableError(str(exc), model=self.spec) from exc
+
+    def load(self) -> float:
+        """Load the weights now (they load on first use otherwise); returns the load seconds."""
+        return _load(self._model_path(), self.n_ctx, self.n_threads).load_s
+
+    # --- prompt -------------------------------------------------------------------------------
+
+    def render_prompt(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[ToolSchema] = (),
+        options: ModelOptions | None = None,
+    ) -> str:
+        """The exact ChatML text the model reads for this request."""
+        options = options or ModelOptions()
+        offered = tools if options.tool_choice != "none" else ()
+        parts: list[str] = []
+        rest = list(messages)
+        system = DEFAULT_SYSTEM
+        if rest and rest[0].role == "system":
+            system = rest.pop(0).content
+        if offered:
+            system = f"{system}\n\n{render_tools_prompt(offered)}"
+        parts.append(f"<|im_start|>system\n{system}{_END}\n")
+        for message in rest:
+            role = message.role
+            body = message.content
+            if message.role == "assistant" and message.tool_calls:
+                calls = "\n".join(render_tool_call(call) for call in message.tool_calls)
+                body = f"{body}\n{calls}" if body else calls
+            elif message.role == "tool":
+                # The chat template has no tool role: results come back as the user's turn.
+                role = "user"
+                name = f" name={json.dumps(message.name)}" if message.name else ""
+                body = f"<tool_response{name}>\n{message.content}\n</tool_response>"
+            parts.append(f"<|im_start|>{role}\n{body}{_END}\n")
+        parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+    # --- generation ---------------------------------------------------------------------------
+
+    def _generation_args(
+        self, tools: Sequence[ToolSchema], options: ModelOptions
+    ) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "max_tokens": options.max_tokens or _DEFAULT_MAX_TOKENS,
+            "temperature": 0.0 if options.temperature is None else options.temperature,
+            "stop": [_END, "<|im_start|>", *options.stop],
+        }
+        if options.seed is not None:
+            args["seed"] = options.seed
+        if options.json_schema is not None:
+            args["grammar"] = _grammar(options.json_schema)
+        elif tools and options.tool_choice == "required":
+            args["grammar"] = _grammar(_required_call_schema(tools))
+        elif options.json_mode:
+            args["grammar"] = _grammar(None)
+        return args
+
+    async def _astream(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
+    ) -> AsyncIterator[CompletionChunk]:
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        loaded = await loop.run_in_executor(
+            None, _load, self._model_path(), self.n_ctx, self.n_threads
+        )
+        prompt = self.render_prompt(messages, tools, options)
+        prompt_tokens = len(loaded.llama.tokenize(prompt.encode("utf-8"), special=True))
+        max_tokens = options.max_tokens or _DEFAULT_MAX_TOKENS
+        if prompt_tokens + max_tokens > loaded.n_ctx:
+            raise ContextLengthExceededError(
+                f"the prompt is {prompt_tokens} tokens and {max_tokens} are reserved for the "
+                f"answer; the local model holds {loaded.n_ctx}",
+                model=self.spec,
+            )
+        args = self._generation_args(tools if options.tool_choice != "none" else (), options)
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def post(kind: str, value: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+        def work() -> None:
+            with loaded.lock:
+                try:
+                    for chunk in loaded.llama.create_completion(prompt, stream=True, **args):
+                        if cancel.is_set():
+                            break
+                        post("chunk", chunk)
+                    post("end", None)
+                except Exception as exc:  # delivered to the caller, typed there
+                    post("error", exc)
+
+        worker = threading.Thread(target=work, name="keel-local-model", daemon=True)
+        worker.start()
+        pieces: list[str] = []
+        finish: str | None = None
+        ttft: float | None = None
+        stream_text = not tools or options.tool_choice == "none"
+        deadline = None if options.timeout_s is None else time.monotonic() + options.timeout_s
+        try:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    kind, value = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError as exc:
+                    raise ModelTimeoutError(
+                        f"no complete answer within {options.timeout_s}s", model=self.spec
+                    ) from exc
+                if kind == "end":
+                    break
+                if kind == "error":
+                    raise ModelUnavailableError(
+                        f"local generation failed: {type(value).__name__}: {value}",
+                        model=self.spec,
+                    ) from value
+                choice = value["choices"][0]
+                piece = choice.get("text") or ""
+                if choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+                if piece:
+                    if ttft is None:
+                        ttft = (time.perf_counter() - started) * 1000
+                    pieces.append(piece)
+                    # With tools offered, the text may be a call: it is parsed once it is whole.
+                    if stream_text:
+                        yield CompletionChunk(text=piece)
+        finally:
+            cancel.set()
+        text = "".join(pieces)
+        completion = self._finish(text, finish, prompt_tokens, tools, options, started, ttft)
+        if not stream_text and completion.message.content:
+            yield CompletionChunk(text=completion.message.content)
+        if completion.message.tool_calls:
+            yield CompletionChunk(
+                tool_calls=tuple(
+                    ToolCallDelta(index=index, id=call.id, name=call.name, arguments=call.arguments)
+                    for index, call in enumerate(completion.message.tool_calls)
+                )
+            )
+        yield CompletionChunk(completion=completion)
+
+    def _finish(
+        self,
+        text: str,
+        finish: str | None,
+        prompt_tokens: int,
+        tools: Sequence[ToolSchema],
+        options: ModelOptions,
+        started: float,
+        ttft: float | None,
+    ) -> Completion:
+        completion_tokens = self.counter.tokenizer.count(text)
+        offered = tools if options.tool_choice != "none" else ()
+        parsed = parse_tool_calls(text, offered) if offered else None
+        if parsed is not None and (parsed.calls or parsed.errors):
+            message = Message.assistant(parsed.text, tool_calls=parsed.calls)
+            errors = parsed.errors
+        else:
+            message = Message.assistant(text.strip())
+            errors = ()
+        reason: FinishReason = "length" if finish == "length" else "stop"
+        if message.tool_calls and reason == "stop":
+            reason = "tool_calls"
+        completion = Completion(
+            message=message,
+            finish_reason=reason,
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            model=self.spec,
+            latency_ms=(time.perf_counter() - started) * 1000,
+            ttft_ms=ttft,
+            raw={"text": text, "finish_reason": finish},
+            tool_call_errors=errors,
+        )
+        if reason == "length" and not options.allow_truncated:
+            raise TruncatedResponseError(
+                f"the answer was cut at max_tokens={options.max_tokens or _DEFAULT_MAX_TOKENS} "
+                "(finish_reason=length); raise max_tokens or set allow_truncated",
+                model=self.spec,
+                raw=completion,
+            )
+        return completion
+
+    async def _acomplete(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
+    ) -> Completion:
+        final: Completion | None = None
+        async for chunk in self._astream(messages, tools, options):
+            if chunk.completion is not None:
+                final = chunk.completion
+        assert final is not None  # _astream always ends with the completion or raises
+        return final
