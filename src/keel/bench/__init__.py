@@ -1,0 +1,1 @@
+"""Benchmark harnesses behind ``keel bench ...``: each returns its figures as a dict."""

@@ -1,0 +1,690 @@
+"""The prompt compiler: system prompt first, rules last before the newest user message.
+
+Layout of every compiled prompt::
+
+    [0]   system    the system prompt (identity, safety guardrails), verbatim
+    [1]   system    "Relevant memories ..." block                        (when any are kept)
+    [2]   system    "Summary of the earlier conversation ..." block      (when there is one)
+    ...             older turns of the window, oldest first
+    [r]   system    "Operating rules ..." block                          (when rules are given)
+    [r+1] user      the newest user message
+    ...             the current turn after it (assistant tool calls and their results)
+
+Memories and summary are separate system messages with a clear heading rather than text
+appended to the system prompt: the system prompt stays byte-identical from call to call (so
+provider prompt caches keep hitting), and each block can be measured, capped and dropped on
+its own. Rules sit right before the newest user message because instructions closest to the
+end are followed most reliably; when the history has no user message they are last.
+
+Degradation: when the preflight count (exact: messages, framing, reply priming and tool
+schemas) exceeds the prompt limit, these steps are tried in this order until it fits, each
+one recorded in the :class:`BudgetReport`:
+
+0. ``elide_oversized``: a message that alone is larger than the whole recent-turns budget
+   (what system, rules, tools, memories and summary leave) can never be sent whole, so its
+   middle is elided at once, to the share of that budget the other kept turns leave. Doing
+   this first keeps one giant tool output or paste from pushing the summary and memories out
+   (steps 3 and 4 could not make it fit whole anyway, only smaller).
+1. ``prune_tools_harder``: tool results outside the current turn are cut to
+   ``PruningPolicy.hard_max_tokens`` (oldest first).
+2. ``shrink_window``: the oldest turns are dropped, down to the floor
+   (``SummaryPolicy.keep_turns`` newest turns, and always the whole current turn).
+3. ``drop_memories``: memories are dropped, lowest-ranked first.
+4. ``shorten_summary``: the summary's middle is elided (dropped when too little would stay).
+5. ``elide_messages``: the middle of the largest messages (any of them, the newest user
+   message included) is replaced by a marker, down to ``PruningPolicy.min_elided_tokens``.
+6. ``drop_below_floor``: turns below the floor are dropped, oldest first; the newest user
+   message is never dropped.
+
+Only when the system prompt, the rules, the tool schemas and the newest user message cut to
+its minimal form (``min_elided_tokens``) do not fit together is ``ContextOverflowError``
+raised, naming each of those sections and its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from keel.context._budget import ContextBudget, PruningPolicy, ResolvedBudget, SummaryPolicy
+from keel.context._conversation import Conversation, Turn, _Form
+from keel.context._memory import ContextMemory, MemorySink
+from keel.context._report import (
+    BudgetReport,
+    DegradationName,
+    DegradationStep,
+    DroppedItem,
+    PrunedOutput,
+    SectionTokens,
+)
+from keel.context._summarize import ExtractiveSummarizer, Summarizer
+from keel.context._text import cut_middle
+from keel.errors import ContextOverflowError
+from keel.messages import Message
+from keel.models import ChatModel
+from keel.tokens import ChatTokenCounter, counter_for
+
+__all__ = ["CompiledPrompt", "ContextEngine", "render_prompt"]
+
+ToolSchema = Mapping[str, Any]
+
+MEMORIES_HEADING = "Relevant memories (from earlier sessions, most relevant first):"
+SUMMARY_HEADING = "Summary of the earlier conversation (older turns, condensed):"
+RULES_HEADING = "Operating rules (follow them in your next answer):"
+_BLOCK_CACHE_SIZE = 512
+_QUANTUM = 256
+
+
+def render_prompt(messages: Sequence[Message]) -> str:
+    """One string for a message list, for logs and completion-style models.
+
+    Each message is a ``### role`` heading line followed by its content; tool calls are
+    ``-> call NAME(ARGUMENTS) [id]`` lines and tool results are headed ``### tool [id]``.
+    """
+    parts: list[str] = []
+    for message in messages:
+        heading = f"### {message.role}"
+        if message.role == "tool":
+            heading += f" [{message.tool_call_id}]"
+        elif message.name:
+            heading += f" ({message.name})"
+        body = [message.content] if message.content else []
+        body.extend(
+            f"-> call {call.name}({call.arguments}) [{call.id}]" for call in message.tool_calls
+        )
+        parts.append(heading + "\n" + "\n".join(body))
+    return "\n\n".join(parts) + "\n\n### assistant\n"
+
+
+@dataclass(frozen=True)
+class CompiledPrompt:
+    """A prompt ready to send: chat messages, the same as one string, and its budget report."""
+
+    messages: tuple[Message, ...]
+    """The chat messages, system prompt first."""
+    tools: tuple[ToolSchema, ...]
+    """The tool schemas counted with the prompt (send them with it)."""
+    report: BudgetReport = field(repr=False)
+    """Tokens per section and what was dropped, pruned or degraded, and why."""
+
+    @property
+    def tokens(self) -> int:
+        """Exact tokens of the prompt (messages, framing, reply priming, tool schemas)."""
+        return self.report.prompt_tokens
+
+    @cached_property
+    def text(self) -> str:
+        """The prompt as one string (see :func:`render_prompt`)."""
+        return render_prompt(self.messages)
+
+    def to_openai(self) -> list[dict[str, Any]]:
+        """The messages in the OpenAI chat-completions wire format."""
+        return [message.to_openai() for message in self.messages]
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One turn in the window being planned, with the forms chosen for its messages."""
+
+    index: int
+    turn: Turn
+    forms: list[_Form]
+    tokens: int
+
+
+def _rank(memories: Sequence[str | ContextMemory]) -> list[ContextMemory]:
+    items = [m if isinstance(m, ContextMemory) else ContextMemory(text=m) for m in memories]
+    order = {id(item): position for position, item in enumerate(items)}
+    return sorted(
+        items,
+        key=lambda m: (m.score is None, -(m.score or 0.0), order[id(m)]),
+    )
+
+
+def _rules_text(rules: str | Sequence[str]) -> str:
+    if isinstance(rules, str):
+        return f"{RULES_HEADING}\n{rules.strip()}" if rules.strip() else ""
+    lines = [rule.strip() for rule in rules if rule.strip()]
+    if not lines:
+        return ""
+    return RULES_HEADING + "\n" + "\n".join(f"- {line}" for line in lines)
+
+
+class ContextEngine:
+    """Compiles prompts that always fit: budgets, window, summary, pruning and degradation.
+
+    Args:
+        model: a model spec (``"gpt-4o"``), a :class:`ChatTokenCounter` or a ``ChatModel``;
+            counts are exact for it.
+        budget: how the window is shared out (default: whole window, 12% answer reserve).
+        pruning: how older tool output is cut.
+        summary: when the oldest turns are folded into the running summary.
+        summarizer: who writes the summary; default :class:`ExtractiveSummarizer` (offline).
+        memory_sink: where evicted turns and committed summaries go (long-term memory).
+
+    ``compile`` is synchronous, pure CPU and never calls a model: its cost depends on the
+    window's size, not on the conversation's length.
+    """
+
+    def __init__(
+        self,
+        model: str | ChatTokenCounter | ChatModel = "gpt-4o",
+        *,
+        budget: ContextBudget | None = None,
+        pruning: PruningPolicy | None = None,
+        summary: SummaryPolicy | None = None,
+        summarizer: Summarizer | None = None,
+        memory_sink: MemorySink | None = None,
+    ) -> None:
+        if isinstance(model, str):
+            counter = counter_for(model)
+        elif isinstance(model, ChatModel):
+            counter = model.counter
+        else:
+            counter = model
+        self.counter = counter
+        self.budget_config = budget or ContextBudget()
+        self.budget: ResolvedBudget = self.budget_config.resolve(counter.profile)
+        self.pruning = pruning or PruningPolicy()
+        self.summary_policy = summary or SummaryPolicy()
+        self.summarizer: Summarizer = summarizer or ExtractiveSummarizer()
+        self.memory_sink = memory_sink
+        empty = Message.system("")
+        self._priming = counter.count_messages([empty]) - counter.count_message(empty)
+        self._blocks: dict[str, tuple[Message, int, int]] = {}
+        self._line_tokens: dict[str, int] = {}
+
+    @property
+    def model(self) -> str:
+        """The model name counts are for."""
+        return self.counter.profile.name
+
+    def conversation(
+        self, session_id: str = "default", messages: Sequence[Message] = ()
+    ) -> Conversation:
+        """A new, incremental conversation bound to this engine's counter and policies."""
+        conversation = Conversation(
+            session_id,
+            self.counter,
+            pruning=self.pruning,
+            summary_policy=self.summary_policy,
+            summarizer=self.summarizer,
+            summary_cap=self.budget.summary_cap,
+            turns_budget=self.budget.limit - self.budget.summary_cap,
+            memory_sink=self.memory_sink,
+        )
+        conversation.extend(messages)
+        return conversation
+
+    # --- cached counting -----------------------------------------------------------------
+
+    def _block(self, text: str) -> tuple[Message, int, int]:
+        """A system message with ``text``, its tokens and its content tokens (cached)."""
+        cached = self._blocks.get(text)
+        if cached is None:
+            if len(self._blocks) >= _BLOCK_CACHE_SIZE:
+                self._blocks.clear()
+            message = Message.system(text)
+            tokens = self.counter.count_message(message)
+            content = self.counter.count_text(text)
+            cached = (message, tokens, content)
+            self._blocks[text] = cached
+        return cached
+
+    def _line(self, text: str) -> int:
+        tokens = self._line_tokens.get(text)
+        if tokens is None:
+            if len(self._line_tokens) >= _BLOCK_CACHE_SIZE * 8:
+                self._line_tokens.clear()
+            tokens = self.counter.count_text(f"- {text}\n")
+            self._line_tokens[text] = tokens
+        return tokens
+
+    def _memories_block(self, kept: Sequence[ContextMemory]) -> tuple[Message | None, int, int]:
+        if not kept:
+            return None, 0, 0
+        return self._block(MEMORIES_HEADING + "\n" + "\n".join(f"- {m.text.strip()}" for m in kept))
+
+    def _summary_block(self, summary: str) -> tuple[Message | None, int, int]:
+        if not summary.strip():
+            return None, 0, 0
+        return self._block(f"{SUMMARY_HEADING}\n{summary}")
+
+    # --- compiling -----------------------------------------------------------------------
+
+    def compile(
+        self,
+        history: Conversation | Sequence[Message],
+        *,
+        system: str,
+        rules: str | Sequence[str] = (),
+        memories: Sequence[str | ContextMemory] = (),
+        tools: Sequence[ToolSchema] = (),
+    ) -> CompiledPrompt:
+        """Compile the prompt for the next model call.
+
+        Args:
+            history: the conversation (incremental), or a plain message list (counted now;
+                fine for one-off prompts, not for a long-running session).
+            system: the system prompt, sent verbatim as message 0.
+            rules: operating rules (output format, banned tools, the current step's
+                instructions): one text or one item per rule.
+            memories: retrieved memories, ranked by score or by their order.
+            tools: tool schemas in the OpenAI format, counted as the model sees them.
+
+        Raises:
+            ContextOverflowError: the system prompt, rules, tool schemas and the newest user
+                message in its minimal form cannot fit the limit together, or the system
+                prompt or rules exceed a cap set for them.
+        """
+        conversation = (
+            history if isinstance(history, Conversation) else self.conversation("adhoc", history)
+        )
+        return _Compilation(self, conversation, system, rules, memories, tuple(tools)).run()
+
+
+class _Compilation:
+    """The state of one compile: fixed sections, the planned window, the report's notes."""
+
+    def __init__(
+        self,
+        engine: ContextEngine,
+        conversation: Conversation,
+        system: str,
+        rules: str | Sequence[str],
+        memories: Sequence[str | ContextMemory],
+        tools: tuple[ToolSchema, ...],
+    ) -> None:
+        self.engine = engine
+        self.conv = conversation
+        self.budget = engine.budget
+        self.tools = tools
+        self.system_msg, self.system_t, _ = engine._block(system)
+        rules_text = _rules_text(rules)
+        self.rules_msg: Message | None = None
+        self.rules_t = 0
+        if rules_text:
+            self.rules_msg, self.rules_t, _ = engine._block(rules_text)
+        self.tools_t = engine.counter.count_tools(tools) if tools else 0
+        self.memories = _rank(memories) if memories else []
+        self.dropped: list[DroppedItem] = []
+        self.steps: list[DegradationStep] = []
+
+    def _check_caps(self) -> None:
+        budget = self.budget
+        if budget.system_cap is not None and self.system_t > budget.system_cap:
+            raise ContextOverflowError(
+                "the system prompt exceeds its cap",
+                sections={"system": self.system_t},
+                limit=budget.system_cap,
+            )
+        if budget.rules_cap is not None and self.rules_t > budget.rules_cap:
+            raise ContextOverflowError(
+                "the operating rules exceed their cap",
+                sections={"rules": self.rules_t},
+                limit=budget.rules_cap,
+            )
+
+    def _fit_memories(self) -> None:
+        cap = self.budget.memories_cap
+        engine = self.engine
+        kept: list[ContextMemory] = []
+        used = engine._line(MEMORIES_HEADING)
+        for memory in self.memories:
+            size = engine._line(memory.text.strip())
+            if used + size > cap:
+                break
+            kept.append(memory)
+            used += size
+        message, tokens, content = engine._memories_block(kept)
+        while kept and content > cap:
+            kept.pop()
+            message, tokens, content = engine._memories_block(kept)
+        left_out = self.memories[len(kept) :]
+        if left_out:
+            self.dropped.append(
+                DroppedItem(
+                    section="memories",
+                    count=len(left_out),
+                    tokens=sum(engine._line(m.text.strip()) for m in left_out),
+                    reason=f"over the memories cap of {cap} tokens (lowest-ranked first)",
+                )
+            )
+        self.kept_memories = kept
+        self.memories_msg, self.memories_t = message, tokens
+
+    def _fit_summary(self) -> None:
+        conv = self.conv
+        engine = self.engine
+        self.summary_msg, self.summary_t, _ = engine._summary_block(conv.summary)
+        self.summary_cut: PrunedOutput | None = None
+        cap = self.budget.summary_cap
+        if self.summary_msg is not None and conv.summary_tokens > cap:
+            shorter, shorter_t = cut_middle(
+                engine.counter.tokenizer,
+                conv.summary,
+                cap,
+                original_tokens=conv.summary_tokens,
+                kind="elide",
+            )
+            self.summary_msg, self.summary_t, _ = engine._summary_block(shorter)
+            self.summary_cut = PrunedOutput(
+                message_index=-1,
+                role="system",
+                tool_call_id=None,
+                original_tokens=conv.summary_tokens,
+                kept_tokens=shorter_t,
+                how="elided",
+                original=conv.summary,
+            )
+
+    def _plan_window(self) -> None:
+        """Greedy, newest first: the floor and current turn always, then what fits."""
+        conv = self.conv
+        turns = conv._turns
+        n = len(turns)
+        keep_recent = self.engine.pruning.keep_recent_messages
+        newest_user = conv.newest_user_index()
+        self.newest_user = newest_user
+        floor_start = max(0, n - self.engine.summary_policy.keep_turns)
+        must_start = floor_start if newest_user is None else min(floor_start, newest_user)
+        self.must_start = must_start
+        room = self.limit - self.fixed - self.memories_t - self.summary_t
+        plan: list[_Entry] = []
+        used = 0
+        position = 0  # history messages newer than the current one
+        self.left_open = False
+        for index in range(n - 1, -1, -1):
+            turn = turns[index]
+            if turn.pending:
+                self.left_open = True
+                position += len(turn.raw)
+                continue
+            size = len(turn.raw)
+            if position >= keep_recent:
+                forms, tokens = turn.forms, turn.pruned_total
+            elif position + size <= keep_recent:
+                forms, tokens = turn.raw, turn.raw_total
+            else:
+                split = size - (keep_recent - position)
+                forms = turn.forms[:split] + turn.raw[split:]
+                tokens = sum(form.tokens for form in forms)
+            if index < must_start and used + tokens > room:
+                # A turn still in the recent zone may fit with its tool output pruned, as it
+                # would be a few messages later; only a turn that cannot fit even so ends it.
+                if tokens > turn.pruned_total and used + turn.pruned_total <= room:
+                    forms, tokens = turn.forms, turn.pruned_total
+                else:
+                    break
+            plan.append(_Entry(index, turn, list(forms), tokens))
+            used += tokens
+            position += size
+        plan.reverse()
+        self.plan = plan
+        self.turns_t = used
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.memories_t + self.summary_t + self.turns_t
+
+    def _step(self, name: DegradationName, before: int, detail: str) -> None:
+        saved = before - self.total
+        if saved > 0:
+            self.steps.append(DegradationStep(step=name, tokens_saved=saved, detail=detail))
+
+    def _elide(self, entry: _Entry, position: int, target: int) -> int:
+        """Elide message ``position`` of ``entry`` to ``target`` content tokens; tokens saved."""
+        current = entry.forms[position]
+        if target > _QUANTUM * 8:
+            # Coarse targets let consecutive prompts reuse one cached elision of a big message.
+            target -= target % _QUANTUM
+        if target >= current.content_tokens:
+            return 0
+        form = entry.turn.elided_form(self.conv, position, target)
+        if form.tokens >= current.tokens:
+            return 0
+        entry.forms[position] = form
+        saved = current.tokens - form.tokens
+        self.turns_t -= saved
+        entry.tokens -= saved
+        return saved
+
+    def _elide_oversized(self) -> None:
+        """Step 0: a message larger than the whole turns budget can never be sent whole."""
+        room = self.limit - self.fixed - self.memories_t - self.summary_t
+        oversized = [
+            (entry, position)
+            for entry in self.plan
+            for position, form in enumerate(entry.forms)
+            if form.tokens > room
+        ]
+        if not oversized:
+            return
+        others = self.turns_t - sum(entry.forms[position].tokens for entry, position in oversized)
+        share = (room - others) // len(oversized)
+        before = self.total
+        for entry, position in oversized:
+            framing = entry.turn.raw[position].tokens - entry.turn.raw[position].content_tokens
+            target = max(self.engine.pruning.min_elided_tokens, share - framing)
+            self._elide(entry, position, target)
+        self._step(
+            "elide_oversized",
+            before,
+            f"middle of {len(oversized)} message(s) larger than the turns budget ({room}) elided",
+        )
+
+    def _degrade(self) -> None:
+        engine = self.engine
+        limit = self.limit
+        protected = self.newest_user if self.newest_user is not None else len(self.conv._turns)
+        self._elide_oversized()
+
+        # 1. prune tool output harder, oldest first, outside the current turn
+        before, touched = self.total, 0
+        for entry in self.plan:
+            if self.total <= limit:
+                break
+            if entry.index >= protected:
+                continue
+            hard = entry.turn.hard_forms(self.conv)
+            forms = [
+                h if h.tokens < f.tokens else f for f, h in zip(entry.forms, hard, strict=True)
+            ]
+            tokens = sum(form.tokens for form in forms)
+            if tokens < entry.tokens:
+                self.turns_t -= entry.tokens - tokens
+                entry.forms, entry.tokens = forms, tokens
+                touched += 1
+        self._step(
+            "prune_tools_harder",
+            before,
+            f"tool results of {touched} turns cut to {engine.pruning.hard_max_tokens} tokens",
+        )
+
+        # 2. shrink the window down to the floor
+        before, dropped = self.total, 0
+        while self.total > limit and self.plan and self.plan[0].index < self.must_start:
+            entry = self.plan.pop(0)
+            self.turns_t -= entry.tokens
+            dropped += 1
+        self._step("shrink_window", before, f"{dropped} oldest turns dropped (floor kept)")
+
+        # 3. drop memories, lowest-ranked first
+        before, dropped = self.total, 0
+        while self.total > limit and self.kept_memories:
+            self.kept_memories.pop()
+            self.memories_msg, self.memories_t, _ = engine._memories_block(self.kept_memories)
+            dropped += 1
+        self._step("drop_memories", before, f"{dropped} lowest-ranked memories dropped")
+
+        # 4. shorten the summary
+        if self.total > limit and self.summary_msg is not None:
+            before = self.total
+            content_t = engine.counter.count_text(self.summary_msg.content)
+            target = content_t - (self.total - limit)
+            if target < engine.pruning.min_elided_tokens:
+                self.summary_msg, self.summary_t = None, 0
+                detail = "summary dropped: too little of it would fit"
+            else:
+                shorter, _ = cut_middle(
+                    engine.counter.tokenizer,
+                    self.summary_msg.content,
+                    target,
+                    original_tokens=content_t,
+                    kind="elide",
+                )
+                self.summary_msg, self.summary_t, _ = engine._block(shorter)
+                detail = f"summary cut from {content_t} to {target} tokens"
+            self._step("shorten_summary", before, detail)
+
+        # 5. elide the middle of the largest messages
+        if self.total > limit:
+            before, count = self.total, 0
+            candidates = [
+                (entry.turn.raw[position].content_tokens, entry, position)
+                for entry in self.plan
+                for position in range(len(entry.forms))
+            ]
+            candidates.sort(key=lambda item: item[0], reverse=True)
+            floor = engine.pruning.min_elided_tokens
+            for content_t, entry, position in candidates:
+                over = self.total - limit
+                if over <= 0 or content_t <= floor:
+                    break
+                current = entry.forms[position]
+                target = max(floor, current.content_tokens - over)
+                if self._elide(entry, position, target):
+                    count += 1
+            self._step("elide_messages", before, f"middle of {count} messages elided")
+
+        # 6. below the floor: oldest turns first, never the newest user message
+        if self.total > limit:
+            before, dropped = self.total, 0
+            position = 0
+            while self.total > limit and position < len(self.plan):
+                entry = self.plan[position]
+                if entry.index == self.newest_user:
+                    position += 1
+                    continue
+                self.plan.pop(position)
+                self.turns_t -= entry.tokens
+                dropped += 1
+            self._step("drop_below_floor", before, f"{dropped} turns dropped below the floor")
+
+        if self.total > limit:
+            sections = {"system": self.system_t, "rules": self.rules_t, "tools": self.tools_t}
+            if self.newest_user is not None:
+                sections["newest_user_message"] = self.turns_t
+            sections["reply_priming"] = self.engine._priming
+            raise ContextOverflowError(
+                "the system prompt, operating rules, tool schemas and newest user message "
+                "(in its minimal form) do not fit the prompt limit together",
+                sections=sections,
+                limit=limit,
+            )
+
+    def run(self) -> CompiledPrompt:
+        engine = self.engine
+        budget = self.budget
+        self._check_caps()
+        self.limit = budget.limit
+        self.fixed = self.system_t + self.rules_t + self.tools_t + engine._priming
+        self._fit_memories()
+        self._fit_summary()
+        self.conv.turns_budget = max(
+            1, self.limit - self.fixed - self.memories_t - budget.summary_cap
+        )
+        self._plan_window()
+        if self.total > self.limit:
+            self._degrade()
+        return self._assemble()
+
+    def _assemble(self) -> CompiledPrompt:
+        conv = self.conv
+        messages: list[Message] = [self.system_msg]
+        if self.memories_msg is not None:
+            messages.append(self.memories_msg)
+        if self.summary_msg is not None:
+            messages.append(self.summary_msg)
+        pruned: list[PrunedOutput] = []
+        if self.summary_cut is not None and self.summary_msg is not None:
+            pruned.append(self.summary_cut.model_copy(update={"message_index": len(messages) - 1}))
+        rules_placed = False
+        kept_raw = 0
+        kept_messages = 0
+        for entry in self.plan:
+            if entry.index == self.newest_user and self.rules_msg is not None:
+                messages.append(self.rules_msg)
+                rules_placed = True
+            kept_raw += entry.turn.raw_total
+            kept_messages += len(entry.forms)
+            for position, form in enumerate(entry.forms):
+                if form.how:
+                    raw = entry.turn.raw[position]
+                    # model_construct: the values are built here, validation would only cost.
+                    pruned.append(
+                        PrunedOutput.model_construct(
+                            message_index=len(messages),
+                            role=raw.message.role,
+                            tool_call_id=raw.message.tool_call_id,
+                            original_tokens=raw.content_tokens,
+                            kept_tokens=form.content_tokens,
+                            how=form.how,
+                            original=raw.message.content,
+                        )
+                    )
+                messages.append(form.message)
+        if self.rules_msg is not None and not rules_placed:
+            messages.append(self.rules_msg)
+        outside = len(conv._turns) - len(self.plan) - (1 if self.left_open else 0)
+        if outside > 0:
+            self.dropped.append(
+                DroppedItem(
+                    section="turns",
+                    count=outside,
+                    tokens=conv.raw_tokens - kept_raw,
+                    reason="older than the window; held raw until summarized",
+                )
+            )
+        if self.left_open:
+            self.dropped.append(
+                DroppedItem(
+                    section="turns",
+                    count=1,
+                    tokens=conv._turns[-1].raw_total,
+                    reason="tool calls still waiting for their results",
+                )
+            )
+        budget = self.budget
+        engine = self.engine
+        report = BudgetReport.model_construct(
+            model=engine.model,
+            exact=engine.counter.exact,
+            window=budget.window,
+            effective_window=budget.effective_window,
+            reserve=budget.reserve,
+            limit=budget.limit,
+            prompt_tokens=self.total,
+            sections=SectionTokens.model_construct(
+                system=self.system_t,
+                memories=self.memories_t,
+                summary=self.summary_t,
+                turns=self.turns_t,
+                rules=self.rules_t,
+                tools=self.tools_t,
+                reply_priming=engine._priming,
+            ),
+            memories_cap=budget.memories_cap,
+            summary_cap=budget.summary_cap,
+            turns_kept=len(self.plan),
+            messages_kept=kept_messages,
+            turns_outside_window=max(0, outside),
+            turns_summarized=conv.turns_summarized,
+            summary_pending=conv.needs_summary,
+            pruned=tuple(pruned),
+            dropped=tuple(self.dropped),
+            degradations=tuple(self.steps),
+        )
+        return CompiledPrompt(messages=tuple(messages), tools=self.tools, report=report)

@@ -1,0 +1,337 @@
+"""Summarizers: fold evicted turns into the running summary.
+
+The running summary keeps four kinds of lines: decisions made, facts shared, actions taken
+(tool calls and what they returned) and pending items; pleasantries and repeats are dropped.
+:class:`ExtractiveSummarizer` needs no model and is the default; :class:`ModelSummarizer`
+asks a chat model with a prompt that preserves the same four kinds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from keel.errors import MalformedResponseError
+from keel.messages import Message
+from keel.models import ChatModel, ModelOptions
+from keel.tokens import ChatTokenCounter
+
+__all__ = ["ExtractiveSummarizer", "ModelSummarizer", "Summarizer", "SummaryRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryRequest:
+    """One summarization job.
+
+    Attributes:
+        previous: the running summary so far ('' at first).
+        messages: the evicted turns, oldest first, whole (a tool call with its results);
+            empty when the job is to condense ``previous`` under ``max_tokens``.
+        max_tokens: the summary's cap, in tokens of the target model.
+        counter: counts tokens of the target model.
+    """
+
+    previous: str
+    messages: Sequence[Message]
+    max_tokens: int
+    counter: ChatTokenCounter
+
+
+@runtime_checkable
+class Summarizer(Protocol):
+    """Merges evicted turns into the running summary and returns the new summary.
+
+    Raising (or running past the policy's timeout) commits nothing: the turns stay raw.
+    A result over ``max_tokens`` is condensed once more, then cut with a marker.
+    """
+
+    async def summarize(self, request: SummaryRequest) -> str:
+        """The new running summary."""
+        ...
+
+
+# --- extractive --------------------------------------------------------------------------
+
+_SECTIONS = ("Decisions", "Facts", "Actions", "Pending")
+# When the summary must shrink, sections give up their oldest lines in proportion to their
+# size divided by these weights: decisions and pending items are kept longest.
+_WEIGHTS = {"Decisions": 3.0, "Facts": 1.5, "Actions": 1.0, "Pending": 2.0}
+
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+_PLEASANTRY = re.compile(
+    r"^(hi|hello|hey|thanks?( you)?( so much| a lot)?|thank you( very much)?|ok(ay)?|great|"
+    r"perfect|sure|cool|nice|got it|sounds good|no problem|you'?re welcome|bye|goodbye|"
+    r"have a (nice|great|good) (day|one)|cheers|awesome|alright|yes|no|yep|nope|"
+    r"good (morning|afternoon|evening)|glad to help|happy to help)\b[\s!.,]*\w*[\s!.,]*$",
+    re.IGNORECASE,
+)
+_DECISION = re.compile(
+    r"\b(decided|decide|will|won't|going to|chose|choose|chosen|confirmed|confirm|booked|"
+    r"agreed|scheduled|approved|selected|cancel(l)?ed|let's|we'll|i'll|opted|settled|"
+    r"switch(ed)? to|instead)\b",
+    re.IGNORECASE,
+)
+_PENDING = re.compile(
+    r"\b(pending|waiting|todo|to do|follow up|follow-up|next step|still need|remaining|"
+    r"not yet|later|tomorrow|remind|outstanding|open question|unresolved)\b",
+    re.IGNORECASE,
+)
+_REQUEST = re.compile(
+    r"\?$|^(please|can you|could you|would you|i need|i want|i'd like|i would like|help me)\b",
+    re.IGNORECASE,
+)
+_FACT = re.compile(r"\d|\b(my|is|are|was|were|has|have|lives?|named?|called)\b", re.IGNORECASE)
+_NORMALIZE = re.compile(r"[^a-z0-9]+")
+_MAX_LINE_CHARS = 240
+_MAX_SENTENCES_PER_MESSAGE = 8
+
+
+def _normalize(line: str) -> str:
+    return _NORMALIZE.sub(" ", line.lower()).strip()
+
+
+def _clip(text: str, limit: int = _MAX_LINE_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def parse_summary(text: str) -> dict[str, list[str]]:
+    """Split a summary in the extractive format back into its sections' lines."""
+    sections: dict[str, list[str]] = {name: [] for name in _SECTIONS}
+    current = "Facts"
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        header = line.rstrip(":")
+        if header in sections and line.endswith(":"):
+            current = header
+            continue
+        sections[current].append(line[2:] if line.startswith("- ") else line)
+    return sections
+
+
+def render_summary(sections: dict[str, list[str]]) -> str:
+    """The summary text: one header per non-empty section, one ``- `` line per item."""
+    blocks = []
+    for name in _SECTIONS:
+        lines = sections.get(name) or []
+        if lines:
+            blocks.append(f"{name}:\n" + "\n".join(f"- {line}" for line in lines))
+    return "\n".join(blocks)
+
+
+class ExtractiveSummarizer:
+    """Builds the summary from the turns' own sentences; no model, deterministic, fast.
+
+    User statements carrying facts (numbers, names, "my ...") become facts; user requests and
+    questions, and sentences about waiting or follow-ups, become pending items; assistant
+    sentences that commit to something (booked, confirmed, will, decided) become decisions;
+    each tool call becomes an action with the head of its result. Pleasantries and lines
+    already in the summary are dropped. Over the cap, the oldest lines go first, from the
+    sections with the most tokens relative to their weight (decisions and pending items last).
+    """
+
+    def __init__(self, *, max_line_chars: int = _MAX_LINE_CHARS) -> None:
+        self.max_line_chars = max_line_chars
+
+    async def summarize(self, request: SummaryRequest) -> str:
+        """The merged summary, within ``request.max_tokens``."""
+        return self.summarize_sync(request)
+
+    def summarize_sync(self, request: SummaryRequest) -> str:
+        """Synchronous form of :meth:`summarize` (the work is pure CPU)."""
+        sections = parse_summary(request.previous)
+        seen = {_normalize(line) for lines in sections.values() for line in lines}
+        results = {m.tool_call_id: m for m in request.messages if m.role == "tool"}
+
+        def add(section: str, line: str) -> None:
+            line = _clip(line, self.max_line_chars)
+            key = _normalize(line)
+            if len(key) < 3 or key in seen:
+                return
+            seen.add(key)
+            sections[section].append(line)
+
+        for message in request.messages:
+            if message.role == "tool":
+                continue
+            for call in message.tool_calls:
+                result = results.get(call.id)
+                outcome = ""
+                if result is not None:
+                    outcome = " -> " + _clip(result.content.strip().split("\n", 1)[0], 120)
+                add("Actions", f"{call.name}({_clip(call.arguments, 100)}){outcome}")
+            sentences = [s.strip() for s in _SENTENCE.split(message.content) if s.strip()]
+            for sentence in sentences[:_MAX_SENTENCES_PER_MESSAGE]:
+                if _PLEASANTRY.match(sentence) or len(sentence) < 4:
+                    continue
+                if message.role == "user":
+                    if _PENDING.search(sentence) or _REQUEST.search(sentence):
+                        add("Pending", f"User asked: {sentence}")
+                    elif _FACT.search(sentence):
+                        add("Facts", f"User: {sentence}")
+                elif message.role == "assistant":
+                    if _PENDING.search(sentence):
+                        add("Pending", sentence)
+                    elif _DECISION.search(sentence):
+                        add("Decisions", sentence)
+                    elif _FACT.search(sentence):
+                        add("Facts", sentence)
+                elif message.role == "system":
+                    add("Facts", f"Note: {sentence}")
+        return self._fit(sections, request.counter, request.max_tokens)
+
+    @staticmethod
+    def _fit(sections: dict[str, list[str]], counter: ChatTokenCounter, cap: int) -> str:
+        text = render_summary(sections)
+        if counter.count_text(text) <= cap:
+            return text
+        sizes = {
+            name: [counter.count_text(f"- {line}\n") for line in lines]
+            for name, lines in sections.items()
+        }
+        totals = {name: sum(values) for name, values in sizes.items()}
+        headers = sum(counter.count_text(f"{name}:\n") for name in _SECTIONS)
+        while sum(totals.values()) + headers > cap and any(sections.values()):
+            name = max((n for n in _SECTIONS if sections[n]), key=lambda n: totals[n] / _WEIGHTS[n])
+            sections[name].pop(0)
+            totals[name] -= sizes[name].pop(0)
+        text = render_summary(sections)
+        while text and counter.count_text(text) > cap:
+            # The per-line estimate can be off by a token or two at the seams.
+            name = max((n for n in _SECTIONS if sections[n]), key=lambda n: totals[n])
+            sections[name].pop(0)
+            totals[name] -= sizes[name].pop(0)
+            text = render_summary(sections)
+        return text
+
+
+# --- model -------------------------------------------------------------------------------
+
+SUMMARY_INSTRUCTIONS = """\
+You maintain the running summary of a conversation between a user and an AI assistant.
+Merge the new conversation excerpt into the existing summary. Keep, as short bullet lines:
+- Decisions: what was decided, chosen, booked, confirmed or cancelled, with exact values.
+- Facts: facts the user shared (names, numbers, ids, dates, preferences, constraints).
+- Actions: tool calls made and what they returned that matters.
+- Pending: open questions, requests not yet done, follow-ups promised.
+Copy names, numbers, ids and dates exactly. Drop greetings, thanks, small talk and anything
+already in the summary. Never invent anything. Answer with the summary only, in this form:
+Decisions:
+- ...
+Facts:
+- ...
+Actions:
+- ...
+Pending:
+- ...
+Stay under {max_tokens} tokens."""
+
+CONDENSE_INSTRUCTIONS = """\
+Condense this conversation summary to under {max_tokens} tokens. Keep every decision and
+pending item, exact names, numbers, ids and dates; merge or drop the least important facts
+and actions first. Keep the same four sections (Decisions, Facts, Actions, Pending).
+Answer with the summary only."""
+
+
+class ModelSummarizer:
+    """Summarizes with a chat model, using a prompt that keeps decisions, facts, actions, pending.
+
+    Long tool outputs are cut to ``tool_output_tokens`` in the transcript. When the transcript
+    does not fit the summarizing model's window, it is folded in chunks (each chunk merged into
+    the summary of the previous ones). Errors of the model propagate, so the conversation keeps
+    the raw turns.
+
+    Args:
+        model: the chat model that writes summaries (a small, cheap one is fine).
+        options: generation options; ``max_tokens`` defaults to the summary cap and
+            temperature to 0.
+        tool_output_tokens: how much of each tool result the model sees.
+    """
+
+    def __init__(
+        self,
+        model: ChatModel,
+        *,
+        options: ModelOptions | None = None,
+        tool_output_tokens: int = 200,
+    ) -> None:
+        self.model = model
+        self.options = options
+        self.tool_output_tokens = tool_output_tokens
+
+    def _line(self, message: Message) -> str:
+        from keel.context._text import cut_middle
+
+        tokenizer = self.model.counter.tokenizer
+        if message.role == "tool":
+            content = message.content
+            size = tokenizer.count(content)
+            if size > self.tool_output_tokens:
+                content, _ = cut_middle(
+                    tokenizer, content, self.tool_output_tokens, original_tokens=size
+                )
+            return f"[tool result {message.name or message.tool_call_id}] {content}"
+        parts = [f"[{message.role}] {message.content}".rstrip()]
+        parts.extend(
+            f"[{message.role} called {call.name}({call.arguments})]" for call in message.tool_calls
+        )
+        return "\n".join(parts)
+
+    async def _ask(self, instructions: str, body: str, max_tokens: int) -> str:
+        base = self.options or ModelOptions()
+        options = base.model_copy(
+            update={
+                "max_tokens": base.max_tokens or max_tokens,
+                "temperature": 0.0 if base.temperature is None else base.temperature,
+            }
+        )
+        completion = await self.model.acomplete(
+            [Message.system(instructions), Message.user(body)], options=options
+        )
+        text = completion.message.content.strip()
+        if not text:
+            raise MalformedResponseError(
+                "the summarizing model returned an empty summary", model=self.model.spec
+            )
+        return text
+
+    async def summarize(self, request: SummaryRequest) -> str:
+        """The merged summary (may exceed the cap; the conversation then condenses it)."""
+        cap = request.max_tokens
+        if not request.messages:
+            return await self._ask(
+                CONDENSE_INSTRUCTIONS.format(max_tokens=cap), request.previous, cap
+            )
+        instructions = SUMMARY_INSTRUCTIONS.format(max_tokens=cap)
+        counter = self.model.counter
+        window = self.model.profile.context_window
+        room = max(
+            512,
+            int(window * 0.9)
+            - cap
+            - counter.count_text(instructions)
+            - counter.count_text(request.previous)
+            - 64,
+        )
+        chunks: list[list[str]] = [[]]
+        used = 0
+        for message in request.messages:
+            line = self._line(message)
+            size = counter.count_text(line) + 1
+            if chunks[-1] and used + size > room:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(line)
+            used += size
+        summary = request.previous
+        for chunk in chunks:
+            body = (
+                f"Existing summary:\n{summary or '(none yet)'}\n\n"
+                "New conversation excerpt:\n" + "\n".join(chunk)
+            )
+            summary = await self._ask(instructions, body, cap)
+        return summary
