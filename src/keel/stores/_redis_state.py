@@ -1,0 +1,380 @@
+"""State checkpoints in Redis (redis-py), with compare-and-set in Lua and native TTLs.
+
+Each session lives in three keys sharing a hash tag (so a Redis Cluster keeps them on one slot
+and the Lua scripts stay atomic there): ``head`` (version, epoch, ttl, expiry), ``rows`` (per
+version: ``m:V`` metadata, ``p:V`` payload, ``g:V`` good mark) and ``fulls`` (versions stored as
+full snapshots). A session with a TTL has its keys expire natively at ``expires_at``; a small
+``tomb`` key outlives them by ``tombstone_s`` so an expired read can say "expired" rather than
+"absent".
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from keel.errors import BackendUnavailableError, ConflictError, ExpiredError, StoreError
+from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
+
+__all__ = ["RedisStateBackend"]
+
+_WRITE = """
+local now = tonumber(ARGV[9])
+local h = redis.call('HMGET', KEYS[1], 'version', 'epoch', 'expires_at', 'ttl')
+local live = h[1] and ((not h[3]) or h[3] == '' or tonumber(h[3]) > now)
+local ttl
+if ARGV[1] == 'create' then
+  if live then return {'conflict', h[1]} end
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+  ttl = ARGV[8]
+  redis.call('HSET', KEYS[1], 'version', ARGV[5], 'epoch', ARGV[4], 'last_full', ARGV[5],
+             'ttl', ttl)
+else
+  if (not live) or h[1] ~= ARGV[2] or h[2] ~= ARGV[3] then return {'conflict', h[1] or ''} end
+  ttl = h[4] or ''
+  redis.call('HSET', KEYS[1], 'version', ARGV[5])
+  if ARGV[7] == 'full' then redis.call('HSET', KEYS[1], 'last_full', ARGV[5]) end
+end
+redis.call('HSET', KEYS[2], 'm:' .. ARGV[5], ARGV[6], 'p:' .. ARGV[5], ARGV[11])
+if ARGV[12] ~= '' then redis.call('HSET', KEYS[2], 'g:' .. ARGV[5], ARGV[12]) end
+if ARGV[7] == 'full' then redis.call('ZADD', KEYS[3], ARGV[5], ARGV[5]) end
+if ttl ~= '' then
+  local exp = now + tonumber(ttl)
+  local ms = math.floor(exp * 1000)
+  redis.call('HSET', KEYS[1], 'expires_at', string.format('%.6f', exp))
+  redis.call('PEXPIREAT', KEYS[1], ms)
+  redis.call('PEXPIREAT', KEYS[2], ms)
+  redis.call('PEXPIREAT', KEYS[3], ms)
+  redis.call('SET', KEYS[4], string.format('%.6f', exp), 'PX',
+             math.max(1, ms - math.floor(now * 1000) + tonumber(ARGV[10])))
+end
+return {'ok'}
+"""
+
+_READ = """
+local now = tonumber(ARGV[2])
+local h = redis.call('HMGET', KEYS[1], 'version', 'epoch', 'last_full', 'ttl', 'expires_at')
+if not h[1] then
+  local t = redis.call('GET', KEYS[4])
+  if t then return {'expired', t} end
+  return {'absent'}
+end
+if h[5] and h[5] ~= '' and tonumber(h[5]) <= now then return {'expired', h[5]} end
+local target = tonumber(h[1])
+if ARGV[1] ~= '' then target = tonumber(ARGV[1]) end
+if target > tonumber(h[1]) or target < 1 then return {'absent'} end
+local base = redis.call('ZREVRANGEBYSCORE', KEYS[3], target, '-inf', 'LIMIT', 0, 1)
+if #base == 0 then return {'absent'} end
+local out = {'ok', h[1], h[2], h[3], h[4] or '', h[5] or ''}
+for v = tonumber(base[1]), target do
+  local s = tostring(v)
+  local r = redis.call('HMGET', KEYS[2], 'm:' .. s, 'p:' .. s, 'g:' .. s)
+  if not r[1] then return {'absent'} end
+  out[#out + 1] = s
+  out[#out + 1] = r[1]
+  out[#out + 1] = r[2]
+  out[#out + 1] = r[3] or ''
+end
+return out
+"""
+
+_HISTORY = """
+local now = tonumber(ARGV[1])
+local h = redis.call('HMGET', KEYS[1], 'version', 'expires_at')
+if not h[1] then
+  local t = redis.call('GET', KEYS[4])
+  if t then return {'expired', t} end
+  return {'absent'}
+end
+if h[2] and h[2] ~= '' and tonumber(h[2]) <= now then return {'expired', h[2]} end
+local out = {'ok'}
+for v = 1, tonumber(h[1]) do
+  local s = tostring(v)
+  local m = redis.call('HGET', KEYS[2], 'm:' .. s)
+  if m then
+    out[#out + 1] = s
+    out[#out + 1] = m
+    out[#out + 1] = redis.call('HSTRLEN', KEYS[2], 'p:' .. s)
+    out[#out + 1] = redis.call('HGET', KEYS[2], 'g:' .. s) or ''
+  end
+end
+return out
+"""
+
+_MARK = """
+if redis.call('HEXISTS', KEYS[1], 'm:' .. ARGV[1]) == 0 then return 0 end
+if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'g:' .. ARGV[1])
+else redis.call('HSET', KEYS[1], 'g:' .. ARGV[1], ARGV[2]) end
+return 1
+"""
+
+_REWRITE = """
+local head = redis.call('HGET', KEYS[1], 'version')
+if not head then return 0 end
+local n = tonumber(ARGV[1])
+local i = 2
+for _ = 1, n do
+  local v = ARGV[i]
+  redis.call('HSET', KEYS[2], 'p:' .. v, ARGV[i + 1], 'm:' .. v, ARGV[i + 2])
+  redis.call('ZADD', KEYS[3], v, v)
+  i = i + 3
+end
+while ARGV[i] do
+  local v = ARGV[i]
+  if v ~= head then
+    redis.call('HDEL', KEYS[2], 'm:' .. v, 'p:' .. v, 'g:' .. v)
+    redis.call('ZREM', KEYS[3], v)
+  end
+  i = i + 1
+end
+return 1
+"""
+
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _meta(row: StoredCheckpoint) -> str:
+    return json.dumps(
+        {
+            "t": row.created_at,
+            "s": row.step,
+            "r": row.reason,
+            "k": row.kind,
+            "n": row.schema_name,
+            "sv": row.schema_version,
+            "f": row.forked_from,
+        },
+        separators=(",", ":"),
+    )
+
+
+def _from_meta(
+    version: int, meta: str, payload: str, good: str, size: int | None = None
+) -> StoredCheckpoint:
+    data = json.loads(meta)
+    return StoredCheckpoint(
+        version=version,
+        created_at=float(data["t"]),
+        step=int(data["s"]),
+        reason=str(data["r"]),
+        kind="full" if data["k"] == "full" else "delta",
+        payload=payload,
+        schema_name=str(data["n"]),
+        schema_version=int(data["sv"]),
+        good=None if good == "" else good == "1",
+        forked_from=data.get("f"),
+        payload_size=size,
+    )
+
+
+class RedisStateBackend(StateBackend):
+    """Checkpoints in Redis.
+
+    Args:
+        url: a ``redis://`` URL.
+        prefix: key prefix (several apps may share one Redis).
+        tombstone_s: how long after expiry a read still says "expired" rather than "absent".
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, *, prefix: str = "keel:state", tombstone_s: float = 3600) -> None:
+        try:
+            import redis
+        except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+            raise BackendUnavailableError("redis-py is not installed (the 'redis' extra)") from exc
+        self._redis_module = redis
+        self.url = url
+        self.prefix = prefix
+        self.tombstone_ms = int(tombstone_s * 1000)
+        self._client = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30)
+        try:
+            self._client.ping()
+        except redis.RedisError as exc:
+            raise BackendUnavailableError(f"Redis at {url} is unavailable: {exc}") from exc
+        self._write = self._client.register_script(_WRITE)
+        self._read = self._client.register_script(_READ)
+        self._history = self._client.register_script(_HISTORY)
+        self._mark = self._client.register_script(_MARK)
+        self._rewrite = self._client.register_script(_REWRITE)
+        self._acquire = self._client.register_script(_ACQUIRE)
+        self._release = self._client.register_script(_RELEASE)
+
+    def _keys(self, session_id: str) -> list[str]:
+        tag = f"{self.prefix}:{{{session_id}}}"
+        return [f"{tag}:head", f"{tag}:rows", f"{tag}:fulls", f"{tag}:tomb"]
+
+    @property
+    def _sessions_key(self) -> str:
+        return f"{self.prefix}:sessions"
+
+    def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        redis = self._redis_module
+        try:
+            return script(keys=keys, args=args)
+        except redis.ConnectionError as exc:
+            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
+        except redis.TimeoutError as exc:
+            raise BackendUnavailableError(f"Redis timed out: {exc}") from exc
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis: {exc}") from exc
+
+    def _run(self, fn: Any, *args: Any) -> Any:
+        redis = self._redis_module
+        try:
+            return fn(*args)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis: {exc}") from exc
+
+    @staticmethod
+    def _expired(session_id: str, expires_at: Any, now: float) -> ExpiredError:
+        ago = now - float(_text(expires_at))
+        return ExpiredError(f"session {session_id!r} expired {ago:.1f}s ago; it reads as absent")
+
+    def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
+        found = self._call(
+            self._read, self._keys(session_id), ["" if version is None else version, repr(now)]
+        )
+        status = _text(found[0])
+        if status == "absent":
+            return None
+        if status == "expired":
+            raise self._expired(session_id, found[1], now)
+        ttl, expires_at = _text(found[4]), _text(found[5])
+        head = SessionHead(
+            session_id=session_id,
+            version=int(found[1]),
+            epoch=_text(found[2]),
+            last_full=int(found[3]),
+            ttl=float(ttl) if ttl else None,
+            expires_at=float(expires_at) if expires_at else None,
+        )
+        rows = [
+            _from_meta(int(found[i]), _text(found[i + 1]), _text(found[i + 2]), _text(found[i + 3]))
+            for i in range(6, len(found), 4)
+        ]
+        return Chain(head, rows)
+
+    def write(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        *,
+        expected_version: int | None,
+        expected_epoch: str | None,
+        new_epoch: str | None,
+        ttl: float | None,
+        now: float,
+    ) -> None:
+        create = expected_version is None
+        result = self._call(
+            self._write,
+            self._keys(session_id),
+            [
+                "create" if create else "append",
+                "" if expected_version is None else expected_version,
+                expected_epoch or "",
+                new_epoch or "",
+                row.version,
+                _meta(row),
+                row.kind,
+                "" if ttl is None else repr(float(ttl)),
+                repr(now),
+                self.tombstone_ms,
+                row.payload,
+                "" if row.good is None else ("1" if row.good else "0"),
+            ],
+        )
+        if _text(result[0]) == "conflict":
+            actual = _text(result[1]) if len(result) > 1 else ""
+            raise ConflictError(session_id, expected_version, int(actual) if actual else None)
+        if create:
+            self._run(self._client.sadd, self._sessions_key, session_id)
+
+    def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
+        found = self._call(self._history, self._keys(session_id), [repr(now)])
+        status = _text(found[0])
+        if status == "absent":
+            return []
+        if status == "expired":
+            raise self._expired(session_id, found[1], now)
+        return [
+            _from_meta(
+                int(found[i]), _text(found[i + 1]), "", _text(found[i + 3]), int(found[i + 2])
+            )
+            for i in range(1, len(found), 4)
+        ]
+
+    def mark(self, session_id: str, version: int, good: bool | None) -> bool:
+        flag = "" if good is None else ("1" if good else "0")
+        return bool(self._call(self._mark, [self._keys(session_id)[1]], [version, flag]))
+
+    def rewrite(self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]) -> None:
+        args: list[Any] = [len(replace)]
+        for row in replace:
+            args.extend([row.version, row.payload, _meta(row)])
+        args.extend(delete)
+        self._call(self._rewrite, self._keys(session_id)[:3], args)
+
+    def delete(self, session_id: str) -> bool:
+        keys = self._keys(session_id)
+        existed = int(self._run(self._client.exists, keys[0])) == 1
+        self._run(self._client.delete, *keys)
+        self._run(self._client.srem, self._sessions_key, session_id)
+        return existed
+
+    def sessions(self) -> list[str]:
+        members = self._run(self._client.smembers, self._sessions_key)
+        return sorted(_text(member) for member in members)
+
+    def purge_expired(self, now: float) -> list[str]:
+        expired: list[str] = []
+        for session_id in self.sessions():
+            head, _rows, _fulls, _tomb = self._keys(session_id)
+            values = self._run(self._client.hmget, head, ["version", "expires_at"])
+            if values[0] is not None:
+                expires_at = values[1]
+                if expires_at is None or float(_text(expires_at)) > now:
+                    continue
+            # Gone (native TTL) or past its expiry: drop it and its index entry.
+            self._run(self._client.delete, *self._keys(session_id))
+            self._run(self._client.srem, self._sessions_key, session_id)
+            expired.append(session_id)
+        return expired
+
+    def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
+        return bool(
+            self._call(
+                self._acquire, [f"{self.prefix}:lock:{key}"], [owner, max(1, int(ttl * 1000))]
+            )
+        )
+
+    def release_lock(self, key: str, owner: str) -> bool:
+        return bool(self._call(self._release, [f"{self.prefix}:lock:{key}"], [owner]))
+
+    def storage_bytes(self) -> int:
+        total = 0
+        for key in self._client.scan_iter(match=f"{self.prefix}:*", count=1000):
+            total += int(self._run(self._client.memory_usage, key, 0) or 0)
+        return total
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keel.state._delta import apply_delta, decode, diff, encode_full
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=8,
+)
+_states = st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _json)
+
+
+@given(_states, _states)
+@settings(max_examples=200, deadline=None)
+def test_diff_then_apply_round_trips(old: dict[str, Any], new: dict[str, Any]) -> None:
+    delta = diff(old, new)
+    assert apply_delta(old, delta) == new
+    assert decode(json.dumps(delta), old) == new
+    assert decode(encode_full(new), None) == new
+
+
+def test_appended_lists_store_only_the_tail() -> None:
+    old = {"messages": [{"content": "m1"}, {"content": "m2"}], "step": 2, "note": "x"}
+    new = {"messages": [*old["messages"], {"content": "m3"}], "step": 3, "note": "x"}
+    assert diff(old, new) == {"set": {"step": 3}, "extend": {"messages": [{"content": "m3"}]}}
+    edited = {"messages": [{"content": "m1!"}, {"content": "m2"}], "step": 2, "note": "x"}
+    assert diff(old, edited) == {"set": {"messages": edited["messages"]}}
+    assert diff(old, {"step": 2}) == {"unset": ["messages", "note"]}
+    assert diff(old, old) == {}

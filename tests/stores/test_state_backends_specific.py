@@ -1,0 +1,58 @@
+"""Backend behaviour beyond the conformance suite: native Redis TTLs, pooler-safe PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from keel.errors import ConfigError, ExpiredError
+from keel.state import StateStore
+from keel.stores import PostgresStateBackend, RedisStateBackend, open_state_backend
+from keel.testing._state_models import CounterState
+
+
+@pytest.mark.redis
+def test_redis_sessions_expire_natively_and_say_so(redis_url: str) -> None:
+    import redis
+
+    backend = RedisStateBackend(redis_url, tombstone_s=60)
+    store = StateStore(backend, CounterState)
+    cp = store.create("short", CounterState(), ttl=0.3)
+    store.update("short", {"counter": 1}, expected_version=cp.version)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ttl_ms = client.pttl("keel:state:{short}:head")
+        assert 0 < ttl_ms <= 300
+        time.sleep(0.5)
+        assert client.exists("keel:state:{short}:head", "keel:state:{short}:rows") == 0
+        with pytest.raises(ExpiredError, match="expired"):
+            store.get("short")
+        assert store.vacuum().expired_sessions == ["short"]
+        assert store.get("short") is None
+        assert client.keys("keel:state:{short}*") == []
+    finally:
+        client.close()
+        store.close()
+
+
+@pytest.mark.postgres
+def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> None:
+    backend = PostgresStateBackend(postgres_url, max_size=1)
+    store = StateStore(backend, CounterState)
+    try:
+        cp = store.create("s", CounterState())
+        for _ in range(10):
+            cp = store.update("s", {"counter": 1}, expected_version=cp.version)
+            store.load("s")
+        with backend._pool.connection() as conn:
+            count = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+        assert count is not None and count[0] == 0
+        assert store.load("s").state.counter == 10
+    finally:
+        store.close()
+
+
+def test_unknown_backend_url_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown state backend"):
+        open_state_backend("mongodb://localhost")
