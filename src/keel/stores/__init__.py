@@ -9,6 +9,7 @@ from __future__ import annotations
 from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
+<<<<<<< HEAD
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
@@ -24,6 +25,21 @@ __all__ = [
     "RedisStateBackend",
     "SQLiteDatabase",
     "SQLiteStateBackend",
+=======
+from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
+from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
+from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
+
+__all__ = [
+    "CORE_MIGRATIONS",
+    "JOURNAL_MIGRATIONS",
+    "POSTGRES_JOURNAL_MIGRATIONS",
+    "Migration",
+    "MigrationSet",
+    "PostgresToolJournal",
+    "SQLiteDatabase",
+    "SQLiteToolJournal",
+>>>>>>> tools
     "open_database",
     "open_state_backend",
     "translate_sqlite_error",

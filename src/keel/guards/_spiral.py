@@ -1,0 +1,204 @@
+"""Death-spiral indicators: signs that a session or an agent is degrading.
+
+Over a sliding window of recent model calls, per session and per agent: the retry rate, the
+average prompt size and whether it keeps creeping up, state resets, and time to first token.
+Crossing a threshold logs a warning (``keel.guards`` logger) and shows in the snapshot, which
+the runtime and traces read. A logged warning rather than ``warnings.warn``: these are runtime
+conditions of a deployed system, not mistakes in the developer's code.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["SpiralMonitor", "SpiralSnapshot", "SpiralThresholds"]
+
+logger = logging.getLogger("keel.guards")
+
+
+class SpiralThresholds(BaseModel):
+    """Where an indicator becomes a warning."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    window: int = Field(default=20, ge=4, description="Recent model calls each indicator uses.")
+    max_retry_rate: float = Field(
+        default=0.3, ge=0, le=1, description="Share of calls that were retries (or failed)."
+    )
+    max_prompt_growth: float = Field(
+        default=1.5,
+        gt=1,
+        description="Average prompt tokens of the newer half over the older half of the window.",
+    )
+    max_state_resets: int = Field(
+        default=2, ge=1, description="State reverts/resets within the window's time span."
+    )
+    max_ttft_ms: float = Field(
+        default=10_000, gt=0, description="Average time to the first token, in milliseconds."
+    )
+
+
+class SpiralSnapshot(BaseModel):
+    """The indicators for one scope (a session, an agent, or everything), now."""
+
+    model_config = ConfigDict(frozen=True)
+
+    scope: str = Field(description="'session:<id>', 'agent:<name>' or 'all'.")
+    calls: int = Field(description="Model calls in the window.")
+    retry_rate: float = Field(description="Share of calls in the window that were retries.")
+    avg_prompt_tokens: float = Field(description="Average prompt tokens per call.")
+    prompt_growth: float = Field(
+        description="Average prompt tokens of the newer half over the older half (1.0 = flat)."
+    )
+    state_resets: int = Field(description="State resets recorded in the window.")
+    avg_ttft_ms: float | None = Field(description="Average time to first token, if measured.")
+    warnings: tuple[str, ...] = Field(description="Indicators past their thresholds.")
+
+    @property
+    def healthy(self) -> bool:
+        """True when no indicator is past its threshold."""
+        return not self.warnings
+
+
+@dataclass
+class _Call:
+    at: float
+    prompt_tokens: int
+    retry: bool
+    ttft_ms: float | None
+
+
+@dataclass
+class _Scope:
+    calls: deque[_Call]
+    resets: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    warned: frozenset[str] = frozenset()
+
+
+class SpiralMonitor:
+    """Collects model-call facts and computes death-spiral indicators per session and agent.
+
+    Thread-safe; one monitor is meant to be shared by every run of a process.
+    """
+
+    def __init__(self, thresholds: SpiralThresholds | None = None) -> None:
+        self.thresholds = thresholds or SpiralThresholds()
+        self._scopes: dict[str, _Scope] = {}
+        self._lock = threading.Lock()
+
+    def _scope(self, name: str) -> _Scope:
+        scope = self._scopes.get(name)
+        if scope is None:
+            scope = _Scope(calls=deque(maxlen=self.thresholds.window))
+            self._scopes[name] = scope
+        return scope
+
+    @staticmethod
+    def _names(session_id: str | None, agent: str | None) -> list[str]:
+        names = ["all"]
+        if session_id is not None:
+            names.append(f"session:{session_id}")
+        if agent is not None:
+            names.append(f"agent:{agent}")
+        return names
+
+    def record_call(
+        self,
+        *,
+        session_id: str | None = None,
+        agent: str | None = None,
+        prompt_tokens: int = 0,
+        retry: bool = False,
+        ttft_ms: float | None = None,
+    ) -> list[SpiralSnapshot]:
+        """Record one model call; returns the snapshots that newly crossed a threshold."""
+        call = _Call(time.monotonic(), prompt_tokens, retry, ttft_ms)
+        with self._lock:
+            for name in self._names(session_id, agent):
+                self._scope(name).calls.append(call)
+        return self._evaluate(session_id, agent)
+
+    def record_state_reset(
+        self, *, session_id: str | None = None, agent: str | None = None
+    ) -> list[SpiralSnapshot]:
+        """Record that state was reverted or reset; returns newly crossed snapshots."""
+        now = time.monotonic()
+        with self._lock:
+            for name in self._names(session_id, agent):
+                self._scope(name).resets.append(now)
+        return self._evaluate(session_id, agent)
+
+    def snapshot(
+        self, *, session_id: str | None = None, agent: str | None = None
+    ) -> SpiralSnapshot:
+        """The indicators for a session, an agent, or (neither given) the whole process."""
+        if session_id is not None:
+            name = f"session:{session_id}"
+        elif agent is not None:
+            name = f"agent:{agent}"
+        else:
+            name = "all"
+        with self._lock:
+            return self._compute(name, self._scope(name))
+
+    def _evaluate(self, session_id: str | None, agent: str | None) -> list[SpiralSnapshot]:
+        crossed: list[SpiralSnapshot] = []
+        with self._lock:
+            for name in self._names(session_id, agent)[1:] or ["all"]:
+                scope = self._scope(name)
+                snap = self._compute(name, scope)
+                new = frozenset(snap.warnings) - scope.warned
+                scope.warned = frozenset(snap.warnings)
+                if new:
+                    crossed.append(snap)
+        for snap in crossed:
+            logger.warning(
+                "death-spiral indicators for %s: %s", snap.scope, "; ".join(snap.warnings)
+            )
+        return crossed
+
+    def _compute(self, name: str, scope: _Scope) -> SpiralSnapshot:
+        limits = self.thresholds
+        calls = list(scope.calls)
+        count = len(calls)
+        retry_rate = sum(call.retry for call in calls) / count if count else 0.0
+        prompts = [call.prompt_tokens for call in calls]
+        avg_prompt = sum(prompts) / count if count else 0.0
+        growth = 1.0
+        # Growth and retry rate need enough calls to mean anything; a single run's first steps
+        # naturally grow the prompt.
+        enough = count >= max(8, limits.window // 2)
+        if enough:
+            half = count // 2
+            older = sum(prompts[:half]) / half
+            newer = sum(prompts[-half:]) / half
+            growth = newer / older if older > 0 else 1.0
+        since = calls[0].at if calls else time.monotonic()
+        resets = sum(1 for at in scope.resets if at >= since) if calls else len(scope.resets)
+        ttfts = [call.ttft_ms for call in calls if call.ttft_ms is not None]
+        avg_ttft = sum(ttfts) / len(ttfts) if ttfts else None
+        warnings: list[str] = []
+        if enough and retry_rate > limits.max_retry_rate:
+            warnings.append(f"retry rate {retry_rate:.0%} > {limits.max_retry_rate:.0%}")
+        if growth > limits.max_prompt_growth:
+            warnings.append(f"prompt tokens growing x{growth:.2f} > x{limits.max_prompt_growth:g}")
+        if resets > limits.max_state_resets:
+            warnings.append(f"{resets} state resets > {limits.max_state_resets}")
+        if avg_ttft is not None and avg_ttft > limits.max_ttft_ms:
+            warnings.append(f"time to first token {avg_ttft:.0f} ms > {limits.max_ttft_ms:g} ms")
+        return SpiralSnapshot(
+            scope=name,
+            calls=count,
+            retry_rate=retry_rate,
+            avg_prompt_tokens=avg_prompt,
+            prompt_growth=growth,
+            state_resets=resets,
+            avg_ttft_ms=avg_ttft,
+            warnings=tuple(warnings),
+        )

@@ -1,0 +1,701 @@
+"""The inner agent loop: model -> validate -> tools -> results -> model, until it ends.
+
+:class:`ToolLoop` owns everything between "here is the conversation" and "here is the answer":
+per-call model timeouts, response validation, tool execution (validated, repaired, journalled),
+loop detection, retry caps, step and wall-clock limits. A run always ends, and it ends with a
+:class:`LoopResult`: a clean final message for the user, every step as a trace needs it, and the
+typed error when the run could not finish.
+
+It knows nothing of state, memory or context: the agent plugs those in through
+:class:`LoopHooks` (compile the prompt and checkpoint before each model call, trace after each
+step, fingerprint the state, revert it when a limit is hit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from keel.errors import (
+    GuardError,
+    KeelError,
+    MalformedResponseError,
+    ModelError,
+    ModelTimeoutError,
+    StepLimitError,
+    TimeLimitError,
+    ToolError,
+)
+from keel.guards import (
+    GuardConfig,
+    LoopDetector,
+    LoopSignal,
+    SpiralMonitor,
+    SpiralSnapshot,
+    check_response,
+    validate_structured,
+)
+from keel.messages import Message, ToolCall, Usage
+from keel.models import ChatModel, Completion, ModelOptions
+from keel.tools import ToolExecutor, ToolJournal, ToolRegistry, ToolResult
+
+__all__ = ["LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]
+
+LoopStatus = Literal[
+    "completed",
+    "step_limit",
+    "time_limit",
+    "loop_detected",
+    "tool_retry_limit",
+    "tool_in_doubt",
+    "model_failed",
+    "invalid_output",
+]
+"""How a run ended. Only ``completed`` is a real answer; every other status carries an error."""
+
+T = TypeVar("T")
+MaybeAwaitable: TypeAlias = T | Awaitable[T]
+
+_USER_MESSAGES: dict[LoopStatus, str] = {
+    "step_limit": (
+        "I'm sorry, I could not finish this within the number of steps I'm allowed. "
+        "Nothing more was changed. Could you narrow the request down, or try again?"
+    ),
+    "time_limit": (
+        "I'm sorry, this took longer than I'm allowed to spend on one request. "
+        "Nothing more was changed. Could you try again, perhaps with a simpler request?"
+    ),
+    "loop_detected": (
+        "I'm sorry, I kept repeating the same steps without making progress, so I stopped. "
+        "Could you give me more details or rephrase what you need?"
+    ),
+    "tool_retry_limit": (
+        "I'm sorry, I could not complete this: {detail}. Could you check the details you "
+        "gave me, or tell me how you'd like to proceed?"
+    ),
+    "tool_in_doubt": (
+        "An action I started was interrupted and I cannot tell whether it went through, so "
+        "I have not repeated it. A person will check it and get back to you."
+    ),
+    "model_failed": (
+        "I'm sorry, I'm having trouble producing an answer right now. Please try again in a moment."
+    ),
+    "invalid_output": (
+        "I'm sorry, I could not produce an answer in the required format. Please try again."
+    ),
+}
+
+
+@dataclass
+class LoopHooks:
+    """Callables the agent plugs into the loop; each may be sync or async.
+
+    Attributes:
+        before_model_call: ``(step, messages) -> messages | None``, called before every model
+            call (checkpoint here). Return the prompt to send (a compiled context), or None to
+            send the loop's history as is.
+        after_step: ``(step_record) -> None``, called after every step (trace here).
+        state_fingerprint: ``() -> str``, a digest of the state; unchanged for
+            ``max_steps_without_progress`` steps counts as a loop.
+        revert_to_last_good: ``(error) -> None``, called once when a guard stops the run (step
+            limit, time limit, loop): restore the last good checkpoint.
+    """
+
+    before_model_call: (
+        Callable[[int, list[Message]], MaybeAwaitable[list[Message] | None]] | None
+    ) = None
+    after_step: Callable[[StepRecord], MaybeAwaitable[None]] | None = None
+    state_fingerprint: Callable[[], MaybeAwaitable[str]] | None = None
+    revert_to_last_good: Callable[[GuardError], MaybeAwaitable[None]] | None = None
+
+
+class StepRecord(BaseModel):
+    """One step (one model call and the tool calls it asked for), with what a trace needs."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: int = Field(description="The step number (unique within the session).")
+    action: Literal["tool_calls", "final", "retry", "stopped"] = Field(
+        description=(
+            "What came of it: tool calls run, a final answer, a retry (unusable reply or model "
+            "failure), or the run stopped inside the step."
+        )
+    )
+    started_at: float = Field(description="Unix time the step started.")
+    latency_ms: float = Field(ge=0, description="Wall time of the whole step.")
+    model_latency_ms: float | None = Field(
+        default=None, description="Wall time of the model call (None if replayed or failed)."
+    )
+    ttft_ms: float | None = Field(default=None, description="Time to first token, if known.")
+    model: str = Field(default="", description="The model that answered.")
+    prompt_messages: int = Field(default=0, description="Messages sent to the model.")
+    raw_output: str | None = Field(
+        default=None, description="The reply's text exactly as the model produced it."
+    )
+    response: Message | None = Field(default=None, description="The parsed assistant message.")
+    finish_reason: str | None = Field(default=None, description="Why generation ended.")
+    usage: Usage = Field(default_factory=Usage, description="Tokens of the model call.")
+    replayed_decision: bool = Field(
+        default=False,
+        description="True when the tool calls came from the journal (a resumed run).",
+    )
+    tool_results: tuple[ToolResult, ...] = Field(
+        default=(), description="Every tool call of the step: name, arguments, result, error."
+    )
+    guard_events: tuple[str, ...] = Field(
+        default=(), description="What the guards saw: loop warnings, unusable replies."
+    )
+    error: str | None = Field(default=None, description="The step's error, if any.")
+    error_type: str | None = Field(default=None, description="The error's class name.")
+    state_fingerprint: str | None = Field(
+        default=None, description="The state fingerprint after the step, if a hook gives one."
+    )
+
+
+class LoopResult(BaseModel):
+    """How a run ended: the message for the user, the steps, and the error if it failed."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    status: LoopStatus = Field(description="How the run ended.")
+    final_message: Message = Field(
+        description="The answer, or a clean explanation for the user when the run stopped."
+    )
+    output: Any = Field(
+        default=None, description="The validated structured answer, with an output schema."
+    )
+    messages: list[Message] = Field(description="The whole conversation after the run.")
+    new_messages: list[Message] = Field(description="The messages this run added.")
+    steps: list[StepRecord] = Field(description="Every step, in order.")
+    error: KeelError | None = Field(
+        default=None, exclude=True, description="The typed error when the run did not complete."
+    )
+    error_message: str | None = Field(default=None, description="The error's text.")
+    errors: list[str] = Field(
+        default_factory=list, description="Every error met on the way (tools, model, guards)."
+    )
+    usage: Usage = Field(default_factory=Usage, description="Tokens of all model calls.")
+    duration_ms: float = Field(ge=0, description="Wall time of the run.")
+    reverted: bool = Field(
+        default=False, description="True when the revert_to_last_good hook was called."
+    )
+    loops_detected: int = Field(default=0, description="Loop detections (warnings and stop).")
+    repairs: int = Field(default=0, description="Tool calls whose arguments were repaired.")
+    spiral: SpiralSnapshot | None = Field(
+        default=None, description="Death-spiral indicators of the session after the run."
+    )
+
+    @property
+    def ok(self) -> bool:
+        """True when the run completed with an answer."""
+        return self.status == "completed"
+
+    @property
+    def text(self) -> str:
+        """The final message's text."""
+        return self.final_message.content
+
+    def raise_for_status(self) -> LoopResult:
+        """Raise the run's typed error if it did not complete; else return self."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+@dataclass
+class _Run:
+    session_id: str
+    history: list[Message]
+    start_len: int
+    started: float
+    started_wall: float
+    detector: LoopDetector
+    tools: list[dict[str, Any]]
+    steps: list[StepRecord] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+    loops: int = 0
+    repairs: int = 0
+    step: int = 0
+    current: dict[str, Any] | None = None
+    retrying: bool = False
+    last_failure: KeelError | None = None
+
+
+class _Stop(Exception):
+    def __init__(self, status: LoopStatus, error: KeelError, detail: str = "") -> None:
+        self.status = status
+        self.error = error
+        self.detail = detail
+        super().__init__(str(error))
+
+
+class ToolLoop:
+    """Runs the model-and-tools loop for one request, bounded by guards.
+
+    Args:
+        model: the chat model.
+        registry: the tools the model may call.
+        guards: limits and thresholds (defaults: the seed values).
+        journal: exactly-once journal for side-effecting tools (default: in memory; pass a
+            ``SQLiteToolJournal`` or ``PostgresToolJournal`` for crash safety).
+        hooks: the agent's callables (checkpoint, trace, fingerprint, revert).
+        monitor: a shared death-spiral monitor (default: one per loop).
+        agent: the agent's name, for the monitor's per-agent indicators.
+        output_schema: a Pydantic model the final answer must match (one corrective retry).
+        options: generation options for every model call (``timeout_s`` defaults to the
+            guards' ``model_timeout_s``).
+    """
+
+    def __init__(
+        self,
+        model: ChatModel,
+        registry: ToolRegistry,
+        *,
+        guards: GuardConfig | None = None,
+        journal: ToolJournal | None = None,
+        hooks: LoopHooks | None = None,
+        monitor: SpiralMonitor | None = None,
+        agent: str | None = None,
+        output_schema: type[BaseModel] | None = None,
+        options: ModelOptions | None = None,
+    ) -> None:
+        self.model = model
+        self.registry = registry
+        self.guards = guards or GuardConfig()
+        self.hooks = hooks or LoopHooks()
+        self.monitor = monitor or SpiralMonitor()
+        self.agent = agent
+        self.output_schema = output_schema
+        self.executor = ToolExecutor(
+            registry,
+            journal=journal,
+            timeout_s=self.guards.tool_timeout_s,
+            max_output_chars=self.guards.max_output_chars,
+        )
+        self.journal = self.executor.journal
+        base = options or ModelOptions()
+        if base.timeout_s is None:
+            base = base.model_copy(update={"timeout_s": self.guards.model_timeout_s})
+        self.options = base
+
+    def run(
+        self, messages: Sequence[Message], *, session_id: str, first_step: int = 0
+    ) -> LoopResult:
+        """Sync twin of :meth:`arun` (not for use inside a running event loop)."""
+        return asyncio.run(self.arun(messages, session_id=session_id, first_step=first_step))
+
+    async def arun(
+        self, messages: Sequence[Message], *, session_id: str, first_step: int = 0
+    ) -> LoopResult:
+        """Run until a final answer or a stop; always returns (unless ``fallback='raise'``).
+
+        Args:
+            messages: the conversation so far (system prompt, history, the new user message).
+            session_id: the session; with the step number it keys side-effecting calls.
+            first_step: the number of this run's first step. Step numbers must never repeat
+                within a session; a resumed run passes the step it resumes at, and any tool
+                calls journalled for that step are replayed instead of asking the model again.
+
+        Raises:
+            KeelError: only with ``fallback='raise'``: the typed error that stopped the run.
+        """
+        run = _Run(
+            session_id=session_id,
+            history=list(messages),
+            start_len=len(messages),
+            started=time.perf_counter(),
+            started_wall=time.time(),
+            detector=LoopDetector(self.guards),
+            tools=self.registry.schemas(),
+            step=first_step,
+        )
+        result: LoopResult
+        try:
+            async with asyncio.timeout(self.guards.run_timeout_s):
+                result = await self._loop(run)
+        except TimeoutError:
+            limit = TimeLimitError(
+                f"run reached its wall-clock limit of {self.guards.run_timeout_s:g} s"
+            )
+            result = await self._stop(run, _Stop("time_limit", limit))
+        if result.error is not None and self.guards.fallback == "raise":
+            raise result.error
+        return result
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def _loop(self, run: _Run) -> LoopResult:
+        failures_in_a_row = 0
+        tool_failures: dict[str, int] = {}
+        structured_retry_used = False
+        steps_taken = 0
+        while True:
+            if steps_taken >= self.guards.max_steps:
+                limit = StepLimitError(
+                    f"run reached its limit of {self.guards.max_steps} steps without an answer"
+                )
+                return await self._stop(run, _Stop("step_limit", limit))
+            elapsed = time.perf_counter() - run.started
+            if elapsed >= self.guards.run_timeout_s:
+                raise TimeoutError  # the run's deadline passed between awaits
+            steps_taken += 1
+            run.current = {"step": run.step, "started_at": time.time(), "t0": time.perf_counter()}
+            try:
+                outcome = await self._step(run, tool_failures)
+            except _Stop as stop:
+                return await self._stop(run, stop)
+            if outcome is None:
+                continue
+            kind, completion, message = outcome
+            if kind == "retry":
+                failures_in_a_row += 1
+                if failures_in_a_row >= self.guards.max_model_failures:
+                    last = run.last_failure or ModelError("the model kept failing")
+                    return await self._stop(run, _Stop("model_failed", last))
+                continue
+            failures_in_a_row = 0
+            if kind == "tool_calls":
+                continue
+            # A final answer.
+            output: Any = None
+            if self.output_schema is not None:
+                checked = validate_structured(message.content, self.output_schema)
+                if not checked.ok:
+                    problem = "; ".join(checked.problems)
+                    run.errors.append(f"structured output invalid: {problem}")
+                    if structured_retry_used:
+                        error = MalformedResponseError(
+                            f"the answer does not match {self.output_schema.__name__}: {problem}",
+                            model=self.model.spec,
+                            raw=message.content,
+                        )
+                        await self._finish_step(
+                            run, "stopped", completion, message, error=error, events=(problem,)
+                        )
+                        return await self._stop(run, _Stop("invalid_output", error))
+                    structured_retry_used = True
+                    run.history.append(message)
+                    run.history.append(
+                        Message.user(
+                            checked.correction(self.output_schema),
+                            metadata={"keel_correction": "structured"},
+                        )
+                    )
+                    await self._finish_step(
+                        run, "retry", completion, message, events=(f"structured output: {problem}",)
+                    )
+                    continue
+                output = checked.value
+            run.history.append(message)
+            await self._finish_step(run, "final", completion, message)
+            return self._result(run, "completed", message, output=output)
+
+    async def _step(
+        self, run: _Run, tool_failures: dict[str, int]
+    ) -> tuple[str, Completion | None, Message] | None:
+        """One step. Returns (kind, completion, message); raises _Stop to end the run."""
+        prompt = await _call(self.hooks.before_model_call, run.step, list(run.history))
+        sent = list(prompt) if prompt is not None else list(run.history)
+        decision = self.journal.decision(run.session_id, run.step)
+        completion: Completion | None = None
+        if decision is not None:
+            message = decision
+        else:
+            assert run.current is not None
+            run.current["prompt_messages"] = len(sent)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the run's own
+            # cancellation when the call finishes at the same moment, and the run overruns.
+            try:
+                async with asyncio.timeout(self.guards.model_timeout_s) as deadline:
+                    completion = await self.model.acomplete(sent, run.tools, self.options)
+            except TimeoutError as exc:
+                reason = (
+                    f"no answer within {self.guards.model_timeout_s:g} s"
+                    if deadline.expired()
+                    else f"the model call timed out: {exc}"
+                )
+                error: ModelError = ModelTimeoutError(reason, model=self.model.spec)
+                return await self._model_failure(run, error)
+            except ModelError as exc:
+                return await self._model_failure(run, exc)
+            run.usage = run.usage + completion.usage
+            self.monitor.record_call(
+                session_id=run.session_id,
+                agent=self.agent,
+                prompt_tokens=completion.usage.prompt_tokens,
+                retry=run.retrying,
+                ttft_ms=completion.ttft_ms,
+            )
+            problem = check_response(completion)
+            if problem is not None:
+                error = problem.error(self.model.spec)
+                run.errors.append(str(error))
+                run.last_failure = error
+                run.retrying = True
+                run.history.append(
+                    Message.user(problem.correction(), metadata={"keel_correction": problem.kind})
+                )
+                await self._finish_step(
+                    run,
+                    "retry",
+                    completion,
+                    completion.message,
+                    error=error,
+                    events=(f"unusable reply: {problem.detail}",),
+                )
+                return ("retry", completion, completion.message)
+            run.retrying = False
+            message = completion.message
+        if not message.tool_calls:
+            return ("final", completion, message)
+        if decision is None and any(
+            (found := self.registry.get(call.name)) is not None and found.side_effect
+            for call in message.tool_calls
+        ):
+            message = self.journal.record_decision(run.session_id, run.step, message)
+        run.history.append(message)
+        await self._run_calls(
+            run, completion, message, tool_failures, replayed=decision is not None
+        )
+        return ("tool_calls", completion, message)
+
+    async def _model_failure(
+        self, run: _Run, error: ModelError
+    ) -> tuple[str, Completion | None, Message]:
+        run.errors.append(f"{type(error).__name__}: {error}")
+        run.retrying = True
+        run.last_failure = error
+        self.monitor.record_call(session_id=run.session_id, agent=self.agent, retry=True)
+        await self._finish_step(run, "retry", None, None, error=error)
+        return ("retry", None, Message.assistant(""))
+
+    async def _run_calls(
+        self,
+        run: _Run,
+        completion: Completion | None,
+        message: Message,
+        tool_failures: dict[str, int],
+        *,
+        replayed: bool,
+    ) -> None:
+        results: list[ToolResult] = []
+        events: list[str] = []
+        notes: list[str] = []
+        calls = list(message.tool_calls)
+
+        async def stop(status: LoopStatus, error: KeelError, detail: str = "") -> None:
+            for call in calls[len(results) :]:
+                blocked = _blocked(call, "Not executed: the run was stopped.")
+                results.append(blocked)
+                run.history.append(blocked.to_message())
+            await self._finish_step(
+                run,
+                "stopped",
+                completion,
+                message,
+                results=results,
+                events=events,
+                error=error,
+                replayed=replayed,
+            )
+            raise _Stop(status, error, detail)
+
+        def on_loop(signal: LoopSignal) -> None:
+            run.loops += 1
+            events.append(f"loop {'stop' if signal.stop else 'warning'}: {signal.kind}")
+            run.errors.append("; ".join(signal.evidence))
+
+        for index, call in enumerate(calls):
+            signal = run.detector.check_call(call.name, call.arguments)
+            if signal is not None:
+                on_loop(signal)
+                if signal.stop:
+                    await stop("loop_detected", signal.error())
+                blocked = _blocked(
+                    call, "Not executed: this repeats earlier calls without progress."
+                )
+                results.append(blocked)
+                run.history.append(blocked.to_message())
+                notes.append(signal.advice())
+                continue
+            result = await self.executor.execute(
+                call, session_id=run.session_id, step=run.step, call_index=index
+            )
+            results.append(result)
+            run.history.append(result.to_message())
+            if result.repairs:
+                run.repairs += 1
+                events.append(f"repaired {call.name} arguments: {'; '.join(result.repairs)}")
+            if result.status == "in_doubt":
+                assert result.exception is not None
+                run.errors.append(str(result.exception))
+                await stop("tool_in_doubt", result.exception)
+            if not result.ok:
+                run.errors.append(result.error or result.status)
+            key = call.name if call.name in self.registry else "<unknown tools>"
+            if result.ok:
+                tool_failures[key] = 0
+            else:
+                tool_failures[key] = tool_failures.get(key, 0) + 1
+                if tool_failures[key] > self.guards.max_tool_retries:
+                    error = result.exception or ToolError(result.error or result.status)
+                    what = (
+                        f"the tool {call.name!r} kept failing ({result.error})"
+                        if key != "<unknown tools>"
+                        else "I kept trying to use tools that do not exist"
+                    )
+                    await stop("tool_retry_limit", error, what)
+            signal = run.detector.check_error(call.name, None if result.ok else result.content)
+            if signal is not None:
+                on_loop(signal)
+                if signal.stop:
+                    await stop("loop_detected", signal.error())
+                notes.append(signal.advice())
+        fingerprint: str | None = None
+        if self.hooks.state_fingerprint is not None:
+            fingerprint = await _call(self.hooks.state_fingerprint)
+            signal = run.detector.check_progress(fingerprint)
+            if signal is not None:
+                on_loop(signal)
+                if signal.stop:
+                    await stop("loop_detected", signal.error())
+                notes.append(signal.advice())
+        run.history.extend(Message.system(note) for note in notes)
+        await self._finish_step(
+            run,
+            "tool_calls",
+            completion,
+            message,
+            results=results,
+            events=events,
+            replayed=replayed,
+            fingerprint=fingerprint,
+        )
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    async def _finish_step(
+        self,
+        run: _Run,
+        action: Literal["tool_calls", "final", "retry", "stopped"],
+        completion: Completion | None,
+        message: Message | None,
+        *,
+        results: Sequence[ToolResult] = (),
+        events: Sequence[str] = (),
+        error: BaseException | None = None,
+        replayed: bool = False,
+        fingerprint: str | None = None,
+    ) -> None:
+        current = run.current or {"started_at": time.time(), "t0": time.perf_counter()}
+        record = StepRecord(
+            step=run.step,
+            action=action,
+            started_at=current["started_at"],
+            latency_ms=(time.perf_counter() - current["t0"]) * 1000,
+            model_latency_ms=completion.latency_ms if completion is not None else None,
+            ttft_ms=completion.ttft_ms if completion is not None else None,
+            model=completion.model if completion is not None else self.model.spec,
+            prompt_messages=int(current.get("prompt_messages", 0)),
+            raw_output=message.content if message is not None else None,
+            response=message,
+            finish_reason=completion.finish_reason if completion is not None else None,
+            usage=completion.usage if completion is not None else Usage(),
+            replayed_decision=replayed,
+            tool_results=tuple(results),
+            guard_events=tuple(events),
+            error=None if error is None else str(error),
+            error_type=None if error is None else type(error).__name__,
+            state_fingerprint=fingerprint,
+        )
+        run.steps.append(record)
+        run.current = None
+        run.step += 1
+        await _call(self.hooks.after_step, record)
+
+    async def _stop(self, run: _Run, stop: _Stop) -> LoopResult:
+        if run.current is not None:
+            # The run was interrupted inside a step (the time limit): record what is known.
+            await self._finish_step(run, "stopped", None, None, error=stop.error)
+        _close_open_calls(run.history)
+        run.errors.append(f"{type(stop.error).__name__}: {stop.error}")
+        reverted = False
+        if isinstance(stop.error, GuardError) and self.hooks.revert_to_last_good is not None:
+            await _call(self.hooks.revert_to_last_good, stop.error)
+            reverted = True
+            self.monitor.record_state_reset(session_id=run.session_id, agent=self.agent)
+        template = _USER_MESSAGES[stop.status]
+        text = template.format(detail=stop.detail or str(stop.error))
+        final = Message.assistant(text, metadata={"keel_stop": stop.status})
+        run.history.append(final)
+        return self._result(run, stop.status, final, error=stop.error, reverted=reverted)
+
+    def _result(
+        self,
+        run: _Run,
+        status: LoopStatus,
+        final: Message,
+        *,
+        output: Any = None,
+        error: KeelError | None = None,
+        reverted: bool = False,
+    ) -> LoopResult:
+        return LoopResult(
+            status=status,
+            final_message=final,
+            output=output,
+            messages=list(run.history),
+            new_messages=run.history[run.start_len :],
+            steps=list(run.steps),
+            error=error,
+            error_message=None if error is None else str(error),
+            errors=list(run.errors),
+            usage=run.usage,
+            duration_ms=(time.perf_counter() - run.started) * 1000,
+            reverted=reverted,
+            loops_detected=run.loops,
+            repairs=run.repairs,
+            spiral=self.monitor.snapshot(session_id=run.session_id),
+        )
+
+
+def _blocked(call: ToolCall, text: str) -> ToolResult:
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="blocked",
+        content=text,
+        raw_arguments=call.arguments,
+    )
+
+
+def _close_open_calls(history: list[Message]) -> None:
+    """Answer every tool call of the last assistant message that has no result yet."""
+    for position in range(len(history) - 1, -1, -1):
+        message = history[position]
+        if message.role == "assistant" and message.tool_calls:
+            answered = {m.tool_call_id for m in history[position + 1 :] if m.role == "tool"}
+            for call in message.tool_calls:
+                if call.id not in answered:
+                    history.append(
+                        Message.tool(call.id, "Not executed: the run was stopped.", name=call.name)
+                    )
+            return
+        if message.role == "user":
+            return
+
+
+async def _call(hook: Callable[..., Any] | None, *args: Any) -> Any:
+    if hook is None:
+        return None
+    value = hook(*args)
+    if inspect.isawaitable(value):
+        value = await value
+    return value

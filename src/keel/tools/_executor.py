@@ -1,0 +1,381 @@
+"""Carrying out one tool call: look up, repair, validate, run once, cap, never crash.
+
+Every outcome is a :class:`ToolResult`: the text the model sees next (``content``) and every
+fact a trace needs. The model always gets something it can act on: the closest valid tool
+names, the JSON problem, one line per invalid field, or the tool's own failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from keel.errors import (
+    KeelError,
+    ToolArgumentsError,
+    ToolExecutionError,
+    ToolInDoubtError,
+    UnknownToolError,
+)
+from keel.messages import Message, ToolCall
+from keel.tools._journal import InMemoryJournal, ToolJournal, idempotency_key
+from keel.tools._registry import ToolRegistry
+from keel.tools._repair import ArgumentsNotJSONError, coerce_scalars, parse_arguments
+from keel.tools._tool import Tool, ToolContext
+
+__all__ = ["ToolExecutor", "ToolResult", "ToolStatus", "format_validation_error"]
+
+ToolStatus = Literal[
+    "ok", "failed", "timeout", "unknown_tool", "invalid_arguments", "in_doubt", "blocked"
+]
+"""How a call ended. ``blocked``: a guard refused to run it (a loop was detected)."""
+
+_TRUNCATION_MARKER = "\n[output truncated: {total} characters, the first {shown} shown]"
+
+
+class ToolResult(BaseModel):
+    """The outcome of one tool call, for the model (``content``) and for traces (the rest)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    call_id: str = Field(description="The id of the call this answers.")
+    tool: str = Field(description="The tool name as the model wrote it.")
+    status: ToolStatus = Field(description="How the call ended.")
+    content: str = Field(description="What the model is shown: output (capped) or the problem.")
+    raw_arguments: str = Field(description="The arguments exactly as the model wrote them.")
+    arguments: dict[str, Any] | None = Field(
+        default=None, description="The validated arguments, when they validated."
+    )
+    repairs: tuple[str, ...] = Field(
+        default=(), description="Repairs made to the arguments before they validated."
+    )
+    problems: tuple[str, ...] = Field(
+        default=(), description="One line per problem with the arguments ('Field 'x': ...')."
+    )
+    output: Any = Field(default=None, description="The tool's return value, uncapped.")
+    output_text: str = Field(default="", description="The whole output as text, uncapped.")
+    truncated: bool = Field(default=False, description="True when content was capped.")
+    error: str | None = Field(default=None, description="The error message, when not ok.")
+    error_type: str | None = Field(default=None, description="The error's class name.")
+    exception: KeelError | None = Field(
+        default=None, exclude=True, description="The typed error, for callers that raise it."
+    )
+    idempotency_key: str | None = Field(
+        default=None, description="The journal key, for side-effecting tools."
+    )
+    executed: bool = Field(default=False, description="True when the function ran this time.")
+    replayed: bool = Field(
+        default=False, description="True when the result came from the journal, not a new run."
+    )
+    attempt: int = Field(default=0, ge=0, description="Which start of the tool this was.")
+    latency_ms: float = Field(default=0.0, ge=0, description="Wall time of the call.")
+
+    @property
+    def ok(self) -> bool:
+        """True when the tool ran (now or before a crash) and returned."""
+        return self.status == "ok"
+
+    def to_message(self) -> Message:
+        """The tool message that answers the call."""
+        return Message.tool(self.call_id, self.content, name=self.tool)
+
+
+def format_validation_error(error: ValidationError) -> list[str]:
+    """One line per invalid field: ``Field 'passengers': Input should be a valid integer``."""
+    lines: list[str] = []
+    for item in error.errors(include_url=False):
+        location = ".".join(str(part) for part in item.get("loc", ())) or "arguments"
+        message = str(item.get("msg", "invalid"))
+        for suffix in (
+            ", unable to parse string as an integer",
+            ", unable to parse string as a number",
+            ", unable to interpret input",
+        ):
+            message = message.removesuffix(suffix)
+        lines.append(f"Field '{location}': {message}")
+    return lines
+
+
+class ToolExecutor:
+    """Runs tool calls against a registry, with a journal for side-effecting tools.
+
+    Args:
+        registry: the tools the model may call.
+        journal: where side-effecting calls are journalled; default an in-memory journal
+            (exactly-once within the process only; pass a SQLite or PostgreSQL journal for
+            crash safety).
+        timeout_s: default per-call timeout for tools that declare none.
+        max_output_chars: default output cap for tools that declare none.
+    """
+
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        *,
+        journal: ToolJournal | None = None,
+        timeout_s: float = 30.0,
+        max_output_chars: int = 4000,
+    ) -> None:
+        self.registry = registry
+        self.journal = journal if journal is not None else InMemoryJournal()
+        self.timeout_s = timeout_s
+        self.max_output_chars = max_output_chars
+
+    async def execute(
+        self, call: ToolCall, *, session_id: str, step: int, call_index: int = 0
+    ) -> ToolResult:
+        """Carry out ``call``; every failure comes back as a result, never as an exception.
+
+        The exceptions that do propagate are cancellation and process-level ones
+        (``KeyboardInterrupt``): a side-effecting call interrupted that way stays *in doubt*
+        in the journal, which is the truth.
+        """
+        started = time.perf_counter()
+        base: dict[str, Any] = {
+            "call_id": call.id,
+            "tool": call.name,
+            "raw_arguments": call.arguments,
+        }
+        found = self.registry.get(call.name)
+        if found is None:
+            suggestions = self.registry.suggest(call.name)
+            unknown = UnknownToolError(call.name, suggestions)
+            hint = f" Did you mean: {', '.join(suggestions)}?" if suggestions else ""
+            available = ", ".join(self.registry.names) or "none"
+            return ToolResult(
+                **base,
+                status="unknown_tool",
+                content=(
+                    f"Error: there is no tool named {call.name!r}.{hint} "
+                    f"Available tools: {available}."
+                ),
+                error=str(unknown),
+                error_type=type(unknown).__name__,
+                exception=unknown,
+                latency_ms=_ms(started),
+            )
+        try:
+            parsed = parse_arguments(call.arguments)
+        except ArgumentsNotJSONError as exc:
+            arguments_error = ToolArgumentsError(found.name, [str(exc)])
+            return ToolResult(
+                **base,
+                status="invalid_arguments",
+                content=(
+                    f"Error: the arguments for tool {found.name!r} are not usable: {exc}. "
+                    "Call the tool again with one JSON object, one key per parameter."
+                ),
+                problems=(str(exc),),
+                error=str(arguments_error),
+                error_type=type(arguments_error).__name__,
+                exception=arguments_error,
+                latency_ms=_ms(started),
+            )
+        value, coerced = coerce_scalars(parsed.value, found._parameters)
+        repairs = (*parsed.repairs, *coerced)
+        try:
+            validated = found.args_model.model_validate(value)
+        except ValidationError as exc:
+            problems = format_validation_error(exc)
+            if any("Extra inputs are not permitted" in line for line in problems):
+                problems.append(
+                    "Valid arguments: " + ", ".join(found.args_model.model_fields) + "."
+                )
+            arguments_error = ToolArgumentsError(found.name, problems)
+            return ToolResult(
+                **base,
+                status="invalid_arguments",
+                content=(
+                    f"Error: invalid arguments for tool {found.name!r}:\n"
+                    + "\n".join(problems)
+                    + "\nFix these fields and call the tool again."
+                ),
+                repairs=repairs,
+                problems=tuple(problems),
+                error=str(arguments_error),
+                error_type=type(arguments_error).__name__,
+                exception=arguments_error,
+                latency_ms=_ms(started),
+            )
+        arguments = validated.model_dump(mode="json")
+        base.update(arguments=arguments, repairs=repairs)
+        key = idempotency_key(session_id, step, call_index)
+        context = ToolContext(
+            session_id=session_id,
+            step=step,
+            call_index=call_index,
+            call_id=call.id,
+            idempotency_key=key,
+        )
+        if not found.side_effect:
+            return await self._run(found, validated, context, base, started, journalled=False)
+        base["idempotency_key"] = key
+        claim = self.journal.claim(
+            key=key,
+            session_id=session_id,
+            step=step,
+            call_index=call_index,
+            tool=found.name,
+            arguments=json.dumps(arguments, sort_keys=True),
+        )
+        entry = claim.entry
+        if not claim.created:
+            if not entry.in_doubt:
+                return ToolResult(
+                    **base,
+                    status="ok" if entry.ok else "failed",
+                    content=entry.content or "",
+                    output_text=entry.output or "",
+                    error=None if entry.ok else entry.content,
+                    error_type=None if entry.ok else "ToolExecutionError",
+                    exception=None if entry.ok else ToolExecutionError(entry.content or ""),
+                    replayed=True,
+                    attempt=entry.attempts,
+                    latency_ms=_ms(started),
+                )
+            if not found.idempotent:
+                doubt = ToolInDoubtError(found.name, key)
+                return ToolResult(
+                    **base,
+                    status="in_doubt",
+                    content=(
+                        f"Error: tool {found.name!r} was started before an interruption and "
+                        "it is unknown whether it took effect. It was not run again; an "
+                        "operator has been asked to check. Do not call it again."
+                    ),
+                    error=str(doubt),
+                    error_type=type(doubt).__name__,
+                    exception=doubt,
+                    attempt=entry.attempts,
+                    latency_ms=_ms(started),
+                )
+            entry = self.journal.restart(key)
+        context = ToolContext(
+            session_id=session_id,
+            step=step,
+            call_index=call_index,
+            call_id=call.id,
+            idempotency_key=key,
+            attempt=entry.attempts,
+        )
+        return await self._run(found, validated, context, base, started, journalled=True)
+
+    async def _failed(
+        self,
+        found: Tool,
+        context: ToolContext,
+        base: dict[str, Any],
+        started: float,
+        exc: Exception,
+        journalled: bool,
+    ) -> ToolResult:
+        failure = ToolExecutionError(f"tool {found.name!r} failed: {type(exc).__name__}: {exc}")
+        failure.__cause__ = exc
+        content = f"Error: {failure}"
+        if journalled:
+            self.journal.finish(context.idempotency_key, ok=False, content=content, output=content)
+        return ToolResult(
+            **base,
+            status="failed",
+            content=content,
+            error=str(failure),
+            error_type=type(failure).__name__,
+            exception=failure,
+            executed=True,
+            attempt=context.attempt,
+            latency_ms=_ms(started),
+        )
+
+    async def _run(
+        self,
+        found: Tool,
+        validated: BaseModel,
+        context: ToolContext,
+        base: dict[str, Any],
+        started: float,
+        *,
+        journalled: bool,
+    ) -> ToolResult:
+        timeout = found.timeout_s if found.timeout_s is not None else self.timeout_s
+        cap = (
+            found.max_output_chars if found.max_output_chars is not None else self.max_output_chars
+        )
+        failure: ToolExecutionError | None = None
+        output: Any = None
+        deadline = asyncio.timeout(timeout)
+        try:
+            # asyncio.timeout, not wait_for: wait_for can swallow an outer cancellation.
+            async with deadline:
+                output = await found.ainvoke(validated, context)
+        except TimeoutError as exc:
+            if not deadline.expired():
+                # The tool's own TimeoutError (a socket, say): a failure like any other.
+                return await self._failed(found, context, base, started, exc, journalled)
+            effect = (
+                " It may or may not have taken effect: check before calling it again."
+                if found.side_effect
+                else ""
+            )
+            failure = ToolExecutionError(
+                f"tool {found.name!r} did not finish within {timeout:g} s.{effect}"
+            )
+            status: ToolStatus = "timeout"
+        except Exception as exc:
+            return await self._failed(found, context, base, started, exc, journalled)
+        if failure is not None:
+            content = f"Error: {failure}"
+            if journalled:
+                self.journal.finish(
+                    context.idempotency_key, ok=False, content=content, output=content
+                )
+            return ToolResult(
+                **base,
+                status=status,
+                content=content,
+                error=str(failure),
+                error_type=type(failure).__name__,
+                exception=failure,
+                executed=True,
+                attempt=context.attempt,
+                latency_ms=_ms(started),
+            )
+        text = _as_text(output)
+        shown, truncated = _cap(text, cap)
+        if journalled:
+            self.journal.finish(context.idempotency_key, ok=True, content=shown, output=text)
+        return ToolResult(
+            **base,
+            status="ok",
+            content=shown,
+            output=output,
+            output_text=text,
+            truncated=truncated,
+            executed=True,
+            attempt=context.attempt,
+            latency_ms=_ms(started),
+        )
+
+
+def _as_text(output: Any) -> str:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, BaseModel):
+        return output.model_dump_json()
+    try:
+        return json.dumps(output, default=str, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(output)
+
+
+def _cap(text: str, limit: int) -> tuple[str, bool]:
+    if len(text) <= limit:
+        return text, False
+    return text[:limit] + _TRUNCATION_MARKER.format(total=len(text), shown=limit), True
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000

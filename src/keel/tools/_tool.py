@@ -1,0 +1,456 @@
+"""``@tool``: a typed Python function becomes a tool a model can call.
+
+The function's signature becomes a Pydantic model (the arguments' validator) and a JSON schema
+in the OpenAI ``tools`` format; the docstring's summary becomes the description and its
+Google-style ``Args:`` section (or ``Annotated[..., Field(description=...)]``) the per-field
+descriptions. Side effects are declared, because exactly-once execution depends on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import inspect
+import re
+import sys
+import types
+import typing
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, overload
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
+
+from keel.errors import ToolDefinitionError
+
+__all__ = ["NestedArgumentsWarning", "Tool", "ToolContext", "tool"]
+
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_ARGS_HEADERS = ("args:", "arguments:", "parameters:")
+_SECTION_HEADERS = (
+    "returns:",
+    "return:",
+    "raises:",
+    "yields:",
+    "examples:",
+    "example:",
+    "notes:",
+    "note:",
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class NestedArgumentsWarning(UserWarning):
+    """A tool's arguments are nested objects; small models often fail to fill them."""
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What keel knows about the current call; a tool receives it by declaring a parameter.
+
+    A side-effecting tool can pass ``idempotency_key`` to the system it calls (a payment or
+    booking API), so that even an in-doubt retry done by an operator cannot act twice.
+    """
+
+    session_id: str
+    step: int
+    call_index: int
+    call_id: str
+    idempotency_key: str
+    attempt: int = 1
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable tool: its name, description, argument model, schema and declared effects.
+
+    Build one with :func:`tool`; call :meth:`ainvoke` with validated arguments.
+    """
+
+    name: str
+    description: str
+    function: Callable[..., Any]
+    args_model: type[BaseModel]
+    side_effect: bool = False
+    idempotent: bool = True
+    timeout_s: float | None = None
+    max_output_chars: int | None = None
+    context_parameter: str | None = None
+    nested_fields: tuple[str, ...] = field(default=())
+
+    @property
+    def is_async(self) -> bool:
+        """True when the function is a coroutine function (run on the event loop)."""
+        return inspect.iscoroutinefunction(self.function)
+
+    @functools.cached_property
+    def _parameters(self) -> dict[str, Any]:
+        schema: dict[str, Any] = _strip_titles(self.args_model.model_json_schema())
+        return schema
+
+    def parameters_schema(self) -> dict[str, Any]:
+        """The JSON schema of the arguments (titles removed; they only cost tokens)."""
+        return copy.deepcopy(self._parameters)
+
+    def schema(self) -> dict[str, Any]:
+        """The tool in the OpenAI ``tools`` format."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters_schema(),
+            },
+        }
+
+    async def ainvoke(self, arguments: BaseModel, context: ToolContext | None = None) -> Any:
+        """Run the function with validated arguments (sync functions run in a worker thread).
+
+        A sync function that hangs cannot be interrupted by the timeout: the caller stops
+        waiting, but the thread runs on. Prefer async tools for anything that may hang.
+        """
+        kwargs = {name: getattr(arguments, name) for name in type(arguments).model_fields}
+        if self.context_parameter is not None:
+            kwargs[self.context_parameter] = context
+        if self.is_async:
+            return await self.function(**kwargs)
+        result = await asyncio.to_thread(functools.partial(self.function, **kwargs))
+        if inspect.isawaitable(result):
+            return await result
+        return result
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the underlying function directly, as if it were not a tool."""
+        return self.function(*args, **kwargs)
+
+
+@overload
+def tool(function: F, /) -> Tool: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    side_effect: bool = False,
+    idempotent: bool | None = None,
+    timeout_s: float | None = None,
+    max_output_chars: int | None = None,
+) -> Callable[[F], Tool]: ...
+
+
+def tool(
+    function: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    side_effect: bool = False,
+    idempotent: bool | None = None,
+    timeout_s: float | None = None,
+    max_output_chars: int | None = None,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
+    """Turn a typed function (sync or async) into a :class:`Tool`.
+
+    Use it bare (``@tool``) or with options::
+
+        @tool(side_effect=True, idempotent=False, timeout_s=10)
+        async def book_flight(flight: str, passengers: int) -> str:
+            \"\"\"Book seats on a flight.
+
+            Args:
+                flight: The flight number, e.g. "AF123".
+                passengers: How many seats to book.
+            \"\"\"
+
+    Args:
+        name: the tool's name for the model (default: the function's name).
+        description: overrides the docstring's summary.
+        side_effect: the tool changes the world (books, pays, sends). Side-effecting calls are
+            journalled and run at most once per (session, step, call), across crashes.
+        idempotent: running it twice has the same effect as once. Defaults to
+            ``not side_effect``. Decides what happens to an in-doubt call after a crash: an
+            idempotent tool runs again; any other surfaces a ``ToolInDoubtError``.
+        timeout_s: per-call wall-clock limit (default: the executor's).
+        max_output_chars: output longer than this is truncated for the model (default: the
+            executor's); the whole output stays in the result for traces.
+
+    Raises:
+        ToolDefinitionError: the function cannot be described as a tool (``*args``, a
+            parameter without a type annotation, an invalid name).
+    """
+
+    def build(fn: Callable[..., Any]) -> Tool:
+        return _build_tool(
+            fn,
+            name=name,
+            description=description,
+            side_effect=side_effect,
+            idempotent=(not side_effect) if idempotent is None else idempotent,
+            timeout_s=timeout_s,
+            max_output_chars=max_output_chars,
+        )
+
+    if function is not None:
+        return build(function)
+    return build
+
+
+def _build_tool(
+    fn: Callable[..., Any],
+    *,
+    name: str | None,
+    description: str | None,
+    side_effect: bool,
+    idempotent: bool,
+    timeout_s: float | None,
+    max_output_chars: int | None,
+) -> Tool:
+    if isinstance(fn, Tool):
+        raise ToolDefinitionError(f"{fn.name!r} is already a tool")
+    if not callable(fn):
+        raise ToolDefinitionError(f"@tool needs a function, got {type(fn).__name__}")
+    tool_name: str = name or str(getattr(fn, "__name__", ""))
+    if not _NAME.match(tool_name):
+        raise ToolDefinitionError(
+            f"tool name {tool_name!r} is invalid: use 1-64 letters, digits, '_' or '-'"
+        )
+    if timeout_s is not None and timeout_s <= 0:
+        raise ToolDefinitionError(f"tool {tool_name!r}: timeout_s must be positive")
+    if max_output_chars is not None and max_output_chars < 1:
+        raise ToolDefinitionError(f"tool {tool_name!r}: max_output_chars must be at least 1")
+    summary, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
+    try:
+        hints = _type_hints(fn)
+    except Exception as exc:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: cannot resolve its type annotations: {exc}"
+        ) from exc
+    fields: dict[str, Any] = {}
+    context_parameter: str | None = None
+    for parameter in inspect.signature(fn).parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise ToolDefinitionError(
+                f"tool {tool_name!r}: *{parameter.name} / **{parameter.name} cannot be "
+                "described to a model; declare each argument"
+            )
+        if parameter.kind is parameter.POSITIONAL_ONLY:
+            raise ToolDefinitionError(
+                f"tool {tool_name!r}: positional-only parameter {parameter.name!r}; "
+                "tools are called with keyword arguments"
+            )
+        if parameter.name not in hints:
+            raise ToolDefinitionError(
+                f"tool {tool_name!r}: parameter {parameter.name!r} has no type annotation"
+            )
+        annotation = hints[parameter.name]
+        if annotation is ToolContext or annotation == ToolContext | None:
+            context_parameter = parameter.name
+            continue
+        default = ... if parameter.default is parameter.empty else parameter.default
+        doc = arg_docs.get(parameter.name)
+        if isinstance(default, FieldInfo):
+            fields[parameter.name] = (annotation, default)
+        elif doc and not _annotated_description(annotation):
+            fields[parameter.name] = (annotation, Field(default, description=doc))
+        else:
+            fields[parameter.name] = (annotation, default)
+    try:
+        args_model: type[BaseModel] = create_model(
+            _model_name(tool_name),
+            __config__=ConfigDict(extra="forbid"),
+            **fields,
+        )
+        raw_schema = args_model.model_json_schema()
+    except Exception as exc:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: its arguments cannot be turned into a JSON schema: {exc}"
+        ) from exc
+    text = (description if description is not None else summary).strip()
+    if not text:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r} has no description: give the function a docstring "
+            "(models choose tools by their descriptions)"
+        )
+    nested = _nested_fields(raw_schema)
+    built = Tool(
+        name=tool_name,
+        description=text,
+        function=fn,
+        args_model=args_model,
+        side_effect=side_effect,
+        idempotent=idempotent,
+        timeout_s=timeout_s,
+        max_output_chars=max_output_chars,
+        context_parameter=context_parameter,
+        nested_fields=tuple(nested),
+    )
+    built.__dict__["_parameters"] = _strip_titles(raw_schema)  # seeds the cached_property
+    if nested:
+        warnings.warn(
+            NestedArgumentsWarning(_nested_advice(built, nested)),
+            stacklevel=4,
+        )
+    return built
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The resolved annotations; string annotations may name classes local to the caller.
+
+    With ``from __future__ import annotations`` every annotation is a string, and a class
+    defined inside a function is invisible to ``get_type_hints``: the frames that called
+    ``@tool`` are searched for it.
+    """
+    try:
+        return typing.get_type_hints(fn, include_extras=True)
+    except NameError:
+        localns: dict[str, Any] = {}
+        frame: types.FrameType | None = sys._getframe(1)
+        for _ in range(8):
+            if frame is None:
+                break
+            for name, value in frame.f_locals.items():
+                localns.setdefault(name, value)
+            frame = frame.f_back
+        return typing.get_type_hints(fn, localns=localns, include_extras=True)
+
+
+def _model_name(tool_name: str) -> str:
+    return "".join(part.capitalize() for part in re.split(r"[_-]", tool_name)) + "Arguments"
+
+
+def _annotated_description(annotation: Any) -> bool:
+    if typing.get_origin(annotation) is typing.Annotated:
+        return any(
+            isinstance(extra, FieldInfo) and extra.description
+            for extra in typing.get_args(annotation)[1:]
+        )
+    return False
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """The description (everything before the first section) and the ``Args:`` entries."""
+    summary_lines: list[str] = []
+    args: dict[str, str] = {}
+    section: str | None = None
+    current: str | None = None
+    arg_indent: int | None = None
+    for line in doc.splitlines():
+        stripped = line.strip()
+        lowered = stripped.lower()
+        if lowered in _ARGS_HEADERS:
+            section, current, arg_indent = "args", None, None
+            continue
+        if lowered in _SECTION_HEADERS:
+            section, current = "other", None
+            continue
+        if section is None:
+            summary_lines.append(line)
+        elif section == "args" and stripped:
+            indent = len(line) - len(line.lstrip())
+            match = re.match(r"^(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", stripped)
+            if match and (arg_indent is None or indent <= arg_indent):
+                arg_indent = indent
+                current = match.group(1).lstrip("*")
+                args[current] = match.group(2).strip()
+            elif current is not None:
+                args[current] = f"{args[current]} {stripped}".strip()
+    summary = "\n".join(summary_lines).strip()
+    return summary, args
+
+
+def _strip_titles(schema: Any) -> Any:
+    """A copy of ``schema`` without the ``title`` keywords Pydantic adds."""
+    if isinstance(schema, dict):
+        cleaned: dict[str, Any] = {}
+        for key, value in schema.items():
+            if key == "title" and isinstance(value, str):
+                continue
+            if key in ("properties", "$defs") and isinstance(value, dict):
+                cleaned[key] = {name: _strip_titles(sub) for name, sub in value.items()}
+            else:
+                cleaned[key] = _strip_titles(value)
+        return cleaned
+    if isinstance(schema, list):
+        return [_strip_titles(item) for item in schema]
+    return schema
+
+
+def _nested_fields(schema: dict[str, Any]) -> list[str]:
+    nested: list[str] = []
+    for name, prop in schema.get("properties", {}).items():
+        if _is_object_schema(prop, schema):
+            nested.append(name)
+    return nested
+
+
+def _is_object_schema(prop: Any, root: dict[str, Any]) -> bool:
+    if not isinstance(prop, dict):
+        return False
+    if "$ref" in prop:
+        return True
+    if prop.get("type") == "object":
+        return True
+    if prop.get("type") == "array":
+        return _is_object_schema(prop.get("items"), root)
+    return any(_is_object_schema(option, root) for option in prop.get("anyOf", []))
+
+
+def _nested_advice(built: Tool, nested: list[str]) -> str:
+    """The warning text: which arguments are nested, and the flat signature to use instead."""
+    schema = built.args_model.model_json_schema()
+    defs = schema.get("$defs", {})
+    flat: list[str] = []
+    for name, prop in schema.get("properties", {}).items():
+        if name not in nested:
+            flat.append(f"{name}: {_json_type(prop)}")
+            continue
+        inner = _resolve_object(prop, defs)
+        if inner is None:
+            flat.append(f"{name}_json: str")
+            continue
+        many = prop.get("type") == "array"
+        for inner_name, inner_prop in inner.get("properties", {}).items():
+            inner_type = _json_type(inner_prop)
+            flat.append(f"{name}_{inner_name}: {f'list[{inner_type}]' if many else inner_type}")
+    return (
+        f"tool {built.name!r} takes nested object arguments ({', '.join(nested)}); small models "
+        "often fail to fill nested JSON. Prefer flat arguments, e.g. "
+        f"def {built.name}({', '.join(flat)})"
+    )
+
+
+def _resolve_object(prop: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any] | None:
+    if prop.get("type") == "array":
+        items = prop.get("items")
+        return _resolve_object(items, defs) if isinstance(items, dict) else None
+    if "$ref" in prop:
+        target = defs.get(str(prop["$ref"]).rsplit("/", 1)[-1])
+        return target if isinstance(target, dict) else None
+    for option in prop.get("anyOf", []):
+        if isinstance(option, dict) and option.get("type") != "null":
+            return _resolve_object(option, defs)
+    if prop.get("type") == "object" and "properties" in prop:
+        return prop
+    return None
+
+
+def _json_type(prop: Any) -> str:
+    names = {"string": "str", "integer": "int", "number": "float", "boolean": "bool"}
+    if not isinstance(prop, dict):
+        return "str"
+    if prop.get("type") in names:
+        return names[str(prop["type"])]
+    if prop.get("type") == "array":
+        return f"list[{_json_type(prop.get('items'))}]"
+    if "enum" in prop:
+        return "str"
+    options = [o for o in prop.get("anyOf", []) if isinstance(o, dict) and o.get("type") != "null"]
+    if len(options) == 1:
+        return f"{_json_type(options[0])} | None"
+    return "str"

@@ -1,0 +1,52 @@
+"""Death-spiral indicators per session and per agent, with thresholds."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from keel.guards import SpiralMonitor, SpiralThresholds
+
+
+def test_healthy_traffic_raises_nothing() -> None:
+    monitor = SpiralMonitor()
+    for _ in range(20):
+        assert monitor.record_call(session_id="s", agent="a", prompt_tokens=500, ttft_ms=200) == []
+    snapshot = monitor.snapshot(session_id="s")
+    assert snapshot.healthy and snapshot.calls == 20
+    assert snapshot.avg_prompt_tokens == 500 and snapshot.prompt_growth == 1.0
+    assert snapshot.avg_ttft_ms == 200 and snapshot.retry_rate == 0
+
+
+def test_creeping_prompts_and_retries_warn_once_per_crossing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monitor = SpiralMonitor(SpiralThresholds(window=10))
+    crossed = []
+    with caplog.at_level(logging.WARNING, logger="keel.guards"):
+        for i in range(10):
+            crossed += monitor.record_call(
+                session_id="s1", agent="support", prompt_tokens=1000 + 400 * i, retry=i % 2 == 0
+            )
+    snapshot = monitor.snapshot(session_id="s1")
+    assert snapshot.prompt_growth > 1.5 and snapshot.retry_rate == 0.5
+    assert any("prompt tokens growing" in w for w in snapshot.warnings)
+    assert any("retry rate 50%" in w for w in snapshot.warnings)
+    assert {snap.scope for snap in crossed} == {"session:s1", "agent:support"}
+    assert "death-spiral indicators for session:s1" in caplog.text
+    assert monitor.snapshot(session_id="other").healthy
+    assert not monitor.snapshot(agent="support").healthy
+
+
+def test_state_resets_and_slow_first_tokens() -> None:
+    monitor = SpiralMonitor(SpiralThresholds(max_state_resets=1, max_ttft_ms=1000))
+    monitor.record_call(session_id="s", ttft_ms=5000)
+    monitor.record_state_reset(session_id="s")
+    assert monitor.snapshot(session_id="s").state_resets == 1
+    monitor.record_state_reset(session_id="s")
+    snapshot = monitor.snapshot(session_id="s")
+    assert snapshot.state_resets == 2
+    assert "2 state resets > 1" in snapshot.warnings
+    assert any("time to first token 5000 ms" in w for w in snapshot.warnings)
+    assert monitor.snapshot().calls == 1  # the process-wide scope

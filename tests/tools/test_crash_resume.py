@@ -1,0 +1,40 @@
+"""Exactly-once across a real crash: a process SIGKILLed mid-tool-call, then resumed."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from keel.bench.faults import kill_and_resume
+from keel.stores import SQLiteDatabase, SQLiteToolJournal
+
+
+@pytest.mark.slow
+def test_killed_inside_the_tool_the_call_is_in_doubt_and_nobody_is_booked_twice(
+    tmp_path: Path,
+) -> None:
+    outcome = kill_and_resume(tmp_path, number=0, seed=1)
+    assert outcome.mode == "in_tool" and outcome.error is None
+    # The booking happened before the kill; the resumed run did not book again.
+    assert outcome.bookings == 1 and outcome.doubles == 0
+    assert outcome.status == "tool_in_doubt"
+    db = SQLiteDatabase(tmp_path / "journal.db")
+    doubtful = SQLiteToolJournal(db).in_doubt("kill-1-0")
+    assert [entry.tool for entry in doubtful] == ["book_flight"]
+    db.close()
+
+
+@pytest.mark.slow
+def test_killed_after_the_result_was_journalled_the_result_is_replayed(tmp_path: Path) -> None:
+    outcome = kill_and_resume(tmp_path, number=1, seed=1)
+    assert outcome.mode == "after_result" and outcome.error is None
+    assert outcome.status == "completed"
+    assert outcome.bookings == 1 and outcome.doubles == 0
+    with sqlite3.connect(tmp_path / "bookings.db") as conn:
+        keys = conn.execute("SELECT DISTINCT key FROM bookings").fetchall()
+    db = SQLiteDatabase(tmp_path / "journal.db")
+    entry = SQLiteToolJournal(db).get(keys[0][0])
+    db.close()
+    assert entry is not None and entry.status == "succeeded" and entry.attempts == 1

@@ -1,0 +1,195 @@
+"""The executor: every outcome is a result the model can act on, never a crash."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import pytest
+from pydantic import Field
+
+from keel.errors import (
+    ToolArgumentsError,
+    ToolExecutionError,
+    ToolInDoubtError,
+    UnknownToolError,
+)
+from keel.messages import ToolCall
+from keel.tools import InMemoryJournal, ToolContext, ToolExecutor, ToolRegistry, tool
+
+executions: list[str] = []
+
+
+@tool(side_effect=True, idempotent=False)
+def book_flight(
+    flight: str,
+    passengers: Annotated[int, Field(ge=1)],
+    ctx: ToolContext | None = None,
+) -> str:
+    """Book seats on a flight."""
+    executions.append(ctx.idempotency_key if ctx else "")
+    return f"booked {passengers} on {flight}"
+
+
+@tool(side_effect=True, idempotent=True)
+def hold_seat(seat: str) -> str:
+    """Hold a seat."""
+    executions.append(seat)
+    return f"held {seat}"
+
+
+@tool
+def explode(reason: str) -> str:
+    """Always fails."""
+    raise ValueError(reason)
+
+
+@tool(timeout_s=0.05)
+async def slow(seconds: float) -> str:
+    """Sleeps."""
+    await asyncio.sleep(seconds)
+    return "done"
+
+
+@tool(max_output_chars=20)
+def report(lines: int) -> dict[str, list[str]]:
+    """A big report."""
+    return {"lines": [f"line {i}" for i in range(lines)]}
+
+
+@pytest.fixture(autouse=True)
+def _clear() -> None:
+    executions.clear()
+
+
+def _executor(journal: InMemoryJournal | None = None) -> ToolExecutor:
+    registry = ToolRegistry([book_flight, hold_seat, explode, slow, report])
+    return ToolExecutor(registry, journal=journal)
+
+
+async def _run(executor: ToolExecutor, name: str, arguments: str, step: int = 1):  # type: ignore[no-untyped-def]
+    call = ToolCall(id="call_1", name=name, arguments=arguments)
+    return await executor.execute(call, session_id="s1", step=step, call_index=0)
+
+
+async def test_unknown_tool_names_the_closest_valid_tools() -> None:
+    result = await _run(_executor(), "book_flights", "{}")
+    assert result.status == "unknown_tool" and not result.ok
+    assert "Did you mean: book_flight?" in result.content
+    assert "Available tools: book_flight, hold_seat, explode, slow, report." in result.content
+    assert isinstance(result.exception, UnknownToolError)
+    assert result.exception.suggestions == ["book_flight"]
+
+
+async def test_schema_violations_give_one_line_per_field() -> None:
+    result = await _run(_executor(), "book_flight", '{"flight": 7, "passengers": "two", "x": 1}')
+    assert result.status == "invalid_arguments"
+    assert result.problems == (
+        "Field 'flight': Input should be a valid string",
+        "Field 'passengers': Input should be a valid integer",
+        "Field 'x': Extra inputs are not permitted",
+        "Valid arguments: flight, passengers.",
+    )
+    assert "Field 'passengers': Input should be a valid integer\n" in result.content
+    assert isinstance(result.exception, ToolArgumentsError)
+    assert executions == []
+
+
+async def test_missing_and_constrained_fields() -> None:
+    result = await _run(_executor(), "book_flight", '{"passengers": 0}')
+    assert result.problems == (
+        "Field 'flight': Field required",
+        "Field 'passengers': Input should be greater than or equal to 1",
+    )
+
+
+async def test_repairable_arguments_run_and_record_the_repairs() -> None:
+    result = await _run(
+        _executor(), "book_flight", "```json\n{'flight': 'AF1', 'passengers': '2',}\n```"
+    )
+    assert result.ok and result.content == "booked 2 on AF1"
+    assert result.arguments == {"flight": "AF1", "passengers": 2}
+    assert result.repairs == (
+        "removed a markdown code fence",
+        "read single-quoted (Python-style) arguments",
+        "argument 'passengers': string '2' read as integer 2",
+    )
+
+
+async def test_unrepairable_arguments_are_an_error_for_the_model() -> None:
+    result = await _run(_executor(), "book_flight", '{"flight": "AF1", "passengers": ')
+    assert result.status == "invalid_arguments"
+    assert "cut off" in result.content and executions == []
+
+
+async def test_a_tool_exception_is_a_structured_failure() -> None:
+    result = await _run(_executor(), "explode", '{"reason": "no seats left"}')
+    assert result.status == "failed" and result.executed
+    assert result.content == "Error: tool 'explode' failed: ValueError: no seats left"
+    assert isinstance(result.exception, ToolExecutionError)
+    assert isinstance(result.exception.__cause__, ValueError)
+
+
+async def test_per_tool_timeout() -> None:
+    result = await _run(_executor(), "slow", '{"seconds": 5}')
+    assert result.status == "timeout"
+    assert "did not finish within 0.05 s" in result.content
+    assert result.latency_ms < 2000
+
+
+async def test_output_cap_truncates_for_the_model_and_keeps_the_whole() -> None:
+    result = await _run(_executor(), "report", '{"lines": 50}')
+    assert result.ok and result.truncated
+    assert result.content.startswith(result.output_text[:20])
+    assert "[output truncated:" in result.content
+    assert len(result.output_text) > 300 and result.output == {
+        "lines": [f"line {i}" for i in range(50)]
+    }
+
+
+async def test_a_recorded_result_is_returned_without_running_again() -> None:
+    journal = InMemoryJournal()
+    executor = _executor(journal)
+    first = await _run(executor, "book_flight", '{"flight": "AF1", "passengers": 1}')
+    again = await _run(_executor(journal), "book_flight", '{"flight": "AF1", "passengers": 1}')
+    assert first.ok and not first.replayed and first.idempotency_key
+    assert again.ok and again.replayed and not again.executed
+    assert again.content == first.content
+    assert len(executions) == 1
+    entry = journal.get(first.idempotency_key)
+    assert entry is not None and entry.status == "succeeded" and entry.attempts == 1
+
+
+async def test_in_doubt_follows_the_declared_policy() -> None:
+    journal = InMemoryJournal()
+    executor = _executor(journal)
+    from keel.tools import idempotency_key
+
+    for step, tool_name in ((1, "book_flight"), (2, "hold_seat")):
+        journal.claim(
+            key=idempotency_key("s1", step, 0),
+            session_id="s1",
+            step=step,
+            call_index=0,
+            tool=tool_name,
+            arguments="{}",
+        )
+    doubt = await _run(executor, "book_flight", '{"flight": "AF1", "passengers": 1}', step=1)
+    assert doubt.status == "in_doubt" and not doubt.executed
+    assert isinstance(doubt.exception, ToolInDoubtError)
+    assert doubt.exception.idempotency_key == idempotency_key("s1", 1, 0)
+    assert "Do not call it again" in doubt.content
+    rerun = await _run(executor, "hold_seat", '{"seat": "12A"}', step=2)
+    assert rerun.ok and rerun.executed and rerun.attempt == 2
+    assert executions == ["12A"]
+    assert [entry.tool for entry in journal.in_doubt("s1")] == ["book_flight"]
+    journal.resolve(idempotency_key("s1", 1, 0), ok=True, content="booked (checked by hand)")
+    resolved = await _run(executor, "book_flight", '{"flight": "AF1", "passengers": 1}', step=1)
+    assert resolved.replayed and resolved.content == "booked (checked by hand)"
+    assert journal.in_doubt() == []
+
+
+async def test_side_effect_free_tools_are_not_journalled() -> None:
+    journal = InMemoryJournal()
+    result = await _run(_executor(journal), "explode", '{"reason": "x"}')
+    assert result.idempotency_key is None and journal.entries() == []

@@ -1,0 +1,118 @@
+"""The journal contract, run against every backend: in memory, SQLite, PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from keel.errors import SchemaVersionError
+from keel.messages import Message, ToolCall
+from keel.stores import PostgresToolJournal, SQLiteDatabase, SQLiteToolJournal
+from keel.tools import InMemoryJournal, ToolJournal, idempotency_key
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+def journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ToolJournal]:
+    if request.param == "memory":
+        yield InMemoryJournal()
+    elif request.param == "sqlite":
+        db = SQLiteDatabase(tmp_path / "keel.db")
+        yield SQLiteToolJournal(db)
+        db.close()
+    else:
+        url = request.getfixturevalue("postgres_url")
+        with PostgresToolJournal(url) as backend:
+            yield backend
+
+
+def _claim(journal: ToolJournal, step: int = 1, call_index: int = 0, tool: str = "book"):  # type: ignore[no-untyped-def]
+    return journal.claim(
+        key=idempotency_key("s1", step, call_index),
+        session_id="s1",
+        step=step,
+        call_index=call_index,
+        tool=tool,
+        arguments='{"flight": "AF1"}',
+    )
+
+
+def test_keys_are_stable_and_distinct() -> None:
+    assert idempotency_key("s", 1, 0) == idempotency_key("s", 1, 0)
+    keys = {idempotency_key("s", 1, 0), idempotency_key("s", 1, 1), idempotency_key("s", 2, 0)}
+    assert len(keys) == 3 and all(key.startswith("keel-") for key in keys)
+
+
+def test_the_first_claim_wins(journal: ToolJournal) -> None:
+    first = _claim(journal)
+    second = _claim(journal)
+    assert first.created and not second.created
+    assert second.entry.key == first.entry.key and second.entry.in_doubt
+    assert first.entry.tool == "book" and first.entry.arguments == '{"flight": "AF1"}'
+
+
+def test_results_restarts_and_in_doubt_listing(journal: ToolJournal) -> None:
+    done = _claim(journal, step=1).entry.key
+    doubtful = _claim(journal, step=2).entry.key
+    failed = _claim(journal, step=3).entry.key
+    entry = journal.finish(done, ok=True, content="booked", output="booked, ref 7")
+    assert entry.status == "succeeded" and entry.ok and entry.finished_at is not None
+    assert journal.finish(failed, ok=False, content="no", output="no").status == "failed"
+    assert journal.restart(doubtful).attempts == 2
+    assert [e.key for e in journal.in_doubt()] == [doubtful]
+    assert [e.key for e in journal.entries("s1")] == [done, doubtful, failed]
+    assert journal.entries("other") == []
+    got = journal.get(done)
+    assert got is not None and got.output == "booked, ref 7" and got.content == "booked"
+    assert journal.get("missing") is None
+    resolved = journal.resolve(doubtful, ok=False, content="not booked (checked by hand)")
+    assert resolved.status == "failed" and journal.in_doubt() == []
+
+
+def test_decisions_first_write_wins(journal: ToolJournal) -> None:
+    first = Message.assistant(
+        "", tool_calls=[ToolCall(id="c1", name="book", arguments='{"flight": "AF1"}')]
+    )
+    second = Message.assistant("", tool_calls=[ToolCall(id="c9", name="book", arguments="{}")])
+    assert journal.decision("s1", 4) is None
+    assert journal.record_decision("s1", 4, first) == first
+    assert journal.record_decision("s1", 4, second) == first
+    assert journal.decision("s1", 4) == first
+    assert journal.decision("s1", 5) is None
+
+
+def test_concurrent_claims_have_one_winner(journal: ToolJournal) -> None:
+    winners: list[bool] = []
+    barrier = threading.Barrier(4)
+
+    def claim() -> None:
+        barrier.wait()
+        winners.append(_claim(journal, step=9).created)
+
+    threads = [threading.Thread(target=claim) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(winners) == [False, False, False, True]
+
+
+def test_sqlite_journal_is_a_versioned_component(tmp_path: Path) -> None:
+    db = SQLiteDatabase(tmp_path / "keel.db")
+    SQLiteToolJournal(db)
+    assert db.schema_versions()["journal"] == 1
+    SQLiteToolJournal(db)  # idempotent
+    with db.transaction() as conn:
+        conn.execute("UPDATE keel_schema SET version = 99 WHERE component = 'journal'")
+    with pytest.raises(SchemaVersionError):
+        SQLiteToolJournal(db)
+    db.close()
+
+
+def test_postgres_journal_refuses_a_newer_schema(postgres_url: str) -> None:
+    with PostgresToolJournal(postgres_url) as journal, journal._transaction() as conn:
+        conn.execute("UPDATE keel_schema SET version = 99 WHERE component = 'journal'")
+    with pytest.raises(SchemaVersionError):
+        PostgresToolJournal(postgres_url)
