@@ -1,0 +1,372 @@
+"""``keel runs``: list, inspect and judge stored run traces."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from keel.cli._app import app, bench_app, emit_json, out_console
+from keel.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.tree import Tree
+
+    from keel.tracing import Run, RunDetail, SessionStats, Step, StepNode, TraceStore
+
+runs_app = typer.Typer(
+    help="Run traces: list runs, show one as a tree of steps, death-spiral indicators.",
+    no_args_is_help=True,
+)
+app.add_typer(runs_app, name="runs")
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+SinceOption = Annotated[
+    str | None,
+    typer.Option("--since", help="Only runs started since: an ISO time or an age (1h, 2d)."),
+]
+
+
+def _store() -> TraceStore:
+    from keel.settings import load_settings
+    from keel.tracing import open_trace_store
+
+    return open_trace_store(load_settings())
+
+
+def _console() -> Console:
+    """The terminal console; piped output gets a wide one so rows and tree lines stay whole."""
+    from rich.console import Console
+
+    if out_console.is_terminal:
+        return out_console
+    return Console(highlight=False, width=200)
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 10_000:
+        return f"{value / 1000:.1f} s"
+    if value < 10:
+        return f"{value:.1f} ms"
+    return f"{value:.0f} ms"
+
+
+def _when(run: Run) -> str:
+    return run.started_at.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _clip(text: str, limit: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+_STATUS_STYLE = {
+    "running": "cyan",
+    "succeeded": "green",
+    "failed": "red",
+    "limited": "yellow",
+    "escalated": "magenta",
+}
+
+
+@runs_app.command("list")
+def list_command(
+    session: Annotated[str | None, typer.Option("--session", help="Only this session.")] = None,
+    min_steps: Annotated[
+        int | None, typer.Option("--min-steps", min=0, help="Only runs with at least N steps.")
+    ] = None,
+    status: Annotated[
+        str | None,
+        typer.Option(
+            "--status",
+            help="Only runs with this status: running, succeeded, failed, limited, escalated.",
+        ),
+    ] = None,
+    tool_error: Annotated[
+        bool, typer.Option("--tool-error", help="Only runs where a tool call failed.")
+    ] = False,
+    since: SinceOption = None,
+    user: Annotated[str | None, typer.Option("--user", help="Only this user.")] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="At most N runs.")] = 50,
+    as_json: JsonOption = False,
+) -> None:
+    """List runs, newest first."""
+    from pydantic import ValidationError
+    from rich.table import Table
+
+    from keel.tracing import RUN_STATUSES, RunQuery, parse_since
+
+    if status is not None and status not in RUN_STATUSES:
+        raise UsageError(f"unknown status {status!r}; use one of {', '.join(RUN_STATUSES)}")
+    try:
+        query = RunQuery.model_validate(
+            {
+                "session_id": session,
+                "user_id": user,
+                "tenant_id": tenant,
+                "status": status,
+                "min_steps": min_steps,
+                "tool_error": True if tool_error else None,
+                "since": parse_since(since) if since else None,
+                "limit": limit,
+            }
+        )
+    except ValidationError as exc:
+        raise UsageError(f"invalid filter: {exc.errors()[0]['msg']}") from exc
+    with _store() as store:
+        runs = store.list_runs(query)
+    if as_json:
+        emit_json(
+            {
+                "count": len(runs),
+                "filters": query.model_dump(mode="json", exclude_none=True),
+                "runs": [run.model_dump(mode="json") for run in runs],
+            }
+        )
+        return
+    if not runs:
+        _console().print("no runs match")
+        return
+    table = Table(box=None, header_style="bold")
+    table.add_column("run", no_wrap=True)
+    table.add_column("session")
+    table.add_column("agent")
+    table.add_column("status", no_wrap=True)
+    table.add_column("started (UTC)", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("steps", justify="right")
+    table.add_column("tokens in/out", justify="right")
+    table.add_column("tool errors", justify="right")
+    for run in runs:
+        style = _STATUS_STYLE.get(run.status, "")
+        table.add_row(
+            run.run_id[:12],
+            run.session_id,
+            run.agent,
+            f"[{style}]{run.status}[/]",
+            _when(run),
+            _ms(run.duration_ms),
+            str(run.step_count),
+            f"{run.prompt_tokens}/{run.completion_tokens}",
+            str(run.tool_errors) if run.tool_errors else "",
+        )
+    _console().print(table)
+    _console().print(f"{len(runs)} run(s); `keel runs show RUN` for details")
+
+
+def _label(step: Step, width: int) -> str:
+    from rich.markup import escape
+
+    kind_style = {"model": "cyan", "tool": "magenta", "guard": "yellow", "reset": "red"}
+    parts = [f"[{kind_style.get(step.kind, 'blue')}]{step.kind}[/] [bold]{escape(step.name)}[/]"]
+    parts.append(_ms(step.latency_ms))
+    if step.ttft_ms is not None:
+        parts.append(f"ttft {_ms(step.ttft_ms)}")
+    if step.prompt_tokens or step.completion_tokens:
+        parts.append(f"{step.prompt_tokens}→{step.completion_tokens} tok")
+    if step.attempt > 1:
+        parts.append(f"[yellow]attempt {step.attempt}[/]")
+    if step.state_version is not None:
+        parts.append(f"state v{step.state_version}")
+    if step.finish_reason:
+        parts.append(f"finish {escape(step.finish_reason)}")
+    line = " · ".join(parts)
+    if step.error_type:
+        message = escape(_clip(step.error_message or "", width))
+        line += f"\n[red]✗ {escape(step.error_type)}[/]: {message}"
+    if step.tool_arguments is not None:
+        line += f"\n[dim]args[/] {escape(_clip(step.tool_arguments, width))}"
+    if step.tool_result is not None:
+        size = len(step.tool_result)
+        line += f"\n[dim]result ({size} chars)[/] {escape(_clip(step.tool_result, width))}"
+    if step.raw_output:
+        line += f"\n[dim]output[/] {escape(_clip(step.raw_output, width))}"
+    return line
+
+
+def _add(tree: Tree, nodes: list[StepNode], width: int) -> None:
+    for node in nodes:
+        branch = tree.add(_label(node.step, width))
+        _add(branch, node.children, width)
+
+
+def _tree_json(nodes: list[StepNode]) -> list[dict[str, Any]]:
+    return [{"step_id": node.step.step_id, "children": _tree_json(node.children)} for node in nodes]
+
+
+def _render(detail: RunDetail, width: int) -> Tree:
+    from rich.markup import escape
+    from rich.tree import Tree
+
+    run = detail.run
+    style = _STATUS_STYLE.get(run.status, "")
+    header = (
+        f"[bold]run {run.run_id}[/] · [{style}]{run.status}[/] · session {escape(run.session_id)}"
+        f" · agent {escape(run.agent)}"
+    )
+    if run.user_id:
+        header += f" · user {escape(run.user_id)}"
+    header += (
+        f"\n{_when(run)} UTC · {_ms(run.duration_ms)} · {run.step_count} steps · "
+        f"{run.prompt_tokens}→{run.completion_tokens} tok · {run.model_calls} model calls · "
+        f"{run.tool_calls} tool calls ({run.tool_errors} failed)"
+    )
+    if run.input:
+        header += f"\n[dim]input[/] {escape(_clip(run.input, width))}"
+    if run.output:
+        header += f"\n[dim]output[/] {escape(_clip(run.output, width))}"
+    if run.error_type:
+        header += f"\n[red]✗ {escape(run.error_type)}[/]: {escape(run.error_message or '')}"
+    tree = Tree(header)
+    _add(tree, detail.tree(), width)
+    return tree
+
+
+@runs_app.command("show")
+def show_command(
+    run: Annotated[str, typer.Argument(help="Run id, or a unique prefix of it.")],
+    full: Annotated[
+        bool, typer.Option("--full", help="Do not shorten outputs, arguments and results.")
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Show one run as a tree of its steps, with tokens and timings."""
+    with _store() as store:
+        run_id = store.resolve_run_id(run)
+        detail = store.get_run_detail(run_id) if run_id else None
+    if detail is None:
+        raise UsageError(f"no run {run!r}; `keel runs list` shows the stored runs")
+    if as_json:
+        payload = detail.model_dump(mode="json")
+        payload["tree"] = _tree_json(detail.tree())
+        emit_json(payload)
+        return
+    _console().print(_render(detail, 1_000_000 if full else 120))
+
+
+def _stats_table(stats: list[SessionStats]) -> Any:
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    table.add_column("session")
+    for column in ("runs", "calls", "retry rate", "avg prompt", "trend", "resets"):
+        table.add_column(column, justify="right")
+    for column in ("ttft p50", "ttft p95", "loops"):
+        table.add_column(column, justify="right")
+    for item in stats:
+        trend = f"x{item.prompt_growth:.2f} {item.prompt_tokens_slope:+.0f}/call"
+        table.add_row(
+            item.session_id,
+            str(item.runs),
+            str(item.model_calls + item.tool_calls),
+            f"{item.retry_rate:.0%}",
+            f"{item.avg_prompt_tokens:.0f}",
+            f"[yellow]{trend} ↑[/]" if item.prompt_creeping else trend,
+            str(item.state_resets),
+            _ms(item.ttft_p50_ms),
+            _ms(item.ttft_p95_ms),
+            str(item.loops_caught),
+        )
+    return table
+
+
+@runs_app.command("stats")
+def stats_command(
+    session: Annotated[str | None, typer.Option("--session", help="Only this session.")] = None,
+    since: SinceOption = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
+    max_retry_rate: Annotated[
+        float, typer.Option("--max-retry-rate", min=0, help="Warn above this retry rate.")
+    ] = 0.2,
+    max_prompt_growth: Annotated[
+        float,
+        typer.Option(
+            "--max-prompt-growth", min=0, help="Warn when prompts grow more than this factor."
+        ),
+    ] = 1.5,
+    max_ttft_p95_ms: Annotated[
+        float, typer.Option("--max-ttft-p95-ms", min=0, help="Warn above this p95 TTFT.")
+    ] = 5000.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Death-spiral indicators per session: retries, prompt growth, resets, TTFT, loops."""
+    from rich.markup import escape
+
+    from keel.tracing import StatsThresholds, parse_since
+
+    thresholds = StatsThresholds(
+        max_retry_rate=max_retry_rate,
+        max_prompt_growth=max_prompt_growth or 1e-9,
+        max_ttft_p95_ms=max_ttft_p95_ms or 1e-9,
+    )
+    with _store() as store:
+        stats = store.session_stats(
+            session_id=session,
+            since=parse_since(since) if since else None,
+            tenant_id=tenant,
+            thresholds=thresholds,
+        )
+    warnings = sum(len(item.warnings) for item in stats)
+    if as_json:
+        emit_json(
+            {
+                "sessions": [item.model_dump(mode="json") for item in stats],
+                "thresholds": thresholds.model_dump(mode="json"),
+                "warnings": warnings,
+            }
+        )
+        return
+    if not stats:
+        _console().print("no traced steps match")
+        return
+    _console().print(_stats_table(stats))
+    for item in stats:
+        for warning in item.warnings:
+            _console().print(f"[yellow]warning[/] {escape(item.session_id)}: {escape(warning)}")
+    if not warnings:
+        _console().print("[green]no indicator over its threshold[/]")
+
+
+@runs_app.command("prune")
+def prune_command(
+    older_than: Annotated[
+        str,
+        typer.Option(
+            "--older-than", help="Delete runs started before this: an age (30d) or ISO time."
+        ),
+    ],
+    as_json: JsonOption = False,
+) -> None:
+    """Delete old runs and their steps (trace retention)."""
+    from keel.tracing import parse_since
+
+    cutoff = parse_since(older_than)
+    with _store() as store:
+        deleted = store.delete_runs(before=cutoff)
+    if as_json:
+        emit_json({"deleted_runs": deleted, "before": cutoff.isoformat()})
+        return
+    _console().print(f"deleted {deleted} run(s) started before {cutoff:%Y-%m-%d %H:%M:%S} UTC")
+
+
+@bench_app.command("traces")
+def bench_traces_command(
+    runs: Annotated[int, typer.Option("--runs", min=1, help="Runs to write.")] = 200,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps per run.")] = 20,
+    sessions: Annotated[int, typer.Option("--sessions", min=1, help="Sessions.")] = 10,
+    as_json: JsonOption = False,
+) -> None:
+    """What tracing costs per step on the embedded SQLite file, and query times."""
+    from keel.bench.traces import run_trace_bench
+
+    figures = run_trace_bench(runs=runs, steps=steps, sessions=sessions)
+    if as_json:
+        emit_json(figures)
+        return
+    console = _console()
+    for key, value in figures.items():
+        console.print(f"{key:>22}  {value}")

@@ -1,0 +1,431 @@
+"""Run traces in PostgreSQL (psycopg 3 with a connection pool), component ``traces``.
+
+The same two tables as the SQLite backend, with native types: ``timestamptz`` times and
+``jsonb`` JSON. The schema version is kept in ``keel_schema`` (component, version, applied_at),
+the same bookkeeping the embedded database uses; ``setup()`` takes a transaction-level advisory
+lock so concurrent workers migrate once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool
+
+from keel.errors import BackendUnavailableError, SchemaVersionError, StoreError
+from keel.stores._migrations import Migration, MigrationSet
+from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepMetric
+from keel.tracing._store import TraceStore
+
+__all__ = ["POSTGRES_TRACE_MIGRATIONS", "PostgresTraceStore"]
+
+POSTGRES_TRACE_MIGRATIONS = MigrationSet(
+    "traces",
+    (
+        Migration(
+            "runs and steps",
+            """
+            CREATE TABLE IF NOT EXISTS trace_runs (
+                run_id TEXT PRIMARY KEY,
+                session_id TEXT NOT NULL,
+                user_id TEXT,
+                tenant_id TEXT,
+                agent TEXT NOT NULL,
+                status TEXT NOT NULL,
+                started_at TIMESTAMPTZ NOT NULL,
+                ended_at TIMESTAMPTZ,
+                input TEXT,
+                output TEXT,
+                error_type TEXT,
+                error_message TEXT,
+                step_count INTEGER NOT NULL DEFAULT 0,
+                model_calls INTEGER NOT NULL DEFAULT 0,
+                tool_calls INTEGER NOT NULL DEFAULT 0,
+                tool_errors INTEGER NOT NULL DEFAULT 0,
+                prompt_tokens BIGINT NOT NULL DEFAULT 0,
+                completion_tokens BIGINT NOT NULL DEFAULT 0,
+                attributes JSONB NOT NULL DEFAULT '{}'
+            );
+            CREATE INDEX IF NOT EXISTS trace_runs_started ON trace_runs (started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_session ON trace_runs (session_id, started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_status ON trace_runs (status, started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_steps ON trace_runs (step_count);
+            CREATE INDEX IF NOT EXISTS trace_runs_tenant ON trace_runs (tenant_id, started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_tool_errors
+                ON trace_runs (started_at) WHERE tool_errors > 0;
+            CREATE TABLE IF NOT EXISTS trace_steps (
+                run_id TEXT NOT NULL REFERENCES trace_runs (run_id) ON DELETE CASCADE,
+                step_id TEXT NOT NULL,
+                parent_id TEXT,
+                seq INTEGER NOT NULL,
+                kind TEXT NOT NULL,
+                name TEXT NOT NULL,
+                started_at TIMESTAMPTZ NOT NULL,
+                ended_at TIMESTAMPTZ,
+                latency_ms DOUBLE PRECISION,
+                ttft_ms DOUBLE PRECISION,
+                attempt INTEGER NOT NULL DEFAULT 1,
+                prompt_tokens INTEGER NOT NULL DEFAULT 0,
+                completion_tokens INTEGER NOT NULL DEFAULT 0,
+                model TEXT,
+                finish_reason TEXT,
+                budget JSONB,
+                state_version BIGINT,
+                raw_output TEXT,
+                parsed_action JSONB,
+                tool_name TEXT,
+                tool_call_id TEXT,
+                tool_arguments TEXT,
+                tool_result TEXT,
+                error_type TEXT,
+                error_message TEXT,
+                attributes JSONB NOT NULL DEFAULT '{}',
+                PRIMARY KEY (run_id, step_id)
+            );
+            CREATE INDEX IF NOT EXISTS trace_steps_order ON trace_steps (run_id, seq);
+            """,
+        ),
+    ),
+)
+
+_RUN_FIELDS = (
+    "run_id",
+    "session_id",
+    "user_id",
+    "tenant_id",
+    "agent",
+    "status",
+    "started_at",
+    "ended_at",
+    "input",
+    "output",
+    "error_type",
+    "error_message",
+    "step_count",
+    "model_calls",
+    "tool_calls",
+    "tool_errors",
+    "prompt_tokens",
+    "completion_tokens",
+    "attributes",
+)
+_STEP_FIELDS = tuple(Step.model_fields)
+_STEP_JSON = frozenset({"budget", "parsed_action", "attributes"})
+# A JSON null and SQL NULL differ in jsonb; parsed_action keeps None as SQL NULL.
+_INSERT_STEP = (
+    f"INSERT INTO trace_steps ({', '.join(_STEP_FIELDS)}) "
+    f"VALUES ({', '.join('%s' for _ in _STEP_FIELDS)}) "
+    "ON CONFLICT (run_id, step_id) DO UPDATE SET "
+    + ", ".join(f"{name} = excluded.{name}" for name in _STEP_FIELDS[2:])
+)
+_ADVISORY_KEY = 0x6B65656C  # "keel"
+
+
+def _contribution(kind: str, failed: bool, prompt: int, completion: int) -> tuple[int, ...]:
+    return (
+        1,
+        int(kind == "model"),
+        int(kind == "tool"),
+        int(kind == "tool" and failed),
+        prompt,
+        completion,
+    )
+
+
+def _step_values(step: Step) -> tuple[Any, ...]:
+    values: list[Any] = []
+    for name in _STEP_FIELDS:
+        value = getattr(step, name)
+        values.append(Jsonb(value) if name in _STEP_JSON and value is not None else value)
+    return tuple(values)
+
+
+def _translate(exc: psycopg.Error, url: str) -> StoreError:
+    where = url.split("@")[-1]
+    if isinstance(exc, psycopg.OperationalError):
+        return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}")
+    return StoreError(f"PostgreSQL at {where}: {exc}")
+
+
+class PostgresTraceStore(TraceStore):
+    """Traces in PostgreSQL, for keel processes that share one database.
+
+    Args:
+        url: a ``postgresql://`` connection URL.
+        min_size: connections the pool keeps open.
+        max_size: most connections the pool opens.
+        connect_timeout: seconds to wait for the first connection (and for a free one).
+    """
+
+    def __init__(
+        self, url: str, *, min_size: int = 1, max_size: int = 4, connect_timeout: float = 10.0
+    ) -> None:
+        self.url = url
+        self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
+            url, min_size=min_size, max_size=max_size, open=False, timeout=connect_timeout
+        )
+        try:
+            self._pool.open(wait=True, timeout=connect_timeout)
+        except Exception as exc:  # psycopg errors, or the pool's own PoolTimeout
+            self._pool.close()
+            raise BackendUnavailableError(
+                f"PostgreSQL at {url.split('@')[-1]} is unavailable: {exc}"
+            ) from exc
+        self._ready = False
+
+    @contextmanager
+    def _tx(self) -> Iterator[psycopg.Connection[tuple[Any, ...]]]:
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                yield conn
+        except psycopg.Error as exc:
+            raise _translate(exc, self.url) from exc
+
+    def setup(self) -> None:
+        """Create or migrate the ``traces`` tables; idempotent and safe to run concurrently."""
+        migrations = POSTGRES_TRACE_MIGRATIONS
+        with self._tx() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ADVISORY_KEY,))
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS keel_schema (component TEXT PRIMARY KEY, "
+                "version INTEGER NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+            )
+            row = conn.execute(
+                "SELECT version FROM keel_schema WHERE component = %s", (migrations.component,)
+            ).fetchone()
+            applied = int(row[0]) if row else 0
+            if applied > migrations.version:
+                raise SchemaVersionError(
+                    f"PostgreSQL traces schema version {applied} is newer than this keel "
+                    f"knows ({migrations.version}); upgrade keel"
+                )
+            for migration in migrations.migrations[applied:]:
+                if isinstance(migration.apply, str):
+                    conn.execute(migration.apply.encode())
+                else:
+                    migration.apply(conn)
+            if applied < migrations.version:
+                conn.execute(
+                    "INSERT INTO keel_schema (component, version, applied_at) "
+                    "VALUES (%s, %s, extract(epoch from now())) ON CONFLICT (component) "
+                    "DO UPDATE SET version = excluded.version, applied_at = excluded.applied_at",
+                    (migrations.component, migrations.version),
+                )
+        self._ready = True
+
+    def _ensure(self) -> None:
+        if not self._ready:
+            self.setup()
+
+    def start_run(self, run: Run) -> None:
+        """Insert the run (or replace its header, keeping steps and totals)."""
+        self._ensure()
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT INTO trace_runs (run_id, session_id, user_id, tenant_id, agent, status, "
+                "started_at, ended_at, input, output, error_type, error_message, attributes) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (run_id) DO UPDATE SET session_id = excluded.session_id, "
+                "user_id = excluded.user_id, tenant_id = excluded.tenant_id, "
+                "agent = excluded.agent, status = excluded.status, "
+                "started_at = excluded.started_at, ended_at = excluded.ended_at, "
+                "input = excluded.input, output = excluded.output, "
+                "error_type = excluded.error_type, error_message = excluded.error_message, "
+                "attributes = excluded.attributes",
+                (
+                    run.run_id,
+                    run.session_id,
+                    run.user_id,
+                    run.tenant_id,
+                    run.agent,
+                    run.status,
+                    run.started_at,
+                    run.ended_at,
+                    run.input,
+                    run.output,
+                    run.error_type,
+                    run.error_message,
+                    Jsonb(run.attributes),
+                ),
+            )
+
+    def write_step(self, step: Step) -> None:
+        """Insert or replace the step and adjust its run's totals by the difference."""
+        self._ensure()
+        new = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
+        with self._tx() as conn:
+            # Locks the run row: concurrent writers of one run's steps serialise here.
+            exists = conn.execute(
+                "SELECT 1 FROM trace_runs WHERE run_id = %s FOR UPDATE", (step.run_id,)
+            ).fetchone()
+            if exists is None:
+                raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
+            old_row = conn.execute(
+                "SELECT kind, error_type, prompt_tokens, completion_tokens FROM trace_steps "
+                "WHERE run_id = %s AND step_id = %s",
+                (step.run_id, step.step_id),
+            ).fetchone()
+            delta = list(new)
+            if old_row is not None:
+                old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
+                delta = [a - b for a, b in zip(new, old, strict=True)]
+            conn.execute(_INSERT_STEP, _step_values(step))
+            conn.execute(
+                "UPDATE trace_runs SET step_count = step_count + %s, "
+                "model_calls = model_calls + %s, tool_calls = tool_calls + %s, "
+                "tool_errors = tool_errors + %s, prompt_tokens = prompt_tokens + %s, "
+                "completion_tokens = completion_tokens + %s WHERE run_id = %s",
+                (*delta, step.run_id),
+            )
+
+    def end_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus,
+        ended_at: datetime,
+        output: str | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        """Set the run's final status, end time, output and error."""
+        self._ensure()
+        with self._tx() as conn:
+            updated = conn.execute(
+                "UPDATE trace_runs SET status = %s, ended_at = %s, output = %s, "
+                "error_type = %s, error_message = %s WHERE run_id = %s",
+                (status, ended_at, output, error_type, error_message, run_id),
+            ).rowcount
+        if updated == 0:
+            raise StoreError(f"cannot end run {run_id!r}: no such run")
+
+    def get_run(self, run_id: str) -> Run | None:
+        """The run with this id, or None."""
+        self._ensure()
+        with self._tx() as conn:
+            row = conn.execute(
+                f"SELECT {', '.join(_RUN_FIELDS)} FROM trace_runs WHERE run_id = %s", (run_id,)
+            ).fetchone()
+        return None if row is None else Run.model_validate(dict(zip(_RUN_FIELDS, row, strict=True)))
+
+    def get_steps(self, run_id: str) -> list[Step]:
+        """The run's steps in start order."""
+        self._ensure()
+        with self._tx() as conn:
+            rows = conn.execute(
+                f"SELECT {', '.join(_STEP_FIELDS)} FROM trace_steps WHERE run_id = %s "
+                "ORDER BY seq, started_at",
+                (run_id,),
+            ).fetchall()
+        return [Step.model_validate(dict(zip(_STEP_FIELDS, row, strict=True))) for row in rows]
+
+    def list_runs(self, query: RunQuery | None = None) -> list[Run]:
+        """Runs matching ``query``, newest first."""
+        self._ensure()
+        query = query or RunQuery()
+        where: list[str] = []
+        params: list[Any] = []
+        for column in ("session_id", "user_id", "tenant_id", "agent", "status"):
+            value = getattr(query, column)
+            if value is not None:
+                where.append(f"{column} = %s")
+                params.append(value)
+        if query.min_steps is not None:
+            where.append("step_count >= %s")
+            params.append(query.min_steps)
+        if query.tool_error is True:
+            where.append("tool_errors > 0")
+        elif query.tool_error is False:
+            where.append("tool_errors = 0")
+        if query.since is not None:
+            where.append("started_at >= %s")
+            params.append(query.since)
+        if query.until is not None:
+            where.append("started_at < %s")
+            params.append(query.until)
+        sql = f"SELECT {', '.join(_RUN_FIELDS)} FROM trace_runs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY started_at DESC, run_id DESC LIMIT %s"
+        params.append(query.limit)
+        with self._tx() as conn:
+            rows = conn.execute(sql.encode(), params).fetchall()
+        return [Run.model_validate(dict(zip(_RUN_FIELDS, row, strict=True))) for row in rows]
+
+    def step_metrics(
+        self,
+        *,
+        session_id: str | None = None,
+        since: datetime | None = None,
+        tenant_id: str | None = None,
+    ) -> list[StepMetric]:
+        """Indicator columns of matching steps, oldest first."""
+        self._ensure()
+        where: list[str] = []
+        params: list[Any] = []
+        if session_id is not None:
+            where.append("r.session_id = %s")
+            params.append(session_id)
+        if tenant_id is not None:
+            where.append("r.tenant_id = %s")
+            params.append(tenant_id)
+        if since is not None:
+            where.append("r.started_at >= %s")
+            params.append(since)
+        sql = (
+            "SELECT r.session_id, s.run_id, s.kind, s.name, s.started_at, s.attempt, "
+            "s.prompt_tokens, s.ttft_ms, s.error_type IS NOT NULL "
+            "FROM trace_runs r JOIN trace_steps s ON s.run_id = r.run_id"
+        )
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY s.started_at, s.run_id, s.seq"
+        with self._tx() as conn:
+            rows = conn.execute(sql.encode(), params).fetchall()
+        return [
+            StepMetric(
+                session_id=row[0],
+                run_id=row[1],
+                kind=row[2],
+                name=row[3],
+                started_at=row[4],
+                attempt=row[5],
+                prompt_tokens=row[6],
+                ttft_ms=row[7],
+                failed=bool(row[8]),
+            )
+            for row in rows
+        ]
+
+    def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Up to ``limit`` run ids that start with ``prefix``."""
+        self._ensure()
+        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        with self._tx() as conn:
+            rows = conn.execute(
+                "SELECT run_id FROM trace_runs WHERE run_id LIKE %s ESCAPE '\\' "
+                "ORDER BY run_id LIMIT %s",
+                (pattern, limit),
+            ).fetchall()
+        return [str(row[0]) for row in rows]
+
+    def delete_runs(self, *, before: datetime) -> int:
+        """Delete runs started before ``before`` with their steps; returns how many runs."""
+        self._ensure()
+        with self._tx() as conn:
+            deleted = conn.execute(
+                "DELETE FROM trace_runs WHERE started_at < %s", (before,)
+            ).rowcount
+        return int(deleted)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._pool.close()
+
+    def __repr__(self) -> str:
+        return f"PostgresTraceStore({self.url.split('@')[-1]!r})"

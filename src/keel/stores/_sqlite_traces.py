@@ -1,0 +1,486 @@
+"""Run traces in the embedded SQLite database (component ``traces``).
+
+Two tables share the file with every other embedded store: ``trace_runs`` (one row per run,
+with running totals so listing and filtering never scans steps) and ``trace_steps`` (one row per
+step, keyed by run and step id, ordered by ``seq``). Timestamps are exact integer Unix
+microseconds; JSON fields are TEXT. Indexes serve each ``keel runs list`` filter.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from keel.errors import StoreError
+from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
+from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepMetric
+from keel.tracing._store import TraceStore
+
+__all__ = ["TRACE_MIGRATIONS", "SQLiteTraceStore"]
+
+TRACE_MIGRATIONS = MigrationSet(
+    "traces",
+    (
+        Migration(
+            "runs and steps",
+            """
+            CREATE TABLE IF NOT EXISTS trace_runs (
+                run_id TEXT PRIMARY KEY,
+                session_id TEXT NOT NULL,
+                user_id TEXT,
+                tenant_id TEXT,
+                agent TEXT NOT NULL,
+                status TEXT NOT NULL,
+                started_at INTEGER NOT NULL,
+                ended_at INTEGER,
+                input TEXT,
+                output TEXT,
+                error_type TEXT,
+                error_message TEXT,
+                step_count INTEGER NOT NULL DEFAULT 0,
+                model_calls INTEGER NOT NULL DEFAULT 0,
+                tool_calls INTEGER NOT NULL DEFAULT 0,
+                tool_errors INTEGER NOT NULL DEFAULT 0,
+                prompt_tokens INTEGER NOT NULL DEFAULT 0,
+                completion_tokens INTEGER NOT NULL DEFAULT 0,
+                attributes TEXT NOT NULL DEFAULT '{}'
+            );
+            CREATE INDEX IF NOT EXISTS trace_runs_started ON trace_runs (started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_session ON trace_runs (session_id, started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_status ON trace_runs (status, started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_steps ON trace_runs (step_count);
+            CREATE INDEX IF NOT EXISTS trace_runs_tenant ON trace_runs (tenant_id, started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_tool_errors
+                ON trace_runs (started_at) WHERE tool_errors > 0;
+            CREATE TABLE IF NOT EXISTS trace_steps (
+                run_id TEXT NOT NULL REFERENCES trace_runs (run_id) ON DELETE CASCADE,
+                step_id TEXT NOT NULL,
+                parent_id TEXT,
+                seq INTEGER NOT NULL,
+                kind TEXT NOT NULL,
+                name TEXT NOT NULL,
+                started_at INTEGER NOT NULL,
+                ended_at INTEGER,
+                latency_ms REAL,
+                ttft_ms REAL,
+                attempt INTEGER NOT NULL DEFAULT 1,
+                prompt_tokens INTEGER NOT NULL DEFAULT 0,
+                completion_tokens INTEGER NOT NULL DEFAULT 0,
+                model TEXT,
+                finish_reason TEXT,
+                budget TEXT,
+                state_version INTEGER,
+                raw_output TEXT,
+                parsed_action TEXT,
+                tool_name TEXT,
+                tool_call_id TEXT,
+                tool_arguments TEXT,
+                tool_result TEXT,
+                error_type TEXT,
+                error_message TEXT,
+                attributes TEXT NOT NULL DEFAULT '{}',
+                PRIMARY KEY (run_id, step_id)
+            );
+            CREATE INDEX IF NOT EXISTS trace_steps_order ON trace_steps (run_id, seq);
+            """,
+        ),
+    ),
+)
+
+_RUN_COLUMNS = (
+    "run_id, session_id, user_id, tenant_id, agent, status, started_at, ended_at, input, "
+    "output, error_type, error_message, step_count, model_calls, tool_calls, tool_errors, "
+    "prompt_tokens, completion_tokens, attributes"
+)
+_STEP_FIELDS = (
+    "run_id",
+    "step_id",
+    "parent_id",
+    "seq",
+    "kind",
+    "name",
+    "started_at",
+    "ended_at",
+    "latency_ms",
+    "ttft_ms",
+    "attempt",
+    "prompt_tokens",
+    "completion_tokens",
+    "model",
+    "finish_reason",
+    "budget",
+    "state_version",
+    "raw_output",
+    "parsed_action",
+    "tool_name",
+    "tool_call_id",
+    "tool_arguments",
+    "tool_result",
+    "error_type",
+    "error_message",
+    "attributes",
+)
+_STEP_JSON = frozenset({"budget", "parsed_action", "attributes"})
+_STEP_TIMES = frozenset({"started_at", "ended_at"})
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def _ts(value: datetime | None) -> int | None:
+    # Integer microseconds round-trip exactly, unlike float seconds.
+    return None if value is None else (value - _EPOCH) // _MICROSECOND
+
+
+def _dt(value: int | None) -> datetime | None:
+    return None if value is None else _EPOCH + value * _MICROSECOND
+
+
+def _contribution(kind: str, failed: bool, prompt: int, completion: int) -> tuple[int, ...]:
+    """What one step adds to its run's totals, in the order of the UPDATE below."""
+    return (
+        1,
+        int(kind == "model"),
+        int(kind == "tool"),
+        int(kind == "tool" and failed),
+        prompt,
+        completion,
+    )
+
+
+def _run_from_row(row: sqlite3.Row | tuple[Any, ...]) -> Run:
+    (
+        run_id,
+        session_id,
+        user_id,
+        tenant_id,
+        agent,
+        status,
+        started_at,
+        ended_at,
+        input_,
+        output,
+        error_type,
+        error_message,
+        step_count,
+        model_calls,
+        tool_calls,
+        tool_errors,
+        prompt_tokens,
+        completion_tokens,
+        attributes,
+    ) = row
+    return Run(
+        run_id=run_id,
+        session_id=session_id,
+        user_id=user_id,
+        tenant_id=tenant_id,
+        agent=agent,
+        status=status,
+        started_at=_dt(started_at),
+        ended_at=_dt(ended_at),
+        input=input_,
+        output=output,
+        error_type=error_type,
+        error_message=error_message,
+        step_count=step_count,
+        model_calls=model_calls,
+        tool_calls=tool_calls,
+        tool_errors=tool_errors,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        attributes=json.loads(attributes),
+    )
+
+
+def _step_from_row(row: tuple[Any, ...]) -> Step:
+    data: dict[str, Any] = {}
+    for name, value in zip(_STEP_FIELDS, row, strict=True):
+        if name in _STEP_JSON:
+            data[name] = None if value is None else json.loads(value)
+        elif name in _STEP_TIMES:
+            data[name] = _dt(value)
+        else:
+            data[name] = value
+    if data["attributes"] is None:
+        data["attributes"] = {}
+    return Step.model_validate(data)
+
+
+def _step_values(step: Step) -> tuple[Any, ...]:
+    values: list[Any] = []
+    for name in _STEP_FIELDS:
+        value = getattr(step, name)
+        if name in _STEP_JSON:
+            values.append(None if value is None else json.dumps(value, ensure_ascii=False))
+        elif name in _STEP_TIMES:
+            values.append(_ts(value))
+        else:
+            values.append(value)
+    return tuple(values)
+
+
+_INSERT_STEP = (
+    f"INSERT INTO trace_steps ({', '.join(_STEP_FIELDS)}) "
+    f"VALUES ({', '.join('?' for _ in _STEP_FIELDS)}) "
+    "ON CONFLICT (run_id, step_id) DO UPDATE SET "
+    + ", ".join(f"{name} = excluded.{name}" for name in _STEP_FIELDS[2:])
+)
+
+
+class SQLiteTraceStore(TraceStore):
+    """Traces in the embedded SQLite file (``keel.db``), next to state, memory and journal.
+
+    Args:
+        database: the shared :class:`~keel.stores.SQLiteDatabase`, or a path to open one.
+        close_database: whether :meth:`close` closes the database; by default only one this
+            store opened from a path.
+    """
+
+    def __init__(
+        self, database: SQLiteDatabase | Path | str, *, close_database: bool | None = None
+    ) -> None:
+        opened = not isinstance(database, SQLiteDatabase)
+        self.db = SQLiteDatabase(database) if not isinstance(database, SQLiteDatabase) else database
+        self._owns_db = opened if close_database is None else close_database
+        self._ready = False
+
+    def setup(self) -> None:
+        """Create or migrate the ``traces`` tables; idempotent."""
+        self.db.setup(TRACE_MIGRATIONS)
+        self._ready = True
+
+    def _ensure(self) -> None:
+        if not self._ready:
+            self.setup()
+
+    def start_run(self, run: Run) -> None:
+        """Insert the run (or replace its header, keeping steps and totals)."""
+        self._ensure()
+        with self.db.transaction() as conn:
+            try:
+                conn.execute(
+                    "INSERT INTO trace_runs (run_id, session_id, user_id, tenant_id, agent, "
+                    "status, started_at, ended_at, input, output, error_type, error_message, "
+                    "attributes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (run_id) DO UPDATE SET session_id = excluded.session_id, "
+                    "user_id = excluded.user_id, tenant_id = excluded.tenant_id, "
+                    "agent = excluded.agent, status = excluded.status, "
+                    "started_at = excluded.started_at, ended_at = excluded.ended_at, "
+                    "input = excluded.input, output = excluded.output, "
+                    "error_type = excluded.error_type, error_message = excluded.error_message, "
+                    "attributes = excluded.attributes",
+                    (
+                        run.run_id,
+                        run.session_id,
+                        run.user_id,
+                        run.tenant_id,
+                        run.agent,
+                        run.status,
+                        _ts(run.started_at),
+                        _ts(run.ended_at),
+                        run.input,
+                        run.output,
+                        run.error_type,
+                        run.error_message,
+                        json.dumps(run.attributes, ensure_ascii=False),
+                    ),
+                )
+            except sqlite3.Error as exc:
+                raise translate_sqlite_error(exc, self.db.path) from exc
+
+    def write_step(self, step: Step) -> None:
+        """Insert or replace the step and adjust its run's totals by the difference."""
+        self._ensure()
+        new = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
+        with self.db.transaction() as conn:
+            try:
+                exists = conn.execute(
+                    "SELECT 1 FROM trace_runs WHERE run_id = ?", (step.run_id,)
+                ).fetchone()
+                if exists is None:
+                    raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
+                old_row = conn.execute(
+                    "SELECT kind, error_type, prompt_tokens, completion_tokens FROM trace_steps "
+                    "WHERE run_id = ? AND step_id = ?",
+                    (step.run_id, step.step_id),
+                ).fetchone()
+                delta = list(new)
+                if old_row is not None:
+                    old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
+                    delta = [a - b for a, b in zip(new, old, strict=True)]
+                conn.execute(_INSERT_STEP, _step_values(step))
+                conn.execute(
+                    "UPDATE trace_runs SET step_count = step_count + ?, "
+                    "model_calls = model_calls + ?, tool_calls = tool_calls + ?, "
+                    "tool_errors = tool_errors + ?, prompt_tokens = prompt_tokens + ?, "
+                    "completion_tokens = completion_tokens + ? WHERE run_id = ?",
+                    (*delta, step.run_id),
+                )
+            except sqlite3.Error as exc:
+                raise translate_sqlite_error(exc, self.db.path) from exc
+
+    def end_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus,
+        ended_at: datetime,
+        output: str | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        """Set the run's final status, end time, output and error."""
+        self._ensure()
+        with self.db.transaction() as conn:
+            try:
+                updated = conn.execute(
+                    "UPDATE trace_runs SET status = ?, ended_at = ?, output = ?, "
+                    "error_type = ?, error_message = ? WHERE run_id = ?",
+                    (status, _ts(ended_at), output, error_type, error_message, run_id),
+                ).rowcount
+            except sqlite3.Error as exc:
+                raise translate_sqlite_error(exc, self.db.path) from exc
+        if updated == 0:
+            raise StoreError(f"cannot end run {run_id!r}: no such run")
+
+    def get_run(self, run_id: str) -> Run | None:
+        """The run with this id, or None."""
+        self._ensure()
+        with self.db.translated() as conn:
+            row = conn.execute(
+                f"SELECT {_RUN_COLUMNS} FROM trace_runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        return None if row is None else _run_from_row(row)
+
+    def get_steps(self, run_id: str) -> list[Step]:
+        """The run's steps in start order."""
+        self._ensure()
+        with self.db.translated() as conn:
+            rows = conn.execute(
+                f"SELECT {', '.join(_STEP_FIELDS)} FROM trace_steps WHERE run_id = ? "
+                "ORDER BY seq, started_at",
+                (run_id,),
+            ).fetchall()
+        return [_step_from_row(row) for row in rows]
+
+    def list_runs(self, query: RunQuery | None = None) -> list[Run]:
+        """Runs matching ``query``, newest first."""
+        self._ensure()
+        query = query or RunQuery()
+        where: list[str] = []
+        params: list[Any] = []
+        for column in ("session_id", "user_id", "tenant_id", "agent", "status"):
+            value = getattr(query, column)
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if query.min_steps is not None:
+            where.append("step_count >= ?")
+            params.append(query.min_steps)
+        if query.tool_error is True:
+            where.append("tool_errors > 0")
+        elif query.tool_error is False:
+            where.append("tool_errors = 0")
+        if query.since is not None:
+            where.append("started_at >= ?")
+            params.append(_ts(query.since))
+        if query.until is not None:
+            where.append("started_at < ?")
+            params.append(_ts(query.until))
+        sql = f"SELECT {_RUN_COLUMNS} FROM trace_runs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY started_at DESC, run_id DESC LIMIT ?"
+        params.append(query.limit)
+        with self.db.translated() as conn:
+            rows = conn.execute(sql, params).fetchall()
+        return [_run_from_row(row) for row in rows]
+
+    def step_metrics(
+        self,
+        *,
+        session_id: str | None = None,
+        since: datetime | None = None,
+        tenant_id: str | None = None,
+    ) -> list[StepMetric]:
+        """Indicator columns of matching steps, oldest first."""
+        self._ensure()
+        where: list[str] = []
+        params: list[Any] = []
+        if session_id is not None:
+            where.append("r.session_id = ?")
+            params.append(session_id)
+        if tenant_id is not None:
+            where.append("r.tenant_id = ?")
+            params.append(tenant_id)
+        if since is not None:
+            where.append("r.started_at >= ?")
+            params.append(_ts(since))
+        sql = (
+            "SELECT r.session_id, s.run_id, s.kind, s.name, s.started_at, s.attempt, "
+            "s.prompt_tokens, s.ttft_ms, s.error_type IS NOT NULL "
+            "FROM trace_runs r JOIN trace_steps s ON s.run_id = r.run_id"
+        )
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY s.started_at, s.run_id, s.seq"
+        with self.db.translated() as conn:
+            rows = conn.execute(sql, params).fetchall()
+        return [
+            StepMetric(
+                session_id=row[0],
+                run_id=row[1],
+                kind=row[2],
+                name=row[3],
+                started_at=_EPOCH + row[4] * _MICROSECOND,
+                attempt=row[5],
+                prompt_tokens=row[6],
+                ttft_ms=row[7],
+                failed=bool(row[8]),
+            )
+            for row in rows
+        ]
+
+    def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Up to ``limit`` run ids that start with ``prefix``."""
+        self._ensure()
+        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        with self.db.translated() as conn:
+            rows = conn.execute(
+                "SELECT run_id FROM trace_runs WHERE run_id LIKE ? ESCAPE '\\' "
+                "ORDER BY run_id LIMIT ?",
+                (pattern, limit),
+            ).fetchall()
+        return [str(row[0]) for row in rows]
+
+    def delete_runs(self, *, before: datetime) -> int:
+        """Delete runs started before ``before`` with their steps; returns how many runs."""
+        self._ensure()
+        cutoff = _ts(before)
+        with self.db.transaction() as conn:
+            try:
+                conn.execute(
+                    "DELETE FROM trace_steps WHERE run_id IN "
+                    "(SELECT run_id FROM trace_runs WHERE started_at < ?)",
+                    (cutoff,),
+                )
+                deleted = conn.execute(
+                    "DELETE FROM trace_runs WHERE started_at < ?", (cutoff,)
+                ).rowcount
+            except sqlite3.Error as exc:
+                raise translate_sqlite_error(exc, self.db.path) from exc
+        return int(deleted)
+
+    def close(self) -> None:
+        """Close the database if this store opened it."""
+        if self._owns_db:
+            self.db.close()
+
+    def __repr__(self) -> str:
+        return f"SQLiteTraceStore({self.db.path!r})"

@@ -1,0 +1,102 @@
+"""Run traces: every model call, tool call, guard event and state transition of a run, redacted,
+stored next to the rest of keel's data, queryable from ``keel runs``, exportable to
+OpenTelemetry.
+
+The runtime records through a :class:`Tracer`::
+
+    tracer = Tracer(open_trace_store())
+    async with await tracer.astart_run(session_id, user_id=user, input=message) as run:
+        async with run.step("model", "openai:gpt-4o-mini", state_version=3) as call:
+            completion = await model.acomplete(prompt)
+            call.update(usage=completion.usage, raw_output=completion.text)
+            async with run.step("tool", "book_flight", tool_arguments=args) as tool:
+                tool.update(tool_result=result)
+
+Tracing never raises into the agent: a failed write is logged on the ``keel.tracing`` logger
+and counted in :attr:`Tracer.write_failures`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from keel.tracing._models import (
+    RUN_STATUSES,
+    STEP_KINDS,
+    Run,
+    RunDetail,
+    RunQuery,
+    RunStatus,
+    SessionStats,
+    StatsThresholds,
+    Step,
+    StepKind,
+    StepMetric,
+    StepNode,
+)
+from keel.tracing._open import open_trace_store
+from keel.tracing._otel import OpenTelemetryExporter, export_run
+from keel.tracing._redact import Redactor, redact_json, redact_secrets
+from keel.tracing._stats import LOOP_GUARD_NAME, percentile, session_stats
+from keel.tracing._store import TraceStore
+from keel.tracing._time import parse_since
+from keel.tracing._tracer import (
+    RunTrace,
+    StepFields,
+    StepTrace,
+    TraceExporter,
+    Tracer,
+    status_for,
+)
+
+if TYPE_CHECKING:
+    from keel.stores._postgres_traces import PostgresTraceStore
+    from keel.stores._sqlite_traces import SQLiteTraceStore
+
+__all__ = [
+    "LOOP_GUARD_NAME",
+    "RUN_STATUSES",
+    "STEP_KINDS",
+    "OpenTelemetryExporter",
+    "PostgresTraceStore",
+    "Redactor",
+    "Run",
+    "RunDetail",
+    "RunQuery",
+    "RunStatus",
+    "RunTrace",
+    "SQLiteTraceStore",
+    "SessionStats",
+    "StatsThresholds",
+    "Step",
+    "StepFields",
+    "StepKind",
+    "StepMetric",
+    "StepNode",
+    "StepTrace",
+    "TraceExporter",
+    "TraceStore",
+    "Tracer",
+    "export_run",
+    "open_trace_store",
+    "parse_since",
+    "percentile",
+    "redact_json",
+    "redact_secrets",
+    "session_stats",
+    "status_for",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The backends live in keel.stores (drivers stay there) and import this package, so they
+    # are loaded on first use; PostgreSQL also needs the optional psycopg driver.
+    if name == "SQLiteTraceStore":
+        from keel.stores._sqlite_traces import SQLiteTraceStore
+
+        return SQLiteTraceStore
+    if name == "PostgresTraceStore":
+        from keel.stores._postgres_traces import PostgresTraceStore
+
+        return PostgresTraceStore
+    raise AttributeError(f"module 'keel.tracing' has no attribute {name!r}")

@@ -1,0 +1,214 @@
+"""The interface every trace backend implements, with async twins.
+
+A backend implements the synchronous methods; the ``a``-prefixed twins run them in a worker
+thread by default so an event loop is never blocked by a database round trip. A backend with a
+native async driver may override the twins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from datetime import datetime
+
+from keel.errors import UsageError
+from keel.tracing._models import (
+    Run,
+    RunDetail,
+    RunQuery,
+    RunStatus,
+    SessionStats,
+    StatsThresholds,
+    Step,
+    StepMetric,
+)
+from keel.tracing._stats import session_stats
+
+__all__ = ["TraceStore"]
+
+
+class TraceStore(ABC):
+    """Where runs and steps are kept: write, query, and derive per-session indicators.
+
+    Contract (checked by :mod:`keel.testing.trace_conformance` for every backend):
+
+    - ``start_run`` inserts a run; starting an existing run id again replaces its header but
+      keeps its steps and totals.
+    - ``write_step`` inserts or replaces a step by ``(run_id, step_id)`` and keeps the run's
+      totals (steps, calls, tool errors, tokens) exact, also when a step is rewritten.
+    - ``end_run`` sets the final status, end time, output and error of a run.
+    - Queries return runs newest first and steps in start order (``seq``).
+    """
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Create or migrate the backend's tables; idempotent."""
+
+    @abstractmethod
+    def start_run(self, run: Run) -> None:
+        """Insert ``run`` (status ``running`` as a rule)."""
+
+    @abstractmethod
+    def write_step(self, step: Step) -> None:
+        """Insert or replace ``step`` and update its run's totals.
+
+        Raises:
+            StoreError: the write failed (the run may not exist, the database may be down).
+        """
+
+    @abstractmethod
+    def end_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus,
+        ended_at: datetime,
+        output: str | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        """Mark the run ended with ``status``."""
+
+    @abstractmethod
+    def get_run(self, run_id: str) -> Run | None:
+        """The run with this id, or None."""
+
+    @abstractmethod
+    def get_steps(self, run_id: str) -> list[Step]:
+        """Every step of the run, in start order."""
+
+    @abstractmethod
+    def list_runs(self, query: RunQuery | None = None) -> list[Run]:
+        """Runs matching ``query``, newest first, at most ``query.limit``."""
+
+    @abstractmethod
+    def step_metrics(
+        self,
+        *,
+        session_id: str | None = None,
+        since: datetime | None = None,
+        tenant_id: str | None = None,
+    ) -> list[StepMetric]:
+        """The columns the indicators need, for the matching steps, oldest first."""
+
+    @abstractmethod
+    def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Up to ``limit`` run ids that start with ``prefix`` (sorted), for short ids."""
+
+    @abstractmethod
+    def delete_runs(self, *, before: datetime) -> int:
+        """Delete runs (and their steps) started before ``before``; returns how many."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections."""
+
+    # --- derived, shared by all backends ------------------------------------------------------
+
+    def get_run_detail(self, run_id: str) -> RunDetail | None:
+        """The run and its steps (use ``.tree()`` for the nested view), or None."""
+        run = self.get_run(run_id)
+        if run is None:
+            return None
+        return RunDetail(run=run, steps=tuple(self.get_steps(run_id)))
+
+    def resolve_run_id(self, run_id_or_prefix: str) -> str | None:
+        """The full id of the run ``run_id_or_prefix`` names exactly or as a unique prefix.
+
+        Raises:
+            UsageError: the prefix matches more than one run.
+        """
+        if self.get_run(run_id_or_prefix) is not None:
+            return run_id_or_prefix
+        matches = self.run_ids_starting_with(run_id_or_prefix, limit=2)
+        if len(matches) > 1:
+            raise UsageError(
+                f"run id prefix {run_id_or_prefix!r} is ambiguous ({', '.join(matches)}, ...); "
+                "give more characters"
+            )
+        return matches[0] if matches else None
+
+    def session_stats(
+        self,
+        *,
+        session_id: str | None = None,
+        since: datetime | None = None,
+        tenant_id: str | None = None,
+        thresholds: StatsThresholds | None = None,
+    ) -> list[SessionStats]:
+        """Death-spiral indicators per session (one entry per session with steps)."""
+        metrics = self.step_metrics(session_id=session_id, since=since, tenant_id=tenant_id)
+        return session_stats(metrics, thresholds or StatsThresholds())
+
+    # --- async twins --------------------------------------------------------------------------
+
+    async def asetup(self) -> None:
+        """Async twin of :meth:`setup`."""
+        await asyncio.to_thread(self.setup)
+
+    async def astart_run(self, run: Run) -> None:
+        """Async twin of :meth:`start_run`."""
+        await asyncio.to_thread(self.start_run, run)
+
+    async def awrite_step(self, step: Step) -> None:
+        """Async twin of :meth:`write_step`."""
+        await asyncio.to_thread(self.write_step, step)
+
+    async def aend_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus,
+        ended_at: datetime,
+        output: str | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        """Async twin of :meth:`end_run`."""
+        await asyncio.to_thread(
+            lambda: self.end_run(
+                run_id,
+                status=status,
+                ended_at=ended_at,
+                output=output,
+                error_type=error_type,
+                error_message=error_message,
+            )
+        )
+
+    async def aget_run(self, run_id: str) -> Run | None:
+        """Async twin of :meth:`get_run`."""
+        return await asyncio.to_thread(self.get_run, run_id)
+
+    async def aget_run_detail(self, run_id: str) -> RunDetail | None:
+        """Async twin of :meth:`get_run_detail`."""
+        return await asyncio.to_thread(self.get_run_detail, run_id)
+
+    async def alist_runs(self, query: RunQuery | None = None) -> list[Run]:
+        """Async twin of :meth:`list_runs`."""
+        return await asyncio.to_thread(self.list_runs, query)
+
+    async def asession_stats(
+        self,
+        *,
+        session_id: str | None = None,
+        since: datetime | None = None,
+        tenant_id: str | None = None,
+        thresholds: StatsThresholds | None = None,
+    ) -> list[SessionStats]:
+        """Async twin of :meth:`session_stats`."""
+        return await asyncio.to_thread(
+            lambda: self.session_stats(
+                session_id=session_id, since=since, tenant_id=tenant_id, thresholds=thresholds
+            )
+        )
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`."""
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> TraceStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

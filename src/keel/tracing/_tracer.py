@@ -1,0 +1,798 @@
+"""The API the runtime calls to trace runs: :class:`Tracer`, :class:`RunTrace`, :class:`StepTrace`.
+
+Failure policy: tracing must never break the agent. Every write (and the redaction and
+serialisation before it, and every exporter) runs inside a guard: an exception is logged once as
+a warning on the ``keel.tracing`` logger, counted in :attr:`Tracer.write_failures` and kept in
+:attr:`Tracer.last_error`, and the agent carries on. Exceptions raised by the agent's own code
+inside a ``with run.step(...)`` block are recorded on the step and then re-raised unchanged.
+
+Writes are synchronous and small (one row per step, one transaction) so a trace survives a
+crash of the worker right after the step; a step is written when it ends, the run header when
+it starts (so a crashed run stays visible as ``running``) and again when it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar, Token
+from datetime import UTC, datetime, timedelta
+from itertools import count
+from types import TracebackType
+from typing import Any, Protocol, TypedDict, Unpack
+
+from pydantic import BaseModel
+
+from keel.errors import (
+    GuardError,
+    LoopDetectedError,
+    StepLimitError,
+    TimeLimitError,
+    ToolInDoubtError,
+)
+from keel.messages import Usage
+from keel.tracing._models import Run, RunStatus, Step, StepKind
+from keel.tracing._redact import Redactor, redact_json, redact_secrets
+from keel.tracing._stats import LOOP_GUARD_NAME
+from keel.tracing._store import TraceStore
+
+__all__ = [
+    "RunTrace",
+    "StepFields",
+    "StepTrace",
+    "TraceExporter",
+    "Tracer",
+    "status_for",
+]
+
+logger = logging.getLogger("keel.tracing")
+
+_CURRENT_STEP: ContextVar[StepTrace | None] = ContextVar("keel_current_step", default=None)
+
+
+class _Auto:
+    """Marker: take the parent from the innermost open ``with run.step(...)`` block."""
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+
+AUTO = _Auto()
+
+# (status, ended_at, output, error_type, error_message) of a run being ended.
+_Final = tuple[RunStatus, datetime, str | None, str | None, str | None]
+
+
+class StepFields(TypedDict, total=False):
+    """The fields a step can carry; every one is optional. Passed as keyword arguments.
+
+    Text fields are redacted before storage; ``budget``, ``parsed_action`` and ``attributes``
+    are redacted recursively (every string value). Pydantic models are dumped to JSON.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    usage: Usage
+    model: str | None
+    finish_reason: str | None
+    budget: Mapping[str, Any] | BaseModel | None
+    state_version: int | None
+    raw_output: str | None
+    parsed_action: Any
+    tool_name: str | None
+    tool_call_id: str | None
+    tool_arguments: str | Mapping[str, Any] | None
+    tool_result: Any
+    error: BaseException | None
+    error_type: str | None
+    error_message: str | None
+    latency_ms: float | None
+    ttft_ms: float | None
+    attempt: int
+    attributes: Mapping[str, Any]
+
+
+class TraceExporter(Protocol):
+    """Receives each finished run with its steps (already redacted), e.g. for OpenTelemetry."""
+
+    def export(self, run: Run, steps: Sequence[Step]) -> None:
+        """Export one finished run."""
+
+
+def status_for(error: BaseException | None) -> RunStatus:
+    """The run status an exception ends a run with.
+
+    Step and time limits -> ``limited``; loops and tool calls in doubt -> ``escalated`` (a
+    human or the caller must decide); anything else -> ``failed``; no error -> ``succeeded``.
+    """
+    if error is None:
+        return "succeeded"
+    if isinstance(error, StepLimitError | TimeLimitError):
+        return "limited"
+    if isinstance(error, LoopDetectedError | ToolInDoubtError):
+        return "escalated"
+    if isinstance(error, GuardError):
+        return "limited"
+    return "failed"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return json.loads(json.dumps(value, default=str))
+
+
+class Tracer:
+    """Records runs and their steps into a :class:`TraceStore`, redacted, without ever raising.
+
+    Args:
+        store: where the trace goes. ``None`` traces into nothing (steps still get ids and
+            exporters still run), which keeps agent code free of ``if tracer`` checks.
+        redact: applied to every text field and to every string inside JSON fields before
+            anything is stored or exported. Defaults to :func:`redact_secrets`, the built-in
+            fallback for credentials and e-mail addresses. ``None`` turns masking off
+            (explicit opt-out, e.g. for local debugging).
+        exporters: receive each finished run with its steps (see :class:`OpenTelemetryExporter`).
+        agent: default agent name for runs.
+    """
+
+    def __init__(
+        self,
+        store: TraceStore | None,
+        *,
+        redact: Redactor | None = redact_secrets,
+        exporters: Sequence[TraceExporter] = (),
+        agent: str = "agent",
+    ) -> None:
+        self.store = store
+        self.redact: Redactor = redact if redact is not None else (lambda text: text)
+        self.exporters = tuple(exporters)
+        self.agent = agent
+        self.write_failures = 0
+        """How many trace writes (or exports) failed since this tracer was made."""
+        self.last_error: BaseException | None = None
+        """The most recent trace failure, for health checks."""
+
+    # --- failure guard ------------------------------------------------------------------------
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.write_failures += 1
+        self.last_error = exc
+        logger.warning(
+            "keel trace %s failed (%s: %s); the agent continues without it",
+            what,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _guard(self, what: str, action: Callable[[], None]) -> bool:
+        try:
+            action()
+        except Exception as exc:  # tracing never breaks the agent
+            self._failed(what, exc)
+            return False
+        return True
+
+    # --- redaction ----------------------------------------------------------------------------
+
+    def _text(self, value: str | None) -> str | None:
+        return None if value is None else self.redact(value)
+
+    def _json(self, value: Any) -> Any:
+        return None if value is None else redact_json(_jsonable(value), self.redact)
+
+    # --- runs ---------------------------------------------------------------------------------
+
+    def _new_run(
+        self,
+        session_id: str,
+        user_id: str | None,
+        tenant_id: str | None,
+        agent: str | None,
+        input: str | None,
+        run_id: str | None,
+        attributes: Mapping[str, Any] | None,
+    ) -> tuple[RunTrace, Run | None]:
+        handle = RunTrace(
+            self,
+            run_id=run_id or _new_id(),
+            session_id=session_id,
+            user_id=user_id,
+            tenant_id=tenant_id,
+            agent=agent or self.agent,
+        )
+        header: Run | None = None
+        try:
+            header = Run(
+                run_id=handle.run_id,
+                session_id=session_id,
+                user_id=user_id,
+                tenant_id=tenant_id,
+                agent=handle.agent,
+                status="running",
+                started_at=handle.started_at,
+                input=self._text(input),
+                attributes=self._json(dict(attributes or {})),
+            )
+        except Exception as exc:
+            self._failed("run start", exc)
+        handle._header = header
+        return handle, header
+
+    def start_run(
+        self,
+        session_id: str,
+        *,
+        user_id: str | None = None,
+        tenant_id: str | None = None,
+        agent: str | None = None,
+        input: str | None = None,
+        run_id: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> RunTrace:
+        """Start a run and write its header (status ``running``). Never raises.
+
+        Use the result as a context manager to end the run automatically: on a clean exit it
+        ends ``succeeded``, on an exception with :func:`status_for` of it (re-raised).
+        """
+        handle, header = self._new_run(
+            session_id, user_id, tenant_id, agent, input, run_id, attributes
+        )
+        store = self.store
+        if header is not None and store is not None:
+            self._guard("run start", lambda: store.start_run(header))
+        return handle
+
+    async def astart_run(
+        self,
+        session_id: str,
+        *,
+        user_id: str | None = None,
+        tenant_id: str | None = None,
+        agent: str | None = None,
+        input: str | None = None,
+        run_id: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> RunTrace:
+        """Async twin of :meth:`start_run` (the write does not block the event loop)."""
+        handle, header = self._new_run(
+            session_id, user_id, tenant_id, agent, input, run_id, attributes
+        )
+        if header is not None and self.store is not None:
+            try:
+                await self.store.astart_run(header)
+            except Exception as exc:
+                self._failed("run start", exc)
+        return handle
+
+    def _resumed(self, run: Run, steps: Sequence[Step]) -> RunTrace:
+        handle = RunTrace(
+            self,
+            run_id=run.run_id,
+            session_id=run.session_id,
+            user_id=run.user_id,
+            tenant_id=run.tenant_id,
+            agent=run.agent,
+        )
+        handle.started_at = run.started_at
+        handle._seq = count(max((step.seq for step in steps), default=-1) + 1)
+        handle._header = run.model_copy(
+            update={
+                "status": "running",
+                "ended_at": None,
+                "error_type": None,
+                "error_message": None,
+            }
+        )
+        return handle
+
+    def resume_run(self, run_id: str) -> RunTrace | None:
+        """Continue a stored run after a crash or restart (a new worker resuming a session).
+
+        The run is marked ``running`` again, keeps its steps and totals, and new steps are
+        ordered after the existing ones. Returns None (and counts a failure) when the run
+        cannot be read; never raises.
+        """
+        store = self.store
+        if store is None:
+            return None
+        try:
+            run = store.get_run(run_id)
+            if run is None:
+                raise LookupError(f"no run {run_id!r} to resume")
+            handle = self._resumed(run, store.get_steps(run_id))
+            assert handle._header is not None
+            store.start_run(handle._header)
+        except Exception as exc:
+            self._failed("run resume", exc)
+            return None
+        return handle
+
+    async def aresume_run(self, run_id: str) -> RunTrace | None:
+        """Async twin of :meth:`resume_run`."""
+        store = self.store
+        if store is None:
+            return None
+        try:
+            run = await store.aget_run(run_id)
+            if run is None:
+                raise LookupError(f"no run {run_id!r} to resume")
+            detail = await store.aget_run_detail(run_id)
+            handle = self._resumed(run, detail.steps if detail else ())
+            assert handle._header is not None
+            await store.astart_run(handle._header)
+        except Exception as exc:
+            self._failed("run resume", exc)
+            return None
+        return handle
+
+    def _export(self, run: Run, steps: Sequence[Step]) -> None:
+        for exporter in self.exporters:
+            try:
+                exporter.export(run, steps)
+            except Exception as exc:  # an exporter never breaks the agent either
+                self._failed("export", exc)
+
+
+class RunTrace:
+    """One run being traced. Made by :meth:`Tracer.start_run`; ended by :meth:`end`."""
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        *,
+        run_id: str,
+        session_id: str,
+        user_id: str | None,
+        tenant_id: str | None,
+        agent: str,
+    ) -> None:
+        self.tracer = tracer
+        self.run_id = run_id
+        """The run's id (also in every step row)."""
+        self.session_id = session_id
+        self.user_id = user_id
+        self.tenant_id = tenant_id
+        self.agent = agent
+        self.started_at = _now()
+        self.status: RunStatus = "running"
+        """``running`` until :meth:`end`."""
+        self._seq = count()
+        self._header: Run | None = None
+        self._finished: list[Step] = []
+
+    # --- steps --------------------------------------------------------------------------------
+
+    def step(
+        self,
+        kind: StepKind,
+        name: str = "",
+        *,
+        parent: StepTrace | str | _Auto | None = AUTO,
+        **fields: Unpack[StepFields],
+    ) -> StepTrace:
+        """Open a step that starts now; use it with ``with`` or ``async with``.
+
+        The step is written when the block exits (or on :meth:`StepTrace.end`), with its end
+        time and latency. An exception leaving the block is recorded as the step's error and
+        re-raised. Steps opened inside the block get this step as their parent unless
+        ``parent`` says otherwise (a step, a step id, or None for a top-level step).
+        """
+        return StepTrace(self, kind, name, parent=self._parent_id(parent), fields=fields)
+
+    def _parent_id(self, parent: StepTrace | str | _Auto | None) -> str | None:
+        if isinstance(parent, _Auto):
+            current = _CURRENT_STEP.get()
+            return current.step_id if current is not None and current.run is self else None
+        if isinstance(parent, StepTrace):
+            return parent.step_id
+        return parent
+
+    def record(
+        self,
+        kind: StepKind,
+        name: str = "",
+        *,
+        parent: StepTrace | str | _Auto | None = AUTO,
+        started_at: datetime | None = None,
+        ended_at: datetime | None = None,
+        **fields: Unpack[StepFields],
+    ) -> Step | None:
+        """Write a step that has already happened (an event, or a call timed elsewhere).
+
+        ``started_at``/``ended_at`` default to now; ``latency_ms`` defaults to their
+        difference. Returns the stored (redacted) step, or None if building it failed.
+        """
+        step = self._build(kind, name, self._parent_id(parent), started_at, ended_at, fields)
+        if step is not None:
+            self._write(step)
+        return step
+
+    async def arecord(
+        self,
+        kind: StepKind,
+        name: str = "",
+        *,
+        parent: StepTrace | str | _Auto | None = AUTO,
+        started_at: datetime | None = None,
+        ended_at: datetime | None = None,
+        **fields: Unpack[StepFields],
+    ) -> Step | None:
+        """Async twin of :meth:`record`."""
+        step = self._build(kind, name, self._parent_id(parent), started_at, ended_at, fields)
+        if step is not None:
+            await self._awrite(step)
+        return step
+
+    def transition(self, source: str, target: str, **fields: Unpack[StepFields]) -> Step | None:
+        """Record a state-machine transition ``source -> target`` (name ``"source->target"``);
+        pass ``state_version=`` for the version it produced."""
+        fields["attributes"] = {
+            "source": source,
+            "target": target,
+            **dict(fields.get("attributes") or {}),
+        }
+        return self.record("transition", f"{source}->{target}", **fields)
+
+    def state_reset(self, reason: str, **fields: Unpack[StepFields]) -> Step | None:
+        """Record that the state machine was reset after persistent failures."""
+        fields.setdefault("error_message", reason)
+        return self.record("reset", "reset", **fields)
+
+    def guard(self, name: str, message: str = "", **fields: Unpack[StepFields]) -> Step | None:
+        """Record a guard event (``name`` e.g. ``"truncation"``, ``"step_limit"``)."""
+        if message:
+            fields.setdefault("error_message", message)
+        return self.record("guard", name, **fields)
+
+    def loop_caught(
+        self, evidence: Sequence[str], *, escalated: bool = False, **fields: Unpack[StepFields]
+    ) -> Step | None:
+        """Record a loop the guards caught (counted as ``loops_caught`` in ``keel runs stats``).
+
+        ``escalated`` is True when the run stopped (second detection) rather than being told
+        to change approach."""
+        fields["attributes"] = {
+            "evidence": list(evidence),
+            "escalated": escalated,
+            **dict(fields.get("attributes") or {}),
+        }
+        fields.setdefault("error_type", "LoopDetectedError")
+        fields.setdefault("error_message", "; ".join(evidence))
+        return self.record("guard", LOOP_GUARD_NAME, **fields)
+
+    # --- building and writing -----------------------------------------------------------------
+
+    def _build(
+        self,
+        kind: StepKind,
+        name: str,
+        parent_id: str | None,
+        started_at: datetime | None,
+        ended_at: datetime | None,
+        fields: StepFields,
+        *,
+        step_id: str | None = None,
+        seq: int | None = None,
+        measured_ms: float | None = None,
+    ) -> Step | None:
+        tracer = self.tracer
+        try:
+            data: dict[str, Any] = dict(fields)
+            error = data.pop("error", None)
+            if isinstance(error, BaseException):
+                data.setdefault("error_type", type(error).__name__)
+                data.setdefault("error_message", str(error))
+            usage = data.pop("usage", None)
+            if isinstance(usage, Usage):
+                data.setdefault("prompt_tokens", usage.prompt_tokens)
+                data.setdefault("completion_tokens", usage.completion_tokens)
+            start = started_at or _now()
+            end = ended_at or _now()
+            if data.get("latency_ms") is None:
+                data["latency_ms"] = (
+                    measured_ms
+                    if measured_ms is not None
+                    else max((end - start) / timedelta(milliseconds=1), 0.0)
+                )
+            for key in (
+                "raw_output",
+                "error_message",
+                "model",
+                "finish_reason",
+                "tool_name",
+                "tool_call_id",
+            ):
+                if isinstance(data.get(key), str):
+                    data[key] = tracer.redact(data[key])
+            arguments = data.get("tool_arguments")
+            if arguments is not None and not isinstance(arguments, str):
+                arguments = json.dumps(_jsonable(arguments), ensure_ascii=False)
+            data["tool_arguments"] = tracer._text(arguments)
+            result = data.get("tool_result")
+            if result is not None and not isinstance(result, str):
+                result = json.dumps(_jsonable(result), ensure_ascii=False)
+            data["tool_result"] = tracer._text(result)
+            for key in ("budget", "parsed_action"):
+                if key in data:
+                    data[key] = tracer._json(data[key])
+            data["attributes"] = tracer._json(dict(data.get("attributes") or {}))
+            return Step(
+                run_id=self.run_id,
+                step_id=step_id or _new_id()[:16],
+                parent_id=parent_id,
+                seq=next(self._seq) if seq is None else seq,
+                kind=kind,
+                name=tracer.redact(name),
+                started_at=start,
+                ended_at=end,
+                **data,
+            )
+        except Exception as exc:
+            tracer._failed(f"step {kind}:{name}", exc)
+            return None
+
+    def _write(self, step: Step) -> None:
+        if self.tracer.exporters:
+            self._finished.append(step)
+        store = self.tracer.store
+        if store is not None:
+            self.tracer._guard(f"step {step.kind}:{step.name}", lambda: store.write_step(step))
+
+    async def _awrite(self, step: Step) -> None:
+        if self.tracer.exporters:
+            self._finished.append(step)
+        store = self.tracer.store
+        if store is not None:
+            try:
+                await store.awrite_step(step)
+            except Exception as exc:
+                self.tracer._failed(f"step {step.kind}:{step.name}", exc)
+
+    # --- ending -------------------------------------------------------------------------------
+
+    def _finish(
+        self, status: RunStatus | None, output: str | None, error: BaseException | None
+    ) -> _Final | None:
+        if self.status != "running":
+            return None  # ended already; ending twice is a no-op
+        final = status or status_for(error)
+        self.status = final
+        ended = _now()
+        try:
+            redacted_output = self.tracer._text(output)
+            error_type = type(error).__name__ if error is not None else None
+            error_message = self.tracer._text(str(error)) if error is not None else None
+        except Exception as exc:
+            self.tracer._failed("run end", exc)
+            redacted_output = error_type = error_message = None
+        return final, ended, redacted_output, error_type, error_message
+
+    def _exported(
+        self, final: tuple[RunStatus, datetime, str | None, str | None, str | None]
+    ) -> None:
+        if not self.tracer.exporters or self._header is None:
+            return
+        status, ended, output, error_type, error_message = final
+        steps = list(self._finished)
+        run = self._header.model_copy(
+            update={
+                "status": status,
+                "ended_at": ended,
+                "output": output,
+                "error_type": error_type,
+                "error_message": error_message,
+                "step_count": len(steps),
+                "model_calls": sum(1 for s in steps if s.kind == "model"),
+                "tool_calls": sum(1 for s in steps if s.kind == "tool"),
+                "tool_errors": sum(1 for s in steps if s.kind == "tool" and s.failed),
+                "prompt_tokens": sum(s.prompt_tokens for s in steps),
+                "completion_tokens": sum(s.completion_tokens for s in steps),
+            }
+        )
+        self.tracer._export(run, steps)
+
+    def end(
+        self,
+        status: RunStatus | None = None,
+        *,
+        output: str | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """End the run: ``status`` defaults to :func:`status_for` of ``error``. Never raises;
+        a second call is ignored."""
+        final = self._finish(status, output, error)
+        if final is None:
+            return
+        store = self.tracer.store
+        if store is not None:
+            status_, ended, out, error_type, error_message = final
+            self.tracer._guard(
+                "run end",
+                lambda: store.end_run(
+                    self.run_id,
+                    status=status_,
+                    ended_at=ended,
+                    output=out,
+                    error_type=error_type,
+                    error_message=error_message,
+                ),
+            )
+        self._exported(final)
+
+    async def aend(
+        self,
+        status: RunStatus | None = None,
+        *,
+        output: str | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Async twin of :meth:`end`."""
+        final = self._finish(status, output, error)
+        if final is None:
+            return
+        store = self.tracer.store
+        if store is not None:
+            status_, ended, out, error_type, error_message = final
+            try:
+                await store.aend_run(
+                    self.run_id,
+                    status=status_,
+                    ended_at=ended,
+                    output=out,
+                    error_type=error_type,
+                    error_message=error_message,
+                )
+            except Exception as exc:
+                self.tracer._failed("run end", exc)
+        self._exported(final)
+
+    def __enter__(self) -> RunTrace:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.end(error=exc)
+
+    async def __aenter__(self) -> RunTrace:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aend(error=exc)
+
+    def __repr__(self) -> str:
+        return f"RunTrace(run_id={self.run_id!r}, session_id={self.session_id!r}, {self.status})"
+
+
+class StepTrace:
+    """A step in progress. Made by :meth:`RunTrace.step`; written once, when it ends."""
+
+    def __init__(
+        self,
+        run: RunTrace,
+        kind: StepKind,
+        name: str,
+        *,
+        parent: str | None,
+        fields: StepFields,
+    ) -> None:
+        self.run = run
+        self.kind: StepKind = kind
+        self.name = name
+        self.parent_id = parent
+        self.step_id = _new_id()[:16]
+        """The step's id; pass the StepTrace (or this id) as ``parent=`` to nest steps."""
+        self.seq = next(run._seq)
+        self.started_at = _now()
+        self._t0 = time.perf_counter()
+        self._fields: StepFields = StepFields(**fields)
+        self._token: Token[StepTrace | None] | None = None
+        self.ended = False
+
+    def update(self, **fields: Unpack[StepFields]) -> None:
+        """Set or overwrite fields of the step before it is written."""
+        self._fields.update(fields)
+
+    def first_token(self) -> None:
+        """Mark now as the time the first token of a streamed answer arrived."""
+        if "ttft_ms" not in self._fields:
+            self._fields["ttft_ms"] = (time.perf_counter() - self._t0) * 1000
+
+    def fail(self, error: BaseException) -> None:
+        """Record ``error`` as the step's error (type and message)."""
+        self._fields["error"] = error
+        self._fields.pop("error_type", None)
+        self._fields.pop("error_message", None)
+
+    def _close(self, fields: StepFields) -> Step | None:
+        if self.ended:
+            return None
+        self.ended = True
+        self._fields.update(fields)
+        return self.run._build(
+            self.kind,
+            self.name,
+            self.parent_id,
+            self.started_at,
+            _now(),
+            self._fields,
+            step_id=self.step_id,
+            seq=self.seq,
+            measured_ms=(time.perf_counter() - self._t0) * 1000,
+        )
+
+    def end(self, **fields: Unpack[StepFields]) -> Step | None:
+        """End and write the step now (for use without ``with``); later calls are ignored."""
+        step = self._close(fields)
+        if step is not None:
+            self.run._write(step)
+        return step
+
+    async def aend(self, **fields: Unpack[StepFields]) -> Step | None:
+        """Async twin of :meth:`end`."""
+        step = self._close(fields)
+        if step is not None:
+            await self.run._awrite(step)
+        return step
+
+    def _enter(self) -> None:
+        self._token = _CURRENT_STEP.set(self)
+
+    def _exit(self, exc: BaseException | None) -> None:
+        if self._token is not None:
+            # Exited in another context (a task switch): the variable there is not ours.
+            with contextlib.suppress(ValueError):
+                _CURRENT_STEP.reset(self._token)
+            self._token = None
+        if exc is not None and "error" not in self._fields and "error_type" not in self._fields:
+            self.fail(exc)
+
+    def __enter__(self) -> StepTrace:
+        self._enter()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._exit(exc)
+        self.end()
+
+    async def __aenter__(self) -> StepTrace:
+        self._enter()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._exit(exc)
+        await self.aend()
+
+    def __repr__(self) -> str:
+        return f"StepTrace({self.kind}:{self.name}, step_id={self.step_id!r})"

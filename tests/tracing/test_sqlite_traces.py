@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from keel.stores import SQLiteDatabase
+from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.testing.trace_conformance import TraceStoreConformance
+from keel.tracing import Tracer, TraceStore
+
+
+class TestSQLiteTraceStore(TraceStoreConformance):
+    @pytest.fixture
+    def trace_store(self, tmp_path: Path) -> Iterator[TraceStore]:
+        store = SQLiteTraceStore(SQLiteDatabase(tmp_path / "keel.db"), close_database=True)
+        store.setup()
+        yield store
+        store.close()
+
+
+def test_traces_share_the_database_file_as_their_own_component(tmp_path: Path) -> None:
+    db = SQLiteDatabase(tmp_path / "keel.db")
+    store = SQLiteTraceStore(db)
+    store.setup()
+    assert db.schema_versions() == {"core": 1, "traces": 1}
+    store.close()  # not its database: still usable
+    assert db.connection().execute("SELECT count(*) FROM trace_runs").fetchone()[0] == 0
+    db.close()
+
+
+def test_list_filters_use_indexes(tmp_path: Path) -> None:
+    store = SQLiteTraceStore(tmp_path / "keel.db")
+    store.setup()
+    conn = store.db.connection()
+    plans = {
+        "session": "SELECT * FROM trace_runs WHERE session_id = 'x' ORDER BY started_at DESC",
+        "steps": "SELECT * FROM trace_runs WHERE step_count >= 10",
+        "errors": "SELECT * FROM trace_runs WHERE tool_errors > 0 ORDER BY started_at DESC",
+        "steps_of_run": "SELECT * FROM trace_steps WHERE run_id = 'r' ORDER BY seq",
+    }
+    for name, sql in plans.items():
+        plan = " ".join(str(row[-1]) for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}"))
+        assert "USING INDEX" in plan or "USING COVERING INDEX" in plan, (name, plan)
+    store.close()
+
+
+def test_nothing_unmasked_reaches_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "keel.db"
+    store = SQLiteTraceStore(path)
+    tracer = Tracer(store)
+    secrets = [
+        "sk-proj-Zq8XvB2nM4kL6pR0tY1uW3eQ",
+        "AKIAIOSFODNN7EXAMPLE",
+        "ghp_" + "a1B2c3D4e5" * 4,
+        "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N",
+        "jane.doe@example.org",
+        "hunter2hunter2",
+    ]
+    with tracer.start_run(
+        "sess", user_id="u", input=f"use {secrets[0]}", attributes={"email": secrets[4]}
+    ) as run:
+        with run.step(
+            "model",
+            "scripted:x",
+            raw_output=f"Authorization: Bearer {secrets[3]}",
+            parsed_action={"say": [f"contact {secrets[4]}"], "nested": {"k": secrets[1]}},
+            budget={"note": f"password={secrets[5]}"},
+        ):
+            run.record(
+                "tool",
+                "git",
+                tool_arguments=f'{{"token": "{secrets[2]}"}}',
+                tool_result={"aws": secrets[1], "list": [secrets[0]]},
+                error=RuntimeError(f"failed for {secrets[4]}"),
+                attributes={"deep": [{"x": secrets[2]}]},
+            )
+        run.transition("start", "booking", state_version=2, attributes={"who": secrets[4]})
+        run.end(output=f"done, receipt sent to {secrets[4]}")
+    store.close()
+    raw = path.read_bytes()
+    wal = path.with_name(path.name + "-wal")
+    if wal.exists():
+        raw += wal.read_bytes()
+    for secret in secrets:
+        assert secret.encode() not in raw, secret
+    conn = sqlite3.connect(path)
+    rows = conn.execute("SELECT * FROM trace_steps").fetchall()
+    rows += conn.execute("SELECT * FROM trace_runs").fetchall()
+    conn.close()
+    text = repr(rows)
+    assert "[REDACTED:" in text
+    for secret in secrets:
+        assert secret not in text, secret
