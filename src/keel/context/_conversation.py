@@ -453,6 +453,24 @@ class Conversation:
             elapsed_ms=(time.perf_counter() - started) * 1000,
         )
 
+    @property
+    def messages_summarized(self) -> int:
+        """How many messages have been folded into the summary (the persisted watermark)."""
+        return self._messages_summarized
+
+    def restore_summary(self, summary: str, messages_summarized: int) -> None:
+        """Resume a conversation whose older part was summarized in an earlier process.
+
+        ``summary`` covers the first ``messages_summarized`` messages of the session; the
+        messages this conversation holds are the ones after them. Call it once, right after
+        creating the conversation from the persisted tail.
+        """
+        if messages_summarized < 0:
+            raise ValueError("messages_summarized must be >= 0")
+        self._summary = summary
+        self._summary_tokens = self.counter.count_text(summary) if summary else 0
+        self._messages_summarized = messages_summarized
+
     def summarize(self, *, force: bool = False) -> SummaryOutcome | None:
         """Sync twin of :meth:`asummarize` (not for use inside a running event loop)."""
         if not force and not self.needs_summary:
