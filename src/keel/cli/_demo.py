@@ -25,7 +25,9 @@ def demo_command(
     side_questions: Annotated[
         int, typer.Option(min=0, help="Side questions per trip (long tool outputs).")
     ] = 10,
-    kill: Annotated[bool, typer.Option(help="SIGKILL the worker mid tool call, then resume.")] = True,
+    kill: Annotated[
+        bool, typer.Option(help="SIGKILL the worker mid tool call, then resume.")
+    ] = True,
     memory: Annotated[bool, typer.Option(help="Give the agent long-term memory.")] = True,
     workdir: Annotated[
         Path | None, typer.Option(help="Keep the demo's database here (default: a temp dir).")
@@ -50,7 +52,9 @@ def demo_command(
         task = progress.add_task("turns", total=trips * (side_questions + 7), status="")
 
         def on_turn(turn: int, planned: int, reply: dict[str, Any]) -> None:
-            status = f"{reply.get('workflow_state') or ''} {'(resumed)' if reply.get('resumed') else ''}"
+            status = (
+                f"{reply.get('workflow_state') or ''} {'(resumed)' if reply.get('resumed') else ''}"
+            )
             progress.update(task, completed=turn, total=max(planned, turn), status=status)
 
         report = run_demo(
@@ -64,8 +68,11 @@ def demo_command(
         )
         progress.update(task, total=report.turns, completed=report.turns)
     console.print("\n[bold]Prompt tokens per turn[/]")
-    console.print(sparkline_chart(report.prompt_tokens_per_turn, limit=report.prompt_budget),
-                  markup=False, highlight=False)
+    console.print(
+        sparkline_chart(report.prompt_tokens_per_turn, limit=report.prompt_budget),
+        markup=False,
+        highlight=False,
+    )
     lines = [
         ("turns", report.turns),
         ("bookings made", f"{report.bookings} of {report.trips_planned} trips"),

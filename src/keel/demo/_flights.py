@@ -15,7 +15,6 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -66,8 +65,13 @@ def demo_machine() -> StateMachine:
     """The seed's flight-booking workflow with the demo's tools in each step."""
     everywhere = ("get_travel_policy",)
     states = [
-        MachineState("idle", "no booking in progress", "Offer to book a flight.", everywhere,
-                     max_retries=None),
+        MachineState(
+            "idle",
+            "no booking in progress",
+            "Offer to book a flight.",
+            everywhere,
+            max_retries=None,
+        ),
         *[
             MachineState(name, f"asking for {slot}", question, everywhere, collects=(slot,))
             for name, slot, question in _SLOT_STATES
@@ -84,10 +88,20 @@ def demo_machine() -> StateMachine:
             "Book the flight, record the booking reference, send the itinerary.",
             ("book_flight", "send_itinerary", *everywhere),
         ),
-        MachineState("completed", "the flight is booked", "Give the booking reference.",
-                     terminal=True, max_retries=None),
-        MachineState("failed", "booking failed", "Apologise and offer to try again.",
-                     everywhere, max_retries=None),
+        MachineState(
+            "completed",
+            "the flight is booked",
+            "Give the booking reference.",
+            terminal=True,
+            max_retries=None,
+        ),
+        MachineState(
+            "failed",
+            "booking failed",
+            "Apologise and offer to try again.",
+            everywhere,
+            max_retries=None,
+        ),
     ]
     transitions = [
         Transition("idle", "gathering_origin"),
@@ -96,15 +110,18 @@ def demo_machine() -> StateMachine:
         Transition("gathering_dates", "gathering_passengers", requires=("dates",)),
         Transition("gathering_passengers", "confirming", requires=("passengers",)),
         Transition("confirming", "gathering_dates", description="the user changes the dates"),
-        Transition("confirming", "booking", requires=("origin", "destination", "dates",
-                                                      "passengers")),
+        Transition(
+            "confirming", "booking", requires=("origin", "destination", "dates", "passengers")
+        ),
         Transition("booking", "completed", requires=("booking_reference",)),
         Transition("failed", "idle"),
-        Transition("failed", "confirming", requires=("origin", "destination", "dates",
-                                                     "passengers")),
+        Transition(
+            "failed", "confirming", requires=("origin", "destination", "dates", "passengers")
+        ),
     ]
-    return StateMachine("flight_booking", states=states, transitions=transitions,
-                        initial="idle", failure="failed")
+    return StateMachine(
+        "flight_booking", states=states, transitions=transitions, initial="idle", failure="failed"
+    )
 
 
 # --- the airline (an external system) ------------------------------------------------------
@@ -148,7 +165,10 @@ class Airline:
         return f"BEST: {lines[0].split(':')[0]}\n" + "\n".join(lines)
 
     def book(self, flight: str, passengers: int, trip: str) -> str:
-        reference = "PNR" + hashlib.sha256(f"{flight}|{trip}|{time.time_ns()}".encode()).hexdigest()[:6].upper()
+        reference = (
+            "PNR"
+            + hashlib.sha256(f"{flight}|{trip}|{time.time_ns()}".encode()).hexdigest()[:6].upper()
+        )
         self._conn().execute(
             "INSERT INTO bookings VALUES (?, ?, ?, ?, ?)",
             (reference, flight, passengers, trip, time.time()),
@@ -173,8 +193,9 @@ _POLICIES = {
 }
 
 
-def flight_tools(airline: Airline, *, stall_file: Path | None = None,
-                 stalled_file: Path | None = None) -> list[Tool]:
+def flight_tools(
+    airline: Airline, *, stall_file: Path | None = None, stalled_file: Path | None = None
+) -> list[Tool]:
     """The demo's tools bound to ``airline``. ``stall_file``: when it exists, the next
     ``send_itinerary`` removes it, writes ``stalled_file`` and hangs (the demo kills it)."""
 
@@ -242,15 +263,38 @@ class TripPlan:
     fillers: tuple[str, ...] = ()
 
 
-_CITIES = ("Lisbon", "Tokyo", "Nairobi", "Lima", "Oslo", "Hanoi", "Montreal", "Cairo",
-           "Perth", "Bogota", "Seoul", "Dublin")
+_CITIES = (
+    "Lisbon",
+    "Tokyo",
+    "Nairobi",
+    "Lima",
+    "Oslo",
+    "Hanoi",
+    "Montreal",
+    "Cairo",
+    "Perth",
+    "Bogota",
+    "Seoul",
+    "Dublin",
+)
 _FILLERS = (
-    "What's the baggage allowance?", "Can I bring my cat?", "Are meals included?",
-    "Is there wifi on board?", "Can I choose my seat?", "What about refunds?",
+    "What's the baggage allowance?",
+    "Can I bring my cat?",
+    "Are meals included?",
+    "Is there wifi on board?",
+    "Can I choose my seat?",
+    "What about refunds?",
     "Can I bring a surfboard?",  # no policy: the tool fails and a naive model retries
 )
-_FILLER_TOPICS = {"baggage": "baggage", "cat": "pets", "meals": "meals", "wifi": "wifi",
-                  "seat": "seats", "refunds": "refunds", "surfboard": "surfboards"}
+_FILLER_TOPICS = {
+    "baggage": "baggage",
+    "cat": "pets",
+    "meals": "meals",
+    "wifi": "wifi",
+    "seat": "seats",
+    "refunds": "refunds",
+    "surfboard": "surfboards",
+}
 
 
 def plans(trips: int, fillers_per_trip: int) -> list[TripPlan]:
@@ -410,9 +454,12 @@ def policy_model(call: ScriptedCall) -> Message | str:
     if step == "confirming":
         searches = [r for c, r in done if c.name == "search_flights"]
         if not searches:
-            return _call("search_flights", origin=known.get("origin", ""),
-                         destination=known.get("destination", ""),
-                         dates=known.get("dates", ""))
+            return _call(
+                "search_flights",
+                origin=known.get("origin", ""),
+                destination=known.get("destination", ""),
+                dates=known.get("dates", ""),
+            )
         best = searches[-1].split("\n", 1)[0].removeprefix("BEST: ")
         return (
             f"The best option is {best} from {known.get('origin')} to "

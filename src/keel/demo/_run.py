@@ -57,15 +57,23 @@ class _Worker:
     """One worker process and a reader thread for its stdout."""
 
     def __init__(self, workdir: Path, model: str, memory: bool) -> None:
-        command = [sys.executable, "-m", "keel.demo._worker", "--workdir", str(workdir),
-                   "--model", model]
+        command = [
+            sys.executable,
+            "-m",
+            "keel.demo._worker",
+            "--workdir",
+            str(workdir),
+            "--model",
+            model,
+        ]
         if not memory:
             command.append("--no-memory")
+        self._stderr = (workdir / "worker.stderr").open("ab")
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=(workdir / "worker.stderr").open("ab"),
+            stderr=self._stderr,
             text=True,
             bufsize=1,
         )
@@ -74,9 +82,12 @@ class _Worker:
 
     def _read(self, stream: IO[str] | None) -> None:
         assert stream is not None
-        for line in stream:
-            if line.strip():
-                self.lines.put(json.loads(line))
+        try:
+            for line in stream:
+                if line.strip():
+                    self.lines.put(json.loads(line))
+        except (OSError, ValueError):  # the pipe closed under us: the worker is gone
+            pass
         self.lines.put(None)
 
     def send(self, command: dict[str, Any]) -> None:
@@ -103,8 +114,10 @@ class _Worker:
         raise KeelRuntimeError(f"the demo worker did not answer within {timeout_s:g} s")
 
     def kill(self) -> None:
+        """SIGKILL: no cleanup, no flush, exactly like a crash."""
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        self._release()
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -114,6 +127,17 @@ class _Worker:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait()
+        self._release()
+
+    def _release(self) -> None:
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None and not stream.closed:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        self._stderr.close()
 
 
 def run_demo(
@@ -171,8 +195,9 @@ def run_demo(
             if customer.trip_index == kill_trip and message == "Yes, book it." and not resumed:
                 (workdir / "stall").write_text("stall the next send_itinerary")
             worker.send({"op": "say", "text": message})
-            reply = worker.receive(stalled=stalled if kill and not resumed else None,
-                                   timeout_s=turn_timeout_s)
+            reply = worker.receive(
+                stalled=stalled if kill and not resumed else None, timeout_s=turn_timeout_s
+            )
             if reply is None:
                 worker.kill()
                 stalled.unlink()

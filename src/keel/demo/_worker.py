@@ -56,9 +56,7 @@ def build_agent(workdir: Path, model_spec: str, *, memory: bool) -> tuple[Agent,
         state=StateStore(SQLiteStateBackend(database), AgentState),
         system_prompt=SYSTEM_PROMPT,
         rules=RULES,
-        tools=flight_tools(
-            airline, stall_file=workdir / "stall", stalled_file=workdir / "stalled"
-        ),
+        tools=flight_tools(airline, stall_file=workdir / "stall", stalled_file=workdir / "stalled"),
         machine=demo_machine(),
         memory=long_term,
         journal=SQLiteToolJournal(database),

@@ -545,9 +545,7 @@ class Agent:
             user = [m for m in messages[turn.base_messages - 1 :] if m.role == "user"][:1]
             kept = list(base.messages) + user + [result.final_message]
             base_data = dict(base.data)
-            base_data.update(
-                {_TURNS_KEY: data.get(_TURNS_KEY, 0), _OPEN_TURN_KEY: False}
-            )
+            base_data.update({_TURNS_KEY: data.get(_TURNS_KEY, 0), _OPEN_TURN_KEY: False})
             final_state = base.model_copy(
                 update={
                     "messages": kept,
@@ -594,9 +592,7 @@ class Agent:
             max_prompt_tokens=turn.max_prompt_tokens,
             prompt_limit=self.prompt_limit,
             loops_detected=result.loops_detected,
-            tool_calls=tuple(
-                r.tool for step in result.steps for r in step.tool_results
-            ),
+            tool_calls=tuple(r.tool for step in result.steps for r in step.tool_results),
             reverted=reverted or result.reverted,
             resumed=resume,
             error=result.error_message,
@@ -639,9 +635,7 @@ class Agent:
         from keel.memory import Scope
 
         assert self.memory is not None
-        user_text = next(
-            (m.content for m in reversed(turn.state.messages) if m.role == "user"), ""
-        )
+        user_text = next((m.content for m in reversed(turn.state.messages) if m.role == "user"), "")
         turn_number = int(turn.state.data.get(_TURNS_KEY, 0))
         self.memory.add(
             f"User: {user_text}\nAssistant: {result.text}",
@@ -736,4 +730,3 @@ def _run_status(status: str) -> Any:
     if status in ("loop_detected", "tool_in_doubt"):
         return "escalated"
     return "failed"
-
