@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,7 +116,7 @@ async def test_persistent_model_failure_reverts_and_counts_retries(
 async def test_step_limit_ends_cleanly(database: SQLiteDatabase, tmp_path: Path) -> None:
     always_tools = ScriptedModel(
         lambda call: ScriptedModel.tool_call(
-            "remember", '{"slot": "note", "value": "%d"}' % len(call.messages)
+            "remember", json.dumps({"slot": "note", "value": str(len(call.messages))})
         )
     )
     agent, _, _ = _agent(database, tmp_path, always_tools, guards=GuardConfig(max_steps=4))

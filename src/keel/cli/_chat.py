@@ -75,7 +75,7 @@ def chat_command(
         reply = await agent.handle(session, user, text)
         nonlocal last_run
         last_run = reply.run_id
-        return reply.text
+        return str(reply.text)
 
     # One event loop for the whole chat: model clients keep connections bound to it.
     runner = asyncio.Runner()

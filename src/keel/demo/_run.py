@@ -9,6 +9,7 @@ questions asked again after the crash, trips booked twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -133,10 +134,8 @@ class _Worker:
     def _release(self) -> None:
         for stream in (self.process.stdin, self.process.stdout):
             if stream is not None and not stream.closed:
-                try:
+                with contextlib.suppress(OSError):
                     stream.close()
-                except OSError:
-                    pass
         self._stderr.close()
 
 
@@ -248,7 +247,7 @@ def question_slot_answer(message: str) -> str | None:
         return "origin"
     if message.startswith("To "):
         return "destination"
-    if message.startswith("Travelling ") or message.startswith("Actually, change the dates"):
+    if message.startswith(("Travelling ", "Actually, change the dates")):
         return "dates"
     if message.endswith(" passengers."):
         return "passengers"

@@ -555,9 +555,14 @@ class Agent:
                 }
             )
             self._sessions.pop(turn.session_id, None)
-        if result.ok and self.machine is not None and position is not None:
-            if self.machine.is_terminal(position) and position.state != self.machine.failure:
-                await self._remember_run(turn)
+        if (
+            result.ok
+            and self.machine is not None
+            and position is not None
+            and self.machine.is_terminal(position)
+            and position.state != self.machine.failure
+        ):
+            await self._remember_run(turn)
         summary_data = await self._summarize(turn) if result.ok else {}
         if summary_data:
             final_state = final_state.model_copy(
