@@ -297,7 +297,7 @@ _FILLER_TOPICS = {
 }
 
 
-def plans(trips: int, fillers_per_trip: int) -> list[TripPlan]:
+def plans(trips: int, side_questions: int) -> list[TripPlan]:
     """Deterministic trips; every other one changes its dates at confirmation."""
     result = []
     for index in range(trips):
@@ -306,7 +306,7 @@ def plans(trips: int, fillers_per_trip: int) -> list[TripPlan]:
         day = 1 + (index * 3) % 27
         dates = f"2027-01-{day:02d} to 2027-01-{day + 1:02d}"
         new = f"2027-02-{day:02d} to 2027-02-{day + 2:02d}" if index % 2 == 1 else None
-        fill = tuple(_FILLERS[(index + k) % len(_FILLERS)] for k in range(fillers_per_trip))
+        fill = tuple(_FILLERS[(index + k) % len(_FILLERS)] for k in range(side_questions))
         result.append(TripPlan(origin, destination, dates, 1 + index % 4, new, fill))
     return result
 
