@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ from keel.errors import (
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel
+from keel.privacy import PIIMasker
 from keel.runtime._tool_loop import LoopHooks, LoopResult, StepRecord, ToolLoop
 from keel.state import AgentState, MachinePosition, StateMachine, StateStore
 from keel.tools import Tool, ToolJournal, ToolRegistry, tool
@@ -54,6 +55,7 @@ from keel.tracing import RunTrace, Tracer
 
 if TYPE_CHECKING:
     from keel.memory import Memory
+    from keel.settings import Settings
 
 __all__ = ["Agent", "AgentReply"]
 
@@ -67,6 +69,8 @@ _SUMMARIZED_KEY = "context_messages_summarized"
 _OPEN_TURN_KEY = "open_turn"
 _TURNS_KEY = "turns"
 _FINISHED_KEY = "finished_workflows"
+
+_DEFAULT_MASKER = PIIMasker()
 
 _FAILURE_REPLY = (
     "I'm sorry, something went wrong on my side and nothing was changed. Please try again."
@@ -145,6 +149,9 @@ class Agent:
         context: how the window is shared out (default: whole window, 12% answer reserve).
         guards: step and time limits, loop thresholds (defaults: the seed values).
         memory_budget_tokens: tokens retrieved memories may take.
+        masker: masks PII and secrets in every message at the door (user text, tool results,
+            model output), so prompts, checkpoints, memory and traces only ever hold
+            placeholders like ``<EMAIL_1>``. ``None`` turns masking off, explicitly.
         tenant_id: the tenant every memory read and write is scoped to.
         name: the agent's name in traces and death-spiral indicators.
     """
@@ -164,6 +171,7 @@ class Agent:
         context: ContextBudget | None = None,
         guards: GuardConfig | None = None,
         memory_budget_tokens: int = 800,
+        masker: PIIMasker | None = _DEFAULT_MASKER,
         tenant_id: str = "default",
         name: str = "agent",
     ) -> None:
@@ -179,6 +187,7 @@ class Agent:
         self.tracer = tracer or Tracer(None, agent=name)
         self.guards = guards or GuardConfig()
         self.memory_budget_tokens = memory_budget_tokens
+        self.masker = masker
         self.tenant_id = tenant_id
         self.name = name
         self.monitor = SpiralMonitor()
@@ -190,6 +199,81 @@ class Agent:
             raise UsageError(f"tool names {sorted(clash)} are reserved for the workflow")
         self._sessions: dict[str, _Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._owned: list[Callable[[], None]] = []
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def embedded(
+        cls,
+        model: ChatModel | str | None = None,
+        *,
+        system_prompt: str,
+        tools: Sequence[Tool] = (),
+        rules: Sequence[str] = (),
+        machine: StateMachine | None = None,
+        memory: bool = True,
+        settings: Settings | None = None,
+        **options: Any,
+    ) -> Agent:
+        """An agent on the embedded default: one SQLite file holds state, the tool journal,
+        traces and memory; the model is a spec (default: ``settings.model``) or a ChatModel.
+
+        ``options`` are passed to the constructor (``context=``, ``guards=``, ...). Close the
+        agent with :meth:`aclose` (or ``close``) to flush memory and release the database.
+        """
+        from keel.memory import Memory, default_embedder
+        from keel.models import resolve_model
+        from keel.privacy import mask_pii
+        from keel.settings import load_settings
+        from keel.stores import (
+            SQLiteMemoryStore,
+            SQLiteStateBackend,
+            SQLiteToolJournal,
+            open_database,
+        )
+        from keel.stores._sqlite_traces import SQLiteTraceStore
+
+        settings = settings or load_settings()
+        database = open_database(settings)
+        traces = SQLiteTraceStore(database)
+        traces.setup()
+        chat_model = (
+            model
+            if isinstance(model, ChatModel)
+            else resolve_model(model or settings.model, settings=settings)
+        )
+        long_term = (
+            Memory(SQLiteMemoryStore(database), embedder=default_embedder(), background=True)
+            if memory
+            else None
+        )
+        agent = cls(
+            chat_model,
+            state=StateStore(SQLiteStateBackend(database), AgentState),
+            system_prompt=system_prompt,
+            tools=tools,
+            rules=rules,
+            machine=machine,
+            memory=long_term,
+            journal=SQLiteToolJournal(database),
+            tracer=Tracer(traces, redact=mask_pii, agent=options.get("name", "agent")),
+            **options,
+        )
+        agent._owned.append(database.close)
+        if long_term is not None:
+            agent._owned.insert(0, long_term.close)
+        return agent
+
+    async def aclose(self) -> None:
+        """Flush memory's outbox and release what :meth:`embedded` opened."""
+        while self._owned:
+            await asyncio.to_thread(self._owned.pop(0))
+
+    def close(self) -> None:
+        """Sync twin of :meth:`aclose`."""
+        while self._owned:
+            self._owned.pop(0)()
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -294,6 +378,7 @@ class Agent:
         if not resume:
             turn_number = int(data.get(_TURNS_KEY, 0)) + 1
             data[_TURNS_KEY] = turn_number
+            text = self._mask(text)
             messages.append(Message.user(text, metadata={"turn": turn_number}))
         else:
             text = next((m.content for m in reversed(messages) if m.role == "user"), "")
@@ -381,10 +466,10 @@ class Agent:
     async def _before_model_call(
         self, turn: _Turn, step: int, history: list[Message]
     ) -> list[Message]:
-        new = history[turn.added_to_conversation :]
+        new = [self._mask_message(m) for m in history[turn.added_to_conversation :]]
         turn.conversation.extend(new)
+        messages = [*turn.state.messages[: turn.added_to_conversation], *new]
         turn.added_to_conversation = len(history)
-        messages = list(history)
         state = turn.state.model_copy(
             update={
                 "messages": messages,
@@ -493,6 +578,23 @@ class Agent:
             if session is not None:
                 session.version = turn.version
 
+    def _mask(self, text: str) -> str:
+        if self.masker is None or not text:
+            return text
+        return self.masker.mask_text(text, tenant_id=self.tenant_id)
+
+    def _mask_message(self, message: Message) -> Message:
+        if self.masker is None:
+            return message
+        content = self._mask(message.content)
+        calls = tuple(
+            call.model_copy(update={"arguments": self._mask(call.arguments)})
+            for call in message.tool_calls
+        )
+        if content == message.content and calls == message.tool_calls:
+            return message
+        return message.model_copy(update={"content": content, "tool_calls": calls})
+
     def _fingerprint(self, turn: _Turn) -> str:
         position = turn.position.model_dump_json() if turn.position is not None else ""
         return hashlib.sha256(position.encode()).hexdigest()[:16]
@@ -505,8 +607,8 @@ class Agent:
     # --- ending a turn ------------------------------------------------------------------------
 
     async def _commit(self, turn: _Turn, result: LoopResult, *, resume: bool) -> AgentReply:
-        messages = list(result.messages)
-        new = messages[turn.added_to_conversation :]
+        new = [self._mask_message(m) for m in result.messages[turn.added_to_conversation :]]
+        messages = [*turn.state.messages[: turn.added_to_conversation], *new]
         turn.conversation.extend(new)
         position = turn.position
         data = dict(turn.state.data)
