@@ -58,6 +58,8 @@ def test_empty_reply_is_detected() -> None:
         _reply("```python\nprint(1)\n```"),
         _reply('{"answer": "yes"}'),
         _reply("See you soon :-)"),
+        _reply("You are in seat 12A"),
+        _reply("We will go with plan A"),
         _reply(calls=(ToolCall(id="c", name="book", arguments='{"flight": "AF1"}'),)),
         _reply("Let me check that", calls=(ToolCall(id="c", name="book", arguments="{}"),)),
     ],

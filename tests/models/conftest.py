@@ -56,9 +56,15 @@ def fast_retry() -> RetryPolicy:
         max_attempts=3,
         initial_backoff_s=0.05,
         max_backoff_s=0.2,
-        attempt_timeout_s=0.5,
+        attempt_timeout_s=2.0,
         max_total_s=10,
     )
+
+
+@pytest.fixture
+def hang_retry(fast_retry: RetryPolicy) -> RetryPolicy:
+    """``fast_retry`` with a 0.5 s limit per attempt, for requests that never get an answer."""
+    return fast_retry.model_copy(update={"attempt_timeout_s": 0.5})
 
 
 @pytest.fixture

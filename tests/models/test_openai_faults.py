@@ -90,11 +90,11 @@ async def test_500_forever_ends_in_unavailable(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_hang_past_the_timeout(
-    fault_server: FaultServer, fast_retry: RetryPolicy, stream: bool
+    fault_server: FaultServer, hang_retry: RetryPolicy, stream: bool
 ) -> None:
     started = time.monotonic()
     with pytest.raises(ModelTimeoutError) as caught:
-        await run(model_for(fault_server, "hang", fast_retry), stream=stream)
+        await run(model_for(fault_server, "hang", hang_retry), stream=stream)
     elapsed = time.monotonic() - started
     assert caught.value.attempts == 3
     assert 1.5 <= elapsed < 5  # three 0.5 s attempts and two short waits
@@ -122,6 +122,15 @@ async def test_stream_cut_midway_is_truncated_not_retried(
     assert "".join(texts).startswith("Hello")  # the caller saw the start, then a typed error
     assert "broke after" in str(caught.value)
     assert fault_server.count("cut_stream") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_cut_before_any_chunk_is_retried(
+    fault_server: FaultServer, fast_retry: RetryPolicy, stream: bool
+) -> None:
+    completion = await run(model_for(fault_server, "cut_early:1", fast_retry), stream=stream)
+    assert completion.attempts == 2
+    assert completion.text == "Hello from the fault server."
 
 
 async def test_body_cut_without_streaming_is_retried_then_unavailable(
@@ -215,3 +224,16 @@ def test_request_carries_options(fault_server: FaultServer, fast_retry: RetryPol
     assert body["response_format"] == {"type": "json_object"}
     assert body["tools"][0]["function"]["name"] == "f"
     assert body["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_sync_stream_is_live_and_can_stop_early(
+    fault_server: FaultServer, fast_retry: RetryPolicy
+) -> None:
+    model = model_for(fault_server, "ok", fast_retry)
+    first = None
+    for chunk in model.stream(HI):
+        first = chunk
+        break
+    assert first is not None and first.text == "Hello " and first.completion is None
+    with pytest.raises(TruncatedResponseError):  # errors cross the thread, typed
+        list(model_for(fault_server, "cut_stream", fast_retry).stream(HI))

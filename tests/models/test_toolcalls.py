@@ -87,7 +87,8 @@ def test_real_prose_is_just_text() -> None:
             [("get_weather", {"city": "Oslo"})],
         ),
         (
-            '{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}',
+            '{"type": "function", "function": '
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}}',
             [("get_weather", {"city": "Oslo"})],
         ),
         (

@@ -307,6 +307,7 @@ async def test_hooks_see_every_step_and_can_replace_the_prompt() -> None:
     assert result.ok
     assert prompts == [(10, 2), (11, 4)]
     assert [r.step for r in records] == [10, 11] == [s.step for s in result.steps]
+    assert result.next_step == 12
     assert model.calls[0].messages[0].content == "compiled" and len(model.calls[1].messages) == 2
 
 
@@ -355,3 +356,53 @@ async def test_model_sees_the_schema_of_every_tool() -> None:
 
     result = await ToolLoop(ScriptedModel(policy), REGISTRY).arun(USER, session_id="s1")
     assert result.text == "book_flight,get_weather,lookup"
+
+
+def test_a_hung_sync_tool_does_not_hold_the_run_or_the_process() -> None:
+    import threading
+    import time
+
+    release = threading.Event()
+
+    @tool(timeout_s=0.05)
+    def stuck(path: str) -> str:
+        """Read a file from a network share that hangs."""
+        release.wait(30)
+        return path
+
+    model = ScriptedModel([call("stuck", {"path": "/x"}), "The share is not answering."])
+    started = time.perf_counter()
+    result = ToolLoop(model, ToolRegistry([stuck])).run(USER, session_id="s1")
+    elapsed = time.perf_counter() - started
+    release.set()
+    assert result.ok and result.steps[0].tool_results[0].status == "timeout"
+    assert elapsed < 5  # asyncio.run did not wait for the hung thread
+
+
+async def test_tools_can_be_given_as_a_list() -> None:
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    model = ScriptedModel([call("add", {"a": 2, "b": "3"}), "5"])
+    result = await ToolLoop(model, [add, get_weather]).arun(USER, session_id="s1")
+    assert result.ok and result.steps[0].tool_results[0].content == "5"
+    assert ToolLoop(model).registry.names == []
+
+
+async def test_results_serialize_for_traces_whatever_the_tools_return() -> None:
+    class Opaque:
+        def __str__(self) -> str:
+            return "opaque-object"
+
+    @tool
+    def fetch(key: str) -> Opaque:
+        """Fetch an object."""
+        return Opaque()
+
+    model = ScriptedModel([call("fetch", {"key": "k"}), "Fetched."])
+    result = await ToolLoop(model, [fetch]).arun(USER, session_id="s1")
+    dumped = json.loads(result.model_dump_json())
+    assert dumped["steps"][0]["tool_results"][0]["output"] == "opaque-object"
+    assert dumped["status"] == "completed" and "error" not in dumped
+    assert LoopResult.model_fields["error"].exclude

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.bench.faults import kill_and_resume
+from keel.bench.faults import kill_and_resume, resume_after_kill
 from keel.stores import SQLiteDatabase, SQLiteToolJournal
 
 
@@ -38,3 +38,14 @@ def test_killed_after_the_result_was_journalled_the_result_is_replayed(tmp_path:
     entry = SQLiteToolJournal(db).get(keys[0][0])
     db.close()
     assert entry is not None and entry.status == "succeeded" and entry.attempts == 1
+
+
+@pytest.mark.slow
+def test_without_the_journal_the_same_crash_books_twice(tmp_path: Path) -> None:
+    """The control: the check above can fail. Lose the journal and the resumed run re-books."""
+    outcome = kill_and_resume(tmp_path, number=0, seed=2)
+    assert outcome.bookings == 1
+    for leftover in tmp_path.glob("journal.db*"):
+        leftover.unlink()
+    again = resume_after_kill(tmp_path, "kill-2-0", "in_tool")
+    assert again.bookings == 2 and again.doubles == 1

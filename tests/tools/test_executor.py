@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Annotated
 
 import pytest
@@ -15,6 +16,7 @@ from keel.errors import (
     UnknownToolError,
 )
 from keel.messages import ToolCall
+from keel.stores import SQLiteDatabase, SQLiteToolJournal
 from keel.tools import InMemoryJournal, ToolContext, ToolExecutor, ToolRegistry, tool
 
 executions: list[str] = []
@@ -193,3 +195,32 @@ async def test_side_effect_free_tools_are_not_journalled() -> None:
     journal = InMemoryJournal()
     result = await _run(_executor(journal), "explode", '{"reason": "x"}')
     assert result.idempotency_key is None and journal.entries() == []
+
+
+async def test_no_journal_no_side_effect(tmp_path: Path) -> None:
+    db = SQLiteDatabase(tmp_path / "keel.db")
+    executor = ToolExecutor(ToolRegistry([book_flight]), journal=SQLiteToolJournal(db))
+    db.close()  # the database goes away before the call
+    result = await _run(executor, "book_flight", '{"flight": "AF1", "passengers": 1}')
+    assert result.status == "failed" and not result.executed and executions == []
+    assert "was not run" in result.content and result.error_type == "StoreError"
+
+
+async def test_a_lost_result_record_leaves_the_call_in_doubt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = SQLiteDatabase(tmp_path / "keel.db")
+    journal = SQLiteToolJournal(db)
+
+    @tool(side_effect=True)
+    def pay(amount: int) -> str:
+        """Pay."""
+        db.close()  # the database goes away while the tool runs
+        return f"paid {amount}"
+
+    result = await _run(ToolExecutor(ToolRegistry([pay]), journal=journal), "pay", '{"amount": 3}')
+    assert result.ok and result.content == "paid 3"
+    assert "stays in doubt" in caplog.text
+    reopened = SQLiteToolJournal(SQLiteDatabase(tmp_path / "keel.db"))
+    assert [entry.tool for entry in reopened.in_doubt()] == ["pay"]
+    reopened.db.close()

@@ -108,6 +108,11 @@ def test_list_tool_error_finds_the_failing_run(
     assert runs[0]["status"] == "failed" and runs[0]["tool_errors"] == 1
     everything = _last_json(keel("runs", "list", "--json"))
     assert everything["count"] == 3
+    assert _last_json(keel("runs", "list", "--agent", "booker", "--json"))["count"] == 3
+    assert _last_json(keel("runs", "list", "--agent", "nobody", "--json"))["count"] == 0
+    assert _last_json(keel("runs", "list", "--status", "failed", "--json"))["count"] == 1
+    bad = keel("runs", "list", "--status", "exploded")
+    assert bad.returncode == 2 and "unknown status" in bad.stderr
     plain = keel("runs", "list", "--session", "s-short")
     assert plain.returncode == 0 and filled["short"][:12] in plain.stdout
     assert filled["long"][:12] not in plain.stdout
@@ -171,6 +176,9 @@ def test_stats_json_has_the_indicators(filled: dict[str, str], keel: Callable[..
     assert long["ttft_p50_ms"] is not None
     assert by_id["s-fail"]["loops_caught"] == 1
     assert payload["warnings"] >= 2
+    lenient = _last_json(keel("runs", "stats", "--session", "s-fail", "--max-loops", "1", "--json"))
+    assert lenient["thresholds"]["max_loops"] == 1
+    assert not any("loops" in w for s in lenient["sessions"] for w in s["warnings"])
     plain = keel("runs", "stats", "--session", "s-fail")
     assert plain.returncode == 0 and "loops caught" in plain.stdout
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keel.tracing import redact_json, redact_secrets
 
@@ -71,3 +73,25 @@ def test_json_values_are_redacted_recursively() -> None:
     flat = repr(masked)
     assert SECRETS["email"] not in flat and SECRETS["aws"] not in flat
     assert masked["n"] == 1.5 and masked["user"]["keys"][1:] == [3, None, True]
+
+
+_SEPARATORS = st.sampled_from([" ", "\n", '"', "'", ":", "=", ",", "(", ")", "[", "]", "{", "}"])
+_WORDS = st.text(alphabet="abcdefghij KLMNOP 0123.,!?\n", max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    kind=st.sampled_from(sorted(SECRETS)),
+    before=_WORDS,
+    after=_WORDS,
+    left=_SEPARATORS,
+    right=_SEPARATORS,
+)
+def test_no_secret_survives_in_any_surrounding_text(
+    kind: str, before: str, after: str, left: str, right: str
+) -> None:
+    secret = SECRETS[kind]
+    text = f"{before}{left}{secret}{right}{after}"
+    masked = redact_secrets(text)
+    assert secret not in masked
+    assert redact_secrets(masked) == masked

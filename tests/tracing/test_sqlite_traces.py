@@ -21,6 +21,15 @@ class TestSQLiteTraceStore(TraceStoreConformance):
         store.close()
 
 
+class TestInMemorySQLiteTraceStore(TraceStoreConformance):
+    @pytest.fixture
+    def trace_store(self) -> Iterator[TraceStore]:
+        store = SQLiteTraceStore(":memory:")
+        store.setup()
+        yield store
+        store.close()
+
+
 def test_traces_share_the_database_file_as_their_own_component(tmp_path: Path) -> None:
     db = SQLiteDatabase(tmp_path / "keel.db")
     store = SQLiteTraceStore(db)

@@ -311,3 +311,71 @@ async def test_a_run_resumes_async(store: SQLiteTraceStore) -> None:
     await resumed.arecord("model", "m2")
     await resumed.aend()
     assert [s.seq for s in store.get_steps(run.run_id)] == [0, 1]
+
+
+async def test_a_scripted_model_loop_traced_from_completions(store: SQLiteTraceStore) -> None:
+    from keel.messages import Message
+    from keel.testing import ScriptedModel
+
+    model = ScriptedModel(
+        [
+            ScriptedModel.tool_call("find_order", '{"order_id": "A1", "email": "bo@example.com"}'),
+            "Your order A1 ships tomorrow.",
+        ]
+    )
+    tracer = Tracer(store, agent="support")
+    messages = [Message.user("where is A1? I'm bo@example.com")]
+    async with await tracer.astart_run("s1", input=messages[0].content) as run:
+        for _ in range(3):
+            async with run.step("model", model.spec, state_version=1) as call:
+                completion = await model.acomplete(messages)
+                call.update(completion=completion)
+            messages.append(completion.message)
+            if not completion.message.tool_calls:
+                break
+            for tool_call in completion.message.tool_calls:
+                async with run.step(
+                    "tool",
+                    tool_call.name,
+                    parent=call,
+                    tool_call_id=tool_call.id,
+                    tool_arguments=tool_call.arguments,
+                ) as tool:
+                    tool.update(tool_result="shipped")
+                messages.append(Message.tool(tool_call.id, "shipped"))
+        await run.aend(output=completion.message.content)
+    detail = store.get_run_detail(run.run_id)
+    assert detail is not None
+    first, tool_step, second = detail.steps
+    assert first.finish_reason == "tool_calls" and second.finish_reason == "stop"
+    assert first.model == "scripted:gpt-4o-mini" and first.ttft_ms is not None
+    assert second.prompt_tokens == completion.usage.prompt_tokens > first.prompt_tokens > 0
+    assert first.raw_output is not None and '"find_order"' in first.raw_output
+    assert "bo@example.com" not in (first.raw_output or "") + (tool_step.tool_arguments or "")
+    assert tool_step.parent_id == first.step_id and tool_step.tool_call_id is not None
+    assert second.raw_output == "Your order A1 ships tomorrow."
+    assert detail.run.output == "Your order A1 ships tomorrow."
+    assert detail.run.model_calls == 2 and detail.run.tool_calls == 1
+    assert detail.run.prompt_tokens == first.prompt_tokens + second.prompt_tokens > 0
+
+
+def test_a_failed_run_start_is_retried_with_the_next_write(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = SQLiteDatabase(tmp_path / "keel.db", busy_timeout_ms=50)
+    store = SQLiteTraceStore(db)
+    store.setup()
+    blocker = sqlite3.connect(tmp_path / "keel.db", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another writer holds the lock
+    tracer = Tracer(store)
+    run = tracer.start_run("s1", input="hello")
+    assert tracer.write_failures == 1  # the header could not be written
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    run.record("model", "m", prompt_tokens=3)
+    run.end(output="bye")
+    stored = store.get_run(run.run_id)
+    assert stored is not None and stored.input == "hello" and stored.output == "bye"
+    assert stored.step_count == 1 and tracer.write_failures == 1
+    store.close()
+    db.close()

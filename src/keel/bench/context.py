@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from keel.context import ContextBudget, ContextEngine
+from keel.errors import UsageError
 from keel.messages import Message, ToolCall
 
 __all__ = ["check_prompt", "run_context_benchmark", "synthetic_conversation"]
@@ -221,18 +222,30 @@ def _percentile(values: Sequence[float], fraction: float) -> float:
     return ordered[index]
 
 
+def _spread(values: Sequence[int]) -> list[float]:
+    if len(values) < 2:
+        return [float(v) for v in values] * 2
+    deciles = statistics.quantiles(values, n=10)
+    return [round(deciles[0], 1), round(deciles[-1], 1)]
+
+
 def _langchain_baseline(
     counter_of: Callable[[Message], int], priming: int, limit: int
 ) -> tuple[Callable[[Message], None], Callable[[], dict[str, Any]]]:
     """The trim_messages baseline: ``add`` a keel message, ``trim`` at each model call."""
-    from langchain_core.messages import (
-        AIMessage,
-        BaseMessage,
-        HumanMessage,
-        SystemMessage,
-        ToolMessage,
-        trim_messages,
-    )
+    try:
+        from langchain_core.messages import (
+            AIMessage,
+            BaseMessage,
+            HumanMessage,
+            SystemMessage,
+            ToolMessage,
+            trim_messages,
+        )
+    except ImportError as exc:
+        raise UsageError(
+            "the trim_messages baseline needs langchain-core: pip install 'keel[bench]'"
+        ) from exc
 
     sizes: dict[int, int] = {}
     system = SystemMessage(content=SYSTEM_PROMPT + "\n" + "\n".join(RULES))
@@ -304,7 +317,7 @@ def run_context_benchmark(
     tools_tokens = counter.count_tools(TOOLS)
     # trim_messages knows nothing of tool schemas: give it the room they leave.
     lc_add, lc_trim = _langchain_baseline(
-        counter.count_message, engine._priming, budget.limit - tools_tokens
+        counter.count_message, engine.reply_priming_tokens, budget.limit - tools_tokens
     )
     rules_first_line = "Operating rules"
     script = synthetic_conversation(turns, seed)
@@ -317,7 +330,7 @@ def run_context_benchmark(
     violation_examples: list[str] = []
     max_prompt = 0
     degraded = 0
-    full_tokens = counter.count_message(Message.system(SYSTEM_PROMPT)) + engine._priming
+    full_tokens = counter.count_message(Message.system(SYSTEM_PROMPT)) + engine.reply_priming_tokens
     full_tokens += counter.count_message(Message.system("\n".join(RULES))) + tools_tokens
     full_over_budget = 0
     full_over_window = 0
@@ -328,6 +341,7 @@ def run_context_benchmark(
     ingest_ms = 0.0
     compiles = 0
     tool_sizes: list[int] = []
+    outside: list[int] = []
 
     def model_call(first: bool) -> None:
         nonlocal violations, max_prompt, degraded, compiles
@@ -347,6 +361,8 @@ def run_context_benchmark(
                 violation_examples.append("; ".join(problems))
         max_prompt = max(max_prompt, exact)
         degraded += bool(prompt.report.degradations)
+        if prompt.report.turns_outside_window:
+            outside.append(prompt.report.turns_outside_window)
         if first:
             first_prompt_tokens.append(exact)
         lc = lc_trim()
@@ -416,10 +432,16 @@ def run_context_benchmark(
         if prompt_100 and prompt_last
         else None,
         "prompt_tokens_mean": round(statistics.fmean(first_prompt_tokens), 1),
+        # Spread of the per-turn prompt once the summary is established (turn 100 on).
+        "prompt_tokens_p10_p90": _spread(first_prompt_tokens[min(99, turns - 1) :]),
         "assembly_ms_p50": round(_percentile(assembly_ms, 0.50), 4),
         "assembly_ms_p99": round(_percentile(assembly_ms, 0.99), 4),
         "assembly_ms_max": round(max(assembly_ms), 4),
         "degraded_compiles": degraded,
+        # Turns held raw but left out of a prompt while a large recent output took the room
+        # (they return once it is pruned); the summary does not cover them meanwhile.
+        "compiles_with_turns_outside_window": len(outside),
+        "turns_outside_window_mean": round(statistics.fmean(outside), 1) if outside else 0.0,
         "ingest_ms_total": round(ingest_ms, 1),
         "summarizer": {
             "name": type(engine.summarizer).__name__,

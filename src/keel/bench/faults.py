@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from keel.errors import GuardError, ModelUnavailableError
 from keel.guards import GuardConfig, SpiralMonitor
@@ -69,14 +69,15 @@ FAULTS = (
     "slow_run",
     "structured_output",
     "crash_resume",
+    "mixed",
 )
-"""The fault kinds a run can draw."""
+"""The fault kinds a run can draw (``mixed``: several of the recoverable ones in one run)."""
 
 _GUARDS = GuardConfig(
     max_steps=8,
     run_timeout_s=2.0,
-    model_timeout_s=0.05,
-    tool_timeout_s=0.05,
+    model_timeout_s=0.1,
+    tool_timeout_s=0.1,
     max_output_chars=500,
 )
 _SLOW_GUARDS = _GUARDS.model_copy(update={"run_timeout_s": 0.15})
@@ -94,8 +95,8 @@ class _Crash(BaseException):
 class Answer(BaseModel):
     """The structured answer of the structured-output fault."""
 
-    flight: str
-    seats: int
+    flight: str = Field(description="Flight number.")
+    seats: int = Field(description="Seats booked.")
 
 
 @dataclass
@@ -341,6 +342,22 @@ def _plan(fault: str, rng: random.Random) -> tuple[list[Any], dict[str, Any]]:
         else:
             action = _call("book_flight", {"flight": "KL7", "passengers": 2})
         plan = [*lead, action, _FINAL]
+    elif fault == "mixed":
+        fragments: list[list[Any]] = [
+            [_call(rng.choice(["serch_flights", "weather"]), "{}")],
+            [_call("book_flight", rng.choice(_REPAIRABLE))],
+            [
+                _call("book_flight", rng.choice(_INVALID)),
+                _call("book_flight", {"flight": "KL8", "passengers": 1}),
+            ],
+            [_call("flaky_lookup", {"code": rng.randint(1, 99)})],
+            [_call("export_history", {"lines": 300})],
+            [_call("slow_report", {"seconds": 30})],
+            [_truncated(rng.choice(["length", "fence", "empty"]))],
+            [_valid(rng)],
+        ]
+        chosen = rng.sample(fragments, rng.randint(2, 3))
+        plan = [*lead, *[reply for fragment in chosen for reply in fragment], _FINAL]
     else:  # pragma: no cover - FAULTS is exhaustive
         raise ValueError(fault)
     return plan, settings
@@ -479,20 +496,30 @@ async def _one_run(
 class FaultBenchReport(BaseModel):
     """The figures of one ``keel bench faults`` run."""
 
-    runs: int
-    unhandled_exceptions: int
-    ended_within_limits: int
-    loops_detected: int
-    repairs: int
-    double_executions: int
-    state_reverted_on_limit: int
-    limit_hits: int
-    resumed_after_crash: int
-    killed_subprocesses: int
-    idempotent_reruns: int
-    seconds: float
-    by_fault: dict[str, dict[str, int]]
-    failures: list[str]
+    runs: int = Field(description="Runs in all, the SIGKILLed subprocess runs included.")
+    unhandled_exceptions: int = Field(description="Runs that raised instead of ending (target 0).")
+    ended_within_limits: int = Field(
+        description="Runs that ended within their step limit and wall-clock limit (target: all)."
+    )
+    loops_detected: int = Field(description="Loop detections (warnings and stops).")
+    repairs: int = Field(description="Tool calls whose arguments were repaired and then ran.")
+    double_executions: int = Field(
+        description="Non-idempotent side-effecting calls that ran twice for one key (target 0)."
+    )
+    state_reverted_on_limit: int = Field(
+        description="Runs stopped by a guard whose revert_to_last_good hook was called."
+    )
+    limit_hits: int = Field(description="Runs stopped by a guard (step, time, loop).")
+    resumed_after_crash: int = Field(description="Runs crashed mid-tool-call and resumed.")
+    killed_subprocesses: int = Field(description="Of those, real subprocesses SIGKILLed.")
+    idempotent_reruns: int = Field(
+        description="In-doubt idempotent calls run again on resume (allowed by their policy)."
+    )
+    seconds: float = Field(description="Wall time of the benchmark.")
+    by_fault: dict[str, dict[str, int]] = Field(
+        description="Per fault kind: runs, and how many ended with each status."
+    )
+    failures: list[str] = Field(description="The first unhandled exceptions, if any.")
 
 
 def run_fault_bench(

@@ -8,12 +8,12 @@ import typer
 
 from keel.cli._app import app, bench_app, emit_json, out_console
 from keel.errors import UsageError
+from keel.tracing._render import STATUS_STYLE, format_ms
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.tree import Tree
 
-    from keel.tracing import Run, RunDetail, SessionStats, Step, StepNode, TraceStore
+    from keel.tracing import SessionStats, StepNode, TraceStore
 
 runs_app = typer.Typer(
     help="Run traces: list runs, show one as a tree of steps, death-spiral indicators.",
@@ -44,34 +44,6 @@ def _console() -> Console:
     return Console(highlight=False, width=200)
 
 
-def _ms(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value >= 10_000:
-        return f"{value / 1000:.1f} s"
-    if value < 10:
-        return f"{value:.1f} ms"
-    return f"{value:.0f} ms"
-
-
-def _when(run: Run) -> str:
-    return run.started_at.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _clip(text: str, limit: int) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
-_STATUS_STYLE = {
-    "running": "cyan",
-    "succeeded": "green",
-    "failed": "red",
-    "limited": "yellow",
-    "escalated": "magenta",
-}
-
-
 @runs_app.command("list")
 def list_command(
     session: Annotated[str | None, typer.Option("--session", help="Only this session.")] = None,
@@ -91,6 +63,7 @@ def list_command(
     since: SinceOption = None,
     user: Annotated[str | None, typer.Option("--user", help="Only this user.")] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
+    agent: Annotated[str | None, typer.Option("--agent", help="Only this agent.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most N runs.")] = 50,
     as_json: JsonOption = False,
 ) -> None:
@@ -108,6 +81,7 @@ def list_command(
                 "session_id": session,
                 "user_id": user,
                 "tenant_id": tenant,
+                "agent": agent,
                 "status": status,
                 "min_steps": min_steps,
                 "tool_error": True if tool_error else None,
@@ -142,14 +116,14 @@ def list_command(
     table.add_column("tokens in/out", justify="right")
     table.add_column("tool errors", justify="right")
     for run in runs:
-        style = _STATUS_STYLE.get(run.status, "")
+        style = STATUS_STYLE.get(run.status, "")
         table.add_row(
             run.run_id[:12],
             run.session_id,
             run.agent,
             f"[{style}]{run.status}[/]",
-            _when(run),
-            _ms(run.duration_ms),
+            run.started_at.strftime("%Y-%m-%d %H:%M:%S"),
+            format_ms(run.duration_ms),
             str(run.step_count),
             f"{run.prompt_tokens}/{run.completion_tokens}",
             str(run.tool_errors) if run.tool_errors else "",
@@ -158,72 +132,8 @@ def list_command(
     _console().print(f"{len(runs)} run(s); `keel runs show RUN` for details")
 
 
-def _label(step: Step, width: int) -> str:
-    from rich.markup import escape
-
-    kind_style = {"model": "cyan", "tool": "magenta", "guard": "yellow", "reset": "red"}
-    parts = [f"[{kind_style.get(step.kind, 'blue')}]{step.kind}[/] [bold]{escape(step.name)}[/]"]
-    parts.append(_ms(step.latency_ms))
-    if step.ttft_ms is not None:
-        parts.append(f"ttft {_ms(step.ttft_ms)}")
-    if step.prompt_tokens or step.completion_tokens:
-        parts.append(f"{step.prompt_tokens}→{step.completion_tokens} tok")
-    if step.attempt > 1:
-        parts.append(f"[yellow]attempt {step.attempt}[/]")
-    if step.state_version is not None:
-        parts.append(f"state v{step.state_version}")
-    if step.finish_reason:
-        parts.append(f"finish {escape(step.finish_reason)}")
-    line = " · ".join(parts)
-    if step.error_type:
-        message = escape(_clip(step.error_message or "", width))
-        line += f"\n[red]✗ {escape(step.error_type)}[/]: {message}"
-    if step.tool_arguments is not None:
-        line += f"\n[dim]args[/] {escape(_clip(step.tool_arguments, width))}"
-    if step.tool_result is not None:
-        size = len(step.tool_result)
-        line += f"\n[dim]result ({size} chars)[/] {escape(_clip(step.tool_result, width))}"
-    if step.raw_output:
-        line += f"\n[dim]output[/] {escape(_clip(step.raw_output, width))}"
-    return line
-
-
-def _add(tree: Tree, nodes: list[StepNode], width: int) -> None:
-    for node in nodes:
-        branch = tree.add(_label(node.step, width))
-        _add(branch, node.children, width)
-
-
 def _tree_json(nodes: list[StepNode]) -> list[dict[str, Any]]:
     return [{"step_id": node.step.step_id, "children": _tree_json(node.children)} for node in nodes]
-
-
-def _render(detail: RunDetail, width: int) -> Tree:
-    from rich.markup import escape
-    from rich.tree import Tree
-
-    run = detail.run
-    style = _STATUS_STYLE.get(run.status, "")
-    header = (
-        f"[bold]run {run.run_id}[/] · [{style}]{run.status}[/] · session {escape(run.session_id)}"
-        f" · agent {escape(run.agent)}"
-    )
-    if run.user_id:
-        header += f" · user {escape(run.user_id)}"
-    header += (
-        f"\n{_when(run)} UTC · {_ms(run.duration_ms)} · {run.step_count} steps · "
-        f"{run.prompt_tokens}→{run.completion_tokens} tok · {run.model_calls} model calls · "
-        f"{run.tool_calls} tool calls ({run.tool_errors} failed)"
-    )
-    if run.input:
-        header += f"\n[dim]input[/] {escape(_clip(run.input, width))}"
-    if run.output:
-        header += f"\n[dim]output[/] {escape(_clip(run.output, width))}"
-    if run.error_type:
-        header += f"\n[red]✗ {escape(run.error_type)}[/]: {escape(run.error_message or '')}"
-    tree = Tree(header)
-    _add(tree, detail.tree(), width)
-    return tree
 
 
 @runs_app.command("show")
@@ -235,6 +145,8 @@ def show_command(
     as_json: JsonOption = False,
 ) -> None:
     """Show one run as a tree of its steps, with tokens and timings."""
+    from keel.tracing import render_run
+
     with _store() as store:
         run_id = store.resolve_run_id(run)
         detail = store.get_run_detail(run_id) if run_id else None
@@ -245,7 +157,7 @@ def show_command(
         payload["tree"] = _tree_json(detail.tree())
         emit_json(payload)
         return
-    _console().print(_render(detail, 1_000_000 if full else 120))
+    _console().print(render_run(detail, width=1_000_000 if full else 120))
 
 
 def _stats_table(stats: list[SessionStats]) -> Any:
@@ -267,8 +179,8 @@ def _stats_table(stats: list[SessionStats]) -> Any:
             f"{item.avg_prompt_tokens:.0f}",
             f"[yellow]{trend} ↑[/]" if item.prompt_creeping else trend,
             str(item.state_resets),
-            _ms(item.ttft_p50_ms),
-            _ms(item.ttft_p95_ms),
+            format_ms(item.ttft_p50_ms),
+            format_ms(item.ttft_p95_ms),
             str(item.loops_caught),
         )
     return table
@@ -291,6 +203,12 @@ def stats_command(
     max_ttft_p95_ms: Annotated[
         float, typer.Option("--max-ttft-p95-ms", min=0, help="Warn above this p95 TTFT.")
     ] = 5000.0,
+    max_state_resets: Annotated[
+        int, typer.Option("--max-state-resets", min=0, help="Warn above this many resets.")
+    ] = 0,
+    max_loops: Annotated[
+        int, typer.Option("--max-loops", min=0, help="Warn above this many loops caught.")
+    ] = 0,
     as_json: JsonOption = False,
 ) -> None:
     """Death-spiral indicators per session: retries, prompt growth, resets, TTFT, loops."""
@@ -302,6 +220,8 @@ def stats_command(
         max_retry_rate=max_retry_rate,
         max_prompt_growth=max_prompt_growth or 1e-9,
         max_ttft_p95_ms=max_ttft_p95_ms or 1e-9,
+        max_state_resets=max_state_resets,
+        max_loops=max_loops,
     )
     with _store() as store:
         stats = store.session_stats(

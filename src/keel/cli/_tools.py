@@ -1,12 +1,16 @@
-"""``keel bench faults``: the tool loop against thousands of seeded faulty runs."""
+"""``keel bench faults`` (the tool loop against seeded faulty runs) and ``keel tools ...``
+(an operator's view of the exactly-once journal)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from keel.cli._app import bench_app, emit_json, out_console
+from keel.cli._app import app, bench_app, emit_json, out_console
+
+if TYPE_CHECKING:
+    from keel.tools import ToolJournal
 
 
 @bench_app.command("faults")
@@ -49,3 +53,67 @@ def bench_faults_command(
         out_console.print(f"  {fault:<22} {row['runs']:>4} runs: {detail}")
     for failure in report.failures:
         out_console.print(f"  [red]failure[/] {failure}", markup=True)
+
+
+tools_app = typer.Typer(
+    help="Operate on the tool journal: side-effecting calls that are in doubt after a crash.",
+    no_args_is_help=True,
+)
+app.add_typer(tools_app, name="tools")
+
+
+def _journal() -> ToolJournal:
+    from keel.settings import load_settings
+    from keel.stores import PostgresToolJournal, SQLiteToolJournal, open_database
+
+    settings = load_settings()
+    if settings.sqlite_path is None:
+        return PostgresToolJournal(settings.database_url)
+    return SQLiteToolJournal(open_database(settings))
+
+
+@tools_app.command("in-doubt")
+def tools_in_doubt_command(
+    session: Annotated[
+        str | None, typer.Option("--session", help="Only this session's calls.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """List side-effecting calls that started and recorded no result (check them by hand)."""
+    entries = _journal().in_doubt(session)
+    if as_json:
+        emit_json({"in_doubt": [entry.model_dump() for entry in entries]})
+        return
+    if not entries:
+        out_console.print("no tool calls in doubt")
+        return
+    for entry in entries:
+        out_console.print(
+            f"{entry.key}  session={entry.session_id} step={entry.step} "
+            f"tool={entry.tool} attempts={entry.attempts} arguments={entry.arguments}"
+        )
+
+
+@tools_app.command("resolve")
+def tools_resolve_command(
+    key: Annotated[str, typer.Argument(help="The idempotency key of the in-doubt call.")],
+    outcome: Annotated[
+        str, typer.Option("--outcome", help="What really happened: 'succeeded' or 'failed'.")
+    ],
+    content: Annotated[
+        str, typer.Option("--content", help="The result the model will be shown on resume.")
+    ],
+) -> None:
+    """Record the outcome of an in-doubt call after checking it by hand."""
+    from keel.errors import UsageError
+
+    if outcome not in ("succeeded", "failed"):
+        raise UsageError(f"--outcome must be 'succeeded' or 'failed', not {outcome!r}")
+    journal = _journal()
+    entry = journal.get(key)
+    if entry is None:
+        raise UsageError(f"no tool call {key!r} in the journal")
+    if not entry.in_doubt:
+        raise UsageError(f"tool call {key!r} is not in doubt: its result is recorded")
+    journal.resolve(key, ok=outcome == "succeeded", content=content)
+    out_console.print(f"{key}: recorded as {outcome}")

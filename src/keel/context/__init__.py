@@ -36,6 +36,7 @@ from keel.context._summarize import (
     ModelSummarizer,
     Summarizer,
     SummaryRequest,
+    summarizer_for,
 )
 
 __all__ = [
@@ -60,4 +61,5 @@ __all__ = [
     "SummaryRequest",
     "Turn",
     "render_prompt",
+    "summarizer_for",
 ]

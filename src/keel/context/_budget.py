@@ -139,8 +139,10 @@ class PruningPolicy(BaseModel):
     """How tool results are cut once they are no longer among the newest messages.
 
     A pruned result keeps its head and tail around a marker that states the original size in
-    tokens, e.g. ``[... 18734 of 20000 tokens of tool output pruned ...]``. The full output is
-    not kept by the context engine; the compiled prompt's report carries it for the trace.
+    tokens (``[... tool output pruned: the original had 20000 tokens; ...]``), and carries
+    ``metadata["keel_cut"] = {"how": ..., "original_tokens": ...}`` (metadata is never sent).
+    The context engine does not keep full outputs beyond the raw history; each compiled
+    prompt's report carries the original of every cut message for the trace.
     """
 
     model_config = _FROZEN
@@ -152,6 +154,15 @@ class PruningPolicy(BaseModel):
     )
     max_tokens: int = Field(
         default=400, ge=16, description="Older tool results are cut to about this many tokens."
+    )
+    recent_share: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "A recent tool result may take at most this share of the recent-turns budget; a "
+            "larger one is cut to it, so one giant output cannot push the conversation out."
+        ),
     )
     hard_max_tokens: int = Field(
         default=96,
@@ -180,25 +191,40 @@ class SummaryPolicy(BaseModel):
     summary until it is back under ``target_ratio`` (and ``max_turns``), keeping at least
     ``keep_turns`` turns and the whole current turn raw.
 
-    The defaults (trigger 0.95, target 0.8) keep the window nearly full at all times, so the
-    prompt stays flat from turn to turn (within about 15% of the turns budget), while leaving
-    no gap between the summary and the window; each summarization folds about 15% of the
-    budget's worth of turns, so a model summarizer is called in useful batches.
+    The defaults (trigger 0.75, target 0.65) keep the settled history at 65-75% of the turns
+    budget and leave the rest to what the current work brings in: a large recent tool output
+    may take up to ``PruningPolicy.recent_share`` (0.25) of the budget, and trigger + share
+    = 1, so one big output does not push older turns out of the window, and the prompt stays
+    flat (the history part moves within 10% of the budget). Each summarization folds about
+    10% of the budget's worth of turns, so a model summarizer is called in useful batches.
+
+    When several large outputs are recent at once, some older turns can still be left out of
+    the window for those few messages (the report counts them as ``turns_outside_window``);
+    they stay raw and return when the outputs are pruned. Set ``summarize_outside_window`` to
+    fold such turns into the summary at once instead (smaller prompts afterwards).
     """
 
     model_config = _FROZEN
 
     trigger_ratio: float = Field(
-        default=0.95, gt=0.0, le=4.0, description="Summarize past this share of the turns budget."
+        default=0.75, gt=0.0, le=4.0, description="Summarize past this share of the turns budget."
     )
     target_ratio: float = Field(
-        default=0.8, gt=0.0, le=4.0, description="Summarize down to this share of it."
+        default=0.65, gt=0.0, le=4.0, description="Summarize down to this share of it."
     )
     max_turns: int | None = Field(
         default=None, ge=1, description="Also summarize when more turns than this are held."
     )
     keep_turns: int = Field(
         default=3, ge=1, description="Newest turns never summarized (the window's floor)."
+    )
+    summarize_outside_window: bool = Field(
+        default=False,
+        description=(
+            "Also summarize turns the last prompt left out of its window (a large recent "
+            "output took the room). Off by default: those turns come back into the window "
+            "once the output is pruned, and summarizing them early shrinks later prompts."
+        ),
     )
     timeout_s: float | None = Field(
         default=30.0,

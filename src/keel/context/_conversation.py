@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["Conversation", "SummaryOutcome", "Turn"]
 
 
+_CutHow = Literal["pruned", "pruned_hard", "elided"]
+
+
 @dataclass(frozen=True, slots=True)
 class _Form:
     """One way of sending a message: the message itself and its exact token cost."""
@@ -41,7 +44,7 @@ class _Form:
     message: Message
     tokens: int
     content_tokens: int
-    how: str  # "", "pruned", "pruned_hard", "elided"
+    how: _CutHow | None
 
 
 class Turn:
@@ -63,7 +66,7 @@ class Turn:
         self.raw: list[_Form] = []
         self.forms: list[_Form] = []  # pruned form (same object as raw when not pruned)
         self._hard: list[_Form] | None = None
-        self._elided: dict[tuple[int, int], _Form] = {}
+        self._elided: dict[tuple[int, int, str], _Form] = {}
         self.pending: set[str] = set()
         self.raw_total = 0
         self.pruned_total = 0
@@ -95,14 +98,16 @@ class Turn:
             ]
         return self._hard
 
-    def elided_form(self, conversation: Conversation, position: int, target: int) -> _Form:
-        """Message ``position`` with its middle elided to ``target`` content tokens (cached)."""
-        key = (position, target)
+    def cut_form(
+        self, conversation: Conversation, position: int, target: int, how: _CutHow = "elided"
+    ) -> _Form:
+        """Message ``position`` with its middle cut to ``target`` content tokens (cached)."""
+        key = (position, target, how)
         form = self._elided.get(key)
         if form is None:
             if len(self._elided) >= 8:
                 self._elided.clear()
-            form = conversation._cut_form(self.raw[position], target, "elided")
+            form = conversation._cut_form(self.raw[position], target, how)
             self._elided[key] = form
         return form
 
@@ -171,6 +176,8 @@ class Conversation:
         self._turns_summarized = 0
         self._messages_summarized = 0
         self._summarizing = False
+        self._window_start_seq = 0  # oldest turn in the last compiled window
+        self.summarize_outside_window = summary_policy.summarize_outside_window
 
     # --- reading -----------------------------------------------------------------------
 
@@ -222,6 +229,10 @@ class Conversation:
         if policy.max_turns is not None and len(self._turns) > policy.max_turns:
             return bool(self._evictable_count())
         if self._pruned_total > policy.trigger_ratio * self.turns_budget:
+            return bool(self._evictable_count())
+        outside = bool(self._turns) and self._turns[0].seq < self._window_start_seq
+        if self.summarize_outside_window and outside:
+            # The last prompt left turns out that no summary covers yet: fold them in.
             return bool(self._evictable_count())
         return False
 
@@ -297,15 +308,15 @@ class Conversation:
             if message.content
             else tokens
         )
-        return _Form(message, tokens, max(0, tokens - framing), "")
+        return _Form(message, tokens, max(0, tokens - framing), None)
 
-    def _pruned_form(self, form: _Form, limit: int, how: str) -> _Form:
+    def _pruned_form(self, form: _Form, limit: int, how: _CutHow) -> _Form:
         """``form`` with its content cut to ``limit`` tokens (itself when it is not larger)."""
         if form.content_tokens <= limit:
             return form
         return self._cut_form(form, limit, how)
 
-    def _cut_form(self, form: _Form, target: int, how: str) -> _Form:
+    def _cut_form(self, form: _Form, target: int, how: _CutHow) -> _Form:
         """The raw ``form`` with its content's middle cut to ``target`` tokens, marker stated."""
         message = form.message
         original = form.content_tokens
@@ -325,6 +336,12 @@ class Conversation:
         else:
             tokens = self.counter.count_message(cut)
         return _Form(cut, tokens, max(0, tokens - framing), how)
+
+    def _restore_summary(self, summary: str, turns_summarized: int) -> None:
+        """Set the running summary of a resumed session (before any message is added)."""
+        self._summary = summary
+        self._summary_tokens = self.counter.count_text(summary)
+        self._turns_summarized = turns_summarized
 
     # --- summarizing -------------------------------------------------------------------
 
@@ -348,7 +365,8 @@ class Conversation:
         for turn in self._turns[:evictable]:
             over_tokens = remaining > target
             over_turns = policy.max_turns is not None and count > policy.max_turns
-            if not (over_tokens or over_turns or force):
+            outside = self.summarize_outside_window and turn.seq < self._window_start_seq
+            if not (over_tokens or over_turns or outside or force):
                 break
             chosen.append(turn)
             remaining -= turn.pruned_total
@@ -455,21 +473,9 @@ class Conversation:
 
     @property
     def messages_summarized(self) -> int:
-        """How many messages have been folded into the summary (the persisted watermark)."""
+        """How many messages this conversation has folded into the summary since it was created
+        (a resumed session adds the count it was restored with)."""
         return self._messages_summarized
-
-    def restore_summary(self, summary: str, messages_summarized: int) -> None:
-        """Resume a conversation whose older part was summarized in an earlier process.
-
-        ``summary`` covers the first ``messages_summarized`` messages of the session; the
-        messages this conversation holds are the ones after them. Call it once, right after
-        creating the conversation from the persisted tail.
-        """
-        if messages_summarized < 0:
-            raise ValueError("messages_summarized must be >= 0")
-        self._summary = summary
-        self._summary_tokens = self.counter.count_text(summary) if summary else 0
-        self._messages_summarized = messages_summarized
 
     def summarize(self, *, force: bool = False) -> SummaryOutcome | None:
         """Sync twin of :meth:`asummarize` (not for use inside a running event loop)."""

@@ -16,9 +16,16 @@ provider prompt caches keep hitting), and each block can be measured, capped and
 its own. Rules sit right before the newest user message because instructions closest to the
 end are followed most reliably; when the history has no user message they are last.
 
+Windowing: turns (whole tool-call units) are taken newest first while they fit the
+recent-turns budget (what system, rules, tools, memories and summary leave); the newest
+``SummaryPolicy.keep_turns`` turns and the whole current turn are always taken. As plain
+policy, not degradation, older tool results are pruned to ``PruningPolicy.max_tokens`` and a
+recent one larger than ``PruningPolicy.recent_share`` of that budget is cut to that share,
+so one giant output leaves room for the rest of the conversation.
+
 Degradation: when the preflight count (exact: messages, framing, reply priming and tool
-schemas) exceeds the prompt limit, these steps are tried in this order until it fits, each
-one recorded in the :class:`BudgetReport`:
+schemas) still exceeds the prompt limit, these steps are tried in this order until it fits,
+each one recorded in the :class:`BudgetReport`:
 
 0. ``elide_oversized``: a message that alone is larger than the whole recent-turns budget
    (what system, rules, tools, memories and summary leave) can never be sent whole, so its
@@ -27,8 +34,10 @@ one recorded in the :class:`BudgetReport`:
    (steps 3 and 4 could not make it fit whole anyway, only smaller).
 1. ``prune_tools_harder``: tool results outside the current turn are cut to
    ``PruningPolicy.hard_max_tokens`` (oldest first).
-2. ``shrink_window``: the oldest turns are dropped, down to the floor
-   (``SummaryPolicy.keep_turns`` newest turns, and always the whole current turn).
+2. (shrink the window) happens in the windowing itself: turns are taken newest first while
+   they fit, so when the prompt overflows the window already holds only its floor
+   (``SummaryPolicy.keep_turns`` newest turns and always the whole current turn); the turns
+   left out are listed under ``dropped`` in the report, not as a degradation.
 3. ``drop_memories``: memories are dropped, lowest-ranked first.
 4. ``shorten_summary``: the summary's middle is elided (dropped when too little would stay).
 5. ``elide_messages``: the middle of the largest messages (any of them, the newest user
@@ -61,7 +70,7 @@ from keel.context._report import (
 )
 from keel.context._summarize import ExtractiveSummarizer, Summarizer
 from keel.context._text import cut_middle
-from keel.errors import ContextOverflowError
+from keel.errors import ContextOverflowError, UsageError
 from keel.messages import Message
 from keel.models import ChatModel
 from keel.tokens import ChatTokenCounter, counter_for
@@ -201,10 +210,25 @@ class ContextEngine:
         """The model name counts are for."""
         return self.counter.profile.name
 
+    @property
+    def reply_priming_tokens(self) -> int:
+        """Tokens the chat format adds to every prompt to prime the answer."""
+        return self._priming
+
     def conversation(
-        self, session_id: str = "default", messages: Sequence[Message] = ()
+        self,
+        session_id: str = "default",
+        messages: Sequence[Message] = (),
+        *,
+        summary: str = "",
+        turns_summarized: int = 0,
     ) -> Conversation:
-        """A new, incremental conversation bound to this engine's counter and policies."""
+        """A new, incremental conversation bound to this engine's counter and policies.
+
+        To resume a stored session, pass the raw ``messages`` it still held and its running
+        ``summary`` (both read from :class:`Conversation` when it was saved); each message
+        is counted once here, then never again.
+        """
         conversation = Conversation(
             session_id,
             self.counter,
@@ -215,6 +239,8 @@ class ContextEngine:
             turns_budget=self.budget.limit - self.budget.summary_cap,
             memory_sink=self.memory_sink,
         )
+        if summary:
+            conversation._restore_summary(summary, turns_summarized)
         conversation.extend(messages)
         return conversation
 
@@ -262,6 +288,7 @@ class ContextEngine:
         rules: str | Sequence[str] = (),
         memories: Sequence[str | ContextMemory] = (),
         tools: Sequence[ToolSchema] = (),
+        extra_headroom: int = 0,
     ) -> CompiledPrompt:
         """Compile the prompt for the next model call.
 
@@ -273,16 +300,26 @@ class ContextEngine:
                 instructions): one text or one item per rule.
             memories: retrieved memories, ranked by score or by their order.
             tools: tool schemas in the OpenAI format, counted as the model sees them.
+            extra_headroom: tokens to leave free beyond the answer reserve, e.g. to retry
+                once with a smaller prompt after a provider answered that it was too long
+                (its tokenizer disagreeing with the catalogue).
 
         Raises:
             ContextOverflowError: the system prompt, rules, tool schemas and the newest user
                 message in its minimal form cannot fit the limit together, or the system
                 prompt or rules exceed a cap set for them.
         """
-        conversation = (
-            history if isinstance(history, Conversation) else self.conversation("adhoc", history)
-        )
-        return _Compilation(self, conversation, system, rules, memories, tuple(tools)).run()
+        if isinstance(history, Conversation):
+            if history.counter is not self.counter:
+                raise UsageError(
+                    "this conversation was counted for another model; create it with "
+                    "this engine's conversation()"
+                )
+            conversation = history
+        else:
+            conversation = self.conversation("adhoc", history)
+        compilation = _Compilation(self, conversation, system, rules, memories, tuple(tools))
+        return compilation.run(extra_headroom)
 
 
 class _Compilation:
@@ -392,6 +429,7 @@ class _Compilation:
         must_start = floor_start if newest_user is None else min(floor_start, newest_user)
         self.must_start = must_start
         room = self.limit - self.fixed - self.memories_t - self.summary_t
+        share_cap = int(room * self.engine.pruning.recent_share)
         plan: list[_Entry] = []
         used = 0
         position = 0  # history messages newer than the current one
@@ -411,6 +449,8 @@ class _Compilation:
                 split = size - (keep_recent - position)
                 forms = turn.forms[:split] + turn.raw[split:]
                 tokens = sum(form.tokens for form in forms)
+            if position < keep_recent:
+                forms, tokens = self._cap_recent_tools(turn, forms, tokens, share_cap)
             if index < must_start and used + tokens > room:
                 # A turn still in the recent zone may fit with its tool output pruned, as it
                 # would be a few messages later; only a turn that cannot fit even so ends it.
@@ -424,6 +464,22 @@ class _Compilation:
         plan.reverse()
         self.plan = plan
         self.turns_t = used
+
+    def _cap_recent_tools(
+        self, turn: Turn, forms: list[_Form], tokens: int, cap: int
+    ) -> tuple[list[_Form], int]:
+        """Recent tool results larger than their share of the turns budget, cut to it."""
+        if turn.raw_total <= cap or not turn.raw[0].message.tool_calls:
+            return forms, tokens
+        capped = list(forms)
+        for position, form in enumerate(forms):
+            if form.message.role == "tool" and form.tokens > cap:
+                framing = form.tokens - form.content_tokens
+                target = max(self.engine.pruning.max_tokens, cap - framing)
+                if target > _QUANTUM * 8:
+                    target -= target % _QUANTUM
+                capped[position] = turn.cut_form(self.conv, position, target, "pruned")
+        return capped, sum(form.tokens for form in capped)
 
     @property
     def total(self) -> int:
@@ -442,7 +498,7 @@ class _Compilation:
             target -= target % _QUANTUM
         if target >= current.content_tokens:
             return 0
-        form = entry.turn.elided_form(self.conv, position, target)
+        form = entry.turn.cut_form(self.conv, position, target)
         if form.tokens >= current.tokens:
             return 0
         entry.forms[position] = form
@@ -503,14 +559,6 @@ class _Compilation:
             f"tool results of {touched} turns cut to {engine.pruning.hard_max_tokens} tokens",
         )
 
-        # 2. shrink the window down to the floor
-        before, dropped = self.total, 0
-        while self.total > limit and self.plan and self.plan[0].index < self.must_start:
-            entry = self.plan.pop(0)
-            self.turns_t -= entry.tokens
-            dropped += 1
-        self._step("shrink_window", before, f"{dropped} oldest turns dropped (floor kept)")
-
         # 3. drop memories, lowest-ranked first
         before, dropped = self.total, 0
         while self.total > limit and self.kept_memories:
@@ -542,21 +590,27 @@ class _Compilation:
         # 5. elide the middle of the largest messages
         if self.total > limit:
             before, count = self.total, 0
-            candidates = [
-                (entry.turn.raw[position].content_tokens, entry, position)
-                for entry in self.plan
-                for position in range(len(entry.forms))
-            ]
-            candidates.sort(key=lambda item: item[0], reverse=True)
             floor = engine.pruning.min_elided_tokens
-            for content_t, entry, position in candidates:
-                over = self.total - limit
-                if over <= 0 or content_t <= floor:
-                    break
-                current = entry.forms[position]
-                target = max(floor, current.content_tokens - over)
-                if self._elide(entry, position, target):
-                    count += 1
+            progress = True
+            while progress and self.total > limit:
+                # Largest first; repeated passes because a marker can eat part of a cut.
+                progress = False
+                candidates = sorted(
+                    (
+                        (entry.forms[position].content_tokens, entry, position)
+                        for entry in self.plan
+                        for position in range(len(entry.forms))
+                    ),
+                    key=lambda item: item[0],
+                    reverse=True,
+                )
+                for content_t, entry, position in candidates:
+                    over = self.total - limit
+                    if over <= 0 or content_t <= floor:
+                        break
+                    if self._elide(entry, position, max(floor, content_t - over)):
+                        count += 1
+                        progress = True
             self._step("elide_messages", before, f"middle of {count} messages elided")
 
         # 6. below the floor: oldest turns first, never the newest user message
@@ -585,11 +639,13 @@ class _Compilation:
                 limit=limit,
             )
 
-    def run(self) -> CompiledPrompt:
+    def run(self, extra_headroom: int = 0) -> CompiledPrompt:
         engine = self.engine
         budget = self.budget
         self._check_caps()
-        self.limit = budget.limit
+        if extra_headroom < 0:
+            raise UsageError("extra_headroom must not be negative")
+        self.limit = budget.limit - extra_headroom
         self.fixed = self.system_t + self.rules_t + self.tools_t + engine._priming
         self._fit_memories()
         self._fit_summary()
@@ -621,7 +677,7 @@ class _Compilation:
             kept_raw += entry.turn.raw_total
             kept_messages += len(entry.forms)
             for position, form in enumerate(entry.forms):
-                if form.how:
+                if form.how is not None:
                     raw = entry.turn.raw[position]
                     # model_construct: the values are built here, validation would only cost.
                     pruned.append(
@@ -638,6 +694,10 @@ class _Compilation:
                 messages.append(form.message)
         if self.rules_msg is not None and not rules_placed:
             messages.append(self.rules_msg)
+        if self.plan:
+            conv._window_start_seq = self.plan[0].turn.seq
+        elif conv._turns:
+            conv._window_start_seq = conv._turns[-1].seq
         outside = len(conv._turns) - len(self.plan) - (1 if self.left_open else 0)
         if outside > 0:
             self.dropped.append(
@@ -665,7 +725,7 @@ class _Compilation:
             window=budget.window,
             effective_window=budget.effective_window,
             reserve=budget.reserve,
-            limit=budget.limit,
+            limit=self.limit,
             prompt_tokens=self.total,
             sections=SectionTokens.model_construct(
                 system=self.system_t,

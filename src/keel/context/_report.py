@@ -24,7 +24,6 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 DegradationName = Literal[
     "elide_oversized",
     "prune_tools_harder",
-    "shrink_window",
     "drop_memories",
     "shorten_summary",
     "elide_messages",

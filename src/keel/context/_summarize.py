@@ -18,7 +18,16 @@ from keel.messages import Message
 from keel.models import ChatModel, ModelOptions
 from keel.tokens import ChatTokenCounter
 
-__all__ = ["ExtractiveSummarizer", "ModelSummarizer", "Summarizer", "SummaryRequest"]
+__all__ = [
+    "ExtractiveSummarizer",
+    "ModelSummarizer",
+    "Summarizer",
+    "SummaryRequest",
+    "summarizer_for",
+]
+
+SMALL_MODEL_WINDOW = 16_384
+"""Models with a window up to this size summarize extractively by default (see summarizer_for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +145,8 @@ class ExtractiveSummarizer:
 
     def __init__(self, *, max_line_chars: int = _MAX_LINE_CHARS) -> None:
         self.max_line_chars = max_line_chars
+        # Lines survive from one summary to the next: count each one once.
+        self._line_tokens: dict[tuple[str, str], int] = {}
 
     async def summarize(self, request: SummaryRequest) -> str:
         """The merged summary, within ``request.max_tokens``."""
@@ -162,9 +173,12 @@ class ExtractiveSummarizer:
                 result = results.get(call.id)
                 outcome = ""
                 if result is not None:
-                    outcome = " -> " + _clip(result.content.strip().split("\n", 1)[0], 120)
+                    # Only the head of a result is read: outputs can be megabytes.
+                    head = result.content[:400].strip().split("\n", 1)[0]
+                    outcome = " -> " + _clip(head, 120)
                 add("Actions", f"{call.name}({_clip(call.arguments, 100)}){outcome}")
-            sentences = [s.strip() for s in _SENTENCE.split(message.content) if s.strip()]
+            text = message.content[: _MAX_SENTENCES_PER_MESSAGE * _MAX_LINE_CHARS]
+            sentences = [s.strip() for s in _SENTENCE.split(text) if s.strip()]
             for sentence in sentences[:_MAX_SENTENCES_PER_MESSAGE]:
                 if _PLEASANTRY.match(sentence) or len(sentence) < 4:
                     continue
@@ -184,13 +198,22 @@ class ExtractiveSummarizer:
                     add("Facts", f"Note: {sentence}")
         return self._fit(sections, request.counter, request.max_tokens)
 
-    @staticmethod
-    def _fit(sections: dict[str, list[str]], counter: ChatTokenCounter, cap: int) -> str:
+    def _count_line(self, counter: ChatTokenCounter, line: str) -> int:
+        key = (counter.profile.encoding, line)
+        tokens = self._line_tokens.get(key)
+        if tokens is None:
+            if len(self._line_tokens) >= 8192:
+                self._line_tokens.clear()
+            tokens = counter.count_text(f"- {line}\n")
+            self._line_tokens[key] = tokens
+        return tokens
+
+    def _fit(self, sections: dict[str, list[str]], counter: ChatTokenCounter, cap: int) -> str:
         text = render_summary(sections)
         if counter.count_text(text) <= cap:
             return text
         sizes = {
-            name: [counter.count_text(f"- {line}\n") for line in lines]
+            name: [self._count_line(counter, line) for line in lines]
             for name, lines in sections.items()
         }
         totals = {name: sum(values) for name, values in sizes.items()}
@@ -335,3 +358,18 @@ class ModelSummarizer:
             )
             summary = await self._ask(instructions, body, cap)
         return summary
+
+
+def summarizer_for(model: ChatModel | None) -> Summarizer:
+    """The default summarizer for an agent whose configured model is ``model``.
+
+    Extractive (no model call) when there is no model, or when it is a small local model
+    (the bundled SmolLM2, or any window of at most ``SMALL_MODEL_WINDOW`` tokens): such a
+    model's summaries lose more than they keep, and the call would compete with the agent's
+    own turns for the one local model. Otherwise a :class:`ModelSummarizer` on that model.
+    """
+    if model is None:
+        return ExtractiveSummarizer()
+    if model.spec.startswith("local:") or model.profile.context_window <= SMALL_MODEL_WINDOW:
+        return ExtractiveSummarizer()
+    return ModelSummarizer(model)

@@ -140,8 +140,9 @@ def _unclosed_json(text: str) -> bool:
 def _dangling(text: str) -> bool:
     if text.endswith(_DANGLING_CHARS) and not text.endswith((":-)", ";-)")):
         return True
-    last = re.findall(r"[A-Za-z']+$", text)
-    return bool(last) and last[0].lower() in _DANGLING_WORDS
+    # Lowercase whole words only: "seat 12A" or "plan A" end a sentence well enough.
+    last = re.search(r"(?:^|\s)([a-z']+)$", text)
+    return last is not None and last.group(1) in _DANGLING_WORDS
 
 
 @dataclass(frozen=True)

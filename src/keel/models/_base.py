@@ -8,6 +8,8 @@ provider layer, once, never in callers.
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -185,15 +187,48 @@ class ChatModel(ABC):
         tools: Sequence[ToolSchema] = (),
         options: ModelOptions | None = None,
     ) -> Iterator[CompletionChunk]:
-        """Sync twin of :meth:`astream`: collects the chunks, then yields them."""
+        """Sync twin of :meth:`astream`: chunks arrive as they are generated.
 
-        async def collect() -> list[CompletionChunk]:
+        The async stream runs on its own event loop in a helper thread; leaving the loop early
+        (``break``) stops it after the chunk in flight.
+        """
+        handoff: queue.Queue[CompletionChunk | BaseException | None] = queue.Queue(maxsize=64)
+        stop = threading.Event()
+
+        async def pump() -> None:
             try:
-                return [chunk async for chunk in self.astream(messages, tools, options)]
+                async for chunk in self.astream(messages, tools, options):
+                    while not stop.is_set():
+                        try:
+                            handoff.put(chunk, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
             finally:
                 await self._release_loop_resources()
 
-        yield from asyncio.run(collect())
+        def run() -> None:
+            try:
+                asyncio.run(pump())
+                handoff.put(None)
+            except BaseException as exc:  # handed to the caller's thread, raised there
+                handoff.put(exc)
+
+        worker = threading.Thread(target=run, name="keel-model-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = handoff.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            # A producer blocked on the full queue sees this within 0.1 s and ends its loop.
+            stop.set()
 
     async def _release_loop_resources(self) -> None:  # noqa: B027  (optional hook)
         """Hook: release what belongs to the running event loop (the sync twins end it)."""

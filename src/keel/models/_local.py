@@ -235,14 +235,7 @@ class LocalModel(ChatModel):
             None, _load, self._model_path(), self.n_ctx, self.n_threads
         )
         prompt = self.render_prompt(messages, tools, options)
-        prompt_tokens = len(loaded.llama.tokenize(prompt.encode("utf-8"), special=True))
         max_tokens = options.max_tokens or _DEFAULT_MAX_TOKENS
-        if prompt_tokens + max_tokens > loaded.n_ctx:
-            raise ContextLengthExceededError(
-                f"the prompt is {prompt_tokens} tokens and {max_tokens} are reserved for the "
-                f"answer; the local model holds {loaded.n_ctx}",
-                model=self.spec,
-            )
         args = self._generation_args(tools if options.tool_choice != "none" else (), options)
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancel = threading.Event()
@@ -254,7 +247,12 @@ class LocalModel(ChatModel):
         def work() -> None:
             with loaded.lock:
                 try:
-                    for chunk in loaded.llama.create_completion(prompt, stream=True, **args):
+                    # Tokenized under the lock: one llama.cpp model, one caller at a time.
+                    tokens = loaded.llama.tokenize(prompt.encode("utf-8"), special=True)
+                    post("prompt", len(tokens))
+                    if len(tokens) + max_tokens > loaded.n_ctx:
+                        return
+                    for chunk in loaded.llama.create_completion(tokens, stream=True, **args):
                         if cancel.is_set():
                             break
                         post("chunk", chunk)
@@ -265,6 +263,7 @@ class LocalModel(ChatModel):
         worker = threading.Thread(target=work, name="keel-local-model", daemon=True)
         worker.start()
         pieces: list[str] = []
+        prompt_tokens = 0
         finish: str | None = None
         ttft: float | None = None
         stream_text = not tools or options.tool_choice == "none"
@@ -278,6 +277,15 @@ class LocalModel(ChatModel):
                     raise ModelTimeoutError(
                         f"no complete answer within {options.timeout_s}s", model=self.spec
                     ) from exc
+                if kind == "prompt":
+                    prompt_tokens = value
+                    if prompt_tokens + max_tokens > loaded.n_ctx:
+                        raise ContextLengthExceededError(
+                            f"the prompt is {prompt_tokens} tokens and {max_tokens} are "
+                            f"reserved for the answer; the local model holds {loaded.n_ctx}",
+                            model=self.spec,
+                        )
+                    continue
                 if kind == "end":
                     break
                 if kind == "error":

@@ -106,6 +106,14 @@ def _with_cause(error: ModelError, cause: BaseException) -> ModelError:
     return error
 
 
+async def _close_quietly(stream: Any) -> None:
+    close = getattr(stream, "close", None)
+    if close is not None:
+        # Closing a broken stream may fail again; the first failure is what matters.
+        with contextlib.suppress(Exception):
+            await close()
+
+
 class OpenAICompatibleModel(ChatModel):
     """A chat model behind an OpenAI-compatible ``/chat/completions`` endpoint.
 
@@ -188,7 +196,8 @@ class OpenAICompatibleModel(ChatModel):
             "model": self.model,
             "messages": [message.to_openai() for message in messages],
         }
-        if tools and options.tool_choice != "none":
+        if tools:
+            # Sent even with tool_choice="none", so the prompt is the one that was counted.
             request["tools"] = [dict(tool) for tool in tools]
             if options.tool_choice:
                 request["tool_choice"] = options.tool_choice
@@ -361,18 +370,37 @@ class OpenAICompatibleModel(ChatModel):
         request["stream_options"] = {"include_usage": True}
         client = self._sdk_client()
 
-        async def attempt(state: RetryState) -> Any:
-            # Only opening the stream is retried: once text reached the caller, a retry would
-            # show it twice.
+        async def attempt(state: RetryState) -> tuple[Any, Any, Any]:
+            # Opening the stream and reading its first chunk are retried; once text reached
+            # the caller, a retry would show it twice, so later failures are final.
             try:
-                return await client.chat.completions.create(
+                stream = await client.chat.completions.create(
                     **request, timeout=state.attempt_timeout()
                 )
             except Exception as exc:
                 translated = self._translate(exc)
                 raise translated from exc
+            iterator = stream.__aiter__()
+            try:
+                first = await asyncio.wait_for(iterator.__anext__(), state.attempt_timeout())
+            except StopAsyncIteration:
+                return stream, iterator, None
+            except Exception as exc:
+                await _close_quietly(stream)
+                if isinstance(exc, TimeoutError):
+                    error: ModelError = ModelTimeoutError(
+                        "no first chunk within the attempt's timeout", model=self.spec
+                    )
+                    raise RetryableModelError(_with_cause(error, exc)) from exc
+                translated = self._translate(exc)
+                if isinstance(translated, ModelError) and not isinstance(
+                    translated, MalformedResponseError | BadRequestError | AuthenticationError
+                ):
+                    translated = RetryableModelError(translated)
+                raise translated from exc
+            return stream, iterator, first
 
-        stream, state = await call_with_retries(
+        (stream, iterator, pending), state = await call_with_retries(
             attempt, self.retry, timeout_s=options.timeout_s, model=self.spec
         )
         text: list[str] = []
@@ -382,32 +410,38 @@ class OpenAICompatibleModel(ChatModel):
         served_model = self.model
         ttft: float | None = None
         chunks = 0
-        iterator = stream.__aiter__()
+        exhausted = pending is None
         try:
             while True:
-                remaining = state.remaining()
-                if remaining <= 0:
-                    raise ModelTimeoutError(
-                        f"the stream did not finish within the call's time limit "
-                        f"(after {chunks} chunks)",
-                        model=self.spec,
-                        attempts=state.attempts,
-                    )
-                try:
-                    chunk = await asyncio.wait_for(
-                        iterator.__anext__(), timeout=min(remaining, self.retry.attempt_timeout_s)
-                    )
-                except StopAsyncIteration:
+                if pending is not None:
+                    chunk, pending = pending, None
+                elif exhausted:
                     break
-                except TimeoutError as exc:
-                    raise TruncatedResponseError(
-                        f"the stream stalled after {chunks} chunks", model=self.spec
-                    ) from exc
-                except Exception as exc:
-                    raise TruncatedResponseError(
-                        f"the stream broke after {chunks} chunks: {type(exc).__name__}: {exc}",
-                        model=self.spec,
-                    ) from exc
+                else:
+                    remaining = state.remaining()
+                    if remaining <= 0:
+                        raise ModelTimeoutError(
+                            f"the stream did not finish within the call's time limit "
+                            f"(after {chunks} chunks)",
+                            model=self.spec,
+                            attempts=state.attempts,
+                        )
+                    try:
+                        chunk = await asyncio.wait_for(
+                            iterator.__anext__(),
+                            timeout=min(remaining, self.retry.attempt_timeout_s),
+                        )
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError as exc:
+                        raise TruncatedResponseError(
+                            f"the stream stalled after {chunks} chunks", model=self.spec
+                        ) from exc
+                    except Exception as exc:
+                        raise TruncatedResponseError(
+                            f"the stream broke after {chunks} chunks: {type(exc).__name__}: {exc}",
+                            model=self.spec,
+                        ) from exc
                 chunks += 1
                 served_model = getattr(chunk, "model", None) or served_model
                 if getattr(chunk, "usage", None) is not None:
@@ -438,11 +472,7 @@ class OpenAICompatibleModel(ChatModel):
                     text.append(piece)
                     yield CompletionChunk(text=piece, tool_calls=tuple(deltas))
         finally:
-            close = getattr(stream, "close", None)
-            if close is not None:
-                # Closing a broken stream may fail again; the first failure is what matters.
-                with contextlib.suppress(Exception):
-                    await close()
+            await _close_quietly(stream)
         if finish is None:
             raise TruncatedResponseError(
                 f"the stream ended after {chunks} chunks without a finish reason",

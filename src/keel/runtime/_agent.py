@@ -66,6 +66,7 @@ _CONFLICT_ATTEMPTS = 3
 
 _SUMMARY_KEY = "context_summary"
 _SUMMARIZED_KEY = "context_messages_summarized"
+_TURNS_SUMMARIZED_KEY = "context_turns_summarized"
 _OPEN_TURN_KEY = "open_turn"
 _TURNS_KEY = "turns"
 _FINISHED_KEY = "finished_workflows"
@@ -107,6 +108,8 @@ class _Session:
     version: int
     messages_seen: int
     conversation: Conversation
+    summarized_before: int
+    """Messages already folded into the summary when the conversation was rebuilt."""
 
 
 @dataclass
@@ -345,9 +348,15 @@ class Agent:
         if cached is not None and cached.version == version:
             return cached.conversation
         summarized = int(state.data.get(_SUMMARIZED_KEY, 0))
-        conversation = self.engine.conversation(session_id, state.messages[summarized:])
-        conversation.restore_summary(str(state.data.get(_SUMMARY_KEY, "")), summarized)
-        self._sessions[session_id] = _Session(version, len(state.messages), conversation)
+        conversation = self.engine.conversation(
+            session_id,
+            state.messages[summarized:],
+            summary=str(state.data.get(_SUMMARY_KEY, "")),
+            turns_summarized=int(state.data.get(_TURNS_SUMMARIZED_KEY, 0)),
+        )
+        self._sessions[session_id] = _Session(
+            version, len(state.messages), conversation, summarized
+        )
         return conversation
 
     async def _memories(self, user_id: str, query: str) -> list[ContextMemory]:
@@ -733,9 +742,12 @@ class Agent:
         outcome = await conversation.asummarize()
         if outcome is None:
             return {}
+        session = self._sessions.get(turn.session_id)
+        before = session.summarized_before if session is not None else 0
         return {
             _SUMMARY_KEY: conversation.summary,
-            _SUMMARIZED_KEY: conversation.messages_summarized,
+            _SUMMARIZED_KEY: before + conversation.messages_summarized,
+            _TURNS_SUMMARIZED_KEY: conversation.turns_summarized,
         }
 
     def _remember_turn(self, turn: _Turn, result: LoopResult) -> None:

@@ -8,19 +8,35 @@ typed error when the run could not finish.
 
 It knows nothing of state, memory or context: the agent plugs those in through
 :class:`LoopHooks` (compile the prompt and checkpoint before each model call, trace after each
-step, fingerprint the state, revert it when a limit is hit).
+step, fingerprint the state, revert it when a limit is hit)::
+
+    from keel.runtime import LoopHooks, ToolLoop
+    from keel.stores import SQLiteDatabase, SQLiteToolJournal
+
+    loop = ToolLoop(
+        model,
+        [search_flights, book_flight],              # @tool functions, or a ToolRegistry
+        guards=GuardConfig(max_steps=12, run_timeout_s=60),
+        journal=SQLiteToolJournal(SQLiteDatabase("keel.db")),
+        hooks=LoopHooks(before_model_call=checkpoint, revert_to_last_good=revert),
+    )
+    result = await loop.arun(messages, session_id="user-42", first_step=next_step)
+    reply = result.text                             # always a clean message for the user
+    result.raise_for_status()                       # or inspect result.status / result.error
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic_core import to_jsonable_python
 
 from keel.errors import (
     GuardError,
@@ -29,6 +45,7 @@ from keel.errors import (
     ModelError,
     ModelTimeoutError,
     StepLimitError,
+    StoreError,
     TimeLimitError,
     ToolError,
 )
@@ -43,7 +60,9 @@ from keel.guards import (
 )
 from keel.messages import Message, ToolCall, Usage
 from keel.models import ChatModel, Completion, ModelOptions
-from keel.tools import ToolExecutor, ToolJournal, ToolRegistry, ToolResult
+from keel.tools import Tool, ToolExecutor, ToolJournal, ToolRegistry, ToolResult
+
+logger = logging.getLogger("keel.runtime")
 
 __all__ = ["LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]
 
@@ -181,6 +200,9 @@ class LoopResult(BaseModel):
         default_factory=list, description="Every error met on the way (tools, model, guards)."
     )
     usage: Usage = Field(default_factory=Usage, description="Tokens of all model calls.")
+    next_step: int = Field(
+        description="The step number the session's next run starts at (``first_step``)."
+    )
     duration_ms: float = Field(ge=0, description="Wall time of the run.")
     reverted: bool = Field(
         default=False, description="True when the revert_to_last_good hook was called."
@@ -190,6 +212,10 @@ class LoopResult(BaseModel):
     spiral: SpiralSnapshot | None = Field(
         default=None, description="Death-spiral indicators of the session after the run."
     )
+
+    @field_serializer("output")
+    def _serialize_output(self, output: Any) -> Any:
+        return to_jsonable_python(output, fallback=str)
 
     @property
     def ok(self) -> bool:
@@ -241,7 +267,7 @@ class ToolLoop:
 
     Args:
         model: the chat model.
-        registry: the tools the model may call.
+        tools: the tools the model may call: a registry, or tools and typed functions.
         guards: limits and thresholds (defaults: the seed values).
         journal: exactly-once journal for side-effecting tools (default: in memory; pass a
             ``SQLiteToolJournal`` or ``PostgresToolJournal`` for crash safety).
@@ -256,7 +282,7 @@ class ToolLoop:
     def __init__(
         self,
         model: ChatModel,
-        registry: ToolRegistry,
+        tools: ToolRegistry | Iterable[Tool | Callable[..., Any]] = (),
         *,
         guards: GuardConfig | None = None,
         journal: ToolJournal | None = None,
@@ -267,14 +293,14 @@ class ToolLoop:
         options: ModelOptions | None = None,
     ) -> None:
         self.model = model
-        self.registry = registry
+        self.registry = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
         self.guards = guards or GuardConfig()
         self.hooks = hooks or LoopHooks()
         self.monitor = monitor or SpiralMonitor()
         self.agent = agent
         self.output_schema = output_schema
         self.executor = ToolExecutor(
-            registry,
+            self.registry,
             journal=journal,
             timeout_s=self.guards.tool_timeout_s,
             max_output_chars=self.guards.max_output_chars,
@@ -403,7 +429,13 @@ class ToolLoop:
         """One step. Returns (kind, completion, message); raises _Stop to end the run."""
         prompt = await _call(self.hooks.before_model_call, run.step, list(run.history))
         sent = list(prompt) if prompt is not None else list(run.history)
-        decision = self.journal.decision(run.session_id, run.step)
+        try:
+            decision = self.journal.decision(run.session_id, run.step)
+        except StoreError:
+            # Replay is an optimisation of resume; each side-effecting call is still claimed
+            # in the journal before it runs, and refused if that claim cannot be written.
+            logger.exception("could not read the journalled decision of step %s", run.step)
+            decision = None
         completion: Completion | None = None
         if decision is not None:
             message = decision
@@ -459,7 +491,10 @@ class ToolLoop:
             (found := self.registry.get(call.name)) is not None and found.side_effect
             for call in message.tool_calls
         ):
-            message = self.journal.record_decision(run.session_id, run.step, message)
+            try:
+                message = self.journal.record_decision(run.session_id, run.step, message)
+            except StoreError:
+                logger.exception("could not journal the decision of step %s", run.step)
         run.history.append(message)
         await self._run_calls(
             run, completion, message, tool_failures, replayed=decision is not None
@@ -658,6 +693,7 @@ class ToolLoop:
             error_message=None if error is None else str(error),
             errors=list(run.errors),
             usage=run.usage,
+            next_step=run.step,
             duration_ms=(time.perf_counter() - run.started) * 1000,
             reverted=reverted,
             loops_detected=run.loops,

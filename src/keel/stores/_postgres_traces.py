@@ -17,7 +17,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from keel.errors import BackendUnavailableError, SchemaVersionError, StoreError
+from keel.errors import BackendUnavailableError, SchemaVersionError, StoreError, UsageError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepMetric
 from keel.tracing._store import TraceStore
@@ -156,17 +156,33 @@ class PostgresTraceStore(TraceStore):
     """Traces in PostgreSQL, for keel processes that share one database.
 
     Args:
-        url: a ``postgresql://`` connection URL.
+        url: a ``postgresql://`` connection URL (ignored when ``pool`` is given).
         min_size: connections the pool keeps open.
         max_size: most connections the pool opens.
         connect_timeout: seconds to wait for the first connection (and for a free one).
+        pool: an open psycopg ``ConnectionPool`` to share with other stores; it is not closed
+            by :meth:`close`.
     """
 
     def __init__(
-        self, url: str, *, min_size: int = 1, max_size: int = 4, connect_timeout: float = 10.0
+        self,
+        url: str = "",
+        *,
+        min_size: int = 1,
+        max_size: int = 4,
+        connect_timeout: float = 10.0,
+        pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] | None = None,
     ) -> None:
+        self._owns_pool = pool is None
+        if pool is not None:
+            self.url = url or str(pool.conninfo)
+            self._pool = pool
+            self._ready = False
+            return
+        if not url:
+            raise UsageError("PostgresTraceStore needs a postgresql:// URL or a pool")
         self.url = url
-        self._pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] = ConnectionPool(
+        self._pool = ConnectionPool(
             url, min_size=min_size, max_size=max_size, open=False, timeout=connect_timeout
         )
         try:
@@ -424,8 +440,9 @@ class PostgresTraceStore(TraceStore):
         return int(deleted)
 
     def close(self) -> None:
-        """Close the connection pool."""
-        self._pool.close()
+        """Close the connection pool, unless it was passed in."""
+        if self._owns_pool:
+            self._pool.close()
 
     def __repr__(self) -> str:
         return f"PostgresTraceStore({self.url.split('@')[-1]!r})"

@@ -249,6 +249,8 @@ class SQLiteTraceStore(TraceStore):
         self.db = SQLiteDatabase(database) if not isinstance(database, SQLiteDatabase) else database
         self._owns_db = opened if close_database is None else close_database
         self._ready = False
+        # Each thread would open its own, empty in-memory database.
+        self.threaded_async = not self.db.is_memory
 
     def setup(self) -> None:
         """Create or migrate the ``traces`` tables; idempotent."""

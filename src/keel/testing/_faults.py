@@ -11,6 +11,8 @@ the request's model name, ``SCENARIO[:N][#TAG]``:
 ``hang``               accepts the request and never answers (until the server stops)
 ``cut_stream``         streams a few chunks, then drops the connection (no finish, no [DONE]);
                        without streaming, sends half a body and drops the connection
+``cut_early:N``        for the first N requests, drops the connection right after the headers
+                       (before any chunk), then ok
 ``malformed_tool_args``  a tool call whose arguments are not valid JSON
 ``length``             an answer cut by max_tokens (``finish_reason: "length"``)
 ``context_length``     400 ``context_length_exceeded``
@@ -41,6 +43,7 @@ FAULT_SCENARIOS = (
     "server_error",
     "hang",
     "cut_stream",
+    "cut_early",
     "malformed_tool_args",
     "length",
     "context_length",
@@ -130,6 +133,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, self._completion(model, _TEXT, "stop"))
         elif name == "cut_stream":
             self._cut(model, stream)
+        elif name == "cut_early" and failing:
+            self._cut(model, stream, early=True)
         elif name == "malformed_tool_args":
             call = {
                 "id": "call_bad",
@@ -139,7 +144,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(model, stream, "", "tool_calls", [call])
         elif name == "length":
             self._answer(model, stream, "Hello from the fault ser", "length")
-        elif name in ("ok", "rate_limit", "server_error"):
+        elif name in ("ok", "rate_limit", "server_error", "cut_early"):
             self._answer(model, stream, _TEXT, "stop")
         else:
             self._error(
@@ -214,12 +219,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(b"data: [DONE]\n\n")
         self._send(b"")
 
-    def _cut(self, model: str, stream: bool) -> None:
+    def _cut(self, model: str, stream: bool, *, early: bool = False) -> None:
         if stream:
             self._start_stream()
-            self._send(self._chunk(model, {"role": "assistant", "content": ""}, None))
-            for word in ("Hello", "from", "the"):
-                self._send(self._chunk(model, {"content": word + " "}, None))
+            if not early:
+                self._send(self._chunk(model, {"role": "assistant", "content": ""}, None))
+                for word in ("Hello", "from", "the"):
+                    self._send(self._chunk(model, {"content": word + " "}, None))
         else:
             data = json.dumps(self._completion(model, _TEXT, "stop")).encode()
             self.send_response(200)

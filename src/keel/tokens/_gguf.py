@@ -6,6 +6,7 @@ and tokenizes exactly as it does at inference time.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from functools import cache
 from pathlib import Path
@@ -34,6 +35,16 @@ class GGUFTokenizer:
         self._vocab: Any = Llama(model_path=str(path), vocab_only=True, verbose=False)
         # llama.cpp's tokenizer keeps per-call scratch state; one caller at a time.
         self._lock = threading.Lock()
+        # Free the native vocabulary before interpreter teardown: llama-cpp-python's own
+        # finalizer fails noisily once the ctypes module is half gone.
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Release the native vocabulary (idempotent)."""
+        with self._lock:
+            vocab, self._vocab = self._vocab, None
+        if vocab is not None:
+            vocab.close()
 
     @property
     def name(self) -> str:

@@ -16,6 +16,34 @@ __all__ = ["EstimatingTokenizer", "OpenAIEncoding", "openai_encoding"]
 
 OPENAI_ENCODINGS = ("cl100k_base", "o200k_base")
 
+# bpe-openai refuses one input of 1,000,000 characters or more; longer texts are encoded in
+# pieces split where the encodings' pre-tokenizer splits anyway (a single space after a
+# non-space character and before a letter starts a new pre-token), so the sum stays exact.
+_MAX_PIECE_CHARS = 400_000
+
+
+def _pieces(text: str) -> list[tuple[str, bool]]:
+    """``text`` in pieces short enough to encode; each flagged True if cut at a safe point."""
+    pieces: list[tuple[str, bool]] = []
+    start = 0
+    while len(text) - start > _MAX_PIECE_CHARS:
+        end = start + _MAX_PIECE_CHARS
+        cut = end
+        safe = False
+        while True:
+            cut = text.rfind(" ", start + 1, cut)
+            if cut <= start + _MAX_PIECE_CHARS // 2:
+                break
+            if not text[cut - 1].isspace() and text[cut + 1 : cut + 2].isalpha():
+                safe = True
+                break
+        if not safe:
+            cut = end
+        pieces.append((text[start:cut], safe))
+        start = cut
+    pieces.append((text[start:], True))
+    return pieces
+
 
 class OpenAIEncoding:
     """An exact tokenizer for one of OpenAI's encodings."""
@@ -37,10 +65,22 @@ class OpenAIEncoding:
             return 0
         # encode_ordinary: special-token text in user content is counted as plain text,
         # which is what the API does with message content.
-        return len(self._encoding.encode_ordinary(text))
+        if len(text) <= _MAX_PIECE_CHARS:
+            return len(self._encoding.encode_ordinary(text))
+        # A cut at an unsafe point can shift the count by a token: count one more to stay
+        # on the safe side of every budget.
+        return sum(
+            len(self._encoding.encode_ordinary(piece)) + (0 if safe else 1)
+            for piece, safe in _pieces(text)
+        )
 
     def encode(self, text: str) -> list[int]:
-        return list(self._encoding.encode_ordinary(text))
+        if len(text) <= _MAX_PIECE_CHARS:
+            return list(self._encoding.encode_ordinary(text))
+        ids: list[int] = []
+        for piece, _ in _pieces(text):
+            ids.extend(self._encoding.encode_ordinary(piece))
+        return ids
 
     def decode(self, tokens: list[int]) -> str:
         return str(self._encoding.decode(tokens))

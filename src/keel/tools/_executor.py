@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer
+from pydantic_core import to_jsonable_python
 
 from keel.errors import (
     KeelError,
+    StoreError,
     ToolArgumentsError,
     ToolExecutionError,
     ToolInDoubtError,
@@ -33,6 +36,8 @@ ToolStatus = Literal[
     "ok", "failed", "timeout", "unknown_tool", "invalid_arguments", "in_doubt", "blocked"
 ]
 """How a call ended. ``blocked``: a guard refused to run it (a loop was detected)."""
+
+logger = logging.getLogger("keel.tools")
 
 _TRUNCATION_MARKER = "\n[output truncated: {total} characters, the first {shown} shown]"
 
@@ -73,6 +78,11 @@ class ToolResult(BaseModel):
     )
     attempt: int = Field(default=0, ge=0, description="Which start of the tool this was.")
     latency_ms: float = Field(default=0.0, ge=0, description="Wall time of the call.")
+
+    @field_serializer("output")
+    def _serialize_output(self, output: Any) -> Any:
+        # Traces must serialize whatever a tool returned; unknown types become their str().
+        return to_jsonable_python(output, fallback=str)
 
     @property
     def ok(self) -> bool:
@@ -214,14 +224,31 @@ class ToolExecutor:
         if not found.side_effect:
             return await self._run(found, validated, context, base, started, journalled=False)
         base["idempotency_key"] = key
-        claim = self.journal.claim(
-            key=key,
-            session_id=session_id,
-            step=step,
-            call_index=call_index,
-            tool=found.name,
-            arguments=json.dumps(arguments, sort_keys=True),
-        )
+        try:
+            claim = self.journal.claim(
+                key=key,
+                session_id=session_id,
+                step=step,
+                call_index=call_index,
+                tool=found.name,
+                arguments=json.dumps(arguments, sort_keys=True),
+            )
+            if not claim.created and claim.entry.in_doubt and found.idempotent:
+                claim = claim.model_copy(update={"entry": self.journal.restart(key)})
+        except StoreError as exc:
+            # Without a durable intent the call could run twice after a crash: do not run it.
+            return ToolResult(
+                **base,
+                status="failed",
+                content=(
+                    f"Error: tool {found.name!r} was not run: its call could not be recorded "
+                    "(the journal is unavailable). Nothing happened; it can be tried later."
+                ),
+                error=str(exc),
+                error_type=type(exc).__name__,
+                exception=exc,
+                latency_ms=_ms(started),
+            )
         entry = claim.entry
         if not claim.created:
             if not entry.in_doubt:
@@ -253,7 +280,6 @@ class ToolExecutor:
                     attempt=entry.attempts,
                     latency_ms=_ms(started),
                 )
-            entry = self.journal.restart(key)
         context = ToolContext(
             session_id=session_id,
             step=step,
@@ -263,6 +289,17 @@ class ToolExecutor:
             attempt=entry.attempts,
         )
         return await self._run(found, validated, context, base, started, journalled=True)
+
+    def _record(self, context: ToolContext, *, ok: bool, content: str, output: str) -> None:
+        try:
+            self.journal.finish(context.idempotency_key, ok=ok, content=content, output=output)
+        except StoreError:
+            # The call ran; only its record is missing, so it stays in doubt in the journal
+            # and an operator settles it. The model still gets the real outcome now.
+            logger.exception(
+                "tool call %s ran but its result could not be journalled; it stays in doubt",
+                context.idempotency_key,
+            )
 
     async def _failed(
         self,
@@ -277,7 +314,7 @@ class ToolExecutor:
         failure.__cause__ = exc
         content = f"Error: {failure}"
         if journalled:
-            self.journal.finish(context.idempotency_key, ok=False, content=content, output=content)
+            self._record(context, ok=False, content=content, output=content)
         return ToolResult(
             **base,
             status="failed",
@@ -329,9 +366,7 @@ class ToolExecutor:
         if failure is not None:
             content = f"Error: {failure}"
             if journalled:
-                self.journal.finish(
-                    context.idempotency_key, ok=False, content=content, output=content
-                )
+                self._record(context, ok=False, content=content, output=content)
             return ToolResult(
                 **base,
                 status=status,
@@ -346,7 +381,7 @@ class ToolExecutor:
         text = _as_text(output)
         shown, truncated = _cap(text, cap)
         if journalled:
-            self.journal.finish(context.idempotency_key, ok=True, content=shown, output=text)
+            self._record(context, ok=True, content=shown, output=text)
         return ToolResult(
             **base,
             status="ok",

@@ -9,11 +9,14 @@ descriptions. Side effects are declared, because exactly-once execution depends 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import copy
 import functools
 import inspect
 import re
 import sys
+import threading
 import types
 import typing
 import warnings
@@ -108,17 +111,20 @@ class Tool:
         }
 
     async def ainvoke(self, arguments: BaseModel, context: ToolContext | None = None) -> Any:
-        """Run the function with validated arguments (sync functions run in a worker thread).
+        """Run the function with validated arguments (sync functions run in a thread).
 
-        A sync function that hangs cannot be interrupted by the timeout: the caller stops
-        waiting, but the thread runs on. Prefer async tools for anything that may hang.
+        A sync function that hangs cannot be interrupted by a timeout: the caller stops
+        waiting, but the thread runs on. It is a daemon thread of its own, not the event
+        loop's shared executor, so hung tools neither starve other tools of workers nor keep
+        ``asyncio.run`` (and the process) from ending. Prefer async tools for anything that
+        may hang.
         """
         kwargs = {name: getattr(arguments, name) for name in type(arguments).model_fields}
         if self.context_parameter is not None:
             kwargs[self.context_parameter] = context
         if self.is_async:
             return await self.function(**kwargs)
-        result = await asyncio.to_thread(functools.partial(self.function, **kwargs))
+        result = await _in_daemon_thread(functools.partial(self.function, **kwargs))
         if inspect.isawaitable(result):
             return await result
         return result
@@ -297,6 +303,35 @@ def _build_tool(
             stacklevel=4,
         )
     return built
+
+
+async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
+    """Run ``call`` in a new daemon thread and await its result (contextvars carried over)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def deliver(ok: bool, value: Any) -> None:
+        if future.done():  # the caller stopped waiting (timeout, cancellation)
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def target() -> None:
+        try:
+            value = context.run(call)
+        except BaseException as exc:
+            outcome: tuple[bool, Any] = (False, exc)
+        else:
+            outcome = (True, value)
+        # RuntimeError: the event loop is closed, nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(deliver, *outcome)
+
+    threading.Thread(target=target, name="keel-tool", daemon=True).start()
+    return await future
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:

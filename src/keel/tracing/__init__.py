@@ -4,16 +4,32 @@ OpenTelemetry.
 
 The runtime records through a :class:`Tracer`::
 
-    tracer = Tracer(open_trace_store())
-    async with await tracer.astart_run(session_id, user_id=user, input=message) as run:
-        async with run.step("model", "openai:gpt-4o-mini", state_version=3) as call:
-            completion = await model.acomplete(prompt)
-            call.update(usage=completion.usage, raw_output=completion.text)
-            async with run.step("tool", "book_flight", tool_arguments=args) as tool:
-                tool.update(tool_result=result)
+    tracer = Tracer(open_trace_store())          # the database keel's settings name
+    run = await tracer.astart_run(session_id, user_id=user, input=message)
+    async with run:                              # ends succeeded, or with status_for(error)
+        async with run.step("model", model.spec, state_version=3, budget=report) as call:
+            completion = await model.acomplete(prompt, tools)
+            call.update(completion=completion)   # tokens, model, finish reason, ttft, output
+        for tool_call in completion.message.tool_calls:
+            async with run.step("tool", tool_call.name, parent=call,
+                                tool_call_id=tool_call.id,
+                                tool_arguments=tool_call.arguments) as tool:
+                tool.update(tool_result=result)  # stored whole
+        run.transition("searching", "booking", state_version=4)
+        await run.aend(output=reply)
+
+Steps opened inside a ``with run.step(...)`` block get it as their parent (per task, through a
+context variable); ``parent=`` overrides. ``run.record(...)`` writes an event that already
+happened; ``run.guard``, ``run.loop_caught`` and ``run.state_reset`` record the guard events the
+death-spiral indicators count. After a crash, ``tracer.resume_run(run_id)`` continues a run.
+
+Every text field, and every string inside JSON fields, passes through ``redact`` (default
+:func:`redact_secrets`, the built-in fallback for credentials and e-mail addresses) before it is
+stored or exported. Identifiers (run, session, user, tenant ids) are stored as given, because
+queries filter on them: use opaque ids, not e-mail addresses.
 
 Tracing never raises into the agent: a failed write is logged on the ``keel.tracing`` logger
-and counted in :attr:`Tracer.write_failures`.
+and counted in :attr:`Tracer.write_failures` (the last one in :attr:`Tracer.last_error`).
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ from keel.tracing._models import (
 from keel.tracing._open import open_trace_store
 from keel.tracing._otel import OpenTelemetryExporter, export_run
 from keel.tracing._redact import Redactor, redact_json, redact_secrets
+from keel.tracing._render import render_run
 from keel.tracing._stats import LOOP_GUARD_NAME, percentile, session_stats
 from keel.tracing._store import TraceStore
 from keel.tracing._time import parse_since
@@ -83,6 +100,7 @@ __all__ = [
     "percentile",
     "redact_json",
     "redact_secrets",
+    "render_run",
     "session_stats",
     "status_for",
 ]

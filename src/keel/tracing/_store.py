@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from datetime import datetime
+from typing import TypeVar
 
 from keel.errors import UsageError
 from keel.tracing._models import (
@@ -26,6 +28,8 @@ from keel.tracing._stats import session_stats
 
 __all__ = ["TraceStore"]
 
+_T = TypeVar("_T")
+
 
 class TraceStore(ABC):
     """Where runs and steps are kept: write, query, and derive per-session indicators.
@@ -39,6 +43,16 @@ class TraceStore(ABC):
     - ``end_run`` sets the final status, end time, output and error of a run.
     - Queries return runs newest first and steps in start order (``seq``).
     """
+
+    threaded_async: bool = True
+    """Whether the async twins run the sync methods in a worker thread (the default). A
+    backend whose connection is bound to one thread (an in-memory SQLite database) sets it to
+    False and its twins run inline."""
+
+    async def _call(self, function: Callable[[], _T]) -> _T:
+        if self.threaded_async:
+            return await asyncio.to_thread(function)
+        return function()
 
     @abstractmethod
     def setup(self) -> None:
@@ -144,15 +158,15 @@ class TraceStore(ABC):
 
     async def asetup(self) -> None:
         """Async twin of :meth:`setup`."""
-        await asyncio.to_thread(self.setup)
+        await self._call(self.setup)
 
     async def astart_run(self, run: Run) -> None:
         """Async twin of :meth:`start_run`."""
-        await asyncio.to_thread(self.start_run, run)
+        await self._call(lambda: self.start_run(run))
 
     async def awrite_step(self, step: Step) -> None:
         """Async twin of :meth:`write_step`."""
-        await asyncio.to_thread(self.write_step, step)
+        await self._call(lambda: self.write_step(step))
 
     async def aend_run(
         self,
@@ -165,7 +179,7 @@ class TraceStore(ABC):
         error_message: str | None = None,
     ) -> None:
         """Async twin of :meth:`end_run`."""
-        await asyncio.to_thread(
+        await self._call(
             lambda: self.end_run(
                 run_id,
                 status=status,
@@ -178,15 +192,15 @@ class TraceStore(ABC):
 
     async def aget_run(self, run_id: str) -> Run | None:
         """Async twin of :meth:`get_run`."""
-        return await asyncio.to_thread(self.get_run, run_id)
+        return await self._call(lambda: self.get_run(run_id))
 
     async def aget_run_detail(self, run_id: str) -> RunDetail | None:
         """Async twin of :meth:`get_run_detail`."""
-        return await asyncio.to_thread(self.get_run_detail, run_id)
+        return await self._call(lambda: self.get_run_detail(run_id))
 
     async def alist_runs(self, query: RunQuery | None = None) -> list[Run]:
         """Async twin of :meth:`list_runs`."""
-        return await asyncio.to_thread(self.list_runs, query)
+        return await self._call(lambda: self.list_runs(query))
 
     async def asession_stats(
         self,
@@ -197,7 +211,7 @@ class TraceStore(ABC):
         thresholds: StatsThresholds | None = None,
     ) -> list[SessionStats]:
         """Async twin of :meth:`session_stats`."""
-        return await asyncio.to_thread(
+        return await self._call(
             lambda: self.session_stats(
                 session_id=session_id, since=since, tenant_id=tenant_id, thresholds=thresholds
             )
@@ -205,7 +219,7 @@ class TraceStore(ABC):
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`."""
-        await asyncio.to_thread(self.close)
+        await self._call(self.close)
 
     def __enter__(self) -> TraceStore:
         return self

@@ -35,6 +35,7 @@ from keel.errors import (
     ToolInDoubtError,
 )
 from keel.messages import Usage
+from keel.models import Completion
 from keel.tracing._models import Run, RunStatus, Step, StepKind
 from keel.tracing._redact import Redactor, redact_json, redact_secrets
 from keel.tracing._stats import LOOP_GUARD_NAME
@@ -72,11 +73,15 @@ class StepFields(TypedDict, total=False):
 
     Text fields are redacted before storage; ``budget``, ``parsed_action`` and ``attributes``
     are redacted recursively (every string value). Pydantic models are dumped to JSON.
+    ``usage`` fills the token counts; ``completion`` (a :class:`keel.models.Completion`) fills
+    tokens, model, finish reason, time to first token, attempt and the raw output (the text, or
+    the assistant message in the OpenAI wire format when it calls tools). Explicit fields win.
     """
 
     prompt_tokens: int
     completion_tokens: int
     usage: Usage
+    completion: Completion
     model: str | None
     finish_reason: str | None
     budget: Mapping[str, Any] | BaseModel | None
@@ -126,6 +131,22 @@ def _now() -> datetime:
 
 def _new_id() -> str:
     return uuid.uuid4().hex
+
+
+def _from_completion(data: dict[str, Any], completion: Completion) -> None:
+    message = completion.message
+    raw = (
+        json.dumps(message.to_openai(), ensure_ascii=False)
+        if message.tool_calls
+        else message.content
+    )
+    data.setdefault("usage", completion.usage)
+    data.setdefault("model", completion.model)
+    data.setdefault("finish_reason", completion.finish_reason)
+    data.setdefault("raw_output", raw)
+    if completion.ttft_ms is not None:
+        data.setdefault("ttft_ms", completion.ttft_ms)
+    data.setdefault("attempt", completion.attempts)
 
 
 def _jsonable(value: Any) -> Any:
@@ -252,7 +273,7 @@ class Tracer:
         )
         store = self.store
         if header is not None and store is not None:
-            self._guard("run start", lambda: store.start_run(header))
+            handle._stored = self._guard("run start", lambda: store.start_run(header))
         return handle
 
     async def astart_run(
@@ -273,11 +294,12 @@ class Tracer:
         if header is not None and self.store is not None:
             try:
                 await self.store.astart_run(header)
+                handle._stored = True
             except Exception as exc:
                 self._failed("run start", exc)
         return handle
 
-    def _resumed(self, run: Run, steps: Sequence[Step]) -> RunTrace:
+    def _resumed(self, run: Run, steps: Sequence[Step]) -> tuple[RunTrace, Run]:
         handle = RunTrace(
             self,
             run_id=run.run_id,
@@ -288,7 +310,7 @@ class Tracer:
         )
         handle.started_at = run.started_at
         handle._seq = count(max((step.seq for step in steps), default=-1) + 1)
-        handle._header = run.model_copy(
+        header = run.model_copy(
             update={
                 "status": "running",
                 "ended_at": None,
@@ -296,7 +318,8 @@ class Tracer:
                 "error_message": None,
             }
         )
-        return handle
+        handle._header = header
+        return handle, header
 
     def resume_run(self, run_id: str) -> RunTrace | None:
         """Continue a stored run after a crash or restart (a new worker resuming a session).
@@ -312,9 +335,9 @@ class Tracer:
             run = store.get_run(run_id)
             if run is None:
                 raise LookupError(f"no run {run_id!r} to resume")
-            handle = self._resumed(run, store.get_steps(run_id))
-            assert handle._header is not None
-            store.start_run(handle._header)
+            handle, header = self._resumed(run, store.get_steps(run_id))
+            store.start_run(header)
+            handle._stored = True
         except Exception as exc:
             self._failed("run resume", exc)
             return None
@@ -330,9 +353,9 @@ class Tracer:
             if run is None:
                 raise LookupError(f"no run {run_id!r} to resume")
             detail = await store.aget_run_detail(run_id)
-            handle = self._resumed(run, detail.steps if detail else ())
-            assert handle._header is not None
-            await store.astart_run(handle._header)
+            handle, header = self._resumed(run, detail.steps if detail else ())
+            await store.astart_run(header)
+            handle._stored = True
         except Exception as exc:
             self._failed("run resume", exc)
             return None
@@ -371,6 +394,9 @@ class RunTrace:
         """``running`` until :meth:`end`."""
         self._seq = count()
         self._header: Run | None = None
+        # False until the header is in the store; a failed start (a locked database, a blip
+        # in the connection) is retried before the next write so the run's steps still land.
+        self._stored = False
         self._finished: list[Step] = []
 
     # --- steps --------------------------------------------------------------------------------
@@ -495,6 +521,9 @@ class RunTrace:
             if isinstance(error, BaseException):
                 data.setdefault("error_type", type(error).__name__)
                 data.setdefault("error_message", str(error))
+            completion = data.pop("completion", None)
+            if isinstance(completion, Completion):
+                _from_completion(data, completion)
             usage = data.pop("usage", None)
             if isinstance(usage, Usage):
                 data.setdefault("prompt_tokens", usage.prompt_tokens)
@@ -548,18 +577,36 @@ class RunTrace:
         if self.tracer.exporters:
             self._finished.append(step)
         store = self.tracer.store
-        if store is not None:
-            self.tracer._guard(f"step {step.kind}:{step.name}", lambda: store.write_step(step))
+        if store is None:
+            return
+
+        def write() -> None:
+            self._ensure_stored(store)
+            store.write_step(step)
+
+        self.tracer._guard(f"step {step.kind}:{step.name}", write)
+
+    def _ensure_stored(self, store: TraceStore) -> None:
+        if not self._stored and self._header is not None:
+            store.start_run(self._header)
+            self._stored = True
+
+    async def _aensure_stored(self, store: TraceStore) -> None:
+        if not self._stored and self._header is not None:
+            await store.astart_run(self._header)
+            self._stored = True
 
     async def _awrite(self, step: Step) -> None:
         if self.tracer.exporters:
             self._finished.append(step)
         store = self.tracer.store
-        if store is not None:
-            try:
-                await store.awrite_step(step)
-            except Exception as exc:
-                self.tracer._failed(f"step {step.kind}:{step.name}", exc)
+        if store is None:
+            return
+        try:
+            await self._aensure_stored(store)
+            await store.awrite_step(step)
+        except Exception as exc:
+            self.tracer._failed(f"step {step.kind}:{step.name}", exc)
 
     # --- ending -------------------------------------------------------------------------------
 
@@ -619,17 +666,19 @@ class RunTrace:
         store = self.tracer.store
         if store is not None:
             status_, ended, out, error_type, error_message = final
-            self.tracer._guard(
-                "run end",
-                lambda: store.end_run(
+
+            def write() -> None:
+                self._ensure_stored(store)
+                store.end_run(
                     self.run_id,
                     status=status_,
                     ended_at=ended,
                     output=out,
                     error_type=error_type,
                     error_message=error_message,
-                ),
-            )
+                )
+
+            self.tracer._guard("run end", write)
         self._exported(final)
 
     async def aend(
@@ -647,6 +696,7 @@ class RunTrace:
         if store is not None:
             status_, ended, out, error_type, error_message = final
             try:
+                await self._aensure_stored(store)
                 await store.aend_run(
                     self.run_id,
                     status=status_,

@@ -1,0 +1,191 @@
+"""``keel bench models``: the local model's speed and the fate of every fault kind.
+
+The local part loads SmolLM2 in this process (cold load), then streams one greedy answer and
+reports the load time, the time to the first token and the decode speed. The fault part starts
+a :class:`~keel.testing.FaultServer` on loopback and sends each fault scenario through
+:class:`~keel.models.OpenAICompatibleModel`, streamed and not, checking that each ends in the
+expected typed error or in a successful retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from keel.errors import (
+    AuthenticationError,
+    ContextLengthExceededError,
+    KeelError,
+    MalformedResponseError,
+    ModelTimeoutError,
+    ModelUnavailableError,
+    RateLimitError,
+    TruncatedResponseError,
+)
+from keel.messages import Message
+from keel.models import ModelOptions, OpenAICompatibleModel, RetryPolicy
+
+__all__ = ["FaultCase", "bench_faults", "bench_local", "run_model_bench"]
+
+
+@dataclass(frozen=True)
+class FaultCase:
+    """One fault scenario and how it must end."""
+
+    name: str
+    scenario: str
+    stream: bool
+    expected: type[KeelError] | None  # None: a successful answer (after retries)
+    attempts: int
+    options: dict[str, Any] | None = None
+    refused: bool = False  # send it to a port where nothing listens
+
+
+FAULT_CASES = (
+    FaultCase("rate_limit_then_ok", "rate_limit:2", False, None, 3),
+    FaultCase("rate_limit_exhausted", "rate_limit", False, RateLimitError, 3),
+    FaultCase("server_error_then_ok", "server_error:1", False, None, 2),
+    FaultCase("server_error_then_ok_stream", "server_error:1", True, None, 2),
+    FaultCase("server_error_exhausted", "server_error", True, ModelUnavailableError, 3),
+    FaultCase("hang_past_timeout", "hang", False, ModelTimeoutError, 3),
+    FaultCase("hang_past_timeout_stream", "hang", True, ModelTimeoutError, 3),
+    FaultCase("stream_cut_midway", "cut_stream", True, TruncatedResponseError, 1),
+    FaultCase("stream_cut_before_first_chunk_then_ok", "cut_early:1", True, None, 2),
+    FaultCase("body_cut_then_unavailable", "cut_stream", False, ModelUnavailableError, 3),
+    FaultCase("malformed_tool_arguments", "malformed_tool_args", False, MalformedResponseError, 1),
+    FaultCase("malformed_tool_args_stream", "malformed_tool_args", True, MalformedResponseError, 1),
+    FaultCase("finish_reason_length", "length", False, TruncatedResponseError, 1),
+    FaultCase("context_length_exceeded", "context_length", False, ContextLengthExceededError, 1),
+    FaultCase("unauthorized_401", "unauthorized", True, AuthenticationError, 1),
+    FaultCase("connection_refused", "ok", False, ModelUnavailableError, 3, refused=True),
+)
+"""Every fault kind the bench checks."""
+
+
+async def _one_case(case: FaultCase, base_url: str, policy: RetryPolicy) -> dict[str, Any]:
+    if case.refused:
+        from keel.testing.servers import free_port
+
+        base_url = f"http://127.0.0.1:{free_port()}/v1"
+    model = OpenAICompatibleModel(
+        f"{case.scenario}#{case.name}", base_url=base_url, api_key="bench", retry=policy
+    )
+    options = ModelOptions.model_validate(case.options or {})
+    messages = [Message.user("hi")]
+    started = time.perf_counter()
+    got: str
+    attempts: int
+    try:
+        if case.stream:
+            final = None
+            async for chunk in model.astream(messages, options=options):
+                final = chunk.completion or final
+            assert final is not None
+            attempts = final.attempts
+        else:
+            attempts = (await model.acomplete(messages, options=options)).attempts
+        got = "ok"
+    except KeelError as exc:
+        got = type(exc).__name__
+        attempts = getattr(exc, "attempts", 1)
+    except Exception as exc:  # an untranslated exception is exactly what the bench looks for
+        got = f"untyped {type(exc).__name__}"
+        attempts = 0
+    finally:
+        await model.aclose()
+    expected = "ok" if case.expected is None else case.expected.__name__
+    return {
+        "scenario": case.scenario,
+        "stream": case.stream,
+        "expected": expected,
+        "got": got,
+        "attempts": attempts,
+        "expected_attempts": case.attempts,
+        "elapsed_s": round(time.perf_counter() - started, 3),
+        "handled": got == expected and attempts == case.attempts,
+    }
+
+
+def bench_faults() -> dict[str, Any]:
+    """Run every fault case against a local fault server; count the ones not handled."""
+    from keel.testing import FaultServer
+
+    policy = RetryPolicy(
+        max_attempts=3,
+        initial_backoff_s=0.05,
+        max_backoff_s=0.2,
+        attempt_timeout_s=2.0,
+        max_total_s=10,
+    )
+    # Hangs are cut sooner; other requests get room for a slow, busy machine.
+    hang_policy = policy.model_copy(update={"attempt_timeout_s": 0.5})
+    with FaultServer(retry_after_s=0.2, hang_s=10) as server:
+
+        async def run_all() -> list[dict[str, Any]]:
+            # One untimed request first: the SDK's first call in a process pays for imports.
+            await _one_case(FaultCase("warm_up", "ok", False, None, 1), server.base_url, policy)
+            # One at a time, so the cases' timings do not disturb each other.
+            return [
+                await _one_case(
+                    case, server.base_url, hang_policy if case.scenario == "hang" else policy
+                )
+                for case in FAULT_CASES
+            ]
+
+        started = time.perf_counter()
+        rows = asyncio.run(run_all())
+        elapsed = time.perf_counter() - started
+    kinds = {case.name: row for case, row in zip(FAULT_CASES, rows, strict=True)}
+    unhandled = sum(1 for row in rows if not row["handled"])
+    return {
+        "total": len(rows),
+        "handled": len(rows) - unhandled,
+        "unhandled": unhandled,
+        "elapsed_s": round(elapsed, 3),
+        "kinds": kinds,
+    }
+
+
+def bench_local(max_tokens: int = 64) -> dict[str, Any]:
+    """Cold-load the bundled model, stream one greedy answer, and time it."""
+    from keel.models import LocalModel
+
+    model = LocalModel()
+    load_s = model.load()
+    messages = [Message.user("Write three sentences about the sea.")]
+    options = ModelOptions(max_tokens=max_tokens, temperature=0, allow_truncated=True)
+    started = time.perf_counter()
+    first: float | None = None
+    final = None
+    for chunk in model.stream(messages, options=options):
+        if chunk.text and first is None:
+            first = time.perf_counter()
+        final = chunk.completion or final
+    ended = time.perf_counter()
+    assert final is not None
+    tokens = final.usage.completion_tokens
+    # ``model.stream`` hands chunks over after the fact, so the times come from the completion.
+    ttft_ms = final.ttft_ms if final.ttft_ms is not None else ((first or ended) - started) * 1000
+    decode_s = max(1e-9, final.latency_ms / 1000 - ttft_ms / 1000)
+    return {
+        "model": model.spec,
+        "load_s": round(load_s, 3),
+        "ttft_ms": round(ttft_ms, 1),
+        "tokens_per_s": round(max(0, tokens - 1) / decode_s, 2),
+        "completion_tokens": tokens,
+        "prompt_tokens": final.usage.prompt_tokens,
+        "total_s": round(final.latency_ms / 1000, 3),
+        "n_ctx": model.n_ctx,
+        "n_threads": model.n_threads,
+    }
+
+
+def run_model_bench(*, max_tokens: int = 64, local: bool = True) -> dict[str, Any]:
+    """The whole ``keel bench models`` report."""
+    report: dict[str, Any] = {}
+    if local:
+        report["local"] = bench_local(max_tokens)
+    report["faults"] = bench_faults()
+    return report

@@ -1,0 +1,49 @@
+"""``keel tools in-doubt`` and ``keel tools resolve``: the operator's side of exactly-once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from keel.settings import load_settings
+from keel.stores import SQLiteToolJournal, open_database
+from keel.tools import idempotency_key
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _keel(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "keel", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])},
+    )
+
+
+def test_an_operator_lists_and_resolves_in_doubt_calls() -> None:
+    db = open_database(load_settings())
+    journal = SQLiteToolJournal(db)
+    key = idempotency_key("s1", 3, 0)
+    journal.claim(
+        key=key, session_id="s1", step=3, call_index=0, tool="book_flight", arguments="{}"
+    )
+    listed = _keel("tools", "in-doubt", "--json")
+    assert listed.returncode == 0, listed.stderr
+    payload = json.loads(listed.stdout.strip().splitlines()[-1])
+    assert [entry["key"] for entry in payload["in_doubt"]] == [key]
+    assert payload["in_doubt"][0]["tool"] == "book_flight"
+    wrong = _keel("tools", "resolve", key, "--outcome", "maybe", "--content", "x")
+    assert wrong.returncode == 2 and "succeeded" in wrong.stderr
+    done = _keel("tools", "resolve", key, "--outcome", "succeeded", "--content", "booked, ref 7")
+    assert done.returncode == 0, done.stderr
+    entry = journal.get(key)
+    assert entry is not None and entry.status == "succeeded" and entry.content == "booked, ref 7"
+    again = _keel("tools", "resolve", key, "--outcome", "failed", "--content", "x")
+    assert again.returncode == 2 and "not in doubt" in again.stderr
+    assert "no tool calls in doubt" in _keel("tools", "in-doubt").stdout
+    db.close()

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+from keel.tracing import StatsThresholds, StepMetric, percentile, session_stats
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _metric(index: int, prompt: int, *, kind: str = "model", session: str = "s") -> StepMetric:
+    return StepMetric(
+        session_id=session,
+        run_id=f"r{index // 5}",
+        kind=kind,
+        name=kind,
+        started_at=T0 + timedelta(seconds=index),
+        attempt=1,
+        prompt_tokens=prompt,
+        ttft_ms=None,
+        failed=False,
+    )
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) is None
+    assert percentile([7.0], 95) == 7.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
+
+
+def test_prompt_trend_needs_enough_calls_and_respects_thresholds() -> None:
+    short = session_stats([_metric(0, 100), _metric(1, 900)], StatsThresholds())
+    assert short[0].prompt_growth == 1.0 and not short[0].prompt_creeping
+    growing = [_metric(i, 1000 + 100 * i) for i in range(10)]
+    (default,) = session_stats(growing, StatsThresholds())
+    assert not default.prompt_creeping and 1.3 < default.prompt_growth < 1.5
+    (strict,) = session_stats(growing, StatsThresholds(max_prompt_growth=1.2))
+    assert strict.prompt_creeping and any("creeping" in w for w in strict.warnings)
+    assert strict.prompt_tokens_slope == 100
+
+
+def test_sessions_are_separate_and_output_is_json_safe() -> None:
+    metrics = [_metric(i, 0 if i < 3 else 500, session="a") for i in range(6)]
+    metrics += [_metric(i, 10, session="b", kind="tool") for i in range(3)]
+    stats = session_stats(reversed(metrics), StatsThresholds())
+    assert [s.session_id for s in stats] == ["a", "b"]
+    a, b = stats
+    assert a.prompt_growth == 500.0  # an empty early half counts as one token, never infinity
+    assert b.model_calls == 0 and b.tool_calls == 3 and b.avg_prompt_tokens == 0.0
+    assert a.first_at == T0 and a.last_at == T0 + timedelta(seconds=5)
+    json.loads(json.dumps([s.model_dump(mode="json") for s in stats], allow_nan=False))
