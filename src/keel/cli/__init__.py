@@ -7,7 +7,7 @@ import sys
 import click
 import typer
 
-from keel.cli import _chat, _context, _demo, _doctor, _models, _runs, _state, _tokens, _tools  # noqa: F401  (they register their commands)
+from keel.cli import _chat, _context, _demo, _doctor, _memory, _models, _runs, _state, _tokens, _tools  # noqa: F401  (they register their commands)
 from keel.cli._app import app, err_console
 from keel.errors import KeelError, UsageError
 

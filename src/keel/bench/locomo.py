@@ -1,0 +1,266 @@
+"""LoCoMo retrieval benchmark: turn-level evidence recall of keel's default memory search.
+
+For each conversation, every turn becomes one episodic memory (``"Speaker: text [caption]"``,
+session id, turn number, the session's date as event time) in its own scope; each question of
+categories 1-4 is searched with :meth:`keel.memory.Memory.search` under the default
+:class:`~keel.memory.RetrievalConfig`, exactly as the runtime calls it. Nothing from answers
+or evidence is read at query time: evidence only scores the result afterwards.
+
+Metrics: R@k (share of a question's evidence turns among the turns retrieved for the top k
+hits, their neighbouring turns included; adjacent hits share one block), All@10, tokens of the retrieved turns (each turn counted once),
+search latency with the query embedding. Baselines in the same run: keyword-only (BM25) and
+dense-only, both without neighbours.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from keel.errors import ConfigError
+from keel.memory import Embedder, Memory, MemoryHit, RetrievalConfig, Scope
+from keel.stores import SQLiteDatabase, SQLiteMemoryStore
+from keel.tokens import counter_for
+
+__all__ = ["CATEGORY_NAMES", "load_locomo", "parse_session_date", "repair_evidence", "run_locomo"]
+
+CATEGORY_NAMES = {1: "multi_hop", 2: "temporal", 3: "open_domain", 4: "single_hop"}
+
+_SESSION = re.compile(r"^session_(\d+)$")
+
+
+def parse_session_date(text: str) -> datetime | None:
+    """``"1:56 pm on 8 May, 2023"`` -> a UTC datetime (None if unparseable)."""
+    cleaned = " ".join(text.replace(",", " ").split())
+    for pattern in ("%I:%M %p on %d %B %Y", "%I:%M %p on %d %b %Y", "%d %B %Y", "%B %d %Y"):
+        try:
+            return datetime.strptime(cleaned, pattern).replace(tzinfo=UTC)
+        except ValueError:
+            continue
+    return None
+
+
+def repair_evidence(raw: Any, known: set[str]) -> tuple[list[str], int]:
+    """Evidence ids that exist, after repairing malformed ones; and how many were dropped.
+
+    Handles ``"D8:6; D9:17"`` (several ids in one string), ``"D:11:26"`` (a stray colon),
+    spaces and lower case. Ids that still do not exist are dropped and counted.
+    """
+    entries = raw if isinstance(raw, list) else [raw]
+    found: list[str] = []
+    dropped = 0
+    for entry in entries:
+        for piece in re.split(r"[;,\s]+", str(entry).strip()):
+            if not piece:
+                continue
+            candidate = piece.upper()
+            match = re.fullmatch(r"D:?(\d+):+(\d+)", candidate)
+            if match:
+                candidate = f"D{int(match.group(1))}:{int(match.group(2))}"
+            if candidate in known:
+                if candidate not in found:
+                    found.append(candidate)
+            else:
+                dropped += 1
+    return found, dropped
+
+
+def load_locomo(path: str | Path) -> list[dict[str, Any]]:
+    """The conversations of a LoCoMo-format JSON file.
+
+    Raises:
+        ConfigError: the file is missing or not in LoCoMo format.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read LoCoMo data {path}: {exc}") from exc
+    if not isinstance(data, list) or not all(
+        isinstance(item, dict) and "conversation" in item and "qa" in item for item in data
+    ):
+        raise ConfigError(f"{path} is not a LoCoMo file (a list of {{conversation, qa}} items)")
+    return data
+
+
+def _turn_text(turn: dict[str, Any]) -> str:
+    text = f"{turn.get('speaker', '')}: {turn.get('text', '')}"
+    caption = turn.get("blip_caption")
+    return f"{text} [{caption}]" if caption else text
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+        self.latencies: list[float] = []
+
+    def add(self, category: int, r5: float, r10: float, all10: float, tokens: int) -> None:
+        self.rows.append(
+            {"category": category, "r5": r5, "r10": r10, "all10": all10, "tokens": tokens}
+        )
+
+    def summary(self, rows: list[dict[str, float]] | None = None) -> dict[str, Any]:
+        rows = self.rows if rows is None else rows
+        if not rows:
+            return {"questions": 0}
+        return {
+            "questions": len(rows),
+            "recall_at_5": round(statistics.fmean(r["r5"] for r in rows), 4),
+            "recall_at_10": round(statistics.fmean(r["r10"] for r in rows), 4),
+            "all_at_10": round(statistics.fmean(r["all10"] for r in rows), 4),
+            "tokens_at_10": round(statistics.fmean(r["tokens"] for r in rows), 1),
+        }
+
+    def full(self) -> dict[str, Any]:
+        result = self.summary()
+        result["search_ms_p50"] = round(_percentile(self.latencies, 0.5), 2)
+        result["search_ms_p95"] = round(_percentile(self.latencies, 0.95), 2)
+        result["by_category"] = {
+            CATEGORY_NAMES.get(cat, str(cat)): self.summary(
+                [r for r in self.rows if r["category"] == cat]
+            )
+            for cat in sorted({int(r["category"]) for r in self.rows})
+        }
+        return result
+
+
+def run_locomo(
+    path: str | Path,
+    *,
+    embedder: Embedder,
+    token_model: str = "gpt-4o",
+    config: RetrievalConfig | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark on a LoCoMo-format file; returns the JSON-able report."""
+    conversations = load_locomo(path)
+    counter = counter_for(token_model, allow_estimate=True)
+    default_cfg = config or RetrievalConfig()
+    systems: dict[str, RetrievalConfig] = {
+        "keel": default_cfg,
+        "bm25": default_cfg.model_copy(
+            update={"vector_weight": 0.0, "neighbours": 0, "recency_weight": 0.0}
+        ),
+        "dense": default_cfg.model_copy(
+            update={
+                "keyword_weight": 0.0,
+                "neighbours": 0,
+                "recency_weight": 0.0,
+                "min_similarity": -1.0,
+            }
+        ),
+    }
+    tallies = {name: _Tally() for name in systems}
+    dropped_evidence = 0
+    skipped_questions = 0
+    turns_total = 0
+    ingest_seconds = 0.0
+    with tempfile.TemporaryDirectory(prefix="keel-locomo-") as tmp:
+        db = SQLiteDatabase(Path(tmp) / "locomo.db")
+        store = SQLiteMemoryStore(db)
+        memories = {
+            name: Memory(store, embedder=embedder, config=cfg, token_model=token_model)
+            for name, cfg in systems.items()
+        }
+        writer = memories["keel"]
+        questions_total = sum(
+            1 for c in conversations for q in c["qa"] if q.get("category") in CATEGORY_NAMES
+        )
+        asked = 0
+        for number, item in enumerate(conversations):
+            conversation = item["conversation"]
+            scope = Scope(tenant_id="locomo", user_id=str(item.get("sample_id", number)))
+            sessions = sorted(
+                (int(m.group(1)), key)
+                for key in conversation
+                if (m := _SESSION.match(key)) and isinstance(conversation[key], list)
+            )
+            by_dia: dict[str, str] = {}
+            started = time.perf_counter()
+            for index, key in sessions:
+                when = parse_session_date(str(conversation.get(f"{key}_date_time", "")))
+                for position, turn in enumerate(conversation[key]):
+                    record = writer.add(
+                        _turn_text(turn),
+                        scope=scope,
+                        kind="episodic",
+                        type="turn",
+                        session_id=f"session_{index}",
+                        turn=position,
+                        event_time=when,
+                        metadata={"dia_id": turn.get("dia_id", "")},
+                    )
+                    by_dia[str(turn.get("dia_id", ""))] = record.id
+                    turns_total += 1
+            writer.process_outbox()
+            ingest_seconds += time.perf_counter() - started
+            dia_of = {record_id: dia for dia, record_id in by_dia.items()}
+            known = set(by_dia)
+            for qa in item["qa"]:
+                category = qa.get("category")
+                if category not in CATEGORY_NAMES:
+                    continue
+                asked += 1
+                evidence, dropped = repair_evidence(qa.get("evidence", []), known)
+                dropped_evidence += dropped
+                if not evidence:
+                    skipped_questions += 1
+                    continue
+                question = str(qa["question"])
+                for name, memory in memories.items():
+                    started = time.perf_counter()
+                    hits = memory.search(question, scope=scope, k=10)
+                    tallies[name].latencies.append((time.perf_counter() - started) * 1000)
+                    # With neighbours, adjacent hits merge into one block, so the top 5 hits
+                    # are asked for, not read off the first 5 blocks.
+                    top5 = hits[:5] if memory.config.neighbours == 0 else memory.search(
+                        question, scope=scope, k=5
+                    )
+                    r5, _, _ = _score(top5, evidence, dia_of, counter)
+                    r10, all10, tokens = _score(hits[:10], evidence, dia_of, counter)
+                    tallies[name].add(int(category), r5, r10, all10, tokens)
+                if progress is not None:
+                    progress("questions", asked, questions_total)
+        store.close()
+        db.close()
+    report = tallies["keel"].full()
+    report["baselines"] = {
+        "bm25": tallies["bm25"].full(),
+        "dense": tallies["dense"].full(),
+    }
+    report["dropped_evidence_ids"] = dropped_evidence
+    report["questions_without_evidence"] = skipped_questions
+    report["conversations"] = len(conversations)
+    report["turns"] = turns_total
+    report["ingest_seconds"] = round(ingest_seconds, 1)
+    report["embedding_model"] = embedder.name
+    report["config"] = default_cfg.model_dump()
+    report["data"] = str(path)
+    return report
+
+
+def _score(
+    hits: list[MemoryHit], evidence: list[str], dia_of: dict[str, str], counter: Any
+) -> tuple[float, float, int]:
+    retrieved: dict[str, str] = {}
+    for hit in hits:
+        for record in hit.records:
+            retrieved.setdefault(record.id, record.text)
+    found_dia = {dia_of.get(record_id, "") for record_id in retrieved}
+    found = sum(1 for dia in evidence if dia in found_dia)
+    tokens = sum(counter.count_text(text) for text in retrieved.values())
+    return found / len(evidence), float(found == len(evidence)), tokens

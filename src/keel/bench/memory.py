@@ -1,0 +1,143 @@
+"""Memory throughput and latency: ingest N synthetic records, then search.
+
+Records are synthetic sentences over a deterministic pseudo-word vocabulary (Zipf-like word
+frequencies, like real text), all in ONE scope (the worst case for a per-user index).
+Ingestion is measured end to end: PII masking, the durable row + outbox commit, and embedding
+in batches through the outbox, until every record is searchable. Search latency is
+:meth:`keel.memory.Memory.search` with the query embedding included.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from keel.memory import Embedder, Memory, MemoryStore, Scope
+
+__all__ = ["run_memory_bench", "synthetic_corpus"]
+
+_SYLLABLES = [
+    "ka",
+    "to",
+    "mi",
+    "ra",
+    "ne",
+    "so",
+    "lu",
+    "pe",
+    "di",
+    "va",
+    "ko",
+    "re",
+    "ti",
+    "na",
+    "mo",
+    "shi",
+    "ga",
+    "be",
+    "fu",
+    "ro",
+    "an",
+    "el",
+    "in",
+    "or",
+    "us",
+    "ta",
+    "lo",
+    "mer",
+    "vin",
+]
+
+
+def synthetic_corpus(records: int, *, seed: int = 7) -> tuple[list[str], list[str]]:
+    """``records`` sentences and 200 queries made of words of existing sentences."""
+    rng = random.Random(seed)
+    vocabulary = sorted(
+        {"".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))) for _ in range(8000)}
+    )
+    weights = [1.0 / (rank + 1) ** 1.05 for rank in range(len(vocabulary))]
+    rng.shuffle(vocabulary)
+    texts: list[str] = []
+    for number in range(records):
+        words = rng.choices(vocabulary, weights=weights, k=rng.randint(8, 16))
+        texts.append(f"note {number}: " + " ".join(words))
+    queries = []
+    for _ in range(200):
+        source = texts[rng.randrange(len(texts))].split(": ", 1)[1].split()
+        queries.append(" ".join(rng.sample(source, k=min(4, len(source)))))
+    return texts, queries
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _measure(
+    memory: Memory,
+    texts: list[str],
+    queries: list[str],
+    progress: Callable[[str, int, int], None] | None,
+    batch: int,
+) -> dict[str, Any]:
+    scope = Scope(tenant_id="bench", user_id="user-1")
+    started = time.perf_counter()
+    for start in range(0, len(texts), batch):
+        for text in texts[start : start + batch]:
+            memory.add(text, scope=scope, kind="episodic", type="note")
+        memory.process_outbox()
+        if progress is not None:
+            progress("ingest", min(start + batch, len(texts)), len(texts))
+    ingest = time.perf_counter() - started
+    memory.search("warm up the index", scope=scope, k=10)
+    latencies: list[float] = []
+    for number, query in enumerate(queries):
+        t0 = time.perf_counter()
+        memory.search(query, scope=scope, k=10)
+        latencies.append((time.perf_counter() - t0) * 1000)
+        if progress is not None:
+            progress("search", number + 1, len(queries))
+    return {
+        "records": len(texts),
+        "ingest_seconds": round(ingest, 1),
+        "ingest_records_per_s": round(len(texts) / ingest, 1),
+        "search_ms_p50": round(_percentile(latencies, 0.5), 2),
+        "search_ms_p95": round(_percentile(latencies, 0.95), 2),
+        "search_ms_mean": round(statistics.fmean(latencies), 2),
+        "queries": len(queries),
+    }
+
+
+def run_memory_bench(
+    records: int,
+    *,
+    embedder: Embedder,
+    postgres_store: Callable[[], MemoryStore] | None = None,
+    postgres_records: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+    batch: int = 512,
+) -> dict[str, Any]:
+    """Run the benchmark on the embedded backend (and PostgreSQL when a factory is given)."""
+    from keel.stores import SQLiteDatabase, SQLiteMemoryStore
+
+    texts, queries = synthetic_corpus(records)
+    report: dict[str, Any] = {"embedding_model": embedder.name}
+    with tempfile.TemporaryDirectory(prefix="keel-membench-") as tmp:
+        db = SQLiteDatabase(Path(tmp) / "memory.db")
+        memory = Memory(SQLiteMemoryStore(db), embedder=embedder)
+        report["sqlite"] = _measure(memory, texts, queries, progress, batch)
+        memory.close()
+        db.close()
+    if postgres_store is not None:
+        count = postgres_records or records
+        pg_texts, pg_queries = synthetic_corpus(count)
+        memory = Memory(postgres_store(), embedder=embedder)
+        report["postgres"] = _measure(memory, pg_texts, pg_queries, progress, batch)
+        memory.close()
+    report.update(report["sqlite"])
+    return report

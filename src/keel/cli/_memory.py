@@ -1,0 +1,202 @@
+"""``keel memory ...`` and the memory benchmarks (``keel bench locomo``, ``keel bench memory``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from keel.cli._app import app, bench_app, emit_json, err_console, out_console
+
+memory_app = typer.Typer(help="Long-term memory: status and maintenance.", no_args_is_help=True)
+app.add_typer(memory_app, name="memory")
+
+
+def _progress_bar(enabled: bool) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        disable=not enabled,
+        transient=True,
+    )
+
+
+@memory_app.command("status")
+def status_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show which embedding models produced the stored vectors."""
+    from keel.memory import open_memory
+    from keel.settings import load_settings
+
+    memory = open_memory(load_settings())
+    try:
+        status = memory.embedding_status()
+        payload = {
+            "configured": status.configured,
+            "counts": status.counts,
+            "stale": status.stale,
+            "missing": status.missing,
+            "needs_reembed": status.needs_reembed,
+        }
+    finally:
+        memory.close()
+    if as_json:
+        emit_json(payload)
+        return
+    out_console.print(f"embedding model: {status.configured}")
+    for model, count in sorted(status.counts.items()):
+        out_console.print(f"  {model or '(not embedded yet)'}: {count} records")
+    if status.needs_reembed:
+        out_console.print(f"{status.stale} records use another model: run keel memory reembed")
+
+
+@memory_app.command("reembed")
+def reembed_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Rebuild the vectors of every record not embedded by the configured model."""
+    from keel.memory import open_memory
+    from keel.settings import load_settings
+
+    memory = open_memory(load_settings())
+    try:
+        before = memory.embedding_status()
+        with _progress_bar(not as_json) as progress:
+            task = progress.add_task("re-embedding", total=None)
+
+            def report(done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
+
+            done = memory.reembed(progress=report)
+        after = memory.embedding_status()
+    finally:
+        memory.close()
+    if as_json:
+        emit_json(
+            {
+                "reembedded": done,
+                "model": after.configured,
+                "before": before.counts,
+                "after": after.counts,
+            }
+        )
+        return
+    out_console.print(f"re-embedded {done} records with {after.configured}")
+
+
+@bench_app.command("locomo")
+def bench_locomo_command(
+    data: Annotated[Path, typer.Option("--data", help="A LoCoMo-format JSON file.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
+) -> None:
+    """Turn-level evidence recall of keel's default memory search on LoCoMo."""
+    from keel.bench.locomo import run_locomo
+    from keel.memory import SentenceTransformerEmbedder
+
+    with _progress_bar(True) as progress:
+        task = progress.add_task("LoCoMo", total=None)
+
+        def report(stage: str, done: int, total: int) -> None:
+            progress.update(task, description=stage, completed=done, total=total)
+
+        result = run_locomo(data, embedder=SentenceTransformerEmbedder(), progress=report)
+    if as_json:
+        emit_json(result)
+        return
+    _print_locomo(result)
+
+
+def _print_locomo(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"LoCoMo retrieval ({result['questions']} questions)")
+    for column in ("system", "R@5", "R@10", "All@10", "tokens@10", "p50 ms", "p95 ms"):
+        table.add_column(column)
+    rows = [("keel", result), *((name, r) for name, r in result["baselines"].items())]
+    for name, r in rows:
+        table.add_row(
+            name,
+            str(r["recall_at_5"]),
+            str(r["recall_at_10"]),
+            str(r["all_at_10"]),
+            str(r["tokens_at_10"]),
+            str(r["search_ms_p50"]),
+            str(r["search_ms_p95"]),
+        )
+    out_console.print(table)
+    for category, r in result["by_category"].items():
+        out_console.print(f"  {category}: R@10 {r['recall_at_10']} ({r['questions']} questions)")
+    out_console.print(f"dropped evidence ids: {result['dropped_evidence_ids']}")
+
+
+@bench_app.command("memory")
+def bench_memory_command(
+    records: Annotated[
+        int, typer.Option("--records", min=100, help="Records to ingest.")
+    ] = 100_000,
+    postgres: Annotated[
+        bool, typer.Option("--postgres/--no-postgres", help="Also run on a fresh PostgreSQL.")
+    ] = False,
+    postgres_records: Annotated[
+        int | None,
+        typer.Option("--postgres-records", help="Records for PostgreSQL (default: same)."),
+    ] = None,
+    vector_ops: Annotated[
+        str, typer.Option("--pg-vector-ops", help="pgvector (operators + HNSW) or sql.")
+    ] = "pgvector",
+    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
+) -> None:
+    """Ingest synthetic records into the embedded memory, then measure search latency."""
+    import contextlib
+
+    from keel.bench.memory import run_memory_bench
+    from keel.errors import UsageError
+    from keel.memory import SentenceTransformerEmbedder
+
+    if vector_ops not in {"pgvector", "sql"}:
+        raise UsageError("--pg-vector-ops must be pgvector or sql")
+    with contextlib.ExitStack() as stack:
+        factory = None
+        if postgres:
+            from keel.stores import PostgresMemoryStore
+            from keel.testing.servers import postgres_server
+
+            server = stack.enter_context(postgres_server())
+            url = stack.enter_context(server.throwaway_database())
+            factory = lambda: PostgresMemoryStore(url, vector_ops=vector_ops)  # type: ignore[arg-type]  # noqa: E731
+        with _progress_bar(True) as progress:
+            task = progress.add_task("memory", total=None)
+
+            def report(stage: str, done: int, total: int) -> None:
+                progress.update(task, description=stage, completed=done, total=total)
+
+            result = run_memory_bench(
+                records,
+                embedder=SentenceTransformerEmbedder(),
+                postgres_store=factory,
+                postgres_records=postgres_records,
+                progress=report,
+            )
+    if as_json:
+        emit_json(result)
+        return
+    for backend in ("sqlite", "postgres"):
+        if backend in result:
+            r = result[backend]
+            out_console.print(
+                f"{backend}: {r['records']} records, ingest {r['ingest_records_per_s']} rec/s, "
+                f"search p50 {r['search_ms_p50']} ms, p95 {r['search_ms_p95']} ms"
+            )

@@ -1,0 +1,65 @@
+"""Long-term memory: episodic, semantic and procedural records, retrieved within a budget.
+
+:class:`Memory` is the entry point: ``add`` (PII-masked, durable outbox, embedded off the hot
+path), ``search`` (keyword + vector fusion, relevance floor, recency, MMR, neighbouring turns),
+``retrieve`` (packed into an exact token budget, labelled with kind, date and provenance),
+``remember_fact`` (facts superseded over time, history kept) and ``remember_run`` /
+``examples`` (experience replay). Backends live in :mod:`keel.stores`.
+"""
+
+from __future__ import annotations
+
+from keel.memory._config import RetrievalConfig
+from keel.memory._embedders import (
+    DEFAULT_EMBEDDING_MODEL,
+    Embedder,
+    HashingEmbedder,
+    OpenAIEmbedder,
+    SentenceTransformerEmbedder,
+    default_embedder,
+)
+from keel.memory._judge import ModelJudge
+from keel.memory._memory import EmbeddingStatus, Memory, MemoryHit, ReplayExample
+from keel.memory._open import embedder_from_spec, open_memory, open_memory_store
+from keel.memory._packing import PackedItem, PackedMemory, label_for
+from keel.memory._records import (
+    MemoryFilter,
+    MemoryKind,
+    MemoryRecord,
+    Provenance,
+    Scope,
+)
+from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
+from keel.memory._text import STOPWORDS, keyword_terms
+
+__all__ = [
+    "DEFAULT_EMBEDDING_MODEL",
+    "STOPWORDS",
+    "Embedder",
+    "EmbeddingStatus",
+    "HashingEmbedder",
+    "InsertResult",
+    "Memory",
+    "MemoryFilter",
+    "MemoryHit",
+    "MemoryKind",
+    "MemoryRecord",
+    "MemoryStore",
+    "ModelJudge",
+    "OpenAIEmbedder",
+    "OutboxEntry",
+    "PackedItem",
+    "PackedMemory",
+    "Provenance",
+    "ReplayExample",
+    "RetrievalConfig",
+    "Scope",
+    "ScoredId",
+    "SentenceTransformerEmbedder",
+    "default_embedder",
+    "embedder_from_spec",
+    "keyword_terms",
+    "label_for",
+    "open_memory",
+    "open_memory_store",
+]

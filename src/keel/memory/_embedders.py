@@ -1,0 +1,245 @@
+"""Embedders: text -> unit-length float32 vectors, named so a model change is detected.
+
+:class:`SentenceTransformerEmbedder` runs all-MiniLM-L6-v2 offline (the default);
+:class:`OpenAIEmbedder` calls any OpenAI-compatible ``/embeddings`` endpoint;
+:class:`HashingEmbedder` needs nothing installed (feature hashing; weak semantics, fast tests).
+Provider libraries are imported lazily, inside the classes that use them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from keel.errors import ConfigError, ModelError, ModelUnavailableError
+from keel.memory._text import word_set
+
+__all__ = [
+    "DEFAULT_EMBEDDING_MODEL",
+    "Embedder",
+    "HashingEmbedder",
+    "OpenAIEmbedder",
+    "SentenceTransformerEmbedder",
+    "default_embedder",
+]
+
+FloatArray = npt.NDArray[np.float32]
+
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+
+
+def _normalize(matrix: npt.NDArray[Any]) -> FloatArray:
+    array = np.asarray(matrix, dtype=np.float32)
+    if array.ndim == 1:
+        array = array.reshape(1, -1)
+    norms = np.linalg.norm(array, axis=1, keepdims=True)
+    norms[norms == 0] = 1.0
+    normalized: FloatArray = (array / norms).astype(np.float32, copy=False)
+    return normalized
+
+
+class Embedder(ABC):
+    """Turns texts into unit vectors. ``name`` is stored with every vector."""
+
+    name: str
+    dimension: int
+
+    @abstractmethod
+    def embed(self, texts: Sequence[str]) -> FloatArray:
+        """One unit-length row per text, shape ``(len(texts), dimension)``."""
+
+    async def aembed(self, texts: Sequence[str]) -> FloatArray:
+        """``embed`` without blocking the event loop."""
+        return await asyncio.to_thread(self.embed, texts)
+
+    def embed_one(self, text: str) -> FloatArray:
+        """The vector of one text, shape ``(dimension,)``."""
+        row: FloatArray = self.embed([text])[0]
+        return row
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, dimension={self.dimension})"
+
+
+class SentenceTransformerEmbedder(Embedder):
+    """A sentence-transformers model on the CPU; all-MiniLM-L6-v2 from its package by default.
+
+    The model loads on first use (torch import included, a few seconds) and is shared by every
+    embedder created for the same folder in this process.
+    """
+
+    _models: dict[str, Any] = {}  # noqa: RUF012  (process-wide cache of loaded models)
+    _load_lock = threading.Lock()
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        name: str | None = None,
+        batch_size: int = 64,
+        threads: int | None = None,
+    ) -> None:
+        if path is None:
+            from keel._assets import AssetMissingError, minilm_dir
+
+            try:
+                path = minilm_dir()
+            except AssetMissingError as exc:
+                raise ConfigError(str(exc)) from exc
+            name = name or DEFAULT_EMBEDDING_MODEL
+        self.path = str(path)
+        self.name = name or Path(self.path).name
+        self.batch_size = batch_size
+        # Intra-op threads for batches. Short queries always use one thread: on a loaded or
+        # small machine, torch's spinning worker threads turn a 10 ms query into a second.
+        self.threads = threads or max(1, _available_cpus() // 2)
+        self.dimension = (
+            384
+            if self.name == DEFAULT_EMBEDDING_MODEL
+            else self._model().get_sentence_embedding_dimension()
+        )
+        self._lock = threading.Lock()
+
+    def _model(self) -> Any:
+        with self._load_lock:
+            model = self._models.get(self.path)
+            if model is None:
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+                try:
+                    from sentence_transformers import SentenceTransformer
+                except ImportError as exc:
+                    raise ConfigError(
+                        "the sentence-transformers embedder needs keel's 'embeddings' extra"
+                    ) from exc
+                model = SentenceTransformer(self.path, device="cpu")
+                self._models[self.path] = model
+            return model
+
+    def embed(self, texts: Sequence[str]) -> FloatArray:
+        if not texts:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        model = self._model()
+        import torch
+
+        # torch modules are not re-entrant across threads; one encode at a time per embedder.
+        with self._lock:
+            torch.set_num_threads(1 if len(texts) < 16 else self.threads)
+            vectors = model.encode(
+                list(texts),
+                batch_size=self.batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            )
+        return _normalize(vectors)
+
+
+class OpenAIEmbedder(Embedder):
+    """Any OpenAI-compatible embeddings endpoint (OpenAI, vLLM, Ollama, LM Studio, TEI...).
+
+    Args:
+        model: the endpoint's model name (stored with each vector).
+        dimension: the vector size the model returns.
+        base_url: the API root, e.g. ``http://localhost:8000/v1``; the SDK default if None.
+        api_key: the key; ``OPENAI_API_KEY`` or a placeholder for keyless local servers.
+        batch_size: texts per request.
+        timeout: seconds per request.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dimension: int,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        batch_size: int = 256,
+        timeout: float = 30.0,
+        max_retries: int = 2,
+    ) -> None:
+        self.name = model
+        self.dimension = dimension
+        self.base_url = base_url
+        self.batch_size = batch_size
+        import openai
+
+        self._client = openai.OpenAI(
+            base_url=base_url,
+            api_key=api_key or os.environ.get("OPENAI_API_KEY") or "not-needed",
+            timeout=timeout,
+            max_retries=max_retries,
+        )
+
+    def embed(self, texts: Sequence[str]) -> FloatArray:
+        import openai
+
+        rows: list[list[float]] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = list(texts[start : start + self.batch_size])
+            try:
+                response = self._client.embeddings.create(model=self.name, input=batch)
+            except openai.APIConnectionError as exc:
+                raise ModelUnavailableError(
+                    f"embeddings endpoint unreachable: {exc}", model=self.name
+                ) from exc
+            except openai.APIError as exc:
+                raise ModelError(f"embeddings request failed: {exc}", model=self.name) from exc
+            data = sorted(response.data, key=lambda item: item.index)
+            if len(data) != len(batch):
+                raise ModelError(
+                    f"embeddings endpoint returned {len(data)} vectors for {len(batch)} texts",
+                    model=self.name,
+                )
+            rows.extend(list(item.embedding) for item in data)
+        if not rows:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        matrix = _normalize(np.asarray(rows, dtype=np.float32))
+        if matrix.shape[1] != self.dimension:
+            raise ModelError(
+                f"embeddings endpoint returned dimension {matrix.shape[1]}, "
+                f"configured {self.dimension}",
+                model=self.name,
+            )
+        return matrix
+
+
+class HashingEmbedder(Embedder):
+    """Feature-hashed bag of words: no model, no download, deterministic.
+
+    Lexical only (it knows nothing about synonyms); useful for tests and for deployments that
+    rely on keyword search and want vectors without torch.
+    """
+
+    def __init__(self, dimension: int = 256) -> None:
+        self.dimension = dimension
+        self.name = f"keel-hashing-{dimension}"
+
+    def embed(self, texts: Sequence[str]) -> FloatArray:
+        matrix = np.zeros((len(texts), self.dimension), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in word_set(text):
+                digest = hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest()
+                value = int.from_bytes(digest, "little")
+                matrix[row, value % self.dimension] += 1.0 if (value >> 32) & 1 else -1.0
+        return _normalize(matrix)
+
+
+def _available_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_embedder() -> Embedder:
+    """The offline default: all-MiniLM-L6-v2."""
+    return SentenceTransformerEmbedder()

@@ -1,0 +1,731 @@
+"""Memory: the long-term tiers of an agent, behind one object.
+
+Write path: ``add`` masks PII, then commits the row and an outbox entry in one transaction and
+returns; a background thread (or ``process_outbox`` / ``flush``) embeds and indexes the vector
+later, so a crash between the two is repaired by processing the outbox on the next start.
+
+Read path: exact look-ups (profile facts, recent actions), then keyword + vector candidates
+fused by weighted reciprocal rank, a calibrated similarity floor, recency weighting,
+de-duplication / MMR, neighbouring turns, an optional one-call model judge, and packing into an
+exact token budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from keel.errors import KeelError, UsageError
+from keel.memory._config import RetrievalConfig
+from keel.memory._embedders import Embedder
+from keel.memory._judge import ModelJudge
+from keel.memory._packing import PackedMemory, label_for, pack_items
+from keel.memory._records import (
+    MemoryFilter,
+    MemoryKind,
+    MemoryRecord,
+    Provenance,
+    Scope,
+    content_hash,
+    utcnow,
+)
+from keel.memory._store import MemoryStore, ScoredId
+from keel.memory._text import keyword_terms, word_set
+from keel.messages import ToolCall
+from keel.privacy import PIIMasker
+from keel.tokens import ChatTokenCounter, counter_for
+
+__all__ = ["EmbeddingStatus", "Memory", "MemoryHit", "ReplayExample"]
+
+logger = logging.getLogger("keel.memory")
+
+RUN_TYPE = "run"
+
+
+class MemoryHit(BaseModel):
+    """One search result: the record, how it ranked, and the turns around it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    record: MemoryRecord = Field(description="The matching record.")
+    score: float = Field(description="Fused relevance score (higher is better).")
+    keyword_rank: int | None = Field(default=None, description="1-based rank in keyword search.")
+    vector_rank: int | None = Field(default=None, description="1-based rank in vector search.")
+    similarity: float | None = Field(default=None, description="Cosine similarity to the query.")
+    context: tuple[MemoryRecord, ...] = Field(
+        default=(), description="The record with its neighbouring turns, in turn order."
+    )
+
+    @property
+    def records(self) -> tuple[MemoryRecord, ...]:
+        """The context when there is one, else just the record."""
+        return self.context or (self.record,)
+
+    def render(self) -> str:
+        """The labelled block this hit becomes in a prompt."""
+        records = self.records
+        if len(records) == 1:
+            return f"{label_for(self.record)} {self.record.text}"
+        lines = [label_for(self.record)]
+        lines.extend(record.text for record in records)
+        return "\n".join(lines)
+
+
+class ReplayExample(BaseModel):
+    """A successful earlier run, retrieved as a few-shot example."""
+
+    model_config = ConfigDict(frozen=True)
+
+    record_id: str = Field(description="The run's memory record.")
+    task: str = Field(description="What the user asked for (masked).")
+    tool_calls: tuple[ToolCall, ...] = Field(description="The tool calls that worked, in order.")
+    score: float = Field(description="Relevance to the current task.")
+
+    def render(self) -> str:
+        """The example as prompt text."""
+        lines = [f"Task: {self.task}", "Tool calls that worked:"]
+        lines.extend(f"- {call.name}({call.arguments})" for call in self.tool_calls)
+        return "\n".join(lines)
+
+
+class EmbeddingStatus(BaseModel):
+    """Which embedding models produced the stored vectors, against the configured one."""
+
+    model_config = ConfigDict(frozen=True)
+
+    configured: str | None = Field(description="The embedder's model name (None: no embedder).")
+    counts: dict[str, int] = Field(description="Records per model ('' for not embedded yet).")
+
+    @property
+    def stale(self) -> int:
+        """Records whose vector is from another model (``keel memory reembed`` fixes them)."""
+        return sum(n for model, n in self.counts.items() if model and model != self.configured)
+
+    @property
+    def missing(self) -> int:
+        """Records not embedded yet (waiting in the outbox)."""
+        return self.counts.get("", 0)
+
+    @property
+    def needs_reembed(self) -> bool:
+        """True when some vectors come from a different model than the configured one."""
+        return self.stale > 0
+
+
+class Memory:
+    """An agent's long-term memory: write safely, retrieve accurately, pack exactly.
+
+    Args:
+        store: a backend (``keel.stores.SQLiteMemoryStore`` or ``PostgresMemoryStore``).
+        embedder: makes vectors; None keeps memory keyword-only.
+        masker: masks PII and secrets before anything is stored; ``None`` turns masking off
+            (explicitly: pass ``masker=None``).
+        config: retrieval settings.
+        token_model: model whose tokenizer counts the packing budget.
+        judge: optional model judge (one batched call per retrieval).
+        background: embed in a daemon thread (True) or only on ``process_outbox``/``flush``.
+
+    Example:
+        >>> memory = Memory(SQLiteMemoryStore("memory.db"), embedder=default_embedder())
+        >>> scope = Scope(tenant_id="acme", user_id="u1")
+        >>> memory.add("I'm vegetarian", scope=scope, kind="semantic")
+        >>> memory.flush()
+        >>> memory.retrieve("what should I cook?", scope=scope, budget_tokens=300).text
+    """
+
+    def __init__(
+        self,
+        store: MemoryStore,
+        *,
+        embedder: Embedder | None = None,
+        masker: PIIMasker | None = PIIMasker(),  # noqa: B008  (immutable default policy)
+        config: RetrievalConfig | None = None,
+        token_model: str = "gpt-4o",
+        judge: ModelJudge | None = None,
+        background: bool = False,
+        batch_size: int = 64,
+        max_attempts: int = 5,
+    ) -> None:
+        self.store = store
+        self.embedder = embedder
+        self.masker = masker
+        self.config = config or RetrievalConfig()
+        self.counter: ChatTokenCounter = counter_for(token_model, allow_estimate=True)
+        self.judge = judge
+        self.batch_size = batch_size
+        self.max_attempts = max_attempts
+        self.store.setup()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._worker: threading.Thread | None = None
+        self._process_lock = threading.Lock()
+        self.last_error: str | None = None
+        if background:
+            self.start()
+
+    # --- write path ---------------------------------------------------------------------
+
+    def _mask(self, text: str, tenant_id: str) -> str:
+        return text if self.masker is None else self.masker.mask_text(text, tenant_id=tenant_id)
+
+    def _mask_value(self, value: Any, tenant_id: str) -> Any:
+        if isinstance(value, str):
+            return self._mask(value, tenant_id)
+        if isinstance(value, Mapping):
+            return {str(k): self._mask_value(v, tenant_id) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._mask_value(v, tenant_id) for v in value]
+        return value
+
+    def add(
+        self,
+        text: str,
+        *,
+        scope: Scope,
+        kind: MemoryKind = "episodic",
+        type: str = "note",
+        provenance: Provenance = "user_claim",
+        verified_by: str | None = None,
+        session_id: str | None = None,
+        step: int | None = None,
+        turn: int | None = None,
+        event_time: datetime | None = None,
+        subject: str | None = None,
+        attribute: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> MemoryRecord:
+        """Store a memory durably and return at once (embedding happens later).
+
+        PII is masked first. Adding identical content twice returns the first record.
+        A semantic record with ``subject`` and ``attribute`` supersedes the current value.
+
+        Raises:
+            UsageError: empty text, or ``provenance="verified"`` without ``verified_by``
+                (a user's claim is never stored as verified).
+        """
+        if not text.strip():
+            raise UsageError("a memory needs non-empty text")
+        if provenance == "verified" and not verified_by:
+            raise UsageError(
+                "provenance='verified' needs verified_by (the tool or system that checked it); "
+                "store what the user said as provenance='user_claim'"
+            )
+        if (subject is None) != (attribute is None):
+            raise UsageError("a fact needs both subject and attribute, or neither")
+        if subject is not None and kind != "semantic":
+            raise UsageError("subject/attribute facts are semantic memories (kind='semantic')")
+        tenant = scope.tenant_id
+        masked = self._mask(text, tenant)
+        subject_m = None if subject is None else self._mask(subject, tenant)
+        attribute_m = None if attribute is None else self._mask(attribute, tenant)
+        now = utcnow()
+        record = MemoryRecord(
+            id=uuid.uuid4().hex,
+            tenant_id=scope.tenant_id,
+            user_id=scope.user_id,
+            kind=kind,
+            type=type,
+            text=masked,
+            provenance=provenance,
+            verified_by=verified_by,
+            session_id=session_id,
+            step=step,
+            turn=turn,
+            created_at=now,
+            event_time=event_time,
+            subject=subject_m,
+            attribute=attribute_m,
+            valid_from=(event_time or now) if subject_m is not None else None,
+            content_hash=content_hash(kind, type, masked, subject_m, attribute_m),
+            metadata=self._mask_value(dict(metadata or {}), tenant),
+        )
+        result = self.store.insert(record)
+        if result.created and self._worker is not None:
+            self._idle.clear()
+            self._wake.set()
+        return result.record
+
+    async def aadd(self, text: str, *, scope: Scope, **fields: Any) -> MemoryRecord:
+        """Async twin of :meth:`add`."""
+        return await asyncio.to_thread(lambda: self.add(text, scope=scope, **fields))
+
+    def remember_fact(
+        self,
+        scope: Scope,
+        subject: str,
+        attribute: str,
+        value: str,
+        *,
+        provenance: Provenance = "user_claim",
+        verified_by: str | None = None,
+        event_time: datetime | None = None,
+        session_id: str | None = None,
+    ) -> MemoryRecord:
+        """Store ``subject``'s ``attribute`` = ``value``; an earlier value becomes history."""
+        return self.add(
+            f"{subject} {attribute}: {value}",
+            scope=scope,
+            kind="semantic",
+            type="fact",
+            provenance=provenance,
+            verified_by=verified_by,
+            subject=subject,
+            attribute=attribute,
+            event_time=event_time,
+            session_id=session_id,
+            metadata={"value": value},
+        )
+
+    def remember_run(
+        self,
+        scope: Scope,
+        task: str,
+        tool_calls: Sequence[ToolCall],
+        *,
+        succeeded: bool,
+        session_id: str | None = None,
+    ) -> MemoryRecord | None:
+        """Keep a successful run (task + tool calls that worked) for experience replay.
+
+        Failed runs are not stored (returns None): replaying them would teach failure.
+        """
+        if not succeeded or not tool_calls:
+            return None
+        calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in tool_calls]
+        rendered = "\n".join(f"- {c.name}({c.arguments})" for c in tool_calls)
+        return self.add(
+            f"Task: {task}\nTool calls that worked:\n{rendered}",
+            scope=scope,
+            kind="episodic",
+            type=RUN_TYPE,
+            provenance="verified",
+            verified_by="keel.runtime",
+            session_id=session_id,
+            metadata={"task": task, "tool_calls": calls},
+        )
+
+    def forget(self, scope: Scope, record_id: str) -> bool:
+        """Delete one record of ``scope``; True if it existed."""
+        return self.store.delete(scope, record_id)
+
+    # --- outbox -------------------------------------------------------------------------
+
+    def process_outbox(self, *, max_batches: int | None = None) -> int:
+        """Embed and index what the outbox holds; returns how many records were embedded.
+
+        Safe to call from several threads (one processes at a time). Without an embedder the
+        outbox is drained with nothing to do but mark entries done (keyword search still works).
+        """
+        done = 0
+        batches = 0
+        with self._process_lock:
+            while max_batches is None or batches < max_batches:
+                entries = [
+                    e for e in self.store.pending(self.batch_size) if e.attempts < self.max_attempts
+                ]
+                if not entries:
+                    break
+                batches += 1
+                if self.embedder is None:
+                    self.store.fail(entries, "no embedder configured")
+                    continue
+                try:
+                    vectors = self.embedder.embed([e.text for e in entries])
+                except KeelError as exc:
+                    self.last_error = str(exc)
+                    self.store.fail(entries, str(exc))
+                    logger.warning("memory embedding failed: %s", exc)
+                    break
+                self.store.complete(entries, list(vectors), self.embedder.name)
+                done += len(entries)
+        return done
+
+    def pending(self) -> int:
+        """Records waiting to be embedded (retries exhausted not counted)."""
+        return len([e for e in self.store.pending(100_000) if e.attempts < self.max_attempts])
+
+    def start(self) -> None:
+        """Start the background embedding thread (idempotent)."""
+        if self._worker is not None and self._worker.is_alive():
+            return
+        self._stop.clear()
+        self._worker = threading.Thread(target=self._run, name="keel-memory-outbox", daemon=True)
+        self._worker.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            try:
+                while self.process_outbox(max_batches=1):
+                    if self._stop.is_set():
+                        break
+            except Exception as exc:  # the worker must outlive one bad batch
+                self.last_error = str(exc)
+                logger.exception("memory outbox worker failed")
+                time.sleep(0.5)
+            if not self._wake.is_set():
+                self._idle.set()
+
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Block until everything added so far is embedded."""
+        if self._worker is None or not self._worker.is_alive():
+            self.process_outbox()
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.pending():
+            self._idle.clear()
+            self._wake.set()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError("memory outbox did not drain in time")
+            self._idle.wait(timeout=min(0.2, remaining) if remaining is not None else 0.2)
+
+    async def aflush(self, timeout: float | None = 60.0) -> None:
+        """Async twin of :meth:`flush`."""
+        await asyncio.to_thread(self.flush, timeout)
+
+    def close(self) -> None:
+        """Stop the worker (work left stays in the durable outbox) and close the store."""
+        self._stop.set()
+        self._wake.set()
+        if self._worker is not None:
+            self._worker.join(timeout=10)
+            self._worker = None
+        self.store.close()
+
+    def __enter__(self) -> Memory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- embeddings bookkeeping -------------------------------------------------------------
+
+    def embedding_status(self) -> EmbeddingStatus:
+        """Stored models against the configured one (detects a model change)."""
+        return EmbeddingStatus(
+            configured=None if self.embedder is None else self.embedder.name,
+            counts=self.store.embedding_models(),
+        )
+
+    def reembed(self, progress: Any = None) -> int:
+        """Re-embed every record whose vector is missing or from another model.
+
+        ``progress(done, total)`` is called after each batch. Returns the number embedded.
+        """
+        if self.embedder is None:
+            raise UsageError("reembed needs an embedder")
+        total = self.store.enqueue_reembed(self.embedder.name) or self.pending()
+        done = 0
+        while True:
+            count = self.process_outbox(max_batches=1)
+            if count == 0:
+                break
+            done += count
+            if progress is not None:
+                progress(done, max(total, done))
+        return done
+
+    # --- exact tier -----------------------------------------------------------------------
+
+    def profile(self, scope: Scope, *, limit: int = 50) -> list[MemoryRecord]:
+        """Current semantic facts and preferences of the user, newest first."""
+        return self.store.list_records(scope, MemoryFilter(kinds=("semantic",)), limit=limit)
+
+    def recent(
+        self, scope: Scope, *, limit: int = 10, types: Sequence[str] = ()
+    ) -> list[MemoryRecord]:
+        """The last ``limit`` episodic records (optionally of some types), newest first."""
+        return self.store.list_records(
+            scope,
+            MemoryFilter(kinds=("episodic",), types=tuple(types), exclude_types=(RUN_TYPE,)),
+            limit=limit,
+        )
+
+    def fact_history(self, scope: Scope, subject: str, attribute: str) -> list[MemoryRecord]:
+        """Every value of one fact, oldest first (superseded ones have ``valid_to`` set)."""
+        tenant = scope.tenant_id
+        return self.store.fact_history(
+            scope, self._mask(subject, tenant), self._mask(attribute, tenant)
+        )
+
+    def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
+        """One record of ``scope`` by id."""
+        return self.store.get(scope, record_id)
+
+    # --- search -------------------------------------------------------------------------
+
+    def search(
+        self,
+        query: str,
+        *,
+        scope: Scope,
+        k: int = 10,
+        filters: MemoryFilter | None = None,
+        now: datetime | None = None,
+    ) -> list[MemoryHit]:
+        """The ``k`` most relevant memories of ``scope`` for ``query``, with their context."""
+        filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
+        ranked = self._rank(query, scope, filters, now=now)
+        return self._finish(self._diversify(ranked, scope, keep=k * 3), scope, k)
+
+    async def asearch(self, query: str, *, scope: Scope, **options: Any) -> list[MemoryHit]:
+        """Async twin of :meth:`search`."""
+        return await asyncio.to_thread(lambda: self.search(query, scope=scope, **options))
+
+    def _rank(
+        self, query: str, scope: Scope, filters: MemoryFilter, *, now: datetime | None
+    ) -> list[MemoryHit]:
+        cfg = self.config
+        masked_query = self._mask(query, scope.tenant_id)
+        keyword: list[ScoredId] = []
+        terms = keyword_terms(masked_query)
+        if terms and cfg.keyword_weight > 0:
+            keyword = self.store.keyword_search(scope, terms, filters, cfg.candidates)
+        vector_hits: list[ScoredId] = []
+        query_vector = None
+        if self.embedder is not None and cfg.vector_weight > 0:
+            query_vector = self.embedder.embed_one(masked_query)
+            vector_hits = self.store.vector_search(
+                scope, query_vector, self.embedder.name, filters, cfg.candidates
+            )
+        scores: dict[str, float] = {}
+        keyword_rank: dict[str, int] = {}
+        vector_rank: dict[str, int] = {}
+        similarity: dict[str, float] = {}
+        for rank, hit in enumerate(keyword, start=1):
+            keyword_rank[hit.record_id] = rank
+            scores[hit.record_id] = cfg.keyword_weight / (cfg.rrf_k + rank)
+        for rank, hit in enumerate(vector_hits, start=1):
+            vector_rank[hit.record_id] = rank
+            similarity[hit.record_id] = hit.score
+            if hit.record_id not in keyword_rank and hit.score < cfg.min_similarity:
+                continue
+            scores[hit.record_id] = scores.get(hit.record_id, 0.0) + cfg.vector_weight / (
+                cfg.rrf_k + rank
+            )
+        if not scores:
+            return []
+        records = {r.id: r for r in self.store.fetch(scope, list(scores), filters)}
+        reference = now or utcnow()
+        hits: list[MemoryHit] = []
+        for record_id, score in scores.items():
+            record = records.get(record_id)
+            if record is None:
+                continue
+            if cfg.recency_weight > 0:
+                age_days = max(0.0, (reference - record.when).total_seconds() / 86400)
+                score *= 1.0 + cfg.recency_weight * math.pow(
+                    0.5, age_days / cfg.recency_half_life_days
+                )
+            hits.append(
+                MemoryHit(
+                    record=record,
+                    score=score,
+                    keyword_rank=keyword_rank.get(record_id),
+                    vector_rank=vector_rank.get(record_id),
+                    similarity=similarity.get(record_id),
+                )
+            )
+        hits.sort(key=lambda h: (-h.score, h.record.id))
+        return hits
+
+    def _diversify(self, hits: list[MemoryHit], scope: Scope, keep: int) -> list[MemoryHit]:
+        """Drop near-duplicates and, with ``mmr_lambda`` < 1, re-rank by MMR (vectorized)."""
+        cfg = self.config
+        window = hits[: max(keep * 4, 40)]
+        count = len(window)
+        if count <= 1:
+            return window
+        ids = [h.record.id for h in window]
+        vectors: dict[str, Any] = {}
+        if self.embedder is not None:
+            vectors = self.store.vectors(scope, ids, self.embedder.name)
+        if len(vectors) == count:
+            matrix = np.stack([np.asarray(vectors[i], dtype=np.float32) for i in ids])
+            similarity = matrix @ matrix.T
+        else:
+            words = [word_set(h.record.text) for h in window]
+            similarity = np.zeros((count, count), dtype=np.float32)
+            for a in range(count):
+                for b in range(a + 1, count):
+                    union = words[a] | words[b]
+                    value = len(words[a] & words[b]) / len(union) if union else 0.0
+                    similarity[a, b] = similarity[b, a] = value
+        relevance = np.array([h.score for h in window], dtype=np.float64)
+        relevance = relevance / max(float(relevance.max()), 1e-12)
+        alive = np.ones(count, dtype=bool)
+        redundancy = np.zeros(count, dtype=np.float64)
+        selected: list[int] = []
+        while len(selected) < keep and alive.any():
+            values = cfg.mmr_lambda * relevance - (1 - cfg.mmr_lambda) * redundancy
+            values[~alive] = -np.inf
+            chosen = int(np.argmax(values))
+            selected.append(chosen)
+            alive[chosen] = False
+            # Near-duplicates of what was chosen are removed for good.
+            alive &= similarity[chosen] < cfg.duplicate_similarity
+            redundancy = np.maximum(redundancy, similarity[chosen])
+        return [window[i] for i in selected]
+
+    def _finish(self, hits: list[MemoryHit], scope: Scope, k: int) -> list[MemoryHit]:
+        """Top ``k`` hits with their neighbouring turns.
+
+        A hit that an earlier hit already shows (as a neighbour) still counts as one of the
+        ``k`` and extends that earlier block with its own neighbours, so adjacent hits become
+        one contiguous block and no turn is shown twice.
+        """
+        span = self.config.neighbours
+        owner: dict[str, int] = {}
+        blocks: list[MemoryHit] = []
+        for hit in hits[:k]:
+            record = hit.record
+            turns: tuple[MemoryRecord, ...] = (record,)
+            if span and record.session_id is not None and record.turn is not None:
+                turns = tuple(
+                    self.store.session_turns(
+                        scope, record.session_id, record.turn - span, record.turn + span
+                    )
+                ) or (record,)
+            if record.id in owner:
+                index = owner[record.id]
+                block = blocks[index]
+                merged = {r.id: r for r in block.records}
+                for turn in turns:
+                    if turn.id not in owner:
+                        merged[turn.id] = turn
+                        owner[turn.id] = index
+                ordered = sorted(merged.values(), key=lambda r: (r.turn or 0, r.created_at))
+                blocks[index] = block.model_copy(update={"context": tuple(ordered)})
+                continue
+            fresh = tuple(r for r in turns if r.id not in owner or r.id == record.id)
+            for turn in fresh:
+                owner[turn.id] = len(blocks)
+            blocks.append(hit.model_copy(update={"context": fresh if span else ()}))
+        return blocks
+
+    # --- retrieval for a prompt -----------------------------------------------------------
+
+    def retrieve(
+        self,
+        query: str,
+        *,
+        scope: Scope,
+        budget_tokens: int,
+        k: int = 10,
+        include_profile: bool = True,
+        recent: int = 0,
+        filters: MemoryFilter | None = None,
+        now: datetime | None = None,
+    ) -> PackedMemory:
+        """Memories for a prompt, packed into exactly ``budget_tokens`` or fewer.
+
+        Order of value: the user's current profile facts, then search hits by relevance
+        (judged by the model judge in one call when configured), then the last ``recent``
+        actions. Each block is labelled ``[kind · date · provenance]``.
+        """
+        return asyncio.run(
+            self.aretrieve(
+                query,
+                scope=scope,
+                budget_tokens=budget_tokens,
+                k=k,
+                include_profile=include_profile,
+                recent=recent,
+                filters=filters,
+                now=now,
+            )
+        )
+
+    async def aretrieve(
+        self,
+        query: str,
+        *,
+        scope: Scope,
+        budget_tokens: int,
+        k: int = 10,
+        include_profile: bool = True,
+        recent: int = 0,
+        filters: MemoryFilter | None = None,
+        now: datetime | None = None,
+    ) -> PackedMemory:
+        """Async twin of :meth:`retrieve`."""
+        if budget_tokens < 0:
+            raise UsageError("budget_tokens must be >= 0")
+        hits = await asyncio.to_thread(
+            lambda: self.search(
+                query,
+                scope=scope,
+                k=max(k, self.config.judge_candidates if self.judge else k),
+                filters=filters,
+                now=now,
+            )
+        )
+        if self.judge is not None and hits:
+            shown = hits[: self.config.judge_candidates]
+            keep = await self.judge.ajudge(query, [h.render() for h in shown])
+            hits = [shown[i] for i in keep]
+        hits = hits[:k]
+        candidates: list[tuple[str, str, tuple[str, ...], float]] = []
+        if include_profile:
+            facts = await asyncio.to_thread(self.profile, scope)
+            candidates.extend(
+                ("profile", f"{label_for(r)} {r.text}", (r.id,), math.inf) for r in facts
+            )
+        candidates.extend(
+            ("relevant", h.render(), tuple(r.id for r in h.records), h.score) for h in hits
+        )
+        if recent:
+            actions = await asyncio.to_thread(lambda: self.recent(scope, limit=recent))
+            candidates.extend(("recent", f"{label_for(r)} {r.text}", (r.id,), 0.0) for r in actions)
+        return pack_items(candidates, budget_tokens, self.counter)
+
+    # --- experience replay ----------------------------------------------------------------
+
+    def examples(
+        self, task: str, *, scope: Scope, budget_tokens: int = 400, k: int = 3
+    ) -> list[ReplayExample]:
+        """Successful earlier runs similar to ``task``, within their own token budget."""
+        hits = self.search(task, scope=scope, k=k, filters=MemoryFilter(types=(RUN_TYPE,)))
+        examples: list[ReplayExample] = []
+        used = 0
+        for hit in hits:
+            meta = hit.record.metadata
+            calls = tuple(
+                ToolCall(
+                    id=str(c.get("id") or f"call_{i}"),
+                    name=str(c["name"]),
+                    arguments=str(c.get("arguments", "{}")),
+                )
+                for i, c in enumerate(meta.get("tool_calls", []))
+                if isinstance(c, dict) and "name" in c
+            )
+            example = ReplayExample(
+                record_id=hit.record.id,
+                task=str(meta.get("task", hit.record.text)),
+                tool_calls=calls,
+                score=hit.score,
+            )
+            tokens = self.counter.count_text(example.render())
+            if used + tokens > budget_tokens:
+                continue
+            used += tokens
+            examples.append(example)
+        return examples
+
+    def __repr__(self) -> str:
+        return f"Memory({self.store!r}, embedder={self.embedder!r})"

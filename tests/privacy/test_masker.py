@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from keel.errors import ConfigError
+from keel.privacy import ENTITY_TYPES, MaskingPolicy, PIIMasker, mask_pii
+
+CORPUS = Path(__file__).parent / "corpus"
+
+
+def _load(name: str) -> list[dict[str, object]]:
+    lines = (CORPUS / name).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_corpus_recall_and_false_positives() -> None:
+    masker = PIIMasker()
+    positives = _load("positives.jsonl")
+    negatives = _load("negatives.jsonl")
+    expected = found = 0
+    for item in positives:
+        result = masker.mask(str(item["text"]))
+        for entity, value in item["entities"]:  # type: ignore[attr-defined]
+            expected += 1
+            typed = any(p.startswith(f"<{entity}_") for p in result.placeholders)
+            if value not in result.text and typed:
+                found += 1
+    false_positives = sum(1 for item in negatives if masker.mask(str(item["text"])).masked)
+    recall = found / expected
+    fp_rate = false_positives / len(negatives)
+    assert len(positives) >= 50 and len(negatives) >= 40
+    assert {e for item in positives for e, _ in item["entities"]} == set(ENTITY_TYPES)  # type: ignore[attr-defined]
+    assert recall >= 0.97, recall
+    assert fp_rate <= 0.03, fp_rate
+
+
+def test_typed_numbered_placeholders_reuse_the_same_value() -> None:
+    text = "write a@example.com, cc b@example.com, then a@example.com; call +1 415 555 0132"
+    result = PIIMasker().mask(text)
+    assert result.text == "write <EMAIL_1>, cc <EMAIL_2>, then <EMAIL_1>; call <PHONE_1>"
+    assert result.counts == {"EMAIL": 3, "PHONE": 1}
+    assert result.placeholders == {"<EMAIL_1>": "EMAIL", "<EMAIL_2>": "EMAIL", "<PHONE_1>": "PHONE"}
+
+
+def test_luhn_and_checksums_decide() -> None:
+    assert mask_pii("card 4111 1111 1111 1111") == "card <CREDIT_CARD_1>"
+    assert mask_pii("card 4111 1111 1111 1112") == "card 4111 1111 1111 1112"
+    assert mask_pii("iban DE89370400440532013000") == "iban <IBAN_1>"
+    assert mask_pii("iban DE89370400440532013001") == "iban DE89370400440532013001"
+
+
+def test_per_tenant_policies() -> None:
+    masker = PIIMasker(
+        tenant_policies={
+            "support": MaskingPolicy(entities=frozenset(ENTITY_TYPES) - {"EMAIL"}),
+            "lab": MaskingPolicy(enabled=False),
+        },
+        policy=MaskingPolicy(allow=frozenset({"help@keel.dev"})),
+    )
+    text = "mail x@y.com or help@keel.dev, key AKIAIOSFODNN7EXAMPLE"
+    assert masker.mask_text(text) == "mail <EMAIL_1> or help@keel.dev, key <API_KEY_1>"
+    assert masker.mask_text(text, tenant_id="support") == (
+        "mail x@y.com or help@keel.dev, key <API_KEY_1>"
+    )
+    assert masker.mask_text(text, tenant_id="lab") == text
+    assert masker.mask_text(text, tenant_id="unknown") == masker.mask_text(text)
+
+
+def test_presidio_is_optional_and_explicit() -> None:
+    try:
+        import presidio_analyzer  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="presidio"):
+            PIIMasker(MaskingPolicy(presidio=True))
+    else:  # pragma: no cover - only where presidio is installed
+        assert PIIMasker(MaskingPolicy(presidio=True)).mask_text("x@y.com") == "<EMAIL_1>"
+
+
+def test_secrets_in_multiline_text() -> None:
+    text = (
+        "config:\n  token: ghp_16C7e42F292c6912E7710c838347Ae178B4a\n"
+        "  auth: Bearer abcdefghijklmnop0123456789\n"
+        "-----BEGIN EC PRIVATE KEY-----\nMHcCAQEEIBkg\n-----END EC PRIVATE KEY-----\n"
+    )
+    masked = mask_pii(text)
+    assert "ghp_" not in masked and "abcdefghijklmnop" not in masked and "MHcC" not in masked
+    assert "<API_KEY_1>" in masked and "<BEARER_TOKEN_1>" in masked
+    assert "<PRIVATE_KEY_1>" in masked
