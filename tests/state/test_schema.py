@@ -127,3 +127,27 @@ def test_migrations_chain_and_failures() -> None:
         schema.load({"name": "Ada"}, stored_name="person", stored_version=1)
     with pytest.raises(StateValidationError):
         StateSchema(V1).load({"name": 5}, stored_name="V1", stored_version=1)
+
+
+class Notes(BaseModel):
+    items: list[str] = Field(default_factory=list)
+    rows: list[dict[str, int]] = Field(default_factory=list)
+    meta: dict[str, int] = Field(default_factory=dict)
+
+
+def test_in_place_mutation_of_a_returned_state_is_still_stored(tmp_path: Path) -> None:
+    """Deltas reuse unchanged JSON by object identity; mutating in place must not defeat it."""
+    store = StateStore(SQLiteStateBackend(tmp_path / "n.db"), Notes)
+    cp = store.create("n", Notes(items=["a"], rows=[{"x": 1}]))
+    cp.state.items.append("b")
+    cp.state.rows[0]["x"] = 2
+    cp.state.meta["k"] = 1
+    version = store.checkpoint("n", cp.state, expected_version=1, reason="update")
+    again = store.load("n")
+    assert again.state == Notes(items=["a", "b"], rows=[{"x": 2}], meta={"k": 1})
+    again.state.items.append("c")
+    store.checkpoint("n", again.state, expected_version=version, reason="update")
+    fresh = StateStore(SQLiteStateBackend(tmp_path / "n.db"), Notes)
+    assert fresh.load("n").state.items == ["a", "b", "c"]
+    store.close()
+    fresh.close()

@@ -56,3 +56,17 @@ def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> 
 def test_unknown_backend_url_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="unknown state backend"):
         open_state_backend("mongodb://localhost")
+
+
+def test_unreachable_servers_raise_backend_unavailable() -> None:
+    from keel.errors import BackendUnavailableError
+    from keel.testing.servers import free_port
+
+    port = free_port()
+    with pytest.raises(BackendUnavailableError, match="Redis"):
+        RedisStateBackend(f"redis://127.0.0.1:{port}/0")
+    with pytest.raises(BackendUnavailableError, match="PostgreSQL") as caught:
+        PostgresStateBackend(
+            f"postgresql://keel:secret@127.0.0.1:{port}/keel?connect_timeout=1", timeout=1
+        )
+    assert "secret" not in str(caught.value)

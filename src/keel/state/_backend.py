@@ -7,6 +7,7 @@ new backend is a few hundred lines of driver code and must pass ``keel.testing.s
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -65,6 +66,9 @@ class Chain:
 
 class StateBackend(ABC):
     """Raw checkpoint storage with compare-and-set. Every method is atomic on its own.
+
+    Sync methods are abstract; their ``a``-prefixed async twins run them in a worker thread
+    unless a backend implements them natively.
 
     Implementations translate driver errors into ``keel.errors`` (``BackendUnavailableError``,
     ``StoreError``) and raise ``ConflictError`` when a version check fails, with nothing of the
@@ -153,3 +157,57 @@ class StateBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release connections."""
+
+    # --- async twins: a worker thread by default; server backends override them natively ----
+
+    async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
+        """Async twin of ``read_chain``."""
+        return await asyncio.to_thread(self.read_chain, session_id, version, now)
+
+    async def awrite(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        *,
+        expected_version: int | None,
+        expected_epoch: str | None,
+        new_epoch: str | None,
+        ttl: float | None,
+        now: float,
+    ) -> None:
+        """Async twin of ``write``."""
+        await asyncio.to_thread(
+            lambda: self.write(
+                session_id,
+                row,
+                expected_version=expected_version,
+                expected_epoch=expected_epoch,
+                new_epoch=new_epoch,
+                ttl=ttl,
+                now=now,
+            )
+        )
+
+    async def ahistory(self, session_id: str, now: float) -> list[StoredCheckpoint]:
+        """Async twin of ``history``."""
+        return await asyncio.to_thread(self.history, session_id, now)
+
+    async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
+        """Async twin of ``mark``."""
+        return await asyncio.to_thread(self.mark, session_id, version, good)
+
+    async def adelete(self, session_id: str) -> bool:
+        """Async twin of ``delete``."""
+        return await asyncio.to_thread(self.delete, session_id)
+
+    async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
+        """Async twin of ``acquire_lock``."""
+        return await asyncio.to_thread(self.acquire_lock, key, owner, ttl, now)
+
+    async def arelease_lock(self, key: str, owner: str) -> bool:
+        """Async twin of ``release_lock``."""
+        return await asyncio.to_thread(self.release_lock, key, owner)
+
+    async def aclose(self) -> None:
+        """Async twin of ``close``."""
+        await asyncio.to_thread(self.close)

@@ -4,7 +4,8 @@ Every write names the version it read; the backend appends the next version only
 still that version, else ``ConflictError`` and nothing of the write is visible. Checkpoints are
 stored as deltas (appended list tails, changed fields) with a full snapshot every
 ``snapshot_every`` versions, so storage grows with what changed. Sync methods have ``a``-prefixed
-async twins that run the same code in a worker thread.
+async twins with the same logic over the backend's async twins (native asyncio on PostgreSQL
+and Redis; a worker thread on SQLite).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, replace
+from dataclasses import replace as replace_dc
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar, cast
+
+from pydantic import BaseModel
 
 from keel.errors import (
     ConflictError,
@@ -40,7 +44,7 @@ from keel.state._checkpoint import (
 from keel.state._delta import decode, diff, encode_full
 from keel.state._schema import JSONState, StateSchema
 
-__all__ = ["SessionLock", "StateStore"]
+__all__ = ["SessionLock", "StateStore", "vacuum"]
 
 S = TypeVar("S")
 
@@ -60,6 +64,30 @@ class _Base:
     data: JSONState
     values: dict[str, Any]
     state: Any
+
+
+_IMMUTABLE: dict[type, bool] = {
+    str: True,
+    int: True,
+    float: True,
+    bool: True,
+    bytes: True,
+    type(None): True,
+}
+
+
+def _immutable(kind: type) -> bool:
+    """Whether values of this type cannot change in place (scalars, frozen Pydantic models),
+    so an identical object is known to serialise as it did before."""
+    known = _IMMUTABLE.get(kind)
+    if known is None:
+        known = (
+            isinstance(kind, type)
+            and issubclass(kind, BaseModel)
+            and bool(kind.model_config.get("frozen"))
+        )
+        _IMMUTABLE[kind] = known
+    return known
 
 
 def _seconds(value: float | timedelta | None) -> float | None:
@@ -117,6 +145,25 @@ class SessionLock:
     def release(self) -> bool:
         """Release the lease if this owner still holds it (False if it expired and was taken)."""
         released = self._backend.release_lock(self.key, self.owner)
+        self.held = False
+        return released
+
+    async def aacquire(self, wait: float = 0.0) -> bool:
+        """Async twin of ``acquire``."""
+        deadline = time.monotonic() + wait
+        delay = 0.005
+        while True:
+            if await self._backend.aacquire_lock(self.key, self.owner, self.ttl, self._clock()):
+                self.held = True
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.1)
+
+    async def arelease(self) -> bool:
+        """Async twin of ``release``."""
+        released = await self._backend.arelease_lock(self.key, self.owner)
         self.held = False
         return released
 
@@ -191,6 +238,17 @@ class StateStore(Generic[S]):
 
     def _read(self, session_id: str, version: int | None) -> tuple[_Base, Checkpoint[S]] | None:
         chain = self.backend.read_chain(session_id, version, self.clock())
+        return self._finish_read(session_id, version, chain)
+
+    async def _aread(
+        self, session_id: str, version: int | None
+    ) -> tuple[_Base, Checkpoint[S]] | None:
+        chain = await self.backend.aread_chain(session_id, version, self.clock())
+        return self._finish_read(session_id, version, chain)
+
+    def _finish_read(
+        self, session_id: str, version: int | None, chain: Chain | None
+    ) -> tuple[_Base, Checkpoint[S]] | None:
         if chain is None or not chain.rows:
             return None
         base, state, last = self._rebuild(session_id, chain)
@@ -247,6 +305,12 @@ class StateStore(Generic[S]):
     # --- writing ------------------------------------------------------------------------------
 
     def _remember(self, base: _Base) -> None:
+        # Keep our own list objects: a caller appending to the state's list in place must not
+        # change the base the next delta is computed against.
+        base = replace(
+            base,
+            values={k: list(v) if isinstance(v, list) else v for k, v in base.values.items()},
+        )
         with self._cache_lock:
             current = self._cache.get(base.session_id)
             if current is None or current.epoch != base.epoch or current.version <= base.version:
@@ -256,7 +320,19 @@ class StateStore(Generic[S]):
         cached = self._cache.get(session_id)
         if cached is not None and cached.version == expected_version:
             return cached
-        found = self._read(session_id, None)
+        return self._check_base(session_id, expected_version, self._read(session_id, None))
+
+    async def _abase_for(self, session_id: str, expected_version: int) -> _Base:
+        cached = self._cache.get(session_id)
+        if cached is not None and cached.version == expected_version:
+            return cached
+        found = await self._aread(session_id, None)
+        return self._check_base(session_id, expected_version, found)
+
+    @staticmethod
+    def _check_base(
+        session_id: str, expected_version: int, found: tuple[_Base, Checkpoint[Any]] | None
+    ) -> _Base:
         if found is None:
             raise ConflictError(session_id, expected_version, None)
         base = found[0]
@@ -277,7 +353,7 @@ class StateStore(Generic[S]):
         extends: dict[str, Any] = {}
         for name, value in values.items():
             old = base.values.get(name, _MISSING)
-            if old is value:
+            if old is value and _immutable(type(value)):
                 data[name] = base.data[name]
                 continue
             if (
@@ -285,6 +361,7 @@ class StateStore(Generic[S]):
                 and isinstance(old, list)
                 and len(value) >= len(old)
                 and all(map(operator.is_, old, value))
+                and all(map(_immutable, set(map(type, old))))
             ):
                 # The same objects plus a tail: only the tail is new (append-only growth).
                 if len(value) == len(old):
@@ -316,6 +393,54 @@ class StateStore(Generic[S]):
         good: bool | None = None,
         forked_from: str | None = None,
     ) -> Checkpoint[S]:
+        row, new_base = self._plan_write(
+            base, state, reason=reason, step=step, good=good, forked_from=forked_from
+        )
+        self.backend.write(
+            base.session_id,
+            row,
+            expected_version=base.version,
+            expected_epoch=base.epoch,
+            new_epoch=None,
+            ttl=None,
+            now=row.created_at,
+        )
+        self._remember(new_base)
+        return Checkpoint(_info(base.session_id, row), state)
+
+    async def _awrite(
+        self,
+        base: _Base,
+        state: S,
+        *,
+        reason: str,
+        step: int | None,
+        good: bool | None = None,
+    ) -> Checkpoint[S]:
+        row, new_base = self._plan_write(base, state, reason=reason, step=step, good=good)
+        await self.backend.awrite(
+            base.session_id,
+            row,
+            expected_version=base.version,
+            expected_epoch=base.epoch,
+            new_epoch=None,
+            ttl=None,
+            now=row.created_at,
+        )
+        self._remember(new_base)
+        return Checkpoint(_info(base.session_id, row), state)
+
+    def _plan_write(
+        self,
+        base: _Base,
+        state: S,
+        *,
+        reason: str,
+        step: int | None,
+        good: bool | None = None,
+        forked_from: str | None = None,
+    ) -> tuple[StoredCheckpoint, _Base]:
+        """The row to append on top of ``base`` and the base it becomes once committed."""
         if not reason:
             raise UsageError("a checkpoint needs a reason")
         if step is not None and step < 0:
@@ -344,15 +469,6 @@ class StateStore(Generic[S]):
             good=good,
             forked_from=forked_from,
         )
-        self.backend.write(
-            base.session_id,
-            row,
-            expected_version=base.version,
-            expected_epoch=base.epoch,
-            new_epoch=None,
-            ttl=None,
-            now=row.created_at,
-        )
         new_base = _Base(
             session_id=base.session_id,
             version=version,
@@ -364,8 +480,7 @@ class StateStore(Generic[S]):
             values=values,
             state=state,
         )
-        self._remember(new_base)
-        return Checkpoint(_info(base.session_id, row), state)
+        return row, new_base
 
     def create(
         self,
@@ -386,17 +501,40 @@ class StateStore(Generic[S]):
                 version).
             StateValidationError: the state fails the schema.
         """
+        row, epoch, ttl_s, base = self._plan_create(
+            session_id, state, ttl, reason, step, forked_from
+        )
+        self.backend.write(
+            session_id,
+            row,
+            expected_version=None,
+            expected_epoch=None,
+            new_epoch=epoch,
+            ttl=ttl_s,
+            now=row.created_at,
+        )
+        self._remember(base)
+        return Checkpoint(_info(session_id, row), cast(S, base.state))
+
+    def _plan_create(
+        self,
+        session_id: str,
+        state: S | Mapping[str, Any],
+        ttl: float | timedelta | None,
+        reason: str,
+        step: int,
+        forked_from: str | None,
+    ) -> tuple[StoredCheckpoint, str, float | None, _Base]:
         if not session_id:
             raise UsageError("a session id must not be empty")
         if step < 0:
             raise UsageError(f"step must be >= 0, got {step}")
         typed = self.schema.validate(state)
         data = self.schema.to_json(typed)
-        now = self.clock()
         epoch = secrets.token_hex(8)
         row = StoredCheckpoint(
             version=1,
-            created_at=now,
+            created_at=self.clock(),
             step=step,
             reason=reason,
             kind="full",
@@ -405,28 +543,18 @@ class StateStore(Generic[S]):
             schema_version=self.schema.version,
             forked_from=forked_from,
         )
-        self.backend.write(
+        base = _Base(
             session_id,
-            row,
-            expected_version=None,
-            expected_epoch=None,
-            new_epoch=epoch,
-            ttl=_seconds(ttl) if ttl is not None else self.default_ttl,
-            now=now,
+            1,
+            epoch,
+            step,
+            1,
+            self.schema.version,
+            data,
+            self.schema.field_values(typed),
+            typed,
         )
-        with self._cache_lock:
-            self._cache[session_id] = _Base(
-                session_id,
-                1,
-                epoch,
-                step,
-                1,
-                self.schema.version,
-                data,
-                self.schema.field_values(typed),
-                typed,
-            )
-        return Checkpoint(_info(session_id, row), typed)
+        return row, epoch, _seconds(ttl) if ttl is not None else self.default_ttl, base
 
     def checkpoint(
         self,
@@ -588,75 +716,10 @@ class StateStore(Generic[S]):
         Retained delta checkpoints whose base is removed are rewritten as full snapshots, so
         every retained version stays readable. The head and the newest good checkpoint are kept.
         """
-        now = self.clock()
-        expired = self.backend.purge_expired(now)
+        report = vacuum(self.backend, self.retention, now=self.clock())
         with self._cache_lock:
-            for session_id in expired:
-                self._cache.pop(session_id, None)
-        deleted = rebased = 0
-        policy = self.retention
-        if policy.keep_last is None and policy.max_age_s is None:
-            return VacuumReport(expired_sessions=expired)
-        for session_id in self.backend.sessions():
-            try:
-                rows = self.backend.history(session_id, now)
-            except ExpiredError:
-                continue  # purged by the next vacuum once its grace period is over
-            if len(rows) <= 1:
-                continue
-            keep = {row.version for row in rows}
-            if policy.keep_last is not None:
-                keep = {row.version for row in rows[-policy.keep_last :]}
-            if policy.max_age_s is not None:
-                keep = {v for v in keep if self._row(rows, v).created_at >= now - policy.max_age_s}
-            keep.add(rows[-1].version)
-            good = [row.version for row in rows if row.good]
-            if good:
-                keep.add(good[-1])
-            doomed = [row.version for row in rows if row.version not in keep]
-            if not doomed:
-                continue
-            # A kept delta needs its predecessor; rebase it as a full snapshot when that goes.
-            replace: list[StoredCheckpoint] = []
-            for row in rows:
-                if row.version in keep and row.kind == "delta" and (row.version - 1) not in keep:
-                    chain = self.backend.read_chain(session_id, row.version, now)
-                    if chain is None:
-                        continue
-                    data: JSONState | None = None
-                    for part in chain.rows:
-                        data = decode(part.payload, data)
-                    assert data is not None
-                    stored = chain.rows[-1]
-                    replace.append(
-                        StoredCheckpoint(
-                            version=stored.version,
-                            created_at=stored.created_at,
-                            step=stored.step,
-                            reason=stored.reason,
-                            kind="full",
-                            payload=encode_full(data),
-                            schema_name=stored.schema_name,
-                            schema_version=stored.schema_version,
-                            good=stored.good,
-                            forked_from=stored.forked_from,
-                        )
-                    )
-            self.backend.rewrite(session_id, doomed, replace)
-            deleted += len(doomed)
-            rebased += len(replace)
-            with self._cache_lock:
-                self._cache.pop(session_id, None)
-        return VacuumReport(
-            expired_sessions=expired, checkpoints_deleted=deleted, checkpoints_rebased=rebased
-        )
-
-    @staticmethod
-    def _row(rows: list[StoredCheckpoint], version: int) -> StoredCheckpoint:
-        for row in rows:
-            if row.version == version:
-                return row
-        raise KeyError(version)
+            self._cache.clear()
+        return report
 
     # --- locks --------------------------------------------------------------------------------
 
@@ -698,23 +761,34 @@ class StateStore(Generic[S]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # --- async twins --------------------------------------------------------------------------
+    # --- async twins ---------------------------------------------------------------------------
+    # The same logic as the sync methods; backend calls go through the backend's async twins
+    # (native on PostgreSQL and Redis, a worker thread on SQLite).
 
     async def aget(self, session_id: str) -> Checkpoint[S] | None:
         """Async twin of ``get``."""
-        return await asyncio.to_thread(self.get, session_id)
+        found = await self._aread(session_id, None)
+        return None if found is None else found[1]
 
     async def aload(self, session_id: str) -> Checkpoint[S]:
         """Async twin of ``load``."""
-        return await asyncio.to_thread(self.load, session_id)
+        found = await self.aget(session_id)
+        if found is None:
+            raise StateError(f"no state stored for session {session_id!r}")
+        return found
 
     async def aat(self, session_id: str, version: int) -> Checkpoint[S]:
         """Async twin of ``at``."""
-        return await asyncio.to_thread(self.at, session_id, version)
+        found = await self._aread(session_id, version)
+        if found is None or found[1].version != version:
+            raise StateError(f"session {session_id!r} has no stored version {version}")
+        return found[1]
 
     async def ahistory(self, session_id: str, limit: int | None = None) -> list[CheckpointInfo]:
         """Async twin of ``history``."""
-        return await asyncio.to_thread(self.history, session_id, limit)
+        rows = await self.backend.ahistory(session_id, self.clock())
+        infos = [_info(session_id, row) for row in reversed(rows)]
+        return infos[:limit] if limit is not None else infos
 
     async def acreate(
         self,
@@ -724,11 +798,23 @@ class StateStore(Generic[S]):
         ttl: float | timedelta | None = None,
         reason: str = CheckpointReason.CREATED,
         step: int = 0,
+        forked_from: str | None = None,
     ) -> Checkpoint[S]:
         """Async twin of ``create``."""
-        return await asyncio.to_thread(
-            lambda: self.create(session_id, state, ttl=ttl, reason=reason, step=step)
+        row, epoch, ttl_s, base = self._plan_create(
+            session_id, state, ttl, reason, step, forked_from
         )
+        await self.backend.awrite(
+            session_id,
+            row,
+            expected_version=None,
+            expected_epoch=None,
+            new_epoch=epoch,
+            ttl=ttl_s,
+            now=row.created_at,
+        )
+        self._remember(base)
+        return Checkpoint(_info(session_id, row), cast(S, base.state))
 
     async def acheckpoint(
         self,
@@ -741,16 +827,10 @@ class StateStore(Generic[S]):
         good: bool | None = None,
     ) -> int:
         """Async twin of ``checkpoint``."""
-        return await asyncio.to_thread(
-            lambda: self.checkpoint(
-                session_id,
-                state,
-                expected_version=expected_version,
-                reason=reason,
-                step=step,
-                good=good,
-            )
-        )
+        typed = self.schema.validate(state)
+        base = await self._abase_for(session_id, expected_version)
+        written = await self._awrite(base, typed, reason=reason, step=step, good=good)
+        return written.version
 
     async def aupdate(
         self,
@@ -760,13 +840,12 @@ class StateStore(Generic[S]):
         expected_version: int,
         reason: str = CheckpointReason.UPDATE,
         step: int | None = None,
+        good: bool | None = None,
     ) -> Checkpoint[S]:
         """Async twin of ``update``."""
-        return await asyncio.to_thread(
-            lambda: self.update(
-                session_id, update, expected_version=expected_version, reason=reason, step=step
-            )
-        )
+        base = await self._abase_for(session_id, expected_version)
+        new_state = self.schema.apply(cast(S, base.state), update)
+        return await self._awrite(base, new_state, reason=reason, step=step, good=good)
 
     async def atransact(
         self,
@@ -778,42 +857,161 @@ class StateStore(Generic[S]):
         max_attempts: int = 50,
     ) -> Checkpoint[S]:
         """Async twin of ``transact``."""
-        return await asyncio.to_thread(
-            lambda: self.transact(
-                session_id, decide, reason=reason, step=step, max_attempts=max_attempts
-            )
-        )
+        last: ConflictError | None = None
+        for attempt in range(max_attempts):
+            found = await self._aread(session_id, None)
+            if found is None:
+                raise StateError(f"no state stored for session {session_id!r}")
+            base, current = found
+            update = decide(current.state)
+            if update is None:
+                return current
+            new_state = self.schema.apply(current.state, update)
+            try:
+                return await self._awrite(base, new_state, reason=reason, step=step)
+            except ConflictError as exc:
+                last = exc
+                await asyncio.sleep(secrets.randbelow(1000) / 1_000_000 * min(2**attempt, 64))
+        assert last is not None
+        raise last
 
     async def amark(self, session_id: str, version: int, *, good: bool | None) -> None:
         """Async twin of ``mark``."""
-        await asyncio.to_thread(lambda: self.mark(session_id, version, good=good))
+        if not await self.backend.amark(session_id, version, good):
+            raise StateError(f"session {session_id!r} has no stored version {version}")
+
+    async def alast_good(self, session_id: str) -> CheckpointInfo | None:
+        """Async twin of ``last_good``."""
+        for info in await self.ahistory(session_id):
+            if info.good:
+                return info
+        return None
 
     async def arevert(
-        self, session_id: str, *, expected_version: int, to_version: int | None = None
+        self,
+        session_id: str,
+        *,
+        expected_version: int,
+        to_version: int | None = None,
+        reason: str = CheckpointReason.REVERT,
+        step: int | None = None,
     ) -> Checkpoint[S]:
         """Async twin of ``revert``."""
-        return await asyncio.to_thread(
-            lambda: self.revert(
-                session_id, expected_version=expected_version, to_version=to_version
-            )
+        if to_version is None:
+            good = await self.alast_good(session_id)
+            if good is None:
+                raise StateError(f"session {session_id!r} has no checkpoint marked good")
+            to_version = good.version
+        target = await self.aat(session_id, to_version)
+        base = await self._abase_for(session_id, expected_version)
+        return await self._awrite(
+            base,
+            target.state,
+            reason=f"{reason} to v{to_version}" if reason == CheckpointReason.REVERT else reason,
+            step=target.step if step is None else step,
         )
 
     async def afork(
-        self, session_id: str, new_session_id: str, *, version: int | None = None
+        self,
+        session_id: str,
+        new_session_id: str,
+        *,
+        version: int | None = None,
+        ttl: float | timedelta | None = None,
     ) -> Checkpoint[S]:
         """Async twin of ``fork``."""
-        return await asyncio.to_thread(
-            lambda: self.fork(session_id, new_session_id, version=version)
+        source = (
+            await self.aload(session_id) if version is None else await self.aat(session_id, version)
+        )
+        return await self.acreate(
+            new_session_id,
+            source.state,
+            ttl=ttl,
+            reason=CheckpointReason.FORK,
+            step=source.step,
+            forked_from=f"{session_id}@{source.version}",
         )
 
     async def adelete(self, session_id: str) -> bool:
         """Async twin of ``delete``."""
-        return await asyncio.to_thread(self.delete, session_id)
+        with self._cache_lock:
+            self._cache.pop(session_id, None)
+        return await self.backend.adelete(session_id)
 
     async def avacuum(self) -> VacuumReport:
-        """Async twin of ``vacuum``."""
+        """Async twin of ``vacuum`` (maintenance: runs in a worker thread)."""
         return await asyncio.to_thread(self.vacuum)
+
+    @asynccontextmanager
+    async def alock(
+        self, session_id: str, *, ttl: float = 30.0, wait: float = 5.0
+    ) -> AsyncIterator[SessionLock]:
+        """Async twin of ``lock``."""
+        lease = SessionLock(self.backend, f"session:{session_id}", ttl, self.clock)
+        if not await lease.aacquire(wait):
+            raise DatabaseLockedError(
+                f"session {session_id!r} is locked by another writer (waited {wait}s)"
+            )
+        try:
+            yield lease
+        finally:
+            if lease.held:
+                await lease.arelease()
 
     async def aclose(self) -> None:
         """Async twin of ``close``."""
-        await asyncio.to_thread(self.close)
+        await self.backend.aclose()
+
+
+def vacuum(
+    backend: StateBackend, retention: Retention, *, now: float | None = None
+) -> VacuumReport:
+    """Vacuum a backend without knowing its state types (operators, ``keel state vacuum``).
+
+    Deletes expired sessions and applies ``retention`` to every session; kept deltas whose
+    predecessor goes are rebased as full snapshots. The head and the newest good checkpoint of
+    every session are always kept.
+    """
+    now = time.time() if now is None else now
+    expired = backend.purge_expired(now)
+    deleted = rebased = 0
+    if retention.keep_last is None and retention.max_age_s is None:
+        return VacuumReport(expired_sessions=expired)
+    for session_id in backend.sessions():
+        try:
+            rows = backend.history(session_id, now)
+        except ExpiredError:
+            continue  # removed by a later vacuum
+        if len(rows) <= 1:
+            continue
+        keep = {row.version for row in rows}
+        if retention.keep_last is not None:
+            keep = {row.version for row in rows[-retention.keep_last :]}
+        if retention.max_age_s is not None:
+            cutoff = now - retention.max_age_s
+            keep = {row.version for row in rows if row.version in keep and row.created_at >= cutoff}
+        keep.add(rows[-1].version)
+        good = [row.version for row in rows if row.good]
+        if good:
+            keep.add(good[-1])
+        doomed = [row.version for row in rows if row.version not in keep]
+        if not doomed:
+            continue
+        # A kept delta needs its predecessor; rebase it as a full snapshot when that goes.
+        replace: list[StoredCheckpoint] = []
+        for row in rows:
+            if row.version in keep and row.kind == "delta" and (row.version - 1) not in keep:
+                chain = backend.read_chain(session_id, row.version, now)
+                if chain is None:
+                    continue
+                data: JSONState | None = None
+                for part in chain.rows:
+                    data = decode(part.payload, data)
+                assert data is not None
+                replace.append(replace_dc(chain.rows[-1], kind="full", payload=encode_full(data)))
+        backend.rewrite(session_id, doomed, replace)
+        deleted += len(doomed)
+        rebased += len(replace)
+    return VacuumReport(
+        expired_sessions=expired, checkpoints_deleted=deleted, checkpoints_rebased=rebased
+    )

@@ -11,13 +11,6 @@ from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._postgres_memory import PostgresMemoryStore
-from keel.stores._postgres_state import PostgresStateBackend
-from keel.stores._redis_state import RedisStateBackend
-from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
-from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
-from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
-from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
-from keel.stores._state import open_state_backend
 
 __all__ = [
     "CORE_MIGRATIONS",

@@ -9,8 +9,9 @@ transaction rolls back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from keel.errors import BackendUnavailableError, ConflictError, ExpiredError, StoreError
@@ -74,6 +75,115 @@ _COLUMNS = (
 )
 
 
+_READ_CHAIN = f"""
+WITH h AS (
+    SELECT version, epoch, last_full, ttl, expires_at FROM keel_state_sessions
+    WHERE session_id = %(sid)s
+), t AS (
+    SELECT coalesce(%(v)s::integer, h.version) AS target FROM h
+), b AS (
+    SELECT max(c.version) AS base FROM keel_state_checkpoints c, t
+    WHERE c.session_id = %(sid)s AND c.kind = 'full' AND c.version <= t.target
+)
+SELECT h.version, h.epoch, h.last_full, h.ttl, h.expires_at, t.target,
+       {", ".join("c." + name.strip() for name in _COLUMNS.split(","))}
+FROM h CROSS JOIN t LEFT JOIN b ON true
+LEFT JOIN keel_state_checkpoints c
+    ON c.session_id = %(sid)s AND c.version >= b.base AND c.version <= t.target
+    AND t.target <= h.version AND t.target >= 1
+ORDER BY c.version
+"""
+
+_APPEND = f"""
+WITH head AS (
+    UPDATE keel_state_sessions SET
+        version = %(version)s::integer,
+        updated_at = %(now)s::double precision,
+        last_full = CASE WHEN %(full)s::boolean THEN %(version)s::integer ELSE last_full END,
+        expires_at = CASE WHEN ttl IS NULL THEN NULL ELSE %(now)s::double precision + ttl END
+    WHERE session_id = %(sid)s AND version = %(expected)s::integer AND epoch = %(epoch)s
+        AND (expires_at IS NULL OR expires_at > %(now)s::double precision)
+    RETURNING session_id
+)
+INSERT INTO keel_state_checkpoints (session_id, {_COLUMNS})
+SELECT head.session_id, %(version)s::integer, %(created_at)s::double precision,
+    %(step)s::integer, %(reason)s::text, %(kind)s::text, %(payload)s::text,
+    %(schema_name)s::text, %(schema_version)s::integer, %(good)s::boolean,
+    %(forked_from)s::text
+FROM head
+"""
+
+
+def _append_params(
+    session_id: str,
+    row: StoredCheckpoint,
+    expected_version: int,
+    expected_epoch: str | None,
+    now: float,
+) -> dict[str, Any]:
+    return {
+        "sid": session_id,
+        "expected": expected_version,
+        "epoch": expected_epoch,
+        "now": now,
+        "full": row.kind == "full",
+        "version": row.version,
+        "created_at": row.created_at,
+        "step": row.step,
+        "reason": row.reason,
+        "kind": row.kind,
+        "payload": row.payload,
+        "schema_name": row.schema_name,
+        "schema_version": row.schema_version,
+        "good": row.good,
+        "forked_from": row.forked_from,
+    }
+
+
+_HISTORY = (
+    "SELECT version, created_at, step, reason, kind, '', schema_name, schema_version, good, "
+    "forked_from, octet_length(payload) FROM keel_state_checkpoints WHERE session_id = %s "
+    "ORDER BY version"
+)
+_UPSERT_SESSION = (
+    "INSERT INTO keel_state_sessions (session_id, version, epoch, last_full, ttl, expires_at, "
+    "updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (session_id) DO UPDATE SET "
+    "version = excluded.version, epoch = excluded.epoch, last_full = excluded.last_full, "
+    "ttl = excluded.ttl, expires_at = excluded.expires_at, updated_at = excluded.updated_at"
+)
+_LOCK = (
+    "INSERT INTO keel_state_locks (key, owner, expires_at) VALUES (%s, %s, %s) "
+    "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, "
+    "expires_at = excluded.expires_at WHERE keel_state_locks.expires_at <= %s "
+    "OR keel_state_locks.owner = excluded.owner"
+)
+
+
+def _values(row: StoredCheckpoint) -> tuple[Any, ...]:
+    return (
+        row.version,
+        row.created_at,
+        row.step,
+        row.reason,
+        row.kind,
+        row.payload,
+        row.schema_name,
+        row.schema_version,
+        row.good,
+        row.forked_from,
+    )
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}@{host}" if user else f"{scheme}://{host}"
+
+
 def _row(values: Any, payload_size: int | None = None) -> StoredCheckpoint:
     return StoredCheckpoint(
         version=int(values[0]),
@@ -114,27 +224,45 @@ class PostgresStateBackend(StateBackend):
             ) from exc
         self._psycopg = psycopg
         self.url = url
+        self._max_size = max_size
+        self._timeout = timeout
+        self._apool: Any = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._aopening: asyncio.Future[None] | None = None
+        self._pool = ConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=timeout,
+            kwargs={"prepare_threshold": None, "autocommit": True},
+            open=False,
+        )
         try:
-            self._pool = ConnectionPool(
-                url,
-                min_size=min_size,
-                max_size=max_size,
-                timeout=timeout,
-                kwargs={"prepare_threshold": None, "autocommit": False},
-                open=True,
-            )
-            self._pool.wait(timeout=timeout)
+            self._pool.open(wait=True, timeout=timeout)
+            self.setup()
         except Exception as exc:
-            raise BackendUnavailableError(f"cannot connect to PostgreSQL: {exc}") from exc
-        self.setup()
+            self._pool.close()
+            if isinstance(exc, StoreError):
+                raise
+            raise BackendUnavailableError(
+                f"cannot connect to PostgreSQL at {_redacted(url)}: {exc}"
+            ) from exc
 
     @contextmanager
-    def _tx(self) -> Iterator[Any]:
-        """One transaction on a pooled connection; driver errors translated."""
+    def _tx(self, *, single: bool = False) -> Iterator[Any]:
+        """One transaction on a pooled connection; driver errors translated.
+
+        ``single=True`` runs one statement in autocommit (itself atomic): one round trip.
+        """
         psycopg = self._psycopg
         try:
-            with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-                yield cur
+            with self._pool.connection() as conn:
+                if single:
+                    with conn.cursor() as cur:
+                        yield cur
+                else:
+                    with conn.transaction(), conn.cursor() as cur:
+                        yield cur
         except (ConflictError, ExpiredError):
             raise
         except psycopg.OperationalError as exc:
@@ -196,24 +324,24 @@ class PostgresStateBackend(StateBackend):
             )
 
     def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        with self._tx() as cur:
-            # REPEATABLE READ: the head and the rows come from one snapshot.
-            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            head = self._head(cur, session_id)
-            if head is None:
-                return None
-            self._check_live(head, now)
-            target = head.version if version is None else version
-            if target > head.version or target < 1:
-                return None
-            cur.execute(
-                f"SELECT {_COLUMNS} FROM keel_state_checkpoints WHERE session_id = %s "
-                "AND version <= %s AND version >= (SELECT max(version) FROM "
-                "keel_state_checkpoints WHERE session_id = %s AND version <= %s "
-                "AND kind = 'full') ORDER BY version",
-                (session_id, target, session_id, target),
-            )
-            rows = [_row(values) for values in cur.fetchall()]
+        # One statement, so one snapshot: the head and the rows always agree.
+        with self._tx(single=True) as cur:
+            cur.execute(_READ_CHAIN, {"sid": session_id, "v": version})
+            found = cur.fetchall()
+        return self._chain_from(session_id, found, now)
+
+    def _chain_from(self, session_id: str, found: list[Any], now: float) -> Chain | None:
+        if not found:
+            return None
+        first = found[0]
+        head = SessionHead(
+            session_id, int(first[0]), str(first[1]), int(first[2]), first[3], first[4]
+        )
+        self._check_live(head, now)
+        if first[6] is None:  # no such version stored
+            return None
+        target = int(first[5])
+        rows = [_row(values[6:]) for values in found]
         if not rows or rows[-1].version != target or rows[0].kind != "full":
             return None
         if len(rows) != target - rows[0].version + 1:
@@ -231,12 +359,38 @@ class PostgresStateBackend(StateBackend):
         ttl: float | None,
         now: float,
     ) -> None:
+        if expected_version is not None:
+            self._append(session_id, row, expected_version, expected_epoch, now)
+            return
         with self._tx() as cur:
-            if expected_version is None:
+            cur.execute(
+                "INSERT INTO keel_state_sessions (session_id, version, epoch, last_full, "
+                "ttl, expires_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (session_id) DO NOTHING",
+                (
+                    session_id,
+                    row.version,
+                    new_epoch,
+                    row.version,
+                    ttl,
+                    None if ttl is None else now + ttl,
+                    now,
+                ),
+            )
+            if cur.rowcount != 1:
+                head = self._head(cur, session_id, for_update=True)
+                if head is not None and (head.expires_at is None or head.expires_at > now):
+                    raise ConflictError(session_id, None, head.version)
+                cur.execute(
+                    "DELETE FROM keel_state_checkpoints WHERE session_id = %s", (session_id,)
+                )
                 cur.execute(
                     "INSERT INTO keel_state_sessions (session_id, version, epoch, last_full, "
                     "ttl, expires_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-                    "ON CONFLICT (session_id) DO NOTHING",
+                    "ON CONFLICT (session_id) DO UPDATE SET version = excluded.version, "
+                    "epoch = excluded.epoch, last_full = excluded.last_full, "
+                    "ttl = excluded.ttl, expires_at = excluded.expires_at, "
+                    "updated_at = excluded.updated_at",
                     (
                         session_id,
                         row.version,
@@ -247,75 +401,34 @@ class PostgresStateBackend(StateBackend):
                         now,
                     ),
                 )
-                if cur.rowcount != 1:
-                    head = self._head(cur, session_id, for_update=True)
-                    if head is not None and (head.expires_at is None or head.expires_at > now):
-                        raise ConflictError(session_id, None, head.version)
-                    cur.execute(
-                        "DELETE FROM keel_state_checkpoints WHERE session_id = %s", (session_id,)
-                    )
-                    cur.execute(
-                        "INSERT INTO keel_state_sessions (session_id, version, epoch, last_full, "
-                        "ttl, expires_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-                        "ON CONFLICT (session_id) DO UPDATE SET version = excluded.version, "
-                        "epoch = excluded.epoch, last_full = excluded.last_full, "
-                        "ttl = excluded.ttl, expires_at = excluded.expires_at, "
-                        "updated_at = excluded.updated_at",
-                        (
-                            session_id,
-                            row.version,
-                            new_epoch,
-                            row.version,
-                            ttl,
-                            None if ttl is None else now + ttl,
-                            now,
-                        ),
-                    )
-            else:
-                cur.execute(
-                    "UPDATE keel_state_sessions SET version = %s, updated_at = %s, "
-                    "last_full = CASE WHEN %s THEN %s ELSE last_full END, "
-                    "expires_at = CASE WHEN ttl IS NULL THEN NULL ELSE %s + ttl END "
-                    "WHERE session_id = %s AND version = %s AND epoch = %s "
-                    "AND (expires_at IS NULL OR expires_at > %s)",
-                    (
-                        row.version,
-                        now,
-                        row.kind == "full",
-                        row.version,
-                        now,
-                        session_id,
-                        expected_version,
-                        expected_epoch,
-                        now,
-                    ),
-                )
-                if cur.rowcount != 1:
-                    cur.execute(
-                        "SELECT version FROM keel_state_sessions WHERE session_id = %s",
-                        (session_id,),
-                    )
-                    found = cur.fetchone()
-                    raise ConflictError(
-                        session_id, expected_version, None if found is None else int(found[0])
-                    )
             cur.execute(
                 f"INSERT INTO keel_state_checkpoints (session_id, {_COLUMNS}) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                (
-                    session_id,
-                    row.version,
-                    row.created_at,
-                    row.step,
-                    row.reason,
-                    row.kind,
-                    row.payload,
-                    row.schema_name,
-                    row.schema_version,
-                    row.good,
-                    row.forked_from,
-                ),
+                (session_id, *_values(row)),
             )
+
+    def _append(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        expected_version: int,
+        expected_epoch: str | None,
+        now: float,
+    ) -> None:
+        # The version check, the head move and the row insert are one statement: atomic in
+        # autocommit, one round trip. A concurrent writer blocks on the head's row lock and
+        # then finds the version moved on, so its insert selects nothing.
+        with self._tx(single=True) as cur:
+            cur.execute(
+                _APPEND, _append_params(session_id, row, expected_version, expected_epoch, now)
+            )
+            if cur.rowcount == 1:
+                return
+            cur.execute(
+                "SELECT version FROM keel_state_sessions WHERE session_id = %s", (session_id,)
+            )
+            found = cur.fetchone()
+        raise ConflictError(session_id, expected_version, None if found is None else int(found[0]))
 
     def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
         with self._tx() as cur:
@@ -324,12 +437,7 @@ class PostgresStateBackend(StateBackend):
             if head is None:
                 return []
             self._check_live(head, now)
-            cur.execute(
-                "SELECT version, created_at, step, reason, kind, '', schema_name, "
-                "schema_version, good, forked_from, octet_length(payload) "
-                "FROM keel_state_checkpoints WHERE session_id = %s ORDER BY version",
-                (session_id,),
-            )
+            cur.execute(_HISTORY, (session_id,))
             return [_row(values[:10], int(values[10])) for values in cur.fetchall()]
 
     def mark(self, session_id: str, version: int, good: bool | None) -> bool:
@@ -388,13 +496,7 @@ class PostgresStateBackend(StateBackend):
 
     def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
         with self._tx() as cur:
-            cur.execute(
-                "INSERT INTO keel_state_locks (key, owner, expires_at) VALUES (%s, %s, %s) "
-                "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, "
-                "expires_at = excluded.expires_at WHERE keel_state_locks.expires_at <= %s "
-                "OR keel_state_locks.owner = excluded.owner",
-                (key, owner, now + ttl, now),
-            )
+            cur.execute(_LOCK, (key, owner, now + ttl, now))
             return bool(cur.rowcount == 1)
 
     def release_lock(self, key: str, owner: str) -> bool:
@@ -413,3 +515,162 @@ class PostgresStateBackend(StateBackend):
 
     def close(self) -> None:
         self._pool.close()
+
+    # --- native async twins (psycopg's AsyncConnectionPool, one per event loop) ---------------
+
+    async def _async_pool(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._apool is None or self._aloop is not loop:
+            from psycopg_pool import AsyncConnectionPool
+
+            pool = AsyncConnectionPool(
+                self.url,
+                min_size=1,
+                max_size=self._max_size,
+                timeout=self._timeout,
+                kwargs={"prepare_threshold": None, "autocommit": True},
+                open=False,
+            )
+            # Set before the first await, so concurrent first calls share one pool.
+            self._apool, self._aloop = pool, loop
+            self._aopening = asyncio.ensure_future(pool.open(wait=True, timeout=self._timeout))
+        assert self._aopening is not None
+        await asyncio.shield(self._aopening)
+        return self._apool
+
+    @asynccontextmanager
+    async def _atx(self, *, single: bool = False) -> AsyncIterator[Any]:
+        psycopg = self._psycopg
+        try:
+            pool = await self._async_pool()
+            async with pool.connection() as conn:
+                if single:
+                    async with conn.cursor() as cur:
+                        yield cur
+                else:
+                    async with conn.transaction(), conn.cursor() as cur:
+                        yield cur
+        except (ConflictError, ExpiredError):
+            raise
+        except psycopg.OperationalError as exc:
+            raise BackendUnavailableError(f"PostgreSQL is unavailable: {exc}") from exc
+        except psycopg.Error as exc:
+            raise StoreError(f"PostgreSQL: {exc}") from exc
+        except Exception as exc:
+            if type(exc).__name__ == "PoolTimeout":
+                raise BackendUnavailableError(f"no PostgreSQL connection: {exc}") from exc
+            raise
+
+    async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
+        async with self._atx(single=True) as cur:
+            await cur.execute(_READ_CHAIN, {"sid": session_id, "v": version})
+            found = await cur.fetchall()
+        return self._chain_from(session_id, found, now)
+
+    async def awrite(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        *,
+        expected_version: int | None,
+        expected_epoch: str | None,
+        new_epoch: str | None,
+        ttl: float | None,
+        now: float,
+    ) -> None:
+        if expected_version is not None:
+            async with self._atx(single=True) as cur:
+                await cur.execute(
+                    _APPEND, _append_params(session_id, row, expected_version, expected_epoch, now)
+                )
+                if cur.rowcount == 1:
+                    return
+                await cur.execute(
+                    "SELECT version FROM keel_state_sessions WHERE session_id = %s", (session_id,)
+                )
+                found = await cur.fetchone()
+            actual = None if found is None else int(found[0])
+            raise ConflictError(session_id, expected_version, actual)
+        session = (
+            session_id,
+            row.version,
+            new_epoch,
+            row.version,
+            ttl,
+            None if ttl is None else now + ttl,
+            now,
+        )
+        async with self._atx() as cur:
+            await cur.execute(
+                "SELECT version, expires_at FROM keel_state_sessions WHERE session_id = %s "
+                "FOR UPDATE",
+                (session_id,),
+            )
+            existing = await cur.fetchone()
+            if existing is not None:
+                if existing[1] is None or existing[1] > now:
+                    raise ConflictError(session_id, None, int(existing[0]))
+                await cur.execute(
+                    "DELETE FROM keel_state_checkpoints WHERE session_id = %s", (session_id,)
+                )
+            await cur.execute(_UPSERT_SESSION, session)
+            await cur.execute(
+                f"INSERT INTO keel_state_checkpoints (session_id, {_COLUMNS}) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                (session_id, *_values(row)),
+            )
+
+    async def ahistory(self, session_id: str, now: float) -> list[StoredCheckpoint]:
+        async with self._atx() as cur:
+            await cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            await cur.execute(
+                "SELECT version, epoch, last_full, ttl, expires_at FROM keel_state_sessions "
+                "WHERE session_id = %s",
+                (session_id,),
+            )
+            found = await cur.fetchone()
+            if found is None:
+                return []
+            head = SessionHead(
+                session_id, int(found[0]), str(found[1]), int(found[2]), found[3], found[4]
+            )
+            self._check_live(head, now)
+            await cur.execute(_HISTORY, (session_id,))
+            return [_row(values[:10], int(values[10])) for values in await cur.fetchall()]
+
+    async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
+        async with self._atx(single=True) as cur:
+            await cur.execute(
+                "UPDATE keel_state_checkpoints SET good = %s WHERE session_id = %s "
+                "AND version = %s",
+                (good, session_id, version),
+            )
+            return bool(cur.rowcount == 1)
+
+    async def adelete(self, session_id: str) -> bool:
+        async with self._atx() as cur:
+            await cur.execute(
+                "DELETE FROM keel_state_checkpoints WHERE session_id = %s", (session_id,)
+            )
+            await cur.execute(
+                "DELETE FROM keel_state_sessions WHERE session_id = %s", (session_id,)
+            )
+            return bool(cur.rowcount == 1)
+
+    async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
+        async with self._atx(single=True) as cur:
+            await cur.execute(_LOCK, (key, owner, now + ttl, now))
+            return bool(cur.rowcount == 1)
+
+    async def arelease_lock(self, key: str, owner: str) -> bool:
+        async with self._atx(single=True) as cur:
+            await cur.execute(
+                "DELETE FROM keel_state_locks WHERE key = %s AND owner = %s", (key, owner)
+            )
+            return bool(cur.rowcount == 1)
+
+    async def aclose(self) -> None:
+        if self._apool is not None:
+            await self._apool.close()
+            self._apool = None
+        self.close()

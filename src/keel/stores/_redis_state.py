@@ -10,6 +10,7 @@ full snapshots). A session with a TTL has its keys expire natively at ``expires_
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -145,6 +146,27 @@ return 0
 """
 
 
+_SADD = "return redis.call('SADD', KEYS[1], ARGV[1])"
+
+_DELETE = """
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+redis.call('SREM', KEYS[5], ARGV[1])
+return existed
+"""
+
+_SCRIPTS = {
+    "write": _WRITE,
+    "read": _READ,
+    "history": _HISTORY,
+    "mark": _MARK,
+    "acquire": _ACQUIRE,
+    "release": _RELEASE,
+    "sadd": _SADD,
+    "delete": _DELETE,
+}
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -207,7 +229,9 @@ class RedisStateBackend(StateBackend):
         try:
             self._client.ping()
         except redis.RedisError as exc:
-            raise BackendUnavailableError(f"Redis at {url} is unavailable: {exc}") from exc
+            self._client.close()
+            host = url.rpartition("@")[2]
+            raise BackendUnavailableError(f"Redis at {host} is unavailable: {exc}") from exc
         self._write = self._client.register_script(_WRITE)
         self._read = self._client.register_script(_READ)
         self._history = self._client.register_script(_HISTORY)
@@ -215,6 +239,9 @@ class RedisStateBackend(StateBackend):
         self._rewrite = self._client.register_script(_REWRITE)
         self._acquire = self._client.register_script(_ACQUIRE)
         self._release = self._client.register_script(_RELEASE)
+        self._aclient: Any = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._ascripts: dict[str, Any] = {}
 
     def _keys(self, session_id: str) -> list[str]:
         tag = f"{self.prefix}:{{{session_id}}}"
@@ -253,6 +280,15 @@ class RedisStateBackend(StateBackend):
         found = self._call(
             self._read, self._keys(session_id), ["" if version is None else version, repr(now)]
         )
+        return self._chain_from(session_id, found, now)
+
+    async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
+        found = await self._acall(
+            "read", self._keys(session_id), ["" if version is None else version, repr(now)]
+        )
+        return self._chain_from(session_id, found, now)
+
+    def _chain_from(self, session_id: str, found: Any, now: float) -> Chain | None:
         status = _text(found[0])
         if status == "absent":
             return None
@@ -285,32 +321,68 @@ class RedisStateBackend(StateBackend):
         now: float,
     ) -> None:
         create = expected_version is None
-        result = self._call(
-            self._write,
-            self._keys(session_id),
-            [
-                "create" if create else "append",
-                "" if expected_version is None else expected_version,
-                expected_epoch or "",
-                new_epoch or "",
-                row.version,
-                _meta(row),
-                row.kind,
-                "" if ttl is None else repr(float(ttl)),
-                repr(now),
-                self.tombstone_ms,
-                row.payload,
-                "" if row.good is None else ("1" if row.good else "0"),
-            ],
-        )
-        if _text(result[0]) == "conflict":
-            actual = _text(result[1]) if len(result) > 1 else ""
-            raise ConflictError(session_id, expected_version, int(actual) if actual else None)
+        args = self._write_args(row, expected_version, expected_epoch, new_epoch, ttl, now)
+        result = self._call(self._write, self._keys(session_id), args)
+        self._check_write(session_id, expected_version, result)
         if create:
             self._run(self._client.sadd, self._sessions_key, session_id)
 
+    async def awrite(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        *,
+        expected_version: int | None,
+        expected_epoch: str | None,
+        new_epoch: str | None,
+        ttl: float | None,
+        now: float,
+    ) -> None:
+        args = self._write_args(row, expected_version, expected_epoch, new_epoch, ttl, now)
+        result = await self._acall("write", self._keys(session_id), args)
+        self._check_write(session_id, expected_version, result)
+        if expected_version is None:
+            await self._acall("sadd", [self._sessions_key], [session_id])
+
+    def _write_args(
+        self,
+        row: StoredCheckpoint,
+        expected_version: int | None,
+        expected_epoch: str | None,
+        new_epoch: str | None,
+        ttl: float | None,
+        now: float,
+    ) -> list[Any]:
+        return [
+            "create" if expected_version is None else "append",
+            "" if expected_version is None else expected_version,
+            expected_epoch or "",
+            new_epoch or "",
+            row.version,
+            _meta(row),
+            row.kind,
+            "" if ttl is None else repr(float(ttl)),
+            repr(now),
+            self.tombstone_ms,
+            row.payload,
+            "" if row.good is None else ("1" if row.good else "0"),
+        ]
+
+    @staticmethod
+    def _check_write(session_id: str, expected_version: int | None, result: Any) -> None:
+        if _text(result[0]) == "conflict":
+            actual = _text(result[1]) if len(result) > 1 else ""
+            raise ConflictError(session_id, expected_version, int(actual) if actual else None)
+
     def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
         found = self._call(self._history, self._keys(session_id), [repr(now)])
+        return self._history_from(session_id, found, now)
+
+    async def ahistory(self, session_id: str, now: float) -> list[StoredCheckpoint]:
+        found = await self._acall("history", self._keys(session_id), [repr(now)])
+        return self._history_from(session_id, found, now)
+
+    def _history_from(self, session_id: str, found: Any, now: float) -> list[StoredCheckpoint]:
         status = _text(found[0])
         if status == "absent":
             return []
@@ -326,6 +398,53 @@ class RedisStateBackend(StateBackend):
     def mark(self, session_id: str, version: int, good: bool | None) -> bool:
         flag = "" if good is None else ("1" if good else "0")
         return bool(self._call(self._mark, [self._keys(session_id)[1]], [version, flag]))
+
+    async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
+        flag = "" if good is None else ("1" if good else "0")
+        return bool(await self._acall("mark", [self._keys(session_id)[1]], [version, flag]))
+
+    async def adelete(self, session_id: str) -> bool:
+        keys = self._keys(session_id)
+        return bool(await self._acall("delete", [*keys, self._sessions_key], [session_id]))
+
+    async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
+        return bool(
+            await self._acall(
+                "acquire", [f"{self.prefix}:lock:{key}"], [owner, max(1, int(ttl * 1000))]
+            )
+        )
+
+    async def arelease_lock(self, key: str, owner: str) -> bool:
+        return bool(await self._acall("release", [f"{self.prefix}:lock:{key}"], [owner]))
+
+    def _async_scripts(self) -> dict[str, Any]:
+        # redis.asyncio clients belong to one event loop: make one per loop.
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aloop is not loop:
+            from redis import asyncio as aredis
+
+            self._aclient = aredis.Redis.from_url(self.url, socket_timeout=30)
+            self._aloop = loop
+            self._ascripts = {
+                name: self._aclient.register_script(source) for name, source in _SCRIPTS.items()
+            }
+        return self._ascripts
+
+    async def _acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        redis = self._redis_module
+        script = self._async_scripts()[name]
+        try:
+            return await script(keys=keys, args=args)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis: {exc}") from exc
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
+        self.close()
 
     def rewrite(self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]) -> None:
         args: list[Any] = [len(replace)]

@@ -4,18 +4,20 @@ Each step commits a checkpoint holding the user message (``before_model_call``),
 model", then commits the assistant reply (``after_transition``). It prints one line after each
 commit so the parent knows what was committed when it sends SIGKILL. Modes: ``pause`` stops in
 the first model call (the parent kills it there), ``run`` runs STEPS steps flat out, ``resume``
-finishes an interrupted step and runs STEPS more.
+finishes an interrupted step and runs STEPS more; ``increment`` (``... increment N NAME``) is a
+concurrent writer process for the lost-update test.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 from keel.messages import Message
 from keel.state import StateStore
 from keel.stores import open_state_backend
-from keel.testing._state_models import ConversationState
+from keel.testing._state_models import ConversationState, CounterState
 
 
 def expected_messages(step: int, pending_user: bool) -> list[str]:
@@ -28,9 +30,27 @@ def expected_messages(step: int, pending_user: bool) -> list[str]:
     return contents
 
 
+def increment(url: str, session_id: str, count: int, name: str) -> int:
+    """Add 1 to the counter and ``name:i`` to the items ``count`` times, with CAS and retry."""
+    store = StateStore(open_state_backend(url), CounterState)
+    print("ready", flush=True)
+    sys.stdin.readline()  # wait for the parent's "go" so every process starts together
+    for i in range(count):
+
+        def bump(_state: CounterState, item: str = f"{name}:{i}") -> dict[str, Any]:
+            return {"counter": 1, "items": [item]}
+
+        store.transact(session_id, bump, max_attempts=10_000)
+    store.close()
+    print("done", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     url, session_id, mode = argv[0], argv[1], argv[2]
     steps = int(argv[3]) if len(argv) > 3 else 50
+    if mode == "increment":
+        return increment(url, session_id, steps, argv[4])
     store = StateStore(open_state_backend(url), ConversationState, snapshot_every=4)
     current = store.get(session_id)
     if current is None:

@@ -16,6 +16,7 @@ and the seeds' scenarios: the e-commerce race, 64 concurrent writers, and SIGKIL
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -376,11 +377,11 @@ class StateBackendConformance:
         other_backend = open_state_backend(state_backend_url)
         other = StateStore(other_backend, CounterState)
         try:
-            slow = store.session_lock("s", ttl=0.3)
+            slow = store.session_lock("s", ttl=1.0)
             assert slow.acquire()
             read = store.load("s")
             assert not other.session_lock("s", ttl=5).acquire(wait=0.05)
-            time.sleep(0.45)  # the slow writer stalls; its lease expires
+            time.sleep(1.2)  # the slow writer stalls; its lease expires
             with other.lock("s", ttl=5, wait=2):
                 other.update("s", {"counter": 5}, expected_version=cp.version)
             with pytest.raises(ConflictError):  # fencing: its lease is gone, its version stale
@@ -411,7 +412,33 @@ class StateBackendConformance:
         assert (await store.arevert("a", expected_version=4)).state.counter == 2
         assert (await store.afork("a", "b")).state.counter == 2
         assert await store.adelete("b") is True
+        assert await store.adelete("b") is False
         assert (await store.avacuum()).expired_sessions == []
+        with pytest.raises(ConflictError):
+            await store.aupdate("a", {"counter": 1}, expected_version=1)
+        with pytest.raises(ConflictError):
+            await store.acreate("a", CounterState())
+        async with store.alock("a", ttl=5, wait=1) as lease:
+            assert lease.held
+            assert not await store.session_lock("a", ttl=5).aacquire(wait=0.05)
+        assert await store.session_lock("a", ttl=5).aacquire()
+        await store.aclose()
+
+    async def test_async_concurrent_writers_lose_nothing(self, backend: StateBackend) -> None:
+        store = StateStore(backend, CounterState)
+        await store.acreate("a", CounterState())
+
+        async def writer(index: int) -> None:
+            def bump(_state: CounterState) -> dict[str, Any]:
+                return {"counter": 1, "items": [f"t{index}"]}
+
+            await store.atransact("a", bump, max_attempts=10_000)
+
+        await asyncio.gather(*(writer(i) for i in range(24)))
+        final = await store.aload("a")
+        assert final.state.counter == 24 and final.version == 25
+        assert sorted(final.state.items) == sorted(f"t{i}" for i in range(24))
+        await store.aclose()
 
     # --- scenarios ----------------------------------------------------------------------------
 
@@ -421,14 +448,17 @@ class StateBackendConformance:
         setup.create("order-1024", OrderState(order_id=1024, shipping_address="1 Old Road"))
         setup.close()
         both_read = threading.Barrier(2)
+        cancel_committed = threading.Event()
         outcome: dict[str, Any] = {}
 
-        def agent(name: str, think_s: float) -> None:
+        def agent(name: str) -> None:
             store = StateStore(open_state_backend(state_backend_url), OrderState)
             try:
                 current = store.load("order-1024")
-                both_read.wait()
-                time.sleep(think_s)  # the model call
+                both_read.wait()  # both hold version 1 now
+                if name == "address":
+                    # Its model call takes longer: it writes after the cancel committed.
+                    cancel_committed.wait(timeout=30)
                 conflicts = 0
                 while True:
                     state = current.state
@@ -453,6 +483,8 @@ class StateBackendConformance:
                             reason="after_transition",
                         )
                         outcome[name] = (conflicts, reply)
+                        if name == "cancel":
+                            cancel_committed.set()
                         return
                     except ConflictError:
                         conflicts += 1
@@ -461,8 +493,8 @@ class StateBackendConformance:
                 store.close()
 
         threads = [
-            threading.Thread(target=agent, args=("cancel", 0.0)),
-            threading.Thread(target=agent, args=("address", 0.15)),
+            threading.Thread(target=agent, args=("cancel",)),
+            threading.Thread(target=agent, args=("address",)),
         ]
         for thread in threads:
             thread.start()
@@ -509,6 +541,7 @@ class StateBackendConformance:
         setup.close()
         assert (final.status == "cancelled") != (final.shipping_address == "2 New Street")
 
+    @pytest.mark.slow
     def test_64_concurrent_writers_lose_nothing(self, state_backend_url: str) -> None:
         writers, increments = 64, 3
         backends = [open_state_backend(state_backend_url) for _ in range(4)]
@@ -546,15 +579,43 @@ class StateBackendConformance:
             for opened in backends:
                 opened.close()
 
-    def _worker(self, url: str, session: str, mode: str, steps: int) -> subprocess.Popen[str]:
+    def _worker(
+        self, url: str, session: str, mode: str, steps: int, *extra: str
+    ) -> subprocess.Popen[str]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        command = [sys.executable, "-m", "keel.testing._state_worker", url, session, mode]
         return subprocess.Popen(
-            [sys.executable, "-m", "keel.testing._state_worker", url, session, mode, str(steps)],
+            [*command, str(steps), *extra],
+            stdin=subprocess.PIPE if mode == "increment" else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
+
+    @pytest.mark.slow
+    def test_concurrent_writer_processes_lose_nothing(self, state_backend_url: str) -> None:
+        processes_n, increments = 4, 8
+        setup = StateStore(open_state_backend(state_backend_url), CounterState)
+        setup.create("procs", CounterState())
+        workers = [
+            self._worker(state_backend_url, "procs", "increment", increments, f"p{i}")
+            for i in range(processes_n)
+        ]
+        for worker in workers:
+            assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+        for worker in workers:
+            _out, err = worker.communicate(timeout=120)
+            assert worker.returncode == 0, err
+        final = setup.load("procs")
+        setup.close()
+        assert final.state.counter == processes_n * increments
+        expected = {f"p{i}:{j}" for i in range(processes_n) for j in range(increments)}
+        assert sorted(final.state.items) == sorted(expected)
 
     @staticmethod
     def _check_consistent(url: str, session: str) -> tuple[int, str, int]:
@@ -599,6 +660,7 @@ class StateBackendConformance:
         assert (reason, step) == ("after_transition", 3)
         assert version == committed + 1 + 2 * 2  # finished the pending step, then 2 more
 
+    @pytest.mark.slow
     def test_sigkill_at_random_points_never_leaves_half_writes(
         self, state_backend_url: str
     ) -> None:
@@ -611,7 +673,7 @@ class StateBackendConformance:
             assert ready.startswith("ready"), ready + (
                 process.stderr.read() if process.stderr else ""
             )
-            seen = [0]
+            seen = [int(ready.split()[1])]
 
             def drain(stream: Any = process.stdout, seen: list[int] = seen) -> None:
                 for line in stream:
