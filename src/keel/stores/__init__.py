@@ -6,28 +6,48 @@ journal stores extend it with their own migrations.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
-from keel.stores._postgres_memory import PostgresMemoryStore
+from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
+from keel.stores._postgres_state import PostgresStateBackend
+from keel.stores._redis_state import RedisStateBackend
+from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
+from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
+from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
+from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
+from keel.stores._sqlite_traces import TRACE_MIGRATIONS, SQLiteTraceStore
+from keel.stores._state import open_state_backend
+
+if TYPE_CHECKING:
+    # Imports psycopg at module level: loaded on first use so that keel.stores works
+    # without the postgres extra.
+    from keel.stores._postgres_traces import POSTGRES_TRACE_MIGRATIONS, PostgresTraceStore
 
 __all__ = [
     "CORE_MIGRATIONS",
     "JOURNAL_MIGRATIONS",
     "MEMORY_MIGRATIONS",
     "POSTGRES_JOURNAL_MIGRATIONS",
+    "POSTGRES_MEMORY_MIGRATIONS",
+    "POSTGRES_TRACE_MIGRATIONS",
     "STATE_MIGRATIONS",
+    "TRACE_MIGRATIONS",
     "Migration",
     "MigrationSet",
     "PostgresMemoryStore",
     "PostgresStateBackend",
     "PostgresToolJournal",
+    "PostgresTraceStore",
     "RedisStateBackend",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
     "SQLiteStateBackend",
     "SQLiteToolJournal",
+    "SQLiteTraceStore",
     "open_database",
     "open_state_backend",
     "translate_sqlite_error",
@@ -47,3 +67,11 @@ def open_database(settings: Settings) -> SQLiteDatabase:
             "classes, not as the embedded SQLite database"
         )
     return SQLiteDatabase(path, busy_timeout_ms=settings.busy_timeout_ms)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("PostgresTraceStore", "POSTGRES_TRACE_MIGRATIONS"):
+        from keel.stores import _postgres_traces
+
+        return getattr(_postgres_traces, name)
+    raise AttributeError(f"module 'keel.stores' has no attribute {name!r}")
