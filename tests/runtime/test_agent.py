@@ -168,3 +168,49 @@ async def test_long_session_prompt_never_exceeds_the_limit(
         agent.model.counter.count_prompt(call.messages, call.tools) <= agent.prompt_limit
         for call in model.calls
     )
+
+
+@pytest.mark.slow
+async def test_a_thousand_turns_stay_under_the_window_minus_reserve(
+    database: SQLiteDatabase, tmp_path: Path
+) -> None:
+    """The seed's 1000-turn practice: every prompt, at every turn, fits the limit."""
+    from keel.tools import tool
+
+    @tool
+    def lookup(topic: str) -> str:
+        """Look a topic up (long output).
+
+        Args:
+            topic: What to look up.
+        """
+        return f"{topic}: " + "lorem ipsum dolor sit amet " * (200 + len(topic) * 40)
+
+    def policy(call: ScriptedCall) -> Message | str:
+        last = call.messages[-1]
+        if last.role == "user" and "look up" in last.content:
+            return ScriptedModel.tool_call("lookup", json.dumps({"topic": last.content[-12:]}))
+        return f"Noted ({len(call.messages)} messages in view)."
+
+    model = ScriptedModel(policy, model="gpt-4o-mini")
+    agent = Agent(
+        model,
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You are a research assistant.",
+        tools=[lookup],
+        context=ContextBudget(working_budget=6_000),
+    )
+    limit = agent.prompt_limit
+    worst = 0
+    for turn in range(1000):
+        text = f"please look up item {turn:04d}" if turn % 4 == 0 else f"note {turn}: " + "x " * 40
+        reply = await agent.handle("long", "u1", text)
+        assert reply.status == "completed"
+        worst = max(worst, reply.max_prompt_tokens)
+    assert worst <= limit
+    assert all(
+        model.counter.count_prompt(call.messages, call.tools) <= limit for call in model.calls
+    )
+    state = agent.session_state("long")
+    assert state is not None and state.data["turns"] == 1000
+    assert state.data.get("context_summary")

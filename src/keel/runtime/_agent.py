@@ -628,7 +628,7 @@ class Agent:
             final_state = turn.state.model_copy(
                 update={
                     "messages": messages,
-                    "step": turn.state.step + len(result.steps),
+                    "step": max(result.next_step, turn.state.step),
                     "machine": position,
                     "data": data,
                 }
@@ -660,7 +660,7 @@ class Agent:
             final_state = base.model_copy(
                 update={
                     "messages": kept,
-                    "step": turn.state.step + len(result.steps),
+                    "step": max(result.next_step, turn.state.step),
                     "machine": position,
                     "data": base_data,
                 }
