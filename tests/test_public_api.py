@@ -1,13 +1,56 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import keel
 
 
 def test_all_is_sorted_and_importable() -> None:
     assert keel.__all__ == sorted(keel.__all__)
     for name in keel.__all__:
-        assert hasattr(keel, name), name
+        assert getattr(keel, name) is not None, name
+
+
+def test_lazy_names_resolve_to_their_home_modules() -> None:
+    from keel.runtime import Agent
+    from keel.tools import tool
+
+    assert keel.Agent is Agent
+    assert keel.tool is tool
+    assert set(keel.__all__) <= set(dir(keel))
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    try:
+        keel.no_such_name  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_name" in str(exc)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def test_import_keel_stays_light() -> None:
+    code = (
+        "import sys, keel; "
+        "print(sorted(m for m in ('torch', 'openai', 'numpy') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
 
 
 def test_version_is_a_string() -> None:
     assert isinstance(keel.__version__, str) and keel.__version__.count(".") == 2
+
+
+def test_stores_import_without_server_drivers() -> None:
+    code = (
+        "import sys, keel.stores, keel.runtime, keel.memory; "
+        "print(sorted(m for m in ('psycopg', 'redis', 'torch', 'llama_cpp') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

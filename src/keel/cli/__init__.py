@@ -7,15 +7,41 @@ import sys
 import click
 import typer
 
-from keel.cli import _context, _doctor, _memory, _models, _runs, _state, _tokens, _tools  # noqa: F401  (they register their commands)
+from keel.cli import _chat, _context, _demo, _doctor, _memory, _models, _runs, _state, _tokens, _tools  # noqa: F401  (they register their commands)
 from keel.cli._app import app, err_console
 from keel.errors import KeelError, UsageError
 
 __all__ = ["app", "main"]
 
 
+def _log_to_data_dir() -> None:
+    """keel's runtime warnings (guards, tracing) go to ``<data dir>/keel.log``, not the terminal.
+
+    A CLI's output is what the user asked for; operational warnings are kept for later.
+    """
+    import logging
+
+    from keel.settings import load_settings
+
+    logger = logging.getLogger("keel")
+    if logger.handlers:
+        return
+    handler: logging.Handler
+    try:
+        settings = load_settings()
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(settings.data_dir / "keel.log", encoding="utf-8")
+    except (KeelError, OSError):
+        handler = logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; a KeelError becomes one error line and a non-zero exit code."""
+    _log_to_data_dir()
     try:
         # Without standalone mode click returns the exit code of typer.Exit instead of exiting.
         result = app(args=argv, prog_name="keel", standalone_mode=False)

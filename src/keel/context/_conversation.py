@@ -471,6 +471,12 @@ class Conversation:
             elapsed_ms=(time.perf_counter() - started) * 1000,
         )
 
+    @property
+    def messages_summarized(self) -> int:
+        """How many messages this conversation has folded into the summary since it was created
+        (a resumed session adds the count it was restored with)."""
+        return self._messages_summarized
+
     def summarize(self, *, force: bool = False) -> SummaryOutcome | None:
         """Sync twin of :meth:`asummarize` (not for use inside a running event loop)."""
         if not force and not self.needs_summary:

@@ -15,6 +15,7 @@ construction.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
@@ -65,6 +66,17 @@ class _Loaded:
 
 _loaded: dict[tuple[str, int, int], _Loaded] = {}
 _loading = threading.Lock()
+
+
+@atexit.register
+def _free_loaded_models() -> None:
+    """Free native model memory before interpreter teardown, when llama-cpp-python's own
+    finalizers would fail noisily on half-unloaded modules."""
+    with _loading:
+        while _loaded:
+            _, loaded = _loaded.popitem()
+            with loaded.lock:
+                loaded.llama.close()
 
 
 def _load(path: Path, n_ctx: int, n_threads: int) -> _Loaded:

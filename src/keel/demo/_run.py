@@ -1,0 +1,282 @@
+"""``keel demo``: a long flight-booking conversation, a SIGKILL mid tool call, a resume.
+
+The parent plays the customer (:class:`~keel.demo.FlightUser`) and drives a worker process
+that runs the agent. Midway, while the worker is inside a tool call (``send_itinerary``, right
+after a booking), the parent kills it with SIGKILL and starts a new worker, which finishes the
+interrupted turn from the last checkpoint. The report counts what a customer would notice:
+questions asked again after the crash, trips booked twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from queue import Empty, Queue
+from typing import IO, Any
+
+from pydantic import BaseModel, Field
+
+from keel.demo._flights import Airline, FlightUser, plans, question_slot
+from keel.errors import KeelRuntimeError
+
+__all__ = ["DemoReport", "run_demo", "sparkline_chart"]
+
+
+class DemoReport(BaseModel):
+    """What the demo did, in the figures a reviewer checks."""
+
+    turns: int = Field(description="User messages handled.")
+    trips_planned: int = Field(description="Trips the simulated customer set out to book.")
+    bookings: int = Field(description="Bookings the airline holds.")
+    resumed_after_kill: bool = Field(description="A worker was SIGKILLed and a new one resumed.")
+    repeated_questions_after_resume: int = Field(
+        description="Questions for details the customer had already given, after the resume."
+    )
+    double_bookings: int = Field(description="Trips the airline booked more than once.")
+    max_prompt_tokens: int = Field(description="Largest prompt sent to the model.")
+    prompt_budget: int = Field(description="Tokens a prompt may take (working budget - reserve).")
+    loops_caught: int = Field(description="Loops the guards caught.")
+    failed_turns: int = Field(description="Turns that ended without an answer.")
+    seconds: float = Field(description="Wall time of the whole demo.")
+    model: str = Field(description="The model that played the agent.")
+    workdir: str = Field(description="Where the demo's database and logs are.")
+    prompt_tokens_per_turn: list[int] = Field(
+        default_factory=list, exclude=True, description="Largest prompt of each turn."
+    )
+
+
+class _Worker:
+    """One worker process and a reader thread for its stdout."""
+
+    def __init__(self, workdir: Path, model: str, memory: bool) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "keel.demo._worker",
+            "--workdir",
+            str(workdir),
+            "--model",
+            model,
+        ]
+        if not memory:
+            command.append("--no-memory")
+        self._stderr = (workdir / "worker.stderr").open("ab")
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            bufsize=1,
+        )
+        self.lines: Queue[dict[str, Any] | None] = Queue()
+        threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True).start()
+
+    def _read(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        try:
+            for line in stream:
+                if line.strip():
+                    self.lines.put(json.loads(line))
+        except (OSError, ValueError):  # the pipe closed under us: the worker is gone
+            pass
+        self.lines.put(None)
+
+    def send(self, command: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def receive(self, *, stalled: Path | None, timeout_s: float) -> dict[str, Any] | None:
+        """The next line; None when ``stalled`` appeared first (the worker is in the tool)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if stalled is not None and stalled.exists():
+                return None
+            try:
+                line = self.lines.get(timeout=0.05)
+            except Empty:
+                continue
+            if line is None:
+                raise KeelRuntimeError(
+                    f"the demo worker exited unexpectedly (code {self.process.wait()}); "
+                    "see worker.stderr in the demo directory"
+                )
+            return line
+        raise KeelRuntimeError(f"the demo worker did not answer within {timeout_s:g} s")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no flush, exactly like a crash."""
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self._release()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._release()
+
+    def _release(self) -> None:
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None and not stream.closed:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        self._stderr.close()
+
+
+def run_demo(
+    *,
+    model: str = "scripted",
+    trips: int = 20,
+    side_questions: int = 10,
+    kill: bool = True,
+    memory: bool = True,
+    workdir: Path | None = None,
+    turn_timeout_s: float = 300.0,
+    on_turn: Callable[[int, int, dict[str, Any]], None] | None = None,
+) -> DemoReport:
+    """Run the demo and return its report.
+
+    Args:
+        model: ``scripted`` (deterministic policy, the default), ``local:smollm2``, or any
+            model spec (an OpenAI-compatible endpoint from the settings).
+        trips: trips the customer books.
+        side_questions: side questions per trip (policy look-ups with long tool output).
+        kill: SIGKILL the worker mid tool call in the middle trip, then resume.
+        memory: give the agent long-term memory (embedded, MiniLM embeddings).
+        on_turn: called after each turn with (turn, planned_turns, reply).
+    """
+    started = time.monotonic()
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="keel-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    stalled = workdir / "stalled"
+    customer = FlightUser(plans(trips, side_questions))
+    planned = trips * (side_questions + 7)
+    kill_trip = trips // 2 if kill else -1
+    worker = _Worker(workdir, model, memory)
+    worker.receive(stalled=None, timeout_s=turn_timeout_s)  # ready
+    reply_text = ""
+    turns = 0
+    prompt_tokens: list[int] = []
+    max_prompt = 0
+    budget = 0
+    loops = 0
+    failed = 0
+    resumed = False
+    repeated = 0
+    given: set[str] = set()
+    trip_seen = -1
+    try:
+        while True:
+            message = customer.next_message(reply_text)
+            if message is None or turns >= planned * 2:
+                break
+            if customer.trip_index != trip_seen:
+                trip_seen, given = customer.trip_index, set()
+            answered = question_slot_answer(message)
+            if answered is not None:
+                given.add(answered)
+            if customer.trip_index == kill_trip and message == "Yes, book it." and not resumed:
+                (workdir / "stall").write_text("stall the next send_itinerary")
+            worker.send({"op": "say", "text": message})
+            reply = worker.receive(
+                stalled=stalled if kill and not resumed else None, timeout_s=turn_timeout_s
+            )
+            if reply is None:
+                worker.kill()
+                stalled.unlink()
+                worker = _Worker(workdir, model, memory)
+                worker.receive(stalled=None, timeout_s=turn_timeout_s)
+                worker.send({"op": "resume"})
+                reply = worker.receive(stalled=None, timeout_s=turn_timeout_s)
+                resumed = bool(reply is not None and reply.get("resumed"))
+            assert reply is not None
+            turns += 1
+            reply_text = str(reply.get("text", ""))
+            if resumed:
+                asked = question_slot(reply_text)
+                if asked is not None and asked in given:
+                    repeated += 1
+            tokens = int(reply.get("max_prompt_tokens", 0))
+            prompt_tokens.append(tokens)
+            max_prompt = max(max_prompt, tokens)
+            budget = int(reply.get("prompt_limit", budget))
+            loops += int(reply.get("loops_detected", 0))
+            failed += reply.get("status") != "completed"
+            if on_turn is not None:
+                on_turn(turns, planned, reply)
+    finally:
+        worker.close()
+    per_trip = Airline(workdir / "airline.db").bookings_per_trip()
+    return DemoReport(
+        turns=turns,
+        trips_planned=trips,
+        bookings=sum(per_trip.values()),
+        resumed_after_kill=resumed,
+        repeated_questions_after_resume=repeated,
+        double_bookings=sum(1 for count in per_trip.values() if count > 1),
+        max_prompt_tokens=max_prompt,
+        prompt_budget=budget,
+        loops_caught=loops,
+        failed_turns=failed,
+        seconds=round(time.monotonic() - started, 2),
+        model=model,
+        workdir=str(workdir),
+        prompt_tokens_per_turn=prompt_tokens,
+    )
+
+
+def question_slot_answer(message: str) -> str | None:
+    """Which detail a customer message gives (the inverse of the questions)."""
+    if message.startswith("From "):
+        return "origin"
+    if message.startswith("To "):
+        return "destination"
+    if message.startswith(("Travelling ", "Actually, change the dates")):
+        return "dates"
+    if message.endswith(" passengers."):
+        return "passengers"
+    return None
+
+
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def sparkline_chart(values: list[int], *, limit: int, width: int = 64, height: int = 6) -> str:
+    """A small terminal chart of ``values`` (max per column) against ``limit``."""
+    if not values:
+        return "(no turns)"
+    columns = min(width, len(values))
+    bucket = len(values) / columns
+    peaks = [
+        max(values[int(i * bucket) : max(int((i + 1) * bucket), int(i * bucket) + 1)])
+        for i in range(columns)
+    ]
+    top = max(limit, max(peaks), 1)
+    rows = []
+    for row in range(height, 0, -1):
+        line = ""
+        for peak in peaks:
+            level = peak / top * height
+            filled = level - (row - 1)
+            line += _BLOCKS[8] if filled >= 1 else _BLOCKS[max(0, int(filled * 8))]
+        label = f"{int(top * row / height):>7,} |" if row in (height, 1) else "        |"
+        rows.append(label + line)
+    rows.append("        +" + "-" * columns)
+    rows.append(f"         turn 1 .. {len(values)}   (budget {limit:,} tokens)")
+    return "\n".join(rows)
