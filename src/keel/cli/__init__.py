@@ -7,7 +7,19 @@ import sys
 import click
 import typer
 
-from keel.cli import _chat, _context, _demo, _doctor, _memory, _models, _runs, _state, _tokens, _tools  # noqa: F401  (they register their commands)
+# Importing the command modules registers their commands on the app.
+from keel.cli import (  # noqa: F401
+    _chat,
+    _context,
+    _demo,
+    _doctor,
+    _memory,
+    _models,
+    _runs,
+    _state,
+    _tokens,
+    _tools,
+)
 from keel.cli._app import app, err_console
 from keel.errors import KeelError, UsageError
 
