@@ -194,7 +194,12 @@ class Agent:
         self.tenant_id = tenant_id
         self.name = name
         self.monitor = SpiralMonitor()
-        self.engine = ContextEngine(model, budget=context, memory_sink=None)
+        self._users: dict[str, str] = {}
+        self.engine = ContextEngine(
+            model,
+            budget=context,
+            memory_sink=_MemoryArchive(self) if memory is not None else None,
+        )
         self._shrunk_engine: ContextEngine | None = None
         self._domain_tools = {t.name: t for t in tools}
         clash = set(self._domain_tools) & {"go_to", "remember"}
@@ -375,6 +380,7 @@ class Agent:
         ]
 
     async def _turn(self, session_id: str, user_id: str, text: str, *, resume: bool) -> AgentReply:
+        self._users[session_id] = user_id
         state, version = await self._load(session_id)
         position = state.machine
         data = dict(state.data)
@@ -841,6 +847,33 @@ class Agent:
             return json.dumps({"remembered": {slot: value}})
 
         return [tool(go_to), tool(remember)]
+
+
+class _MemoryArchive:
+    """The context engine's :class:`~keel.context.MemorySink`: committed summaries go to
+    long-term memory (the evicted turns are there already: every turn is remembered as it ends).
+    """
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    async def archive(self, session_id: str, evicted: Sequence[Message], summary: str) -> None:
+        memory = self._agent.memory
+        user_id = self._agent._users.get(session_id)
+        if memory is None or user_id is None or not summary.strip():
+            return
+        from keel.memory import Scope
+
+        # Adding the same summary twice is a no-op in memory, so a retried summary is safe.
+        await asyncio.to_thread(
+            memory.add,
+            summary,
+            scope=Scope(tenant_id=self._agent.tenant_id, user_id=user_id),
+            kind="episodic",
+            type="summary",
+            provenance="inferred",
+            session_id=session_id,
+        )
 
 
 def _run_status(status: str) -> Any:

@@ -65,6 +65,11 @@ class SQLiteDatabase:
         self.busy_timeout_ms = busy_timeout_ms
         self._local = threading.local()
         self._lock = threading.Lock()
+        # SQLite admits one writer at a time. Threads of this process queue here instead of
+        # in SQLite's busy handler, which polls with growing sleeps and can starve a thread
+        # past the busy timeout when dozens write at once. Other processes still meet the
+        # busy timeout.
+        self._write_lock = threading.RLock()
         self._connections: list[sqlite3.Connection] = []
         self._closed = False
 
@@ -119,20 +124,21 @@ class SQLiteDatabase:
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """A write transaction: committed on success, rolled back on any exception."""
         conn = self.connection()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.path) from exc
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            conn.execute("ROLLBACK")
-            raise translate_sqlite_error(exc, self.path) from exc
+        with self._write_lock:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise translate_sqlite_error(exc, self.path) from exc
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                conn.execute("ROLLBACK")
+                raise translate_sqlite_error(exc, self.path) from exc
 
     @contextmanager
     def translated(self) -> Iterator[sqlite3.Connection]:
