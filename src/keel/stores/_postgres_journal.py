@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from keel.errors import BackendUnavailableError, SchemaVersionError, StoreError
+from keel.errors import BackendUnavailableError, StoreError
 from keel.messages import Message
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres import apply_migrations
 from keel.tools._journal import JournalClaim, JournalEntry, ToolJournal, entry_from_row
 
 if TYPE_CHECKING:
@@ -63,7 +64,6 @@ _COLUMNS = (
     "attempts, started_at, finished_at"
 )
 # Serializes concurrent setup() calls of many processes (an arbitrary, fixed lock id).
-_SETUP_LOCK = 0x6B65656C
 
 
 class PostgresToolJournal(ToolJournal):
@@ -114,32 +114,7 @@ class PostgresToolJournal(ToolJournal):
     def _setup(self) -> None:
         migrations = POSTGRES_JOURNAL_MIGRATIONS
         with self._transaction() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SETUP_LOCK,))
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS keel_schema (component TEXT PRIMARY KEY, "
-                "version INTEGER NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
-            )
-            row = conn.execute(
-                "SELECT version FROM keel_schema WHERE component = %s", (migrations.component,)
-            ).fetchone()
-            applied = int(row["version"]) if row else 0
-            if applied > migrations.version:
-                raise SchemaVersionError(
-                    f"PostgreSQL has journal schema version {applied}, newer than this keel "
-                    f"knows ({migrations.version}); upgrade keel"
-                )
-            for migration in migrations.migrations[applied:]:
-                if isinstance(migration.apply, str):
-                    conn.execute(migration.apply)
-                else:
-                    migration.apply(conn)
-            if applied < migrations.version:
-                conn.execute(
-                    "INSERT INTO keel_schema (component, version, applied_at) VALUES (%s, %s, %s) "
-                    "ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version, "
-                    "applied_at = EXCLUDED.applied_at",
-                    (migrations.component, migrations.version, time.time()),
-                )
+            apply_migrations(conn, migrations)
 
     def claim(
         self,

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from keel.errors import BackendUnavailableError, ConfigError, SchemaVersionError, StoreError
+from keel.errors import BackendUnavailableError, ConfigError, StoreError
 from keel.memory._records import MemoryFilter, MemoryRecord, Scope
 from keel.memory._rows import (
     RECORD_COLUMNS,
@@ -29,6 +29,7 @@ from keel.memory._rows import (
 )
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres import apply_migrations
 
 __all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
 
@@ -172,32 +173,7 @@ class PostgresMemoryStore(MemoryStore):
             return
         migrations = POSTGRES_MEMORY_MIGRATIONS
         with self._connection() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext('keel_schema_setup'))")
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS keel_schema (component TEXT PRIMARY KEY, "
-                "version INTEGER NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
-            )
-            row = conn.execute(
-                "SELECT version FROM keel_schema WHERE component = %s", (migrations.component,)
-            ).fetchone()
-            applied = int(row[0]) if row else 0
-            if applied > migrations.version:
-                raise SchemaVersionError(
-                    f"PostgreSQL memory schema version {applied} is newer than this keel knows "
-                    f"({migrations.version}); upgrade keel"
-                )
-            for migration in migrations.migrations[applied:]:
-                if isinstance(migration.apply, str):
-                    conn.execute(migration.apply.encode())
-                else:
-                    migration.apply(conn)
-            if applied < migrations.version:
-                conn.execute(
-                    "INSERT INTO keel_schema (component, version, applied_at) VALUES (%s, %s, %s) "
-                    "ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version, "
-                    "applied_at = EXCLUDED.applied_at",
-                    (migrations.component, migrations.version, time.time()),
-                )
+            apply_migrations(conn, migrations)
             rows = conn.execute(
                 "SELECT tablename FROM pg_tables WHERE tablename LIKE 'memory_vectors_%%'"
             ).fetchall()

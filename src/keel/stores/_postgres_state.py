@@ -16,8 +16,10 @@ from typing import Any
 
 from keel.errors import BackendUnavailableError, ConflictError, ExpiredError, StoreError
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
+from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres import apply_migrations
 
-__all__ = ["POSTGRES_STATE_SCHEMA", "PostgresStateBackend"]
+__all__ = ["POSTGRES_STATE_MIGRATIONS", "POSTGRES_STATE_SCHEMA", "PostgresStateBackend"]
 
 POSTGRES_STATE_SCHEMA = (
     """
@@ -68,7 +70,11 @@ POSTGRES_STATE_SCHEMA = (
 )
 """The ``state`` component's schema, version 1 (applied idempotently by ``setup``)."""
 
-_VERSION = 1
+
+POSTGRES_STATE_MIGRATIONS = MigrationSet(
+    "state",
+    (Migration("sessions and checkpoints", ";\n".join(POSTGRES_STATE_SCHEMA)),),
+)
 _COLUMNS = (
     "version, created_at, step, reason, kind, payload, schema_name, schema_version, good, "
     "forked_from"
@@ -280,26 +286,8 @@ class PostgresStateBackend(StateBackend):
         Raises:
             SchemaVersionError: the database has a newer ``state`` schema than this code.
         """
-        from keel.errors import SchemaVersionError
-
         with self._tx() as cur:
-            # Serialise concurrent setups; a transaction-level lock is pooler-safe.
-            cur.execute("SELECT pg_advisory_xact_lock(7311532)")
-            for statement in POSTGRES_STATE_SCHEMA:
-                cur.execute(statement)
-            cur.execute("SELECT version FROM keel_schema WHERE component = 'state'")
-            found = cur.fetchone()
-            if found is not None and int(found[0]) > _VERSION:
-                raise SchemaVersionError(
-                    f"PostgreSQL has state schema version {found[0]}, newer than this keel "
-                    f"knows ({_VERSION}); upgrade keel"
-                )
-            cur.execute(
-                "INSERT INTO keel_schema (component, version, applied_at) "
-                "VALUES ('state', %s, extract(epoch from now())) "
-                "ON CONFLICT (component) DO NOTHING",
-                (_VERSION,),
-            )
+            apply_migrations(cur, POSTGRES_STATE_MIGRATIONS)
 
     @staticmethod
     def _head(cur: Any, session_id: str, *, for_update: bool = False) -> SessionHead | None:

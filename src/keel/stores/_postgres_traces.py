@@ -17,8 +17,9 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from keel.errors import BackendUnavailableError, SchemaVersionError, StoreError, UsageError
+from keel.errors import BackendUnavailableError, StoreError, UsageError
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres import apply_migrations
 from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepMetric
 from keel.tracing._store import TraceStore
 
@@ -123,7 +124,6 @@ _INSERT_STEP = (
     "ON CONFLICT (run_id, step_id) DO UPDATE SET "
     + ", ".join(f"{name} = excluded.{name}" for name in _STEP_FIELDS[2:])
 )
-_ADVISORY_KEY = 0x6B65656C  # "keel"
 
 
 def _contribution(kind: str, failed: bool, prompt: int, completion: int) -> tuple[int, ...]:
@@ -206,32 +206,7 @@ class PostgresTraceStore(TraceStore):
         """Create or migrate the ``traces`` tables; idempotent and safe to run concurrently."""
         migrations = POSTGRES_TRACE_MIGRATIONS
         with self._tx() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ADVISORY_KEY,))
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS keel_schema (component TEXT PRIMARY KEY, "
-                "version INTEGER NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
-            )
-            row = conn.execute(
-                "SELECT version FROM keel_schema WHERE component = %s", (migrations.component,)
-            ).fetchone()
-            applied = int(row[0]) if row else 0
-            if applied > migrations.version:
-                raise SchemaVersionError(
-                    f"PostgreSQL traces schema version {applied} is newer than this keel "
-                    f"knows ({migrations.version}); upgrade keel"
-                )
-            for migration in migrations.migrations[applied:]:
-                if isinstance(migration.apply, str):
-                    conn.execute(migration.apply.encode())
-                else:
-                    migration.apply(conn)
-            if applied < migrations.version:
-                conn.execute(
-                    "INSERT INTO keel_schema (component, version, applied_at) "
-                    "VALUES (%s, %s, extract(epoch from now())) ON CONFLICT (component) "
-                    "DO UPDATE SET version = excluded.version, applied_at = excluded.applied_at",
-                    (migrations.component, migrations.version),
-                )
+            apply_migrations(conn, migrations)
         self._ready = True
 
     def _ensure(self) -> None:
