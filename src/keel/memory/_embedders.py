@@ -121,6 +121,10 @@ class SentenceTransformerEmbedder(Embedder):
                     raise ConfigError(
                         "the sentence-transformers embedder needs keel's 'embeddings' extra"
                     ) from exc
+                from transformers.utils import logging as transformers_logging
+
+                # A library's load progress bar is not the caller's output.
+                transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
                 model = SentenceTransformer(self.path, device="cpu")
                 self._models[self.path] = model
             return model
