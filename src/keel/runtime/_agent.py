@@ -451,6 +451,14 @@ class Agent:
             return await self._fail(turn, exc)
         return await self._commit(turn, result, resume=resume)
 
+    def _note_commit(self, session_id: str, version: int, messages: int | None = None) -> None:
+        """Keep the cached conversation valid for the version this process just wrote."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.version = version
+            if messages is not None:
+                session.messages_seen = messages
+
     def _engine_for(self, turn: _Turn) -> ContextEngine:
         if not turn.shrink_next:
             return self.engine
@@ -501,10 +509,7 @@ class Agent:
             step=step,
         )
         turn.state = state
-        session = self._sessions.get(turn.session_id)
-        if session is not None:
-            session.version = turn.version
-            session.messages_seen = len(messages)
+        self._note_commit(turn.session_id, turn.version, len(messages))
         prompt = self._engine_for(turn).compile(
             turn.conversation,
             system=self.system_prompt,
@@ -589,9 +594,7 @@ class Agent:
             )
             turn.state = state
             turn.position_checkpointed = turn.position
-            session = self._sessions.get(turn.session_id)
-            if session is not None:
-                session.version = turn.version
+            self._note_commit(turn.session_id, turn.version)
 
     def _mask(self, text: str) -> str:
         if self.masker is None or not text:
@@ -642,13 +645,11 @@ class Agent:
         else:
             # Back to the last good checkpoint, keeping the exchange and the failure count.
             reverted = True
-            good = await self.state.aget(turn.session_id)
-            last_good = self.state.last_good(turn.session_id)
+            # turn.state is what was last checkpointed: the fallback needs no read.
+            last_good = await self.state.alast_good(turn.session_id)
             base = (
                 (await self.state.aat(turn.session_id, last_good.version)).state
                 if last_good is not None
-                else good.state
-                if good is not None
                 else turn.state
             )
             position = base.machine
@@ -692,10 +693,7 @@ class Agent:
             reason="turn completed" if result.ok else f"turn failed: {status}",
             good=True,
         )
-        session = self._sessions.get(turn.session_id)
-        if session is not None:
-            session.version = version
-            session.messages_seen = len(final_state.messages)
+        self._note_commit(turn.session_id, version, len(final_state.messages))
         if self.memory is not None and result.ok:
             self._remember_turn(turn, result)
         await turn.run.aend(
@@ -723,7 +721,7 @@ class Agent:
     async def _fail(self, turn: _Turn, error: KeelError) -> AgentReply:
         """A failure outside the loop's own handling: keep the last good state."""
         self._sessions.pop(turn.session_id, None)
-        last_good = self.state.last_good(turn.session_id)
+        last_good = await self.state.alast_good(turn.session_id)
         version = turn.version
         if last_good is not None and last_good.version != turn.version:
             reverted = await self.state.arevert(
