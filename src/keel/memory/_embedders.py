@@ -1,6 +1,8 @@
 """Embedders: text -> unit-length float32 vectors, named so a model change is detected.
 
-:class:`SentenceTransformerEmbedder` runs all-MiniLM-L6-v2 offline (the default);
+:class:`OnnxEmbedder` runs all-MiniLM-L6-v2 (or another BERT-family sentence encoder) offline on
+ONNX Runtime, the default; :class:`SentenceTransformerEmbedder` runs any sentence-transformers
+model through torch;
 :class:`OpenAIEmbedder` calls any OpenAI-compatible ``/embeddings`` endpoint;
 :class:`HashingEmbedder` needs nothing installed (feature hashing; weak semantics, fast tests).
 Provider libraries are imported lazily, inside the classes that use them.
@@ -27,6 +29,7 @@ __all__ = [
     "DEFAULT_EMBEDDING_MODEL",
     "Embedder",
     "HashingEmbedder",
+    "OnnxEmbedder",
     "OpenAIEmbedder",
     "SentenceTransformerEmbedder",
     "default_embedder",
@@ -70,6 +73,114 @@ class Embedder(ABC):
         return f"{type(self).__name__}({self.name!r}, dimension={self.dimension})"
 
 
+class OnnxEmbedder(Embedder):
+    """A BERT-family sentence encoder on ONNX Runtime; all-MiniLM-L6-v2 from its package by default.
+
+    The encoder graph is built in memory from the folder's ``model.safetensors`` (no torch, no
+    export step) and gives the same vectors as sentence-transformers (cosine > 0.99999), so
+    records embedded by either are interchangeable. Texts are sorted by length and run in small
+    batches, which keeps padding (wasted work) low.
+
+    Args:
+        path: a sentence-transformers folder; the bundled all-MiniLM-L6-v2 when None.
+        name: the name stored with each vector; the folder name by default.
+        batch_size: texts per forward pass.
+        threads: ONNX Runtime intra-op threads; all available CPUs by default.
+    """
+
+    _sessions: dict[tuple[str, int], Any] = {}  # noqa: RUF012  (process-wide, per folder)
+    _load_lock = threading.Lock()
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        name: str | None = None,
+        batch_size: int = 16,
+        threads: int | None = None,
+    ) -> None:
+        from keel.memory._onnx import BertConfig
+
+        folder, self.name = _model_folder(path, name)
+        self.path = str(folder)
+        self.config = BertConfig.from_folder(folder)
+        self.dimension = self.config.hidden_size
+        self.batch_size = max(1, batch_size)
+        self.threads = threads or _available_cpus()
+
+    def _load(self) -> tuple[Any, Any]:
+        key = (self.path, self.threads)
+        with self._load_lock:
+            loaded = self._sessions.get(key)
+            if loaded is None:
+                loaded = self._sessions[key] = self._open()
+            return loaded  # type: ignore[no-any-return]
+
+    def _open(self) -> tuple[Any, Any]:
+        try:
+            import onnxruntime
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise ConfigError(
+                "the ONNX embedder needs keel's 'embeddings' extra (onnxruntime, onnx, tokenizers)"
+            ) from exc
+        from keel.memory._onnx import build_bert_encoder
+
+        folder = Path(self.path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ConfigError(f"{folder}: no tokenizer.json")
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(self.config.max_seq_length)
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        # Idle worker threads sleep instead of spinning: the agent loop and SQLite share these
+        # cores, and a spinning pool turns every query into a fight for the CPU.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.log_severity_level = 3
+        session = onnxruntime.InferenceSession(
+            build_bert_encoder(folder, self.config), options, providers=["CPUExecutionProvider"]
+        )
+        return session, tokenizer
+
+    def embed(self, texts: Sequence[str]) -> FloatArray:
+        if not texts:
+            return np.zeros((0, self.dimension), dtype=np.float32)
+        session, tokenizer = self._load()
+        encodings = tokenizer.encode_batch(list(texts))
+        order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
+        output = np.zeros((len(texts), self.dimension), dtype=np.float32)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            width = max(1, *(len(encodings[i].ids) for i in chunk))
+            input_ids = np.zeros((len(chunk), width), dtype=np.int64)
+            attention_mask = np.zeros((len(chunk), width), dtype=np.int64)
+            for row, i in enumerate(chunk):
+                ids = encodings[i].ids
+                input_ids[row, : len(ids)] = ids
+                attention_mask[row, : len(ids)] = 1
+            (pooled,) = session.run(
+                ["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask}
+            )
+            output[chunk] = pooled
+        return _normalize(output)
+
+
+def _model_folder(path: str | Path | None, name: str | None) -> tuple[Path, str]:
+    """The model folder and the name its vectors are stored under."""
+    if path is not None:
+        folder = Path(path)
+        return folder, name or folder.name
+    from keel._assets import AssetMissingError, minilm_dir
+
+    try:
+        return minilm_dir(), name or DEFAULT_EMBEDDING_MODEL
+    except AssetMissingError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 class SentenceTransformerEmbedder(Embedder):
     """A sentence-transformers model on the CPU; all-MiniLM-L6-v2 from its package by default.
 
@@ -88,16 +199,8 @@ class SentenceTransformerEmbedder(Embedder):
         batch_size: int = 64,
         threads: int | None = None,
     ) -> None:
-        if path is None:
-            from keel._assets import AssetMissingError, minilm_dir
-
-            try:
-                path = minilm_dir()
-            except AssetMissingError as exc:
-                raise ConfigError(str(exc)) from exc
-            name = name or DEFAULT_EMBEDDING_MODEL
-        self.path = str(path)
-        self.name = name or Path(self.path).name
+        folder, self.name = _model_folder(path, name)
+        self.path = str(folder)
         self.batch_size = batch_size
         # Intra-op threads for batches. Short queries always use one thread: on a loaded or
         # small machine, torch's spinning worker threads turn a 10 ms query into a second.
@@ -245,5 +348,5 @@ def _available_cpus() -> int:
 
 
 def default_embedder() -> Embedder:
-    """The offline default: all-MiniLM-L6-v2."""
-    return SentenceTransformerEmbedder()
+    """The offline default: all-MiniLM-L6-v2 on ONNX Runtime."""
+    return OnnxEmbedder()

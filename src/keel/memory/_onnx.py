@@ -1,0 +1,246 @@
+"""BERT-family sentence encoders on ONNX Runtime, built straight from the safetensors weights.
+
+A sentence-transformers folder (all-MiniLM-L6-v2, bge-small, e5-small...) holds a BERT
+``config.json``, ``model.safetensors``, ``tokenizer.json`` and a pooling config. This module
+reads the weights with numpy, writes the encoder as an ONNX graph in memory and runs it with
+ONNX Runtime: no torch import (seconds and hundreds of MB saved), no export step, no file
+written. On a 2-core machine it embeds about twice as fast as torch through
+sentence-transformers and a single query takes a few milliseconds instead of ~25.
+
+Only the standard BERT encoder is supported (absolute positions, GELU, mean or CLS pooling);
+anything else is a :class:`~keel.errors.ConfigError` that names what is different.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from keel.errors import ConfigError
+
+__all__ = ["BertConfig", "build_bert_encoder", "read_safetensors"]
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "BF16": None}
+
+
+def read_safetensors(path: Path) -> dict[str, npt.NDArray[Any]]:
+    """Every tensor of a ``.safetensors`` file as a read-only numpy array (memory-mapped)."""
+    with path.open("rb") as handle:
+        (header_size,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_size))
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
+    tensors: dict[str, npt.NDArray[Any]] = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(spec["dtype"])
+        if dtype is None:
+            raise ConfigError(f"{path.name}: tensor {name} has unsupported dtype {spec['dtype']}")
+        start, end = spec["data_offsets"]
+        tensors[name] = raw[start:end].view(dtype).reshape(spec["shape"])
+    return tensors
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The parts of a BERT ``config.json`` (and sentence-transformers configs) the graph needs."""
+
+    hidden_size: int
+    layers: int
+    heads: int
+    layer_norm_eps: float
+    max_positions: int
+    max_seq_length: int
+    pooling: str  # "mean" or "cls"
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> BertConfig:
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{folder}: no readable config.json ({exc})") from exc
+        if config.get("model_type") not in {"bert", None}:
+            raise ConfigError(
+                f"{folder}: model_type {config.get('model_type')!r} is not BERT; "
+                "use SentenceTransformerEmbedder for other architectures"
+            )
+        if config.get("hidden_act", "gelu") != "gelu":
+            raise ConfigError(f"{folder}: activation {config['hidden_act']!r} is not supported")
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            raise ConfigError(f"{folder}: only absolute position embeddings are supported")
+        max_positions = int(config.get("max_position_embeddings", 512))
+        max_seq_length = max_positions
+        sbert = folder / "sentence_bert_config.json"
+        if sbert.is_file():
+            max_seq_length = min(
+                max_positions, int(json.loads(sbert.read_text()).get("max_seq_length", 512))
+            )
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            layers=int(config["num_hidden_layers"]),
+            heads=int(config["num_attention_heads"]),
+            layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+            max_positions=max_positions,
+            max_seq_length=max_seq_length,
+            pooling=_pooling_mode(folder),
+        )
+
+
+def _pooling_mode(folder: Path) -> str:
+    pooling_file = folder / "1_Pooling" / "config.json"
+    if not pooling_file.is_file():
+        return "mean"
+    pooling = json.loads(pooling_file.read_text())
+    modes = [key for key, value in pooling.items() if key.startswith("pooling_mode") and value]
+    if modes == ["pooling_mode_mean_tokens"]:
+        return "mean"
+    if modes == ["pooling_mode_cls_token"]:
+        return "cls"
+    raise ConfigError(f"{folder}: pooling {modes} is not supported (mean or CLS only)")
+
+
+class _GraphBuilder:
+    """Accumulates ONNX nodes and initializers with unique, readable names."""
+
+    def __init__(self) -> None:
+        import onnx
+
+        self.helper = onnx.helper
+        self.numpy_helper = onnx.numpy_helper
+        self.nodes: list[Any] = []
+        self.initializers: list[Any] = []
+        self._count = 0
+
+    def constant(self, name: str, value: npt.NDArray[Any]) -> str:
+        self.initializers.append(self.numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, **attributes: Any) -> str:
+        self._count += 1
+        output = f"{op_type.lower()}_{self._count}"
+        self.nodes.append(self.helper.make_node(op_type, list(inputs), [output], **attributes))
+        return output
+
+
+def build_bert_encoder(folder: Path, config: BertConfig) -> bytes:
+    """The serialized ONNX model: ``(input_ids, attention_mask)`` -> pooled ``(batch, hidden)``."""
+    import onnx
+
+    weights = read_safetensors(folder / "model.safetensors")
+    prefix = "bert." if "bert.embeddings.word_embeddings.weight" in weights else ""
+
+    def weight(name: str) -> npt.NDArray[np.float32]:
+        try:
+            return np.asarray(weights[prefix + name], dtype=np.float32)
+        except KeyError as exc:
+            raise ConfigError(f"{folder}: model.safetensors has no tensor {name}") from exc
+
+    g = _GraphBuilder()
+    hidden, heads = config.hidden_size, config.heads
+    head_size = hidden // heads
+    eps = config.layer_norm_eps
+
+    def layer_norm(x: str, name: str) -> str:
+        return g.op(
+            "LayerNormalization",
+            x,
+            g.constant(f"{name}.weight", weight(f"{name}.weight")),
+            g.constant(f"{name}.bias", weight(f"{name}.bias")),
+            axis=-1,
+            epsilon=eps,
+        )
+
+    def dense(x: str, name: str) -> str:
+        # torch Linear stores (out, in); ONNX MatMul wants (in, out).
+        product = g.op("MatMul", x, g.constant(f"{name}.weight", weight(f"{name}.weight").T))
+        return g.op("Add", product, g.constant(f"{name}.bias", weight(f"{name}.bias")))
+
+    # Embeddings. Single-sentence inputs always use token type 0, so its row is folded into
+    # the position table.
+    positions = weight("embeddings.position_embeddings.weight") + weight(
+        "embeddings.token_type_embeddings.weight"
+    )[0]
+    words = g.op(
+        "Gather",
+        g.constant("embeddings.word_embeddings.weight", weight("embeddings.word_embeddings.weight")),
+        "input_ids",
+    )
+    length = g.op("Shape", "input_ids", start=1, end=2)
+    zero = g.constant("zero", np.array([0], dtype=np.int64))
+    position_rows = g.op("Slice", g.constant("positions", positions), zero, length, zero)
+    x = layer_norm(g.op("Add", words, position_rows), "embeddings.LayerNorm")
+
+    mask = g.op("Cast", "attention_mask", to=onnx.TensorProto.FLOAT)
+    # (1 - mask) * -10000, shaped (batch, 1, 1, seq) to broadcast over heads and queries.
+    padding = g.op(
+        "Mul",
+        g.op("Sub", g.constant("one", np.array(1.0, dtype=np.float32)), mask),
+        g.constant("neg", np.array(-10000.0, dtype=np.float32)),
+    )
+    attention_bias = g.op("Unsqueeze", padding, g.constant("axes12", np.array([1, 2])))
+    split_heads = g.constant("split_heads", np.array([0, 0, heads, head_size], dtype=np.int64))
+    merge_heads = g.constant("merge_heads", np.array([0, 0, hidden], dtype=np.int64))
+    scale = g.constant("scale", np.array(1.0 / math.sqrt(head_size), dtype=np.float32))
+    half = g.constant("half", np.array(0.5, dtype=np.float32))
+    inv_sqrt2 = g.constant("inv_sqrt2", np.array(1.0 / math.sqrt(2.0), dtype=np.float32))
+    one = "one"
+
+    for index in range(config.layers):
+        name = f"encoder.layer.{index}"
+        query = g.op("Reshape", dense(x, f"{name}.attention.self.query"), split_heads)
+        key = g.op("Reshape", dense(x, f"{name}.attention.self.key"), split_heads)
+        value = g.op("Reshape", dense(x, f"{name}.attention.self.value"), split_heads)
+        query = g.op("Transpose", query, perm=[0, 2, 1, 3])
+        key = g.op("Transpose", key, perm=[0, 2, 3, 1])
+        value = g.op("Transpose", value, perm=[0, 2, 1, 3])
+        scores = g.op("Add", g.op("Mul", g.op("MatMul", query, key), scale), attention_bias)
+        context = g.op("MatMul", g.op("Softmax", scores, axis=-1), value)
+        context = g.op("Reshape", g.op("Transpose", context, perm=[0, 2, 1, 3]), merge_heads)
+        attended = dense(context, f"{name}.attention.output.dense")
+        x = layer_norm(g.op("Add", attended, x), f"{name}.attention.output.LayerNorm")
+        inner = dense(x, f"{name}.intermediate.dense")
+        # Exact GELU, 0.5 * x * (1 + erf(x / sqrt(2))), as BERT was trained with.
+        gelu = g.op(
+            "Mul",
+            g.op("Mul", inner, half),
+            g.op("Add", g.op("Erf", g.op("Mul", inner, inv_sqrt2)), one),
+        )
+        x = layer_norm(g.op("Add", dense(gelu, f"{name}.output.dense"), x), f"{name}.output.LayerNorm")
+
+    if config.pooling == "cls":
+        pooled = g.op("Gather", x, g.constant("first", np.array(0, dtype=np.int64)), axis=1)
+    else:
+        weights_3d = g.op("Unsqueeze", mask, g.constant("axis2", np.array([2])))
+        axis1 = g.constant("axis1", np.array([1]))
+        total = g.op("ReduceSum", g.op("Mul", x, weights_3d), axis1, keepdims=0)
+        count = g.op(
+            "Max",
+            g.op("ReduceSum", weights_3d, axis1, keepdims=0),
+            g.constant("tiny", np.array(1e-9, dtype=np.float32)),
+        )
+        pooled = g.op("Div", total, count)
+    g.nodes.append(g.helper.make_node("Identity", [pooled], ["embedding"]))
+
+    graph = g.helper.make_graph(
+        g.nodes,
+        "sentence_encoder",
+        [
+            g.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "seq"]),
+            g.helper.make_tensor_value_info(
+                "attention_mask", onnx.TensorProto.INT64, ["batch", "seq"]
+            ),
+        ],
+        [g.helper.make_tensor_value_info("embedding", onnx.TensorProto.FLOAT, ["batch", hidden])],
+        g.initializers,
+    )
+    model = g.helper.make_model(graph, opset_imports=[g.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    serialized: bytes = model.SerializeToString()
+    return serialized
