@@ -13,6 +13,7 @@ import pytest
 from keel.errors import ConfigError, ModelError
 from keel.memory import (
     Memory,
+    OnnxEmbedder,
     OpenAIEmbedder,
     Scope,
     SentenceTransformerEmbedder,
@@ -108,9 +109,7 @@ def test_embedder_specs(embeddings_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_minilm_finds_meaning_not_just_words(
-    minilm: SentenceTransformerEmbedder, tmp_path: Path
-) -> None:
+def test_minilm_finds_meaning_not_just_words(minilm: OnnxEmbedder, tmp_path: Path) -> None:
     assert minilm.name == "all-MiniLM-L6-v2" and minilm.dimension == 384
     mem = Memory(SQLiteMemoryStore(tmp_path / "s.db"), embedder=minilm)
     scope = Scope(tenant_id="t", user_id="u")
@@ -121,3 +120,90 @@ def test_minilm_finds_meaning_not_just_words(
     hits = mem.search("Do I have any pets?", scope=scope, k=1)
     assert hits[0].record.id == dog.id and hits[0].keyword_rank is None
     mem.close()
+
+
+def test_local_specs_choose_the_onnx_runtime(tmp_path: Path) -> None:
+    default = embedder_from_spec("local:all-minilm-l6-v2")
+    assert isinstance(default, OnnxEmbedder) and default.name == "all-MiniLM-L6-v2"
+    assert default.dimension == 384
+    assert isinstance(embedder_from_spec("sentence-transformers:"), SentenceTransformerEmbedder)
+    with pytest.raises(ConfigError, match=r"no readable config\.json"):
+        embedder_from_spec(f"local:{tmp_path}")
+
+
+def _write_bert_folder(folder: Path, *, pooling: str, model_type: str = "bert") -> None:
+    """A small random BERT saved by transformers, with MiniLM's tokenizer."""
+    import shutil
+
+    from transformers import BertConfig, BertModel
+
+    from keel._assets import minilm_dir
+
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    BertModel(config).eval().save_pretrained(folder)
+    if model_type != "bert":
+        raw = json.loads((folder / "config.json").read_text())
+        raw["model_type"] = model_type
+        (folder / "config.json").write_text(json.dumps(raw))
+    shutil.copy(minilm_dir() / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, f"pooling_mode_{pooling}": True})
+    )
+
+
+@pytest.mark.slow
+def test_onnx_graph_matches_transformers_on_another_bert_shape(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, BertModel
+
+    _write_bert_folder(tmp_path, pooling="cls_token")
+    embedder = OnnxEmbedder(tmp_path)
+    assert embedder.dimension == 64 and embedder.config.pooling == "cls"
+    texts = ["a short one", "a rather longer sentence with quite a few more words in it", "x"]
+    reference_model = BertModel.from_pretrained(tmp_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        cls = reference_model(**batch).last_hidden_state[:, 0].numpy()
+    cls /= np.linalg.norm(cls, axis=1, keepdims=True)
+    assert np.allclose(embedder.embed(texts), cls, atol=1e-5)
+
+
+def test_unsupported_models_are_named_config_errors(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    roberta = tmp_path / "roberta"
+    _write_bert_folder(roberta, pooling="mean_tokens", model_type="roberta")
+    with pytest.raises(ConfigError, match="not BERT"):
+        OnnxEmbedder(roberta)
+    max_pooled = tmp_path / "max"
+    _write_bert_folder(max_pooled, pooling="max_tokens")
+    with pytest.raises(ConfigError, match="pooling"):
+        OnnxEmbedder(max_pooled)
+
+
+@pytest.mark.slow
+def test_onnx_minilm_gives_the_sentence_transformers_vectors(minilm: OnnxEmbedder) -> None:
+    reference = SentenceTransformerEmbedder()
+    texts = [
+        "My flight to Lisbon leaves on the 3rd of March",
+        "",
+        "émigré café naïve — 東京 🚀",
+        "word " * 400,  # longer than the 256-token limit: truncated the same way
+        "Do I have any pets?",
+        *[f"note {i}: the quick brown fox jumps over {i} lazy dogs" for i in range(40)],
+    ]
+    ours = minilm.embed(texts)
+    theirs = reference.embed(texts)
+    assert ours.shape == theirs.shape == (len(texts), 384)
+    cosine = (ours * theirs).sum(axis=1)
+    assert float(cosine.min()) > 0.99999
+    # Batching and length sorting never reorder the output rows.
+    assert np.allclose(minilm.embed(texts[2:3])[0], ours[2], atol=1e-5)

@@ -100,9 +100,11 @@ def _embedder() -> str:
     from keel._assets import minilm_dir
 
     folder = minilm_dir()
-    if importlib.util.find_spec("sentence_transformers") is None:
-        raise RuntimeError("all-MiniLM-L6-v2 found but sentence-transformers is not installed")
-    return f"all-MiniLM-L6-v2 (384 dims), {folder}"
+    needed = ("onnxruntime", "onnx", "tokenizers")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeError(f"all-MiniLM-L6-v2 found but {', '.join(missing)} not installed")
+    return f"all-MiniLM-L6-v2 (384 dims, ONNX Runtime), {folder}"
 
 
 def _module(name: str, purpose: str) -> Callable[[], str]:

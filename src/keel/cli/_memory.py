@@ -104,7 +104,7 @@ def bench_locomo_command(
 ) -> None:
     """Turn-level evidence recall of keel's default memory search on LoCoMo."""
     from keel.bench.locomo import run_locomo
-    from keel.memory import SentenceTransformerEmbedder
+    from keel.memory import default_embedder
 
     with _progress_bar(True) as progress:
         task = progress.add_task("LoCoMo", total=None)
@@ -112,7 +112,7 @@ def bench_locomo_command(
         def report(stage: str, done: int, total: int) -> None:
             progress.update(task, description=stage, completed=done, total=total)
 
-        result = run_locomo(data, embedder=SentenceTransformerEmbedder(), progress=report)
+        result = run_locomo(data, embedder=default_embedder(), progress=report)
     if as_json:
         emit_json(result)
         return

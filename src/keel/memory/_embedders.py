@@ -114,7 +114,7 @@ class OnnxEmbedder(Embedder):
             loaded = self._sessions.get(key)
             if loaded is None:
                 loaded = self._sessions[key] = self._open()
-            return loaded  # type: ignore[no-any-return]
+            return loaded
 
     def _open(self) -> tuple[Any, Any]:
         try:

@@ -119,7 +119,9 @@ class _GraphBuilder:
         self._count = 0
 
     def constant(self, name: str, value: npt.NDArray[Any]) -> str:
-        self.initializers.append(self.numpy_helper.from_array(np.ascontiguousarray(value), name))
+        # Not np.ascontiguousarray: it turns a scalar into a 1-element vector.
+        contiguous = value if value.flags.c_contiguous else value.copy(order="C")
+        self.initializers.append(self.numpy_helper.from_array(contiguous, name))
         return name
 
     def op(self, op_type: str, *inputs: str, **attributes: Any) -> str:
@@ -164,14 +166,12 @@ def build_bert_encoder(folder: Path, config: BertConfig) -> bytes:
 
     # Embeddings. Single-sentence inputs always use token type 0, so its row is folded into
     # the position table.
-    positions = weight("embeddings.position_embeddings.weight") + weight(
-        "embeddings.token_type_embeddings.weight"
-    )[0]
-    words = g.op(
-        "Gather",
-        g.constant("embeddings.word_embeddings.weight", weight("embeddings.word_embeddings.weight")),
-        "input_ids",
+    positions = (
+        weight("embeddings.position_embeddings.weight")
+        + weight("embeddings.token_type_embeddings.weight")[0]
     )
+    vocabulary = "embeddings.word_embeddings.weight"
+    words = g.op("Gather", g.constant(vocabulary, weight(vocabulary)), "input_ids")
     length = g.op("Shape", "input_ids", start=1, end=2)
     zero = g.constant("zero", np.array([0], dtype=np.int64))
     position_rows = g.op("Slice", g.constant("positions", positions), zero, length, zero)
@@ -212,7 +212,8 @@ def build_bert_encoder(folder: Path, config: BertConfig) -> bytes:
             g.op("Mul", inner, half),
             g.op("Add", g.op("Erf", g.op("Mul", inner, inv_sqrt2)), one),
         )
-        x = layer_norm(g.op("Add", dense(gelu, f"{name}.output.dense"), x), f"{name}.output.LayerNorm")
+        output = dense(gelu, f"{name}.output.dense")
+        x = layer_norm(g.op("Add", output, x), f"{name}.output.LayerNorm")
 
     if config.pooling == "cls":
         pooled = g.op("Gather", x, g.constant("first", np.array(0, dtype=np.int64)), axis=1)

@@ -8,6 +8,7 @@ from keel.errors import ConfigError
 from keel.memory._embedders import (
     Embedder,
     HashingEmbedder,
+    OnnxEmbedder,
     OpenAIEmbedder,
     SentenceTransformerEmbedder,
 )
@@ -21,15 +22,22 @@ __all__ = ["embedder_from_spec", "open_memory", "open_memory_store"]
 def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
     """An embedder from a spec.
 
-    ``local:all-minilm-l6-v2`` (the bundled default), ``hashing:256`` (no model),
-    ``openai:MODEL/DIM`` or ``openai-compatible:MODEL/DIM@http://host:port/v1``.
+    ``local:all-minilm-l6-v2`` (the bundled default, on ONNX Runtime), ``local:/path/to/folder``
+    (another BERT-family sentence-transformers folder, on ONNX Runtime),
+    ``sentence-transformers:/path/to/folder`` (any sentence-transformers model, through torch),
+    ``hashing:256`` (no model), ``openai:MODEL/DIM`` or
+    ``openai-compatible:MODEL/DIM@http://host:port/v1``.
 
     Raises:
         ConfigError: an unknown or incomplete spec.
     """
     kind, _, rest = spec.partition(":")
-    if kind == "local" and rest.lower() in {"all-minilm-l6-v2", "minilm", ""}:
-        return SentenceTransformerEmbedder()
+    if kind == "local":
+        if rest.lower() in {"all-minilm-l6-v2", "minilm", ""}:
+            return OnnxEmbedder()
+        return OnnxEmbedder(rest)
+    if kind == "sentence-transformers":
+        return SentenceTransformerEmbedder(rest or None)
     if kind == "hashing":
         return HashingEmbedder(int(rest or 256))
     if kind in {"openai", "openai-compatible"}:
@@ -48,8 +56,9 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
         base = url or (settings.openai_base_url if settings else None)
         return OpenAIEmbedder(model, dimension=int(dim), base_url=base, api_key=key)
     raise ConfigError(
-        f"unknown embedder spec {spec!r}: use local:all-minilm-l6-v2, hashing:DIM, "
-        "openai:MODEL/DIM or openai-compatible:MODEL/DIM@URL"
+        f"unknown embedder spec {spec!r}: use local:all-minilm-l6-v2, local:FOLDER, "
+        "sentence-transformers:FOLDER, hashing:DIM, openai:MODEL/DIM or "
+        "openai-compatible:MODEL/DIM@URL"
     )
 
 
