@@ -146,6 +146,79 @@ class _ScopeIndex:
         self.size += 1
 
 
+# Keyword search scores at most about this many documents, whatever the table's size: bm25()
+# costs a few microseconds per matching row and is the whole cost of a broad query.
+_SCORED_DOCUMENTS = 4000
+
+
+@dataclass(frozen=True)
+class _KeywordPlan:
+    """An FTS5 MATCH expression and a rowid restriction that bounds the rows it scores."""
+
+    match: str
+    restriction: str = ""
+    restriction_args: tuple[object, ...] = ()
+
+
+def _quoted(terms: Sequence[str]) -> str:
+    return " OR ".join(f'"{term}"' for term in terms)
+
+
+def _plan_keyword_query(conn: sqlite3.Connection, terms: list[str]) -> _KeywordPlan:
+    """Which terms to match and which rows to score, so a query's cost stays bounded.
+
+    1. Terms found in more than 5% of all rows are dropped (the rarest is kept if all are):
+       they carry almost no BM25 weight (low IDF) but would dominate the cost.
+    2. If the remaining terms still match more than ``_SCORED_DOCUMENTS`` rows, every row
+       with one of the rarest terms (up to half the budget) is scored, and of the rows that
+       only have commoner terms, the newest ones fill the rest. A broad query thus prefers
+       recent memories; a specific word always finds its rows, however old.
+
+    Document frequencies are counted with a bound (``LIMIT``), so planning is cheap too.
+    """
+    total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
+    if total <= _SCORED_DOCUMENTS:
+        return _KeywordPlan(_quoted(terms))
+    cap = max(2000, total // 20)
+    frequency = {
+        term: int(
+            conn.execute(
+                "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
+                "LIMIT ?)",
+                (f'"{term}"', cap + 1),
+            ).fetchone()[0]
+        )
+        for term in dict.fromkeys(terms)
+    }
+    kept = sorted((t for t in frequency if frequency[t] <= cap), key=frequency.__getitem__)
+    if not kept:
+        kept = [min(frequency, key=frequency.__getitem__)]
+    if sum(frequency[term] for term in kept) <= _SCORED_DOCUMENTS:
+        return _KeywordPlan(_quoted(kept))
+    rare: list[str] = []
+    rare_rows = 0
+    for term in kept:
+        if rare_rows + frequency[term] > _SCORED_DOCUMENTS // 2:
+            break
+        rare.append(term)
+        rare_rows += frequency[term]
+    common = kept[len(rare) :]
+    floor = conn.execute(
+        "SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? ORDER BY rowid DESC "
+        "LIMIT 1 OFFSET ?",
+        (_quoted(common), _SCORED_DOCUMENTS - rare_rows),
+    ).fetchone()
+    if floor is None:
+        return _KeywordPlan(_quoted(kept))
+    if not rare:
+        return _KeywordPlan(_quoted(kept), " AND rowid >= ?", (int(floor[0]),))
+    return _KeywordPlan(
+        _quoted(kept),
+        " AND (rowid >= ? OR rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?))",
+        (int(floor[0]), _quoted(rare)),
+    )
+
+
 class SQLiteMemoryStore(MemoryStore):
     """Memory in one SQLite file (WAL), shared with keel's other embedded stores.
 
@@ -316,64 +389,42 @@ class SQLiteMemoryStore(MemoryStore):
         if not safe or limit <= 0:
             return []
         conn = self._conn()
-        safe = self._prune_common(conn, safe)
-        match = " OR ".join(f'"{term}"' for term in safe)
-        where, params = filter_sql(filters, "?", prefix="r.")
-        scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
-        args = (scope.tenant_id, scope.user_id, *params)
-        # Fast path: FTS5's own top-N by rank (a bounded heap, no join per match), then the
-        # scope. The order is the same score, so when enough of the scope's rows are among
-        # them they ARE the scope's top rows; otherwise fall back to the full scoped query.
-        fast = (
-            "SELECT r.id, f.score FROM (SELECT rowid, rank AS score FROM memory_fts "
-            "WHERE memory_fts MATCH ? ORDER BY rank LIMIT ?) f "
-            f"JOIN memory_records r ON r.rowid = f.rowid WHERE {scoped} ORDER BY f.score LIMIT ?"
-        )
-        full = (
-            "SELECT r.id, bm25(memory_fts) AS score FROM memory_fts "
-            "JOIN memory_records r ON r.rowid = memory_fts.rowid "
-            f"WHERE memory_fts MATCH ? AND {scoped} ORDER BY score LIMIT ?"
-        )
         try:
-            window = max(limit * 20, 1000)
-            rows = conn.execute(fast, (match, window, *args, int(limit))).fetchall()
+            plan = _plan_keyword_query(conn, safe)
+            where, params = filter_sql(filters, "?", prefix="r.")
+            scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
+            args = (scope.tenant_id, scope.user_id, *params)
+            # Fast path: the best-scoring matches over all scopes (bm25 computed only for the
+            # rows the plan lets through), then the scope. The order is the same score, so
+            # when enough of the scope's rows are among them they ARE the scope's top rows;
+            # otherwise fall back to scoring the scope's own matches.
+            window = max(limit * 4, 200)
+            fast = (
+                "SELECT r.id, f.score FROM (SELECT rowid, bm25(memory_fts) AS score "
+                f"FROM memory_fts WHERE memory_fts MATCH ?{plan.restriction} "
+                "ORDER BY score LIMIT ?) f JOIN memory_records r ON r.rowid = f.rowid "
+                f"WHERE {scoped} ORDER BY f.score LIMIT ?"
+            )
+            rows = conn.execute(
+                fast, (plan.match, *plan.restriction_args, window, *args, int(limit))
+            ).fetchall()
             if len(rows) < limit:
                 total = conn.execute(
                     "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
                     "LIMIT ?)",
-                    (match, window + 1),
+                    (plan.match, window + 1),
                 ).fetchone()[0]
                 if int(total) > window:
-                    rows = conn.execute(full, (match, *args, int(limit))).fetchall()
+                    full = (
+                        "SELECT r.id, bm25(memory_fts) AS score FROM memory_fts "
+                        "JOIN memory_records r ON r.rowid = memory_fts.rowid "
+                        f"WHERE memory_fts MATCH ? AND {scoped} ORDER BY score LIMIT ?"
+                    )
+                    rows = conn.execute(full, (plan.match, *args, int(limit))).fetchall()
         except sqlite3.Error as exc:
             raise translate_sqlite_error(exc, self.db.path) from exc
         # FTS5's bm25() is negative (more negative is better).
         return [ScoredId(str(row[0]), -float(row[1])) for row in rows]
-
-    def _prune_common(self, conn: sqlite3.Connection, terms: list[str]) -> list[str]:
-        """Drop terms found in a large share of all rows (keep the rarest if all are).
-
-        Such terms carry almost no BM25 weight (low IDF) but dominate the cost: FTS5 scores
-        every row that matches any term. The cut-off is an IDF floor, measured with a bounded
-        count per term.
-        """
-        if len(terms) < 2:
-            return terms
-        total_row = conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()
-        total = int(total_row[0] or 0)
-        cap = max(2000, total // 20)
-        if total <= cap:
-            return terms
-        frequencies: dict[str, int] = {}
-        for term in terms:
-            row = conn.execute(
-                "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
-                "LIMIT ?)",
-                (f'"{term}"', cap + 1),
-            ).fetchone()
-            frequencies[term] = int(row[0])
-        kept = [term for term in terms if frequencies[term] <= cap]
-        return kept or [min(terms, key=lambda term: frequencies[term])]
 
     def _index(self, scope: Scope, model: str) -> _ScopeIndex:
         key = (scope.tenant_id, scope.user_id, model)
