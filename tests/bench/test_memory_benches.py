@@ -91,4 +91,9 @@ def test_memory_bench_small() -> None:
     assert len(texts) == 300 and len(queries) == 200 and texts == synthetic_corpus(300)[0]
     report = run_memory_bench(300, embedder=HashingEmbedder(64), batch=100)
     assert report["records"] == 300 and report["ingest_records_per_s"] > 0
+    assert (
+        report["write_records_per_s"]
+        > report["ingest_records_per_s"]
+        < report["embed_records_per_s"]
+    )
     assert report["search_ms_p95"] >= report["search_ms_p50"] > 0

@@ -205,6 +205,7 @@ def bench_memory_command(
         if backend in result:
             r = result[backend]
             out_console.print(
-                f"{backend}: {r['records']} records, ingest {r['ingest_records_per_s']} rec/s, "
+                f"{backend}: {r['records']} records, ingest {r['ingest_records_per_s']} rec/s "
+                f"(writes {r['write_records_per_s']}/s, embedding {r['embed_records_per_s']}/s), "
                 f"search p50 {r['search_ms_p50']} ms, p95 {r['search_ms_p95']} ms"
             )

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
@@ -171,6 +172,8 @@ class Memory:
         self._idle.set()
         self._worker: threading.Thread | None = None
         self._process_lock = threading.Lock()
+        self._keyword_pool: ThreadPoolExecutor | None = None
+        self._keyword_pool_lock = threading.Lock()
         self.last_error: str | None = None
         if background:
             self.start()
@@ -403,6 +406,9 @@ class Memory:
         if self._worker is not None:
             self._worker.join(timeout=10)
             self._worker = None
+        if self._keyword_pool is not None:
+            self._keyword_pool.shutdown(wait=True)
+            self._keyword_pool = None
         self.store.close()
 
     def __enter__(self) -> Memory:
@@ -491,11 +497,20 @@ class Memory:
         cfg = self.config
         masked_query = self._mask(query, scope.tenant_id)
         keyword: list[ScoredId] = []
+        pending_keyword: Future[list[ScoredId]] | None = None
         terms = keyword_terms(masked_query)
+        use_vectors = self.embedder is not None and cfg.vector_weight > 0
         if terms and cfg.keyword_weight > 0:
-            keyword = self.store.keyword_search(scope, terms, filters, cfg.candidates)
+            if use_vectors:
+                # The keyword query runs while the query is embedded and the vectors scanned:
+                # SQLite, ONNX Runtime and numpy all release the GIL, so the two overlap.
+                pending_keyword = self._keyword_pool_executor().submit(
+                    self.store.keyword_search, scope, terms, filters, cfg.candidates
+                )
+            else:
+                keyword = self.store.keyword_search(scope, terms, filters, cfg.candidates)
         vector_hits: list[ScoredId] = []
-        if self.embedder is not None and cfg.vector_weight > 0:
+        if self.embedder is not None and use_vectors:
             try:
                 query_vector = self.embedder.embed_one(masked_query)
             except KeelError as exc:
@@ -506,6 +521,8 @@ class Memory:
                 vector_hits = self.store.vector_search(
                     scope, query_vector, self.embedder.name, filters, cfg.candidates
                 )
+        if pending_keyword is not None:
+            keyword = pending_keyword.result()
         scores: dict[str, float] = {}
         keyword_rank: dict[str, int] = {}
         vector_rank: dict[str, int] = {}
@@ -546,6 +563,14 @@ class Memory:
             )
         hits.sort(key=lambda h: (-h.score, h.record.id))
         return hits
+
+    def _keyword_pool_executor(self) -> ThreadPoolExecutor:
+        with self._keyword_pool_lock:
+            if self._keyword_pool is None:
+                self._keyword_pool = ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix="keel-memory-keyword"
+                )
+            return self._keyword_pool
 
     def _diversify(self, hits: list[MemoryHit], scope: Scope, keep: int) -> list[MemoryHit]:
         """Drop near-duplicates and, with ``mmr_lambda`` < 1, re-rank by MMR (vectorized)."""
