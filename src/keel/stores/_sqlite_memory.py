@@ -4,9 +4,14 @@ The stock ``sqlite3`` module here cannot load extensions (no sqlite-vec), so vec
 ``memory_vectors`` table as float32 BLOBs (the source of truth) and each scope's vectors are
 mirrored in an in-process numpy matrix, loaded on first search and topped up incrementally
 from an AUTOINCREMENT rowid watermark (a re-embedded vector gets a new rowid, so it is picked
-up too). Search is an exact cosine matmul: about 10 ms for 100k x 384 on one core, no ANN
-approximation to tune. Candidates are always re-read through SQL with the scope and the
-filters applied, so a stale cache entry (a deleted record) can never leak out.
+up too). Up to 20k vectors per scope, search is an exact cosine matmul. Above that, reading
+every float32 row is what costs (150 MB per query at 100k x 384, memory-bound: 20-40 ms on a
+2-core machine), so a sign-bit copy of each vector (48 bytes at 384 dims) shortlists the
+nearest 4% by Hamming distance and only those rows are scored exactly. On LoCoMo turns
+embedded by MiniLM, a 4% shortlist keeps 99.5% of the exact top 10. There is no graph index to
+build, persist or repair: an HNSW build of 100k vectors takes minutes on 2 cores.
+Candidates are always re-read through SQL with the scope and the filters applied, so a stale
+cache entry (a deleted record) can never leak out.
 """
 
 from __future__ import annotations
@@ -117,12 +122,32 @@ _SELECT = ", ".join(RECORD_COLUMNS)
 _SELECT_R = ", ".join(f"r.{column}" for column in RECORD_COLUMNS)
 
 
+# Scopes with more vectors than this are searched through the sign-bit shortlist.
+_EXACT_VECTORS = 20_000
+# The shortlist's share of a scope's vectors, and its floor per requested result.
+_SHORTLIST_SHARE = 25  # 1/25 = 4%
+_SHORTLIST_PER_RESULT = 20
+
+
+def _sign_bits(vectors: FloatArray) -> npt.NDArray[np.uint64]:
+    """Each row's signs packed into 64-bit words (zero-padded to a whole word)."""
+    packed = np.packbits(vectors > 0, axis=1)
+    width = -(-packed.shape[1] // 8) * 8
+    if width != packed.shape[1]:
+        packed = np.pad(packed, ((0, 0), (0, width - packed.shape[1])))
+    bits: npt.NDArray[np.uint64] = np.ascontiguousarray(packed).view(np.uint64)
+    return bits
+
+
 @dataclass
 class _ScopeIndex:
     """One scope's vectors for one model, mirrored from ``memory_vectors``."""
 
     dimension: int = 0
     matrix: FloatArray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
+    # Sign bits word by word, shape (words, capacity): a Hamming distance is then a few
+    # whole-array operations instead of a slow reduction along a 6-wide axis.
+    bits: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros((0, 0), dtype=np.uint64))
     size: int = 0
     ids: list[str] = field(default_factory=list)
     positions: dict[str, int] = field(default_factory=dict)
@@ -130,20 +155,42 @@ class _ScopeIndex:
 
     def add(self, record_id: str, vector: FloatArray) -> None:
         position = self.positions.get(record_id)
-        if position is not None:
-            self.matrix[position] = vector
-            return
-        if self.dimension == 0:
-            self.dimension = int(vector.shape[0])
-            self.matrix = np.zeros((1024, self.dimension), dtype=np.float32)
-        if self.size == self.matrix.shape[0]:
-            grown = np.zeros((self.size * 2, self.dimension), dtype=np.float32)
-            grown[: self.size] = self.matrix[: self.size]
-            self.matrix = grown
-        self.matrix[self.size] = vector
-        self.positions[record_id] = self.size
-        self.ids.append(record_id)
-        self.size += 1
+        if position is None:
+            if self.dimension == 0:
+                self.dimension = int(vector.shape[0])
+                self.matrix = np.zeros((1024, self.dimension), dtype=np.float32)
+                self.bits = np.zeros((_sign_bits(self.matrix[:1]).shape[1], 1024), np.uint64)
+            if self.size == self.matrix.shape[0]:
+                self.matrix = np.concatenate([self.matrix, np.zeros_like(self.matrix)])
+                self.bits = np.concatenate([self.bits, np.zeros_like(self.bits)], axis=1)
+            position = self.size
+            self.positions[record_id] = position
+            self.ids.append(record_id)
+            self.size += 1
+        self.matrix[position] = vector
+        self.bits[:, position] = _sign_bits(vector.reshape(1, -1))[0]
+
+    def nearest(self, query: FloatArray, want: int) -> tuple[npt.NDArray[np.int64], FloatArray]:
+        """Positions of the ``want`` most similar vectors, best first, and their cosines."""
+        if self.size <= _EXACT_VECTORS:
+            rows = np.arange(self.size)
+            scores = self.matrix[: self.size] @ query
+        else:
+            shortlist = min(
+                self.size, max(want * _SHORTLIST_PER_RESULT, self.size // _SHORTLIST_SHARE)
+            )
+            distance = np.zeros(self.size, dtype=np.uint16)
+            for word, query_word in zip(
+                self.bits[:, : self.size], _sign_bits(query.reshape(1, -1))[0], strict=True
+            ):
+                distance += np.bitwise_count(word ^ query_word)
+            # Sorted positions read the matrix front to back, which the CPU prefetches.
+            rows = np.sort(np.argpartition(distance, shortlist - 1)[:shortlist])
+            scores = self.matrix[rows] @ query
+        want = min(want, rows.size)
+        top = np.argpartition(-scores, want - 1)[:want] if want < rows.size else np.arange(want)
+        top = top[np.argsort(-scores[top])]
+        return rows[top], scores[top]
 
 
 # Keyword search scores at most about this many documents, whatever the table's size: bm25()
@@ -465,17 +512,11 @@ class SQLiteMemoryStore(MemoryStore):
             scores = index.matrix[positions] @ query
             order = np.argsort(-scores)[:limit]
             return [ScoredId(index.ids[int(positions[o])], float(scores[o])) for o in order]
-        scores = index.matrix[: index.size] @ query
-        want = min(index.size, limit * 2 + 20)
-        top = (
-            np.argpartition(-scores, want - 1)[:want]
-            if want < index.size
-            else np.arange(index.size)
-        )
-        top = top[np.argsort(-scores[top])]
-        candidates = [index.ids[int(i)] for i in top]
-        alive = self._alive(scope, candidates, filters)
-        hits = [ScoredId(index.ids[int(i)], float(scores[i])) for i in top]
+        positions, scores = index.nearest(query, limit * 2 + 20)
+        hits = [
+            ScoredId(index.ids[int(p)], float(s)) for p, s in zip(positions, scores, strict=True)
+        ]
+        alive = self._alive(scope, [hit.record_id for hit in hits], filters)
         return [hit for hit in hits if hit.record_id in alive][:limit]
 
     def _alive(self, scope: Scope, record_ids: list[str], filters: MemoryFilter) -> set[str]:
