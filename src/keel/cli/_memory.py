@@ -154,9 +154,6 @@ def bench_memory_command(
         int | None,
         typer.Option("--postgres-records", help="Records for PostgreSQL (default: same)."),
     ] = None,
-    vector_ops: Annotated[
-        str, typer.Option("--pg-vector-ops", help="pgvector (operators + HNSW) or sql.")
-    ] = "pgvector",
     embedder_spec: Annotated[
         str,
         typer.Option(
@@ -171,11 +168,8 @@ def bench_memory_command(
     import contextlib
 
     from keel.bench.memory import run_memory_bench
-    from keel.errors import UsageError
     from keel.memory import embedder_from_spec
 
-    if vector_ops not in {"pgvector", "sql"}:
-        raise UsageError("--pg-vector-ops must be pgvector or sql")
     with contextlib.ExitStack() as stack:
         factory = None
         if postgres:
@@ -184,7 +178,7 @@ def bench_memory_command(
 
             server = stack.enter_context(postgres_server())
             url = stack.enter_context(server.throwaway_database())
-            factory = lambda: PostgresMemoryStore(url, vector_ops=vector_ops)  # type: ignore[arg-type]  # noqa: E731
+            factory = lambda: PostgresMemoryStore(url)  # noqa: E731
         with _progress_bar(True) as progress:
             task = progress.add_task("memory", total=None)
 

