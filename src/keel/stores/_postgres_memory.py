@@ -383,50 +383,56 @@ class PostgresMemoryStore(MemoryStore):
     ) -> list[ScoredId]:
         self.setup()
         query = np.asarray(vector, dtype=np.float32).reshape(-1)
-        dimension = int(query.shape[0])
         # A zero vector (a query with no words for the hashing embedder) has no direction:
         # its cosine is undefined, so nothing is similar to it.
-        if limit <= 0 or not query.any() or not self._has_vector_table(dimension):
+        if limit <= 0 or not query.any() or not self._has_vector_table(int(query.shape[0])):
             return []
-        table = f"memory_vectors_{dimension}"
-        where, params = filter_sql(filters, "%s", prefix="r.")
-        literal = _vector_literal(query)
-        operand = _hnsw_operand(dimension)
-        if self.hnsw and operand is not None:
-            # The same expression as the index's, or the planner cannot use it.
-            expression, cast = operand
-            order = f"v.{expression} <=> %s::{cast}"
-        else:
-            order = "v.embedding <=> %s::vector"
-        sql = (
-            "SELECT v.record_id, 1 - (v.embedding <=> %s::vector) AS similarity "
-            f"FROM {table} v JOIN memory_records r ON r.id = v.record_id "
-            "WHERE v.tenant_id = %s AND v.user_id = %s AND v.model = %s "
-            "AND r.tenant_id = %s AND r.user_id = %s"
-            + (f" AND {where}" if where else "")
-            + f" ORDER BY {order} LIMIT %s"
-        )
+        sql, params = self._vector_search_sql(scope, query, model, filters, limit)
         with self._connection() as conn:
-            rows = conn.execute(
-                sql,
-                (
-                    literal,
-                    scope.tenant_id,
-                    scope.user_id,
-                    model,
-                    scope.tenant_id,
-                    scope.user_id,
-                    *params,
-                    literal,
-                    int(limit),
-                ),
-            ).fetchall()
+            rows = conn.execute(sql, params).fetchall()
         # A stored zero vector (a text with no words) has a NaN cosine: never a match.
         return [
             ScoredId(str(r[0]), float(r[1]))
             for r in rows
             if r[1] is not None and not math.isnan(r[1])
         ]
+
+    def _vector_search_sql(
+        self, scope: Scope, query: FloatArray, model: str, filters: MemoryFilter, limit: int
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The nearest-neighbour query (separate so tests can EXPLAIN exactly this SQL)."""
+        dimension = int(query.shape[0])
+        where, params = filter_sql(filters, "%s", prefix="r.")
+        literal = _vector_literal(query)
+        operand = _hnsw_operand(dimension)
+        if self.hnsw and operand is not None:
+            # The index's own expression, or the planner cannot use the index.
+            expression, cast = operand
+            order = f"v.{expression} <=> %s::{cast}"
+        else:
+            order = "v.embedding <=> %s::vector"
+        # The scope is checked on both tables: v's columns let the index scan drop other
+        # scopes' rows before the join, r's guard the records themselves.
+        sql = (
+            "SELECT v.record_id, 1 - (v.embedding <=> %s::vector) AS similarity "
+            f"FROM memory_vectors_{dimension} v JOIN memory_records r ON r.id = v.record_id "
+            "WHERE v.tenant_id = %s AND v.user_id = %s AND v.model = %s "
+            "AND r.tenant_id = %s AND r.user_id = %s"
+            + (f" AND {where}" if where else "")
+            + f" ORDER BY {order} LIMIT %s"
+        )
+        values = (
+            literal,
+            scope.tenant_id,
+            scope.user_id,
+            model,
+            scope.tenant_id,
+            scope.user_id,
+            *params,
+            literal,
+            int(limit),
+        )
+        return sql, values
 
     def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
         self.setup()

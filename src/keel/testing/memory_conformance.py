@@ -197,6 +197,21 @@ class MemoryStoreConformance:
         )
         memory.close()
 
+    def test_texts_without_words_match_nothing(self, make_store: StoreFactory) -> None:
+        # The hashing embedder maps a text with no words to the zero vector, whose cosine
+        # with anything is undefined: it must neither match a query nor be matched.
+        memory = _memory(make_store())
+        memory.add("...", scope=ALICE)
+        allergy = memory.add("Alice is allergic to peanuts", scope=ALICE)
+        memory.flush()
+        assert [h.record.id for h in memory.search("allergic", scope=ALICE)] == [allergy.id]
+        zero = memory.embedder.embed_one("?!")  # type: ignore[union-attr]
+        assert not zero.any()
+        assert memory.search("?!", scope=ALICE) == []
+        hits = memory.store.vector_search(ALICE, zero, "keel-hashing-64", MemoryFilter(), 10)
+        assert all(h.score <= 0.0 for h in hits)
+        memory.close()
+
     def test_tenant_isolation_against_crafted_queries(self, make_store: StoreFactory) -> None:
         memory = _memory(make_store())
         secret = memory.add("bob secret: the vault code is 4417", scope=BOB, session_id="bob-s")

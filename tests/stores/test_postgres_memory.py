@@ -1,0 +1,171 @@
+"""PostgresMemoryStore beyond the shared conformance suite: the HNSW path at scale."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import psycopg
+import pytest
+
+from keel.memory import HashingEmbedder, Memory, MemoryFilter, Scope
+from keel.stores import PostgresMemoryStore
+
+pytestmark = pytest.mark.postgres
+
+ALICE = Scope(tenant_id="acme", user_id="alice")
+BOB = Scope(tenant_id="acme", user_id="bob")
+EVE = Scope(tenant_id="evil-corp", user_id="alice")
+
+
+def _scans(plan: list[tuple[str]]) -> str:
+    """The plan's scan and filter lines (the rest repeats the long query vector)."""
+    return "\n".join(r[0] for r in plan if "Scan" in r[0] or "Removed" in r[0])
+
+
+def _explain(store: PostgresMemoryStore, scope: Scope, query: np.ndarray, f: MemoryFilter) -> str:
+    sql, params = store._vector_search_sql(scope, query, "m", f, 100)
+    with store._connection() as conn:
+        return _scans(conn.execute("EXPLAIN (ANALYZE, COSTS OFF) " + sql, params).fetchall())
+
+
+def _unit(rng: np.random.Generator, centers: np.ndarray, n: int) -> np.ndarray:
+    x = centers[rng.integers(0, len(centers), n)] + 0.7 * rng.normal(size=(n, centers.shape[1]))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.slow
+def test_hnsw_serves_a_large_scope_with_only_its_rows(postgres_url: str) -> None:
+    dim = 64
+    store = PostgresMemoryStore(postgres_url)
+    seed = Memory(store, embedder=HashingEmbedder(dim), masker=None)
+    seed.add("the store creates the vector table and its HNSW index", scope=EVE)
+    seed.flush()
+    rng = np.random.default_rng(7)
+    centers = rng.normal(size=(64, dim))
+    # Alice and Bob share one index, 2,000 rows each: a plain (non-iterative) HNSW scan for
+    # Alice would stop after ef_search index rows, about half of them Bob's.
+    sizes = {ALICE: 2000, BOB: 2000, EVE: 800}
+    data = {
+        scope: ([uuid.uuid4().hex for _ in range(n)], _unit(rng, centers, n))
+        for scope, n in sizes.items()
+    }
+    session_ids = set(data[ALICE][0][:30])
+    # Bulk loaded in the store's schema (store.insert would take one round trip per row);
+    # the vectors still go through the HNSW index one by one, as the store's own writes do.
+    with psycopg.connect(postgres_url) as conn:
+        with conn.cursor().copy(
+            "COPY memory_records (id, tenant_id, user_id, kind, type, text, provenance, "
+            "session_id, created_at, content_hash, embedding_model) FROM STDIN"
+        ) as copy:
+            for scope, (ids, _) in data.items():
+                for record_id in ids:
+                    session = "s1" if record_id in session_ids else None
+                    copy.write_row(
+                        (
+                            record_id,
+                            scope.tenant_id,
+                            scope.user_id,
+                            "episodic",
+                            "note",
+                            f"row {record_id}",
+                            "user_claim",
+                            session,
+                            time.time(),
+                            record_id,
+                            "m",
+                        )
+                    )
+        with conn.cursor().copy(
+            f"COPY memory_vectors_{dim} (record_id, tenant_id, user_id, model, embedding) "
+            "FROM STDIN"
+        ) as copy:
+            for scope, (ids, vectors) in data.items():
+                for record_id, vector in zip(ids, vectors, strict=True):
+                    text = "[" + ",".join(f"{x:.7g}" for x in vector) + "]"
+                    copy.write_row((record_id, scope.tenant_id, scope.user_id, "m", text))
+        conn.execute("ANALYZE")
+
+    queries = _unit(rng, centers, 20)
+    for scope in (ALICE, EVE):
+        ids, vectors = data[scope]
+        recall = []
+        for query in queries:
+            hits = store.vector_search(scope, query, "m", MemoryFilter(), 100)
+            assert len(hits) == 100
+            assert {h.record_id for h in hits} <= set(ids)
+            exact = {ids[i] for i in np.argsort(-(vectors @ query))[:100]}
+            recall.append(len(exact & {h.record_id for h in hits}) / 100)
+        assert np.mean(recall) >= 0.95, (scope, np.mean(recall))
+
+    plan = _explain(store, ALICE, queries[0], MemoryFilter())
+    assert f"Index Scan using memory_vectors_{dim}_hnsw" in plan, plan
+    removed = [line for line in plan.splitlines() if "Rows Removed by Filter" in line]
+    assert removed and int(removed[0].split(":")[1]) > 0, plan
+    # A scope small enough is ranked exactly from its scope index instead of the graph.
+    plan = _explain(store, EVE, queries[0], MemoryFilter())
+    assert "_hnsw" not in plan and f"memory_vectors_{dim}_scope" in plan, plan
+
+    # A selective filter over a large scope still finds all its rows (the planner reads
+    # them by the records' own indexes rather than walking the graph past them).
+    session = MemoryFilter(session_id="s1")
+    hits = store.vector_search(ALICE, queries[0], "m", session, 100)
+    assert {h.record_id for h in hits} == session_ids
+    assert store.vector_search(BOB, queries[0], "m", session, 100) == []
+    store.close()
+
+
+def test_wide_embeddings_get_a_halfvec_hnsw_index(postgres_url: str) -> None:
+    # pgvector's HNSW takes at most 2,000 dimensions of `vector`: 3,072 (OpenAI
+    # text-embedding-3-large) is indexed as halfvec, and queries use that expression.
+    memory = Memory(PostgresMemoryStore(postgres_url), embedder=HashingEmbedder(3072), masker=None)
+    store = memory.store
+    assert isinstance(store, PostgresMemoryStore)
+    allergy = memory.add("Alice is allergic to peanuts", scope=ALICE)
+    memory.add("Alice runs every morning", scope=ALICE)
+    memory.add("Bob is allergic to peanuts", scope=BOB)
+    memory.flush()
+    assert memory.pending() == 0
+    assert [h.record.id for h in memory.search("allergic peanuts", scope=ALICE, k=1)] == [
+        allergy.id
+    ]
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'memory_vectors_3072_hnsw'"
+        ).fetchone()
+        assert row is not None and "halfvec(3072)" in row[0] and "halfvec_cosine_ops" in row[0]
+    query = memory.embedder.embed_one("allergic peanuts")  # type: ignore[union-attr]
+    sql, params = store._vector_search_sql(ALICE, query, memory.embedder.name, MemoryFilter(), 5)  # type: ignore[union-attr]
+    with store._connection() as conn:
+        # Without sorts, the only way to ORDER BY distance is the HNSW index: the planner
+        # can take it only if the query's expression is the index's.
+        conn.execute("SET enable_sort = off")
+        plan = _scans(conn.execute("EXPLAIN " + sql, params).fetchall())
+        conn.execute("RESET enable_sort")
+    assert "Index Scan using memory_vectors_3072_hnsw" in plan, plan
+    memory.close()
+
+
+def test_a_vector_table_created_by_another_process_is_searched(postgres_url: str) -> None:
+    reader = PostgresMemoryStore(postgres_url)
+    reader.setup()  # before any vector table exists, as a web process started before the worker
+    writer = Memory(PostgresMemoryStore(postgres_url), embedder=HashingEmbedder(64), masker=None)
+    record = writer.add("the spare key is under the blue flowerpot", scope=ALICE)
+    writer.flush()
+    query = writer.embedder.embed_one("blue flowerpot")  # type: ignore[union-attr]
+    hits = reader.vector_search(ALICE, query, "keel-hashing-64", MemoryFilter(), 5)
+    assert [h.record_id for h in hits] == [record.id]
+    writer.close()
+    reader.close()
+
+
+def test_searches_run_with_iterative_hnsw_scans(postgres_url: str) -> None:
+    store = PostgresMemoryStore(postgres_url, hnsw=False, ef_search=64)
+    store.setup()
+    with store._connection() as conn:
+        settings = conn.execute(
+            "SELECT current_setting('hnsw.iterative_scan'), current_setting('hnsw.ef_search')"
+        ).fetchone()
+    assert settings == ("strict_order", "64")
+    store.close()
