@@ -9,6 +9,7 @@ import numpy as np
 import psycopg
 import pytest
 
+from keel.errors import ConfigError
 from keel.memory import HashingEmbedder, Memory, MemoryFilter, Scope
 from keel.stores import PostgresMemoryStore
 
@@ -169,3 +170,5 @@ def test_searches_run_with_iterative_hnsw_scans(postgres_url: str) -> None:
         ).fetchone()
     assert settings == ("strict_order", "64")
     store.close()
+    with pytest.raises(ConfigError, match="ef_search"):
+        PostgresMemoryStore(postgres_url, ef_search=0)

@@ -122,8 +122,9 @@ class PostgresMemoryStore(MemoryStore):
         hnsw: build an HNSW index (cosine) when a vector table is created: approximate and
             fast at scale. False keeps exact scans. Either way the planner ranks a small scope
             exactly from its scope index when that is cheaper than walking the graph.
-        ef_search: HNSW candidate list size per search (pgvector's ``hnsw.ef_search``);
-            higher is slower with better recall.
+        ef_search: HNSW candidate list size per search (pgvector's ``hnsw.ef_search``,
+            1..1000); higher is slower with better recall. Iterative scans extend it when a
+            search asks for more rows or filters many out.
     """
 
     def __init__(
@@ -137,6 +138,8 @@ class PostgresMemoryStore(MemoryStore):
     ) -> None:
         if not url.startswith(("postgresql://", "postgres://")):
             raise ConfigError(f"not a PostgreSQL URL: {url.split('://')[0]}://...")
+        if not 1 <= ef_search <= 1000:
+            raise ConfigError(f"ef_search must be within 1..1000 (pgvector's range): {ef_search}")
         self.url = url
         try:
             import psycopg_pool
