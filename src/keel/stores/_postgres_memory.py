@@ -32,6 +32,7 @@ from keel.memory._rows import (
     to_epoch,
 )
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
+from keel.stores._keywords import KeywordPlan, common_term_cap, plan_terms
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 
@@ -111,6 +112,15 @@ def _hnsw_operand(dimension: int) -> tuple[str, str] | None:
     if dimension <= _HNSW_HALFVEC_MAX:
         return f"embedding::halfvec({dimension})", f"halfvec({dimension})"
     return None
+
+
+# ts_rank_cd costs ~15 us per matching row: keyword search ranks at most this many rows.
+_SCORED_ROWS = 2000
+
+
+def _ts_any(terms: Sequence[str]) -> str:
+    """A tsquery matching any of ``terms`` (each one a query parameter)."""
+    return " || ".join("plainto_tsquery('english', %s)" for _ in terms)
 
 
 class PostgresMemoryStore(MemoryStore):
@@ -351,23 +361,55 @@ class PostgresMemoryStore(MemoryStore):
         # Each term goes through plainto_tsquery (a parameter, never spliced into SQL), so
         # operators in the text are just words; the per-term queries are OR-ed together.
         safe = [t for t in terms if t.strip()]
-        if not safe:
+        if not safe or limit <= 0:
             return []
         self.setup()
         where, params = filter_sql(filters, "%s")
-        ors = " || ".join("plainto_tsquery('english', %s)" for _ in safe)
-        sql = (
-            f"WITH q AS (SELECT ({ors}) AS query) "
-            "SELECT id, ts_rank_cd(tsv, q.query) AS score FROM memory_records, q "
-            "WHERE tenant_id = %s AND user_id = %s AND tsv @@ q.query"
-            + (f" AND {where}" if where else "")
-            + " ORDER BY score DESC, seq LIMIT %s"
-        )
+        scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
+        scope_args = (scope.tenant_id, scope.user_id, *params)
         with self._connection() as conn:
+            plan = self._plan_keywords(conn, scope, safe)
+            restriction = ""
+            restriction_args: tuple[object, ...] = ()
+            if plan.newest:
+                floor = conn.execute(
+                    f"SELECT seq FROM memory_records WHERE {scoped} AND tsv @@ "
+                    f"({_ts_any(plan.common)}) ORDER BY seq DESC OFFSET %s LIMIT 1",
+                    (*scope_args, *plan.common, plan.newest),
+                ).fetchone()
+                if floor is not None:
+                    restriction = " AND (seq >= %s" + (
+                        f" OR tsv @@ ({_ts_any(plan.rare)}))" if plan.rare else ")"
+                    )
+                    restriction_args = (int(floor[0]), *plan.rare)
+            sql = (
+                f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
+                "SELECT id, ts_rank_cd(tsv, q.query) AS score FROM memory_records, q "
+                f"WHERE {scoped} AND tsv @@ q.query{restriction} "
+                "ORDER BY score DESC, seq LIMIT %s"
+            )
             rows = conn.execute(
-                sql, (*safe, scope.tenant_id, scope.user_id, *params, int(limit))
+                sql, (*plan.terms, *scope_args, *restriction_args, int(limit))
             ).fetchall()
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
+
+    def _plan_keywords(self, conn: Any, scope: Scope, terms: list[str]) -> KeywordPlan:
+        """Bounded keyword work for this scope (see :mod:`keel.stores._keywords`)."""
+        total = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM memory_records").fetchone()[0])
+        if total <= _SCORED_ROWS:
+            return KeywordPlan(terms)
+        cap = common_term_cap(total)
+        frequency = {
+            term: int(
+                conn.execute(
+                    "SELECT COUNT(*) FROM (SELECT 1 FROM memory_records WHERE tenant_id = %s "
+                    "AND user_id = %s AND tsv @@ plainto_tsquery('english', %s) LIMIT %s) s",
+                    (scope.tenant_id, scope.user_id, term, cap + 1),
+                ).fetchone()[0]
+            )
+            for term in dict.fromkeys(terms)
+        }
+        return plan_terms(frequency, cap=cap, budget=_SCORED_ROWS)
 
     def _has_vector_table(self, dimension: int) -> bool:
         if dimension not in self._vector_tables:

@@ -36,6 +36,7 @@ from keel.memory._rows import (
     to_epoch,
 )
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
+from keel.stores._keywords import common_term_cap, plan_terms
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
 
@@ -113,6 +114,38 @@ MEMORY_MIGRATIONS = MigrationSet(
                 created_at REAL NOT NULL
             );
             CREATE INDEX memory_outbox_record ON memory_outbox (record_id);
+            """,
+        ),
+        Migration(
+            "the full-text index carries each row's scope, so keyword search stays in it",
+            # The token is a single word made of the scope's hex digits; the trailing 0 keeps
+            # the porter stemmer from touching it. bm25() gives this column weight 0.
+            """
+            DROP TRIGGER memory_records_ai;
+            DROP TRIGGER memory_records_ad;
+            DROP TRIGGER memory_records_au;
+            DROP TABLE memory_fts;
+            ALTER TABLE memory_records ADD COLUMN scope_token TEXT GENERATED ALWAYS AS
+                ('s' || hex(tenant_id || char(31) || user_id) || '0') VIRTUAL;
+            CREATE VIRTUAL TABLE memory_fts USING fts5(
+                text, scope_token, content='memory_records', content_rowid='rowid',
+                tokenize='porter unicode61'
+            );
+            CREATE TRIGGER memory_records_ai AFTER INSERT ON memory_records BEGIN
+                INSERT INTO memory_fts(rowid, text, scope_token)
+                VALUES (new.rowid, new.text, new.scope_token);
+            END;
+            CREATE TRIGGER memory_records_ad AFTER DELETE ON memory_records BEGIN
+                INSERT INTO memory_fts(memory_fts, rowid, text, scope_token)
+                VALUES ('delete', old.rowid, old.text, old.scope_token);
+            END;
+            CREATE TRIGGER memory_records_au AFTER UPDATE OF text ON memory_records BEGIN
+                INSERT INTO memory_fts(memory_fts, rowid, text, scope_token)
+                VALUES ('delete', old.rowid, old.text, old.scope_token);
+                INSERT INTO memory_fts(rowid, text, scope_token)
+                VALUES (new.rowid, new.text, new.scope_token);
+            END;
+            INSERT INTO memory_fts(memory_fts) VALUES ('rebuild');
             """,
         ),
     ),
@@ -193,76 +226,63 @@ class _ScopeIndex:
         return rows[top], scores[top]
 
 
-# Keyword search scores at most about this many documents, whatever the table's size: bm25()
-# costs a few microseconds per matching row and is the whole cost of a broad query.
+# Keyword search ranks at most about this many rows, whatever the table's size.
 _SCORED_DOCUMENTS = 4000
 
 
 @dataclass(frozen=True)
-class _KeywordPlan:
-    """An FTS5 MATCH expression and a rowid restriction that bounds the rows it scores."""
+class _KeywordQuery:
+    """An FTS5 MATCH expression and a rowid restriction that bounds the rows it ranks."""
 
     match: str
     restriction: str = ""
     restriction_args: tuple[object, ...] = ()
 
 
-def _quoted(terms: Sequence[str]) -> str:
-    return " OR ".join(f'"{term}"' for term in terms)
+def _scope_token(scope: Scope) -> str:
+    """The word the ``scope_token`` generated column holds for this scope's rows."""
+    return "s" + f"{scope.tenant_id}\x1f{scope.user_id}".encode().hex() + "0"
 
 
-def _plan_keyword_query(conn: sqlite3.Connection, terms: list[str]) -> _KeywordPlan:
-    """Which terms to match and which rows to score, so a query's cost stays bounded.
+def _match(terms: Sequence[str], scope: Scope) -> str:
+    """Any of ``terms`` in the text, in ``scope``'s rows only."""
+    phrases = " OR ".join(f'"{term}"' for term in terms)
+    return f'text : ({phrases}) AND scope_token : "{_scope_token(scope)}"'
 
-    1. Terms found in more than 5% of all rows are dropped (the rarest is kept if all are):
-       they carry almost no BM25 weight (low IDF) but would dominate the cost.
-    2. If the remaining terms still match more than ``_SCORED_DOCUMENTS`` rows, every row
-       with one of the rarest terms (up to half the budget) is scored, and of the rows that
-       only have commoner terms, the newest ones fill the rest. A broad query thus prefers
-       recent memories; a specific word always finds its rows, however old.
 
-    Document frequencies are counted with a bound (``LIMIT``), so planning is cheap too.
-    """
+def _plan_keyword_query(conn: sqlite3.Connection, scope: Scope, terms: list[str]) -> _KeywordQuery:
+    """The bounded query for ``terms`` in ``scope`` (see :mod:`keel.stores._keywords`)."""
     total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
     if total <= _SCORED_DOCUMENTS:
-        return _KeywordPlan(_quoted(terms))
-    cap = max(2000, total // 20)
+        return _KeywordQuery(_match(terms, scope))
+    cap = common_term_cap(total)
     frequency = {
         term: int(
             conn.execute(
                 "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
                 "LIMIT ?)",
-                (f'"{term}"', cap + 1),
+                (_match([term], scope), cap + 1),
             ).fetchone()[0]
         )
         for term in dict.fromkeys(terms)
     }
-    kept = sorted((t for t in frequency if frequency[t] <= cap), key=frequency.__getitem__)
-    if not kept:
-        kept = [min(frequency, key=frequency.__getitem__)]
-    if sum(frequency[term] for term in kept) <= _SCORED_DOCUMENTS:
-        return _KeywordPlan(_quoted(kept))
-    rare: list[str] = []
-    rare_rows = 0
-    for term in kept:
-        if rare_rows + frequency[term] > _SCORED_DOCUMENTS // 2:
-            break
-        rare.append(term)
-        rare_rows += frequency[term]
-    common = kept[len(rare) :]
+    plan = plan_terms(frequency, cap=cap, budget=_SCORED_DOCUMENTS)
+    match = _match(plan.terms, scope)
+    if not plan.newest:
+        return _KeywordQuery(match)
     floor = conn.execute(
         "SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? ORDER BY rowid DESC "
         "LIMIT 1 OFFSET ?",
-        (_quoted(common), _SCORED_DOCUMENTS - rare_rows),
+        (_match(plan.common, scope), plan.newest),
     ).fetchone()
     if floor is None:
-        return _KeywordPlan(_quoted(kept))
-    if not rare:
-        return _KeywordPlan(_quoted(kept), " AND rowid >= ?", (int(floor[0]),))
-    return _KeywordPlan(
-        _quoted(kept),
+        return _KeywordQuery(match)
+    if not plan.rare:
+        return _KeywordQuery(match, " AND rowid >= ?", (int(floor[0]),))
+    return _KeywordQuery(
+        match,
         " AND (rowid >= ? OR rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?))",
-        (int(floor[0]), _quoted(rare)),
+        (int(floor[0]), _match(plan.rare, scope)),
     )
 
 
@@ -437,17 +457,17 @@ class SQLiteMemoryStore(MemoryStore):
             return []
         conn = self._conn()
         try:
-            plan = _plan_keyword_query(conn, safe)
+            plan = _plan_keyword_query(conn, scope, safe)
             where, params = filter_sql(filters, "?", prefix="r.")
+            # The scope is in the MATCH expression (fast) and checked on the rows again.
             scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
             args = (scope.tenant_id, scope.user_id, *params)
-            # Fast path: the best-scoring matches over all scopes (bm25 computed only for the
-            # rows the plan lets through), then the scope. The order is the same score, so
-            # when enough of the scope's rows are among them they ARE the scope's top rows;
-            # otherwise fall back to scoring the scope's own matches.
+            # Fast path: the scope's best matches, ranked by the index; the filters (types,
+            # superseded facts, time) apply after. When they removed too many, rank again with
+            # the filters inside the query.
             window = max(limit * 4, 200)
             fast = (
-                "SELECT r.id, f.score FROM (SELECT rowid, bm25(memory_fts) AS score "
+                "SELECT r.id, f.score FROM (SELECT rowid, bm25(memory_fts, 1.0, 0.0) AS score "
                 f"FROM memory_fts WHERE memory_fts MATCH ?{plan.restriction} "
                 "ORDER BY score LIMIT ?) f JOIN memory_records r ON r.rowid = f.rowid "
                 f"WHERE {scoped} ORDER BY f.score LIMIT ?"
@@ -458,16 +478,19 @@ class SQLiteMemoryStore(MemoryStore):
             if len(rows) < limit:
                 total = conn.execute(
                     "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
-                    "LIMIT ?)",
-                    (plan.match, window + 1),
+                    f"{plan.restriction} LIMIT ?)",
+                    (plan.match, *plan.restriction_args, window + 1),
                 ).fetchone()[0]
                 if int(total) > window:
                     full = (
-                        "SELECT r.id, bm25(memory_fts) AS score FROM memory_fts "
+                        "SELECT r.id, bm25(memory_fts, 1.0, 0.0) AS score FROM memory_fts "
                         "JOIN memory_records r ON r.rowid = memory_fts.rowid "
-                        f"WHERE memory_fts MATCH ? AND {scoped} ORDER BY score LIMIT ?"
+                        f"WHERE memory_fts MATCH ?{plan.restriction} AND {scoped} "
+                        "ORDER BY score LIMIT ?"
                     )
-                    rows = conn.execute(full, (plan.match, *args, int(limit))).fetchall()
+                    rows = conn.execute(
+                        full, (plan.match, *plan.restriction_args, *args, int(limit))
+                    ).fetchall()
         except sqlite3.Error as exc:
             raise translate_sqlite_error(exc, self.db.path) from exc
         # FTS5's bm25() is negative (more negative is better).

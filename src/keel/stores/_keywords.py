@@ -1,0 +1,55 @@
+"""Which keyword terms to score, so a full-text query's cost stays bounded at any table size.
+
+Ranking (FTS5's bm25(), PostgreSQL's ts_rank_cd) costs microseconds per matching row and is
+the whole cost of a broad query: four common words can match most of a 100k-row table. Both
+stores plan the same way:
+
+1. A term found in more than 1/20 of the rows is dropped (the rarest is kept if all are): it
+   carries almost no weight (low IDF) and would dominate the cost.
+2. If the remaining terms still match more rows than the budget, every row with one of the
+   rarest terms (up to half the budget) is scored, and of the rows that have only commoner
+   terms, the newest fill the rest. A broad query prefers recent memories; a specific word
+   always finds its rows, however old.
+
+Document frequencies are counted with a bound (``LIMIT cap + 1``), so planning is cheap too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["KeywordPlan", "common_term_cap", "plan_terms"]
+
+
+def common_term_cap(total_rows: int) -> int:
+    """Rows above which a term counts as common (and is dropped)."""
+    return max(2000, total_rows // 20)
+
+
+@dataclass(frozen=True)
+class KeywordPlan:
+    """The terms to match; when ``newest`` > 0, rows with only ``common`` terms are limited
+    to the ``newest`` most recent ones, while rows with a ``rare`` term are all scored."""
+
+    terms: list[str]
+    rare: list[str] = field(default_factory=list)
+    common: list[str] = field(default_factory=list)
+    newest: int = 0
+
+
+def plan_terms(frequency: Mapping[str, int], *, cap: int, budget: int) -> KeywordPlan:
+    """Plan a query from each term's (bounded) document frequency."""
+    kept = sorted((t for t in frequency if frequency[t] <= cap), key=frequency.__getitem__)
+    if not kept:
+        kept = [min(frequency, key=frequency.__getitem__)]
+    if sum(frequency[term] for term in kept) <= budget:
+        return KeywordPlan(kept)
+    rare: list[str] = []
+    rare_rows = 0
+    for term in kept:
+        if rare_rows + frequency[term] > budget // 2:
+            break
+        rare.append(term)
+        rare_rows += frequency[term]
+    return KeywordPlan(kept, rare, kept[len(rare) :], newest=budget - rare_rows)

@@ -1,0 +1,93 @@
+"""Keyword search ranks a bounded number of rows, and still finds rare words (both backends)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from keel.memory import Memory, MemoryFilter, MemoryStore, Scope
+from keel.stores import SQLiteDatabase, SQLiteMemoryStore, _postgres_memory, _sqlite_memory
+
+SCOPE = Scope(tenant_id="t", user_id="u")
+OTHER = Scope(tenant_id="t", user_id="someone-else")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def make_store(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[], MemoryStore]:
+    # A 40-row ranking budget makes a few hundred rows a "large" table.
+    monkeypatch.setattr(_sqlite_memory, "_SCORED_DOCUMENTS", 40)
+    monkeypatch.setattr(_postgres_memory, "_SCORED_ROWS", 40)
+    if request.param == "sqlite":
+        return lambda: SQLiteMemoryStore(SQLiteDatabase(tmp_path / "kw.db"))
+    url = request.getfixturevalue("postgres_url")
+    return lambda: _postgres_memory.PostgresMemoryStore(url)
+
+
+def _fill(store: MemoryStore, rows: int) -> None:
+    memory = Memory(store, embedder=None)
+    memory.add("the oldest note mentions a zebra and alpha", scope=SCOPE)
+    for number in range(rows):
+        memory.add(f"alpha note number {number}", scope=SCOPE)
+        memory.add(f"alpha zebra for someone else {number}", scope=OTHER)
+
+
+def _texts(store: MemoryStore, terms: list[str], limit: int = 10) -> list[str]:
+    hits = store.keyword_search(SCOPE, terms, MemoryFilter(), limit)
+    records = {r.id: r for r in store.fetch(SCOPE, [h.record_id for h in hits], MemoryFilter())}
+    return [records[h.record_id].text for h in hits]
+
+
+def test_a_rare_word_finds_its_row_however_old(make_store: Callable[[], MemoryStore]) -> None:
+    store = make_store()
+    _fill(store, 150)
+    # "zebra" is common in another user's rows but rare in this scope's: it is planned per scope.
+    texts = _texts(store, ["zebra", "alpha"])
+    assert texts[0] == "the oldest note mentions a zebra and alpha"
+    assert all("someone" not in text for text in texts)
+    store.close()
+
+
+def test_a_broad_query_ranks_only_the_newest_matches(
+    make_store: Callable[[], MemoryStore],
+) -> None:
+    store = make_store()
+    _fill(store, 150)
+    texts = _texts(store, ["alpha"], limit=100)
+    assert texts and all("someone" not in text for text in texts)
+    numbers = [int(text.rsplit(" ", 1)[1]) for text in texts if text.startswith("alpha note")]
+    assert len(texts) <= 41 and min(numbers) >= 150 - 41
+    store.close()
+
+
+def test_a_small_table_is_ranked_in_full(make_store: Callable[[], MemoryStore]) -> None:
+    store = make_store()
+    memory = Memory(store, embedder=None)
+    for number in range(15):
+        memory.add(f"alpha note number {number}", scope=SCOPE)
+    assert len(_texts(store, ["alpha"], limit=100)) == 15
+    store.close()
+
+
+def test_an_older_database_gets_a_scoped_full_text_index(tmp_path: Path) -> None:
+    from keel.stores._migrations import MigrationSet
+
+    first = MigrationSet("memory", _sqlite_memory.MEMORY_MIGRATIONS.migrations[:1])
+    db = SQLiteDatabase(tmp_path / "old.db")
+    db.setup(first)
+    with db.transaction() as conn:
+        conn.execute(
+            "INSERT INTO memory_records (id, tenant_id, user_id, kind, type, text, provenance, "
+            "created_at, content_hash) VALUES ('r1', 't', 'u', 'episodic', 'note', "
+            "'written before the upgrade: zebra crossing', 'user_claim', 0, 'h1')"
+        )
+    db.close()
+
+    upgraded = SQLiteMemoryStore(SQLiteDatabase(tmp_path / "old.db"))
+    assert _texts(upgraded, ["zebra"]) == ["written before the upgrade: zebra crossing"]
+    other = upgraded.keyword_search(OTHER, ["zebra"], MemoryFilter(), 10)
+    assert other == []
+    upgraded.close()
