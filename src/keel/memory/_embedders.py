@@ -16,6 +16,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +86,12 @@ class OnnxEmbedder(Embedder):
         path: a sentence-transformers folder; the bundled all-MiniLM-L6-v2 when None.
         name: the name stored with each vector; the folder name by default.
         batch_size: texts per forward pass.
-        threads: ONNX Runtime intra-op threads; all available CPUs by default.
+        threads: forward passes run at once for a batch of texts; all available CPUs by
+            default. Each pass runs on one thread, so a single query (the search path) never
+            takes more than one core from the agent and SQLite.
     """
 
-    _sessions: dict[tuple[str, int], Any] = {}  # noqa: RUF012  (process-wide, per folder)
+    _sessions: dict[str, Any] = {}  # noqa: RUF012  (process-wide, per folder)
     _load_lock = threading.Lock()
 
     def __init__(
@@ -107,9 +110,10 @@ class OnnxEmbedder(Embedder):
         self.dimension = self.config.hidden_size
         self.batch_size = max(1, batch_size)
         self.threads = threads or _available_cpus()
+        self._runners: ThreadPoolExecutor | None = None
 
     def _load(self) -> tuple[Any, Any]:
-        key = (self.path, self.threads)
+        key = self.path
         with self._load_lock:
             loaded = self._sessions.get(key)
             if loaded is None:
@@ -134,10 +138,10 @@ class OnnxEmbedder(Embedder):
         tokenizer.no_padding()
         tokenizer.enable_truncation(self.config.max_seq_length)
         options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = self.threads
+        # One thread per forward pass; batches run several passes at once (run() is
+        # thread-safe and releases the GIL). No spinning pool fighting SQLite for the CPU.
+        options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
-        # Idle worker threads sleep instead of spinning: the agent loop and SQLite share these
-        # cores, and a spinning pool turns every query into a fight for the CPU.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3
         session = onnxruntime.InferenceSession(
@@ -152,8 +156,8 @@ class OnnxEmbedder(Embedder):
         encodings = tokenizer.encode_batch(list(texts))
         order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
         output = np.zeros((len(texts), self.dimension), dtype=np.float32)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
+
+        def run(chunk: list[int]) -> None:
             width = max(1, *(len(encodings[i].ids) for i in chunk))
             input_ids = np.zeros((len(chunk), width), dtype=np.int64)
             attention_mask = np.zeros((len(chunk), width), dtype=np.int64)
@@ -165,7 +169,22 @@ class OnnxEmbedder(Embedder):
                 ["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask}
             )
             output[chunk] = pooled
+
+        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if len(chunks) == 1 or self.threads == 1:
+            for chunk in chunks:
+                run(chunk)
+        else:
+            list(self._runner_pool().map(run, chunks))
         return _normalize(output)
+
+    def _runner_pool(self) -> ThreadPoolExecutor:
+        with self._load_lock:
+            if self._runners is None:
+                self._runners = ThreadPoolExecutor(
+                    max_workers=self.threads, thread_name_prefix="keel-embed"
+                )
+            return self._runners
 
 
 def _model_folder(path: str | Path | None, name: str | None) -> tuple[Path, str]:

@@ -16,10 +16,10 @@ Document frequencies are counted with a bound (``LIMIT cap + 1``), so planning i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["KeywordPlan", "common_term_cap", "plan_terms"]
+__all__ = ["KeywordPlan", "TermFrequencies", "common_term_cap", "plan_terms"]
 
 
 def common_term_cap(total_rows: int) -> int:
@@ -53,3 +53,29 @@ def plan_terms(frequency: Mapping[str, int], *, cap: int, budget: int) -> Keywor
         rare.append(term)
         rare_rows += frequency[term]
     return KeywordPlan(kept, rare, kept[len(rare) :], newest=budget - rare_rows)
+
+
+class TermFrequencies:
+    """Bounded document counts per (scope, term), reused until the table grows by 5%.
+
+    Frequencies only steer the plan (which terms to drop, where the recency floor goes), so a
+    slightly old count is as good as a fresh one, and a term that comes back in later queries
+    costs nothing to plan. Safe to share between threads (single dict operations).
+    """
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._counts: dict[tuple[str, str, str], tuple[int, int]] = {}
+
+    def get(
+        self, scope: tuple[str, str], term: str, total_rows: int, count: Callable[[str], int]
+    ) -> int:
+        key = (*scope, term)
+        cached = self._counts.get(key)
+        if cached is not None and total_rows <= cached[1] * 1.05 + 50:
+            return cached[0]
+        value = count(term)
+        if len(self._counts) >= self.max_entries:
+            self._counts.clear()
+        self._counts[key] = (value, total_rows)
+        return value

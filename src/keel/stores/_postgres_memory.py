@@ -32,7 +32,7 @@ from keel.memory._rows import (
     to_epoch,
 )
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
-from keel.stores._keywords import KeywordPlan, common_term_cap, plan_terms
+from keel.stores._keywords import KeywordPlan, TermFrequencies, common_term_cap, plan_terms
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 
@@ -167,6 +167,7 @@ class PostgresMemoryStore(MemoryStore):
         self._opened = False
         self._ready = False
         self._vector_tables: set[int] = set()
+        self._term_frequencies = TermFrequencies()
 
     def _configure(self, conn: Any) -> None:
         # Set even with hnsw=False: another process may have built the index. Without
@@ -399,14 +400,19 @@ class PostgresMemoryStore(MemoryStore):
         if total <= _SCORED_ROWS:
             return KeywordPlan(terms)
         cap = common_term_cap(total)
-        frequency = {
-            term: int(
+
+        def count(term: str) -> int:
+            return int(
                 conn.execute(
                     "SELECT COUNT(*) FROM (SELECT 1 FROM memory_records WHERE tenant_id = %s "
                     "AND user_id = %s AND tsv @@ plainto_tsquery('english', %s) LIMIT %s) s",
                     (scope.tenant_id, scope.user_id, term, cap + 1),
                 ).fetchone()[0]
             )
+
+        scope_key = (scope.tenant_id, scope.user_id)
+        frequency = {
+            term: self._term_frequencies.get(scope_key, term, total, count)
             for term in dict.fromkeys(terms)
         }
         return plan_terms(frequency, cap=cap, budget=_SCORED_ROWS)

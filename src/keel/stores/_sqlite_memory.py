@@ -36,7 +36,7 @@ from keel.memory._rows import (
     to_epoch,
 )
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
-from keel.stores._keywords import common_term_cap, plan_terms
+from keel.stores._keywords import TermFrequencies, common_term_cap, plan_terms
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
 
@@ -227,7 +227,7 @@ class _ScopeIndex:
 
 
 # Keyword search ranks at most about this many rows, whatever the table's size.
-_SCORED_DOCUMENTS = 4000
+_SCORED_DOCUMENTS = 1500
 
 
 @dataclass(frozen=True)
@@ -244,36 +244,58 @@ def _scope_token(scope: Scope) -> str:
     return "s" + f"{scope.tenant_id}\x1f{scope.user_id}".encode().hex() + "0"
 
 
-def _match(terms: Sequence[str], scope: Scope) -> str:
-    """Any of ``terms`` in the text, in ``scope``'s rows only."""
+def _match(terms: Sequence[str], scope: Scope | None) -> str:
+    """Any of ``terms`` in the text; in ``scope``'s rows only when a scope is given."""
     phrases = " OR ".join(f'"{term}"' for term in terms)
+    if scope is None:
+        return f"text : ({phrases})"
     return f'text : ({phrases}) AND scope_token : "{_scope_token(scope)}"'
 
 
-def _plan_keyword_query(conn: sqlite3.Connection, scope: Scope, terms: list[str]) -> _KeywordQuery:
+def _plan_keyword_query(
+    conn: sqlite3.Connection, scope: Scope, terms: list[str], frequencies: TermFrequencies
+) -> _KeywordQuery:
     """The bounded query for ``terms`` in ``scope`` (see :mod:`keel.stores._keywords`)."""
     total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
     if total <= _SCORED_DOCUMENTS:
         return _KeywordQuery(_match(terms, scope))
     cap = common_term_cap(total)
-    frequency = {
-        term: int(
+    scope_key = (scope.tenant_id, scope.user_id)
+
+    def count_rows(_: str) -> int:
+        return int(
+            conn.execute(
+                "SELECT COUNT(*) FROM memory_records WHERE tenant_id = ? AND user_id = ?",
+                scope_key,
+            ).fetchone()[0]
+        )
+
+    # The scope token narrows a match to the scope's rows. For a scope that is nearly the
+    # whole table (one user on a laptop) it is pure overhead: every matching row would also
+    # be joined with the token's doclist. Rows are checked against the scope in SQL anyway.
+    scope_rows = frequencies.get(scope_key, "", total, count_rows)
+    narrowing = scope if scope_rows < 0.9 * total else None
+
+    def count(term: str) -> int:
+        return int(
             conn.execute(
                 "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
                 "LIMIT ?)",
-                (_match([term], scope), cap + 1),
+                (_match([term], narrowing), cap + 1),
             ).fetchone()[0]
         )
-        for term in dict.fromkeys(terms)
+
+    frequency = {
+        term: frequencies.get(scope_key, term, total, count) for term in dict.fromkeys(terms)
     }
     plan = plan_terms(frequency, cap=cap, budget=_SCORED_DOCUMENTS)
-    match = _match(plan.terms, scope)
+    match = _match(plan.terms, narrowing)
     if not plan.newest:
         return _KeywordQuery(match)
     floor = conn.execute(
         "SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? ORDER BY rowid DESC "
         "LIMIT 1 OFFSET ?",
-        (_match(plan.common, scope), plan.newest),
+        (_match(plan.common, narrowing), plan.newest),
     ).fetchone()
     if floor is None:
         return _KeywordQuery(match)
@@ -282,7 +304,7 @@ def _plan_keyword_query(conn: sqlite3.Connection, scope: Scope, terms: list[str]
     return _KeywordQuery(
         match,
         " AND (rowid >= ? OR rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?))",
-        (int(floor[0]), _match(plan.rare, scope)),
+        (int(floor[0]), _match(plan.rare, narrowing)),
     )
 
 
@@ -297,6 +319,7 @@ class SQLiteMemoryStore(MemoryStore):
         self._owns_db = not isinstance(database, SQLiteDatabase)
         self.db = database if isinstance(database, SQLiteDatabase) else SQLiteDatabase(database)
         self._indexes: dict[tuple[str, str, str], _ScopeIndex] = {}
+        self._term_frequencies = TermFrequencies()
         self._index_lock = threading.Lock()
         self._ready = False
 
@@ -457,7 +480,7 @@ class SQLiteMemoryStore(MemoryStore):
             return []
         conn = self._conn()
         try:
-            plan = _plan_keyword_query(conn, scope, safe)
+            plan = _plan_keyword_query(conn, scope, safe, self._term_frequencies)
             where, params = filter_sql(filters, "?", prefix="r.")
             # The scope is in the MATCH expression (fast) and checked on the rows again.
             scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
