@@ -168,7 +168,7 @@ def test_searches_run_with_iterative_hnsw_scans(postgres_url: str) -> None:
         settings = conn.execute(
             "SELECT current_setting('hnsw.iterative_scan'), current_setting('hnsw.ef_search')"
         ).fetchone()
-    assert settings == ("strict_order", "64")
+    assert settings == ("relaxed_order", "64")
     store.close()
     with pytest.raises(ConfigError, match="ef_search"):
         PostgresMemoryStore(postgres_url, ef_search=0)

@@ -173,8 +173,11 @@ class PostgresMemoryStore(MemoryStore):
         # Set even with hnsw=False: another process may have built the index. Without
         # iterative scans, a filtered HNSW scan stops after ef_search index rows, so a scope
         # that is a small part of the table would get fewer rows than asked for.
+        # relaxed_order, not strict_order: strict ordering made some scans walk most of the
+        # graph (2.5 s against 18 ms at p95, 3k rows); the few rows it returns out of order
+        # are re-sorted by vector_search.
         with conn.cursor() as cur:
-            cur.execute("SET hnsw.iterative_scan = strict_order")
+            cur.execute("SET hnsw.iterative_scan = relaxed_order")
             cur.execute(f"SET hnsw.ef_search = {self.ef_search}")
         conn.commit()
 
@@ -442,11 +445,13 @@ class PostgresMemoryStore(MemoryStore):
         with self._connection() as conn:
             rows = conn.execute(sql, params).fetchall()
         # A stored zero vector (a text with no words) has a NaN cosine: never a match.
-        return [
+        hits = [
             ScoredId(str(r[0]), float(r[1]))
             for r in rows
             if r[1] is not None and not math.isnan(r[1])
         ]
+        hits.sort(key=lambda hit: -hit.score)
+        return hits
 
     def _vector_search_sql(
         self, scope: Scope, query: FloatArray, model: str, filters: MemoryFilter, limit: int
