@@ -79,3 +79,23 @@ class TermFrequencies:
             self._counts.clear()
         self._counts[key] = (value, total_rows)
         return value
+
+    def plan(
+        self,
+        scope: tuple[str, str],
+        terms: list[str],
+        *,
+        total_rows: int,
+        budget: int,
+        count: Callable[[str, int], int],
+    ) -> KeywordPlan:
+        """Plan ``terms`` for one scope; ``count(term, limit)`` counts matching rows up to
+        ``limit``. A table within the budget is ranked in full, with no counting at all."""
+        if total_rows <= budget:
+            return KeywordPlan(terms)
+        cap = common_term_cap(total_rows)
+        frequency = {
+            term: self.get(scope, term, total_rows, lambda t: count(t, cap + 1))
+            for term in dict.fromkeys(terms)
+        }
+        return plan_terms(frequency, cap=cap, budget=budget)

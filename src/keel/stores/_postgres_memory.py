@@ -32,7 +32,7 @@ from keel.memory._rows import (
     to_epoch,
 )
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
-from keel.stores._keywords import KeywordPlan, TermFrequencies, common_term_cap, plan_terms
+from keel.stores._keywords import KeywordPlan, TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 
@@ -400,25 +400,23 @@ class PostgresMemoryStore(MemoryStore):
     def _plan_keywords(self, conn: Any, scope: Scope, terms: list[str]) -> KeywordPlan:
         """Bounded keyword work for this scope (see :mod:`keel.stores._keywords`)."""
         total = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM memory_records").fetchone()[0])
-        if total <= _SCORED_ROWS:
-            return KeywordPlan(terms)
-        cap = common_term_cap(total)
 
-        def count(term: str) -> int:
+        def count(term: str, limit: int) -> int:
             return int(
                 conn.execute(
                     "SELECT COUNT(*) FROM (SELECT 1 FROM memory_records WHERE tenant_id = %s "
                     "AND user_id = %s AND tsv @@ plainto_tsquery('english', %s) LIMIT %s) s",
-                    (scope.tenant_id, scope.user_id, term, cap + 1),
+                    (scope.tenant_id, scope.user_id, term, limit),
                 ).fetchone()[0]
             )
 
-        scope_key = (scope.tenant_id, scope.user_id)
-        frequency = {
-            term: self._term_frequencies.get(scope_key, term, total, count)
-            for term in dict.fromkeys(terms)
-        }
-        return plan_terms(frequency, cap=cap, budget=_SCORED_ROWS)
+        return self._term_frequencies.plan(
+            (scope.tenant_id, scope.user_id),
+            terms,
+            total_rows=total,
+            budget=_SCORED_ROWS,
+            count=count,
+        )
 
     def _has_vector_table(self, dimension: int) -> bool:
         if dimension not in self._vector_tables:

@@ -36,7 +36,7 @@ from keel.memory._rows import (
     to_epoch,
 )
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
-from keel.stores._keywords import TermFrequencies, common_term_cap, plan_terms
+from keel.stores._keywords import TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
 
@@ -259,7 +259,6 @@ def _plan_keyword_query(
     total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
     if total <= _SCORED_DOCUMENTS:
         return _KeywordQuery(_match(terms, scope))
-    cap = common_term_cap(total)
     scope_key = (scope.tenant_id, scope.user_id)
 
     def count_rows(_: str) -> int:
@@ -276,19 +275,18 @@ def _plan_keyword_query(
     scope_rows = frequencies.get(scope_key, "", total, count_rows)
     narrowing = scope if scope_rows < 0.9 * total else None
 
-    def count(term: str) -> int:
+    def count(term: str, limit: int) -> int:
         return int(
             conn.execute(
                 "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
                 "LIMIT ?)",
-                (_match([term], narrowing), cap + 1),
+                (_match([term], narrowing), limit),
             ).fetchone()[0]
         )
 
-    frequency = {
-        term: frequencies.get(scope_key, term, total, count) for term in dict.fromkeys(terms)
-    }
-    plan = plan_terms(frequency, cap=cap, budget=_SCORED_DOCUMENTS)
+    plan = frequencies.plan(
+        scope_key, terms, total_rows=total, budget=_SCORED_DOCUMENTS, count=count
+    )
     match = _match(plan.terms, narrowing)
     if not plan.newest:
         return _KeywordQuery(match)
