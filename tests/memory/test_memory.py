@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,6 +150,64 @@ def test_recency_breaks_ties_toward_recent_events(memory: Memory) -> None:
     recent_first = Memory(memory.store, embedder=memory.embedder, config=cfg)
     ids = [h.record.id for h in recent_first.search("budget meeting", scope=SCOPE, k=2, now=now)]
     assert ids == [new.id, old.id]
+
+
+class _FetchCountingStore(SQLiteMemoryStore):
+    """Counts the records a search reads back; ``lost`` ones vanish as if deleted meanwhile."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.fetched: list[str] = []
+        self.lost: set[str] = set()
+
+    def fetch(self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter) -> list[Any]:
+        self.fetched.extend(record_ids)
+        return [r for r in super().fetch(scope, record_ids, filters) if r.id not in self.lost]
+
+
+def _many_lantern_notes(
+    tmp_path: Path, recency_weight: float
+) -> tuple[Memory, _FetchCountingStore, datetime]:
+    store = _FetchCountingStore(tmp_path / "count.db")
+    # duplicate_similarity > 1: notes differing only in their number are not dropped as repeats.
+    cfg = RetrievalConfig(recency_weight=recency_weight, duplicate_similarity=1.01)
+    memory = Memory(store, embedder=HashingEmbedder(128), config=cfg, masker=None)
+    now = datetime(2025, 1, 1, tzinfo=UTC)
+    words = ["harbour", "orchard", "granite", "meadow", "violin", "saffron", "copper", "willow"]
+    for number in range(240):
+        extra = " ".join(words[(number * step) % 8] for step in (1, 3, 5)[: 1 + number % 3])
+        memory.add(
+            f"lantern note {number} {extra}",
+            scope=SCOPE,
+            event_time=now - timedelta(days=number % 97),
+        )
+    memory.flush()
+    return memory, store, now
+
+
+@pytest.mark.parametrize("recency_weight", [0.05, 0.5])
+def test_search_reads_back_only_records_that_can_rank(
+    tmp_path: Path, recency_weight: float
+) -> None:
+    memory, store, now = _many_lantern_notes(tmp_path, recency_weight)
+    query = "lantern harbour granite"
+    reference = [h.record.id for h in memory.search(query, scope=SCOPE, k=60, now=now)]
+    everything = len(set(store.fetched))
+    store.fetched.clear()
+    hits = memory.search(query, scope=SCOPE, k=5, now=now)
+    assert [h.record.id for h in hits] == reference[:5]
+    assert len(set(store.fetched)) < everything * (0.5 if recency_weight < 0.1 else 0.9)
+    memory.close()
+
+
+def test_records_that_vanish_before_read_back_are_replaced(tmp_path: Path) -> None:
+    memory, store, now = _many_lantern_notes(tmp_path, 0.5)
+    query = "lantern harbour granite"
+    reference = [h.record.id for h in memory.search(query, scope=SCOPE, k=60, now=now)]
+    store.lost = set(reference[:45])
+    hits = memory.search(query, scope=SCOPE, k=5, now=now)
+    assert [h.record.id for h in hits] == reference[45:50]
+    memory.close()
 
 
 async def test_model_judge_is_one_batched_call(memory: Memory) -> None:

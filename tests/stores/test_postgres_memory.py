@@ -172,3 +172,37 @@ def test_searches_run_with_iterative_hnsw_scans(postgres_url: str) -> None:
     store.close()
     with pytest.raises(ConfigError, match="ef_search"):
         PostgresMemoryStore(postgres_url, ef_search=0)
+
+
+def test_repeated_searches_keep_planning_with_the_query_vector(postgres_url: str) -> None:
+    # psycopg prepares a statement after five runs; a generic plan cannot see the query
+    # vector and sorts the whole scope by distance instead of walking the HNSW graph.
+    store = PostgresMemoryStore(postgres_url, min_size=1, max_size=1)
+    memory = Memory(store, embedder=HashingEmbedder(64), masker=None)
+    words = ["harbour", "lantern", "orchard", "granite", "meadow", "violin", "saffron"]
+    for number in range(60):
+        memory.add(f"note {number}: {words[number % 7]} {words[(number * 3) % 7]}", scope=ALICE)
+    memory.flush()
+    for number in range(12):
+        memory.search(f"{words[number % 7]} {number}", scope=ALICE, k=5)
+    with store._connection() as conn:
+        generic, custom = conn.execute(
+            "SELECT COALESCE(SUM(generic_plans), 0), COALESCE(SUM(custom_plans), 0) "
+            "FROM pg_prepared_statements WHERE statement LIKE '%<=>%'"
+        ).fetchone()
+    assert custom >= 6
+    assert generic == 0
+    memory.close()
+
+
+def test_vectors_read_back_exactly(postgres_url: str) -> None:
+    store = PostgresMemoryStore(postgres_url)
+    memory = Memory(store, embedder=HashingEmbedder(384), masker=None)
+    record = memory.add("binary wire format of a stored vector", scope=ALICE)
+    memory.flush()
+    expected = memory.embedder.embed_one(record.text)  # type: ignore[union-attr]
+    stored = store.vectors(ALICE, [record.id], "keel-hashing-384")[record.id]
+    assert stored.dtype == np.float32
+    assert np.array_equal(stored, expected)
+    assert store.vectors(BOB, [record.id], "keel-hashing-384") == {}
+    memory.close()

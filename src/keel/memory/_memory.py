@@ -484,16 +484,26 @@ class Memory:
     ) -> list[MemoryHit]:
         """The ``k`` most relevant memories of ``scope`` for ``query``, with their context."""
         filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
-        ranked = self._rank(query, scope, filters, now=now)
-        return self._finish(self._diversify(ranked, scope, keep=k * 3), scope, k)
+        # MMR picks the k hits from the best ``window`` candidates; only those are read back.
+        window = max(k * 4, 40)
+        ranked = self._rank(query, scope, filters, now=now, window=window)
+        return self._finish(self._diversify(ranked[:window], scope, keep=k), scope, k)
 
     async def asearch(self, query: str, *, scope: Scope, **options: Any) -> list[MemoryHit]:
         """Async twin of :meth:`search`."""
         return await asyncio.to_thread(lambda: self.search(query, scope=scope, **options))
 
     def _rank(
-        self, query: str, scope: Scope, filters: MemoryFilter, *, now: datetime | None
+        self,
+        query: str,
+        scope: Scope,
+        filters: MemoryFilter,
+        *,
+        now: datetime | None,
+        window: int,
     ) -> list[MemoryHit]:
+        """Fused candidates, best first: at least the best ``window`` of them (when there are
+        that many), each with its record."""
         cfg = self.config
         masked_query = self._mask(query, scope.tenant_id)
         keyword: list[ScoredId] = []
@@ -540,13 +550,11 @@ class Memory:
             )
         if not scores:
             return []
-        records = {r.id: r for r in self.store.fetch(scope, list(scores), filters)}
+        records = self._fetch_reachable(scope, filters, scores, window)
         reference = now or utcnow()
         hits: list[MemoryHit] = []
-        for record_id, score in scores.items():
-            record = records.get(record_id)
-            if record is None:
-                continue
+        for record_id, record in records.items():
+            score = scores[record_id]
             if cfg.recency_weight > 0:
                 age_days = max(0.0, (reference - record.when).total_seconds() / 86400)
                 score *= 1.0 + cfg.recency_weight * math.pow(
@@ -564,6 +572,33 @@ class Memory:
         hits.sort(key=lambda h: (-h.score, h.record.id))
         return hits
 
+    def _fetch_reachable(
+        self, scope: Scope, filters: MemoryFilter, scores: dict[str, float], window: int
+    ) -> dict[str, MemoryRecord]:
+        """The records of every candidate that can still finish in the best ``window``.
+
+        Recency multiplies a fused score by a factor in [1, 1 + recency_weight], so the
+        ``window``-th best fused score is a floor under the ``window``-th best final score and
+        a candidate whose boosted score stays below it can never enter: its record is not read
+        (about 40 records instead of 200). Candidates the store drops (a filter, a concurrent
+        delete) are replaced from the rest.
+        """
+        ordered = sorted(scores, key=lambda record_id: (-scores[record_id], record_id))
+        boost = 1.0 + self.config.recency_weight
+        records: dict[str, MemoryRecord] = {}
+        start = 0
+        while start < len(ordered):
+            missing = window - len(records)
+            floor = scores[ordered[start + missing - 1]] if start + missing <= len(ordered) else 0
+            end = start + max(missing, 1)
+            while end < len(ordered) and scores[ordered[end]] * boost >= floor:
+                end += 1
+            records.update((r.id, r) for r in self.store.fetch(scope, ordered[start:end], filters))
+            start = end
+            if len(records) >= window:
+                break
+        return records
+
     def _keyword_pool_executor(self) -> ThreadPoolExecutor:
         with self._keyword_pool_lock:
             if self._keyword_pool is None:
@@ -573,13 +608,12 @@ class Memory:
             return self._keyword_pool
 
     def _diversify(self, hits: list[MemoryHit], scope: Scope, keep: int) -> list[MemoryHit]:
-        """Drop near-duplicates and, with ``mmr_lambda`` < 1, re-rank by MMR (vectorized)."""
+        """``keep`` of ``hits`` without near-duplicates; with ``mmr_lambda`` < 1 picked by MMR."""
         cfg = self.config
-        window = hits[: max(keep * 4, 40)]
-        count = len(window)
+        count = len(hits)
         if count <= 1:
-            return window
-        ids = [h.record.id for h in window]
+            return hits
+        ids = [h.record.id for h in hits]
         vectors: dict[str, Any] = {}
         if self.embedder is not None:
             vectors = self.store.vectors(scope, ids, self.embedder.name)
@@ -587,14 +621,14 @@ class Memory:
             matrix = np.stack([np.asarray(vectors[i], dtype=np.float32) for i in ids])
             similarity = matrix @ matrix.T
         else:
-            words = [word_set(h.record.text) for h in window]
+            words = [word_set(h.record.text) for h in hits]
             similarity = np.zeros((count, count), dtype=np.float32)
             for a in range(count):
                 for b in range(a + 1, count):
                     union = words[a] | words[b]
                     value = len(words[a] & words[b]) / len(union) if union else 0.0
                     similarity[a, b] = similarity[b, a] = value
-        relevance = np.array([h.score for h in window], dtype=np.float64)
+        relevance = np.array([h.score for h in hits], dtype=np.float64)
         relevance = relevance / max(float(relevance.max()), 1e-12)
         alive = np.ones(count, dtype=bool)
         redundancy = np.zeros(count, dtype=np.float64)
@@ -608,7 +642,7 @@ class Memory:
             # Near-duplicates of what was chosen are removed for good.
             alive &= similarity[chosen] < cfg.duplicate_similarity
             redundancy = np.maximum(redundancy, similarity[chosen])
-        return [window[i] for i in selected]
+        return [hits[i] for i in selected]
 
     def _finish(self, hits: list[MemoryHit], scope: Scope, k: int) -> list[MemoryHit]:
         """Top ``k`` hits with their neighbouring turns.

@@ -11,7 +11,6 @@ imported lazily: keel works without the ``postgres`` extra until this store is u
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -105,6 +104,14 @@ def _vector_literal(vector: FloatArray) -> str:
     return "[" + ",".join(f"{float(x):.7g}" for x in np.asarray(vector).reshape(-1)) + "]"
 
 
+def _vector_from_binary(data: bytes) -> FloatArray:
+    """A pgvector ``vector`` in its binary wire format: int16 dimension, int16 unused, then
+    big-endian float4s (the text format costs 7x more to parse: 25 ms against 3.6 ms for 120
+    vectors of 384 dimensions)."""
+    dimension = int.from_bytes(data[:2], "big")
+    return np.frombuffer(data, dtype=">f4", count=dimension, offset=4).astype(np.float32)
+
+
 def _hnsw_operand(dimension: int) -> tuple[str, str] | None:
     """The indexed expression and its cast for a query vector; None when HNSW cannot index it."""
     if dimension <= _HNSW_VECTOR_MAX:
@@ -176,7 +183,12 @@ class PostgresMemoryStore(MemoryStore):
         # relaxed_order, not strict_order: strict ordering made some scans walk most of the
         # graph (2.5 s against 18 ms at p95, 3k rows); the few rows it returns out of order
         # are re-sorted by vector_search.
+        # force_custom_plan: psycopg prepares a statement after five runs, and PostgreSQL
+        # then switches to a generic plan that cannot see the query vector and so sorts the
+        # whole scope by distance instead of walking the HNSW graph (59 ms against 5 ms at
+        # 10k rows); planning with the actual values costs about 0.5 ms.
         with conn.cursor() as cur:
+            cur.execute("SET plan_cache_mode = force_custom_plan")
             cur.execute("SET hnsw.iterative_scan = relaxed_order")
             cur.execute(f"SET hnsw.ef_search = {self.ef_search}")
         conn.commit()
@@ -493,16 +505,16 @@ class PostgresMemoryStore(MemoryStore):
         found: dict[str, FloatArray] = {}
         if not record_ids:
             return found
-        with self._connection() as conn:
+        with self._connection() as conn, conn.cursor(binary=True) as cursor:
             for dimension in sorted(self._vector_tables):
-                rows = conn.execute(
-                    f"SELECT record_id, embedding::text FROM memory_vectors_{dimension} "
+                rows = cursor.execute(
+                    f"SELECT record_id, embedding FROM memory_vectors_{dimension} "
                     "WHERE tenant_id = %s AND user_id = %s AND model = %s "
                     "AND record_id = ANY(%s)",
                     (scope.tenant_id, scope.user_id, model, list(record_ids)),
                 ).fetchall()
-                for record_id, text in rows:
-                    found[str(record_id)] = np.asarray(json.loads(text), dtype=np.float32)
+                for record_id, data in rows:
+                    found[str(record_id)] = _vector_from_binary(bytes(data))
         return found
 
     # --- outbox -------------------------------------------------------------------------
