@@ -63,6 +63,23 @@ def test_a_broad_query_ranks_only_the_newest_matches(
     store.close()
 
 
+def test_a_moderately_common_word_ranks_its_newest_matches(
+    make_store: Callable[[], MemoryStore],
+) -> None:
+    # "beta" is in 50 of ~300 rows: over the budget, yet too rare for PostgreSQL to walk the
+    # table newest first, so its matches come from the full-text index (the other strategy).
+    store = make_store()
+    memory = Memory(store, embedder=None)
+    for number in range(150):
+        memory.add(f"alpha note {'beta ' if number % 3 == 0 else ''}{number}", scope=SCOPE)
+        memory.add(f"alpha for someone else {number}", scope=OTHER)
+    texts = _texts(store, ["beta"], limit=100)
+    numbers = sorted(int(text.rsplit(" ", 1)[1]) for text in texts)
+    newest = [n for n in range(150) if n % 3 == 0][-len(numbers) :]
+    assert 30 <= len(numbers) <= 41 and numbers == newest
+    store.close()
+
+
 def test_a_small_table_is_ranked_in_full(make_store: Callable[[], MemoryStore]) -> None:
     store = make_store()
     memory = Memory(store, embedder=None)

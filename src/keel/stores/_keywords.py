@@ -36,15 +36,21 @@ class KeywordPlan:
     rare: list[str] = field(default_factory=list)
     common: list[str] = field(default_factory=list)
     newest: int = 0
+    #: Rows with a common term (the sum of their counts; the table when a count hit the cap).
+    common_rows: int = 0
+    #: Rows in the table when planned.
+    total_rows: int = 0
 
 
-def plan_terms(frequency: Mapping[str, int], *, cap: int, budget: int) -> KeywordPlan:
+def plan_terms(
+    frequency: Mapping[str, int], *, cap: int, budget: int, total_rows: int = 0
+) -> KeywordPlan:
     """Plan a query from each term's (bounded) document frequency."""
     kept = sorted((t for t in frequency if frequency[t] <= cap), key=frequency.__getitem__)
     if not kept:
         kept = [min(frequency, key=frequency.__getitem__)]
     if sum(frequency[term] for term in kept) <= budget:
-        return KeywordPlan(kept)
+        return KeywordPlan(kept, total_rows=total_rows)
     rare: list[str] = []
     rare_rows = 0
     for term in kept:
@@ -52,7 +58,17 @@ def plan_terms(frequency: Mapping[str, int], *, cap: int, budget: int) -> Keywor
             break
         rare.append(term)
         rare_rows += frequency[term]
-    return KeywordPlan(kept, rare, kept[len(rare) :], newest=budget - rare_rows)
+    common = kept[len(rare) :]
+    # A term over the cap was counted no further: its rows may be most of the table.
+    uncounted = any(frequency[term] > cap for term in common)
+    return KeywordPlan(
+        kept,
+        rare,
+        common,
+        newest=budget - rare_rows,
+        common_rows=total_rows if uncounted else sum(frequency[term] for term in common),
+        total_rows=total_rows,
+    )
 
 
 class TermFrequencies:
@@ -92,10 +108,10 @@ class TermFrequencies:
         """Plan ``terms`` for one scope; ``count(term, limit)`` counts matching rows up to
         ``limit``. A table within the budget is ranked in full, with no counting at all."""
         if total_rows <= budget:
-            return KeywordPlan(terms)
+            return KeywordPlan(terms, total_rows=total_rows)
         cap = common_term_cap(total_rows)
         frequency = {
             term: self.get(scope, term, total_rows, lambda t: count(t, cap + 1))
             for term in dict.fromkeys(terms)
         }
-        return plan_terms(frequency, cap=cap, budget=budget)
+        return plan_terms(frequency, cap=cap, budget=budget, total_rows=total_rows)
