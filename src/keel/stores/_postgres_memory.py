@@ -414,13 +414,15 @@ class PostgresMemoryStore(MemoryStore):
                     )
                     chosen_args += (*scope_args, *plan.rare)
                 # = ANY(ARRAY(...)): the chosen rows are read back through the seq index,
-                # never by a hash join over the whole table.
+                # never by a hash join over the whole table. The scope is checked again on
+                # the rows read back, as on every other read.
                 sql = (
                     f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
                     "SELECT id, ts_rank_cd(tsv, q.query) AS score FROM memory_records, q "
-                    f"WHERE seq = ANY(ARRAY({chosen})) ORDER BY score DESC, seq LIMIT %s"
+                    f"WHERE seq = ANY(ARRAY({chosen})) AND tenant_id = %s AND user_id = %s "
+                    "ORDER BY score DESC, seq LIMIT %s"
                 )
-                args = (*plan.terms, *chosen_args, int(limit))
+                args = (*plan.terms, *chosen_args, scope.tenant_id, scope.user_id, int(limit))
             rows = conn.execute(sql, args).fetchall()
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
 
