@@ -43,7 +43,7 @@ class KeywordPlan:
 
 
 def plan_terms(
-    frequency: Mapping[str, int], *, cap: int, budget: int, total_rows: int = 0
+    frequency: Mapping[str, int], *, cap: int, budget: int, total_rows: int
 ) -> KeywordPlan:
     """Plan a query from each term's (bounded) document frequency."""
     kept = sorted((t for t in frequency if frequency[t] <= cap), key=frequency.__getitem__)

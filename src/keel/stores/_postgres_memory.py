@@ -386,14 +386,10 @@ class PostgresMemoryStore(MemoryStore):
         scope_args = (scope.tenant_id, scope.user_id, *params)
         with self._connection() as conn:
             plan = self._plan_keywords(conn, scope, safe)
-            if not plan.newest:
-                sql = (
-                    f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
-                    "SELECT id, ts_rank_cd(tsv, q.query) AS score FROM memory_records, q "
-                    f"WHERE {scoped} AND tsv @@ q.query ORDER BY score DESC, seq LIMIT %s"
-                )
-                args: tuple[object, ...] = (*plan.terms, *scope_args, int(limit))
-            else:
+            # Which rows to rank: every match when the plan allows, else the chosen ones.
+            ranked = f"{scoped} AND tsv @@ q.query"
+            ranked_args: tuple[object, ...] = scope_args
+            if plan.newest:
                 # The rows to rank: the newest matches of the common terms, and every match of
                 # a rare one. Two ways to find the newest matches: walk the seq index backwards
                 # testing each row's tsvector (~0.5-1 us a row, newest * total / matches rows),
@@ -416,13 +412,14 @@ class PostgresMemoryStore(MemoryStore):
                 # = ANY(ARRAY(...)): the chosen rows are read back through the seq index,
                 # never by a hash join over the whole table. The scope is checked again on
                 # the rows read back, as on every other read.
-                sql = (
-                    f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
-                    "SELECT id, ts_rank_cd(tsv, q.query) AS score FROM memory_records, q "
-                    f"WHERE seq = ANY(ARRAY({chosen})) AND tenant_id = %s AND user_id = %s "
-                    "ORDER BY score DESC, seq LIMIT %s"
-                )
-                args = (*plan.terms, *chosen_args, scope.tenant_id, scope.user_id, int(limit))
+                ranked = f"seq = ANY(ARRAY({chosen})) AND tenant_id = %s AND user_id = %s"
+                ranked_args = (*chosen_args, scope.tenant_id, scope.user_id)
+            sql = (
+                f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
+                "SELECT id, ts_rank_cd(tsv, q.query) AS score FROM memory_records, q "
+                f"WHERE {ranked} ORDER BY score DESC, seq LIMIT %s"
+            )
+            args = (*plan.terms, *ranked_args, int(limit))
             rows = conn.execute(sql, args).fetchall()
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
 
