@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -207,6 +209,45 @@ def test_records_that_vanish_before_read_back_are_replaced(tmp_path: Path) -> No
     store.lost = set(reference[:45])
     hits = memory.search(query, scope=SCOPE, k=5, now=now)
     assert [h.record.id for h in hits] == reference[45:50]
+    memory.close()
+
+
+def _thread_cpu_ticks() -> dict[str, int]:
+    """CPU time (clock ticks) each thread of this process has used, by thread id."""
+    ticks: dict[str, int] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        ticks[task.name] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU needs /proc")
+def test_search_leaves_no_thread_spinning_between_queries(tmp_path: Path) -> None:
+    # OpenBLAS workers spin after each product numpy hands them; a search every few tens of
+    # milliseconds kept one busy all the time (a whole core on a 2-core machine).
+    memory = Memory(
+        SQLiteMemoryStore(tmp_path / "spin.db"), embedder=HashingEmbedder(384), masker=None
+    )
+    words = ["harbour", "orchard", "granite", "meadow", "violin", "saffron", "copper", "willow"]
+    for number in range(2500):
+        memory.add(f"note {number} {words[number % 8]} {words[number * 3 % 8]}", scope=SCOPE)
+    memory.flush()
+    for _ in range(3):
+        memory.search("harbour granite", scope=SCOPE)
+    main = str(threading.get_native_id())
+    before = _thread_cpu_ticks()
+    started = time.perf_counter()
+    for number in range(30):
+        memory.search(f"{words[number % 8]} meadow", scope=SCOPE)
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - started
+    after = _thread_cpu_ticks()
+    others = sum(used - before.get(tid, 0) for tid, used in after.items() if tid != main)
+    others_seconds = others / os.sysconf("SC_CLK_TCK")
+    assert others_seconds < 0.25 * elapsed, f"{others_seconds:.2f} s CPU in {elapsed:.2f} s"
     memory.close()
 
 

@@ -40,6 +40,7 @@ from keel.memory._records import (
     content_hash,
     utcnow,
 )
+from keel.memory._similarity import gram
 from keel.memory._store import MemoryStore, ScoredId
 from keel.memory._text import keyword_terms, word_set
 from keel.messages import ToolCall
@@ -619,7 +620,7 @@ class Memory:
             vectors = self.store.vectors(scope, ids, self.embedder.name)
         if len(vectors) == count:
             matrix = np.stack([np.asarray(vectors[i], dtype=np.float32) for i in ids])
-            similarity = matrix @ matrix.T
+            similarity = gram(matrix)
         else:
             words = [word_set(h.record.text) for h in hits]
             similarity = np.zeros((count, count), dtype=np.float32)

@@ -35,6 +35,7 @@ from keel.memory._rows import (
     record_to_row,
     to_epoch,
 )
+from keel.memory._similarity import row_dots
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
 from keel.stores._keywords import TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
@@ -207,7 +208,7 @@ class _ScopeIndex:
         """Positions of the ``want`` most similar vectors, best first, and their cosines."""
         if self.size <= _EXACT_VECTORS:
             rows = np.arange(self.size)
-            scores = self.matrix[: self.size] @ query
+            scores = row_dots(self.matrix[: self.size], query)
         else:
             shortlist = min(
                 self.size, max(want * _SHORTLIST_PER_RESULT, self.size // _SHORTLIST_SHARE)
@@ -219,7 +220,7 @@ class _ScopeIndex:
                 distance += np.bitwise_count(word ^ query_word)
             # Sorted positions read the matrix front to back, which the CPU prefetches.
             rows = np.sort(np.argpartition(distance, shortlist - 1)[:shortlist])
-            scores = self.matrix[rows] @ query
+            scores = row_dots(self.matrix[rows], query)
         want = min(want, rows.size)
         top = np.argpartition(-scores, want - 1)[:want] if want < rows.size else np.arange(want)
         top = top[np.argsort(-scores[top])]
@@ -553,7 +554,7 @@ class SQLiteMemoryStore(MemoryStore):
             )
             if positions.size == 0:
                 return []
-            scores = index.matrix[positions] @ query
+            scores = row_dots(index.matrix[positions], query)
             order = np.argsort(-scores)[:limit]
             return [ScoredId(index.ids[int(positions[o])], float(scores[o])) for o in order]
         positions, scores = index.nearest(query, limit * 2 + 20)
