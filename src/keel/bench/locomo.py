@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import ConfigError
-from keel.memory import Embedder, Memory, MemoryHit, RetrievalConfig, Scope
+from keel.memory import Embedder, Memory, MemoryHit, MemoryStore, RetrievalConfig, Scope
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 from keel.tokens import counter_for
 
@@ -145,8 +145,12 @@ def run_locomo(
     token_model: str = "gpt-4o",
     config: RetrievalConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    store: Callable[[], MemoryStore] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark on a LoCoMo-format file; returns the JSON-able report."""
+    """Run the benchmark on a LoCoMo-format file; returns the JSON-able report.
+
+    ``store`` makes the (empty) store to fill; a fresh SQLite database by default.
+    """
     conversations = load_locomo(path)
     counter = counter_for(token_model, allow_estimate=True)
     default_cfg = config or RetrievalConfig()
@@ -171,9 +175,9 @@ def run_locomo(
     ingest_seconds = 0.0
     with tempfile.TemporaryDirectory(prefix="keel-locomo-") as tmp:
         db = SQLiteDatabase(Path(tmp) / "locomo.db")
-        store = SQLiteMemoryStore(db)
+        memory_store = SQLiteMemoryStore(db) if store is None else store()
         memories = {
-            name: Memory(store, embedder=embedder, config=cfg, token_model=token_model)
+            name: Memory(memory_store, embedder=embedder, config=cfg, token_model=token_model)
             for name, cfg in systems.items()
         }
         writer = memories["keel"]
@@ -237,7 +241,7 @@ def run_locomo(
                     tallies[name].add(int(category), r5, r10, all10, tokens)
                 if progress is not None:
                     progress("questions", asked, questions_total)
-        store.close()
+        memory_store.close()
         db.close()
     report = tallies["keel"].full()
     report["baselines"] = {
@@ -250,6 +254,7 @@ def run_locomo(
     report["turns"] = turns_total
     report["ingest_seconds"] = round(ingest_seconds, 1)
     report["embedding_model"] = embedder.name
+    report["store"] = type(memory_store).__name__
     report["config"] = default_cfg.model_dump()
     report["data"] = str(path)
     return report

@@ -100,19 +100,36 @@ def reembed_command(
 @bench_app.command("locomo")
 def bench_locomo_command(
     data: Annotated[Path, typer.Option("--data", help="A LoCoMo-format JSON file.")],
+    postgres: Annotated[
+        bool,
+        typer.Option(
+            "--postgres/--no-postgres",
+            help="Store the memories in a fresh PostgreSQL instead of the embedded SQLite.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
 ) -> None:
     """Turn-level evidence recall of keel's default memory search on LoCoMo."""
+    import contextlib
+
     from keel.bench.locomo import run_locomo
     from keel.memory import default_embedder
 
-    with _progress_bar(True) as progress:
+    with contextlib.ExitStack() as stack, _progress_bar(True) as progress:
+        factory = None
+        if postgres:
+            from keel.stores import PostgresMemoryStore
+            from keel.testing.servers import postgres_server
+
+            server = stack.enter_context(postgres_server())
+            url = stack.enter_context(server.throwaway_database())
+            factory = lambda: PostgresMemoryStore(url)  # noqa: E731
         task = progress.add_task("LoCoMo", total=None)
 
         def report(stage: str, done: int, total: int) -> None:
             progress.update(task, description=stage, completed=done, total=total)
 
-        result = run_locomo(data, embedder=default_embedder(), progress=report)
+        result = run_locomo(data, embedder=default_embedder(), progress=report, store=factory)
     if as_json:
         emit_json(result)
         return
