@@ -9,6 +9,7 @@ import pytest
 
 from keel.memory import Memory, MemoryFilter, MemoryStore, Scope
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore, _postgres_memory, _sqlite_memory
+from keel.stores._keywords import TermFrequencies
 
 SCOPE = Scope(tenant_id="t", user_id="u")
 OTHER = Scope(tenant_id="t", user_id="someone-else")
@@ -108,3 +109,29 @@ def test_an_older_database_gets_a_scoped_full_text_index(tmp_path: Path) -> None
     other = upgraded.keyword_search(OTHER, ["zebra"], MemoryFilter(), 10)
     assert other == []
     upgraded.close()
+
+
+def test_term_counts_are_reused_only_while_within_five_percent() -> None:
+    counted: list[str] = []
+
+    def count(term: str) -> int:
+        counted.append(term)
+        return {"common": 1000, "rare": 2, "": 0}[term]
+
+    cache = TermFrequencies()
+    scope = ("t", "u")
+    for term in ("common", "rare", ""):
+        cache.get(scope, term, 10_000, count)
+    # 50 more rows in the table: the common count may be off by 5%, so it is reused; a
+    # rare word's or an empty scope's could now be anything from 0 to 50, so they are not.
+    for term in ("common", "rare", ""):
+        cache.get(scope, term, 10_050, count)
+    assert counted == ["common", "rare", "", "rare", ""]
+    cache.get(scope, "common", 10_051, count)
+    assert counted[-1] == "common"
+    # Nothing changed: every count is reused, even a zero.
+    before = len(counted)
+    cache.get(scope, "", 10_051, count)
+    assert len(counted) == before + 1  # "" was last counted at 10_050
+    cache.get(scope, "", 10_051, count)
+    assert len(counted) == before + 1

@@ -19,7 +19,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["KeywordPlan", "TermFrequencies", "common_term_cap", "plan_terms"]
+__all__ = [
+    "AVERAGE_LENGTH_MILLI",
+    "SCOPE_ROWS",
+    "KeywordPlan",
+    "TermFrequencies",
+    "common_term_cap",
+    "plan_terms",
+]
+
+#: Keys of :class:`TermFrequencies` for figures of a scope rather than of one term (a term is
+#: one word, never empty and never with a space).
+SCOPE_ROWS = ""
+AVERAGE_LENGTH_MILLI = " average length x 1000"
 
 
 def common_term_cap(total_rows: int) -> int:
@@ -72,11 +84,15 @@ def plan_terms(
 
 
 class TermFrequencies:
-    """Bounded document counts per (scope, term), reused until the table grows by 5%.
+    """Bounded document counts per (scope, term), reused while they are within 5% of the truth.
 
-    Frequencies only steer the plan (which terms to drop, where the recency floor goes), so a
-    slightly old count is as good as a fresh one, and a term that comes back in later queries
-    costs nothing to plan. Safe to share between threads (single dict operations).
+    A scope's count can grow by at most as many rows as the whole table did, so a count is
+    reused while the table has grown by no more than 5% of it: a common term's count for a
+    long time, a rare term's or a small scope's barely at all (they are cheap to count). Counts
+    steer the plan (which terms to drop, where the recency floor goes) and weigh terms by IDF;
+    a term that comes back in later queries costs nothing. Keys that are not words
+    (:data:`SCOPE_ROWS`, :data:`AVERAGE_LENGTH_MILLI`) hold figures of the scope itself.
+    Safe to share between threads (single dict operations).
     """
 
     def __init__(self, max_entries: int = 100_000) -> None:
@@ -88,7 +104,7 @@ class TermFrequencies:
     ) -> int:
         key = (*scope, term)
         cached = self._counts.get(key)
-        if cached is not None and total_rows <= cached[1] * 1.05 + 50:
+        if cached is not None and total_rows - cached[1] <= 0.05 * cached[0]:
             return cached[0]
         value = count(term)
         if len(self._counts) >= self.max_entries:

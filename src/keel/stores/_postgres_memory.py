@@ -1,4 +1,4 @@
-"""Memory records in PostgreSQL: tsvector full text (ts_rank_cd) and pgvector HNSW.
+"""Memory records in PostgreSQL: tsvector full text ranked by BM25, and pgvector HNSW.
 
 Scope and filters are applied in SQL, server-side, in every query. Vectors live in one table
 per dimension (``memory_vectors_384`` ...) so a model change to another size needs no schema
@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,13 @@ from keel.memory._rows import (
     to_epoch,
 )
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
-from keel.stores._keywords import KeywordPlan, TermFrequencies
+from keel.stores._keywords import (
+    AVERAGE_LENGTH_MILLI,
+    SCOPE_ROWS,
+    KeywordPlan,
+    TermFrequencies,
+    common_term_cap,
+)
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 
@@ -123,9 +130,20 @@ def _hnsw_operand(dimension: int) -> tuple[str, str] | None:
     return None
 
 
-# ts_rank_cd costs ~5 us per row read back (11 ms for 2,000 at 100k): keyword search ranks at
-# most this many rows, the same budget as SQLite's bm25().
+# Keyword search ranks at most this many rows, the same budget as SQLite's bm25().
 _SCORED_ROWS = 1500
+# BM25's parameters, FTS5's defaults: term-frequency saturation and length normalization.
+_BM25_K1 = 1.2
+_BM25_B = 0.75
+
+
+@dataclass(frozen=True)
+class _KeywordStatistics:
+    """A keyword query's plan, each planned term's IDF, and the scope's average length."""
+
+    plan: KeywordPlan
+    idf: dict[str, float]
+    average_length: float
 
 
 def _ts_any(terms: Sequence[str]) -> str:
@@ -412,7 +430,7 @@ class PostgresMemoryStore(MemoryStore):
     ) -> list[ScoredId]:
         # Each term goes through plainto_tsquery (a parameter, never spliced into SQL), so
         # operators in the text are just words; the per-term queries are OR-ed together.
-        safe = [t for t in terms if t.strip()]
+        safe = list(dict.fromkeys(t for t in terms if t.strip()))
         if not safe or limit <= 0:
             return []
         self.setup()
@@ -420,7 +438,8 @@ class PostgresMemoryStore(MemoryStore):
         scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
         scope_args = (scope.tenant_id, scope.user_id, *params)
         with self._connection() as conn:
-            plan = self._plan_keywords(conn, scope, safe)
+            statistics = self._keyword_statistics(conn, scope, safe)
+            plan = statistics.plan
             # Which rows to rank: every match when the plan allows, else the chosen ones.
             ranked = f"{scoped} AND tsv @@ q.query"
             ranked_args: tuple[object, ...] = scope_args
@@ -449,18 +468,38 @@ class PostgresMemoryStore(MemoryStore):
                 # the rows read back, as on every other read.
                 ranked = f"seq = ANY(ARRAY({chosen})) AND tenant_id = %s AND user_id = %s"
                 ranked_args = (*chosen_args, scope.tenant_id, scope.user_id)
+            # BM25 as SQLite's FTS5 computes it (k1 1.2, b 0.75), with each term counted once
+            # per record (memories are short) and the IDF of the scope's own rows. PostgreSQL's
+            # ts_rank_cd knows no IDF: a name said in every turn weighed as much as the one
+            # rare word that finds the answer (LoCoMo R@10 0.744 against 0.770 on SQLite), and
+            # it costs 4x more per row.
+            matched = " + ".join(
+                "%s * (tsv @@ plainto_tsquery('english', %s))::int" for _ in plan.terms
+            )
+            weights = statistics.idf
             sql = (
                 f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
-                "SELECT id, ts_rank_cd(tsv, q.query) AS score FROM memory_records, q "
-                f"WHERE {ranked} ORDER BY score DESC, seq LIMIT %s"
+                f"SELECT id, ({matched}) / (%s + %s * length(tsv)) AS score "
+                f"FROM memory_records, q WHERE {ranked} ORDER BY score DESC, seq LIMIT %s"
             )
-            args = (*plan.terms, *ranked_args, int(limit))
+            length_norm = _BM25_K1 * _BM25_B / max(statistics.average_length, 1.0)
+            args = (
+                *plan.terms,
+                *(value for term in plan.terms for value in (weights[term], term)),
+                1 + _BM25_K1 * (1 - _BM25_B),
+                length_norm,
+                *ranked_args,
+                int(limit),
+            )
             rows = conn.execute(sql, args).fetchall()
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
 
-    def _plan_keywords(self, conn: Any, scope: Scope, terms: list[str]) -> KeywordPlan:
-        """Bounded keyword work for this scope (see :mod:`keel.stores._keywords`)."""
+    def _keyword_statistics(self, conn: Any, scope: Scope, terms: list[str]) -> _KeywordStatistics:
+        """The bounded plan for ``terms`` in ``scope`` (see :mod:`keel.stores._keywords`)
+        and what BM25 needs: each term's IDF and the scope's average record length."""
         total = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM memory_records").fetchone()[0])
+        scope_key = (scope.tenant_id, scope.user_id)
+        cap = common_term_cap(total)
 
         def count(term: str, limit: int) -> int:
             return int(
@@ -471,13 +510,39 @@ class PostgresMemoryStore(MemoryStore):
                 ).fetchone()[0]
             )
 
-        return self._term_frequencies.plan(
-            (scope.tenant_id, scope.user_id),
-            terms,
-            total_rows=total,
-            budget=_SCORED_ROWS,
-            count=count,
+        def count_rows(_: str) -> int:
+            return int(
+                conn.execute(
+                    "SELECT COUNT(*) FROM memory_records WHERE tenant_id = %s AND user_id = %s",
+                    scope_key,
+                ).fetchone()[0]
+            )
+
+        def length_milli(_: str) -> int:
+            # The newest records' average, so it follows what the scope holds now.
+            value = conn.execute(
+                "SELECT AVG(length(tsv)) FROM (SELECT tsv FROM memory_records WHERE "
+                "tenant_id = %s AND user_id = %s ORDER BY created_at DESC LIMIT 1000) s",
+                scope_key,
+            ).fetchone()[0]
+            return round(1000 * float(value or 0))
+
+        frequencies = self._term_frequencies
+        plan = frequencies.plan(
+            scope_key, terms, total_rows=total, budget=_SCORED_ROWS, count=count
         )
+        matches = {
+            term: frequencies.get(scope_key, term, total, lambda t: count(t, cap + 1))
+            for term in plan.terms
+        }
+        rows = max(frequencies.get(scope_key, SCOPE_ROWS, total, count_rows), *matches.values())
+        # FTS5's IDF, floored the same way: a term in over half the rows weighs almost nothing.
+        idf = {
+            term: max(math.log((rows - found + 0.5) / (found + 0.5)), 1e-6)
+            for term, found in matches.items()
+        }
+        average = frequencies.get(scope_key, AVERAGE_LENGTH_MILLI, total, length_milli)
+        return _KeywordStatistics(plan, idf, average / 1000)
 
     def _has_vector_table(self, dimension: int) -> bool:
         if dimension not in self._vector_tables:

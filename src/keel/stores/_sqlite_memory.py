@@ -37,7 +37,7 @@ from keel.memory._rows import (
 )
 from keel.memory._similarity import row_dots
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
-from keel.stores._keywords import TermFrequencies
+from keel.stores._keywords import SCOPE_ROWS, TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
 
@@ -273,7 +273,7 @@ def _plan_keyword_query(
     # The scope token narrows a match to the scope's rows. For a scope that is nearly the
     # whole table (one user on a laptop) it is pure overhead: every matching row would also
     # be joined with the token's doclist. Rows are checked against the scope in SQL anyway.
-    scope_rows = frequencies.get(scope_key, "", total, count_rows)
+    scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, count_rows)
     narrowing = scope if scope_rows < 0.9 * total else None
 
     def count(term: str, limit: int) -> int:

@@ -10,8 +10,8 @@ database, as a restarted process would)::
             return lambda: SQLiteMemoryStore(tmp_path / "memory.db")
 
 The suite checks round trips, idempotent adds, facts superseded over time, the outbox and its
-replay after a crash, keyword and vector search, filters, deletion, re-embedding, and tenant
-isolation against crafted queries.
+replay after a crash, keyword search (BM25-like: rare words outweigh common ones) and vector
+search, filters, deletion, re-embedding, and tenant isolation against crafted queries.
 """
 
 from __future__ import annotations
@@ -132,6 +132,22 @@ class MemoryStoreConformance:
         assert len(dense) == 2
         hits = memory.search("is Alice allergic to anything?", scope=ALICE, k=2)
         assert hits[0].record.id == ids[2]
+        memory.close()
+
+    def test_keyword_search_weighs_a_rare_word_above_a_common_one(
+        self, make_store: StoreFactory
+    ) -> None:
+        # BM25's IDF: a name said in every turn must not outweigh the one rare word that
+        # finds the answer. Without IDF the two kinds of match tie, and the tie goes to the
+        # older records, the common ones here.
+        memory = _memory(make_store())
+        for number in range(12):
+            memory.add(f"Caroline talked about her plans for day {number}", scope=ALICE)
+        rare = memory.add("the lgbtq support group met downtown on Sunday", scope=ALICE)
+        memory.flush()
+        keyword = memory.store.keyword_search(ALICE, ["caroline", "lgbtq"], MemoryFilter(), 5)
+        assert [hit.record_id for hit in keyword][:1] == [rare.id]
+        assert len(keyword) == 5
         memory.close()
 
     def test_filters_apply(self, make_store: StoreFactory) -> None:
