@@ -10,6 +10,7 @@ from keel.bench.locomo import parse_session_date, repair_evidence, run_locomo
 from keel.bench.memory import run_memory_bench, synthetic_corpus
 from keel.errors import ConfigError
 from keel.memory import HashingEmbedder
+from keel.stores import PostgresMemoryStore
 
 
 def _tiny_locomo(path: Path) -> Path:
@@ -97,3 +98,32 @@ def test_memory_bench_small() -> None:
         < report["embed_records_per_s"]
     )
     assert report["search_ms_p95"] >= report["search_ms_p50"] > 0
+
+
+@pytest.mark.postgres
+def test_locomo_runs_on_postgresql(tmp_path: Path, postgres_url: str) -> None:
+    report = run_locomo(
+        _tiny_locomo(tmp_path / "tiny.json"),
+        embedder=HashingEmbedder(64),
+        store=lambda: PostgresMemoryStore(postgres_url),
+    )
+    assert report["store"] == "PostgresMemoryStore"
+    assert report["questions"] == 3 and report["recall_at_10"] == 1.0
+
+
+@pytest.mark.postgres
+def test_memory_bench_measures_postgresql_again_once_settled(postgres_url: str) -> None:
+    settled: list[bool] = []
+    report = run_memory_bench(
+        100,
+        embedder=HashingEmbedder(64),
+        postgres_store=lambda: PostgresMemoryStore(postgres_url),
+        postgres_records=150,
+        postgres_settle=lambda: settled.append(True),
+        batch=50,
+    )
+    assert settled == [True]
+    postgres = report["postgres"]
+    assert postgres["records"] == 150 and report["records"] == 100
+    assert postgres["settled"]["queries"] == 200
+    assert postgres["settled"]["search_ms_p95"] >= postgres["settled"]["search_ms_p50"] > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -198,6 +199,7 @@ def bench_memory_command(
 
     with contextlib.ExitStack() as stack:
         factory = None
+        settle: Callable[[], None] | None = None
         if postgres:
             from keel.stores import PostgresMemoryStore
             from keel.testing.servers import postgres_server
@@ -206,6 +208,15 @@ def bench_memory_command(
             server = stack.enter_context(postgres_server(settings=settings))
             url = stack.enter_context(server.throwaway_database())
             factory = lambda: PostgresMemoryStore(url)  # noqa: E731
+
+            def vacuum() -> None:
+                import psycopg
+
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute("VACUUM (ANALYZE)")
+
+            settle = vacuum
+
         with _progress_bar(True) as progress:
             task = progress.add_task("memory", total=None)
 
@@ -217,6 +228,7 @@ def bench_memory_command(
                 embedder=embedder_from_spec(embedder_spec),
                 postgres_store=factory,
                 postgres_records=postgres_records,
+                postgres_settle=settle,
                 progress=report,
             )
         if postgres:

@@ -1,8 +1,8 @@
 """Which keyword terms to score, so a full-text query's cost stays bounded at any table size.
 
-Ranking (FTS5's bm25(), PostgreSQL's ts_rank_cd) costs microseconds per matching row and is
-the whole cost of a broad query: four common words can match most of a 100k-row table. Both
-stores plan the same way:
+Ranking (FTS5's bm25(), BM25 computed in SQL on PostgreSQL) costs microseconds per matching
+row and is the whole cost of a broad query: four common words can match most of a 100k-row
+table. Both stores plan the same way:
 
 1. A term found in more than 1/20 of the rows is dropped (the rarest is kept if all are): it
    carries almost no weight (low IDF) and would dominate the cost.
