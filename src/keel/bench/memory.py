@@ -76,6 +76,10 @@ def synthetic_corpus(records: int, *, seed: int = 7) -> tuple[list[str], list[st
     return texts, queries
 
 
+# Every record in one scope: the worst case for a per-user index.
+_SCOPE = Scope(tenant_id="bench", user_id="user-1")
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -88,7 +92,7 @@ def _measure(
     progress: Callable[[str, int, int], None] | None,
     batch: int,
 ) -> dict[str, Any]:
-    scope = Scope(tenant_id="bench", user_id="user-1")
+    scope = _SCOPE
     writing = embedding = 0.0
     for start in range(0, len(texts), batch):
         t0 = time.perf_counter()
@@ -114,7 +118,7 @@ def _measure(
 def _search_latency(
     memory: Memory, queries: list[str], progress: Callable[[str, int, int], None] | None
 ) -> dict[str, Any]:
-    scope = Scope(tenant_id="bench", user_id="user-1")
+    scope = _SCOPE
     memory.search("warm up the index", scope=scope, k=10)
     latencies: list[float] = []
     for number, query in enumerate(queries):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -98,6 +99,14 @@ def reembed_command(
     out_console.print(f"re-embedded {done} records with {after.configured}")
 
 
+def _fresh_postgres(stack: ExitStack, settings: dict[str, str] | None = None) -> str:
+    """The URL of an empty database on a PostgreSQL started for this run (stopped by ``stack``)."""
+    from keel.testing.servers import postgres_server
+
+    server = stack.enter_context(postgres_server(settings=settings))
+    return stack.enter_context(server.throwaway_database())
+
+
 @bench_app.command("locomo")
 def bench_locomo_command(
     data: Annotated[Path, typer.Option("--data", help="A LoCoMo-format JSON file.")],
@@ -111,19 +120,16 @@ def bench_locomo_command(
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
 ) -> None:
     """Turn-level evidence recall of keel's default memory search on LoCoMo."""
-    import contextlib
 
     from keel.bench.locomo import run_locomo
     from keel.memory import default_embedder
 
-    with contextlib.ExitStack() as stack, _progress_bar(True) as progress:
+    with ExitStack() as stack, _progress_bar(True) as progress:
         factory = None
         if postgres:
             from keel.stores import PostgresMemoryStore
-            from keel.testing.servers import postgres_server
 
-            server = stack.enter_context(postgres_server())
-            url = stack.enter_context(server.throwaway_database())
+            url = _fresh_postgres(stack)
             factory = lambda: PostgresMemoryStore(url)  # noqa: E731
         task = progress.add_task("LoCoMo", total=None)
 
@@ -192,21 +198,18 @@ def bench_memory_command(
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
 ) -> None:
     """Ingest synthetic records into the embedded memory, then measure search latency."""
-    import contextlib
 
     from keel.bench.memory import run_memory_bench
     from keel.memory import embedder_from_spec
 
-    with contextlib.ExitStack() as stack:
+    with ExitStack() as stack:
         factory = None
         settle: Callable[[], None] | None = None
         if postgres:
             from keel.stores import PostgresMemoryStore
-            from keel.testing.servers import postgres_server
 
             settings = {"shared_buffers": postgres_shared_buffers}
-            server = stack.enter_context(postgres_server(settings=settings))
-            url = stack.enter_context(server.throwaway_database())
+            url = _fresh_postgres(stack, settings)
             factory = lambda: PostgresMemoryStore(url)  # noqa: E731
 
             def vacuum() -> None:
