@@ -13,8 +13,11 @@ KeelError
 │   ├── ToolDefinitionError          a function that cannot become a tool
 │   └── StateDefinitionError         an invalid state machine or state schema
 └── KeelRuntimeError                 failures while running
+    ├── AccessDeniedError            a session or record of another tenant or user
     ├── StoreError                   storage backends
     │   ├── ConflictError            compare-and-set lost: the version read is stale
+    │   │   ├── SessionBusyError     another turn held the session's lease past the wait
+    │   │   └── TurnInterruptedError another writer took the session mid-turn; it stays open
     │   ├── DatabaseLockedError      the database stayed locked past the busy timeout
     │   ├── DatabaseCorruptError     the file is not a database or is damaged
     │   ├── SchemaVersionError       stored schema is newer than this code, or unmigratable
@@ -52,6 +55,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AccessDeniedError",
     "AuthenticationError",
     "BackendUnavailableError",
     "BadRequestError",
@@ -74,6 +78,7 @@ __all__ = [
     "ModelUnavailableError",
     "RateLimitError",
     "SchemaVersionError",
+    "SessionBusyError",
     "StateDefinitionError",
     "StateError",
     "StateMigrationError",
@@ -87,6 +92,7 @@ __all__ = [
     "ToolExecutionError",
     "ToolInDoubtError",
     "TruncatedResponseError",
+    "TurnInterruptedError",
     "UnknownModelError",
     "UnknownToolError",
     "UsageError",
@@ -132,6 +138,10 @@ class KeelRuntimeError(KeelError):
     """Something failed while running; the caller may retry, fall back or report."""
 
 
+class AccessDeniedError(KeelRuntimeError):
+    """The session (or record) belongs to another tenant or user; nothing of it is shown."""
+
+
 class StoreError(KeelRuntimeError):
     """A storage backend failed."""
 
@@ -146,6 +156,38 @@ class ConflictError(StoreError):
         super().__init__(
             f"version conflict on {key!r}: wrote against version {expected}, "
             f"current version is {actual}"
+        )
+
+
+class SessionBusyError(ConflictError):
+    """Another turn held the session's lease for longer than this one would wait; nothing of
+    this turn was written."""
+
+    def __init__(self, session_id: str, waited_s: float) -> None:
+        self.key = session_id
+        self.expected = None
+        self.actual = None
+        self.waited_s = waited_s
+        StoreError.__init__(
+            self,
+            f"session {session_id!r} is busy with another turn (waited {waited_s:g} s); "
+            "nothing was changed, try again",
+        )
+
+
+class TurnInterruptedError(ConflictError):
+    """Another writer took the session over in the middle of a turn (this worker stalled past
+    its lease, or something wrote the session without one). The turn stopped before any further
+    effect; it stays open at its last checkpoint and the session's next turn finishes it."""
+
+    def __init__(self, session_id: str, reason: str) -> None:
+        self.key = session_id
+        self.expected = None
+        self.actual = None
+        StoreError.__init__(
+            self,
+            f"the turn on session {session_id!r} was interrupted ({reason}); it stopped before "
+            "any further effect and the session's next turn finishes it",
         )
 
 

@@ -72,12 +72,12 @@ async def test_books_each_trip_once_and_checkpoints_before_every_model_call(
     replies = await _converse(agent, FlightUser(plans(2, 2)))
     assert sum("Your booking reference is" in r for r in replies) == 2
     assert sorted(airline.bookings_per_trip().values()) == [1, 1]
-    history = agent.state.history("s1")
+    history = agent.state.history(agent.session_key("s1"))
     before_calls = [c for c in history if c.reason == "before model call"]
     assert len(before_calls) == len(model.calls)
     assert any(c.reason == "after transition" for c in history)
     state = agent.session_state("s1")
-    assert state is not None and state.data["turns"] == len(replies)
+    assert state is not None and state.runtime.turns == len(replies)
     # Every prompt: the system prompt first, the workflow rules right before the user message.
     for call in model.calls:
         assert call.messages[0].content == "You are SkyDesk."
@@ -163,7 +163,7 @@ async def test_long_session_prompt_never_exceeds_the_limit(
     assert len(airline.bookings_per_trip()) == 6
     state = agent.session_state("s1")
     assert state is not None
-    assert state.data.get("context_summary"), "old turns were folded into the summary"
+    assert state.runtime.summary, "old turns were folded into the summary"
     assert all(
         agent.model.counter.count_prompt(call.messages, call.tools) <= agent.prompt_limit
         for call in model.calls
@@ -212,5 +212,5 @@ async def test_a_thousand_turns_stay_under_the_window_minus_reserve(
         model.counter.count_prompt(call.messages, call.tools) <= limit for call in model.calls
     )
     state = agent.session_state("long")
-    assert state is not None and state.data["turns"] == 1000
-    assert state.data.get("context_summary")
+    assert state is not None and state.runtime.turns == 1000
+    assert state.runtime.summary

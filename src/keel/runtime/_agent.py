@@ -2,32 +2,44 @@
 
 ``await agent.handle(session_id, user_id, text)``:
 
-1. load the session's typed state and its workflow position (resume instructions);
-2. retrieve long-term memories within their token budget;
-3. compile the context (exact budgets, window + summary, pruning; budget report kept);
-4. checkpoint BEFORE every model call (compare-and-set on the version read);
-5. run the model-and-tools loop (:class:`~keel.runtime.ToolLoop`): validation, repair,
-   exactly-once journal, loop detection, step and time limits;
-6. apply workflow transitions from the model's structured tool calls (``go_to`` /
+1. own the session: take its lease in the state store (across threads, event loops and
+   processes), renewed while the turn runs; every write is still compare-and-set (fencing);
+2. load the session's typed state, keyed by (tenant, session) and owned by one user; a turn
+   that a crash left open is finished first;
+3. retrieve long-term memories within their token budget;
+4. compile the context (exact budgets, window + summary, pruning; budget report kept);
+5. checkpoint BEFORE every model call (compare-and-set on the version read);
+6. run the model-and-tools loop (:class:`~keel.runtime.ToolLoop`): validation, repair,
+   exactly-once journal (keys unique to the turn), loop detection, step and time limits;
+7. apply workflow transitions from the model's structured tool calls (``go_to`` /
    ``remember``), never from regexes on prose, checkpointing after each one;
-7. commit the turn (marked good), hand it to memory through the outbox, fold old turns into
-   the running summary, and write the trace.
+8. commit the turn (marked good), then fold old turns into the running summary, hand the turn
+   to memory through the outbox, and write the trace; all within the run's time limit.
 
-Any failure leaves the session at its last good checkpoint with a clean message for the user;
-failures are counted per workflow state and a persistent one moves the machine to its failure
-state. A turn interrupted by a crash is finished by :meth:`Agent.resume`, which replays the
-journalled tool calls of the interrupted step instead of running them again.
+Any failure leaves the session at its last good checkpoint with a clean message for the user,
+except that side effects that happened stay in the history (reverting never hides a booking).
+Failures are counted per workflow state and a persistent one moves the machine to its failure
+state. A turn interrupted by a crash is finished by :meth:`Agent.resume`, or by the next
+``handle`` on the session before it handles the new message, replaying the journalled tool
+calls of the interrupted step instead of running them again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+import logging
+import re
+import time
+import unicodedata
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,18 +51,30 @@ from keel.context import (
     Conversation,
 )
 from keel.errors import (
+    AccessDeniedError,
     ConflictError,
     GuardError,
     KeelError,
+    SessionBusyError,
+    StoreError,
+    TurnInterruptedError,
     UsageError,
 )
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
-from keel.models import ChatModel
+from keel.models import ChatModel, ModelOptions
 from keel.privacy import PIIMasker
 from keel.runtime._tool_loop import LoopHooks, LoopResult, StepRecord, ToolLoop
-from keel.state import AgentState, MachinePosition, StateMachine, StateStore
-from keel.tools import Tool, ToolJournal, ToolRegistry, tool
+from keel.state import (
+    AgentState,
+    Checkpoint,
+    MachinePosition,
+    SessionLock,
+    SessionRuntime,
+    StateMachine,
+    StateStore,
+)
+from keel.tools import Tool, ToolJournal, ToolRegistry, ToolResult, tool
 from keel.tracing import RunTrace, Tracer
 
 if TYPE_CHECKING:
@@ -59,23 +83,21 @@ if TYPE_CHECKING:
 
 __all__ = ["Agent", "AgentReply"]
 
+logger = logging.getLogger("keel.runtime")
+
 _UNBOUNDED_STEPS = 1_000_000_000
 """AgentState.max_steps for a session: per-run limits live in GuardConfig."""
 
-_CONFLICT_ATTEMPTS = 3
-
-_SUMMARY_KEY = "context_summary"
-_SUMMARIZED_KEY = "context_messages_summarized"
-_TURNS_SUMMARIZED_KEY = "context_turns_summarized"
-_OPEN_TURN_KEY = "open_turn"
-_TURNS_KEY = "turns"
-_FINISHED_KEY = "finished_workflows"
+_FINISHED_KEPT = 20
+_WORKFLOW_TOOLS = ("go_to", "remember")
 
 _DEFAULT_MASKER = PIIMasker()
 
 _FAILURE_REPLY = (
     "I'm sorry, something went wrong on my side and nothing was changed. Please try again."
 )
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class AgentReply(BaseModel):
@@ -96,14 +118,24 @@ class AgentReply(BaseModel):
     prompt_limit: int = Field(default=0, description="Tokens a prompt may take (window - reserve).")
     loops_detected: int = Field(default=0, description="Loop detections in the turn.")
     tool_calls: tuple[str, ...] = Field(default=(), description="Tools called, in order.")
+    effects: tuple[str, ...] = Field(
+        default=(),
+        description="Side-effecting tools that ran (or may have run) in the turn, in order; "
+        "they stay in the history even when the turn failed and the state was reverted.",
+    )
     reverted: bool = Field(default=False, description="State went back to the last good version.")
     resumed: bool = Field(default=False, description="The turn finished one a crash interrupted.")
+    interrupted_turn: AgentReply | None = Field(
+        default=None,
+        description="The reply to an earlier message whose turn a crash had left open, finished "
+        "before this message was handled.",
+    )
     error: str | None = Field(default=None, description="The error, when the turn failed.")
 
 
 @dataclass
 class _Session:
-    """An in-process cache of one session's incremental conversation."""
+    """An in-process cache of one session's incremental conversation, valid for ``version``."""
 
     version: int
     messages_seen: int
@@ -116,22 +148,72 @@ class _Session:
 class _Turn:
     """Mutable facts of the turn in flight, shared with the loop's hooks and workflow tools."""
 
+    key: str
     session_id: str
     user_id: str
+    turn_id: str
+    user_message: Message
+    turn_start: int
+    """Index of the turn's user message in the state's messages."""
     state: AgentState
     version: int
-    base_messages: int
     added_to_conversation: int
     conversation: Conversation
     memories: list[ContextMemory]
     position: MachinePosition | None
     run: RunTrace
+    deadline: float
+    lease: _Lease
+    registry: ToolRegistry | None = None
     last_prompt: CompiledPrompt | None = None
     max_prompt_tokens: int = 0
     shrink_next: bool = False
+    committed: bool = False
+    """Whether any checkpoint of this turn was written (a conflict then leaves it open)."""
     transitions: list[tuple[str, str]] = field(default_factory=list)
     position_checkpointed: MachinePosition | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    effects: list[tuple[ToolCall, Message]] = field(default_factory=list)
+    """Side-effecting calls that ran, were replayed or are in doubt, with their results."""
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class _Lease:
+    """This turn's ownership of a session: the store's lease, renewed in the background.
+
+    The lease keeps well-behaved writers apart across threads and processes; correctness does
+    not rest on it: every write is compare-and-set, and before each side effect the lease is
+    renewed so a worker that stalled past it never acts on a session another one took over.
+    """
+
+    def __init__(self, lock: SessionLock, session_id: str) -> None:
+        self.lock = lock
+        self.session_id = session_id
+        self.lost = False
+
+    async def heartbeat(self) -> None:
+        period = max(self.lock.ttl / 3, 0.05)
+        while not self.lost:
+            await asyncio.sleep(period)
+            try:
+                if not await self.lock.aacquire(0):
+                    self.lost = True
+            except StoreError:
+                logger.warning("could not renew the lease on session %s", self.session_id)
+
+    async def check(self) -> None:
+        """Renew now; raise when another owner has taken the session."""
+        if not self.lost:
+            try:
+                self.lost = not await self.lock.aacquire(0)
+            except StoreError as exc:
+                raise TurnInterruptedError(
+                    self.session_id, "its lease could not be renewed"
+                ) from exc
+        if self.lost:
+            raise TurnInterruptedError(self.session_id, "another worker took its lease")
 
 
 class Agent:
@@ -150,13 +232,20 @@ class Agent:
         journal: the exactly-once journal for side-effecting tools (same database as state).
         tracer: where runs and steps are recorded.
         context: how the window is shared out (default: whole window, 12% answer reserve).
-        guards: step and time limits, loop thresholds (defaults: the seed values).
+        guards: step and time limits, loop thresholds (defaults: the seed values). The run
+            time limit covers the whole turn: memory retrieval, the loop, commit and summary.
         memory_budget_tokens: tokens retrieved memories may take.
         masker: masks PII and secrets in every message at the door (user text, tool results,
             model output), so prompts, checkpoints, memory and traces only ever hold
             placeholders like ``<EMAIL_1>``. ``None`` turns masking off, explicitly.
-        tenant_id: the tenant every memory read and write is scoped to.
+        tenant_id: the tenant every session, journal entry, trace and memory is scoped to.
         name: the agent's name in traces and death-spiral indicators.
+        lease_ttl_s: how long a turn's lease on its session lasts without renewal (it is
+            renewed every third of that while the turn runs). After a crash the session is
+            free again once it expires.
+        session_wait_s: how long a turn waits for a session another turn holds before it
+            gives up with :class:`~keel.errors.SessionBusyError` (default: the lease's time
+            to live and 5 s, so a crashed holder's lease can expire).
     """
 
     def __init__(
@@ -177,9 +266,14 @@ class Agent:
         masker: PIIMasker | None = _DEFAULT_MASKER,
         tenant_id: str = "default",
         name: str = "agent",
+        lease_ttl_s: float = 30.0,
+        session_wait_s: float | None = None,
     ) -> None:
-        if not system_prompt.strip():
+        if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise UsageError("an agent needs a system prompt")
+        _require_id("tenant_id", tenant_id)
+        if lease_ttl_s <= 0:
+            raise UsageError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
         self.model = model
         self.state = state
         self.system_prompt = system_prompt
@@ -193,8 +287,10 @@ class Agent:
         self.masker = masker
         self.tenant_id = tenant_id
         self.name = name
+        self.lease_ttl_s = lease_ttl_s
+        self.session_wait_s = lease_ttl_s + 5.0 if session_wait_s is None else session_wait_s
         self.monitor = SpiralMonitor()
-        self._users: dict[str, str] = {}
+        self._owners: dict[str, tuple[str, str]] = {}
         self.engine = ContextEngine(
             model,
             budget=context,
@@ -202,11 +298,10 @@ class Agent:
         )
         self._shrunk_engine: ContextEngine | None = None
         self._domain_tools = {t.name: t for t in tools}
-        clash = set(self._domain_tools) & {"go_to", "remember"}
+        clash = set(self._domain_tools) & set(_WORKFLOW_TOOLS)
         if machine is not None and clash:
             raise UsageError(f"tool names {sorted(clash)} are reserved for the workflow")
         self._sessions: dict[str, _Session] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
         self._owned: list[Callable[[], None]] = []
 
     # --- construction ---------------------------------------------------------------------------
@@ -290,78 +385,159 @@ class Agent:
         """Tokens a compiled prompt may take (window, or working budget, minus the reserve)."""
         return self.engine.budget.limit
 
+    def session_key(self, session_id: str) -> str:
+        """The key of a session in the state store and the tool journal: scoped to the tenant,
+        so the same session id in two tenants never names the same state."""
+        _require_id("session_id", session_id)
+        return f"{quote(self.tenant_id, safe='')}/{session_id}"
+
     async def handle(self, session_id: str, user_id: str, text: str) -> AgentReply:
         """Process one user message and return the reply (never raises for run failures).
 
+        When a crash left the session's previous turn open, that turn is finished first (its
+        journalled tool calls replayed, never repeated) and its reply is attached as
+        ``interrupted_turn``; a message identical to the open turn's is taken as the client's
+        retry of it and is not handled twice.
+
         Raises:
-            UsageError: empty ids or message.
+            UsageError: ids or message that are not non-empty text.
+            AccessDeniedError: the session belongs to another user.
+            SessionBusyError: another turn held the session for longer than ``session_wait_s``;
+                nothing was changed.
+            TurnInterruptedError: another writer took the session over mid-turn; the turn
+                stays open and the session's next turn finishes it.
             StoreError: the state store itself is unavailable.
         """
-        if not session_id or not user_id:
-            raise UsageError("session_id and user_id must not be empty")
-        if not text.strip():
-            raise UsageError("the user message is empty")
-        async with self._lock(session_id):
-            for attempt in range(_CONFLICT_ATTEMPTS):
-                try:
-                    return await self._turn(session_id, user_id, text, resume=False)
-                except ConflictError:
-                    # Another writer committed first: forget the cached view, re-read, redo.
-                    self._sessions.pop(session_id, None)
-                    if attempt == _CONFLICT_ATTEMPTS - 1:
-                        raise
-            raise AssertionError("unreachable")
+        _require_id("session_id", session_id)
+        _require_id("user_id", user_id)
+        text = _user_text(text)
+        key = self.session_key(session_id)
+        async with self._own(key) as lease:
+            checkpoint = await self._load(key, user_id)
+            interrupted: AgentReply | None = None
+            runtime = checkpoint.state.runtime
+            if runtime.open_turn is not None:
+                open_text = _open_turn_text(checkpoint.state)
+                interrupted = await self._guarded_turn(
+                    lease, key, session_id, user_id, checkpoint, None
+                )
+                if open_text is not None and open_text == self._mask(_sanitize(text)):
+                    return interrupted
+                checkpoint = await self.state.aload(key)
+            reply = await self._guarded_turn(lease, key, session_id, user_id, checkpoint, text)
+            if interrupted is not None:
+                reply = reply.model_copy(update={"interrupted_turn": interrupted})
+            return reply
 
     def handle_sync(self, session_id: str, user_id: str, text: str) -> AgentReply:
-        """Sync twin of :meth:`handle` (not for use inside a running event loop)."""
+        """Sync twin of :meth:`handle` (not for use inside a running event loop). Safe to call
+        from several threads at once: turns on one session take turns through its lease."""
         return asyncio.run(self.handle(session_id, user_id, text))
 
     async def resume(self, session_id: str, user_id: str) -> AgentReply | None:
-        """Finish a turn that a crash interrupted; None when the session has no open turn."""
-        async with self._lock(session_id):
-            checkpoint = await self.state.aget(session_id)
-            if checkpoint is None or not checkpoint.state.data.get(_OPEN_TURN_KEY):
+        """Finish a turn that a crash interrupted; None when the session has no open turn.
+
+        Raises:
+            AccessDeniedError: the session belongs to another user.
+            SessionBusyError: another turn holds the session.
+        """
+        _require_id("session_id", session_id)
+        _require_id("user_id", user_id)
+        key = self.session_key(session_id)
+        async with self._own(key) as lease:
+            checkpoint = await self.state.aget(key)
+            if checkpoint is None:
                 return None
-            return await self._turn(session_id, user_id, "", resume=True)
+            self._check_owner(checkpoint.state, user_id)
+            if checkpoint.state.runtime.open_turn is None:
+                return None
+            return await self._guarded_turn(lease, key, session_id, user_id, checkpoint, None)
+
+    def resume_sync(self, session_id: str, user_id: str) -> AgentReply | None:
+        """Sync twin of :meth:`resume`."""
+        return asyncio.run(self.resume(session_id, user_id))
 
     def session_state(self, session_id: str) -> AgentState | None:
-        """The session's committed state, or None."""
-        checkpoint = self.state.get(session_id)
+        """The session's committed state (in this agent's tenant), or None."""
+        checkpoint = self.state.get(self.session_key(session_id))
         return None if checkpoint is None else checkpoint.state
 
-    # --- one turn -----------------------------------------------------------------------------
+    # --- owning a session ---------------------------------------------------------------------
 
-    def _lock(self, session_id: str) -> asyncio.Lock:
-        lock = self._locks.get(session_id)
-        if lock is None:
-            lock = self._locks[session_id] = asyncio.Lock()
-        return lock
+    @contextlib.asynccontextmanager
+    async def _own(self, key: str) -> AsyncIterator[_Lease]:
+        lock = self.state.session_lock(key, ttl=self.lease_ttl_s)
+        if not await lock.aacquire(self.session_wait_s):
+            raise SessionBusyError(key, self.session_wait_s)
+        lease = _Lease(lock, key)
+        heartbeat = asyncio.create_task(lease.heartbeat())
+        try:
+            yield lease
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            if not lease.lost:
+                try:
+                    await lock.arelease()
+                except StoreError:
+                    # It expires by itself; the next turn waits at most its time to live.
+                    logger.warning("could not release the lease on session %s", key)
 
-    async def _load(self, session_id: str) -> tuple[AgentState, int]:
-        checkpoint = await self.state.aget(session_id)
+    def _check_owner(self, state: AgentState, user_id: str) -> None:
+        runtime = state.runtime
+        if (runtime.user_id is not None and runtime.user_id != user_id) or (
+            runtime.tenant_id is not None and runtime.tenant_id != self.tenant_id
+        ):
+            raise AccessDeniedError("this session belongs to another user")
+
+    async def _load(self, key: str, user_id: str) -> Checkpoint[AgentState]:
+        checkpoint = await self.state.aget(key)
         if checkpoint is None:
             initial = AgentState(
                 max_steps=_UNBOUNDED_STEPS,
                 machine=self.machine.start() if self.machine is not None else None,
+                runtime=SessionRuntime(tenant_id=self.tenant_id, user_id=user_id),
             )
-            checkpoint = await self.state.acreate(session_id, initial)
-            await self.state.amark(session_id, checkpoint.version, good=True)
-        return checkpoint.state, checkpoint.version
+            checkpoint = await self.state.acreate(key, initial)
+            await self.state.amark(key, checkpoint.version, good=True)
+        self._check_owner(checkpoint.state, user_id)
+        return checkpoint
 
-    def _conversation(self, session_id: str, state: AgentState, version: int) -> Conversation:
-        cached = self._sessions.get(session_id)
-        if cached is not None and cached.version == version:
+    # --- one turn -----------------------------------------------------------------------------
+
+    async def _guarded_turn(
+        self,
+        lease: _Lease,
+        key: str,
+        session_id: str,
+        user_id: str,
+        checkpoint: Checkpoint[AgentState],
+        text: str | None,
+    ) -> AgentReply:
+        try:
+            return await self._turn(lease, key, session_id, user_id, checkpoint, text)
+        except BaseException:
+            # Whatever stopped the turn, the cached conversation may hold messages that were
+            # never committed: the next turn rebuilds it from the store.
+            self._sessions.pop(key, None)
+            raise
+
+    def _conversation(
+        self, key: str, state: AgentState, version: int, *, fresh: bool = False
+    ) -> Conversation:
+        cached = self._sessions.get(key)
+        if not fresh and cached is not None and cached.version == version:
             return cached.conversation
-        summarized = int(state.data.get(_SUMMARIZED_KEY, 0))
+        runtime = state.runtime
+        summarized = runtime.messages_summarized
         conversation = self.engine.conversation(
-            session_id,
+            key,
             state.messages[summarized:],
-            summary=str(state.data.get(_SUMMARY_KEY, "")),
-            turns_summarized=int(state.data.get(_TURNS_SUMMARIZED_KEY, 0)),
+            summary=runtime.summary,
+            turns_summarized=runtime.turns_summarized,
         )
-        self._sessions[session_id] = _Session(
-            version, len(state.messages), conversation, summarized
-        )
+        self._sessions[key] = _Session(version, len(state.messages), conversation, summarized)
         return conversation
 
     async def _memories(self, user_id: str, query: str) -> list[ContextMemory]:
@@ -379,56 +555,130 @@ class Agent:
             for item in packed.items
         ]
 
-    async def _turn(self, session_id: str, user_id: str, text: str, *, resume: bool) -> AgentReply:
-        self._users[session_id] = user_id
-        state, version = await self._load(session_id)
+    async def _turn(
+        self,
+        lease: _Lease,
+        key: str,
+        session_id: str,
+        user_id: str,
+        checkpoint: Checkpoint[AgentState],
+        text: str | None,
+    ) -> AgentReply:
+        started = time.monotonic()
+        self._owners[key] = (session_id, user_id)
+        state, version = checkpoint.state, checkpoint.version
+        resume = text is None
         position = state.machine
-        data = dict(state.data)
-        if position is not None and self.machine is not None and self.machine.is_terminal(position):
-            # A finished workflow instance: the next message starts a new one.
-            finished = [*data.get(_FINISHED_KEY, []), position.model_dump(mode="json")]
-            data[_FINISHED_KEY] = finished[-20:]
-            position = self.machine.start()
+        runtime = state.runtime
         messages = list(state.messages)
-        if not resume:
-            turn_number = int(data.get(_TURNS_KEY, 0)) + 1
-            data[_TURNS_KEY] = turn_number
-            text = self._mask(text)
-            messages.append(Message.user(text, metadata={"turn": turn_number}))
+        if resume:
+            turn_id = runtime.open_turn or uuid.uuid4().hex
+            start = runtime.open_turn_message
+            if start is None or start >= len(messages):
+                start = max(
+                    (i for i, m in enumerate(messages) if _is_user_turn(m)), default=len(messages)
+                )
+            user_message = messages[start] if start < len(messages) else Message.user("")
         else:
-            text = next((m.content for m in reversed(messages) if m.role == "user"), "")
-        data[_OPEN_TURN_KEY] = True
-        state = state.model_copy(update={"messages": messages, "machine": position, "data": data})
-        conversation = self._conversation(session_id, state, version)
-        seen = self._sessions[session_id].messages_seen
-        conversation.extend(messages[seen:])
-        self._sessions[session_id].messages_seen = len(messages)
+            assert text is not None
+            if (
+                position is not None
+                and self.machine is not None
+                and self.machine.is_terminal(position)
+            ):
+                # A finished workflow instance: the next message starts a new one.
+                finished = (*runtime.finished_workflows, position.model_dump(mode="json"))
+                runtime = runtime.model_copy(
+                    update={"finished_workflows": finished[-_FINISHED_KEPT:]}
+                )
+                position = self.machine.start()
+            turn_id = uuid.uuid4().hex
+            turn_number = runtime.turns + 1
+            user_message = Message.user(
+                self._mask(_sanitize(text)), metadata={"turn": turn_number, "turn_id": turn_id}
+            )
+            messages.append(user_message)
+            start = len(messages) - 1
+            runtime = runtime.model_copy(
+                update={
+                    "turns": turn_number,
+                    "open_turn": turn_id,
+                    "open_turn_message": start,
+                    "tenant_id": self.tenant_id,
+                    "user_id": user_id,
+                }
+            )
+        state = state.model_copy(
+            update={"messages": messages, "machine": position, "runtime": runtime}
+        )
+        conversation = self._conversation(key, state, version)
+        session = self._sessions[key]
+        conversation.extend(messages[session.messages_seen :])
+        session.messages_seen = len(messages)
 
         run = await self.tracer.astart_run(
             session_id,
             user_id=user_id,
             tenant_id=self.tenant_id,
             agent=self.name,
-            input=text,
-            attributes={"resumed": resume},
+            input=user_message.content,
+            attributes={"resumed": resume, "turn_id": turn_id},
         )
         turn = _Turn(
+            key=key,
             session_id=session_id,
             user_id=user_id,
+            turn_id=turn_id,
+            user_message=user_message,
+            turn_start=start,
             state=state,
             version=version,
-            base_messages=len(messages),
             added_to_conversation=len(messages),
             conversation=conversation,
-            memories=await self._memories(user_id, text),
+            memories=[],
             position=position,
             run=run,
+            deadline=started + self.guards.run_timeout_s,
+            lease=lease,
             position_checkpointed=position,
         )
-        loop = ToolLoop(
+        try:
+            turn.memories = await self._memories(user_id, user_message.content)
+            turn.registry = self._registry(turn)
+            result = await self._loop(turn).arun(
+                messages, session_id=key, first_step=state.step, turn_id=turn_id
+            )
+        except ConflictError as exc:
+            await run.aend("failed", error=exc)
+            if isinstance(exc, TurnInterruptedError) or not turn.committed:
+                raise
+            raise TurnInterruptedError(key, "another writer committed first") from exc
+        except StoreError as exc:
+            # The store itself failed: the turn stays open at its last checkpoint.
+            await run.aend("failed", error=exc)
+            raise
+        except KeelError as exc:
+            await run.aend(error=exc)
+            return await self._fail(turn, exc)
+        except Exception as exc:
+            # A bug in user code the loop does not own (a hook, a tool gate): the turn ends
+            # cleanly at the last good state instead of leaving it open for ever.
+            logger.exception("turn on session %s failed unexpectedly", key)
+            await run.aend(error=exc)
+            return await self._fail(turn, KeelError(f"{type(exc).__name__}: {exc}"))
+        return await self._commit(turn, result, resume=resume)
+
+    def _loop(self, turn: _Turn) -> ToolLoop:
+        # The run's time limit covers the whole turn: what memory retrieval took is gone, and
+        # a slice is kept back for the commit.
+        remaining = turn.remaining()
+        margin = min(2.0, self.guards.run_timeout_s * 0.1)
+        guards = self.guards.model_copy(update={"run_timeout_s": max(remaining - margin, 0.001)})
+        assert turn.registry is not None
+        return ToolLoop(
             self.model,
-            self._registry(turn),
-            guards=self.guards,
+            turn.registry,
+            guards=guards,
             journal=self.journal,
             hooks=LoopHooks(
                 before_model_call=lambda step, history: self._before_model_call(
@@ -437,23 +687,17 @@ class Agent:
                 after_step=lambda record: self._after_step(turn, record),
                 state_fingerprint=lambda: self._fingerprint(turn),
                 revert_to_last_good=lambda error: self._on_guard_stop(turn, error),
+                before_side_effect=lambda call: turn.lease.check(),
             ),
             monitor=self.monitor,
             agent=self.name,
+            # The answer reserve is what the model may generate: never more.
+            options=ModelOptions(max_tokens=max(self.engine.budget.reserve, 1)),
         )
-        try:
-            result = await loop.arun(messages, session_id=session_id, first_step=state.step)
-        except ConflictError:
-            await run.aend("failed", error=None, output="state conflict; retried")
-            raise
-        except KeelError as exc:
-            await run.aend(error=exc)
-            return await self._fail(turn, exc)
-        return await self._commit(turn, result, resume=resume)
 
-    def _note_commit(self, session_id: str, version: int, messages: int | None = None) -> None:
+    def _note_commit(self, key: str, version: int, messages: int | None = None) -> None:
         """Keep the cached conversation valid for the version this process just wrote."""
-        session = self._sessions.get(session_id)
+        session = self._sessions.get(key)
         if session is not None:
             session.version = version
             if messages is not None:
@@ -486,6 +730,16 @@ class Agent:
             )
         return rules
 
+    async def _write(self, turn: _Turn, state: AgentState, **options: Any) -> int:
+        """A compare-and-set checkpoint of the turn on the version it last wrote or read."""
+        version = await self.state.acheckpoint(
+            turn.key, state, expected_version=turn.version, **options
+        )
+        turn.version = version
+        turn.state = state
+        turn.committed = True
+        return version
+
     async def _before_model_call(
         self, turn: _Turn, step: int, history: list[Message]
     ) -> list[Message]:
@@ -494,28 +748,18 @@ class Agent:
         messages = [*turn.state.messages[: turn.added_to_conversation], *new]
         turn.added_to_conversation = len(history)
         state = turn.state.model_copy(
-            update={
-                "messages": messages,
-                "step": step,
-                "machine": turn.position,
-            }
+            update={"messages": messages, "step": step, "machine": turn.position}
         )
         # The checkpoint before the model call: compare-and-set on the version we read.
-        turn.version = await self.state.acheckpoint(
-            turn.session_id,
-            state,
-            expected_version=turn.version,
-            reason="before model call",
-            step=step,
-        )
-        turn.state = state
-        self._note_commit(turn.session_id, turn.version, len(messages))
+        await self._write(turn, state, reason="before model call", step=step)
+        self._note_commit(turn.key, turn.version, len(messages))
+        assert turn.registry is not None
         prompt = self._engine_for(turn).compile(
             turn.conversation,
             system=self.system_prompt,
             rules=self._rules(turn),
             memories=turn.memories,
-            tools=self._registry(turn).schemas(),
+            tools=turn.registry.schemas(),
         )
         turn.shrink_next = False
         turn.last_prompt = prompt
@@ -549,6 +793,7 @@ class Agent:
             attributes={"step": record.step, "guard_events": list(record.guard_events)},
         )
         parent = model_step.step_id if model_step is not None else None
+        calls = {call.id: call for call in (record.response.tool_calls if record.response else ())}
         for result in record.tool_results:
             await turn.run.arecord(
                 "tool",
@@ -567,9 +812,16 @@ class Agent:
                     "truncated_for_model": result.truncated,
                 },
             )
-            if result.ok and result.tool not in ("go_to", "remember"):
+            if result.ok and result.tool not in _WORKFLOW_TOOLS:
                 turn.tool_calls.append(
                     ToolCall(id=result.call_id, name=result.tool, arguments=result.raw_arguments)
+                )
+            if self._is_effect(result):
+                call = calls.get(result.call_id) or ToolCall(
+                    id=result.call_id, name=result.tool, arguments=result.raw_arguments
+                )
+                turn.effects.append(
+                    (self._mask_call(call), self._mask_message(result.to_message()))
                 )
         for event in record.guard_events:
             if event.startswith("loop"):
@@ -585,30 +837,37 @@ class Agent:
         if turn.position != turn.position_checkpointed:
             # A checkpoint after every transition (and slot gathered).
             state = turn.state.model_copy(update={"machine": turn.position})
-            turn.version = await self.state.acheckpoint(
-                turn.session_id,
-                state,
-                expected_version=turn.version,
-                reason="after transition",
-                step=record.step,
-            )
-            turn.state = state
+            await self._write(turn, state, reason="after transition", step=record.step)
             turn.position_checkpointed = turn.position
-            self._note_commit(turn.session_id, turn.version)
+            self._note_commit(turn.key, turn.version)
+
+    def _is_effect(self, result: ToolResult) -> bool:
+        """A side-effecting call that ran (now or before a crash) or may have run."""
+        declared = self._domain_tools.get(result.tool)
+        if declared is None or not declared.side_effect:
+            return False
+        return (
+            result.ok
+            or result.status in ("in_doubt", "timeout")
+            or (result.status == "failed" and result.executed)
+        )
 
     def _mask(self, text: str) -> str:
         if self.masker is None or not text:
             return text
         return self.masker.mask_text(text, tenant_id=self.tenant_id)
 
-    def _mask_message(self, message: Message) -> Message:
-        if self.masker is None:
-            return message
-        content = self._mask(message.content)
-        calls = tuple(
-            call.model_copy(update={"arguments": self._mask(call.arguments)})
-            for call in message.tool_calls
+    def _mask_call(self, call: ToolCall) -> ToolCall:
+        arguments = self._mask(_sanitize(call.arguments))
+        return (
+            call
+            if arguments == call.arguments
+            else call.model_copy(update={"arguments": arguments})
         )
+
+    def _mask_message(self, message: Message) -> Message:
+        content = self._mask(_sanitize(message.content))
+        calls = tuple(self._mask_call(call) for call in message.tool_calls)
         if content == message.content and calls == message.tool_calls:
             return message
         return message.model_copy(update={"content": content, "tool_calls": calls})
@@ -624,85 +883,111 @@ class Agent:
 
     # --- ending a turn ------------------------------------------------------------------------
 
+    def _effect_messages(self, turn: _Turn) -> list[Message]:
+        """The side effects of the turn as an assistant call message and its results."""
+        if not turn.effects:
+            return []
+        calls = tuple(call for call, _ in turn.effects)
+        return [Message.assistant("", tool_calls=calls), *(result for _, result in turn.effects)]
+
+    def _effects_note(self, turn: _Turn) -> str:
+        done = "; ".join(
+            f"{call.name}: {_clip(result.content, 160)}" for call, result in turn.effects
+        )
+        return f"\n\nWhat was done before I stopped: {done}"
+
+    async def _failure_base(self, turn: _Turn) -> AgentState:
+        # Back to the last good checkpoint, keeping the exchange and the failure count.
+        last_good = await self.state.alast_good(turn.key)
+        if last_good is None:
+            return turn.state
+        return (await self.state.aat(turn.key, last_good.version)).state
+
     async def _commit(self, turn: _Turn, result: LoopResult, *, resume: bool) -> AgentReply:
         new = [self._mask_message(m) for m in result.messages[turn.added_to_conversation :]]
         messages = [*turn.state.messages[: turn.added_to_conversation], *new]
-        turn.conversation.extend(new)
         position = turn.position
-        data = dict(turn.state.data)
-        data[_OPEN_TURN_KEY] = False
         reverted = False
         status = result.status
+        text = self._mask(_sanitize(result.text))
+        runtime = turn.state.runtime.model_copy(
+            update={"open_turn": None, "open_turn_message": None}
+        )
         if result.ok:
+            before, segment = messages[: turn.turn_start], messages[turn.turn_start :]
+            kept = _without_corrections(segment)
             final_state = turn.state.model_copy(
                 update={
-                    "messages": messages,
+                    "messages": [*before, *kept],
                     "step": max(result.next_step, turn.state.step),
                     "machine": position,
-                    "data": data,
+                    "runtime": runtime,
                 }
             )
+            rebuilt = len(kept) != len(segment)
         else:
-            # Back to the last good checkpoint, keeping the exchange and the failure count.
             reverted = True
-            # turn.state is what was last checkpointed: the fallback needs no read.
-            last_good = await self.state.alast_good(turn.session_id)
-            base = (
-                (await self.state.aat(turn.session_id, last_good.version)).state
-                if last_good is not None
-                else turn.state
-            )
+            base = await self._failure_base(turn)
             position = base.machine
             if self.machine is not None and position is not None:
-                before = position.state
+                before_state = position.state
                 position = self.machine.record_failure(position, status)
-                if position.state != before:
+                if position.state != before_state:
                     await turn.run.arecord(
                         "reset", "reset", error_message=position.failure_reason or status
                     )
-            user = [m for m in messages[turn.base_messages - 1 :] if m.role == "user"][:1]
-            kept = list(base.messages) + user + [result.final_message]
-            base_data = dict(base.data)
-            base_data.update({_TURNS_KEY: data.get(_TURNS_KEY, 0), _OPEN_TURN_KEY: False})
+            if turn.effects:
+                text += self._effects_note(turn)
+            final = Message.assistant(text, metadata=dict(result.final_message.metadata))
+            kept_messages = [
+                *base.messages,
+                turn.user_message,
+                *self._effect_messages(turn),
+                final,
+            ]
             final_state = base.model_copy(
                 update={
-                    "messages": kept,
+                    "messages": kept_messages,
                     "step": max(result.next_step, turn.state.step),
                     "machine": position,
-                    "data": base_data,
+                    "runtime": runtime.model_copy(
+                        update={
+                            "summary": base.runtime.summary,
+                            "messages_summarized": base.runtime.messages_summarized,
+                            "turns_summarized": base.runtime.turns_summarized,
+                        }
+                    ),
                 }
             )
-            self._sessions.pop(turn.session_id, None)
-        if (
-            result.ok
-            and self.machine is not None
-            and position is not None
-            and self.machine.is_terminal(position)
-            and position.state != self.machine.failure
-        ):
-            await self._remember_run(turn)
-        summary_data = await self._summarize(turn) if result.ok else {}
-        if summary_data:
-            final_state = final_state.model_copy(
-                update={"data": {**final_state.data, **summary_data}}
-            )
-        version = await self.state.acheckpoint(
-            turn.session_id,
+            rebuilt = True
+        version = await self._write(
+            turn,
             final_state,
-            expected_version=turn.version,
             reason="turn completed" if result.ok else f"turn failed: {status}",
             good=True,
         )
-        self._note_commit(turn.session_id, version, len(final_state.messages))
-        if self.memory is not None and result.ok:
-            self._remember_turn(turn, result)
+        if rebuilt:
+            self._sessions.pop(turn.key, None)
+        else:
+            turn.conversation.extend(new)
+            self._note_commit(turn.key, version, len(final_state.messages))
+        if result.ok:
+            version = await self._summarize(turn, final_state, version)
+            if self.memory is not None:
+                self._remember_turn(turn, text)
+                if (
+                    self.machine is not None
+                    and position is not None
+                    and self.machine.is_terminal(position)
+                    and position.state != self.machine.failure
+                ):
+                    self._remember_run(turn)
+        error = self._mask(result.error_message) if result.error_message else None
         await turn.run.aend(
-            "succeeded" if result.ok else _run_status(status),
-            output=result.text,
-            error=result.error,
+            "succeeded" if result.ok else _run_status(status), output=text, error=result.error
         )
         return AgentReply(
-            text=result.text,
+            text=text,
             status=status,
             session_id=turn.session_id,
             run_id=turn.run.run_id,
@@ -713,68 +998,114 @@ class Agent:
             prompt_limit=self.prompt_limit,
             loops_detected=result.loops_detected,
             tool_calls=tuple(r.tool for step in result.steps for r in step.tool_results),
+            effects=tuple(call.name for call, _ in turn.effects),
             reverted=reverted or result.reverted,
             resumed=resume,
-            error=result.error_message,
+            error=error,
         )
 
     async def _fail(self, turn: _Turn, error: KeelError) -> AgentReply:
-        """A failure outside the loop's own handling: keep the last good state."""
-        self._sessions.pop(turn.session_id, None)
-        last_good = await self.state.alast_good(turn.session_id)
-        version = turn.version
-        if last_good is not None and last_good.version != turn.version:
-            reverted = await self.state.arevert(
-                turn.session_id, expected_version=turn.version, to_version=last_good.version
+        """A failure outside the loop's own handling: back to the last good state, keeping the
+        user's message and any side effect that happened."""
+        base = await self._failure_base(turn)
+        text = _FAILURE_REPLY
+        if turn.effects:
+            text = (
+                "I'm sorry, something went wrong on my side before I could finish."
+                + self._effects_note(turn)
             )
-            version = reverted.version
+        final_state = base.model_copy(
+            update={
+                "messages": [
+                    *base.messages,
+                    turn.user_message,
+                    *self._effect_messages(turn),
+                    Message.assistant(text, metadata={"keel_stop": "failed"}),
+                ],
+                "step": max(turn.state.step, base.step),
+                "runtime": base.runtime.model_copy(
+                    update={
+                        "turns": turn.state.runtime.turns,
+                        "open_turn": None,
+                        "open_turn_message": None,
+                        "tenant_id": self.tenant_id,
+                        "user_id": turn.user_id,
+                    }
+                ),
+            }
+        )
+        version = await self._write(turn, final_state, reason="turn failed: failed", good=True)
+        self._sessions.pop(turn.key, None)
         return AgentReply(
-            text=_FAILURE_REPLY,
+            text=text,
             status="failed",
             session_id=turn.session_id,
             run_id=turn.run.run_id,
             state_version=version,
-            workflow_state=turn.position.state if turn.position is not None else None,
+            workflow_state=base.machine.state if base.machine is not None else None,
+            effects=tuple(call.name for call, _ in turn.effects),
             reverted=True,
-            error=f"{type(error).__name__}: {error}",
+            error=self._mask(f"{type(error).__name__}: {error}"),
         )
 
-    async def _summarize(self, turn: _Turn) -> dict[str, Any]:
-        conversation = turn.conversation
-        if not conversation.needs_summary:
-            return {}
-        outcome = await conversation.asummarize()
-        if outcome is None:
-            return {}
-        session = self._sessions.get(turn.session_id)
+    async def _summarize(self, turn: _Turn, committed: AgentState, version: int) -> int:
+        """Fold old turns into the running summary after the commit, within the time left;
+        a summary that cannot be finished or saved is simply tried again next turn."""
+        conversation = self._conversation(turn.key, committed, version)
+        remaining = turn.remaining()
+        if not conversation.needs_summary or remaining <= 0:
+            return version
+        try:
+            async with asyncio.timeout(remaining):
+                outcome = await conversation.asummarize()
+        except TimeoutError:
+            return version
+        if outcome is None or not outcome.committed:
+            return version
+        session = self._sessions.get(turn.key)
         before = session.summarized_before if session is not None else 0
-        return {
-            _SUMMARY_KEY: conversation.summary,
-            _SUMMARIZED_KEY: before + conversation.messages_summarized,
-            _TURNS_SUMMARIZED_KEY: conversation.turns_summarized,
-        }
+        runtime = committed.runtime.model_copy(
+            update={
+                "summary": conversation.summary,
+                "messages_summarized": before + conversation.messages_summarized,
+                "turns_summarized": conversation.turns_summarized,
+            }
+        )
+        try:
+            version = await self._write(
+                turn,
+                committed.model_copy(update={"runtime": runtime}),
+                reason="summary",
+                good=True,
+            )
+        except (ConflictError, StoreError):
+            # The turn is committed; only its summary is not. The conversation already folded
+            # the turns, so it is rebuilt from the store next time.
+            self._sessions.pop(turn.key, None)
+            logger.warning("the summary of session %s could not be saved", turn.key)
+            return version
+        self._note_commit(turn.key, version)
+        return version
 
-    def _remember_turn(self, turn: _Turn, result: LoopResult) -> None:
+    def _remember_turn(self, turn: _Turn, reply: str) -> None:
         from keel.memory import Scope
 
         assert self.memory is not None
-        user_text = next((m.content for m in reversed(turn.state.messages) if m.role == "user"), "")
-        turn_number = int(turn.state.data.get(_TURNS_KEY, 0))
         self.memory.add(
-            f"User: {user_text}\nAssistant: {result.text}",
+            f"User: {turn.user_message.content}\nAssistant: {reply}",
             scope=Scope(tenant_id=self.tenant_id, user_id=turn.user_id),
             kind="episodic",
             type="turn",
             session_id=turn.session_id,
-            turn=turn_number,
+            turn=turn.state.runtime.turns,
         )
 
-    async def _remember_run(self, turn: _Turn) -> None:
+    def _remember_run(self, turn: _Turn) -> None:
         if self.memory is None or not turn.tool_calls:
             return
         from keel.memory import Scope
 
-        task = next((m.content for m in turn.state.messages if m.role == "user"), "")
+        task = next((m.content for m in turn.state.messages if _is_user_turn(m)), "")
         self.memory.remember_run(
             Scope(tenant_id=self.tenant_id, user_id=turn.user_id),
             task,
@@ -857,11 +1188,12 @@ class _MemoryArchive:
 
     async def archive(self, session_id: str, evicted: Sequence[Message], summary: str) -> None:
         memory = self._agent.memory
-        user_id = self._agent._users.get(session_id)
-        if memory is None or user_id is None or not summary.strip():
+        owner = self._agent._owners.get(session_id)
+        if memory is None or owner is None or not summary.strip():
             return
         from keel.memory import Scope
 
+        plain_session, user_id = owner
         # Adding the same summary twice is a no-op in memory, so a retried summary is safe.
         await asyncio.to_thread(
             memory.add,
@@ -870,7 +1202,7 @@ class _MemoryArchive:
             kind="episodic",
             type="summary",
             provenance="inferred",
-            session_id=session_id,
+            session_id=plain_session,
         )
 
 
@@ -880,3 +1212,58 @@ def _run_status(status: str) -> Any:
     if status in ("loop_detected", "tool_in_doubt"):
         return "escalated"
     return "failed"
+
+
+def _require_id(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise UsageError(f"{name} must be a string, got {type(value).__name__}")
+    if not value.strip() or _LONE_SURROGATE.search(value) or not value.isprintable():
+        raise UsageError(f"{name} must be non-empty printable text, got {value!r}")
+
+
+def _user_text(text: object) -> str:
+    if not isinstance(text, str):
+        raise UsageError(f"the user message must be a string, got {type(text).__name__}")
+    visible = "".join(
+        ch for ch in text if not ch.isspace() and unicodedata.category(ch) not in ("Cf", "Cc")
+    )
+    if not visible:
+        raise UsageError("the user message is empty")
+    return text
+
+
+def _sanitize(text: str) -> str:
+    """Text that can be stored: lone surrogates (legal in JSON, not in UTF-8) become U+FFFD."""
+    if not text:
+        return text
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+def _is_user_turn(message: Message) -> bool:
+    """A message the user wrote (runtime corrections travel as user messages too)."""
+    return message.role == "user" and "keel_correction" not in message.metadata
+
+
+def _open_turn_text(state: AgentState) -> str | None:
+    index = state.runtime.open_turn_message
+    if index is None or index >= len(state.messages):
+        return None
+    return state.messages[index].content
+
+
+def _without_corrections(segment: list[Message]) -> list[Message]:
+    """The turn's messages without the runtime's corrective prompts and the unusable replies
+    they answered: scaffolding of the run, not words of the user or answers of the agent."""
+    kept: list[Message] = []
+    for message in segment:
+        if message.role == "user" and "keel_correction" in message.metadata:
+            if kept and kept[-1].role == "assistant" and not kept[-1].tool_calls:
+                kept.pop()
+            continue
+        kept.append(message)
+    return kept
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

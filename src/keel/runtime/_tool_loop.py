@@ -124,6 +124,9 @@ class LoopHooks:
             ``max_steps_without_progress`` steps counts as a loop.
         revert_to_last_good: ``(error) -> None``, called once when a guard stops the run (step
             limit, time limit, loop): restore the last good checkpoint.
+        before_side_effect: ``(call) -> None``, called right before a side-effecting tool is
+            claimed in the journal and run. Raise (a ``ConflictError``, say) to stop the run
+            before the effect: the agent checks here that it still owns the session.
     """
 
     before_model_call: (
@@ -132,6 +135,7 @@ class LoopHooks:
     after_step: Callable[[StepRecord], MaybeAwaitable[None]] | None = None
     state_fingerprint: Callable[[], MaybeAwaitable[str]] | None = None
     revert_to_last_good: Callable[[GuardError], MaybeAwaitable[None]] | None = None
+    before_side_effect: Callable[[ToolCall], MaybeAwaitable[None]] | None = None
 
 
 class StepRecord(BaseModel):
@@ -237,6 +241,7 @@ class LoopResult(BaseModel):
 @dataclass
 class _Run:
     session_id: str
+    turn_id: str | None
     history: list[Message]
     start_len: int
     started: float
@@ -252,6 +257,8 @@ class _Run:
     current: dict[str, Any] | None = None
     retrying: bool = False
     last_failure: KeelError | None = None
+    outcomes: set[tuple[str, str, str]] = field(default_factory=set)
+    """Distinct (tool, arguments, result) seen: a new one is progress, whatever the state."""
 
 
 class _Stop(Exception):
@@ -312,13 +319,25 @@ class ToolLoop:
         self.options = base
 
     def run(
-        self, messages: Sequence[Message], *, session_id: str, first_step: int = 0
+        self,
+        messages: Sequence[Message],
+        *,
+        session_id: str,
+        first_step: int = 0,
+        turn_id: str | None = None,
     ) -> LoopResult:
         """Sync twin of :meth:`arun` (not for use inside a running event loop)."""
-        return asyncio.run(self.arun(messages, session_id=session_id, first_step=first_step))
+        return asyncio.run(
+            self.arun(messages, session_id=session_id, first_step=first_step, turn_id=turn_id)
+        )
 
     async def arun(
-        self, messages: Sequence[Message], *, session_id: str, first_step: int = 0
+        self,
+        messages: Sequence[Message],
+        *,
+        session_id: str,
+        first_step: int = 0,
+        turn_id: str | None = None,
     ) -> LoopResult:
         """Run until a final answer or a stop; always returns (unless ``fallback='raise'``).
 
@@ -328,12 +347,16 @@ class ToolLoop:
             first_step: the number of this run's first step. Step numbers must never repeat
                 within a session; a resumed run passes the step it resumes at, and any tool
                 calls journalled for that step are replayed instead of asking the model again.
+            turn_id: the id of the turn this run belongs to (kept across a resume). It makes
+                journal keys and recorded decisions unique to the turn, so two writers that
+                reached the same step number never share an entry.
 
         Raises:
             KeelError: only with ``fallback='raise'``: the typed error that stopped the run.
         """
         run = _Run(
             session_id=session_id,
+            turn_id=turn_id,
             history=list(messages),
             start_len=len(messages),
             started=time.perf_counter(),
@@ -430,7 +453,7 @@ class ToolLoop:
         prompt = await _call(self.hooks.before_model_call, run.step, list(run.history))
         sent = list(prompt) if prompt is not None else list(run.history)
         try:
-            decision = self.journal.decision(run.session_id, run.step)
+            decision = self.journal.decision(_decision_scope(run), run.step)
         except StoreError:
             # Replay is an optimisation of resume; each side-effecting call is still claimed
             # in the journal before it runs, and refused if that claim cannot be written.
@@ -457,6 +480,14 @@ class ToolLoop:
                 return await self._model_failure(run, error)
             except ModelError as exc:
                 return await self._model_failure(run, exc)
+            except Exception as exc:
+                # A custom ChatModel that raises something else (a bug, a KeyError): a model
+                # failure like any other, never an exception out of the run.
+                wrapped = ModelError(
+                    f"the model raised {type(exc).__name__}: {exc}", model=self.model.spec
+                )
+                wrapped.__cause__ = exc
+                return await self._model_failure(run, wrapped)
             run.usage = run.usage + completion.usage
             self.monitor.record_call(
                 session_id=run.session_id,
@@ -492,7 +523,7 @@ class ToolLoop:
             for call in message.tool_calls
         ):
             try:
-                message = self.journal.record_decision(run.session_id, run.step, message)
+                message = self.journal.record_decision(_decision_scope(run), run.step, message)
             except StoreError:
                 logger.exception("could not journal the decision of step %s", run.step)
         run.history.append(message)
@@ -560,8 +591,15 @@ class ToolLoop:
                 run.history.append(blocked.to_message())
                 notes.append(signal.advice())
                 continue
+            found = self.registry.get(call.name)
+            if found is not None and found.side_effect:
+                await _call(self.hooks.before_side_effect, call)
             result = await self.executor.execute(
-                call, session_id=run.session_id, step=run.step, call_index=index
+                call,
+                session_id=run.session_id,
+                step=run.step,
+                call_index=index,
+                turn_id=run.turn_id,
             )
             results.append(result)
             run.history.append(result.to_message())
@@ -594,9 +632,13 @@ class ToolLoop:
                     await stop("loop_detected", signal.error())
                 notes.append(signal.advice())
         fingerprint: str | None = None
+        run.outcomes.update((r.tool, r.raw_arguments, r.content) for r in results)
         if self.hooks.state_fingerprint is not None:
             fingerprint = await _call(self.hooks.state_fingerprint)
-            signal = run.detector.check_progress(fingerprint)
+            # Progress is the state moving OR a call never seen before with a result never
+            # seen before: an agent without a workflow calling twelve different tools is
+            # working, not looping (repeats are the loop detector's business).
+            signal = run.detector.check_progress(f"{fingerprint}|{len(run.outcomes)}")
             if signal is not None:
                 on_loop(signal)
                 if signal.stop:
@@ -700,6 +742,11 @@ class ToolLoop:
             repairs=run.repairs,
             spiral=self.monitor.snapshot(session_id=run.session_id),
         )
+
+
+def _decision_scope(run: _Run) -> str:
+    """Where a step's decision is journalled: per session, and per turn when one is given."""
+    return run.session_id if run.turn_id is None else f"{run.session_id}#{run.turn_id}"
 
 
 def _blocked(call: ToolCall, text: str) -> ToolResult:

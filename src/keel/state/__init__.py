@@ -22,7 +22,7 @@ kept as deltas with periodic snapshots; schema versions migrate or fail loudly.
 
 from __future__ import annotations
 
-from keel.state._agent_state import AgentState
+from keel.state._agent_state import AgentState, SessionRuntime
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
 from keel.state._checkpoint import (
     Checkpoint,
@@ -66,6 +66,7 @@ __all__ = [
     "Retention",
     "SessionHead",
     "SessionLock",
+    "SessionRuntime",
     "StateBackend",
     "StateMachine",
     "StateMigration",

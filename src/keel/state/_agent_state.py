@@ -10,7 +10,38 @@ from keel.messages import Message
 from keel.state._machine import MachinePosition
 from keel.state._reducers import add_messages, merge
 
-__all__ = ["AgentState"]
+__all__ = ["AgentState", "SessionRuntime"]
+
+
+class SessionRuntime(BaseModel):
+    """keel's own bookkeeping for one session, typed and kept apart from the application's
+    ``data``: who owns the session, the turn in flight, and the running summary."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenant_id: str | None = Field(
+        default=None, description="The tenant the session belongs to (set on its first turn)."
+    )
+    user_id: str | None = Field(
+        default=None, description="The user the session belongs to (set on its first turn)."
+    )
+    turns: int = Field(default=0, ge=0, description="User messages handled so far.")
+    open_turn: str | None = Field(
+        default=None,
+        description="The id of the turn in flight: set when a turn starts, cleared when it "
+        "commits. Found set after a crash, the turn is resumed before anything else.",
+    )
+    open_turn_message: int | None = Field(
+        default=None, ge=0, description="Index in ``messages`` of the open turn's user message."
+    )
+    summary: str = Field(default="", description="The running summary of evicted turns.")
+    messages_summarized: int = Field(
+        default=0, ge=0, description="Leading messages folded into the summary."
+    )
+    turns_summarized: int = Field(default=0, ge=0, description="Turns folded into the summary.")
+    finished_workflows: tuple[dict[str, Any], ...] = Field(
+        default=(), description="The last positions of finished workflow instances (newest 20)."
+    )
 
 
 class AgentState(BaseModel):
@@ -29,6 +60,10 @@ class AgentState(BaseModel):
     )
     data: Annotated[dict[str, Any], merge] = Field(
         default_factory=dict, description="Application data; updates merge key by key."
+    )
+    runtime: SessionRuntime = Field(
+        default_factory=SessionRuntime,
+        description="keel's bookkeeping (owner, open turn, summary); not for applications.",
     )
 
     @model_validator(mode="after")

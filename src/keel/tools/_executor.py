@@ -136,7 +136,13 @@ class ToolExecutor:
         self.max_output_chars = max_output_chars
 
     async def execute(
-        self, call: ToolCall, *, session_id: str, step: int, call_index: int = 0
+        self,
+        call: ToolCall,
+        *,
+        session_id: str,
+        step: int,
+        call_index: int = 0,
+        turn_id: str | None = None,
     ) -> ToolResult:
         """Carry out ``call``; every failure comes back as a result, never as an exception.
 
@@ -213,7 +219,7 @@ class ToolExecutor:
             )
         arguments = validated.model_dump(mode="json")
         base.update(arguments=arguments, repairs=repairs)
-        key = idempotency_key(session_id, step, call_index)
+        key = idempotency_key(session_id, step, call_index, turn_id)
         context = ToolContext(
             session_id=session_id,
             step=step,

@@ -35,9 +35,17 @@ JournalStatus = Literal["started", "succeeded", "failed"]
 """``started``: intent written, no result yet. ``succeeded``/``failed``: the result is recorded."""
 
 
-def idempotency_key(session_id: str, step: int, call_index: int) -> str:
-    """The key of one tool call: stable across processes, safe to pass to external APIs."""
-    digest = hashlib.sha256(f"{session_id}\x00{step}\x00{call_index}".encode()).hexdigest()
+def idempotency_key(session_id: str, step: int, call_index: int, turn_id: str | None = None) -> str:
+    """The key of one tool call: stable across processes, safe to pass to external APIs.
+
+    ``turn_id`` (the Agent's id of the turn in flight, kept in its checkpoints) makes keys
+    unique to one turn: two writers that ever reached the same step number of a session
+    cannot share a key, while a resumed turn, which keeps its id, finds its own entries.
+    """
+    material = f"{session_id}\x00{step}\x00{call_index}"
+    if turn_id is not None:
+        material += f"\x00{turn_id}"
+    digest = hashlib.sha256(material.encode()).hexdigest()
     return f"keel-{digest[:32]}"
 
 
