@@ -1,0 +1,487 @@
+"""The Agent's invariants where users stand: through ``handle``, with scripted models, the
+real SQLite stores, and effects counted from what the tools did."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from keel.errors import (
+    AccessDeniedError,
+    ConflictError,
+    SessionBusyError,
+    StoreError,
+    UsageError,
+)
+from keel.guards import GuardConfig
+from keel.messages import Message, Usage
+from keel.models import Completion
+from keel.runtime import Agent
+from keel.state import AgentState, StateStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.tools import Tool, tool
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
+    db = SQLiteDatabase(tmp_path / "keel.db")
+    yield db
+    db.close()
+
+
+def _agent(
+    database: SQLiteDatabase,
+    model: ScriptedModel,
+    *,
+    tools: list[Tool] | None = None,
+    guards: GuardConfig | None = None,
+    tenant_id: str = "default",
+    **options: object,
+) -> Agent:
+    return Agent(
+        model,
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You help.",
+        tools=tools or [],
+        journal=SQLiteToolJournal(database),
+        guards=guards,
+        tenant_id=tenant_id,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def _booking() -> tuple[Tool, list[str]]:
+    effects: list[str] = []
+
+    @tool(side_effect=True, idempotent=False)
+    def book(ref: str) -> str:
+        """Book a seat.
+
+        Args:
+            ref: The booking reference.
+        """
+        effects.append(ref)
+        return f"BOOKED {ref}"
+
+    return book, effects
+
+
+def _books_then_answers(call: ScriptedCall) -> Message | str:
+    last = call.messages[-1]
+    if last.role == "tool":
+        return f"Done: {last.content}"
+    text = call.last_user_text
+    if text.startswith("book "):
+        return ScriptedModel.tool_call("book", json.dumps({"ref": text.split()[1]}))
+    return "Noted."
+
+
+# --- 1. a conflicted turn changed nothing; a stale writer is rejected -----------------------
+
+
+async def test_a_turn_that_cannot_own_the_session_changes_nothing(
+    database: SQLiteDatabase,
+) -> None:
+    book, effects = _booking()
+    agent = _agent(database, ScriptedModel(_books_then_answers), tools=[book], session_wait_s=0.2)
+    await agent.handle("s1", "u1", "hello")
+    key = agent.session_key("s1")
+    before = agent.state.load(key)
+    with agent.state.lock(key, ttl=30), pytest.raises(SessionBusyError):
+        await agent.handle("s1", "u1", "book X1")
+    after = agent.state.load(key)
+    assert after.version == before.version and after.state == before.state
+    assert effects == []
+    assert SQLiteToolJournal(database).entries() == []
+
+
+async def test_a_write_from_another_writer_mid_turn_is_never_overwritten(
+    database: SQLiteDatabase,
+) -> None:
+    """A blind write (a fresh read instead of the version the turn holds) would clobber the
+    other writer's version; compare-and-set rejects the stale turn instead."""
+    agent: Agent
+
+    def meddling(call: ScriptedCall) -> Message | str:
+        if call.last_user_text == "second":
+            key = agent.session_key("s1")
+            head = agent.state.load(key)
+            agent.state.checkpoint(
+                key,
+                head.state.model_copy(update={"data": {"written_by": "other"}}),
+                expected_version=head.version,
+                reason="another writer",
+            )
+        return "ok"
+
+    agent = _agent(database, ScriptedModel(meddling))
+    await agent.handle("s1", "u1", "first")
+    with pytest.raises(ConflictError):
+        await agent.handle("s1", "u1", "second")
+    head = agent.state.load(agent.session_key("s1"))
+    assert head.state.data == {"written_by": "other"}
+    assert head.info.reason == "another writer"
+
+
+# --- 3. a limit stop never hides an effect that happened ------------------------------------
+
+
+async def test_a_step_limit_after_a_booking_keeps_the_booking_in_history(
+    database: SQLiteDatabase,
+) -> None:
+    book, effects = _booking()
+
+    def books_then_dawdles(call: ScriptedCall) -> Message | str:
+        if not any(m.role == "tool" for m in call.messages):
+            return ScriptedModel.tool_call("book", json.dumps({"ref": "PNR1"}))
+        return ScriptedModel.tool_call("lookup", json.dumps({"q": str(len(call.messages))}))
+
+    @tool
+    def lookup(q: str) -> str:
+        """Look something up.
+
+        Args:
+            q: The query.
+        """
+        return f"nothing for {q}"
+
+    agent = _agent(
+        database,
+        ScriptedModel(books_then_dawdles),
+        tools=[book, lookup],
+        guards=GuardConfig(max_steps=4),
+    )
+    reply = await agent.handle("s1", "u1", "book PNR1 please")
+    assert reply.status == "step_limit" and reply.reverted
+    assert effects == ["PNR1"]
+    assert reply.effects == ("book",)
+    assert "BOOKED PNR1" in reply.text
+    state = agent.session_state("s1")
+    assert state is not None
+    results = [m.content for m in state.messages if m.role == "tool"]
+    assert results == ["BOOKED PNR1"], "the booking stays; the lookups are reverted"
+    # The next turn's model sees the booking and so does not book again.
+    seen: list[str] = []
+
+    def looks(call: ScriptedCall) -> str:
+        seen.extend(m.content for m in call.messages if m.role == "tool")
+        return "You are booked."
+
+    agent.model = ScriptedModel(looks)
+    await agent.handle("s1", "u1", "did it work?")
+    assert "BOOKED PNR1" in seen
+
+
+# --- 4. a new message after a crash finishes the open turn first ----------------------------
+
+
+async def test_a_new_message_after_a_crash_resumes_the_open_turn_first(
+    database: SQLiteDatabase,
+) -> None:
+    book, effects = _booking()
+
+    class _Crash(BaseException):
+        pass
+
+    crash = {"armed": True}
+
+    def crashes_after_the_booking(call: ScriptedCall) -> Message | str:
+        if call.messages[-1].role == "tool" and crash["armed"]:
+            crash["armed"] = False
+            raise _Crash
+        return _books_then_answers(call)
+
+    agent = _agent(database, ScriptedModel(crashes_after_the_booking), tools=[book])
+    with pytest.raises(_Crash):
+        await agent.handle("s1", "u1", "book CARD7")
+    # A new process: its own Agent on the same database.
+    fresh = _agent(database, ScriptedModel(_books_then_answers), tools=[book])
+    reply = await fresh.handle("s1", "u1", "what is the weather?")
+    assert effects == ["CARD7"], "the interrupted booking was replayed, not repeated"
+    assert reply.interrupted_turn is not None
+    assert reply.interrupted_turn.status == "completed"
+    assert "BOOKED CARD7" in reply.interrupted_turn.text
+    assert reply.text == "Noted."
+    state = fresh.session_state("s1")
+    assert state is not None
+    users = [m.content for m in state.messages if m.role == "user"]
+    assert users == ["book CARD7", "what is the weather?"]
+    assert state.runtime.open_turn is None
+
+
+async def test_the_same_message_resent_after_a_crash_is_handled_once(
+    database: SQLiteDatabase,
+) -> None:
+    book, effects = _booking()
+
+    class _Crash(BaseException):
+        pass
+
+    def crashes(call: ScriptedCall) -> Message | str:
+        if call.messages[-1].role == "tool":
+            raise _Crash
+        return _books_then_answers(call)
+
+    with pytest.raises(_Crash):
+        await _agent(database, ScriptedModel(crashes), tools=[book]).handle("s1", "u1", "book R9")
+    fresh = _agent(database, ScriptedModel(_books_then_answers), tools=[book])
+    reply = await fresh.handle("s1", "u1", "book R9")
+    assert reply.resumed and reply.status == "completed"
+    assert effects == ["R9"]
+    state = fresh.session_state("s1")
+    assert state is not None
+    assert [m.content for m in state.messages if m.role == "user"] == ["book R9"]
+
+
+# --- 6. sessions belong to one tenant and one user ------------------------------------------
+
+
+async def test_sessions_are_scoped_to_their_tenant_and_user(database: SQLiteDatabase) -> None:
+    prompts: list[str] = []
+
+    def records(call: ScriptedCall) -> str:
+        prompts.extend(m.content for m in call.messages)
+        return "ok"
+
+    acme = _agent(database, ScriptedModel(records), tenant_id="acme")
+    await acme.handle("s1", "alice", "My locker code is 7731")
+    prompts.clear()
+    evil = _agent(database, ScriptedModel(records), tenant_id="evil")
+    await evil.handle("s1", "mallory", "what did I say?")
+    assert not any("7731" in text for text in prompts), "another tenant's session leaked"
+    with pytest.raises(AccessDeniedError):
+        await acme.handle("s1", "mallory", "what is my locker code?")
+    with pytest.raises(AccessDeniedError):
+        await acme.resume("s1", "mallory")
+    assert not any("7731" in text for text in prompts)
+    state = acme.session_state("s1")
+    assert state is not None and state.runtime.user_id == "alice"
+    assert [m.content for m in state.messages if m.role == "user"] == ["My locker code is 7731"]
+
+
+# --- 9. runtime corrections are never the user's words --------------------------------------
+
+
+async def test_a_correction_prompt_is_not_kept_as_the_users_words(
+    database: SQLiteDatabase,
+) -> None:
+    calls = {"n": 0}
+
+    def cut_then_fine(call: ScriptedCall) -> Completion | str:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return Completion(
+                message=Message.assistant('{"name": "remember", "arguments": {"slot"'),
+                finish_reason="length",
+                usage=Usage(prompt_tokens=10, completion_tokens=5),
+                model="scripted",
+            )
+        return "Rex is a fine name."
+
+    from keel.memory import HashingEmbedder, Memory, Scope
+    from keel.stores import SQLiteMemoryStore
+
+    memory = Memory(SQLiteMemoryStore(database), embedder=HashingEmbedder(dimension=64))
+    agent = _agent(database, ScriptedModel(cut_then_fine), memory=memory)
+    reply = await agent.handle("s1", "u1", "My dog is called Rex")
+    assert reply.status == "completed"
+    memory.flush()
+    remembered = [r.text for r in memory.recent(Scope(tenant_id="default", user_id="u1"))]
+    memory.close()
+    assert any("User: My dog is called Rex" in text for text in remembered), remembered
+    assert not any("cut off" in text for text in remembered)
+    state = agent.session_state("s1")
+    assert state is not None
+    users = [m for m in state.messages if m.role == "user"]
+    assert [m.content for m in users] == ["My dog is called Rex"]
+    assert all("keel_correction" not in m.metadata for m in state.messages)
+
+
+# --- 10. several threads on one session ---------------------------------------------------
+
+
+def test_handle_sync_from_two_threads_on_one_session_finishes(
+    database: SQLiteDatabase,
+) -> None:
+    agent = _agent(database, ScriptedModel(lambda call: "ok"))
+    errors: list[BaseException] = []
+
+    def talk(name: str) -> None:
+        try:
+            for n in range(5):
+                agent.handle_sync("s1", "u1", f"{name} {n}")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=talk, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "handle_sync hung"
+    assert errors == []
+    state = agent.session_state("s1")
+    assert state is not None
+    assert len([m for m in state.messages if m.role == "user"]) == 10
+
+
+# --- 11, 13, 15. bad input and broken models get typed errors, never an open turn ---------
+
+
+@pytest.mark.parametrize(
+    ("session", "user", "text"),
+    [
+        ("s1", "u1", None),
+        ("s1", "u1", b"bytes"),
+        (42, "u1", "hi"),
+        ("s1", None, "hi"),
+        ("", "u1", "hi"),
+        ("s1", "u1", "\u200b\u200b"),
+        ("s1", "u1", " \ufeff\n"),
+    ],
+)
+async def test_bad_arguments_are_usage_errors(
+    database: SQLiteDatabase, session: object, user: object, text: object
+) -> None:
+    agent = _agent(database, ScriptedModel(lambda call: "ok"))
+    with pytest.raises(UsageError):
+        await agent.handle(session, user, text)  # type: ignore[arg-type]
+    assert agent.state.sessions() == []
+
+
+async def test_lone_surrogates_from_the_user_and_the_model_are_stored_safely(
+    database: SQLiteDatabase,
+) -> None:
+    agent = _agent(database, ScriptedModel(lambda call: "broken \ud800 reply"))
+    reply = await agent.handle("s1", "u1", "hello \udfff there")
+    assert reply.status == "completed"
+    assert "\ud800" not in reply.text
+    state = agent.session_state("s1")
+    assert state is not None and state.runtime.open_turn is None
+    assert [m.content for m in state.messages] == ["hello \ufffd there", "broken \ufffd reply"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyError("choices")])
+async def test_a_custom_model_raising_anything_ends_the_turn_cleanly(
+    database: SQLiteDatabase, error: Exception
+) -> None:
+    agent = _agent(database, ScriptedModel([error], repeat_last=True))
+    reply = await agent.handle("s1", "u1", "hello")
+    assert reply.status == "model_failed"
+    assert type(error).__name__ in (reply.error or "")
+    state = agent.session_state("s1")
+    assert state is not None and state.runtime.open_turn is None
+
+
+# --- 14. a reply that was never saved is never shown to the model ---------------------------
+
+
+async def test_a_failed_commit_leaves_no_unsaved_reply_in_the_next_prompt(
+    database: SQLiteDatabase,
+) -> None:
+    prompts: list[list[str]] = []
+
+    def answers(call: ScriptedCall) -> str:
+        prompts.append([m.content for m in call.messages])
+        return f"answer to {call.last_user_text}"
+
+    agent = _agent(database, ScriptedModel(answers))
+    await agent.handle("s1", "u1", "one")
+    original = agent.state.acheckpoint
+
+    async def failing_commit(session_id: str, state: AgentState, **options: object) -> int:
+        if options.get("reason") == "turn completed":
+            raise StoreError("disk full")
+        return await original(session_id, state, **options)  # type: ignore[arg-type]
+
+    agent.state.acheckpoint = failing_commit  # type: ignore[method-assign]
+    with pytest.raises(StoreError):
+        await agent.handle("s1", "u1", "two")
+    agent.state.acheckpoint = original  # type: ignore[method-assign]
+    await agent.handle("s1", "u1", "three")
+    # "two" was left open by the failed commit and is finished before "three"; the reply that
+    # was never saved is not in the prompt next to the one that was.
+    assert prompts[-1] == ["You help.", "one", "answer to one", "two", "answer to two", "three"]
+
+
+# --- 17. progress without a state machine ---------------------------------------------------
+
+
+async def test_many_different_tool_calls_without_a_machine_are_progress(
+    database: SQLiteDatabase,
+) -> None:
+    def make(name: str) -> Tool:
+        def lookup(q: str) -> str:
+            return f"{name} result for {q}"
+
+        lookup.__name__ = name
+        lookup.__doc__ = f"Look up in {name}.\n\nArgs:\n    q: The query.\n"
+        return tool(lookup)
+
+    tools = [make(f"source_{n}") for n in range(12)]
+
+    def twelve_lookups(call: ScriptedCall) -> Message | str:
+        done = sum(m.role == "tool" for m in call.messages)
+        if done < 12:
+            return ScriptedModel.tool_call(f"source_{done}", json.dumps({"q": f"topic {done}"}))
+        return "Here is everything."
+
+    agent = _agent(
+        database, ScriptedModel(twelve_lookups), tools=tools, guards=GuardConfig(max_steps=20)
+    )
+    reply = await agent.handle("s1", "u1", "research this")
+    assert reply.status == "completed", reply.error
+    assert reply.steps == 13
+
+
+# --- 19. the whole turn within the time limit; the reserve is the model's max_tokens --------
+
+
+async def test_the_answer_reserve_is_sent_as_max_tokens(database: SQLiteDatabase) -> None:
+    model = ScriptedModel(lambda call: "ok")
+    agent = _agent(database, model)
+    await agent.handle("s1", "u1", "hello")
+    assert model.calls[0].options.max_tokens == agent.engine.budget.reserve
+
+
+async def test_the_time_limit_covers_memory_retrieval_and_commit(
+    database: SQLiteDatabase,
+) -> None:
+    model = ScriptedModel(lambda call: "ok", delay_s=0.3)
+    agent = _agent(database, model, guards=GuardConfig(run_timeout_s=1.0, model_timeout_s=5))
+
+    async def slow_memories(user_id: str, query: str) -> list[object]:
+        await asyncio.sleep(0.8)
+        return []
+
+    agent._memories = slow_memories  # type: ignore[assignment, method-assign]
+    reply = await agent.handle("s1", "u1", "hello")
+    # The loop got what was left of the turn's second (too little for a 0.3 s model call),
+    # not a fresh second of its own.
+    assert reply.status == "time_limit"
+
+
+async def test_a_turn_that_lost_its_lease_runs_no_side_effect(database: SQLiteDatabase) -> None:
+    """A worker that stalled past its lease while another took the session over must not
+    book: the lease is renewed, and found taken, right before the effect."""
+    book, effects = _booking()
+    agent: Agent
+
+    def stalls_then_books(call: ScriptedCall) -> Message | str:
+        key = f"session:{agent.session_key('s1')}"
+        with database.transaction() as conn:
+            conn.execute("DELETE FROM keel_state_locks WHERE key = ?", (key,))
+        assert agent.state.backend.acquire_lock(key, "another-worker", 30, 1e12)
+        return ScriptedModel.tool_call("book", json.dumps({"ref": "LATE1"}))
+
+    agent = _agent(database, ScriptedModel(stalls_then_books), tools=[book])
+    with pytest.raises(ConflictError, match="interrupted"):
+        await agent.handle("s1", "u1", "book LATE1")
+    assert effects == []
+    assert SQLiteToolJournal(database).entries() == []
