@@ -485,3 +485,43 @@ async def test_a_turn_that_lost_its_lease_runs_no_side_effect(database: SQLiteDa
         await agent.handle("s1", "u1", "book LATE1")
     assert effects == []
     assert SQLiteToolJournal(database).entries() == []
+
+
+@pytest.mark.parametrize("backend", ["postgres", "redis"])
+async def test_on_server_backends_sessions_are_scoped_and_owned_one_turn_at_a_time(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    from keel.stores import PostgresToolJournal, open_state_backend
+
+    url = request.getfixturevalue("postgres_url" if backend == "postgres" else "redis_url")
+    journal_url = url if backend == "postgres" else request.getfixturevalue("postgres_url")
+    book, effects = _booking()
+    with PostgresToolJournal(journal_url) as journal:
+        state_backend = open_state_backend(url)
+
+        def agent_for(tenant: str) -> Agent:
+            return Agent(
+                ScriptedModel(_books_then_answers),
+                state=StateStore(state_backend, AgentState),
+                system_prompt="You help.",
+                tools=[book],
+                journal=journal,
+                tenant_id=tenant,
+                lease_ttl_s=5,
+            )
+
+        acme, evil = agent_for("acme"), agent_for("evil")
+        replies = await asyncio.gather(
+            *(acme.handle("s1", "alice", f"book A{n}") for n in range(4)),
+            evil.handle("s1", "mallory", "hello"),
+        )
+        assert all(reply.status == "completed" for reply in replies)
+        assert sorted(effects) == ["A0", "A1", "A2", "A3"]
+        with pytest.raises(AccessDeniedError):
+            await acme.handle("s1", "mallory", "hi")
+        mine = acme.session_state("s1")
+        theirs = evil.session_state("s1")
+        assert mine is not None and theirs is not None
+        assert len([m for m in mine.messages if m.role == "user"]) == 4
+        assert [m.content for m in theirs.messages if m.role == "user"] == ["hello"]
+        await state_backend.aclose()
