@@ -241,8 +241,8 @@ class Agent:
         tenant_id: the tenant every session, journal entry, trace and memory is scoped to.
         name: the agent's name in traces and death-spiral indicators.
         lease_ttl_s: how long a turn's lease on its session lasts without renewal (it is
-            renewed every third of that while the turn runs). After a crash the session is
-            free again once it expires.
+            renewed every third of that while the turn runs). A lease whose holder died on
+            this machine is taken over at once; one held elsewhere frees when it expires.
         session_wait_s: how long a turn waits for a session another turn holds before it
             gives up with :class:`~keel.errors.SessionBusyError` (default: the lease's time
             to live and 5 s, so a crashed holder's lease can expire).
@@ -266,7 +266,7 @@ class Agent:
         masker: PIIMasker | None = _DEFAULT_MASKER,
         tenant_id: str = "default",
         name: str = "agent",
-        lease_ttl_s: float = 30.0,
+        lease_ttl_s: float = 10.0,
         session_wait_s: float | None = None,
     ) -> None:
         if not isinstance(system_prompt, str) or not system_prompt.strip():

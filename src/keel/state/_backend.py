@@ -150,6 +150,12 @@ class StateBackend(ABC):
     def release_lock(self, key: str, owner: str) -> bool:
         """Release the lease if ``owner`` still holds it."""
 
+    def lock_holder(self, key: str, now: float) -> str | None:
+        """The owner holding the lease ``key`` now, or None (free, expired, or not known: the
+        default, for backends that cannot tell). Lets a new process take over the lease of a
+        process on the same machine that died holding it instead of waiting for its expiry."""
+        return None
+
     @abstractmethod
     def storage_bytes(self) -> int:
         """Bytes the backend uses for state (tables and indexes, or Redis memory)."""
@@ -207,6 +213,10 @@ class StateBackend(ABC):
     async def arelease_lock(self, key: str, owner: str) -> bool:
         """Async twin of ``release_lock``."""
         return await asyncio.to_thread(self.release_lock, key, owner)
+
+    async def alock_holder(self, key: str, now: float) -> str | None:
+        """Async twin of ``lock_holder``."""
+        return await asyncio.to_thread(self.lock_holder, key, now)
 
     async def aclose(self) -> None:
         """Async twin of ``close``."""

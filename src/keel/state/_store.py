@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import operator
+import os
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -22,6 +24,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from dataclasses import replace as replace_dc
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel
@@ -114,6 +117,40 @@ def _info(session_id: str, row: StoredCheckpoint) -> CheckpointInfo:
     )
 
 
+def _process_identity() -> str:
+    """This machine, PID namespace and process: enough to tell, from another process on the
+    same machine, whether a lease's holder still runs."""
+    try:
+        namespace = Path("/proc/self/ns/pid").stat().st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}:{namespace}:{os.getpid()}"
+
+
+_THIS_PROCESS = _process_identity()
+
+
+def _died(holder: str) -> bool:
+    """Whether the owner ``holder`` is a process of this machine (and PID namespace) that no
+    longer runs. Owners from elsewhere, or in any other format, are never presumed dead."""
+    host, _, rest = holder.partition(":")
+    namespace, _, rest = rest.partition(":")
+    pid_text, _, _ = rest.partition(":")
+    mine_host, mine_namespace, mine_pid = _THIS_PROCESS.split(":")
+    if host != mine_host or namespace != mine_namespace or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == int(mine_pid):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 class SessionLock:
     """An advisory lease on a session (``with store.lock(session_id): ...``).
 
@@ -125,7 +162,9 @@ class SessionLock:
         self._backend = backend
         self.key = key
         self.ttl = ttl
-        self.owner = uuid.uuid4().hex
+        # The owner names its machine and process, so that a process on the same machine can
+        # tell that a holder died (SIGKILL, power cut of a laptop app) and take over at once.
+        self.owner = f"{_THIS_PROCESS}:{uuid.uuid4().hex}"
         self._clock = clock
         self.held = False
 
@@ -137,6 +176,10 @@ class SessionLock:
             if self._backend.acquire_lock(self.key, self.owner, self.ttl, self._clock()):
                 self.held = True
                 return True
+            holder = self._backend.lock_holder(self.key, self._clock())
+            if holder is not None and _died(holder):
+                self._backend.release_lock(self.key, holder)
+                continue
             if time.monotonic() >= deadline:
                 return False
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -156,6 +199,10 @@ class SessionLock:
             if await self._backend.aacquire_lock(self.key, self.owner, self.ttl, self._clock()):
                 self.held = True
                 return True
+            holder = await self._backend.alock_holder(self.key, self._clock())
+            if holder is not None and _died(holder):
+                await self._backend.arelease_lock(self.key, holder)
+                continue
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))

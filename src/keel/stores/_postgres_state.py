@@ -487,6 +487,16 @@ class PostgresStateBackend(StateBackend):
             cur.execute(_LOCK, (key, owner, now + ttl, now))
             return bool(cur.rowcount == 1)
 
+    def lock_holder(self, key: str, now: float) -> str | None:
+        with self._tx() as cur:
+            cur.execute(
+                "SELECT owner FROM keel_state_locks WHERE key = %s AND expires_at > %s", (key, now)
+            )
+            row = cur.fetchone()
+        if row is None:
+            return None
+        return str(row["owner"] if isinstance(row, dict) else row[0])
+
     def release_lock(self, key: str, owner: str) -> bool:
         with self._tx() as cur:
             cur.execute("DELETE FROM keel_state_locks WHERE key = %s AND owner = %s", (key, owner))

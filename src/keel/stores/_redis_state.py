@@ -486,6 +486,10 @@ class RedisStateBackend(StateBackend):
             )
         )
 
+    def lock_holder(self, key: str, now: float) -> str | None:
+        value = self._run(self._client.get, f"{self.prefix}:lock:{key}")
+        return None if value is None else _text(value)
+
     def release_lock(self, key: str, owner: str) -> bool:
         return bool(self._call(self._release, [f"{self.prefix}:lock:{key}"], [owner]))
 

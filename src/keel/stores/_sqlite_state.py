@@ -322,6 +322,13 @@ class SQLiteStateBackend(StateBackend):
             )
             return cursor.rowcount == 1
 
+    def lock_holder(self, key: str, now: float) -> str | None:
+        with self.db.translated() as conn:
+            row = conn.execute(
+                "SELECT owner FROM keel_state_locks WHERE key = ? AND expires_at > ?", (key, now)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
     def release_lock(self, key: str, owner: str) -> bool:
         with self._tx() as conn:
             cursor = conn.execute(

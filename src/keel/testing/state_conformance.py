@@ -394,6 +394,30 @@ class StateBackendConformance:
         finally:
             other_backend.close()
 
+    async def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(
+        self, store: StateStore[CounterState]
+    ) -> None:
+        from keel.state._store import _THIS_PROCESS
+
+        host, namespace, _ = _THIS_PROCESS.split(":")
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        now = time.time()
+        dead_owner = f"{host}:{namespace}:{dead.pid}:0123"
+        assert store.backend.acquire_lock("session:d", dead_owner, 60, now)
+        assert store.backend.lock_holder("session:d", now) == dead_owner
+        with store.lock("d", ttl=5, wait=0) as lease:  # no wait for the 60 s to pass
+            assert lease.held
+        assert await store.session_lock("d", ttl=5).aacquire(wait=0)
+        # A holder on another machine, or one alive here, is never presumed dead.
+        elsewhere = f"another-host:{namespace}:{dead.pid}:0123"
+        assert store.backend.acquire_lock("session:e", elsewhere, 60, now)
+        assert not store.session_lock("e", ttl=5).acquire(wait=0)
+        alive = f"{host}:{namespace}:{os.getppid()}:0123"
+        assert store.backend.acquire_lock("session:f", alive, 60, now)
+        assert not await store.session_lock("f", ttl=5).aacquire(wait=0)
+        await store.aclose()
+
     # --- async twins --------------------------------------------------------------------------
 
     async def test_async_twins(self, store: StateStore[CounterState]) -> None:
