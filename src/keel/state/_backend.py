@@ -170,6 +170,23 @@ class StateBackend(ABC):
         """Async twin of ``read_chain``."""
         return await asyncio.to_thread(self.read_chain, session_id, version, now)
 
+    def read_head_chain(
+        self, session_id: str, now: float, known_version: int, known_epoch: str
+    ) -> Chain | None:
+        """The chain of the head, like ``read_chain(session_id, None, now)``, for a caller that
+        already holds version ``known_version`` of incarnation ``known_epoch``: while that is
+        still the head, the chain may hold the head row alone (its state is known; its
+        metadata, such as the good mark, is read fresh). The default reads the whole chain."""
+        return self.read_chain(session_id, None, now)
+
+    async def aread_head_chain(
+        self, session_id: str, now: float, known_version: int, known_epoch: str
+    ) -> Chain | None:
+        """Async twin of ``read_head_chain``."""
+        return await asyncio.to_thread(
+            self.read_head_chain, session_id, now, known_version, known_epoch
+        )
+
     async def awrite(
         self,
         session_id: str,

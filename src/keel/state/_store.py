@@ -284,24 +284,61 @@ class StateStore(Generic[S]):
         return base, state, last
 
     def _read(self, session_id: str, version: int | None) -> tuple[_Base, Checkpoint[S]] | None:
-        chain = self.backend.read_chain(session_id, version, self.clock())
-        return self._finish_read(session_id, version, chain)
+        cached = self._cache.get(session_id) if version is None else None
+        if cached is not None:
+            chain = self.backend.read_head_chain(
+                session_id, self.clock(), cached.version, cached.epoch
+            )
+        else:
+            chain = self.backend.read_chain(session_id, version, self.clock())
+        return self._finish_read(session_id, version, chain, cached)
 
     async def _aread(
         self, session_id: str, version: int | None
     ) -> tuple[_Base, Checkpoint[S]] | None:
-        chain = await self.backend.aread_chain(session_id, version, self.clock())
-        return self._finish_read(session_id, version, chain)
+        cached = self._cache.get(session_id) if version is None else None
+        if cached is not None:
+            chain = await self.backend.aread_head_chain(
+                session_id, self.clock(), cached.version, cached.epoch
+            )
+        else:
+            chain = await self.backend.aread_chain(session_id, version, self.clock())
+        return self._finish_read(session_id, version, chain, cached)
 
     def _finish_read(
-        self, session_id: str, version: int | None, chain: Chain | None
+        self,
+        session_id: str,
+        version: int | None,
+        chain: Chain | None,
+        cached: _Base | None = None,
     ) -> tuple[_Base, Checkpoint[S]] | None:
         if chain is None or not chain.rows:
             return None
+        last = chain.rows[-1]
+        if (
+            cached is not None
+            and last.version == cached.version == chain.head.version
+            and chain.head.epoch == cached.epoch
+            and last.schema_version == cached.stored_schema_version
+        ):
+            # The head is the version this store last read or wrote: its state is known, so
+            # nothing is decoded or validated again (the cost of a read stays flat however long
+            # the session grows). The caller gets its own copy of the mutable containers.
+            return cached, Checkpoint(_info(session_id, last), self._copy(cached.state))
         base, state, last = self._rebuild(session_id, chain)
         if version is None or version == chain.head.version:
             self._remember(base)
         return base, Checkpoint(_info(session_id, last), state)
+
+    def _copy(self, state: Any) -> Any:
+        if isinstance(state, BaseModel):
+            containers = {
+                name: type(value)(value)
+                for name, value in state.__dict__.items()
+                if isinstance(value, list | dict | set)
+            }
+            return state.model_copy(update=containers)
+        return state
 
     def get(self, session_id: str) -> Checkpoint[S] | None:
         """The latest checkpoint of a session, or None if there is none.

@@ -140,6 +140,24 @@ class SQLiteStateBackend(StateBackend):
                 f"(version {head.version}); it reads as absent"
             )
 
+    def read_head_chain(
+        self, session_id: str, now: float, known_version: int, known_epoch: str
+    ) -> Chain | None:
+        with self._snapshot() as conn:
+            head = self._head(conn, session_id)
+            if head is None:
+                return None
+            self._check_live(head, now)
+            if head.version == known_version and head.epoch == known_epoch:
+                found = conn.execute(
+                    f"SELECT {_COLUMNS} FROM keel_state_checkpoints "
+                    "WHERE session_id = ? AND version = ?",
+                    (session_id, head.version),
+                ).fetchone()
+                if found is not None:
+                    return Chain(head, [_row(found)])
+        return self.read_chain(session_id, None, now)
+
     def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
         with self._snapshot() as conn:
             head = self._head(conn, session_id)

@@ -368,6 +368,29 @@ class StateBackendConformance:
         with pytest.raises(StateMigrationError, match="newer"):
             old.get("p")
 
+    def test_a_known_head_is_read_again_once_another_writer_moved_it(
+        self, store: StateStore[CounterState], state_backend_url: str
+    ) -> None:
+        cp = store.create("c", CounterState())
+        assert store.load("c").state.counter == 0  # this store now knows the head
+        other_backend = open_state_backend(state_backend_url)
+        other = StateStore(other_backend, CounterState)
+        try:
+            moved = other.update("c", {"counter": 3}, expected_version=cp.version)
+            got = store.load("c")
+            assert got.version == moved.version and got.state.counter == 3
+            other.mark("c", moved.version, good=True)
+            assert store.load("c").info.good is True  # metadata is fresh, not cached
+            # Each read is the caller's own copy: changing it in place changes nothing stored.
+            mine = store.load("c")
+            mine.state.items.append("local only")
+            again = store.load("c")
+            assert again.state.items == [] and again.version == moved.version
+            store.update("c", {"counter": 1}, expected_version=again.version)
+            assert other.load("c").state == CounterState(counter=4)
+        finally:
+            other_backend.close()
+
     # --- locks --------------------------------------------------------------------------------
 
     def test_lock_is_advisory_and_the_version_check_fences(

@@ -76,9 +76,16 @@ def render_tools_for_counting(tools: Sequence[Mapping[str, Any]]) -> str:
 class ChatTokenCounter:
     """Counts prompts for one model: text, per-message framing, tool calls and tool schemas."""
 
-    def __init__(self, profile: ModelProfile, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, profile: ModelProfile, tokenizer: Tokenizer, *, cache_size: int = 65_536
+    ) -> None:
         self.profile = profile
         self.tokenizer = tokenizer
+        self.cache_size = cache_size
+        # A message's count is a pure function of its role, text, name and tool calls: keep
+        # the counts of recent messages, so a prompt that repeats the window (every compile,
+        # every usage report) costs a dict look-up per message, not a tokenization.
+        self._message_counts: dict[tuple[Any, ...], int] = {}
 
     @property
     def exact(self) -> bool:
@@ -100,7 +107,25 @@ class ChatTokenCounter:
         return f"<|im_start|>{message.role}\n{body}<|im_end|>\n"
 
     def count_message(self, message: Message) -> int:
-        """Tokens one message costs in a prompt, framing included."""
+        """Tokens one message costs in a prompt, framing included (cached per message)."""
+        key = (
+            message.role,
+            message.content,
+            message.name,
+            tuple((call.id, call.name, call.arguments) for call in message.tool_calls),
+        )
+        cached = self._message_counts.get(key)
+        if cached is not None:
+            return cached
+        tokens = self._count_message(message)
+        if self.cache_size > 0:
+            if len(self._message_counts) >= self.cache_size:
+                # Oldest first: dicts keep insertion order.
+                del self._message_counts[next(iter(self._message_counts))]
+            self._message_counts[key] = tokens
+        return tokens
+
+    def _count_message(self, message: Message) -> int:
         if self.profile.chat_format == "chatml":
             encode_template = getattr(self.tokenizer, "encode_template", None)
             rendered = self._chatml_render(message)
