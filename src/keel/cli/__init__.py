@@ -19,6 +19,7 @@ from keel.cli import (  # noqa: F401
     _state,
     _tokens,
     _tools,
+    _turns,
 )
 from keel.cli._app import app, err_console
 from keel.errors import KeelError, UsageError

@@ -1,0 +1,238 @@
+"""``keel bench turns``: the runtime's own cost per turn over one long session, versus LangGraph.
+
+Workload: one session of ``turns`` turns. In each, the user asks a question, the model calls
+one tool, the tool answers and the model answers (two model calls, one tool call). The model
+is a zero-latency scripted policy, so what is timed is the runtime itself: state, context,
+journal and traces. keel runs as ``Agent.embedded`` (one SQLite file); LangGraph runs its
+prebuilt ReAct agent with ``SqliteSaver`` and a chat model that plays the same policy.
+
+Figures: the median and p95 of each ``bucket`` turns, ``flatness`` (the last bucket's median
+over the first's: 1.0 is a runtime whose cost does not grow with the session), p50/p95 over
+all turns, turns per second, and the database's bytes counted from the files on disk. Every
+turn's reply is checked, and the tool's executions are counted from the tool itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from keel.messages import Message
+
+__all__ = ["run_turns_bench"]
+
+_ANSWER = "Here is what I found: " + "the answer in a few plain words " * 3
+
+
+def _question(turn: int) -> str:
+    return f"Question {turn}: what do the records say about item {turn % 97}?"
+
+
+def _tool_output(query: str) -> str:
+    return f"records for {query}: " + "one entry with its details " * 6
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    index = min(len(ordered) - 1, max(0, round(share * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _summary(times_ms: list[float], bucket: int, elapsed_s: float) -> dict[str, Any]:
+    buckets = [times_ms[i : i + bucket] for i in range(0, len(times_ms), bucket)]
+    p50s = [round(statistics.median(part), 3) for part in buckets if part]
+    p95s = [round(_percentile(part, 0.95), 3) for part in buckets if part]
+    return {
+        "buckets_ms_p50": p50s,
+        "buckets_ms_p95": p95s,
+        "flatness": round(p50s[-1] / p50s[0], 3) if p50s and p50s[0] > 0 else None,
+        "p50_ms": round(statistics.median(times_ms), 3),
+        "p95_ms": round(_percentile(times_ms, 0.95), 3),
+        "turns_per_s": round(len(times_ms) / elapsed_s, 2) if elapsed_s > 0 else None,
+    }
+
+
+def _file_bytes(path: Path) -> int:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+    return sum(
+        candidate.stat().st_size for candidate in (path, Path(f"{path}-wal")) if candidate.exists()
+    )
+
+
+def _keel(turns: int, bucket: int, directory: Path, *, memory: bool) -> dict[str, Any]:
+    from keel.runtime import Agent
+    from keel.settings import load_settings
+    from keel.testing import ScriptedCall, ScriptedModel
+    from keel.tools import tool
+
+    executions = {"count": 0}
+
+    @tool
+    def lookup(query: str) -> str:
+        """Look records up.
+
+        Args:
+            query: What to look up.
+        """
+        executions["count"] += 1
+        return _tool_output(query)
+
+    def policy(call: ScriptedCall) -> Message | str:
+        if call.messages[-1].role == "tool":
+            return _ANSWER
+        return ScriptedModel.tool_call("lookup", json.dumps({"query": call.last_user_text[-24:]}))
+
+    data_dir = directory / ("keel-memory" if memory else "keel")
+    settings = load_settings(data_dir=data_dir, embedder="hashing:256")
+    agent = Agent.embedded(
+        ScriptedModel(policy),
+        system_prompt="You answer questions from the records.",
+        tools=[lookup],
+        memory=memory,
+        settings=settings,
+    )
+    times: list[float] = []
+
+    async def drive() -> float:
+        started = time.perf_counter()
+        for turn in range(turns):
+            before = time.perf_counter()
+            reply = await agent.handle("bench", "user", _question(turn))
+            times.append((time.perf_counter() - before) * 1000)
+            if reply.status != "completed" or reply.text != _ANSWER:
+                raise RuntimeError(f"turn {turn} did not complete: {reply.status} {reply.error}")
+        return time.perf_counter() - started
+
+    try:
+        elapsed = asyncio.run(drive())
+    finally:
+        agent.close()
+    if executions["count"] != turns:
+        raise RuntimeError(f"the tool ran {executions['count']} times for {turns} turns")
+    figures = _summary(times, bucket, elapsed)
+    database = settings.sqlite_path
+    assert database is not None
+    figures["db_bytes"] = _file_bytes(database)
+    figures["tool_executions"] = executions["count"]
+    return figures
+
+
+def _langgraph(turns: int, bucket: int, directory: Path) -> dict[str, Any]:
+    import sqlite3
+
+    from langchain_core.language_models.chat_models import BaseChatModel
+    from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+    from langchain_core.outputs import ChatGeneration, ChatResult
+    from langchain_core.tools import tool as lc_tool
+    from langgraph.checkpoint.sqlite import SqliteSaver
+    from langgraph.prebuilt import create_react_agent
+
+    executions = {"count": 0}
+
+    @lc_tool
+    def lookup(query: str) -> str:
+        """Look records up."""
+        executions["count"] += 1
+        return _tool_output(query)
+
+    class PolicyChatModel(BaseChatModel):
+        """Plays the same policy as keel's scripted model: a tool call, then the answer."""
+
+        calls: int = 0
+
+        @property
+        def _llm_type(self) -> str:
+            return "keel-bench-policy"
+
+        def bind_tools(self, tools: Any, **kwargs: Any) -> PolicyChatModel:
+            return self
+
+        def _generate(
+            self,
+            messages: list[BaseMessage],
+            stop: list[str] | None = None,
+            run_manager: Any = None,
+            **kwargs: Any,
+        ) -> ChatResult:
+            self.calls += 1
+            last = messages[-1]
+            if isinstance(last, ToolMessage):
+                reply = AIMessage(content=_ANSWER)
+            else:
+                query = str(last.content)[-24:]
+                reply = AIMessage(
+                    content="",
+                    tool_calls=[
+                        {"name": "lookup", "args": {"query": query}, "id": f"call_{self.calls}"}
+                    ],
+                )
+            return ChatResult(generations=[ChatGeneration(message=reply)])
+
+    path = directory / "langgraph.db"
+    conn = sqlite3.connect(path, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    saver = SqliteSaver(conn)
+    graph: Any = create_react_agent(PolicyChatModel(), [lookup], checkpointer=saver)
+    config = {"configurable": {"thread_id": "bench"}}
+    times: list[float] = []
+    started = time.perf_counter()
+    try:
+        for turn in range(turns):
+            before = time.perf_counter()
+            out = graph.invoke({"messages": [("user", _question(turn))]}, config)
+            times.append((time.perf_counter() - before) * 1000)
+            if out["messages"][-1].content != _ANSWER:
+                raise RuntimeError(f"LangGraph turn {turn} did not answer")
+        elapsed = time.perf_counter() - started
+    finally:
+        conn.close()
+    if executions["count"] != turns:
+        raise RuntimeError(f"LangGraph's tool ran {executions['count']} times for {turns} turns")
+    figures = _summary(times, bucket, elapsed)
+    figures["db_bytes"] = _file_bytes(path)
+    return figures
+
+
+def run_turns_bench(
+    *,
+    turns: int = 1000,
+    bucket: int = 100,
+    memory: bool = True,
+    langgraph: bool = True,
+    progress: Callable[[str], None] = lambda text: None,
+) -> dict[str, Any]:
+    """Run the workload on keel (memory off, and on if asked) and on LangGraph."""
+    with tempfile.TemporaryDirectory(prefix="keel-bench-turns-") as folder:
+        directory = Path(folder)
+        progress(f"keel, memory off: {turns} turns")
+        result: dict[str, Any] = {"turns": turns, "bucket": bucket}
+        result.update(_keel(turns, bucket, directory, memory=False))
+        if memory:
+            progress(f"keel, memory on: {turns} turns")
+            result["memory_on"] = _keel(turns, bucket, directory, memory=True)
+        if langgraph:
+            progress(f"LangGraph create_react_agent + SqliteSaver: {turns} turns")
+            lang = _langgraph(turns, bucket, directory)
+            result["langgraph"] = lang
+            if lang.get("turns_per_s") and result.get("turns_per_s"):
+                result["speedup_vs_langgraph"] = round(
+                    result["turns_per_s"] / lang["turns_per_s"], 2
+                )
+            if result["db_bytes"]:
+                result["db_bytes_ratio_langgraph"] = round(lang["db_bytes"] / result["db_bytes"], 1)
+    return result

@@ -1,0 +1,49 @@
+"""``keel bench turns``: the runtime's own cost per turn over one long session."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from keel.cli._app import bench_app, emit_json, err_console, out_console
+
+
+@bench_app.command("turns")
+def bench_turns_command(
+    turns: Annotated[int, typer.Option(help="Turns in the session.")] = 1000,
+    bucket: Annotated[int, typer.Option(help="Turns per reported bucket.")] = 100,
+    memory: Annotated[bool, typer.Option(help="Also run with long-term memory on.")] = True,
+    langgraph: Annotated[
+        bool, typer.Option(help="Also run LangGraph's ReAct agent + SqliteSaver.")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
+) -> None:
+    """Per-turn cost (median, p95 per bucket), flatness, turns/s and bytes, versus LangGraph."""
+    from keel.bench.turns import run_turns_bench
+    from keel.errors import UsageError
+
+    if turns < 1 or bucket < 1:
+        raise UsageError("turns and bucket must be >= 1")
+    result = run_turns_bench(
+        turns=turns,
+        bucket=bucket,
+        memory=memory,
+        langgraph=langgraph,
+        progress=lambda text: err_console.print(text),
+    )
+    if as_json:
+        emit_json(result)
+        return
+    rows = [("keel", result)]
+    if "memory_on" in result:
+        rows.append(("keel+memory", result["memory_on"]))
+    if "langgraph" in result:
+        rows.append(("langgraph", result["langgraph"]))
+    for name, figures in rows:
+        out_console.print(
+            f"{name:<12} p50 {figures['p50_ms']:>7.2f} ms  p95 {figures['p95_ms']:>7.2f} ms  "
+            f"flatness {figures['flatness']}  {figures['turns_per_s']:>7.1f} turns/s  "
+            f"{figures['db_bytes']:>11} bytes"
+        )
+        out_console.print(f"{'':<12} p50 per {bucket} turns: {figures['buckets_ms_p50']}")

@@ -1,0 +1,36 @@
+"""``keel bench turns`` as a user runs it (a small workload)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_turns_json_contract() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keel",
+            "bench",
+            "turns",
+            "--turns",
+            "20",
+            "--bucket",
+            "10",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ.copy(),
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["turns"] == 20 and figures["tool_executions"] == 20
+    assert len(figures["buckets_ms_p50"]) == 2 and figures["flatness"] > 0
+    assert figures["p50_ms"] > 0 and figures["turns_per_s"] > 0 and figures["db_bytes"] > 0
+    assert figures["memory_on"]["tool_executions"] == 20
+    assert figures["langgraph"]["db_bytes"] > 0 and figures["speedup_vs_langgraph"] > 0
