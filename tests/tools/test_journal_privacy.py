@@ -147,6 +147,7 @@ async def test_a_failing_redactor_never_journals_raw_text(
     refused = await _run(_executor(journal, redact=broken), "file_claim", ARGUMENTS)
     assert refused.status == "failed" and not refused.executed and runs == []
     assert "was not run" in refused.content and journal.entries() == []
+    assert refused.error_type == "ToolExecutionError" and refused.exception is not None
 
     def results_only(text: str) -> str:
         if "claim filed" in text:

@@ -240,6 +240,11 @@ class ToolExecutor:
             journalled_arguments = self._masked(json.dumps(arguments, sort_keys=True))
         except Exception as exc:
             # Raw arguments never reach the journal, and without an intent the call is not run.
+            unmasked = ToolExecutionError(
+                f"tool {found.name!r} was not run: masking its arguments for the journal "
+                f"failed ({type(exc).__name__})"
+            )
+            unmasked.__cause__ = exc
             return ToolResult(
                 **base,
                 status="failed",
@@ -247,9 +252,9 @@ class ToolExecutor:
                     f"Error: tool {found.name!r} was not run: its call could not be recorded "
                     "(masking its arguments failed). Nothing happened; it can be tried later."
                 ),
-                error=f"masking the arguments failed: {type(exc).__name__}: {exc}",
-                error_type=type(exc).__name__,
-                exception=ToolExecutionError(f"masking the arguments of {found.name!r} failed"),
+                error=str(unmasked),
+                error_type=type(unmasked).__name__,
+                exception=unmasked,
                 latency_ms=_ms(started),
             )
         try:
