@@ -94,7 +94,7 @@ def test_stored_runs_export_later_with_redacted_content(tmp_path: Path) -> None:
     chat = spans["chat gpt-4o-mini"]
     assert chat.attributes is not None
     raw = chat.attributes[sc.KEEL_RAW_OUTPUT]
-    assert isinstance(raw, str) and "me@example.com" not in raw and "[REDACTED:email]" in raw
+    assert isinstance(raw, str) and "me@example.com" not in raw and "<EMAIL_1>" in raw
     tool = spans["execute_tool book_flight"]
     assert tool.attributes is not None
     assert tool.attributes[sc.GEN_AI_TOOL_CALL_ARGUMENTS] == '{"f": "TP1"}'

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -286,6 +287,8 @@ class Agent:
         self.memory_budget_tokens = memory_budget_tokens
         self.masker = masker
         self.tenant_id = tenant_id
+        # The one privacy policy: what the tool journal masks with, as the messages are.
+        self._redact: Callable[[str], str] | None = None if masker is None else self._mask
         self.name = name
         self.lease_ttl_s = lease_ttl_s
         self.session_wait_s = lease_ttl_s + 5.0 if session_wait_s is None else session_wait_s
@@ -327,7 +330,6 @@ class Agent:
         """
         from keel.memory import Memory, default_embedder
         from keel.models import resolve_model
-        from keel.privacy import mask_pii
         from keel.settings import load_settings
         from keel.stores import (
             SQLiteMemoryStore,
@@ -338,6 +340,12 @@ class Agent:
         from keel.stores._sqlite_traces import SQLiteTraceStore
 
         settings = settings or load_settings()
+        # One privacy policy for messages, the journal, memory and traces; None turns it off.
+        masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
+        tenant_id: str = options.get("tenant_id", "default")
+        redact = (
+            None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
+        )
         database = open_database(settings)
         traces = SQLiteTraceStore(database)
         traces.setup()
@@ -347,7 +355,12 @@ class Agent:
             else resolve_model(model or settings.model, settings=settings)
         )
         long_term = (
-            Memory(SQLiteMemoryStore(database), embedder=default_embedder(), background=True)
+            Memory(
+                SQLiteMemoryStore(database),
+                embedder=default_embedder(),
+                background=True,
+                masker=masker,
+            )
             if memory
             else None
         )
@@ -360,7 +373,7 @@ class Agent:
             machine=machine,
             memory=long_term,
             journal=SQLiteToolJournal(database),
-            tracer=Tracer(traces, redact=mask_pii, agent=options.get("name", "agent")),
+            tracer=Tracer(traces, redact=redact, agent=options.get("name", "agent")),
             **options,
         )
         agent._owned.append(database.close)
@@ -691,6 +704,7 @@ class Agent:
             ),
             monitor=self.monitor,
             agent=self.name,
+            redact=self._redact,
             # The answer reserve is what the model may generate: never more.
             options=ModelOptions(max_tokens=max(self.engine.budget.reserve, 1)),
         )

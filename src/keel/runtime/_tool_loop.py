@@ -284,6 +284,12 @@ class ToolLoop:
         output_schema: a Pydantic model the final answer must match (one corrective retry).
         options: generation options for every model call (``timeout_s`` defaults to the
             guards' ``model_timeout_s``).
+        redact: masks everything the loop journals: each call's arguments and result (see
+            :class:`~keel.tools.ToolExecutor`) and each step's decision (its text and tool
+            call arguments), e.g. a :class:`~keel.privacy.PIIMasker` or the agent's masking
+            function. A resumed run replays the masked decision and the masked results.
+            ``None`` (the default) journals them as they are. Only the journal is masked
+            here: the messages of the run are the caller's to mask.
     """
 
     def __init__(
@@ -298,6 +304,7 @@ class ToolLoop:
         agent: str | None = None,
         output_schema: type[BaseModel] | None = None,
         options: ModelOptions | None = None,
+        redact: Callable[[str], str] | None = None,
     ) -> None:
         self.model = model
         self.registry = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
@@ -311,8 +318,10 @@ class ToolLoop:
             journal=journal,
             timeout_s=self.guards.tool_timeout_s,
             max_output_chars=self.guards.max_output_chars,
+            redact=redact,
         )
         self.journal = self.executor.journal
+        self.redact = redact
         base = options or ModelOptions()
         if base.timeout_s is None:
             base = base.model_copy(update={"timeout_s": self.guards.model_timeout_s})
@@ -523,7 +532,7 @@ class ToolLoop:
             for call in message.tool_calls
         ):
             try:
-                message = self.journal.record_decision(_decision_scope(run), run.step, message)
+                message = self._record_decision(_decision_scope(run), run.step, message)
             except StoreError:
                 logger.exception("could not journal the decision of step %s", run.step)
         run.history.append(message)
@@ -531,6 +540,24 @@ class ToolLoop:
             run, completion, message, tool_failures, replayed=decision is not None
         )
         return ("tool_calls", completion, message)
+
+    def _record_decision(self, session_id: str, step: int, message: Message) -> Message:
+        """Journal the step's decision (masked) and return the one to carry out."""
+        if self.redact is None:
+            return self.journal.record_decision(session_id, step, message)
+        try:
+            masked = _masked_message(message, self.redact)
+        except Exception:
+            # Never journal it raw. Replay only saves a model call on resume: each
+            # side-effecting call is still claimed in the journal before it runs.
+            logger.exception("could not mask the decision of step %s; not journalled", step)
+            return message
+        recorded = self.journal.record_decision(session_id, step, masked)
+        # Ours was written: carry out the calls as the model made them. Another run's decision
+        # was there first: carry out that one, as the journal keeps it.
+        if recorded.model_dump(mode="json") == masked.model_dump(mode="json"):
+            return message
+        return recorded
 
     async def _model_failure(
         self, run: _Run, error: ModelError
@@ -757,6 +784,14 @@ def _blocked(call: ToolCall, text: str) -> ToolResult:
         content=text,
         raw_arguments=call.arguments,
     )
+
+
+def _masked_message(message: Message, redact: Callable[[str], str]) -> Message:
+    """``message`` with its text and every tool call's arguments masked."""
+    calls = tuple(
+        call.model_copy(update={"arguments": redact(call.arguments)}) for call in message.tool_calls
+    )
+    return message.model_copy(update={"content": redact(message.content), "tool_calls": calls})
 
 
 def _close_open_calls(history: list[Message]) -> None:

@@ -11,11 +11,16 @@ database, as a restarted process would)::
 
 The suite checks round trips, idempotent adds, facts superseded over time, the outbox and its
 replay after a crash, keyword search (BM25-like: rare words outweigh common ones) and vector
-search, filters, deletion, re-embedding, and tenant isolation against crafted queries.
+search, filters, deletion, re-embedding, tenant isolation against crafted queries, and write
+isolation: a write for one (tenant, user) never touches another's records, neither when it
+supersedes a fact with the same key, nor when it forgets a record by id, nor when a re-embed
+rewrites every vector. The other scopes are a user of the same tenant and a user with the same
+user id in another tenant, so a write that checks only one half of the scope fails.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -29,6 +34,8 @@ StoreFactory = Callable[[], MemoryStore]
 ALICE = Scope(tenant_id="acme", user_id="alice")
 BOB = Scope(tenant_id="acme", user_id="bob")
 EVE = Scope(tenant_id="evil-corp", user_id="alice")
+OTHERS = (BOB, EVE)
+"""ALICE's neighbours: same tenant, another user; another tenant, the same user id."""
 
 INJECTIONS = (
     "' OR 1=1 --",
@@ -256,4 +263,108 @@ class MemoryStoreConformance:
         ]
         assert not memory.forget(ALICE, secret.id)
         assert memory.get(BOB, secret.id) is not None
+        memory.close()
+
+    # --- write isolation --------------------------------------------------------------------
+
+    def test_a_fact_never_supersedes_another_scopes_fact(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        mine = memory.remember_fact(ALICE, "alice", "home city", "Lisbon")
+        copies = {}
+        for other in OTHERS:
+            # The very same fact (subject, attribute, text, hash) stored for another scope.
+            copy = mine.model_copy(
+                update={
+                    "id": uuid.uuid4().hex,
+                    "tenant_id": other.tenant_id,
+                    "user_id": other.user_id,
+                }
+            )
+            result = memory.store.insert(copy)
+            assert result.created and result.record.id == copy.id
+            assert result.superseded == (), other
+            copies[other] = copy
+        history = memory.fact_history(ALICE, "alice", "home city")
+        assert [(r.id, r.valid_to) for r in history] == [(mine.id, None)]
+        # Each neighbour changes its own value: only its own copy becomes history.
+        for other in OTHERS:
+            theirs = memory.remember_fact(other, "alice", "home city", "Porto")
+            assert [r.id for r in memory.fact_history(other, "alice", "home city")] == [
+                copies[other].id,
+                theirs.id,
+            ]
+            assert [r.id for r in memory.profile(other)] == [theirs.id]
+        history = memory.fact_history(ALICE, "alice", "home city")
+        assert [(r.id, r.valid_to) for r in history] == [(mine.id, None)]
+        assert [r.id for r in memory.profile(ALICE)] == [mine.id]
+        # And Alice's own change leaves both neighbours' current values alone.
+        newer = memory.remember_fact(ALICE, "alice", "home city", "Faro")
+        assert [r.id for r in memory.profile(ALICE)] == [newer.id]
+        for other in OTHERS:
+            current = memory.profile(other)
+            assert len(current) == 1 and current[0].valid_to is None, other
+            assert current[0].metadata["value"] == "Porto"
+        memory.close()
+
+    def test_forget_never_deletes_another_scopes_record(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        text = "the spare key is under the blue flowerpot"
+        records = {scope: memory.add(text, scope=scope) for scope in (ALICE, *OTHERS)}
+        assert len({record.id for record in records.values()}) == 3
+        memory.flush()
+        for owner, record in records.items():
+            for intruder in records:
+                if intruder != owner:
+                    assert not memory.forget(intruder, record.id), (intruder, owner)
+        vector = memory.embedder.embed_one("blue flowerpot key")  # type: ignore[union-attr]
+        for owner, record in records.items():
+            assert memory.get(owner, record.id) is not None, owner
+            keyword = memory.store.keyword_search(owner, ["flowerpot"], MemoryFilter(), 10)
+            assert [h.record_id for h in keyword] == [record.id]
+            near = memory.store.vector_search(owner, vector, "keel-hashing-64", MemoryFilter(), 10)
+            assert [h.record_id for h in near] == [record.id]
+        # Each owner forgets its own: the neighbours keep theirs.
+        assert memory.forget(EVE, records[EVE].id)
+        assert memory.forget(BOB, records[BOB].id)
+        assert memory.get(ALICE, records[ALICE].id) is not None
+        assert memory.store.count() == 1
+        assert [h.record.id for h in memory.search("flowerpot key", scope=ALICE)] == [
+            records[ALICE].id
+        ]
+        memory.close()
+
+    def test_reembed_keeps_every_vector_in_its_scope(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        texts = {
+            ALICE: "alice keeps the spare key under the mat",
+            BOB: "bob keeps the spare key in the shed",
+            EVE: "eve keeps the spare key in a safe",
+        }
+        records = {scope: memory.add(text, scope=scope) for scope, text in texts.items()}
+        memory.flush()
+        old = memory.embedder.embed_one("spare key")  # type: ignore[union-attr]
+        for scope in texts:  # searched before the re-embed, so any per-scope cache is warm
+            assert (
+                len(memory.store.vector_search(scope, old, "keel-hashing-64", MemoryFilter(), 9))
+                == 1
+            )
+        wider = Memory(memory.store, embedder=HashingEmbedder(32), masker=None)
+        assert wider.reembed() == 3
+        assert memory.store.embedding_models() == {"keel-hashing-32": 3}
+        assert wider.embedder is not None
+        query = wider.embedder.embed_one("spare key")
+        every_id = [record.id for record in records.values()]
+        for scope, record in records.items():
+            near = memory.store.vector_search(scope, query, "keel-hashing-32", MemoryFilter(), 10)
+            assert [h.record_id for h in near] == [record.id], scope
+            vectors = memory.store.vectors(scope, every_id, "keel-hashing-32")
+            assert list(vectors) == [record.id], scope
+            own = wider.embedder.embed_one(texts[scope])
+            assert np.isclose(vectors[record.id] @ own, 1.0, atol=1e-5)
+            stored = memory.get(scope, record.id)
+            assert stored is not None and stored.embedding_model == "keel-hashing-32"
+            assert stored.text == texts[scope]
+            assert [h.record.id for h in wider.search("spare key", scope=scope, k=10)] == [
+                record.id
+            ]
         memory.close()

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer
@@ -120,6 +121,11 @@ class ToolExecutor:
             crash safety).
         timeout_s: default per-call timeout for tools that declare none.
         max_output_chars: default output cap for tools that declare none.
+        redact: masks every text written to the journal (a call's arguments, its content and
+            output), e.g. a :class:`~keel.privacy.PIIMasker` or the agent's masking function;
+            a replayed call returns the masked content. ``None`` (the default) journals the
+            texts as they are. The result the model gets now is not masked here: the agent
+            masks messages at its door.
     """
 
     def __init__(
@@ -129,11 +135,17 @@ class ToolExecutor:
         journal: ToolJournal | None = None,
         timeout_s: float = 30.0,
         max_output_chars: int = 4000,
+        redact: Callable[[str], str] | None = None,
     ) -> None:
         self.registry = registry
         self.journal = journal if journal is not None else InMemoryJournal()
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
+        self.redact = redact
+
+    def _masked(self, text: str) -> str:
+        """``text`` as the journal may keep it."""
+        return text if self.redact is None or not text else self.redact(text)
 
     async def execute(
         self,
@@ -231,13 +243,34 @@ class ToolExecutor:
             return await self._run(found, validated, context, base, started, journalled=False)
         base["idempotency_key"] = key
         try:
+            journalled_arguments = self._masked(json.dumps(arguments, sort_keys=True))
+        except Exception as exc:
+            # Raw arguments never reach the journal, and without an intent the call is not run.
+            unmasked = ToolExecutionError(
+                f"tool {found.name!r} was not run: masking its arguments for the journal "
+                f"failed ({type(exc).__name__})"
+            )
+            unmasked.__cause__ = exc
+            return ToolResult(
+                **base,
+                status="failed",
+                content=(
+                    f"Error: tool {found.name!r} was not run: its call could not be recorded "
+                    "(masking its arguments failed). Nothing happened; it can be tried later."
+                ),
+                error=str(unmasked),
+                error_type=type(unmasked).__name__,
+                exception=unmasked,
+                latency_ms=_ms(started),
+            )
+        try:
             claim = self.journal.claim(
                 key=key,
                 session_id=session_id,
                 step=step,
                 call_index=call_index,
                 tool=found.name,
-                arguments=json.dumps(arguments, sort_keys=True),
+                arguments=journalled_arguments,
             )
             if not claim.created and claim.entry.in_doubt and found.idempotent:
                 claim = claim.model_copy(update={"entry": self.journal.restart(key)})
@@ -296,9 +329,26 @@ class ToolExecutor:
         )
         return await self._run(found, validated, context, base, started, journalled=True)
 
-    def _record(self, context: ToolContext, *, ok: bool, content: str, output: str) -> None:
+    def _record(
+        self, context: ToolContext, *, ok: bool, output: str, cap: int | None = None
+    ) -> None:
+        """Journal the result: ``output`` whole, and capped to ``cap`` as the model's content.
+
+        The output is masked before it is capped, so a cut cannot leave the start of a secret
+        that the masker no longer recognises.
+        """
         try:
-            self.journal.finish(context.idempotency_key, ok=ok, content=content, output=output)
+            masked = self._masked(output)
+        except Exception:
+            # The raw result must not be kept instead: the call stays in doubt, as below.
+            logger.exception(
+                "tool call %s ran but its result could not be masked; it stays in doubt",
+                context.idempotency_key,
+            )
+            return
+        content = masked if cap is None else _cap(masked, cap)[0]
+        try:
+            self.journal.finish(context.idempotency_key, ok=ok, content=content, output=masked)
         except StoreError:
             # The call ran; only its record is missing, so it stays in doubt in the journal
             # and an operator settles it. The model still gets the real outcome now.
@@ -320,7 +370,7 @@ class ToolExecutor:
         failure.__cause__ = exc
         content = f"Error: {failure}"
         if journalled:
-            self._record(context, ok=False, content=content, output=content)
+            self._record(context, ok=False, output=content)
         return ToolResult(
             **base,
             status="failed",
@@ -372,7 +422,7 @@ class ToolExecutor:
         if failure is not None:
             content = f"Error: {failure}"
             if journalled:
-                self._record(context, ok=False, content=content, output=content)
+                self._record(context, ok=False, output=content)
             return ToolResult(
                 **base,
                 status=status,
@@ -387,7 +437,7 @@ class ToolExecutor:
         text = _as_text(output)
         shown, truncated = _cap(text, cap)
         if journalled:
-            self._record(context, ok=True, content=shown, output=text)
+            self._record(context, ok=True, output=text, cap=cap)
         return ToolResult(
             **base,
             status="ok",

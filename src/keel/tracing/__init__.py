@@ -24,9 +24,9 @@ happened; ``run.guard``, ``run.loop_caught`` and ``run.state_reset`` record the 
 death-spiral indicators count. After a crash, ``tracer.resume_run(run_id)`` continues a run.
 
 Every text field, and every string inside JSON fields, passes through ``redact`` (default
-:func:`redact_secrets`, the built-in fallback for credentials and e-mail addresses) before it is
-stored or exported. Identifiers (run, session, user, tenant ids) are stored as given, because
-queries filter on them: use opaque ids, not e-mail addresses.
+:func:`redact_pii`: every PII kind :class:`~keel.privacy.PIIMasker` masks, and credentials)
+before it is stored or exported. Identifiers (run, session, user, tenant ids) are stored as
+given, because queries filter on them: use opaque ids, not e-mail addresses.
 
 Tracing never raises into the agent: a failed write is logged on the ``keel.tracing`` logger
 and counted in :attr:`Tracer.write_failures` (the last one in :attr:`Tracer.last_error`).
@@ -52,7 +52,7 @@ from keel.tracing._models import (
 )
 from keel.tracing._open import open_trace_store
 from keel.tracing._otel import OpenTelemetryExporter, export_run
-from keel.tracing._redact import Redactor, redact_json, redact_secrets
+from keel.tracing._redact import Redactor, redact_json, redact_pii, redact_secrets
 from keel.tracing._render import render_run
 from keel.tracing._stats import LOOP_GUARD_NAME, percentile, session_stats
 from keel.tracing._store import TraceStore
@@ -99,6 +99,7 @@ __all__ = [
     "parse_since",
     "percentile",
     "redact_json",
+    "redact_pii",
     "redact_secrets",
     "render_run",
     "session_stats",

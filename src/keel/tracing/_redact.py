@@ -1,12 +1,16 @@
-"""The built-in fallback redactor for traces: secrets and e-mail addresses.
+"""The redactors of traces: every PII kind keel masks, plus credentials only traces carry.
 
 Traces hold raw model outputs, tool arguments and tool results, which is exactly where API keys
-and personal data leak. :func:`redact_secrets` is deliberately conservative: when a string looks
-like a credential it is masked, at the cost of masking the odd harmless look-alike. It is the
-default of :class:`~keel.tracing.Tracer` until a richer PII masker is plugged in through the
-``redact=`` argument (any ``Callable[[str], str]``).
+and personal data leak. :func:`redact_pii` is the default of :class:`~keel.tracing.Tracer`: it
+masks everything :class:`~keel.privacy.PIIMasker` masks (e-mail addresses, phone numbers,
+payment cards, IBANs, US SSNs, IP addresses, API keys and tokens, private keys) with the same
+typed placeholders memory and checkpoints hold (``<EMAIL_1>``), then what only
+:func:`redact_secrets` knows. Any ``Callable[[str], str]`` can be plugged in instead through the
+``redact=`` argument (an agent passes its own masking policy).
 
-What it masks, each replaced by ``[REDACTED:<kind>]``:
+:func:`redact_secrets` is the credentials-only redactor, deliberately conservative: when a
+string looks like a credential it is masked, at the cost of masking the odd harmless
+look-alike. What it masks, each replaced by ``[REDACTED:<kind>]``:
 
 - OpenAI / Anthropic style keys (``sk-...``, ``sk-proj-...``, ``sk-ant-...``)
 - AWS access key ids (``AKIA...``, ``ASIA...``) and ``aws_secret_access_key = ...`` values
@@ -18,6 +22,8 @@ What it masks, each replaced by ``[REDACTED:<kind>]``:
 - values of ``password=``, ``secret:``, ``api_key=``, ``token=`` ... assignments
 - e-mail addresses
 - card numbers (13-19 digits that pass the Luhn check)
+
+It does not mask phone numbers, IBANs or SSNs: on its own it is not enough for traces.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Redactor", "redact_json", "redact_secrets"]
+from keel.privacy import mask_pii
+
+__all__ = ["Redactor", "redact_json", "redact_pii", "redact_secrets"]
 
 Redactor = Callable[[str], str]
 """A function that masks sensitive parts of a text and returns the masked text."""
@@ -130,6 +138,18 @@ def redact_secrets(text: str) -> str:
     if "0000" in text.translate(_DIGITS_TO_ZERO):
         text = _CARD.sub(_card, text)
     return text
+
+
+def redact_pii(text: str) -> str:
+    """``text`` with every PII kind and every credential masked: the default of traces.
+
+    :func:`~keel.privacy.mask_pii` (PIIMasker's default policy, typed placeholders such as
+    ``<EMAIL_1>`` and ``<US_SSN_1>``), then :func:`redact_secrets` for the credentials only it
+    knows (``password=...`` assignments, ``Authorization: Basic ...``). Idempotent.
+    """
+    if not text:
+        return text
+    return redact_secrets(mask_pii(text))
 
 
 def redact_json(value: Any, redact: Redactor) -> Any:

@@ -37,7 +37,7 @@ from keel.errors import (
 from keel.messages import Usage
 from keel.models import Completion
 from keel.tracing._models import Run, RunStatus, Step, StepKind
-from keel.tracing._redact import Redactor, redact_json, redact_secrets
+from keel.tracing._redact import Redactor, redact_json, redact_pii
 from keel.tracing._stats import LOOP_GUARD_NAME
 from keel.tracing._store import TraceStore
 
@@ -162,9 +162,10 @@ class Tracer:
         store: where the trace goes. ``None`` traces into nothing (steps still get ids and
             exporters still run), which keeps agent code free of ``if tracer`` checks.
         redact: applied to every text field and to every string inside JSON fields before
-            anything is stored or exported. Defaults to :func:`redact_secrets`, the built-in
-            fallback for credentials and e-mail addresses. ``None`` turns masking off
-            (explicit opt-out, e.g. for local debugging).
+            anything is stored or exported. Defaults to :func:`redact_pii`: every PII kind
+            :class:`~keel.privacy.PIIMasker` masks (e-mail, phone, card, IBAN, SSN, IP, API
+            keys...) and the credentials :func:`redact_secrets` knows. ``None`` turns masking
+            off (explicit opt-out, e.g. for local debugging).
         exporters: receive each finished run with its steps (see :class:`OpenTelemetryExporter`).
         agent: default agent name for runs.
     """
@@ -173,7 +174,7 @@ class Tracer:
         self,
         store: TraceStore | None,
         *,
-        redact: Redactor | None = redact_secrets,
+        redact: Redactor | None = redact_pii,
         exporters: Sequence[TraceExporter] = (),
         agent: str = "agent",
     ) -> None:
