@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -861,7 +862,9 @@ def _booking_policy(marker: Path | None = None) -> Callable[[ScriptedCall], Mess
             return f"Booked order {order}."
         if results:
             return f"I could not book order {order}: {results[-1][:80]}"
-        return _book(order)
+        # Call ids unique across processes, as a provider's are (two workers share a session).
+        arguments = json.dumps({"flight": "KL7", "passengers": 1, "order": order})
+        return ScriptedModel.tool_call("book_flight", arguments, f"call_{uuid.uuid4().hex[:16]}")
 
     return policy
 
