@@ -301,14 +301,16 @@ class ToolExecutionError(ToolError):
 
 
 class ToolInDoubtError(ToolError):
-    """A side-effecting call started before a crash and left no result; an operator decides."""
+    """A side-effecting call may or may not have taken effect (a crash, a timeout); an operator
+    decides, and until then it is not run again."""
 
-    def __init__(self, tool: str, idempotency_key: str) -> None:
+    def __init__(self, tool: str, idempotency_key: str, *, why: str | None = None) -> None:
         self.tool = tool
         self.idempotency_key = idempotency_key
+        why = why or "it started before a crash and recorded no result"
         super().__init__(
-            f"tool {tool!r} call {idempotency_key} is in doubt: it started before a crash "
-            "and recorded no result; it is not idempotent, so it was not run again"
+            f"tool {tool!r} call {idempotency_key} is in doubt: {why}; it is not idempotent, "
+            "so it was not run again"
         )
 
 

@@ -3,14 +3,17 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from keel.bench.locomo import parse_session_date, repair_evidence, run_locomo
+from keel.bench.locomo import _within, parse_session_date, repair_evidence, run_locomo
 from keel.bench.memory import run_memory_bench, synthetic_corpus
 from keel.errors import ConfigError
-from keel.memory import HashingEmbedder
+from keel.memory import STOPWORDS, HashingEmbedder
 from keel.stores import PostgresMemoryStore
+from keel.tokens import counter_for
 
 
 def _tiny_locomo(path: Path) -> Path:
@@ -80,11 +83,38 @@ def test_locomo_harness_on_a_tiny_file(tmp_path: Path) -> None:
     assert report["questions_without_evidence"] == 1
     assert report["dropped_evidence_ids"] == 2
     assert report["recall_at_10"] == 1.0 and report["all_at_10"] == 1.0
-    assert set(report["baselines"]) == {"bm25", "dense"}
+    assert set(report["baselines"]) == {"bm25", "dense", "keel_without_neighbours"}
+    # Like-for-like: at keel's budget no baseline gets more tokens than keel took.
+    assert set(report["at_keel_budget"]) == set(report["baselines"])
+    for row in report["at_keel_budget"].values():
+        assert 0 < row["tokens_at_10"] <= report["tokens_at_10"]
+        assert row["questions"] == report["questions"]
     assert set(report["by_category"]) == {"single_hop", "multi_hop", "temporal"}
     assert 0 < report["tokens_at_10"] < 200
     with pytest.raises(ConfigError):
         run_locomo(tmp_path / "missing.json", embedder=HashingEmbedder(8))
+
+
+def test_the_budget_keeps_the_leading_hits_that_fit() -> None:
+    counter = counter_for("gpt-4o", allow_estimate=True)
+    records = [
+        SimpleNamespace(id=f"r{i}", text=f"turn {i} " + "word " * (5 * i)) for i in range(1, 5)
+    ]
+    hits: list[Any] = [SimpleNamespace(records=(r,)) for r in records]
+    costs = [counter.count_text(r.text) for r in records]
+    assert _within(hits, costs[0] + costs[1], counter) == hits[:2]
+    assert _within(hits, costs[0] + costs[1] - 1, counter) == hits[:1]
+    assert _within(hits, 0, counter) == []
+    # A turn already kept (a neighbour shared by two hits) costs nothing again.
+    shared = SimpleNamespace(records=(records[0], records[1]))
+    assert _within([hits[0], shared], costs[0] + costs[1], counter) == [hits[0], shared]
+
+
+def test_the_stopwords_are_a_general_english_list() -> None:
+    """NLTK's published English list (179 words): no words picked from benchmark questions."""
+    assert len(STOPWORDS) == 179
+    assert {"what", "did", "the", "of", "when", "who", "how", "don", "ll", "t"} <= STOPWORDS
+    assert not {"kind", "type", "like", "ever", "let", "could", "would"} & STOPWORDS
 
 
 def test_memory_bench_small() -> None:

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from keel.demo import Airline
 from keel.demo._run import run_demo, sparkline_chart
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _keel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -23,11 +26,17 @@ def _keel(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 def test_demo_resumes_after_sigkill_without_repeats_or_double_bookings(tmp_path: Path) -> None:
     report = run_demo(trips=4, side_questions=3, memory=False, workdir=tmp_path / "demo")
+    assert report.passed, report.problems
     assert report.resumed_after_kill
     assert report.repeated_questions_after_resume == 0
     assert report.double_bookings == 0
     assert report.bookings == 4
     assert report.failed_turns == 0
+    # The kill came inside the booking, after the airline booked: the journal held it in
+    # doubt, and it was settled from the airline's records (by its request key).
+    assert report.in_doubt_settled == 1
+    airline = Airline(tmp_path / "demo" / "airline.db")
+    assert sorted(airline.bookings_per_trip().values()) == [1, 1, 1, 1]
     assert 0 < report.max_prompt_tokens <= report.prompt_budget
     # The traces are in the same database and the CLI finds the long runs.
     env = {"KEEL_DATABASE": f"sqlite:///{tmp_path / 'demo' / 'keel.db'}"}
@@ -38,6 +47,26 @@ def test_demo_resumes_after_sigkill_without_repeats_or_double_bookings(tmp_path:
     assert rows, "booking turns take more than 10 steps"
     shown = _keel("runs", "show", rows[0]["run_id"], env=env)
     assert shown.returncode == 0 and "book_flight" in shown.stdout
+
+
+def test_without_the_journal_the_demo_books_twice_and_fails(tmp_path: Path) -> None:
+    """The control: switch the journal off and the same kill makes the demo fail."""
+    workdir = tmp_path / "demo"
+    options = ["--trips", "2", "--side-questions", "0", "--no-memory", "--no-journal"]
+    result = subprocess.run(
+        [sys.executable, "-m", "keel", "demo", *options, "--workdir", str(workdir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])},
+    )
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["journal"] is False and report["resumed_after_kill"]
+    assert report["passed"] is False and report["double_bookings"] == 1
+    assert any("booked more than once" in problem for problem in report["problems"])
+    per_trip = Airline(workdir / "airline.db").bookings_per_trip()
+    assert sorted(per_trip.values()) == [1, 2]
 
 
 def test_chart_shape() -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import pytest
 from pydantic import Field
@@ -17,7 +19,16 @@ from keel.errors import (
 )
 from keel.messages import ToolCall
 from keel.stores import SQLiteDatabase, SQLiteToolJournal
-from keel.tools import InMemoryJournal, ToolContext, ToolExecutor, ToolRegistry, tool
+from keel.tools import (
+    InMemoryJournal,
+    JournalEntry,
+    Tool,
+    ToolContext,
+    ToolExecutor,
+    ToolRegistry,
+    tool,
+)
+from keel.tools._executor import LATE_NOTE
 
 executions: list[str] = []
 
@@ -224,3 +235,115 @@ async def test_a_lost_result_record_leaves_the_call_in_doubt(
     reopened = SQLiteToolJournal(SQLiteDatabase(tmp_path / "keel.db"))
     assert [entry.tool for entry in reopened.in_doubt()] == ["pay"]
     reopened.db.close()
+
+
+def _blocking_booker(effects: list[str], release: threading.Event, *, idempotent: bool) -> Tool:
+    """A booking that takes effect at once, then hangs until ``release`` (a slow API reply)."""
+
+    @tool(side_effect=True, idempotent=idempotent, timeout_s=0.05)
+    def book_slowly(flight: str) -> str:
+        """Book a flight (the airline answers slowly)."""
+        effects.append(flight)
+        release.wait(10)
+        return f"booked {flight}, ref PNR1"
+
+    return book_slowly
+
+
+def _gated_like_the_agent(inner: Tool) -> Tool:
+    """An async wrapper around ``ainvoke``, as the Agent's workflow gate builds one."""
+
+    async def gated(**kwargs: Any) -> Any:
+        return await inner.ainvoke(inner.args_model.model_validate(kwargs), None)
+
+    return dataclasses.replace(inner, function=gated)
+
+
+async def _settled(journal: InMemoryJournal, key: str) -> JournalEntry:
+    for _ in range(200):
+        entry = journal.get(key)
+        assert entry is not None
+        if not entry.in_doubt:
+            return entry
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"{key} never settled")
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "gated"])
+async def test_a_timed_out_booking_is_in_doubt_and_never_runs_twice(wrapped: bool) -> None:
+    effects: list[str] = []
+    release = threading.Event()
+    booker = _blocking_booker(effects, release, idempotent=False)
+    if wrapped:
+        booker = _gated_like_the_agent(booker)
+    journal = InMemoryJournal()
+    executor = ToolExecutor(ToolRegistry([booker]), journal=journal)
+    try:
+        first = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=1)
+        assert first.status == "in_doubt" and first.executed
+        assert isinstance(first.exception, ToolInDoubtError)
+        assert first.idempotency_key is not None
+        assert "Do not call it again" in first.content
+        # The journal says the truth: started, no result (not 'failed').
+        assert [e.key for e in journal.in_doubt("s1")] == [first.idempotency_key]
+        # The model asks again at a later step (another key): refused, naming the first call.
+        again = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=2)
+        assert again.status == "in_doubt" and not again.executed
+        assert isinstance(again.exception, ToolInDoubtError)
+        assert again.exception.idempotency_key == first.idempotency_key
+        assert first.idempotency_key in again.content
+        # Other arguments are another call: it runs.
+        other = await _run(executor, "book_slowly", '{"flight": "AF9"}', step=3)
+        assert other.status == "in_doubt" and effects == ["KL7", "AF9"]
+    finally:
+        release.set()
+    # The abandoned thread finishes: its real result is journalled and the call is settled.
+    settled = await _settled(journal, first.idempotency_key)
+    assert settled.status == "succeeded" and settled.output == "booked KL7, ref PNR1"
+    assert settled.content is not None and settled.content.startswith(LATE_NOTE)
+    # The model never saw that result: a repeat gets it instead of booking again...
+    repeat = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=4)
+    assert repeat.ok and repeat.replayed and not repeat.executed
+    assert first.idempotency_key in repeat.content and "booked KL7, ref PNR1" in repeat.content
+    assert effects == ["KL7", "AF9"]
+    # ...and a resume of that step agrees with what the model was shown.
+    replay = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=4)
+    assert replay.replayed and replay.content == repeat.content
+    assert effects == ["KL7", "AF9"]
+
+
+async def test_a_timed_out_idempotent_call_may_be_retried_and_settles_later() -> None:
+    effects: list[str] = []
+    release = threading.Event()
+    journal = InMemoryJournal()
+    executor = ToolExecutor(
+        ToolRegistry([_blocking_booker(effects, release, idempotent=True)]), journal=journal
+    )
+    first = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=1)
+    assert first.status == "timeout" and "safe to call it again" in first.content
+    assert first.idempotency_key is not None
+    assert journal.in_doubt("s1")[0].key == first.idempotency_key
+    release.set()
+    retry = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=2)
+    assert retry.ok and retry.executed and effects == ["KL7", "KL7"]
+    assert (await _settled(journal, first.idempotency_key)).status == "succeeded"
+
+
+async def test_an_operator_resolution_is_not_overwritten_by_the_late_result() -> None:
+    effects: list[str] = []
+    release = threading.Event()
+    journal = InMemoryJournal()
+    executor = ToolExecutor(
+        ToolRegistry([_blocking_booker(effects, release, idempotent=False)]), journal=journal
+    )
+    first = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=1)
+    assert first.idempotency_key is not None
+    journal.resolve(first.idempotency_key, ok=False, content="not booked (checked by hand)")
+    release.set()
+    for _ in range(20):
+        await asyncio.sleep(0.025)
+    entry = journal.get(first.idempotency_key)
+    assert entry is not None and entry.content == "not booked (checked by hand)"
+    # Settled as not done: a repeat is a new booking and runs.
+    repeat = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=2)
+    assert repeat.ok and repeat.executed and effects == ["KL7", "KL7"]

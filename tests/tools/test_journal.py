@@ -71,6 +71,34 @@ def test_results_restarts_and_in_doubt_listing(journal: ToolJournal) -> None:
     assert resolved.status == "failed" and journal.in_doubt() == []
 
 
+def test_same_calls_finds_identical_calls_of_one_session_at_any_step(
+    journal: ToolJournal,
+) -> None:
+    first = _claim(journal, step=1).entry.key
+    _claim(journal, step=2, tool="cancel")
+    journal.claim(
+        key=idempotency_key("s1", 3, 0),
+        session_id="s1",
+        step=3,
+        call_index=0,
+        tool="book",
+        arguments='{"flight": "AF2"}',
+    )
+    journal.claim(
+        key=idempotency_key("s2", 1, 0),
+        session_id="s2",
+        step=1,
+        call_index=0,
+        tool="book",
+        arguments='{"flight": "AF1"}',
+    )
+    fourth = _claim(journal, step=4, call_index=1).entry.key
+    journal.finish(fourth, ok=True, content="booked", output="booked")
+    found = journal.same_calls("s1", "book", '{"flight": "AF1"}')
+    assert [(e.key, e.status) for e in found] == [(first, "started"), (fourth, "succeeded")]
+    assert journal.same_calls("s3", "book", '{"flight": "AF1"}') == []
+
+
 def test_decisions_first_write_wins(journal: ToolJournal) -> None:
     first = Message.assistant(
         "", tool_calls=[ToolCall(id="c1", name="book", arguments='{"flight": "AF1"}')]

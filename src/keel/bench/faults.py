@@ -1,31 +1,49 @@
-"""``keel bench faults``: thousands of seeded, randomized faulty runs of the tool loop.
+"""``keel bench faults``: seeded, randomized faulty runs of the real :class:`~keel.runtime.Agent`.
 
-Each run draws one fault (hallucinated tools, invalid or repairable arguments, endless loops,
-oscillations, model hangs and errors, cut-off replies, tools that raise or hang, oversized
-output, runs that never finish, invalid structured output, crashes mid-tool-call) and mixes in
-valid calls. A scripted model plays the faulty model; the real tool loop, executor, guards and
-SQLite journal do the rest. Crashes are simulated in process (the run is abandoned after the
-intent is journalled and resumed by a fresh loop on the same journal) and, a few times, done
-for real: a subprocess is killed with SIGKILL mid-tool-call and this process resumes its run.
+Every run is a session of an Agent over one SQLite file (its StateStore, the tool journal and
+the traces), with the context engine and PII masking as users run it; a scripted model plays
+the faulty model. Each run draws one fault: hallucinated tools, invalid or repairable
+arguments, endless loops, oscillations, model hangs and errors, cut-off replies, tools that
+raise or hang, a booking that outlives its timeout, oversized output, runs that never finish,
+a JSON answer where a structured one was wanted, crashes mid-turn. Some are done for real in
+other processes:
 
-The figures: runs that raised (must be 0), runs that ended within their step and time limits
-(must be all), loops detected, repaired arguments, side-effecting calls executed more than once
-per idempotency key (must be 0), and runs whose state was reverted when a limit was hit.
+* ``sigkill_*``: a worker process runs a booking turn and is killed with SIGKILL inside the
+  booking tool, or in the model call right after its result; a fresh Agent here finishes the
+  turn with :meth:`Agent.resume <keel.runtime.Agent.resume>`.
+* ``two_process``: two worker processes send turns with a booking tool to the *same* session
+  at the same time, as two stateless service workers on one database would.
+
+The figures are counted from what happened, not from what the runtime says happened:
+
+* ``double_executions``: business bookings (the order number the scripted customer asked
+  for, carried in the tool's arguments) that the *external ledger* (a SQLite table the tool
+  writes, outside keel) holds more than once; idempotent calls run again are counted apart.
+* ``lost_turns``: user messages that got a reply but are missing from the committed state.
+* ``unhandled``: runs that raised (or whose worker died) instead of ending with a reply.
+* ``within_limits``: runs whose every turn stayed within its step and wall-clock limits.
+* ``state_reverted_on_limit``: runs stopped by a guard whose committed state (read back from
+  the store) holds none of the stopped turn's tool calls.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,22 +52,26 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from keel.errors import GuardError, ModelUnavailableError
-from keel.guards import GuardConfig, SpiralMonitor
+from keel.errors import ConflictError, ModelUnavailableError
+from keel.guards import GuardConfig
 from keel.messages import Message, Usage
-from keel.models import Completion, ModelOptions, ToolSchema
-from keel.runtime import LoopHooks, LoopResult, StepRecord, ToolLoop
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.models import ChatModel, Completion, ModelOptions, ToolSchema
+from keel.runtime import Agent, AgentReply
+from keel.state import AgentState, StateStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
 from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import Tool, ToolContext, ToolJournal, ToolRegistry, tool
+from keel.tools import Tool, ToolContext, tool
+from keel.tracing import Tracer
 
 __all__ = [
     "FAULTS",
     "FaultBenchReport",
     "KillOutcome",
+    "PairOutcome",
     "kill_and_resume",
     "resume_after_kill",
     "run_fault_bench",
+    "two_processes_one_session",
 ]
 
 FAULTS = (
@@ -64,6 +86,7 @@ FAULTS = (
     "truncated_reply",
     "tool_raises",
     "tool_hang",
+    "booking_timeout",
     "oversized_output",
     "never_finishes",
     "slow_run",
@@ -71,7 +94,9 @@ FAULTS = (
     "crash_resume",
     "mixed",
 )
-"""The fault kinds a run can draw (``mixed``: several of the recoverable ones in one run)."""
+"""The in-process fault kinds a run can draw (``mixed``: several recoverable ones in a run).
+The kinds done in other processes (``sigkill_in_tool``, ``sigkill_next_model_call``,
+``two_process``) come on top, as many as ``kills`` and ``pairs`` ask for."""
 
 _GUARDS = GuardConfig(
     max_steps=8,
@@ -81,47 +106,76 @@ _GUARDS = GuardConfig(
     max_output_chars=500,
 )
 _SLOW_GUARDS = _GUARDS.model_copy(update={"run_timeout_s": 0.15})
-_TIME_MARGIN_S = 0.5
+_WORKER_GUARDS = GuardConfig(max_steps=8, run_timeout_s=60, model_timeout_s=10)
+_TIME_MARGIN_S = 1.0
+"""Wall-clock slack over ``run_timeout_s`` for a whole turn (the commit comes after the loop)."""
+_SLOW_BOOKING_S = 0.3
 _FINAL = "Here is what I found for you."
 _HANG = "hang"
 _HANG_ONCE = "hang_once"
+_USER = "bench-user"
+_SYSTEM = "You book flights."
 _CITIES = ("Paris", "Lyon", "Oslo", "Rome", "Lima", "Kyiv", "Doha", "Baku", "Riga", "Bern", "Nice")
+_LIMIT_STATUSES = ("step_limit", "time_limit", "loop_detected")
 
 
 class _Crash(BaseException):
     """Simulates the process dying: not an Exception, so nothing in keel catches it."""
 
 
-class Answer(BaseModel):
-    """The structured answer of the structured-output fault."""
-
-    flight: str = Field(description="Flight number.")
-    seats: int = Field(description="Seats booked.")
+# --- the outside world: a ledger of effects keel does not own --------------------------------
 
 
-@dataclass
-class _Ledger:
-    """The 'outside world': how often each side-effecting call really ran, per key."""
+class Ledger:
+    """The external systems' own records: one row per effect that really happened.
 
-    executions: Counter[str] = field(default_factory=Counter)
-    idempotent: set[str] = field(default_factory=set)
+    A SQLite file apart from keel's, written by the tools themselves (from any process), keyed
+    by the business key the customer asked for (an order number), never by keel's keys.
+    """
 
-    def record(self, context: ToolContext | None, *, idempotent: bool) -> None:
-        if context is None:
-            return
-        self.executions[context.idempotency_key] += 1
-        if idempotent:
-            self.idempotent.add(context.idempotency_key)
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with self._connect() as conn:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS effects (session TEXT, tool TEXT, business_key TEXT, "
+                "idempotent INTEGER, idempotency_key TEXT, pid INTEGER, at REAL)"
+            )
 
-    def doubles(self) -> int:
-        return sum(
-            1 for key, count in self.executions.items() if count > 1 and key not in self.idempotent
-        )
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        conn.execute("PRAGMA journal_mode = WAL")
+        return conn
 
-    def idempotent_reruns(self) -> int:
-        return sum(
-            1 for key, count in self.executions.items() if count > 1 and key in self.idempotent
-        )
+    def record(
+        self, context: ToolContext | None, tool_name: str, business_key: str, *, idempotent: bool
+    ) -> None:
+        with contextlib.closing(self._connect()) as conn:
+            conn.execute(
+                "INSERT INTO effects VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    context.session_id if context else "",
+                    tool_name,
+                    business_key,
+                    int(idempotent),
+                    context.idempotency_key if context else "",
+                    os.getpid(),
+                    time.time(),
+                ),
+            )
+
+    def counts(
+        self, session: str | None = None, *, idempotent: bool = False
+    ) -> dict[tuple[str, str], int]:
+        """Effects per (session, business key)."""
+        where = "WHERE idempotent = ?" + (" AND session = ?" if session is not None else "")
+        params: tuple[Any, ...] = (int(idempotent),) + ((session,) if session else ())
+        with contextlib.closing(self._connect()) as conn:
+            rows = conn.execute(
+                f"SELECT session, business_key, COUNT(*) FROM effects {where} "
+                "GROUP BY session, business_key",
+                params,
+            ).fetchall()
+        return {(str(s), str(k)): int(n) for s, k, n in rows}
 
 
 @dataclass
@@ -139,10 +193,13 @@ class _Crasher:
 
 @dataclass
 class _World:
-    """What the bench tools act on: the ledger, and the crash armed for the current run."""
+    """What the bench tools act on: the ledger, the crash armed for the current run, and the
+    slow bookings still running in abandoned threads (waited for before the database closes)."""
 
-    ledger: _Ledger = field(default_factory=_Ledger)
+    ledger: Ledger
     crasher: _Crasher = field(default_factory=_Crasher)
+    slow_booking: bool = False
+    slow_running: list[threading.Event] = field(default_factory=list)
 
 
 def _tools(world: _World) -> list[Tool]:
@@ -167,16 +224,26 @@ def _tools(world: _World) -> list[Tool]:
         return f"{city}: {len(city) * 3} C, clear"
 
     @tool(side_effect=True, idempotent=False)
-    def book_flight(flight: str, passengers: int, ctx: ToolContext | None = None) -> str:
+    def book_flight(
+        flight: str, passengers: int, order: str = "", ctx: ToolContext | None = None
+    ) -> str:
         """Book seats on a flight (charges the card).
 
         Args:
             flight: Flight number.
             passengers: Number of seats.
+            order: The customer's order number.
         """
-        world.ledger.record(ctx, idempotent=False)
+        business_key = order or f"{flight}x{passengers}"
+        world.ledger.record(ctx, "book_flight", business_key, idempotent=False)
         world.crasher.maybe("book_flight")
-        return f"booked {passengers} seat(s) on {flight}, reference BK{abs(hash(flight)) % 9999}"
+        if world.slow_booking:
+            # The airline booked at once but answers after keel's tool timeout.
+            done = threading.Event()
+            world.slow_running.append(done)
+            time.sleep(_SLOW_BOOKING_S)
+            done.set()
+        return f"booked {passengers} seat(s) on {flight}, order {business_key}"
 
     @tool(side_effect=True, idempotent=True)
     def hold_seat(flight: str, seat: str, ctx: ToolContext | None = None) -> str:
@@ -186,7 +253,7 @@ def _tools(world: _World) -> list[Tool]:
             flight: Flight number.
             seat: Seat, e.g. 12A.
         """
-        world.ledger.record(ctx, idempotent=True)
+        world.ledger.record(ctx, "hold_seat", f"{flight}/{seat}", idempotent=True)
         world.crasher.maybe("hold_seat")
         return f"seat {seat} held on {flight}"
 
@@ -229,9 +296,16 @@ def _tools(world: _World) -> list[Tool]:
     ]
 
 
+# --- the plans: what the faulty model says, reply by reply ----------------------------------
+
+
 def _call(name: str, arguments: Any) -> Message:
     raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return ScriptedModel.tool_call(name, raw)
+
+
+def _book(order: str, flight: str = "KL7", passengers: int = 1) -> Message:
+    return _call("book_flight", {"flight": flight, "passengers": passengers, "order": order})
 
 
 def _valid(rng: random.Random) -> Message:
@@ -259,12 +333,12 @@ def _truncated(kind: str) -> Completion:
 
 
 _REPAIRABLE = (
-    '```json\n{"flight": "KL7", "passengers": 2}\n```',
-    "{'flight': 'KL7', 'passengers': 2}",
-    '{"flight": "KL7", "passengers": 2,}',
-    '{"flight": "KL7", "passengers": "2"}',
-    'Sure! {"flight": "KL7", "passengers": 2}',
-    "{'flight': 'KL7', 'passengers': 2, }",
+    '```json\n{"flight": "KL7", "passengers": 2, "order": "ORDER"}\n```',
+    "{'flight': 'KL7', 'passengers': 2, 'order': 'ORDER'}",
+    '{"flight": "KL7", "passengers": 2, "order": "ORDER",}',
+    '{"flight": "KL7", "passengers": "2", "order": "ORDER"}',
+    'Sure! {"flight": "KL7", "passengers": 2, "order": "ORDER"}',
+    "{'flight': 'KL7', 'passengers': 2, 'order': 'ORDER', }",
 )
 _INVALID = (
     '{"flight": "KL7", "passengers": "two"}',
@@ -276,13 +350,15 @@ _INVALID = (
 )
 
 
-def _plan(fault: str, rng: random.Random) -> tuple[list[Any], dict[str, Any]]:
-    """The script of a run (one reply per model call) and per-run settings."""
+def _plan(fault: str, rng: random.Random, order: str) -> tuple[list[Any], dict[str, Any]]:
+    """The script of a run (one reply per model call) and per-run settings. ``order`` is the
+    run's business key: every booking the plan means to make carries it (``order-2`` for a
+    second, different booking)."""
     lead: list[Any] = [_valid(rng) for _ in range(rng.randint(0, 2))]
     settings: dict[str, Any] = {}
     plan: list[Any]
     if fault == "clean":
-        plan = [*lead, _call("book_flight", {"flight": "KL7", "passengers": 1}), _FINAL]
+        plan = [*lead, _book(order), _FINAL]
     elif fault == "hallucinated_tool":
         wrong = [
             _call(rng.choice(["serch_flights", "book_flite", "weather", "bookFlight"]), "{}")
@@ -291,9 +367,13 @@ def _plan(fault: str, rng: random.Random) -> tuple[list[Any], dict[str, Any]]:
         plan = [*lead, *wrong, _call("get_weather", {"city": "Oslo"}), _FINAL]
     elif fault == "invalid_arguments":
         bad = [_call("book_flight", rng.choice(_INVALID)) for _ in range(rng.choice([1, 1, 2, 4]))]
-        plan = [*lead, *bad, _call("book_flight", {"flight": "KL7", "passengers": 2}), _FINAL]
+        plan = [*lead, *bad, _book(order, passengers=2), _FINAL]
     elif fault == "repairable_arguments":
-        plan = [*lead, _call("book_flight", rng.choice(_REPAIRABLE)), _FINAL]
+        plan = [
+            *lead,
+            _call("book_flight", rng.choice(_REPAIRABLE).replace("ORDER", order)),
+            _FINAL,
+        ]
     elif fault == "endless_loop":
         plan = [*lead, _call("get_weather", {"city": "Paris"})]
     elif fault == "oscillation":
@@ -319,6 +399,12 @@ def _plan(fault: str, rng: random.Random) -> tuple[list[Any], dict[str, Any]]:
         ]
     elif fault == "tool_hang":
         plan = [*lead, _call("slow_report", {"seconds": 30}), _FINAL]
+    elif fault == "booking_timeout":
+        # The booking outlives its timeout; the customer insists in a second turn and the
+        # model books the same order again. It must take effect once.
+        plan = [*lead, _book(order), _book(order), _FINAL]
+        settings["slow_booking"] = True
+        settings["more_turns"] = [f"Did order {order} go through? Please book it."]
     elif fault == "oversized_output":
         plan = [*lead, _call("export_history", {"lines": rng.randint(200, 2000)}), _FINAL]
     elif fault == "never_finishes":
@@ -328,28 +414,25 @@ def _plan(fault: str, rng: random.Random) -> tuple[list[Any], dict[str, Any]]:
         settings["delay_s"] = 0.03
         settings["guards"] = _SLOW_GUARDS
     elif fault == "structured_output":
+        # The Agent takes no output schema: a malformed JSON answer is delivered as text.
         wrong_answer = rng.choice(
             ['{"flight": "KL7"}', '{"flight": "KL7", "seats": "many"}', "KL7, 2 seats"]
         )
         good = '{"flight": "KL7", "seats": 2}'
         plan = [*lead, wrong_answer, wrong_answer if rng.random() < 0.3 else good, good]
-        settings["output_schema"] = Answer
     elif fault == "crash_resume":
-        where = rng.choice(["book_flight", "book_flight", "hold_seat", "after_step"])
+        where = rng.choice(["book_flight", "book_flight", "hold_seat", "next_model_call"])
         settings["crash"] = where
         if where == "hold_seat":
             action = _call("hold_seat", {"flight": "KL7", "seat": "12A"})
         else:
-            action = _call("book_flight", {"flight": "KL7", "passengers": 2})
+            action = _book(order, passengers=2)
         plan = [*lead, action, _FINAL]
     elif fault == "mixed":
         fragments: list[list[Any]] = [
             [_call(rng.choice(["serch_flights", "weather"]), "{}")],
-            [_call("book_flight", rng.choice(_REPAIRABLE))],
-            [
-                _call("book_flight", rng.choice(_INVALID)),
-                _call("book_flight", {"flight": "KL8", "passengers": 1}),
-            ],
+            [_call("book_flight", rng.choice(_REPAIRABLE).replace("ORDER", order))],
+            [_call("book_flight", rng.choice(_INVALID)), _book(f"{order}-2", flight="KL8")],
             [_call("flaky_lookup", {"code": rng.randint(1, 99)})],
             [_call("export_history", {"lines": 300})],
             [_call("slow_report", {"seconds": 30})],
@@ -370,10 +453,12 @@ class _PlannedModel(ScriptedModel):
     plus the corrections that replaced unusable replies), so a resumed run (fresh model,
     restored messages) continues exactly where the crashed one stopped. Replies that leave no
     message (``hang_once``, exceptions) are consumed from the plan when used; ``hang`` stays.
+    ``crash`` (``next_model_call``): the first call that sees a booking's result dies.
     """
 
-    def __init__(self, plan: list[Any], *, delay_s: float = 0.0) -> None:
+    def __init__(self, plan: list[Any], *, delay_s: float = 0.0, crasher: _Crasher) -> None:
         self.plan = plan
+        self.crasher = crasher
         super().__init__(self._reply, delay_s=delay_s)
 
     def _index(self, messages: Sequence[Message]) -> int:
@@ -390,6 +475,8 @@ class _PlannedModel(ScriptedModel):
     async def _acomplete(
         self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
     ) -> Completion:
+        if any(m.role == "tool" and m.content.startswith("booked ") for m in messages):
+            self.crasher.maybe("next_model_call")
         position = self._index(messages)
         reply = self.plan[position]
         if isinstance(reply, BaseException) or reply == _HANG_ONCE:
@@ -401,123 +488,244 @@ class _PlannedModel(ScriptedModel):
         return await super()._acomplete(messages, tools, options)
 
 
+# --- one keel, as users run it ---------------------------------------------------------------
+
+
+@dataclass
+class _Keel:
+    """The stores every Agent of a bench shares: one SQLite file, as ``Agent.embedded``."""
+
+    db: SQLiteDatabase
+    state: StateStore[AgentState]
+    journal: SQLiteToolJournal | None
+    tracer: Tracer
+    traces: Any
+
+    @classmethod
+    def open(cls, path: Path, *, journal: bool = True) -> _Keel:
+        from keel.stores._sqlite_traces import SQLiteTraceStore
+
+        db = SQLiteDatabase(path)
+        traces = SQLiteTraceStore(db)
+        traces.setup()
+        return cls(
+            db=db,
+            state=StateStore(SQLiteStateBackend(db), AgentState),
+            journal=SQLiteToolJournal(db) if journal else None,
+            tracer=Tracer(traces, agent="bench-faults"),
+            traces=traces,
+        )
+
+    def agent(self, model: ChatModel, tools: list[Tool], guards: GuardConfig) -> Agent:
+        """A fresh Agent (a new process, as far as its caches go) on the shared stores."""
+        return Agent(
+            model,
+            state=self.state,
+            system_prompt=_SYSTEM,
+            tools=tools,
+            journal=self.journal,
+            tracer=self.tracer,
+            guards=guards,
+            name="bench-faults",
+        )
+
+    @staticmethod
+    def key(session: str) -> str:
+        """The session's key in the state store (the Agent scopes sessions to their tenant)."""
+        from keel.runtime._agent import session_key
+
+        return session_key("default", session)
+
+    def repairs(self, run_id: str) -> int:
+        return sum(
+            1
+            for step in self.traces.get_steps(run_id)
+            if step.kind == "tool" and (step.attributes or {}).get("repairs")
+        )
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def _turn_messages(state: AgentState, text: str) -> list[Message]:
+    """The messages the committed state holds after the (last) user message ``text``."""
+    starts = [i for i, m in enumerate(state.messages) if m.role == "user" and m.content == text]
+    return list(state.messages[starts[-1] + 1 :]) if starts else []
+
+
+def _user_texts(state: AgentState | None) -> Counter[str]:
+    if state is None:
+        return Counter()
+    return Counter(m.content for m in state.messages if m.role == "user")
+
+
 @dataclass
 class _Outcome:
     fault: str
-    status: str
+    statuses: list[str]
     raised: str | None
     within_limits: bool
     loops: int
     repairs: int
-    reverted: bool
     limit_hit: bool
+    reverted: bool
+    effect_hidden: bool
     resumed: bool
+    lost_turns: int
+    duplicated: int
 
 
 async def _one_run(
-    index: int, seed: int, journal: ToolJournal, world: _World, registry: ToolRegistry
+    index: int, seed: int, keel: _Keel, world: _World, tools: list[Tool]
 ) -> _Outcome:
     rng = random.Random(f"{seed}:{index}")
     fault = FAULTS[index % len(FAULTS)] if index < len(FAULTS) else rng.choice(FAULTS)
-    plan, settings = _plan(fault, rng)
-    crasher = world.crasher = _Crasher(where=str(settings.get("crash", "")))
-    guards: GuardConfig = settings.get("guards", _GUARDS)
     session = f"bench-{seed}-{index}"
-    checkpoints: list[tuple[int, list[Message]]] = []
-    reverts: list[GuardError] = []
-    step_counts: list[int] = []
+    plan, settings = _plan(fault, rng, order=f"o{seed}-{index}")
+    crasher = world.crasher = _Crasher(where=str(settings.get("crash", "")))
+    world.slow_booking = bool(settings.get("slow_booking"))
+    guards: GuardConfig = settings.get("guards", _GUARDS)
 
-    def before_model_call(step: int, messages: list[Message]) -> None:
-        checkpoints.append((step, list(messages)))
+    def fresh_agent() -> Agent:
+        model = _PlannedModel(list(plan), delay_s=settings.get("delay_s", 0.0), crasher=crasher)
+        return keel.agent(model, tools, guards)
 
-    def after_step(record: StepRecord) -> None:
-        step_counts[-1] += 1
-        if any(result.tool == "book_flight" and result.ok for result in record.tool_results):
-            crasher.maybe("after_step")
-
-    hooks = LoopHooks(
-        before_model_call=before_model_call,
-        after_step=after_step,
-        revert_to_last_good=reverts.append,
-    )
-
-    def make_loop() -> ToolLoop:
-        model = _PlannedModel(list(plan), delay_s=settings.get("delay_s", 0.0))
-        return ToolLoop(
-            model,
-            registry,
-            guards=guards,
-            journal=journal,
-            hooks=hooks,
-            monitor=SpiralMonitor(),
-            output_schema=settings.get("output_schema"),
-        )
-
-    messages = [Message.system("You book flights."), Message.user("Book me a flight to Rome.")]
-    resumed = False
+    texts = ["Book me a flight to Rome.", *settings.get("more_turns", [])]
+    agent = fresh_agent()
+    statuses: list[str] = []
+    replies: list[tuple[str, AgentReply]] = []
     raised: str | None = None
-    result: LoopResult | None = None
-    durations: list[float] = []
-    started = time.perf_counter()
-    step_counts.append(0)
-    try:
-        result = await make_loop().arun(messages, session_id=session)
-    except _Crash:
-        durations.append(time.perf_counter() - started)
-        resumed = True
-        step, restored = checkpoints[-1]
-        step_counts.append(0)
+    resumed = False
+    within = True
+    limit_hit = reverted = effect_hidden = False
+    for text in texts:
         started = time.perf_counter()
         try:
-            result = await make_loop().arun(restored, session_id=session, first_step=step)
+            try:
+                reply = await agent.handle(session, _USER, text)
+            except _Crash:
+                # The process died mid-turn: a new one (fresh Agent, fresh model) resumes it.
+                within = within and time.perf_counter() - started <= _limit_s(guards)
+                resumed = True
+                agent = fresh_agent()
+                started = time.perf_counter()
+                again = await agent.resume(session, _USER)
+                if again is None:
+                    raise RuntimeError("the crashed turn left no open turn to resume") from None
+                reply = again
         except Exception as exc:
             raised = f"{type(exc).__name__}: {exc}"
-    except Exception as exc:
-        raised = f"{type(exc).__name__}: {exc}"
-    durations.append(time.perf_counter() - started)
-    within = all(count <= guards.max_steps for count in step_counts) and all(
-        duration <= guards.run_timeout_s + _TIME_MARGIN_S for duration in durations
-    )
-    status = result.status if result is not None else "raised"
-    limit_hit = status in ("step_limit", "time_limit", "loop_detected")
+            statuses.append("raised")
+            break
+        within = (
+            within
+            and time.perf_counter() - started <= _limit_s(guards)
+            and reply.steps <= guards.max_steps
+        )
+        statuses.append(reply.status)
+        replies.append((text, reply))
+        if reply.status in _LIMIT_STATUSES:
+            limit_hit = True
+            hit_reverted, hit_hidden = _revert_facts(keel, world, session, text)
+            reverted = reverted or hit_reverted
+            effect_hidden = effect_hidden or hit_hidden
+    checkpoint = keel.state.get(keel.key(session))
+    present = _user_texts(checkpoint.state if checkpoint else None)
     return _Outcome(
         fault=fault,
-        status=status,
+        statuses=statuses,
         raised=raised,
-        within_limits=within and result is not None,
-        loops=result.loops_detected if result is not None else 0,
-        repairs=result.repairs if result is not None else 0,
-        reverted=bool(reverts) and limit_hit,
+        within_limits=within and raised is None,
+        loops=sum(reply.loops_detected for _, reply in replies),
+        repairs=sum(keel.repairs(reply.run_id) for _, reply in replies),
         limit_hit=limit_hit,
+        reverted=reverted,
+        effect_hidden=effect_hidden,
         resumed=resumed,
+        lost_turns=sum(1 for text, _ in replies if present[text] == 0),
+        duplicated=sum(count - 1 for count in present.values() if count > 1),
     )
+
+
+def _limit_s(guards: GuardConfig) -> float:
+    return guards.run_timeout_s + _TIME_MARGIN_S
+
+
+def _revert_facts(keel: _Keel, world: _World, session: str, text: str) -> tuple[bool, bool]:
+    """From the store: did the guard stop revert the turn (no tool call or result of it in the
+    committed state, which is the newest checkpoint), and did that hide a booking that the
+    ledger says happened?"""
+    checkpoint = keel.state.get(keel.key(session))
+    if checkpoint is None:
+        return False, False
+    history = keel.state.history(keel.key(session))
+    committed = bool(history) and history[0].reason.startswith("turn failed")
+    before_calls = [info for info in history if info.reason == "before model call"]
+    last_before = (
+        _turn_messages(keel.state.at(keel.key(session), before_calls[0].version).state, text)
+        if before_calls
+        else []
+    )
+    worked = sum(m.role == "tool" for m in last_before)
+    after = _turn_messages(checkpoint.state, text)
+    # Reverted: the turn's work is gone from the committed state. Side effects that happened
+    # stay in it by design (a revert never hides a booking), so count what went.
+    reverted = committed and worked > 0 and sum(m.role == "tool" for m in after) < worked
+    booked = world.ledger.counts(keel.key(session))
+    shown = " ".join(m.content for m in checkpoint.state.messages if m.role == "tool")
+    hidden = any(f"order {key}" not in shown for _, key in booked)
+    return reverted, hidden
+
+
+# --- the report ------------------------------------------------------------------------------
 
 
 class FaultBenchReport(BaseModel):
-    """The figures of one ``keel bench faults`` run."""
+    """The figures of one ``keel bench faults`` run (see the module docstring for each)."""
 
-    runs: int = Field(description="Runs in all, the SIGKILLed subprocess runs included.")
-    unhandled_exceptions: int = Field(description="Runs that raised instead of ending (target 0).")
-    ended_within_limits: int = Field(
-        description="Runs that ended within their step limit and wall-clock limit (target: all)."
+    runs: int = Field(description="Runs in all: in process, SIGKILLed workers, process pairs.")
+    unhandled: int = Field(description="Runs that raised or whose worker died (target 0).")
+    within_limits: int = Field(
+        description="Runs whose every turn ended within its step and wall-clock limits (target: "
+        "all)."
+    )
+    double_executions: int = Field(
+        description="Business bookings the external ledger holds more than once (target 0)."
+    )
+    lost_turns: int = Field(
+        description="User messages answered but missing from the committed state (target 0)."
+    )
+    duplicated_user_messages: int = Field(
+        description="Extra copies of user messages in the committed state (target 0)."
+    )
+    missing_effects: int = Field(
+        description="Two-process turns that completed but whose booking the ledger lacks."
+    )
+    conflicted_turns: int = Field(description="Two-process turns that raised ConflictError.")
+    conflicted_turns_with_effects: int = Field(
+        description="Of those, turns that changed something anyway: booked, or their message "
+        "is in the committed state (target 0)."
     )
     loops_detected: int = Field(description="Loop detections (warnings and stops).")
     repairs: int = Field(description="Tool calls whose arguments were repaired and then ran.")
-    double_executions: int = Field(
-        description="Non-idempotent side-effecting calls that ran twice for one key (target 0)."
-    )
-    state_reverted_on_limit: int = Field(
-        description="Runs stopped by a guard whose revert_to_last_good hook was called."
-    )
     limit_hits: int = Field(description="Runs stopped by a guard (step, time, loop).")
-    resumed_after_crash: int = Field(description="Runs crashed mid-tool-call and resumed.")
-    killed_subprocesses: int = Field(description="Of those, real subprocesses SIGKILLed.")
+    state_reverted_on_limit: int = Field(
+        description="Of those, runs whose committed state (read from the store) holds none of "
+        "the stopped turn's tool calls."
+    )
+    effects_hidden_by_revert: int = Field(
+        description="Runs stopped by a guard whose committed state lost a booking the ledger "
+        "holds (target 0)."
+    )
+    resumed_after_crash: int = Field(description="Runs crashed mid-turn and resumed.")
+    killed_subprocesses: int = Field(description="Of those, real workers SIGKILLed.")
+    two_process_runs: int = Field(description="Runs of two workers on one session.")
     idempotent_reruns: int = Field(
-        description="In-doubt idempotent calls run again on resume (allowed by their policy)."
+        description="Idempotent effects the ledger holds more than once (allowed by policy)."
     )
     seconds: float = Field(description="Wall time of the benchmark.")
     by_fault: dict[str, dict[str, int]] = Field(
-        description="Per fault kind: runs, and how many ended with each status."
+        description="Per fault kind: runs, and how many turns ended with each status."
     )
     failures: list[str] = Field(description="The first unhandled exceptions, if any.")
 
@@ -526,59 +734,99 @@ def run_fault_bench(
     runs: int = 1000,
     *,
     seed: int = 0,
-    kills: int = 3,
+    kills: int = 4,
+    pairs: int = 2,
+    pair_turns: int = 6,
+    journal: bool = True,
     workdir: Path | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> FaultBenchReport:
-    """Run the benchmark: ``runs`` runs in all, ``kills`` of them in a real subprocess that is
-    killed with SIGKILL mid-tool-call and resumed here; the rest in process."""
+    """Run the benchmark: ``runs`` runs in all; ``kills`` of them a worker SIGKILLed mid-turn
+    and resumed here, ``pairs`` of them two workers sending ``pair_turns`` turns each to one
+    session; the rest in this process. ``journal=False`` runs the in-process runs without the
+    durable journal: the control that shows ``double_executions`` can count doubles."""
     kills = min(kills, runs)
+    pairs = min(pairs, runs - kills)
     logging.getLogger("keel.guards").setLevel(logging.ERROR)
+    logging.getLogger("keel.tools").setLevel(logging.ERROR)
     # Load the scripted model's tokenizer before the clock starts: it is a one-off cost.
     ScriptedModel().counter.count_text("warm up")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="keel-bench-faults-") as tmp:
         folder = workdir or Path(tmp)
-        db = SQLiteDatabase(folder / "journal.db")
+        folder.mkdir(parents=True, exist_ok=True)
+        world = _World(ledger=Ledger(folder / "ledger.db"))
+        keel = _Keel.open(folder / "keel.db", journal=journal)
         try:
-            journal = SQLiteToolJournal(db)
-            world = _World()
-            outcomes = asyncio.run(_all_runs(runs - kills, seed, journal, world, progress))
+            outcomes = asyncio.run(_all_runs(runs - kills - pairs, seed, keel, world, progress))
+            doubles = sum(1 for n in world.ledger.counts().values() if n > 1)
+            reruns = sum(1 for n in world.ledger.counts(idempotent=True).values() if n > 1)
         finally:
-            db.close()
+            # Abandoned booking threads journal their late results: let them finish first.
+            for done in world.slow_running:
+                done.wait(5)
+            time.sleep(0.05)
+            keel.close()
         kill_outcomes = [kill_and_resume(folder, i, seed) for i in range(kills)]
-    by_fault: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        pair_outcomes = [
+            two_processes_one_session(folder, i, seed, turns=pair_turns) for i in range(pairs)
+        ]
+    return _report(outcomes, kill_outcomes, pair_outcomes, doubles, reruns, started)
+
+
+def _report(
+    outcomes: list[_Outcome],
+    kills: list[KillOutcome],
+    pairs: list[PairOutcome],
+    doubles: int,
+    reruns: int,
+    started: float,
+) -> FaultBenchReport:
+    by_fault: dict[str, Counter[str]] = defaultdict(Counter)
     failures: list[str] = []
     for outcome in outcomes:
         row = by_fault[outcome.fault]
         row["runs"] += 1
-        row[outcome.status] += 1
+        row.update(outcome.statuses)
         if outcome.raised:
             failures.append(f"{outcome.fault}: {outcome.raised}")
-    double = world.ledger.doubles()
-    kill_row = by_fault["sigkill_resume"]
-    for kill in kill_outcomes:
-        kill_row["runs"] += 1
-        kill_row[kill.status] += 1
-        double += kill.doubles
+    for kill in kills:
+        row = by_fault[f"sigkill_{kill.mode}"]
+        row["runs"] += 1
+        row[kill.status] += 1
         if kill.error:
-            failures.append(f"sigkill_resume: {kill.error}")
-    if not kill_outcomes:
-        del by_fault["sigkill_resume"]
+            failures.append(f"sigkill_{kill.mode}: {kill.error}")
+    for pair in pairs:
+        row = by_fault["two_process"]
+        row["runs"] += 1
+        row.update(pair.statuses)
+        failures.extend(f"two_process: {error}" for error in pair.errors)
     return FaultBenchReport(
-        runs=len(outcomes) + len(kill_outcomes),
-        unhandled_exceptions=sum(1 for o in outcomes if o.raised)
-        + sum(1 for k in kill_outcomes if k.error),
-        ended_within_limits=sum(1 for o in outcomes if o.within_limits)
-        + sum(1 for k in kill_outcomes if k.error is None),
+        runs=len(outcomes) + len(kills) + len(pairs),
+        unhandled=sum(1 for o in outcomes if o.raised)
+        + sum(1 for k in kills if k.error)
+        + sum(1 for p in pairs if p.errors),
+        within_limits=sum(1 for o in outcomes if o.within_limits)
+        + sum(1 for k in kills if k.error is None)
+        + sum(1 for p in pairs if p.within_limits),
+        double_executions=doubles + sum(k.doubles for k in kills) + sum(p.doubles for p in pairs),
+        lost_turns=sum(o.lost_turns for o in outcomes)
+        + sum(k.lost_turns for k in kills)
+        + sum(p.lost_turns for p in pairs),
+        duplicated_user_messages=sum(o.duplicated for o in outcomes)
+        + sum(p.duplicated for p in pairs),
+        missing_effects=sum(p.missing_effects for p in pairs),
+        conflicted_turns=sum(p.conflicts for p in pairs),
+        conflicted_turns_with_effects=sum(p.conflicts_with_effects for p in pairs),
         loops_detected=sum(o.loops for o in outcomes),
         repairs=sum(o.repairs for o in outcomes),
-        double_executions=double,
-        state_reverted_on_limit=sum(1 for o in outcomes if o.reverted),
         limit_hits=sum(1 for o in outcomes if o.limit_hit),
-        resumed_after_crash=sum(1 for o in outcomes if o.resumed) + len(kill_outcomes),
-        killed_subprocesses=len(kill_outcomes),
-        idempotent_reruns=world.ledger.idempotent_reruns(),
+        state_reverted_on_limit=sum(1 for o in outcomes if o.reverted),
+        effects_hidden_by_revert=sum(1 for o in outcomes if o.effect_hidden),
+        resumed_after_crash=sum(1 for o in outcomes if o.resumed) + len(kills),
+        killed_subprocesses=len(kills),
+        two_process_runs=len(pairs),
+        idempotent_reruns=reruns,
         seconds=round(time.perf_counter() - started, 2),
         by_fault={fault: dict(sorted(row.items())) for fault, row in sorted(by_fault.items())},
         failures=failures[:20],
@@ -588,185 +836,348 @@ def run_fault_bench(
 async def _all_runs(
     runs: int,
     seed: int,
-    journal: ToolJournal,
+    keel: _Keel,
     world: _World,
     progress: Callable[[int], None] | None,
 ) -> list[_Outcome]:
-    registry = ToolRegistry(_tools(world))
+    tools = _tools(world)
     outcomes: list[_Outcome] = []
     for index in range(runs):
-        outcomes.append(await _one_run(index, seed, journal, world, registry))
+        outcomes.append(await _one_run(index, seed, keel, world, tools))
         if progress is not None:
             progress(index + 1)
     return outcomes
 
 
-# --- real crashes: a subprocess killed with SIGKILL mid-tool-call ----------------------------
+# --- other processes: the booking customer, the worker entry points --------------------------
+
+_ORDER = re.compile(r"\border (\S+?)[.?]?$")
+
+
+def _booking_policy(marker: Path | None = None) -> Callable[[ScriptedCall], Message | str]:
+    """A customer-service model: books the order the newest user message names, once it has
+    no booking result for it since that message, then confirms. ``marker``: on the call that
+    sees the booking's result, write it and hang (the worker is killed there)."""
+
+    def policy(call: ScriptedCall) -> Message | str:
+        users = [i for i, m in enumerate(call.messages) if m.role == "user"]
+        user = call.messages[users[-1]].content if users else ""
+        match = _ORDER.search(user)
+        order = match.group(1) if match else "none"
+        since = call.messages[users[-1] + 1 :] if users else call.messages
+        results = [m.content for m in since if m.role == "tool"]
+        if any(f"order {order}" in result for result in results):
+            if marker is not None:
+                marker.write_text("model call after the booking's result")
+                time.sleep(120)  # the parent kills the process here
+            return f"Booked order {order}."
+        if results:
+            return f"I could not book order {order}: {results[-1][:80]}"
+        # Call ids unique across processes, as a provider's are (two workers share a session).
+        arguments = json.dumps({"flight": "KL7", "passengers": 1, "order": order})
+        return ScriptedModel.tool_call("book_flight", arguments, f"call_{uuid.uuid4().hex[:16]}")
+
+    return policy
+
+
+def _worker_tools(folder: Path, marker: Path | None) -> list[Tool]:
+    """The booking tool for worker processes; ``marker``: book, write it and hang."""
+    ledger = Ledger(folder / "ledger.db")
+
+    @tool(side_effect=True, idempotent=False, timeout_s=300)
+    def book_flight(
+        flight: str, passengers: int, order: str = "", ctx: ToolContext | None = None
+    ) -> str:
+        """Book seats on a flight (charges the card).
+
+        Args:
+            flight: Flight number.
+            passengers: Number of seats.
+            order: The customer's order number.
+        """
+        ledger.record(ctx, "book_flight", order, idempotent=False)
+        if marker is not None:
+            marker.write_text("inside book_flight, after the booking")
+            time.sleep(120)  # the parent kills the process here
+        return f"booked {passengers} seat(s) on {flight}, order {order}"
+
+    return [book_flight]
+
+
+def _python_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+
+
+# --- real crashes: a worker SIGKILLed mid-turn, resumed by a fresh Agent here -----------------
 
 
 @dataclass
 class KillOutcome:
-    """One real kill-and-resume: how the resumed run ended and how often the booking ran."""
+    """One real kill-and-resume: how the resumed turn ended and what the ledger holds."""
 
     mode: str
     status: str
     bookings: int
     doubles: int
+    lost_turns: int = 0
     error: str | None = None
 
 
-def _kill_plan() -> list[Any]:
-    return [
-        _call("search_flights", {"origin": "Paris", "destination": "Rome"}),
-        _call("book_flight", {"flight": "KL7", "passengers": 2}),
-        _FINAL,
-    ]
+def _kill_text(session: str) -> str:
+    return f"Please book order {session}."
 
 
-def _booking_tools(bookings_path: Path, marker: Path | None, hang_in_tool: bool) -> ToolRegistry:
-    @tool
-    def search_flights(origin: str, destination: str) -> str:
-        """Find flights.
-
-        Args:
-            origin: From.
-            destination: To.
-        """
-        return '[{"flight": "KL7"}]'
-
-    @tool(side_effect=True, idempotent=False)
-    def book_flight(flight: str, passengers: int, ctx: ToolContext | None = None) -> str:
-        """Book seats on a flight.
-
-        Args:
-            flight: Flight number.
-            passengers: Seats.
-        """
-        assert ctx is not None
-        with sqlite3.connect(bookings_path) as conn:
-            conn.execute(
-                "INSERT INTO bookings (session, key, flight, passengers) VALUES (?, ?, ?, ?)",
-                (ctx.session_id, ctx.idempotency_key, flight, passengers),
-            )
-        if marker is not None and hang_in_tool:
-            marker.write_text("in tool")
-            time.sleep(120)
-        return f"booked {passengers} on {flight}"
-
-    return ToolRegistry([search_flights, book_flight])
-
-
-def _kill_loop(
-    journal: ToolJournal, registry: ToolRegistry, checkpoint: Path, hooks_marker: Path | None
-) -> ToolLoop:
-    def before_model_call(step: int, messages: list[Message]) -> None:
-        payload = {"step": step, "messages": [m.model_dump(mode="json") for m in messages]}
-        temporary = checkpoint.with_suffix(".tmp")
-        temporary.write_text(json.dumps(payload))
-        temporary.replace(checkpoint)
-
-    def after_step(record: StepRecord) -> None:
-        if hooks_marker is not None and any(r.tool == "book_flight" for r in record.tool_results):
-            hooks_marker.write_text("after result")
-            time.sleep(120)
-
-    return ToolLoop(
-        _PlannedModel(_kill_plan()),
-        registry,
-        guards=GuardConfig(max_steps=8, run_timeout_s=300, model_timeout_s=5),
-        journal=journal,
-        hooks=LoopHooks(before_model_call=before_model_call, after_step=after_step),
-    )
-
-
-def _worker(folder: Path, session: str, mode: str) -> None:
-    """The process that gets killed: runs a booking until the marker says it is mid-call."""
+def _kill_worker(folder: Path, session: str, mode: str) -> None:
+    """The process that gets killed: one booking turn, hanging where ``mode`` says."""
     marker = folder / f"{session}.marker"
-    registry = _booking_tools(folder / "bookings.db", marker, hang_in_tool=mode == "in_tool")
-    db = SQLiteDatabase(folder / "journal.db")
-    loop = _kill_loop(
-        SQLiteToolJournal(db),
-        registry,
-        folder / f"{session}.checkpoint.json",
-        marker if mode == "after_result" else None,
-    )
-    asyncio.run(loop.arun([Message.user("Book KL7 for two.")], session_id=session))
+    keel = _Keel.open(folder / "keel.db")
+    model = ScriptedModel(_booking_policy(marker if mode == "next_model_call" else None))
+    tools = _worker_tools(folder, marker if mode == "in_tool" else None)
+    agent = keel.agent(model, tools, _WORKER_GUARDS)
+    asyncio.run(agent.handle(session, _USER, _kill_text(session)))
 
 
-def kill_and_resume(folder: Path, number: int, seed: int) -> KillOutcome:
-    mode = "in_tool" if number % 2 == 0 else "after_result"
+def kill_and_resume(folder: Path, number: int, seed: int, *, journal: bool = True) -> KillOutcome:
+    """SIGKILL a worker inside the booking (even ``number``) or in the model call after its
+    result (odd), then resume the turn with a fresh Agent in this process (without the
+    durable journal when ``journal`` is false: the control run)."""
+    mode = "in_tool" if number % 2 == 0 else "next_model_call"
     session = f"kill-{seed}-{number}"
-    bookings = folder / "bookings.db"
-    with sqlite3.connect(bookings) as conn:
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS bookings "
-            "(session TEXT, key TEXT, flight TEXT, passengers INTEGER)"
-        )
+    Ledger(folder / "ledger.db")
     marker = folder / f"{session}.marker"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "keel.bench.faults", "--worker", str(folder), session, mode],
-        env=env,
+        [sys.executable, "-m", "keel.bench.faults", "kill-worker", str(folder), session, mode],
+        env=_python_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while not marker.exists():
             if process.poll() is not None or time.monotonic() > deadline:
-                stderr = process.stderr.read().decode() if process.stderr else ""
                 return KillOutcome(
-                    mode, "worker_failed", 0, 0, f"worker did not reach the call: {stderr[-300:]}"
+                    mode,
+                    "worker_failed",
+                    0,
+                    0,
+                    error=f"worker did not reach the kill point: {_stderr_tail(process)}",
                 )
             time.sleep(0.02)
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
-    return resume_after_kill(folder, session, mode)
+        _reap(process)
+    return resume_after_kill(folder, session, mode, journal=journal)
 
 
-def resume_after_kill(folder: Path, session: str, mode: str) -> KillOutcome:
-    """Resume a killed worker's run in this process; count the bookings it made."""
-    checkpoint = json.loads((folder / f"{session}.checkpoint.json").read_text())
-    messages = [Message.model_validate(m) for m in checkpoint["messages"]]
-    db = SQLiteDatabase(folder / "journal.db")
+def resume_after_kill(
+    folder: Path, session: str, mode: str, *, journal: bool = True
+) -> KillOutcome:
+    """Resume a killed worker's turn with a fresh Agent; count the bookings the ledger holds.
+    ``journal=False`` resumes without the durable journal (the control run: it re-books)."""
+    keel = _Keel.open(folder / "keel.db", journal=journal)
     try:
-        loop = _kill_loop(
-            SQLiteToolJournal(db),
-            _booking_tools(folder / "bookings.db", None, hang_in_tool=False),
-            folder / f"{session}.resumed.json",
-            None,
+        agent = keel.agent(
+            ScriptedModel(_booking_policy()), _worker_tools(folder, None), _WORKER_GUARDS
         )
         try:
-            result = asyncio.run(
-                loop.arun(messages, session_id=session, first_step=int(checkpoint["step"]))
-            )
-            status: str = result.status
-            error: str | None = None
+            reply = asyncio.run(agent.resume(session, _USER))
+            status = reply.status if reply is not None else "nothing_to_resume"
+            error = None if reply is not None else "the killed turn left no open turn"
         except Exception as exc:
             status, error = "raised", f"{type(exc).__name__}: {exc}"
+        checkpoint = keel.state.get(keel.key(session))
+        present = _user_texts(checkpoint.state if checkpoint else None)
     finally:
-        db.close()
-    with sqlite3.connect(folder / "bookings.db") as conn:
-        rows = conn.execute(
-            "SELECT key, COUNT(*) FROM bookings WHERE session = ? GROUP BY key", (session,)
-        ).fetchall()
-    total = sum(int(count) for _, count in rows)
-    doubles = sum(1 for _, count in rows if int(count) > 1)
+        keel.close()
+    counts = Ledger(folder / "ledger.db").counts(_Keel.key(session))
     return KillOutcome(
         mode=mode,
         status=status,
-        bookings=total,
-        doubles=doubles,
+        bookings=sum(counts.values()),
+        doubles=sum(1 for n in counts.values() if n > 1),
+        lost_turns=int(present[_kill_text(session)] == 0),
         error=error,
     )
 
 
+# --- two workers, one session ----------------------------------------------------------------
+
+
+@dataclass
+class PairOutcome:
+    """Two workers' turns on one session: what they were told and what the ledger and the
+    committed state hold."""
+
+    statuses: list[str]
+    doubles: int
+    lost_turns: int
+    duplicated: int
+    missing_effects: int
+    conflicts: int
+    conflicts_with_effects: int
+    within_limits: bool
+    errors: list[str]
+
+
+def _pair_worker(folder: Path, session: str, worker: int, turns: int) -> None:
+    """One of the two workers: wait for the start signal, send ``turns`` turns, print what
+    each one returned as one JSON line."""
+    keel = _Keel.open(folder / "keel.db")
+    agent = keel.agent(
+        ScriptedModel(_booking_policy()), _worker_tools(folder, None), _WORKER_GUARDS
+    )
+    (folder / f"{session}.ready{worker}").write_text("ready")
+    deadline = time.monotonic() + 60
+    while not (folder / f"{session}.go").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+    async def send_all() -> list[dict[str, Any]]:
+        results = []
+        for turn in range(turns):
+            order = f"{session}-w{worker}-t{turn}"
+            text = f"Please book order {order}."
+            started = time.perf_counter()
+            try:
+                reply = await asyncio.wait_for(agent.handle(session, _USER, text), 60)
+                result = {"status": reply.status, "steps": reply.steps}
+            except ConflictError as exc:
+                result = {"status": "conflict", "error": str(exc)[:200]}
+            except Exception as exc:
+                result = {"status": "raised", "error": f"{type(exc).__name__}: {exc}"[:300]}
+            result.update(order=order, text=text, seconds=time.perf_counter() - started)
+            results.append(result)
+        return results
+
+    try:
+        print(json.dumps(asyncio.run(send_all())), flush=True)
+    finally:
+        keel.close()
+
+
+def two_processes_one_session(
+    folder: Path, number: int, seed: int, *, turns: int = 6, timeout_s: float = 120.0
+) -> PairOutcome:
+    """Two worker processes send ``turns`` booking turns each to one session at once."""
+    session = f"pair-{seed}-{number}"
+    Ledger(folder / "ledger.db")
+    command = [sys.executable, "-m", "keel.bench.faults", "pair-worker", str(folder), session]
+    processes = [
+        subprocess.Popen(
+            [*command, str(worker), str(turns)],
+            env=_python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for worker in (0, 1)
+    ]
+    errors: list[str] = []
+    outputs: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        ready = [folder / f"{session}.ready{worker}" for worker in (0, 1)]
+        while not all(path.exists() for path in ready):
+            if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        (folder / f"{session}.go").write_text("go")
+        for process in processes:
+            try:
+                out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+                errors.append(f"a worker did not finish within {timeout_s:g} s")
+            if process.returncode not in (0, -signal.SIGKILL):
+                errors.append(f"a worker exited with {process.returncode}: {err[-300:]}")
+            outputs.append(out)
+    finally:
+        for process in processes:
+            _reap(process)
+    turns_seen: list[dict[str, Any]] = []
+    for out in outputs:
+        lines = [line for line in out.splitlines() if line.strip()]
+        if lines:
+            turns_seen.extend(json.loads(lines[-1]))
+    if len(turns_seen) < 2 * turns and not errors:
+        errors.append(f"{2 * turns - len(turns_seen)} turns never reported")
+    return _pair_figures(folder, session, turns_seen, errors, turns)
+
+
+def _pair_figures(
+    folder: Path, session: str, turns: list[dict[str, Any]], errors: list[str], planned: int
+) -> PairOutcome:
+    keel = _Keel.open(folder / "keel.db")
+    try:
+        checkpoint = keel.state.get(keel.key(session))
+        present = _user_texts(checkpoint.state if checkpoint else None)
+    finally:
+        keel.close()
+    booked = {
+        key: n for (_, key), n in Ledger(folder / "ledger.db").counts(_Keel.key(session)).items()
+    }
+    replied = [t for t in turns if t["status"] not in ("conflict", "raised")]
+    conflicted = [t for t in turns if t["status"] == "conflict"]
+    errors = errors + [str(t.get("error")) for t in turns if t["status"] == "raised"]
+    within = not errors and all(
+        t["seconds"] <= _WORKER_GUARDS.run_timeout_s + _TIME_MARGIN_S
+        and int(t.get("steps", 0)) <= _WORKER_GUARDS.max_steps
+        for t in turns
+    )
+    return PairOutcome(
+        statuses=[str(t["status"]) for t in turns],
+        doubles=sum(1 for n in booked.values() if n > 1),
+        lost_turns=sum(1 for t in replied if present[t["text"]] == 0),
+        duplicated=sum(count - 1 for count in present.values() if count > 1),
+        missing_effects=sum(
+            1 for t in replied if t["status"] == "completed" and booked.get(t["order"], 0) == 0
+        ),
+        conflicts=len(conflicted),
+        conflicts_with_effects=sum(
+            1 for t in conflicted if booked.get(t["order"], 0) or present[t["text"]]
+        ),
+        within_limits=within and len(turns) == 2 * planned,
+        errors=errors,
+    )
+
+
+def _stderr_tail(process: subprocess.Popen[bytes]) -> str:
+    with contextlib.suppress(Exception):
+        if process.stderr is not None:
+            return process.stderr.read().decode(errors="replace")[-300:]
+    return ""
+
+
+def _reap(process: subprocess.Popen[Any]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for stream in (process.stdout, process.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+
+
+def _main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m keel.bench.faults")
+    commands = parser.add_subparsers(dest="command", required=True)
+    kill = commands.add_parser("kill-worker")
+    kill.add_argument("folder", type=Path)
+    kill.add_argument("session")
+    kill.add_argument("mode", choices=["in_tool", "next_model_call"])
+    pair = commands.add_parser("pair-worker")
+    pair.add_argument("folder", type=Path)
+    pair.add_argument("session")
+    pair.add_argument("worker", type=int)
+    pair.add_argument("turns", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    if args.command == "kill-worker":
+        _kill_worker(args.folder, args.session, args.mode)
+    else:
+        _pair_worker(args.folder, args.session, args.worker, args.turns)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        _worker(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
+    _main(sys.argv[1:])

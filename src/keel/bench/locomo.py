@@ -9,7 +9,12 @@ or evidence is read at query time: evidence only scores the result afterwards.
 Metrics: R@k (share of a question's evidence turns among the turns retrieved for the top k
 hits, their neighbouring turns included; adjacent hits share one block), All@10, tokens of
 the retrieved turns (each turn counted once), search latency with the query embedding.
-Baselines in the same run: keyword-only (BM25) and dense-only, both without neighbours.
+
+Baselines in the same run, each without neighbour expansion: keyword-only (BM25), dense-only,
+and keel itself without neighbours. Each is reported twice: at k (its own top 5 and top 10
+hits), and ``at_keel_budget``: per question, its hits in rank order for as long as the turns
+fit in the tokens keel's top 5 (top 10) took for that question, so that recall is compared at
+the same tokens (like-for-like: the same ``tokens_at_10`` at most), not at the same k.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -108,6 +114,9 @@ class _Tally:
         self.rows: list[dict[str, float]] = []
         self.latencies: list[float] = []
 
+    def add_scores(self, category: int, top5: _Scored, top10: _Scored) -> None:
+        self.add(category, top5.recall, top10.recall, top10.complete, top10.tokens)
+
     def add(self, category: int, r5: float, r10: float, all10: float, tokens: int) -> None:
         self.rows.append(
             {"category": category, "r5": r5, "r10": r10, "all10": all10, "tokens": tokens}
@@ -168,7 +177,9 @@ def run_locomo(
             }
         ),
     }
+    systems["keel_without_neighbours"] = default_cfg.model_copy(update={"neighbours": 0})
     tallies = {name: _Tally() for name in systems}
+    budgeted = {name: _Tally() for name in systems if name != "keel"}
     dropped_evidence = 0
     skipped_questions = 0
     turns_total = 0
@@ -225,6 +236,7 @@ def run_locomo(
                     skipped_questions += 1
                     continue
                 question = str(qa["question"])
+                budget5 = budget10 = 0
                 for name, memory in memories.items():
                     started = time.perf_counter()
                     hits = memory.search(question, scope=scope, k=10)
@@ -236,18 +248,30 @@ def run_locomo(
                         if memory.config.neighbours == 0
                         else memory.search(question, scope=scope, k=5)
                     )
-                    r5, _, _ = _score(top5, evidence, dia_of, counter)
-                    r10, all10, tokens = _score(hits[:10], evidence, dia_of, counter)
-                    tallies[name].add(int(category), r5, r10, all10, tokens)
+                    scored5 = _score(top5, evidence, dia_of, counter)
+                    scored10 = _score(hits[:10], evidence, dia_of, counter)
+                    tallies[name].add_scores(int(category), scored5, scored10)
+                    if name == "keel":
+                        budget5, budget10 = scored5.tokens, scored10.tokens
+                        continue
+                    # The same system given keel's tokens for this question instead of k hits.
+                    deep = memory.search(question, scope=scope, k=_BUDGET_DEPTH)
+                    budgeted[name].add_scores(
+                        int(category),
+                        _score(_within(deep, budget5, counter), evidence, dia_of, counter),
+                        _score(_within(deep, budget10, counter), evidence, dia_of, counter),
+                    )
                 if progress is not None:
                     progress("questions", asked, questions_total)
         memory_store.close()
         db.close()
     report = tallies["keel"].full()
-    report["baselines"] = {
-        "bm25": tallies["bm25"].full(),
-        "dense": tallies["dense"].full(),
-    }
+    report["baselines"] = {name: tallies[name].full() for name in budgeted}
+    report["at_keel_budget"] = {name: tally.full() for name, tally in budgeted.items()}
+    for row in report["at_keel_budget"].values():
+        # Latency belongs to the search, reported with the baselines at k.
+        row.pop("search_ms_p50", None)
+        row.pop("search_ms_p95", None)
     report["dropped_evidence_ids"] = dropped_evidence
     report["questions_without_evidence"] = skipped_questions
     report["conversations"] = len(conversations)
@@ -260,9 +284,37 @@ def run_locomo(
     return report
 
 
+_BUDGET_DEPTH = 50
+"""Hits a baseline may use within keel's budget (keel's top 10 with neighbours is at most 30
+turns; the budget always binds before this)."""
+
+
+@dataclass(frozen=True)
+class _Scored:
+    recall: float
+    complete: float
+    tokens: int
+
+
+def _within(hits: list[MemoryHit], budget: int, counter: Any) -> list[MemoryHit]:
+    """The leading hits whose turns (each counted once) fit in ``budget`` tokens."""
+    kept: list[MemoryHit] = []
+    seen: set[str] = set()
+    used = 0
+    for hit in hits:
+        fresh = [record for record in hit.records if record.id not in seen]
+        cost = sum(counter.count_text(record.text) for record in fresh)
+        if used + cost > budget:
+            break
+        kept.append(hit)
+        seen.update(record.id for record in fresh)
+        used += cost
+    return kept
+
+
 def _score(
     hits: list[MemoryHit], evidence: list[str], dia_of: dict[str, str], counter: Any
-) -> tuple[float, float, int]:
+) -> _Scored:
     retrieved: dict[str, str] = {}
     for hit in hits:
         for record in hit.records:
@@ -270,4 +322,4 @@ def _score(
     found_dia = {dia_of.get(record_id, "") for record_id in retrieved}
     found = sum(1 for dia in evidence if dia in found_dia)
     tokens = sum(counter.count_text(text) for text in retrieved.values())
-    return found / len(evidence), float(found == len(evidence)), tokens
+    return _Scored(found / len(evidence), float(found == len(evidence)), tokens)

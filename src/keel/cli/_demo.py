@@ -1,4 +1,5 @@
-"""``keel demo``: the flight-booking agent, killed mid tool call and resumed."""
+"""``keel demo``: the flight-booking agent, killed inside a booking and resumed; exits 1 when a
+trip is booked twice or not at all, or a question is asked again."""
 
 from __future__ import annotations
 
@@ -26,9 +27,16 @@ def demo_command(
         int, typer.Option(min=0, help="Side questions per trip (long tool outputs).")
     ] = 10,
     kill: Annotated[
-        bool, typer.Option(help="SIGKILL the worker mid tool call, then resume.")
+        bool, typer.Option(help="SIGKILL the worker inside a booking, then resume.")
     ] = True,
     memory: Annotated[bool, typer.Option(help="Give the agent long-term memory.")] = True,
+    journal: Annotated[
+        bool,
+        typer.Option(
+            help="Keep the durable tool journal; --no-journal is the control run, which must "
+            "fail (the resumed turn books again)."
+        ),
+    ] = True,
     workdir: Annotated[
         Path | None, typer.Option(help="Keep the demo's database here (default: a temp dir).")
     ] = None,
@@ -63,6 +71,7 @@ def demo_command(
             side_questions=side_questions,
             kill=kill,
             memory=memory,
+            journal=journal,
             workdir=workdir,
             on_turn=on_turn,
         )
@@ -76,7 +85,8 @@ def demo_command(
     lines = [
         ("turns", report.turns),
         ("bookings made", f"{report.bookings} of {report.trips_planned} trips"),
-        ("worker SIGKILLed mid tool call and resumed", report.resumed_after_kill),
+        ("worker SIGKILLed inside a booking and resumed", report.resumed_after_kill),
+        ("in-doubt bookings settled from airline records", report.in_doubt_settled),
         ("questions repeated after resume", report.repeated_questions_after_resume),
         ("double bookings", report.double_bookings),
         ("max prompt tokens / budget", f"{report.max_prompt_tokens:,} / {report.prompt_budget:,}"),
@@ -87,5 +97,9 @@ def demo_command(
     ]
     for label, value in lines:
         console.print(f"  {label:<44} {value}", markup=False, highlight=False)
+    verdict = "passed" if report.passed else "FAILED: " + "; ".join(report.problems)
+    console.print(f"  {'result':<44} {verdict}", markup=False, highlight=False)
     if as_json:
         emit_json(report.model_dump(mode="json"))
+    if not report.passed:
+        raise typer.Exit(1)

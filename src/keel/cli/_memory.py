@@ -161,6 +161,21 @@ def _print_locomo(result: dict[str, Any]) -> None:
             str(r["search_ms_p95"]),
         )
     out_console.print(table)
+    budget = Table(
+        title="At keel's tokens (per question: hits while they fit in keel's top 5 / 10)"
+    )
+    for column in ("system", "R@5", "R@10", "All@10", "tokens@10"):
+        budget.add_column(column)
+    budget.add_row(
+        "keel",
+        *(str(result[key]) for key in ("recall_at_5", "recall_at_10", "all_at_10", "tokens_at_10")),
+    )
+    for name, r in result["at_keel_budget"].items():
+        budget.add_row(
+            name,
+            *(str(r[key]) for key in ("recall_at_5", "recall_at_10", "all_at_10", "tokens_at_10")),
+        )
+    out_console.print(budget)
     for category, r in result["by_category"].items():
         out_console.print(f"  {category}: R@10 {r['recall_at_10']} ({r['questions']} questions)")
     out_console.print(f"dropped evidence ids: {result['dropped_evidence_ids']}")

@@ -1,4 +1,4 @@
-"""``keel bench faults`` (the tool loop against seeded faulty runs) and ``keel tools ...``
+"""``keel bench faults`` (the Agent against seeded faulty runs) and ``keel tools ...``
 (an operator's view of the exactly-once journal)."""
 
 from __future__ import annotations
@@ -20,37 +20,34 @@ def bench_faults_command(
     kills: Annotated[
         int,
         typer.Option(
-            "--kills", min=0, help="How many of the runs are a subprocess SIGKILLed mid-call."
+            "--kills", min=0, help="How many of the runs are a worker SIGKILLed mid-turn."
         ),
     ] = 4,
+    pairs: Annotated[
+        int,
+        typer.Option("--pairs", min=0, help="How many of the runs are two workers on one session."),
+    ] = 2,
+    pair_turns: Annotated[
+        int, typer.Option("--pair-turns", min=1, help="Turns each worker of a pair sends.")
+    ] = 6,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Run seeded faulty runs through the tool loop and count what went wrong."""
+    """Run seeded faulty runs through the Agent and count what went wrong, from the effects."""
     from keel.bench.faults import run_fault_bench
 
-    report = run_fault_bench(runs, seed=seed, kills=kills)
+    report = run_fault_bench(runs, seed=seed, kills=kills, pairs=pairs, pair_turns=pair_turns)
     payload = report.model_dump()
     if as_json:
         emit_json(payload)
         return
     out_console.print(f"{report.runs} runs in {report.seconds:.1f} s (seed {seed})")
-    for name in (
-        "unhandled_exceptions",
-        "ended_within_limits",
-        "loops_detected",
-        "repairs",
-        "double_executions",
-        "state_reverted_on_limit",
-        "limit_hits",
-        "resumed_after_crash",
-        "killed_subprocesses",
-        "idempotent_reruns",
-    ):
-        out_console.print(f"  {name:<24} {payload[name]}")
+    for name, value in payload.items():
+        if name not in ("runs", "seconds", "by_fault", "failures"):
+            out_console.print(f"  {name:<30} {value}")
     out_console.print("by fault:")
     for fault, row in report.by_fault.items():
         detail = ", ".join(f"{status} {count}" for status, count in row.items() if status != "runs")
-        out_console.print(f"  {fault:<22} {row['runs']:>4} runs: {detail}")
+        out_console.print(f"  {fault:<24} {row['runs']:>4} runs: {detail}")
     for failure in report.failures:
         out_console.print(f"  [red]failure[/] {failure}", markup=True)
 

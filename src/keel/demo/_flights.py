@@ -128,15 +128,24 @@ def demo_machine() -> StateMachine:
 
 
 class Airline:
-    """A toy airline backed by its own SQLite file. It books whatever it is asked to book."""
+    """A toy airline backed by its own SQLite file. It books whatever it is asked to book.
+
+    Its records are the ground truth the demo is judged by: every flight it listed (route and
+    day), every booking with the trip it is for (customer, route, day of the flight booked)
+    and the caller's request key, so an operator can check an in-doubt booking with it.
+    """
 
     def __init__(self, path: Path | str) -> None:
         self.path = str(path)
         self._local = threading.local()
         conn = self._conn()
         conn.execute(
+            "CREATE TABLE IF NOT EXISTS flights (code TEXT PRIMARY KEY, origin TEXT, "
+            "destination TEXT, day TEXT)"
+        )
+        conn.execute(
             "CREATE TABLE IF NOT EXISTS bookings (reference TEXT PRIMARY KEY, flight TEXT, "
-            "passengers INTEGER, trip TEXT, booked_at REAL)"
+            "passengers INTEGER, trip TEXT, request_key TEXT, booked_at REAL)"
         )
         conn.execute("CREATE TABLE IF NOT EXISTS itineraries (reference TEXT, sent_at REAL)")
 
@@ -152,6 +161,8 @@ class Airline:
         """A long, deterministic flight listing (thousands of tokens), best option first."""
         seed = int(hashlib.sha256(f"{origin}|{destination}|{dates}".encode()).hexdigest(), 16)
         lines = []
+        listed = []
+        day = dates.split(" ")[0]
         for index in range(60):
             number = 100 + (seed >> (index % 40)) % 800
             price = 120 + (seed >> (index % 30)) % 900 + index * 7
@@ -162,23 +173,50 @@ class Airline:
                 f"fare {price} EUR, economy, 23 kg bag included, seat selection from 12 EUR, "
                 f"aircraft A32{index % 10}, on-time performance {70 + index % 29}%"
             )
+            listed.append((code, origin, destination, day))
+        self._conn().executemany(
+            "INSERT INTO flights VALUES (?, ?, ?, ?) ON CONFLICT (code) DO NOTHING", listed
+        )
         return f"BEST: {lines[0].split(':')[0]}\n" + "\n".join(lines)
 
-    def book(self, flight: str, passengers: int, trip: str) -> str:
+    def book(
+        self, flight: str, passengers: int, *, customer: str, request_key: str | None = None
+    ) -> str:
+        """Book ``flight``; the trip is the customer's journey on that flight's route and day."""
+        row = (
+            self._conn()
+            .execute("SELECT origin, destination, day FROM flights WHERE code = ?", (flight,))
+            .fetchone()
+        )
+        route = f"{row[0]}->{row[1]} on {row[2]}" if row is not None else f"flight {flight}"
+        trip = f"{customer}: {route}"
         reference = (
             "PNR"
             + hashlib.sha256(f"{flight}|{trip}|{time.time_ns()}".encode()).hexdigest()[:6].upper()
         )
         self._conn().execute(
-            "INSERT INTO bookings VALUES (?, ?, ?, ?, ?)",
-            (reference, flight, passengers, trip, time.time()),
+            "INSERT INTO bookings VALUES (?, ?, ?, ?, ?, ?)",
+            (reference, flight, passengers, trip, request_key, time.time()),
         )
         return reference
+
+    def booking_for_request(self, request_key: str) -> str | None:
+        """The reference of the booking made for ``request_key``, if the airline made one."""
+        row = (
+            self._conn()
+            .execute(
+                "SELECT reference FROM bookings WHERE request_key = ? ORDER BY booked_at LIMIT 1",
+                (request_key,),
+            )
+            .fetchone()
+        )
+        return None if row is None else str(row[0])
 
     def send_itinerary(self, reference: str) -> None:
         self._conn().execute("INSERT INTO itineraries VALUES (?, ?)", (reference, time.time()))
 
     def bookings_per_trip(self) -> dict[str, int]:
+        """How many bookings the airline holds for each trip (customer, route, day)."""
         rows = self._conn().execute("SELECT trip, count(*) FROM bookings GROUP BY trip")
         return {str(trip): int(count) for trip, count in rows}
 
@@ -197,7 +235,8 @@ def flight_tools(
     airline: Airline, *, stall_file: Path | None = None, stalled_file: Path | None = None
 ) -> list[Tool]:
     """The demo's tools bound to ``airline``. ``stall_file``: when it exists, the next
-    ``send_itinerary`` removes it, writes ``stalled_file`` and hangs (the demo kills it)."""
+    ``book_flight`` books, then removes it, writes ``stalled_file`` and hangs before returning
+    (the demo kills it there: booked at the airline, no result in the journal or state)."""
 
     @tool
     def get_travel_policy(
@@ -228,7 +267,15 @@ def flight_tools(
             flight: The flight code from search_flights, e.g. "SK12300".
             passengers: Number of seats.
         """
-        return airline.book(flight, passengers, trip=context.session_id + ":" + flight)
+        reference = airline.book(
+            flight, passengers, customer=context.session_id, request_key=context.idempotency_key
+        )
+        if stall_file is not None and stall_file.exists():
+            stall_file.unlink()
+            if stalled_file is not None:
+                stalled_file.write_text("stalled in book_flight, after the airline booked")
+            time.sleep(120)  # the demo's parent kills the process here
+        return reference
 
     @tool(side_effect=True, idempotent=True, timeout_s=120)
     def send_itinerary(reference: str) -> str:
@@ -237,11 +284,6 @@ def flight_tools(
         Args:
             reference: The booking reference from book_flight.
         """
-        if stall_file is not None and stall_file.exists():
-            stall_file.unlink()
-            if stalled_file is not None:
-                stalled_file.write_text("stalled in send_itinerary")
-            time.sleep(120)  # the demo's parent kills the process here
         airline.send_itinerary(reference)
         return f"itinerary for {reference} sent"
 

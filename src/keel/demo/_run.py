@@ -1,10 +1,14 @@
 """``keel demo``: a long flight-booking conversation, a SIGKILL mid tool call, a resume.
 
 The parent plays the customer (:class:`~keel.demo.FlightUser`) and drives a worker process
-that runs the agent. Midway, while the worker is inside a tool call (``send_itinerary``, right
-after a booking), the parent kills it with SIGKILL and starts a new worker, which finishes the
-interrupted turn from the last checkpoint. The report counts what a customer would notice:
-questions asked again after the crash, trips booked twice.
+that runs the agent. Midway, while the worker is inside the booking itself (``book_flight``, a
+non-idempotent tool: the airline has booked, the result is neither journalled nor
+checkpointed), the parent kills it with SIGKILL and starts a new worker. That worker settles
+the in-doubt booking as an operator would (``keel tools in-doubt``, checked against the
+airline's records by its request key) and finishes the interrupted turn from the last
+checkpoint. The report counts what a customer would notice, from the airline's own records:
+questions asked again after the crash, trips booked twice, trips not booked. ``journal=False``
+runs the same demo without the durable journal: it must fail (the resumed turn books again).
 """
 
 from __future__ import annotations
@@ -46,6 +50,15 @@ class DemoReport(BaseModel):
     prompt_budget: int = Field(description="Tokens a prompt may take (working budget - reserve).")
     loops_caught: int = Field(description="Loops the guards caught.")
     failed_turns: int = Field(description="Turns that ended without an answer.")
+    in_doubt_settled: int = Field(
+        default=0,
+        description="In-doubt bookings settled from the airline's records after the kill.",
+    )
+    journal: bool = Field(default=True, description="Whether the durable tool journal was on.")
+    passed: bool = Field(
+        default=True, description="No double booking, every trip booked, nothing asked again."
+    )
+    problems: list[str] = Field(default_factory=list, description="Why it did not pass.")
     seconds: float = Field(description="Wall time of the whole demo.")
     model: str = Field(description="The model that played the agent.")
     workdir: str = Field(description="Where the demo's database and logs are.")
@@ -57,7 +70,7 @@ class DemoReport(BaseModel):
 class _Worker:
     """One worker process and a reader thread for its stdout."""
 
-    def __init__(self, workdir: Path, model: str, memory: bool) -> None:
+    def __init__(self, workdir: Path, model: str, memory: bool, journal: bool = True) -> None:
         command = [
             sys.executable,
             "-m",
@@ -69,6 +82,8 @@ class _Worker:
         ]
         if not memory:
             command.append("--no-memory")
+        if not journal:
+            command.append("--no-journal")
         self._stderr = (workdir / "worker.stderr").open("ab")
         self.process = subprocess.Popen(
             command,
@@ -146,6 +161,7 @@ def run_demo(
     side_questions: int = 10,
     kill: bool = True,
     memory: bool = True,
+    journal: bool = True,
     workdir: Path | None = None,
     turn_timeout_s: float = 300.0,
     on_turn: Callable[[int, int, dict[str, Any]], None] | None = None,
@@ -157,8 +173,10 @@ def run_demo(
             model spec (an OpenAI-compatible endpoint from the settings).
         trips: trips the customer books.
         side_questions: side questions per trip (policy look-ups with long tool output).
-        kill: SIGKILL the worker mid tool call in the middle trip, then resume.
+        kill: SIGKILL the worker inside the booking of the middle trip, then resume.
         memory: give the agent long-term memory (embedded, MiniLM embeddings).
+        journal: give the agent its durable tool journal; ``False`` is the control run that
+            must fail (``passed`` false, a trip booked twice).
         on_turn: called after each turn with (turn, planned_turns, reply).
     """
     started = time.monotonic()
@@ -168,7 +186,7 @@ def run_demo(
     customer = FlightUser(plans(trips, side_questions))
     planned = trips * (side_questions + 7)
     kill_trip = trips // 2 if kill else -1
-    worker = _Worker(workdir, model, memory)
+    worker = _Worker(workdir, model, memory, journal)
     worker.receive(stalled=None, timeout_s=turn_timeout_s)  # ready
     reply_text = ""
     turns = 0
@@ -178,6 +196,7 @@ def run_demo(
     loops = 0
     failed = 0
     resumed = False
+    settled = 0
     repeated = 0
     given: set[str] = set()
     trip_seen = -1
@@ -192,7 +211,7 @@ def run_demo(
             if answered is not None:
                 given.add(answered)
             if customer.trip_index == kill_trip and message == "Yes, book it." and not resumed:
-                (workdir / "stall").write_text("stall the next send_itinerary")
+                (workdir / "stall").write_text("stall inside the next book_flight")
             worker.send({"op": "say", "text": message})
             reply = worker.receive(
                 stalled=stalled if kill and not resumed else None, timeout_s=turn_timeout_s
@@ -200,8 +219,11 @@ def run_demo(
             if reply is None:
                 worker.kill()
                 stalled.unlink()
-                worker = _Worker(workdir, model, memory)
+                worker = _Worker(workdir, model, memory, journal)
                 worker.receive(stalled=None, timeout_s=turn_timeout_s)
+                worker.send({"op": "settle"})
+                answer = worker.receive(stalled=None, timeout_s=turn_timeout_s)
+                settled = len(answer.get("keys", [])) if answer is not None else 0
                 worker.send({"op": "resume"})
                 reply = worker.receive(stalled=None, timeout_s=turn_timeout_s)
                 resumed = bool(reply is not None and reply.get("resumed"))
@@ -223,13 +245,27 @@ def run_demo(
     finally:
         worker.close()
     per_trip = Airline(workdir / "airline.db").bookings_per_trip()
+    doubles = sum(1 for count in per_trip.values() if count > 1)
+    problems = []
+    if doubles:
+        problems.append(f"{doubles} trip(s) booked more than once")
+    if len(per_trip) != trips:
+        problems.append(f"{len(per_trip)} of {trips} trips booked")
+    if repeated:
+        problems.append(f"{repeated} question(s) asked again after the resume")
+    if kill and not resumed:
+        problems.append("the killed turn was not resumed")
     return DemoReport(
         turns=turns,
         trips_planned=trips,
         bookings=sum(per_trip.values()),
         resumed_after_kill=resumed,
         repeated_questions_after_resume=repeated,
-        double_bookings=sum(1 for count in per_trip.values() if count > 1),
+        double_bookings=doubles,
+        in_doubt_settled=settled,
+        journal=journal,
+        passed=not problems,
+        problems=problems,
         max_prompt_tokens=max_prompt,
         prompt_budget=budget,
         loops_caught=loops,

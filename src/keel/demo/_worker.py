@@ -1,8 +1,11 @@
 """The demo's worker process: one agent on the embedded default, driven over stdin/stdout.
 
-Commands arrive as JSON lines (``{"op": "say", "text": ...}`` or ``{"op": "resume"}``); each
-answer is one JSON line with the turn's reply. The parent kills this process with SIGKILL in
-the middle of a tool call and starts another one, which resumes from the last checkpoint.
+Commands arrive as JSON lines (``{"op": "say", "text": ...}``, ``{"op": "settle"}`` or
+``{"op": "resume"}``); each answer is one JSON line. The parent kills this process with SIGKILL
+inside a booking and starts another one, which settles the in-doubt booking the way an operator
+would (from the airline's records) and resumes the interrupted turn from the last checkpoint.
+``--no-journal`` runs the agent without its durable journal: the control that shows the demo
+can fail.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from keel.demo._flights import RULES, SYSTEM_PROMPT, Airline, demo_machine, flig
 from keel.runtime._agent import Agent
 from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.tools import ToolJournal
 from keel.tracing import Tracer
 
 SESSION = "demo-session"
@@ -29,8 +33,14 @@ SCRIPTED_WINDOW_BUDGET = 8_000
 that summarization, pruning and the flat prompt are visible within a few hundred turns."""
 
 
-def build_agent(workdir: Path, model_spec: str, *, memory: bool) -> tuple[Agent, Any]:
-    """The flight agent on one SQLite file in ``workdir`` (state, journal, traces, memory)."""
+def build_agent(
+    workdir: Path, model_spec: str, *, memory: bool, journal: bool = True
+) -> tuple[Agent, Any]:
+    """The flight agent on one SQLite file in ``workdir`` (state, journal, traces, memory).
+
+    ``journal=False``: no durable tool journal (the executor falls back to one in this
+    process's memory, which a SIGKILL loses).
+    """
     from keel.stores._sqlite_traces import SQLiteTraceStore
 
     database = SQLiteDatabase(workdir / "keel.db")
@@ -59,12 +69,35 @@ def build_agent(workdir: Path, model_spec: str, *, memory: bool) -> tuple[Agent,
         tools=flight_tools(airline, stall_file=workdir / "stall", stalled_file=workdir / "stalled"),
         machine=demo_machine(),
         memory=long_term,
-        journal=SQLiteToolJournal(database),
+        journal=SQLiteToolJournal(database) if journal else None,
         tracer=Tracer(traces, agent="flight-demo"),
         context=budget,
         name="flight-demo",
     )
     return agent, long_term
+
+
+def settle_in_doubt_bookings(journal: ToolJournal | None, airline: Airline) -> list[str]:
+    """What an operator does after a crash: check each in-doubt booking with the airline (by
+    its request key) and record the real outcome, so the resumed turn gets it instead of
+    booking again. Returns the settled keys."""
+    if journal is None:
+        return []
+    settled = []
+    for entry in journal.in_doubt():
+        if entry.tool != "book_flight":
+            continue  # idempotent tools are simply run again on resume
+        reference = airline.booking_for_request(entry.key)
+        if reference is not None:
+            journal.resolve(entry.key, ok=True, content=reference)
+        else:
+            journal.resolve(
+                entry.key,
+                ok=False,
+                content="Error: the airline has no booking for this call; nothing was booked.",
+            )
+        settled.append(entry.key)
+    return settled
 
 
 def _memory(database: SQLiteDatabase) -> Any:
@@ -74,8 +107,9 @@ def _memory(database: SQLiteDatabase) -> Any:
     return Memory(SQLiteMemoryStore(database), embedder=default_embedder(), background=True)
 
 
-async def serve(workdir: Path, model_spec: str, *, memory: bool) -> None:
-    agent, long_term = build_agent(workdir, model_spec, memory=memory)
+async def serve(workdir: Path, model_spec: str, *, memory: bool, journal: bool) -> None:
+    agent, long_term = build_agent(workdir, model_spec, memory=memory, journal=journal)
+    airline = Airline(workdir / "airline.db")
     print(json.dumps({"op": "ready"}), flush=True)
     try:
         while True:
@@ -85,6 +119,10 @@ async def serve(workdir: Path, model_spec: str, *, memory: bool) -> None:
             command = json.loads(line)
             if command["op"] == "say":
                 reply = await agent.handle(SESSION, USER, command["text"])
+            elif command["op"] == "settle":
+                keys = settle_in_doubt_bookings(agent.journal, airline)
+                print(json.dumps({"op": "settled", "keys": keys}), flush=True)
+                continue
             elif command["op"] == "resume":
                 resumed = await agent.resume(SESSION, USER)
                 if resumed is None:
@@ -104,12 +142,15 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--model", default="scripted")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-journal", action="store_true")
     args = parser.parse_args()
     # Guard warnings go to a log file; the parent owns the terminal.
     logging.basicConfig(
         filename=str(args.workdir / "worker.log"), level=logging.WARNING, force=True
     )
-    asyncio.run(serve(args.workdir, args.model, memory=not args.no_memory))
+    asyncio.run(
+        serve(args.workdir, args.model, memory=not args.no_memory, journal=not args.no_journal)
+    )
 
 
 if __name__ == "__main__":

@@ -401,8 +401,7 @@ class Agent:
     def session_key(self, session_id: str) -> str:
         """The key of a session in the state store and the tool journal: scoped to the tenant,
         so the same session id in two tenants never names the same state."""
-        _require_id("session_id", session_id)
-        return f"{quote(self.tenant_id, safe='')}/{session_id}"
+        return session_key(self.tenant_id, session_id)
 
     async def handle(self, session_id: str, user_id: str, text: str) -> AgentReply:
         """Process one user message and return the reply (never raises for run failures).
@@ -1226,6 +1225,14 @@ def _run_status(status: str) -> Any:
     if status in ("loop_detected", "tool_in_doubt"):
         return "escalated"
     return "failed"
+
+
+def session_key(tenant_id: str, session_id: str) -> str:
+    """The store key of ``session_id`` in ``tenant_id``: ``tenant/session``, the tenant
+    percent-encoded so that no tenant and session pair can spell another's key."""
+    _require_id("tenant_id", tenant_id)
+    _require_id("session_id", session_id)
+    return f"{quote(tenant_id, safe='')}/{session_id}"
 
 
 def _require_id(name: str, value: object) -> None:

@@ -175,6 +175,17 @@ class PostgresToolJournal(ToolJournal):
             ).fetchall()
         return [entry_from_row(row) for row in rows]
 
+    def same_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
+        # keel_tool_journal_session narrows to the session; a session has few entries.
+        with self._transaction() as conn:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM keel_tool_journal "
+                "WHERE session_id = %s AND tool = %s AND arguments = %s "
+                "ORDER BY started_at, step, call_index",
+                (session_id, tool, arguments),
+            ).fetchall()
+        return [entry_from_row(row) for row in rows]
+
     def record_decision(self, session_id: str, step: int, message: Message) -> Message:
         with self._transaction() as conn:
             conn.execute(

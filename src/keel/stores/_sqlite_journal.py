@@ -130,6 +130,19 @@ class SQLiteToolJournal(ToolJournal):
             rows = cursor.fetchall()
         return [entry_from_row(dict(zip(names, row, strict=True))) for row in rows]
 
+    def same_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
+        # keel_tool_journal_session narrows to the session; a session has few entries.
+        with self.db.translated() as conn:
+            cursor = conn.execute(
+                f"SELECT {_COLUMNS} FROM keel_tool_journal "
+                "WHERE session_id = ? AND tool = ? AND arguments = ? "
+                "ORDER BY started_at, step, call_index",
+                (session_id, tool, arguments),
+            )
+            names = [column[0] for column in cursor.description]
+            rows = cursor.fetchall()
+        return [entry_from_row(dict(zip(names, row, strict=True))) for row in rows]
+
     def record_decision(self, session_id: str, step: int, message: Message) -> Message:
         try:
             with self.db.transaction() as conn:

@@ -3,6 +3,12 @@
 Every outcome is a :class:`ToolResult`: the text the model sees next (``content``) and every
 fact a trace needs. The model always gets something it can act on: the closest valid tool
 names, the JSON problem, one line per invalid field, or the tool's own failure.
+
+A side-effecting call that may have taken effect without a recorded result (it outlived its
+timeout, its run was cancelled, the process died) stays *in doubt* in the journal; a
+non-idempotent one is never run again until it is settled, not under its own key and not as
+the same call (same session, tool and arguments) made again at a later step. When the thread
+of a timed-out call finishes after all, its real result is journalled and settles it.
 """
 
 from __future__ import annotations
@@ -26,10 +32,10 @@ from keel.errors import (
     UnknownToolError,
 )
 from keel.messages import Message, ToolCall
-from keel.tools._journal import InMemoryJournal, ToolJournal, idempotency_key
+from keel.tools._journal import InMemoryJournal, JournalEntry, ToolJournal, idempotency_key
 from keel.tools._registry import ToolRegistry
 from keel.tools._repair import ArgumentsNotJSONError, coerce_scalars, parse_arguments
-from keel.tools._tool import Tool, ToolContext
+from keel.tools._tool import AbandonedResult, Tool, ToolContext, abandoned_result
 
 __all__ = ["ToolExecutor", "ToolResult", "ToolStatus", "format_validation_error"]
 
@@ -39,6 +45,11 @@ ToolStatus = Literal[
 """How a call ended. ``blocked``: a guard refused to run it (a loop was detected)."""
 
 logger = logging.getLogger("keel.tools")
+
+LATE_NOTE = "[finished after keel had stopped waiting for it] "
+"""Starts the journalled content of a call that finished after its timeout (or after its run
+was cancelled): the model was told it was in doubt, so a repeat gets this result instead of
+running again."""
 
 _TRUNCATION_MARKER = "\n[output truncated: {total} characters, the first {shown} shown]"
 
@@ -243,7 +254,8 @@ class ToolExecutor:
             return await self._run(found, validated, context, base, started, journalled=False)
         base["idempotency_key"] = key
         try:
-            journalled_arguments = self._masked(json.dumps(arguments, sort_keys=True))
+            # Masking is deterministic, so identical calls stay identical in the journal.
+            canonical = self._masked(json.dumps(arguments, sort_keys=True))
         except Exception as exc:
             # Raw arguments never reach the journal, and without an intent the call is not run.
             unmasked = ToolExecutionError(
@@ -264,13 +276,17 @@ class ToolExecutor:
                 latency_ms=_ms(started),
             )
         try:
+            if not found.idempotent and self.journal.get(key) is None:
+                earlier = self._earlier_same_call(found, session_id, key, canonical)
+                if earlier is not None:
+                    return self._answer_repeat(found, earlier, base, started, step, call_index)
             claim = self.journal.claim(
                 key=key,
                 session_id=session_id,
                 step=step,
                 call_index=call_index,
                 tool=found.name,
-                arguments=journalled_arguments,
+                arguments=canonical,
             )
             if not claim.created and claim.entry.in_doubt and found.idempotent:
                 claim = claim.model_copy(update={"entry": self.journal.restart(key)})
@@ -328,6 +344,108 @@ class ToolExecutor:
             attempt=entry.attempts,
         )
         return await self._run(found, validated, context, base, started, journalled=True)
+
+    def _earlier_same_call(
+        self, found: Tool, session_id: str, key: str, arguments: str
+    ) -> JournalEntry | None:
+        """An earlier identical call (same session, tool, canonical arguments; another key)
+        that forbids running this one: one still in doubt, or else the newest one if it
+        finished only after keel had stopped waiting for it (the model never saw it done)."""
+        same = self.journal.same_calls(session_id, found.name, arguments)
+        earlier = [entry for entry in same if entry.key != key]
+        doubtful = [e for e in earlier if e.in_doubt]
+        if doubtful:
+            return doubtful[0]
+        if earlier and earlier[-1].ok and (earlier[-1].content or "").startswith(LATE_NOTE):
+            return earlier[-1]
+        return None
+
+    def _answer_repeat(
+        self,
+        found: Tool,
+        earlier: JournalEntry,
+        base: dict[str, Any],
+        started: float,
+        step: int,
+        call_index: int,
+    ) -> ToolResult:
+        """Refuse to run a repeat of an in-doubt call; answer a repeat of a call that finished
+        late with that call's result (journalled under the new key, so a resume agrees)."""
+        if earlier.in_doubt:
+            doubt = ToolInDoubtError(
+                found.name,
+                earlier.key,
+                why=(
+                    f"the same call with the same arguments ({earlier.key}, step "
+                    f"{earlier.step}) may or may not have taken effect and is not settled"
+                ),
+            )
+            return ToolResult(
+                **base,
+                status="in_doubt",
+                content=(
+                    f"Error: tool {found.name!r} was not run: the same call made earlier "
+                    f"(call {earlier.key}) may or may not have taken effect, and an operator "
+                    "has been asked to check. Do not call it again; tell the user it is "
+                    "being checked."
+                ),
+                error=str(doubt),
+                error_type=type(doubt).__name__,
+                exception=doubt,
+                attempt=earlier.attempts,
+                latency_ms=_ms(started),
+            )
+        done = (earlier.content or "").removeprefix(LATE_NOTE)
+        content = f"Not run again: the same call made earlier (call {earlier.key}) did it: {done}"
+        key = base["idempotency_key"]
+        claim = self.journal.claim(
+            key=key,
+            session_id=earlier.session_id,
+            step=step,
+            call_index=call_index,
+            tool=found.name,
+            arguments=earlier.arguments,
+        )
+        if claim.created:
+            self.journal.finish(key, ok=True, content=content, output=earlier.output or done)
+        return ToolResult(
+            **base,
+            status="ok",
+            content=content,
+            output_text=earlier.output or done,
+            replayed=True,
+            attempt=earlier.attempts,
+            latency_ms=_ms(started),
+        )
+
+    def _late_recorder(self, found: Tool, context: ToolContext, cap: int) -> AbandonedResult:
+        """What to do when the thread of a call keel stopped waiting for finishes after all:
+        record its real outcome, unless the entry was settled meanwhile (by an operator)."""
+        key = context.idempotency_key
+
+        def record(ok: bool, value: Any) -> None:
+            entry = self.journal.get(key)
+            if entry is None or not entry.in_doubt:
+                return
+            if ok:
+                text = self._masked(_as_text(value))
+                shown, _ = _cap(text, cap)
+                self.journal.finish(key, ok=True, content=LATE_NOTE + shown, output=text)
+            else:
+                content = self._masked(
+                    f"Error: tool {found.name!r} failed after keel stopped waiting for it: "
+                    f"{type(value).__name__}: {value}"
+                )
+                self.journal.finish(key, ok=False, content=content, output=content)
+            logger.warning(
+                "tool call %s (%s) finished after keel stopped waiting for it; its result is "
+                "now journalled (%s)",
+                key,
+                found.name,
+                "succeeded" if ok else "failed",
+            )
+
+        return record
 
     def _record(
         self, context: ToolContext, *, ok: bool, output: str, cap: int | None = None
@@ -400,6 +518,11 @@ class ToolExecutor:
         failure: ToolExecutionError | None = None
         output: Any = None
         deadline = asyncio.timeout(timeout)
+        # A sync tool's thread outlives a timeout (and a cancelled run): when it finishes, its
+        # real outcome goes to the journal instead of nowhere.
+        token = abandoned_result.set(
+            self._late_recorder(found, context, cap) if journalled else None
+        )
         try:
             # asyncio.timeout, not wait_for: wait_for can swallow an outer cancellation.
             async with deadline:
@@ -408,21 +531,20 @@ class ToolExecutor:
             if not deadline.expired():
                 # The tool's own TimeoutError (a socket, say): a failure like any other.
                 return await self._failed(found, context, base, started, exc, journalled)
-            effect = (
-                " It may or may not have taken effect: check before calling it again."
-                if found.side_effect
-                else ""
-            )
+            if journalled:
+                # It may have taken effect (and its thread may still be running): the intent
+                # stays in the journal without a result, in doubt, which is the truth.
+                return self._timed_out_in_doubt(found, context, base, started, timeout)
             failure = ToolExecutionError(
-                f"tool {found.name!r} did not finish within {timeout:g} s.{effect}"
+                f"tool {found.name!r} did not finish within {timeout:g} s."
             )
             status: ToolStatus = "timeout"
         except Exception as exc:
             return await self._failed(found, context, base, started, exc, journalled)
+        finally:
+            abandoned_result.reset(token)
         if failure is not None:
             content = f"Error: {failure}"
-            if journalled:
-                self._record(context, ok=False, output=content)
             return ToolResult(
                 **base,
                 status=status,
@@ -445,6 +567,52 @@ class ToolExecutor:
             output=output,
             output_text=text,
             truncated=truncated,
+            executed=True,
+            attempt=context.attempt,
+            latency_ms=_ms(started),
+        )
+
+    def _timed_out_in_doubt(
+        self,
+        found: Tool,
+        context: ToolContext,
+        base: dict[str, Any],
+        started: float,
+        timeout: float,
+    ) -> ToolResult:
+        """A side-effecting call that outlived its timeout: in doubt, never a plain failure."""
+        key = context.idempotency_key
+        if found.idempotent:
+            # Running it again is harmless by its declaration: the model may retry.
+            failure = ToolExecutionError(
+                f"tool {found.name!r} did not finish within {timeout:g} s. It may or may not "
+                "have taken effect; it is safe to call it again."
+            )
+            return ToolResult(
+                **base,
+                status="timeout",
+                content=f"Error: {failure}",
+                error=str(failure),
+                error_type=type(failure).__name__,
+                exception=failure,
+                executed=True,
+                attempt=context.attempt,
+                latency_ms=_ms(started),
+            )
+        doubt = ToolInDoubtError(
+            found.name, key, why=f"it did not finish within {timeout:g} s and may still take effect"
+        )
+        return ToolResult(
+            **base,
+            status="in_doubt",
+            content=(
+                f"Error: tool {found.name!r} did not finish within {timeout:g} s; it may or may "
+                "not have taken effect. It will not be run again; an operator has been asked "
+                "to check. Do not call it again."
+            ),
+            error=str(doubt),
+            error_type=type(doubt).__name__,
+            exception=doubt,
             executed=True,
             attempt=context.attempt,
             latency_ms=_ms(started),

@@ -125,6 +125,20 @@ class ToolJournal(ABC):
     ) -> list[JournalEntry]:
         """Entries (of one session, or all), oldest first; ``in_doubt_only`` for operators."""
 
+    def same_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
+        """Entries of ``session_id`` for ``tool`` with exactly these canonical ``arguments``,
+        oldest first, whatever their key (step).
+
+        The executor asks before running a non-idempotent call under a new key: while an
+        earlier identical call is in doubt, running this one could do the same thing twice.
+        Backends override this with an indexed query; the default filters :meth:`entries`.
+        """
+        return [
+            entry
+            for entry in self.entries(session_id)
+            if entry.tool == tool and entry.arguments == arguments
+        ]
+
     @abstractmethod
     def record_decision(self, session_id: str, step: int, message: Message) -> Message:
         """Keep the assistant message a step decided on; the first one written wins."""

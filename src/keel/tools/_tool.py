@@ -9,11 +9,11 @@ descriptions. Side effects are declared, because exactly-once execution depends 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import copy
 import functools
 import inspect
+import logging
 import re
 import sys
 import threading
@@ -45,6 +45,8 @@ _SECTION_HEADERS = (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+logger = logging.getLogger("keel.tools")
 
 
 class NestedArgumentsWarning(UserWarning):
@@ -305,14 +307,36 @@ def _build_tool(
     return built
 
 
+AbandonedResult = Callable[[bool, Any], None]
+"""Called with ``(ok, value)`` when a sync tool finishes after its caller stopped waiting."""
+
+abandoned_result: contextvars.ContextVar[AbandonedResult | None] = contextvars.ContextVar(
+    "keel_abandoned_result", default=None
+)
+"""Set by the executor around a journalled call: a thread that outlives its timeout (or the
+cancelled run) still reports what really happened, so the journal can record it. A context
+variable rather than a parameter, so that wrappers of ``ainvoke`` (the Agent's workflow gate)
+carry it without knowing about it."""
+
+
 async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
     """Run ``call`` in a new daemon thread and await its result (contextvars carried over)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Any] = loop.create_future()
     context = contextvars.copy_context()
+    on_abandoned = abandoned_result.get()
+
+    def abandon(ok: bool, value: Any) -> None:
+        if on_abandoned is None:
+            return
+        try:
+            on_abandoned(ok, value)
+        except Exception:  # a report about an abandoned call must never crash anything
+            logger.exception("could not report the late result of an abandoned tool call")
 
     def deliver(ok: bool, value: Any) -> None:
         if future.done():  # the caller stopped waiting (timeout, cancellation)
+            abandon(ok, value)
             return
         if ok:
             future.set_result(value)
@@ -326,9 +350,10 @@ async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
             outcome: tuple[bool, Any] = (False, exc)
         else:
             outcome = (True, value)
-        # RuntimeError: the event loop is closed, nobody is waiting any more.
-        with contextlib.suppress(RuntimeError):
+        try:
             loop.call_soon_threadsafe(deliver, *outcome)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            abandon(*outcome)
 
     threading.Thread(target=target, name="keel-tool", daemon=True).start()
     return await future
