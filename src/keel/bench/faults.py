@@ -651,15 +651,10 @@ def _revert_facts(keel: _Keel, world: _World, session: str, text: str) -> tuple[
     checkpoint = keel.state.get(session)
     if checkpoint is None:
         return False, False
-    history = keel.state.history(session)
+    history = keel.state.history(session, limit=1)
     committed = bool(history) and history[0].reason.startswith("turn failed")
-    before_calls = [info for info in history if info.reason == "before model call"]
-    worked = bool(before_calls) and any(
-        m.role == "tool"
-        for m in _turn_messages(keel.state.at(session, before_calls[0].version).state, text)
-    )
     after = _turn_messages(checkpoint.state, text)
-    reverted = committed and worked and not any(m.role == "tool" or m.tool_calls for m in after)
+    reverted = committed and not any(m.role == "tool" or m.tool_calls for m in after)
     booked = world.ledger.counts(session)
     shown = " ".join(m.content for m in checkpoint.state.messages if m.role == "tool")
     hidden = any(f"order {key}" not in shown for _, key in booked)
