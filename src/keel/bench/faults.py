@@ -546,6 +546,13 @@ def _turn_messages(state: AgentState, text: str) -> list[Message]:
     return list(state.messages[starts[-1] + 1 :]) if starts else []
 
 
+def _stored_text(agent: Agent, text: str) -> str:
+    """The user text as the Agent stores it: masked at the door when masking is on (whatever
+    the masker finds in it), so that a turn is looked up by what the state can hold."""
+    mask = getattr(getattr(agent, "masker", None), "mask_text", None)
+    return str(mask(text, tenant_id=agent.tenant_id)) if callable(mask) else text
+
+
 def _user_texts(state: AgentState | None) -> Counter[str]:
     if state is None:
         return Counter()
@@ -616,10 +623,11 @@ async def _one_run(
             and reply.steps <= guards.max_steps
         )
         statuses.append(reply.status)
-        replies.append((text, reply))
+        stored = _stored_text(agent, text)
+        replies.append((stored, reply))
         if reply.status in _LIMIT_STATUSES:
             limit_hit = True
-            hit_reverted, hit_hidden = _revert_facts(keel, world, session, text)
+            hit_reverted, hit_hidden = _revert_facts(keel, world, session, stored)
             reverted = reverted or hit_reverted
             effect_hidden = effect_hidden or hit_hidden
     checkpoint = keel.state.get(session)
@@ -964,6 +972,7 @@ def resume_after_kill(
         agent = keel.agent(
             ScriptedModel(_booking_policy()), _worker_tools(folder, None), _WORKER_GUARDS
         )
+        stored = _stored_text(agent, _kill_text(session))
         try:
             reply = asyncio.run(agent.resume(session, _USER))
             status = reply.status if reply is not None else "nothing_to_resume"
@@ -980,7 +989,7 @@ def resume_after_kill(
         status=status,
         bookings=sum(counts.values()),
         doubles=sum(1 for n in counts.values() if n > 1),
-        lost_turns=int(present[_kill_text(session)] == 0),
+        lost_turns=int(present[stored] == 0),
         error=error,
     )
 
@@ -1029,7 +1038,11 @@ def _pair_worker(folder: Path, session: str, worker: int, turns: int) -> None:
                 result = {"status": "conflict", "error": str(exc)[:200]}
             except Exception as exc:
                 result = {"status": "raised", "error": f"{type(exc).__name__}: {exc}"[:300]}
-            result.update(order=order, text=text, seconds=time.perf_counter() - started)
+            result.update(
+                order=order,
+                text=_stored_text(agent, text),
+                seconds=time.perf_counter() - started,
+            )
             results.append(result)
         return results
 
