@@ -553,6 +553,13 @@ def _turn_messages(state: AgentState, text: str) -> list[Message]:
     return list(state.messages[starts[-1] + 1 :]) if starts else []
 
 
+def _stored_text(agent: Agent, text: str) -> str:
+    """The user text as the Agent stores it: masked at the door when masking is on (whatever
+    the masker finds in it), so that a turn is looked up by what the state can hold."""
+    mask = getattr(getattr(agent, "masker", None), "mask_text", None)
+    return str(mask(text, tenant_id=agent.tenant_id)) if callable(mask) else text
+
+
 def _user_texts(state: AgentState | None) -> Counter[str]:
     if state is None:
         return Counter()
@@ -623,10 +630,11 @@ async def _one_run(
             and reply.steps <= guards.max_steps
         )
         statuses.append(reply.status)
-        replies.append((text, reply))
+        stored = _stored_text(agent, text)
+        replies.append((stored, reply))
         if reply.status in _LIMIT_STATUSES:
             limit_hit = True
-            hit_reverted, hit_hidden = _revert_facts(keel, world, session, text)
+            hit_reverted, hit_hidden = _revert_facts(keel, world, session, stored)
             reverted = reverted or hit_reverted
             effect_hidden = effect_hidden or hit_hidden
     checkpoint = keel.state.get(keel.key(session))
@@ -651,6 +659,10 @@ def _limit_s(guards: GuardConfig) -> float:
     return guards.run_timeout_s + _TIME_MARGIN_S
 
 
+_SIDE_EFFECT_TOOLS = frozenset({"book_flight", "hold_seat"})
+"""The bench's side-effecting tools: what a revert keeps in the history."""
+
+
 def _revert_facts(keel: _Keel, world: _World, session: str, text: str) -> tuple[bool, bool]:
     """From the store: did the guard stop revert the turn (no tool call or result of it in the
     committed state, which is the newest checkpoint), and did that hide a booking that the
@@ -658,19 +670,16 @@ def _revert_facts(keel: _Keel, world: _World, session: str, text: str) -> tuple[
     checkpoint = keel.state.get(keel.key(session))
     if checkpoint is None:
         return False, False
-    history = keel.state.history(keel.key(session))
+    history = keel.state.history(keel.key(session), limit=1)
     committed = bool(history) and history[0].reason.startswith("turn failed")
-    before_calls = [info for info in history if info.reason == "before model call"]
-    last_before = (
-        _turn_messages(keel.state.at(keel.key(session), before_calls[0].version).state, text)
-        if before_calls
-        else []
-    )
-    worked = sum(m.role == "tool" for m in last_before)
     after = _turn_messages(checkpoint.state, text)
-    # Reverted: the turn's work is gone from the committed state. Side effects that happened
-    # stay in it by design (a revert never hides a booking), so count what went.
-    reverted = committed and worked > 0 and sum(m.role == "tool" for m in after) < worked
+    # Reverted: none of the turn's work is left in the committed state but its side effects,
+    # which stay there by design (a revert never hides a booking).
+    reverted = committed and not any(
+        (m.role == "tool" and m.name not in _SIDE_EFFECT_TOOLS)
+        or any(call.name not in _SIDE_EFFECT_TOOLS for call in m.tool_calls)
+        for m in after
+    )
     booked = world.ledger.counts(keel.key(session))
     shown = " ".join(m.content for m in checkpoint.state.messages if m.role == "tool")
     hidden = any(f"order {key}" not in shown for _, key in booked)
@@ -980,6 +989,7 @@ def resume_after_kill(
         agent = keel.agent(
             ScriptedModel(_booking_policy()), _worker_tools(folder, None), _WORKER_GUARDS
         )
+        stored = _stored_text(agent, _kill_text(session))
         try:
             reply = asyncio.run(agent.resume(session, _USER))
             status = reply.status if reply is not None else "nothing_to_resume"
@@ -996,7 +1006,7 @@ def resume_after_kill(
         status=status,
         bookings=sum(counts.values()),
         doubles=sum(1 for n in counts.values() if n > 1),
-        lost_turns=int(present[_kill_text(session)] == 0),
+        lost_turns=int(present[stored] == 0),
         error=error,
     )
 
@@ -1045,7 +1055,11 @@ def _pair_worker(folder: Path, session: str, worker: int, turns: int) -> None:
                 result = {"status": "conflict", "error": str(exc)[:200]}
             except Exception as exc:
                 result = {"status": "raised", "error": f"{type(exc).__name__}: {exc}"[:300]}
-            result.update(order=order, text=text, seconds=time.perf_counter() - started)
+            result.update(
+                order=order,
+                text=_stored_text(agent, text),
+                seconds=time.perf_counter() - started,
+            )
             results.append(result)
         return results
 

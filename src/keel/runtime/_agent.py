@@ -75,7 +75,7 @@ from keel.state import (
     StateMachine,
     StateStore,
 )
-from keel.tools import Tool, ToolJournal, ToolRegistry, ToolResult, tool
+from keel.tools import InMemoryJournal, Tool, ToolJournal, ToolRegistry, ToolResult, tool
 from keel.tracing import RunTrace, Tracer
 
 if TYPE_CHECKING:
@@ -282,6 +282,9 @@ class Agent:
         self.machine = machine
         self.memory = memory
         self.journal = journal
+        # Without a durable journal, one in memory for the agent's life: exactly-once and the
+        # in-doubt guard then hold across this process's turns (not across a crash).
+        self._journal: ToolJournal = journal if journal is not None else InMemoryJournal()
         self.tracer = tracer or Tracer(None, agent=name)
         self.guards = guards or GuardConfig()
         self.memory_budget_tokens = memory_budget_tokens
@@ -691,7 +694,7 @@ class Agent:
             self.model,
             turn.registry,
             guards=guards,
-            journal=self.journal,
+            journal=self._journal,
             hooks=LoopHooks(
                 before_model_call=lambda step, history: self._before_model_call(
                     turn, step, history

@@ -118,8 +118,9 @@ class Tool:
         A sync function that hangs cannot be interrupted by a timeout: the caller stops
         waiting, but the thread runs on. It is a daemon thread of its own, not the event
         loop's shared executor, so hung tools neither starve other tools of workers nor keep
-        ``asyncio.run`` (and the process) from ending. Prefer async tools for anything that
-        may hang.
+        ``asyncio.run`` (and the process) from ending. When such a thread finishes after all,
+        its outcome goes to :data:`abandoned_result` (the executor journals it for
+        side-effecting calls). Prefer async tools for anything that may hang.
         """
         kwargs = {name: getattr(arguments, name) for name in type(arguments).model_fields}
         if self.context_parameter is not None:
