@@ -172,10 +172,12 @@ def test_stats_json_has_the_indicators(filled: dict[str, str], keel: Callable[..
         "warnings",
     ):
         assert key in long
-    assert long["avg_prompt_tokens"] == 1400 and long["prompt_creeping"] is True
+    # One run whose prompt grows call by call, no retries: the window filling, not a spiral.
+    assert long["avg_prompt_tokens"] == 1400 and long["prompt_growth"] > 1.5
+    assert long["prompt_creeping"] is False
     assert long["ttft_p50_ms"] is not None
     assert by_id["s-fail"]["loops_caught"] == 1
-    assert payload["warnings"] >= 2
+    assert long["warnings"] == [] and payload["warnings"] >= 1  # s-fail's loop
     lenient = _last_json(keel("runs", "stats", "--session", "s-fail", "--max-loops", "1", "--json"))
     assert lenient["thresholds"]["max_loops"] == 1
     assert not any("loops" in w for s in lenient["sessions"] for w in s["warnings"])

@@ -258,7 +258,8 @@ class StatsThresholds(BaseModel):
         default=1.5,
         gt=0,
         description="Warn when the average prompt of the later half of the model calls is "
-        "more than this many times that of the earlier half (context creeping up).",
+        "more than this many times that of the earlier half (context creeping up) while "
+        "retries climb; growth alone is the window filling, not a spiral.",
     )
     max_state_resets: int = Field(default=0, ge=0, description="Warn above this many resets.")
     max_ttft_p95_ms: float = Field(
@@ -290,7 +291,10 @@ class SessionStats(BaseModel):
     prompt_growth: float = Field(
         description="Average prompt of the later half of calls over the earlier half (1 = flat)."
     )
-    prompt_creeping: bool = Field(description="True when prompt_growth is over its threshold.")
+    prompt_creeping: bool = Field(
+        description="True when prompt_growth is over its threshold while retries climb (more "
+        "retried or failed model calls in the later half than in the earlier half)."
+    )
     state_resets: int = Field(description="State-machine resets (steps of kind ``reset``).")
     ttft_p50_ms: float | None = Field(description="Median time to first token; None if unknown.")
     ttft_p95_ms: float | None = Field(description="95th percentile time to first token.")

@@ -49,6 +49,17 @@ def _growth(values: Sequence[float]) -> float:
     return late / max(early, 1.0)
 
 
+def _retries_climbing(model: Sequence[StepMetric]) -> bool:
+    half = len(model) // 2
+    if half == 0:
+        return False
+
+    def troubled(steps: Sequence[StepMetric]) -> int:
+        return sum(1 for m in steps if m.attempt > 1 or m.failed)
+
+    return troubled(model[-half:]) > troubled(model[:half])
+
+
 def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) -> SessionStats:
     model = [m for m in metrics if m.kind == "model"]
     tools = [m for m in metrics if m.kind == "tool"]
@@ -60,7 +71,10 @@ def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) ->
     loops = sum(1 for m in metrics if m.kind == "guard" and m.name == LOOP_GUARD_NAME)
     retry_rate = retries / calls if calls else 0.0
     growth = _growth(prompts) if len(prompts) >= limits.min_calls_for_trend else 1.0
-    creeping = growth > limits.max_prompt_growth
+    # A session's prompts grow while its window fills; that alone is not a spiral. Growth
+    # counts when it comes with retries climbing: more retried or failed model calls in the
+    # later half of the calls than in the earlier half (see keel.guards' SpiralMonitor).
+    creeping = growth > limits.max_prompt_growth and _retries_climbing(model)
     p50 = percentile(ttfts, 50)
     p95 = percentile(ttfts, 95)
     warnings: list[str] = []
@@ -72,7 +86,8 @@ def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) ->
     if creeping:
         warnings.append(
             f"prompt tokens per call are creeping up: x{growth:.2f} from the earlier to the "
-            f"later half of {len(prompts)} calls (threshold x{limits.max_prompt_growth:.2f})"
+            f"later half of {len(prompts)} calls (threshold x{limits.max_prompt_growth:.2f}) "
+            "while retries climb"
         )
     if resets > limits.max_state_resets:
         warnings.append(f"{resets} state resets (threshold {limits.max_state_resets})")
