@@ -230,7 +230,7 @@ class Agent:
         ``options`` are passed to the constructor (``context=``, ``guards=``, ...). Close the
         agent with :meth:`aclose` (or ``close``) to flush memory and release the database.
         """
-        from keel.memory import Memory, default_embedder
+        from keel.memory import Memory, embedder_from_settings
         from keel.models import resolve_model
         from keel.privacy import mask_pii
         from keel.settings import load_settings
@@ -252,7 +252,11 @@ class Agent:
             else resolve_model(model or settings.model, settings=settings)
         )
         long_term = (
-            Memory(SQLiteMemoryStore(database), embedder=default_embedder(), background=True)
+            Memory(
+                SQLiteMemoryStore(database),
+                embedder=embedder_from_settings(settings),
+                background=True,
+            )
             if memory
             else None
         )
