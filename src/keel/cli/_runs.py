@@ -48,13 +48,15 @@ def _console() -> Console:
 def list_command(
     session: Annotated[str | None, typer.Option("--session", help="Only this session.")] = None,
     min_steps: Annotated[
-        int | None, typer.Option("--min-steps", min=0, help="Only runs with at least N steps.")
+        int | None,
+        typer.Option("--min-steps", min=0, help="Only runs with at least N steps (model calls)."),
     ] = None,
     status: Annotated[
         str | None,
         typer.Option(
             "--status",
-            help="Only runs with this status: running, succeeded, failed, limited, escalated.",
+            help="Only runs with this status: running, succeeded, failed, limited, escalated, "
+            "abandoned (still running when its worker died).",
         ),
     ] = None,
     tool_error: Annotated[
@@ -83,7 +85,7 @@ def list_command(
                 "tenant_id": tenant,
                 "agent": agent,
                 "status": status,
-                "min_steps": min_steps,
+                "min_model_calls": min_steps,
                 "tool_error": True if tool_error else None,
                 "since": parse_since(since) if since else None,
                 "limit": limit,
@@ -112,7 +114,10 @@ def list_command(
     table.add_column("status", no_wrap=True)
     table.add_column("started (UTC)", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
+    # A run's steps are its model calls, as the reply counts them; the tool calls made in
+    # them are their own column (the trace also holds guard, checkpoint, ... records).
     table.add_column("steps", justify="right")
+    table.add_column("tools", justify="right")
     table.add_column("tokens in/out", justify="right")
     table.add_column("tool errors", justify="right")
     for run in runs:
@@ -124,7 +129,8 @@ def list_command(
             f"[{style}]{run.status}[/]",
             run.started_at.strftime("%Y-%m-%d %H:%M:%S"),
             format_ms(run.duration_ms),
-            str(run.step_count),
+            str(run.model_calls),
+            str(run.tool_calls),
             f"{run.prompt_tokens}/{run.completion_tokens}",
             str(run.tool_errors) if run.tool_errors else "",
         )

@@ -269,7 +269,13 @@ class Agent:
             machine=machine,
             memory=long_term,
             journal=SQLiteToolJournal(database),
-            tracer=Tracer(traces, redact=mask_pii, agent=options.get("name", "agent")),
+            tracer=Tracer(
+                traces,
+                redact=mask_pii,
+                agent=options.get("name", "agent"),
+                # A run killed mid-turn reads as abandoned once silent past this limit.
+                run_time_limit_s=(options.get("guards") or GuardConfig()).run_timeout_s,
+            ),
             **options,
         )
         agent._owned.append(database.close)
