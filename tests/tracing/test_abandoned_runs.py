@@ -10,8 +10,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+from keel.errors import TruncatedResponseError
 from keel.guards import GuardConfig
-from keel.messages import Message, ToolCall
+from keel.messages import Message, ToolCall, Usage
+from keel.models import Completion
 from keel.runtime import Agent
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
@@ -119,3 +123,43 @@ def test_runs_list_counts_the_steps_the_reply_counts(tmp_path: Path) -> None:
     row = next(line for line in table if str(run["run_id"])[:12] in line).split()
     tokens = next(index for index, cell in enumerate(row) if "/" in cell)  # "in/out"
     assert row[tokens - 2 : tokens] == [str(reply.steps), "4"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs ToolLoop._model_failure to record error.raw (the partial Completion): the "
+    "runtime owner's change; remove this mark with it",
+)
+def test_a_cut_off_model_reply_is_traced_with_its_tokens_and_output() -> None:
+    """Local and OpenAI models raise TruncatedResponseError(raw=<the partial Completion>) on
+    finish_reason=length: the trace must keep its usage and text, not ``0->0 tok``."""
+    partial = Completion(
+        message=Message.assistant("The capital of Norway is"),
+        finish_reason="length",
+        usage=Usage(prompt_tokens=120, completion_tokens=64),
+        model="local:smollm2",
+        latency_ms=900.0,
+    )
+    cut = TruncatedResponseError(
+        "the answer was cut at max_tokens=64 (finish_reason=length)",
+        model="local:smollm2",
+        raw=partial,
+    )
+    agent = Agent.embedded(
+        ScriptedModel([cut, "Oslo."]), system_prompt="hi", memory=False, guards=GuardConfig()
+    )
+    try:
+        reply = agent.handle_sync("s-cut", "u1", "capital of Norway?")
+        assert reply.status == "completed" and reply.steps == 2
+    finally:
+        agent.close()
+    (run,) = _json(_keel("runs", "list", "--json"))["runs"]  # type: ignore[misc]
+    assert run["prompt_tokens"] >= 120 and run["completion_tokens"] >= 64  # spent, and counted
+    steps = _json(_keel("runs", "show", str(run["run_id"]), "--json"))["steps"]
+    assert isinstance(steps, list)
+    model_steps = [step for step in steps if step["kind"] == "model"]
+    first = model_steps[0]
+    assert first["error_type"] == "TruncatedResponseError"
+    assert (first["prompt_tokens"], first["completion_tokens"]) == (120, 64)
+    assert first["raw_output"] == "The capital of Norway is"
+    assert first["finish_reason"] == "length"
