@@ -8,7 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from keel.bench.faults import FAULTS, run_fault_bench
+from keel.bench.faults import FAULTS, FaultBenchReport, run_fault_bench
+
+# The bench runs under tight time limits (0.1 s per model or tool call, 2 s per run) so that
+# hangs end quickly. On a loaded machine a run may meet its time limit before the limit or
+# guard it would meet on an idle one: assertions accept that substitution, never more.
+
+
+def _stopped(row: dict[str, int], *statuses: str) -> int:
+    return sum(row.get(status, 0) for status in (*statuses, "time_limit"))
 
 
 def test_randomized_faulty_runs_all_end_cleanly() -> None:
@@ -21,20 +29,30 @@ def test_randomized_faulty_runs_all_end_cleanly() -> None:
     assert report.loops_detected > 0 and report.repairs > 0
     assert report.state_reverted_on_limit == report.limit_hits > 0
     assert report.resumed_after_crash > 0
-    assert (
-        report.by_fault["endless_loop"]["loop_detected"] == report.by_fault["endless_loop"]["runs"]
-    )
-    assert (
-        report.by_fault["never_finishes"]["step_limit"] == report.by_fault["never_finishes"]["runs"]
-    )
+    endless = report.by_fault["endless_loop"]
+    assert _stopped(endless, "loop_detected") == endless["runs"]
+    never = report.by_fault["never_finishes"]
+    assert _stopped(never, "step_limit") == never["runs"]
+    # slow_run's calls take 8 x 30 ms against a 150 ms run limit: the time limit, always.
     assert report.by_fault["slow_run"].get("time_limit", 0) > 0
+
+
+def _timing_free(report: FaultBenchReport) -> dict[str, dict[str, int]]:
+    """The outcomes that no time limit touched: faults whose runs never met one."""
+    return {fault: dict(row) for fault, row in report.by_fault.items() if not row.get("time_limit")}
 
 
 def test_the_same_seed_gives_the_same_runs() -> None:
     first = run_fault_bench(48, seed=3, kills=0)
     second = run_fault_bench(48, seed=3, kills=0)
-    assert first.by_fault == second.by_fault
-    assert (first.loops_detected, first.repairs) == (second.loops_detected, second.repairs)
+    # The seed decides every run's plan, so the same faults are drawn the same number of times.
+    assert {f: row["runs"] for f, row in first.by_fault.items()} == {
+        f: row["runs"] for f, row in second.by_fault.items()
+    }
+    # Where no time limit interfered, the outcomes are the same too.
+    free = _timing_free(first).keys() & _timing_free(second).keys()
+    assert free, "every fault met a time limit: the machine is far too loaded"
+    assert {f: first.by_fault[f] for f in free} == {f: second.by_fault[f] for f in free}
 
 
 def test_cli_prints_the_contract_on_the_last_line() -> None:
