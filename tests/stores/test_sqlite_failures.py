@@ -236,3 +236,11 @@ def test_a_read_only_database_is_a_read_only_store_error(tmp_path: Path) -> None
             assert _turn_error(agent, "again") == "DatabaseReadOnlyError"
         finally:
             agent.close()
+
+
+def test_postgres_disk_full_is_a_storage_full_error_not_unavailable() -> None:
+    psycopg = pytest.importorskip("psycopg")
+    from keel.stores._postgres_traces import _translate
+
+    error = _translate(psycopg.errors.DiskFull("could not extend file"), "postgresql://u@h/db")
+    assert isinstance(error, StorageFullError) and "h/db" in str(error)

@@ -84,6 +84,10 @@ def test_a_run_killed_by_sigkill_is_listed_as_abandoned() -> None:
     assert shown["run"]["status"] == "abandoned"  # type: ignore[index]
     plain = _keel("runs", "list")
     assert plain.returncode == 0 and "abandoned" in plain.stdout and "running" not in plain.stdout
+    stats = _json(_keel("runs", "stats", "--json"))
+    (session,) = stats["sessions"]  # type: ignore[misc]
+    assert session["session_id"] == "s-killed" and session["abandoned_runs"] == 1
+    assert any("abandoned" in warning for warning in session["warnings"])
 
 
 def test_runs_list_counts_the_steps_the_reply_counts(tmp_path: Path) -> None:

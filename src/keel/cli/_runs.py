@@ -173,7 +173,7 @@ def _stats_table(stats: list[SessionStats]) -> Any:
     table.add_column("session")
     for column in ("runs", "calls", "retry rate", "avg prompt", "trend", "resets"):
         table.add_column(column, justify="right")
-    for column in ("ttft p50", "ttft p95", "loops"):
+    for column in ("ttft p50", "ttft p95", "loops", "abandoned"):
         table.add_column(column, justify="right")
     for item in stats:
         trend = f"x{item.prompt_growth:.2f} {item.prompt_tokens_slope:+.0f}/call"
@@ -188,6 +188,7 @@ def _stats_table(stats: list[SessionStats]) -> Any:
             format_ms(item.ttft_p50_ms),
             format_ms(item.ttft_p95_ms),
             str(item.loops_caught),
+            f"[red]{item.abandoned_runs}[/]" if item.abandoned_runs else "0",
         )
     return table
 

@@ -16,10 +16,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import psycopg.errors
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from keel.errors import BackendUnavailableError, StoreError, UsageError
+from keel.errors import BackendUnavailableError, StorageFullError, StoreError, UsageError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 from keel.tracing._models import (
@@ -177,6 +178,9 @@ def _step_values(step: Step) -> tuple[Any, ...]:
 
 def _translate(exc: psycopg.Error, url: str) -> StoreError:
     where = url.split("@")[-1]
+    if isinstance(exc, psycopg.errors.DiskFull):
+        # SQLSTATE 53100: the server is up, its disk is full (an OperationalError to psycopg).
+        return StorageFullError(f"PostgreSQL at {where} is out of space: {exc}")
     if isinstance(exc, psycopg.OperationalError):
         return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}")
     return StoreError(f"PostgreSQL at {where}: {exc}")

@@ -262,6 +262,8 @@ class TraceStoreConformance:
         assert [r.run_id for r in trace_store.list_runs(RunQuery(status="running"))] == ["alive"]
         detail = trace_store.get_run_detail("dead")
         assert detail is not None and detail.run.status == "abandoned"
+        (stats,) = trace_store.session_stats()  # no steps yet, yet the session is reported
+        assert stats.abandoned_runs == 1 and any("abandoned" in w for w in stats.warnings)
         # A sign of life (a step written, or the run resumed) makes it running again.
         trace_store.write_step(_step("dead", 0))
         assert status("dead") == "running"

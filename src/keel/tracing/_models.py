@@ -325,6 +325,9 @@ class StatsThresholds(BaseModel):
         default=5000.0, gt=0, description="Warn when the p95 time to first token exceeds this."
     )
     max_loops: int = Field(default=0, ge=0, description="Warn above this many loops caught.")
+    max_abandoned_runs: int = Field(
+        default=0, ge=0, description="Warn above this many abandoned runs (workers killed)."
+    )
     min_calls_for_trend: int = Field(
         default=4, ge=2, description="Model calls needed before the prompt trend is judged."
     )
@@ -336,7 +339,10 @@ class SessionStats(BaseModel):
     model_config = _MODEL
 
     session_id: str = Field(description="The session.")
-    runs: int = Field(description="Runs in the window.")
+    runs: int = Field(description="Runs in the window (with steps).")
+    abandoned_runs: int = Field(
+        default=0, description="Runs still 'running' long after their time limit: abandoned."
+    )
     steps: int = Field(description="Steps in the window.")
     model_calls: int = Field(description="Model-call steps.")
     tool_calls: int = Field(description="Tool-call steps.")

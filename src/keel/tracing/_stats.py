@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from keel.tracing._models import SessionStats, StatsThresholds, StepMetric
 
@@ -60,7 +60,9 @@ def _retries_climbing(model: Sequence[StepMetric]) -> bool:
     return troubled(model[-half:]) > troubled(model[:half])
 
 
-def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) -> SessionStats:
+def _one(
+    session_id: str, metrics: list[StepMetric], limits: StatsThresholds, abandoned: int = 0
+) -> SessionStats:
     model = [m for m in metrics if m.kind == "model"]
     tools = [m for m in metrics if m.kind == "tool"]
     calls = len(model) + len(tools)
@@ -97,9 +99,15 @@ def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) ->
         )
     if loops > limits.max_loops:
         warnings.append(f"{loops} loops caught (threshold {limits.max_loops})")
+    if abandoned > limits.max_abandoned_runs:
+        warnings.append(
+            f"{abandoned} run(s) abandoned: their worker died mid-run "
+            "(keel runs list --status abandoned)"
+        )
     return SessionStats(
         session_id=session_id,
         runs=len({m.run_id for m in metrics}),
+        abandoned_runs=abandoned,
         steps=len(metrics),
         model_calls=len(model),
         tool_calls=len(tools),
@@ -120,13 +128,22 @@ def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) ->
     )
 
 
-def session_stats(metrics: Iterable[StepMetric], thresholds: StatsThresholds) -> list[SessionStats]:
-    """Indicators per session from ``metrics`` (any order), sessions sorted by id."""
+def session_stats(
+    metrics: Iterable[StepMetric],
+    thresholds: StatsThresholds,
+    abandoned: Mapping[str, int] | None = None,
+) -> list[SessionStats]:
+    """Indicators per session from ``metrics`` (any order), sessions sorted by id.
+
+    ``abandoned`` counts the abandoned runs per session; a session with abandoned runs and no
+    steps (killed before its first step was written) still gets an entry.
+    """
     by_session: dict[str, list[StepMetric]] = defaultdict(list)
     for metric in metrics:
         by_session[metric.session_id].append(metric)
+    killed = dict(abandoned or {})
     result = []
-    for session_id in sorted(by_session):
-        rows = sorted(by_session[session_id], key=lambda m: (m.started_at, m.run_id))
-        result.append(_one(session_id, rows, thresholds))
+    for session_id in sorted(by_session.keys() | killed.keys()):
+        rows = sorted(by_session.get(session_id, []), key=lambda m: (m.started_at, m.run_id))
+        result.append(_one(session_id, rows, thresholds, killed.get(session_id, 0)))
     return result
