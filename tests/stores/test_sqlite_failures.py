@@ -10,6 +10,7 @@ import contextlib
 import os
 import sqlite3
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,3 +245,35 @@ def test_postgres_disk_full_is_a_storage_full_error_not_unavailable() -> None:
 
     error = _translate(psycopg.errors.DiskFull("could not extend file"), "postgresql://u@h/db")
     assert isinstance(error, StorageFullError) and "h/db" in str(error)
+
+
+def test_keel_chat_with_its_database_deleted_is_one_error_line(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "KEEL_DATA_DIR": str(tmp_path / "data"),
+        "KEEL_EMBEDDER": "hashing:64",
+    }
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "keel", "chat", "--model", "scripted:echo", "--no-memory"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert chat.stdin is not None and chat.stdout is not None
+    try:
+        chat.stdin.write("hello there\n")
+        chat.stdin.flush()
+        while "agent>" not in (line := chat.stdout.readline()):
+            assert line, "keel chat ended before answering"
+        _delete(tmp_path / "data" / "keel.db")
+        out, err = chat.communicate("are you still there?\n", timeout=120)
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+    assert chat.returncode == 1, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "deleted" in lines[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "data" / "keel.db").exists()
