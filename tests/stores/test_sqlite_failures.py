@@ -277,3 +277,16 @@ def test_keel_chat_with_its_database_deleted_is_one_error_line(tmp_path: Path) -
     assert len(lines) == 1 and lines[0].startswith("error:") and "deleted" in lines[0], err
     assert "Traceback" not in err
     assert not (tmp_path / "data" / "keel.db").exists()
+
+
+def test_a_failed_read_snapshot_ends_cleanly_with_its_own_error(tmp_path: Path) -> None:
+    db = SQLiteDatabase(tmp_path / "keel.db")
+    db.setup()
+    with pytest.raises(StoreError, match="no such table"), db.snapshot() as conn:
+        conn.execute("SELECT * FROM missing")
+    with pytest.raises(LookupError), db.snapshot():
+        raise LookupError("the caller's own error, unchanged")
+    assert not db.connection().in_transaction
+    with db.transaction() as conn:  # the connection is free for the next writer
+        conn.execute("CREATE TABLE t (x)")
+    db.close()

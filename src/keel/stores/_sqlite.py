@@ -258,6 +258,23 @@ class SQLiteDatabase:
                 raise translate_sqlite_error(exc, self.path) from exc
 
     @contextmanager
+    def snapshot(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: every read inside sees one consistent version of the file.
+
+        Errors are translated like ``translated()``'s; the transaction is ended without ever
+        replacing the error that ended it.
+        """
+        with self.translated() as conn:
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            except BaseException as exc:
+                self._rollback(conn, exc)
+                raise
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+
+    @contextmanager
     def translated(self) -> Iterator[sqlite3.Connection]:
         """This thread's connection, with sqlite3 errors translated to keel's."""
         self.check_file()
