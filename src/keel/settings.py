@@ -179,7 +179,8 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: {error['msg']}"
+            f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: "
+            f"{error['msg'].removeprefix('Value error, ')}"
             for error in exc.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from exc
