@@ -204,7 +204,9 @@ def stats_command(
     max_prompt_growth: Annotated[
         float,
         typer.Option(
-            "--max-prompt-growth", min=0, help="Warn when prompts grow more than this factor."
+            "--max-prompt-growth",
+            min=0,
+            help="Warn when prompts grow more than this factor while retries climb.",
         ),
     ] = 1.5,
     max_ttft_p95_ms: Annotated[
