@@ -185,17 +185,16 @@ class SpiralMonitor:
         else:
             name = "all"
         with self._lock:
-            return self._compute(name, self._scope(name))
+            return self._compute(name, self._scope(name))[0]
 
     def _evaluate(self, session_id: str | None, agent: str | None) -> list[SpiralSnapshot]:
         crossed: list[SpiralSnapshot] = []
         with self._lock:
             for name in self._names(session_id, agent)[1:] or ["all"]:
                 scope = self._scope(name)
-                snap = self._compute(name, scope)
                 # Keyed by indicator, not by its text: a retry rate moving from 50% to 56% is
                 # the same crossing, logged once.
-                keys = frozenset(_indicator(text) for text in snap.warnings)
+                snap, keys = self._compute(name, scope)
                 new = keys - scope.warned
                 scope.warned = keys
                 if new:
@@ -206,7 +205,7 @@ class SpiralMonitor:
             )
         return crossed
 
-    def _compute(self, name: str, scope: _Scope) -> SpiralSnapshot:
+    def _compute(self, name: str, scope: _Scope) -> tuple[SpiralSnapshot, frozenset[str]]:
         limits = self.thresholds
         calls = list(scope.calls)
         count = len(calls)
@@ -232,26 +231,26 @@ class SpiralMonitor:
         resets = sum(1 for at in scope.resets if at >= since) if calls else len(scope.resets)
         ttfts = [call.ttft_ms for call in calls if call.ttft_ms is not None]
         avg_ttft = sum(ttfts) / len(ttfts) if ttfts else None
-        warnings: list[str] = []
+        warnings: dict[str, str] = {}  # indicator -> its line
         if enough and retry_rate > limits.max_retry_rate:
-            warnings.append(f"retry rate {retry_rate:.0%} > {limits.max_retry_rate:.0%}")
+            warnings["retries"] = f"retry rate {retry_rate:.0%} > {limits.max_retry_rate:.0%}"
         # The window filling is not a spiral (module docstring): growth counts only together
         # with climbing retries, and so does a prompt pinned near its limit.
         if climbing and growth > limits.max_prompt_growth:
-            warnings.append(
+            warnings["prompt"] = (
                 f"prompt tokens growing x{growth:.2f} > x{limits.max_prompt_growth:g} "
                 "while retries climb"
             )
         elif climbing and fill is not None and fill >= limits.near_full:
-            warnings.append(
+            warnings["prompt"] = (
                 f"prompts at {fill:.0%} of their limit (>= {limits.near_full:.0%}) "
                 "while retries climb"
             )
         if resets > limits.max_state_resets:
-            warnings.append(f"{resets} state resets > {limits.max_state_resets}")
+            warnings["resets"] = f"{resets} state resets > {limits.max_state_resets}"
         if avg_ttft is not None and avg_ttft > limits.max_ttft_ms:
-            warnings.append(f"time to first token {avg_ttft:.0f} ms > {limits.max_ttft_ms:g} ms")
-        return SpiralSnapshot(
+            warnings["ttft"] = f"time to first token {avg_ttft:.0f} ms > {limits.max_ttft_ms:g} ms"
+        snapshot = SpiralSnapshot(
             scope=name,
             calls=count,
             retry_rate=retry_rate,
@@ -261,16 +260,6 @@ class SpiralMonitor:
             retries_climbing=climbing,
             state_resets=resets,
             avg_ttft_ms=avg_ttft,
-            warnings=tuple(warnings),
+            warnings=tuple(warnings.values()),
         )
-
-
-def _indicator(warning: str) -> str:
-    """The indicator a warning line is about (its text without the figures)."""
-    if warning.startswith("retry rate"):
-        return "retries"
-    if warning.startswith(("prompt tokens growing", "prompts at")):
-        return "prompt"
-    if "state resets" in warning:
-        return "resets"
-    return "ttft"
+        return snapshot, frozenset(warnings)
