@@ -7,8 +7,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from keel.testing.servers import PostgresTestServer, postgres_server, redis_server
+
+# Hypothesis: the same examples on every CI run (a failure is a real failure, reproducible from
+# the printed blob), no deadline (a loaded runner is not a bug). Locally the search stays random
+# so it keeps finding new cases; HYPOTHESIS_PROFILE=ci reproduces CI.
+settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)
+settings.register_profile("dev", print_blob=True, deadline=None)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+)
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ reply = agent.handle_sync("session-1", "user-1", "Weather in Oslo?")
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from keel import errors
@@ -31,6 +32,11 @@ from keel.errors import (
     UsageError,
 )
 from keel.messages import Message, Role, ToolCall, Usage
+
+# A library never decides where its log records go: without this, Python's last-resort handler
+# prints keel's warnings (guards, tracing) on stderr of every program that did not configure
+# logging. The application's configuration (or ``keel``'s CLI, to its log file) decides.
+logging.getLogger("keel").addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from keel.context import (

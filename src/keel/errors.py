@@ -21,7 +21,10 @@ KeelError
     │   ├── DatabaseLockedError      the database stayed locked past the busy timeout
     │   ├── DatabaseCorruptError     the file is not a database or is damaged
     │   ├── SchemaVersionError       stored schema is newer than this code, or unmigratable
+    │   ├── DatabaseFileError        the database file was deleted or replaced while open
+    │   ├── StorageFullError         the disk (or the database's size limit) is full
     │   ├── DataDirectoryError       the data directory cannot be created or written
+    │   │   └── DatabaseReadOnlyError    the database file or its file system is read-only
     │   ├── BackendUnavailableError  a server backend (PostgreSQL, Redis) cannot be reached
     │   └── ExpiredError             the record existed but its TTL has passed
     ├── ContextOverflowError         the irreducible prompt does not fit the model's window
@@ -65,7 +68,9 @@ __all__ = [
     "ContextOverflowError",
     "DataDirectoryError",
     "DatabaseCorruptError",
+    "DatabaseFileError",
     "DatabaseLockedError",
+    "DatabaseReadOnlyError",
     "ExpiredError",
     "GuardError",
     "InvalidTransitionError",
@@ -84,6 +89,7 @@ __all__ = [
     "StateMigrationError",
     "StateValidationError",
     "StepLimitError",
+    "StorageFullError",
     "StoreError",
     "TimeLimitError",
     "ToolArgumentsError",
@@ -203,8 +209,24 @@ class SchemaVersionError(StoreError):
     """The stored schema is newer than this code knows, or cannot be migrated."""
 
 
+class DatabaseFileError(StoreError):
+    """The database file was deleted or replaced while keel had it open.
+
+    Reads would go on to the deleted file and new connections would write to a fresh one;
+    keel stops instead. Reopen the database (restart) once the file is back.
+    """
+
+
+class StorageFullError(StoreError):
+    """The disk, or the database's own size limit, is full: nothing of the write was kept."""
+
+
 class DataDirectoryError(StoreError):
     """The data directory cannot be created or written."""
+
+
+class DatabaseReadOnlyError(DataDirectoryError):
+    """The database file, or the file system it is on, cannot be written."""
 
 
 class BackendUnavailableError(StoreError):

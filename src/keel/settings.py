@@ -24,9 +24,22 @@ from pydantic_settings import (
 
 from keel.errors import ConfigError
 
-__all__ = ["Settings", "default_config_file", "load_settings"]
+__all__ = [
+    "DATABASE_SCHEMES",
+    "MAX_BUSY_TIMEOUT_MS",
+    "Settings",
+    "default_config_file",
+    "load_settings",
+]
 
 _APP = "keel"
+
+MAX_BUSY_TIMEOUT_MS = 3_600_000
+"""The longest busy timeout accepted: an hour. Longer is a typo, and SQLite's own limit is a
+32-bit number of milliseconds."""
+
+DATABASE_SCHEMES = ("sqlite:///", "postgresql://", "postgres://", "postgresql+psycopg://")
+"""The database URLs keel can open."""
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("keel_config_file", default=None)
 
 
@@ -76,7 +89,10 @@ class Settings(BaseSettings):
         default=None, description="API key for OpenAI-compatible endpoints."
     )
     busy_timeout_ms: int = Field(
-        default=5000, ge=0, description="How long SQLite waits on a locked database."
+        default=5000,
+        ge=0,
+        le=MAX_BUSY_TIMEOUT_MS,
+        description="How long SQLite waits on a locked database, in ms (at most one hour).",
     )
 
     @classmethod
@@ -95,6 +111,22 @@ class Settings(BaseSettings):
     @classmethod
     def _expand(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("database", mode="after")
+    @classmethod
+    def _known_database(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError("must not be empty (leave it unset for the default SQLite file)")
+        if not value.startswith(DATABASE_SCHEMES):
+            scheme = value.split("://")[0] + "://" if "://" in value else repr(value)
+            raise ValueError(
+                f"unsupported database URL {scheme}: use sqlite:///PATH or postgresql://..."
+            )
+        if value.startswith("sqlite:///") and not value.removeprefix("sqlite:///").strip():
+            raise ValueError("sqlite:/// needs a file path, e.g. sqlite:///data/keel.db")
+        return value
 
     @property
     def database_url(self) -> str:
@@ -118,6 +150,10 @@ def _read_config_file(path: Path) -> dict[str, Any]:
             data = tomllib.load(handle)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8"
+        ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
     # A [keel] table is accepted so the file can be shared with other tools.
@@ -143,7 +179,8 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: {error['msg']}"
+            f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: "
+            f"{error['msg'].removeprefix('Value error, ')}"
             for error in exc.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from exc

@@ -27,14 +27,17 @@ def test_creeping_prompts_and_retries_warn_once_per_crossing(
     with caplog.at_level(logging.WARNING, logger="keel.guards"):
         for i in range(10):
             crossed += monitor.record_call(
-                session_id="s1", agent="support", prompt_tokens=1000 + 400 * i, retry=i % 2 == 0
+                session_id="s1", agent="support", prompt_tokens=1000 + 400 * i, retry=i >= 5
             )
     snapshot = monitor.snapshot(session_id="s1")
     assert snapshot.prompt_growth > 1.5 and snapshot.retry_rate == 0.5
+    assert snapshot.retries_climbing
     assert any("prompt tokens growing" in w for w in snapshot.warnings)
     assert any("retry rate 50%" in w for w in snapshot.warnings)
     assert {snap.scope for snap in crossed} == {"session:s1", "agent:support"}
     assert "death-spiral indicators for session:s1" in caplog.text
+    # One crossing, one log line per scope, however the figures move while it lasts.
+    assert caplog.text.count("death-spiral indicators for session:s1") == 1
     assert monitor.snapshot(session_id="other").healthy
     assert not monitor.snapshot(agent="support").healthy
 
@@ -50,3 +53,39 @@ def test_state_resets_and_slow_first_tokens() -> None:
     assert "2 state resets > 1" in snapshot.warnings
     assert any("time to first token 5000 ms" in w for w in snapshot.warnings)
     assert monitor.snapshot().calls == 1  # the process-wide scope
+
+
+def test_a_window_filling_up_is_not_a_spiral(caplog: pytest.LogCaptureFixture) -> None:
+    """Every session's prompt grows from a few hundred tokens to its limit: no warning."""
+    monitor = SpiralMonitor(prompt_limit=8000)
+    with caplog.at_level(logging.WARNING, logger="keel.guards"):
+        for turn in range(40):
+            prompt = min(300 + 250 * turn, 7900)  # grows, then the engine trims at the limit
+            assert monitor.record_call(session_id="fresh", agent="a", prompt_tokens=prompt) == []
+            snapshot = monitor.snapshot(session_id="fresh")
+            assert snapshot.healthy, (turn, snapshot.warnings)
+    assert snapshot.prompt_fill is not None and snapshot.prompt_fill > 0.95
+    assert caplog.records == []
+
+
+def test_growth_while_retries_climb_warns_and_so_does_a_full_window_failing() -> None:
+    monitor = SpiralMonitor(SpiralThresholds(window=10, max_retry_rate=1.0))
+    for i in range(10):
+        monitor.record_call(session_id="g", prompt_tokens=1000 + 400 * i, retry=i >= 7)
+    growing = monitor.snapshot(session_id="g")
+    assert growing.retries_climbing and any("while retries climb" in w for w in growing.warnings)
+
+    # Already near the limit (growth x1.1 only) while the retries pile up: a spiral as well.
+    pinned = SpiralMonitor(SpiralThresholds(window=10, max_retry_rate=1.0))
+    for i in range(10):
+        pinned.record_call(
+            session_id="p", prompt_tokens=7000 + 80 * i, retry=i >= 6, prompt_limit=8000
+        )
+    snapshot = pinned.snapshot(session_id="p")
+    assert snapshot.prompt_growth < 1.5 and snapshot.prompt_fill is not None
+    assert any("of their limit" in w for w in snapshot.warnings)
+    # The same prompts without the limit known, or without retries climbing: healthy.
+    unknown = SpiralMonitor(SpiralThresholds(window=10, max_retry_rate=1.0))
+    for i in range(10):
+        unknown.record_call(session_id="p", prompt_tokens=7000 + 80 * i, retry=i >= 6)
+    assert unknown.snapshot(session_id="p").healthy

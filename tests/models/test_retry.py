@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -60,6 +59,21 @@ async def test_non_retryable_error_surfaces_at_once() -> None:
     assert calls == 1 and caught.value.attempts == 1
 
 
+class _FakeTime:
+    """A clock that moves only when the retry loop sleeps: bounds are exact, never flaky."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
 async def test_retry_after_replaces_backoff_and_long_ones_end_retries() -> None:
     async def short(state: RetryState) -> str:
         if state.attempts == 1:
@@ -67,19 +81,18 @@ async def test_retry_after_replaces_backoff_and_long_ones_end_retries() -> None:
         return "ok"
 
     policy = RetryPolicy(initial_backoff_s=5, max_retry_after_s=1)
-    started = time.monotonic()
-    _, state = await call_with_retries(short, policy)
-    assert state.waits == [0.15]
-    assert 0.14 <= time.monotonic() - started < 2
+    fake = _FakeTime()
+    _, state = await call_with_retries(short, policy, clock=fake.clock, sleep=fake.sleep)
+    assert state.waits == [0.15] and fake.slept == [0.15]  # the server's wait, not 5 s
 
     async def long(state: RetryState) -> str:
         raise RetryableModelError(RateLimitError("429"), retry_after_s=30)
 
-    started = time.monotonic()
+    fake = _FakeTime()
     with pytest.raises(RateLimitError) as caught:
-        await call_with_retries(long, policy)
+        await call_with_retries(long, policy, clock=fake.clock, sleep=fake.sleep)
     assert caught.value.attempts == 1
-    assert time.monotonic() - started < 0.5
+    assert fake.slept == []  # a Retry-After past the cap ends the retries without waiting
 
 
 async def test_total_time_budget_stops_retries_before_waiting_past_it() -> None:
@@ -87,20 +100,34 @@ async def test_total_time_budget_stops_retries_before_waiting_past_it() -> None:
         raise RetryableModelError(ModelUnavailableError("down"))
 
     policy = RetryPolicy(max_attempts=100, initial_backoff_s=0.1, jitter=0, max_backoff_s=0.1)
-    started = time.monotonic()
+    fake = _FakeTime()
+    started = fake.now
     with pytest.raises(ModelUnavailableError) as caught:
-        await call_with_retries(attempt, policy, timeout_s=0.35)
-    elapsed = time.monotonic() - started
-    assert elapsed < 0.5
-    assert 3 <= caught.value.attempts <= 4
+        await call_with_retries(attempt, policy, timeout_s=0.35, clock=fake.clock, sleep=fake.sleep)
+    # Attempts at 0, 0.1, 0.2 and 0.3 s; a fourth wait would end past the 0.35 s budget.
+    assert caught.value.attempts == 4
+    assert fake.now - started == pytest.approx(0.3)
 
 
 async def test_attempt_timeout_never_exceeds_what_is_left() -> None:
     budgets: list[float] = []
+    fake = _FakeTime()
 
     async def attempt(state: RetryState) -> str:
         budgets.append(state.attempt_timeout())
+        fake.now += 0.5  # the attempt itself took half a second
+        budgets.append(state.attempt_timeout())
         return "ok"
 
-    await call_with_retries(attempt, RetryPolicy(attempt_timeout_s=60), timeout_s=2)
-    assert 1.5 < budgets[0] <= 2
+    await call_with_retries(
+        attempt, RetryPolicy(attempt_timeout_s=60), timeout_s=2, clock=fake.clock, sleep=fake.sleep
+    )
+    assert budgets == [2.0, 1.5]
+
+
+async def test_the_real_clock_is_the_default() -> None:
+    async def attempt(state: RetryState) -> float:
+        return state.remaining()
+
+    remaining, _ = await call_with_retries(attempt, RetryPolicy(), timeout_s=30)
+    assert 0 < remaining <= 30

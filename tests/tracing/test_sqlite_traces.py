@@ -34,7 +34,7 @@ def test_traces_share_the_database_file_as_their_own_component(tmp_path: Path) -
     db = SQLiteDatabase(tmp_path / "keel.db")
     store = SQLiteTraceStore(db)
     store.setup()
-    assert db.schema_versions() == {"core": 1, "traces": 1}
+    assert db.schema_versions() == {"core": 1, "traces": 2}
     store.close()  # not its database: still usable
     assert db.connection().execute("SELECT count(*) FROM trace_runs").fetchone()[0] == 0
     db.close()

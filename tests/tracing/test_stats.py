@@ -8,14 +8,16 @@ from keel.tracing import StatsThresholds, StepMetric, percentile, session_stats
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def _metric(index: int, prompt: int, *, kind: str = "model", session: str = "s") -> StepMetric:
+def _metric(
+    index: int, prompt: int, *, kind: str = "model", session: str = "s", attempt: int = 1
+) -> StepMetric:
     return StepMetric(
         session_id=session,
         run_id=f"r{index // 5}",
         kind=kind,
         name=kind,
         started_at=T0 + timedelta(seconds=index),
-        attempt=1,
+        attempt=attempt,
         prompt_tokens=prompt,
         ttft_ms=None,
         failed=False,
@@ -32,12 +34,23 @@ def test_percentile_interpolates() -> None:
 def test_prompt_trend_needs_enough_calls_and_respects_thresholds() -> None:
     short = session_stats([_metric(0, 100), _metric(1, 900)], StatsThresholds())
     assert short[0].prompt_growth == 1.0 and not short[0].prompt_creeping
-    growing = [_metric(i, 1000 + 100 * i) for i in range(10)]
+    growing = [_metric(i, 1000 + 100 * i, attempt=2 if i == 8 else 1) for i in range(10)]
     (default,) = session_stats(growing, StatsThresholds())
     assert not default.prompt_creeping and 1.3 < default.prompt_growth < 1.5
     (strict,) = session_stats(growing, StatsThresholds(max_prompt_growth=1.2))
     assert strict.prompt_creeping and any("creeping" in w for w in strict.warnings)
     assert strict.prompt_tokens_slope == 100
+
+
+def test_a_window_filling_without_retries_is_not_creeping() -> None:
+    """Every fresh session grows its prompt from nothing to the window: not a death spiral."""
+    filling = [_metric(i, 300 + 400 * i) for i in range(12)]
+    (stats,) = session_stats(filling, StatsThresholds())
+    assert stats.prompt_growth > 2 and not stats.prompt_creeping and stats.warnings == ()
+    # The same growth with retries piling up in the later calls is.
+    failing = [_metric(i, 300 + 400 * i, attempt=2 if i >= 8 else 1) for i in range(12)]
+    (spiral,) = session_stats(failing, StatsThresholds(max_retry_rate=1.0))
+    assert spiral.prompt_creeping and any("while retries climb" in w for w in spiral.warnings)
 
 
 def test_sessions_are_separate_and_output_is_json_safe() -> None:

@@ -37,7 +37,7 @@ def _log_to_data_dir() -> None:
     from keel.settings import load_settings
 
     logger = logging.getLogger("keel")
-    if logger.handlers:
+    if any(not isinstance(handler, logging.NullHandler) for handler in logger.handlers):
         return
     handler: logging.Handler
     try:

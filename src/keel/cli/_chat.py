@@ -36,11 +36,11 @@ def _build(model_spec: str | None, memory: bool) -> tuple[Any, Any, Any]:
     traces.setup()
     long_term = None
     if memory:
-        from keel.memory import Memory, default_embedder
+        from keel.memory import Memory, embedder_from_settings
         from keel.stores import SQLiteMemoryStore
 
         long_term = Memory(
-            SQLiteMemoryStore(database), embedder=default_embedder(), background=True
+            SQLiteMemoryStore(database), embedder=embedder_from_settings(settings), background=True
         )
     agent = Agent(
         resolve_model(model_spec or settings.model, settings=settings),

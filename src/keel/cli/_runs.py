@@ -48,13 +48,15 @@ def _console() -> Console:
 def list_command(
     session: Annotated[str | None, typer.Option("--session", help="Only this session.")] = None,
     min_steps: Annotated[
-        int | None, typer.Option("--min-steps", min=0, help="Only runs with at least N steps.")
+        int | None,
+        typer.Option("--min-steps", min=0, help="Only runs with at least N steps (model calls)."),
     ] = None,
     status: Annotated[
         str | None,
         typer.Option(
             "--status",
-            help="Only runs with this status: running, succeeded, failed, limited, escalated.",
+            help="Only runs with this status: running, succeeded, failed, limited, escalated, "
+            "abandoned (still running when its worker died).",
         ),
     ] = None,
     tool_error: Annotated[
@@ -83,7 +85,7 @@ def list_command(
                 "tenant_id": tenant,
                 "agent": agent,
                 "status": status,
-                "min_steps": min_steps,
+                "min_model_calls": min_steps,
                 "tool_error": True if tool_error else None,
                 "since": parse_since(since) if since else None,
                 "limit": limit,
@@ -112,7 +114,10 @@ def list_command(
     table.add_column("status", no_wrap=True)
     table.add_column("started (UTC)", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)
+    # A run's steps are its model calls, as the reply counts them; the tool calls made in
+    # them are their own column (the trace also holds guard, checkpoint, ... records).
     table.add_column("steps", justify="right")
+    table.add_column("tools", justify="right")
     table.add_column("tokens in/out", justify="right")
     table.add_column("tool errors", justify="right")
     for run in runs:
@@ -124,7 +129,8 @@ def list_command(
             f"[{style}]{run.status}[/]",
             run.started_at.strftime("%Y-%m-%d %H:%M:%S"),
             format_ms(run.duration_ms),
-            str(run.step_count),
+            str(run.model_calls),
+            str(run.tool_calls),
             f"{run.prompt_tokens}/{run.completion_tokens}",
             str(run.tool_errors) if run.tool_errors else "",
         )
@@ -167,7 +173,7 @@ def _stats_table(stats: list[SessionStats]) -> Any:
     table.add_column("session")
     for column in ("runs", "calls", "retry rate", "avg prompt", "trend", "resets"):
         table.add_column(column, justify="right")
-    for column in ("ttft p50", "ttft p95", "loops"):
+    for column in ("ttft p50", "ttft p95", "loops", "abandoned"):
         table.add_column(column, justify="right")
     for item in stats:
         trend = f"x{item.prompt_growth:.2f} {item.prompt_tokens_slope:+.0f}/call"
@@ -182,6 +188,7 @@ def _stats_table(stats: list[SessionStats]) -> Any:
             format_ms(item.ttft_p50_ms),
             format_ms(item.ttft_p95_ms),
             str(item.loops_caught),
+            f"[red]{item.abandoned_runs}[/]" if item.abandoned_runs else "0",
         )
     return table
 
@@ -197,7 +204,9 @@ def stats_command(
     max_prompt_growth: Annotated[
         float,
         typer.Option(
-            "--max-prompt-growth", min=0, help="Warn when prompts grow more than this factor."
+            "--max-prompt-growth",
+            min=0,
+            help="Warn when prompts grow more than this factor while retries climb.",
         ),
     ] = 1.5,
     max_ttft_p95_ms: Annotated[

@@ -4,7 +4,16 @@ Over a sliding window of recent model calls, per session and per agent: the retr
 average prompt size and whether it keeps creeping up, state resets, and time to first token.
 Crossing a threshold logs a warning (``keel.guards`` logger) and shows in the snapshot, which
 the runtime and traces read. A logged warning rather than ``warnings.warn``: these are runtime
-conditions of a deployed system, not mistakes in the developer's code.
+conditions of a deployed system, not mistakes in the developer's code. keel installs no
+handler: the application's logging configuration decides where warnings go (``keel`` has a
+``NullHandler``, so nothing reaches stderr unless the application asks for it).
+
+What a death spiral looks like, and what it does not: every session's prompt grows while its
+window fills (each turn adds messages until the context engine starts trimming), so growth
+alone is the fill phase, never a warning. A spiral is growth that feeds failures: prompts
+growing *while retries climb* (more retries in the newer half of the window than in the older
+half: cut-off replies, corrections appended, each retry larger than the last), or, when the
+prompt limit is known, prompts pinned near the limit while retries climb.
 """
 
 from __future__ import annotations
@@ -34,7 +43,15 @@ class SpiralThresholds(BaseModel):
     max_prompt_growth: float = Field(
         default=1.5,
         gt=1,
-        description="Average prompt tokens of the newer half over the older half of the window.",
+        description="Average prompt tokens of the newer half over the older half of the window "
+        "past which growth counts, when retries climb with it.",
+    )
+    near_full: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="Share of the prompt limit from which the window counts as full (with a "
+        "known limit, prompts this full while retries climb are a spiral).",
     )
     max_state_resets: int = Field(
         default=2, ge=1, description="State reverts/resets within the window's time span."
@@ -56,6 +73,14 @@ class SpiralSnapshot(BaseModel):
     prompt_growth: float = Field(
         description="Average prompt tokens of the newer half over the older half (1.0 = flat)."
     )
+    prompt_fill: float | None = Field(
+        default=None,
+        description="Average prompt of the newer half over the prompt limit; None if unknown.",
+    )
+    retries_climbing: bool = Field(
+        default=False,
+        description="More retries in the newer half of the window than in the older half.",
+    )
     state_resets: int = Field(description="State resets recorded in the window.")
     avg_ttft_ms: float | None = Field(description="Average time to first token, if measured.")
     warnings: tuple[str, ...] = Field(description="Indicators past their thresholds.")
@@ -72,6 +97,7 @@ class _Call:
     prompt_tokens: int
     retry: bool
     ttft_ms: float | None
+    prompt_limit: int | None = None
 
 
 @dataclass
@@ -85,10 +111,18 @@ class SpiralMonitor:
     """Collects model-call facts and computes death-spiral indicators per session and agent.
 
     Thread-safe; one monitor is meant to be shared by every run of a process.
+
+    Args:
+        thresholds: where each indicator warns.
+        prompt_limit: tokens a prompt may take, if known for every call (``record_call`` may
+            give it per call instead); it lets a prompt pinned near the limit count.
     """
 
-    def __init__(self, thresholds: SpiralThresholds | None = None) -> None:
+    def __init__(
+        self, thresholds: SpiralThresholds | None = None, *, prompt_limit: int | None = None
+    ) -> None:
         self.thresholds = thresholds or SpiralThresholds()
+        self.prompt_limit = prompt_limit
         self._scopes: dict[str, _Scope] = {}
         self._lock = threading.Lock()
 
@@ -116,9 +150,15 @@ class SpiralMonitor:
         prompt_tokens: int = 0,
         retry: bool = False,
         ttft_ms: float | None = None,
+        prompt_limit: int | None = None,
     ) -> list[SpiralSnapshot]:
-        """Record one model call; returns the snapshots that newly crossed a threshold."""
-        call = _Call(time.monotonic(), prompt_tokens, retry, ttft_ms)
+        """Record one model call; returns the snapshots that newly crossed a threshold.
+
+        ``prompt_limit`` is the most tokens this call's prompt could take (the window minus
+        the answer reserve), if known; it defaults to the monitor's.
+        """
+        limit = prompt_limit if prompt_limit is not None else self.prompt_limit
+        call = _Call(time.monotonic(), prompt_tokens, retry, ttft_ms, limit)
         with self._lock:
             for name in self._names(session_id, agent):
                 self._scope(name).calls.append(call)
@@ -145,16 +185,18 @@ class SpiralMonitor:
         else:
             name = "all"
         with self._lock:
-            return self._compute(name, self._scope(name))
+            return self._compute(name, self._scope(name))[0]
 
     def _evaluate(self, session_id: str | None, agent: str | None) -> list[SpiralSnapshot]:
         crossed: list[SpiralSnapshot] = []
         with self._lock:
             for name in self._names(session_id, agent)[1:] or ["all"]:
                 scope = self._scope(name)
-                snap = self._compute(name, scope)
-                new = frozenset(snap.warnings) - scope.warned
-                scope.warned = frozenset(snap.warnings)
+                # Keyed by indicator, not by its text: a retry rate moving from 50% to 56% is
+                # the same crossing, logged once.
+                snap, keys = self._compute(name, scope)
+                new = keys - scope.warned
+                scope.warned = keys
                 if new:
                     crossed.append(snap)
         for snap in crossed:
@@ -163,7 +205,7 @@ class SpiralMonitor:
             )
         return crossed
 
-    def _compute(self, name: str, scope: _Scope) -> SpiralSnapshot:
+    def _compute(self, name: str, scope: _Scope) -> tuple[SpiralSnapshot, frozenset[str]]:
         limits = self.thresholds
         calls = list(scope.calls)
         count = len(calls)
@@ -171,6 +213,8 @@ class SpiralMonitor:
         prompts = [call.prompt_tokens for call in calls]
         avg_prompt = sum(prompts) / count if count else 0.0
         growth = 1.0
+        fill: float | None = None
+        climbing = False
         # Growth and retry rate need enough calls to mean anything; a single run's first steps
         # naturally grow the prompt.
         enough = count >= max(8, limits.window // 2)
@@ -179,26 +223,43 @@ class SpiralMonitor:
             older = sum(prompts[:half]) / half
             newer = sum(prompts[-half:]) / half
             growth = newer / older if older > 0 else 1.0
+            climbing = sum(c.retry for c in calls[-half:]) > sum(c.retry for c in calls[:half])
+            known = [c.prompt_limit for c in calls[-half:] if c.prompt_limit]
+            if known:
+                fill = newer / (sum(known) / len(known))
         since = calls[0].at if calls else time.monotonic()
         resets = sum(1 for at in scope.resets if at >= since) if calls else len(scope.resets)
         ttfts = [call.ttft_ms for call in calls if call.ttft_ms is not None]
         avg_ttft = sum(ttfts) / len(ttfts) if ttfts else None
-        warnings: list[str] = []
+        warnings: dict[str, str] = {}  # indicator -> its line
         if enough and retry_rate > limits.max_retry_rate:
-            warnings.append(f"retry rate {retry_rate:.0%} > {limits.max_retry_rate:.0%}")
-        if growth > limits.max_prompt_growth:
-            warnings.append(f"prompt tokens growing x{growth:.2f} > x{limits.max_prompt_growth:g}")
+            warnings["retries"] = f"retry rate {retry_rate:.0%} > {limits.max_retry_rate:.0%}"
+        # The window filling is not a spiral (module docstring): growth counts only together
+        # with climbing retries, and so does a prompt pinned near its limit.
+        if climbing and growth > limits.max_prompt_growth:
+            warnings["prompt"] = (
+                f"prompt tokens growing x{growth:.2f} > x{limits.max_prompt_growth:g} "
+                "while retries climb"
+            )
+        elif climbing and fill is not None and fill >= limits.near_full:
+            warnings["prompt"] = (
+                f"prompts at {fill:.0%} of their limit (>= {limits.near_full:.0%}) "
+                "while retries climb"
+            )
         if resets > limits.max_state_resets:
-            warnings.append(f"{resets} state resets > {limits.max_state_resets}")
+            warnings["resets"] = f"{resets} state resets > {limits.max_state_resets}"
         if avg_ttft is not None and avg_ttft > limits.max_ttft_ms:
-            warnings.append(f"time to first token {avg_ttft:.0f} ms > {limits.max_ttft_ms:g} ms")
-        return SpiralSnapshot(
+            warnings["ttft"] = f"time to first token {avg_ttft:.0f} ms > {limits.max_ttft_ms:g} ms"
+        snapshot = SpiralSnapshot(
             scope=name,
             calls=count,
             retry_rate=retry_rate,
             avg_prompt_tokens=avg_prompt,
             prompt_growth=growth,
+            prompt_fill=fill,
+            retries_climbing=climbing,
             state_resets=resets,
             avg_ttft_ms=avg_ttft,
-            warnings=tuple(warnings),
+            warnings=tuple(warnings.values()),
         )
+        return snapshot, frozenset(warnings)

@@ -21,7 +21,12 @@ from keel.memory._embedders import (
 )
 from keel.memory._judge import ModelJudge
 from keel.memory._memory import EmbeddingStatus, Memory, MemoryHit, ReplayExample
-from keel.memory._open import embedder_from_spec, open_memory, open_memory_store
+from keel.memory._open import (
+    embedder_from_settings,
+    embedder_from_spec,
+    open_memory,
+    open_memory_store,
+)
 from keel.memory._packing import PackedItem, PackedMemory, label_for
 from keel.memory._records import (
     MemoryFilter,
@@ -59,6 +64,7 @@ __all__ = [
     "ScoredId",
     "SentenceTransformerEmbedder",
     "default_embedder",
+    "embedder_from_settings",
     "embedder_from_spec",
     "keyword_terms",
     "label_for",

@@ -16,7 +16,7 @@ from keel.memory._memory import Memory
 from keel.memory._store import MemoryStore
 from keel.settings import Settings
 
-__all__ = ["embedder_from_spec", "open_memory", "open_memory_store"]
+__all__ = ["embedder_from_settings", "embedder_from_spec", "open_memory", "open_memory_store"]
 
 
 def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
@@ -39,6 +39,8 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
     if kind == "sentence-transformers":
         return SentenceTransformerEmbedder(rest or None)
     if kind == "hashing":
+        if rest and not rest.isdigit():
+            raise ConfigError(f"embedder spec {spec!r}: the dimension must be a number")
         return HashingEmbedder(int(rest or 256))
     if kind in {"openai", "openai-compatible"}:
         target, _, url = rest.partition("@")
@@ -62,6 +64,18 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
     )
 
 
+def embedder_from_settings(settings: Settings) -> Embedder:
+    """The embedder the settings name (``KEEL_EMBEDDER``): the one every part of keel uses.
+
+    ``Agent.embedded``, ``keel chat`` and ``keel memory reembed`` all resolve it here, so one
+    database never holds vectors of two models because one entry point ignored the setting.
+
+    Raises:
+        ConfigError: an unknown or incomplete spec.
+    """
+    return embedder_from_spec(settings.embedder, settings)
+
+
 def open_memory_store(settings: Settings, **options: Any) -> MemoryStore:
     """The memory store behind ``settings.database_url`` (SQLite file or PostgreSQL)."""
     from keel.stores import PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
@@ -79,6 +93,6 @@ def open_memory(settings: Settings, **options: Any) -> Memory:
     """A :class:`Memory` over the settings' database and embedder."""
     return Memory(
         open_memory_store(settings),
-        embedder=embedder_from_spec(settings.embedder, settings),
+        embedder=embedder_from_settings(settings),
         **options,
     )

@@ -90,10 +90,12 @@ class RetryState:
     deadline: float
     attempts: int = 0
     waits: list[float] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
+    """The clock ``deadline`` is on (monotonic seconds)."""
 
     def remaining(self) -> float:
         """Seconds left before the call's deadline."""
-        return self.deadline - time.monotonic()
+        return self.deadline - self.clock()
 
     def attempt_timeout(self) -> float:
         """The timeout for the next request: the per-attempt limit or what is left, if less."""
@@ -107,11 +109,14 @@ async def call_with_retries(
     timeout_s: float | None = None,
     model: str = "",
     rng: random.Random | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> tuple[T, RetryState]:
     """Run ``attempt`` until it succeeds, raises a non-retryable error or the budget ends.
 
     ``attempt`` raises :class:`RetryableModelError` for a failure that may be retried and any
-    :class:`ModelError` for one that may not.
+    :class:`ModelError` for one that may not. ``clock`` and ``sleep`` are the time it runs on
+    (tests pass a fake pair, so no bound depends on how busy the machine is).
 
     Returns:
         The attempt's result and the final state (attempt count, waits).
@@ -120,7 +125,7 @@ async def call_with_retries(
         ModelError: the last typed error, with ``attempts`` set to the requests made.
     """
     budget = timeout_s if timeout_s is not None else policy.max_total_s
-    state = RetryState(policy=policy, deadline=time.monotonic() + budget)
+    state = RetryState(policy=policy, deadline=clock() + budget, clock=clock)
     while True:
         state.attempts += 1
         try:
@@ -143,7 +148,7 @@ async def call_with_retries(
                 # Waiting would spend the whole budget: give up now, with the real cause.
                 raise error from retryable.error.__cause__
             state.waits.append(wait)
-            await asyncio.sleep(wait)
+            await sleep(wait)
         except ModelError as error:
             error.attempts = state.attempts
             raise

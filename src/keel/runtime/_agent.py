@@ -295,13 +295,13 @@ class Agent:
         self.name = name
         self.lease_ttl_s = lease_ttl_s
         self.session_wait_s = lease_ttl_s + 5.0 if session_wait_s is None else session_wait_s
-        self.monitor = SpiralMonitor()
         self._owners: dict[str, tuple[str, str]] = {}
         self.engine = ContextEngine(
             model,
             budget=context,
             memory_sink=_MemoryArchive(self) if memory is not None else None,
         )
+        self.monitor = SpiralMonitor(prompt_limit=self.engine.budget.limit)
         self._shrunk_engine: ContextEngine | None = None
         self._domain_tools = {t.name: t for t in tools}
         clash = set(self._domain_tools) & set(_WORKFLOW_TOOLS)
@@ -331,7 +331,7 @@ class Agent:
         ``options`` are passed to the constructor (``context=``, ``guards=``, ...). Close the
         agent with :meth:`aclose` (or ``close``) to flush memory and release the database.
         """
-        from keel.memory import Memory, default_embedder
+        from keel.memory import Memory, embedder_from_settings
         from keel.models import resolve_model
         from keel.settings import load_settings
         from keel.stores import (
@@ -360,7 +360,7 @@ class Agent:
         long_term = (
             Memory(
                 SQLiteMemoryStore(database),
-                embedder=default_embedder(),
+                embedder=embedder_from_settings(settings),
                 background=True,
                 masker=masker,
             )
@@ -376,7 +376,13 @@ class Agent:
             machine=machine,
             memory=long_term,
             journal=SQLiteToolJournal(database),
-            tracer=Tracer(traces, redact=redact, agent=options.get("name", "agent")),
+            tracer=Tracer(
+                traces,
+                redact=redact,
+                agent=options.get("name", "agent"),
+                # A run killed mid-turn reads as abandoned once silent past this limit.
+                run_time_limit_s=(options.get("guards") or GuardConfig()).run_timeout_s,
+            ),
             **options,
         )
         agent._owned.append(database.close)
@@ -638,6 +644,7 @@ class Agent:
             agent=self.name,
             input=user_message.content,
             attributes={"resumed": resume, "turn_id": turn_id},
+            time_limit_s=self.guards.run_timeout_s,
         )
         turn = _Turn(
             key=key,

@@ -565,9 +565,21 @@ class ToolLoop:
         run.errors.append(f"{type(error).__name__}: {error}")
         run.retrying = True
         run.last_failure = error
-        self.monitor.record_call(session_id=run.session_id, agent=self.agent, retry=True)
-        await self._finish_step(run, "retry", None, None, error=error)
-        return ("retry", None, Message.assistant(""))
+        # A reply cut off mid-way still cost tokens and said something: trace both.
+        raw = getattr(error, "raw", None)
+        partial = raw if isinstance(raw, Completion) else None
+        if partial is not None:
+            run.usage = run.usage + partial.usage
+        self.monitor.record_call(
+            session_id=run.session_id,
+            agent=self.agent,
+            retry=True,
+            prompt_tokens=partial.usage.prompt_tokens if partial is not None else 0,
+        )
+        await self._finish_step(
+            run, "retry", partial, partial.message if partial is not None else None, error=error
+        )
+        return ("retry", partial, Message.assistant(""))
 
     async def _run_calls(
         self,

@@ -3,24 +3,35 @@
 The same two tables as the SQLite backend, with native types: ``timestamptz`` times and
 ``jsonb`` JSON. The schema version is kept in ``keel_schema`` (component, version, applied_at),
 the same bookkeeping the embedded database uses; ``setup()`` takes a transaction-level advisory
-lock so concurrent workers migrate once.
+lock so concurrent workers migrate once. Abandoned runs are derived on read exactly as in the
+SQLite backend (a ``running`` run whose heartbeat is older than ``abandon_after_s`` of its time
+limit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import psycopg.errors
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from keel.errors import BackendUnavailableError, StoreError, UsageError
+from keel.errors import BackendUnavailableError, StorageFullError, StoreError, UsageError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
-from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepMetric
+from keel.tracing._models import (
+    ABANDON_SLACK_CAP_S,
+    DEFAULT_RUN_TIME_LIMIT_S,
+    Run,
+    RunQuery,
+    RunStatus,
+    Step,
+    StepMetric,
+)
 from keel.tracing._store import TraceStore
 
 __all__ = ["POSTGRES_TRACE_MIGRATIONS", "PostgresTraceStore"]
@@ -91,7 +102,25 @@ POSTGRES_TRACE_MIGRATIONS = MigrationSet(
             CREATE INDEX IF NOT EXISTS trace_steps_order ON trace_steps (run_id, seq);
             """,
         ),
+        Migration(
+            "run heartbeats and time limits (abandoned runs); model-call filter",
+            """
+            ALTER TABLE trace_runs ADD COLUMN IF NOT EXISTS heartbeat_at TIMESTAMPTZ;
+            ALTER TABLE trace_runs ADD COLUMN IF NOT EXISTS time_limit_s DOUBLE PRECISION;
+            UPDATE trace_runs SET heartbeat_at = COALESCE(ended_at, started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_model_calls ON trace_runs (model_calls);
+            """,
+        ),
     ),
+)
+
+# The status as read (the same rule as SQLite's): a run still 'running' with no sign of life
+# for longer than abandon_after_s(time_limit_s) is 'abandoned'. One parameter: now.
+_STATUS = (
+    "CASE WHEN status = 'running' AND COALESCE(heartbeat_at, started_at) + make_interval("
+    f"secs => COALESCE(time_limit_s, {DEFAULT_RUN_TIME_LIMIT_S!r}) + LEAST(COALESCE("
+    f"time_limit_s, {DEFAULT_RUN_TIME_LIMIT_S!r}), {ABANDON_SLACK_CAP_S!r})) < %s "
+    "THEN 'abandoned' ELSE status END"
 )
 
 _RUN_FIELDS = (
@@ -114,7 +143,9 @@ _RUN_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
     "attributes",
+    "time_limit_s",
 )
+_RUN_SELECT = ", ".join(_STATUS if name == "status" else name for name in _RUN_FIELDS)
 _STEP_FIELDS = tuple(Step.model_fields)
 _STEP_JSON = frozenset({"budget", "parsed_action", "attributes"})
 # A JSON null and SQL NULL differ in jsonb; parsed_action keeps None as SQL NULL.
@@ -147,6 +178,9 @@ def _step_values(step: Step) -> tuple[Any, ...]:
 
 def _translate(exc: psycopg.Error, url: str) -> StoreError:
     where = url.split("@")[-1]
+    if isinstance(exc, psycopg.errors.DiskFull):
+        # SQLSTATE 53100: the server is up, its disk is full (an OperationalError to psycopg).
+        return StorageFullError(f"PostgreSQL at {where} is out of space: {exc}")
     if isinstance(exc, psycopg.OperationalError):
         return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}")
     return StoreError(f"PostgreSQL at {where}: {exc}")
@@ -219,15 +253,17 @@ class PostgresTraceStore(TraceStore):
         with self._tx() as conn:
             conn.execute(
                 "INSERT INTO trace_runs (run_id, session_id, user_id, tenant_id, agent, status, "
-                "started_at, ended_at, input, output, error_type, error_message, attributes) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "started_at, ended_at, input, output, error_type, error_message, attributes, "
+                "time_limit_s, heartbeat_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
                 "ON CONFLICT (run_id) DO UPDATE SET session_id = excluded.session_id, "
                 "user_id = excluded.user_id, tenant_id = excluded.tenant_id, "
                 "agent = excluded.agent, status = excluded.status, "
                 "started_at = excluded.started_at, ended_at = excluded.ended_at, "
                 "input = excluded.input, output = excluded.output, "
                 "error_type = excluded.error_type, error_message = excluded.error_message, "
-                "attributes = excluded.attributes",
+                "attributes = excluded.attributes, time_limit_s = excluded.time_limit_s, "
+                "heartbeat_at = excluded.heartbeat_at",
                 (
                     run.run_id,
                     run.session_id,
@@ -242,6 +278,8 @@ class PostgresTraceStore(TraceStore):
                     run.error_type,
                     run.error_message,
                     Jsonb(run.attributes),
+                    run.time_limit_s,
+                    datetime.now(UTC),
                 ),
             )
 
@@ -270,8 +308,9 @@ class PostgresTraceStore(TraceStore):
                 "UPDATE trace_runs SET step_count = step_count + %s, "
                 "model_calls = model_calls + %s, tool_calls = tool_calls + %s, "
                 "tool_errors = tool_errors + %s, prompt_tokens = prompt_tokens + %s, "
-                "completion_tokens = completion_tokens + %s WHERE run_id = %s",
-                (*delta, step.run_id),
+                "completion_tokens = completion_tokens + %s, "
+                "heartbeat_at = GREATEST(heartbeat_at, %s) WHERE run_id = %s",
+                (*delta, datetime.now(UTC), step.run_id),
             )
 
     def end_run(
@@ -300,7 +339,8 @@ class PostgresTraceStore(TraceStore):
         self._ensure()
         with self._tx() as conn:
             row = conn.execute(
-                f"SELECT {', '.join(_RUN_FIELDS)} FROM trace_runs WHERE run_id = %s", (run_id,)
+                f"SELECT {_RUN_SELECT} FROM trace_runs WHERE run_id = %s".encode(),
+                (datetime.now(UTC), run_id),
             ).fetchone()
         return None if row is None else Run.model_validate(dict(zip(_RUN_FIELDS, row, strict=True)))
 
@@ -319,16 +359,23 @@ class PostgresTraceStore(TraceStore):
         """Runs matching ``query``, newest first."""
         self._ensure()
         query = query or RunQuery()
+        now = datetime.now(UTC)
         where: list[str] = []
-        params: list[Any] = []
-        for column in ("session_id", "user_id", "tenant_id", "agent", "status"):
+        params: list[Any] = [now]
+        for column in ("session_id", "user_id", "tenant_id", "agent"):
             value = getattr(query, column)
             if value is not None:
                 where.append(f"{column} = %s")
                 params.append(value)
+        if query.status is not None:
+            where.append(f"({_STATUS}) = %s")
+            params.extend((now, query.status))
         if query.min_steps is not None:
             where.append("step_count >= %s")
             params.append(query.min_steps)
+        if query.min_model_calls is not None:
+            where.append("model_calls >= %s")
+            params.append(query.min_model_calls)
         if query.tool_error is True:
             where.append("tool_errors > 0")
         elif query.tool_error is False:
@@ -339,7 +386,7 @@ class PostgresTraceStore(TraceStore):
         if query.until is not None:
             where.append("started_at < %s")
             params.append(query.until)
-        sql = f"SELECT {', '.join(_RUN_FIELDS)} FROM trace_runs"
+        sql = f"SELECT {_RUN_SELECT} FROM trace_runs"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY started_at DESC, run_id DESC LIMIT %s"

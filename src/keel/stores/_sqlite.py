@@ -2,11 +2,19 @@
 
 One file, WAL mode (readers never block the writer), a busy timeout instead of instant
 "database is locked" failures, foreign keys on, and ordered per-component migrations applied
-idempotently by ``setup()``. sqlite3 errors are translated into keel's ``StoreError`` family.
+idempotently by ``setup()``. sqlite3 errors are translated into keel's ``StoreError`` family by
+their SQLite result code (``SQLITE_FULL`` -> ``StorageFullError``, ...), never by guesswork on
+the message alone, and a failed rollback never hides the error that caused it.
+
+The file is identified by its device and inode when first opened; a file deleted or replaced
+while open (reads would go on to the unlinked file, new connections would create an empty one)
+raises ``DatabaseFileError`` before the next read or write. The check is one ``stat`` call.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
 import threading
 import time
@@ -16,14 +24,30 @@ from pathlib import Path
 
 from keel.errors import (
     DatabaseCorruptError,
+    DatabaseFileError,
     DatabaseLockedError,
+    DatabaseReadOnlyError,
     DataDirectoryError,
     SchemaVersionError,
+    StorageFullError,
     StoreError,
 )
 from keel.stores._migrations import Migration, MigrationSet
 
 __all__ = ["CORE_MIGRATIONS", "SQLiteDatabase", "translate_sqlite_error"]
+
+logger = logging.getLogger("keel.stores")
+
+# Primary SQLite result codes (https://sqlite.org/rescode.html); extended codes keep them in
+# their low byte.
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+_SQLITE_READONLY = 8
+_SQLITE_IOERR = 10
+_SQLITE_CORRUPT = 11
+_SQLITE_FULL = 13
+_SQLITE_CANTOPEN = 14
+_SQLITE_NOTADB = 26
 
 CORE_MIGRATIONS = MigrationSet(
     "core",
@@ -42,13 +66,34 @@ CORE_MIGRATIONS = MigrationSet(
 
 
 def translate_sqlite_error(exc: sqlite3.Error, path: str) -> StoreError:
-    """The keel error for a sqlite3 error (raise it ``from exc``)."""
+    """The keel error for a sqlite3 error (raise it ``from exc``).
+
+    The SQLite result code decides when the driver reports one; the message is the fallback
+    for errors raised without one.
+    """
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
     text = str(exc).lower()
-    if "locked" in text or "busy" in text:
+    if primary == _SQLITE_FULL or (primary is None and "is full" in text):
+        return StorageFullError(
+            f"database {path}: the disk or the database's size limit is full; nothing of "
+            f"this write was kept (free space, then retry): {exc}"
+        )
+    if primary in (_SQLITE_BUSY, _SQLITE_LOCKED) or (
+        primary is None and ("locked" in text or "busy" in text)
+    ):
         return DatabaseLockedError(f"database {path} is locked by another writer: {exc}")
-    if "not a database" in text or "malformed" in text or "corrupt" in text:
+    if primary in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or (
+        primary is None and ("not a database" in text or "malformed" in text or "corrupt" in text)
+    ):
         return DatabaseCorruptError(f"database {path} is corrupt or not a SQLite database: {exc}")
-    if "readonly" in text or "unable to open" in text or "disk i/o" in text:
+    if primary == _SQLITE_READONLY or (primary is None and "readonly" in text):
+        return DatabaseReadOnlyError(
+            f"database {path} is read-only (the file or its file system cannot be written): {exc}"
+        )
+    if primary in (_SQLITE_IOERR, _SQLITE_CANTOPEN) or (
+        primary is None and ("unable to open" in text or "disk i/o" in text)
+    ):
         return DataDirectoryError(f"cannot write database {path}: {exc}")
     return StoreError(f"database {path}: {exc}")
 
@@ -72,6 +117,8 @@ class SQLiteDatabase:
         self._write_lock = threading.RLock()
         self._connections: list[sqlite3.Connection] = []
         self._closed = False
+        # (st_dev, st_ino) of the file when it was first opened; None until then.
+        self._identity: tuple[int, int] | None = None
 
     @property
     def is_memory(self) -> bool:
@@ -91,6 +138,28 @@ class SQLiteDatabase:
         if not _writable(directory):
             raise DataDirectoryError(f"data directory {directory} is not writable")
 
+    def _file_identity(self) -> tuple[int, int] | None:
+        try:
+            found = Path(self.path).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise DataDirectoryError(f"cannot read database {self.path}: {exc.strerror}") from exc
+        return found.st_dev, found.st_ino
+
+    def check_file(self) -> None:
+        """Raise DatabaseFileError if the file was deleted or replaced since it was opened."""
+        if self._identity is None:
+            return
+        now = self._file_identity()
+        if now == self._identity:
+            return
+        what = "deleted" if now is None else "replaced by another file"
+        raise DatabaseFileError(
+            f"database {self.path} was {what} while open; nothing more is read from or "
+            "written to it: restore the file (or start afresh) and reopen the database"
+        )
+
     def connection(self) -> sqlite3.Connection:
         """This thread's connection, opened and configured on first use."""
         if self._closed:
@@ -98,6 +167,8 @@ class SQLiteDatabase:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
             return conn
+        # A new connection to a deleted file would silently create an empty database.
+        self.check_file()
         self._prepare_directory()
         try:
             conn = sqlite3.connect(
@@ -114,15 +185,58 @@ class SQLiteDatabase:
                     raise StoreError(f"database {self.path}: cannot enable WAL (got {mode})")
                 conn.execute("PRAGMA synchronous = NORMAL")
         except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()
             raise translate_sqlite_error(exc, self.path) from exc
+        if not self.is_memory and self._identity is None:
+            self._identity = self._file_identity()
         self._local.conn = conn
         with self._lock:
             self._connections.append(conn)
         return conn
 
+    def _discard(self, conn: sqlite3.Connection) -> None:
+        """Forget this thread's connection (it is unusable); the next use opens a new one."""
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+        try:
+            conn.close()
+        except sqlite3.Error:
+            logger.debug("closing a broken connection to %s failed", self.path, exc_info=True)
+
+    def _rollback(self, conn: sqlite3.Connection, cause: BaseException) -> None:
+        """Roll back what is open without ever replacing ``cause`` with a rollback error.
+
+        SQLite rolls a transaction back by itself on some errors (SQLITE_FULL, SQLITE_IOERR,
+        SQLITE_NOMEM, ...): a second ROLLBACK would fail with "no transaction is active" and
+        hide the real error. A rollback that fails leaves the connection unusable, so it is
+        discarded.
+        """
+        if not conn.in_transaction:
+            return
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            logger.warning(
+                "rollback on %s failed after %s: %s; the connection is discarded",
+                self.path,
+                type(cause).__name__,
+                exc,
+            )
+            cause.add_note(f"(the rollback that followed failed too: {exc})")
+            self._discard(conn)
+
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """A write transaction: committed on success, rolled back on any exception."""
+        """A write transaction: committed on success, rolled back on any exception.
+
+        sqlite3 errors, raised by the body or by COMMIT, leave as keel's ``StoreError``
+        family with the original on ``__cause__``.
+        """
+        self.check_file()
         conn = self.connection()
         with self._write_lock:
             try:
@@ -131,18 +245,39 @@ class SQLiteDatabase:
                 raise translate_sqlite_error(exc, self.path) from exc
             try:
                 yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
+            except sqlite3.Error as exc:
+                self._rollback(conn, exc)
+                raise translate_sqlite_error(exc, self.path) from exc
+            except BaseException as exc:
+                self._rollback(conn, exc)
                 raise
             try:
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
-                conn.execute("ROLLBACK")
+                self._rollback(conn, exc)
                 raise translate_sqlite_error(exc, self.path) from exc
+
+    @contextmanager
+    def snapshot(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: every read inside sees one consistent version of the file.
+
+        Errors are translated like ``translated()``'s; the transaction is ended without ever
+        replacing the error that ended it.
+        """
+        with self.translated() as conn:
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            except BaseException as exc:
+                self._rollback(conn, exc)
+                raise
+            if conn.in_transaction:
+                conn.execute("COMMIT")
 
     @contextmanager
     def translated(self) -> Iterator[sqlite3.Connection]:
         """This thread's connection, with sqlite3 errors translated to keel's."""
+        self.check_file()
         try:
             yield self.connection()
         except sqlite3.Error as exc:
@@ -250,6 +385,5 @@ def _statements(script: str) -> list[str]:
 
 
 def _writable(directory: Path) -> bool:
-    import os
 
     return os.access(directory, os.W_OK | os.X_OK)

@@ -99,12 +99,8 @@ class SQLiteStateBackend(StateBackend):
 
     @contextmanager
     def _snapshot(self) -> Iterator[sqlite3.Connection]:
-        with self.db.translated() as conn:
-            conn.execute("BEGIN")
-            try:
-                yield conn
-            finally:
-                conn.execute("COMMIT")
+        with self.db.snapshot() as conn:
+            yield conn
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

@@ -4,6 +4,10 @@ Two tables share the file with every other embedded store: ``trace_runs`` (one r
 with running totals so listing and filtering never scans steps) and ``trace_steps`` (one row per
 step, keyed by run and step id, ordered by ``seq``). Timestamps are exact integer Unix
 microseconds; JSON fields are TEXT. Indexes serve each ``keel runs list`` filter.
+
+A run's ``heartbeat_at`` is refreshed by every write of the run (start, resume, each step);
+reads report a ``running`` run whose heartbeat is older than ``abandon_after_s`` of its time
+limit as ``abandoned`` (``keel.tracing.RunStatus``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,15 @@ from typing import Any
 from keel.errors import StoreError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
-from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepMetric
+from keel.tracing._models import (
+    ABANDON_SLACK_CAP_S,
+    DEFAULT_RUN_TIME_LIMIT_S,
+    Run,
+    RunQuery,
+    RunStatus,
+    Step,
+    StepMetric,
+)
 from keel.tracing._store import TraceStore
 
 __all__ = ["TRACE_MIGRATIONS", "SQLiteTraceStore"]
@@ -88,13 +100,30 @@ TRACE_MIGRATIONS = MigrationSet(
             CREATE INDEX IF NOT EXISTS trace_steps_order ON trace_steps (run_id, seq);
             """,
         ),
+        Migration(
+            "run heartbeats and time limits (abandoned runs); model-call filter",
+            """
+            ALTER TABLE trace_runs ADD COLUMN heartbeat_at INTEGER;
+            ALTER TABLE trace_runs ADD COLUMN time_limit_s REAL;
+            UPDATE trace_runs SET heartbeat_at = COALESCE(ended_at, started_at);
+            CREATE INDEX IF NOT EXISTS trace_runs_model_calls ON trace_runs (model_calls);
+            """,
+        ),
     ),
 )
 
+# The status as read: a run still 'running' with no sign of life for longer than
+# abandon_after_s(time_limit_s) is 'abandoned' (its worker died). One parameter: now, in us.
+_STATUS = (
+    "CASE WHEN status = 'running' AND COALESCE(heartbeat_at, started_at) + CAST(1000000 * ("
+    f"COALESCE(time_limit_s, {DEFAULT_RUN_TIME_LIMIT_S!r}) + MIN(COALESCE(time_limit_s, "
+    f"{DEFAULT_RUN_TIME_LIMIT_S!r}), {ABANDON_SLACK_CAP_S!r})) AS INTEGER) < ? "
+    "THEN 'abandoned' ELSE status END"
+)
 _RUN_COLUMNS = (
-    "run_id, session_id, user_id, tenant_id, agent, status, started_at, ended_at, input, "
+    f"run_id, session_id, user_id, tenant_id, agent, {_STATUS}, started_at, ended_at, input, "
     "output, error_type, error_message, step_count, model_calls, tool_calls, tool_errors, "
-    "prompt_tokens, completion_tokens, attributes"
+    "prompt_tokens, completion_tokens, attributes, time_limit_s"
 )
 _STEP_FIELDS = (
     "run_id",
@@ -174,6 +203,7 @@ def _run_from_row(row: sqlite3.Row | tuple[Any, ...]) -> Run:
         prompt_tokens,
         completion_tokens,
         attributes,
+        time_limit_s,
     ) = row
     return Run(
         run_id=run_id,
@@ -195,7 +225,12 @@ def _run_from_row(row: sqlite3.Row | tuple[Any, ...]) -> Run:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         attributes=json.loads(attributes),
+        time_limit_s=time_limit_s,
     )
+
+
+def _now_us() -> int:
+    return (datetime.now(UTC) - _EPOCH) // _MICROSECOND
 
 
 def _step_from_row(row: tuple[Any, ...]) -> Step:
@@ -269,14 +304,16 @@ class SQLiteTraceStore(TraceStore):
                 conn.execute(
                     "INSERT INTO trace_runs (run_id, session_id, user_id, tenant_id, agent, "
                     "status, started_at, ended_at, input, output, error_type, error_message, "
-                    "attributes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "attributes, time_limit_s, heartbeat_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT (run_id) DO UPDATE SET session_id = excluded.session_id, "
                     "user_id = excluded.user_id, tenant_id = excluded.tenant_id, "
                     "agent = excluded.agent, status = excluded.status, "
                     "started_at = excluded.started_at, ended_at = excluded.ended_at, "
                     "input = excluded.input, output = excluded.output, "
                     "error_type = excluded.error_type, error_message = excluded.error_message, "
-                    "attributes = excluded.attributes",
+                    "attributes = excluded.attributes, time_limit_s = excluded.time_limit_s, "
+                    "heartbeat_at = excluded.heartbeat_at",
                     (
                         run.run_id,
                         run.session_id,
@@ -291,6 +328,8 @@ class SQLiteTraceStore(TraceStore):
                         run.error_type,
                         run.error_message,
                         json.dumps(run.attributes, ensure_ascii=False),
+                        run.time_limit_s,
+                        _now_us(),
                     ),
                 )
             except sqlite3.Error as exc:
@@ -321,8 +360,9 @@ class SQLiteTraceStore(TraceStore):
                     "UPDATE trace_runs SET step_count = step_count + ?, "
                     "model_calls = model_calls + ?, tool_calls = tool_calls + ?, "
                     "tool_errors = tool_errors + ?, prompt_tokens = prompt_tokens + ?, "
-                    "completion_tokens = completion_tokens + ? WHERE run_id = ?",
-                    (*delta, step.run_id),
+                    "completion_tokens = completion_tokens + ?, "
+                    "heartbeat_at = MAX(COALESCE(heartbeat_at, 0), ?) WHERE run_id = ?",
+                    (*delta, _now_us(), step.run_id),
                 )
             except sqlite3.Error as exc:
                 raise translate_sqlite_error(exc, self.db.path) from exc
@@ -356,7 +396,7 @@ class SQLiteTraceStore(TraceStore):
         self._ensure()
         with self.db.translated() as conn:
             row = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM trace_runs WHERE run_id = ?", (run_id,)
+                f"SELECT {_RUN_COLUMNS} FROM trace_runs WHERE run_id = ?", (_now_us(), run_id)
             ).fetchone()
         return None if row is None else _run_from_row(row)
 
@@ -375,16 +415,23 @@ class SQLiteTraceStore(TraceStore):
         """Runs matching ``query``, newest first."""
         self._ensure()
         query = query or RunQuery()
+        now = _now_us()
         where: list[str] = []
-        params: list[Any] = []
-        for column in ("session_id", "user_id", "tenant_id", "agent", "status"):
+        params: list[Any] = [now]
+        for column in ("session_id", "user_id", "tenant_id", "agent"):
             value = getattr(query, column)
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
+        if query.status is not None:
+            where.append(f"({_STATUS}) = ?")
+            params.extend((now, query.status))
         if query.min_steps is not None:
             where.append("step_count >= ?")
             params.append(query.min_steps)
+        if query.min_model_calls is not None:
+            where.append("model_calls >= ?")
+            params.append(query.min_model_calls)
         if query.tool_error is True:
             where.append("tool_errors > 0")
         elif query.tool_error is False:

@@ -14,6 +14,7 @@ pytest fixture named ``trace_store`` that yields a fresh, empty store (``setup()
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -224,6 +225,54 @@ class TraceStoreConformance:
         assert ids(limit=1) == ["other"]
         assert ids(session_id="nobody") == []
 
+    def test_min_model_calls_counts_model_steps_only(self, trace_store: TraceStore) -> None:
+        self._fill(trace_store)
+
+        def ids(**filters: Any) -> list[str]:
+            return [run.run_id for run in trace_store.list_runs(RunQuery(**filters))]
+
+        assert ids(min_model_calls=6) == ["long"]  # 6 model + 6 tool steps
+        assert ids(min_model_calls=7) == []
+        assert ids(min_model_calls=1) == ["other", "broken", "long"]
+
+    def test_a_run_silent_past_its_time_limit_reads_as_abandoned(
+        self, trace_store: TraceStore
+    ) -> None:
+        # abandon_after_s(0.5) is 1 s: a run still "running" that long after its last write
+        # cannot be alive (a run ends within its time limit); its worker died.
+        trace_store.start_run(_run("dead", minutes=1, time_limit_s=0.5))
+        trace_store.start_run(_run("alive", minutes=2, time_limit_s=600))
+        trace_store.start_run(_run("done", minutes=3, time_limit_s=0.5))
+        trace_store.end_run("done", status="succeeded", ended_at=T0 + timedelta(minutes=4))
+        time.sleep(1.3)
+
+        def status(run_id: str) -> str:
+            run = trace_store.get_run(run_id)
+            assert run is not None
+            return run.status
+
+        assert (status("dead"), status("alive"), status("done")) == (
+            "abandoned",
+            "running",
+            "succeeded",
+        )
+        listed = {run.run_id: run.status for run in trace_store.list_runs()}
+        assert listed == {"dead": "abandoned", "alive": "running", "done": "succeeded"}
+        assert [r.run_id for r in trace_store.list_runs(RunQuery(status="abandoned"))] == ["dead"]
+        assert [r.run_id for r in trace_store.list_runs(RunQuery(status="running"))] == ["alive"]
+        detail = trace_store.get_run_detail("dead")
+        assert detail is not None and detail.run.status == "abandoned"
+        (stats,) = trace_store.session_stats()  # no steps yet, yet the session is reported
+        assert stats.abandoned_runs == 1 and any("abandoned" in w for w in stats.warnings)
+        # A sign of life (a step written, or the run resumed) makes it running again.
+        trace_store.write_step(_step("dead", 0))
+        assert status("dead") == "running"
+        time.sleep(1.3)
+        assert status("dead") == "abandoned"
+        resumed = Tracer(trace_store).resume_run("dead")
+        assert resumed is not None and status("dead") == "running"
+        assert trace_store.get_run("dead").time_limit_s == 0.5  # type: ignore[union-attr]
+
     def test_tenants_never_see_each_other(self, trace_store: TraceStore) -> None:
         self._fill(trace_store)
         assert {r.tenant_id for r in trace_store.list_runs(RunQuery(tenant_id="t2"))} == {"t2"}
@@ -242,7 +291,7 @@ class TraceStoreConformance:
                     "model",
                     prompt_tokens=prompt,
                     ttft_ms=100.0 * (index + 1),
-                    attempt=2 if index in (3, 6) else 1,
+                    attempt=2 if index in (5, 6) else 1,  # retries climbing
                 )
             )
             seq += 1

@@ -21,7 +21,9 @@ The runtime records through a :class:`Tracer`::
 Steps opened inside a ``with run.step(...)`` block get it as their parent (per task, through a
 context variable); ``parent=`` overrides. ``run.record(...)`` writes an event that already
 happened; ``run.guard``, ``run.loop_caught`` and ``run.state_reset`` record the guard events the
-death-spiral indicators count. After a crash, ``tracer.resume_run(run_id)`` continues a run.
+death-spiral indicators count. After a crash, ``tracer.resume_run(run_id)`` continues a run; a
+run whose worker died and that nobody resumes reads as ``abandoned`` once it has been silent for
+longer than its time limit allows (:func:`abandon_after_s`).
 
 Every text field, and every string inside JSON fields, passes through ``redact`` (default
 :func:`redact_pii`: every PII kind :class:`~keel.privacy.PIIMasker` masks, and credentials)
@@ -37,6 +39,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from keel.tracing._models import (
+    ABANDON_SLACK_CAP_S,
+    DEFAULT_RUN_TIME_LIMIT_S,
     RUN_STATUSES,
     STEP_KINDS,
     Run,
@@ -49,6 +53,7 @@ from keel.tracing._models import (
     StepKind,
     StepMetric,
     StepNode,
+    abandon_after_s,
 )
 from keel.tracing._open import open_trace_store
 from keel.tracing._otel import OpenTelemetryExporter, export_run
@@ -71,6 +76,8 @@ if TYPE_CHECKING:
     from keel.stores._sqlite_traces import SQLiteTraceStore
 
 __all__ = [
+    "ABANDON_SLACK_CAP_S",
+    "DEFAULT_RUN_TIME_LIMIT_S",
     "LOOP_GUARD_NAME",
     "RUN_STATUSES",
     "STEP_KINDS",
@@ -94,6 +101,7 @@ __all__ = [
     "TraceExporter",
     "TraceStore",
     "Tracer",
+    "abandon_after_s",
     "export_run",
     "open_trace_store",
     "parse_since",

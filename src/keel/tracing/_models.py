@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 __all__ = [
+    "ABANDON_SLACK_CAP_S",
+    "DEFAULT_RUN_TIME_LIMIT_S",
     "RUN_STATUSES",
     "STEP_KINDS",
     "Run",
@@ -25,14 +27,48 @@ __all__ = [
     "StepKind",
     "StepMetric",
     "StepNode",
+    "abandon_after_s",
 ]
 
-RunStatus = Literal["running", "succeeded", "failed", "limited", "escalated"]
+RunStatus = Literal["running", "succeeded", "failed", "limited", "escalated", "abandoned"]
 """How a run ended: ``running`` until it ends; ``limited`` when a step or time limit stopped it;
-``escalated`` when a guard handed it to a human or the caller (loop, tool in doubt)."""
+``escalated`` when a guard handed it to a human or the caller (loop, tool in doubt);
+``abandoned`` when it never ended: its worker died (SIGKILL, power loss) mid-run.
 
-RUN_STATUSES: tuple[RunStatus, ...] = ("running", "succeeded", "failed", "limited", "escalated")
+``abandoned`` is never written; stores derive it when they read a run: a run still ``running``
+whose last sign of life (its start, or its latest step written) is older than
+:func:`abandon_after_s` of its time limit cannot be alive, since a run ends within its time
+limit. A resumed run (``Tracer.resume_run``) is ``running`` again."""
+
+RUN_STATUSES: tuple[RunStatus, ...] = (
+    "running",
+    "succeeded",
+    "failed",
+    "limited",
+    "escalated",
+    "abandoned",
+)
 """Every run status, in lifecycle order."""
+
+DEFAULT_RUN_TIME_LIMIT_S = 300.0
+"""The time limit assumed for a run that recorded none (``GuardConfig.run_timeout_s``'s
+default)."""
+
+
+ABANDON_SLACK_CAP_S = 30.0
+"""The most slack :func:`abandon_after_s` adds to a run's time limit."""
+
+
+def abandon_after_s(time_limit_s: float | None) -> float:
+    """Seconds without a sign of life after which a ``running`` run counts as abandoned.
+
+    The run's time limit (or :data:`DEFAULT_RUN_TIME_LIMIT_S`) plus as much again, at most
+    :data:`ABANDON_SLACK_CAP_S` more: slack for the last writes and for the clocks of
+    different workers. Both trace stores compute the same bound in SQL.
+    """
+    limit = DEFAULT_RUN_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    return limit + min(limit, ABANDON_SLACK_CAP_S)
+
 
 StepKind = Literal[
     "model", "tool", "transition", "reset", "guard", "checkpoint", "memory", "context", "other"
@@ -86,14 +122,30 @@ class Run(BaseModel):
     output: str | None = Field(default=None, description="The reply to the user (redacted).")
     error_type: str | None = Field(default=None, description="Exception class that ended it.")
     error_message: str | None = Field(default=None, description="That exception's message.")
-    step_count: int = Field(default=0, ge=0, description="Steps recorded in the run.")
-    model_calls: int = Field(default=0, ge=0, description="Steps of kind ``model``.")
+    step_count: int = Field(
+        default=0,
+        ge=0,
+        description="Trace steps recorded in the run, of every kind (model calls, tool calls, "
+        "guards, checkpoints, ...); ``model_calls`` is what a reply calls its steps.",
+    )
+    model_calls: int = Field(
+        default=0,
+        ge=0,
+        description="Steps of kind ``model``: the run's steps in the runtime's sense (one per "
+        "model call, as ``AgentReply.steps`` counts them).",
+    )
     tool_calls: int = Field(default=0, ge=0, description="Steps of kind ``tool``.")
     tool_errors: int = Field(default=0, ge=0, description="Tool steps that recorded an error.")
     prompt_tokens: int = Field(default=0, ge=0, description="Prompt tokens over all steps.")
     completion_tokens: int = Field(default=0, ge=0, description="Completion tokens, all steps.")
     attributes: dict[str, Any] = Field(
         default_factory=dict, description="Free JSON attributes (redacted)."
+    )
+    time_limit_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="The run's wall-clock limit, if known; a ``running`` run silent for longer "
+        "(see :func:`abandon_after_s`) is reported ``abandoned``.",
     )
 
     @property
@@ -209,7 +261,14 @@ class RunQuery(BaseModel):
     tenant_id: str | None = Field(default=None, description="Only runs of this tenant.")
     agent: str | None = Field(default=None, description="Only runs of this agent.")
     status: RunStatus | None = Field(default=None, description="Only runs with this status.")
-    min_steps: int | None = Field(default=None, ge=0, description="Only runs with >= N steps.")
+    min_steps: int | None = Field(
+        default=None, ge=0, description="Only runs with >= N trace steps (of every kind)."
+    )
+    min_model_calls: int | None = Field(
+        default=None,
+        ge=0,
+        description="Only runs with >= N model calls (the steps a reply counts).",
+    )
     tool_error: bool | None = Field(
         default=None,
         description="True: only runs with a failed tool call; False: only runs without one.",
@@ -258,13 +317,17 @@ class StatsThresholds(BaseModel):
         default=1.5,
         gt=0,
         description="Warn when the average prompt of the later half of the model calls is "
-        "more than this many times that of the earlier half (context creeping up).",
+        "more than this many times that of the earlier half (context creeping up) while "
+        "retries climb; growth alone is the window filling, not a spiral.",
     )
     max_state_resets: int = Field(default=0, ge=0, description="Warn above this many resets.")
     max_ttft_p95_ms: float = Field(
         default=5000.0, gt=0, description="Warn when the p95 time to first token exceeds this."
     )
     max_loops: int = Field(default=0, ge=0, description="Warn above this many loops caught.")
+    max_abandoned_runs: int = Field(
+        default=0, ge=0, description="Warn above this many abandoned runs (workers killed)."
+    )
     min_calls_for_trend: int = Field(
         default=4, ge=2, description="Model calls needed before the prompt trend is judged."
     )
@@ -276,7 +339,10 @@ class SessionStats(BaseModel):
     model_config = _MODEL
 
     session_id: str = Field(description="The session.")
-    runs: int = Field(description="Runs in the window.")
+    runs: int = Field(description="Runs in the window (with steps).")
+    abandoned_runs: int = Field(
+        default=0, description="Runs still 'running' long after their time limit: abandoned."
+    )
     steps: int = Field(description="Steps in the window.")
     model_calls: int = Field(description="Model-call steps.")
     tool_calls: int = Field(description="Tool-call steps.")
@@ -290,7 +356,10 @@ class SessionStats(BaseModel):
     prompt_growth: float = Field(
         description="Average prompt of the later half of calls over the earlier half (1 = flat)."
     )
-    prompt_creeping: bool = Field(description="True when prompt_growth is over its threshold.")
+    prompt_creeping: bool = Field(
+        description="True when prompt_growth is over its threshold while retries climb (more "
+        "retried or failed model calls in the later half than in the earlier half)."
+    )
     state_resets: int = Field(description="State-machine resets (steps of kind ``reset``).")
     ttft_p50_ms: float | None = Field(description="Median time to first token; None if unknown.")
     ttft_p95_ms: float | None = Field(description="95th percentile time to first token.")

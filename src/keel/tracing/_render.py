@@ -20,6 +20,7 @@ STATUS_STYLE = {
     "failed": "red",
     "limited": "yellow",
     "escalated": "magenta",
+    "abandoned": "red",
 }
 """The rich style of each run status."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from keel.tracing._models import SessionStats, StatsThresholds, StepMetric
 
@@ -49,7 +49,20 @@ def _growth(values: Sequence[float]) -> float:
     return late / max(early, 1.0)
 
 
-def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) -> SessionStats:
+def _retries_climbing(model: Sequence[StepMetric]) -> bool:
+    half = len(model) // 2
+    if half == 0:
+        return False
+
+    def troubled(steps: Sequence[StepMetric]) -> int:
+        return sum(1 for m in steps if m.attempt > 1 or m.failed)
+
+    return troubled(model[-half:]) > troubled(model[:half])
+
+
+def _one(
+    session_id: str, metrics: list[StepMetric], limits: StatsThresholds, abandoned: int = 0
+) -> SessionStats:
     model = [m for m in metrics if m.kind == "model"]
     tools = [m for m in metrics if m.kind == "tool"]
     calls = len(model) + len(tools)
@@ -60,7 +73,10 @@ def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) ->
     loops = sum(1 for m in metrics if m.kind == "guard" and m.name == LOOP_GUARD_NAME)
     retry_rate = retries / calls if calls else 0.0
     growth = _growth(prompts) if len(prompts) >= limits.min_calls_for_trend else 1.0
-    creeping = growth > limits.max_prompt_growth
+    # A session's prompts grow while its window fills; that alone is not a spiral. Growth
+    # counts when it comes with retries climbing: more retried or failed model calls in the
+    # later half of the calls than in the earlier half (see keel.guards' SpiralMonitor).
+    creeping = growth > limits.max_prompt_growth and _retries_climbing(model)
     p50 = percentile(ttfts, 50)
     p95 = percentile(ttfts, 95)
     warnings: list[str] = []
@@ -72,7 +88,8 @@ def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) ->
     if creeping:
         warnings.append(
             f"prompt tokens per call are creeping up: x{growth:.2f} from the earlier to the "
-            f"later half of {len(prompts)} calls (threshold x{limits.max_prompt_growth:.2f})"
+            f"later half of {len(prompts)} calls (threshold x{limits.max_prompt_growth:.2f}) "
+            "while retries climb"
         )
     if resets > limits.max_state_resets:
         warnings.append(f"{resets} state resets (threshold {limits.max_state_resets})")
@@ -82,9 +99,15 @@ def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) ->
         )
     if loops > limits.max_loops:
         warnings.append(f"{loops} loops caught (threshold {limits.max_loops})")
+    if abandoned > limits.max_abandoned_runs:
+        warnings.append(
+            f"{abandoned} run(s) abandoned: their worker died mid-run "
+            "(keel runs list --status abandoned)"
+        )
     return SessionStats(
         session_id=session_id,
         runs=len({m.run_id for m in metrics}),
+        abandoned_runs=abandoned,
         steps=len(metrics),
         model_calls=len(model),
         tool_calls=len(tools),
@@ -105,13 +128,22 @@ def _one(session_id: str, metrics: list[StepMetric], limits: StatsThresholds) ->
     )
 
 
-def session_stats(metrics: Iterable[StepMetric], thresholds: StatsThresholds) -> list[SessionStats]:
-    """Indicators per session from ``metrics`` (any order), sessions sorted by id."""
+def session_stats(
+    metrics: Iterable[StepMetric],
+    thresholds: StatsThresholds,
+    abandoned: Mapping[str, int] | None = None,
+) -> list[SessionStats]:
+    """Indicators per session from ``metrics`` (any order), sessions sorted by id.
+
+    ``abandoned`` counts the abandoned runs per session; a session with abandoned runs and no
+    steps (killed before its first step was written) still gets an entry.
+    """
     by_session: dict[str, list[StepMetric]] = defaultdict(list)
     for metric in metrics:
         by_session[metric.session_id].append(metric)
+    killed = dict(abandoned or {})
     result = []
-    for session_id in sorted(by_session):
-        rows = sorted(by_session[session_id], key=lambda m: (m.started_at, m.run_id))
-        result.append(_one(session_id, rows, thresholds))
+    for session_id in sorted(by_session.keys() | killed.keys()):
+        rows = sorted(by_session.get(session_id, []), key=lambda m: (m.started_at, m.run_id))
+        result.append(_one(session_id, rows, thresholds, killed.get(session_id, 0)))
     return result

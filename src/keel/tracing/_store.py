@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
 from typing import TypeVar
@@ -150,9 +151,20 @@ class TraceStore(ABC):
         tenant_id: str | None = None,
         thresholds: StatsThresholds | None = None,
     ) -> list[SessionStats]:
-        """Death-spiral indicators per session (one entry per session with steps)."""
+        """Death-spiral indicators per session (one entry per session with steps or with
+        abandoned runs)."""
         metrics = self.step_metrics(session_id=session_id, since=since, tenant_id=tenant_id)
-        return session_stats(metrics, thresholds or StatsThresholds())
+        killed = self.list_runs(
+            RunQuery(
+                session_id=session_id,
+                tenant_id=tenant_id,
+                since=since,
+                status="abandoned",
+                limit=100_000,
+            )
+        )
+        abandoned = Counter(run.session_id for run in killed)
+        return session_stats(metrics, thresholds or StatsThresholds(), abandoned)
 
     # --- async twins --------------------------------------------------------------------------
 

@@ -168,6 +168,10 @@ class Tracer:
             off (explicit opt-out, e.g. for local debugging).
         exporters: receive each finished run with its steps (see :class:`OpenTelemetryExporter`).
         agent: default agent name for runs.
+        run_time_limit_s: the wall-clock limit of the runs this tracer records (the runtime's
+            ``GuardConfig.run_timeout_s``), unless ``start_run`` gives one. A run killed
+            before it ended is reported ``abandoned`` once it has been silent for longer
+            (:func:`~keel.tracing.abandon_after_s`); unknown, 300 s is assumed.
     """
 
     def __init__(
@@ -177,8 +181,10 @@ class Tracer:
         redact: Redactor | None = redact_pii,
         exporters: Sequence[TraceExporter] = (),
         agent: str = "agent",
+        run_time_limit_s: float | None = None,
     ) -> None:
         self.store = store
+        self.run_time_limit_s = run_time_limit_s
         self.redact: Redactor = redact if redact is not None else (lambda text: text)
         self.exporters = tuple(exporters)
         self.agent = agent
@@ -226,6 +232,7 @@ class Tracer:
         input: str | None,
         run_id: str | None,
         attributes: Mapping[str, Any] | None,
+        time_limit_s: float | None = None,
     ) -> tuple[RunTrace, Run | None]:
         handle = RunTrace(
             self,
@@ -247,6 +254,7 @@ class Tracer:
                 started_at=handle.started_at,
                 input=self._text(input),
                 attributes=self._json(dict(attributes or {})),
+                time_limit_s=time_limit_s if time_limit_s is not None else self.run_time_limit_s,
             )
         except Exception as exc:
             self._failed("run start", exc)
@@ -263,14 +271,17 @@ class Tracer:
         input: str | None = None,
         run_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
+        time_limit_s: float | None = None,
     ) -> RunTrace:
         """Start a run and write its header (status ``running``). Never raises.
 
         Use the result as a context manager to end the run automatically: on a clean exit it
         ends ``succeeded``, on an exception with :func:`status_for` of it (re-raised).
+        ``time_limit_s`` is the run's wall-clock limit (default: the tracer's): a run killed
+        before it ends is reported ``abandoned`` once silent for longer than that allows.
         """
         handle, header = self._new_run(
-            session_id, user_id, tenant_id, agent, input, run_id, attributes
+            session_id, user_id, tenant_id, agent, input, run_id, attributes, time_limit_s
         )
         store = self.store
         if header is not None and store is not None:
@@ -287,10 +298,11 @@ class Tracer:
         input: str | None = None,
         run_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
+        time_limit_s: float | None = None,
     ) -> RunTrace:
         """Async twin of :meth:`start_run` (the write does not block the event loop)."""
         handle, header = self._new_run(
-            session_id, user_id, tenant_id, agent, input, run_id, attributes
+            session_id, user_id, tenant_id, agent, input, run_id, attributes, time_limit_s
         )
         if header is not None and self.store is not None:
             try:

@@ -1,0 +1,57 @@
+"""One embedder setting for every entry point: Agent.embedded, keel chat, keel memory reembed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keel.memory import HashingEmbedder, embedder_from_settings
+from keel.runtime import Agent
+from keel.settings import load_settings
+from keel.testing import ScriptedModel
+
+
+def test_agent_embedded_uses_the_configured_embedder(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEEL_EMBEDDER", "hashing:64")
+    agent = Agent.embedded(ScriptedModel(lambda call: "Noted."), system_prompt="hi")
+    try:
+        assert agent.memory is not None
+        embedder = agent.memory.embedder
+        assert isinstance(embedder, HashingEmbedder) and embedder.dimension == 64
+        assert embedder.name == embedder_from_settings(load_settings()).name
+        agent.handle_sync("s1", "u1", "My dog is called Rex")
+        agent.memory.flush()
+        status = agent.memory.embedding_status()
+        assert status.configured == embedder.name and not status.needs_reembed
+        assert set(status.counts) == {embedder.name}
+    finally:
+        agent.close()
+
+
+def _keel(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "keel", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+
+
+def test_chat_and_reembed_agree_on_the_embedder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KEEL_EMBEDDER", "hashing:64")
+    chat = _keel("chat", "--model", "scripted:echo", stdin="My dog is called Rex\n")
+    assert chat.returncode == 0, chat.stderr
+    status = json.loads(_keel("memory", "status", "--json").stdout.splitlines()[-1])
+    assert status["configured"] == "keel-hashing-64"
+    assert status["counts"] == {"keel-hashing-64": 1} and status["needs_reembed"] is False
+    reembed = json.loads(_keel("memory", "reembed", "--json").stdout.splitlines()[-1])
+    assert reembed["reembedded"] == 0 and reembed["after"] == {"keel-hashing-64": 1}
