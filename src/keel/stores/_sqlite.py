@@ -180,7 +180,7 @@ class SQLiteDatabase:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
             conn.execute("PRAGMA foreign_keys = ON")
             if not self.is_memory:
-                mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                mode = self._enable_wal(conn)
                 if str(mode).lower() != "wal":
                     raise StoreError(f"database {self.path}: cannot enable WAL (got {mode})")
                 conn.execute("PRAGMA synchronous = NORMAL")
@@ -194,6 +194,21 @@ class SQLiteDatabase:
         with self._lock:
             self._connections.append(conn)
         return conn
+
+    def _enable_wal(self, conn: sqlite3.Connection) -> str:
+        """Switch to WAL, waiting out other processes doing the same: on a new file the switch
+        answers "database is locked" at once, without SQLite's busy handler, while another
+        connection holds its lock for a moment (two workers starting together)."""
+        deadline = time.monotonic() + self.busy_timeout_ms / 1000
+        delay = 0.005
+        while True:
+            try:
+                return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
 
     def _discard(self, conn: sqlite3.Connection) -> None:
         """Forget this thread's connection (it is unusable); the next use opens a new one."""
