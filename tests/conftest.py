@@ -64,3 +64,12 @@ def redis_url(redis_server_url: str) -> Iterator[str]:
     client.flushall()
     client.close()
     yield redis_server_url
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Print the random order's seed even under ``-q`` (CI runs quiet): a failure that depends
+    on the order is replayed with ``pytest -p randomly --randomly-seed=N``."""
+    seed = getattr(session.config.option, "randomly_seed", None)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if seed is not None and reporter is not None:
+        reporter.write_line(f"random test order, seed {seed} (--randomly-seed={seed} replays it)")
