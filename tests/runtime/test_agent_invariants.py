@@ -525,3 +525,46 @@ async def test_on_server_backends_sessions_are_scoped_and_owned_one_turn_at_a_ti
         assert len([m for m in mine.messages if m.role == "user"]) == 4
         assert [m.content for m in theirs.messages if m.role == "user"] == ["hello"]
         await state_backend.aclose()
+
+
+async def test_a_tool_the_workflow_step_does_not_allow_is_refused_before_the_journal(
+    database: SQLiteDatabase,
+) -> None:
+    from keel.state import MachineState, StateMachine, Transition
+
+    book, effects = _booking()
+    machine = StateMachine(
+        "shop",
+        states=[
+            MachineState("browsing", "looking around", "Help the user choose.", ()),
+            MachineState("paying", "paying", "Book what the user chose.", ("book",)),
+            MachineState("done", "done", "Say goodbye.", (), terminal=True),
+        ],
+        transitions=[Transition("browsing", "paying"), Transition("paying", "done")],
+        initial="browsing",
+    )
+
+    def eager(call: ScriptedCall) -> Message | str:
+        results = [m for m in call.messages if m.role == "tool"]
+        if not results:
+            return ScriptedModel.tool_call("book", json.dumps({"ref": "TOO-SOON"}))
+        if len(results) == 1:
+            return ScriptedModel.tool_call("go_to", json.dumps({"step": "paying"}))
+        if len(results) == 2:
+            return ScriptedModel.tool_call("book", json.dumps({"ref": "NOW"}))
+        return "Booked."
+
+    agent = Agent(
+        ScriptedModel(eager),
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You sell.",
+        tools=[book],
+        machine=machine,
+        journal=SQLiteToolJournal(database),
+    )
+    reply = await agent.handle("s1", "u1", "I want it")
+    assert reply.status == "completed", reply.error
+    assert effects == ["NOW"]
+    assert reply.effects == ("book",), "the refused call is no effect"
+    journalled = SQLiteToolJournal(database).entries()
+    assert [entry.arguments for entry in journalled] == ['{"ref": "NOW"}']

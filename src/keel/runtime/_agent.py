@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -710,6 +709,7 @@ class Agent:
                 state_fingerprint=lambda: self._fingerprint(turn),
                 revert_to_last_good=lambda error: self._on_guard_stop(turn, error),
                 before_side_effect=lambda call: turn.lease.check(),
+                refuse_call=lambda call: self._refusal(turn, call),
             ),
             monitor=self.monitor,
             agent=self.name,
@@ -1142,34 +1142,25 @@ class Agent:
     def _registry(self, turn: _Turn) -> ToolRegistry:
         registry = ToolRegistry()
         for domain_tool in self._domain_tools.values():
-            registry.register(self._gated(turn, domain_tool))
+            registry.register(domain_tool)
         if self.machine is not None:
             for workflow_tool in self._workflow_tools(turn):
                 registry.register(workflow_tool)
         return registry
 
-    def _gated(self, turn: _Turn, domain_tool: Tool) -> Tool:
-        """The tool, refusing to run outside the workflow states that allow it."""
-        if self.machine is None:
-            return domain_tool
-        machine = self.machine
-        original = domain_tool.ainvoke
-
-        async def gated(**kwargs: Any) -> Any:
-            position = turn.position
-            if position is not None and domain_tool.name not in machine.tools(position):
-                allowed = ", ".join(machine.tools(position)) or "none"
-                raise UsageError(
-                    f"{domain_tool.name} is not allowed in step {position.state!r} "
-                    f"(allowed: {allowed}); move the workflow on with go_to first"
-                )
-            arguments = domain_tool.args_model.model_validate(
-                {k: v for k, v in kwargs.items() if k != domain_tool.context_parameter}
-            )
-            context = kwargs.get(domain_tool.context_parameter or "")
-            return await original(arguments, context)
-
-        return dataclasses.replace(domain_tool, function=gated)
+    def _refusal(self, turn: _Turn, call: ToolCall) -> str | None:
+        """Why the workflow's current step does not allow ``call`` (None: it does). Asked
+        before the call is journalled, so a refused side effect leaves no trace of an intent."""
+        machine, position = self.machine, turn.position
+        if machine is None or position is None or call.name not in self._domain_tools:
+            return None
+        allowed = machine.tools(position)
+        if call.name in allowed:
+            return None
+        return (
+            f"{call.name} is not allowed in step {position.state!r} "
+            f"(allowed: {', '.join(allowed) or 'none'}); move the workflow on with go_to first"
+        )
 
     def _workflow_tools(self, turn: _Turn) -> list[Tool]:
         machine = self.machine

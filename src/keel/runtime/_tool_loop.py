@@ -127,6 +127,10 @@ class LoopHooks:
         before_side_effect: ``(call) -> None``, called right before a side-effecting tool is
             claimed in the journal and run. Raise (a ``ConflictError``, say) to stop the run
             before the effect: the agent checks here that it still owns the session.
+        refuse_call: ``(call) -> str | None``, asked before each call is validated, journalled
+            or run: a reason refuses it (the model is told why; nothing is claimed in the
+            journal, nothing runs), None lets it through. The agent gates tools by workflow
+            state here.
     """
 
     before_model_call: (
@@ -136,6 +140,7 @@ class LoopHooks:
     state_fingerprint: Callable[[], MaybeAwaitable[str]] | None = None
     revert_to_last_good: Callable[[GuardError], MaybeAwaitable[None]] | None = None
     before_side_effect: Callable[[ToolCall], MaybeAwaitable[None]] | None = None
+    refuse_call: Callable[[ToolCall], MaybeAwaitable[str | None]] | None = None
 
 
 class StepRecord(BaseModel):
@@ -630,16 +635,29 @@ class ToolLoop:
                 run.history.append(blocked.to_message())
                 notes.append(signal.advice())
                 continue
-            found = self.registry.get(call.name)
-            if found is not None and found.side_effect:
-                await _call(self.hooks.before_side_effect, call)
-            result = await self.executor.execute(
-                call,
-                session_id=run.session_id,
-                step=run.step,
-                call_index=index,
-                turn_id=run.turn_id,
-            )
+            refusal = await _call(self.hooks.refuse_call, call)
+            if refusal is not None:
+                # Refused before anything is journalled or run: a failed call for the model.
+                result = ToolResult(
+                    call_id=call.id,
+                    tool=call.name,
+                    status="blocked",
+                    content=f"Error: {refusal}",
+                    raw_arguments=call.arguments,
+                    error=refusal,
+                    error_type="UsageError",
+                )
+            else:
+                found = self.registry.get(call.name)
+                if found is not None and found.side_effect:
+                    await _call(self.hooks.before_side_effect, call)
+                result = await self.executor.execute(
+                    call,
+                    session_id=run.session_id,
+                    step=run.step,
+                    call_index=index,
+                    turn_id=run.turn_id,
+                )
             results.append(result)
             run.history.append(result.to_message())
             if result.repairs:
