@@ -568,3 +568,21 @@ async def test_a_tool_the_workflow_step_does_not_allow_is_refused_before_the_jou
     assert reply.effects == ("book",), "the refused call is no effect"
     journalled = SQLiteToolJournal(database).entries()
     assert [entry.arguments for entry in journalled] == ['{"ref": "NOW"}']
+
+
+async def test_the_session_cache_is_bounded_and_an_evicted_session_is_rebuilt(
+    database: SQLiteDatabase,
+) -> None:
+    prompts: list[list[str]] = []
+
+    def answers(call: ScriptedCall) -> str:
+        prompts.append([m.content for m in call.messages])
+        return f"Noted: {call.last_user_text}."
+
+    agent = _agent(database, ScriptedModel(answers), session_cache_size=2)
+    for session in ("a", "b", "c"):
+        await agent.handle(session, "u1", f"hello from {session}")
+    assert len(agent._sessions) == 2 and len(agent._owners) == 2
+    assert agent.session_key("a") not in agent._sessions
+    await agent.handle("a", "u1", "again")
+    assert prompts[-1] == ["You help.", "hello from a", "Noted: hello from a.", "again"]

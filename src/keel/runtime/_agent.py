@@ -36,9 +36,10 @@ import re
 import time
 import unicodedata
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -84,6 +85,9 @@ if TYPE_CHECKING:
 __all__ = ["Agent", "AgentReply"]
 
 logger = logging.getLogger("keel.runtime")
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 _UNBOUNDED_STEPS = 1_000_000_000
 """AgentState.max_steps for a session: per-run limits live in GuardConfig."""
@@ -180,6 +184,20 @@ class _Turn:
         return self.deadline - time.monotonic()
 
 
+class _Recent(OrderedDict[K, V]):
+    """A dict that keeps its ``size`` most recently written (or moved) keys."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
 class _Lease:
     """This turn's ownership of a session: the store's lease, renewed in the background.
 
@@ -246,6 +264,8 @@ class Agent:
         session_wait_s: how long a turn waits for a session another turn holds before it
             gives up with :class:`~keel.errors.SessionBusyError` (default: the lease's time
             to live and 5 s, so a crashed holder's lease can expire).
+        session_cache_size: how many sessions' incremental conversations this process keeps
+            (least recently used go first; an evicted session is rebuilt from the store).
     """
 
     def __init__(
@@ -268,12 +288,15 @@ class Agent:
         name: str = "agent",
         lease_ttl_s: float = 10.0,
         session_wait_s: float | None = None,
+        session_cache_size: int = 256,
     ) -> None:
         if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise UsageError("an agent needs a system prompt")
         _require_id("tenant_id", tenant_id)
         if lease_ttl_s <= 0:
             raise UsageError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
+        if session_cache_size < 1:
+            raise UsageError(f"session_cache_size must be >= 1, got {session_cache_size}")
         self.model = model
         self.state = state
         self.system_prompt = system_prompt
@@ -294,7 +317,9 @@ class Agent:
         self.name = name
         self.lease_ttl_s = lease_ttl_s
         self.session_wait_s = lease_ttl_s + 5.0 if session_wait_s is None else session_wait_s
-        self._owners: dict[str, tuple[str, str]] = {}
+        # Bounded: a long-running service sees sessions come and go; an evicted one is rebuilt
+        # from the store on its next turn.
+        self._owners: _Recent[str, tuple[str, str]] = _Recent(session_cache_size)
         self.engine = ContextEngine(
             model,
             budget=context,
@@ -306,7 +331,7 @@ class Agent:
         clash = set(self._domain_tools) & set(_WORKFLOW_TOOLS)
         if machine is not None and clash:
             raise UsageError(f"tool names {sorted(clash)} are reserved for the workflow")
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: _Recent[str, _Session] = _Recent(session_cache_size)
         self._owned: list[Callable[[], None]] = []
 
     # --- construction ---------------------------------------------------------------------------
@@ -548,6 +573,7 @@ class Agent:
     ) -> Conversation:
         cached = self._sessions.get(key)
         if not fresh and cached is not None and cached.version == version:
+            self._sessions.move_to_end(key)
             return cached.conversation
         runtime = state.runtime
         summarized = runtime.messages_summarized
