@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from keel._bridge import run_sync
 from keel.context._budget import PruningPolicy, SummaryPolicy
 from keel.context._memory import MemorySink
 from keel.context._summarize import Summarizer, SummaryRequest
@@ -481,7 +482,7 @@ class Conversation:
         """Sync twin of :meth:`asummarize` (not for use inside a running event loop)."""
         if not force and not self.needs_summary:
             return None
-        return asyncio.run(self.asummarize(force=force))
+        return run_sync(self.asummarize(force=force))
 
     def __repr__(self) -> str:
         return (

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from keel._bridge import run_sync
 from keel.errors import KeelError, UsageError
 from keel.memory._config import RetrievalConfig
 from keel.memory._embedders import Embedder
@@ -701,7 +702,7 @@ class Memory:
         (judged by the model judge in one call when configured), then the last ``recent``
         actions. Each block is labelled ``[kind · date · provenance]``.
         """
-        return asyncio.run(
+        return run_sync(
             self.aretrieve(
                 query,
                 scope=scope,

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from keel._bridge import run_sync
 from keel.messages import Message, Usage
 from keel.models._toolcalls import ToolCallParseError
 from keel.tokens import ChatTokenCounter, ModelProfile
@@ -170,6 +171,8 @@ class ChatModel(ABC):
             finally:
                 await self._release_loop_resources()
 
+        # Its own short-lived loop, released after the call: a one-off call from sync code
+        # leaves nothing open (an agent's sync twins run on keel's bridge loop instead).
         return asyncio.run(once())
 
     def astream(
@@ -235,6 +238,10 @@ class ChatModel(ABC):
 
     async def aclose(self) -> None:  # noqa: B027  (optional hook)
         """Release connections or loaded weights."""
+
+    def close(self) -> None:
+        """Sync twin of :meth:`aclose`."""
+        run_sync(self.aclose())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"

@@ -505,7 +505,12 @@ class OpenAICompatibleModel(ChatModel):
             await client.close()
 
     async def aclose(self) -> None:
-        """Close the HTTP clients this model opened (not one passed in)."""
-        for client in list(self._clients.values()):
-            await client.close()
+        """Close the HTTP clients this model opened (not one passed in), each on its own event
+        loop (the sync twins' clients live on keel's bridge loop)."""
+        running = asyncio.get_running_loop()
+        for loop, client in list(self._clients.items()):
+            if loop is running:
+                await client.close()
+            elif loop.is_running():
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.close(), loop))
         self._clients.clear()

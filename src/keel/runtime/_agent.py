@@ -44,6 +44,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from keel._bridge import run_sync
 from keel.context import (
     CompiledPrompt,
     ContextBudget,
@@ -477,7 +478,7 @@ class Agent:
     def handle_sync(self, session_id: str, user_id: str, text: str) -> AgentReply:
         """Sync twin of :meth:`handle` (not for use inside a running event loop). Safe to call
         from several threads at once: turns on one session take turns through its lease."""
-        return asyncio.run(self.handle(session_id, user_id, text))
+        return run_sync(self.handle(session_id, user_id, text))
 
     async def resume(self, session_id: str, user_id: str) -> AgentReply | None:
         """Finish a turn that a crash interrupted; None when the session has no open turn.
@@ -500,7 +501,7 @@ class Agent:
 
     def resume_sync(self, session_id: str, user_id: str) -> AgentReply | None:
         """Sync twin of :meth:`resume`."""
-        return asyncio.run(self.resume(session_id, user_id))
+        return run_sync(self.resume(session_id, user_id))
 
     def session_state(self, session_id: str) -> AgentState | None:
         """The session's committed state (in this agent's tenant), or None."""

@@ -38,6 +38,7 @@ from typing import Any, Literal, TypeAlias, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 from pydantic_core import to_jsonable_python
 
+from keel._bridge import run_sync
 from keel.errors import (
     GuardError,
     KeelError,
@@ -341,7 +342,7 @@ class ToolLoop:
         turn_id: str | None = None,
     ) -> LoopResult:
         """Sync twin of :meth:`arun` (not for use inside a running event loop)."""
-        return asyncio.run(
+        return run_sync(
             self.arun(messages, session_id=session_id, first_step=first_step, turn_id=turn_id)
         )
 

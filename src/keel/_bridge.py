@@ -1,0 +1,69 @@
+"""The one bridge from sync code to keel's async core.
+
+Every sync twin (``Agent.handle_sync``, ``ChatModel.complete``, ``Memory.retrieve``, ...) runs
+its coroutine on ONE long-lived event loop in a daemon thread, the blocking-portal pattern,
+instead of a new event loop per call. What an async client keeps per loop (an HTTP
+connection pool, a PostgreSQL or Redis async pool) is then made once and reused, not leaked
+with each call's dead loop, and sync calls from several threads share one loop safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from keel.errors import UsageError
+
+__all__ = ["run_sync"]
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+
+
+def _bridge_loop() -> asyncio.AbstractEventLoop:
+    global _loop, _thread
+    with _lock:
+        if _loop is None or _thread is None or not _thread.is_alive():
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def serve() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            thread = threading.Thread(target=serve, name="keel-sync-bridge", daemon=True)
+            thread.start()
+            ready.wait()
+            _loop, _thread = loop, thread
+        return _loop
+
+
+def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` on keel's bridge loop and wait for its result.
+
+    Raises:
+        UsageError: called from a thread whose event loop is running (await the async
+            method there instead: blocking that loop would stall everything on it).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        coroutine.close()
+        raise UsageError(
+            "a sync method was called inside a running event loop: await its async twin"
+        )
+    future = asyncio.run_coroutine_threadsafe(coroutine, _bridge_loop())
+    try:
+        return future.result()
+    except BaseException:
+        # The caller gave up (KeyboardInterrupt, say): stop the work it no longer waits for.
+        future.cancel()
+        raise

@@ -1,0 +1,63 @@
+"""An agent's sync twins run on one long-lived bridge loop: the model's HTTP client is made
+once and reused across ``handle_sync`` calls from any thread (a new event loop per call made,
+and leaked, one client each)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from keel.errors import UsageError
+from keel.models import OpenAICompatibleModel, RetryPolicy
+from keel.runtime import Agent
+from keel.state import AgentState, StateStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend
+from keel.testing import FaultServer
+
+
+def test_handle_sync_reuses_one_client(
+    fault_server: FaultServer, fast_retry: RetryPolicy, tmp_path: Path
+) -> None:
+    model = OpenAICompatibleModel(
+        "ok", base_url=fault_server.base_url, api_key="x", retry=fast_retry
+    )
+    database = SQLiteDatabase(tmp_path / "keel.db")
+    agent = Agent(
+        model,
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You help.",
+    )
+    for turn in range(3):
+        assert agent.handle_sync("s1", "u1", f"hi {turn}").status == "completed"
+    replies: list[str] = []
+    threads = [
+        threading.Thread(
+            target=lambda n=n: replies.append(agent.handle_sync(f"t{n}", "u1", "x").status)
+        )
+        for n in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert replies == ["completed"] * 3
+    assert len(model._clients) == 1, "one client for every sync turn, from any thread"
+    model.close()
+    assert model._clients == {}
+    database.close()
+
+
+async def test_a_sync_twin_inside_a_running_loop_is_a_usage_error(tmp_path: Path) -> None:
+    from keel.testing import ScriptedModel
+
+    database = SQLiteDatabase(tmp_path / "keel.db")
+    agent = Agent(
+        ScriptedModel(["ok"]),
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You help.",
+    )
+    with pytest.raises(UsageError, match="await its async twin"):
+        agent.handle_sync("s1", "u1", "hi")
+    database.close()
