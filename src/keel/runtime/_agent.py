@@ -347,7 +347,8 @@ class Agent:
             model: a ChatModel or a model spec (default: ``settings.model``).
             tools / rules / machine: as for the constructor.
             memory: open long-term memory (embedder: ``settings.embedder``).
-            redis_url: ``redis://...`` for state (default: ``settings.redis_url``).
+            redis_url: ``redis://...`` for state (default: ``settings.redis_url``; ``""``
+                keeps state on the database even when ``KEEL_REDIS_URL`` is set).
             settings: model, embedder, SQLite busy timeout, and the URLs not given.
             options: passed to the constructor (``context=``, ``guards=``, ``masker=``,
                 ``tenant_id=``, ``name=``, ...). The masker is also memory's and the tracer's.
@@ -389,7 +390,7 @@ class Agent:
             None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
         )
         backends = open_backends(
-            url or settings.database_url,
+            url if url is not None else settings.database_url,
             redis_url=redis_url if redis_url is not None else settings.redis_url,
             memory=memory,
             masker=masker,
