@@ -327,6 +327,7 @@ class Agent:
         rules: Sequence[str] = (),
         machine: StateMachine | None = None,
         memory: bool = True,
+        journal: bool = True,
         redis_url: str | None = None,
         settings: Settings | None = None,
         **options: Any,
@@ -347,6 +348,8 @@ class Agent:
             model: a ChatModel or a model spec (default: ``settings.model``).
             tools / rules / machine: as for the constructor.
             memory: open long-term memory (embedder: ``settings.embedder``).
+            journal: use the durable tool journal. False (a control, not for production):
+                the agent keeps one in this process's memory, which a crash loses.
             redis_url: ``redis://...`` for state (default: ``settings.redis_url``; ``""``
                 keeps state on the database even when ``KEEL_REDIS_URL`` is set).
             settings: model, embedder, SQLite busy timeout, and the URLs not given.
@@ -366,6 +369,12 @@ class Agent:
         from keel.runtime._backends import open_backends
         from keel.settings import Settings, load_settings
 
+        built_here = {"state", "tracer"} & set(options)
+        if built_here:
+            raise UsageError(
+                f"Agent.open builds {sorted(built_here)} from the database URL; to pass your "
+                "own stores, construct Agent(...) directly"
+            )
         url: str | None = None
         if isinstance(database, Settings):
             if settings is not None:
@@ -405,7 +414,7 @@ class Agent:
                 rules=rules,
                 machine=machine,
                 memory=backends.memory,
-                journal=backends.journal,
+                journal=backends.journal if journal else None,
                 tracer=Tracer(
                     backends.traces,
                     redact=redact,
