@@ -12,7 +12,6 @@ from typing import Annotated, Any
 import typer
 
 from keel.cli._app import app, emit_json, err_console, out_console
-from keel.errors import ConfigError
 
 
 def _traces_hint(workdir: str, database: str | None, *, throwaway: bool) -> str:
@@ -94,13 +93,10 @@ def _servers(
     from keel._urls import parse_database_url
 
     if database != "postgres":
-        try:
-            if database is not None:
-                parse_database_url(database, kinds=("sqlite", "postgres"))
-            if redis_url is not None:
-                parse_database_url(redis_url, kinds=("redis",))
-        except ConfigError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        if database is not None:  # ConfigError: one error line, exit code 2
+            parse_database_url(database, kinds=("sqlite", "postgres"))
+        if redis_url is not None:
+            parse_database_url(redis_url, kinds=("redis",))
         yield database, redis_url
         return
     from keel.testing.servers import postgres_server, redis_server
