@@ -60,7 +60,7 @@ class Backends:
     _closers: list[_Closer] = field(default_factory=list, repr=False)
 
     def close(self) -> None:
-        """Flush nothing, stop memory's worker and release every connection (idempotent)."""
+        """Stop memory's outbox worker and release every connection, newest first (idempotent)."""
         errors: list[BaseException] = []
         while self._closers:
             sync, _ = self._closers.pop()
@@ -85,12 +85,6 @@ class Backends:
                 errors.append(exc)
         if errors:
             raise errors[0]
-
-    @property
-    def where(self) -> str:
-        """Where things are, in words, passwords hidden (for logs and ``keel demo``)."""
-        state = f"state on {self.redis.redacted}, " if self.redis is not None else ""
-        return f"{state}{'everything' if not state else 'the rest'} on {self.database.redacted}"
 
 
 def open_backends(
