@@ -364,3 +364,30 @@ def test_an_unreachable_redis_closes_what_was_opened_before_it(postgres_url: str
     assert _pg_count(postgres_url, "SELECT count(*) FROM trace_runs") == 0
     assert _connections_drain(postgres_url)
     assert _settle_threads(before) == set()
+
+
+# --- keel chat --database ---------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_keel_chat_on_postgres(postgres_url: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    chat = subprocess.run(
+        [sys.executable, "-m", "keel", "chat", "--database", postgres_url, "-m", "scripted:echo"],
+        input="My dog is called Rex\n/trace\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])},
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert "agent> My dog is called Rex" in chat.stdout
+    assert "scripted:echo" in chat.stdout.split("agent>")[-1]  # /trace read the run back
+    assert _pg_count(postgres_url, "SELECT count(*) FROM trace_runs WHERE agent = 'chat'") == 1
+    assert _pg_count(postgres_url, "SELECT count(*) FROM keel_state_sessions") == 1
+    assert _pg_count(postgres_url, "SELECT count(*) FROM memory_records") == 1
+    assert _connections_drain(postgres_url)
