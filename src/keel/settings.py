@@ -22,6 +22,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from keel._urls import DatabaseURL, parse_database_url
 from keel.errors import ConfigError
 
 __all__ = [
@@ -119,13 +120,21 @@ class Settings(BaseSettings):
             return None
         if not value.strip():
             raise ValueError("must not be empty (leave it unset for the default SQLite file)")
-        if not value.startswith(DATABASE_SCHEMES):
-            scheme = value.split("://")[0] + "://" if "://" in value else repr(value)
-            raise ValueError(
-                f"unsupported database URL {scheme}: use sqlite:///PATH or postgresql://..."
-            )
-        if value.startswith("sqlite:///") and not value.removeprefix("sqlite:///").strip():
-            raise ValueError("sqlite:/// needs a file path, e.g. sqlite:///data/keel.db")
+        try:
+            parse_database_url(value, kinds=("sqlite", "postgres"))
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("redis_url", mode="after")
+    @classmethod
+    def _redis(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        try:
+            parse_database_url(value, kinds=("redis",))
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @property
@@ -136,12 +145,14 @@ class Settings(BaseSettings):
         return f"sqlite:///{self.data_dir / 'keel.db'}"
 
     @property
+    def parsed_database(self) -> DatabaseURL:
+        """``database_url``, parsed (its engine, the driver's URL, the SQLite path)."""
+        return parse_database_url(self.database_url, kinds=("sqlite", "postgres"))
+
+    @property
     def sqlite_path(self) -> Path | None:
         """The SQLite file behind ``database_url``, or None for a server database."""
-        url = self.database_url
-        if url.startswith("sqlite:///"):
-            return Path(url.removeprefix("sqlite:///")).expanduser()
-        return None
+        return self.parsed_database.path
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:

@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from keel.demo import Airline
 from keel.demo._run import run_demo, sparkline_chart
@@ -75,3 +78,58 @@ def test_chart_shape() -> None:
     lines = chart.splitlines()
     assert len(lines) == 6
     assert "budget 1,000" in lines[-1]
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_demo_on_postgres_and_redis_reports_what_sqlite_does(
+    tmp_path: Path, postgres_url: str, redis_url: str
+) -> None:
+    """Every worker, the one started after the SIGKILL too, opens its agent from the URLs."""
+    import psycopg
+    import redis
+
+    options: dict[str, Any] = {"trips": 4, "side_questions": 3, "memory": False}
+    on_sqlite = run_demo(**options, workdir=tmp_path / "sqlite")
+    on_servers = run_demo(
+        **options, workdir=tmp_path / "pg", database=postgres_url, redis_url=redis_url
+    )
+    assert on_servers.passed, on_servers.problems
+    figures = ("turns", "bookings", "double_bookings", "in_doubt_settled", "failed_turns")
+    assert {f: getattr(on_servers, f) for f in figures} == {
+        f: getattr(on_sqlite, f) for f in figures
+    }
+    assert on_servers.resumed_after_kill and "state on redis" in on_servers.database
+    assert not (tmp_path / "pg" / "keel.db").exists()
+    with psycopg.connect(postgres_url) as conn:
+        journal = conn.execute(
+            "SELECT count(*) FROM keel_tool_journal WHERE tool = 'book_flight'"
+        ).fetchone()
+        runs = conn.execute("SELECT count(*) FROM trace_runs").fetchone()
+    assert journal is not None and journal[0] == 4
+    assert runs is not None and runs[0] >= on_servers.turns
+    client = redis.Redis.from_url(redis_url)
+    assert client.keys("keel:state:*")
+    client.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_demo_cli_starts_a_throwaway_postgres(tmp_path: Path) -> None:
+    options = ["--trips", "2", "--side-questions", "1", "--no-memory", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "keel", "demo", "--database", "postgres", *options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])},
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["passed"] and report["resumed_after_kill"] and report["double_bookings"] == 0
+    assert report["database"].startswith("postgres (postgresql://")
+
+
+def test_demo_cli_rejects_a_bad_database_url() -> None:
+    result = _keel("demo", "--database", "mysql://db/keel", env={})
+    assert result.returncode == 2 and "mysql://" in result.stderr

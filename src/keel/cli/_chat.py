@@ -1,15 +1,18 @@
-"""``keel chat``: an interactive agent on the embedded default whose memory and state persist."""
+"""``keel chat``: an interactive agent whose memory and state persist (``Agent.open``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from keel.cli._app import app, out_console
+
+if TYPE_CHECKING:
+    from keel.runtime import Agent
 
 _HELP = (
     "Commands: /state (the session's state), /memory QUERY (what memory retrieves), "
@@ -21,37 +24,12 @@ _SYSTEM = (
 )
 
 
-def _build(model_spec: str | None, memory: bool) -> tuple[Any, Any, Any]:
-    from keel.models import resolve_model
+def _build(model_spec: str | None, memory: bool, database: str | None) -> Agent:
     from keel.runtime import Agent
-    from keel.settings import load_settings
-    from keel.state import AgentState, StateStore
-    from keel.stores import SQLiteStateBackend, SQLiteToolJournal, open_database
-    from keel.stores._sqlite_traces import SQLiteTraceStore
-    from keel.tracing import Tracer
 
-    settings = load_settings()
-    database = open_database(settings)
-    traces = SQLiteTraceStore(database)
-    traces.setup()
-    long_term = None
-    if memory:
-        from keel.memory import Memory, embedder_from_settings
-        from keel.stores import SQLiteMemoryStore
-
-        long_term = Memory(
-            SQLiteMemoryStore(database), embedder=embedder_from_settings(settings), background=True
-        )
-    agent = Agent(
-        resolve_model(model_spec or settings.model, settings=settings),
-        state=StateStore(SQLiteStateBackend(database), AgentState),
-        system_prompt=_SYSTEM,
-        memory=long_term,
-        journal=SQLiteToolJournal(database),
-        tracer=Tracer(traces, agent="chat"),
-        name="chat",
-    )
-    return agent, long_term, traces
+    # Agent.open: the database URL (default KEEL_DATABASE, else the embedded SQLite file) holds
+    # the journal, traces and memory, and state unless KEEL_REDIS_URL moves it to Redis.
+    return Agent.open(database, model=model_spec, system_prompt=_SYSTEM, memory=memory, name="chat")
 
 
 @app.command("chat")
@@ -62,11 +40,21 @@ def chat_command(
         str | None, typer.Option("--model", "-m", help="Model spec (default: settings.model).")
     ] = None,
     memory: Annotated[bool, typer.Option(help="Use long-term memory.")] = True,
+    database: Annotated[
+        str | None,
+        typer.Option(
+            "--database",
+            help="Database URL: sqlite:///PATH or postgresql://... (default: KEEL_DATABASE, "
+            "else keel.db in the data directory). KEEL_REDIS_URL keeps state on Redis.",
+        ),
+    ] = None,
 ) -> None:
     """Chat with an agent whose memory and state survive restarts (same --session)."""
     from keel.tracing import RunQuery
 
-    agent, long_term, traces = _build(model, memory)
+    agent = _build(model, memory, database)
+    assert agent.backends is not None  # Agent.open keeps what it opened
+    long_term, traces = agent.memory, agent.backends.traces
     interactive = sys.stdin.isatty()
     out_console.print(f"keel chat · session {session} · {agent.model.spec}. {_HELP}")
     last_run: str | None = None
@@ -139,7 +127,8 @@ def chat_command(
     except KeyboardInterrupt:
         out_console.print("\nbye")
     finally:
-        runner.close()
-        if long_term is not None:
-            long_term.close()
-        traces.close()
+        # On the chat's loop: async clients (PostgreSQL, Redis) belong to it.
+        try:
+            runner.run(agent.aclose())
+        finally:
+            runner.close()

@@ -3,12 +3,24 @@ trip is booked twice or not at all, or a question is asked again."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from keel.cli._app import app, emit_json, err_console, out_console
+
+
+def _traces_hint(workdir: str, database: str | None, *, throwaway: bool) -> str:
+    from keel._urls import redact_url
+
+    if throwaway:
+        return "dropped with the throwaway PostgreSQL (pass a postgresql:// URL to keep them)"
+    url = database or f"sqlite:///{workdir}/keel.db"
+    return f"KEEL_DATABASE={redact_url(url)} keel runs list"
 
 
 @app.command("demo")
@@ -40,9 +52,77 @@ def demo_command(
     workdir: Annotated[
         Path | None, typer.Option(help="Keep the demo's database here (default: a temp dir).")
     ] = None,
+    database: Annotated[
+        str | None,
+        typer.Option(
+            "--database",
+            help="The agent's database URL (sqlite:///PATH or postgresql://...; default: "
+            "keel.db in the workdir), or 'postgres': a throwaway embedded PostgreSQL, with a "
+            "throwaway Redis for state when redis-server is on PATH.",
+        ),
+    ] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option("--redis-url", help="Keep the agent's state on this Redis (redis://...)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
 ) -> None:
-    """Book trips over a long conversation on the embedded default, crash, resume, report."""
+    """Book trips over a long conversation, crash, resume, report (SQLite by default)."""
+    with _servers(database, redis_url) as (database_url, redis):
+        _demo(
+            model,
+            trips,
+            side_questions,
+            kill,
+            memory,
+            journal,
+            workdir,
+            database_url,
+            redis,
+            as_json,
+            throwaway=database == "postgres",
+        )
+
+
+@contextlib.contextmanager
+def _servers(
+    database: str | None, redis_url: str | None
+) -> Iterator[tuple[str | None, str | None]]:
+    """``--database postgres``: a throwaway PostgreSQL (and Redis, if redis-server is on
+    PATH and no --redis-url is given), stopped and deleted afterwards."""
+    from keel._urls import parse_database_url
+
+    if database != "postgres":
+        if database is not None:  # ConfigError: one error line, exit code 2
+            parse_database_url(database, kinds=("sqlite", "postgres"))
+        if redis_url is not None:
+            parse_database_url(redis_url, kinds=("redis",))
+        yield database, redis_url
+        return
+    from keel.testing.servers import postgres_server, redis_server
+
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(postgres_server())
+        url = stack.enter_context(server.throwaway_database())
+        if redis_url is None and shutil.which("redis-server"):
+            redis_url = stack.enter_context(redis_server())
+        yield url, redis_url
+
+
+def _demo(
+    model: str,
+    trips: int,
+    side_questions: int,
+    kill: bool,
+    memory: bool,
+    journal: bool,
+    workdir: Path | None,
+    database: str | None,
+    redis_url: str | None,
+    as_json: bool,
+    *,
+    throwaway: bool,
+) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from keel.demo._run import run_demo, sparkline_chart
@@ -73,6 +153,8 @@ def demo_command(
             memory=memory,
             journal=journal,
             workdir=workdir,
+            database=database,
+            redis_url=redis_url,
             on_turn=on_turn,
         )
         progress.update(task, total=report.turns, completed=report.turns)
@@ -93,7 +175,8 @@ def demo_command(
         ("loops caught", report.loops_caught),
         ("turns that failed", report.failed_turns),
         ("time", f"{report.seconds:.1f} s"),
-        ("traces", f"KEEL_DATABASE=sqlite:///{report.workdir}/keel.db keel runs list"),
+        ("database", report.database),
+        ("traces", _traces_hint(report.workdir, database, throwaway=throwaway)),
     ]
     for label, value in lines:
         console.print(f"  {label:<44} {value}", markup=False, highlight=False)

@@ -64,8 +64,9 @@ def _journal() -> ToolJournal:
     from keel.stores import PostgresToolJournal, SQLiteToolJournal, open_database
 
     settings = load_settings()
-    if settings.sqlite_path is None:
-        return PostgresToolJournal(settings.database_url)
+    parsed = settings.parsed_database
+    if parsed.kind == "postgres":
+        return PostgresToolJournal(parsed.url)  # postgres:// and postgresql+psycopg:// too
     return SQLiteToolJournal(open_database(settings))
 
 

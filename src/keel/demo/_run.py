@@ -62,6 +62,9 @@ class DemoReport(BaseModel):
     seconds: float = Field(description="Wall time of the whole demo.")
     model: str = Field(description="The model that played the agent.")
     workdir: str = Field(description="Where the demo's database and logs are.")
+    database: str = Field(
+        default="sqlite", description="Where the agent's state, journal, traces and memory were."
+    )
     prompt_tokens_per_turn: list[int] = Field(
         default_factory=list, exclude=True, description="Largest prompt of each turn."
     )
@@ -70,7 +73,15 @@ class DemoReport(BaseModel):
 class _Worker:
     """One worker process and a reader thread for its stdout."""
 
-    def __init__(self, workdir: Path, model: str, memory: bool, journal: bool = True) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        model: str,
+        memory: bool,
+        journal: bool = True,
+        database: str | None = None,
+        redis_url: str | None = None,
+    ) -> None:
         command = [
             sys.executable,
             "-m",
@@ -84,6 +95,10 @@ class _Worker:
             command.append("--no-memory")
         if not journal:
             command.append("--no-journal")
+        if database:
+            command += ["--database", database]
+        if redis_url:
+            command += ["--redis-url", redis_url]
         self._stderr = (workdir / "worker.stderr").open("ab")
         self.process = subprocess.Popen(
             command,
@@ -163,6 +178,8 @@ def run_demo(
     memory: bool = True,
     journal: bool = True,
     workdir: Path | None = None,
+    database: str | None = None,
+    redis_url: str | None = None,
     turn_timeout_s: float = 300.0,
     on_turn: Callable[[int, int, dict[str, Any]], None] | None = None,
 ) -> DemoReport:
@@ -177,6 +194,10 @@ def run_demo(
         memory: give the agent long-term memory (embedded, MiniLM embeddings).
         journal: give the agent its durable tool journal; ``False`` is the control run that
             must fail (``passed`` false, a trip booked twice).
+        workdir: where the airline's records, logs and (by default) the database are.
+        database: the agent's database URL (default: ``sqlite:///WORKDIR/keel.db``); each
+            worker, the restarted one too, opens its agent from it with ``Agent.open``.
+        redis_url: keep the agent's state on this Redis (the rest stays on ``database``).
         on_turn: called after each turn with (turn, planned_turns, reply).
     """
     started = time.monotonic()
@@ -186,7 +207,7 @@ def run_demo(
     customer = FlightUser(plans(trips, side_questions))
     planned = trips * (side_questions + 7)
     kill_trip = trips // 2 if kill else -1
-    worker = _Worker(workdir, model, memory, journal)
+    worker = _Worker(workdir, model, memory, journal, database, redis_url)
     worker.receive(stalled=None, timeout_s=turn_timeout_s)  # ready
     reply_text = ""
     turns = 0
@@ -219,7 +240,7 @@ def run_demo(
             if reply is None:
                 worker.kill()
                 stalled.unlink()
-                worker = _Worker(workdir, model, memory, journal)
+                worker = _Worker(workdir, model, memory, journal, database, redis_url)
                 worker.receive(stalled=None, timeout_s=turn_timeout_s)
                 worker.send({"op": "settle"})
                 answer = worker.receive(stalled=None, timeout_s=turn_timeout_s)
@@ -273,8 +294,18 @@ def run_demo(
         seconds=round(time.monotonic() - started, 2),
         model=model,
         workdir=str(workdir),
+        database=_where(workdir, database, redis_url),
         prompt_tokens_per_turn=prompt_tokens,
     )
+
+
+def _where(workdir: Path, database: str | None, redis_url: str | None) -> str:
+    from keel._urls import parse_database_url, redact_url
+
+    url = database or f"sqlite:///{workdir / 'keel.db'}"
+    kind = parse_database_url(url).kind
+    where = f"{kind} ({redact_url(url)})"
+    return f"{where}, state on redis ({redact_url(redis_url)})" if redis_url else where
 
 
 def question_slot_answer(message: str) -> str | None:

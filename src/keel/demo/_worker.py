@@ -1,4 +1,4 @@
-"""The demo's worker process: one agent on the embedded default, driven over stdin/stdout.
+"""The demo's worker process: one agent (``Agent.open`` on a URL), driven over stdin/stdout.
 
 Commands arrive as JSON lines (``{"op": "say", "text": ...}``, ``{"op": "settle"}`` or
 ``{"op": "resume"}``); each answer is one JSON line. The parent kills this process with SIGKILL
@@ -21,10 +21,7 @@ from typing import Any
 from keel.context import ContextBudget
 from keel.demo._flights import RULES, SYSTEM_PROMPT, Airline, demo_machine, flight_tools
 from keel.runtime._agent import Agent
-from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
 from keel.tools import ToolJournal
-from keel.tracing import Tracer
 
 SESSION = "demo-session"
 USER = "demo-user"
@@ -34,16 +31,20 @@ that summarization, pruning and the flat prompt are visible within a few hundred
 
 
 def build_agent(
-    workdir: Path, model_spec: str, *, memory: bool, journal: bool = True
-) -> tuple[Agent, Any]:
-    """The flight agent on one SQLite file in ``workdir`` (state, journal, traces, memory).
+    workdir: Path,
+    model_spec: str,
+    *,
+    memory: bool,
+    journal: bool = True,
+    database: str | None = None,
+    redis_url: str | None = None,
+) -> Agent:
+    """The flight agent on ``database`` (default: ``keel.db`` in ``workdir``), opened by
+    :meth:`Agent.open`: state, journal, traces and memory there, state on ``redis_url`` if set.
 
     ``journal=False``: no durable tool journal (the executor falls back to one in this
     process's memory, which a SIGKILL loses).
     """
-    from keel.stores._sqlite_traces import SQLiteTraceStore
-
-    database = SQLiteDatabase(workdir / "keel.db")
     airline = Airline(workdir / "airline.db")
     budget: ContextBudget | None = None
     if model_spec == "scripted":
@@ -56,25 +57,20 @@ def build_agent(
         from keel.models import resolve_model
 
         model = resolve_model(model_spec)
-    traces = SQLiteTraceStore(database)
-    traces.setup()
-    long_term = None
-    if memory:
-        long_term = _memory(database)
-    agent = Agent(
-        model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+    agent = Agent.open(
+        database or f"sqlite:///{workdir / 'keel.db'}",
+        redis_url=redis_url or "",
+        model=model,
         system_prompt=SYSTEM_PROMPT,
         rules=RULES,
         tools=flight_tools(airline, stall_file=workdir / "stall", stalled_file=workdir / "stalled"),
         machine=demo_machine(),
-        memory=long_term,
-        journal=SQLiteToolJournal(database) if journal else None,
-        tracer=Tracer(traces, agent="flight-demo"),
+        memory=memory,
+        journal=journal,
         context=budget,
         name="flight-demo",
     )
-    return agent, long_term
+    return agent
 
 
 def settle_in_doubt_bookings(journal: ToolJournal | None, airline: Airline) -> list[str]:
@@ -100,15 +96,23 @@ def settle_in_doubt_bookings(journal: ToolJournal | None, airline: Airline) -> l
     return settled
 
 
-def _memory(database: SQLiteDatabase) -> Any:
-    from keel.memory import Memory, default_embedder
-    from keel.stores import SQLiteMemoryStore
-
-    return Memory(SQLiteMemoryStore(database), embedder=default_embedder(), background=True)
-
-
-async def serve(workdir: Path, model_spec: str, *, memory: bool, journal: bool) -> None:
-    agent, long_term = build_agent(workdir, model_spec, memory=memory, journal=journal)
+async def serve(
+    workdir: Path,
+    model_spec: str,
+    *,
+    memory: bool,
+    journal: bool,
+    database: str | None = None,
+    redis_url: str | None = None,
+) -> None:
+    agent = build_agent(
+        workdir,
+        model_spec,
+        memory=memory,
+        journal=journal,
+        database=database,
+        redis_url=redis_url,
+    )
     airline = Airline(workdir / "airline.db")
     print(json.dumps({"op": "ready"}), flush=True)
     try:
@@ -133,8 +137,7 @@ async def serve(workdir: Path, model_spec: str, *, memory: bool, journal: bool) 
                 return
             print(json.dumps({"op": "reply", **reply.model_dump(mode="json")}), flush=True)
     finally:
-        if long_term is not None:
-            long_term.close()
+        await agent.aclose()
 
 
 def main() -> None:
@@ -143,13 +146,22 @@ def main() -> None:
     parser.add_argument("--model", default="scripted")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-journal", action="store_true")
+    parser.add_argument("--database", default=None, help="Database URL (default: workdir).")
+    parser.add_argument("--redis-url", default=None, help="Redis URL for state.")
     args = parser.parse_args()
     # Guard warnings go to a log file; the parent owns the terminal.
     logging.basicConfig(
         filename=str(args.workdir / "worker.log"), level=logging.WARNING, force=True
     )
     asyncio.run(
-        serve(args.workdir, args.model, memory=not args.no_memory, journal=not args.no_journal)
+        serve(
+            args.workdir,
+            args.model,
+            memory=not args.no_memory,
+            journal=not args.no_journal,
+            database=args.database,
+            redis_url=args.redis_url,
+        )
     )
 
 

@@ -80,13 +80,11 @@ def open_memory_store(settings: Settings, **options: Any) -> MemoryStore:
     """The memory store behind ``settings.database_url`` (SQLite file or PostgreSQL)."""
     from keel.stores import PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
 
-    url = settings.database_url
-    if url.startswith(("postgresql://", "postgres://")):
-        return PostgresMemoryStore(url, **options)
-    path = settings.sqlite_path
-    if path is None:
-        raise ConfigError(f"unsupported database URL for memory: {url.split('://')[0]}://")
-    return SQLiteMemoryStore(SQLiteDatabase(path, busy_timeout_ms=settings.busy_timeout_ms))
+    parsed = settings.parsed_database
+    if parsed.kind == "postgres":
+        return PostgresMemoryStore(parsed.url, **options)
+    assert parsed.path is not None
+    return SQLiteMemoryStore(SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms))
 
 
 def open_memory(settings: Settings, **options: Any) -> Memory:

@@ -4,6 +4,17 @@
 from __future__ import annotations
 
 from keel.runtime._agent import Agent, AgentReply
+from keel.runtime._backends import Backends, open_backends
 from keel.runtime._tool_loop import LoopHooks, LoopResult, LoopStatus, StepRecord, ToolLoop
 
-__all__ = ["Agent", "AgentReply", "LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]
+__all__ = [
+    "Agent",
+    "AgentReply",
+    "Backends",
+    "LoopHooks",
+    "LoopResult",
+    "LoopStatus",
+    "StepRecord",
+    "ToolLoop",
+    "open_backends",
+]

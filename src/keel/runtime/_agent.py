@@ -81,6 +81,7 @@ from keel.tracing import RunTrace, Tracer
 
 if TYPE_CHECKING:
     from keel.memory import Memory
+    from keel.runtime._backends import Backends
     from keel.settings import Settings
 
 __all__ = ["Agent", "AgentReply"]
@@ -334,8 +335,125 @@ class Agent:
             raise UsageError(f"tool names {sorted(clash)} are reserved for the workflow")
         self._sessions: _Recent[str, _Session] = _Recent(session_cache_size)
         self._owned: list[Callable[[], None]] = []
+        self.backends: Backends | None = None
+        """The stores :meth:`open` opened (and closes); None for an agent built by hand."""
 
     # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        database: str | Settings | None = None,
+        /,
+        *,
+        system_prompt: str,
+        model: ChatModel | str | None = None,
+        tools: Sequence[Tool] = (),
+        rules: Sequence[str] = (),
+        machine: StateMachine | None = None,
+        memory: bool = True,
+        journal: bool = True,
+        redis_url: str | None = None,
+        settings: Settings | None = None,
+        **options: Any,
+    ) -> Agent:
+        """An agent whose state, tool journal, traces and memory are opened from one URL.
+
+        ``Agent.open("postgresql://u@host/db", system_prompt=...)``, ``Agent.open(settings,
+        ...)`` or ``Agent.open(system_prompt=...)`` (``KEEL_DATABASE``, default: the SQLite
+        file in the data directory). ``sqlite:///PATH``: one file holds everything, as
+        :meth:`embedded`. ``postgresql://...``: the PostgreSQL stores. A Redis URL
+        (``redis_url``, default ``KEEL_REDIS_URL``) moves state and session leases to Redis;
+        the journal, traces and memory stay on the SQL database.
+
+        Args:
+            database: a database URL, or the settings to read it from (default: the
+                ``settings`` argument, else :func:`~keel.settings.load_settings`).
+            system_prompt: identity and guardrails.
+            model: a ChatModel or a model spec (default: ``settings.model``).
+            tools / rules / machine: as for the constructor.
+            memory: open long-term memory (embedder: ``settings.embedder``).
+            journal: use the durable tool journal. False (a control, not for production):
+                the agent keeps one in this process's memory, which a crash loses.
+            redis_url: ``redis://...`` for state (default: ``settings.redis_url``; ``""``
+                keeps state on the database even when ``KEEL_REDIS_URL`` is set).
+            settings: model, embedder, SQLite busy timeout, and the URLs not given.
+            options: passed to the constructor (``context=``, ``guards=``, ``masker=``,
+                ``tenant_id=``, ``name=``, ...). The masker is also memory's and the tracer's.
+
+        Close the agent with :meth:`aclose` (or ``close``): it stops memory's outbox worker
+        (what is left stays in the durable outbox) and releases every connection it opened.
+
+        Raises:
+            ConfigError: a URL keel cannot open, or ``settings`` given twice.
+            BackendUnavailableError: a server cannot be reached or its driver is missing.
+            StoreError: a database cannot be opened or migrated.
+        """
+        from keel.errors import ConfigError
+        from keel.models import resolve_model
+        from keel.runtime._backends import open_backends
+        from keel.settings import Settings, load_settings
+
+        built_here = {"state", "tracer"} & set(options)
+        if built_here:
+            raise UsageError(
+                f"Agent.open builds {sorted(built_here)} from the database URL; to pass your "
+                "own stores, construct Agent(...) directly"
+            )
+        url: str | None = None
+        if isinstance(database, Settings):
+            if settings is not None:
+                raise ConfigError("settings given twice: positionally and as settings=")
+            settings = database
+        elif database is not None:
+            if not isinstance(database, str):
+                raise ConfigError(
+                    f"Agent.open takes a database URL or Settings, not {type(database).__name__}"
+                )
+            url = database
+        settings = settings or load_settings()
+        chat_model = (
+            model
+            if isinstance(model, ChatModel)
+            else resolve_model(model or settings.model, settings=settings)
+        )
+        # One privacy policy for messages, the journal, memory and traces; None turns it off.
+        masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
+        tenant_id: str = options.get("tenant_id", "default")
+        redact = (
+            None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
+        )
+        backends = open_backends(
+            url if url is not None else settings.database_url,
+            redis_url=redis_url if redis_url is not None else settings.redis_url,
+            memory=memory,
+            masker=masker,
+            settings=settings,
+        )
+        try:
+            agent = cls(
+                chat_model,
+                state=backends.state,
+                system_prompt=system_prompt,
+                tools=tools,
+                rules=rules,
+                machine=machine,
+                memory=backends.memory,
+                journal=backends.journal if journal else None,
+                tracer=Tracer(
+                    backends.traces,
+                    redact=redact,
+                    agent=options.get("name", "agent"),
+                    # A run killed mid-turn reads as abandoned once silent past this limit.
+                    run_time_limit_s=(options.get("guards") or GuardConfig()).run_timeout_s,
+                ),
+                **options,
+            )
+        except BaseException:
+            backends.close()
+            raise
+        agent.backends = backends
+        return agent
 
     @classmethod
     def embedded(
@@ -355,73 +473,43 @@ class Agent:
 
         ``options`` are passed to the constructor (``context=``, ``guards=``, ...). Close the
         agent with :meth:`aclose` (or ``close``) to flush memory and release the database.
+        :meth:`open` is the same on any database (and Redis); this one refuses a server URL.
+
+        Raises:
+            UsageError: the settings name a server database (use :meth:`open`).
         """
-        from keel.memory import Memory, embedder_from_settings
-        from keel.models import resolve_model
         from keel.settings import load_settings
-        from keel.stores import (
-            SQLiteMemoryStore,
-            SQLiteStateBackend,
-            SQLiteToolJournal,
-            open_database,
-        )
-        from keel.stores._sqlite_traces import SQLiteTraceStore
 
         settings = settings or load_settings()
-        # One privacy policy for messages, the journal, memory and traces; None turns it off.
-        masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
-        tenant_id: str = options.get("tenant_id", "default")
-        redact = (
-            None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
-        )
-        database = open_database(settings)
-        traces = SQLiteTraceStore(database)
-        traces.setup()
-        chat_model = (
-            model
-            if isinstance(model, ChatModel)
-            else resolve_model(model or settings.model, settings=settings)
-        )
-        long_term = (
-            Memory(
-                SQLiteMemoryStore(database),
-                embedder=embedder_from_settings(settings),
-                background=True,
-                masker=masker,
+        if settings.sqlite_path is None:
+            raise UsageError(
+                f"{settings.database_url.split('://')[0]} databases are opened by "
+                "Agent.open, not as the embedded SQLite database"
             )
-            if memory
-            else None
-        )
-        agent = cls(
-            chat_model,
-            state=StateStore(SQLiteStateBackend(database), AgentState),
+        return cls.open(
+            settings.database_url,
+            model=model,
             system_prompt=system_prompt,
             tools=tools,
             rules=rules,
             machine=machine,
-            memory=long_term,
-            journal=SQLiteToolJournal(database),
-            tracer=Tracer(
-                traces,
-                redact=redact,
-                agent=options.get("name", "agent"),
-                # A run killed mid-turn reads as abandoned once silent past this limit.
-                run_time_limit_s=(options.get("guards") or GuardConfig()).run_timeout_s,
-            ),
+            memory=memory,
+            redis_url="",  # embedded: everything in the one file, whatever KEEL_REDIS_URL says
+            settings=settings,
             **options,
         )
-        agent._owned.append(database.close)
-        if long_term is not None:
-            agent._owned.insert(0, long_term.close)
-        return agent
 
     async def aclose(self) -> None:
-        """Flush memory's outbox and release what :meth:`embedded` opened."""
+        """Flush memory's outbox and release what :meth:`open` / :meth:`embedded` opened."""
+        if self.backends is not None:
+            await self.backends.aclose()
         while self._owned:
             await asyncio.to_thread(self._owned.pop(0))
 
     def close(self) -> None:
         """Sync twin of :meth:`aclose`."""
+        if self.backends is not None:
+            self.backends.close()
         while self._owned:
             self._owned.pop(0)()
 

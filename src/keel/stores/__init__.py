@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from keel._urls import DatabaseURL, parse_database_url
 from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
@@ -36,6 +37,7 @@ __all__ = [
     "POSTGRES_TRACE_MIGRATIONS",
     "STATE_MIGRATIONS",
     "TRACE_MIGRATIONS",
+    "DatabaseURL",
     "Migration",
     "MigrationSet",
     "PostgresMemoryStore",
@@ -50,6 +52,7 @@ __all__ = [
     "SQLiteTraceStore",
     "open_database",
     "open_state_backend",
+    "parse_database_url",
     "translate_sqlite_error",
 ]
 

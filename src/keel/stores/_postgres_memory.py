@@ -271,7 +271,9 @@ class PostgresMemoryStore(MemoryStore):
             conn.execute(
                 f"CREATE INDEX IF NOT EXISTS {table}_scope ON {table} (tenant_id, user_id, model)"
             )
-            self._vector_tables.add(dimension)
+            # Not added to _vector_tables here: the caller does after its transaction commits.
+            # Added before, a search on another thread saw the table in the set and queried it
+            # while it was still uncommitted ("relation memory_vectors_64 does not exist").
         return table
 
     # --- writes -------------------------------------------------------------------------
@@ -680,6 +682,7 @@ class PostgresMemoryStore(MemoryStore):
                 cur.execute(
                     "DELETE FROM memory_outbox WHERE id = ANY(%s)", ([e.id for e in entries],)
                 )
+        self._vector_tables.add(dimension)  # committed: searches may use it now
         self._ensure_statistics(table)
 
     def fail(self, entries: Sequence[OutboxEntry], error: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from keel._urls import parse_database_url
 from keel.errors import ConfigError
 from keel.state._backend import StateBackend
 
@@ -18,19 +19,19 @@ def open_state_backend(url: str) -> StateBackend:
         ConfigError: an unknown scheme.
         BackendUnavailableError: the server cannot be reached or its driver is not installed.
     """
-    scheme = url.split("://", 1)[0].lower()
-    if scheme == "sqlite":
+    try:
+        parsed = parse_database_url(url)
+    except ConfigError as exc:
+        raise ConfigError(f"unknown state backend URL: {exc}") from None
+    if parsed.kind == "sqlite":
         from keel.stores._sqlite_state import SQLiteStateBackend
 
-        return SQLiteStateBackend(url.removeprefix("sqlite:///"))
-    if scheme in ("postgresql", "postgres"):
+        assert parsed.path is not None
+        return SQLiteStateBackend(parsed.path)
+    if parsed.kind == "postgres":
         from keel.stores._postgres_state import PostgresStateBackend
 
-        return PostgresStateBackend(url)
-    if scheme in ("redis", "rediss", "unix"):
-        from keel.stores._redis_state import RedisStateBackend
+        return PostgresStateBackend(parsed.url)
+    from keel.stores._redis_state import RedisStateBackend
 
-        return RedisStateBackend(url)
-    raise ConfigError(
-        f"unknown state backend URL scheme {scheme!r}: use sqlite:///, postgresql:// or redis://"
-    )
+    return RedisStateBackend(parsed.url)

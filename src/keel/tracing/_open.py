@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from keel._urls import parse_database_url
 from keel.errors import ConfigError
 from keel.settings import Settings, load_settings
 from keel.tracing._store import TraceStore
@@ -18,23 +19,21 @@ def open_trace_store(settings: Settings | None = None, *, setup: bool = True) ->
         StoreError: the database cannot be opened or migrated.
     """
     settings = settings or load_settings()
-    url = settings.database_url
+    try:
+        parsed = parse_database_url(settings.database_url, kinds=("sqlite", "postgres"))
+    except ConfigError as exc:
+        raise ConfigError(f"cannot keep traces there: {exc}") from None
     store: TraceStore
-    if settings.sqlite_path is not None:
+    if parsed.path is not None:
         from keel.stores._sqlite import SQLiteDatabase
         from keel.stores._sqlite_traces import SQLiteTraceStore
 
-        database = SQLiteDatabase(settings.sqlite_path, busy_timeout_ms=settings.busy_timeout_ms)
+        database = SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms)
         store = SQLiteTraceStore(database, close_database=True)
-    elif url.startswith(("postgresql://", "postgres://", "postgresql+psycopg://")):
+    else:
         from keel.stores._postgres_traces import PostgresTraceStore
 
-        store = PostgresTraceStore(url.replace("postgresql+psycopg://", "postgresql://", 1))
-    else:
-        raise ConfigError(
-            f"cannot keep traces in {url.split('://')[0]!r} databases; "
-            "use sqlite:///PATH or postgresql://..."
-        )
+        store = PostgresTraceStore(parsed.url)
     if setup:
         try:
             store.setup()
