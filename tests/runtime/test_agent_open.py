@@ -252,11 +252,6 @@ def test_open_on_postgres_sync_twins_and_close(postgres_url: str) -> None:
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(
-    reason="handle_sync runs each call on a new event loop and the state backend's async pool "
-    "is per loop, so the last one outlives close(): issue 15 part 3 (one sync bridge)",
-    strict=True,
-)
 def test_sync_close_on_postgres_leaves_no_connection(postgres_url: str) -> None:
     _sync_turns(postgres_url)
     assert _connections_drain(postgres_url)

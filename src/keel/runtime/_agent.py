@@ -507,11 +507,9 @@ class Agent:
             await asyncio.to_thread(self._owned.pop(0))
 
     def close(self) -> None:
-        """Sync twin of :meth:`aclose`."""
-        if self.backends is not None:
-            self.backends.close()
-        while self._owned:
-            self._owned.pop(0)()
+        """Sync twin of :meth:`aclose`, on the bridge loop the sync twins ran on: async clients
+        opened by ``handle_sync`` are closed on their own loop."""
+        run_sync(self.aclose())
 
     # --- public API ---------------------------------------------------------------------------
 
