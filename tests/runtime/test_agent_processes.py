@@ -20,22 +20,26 @@ from tests.runtime.agent_worker import KILL_POINTS
 _ROOT = Path(__file__).resolve().parents[2]
 
 
+def _command(tmp_path: Path, texts: list[str], *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "tests.runtime.agent_worker",
+        "--db",
+        str(tmp_path / "keel.db"),
+        "--effects",
+        str(tmp_path / "effects.txt"),
+        "--texts",
+        json.dumps(texts),
+        *extra,
+    ]
+
+
 def _worker(
     tmp_path: Path, texts: list[str], *extra: str, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.runtime.agent_worker",
-            "--db",
-            str(tmp_path / "keel.db"),
-            "--effects",
-            str(tmp_path / "effects.txt"),
-            "--texts",
-            json.dumps(texts),
-            *extra,
-        ],
+        _command(tmp_path, texts, *extra),
         cwd=_ROOT,
         capture_output=True,
         text=True,
@@ -77,19 +81,7 @@ def test_two_processes_on_one_session_book_each_request_exactly_once(tmp_path: P
     texts = {name: [f"book {name}{n}" for n in range(8)] for name in ("A", "B")}
     workers = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.runtime.agent_worker",
-                "--db",
-                str(tmp_path / "keel.db"),
-                "--effects",
-                str(tmp_path / "effects.txt"),
-                "--texts",
-                json.dumps(batch),
-                "--lease-ttl",
-                "5",
-            ],
+            _command(tmp_path, batch, "--lease-ttl", "5"),
             cwd=_ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

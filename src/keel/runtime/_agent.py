@@ -655,11 +655,9 @@ class Agent:
             self._sessions.pop(key, None)
             raise
 
-    def _conversation(
-        self, key: str, state: AgentState, version: int, *, fresh: bool = False
-    ) -> Conversation:
+    def _conversation(self, key: str, state: AgentState, version: int) -> Conversation:
         cached = self._sessions.get(key)
-        if not fresh and cached is not None and cached.version == version:
+        if cached is not None and cached.version == version:
             self._sessions.move_to_end(key)
             return cached.conversation
         runtime = state.runtime

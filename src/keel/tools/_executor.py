@@ -263,18 +263,7 @@ class ToolExecutor:
                 f"failed ({type(exc).__name__})"
             )
             unmasked.__cause__ = exc
-            return ToolResult(
-                **base,
-                status="failed",
-                content=(
-                    f"Error: tool {found.name!r} was not run: its call could not be recorded "
-                    "(masking its arguments failed). Nothing happened; it can be tried later."
-                ),
-                error=str(unmasked),
-                error_type=type(unmasked).__name__,
-                exception=unmasked,
-                latency_ms=_ms(started),
-            )
+            return _not_recorded(found, base, started, "masking its arguments failed", unmasked)
         try:
             if not found.idempotent and self.journal.get(key) is None:
                 earlier = self._earlier_same_call(found, session_id, key, canonical)
@@ -292,18 +281,7 @@ class ToolExecutor:
                 claim = claim.model_copy(update={"entry": self.journal.restart(key)})
         except StoreError as exc:
             # Without a durable intent the call could run twice after a crash: do not run it.
-            return ToolResult(
-                **base,
-                status="failed",
-                content=(
-                    f"Error: tool {found.name!r} was not run: its call could not be recorded "
-                    "(the journal is unavailable). Nothing happened; it can be tried later."
-                ),
-                error=str(exc),
-                error_type=type(exc).__name__,
-                exception=exc,
-                latency_ms=_ms(started),
-            )
+            return _not_recorded(found, base, started, "the journal is unavailable", exc)
         entry = claim.entry
         if not claim.created:
             if not entry.in_doubt:
@@ -617,6 +595,24 @@ class ToolExecutor:
             attempt=context.attempt,
             latency_ms=_ms(started),
         )
+
+
+def _not_recorded(
+    found: Tool, base: dict[str, Any], started: float, why: str, error: KeelError
+) -> ToolResult:
+    """A side-effecting call refused because its intent could not be journalled: not run."""
+    return ToolResult(
+        **base,
+        status="failed",
+        content=(
+            f"Error: tool {found.name!r} was not run: its call could not be recorded "
+            f"({why}). Nothing happened; it can be tried later."
+        ),
+        error=str(error),
+        error_type=type(error).__name__,
+        exception=error,
+        latency_ms=_ms(started),
+    )
 
 
 def _as_text(output: Any) -> str:
