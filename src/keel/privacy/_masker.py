@@ -60,6 +60,10 @@ class MaskResult(BaseModel):
         return bool(self.placeholders)
 
 
+_CACHED_RESULTS = 2048
+_CACHED_TEXT_CHARS = 8192
+
+
 class PIIMasker:
     """Replace PII and secrets with typed placeholders (``<EMAIL_1>``, ``<API_KEY_2>``).
 
@@ -83,6 +87,11 @@ class PIIMasker:
         self.tenant_policies: dict[str, MaskingPolicy] = dict(tenant_policies or {})
         self._extra = tuple(extra_detectors)
         self._presidio: Any = None
+        self._detectors: dict[MaskingPolicy, list[Detector]] = {}
+        # Masking is a pure function of (policy, text); the same texts come back many times
+        # (a message masked by the agent, then by the tracer, then its report), so recent
+        # results are kept. Bounded in entries and in the length of the texts kept.
+        self._results: dict[tuple[MaskingPolicy, str], MaskResult] = {}
         for candidate in (self.policy, *self.tenant_policies.values()):
             if candidate.presidio:
                 self._presidio = _load_presidio()
@@ -105,8 +114,11 @@ class PIIMasker:
         policy = self.policy_for(tenant_id)
         if not policy.enabled or not text:
             return []
-        detectors = [d for d in (*DETECTORS, *self._extra) if d.entity in policy.entities]
-        detectors.extend(d for d in self._extra if d.entity not in policy.entities)
+        detectors = self._detectors.get(policy)
+        if detectors is None:
+            detectors = [d for d in (*DETECTORS, *self._extra) if d.entity in policy.entities]
+            detectors.extend(d for d in self._extra if d.entity not in policy.entities)
+            self._detectors[policy] = detectors
         found = find_all(text, detectors)
         if policy.presidio and self._presidio is not None:
             found = _merge(found, _presidio_findings(self._presidio, text))
@@ -114,6 +126,19 @@ class PIIMasker:
 
     def mask(self, text: str, *, tenant_id: str | None = None) -> MaskResult:
         """Mask ``text`` under the tenant's policy."""
+        if len(text) > _CACHED_TEXT_CHARS:
+            return self._mask(text, tenant_id)
+        key = (self.policy_for(tenant_id), text)
+        result = self._results.get(key)
+        if result is None:
+            result = self._mask(text, tenant_id)
+            if len(self._results) >= _CACHED_RESULTS:
+                # Oldest first: dicts keep insertion order.
+                del self._results[next(iter(self._results))]
+            self._results[key] = result
+        return result
+
+    def _mask(self, text: str, tenant_id: str | None) -> MaskResult:
         found = self.findings(text, tenant_id=tenant_id)
         if not found:
             return MaskResult(text=text)

@@ -86,6 +86,10 @@ class ChatTokenCounter:
         # the counts of recent messages, so a prompt that repeats the window (every compile,
         # every usage report) costs a dict look-up per message, not a tokenization.
         self._message_counts: dict[tuple[Any, ...], int] = {}
+        # The same message objects are counted on every compile: by identity first, which
+        # costs one dict look-up instead of building the content key (the object is kept,
+        # so its id cannot be reused while the entry lives).
+        self._by_identity: dict[int, tuple[Message, int]] = {}
 
     @property
     def exact(self) -> bool:
@@ -108,6 +112,17 @@ class ChatTokenCounter:
 
     def count_message(self, message: Message) -> int:
         """Tokens one message costs in a prompt, framing included (cached per message)."""
+        known = self._by_identity.get(id(message))
+        if known is not None and known[0] is message:
+            return known[1]
+        tokens = self._count_by_content(message)
+        if self.cache_size > 0:
+            if len(self._by_identity) >= self.cache_size:
+                del self._by_identity[next(iter(self._by_identity))]
+            self._by_identity[id(message)] = (message, tokens)
+        return tokens
+
+    def _count_by_content(self, message: Message) -> int:
         key = (
             message.role,
             message.content,
