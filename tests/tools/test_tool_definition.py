@@ -151,3 +151,34 @@ def test_registry_accepts_plain_functions_and_suggests_close_names() -> None:
     assert registry.suggest("weather") == ["get_weather"]
     assert registry.suggest("zzzz") == []
     assert "get_weather" in registry and len(registry) == 2
+
+
+async def test_sync_tools_reuse_an_idle_thread_and_a_hung_one_blocks_no_other() -> None:
+    import threading
+
+    from keel.tools._tool import _tool_threads, _ToolThreads
+
+    release = threading.Event()
+
+    @tool
+    def where() -> int:
+        """Say which thread runs the tool."""
+        return threading.get_ident()
+
+    @tool
+    def hang() -> str:
+        """Wait until released."""
+        release.wait(10)
+        return "released"
+
+    assert isinstance(_tool_threads, _ToolThreads)
+    first = await where.ainvoke(where.args_model())
+    second = await where.ainvoke(where.args_model())
+    assert first == second, "an idle tool thread was not reused"
+    hung = asyncio.ensure_future(hang.ainvoke(hang.args_model()))
+    await asyncio.sleep(0.05)
+    # The hung call holds its thread; the next call gets another one and does not wait.
+    await asyncio.wait_for(where.ainvoke(where.args_model()), 5)
+    assert not hung.done()
+    release.set()
+    assert await hung == "released"

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 __all__ = ["Chain", "SessionHead", "StateBackend", "StoredCheckpoint"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,14 @@ class StateBackend(ABC):
 
     # --- async twins: a worker thread by default; server backends override them natively ----
 
+    async def _run_twin(self, call: Callable[[], _T]) -> _T:
+        """Run one sync method's body for an async twin: in a worker thread by default, so a
+        database round trip never blocks the event loop."""
+        return await asyncio.to_thread(call)
+
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
         """Async twin of ``read_chain``."""
-        return await asyncio.to_thread(self.read_chain, session_id, version, now)
+        return await self._run_twin(lambda: self.read_chain(session_id, version, now))
 
     def read_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
@@ -183,8 +191,8 @@ class StateBackend(ABC):
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
         """Async twin of ``read_head_chain``."""
-        return await asyncio.to_thread(
-            self.read_head_chain, session_id, now, known_version, known_epoch
+        return await self._run_twin(
+            lambda: self.read_head_chain(session_id, now, known_version, known_epoch)
         )
 
     async def awrite(
@@ -199,7 +207,7 @@ class StateBackend(ABC):
         now: float,
     ) -> None:
         """Async twin of ``write``."""
-        await asyncio.to_thread(
+        await self._run_twin(
             lambda: self.write(
                 session_id,
                 row,
@@ -213,28 +221,28 @@ class StateBackend(ABC):
 
     async def ahistory(self, session_id: str, now: float) -> list[StoredCheckpoint]:
         """Async twin of ``history``."""
-        return await asyncio.to_thread(self.history, session_id, now)
+        return await self._run_twin(lambda: self.history(session_id, now))
 
     async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
         """Async twin of ``mark``."""
-        return await asyncio.to_thread(self.mark, session_id, version, good)
+        return await self._run_twin(lambda: self.mark(session_id, version, good))
 
     async def adelete(self, session_id: str) -> bool:
         """Async twin of ``delete``."""
-        return await asyncio.to_thread(self.delete, session_id)
+        return await self._run_twin(lambda: self.delete(session_id))
 
     async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
         """Async twin of ``acquire_lock``."""
-        return await asyncio.to_thread(self.acquire_lock, key, owner, ttl, now)
+        return await self._run_twin(lambda: self.acquire_lock(key, owner, ttl, now))
 
     async def arelease_lock(self, key: str, owner: str) -> bool:
         """Async twin of ``release_lock``."""
-        return await asyncio.to_thread(self.release_lock, key, owner)
+        return await self._run_twin(lambda: self.release_lock(key, owner))
 
     async def alock_holder(self, key: str, now: float) -> str | None:
         """Async twin of ``lock_holder``."""
-        return await asyncio.to_thread(self.lock_holder, key, now)
+        return await self._run_twin(lambda: self.lock_holder(key, now))
 
     async def aclose(self) -> None:
         """Async twin of ``close``."""
-        await asyncio.to_thread(self.close)
+        await self._run_twin(self.close)

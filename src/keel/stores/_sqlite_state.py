@@ -8,9 +8,10 @@ WAL snapshot.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from keel.errors import ConflictError, ExpiredError
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
@@ -83,6 +84,9 @@ def _row(values: tuple[object, ...], payload_size: int | None = None) -> StoredC
     )
 
 
+_T = TypeVar("_T")
+
+
 class SQLiteStateBackend(StateBackend):
     """Checkpoints in a ``SQLiteDatabase`` (its ``state`` migrations are applied on open).
 
@@ -96,6 +100,9 @@ class SQLiteStateBackend(StateBackend):
         self._owned = not isinstance(database, SQLiteDatabase)
         self.db = database if isinstance(database, SQLiteDatabase) else SQLiteDatabase(database)
         self.db.setup(STATE_MIGRATIONS)
+
+    async def _run_twin(self, call: Callable[[], _T]) -> _T:
+        return await self.db.arun(call)
 
     @contextmanager
     def _snapshot(self) -> Iterator[sqlite3.Connection]:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from keel.errors import StoreError
 from keel.stores._migrations import Migration, MigrationSet
@@ -268,6 +269,9 @@ _INSERT_STEP = (
 )
 
 
+_T = TypeVar("_T")
+
+
 class SQLiteTraceStore(TraceStore):
     """Traces in the embedded SQLite file (``keel.db``), next to state, memory and journal.
 
@@ -284,8 +288,9 @@ class SQLiteTraceStore(TraceStore):
         self.db = SQLiteDatabase(database) if not isinstance(database, SQLiteDatabase) else database
         self._owns_db = opened if close_database is None else close_database
         self._ready = False
-        # Each thread would open its own, empty in-memory database.
-        self.threaded_async = not self.db.is_memory
+
+    async def _call(self, function: Callable[[], _T]) -> _T:
+        return await self.db.arun(function)
 
     def setup(self) -> None:
         """Create or migrate the ``traces`` tables; idempotent."""

@@ -87,9 +87,11 @@ class ChatTokenCounter:
         # every usage report) costs a dict look-up per message, not a tokenization.
         self._message_counts: dict[tuple[Any, ...], int] = {}
         # The same message objects are counted on every compile: by identity first, which
-        # costs one dict look-up instead of building the content key (the object is kept,
-        # so its id cannot be reused while the entry lives).
-        self._by_identity: dict[int, tuple[Message, int]] = {}
+        # costs one dict look-up instead of building the content key, and lets a whole list
+        # be summed at C speed. The objects are kept alive with their entries, so an id
+        # cannot be reused while its entry lives.
+        self._identity_counts: dict[int, int] = {}
+        self._identity_kept: dict[int, Message] = {}
 
     @property
     def exact(self) -> bool:
@@ -112,14 +114,17 @@ class ChatTokenCounter:
 
     def count_message(self, message: Message) -> int:
         """Tokens one message costs in a prompt, framing included (cached per message)."""
-        known = self._by_identity.get(id(message))
-        if known is not None and known[0] is message:
-            return known[1]
+        known = self._identity_counts.get(id(message))
+        if known is not None:
+            return known
         tokens = self._count_by_content(message)
         if self.cache_size > 0:
-            if len(self._by_identity) >= self.cache_size:
-                del self._by_identity[next(iter(self._by_identity))]
-            self._by_identity[id(message)] = (message, tokens)
+            if len(self._identity_counts) >= self.cache_size:
+                oldest = next(iter(self._identity_counts))
+                del self._identity_counts[oldest]
+                del self._identity_kept[oldest]
+            self._identity_counts[id(message)] = tokens
+            self._identity_kept[id(message)] = message
         return tokens
 
     def _count_by_content(self, message: Message) -> int:
@@ -162,7 +167,10 @@ class ChatTokenCounter:
     def count_messages(self, messages: Iterable[Message], *, prime_reply: bool = True) -> int:
         """Tokens of a whole message list, including the reply priming."""
         message_list = list(messages)
-        total = sum(self.count_message(message) for message in message_list)
+        try:
+            total = sum(map(self._identity_counts.__getitem__, map(id, message_list)))
+        except KeyError:
+            total = sum(map(self.count_message, message_list))
         if self.profile.chat_format == "chatml":
             if not message_list or message_list[0].role != "system":
                 total += self.count_message(Message.system(_CHATML_DEFAULT_SYSTEM))
