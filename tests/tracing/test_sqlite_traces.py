@@ -103,3 +103,28 @@ def test_nothing_unmasked_reaches_the_file(tmp_path: Path) -> None:
     assert "[REDACTED:" in text
     for secret in secrets:
         assert secret not in text, secret
+
+
+def test_a_batch_is_one_transaction(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from keel.tracing import Run, Step
+    from keel.tracing._store import RunEnding
+
+    store = SQLiteTraceStore(tmp_path / "keel.db")
+    store.setup()
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+    step = Step(run_id="r1", step_id="s0", seq=0, kind="model", started_at=now, ended_at=now)
+    with pytest.raises(Exception, match="no such run"):
+        # The step is fine, the end is not: the whole batch is rolled back.
+        store.write_batch(run=None, steps=[step], end=RunEnding("other", "failed", now))
+    assert store.get_steps("r1") == []
+    commits: list[str] = []
+    conn = store.db.connection()
+    conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    store.write_batch(run=None, steps=[step], end=RunEnding("r1", "succeeded", now))
+    conn.set_trace_callback(None)
+    assert commits == ["COMMIT"]
+    assert [s.step_id for s in store.get_steps("r1")] == ["s0"]
+    store.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -379,3 +380,31 @@ def test_a_failed_run_start_is_retried_with_the_next_write(tmp_path: Path) -> No
     assert stored.step_count == 1 and tracer.write_failures == 1
     store.close()
     db.close()
+
+
+async def test_a_buffered_run_writes_at_its_flushes_and_its_end(store: SQLiteTraceStore) -> None:
+    tracer = Tracer(store, agent="booker")
+    run = await tracer.astart_run("s1", input="hello", buffered=True)
+    await run.arecord("model", "gpt", usage=Usage(prompt_tokens=10, completion_tokens=2))
+    assert store.get_run(run.run_id) is None, "a buffered run wrote before its flush"
+    commits: list[str] = []
+    connection = store.db.connection
+
+    def traced() -> sqlite3.Connection:
+        conn = connection()
+        conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+        return conn
+
+    store.db.connection = traced  # type: ignore[method-assign]
+    await run.aflush()
+    await run.aflush()  # nothing new: nothing written
+    store.db.connection = connection  # type: ignore[method-assign]
+    assert commits == ["COMMIT"], "the header and the step were not one batch"
+    stored = store.get_run(run.run_id)
+    assert stored is not None and stored.status == "running" and stored.step_count == 1
+    await run.arecord("tool", "lookup", tool_name="lookup", tool_result="ok")
+    await run.aend(output="bye")
+    stored = store.get_run(run.run_id)
+    assert stored is not None
+    assert (stored.status, stored.output, stored.step_count) == ("succeeded", "bye", 2)
+    assert [step.kind for step in store.get_steps(run.run_id)] == ["model", "tool"]

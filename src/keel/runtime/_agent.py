@@ -755,6 +755,7 @@ class Agent:
             input=user_message.content,
             attributes={"resumed": resume, "turn_id": turn_id},
             time_limit_s=self.guards.run_timeout_s,
+            buffered=True,
         )
         turn = _Turn(
             key=key,
@@ -887,6 +888,9 @@ class Agent:
         # The checkpoint before the model call: compare-and-set on the version we read.
         await self._write(turn, state, reason="before model call", step=step)
         self._note_commit(turn.key, turn.version, len(messages))
+        # The trace so far is made durable with the checkpoint: a process killed during the
+        # model call leaves both at the same point.
+        await turn.run.aflush()
         assert turn.registry is not None
         prompt = self._engine_for(turn).compile(
             turn.conversation,

@@ -278,8 +278,13 @@ class SQLiteDatabase:
         """A write transaction: committed on success, rolled back on any exception.
 
         sqlite3 errors, raised by the body or by COMMIT, leave as keel's ``StoreError``
-        family with the original on ``__cause__``.
+        family with the original on ``__cause__``. A transaction opened inside another one on
+        the same thread joins it: the outer one commits or rolls back the whole, so several
+        store writes can be made atomic (and cost one commit).
         """
+        if getattr(self._local, "open_transaction", False):
+            yield self.connection()
+            return
         self.check_file()
         conn = self.connection()
         inline: _InlineCall | None = getattr(self._local, "inline", None)
@@ -293,6 +298,7 @@ class SQLiteDatabase:
                     self._begin_inline(conn, inline)
             except sqlite3.Error as exc:
                 raise translate_sqlite_error(exc, self.path) from exc
+            self._local.open_transaction = True
             try:
                 yield conn
             except sqlite3.Error as exc:
@@ -301,6 +307,8 @@ class SQLiteDatabase:
             except BaseException as exc:
                 self._rollback(conn, exc)
                 raise
+            finally:
+                self._local.open_transaction = False
             try:
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:

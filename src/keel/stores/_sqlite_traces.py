@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +31,7 @@ from keel.tracing._models import (
     Step,
     StepMetric,
 )
-from keel.tracing._store import TraceStore
+from keel.tracing._store import RunEnding, TraceStore
 
 __all__ = ["TRACE_MIGRATIONS", "SQLiteTraceStore"]
 
@@ -371,6 +371,12 @@ class SQLiteTraceStore(TraceStore):
                 )
             except sqlite3.Error as exc:
                 raise translate_sqlite_error(exc, self.db.path) from exc
+
+    def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
+        """One transaction for the whole batch (the writes inside join it)."""
+        self._ensure()
+        with self.db.transaction():
+            super().write_batch(run=run, steps=steps, end=end)
 
     def end_run(
         self,

@@ -21,7 +21,7 @@ from typing import Any
 from keel.errors import StoreError, UsageError
 from keel.messages import Usage
 from keel.tracing._models import Run, RunQuery, Step, StepKind
-from keel.tracing._store import TraceStore
+from keel.tracing._store import RunEnding, TraceStore
 from keel.tracing._tracer import Tracer
 
 __all__ = ["TraceStoreConformance"]
@@ -110,6 +110,34 @@ class TraceStoreConformance:
         run = trace_store.get_run("r1")
         assert run is not None and run.input == "again" and run.step_count == 1
         assert len(trace_store.get_steps("r1")) == 1
+
+    def test_a_batch_starts_writes_and_ends_a_run(self, trace_store: TraceStore) -> None:
+        ended = T0 + timedelta(seconds=5)
+        trace_store.write_batch(
+            run=_run("r1"),
+            steps=[_step("r1", 0, prompt_tokens=10), _step("r1", 1, "tool")],
+            end=None,
+        )
+        run = trace_store.get_run("r1")
+        assert run is not None and run.status == "running"
+        assert (run.step_count, run.model_calls, run.tool_calls) == (2, 1, 1)
+        trace_store.write_batch(
+            run=None,
+            steps=[_step("r1", 2, prompt_tokens=5)],
+            end=RunEnding("r1", "succeeded", ended, "done"),
+        )
+        run = trace_store.get_run("r1")
+        assert run is not None
+        assert (run.status, run.ended_at, run.output) == ("succeeded", ended, "done")
+        assert (run.step_count, run.prompt_tokens) == (3, 15)
+        assert [step.seq for step in trace_store.get_steps("r1")] == [0, 1, 2]
+
+    def test_a_batch_ending_an_unknown_run_fails(self, trace_store: TraceStore) -> None:
+        try:
+            trace_store.write_batch(run=None, steps=[], end=RunEnding("nope", "failed", T0))
+        except StoreError:
+            return
+        raise AssertionError("a batch ending an unknown run did not raise StoreError")
 
     # --- steps ----------------------------------------------------------------------------
 

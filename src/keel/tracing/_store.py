@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeVar
 
@@ -27,9 +28,21 @@ from keel.tracing._models import (
 )
 from keel.tracing._stats import session_stats
 
-__all__ = ["TraceStore"]
+__all__ = ["RunEnding", "TraceStore"]
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnding:
+    """How a run ended: the arguments of :meth:`TraceStore.end_run`."""
+
+    run_id: str
+    status: RunStatus
+    ended_at: datetime
+    output: str | None = None
+    error_type: str | None = None
+    error_message: str | None = None
 
 
 class TraceStore(ABC):
@@ -118,6 +131,25 @@ class TraceStore(ABC):
     def close(self) -> None:
         """Release connections."""
 
+    def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
+        """Start ``run`` (when given), write ``steps`` and end the run (when ``end`` is
+        given), in that order: what a buffered :class:`~keel.tracing.RunTrace` has gathered
+        since its last flush. This default makes one call per item; a backend that can
+        should do it in one transaction."""
+        if run is not None:
+            self.start_run(run)
+        for step in steps:
+            self.write_step(step)
+        if end is not None:
+            self.end_run(
+                end.run_id,
+                status=end.status,
+                ended_at=end.ended_at,
+                output=end.output,
+                error_type=end.error_type,
+                error_message=end.error_message,
+            )
+
     # --- derived, shared by all backends ------------------------------------------------------
 
     def get_run_detail(self, run_id: str) -> RunDetail | None:
@@ -179,6 +211,12 @@ class TraceStore(ABC):
     async def awrite_step(self, step: Step) -> None:
         """Async twin of :meth:`write_step`."""
         await self._call(lambda: self.write_step(step))
+
+    async def awrite_batch(
+        self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None
+    ) -> None:
+        """Async twin of :meth:`write_batch`."""
+        await self._call(lambda: self.write_batch(run=run, steps=steps, end=end))
 
     async def aend_run(
         self,

@@ -39,7 +39,7 @@ from keel.models import Completion
 from keel.tracing._models import Run, RunStatus, Step, StepKind
 from keel.tracing._redact import Redactor, redact_json, redact_pii
 from keel.tracing._stats import LOOP_GUARD_NAME
-from keel.tracing._store import TraceStore
+from keel.tracing._store import RunEnding, TraceStore
 
 __all__ = [
     "RunTrace",
@@ -299,12 +299,22 @@ class Tracer:
         run_id: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         time_limit_s: float | None = None,
+        buffered: bool = False,
     ) -> RunTrace:
-        """Async twin of :meth:`start_run` (the write does not block the event loop)."""
+        """Async twin of :meth:`start_run` (the write does not block the event loop).
+
+        ``buffered``: the header and the steps are kept in memory and written together, in
+        one batch, by :meth:`RunTrace.aflush` and by :meth:`RunTrace.aend` (which writes the
+        end in the same batch). A runtime that flushes at its own durable points (keel's
+        Agent: before each model call, next to the checkpoint) pays one write per point
+        instead of one per step; what a killed process loses is what came after its last
+        flush, which its checkpoint does not hold either.
+        """
         handle, header = self._new_run(
             session_id, user_id, tenant_id, agent, input, run_id, attributes, time_limit_s
         )
-        if header is not None and self.store is not None:
+        handle._buffered = buffered
+        if header is not None and self.store is not None and not buffered:
             try:
                 await self.store.astart_run(header)
                 handle._stored = True
@@ -411,6 +421,8 @@ class RunTrace:
         # in the connection) is retried before the next write so the run's steps still land.
         self._stored = False
         self._finished: list[Step] = []
+        self._buffered = False
+        self._pending: list[Step] = []
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -615,11 +627,37 @@ class RunTrace:
         store = self.tracer.store
         if store is None:
             return
+        if self._buffered:
+            self._pending.append(step)
+            return
         try:
             await self._aensure_stored(store)
             await store.awrite_step(step)
         except Exception as exc:
             self.tracer._failed(f"step {step.kind}:{step.name}", exc)
+
+    async def aflush(self) -> None:
+        """Write what a buffered run holds (its header, the steps since the last flush) in one
+        batch. Never raises; a no-op for an unbuffered run. Steps of a batch that failed are
+        dropped (logged), the header is tried again with the next batch."""
+        await self._aflush_with(None)
+
+    async def _aflush_with(self, end: RunEnding | None) -> None:
+        store = self.tracer.store
+        if store is None or not self._buffered:
+            return
+        run = self._header if not self._stored else None
+        steps, self._pending = self._pending, []
+        if run is None and not steps and end is None:
+            return
+        try:
+            await store.awrite_batch(run=run, steps=steps, end=end)
+        except Exception as exc:
+            what = "run end" if end is not None else f"{len(steps)} steps"
+            self.tracer._failed(what, exc)
+            return
+        if run is not None:
+            self._stored = True
 
     # --- ending -------------------------------------------------------------------------------
 
@@ -706,7 +744,12 @@ class RunTrace:
         if final is None:
             return
         store = self.tracer.store
-        if store is not None:
+        if store is not None and self._buffered:
+            status_, ended, out, error_type, error_message = final
+            await self._aflush_with(
+                RunEnding(self.run_id, status_, ended, out, error_type, error_message)
+            )
+        elif store is not None:
             status_, ended, out, error_type, error_message = final
             try:
                 await self._aensure_stored(store)
