@@ -15,6 +15,7 @@ turn's reply is checked, and the tool's executions are counted from the tool its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -73,7 +74,17 @@ def _file_bytes(path: Path) -> int:
     )
 
 
-def _keel(turns: int, bucket: int, directory: Path, *, memory: bool) -> dict[str, Any]:
+def _postgres_bytes(url: str) -> int:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _keel(
+    turns: int, bucket: int, directory: Path, *, memory: bool, postgres_url: str | None = None
+) -> dict[str, Any]:
     from keel.runtime import Agent
     from keel.settings import load_settings
     from keel.testing import ScriptedCall, ScriptedModel
@@ -98,35 +109,44 @@ def _keel(turns: int, bucket: int, directory: Path, *, memory: bool) -> dict[str
 
     data_dir = directory / ("keel-memory" if memory else "keel")
     settings = load_settings(data_dir=data_dir, embedder="hashing:256")
-    agent = Agent.embedded(
-        ScriptedModel(policy),
+    empty_bytes = _postgres_bytes(postgres_url) if postgres_url is not None else 0
+    agent = Agent.open(
+        postgres_url,
+        settings=settings,
+        model=ScriptedModel(policy),
         system_prompt="You answer questions from the records.",
         tools=[lookup],
         memory=memory,
-        settings=settings,
     )
     times: list[float] = []
 
     async def drive() -> float:
-        started = time.perf_counter()
-        for turn in range(turns):
-            before = time.perf_counter()
-            reply = await agent.handle("bench", "user", _question(turn))
-            times.append((time.perf_counter() - before) * 1000)
-            if reply.status != "completed" or reply.text != _ANSWER:
-                raise RuntimeError(f"turn {turn} did not complete: {reply.status} {reply.error}")
-        return time.perf_counter() - started
+        # Closed on this loop: the PostgreSQL pools the agent opened belong to it.
+        try:
+            started = time.perf_counter()
+            for turn in range(turns):
+                before = time.perf_counter()
+                reply = await agent.handle("bench", "user", _question(turn))
+                times.append((time.perf_counter() - before) * 1000)
+                if reply.status != "completed" or reply.text != _ANSWER:
+                    raise RuntimeError(
+                        f"turn {turn} did not complete: {reply.status} {reply.error}"
+                    )
+            return time.perf_counter() - started
+        finally:
+            await agent.aclose()
 
-    try:
-        elapsed = asyncio.run(drive())
-    finally:
-        agent.close()
+    elapsed = asyncio.run(drive())
     if executions["count"] != turns:
         raise RuntimeError(f"the tool ran {executions['count']} times for {turns} turns")
     figures = _summary(times, bucket, elapsed)
-    database = settings.sqlite_path
-    assert database is not None
-    figures["db_bytes"] = _file_bytes(database)
+    if postgres_url is not None:
+        # What the session added to the database, counted by the server.
+        figures["db_bytes"] = _postgres_bytes(postgres_url) - empty_bytes
+    else:
+        database = settings.sqlite_path
+        assert database is not None
+        figures["db_bytes"] = _file_bytes(database)
     figures["tool_executions"] = executions["count"]
     return figures
 
@@ -214,17 +234,38 @@ def run_turns_bench(
     bucket: int = 100,
     memory: bool = True,
     langgraph: bool = True,
+    database: str = "sqlite",
     progress: Callable[[str], None] = lambda text: None,
 ) -> dict[str, Any]:
-    """Run the workload on keel (memory off, and on if asked) and on LangGraph."""
-    with tempfile.TemporaryDirectory(prefix="keel-bench-turns-") as folder:
+    """Run the workload on keel (memory off, and on if asked) and on LangGraph.
+
+    ``database``: ``sqlite`` (the embedded default, one file) or ``postgres`` (a throwaway
+    embedded PostgreSQL with pgvector, started here and dropped afterwards, holding state,
+    journal, traces and memory; a fresh database for each keel run)."""
+    if database not in ("sqlite", "postgres"):
+        raise ValueError(f"database must be 'sqlite' or 'postgres', not {database!r}")
+    with contextlib.ExitStack() as stack:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="keel-bench-turns-"))
         directory = Path(folder)
-        progress(f"keel, memory off: {turns} turns")
-        result: dict[str, Any] = {"turns": turns, "bucket": bucket}
-        result.update(_keel(turns, bucket, directory, memory=False))
+        server = None
+        if database == "postgres":
+            from keel.testing.servers import postgres_server
+
+            progress("starting a throwaway PostgreSQL")
+            server = stack.enter_context(postgres_server())
+
+        def keel_run(memory_on: bool) -> dict[str, Any]:
+            if server is None:
+                return _keel(turns, bucket, directory, memory=memory_on)
+            with server.throwaway_database() as url:
+                return _keel(turns, bucket, directory, memory=memory_on, postgres_url=url)
+
+        progress(f"keel on {database}, memory off: {turns} turns")
+        result: dict[str, Any] = {"turns": turns, "bucket": bucket, "database": database}
+        result.update(keel_run(False))
         if memory:
-            progress(f"keel, memory on: {turns} turns")
-            result["memory_on"] = _keel(turns, bucket, directory, memory=True)
+            progress(f"keel on {database}, memory on: {turns} turns")
+            result["memory_on"] = keel_run(True)
         if langgraph:
             progress(f"LangGraph create_react_agent + SqliteSaver: {turns} turns")
             lang = _langgraph(turns, bucket, directory)

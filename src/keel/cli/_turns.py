@@ -17,6 +17,13 @@ def bench_turns_command(
     langgraph: Annotated[
         bool, typer.Option(help="Also run LangGraph's ReAct agent + SqliteSaver.")
     ] = True,
+    database: Annotated[
+        str,
+        typer.Option(
+            help="'sqlite' (one file, the embedded default) or 'postgres' (a throwaway "
+            "embedded PostgreSQL holding state, journal, traces and memory)."
+        ),
+    ] = "sqlite",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
 ) -> None:
     """Per-turn cost (median, p95 per bucket), flatness, turns/s and bytes, versus LangGraph."""
@@ -25,11 +32,14 @@ def bench_turns_command(
 
     if turns < 1 or bucket < 1:
         raise UsageError("turns and bucket must be >= 1")
+    if database not in ("sqlite", "postgres"):
+        raise UsageError(f"--database must be 'sqlite' or 'postgres', not {database!r}")
     result = run_turns_bench(
         turns=turns,
         bucket=bucket,
         memory=memory,
         langgraph=langgraph,
+        database=database,
         progress=lambda text: err_console.print(text),
     )
     if as_json:
