@@ -144,3 +144,25 @@ def test_postgres_journal_refuses_a_newer_schema(postgres_url: str) -> None:
         conn.execute("UPDATE keel_schema SET version = 99 WHERE component = 'journal'")
     with pytest.raises(SchemaVersionError):
         PostgresToolJournal(postgres_url)
+
+
+async def test_async_twins_do_what_the_sync_methods_do(journal: ToolJournal) -> None:
+    claimed = await journal.aclaim(
+        key="k1", session_id="s1", step=1, call_index=0, tool="book", arguments="{}"
+    )
+    again = await journal.aclaim(
+        key="k1", session_id="s1", step=1, call_index=0, tool="book", arguments="{}"
+    )
+    assert claimed.created and not again.created
+    assert (await journal.arestart("k1")).attempts == 2
+    assert [e.key for e in await journal.asame_calls("s1", "book", "{}")] == ["k1"]
+    done = await journal.afinish("k1", ok=True, content="booked", output="booked, ref 7")
+    assert done.status == "succeeded"
+    got = await journal.aget("k1")
+    assert got is not None and got.output == "booked, ref 7"
+    assert await journal.aget("missing") is None
+    message = Message.assistant("", tool_calls=[ToolCall(id="c1", name="book", arguments="{}")])
+    assert await journal.adecision("s1", 1) is None
+    assert await journal.arecord_decision("s1", 1, message) == message
+    assert await journal.adecision("s1", 1) == message
+    assert journal.decision("s1", 1) == message, "the twin and the sync method disagree"

@@ -468,7 +468,7 @@ class ToolLoop:
         prompt = await _call(self.hooks.before_model_call, run.step, list(run.history))
         sent = list(prompt) if prompt is not None else list(run.history)
         try:
-            decision = self.journal.decision(_decision_scope(run), run.step)
+            decision = await self.journal.adecision(_decision_scope(run), run.step)
         except StoreError:
             # Replay is an optimisation of resume; each side-effecting call is still claimed
             # in the journal before it runs, and refused if that claim cannot be written.
@@ -538,7 +538,7 @@ class ToolLoop:
             for call in message.tool_calls
         ):
             try:
-                message = self._record_decision(_decision_scope(run), run.step, message)
+                message = await self._record_decision(_decision_scope(run), run.step, message)
             except StoreError:
                 logger.exception("could not journal the decision of step %s", run.step)
         run.history.append(message)
@@ -547,10 +547,10 @@ class ToolLoop:
         )
         return ("tool_calls", completion, message)
 
-    def _record_decision(self, session_id: str, step: int, message: Message) -> Message:
+    async def _record_decision(self, session_id: str, step: int, message: Message) -> Message:
         """Journal the step's decision (masked) and return the one to carry out."""
         if self.redact is None:
-            return self.journal.record_decision(session_id, step, message)
+            return await self.journal.arecord_decision(session_id, step, message)
         try:
             masked = _masked_message(message, self.redact)
         except Exception:
@@ -558,7 +558,7 @@ class ToolLoop:
             # side-effecting call is still claimed in the journal before it runs.
             logger.exception("could not mask the decision of step %s; not journalled", step)
             return message
-        recorded = self.journal.record_decision(session_id, step, masked)
+        recorded = await self.journal.arecord_decision(session_id, step, masked)
         # Ours was written: carry out the calls as the model made them. Another run's decision
         # was there first: carry out that one, as the journal keeps it.
         if recorded.model_dump(mode="json") == masked.model_dump(mode="json"):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from keel.errors import StoreError
 from keel.messages import Message
@@ -60,12 +61,18 @@ _COLUMNS = (
 )
 
 
+_T = TypeVar("_T")
+
+
 class SQLiteToolJournal(ToolJournal):
     """The tool journal in a :class:`~keel.stores.SQLiteDatabase` (applies its migrations)."""
 
     def __init__(self, db: SQLiteDatabase) -> None:
         self.db = db
         db.setup(JOURNAL_MIGRATIONS)
+
+    async def _run_twin(self, call: Callable[[], _T]) -> _T:
+        return await self.db.arun(call)
 
     def claim(
         self,

@@ -265,11 +265,13 @@ class ToolExecutor:
             unmasked.__cause__ = exc
             return _not_recorded(found, base, started, "masking its arguments failed", unmasked)
         try:
-            if not found.idempotent and self.journal.get(key) is None:
-                earlier = self._earlier_same_call(found, session_id, key, canonical)
+            if not found.idempotent and await self.journal.aget(key) is None:
+                earlier = await self._earlier_same_call(found, session_id, key, canonical)
                 if earlier is not None:
-                    return self._answer_repeat(found, earlier, base, started, step, call_index)
-            claim = self.journal.claim(
+                    return await self._answer_repeat(
+                        found, earlier, base, started, step, call_index
+                    )
+            claim = await self.journal.aclaim(
                 key=key,
                 session_id=session_id,
                 step=step,
@@ -278,7 +280,7 @@ class ToolExecutor:
                 arguments=canonical,
             )
             if not claim.created and claim.entry.in_doubt and found.idempotent:
-                claim = claim.model_copy(update={"entry": self.journal.restart(key)})
+                claim = claim.model_copy(update={"entry": await self.journal.arestart(key)})
         except StoreError as exc:
             # Without a durable intent the call could run twice after a crash: do not run it.
             return _not_recorded(found, base, started, "the journal is unavailable", exc)
@@ -323,13 +325,13 @@ class ToolExecutor:
         )
         return await self._run(found, validated, context, base, started, journalled=True)
 
-    def _earlier_same_call(
+    async def _earlier_same_call(
         self, found: Tool, session_id: str, key: str, arguments: str
     ) -> JournalEntry | None:
         """An earlier identical call (same session, tool, canonical arguments; another key)
         that forbids running this one: one still in doubt, or else the newest one if it
         finished only after keel had stopped waiting for it (the model never saw it done)."""
-        same = self.journal.same_calls(session_id, found.name, arguments)
+        same = await self.journal.asame_calls(session_id, found.name, arguments)
         earlier = [entry for entry in same if entry.key != key]
         doubtful = [e for e in earlier if e.in_doubt]
         if doubtful:
@@ -338,7 +340,7 @@ class ToolExecutor:
             return earlier[-1]
         return None
 
-    def _answer_repeat(
+    async def _answer_repeat(
         self,
         found: Tool,
         earlier: JournalEntry,
@@ -376,7 +378,7 @@ class ToolExecutor:
         done = (earlier.content or "").removeprefix(LATE_NOTE)
         content = f"Not run again: the same call made earlier (call {earlier.key}) did it: {done}"
         key = base["idempotency_key"]
-        claim = self.journal.claim(
+        claim = await self.journal.aclaim(
             key=key,
             session_id=earlier.session_id,
             step=step,
@@ -385,7 +387,7 @@ class ToolExecutor:
             arguments=earlier.arguments,
         )
         if claim.created:
-            self.journal.finish(key, ok=True, content=content, output=earlier.output or done)
+            await self.journal.afinish(key, ok=True, content=content, output=earlier.output or done)
         return ToolResult(
             **base,
             status="ok",
@@ -425,7 +427,7 @@ class ToolExecutor:
 
         return record
 
-    def _record(
+    async def _record(
         self, context: ToolContext, *, ok: bool, output: str, cap: int | None = None
     ) -> None:
         """Journal the result: ``output`` whole, and capped to ``cap`` as the model's content.
@@ -444,7 +446,9 @@ class ToolExecutor:
             return
         content = masked if cap is None else _cap(masked, cap)[0]
         try:
-            self.journal.finish(context.idempotency_key, ok=ok, content=content, output=masked)
+            await self.journal.afinish(
+                context.idempotency_key, ok=ok, content=content, output=masked
+            )
         except StoreError:
             # The call ran; only its record is missing, so it stays in doubt in the journal
             # and an operator settles it. The model still gets the real outcome now.
@@ -466,7 +470,7 @@ class ToolExecutor:
         failure.__cause__ = exc
         content = f"Error: {failure}"
         if journalled:
-            self._record(context, ok=False, output=content)
+            await self._record(context, ok=False, output=content)
         return ToolResult(
             **base,
             status="failed",
@@ -537,7 +541,7 @@ class ToolExecutor:
         text = _as_text(output)
         shown, truncated = _cap(text, cap)
         if journalled:
-            self._record(context, ok=True, output=text, cap=cap)
+            await self._record(context, ok=True, output=text, cap=cap)
         return ToolResult(
             **base,
             status="ok",

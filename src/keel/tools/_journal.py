@@ -12,11 +12,13 @@ a resumed run replays the same calls instead of asking the model again and getti
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +32,8 @@ __all__ = [
     "ToolJournal",
     "idempotency_key",
 ]
+
+_T = TypeVar("_T")
 
 JournalStatus = Literal["started", "succeeded", "failed"]
 """``started``: intent written, no result yet. ``succeeded``/``failed``: the result is recorded."""
@@ -158,6 +162,59 @@ class ToolJournal(ABC):
         """Calls that started and recorded no result: an operator must look at them."""
         return self.entries(session_id, in_doubt_only=True)
 
+    # --- async twins: what an event loop calls ----------------------------------------------
+
+    async def _run_twin(self, call: Callable[[], _T]) -> _T:
+        """Run one sync method's body for an async twin: in a worker thread by default, so a
+        database round trip never blocks the event loop."""
+        return await asyncio.to_thread(call)
+
+    async def aclaim(
+        self,
+        *,
+        key: str,
+        session_id: str,
+        step: int,
+        call_index: int,
+        tool: str,
+        arguments: str,
+    ) -> JournalClaim:
+        """Async twin of :meth:`claim`."""
+        return await self._run_twin(
+            lambda: self.claim(
+                key=key,
+                session_id=session_id,
+                step=step,
+                call_index=call_index,
+                tool=tool,
+                arguments=arguments,
+            )
+        )
+
+    async def arestart(self, key: str) -> JournalEntry:
+        """Async twin of :meth:`restart`."""
+        return await self._run_twin(lambda: self.restart(key))
+
+    async def afinish(self, key: str, *, ok: bool, content: str, output: str) -> JournalEntry:
+        """Async twin of :meth:`finish`."""
+        return await self._run_twin(lambda: self.finish(key, ok=ok, content=content, output=output))
+
+    async def aget(self, key: str) -> JournalEntry | None:
+        """Async twin of :meth:`get`."""
+        return await self._run_twin(lambda: self.get(key))
+
+    async def asame_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
+        """Async twin of :meth:`same_calls`."""
+        return await self._run_twin(lambda: self.same_calls(session_id, tool, arguments))
+
+    async def arecord_decision(self, session_id: str, step: int, message: Message) -> Message:
+        """Async twin of :meth:`record_decision`."""
+        return await self._run_twin(lambda: self.record_decision(session_id, step, message))
+
+    async def adecision(self, session_id: str, step: int) -> Message | None:
+        """Async twin of :meth:`decision`."""
+        return await self._run_twin(lambda: self.decision(session_id, step))
+
 
 class InMemoryJournal(ToolJournal):
     """A journal in this process's memory: exactly-once within a process, not across crashes.
@@ -165,6 +222,9 @@ class InMemoryJournal(ToolJournal):
     The default when no durable journal is configured; use the SQLite or PostgreSQL journal
     for crash safety.
     """
+
+    async def _run_twin(self, call: Callable[[], _T]) -> _T:
+        return call()  # memory only: nothing to wait for
 
     def __init__(self) -> None:
         self._entries: dict[str, JournalEntry] = {}
