@@ -907,7 +907,7 @@ class Agent:
     async def _after_step(self, turn: _Turn, record: StepRecord) -> None:
         if record.error_type == "ContextLengthExceededError":
             turn.shrink_next = True
-        report = turn.last_prompt.report.model_dump(mode="json") if turn.last_prompt else None
+        report = turn.last_prompt.report if turn.last_prompt else None
         model_step = await turn.run.arecord(
             "model",
             record.model or self.model.spec,
