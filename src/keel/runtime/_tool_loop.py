@@ -782,7 +782,9 @@ class ToolLoop:
         error: KeelError | None = None,
         reverted: bool = False,
     ) -> LoopResult:
-        return LoopResult(
+        # model_construct: every value is built here, and validating ``messages`` would
+        # re-check the whole conversation (O(history)) on every run.
+        return LoopResult.model_construct(
             status=status,
             final_message=final,
             output=output,
