@@ -229,3 +229,29 @@ def test_a_large_state_changed_by_tiny_deltas_still_gets_snapshots(tmp_path: Pat
     assert 2 <= len(fulls) <= 5
     assert store.at("c", 150).state.step == 149
     store.close()
+
+
+class Rows(BaseModel):
+    rows: Annotated[list[dict[str, int]], append] = Field(default_factory=list)
+
+
+def test_items_that_can_change_in_place_are_compared_and_validated_again(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path, Rows)
+    version = store.create("r", Rows(rows=[{"x": 1}])).version
+    state = store.load("r").state
+    state.rows[0]["x"] = 2
+    version = store.checkpoint("r", state, expected_version=version, reason="r")
+    state.rows.append({"y": 1})
+    version = store.checkpoint("r", state, expected_version=version, reason="r")
+    state.rows[0]["x"] = 3
+    version = store.checkpoint("r", state, expected_version=version, reason="r")
+    state.rows[0]["x"] = "bad"  # type: ignore[assignment]
+    with pytest.raises(StateValidationError, match="rows.0.x"):
+        store.checkpoint("r", state, expected_version=version, reason="r")
+    fresh = _store(tmp_path, Rows)
+    assert fresh.load("r").state.rows == [{"x": 3}, {"y": 1}]
+    assert fresh.at("r", 2).state.rows == [{"x": 2}]
+    store.close()
+    fresh.close()
