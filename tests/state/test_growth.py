@@ -248,7 +248,7 @@ def test_items_that_can_change_in_place_are_compared_and_validated_again(
     state.rows[0]["x"] = 3
     version = store.checkpoint("r", state, expected_version=version, reason="r")
     state.rows[0]["x"] = "bad"  # type: ignore[assignment]
-    with pytest.raises(StateValidationError, match="rows.0.x"):
+    with pytest.raises(StateValidationError, match=r"rows\.0\.x"):
         store.checkpoint("r", state, expected_version=version, reason="r")
     fresh = _store(tmp_path, Rows)
     assert fresh.load("r").state.rows == [{"x": 3}, {"y": 1}]

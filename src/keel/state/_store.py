@@ -4,9 +4,8 @@ Every write names the version it read; the backend appends the next version only
 still that version, else ``ConflictError`` and nothing of the write is visible. Checkpoints are
 stored as deltas (appended list tails, changed fields) with a full snapshot once the deltas since
 the last one outweigh it (and at least ``snapshot_every`` versions after it), so storage grows
-with what changed. Sync methods have ``a``-prefixed
-async twins with the same logic over the backend's async twins (native asyncio on PostgreSQL
-and Redis; a worker thread on SQLite).
+with what changed. Sync methods have ``a``-prefixed async twins with the same logic over the
+backend's async twins (native asyncio on PostgreSQL and Redis; a worker thread on SQLite).
 """
 
 from __future__ import annotations
@@ -247,8 +246,12 @@ class StateStore(Generic[S]):
         backend: where checkpoints live (``keel.stores.open_state_backend(url)`` builds one).
         schema: the state type, or a ``StateSchema`` with its version and migrations.
         retention: how much history ``vacuum()`` keeps per session.
-        snapshot_every: a full snapshot is stored at least every this many versions (the rest
-            are deltas); bounds the work of reading any version.
+        snapshot_every: the fewest versions between two full snapshots (the rest are deltas).
+            A snapshot is stored once this many versions have passed and the deltas since the
+            last one outweigh it: a small state gets one every ``snapshot_every`` versions, a
+            growing one ever more rarely, so storage stays linear in what changed while a read
+            replays about one snapshot's worth of deltas. (A snapshot every so many versions
+            would store a growing history over and over: quadratic in the session's length.)
         default_ttl: time to live (seconds or timedelta) of new sessions; each write extends it.
         clock: seconds since the epoch; injectable for tests of expiry and retention.
     """
