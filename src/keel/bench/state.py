@@ -315,7 +315,8 @@ def run_state_bench(
         "writers": writers,
         "increments_per_writer": increments,
         "keel": "StateStore.update per step (add_messages reducer, validation, compare-and-set, "
-        "delta + full snapshot every 100 versions); read = load of the head from a new store",
+        "delta, full snapshot once the deltas outweigh the last one and >= 100 versions on); "
+        "read = load of the head from a new store",
         "langgraph": "SqliteSaver.put per step with the whole message list in channel_values "
         "(what a StateGraph with an add_messages channel hands it); read = get_tuple",
         "sqlite_settings": "both files WAL + synchronous=NORMAL; bytes = file after "

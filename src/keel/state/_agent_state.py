@@ -66,6 +66,8 @@ class AgentState(BaseModel):
         description="keel's bookkeeping (owner, open turn, summary); not for applications.",
     )
 
+    # StateSchema validates appended messages alone for models whose only model validators are
+    # AgentState's (_schema._extensible_lists): a validator here must not read ``messages``.
     @model_validator(mode="after")
     def _within_limit(self) -> AgentState:
         if self.step > self.max_steps:

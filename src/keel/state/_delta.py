@@ -10,9 +10,10 @@ message once between snapshots.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["apply_delta", "decode", "diff", "encode_full"]
+__all__ = ["diff", "encode_full", "replay"]
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -48,28 +49,34 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return delta
 
 
-def apply_delta(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``delta`` applied (``base`` is not changed)."""
-    result = dict(base)
-    for name, value in delta.get("set", {}).items():
-        result[name] = value
-    for name, tail in delta.get("extend", {}).items():
-        result[name] = [*result.get(name, ()), *tail]
-    for name in delta.get("unset", ()):
-        result.pop(name, None)
-    return result
-
-
 def encode_full(state: dict[str, Any]) -> str:
     """A full snapshot payload."""
     return json.dumps({"full": state}, separators=(",", ":"), ensure_ascii=False)
 
 
-def decode(payload: str, base: dict[str, Any] | None) -> dict[str, Any]:
-    """The state a payload describes, given the state of the version before it."""
-    document = json.loads(payload)
-    if "full" in document:
-        return dict(document["full"])
-    if base is None:
-        raise ValueError("a delta checkpoint needs the state before it")
-    return apply_delta(base, document)
+def replay(payloads: Iterable[str]) -> dict[str, Any]:
+    """The state a chain describes: a full snapshot's payload, then the deltas after it in order.
+
+    The state being built is this function's own (every value comes from parsing a payload), so
+    each delta is applied in place: replaying k deltas costs their size, not k copies of the
+    state's lists.
+
+    Raises:
+        ValueError: the chain is empty or does not start with a full snapshot.
+    """
+    state: dict[str, Any] | None = None
+    for payload in payloads:
+        document = json.loads(payload)
+        if "full" in document:
+            state = dict(document["full"])
+            continue
+        if state is None:
+            raise ValueError("a delta checkpoint needs the state before it")
+        state.update(document.get("set", {}))
+        for name, tail in document.get("extend", {}).items():
+            state.setdefault(name, []).extend(tail)
+        for name in document.get("unset", ()):
+            state.pop(name, None)
+    if state is None:
+        raise ValueError("an empty chain describes no state")
+    return state

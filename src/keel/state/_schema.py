@@ -9,6 +9,7 @@ never completed with silent defaults: a stored state that lacks a field of the c
 
 from __future__ import annotations
 
+import operator
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import typing_extensions
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from keel.errors import StateDefinitionError, StateMigrationError, StateValidationError
+from keel.state._agent_state import AgentState
 from keel.state._reducers import Reducer, find_reducer, overwrite
 
 __all__ = ["JSONState", "StateMigration", "StateSchema"]
@@ -100,6 +102,7 @@ class StateSchema(Generic[S]):
                     raise StateDefinitionError(f"{self.name}.{field_name}: {exc}") from exc
                 self.fields[field_name] = _Field(field_name, found or overwrite, info.is_required())
             self._adapter: TypeAdapter[Any] | None = None
+            self.extensible_lists = _extensible_lists(model)
         elif typing_extensions.is_typeddict(state_type):
             try:
                 self._adapter = TypeAdapter(state_type)
@@ -125,6 +128,7 @@ class StateSchema(Generic[S]):
                 except TypeError as exc:
                     raise StateDefinitionError(f"{self.name}.{field_name}: {exc}") from exc
                 self.fields[field_name] = _Field(field_name, found or overwrite, required)
+            self.extensible_lists = frozenset()
         else:
             raise StateDefinitionError(
                 f"state type {state_type!r} must be a Pydantic BaseModel subclass or a TypedDict"
@@ -169,6 +173,57 @@ class StateSchema(Generic[S]):
         except ValidationError as exc:
             raise StateValidationError(f"invalid {self.name} state: {_problems(exc)}") from exc
 
+    def validate_extending(
+        self, value: Any, previous: Mapping[str, list[Any]]
+    ) -> tuple[S, dict[str, int]]:
+        """``value`` validated as ``validate`` does, knowing the lists of a state validated before.
+
+        ``previous`` maps list fields to their lists in a state this schema validated, each
+        holding only immutable items (scalars, frozen models). A field of ``extensible_lists``
+        whose list in ``value`` starts with the very objects of its ``previous`` list has only
+        its new items validated: those objects cannot have changed, and nothing but the list's
+        own item validation looks at that field, so the outcome is the one of validating the
+        whole state, at a cost that grows with the new items only.
+
+        Returns:
+            The state, and for each such field the number of leading items taken as they were.
+
+        Raises:
+            StateValidationError: as ``validate`` (the same message, item indexes included).
+        """
+        if not self.extensible_lists:
+            return self.validate(value), {}
+        model = cast(type[BaseModel], self.state_type)
+        if isinstance(value, model):
+            fields = {name: getattr(value, name) for name in self.fields}
+        elif isinstance(value, Mapping):
+            fields = dict(value)
+        else:
+            return self.validate(value), {}
+        kept: dict[str, int] = {}
+        for name in self.extensible_lists:
+            old, new = previous.get(name), fields.get(name)
+            if (
+                type(old) is list
+                and type(new) is list
+                and 0 < len(old) <= len(new)
+                and all(map(operator.is_, old, new))
+            ):
+                kept[name] = len(old)
+                fields[name] = new[len(old) :]
+        if not kept:
+            return self.validate(value), {}
+        try:
+            partial = model.model_validate(fields)
+        except ValidationError:
+            # Validating the whole state fails too; it reports the items' real indexes.
+            return self.validate(value), {}
+        # Every item is validated now: assembling the lists needs no validation again.
+        whole = partial.model_copy(
+            update={name: [*previous[name], *getattr(partial, name)] for name in kept}
+        )
+        return cast(S, whole), kept
+
     def to_json(self, state: S) -> JSONState:
         """The state as JSON data (field name -> JSON value)."""
         if self.is_model:
@@ -191,8 +246,17 @@ class StateSchema(Generic[S]):
             adapter = _typed_dict_field_adapter(self.state_type, field)
         return adapter.dump_python(value, mode="json")
 
-    def apply(self, state: S, update: Mapping[str, Any]) -> S:
+    def apply(
+        self,
+        state: S,
+        update: Mapping[str, Any],
+        *,
+        previous: Mapping[str, list[Any]] | None = None,
+    ) -> S:
         """A new state: ``update``'s fields combined with ``state`` through their reducers.
+
+        ``previous``, as in ``validate_extending``, lets appended lists be validated by their
+        new items only.
 
         Raises:
             StateValidationError: an unknown field, a reducer that fails, or a result that
@@ -213,7 +277,9 @@ class StateSchema(Generic[S]):
                     f"{self.name}.{name}: reducer {self.fields[name].reducer.name} rejected "
                     f"the update: {exc}"
                 ) from exc
-        return self.validate(values)
+        if previous is None:
+            return self.validate(values)
+        return self.validate_extending(values, previous)[0]
 
     # --- loading stored data ------------------------------------------------------------------
 
@@ -280,6 +346,52 @@ class StateSchema(Generic[S]):
 
     def __repr__(self) -> str:
         return f"StateSchema({self.name!r}, version={self.version})"
+
+
+def _extensible_lists(model: type[BaseModel]) -> frozenset[str]:
+    """The list fields of ``model`` whose new items may be validated alone (``validate_extending``).
+
+    A field qualifies when nothing of the model but the list's own item validation looks at it:
+    the field is a plain list (no length bound, no validator of its own), the model's only model
+    validators are ``AgentState``'s (which reads ``step`` and ``max_steps``), it has no
+    ``__init__`` or ``model_post_init`` of its own, and no validator or default factory anywhere
+    in its schema is handed the other fields' values. Any other model is validated whole.
+    """
+    allowed = {d.func for d in AgentState.__pydantic_decorators__.model_validators.values()}
+    decorators = model.__pydantic_decorators__
+    if any(d.func not in allowed for d in decorators.model_validators.values()) or (
+        decorators.root_validators
+        or decorators.validators
+        or model.__pydantic_post_init__ is not None
+    ):
+        return frozenset()
+    root: dict[str, Any] | None = None
+    pending: list[Any] = [model.__pydantic_core_schema__]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list | tuple):
+            pending.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if node.get("type") == "model" and node.get("cls") is model:
+            root = node
+        function = node.get("function")
+        if isinstance(function, dict) and function.get("type") == "with-info":
+            return frozenset()
+        if node.get("default_factory_takes_data"):
+            return frozenset()
+        pending.extend(node.values())
+    if root is None or root.get("custom_init"):
+        return frozenset()
+    extensible: set[str] = set()
+    for name, field in root["schema"]["fields"].items():
+        schema = field["schema"]
+        if schema["type"] == "default":
+            schema = schema["schema"]
+        if schema["type"] == "list" and "min_length" not in schema and "max_length" not in schema:
+            extensible.add(name)
+    return frozenset(extensible)
 
 
 _ADAPTERS: dict[tuple[int, str], TypeAdapter[Any]] = {}

@@ -2,10 +2,10 @@
 
 Every write names the version it read; the backend appends the next version only if the head is
 still that version, else ``ConflictError`` and nothing of the write is visible. Checkpoints are
-stored as deltas (appended list tails, changed fields) with a full snapshot every
-``snapshot_every`` versions, so storage grows with what changed. Sync methods have ``a``-prefixed
-async twins with the same logic over the backend's async twins (native asyncio on PostgreSQL
-and Redis; a worker thread on SQLite).
+stored as deltas (appended list tails, changed fields) with a full snapshot once the deltas since
+the last one outweigh it (and at least ``snapshot_every`` versions after it), so storage grows
+with what changed. Sync methods have ``a``-prefixed async twins with the same logic over the
+backend's async twins (native asyncio on PostgreSQL and Redis; a worker thread on SQLite).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from keel.state._checkpoint import (
     Retention,
     VacuumReport,
 )
-from keel.state._delta import decode, diff, encode_full
+from keel.state._delta import diff, encode_full, replay
 from keel.state._schema import JSONState, StateSchema
 
 __all__ = ["SessionLock", "StateStore", "vacuum"]
@@ -52,6 +52,10 @@ __all__ = ["SessionLock", "StateStore", "vacuum"]
 S = TypeVar("S")
 
 _MISSING = object()
+
+_ROW_REPLAY_COST = 256
+"""Bytes a delta is charged on top of its own for the row a read fetches, parses and applies,
+so that a large state changed by tiny deltas still gets a snapshot every so many versions."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,14 @@ class _Base:
     data: JSONState
     values: dict[str, Any]
     state: Any
+    immutable_lists: frozenset[str]
+    """List fields of ``values`` whose items are all immutable: an identical item serialises
+    and validates as it did, so a list that keeps them and appends is new only in its tail."""
+    full_bytes: int
+    """Bytes of the full snapshot at ``last_full``."""
+    replay_bytes: int
+    """What replaying the deltas after ``last_full`` costs a read: their bytes, plus
+    ``_ROW_REPLAY_COST`` each."""
 
 
 _IMMUTABLE: dict[type, bool] = {
@@ -91,6 +103,18 @@ def _immutable(kind: type) -> bool:
         )
         _IMMUTABLE[kind] = known
     return known
+
+
+def _immutable_lists(values: Mapping[str, Any]) -> frozenset[str]:
+    return frozenset(
+        name
+        for name, value in values.items()
+        if isinstance(value, list) and all(map(_immutable, set(map(type, value))))
+    )
+
+
+def _payload_bytes(payload: str) -> int:
+    return len(payload) if payload.isascii() else len(payload.encode())
 
 
 def _seconds(value: float | timedelta | None) -> float | None:
@@ -222,8 +246,12 @@ class StateStore(Generic[S]):
         backend: where checkpoints live (``keel.stores.open_state_backend(url)`` builds one).
         schema: the state type, or a ``StateSchema`` with its version and migrations.
         retention: how much history ``vacuum()`` keeps per session.
-        snapshot_every: a full snapshot is stored at least every this many versions (the rest
-            are deltas); bounds the work of reading any version.
+        snapshot_every: the fewest versions between two full snapshots (the rest are deltas).
+            A snapshot is stored once this many versions have passed and the deltas since the
+            last one outweigh it: a small state gets one every ``snapshot_every`` versions, a
+            growing one ever more rarely, so storage stays linear in what changed while a read
+            replays about one snapshot's worth of deltas. (A snapshot every so many versions
+            would store a growing history over and over: quadratic in the session's length.)
         default_ttl: time to live (seconds or timedelta) of new sessions; each write extends it.
         clock: seconds since the epoch; injectable for tests of expiry and retention.
     """
@@ -261,15 +289,13 @@ class StateStore(Generic[S]):
     # --- reading ------------------------------------------------------------------------------
 
     def _rebuild(self, session_id: str, chain: Chain) -> tuple[_Base, S, StoredCheckpoint]:
-        data: JSONState | None = None
-        for row in chain.rows:
-            data = decode(row.payload, data)
-        assert data is not None
+        data = replay(row.payload for row in chain.rows)
         last = chain.rows[-1]
         migrated = self.schema.migrate(
             data, stored_name=last.schema_name, stored_version=last.schema_version
         )
         state = self.schema.validate(migrated)
+        values = self.schema.field_values(state)
         base = _Base(
             session_id=session_id,
             version=last.version,
@@ -278,8 +304,11 @@ class StateStore(Generic[S]):
             last_full=chain.rows[0].version,
             stored_schema_version=last.schema_version,
             data=migrated,
-            values=self.schema.field_values(state),
+            values=values,
             state=state,
+            immutable_lists=_immutable_lists(values),
+            full_bytes=chain.rows[0].size,
+            replay_bytes=sum(row.size + _ROW_REPLAY_COST for row in chain.rows[1:]),
         )
         return base, state, last
 
@@ -388,12 +417,17 @@ class StateStore(Generic[S]):
 
     # --- writing ------------------------------------------------------------------------------
 
-    def _remember(self, base: _Base) -> None:
+    def _remember(self, base: _Base, owned: frozenset[str] = frozenset()) -> None:
+        """Cache ``base`` as the session's latest known version. ``owned`` names lists this store
+        built itself and handed to no caller, which need no copy."""
         # Keep our own list objects: a caller appending to the state's list in place must not
         # change the base the next delta is computed against.
         base = replace(
             base,
-            values={k: list(v) if isinstance(v, list) else v for k, v in base.values.items()},
+            values={
+                k: list(v) if isinstance(v, list) and k not in owned else v
+                for k, v in base.values.items()
+            },
         )
         with self._cache_lock:
             current = self._cache.get(base.session_id)
@@ -424,48 +458,70 @@ class StateStore(Generic[S]):
             raise ConflictError(session_id, expected_version, base.version)
         return base
 
+    def _validate_on(self, base: _Base, state: Any) -> tuple[S, dict[str, int]]:
+        """``state`` validated knowing ``base``, the version it is written on: lists that keep the
+        base's items and append have only their new items validated."""
+        return self.schema.validate_extending(state, self._known_lists(base))
+
+    @staticmethod
+    def _known_lists(base: _Base) -> dict[str, list[Any]]:
+        return {name: base.values[name] for name in base.immutable_lists}
+
     def _encode(
-        self, base: _Base, state: S
-    ) -> tuple[JSONState, dict[str, Any], dict[str, Any] | None]:
-        """The new state's JSON, its Python field values and, when it falls out of the
-        comparison for free, the delta against the base (None: compute it from the JSON)."""
+        self, base: _Base, state: S, kept: Mapping[str, int]
+    ) -> tuple[JSONState, dict[str, Any], dict[str, Any] | None, frozenset[str]]:
+        """The new state's JSON, its Python field values, the delta against the base when it
+        falls out of the comparison for free (None: compute it from the JSON), and its list
+        fields of immutable items.
+
+        ``kept`` maps list fields already known to be the base's list plus new items (the
+        validation found it) to the base's length, so they are not compared again."""
         values = self.schema.field_values(state)
         if not (self._fast_path and base.stored_schema_version == self.schema.version):
-            return self.schema.to_json(state), values, None
+            return self.schema.to_json(state), values, None, _immutable_lists(values)
         data: JSONState = {}
         sets: dict[str, Any] = {}
         extends: dict[str, Any] = {}
+        immutable: set[str] = set()
         for name, value in values.items():
             old = base.values.get(name, _MISSING)
             if old is value and _immutable(type(value)):
                 data[name] = base.data[name]
                 continue
+            start = kept.get(name)
             if (
-                isinstance(value, list)
-                and isinstance(old, list)
+                start is None
+                and name in base.immutable_lists
+                and isinstance(value, list)
                 and len(value) >= len(old)
                 and all(map(operator.is_, old, value))
-                and all(map(_immutable, set(map(type, old))))
             ):
+                start = len(old)
+            if start is not None:
                 # The same objects plus a tail: only the tail is new (append-only growth).
-                if len(value) == len(old):
+                tail = value[start:]
+                if all(map(_immutable, set(map(type, tail)))):
+                    immutable.add(name)
+                if not tail:
                     data[name] = base.data[name]
                     continue
-                tail = self.schema.field_to_json(name, value[len(old) :])
-                data[name] = [*base.data[name], *tail]
-                extends[name] = tail
+                tail_json = self.schema.field_to_json(name, tail)
+                data[name] = [*base.data[name], *tail_json]
+                extends[name] = tail_json
                 continue
             data[name] = self.schema.field_to_json(name, value)
+            if isinstance(value, list) and all(map(_immutable, set(map(type, value)))):
+                immutable.add(name)
             if name not in base.data or data[name] != base.data[name]:
                 sets[name] = data[name]
         if set(base.data) - set(data):
-            return data, values, None
+            return data, values, None, frozenset(immutable)
         delta: dict[str, Any] = {}
         if sets:
             delta["set"] = sets
         if extends:
             delta["extend"] = extends
-        return data, values, delta
+        return data, values, delta, frozenset(immutable)
 
     def _write(
         self,
@@ -476,9 +532,12 @@ class StateStore(Generic[S]):
         step: int | None,
         good: bool | None = None,
         forked_from: str | None = None,
+        kept: Mapping[str, int] | None = None,
     ) -> Checkpoint[S]:
+        """Commit ``state`` on top of ``base``. ``kept``: the lists ``validate_extending`` built
+        (the state is then the store's own, handed to no caller)."""
         row, new_base = self._plan_write(
-            base, state, reason=reason, step=step, good=good, forked_from=forked_from
+            base, state, reason=reason, step=step, good=good, forked_from=forked_from, kept=kept
         )
         self.backend.write(
             base.session_id,
@@ -489,7 +548,7 @@ class StateStore(Generic[S]):
             ttl=None,
             now=row.created_at,
         )
-        self._remember(new_base)
+        self._remember(new_base, frozenset(kept or ()))
         return Checkpoint(_info(base.session_id, row), state)
 
     async def _awrite(
@@ -500,8 +559,12 @@ class StateStore(Generic[S]):
         reason: str,
         step: int | None,
         good: bool | None = None,
+        kept: Mapping[str, int] | None = None,
     ) -> Checkpoint[S]:
-        row, new_base = self._plan_write(base, state, reason=reason, step=step, good=good)
+        """Async twin of ``_write``."""
+        row, new_base = self._plan_write(
+            base, state, reason=reason, step=step, good=good, kept=kept
+        )
         await self.backend.awrite(
             base.session_id,
             row,
@@ -511,7 +574,7 @@ class StateStore(Generic[S]):
             ttl=None,
             now=row.created_at,
         )
-        self._remember(new_base)
+        self._remember(new_base, frozenset(kept or ()))
         return Checkpoint(_info(base.session_id, row), state)
 
     def _plan_write(
@@ -523,24 +586,35 @@ class StateStore(Generic[S]):
         step: int | None,
         good: bool | None = None,
         forked_from: str | None = None,
+        kept: Mapping[str, int] | None = None,
     ) -> tuple[StoredCheckpoint, _Base]:
-        """The row to append on top of ``base`` and the base it becomes once committed."""
+        """The row to append on top of ``base`` and the base it becomes once committed.
+
+        A full snapshot is written on a schema change, or once both ``snapshot_every`` versions
+        have passed since the last one and the deltas since then (with this one) cost a replay
+        as much as that snapshot's bytes: snapshots then get rarer as the state grows, so the
+        stored bytes stay within a small multiple of the deltas' and a read replays about one
+        snapshot's worth of deltas, where a snapshot every so many versions would store the
+        whole of a growing history over and over."""
         if not reason:
             raise UsageError("a checkpoint needs a reason")
         if step is not None and step < 0:
             raise UsageError(f"step must be >= 0, got {step}")
-        data, values, delta = self._encode(base, state)
+        data, values, delta, immutable = self._encode(base, state, kept or {})
         version = base.version + 1
-        full = (
-            base.stored_schema_version != self.schema.version
-            or version - base.last_full >= self.snapshot_every
-        )
-        if full:
-            payload = encode_full(data)
-        else:
+        full = base.stored_schema_version != self.schema.version
+        replay_bytes = 0
+        if not full:
             if delta is None:
                 delta = diff(base.data, data)
             payload = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
+            replay_bytes = base.replay_bytes + _payload_bytes(payload) + _ROW_REPLAY_COST
+            full = (
+                version - base.last_full >= self.snapshot_every and replay_bytes >= base.full_bytes
+            )
+        if full:
+            payload = encode_full(data)
+            replay_bytes = 0
         row = StoredCheckpoint(
             version=version,
             created_at=self.clock(),
@@ -563,6 +637,9 @@ class StateStore(Generic[S]):
             data=data,
             values=values,
             state=state,
+            immutable_lists=immutable,
+            full_bytes=_payload_bytes(payload) if full else base.full_bytes,
+            replay_bytes=replay_bytes,
         )
         return row, new_base
 
@@ -615,28 +692,33 @@ class StateStore(Generic[S]):
             raise UsageError(f"step must be >= 0, got {step}")
         typed = self.schema.validate(state)
         data = self.schema.to_json(typed)
+        values = self.schema.field_values(typed)
         epoch = secrets.token_hex(8)
+        payload = encode_full(data)
         row = StoredCheckpoint(
             version=1,
             created_at=self.clock(),
             step=step,
             reason=reason,
             kind="full",
-            payload=encode_full(data),
+            payload=payload,
             schema_name=self.schema.name,
             schema_version=self.schema.version,
             forked_from=forked_from,
         )
         base = _Base(
-            session_id,
-            1,
-            epoch,
-            step,
-            1,
-            self.schema.version,
-            data,
-            self.schema.field_values(typed),
-            typed,
+            session_id=session_id,
+            version=1,
+            epoch=epoch,
+            step=step,
+            last_full=1,
+            stored_schema_version=self.schema.version,
+            data=data,
+            values=values,
+            state=typed,
+            immutable_lists=_immutable_lists(values),
+            full_bytes=_payload_bytes(payload),
+            replay_bytes=0,
         )
         return row, epoch, _seconds(ttl) if ttl is not None else self.default_ttl, base
 
@@ -659,9 +741,14 @@ class StateStore(Generic[S]):
                 decide again.
             StateValidationError: the state fails the schema.
         """
-        typed = self.schema.validate(state)
-        base = self._base_for(session_id, expected_version)
-        return self._write(base, typed, reason=reason, step=step, good=good).version
+        cached = self._cache.get(session_id)
+        if cached is not None and cached.version == expected_version:
+            typed, kept = self._validate_on(cached, state)
+            base = cached
+        else:
+            typed, kept = self.schema.validate(state), {}
+            base = self._base_for(session_id, expected_version)
+        return self._write(base, typed, reason=reason, step=step, good=good, kept=kept).version
 
     def update(
         self,
@@ -681,7 +768,7 @@ class StateStore(Generic[S]):
             StateValidationError: an unknown field or an invalid result.
         """
         base = self._base_for(session_id, expected_version)
-        new_state = self.schema.apply(cast(S, base.state), update)
+        new_state = self.schema.apply(cast(S, base.state), update, previous=self._known_lists(base))
         return self._write(base, new_state, reason=reason, step=step, good=good)
 
     def transact(
@@ -712,7 +799,7 @@ class StateStore(Generic[S]):
             update = decide(current.state)
             if update is None:
                 return current
-            new_state = self.schema.apply(current.state, update)
+            new_state = self.schema.apply(current.state, update, previous=self._known_lists(base))
             try:
                 return self._write(base, new_state, reason=reason, step=step)
             except ConflictError as exc:
@@ -911,9 +998,14 @@ class StateStore(Generic[S]):
         good: bool | None = None,
     ) -> int:
         """Async twin of ``checkpoint``."""
-        typed = self.schema.validate(state)
-        base = await self._abase_for(session_id, expected_version)
-        written = await self._awrite(base, typed, reason=reason, step=step, good=good)
+        cached = self._cache.get(session_id)
+        if cached is not None and cached.version == expected_version:
+            typed, kept = self._validate_on(cached, state)
+            base = cached
+        else:
+            typed, kept = self.schema.validate(state), {}
+            base = await self._abase_for(session_id, expected_version)
+        written = await self._awrite(base, typed, reason=reason, step=step, good=good, kept=kept)
         return written.version
 
     async def aupdate(
@@ -928,7 +1020,7 @@ class StateStore(Generic[S]):
     ) -> Checkpoint[S]:
         """Async twin of ``update``."""
         base = await self._abase_for(session_id, expected_version)
-        new_state = self.schema.apply(cast(S, base.state), update)
+        new_state = self.schema.apply(cast(S, base.state), update, previous=self._known_lists(base))
         return await self._awrite(base, new_state, reason=reason, step=step, good=good)
 
     async def atransact(
@@ -950,7 +1042,7 @@ class StateStore(Generic[S]):
             update = decide(current.state)
             if update is None:
                 return current
-            new_state = self.schema.apply(current.state, update)
+            new_state = self.schema.apply(current.state, update, previous=self._known_lists(base))
             try:
                 return await self._awrite(base, new_state, reason=reason, step=step)
             except ConflictError as exc:
@@ -1088,10 +1180,7 @@ def vacuum(
                 chain = backend.read_chain(session_id, row.version, now)
                 if chain is None:
                     continue
-                data: JSONState | None = None
-                for part in chain.rows:
-                    data = decode(part.payload, data)
-                assert data is not None
+                data = replay(part.payload for part in chain.rows)
                 replace.append(replace_dc(chain.rows[-1], kind="full", payload=encode_full(data)))
         backend.rewrite(session_id, doomed, replace)
         deleted += len(doomed)

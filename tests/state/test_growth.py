@@ -1,0 +1,257 @@
+"""A growing state costs each checkpoint its new part: validation, storage and snapshots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from keel.errors import StateValidationError
+from keel.messages import Message
+from keel.state import AgentState, StateSchema, StateStore, add_messages, append
+from keel.stores import SQLiteStateBackend
+from keel.testing._state_models import ConversationState, CounterState
+
+_checked: list[str] = []
+
+
+class Entry(BaseModel):
+    """A frozen item whose validator records every run."""
+
+    model_config = ConfigDict(frozen=True)
+
+    text: str
+
+    @model_validator(mode="after")
+    def _count(self) -> Entry:
+        _checked.append(self.text)
+        return self
+
+
+class Journal(BaseModel):
+    entries: Annotated[list[Entry], append] = Field(default_factory=list)
+    step: int = 0
+
+
+class AtMostThree(AgentState):
+    """A model validator of the application's own: it must see the whole list every time."""
+
+    @model_validator(mode="after")
+    def _short(self) -> AtMostThree:
+        if len(self.messages) > 3:
+            raise ValueError(f"{len(self.messages)} messages, at most 3")
+        return self
+
+
+def _store(tmp_path: Path, schema: Any, **options: Any) -> StateStore[Any]:
+    return StateStore(SQLiteStateBackend(tmp_path / "g.db"), schema, **options)
+
+
+def test_appended_items_alone_are_validated(tmp_path: Path) -> None:
+    store = _store(tmp_path, Journal)
+    entries = [Entry(text=f"e{k}") for k in range(5)]
+    version = store.create("j", Journal(entries=entries)).version
+    fifth, sixth = Entry(text="e5"), Entry(text="e6")
+    _checked.clear()
+    entries.append(fifth)
+    version = store.checkpoint("j", {"entries": entries}, expected_version=version, reason="r")
+    cp = store.update("j", {"entries": [sixth]}, expected_version=version)
+    assert _checked == ["e5", "e6"]
+    assert [e.text for e in cp.state.entries] == [f"e{k}" for k in range(7)]
+    fresh = _store(tmp_path, Journal)
+    assert fresh.load("j").state == cp.state
+    store.close()
+    fresh.close()
+
+
+def test_a_model_validator_of_a_subclass_still_sees_the_whole_state(tmp_path: Path) -> None:
+    assert StateSchema(AtMostThree).extensible_lists == frozenset()
+    store = _store(tmp_path, AtMostThree)
+    messages = [Message.user("a"), Message.assistant("b")]
+    version = store.create("s", AtMostThree(messages=messages)).version
+    messages.append(Message.user("c"))
+    state = AtMostThree.model_construct(messages=list(messages))
+    version = store.checkpoint("s", state, expected_version=version, reason="r")
+    messages.append(Message.assistant("d"))
+    with pytest.raises(StateValidationError, match="4 messages, at most 3"):
+        store.checkpoint("s", {"messages": list(messages)}, expected_version=version, reason="r")
+    assert len(store.load("s").state.messages) == 3
+    store.close()
+
+
+def test_an_invalid_appended_message_is_rejected_as_in_a_whole_state(tmp_path: Path) -> None:
+    schema = StateSchema(AgentState)
+    store = _store(tmp_path, schema)
+    messages = [Message.user(f"q{k}") for k in range(4)]
+    version = store.create("s", AgentState(messages=messages)).version
+    # model_construct skips validation: the role check has to run when the state is validated.
+    broken = Message.model_construct(role="tool", content="no call id")
+    cases: list[list[Any]] = [
+        [*messages, Message.assistant("fine"), broken],
+        [*messages, {"role": "nobody"}],
+    ]
+    for candidate in cases:
+        with pytest.raises(StateValidationError) as whole:
+            schema.validate({"messages": candidate})
+        with pytest.raises(StateValidationError) as appended:
+            store.checkpoint("s", {"messages": candidate}, expected_version=version, reason="r")
+        assert str(appended.value) == str(whole.value)
+        assert f"messages.{len(candidate) - 1}" in str(appended.value)
+    with pytest.raises(StateValidationError, match="past max_steps"):
+        store.checkpoint(
+            "s",
+            {"messages": [*messages, Message.user("x")], "step": 60},
+            expected_version=version,
+            reason="r",
+        )
+    assert store.load("s").version == version
+    store.close()
+
+
+class _WithOwnInit(AgentState):
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**data)
+
+
+class _WithPostInit(AgentState):
+    def model_post_init(self, context: Any) -> None:
+        pass
+
+
+class _Bounded(AgentState):
+    messages: Annotated[list[Message], add_messages] = Field(default_factory=list, max_length=9)
+
+
+class _ListValidator(AgentState):
+    @field_validator("messages")
+    @classmethod
+    def _few(cls, value: list[Message]) -> list[Message]:
+        return value
+
+
+class _ReadsOtherFields(AgentState):
+    note: str = ""
+
+    @field_validator("note")
+    @classmethod
+    def _note(cls, value: str, info: ValidationInfo) -> str:
+        return f"{value}{len(info.data['messages'])}"
+
+
+@pytest.mark.parametrize(
+    ("model", "extensible"),
+    [
+        (AgentState, {"messages"}),
+        (ConversationState, {"messages"}),
+        (CounterState, {"items"}),
+        (AtMostThree, set()),
+        (_WithOwnInit, set()),
+        (_WithPostInit, set()),
+        (_Bounded, set()),
+        (_ListValidator, set()),
+        (_ReadsOtherFields, set()),
+    ],
+)
+def test_lists_are_validated_by_their_tail_only_where_nothing_else_reads_them(
+    model: type[BaseModel], extensible: set[str]
+) -> None:
+    assert StateSchema(model).extensible_lists == extensible
+
+
+def test_a_list_changed_in_place_after_a_checkpoint_is_stored_as_it_now_is(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path, AgentState)
+    state = AgentState(messages=[Message.user("a"), Message.assistant("b")])
+    version = store.create("s", state).version
+    state.messages.append(Message.user("c"))
+    version = store.checkpoint("s", state, expected_version=version, reason="r")
+    # The caller edits the list it checkpointed: the next delta must see the edit.
+    state.messages[0] = Message.user("edited")
+    state.messages.append(Message.assistant("d"))
+    version = store.checkpoint("s", state, expected_version=version, reason="r")
+    expected = ["edited", "b", "c", "d"]
+    assert [m.content for m in store.load("s").state.messages] == expected
+    fresh = _store(tmp_path, AgentState)
+    assert [m.content for m in fresh.load("s").state.messages] == expected
+    assert [m.content for m in fresh.at("s", 2).state.messages] == ["a", "b", "c"]
+    store.close()
+    fresh.close()
+
+
+def test_snapshots_of_a_growing_list_keep_storage_linear(tmp_path: Path) -> None:
+    store = _store(tmp_path, ConversationState, snapshot_every=10)
+    version = store.create("c", ConversationState()).version
+    for k in range(1, 601):
+        message = Message.user(f"message {k} " + "x" * 150)
+        version = store.update(
+            "c", {"messages": [message], "step": k}, expected_version=version
+        ).version
+    history = store.history("c")
+    deltas = sum(h.size_bytes for h in history if h.kind == "delta")
+    fulls = [h for h in history if h.kind == "full"]
+    # A snapshot every 10 versions would store ~60 copies of a growing list (~3.6 MB, 30x the
+    # deltas); snapshots sized by the deltas since the last one stay within a few times them.
+    assert sum(h.size_bytes for h in history) < 4 * deltas
+    assert len(fulls) < 15
+    fresh = _store(tmp_path, ConversationState)
+    for probe in (1, 2, 11, 12, 300, 301, 599, 600, 601):
+        state = fresh.at("c", probe).state
+        assert len(state.messages) == probe - 1 and state.step == probe - 1
+    assert fresh.load("c").state == store.load("c").state
+    store.close()
+    fresh.close()
+
+
+def test_small_states_still_get_a_snapshot_every_snapshot_every_versions(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path, CounterState, snapshot_every=5)
+    cp = store.create("s", CounterState())
+    for _ in range(20):
+        cp = store.update("s", {"counter": 1}, expected_version=cp.version)
+    fulls = [h.version for h in store.history("s") if h.kind == "full"]
+    assert sorted(fulls) == [1, 6, 11, 16, 21]
+    store.close()
+
+
+def test_a_large_state_changed_by_tiny_deltas_still_gets_snapshots(tmp_path: Path) -> None:
+    store = _store(tmp_path, ConversationState, snapshot_every=10)
+    messages = [Message.user(f"message {k} " + "x" * 150) for k in range(100)]
+    version = store.create("c", ConversationState(messages=messages)).version
+    for k in range(1, 201):
+        version = store.update("c", {"step": k}, expected_version=version).version
+    fulls = [h.version for h in store.history("c") if h.kind == "full"]
+    # ~20 kB of state, ~20-byte deltas: charging each row its replay cost bounds the rows a
+    # read replays to the snapshot's size over that cost, not 1,000 versions of tiny deltas.
+    assert 2 <= len(fulls) <= 5
+    assert store.at("c", 150).state.step == 149
+    store.close()
+
+
+class Rows(BaseModel):
+    rows: Annotated[list[dict[str, int]], append] = Field(default_factory=list)
+
+
+def test_items_that_can_change_in_place_are_compared_and_validated_again(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path, Rows)
+    version = store.create("r", Rows(rows=[{"x": 1}])).version
+    state = store.load("r").state
+    state.rows[0]["x"] = 2
+    version = store.checkpoint("r", state, expected_version=version, reason="r")
+    state.rows.append({"y": 1})
+    version = store.checkpoint("r", state, expected_version=version, reason="r")
+    state.rows[0]["x"] = 3
+    version = store.checkpoint("r", state, expected_version=version, reason="r")
+    state.rows[0]["x"] = "bad"  # type: ignore[assignment]
+    with pytest.raises(StateValidationError, match=r"rows\.0\.x"):
+        store.checkpoint("r", state, expected_version=version, reason="r")
+    fresh = _store(tmp_path, Rows)
+    assert fresh.load("r").state.rows == [{"x": 3}, {"y": 1}]
+    assert fresh.at("r", 2).state.rows == [{"x": 2}]
+    store.close()
+    fresh.close()
