@@ -32,3 +32,12 @@ def test_appended_lists_store_only_the_tail() -> None:
     assert diff(old, edited) == {"set": {"messages": edited["messages"]}}
     assert diff(old, {"step": 2}) == {"unset": ["messages", "note"]}
     assert diff(old, old) == {}
+
+
+def test_objects_store_only_the_keys_that_changed() -> None:
+    summary = "a long running summary " * 500
+    old = {"runtime": {"summary": summary, "turns": 1, "open_turn": "t1"}, "step": 1}
+    new = {"runtime": {"summary": summary, "turns": 2}, "step": 1}
+    delta = diff(old, new)
+    assert delta == {"patch": {"runtime": {"set": {"turns": 2}, "unset": ["open_turn"]}}}
+    assert replay([encode_full(old), json.dumps(delta)]) == new

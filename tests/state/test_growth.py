@@ -255,3 +255,25 @@ def test_items_that_can_change_in_place_are_compared_and_validated_again(
     assert fresh.at("r", 2).state.rows == [{"x": 2}]
     store.close()
     fresh.close()
+
+
+def test_a_large_value_inside_the_runtime_is_stored_when_it_changes_not_every_step(
+    tmp_path: Path,
+) -> None:
+    from keel.state import SessionRuntime
+
+    store = _store(tmp_path, AgentState, snapshot_every=1000)
+    summary = "what the user asked and what was done " * 500  # ~19 KB
+    state = AgentState(runtime=SessionRuntime(summary=summary))
+    version = store.create("s", state).version
+    for turn in range(1, 41):
+        state = state.model_copy(
+            update={"runtime": state.runtime.model_copy(update={"turns": turn})}
+        )
+        version = store.checkpoint("s", state, expected_version=version, reason="turn")
+    deltas = [h for h in store.history("s") if h.kind == "delta"]
+    assert len(deltas) == 40
+    # The summary rides in the first snapshot only: each delta holds the changed counter.
+    assert max(h.size_bytes for h in deltas) < 500
+    assert StateStore(SQLiteStateBackend(tmp_path / "g.db"), AgentState).load("s").state == state
+    store.close()

@@ -1,10 +1,13 @@
 """Delta encoding of checkpoints: store what changed, not the whole state at every step.
 
 A checkpoint is either a full snapshot (``{"full": {field: value}}``) or a delta against the
-version before it: ``{"set": {field: value}, "extend": {field: [appended items]}, "unset": [...]}``.
+version before it: ``{"set": {field: value}, "extend": {field: [appended items]}, "patch":
+{field: {"set": {key: value}, "unset": [keys]}}, "unset": [fields]}``.
 A list field whose new value starts with the old one (messages, event logs) is stored as the
 appended tail only, so a session whose message list grows by one message per step stores each
-message once between snapshots.
+message once between snapshots. An object field (a nested model, a dict) is stored as the keys
+that changed, so a large value inside it (a running summary next to counters that change every
+step) is stored when it changes, not with every step.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["diff", "encode_full", "replay"]
+__all__ = ["diff", "encode_full", "patch_of", "replay"]
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """The delta that turns JSON state ``old`` into ``new``."""
     sets: dict[str, Any] = {}
     extends: dict[str, list[Any]] = {}
+    patches: dict[str, dict[str, Any]] = {}
     for name, value in new.items():
         if name not in old:
             sets[name] = value
@@ -36,6 +40,11 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
             if len(value) > len(previous):
                 extends[name] = value[len(previous) :]
             continue
+        if isinstance(value, dict) and isinstance(previous, dict):
+            patch = patch_of(previous, value)
+            if patch:
+                patches[name] = patch
+            continue
         if previous != value:
             sets[name] = value
     delta: dict[str, Any] = {}
@@ -43,10 +52,24 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         delta["set"] = sets
     if extends:
         delta["extend"] = extends
+    if patches:
+        delta["patch"] = patches
     unset = sorted(set(old) - set(new))
     if unset:
         delta["unset"] = unset
     return delta
+
+
+def patch_of(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The keys of object ``new`` that differ from ``old`` (one level deep); empty if none."""
+    changed = {key: value for key, value in new.items() if key not in old or old[key] != value}
+    removed = [key for key in old if key not in new]
+    patch: dict[str, Any] = {}
+    if changed:
+        patch["set"] = changed
+    if removed:
+        patch["unset"] = removed
+    return patch
 
 
 def encode_full(state: dict[str, Any]) -> str:
@@ -75,6 +98,11 @@ def replay(payloads: Iterable[str]) -> dict[str, Any]:
         state.update(document.get("set", {}))
         for name, tail in document.get("extend", {}).items():
             state.setdefault(name, []).extend(tail)
+        for name, patch in document.get("patch", {}).items():
+            target = state.setdefault(name, {})
+            target.update(patch.get("set", {}))
+            for key in patch.get("unset", ()):
+                target.pop(key, None)
         for name in document.get("unset", ()):
             state.pop(name, None)
     if state is None:

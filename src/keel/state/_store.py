@@ -44,7 +44,7 @@ from keel.state._checkpoint import (
     Retention,
     VacuumReport,
 )
-from keel.state._delta import diff, encode_full, replay
+from keel.state._delta import diff, encode_full, patch_of, replay
 from keel.state._schema import JSONState, StateSchema
 
 __all__ = ["SessionLock", "StateStore", "vacuum"]
@@ -482,6 +482,7 @@ class StateStore(Generic[S]):
         data: JSONState = {}
         sets: dict[str, Any] = {}
         extends: dict[str, Any] = {}
+        patches: dict[str, Any] = {}
         immutable: set[str] = set()
         for name, value in values.items():
             old = base.values.get(name, _MISSING)
@@ -512,7 +513,12 @@ class StateStore(Generic[S]):
             data[name] = self.schema.field_to_json(name, value)
             if isinstance(value, list) and all(map(_immutable, set(map(type, value)))):
                 immutable.add(name)
-            if name not in base.data or data[name] != base.data[name]:
+            previous = base.data.get(name, _MISSING)
+            if isinstance(data[name], dict) and isinstance(previous, dict):
+                patch = patch_of(previous, data[name])
+                if patch:
+                    patches[name] = patch
+            elif previous is _MISSING or data[name] != previous:
                 sets[name] = data[name]
         if set(base.data) - set(data):
             return data, values, None, frozenset(immutable)
@@ -521,6 +527,8 @@ class StateStore(Generic[S]):
             delta["set"] = sets
         if extends:
             delta["extend"] = extends
+        if patches:
+            delta["patch"] = patches
         return data, values, delta, frozenset(immutable)
 
     def _write(
