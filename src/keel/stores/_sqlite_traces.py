@@ -269,6 +269,95 @@ _INSERT_STEP = (
 )
 
 
+_INSERT_NEW_STEP = (
+    f"INSERT INTO trace_steps ({', '.join(_STEP_FIELDS)}) "
+    f"VALUES ({', '.join('?' for _ in _STEP_FIELDS)}) "
+    "ON CONFLICT (run_id, step_id) DO NOTHING"
+)
+
+
+def _insert_run(conn: sqlite3.Connection, run: Run) -> None:
+    conn.execute(
+        "INSERT INTO trace_runs (run_id, session_id, user_id, tenant_id, agent, "
+        "status, started_at, ended_at, input, output, error_type, error_message, "
+        "attributes, time_limit_s, heartbeat_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (run_id) DO UPDATE SET session_id = excluded.session_id, "
+        "user_id = excluded.user_id, tenant_id = excluded.tenant_id, "
+        "agent = excluded.agent, status = excluded.status, "
+        "started_at = excluded.started_at, ended_at = excluded.ended_at, "
+        "input = excluded.input, output = excluded.output, "
+        "error_type = excluded.error_type, error_message = excluded.error_message, "
+        "attributes = excluded.attributes, time_limit_s = excluded.time_limit_s, "
+        "heartbeat_at = excluded.heartbeat_at",
+        (
+            run.run_id,
+            run.session_id,
+            run.user_id,
+            run.tenant_id,
+            run.agent,
+            run.status,
+            _ts(run.started_at),
+            _ts(run.ended_at),
+            run.input,
+            run.output,
+            run.error_type,
+            run.error_message,
+            json.dumps(run.attributes, ensure_ascii=False),
+            run.time_limit_s,
+            _now_us(),
+        ),
+    )
+
+
+def _write_steps(conn: sqlite3.Connection, steps: Sequence[Step]) -> None:
+    """Insert or replace each step; each run's totals move by the difference, once."""
+    totals: dict[str, list[int]] = {}
+    for step in steps:
+        delta = totals.get(step.run_id)
+        if delta is None:
+            exists = conn.execute(
+                "SELECT 1 FROM trace_runs WHERE run_id = ?", (step.run_id,)
+            ).fetchone()
+            if exists is None:
+                raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
+            delta = totals[step.run_id] = [0] * 6
+        added = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
+        values = _step_values(step)
+        if conn.execute(_INSERT_NEW_STEP, values).rowcount == 0:
+            # A step written again: replace it, and count only what changed.
+            old_row = conn.execute(
+                "SELECT kind, error_type, prompt_tokens, completion_tokens FROM trace_steps "
+                "WHERE run_id = ? AND step_id = ?",
+                (step.run_id, step.step_id),
+            ).fetchone()
+            old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
+            added = tuple(a - b for a, b in zip(added, old, strict=True))
+            conn.execute(_INSERT_STEP, values)
+        for position, value in enumerate(added):
+            delta[position] += value
+    now = _now_us()
+    for run_id, delta in totals.items():
+        conn.execute(
+            "UPDATE trace_runs SET step_count = step_count + ?, "
+            "model_calls = model_calls + ?, tool_calls = tool_calls + ?, "
+            "tool_errors = tool_errors + ?, prompt_tokens = prompt_tokens + ?, "
+            "completion_tokens = completion_tokens + ?, "
+            "heartbeat_at = MAX(COALESCE(heartbeat_at, 0), ?) WHERE run_id = ?",
+            (*delta, now, run_id),
+        )
+
+
+def _end_run(conn: sqlite3.Connection, end: RunEnding) -> None:
+    updated = conn.execute(
+        "UPDATE trace_runs SET status = ?, ended_at = ?, output = ?, "
+        "error_type = ?, error_message = ? WHERE run_id = ?",
+        (end.status, _ts(end.ended_at), end.output, end.error_type, end.error_message, end.run_id),
+    ).rowcount
+    if updated == 0:
+        raise StoreError(f"cannot end run {end.run_id!r}: no such run")
+
+
 _T = TypeVar("_T")
 
 
@@ -303,80 +392,11 @@ class SQLiteTraceStore(TraceStore):
 
     def start_run(self, run: Run) -> None:
         """Insert the run (or replace its header, keeping steps and totals)."""
-        self._ensure()
-        with self.db.transaction() as conn:
-            try:
-                conn.execute(
-                    "INSERT INTO trace_runs (run_id, session_id, user_id, tenant_id, agent, "
-                    "status, started_at, ended_at, input, output, error_type, error_message, "
-                    "attributes, time_limit_s, heartbeat_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                    "ON CONFLICT (run_id) DO UPDATE SET session_id = excluded.session_id, "
-                    "user_id = excluded.user_id, tenant_id = excluded.tenant_id, "
-                    "agent = excluded.agent, status = excluded.status, "
-                    "started_at = excluded.started_at, ended_at = excluded.ended_at, "
-                    "input = excluded.input, output = excluded.output, "
-                    "error_type = excluded.error_type, error_message = excluded.error_message, "
-                    "attributes = excluded.attributes, time_limit_s = excluded.time_limit_s, "
-                    "heartbeat_at = excluded.heartbeat_at",
-                    (
-                        run.run_id,
-                        run.session_id,
-                        run.user_id,
-                        run.tenant_id,
-                        run.agent,
-                        run.status,
-                        _ts(run.started_at),
-                        _ts(run.ended_at),
-                        run.input,
-                        run.output,
-                        run.error_type,
-                        run.error_message,
-                        json.dumps(run.attributes, ensure_ascii=False),
-                        run.time_limit_s,
-                        _now_us(),
-                    ),
-                )
-            except sqlite3.Error as exc:
-                raise translate_sqlite_error(exc, self.db.path) from exc
+        self.write_batch(run=run, steps=(), end=None)
 
     def write_step(self, step: Step) -> None:
         """Insert or replace the step and adjust its run's totals by the difference."""
-        self._ensure()
-        new = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
-        with self.db.transaction() as conn:
-            try:
-                exists = conn.execute(
-                    "SELECT 1 FROM trace_runs WHERE run_id = ?", (step.run_id,)
-                ).fetchone()
-                if exists is None:
-                    raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
-                old_row = conn.execute(
-                    "SELECT kind, error_type, prompt_tokens, completion_tokens FROM trace_steps "
-                    "WHERE run_id = ? AND step_id = ?",
-                    (step.run_id, step.step_id),
-                ).fetchone()
-                delta = list(new)
-                if old_row is not None:
-                    old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
-                    delta = [a - b for a, b in zip(new, old, strict=True)]
-                conn.execute(_INSERT_STEP, _step_values(step))
-                conn.execute(
-                    "UPDATE trace_runs SET step_count = step_count + ?, "
-                    "model_calls = model_calls + ?, tool_calls = tool_calls + ?, "
-                    "tool_errors = tool_errors + ?, prompt_tokens = prompt_tokens + ?, "
-                    "completion_tokens = completion_tokens + ?, "
-                    "heartbeat_at = MAX(COALESCE(heartbeat_at, 0), ?) WHERE run_id = ?",
-                    (*delta, _now_us(), step.run_id),
-                )
-            except sqlite3.Error as exc:
-                raise translate_sqlite_error(exc, self.db.path) from exc
-
-    def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
-        """One transaction for the whole batch (the writes inside join it)."""
-        self._ensure()
-        with self.db.transaction():
-            super().write_batch(run=run, steps=steps, end=end)
+        self.write_batch(run=None, steps=(step,), end=None)
 
     def end_run(
         self,
@@ -389,18 +409,22 @@ class SQLiteTraceStore(TraceStore):
         error_message: str | None = None,
     ) -> None:
         """Set the run's final status, end time, output and error."""
+        ending = RunEnding(run_id, status, ended_at, output, error_type, error_message)
+        self.write_batch(run=None, steps=(), end=ending)
+
+    def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
+        """One transaction for the whole batch, one totals update per run."""
         self._ensure()
         with self.db.transaction() as conn:
             try:
-                updated = conn.execute(
-                    "UPDATE trace_runs SET status = ?, ended_at = ?, output = ?, "
-                    "error_type = ?, error_message = ? WHERE run_id = ?",
-                    (status, _ts(ended_at), output, error_type, error_message, run_id),
-                ).rowcount
+                if run is not None:
+                    _insert_run(conn, run)
+                if steps:
+                    _write_steps(conn, steps)
+                if end is not None:
+                    _end_run(conn, end)
             except sqlite3.Error as exc:
                 raise translate_sqlite_error(exc, self.db.path) from exc
-        if updated == 0:
-            raise StoreError(f"cannot end run {run_id!r}: no such run")
 
     def get_run(self, run_id: str) -> Run | None:
         """The run with this id, or None."""
