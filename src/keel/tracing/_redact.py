@@ -28,6 +28,7 @@ It does not mask phone numbers, IBANs or SSNs: on its own it is not enough for t
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -149,6 +150,18 @@ def redact_pii(text: str) -> str:
     """
     if not text:
         return text
+    if len(text) <= _CACHED_CHARS:
+        return _redact_short(text)
+    return redact_secrets(mask_pii(text))
+
+
+# Traces repeat the same short strings at every step (the keys and labels of the budget
+# report, model names, statuses): their redaction, a pure function, is remembered.
+_CACHED_CHARS = 256
+
+
+@functools.lru_cache(maxsize=4096)
+def _redact_short(text: str) -> str:
     return redact_secrets(mask_pii(text))
 
 
