@@ -174,7 +174,8 @@ class ContextEngine:
         memory_sink: where evicted turns and committed summaries go (long-term memory).
 
     ``compile`` is synchronous, pure CPU and never calls a model: its cost depends on the
-    window's size, not on the conversation's length.
+    newest messages and on what it has to cut, not on the window's or the conversation's
+    length.
     """
 
     def __init__(
@@ -348,6 +349,8 @@ class _Compilation:
         self.memories = _rank(memories) if memories else []
         self.dropped: list[DroppedItem] = []
         self.steps: list[DegradationStep] = []
+        self.older_turns = range(0)
+        """The run of turns sent as held, pruned, before those in ``plan``."""
 
     def _check_caps(self) -> None:
         budget = self.budget
@@ -440,6 +443,13 @@ class _Compilation:
                 self.left_open = True
                 position += len(turn.raw)
                 continue
+            if position >= keep_recent and index < must_start:
+                # Every older turn goes as held, pruned, until one does not fit: that run is
+                # found by one binary search, never walked.
+                history = conv._pruned_history
+                self.older_turns = range(history.fit_start(index + 1, room - used), index + 1)
+                used += history.tokens(self.older_turns)
+                break
             size = len(turn.raw)
             if position >= keep_recent:
                 forms, tokens = turn.forms, turn.pruned_total
@@ -654,8 +664,19 @@ class _Compilation:
         )
         self._plan_window()
         if self.total > self.limit:
+            self._plan_older_turns_per_entry()
             self._degrade()
         return self._assemble()
+
+    def _plan_older_turns_per_entry(self) -> None:
+        """Degradation cuts and drops turn by turn: the run of older turns becomes entries."""
+        turns = self.conv._turns
+        older = [
+            _Entry(index, turns[index], list(turns[index].forms), turns[index].pruned_total)
+            for index in self.older_turns
+        ]
+        self.plan[:0] = older
+        self.older_turns = range(0)
 
     def _assemble(self) -> CompiledPrompt:
         conv = self.conv
@@ -668,8 +689,14 @@ class _Compilation:
         if self.summary_cut is not None and self.summary_msg is not None:
             pruned.append(self.summary_cut.model_copy(update={"message_index": len(messages) - 1}))
         rules_placed = False
-        kept_raw = 0
-        kept_messages = 0
+        older = self.older_turns
+        history = conv._pruned_history
+        kept_raw = history.raw_tokens_of(older)
+        older_start = len(messages)
+        messages += history.messages(older)
+        kept_messages = len(messages) - older_start
+        for offset, raw, form in history.cuts(older):
+            pruned.append(self._pruned_output(older_start + offset, raw, form))
         for entry in self.plan:
             if entry.index == self.newest_user and self.rules_msg is not None:
                 messages.append(self.rules_msg)
@@ -678,27 +705,20 @@ class _Compilation:
             kept_messages += len(entry.forms)
             for position, form in enumerate(entry.forms):
                 if form.how is not None:
-                    raw = entry.turn.raw[position]
-                    # model_construct: the values are built here, validation would only cost.
                     pruned.append(
-                        PrunedOutput.model_construct(
-                            message_index=len(messages),
-                            role=raw.message.role,
-                            tool_call_id=raw.message.tool_call_id,
-                            original_tokens=raw.content_tokens,
-                            kept_tokens=form.content_tokens,
-                            how=form.how,
-                            original=raw.message.content,
-                        )
+                        self._pruned_output(len(messages), entry.turn.raw[position], form)
                     )
                 messages.append(form.message)
         if self.rules_msg is not None and not rules_placed:
             messages.append(self.rules_msg)
-        if self.plan:
+        if older:
+            conv._window_start_seq = conv._turns[older.start].seq
+        elif self.plan:
             conv._window_start_seq = self.plan[0].turn.seq
         elif conv._turns:
             conv._window_start_seq = conv._turns[-1].seq
-        outside = len(conv._turns) - len(self.plan) - (1 if self.left_open else 0)
+        turns_kept = len(older) + len(self.plan)
+        outside = len(conv._turns) - turns_kept - (1 if self.left_open else 0)
         if outside > 0:
             self.dropped.append(
                 DroppedItem(
@@ -738,7 +758,7 @@ class _Compilation:
             ),
             memories_cap=budget.memories_cap,
             summary_cap=budget.summary_cap,
-            turns_kept=len(self.plan),
+            turns_kept=turns_kept,
             messages_kept=kept_messages,
             turns_outside_window=max(0, outside),
             turns_summarized=conv.turns_summarized,
@@ -748,3 +768,17 @@ class _Compilation:
             degradations=tuple(self.steps),
         )
         return CompiledPrompt(messages=tuple(messages), tools=self.tools, report=report)
+
+    @staticmethod
+    def _pruned_output(message_index: int, raw: _Form, form: _Form) -> PrunedOutput:
+        assert form.how is not None, "only cut forms are reported"
+        # model_construct: the values are built here, validation would only cost.
+        return PrunedOutput.model_construct(
+            message_index=message_index,
+            role=raw.message.role,
+            tool_call_id=raw.message.tool_call_id,
+            original_tokens=raw.content_tokens,
+            kept_tokens=form.content_tokens,
+            how=form.how,
+            original=raw.message.content,
+        )
