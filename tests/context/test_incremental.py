@@ -18,10 +18,12 @@ from keel.context import (
     ContextBudget,
     ContextEngine,
     ContextMemory,
+    Conversation,
     PruningPolicy,
     SummaryPolicy,
     SummaryRequest,
 )
+from keel.context._conversation import _Form, _PrunedHistory
 from keel.context._engine import _Compilation, _Entry
 from keel.context._report import BudgetReport, DroppedItem, PrunedOutput, SectionTokens
 from keel.errors import ContextOverflowError
@@ -375,3 +377,41 @@ def test_incremental_compile_equals_walking_every_turn(
             outcome = session.conversation.summarize(force=step.force)
             if outcome is not None and outcome.committed:
                 event("summarized")
+                check_pruned_history(session.conversation)
+
+
+def check_pruned_history(conversation: Conversation) -> None:
+    """The flattened history holds exactly the held turns' pruned forms, nothing evicted."""
+    history = conversation._pruned_history
+    held = range(len(conversation.turns))
+    forms = [form for turn in conversation.turns for form in turn.forms]
+    assert history.messages(held) == [form.message for form in forms]
+    cut = [(offset, form) for offset, form in enumerate(forms) if form.how is not None]
+    assert [(offset, form) for offset, _, form in history.cuts(held)] == cut
+    assert len(history._cut_at) == len(history._cuts) == len(cut)
+    assert history.tokens(held) == conversation.pruned_tokens
+
+
+@given(
+    sizes=st.lists(st.integers(1, 50), max_size=30),
+    stop_share=st.floats(0, 1),
+    slack=st.integers(-2, 2),
+    room_share=st.floats(0, 1),
+)
+def test_fit_start_is_the_first_turn_the_newest_first_walk_cannot_take(
+    sizes: list[int], stop_share: float, slack: int, room_share: float
+) -> None:
+    history = _PrunedHistory()
+    for size in sizes:
+        history.open_turn()
+        form = _Form(Message.user("x"), size, size, None)
+        history.append(form, form)
+    stop = round(len(sizes) * stop_share)
+    # Rooms at and next to the exact sum of a run: the boundary a binary search gets wrong.
+    room = sum(sizes[round(stop * room_share) : stop]) + slack
+    used, start = 0, stop
+    while start > 0 and used + sizes[start - 1] <= room:
+        start -= 1
+        used += sizes[start]
+    assert history.fit_start(stop, room) == start
+    assert history.tokens(range(start, stop)) == used

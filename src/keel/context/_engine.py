@@ -664,19 +664,11 @@ class _Compilation:
         )
         self._plan_window()
         if self.total > self.limit:
-            self._plan_older_turns_per_entry()
+            # Only the floor can overflow: then no older turn fitted, the run of older turns
+            # is empty, and degradation works on the planned entries alone.
+            assert not self.older_turns
             self._degrade()
         return self._assemble()
-
-    def _plan_older_turns_per_entry(self) -> None:
-        """Degradation cuts and drops turn by turn: the run of older turns becomes entries."""
-        turns = self.conv._turns
-        older = [
-            _Entry(index, turns[index], list(turns[index].forms), turns[index].pruned_total)
-            for index in self.older_turns
-        ]
-        self.plan[:0] = older
-        self.older_turns = range(0)
 
     def _assemble(self) -> CompiledPrompt:
         conv = self.conv
