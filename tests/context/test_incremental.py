@@ -191,7 +191,7 @@ class ReferenceCompilation(_Compilation):
 
 
 class ScriptedSummarizer:
-    """Summaries of scripted sizes (some over the cap, so the cap's cut is exercised too)."""
+    """Summaries of scripted sizes, some over the summary cap (condensed again on commit)."""
 
     def __init__(self, sizes: list[int]) -> None:
         self.sizes = sizes
@@ -208,6 +208,11 @@ class AddTurn:
     kind: str  # user, answer, notice, tools
     sizes: list[int]
     answered: int = 0  # tools: results added now; the others wait for the next action
+
+
+@dataclass
+class Chat:
+    turns: int  # small turns in a row: user questions, lookups and answers, for long runs
 
 
 @dataclass
@@ -240,6 +245,7 @@ actions = st.one_of(
     add_turns,
     add_turns,
     add_turns,
+    st.builds(Chat, st.integers(4, 40)),
     st.builds(
         Compile,
         rules=st.integers(0, 3),
@@ -247,7 +253,7 @@ actions = st.one_of(
         tools=st.booleans(),
         headroom=st.sampled_from([0, 0, 0, 300]),
     ),
-    st.builds(Summarize, force=st.booleans()),
+    st.builds(Summarize, force=st.sampled_from([False, False, False, True])),
 )
 
 
@@ -287,6 +293,12 @@ class Session:
             self.conversation.extend(results[: action.answered])
             self.waiting = results[action.answered :]
 
+    def chat(self, action: Chat) -> None:
+        kinds = ["user", "tools", "answer"]
+        for number in range(action.turns):
+            size = (self.seed + number) % 60
+            self.add(AddTurn(kinds[number % 3], [size], answered=1))
+
     def compile_both(self, action: Compile) -> None:
         system = "You are a careful assistant. " + text_of(30, self.seed)
         rules = [f"Rule {i}: " + text_of(10 + 20 * i, i) for i in range(action.rules)]
@@ -320,6 +332,8 @@ class Session:
         assert conversation._window_start_seq == expected_start
         report = actual.report
         event("degraded" if report.degradations else "not degraded")
+        if self.waiting:
+            event("tool calls waiting for their results")
         older = compilation.older_turns
         if len(older) > 10:
             event("more than 10 older turns in one run")
@@ -353,7 +367,7 @@ def test_incremental_compile_equals_walking_every_turn(
     hard_max_tokens: int,
     keep_turns: int,
     summary_sizes: list[int],
-    steps: list[AddTurn | Compile | Summarize],
+    steps: list[AddTurn | Chat | Compile | Summarize],
     seed: int,
 ) -> None:
     engine = ContextEngine(
@@ -371,6 +385,8 @@ def test_incremental_compile_equals_walking_every_turn(
     for step in [*steps, Compile(rules=1, memories=1, tools=True, headroom=0)]:
         if isinstance(step, AddTurn):
             session.add(step)
+        elif isinstance(step, Chat):
+            session.chat(step)
         elif isinstance(step, Compile):
             session.compile_both(step)
         else:
@@ -378,6 +394,7 @@ def test_incremental_compile_equals_walking_every_turn(
             if outcome is not None and outcome.committed:
                 event("summarized")
                 check_pruned_history(session.conversation)
+    check_pruned_history(session.conversation)
 
 
 def check_pruned_history(conversation: Conversation) -> None:
