@@ -406,7 +406,7 @@ def check_pruned_history(conversation: Conversation) -> None:
     cut = [(offset, form) for offset, form in enumerate(forms) if form.how is not None]
     assert [(offset, form) for offset, _, form in history.cuts(held)] == cut
     assert len(history._cut_at) == len(history._cuts) == len(cut)
-    assert history.tokens(held) == conversation.pruned_tokens
+    assert history.pruned_tokens_of(held) == conversation.pruned_tokens
 
 
 @given(
@@ -431,4 +431,4 @@ def test_fit_start_is_the_first_turn_the_newest_first_walk_cannot_take(
         start -= 1
         used += sizes[start]
     assert history.fit_start(stop, room) == start
-    assert history.tokens(range(start, stop)) == used
+    assert history.pruned_tokens_of(range(start, stop)) == used

@@ -152,13 +152,16 @@ class _PrunedHistory:
 
     @property
     def raw_tokens(self) -> int:
+        """Tokens of all held turns as added."""
         return self._raw_before[-1] - self._raw_before[0]
 
     @property
     def pruned_tokens(self) -> int:
+        """Tokens of all held turns, tool output pruned."""
         return self._pruned_before[-1] - self._pruned_before[0]
 
     def open_turn(self) -> None:
+        """A new, empty newest turn."""
         self._pruned_before.append(self._pruned_before[-1])
         self._raw_before.append(self._raw_before[-1])
         self._messages_before.append(self._messages_before[-1])
@@ -188,7 +191,7 @@ class _PrunedHistory:
         """The oldest turn from which turns up to ``stop`` (excluded) fit ``room`` tokens."""
         return bisect_left(self._pruned_before, self._pruned_before[stop] - room, 0, stop)
 
-    def tokens(self, turns: range) -> int:
+    def pruned_tokens_of(self, turns: range) -> int:
         """Tokens of a run of held turns, tool output pruned."""
         return self._pruned_before[turns.stop] - self._pruned_before[turns.start]
 

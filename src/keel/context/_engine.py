@@ -21,7 +21,10 @@ recent-turns budget (what system, rules, tools, memories and summary leave); the
 ``SummaryPolicy.keep_turns`` turns and the whole current turn are always taken. As plain
 policy, not degradation, older tool results are pruned to ``PruningPolicy.max_tokens`` and a
 recent one larger than ``PruningPolicy.recent_share`` of that budget is cut to that share,
-so one giant output leaves room for the rest of the conversation.
+so one giant output leaves room for the rest of the conversation. Past the recent messages
+and the floor every turn is taken as held (tool output pruned): that run of older turns is
+found by a binary search over the conversation's running sums and copied as one slice, so a
+compile's cost does not grow with the window.
 
 Degradation: when the preflight count (exact: messages, framing, reply priming and tool
 schemas) still exceeds the prompt limit, these steps are tried in this order until it fits,
@@ -448,7 +451,7 @@ class _Compilation:
                 # found by one binary search, never walked.
                 history = conv._pruned_history
                 self.older_turns = range(history.fit_start(index + 1, room - used), index + 1)
-                used += history.tokens(self.older_turns)
+                used += history.pruned_tokens_of(self.older_turns)
                 break
             size = len(turn.raw)
             if position >= keep_recent:
