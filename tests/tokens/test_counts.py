@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from keel import Message, ToolCall
@@ -153,6 +155,25 @@ def test_tool_schemas_cost_tokens_and_grow_with_fields() -> None:
     assert counter.count_prompt(prompt, [big]) == counter.count_messages(prompt) + (
         counter.count_tools([big])
     )
+
+
+def test_tool_schema_counts_follow_their_content_not_their_objects() -> None:
+    counter = counter_for("gpt-4o")
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look something up.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    }
+    first = counter.count_tools([schema])
+    assert counter.count_tools([copy.deepcopy(schema)]) == first
+    # The same dict, changed in place: counted again, not read back from the cache.
+    schema["function"]["description"] = "Look something up in the records of every customer."
+    changed = counter.count_tools([schema])
+    assert changed > first
+    assert changed == counter_for("gpt-4o").count_tools([schema])
 
 
 def test_chatml_framing_is_tokenized_exactly() -> None:

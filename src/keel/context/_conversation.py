@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -117,6 +118,104 @@ class Turn:
         return f"Turn(seq={self.seq}, roles={roles}, tokens={self.raw_total})"
 
 
+class _PrunedHistory:
+    """The held turns as older turns are sent (tool output pruned), flattened.
+
+    Past the recent messages and the floor, the window takes the held turns exactly in this
+    form, newest first, while they fit: a contiguous run of turns. Running sums and one flat
+    message list make that run one binary search and one slice, however long it is, so a
+    compile costs what changed, not the window's size.
+
+    Sums and message numbers count from the conversation's start: adding only touches the
+    end of each list, and evicting the oldest turns only deletes the head.
+    """
+
+    __slots__ = (
+        "_cut_at",
+        "_cuts",
+        "_messages",
+        "_messages_before",
+        "_pruned_before",
+        "_raw_before",
+    )
+
+    def __init__(self) -> None:
+        # Entry i is the total before held turn i; the last entry is the total of all.
+        self._pruned_before = [0]
+        self._raw_before = [0]
+        self._messages_before = [0]
+        self._messages: list[Message] = []
+        # Message numbers of the forms that are cut, with their raw and cut forms: a prompt
+        # reports each cut message, and most turns have none.
+        self._cut_at: list[int] = []
+        self._cuts: list[tuple[_Form, _Form]] = []
+
+    @property
+    def raw_tokens(self) -> int:
+        """Tokens of all held turns as added."""
+        return self._raw_before[-1] - self._raw_before[0]
+
+    @property
+    def pruned_tokens(self) -> int:
+        """Tokens of all held turns, tool output pruned."""
+        return self._pruned_before[-1] - self._pruned_before[0]
+
+    def open_turn(self) -> None:
+        """A new, empty newest turn."""
+        self._pruned_before.append(self._pruned_before[-1])
+        self._raw_before.append(self._raw_before[-1])
+        self._messages_before.append(self._messages_before[-1])
+
+    def append(self, raw: _Form, pruned: _Form) -> None:
+        """One message of the newest turn, raw and as it is sent once older."""
+        if pruned.how is not None:
+            self._cut_at.append(self._messages_before[-1])
+            self._cuts.append((raw, pruned))
+        self._messages.append(pruned.message)
+        self._messages_before[-1] += 1
+        self._pruned_before[-1] += pruned.tokens
+        self._raw_before[-1] += raw.tokens
+
+    def drop_oldest(self, count: int) -> None:
+        """Forget the ``count`` oldest turns (summarized)."""
+        end = self._messages_before[count]
+        del self._messages[: end - self._messages_before[0]]
+        cuts = bisect_left(self._cut_at, end)
+        del self._cut_at[:cuts]
+        del self._cuts[:cuts]
+        del self._pruned_before[:count]
+        del self._raw_before[:count]
+        del self._messages_before[:count]
+
+    def fit_start(self, stop: int, room: int) -> int:
+        """The oldest turn from which turns up to ``stop`` (excluded) fit ``room`` tokens."""
+        return bisect_left(self._pruned_before, self._pruned_before[stop] - room, 0, stop)
+
+    def pruned_tokens_of(self, turns: range) -> int:
+        """Tokens of a run of held turns, tool output pruned."""
+        return self._pruned_before[turns.stop] - self._pruned_before[turns.start]
+
+    def raw_tokens_of(self, turns: range) -> int:
+        """Tokens of a run of held turns as added."""
+        return self._raw_before[turns.stop] - self._raw_before[turns.start]
+
+    def messages(self, turns: range) -> list[Message]:
+        """The messages of a run of held turns, tool output pruned."""
+        base = self._messages_before[0]
+        before = self._messages_before
+        return self._messages[before[turns.start] - base : before[turns.stop] - base]
+
+    def cuts(self, turns: range) -> list[tuple[int, _Form, _Form]]:
+        """The cut messages of a run of held turns: position in the run, raw and cut form."""
+        first = self._messages_before[turns.start]
+        low = bisect_left(self._cut_at, first)
+        high = bisect_left(self._cut_at, self._messages_before[turns.stop], low)
+        return [
+            (self._cut_at[k] - first, raw, cut)
+            for k, (raw, cut) in enumerate(self._cuts[low:high], low)
+        ]
+
+
 class SummaryOutcome(BaseModel):
     """What one summarization attempt did."""
 
@@ -168,8 +267,7 @@ class Conversation:
         self._turns: list[Turn] = []
         self._open: Turn | None = None
         self._next_seq = 0
-        self._raw_total = 0
-        self._pruned_total = 0
+        self._pruned_history = _PrunedHistory()
         self._message_count = 0
         self._last_user_seq: int | None = None
         self._summary = ""
@@ -216,12 +314,12 @@ class Conversation:
     @property
     def raw_tokens(self) -> int:
         """Tokens of the raw history (framing included), kept as a running total."""
-        return self._raw_total
+        return self._pruned_history.raw_tokens
 
     @property
     def pruned_tokens(self) -> int:
         """Tokens of the raw history as older turns appear in a prompt (tool output pruned)."""
-        return self._pruned_total
+        return self._pruned_history.pruned_tokens
 
     @property
     def needs_summary(self) -> bool:
@@ -229,7 +327,7 @@ class Conversation:
         policy = self.summary_policy
         if policy.max_turns is not None and len(self._turns) > policy.max_turns:
             return bool(self._evictable_count())
-        if self._pruned_total > policy.trigger_ratio * self.turns_budget:
+        if self._pruned_history.pruned_tokens > policy.trigger_ratio * self.turns_budget:
             return bool(self._evictable_count())
         outside = bool(self._turns) and self._turns[0].seq < self._window_start_seq
         if self.summarize_outside_window and outside:
@@ -275,6 +373,7 @@ class Conversation:
             turn = Turn(self._next_seq)
             self._next_seq += 1
             self._turns.append(turn)
+            self._pruned_history.open_turn()
             if message.tool_calls:
                 ids = [call.id for call in message.tool_calls]
                 if len(set(ids)) != len(ids):
@@ -293,8 +392,7 @@ class Conversation:
         turn._hard = None
         turn.raw_total += form.tokens
         turn.pruned_total += pruned.tokens
-        self._raw_total += form.tokens
-        self._pruned_total += pruned.tokens
+        self._pruned_history.append(form, pruned)
         self._message_count += 1
 
     def extend(self, messages: Iterable[Message]) -> None:
@@ -360,7 +458,7 @@ class Conversation:
         policy = self.summary_policy
         evictable = self._evictable_count()
         target = policy.target_ratio * self.turns_budget
-        remaining = self._pruned_total
+        remaining = self._pruned_history.pruned_tokens
         count = len(self._turns)
         chosen: list[Turn] = []
         for turn in self._turns[:evictable]:
@@ -455,8 +553,7 @@ class Conversation:
                 error="the history changed while summarizing",
             )
         del self._turns[: len(chosen)]
-        self._raw_total -= tokens
-        self._pruned_total -= sum(turn.pruned_total for turn in chosen)
+        self._pruned_history.drop_oldest(len(chosen))
         self._message_count -= len(messages)
         self._summary = summary
         self._summary_tokens = summary_tokens
@@ -487,5 +584,5 @@ class Conversation:
     def __repr__(self) -> str:
         return (
             f"Conversation({self.session_id!r}, turns={len(self._turns)}, "
-            f"tokens={self._raw_total}, summarized_turns={self._turns_summarized})"
+            f"tokens={self.raw_tokens}, summarized_turns={self._turns_summarized})"
         )

@@ -21,7 +21,10 @@ recent-turns budget (what system, rules, tools, memories and summary leave); the
 ``SummaryPolicy.keep_turns`` turns and the whole current turn are always taken. As plain
 policy, not degradation, older tool results are pruned to ``PruningPolicy.max_tokens`` and a
 recent one larger than ``PruningPolicy.recent_share`` of that budget is cut to that share,
-so one giant output leaves room for the rest of the conversation.
+so one giant output leaves room for the rest of the conversation. Past the recent messages
+and the floor every turn is taken as held (tool output pruned): that run of older turns is
+found by a binary search over the conversation's running sums and copied as one slice, so a
+compile's cost does not grow with the window.
 
 Degradation: when the preflight count (exact: messages, framing, reply priming and tool
 schemas) still exceeds the prompt limit, these steps are tried in this order until it fits,
@@ -174,7 +177,8 @@ class ContextEngine:
         memory_sink: where evicted turns and committed summaries go (long-term memory).
 
     ``compile`` is synchronous, pure CPU and never calls a model: its cost depends on the
-    window's size, not on the conversation's length.
+    newest messages and on what it has to cut, not on the window's or the conversation's
+    length.
     """
 
     def __init__(
@@ -348,6 +352,8 @@ class _Compilation:
         self.memories = _rank(memories) if memories else []
         self.dropped: list[DroppedItem] = []
         self.steps: list[DegradationStep] = []
+        self.older_turns = range(0)
+        """The run of turns sent as held, pruned, before those in ``plan``."""
 
     def _check_caps(self) -> None:
         budget = self.budget
@@ -440,6 +446,13 @@ class _Compilation:
                 self.left_open = True
                 position += len(turn.raw)
                 continue
+            if position >= keep_recent and index < must_start:
+                # Every older turn goes as held, pruned, until one does not fit: that run is
+                # found by one binary search, never walked.
+                history = conv._pruned_history
+                self.older_turns = range(history.fit_start(index + 1, room - used), index + 1)
+                used += history.pruned_tokens_of(self.older_turns)
+                break
             size = len(turn.raw)
             if position >= keep_recent:
                 forms, tokens = turn.forms, turn.pruned_total
@@ -654,6 +667,9 @@ class _Compilation:
         )
         self._plan_window()
         if self.total > self.limit:
+            # Only the floor can overflow: then no older turn fitted, the run of older turns
+            # is empty, and degradation works on the planned entries alone.
+            assert not self.older_turns
             self._degrade()
         return self._assemble()
 
@@ -668,8 +684,14 @@ class _Compilation:
         if self.summary_cut is not None and self.summary_msg is not None:
             pruned.append(self.summary_cut.model_copy(update={"message_index": len(messages) - 1}))
         rules_placed = False
-        kept_raw = 0
-        kept_messages = 0
+        older = self.older_turns
+        history = conv._pruned_history
+        kept_raw = history.raw_tokens_of(older)
+        older_start = len(messages)
+        messages += history.messages(older)
+        kept_messages = len(messages) - older_start
+        for offset, raw, form in history.cuts(older):
+            pruned.append(self._pruned_output(older_start + offset, raw, form))
         for entry in self.plan:
             if entry.index == self.newest_user and self.rules_msg is not None:
                 messages.append(self.rules_msg)
@@ -678,27 +700,20 @@ class _Compilation:
             kept_messages += len(entry.forms)
             for position, form in enumerate(entry.forms):
                 if form.how is not None:
-                    raw = entry.turn.raw[position]
-                    # model_construct: the values are built here, validation would only cost.
                     pruned.append(
-                        PrunedOutput.model_construct(
-                            message_index=len(messages),
-                            role=raw.message.role,
-                            tool_call_id=raw.message.tool_call_id,
-                            original_tokens=raw.content_tokens,
-                            kept_tokens=form.content_tokens,
-                            how=form.how,
-                            original=raw.message.content,
-                        )
+                        self._pruned_output(len(messages), entry.turn.raw[position], form)
                     )
                 messages.append(form.message)
         if self.rules_msg is not None and not rules_placed:
             messages.append(self.rules_msg)
-        if self.plan:
+        if older:
+            conv._window_start_seq = conv._turns[older.start].seq
+        elif self.plan:
             conv._window_start_seq = self.plan[0].turn.seq
         elif conv._turns:
             conv._window_start_seq = conv._turns[-1].seq
-        outside = len(conv._turns) - len(self.plan) - (1 if self.left_open else 0)
+        turns_kept = len(older) + len(self.plan)
+        outside = len(conv._turns) - turns_kept - (1 if self.left_open else 0)
         if outside > 0:
             self.dropped.append(
                 DroppedItem(
@@ -738,7 +753,7 @@ class _Compilation:
             ),
             memories_cap=budget.memories_cap,
             summary_cap=budget.summary_cap,
-            turns_kept=len(self.plan),
+            turns_kept=turns_kept,
             messages_kept=kept_messages,
             turns_outside_window=max(0, outside),
             turns_summarized=conv.turns_summarized,
@@ -748,3 +763,17 @@ class _Compilation:
             degradations=tuple(self.steps),
         )
         return CompiledPrompt(messages=tuple(messages), tools=self.tools, report=report)
+
+    @staticmethod
+    def _pruned_output(message_index: int, raw: _Form, form: _Form) -> PrunedOutput:
+        assert form.how is not None, "only cut forms are reported"
+        # model_construct: the values are built here, validation would only cost.
+        return PrunedOutput.model_construct(
+            message_index=message_index,
+            role=raw.message.role,
+            tool_call_id=raw.message.tool_call_id,
+            original_tokens=raw.content_tokens,
+            kept_tokens=form.content_tokens,
+            how=form.how,
+            original=raw.message.content,
+        )

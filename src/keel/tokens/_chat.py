@@ -24,6 +24,7 @@ _OPENAI_PER_NAME = 1
 _OPENAI_REPLY_PRIMING = 3
 _OPENAI_PER_TOOL_CALL = 6  # id, type and function framing of one call in an assistant turn
 _OPENAI_TOOLS_FRAMING = 12  # the system-side wrapper announcing the functions namespace
+_TOOLS_CACHE_SIZE = 64
 
 _CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -92,6 +93,7 @@ class ChatTokenCounter:
         # cannot be reused while its entry lives.
         self._identity_counts: dict[int, int] = {}
         self._identity_kept: dict[int, Message] = {}
+        self._tools_counts: dict[str, int] = {}
 
     @property
     def exact(self) -> bool:
@@ -189,8 +191,17 @@ class ChatTokenCounter:
         """Tokens the tool schemas add to a prompt (0 for none)."""
         if not tools:
             return 0
+        # Keyed by the rendering, which is what is counted: an agent sends the same schemas
+        # on every call (fresh copies), and tokenizing them costs more than rendering.
         rendered = render_tools_for_counting(tools)
-        return self.tokenizer.count(rendered) + _OPENAI_TOOLS_FRAMING
+        tokens = self._tools_counts.get(rendered)
+        if tokens is None:
+            tokens = self.tokenizer.count(rendered) + _OPENAI_TOOLS_FRAMING
+            if self.cache_size > 0:
+                if len(self._tools_counts) >= _TOOLS_CACHE_SIZE:
+                    self._tools_counts.clear()
+                self._tools_counts[rendered] = tokens
+        return tokens
 
     def count_prompt(
         self, messages: Iterable[Message], tools: Sequence[Mapping[str, Any]] = ()
