@@ -199,3 +199,17 @@ def test_chatml_tool_calls_are_counted() -> None:
     plain = Message.assistant("ok")
     with_call = Message.assistant("ok", tool_calls=[call])
     assert counter.count_message(with_call) > counter.count_message(plain) + 5
+
+
+@pytest.mark.parametrize("model", ["gpt-4o-mini", "smollm2-135m"])
+def test_a_prompt_partly_counted_before_costs_what_its_messages_cost(model: str) -> None:
+    counter = counter_for(model, allow_estimate=True)
+    seen = [Message.user(f"question {n} about item {n * 7}") for n in range(6)]
+    counter.count_messages(seen[:4])  # the older messages are cached, the newer ones not
+    prompt = [Message.system("You answer."), *seen, Message.assistant("an answer")]
+    fresh = counter_for(model, allow_estimate=True)
+    expected = sum(fresh.count_message(m) for m in prompt) + (
+        fresh.count_messages([prompt[0]]) - fresh.count_message(prompt[0])
+    )
+    assert counter.count_messages(prompt) == expected
+    assert counter.count_messages(prompt) == expected  # now all cached

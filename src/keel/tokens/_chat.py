@@ -9,9 +9,10 @@ Tool schemas are counted in the TypeScript-like form OpenAI renders them in.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from keel.messages import Message
 from keel.tokens._base import Tokenizer
@@ -169,10 +170,15 @@ class ChatTokenCounter:
     def count_messages(self, messages: Iterable[Message], *, prime_reply: bool = True) -> int:
         """Tokens of a whole message list, including the reply priming."""
         message_list = list(messages)
-        try:
-            total = sum(map(self._identity_counts.__getitem__, map(id, message_list)))
-        except KeyError:
-            total = sum(map(self.count_message, message_list))
+        # At C speed: the cached counts by identity, then only the few messages not yet seen
+        # (a prompt's newest ones) counted one by one.
+        counts: list[int | None] = list(map(self._identity_counts.get, map(id, message_list)))
+        with contextlib.suppress(ValueError):
+            position = counts.index(None)
+            while True:
+                counts[position] = self.count_message(message_list[position])
+                position = counts.index(None, position + 1)
+        total = sum(cast(list[int], counts))
         if self.profile.chat_format == "chatml":
             if not message_list or message_list[0].role != "system":
                 total += self.count_message(Message.system(_CHATML_DEFAULT_SYSTEM))
