@@ -8,7 +8,7 @@ import pytest
 
 from keel import Message, ToolCall
 from keel.errors import UnknownModelError
-from keel.tokens import count_tokens, counter_for, model_profile
+from keel.tokens import ChatTokenCounter, count_tokens, counter_for, model_profile
 
 SAMPLES = {
     "ascii": "Hello, world!",
@@ -207,9 +207,28 @@ def test_a_prompt_partly_counted_before_costs_what_its_messages_cost(model: str)
     seen = [Message.user(f"question {n} about item {n * 7}") for n in range(6)]
     counter.count_messages(seen[:4])  # the older messages are cached, the newer ones not
     prompt = [Message.system("You answer."), *seen, Message.assistant("an answer")]
-    fresh = counter_for(model, allow_estimate=True)
+    fresh = ChatTokenCounter(counter.profile, counter.tokenizer)
     expected = sum(fresh.count_message(m) for m in prompt) + (
         fresh.count_messages([prompt[0]]) - fresh.count_message(prompt[0])
     )
     assert counter.count_messages(prompt) == expected
     assert counter.count_messages(prompt) == expected  # now all cached
+
+
+@pytest.mark.parametrize("model", ["gpt-4o-mini", "smollm2-135m"])
+def test_successive_prompts_cost_what_their_messages_cost(model: str) -> None:
+    counter = counter_for(model, allow_estimate=True)
+    turns = [Message.user(f"question {n} " + "word " * n) for n in range(12)]
+    system, rules = Message.system("You answer."), Message.system("Rules: be brief.")
+    prompts = [
+        [system, *turns[:8], rules],
+        [system, *turns[:9], rules],  # one more turn, the rules after it
+        [system, *turns[2:9], rules],  # the oldest turns left the window
+        [system, turns[0], Message.user("changed in the middle"), *turns[2:4]],
+        [system, *turns[:3]],  # shorter than the one before
+        [],
+    ]
+    for prompt in prompts:
+        # A counter of its own each time: no earlier list to start from.
+        expected = ChatTokenCounter(counter.profile, counter.tokenizer).count_messages(prompt)
+        assert counter.count_messages(prompt) == expected, prompt

@@ -10,7 +10,9 @@ Tool schemas are counted in the TypeScript-like form OpenAI renders them in.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -95,6 +97,7 @@ class ChatTokenCounter:
         self._identity_counts: dict[int, int] = {}
         self._identity_kept: dict[int, Message] = {}
         self._tools_counts: dict[str, int] = {}
+        self._last_list: tuple[list[Message], list[int]] | None = None
 
     @property
     def exact(self) -> bool:
@@ -170,15 +173,7 @@ class ChatTokenCounter:
     def count_messages(self, messages: Iterable[Message], *, prime_reply: bool = True) -> int:
         """Tokens of a whole message list, including the reply priming."""
         message_list = list(messages)
-        # At C speed: the cached counts by identity, then only the few messages not yet seen
-        # (a prompt's newest ones) counted one by one.
-        counts: list[int | None] = list(map(self._identity_counts.get, map(id, message_list)))
-        with contextlib.suppress(ValueError):
-            position = counts.index(None)
-            while True:
-                counts[position] = self.count_message(message_list[position])
-                position = counts.index(None, position + 1)
-        total = sum(cast(list[int], counts))
+        total = self._count_list(message_list)
         if self.profile.chat_format == "chatml":
             if not message_list or message_list[0].role != "system":
                 total += self.count_message(Message.system(_CHATML_DEFAULT_SYSTEM))
@@ -186,6 +181,39 @@ class ChatTokenCounter:
                 total += self._chatml_priming()
             return total
         return total + (_OPENAI_REPLY_PRIMING if prime_reply else 0)
+
+    def _count_list(self, messages: list[Message]) -> int:
+        """The summed counts of ``messages``, from the previous list where they agree.
+
+        Successive prompts of a session repeat the one before with a few messages changed at
+        the end, so the running sums of the last list counted are kept: the length of the
+        common start is found by identity and only what follows is looked up. All at C speed:
+        a whole window costs a pass of identity checks, not a dict look-up per message.
+        """
+        previous = self._last_list
+        start = 0
+        running: list[int] = []
+        if previous is not None:
+            earlier, earlier_running = previous
+            same = list(map(operator.is_, earlier, messages))
+            try:
+                start = same.index(False)
+            except ValueError:
+                start = len(same)
+            running = earlier_running[:start]
+        rest = messages[start:]
+        counts: list[int | None] = list(map(self._identity_counts.get, map(id, rest)))
+        with contextlib.suppress(ValueError):
+            position = counts.index(None)
+            while True:
+                counts[position] = self.count_message(rest[position])
+                position = counts.index(None, position + 1)
+        base = running[-1] if running else 0
+        running.extend(itertools.accumulate(cast(list[int], counts), initial=base))
+        # ``accumulate`` repeats ``base`` first: drop it.
+        del running[start]
+        self._last_list = (messages, running)
+        return running[-1] if running else 0
 
     def _chatml_priming(self) -> int:
         encode_template = getattr(self.tokenizer, "encode_template", None)
