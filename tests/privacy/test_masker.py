@@ -89,3 +89,14 @@ def test_secrets_in_multiline_text() -> None:
     assert "ghp_" not in masked and "abcdefghijklmnop" not in masked and "MHcC" not in masked
     assert "<API_KEY_1>" in masked and "<BEARER_TOKEN_1>" in masked
     assert "<PRIVATE_KEY_1>" in masked
+
+
+def test_remembered_results_follow_each_tenants_policy_and_its_changes() -> None:
+    masker = PIIMasker(tenant_policies={"t2": MaskingPolicy(entities=frozenset({"PHONE"}))})
+    text = "mail bob@example.com or call +1 415 555 0198"
+    for _ in range(2):  # the second round is served from what was remembered
+        assert masker.mask_text(text) == "mail <EMAIL_1> or call <PHONE_1>"
+        assert masker.mask_text(text, tenant_id="t2") == "mail bob@example.com or call <PHONE_1>"
+    masker.set_policy("t2", MaskingPolicy(enabled=False))
+    assert masker.mask_text(text, tenant_id="t2") == text
+    assert masker.mask_text(text) == "mail <EMAIL_1> or call <PHONE_1>"

@@ -61,6 +61,7 @@ class MaskResult(BaseModel):
 
 
 _CACHED_RESULTS = 2048
+_CACHED_POLICIES = 16
 _CACHED_TEXT_CHARS = 8192
 
 
@@ -90,8 +91,10 @@ class PIIMasker:
         self._detectors: dict[MaskingPolicy, list[Detector]] = {}
         # Masking is a pure function of (policy, text); the same texts come back many times
         # (a message masked by the agent, then by the tracer, then its report), so recent
-        # results are kept. Bounded in entries and in the length of the texts kept.
-        self._results: dict[tuple[MaskingPolicy, str], MaskResult] = {}
+        # results are kept, per policy object: a frozen model's hash hashes every field on
+        # each call, its identity does not (the policy is kept, so its id stays its own).
+        # Bounded in entries and in the length of the texts kept.
+        self._results: dict[int, tuple[MaskingPolicy, dict[str, MaskResult]]] = {}
         for candidate in (self.policy, *self.tenant_policies.values()):
             if candidate.presidio:
                 self._presidio = _load_presidio()
@@ -128,14 +131,20 @@ class PIIMasker:
         """Mask ``text`` under the tenant's policy."""
         if len(text) > _CACHED_TEXT_CHARS:
             return self._mask(text, tenant_id)
-        key = (self.policy_for(tenant_id), text)
-        result = self._results.get(key)
+        policy = self.policy_for(tenant_id)
+        kept = self._results.get(id(policy))
+        if kept is None or kept[0] is not policy:
+            if len(self._results) >= _CACHED_POLICIES:
+                del self._results[next(iter(self._results))]
+            kept = self._results[id(policy)] = (policy, {})
+        results = kept[1]
+        result = results.get(text)
         if result is None:
             result = self._mask(text, tenant_id)
-            if len(self._results) >= _CACHED_RESULTS:
+            if len(results) >= _CACHED_RESULTS:
                 # Oldest first: dicts keep insertion order.
-                del self._results[next(iter(self._results))]
-            self._results[key] = result
+                del results[next(iter(results))]
+            results[text] = result
         return result
 
     def _mask(self, text: str, tenant_id: str | None) -> MaskResult:
