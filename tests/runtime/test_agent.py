@@ -214,3 +214,27 @@ async def test_a_thousand_turns_stay_under_the_window_minus_reserve(
     state = agent.session_state("long")
     assert state is not None and state.runtime.turns == 1000
     assert state.runtime.summary
+
+
+async def test_one_log_is_what_the_store_keeps_and_the_context_engine_reads(
+    database: SQLiteDatabase, tmp_path: Path
+) -> None:
+    # A small window: turns are summarized away on the way, and the log must follow.
+    model = ScriptedModel(policy_model)
+    agent, _, _ = _agent(database, tmp_path, model, budget=3_000)
+    await _converse(agent, FlightUser(plans(2, 2)))
+    key = agent.session_key("s1")
+    log = agent._sessions[key]
+    stored = agent.state.load(key)
+    assert log.version == stored.version
+    assert log.messages == stored.state.messages
+    summarized = stored.state.runtime.messages_summarized
+    assert summarized > 0, "nothing was summarized: the test does not reach eviction"
+    assert log.messages_summarized == summarized
+    # The context engine's conversation holds the log's messages past the summary, the same
+    # objects the checkpoint stored.
+    assert log.conversation.messages == log.messages[summarized:]
+    # Kept in step, not rebuilt from the store each turn (that would cost the whole history).
+    await agent.handle("s1", "u1", "Thanks, that is all.")
+    assert agent._sessions[key] is log
+    assert log.messages == agent.state.load(key).state.messages

@@ -50,7 +50,6 @@ from keel.context import (
     ContextBudget,
     ContextEngine,
     ContextMemory,
-    Conversation,
 )
 from keel.errors import (
     AccessDeniedError,
@@ -66,6 +65,7 @@ from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
 from keel.privacy import PIIMasker
+from keel.runtime._log import SessionLog
 from keel.runtime._tool_loop import LoopHooks, LoopResult, StepRecord, ToolLoop
 from keel.state import (
     AgentState,
@@ -140,17 +140,6 @@ class AgentReply(BaseModel):
 
 
 @dataclass
-class _Session:
-    """An in-process cache of one session's incremental conversation, valid for ``version``."""
-
-    version: int
-    messages_seen: int
-    conversation: Conversation
-    summarized_before: int
-    """Messages already folded into the summary when the conversation was rebuilt."""
-
-
-@dataclass
 class _Turn:
     """Mutable facts of the turn in flight, shared with the loop's hooks and workflow tools."""
 
@@ -163,8 +152,7 @@ class _Turn:
     """Index of the turn's user message in the state's messages."""
     state: AgentState
     version: int
-    added_to_conversation: int
-    conversation: Conversation
+    log: SessionLog
     memories: list[ContextMemory]
     position: MachinePosition | None
     run: RunTrace
@@ -333,7 +321,7 @@ class Agent:
         clash = set(self._domain_tools) & set(_WORKFLOW_TOOLS)
         if machine is not None and clash:
             raise UsageError(f"tool names {sorted(clash)} are reserved for the workflow")
-        self._sessions: _Recent[str, _Session] = _Recent(session_cache_size)
+        self._sessions: _Recent[str, SessionLog] = _Recent(session_cache_size)
         self._owned: list[Callable[[], None]] = []
         self.backends: Backends | None = None
         """The stores :meth:`open` opened (and closes); None for an agent built by hand."""
@@ -650,26 +638,20 @@ class Agent:
         try:
             return await self._turn(lease, key, session_id, user_id, checkpoint, text)
         except BaseException:
-            # Whatever stopped the turn, the cached conversation may hold messages that were
-            # never committed: the next turn rebuilds it from the store.
+            # Whatever stopped the turn, the session's log may hold messages that were never
+            # committed: the next turn builds it again from the store.
             self._sessions.pop(key, None)
             raise
 
-    def _conversation(self, key: str, state: AgentState, version: int) -> Conversation:
+    def _log(self, key: str, state: AgentState, version: int) -> SessionLog:
+        """The session's log at ``version``: the cached one, or built from ``state``."""
         cached = self._sessions.get(key)
         if cached is not None and cached.version == version:
             self._sessions.move_to_end(key)
-            return cached.conversation
-        runtime = state.runtime
-        summarized = runtime.messages_summarized
-        conversation = self.engine.conversation(
-            key,
-            state.messages[summarized:],
-            summary=runtime.summary,
-            turns_summarized=runtime.turns_summarized,
-        )
-        self._sessions[key] = _Session(version, len(state.messages), conversation, summarized)
-        return conversation
+            return cached
+        log = SessionLog.of(self.engine, key, state, version)
+        self._sessions[key] = log
+        return log
 
     async def _memories(self, user_id: str, query: str) -> list[ContextMemory]:
         if self.memory is None or not query.strip() or self.memory_budget_tokens <= 0:
@@ -701,10 +683,11 @@ class Agent:
         resume = text is None
         position = state.machine
         runtime = state.runtime
-        messages = list(state.messages)
+        log = self._log(key, state, version)
         if resume:
             turn_id = runtime.open_turn or uuid.uuid4().hex
             start = runtime.open_turn_message
+            messages = state.messages
             if start is None or start >= len(messages):
                 start = max(
                     (i for i, m in enumerate(messages) if _is_user_turn(m)), default=len(messages)
@@ -728,8 +711,8 @@ class Agent:
             user_message = Message.user(
                 self._mask(_sanitize(text)), metadata={"turn": turn_number, "turn_id": turn_id}
             )
-            messages.append(user_message)
-            start = len(messages) - 1
+            log.append(user_message)
+            start = len(log) - 1
             runtime = runtime.model_copy(
                 update={
                     "turns": turn_number,
@@ -739,13 +722,10 @@ class Agent:
                     "user_id": user_id,
                 }
             )
+        messages = log.messages
         state = state.model_copy(
             update={"messages": messages, "machine": position, "runtime": runtime}
         )
-        conversation = self._conversation(key, state, version)
-        session = self._sessions[key]
-        conversation.extend(messages[session.messages_seen :])
-        session.messages_seen = len(messages)
 
         run = await self.tracer.astart_run(
             session_id,
@@ -766,8 +746,7 @@ class Agent:
             turn_start=start,
             state=state,
             version=version,
-            added_to_conversation=len(messages),
-            conversation=conversation,
+            log=log,
             memories=[],
             position=position,
             run=run,
@@ -830,14 +809,6 @@ class Agent:
             options=ModelOptions(max_tokens=max(self.engine.budget.reserve, 1)),
         )
 
-    def _note_commit(self, key: str, version: int, messages: int | None = None) -> None:
-        """Keep the cached conversation valid for the version this process just wrote."""
-        session = self._sessions.get(key)
-        if session is not None:
-            session.version = version
-            if messages is not None:
-                session.messages_seen = messages
-
     def _engine_for(self, turn: _Turn) -> ContextEngine:
         if not turn.shrink_next:
             return self.engine
@@ -873,27 +844,25 @@ class Agent:
         turn.version = version
         turn.state = state
         turn.committed = True
+        # The log holds exactly the messages just written: it stays valid for the new version.
+        turn.log.version = version
         return version
 
     async def _before_model_call(
         self, turn: _Turn, step: int, history: list[Message]
     ) -> list[Message]:
-        new = [self._mask_message(m) for m in history[turn.added_to_conversation :]]
-        turn.conversation.extend(new)
-        messages = [*turn.state.messages[: turn.added_to_conversation], *new]
-        turn.added_to_conversation = len(history)
+        turn.log.take(history, self._mask_message)
         state = turn.state.model_copy(
-            update={"messages": messages, "step": step, "machine": turn.position}
+            update={"messages": turn.log.messages, "step": step, "machine": turn.position}
         )
         # The checkpoint before the model call: compare-and-set on the version we read.
         await self._write(turn, state, reason="before model call", step=step)
-        self._note_commit(turn.key, turn.version, len(messages))
         # The trace so far is made durable with the checkpoint: a process killed during the
         # model call leaves both at the same point.
         await turn.run.aflush()
         assert turn.registry is not None
         prompt = self._engine_for(turn).compile(
-            turn.conversation,
+            turn.log.conversation,
             system=self.system_prompt,
             rules=self._rules(turn),
             memories=turn.memories,
@@ -977,7 +946,6 @@ class Agent:
             state = turn.state.model_copy(update={"machine": turn.position})
             await self._write(turn, state, reason="after transition", step=record.step)
             turn.position_checkpointed = turn.position
-            self._note_commit(turn.key, turn.version)
 
     def _is_effect(self, result: ToolResult) -> bool:
         """A side-effecting call that ran (now or before a crash) or may have run."""
@@ -1042,8 +1010,8 @@ class Agent:
         return (await self.state.aat(turn.key, last_good.version)).state
 
     async def _commit(self, turn: _Turn, result: LoopResult, *, resume: bool) -> AgentReply:
-        new = [self._mask_message(m) for m in result.messages[turn.added_to_conversation :]]
-        messages = [*turn.state.messages[: turn.added_to_conversation], *new]
+        turn.log.take(result.messages, self._mask_message)
+        messages = turn.log.messages
         position = turn.position
         reverted = False
         status = result.status
@@ -1105,10 +1073,8 @@ class Agent:
             good=True,
         )
         if rebuilt:
+            # History was rewritten: the log is built again from the store next turn.
             self._sessions.pop(turn.key, None)
-        else:
-            turn.conversation.extend(new)
-            self._note_commit(turn.key, version, len(final_state.messages))
         if result.ok:
             version = await self._summarize(turn, final_state, version)
             if self.memory is not None:
@@ -1189,7 +1155,8 @@ class Agent:
     async def _summarize(self, turn: _Turn, committed: AgentState, version: int) -> int:
         """Fold old turns into the running summary after the commit, within the time left;
         a summary that cannot be finished or saved is simply tried again next turn."""
-        conversation = self._conversation(turn.key, committed, version)
+        log = self._log(turn.key, committed, version)
+        conversation = log.conversation
         remaining = turn.remaining()
         if not conversation.needs_summary or remaining <= 0:
             return version
@@ -1200,12 +1167,10 @@ class Agent:
             return version
         if outcome is None or not outcome.committed:
             return version
-        session = self._sessions.get(turn.key)
-        before = session.summarized_before if session is not None else 0
         runtime = committed.runtime.model_copy(
             update={
                 "summary": conversation.summary,
-                "messages_summarized": before + conversation.messages_summarized,
+                "messages_summarized": log.messages_summarized,
                 "turns_summarized": conversation.turns_summarized,
             }
         )
@@ -1222,7 +1187,7 @@ class Agent:
             self._sessions.pop(turn.key, None)
             logger.warning("the summary of session %s could not be saved", turn.key)
             return version
-        self._note_commit(turn.key, version)
+        log.version = version
         return version
 
     def _remember_turn(self, turn: _Turn, reply: str) -> None:

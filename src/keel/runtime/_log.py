@@ -1,0 +1,77 @@
+"""One session's message log: what every checkpoint stores and what the context engine reads.
+
+A turn's messages exist in one place. The loop works on its own copy of the log (the history
+it hands to the model hook and returns at the end); :meth:`SessionLog.take` masks what the loop
+added since the last call, once, and appends it to the log and to the context engine's
+:class:`~keel.context.Conversation` of it together. A checkpoint stores :attr:`messages`.
+
+A log belongs to one state version of its session: the one its owner last wrote or read. A turn
+that ends by rewriting history (a revert to the last good state, corrections dropped from the
+committed turn) or by an error drops the log, and the next turn builds it again from the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from keel.context import ContextEngine, Conversation
+from keel.messages import Message
+from keel.state import AgentState
+
+__all__ = ["SessionLog"]
+
+
+class SessionLog:
+    """The masked messages of one session, with the context engine's conversation of them."""
+
+    def __init__(
+        self,
+        conversation: Conversation,
+        messages: Sequence[Message],
+        *,
+        version: int,
+        summarized_before: int,
+    ) -> None:
+        self.conversation = conversation
+        self._messages = list(messages)
+        self.version = version
+        """The state version the log is the messages of."""
+        self._summarized_before = summarized_before
+
+    @classmethod
+    def of(cls, engine: ContextEngine, key: str, state: AgentState, version: int) -> SessionLog:
+        """The log of ``state`` (version ``version`` of session ``key``), its summary restored."""
+        runtime = state.runtime
+        summarized = runtime.messages_summarized
+        conversation = engine.conversation(
+            key,
+            state.messages[summarized:],
+            summary=runtime.summary,
+            turns_summarized=runtime.turns_summarized,
+        )
+        return cls(conversation, state.messages, version=version, summarized_before=summarized)
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    @property
+    def messages(self) -> list[Message]:
+        """The log, as a list of the caller's own (what a checkpoint stores)."""
+        return list(self._messages)
+
+    def append(self, message: Message) -> None:
+        """Add one message, already masked."""
+        self._messages.append(message)
+        self.conversation.add(message)
+
+    def take(self, history: Sequence[Message], mask: Callable[[Message], Message]) -> None:
+        """Mask and add the messages of ``history`` past the log's end (the loop's history
+        starts as a copy of the log, so positions agree)."""
+        new = [mask(message) for message in history[len(self._messages) :]]
+        self._messages.extend(new)
+        self.conversation.extend(new)
+
+    @property
+    def messages_summarized(self) -> int:
+        """Leading messages of the log folded into the running summary."""
+        return self._summarized_before + self.conversation.messages_summarized
