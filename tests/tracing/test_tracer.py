@@ -408,3 +408,59 @@ async def test_a_buffered_run_writes_at_its_flushes_and_its_end(store: SQLiteTra
     assert stored is not None
     assert (stored.status, stored.output, stored.step_count) == ("succeeded", "bye", 2)
     assert [step.kind for step in store.get_steps(run.run_id)] == ["model", "tool"]
+
+
+async def test_a_loop_step_becomes_a_model_step_with_its_tools_guards_and_moves_under_it(
+    store: SQLiteTraceStore,
+) -> None:
+    from dataclasses import dataclass, field
+
+    from keel.tracing import arecord_loop_step
+
+    @dataclass
+    class Outcome:
+        tool: str = "lookup"
+        call_id: str = "c1"
+        raw_arguments: str = '{"q": "x"}'
+        ok: bool = True
+        output_text: str = "found it"
+        error_type: str | None = None
+        error: str | None = None
+        latency_ms: float = 2.0
+        repairs: tuple[str, ...] = ()
+        replayed: bool = False
+        truncated: bool = False
+
+    @dataclass
+    class LoopStepRecord:
+        step: int = 3
+        action: str = "tool_calls"
+        model: str = ""
+        usage: Usage = field(default_factory=lambda: Usage(prompt_tokens=40, completion_tokens=5))
+        finish_reason: str | None = "tool_calls"
+        raw_output: str | None = "{}"
+        replayed_decision: bool = False
+        tool_results: tuple[Outcome, ...] = (Outcome(),)
+        guard_events: tuple[str, ...] = ("loop: the same call twice",)
+        error: str | None = None
+        error_type: str | None = None
+        model_latency_ms: float | None = 10.0
+        ttft_ms: float | None = None
+
+    tracer = Tracer(store, agent="booker")
+    run = await tracer.astart_run("s1")
+    await arecord_loop_step(
+        run, LoopStepRecord(), model="gpt-4o-mini", state_version=7, transitions=[("a", "b")]
+    )
+    await run.aend()
+    steps = store.get_steps(run.run_id)
+    model = steps[0]
+    assert (model.kind, model.name, model.state_version, model.prompt_tokens) == (
+        "model",
+        "gpt-4o-mini",
+        7,
+        40,
+    )
+    children = [(s.kind, s.name) for s in steps[1:] if s.parent_id == model.step_id]
+    assert children == [("tool", "lookup"), ("guard", "loop"), ("transition", "a->b")]
+    assert steps[1].tool_result == "found it"

@@ -77,7 +77,7 @@ from keel.state import (
     StateStore,
 )
 from keel.tools import InMemoryJournal, Tool, ToolJournal, ToolRegistry, ToolResult, tool
-from keel.tracing import RunTrace, Tracer
+from keel.tracing import RunTrace, Tracer, arecord_loop_step
 
 if TYPE_CHECKING:
     from keel.memory import Memory
@@ -876,49 +876,17 @@ class Agent:
     async def _after_step(self, turn: _Turn, record: StepRecord) -> None:
         if record.error_type == "ContextLengthExceededError":
             turn.shrink_next = True
-        report = turn.last_prompt.report if turn.last_prompt else None
-        model_step = await turn.run.arecord(
-            "model",
-            record.model or self.model.spec,
-            usage=record.usage,
-            model=record.model or self.model.spec,
-            finish_reason=record.finish_reason,
-            budget=report,
+        await arecord_loop_step(
+            turn.run,
+            record,
+            model=self.model.spec,
+            budget=turn.last_prompt.report if turn.last_prompt else None,
             state_version=turn.version,
-            raw_output=record.raw_output,
-            parsed_action={
-                "action": record.action,
-                "tool_calls": [
-                    {"name": r.tool, "arguments": r.raw_arguments} for r in record.tool_results
-                ],
-                "replayed": record.replayed_decision,
-            },
-            error_type=record.error_type,
-            error_message=record.error,
-            latency_ms=record.model_latency_ms,
-            ttft_ms=record.ttft_ms,
-            attributes={"step": record.step, "guard_events": list(record.guard_events)},
+            transitions=turn.transitions,
         )
-        parent = model_step.step_id if model_step is not None else None
+        turn.transitions.clear()
         calls = {call.id: call for call in (record.response.tool_calls if record.response else ())}
         for result in record.tool_results:
-            await turn.run.arecord(
-                "tool",
-                result.tool,
-                parent=parent,
-                tool_name=result.tool,
-                tool_call_id=result.call_id,
-                tool_arguments=result.raw_arguments,
-                tool_result=result.output_text if result.ok else None,
-                error_type=result.error_type,
-                error_message=result.error,
-                latency_ms=result.latency_ms,
-                attributes={
-                    "repairs": list(result.repairs),
-                    "replayed": result.replayed,
-                    "truncated_for_model": result.truncated,
-                },
-            )
             if result.ok and result.tool not in _WORKFLOW_TOOLS:
                 turn.tool_calls.append(
                     ToolCall(id=result.call_id, name=result.tool, arguments=result.raw_arguments)
@@ -930,17 +898,6 @@ class Agent:
                 turn.effects.append(
                     (self._mask_call(call), self._mask_message(result.to_message()))
                 )
-        for event in record.guard_events:
-            if event.startswith("loop"):
-                await turn.run.arecord("guard", "loop", parent=parent, error_message=event)
-        for source, target in turn.transitions:
-            await turn.run.arecord(
-                "transition",
-                f"{source}->{target}",
-                parent=parent,
-                attributes={"source": source, "target": target},
-            )
-        turn.transitions.clear()
         if turn.position != turn.position_checkpointed:
             # A checkpoint after every transition (and slot gathered).
             state = turn.state.model_copy(update={"machine": turn.position})

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from keel.tracing._loop import LoopStep, ToolOutcome, arecord_loop_step
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
@@ -81,6 +82,7 @@ __all__ = [
     "LOOP_GUARD_NAME",
     "RUN_STATUSES",
     "STEP_KINDS",
+    "LoopStep",
     "OpenTelemetryExporter",
     "PostgresTraceStore",
     "Redactor",
@@ -98,10 +100,12 @@ __all__ = [
     "StepMetric",
     "StepNode",
     "StepTrace",
+    "ToolOutcome",
     "TraceExporter",
     "TraceStore",
     "Tracer",
     "abandon_after_s",
+    "arecord_loop_step",
     "export_run",
     "open_trace_store",
     "parse_since",

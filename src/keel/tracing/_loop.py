@@ -1,0 +1,145 @@
+"""How one step of a model-and-tools loop becomes trace steps.
+
+A loop step is one model call and the tool calls it asked for. In the trace it is a ``model``
+step (usage, finish reason, the budget report of the prompt, the raw output and the action
+parsed from it) with, under it, a ``tool`` step per call, a ``guard`` step per loop warning and
+a ``transition`` step per workflow move. The runtime's own records satisfy the protocols below;
+tracing depends on their shape, not on the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from keel.messages import Usage
+from keel.tracing._tracer import RunTrace
+
+__all__ = ["LoopStep", "ToolOutcome", "arecord_loop_step"]
+
+
+class ToolOutcome(Protocol):
+    """What the trace reads of one tool call (keel's ``ToolResult``)."""
+
+    @property
+    def tool(self) -> str: ...
+    @property
+    def call_id(self) -> str: ...
+    @property
+    def raw_arguments(self) -> str: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def output_text(self) -> str: ...
+    @property
+    def error_type(self) -> str | None: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def latency_ms(self) -> float: ...
+    @property
+    def repairs(self) -> Sequence[str]: ...
+    @property
+    def replayed(self) -> bool: ...
+    @property
+    def truncated(self) -> bool: ...
+
+
+class LoopStep(Protocol):
+    """What the trace reads of one loop step (keel's ``StepRecord``)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def action(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def usage(self) -> Usage: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def raw_output(self) -> str | None: ...
+    @property
+    def replayed_decision(self) -> bool: ...
+    @property
+    def tool_results(self) -> Sequence[ToolOutcome]: ...
+    @property
+    def guard_events(self) -> Sequence[str]: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def error_type(self) -> str | None: ...
+    @property
+    def model_latency_ms(self) -> float | None: ...
+    @property
+    def ttft_ms(self) -> float | None: ...
+
+
+async def arecord_loop_step(
+    run: RunTrace,
+    step: LoopStep,
+    *,
+    model: str,
+    budget: BaseModel | None = None,
+    state_version: int | None = None,
+    transitions: Sequence[tuple[str, str]] = (),
+) -> None:
+    """Record ``step`` in ``run``: the model call, then each tool call, loop warning and
+    workflow transition under it. ``model`` names the model when the step does not (a call
+    that failed before any answer); ``budget`` is the prompt's budget report."""
+    name = step.model or model
+    model_step = await run.arecord(
+        "model",
+        name,
+        usage=step.usage,
+        model=name,
+        finish_reason=step.finish_reason,
+        budget=budget,
+        state_version=state_version,
+        raw_output=step.raw_output,
+        parsed_action={
+            "action": step.action,
+            "tool_calls": [
+                {"name": result.tool, "arguments": result.raw_arguments}
+                for result in step.tool_results
+            ],
+            "replayed": step.replayed_decision,
+        },
+        error_type=step.error_type,
+        error_message=step.error,
+        latency_ms=step.model_latency_ms,
+        ttft_ms=step.ttft_ms,
+        attributes={"step": step.step, "guard_events": list(step.guard_events)},
+    )
+    parent = model_step.step_id if model_step is not None else None
+    for result in step.tool_results:
+        await run.arecord(
+            "tool",
+            result.tool,
+            parent=parent,
+            tool_name=result.tool,
+            tool_call_id=result.call_id,
+            tool_arguments=result.raw_arguments,
+            tool_result=result.output_text if result.ok else None,
+            error_type=result.error_type,
+            error_message=result.error,
+            latency_ms=result.latency_ms,
+            attributes={
+                "repairs": list(result.repairs),
+                "replayed": result.replayed,
+                "truncated_for_model": result.truncated,
+            },
+        )
+    for event in step.guard_events:
+        if event.startswith("loop"):
+            await run.arecord("guard", "loop", parent=parent, error_message=event)
+    for source, target in transitions:
+        await run.arecord(
+            "transition",
+            f"{source}->{target}",
+            parent=parent,
+            attributes={"source": source, "target": target},
+        )
