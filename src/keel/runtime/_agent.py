@@ -316,7 +316,6 @@ class Agent:
             memory_sink=_MemoryArchive(self) if memory is not None else None,
         )
         self.monitor = SpiralMonitor(prompt_limit=self.engine.budget.limit)
-        self._shrunk_engine: ContextEngine | None = None
         self._domain_tools = {t.name: t for t in tools}
         clash = set(self._domain_tools) & set(_WORKFLOW_TOOLS)
         if machine is not None and clash:
@@ -809,18 +808,14 @@ class Agent:
             options=ModelOptions(max_tokens=max(self.engine.budget.reserve, 1)),
         )
 
-    def _engine_for(self, turn: _Turn) -> ContextEngine:
+    def _headroom(self, turn: _Turn) -> int:
+        """Tokens to leave free beyond the answer reserve in the next prompt: none, unless the
+        provider just said the prompt was too long. Our count and theirs then disagree (a
+        template or tokenizer we could only estimate): the retry gets a third less room."""
         if not turn.shrink_next:
-            return self.engine
-        if self._shrunk_engine is None:
-            # The provider said the prompt was too long: our count and theirs disagree (a
-            # template or tokenizer we could only estimate). Try again with a third less room.
-            limit = max(1024, int(self.engine.budget.limit * 2 / 3))
-            self._shrunk_engine = ContextEngine(
-                self.model,
-                budget=self.engine.budget_config.model_copy(update={"working_budget": limit}),
-            )
-        return self._shrunk_engine
+            return 0
+        limit = self.engine.budget.limit
+        return limit - max(1024, int(limit * 2 / 3))
 
     def _rules(self, turn: _Turn) -> list[str]:
         rules = list(self.rules)
@@ -861,12 +856,13 @@ class Agent:
         # model call leaves both at the same point.
         await turn.run.aflush()
         assert turn.registry is not None
-        prompt = self._engine_for(turn).compile(
+        prompt = self.engine.compile(
             turn.log.conversation,
             system=self.system_prompt,
             rules=self._rules(turn),
             memories=turn.memories,
             tools=turn.registry.schemas(),
+            extra_headroom=self._headroom(turn),
         )
         turn.shrink_next = False
         turn.last_prompt = prompt
