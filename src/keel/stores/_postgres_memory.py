@@ -204,6 +204,14 @@ class PostgresMemoryStore(MemoryStore):
             yield conn
 
     @contextmanager
+    def _reading(self) -> Iterator[Any]:
+        """A pooled connection in autocommit, for reads: each statement sees what was
+        committed when it began, as in a READ COMMITTED transaction, with no BEGIN and COMMIT
+        round trips."""
+        with self.database.connection() as conn:
+            yield conn
+
+    @contextmanager
     def _search_transaction(self) -> Iterator[Any]:
         """A transaction set up for HNSW scans; ``SET LOCAL`` ends with it, so the settings
         never reach another store's use of the connection.
@@ -350,7 +358,7 @@ class PostgresMemoryStore(MemoryStore):
 
     def _query(self, sql: str, params: Sequence[Any]) -> list[MemoryRecord]:
         self.setup()
-        with self._connection() as conn:
+        with self._reading() as conn:
             rows = conn.execute(sql, tuple(params)).fetchall()
         return [record_from_row(row) for row in rows]
 
@@ -405,7 +413,7 @@ class PostgresMemoryStore(MemoryStore):
 
     def count(self, scope: Scope | None = None) -> int:
         self.setup()
-        with self._connection() as conn:
+        with self._reading() as conn:
             if scope is None:
                 row = conn.execute("SELECT COUNT(*) FROM memory_records").fetchone()
             else:
@@ -429,7 +437,7 @@ class PostgresMemoryStore(MemoryStore):
         where, params = filter_sql(filters, "%s")
         scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
         scope_args = (scope.tenant_id, scope.user_id, *params)
-        with self._connection() as conn:
+        with self._reading() as conn:
             statistics = self._keyword_statistics(conn, scope, safe)
             plan = statistics.plan
             # Which rows to rank: every match when the plan allows, else the chosen ones.
@@ -539,7 +547,7 @@ class PostgresMemoryStore(MemoryStore):
     def _has_vector_table(self, dimension: int) -> bool:
         if dimension not in self._vector_tables:
             # Another process (an outbox worker) may have created it since setup().
-            with self._connection() as conn:
+            with self._reading() as conn:
                 row = conn.execute(
                     "SELECT to_regclass(%s)", (f"memory_vectors_{dimension}",)
                 ).fetchone()
@@ -612,7 +620,7 @@ class PostgresMemoryStore(MemoryStore):
         found: dict[str, FloatArray] = {}
         if not record_ids:
             return found
-        with self._connection() as conn, conn.cursor(binary=True) as cursor:
+        with self._reading() as conn, conn.cursor(binary=True) as cursor:
             for dimension in sorted(self._vector_tables):
                 rows = cursor.execute(
                     f"SELECT record_id, embedding FROM memory_vectors_{dimension} "
@@ -628,7 +636,7 @@ class PostgresMemoryStore(MemoryStore):
 
     def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
         self.setup()
-        with self._connection() as conn:
+        with self._reading() as conn:
             rows = conn.execute(
                 "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
@@ -702,7 +710,7 @@ class PostgresMemoryStore(MemoryStore):
 
     def embedding_models(self) -> dict[str, int]:
         self.setup()
-        with self._connection() as conn:
+        with self._reading() as conn:
             rows = conn.execute(
                 "SELECT COALESCE(embedding_model, ''), COUNT(*) FROM memory_records "
                 "GROUP BY COALESCE(embedding_model, '')"
