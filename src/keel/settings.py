@@ -95,6 +95,14 @@ class Settings(BaseSettings):
         le=MAX_BUSY_TIMEOUT_MS,
         description="How long SQLite waits on a locked database, in ms (at most one hour).",
     )
+    postgres_pool_size: int = Field(
+        default=10,
+        ge=1,
+        description=(
+            "Most connections an agent opens to a PostgreSQL database (its stores share them; "
+            "async calls have as many again on their event loop)."
+        ),
+    )
 
     @classmethod
     def settings_customise_sources(

@@ -225,6 +225,30 @@ async def test_open_on_postgres_puts_every_store_there(postgres_url: str) -> Non
     assert _settle_threads(before) == set()
 
 
+@pytest.mark.postgres
+async def test_open_on_postgres_holds_one_pool_for_every_store(postgres_url: str) -> None:
+    pool_size = 2
+    agent = Agent.open(
+        load_settings(database=postgres_url, postgres_pool_size=pool_size),
+        model=_model(CITIES),
+        system_prompt="You book.",
+        tools=[_booking_tool([])],
+    )
+    try:
+        backends = agent.backends
+        assert backends is not None and agent.memory is not None
+        await _converse(agent)
+        await agent.memory.aflush()
+        stores = (backends.state.backend, backends.journal, backends.traces, agent.memory.store)
+        assert len({id(getattr(store, "database", store)) for store in stores}) == 1
+        # The shared pool, and as many again for the state's native async calls on this
+        # loop. A pool per store held five at least (state's two, one each for the rest).
+        assert 0 < _other_connections(postgres_url) <= 2 * pool_size
+    finally:
+        await agent.aclose()
+    assert _connections_drain(postgres_url)
+
+
 def _sync_turns(postgres_url: str) -> Agent:
     booked: list[str] = []
     agent = Agent.open(

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from keel.errors import DatabaseFileError, DatabaseReadOnlyError, StorageFullError, StoreError
+from keel.errors import (
+    BackendUnavailableError,
+    DatabaseFileError,
+    DatabaseReadOnlyError,
+    StorageFullError,
+    StoreError,
+)
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.state import AgentState, StateStore
@@ -241,12 +247,27 @@ def test_a_read_only_database_is_a_read_only_store_error(tmp_path: Path) -> None
             agent.close()
 
 
-def test_postgres_disk_full_is_a_storage_full_error_not_unavailable() -> None:
+@pytest.mark.parametrize(
+    ("error_name", "expected"),
+    [
+        ("DiskFull", StorageFullError),
+        ("ReadOnlySqlTransaction", DatabaseReadOnlyError),
+        # psycopg files serialization failures (SQLSTATE class 40) under OperationalError.
+        ("SerializationFailure", BackendUnavailableError),
+        ("OperationalError", BackendUnavailableError),
+        ("UniqueViolation", StoreError),
+    ],
+)
+def test_postgres_errors_are_translated_by_sqlstate(
+    error_name: str, expected: type[StoreError]
+) -> None:
     psycopg = pytest.importorskip("psycopg")
-    from keel.stores._postgres_traces import _translate
+    from keel.stores import translate_postgres_error
 
-    error = _translate(psycopg.errors.DiskFull("could not extend file"), "postgresql://u@h/db")
-    assert isinstance(error, StorageFullError) and "h/db" in str(error)
+    raised = getattr(psycopg.errors, error_name, None) or getattr(psycopg, error_name)
+    error = translate_postgres_error(raised("boom"), "postgresql://u:secret@h/db?sslmode=off")
+    assert type(error) is expected
+    assert "h/db" in str(error) and "secret" not in str(error)
 
 
 def test_keel_chat_with_its_database_deleted_is_one_error_line(tmp_path: Path) -> None:

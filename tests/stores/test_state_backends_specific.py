@@ -51,7 +51,7 @@ def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> 
         for _ in range(10):
             cp = store.update("s", {"counter": 1}, expected_version=cp.version)
             store.load("s")
-        with backend._pool.connection() as conn:
+        with backend.database.connection() as conn:
             count = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
         assert count is not None and count[0] == 0
         assert store.load("s").state.counter == 10

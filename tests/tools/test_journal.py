@@ -140,7 +140,7 @@ def test_sqlite_journal_is_a_versioned_component(tmp_path: Path) -> None:
 
 
 def test_postgres_journal_refuses_a_newer_schema(postgres_url: str) -> None:
-    with PostgresToolJournal(postgres_url) as journal, journal._transaction() as conn:
+    with PostgresToolJournal(postgres_url) as journal, journal.database.transaction() as conn:
         conn.execute("UPDATE keel_schema SET version = 99 WHERE component = 'journal'")
     with pytest.raises(SchemaVersionError):
         PostgresToolJournal(postgres_url)

@@ -37,19 +37,16 @@ def test_an_unreachable_server_is_backend_unavailable() -> None:
         PostgresTraceStore("postgresql://nobody@127.0.0.1:1/none", connect_timeout=1)
 
 
-def test_a_shared_pool_is_used_and_left_open(postgres_url: str) -> None:
-    from psycopg_pool import ConnectionPool
+def test_a_shared_database_is_used_and_left_open(postgres_url: str) -> None:
+    from keel.stores import PostgresDatabase
 
-    pool = ConnectionPool(postgres_url, min_size=1, max_size=2, open=True)
-    try:
-        store = PostgresTraceStore(pool=pool)
+    with PostgresDatabase(postgres_url, max_size=2) as database:
+        store = PostgresTraceStore(database)
         store.setup()
         assert store.list_runs() == []
         store.close()
-        with pool.connection() as conn:  # still open after the store closed
+        with database.connection() as conn:  # still open after the store closed
             assert conn.execute("SELECT count(*) FROM trace_runs").fetchone() == (0,)
-    finally:
-        pool.close()
 
 
 def test_keel_runs_reads_a_postgres_database_from_settings(

@@ -1,7 +1,8 @@
 """The composition root's stores: state, tool journal, traces and memory from one database URL.
 
 ``sqlite:///PATH``: one SQLite file (one :class:`~keel.stores.SQLiteDatabase`) holds all four.
-``postgresql://...``: the four PostgreSQL stores on that database. Either way a Redis URL moves
+``postgresql://...``: the four PostgreSQL stores on that database, sharing one
+:class:`~keel.stores.PostgresDatabase` (one connection pool). Either way a Redis URL moves
 state (checkpoints and session leases) to Redis, while the journal, traces and memory stay on
 the SQL database: they are queried (``keel runs``, ``keel tools in-doubt``, retrieval), which
 Redis is not built for.
@@ -102,7 +103,7 @@ def open_backends(
         redis_url: ``redis://...``: state on Redis, the rest on ``database``.
         memory: open long-term memory (embedder from ``settings.embedder``).
         masker: the privacy policy memory masks with (the agent's; None: off).
-        settings: the SQLite busy timeout and the embedder.
+        settings: the SQLite busy timeout, the PostgreSQL pool size and the embedder.
 
     Raises:
         ConfigError: a URL keel cannot open (a Redis URL as the database, an unknown scheme).
@@ -181,29 +182,26 @@ def _open_postgres(
     own: _Own,
 ) -> Backends:
     from keel.stores import (
+        PostgresDatabase,
         PostgresMemoryStore,
         PostgresStateBackend,
         PostgresToolJournal,
         PostgresTraceStore,
     )
 
-    traces = PostgresTraceStore(parsed.url)
-    own(traces.close, None)
+    # One pool for the four stores; closed last (closers pop from the end), after memory's
+    # outbox worker stopped writing to it.
+    database = PostgresDatabase(parsed.url, max_size=settings.postgres_pool_size)
+    own(database.close, database.aclose)
+    traces = PostgresTraceStore(database)
     traces.setup()
-    journal = PostgresToolJournal(parsed.url)
-    own(journal.close, None)
-    if redis is not None:
-        state = _state_on_redis(redis, own)
-    else:
-        backend = PostgresStateBackend(parsed.url)
-        own(backend.close, backend.aclose)
-        state = StateStore(backend, AgentState)
-    long_term = None
-    if memory:
-        store = PostgresMemoryStore(parsed.url)
-        # Memory closes its store; until Memory exists, this closer does.
-        own(store.close, None)
-        long_term = _memory(store, masker, settings, own)
+    journal = PostgresToolJournal(database)
+    state = (
+        _state_on_redis(redis, own)
+        if redis is not None
+        else StateStore(PostgresStateBackend(database), AgentState)
+    )
+    long_term = _memory(PostgresMemoryStore(database), masker, settings, own) if memory else None
     return Backends(parsed, redis, state, journal, traces, long_term)
 
 

@@ -1,7 +1,8 @@
 """Storage backends behind small interfaces.
 
 The embedded default is one SQLite file (:class:`SQLiteDatabase`); the state, memory, trace and
-journal stores extend it with their own migrations.
+journal stores extend it with their own migrations. On a server, :class:`PostgresDatabase` is
+the same for PostgreSQL: one connection pool that every PostgreSQL store can share.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from keel._urls import DatabaseURL, parse_database_url
 from keel.errors import UsageError
 from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
@@ -40,6 +42,7 @@ __all__ = [
     "DatabaseURL",
     "Migration",
     "MigrationSet",
+    "PostgresDatabase",
     "PostgresMemoryStore",
     "PostgresStateBackend",
     "PostgresToolJournal",
@@ -53,6 +56,7 @@ __all__ = [
     "open_database",
     "open_state_backend",
     "parse_database_url",
+    "translate_postgres_error",
     "translate_sqlite_error",
 ]
 

@@ -1,4 +1,5 @@
-"""What every PostgreSQL store shares: the ``keel_schema`` table and one migration routine.
+"""What every PostgreSQL store shares: one :class:`PostgresDatabase` (its connection pool and
+error translation), the ``keel_schema`` table and one migration routine.
 
 All components (state, memory, journal, traces) record their schema version in the same table
 and serialize their setups on the same transaction-level advisory lock, which is safe behind a
@@ -7,17 +8,39 @@ connection pooler (it is released at commit, never held by a pooled session).
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-from keel.errors import SchemaVersionError
+from keel.errors import (
+    BackendUnavailableError,
+    DatabaseReadOnlyError,
+    SchemaVersionError,
+    StorageFullError,
+    StoreError,
+)
 from keel.stores._migrations import MigrationSet
 
-__all__ = ["SCHEMA_LOCK_KEY", "apply_migrations"]
+__all__ = [
+    "SCHEMA_LOCK_KEY",
+    "PostgresDatabase",
+    "apply_migrations",
+    "translate_postgres_error",
+]
 
 SCHEMA_LOCK_KEY = 0x6B65656C  # "keel"
 """The advisory lock every keel setup takes on PostgreSQL."""
+
+_DISK_FULL = "53100"
+_READ_ONLY_TRANSACTION = "25006"
+# Autocommit: a store opens a transaction only where it needs one. No server-side prepared
+# statements: they do not survive a transaction-mode pooler, and a prepared statement's
+# generic plan cannot see a query vector (it sorted a whole memory scope by distance instead
+# of walking the HNSW graph).
+_CONNECTION_OPTIONS: dict[str, Any] = {"autocommit": True, "prepare_threshold": None}
 
 _SCHEMA_TABLE = (
     "CREATE TABLE IF NOT EXISTS keel_schema (component TEXT PRIMARY KEY, "
@@ -58,3 +81,187 @@ def apply_migrations(target: Any, migrations: MigrationSet) -> int:
             (migrations.component, migrations.version, time.time()),
         )
     return applied
+
+
+def translate_postgres_error(exc: Exception, url: str) -> StoreError:
+    """The keel error for a psycopg error (raise it ``from exc``); the SQLSTATE decides.
+
+    psycopg files connection failures, pool timeouts, serialization failures, deadlocks and
+    lock timeouts (SQLSTATE classes 08, 40, 55, 57) under ``OperationalError``: all of them
+    read as the server being unavailable, the caller's cue to retry.
+    """
+    import psycopg
+
+    where = _location(url)
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate == _DISK_FULL:
+        return StorageFullError(f"PostgreSQL at {where} is out of space: {exc}")
+    if sqlstate == _READ_ONLY_TRANSACTION:
+        return DatabaseReadOnlyError(
+            f"PostgreSQL at {where} is read-only (a standby, or default_transaction_read_only "
+            f"is on): {exc}"
+        )
+    if isinstance(exc, psycopg.OperationalError):
+        return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}")
+    return StoreError(f"PostgreSQL at {where}: {exc}")
+
+
+def _location(url: str) -> str:
+    """Host, port and database of ``url``: no user, password or query parameters."""
+    return url.rpartition("@")[2].partition("?")[0]
+
+
+class PostgresDatabase:
+    """A PostgreSQL database shared by keel's server stores: one pool, one error translation.
+
+    Every connection runs in autocommit with server-side prepared statements off, so the pool
+    is safe behind a transaction-mode pooler (PgBouncer) and no store's statements leave
+    state on a connection another store picks up next. A store that needs several statements
+    atomic takes :meth:`transaction`; a row factory is chosen per cursor; a session setting
+    one store needs is set with ``SET LOCAL`` inside its transaction. Native async calls get
+    an ``AsyncConnectionPool`` bound to their event loop (one at a time: a call from another
+    loop replaces it).
+
+    The pool opens on first use (or :meth:`open`); psycopg and psycopg-pool are imported only
+    when a database is built.
+
+    Args:
+        url: a ``postgresql://`` connection URL.
+        min_size: connections each pool keeps open.
+        max_size: most connections each pool opens.
+        timeout: seconds to wait for the first connection, and for a free one.
+
+    Raises:
+        BackendUnavailableError: psycopg or psycopg-pool is not installed.
+    """
+
+    def __init__(
+        self, url: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 30.0
+    ) -> None:
+        try:
+            from psycopg_pool import ConnectionPool
+        except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+            raise BackendUnavailableError(
+                "psycopg and psycopg-pool are not installed (the 'postgres' extra)"
+            ) from exc
+        self.url = url
+        self.min_size = min_size
+        self.max_size = max_size
+        self.timeout = timeout
+        self._pool: ConnectionPool[Any] = ConnectionPool(
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=timeout,
+            kwargs=_CONNECTION_OPTIONS,
+            open=False,
+        )
+        self._open_lock = threading.Lock()
+        self._opened = False
+        self._closed = False
+        self._apool: Any = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._aopening: asyncio.Future[None] | None = None
+
+    def open(self) -> None:
+        """Open the pool and wait for its first connection (idempotent).
+
+        Raises:
+            BackendUnavailableError: no connection within ``timeout``, or the database was
+                closed.
+        """
+        with self._open_lock:
+            if self._opened:
+                return
+            if self._closed:
+                raise BackendUnavailableError(f"PostgreSQL at {_location(self.url)} was closed")
+            try:
+                self._pool.open(wait=True, timeout=self.timeout)
+            except Exception as exc:  # psycopg errors, or the pool's own PoolTimeout
+                self._pool.close()
+                raise BackendUnavailableError(
+                    f"cannot connect to PostgreSQL at {_location(self.url)}: {exc}"
+                ) from exc
+            self._opened = True
+
+    @contextmanager
+    def connection(self) -> Iterator[Any]:
+        """A pooled connection in autocommit: each statement is its own transaction."""
+        import psycopg
+
+        self.open()
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except psycopg.Error as exc:
+            raise translate_postgres_error(exc, self.url) from exc
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """A pooled connection inside one transaction: committed at the end, rolled back on
+        an exception."""
+        with self.connection() as conn, conn.transaction():
+            yield conn
+
+    async def _async_pool(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._apool is None or self._aloop is not loop:
+            if self._closed:
+                raise BackendUnavailableError(f"PostgreSQL at {_location(self.url)} was closed")
+            from psycopg_pool import AsyncConnectionPool
+
+            pool = AsyncConnectionPool(
+                self.url,
+                min_size=self.min_size,
+                max_size=self.max_size,
+                timeout=self.timeout,
+                kwargs=_CONNECTION_OPTIONS,
+                open=False,
+            )
+            # Set before the first await, so concurrent first calls share one pool.
+            self._apool, self._aloop = pool, loop
+            self._aopening = asyncio.ensure_future(pool.open(wait=True, timeout=self.timeout))
+        assert self._aopening is not None
+        await asyncio.shield(self._aopening)
+        return self._apool
+
+    @asynccontextmanager
+    async def aconnection(self) -> AsyncIterator[Any]:
+        """Async twin of :meth:`connection`, from the running event loop's pool."""
+        import psycopg
+
+        try:
+            pool = await self._async_pool()
+            async with pool.connection() as conn:
+                yield conn
+        except psycopg.Error as exc:
+            raise translate_postgres_error(exc, self.url) from exc
+
+    @asynccontextmanager
+    async def atransaction(self) -> AsyncIterator[Any]:
+        """Async twin of :meth:`transaction`."""
+        async with self.aconnection() as conn, conn.transaction():
+            yield conn
+
+    def close(self) -> None:
+        """Close the pool (idempotent); an async pool is closed by :meth:`aclose`."""
+        with self._open_lock:
+            self._closed = True
+            self._opened = False
+            self._pool.close()
+
+    async def aclose(self) -> None:
+        """Close the running loop's async pool, then the sync pool (idempotent)."""
+        if self._apool is not None:
+            pool, self._apool = self._apool, None
+            await pool.close()
+        self.close()
+
+    def __enter__(self) -> PostgresDatabase:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PostgresDatabase({_location(self.url)!r})"

@@ -2,25 +2,17 @@
 
 For stateless keel processes over one database: the intent is an ``INSERT ... ON CONFLICT DO
 NOTHING`` committed before the tool runs, so of two processes racing on the same call exactly
-one claims it. psycopg is imported here only, when the class is used.
+one claims it. psycopg is imported only when a journal is built.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any
 
-from keel.errors import BackendUnavailableError, StoreError
-from keel.messages import Message
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._postgres import apply_migrations
-from keel.tools._journal import JournalClaim, JournalEntry, ToolJournal, entry_from_row
-
-if TYPE_CHECKING:
-    import psycopg
-    from psycopg_pool import ConnectionPool
+from keel.stores._postgres import PostgresDatabase, apply_migrations
+from keel.stores._sql_journal import JournalDialect, SQLToolJournal
 
 __all__ = ["POSTGRES_JOURNAL_MIGRATIONS", "PostgresToolJournal"]
 
@@ -59,177 +51,48 @@ POSTGRES_JOURNAL_MIGRATIONS = MigrationSet(
     ),
 )
 
-_COLUMNS = (
-    "key, session_id, step, call_index, tool, arguments, status, ok, content, output, "
-    "attempts, started_at, finished_at"
-)
-# Serializes concurrent setup() calls of many processes (an arbitrary, fixed lock id).
 
-
-class PostgresToolJournal(ToolJournal):
+class PostgresToolJournal(SQLToolJournal):
     """The tool journal in PostgreSQL; applies its migrations on construction.
 
     Args:
-        conninfo: a ``postgresql://`` URL.
-        pool_size: most connections the journal's pool keeps open.
+        database: the :class:`~keel.stores.PostgresDatabase` to share (left open by
+            :meth:`close`), or a ``postgresql://`` URL for a database of the journal's own.
+        pool_size: with a URL, most connections its pool opens.
     """
 
-    def __init__(self, conninfo: str, *, pool_size: int = 4) -> None:
-        try:
-            from psycopg.rows import dict_row
-            from psycopg_pool import ConnectionPool
-        except ImportError as exc:  # pragma: no cover - the extra is installed in tests
-            raise StoreError(
-                "the PostgreSQL journal needs the 'postgres' extra (psycopg, psycopg-pool)"
-            ) from exc
-        self.conninfo = conninfo
-        self._pool: ConnectionPool[Any] = ConnectionPool(
-            conninfo,
-            min_size=1,
-            max_size=pool_size,
-            kwargs={"row_factory": dict_row, "autocommit": False},
-            open=False,
+    dialect = JournalDialect(placeholder="%s", flag=bool)
+
+    def __init__(self, database: PostgresDatabase | str, *, pool_size: int = 4) -> None:
+        self._owns_database = isinstance(database, str)
+        self.database = (
+            PostgresDatabase(database, max_size=pool_size, timeout=10)
+            if isinstance(database, str)
+            else database
         )
+        self.conninfo = self.database.url
         try:
-            self._pool.open(wait=True, timeout=10)
-        except Exception as exc:
-            self._pool.close()
-            raise BackendUnavailableError(
-                f"cannot reach PostgreSQL for the journal: {exc}"
-            ) from exc
-        self._setup()
+            with self._write() as conn:
+                apply_migrations(conn, POSTGRES_JOURNAL_MIGRATIONS)
+        except BaseException:
+            if self._owns_database:
+                self.database.close()
+            raise
 
-    @contextmanager
-    def _transaction(self) -> Iterator[psycopg.Connection[Any]]:
-        import psycopg
+    def _write(self) -> AbstractContextManager[Any]:
+        return self.database.transaction()
 
-        try:
-            with self._pool.connection() as conn, conn.transaction():
-                yield conn
-        except psycopg.OperationalError as exc:
-            raise BackendUnavailableError(f"PostgreSQL journal: {exc}") from exc
-        except psycopg.Error as exc:
-            raise StoreError(f"PostgreSQL journal: {exc}") from exc
-
-    def _setup(self) -> None:
-        migrations = POSTGRES_JOURNAL_MIGRATIONS
-        with self._transaction() as conn:
-            apply_migrations(conn, migrations)
-
-    def claim(
-        self,
-        *,
-        key: str,
-        session_id: str,
-        step: int,
-        call_index: int,
-        tool: str,
-        arguments: str,
-    ) -> JournalClaim:
-        with self._transaction() as conn:
-            cursor = conn.execute(
-                "INSERT INTO keel_tool_journal (key, session_id, step, call_index, tool, "
-                "arguments, status, attempts, started_at) "
-                "VALUES (%s, %s, %s, %s, %s, %s, 'started', 1, %s) ON CONFLICT (key) DO NOTHING",
-                (key, session_id, step, call_index, tool, arguments, time.time()),
-            )
-            created = cursor.rowcount == 1
-            entry = self._select(conn, key)
-        if entry is None:  # pragma: no cover - inserted or present in the same transaction
-            raise StoreError(f"journal entry {key!r} vanished")
-        return JournalClaim(created=created, entry=entry)
-
-    def restart(self, key: str) -> JournalEntry:
-        return self._update(
-            key, "UPDATE keel_tool_journal SET attempts = attempts + 1 WHERE key = %s", ()
-        )
-
-    def finish(self, key: str, *, ok: bool, content: str, output: str) -> JournalEntry:
-        return self._update(
-            key,
-            "UPDATE keel_tool_journal SET status = %s, ok = %s, content = %s, output = %s, "
-            "finished_at = %s WHERE key = %s",
-            ("succeeded" if ok else "failed", ok, content, output, time.time()),
-        )
-
-    def get(self, key: str) -> JournalEntry | None:
-        with self._transaction() as conn:
-            return self._select(conn, key)
-
-    def entries(
-        self, session_id: str | None = None, *, in_doubt_only: bool = False
-    ) -> list[JournalEntry]:
-        clauses: list[str] = []
-        params: list[Any] = []
-        if session_id is not None:
-            clauses.append("session_id = %s")
-            params.append(session_id)
-        if in_doubt_only:
-            clauses.append("status = 'started'")
-        where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
-        with self._transaction() as conn:
-            rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM keel_tool_journal{where} "
-                "ORDER BY started_at, step, call_index",
-                params,
-            ).fetchall()
-        return [entry_from_row(row) for row in rows]
-
-    def same_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
-        # keel_tool_journal_session narrows to the session; a session has few entries.
-        with self._transaction() as conn:
-            rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM keel_tool_journal "
-                "WHERE session_id = %s AND tool = %s AND arguments = %s "
-                "ORDER BY started_at, step, call_index",
-                (session_id, tool, arguments),
-            ).fetchall()
-        return [entry_from_row(row) for row in rows]
-
-    def record_decision(self, session_id: str, step: int, message: Message) -> Message:
-        with self._transaction() as conn:
-            conn.execute(
-                "INSERT INTO keel_tool_decisions (session_id, step, message, created_at) "
-                "VALUES (%s, %s, %s, %s) ON CONFLICT (session_id, step) DO NOTHING",
-                (session_id, step, message.model_dump_json(), time.time()),
-            )
-            row = conn.execute(
-                "SELECT message FROM keel_tool_decisions WHERE session_id = %s AND step = %s",
-                (session_id, step),
-            ).fetchone()
-        assert row is not None
-        return Message.model_validate_json(row["message"])
-
-    def decision(self, session_id: str, step: int) -> Message | None:
-        with self._transaction() as conn:
-            row = conn.execute(
-                "SELECT message FROM keel_tool_decisions WHERE session_id = %s AND step = %s",
-                (session_id, step),
-            ).fetchone()
-        return None if row is None else Message.model_validate_json(row["message"])
+    def _read(self) -> AbstractContextManager[Any]:
+        # One statement, atomic in autocommit: no BEGIN and COMMIT round trips.
+        return self.database.connection()
 
     def close(self) -> None:
-        """Close the connection pool."""
-        self._pool.close()
+        """Close the database, unless it was passed in."""
+        if self._owns_database:
+            self.database.close()
 
     def __enter__(self) -> PostgresToolJournal:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _update(self, key: str, sql: str, params: tuple[Any, ...]) -> JournalEntry:
-        with self._transaction() as conn:
-            conn.execute(sql, (*params, key))
-            entry = self._select(conn, key)
-        if entry is None:
-            raise StoreError(f"no journal entry {key!r}")
-        return entry
-
-    @staticmethod
-    def _select(conn: psycopg.Connection[Any], key: str) -> JournalEntry | None:
-        row = conn.execute(
-            f"SELECT {_COLUMNS} FROM keel_tool_journal WHERE key = %s",
-            (key,),
-        ).fetchone()
-        return None if row is None else entry_from_row(row)

@@ -6,7 +6,8 @@ edit; each has an HNSW index (cosine). pgvector indexes ``vector`` columns of up
 dimensions, so wider embeddings (3,072 for text-embedding-3-large) are indexed as ``halfvec``
 (up to 4,000); wider still are searched exactly. Searches run with ``hnsw.iterative_scan`` so a
 scope that is a small part of a shared index still gets its full ``limit`` of rows. psycopg is
-imported lazily: keel works without the ``postgres`` extra until this store is used.
+imported lazily: keel works without the ``postgres`` extra until this store is used, and the
+store connects on first use.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from keel.errors import BackendUnavailableError, ConfigError, StoreError
+from keel.errors import ConfigError, StoreError
 from keel.memory._records import MemoryFilter, MemoryRecord, Scope
 from keel.memory._rows import (
     RECORD_COLUMNS,
@@ -41,7 +42,7 @@ from keel.stores._keywords import (
     common_term_cap,
 )
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._postgres import apply_migrations
+from keel.stores._postgres import PostgresDatabase, apply_migrations
 
 __all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
 
@@ -152,11 +153,12 @@ def _ts_any(terms: Sequence[str]) -> str:
 
 
 class PostgresMemoryStore(MemoryStore):
-    """Memory in PostgreSQL with pgvector (a connection pool; safe across threads).
+    """Memory in PostgreSQL with pgvector (safe across threads).
 
     Args:
-        url: a ``postgresql://`` connection URL.
-        min_size / max_size: pool bounds.
+        database: the :class:`~keel.stores.PostgresDatabase` to share (left open by
+            :meth:`close`), or a ``postgresql://`` URL for a database of the store's own.
+        min_size / max_size: with a URL, its pool's bounds.
         hnsw: build an HNSW index (cosine) when a vector table is created: approximate and
             fast at scale. False keeps exact scans. Either way the planner ranks a small scope
             exactly from its scope index when that is cheaper than walking the graph.
@@ -167,71 +169,67 @@ class PostgresMemoryStore(MemoryStore):
 
     def __init__(
         self,
-        url: str,
+        database: PostgresDatabase | str,
         *,
         min_size: int = 1,
         max_size: int = 8,
         hnsw: bool = True,
         ef_search: int = 100,
     ) -> None:
-        if not url.startswith(("postgresql://", "postgres://")):
-            raise ConfigError(f"not a PostgreSQL URL: {url.split('://')[0]}://...")
+        if isinstance(database, str) and not database.startswith(("postgresql://", "postgres://")):
+            raise ConfigError(f"not a PostgreSQL URL: {database.split('://')[0]}://...")
         if not 1 <= ef_search <= 1000:
             raise ConfigError(f"ef_search must be within 1..1000 (pgvector's range): {ef_search}")
-        self.url = url
+        self._owns_database = isinstance(database, str)
         try:
-            import psycopg_pool
-        except ImportError as exc:
+            self.database = (
+                PostgresDatabase(database, min_size=min_size, max_size=max_size, timeout=10)
+                if isinstance(database, str)
+                else database
+            )
+        except StoreError as exc:  # pragma: no cover - the extra is installed in tests
             raise ConfigError("PostgresMemoryStore needs keel's 'postgres' extra") from exc
-        self._pool = psycopg_pool.ConnectionPool(
-            url,
-            min_size=min_size,
-            max_size=max_size,
-            open=False,
-            configure=self._configure,
-        )
+        self.url = self.database.url
         self.hnsw = hnsw
         self.ef_search = int(ef_search)
-        self._opened = False
         self._ready = False
         self._vector_tables: set[int] = set()
         self._tables_with_statistics: set[str] = set()
         self._term_frequencies = TermFrequencies()
 
-    def _configure(self, conn: Any) -> None:
-        # Set even with hnsw=False: another process may have built the index. Without
-        # iterative scans, a filtered HNSW scan stops after ef_search index rows, so a scope
-        # that is a small part of the table would get fewer rows than asked for.
-        # relaxed_order, not strict_order: strict ordering made some scans walk most of the
-        # graph (2.5 s against 18 ms at p95, 3k rows); the few rows it returns out of order
-        # are re-sorted by vector_search.
-        # force_custom_plan: psycopg prepares a statement after five runs, and PostgreSQL
-        # then switches to a generic plan that cannot see the query vector and so sorts the
-        # whole scope by distance instead of walking the HNSW graph (59 ms against 5 ms at
-        # 10k rows); planning with the actual values costs about 0.5 ms.
-        with conn.cursor() as cur:
-            cur.execute("SET plan_cache_mode = force_custom_plan")
-            cur.execute("SET hnsw.iterative_scan = relaxed_order")
-            cur.execute(f"SET hnsw.ef_search = {self.ef_search}")
-        conn.commit()
-
     @contextmanager
     def _connection(self) -> Iterator[Any]:
-        import psycopg
+        """One transaction on a pooled connection (tuple rows)."""
+        with self.database.transaction() as conn:
+            yield conn
 
-        if not self._opened:
-            try:
-                self._pool.open(wait=True, timeout=10)
-            except Exception as exc:
-                raise BackendUnavailableError(f"cannot connect to PostgreSQL: {exc}") from exc
-            self._opened = True
-        try:
-            with self._pool.connection() as conn:
-                yield conn
-        except psycopg.OperationalError as exc:
-            raise BackendUnavailableError(f"PostgreSQL: {exc}") from exc
-        except psycopg.Error as exc:
-            raise StoreError(f"PostgreSQL: {exc}") from exc
+    @contextmanager
+    def _reading(self) -> Iterator[Any]:
+        """A pooled connection in autocommit, for reads: each statement sees what was
+        committed when it began, as in a READ COMMITTED transaction, with no BEGIN and COMMIT
+        round trips."""
+        with self.database.connection() as conn:
+            yield conn
+
+    @contextmanager
+    def _search_transaction(self) -> Iterator[Any]:
+        """A transaction set up for HNSW scans; ``SET LOCAL`` ends with it, so the settings
+        never reach another store's use of the connection.
+
+        Iterative scans even with hnsw=False: another process may have built the index.
+        Without them, a filtered HNSW scan stops after ef_search index rows, so a scope that
+        is a small part of the table would get fewer rows than asked for. relaxed_order, not
+        strict_order: strict ordering made some scans walk most of the graph (2.5 s against
+        18 ms at p95, 3k rows); the few rows it returns out of order are re-sorted by
+        vector_search.
+        """
+        with self._connection() as conn:
+            # One round trip for both (a simple query: no parameters, ef_search is an int).
+            conn.execute(
+                "SET LOCAL hnsw.iterative_scan = relaxed_order; "
+                f"SET LOCAL hnsw.ef_search = {self.ef_search}".encode()
+            )
+            yield conn
 
     def setup(self) -> None:
         if self._ready:
@@ -360,7 +358,7 @@ class PostgresMemoryStore(MemoryStore):
 
     def _query(self, sql: str, params: Sequence[Any]) -> list[MemoryRecord]:
         self.setup()
-        with self._connection() as conn:
+        with self._reading() as conn:
             rows = conn.execute(sql, tuple(params)).fetchall()
         return [record_from_row(row) for row in rows]
 
@@ -415,7 +413,7 @@ class PostgresMemoryStore(MemoryStore):
 
     def count(self, scope: Scope | None = None) -> int:
         self.setup()
-        with self._connection() as conn:
+        with self._reading() as conn:
             if scope is None:
                 row = conn.execute("SELECT COUNT(*) FROM memory_records").fetchone()
             else:
@@ -439,7 +437,7 @@ class PostgresMemoryStore(MemoryStore):
         where, params = filter_sql(filters, "%s")
         scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
         scope_args = (scope.tenant_id, scope.user_id, *params)
-        with self._connection() as conn:
+        with self._reading() as conn:
             statistics = self._keyword_statistics(conn, scope, safe)
             plan = statistics.plan
             # Which rows to rank: every match when the plan allows, else the chosen ones.
@@ -549,7 +547,7 @@ class PostgresMemoryStore(MemoryStore):
     def _has_vector_table(self, dimension: int) -> bool:
         if dimension not in self._vector_tables:
             # Another process (an outbox worker) may have created it since setup().
-            with self._connection() as conn:
+            with self._reading() as conn:
                 row = conn.execute(
                     "SELECT to_regclass(%s)", (f"memory_vectors_{dimension}",)
                 ).fetchone()
@@ -568,7 +566,7 @@ class PostgresMemoryStore(MemoryStore):
         if limit <= 0 or not query.any() or not self._has_vector_table(int(query.shape[0])):
             return []
         sql, params = self._vector_search_sql(scope, query, model, filters, limit)
-        with self._connection() as conn:
+        with self._search_transaction() as conn:
             rows = conn.execute(sql, params).fetchall()
         # A stored zero vector (a text with no words) has a NaN cosine: never a match.
         hits = [
@@ -622,7 +620,7 @@ class PostgresMemoryStore(MemoryStore):
         found: dict[str, FloatArray] = {}
         if not record_ids:
             return found
-        with self._connection() as conn, conn.cursor(binary=True) as cursor:
+        with self._reading() as conn, conn.cursor(binary=True) as cursor:
             for dimension in sorted(self._vector_tables):
                 rows = cursor.execute(
                     f"SELECT record_id, embedding FROM memory_vectors_{dimension} "
@@ -638,7 +636,7 @@ class PostgresMemoryStore(MemoryStore):
 
     def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
         self.setup()
-        with self._connection() as conn:
+        with self._reading() as conn:
             rows = conn.execute(
                 "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
@@ -712,7 +710,7 @@ class PostgresMemoryStore(MemoryStore):
 
     def embedding_models(self) -> dict[str, int]:
         self.setup()
-        with self._connection() as conn:
+        with self._reading() as conn:
             rows = conn.execute(
                 "SELECT COALESCE(embedding_model, ''), COUNT(*) FROM memory_records "
                 "GROUP BY COALESCE(embedding_model, '')"
@@ -720,9 +718,8 @@ class PostgresMemoryStore(MemoryStore):
         return {str(m): int(n) for m, n in rows}
 
     def close(self) -> None:
-        if self._opened:
-            self._pool.close()
-            self._opened = False
+        if self._owns_database:
+            self.database.close()
 
     def __repr__(self) -> str:
         return f"PostgresMemoryStore({self.url.split('@')[-1]!r})"

@@ -1,23 +1,22 @@
-"""State checkpoints in PostgreSQL (psycopg 3 with a connection pool).
+"""State checkpoints in PostgreSQL (on a :class:`~keel.stores.PostgresDatabase`).
 
 Safe behind a transaction-mode connection pooler (PgBouncer): no server-side prepared
-statements (``prepare_threshold=None``), no session-level advisory locks or settings; every
-operation is one short transaction. Compare-and-set is an ``UPDATE ... WHERE version = %s``
-whose row lock serialises concurrent writers; the loser's update matches nothing and its whole
-transaction rolls back.
+statements (the database's connections never prepare), no session-level advisory locks or
+settings; every operation is one short transaction. Compare-and-set is an
+``UPDATE ... WHERE version = %s`` whose row lock serialises concurrent writers; the loser's
+update matches nothing and its whole transaction rolls back.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-from keel.errors import BackendUnavailableError, ConflictError, ExpiredError, StoreError
+from keel.errors import ConflictError, ExpiredError
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._postgres import apply_migrations
+from keel.stores._postgres import PostgresDatabase, apply_migrations
 
 __all__ = ["POSTGRES_STATE_MIGRATIONS", "POSTGRES_STATE_SCHEMA", "PostgresStateBackend"]
 
@@ -180,16 +179,6 @@ def _values(row: StoredCheckpoint) -> tuple[Any, ...]:
     )
 
 
-def _redacted(url: str) -> str:
-    """The URL without its password."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    credentials, _, host = rest.rpartition("@")
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}@{host}" if user else f"{scheme}://{host}"
-
-
 def _row(values: Any, payload_size: int | None = None) -> StoredCheckpoint:
     return StoredCheckpoint(
         version=int(values[0]),
@@ -210,75 +199,46 @@ class PostgresStateBackend(StateBackend):
     """Checkpoints in PostgreSQL.
 
     Args:
-        url: a ``postgresql://`` connection URL.
-        min_size: connections the pool keeps open.
-        max_size: most connections the pool opens.
-        timeout: seconds to wait for a pooled connection.
+        database: the :class:`~keel.stores.PostgresDatabase` to share (left open by
+            :meth:`close`), or a ``postgresql://`` URL for a database of this backend's own.
+        min_size: with a URL, connections its pool keeps open.
+        max_size: with a URL, most connections its pool opens.
+        timeout: with a URL, seconds to wait for a pooled connection.
     """
 
     name = "postgres"
 
     def __init__(
-        self, url: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 30.0
+        self,
+        database: PostgresDatabase | str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        timeout: float = 30.0,
     ) -> None:
-        try:
-            import psycopg
-            from psycopg_pool import ConnectionPool
-        except ImportError as exc:  # pragma: no cover - the extra is installed in tests
-            raise BackendUnavailableError(
-                "psycopg and psycopg-pool are not installed (the 'postgres' extra)"
-            ) from exc
-        self._psycopg = psycopg
-        self.url = url
-        self._max_size = max_size
-        self._timeout = timeout
-        self._apool: Any = None
-        self._aloop: asyncio.AbstractEventLoop | None = None
-        self._aopening: asyncio.Future[None] | None = None
-        self._pool = ConnectionPool(
-            url,
-            min_size=min_size,
-            max_size=max_size,
-            timeout=timeout,
-            kwargs={"prepare_threshold": None, "autocommit": True},
-            open=False,
+        self._owns_database = isinstance(database, str)
+        self.database = (
+            PostgresDatabase(database, min_size=min_size, max_size=max_size, timeout=timeout)
+            if isinstance(database, str)
+            else database
         )
+        self.url = self.database.url
         try:
-            self._pool.open(wait=True, timeout=timeout)
             self.setup()
-        except Exception as exc:
-            self._pool.close()
-            if isinstance(exc, StoreError):
-                raise
-            raise BackendUnavailableError(
-                f"cannot connect to PostgreSQL at {_redacted(url)}: {exc}"
-            ) from exc
+        except BaseException:
+            if self._owns_database:
+                self.database.close()
+            raise
 
     @contextmanager
     def _tx(self, *, single: bool = False) -> Iterator[Any]:
-        """One transaction on a pooled connection; driver errors translated.
+        """One transaction's cursor (tuple rows).
 
         ``single=True`` runs one statement in autocommit (itself atomic): one round trip.
         """
-        psycopg = self._psycopg
-        try:
-            with self._pool.connection() as conn:
-                if single:
-                    with conn.cursor() as cur:
-                        yield cur
-                else:
-                    with conn.transaction(), conn.cursor() as cur:
-                        yield cur
-        except (ConflictError, ExpiredError):
-            raise
-        except psycopg.OperationalError as exc:
-            raise BackendUnavailableError(f"PostgreSQL is unavailable: {exc}") from exc
-        except psycopg.Error as exc:
-            raise StoreError(f"PostgreSQL: {exc}") from exc
-        except Exception as exc:
-            if type(exc).__name__ == "PoolTimeout":
-                raise BackendUnavailableError(f"no PostgreSQL connection: {exc}") from exc
-            raise
+        scope = self.database.connection() if single else self.database.transaction()
+        with scope as conn, conn.cursor() as cur:
+            yield cur
 
     def setup(self) -> None:
         """Create the tables (idempotent) and record the ``state`` schema version.
@@ -512,52 +472,16 @@ class PostgresStateBackend(StateBackend):
             return int(found[0]) if found else 0
 
     def close(self) -> None:
-        self._pool.close()
+        if self._owns_database:
+            self.database.close()
 
-    # --- native async twins (psycopg's AsyncConnectionPool, one per event loop) ---------------
-
-    async def _async_pool(self) -> Any:
-        loop = asyncio.get_running_loop()
-        if self._apool is None or self._aloop is not loop:
-            from psycopg_pool import AsyncConnectionPool
-
-            pool = AsyncConnectionPool(
-                self.url,
-                min_size=1,
-                max_size=self._max_size,
-                timeout=self._timeout,
-                kwargs={"prepare_threshold": None, "autocommit": True},
-                open=False,
-            )
-            # Set before the first await, so concurrent first calls share one pool.
-            self._apool, self._aloop = pool, loop
-            self._aopening = asyncio.ensure_future(pool.open(wait=True, timeout=self._timeout))
-        assert self._aopening is not None
-        await asyncio.shield(self._aopening)
-        return self._apool
+    # --- native async twins (the database's async pool, bound to the running loop) ------------
 
     @asynccontextmanager
     async def _atx(self, *, single: bool = False) -> AsyncIterator[Any]:
-        psycopg = self._psycopg
-        try:
-            pool = await self._async_pool()
-            async with pool.connection() as conn:
-                if single:
-                    async with conn.cursor() as cur:
-                        yield cur
-                else:
-                    async with conn.transaction(), conn.cursor() as cur:
-                        yield cur
-        except (ConflictError, ExpiredError):
-            raise
-        except psycopg.OperationalError as exc:
-            raise BackendUnavailableError(f"PostgreSQL is unavailable: {exc}") from exc
-        except psycopg.Error as exc:
-            raise StoreError(f"PostgreSQL: {exc}") from exc
-        except Exception as exc:
-            if type(exc).__name__ == "PoolTimeout":
-                raise BackendUnavailableError(f"no PostgreSQL connection: {exc}") from exc
-            raise
+        scope = self.database.aconnection() if single else self.database.atransaction()
+        async with scope as conn, conn.cursor() as cur:
+            yield cur
 
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
         async with self._atx(single=True) as cur:
@@ -668,7 +592,5 @@ class PostgresStateBackend(StateBackend):
             return bool(cur.rowcount == 1)
 
     async def aclose(self) -> None:
-        if self._apool is not None:
-            await self._apool.close()
-            self._apool = None
-        self.close()
+        if self._owns_database:
+            await self.database.aclose()

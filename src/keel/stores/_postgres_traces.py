@@ -1,4 +1,4 @@
-"""Run traces in PostgreSQL (psycopg 3 with a connection pool), component ``traces``.
+"""Run traces in PostgreSQL (on a :class:`~keel.stores.PostgresDatabase`), component ``traces``.
 
 The same two tables as the SQLite backend, with native types: ``timestamptz`` times and
 ``jsonb`` JSON. The schema version is kept in ``keel_schema`` (component, version, applied_at),
@@ -16,13 +16,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-import psycopg.errors
 from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool
 
-from keel.errors import BackendUnavailableError, StorageFullError, StoreError, UsageError
+from keel.errors import StoreError
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._postgres import apply_migrations
+from keel.stores._postgres import PostgresDatabase, apply_migrations
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
@@ -176,65 +174,50 @@ def _step_values(step: Step) -> tuple[Any, ...]:
     return tuple(values)
 
 
-def _translate(exc: psycopg.Error, url: str) -> StoreError:
-    where = url.split("@")[-1]
-    if isinstance(exc, psycopg.errors.DiskFull):
-        # SQLSTATE 53100: the server is up, its disk is full (an OperationalError to psycopg).
-        return StorageFullError(f"PostgreSQL at {where} is out of space: {exc}")
-    if isinstance(exc, psycopg.OperationalError):
-        return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}")
-    return StoreError(f"PostgreSQL at {where}: {exc}")
-
-
 class PostgresTraceStore(TraceStore):
     """Traces in PostgreSQL, for keel processes that share one database.
 
     Args:
-        url: a ``postgresql://`` connection URL (ignored when ``pool`` is given).
-        min_size: connections the pool keeps open.
-        max_size: most connections the pool opens.
-        connect_timeout: seconds to wait for the first connection (and for a free one).
-        pool: an open psycopg ``ConnectionPool`` to share with other stores; it is not closed
-            by :meth:`close`.
+        database: the :class:`~keel.stores.PostgresDatabase` to share (left open by
+            :meth:`close`), or a ``postgresql://`` URL for a database of the store's own.
+        min_size: with a URL, connections its pool keeps open.
+        max_size: with a URL, most connections its pool opens.
+        connect_timeout: with a URL, seconds to wait for the first connection (and for a
+            free one).
+
+    Raises:
+        BackendUnavailableError: the server cannot be reached.
     """
 
     def __init__(
         self,
-        url: str = "",
+        database: PostgresDatabase | str,
         *,
         min_size: int = 1,
         max_size: int = 4,
         connect_timeout: float = 10.0,
-        pool: ConnectionPool[psycopg.Connection[tuple[Any, ...]]] | None = None,
     ) -> None:
-        self._owns_pool = pool is None
-        if pool is not None:
-            self.url = url or str(pool.conninfo)
-            self._pool = pool
-            self._ready = False
-            return
-        if not url:
-            raise UsageError("PostgresTraceStore needs a postgresql:// URL or a pool")
-        self.url = url
-        self._pool = ConnectionPool(
-            url, min_size=min_size, max_size=max_size, open=False, timeout=connect_timeout
+        self._owns_database = isinstance(database, str)
+        self.database = (
+            PostgresDatabase(
+                database, min_size=min_size, max_size=max_size, timeout=connect_timeout
+            )
+            if isinstance(database, str)
+            else database
         )
-        try:
-            self._pool.open(wait=True, timeout=connect_timeout)
-        except Exception as exc:  # psycopg errors, or the pool's own PoolTimeout
-            self._pool.close()
-            raise BackendUnavailableError(
-                f"PostgreSQL at {url.split('@')[-1]} is unavailable: {exc}"
-            ) from exc
+        self.url = self.database.url
         self._ready = False
+        try:
+            self.database.open()
+        except BaseException:
+            if self._owns_database:
+                self.database.close()
+            raise
 
     @contextmanager
     def _tx(self) -> Iterator[psycopg.Connection[tuple[Any, ...]]]:
-        try:
-            with self._pool.connection() as conn, conn.transaction():
-                yield conn
-        except psycopg.Error as exc:
-            raise _translate(exc, self.url) from exc
+        with self.database.transaction() as conn:
+            yield conn
 
     def setup(self) -> None:
         """Create or migrate the ``traces`` tables; idempotent and safe to run concurrently."""
@@ -462,9 +445,9 @@ class PostgresTraceStore(TraceStore):
         return int(deleted)
 
     def close(self) -> None:
-        """Close the connection pool, unless it was passed in."""
-        if self._owns_pool:
-            self._pool.close()
+        """Close the database, unless it was passed in."""
+        if self._owns_database:
+            self.database.close()
 
     def __repr__(self) -> str:
         return f"PostgresTraceStore({self.url.split('@')[-1]!r})"
