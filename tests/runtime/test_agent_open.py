@@ -60,14 +60,18 @@ def _threads() -> set[int]:
 
 
 def _settle_threads(before: set[int]) -> set[str]:
-    """Names of threads started since ``before`` that are still alive after a short wait (the
-    test event loop's own executor threads, ``asyncio_N``, are the loop's, not the agent's)."""
+    """Names of threads started since ``before`` that are still alive after a short wait. Not
+    the agent's but the process's, shared by every agent: the test event loop's executor
+    threads (``asyncio_N``), the idle sync-tool threads (``keel-tool``, ending after 30 s idle)
+    and the one sync bridge loop (``keel-sync-bridge``, alive for the process's lifetime)."""
     deadline = time.monotonic() + 5
     while True:
         extra = {
             t.name
             for t in threading.enumerate()
-            if t.ident not in before and t.is_alive() and not t.name.startswith("asyncio_")
+            if t.ident not in before
+            and t.is_alive()
+            and not t.name.startswith(("asyncio_", "keel-tool", "keel-sync-bridge"))
         }
         if not extra or time.monotonic() > deadline:
             return extra
