@@ -64,3 +64,30 @@ def test_bench_turns_on_a_throwaway_postgres() -> None:
     assert figures["database"] == "postgres" and figures["tool_executions"] == 10
     # Counted by the server: the session's rows, not an empty database's size.
     assert 0 < figures["db_bytes"] < 50_000_000
+
+
+def test_bench_turns_repeats_combine_per_bucket_medians() -> None:
+    from keel.bench.turns import _combined
+
+    runs = [
+        {
+            "buckets_ms_p50": p50s,
+            "buckets_ms_p95": [2 * v for v in p50s],
+            "flatness": p50s[-1] / p50s[0],
+            "turns_per_s": rate,
+            "db_bytes": 100,
+            "tool_executions": 4,
+            "times_ms": times,
+        }
+        for p50s, rate, times in (
+            ([4.0, 9.0], 100.0, [4.0, 4.0, 9.0, 9.0]),  # a slow spell at the end
+            ([4.0, 4.0], 120.0, [4.0, 4.0, 4.0, 4.0]),
+            ([5.0, 5.0], 110.0, [5.0, 5.0, 5.0, 5.0]),
+        )
+    ]
+    combined = _combined(runs, bucket=2)
+    assert combined["buckets_ms_p50"] == [4.0, 5.0]
+    assert combined["flatness"] == 1.25
+    assert combined["flatness_of_each_run"] == [2.25, 1.0, 1.0]
+    assert combined["turns_per_s"] == 110.0 and combined["repeats"] == 3
+    assert combined["p50_ms"] == 4.5  # over every turn of every run

@@ -83,7 +83,13 @@ def _postgres_bytes(url: str) -> int:
 
 
 def _keel(
-    turns: int, bucket: int, directory: Path, *, memory: bool, postgres_url: str | None = None
+    turns: int,
+    bucket: int,
+    directory: Path,
+    *,
+    memory: bool,
+    postgres_url: str | None = None,
+    name: str = "keel",
 ) -> dict[str, Any]:
     from keel.runtime import Agent
     from keel.settings import load_settings
@@ -107,7 +113,7 @@ def _keel(
             return _ANSWER
         return ScriptedModel.tool_call("lookup", json.dumps({"query": call.last_user_text[-24:]}))
 
-    data_dir = directory / ("keel-memory" if memory else "keel")
+    data_dir = directory / name
     settings = load_settings(data_dir=data_dir, embedder="hashing:256")
     empty_bytes = _postgres_bytes(postgres_url) if postgres_url is not None else 0
     agent = Agent.open(
@@ -148,6 +154,7 @@ def _keel(
         assert database is not None
         figures["db_bytes"] = _file_bytes(database)
     figures["tool_executions"] = executions["count"]
+    figures["times_ms"] = times
     return figures
 
 
@@ -228,6 +235,38 @@ def _langgraph(turns: int, bucket: int, directory: Path) -> dict[str, Any]:
     return figures
 
 
+def _combined(runs: list[dict[str, Any]], bucket: int) -> dict[str, Any]:
+    """Figures of several sessions of the same workload: per bucket, the median of the runs'
+    medians (a run on a shared machine has slow spells that are the machine's, not the
+    session's); p50 and p95 over every turn of every run; the median run's turns/s."""
+    if len(runs) == 1:
+        figures = dict(runs[0])
+        figures.pop("times_ms")
+        return figures
+    p50s = [
+        round(statistics.median(run["buckets_ms_p50"][index] for run in runs), 3)
+        for index in range(len(runs[0]["buckets_ms_p50"]))
+    ]
+    p95s = [
+        round(statistics.median(run["buckets_ms_p95"][index] for run in runs), 3)
+        for index in range(len(runs[0]["buckets_ms_p95"]))
+    ]
+    every = [time for run in runs for time in run["times_ms"]]
+    return {
+        "buckets_ms_p50": p50s,
+        "buckets_ms_p95": p95s,
+        "flatness": round(p50s[-1] / p50s[0], 3) if p50s and p50s[0] > 0 else None,
+        "p50_ms": round(statistics.median(every), 3),
+        "p95_ms": round(_percentile(every, 0.95), 3),
+        "turns_per_s": statistics.median(run["turns_per_s"] for run in runs),
+        "db_bytes": runs[0]["db_bytes"],
+        "tool_executions": runs[0]["tool_executions"],
+        "repeats": len(runs),
+        "flatness_of_each_run": [run["flatness"] for run in runs],
+        "turns_per_s_of_each_run": [run["turns_per_s"] for run in runs],
+    }
+
+
 def run_turns_bench(
     *,
     turns: int = 1000,
@@ -235,13 +274,15 @@ def run_turns_bench(
     memory: bool = True,
     langgraph: bool = True,
     database: str = "sqlite",
+    repeat: int = 1,
     progress: Callable[[str], None] = lambda text: None,
 ) -> dict[str, Any]:
     """Run the workload on keel (memory off, and on if asked) and on LangGraph.
 
     ``database``: ``sqlite`` (the embedded default, one file) or ``postgres`` (a throwaway
     embedded PostgreSQL with pgvector, started here and dropped afterwards, holding state,
-    journal, traces and memory; a fresh database for each keel run)."""
+    journal, traces and memory; a fresh database for each keel run). ``repeat``: sessions of
+    keel with memory off, each on a fresh database, combined by :func:`_combined`."""
     if database not in ("sqlite", "postgres"):
         raise ValueError(f"database must be 'sqlite' or 'postgres', not {database!r}")
     with contextlib.ExitStack() as stack:
@@ -254,18 +295,23 @@ def run_turns_bench(
             progress("starting a throwaway PostgreSQL")
             server = stack.enter_context(postgres_server())
 
-        def keel_run(memory_on: bool) -> dict[str, Any]:
+        def keel_run(memory_on: bool, name: str) -> dict[str, Any]:
             if server is None:
-                return _keel(turns, bucket, directory, memory=memory_on)
+                return _keel(turns, bucket, directory, memory=memory_on, name=name)
             with server.throwaway_database() as url:
-                return _keel(turns, bucket, directory, memory=memory_on, postgres_url=url)
+                return _keel(
+                    turns, bucket, directory, memory=memory_on, postgres_url=url, name=name
+                )
 
-        progress(f"keel on {database}, memory off: {turns} turns")
         result: dict[str, Any] = {"turns": turns, "bucket": bucket, "database": database}
-        result.update(keel_run(False))
+        runs = []
+        for attempt in range(repeat):
+            progress(f"keel on {database}, memory off: {turns} turns ({attempt + 1}/{repeat})")
+            runs.append(keel_run(False, f"keel-{attempt}"))
+        result.update(_combined(runs, bucket))
         if memory:
             progress(f"keel on {database}, memory on: {turns} turns")
-            result["memory_on"] = keel_run(True)
+            result["memory_on"] = _combined([keel_run(True, "keel-memory")], bucket)
         if langgraph:
             progress(f"LangGraph create_react_agent + SqliteSaver: {turns} turns")
             lang = _langgraph(turns, bucket, directory)

@@ -24,14 +24,21 @@ def bench_turns_command(
             "embedded PostgreSQL holding state, journal, traces and memory)."
         ),
     ] = "sqlite",
+    repeat: Annotated[
+        int,
+        typer.Option(
+            help="Sessions of keel (memory off) to run, each on a fresh database; per bucket "
+            "the median of their medians is reported, and each run's flatness."
+        ),
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
 ) -> None:
     """Per-turn cost (median, p95 per bucket), flatness, turns/s and bytes, versus LangGraph."""
     from keel.bench.turns import run_turns_bench
     from keel.errors import UsageError
 
-    if turns < 1 or bucket < 1:
-        raise UsageError("turns and bucket must be >= 1")
+    if turns < 1 or bucket < 1 or repeat < 1:
+        raise UsageError("turns, bucket and repeat must be >= 1")
     if database not in ("sqlite", "postgres"):
         raise UsageError(f"--database must be 'sqlite' or 'postgres', not {database!r}")
     result = run_turns_bench(
@@ -40,6 +47,7 @@ def bench_turns_command(
         memory=memory,
         langgraph=langgraph,
         database=database,
+        repeat=repeat,
         progress=lambda text: err_console.print(text),
     )
     if as_json:
