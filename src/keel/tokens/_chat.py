@@ -50,6 +50,24 @@ def _json_type(schema: Mapping[str, Any]) -> str:
     return str(kind or "any")
 
 
+def _common_start(earlier: list[Message], messages: list[Message]) -> int:
+    """How many leading messages the two lists share (equal messages cost the same tokens).
+
+    A new prompt is most often the last one with its final message (the operating rules)
+    moved after what was added: that is checked first as one list comparison, which stops at
+    identical items without calling ``__eq__``; otherwise item by item.
+    """
+    shared = min(len(earlier), len(messages))
+    for start in (shared, shared - 1):
+        if start > 0 and earlier[:start] == messages[:start]:
+            return start
+    same = list(map(operator.is_, earlier, messages))
+    try:
+        return same.index(False)
+    except ValueError:
+        return len(same)
+
+
 def render_tools_for_counting(tools: Sequence[Mapping[str, Any]]) -> str:
     """Tools in OpenAI's ``tools`` format rendered as the model reads them."""
     lines = ["namespace functions {", ""]
@@ -195,11 +213,7 @@ class ChatTokenCounter:
         running: list[int] = []
         if previous is not None:
             earlier, earlier_running = previous
-            same = list(map(operator.is_, earlier, messages))
-            try:
-                start = same.index(False)
-            except ValueError:
-                start = len(same)
+            start = _common_start(earlier, messages)
             running = earlier_running[:start]
         rest = messages[start:]
         counts: list[int | None] = list(map(self._identity_counts.get, map(id, rest)))
