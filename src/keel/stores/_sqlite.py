@@ -42,7 +42,6 @@ logger = logging.getLogger("keel.stores")
 
 _T = TypeVar("_T")
 
-_CACHE_KIB = 65536
 
 
 class _WouldWait(Exception):
@@ -214,10 +213,6 @@ class SQLiteDatabase:
                 if str(mode).lower() != "wal":
                     raise StoreError(f"database {self.path}: cannot enable WAL (got {mode})")
                 conn.execute("PRAGMA synchronous = NORMAL")
-                # Up to 64 MiB of pages per connection (SQLite's default is 2 MiB): a session's
-                # working set (its head rows, the trace's indexes) stays in memory as the file
-                # grows, instead of being read back from the OS on every transaction.
-                conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
         except sqlite3.Error as exc:
             if conn is not None:
                 conn.close()
