@@ -43,7 +43,6 @@ logger = logging.getLogger("keel.stores")
 _T = TypeVar("_T")
 
 
-
 class _WouldWait(Exception):
     """An inline call met a held write lock before it wrote anything: run it in a thread."""
 
