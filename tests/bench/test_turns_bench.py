@@ -6,29 +6,25 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 
-def test_bench_turns_json_contract() -> None:
+def _bench_turns(*options: str) -> dict[str, Any]:
+    """``keel bench turns OPTIONS --json`` in a subprocess: its last line, parsed."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keel",
-            "bench",
-            "turns",
-            "--turns",
-            "20",
-            "--bucket",
-            "10",
-            "--json",
-        ],
+        [sys.executable, "-m", "keel", "bench", "turns", *options, "--json"],
         capture_output=True,
         text=True,
         timeout=600,
         env=os.environ.copy(),
     )
     assert result.returncode == 0, result.stderr
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def test_bench_turns_json_contract() -> None:
+    figures = _bench_turns("--turns", "20", "--bucket", "10")
     assert figures["turns"] == 20 and figures["tool_executions"] == 20
     assert len(figures["buckets_ms_p50"]) == 2 and figures["flatness"] > 0
     assert figures["p50_ms"] > 0 and figures["turns_per_s"] > 0 and figures["db_bytes"] > 0
@@ -37,30 +33,9 @@ def test_bench_turns_json_contract() -> None:
 
 
 def test_bench_turns_on_a_throwaway_postgres() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keel",
-            "bench",
-            "turns",
-            "--turns",
-            "10",
-            "--bucket",
-            "5",
-            "--no-memory",
-            "--no-langgraph",
-            "--database",
-            "postgres",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=os.environ.copy(),
+    figures = _bench_turns(
+        "--turns", "10", "--bucket", "5", "--no-memory", "--no-langgraph", "--database", "postgres"
     )
-    assert result.returncode == 0, result.stderr
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["database"] == "postgres" and figures["tool_executions"] == 10
     # Counted by the server: the session's rows, not an empty database's size.
     assert 0 < figures["db_bytes"] < 50_000_000

@@ -38,6 +38,23 @@ WORDS = [
 ]
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look something up.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+    }
+]
+"""One tool schema for prompts that carry tools."""
+
+
 def text_of(tokens: int, seed: int = 0) -> str:
     """About ``tokens`` o200k tokens of filler text (one token per word), cheap to build."""
     return " ".join(random.Random(seed).choices(WORDS, k=max(0, tokens)))

@@ -28,22 +28,7 @@ from keel.context._engine import _Compilation, _Entry
 from keel.context._report import BudgetReport, DroppedItem, PrunedOutput, SectionTokens
 from keel.errors import ContextOverflowError
 from keel.messages import Message, ToolCall
-from tests.context._helpers import text_of
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "lookup",
-            "description": "Look something up.",
-            "parameters": {
-                "type": "object",
-                "properties": {"query": {"type": "string"}},
-                "required": ["query"],
-            },
-        },
-    }
-]
+from tests.context._helpers import TOOLS, text_of
 
 
 class ReferenceCompilation(_Compilation):

@@ -19,22 +19,7 @@ from keel.context import (
 )
 from keel.errors import ContextOverflowError
 from keel.messages import Message, ToolCall
-from tests.context._helpers import check_invariants, text_of
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "lookup",
-            "description": "Look something up.",
-            "parameters": {
-                "type": "object",
-                "properties": {"query": {"type": "string"}},
-                "required": ["query"],
-            },
-        },
-    }
-]
+from tests.context._helpers import TOOLS, check_invariants, text_of
 
 sizes = st.one_of(st.integers(0, 300), st.integers(300, 5_000), st.integers(5_000, 50_000))
 # Sizes relative to the effective window, in thousandths: many mid-size messages that each fit

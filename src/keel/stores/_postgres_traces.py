@@ -21,6 +21,7 @@ from psycopg.types.json import Jsonb
 from keel.errors import StoreError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
+from keel.stores._trace_sql import step_contribution, upsert_run_sql
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
@@ -147,23 +148,14 @@ _RUN_SELECT = ", ".join(_STATUS if name == "status" else name for name in _RUN_F
 _STEP_FIELDS = tuple(Step.model_fields)
 _STEP_JSON = frozenset({"budget", "parsed_action", "attributes"})
 # A JSON null and SQL NULL differ in jsonb; parsed_action keeps None as SQL NULL.
+_UPSERT_RUN = upsert_run_sql("%s")
+
 _INSERT_STEP = (
     f"INSERT INTO trace_steps ({', '.join(_STEP_FIELDS)}) "
     f"VALUES ({', '.join('%s' for _ in _STEP_FIELDS)}) "
     "ON CONFLICT (run_id, step_id) DO UPDATE SET "
     + ", ".join(f"{name} = excluded.{name}" for name in _STEP_FIELDS[2:])
 )
-
-
-def _contribution(kind: str, failed: bool, prompt: int, completion: int) -> tuple[int, ...]:
-    return (
-        1,
-        int(kind == "model"),
-        int(kind == "tool"),
-        int(kind == "tool" and failed),
-        prompt,
-        completion,
-    )
 
 
 def _step_values(step: Step) -> tuple[Any, ...]:
@@ -235,18 +227,7 @@ class PostgresTraceStore(TraceStore):
         self._ensure()
         with self._tx() as conn:
             conn.execute(
-                "INSERT INTO trace_runs (run_id, session_id, user_id, tenant_id, agent, status, "
-                "started_at, ended_at, input, output, error_type, error_message, attributes, "
-                "time_limit_s, heartbeat_at) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (run_id) DO UPDATE SET session_id = excluded.session_id, "
-                "user_id = excluded.user_id, tenant_id = excluded.tenant_id, "
-                "agent = excluded.agent, status = excluded.status, "
-                "started_at = excluded.started_at, ended_at = excluded.ended_at, "
-                "input = excluded.input, output = excluded.output, "
-                "error_type = excluded.error_type, error_message = excluded.error_message, "
-                "attributes = excluded.attributes, time_limit_s = excluded.time_limit_s, "
-                "heartbeat_at = excluded.heartbeat_at",
+                _UPSERT_RUN,
                 (
                     run.run_id,
                     run.session_id,
@@ -269,7 +250,7 @@ class PostgresTraceStore(TraceStore):
     def write_step(self, step: Step) -> None:
         """Insert or replace the step and adjust its run's totals by the difference."""
         self._ensure()
-        new = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
+        new = step_contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
         with self._tx() as conn:
             # Locks the run row: concurrent writers of one run's steps serialise here.
             exists = conn.execute(
@@ -284,7 +265,7 @@ class PostgresTraceStore(TraceStore):
             ).fetchone()
             delta = list(new)
             if old_row is not None:
-                old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
+                old = step_contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
                 delta = [a - b for a, b in zip(new, old, strict=True)]
             conn.execute(_INSERT_STEP, _step_values(step))
             conn.execute(

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from keel.errors import StoreError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
+from keel.stores._trace_sql import step_contribution, upsert_run_sql
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
@@ -171,18 +172,6 @@ def _dt(value: int | None) -> datetime | None:
     return None if value is None else _EPOCH + value * _MICROSECOND
 
 
-def _contribution(kind: str, failed: bool, prompt: int, completion: int) -> tuple[int, ...]:
-    """What one step adds to its run's totals, in the order of the UPDATE below."""
-    return (
-        1,
-        int(kind == "model"),
-        int(kind == "tool"),
-        int(kind == "tool" and failed),
-        prompt,
-        completion,
-    )
-
-
 def _run_from_row(row: sqlite3.Row | tuple[Any, ...]) -> Run:
     (
         run_id,
@@ -261,6 +250,8 @@ def _step_values(step: Step) -> tuple[Any, ...]:
     return tuple(values)
 
 
+_UPSERT_RUN = upsert_run_sql("?")
+
 _INSERT_STEP = (
     f"INSERT INTO trace_steps ({', '.join(_STEP_FIELDS)}) "
     f"VALUES ({', '.join('?' for _ in _STEP_FIELDS)}) "
@@ -278,18 +269,7 @@ _INSERT_NEW_STEP = (
 
 def _insert_run(conn: sqlite3.Connection, run: Run) -> None:
     conn.execute(
-        "INSERT INTO trace_runs (run_id, session_id, user_id, tenant_id, agent, "
-        "status, started_at, ended_at, input, output, error_type, error_message, "
-        "attributes, time_limit_s, heartbeat_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-        "ON CONFLICT (run_id) DO UPDATE SET session_id = excluded.session_id, "
-        "user_id = excluded.user_id, tenant_id = excluded.tenant_id, "
-        "agent = excluded.agent, status = excluded.status, "
-        "started_at = excluded.started_at, ended_at = excluded.ended_at, "
-        "input = excluded.input, output = excluded.output, "
-        "error_type = excluded.error_type, error_message = excluded.error_message, "
-        "attributes = excluded.attributes, time_limit_s = excluded.time_limit_s, "
-        "heartbeat_at = excluded.heartbeat_at",
+        _UPSERT_RUN,
         (
             run.run_id,
             run.session_id,
@@ -322,7 +302,9 @@ def _write_steps(conn: sqlite3.Connection, steps: Sequence[Step]) -> None:
             if exists is None:
                 raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
             delta = totals[step.run_id] = [0] * 6
-        added = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
+        added = step_contribution(
+            step.kind, step.failed, step.prompt_tokens, step.completion_tokens
+        )
         values = _step_values(step)
         if conn.execute(_INSERT_NEW_STEP, values).rowcount == 0:
             # A step written again: replace it, and count only what changed.
@@ -331,7 +313,7 @@ def _write_steps(conn: sqlite3.Connection, steps: Sequence[Step]) -> None:
                 "WHERE run_id = ? AND step_id = ?",
                 (step.run_id, step.step_id),
             ).fetchone()
-            old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
+            old = step_contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
             added = tuple(a - b for a, b in zip(added, old, strict=True))
             conn.execute(_INSERT_STEP, values)
         for position, value in enumerate(added):
@@ -378,7 +360,7 @@ class SQLiteTraceStore(TraceStore):
         self._owns_db = opened if close_database is None else close_database
         self._ready = False
 
-    async def _call(self, function: Callable[[], _T]) -> _T:
+    async def _run_twin(self, function: Callable[[], _T]) -> _T:
         return await self.db.arun(function)
 
     def setup(self) -> None:

@@ -58,15 +58,10 @@ class TraceStore(ABC):
     - Queries return runs newest first and steps in start order (``seq``).
     """
 
-    threaded_async: bool = True
-    """Whether the async twins run the sync methods in a worker thread (the default). A
-    backend whose connection is bound to one thread (an in-memory SQLite database) sets it to
-    False and its twins run inline."""
-
-    async def _call(self, function: Callable[[], _T]) -> _T:
-        if self.threaded_async:
-            return await asyncio.to_thread(function)
-        return function()
+    async def _run_twin(self, function: Callable[[], _T]) -> _T:
+        """Run one sync method's body for an async twin: in a worker thread by default; a
+        backend that knows better overrides it (SQLite runs it inline unless it would wait)."""
+        return await asyncio.to_thread(function)
 
     @abstractmethod
     def setup(self) -> None:
@@ -202,21 +197,21 @@ class TraceStore(ABC):
 
     async def asetup(self) -> None:
         """Async twin of :meth:`setup`."""
-        await self._call(self.setup)
+        await self._run_twin(self.setup)
 
     async def astart_run(self, run: Run) -> None:
         """Async twin of :meth:`start_run`."""
-        await self._call(lambda: self.start_run(run))
+        await self._run_twin(lambda: self.start_run(run))
 
     async def awrite_step(self, step: Step) -> None:
         """Async twin of :meth:`write_step`."""
-        await self._call(lambda: self.write_step(step))
+        await self._run_twin(lambda: self.write_step(step))
 
     async def awrite_batch(
         self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None
     ) -> None:
         """Async twin of :meth:`write_batch`."""
-        await self._call(lambda: self.write_batch(run=run, steps=steps, end=end))
+        await self._run_twin(lambda: self.write_batch(run=run, steps=steps, end=end))
 
     async def aend_run(
         self,
@@ -229,7 +224,7 @@ class TraceStore(ABC):
         error_message: str | None = None,
     ) -> None:
         """Async twin of :meth:`end_run`."""
-        await self._call(
+        await self._run_twin(
             lambda: self.end_run(
                 run_id,
                 status=status,
@@ -242,15 +237,15 @@ class TraceStore(ABC):
 
     async def aget_run(self, run_id: str) -> Run | None:
         """Async twin of :meth:`get_run`."""
-        return await self._call(lambda: self.get_run(run_id))
+        return await self._run_twin(lambda: self.get_run(run_id))
 
     async def aget_run_detail(self, run_id: str) -> RunDetail | None:
         """Async twin of :meth:`get_run_detail`."""
-        return await self._call(lambda: self.get_run_detail(run_id))
+        return await self._run_twin(lambda: self.get_run_detail(run_id))
 
     async def alist_runs(self, query: RunQuery | None = None) -> list[Run]:
         """Async twin of :meth:`list_runs`."""
-        return await self._call(lambda: self.list_runs(query))
+        return await self._run_twin(lambda: self.list_runs(query))
 
     async def asession_stats(
         self,
@@ -261,7 +256,7 @@ class TraceStore(ABC):
         thresholds: StatsThresholds | None = None,
     ) -> list[SessionStats]:
         """Async twin of :meth:`session_stats`."""
-        return await self._call(
+        return await self._run_twin(
             lambda: self.session_stats(
                 session_id=session_id, since=since, tenant_id=tenant_id, thresholds=thresholds
             )
@@ -269,7 +264,7 @@ class TraceStore(ABC):
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`."""
-        await self._call(self.close)
+        await self._run_twin(self.close)
 
     def __enter__(self) -> TraceStore:
         return self
