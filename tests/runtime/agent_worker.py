@@ -33,6 +33,7 @@ from keel.tracing import Tracer
 
 KILL_POINTS = (
     "before_checkpoint",
+    "checkpoint_written",
     "after_model_reply",
     "tool_before_effect",
     "tool_after_effect",
@@ -104,9 +105,7 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
     )
     tool_ran = {"count": 0}
 
-    original_checkpoint = agent.state.acheckpoint
-
-    async def checkpoint(session_id: str, state: Any, **options: Any) -> int:
+    def before_write(options: dict[str, Any]) -> None:
         reason = options.get("reason", "")
         if reason == "before model call":
             if tool_ran["count"]:
@@ -114,13 +113,34 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
             killer.reached("before_checkpoint")
         if reason == "turn completed":
             killer.reached("commit_before_write")
-        version = await original_checkpoint(session_id, state, **options)
+
+    def after_write(options: dict[str, Any]) -> None:
+        reason = options.get("reason", "")
+        if reason == "before model call":
+            # Committed; the trace gathered up to it is not flushed yet.
+            killer.reached("checkpoint_written")
         if reason == "turn completed":
             killer.reached("commit_after_write")
             tool_ran["count"] = 0
+
+    # Either twin, so the kill points hold whichever one the Agent writes through.
+    original_acheckpoint = agent.state.acheckpoint
+    original_checkpoint = agent.state.checkpoint
+
+    async def acheckpoint(session_id: str, state: Any, **options: Any) -> int:
+        before_write(options)
+        version = await original_acheckpoint(session_id, state, **options)
+        after_write(options)
         return version
 
-    agent.state.acheckpoint = checkpoint  # type: ignore[method-assign]
+    def checkpoint(session_id: str, state: Any, **options: Any) -> int:
+        before_write(options)
+        version = original_checkpoint(session_id, state, **options)
+        after_write(options)
+        return version
+
+    agent.state.acheckpoint = acheckpoint  # type: ignore[method-assign]
+    agent.state.checkpoint = checkpoint  # type: ignore[method-assign]
 
     original_complete = model.acomplete
 

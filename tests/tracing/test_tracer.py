@@ -410,6 +410,21 @@ async def test_a_buffered_run_writes_at_its_flushes_and_its_end(store: SQLiteTra
     assert [step.kind for step in store.get_steps(run.run_id)] == ["model", "tool"]
 
 
+async def test_a_buffered_run_ended_through_the_sync_twin_keeps_its_buffered_steps(
+    store: SQLiteTraceStore,
+) -> None:
+    tracer = Tracer(store)
+    run = await tracer.astart_run("s1", input="hello", buffered=True)
+    await run.arecord("model", "gpt")
+    run.flush()
+    await run.arecord("tool", "lookup", tool_name="lookup", tool_result="ok")
+    run.end(output="bye")
+    stored = store.get_run(run.run_id)
+    assert stored is not None
+    assert (stored.status, stored.output, stored.step_count) == ("succeeded", "bye", 2)
+    assert [step.kind for step in store.get_steps(run.run_id)] == ["model", "tool"]
+
+
 async def test_a_loop_step_becomes_a_model_step_with_its_tools_guards_and_moves_under_it(
     store: SQLiteTraceStore,
 ) -> None:

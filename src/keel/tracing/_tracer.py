@@ -642,22 +642,52 @@ class RunTrace:
         dropped (logged), the header is tried again with the next batch."""
         await self._aflush_with(None)
 
-    async def _aflush_with(self, end: RunEnding | None) -> None:
+    def flush(self) -> None:
+        """Sync twin of :meth:`aflush`, for a caller that writes the batch inside its own
+        transaction (the Agent makes it one commit with the checkpoint before a model call)."""
+        self._flush_with(None)
+
+    def _batch(self) -> tuple[TraceStore, Run | None, list[Step]] | None:
         store = self.tracer.store
         if store is None or not self._buffered:
-            return
+            return None
         run = self._header if not self._stored else None
         steps, self._pending = self._pending, []
+        return store, run, steps
+
+    def _flush_with(self, end: RunEnding | None) -> None:
+        batch = self._batch()
+        if batch is None:
+            return
+        store, run, steps = batch
+        if run is None and not steps and end is None:
+            return
+        try:
+            store.write_batch(run=run, steps=steps, end=end)
+        except Exception as exc:
+            self._flush_failed(end, steps, exc)
+            return
+        if run is not None:
+            self._stored = True
+
+    async def _aflush_with(self, end: RunEnding | None) -> None:
+        batch = self._batch()
+        if batch is None:
+            return
+        store, run, steps = batch
         if run is None and not steps and end is None:
             return
         try:
             await store.awrite_batch(run=run, steps=steps, end=end)
         except Exception as exc:
-            what = "run end" if end is not None else f"{len(steps)} steps"
-            self.tracer._failed(what, exc)
+            self._flush_failed(end, steps, exc)
             return
         if run is not None:
             self._stored = True
+
+    def _flush_failed(self, end: RunEnding | None, steps: list[Step], exc: Exception) -> None:
+        what = "run end" if end is not None else f"{len(steps)} steps"
+        self.tracer._failed(what, exc)
 
     # --- ending -------------------------------------------------------------------------------
 
@@ -715,7 +745,9 @@ class RunTrace:
         if final is None:
             return
         store = self.tracer.store
-        if store is not None:
+        if store is not None and self._buffered:
+            self._flush_with(RunEnding(self.run_id, *final))
+        elif store is not None:
             status_, ended, out, error_type, error_message = final
 
             def write() -> None:
@@ -745,10 +777,7 @@ class RunTrace:
             return
         store = self.tracer.store
         if store is not None and self._buffered:
-            status_, ended, out, error_type, error_message = final
-            await self._aflush_with(
-                RunEnding(self.run_id, status_, ended, out, error_type, error_message)
-            )
+            await self._aflush_with(RunEnding(self.run_id, *final))
         elif store is not None:
             status_, ended, out, error_type, error_message = final
             try:
