@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from keel.memory import Memory, MemoryRecord, Scope
     from keel.models import ChatModel, Completion, ModelOptions, resolve_model
     from keel.privacy import PIIMasker, mask_pii
-    from keel.runtime import Agent, AgentReply, ToolLoop
+    from keel.runtime import Agent, AgentEvent, AgentReply, TextDelta, ToolLoop, TurnFinished
     from keel.settings import Settings, load_settings
     from keel.state import (
         AgentState,
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 
 _LAZY: dict[str, str] = {
     "Agent": "keel.runtime",
+    "AgentEvent": "keel.runtime",
     "AgentReply": "keel.runtime",
     "AgentState": "keel.state",
     "BudgetReport": "keel.context",
@@ -104,8 +105,10 @@ _LAZY: dict[str, str] = {
     "ToolContext": "keel.tools",
     "ToolLoop": "keel.runtime",
     "ToolRegistry": "keel.tools",
+    "TextDelta": "keel.runtime",
     "Tracer": "keel.tracing",
     "Transition": "keel.state",
+    "TurnFinished": "keel.runtime",
     "add_messages": "keel.state",
     "count_tokens": "keel.tokens",
     "counter_for": "keel.tokens",
@@ -119,6 +122,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "Agent",
+    "AgentEvent",
     "AgentReply",
     "AgentState",
     "BudgetReport",
@@ -148,6 +152,7 @@ __all__ = [
     "Settings",
     "StateMachine",
     "StateStore",
+    "TextDelta",
     "TokenCount",
     "Tokenizer",
     "Tool",
@@ -157,6 +162,7 @@ __all__ = [
     "ToolRegistry",
     "Tracer",
     "Transition",
+    "TurnFinished",
     "Usage",
     "UsageError",
     "__version__",

@@ -10,13 +10,14 @@ with each call's dead loop, and sync calls from several threads share one loop s
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from keel.errors import UsageError
 
-__all__ = ["run_sync"]
+__all__ = ["iterate_sync", "run_sync"]
 
 T = TypeVar("T")
 
@@ -67,3 +68,53 @@ def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
         # The caller gave up (KeyboardInterrupt, say): stop the work it no longer waits for.
         future.cancel()
         raise
+
+
+_END = object()
+
+
+def iterate_sync(iterable: AsyncIterator[T], *, cleanup_wait_s: float = 30.0) -> Iterator[T]:
+    """Iterate ``iterable`` on keel's bridge loop, handing its items to this thread.
+
+    Leaving the loop early (``break``, an exception, the iterator closed) cancels the async
+    iteration where it waits, so its ``finally`` blocks run on the bridge loop, and waits up to
+    ``cleanup_wait_s`` for them: when this returns, what the iteration held is released.
+
+    Raises:
+        UsageError: called inside a running event loop (iterate the async twin there).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise UsageError("a sync iterator was used inside a running event loop: use its async twin")
+    handoff: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    finished = threading.Event()
+
+    async def pump() -> None:
+        try:
+            async for item in iterable:
+                handoff.put((True, item))
+            handoff.put(_END)
+        except BaseException as exc:  # raised in the caller's thread
+            handoff.put((False, exc))
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            finished.set()
+
+    future = asyncio.run_coroutine_threadsafe(pump(), _bridge_loop())
+    try:
+        while True:
+            item = handoff.get()
+            if item is _END:
+                return
+            ok, value = item
+            if not ok:
+                raise value
+            yield value
+    finally:
+        if not future.done():
+            future.cancel()
+        finished.wait(cleanup_wait_s)

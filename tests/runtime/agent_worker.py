@@ -23,7 +23,7 @@ from typing import Any
 from keel.context import ContextBudget, Conversation
 from keel.guards import GuardConfig
 from keel.messages import Message
-from keel.runtime import Agent
+from keel.runtime import Agent, AgentReply, TextDelta, TurnFinished
 from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
 from keel.stores._sqlite_traces import SQLiteTraceStore
@@ -90,7 +90,8 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
     database = SQLiteDatabase(args.db)
     traces = SQLiteTraceStore(database)
     traces.setup()
-    model = ScriptedModel(policy)
+    # Streamed, the reply arrives over time, as from a real server (the kill lands mid-way).
+    model = ScriptedModel(policy, stream_delay_s=0.001)
     agent = Agent(
         model,
         state=StateStore(SQLiteStateBackend(database), AgentState),
@@ -163,6 +164,17 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
     return agent, database
 
 
+async def _streamed(
+    agent: Agent, args: argparse.Namespace, text: str, killer: _Killer
+) -> AgentReply:
+    async for event in agent.stream(text, session=args.session, user=args.user):
+        if isinstance(event, TextDelta):
+            killer.reached("mid_stream")
+        if isinstance(event, TurnFinished):
+            return event.reply
+    raise AssertionError("the stream ended without its reply")
+
+
 async def run(args: argparse.Namespace) -> None:
     killer = _Killer(args.kill_at)
     agent, database = build(args, killer)
@@ -175,7 +187,10 @@ async def run(args: argparse.Namespace) -> None:
                     flush=True,
                 )
         for text in json.loads(args.texts):
-            reply = await agent.handle(args.session, args.user, text)
+            if args.stream:
+                reply = await _streamed(agent, args, text, killer)
+            else:
+                reply = await agent.handle(args.session, args.user, text)
             print(
                 json.dumps(
                     {
@@ -204,6 +219,7 @@ def main() -> None:
     parser.add_argument("--wait", type=float, default=60.0)
     parser.add_argument("--budget", type=int, default=8_000)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--stream", action="store_true", help="run turns with Agent.stream")
     asyncio.run(run(parser.parse_args()))
 
 

@@ -107,6 +107,27 @@ def test_two_processes_on_one_session_book_each_request_exactly_once(tmp_path: P
     assert state.runtime.open_turn is None
 
 
+def test_killed_mid_stream_then_resumed_nothing_is_lost_or_repeated(tmp_path: Path) -> None:
+    texts = [f"book K{n}" for n in range(1, 4)]
+    # Killed while the second turn's answer streams: its booking ran, its reply was half shown.
+    killed = _worker(tmp_path, texts, "--stream", "--kill-at", "mid_stream:120")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert len(_replies(killed.stdout)) == 1, "the kill was not in the second turn"
+    state = _state(tmp_path)
+    assert state.runtime.open_turn is not None, "the streamed turn was not left open"
+    received = {m.content for m in state.messages if m.role == "user"}
+    resent = [text for text in texts if text not in received]
+    resumed = _worker(tmp_path, resent, "--stream", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    replies = _replies(resumed.stdout)
+    assert replies[0].get("resumed") and replies[0]["status"] == "completed"
+    effects = _effects(tmp_path)
+    assert effects == {"K1": 1, "K2": 1, "K3": 1}, f"an effect repeated or was lost: {effects}"
+    state = _state(tmp_path)
+    assert Counter(m.content for m in state.messages if m.role == "user") == Counter(texts)
+    assert state.runtime.open_turn is None and state.runtime.turns == len(texts)
+
+
 @pytest.mark.parametrize("point", KILL_POINTS)
 def test_killed_anywhere_in_a_turn_then_resumed_nothing_is_lost_or_repeated(
     tmp_path: Path, point: str

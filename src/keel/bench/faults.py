@@ -992,7 +992,7 @@ def resume_after_kill(
         stored = _stored_text(agent, _kill_text(session))
         try:
             reply = asyncio.run(agent.resume(session, _USER))
-            status = reply.status if reply is not None else "nothing_to_resume"
+            status: str = reply.status if reply is not None else "nothing_to_resume"
             error = None if reply is not None else "the killed turn left no open turn"
         except Exception as exc:
             status, error = "raised", f"{type(exc).__name__}: {exc}"
@@ -1050,7 +1050,7 @@ def _pair_worker(folder: Path, session: str, worker: int, turns: int) -> None:
             started = time.perf_counter()
             try:
                 reply = await asyncio.wait_for(agent.handle(session, _USER, text), 60)
-                result = {"status": reply.status, "steps": reply.steps}
+                result: dict[str, Any] = {"status": reply.status, "steps": reply.steps}
             except ConflictError as exc:
                 result = {"status": "conflict", "error": str(exc)[:200]}
             except Exception as exc:

@@ -10,12 +10,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from keel.errors import UsageError
 from keel.messages import Message, ToolCall, Usage
-from keel.models._base import ChatModel, Completion, ModelOptions, ToolSchema
+from keel.models._base import (
+    ChatModel,
+    Completion,
+    CompletionChunk,
+    ModelOptions,
+    ToolCallDelta,
+    ToolSchema,
+)
 from keel.tokens import ChatTokenCounter, counter_for
 
 __all__ = ["ScriptedCall", "ScriptedModel", "ScriptedReply"]
@@ -59,6 +66,9 @@ class ScriptedModel(ChatModel):
         model: whose window and tokenizer to report (default ``gpt-4o-mini``).
         delay_s: sleep this long per call (to exercise timeouts).
         repeat_last: when the list runs out, repeat its last reply instead of raising.
+        stream_chunk_chars: streamed (``astream``), a text reply comes in pieces of this many
+            characters, and each tool call's arguments in two pieces.
+        stream_delay_s: sleep this long before each streamed piece.
     """
 
     def __init__(
@@ -69,7 +79,11 @@ class ScriptedModel(ChatModel):
         delay_s: float = 0.0,
         repeat_last: bool = False,
         counter: ChatTokenCounter | None = None,
+        stream_chunk_chars: int = 4,
+        stream_delay_s: float = 0.0,
     ) -> None:
+        if stream_chunk_chars < 1:
+            raise UsageError(f"stream_chunk_chars must be >= 1, got {stream_chunk_chars}")
         counter = counter or counter_for(model, allow_estimate=True)
         super().__init__(f"scripted:{model}", counter.profile, counter)
         self._policy: Callable[[ScriptedCall], ScriptedReply] | None = None
@@ -81,6 +95,8 @@ class ScriptedModel(ChatModel):
         self.delay_s = delay_s
         self.repeat_last = repeat_last
         self.calls: list[ScriptedCall] = []
+        self.stream_chunk_chars = stream_chunk_chars
+        self.stream_delay_s = stream_delay_s
 
     def _next_reply(self, call: ScriptedCall) -> ScriptedReply:
         if self._policy is not None:
@@ -122,6 +138,29 @@ class ScriptedModel(ChatModel):
             latency_ms=(time.perf_counter() - started) * 1000,
             ttft_ms=(time.perf_counter() - started) * 1000,
         )
+
+    async def _astream(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
+    ) -> AsyncIterator[CompletionChunk]:
+        completion = await self._acomplete(messages, tools, options)
+        text, size = completion.message.content, self.stream_chunk_chars
+        for start in range(0, len(text), size):
+            if self.stream_delay_s:
+                await asyncio.sleep(self.stream_delay_s)
+            yield CompletionChunk(text=text[start : start + size])
+        for index, call in enumerate(completion.message.tool_calls):
+            half = len(call.arguments) // 2
+            yield CompletionChunk(
+                tool_calls=(
+                    ToolCallDelta(
+                        index=index, id=call.id, name=call.name, arguments=call.arguments[:half]
+                    ),
+                )
+            )
+            yield CompletionChunk(
+                tool_calls=(ToolCallDelta(index=index, arguments=call.arguments[half:]),)
+            )
+        yield CompletionChunk(completion=completion)
 
     @staticmethod
     def tool_call(name: str, arguments: str = "{}", call_id: str | None = None) -> Message:

@@ -4,12 +4,14 @@
 IBANs (mod-97 checked), IP addresses and API keys / tokens (``sk-...``, ``AKIA...``,
 ``ghp_...``, JWTs, bearer tokens, PEM private keys) with typed placeholders such as
 ``<EMAIL_1>``, under a policy that can differ per tenant. :func:`mask_pii` is the one-liner.
+:class:`StreamMasker` masks a text that arrives in pieces (a streamed reply).
 """
 
 from __future__ import annotations
 
 from keel.privacy._detectors import Detector, Finding
 from keel.privacy._masker import ENTITY_TYPES, MaskingPolicy, MaskResult, PIIMasker, mask_pii
+from keel.privacy._stream import StreamMasker
 
 __all__ = [
     "ENTITY_TYPES",
@@ -18,5 +20,6 @@ __all__ = [
     "MaskResult",
     "MaskingPolicy",
     "PIIMasker",
+    "StreamMasker",
     "mask_pii",
 ]

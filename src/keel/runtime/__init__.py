@@ -3,18 +3,40 @@
 
 from __future__ import annotations
 
-from keel.runtime._agent import Agent, AgentReply
+from keel.runtime._agent import Agent
 from keel.runtime._backends import Backends, open_backends
+from keel.runtime._events import (
+    AgentEvent,
+    CheckpointCommitted,
+    GuardWarning,
+    TextDelta,
+    TextDiscarded,
+    ToolCallFinished,
+    ToolCallStarted,
+    TurnFinished,
+    WorkflowTransition,
+)
+from keel.runtime._reply import AgentReply, AgentStatus
 from keel.runtime._tool_loop import LoopHooks, LoopResult, LoopStatus, StepRecord, ToolLoop
 
 __all__ = [
     "Agent",
+    "AgentEvent",
     "AgentReply",
+    "AgentStatus",
     "Backends",
+    "CheckpointCommitted",
+    "GuardWarning",
     "LoopHooks",
     "LoopResult",
     "LoopStatus",
     "StepRecord",
+    "TextDelta",
+    "TextDiscarded",
+    "ToolCallFinished",
+    "ToolCallStarted",
     "ToolLoop",
+    "TurnFinished",
+    "WorkflowTransition",
     "open_backends",
 ]

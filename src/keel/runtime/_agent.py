@@ -37,14 +37,12 @@ import time
 import unicodedata
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from keel._bridge import run_sync
+from keel._bridge import iterate_sync, run_sync
 from keel.context import (
     CompiledPrompt,
     ContextBudget,
@@ -64,8 +62,20 @@ from keel.errors import (
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
-from keel.privacy import PIIMasker
+from keel.privacy import PIIMasker, StreamMasker
+from keel.runtime._events import (
+    AgentEvent,
+    CheckpointCommitted,
+    GuardWarning,
+    TextDelta,
+    TextDiscarded,
+    ToolCallFinished,
+    ToolCallStarted,
+    TurnFinished,
+    WorkflowTransition,
+)
 from keel.runtime._log import SessionLog
+from keel.runtime._reply import AgentReply
 from keel.runtime._tool_loop import LoopHooks, LoopResult, StepRecord, ToolLoop
 from keel.state import (
     AgentState,
@@ -77,7 +87,7 @@ from keel.state import (
     StateStore,
 )
 from keel.tools import InMemoryJournal, Tool, ToolJournal, ToolRegistry, ToolResult, tool
-from keel.tracing import RunTrace, Tracer, arecord_loop_step
+from keel.tracing import RunTrace, Tracer, arecord_loop_step, redact_json
 
 if TYPE_CHECKING:
     from keel.memory import Memory
@@ -104,39 +114,6 @@ _FAILURE_REPLY = (
 )
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class AgentReply(BaseModel):
-    """What one turn produced, for the caller and for dashboards."""
-
-    model_config = ConfigDict(frozen=True)
-
-    text: str = Field(description="The reply for the user (a clean message when it failed).")
-    status: str = Field(description="How the turn ended: completed, or why it stopped.")
-    session_id: str = Field(description="The session.")
-    run_id: str = Field(description="The trace's run id (``keel runs show RUN``).")
-    state_version: int = Field(description="The state version committed at the end of the turn.")
-    workflow_state: str | None = Field(
-        default=None, description="The state machine's state after the turn, if there is one."
-    )
-    steps: int = Field(default=0, description="Model calls made in the turn.")
-    max_prompt_tokens: int = Field(default=0, description="Largest prompt sent in the turn.")
-    prompt_limit: int = Field(default=0, description="Tokens a prompt may take (window - reserve).")
-    loops_detected: int = Field(default=0, description="Loop detections in the turn.")
-    tool_calls: tuple[str, ...] = Field(default=(), description="Tools called, in order.")
-    effects: tuple[str, ...] = Field(
-        default=(),
-        description="Side-effecting tools that ran (or may have run) in the turn, in order; "
-        "they stay in the history even when the turn failed and the state was reverted.",
-    )
-    reverted: bool = Field(default=False, description="State went back to the last good version.")
-    resumed: bool = Field(default=False, description="The turn finished one a crash interrupted.")
-    interrupted_turn: AgentReply | None = Field(
-        default=None,
-        description="The reply to an earlier message whose turn a crash had left open, finished "
-        "before this message was handled.",
-    )
-    error: str | None = Field(default=None, description="The error, when the turn failed.")
 
 
 @dataclass
@@ -169,6 +146,10 @@ class _Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)
     effects: list[tuple[ToolCall, Message]] = field(default_factory=list)
     """Side-effecting calls that ran, were replayed or are in doubt, with their results."""
+    emit: Callable[[AgentEvent], None] | None = None
+    """Where a streamed turn's events go (None: the turn is not streamed)."""
+    streamed_text: dict[int, StreamMasker] = field(default_factory=dict)
+    """The reply text streamed so far in each step, masked as it arrives."""
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -527,6 +508,54 @@ class Agent:
                 stays open and the session's next turn finishes it.
             StoreError: the state store itself is unavailable.
         """
+        return await self._handle(session_id, user_id, text, None)
+
+    async def run(self, text: str, *, session: str, user: str) -> AgentReply:
+        """Process one user message of ``user`` in ``session`` and return the reply: the same
+        as :meth:`handle`, with the identities named, so they cannot be swapped."""
+        return await self._handle(session, user, text, None)
+
+    def run_sync(self, text: str, *, session: str, user: str) -> AgentReply:
+        """Sync twin of :meth:`run` (not for use inside a running event loop)."""
+        return run_sync(self.run(text, session=session, user=user))
+
+    async def stream(self, text: str, *, session: str, user: str) -> AsyncIterator[AgentEvent]:
+        """Process one user message as :meth:`run` does, yielding its events as they happen:
+        masked text deltas, tool calls as they start and end, workflow transitions,
+        checkpoints, guard warnings, and last a :class:`TurnFinished` with the reply.
+
+        Every invariant of :meth:`run` holds: a checkpoint precedes each model call, text is
+        masked before it is yielded. A consumer that stops early (``break``, ``aclose``, a
+        cancelled task) stops the turn where it is: the model request ends, the session stays
+        at its last checkpoint with the turn open, and the next message or :meth:`resume`
+        finishes it. Raises what :meth:`run` raises, at the point it happens.
+        """
+        events: asyncio.Queue[AgentEvent | None] = asyncio.Queue()
+        turn = asyncio.create_task(self._handle(session, user, text, events.put_nowait))
+        turn.add_done_callback(lambda _: events.put_nowait(None))
+        try:
+            while (event := await events.get()) is not None:
+                yield event
+            reply = turn.result()
+        finally:
+            if not turn.done():
+                turn.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await turn
+        yield TurnFinished(reply=reply)
+
+    def stream_sync(self, text: str, *, session: str, user: str) -> Iterator[AgentEvent]:
+        """Sync twin of :meth:`stream`: events arrive as they happen; leaving the loop early
+        stops the turn as it does there (not for use inside a running event loop)."""
+        return iterate_sync(self.stream(text, session=session, user=user))
+
+    async def _handle(
+        self,
+        session_id: str,
+        user_id: str,
+        text: str,
+        emit: Callable[[AgentEvent], None] | None,
+    ) -> AgentReply:
         _require_id("session_id", session_id)
         _require_id("user_id", user_id)
         text = _user_text(text)
@@ -543,7 +572,9 @@ class Agent:
                 if open_text is not None and open_text == self._mask(_sanitize(text)):
                     return interrupted
                 checkpoint = await self.state.aload(key)
-            reply = await self._guarded_turn(lease, key, session_id, user_id, checkpoint, text)
+            reply = await self._guarded_turn(
+                lease, key, session_id, user_id, checkpoint, text, emit
+            )
             if interrupted is not None:
                 reply = reply.model_copy(update={"interrupted_turn": interrupted})
             return reply
@@ -633,9 +664,10 @@ class Agent:
         user_id: str,
         checkpoint: Checkpoint[AgentState],
         text: str | None,
+        emit: Callable[[AgentEvent], None] | None = None,
     ) -> AgentReply:
         try:
-            return await self._turn(lease, key, session_id, user_id, checkpoint, text)
+            return await self._turn(lease, key, session_id, user_id, checkpoint, text, emit)
         except BaseException:
             # Whatever stopped the turn, the session's log may hold messages that were never
             # committed: the next turn builds it again from the store.
@@ -675,6 +707,7 @@ class Agent:
         user_id: str,
         checkpoint: Checkpoint[AgentState],
         text: str | None,
+        emit: Callable[[AgentEvent], None] | None = None,
     ) -> AgentReply:
         started = time.monotonic()
         self._owners[key] = (session_id, user_id)
@@ -752,6 +785,7 @@ class Agent:
             deadline=started + self.guards.run_timeout_s,
             lease=lease,
             position_checkpointed=position,
+            emit=emit,
         )
         try:
             turn.memories = await self._memories(user_id, user_message.content)
@@ -800,6 +834,7 @@ class Agent:
                 revert_to_last_good=lambda error: self._on_guard_stop(turn, error),
                 before_side_effect=lambda call: turn.lease.check(),
                 refuse_call=lambda call: self._refusal(turn, call),
+                **self._stream_hooks(turn),
             ),
             monitor=self.monitor,
             agent=self.name,
@@ -841,6 +876,8 @@ class Agent:
         turn.committed = True
         # The log holds exactly the messages just written: it stays valid for the new version.
         turn.log.version = version
+        if turn.emit is not None:
+            turn.emit(CheckpointCommitted(version=version, reason=options["reason"]))
         return version
 
     async def _before_model_call(
@@ -872,6 +909,8 @@ class Agent:
     async def _after_step(self, turn: _Turn, record: StepRecord) -> None:
         if record.error_type == "ContextLengthExceededError":
             turn.shrink_next = True
+        if turn.emit is not None:
+            self._end_streamed_step(turn, record)
         await arecord_loop_step(
             turn.run,
             record,
@@ -899,6 +938,62 @@ class Agent:
             state = turn.state.model_copy(update={"machine": turn.position})
             await self._write(turn, state, reason="after transition", step=record.step)
             turn.position_checkpointed = turn.position
+
+    # --- streaming ----------------------------------------------------------------------------
+
+    def _stream_hooks(self, turn: _Turn) -> dict[str, Any]:
+        """The loop hooks that turn a streamed turn's model text and tool calls into events."""
+        emit = turn.emit
+        if emit is None:
+            return {}
+
+        def on_text(step: int, text: str) -> None:
+            masker = turn.streamed_text.get(step)
+            if masker is None:
+                masker = turn.streamed_text[step] = StreamMasker(
+                    lambda whole: self._mask(_sanitize(whole))
+                )
+            released = masker.feed(text)
+            if released:
+                emit(TextDelta(step=step, text=released))
+
+        def on_tool_start(step: int, call: ToolCall, arguments: dict[str, Any]) -> None:
+            masked = arguments if self._redact is None else redact_json(arguments, self._redact)
+            emit(ToolCallStarted(step=step, call_id=call.id, name=call.name, arguments=masked))
+
+        def on_tool_result(step: int, result: ToolResult) -> None:
+            emit(
+                ToolCallFinished(
+                    step=step,
+                    call_id=result.call_id,
+                    name=result.tool,
+                    status=result.status,
+                    ok=result.ok,
+                    result=self._mask_message(result.to_message()).content,
+                )
+            )
+
+        return {
+            "on_text": on_text,
+            "on_tool_start": on_tool_start,
+            "on_tool_result": on_tool_result,
+        }
+
+    def _end_streamed_step(self, turn: _Turn, record: StepRecord) -> None:
+        """A step ended: the rest of its streamed text, or its withdrawal; its guard events."""
+        emit = turn.emit
+        assert emit is not None
+        masker = turn.streamed_text.pop(record.step, None)
+        if masker is not None:
+            if record.action in ("final", "tool_calls"):
+                rest = masker.finish()
+                if rest:
+                    emit(TextDelta(step=record.step, text=rest))
+            elif masker.released:
+                reason = record.error or "the reply could not be used"
+                emit(TextDiscarded(step=record.step, reason=self._mask(reason)))
+        for event in record.guard_events:
+            emit(GuardWarning(step=record.step, message=self._mask(event)))
 
     def _is_effect(self, result: ToolResult) -> bool:
         """A side-effecting call that ran (now or before a crash) or may have run."""
@@ -1209,6 +1304,8 @@ class Agent:
             moved = machine.transition(position, step)
             turn.transitions.append((position.state, moved.state))
             turn.position = moved
+            if turn.emit is not None and moved.state != position.state:
+                turn.emit(WorkflowTransition(source=position.state, target=moved.state))
             return json.dumps({"step": moved.state, "next": machine.allowed(moved)})
 
         def remember(slot: str, value: str) -> str:

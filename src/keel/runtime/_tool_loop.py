@@ -28,6 +28,7 @@ step, fingerprint the state, revert it when a limit is hit)::
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
@@ -132,6 +133,11 @@ class LoopHooks:
             or run: a reason refuses it (the model is told why; nothing is claimed in the
             journal, nothing runs), None lets it through. The agent gates tools by workflow
             state here.
+        on_text: ``(step, text) -> None``: more characters of the model's reply, as they are
+            generated. Set, the loop streams its model calls (``ChatModel.astream``); the reply
+            is checked only once it is complete, as an unstreamed one is.
+        on_tool_start: ``(step, call, arguments) -> None``, right before a validated call runs.
+        on_tool_result: ``(step, result) -> None``, as each call of a step ends.
     """
 
     before_model_call: (
@@ -142,6 +148,9 @@ class LoopHooks:
     revert_to_last_good: Callable[[GuardError], MaybeAwaitable[None]] | None = None
     before_side_effect: Callable[[ToolCall], MaybeAwaitable[None]] | None = None
     refuse_call: Callable[[ToolCall], MaybeAwaitable[str | None]] | None = None
+    on_text: Callable[[int, str], MaybeAwaitable[None]] | None = None
+    on_tool_start: Callable[[int, ToolCall, dict[str, Any]], None] | None = None
+    on_tool_result: Callable[[int, ToolResult], MaybeAwaitable[None]] | None = None
 
 
 class StepRecord(BaseModel):
@@ -484,7 +493,7 @@ class ToolLoop:
             # cancellation when the call finishes at the same moment, and the run overruns.
             try:
                 async with asyncio.timeout(self.guards.model_timeout_s) as deadline:
-                    completion = await self.model.acomplete(sent, run.tools, self.options)
+                    completion = await self._ask_model(run, sent)
             except TimeoutError as exc:
                 reason = (
                     f"no answer within {self.guards.model_timeout_s:g} s"
@@ -546,6 +555,28 @@ class ToolLoop:
             run, completion, message, tool_failures, replayed=decision is not None
         )
         return ("tool_calls", completion, message)
+
+    async def _ask_model(self, run: _Run, sent: list[Message]) -> Completion:
+        """One model call: streamed to ``on_text`` when it is set."""
+        on_text = self.hooks.on_text
+        if on_text is None:
+            return await self.model.acomplete(sent, run.tools, self.options)
+        completion: Completion | None = None
+        stream = self.model.astream(sent, run.tools, self.options)
+        try:
+            async for chunk in stream:
+                if chunk.text:
+                    await _call(on_text, run.step, chunk.text)
+                if chunk.completion is not None:
+                    completion = chunk.completion
+        finally:
+            # Stopped early (a timeout, a cancelled turn): the provider's request ends now.
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+        if completion is None:
+            raise ModelError("the stream ended without a complete answer", model=self.model.spec)
+        return completion
 
     async def _record_decision(self, session_id: str, step: int, message: Message) -> Message:
         """Journal the step's decision (masked) and return the one to carry out."""
@@ -634,6 +665,7 @@ class ToolLoop:
                 )
                 results.append(blocked)
                 run.history.append(blocked.to_message())
+                await _call(self.hooks.on_tool_result, run.step, blocked)
                 notes.append(signal.advice())
                 continue
             refusal = await _call(self.hooks.refuse_call, call)
@@ -652,15 +684,22 @@ class ToolLoop:
                 found = self.registry.get(call.name)
                 if found is not None and found.side_effect:
                     await _call(self.hooks.before_side_effect, call)
+                on_tool_start = self.hooks.on_tool_start
                 result = await self.executor.execute(
                     call,
                     session_id=run.session_id,
                     step=run.step,
                     call_index=index,
                     turn_id=run.turn_id,
+                    on_start=(
+                        None
+                        if on_tool_start is None
+                        else functools.partial(on_tool_start, run.step, call)
+                    ),
                 )
             results.append(result)
             run.history.append(result.to_message())
+            await _call(self.hooks.on_tool_result, run.step, result)
             if result.repairs:
                 run.repairs += 1
                 events.append(f"repaired {call.name} arguments: {'; '.join(result.repairs)}")

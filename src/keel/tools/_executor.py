@@ -166,8 +166,12 @@ class ToolExecutor:
         step: int,
         call_index: int = 0,
         turn_id: str | None = None,
+        on_start: Callable[[dict[str, Any]], None] | None = None,
     ) -> ToolResult:
         """Carry out ``call``; every failure comes back as a result, never as an exception.
+
+        ``on_start`` is called with the validated arguments right before the tool runs (not
+        for a call refused, or answered from the journal).
 
         The exceptions that do propagate are cancellation and process-level ones
         (``KeyboardInterrupt``): a side-effecting call interrupted that way stays *in doubt*
@@ -251,6 +255,8 @@ class ToolExecutor:
             idempotency_key=key,
         )
         if not found.side_effect:
+            if on_start is not None:
+                on_start(arguments)
             return await self._run(found, validated, context, base, started, journalled=False)
         base["idempotency_key"] = key
         try:
@@ -323,6 +329,8 @@ class ToolExecutor:
             idempotency_key=key,
             attempt=entry.attempts,
         )
+        if on_start is not None:
+            on_start(arguments)
         return await self._run(found, validated, context, base, started, journalled=True)
 
     async def _earlier_same_call(

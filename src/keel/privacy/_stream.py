@@ -1,0 +1,110 @@
+"""Masking text that arrives in pieces: a placeholder is never split, PII never leaks early.
+
+A streamed reply cannot be masked piece by piece: ``jane.doe@`` and ``example.com`` are harmless
+apart, a phone number can arrive one digit group at a time, and placeholders are numbered in
+order of appearance over the whole text (``<EMAIL_2>`` means the second address). So
+:class:`StreamMasker` masks everything received so far, each time, and releases only a prefix
+that more text can no longer change:
+
+* it ends at whitespace (no e-mail, key or token crosses it) at least ``hold_chars`` before the
+  end of what was received, which is longer than any pattern that spans whitespace (IBANs,
+  cards and phone numbers in groups);
+* nothing from a ``-----BEGIN`` block the mask has not masked (a PEM private key whose end
+  has not arrived) onwards, whatever its length;
+* the masked prefix must be the start of the masked whole, so a finding still open across it
+  holds it back.
+
+What is released is therefore exactly the start of ``mask(whole text)``, and :meth:`finish`
+releases the rest: the pieces put together are the masked whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["StreamMasker"]
+
+_BLOCK_START = "-----BEGIN"
+
+
+class StreamMasker:
+    """Masks a text received in pieces; see the module docstring.
+
+    Args:
+        mask: the masking function (a :class:`~keel.privacy.PIIMasker`'s ``mask_text``, or any
+            function of the whole text whose findings do not span more than ``hold_chars``
+            across whitespace).
+        hold_chars: characters always held back from the end of what was received.
+        max_word_chars: a run of text without whitespace longer than this is released up to
+            ``hold_chars`` from its end (an e-mail address is at most 254 characters).
+    """
+
+    def __init__(
+        self, mask: Callable[[str], str], *, hold_chars: int = 64, max_word_chars: int = 512
+    ) -> None:
+        if hold_chars < 1 or max_word_chars <= hold_chars:
+            raise ValueError("need 1 <= hold_chars < max_word_chars")
+        self._mask = mask
+        self.hold_chars = hold_chars
+        self.max_word_chars = max(max_word_chars, 256 + hold_chars)
+        self._received: list[str] = []
+        self._text = ""
+        self._released = ""
+
+    @property
+    def released(self) -> str:
+        """The masked text released so far."""
+        return self._released
+
+    def feed(self, piece: str) -> str:
+        """Take ``piece``; return the masked text that can be shown now ('' when none)."""
+        if not piece:
+            return ""
+        self._text += piece
+        cut = self._cut()
+        if cut <= 0:
+            return ""
+        head = self._mask(self._text[:cut])
+        if not head.startswith(self._released) or len(head) == len(self._released):
+            return ""
+        if not self._mask(self._text).startswith(head):
+            return ""  # a finding is still open across the cut: wait for more text
+        new = head[len(self._released) :]
+        self._released = head
+        return new
+
+    def finish(self) -> str:
+        """Everything not released yet, masked (the stream ended)."""
+        whole = self._mask(self._text)
+        if not whole.startswith(self._released):
+            # Cannot happen for masks that keep to the contract; never re-send what was shown.
+            return ""
+        new = whole[len(self._released) :]
+        self._released = whole
+        return new
+
+    def _open_block(self) -> int | None:
+        """Where the first ``-----BEGIN`` block the mask has not masked (yet) starts."""
+        text = self._text
+        start = text.find(_BLOCK_START)
+        while start != -1:
+            if self._mask(text[start:]).startswith(_BLOCK_START):
+                return start
+            start = text.find(_BLOCK_START, start + 1)
+        return None
+
+    def _cut(self) -> int:
+        """Where the releasable prefix of the received text ends (0: nowhere yet)."""
+        text = self._text
+        limit = len(text) - self.hold_chars
+        block = self._open_block()
+        if block is not None:
+            limit = min(limit, block)
+        if limit <= 0:
+            return 0
+        space = max(text.rfind(" ", 0, limit), text.rfind("\n", 0, limit))
+        space = max(space, text.rfind("\t", 0, limit))
+        if space > 0 and limit - space <= self.max_word_chars:
+            return space
+        # A very long run without whitespace: release it up to the hold-back.
+        return limit if limit - max(space, 0) > self.max_word_chars else 0

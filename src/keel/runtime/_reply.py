@@ -1,0 +1,56 @@
+"""What one turn of an :class:`~keel.runtime.Agent` produced."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["AgentReply", "AgentStatus"]
+
+AgentStatus = Literal[
+    "completed",
+    "step_limit",
+    "time_limit",
+    "loop_detected",
+    "tool_retry_limit",
+    "tool_in_doubt",
+    "model_failed",
+    "invalid_output",
+    "failed",
+]
+"""How a turn ended: ``completed``, a loop status (:data:`~keel.runtime.LoopStatus`), or
+``failed`` (an error the loop does not own: a bug in a hook, a workflow gate)."""
+
+
+class AgentReply(BaseModel):
+    """What one turn produced, for the caller and for dashboards."""
+
+    model_config = ConfigDict(frozen=True)
+
+    text: str = Field(description="The reply for the user (a clean message when it failed).")
+    status: AgentStatus = Field(description="How the turn ended: completed, or why it stopped.")
+    session_id: str = Field(description="The session.")
+    run_id: str = Field(description="The trace's run id (``keel runs show RUN``).")
+    state_version: int = Field(description="The state version committed at the end of the turn.")
+    workflow_state: str | None = Field(
+        default=None, description="The state machine's state after the turn, if there is one."
+    )
+    steps: int = Field(default=0, description="Model calls made in the turn.")
+    max_prompt_tokens: int = Field(default=0, description="Largest prompt sent in the turn.")
+    prompt_limit: int = Field(default=0, description="Tokens a prompt may take (window - reserve).")
+    loops_detected: int = Field(default=0, description="Loop detections in the turn.")
+    tool_calls: tuple[str, ...] = Field(default=(), description="Tools called, in order.")
+    effects: tuple[str, ...] = Field(
+        default=(),
+        description="Side-effecting tools that ran (or may have run) in the turn, in order; "
+        "they stay in the history even when the turn failed and the state was reverted.",
+    )
+    reverted: bool = Field(default=False, description="State went back to the last good version.")
+    resumed: bool = Field(default=False, description="The turn finished one a crash interrupted.")
+    interrupted_turn: AgentReply | None = Field(
+        default=None,
+        description="The reply to an earlier message whose turn a crash had left open, finished "
+        "before this message was handled.",
+    )
+    error: str | None = Field(default=None, description="The error, when the turn failed.")

@@ -1,0 +1,245 @@
+"""Agent.stream where users stand: typed events through the real Agent on SQLite, with every
+invariant of a turn kept while it streams (checkpoint first, masked text, a consumer or a model
+that stops mid-way leaves the session at its last checkpoint, resumable)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import get_args
+
+import pytest
+from pydantic import TypeAdapter
+
+from keel.errors import ModelError
+from keel.messages import Message, Usage
+from keel.models import Completion, CompletionChunk, ModelOptions, ToolSchema
+from keel.runtime import (
+    Agent,
+    AgentEvent,
+    AgentStatus,
+    CheckpointCommitted,
+    LoopStatus,
+    TextDelta,
+    TextDiscarded,
+    ToolCallFinished,
+    ToolCallStarted,
+    TurnFinished,
+)
+from keel.state import AgentState, StateStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.tools import Tool, tool
+
+_EMAIL = "jane.doe@example.com"
+_ANSWER = f"Found it. Write to {_EMAIL} or call (415) 555-0198 about booking number seven."
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
+    db = SQLiteDatabase(tmp_path / "keel.db")
+    yield db
+    db.close()
+
+
+def _lookup(ran: list[str]) -> Tool:
+    @tool
+    def lookup(query: str) -> str:
+        """Look records up.
+
+        Args:
+            query: What to look up.
+        """
+        ran.append(query)
+        return f"record of {query}"
+
+    return lookup
+
+
+def _looks_up_then_answers(call: ScriptedCall) -> Message | str:
+    if call.messages[-1].role == "tool":
+        return _ANSWER
+    return ScriptedModel.tool_call("lookup", json.dumps({"query": _EMAIL}))
+
+
+def _agent(database: SQLiteDatabase, model: ScriptedModel, tools: list[Tool]) -> Agent:
+    return Agent(
+        model,
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You help.",
+        tools=tools,
+        journal=SQLiteToolJournal(database),
+    )
+
+
+async def _events(agent: Agent, text: str, session: str = "s1") -> list[AgentEvent]:
+    return [event async for event in agent.stream(text, session=session, user="u1")]
+
+
+async def test_a_streamed_turn_yields_masked_typed_events_and_ends_as_run_does(
+    database: SQLiteDatabase,
+) -> None:
+    ran: list[str] = []
+    agent = _agent(database, ScriptedModel(_looks_up_then_answers), [_lookup(ran)])
+    events = await _events(agent, "find my booking")
+    assert isinstance(events[-1], TurnFinished)
+    reply = events[-1].reply
+    assert reply.status == "completed" and ran == [_EMAIL]
+    # Every event is one of the union, and none carries PII unmasked.
+    dumped = TypeAdapter(list[AgentEvent]).dump_json(events).decode()
+    assert _EMAIL not in dumped and "555-0198" not in dumped
+    assert TypeAdapter(list[AgentEvent]).validate_json(dumped) == events
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert text == reply.text and "<EMAIL_1>" in text
+    assert len([e for e in events if isinstance(e, TextDelta)]) > 1, "the text did not stream"
+    kinds = [type(e).__name__ for e in events]
+    # A checkpoint before each model call: before the tool call of step 0, before the text of
+    # step 1; the turn's commit after the text, then the reply.
+    assert kinds.index("CheckpointCommitted") < kinds.index("ToolCallStarted")
+    started = next(e for e in events if isinstance(e, ToolCallStarted))
+    assert started.arguments == {"query": "<EMAIL_1>"}
+    finished = next(e for e in events if isinstance(e, ToolCallFinished))
+    assert finished.ok and finished.result == "record of <EMAIL_1>"
+    first_text = kinds.index("TextDelta")
+    checkpoints = [i for i, e in enumerate(events) if isinstance(e, CheckpointCommitted)]
+    assert [events[i].reason for i in checkpoints] == [  # type: ignore[union-attr]
+        "before model call",
+        "before model call",
+        "turn completed",
+    ]
+    assert checkpoints[1] < first_text < checkpoints[2]
+    assert reply.state_version == events[checkpoints[2]].version  # type: ignore[union-attr]
+    # The committed session is the one an unstreamed turn commits.
+    plain = _agent(database, ScriptedModel(_looks_up_then_answers), [_lookup([])])
+    unstreamed = await plain.run("find my booking", session="s2", user="u1")
+    assert unstreamed.text == reply.text
+    streamed_state, plain_state = agent.session_state("s1"), plain.session_state("s2")
+    assert streamed_state is not None and plain_state is not None
+    assert [(m.role, m.content) for m in streamed_state.messages] == [
+        (m.role, m.content) for m in plain_state.messages
+    ]
+
+
+class _CutOnce(ScriptedModel):
+    """Streams part of its first reply, then the connection drops."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda call: _ANSWER + " " + "more words " * 20)
+        self.cut = False
+
+    async def _astream(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
+    ) -> AsyncIterator[CompletionChunk]:
+        pieces = 0
+        async for chunk in super()._astream(messages, tools, options):
+            if not self.cut and pieces == 60:
+                self.cut = True
+                raise ModelError("the stream broke after 60 chunks", model=self.spec)
+            pieces += 1
+            yield chunk
+
+
+async def test_a_stream_cut_mid_way_is_withdrawn_and_the_answer_is_asked_again(
+    database: SQLiteDatabase,
+) -> None:
+    agent = _agent(database, _CutOnce(), [])
+    events = await _events(agent, "hello")
+    discarded = [e for e in events if isinstance(e, TextDiscarded)]
+    assert len(discarded) == 1 and "broke" in discarded[0].reason
+    reply = events[-1].reply  # type: ignore[union-attr]
+    assert reply.status == "completed"
+    after = events.index(discarded[0])
+    kept = "".join(e.text for e in events[after:] if isinstance(e, TextDelta))
+    assert kept == reply.text
+    state = agent.session_state("s1")
+    assert state is not None
+    assert [m.role for m in state.messages] == ["user", "assistant"]
+
+
+async def test_a_truncated_stream_is_treated_as_truncation(database: SQLiteDatabase) -> None:
+    cut = Completion(
+        message=Message.assistant("A long answer that was cut off by max tokens " * 4),
+        finish_reason="length",
+        usage=Usage(prompt_tokens=5, completion_tokens=9),
+        model="scripted",
+        latency_ms=1.0,
+    )
+    agent = _agent(database, ScriptedModel([cut, "Short answer."]), [])
+    events = await _events(agent, "hello")
+    assert any(isinstance(e, TextDiscarded) for e in events)
+    assert events[-1].reply.text == "Short answer."  # type: ignore[union-attr]
+
+
+class _Endless(ScriptedModel):
+    """Streams slowly; records whether its stream was closed."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda call: "word " * 400, stream_delay_s=0.005)
+        self.closed = asyncio.Event()
+
+    async def _astream(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
+    ) -> AsyncIterator[CompletionChunk]:
+        try:
+            async for chunk in super()._astream(messages, tools, options):
+                yield chunk
+        finally:
+            self.closed.set()
+
+
+async def test_a_consumer_that_stops_early_stops_the_model_and_leaves_the_turn_resumable(
+    database: SQLiteDatabase,
+) -> None:
+    model = _Endless()
+    agent = _agent(database, model, [])
+    stream = agent.stream("first", session="s1", user="u1")
+    seen: list[AgentEvent] = []
+    async for event in stream:
+        seen.append(event)
+        if isinstance(event, TextDelta):
+            break
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert model.closed.is_set(), "the model request kept running"
+    state = agent.session_state("s1")
+    assert state is not None
+    # At the checkpoint before the model call: the user's message, the turn still open.
+    assert [m.content for m in state.messages] == ["first"]
+    assert state.runtime.open_turn is not None
+    model._policy = lambda call: "done"  # the model now answers at once
+    resumed = await agent.resume("s1", "u1")
+    assert resumed is not None and resumed.status == "completed"
+    state = agent.session_state("s1")
+    assert state is not None and [m.content for m in state.messages] == ["first", "done"]
+
+
+def test_the_sync_twin_streams_and_stops_early_the_same_way(database: SQLiteDatabase) -> None:
+    model = _Endless()
+    agent = _agent(database, model, [])
+    kinds = []
+    for event in agent.stream_sync("first", session="s1", user="u1"):
+        kinds.append(event.type)
+        if event.type == "text":
+            break
+    assert kinds[0] == "checkpoint" and kinds[-1] == "text"
+    state = agent.session_state("s1")
+    assert state is not None and state.runtime.open_turn is not None
+    model._policy = lambda call: "done"
+    final = list(agent.stream_sync("second", session="s1", user="u1"))
+    reply = final[-1]
+    assert isinstance(reply, TurnFinished) and reply.reply.text == "done"
+    assert reply.reply.interrupted_turn is not None
+    agent.close()
+
+
+async def test_identities_are_keyword_only(database: SQLiteDatabase) -> None:
+    agent = _agent(database, ScriptedModel(["hi"]), [])
+    with pytest.raises(TypeError):
+        await agent.run("hello", "s1", "u1")  # type: ignore[misc]
+    reply = await agent.run("hello", session="s1", user="u1")
+    assert reply.status == "completed" and reply.session_id == "s1"
+
+
+def test_reply_statuses_are_the_loop_statuses_and_failed() -> None:
+    assert set(get_args(AgentStatus)) == {*get_args(LoopStatus), "failed"}
