@@ -414,3 +414,34 @@ def test_keel_chat_on_postgres(postgres_url: str) -> None:
     assert _pg_count(postgres_url, "SELECT count(*) FROM keel_state_sessions") == 1
     assert _pg_count(postgres_url, "SELECT count(*) FROM memory_records") == 1
     assert _connections_drain(postgres_url)
+
+
+async def test_async_with_releases_what_open_opened(tmp_path: Path) -> None:
+    before = _threads()
+    booked: list[str] = []
+    async with Agent.open(
+        f"sqlite:///{tmp_path / 'with.db'}",
+        model=_model(["Oslo"]),
+        system_prompt="You book.",
+        tools=[_booking_tool(booked)],
+    ) as agent:
+        reply = await agent.run("Book Oslo.", session="s1", user="u1")
+        assert reply.text == "Booked Oslo."
+    assert booked == ["Oslo"]
+    assert _settle_threads(before) == set(), "the memory worker outlived the with block"
+
+
+def test_with_releases_what_open_opened(tmp_path: Path) -> None:
+    path = tmp_path / "with.db"
+    booked: list[str] = []
+    with Agent.open(
+        f"sqlite:///{path}",
+        model=_model(["Oslo"]),
+        system_prompt="You book.",
+        tools=[_booking_tool(booked)],
+    ) as agent:
+        assert agent.run_sync("Book Oslo.", session="s1", user="u1").text == "Booked Oslo."
+        backends = agent.backends
+        assert backends is not None
+    assert booked == ["Oslo"] and _sqlite_rows(path)["keel_tool_journal"] == 1
+    assert not backends._closers, "the with block did not close what open opened"

@@ -476,8 +476,21 @@ class Agent:
 
     def close(self) -> None:
         """Sync twin of :meth:`aclose`, on the bridge loop the sync twins ran on: async clients
-        opened by ``handle_sync`` are closed on their own loop."""
+        opened by ``handle_sync`` are closed on their own loop. ``with Agent.open(...) as
+        agent:`` (or ``async with``) closes it at the end of the block."""
         run_sync(self.aclose())
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # --- public API ---------------------------------------------------------------------------
 
