@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from typing_extensions import TypedDict
 
 from keel.errors import (
     LoopDetectedError,
@@ -279,16 +280,32 @@ class Booking(BaseModel):
     seats: int
 
 
-async def test_structured_output_gets_exactly_one_corrective_retry() -> None:
+async def test_structured_output_gets_a_bounded_number_of_corrective_retries() -> None:
     model = ScriptedModel(['{"flight": "AF1"}', '{"flight": "AF1", "seats": 2}'])
     result = await ToolLoop(model, REGISTRY, output_schema=Booking).arun(USER, session_id="s1")
     assert result.ok and result.output == Booking(flight="AF1", seats=2)
     correction = model.calls[1].messages[-1]
     assert "Field 'seats': Field required" in correction.content
-    model = ScriptedModel(['{"flight": "AF1"}'], repeat_last=True)
-    result = await ToolLoop(model, REGISTRY, output_schema=Booking).arun(USER, session_id="s1")
-    assert result.status == "invalid_output" and len(model.calls) == 2
-    assert isinstance(result.error, MalformedResponseError)
+    for retries in (0, 1, 3):
+        model = ScriptedModel(['{"flight": "AF1"}'], repeat_last=True)
+        guards = GuardConfig(max_output_retries=retries)
+        result = await ToolLoop(model, REGISTRY, output_schema=Booking, guards=guards).arun(
+            USER, session_id="s1"
+        )
+        assert result.status == "invalid_output" and len(model.calls) == retries + 1
+        assert isinstance(result.error, MalformedResponseError)
+
+
+class BookingDict(TypedDict):
+    flight: str
+    seats: int
+
+
+async def test_structured_output_may_be_a_typed_dict() -> None:
+    model = ScriptedModel(['{"flight": "AF1", "seats": "two"}', '{"flight": "AF1", "seats": 2}'])
+    result = await ToolLoop(model, REGISTRY, output_schema=BookingDict).arun(USER, session_id="s1")
+    assert result.ok and result.output == {"flight": "AF1", "seats": 2}
+    assert "Field 'seats'" in model.calls[1].messages[-1].content
 
 
 async def test_hooks_see_every_step_and_can_replace_the_prompt() -> None:

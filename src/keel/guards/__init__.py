@@ -9,6 +9,7 @@ from keel.guards._response import (
     ResponseProblemKind,
     StructuredOutcome,
     check_response,
+    output_json_schema,
     validate_structured,
 )
 from keel.guards._spiral import SpiralMonitor, SpiralSnapshot, SpiralThresholds
@@ -27,5 +28,6 @@ __all__ = [
     "StructuredOutcome",
     "check_response",
     "normalize_arguments",
+    "output_json_schema",
     "validate_structured",
 ]

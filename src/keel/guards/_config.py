@@ -40,6 +40,14 @@ class GuardConfig(BaseModel):
             "failure and the run takes its fallback."
         ),
     )
+    max_output_retries: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "Answers that fail the output type (``output_type``) the model may correct, each "
+            "told exactly which fields are wrong; one more and the run ends invalid_output."
+        ),
+    )
     max_model_failures: int = Field(
         default=2,
         ge=1,

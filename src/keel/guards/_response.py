@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from keel.errors import MalformedResponseError, TruncatedResponseError
 from keel.models import Completion
@@ -25,7 +25,7 @@ __all__ = [
 ResponseProblemKind = Literal["truncated", "empty"]
 """``truncated``: the reply was cut off. ``empty``: no text and no tool call."""
 
-T = TypeVar("T", bound=BaseModel)
+T = TypeVar("T")
 
 # A reply that ends on one of these was cut off mid-sentence.
 _DANGLING_WORDS = frozenset(
@@ -158,25 +158,44 @@ class StructuredOutcome(Generic[T]):
         """True when the answer validated."""
         return self.value is not None
 
-    def correction(self, schema: type[BaseModel]) -> str:
-        """The corrective message for the one retry."""
+    def correction(self, schema: type[Any]) -> str:
+        """The corrective message for a retry: each problem, then the schema."""
         return (
             "Your answer does not match the required JSON schema:\n"
             + "\n".join(self.problems)
             + "\nReply again with only one JSON object that follows this schema:\n"
-            + json.dumps(schema.model_json_schema(), ensure_ascii=False)
+            + json.dumps(output_json_schema(schema), ensure_ascii=False)
         )
 
 
+_adapters: dict[Any, TypeAdapter[Any]] = {}
+
+
+def _adapter(schema: type[Any]) -> TypeAdapter[Any]:
+    """One adapter per output type (building one compiles a validator)."""
+    adapter = _adapters.get(schema)
+    if adapter is None:
+        if len(_adapters) >= 64:
+            _adapters.clear()
+        adapter = _adapters[schema] = TypeAdapter(schema)
+    return adapter
+
+
+def output_json_schema(schema: type[Any]) -> dict[str, Any]:
+    """The JSON schema of an output type (a Pydantic model, a TypedDict, a dataclass...)."""
+    return _adapter(schema).json_schema()
+
+
 def validate_structured(text: str, schema: type[T]) -> StructuredOutcome[T]:
-    """Parse ``text`` as one JSON object (safe repairs allowed) and validate it."""
+    """Parse ``text`` as one JSON object (safe repairs allowed) and validate it against
+    ``schema``: a Pydantic model, a TypedDict, a dataclass, any type Pydantic validates."""
     try:
         parsed = parse_arguments(text)
     except ArgumentsNotJSONError as exc:
         reason = str(exc).replace("arguments", "the answer", 1)
         return StructuredOutcome(None, (reason,))
     try:
-        value = schema.model_validate(parsed.value)
+        value = _adapter(schema).validate_python(parsed.value)
     except ValidationError as exc:
         return StructuredOutcome(None, tuple(format_validation_error(exc)), parsed.repairs)
     return StructuredOutcome(value, (), parsed.repairs)

@@ -59,7 +59,7 @@ from keel.errors import (
     TurnInterruptedError,
     UsageError,
 )
-from keel.guards import GuardConfig, SpiralMonitor
+from keel.guards import GuardConfig, SpiralMonitor, output_json_schema
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
 from keel.privacy import PIIMasker, StreamMasker
@@ -86,7 +86,15 @@ from keel.state import (
     StateMachine,
     StateStore,
 )
-from keel.tools import InMemoryJournal, Tool, ToolJournal, ToolRegistry, ToolResult, tool
+from keel.tools import (
+    InMemoryJournal,
+    Tool,
+    ToolJournal,
+    ToolRegistry,
+    ToolResult,
+    ToolScope,
+    tool,
+)
 from keel.tracing import RunTrace, Tracer, arecord_loop_step, redact_json
 
 if TYPE_CHECKING:
@@ -114,6 +122,15 @@ _FAILURE_REPLY = (
 )
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class _RunExtras:
+    """What one ``run`` / ``stream`` call sets for its turn only."""
+
+    deps: Any = None
+    output_type: type[Any] | None = None
+    model_options: ModelOptions | None = None
 
 
 @dataclass
@@ -148,6 +165,9 @@ class _Turn:
     """Side-effecting calls that ran, were replayed or are in doubt, with their results."""
     emit: Callable[[AgentEvent], None] | None = None
     """Where a streamed turn's events go (None: the turn is not streamed)."""
+    deps: Any = None
+    output_type: type[Any] | None = None
+    model_options: ModelOptions = field(default_factory=ModelOptions)
     streamed_text: dict[int, StreamMasker] = field(default_factory=dict)
     """The reply text streamed so far in each step, masked as it arrives."""
 
@@ -237,6 +257,13 @@ class Agent:
             to live and 5 s, so a crashed holder's lease can expire).
         session_cache_size: how many sessions' incremental conversations this process keeps
             (least recently used go first; an evicted session is rebuilt from the store).
+        output_type: the type of the final answer (a Pydantic model, a TypedDict...): the
+            model answers with one JSON object, validated, each wrong field sent back for it to
+            correct (``guards.max_output_retries`` times); ``reply.output`` is the value.
+            ``run`` and ``stream`` can override it per turn.
+        model_options: generation options for every model call (``max_tokens``,
+            ``temperature``, ``stop``, ``seed``...); ``run`` and ``stream`` can override
+            them per turn. ``max_tokens`` is capped by the context's answer reserve.
     """
 
     def __init__(
@@ -260,6 +287,8 @@ class Agent:
         lease_ttl_s: float = 10.0,
         session_wait_s: float | None = None,
         session_cache_size: int = 256,
+        output_type: type[Any] | None = None,
+        model_options: ModelOptions | None = None,
     ) -> None:
         if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise UsageError("an agent needs a system prompt")
@@ -271,6 +300,8 @@ class Agent:
         self.model = model
         self.state = state
         self.system_prompt = system_prompt
+        self.output_type = output_type
+        self.model_options = model_options or ModelOptions()
         self.rules = tuple(rules)
         self.machine = machine
         self.memory = memory
@@ -523,16 +554,60 @@ class Agent:
         """
         return await self._handle(session_id, user_id, text, None)
 
-    async def run(self, text: str, *, session: str, user: str) -> AgentReply:
+    async def run(
+        self,
+        text: str,
+        *,
+        session: str,
+        user: str,
+        deps: Any = None,
+        output_type: type[Any] | None = None,
+        model_options: ModelOptions | None = None,
+    ) -> AgentReply:
         """Process one user message of ``user`` in ``session`` and return the reply: the same
-        as :meth:`handle`, with the identities named, so they cannot be swapped."""
-        return await self._handle(session, user, text, None)
+        as :meth:`handle`, with the identities named, so they cannot be swapped.
 
-    def run_sync(self, text: str, *, session: str, user: str) -> AgentReply:
+        Args:
+            deps: handed to every tool of the turn that declares a :class:`ToolContext`
+                parameter, as ``context.deps`` (a database handle, an API client...).
+            output_type: this turn's answer type, instead of the agent's.
+            model_options: this turn's generation options, instead of the agent's.
+        """
+        extras = _RunExtras(deps, output_type, model_options)
+        return await self._handle(session, user, text, None, extras)
+
+    def run_sync(
+        self,
+        text: str,
+        *,
+        session: str,
+        user: str,
+        deps: Any = None,
+        output_type: type[Any] | None = None,
+        model_options: ModelOptions | None = None,
+    ) -> AgentReply:
         """Sync twin of :meth:`run` (not for use inside a running event loop)."""
-        return run_sync(self.run(text, session=session, user=user))
+        return run_sync(
+            self.run(
+                text,
+                session=session,
+                user=user,
+                deps=deps,
+                output_type=output_type,
+                model_options=model_options,
+            )
+        )
 
-    async def stream(self, text: str, *, session: str, user: str) -> AsyncIterator[AgentEvent]:
+    async def stream(
+        self,
+        text: str,
+        *,
+        session: str,
+        user: str,
+        deps: Any = None,
+        output_type: type[Any] | None = None,
+        model_options: ModelOptions | None = None,
+    ) -> AsyncIterator[AgentEvent]:
         """Process one user message as :meth:`run` does, yielding its events as they happen:
         masked text deltas, tool calls as they start and end, workflow transitions,
         checkpoints, guard warnings, and last a :class:`TurnFinished` with the reply.
@@ -544,7 +619,8 @@ class Agent:
         finishes it. Raises what :meth:`run` raises, at the point it happens.
         """
         events: asyncio.Queue[AgentEvent | None] = asyncio.Queue()
-        turn = asyncio.create_task(self._handle(session, user, text, events.put_nowait))
+        extras = _RunExtras(deps, output_type, model_options)
+        turn = asyncio.create_task(self._handle(session, user, text, events.put_nowait, extras))
         turn.add_done_callback(lambda _: events.put_nowait(None))
         try:
             while (event := await events.get()) is not None:
@@ -557,10 +633,28 @@ class Agent:
                     await turn
         yield TurnFinished(reply=reply)
 
-    def stream_sync(self, text: str, *, session: str, user: str) -> Iterator[AgentEvent]:
+    def stream_sync(
+        self,
+        text: str,
+        *,
+        session: str,
+        user: str,
+        deps: Any = None,
+        output_type: type[Any] | None = None,
+        model_options: ModelOptions | None = None,
+    ) -> Iterator[AgentEvent]:
         """Sync twin of :meth:`stream`: events arrive as they happen; leaving the loop early
         stops the turn as it does there (not for use inside a running event loop)."""
-        return iterate_sync(self.stream(text, session=session, user=user))
+        return iterate_sync(
+            self.stream(
+                text,
+                session=session,
+                user=user,
+                deps=deps,
+                output_type=output_type,
+                model_options=model_options,
+            )
+        )
 
     async def _handle(
         self,
@@ -568,6 +662,7 @@ class Agent:
         user_id: str,
         text: str,
         emit: Callable[[AgentEvent], None] | None,
+        extras: _RunExtras | None = None,
     ) -> AgentReply:
         _require_id("session_id", session_id)
         _require_id("user_id", user_id)
@@ -586,7 +681,7 @@ class Agent:
                     return interrupted
                 checkpoint = await self.state.aload(key)
             reply = await self._guarded_turn(
-                lease, key, session_id, user_id, checkpoint, text, emit
+                lease, key, session_id, user_id, checkpoint, text, emit, extras
             )
             if interrupted is not None:
                 reply = reply.model_copy(update={"interrupted_turn": interrupted})
@@ -678,9 +773,10 @@ class Agent:
         checkpoint: Checkpoint[AgentState],
         text: str | None,
         emit: Callable[[AgentEvent], None] | None = None,
+        extras: _RunExtras | None = None,
     ) -> AgentReply:
         try:
-            return await self._turn(lease, key, session_id, user_id, checkpoint, text, emit)
+            return await self._turn(lease, key, session_id, user_id, checkpoint, text, emit, extras)
         except BaseException:
             # Whatever stopped the turn, the session's log may hold messages that were never
             # committed: the next turn builds it again from the store.
@@ -721,8 +817,10 @@ class Agent:
         checkpoint: Checkpoint[AgentState],
         text: str | None,
         emit: Callable[[AgentEvent], None] | None = None,
+        extras: _RunExtras | None = None,
     ) -> AgentReply:
         started = time.monotonic()
+        extras = extras or _RunExtras()
         self._owners[key] = (session_id, user_id)
         state, version = checkpoint.state, checkpoint.version
         resume = text is None
@@ -799,6 +897,9 @@ class Agent:
             lease=lease,
             position_checkpointed=position,
             emit=emit,
+            deps=extras.deps,
+            output_type=extras.output_type or self.output_type,
+            model_options=extras.model_options or self.model_options,
         )
         try:
             turn.memories = await self._memories(user_id, user_message.content)
@@ -852,9 +953,25 @@ class Agent:
             monitor=self.monitor,
             agent=self.name,
             redact=self._redact,
-            # The answer reserve is what the model may generate: never more.
-            options=ModelOptions(max_tokens=max(self.engine.budget.reserve, 1)),
+            output_schema=turn.output_type,
+            options=self._model_options(turn),
+            tool_scope=ToolScope(
+                user_id=turn.user_id,
+                tenant_id=self.tenant_id,
+                run_id=turn.run.run_id,
+                deps=turn.deps,
+            ),
         )
+
+    def _model_options(self, turn: _Turn) -> ModelOptions:
+        options = turn.model_options
+        # The answer reserve is what the model may generate: never more.
+        reserve = max(self.engine.budget.reserve, 1)
+        update: dict[str, Any] = {"max_tokens": min(options.max_tokens or reserve, reserve)}
+        if turn.output_type is not None and options.json_schema is None:
+            # Providers that can enforce a schema do (structured outputs, a grammar).
+            update["json_schema"] = output_json_schema(turn.output_type)
+        return options.model_copy(update=update)
 
     def _headroom(self, turn: _Turn) -> int:
         """Tokens to leave free beyond the answer reserve in the next prompt: none, unless the
@@ -867,6 +984,12 @@ class Agent:
 
     def _rules(self, turn: _Turn) -> list[str]:
         rules = list(self.rules)
+        if turn.output_type is not None:
+            schema = json.dumps(output_json_schema(turn.output_type), ensure_ascii=False)
+            rules.append(
+                "When you give your final answer, reply with only one JSON object that follows "
+                f"this JSON schema: {schema}"
+            )
         if self.machine is not None and turn.position is not None:
             rules.append(self.machine.resume_prompt(turn.position))
             allowed = set(self.machine.tools(turn.position))
@@ -1166,6 +1289,7 @@ class Agent:
             effects=tuple(call.name for call, _ in turn.effects),
             reverted=reverted or result.reverted,
             resumed=resume,
+            output=result.output if result.ok else None,
             error=error,
         )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,3 +54,8 @@ class AgentReply(BaseModel):
         "before this message was handled.",
     )
     error: str | None = Field(default=None, description="The error, when the turn failed.")
+    output: Any = Field(
+        default=None,
+        description="The validated answer when the turn had an ``output_type`` (``text`` is its "
+        "JSON, masked; this value is the model's, for the caller only, never stored).",
+    )

@@ -62,7 +62,7 @@ from keel.guards import (
 )
 from keel.messages import Message, ToolCall, Usage
 from keel.models import ChatModel, Completion, ModelOptions
-from keel.tools import Tool, ToolExecutor, ToolJournal, ToolRegistry, ToolResult
+from keel.tools import Tool, ToolExecutor, ToolJournal, ToolRegistry, ToolResult, ToolScope
 
 logger = logging.getLogger("keel.runtime")
 
@@ -296,7 +296,9 @@ class ToolLoop:
         hooks: the agent's callables (checkpoint, trace, fingerprint, revert).
         monitor: a shared death-spiral monitor (default: one per loop).
         agent: the agent's name, for the monitor's per-agent indicators.
-        output_schema: a Pydantic model the final answer must match (one corrective retry).
+        output_schema: the type the final answer must be (a Pydantic model, a TypedDict...):
+            the answer is one JSON object validated against it; an invalid one is sent back with
+            each wrong field, up to ``guards.max_output_retries`` times.
         options: generation options for every model call (``timeout_s`` defaults to the
             guards' ``model_timeout_s``).
         redact: masks everything the loop journals: each call's arguments and result (see
@@ -305,6 +307,8 @@ class ToolLoop:
             function. A resumed run replays the masked decision and the masked results.
             ``None`` (the default) journals them as they are. Only the journal is masked
             here: the messages of the run are the caller's to mask.
+        tool_scope: the user, tenant, run id and dependencies each tool call's
+            :class:`~keel.tools.ToolContext` carries.
     """
 
     def __init__(
@@ -317,9 +321,10 @@ class ToolLoop:
         hooks: LoopHooks | None = None,
         monitor: SpiralMonitor | None = None,
         agent: str | None = None,
-        output_schema: type[BaseModel] | None = None,
+        output_schema: type[Any] | None = None,
         options: ModelOptions | None = None,
         redact: Callable[[str], str] | None = None,
+        tool_scope: ToolScope | None = None,
     ) -> None:
         self.model = model
         self.registry = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
@@ -334,6 +339,7 @@ class ToolLoop:
             timeout_s=self.guards.tool_timeout_s,
             max_output_chars=self.guards.max_output_chars,
             redact=redact,
+            scope=tool_scope,
         )
         self.journal = self.executor.journal
         self.redact = redact
@@ -407,7 +413,7 @@ class ToolLoop:
     async def _loop(self, run: _Run) -> LoopResult:
         failures_in_a_row = 0
         tool_failures: dict[str, int] = {}
-        structured_retry_used = False
+        output_retries = 0
         steps_taken = 0
         while True:
             if steps_taken >= self.guards.max_steps:
@@ -443,7 +449,7 @@ class ToolLoop:
                 if not checked.ok:
                     problem = "; ".join(checked.problems)
                     run.errors.append(f"structured output invalid: {problem}")
-                    if structured_retry_used:
+                    if output_retries >= self.guards.max_output_retries:
                         error = MalformedResponseError(
                             f"the answer does not match {self.output_schema.__name__}: {problem}",
                             model=self.model.spec,
@@ -453,7 +459,7 @@ class ToolLoop:
                             run, "stopped", completion, message, error=error, events=(problem,)
                         )
                         return await self._stop(run, _Stop("invalid_output", error))
-                    structured_retry_used = True
+                    output_retries += 1
                     run.history.append(message)
                     run.history.append(
                         Message.user(

@@ -24,7 +24,7 @@ from keel.tools._repair import (
     coerce_scalars,
     parse_arguments,
 )
-from keel.tools._tool import NestedArgumentsWarning, Tool, ToolContext, tool
+from keel.tools._tool import NestedArgumentsWarning, Tool, ToolContext, ToolScope, tool
 
 __all__ = [
     "ArgumentsNotJSONError",
@@ -40,6 +40,7 @@ __all__ = [
     "ToolJournal",
     "ToolRegistry",
     "ToolResult",
+    "ToolScope",
     "ToolStatus",
     "coerce_scalars",
     "format_validation_error",

@@ -35,7 +35,7 @@ from keel.messages import Message, ToolCall
 from keel.tools._journal import InMemoryJournal, JournalEntry, ToolJournal, idempotency_key
 from keel.tools._registry import ToolRegistry
 from keel.tools._repair import ArgumentsNotJSONError, coerce_scalars, parse_arguments
-from keel.tools._tool import AbandonedResult, Tool, ToolContext, abandoned_result
+from keel.tools._tool import AbandonedResult, Tool, ToolContext, ToolScope, abandoned_result
 
 __all__ = ["ToolExecutor", "ToolResult", "ToolStatus", "format_validation_error"]
 
@@ -147,12 +147,14 @@ class ToolExecutor:
         timeout_s: float = 30.0,
         max_output_chars: int = 4000,
         redact: Callable[[str], str] | None = None,
+        scope: ToolScope | None = None,
     ) -> None:
         self.registry = registry
         self.journal = journal if journal is not None else InMemoryJournal()
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         self.redact = redact
+        self.scope = scope or ToolScope()
 
     def _masked(self, text: str) -> str:
         """``text`` as the journal may keep it."""
@@ -253,6 +255,10 @@ class ToolExecutor:
             call_index=call_index,
             call_id=call.id,
             idempotency_key=key,
+            user_id=self.scope.user_id,
+            tenant_id=self.scope.tenant_id,
+            run_id=self.scope.run_id,
+            deps=self.scope.deps,
         )
         if not found.side_effect:
             if on_start is not None:
@@ -328,6 +334,10 @@ class ToolExecutor:
             call_id=call.id,
             idempotency_key=key,
             attempt=entry.attempts,
+            user_id=self.scope.user_id,
+            tenant_id=self.scope.tenant_id,
+            run_id=self.scope.run_id,
+            deps=self.scope.deps,
         )
         if on_start is not None:
             on_start(arguments)

@@ -24,14 +24,15 @@ import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, overload
+from typing import Any, Generic, overload
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.fields import FieldInfo
+from typing_extensions import TypeVar
 
 from keel.errors import ToolDefinitionError
 
-__all__ = ["NestedArgumentsWarning", "Tool", "ToolContext", "tool"]
+__all__ = ["NestedArgumentsWarning", "Tool", "ToolContext", "ToolScope", "tool"]
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _ARGS_HEADERS = ("args:", "arguments:", "parameters:")
@@ -50,17 +51,23 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 logger = logging.getLogger("keel.tools")
 
+# A default, so a bare ``ToolContext`` annotation stays valid under strict type checking.
+DepsT = TypeVar("DepsT", default=Any)
+
 
 class NestedArgumentsWarning(UserWarning):
     """A tool's arguments are nested objects; small models often fail to fill them."""
 
 
 @dataclass(frozen=True)
-class ToolContext:
-    """What keel knows about the current call; a tool receives it by declaring a parameter.
+class ToolContext(Generic[DepsT]):
+    """What keel knows about the current call; a tool receives it by declaring a parameter
+    (``context: ToolContext`` or ``context: ToolContext[MyDeps]``), never shown to the model.
 
     A side-effecting tool can pass ``idempotency_key`` to the system it calls (a payment or
     booking API), so that even an in-doubt retry done by an operator cannot act twice.
+    ``deps`` is what the caller gave the turn (``agent.run(..., deps=...)``): the tool's
+    database handle or API client, so tools need not be closures.
     """
 
     session_id: str
@@ -69,6 +76,24 @@ class ToolContext:
     call_id: str
     idempotency_key: str
     attempt: int = 1
+    user_id: str | None = None
+    """The user whose turn it is (set by an Agent)."""
+    tenant_id: str | None = None
+    """The tenant the turn is scoped to (set by an Agent)."""
+    run_id: str | None = None
+    """The run's trace id (set by an Agent)."""
+    deps: DepsT = None  # type: ignore[assignment]  # None when the turn was given none
+    """The turn's dependencies, as given to ``run`` / ``stream`` (None when none were)."""
+
+
+@dataclass(frozen=True)
+class ToolScope:
+    """Who a loop's tool calls run for: copied into each call's :class:`ToolContext`."""
+
+    user_id: str | None = None
+    tenant_id: str | None = None
+    run_id: str | None = None
+    deps: Any = None
 
 
 @dataclass(frozen=True)
@@ -261,7 +286,7 @@ def _build_tool(
                 f"tool {tool_name!r}: parameter {parameter.name!r} has no type annotation"
             )
         annotation = hints[parameter.name]
-        if annotation is ToolContext or annotation == ToolContext | None:
+        if _is_context(annotation):
             context_parameter = parameter.name
             continue
         default = ... if parameter.default is parameter.empty else parameter.default
@@ -572,3 +597,13 @@ def _json_type(prop: Any) -> str:
     if len(options) == 1:
         return f"{_json_type(options[0])} | None"
     return "str"
+
+
+def _is_context(annotation: Any) -> bool:
+    """``ToolContext``, ``ToolContext[Deps]``, or either ``| None``."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    options = typing.get_args(annotation) if union else ()
+    candidates = [option for option in options if option is not type(None)] or [annotation]
+    return len(candidates) == 1 and (
+        candidates[0] is ToolContext or typing.get_origin(candidates[0]) is ToolContext
+    )

@@ -1,0 +1,149 @@
+"""The typed developer API through the real Agent on SQLite: answers of a declared type,
+tools that get their context and the caller's dependencies, model options per agent and per
+turn, and the agent as a context manager."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+from typing_extensions import TypedDict
+
+from keel.messages import Message
+from keel.models import ModelOptions
+from keel.runtime import Agent
+from keel.state import AgentState, StateStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.tools import Tool, ToolContext, tool
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
+    db = SQLiteDatabase(tmp_path / "keel.db")
+    yield db
+    db.close()
+
+
+def _agent(
+    database: SQLiteDatabase,
+    model: ScriptedModel,
+    tools: list[Tool] | None = None,
+    **options: object,
+) -> Agent:
+    return Agent(
+        model,
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You help.",
+        tools=tools or [],
+        journal=SQLiteToolJournal(database),
+        **options,  # type: ignore[arg-type]
+    )
+
+
+class Booking(BaseModel):
+    flight: str
+    seats: int
+    contact: str
+
+
+class Quote(TypedDict):
+    price: float
+    currency: str
+
+
+async def test_an_output_type_answer_is_validated_corrected_and_returned(
+    database: SQLiteDatabase,
+) -> None:
+    model = ScriptedModel(
+        [
+            '{"flight": "SK1", "seats": "two", "contact": "ann@example.com"}',
+            '{"flight": "SK1", "seats": 2, "contact": "ann@example.com"}',
+        ]
+    )
+    agent = _agent(database, model, output_type=Booking)
+    reply = await agent.run("Book SK1 for two", session="s1", user="u1")
+    assert reply.status == "completed"
+    assert reply.output == Booking(flight="SK1", seats=2, contact="ann@example.com")
+    # The model was told the schema, then exactly which field was wrong.
+    assert any("JSON schema" in m.content for m in model.calls[0].messages)
+    assert model.calls[0].options.json_schema == Booking.model_json_schema()
+    correction = model.calls[1].messages[-1].content
+    assert "Field 'seats'" in correction and "valid integer" in correction
+    # What is stored and shown is masked; the value is the caller's only.
+    assert "ann@example.com" not in reply.text and "<EMAIL_1>" in reply.text
+    state = agent.session_state("s1")
+    assert state is not None
+    assert all("ann@example.com" not in m.content for m in state.messages)
+    assert [m.role for m in state.messages] == ["user", "assistant"], "the retry was kept"
+
+
+async def test_an_output_type_per_turn_and_a_bounded_retry(database: SQLiteDatabase) -> None:
+    model = ScriptedModel(['{"price": 12.5, "currency": "EUR"}', "no idea"], repeat_last=True)
+    agent = _agent(database, model)
+    reply = await agent.run("Price?", session="s1", user="u1", output_type=Quote)
+    assert reply.output == {"price": 12.5, "currency": "EUR"}
+    plain = await agent.run("Thanks", session="s1", user="u1")
+    assert plain.output is None and plain.text == "no idea"
+    failed = await agent.run("Price again?", session="s1", user="u1", output_type=Quote)
+    assert failed.status == "invalid_output" and failed.output is None
+    assert len(model.calls) == 2 + 1 + agent.guards.max_output_retries
+
+
+@dataclass
+class Bank:
+    balances: dict[str, int]
+
+
+async def test_tools_get_their_context_and_the_callers_deps(database: SQLiteDatabase) -> None:
+    seen: list[ToolContext[Bank]] = []
+
+    @tool
+    def balance(account: str, context: ToolContext[Bank]) -> str:
+        """The balance of an account.
+
+        Args:
+            account: The account id.
+        """
+        seen.append(context)
+        return str(context.deps.balances[account])
+
+    def policy(call: ScriptedCall) -> Message | str:
+        if call.messages[-1].role == "tool":
+            return f"Balance: {call.messages[-1].content}"
+        return ScriptedModel.tool_call("balance", json.dumps({"account": "A1"}))
+
+    model = ScriptedModel(policy)
+    agent = _agent(database, model, [balance], tenant_id="acme")
+    reply = await agent.run("balance?", session="s1", user="u7", deps=Bank({"A1": 42}))
+    assert reply.text == "Balance: 42"
+    (context,) = seen
+    assert (context.session_id, context.user_id, context.tenant_id) == (
+        agent.session_key("s1"),
+        "u7",
+        "acme",
+    )
+    assert context.run_id == reply.run_id
+    # The context parameter is keel's, never the model's.
+    schema = json.dumps(model.calls[0].tools)
+    assert "context" not in schema and "account" in schema
+
+
+async def test_model_options_per_agent_and_per_turn(database: SQLiteDatabase) -> None:
+    model = ScriptedModel(["one", "two"])
+    agent = _agent(
+        database, model, model_options=ModelOptions(temperature=0.2, seed=7, stop=("END",))
+    )
+    await agent.run("a", session="s1", user="u1")
+    await agent.run(
+        "b", session="s1", user="u1", model_options=ModelOptions(temperature=0.9, max_tokens=50)
+    )
+    first, second = (call.options for call in model.calls)
+    assert (first.temperature, first.seed, first.stop) == (0.2, 7, ("END",))
+    # max_tokens never exceeds the context's answer reserve.
+    assert first.max_tokens == agent.engine.budget.reserve
+    assert (second.temperature, second.seed, second.max_tokens) == (0.9, None, 50)
