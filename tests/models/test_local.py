@@ -65,6 +65,65 @@ async def test_required_tool_call_is_valid_json_by_grammar(local_model: LocalMod
     assert completion.tool_call_errors == ()
 
 
+def _valid_for_its_tool(call: ToolCall) -> bool:
+    """The call names an offered tool and its arguments follow that tool's schema."""
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    schema = schemas.get(call.name)
+    if schema is None:
+        return False
+    arguments = json.loads(call.arguments)
+    types = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
+    properties = schema["properties"]
+    return set(schema.get("required", ())) <= set(arguments) and all(
+        name in properties and isinstance(value, types[properties[name]["type"]])
+        for name, value in arguments.items()
+    )
+
+
+async def test_with_tools_offered_every_call_is_valid_for_its_schema(
+    local_model: LocalModel,
+) -> None:
+    required = ModelOptions(max_tokens=60, temperature=0, tool_choice="required")
+    for prompt in ("What is the weather in Paris?", "Book flight SK123 for 2 people."):
+        completion = await local_model.acomplete([Message.user(prompt)], TOOLS, required)
+        (call,) = completion.message.tool_calls
+        assert _valid_for_its_tool(call), call
+    # Free to answer (tool_choice auto): prose stays prose, and a call, if any, is valid.
+    auto = ModelOptions(max_tokens=60, temperature=0, allow_truncated=True)
+    completion = await local_model.acomplete([Message.user("Hello! Who are you?")], TOOLS, auto)
+    assert completion.tool_call_errors == ()
+    assert all(_valid_for_its_tool(call) for call in completion.message.tool_calls)
+    assert completion.message.tool_calls or completion.text
+
+
+def test_the_call_grammar_covers_every_tool_and_its_definitions() -> None:
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    from keel.models._local import _call_grammar_text
+
+    nested = {
+        "type": "function",
+        "function": {
+            "name": "add_people",
+            "parameters": {
+                "$defs": {"Person": {"type": "object", "properties": {"name": {"type": "string"}}}},
+                "type": "object",
+                "properties": {"people": {"type": "array", "items": {"$ref": "#/$defs/Person"}}},
+                "required": ["people"],
+            },
+        },
+    }
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for schema, required in ((None, False), (answer, False), (None, True)):
+        text = _call_grammar_text([*TOOLS, nested], schema, required)
+        for name in ("get_weather", "book_flight", "add_people"):
+            assert f'"\\"{name}\\""' in text
+        root = next(line for line in text.splitlines() if line.startswith("root ::="))
+        assert ("free-text" in root) == (schema is None and not required)
+        assert ("answer-json" in root) == (schema is not None)
+        LlamaGrammar.from_string(text, verbose=False)  # llama.cpp accepts it
+
+
 async def test_json_mode_answers_json(local_model: LocalModel) -> None:
     completion = await local_model.acomplete(
         [Message.user('Give a JSON object with a key "name" set to "Ada".')],

@@ -1,7 +1,9 @@
 """``keel bench models``: the local model's speed and the fate of every fault kind.
 
 The local part loads SmolLM2 in this process (cold load), then streams one greedy answer and
-reports the load time, the time to the first token and the decode speed. The fault part starts
+reports the load time, the time to the first token and the decode speed; then it sends
+tool-requiring prompts with and without the tool-call grammar and counts the valid calls
+(``tool_call_valid_rate``). The fault part starts
 a :class:`~keel.testing.FaultServer` on loopback and sends each fault scenario through
 :class:`~keel.models.OpenAICompatibleModel`, streamed and not, checking that each ends in the
 expected typed error or in a successful retry.
@@ -27,7 +29,14 @@ from keel.errors import (
 from keel.messages import Message
 from keel.models import ModelOptions, OpenAICompatibleModel, RetryPolicy
 
-__all__ = ["FaultCase", "bench_faults", "bench_local", "run_model_bench"]
+__all__ = [
+    "FaultCase",
+    "bench_faults",
+    "bench_local",
+    "bench_tool_calls",
+    "run_model_bench",
+    "tool_prompts",
+]
 
 
 @dataclass(frozen=True)
@@ -182,10 +191,148 @@ def bench_local(max_tokens: int = 64) -> dict[str, Any]:
     }
 
 
-def run_model_bench(*, max_tokens: int = 64, local: bool = True) -> dict[str, Any]:
+_CITIES = (
+    "Paris", "Oslo", "Lima", "Pune", "Tokyo", "Cairo", "Quito", "Perth", "Dakar", "Hanoi",
+)  # fmt: skip
+_WEATHER = (
+    "What is the weather in {a}?",
+    "Is it raining in {a} right now?",
+    "Tell me the current weather for {a}.",
+    "How hot is it in {a} today?",
+    "Check the weather in {a}, please.",
+)
+_FLIGHTS = (
+    "Book a flight from {a} to {b}.",
+    "Please book me a flight from {a} to {b} on 2027-03-0{n}.",
+    "I need a flight {a} to {b}, book it.",
+    "Get me on a plane from {a} to {b}.",
+    "Book flights from {a} to {b} for next week.",
+)
+_TOOL_SCHEMAS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "City name"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "book_flight",
+            "description": "Book a flight",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "origin": {"type": "string"},
+                    "destination": {"type": "string"},
+                    "date": {"type": "string"},
+                },
+                "required": ["origin", "destination"],
+            },
+        },
+    },
+]
+
+
+def tool_prompts(count: int) -> list[tuple[str, str]]:
+    """``count`` prompts that need a tool, each with the tool it needs (deterministic)."""
+    prompts: list[tuple[str, str]] = []
+    for n in range(count):
+        a, b = _CITIES[n % len(_CITIES)], _CITIES[(n * 3 + 1) % len(_CITIES)]
+        if n % 2 == 0:
+            template = _WEATHER[(n // 2) % len(_WEATHER)]
+            prompts.append((template.format(a=a), "get_weather"))
+        else:
+            template = _FLIGHTS[(n // 2) % len(_FLIGHTS)]
+            prompts.append((template.format(a=a, b=b, n=n % 9 + 1), "book_flight"))
+    return prompts
+
+
+def _valid_call(name: str, arguments: str) -> bool:
+    """The call names an offered tool and its arguments follow that tool's schema."""
+    import json
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in _TOOL_SCHEMAS}
+    schema = schemas.get(name)
+    if schema is None:
+        return False
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return False
+    properties = schema["properties"]
+    return (
+        isinstance(value, dict)
+        and set(schema["required"]) <= set(value)
+        and all(key in properties and isinstance(item, str) for key, item in value.items())
+    )
+
+
+def bench_tool_calls(prompts: int = 100, max_tokens: int = 64) -> dict[str, Any]:
+    """The bundled model on ``prompts`` tool-requiring prompts, with and without the call
+    grammar: how often its reply holds a valid call (a real tool, schema-valid arguments).
+
+    Two settings. ``required``: the caller knows a tool is needed (``tool_choice="required"``),
+    which is ``tool_call_valid_rate``. ``auto``: the model may answer in prose instead; the
+    share of replies that are a valid call, an invalid one, or prose.
+    """
+    from keel.models import LocalModel
+
+    cases = tool_prompts(prompts)
+    report: dict[str, Any] = {"prompts": len(cases), "tool_call_valid_rate": {}, "auto": {}}
+    for constrained in (True, False):
+        model = LocalModel(constrain_tool_calls=constrained)
+        label = "constrained" if constrained else "unconstrained"
+        for choice in ("required", "auto"):
+            options = ModelOptions(
+                max_tokens=max_tokens,
+                temperature=0,
+                allow_truncated=True,
+                tool_choice="required" if choice == "required" else None,
+            )
+            valid = invalid = right_tool = 0
+            started = time.perf_counter()
+            for text, expected in cases:
+                completion = model.complete([Message.user(text)], _TOOL_SCHEMAS, options)
+                calls = completion.message.tool_calls
+                good = [call for call in calls if _valid_call(call.name, call.arguments)]
+                if calls and len(good) == len(calls) and not completion.tool_call_errors:
+                    valid += 1
+                    right_tool += any(call.name == expected for call in good)
+                elif calls or completion.tool_call_errors:
+                    invalid += 1
+            seconds = time.perf_counter() - started
+            rates = {
+                "valid": round(valid / len(cases), 3),
+                "invalid": round(invalid / len(cases), 3),
+                "prose": round((len(cases) - valid - invalid) / len(cases), 3),
+                "right_tool": round(right_tool / len(cases), 3),
+                "seconds": round(seconds, 1),
+            }
+            if choice == "required":
+                report["tool_call_valid_rate"][label] = rates["valid"]
+                report[f"required_{label}"] = rates
+            else:
+                report["auto"][label] = rates
+    return report
+
+
+def run_model_bench(
+    *, max_tokens: int = 64, local: bool = True, tool_prompts_count: int = 100
+) -> dict[str, Any]:
     """The whole ``keel bench models`` report."""
     report: dict[str, Any] = {}
     if local:
         report["local"] = bench_local(max_tokens)
+        if tool_prompts_count > 0:
+            tools = bench_tool_calls(tool_prompts_count)
+            report["tool_call_valid_rate"] = tools["tool_call_valid_rate"]
+            report["tool_calls"] = tools
     report["faults"] = bench_faults()
     return report

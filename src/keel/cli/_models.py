@@ -97,12 +97,23 @@ def bench_models_command(
     skip_local: Annotated[
         bool, typer.Option("--skip-local", help="Only run the fault scenarios.")
     ] = False,
+    tool_prompts: Annotated[
+        int,
+        typer.Option(
+            "--tool-prompts",
+            min=0,
+            help="Tool-requiring prompts for the tool-call rates (0: skip).",
+        ),
+    ] = 100,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Measure the local model (load, time to first token, tokens/s) and every fault kind."""
+    """Measure the local model (load, time to first token, tokens/s, valid tool calls with and
+    without its grammar) and every fault kind."""
     from keel.bench.models import run_model_bench
 
-    report = run_model_bench(max_tokens=max_tokens, local=not skip_local)
+    report = run_model_bench(
+        max_tokens=max_tokens, local=not skip_local, tool_prompts_count=tool_prompts
+    )
     if as_json:
         emit_json(report)
         return
@@ -111,6 +122,12 @@ def bench_models_command(
         out_console.print(
             f"local:smollm2  load {local['load_s']:.2f} s  ttft {local['ttft_ms']:.0f} ms  "
             f"{local['tokens_per_s']:.1f} tokens/s ({local['completion_tokens']} tokens)"
+        )
+    rates = report.get("tool_call_valid_rate")
+    if rates:
+        out_console.print(
+            f"valid tool calls (tool_choice=required, {report['tool_calls']['prompts']} prompts): "
+            f"constrained {rates['constrained']:.0%}, unconstrained {rates['unconstrained']:.0%}"
         )
     faults = report["faults"]
     for name, row in faults["kinds"].items():

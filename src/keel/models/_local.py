@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import copy
+import functools
 import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,13 +131,65 @@ def _grammar(schema: dict[str, Any] | None) -> Any:
     return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
 
 
-def _required_call_schema(tools: Sequence[ToolSchema]) -> dict[str, Any]:
-    names = [str(tool.get("function", tool)["name"]) for tool in tools]
-    return {
-        "type": "object",
-        "properties": {"name": {"enum": names}, "arguments": {"type": "object"}},
-        "required": ["name", "arguments"],
-    }
+# Free text may not open a tool call or a JSON object: those go through the call rule, whose
+# JSON is the tools' own schemas. "<" is left out entirely (a call's tag cannot start mid-text).
+_FREE_TEXT_RULE = "free-text ::= [^<{ \\t\\n] [^<]*\n"
+
+
+def _call_grammar_text(
+    tools: Sequence[ToolSchema], answer: Mapping[str, Any] | None, required: bool
+) -> str:
+    """A GBNF grammar for a reply that is one well-formed call of one of ``tools`` (its name
+    real, its arguments valid for that tool's schema), or else the answer: free text, or JSON
+    of ``answer``'s schema when one is given; only the call when ``required``."""
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    # llama-cpp-python ships this converter without type hints.
+    untyped: Any = SchemaConverter
+    converter = untyped(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    calls = []
+    for tool in tools:
+        function = tool.get("function", tool)
+        name = str(function["name"])
+        # A copy: resolving rewrites $ref in place. Each tool's $defs resolve against its own
+        # schema, not the combined one.
+        parameters = copy.deepcopy(dict(function.get("parameters") or {"type": "object"}))
+        parameters = converter.resolve_refs(parameters, f"tool:{name}")
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": parameters},
+                "required": ["name", "arguments"],
+            }
+        )
+    converter.visit({"anyOf": calls}, "tool-call-json")
+    choices = ['"<tool_call>\\n" tool-call-json "\\n</tool_call>"']
+    extra = ""
+    if answer is not None:
+        converter.visit(
+            converter.resolve_refs(copy.deepcopy(dict(answer)), "answer"), "answer-json"
+        )
+        choices.append("answer-json")
+    elif not required:
+        choices.append("free-text")
+        extra = _FREE_TEXT_RULE
+    rules = converter.format_grammar().rstrip("\n")
+    return f"{rules}\nroot ::= {' | '.join(choices)}\n{extra}"
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_call_grammar(key: str) -> Any:
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    tools, answer, required = json.loads(key)
+    return LlamaGrammar.from_string(_call_grammar_text(tools, answer, required), verbose=False)
+
+
+def _call_grammar(
+    tools: Sequence[ToolSchema], answer: Mapping[str, Any] | None, required: bool
+) -> Any:
+    # Agents send the same tools on every call: the grammar is built once per set.
+    return _cached_call_grammar(json.dumps([list(tools), answer, required], sort_keys=True))
 
 
 class LocalModel(ChatModel):
@@ -147,6 +201,11 @@ class LocalModel(ChatModel):
         n_ctx: context size to allocate (default: the model's window, 8192).
         n_threads: CPU threads (default: half the cores, at least one; more threads than free
             cores make llama.cpp's spinning workers much slower on a busy machine).
+        constrain_tool_calls: with tools offered, generate under a grammar: the reply is
+            either one well-formed call naming a real tool with arguments valid for its schema,
+            or the answer (free text, or JSON of ``json_schema``). A model this small writes
+            broken calls otherwise. False leaves every reply with tools offered unconstrained,
+            ``tool_choice="required"`` included (``keel bench models`` compares the two).
     """
 
     def __init__(
@@ -156,6 +215,7 @@ class LocalModel(ChatModel):
         model_path: str | Path | None = None,
         n_ctx: int | None = None,
         n_threads: int | None = None,
+        constrain_tool_calls: bool = True,
     ) -> None:
         if name != "smollm2":
             raise UnknownModelError(f"local:{name}", "bundled local models: smollm2")
@@ -164,6 +224,7 @@ class LocalModel(ChatModel):
         self._path = Path(model_path) if model_path is not None else None
         self.n_ctx = n_ctx or counter.profile.context_window
         self.n_threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
+        self.constrain_tool_calls = constrain_tool_calls
 
     @property
     def context_window(self) -> int:
@@ -230,10 +291,12 @@ class LocalModel(ChatModel):
         }
         if options.seed is not None:
             args["seed"] = options.seed
-        if options.json_schema is not None:
+        if tools and self.constrain_tool_calls:
+            args["grammar"] = _call_grammar(
+                tools, options.json_schema, options.tool_choice == "required"
+            )
+        elif options.json_schema is not None:
             args["grammar"] = _grammar(options.json_schema)
-        elif tools and options.tool_choice == "required":
-            args["grammar"] = _grammar(_required_call_schema(tools))
         elif options.json_mode:
             args["grammar"] = _grammar(None)
         return args
