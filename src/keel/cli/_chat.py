@@ -1,4 +1,5 @@
-"""``keel chat``: an interactive agent whose memory and state persist (``Agent.open``)."""
+"""``keel chat``: an interactive agent whose memory and state persist (``Agent.open``); its
+replies stream as they are generated (``Agent.stream``)."""
 
 from __future__ import annotations
 
@@ -59,11 +60,37 @@ def chat_command(
     out_console.print(f"keel chat · session {session} · {agent.model.spec}. {_HELP}")
     last_run: str | None = None
 
-    async def turn(text: str) -> str:
-        reply = await agent.handle(session, user, text)
+    def show(text: str) -> None:
+        out_console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+
+    async def turn(text: str) -> None:
+        """One turn, streamed: the reply's text as it arrives, tool calls as they start."""
         nonlocal last_run
-        last_run = reply.run_id
-        return str(reply.text)
+        out_console.print("[bold]agent>[/] ", end="")
+        streamed = ""
+        async for event in agent.stream(text, session=session, user=user):
+            if event.type == "text":
+                show(event.text)
+                streamed += event.text
+            elif event.type == "text_discarded":
+                out_console.print("\n[dim](that reply was unusable; asking again)[/]")
+                out_console.print("[bold]agent>[/] ", end="")
+                streamed = ""
+            elif event.type == "tool_call_started":
+                arguments = json.dumps(event.arguments, ensure_ascii=False)
+                out_console.print(f"\n[dim]→ {event.name}[/] ", end="")
+                show(arguments + "\n")
+                out_console.print("[bold]agent>[/] ", end="")
+                streamed = ""
+            elif event.type == "final":
+                last_run = event.reply.run_id
+                # The reply is authoritative (a failed turn ends with a clean message).
+                if event.reply.text != streamed:
+                    if streamed:
+                        out_console.print()
+                        out_console.print("[bold]agent>[/] ", end="")
+                    show(event.reply.text)
+                out_console.print()
 
     # One event loop for the whole chat: model clients keep connections bound to it.
     runner = asyncio.Runner()
@@ -117,13 +144,12 @@ def chat_command(
                     )
                 continue
             try:
-                answer = runner.run(turn(text))
+                runner.run(turn(text))
             except KeyboardInterrupt:
                 # The checkpoint before the model call is committed; the open turn is finished
                 # by resume() on the next start. Nothing half-written is visible.
                 out_console.print("\n[dim](turn interrupted; it will resume next time)[/]")
                 continue
-            out_console.print(f"[bold]agent>[/] {answer}", highlight=False)
     except KeyboardInterrupt:
         out_console.print("\nbye")
     finally:

@@ -173,6 +173,14 @@ class PIIMasker:
             placeholders={placeholder: entity for (entity, _), placeholder in numbering.items()},
         )
 
+    def streams_by_word(self, tenant_id: str | None = None) -> bool:
+        """Whether a :class:`~keel.privacy.StreamMasker` may release this policy's masked text
+        word by word (``by_word``): true when only the built-in detectors run, whose findings
+        that span whitespace are made of digits, capitals and separators. Presidio (names,
+        places) and custom detectors may span any words: their text is held back instead."""
+        policy = self.policy_for(tenant_id)
+        return not self._extra and not (policy.presidio and self._presidio is not None)
+
     def mask_text(self, text: str, *, tenant_id: str | None = None) -> str:
         """Just the masked text."""
         return self.mask(text, tenant_id=tenant_id).text

@@ -8,7 +8,9 @@ that more text can no longer change:
 
 * it ends at whitespace (no e-mail, key or token crosses it) at least ``hold_chars`` before the
   end of what was received, which is longer than any pattern that spans whitespace (IBANs,
-  cards and phone numbers in groups);
+  cards and phone numbers in groups); with ``by_word``, it may also end right after a word
+  that holds a character none of those patterns can contain (a lowercase letter, say): no
+  such pattern can run across that word, so a reply streams word by word;
 * nothing from a ``-----BEGIN`` block the mask has not masked (a PEM private key whose end
   has not arrived) onwards, whatever its length;
 * the masked prefix must be the start of the masked whole, so a finding still open across it
@@ -37,19 +39,30 @@ class StreamMasker:
         hold_chars: characters always held back from the end of what was received.
         max_word_chars: a run of text without whitespace longer than this is released up to
             ``hold_chars`` from its end (an e-mail address is at most 254 characters).
+        by_word: release up to the end of a word that no whitespace-spanning pattern can
+            contain, without the hold-back. Only for masks whose findings that span whitespace
+            are made of digits, capitals and ``+()-./:`` (the built-in detectors'; see
+            :meth:`PIIMasker.streams_by_word`).
     """
 
     def __init__(
-        self, mask: Callable[[str], str], *, hold_chars: int = 64, max_word_chars: int = 512
+        self,
+        mask: Callable[[str], str],
+        *,
+        hold_chars: int = 64,
+        max_word_chars: int = 512,
+        by_word: bool = False,
     ) -> None:
         if hold_chars < 1 or max_word_chars <= hold_chars:
             raise ValueError("need 1 <= hold_chars < max_word_chars")
         self._mask = mask
+        self.by_word = by_word
         self.hold_chars = hold_chars
         self.max_word_chars = max(max_word_chars, 256 + hold_chars)
         self._received: list[str] = []
         self._text = ""
         self._released = ""
+        self._cut_at = 0  # where in the received text the released part ends
 
     @property
     def released(self) -> str:
@@ -71,6 +84,7 @@ class StreamMasker:
             return ""  # a finding is still open across the cut: wait for more text
         new = head[len(self._released) :]
         self._released = head
+        self._cut_at = cut
         return new
 
     def finish(self) -> str:
@@ -96,15 +110,44 @@ class StreamMasker:
     def _cut(self) -> int:
         """Where the releasable prefix of the received text ends (0: nowhere yet)."""
         text = self._text
-        limit = len(text) - self.hold_chars
         block = self._open_block()
+        cut = self._held_back_cut(text, block)
+        if self.by_word:
+            word_end = _last_safe_word_end(text, self._cut_at)
+            if block is None or word_end <= block:
+                cut = max(cut, word_end)
+        return cut
+
+    def _held_back_cut(self, text: str, block: int | None) -> int:
+        """The last whitespace at least ``hold_chars`` before the end (and before ``block``)."""
+        limit = len(text) - self.hold_chars
         if block is not None:
             limit = min(limit, block)
         if limit <= 0:
             return 0
-        space = max(text.rfind(" ", 0, limit), text.rfind("\n", 0, limit))
-        space = max(space, text.rfind("\t", 0, limit))
+        space = max(text.rfind(char, 0, limit) for char in _WHITESPACE)
         if space > 0 and limit - space <= self.max_word_chars:
             return space
         # A very long run without whitespace: release it up to the hold-back.
         return limit if limit - max(space, 0) > self.max_word_chars else 0
+
+
+_SPANNING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+()-./:")
+"""Every character of the built-in findings that may hold whitespace (IBAN, card, phone)."""
+_WHITESPACE = " \t\n\r"
+
+
+def _last_safe_word_end(text: str, floor: int) -> int:
+    """The end of the last word after ``floor`` followed by whitespace that holds a character
+    no whitespace-spanning finding can contain (0: none)."""
+    end = len(text)
+    while end > floor:
+        space = max(text.rfind(char, floor, end) for char in _WHITESPACE)
+        if space <= floor:
+            return 0
+        start = max(text.rfind(char, floor, space) for char in _WHITESPACE) + 1
+        word = text[start:space]
+        if word and not _SPANNING_CHARS.issuperset(word):
+            return space
+        end = space
+    return 0

@@ -1087,7 +1087,8 @@ class Agent:
             masker = turn.streamed_text.get(step)
             if masker is None:
                 masker = turn.streamed_text[step] = StreamMasker(
-                    lambda whole: self._mask(_sanitize(whole))
+                    lambda whole: self._mask(_sanitize(whole)),
+                    by_word=self.masker is None or self.masker.streams_by_word(self.tenant_id),
                 )
             released = masker.feed(text)
             if released:
