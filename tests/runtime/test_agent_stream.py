@@ -158,6 +158,23 @@ async def test_a_stream_cut_mid_way_is_withdrawn_and_the_answer_is_asked_again(
     assert [m.role for m in state.messages] == ["user", "assistant"]
 
 
+async def test_unmasked_text_streams_as_it_comes_and_is_withdrawn_the_same_way(
+    database: SQLiteDatabase,
+) -> None:
+    agent = Agent(
+        _CutOnce(),
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You help.",
+        masker=None,
+    )
+    events = await _events(agent, "hello")
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    # Each of the model's 4-character chunks comes out as it arrives.
+    assert max(len(e.text) for e in deltas) == 4, "chunks were held back without a masker"
+    assert len([e for e in events if isinstance(e, TextDiscarded)]) == 1
+    assert events[-1].reply.status == "completed"  # type: ignore[union-attr]
+
+
 async def test_a_truncated_stream_is_treated_as_truncation(database: SQLiteDatabase) -> None:
     cut = Completion(
         message=Message.assistant("A long answer that was cut off by max tokens " * 4),

@@ -17,6 +17,7 @@ from keel.cli import (  # noqa: F401
     _models,
     _runs,
     _state,
+    _stream,
     _tokens,
     _tools,
     _turns,

