@@ -32,3 +32,13 @@ async def test_ecommerce_race_one_commits_the_other_rereads_and_reports(tmp_path
     assert "can't be changed" in change_reply
     # Exactly one write committed: version 1 -> 2, the address untouched.
     assert order == {"id": "1024", "status": "cancelled", "address": "1 Old Road", "version": 2}
+
+
+def test_examples_and_the_readme_use_the_public_api_only() -> None:
+    import re
+
+    private = re.compile(r"^\s*(?:from|import)\s+keel(?:\.\w+)*\.(?:_\w+|demo)\b", re.M)
+    readme = (EXAMPLES.parent / "README.md").read_text(encoding="utf-8")
+    sources = {path.name: path.read_text(encoding="utf-8") for path in EXAMPLES.glob("*.py")}
+    for name, text in {**sources, "README.md": readme}.items():
+        assert not private.findall(text), f"{name} imports a private module or keel.demo"
