@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import keel
 
@@ -54,3 +55,41 @@ def test_stores_import_without_server_drivers() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_an_agent_can_be_built_by_hand_from_the_top_level_names(tmp_path: Path) -> None:
+    from keel import (
+        Agent,
+        AgentState,
+        SQLiteDatabase,
+        SQLiteStateBackend,
+        SQLiteToolJournal,
+        SQLiteTraceStore,
+        StateStore,
+        Tracer,
+    )
+    from keel.testing import ScriptedModel
+
+    database = SQLiteDatabase(tmp_path / "keel.db")
+    traces = SQLiteTraceStore(database)
+    traces.setup()
+    with Agent(
+        ScriptedModel(["hi"]),
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You help.",
+        journal=SQLiteToolJournal(database),
+        tracer=Tracer(traces),
+    ) as agent:
+        reply = agent.run_sync("hello", session="s1", user="u1")
+    assert reply.status == "completed" and traces.get_run(reply.run_id) is not None
+    database.close()
+    for name in ("PostgresDatabase", "PostgresStateBackend", "RedisStateBackend", "LocalModel"):
+        assert name in keel.__all__
+
+
+def test_tokenizer_plumbing_lives_in_keel_tokens_and_old_names_still_resolve() -> None:
+    import keel.tokens
+
+    for name in ("ChatTokenCounter", "Tokenizer", "counter_for", "model_profile"):
+        assert name not in keel.__all__
+        assert getattr(keel, name) is getattr(keel.tokens, name)

@@ -1,7 +1,9 @@
 """keel: a runtime that keeps LLM agents from crashing, drifting or forgetting.
 
-The public API is exactly ``__all__``; everything in underscore modules may move. Names are
-loaded on first use, so ``import keel`` (and every ``keel`` command) starts fast.
+The public API is exactly ``__all__``: what a user needs to build an agent, embedded or by hand
+on SQLite, PostgreSQL and Redis. Tokenizer plumbing lives in :mod:`keel.tokens` (its old names
+here still resolve). Everything in underscore modules may move. Names are loaded on first use,
+so ``import keel`` (and every ``keel`` command) starts fast.
 
 ```python
 from keel import Agent, tool
@@ -11,8 +13,8 @@ def get_weather(city: str) -> str:
     \"\"\"Today's weather.\"\"\"
     return f"Sunny in {city}"
 
-agent = Agent.embedded("local:smollm2", system_prompt="You are brief.", tools=[get_weather])
-reply = agent.handle_sync("session-1", "user-1", "Weather in Oslo?")
+with Agent.embedded("local:smollm2", system_prompt="You are brief.", tools=[get_weather]) as agent:
+    reply = agent.run_sync("Weather in Oslo?", session="session-1", user="user-1")
 ```
 """
 
@@ -48,9 +50,24 @@ if TYPE_CHECKING:
     )
     from keel.guards import GuardConfig
     from keel.memory import Memory, MemoryRecord, Scope
-    from keel.models import ChatModel, Completion, ModelOptions, resolve_model
+    from keel.models import (
+        ChatModel,
+        Completion,
+        LocalModel,
+        ModelOptions,
+        OpenAICompatibleModel,
+        resolve_model,
+    )
     from keel.privacy import PIIMasker, mask_pii
-    from keel.runtime import Agent, AgentEvent, AgentReply, TextDelta, ToolLoop, TurnFinished
+    from keel.runtime import (
+        Agent,
+        AgentEvent,
+        AgentReply,
+        AgentStatus,
+        TextDelta,
+        ToolLoop,
+        TurnFinished,
+    )
     from keel.settings import Settings, load_settings
     from keel.state import (
         AgentState,
@@ -60,16 +77,21 @@ if TYPE_CHECKING:
         Transition,
         add_messages,
     )
-    from keel.stores import SQLiteDatabase, open_database
-    from keel.tokens import (
-        ChatTokenCounter,
-        ModelProfile,
-        TokenCount,
-        Tokenizer,
-        count_tokens,
-        counter_for,
-        model_profile,
+    from keel.stores import (
+        PostgresDatabase,
+        PostgresMemoryStore,
+        PostgresStateBackend,
+        PostgresToolJournal,
+        PostgresTraceStore,
+        RedisStateBackend,
+        SQLiteDatabase,
+        SQLiteMemoryStore,
+        SQLiteStateBackend,
+        SQLiteToolJournal,
+        SQLiteTraceStore,
+        open_database,
     )
+    from keel.tokens import count_tokens
     from keel.tools import Tool, ToolContext, ToolRegistry, tool
     from keel.tracing import RunQuery, Tracer
 
@@ -78,43 +100,56 @@ _LAZY: dict[str, str] = {
     "AgentEvent": "keel.runtime",
     "AgentReply": "keel.runtime",
     "AgentState": "keel.state",
+    "AgentStatus": "keel.runtime",
     "BudgetReport": "keel.context",
     "ChatModel": "keel.models",
-    "ChatTokenCounter": "keel.tokens",
+    "ChatTokenCounter": "keel.tokens",  # moved to keel.tokens; still resolves
     "CompiledPrompt": "keel.context",
     "Completion": "keel.models",
     "ContextBudget": "keel.context",
     "ContextEngine": "keel.context",
     "Conversation": "keel.context",
     "GuardConfig": "keel.guards",
+    "LocalModel": "keel.models",
     "MachineState": "keel.state",
     "Memory": "keel.memory",
     "MemoryRecord": "keel.memory",
     "ModelOptions": "keel.models",
-    "ModelProfile": "keel.tokens",
+    "ModelProfile": "keel.tokens",  # moved to keel.tokens; still resolves
+    "OpenAICompatibleModel": "keel.models",
     "PIIMasker": "keel.privacy",
+    "PostgresDatabase": "keel.stores",
+    "PostgresMemoryStore": "keel.stores",
+    "PostgresStateBackend": "keel.stores",
+    "PostgresToolJournal": "keel.stores",
+    "PostgresTraceStore": "keel.stores",
+    "RedisStateBackend": "keel.stores",
     "RunQuery": "keel.tracing",
     "SQLiteDatabase": "keel.stores",
+    "SQLiteMemoryStore": "keel.stores",
+    "SQLiteStateBackend": "keel.stores",
+    "SQLiteToolJournal": "keel.stores",
+    "SQLiteTraceStore": "keel.stores",
     "Scope": "keel.memory",
     "Settings": "keel.settings",
     "StateMachine": "keel.state",
     "StateStore": "keel.state",
-    "TokenCount": "keel.tokens",
-    "Tokenizer": "keel.tokens",
+    "TextDelta": "keel.runtime",
+    "TokenCount": "keel.tokens",  # moved to keel.tokens; still resolves
+    "Tokenizer": "keel.tokens",  # moved to keel.tokens; still resolves
     "Tool": "keel.tools",
     "ToolContext": "keel.tools",
     "ToolLoop": "keel.runtime",
     "ToolRegistry": "keel.tools",
-    "TextDelta": "keel.runtime",
     "Tracer": "keel.tracing",
     "Transition": "keel.state",
     "TurnFinished": "keel.runtime",
     "add_messages": "keel.state",
     "count_tokens": "keel.tokens",
-    "counter_for": "keel.tokens",
+    "counter_for": "keel.tokens",  # moved to keel.tokens; still resolves
     "load_settings": "keel.settings",
     "mask_pii": "keel.privacy",
-    "model_profile": "keel.tokens",
+    "model_profile": "keel.tokens",  # moved to keel.tokens; still resolves
     "open_database": "keel.stores",
     "resolve_model": "keel.models",
     "tool": "keel.tools",
@@ -125,9 +160,9 @@ __all__ = [
     "AgentEvent",
     "AgentReply",
     "AgentState",
+    "AgentStatus",
     "BudgetReport",
     "ChatModel",
-    "ChatTokenCounter",
     "CompiledPrompt",
     "Completion",
     "ConflictError",
@@ -138,23 +173,32 @@ __all__ = [
     "GuardConfig",
     "KeelError",
     "KeelRuntimeError",
+    "LocalModel",
     "MachineState",
     "Memory",
     "MemoryRecord",
     "Message",
     "ModelOptions",
-    "ModelProfile",
+    "OpenAICompatibleModel",
     "PIIMasker",
+    "PostgresDatabase",
+    "PostgresMemoryStore",
+    "PostgresStateBackend",
+    "PostgresToolJournal",
+    "PostgresTraceStore",
+    "RedisStateBackend",
     "Role",
     "RunQuery",
     "SQLiteDatabase",
+    "SQLiteMemoryStore",
+    "SQLiteStateBackend",
+    "SQLiteToolJournal",
+    "SQLiteTraceStore",
     "Scope",
     "Settings",
     "StateMachine",
     "StateStore",
     "TextDelta",
-    "TokenCount",
-    "Tokenizer",
     "Tool",
     "ToolCall",
     "ToolContext",
@@ -168,11 +212,9 @@ __all__ = [
     "__version__",
     "add_messages",
     "count_tokens",
-    "counter_for",
     "errors",
     "load_settings",
     "mask_pii",
-    "model_profile",
     "open_database",
     "resolve_model",
     "tool",
