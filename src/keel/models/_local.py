@@ -34,6 +34,7 @@ from keel.errors import (
     ModelUnavailableError,
     TruncatedResponseError,
     UnknownModelError,
+    UsageError,
 )
 from keel.messages import Message, Usage
 from keel.models._base import (
@@ -163,7 +164,8 @@ def _call_grammar_text(
             }
         )
     converter.visit({"anyOf": calls}, "tool-call-json")
-    choices = ['"<tool_call>\\n" tool-call-json "\\n</tool_call>"']
+    # Tagged as the prompt asks, or bare: small models often open with the JSON itself.
+    choices = ['"<tool_call>\\n" tool-call-json "\\n</tool_call>"', "tool-call-json"]
     extra = ""
     if answer is not None:
         converter.visit(
@@ -206,6 +208,9 @@ class LocalModel(ChatModel):
             or the answer (free text, or JSON of ``json_schema``). A model this small writes
             broken calls otherwise. False leaves every reply with tools offered unconstrained,
             ``tool_choice="required"`` included (``keel bench models`` compares the two).
+        repeat_penalty: llama.cpp's penalty on repeated tokens. Greedy decoding of a model
+            this small otherwise loops (it recites its tool list until ``max_tokens`` and the
+            reply is cut); 1.0 turns it off.
     """
 
     def __init__(
@@ -216,6 +221,7 @@ class LocalModel(ChatModel):
         n_ctx: int | None = None,
         n_threads: int | None = None,
         constrain_tool_calls: bool = True,
+        repeat_penalty: float = 1.2,
     ) -> None:
         if name != "smollm2":
             raise UnknownModelError(f"local:{name}", "bundled local models: smollm2")
@@ -225,6 +231,9 @@ class LocalModel(ChatModel):
         self.n_ctx = n_ctx or counter.profile.context_window
         self.n_threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
         self.constrain_tool_calls = constrain_tool_calls
+        if repeat_penalty < 1.0:
+            raise UsageError(f"repeat_penalty must be >= 1.0, got {repeat_penalty}")
+        self.repeat_penalty = repeat_penalty
 
     @property
     def context_window(self) -> int:
@@ -288,6 +297,7 @@ class LocalModel(ChatModel):
             "max_tokens": options.max_tokens or _DEFAULT_MAX_TOKENS,
             "temperature": 0.0 if options.temperature is None else options.temperature,
             "stop": [_END, "<|im_start|>", *options.stop],
+            "repeat_penalty": self.repeat_penalty,
         }
         if options.seed is not None:
             args["seed"] = options.seed
