@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import pytest
@@ -91,6 +92,36 @@ def test_context_parameter_is_injected_and_hidden_from_the_model() -> None:
     context = ToolContext("s", 1, 0, "call_1", "keel-abc")
     assert asyncio.run(send.ainvoke(send.args_model(text="hi"), context)) == "hi"
     assert seen == [context]
+
+
+def test_every_spelling_of_a_context_parameter_is_keels_not_the_models() -> None:
+    from typing import Optional
+
+    @dataclass
+    class Deps:
+        name: str
+
+    def plain(text: str, ctx: ToolContext) -> str:
+        """One."""
+        return text
+
+    def typed(text: str, ctx: ToolContext[Deps]) -> str:
+        """Two."""
+        return ctx.deps.name
+
+    def optional(text: str, ctx: Optional[ToolContext[Deps]] = None) -> str:  # noqa: UP045
+        """Three."""
+        return text
+
+    def union(text: str, ctx: ToolContext[Deps] | None = None) -> str:
+        """Four."""
+        return text
+
+    for function in (plain, typed, optional, union):
+        defined = tool(function)
+        assert list(defined.schema()["function"]["parameters"]["properties"]) == ["text"]
+    context = ToolContext("s", 1, 0, "call_1", "keel-abc", deps=Deps("ada"))
+    assert asyncio.run(tool(typed).ainvoke(tool(typed).args_model(text="x"), context)) == "ada"
 
 
 def test_nested_arguments_warn_and_show_the_flat_form() -> None:
