@@ -16,6 +16,7 @@ from keel.cli import (  # noqa: F401
     _memory,
     _models,
     _runs,
+    _serve,
     _state,
     _stream,
     _tokens,

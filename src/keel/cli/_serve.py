@@ -1,0 +1,126 @@
+"""``keel serve`` (the agent as an HTTP service) and ``keel keys`` (its API keys)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from keel.cli._app import app, emit_json, out_console
+
+if TYPE_CHECKING:
+    from keel.runtime import Backends
+    from keel.service import APIKeys
+
+keys_app = typer.Typer(
+    help="API keys of `keel serve`: each names one tenant.", no_args_is_help=True
+)
+app.add_typer(keys_app, name="keys")
+
+_DATABASE_HELP = (
+    "Database URL: sqlite:///PATH or postgresql://... (default: KEEL_DATABASE, else keel.db in "
+    "the data directory)."
+)
+
+
+def _keys(database: str | None) -> tuple[Backends, APIKeys]:
+    from keel.runtime import open_backends
+    from keel.service import APIKeys as Keys
+    from keel.service._serve import sql_database
+    from keel.settings import load_settings
+
+    settings = load_settings()
+    backends = open_backends(
+        database or settings.database_url, memory=False, masker=None, settings=settings
+    )
+    return backends, Keys(sql_database(backends))
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
+    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+) -> None:
+    """Create a key for TENANT and print it: it is shown this once, only its hash is kept."""
+    backends, keys = _keys(database)
+    try:
+        out_console.print(keys.create(tenant), markup=False, highlight=False, soft_wrap=True)
+    finally:
+        backends.close()
+
+
+@keys_app.command("list")
+def keys_list(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
+    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The keys (ids, tenants, dates; never their secrets)."""
+    backends, keys = _keys(database)
+    try:
+        found = keys.list(tenant)
+    finally:
+        backends.close()
+    rows = [
+        {
+            "key_id": k.key_id,
+            "tenant": k.tenant_id,
+            "created_at": k.created_at,
+            "revoked": k.revoked,
+        }
+        for k in found
+    ]
+    if as_json:
+        emit_json({"keys": rows})
+        return
+    for row in rows:
+        state = "revoked" if row["revoked"] else "active"
+        out_console.print(f"{row['key_id']}  {row['tenant']}  {state}", markup=False)
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key's id (the part after keel_).")],
+    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+) -> None:
+    """Revoke a key: requests with it get 401 (within the servers' key cache time)."""
+    from keel.errors import UsageError
+
+    backends, keys = _keys(database)
+    try:
+        if not keys.revoke(key_id):
+            raise UsageError(f"no active key {key_id!r}")
+    finally:
+        backends.close()
+    out_console.print(f"revoked {key_id}")
+
+
+@app.command("serve")
+def serve_command(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Model spec (default: settings.model).")
+    ] = None,
+    system_prompt: Annotated[
+        str, typer.Option(help="The agent's system prompt.")
+    ] = "You are a helpful, concise assistant.",
+    memory: Annotated[bool, typer.Option(help="Use long-term memory.")] = True,
+    max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 1_000_000,
+) -> None:
+    """Serve the agent over HTTP (sessions, turns as JSON or server-sent events, runs); every
+    request needs an API key from `keel keys create --tenant T`."""
+    import uvicorn
+
+    from keel.service import build_service
+
+    service, _, _ = build_service(
+        database,
+        model=model,
+        system_prompt=system_prompt,
+        memory=memory,
+        max_body_bytes=max_body_bytes,
+    )
+
+    uvicorn.run(service, host=host, port=port, log_level="warning")

@@ -1,0 +1,12 @@
+"""keel as an HTTP service (``keel serve``): the agent behind FastAPI, one tenant per API key.
+
+Needs the ``server`` extra (FastAPI, uvicorn): ``pip install 'keel[server]'``.
+"""
+
+from __future__ import annotations
+
+from keel.service._app import TurnRequest, create_app
+from keel.service._keys import APIKey, APIKeys
+from keel.service._serve import ServiceAgents, build_service
+
+__all__ = ["APIKey", "APIKeys", "ServiceAgents", "TurnRequest", "build_service", "create_app"]

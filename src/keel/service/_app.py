@@ -1,0 +1,240 @@
+"""The agent as an HTTP service: FastAPI routes over one agent per tenant, on shared stores.
+
+Every route but ``/health`` needs ``Authorization: Bearer <key>``; the key names the tenant, the
+request body never does. Everything a route reads or writes is scoped to that tenant (sessions
+through the agent's tenant-scoped keys, runs by their tenant), and what belongs to another
+tenant is answered 404, exactly as what does not exist.
+
+Errors have one body, ``{"error": {"type": ..., "message": ...}}``: 400 malformed JSON, 401 no
+or a bad key, 404 unknown (or another tenant's), 409 a session another turn holds, 413 a body
+over the limit, 422 a body that does not validate, 503 a store that is down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from keel.errors import (
+    AccessDeniedError,
+    BackendUnavailableError,
+    KeelError,
+    SessionBusyError,
+    StoreError,
+    UsageError,
+)
+from keel.tracing import RunQuery, RunStatus
+
+if TYPE_CHECKING:
+    from keel.runtime import Agent
+    from keel.service._keys import APIKeys
+    from keel.tracing import TraceStore
+
+__all__ = ["TurnRequest", "create_app"]
+
+
+class TurnRequest(BaseModel):
+    """One user message for a session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    message: str = Field(min_length=1, max_length=100_000, description="What the user wrote.")
+    user: str = Field(min_length=1, max_length=256, description="The user the session belongs to.")
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response."""
+
+    error: dict[str, str]
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+
+
+def _error_status(exc: KeelError) -> int:
+    if isinstance(exc, AccessDeniedError):
+        return 404  # another user's session: as if it did not exist
+    if isinstance(exc, SessionBusyError):
+        return 409
+    if isinstance(exc, UsageError):
+        return 422
+    if isinstance(exc, BackendUnavailableError | StoreError):
+        return 503
+    return 500
+
+
+def create_app(
+    agent_for: Callable[[str], Agent],
+    keys: APIKeys,
+    traces: TraceStore,
+    *,
+    max_body_bytes: int = 1_000_000,
+    key_cache_s: float = 30.0,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+) -> FastAPI:
+    """The service's FastAPI app.
+
+    Args:
+        agent_for: the agent of a tenant (made once per tenant, on shared stores).
+        keys: the API keys.
+        traces: the trace store the agents write to (``/v1/runs``).
+        max_body_bytes: larger request bodies get 413 before they are read whole.
+        key_cache_s: how long a verified key is trusted without a look-up (a revoked key
+            stops working within this time).
+        on_shutdown: awaited when the server stops (close the agents' stores there).
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                await on_shutdown()
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="keel",
+        description="An agent runtime: sessions, turns (JSON or server-sent events), runs.",
+        version="1",
+    )
+    verified: dict[str, tuple[str, float]] = {}
+
+    def error(status: int, kind: str, message: str) -> JSONResponse:
+        return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+
+    @app.exception_handler(_HTTPError)
+    async def on_http_error(request: Request, exc: _HTTPError) -> JSONResponse:
+        return error(exc.status, exc.kind, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            f"{'.'.join(str(p) for p in problem.get('loc', ()))}: {problem.get('msg', '')}"
+            for problem in exc.errors()
+        ]
+        malformed = any(problem.get("type") == "json_invalid" for problem in exc.errors())
+        if malformed:
+            return error(400, "MalformedJSON", "; ".join(problems))
+        return error(422, "ValidationError", "; ".join(problems))
+
+    @app.exception_handler(KeelError)
+    async def on_keel_error(request: Request, exc: KeelError) -> JSONResponse:
+        status = _error_status(exc)
+        message = "not found" if status == 404 else str(exc)
+        return error(status, "NotFound" if status == 404 else type(exc).__name__, message)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return error(413, "BodyTooLarge", f"the body is over {max_body_bytes} bytes")
+        return await call_next(request)
+
+    def tenant(authorization: str | None = Header(default=None)) -> str:
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise _HTTPError(401, "Unauthorized", "send Authorization: Bearer <API key>")
+        fingerprint = hashlib.sha256(key.encode()).hexdigest()
+        cached = verified.get(fingerprint)
+        if cached is not None and cached[1] > time.monotonic():
+            return cached[0]
+        found = keys.tenant_of(key)
+        if found is None:
+            raise _HTTPError(401, "Unauthorized", "unknown or revoked API key")
+        verified[fingerprint] = (found, time.monotonic() + key_cache_s)
+        return found
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness: the process serves."""
+        return {"status": "ok"}
+
+    @app.post("/v1/sessions/{session_id}/turns", response_model=None)
+    async def post_turn(
+        session_id: str,
+        turn: TurnRequest,
+        request: Request,
+        tenant_id: str = Depends(tenant),
+    ) -> Any:
+        """Send one user message. ``Accept: text/event-stream`` streams the turn's events
+        (server-sent events, one JSON event each, the reply last); otherwise the reply."""
+        agent = agent_for(tenant_id)
+        if "text/event-stream" not in request.headers.get("accept", ""):
+            reply = await agent.run(turn.message, session=session_id, user=turn.user)
+            return reply.model_dump(mode="json")
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for event in agent.stream(turn.message, session=session_id, user=turn.user):
+                    payload = event.model_dump_json()
+                    yield f"event: {event.type}\ndata: {payload}\n\n".encode()
+            except KeelError as exc:
+                status = _error_status(exc)
+                body = json.dumps(
+                    {"type": type(exc).__name__, "message": str(exc), "status": status}
+                )
+                yield f"event: error\ndata: {body}\n\n".encode()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str, tenant_id: str = Depends(tenant)) -> dict[str, Any]:
+        """The session's committed state and version."""
+        agent = agent_for(tenant_id)
+        checkpoint = await agent.state.aget(agent.session_key(session_id))
+        if checkpoint is None:
+            raise _HTTPError(404, "NotFound", "not found")
+        return {
+            "session_id": session_id,
+            "version": checkpoint.version,
+            "state": checkpoint.state.model_dump(mode="json"),
+        }
+
+    @app.get("/v1/sessions/{session_id}/checkpoints")
+    async def get_checkpoints(
+        session_id: str,
+        tenant_id: str = Depends(tenant),
+        limit: int = Query(default=50, ge=1, le=1000),
+    ) -> list[dict[str, Any]]:
+        """The session's checkpoint history, newest first."""
+        agent = agent_for(tenant_id)
+        history = await agent.state.ahistory(agent.session_key(session_id), limit=limit)
+        if not history:
+            raise _HTTPError(404, "NotFound", "not found")
+        return [info.model_dump(mode="json", exclude={"session_id"}) for info in history]
+
+    @app.get("/v1/runs")
+    async def list_runs(
+        tenant_id: str = Depends(tenant),
+        session: str | None = None,
+        status: RunStatus | None = None,
+        limit: int = Query(default=50, ge=1, le=1000),
+    ) -> list[dict[str, Any]]:
+        """The tenant's runs, newest first (``session``, ``status`` filters)."""
+        query = RunQuery(tenant_id=tenant_id, session_id=session, status=status, limit=limit)
+        return [run.model_dump(mode="json") for run in traces.list_runs(query)]
+
+    @app.get("/v1/runs/{run_id}")
+    async def get_run(run_id: str, tenant_id: str = Depends(tenant)) -> dict[str, Any]:
+        """One run with its steps."""
+        detail = traces.get_run_detail(run_id)
+        if detail is None or detail.run.tenant_id != tenant_id:
+            raise _HTTPError(404, "NotFound", "not found")
+        return detail.model_dump(mode="json")
+
+    return app

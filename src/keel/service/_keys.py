@@ -1,0 +1,137 @@
+"""API keys: each names one tenant; only a hash of its secret is ever stored.
+
+A key reads ``keel_<id>_<secret>``. ``create`` returns it once; the database keeps the id, the
+tenant and the SHA-256 of the secret, so a leaked database reveals no usable key. ``tenant_of``
+looks the id up and compares hashes in constant time. The same table and code run on the SQLite
+file and on PostgreSQL, next to the agent's other stores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from keel.errors import UsageError
+from keel.stores import PostgresDatabase, SQLiteDatabase
+from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres import apply_migrations
+
+__all__ = ["APIKey", "APIKeys"]
+
+_KEY = re.compile(r"keel_([0-9a-f]{12})_([A-Za-z0-9_-]{32,64})")
+
+KEY_MIGRATIONS = MigrationSet(
+    "service_keys",
+    (
+        Migration(
+            "API keys (hashes only)",
+            """
+            CREATE TABLE IF NOT EXISTS keel_api_keys (
+                key_id TEXT PRIMARY KEY,
+                tenant_id TEXT NOT NULL,
+                secret_sha256 TEXT NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                revoked_at DOUBLE PRECISION
+            );
+            CREATE INDEX IF NOT EXISTS keel_api_keys_tenant ON keel_api_keys (tenant_id);
+            """,
+        ),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class APIKey:
+    """A key as stored: no secret."""
+
+    key_id: str
+    tenant_id: str
+    created_at: float
+    revoked: bool
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class APIKeys:
+    """The service's API keys, on the agent's SQL database (SQLite or PostgreSQL)."""
+
+    def __init__(self, database: SQLiteDatabase | PostgresDatabase) -> None:
+        self.database = database
+        self._sqlite = isinstance(database, SQLiteDatabase)
+        if isinstance(database, SQLiteDatabase):
+            database.setup(KEY_MIGRATIONS)
+        else:
+            with database.transaction() as conn:
+                apply_migrations(conn, KEY_MIGRATIONS)
+
+    def _sql(self, statement: str) -> str:
+        return statement if self._sqlite else statement.replace("?", "%s")
+
+    def _execute(self, statement: str, parameters: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if isinstance(self.database, SQLiteDatabase):
+            with self.database.transaction() as conn:
+                return list(conn.execute(statement, parameters).fetchall())
+        with self.database.transaction() as conn:
+            cursor = conn.execute(self._sql(statement), parameters)
+            return list(cursor.fetchall()) if cursor.description is not None else []
+
+    def _query(self, statement: str, parameters: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        if isinstance(self.database, SQLiteDatabase):
+            with self.database.translated() as conn:
+                return list(conn.execute(statement, parameters).fetchall())
+        with self.database.connection() as conn:
+            return list(conn.execute(self._sql(statement), parameters).fetchall())
+
+    def create(self, tenant_id: str) -> str:
+        """A new key for ``tenant_id``: the only time its secret is seen."""
+        if not isinstance(tenant_id, str) or not tenant_id.strip():
+            raise UsageError("a key needs a tenant")
+        key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
+        self._execute(
+            "INSERT INTO keel_api_keys (key_id, tenant_id, secret_sha256, created_at) "
+            "VALUES (?, ?, ?, ?)",
+            (key_id, tenant_id, _digest(secret), time.time()),
+        )
+        return f"keel_{key_id}_{secret}"
+
+    def tenant_of(self, key: str) -> str | None:
+        """The tenant a valid, unrevoked key belongs to; None for anything else."""
+        found = _KEY.fullmatch(key.strip()) if isinstance(key, str) else None
+        if found is None:
+            return None
+        key_id, secret = found.groups()
+        rows = self._query(
+            "SELECT tenant_id, secret_sha256 FROM keel_api_keys "
+            "WHERE key_id = ? AND revoked_at IS NULL",
+            (key_id,),
+        )
+        if not rows:
+            return None
+        tenant_id, stored = rows[0]
+        return str(tenant_id) if hmac.compare_digest(str(stored), _digest(secret)) else None
+
+    def revoke(self, key_id: str) -> bool:
+        """Revoke a key by its id; False when there is no such live key."""
+        rows = self._execute(
+            "UPDATE keel_api_keys SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL "
+            "RETURNING key_id",
+            (time.time(), key_id),
+        )
+        return bool(rows)
+
+    def list(self, tenant_id: str | None = None) -> list[APIKey]:
+        """The keys (of one tenant, or all), newest first; never their secrets."""
+        where, parameters = ("WHERE tenant_id = ?", (tenant_id,)) if tenant_id else ("", ())
+        rows = self._query(
+            "SELECT key_id, tenant_id, created_at, revoked_at FROM keel_api_keys "
+            f"{where} ORDER BY created_at DESC",
+            parameters,
+        )
+        return [APIKey(str(r[0]), str(r[1]), float(r[2]), r[3] is not None) for r in rows]

@@ -1,0 +1,125 @@
+"""Assembling the service: the stores from one database URL, one agent per tenant on them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from keel.privacy import PIIMasker
+from keel.service._app import create_app
+from keel.service._keys import APIKeys
+from keel.stores import PostgresDatabase, SQLiteDatabase
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from keel.models import ChatModel
+    from keel.runtime import Agent, Backends
+    from keel.tools import Tool
+
+__all__ = ["ServiceAgents", "build_service"]
+
+
+class ServiceAgents:
+    """One :class:`~keel.runtime.Agent` per tenant, all on the same stores, made on first use.
+
+    The agents share the model, the prompt, the tools and the options; each is scoped to its
+    tenant (sessions, journal entries, traces, memory).
+    """
+
+    def __init__(
+        self,
+        backends: Backends,
+        model: ChatModel,
+        *,
+        system_prompt: str,
+        tools: Sequence[Tool] = (),
+        name: str = "agent",
+        **agent_options: Any,
+    ) -> None:
+        self.backends = backends
+        self.model = model
+        self.system_prompt = system_prompt
+        self.tools = tuple(tools)
+        self.name = name
+        self.agent_options = agent_options
+        self._agents: dict[str, Agent] = {}
+
+    def __call__(self, tenant_id: str) -> Agent:
+        agent = self._agents.get(tenant_id)
+        if agent is None:
+            from keel.guards import GuardConfig
+            from keel.runtime import Agent
+            from keel.tracing import Tracer
+
+            guards = self.agent_options.get("guards") or GuardConfig()
+            agent = self._agents[tenant_id] = Agent(
+                self.model,
+                state=self.backends.state,
+                journal=self.backends.journal,
+                tracer=Tracer(
+                    self.backends.traces, agent=self.name, run_time_limit_s=guards.run_timeout_s
+                ),
+                memory=self.backends.memory,
+                system_prompt=self.system_prompt,
+                tools=self.tools,
+                tenant_id=tenant_id,
+                name=self.name,
+                **self.agent_options,
+            )
+        return agent
+
+    async def aclose(self) -> None:
+        """Close the model's clients and the stores."""
+        await self.model.aclose()
+        await self.backends.aclose()
+
+
+def sql_database(backends: Backends) -> SQLiteDatabase | PostgresDatabase:
+    """The SQL database the backends' traces (and journal, memory) live in."""
+    traces = backends.traces
+    database = getattr(traces, "db", None) or getattr(traces, "database", None)
+    if not isinstance(database, SQLiteDatabase | PostgresDatabase):
+        raise TypeError(f"no SQL database behind {type(traces).__name__}")
+    return database
+
+
+def build_service(
+    database: str | None = None,
+    *,
+    model: ChatModel | str | None = None,
+    system_prompt: str = "You are a helpful assistant.",
+    tools: Sequence[Tool] = (),
+    redis_url: str | None = None,
+    memory: bool = True,
+    max_body_bytes: int = 1_000_000,
+    **agent_options: Any,
+) -> tuple[FastAPI, ServiceAgents, APIKeys]:
+    """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
+    its app, its agents (close them with ``aclose``) and its API keys."""
+    from keel.models import ChatModel, resolve_model
+    from keel.runtime import open_backends
+    from keel.settings import load_settings
+
+    settings = load_settings()
+    url = database or settings.database_url
+    backends = open_backends(
+        url,
+        redis_url=redis_url if redis_url is not None else settings.redis_url,
+        memory=memory,
+        masker=agent_options.get("masker", PIIMasker()),
+        settings=settings,
+    )
+    try:
+        chat = model if isinstance(model, ChatModel) else resolve_model(model or settings.model)
+        agents = ServiceAgents(
+            backends, chat, system_prompt=system_prompt, tools=tools, **agent_options
+        )
+        keys = APIKeys(sql_database(backends))
+    except BaseException:
+        backends.close()
+        raise
+    app = create_app(
+        agents, keys, backends.traces, max_body_bytes=max_body_bytes, on_shutdown=agents.aclose
+    )
+    return app, agents, keys

@@ -1,0 +1,194 @@
+"""``keel serve``'s HTTP API over real HTTP (uvicorn on a loopback port, httpx), on SQLite:
+keys and tenants, turns as JSON and as server-sent events, sessions, runs, typed errors."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from keel.messages import Message
+from keel.runtime import open_backends
+from keel.service import APIKeys, ServiceAgents, create_app
+from keel.service._serve import sql_database
+from keel.settings import load_settings
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.testing.servers import free_port
+from keel.tools import tool
+
+EMAIL = "ada@example.com"
+
+
+def _policy(call: ScriptedCall) -> Message | str:
+    last = call.messages[-1]
+    if last.role == "tool":
+        return f"Booked: {last.content}. I will write to {EMAIL}."
+    return ScriptedModel.tool_call("book", json.dumps({"city": call.last_user_text.split()[-1]}))
+
+
+@dataclass
+class Service:
+    url: str
+    keys: APIKeys
+    database: Path
+    booked: list[str]
+
+    def client(self, key: str | None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[Service]:
+    import uvicorn
+
+    booked: list[str] = []
+
+    @tool(side_effect=True, idempotent=False)
+    def book(city: str) -> str:
+        """Book a trip.
+
+        Args:
+            city: Where to.
+        """
+        booked.append(city)
+        return f"trip to {city}"
+
+    path = tmp_path / "keel.db"
+    settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
+    backends = open_backends(f"sqlite:///{path}", memory=False, masker=None, settings=settings)
+    agents = ServiceAgents(
+        backends, ScriptedModel(_policy), system_prompt="You book trips.", tools=[book]
+    )
+    keys = APIKeys(sql_database(backends))
+    app = create_app(agents, keys, backends.traces, max_body_bytes=10_000)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield Service(f"http://127.0.0.1:{port}", keys, path, booked)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        backends.close()
+
+
+def _turn(client: httpx.Client, session: str, text: str, user: str = "u1") -> httpx.Response:
+    return client.post(f"/v1/sessions/{session}/turns", json={"message": text, "user": user})
+
+
+def test_every_route_but_health_needs_a_valid_key(service: Service) -> None:
+    with service.client(None) as anonymous:
+        assert anonymous.get("/health").json() == {"status": "ok"}
+        for method, path in (("GET", "/v1/sessions/s1"), ("GET", "/v1/runs")):
+            response = anonymous.request(method, path)
+            assert response.status_code == 401
+            assert response.json()["error"]["type"] == "Unauthorized"
+        assert _turn(anonymous, "s1", "Book Oslo").status_code == 401
+    forged = "keel_0123456789ab_" + "x" * 43
+    with service.client(forged) as bad:
+        assert bad.get("/v1/runs").status_code == 401
+
+
+def test_only_a_hash_of_each_key_is_stored(service: Service) -> None:
+    key = service.keys.create("acme")
+    secret = key.split("_", 2)[2]
+    with sqlite3.connect(service.database) as conn:
+        stored = conn.execute("SELECT * FROM keel_api_keys").fetchall()
+    assert stored and secret not in json.dumps(stored)
+    assert service.keys.tenant_of(key) == "acme"
+    assert service.keys.tenant_of(key[:-1] + ("A" if key[-1] != "A" else "B")) is None
+
+
+def test_a_turn_as_json_then_the_session_and_its_runs(service: Service) -> None:
+    with service.client(service.keys.create("acme")) as acme:
+        response = _turn(acme, "s1", f"Mail me at {EMAIL}, book Oslo")
+        assert response.status_code == 200, response.text
+        reply = response.json()
+        assert reply["status"] == "completed" and "<EMAIL_1>" in reply["text"]
+        assert service.booked == ["Oslo"]
+        session = acme.get("/v1/sessions/s1").json()
+        assert session["version"] == reply["state_version"]
+        assert EMAIL not in json.dumps(session), "PII reached the stored state"
+        history = acme.get("/v1/sessions/s1/checkpoints").json()
+        assert history[0]["version"] == reply["state_version"]
+        runs = acme.get("/v1/runs", params={"session": "s1"}).json()
+        assert [run["run_id"] for run in runs] == [reply["run_id"]]
+        detail = acme.get(f"/v1/runs/{reply['run_id']}").json()
+        assert [step["kind"] for step in detail["steps"]].count("model") == 2
+
+
+def test_a_tenant_never_sees_another_tenants_sessions_or_runs(service: Service) -> None:
+    with (
+        service.client(service.keys.create("acme")) as acme,
+        service.client(service.keys.create("globex")) as globex,
+    ):
+        reply = _turn(acme, "s1", "Book Oslo").json()
+        assert globex.get("/v1/sessions/s1").status_code == 404
+        assert globex.get("/v1/sessions/s1/checkpoints").status_code == 404
+        assert globex.get(f"/v1/runs/{reply['run_id']}").status_code == 404
+        assert globex.get("/v1/runs").json() == []
+        # The same session id in another tenant is another session.
+        assert _turn(globex, "s1", "Book Lima").json()["status"] == "completed"
+        acme_state = acme.get("/v1/sessions/s1").json()["state"]
+        assert [m["content"] for m in acme_state["messages"] if m["role"] == "user"] == [
+            "Book Oslo"
+        ]
+        # Another user of the same tenant does not get the session either.
+        other = _turn(acme, "s1", "Book Pune", user="u2")
+        assert other.status_code == 404 and other.json()["error"]["type"] == "NotFound"
+    assert service.booked == ["Oslo", "Lima"]
+
+
+def test_a_turn_streams_as_server_sent_events(service: Service) -> None:
+    with (
+        service.client(service.keys.create("acme")) as acme,
+        acme.stream(
+            "POST",
+            "/v1/sessions/s1/turns",
+            json={"message": f"Book Oslo for {EMAIL}", "user": "u1"},
+            headers={"Accept": "text/event-stream"},
+        ) as response,
+    ):
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+    kinds = [event["type"] for event in events]
+    assert kinds[-1] == "final" and "tool_call_started" in kinds and "checkpoint" in kinds
+    text = "".join(event["text"] for event in events if event["type"] == "text")
+    assert text == events[-1]["reply"]["text"] and EMAIL not in json.dumps(events)
+
+
+def test_bad_input_gets_a_typed_error_and_changes_nothing(service: Service) -> None:
+    with service.client(service.keys.create("acme")) as acme:
+        malformed = acme.post(
+            "/v1/sessions/s1/turns",
+            content=b'{"message": "hi", ',
+            headers={"Content-Type": "application/json"},
+        )
+        assert malformed.status_code == 400
+        assert malformed.json()["error"]["type"] == "MalformedJSON"
+        missing = acme.post("/v1/sessions/s1/turns", json={"message": "hi"})
+        assert missing.status_code == 422 and "user" in missing.json()["error"]["message"]
+        extra = acme.post("/v1/sessions/s1/turns", json={"message": "hi", "user": "u", "x": 1})
+        assert extra.status_code == 422
+        huge = _turn(acme, "s1", "x" * 20_000)
+        assert huge.status_code == 413 and huge.json()["error"]["type"] == "BodyTooLarge"
+        assert acme.get("/v1/runs/nope").status_code == 404
+        assert acme.get("/v1/runs", params={"status": "bogus"}).status_code == 422
+        assert acme.get("/v1/sessions/s1").status_code == 404, "a refused request wrote state"
+    assert service.booked == []
