@@ -208,9 +208,10 @@ class LocalModel(ChatModel):
             or the answer (free text, or JSON of ``json_schema``). A model this small writes
             broken calls otherwise. False leaves every reply with tools offered unconstrained,
             ``tool_choice="required"`` included (``keel bench models`` compares the two).
-        repeat_penalty: llama.cpp's penalty on repeated tokens. Greedy decoding of a model
-            this small otherwise loops (it recites its tool list until ``max_tokens`` and the
-            reply is cut); 1.0 turns it off.
+        repeat_penalty: llama.cpp's penalty on repeated tokens, for replies that may be prose.
+            Greedy decoding of a model this small otherwise loops (it recites its tool list
+            until ``max_tokens`` and the reply is cut); replies constrained to JSON (a required
+            call, ``json_schema``, ``json_mode``) are not penalized. 1.0 turns it off.
     """
 
     def __init__(
@@ -297,8 +298,14 @@ class LocalModel(ChatModel):
             "max_tokens": options.max_tokens or _DEFAULT_MAX_TOKENS,
             "temperature": 0.0 if options.temperature is None else options.temperature,
             "stop": [_END, "<|im_start|>", *options.stop],
-            "repeat_penalty": self.repeat_penalty,
         }
+        structured = (
+            options.tool_choice == "required"
+            or options.json_schema is not None
+            or options.json_mode
+        )
+        # JSON repeats its quotes, colons and keys by nature: only prose is penalized.
+        args["repeat_penalty"] = 1.0 if structured else self.repeat_penalty
         if options.seed is not None:
             args["seed"] = options.seed
         if tools and self.constrain_tool_calls:
