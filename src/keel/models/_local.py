@@ -164,8 +164,12 @@ def _call_grammar_text(
             }
         )
     converter.visit({"anyOf": calls}, "tool-call-json")
-    # Tagged as the prompt asks, or bare: small models often open with the JSON itself.
-    choices = ['"<tool_call>\\n" tool-call-json "\\n</tool_call>"', "tool-call-json"]
+    # Tagged as the prompt asks. Free to answer, also bare: small models that call at all
+    # often open with the JSON itself (a required call stays tagged: SmolLM2 then picks the
+    # right tool twice as often, 0.80 against 0.40 on keel bench models' prompts).
+    choices = ['"<tool_call>\\n" tool-call-json "\\n</tool_call>"']
+    if not required:
+        choices.append("tool-call-json")
     extra = ""
     if answer is not None:
         converter.visit(
