@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel
 from typing_extensions import TypedDict
 
+from keel.errors import UsageError
 from keel.messages import Message
 from keel.models import ModelOptions
 from keel.runtime import Agent
@@ -147,3 +148,64 @@ async def test_model_options_per_agent_and_per_turn(database: SQLiteDatabase) ->
     # max_tokens never exceeds the context's answer reserve.
     assert first.max_tokens == agent.engine.budget.reserve
     assert (second.temperature, second.seed, second.max_tokens) == (0.9, None, 50)
+
+
+def _booker(booked: list[str]) -> Tool:
+    @tool(side_effect=True, idempotent=False)
+    def book(city: str) -> str:
+        """Book a trip.
+
+        Args:
+            city: Where to.
+        """
+        booked.append(city)
+        return f"booked {city}"
+
+    return book
+
+
+def _books(call: ScriptedCall) -> Message | str:
+    if call.messages[-1].role == "tool":
+        return f"Done: {call.messages[-1].content}"
+    return ScriptedModel.tool_call("book", json.dumps({"city": call.last_user_text.split()[-1]}))
+
+
+async def test_a_turn_sent_again_with_its_turn_id_runs_once(database: SQLiteDatabase) -> None:
+    booked: list[str] = []
+    agent = _agent(database, ScriptedModel(_books), [_booker(booked)])
+    first = await agent.run("Book Oslo", session="s1", user="u1", turn_id="req-1")
+    # A retry (a timeout, a dead worker) from another process: a fresh agent, no cache.
+    again = _agent(database, ScriptedModel(_books), [_booker(booked)])
+    second = await again.run("Book Oslo", session="s1", user="u1", turn_id="req-1")
+    assert booked == ["Oslo"]
+    assert second.replayed and not first.replayed
+    assert (second.text, second.run_id, second.status) == (first.text, first.run_id, "completed")
+    state = again.session_state("s1")
+    assert state is not None and [m.content for m in state.messages if m.role == "user"] == [
+        "Book Oslo"
+    ]
+    # Without a turn id the same text is a new turn; the same id for another text is refused.
+    await again.run("Book Oslo", session="s1", user="u1")
+    assert booked == ["Oslo", "Oslo"]
+    with pytest.raises(UsageError, match="another message"):
+        await again.run("Book Lima", session="s1", user="u1", turn_id="req-1")
+    assert booked == ["Oslo", "Oslo"]
+
+
+async def test_a_turn_id_sent_again_while_its_turn_is_open_finishes_it_once(
+    database: SQLiteDatabase,
+) -> None:
+    booked: list[str] = []
+    model = ScriptedModel(_books, stream_delay_s=0.01)
+    agent = _agent(database, model, [_booker(booked)])
+    stream = agent.stream("Book Pune", session="s1", user="u1", turn_id="req-9")
+    async for event in stream:
+        if event.type == "tool_call_finished":
+            break  # the client went away after the booking, before the answer
+    await stream.aclose()  # type: ignore[attr-defined]
+    state = agent.session_state("s1")
+    assert state is not None and state.runtime.open_turn == "req-9"
+    retried = await agent.run("Book Pune", session="s1", user="u1", turn_id="req-9")
+    assert retried.status == "completed" and retried.resumed and booked == ["Pune"]
+    replayed = await agent.run("Book Pune", session="s1", user="u1", turn_id="req-9")
+    assert replayed.replayed and replayed.text == retried.text and booked == ["Pune"]

@@ -192,3 +192,23 @@ def test_bad_input_gets_a_typed_error_and_changes_nothing(service: Service) -> N
         assert acme.get("/v1/runs", params={"status": "bogus"}).status_code == 422
         assert acme.get("/v1/sessions/s1").status_code == 404, "a refused request wrote state"
     assert service.booked == []
+
+
+def test_a_turn_sent_again_with_its_idempotency_key_runs_once(service: Service) -> None:
+    with service.client(service.keys.create("acme")) as acme:
+        headers = {"Idempotency-Key": "order-7f3a"}
+        body = {"message": "Book Oslo", "user": "u1"}
+        first = acme.post("/v1/sessions/s1/turns", json=body, headers=headers).json()
+        second = acme.post("/v1/sessions/s1/turns", json=body, headers=headers).json()
+        assert service.booked == ["Oslo"]
+        assert second["replayed"] and second["text"] == first["text"]
+        assert second["run_id"] == first["run_id"]
+        reused = acme.post(
+            "/v1/sessions/s1/turns", json={"message": "Book Lima", "user": "u1"}, headers=headers
+        )
+        assert reused.status_code == 422 and "another message" in reused.json()["error"]["message"]
+        # Keys are the tenant's own: the same key in another tenant is another request.
+    with service.client(service.keys.create("globex")) as globex:
+        other = globex.post("/v1/sessions/s1/turns", json=body, headers=headers).json()
+        assert not other["replayed"]
+    assert service.booked == ["Oslo", "Oslo"]

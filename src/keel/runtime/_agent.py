@@ -113,6 +113,8 @@ _UNBOUNDED_STEPS = 1_000_000_000
 """AgentState.max_steps for a session: per-run limits live in GuardConfig."""
 
 _FINISHED_KEPT = 20
+_REPLIES_KEPT = 16
+"""Replies kept for turns that came with the caller's own turn id (retries come within minutes)."""
 _WORKFLOW_TOOLS = ("go_to", "remember")
 
 _DEFAULT_MASKER = PIIMasker()
@@ -131,6 +133,7 @@ class _RunExtras:
     deps: Any = None
     output_type: type[Any] | None = None
     model_options: ModelOptions | None = None
+    turn_id: str | None = None
 
 
 @dataclass
@@ -168,6 +171,8 @@ class _Turn:
     deps: Any = None
     output_type: type[Any] | None = None
     model_options: ModelOptions = field(default_factory=ModelOptions)
+    record_reply: bool = False
+    """The caller gave the turn its id: its reply is committed with it, for retries."""
     streamed_text: dict[int, StreamMasker] = field(default_factory=dict)
     """The reply text streamed so far in each step, masked as it arrives."""
     steps_shown: set[int] = field(default_factory=set)
@@ -565,6 +570,7 @@ class Agent:
         deps: Any = None,
         output_type: type[Any] | None = None,
         model_options: ModelOptions | None = None,
+        turn_id: str | None = None,
     ) -> AgentReply:
         """Process one user message of ``user`` in ``session`` and return the reply: the same
         as :meth:`handle`, with the identities named, so they cannot be swapped.
@@ -574,8 +580,12 @@ class Agent:
                 parameter, as ``context.deps`` (a database handle, an API client...).
             output_type: this turn's answer type, instead of the agent's.
             model_options: this turn's generation options, instead of the agent's.
+            turn_id: the caller's own id for this turn (an HTTP ``Idempotency-Key``): sent
+                again, after a timeout or a crash anywhere, the turn runs once. Its reply was
+                committed: it is returned (``replayed``). It was left open: it is finished.
+                The same id with another message is a ``UsageError``.
         """
-        extras = _RunExtras(deps, output_type, model_options)
+        extras = _RunExtras(deps, output_type, model_options, turn_id)
         return await self._handle(session, user, text, None, extras)
 
     def run_sync(
@@ -587,6 +597,7 @@ class Agent:
         deps: Any = None,
         output_type: type[Any] | None = None,
         model_options: ModelOptions | None = None,
+        turn_id: str | None = None,
     ) -> AgentReply:
         """Sync twin of :meth:`run` (not for use inside a running event loop)."""
         return run_sync(
@@ -597,6 +608,7 @@ class Agent:
                 deps=deps,
                 output_type=output_type,
                 model_options=model_options,
+                turn_id=turn_id,
             )
         )
 
@@ -609,6 +621,7 @@ class Agent:
         deps: Any = None,
         output_type: type[Any] | None = None,
         model_options: ModelOptions | None = None,
+        turn_id: str | None = None,
     ) -> AsyncIterator[AgentEvent]:
         """Process one user message as :meth:`run` does, yielding its events as they happen:
         masked text deltas, tool calls as they start and end, workflow transitions,
@@ -621,7 +634,7 @@ class Agent:
         finishes it. Raises what :meth:`run` raises, at the point it happens.
         """
         events: asyncio.Queue[AgentEvent | None] = asyncio.Queue()
-        extras = _RunExtras(deps, output_type, model_options)
+        extras = _RunExtras(deps, output_type, model_options, turn_id)
         turn = asyncio.create_task(self._handle(session, user, text, events.put_nowait, extras))
         turn.add_done_callback(lambda _: events.put_nowait(None))
         try:
@@ -644,6 +657,7 @@ class Agent:
         deps: Any = None,
         output_type: type[Any] | None = None,
         model_options: ModelOptions | None = None,
+        turn_id: str | None = None,
     ) -> Iterator[AgentEvent]:
         """Sync twin of :meth:`stream`: events arrive as they happen; leaving the loop early
         stops the turn as it does there (not for use inside a running event loop)."""
@@ -655,6 +669,7 @@ class Agent:
                 deps=deps,
                 output_type=output_type,
                 model_options=model_options,
+                turn_id=turn_id,
             )
         )
 
@@ -670,10 +685,28 @@ class Agent:
         _require_id("user_id", user_id)
         text = _user_text(text)
         key = self.session_key(session_id)
+        turn_id = extras.turn_id if extras is not None else None
+        if turn_id is not None:
+            _require_id("turn_id", turn_id)
         async with self._own(key) as lease:
             checkpoint = await self._load(key, user_id)
             interrupted: AgentReply | None = None
             runtime = checkpoint.state.runtime
+            if turn_id is not None:
+                masked = self._mask(_sanitize(text))
+                recorded = next((r for r in runtime.replies if r.get("turn_id") == turn_id), None)
+                if recorded is not None:
+                    if recorded.get("request") != _request_digest(masked):
+                        raise UsageError(f"turn id {turn_id!r} was used for another message")
+                    replayed = AgentReply.model_validate(recorded["reply"])
+                    return replayed.model_copy(update={"replayed": True})
+                if runtime.open_turn == turn_id:
+                    if _open_turn_text(checkpoint.state) != masked:
+                        raise UsageError(f"turn id {turn_id!r} was used for another message")
+                    # The caller's retry of a turn a crash left open: finish it, once.
+                    return await self._guarded_turn(
+                        lease, key, session_id, user_id, checkpoint, None, emit
+                    )
             if runtime.open_turn is not None:
                 open_text = _open_turn_text(checkpoint.state)
                 interrupted = await self._guarded_turn(
@@ -851,11 +884,12 @@ class Agent:
                     update={"finished_workflows": finished[-_FINISHED_KEPT:]}
                 )
                 position = self.machine.start()
-            turn_id = uuid.uuid4().hex
+            turn_id = extras.turn_id or uuid.uuid4().hex
             turn_number = runtime.turns + 1
-            user_message = Message.user(
-                self._mask(_sanitize(text)), metadata={"turn": turn_number, "turn_id": turn_id}
-            )
+            metadata: dict[str, Any] = {"turn": turn_number, "turn_id": turn_id}
+            if extras.turn_id is not None:
+                metadata["client_turn"] = True
+            user_message = Message.user(self._mask(_sanitize(text)), metadata=metadata)
             log.append(user_message)
             start = len(log) - 1
             runtime = runtime.model_copy(
@@ -902,6 +936,7 @@ class Agent:
             deps=extras.deps,
             output_type=extras.output_type or self.output_type,
             model_options=extras.model_options or self.model_options,
+            record_reply=bool(user_message.metadata.get("client_turn")),
         )
         try:
             turn.memories = await self._memories(user_id, user_message.content)
@@ -1260,6 +1295,26 @@ class Agent:
                 }
             )
             rebuilt = True
+        error = self._mask(result.error_message) if result.error_message else None
+        reply = AgentReply(
+            text=text,
+            status=status,
+            session_id=turn.session_id,
+            run_id=turn.run.run_id,
+            state_version=turn.version + 1,
+            workflow_state=position.state if position is not None else None,
+            steps=len(result.steps),
+            max_prompt_tokens=turn.max_prompt_tokens,
+            prompt_limit=self.prompt_limit,
+            loops_detected=result.loops_detected,
+            tool_calls=tuple(r.tool for step in result.steps for r in step.tool_results),
+            effects=tuple(call.name for call, _ in turn.effects),
+            reverted=reverted or result.reverted,
+            resumed=resume,
+            output=result.output if result.ok else None,
+            error=error,
+        )
+        final_state = self._with_reply(turn, final_state, reply)
         version = await self._write(
             turn,
             final_state,
@@ -1280,28 +1335,10 @@ class Agent:
                     and position.state != self.machine.failure
                 ):
                     self._remember_run(turn)
-        error = self._mask(result.error_message) if result.error_message else None
         await turn.run.aend(
             "succeeded" if result.ok else _run_status(status), output=text, error=result.error
         )
-        return AgentReply(
-            text=text,
-            status=status,
-            session_id=turn.session_id,
-            run_id=turn.run.run_id,
-            state_version=version,
-            workflow_state=position.state if position is not None else None,
-            steps=len(result.steps),
-            max_prompt_tokens=turn.max_prompt_tokens,
-            prompt_limit=self.prompt_limit,
-            loops_detected=result.loops_detected,
-            tool_calls=tuple(r.tool for step in result.steps for r in step.tool_results),
-            effects=tuple(call.name for call, _ in turn.effects),
-            reverted=reverted or result.reverted,
-            resumed=resume,
-            output=result.output if result.ok else None,
-            error=error,
-        )
+        return reply.model_copy(update={"state_version": version})
 
     async def _fail(self, turn: _Turn, error: KeelError) -> AgentReply:
         """A failure outside the loop's own handling: back to the last good state, keeping the
@@ -1333,19 +1370,36 @@ class Agent:
                 ),
             }
         )
-        version = await self._write(turn, final_state, reason="turn failed: failed", good=True)
-        self._sessions.pop(turn.key, None)
-        return AgentReply(
+        reply = AgentReply(
             text=text,
             status="failed",
             session_id=turn.session_id,
             run_id=turn.run.run_id,
-            state_version=version,
+            state_version=turn.version + 1,
             workflow_state=base.machine.state if base.machine is not None else None,
             effects=tuple(call.name for call, _ in turn.effects),
             reverted=True,
             error=self._mask(f"{type(error).__name__}: {error}"),
         )
+        final_state = self._with_reply(turn, final_state, reply)
+        version = await self._write(turn, final_state, reason="turn failed: failed", good=True)
+        self._sessions.pop(turn.key, None)
+        return reply.model_copy(update={"state_version": version})
+
+    def _with_reply(self, turn: _Turn, state: AgentState, reply: AgentReply) -> AgentState:
+        """``state`` with the turn's reply recorded, when the caller gave the turn its id: the
+        reply is committed in the same write as the turn, so a retry finds exactly that."""
+        if not turn.record_reply:
+            return state
+        runtime = state.runtime
+        record = {
+            "turn_id": turn.turn_id,
+            "request": _request_digest(turn.user_message.content),
+            "reply": reply.model_dump(mode="json"),
+        }
+        kept = [r for r in runtime.replies if r.get("turn_id") != turn.turn_id]
+        replies = (*kept, record)[-_REPLIES_KEPT:]
+        return state.model_copy(update={"runtime": runtime.model_copy(update={"replies": replies})})
 
     async def _summarize(self, turn: _Turn, committed: AgentState, version: int) -> int:
         """Fold old turns into the running summary after the commit, within the time left;
@@ -1566,3 +1620,8 @@ def _without_corrections(segment: list[Message]) -> list[Message]:
 def _clip(text: str, limit: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _request_digest(masked_text: str) -> str:
+    """What identifies a turn's request for its retries: its (masked) message."""
+    return hashlib.sha256(masked_text.encode()).hexdigest()

@@ -48,6 +48,11 @@ class AgentReply(BaseModel):
     )
     reverted: bool = Field(default=False, description="State went back to the last good version.")
     resumed: bool = Field(default=False, description="The turn finished one a crash interrupted.")
+    replayed: bool = Field(
+        default=False,
+        description="The reply of a turn committed earlier under the same caller's turn id: "
+        "returned again, nothing ran.",
+    )
     interrupted_turn: AgentReply | None = Field(
         default=None,
         description="The reply to an earlier message whose turn a crash had left open, finished "

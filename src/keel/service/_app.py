@@ -170,17 +170,31 @@ def create_app(
         turn: TurnRequest,
         request: Request,
         tenant_id: str = Depends(tenant),
+        idempotency_key: str | None = Header(default=None, max_length=255),
     ) -> Any:
         """Send one user message. ``Accept: text/event-stream`` streams the turn's events
-        (server-sent events, one JSON event each, the reply last); otherwise the reply."""
+        (server-sent events, one JSON event each, the reply last); otherwise the reply.
+
+        With an ``Idempotency-Key``, sending the same request again (after a timeout, a dead
+        worker) runs the turn once: a committed turn's reply comes back (``replayed``), a turn
+        left open is finished. The same key with another message is 422."""
         agent = agent_for(tenant_id)
+        turn_id = (
+            None
+            if idempotency_key is None
+            else "idem-" + hashlib.sha256(idempotency_key.encode()).hexdigest()[:40]
+        )
         if "text/event-stream" not in request.headers.get("accept", ""):
-            reply = await agent.run(turn.message, session=session_id, user=turn.user)
+            reply = await agent.run(
+                turn.message, session=session_id, user=turn.user, turn_id=turn_id
+            )
             return reply.model_dump(mode="json")
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for event in agent.stream(turn.message, session=session_id, user=turn.user):
+                async for event in agent.stream(
+                    turn.message, session=session_id, user=turn.user, turn_id=turn_id
+                ):
                     payload = event.model_dump_json()
                     yield f"event: {event.type}\ndata: {payload}\n\n".encode()
             except KeelError as exc:

@@ -42,6 +42,12 @@ class SessionRuntime(BaseModel):
     finished_workflows: tuple[dict[str, Any], ...] = Field(
         default=(), description="The last positions of finished workflow instances (newest 20)."
     )
+    replies: tuple[dict[str, Any], ...] = Field(
+        default=(),
+        description="The replies of the newest turns a caller gave its own turn id "
+        "(``{'turn_id', 'request', 'reply'}``, newest 16), committed with each turn: a retry "
+        "of such a turn gets its reply back instead of running again.",
+    )
 
 
 class AgentState(BaseModel):
