@@ -212,3 +212,35 @@ def test_a_turn_sent_again_with_its_idempotency_key_runs_once(service: Service) 
         other = globex.post("/v1/sessions/s1/turns", json=body, headers=headers).json()
         assert not other["replayed"]
     assert service.booked == ["Oslo", "Oslo"]
+
+
+def test_the_openai_sdk_talks_to_the_agent_through_the_facade(service: Service) -> None:
+    from openai import OpenAI
+
+    key = service.keys.create("acme")
+    client = OpenAI(
+        base_url=f"{service.url}/v1",
+        api_key=key,
+        default_headers={"X-Keel-Session": "s1", "X-Keel-User": "u1"},
+    )
+    completion = client.chat.completions.create(
+        model="keel", messages=[{"role": "user", "content": f"For {EMAIL} book Oslo"}]
+    )
+    text = completion.choices[0].message.content
+    assert text is not None and text.startswith("Booked: trip to Oslo") and EMAIL not in text
+    assert completion.usage is not None and completion.usage.prompt_tokens > 0
+    # The client sends only the newest message: keel keeps the session.
+    stream = client.chat.completions.create(
+        model="keel", messages=[{"role": "user", "content": "now book Lima"}], stream=True
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed.startswith("Booked: trip to Lima")
+    assert service.booked == ["Oslo", "Lima"]
+    with service.client(key) as acme:
+        state = acme.get("/v1/sessions/s1").json()["state"]
+    users = [m["content"] for m in state["messages"] if m["role"] == "user"]
+    assert users == ["For <EMAIL_1> book Oslo", "now book Lima"]
+    # Without a session the facade says what is missing.
+    bare = OpenAI(base_url=f"{service.url}/v1", api_key=key, max_retries=0)
+    with pytest.raises(Exception, match="X-Keel-Session"):
+        bare.chat.completions.create(model="keel", messages=[{"role": "user", "content": "hi"}])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from keel.errors import (
     StoreError,
     UsageError,
 )
+from keel.runtime import TextDelta, TurnFinished
 from keel.tracing import RunQuery, RunStatus
 
 if TYPE_CHECKING:
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from keel.service._keys import APIKeys
     from keel.tracing import TraceStore
 
-__all__ = ["TurnRequest", "create_app"]
+__all__ = ["ChatCompletionRequest", "TurnRequest", "create_app"]
 
 
 class TurnRequest(BaseModel):
@@ -63,6 +65,47 @@ class _HTTPError(Exception):
         self.status = status
         self.kind = kind
         self.message = message
+
+
+class ChatMessage(BaseModel):
+    """One message of an OpenAI chat completion request (only what keel reads is checked)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completion request; keel uses the newest user message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    user: str | None = Field(default=None, max_length=256)
+    metadata: dict[str, str] | None = None
+
+    def newest_user_text(self) -> str:
+        for message in reversed(self.messages):
+            if message.role != "user":
+                continue
+            content = message.content
+            if isinstance(content, list):
+                content = "".join(
+                    str(part.get("text", "")) for part in content if part.get("type") == "text"
+                )
+            if content:
+                return content
+        raise _HTTPError(422, "ValidationError", "messages hold no user message with text")
+
+
+def _turn_id(idempotency_key: str | None) -> str | None:
+    """The agent's turn id for a request's ``Idempotency-Key`` (bounded, plain characters)."""
+    if idempotency_key is None:
+        return None
+    return "idem-" + hashlib.sha256(idempotency_key.encode()).hexdigest()[:40]
 
 
 def _error_status(exc: KeelError) -> int:
@@ -179,11 +222,7 @@ def create_app(
         worker) runs the turn once: a committed turn's reply comes back (``replayed``), a turn
         left open is finished. The same key with another message is 422."""
         agent = agent_for(tenant_id)
-        turn_id = (
-            None
-            if idempotency_key is None
-            else "idem-" + hashlib.sha256(idempotency_key.encode()).hexdigest()[:40]
-        )
+        turn_id = _turn_id(idempotency_key)
         if "text/event-stream" not in request.headers.get("accept", ""):
             reply = await agent.run(
                 turn.message, session=session_id, user=turn.user, turn_id=turn_id
@@ -205,6 +244,97 @@ def create_app(
                 yield f"event: error\ndata: {body}\n\n".encode()
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        tenant_id: str = Depends(tenant),
+        x_keel_session: str | None = Header(default=None, max_length=256),
+        x_keel_user: str | None = Header(default=None, max_length=256),
+        idempotency_key: str | None = Header(default=None, max_length=255),
+    ) -> Any:
+        """OpenAI's chat completions, answered by the tenant's agent: point the ``openai`` SDK
+        here. keel keeps the session (its state, memory and context): send only the newest
+        message. The session and user come from ``X-Keel-Session`` / ``X-Keel-User``, else
+        from ``metadata`` (``session_id``, ``user_id``), the user also from ``user``."""
+        metadata = body.metadata or {}
+        session_id = x_keel_session or metadata.get("session_id")
+        user_id = x_keel_user or metadata.get("user_id") or body.user
+        if not session_id or not user_id:
+            raise _HTTPError(
+                422,
+                "ValidationError",
+                "name the session and the user: X-Keel-Session and X-Keel-User headers, or "
+                "metadata.session_id and metadata.user_id",
+            )
+        text = body.newest_user_text()
+        agent = agent_for(tenant_id)
+        turn_id = _turn_id(idempotency_key)
+        created = int(time.time())
+        if not body.stream:
+            reply = await agent.run(text, session=session_id, user=user_id, turn_id=turn_id)
+            run = traces.get_run(reply.run_id)
+            prompt = run.prompt_tokens if run is not None else 0
+            completion = run.completion_tokens if run is not None else 0
+            return {
+                "id": f"chatcmpl-{reply.run_id}",
+                "object": "chat.completion",
+                "created": created,
+                "model": body.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": reply.text},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt + completion,
+                },
+                "keel": reply.model_dump(mode="json"),
+            }
+
+        def chunk(delta: dict[str, Any], finish: str | None, completion_id: str) -> bytes:
+            payload = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+        async def chunks() -> AsyncIterator[bytes]:
+            completion_id = f"chatcmpl-{hashlib.sha256(os.urandom(16)).hexdigest()[:24]}"
+            yield chunk({"role": "assistant", "content": ""}, None, completion_id)
+            shown = ""
+            try:
+                async for event in agent.stream(
+                    text, session=session_id, user=user_id, turn_id=turn_id
+                ):
+                    if isinstance(event, TextDelta):
+                        shown += event.text
+                        yield chunk({"content": event.text}, None, completion_id)
+                    elif isinstance(event, TurnFinished):
+                        # The reply is authoritative: what it adds to the text shown, if the
+                        # streamed attempt was withdrawn or the turn ended with a message.
+                        rest = event.reply.text
+                        if rest.startswith(shown):
+                            rest = rest[len(shown) :]
+                        elif shown:
+                            rest = "\n" + rest
+                        if rest:
+                            yield chunk({"content": rest}, None, completion_id)
+            except KeelError as exc:
+                body_ = {"error": {"type": type(exc).__name__, "message": str(exc)}}
+                yield f"data: {json.dumps(body_)}\n\n".encode()
+                return
+            yield chunk({}, "stop", completion_id)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
 
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, tenant_id: str = Depends(tenant)) -> dict[str, Any]:
