@@ -244,3 +244,49 @@ def test_the_openai_sdk_talks_to_the_agent_through_the_facade(service: Service) 
     bare = OpenAI(base_url=f"{service.url}/v1", api_key=key, max_retries=0)
     with pytest.raises(Exception, match="X-Keel-Session"):
         bare.chat.completions.create(model="keel", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_revert_is_compare_and_set_and_scoped_to_the_tenant(service: Service) -> None:
+    with (
+        service.client(service.keys.create("acme")) as acme,
+        service.client(service.keys.create("globex")) as globex,
+    ):
+        first = _turn(acme, "s1", "Book Oslo").json()
+        second = _turn(acme, "s1", "Book Lima").json()
+        body = {"version": first["state_version"], "expected_version": second["state_version"]}
+        assert globex.post("/v1/sessions/s1/revert", json=body).status_code == 404
+        reverted = acme.post("/v1/sessions/s1/revert", json=body)
+        assert reverted.status_code == 200, reverted.text
+        state = acme.get("/v1/sessions/s1").json()
+        assert state["version"] == reverted.json()["version"] > second["state_version"]
+        users = [m["content"] for m in state["state"]["messages"] if m["role"] == "user"]
+        assert users == ["Book Oslo"]
+        stale = acme.post("/v1/sessions/s1/revert", json=body)  # read before the revert
+        assert stale.status_code == 409 and stale.json()["error"]["type"] == "ConflictError"
+
+
+def test_in_doubt_calls_are_listed_and_resolved_within_the_tenant(service: Service) -> None:
+    from keel.runtime import session_key
+    from keel.stores import SQLiteDatabase, SQLiteToolJournal
+
+    database = SQLiteDatabase(service.database)
+    journal = SQLiteToolJournal(database)
+    claim = journal.claim(
+        key="k-1", session_id=session_key("acme", "s1"), step=3, call_index=0,
+        tool="book", arguments='{"city": "Oslo"}',
+    )  # fmt: skip
+    assert claim.entry.in_doubt
+    with (
+        service.client(service.keys.create("acme")) as acme,
+        service.client(service.keys.create("globex")) as globex,
+    ):
+        listed = acme.get("/v1/sessions/s1/in-doubt").json()
+        assert [entry["key"] for entry in listed] == ["k-1"]
+        assert globex.get("/v1/sessions/s1/in-doubt").json() == []
+        verdict = {"ok": True, "content": "booked, reference R1 (checked with the airline)"}
+        assert globex.post("/v1/tools/in-doubt/k-1/resolve", json=verdict).status_code == 404
+        resolved = acme.post("/v1/tools/in-doubt/k-1/resolve", json=verdict)
+        assert resolved.status_code == 200 and resolved.json()["ok"] is True
+        assert acme.get("/v1/sessions/s1/in-doubt").json() == []
+        assert acme.post("/v1/tools/in-doubt/k-1/resolve", json=verdict).status_code == 404
+    database.close()

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from keel.runtime._agent import Agent
+from keel.runtime._agent import Agent, session_key
 from keel.runtime._backends import Backends, open_backends
 from keel.runtime._events import (
     AgentEvent,
@@ -39,4 +39,5 @@ __all__ = [
     "TurnFinished",
     "WorkflowTransition",
     "open_backends",
+    "session_key",
 ]

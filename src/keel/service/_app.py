@@ -12,6 +12,7 @@ over the limit, 422 a body that does not validate, 503 a store that is down.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -28,8 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from keel.errors import (
     AccessDeniedError,
     BackendUnavailableError,
+    ConflictError,
     KeelError,
     SessionBusyError,
+    StateError,
     StoreError,
     UsageError,
 )
@@ -39,6 +42,7 @@ from keel.tracing import RunQuery, RunStatus
 if TYPE_CHECKING:
     from keel.runtime import Agent
     from keel.service._keys import APIKeys
+    from keel.tools import ToolJournal
     from keel.tracing import TraceStore
 
 __all__ = ["ChatCompletionRequest", "TurnRequest", "create_app"]
@@ -65,6 +69,24 @@ class _HTTPError(Exception):
         self.status = status
         self.kind = kind
         self.message = message
+
+
+class RevertRequest(BaseModel):
+    """Which version to go back to, on which version the caller read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=1, description="The version whose state becomes the newest.")
+    expected_version: int = Field(ge=1, description="The session's version the caller read.")
+
+
+class Resolution(BaseModel):
+    """What an operator found an in-doubt call did."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ok: bool = Field(description="Whether the call took effect.")
+    content: str = Field(min_length=1, max_length=10_000, description="What to tell the model.")
 
 
 class ChatMessage(BaseModel):
@@ -101,6 +123,12 @@ class ChatCompletionRequest(BaseModel):
         raise _HTTPError(422, "ValidationError", "messages hold no user message with text")
 
 
+def _journal_of(agent: Agent) -> ToolJournal:
+    if agent.journal is None:
+        raise _HTTPError(404, "NotFound", "this service keeps no durable tool journal")
+    return agent.journal
+
+
 def _turn_id(idempotency_key: str | None) -> str | None:
     """The agent's turn id for a request's ``Idempotency-Key`` (bounded, plain characters)."""
     if idempotency_key is None:
@@ -111,7 +139,7 @@ def _turn_id(idempotency_key: str | None) -> str | None:
 def _error_status(exc: KeelError) -> int:
     if isinstance(exc, AccessDeniedError):
         return 404  # another user's session: as if it did not exist
-    if isinstance(exc, SessionBusyError):
+    if isinstance(exc, SessionBusyError | ConflictError):
         return 409
     if isinstance(exc, UsageError):
         return 422
@@ -361,6 +389,52 @@ def create_app(
         if not history:
             raise _HTTPError(404, "NotFound", "not found")
         return [info.model_dump(mode="json", exclude={"session_id"}) for info in history]
+
+    @app.post("/v1/sessions/{session_id}/revert")
+    async def revert_session(
+        session_id: str, revert: RevertRequest, tenant_id: str = Depends(tenant)
+    ) -> dict[str, Any]:
+        """Put the session back to an earlier version, as a new version: compare-and-set on
+        ``expected_version`` (409 when another writer moved the session since)."""
+        agent = agent_for(tenant_id)
+        key = agent.session_key(session_id)
+        if await agent.state.aget(key) is None:
+            raise _HTTPError(404, "NotFound", "not found")
+        try:
+            checkpoint = await agent.state.arevert(
+                key, expected_version=revert.expected_version, to_version=revert.version
+            )
+        except StateError as exc:
+            raise _HTTPError(404, "NotFound", str(exc)) from None
+        return {"session_id": session_id, "version": checkpoint.version}
+
+    @app.get("/v1/sessions/{session_id}/in-doubt")
+    async def session_in_doubt(
+        session_id: str, tenant_id: str = Depends(tenant)
+    ) -> list[dict[str, Any]]:
+        """Side-effecting calls of the session that started and recorded no result."""
+        agent = agent_for(tenant_id)
+        journal = _journal_of(agent)
+        entries = await asyncio.to_thread(journal.in_doubt, agent.session_key(session_id))
+        return [entry.model_dump(mode="json", exclude={"session_id"}) for entry in entries]
+
+    @app.post("/v1/tools/in-doubt/{key}/resolve")
+    async def resolve_in_doubt(
+        key: str, resolution: Resolution, tenant_id: str = Depends(tenant)
+    ) -> dict[str, Any]:
+        """An operator's verdict on an in-doubt call: what really happened. A resumed turn then
+        tells the model that, instead of running the tool again."""
+        agent = agent_for(tenant_id)
+        journal = _journal_of(agent)
+        entry = await journal.aget(key)
+        # A journal entry's session is a tenant-scoped session key ("tenant/session").
+        scope = agent.session_key("x")[: -len("x")]
+        if entry is None or not entry.session_id.startswith(scope) or not entry.in_doubt:
+            raise _HTTPError(404, "NotFound", "not found")
+        resolved = await asyncio.to_thread(
+            journal.resolve, key, ok=resolution.ok, content=resolution.content
+        )
+        return resolved.model_dump(mode="json", exclude={"session_id"})
 
     @app.get("/v1/runs")
     async def list_runs(
