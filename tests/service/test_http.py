@@ -5,84 +5,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 
-from keel.messages import Message
-from keel.runtime import open_backends
-from keel.service import APIKeys, ServiceAgents, create_app
-from keel.service._serve import sql_database
-from keel.settings import load_settings
-from keel.testing import ScriptedCall, ScriptedModel
-from keel.testing.servers import free_port
-from keel.tools import tool
-
-EMAIL = "ada@example.com"
-
-
-def _policy(call: ScriptedCall) -> Message | str:
-    last = call.messages[-1]
-    if last.role == "tool":
-        return f"Booked: {last.content}. I will write to {EMAIL}."
-    return ScriptedModel.tool_call("book", json.dumps({"city": call.last_user_text.split()[-1]}))
-
-
-@dataclass
-class Service:
-    url: str
-    keys: APIKeys
-    database: Path
-    booked: list[str]
-
-    def client(self, key: str | None) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[Service]:
-    import uvicorn
-
-    booked: list[str] = []
-
-    @tool(side_effect=True, idempotent=False)
-    def book(city: str) -> str:
-        """Book a trip.
-
-        Args:
-            city: Where to.
-        """
-        booked.append(city)
-        return f"trip to {city}"
-
-    path = tmp_path / "keel.db"
-    settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
-    backends = open_backends(f"sqlite:///{path}", memory=False, masker=None, settings=settings)
-    agents = ServiceAgents(
-        backends, ScriptedModel(_policy), system_prompt="You book trips.", tools=[book]
-    )
-    keys = APIKeys(sql_database(backends))
-    app = create_app(agents, keys, backends.traces, max_body_bytes=10_000)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield Service(f"http://127.0.0.1:{port}", keys, path, booked)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
-        backends.close()
+from tests.service.conftest import EMAIL, Service
 
 
 def _turn(client: httpx.Client, session: str, text: str, user: str = "u1") -> httpx.Response:
