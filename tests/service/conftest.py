@@ -45,7 +45,19 @@ class Service:
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[Service]:
+    yield from _service(tmp_path, memory=False)
+
+
+@pytest.fixture
+def memory_service(tmp_path: Path) -> Iterator[Service]:
+    """The service with long-term memory on (the hashing embedder: fast and offline)."""
+    yield from _service(tmp_path, memory=True)
+
+
+def _service(tmp_path: Path, *, memory: bool) -> Iterator[Service]:
     import uvicorn
+
+    from keel.privacy import PIIMasker
 
     booked: list[str] = []
 
@@ -61,7 +73,9 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
     path = tmp_path / "keel.db"
     settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
-    backends = open_backends(f"sqlite:///{path}", memory=False, masker=None, settings=settings)
+    backends = open_backends(
+        f"sqlite:///{path}", memory=memory, masker=PIIMasker(), settings=settings
+    )
     agents = ServiceAgents(
         backends, ScriptedModel(_policy), system_prompt="You book trips.", tools=[book]
     )

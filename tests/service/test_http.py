@@ -217,3 +217,28 @@ def test_in_doubt_calls_are_listed_and_resolved_within_the_tenant(service: Servi
         assert acme.get("/v1/sessions/s1/in-doubt").json() == []
         assert acme.post("/v1/tools/in-doubt/k-1/resolve", json=verdict).status_code == 404
     database.close()
+
+
+def test_memory_is_searched_added_and_forgotten_within_the_users_scope(
+    memory_service: Service,
+) -> None:
+    service = memory_service
+    with (
+        service.client(service.keys.create("acme")) as acme,
+        service.client(service.keys.create("globex")) as globex,
+    ):
+        added = acme.post("/v1/memory", json={"user": "u1", "text": f"My dog Rex; mail {EMAIL}"})
+        assert added.status_code == 201, added.text
+        record = added.json()
+        assert EMAIL not in json.dumps(record), "PII reached memory unmasked"
+        hits = acme.get("/v1/memory/search", params={"user": "u1", "q": "dog Rex"}).json()
+        assert [hit["record"]["id"] for hit in hits][:1] == [record["id"]]
+        assert "keyword_rank" in hits[0]
+        # Another user, and another tenant, find nothing and cannot forget it.
+        assert acme.get("/v1/memory/search", params={"user": "u2", "q": "dog Rex"}).json() == []
+        assert globex.get("/v1/memory/search", params={"user": "u1", "q": "dog Rex"}).json() == []
+        path = f"/v1/memory/{record['id']}"
+        assert globex.delete(path, params={"user": "u1"}).status_code == 404
+        assert acme.delete(path, params={"user": "u2"}).status_code == 404
+        assert acme.delete(path, params={"user": "u1"}).status_code == 200
+        assert acme.get("/v1/memory/search", params={"user": "u1", "q": "dog Rex"}).json() == []

@@ -19,7 +19,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +40,7 @@ from keel.runtime import TextDelta, TurnFinished
 from keel.tracing import RunQuery, RunStatus
 
 if TYPE_CHECKING:
+    from keel.memory import Memory
     from keel.runtime import Agent
     from keel.service._keys import APIKeys
     from keel.tools import ToolJournal
@@ -87,6 +88,16 @@ class Resolution(BaseModel):
 
     ok: bool = Field(description="Whether the call took effect.")
     content: str = Field(min_length=1, max_length=10_000, description="What to tell the model.")
+
+
+class MemoryAddition(BaseModel):
+    """A note to remember for one user."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user: str = Field(min_length=1, max_length=256)
+    text: str = Field(min_length=1, max_length=20_000)
+    kind: Literal["episodic", "semantic", "procedural"] = "semantic"
 
 
 class ChatMessage(BaseModel):
@@ -435,6 +446,61 @@ def create_app(
             journal.resolve, key, ok=resolution.ok, content=resolution.content
         )
         return resolved.model_dump(mode="json", exclude={"session_id"})
+
+    def memory_of(agent: Agent) -> Memory:
+        if agent.memory is None:
+            raise _HTTPError(404, "NotFound", "this service runs without long-term memory")
+        return agent.memory
+
+    @app.get("/v1/memory/search")
+    async def search_memory(
+        user: str = Query(min_length=1, max_length=256),
+        q: str = Query(min_length=1, max_length=2_000),
+        k: int = Query(default=10, ge=1, le=100),
+        tenant_id: str = Depends(tenant),
+    ) -> list[dict[str, Any]]:
+        """The user's most relevant memories for ``q``, with why each ranked."""
+        from keel.memory import Scope
+
+        memory = memory_of(agent_for(tenant_id))
+        hits = await memory.asearch(q, scope=Scope(tenant_id=tenant_id, user_id=user), k=k)
+        return [
+            {
+                "record": hit.record.model_dump(mode="json", exclude={"embedding"}),
+                "score": hit.score,
+                "keyword_rank": hit.keyword_rank,
+                "vector_rank": hit.vector_rank,
+            }
+            for hit in hits
+        ]
+
+    @app.post("/v1/memory", status_code=201)
+    async def add_memory(
+        record: MemoryAddition, tenant_id: str = Depends(tenant)
+    ) -> dict[str, Any]:
+        """Remember a note for the user (masked before it is stored; a user claim)."""
+        from keel.memory import Scope
+
+        memory = memory_of(agent_for(tenant_id))
+        added = await memory.aadd(
+            record.text, scope=Scope(tenant_id=tenant_id, user_id=record.user), kind=record.kind
+        )
+        return added.model_dump(mode="json", exclude={"embedding"})
+
+    @app.delete("/v1/memory/{record_id}")
+    async def forget_memory(
+        record_id: str,
+        user: str = Query(min_length=1, max_length=256),
+        tenant_id: str = Depends(tenant),
+    ) -> dict[str, Any]:
+        """Forget one of the user's memories (404 when the user has no such record)."""
+        from keel.memory import Scope
+
+        memory = memory_of(agent_for(tenant_id))
+        scope = Scope(tenant_id=tenant_id, user_id=user)
+        if not await asyncio.to_thread(memory.forget, scope, record_id):
+            raise _HTTPError(404, "NotFound", "not found")
+        return {"forgotten": record_id}
 
     @app.get("/v1/runs")
     async def list_runs(
