@@ -22,6 +22,7 @@ from keel.testing.servers import free_port
 from keel.tools import tool
 
 EMAIL = "ada@example.com"
+METRICS_TOKEN = "operator-token"
 
 
 def _policy(call: ScriptedCall) -> Message | str:
@@ -80,7 +81,14 @@ def _service(tmp_path: Path, *, memory: bool) -> Iterator[Service]:
         backends, ScriptedModel(_policy), system_prompt="You book trips.", tools=[book]
     )
     keys = APIKeys(sql_database(backends))
-    app = create_app(agents, keys, backends.traces, max_body_bytes=10_000)
+    app = create_app(
+        agents,
+        keys,
+        backends.traces,
+        max_body_bytes=10_000,
+        metrics_token=METRICS_TOKEN,
+        tenants=agents.tenants,
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -242,3 +242,20 @@ def test_memory_is_searched_added_and_forgotten_within_the_users_scope(
         assert acme.delete(path, params={"user": "u2"}).status_code == 404
         assert acme.delete(path, params={"user": "u1"}).status_code == 200
         assert acme.get("/v1/memory/search", params={"user": "u1", "q": "dog Rex"}).json() == []
+
+
+def test_metrics_need_the_operators_token_and_count_turns_and_indicators(
+    service: Service,
+) -> None:
+    from tests.service.conftest import METRICS_TOKEN
+
+    key = service.keys.create("acme")
+    with service.client(key) as acme:
+        _turn(acme, "s1", "Book Oslo")
+        assert acme.get("/metrics").status_code == 401, "a tenant key read the metrics"
+    with service.client(METRICS_TOKEN) as operator:
+        text = operator.get("/metrics").text
+    assert 'keel_turns_total{tenant="acme",status="completed"} 1' in text
+    assert 'keel_model_calls_window{tenant="acme"} 2' in text
+    assert 'keel_retry_rate{tenant="acme"} 0' in text
+    assert 'route="/v1/sessions/{session_id}/turns",status="200"} 1' in text

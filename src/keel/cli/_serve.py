@@ -108,6 +108,13 @@ def serve_command(
     ] = "You are a helpful, concise assistant.",
     memory: Annotated[bool, typer.Option(help="Use long-term memory.")] = True,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 1_000_000,
+    metrics_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KEEL_METRICS_TOKEN",
+            help="Token for GET /metrics (Prometheus); without one the route is off.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the agent over HTTP (sessions, turns as JSON or server-sent events, runs); every
     request needs an API key from `keel keys create --tenant T`."""
@@ -121,6 +128,7 @@ def serve_command(
         system_prompt=system_prompt,
         memory=memory,
         max_body_bytes=max_body_bytes,
+        metrics_token=metrics_token,
     )
 
     uvicorn.run(service, host=host, port=port, log_level="warning")

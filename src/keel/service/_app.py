@@ -15,15 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel.errors import (
@@ -36,7 +38,7 @@ from keel.errors import (
     StoreError,
     UsageError,
 )
-from keel.runtime import TextDelta, TurnFinished
+from keel.runtime import AgentReply, TextDelta, TurnFinished
 from keel.tracing import RunQuery, RunStatus
 
 if TYPE_CHECKING:
@@ -140,6 +142,11 @@ def _journal_of(agent: Agent) -> ToolJournal:
     return agent.journal
 
 
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _turn_id(idempotency_key: str | None) -> str | None:
     """The agent's turn id for a request's ``Idempotency-Key`` (bounded, plain characters)."""
     if idempotency_key is None:
@@ -167,6 +174,8 @@ def create_app(
     max_body_bytes: int = 1_000_000,
     key_cache_s: float = 30.0,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    metrics_token: str | None = None,
+    tenants: Callable[[], Iterable[str]] | None = None,
 ) -> FastAPI:
     """The service's FastAPI app.
 
@@ -178,6 +187,9 @@ def create_app(
         key_cache_s: how long a verified key is trusted without a look-up (a revoked key
             stops working within this time).
         on_shutdown: awaited when the server stops (close the agents' stores there).
+        metrics_token: the operator's token for ``/metrics`` (Prometheus text format); the
+            metrics name tenants, so without a token the route does not exist.
+        tenants: the tenants whose agents exist (their death-spiral indicators are exported).
     """
 
     @contextlib.asynccontextmanager
@@ -220,12 +232,24 @@ def create_app(
         message = "not found" if status == 404 else str(exc)
         return error(status, "NotFound" if status == 404 else type(exc).__name__, message)
 
+    requests: Counter[tuple[str, str, int]] = Counter()
+    turns: Counter[tuple[str, str]] = Counter()
+
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Any) -> Any:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return error(413, "BodyTooLarge", f"the body is over {max_body_bytes} bytes")
-        return await call_next(request)
+            response: Any = error(413, "BodyTooLarge", f"the body is over {max_body_bytes} bytes")
+        else:
+            response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        requests[(request.method, path, response.status_code)] += 1
+        return response
+
+    def counted(tenant_id: str, reply: AgentReply) -> AgentReply:
+        turns[(tenant_id, reply.status)] += 1
+        return reply
 
     def tenant(authorization: str | None = Header(default=None)) -> str:
         scheme, _, key = (authorization or "").partition(" ")
@@ -240,6 +264,59 @@ def create_app(
             raise _HTTPError(401, "Unauthorized", "unknown or revoked API key")
         verified[fingerprint] = (found, time.monotonic() + key_cache_s)
         return found
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(authorization: str | None = Header(default=None)) -> Any:
+        """Prometheus metrics: requests, turns by status, and each tenant agent's death-spiral
+        indicators (retry rate, tokens per call, state resets, time to first token)."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if metrics_token is None:
+            raise _HTTPError(404, "NotFound", "not found")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token, metrics_token):
+            raise _HTTPError(401, "Unauthorized", "send Authorization: Bearer <metrics token>")
+        lines = [
+            "# HELP keel_http_requests_total HTTP requests by method, route and status.",
+            "# TYPE keel_http_requests_total counter",
+        ]
+        for (method, path, status), count in sorted(requests.items()):
+            lines.append(
+                f'keel_http_requests_total{{method="{method}",route="{_label(path)}",'
+                f'status="{status}"}} {count}'
+            )
+        lines += [
+            "# HELP keel_turns_total Turns by tenant and how they ended.",
+            "# TYPE keel_turns_total counter",
+        ]
+        for (tenant_id, ended), count in sorted(turns.items()):
+            lines.append(
+                f'keel_turns_total{{tenant="{_label(tenant_id)}",status="{ended}"}} {count}'
+            )
+        gauges: dict[str, tuple[str, str]] = {
+            "keel_model_calls_window": ("Model calls in the indicators' window.", "calls"),
+            "keel_retry_rate": ("Share of model calls that were retries.", "retry_rate"),
+            "keel_prompt_tokens_per_call": ("Average prompt tokens per call.", "avg_prompt_tokens"),
+            "keel_state_resets": ("Workflow state resets in the window.", "state_resets"),
+            "keel_ttft_ms": ("Average time to first token.", "avg_ttft_ms"),
+        }
+        snapshots = []
+        for tenant_id in sorted(tenants() if tenants is not None else ()):
+            agent = agent_for(tenant_id)
+            snapshots.append((tenant_id, agent.monitor.snapshot(agent=agent.name)))
+        for name, (help_text, field) in gauges.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+            for tenant_id, snapshot in snapshots:
+                measured = getattr(snapshot, field)
+                if measured is not None:
+                    lines.append(f'{name}{{tenant="{_label(tenant_id)}"}} {float(measured):g}')
+        lines += [
+            "# HELP keel_spiral_warnings Death-spiral indicators past their thresholds.",
+            "# TYPE keel_spiral_warnings gauge",
+        ]
+        for tenant_id, snapshot in snapshots:
+            lines.append(
+                f'keel_spiral_warnings{{tenant="{_label(tenant_id)}"}} {len(snapshot.warnings)}'
+            )
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -266,13 +343,15 @@ def create_app(
             reply = await agent.run(
                 turn.message, session=session_id, user=turn.user, turn_id=turn_id
             )
-            return reply.model_dump(mode="json")
+            return counted(tenant_id, reply).model_dump(mode="json")
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for event in agent.stream(
                     turn.message, session=session_id, user=turn.user, turn_id=turn_id
                 ):
+                    if isinstance(event, TurnFinished):
+                        counted(tenant_id, event.reply)
                     payload = event.model_dump_json()
                     yield f"event: {event.type}\ndata: {payload}\n\n".encode()
             except KeelError as exc:
@@ -311,7 +390,10 @@ def create_app(
         turn_id = _turn_id(idempotency_key)
         created = int(time.time())
         if not body.stream:
-            reply = await agent.run(text, session=session_id, user=user_id, turn_id=turn_id)
+            reply = counted(
+                tenant_id,
+                await agent.run(text, session=session_id, user=user_id, turn_id=turn_id),
+            )
             run = traces.get_run(reply.run_id)
             prompt = run.prompt_tokens if run is not None else 0
             completion = run.completion_tokens if run is not None else 0
@@ -357,6 +439,7 @@ def create_app(
                         shown += event.text
                         yield chunk({"content": event.text}, None, completion_id)
                     elif isinstance(event, TurnFinished):
+                        counted(tenant_id, event.reply)
                         # The reply is authoritative: what it adds to the text shown, if the
                         # streamed attempt was withdrawn or the turn ended with a message.
                         rest = event.reply.text

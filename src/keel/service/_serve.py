@@ -69,6 +69,10 @@ class ServiceAgents:
             )
         return agent
 
+    def tenants(self) -> list[str]:
+        """The tenants whose agent was made."""
+        return list(self._agents)
+
     async def aclose(self) -> None:
         """Close the model's clients and the stores."""
         await self.model.aclose()
@@ -93,6 +97,7 @@ def build_service(
     redis_url: str | None = None,
     memory: bool = True,
     max_body_bytes: int = 1_000_000,
+    metrics_token: str | None = None,
     **agent_options: Any,
 ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
     """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
@@ -120,6 +125,12 @@ def build_service(
         backends.close()
         raise
     app = create_app(
-        agents, keys, backends.traces, max_body_bytes=max_body_bytes, on_shutdown=agents.aclose
+        agents,
+        keys,
+        backends.traces,
+        max_body_bytes=max_body_bytes,
+        on_shutdown=agents.aclose,
+        metrics_token=metrics_token,
+        tenants=agents.tenants,
     )
     return app, agents, keys
