@@ -14,7 +14,7 @@ import pytest
 
 from keel.messages import Message
 from keel.runtime import open_backends
-from keel.service import APIKeys, ServiceAgents, create_app
+from keel.service import APIKeys, RateLimiter, ServiceAgents, create_app
 from keel.service._serve import sql_database
 from keel.settings import load_settings
 from keel.testing import ScriptedCall, ScriptedModel
@@ -50,12 +50,22 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
 
 @pytest.fixture
+def limited_service(tmp_path: Path, redis_server_url: str) -> Iterator[Service]:
+    """The service allowing 3 requests per key and minute, counted in a real Redis, on a
+    clock that stands still (no minute rolls over mid-test)."""
+    limiter = RateLimiter(3, redis_url=redis_server_url, clock=lambda: 6_000.0)
+    yield from _service(tmp_path, memory=False, rate_limiter=limiter)
+
+
+@pytest.fixture
 def memory_service(tmp_path: Path) -> Iterator[Service]:
     """The service with long-term memory on (the hashing embedder: fast and offline)."""
     yield from _service(tmp_path, memory=True)
 
 
-def _service(tmp_path: Path, *, memory: bool) -> Iterator[Service]:
+def _service(
+    tmp_path: Path, *, memory: bool, rate_limiter: RateLimiter | None = None
+) -> Iterator[Service]:
     import uvicorn
 
     from keel.privacy import PIIMasker
@@ -88,6 +98,7 @@ def _service(tmp_path: Path, *, memory: bool) -> Iterator[Service]:
         max_body_bytes=10_000,
         metrics_token=METRICS_TOKEN,
         tenants=agents.tenants,
+        rate_limiter=rate_limiter,
     )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

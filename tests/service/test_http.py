@@ -259,3 +259,16 @@ def test_metrics_need_the_operators_token_and_count_turns_and_indicators(
     assert 'keel_model_calls_window{tenant="acme"} 2' in text
     assert 'keel_retry_rate{tenant="acme"} 0' in text
     assert 'route="/v1/sessions/{session_id}/turns",status="200"} 1' in text
+
+
+def test_a_key_over_its_rate_gets_429_with_retry_after(limited_service: Service) -> None:
+    service = limited_service
+    with (
+        service.client(service.keys.create("acme")) as first,
+        service.client(service.keys.create("acme")) as second,
+    ):
+        assert [first.get("/v1/runs").status_code for _ in range(3)] == [200, 200, 200]
+        limited = first.get("/v1/runs")
+        assert limited.status_code == 429 and limited.json()["error"]["type"] == "RateLimited"
+        assert 1 <= int(limited.headers["Retry-After"]) <= 60
+        assert second.get("/v1/runs").status_code == 200, "the limit is per key"

@@ -108,6 +108,10 @@ def serve_command(
     ] = "You are a helpful, concise assistant.",
     memory: Annotated[bool, typer.Option(help="Use long-term memory.")] = True,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 1_000_000,
+    rate_limit: Annotated[
+        int | None,
+        typer.Option(help="Requests per API key and minute (429 beyond; off when not given)."),
+    ] = None,
     metrics_token: Annotated[
         str | None,
         typer.Option(
@@ -129,6 +133,7 @@ def serve_command(
         memory=memory,
         max_body_bytes=max_body_bytes,
         metrics_token=metrics_token,
+        rate_limit_per_minute=rate_limit,
     )
 
     uvicorn.run(service, host=host, port=port, log_level="warning")

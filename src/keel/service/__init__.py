@@ -7,6 +7,15 @@ from __future__ import annotations
 
 from keel.service._app import TurnRequest, create_app
 from keel.service._keys import APIKey, APIKeys
+from keel.service._limits import RateLimiter
 from keel.service._serve import ServiceAgents, build_service
 
-__all__ = ["APIKey", "APIKeys", "ServiceAgents", "TurnRequest", "build_service", "create_app"]
+__all__ = [
+    "APIKey",
+    "APIKeys",
+    "RateLimiter",
+    "ServiceAgents",
+    "TurnRequest",
+    "build_service",
+    "create_app",
+]

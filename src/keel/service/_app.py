@@ -39,6 +39,7 @@ from keel.errors import (
     UsageError,
 )
 from keel.runtime import AgentReply, TextDelta, TurnFinished
+from keel.service._limits import RateLimiter
 from keel.tracing import RunQuery, RunStatus
 
 if TYPE_CHECKING:
@@ -154,6 +155,14 @@ def _turn_id(idempotency_key: str | None) -> str | None:
     return "idem-" + hashlib.sha256(idempotency_key.encode()).hexdigest()[:40]
 
 
+class _RateLimited(_HTTPError):
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(
+            429, "RateLimited", f"too many requests for this key; retry in {retry_after_s:g} s"
+        )
+        self.retry_after_s = retry_after_s
+
+
 def _error_status(exc: KeelError) -> int:
     if isinstance(exc, AccessDeniedError):
         return 404  # another user's session: as if it did not exist
@@ -176,6 +185,7 @@ def create_app(
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     metrics_token: str | None = None,
     tenants: Callable[[], Iterable[str]] | None = None,
+    rate_limiter: RateLimiter | None = None,
 ) -> FastAPI:
     """The service's FastAPI app.
 
@@ -190,6 +200,7 @@ def create_app(
         metrics_token: the operator's token for ``/metrics`` (Prometheus text format); the
             metrics name tenants, so without a token the route does not exist.
         tenants: the tenants whose agents exist (their death-spiral indicators are exported).
+        rate_limiter: requests per key and minute; over it, 429 with ``Retry-After``.
     """
 
     @contextlib.asynccontextmanager
@@ -213,7 +224,10 @@ def create_app(
 
     @app.exception_handler(_HTTPError)
     async def on_http_error(request: Request, exc: _HTTPError) -> JSONResponse:
-        return error(exc.status, exc.kind, exc.message)
+        response = error(exc.status, exc.kind, exc.message)
+        if isinstance(exc, _RateLimited):
+            response.headers["Retry-After"] = str(int(exc.retry_after_s))
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -264,6 +278,16 @@ def create_app(
             raise _HTTPError(401, "Unauthorized", "unknown or revoked API key")
         verified[fingerprint] = (found, time.monotonic() + key_cache_s)
         return found
+
+    async def limited_tenant(
+        tenant_id: str = Depends(tenant), authorization: str | None = Header(default=None)
+    ) -> str:
+        if rate_limiter is not None:
+            fingerprint = hashlib.sha256((authorization or "").encode()).hexdigest()[:32]
+            wait = await rate_limiter.check(fingerprint)
+            if wait is not None:
+                raise _RateLimited(wait)
+        return tenant_id
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(authorization: str | None = Header(default=None)) -> Any:
@@ -328,7 +352,7 @@ def create_app(
         session_id: str,
         turn: TurnRequest,
         request: Request,
-        tenant_id: str = Depends(tenant),
+        tenant_id: str = Depends(limited_tenant),
         idempotency_key: str | None = Header(default=None, max_length=255),
     ) -> Any:
         """Send one user message. ``Accept: text/event-stream`` streams the turn's events
@@ -366,7 +390,7 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
         body: ChatCompletionRequest,
-        tenant_id: str = Depends(tenant),
+        tenant_id: str = Depends(limited_tenant),
         x_keel_session: str | None = Header(default=None, max_length=256),
         x_keel_user: str | None = Header(default=None, max_length=256),
         idempotency_key: str | None = Header(default=None, max_length=255),
@@ -459,7 +483,9 @@ def create_app(
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
     @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str, tenant_id: str = Depends(tenant)) -> dict[str, Any]:
+    async def get_session(
+        session_id: str, tenant_id: str = Depends(limited_tenant)
+    ) -> dict[str, Any]:
         """The session's committed state and version."""
         agent = agent_for(tenant_id)
         checkpoint = await agent.state.aget(agent.session_key(session_id))
@@ -474,7 +500,7 @@ def create_app(
     @app.get("/v1/sessions/{session_id}/checkpoints")
     async def get_checkpoints(
         session_id: str,
-        tenant_id: str = Depends(tenant),
+        tenant_id: str = Depends(limited_tenant),
         limit: int = Query(default=50, ge=1, le=1000),
     ) -> list[dict[str, Any]]:
         """The session's checkpoint history, newest first."""
@@ -486,7 +512,7 @@ def create_app(
 
     @app.post("/v1/sessions/{session_id}/revert")
     async def revert_session(
-        session_id: str, revert: RevertRequest, tenant_id: str = Depends(tenant)
+        session_id: str, revert: RevertRequest, tenant_id: str = Depends(limited_tenant)
     ) -> dict[str, Any]:
         """Put the session back to an earlier version, as a new version: compare-and-set on
         ``expected_version`` (409 when another writer moved the session since)."""
@@ -504,7 +530,7 @@ def create_app(
 
     @app.get("/v1/sessions/{session_id}/in-doubt")
     async def session_in_doubt(
-        session_id: str, tenant_id: str = Depends(tenant)
+        session_id: str, tenant_id: str = Depends(limited_tenant)
     ) -> list[dict[str, Any]]:
         """Side-effecting calls of the session that started and recorded no result."""
         agent = agent_for(tenant_id)
@@ -514,7 +540,7 @@ def create_app(
 
     @app.post("/v1/tools/in-doubt/{key}/resolve")
     async def resolve_in_doubt(
-        key: str, resolution: Resolution, tenant_id: str = Depends(tenant)
+        key: str, resolution: Resolution, tenant_id: str = Depends(limited_tenant)
     ) -> dict[str, Any]:
         """An operator's verdict on an in-doubt call: what really happened. A resumed turn then
         tells the model that, instead of running the tool again."""
@@ -540,7 +566,7 @@ def create_app(
         user: str = Query(min_length=1, max_length=256),
         q: str = Query(min_length=1, max_length=2_000),
         k: int = Query(default=10, ge=1, le=100),
-        tenant_id: str = Depends(tenant),
+        tenant_id: str = Depends(limited_tenant),
     ) -> list[dict[str, Any]]:
         """The user's most relevant memories for ``q``, with why each ranked."""
         from keel.memory import Scope
@@ -559,7 +585,7 @@ def create_app(
 
     @app.post("/v1/memory", status_code=201)
     async def add_memory(
-        record: MemoryAddition, tenant_id: str = Depends(tenant)
+        record: MemoryAddition, tenant_id: str = Depends(limited_tenant)
     ) -> dict[str, Any]:
         """Remember a note for the user (masked before it is stored; a user claim)."""
         from keel.memory import Scope
@@ -574,7 +600,7 @@ def create_app(
     async def forget_memory(
         record_id: str,
         user: str = Query(min_length=1, max_length=256),
-        tenant_id: str = Depends(tenant),
+        tenant_id: str = Depends(limited_tenant),
     ) -> dict[str, Any]:
         """Forget one of the user's memories (404 when the user has no such record)."""
         from keel.memory import Scope
@@ -587,7 +613,7 @@ def create_app(
 
     @app.get("/v1/runs")
     async def list_runs(
-        tenant_id: str = Depends(tenant),
+        tenant_id: str = Depends(limited_tenant),
         session: str | None = None,
         status: RunStatus | None = None,
         limit: int = Query(default=50, ge=1, le=1000),
@@ -597,7 +623,7 @@ def create_app(
         return [run.model_dump(mode="json") for run in traces.list_runs(query)]
 
     @app.get("/v1/runs/{run_id}")
-    async def get_run(run_id: str, tenant_id: str = Depends(tenant)) -> dict[str, Any]:
+    async def get_run(run_id: str, tenant_id: str = Depends(limited_tenant)) -> dict[str, Any]:
         """One run with its steps."""
         detail = traces.get_run_detail(run_id)
         if detail is None or detail.run.tenant_id != tenant_id:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from keel.privacy import PIIMasker
 from keel.service._app import create_app
 from keel.service._keys import APIKeys
+from keel.service._limits import RateLimiter
 from keel.stores import PostgresDatabase, SQLiteDatabase
 
 if TYPE_CHECKING:
@@ -98,10 +99,14 @@ def build_service(
     memory: bool = True,
     max_body_bytes: int = 1_000_000,
     metrics_token: str | None = None,
+    rate_limit_per_minute: int | None = None,
     **agent_options: Any,
 ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
     """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
-    its app, its agents (close them with ``aclose``) and its API keys."""
+    its app, its agents (close them with ``aclose``) and its API keys.
+
+    ``rate_limit_per_minute``: requests per key and minute (429 beyond), counted in Redis when
+    there is one, so that every worker sees the same count."""
     from keel.models import ChatModel, resolve_model
     from keel.runtime import open_backends
     from keel.settings import load_settings
@@ -124,13 +129,26 @@ def build_service(
     except BaseException:
         backends.close()
         raise
+    redis = redis_url if redis_url is not None else settings.redis_url
+    limiter = (
+        None
+        if rate_limit_per_minute is None
+        else RateLimiter(rate_limit_per_minute, redis_url=redis)
+    )
+
+    async def shutdown() -> None:
+        if limiter is not None:
+            await limiter.aclose()
+        await agents.aclose()
+
     app = create_app(
         agents,
         keys,
         backends.traces,
         max_body_bytes=max_body_bytes,
-        on_shutdown=agents.aclose,
+        on_shutdown=shutdown,
         metrics_token=metrics_token,
         tenants=agents.tenants,
+        rate_limiter=limiter,
     )
     return app, agents, keys
