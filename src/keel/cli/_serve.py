@@ -108,6 +108,9 @@ def serve_command(
     ] = "You are a helpful, concise assistant.",
     memory: Annotated[bool, typer.Option(help="Use long-term memory.")] = True,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 1_000_000,
+    workers: Annotated[
+        int, typer.Option(min=1, help="Worker processes (any of them serves any session).")
+    ] = 1,
     rate_limit: Annotated[
         int | None,
         typer.Option(help="Requests per API key and minute (429 beyond; off when not given)."),
@@ -121,19 +124,36 @@ def serve_command(
     ] = None,
 ) -> None:
     """Serve the agent over HTTP (sessions, turns as JSON or server-sent events, runs); every
-    request needs an API key from `keel keys create --tenant T`."""
+    request needs an API key from `keel keys create --tenant T`. With --workers N, N processes
+    serve any session each, on the same database (use PostgreSQL, and Redis, to scale out)."""
+    import json
+    import os
+
     import uvicorn
 
     from keel.service import build_service
+    from keel.service._factory import SERVE_ENV
 
-    service, _, _ = build_service(
-        database,
-        model=model,
-        system_prompt=system_prompt,
-        memory=memory,
-        max_body_bytes=max_body_bytes,
-        metrics_token=metrics_token,
-        rate_limit_per_minute=rate_limit,
-    )
-
+    options = {
+        "database": database,
+        "model": model,
+        "system_prompt": system_prompt,
+        "memory": memory,
+        "max_body_bytes": max_body_bytes,
+        "metrics_token": metrics_token,
+        "rate_limit_per_minute": rate_limit,
+    }
+    if workers > 1:
+        # Each worker process builds its own service from these options.
+        os.environ[SERVE_ENV] = json.dumps(options)
+        uvicorn.run(
+            "keel.service._factory:create",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level="warning",
+        )
+        return
+    service, _, _ = build_service(**options)  # type: ignore[arg-type]
     uvicorn.run(service, host=host, port=port, log_level="warning")

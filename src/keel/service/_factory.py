@@ -1,0 +1,30 @@
+"""The app factory uvicorn's worker processes import: each builds its own service from the
+``KEEL_SERVE_*`` environment ``keel serve --workers N`` set, on the same database (and Redis).
+
+Workers share nothing in memory; correctness comes from the stores: compare-and-set on every
+checkpoint, and the session lease (in the state store: SQLite, PostgreSQL or Redis) that lets
+one turn of a session run at a time, whichever worker took it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = ["SERVE_ENV", "create"]
+
+SERVE_ENV = "KEEL_SERVE_OPTIONS"
+"""The environment variable holding the service's options (JSON) for the workers."""
+
+
+def create() -> FastAPI:
+    """The service, from ``KEEL_SERVE_OPTIONS`` (uvicorn calls this once per worker)."""
+    from keel.service._serve import build_service
+
+    options = json.loads(os.environ.get(SERVE_ENV, "{}"))
+    app, _, _ = build_service(**options)
+    return app
