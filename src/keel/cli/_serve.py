@@ -155,5 +155,10 @@ def serve_command(
             log_level="warning",
         )
         return
-    service, _, _ = build_service(**options)  # type: ignore[arg-type]
-    uvicorn.run(service, host=host, port=port, log_level="warning")
+    from keel.service import Drain, DrainingServer
+
+    drain = Drain()
+    service, _, _ = build_service(**options, drain=drain)  # type: ignore[arg-type]
+    # SIGTERM: turns in flight finish, new ones get 503, then the server stops.
+    config = uvicorn.Config(service, host=host, port=port, log_level="warning")
+    DrainingServer(config, drain).run()

@@ -6,6 +6,7 @@ Needs the ``server`` extra (FastAPI, uvicorn): ``pip install 'keel[server]'``.
 from __future__ import annotations
 
 from keel.service._app import TurnRequest, create_app
+from keel.service._drain import Drain, DrainingServer
 from keel.service._keys import APIKey, APIKeys
 from keel.service._limits import RateLimiter
 from keel.service._serve import ServiceAgents, build_service
@@ -13,6 +14,8 @@ from keel.service._serve import ServiceAgents, build_service
 __all__ = [
     "APIKey",
     "APIKeys",
+    "Drain",
+    "DrainingServer",
     "RateLimiter",
     "ServiceAgents",
     "TurnRequest",

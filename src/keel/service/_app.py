@@ -39,6 +39,7 @@ from keel.errors import (
     UsageError,
 )
 from keel.runtime import AgentReply, TextDelta, TurnFinished
+from keel.service._drain import Drain
 from keel.service._limits import RateLimiter
 from keel.tracing import RunQuery, RunStatus
 
@@ -186,6 +187,7 @@ def create_app(
     metrics_token: str | None = None,
     tenants: Callable[[], Iterable[str]] | None = None,
     rate_limiter: RateLimiter | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The service's FastAPI app.
 
@@ -201,6 +203,8 @@ def create_app(
             metrics name tenants, so without a token the route does not exist.
         tenants: the tenants whose agents exist (their death-spiral indicators are exported).
         rate_limiter: requests per key and minute; over it, 429 with ``Retry-After``.
+        drain: shared with a :class:`DrainingServer`: while it drains, new turns get 503 and
+            the turns in flight are counted until they end.
     """
 
     @contextlib.asynccontextmanager
@@ -249,11 +253,38 @@ def create_app(
     requests: Counter[tuple[str, str, int]] = Counter()
     turns: Counter[tuple[str, str]] = Counter()
 
+    turn_paths = ("/turns", "/chat/completions")
+
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Any) -> Any:
         length = request.headers.get("content-length")
+        is_turn = request.method == "POST" and request.url.path.endswith(turn_paths)
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
             response: Any = error(413, "BodyTooLarge", f"the body is over {max_body_bytes} bytes")
+        elif is_turn and drain is not None and drain.draining:
+            response = error(503, "Draining", "this server is shutting down; send it elsewhere")
+            response.headers["Retry-After"] = "1"
+        elif is_turn and drain is not None:
+            drain.enter()
+            try:
+                response = await call_next(request)
+            except BaseException:
+                drain.leave()
+                raise
+            body = getattr(response, "body_iterator", None)
+            if body is not None:
+                # A streamed turn runs while its body is sent: it leaves when that ends.
+
+                async def counted_body() -> AsyncIterator[Any]:
+                    try:
+                        async for piece in body:
+                            yield piece
+                    finally:
+                        drain.leave()
+
+                response.body_iterator = counted_body()
+            else:
+                drain.leave()
         else:
             response = await call_next(request)
         route = request.scope.get("route")

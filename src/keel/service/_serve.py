@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from keel.privacy import PIIMasker
 from keel.service._app import create_app
+from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
 from keel.stores import PostgresDatabase, SQLiteDatabase
@@ -100,6 +101,7 @@ def build_service(
     max_body_bytes: int = 1_000_000,
     metrics_token: str | None = None,
     rate_limit_per_minute: int | None = None,
+    drain: Drain | None = None,
     **agent_options: Any,
 ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
     """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
@@ -150,5 +152,6 @@ def build_service(
         metrics_token=metrics_token,
         tenants=agents.tenants,
         rate_limiter=limiter,
+        drain=drain,
     )
     return app, agents, keys
