@@ -260,3 +260,20 @@ async def test_identities_are_keyword_only(database: SQLiteDatabase) -> None:
 
 def test_reply_statuses_are_the_loop_statuses_and_failed() -> None:
     assert set(get_args(AgentStatus)) == {*get_args(LoopStatus), "failed"}
+
+
+async def test_streamed_prefixes_stay_out_of_the_maskers_cache(database: SQLiteDatabase) -> None:
+    from keel.privacy import PIIMasker
+
+    masker = PIIMasker()
+    agent = Agent(
+        ScriptedModel(["word " * 80]),
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You help.",
+        masker=masker,
+    )
+    events = await _events(agent, "hello")
+    assert len([e for e in events if isinstance(e, TextDelta)]) > 40
+    cached = sum(len(results) for _, results in masker._results.values())
+    # The messages (user text, the reply) are cached, not each of the 100 prefixes streamed.
+    assert cached < 10, cached

@@ -127,9 +127,13 @@ class PIIMasker:
             found = _merge(found, _presidio_findings(self._presidio, text))
         return [finding for finding in found if finding.text not in policy.allow]
 
-    def mask(self, text: str, *, tenant_id: str | None = None) -> MaskResult:
-        """Mask ``text`` under the tenant's policy."""
-        if len(text) > _CACHED_TEXT_CHARS:
+    def mask(self, text: str, *, tenant_id: str | None = None, remember: bool = True) -> MaskResult:
+        """Mask ``text`` under the tenant's policy.
+
+        ``remember=False`` leaves the result out of the masker's cache: for texts that will not
+        come again (each longer prefix of a streamed reply), which would only push out the
+        ones that do."""
+        if not remember or len(text) > _CACHED_TEXT_CHARS:
             return self._mask(text, tenant_id)
         policy = self.policy_for(tenant_id)
         kept = self._results.get(id(policy))
@@ -181,9 +185,9 @@ class PIIMasker:
         policy = self.policy_for(tenant_id)
         return not self._extra and not (policy.presidio and self._presidio is not None)
 
-    def mask_text(self, text: str, *, tenant_id: str | None = None) -> str:
-        """Just the masked text."""
-        return self.mask(text, tenant_id=tenant_id).text
+    def mask_text(self, text: str, *, tenant_id: str | None = None, remember: bool = True) -> str:
+        """Just the masked text (``remember``: as :meth:`mask`)."""
+        return self.mask(text, tenant_id=tenant_id, remember=remember).text
 
     def __call__(self, text: str, *, tenant_id: str | None = None) -> str:
         return self.mask_text(text, tenant_id=tenant_id)

@@ -1128,9 +1128,14 @@ class Agent:
                 return
             masker = turn.streamed_text.get(step)
             if masker is None:
+                policy = self.masker
+                tenant_id = self.tenant_id
                 masker = turn.streamed_text[step] = StreamMasker(
-                    lambda whole: self._mask(_sanitize(whole)),
-                    by_word=self.masker.streams_by_word(self.tenant_id),
+                    # Each call masks a longer prefix, never seen again: not worth caching.
+                    lambda whole: policy.mask_text(
+                        _sanitize(whole), tenant_id=tenant_id, remember=False
+                    ),
+                    by_word=policy.streams_by_word(tenant_id),
                 )
             released = masker.feed(text)
             if released:
