@@ -6,40 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from keel.bench.models import TOOL_SCHEMAS
 from keel.models import LocalModel, RetryPolicy
 from keel.testing import FaultServer
 from keel.testing.servers import llama_server
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "description": "City name"}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "book_flight",
-            "description": "Book a flight",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "origin": {"type": "string"},
-                    "destination": {"type": "string"},
-                    "date": {"type": "string"},
-                },
-                "required": ["origin", "destination"],
-            },
-        },
-    },
-]
+# The tools the model tests offer: the same two ``keel bench models`` counts calls of.
+TOOLS = TOOL_SCHEMAS
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from keel.bench.models import valid_call
 from keel.errors import ContextLengthExceededError, ModelTimeoutError, TruncatedResponseError
 from keel.messages import Message, ToolCall
 from keel.models import Completion, LocalModel, ModelOptions, loaded_local_models
@@ -65,21 +66,6 @@ async def test_required_tool_call_is_valid_json_by_grammar(local_model: LocalMod
     assert completion.tool_call_errors == ()
 
 
-def _valid_for_its_tool(call: ToolCall) -> bool:
-    """The call names an offered tool and its arguments follow that tool's schema."""
-    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
-    schema = schemas.get(call.name)
-    if schema is None:
-        return False
-    arguments = json.loads(call.arguments)
-    types = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
-    properties = schema["properties"]
-    return set(schema.get("required", ())) <= set(arguments) and all(
-        name in properties and isinstance(value, types[properties[name]["type"]])
-        for name, value in arguments.items()
-    )
-
-
 async def test_with_tools_offered_every_call_is_valid_for_its_schema(
     local_model: LocalModel,
 ) -> None:
@@ -87,12 +73,14 @@ async def test_with_tools_offered_every_call_is_valid_for_its_schema(
     for prompt in ("What is the weather in Paris?", "Book flight SK123 for 2 people."):
         completion = await local_model.acomplete([Message.user(prompt)], TOOLS, required)
         (call,) = completion.message.tool_calls
-        assert _valid_for_its_tool(call), call
+        assert valid_call(call.name, call.arguments, TOOLS), call
     # Free to answer (tool_choice auto): prose stays prose, and a call, if any, is valid.
     auto = ModelOptions(max_tokens=60, temperature=0, allow_truncated=True)
     completion = await local_model.acomplete([Message.user("Hello! Who are you?")], TOOLS, auto)
     assert completion.tool_call_errors == ()
-    assert all(_valid_for_its_tool(call) for call in completion.message.tool_calls)
+    assert all(
+        valid_call(call.name, call.arguments, TOOLS) for call in completion.message.tool_calls
+    )
     assert completion.message.tool_calls or completion.text
 
 

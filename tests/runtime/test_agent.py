@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,6 @@ from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
 from keel.stores._sqlite_traces import SQLiteTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tracing import RunQuery, Tracer
-
-
-@pytest.fixture
-def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
-    db = SQLiteDatabase(tmp_path / "keel.db")
-    yield db
-    db.close()
 
 
 def _agent(

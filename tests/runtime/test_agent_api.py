@@ -5,9 +5,7 @@ turn, and the agent as a context manager."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
@@ -16,34 +14,10 @@ from typing_extensions import TypedDict
 from keel.errors import UsageError
 from keel.messages import Message
 from keel.models import ModelOptions
-from keel.runtime import Agent
-from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, ToolContext, tool
-
-
-@pytest.fixture
-def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
-    db = SQLiteDatabase(tmp_path / "keel.db")
-    yield db
-    db.close()
-
-
-def _agent(
-    database: SQLiteDatabase,
-    model: ScriptedModel,
-    tools: list[Tool] | None = None,
-    **options: object,
-) -> Agent:
-    return Agent(
-        model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
-        system_prompt="You help.",
-        tools=tools or [],
-        journal=SQLiteToolJournal(database),
-        **options,  # type: ignore[arg-type]
-    )
+from tests.runtime.conftest import sqlite_agent
 
 
 class Booking(BaseModel):
@@ -66,7 +40,7 @@ async def test_an_output_type_answer_is_validated_corrected_and_returned(
             '{"flight": "SK1", "seats": 2, "contact": "ann@example.com"}',
         ]
     )
-    agent = _agent(database, model, output_type=Booking)
+    agent = sqlite_agent(database, model, output_type=Booking)
     reply = await agent.run("Book SK1 for two", session="s1", user="u1")
     assert reply.status == "completed"
     assert reply.output == Booking(flight="SK1", seats=2, contact="ann@example.com")
@@ -85,7 +59,7 @@ async def test_an_output_type_answer_is_validated_corrected_and_returned(
 
 async def test_an_output_type_per_turn_and_a_bounded_retry(database: SQLiteDatabase) -> None:
     model = ScriptedModel(['{"price": 12.5, "currency": "EUR"}', "no idea"], repeat_last=True)
-    agent = _agent(database, model)
+    agent = sqlite_agent(database, model)
     reply = await agent.run("Price?", session="s1", user="u1", output_type=Quote)
     assert reply.output == {"price": 12.5, "currency": "EUR"}
     plain = await agent.run("Thanks", session="s1", user="u1")
@@ -119,7 +93,7 @@ async def test_tools_get_their_context_and_the_callers_deps(database: SQLiteData
         return ScriptedModel.tool_call("balance", json.dumps({"account": "A1"}))
 
     model = ScriptedModel(policy)
-    agent = _agent(database, model, [balance], tenant_id="acme")
+    agent = sqlite_agent(database, model, [balance], tenant_id="acme")
     reply = await agent.run("balance?", session="s1", user="u7", deps=Bank({"A1": 42}))
     assert reply.text == "Balance: 42"
     (context,) = seen
@@ -136,7 +110,7 @@ async def test_tools_get_their_context_and_the_callers_deps(database: SQLiteData
 
 async def test_model_options_per_agent_and_per_turn(database: SQLiteDatabase) -> None:
     model = ScriptedModel(["one", "two"])
-    agent = _agent(
+    agent = sqlite_agent(
         database, model, model_options=ModelOptions(temperature=0.2, seed=7, stop=("END",))
     )
     await agent.run("a", session="s1", user="u1")
@@ -172,10 +146,10 @@ def _books(call: ScriptedCall) -> Message | str:
 
 async def test_a_turn_sent_again_with_its_turn_id_runs_once(database: SQLiteDatabase) -> None:
     booked: list[str] = []
-    agent = _agent(database, ScriptedModel(_books), [_booker(booked)])
+    agent = sqlite_agent(database, ScriptedModel(_books), [_booker(booked)])
     first = await agent.run("Book Oslo", session="s1", user="u1", turn_id="req-1")
     # A retry (a timeout, a dead worker) from another process: a fresh agent, no cache.
-    again = _agent(database, ScriptedModel(_books), [_booker(booked)])
+    again = sqlite_agent(database, ScriptedModel(_books), [_booker(booked)])
     second = await again.run("Book Oslo", session="s1", user="u1", turn_id="req-1")
     assert booked == ["Oslo"]
     assert second.replayed and not first.replayed
@@ -197,7 +171,7 @@ async def test_a_turn_id_sent_again_while_its_turn_is_open_finishes_it_once(
 ) -> None:
     booked: list[str] = []
     model = ScriptedModel(_books, stream_delay_s=0.01)
-    agent = _agent(database, model, [_booker(booked)])
+    agent = sqlite_agent(database, model, [_booker(booked)])
     stream = agent.stream("Book Pune", session="s1", user="u1", turn_id="req-9")
     async for event in stream:
         if event.type == "tool_call_finished":

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -26,34 +24,7 @@ from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
-
-
-@pytest.fixture
-def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
-    db = SQLiteDatabase(tmp_path / "keel.db")
-    yield db
-    db.close()
-
-
-def _agent(
-    database: SQLiteDatabase,
-    model: ScriptedModel,
-    *,
-    tools: list[Tool] | None = None,
-    guards: GuardConfig | None = None,
-    tenant_id: str = "default",
-    **options: object,
-) -> Agent:
-    return Agent(
-        model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
-        system_prompt="You help.",
-        tools=tools or [],
-        journal=SQLiteToolJournal(database),
-        guards=guards,
-        tenant_id=tenant_id,
-        **options,  # type: ignore[arg-type]
-    )
+from tests.runtime.conftest import sqlite_agent
 
 
 def _booking() -> tuple[Tool, list[str]]:
@@ -89,7 +60,9 @@ async def test_a_turn_that_cannot_own_the_session_changes_nothing(
     database: SQLiteDatabase,
 ) -> None:
     book, effects = _booking()
-    agent = _agent(database, ScriptedModel(_books_then_answers), tools=[book], session_wait_s=0.2)
+    agent = sqlite_agent(
+        database, ScriptedModel(_books_then_answers), tools=[book], session_wait_s=0.2
+    )
     await agent.handle("s1", "u1", "hello")
     key = agent.session_key("s1")
     before = agent.state.load(key)
@@ -120,7 +93,7 @@ async def test_a_write_from_another_writer_mid_turn_is_never_overwritten(
             )
         return "ok"
 
-    agent = _agent(database, ScriptedModel(meddling))
+    agent = sqlite_agent(database, ScriptedModel(meddling))
     await agent.handle("s1", "u1", "first")
     with pytest.raises(ConflictError):
         await agent.handle("s1", "u1", "second")
@@ -151,7 +124,7 @@ async def test_a_step_limit_after_a_booking_keeps_the_booking_in_history(
         """
         return f"nothing for {q}"
 
-    agent = _agent(
+    agent = sqlite_agent(
         database,
         ScriptedModel(books_then_dawdles),
         tools=[book, lookup],
@@ -197,11 +170,11 @@ async def test_a_new_message_after_a_crash_resumes_the_open_turn_first(
             raise _Crash
         return _books_then_answers(call)
 
-    agent = _agent(database, ScriptedModel(crashes_after_the_booking), tools=[book])
+    agent = sqlite_agent(database, ScriptedModel(crashes_after_the_booking), tools=[book])
     with pytest.raises(_Crash):
         await agent.handle("s1", "u1", "book CARD7")
     # A new process: its own Agent on the same database.
-    fresh = _agent(database, ScriptedModel(_books_then_answers), tools=[book])
+    fresh = sqlite_agent(database, ScriptedModel(_books_then_answers), tools=[book])
     reply = await fresh.handle("s1", "u1", "what is the weather?")
     assert effects == ["CARD7"], "the interrupted booking was replayed, not repeated"
     assert reply.interrupted_turn is not None
@@ -229,8 +202,10 @@ async def test_the_same_message_resent_after_a_crash_is_handled_once(
         return _books_then_answers(call)
 
     with pytest.raises(_Crash):
-        await _agent(database, ScriptedModel(crashes), tools=[book]).handle("s1", "u1", "book R9")
-    fresh = _agent(database, ScriptedModel(_books_then_answers), tools=[book])
+        await sqlite_agent(database, ScriptedModel(crashes), tools=[book]).handle(
+            "s1", "u1", "book R9"
+        )
+    fresh = sqlite_agent(database, ScriptedModel(_books_then_answers), tools=[book])
     reply = await fresh.handle("s1", "u1", "book R9")
     assert reply.resumed and reply.status == "completed"
     assert effects == ["R9"]
@@ -249,10 +224,10 @@ async def test_sessions_are_scoped_to_their_tenant_and_user(database: SQLiteData
         prompts.extend(m.content for m in call.messages)
         return "ok"
 
-    acme = _agent(database, ScriptedModel(records), tenant_id="acme")
+    acme = sqlite_agent(database, ScriptedModel(records), tenant_id="acme")
     await acme.handle("s1", "alice", "My locker code is 7731")
     prompts.clear()
-    evil = _agent(database, ScriptedModel(records), tenant_id="evil")
+    evil = sqlite_agent(database, ScriptedModel(records), tenant_id="evil")
     await evil.handle("s1", "mallory", "what did I say?")
     assert not any("7731" in text for text in prompts), "another tenant's session leaked"
     with pytest.raises(AccessDeniedError):
@@ -288,7 +263,7 @@ async def test_a_correction_prompt_is_not_kept_as_the_users_words(
     from keel.stores import SQLiteMemoryStore
 
     memory = Memory(SQLiteMemoryStore(database), embedder=HashingEmbedder(dimension=64))
-    agent = _agent(database, ScriptedModel(cut_then_fine), memory=memory)
+    agent = sqlite_agent(database, ScriptedModel(cut_then_fine), memory=memory)
     reply = await agent.handle("s1", "u1", "My dog is called Rex")
     assert reply.status == "completed"
     memory.flush()
@@ -309,7 +284,7 @@ async def test_a_correction_prompt_is_not_kept_as_the_users_words(
 def test_handle_sync_from_two_threads_on_one_session_finishes(
     database: SQLiteDatabase,
 ) -> None:
-    agent = _agent(database, ScriptedModel(lambda call: "ok"))
+    agent = sqlite_agent(database, ScriptedModel(lambda call: "ok"))
     errors: list[BaseException] = []
 
     def talk(name: str) -> None:
@@ -349,7 +324,7 @@ def test_handle_sync_from_two_threads_on_one_session_finishes(
 async def test_bad_arguments_are_usage_errors(
     database: SQLiteDatabase, session: object, user: object, text: object
 ) -> None:
-    agent = _agent(database, ScriptedModel(lambda call: "ok"))
+    agent = sqlite_agent(database, ScriptedModel(lambda call: "ok"))
     with pytest.raises(UsageError):
         await agent.handle(session, user, text)  # type: ignore[arg-type]
     assert agent.state.sessions() == []
@@ -358,7 +333,7 @@ async def test_bad_arguments_are_usage_errors(
 async def test_lone_surrogates_from_the_user_and_the_model_are_stored_safely(
     database: SQLiteDatabase,
 ) -> None:
-    agent = _agent(database, ScriptedModel(lambda call: "broken \ud800 reply"))
+    agent = sqlite_agent(database, ScriptedModel(lambda call: "broken \ud800 reply"))
     reply = await agent.handle("s1", "u1", "hello \udfff there")
     assert reply.status == "completed"
     assert "\ud800" not in reply.text
@@ -371,7 +346,7 @@ async def test_lone_surrogates_from_the_user_and_the_model_are_stored_safely(
 async def test_a_custom_model_raising_anything_ends_the_turn_cleanly(
     database: SQLiteDatabase, error: Exception
 ) -> None:
-    agent = _agent(database, ScriptedModel([error], repeat_last=True))
+    agent = sqlite_agent(database, ScriptedModel([error], repeat_last=True))
     reply = await agent.handle("s1", "u1", "hello")
     assert reply.status == "model_failed"
     assert type(error).__name__ in (reply.error or "")
@@ -391,7 +366,7 @@ async def test_a_failed_commit_leaves_no_unsaved_reply_in_the_next_prompt(
         prompts.append([m.content for m in call.messages])
         return f"answer to {call.last_user_text}"
 
-    agent = _agent(database, ScriptedModel(answers))
+    agent = sqlite_agent(database, ScriptedModel(answers))
     await agent.handle("s1", "u1", "one")
     original = agent.state.acheckpoint
 
@@ -432,7 +407,7 @@ async def test_many_different_tool_calls_without_a_machine_are_progress(
             return ScriptedModel.tool_call(f"source_{done}", json.dumps({"q": f"topic {done}"}))
         return "Here is everything."
 
-    agent = _agent(
+    agent = sqlite_agent(
         database, ScriptedModel(twelve_lookups), tools=tools, guards=GuardConfig(max_steps=20)
     )
     reply = await agent.handle("s1", "u1", "research this")
@@ -445,7 +420,7 @@ async def test_many_different_tool_calls_without_a_machine_are_progress(
 
 async def test_the_answer_reserve_is_sent_as_max_tokens(database: SQLiteDatabase) -> None:
     model = ScriptedModel(lambda call: "ok")
-    agent = _agent(database, model)
+    agent = sqlite_agent(database, model)
     await agent.handle("s1", "u1", "hello")
     assert model.calls[0].options.max_tokens == agent.engine.budget.reserve
 
@@ -454,7 +429,7 @@ async def test_the_time_limit_covers_memory_retrieval_and_commit(
     database: SQLiteDatabase,
 ) -> None:
     model = ScriptedModel(lambda call: "ok", delay_s=0.3)
-    agent = _agent(database, model, guards=GuardConfig(run_timeout_s=1.0, model_timeout_s=5))
+    agent = sqlite_agent(database, model, guards=GuardConfig(run_timeout_s=1.0, model_timeout_s=5))
 
     async def slow_memories(user_id: str, query: str) -> list[object]:
         await asyncio.sleep(0.8)
@@ -480,7 +455,7 @@ async def test_a_turn_that_lost_its_lease_runs_no_side_effect(database: SQLiteDa
         assert agent.state.backend.acquire_lock(key, "another-worker", 30, 1e12)
         return ScriptedModel.tool_call("book", json.dumps({"ref": "LATE1"}))
 
-    agent = _agent(database, ScriptedModel(stalls_then_books), tools=[book])
+    agent = sqlite_agent(database, ScriptedModel(stalls_then_books), tools=[book])
     with pytest.raises(ConflictError, match="interrupted"):
         await agent.handle("s1", "u1", "book LATE1")
     assert effects == []
@@ -579,7 +554,7 @@ async def test_the_session_cache_is_bounded_and_an_evicted_session_is_rebuilt(
         prompts.append([m.content for m in call.messages])
         return f"Noted: {call.last_user_text}."
 
-    agent = _agent(database, ScriptedModel(answers), session_cache_size=2)
+    agent = sqlite_agent(database, ScriptedModel(answers), session_cache_size=2)
     for session in ("a", "b", "c"):
         await agent.handle(session, "u1", f"hello from {session}")
     assert len(agent._sessions) == 2 and len(agent._owners) == 2

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
 from keel.context import ContextBudget
 from keel.memory import HashingEmbedder, Memory, Scope
 from keel.messages import Message
@@ -14,13 +9,6 @@ from keel.runtime import Agent
 from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore, SQLiteStateBackend
 from keel.testing import ScriptedCall, ScriptedModel
-
-
-@pytest.fixture
-def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
-    db = SQLiteDatabase(tmp_path / "keel.db")
-    yield db
-    db.close()
 
 
 async def test_turns_summaries_and_recall_flow_through_memory(database: SQLiteDatabase) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
 from typing import get_args
 
 import pytest
@@ -29,19 +28,13 @@ from keel.runtime import (
     TurnFinished,
 )
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
+from tests.runtime.conftest import sqlite_agent
 
 _EMAIL = "jane.doe@example.com"
 _ANSWER = f"Found it. Write to {_EMAIL} or call (415) 555-0198 about booking number seven."
-
-
-@pytest.fixture
-def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
-    db = SQLiteDatabase(tmp_path / "keel.db")
-    yield db
-    db.close()
 
 
 def _lookup(ran: list[str]) -> Tool:
@@ -64,16 +57,6 @@ def _looks_up_then_answers(call: ScriptedCall) -> Message | str:
     return ScriptedModel.tool_call("lookup", json.dumps({"query": _EMAIL}))
 
 
-def _agent(database: SQLiteDatabase, model: ScriptedModel, tools: list[Tool]) -> Agent:
-    return Agent(
-        model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
-        system_prompt="You help.",
-        tools=tools,
-        journal=SQLiteToolJournal(database),
-    )
-
-
 async def _events(agent: Agent, text: str, session: str = "s1") -> list[AgentEvent]:
     return [event async for event in agent.stream(text, session=session, user="u1")]
 
@@ -82,7 +65,7 @@ async def test_a_streamed_turn_yields_masked_typed_events_and_ends_as_run_does(
     database: SQLiteDatabase,
 ) -> None:
     ran: list[str] = []
-    agent = _agent(database, ScriptedModel(_looks_up_then_answers), [_lookup(ran)])
+    agent = sqlite_agent(database, ScriptedModel(_looks_up_then_answers), [_lookup(ran)])
     events = await _events(agent, "find my booking")
     assert isinstance(events[-1], TurnFinished)
     reply = events[-1].reply
@@ -112,7 +95,7 @@ async def test_a_streamed_turn_yields_masked_typed_events_and_ends_as_run_does(
     assert checkpoints[1] < first_text < checkpoints[2]
     assert reply.state_version == events[checkpoints[2]].version  # type: ignore[union-attr]
     # The committed session is the one an unstreamed turn commits.
-    plain = _agent(database, ScriptedModel(_looks_up_then_answers), [_lookup([])])
+    plain = sqlite_agent(database, ScriptedModel(_looks_up_then_answers), [_lookup([])])
     unstreamed = await plain.run("find my booking", session="s2", user="u1")
     assert unstreamed.text == reply.text
     streamed_state, plain_state = agent.session_state("s1"), plain.session_state("s2")
@@ -144,7 +127,7 @@ class _CutOnce(ScriptedModel):
 async def test_a_stream_cut_mid_way_is_withdrawn_and_the_answer_is_asked_again(
     database: SQLiteDatabase,
 ) -> None:
-    agent = _agent(database, _CutOnce(), [])
+    agent = sqlite_agent(database, _CutOnce(), [])
     events = await _events(agent, "hello")
     discarded = [e for e in events if isinstance(e, TextDiscarded)]
     assert len(discarded) == 1 and "broke" in discarded[0].reason
@@ -183,7 +166,7 @@ async def test_a_truncated_stream_is_treated_as_truncation(database: SQLiteDatab
         model="scripted",
         latency_ms=1.0,
     )
-    agent = _agent(database, ScriptedModel([cut, "Short answer."]), [])
+    agent = sqlite_agent(database, ScriptedModel([cut, "Short answer."]), [])
     events = await _events(agent, "hello")
     assert any(isinstance(e, TextDiscarded) for e in events)
     assert events[-1].reply.text == "Short answer."  # type: ignore[union-attr]
@@ -210,7 +193,7 @@ async def test_a_consumer_that_stops_early_stops_the_model_and_leaves_the_turn_r
     database: SQLiteDatabase,
 ) -> None:
     model = _Endless()
-    agent = _agent(database, model, [])
+    agent = sqlite_agent(database, model, [])
     stream = agent.stream("first", session="s1", user="u1")
     seen: list[AgentEvent] = []
     async for event in stream:
@@ -233,7 +216,7 @@ async def test_a_consumer_that_stops_early_stops_the_model_and_leaves_the_turn_r
 
 def test_the_sync_twin_streams_and_stops_early_the_same_way(database: SQLiteDatabase) -> None:
     model = _Endless()
-    agent = _agent(database, model, [])
+    agent = sqlite_agent(database, model, [])
     kinds = []
     for event in agent.stream_sync("first", session="s1", user="u1"):
         kinds.append(event.type)
@@ -251,7 +234,7 @@ def test_the_sync_twin_streams_and_stops_early_the_same_way(database: SQLiteData
 
 
 async def test_identities_are_keyword_only(database: SQLiteDatabase) -> None:
-    agent = _agent(database, ScriptedModel(["hi"]), [])
+    agent = sqlite_agent(database, ScriptedModel(["hi"]), [])
     with pytest.raises(TypeError):
         await agent.run("hello", "s1", "u1")  # type: ignore[misc]
     reply = await agent.run("hello", session="s1", user="u1")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -38,13 +36,6 @@ class Crash(BaseException):
 @pytest.fixture(autouse=True)
 def _clear() -> None:
     filed.clear()
-
-
-@pytest.fixture
-def database(tmp_path: Path) -> Iterator[SQLiteDatabase]:
-    db = SQLiteDatabase(tmp_path / "keel.db")
-    yield db
-    db.close()
 
 
 def _decision() -> Message:

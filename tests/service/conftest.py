@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,7 +19,6 @@ import pytest
 from keel.messages import Message
 from keel.runtime import open_backends
 from keel.service import APIKeys, RateLimiter, ServiceAgents, create_app
-from keel.service._serve import sql_database
 from keel.settings import load_settings
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.testing.servers import free_port
@@ -66,8 +69,6 @@ def memory_service(tmp_path: Path) -> Iterator[Service]:
 def _service(
     tmp_path: Path, *, memory: bool, rate_limiter: RateLimiter | None = None
 ) -> Iterator[Service]:
-    import uvicorn
-
     from keel.privacy import PIIMasker
 
     booked: list[str] = []
@@ -90,7 +91,7 @@ def _service(
     agents = ServiceAgents(
         backends, ScriptedModel(_policy), system_prompt="You book trips.", tools=[book]
     )
-    keys = APIKeys(sql_database(backends))
+    keys = APIKeys(backends.sql)
     app = create_app(
         agents,
         keys,
@@ -100,17 +101,92 @@ def _service(
         tenants=agents.tenants,
         rate_limiter=rate_limiter,
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    try:
+        with serving(app) as running:
+            yield Service(running.url, keys, path, booked)
+    finally:
+        backends.close()
+
+
+@dataclass
+class Running:
+    """An app served by uvicorn in a thread of this process."""
+
+    url: str
+    server: Any
+    thread: threading.Thread
+
+
+@contextlib.contextmanager
+def serving(app: Any, server_class: Callable[..., Any] | None = None) -> Iterator[Running]:
+    """``app`` on uvicorn in a thread, on a free loopback port, stopped afterwards.
+    ``server_class``: a ``uvicorn.Server`` subclass, called with the config."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    server = (server_class or uvicorn.Server)(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30
     while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield Service(f"http://127.0.0.1:{port}", keys, path, booked)
+        yield Running(f"http://127.0.0.1:{config.port}", server, thread)
     finally:
         server.should_exit = True
-        thread.join(timeout=20)
-        backends.close()
+        thread.join(timeout=30)
+
+
+@dataclass
+class Served:
+    """A ``keel serve`` subprocess: its URL; once it stopped, its exit status and stderr."""
+
+    url: str
+    process: subprocess.Popen[str]
+    stderr: str = ""
+
+
+@contextlib.contextmanager
+def keel_serve(*arguments: str, env: dict[str, str]) -> Iterator[Served]:
+    """``keel serve ARGUMENTS`` as a subprocess on a free port, once its /health answers;
+    terminated (SIGTERM) afterwards."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keel", "serve", "--port", str(port), *arguments],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    served = Served(f"http://127.0.0.1:{port}", process)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, process.communicate()[1]
+            try:
+                if httpx.get(f"{served.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "keel serve did not start"
+            time.sleep(0.2)
+        yield served
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        served.stderr = process.communicate(timeout=60)[1]
+
+
+def create_key(tenant: str, env: dict[str, str]) -> str:
+    """``keel keys create --tenant TENANT`` as a user runs it; the key it printed."""
+    created = subprocess.run(
+        [sys.executable, "-m", "keel", "keys", "create", "--tenant", tenant],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert created.returncode == 0, created.stderr
+    return created.stdout.strip().splitlines()[-1]

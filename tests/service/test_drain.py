@@ -12,63 +12,51 @@ import httpx
 
 from keel.runtime import open_backends
 from keel.service import APIKeys, Drain, DrainingServer, ServiceAgents, create_app
-from keel.service._serve import sql_database
 from keel.settings import load_settings
 from keel.testing import ScriptedModel
-from keel.testing.servers import free_port
+from tests.service.conftest import serving
 
 
 def test_sigterm_drains_the_turns_in_flight_and_refuses_new_ones(tmp_path: Path) -> None:
-    import uvicorn
-
     settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
     backends = open_backends(
         f"sqlite:///{tmp_path / 'keel.db'}", memory=False, masker=None, settings=settings
     )
     model = ScriptedModel(lambda call: f"echo: {call.last_user_text}", delay_s=1.0)
     agents = ServiceAgents(backends, model, system_prompt="You echo.")
-    keys = APIKeys(sql_database(backends))
+    keys = APIKeys(backends.sql)
     drain = Drain()
     app = create_app(agents, keys, backends.traces, drain=drain)
-    port = free_port()
-    server = DrainingServer(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), drain
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {keys.create('acme')}"}
     results: dict[str, httpx.Response] = {}
-
-    def slow_turn() -> None:
-        body = {"message": "in flight", "user": "u1"}
-        results["slow"] = httpx.post(
-            f"{url}/v1/sessions/s1/turns", json=body, headers=headers, timeout=30
-        )
-
     try:
-        turn = threading.Thread(target=slow_turn)
-        turn.start()
-        while drain.in_flight == 0:
-            time.sleep(0.01)
-        server.handle_exit(signal.SIGTERM, None)  # what uvicorn calls on SIGTERM
-        refused = httpx.post(
-            f"{url}/v1/sessions/s2/turns",
-            json={"message": "new", "user": "u1"},
-            headers=headers,
-            timeout=10,
-        )
-        assert refused.status_code == 503 and refused.json()["error"]["type"] == "Draining"
-        assert refused.headers["Retry-After"] == "1"
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 200, "stopped too early"
-        turn.join(timeout=30)
-        assert results["slow"].status_code == 200
-        assert results["slow"].json()["text"] == "echo: in flight"
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the server did not stop once drained"
+        with serving(app, lambda config: DrainingServer(config, drain)) as running:
+            url = running.url
+
+            def slow_turn() -> None:
+                body = {"message": "in flight", "user": "u1"}
+                results["slow"] = httpx.post(
+                    f"{url}/v1/sessions/s1/turns", json=body, headers=headers, timeout=30
+                )
+
+            turn = threading.Thread(target=slow_turn)
+            turn.start()
+            while drain.in_flight == 0:
+                time.sleep(0.01)
+            running.server.handle_exit(signal.SIGTERM, None)  # what uvicorn calls on SIGTERM
+            refused = httpx.post(
+                f"{url}/v1/sessions/s2/turns",
+                json={"message": "new", "user": "u1"},
+                headers=headers,
+                timeout=10,
+            )
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "Draining"
+            assert refused.headers["Retry-After"] == "1"
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200, "stopped too early"
+            turn.join(timeout=30)
+            assert results["slow"].status_code == 200
+            assert results["slow"].json()["text"] == "echo: in flight"
+            running.thread.join(timeout=30)
+            assert not running.thread.is_alive(), "the server did not stop once drained"
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
         backends.close()

@@ -3,8 +3,6 @@ idempotent turn, over real HTTP, exactly as on SQLite."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -12,32 +10,20 @@ import pytest
 
 from keel.service import APIKeys, build_service
 from keel.testing import ScriptedModel
-from keel.testing.servers import free_port
+from tests.service.conftest import serving
 
 
 @pytest.fixture
 def pg_service(postgres_url: str, redis_server_url: str) -> Iterator[tuple[str, APIKeys]]:
-    import uvicorn
-
     app, _, keys = build_service(
         postgres_url,
         model=ScriptedModel(lambda call: f"echo: {call.last_user_text}"),
         redis_url=redis_server_url,
         memory=False,
     )
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", keys
-    finally:
-        server.should_exit = True  # the lifespan closes the agents' stores
-        thread.join(timeout=30)
+    # On exit the server's lifespan closes the agents' stores.
+    with serving(app) as running:
+        yield running.url, keys
 
 
 def test_the_service_on_postgres_and_redis(pg_service: tuple[str, APIKeys]) -> None:

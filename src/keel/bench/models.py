@@ -12,7 +12,9 @@ expected typed error or in a successful retry.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +32,14 @@ from keel.messages import Message
 from keel.models import ModelOptions, OpenAICompatibleModel, RetryPolicy
 
 __all__ = [
+    "TOOL_SCHEMAS",
     "FaultCase",
     "bench_faults",
     "bench_local",
     "bench_tool_calls",
     "run_model_bench",
     "tool_prompts",
+    "valid_call",
 ]
 
 
@@ -208,7 +212,7 @@ _FLIGHTS = (
     "Get me on a plane from {a} to {b}.",
     "Book flights from {a} to {b} for next week.",
 )
-_TOOL_SCHEMAS: list[dict[str, Any]] = [
+TOOL_SCHEMAS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -254,11 +258,20 @@ def tool_prompts(count: int) -> list[tuple[str, str]]:
     return prompts
 
 
-def _valid_call(name: str, arguments: str) -> bool:
-    """The call names an offered tool and its arguments follow that tool's schema."""
-    import json
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+}
 
-    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in _TOOL_SCHEMAS}
+
+def valid_call(
+    name: str, arguments: str, tools: Sequence[Mapping[str, Any]] = TOOL_SCHEMAS
+) -> bool:
+    """The call names one of ``tools`` and its arguments (JSON) follow that tool's schema:
+    the required ones present, no others, each of its declared scalar type."""
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
     schema = schemas.get(name)
     if schema is None:
         return False
@@ -269,8 +282,11 @@ def _valid_call(name: str, arguments: str) -> bool:
     properties = schema["properties"]
     return (
         isinstance(value, dict)
-        and set(schema["required"]) <= set(value)
-        and all(key in properties and isinstance(item, str) for key, item in value.items())
+        and set(schema.get("required", ())) <= set(value)
+        and all(
+            key in properties and isinstance(item, _JSON_TYPES[properties[key]["type"]])
+            for key, item in value.items()
+        )
     )
 
 
@@ -299,9 +315,9 @@ def bench_tool_calls(prompts: int = 100, max_tokens: int = 64) -> dict[str, Any]
             valid = invalid = right_tool = 0
             started = time.perf_counter()
             for text, expected in cases:
-                completion = model.complete([Message.user(text)], _TOOL_SCHEMAS, options)
+                completion = model.complete([Message.user(text)], TOOL_SCHEMAS, options)
                 calls = completion.message.tool_calls
-                good = [call for call in calls if _valid_call(call.name, call.arguments)]
+                good = [call for call in calls if valid_call(call.name, call.arguments)]
                 if calls and len(good) == len(calls) and not completion.tool_call_errors:
                     valid += 1
                     right_tool += any(call.name == expected for call in good)

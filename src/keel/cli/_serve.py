@@ -26,14 +26,13 @@ _DATABASE_HELP = (
 def _keys(database: str | None) -> tuple[Backends, APIKeys]:
     from keel.runtime import open_backends
     from keel.service import APIKeys as Keys
-    from keel.service._serve import sql_database
     from keel.settings import load_settings
 
     settings = load_settings()
     backends = open_backends(
         database or settings.database_url, memory=False, masker=None, settings=settings
     )
-    return backends, Keys(sql_database(backends))
+    return backends, Keys(backends.sql)
 
 
 @keys_app.command("create")

@@ -173,10 +173,9 @@ class _Turn:
     model_options: ModelOptions = field(default_factory=ModelOptions)
     record_reply: bool = False
     """The caller gave the turn its id: its reply is committed with it, for retries."""
-    streamed_text: dict[int, StreamMasker] = field(default_factory=dict)
-    """The reply text streamed so far in each step, masked as it arrives."""
-    steps_shown: set[int] = field(default_factory=set)
-    """Steps whose text was yielded (withdrawn if the step's reply is not used)."""
+    streamed_text: dict[int, StreamMasker | None] = field(default_factory=dict)
+    """The steps whose reply text streamed: the masker of each (None: masking is off, the
+    text went out as it came)."""
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -425,10 +424,6 @@ class Agent:
         )
         # One privacy policy for messages, the journal, memory and traces; None turns it off.
         masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
-        tenant_id: str = options.get("tenant_id", "default")
-        redact = (
-            None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
-        )
         backends = open_backends(
             url if url is not None else settings.database_url,
             redis_url=redis_url if redis_url is not None else settings.redis_url,
@@ -437,22 +432,14 @@ class Agent:
             settings=settings,
         )
         try:
-            agent = cls(
+            agent = cls.on_backends(
+                backends,
                 chat_model,
-                state=backends.state,
                 system_prompt=system_prompt,
                 tools=tools,
                 rules=rules,
                 machine=machine,
-                memory=backends.memory,
-                journal=backends.journal if journal else None,
-                tracer=Tracer(
-                    backends.traces,
-                    redact=redact,
-                    agent=options.get("name", "agent"),
-                    # A run killed mid-turn reads as abandoned once silent past this limit.
-                    run_time_limit_s=(options.get("guards") or GuardConfig()).run_timeout_s,
-                ),
+                journal=journal,
                 **options,
             )
         except BaseException:
@@ -460,6 +447,43 @@ class Agent:
             raise
         agent.backends = backends
         return agent
+
+    @classmethod
+    def on_backends(
+        cls,
+        backends: Backends,
+        model: ChatModel,
+        *,
+        system_prompt: str,
+        journal: bool = True,
+        **options: Any,
+    ) -> Agent:
+        """An agent on stores already open (several agents may share them: one per tenant,
+        say). The caller keeps the stores: closing the agent does not close them.
+
+        ``options`` are the constructor's (``tools=``, ``tenant_id=``, ``masker=``, ...);
+        state, memory, the journal (unless ``journal`` is False) and the tracer come from
+        ``backends``, the tracer masking with the agent's privacy policy."""
+        masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
+        tenant_id: str = options.get("tenant_id", "default")
+        redact = (
+            None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
+        )
+        return cls(
+            model,
+            state=backends.state,
+            system_prompt=system_prompt,
+            memory=backends.memory,
+            journal=backends.journal if journal else None,
+            tracer=Tracer(
+                backends.traces,
+                redact=redact,
+                agent=options.get("name", "agent"),
+                # A run killed mid-turn reads as abandoned once silent past this limit.
+                run_time_limit_s=(options.get("guards") or GuardConfig()).run_timeout_s,
+            ),
+            **options,
+        )
 
     @classmethod
     def embedded(
@@ -1123,7 +1147,7 @@ class Agent:
         def on_text(step: int, text: str) -> None:
             if self.masker is None:
                 # Masking is off: nothing to hold back.
-                turn.steps_shown.add(step)
+                turn.streamed_text[step] = None
                 emit(TextDelta(step=step, text=_sanitize(text)))
                 return
             masker = turn.streamed_text.get(step)
@@ -1139,7 +1163,6 @@ class Agent:
                 )
             released = masker.feed(text)
             if released:
-                turn.steps_shown.add(step)
                 emit(TextDelta(step=step, text=released))
 
         def on_tool_start(step: int, call: ToolCall, arguments: dict[str, Any]) -> None:
@@ -1168,9 +1191,9 @@ class Agent:
         """A step ended: the rest of its streamed text, or its withdrawal; its guard events."""
         emit = turn.emit
         assert emit is not None
+        streamed = record.step in turn.streamed_text
         masker = turn.streamed_text.pop(record.step, None)
-        shown = record.step in turn.steps_shown
-        turn.steps_shown.discard(record.step)
+        shown = streamed and (masker is None or bool(masker.released))
         if record.action in ("final", "tool_calls"):
             rest = masker.finish() if masker is not None else ""
             if rest:

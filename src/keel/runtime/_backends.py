@@ -30,6 +30,7 @@ from keel.tracing import TraceStore
 if TYPE_CHECKING:
     from keel.memory import Memory
     from keel.settings import Settings
+    from keel.stores import PostgresDatabase, SQLiteDatabase
 
 __all__ = ["Backends", "open_backends"]
 
@@ -58,6 +59,9 @@ class Backends:
     """Run traces."""
     memory: Memory | None
     """Long-term memory (its outbox indexed in the background), or None when off."""
+    sql: SQLiteDatabase | PostgresDatabase
+    """The SQL database the journal, traces and memory live in (more tables may join them:
+    ``keel serve``'s API keys)."""
     _closers: list[_Closer] = field(default_factory=list, repr=False)
 
     def close(self) -> None:
@@ -170,7 +174,7 @@ def _open_sqlite(
     )
     journal = SQLiteToolJournal(database)
     long_term = _memory(SQLiteMemoryStore(database), masker, settings, own) if memory else None
-    return Backends(parsed, redis, state, journal, traces, long_term)
+    return Backends(parsed, redis, state, journal, traces, long_term, database)
 
 
 def _open_postgres(
@@ -202,7 +206,7 @@ def _open_postgres(
         else StateStore(PostgresStateBackend(database), AgentState)
     )
     long_term = _memory(PostgresMemoryStore(database), masker, settings, own) if memory else None
-    return Backends(parsed, redis, state, journal, traces, long_term)
+    return Backends(parsed, redis, state, journal, traces, long_term, database)
 
 
 def _memory(store: object, masker: PIIMasker | None, settings: Settings, own: _Own) -> Memory:

@@ -10,7 +10,6 @@ from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
-from keel.stores import PostgresDatabase, SQLiteDatabase
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -50,19 +49,11 @@ class ServiceAgents:
     def __call__(self, tenant_id: str) -> Agent:
         agent = self._agents.get(tenant_id)
         if agent is None:
-            from keel.guards import GuardConfig
             from keel.runtime import Agent
-            from keel.tracing import Tracer
 
-            guards = self.agent_options.get("guards") or GuardConfig()
-            agent = self._agents[tenant_id] = Agent(
+            agent = self._agents[tenant_id] = Agent.on_backends(
+                self.backends,
                 self.model,
-                state=self.backends.state,
-                journal=self.backends.journal,
-                tracer=Tracer(
-                    self.backends.traces, agent=self.name, run_time_limit_s=guards.run_timeout_s
-                ),
-                memory=self.backends.memory,
                 system_prompt=self.system_prompt,
                 tools=self.tools,
                 tenant_id=tenant_id,
@@ -79,15 +70,6 @@ class ServiceAgents:
         """Close the model's clients and the stores."""
         await self.model.aclose()
         await self.backends.aclose()
-
-
-def sql_database(backends: Backends) -> SQLiteDatabase | PostgresDatabase:
-    """The SQL database the backends' traces (and journal, memory) live in."""
-    traces = backends.traces
-    database = getattr(traces, "db", None) or getattr(traces, "database", None)
-    if not isinstance(database, SQLiteDatabase | PostgresDatabase):
-        raise TypeError(f"no SQL database behind {type(traces).__name__}")
-    return database
 
 
 def build_service(
@@ -127,7 +109,7 @@ def build_service(
         agents = ServiceAgents(
             backends, chat, system_prompt=system_prompt, tools=tools, **agent_options
         )
-        keys = APIKeys(sql_database(backends))
+        keys = APIKeys(backends.sql)
     except BaseException:
         backends.close()
         raise
