@@ -53,10 +53,10 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
 
 @pytest.fixture
-def limited_service(tmp_path: Path, redis_server_url: str) -> Iterator[Service]:
+def limited_service(tmp_path: Path, redis_url: str) -> Iterator[Service]:
     """The service allowing 3 requests per key and minute, counted in a real Redis, on a
     clock that stands still (no minute rolls over mid-test)."""
-    limiter = RateLimiter(3, redis_url=redis_server_url, clock=lambda: 6_000.0)
+    limiter = RateLimiter(3, redis_url=redis_url, clock=lambda: 6_000.0)
     yield from _service(tmp_path, memory=False, rate_limiter=limiter)
 
 

@@ -12,7 +12,7 @@ async def test_a_window_allows_its_limit_then_says_how_long_to_wait(
     shared: bool, request: pytest.FixtureRequest
 ) -> None:
     now = [600.0]
-    redis_url = request.getfixturevalue("redis_server_url") if shared else None
+    redis_url = request.getfixturevalue("redis_url") if shared else None
     limiter = RateLimiter(2, redis_url=redis_url, clock=lambda: now[0])
     key = f"key-{shared}"
     assert [await limiter.check(key) for _ in range(2)] == [None, None]

@@ -14,11 +14,11 @@ from tests.service.conftest import serving
 
 
 @pytest.fixture
-def pg_service(postgres_url: str, redis_server_url: str) -> Iterator[tuple[str, APIKeys]]:
+def pg_service(postgres_url: str, redis_url: str) -> Iterator[tuple[str, APIKeys]]:
     app, _, keys = build_service(
         postgres_url,
         model=ScriptedModel(lambda call: f"echo: {call.last_user_text}"),
-        redis_url=redis_server_url,
+        redis_url=redis_url,
         memory=False,
     )
     # On exit the server's lifespan closes the agents' stores.

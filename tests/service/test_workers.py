@@ -13,14 +13,14 @@ from tests.service.conftest import create_key, keel_serve
 
 
 def test_two_workers_serve_one_session_without_losing_or_repeating_a_turn(
-    tmp_path: Path, postgres_url: str, redis_server_url: str
+    tmp_path: Path, postgres_url: str, redis_url: str
 ) -> None:
     env = {
         **os.environ,
         "KEEL_DATA_DIR": str(tmp_path / "data"),
         "KEEL_EMBEDDER": "hashing:64",
         "KEEL_DATABASE": postgres_url,
-        "KEEL_REDIS_URL": redis_server_url,
+        "KEEL_REDIS_URL": redis_url,
     }
     headers = {"Authorization": f"Bearer {create_key('acme', env)}"}
     arguments = ("--workers", "2", "--model", "scripted:echo", "--no-memory")
