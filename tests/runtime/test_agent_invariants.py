@@ -462,6 +462,42 @@ async def test_a_turn_that_lost_its_lease_runs_no_side_effect(database: SQLiteDa
     assert SQLiteToolJournal(database).entries() == []
 
 
+async def test_a_turn_ends_even_when_the_lease_renewal_swallows_its_cancellation(
+    database: SQLiteDatabase,
+) -> None:
+    """The turn stops its lease heartbeat when it ends. A client library can swallow the cancel
+    that lands mid-renewal (asyncio.wait_for before Python 3.12 loses one that races the
+    command's result; ``keel bench serve`` hung on Redis this way): the turn must still end."""
+    agent = sqlite_agent(database, ScriptedModel(["Noted."], delay_s=0.3), lease_ttl_s=0.15)
+    lock = agent.state.session_lock(agent.session_key("s1"), ttl=0.15)
+    renewals = 0
+    unstick = False
+
+    class SwallowsCancel(type(lock)):  # type: ignore[misc]
+        async def aacquire(self, wait: float = 0.0) -> bool:
+            nonlocal renewals
+            if not self.held:
+                return await super().aacquire(wait)
+            renewals += 1
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                pass  # swallowed, as the race does
+            return not unstick
+
+    lock.__class__ = SwallowsCancel
+    agent.state.session_lock = lambda key, ttl=30.0: lock  # type: ignore[method-assign]
+    turn = asyncio.ensure_future(agent.handle("s1", "u1", "hello"))
+    # The wait only tells a hang from a failure; the turn takes about 0.3 s.
+    done, _ = await asyncio.wait({turn}, timeout=30)
+    if not done:
+        unstick = True  # the next renewal reports the lease lost, which ends the heartbeat
+        await turn
+        pytest.fail("the turn never ended: its heartbeat kept renewing the lease")
+    assert turn.result().status == "completed"
+    assert renewals >= 1, "the heartbeat never renewed: the test did not exercise it"
+
+
 @pytest.mark.parametrize("backend", ["postgres", "redis"])
 async def test_on_server_backends_sessions_are_scoped_and_owned_one_turn_at_a_time(
     request: pytest.FixtureRequest, backend: str

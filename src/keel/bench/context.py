@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from keel.bench._stats import nearest_rank
 from keel.context import ContextBudget, ContextEngine
 from keel.errors import UsageError
 from keel.messages import Message, ToolCall
@@ -212,14 +213,6 @@ def check_prompt(
         if rules_at != [expected]:
             problems.append(f"rules at {rules_at}, expected right before message {expected + 1}")
     return problems
-
-
-def _percentile(values: Sequence[float], fraction: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    index = min(len(ordered) - 1, max(0, round(fraction * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def _spread(values: Sequence[int]) -> list[float]:
@@ -434,8 +427,8 @@ def run_context_benchmark(
         "prompt_tokens_mean": round(statistics.fmean(first_prompt_tokens), 1),
         # Spread of the per-turn prompt once the summary is established (turn 100 on).
         "prompt_tokens_p10_p90": _spread(first_prompt_tokens[min(99, turns - 1) :]),
-        "assembly_ms_p50": round(_percentile(assembly_ms, 0.50), 4),
-        "assembly_ms_p99": round(_percentile(assembly_ms, 0.99), 4),
+        "assembly_ms_p50": round(nearest_rank(assembly_ms, 0.50), 4),
+        "assembly_ms_p99": round(nearest_rank(assembly_ms, 0.99), 4),
         "assembly_ms_max": round(max(assembly_ms), 4),
         "degraded_compiles": degraded,
         # Turns held raw but left out of a prompt while a large recent output took the room
@@ -448,7 +441,7 @@ def run_context_benchmark(
             "runs": len(summary_ms),
             "committed": summaries_committed,
             "ms_total": round(sum(summary_ms), 2),
-            "ms_p50": round(_percentile(summary_ms, 0.5), 3),
+            "ms_p50": round(nearest_rank(summary_ms, 0.5), 3),
             "ms_max": round(max(summary_ms), 3) if summary_ms else 0.0,
             "turns_summarized": conversation.turns_summarized,
             "summary_tokens": conversation.summary_tokens,
@@ -473,8 +466,8 @@ def run_context_benchmark(
                 "prompt_tokens_turn100": at(lc_first_tokens, min(100, turns)),
                 f"prompt_tokens_turn{last}": at(lc_first_tokens, last),
                 "max_prompt_tokens": lc_stats["max_tokens"],
-                "assembly_ms_p50": round(_percentile(lc_ms, 0.50), 4),
-                "assembly_ms_p99": round(_percentile(lc_ms, 0.99), 4),
+                "assembly_ms_p50": round(nearest_rank(lc_ms, 0.50), 4),
+                "assembly_ms_p99": round(nearest_rank(lc_ms, 0.99), 4),
                 "over_limit": lc_stats["over_limit"],
                 "prompts_with_orphans": lc_stats["orphans"],
                 "prompts_missing_newest_user_message": lc_stats["lost_newest_user"],

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from keel.bench._stats import nearest_rank
 from keel.errors import ConfigError
 from keel.memory import Embedder, Memory, MemoryHit, MemoryStore, RetrievalConfig, Scope
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore
@@ -101,14 +102,6 @@ def _turn_text(turn: dict[str, Any]) -> str:
     return f"{text} [{caption}]" if caption else text
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
-
-
 class _Tally:
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
@@ -136,8 +129,8 @@ class _Tally:
 
     def full(self) -> dict[str, Any]:
         result = self.summary()
-        result["search_ms_p50"] = round(_percentile(self.latencies, 0.5), 2)
-        result["search_ms_p95"] = round(_percentile(self.latencies, 0.95), 2)
+        result["search_ms_p50"] = round(nearest_rank(self.latencies, 0.5), 2)
+        result["search_ms_p95"] = round(nearest_rank(self.latencies, 0.95), 2)
         result["by_category"] = {
             CATEGORY_NAMES.get(cat, str(cat)): self.summary(
                 [r for r in self.rows if r["category"] == cat]

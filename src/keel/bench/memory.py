@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keel.bench._stats import nearest_rank
 from keel.memory import Embedder, Memory, MemoryStore, Scope
 
 __all__ = ["run_memory_bench", "synthetic_corpus"]
@@ -80,11 +81,6 @@ def synthetic_corpus(records: int, *, seed: int = 7) -> tuple[list[str], list[st
 _SCOPE = Scope(tenant_id="bench", user_id="user-1")
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def _measure(
     memory: Memory,
     texts: list[str],
@@ -128,8 +124,8 @@ def _search_latency(
         if progress is not None:
             progress("search", number + 1, len(queries))
     return {
-        "search_ms_p50": round(_percentile(latencies, 0.5), 2),
-        "search_ms_p95": round(_percentile(latencies, 0.95), 2),
+        "search_ms_p50": round(nearest_rank(latencies, 0.5), 2),
+        "search_ms_p95": round(nearest_rank(latencies, 0.95), 2),
         "search_ms_mean": round(statistics.fmean(latencies), 2),
         "queries": len(queries),
     }

@@ -28,6 +28,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+from keel.bench._stats import nearest_rank
+
 __all__ = ["run_stream_bench"]
 
 _SYSTEM = "You are a concise assistant. Answer in one or two sentences."
@@ -120,14 +122,6 @@ class _CuttingProxy:
             with suppress(asyncio.CancelledError):
                 await requests
             self._replying.discard(connection)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return round(ordered[index], 2)
 
 
 def _agent(base_url: str, folder: Path, max_tokens: int, *, masked: bool, name: str) -> Any:
@@ -247,15 +241,15 @@ async def _latency(
     return {
         "latency_turns": turns,
         "ttft_ms_p50": {
-            "sdk": _percentile(sdk, 0.5),
-            "agent_stream": _percentile(streamed, 0.5),
-            "agent_stream_unmasked": _percentile(unmasked, 0.5),
+            "sdk": round(nearest_rank(sdk, 0.5), 2),
+            "agent_stream": round(nearest_rank(streamed, 0.5), 2),
+            "agent_stream_unmasked": round(nearest_rank(unmasked, 0.5), 2),
         },
-        "added_ttft_ms_p50": _percentile(added, 0.5),
-        "added_ttft_ms_p95": _percentile(added, 0.95),
-        "added_ttft_ms_unmasked_p50": _percentile(added_plain, 0.5),
-        "added_ttft_ms_unmasked_p95": _percentile(added_plain, 0.95),
-        "agent_run_ms_p50": _percentile(run_ms, 0.5),
+        "added_ttft_ms_p50": round(nearest_rank(added, 0.5), 2),
+        "added_ttft_ms_p95": round(nearest_rank(added, 0.95), 2),
+        "added_ttft_ms_unmasked_p50": round(nearest_rank(added_plain, 0.5), 2),
+        "added_ttft_ms_unmasked_p95": round(nearest_rank(added_plain, 0.95), 2),
+        "agent_run_ms_p50": round(nearest_rank(run_ms, 0.5), 2),
         "tokens_per_s": round(statistics.median(rates), 1) if rates else 0.0,
     }
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keel.bench._stats import nearest_rank
 from keel.messages import Message
 
 __all__ = ["run_turns_bench"]
@@ -39,24 +40,16 @@ def _tool_output(query: str) -> str:
     return f"records for {query}: " + "one entry with its details " * 6
 
 
-def _percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    index = min(len(ordered) - 1, max(0, round(share * (len(ordered) - 1))))
-    return ordered[index]
-
-
 def _summary(times_ms: list[float], bucket: int, elapsed_s: float) -> dict[str, Any]:
     buckets = [times_ms[i : i + bucket] for i in range(0, len(times_ms), bucket)]
     p50s = [round(statistics.median(part), 3) for part in buckets if part]
-    p95s = [round(_percentile(part, 0.95), 3) for part in buckets if part]
+    p95s = [round(nearest_rank(part, 0.95), 3) for part in buckets if part]
     return {
         "buckets_ms_p50": p50s,
         "buckets_ms_p95": p95s,
         "flatness": round(p50s[-1] / p50s[0], 3) if p50s and p50s[0] > 0 else None,
         "p50_ms": round(statistics.median(times_ms), 3),
-        "p95_ms": round(_percentile(times_ms, 0.95), 3),
+        "p95_ms": round(nearest_rank(times_ms, 0.95), 3),
         "turns_per_s": round(len(times_ms) / elapsed_s, 2) if elapsed_s > 0 else None,
     }
 
@@ -257,7 +250,7 @@ def _combined(runs: list[dict[str, Any]], bucket: int) -> dict[str, Any]:
         "buckets_ms_p95": p95s,
         "flatness": round(p50s[-1] / p50s[0], 3) if p50s and p50s[0] > 0 else None,
         "p50_ms": round(statistics.median(every), 3),
-        "p95_ms": round(_percentile(every, 0.95), 3),
+        "p95_ms": round(nearest_rank(every, 0.95), 3),
         "turns_per_s": statistics.median(run["turns_per_s"] for run in runs),
         "db_bytes": runs[0]["db_bytes"],
         "tool_executions": runs[0]["tool_executions"],

@@ -207,16 +207,32 @@ class _Lease:
         self.lock = lock
         self.session_id = session_id
         self.lost = False
+        self._ended = asyncio.Event()
 
     async def heartbeat(self) -> None:
+        """Renew the lease every third of its time to live until :meth:`end`."""
         period = max(self.lock.ttl / 3, 0.05)
         while not self.lost:
-            await asyncio.sleep(period)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), period)
+            # Checked after every await, not left to cancellation alone: a client library
+            # can swallow a cancel that lands mid-command (asyncio.wait_for before Python
+            # 3.12 drops one that races the inner result), and this loop would renew the
+            # lease forever while the turn waits for it to stop.
+            if self._ended.is_set():
+                return
             try:
                 if not await self.lock.aacquire(0):
                     self.lost = True
             except StoreError:
                 logger.warning("could not renew the lease on session %s", self.session_id)
+
+    async def end(self, heartbeat: asyncio.Task[None]) -> None:
+        """Stop renewing: the turn is over."""
+        self._ended.set()
+        heartbeat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await heartbeat
 
     async def check(self) -> None:
         """Renew now; raise when another owner has taken the session."""
@@ -791,9 +807,7 @@ class Agent:
         try:
             yield lease
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            await lease.end(heartbeat)
             if not lease.lost:
                 try:
                     await lock.arelease()

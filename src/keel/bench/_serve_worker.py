@@ -1,0 +1,99 @@
+"""One worker of ``keel bench serve``: ``python -m keel.bench._serve_worker``.
+
+It serves the real service (``build_service``) on the database (and Redis) named in
+``KEEL_BENCH_WORKER`` (JSON), with a scripted model of fixed latency and one side-effecting
+tool, ``book``, whose effect is a row in ``bench_effects`` (in PostgreSQL, or in a SQLite file
+next to the database): the benchmark counts double effects from those rows, not from keel's
+journal. The model calls ``book`` with the user's message (the turn's tag), then answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from typing import Any
+
+from keel.messages import Message
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.tools import Tool, tool
+
+__all__ = ["EFFECTS_TABLE", "WORKER_ENV", "effect_tool", "main"]
+
+WORKER_ENV = "KEEL_BENCH_WORKER"
+EFFECTS_TABLE = "bench_effects"
+
+
+def _policy(call: ScriptedCall) -> Message | str:
+    last = call.messages[-1]
+    if last.role == "tool":
+        return f"Done: {last.content}"
+    return ScriptedModel.tool_call("book", json.dumps({"tag": call.last_user_text}))
+
+
+def effect_tool(effects: str) -> Tool:
+    """``book(tag)``: one row per call in the effects table at ``effects`` (a PostgreSQL URL or
+    a SQLite file path). The table has no unique key, so a second run of a call shows."""
+    pid = os.getpid()
+    if effects.startswith(("postgresql://", "postgres://")):
+        import psycopg
+
+        connection: list[psycopg.AsyncConnection[Any]] = []
+
+        @tool(side_effect=True, idempotent=False)
+        async def book(tag: str) -> str:
+            """Book the trip named by the tag.
+
+            Args:
+                tag: The booking's reference.
+            """
+            if not connection:
+                connection.append(await psycopg.AsyncConnection.connect(effects, autocommit=True))
+            await connection[0].execute(
+                f"INSERT INTO {EFFECTS_TABLE} (tag, pid) VALUES (%s, %s)", (tag, pid)
+            )
+            return f"booked {tag}"
+
+        return book
+
+    database = sqlite3.connect(effects, check_same_thread=False, isolation_level=None)
+    database.execute("PRAGMA journal_mode=WAL")
+
+    @tool(name="book", side_effect=True, idempotent=False)
+    def book_in_sqlite(tag: str) -> str:
+        """Book the trip named by the tag.
+
+        Args:
+            tag: The booking's reference.
+        """
+        database.execute(f"INSERT INTO {EFFECTS_TABLE} (tag, pid) VALUES (?, ?)", (tag, pid))
+        return f"booked {tag}"
+
+    return book_in_sqlite
+
+
+def main() -> None:
+    import uvicorn
+
+    from keel.service import Drain, DrainingServer, build_service
+
+    options = json.loads(os.environ[WORKER_ENV])
+    model = ScriptedModel(_policy, delay_s=options["model_latency_s"])
+    drain = Drain()
+    service, _, _ = build_service(
+        options["database"],
+        model=model,
+        tools=[effect_tool(options["effects"])],
+        redis_url=options.get("redis_url") or "",
+        memory=False,
+        drain=drain,
+        lease_ttl_s=options["lease_ttl_s"],
+    )
+    config = uvicorn.Config(
+        service, host="127.0.0.1", port=options["port"], log_level="warning", access_log=False
+    )
+    DrainingServer(config, drain).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,476 @@
+"""``keel bench serve``: the service under load while its workers are SIGKILLed.
+
+A throwaway embedded PostgreSQL and a Redis are started, then ``workers`` service processes
+(``keel.bench._serve_worker``: the real ``build_service`` on 127.0.0.1 ports) on them. A
+bounded client loop drives ``sessions`` concurrent sessions, round-robin across the workers;
+each turn carries an idempotency key (the turn's tag) and is retried on a dropped connection,
+409 or 503 until it lands. The scripted model answers after a fixed latency; each turn calls
+the side-effecting tool ``book`` once, whose effect is a row in ``bench_effects``. Every
+``kill_every_s`` a random worker is SIGKILLed and restarted.
+
+Everything is counted from the effects themselves, read back at the end:
+- **lost turns**: tags the client sent that are absent from the session's final state;
+- **duplicated turns**: tags held twice in the final state;
+- **double effects**: tags with more than one ``bench_effects`` row; **missing effects**:
+  completed turns with none;
+- **keel-added latency**: the client's time for a turn minus the model's two latencies, over
+  the turns that ran wholly outside a kill window (from the kill until the restarted worker
+  answers and the dead worker's session leases have expired), and over all turns;
+- **RSS** of each worker process, sampled every second.
+
+Then the same on SQLite with one worker (``sqlite``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from keel.bench._serve_worker import EFFECTS_TABLE, WORKER_ENV
+from keel.bench._stats import nearest_rank
+
+__all__ = ["run_serve_bench"]
+
+_TENANT = "bench"
+_MODEL_CALLS_PER_TURN = 2
+
+
+@dataclass
+class _Turn:
+    tag: str
+    started: float
+    ended: float = 0.0
+    attempts: int = 0
+    reply_status: str | None = None
+    gave_up: bool = False
+
+
+@dataclass
+class _Worker:
+    index: int
+    port: int
+    process: subprocess.Popen[bytes]
+    started: float
+    rss_kb: list[tuple[float, int]] = field(default_factory=list)
+
+
+def _rss_kb(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class _Fleet:
+    """The worker processes: started, killed (SIGKILL) and restarted on their ports."""
+
+    def __init__(self, count: int, options: dict[str, Any], directory: Path) -> None:
+        from keel.testing.servers import free_port
+
+        self.options = options
+        self.directory = directory
+        self.ports = [free_port() for _ in range(count)]
+        self.live: dict[int, _Worker] = {}
+        self.retired: list[_Worker] = []
+
+    def url(self, index: int) -> str:
+        return f"http://127.0.0.1:{self.ports[index]}"
+
+    def start(self, index: int) -> None:
+        env = {
+            **os.environ,
+            "KEEL_DATA_DIR": str(self.directory / "data"),
+            WORKER_ENV: json.dumps({**self.options, "port": self.ports[index]}),
+        }
+        log = open(self.directory / f"worker-{index}.log", "ab")  # noqa: SIM115 - the child's
+        process = subprocess.Popen(
+            [sys.executable, "-m", "keel.bench._serve_worker"],
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
+        log.close()
+        self.live[index] = _Worker(index, self.ports[index], process, time.monotonic())
+
+    def kill(self, index: int) -> None:
+        worker = self.live.pop(index)
+        worker.process.send_signal(signal.SIGKILL)
+        worker.process.wait()
+        self.retired.append(worker)
+
+    async def ready(self, index: int, client: Any, timeout_s: float = 60.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            worker = self.live[index]
+            if worker.process.poll() is not None:
+                log = (self.directory / f"worker-{index}.log").read_text(errors="replace")
+                raise RuntimeError(f"worker {index} exited at start:\n{log[-2000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if (await client.get(f"{self.url(index)}/health", timeout=2)).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {index} did not answer within {timeout_s} s")
+            await asyncio.sleep(0.1)
+
+    def sample_rss(self) -> None:
+        now = time.monotonic()
+        for worker in self.live.values():
+            rss = _rss_kb(worker.process.pid)
+            if rss is not None:
+                worker.rss_kb.append((now, rss))
+
+    def stop(self) -> None:
+        for index in list(self.live):
+            worker = self.live[index]
+            worker.process.terminate()
+            try:
+                worker.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+            self.retired.append(self.live.pop(index))
+
+    def rss_figures(self, warmup_s: float) -> dict[str, Any]:
+        """The largest RSS seen, and the growth of the longest-lived process: its last sample
+        over its first one after ``warmup_s`` (1.0 is flat)."""
+        workers = [w for w in self.retired if w.rss_kb]
+        if not workers:
+            return {"rss_mb_max": None, "rss_growth": None, "rss_lifetime_s": None}
+        peak = max(rss for w in workers for _, rss in w.rss_kb)
+        longest = max(workers, key=lambda w: w.rss_kb[-1][0] - w.started)
+        settled = [rss for t, rss in longest.rss_kb if t - longest.started >= warmup_s]
+        growth = round(settled[-1] / settled[0], 3) if len(settled) >= 2 else None
+        return {
+            "rss_mb_max": round(peak / 1024, 1),
+            "rss_growth": growth,
+            "rss_lifetime_s": round(longest.rss_kb[-1][0] - longest.started, 1),
+        }
+
+
+def _create_effects_table(effects: str) -> None:
+    if effects.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(effects, autocommit=True) as conn:
+            conn.execute(
+                f"CREATE TABLE {EFFECTS_TABLE} (id bigserial PRIMARY KEY, tag text NOT NULL, "
+                "pid integer NOT NULL, at timestamptz NOT NULL DEFAULT now())"
+            )
+        return
+    with contextlib.closing(sqlite3.connect(effects)) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(
+            f"CREATE TABLE {EFFECTS_TABLE} (id INTEGER PRIMARY KEY, tag TEXT NOT NULL, "
+            "pid INTEGER NOT NULL)"
+        )
+        conn.commit()
+
+
+def _effect_counts(effects: str) -> Counter[str]:
+    query = f"SELECT tag, count(*) FROM {EFFECTS_TABLE} GROUP BY tag"
+    if effects.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(effects) as conn:
+            rows = conn.execute(query).fetchall()
+    else:
+        with contextlib.closing(sqlite3.connect(effects)) as conn:
+            rows = conn.execute(query).fetchall()
+    return Counter({str(tag): int(count) for tag, count in rows})
+
+
+def _api_key(database: str) -> str:
+    from keel.runtime import open_backends
+    from keel.service import APIKeys
+    from keel.settings import load_settings
+
+    backends = open_backends(database, memory=False, masker=None, settings=load_settings())
+    try:
+        return APIKeys(backends.sql).create(_TENANT)
+    finally:
+        backends.close()
+
+
+@dataclass
+class _Load:
+    """One run's settings."""
+
+    workers: int
+    sessions: int
+    duration_s: float
+    kill_every_s: float
+    model_latency_s: float
+    lease_ttl_s: float
+    think_s: float
+    turn_timeout_s: float
+    seed: int
+
+
+async def _drive(
+    fleet: _Fleet, load: _Load, key: str, progress: Callable[[str], None] | None
+) -> dict[str, Any]:
+    import httpx
+
+    rng = random.Random(load.seed)
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=load.sessions + 16, max_keepalive_connections=None)
+    statuses: Counter[str] = Counter()
+    turns: list[_Turn] = []
+    windows: list[tuple[float, float]] = []
+    round_robin = iter(range(1 << 62))
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=60) as client:
+        await asyncio.gather(*(fleet.ready(i, client) for i in range(load.workers)))
+        started = time.monotonic()
+        stop_at = started + load.duration_s
+
+        async def one_turn(session: int, tag: str) -> None:
+            turn = _Turn(tag, time.monotonic())
+            turns.append(turn)
+            body = {"message": tag, "user": f"u{session}"}
+            deadline = turn.started + load.turn_timeout_s
+            while True:
+                turn.attempts += 1
+                url = fleet.url(next(round_robin) % load.workers)
+                try:
+                    response = await client.post(
+                        f"{url}/v1/sessions/s{session}/turns",
+                        json=body,
+                        headers={"Idempotency-Key": tag},
+                    )
+                except httpx.TransportError as exc:
+                    statuses[type(exc).__name__] += 1
+                else:
+                    statuses[str(response.status_code)] += 1
+                    if response.status_code == 200:
+                        turn.reply_status = response.json()["status"]
+                        turn.ended = time.monotonic()
+                        return
+                    if response.status_code not in (409, 429, 500, 502, 503):
+                        turn.gave_up = True
+                        turn.ended = time.monotonic()
+                        return
+                if time.monotonic() > deadline:
+                    turn.gave_up = True
+                    turn.ended = time.monotonic()
+                    return
+                await asyncio.sleep(rng.uniform(0.05, 0.25))
+
+        async def session_loop(session: int) -> None:
+            # Sessions start spread over the first model latency, as users would arrive.
+            await asyncio.sleep(rng.uniform(0, load.model_latency_s * _MODEL_CALLS_PER_TURN))
+            number = 0
+            while time.monotonic() < stop_at:
+                await one_turn(session, f"s{session}-t{number}")
+                number += 1
+                if load.think_s:
+                    await asyncio.sleep(rng.uniform(0, 2 * load.think_s))
+
+        async def chaos() -> int:
+            kills = 0
+            next_kill = started + load.kill_every_s
+            while next_kill < stop_at:
+                await asyncio.sleep(max(0.0, next_kill - time.monotonic()))
+                index = rng.randrange(load.workers)
+                killed_at = time.monotonic()
+                fleet.kill(index)
+                kills += 1
+                fleet.start(index)
+                await fleet.ready(index, client)
+                # The dead worker's session leases hold until they expire.
+                windows.append((killed_at, time.monotonic() + load.lease_ttl_s))
+                if progress is not None:
+                    progress(f"killed worker {index} at {killed_at - started:.1f} s")
+                next_kill += load.kill_every_s
+            return kills
+
+        async def sample_rss() -> None:
+            while time.monotonic() < stop_at + load.turn_timeout_s:
+                fleet.sample_rss()
+                await asyncio.sleep(1.0)
+
+        sampler = asyncio.create_task(sample_rss())
+        chaos_task = asyncio.create_task(chaos()) if load.kill_every_s > 0 else None
+        await asyncio.gather(*(session_loop(s) for s in range(load.sessions)))
+        finished = time.monotonic()
+        kills = await chaos_task if chaos_task is not None else 0
+        sampler.cancel()
+        fleet.sample_rss()
+
+        states: dict[int, Counter[str]] = {}
+        for session in range(load.sessions):
+            response = await client.get(f"{fleet.url(0)}/v1/sessions/s{session}")
+            held: Counter[str] = Counter()
+            if response.status_code == 200:
+                for message in response.json()["state"]["messages"]:
+                    if message["role"] == "user":
+                        held[message["content"]] += 1
+            states[session] = held
+        in_doubt = 0
+        for session in range(load.sessions):
+            response = await client.get(f"{fleet.url(0)}/v1/sessions/s{session}/in-doubt")
+            if response.status_code == 200:
+                in_doubt += len(response.json())
+    return {
+        "turns": turns,
+        "statuses": statuses,
+        "windows": windows,
+        "kills": kills,
+        "states": states,
+        "in_doubt_left": in_doubt,
+        "elapsed_s": finished - started,
+    }
+
+
+def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict[str, Any]:
+    turns: list[_Turn] = driven["turns"]
+    windows: list[tuple[float, float]] = driven["windows"]
+    held: Counter[str] = Counter()
+    for counts in driven["states"].values():
+        held.update(counts)
+    sent = {turn.tag for turn in turns}
+    model_ms = load.model_latency_s * _MODEL_CALLS_PER_TURN * 1000
+
+    def in_window(turn: _Turn) -> bool:
+        return any(turn.started < end and turn.ended > start for start, end in windows)
+
+    landed = [t for t in turns if t.reply_status is not None]
+    added_all = [(t.ended - t.started) * 1000 - model_ms for t in landed]
+    added_calm = [(t.ended - t.started) * 1000 - model_ms for t in landed if not in_window(t)]
+
+    def quantiles(values: list[float]) -> dict[str, float | int]:
+        return {
+            "p50": round(nearest_rank(values, 0.50), 2),
+            "p95": round(nearest_rank(values, 0.95), 2),
+            "p99": round(nearest_rank(values, 0.99), 2),
+            "turns": len(values),
+        }
+
+    completed = {t.tag for t in landed if t.reply_status == "completed"}
+    return {
+        "workers": load.workers,
+        "sessions": load.sessions,
+        "duration_s": load.duration_s,
+        "model_latency_ms": load.model_latency_s * 1000,
+        "think_s": load.think_s,
+        "turns_sent": len(sent),
+        "turns_committed": sum(1 for tag in sent if held[tag] >= 1),
+        "turns_per_s": round(sum(1 for tag in sent if held[tag] >= 1) / driven["elapsed_s"], 2),
+        "keel_added_ms": quantiles(added_calm),
+        "keel_added_ms_all_turns": quantiles(added_all),
+        "retried_turns": sum(1 for t in turns if t.attempts > 1),
+        "status_counts": dict(sorted(driven["statuses"].items())),
+        "reply_statuses": dict(Counter(t.reply_status or "none" for t in turns)),
+        "kills": driven["kills"],
+        "lost_turns": sum(1 for tag in sent if held[tag] == 0),
+        "duplicated_turns": sum(1 for tag in sent if held[tag] > 1),
+        "double_effects": sum(1 for count in effects.values() if count > 1),
+        "missing_effects": sum(1 for tag in completed if effects[tag] == 0),
+        "effects_without_turn": sum(1 for tag in effects if held[tag] == 0),
+        "in_doubt_left": driven["in_doubt_left"],
+        "gave_up": sum(1 for t in turns if t.gave_up),
+    }
+
+
+def _run(
+    database: str,
+    effects: str,
+    redis_url: str | None,
+    load: _Load,
+    directory: Path,
+    progress: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    _create_effects_table(effects)
+    key = _api_key(database)
+    options = {
+        "database": database,
+        "effects": effects,
+        "redis_url": redis_url,
+        "model_latency_s": load.model_latency_s,
+        "lease_ttl_s": load.lease_ttl_s,
+    }
+    fleet = _Fleet(load.workers, options, directory)
+    for index in range(load.workers):
+        fleet.start(index)
+    try:
+        driven = asyncio.run(_drive(fleet, load, key, progress))
+    finally:
+        fleet.stop()
+    figures = _figures(load, driven, _effect_counts(effects))
+    figures.update(fleet.rss_figures(warmup_s=5.0))
+    return figures
+
+
+@contextlib.contextmanager
+def _folder() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="keel-bench-serve-") as name:
+        yield Path(name)
+
+
+def run_serve_bench(
+    *,
+    workers: int = 4,
+    sessions: int = 200,
+    duration_s: float = 60.0,
+    kill_every_s: float = 5.0,
+    model_latency_ms: float = 300.0,
+    lease_ttl_s: float = 2.0,
+    think_s: float = 0.0,
+    turn_timeout_s: float = 60.0,
+    seed: int = 7,
+    sqlite: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the load on PostgreSQL + Redis with ``workers`` workers, then (``sqlite``) on SQLite
+    with one; the figures of the first, with the second's under ``"sqlite"``."""
+    from keel.testing.servers import postgres_server, redis_server
+
+    load = _Load(
+        workers,
+        sessions,
+        duration_s,
+        kill_every_s,
+        model_latency_ms / 1000,
+        lease_ttl_s,
+        think_s,
+        turn_timeout_s,
+        seed,
+    )
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(_folder())
+        server = stack.enter_context(postgres_server())
+        url = stack.enter_context(server.throwaway_database())
+        redis = stack.enter_context(redis_server())
+        if progress is not None:
+            progress(f"PostgreSQL + Redis, {workers} workers, {sessions} sessions")
+        figures = _run(url, url, redis, load, directory, progress)
+    if sqlite:
+        single = _Load(**{**load.__dict__, "workers": 1})
+        with _folder() as directory:
+            if progress is not None:
+                progress(f"SQLite, 1 worker, {sessions} sessions")
+            database = f"sqlite:///{directory / 'keel.db'}"
+            figures["sqlite"] = _run(
+                database, str(directory / "effects.db"), None, single, directory, progress
+            )
+    figures["seed"] = seed
+    return figures
