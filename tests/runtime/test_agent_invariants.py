@@ -4,6 +4,7 @@ real SQLite stores, and effects counted from what the tools did."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 
@@ -479,10 +480,8 @@ async def test_a_turn_ends_even_when_the_lease_renewal_swallows_its_cancellation
             if not self.held:
                 return await super().aacquire(wait)
             renewals += 1
-            try:
+            with contextlib.suppress(asyncio.CancelledError):  # swallowed, as the race does
                 await asyncio.sleep(1)
-            except asyncio.CancelledError:
-                pass  # swallowed, as the race does
             return not unstick
 
     lock.__class__ = SwallowsCancel

@@ -70,7 +70,7 @@ class _Worker:
 
 def _rss_kb(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/status") as status:
+        with Path(f"/proc/{pid}/status").open() as status:
             for line in status:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1])
@@ -100,14 +100,13 @@ class _Fleet:
             "KEEL_DATA_DIR": str(self.directory / "data"),
             WORKER_ENV: json.dumps({**self.options, "port": self.ports[index]}),
         }
-        log = open(self.directory / f"worker-{index}.log", "ab")  # noqa: SIM115 - the child's
-        process = subprocess.Popen(
-            [sys.executable, "-m", "keel.bench._serve_worker"],
-            env=env,
-            stdout=log,
-            stderr=log,
-        )
-        log.close()
+        with (self.directory / f"worker-{index}.log").open("ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "keel.bench._serve_worker"],
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
         self.live[index] = _Worker(index, self.ports[index], process, time.monotonic())
 
     def kill(self, index: int) -> None:
@@ -226,8 +225,38 @@ class _Load:
     seed: int
 
 
+async def _reconcile(client: Any, url: str, sessions: int, effects: str) -> dict[str, int]:
+    """The operator's pass: each in-doubt call (started, no result recorded: its worker died
+    mid-call) is resolved from the effects table, the source of truth for whether it ran."""
+    entries = []
+    for session in range(sessions):
+        response = await client.get(f"{url}/v1/sessions/s{session}/in-doubt")
+        response.raise_for_status()
+        entries += response.json()
+    done = _effect_counts(effects)
+    took_effect = 0
+    for entry in entries:
+        tag = json.loads(entry["arguments"])["tag"]
+        happened = done[tag] > 0
+        took_effect += happened
+        verdict = {"ok": happened, "content": f"booked {tag}" if happened else "not booked"}
+        response = await client.post(
+            f"{url}/v1/tools/in-doubt/{entry['key']}/resolve", json=verdict
+        )
+        response.raise_for_status()
+    left = 0
+    for session in range(sessions):
+        response = await client.get(f"{url}/v1/sessions/s{session}/in-doubt")
+        left += len(response.json())
+    return {"in_doubt": len(entries), "in_doubt_took_effect": took_effect, "in_doubt_left": left}
+
+
 async def _drive(
-    fleet: _Fleet, load: _Load, key: str, progress: Callable[[str], None] | None
+    fleet: _Fleet,
+    load: _Load,
+    key: str,
+    effects: str,
+    progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     import httpx
 
@@ -325,18 +354,14 @@ async def _drive(
                     if message["role"] == "user":
                         held[message["content"]] += 1
             states[session] = held
-        in_doubt = 0
-        for session in range(load.sessions):
-            response = await client.get(f"{fleet.url(0)}/v1/sessions/s{session}/in-doubt")
-            if response.status_code == 200:
-                in_doubt += len(response.json())
+        reconciled = await _reconcile(client, fleet.url(0), load.sessions, effects)
     return {
         "turns": turns,
         "statuses": statuses,
         "windows": windows,
         "kills": kills,
         "states": states,
-        "in_doubt_left": in_doubt,
+        **reconciled,
         "elapsed_s": finished - started,
     }
 
@@ -386,6 +411,8 @@ def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict
         "double_effects": sum(1 for count in effects.values() if count > 1),
         "missing_effects": sum(1 for tag in completed if effects[tag] == 0),
         "effects_without_turn": sum(1 for tag in effects if held[tag] == 0),
+        "in_doubt": driven["in_doubt"],
+        "in_doubt_took_effect": driven["in_doubt_took_effect"],
         "in_doubt_left": driven["in_doubt_left"],
         "gave_up": sum(1 for t in turns if t.gave_up),
     }
@@ -412,7 +439,7 @@ def _run(
     for index in range(load.workers):
         fleet.start(index)
     try:
-        driven = asyncio.run(_drive(fleet, load, key, progress))
+        driven = asyncio.run(_drive(fleet, load, key, effects, progress))
     finally:
         fleet.stop()
     figures = _figures(load, driven, _effect_counts(effects))

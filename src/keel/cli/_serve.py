@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from keel.cli._app import app, emit_json, out_console
+from keel.cli._app import app, bench_app, emit_json, err_console, out_console
 
 if TYPE_CHECKING:
     from keel.runtime import Backends
@@ -161,3 +161,60 @@ def serve_command(
     # SIGTERM: turns in flight finish, new ones get 503, then the server stops.
     config = uvicorn.Config(service, host=host, port=port, log_level="warning")
     DrainingServer(config, drain).run()
+
+
+@bench_app.command("serve")
+def bench_serve_command(
+    workers: Annotated[int, typer.Option(min=1, help="Worker processes on PostgreSQL.")] = 4,
+    sessions: Annotated[int, typer.Option(min=1, help="Concurrent sessions.")] = 200,
+    duration: Annotated[float, typer.Option(min=1, help="Seconds of load.")] = 60.0,
+    kill_every: Annotated[
+        float, typer.Option(min=0, help="Seconds between SIGKILLs of a random worker (0: none).")
+    ] = 5.0,
+    model_latency_ms: Annotated[
+        float, typer.Option(min=0, help="The scripted model's latency per call.")
+    ] = 300.0,
+    think: Annotated[
+        float, typer.Option(min=0, help="Mean seconds a session waits between its turns.")
+    ] = 0.0,
+    lease_ttl: Annotated[
+        float, typer.Option(min=0.1, help="Session lease time to live (a dead worker's holds).")
+    ] = 2.0,
+    sqlite: Annotated[bool, typer.Option(help="Also run on SQLite with one worker.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed of the kills and the client's jitter.")] = 7,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
+) -> None:
+    """The service under load on PostgreSQL + Redis while workers are SIGKILLed and restarted:
+    lost and duplicated turns, double effects (counted from the effects), keel-added latency,
+    RSS; then the same on SQLite with one worker."""
+    from keel.bench.serve import run_serve_bench
+
+    report = run_serve_bench(
+        workers=workers,
+        sessions=sessions,
+        duration_s=duration,
+        kill_every_s=kill_every,
+        model_latency_ms=model_latency_ms,
+        think_s=think,
+        lease_ttl_s=lease_ttl,
+        sqlite=sqlite,
+        seed=seed,
+        progress=lambda text: err_console.print(text),
+    )
+    if as_json:
+        emit_json(report)
+        return
+    runs = [("postgresql+redis", report)]
+    if "sqlite" in report:
+        runs.append(("sqlite", report["sqlite"]))
+    for name, figures in runs:
+        added = figures["keel_added_ms"]
+        out_console.print(
+            f"{name}: {figures['workers']} workers, {figures['sessions']} sessions, "
+            f"{figures['kills']} kills: {figures['turns_committed']} turns committed "
+            f"({figures['turns_per_s']}/s), keel-added p50/p95/p99 {added['p50']}/"
+            f"{added['p95']}/{added['p99']} ms outside kill windows; lost "
+            f"{figures['lost_turns']}, duplicated {figures['duplicated_turns']}, double effects "
+            f"{figures['double_effects']}; RSS max {figures['rss_mb_max']} MB",
+            markup=False,
+        )

@@ -1,0 +1,51 @@
+"""``keel bench serve`` as a user runs it: real worker processes SIGKILLed under load, and the
+figures read back from the sessions' state and the effects table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_serve_loses_and_repeats_nothing_while_workers_are_killed() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keel",
+            "bench",
+            "serve",
+            "--workers",
+            "2",
+            "--sessions",
+            "8",
+            "--duration",
+            "8",
+            "--kill-every",
+            "2.5",
+            "--model-latency-ms",
+            "50",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for figures in (report, report["sqlite"]):
+        assert figures["kills"] >= 2, figures
+        assert figures["turns_committed"] == figures["turns_sent"] > 0, figures
+        assert figures["lost_turns"] == 0 and figures["duplicated_turns"] == 0, figures
+        assert figures["double_effects"] == 0 and figures["missing_effects"] == 0, figures
+        assert figures["effects_without_turn"] == 0 and figures["in_doubt_left"] == 0, figures
+        assert set(figures["keel_added_ms"]) == {"p50", "p95", "p99", "turns"}
+    assert report["workers"] == 2 and report["sqlite"]["workers"] == 1
