@@ -10,7 +10,7 @@ limit).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -31,7 +31,7 @@ from keel.tracing._models import (
     Step,
     StepMetric,
 )
-from keel.tracing._store import TraceStore
+from keel.tracing._store import RunEnding, TraceStore
 
 __all__ = ["POSTGRES_TRACE_MIGRATIONS", "PostgresTraceStore"]
 
@@ -166,6 +166,71 @@ def _step_values(step: Step) -> tuple[Any, ...]:
     return tuple(values)
 
 
+def _run_values(run: Run) -> tuple[Any, ...]:
+    return (
+        run.run_id,
+        run.session_id,
+        run.user_id,
+        run.tenant_id,
+        run.agent,
+        run.status,
+        run.started_at,
+        run.ended_at,
+        run.input,
+        run.output,
+        run.error_type,
+        run.error_message,
+        Jsonb(run.attributes),
+        run.time_limit_s,
+        datetime.now(UTC),
+    )
+
+
+def _write_steps(conn: psycopg.Connection[tuple[Any, ...]], run_id: str, steps: list[Step]) -> None:
+    """Insert or replace one run's steps; its totals move by the difference, in one update."""
+    # Locks the run row: concurrent writers of one run's steps serialise here.
+    if (
+        conn.execute("SELECT 1 FROM trace_runs WHERE run_id = %s FOR UPDATE", (run_id,)).fetchone()
+        is None
+    ):
+        raise StoreError(f"cannot write step {steps[0].step_id}: no run {run_id!r}")
+    written = {
+        row[0]: step_contribution(row[1], row[2] is not None, row[3], row[4])
+        for row in conn.execute(
+            "SELECT step_id, kind, error_type, prompt_tokens, completion_tokens FROM trace_steps "
+            "WHERE run_id = %s AND step_id = ANY(%s)",
+            (run_id, [step.step_id for step in steps]),
+        )
+    }
+    delta = [0] * 6
+    for step in steps:
+        new = step_contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
+        old = written.get(step.step_id)
+        for position, value in enumerate(new):
+            delta[position] += value - (0 if old is None else old[position])
+        written[step.step_id] = new  # the same step twice in a batch counts once
+    with conn.cursor() as cursor:
+        cursor.executemany(_INSERT_STEP, [_step_values(step) for step in steps])
+    conn.execute(
+        "UPDATE trace_runs SET step_count = step_count + %s, "
+        "model_calls = model_calls + %s, tool_calls = tool_calls + %s, "
+        "tool_errors = tool_errors + %s, prompt_tokens = prompt_tokens + %s, "
+        "completion_tokens = completion_tokens + %s, "
+        "heartbeat_at = GREATEST(heartbeat_at, %s) WHERE run_id = %s",
+        (*delta, datetime.now(UTC), run_id),
+    )
+
+
+def _end_run(conn: psycopg.Connection[tuple[Any, ...]], end: RunEnding) -> None:
+    updated = conn.execute(
+        "UPDATE trace_runs SET status = %s, ended_at = %s, output = %s, "
+        "error_type = %s, error_message = %s WHERE run_id = %s",
+        (end.status, end.ended_at, end.output, end.error_type, end.error_message, end.run_id),
+    ).rowcount
+    if updated == 0:
+        raise StoreError(f"cannot end run {end.run_id!r}: no such run")
+
+
 class PostgresTraceStore(TraceStore):
     """Traces in PostgreSQL, for keel processes that share one database.
 
@@ -224,58 +289,26 @@ class PostgresTraceStore(TraceStore):
 
     def start_run(self, run: Run) -> None:
         """Insert the run (or replace its header, keeping steps and totals)."""
-        self._ensure()
-        with self._tx() as conn:
-            conn.execute(
-                _UPSERT_RUN,
-                (
-                    run.run_id,
-                    run.session_id,
-                    run.user_id,
-                    run.tenant_id,
-                    run.agent,
-                    run.status,
-                    run.started_at,
-                    run.ended_at,
-                    run.input,
-                    run.output,
-                    run.error_type,
-                    run.error_message,
-                    Jsonb(run.attributes),
-                    run.time_limit_s,
-                    datetime.now(UTC),
-                ),
-            )
+        self.write_batch(run=run, steps=(), end=None)
 
     def write_step(self, step: Step) -> None:
         """Insert or replace the step and adjust its run's totals by the difference."""
+        self.write_batch(run=None, steps=(step,), end=None)
+
+    def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
+        """One transaction for the whole batch; per run, one lock, one read of the steps
+        written before and one totals update."""
         self._ensure()
-        new = step_contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
         with self._tx() as conn:
-            # Locks the run row: concurrent writers of one run's steps serialise here.
-            exists = conn.execute(
-                "SELECT 1 FROM trace_runs WHERE run_id = %s FOR UPDATE", (step.run_id,)
-            ).fetchone()
-            if exists is None:
-                raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
-            old_row = conn.execute(
-                "SELECT kind, error_type, prompt_tokens, completion_tokens FROM trace_steps "
-                "WHERE run_id = %s AND step_id = %s",
-                (step.run_id, step.step_id),
-            ).fetchone()
-            delta = list(new)
-            if old_row is not None:
-                old = step_contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
-                delta = [a - b for a, b in zip(new, old, strict=True)]
-            conn.execute(_INSERT_STEP, _step_values(step))
-            conn.execute(
-                "UPDATE trace_runs SET step_count = step_count + %s, "
-                "model_calls = model_calls + %s, tool_calls = tool_calls + %s, "
-                "tool_errors = tool_errors + %s, prompt_tokens = prompt_tokens + %s, "
-                "completion_tokens = completion_tokens + %s, "
-                "heartbeat_at = GREATEST(heartbeat_at, %s) WHERE run_id = %s",
-                (*delta, datetime.now(UTC), step.run_id),
-            )
+            if run is not None:
+                conn.execute(_UPSERT_RUN, _run_values(run))
+            by_run: dict[str, list[Step]] = {}
+            for step in steps:
+                by_run.setdefault(step.run_id, []).append(step)
+            for run_id, run_steps in by_run.items():
+                _write_steps(conn, run_id, run_steps)
+            if end is not None:
+                _end_run(conn, end)
 
     def end_run(
         self,
@@ -288,15 +321,18 @@ class PostgresTraceStore(TraceStore):
         error_message: str | None = None,
     ) -> None:
         """Set the run's final status, end time, output and error."""
-        self._ensure()
-        with self._tx() as conn:
-            updated = conn.execute(
-                "UPDATE trace_runs SET status = %s, ended_at = %s, output = %s, "
-                "error_type = %s, error_message = %s WHERE run_id = %s",
-                (status, ended_at, output, error_type, error_message, run_id),
-            ).rowcount
-        if updated == 0:
-            raise StoreError(f"cannot end run {run_id!r}: no such run")
+        self.write_batch(
+            run=None,
+            steps=(),
+            end=RunEnding(
+                run_id=run_id,
+                status=status,
+                ended_at=ended_at,
+                output=output,
+                error_type=error_type,
+                error_message=error_message,
+            ),
+        )
 
     def get_run(self, run_id: str) -> Run | None:
         """The run with this id, or None."""

@@ -209,6 +209,25 @@ class TraceStoreConformance:
         assert (run.step_count, run.model_calls, run.tool_calls, run.tool_errors) == (4, 1, 2, 0)
         assert (run.prompt_tokens, run.completion_tokens) == (150, 30)
 
+    def test_totals_are_exact_when_a_batch_rewrites_steps(self, trace_store: TraceStore) -> None:
+        trace_store.start_run(_run("r1"))
+        trace_store.write_step(_step("r1", 0, "model", prompt_tokens=100))
+        # One batch: a stored step rewritten, a new step written twice (failed, then not).
+        trace_store.write_batch(
+            run=None,
+            steps=[
+                _step("r1", 0, "model", prompt_tokens=40),
+                _step("r1", 1, "tool", error_type="ToolExecutionError"),
+                _step("r1", 1, "tool"),
+            ],
+            end=None,
+        )
+        run = trace_store.get_run("r1")
+        assert run is not None
+        assert (run.step_count, run.model_calls, run.tool_calls, run.tool_errors) == (2, 1, 1, 0)
+        assert run.prompt_tokens == 40
+        assert [s.error_type for s in trace_store.get_steps("r1")] == [None, None]
+
     def test_a_step_of_an_unknown_run_is_a_store_error(self, trace_store: TraceStore) -> None:
         try:
             trace_store.write_step(_step("ghost", 0))
