@@ -14,8 +14,8 @@ Everything is counted from the effects themselves, read back at the end:
 - **double effects**: tags with more than one ``bench_effects`` row; **missing effects**:
   completed turns with none;
 - **keel-added latency**: the client's time for a turn minus the model's two latencies, over
-  the turns that ran wholly outside a kill window (from the kill until the restarted worker
-  answers and the dead worker's session leases have expired), and over all turns;
+  the turns no kill touched (they landed on their first attempt: a turn whose worker died
+  under it, or that was sent to a worker still restarting, needed another), and over all;
 - **RSS** of each worker process, sampled every second.
 
 Then the same on SQLite with one worker (``sqlite``).
@@ -265,7 +265,7 @@ async def _drive(
     limits = httpx.Limits(max_connections=load.sessions + 16, max_keepalive_connections=None)
     statuses: Counter[str] = Counter()
     turns: list[_Turn] = []
-    windows: list[tuple[float, float]] = []
+    restarts_s: list[float] = []
     round_robin = iter(range(1 << 62))
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=60) as client:
         await asyncio.gather(*(fleet.ready(i, client) for i in range(load.workers)))
@@ -305,8 +305,9 @@ async def _drive(
                 await asyncio.sleep(rng.uniform(0.05, 0.25))
 
         async def session_loop(session: int) -> None:
-            # Sessions start spread over the first model latency, as users would arrive.
-            await asyncio.sleep(rng.uniform(0, load.model_latency_s * _MODEL_CALLS_PER_TURN))
+            # Sessions arrive spread over one turn and one think time, not all at once.
+            spread = load.model_latency_s * _MODEL_CALLS_PER_TURN + 2 * load.think_s
+            await asyncio.sleep(rng.uniform(0, spread))
             number = 0
             while time.monotonic() < stop_at:
                 await one_turn(session, f"s{session}-t{number}")
@@ -325,8 +326,7 @@ async def _drive(
                 kills += 1
                 fleet.start(index)
                 await fleet.ready(index, client)
-                # The dead worker's session leases hold until they expire.
-                windows.append((killed_at, time.monotonic() + load.lease_ttl_s))
+                restarts_s.append(time.monotonic() - killed_at)
                 if progress is not None:
                     progress(f"killed worker {index} at {killed_at - started:.1f} s")
                 next_kill += load.kill_every_s
@@ -358,7 +358,7 @@ async def _drive(
     return {
         "turns": turns,
         "statuses": statuses,
-        "windows": windows,
+        "restarts_s": restarts_s,
         "kills": kills,
         "states": states,
         **reconciled,
@@ -368,19 +368,17 @@ async def _drive(
 
 def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict[str, Any]:
     turns: list[_Turn] = driven["turns"]
-    windows: list[tuple[float, float]] = driven["windows"]
     held: Counter[str] = Counter()
     for counts in driven["states"].values():
         held.update(counts)
     sent = {turn.tag for turn in turns}
     model_ms = load.model_latency_s * _MODEL_CALLS_PER_TURN * 1000
 
-    def in_window(turn: _Turn) -> bool:
-        return any(turn.started < end and turn.ended > start for start, end in windows)
-
     landed = [t for t in turns if t.reply_status is not None]
     added_all = [(t.ended - t.started) * 1000 - model_ms for t in landed]
-    added_calm = [(t.ended - t.started) * 1000 - model_ms for t in landed if not in_window(t)]
+    # A turn a kill touched needed another attempt: its worker died under it (and the retry
+    # waited for the dead worker's lease), or it was sent to a worker still restarting.
+    added_calm = [(t.ended - t.started) * 1000 - model_ms for t in landed if t.attempts == 1]
 
     def quantiles(values: list[float]) -> dict[str, float | int]:
         return {
@@ -406,6 +404,7 @@ def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict
         "status_counts": dict(sorted(driven["statuses"].items())),
         "reply_statuses": dict(Counter(t.reply_status or "none" for t in turns)),
         "kills": driven["kills"],
+        "restart_s_p50": round(nearest_rank(driven["restarts_s"], 0.5), 2),
         "lost_turns": sum(1 for tag in sent if held[tag] == 0),
         "duplicated_turns": sum(1 for tag in sent if held[tag] > 1),
         "double_effects": sum(1 for count in effects.values() if count > 1),

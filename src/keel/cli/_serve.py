@@ -213,7 +213,7 @@ def bench_serve_command(
             f"{name}: {figures['workers']} workers, {figures['sessions']} sessions, "
             f"{figures['kills']} kills: {figures['turns_committed']} turns committed "
             f"({figures['turns_per_s']}/s), keel-added p50/p95/p99 {added['p50']}/"
-            f"{added['p95']}/{added['p99']} ms outside kill windows; lost "
+            f"{added['p95']}/{added['p99']} ms on turns no kill touched; lost "
             f"{figures['lost_turns']}, duplicated {figures['duplicated_turns']}, double effects "
             f"{figures['double_effects']}; RSS max {figures['rss_mb_max']} MB",
             markup=False,
