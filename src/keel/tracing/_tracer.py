@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any, Protocol, TypedDict, Unpack
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from keel.errors import (
     GuardError,
@@ -150,9 +151,9 @@ def _from_completion(data: dict[str, Any], completion: Completion) -> None:
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    return json.loads(json.dumps(value, default=str))
+    """``value`` as JSON data (models dumped, tuples and sets as lists, the rest as ``str``), in
+    one pass in pydantic-core rather than a ``json`` round trip."""
+    return to_jsonable_python(value, fallback=str)
 
 
 class Tracer:
