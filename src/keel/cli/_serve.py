@@ -218,3 +218,27 @@ def bench_serve_command(
             f"{figures['double_effects']}; RSS max {figures['rss_mb_max']} MB",
             markup=False,
         )
+
+
+@app.command("ui")
+def ui_command(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8765,
+    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+    tenant: Annotated[str, typer.Option(help="The tenant to look at.")] = "default",
+    memory: Annotated[bool, typer.Option(help="Show long-term memory.")] = True,
+) -> None:
+    """Open the web trace viewer on the embedded database (or --database): runs, sessions,
+    memory and health. It prints a key for TENANT that signs you in, revoked when it stops."""
+    import uvicorn
+
+    from keel.service import build_service
+
+    service, _, keys = build_service(database, memory=memory)
+    key = keys.create(tenant)
+    out_console.print(f"keel ui: http://{host}:{port}/ui  (tenant {tenant})", markup=False)
+    out_console.print(f"sign in with this key (revoked when keel ui stops): {key}", markup=False)
+    try:
+        uvicorn.run(service, host=host, port=port, log_level="warning")
+    finally:
+        keys.revoke(key.removeprefix("keel_").split("_", 1)[0])

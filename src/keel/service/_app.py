@@ -188,6 +188,7 @@ def create_app(
     tenants: Callable[[], Iterable[str]] | None = None,
     rate_limiter: RateLimiter | None = None,
     drain: Drain | None = None,
+    ui: bool = True,
 ) -> FastAPI:
     """The service's FastAPI app.
 
@@ -205,6 +206,7 @@ def create_app(
         rate_limiter: requests per key and minute; over it, 429 with ``Retry-After``.
         drain: shared with a :class:`DrainingServer`: while it drains, new turns get 503 and
             the turns in flight are counted until they end.
+        ui: serve the web trace viewer at ``/ui`` (it signs in with the same API keys).
     """
 
     @contextlib.asynccontextmanager
@@ -296,18 +298,24 @@ def create_app(
         turns[(tenant_id, reply.status)] += 1
         return reply
 
-    def tenant(authorization: str | None = Header(default=None)) -> str:
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            raise _HTTPError(401, "Unauthorized", "send Authorization: Bearer <API key>")
+    def tenant_of_key(key: str) -> str | None:
+        """The key's tenant, or None for an unknown or revoked key (cached ``key_cache_s``)."""
         fingerprint = hashlib.sha256(key.encode()).hexdigest()
         cached = verified.get(fingerprint)
         if cached is not None and cached[1] > time.monotonic():
             return cached[0]
         found = keys.tenant_of(key)
+        if found is not None:
+            verified[fingerprint] = (found, time.monotonic() + key_cache_s)
+        return found
+
+    def tenant(authorization: str | None = Header(default=None)) -> str:
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise _HTTPError(401, "Unauthorized", "send Authorization: Bearer <API key>")
+        found = tenant_of_key(key)
         if found is None:
             raise _HTTPError(401, "Unauthorized", "unknown or revoked API key")
-        verified[fingerprint] = (found, time.monotonic() + key_cache_s)
         return found
 
     async def limited_tenant(
@@ -661,4 +669,8 @@ def create_app(
             raise _HTTPError(404, "NotFound", "not found")
         return detail.model_dump(mode="json")
 
+    if ui:
+        from keel.ui import mount_ui
+
+        mount_ui(app, agent_for, tenant_of_key, traces)
     return app

@@ -1,0 +1,6 @@
+"""The web trace viewer: runs, sessions, memory and health, served by ``keel serve`` at ``/ui``
+and by ``keel ui`` on the embedded database."""
+
+from keel.ui._router import COOKIE, mount_ui
+
+__all__ = ["COOKIE", "mount_ui"]
