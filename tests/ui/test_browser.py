@@ -107,7 +107,7 @@ def test_from_the_run_list_into_a_run_its_session_and_a_diff(
     first.locator("summary").first.click()
     assert first.locator(".bar .seg.system").is_visible()
     assert first.locator(".bar .seg.reserve").is_visible()
-    assert "Raw model output" in first.inner_text()
+    assert "Parsed action" in first.inner_text() and "book_flight" in first.inner_text()
     tool = page.locator("li.step.kind-tool").first
     tool.locator("summary").first.click()
     assert "Tool result (masked)" in tool.inner_text()
