@@ -65,7 +65,7 @@ def main(target: Path) -> None:
             browser.close()
     finally:
         viewer.terminate()
-        viewer.wait(timeout=30)
+        viewer.communicate(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {target} ({target.stat().st_size} bytes)")
 

@@ -159,8 +159,11 @@ def test_recency_breaks_ties_toward_recent_events(memory: Memory) -> None:
     memory.flush()
     cfg = RetrievalConfig(recency_weight=0.5, duplicate_similarity=1.01)
     recent_first = Memory(memory.store, embedder=memory.embedder, config=cfg)
-    ids = [h.record.id for h in recent_first.search("budget meeting", scope=SCOPE, k=2, now=now)]
-    assert ids == [new.id, old.id]
+    hits = recent_first.search("budget meeting", scope=SCOPE, k=2, now=now)
+    assert [h.record.id for h in hits] == [new.id, old.id]
+    # Each hit says what recency did to its score: 1 + 0.5 * 0.5 ** (age / 30 days).
+    boosts = [h.recency_boost for h in hits]
+    assert boosts == pytest.approx([1 + 0.5 * 0.5 ** (1 / 30), 1 + 0.5 * 0.5 ** (400 / 30)])
 
 
 class _FetchCountingStore(SQLiteMemoryStore):

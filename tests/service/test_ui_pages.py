@@ -93,3 +93,31 @@ def test_a_revert_is_confirmed_and_compare_and_set(service: Service) -> None:
         assert 'class="diff"' in diff.text and "Book Oslo" in diff.text
     with service.client(acme) as api:
         assert api.get("/v1/sessions/s1").json()["version"] == version + 1
+
+
+def test_an_in_doubt_call_is_shown_and_resolved_only_within_the_tenant(service: Service) -> None:
+    from keel.runtime import session_key
+    from keel.stores import SQLiteDatabase, SQLiteToolJournal
+
+    acme, globex = service.keys.create("acme"), service.keys.create("globex")
+    _turn(service, acme, "s1", "Book Oslo")
+    database = SQLiteDatabase(service.database)
+    journal = SQLiteToolJournal(database)
+    journal.claim(
+        key="k-9", session_id=session_key("acme", "s1"), step=7, call_index=0,
+        tool="book", arguments='{"city": "Lima"}',
+    )  # fmt: skip
+    verdict = {"key": "k-9", "ok": "yes", "content": "booked Lima (checked with the agency)"}
+    with _browser(service, globex) as theirs:
+        assert theirs.post("/ui/sessions/s1/resolve", data=verdict).status_code == 404
+    assert journal.in_doubt(session_key("acme", "s1"))
+    with _browser(service, acme) as mine:
+        shown = mine.get("/ui/sessions/s1")
+        assert "Tools in doubt" in shown.text and "Lima" in shown.text
+        resolved = mine.post("/ui/sessions/s1/resolve", data=verdict)
+        assert resolved.status_code == 200 and "Resolved book call" in resolved.text
+        assert "Tools in doubt" not in resolved.text
+    entry = journal.get("k-9")
+    assert entry is not None and entry.ok is True and not entry.in_doubt
+    assert entry.content == "booked Lima (checked with the agency)"
+    database.close()

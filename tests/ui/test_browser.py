@@ -137,7 +137,8 @@ def test_memory_search_shows_why_each_hit_ranked(browser: Browser, viewer: Viewe
     page.get_by_role("button", name="Search").click()
     hits = page.locator("ol.hits li")
     assert hits.count() > 0
-    assert "keyword rank" in hits.first.inner_text() and "vector rank" in hits.first.inner_text()
+    why = hits.first.inner_text()
+    assert "keyword rank" in why and "vector rank" in why and "recency ×" in why
     assert page.locator("pre.packed").is_visible()
     page.goto(f"{viewer.url}/ui/health?since=all")
     assert page.locator("svg.chart").count() >= 2

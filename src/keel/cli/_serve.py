@@ -234,11 +234,18 @@ def ui_command(
 
     from keel.service import build_service
 
-    service, _, keys = build_service(database, memory=memory)
-    key = keys.create(tenant)
-    out_console.print(f"keel ui: http://{host}:{port}/ui  (tenant {tenant})", markup=False)
-    out_console.print(f"sign in with this key (revoked when keel ui stops): {key}", markup=False)
+    service, _, _ = build_service(database, memory=memory)
+    # The key lives on its own connection: the service closes its stores when it stops.
+    backends, keys = _keys(database)
     try:
-        uvicorn.run(service, host=host, port=port, log_level="warning")
+        key = keys.create(tenant)
+        out_console.print(f"keel ui: http://{host}:{port}/ui  (tenant {tenant})", markup=False)
+        out_console.print(
+            f"sign in with this key (revoked when keel ui stops): {key}", markup=False
+        )
+        try:
+            uvicorn.run(service, host=host, port=port, log_level="warning")
+        finally:
+            keys.revoke(key.removeprefix("keel_").split("_", 1)[0])
     finally:
-        keys.revoke(key.removeprefix("keel_").split("_", 1)[0])
+        backends.close()

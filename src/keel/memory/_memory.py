@@ -65,6 +65,11 @@ class MemoryHit(BaseModel):
     keyword_rank: int | None = Field(default=None, description="1-based rank in keyword search.")
     vector_rank: int | None = Field(default=None, description="1-based rank in vector search.")
     similarity: float | None = Field(default=None, description="Cosine similarity to the query.")
+    recency_boost: float | None = Field(
+        default=None,
+        description="What recency multiplied the fused score by, in [1, 1 + recency_weight] "
+        "(None when recency weighting is off).",
+    )
     context: tuple[MemoryRecord, ...] = Field(
         default=(), description="The record with its neighbouring turns, in turn order."
     )
@@ -557,11 +562,13 @@ class Memory:
         hits: list[MemoryHit] = []
         for record_id, record in records.items():
             score = scores[record_id]
+            boost = None
             if cfg.recency_weight > 0:
                 age_days = max(0.0, (reference - record.when).total_seconds() / 86400)
-                score *= 1.0 + cfg.recency_weight * math.pow(
+                boost = 1.0 + cfg.recency_weight * math.pow(
                     0.5, age_days / cfg.recency_half_life_days
                 )
+                score *= boost
             hits.append(
                 MemoryHit(
                     record=record,
@@ -569,6 +576,7 @@ class Memory:
                     keyword_rank=keyword_rank.get(record_id),
                     vector_rank=vector_rank.get(record_id),
                     similarity=similarity.get(record_id),
+                    recency_boost=boost,
                 )
             )
         hits.sort(key=lambda h: (-h.score, h.record.id))

@@ -618,6 +618,8 @@ def create_app(
                 "score": hit.score,
                 "keyword_rank": hit.keyword_rank,
                 "vector_rank": hit.vector_rank,
+                "similarity": hit.similarity,
+                "recency_boost": hit.recency_boost,
             }
             for hit in hits
         ]
