@@ -46,10 +46,11 @@ def test_version_is_a_string() -> None:
     assert isinstance(keel.__version__, str) and keel.__version__.count(".") == 2
 
 
-def test_stores_import_without_server_drivers() -> None:
+def test_stores_import_without_server_drivers_or_integrations() -> None:
     code = (
-        "import sys, keel.stores, keel.runtime, keel.memory; "
-        "print(sorted(m for m in ('psycopg', 'redis', 'torch', 'llama_cpp') if m in sys.modules))"
+        "import sys, keel.stores, keel.runtime, keel.memory, keel.service, keel.cli; "
+        "print(sorted(m for m in ('psycopg', 'redis', 'torch', 'llama_cpp', 'mcp', "
+        "'keel.integrations', 'playwright') if m in sys.modules))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

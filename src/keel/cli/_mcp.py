@@ -1,0 +1,59 @@
+"""``keel mcp``: keel memory as an MCP server, over stdio or streamable HTTP."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import typer
+
+from keel.cli._app import app, err_console
+
+
+@app.command("mcp")
+def mcp_command(
+    transport: Annotated[
+        str, typer.Option(help="stdio (one tenant, for a local client) or http.")
+    ] = "stdio",
+    tenant: Annotated[str, typer.Option(help="stdio: the tenant every call acts for.")] = "default",
+    host: Annotated[str, typer.Option(help="http: address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="http: port to listen on.")] = 8766,
+    database: Annotated[
+        str | None,
+        typer.Option(help="Database URL (default: KEEL_DATABASE, else the embedded file)."),
+    ] = None,
+) -> None:
+    """Serve keel memory to MCP clients: remember, remember_fact, search, get, forget,
+    fact_history, each for a user. Over http every request needs Authorization: Bearer <key>
+    from `keel keys create --tenant T`, and acts for that key's tenant."""
+    from keel.errors import UsageError
+    from keel.integrations.mcp import CachedKeys, memory_server, require_api_key
+    from keel.privacy import PIIMasker
+    from keel.runtime import open_backends
+    from keel.service import APIKeys
+    from keel.settings import load_settings
+
+    mode: Literal["stdio", "http"]
+    if transport not in ("stdio", "http"):
+        raise UsageError(f"--transport is stdio or http, not {transport!r}")
+    mode = "stdio" if transport == "stdio" else "http"
+    settings = load_settings()
+    backends = open_backends(
+        database or settings.database_url, memory=True, masker=PIIMasker(), settings=settings
+    )
+    try:
+        memory = backends.memory
+        if memory is None:
+            raise UsageError("this database has no long-term memory")
+        memory.start()
+        if mode == "stdio":
+            memory_server(memory, tenant=tenant).run("stdio")
+            return
+        import uvicorn
+
+        keys = CachedKeys(APIKeys(backends.sql).tenant_of)
+        server = memory_server(memory, tenant_of_key=keys)
+        gated = require_api_key(server.streamable_http_app(host=host), keys)
+        err_console.print(f"keel mcp: http://{host}:{port}/mcp (Bearer API keys)")
+        uvicorn.run(gated, host=host, port=port, log_level="warning")
+    finally:
+        backends.close()

@@ -1,0 +1,2 @@
+"""keel inside other frameworks, each module behind its own extra and never imported by keel's
+core: ``keel.integrations.mcp`` (``keel[mcp]``), a memory server for any MCP client."""

@@ -1,0 +1,252 @@
+"""keel memory as an MCP server (the official ``mcp`` SDK): any MCP client can remember, search,
+read, forget, and follow a fact over time, scoped per tenant and user, PII masked on write.
+
+Over stdio the server acts for one tenant, fixed when it starts (``keel mcp --tenant T``: the
+process is the user's own). Over streamable HTTP every request must carry
+``Authorization: Bearer <key>`` from ``keel keys create --tenant T``: the key is checked before
+the MCP session starts (401 otherwise) and names the tenant of every call it makes, so one
+server serves many tenants and none sees another's records. The user is each tool's ``user``
+argument, within that tenant.
+
+    from keel.integrations.mcp import memory_server
+    server = memory_server(memory, tenant="acme")
+    server.run("stdio")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Literal
+
+try:
+    from mcp.server.mcpserver import Context, MCPServer
+except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+    from keel.errors import BackendUnavailableError
+
+    raise BackendUnavailableError("the MCP SDK is not installed (the 'mcp' extra)") from exc
+
+from keel.errors import UsageError
+from keel.memory import Memory, MemoryRecord, Scope
+
+__all__ = ["CachedKeys", "memory_server", "require_api_key"]
+
+TenantOfKey = Callable[[str], str | None]
+"""An API key's tenant, or None for an unknown or revoked key."""
+
+_Scope = MutableMapping[str, Any]
+_ASGI = Callable[[_Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Any]
+
+
+class CachedKeys:
+    """``tenant_of_key`` with each verified key trusted for ``ttl_s`` (a revoked key stops
+    working within that time), shared by the HTTP gate and the tools."""
+
+    def __init__(self, tenant_of_key: TenantOfKey, ttl_s: float = 30.0) -> None:
+        self._tenant_of_key = tenant_of_key
+        self._ttl_s = ttl_s
+        self._verified: dict[str, tuple[str, float]] = {}
+
+    def __call__(self, key: str) -> str | None:
+        fingerprint = hashlib.sha256(key.encode()).hexdigest()
+        cached = self._verified.get(fingerprint)
+        if cached is not None and cached[1] > time.monotonic():
+            return cached[0]
+        found = self._tenant_of_key(key)
+        if found is not None:
+            self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
+        return found
+
+
+def _bearer(headers: Any) -> str | None:
+    if not headers:
+        return None
+    scheme, _, key = str(headers.get("authorization", "")).partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+def _record(record: MemoryRecord) -> dict[str, Any]:
+    """What a client sees of a record (never its embedding)."""
+    return {
+        "id": record.id,
+        "kind": record.kind,
+        "type": record.type,
+        "text": record.text,
+        "provenance": record.provenance,
+        "created_at": record.created_at.isoformat(),
+        "valid_from": None if record.valid_from is None else record.valid_from.isoformat(),
+        "valid_to": None if record.valid_to is None else record.valid_to.isoformat(),
+        "subject": record.subject,
+        "attribute": record.attribute,
+    }
+
+
+def memory_server(
+    memory: Memory,
+    *,
+    tenant: str | None = None,
+    tenant_of_key: TenantOfKey | None = None,
+    name: str = "keel-memory",
+) -> MCPServer:
+    """An MCP server over ``memory``.
+
+    Args:
+        memory: where records live (masked on write by its masker).
+        tenant: the tenant of every call (stdio: the process acts for one tenant).
+        tenant_of_key: for HTTP, the tenant of a request's bearer key; a call without a valid
+            key is refused. Exactly one of ``tenant`` and ``tenant_of_key`` is given.
+        name: the server's name for clients.
+    """
+    if (tenant is None) == (tenant_of_key is None):
+        raise UsageError("give exactly one of tenant (stdio) and tenant_of_key (HTTP)")
+    server = MCPServer(
+        name,
+        instructions="Long-term memory of one user: remember what matters, search before you "
+        "answer, follow how a fact changed. Every call names the user.",
+    )
+
+    def scope_of(user: str, ctx: Context) -> Scope:
+        if not user.strip():
+            raise UsageError("user must not be empty")
+        if tenant is not None:
+            return Scope(tenant_id=tenant, user_id=user)
+        assert tenant_of_key is not None
+        key = _bearer(ctx.headers)
+        found = tenant_of_key(key) if key else None
+        if found is None:
+            raise UsageError("send Authorization: Bearer <API key> (keel keys create --tenant T)")
+        return Scope(tenant_id=found, user_id=user)
+
+    @server.tool()
+    async def remember(
+        user: str,
+        text: str,
+        ctx: Context,
+        kind: Literal["episodic", "semantic", "procedural"] = "semantic",
+    ) -> dict[str, Any]:
+        """Remember a note about the user (stored as the user's claim, PII masked).
+
+        Args:
+            user: The user the note is about.
+            text: What to remember.
+            kind: episodic (something that happened), semantic (a fact or preference) or
+                procedural (how to do something).
+        """
+        record = await memory.aadd(text, scope=scope_of(user, ctx), kind=kind)
+        return _record(record)
+
+    @server.tool()
+    async def remember_fact(
+        user: str, subject: str, attribute: str, value: str, ctx: Context
+    ) -> dict[str, Any]:
+        """Set a fact (subject's attribute = value); an earlier value becomes its history.
+
+        Args:
+            user: The user the fact belongs to.
+            subject: Who or what the fact is about, e.g. "user".
+            attribute: Which property, e.g. "home city".
+            value: The new value.
+        """
+        scope = scope_of(user, ctx)
+        record = await _in_thread(lambda: memory.remember_fact(scope, subject, attribute, value))
+        return _record(record)
+
+    @server.tool()
+    async def search(user: str, query: str, ctx: Context, k: int = 5) -> list[dict[str, Any]]:
+        """The user's memories most relevant to the query, each with why it ranked.
+
+        Args:
+            user: Whose memories.
+            query: What to look for.
+            k: How many hits (1-50).
+        """
+        if not 1 <= k <= 50:
+            raise UsageError(f"k must be between 1 and 50, got {k}")
+        hits = await memory.asearch(query, scope=scope_of(user, ctx), k=k)
+        return [
+            {
+                **_record(hit.record),
+                "score": hit.score,
+                "keyword_rank": hit.keyword_rank,
+                "vector_rank": hit.vector_rank,
+                "recency_boost": hit.recency_boost,
+            }
+            for hit in hits
+        ]
+
+    @server.tool()
+    async def get(user: str, record_id: str, ctx: Context) -> dict[str, Any]:
+        """One of the user's records by id.
+
+        Args:
+            user: Whose record.
+            record_id: The record's id (from search or remember).
+        """
+        scope = scope_of(user, ctx)
+        record = await _in_thread(lambda: memory.get(scope, record_id))
+        if record is None:
+            raise UsageError(f"the user has no record {record_id!r}")
+        return _record(record)
+
+    @server.tool()
+    async def forget(user: str, record_id: str, ctx: Context) -> dict[str, Any]:
+        """Forget one of the user's records.
+
+        Args:
+            user: Whose record.
+            record_id: The record's id.
+        """
+        scope = scope_of(user, ctx)
+        forgotten = await _in_thread(lambda: memory.forget(scope, record_id))
+        if not forgotten:
+            raise UsageError(f"the user has no record {record_id!r}")
+        return {"forgotten": record_id}
+
+    @server.tool()
+    async def fact_history(
+        user: str, subject: str, attribute: str, ctx: Context
+    ) -> list[dict[str, Any]]:
+        """Every value a fact has had, oldest first (superseded ones carry valid_to).
+
+        Args:
+            user: Whose fact.
+            subject: Who or what it is about.
+            attribute: Which property.
+        """
+        scope = scope_of(user, ctx)
+        chain = await _in_thread(lambda: memory.fact_history(scope, subject, attribute))
+        return [_record(record) for record in chain]
+
+    return server
+
+
+async def _in_thread(call: Callable[[], Any]) -> Any:
+    import asyncio
+
+    return await asyncio.to_thread(call)
+
+
+def require_api_key(app: _ASGI, tenant_of_key: TenantOfKey) -> _ASGI:
+    """``app`` (the server's streamable HTTP app) behind the service's API keys: a request
+    without a valid ``Authorization: Bearer`` key is answered 401 before MCP sees it."""
+
+    async def guarded(scope: _Scope, receive: Any, send: Any) -> Any:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        key = _bearer(headers)
+        if key is not None and tenant_of_key(key) is not None:
+            return await app(scope, receive, send)
+        body = b'{"error": {"type": "Unauthorized", "message": "send Authorization: Bearer <key>"}}'
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+        return None
+
+    return guarded

@@ -1,0 +1,139 @@
+"""``keel mcp`` with the official MCP SDK's client, over stdio and over streamable HTTP: the
+memory tools work, PII is masked before it is stored, and a tenant's key sees only its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+
+from keel.testing.servers import free_port
+from tests.service.conftest import create_key
+
+EMAIL = "ada@example.com"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "KEEL_DATA_DIR": str(tmp_path / "data"),
+        "KEEL_EMBEDDER": "hashing:64",
+        "KEEL_DATABASE": f"sqlite:///{tmp_path / 'keel.db'}",
+    }
+
+
+def _data(result: Any) -> Any:
+    assert not result.is_error, result.content
+    if result.structured_content is not None:
+        content = result.structured_content
+        return content.get("result", content) if isinstance(content, dict) else content
+    return json.loads(result.content[0].text)
+
+
+async def test_memory_over_stdio_masks_pii_and_follows_a_fact(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    server = StdioServerParameters(
+        command=sys.executable, args=["-m", "keel", "mcp", "--tenant", "acme"], env=env
+    )
+    async with Client(server) as client:
+        tools = {tool.name for tool in (await client.list_tools()).tools}
+        assert tools == {"remember", "remember_fact", "search", "get", "forget", "fact_history"}
+        note = _data(
+            await client.call_tool(
+                "remember", {"user": "u1", "text": f"Prefers window seats; mail {EMAIL}"}
+            )
+        )
+        assert EMAIL not in note["text"] and note["provenance"] == "user_claim"
+        hits = _data(await client.call_tool("search", {"user": "u1", "query": "window seats"}))
+        assert [hit["id"] for hit in hits] == [note["id"]]
+        assert hits[0]["keyword_rank"] == 1
+        assert _data(await client.call_tool("search", {"user": "u2", "query": "window"})) == []
+        for city in ("Oslo", "Lima"):
+            _data(
+                await client.call_tool(
+                    "remember_fact",
+                    {"user": "u1", "subject": "user", "attribute": "home city", "value": city},
+                )
+            )
+        chain = _data(
+            await client.call_tool(
+                "fact_history", {"user": "u1", "subject": "user", "attribute": "home city"}
+            )
+        )
+        assert [("Oslo" in r["text"], r["valid_to"] is not None) for r in chain] == [
+            (True, True),
+            (False, False),
+        ]
+        assert _data(await client.call_tool("get", {"user": "u1", "record_id": note["id"]}))
+        assert (await client.call_tool("get", {"user": "u2", "record_id": note["id"]})).is_error
+        forgotten = await client.call_tool("forget", {"user": "u1", "record_id": note["id"]})
+        assert _data(forgotten) == {"forgotten": note["id"]}
+        assert (await client.call_tool("get", {"user": "u1", "record_id": note["id"]})).is_error
+    with sqlite3.connect(tmp_path / "keel.db") as conn:
+        dumped = "\n".join(conn.iterdump())
+    assert EMAIL not in dumped, "an e-mail address reached storage unmasked"
+
+
+@pytest.fixture
+def http_server(tmp_path: Path) -> Any:
+    import subprocess
+    import time
+
+    env = _env(tmp_path)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keel", "mcp", "--transport", "http", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}/mcp"
+    deadline = time.monotonic() + 60
+    while True:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            httpx.post(url, timeout=1)
+            break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, "keel mcp did not start"
+            time.sleep(0.1)
+    try:
+        yield url, env
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
+def _as(url: str, key: str) -> Client:
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    return Client(streamable_http_client(url, http_client=http))
+
+
+async def test_memory_over_http_needs_a_key_and_keeps_tenants_apart(http_server: Any) -> None:
+    url, env = http_server
+    assert httpx.post(url, json={}).status_code == 401
+    forged = httpx.post(url, json={}, headers={"Authorization": "Bearer keel_0_forged"})
+    assert forged.status_code == 401
+    acme, globex = create_key("acme", env), create_key("globex", env)
+    async with _as(url, acme) as client:
+        note = _data(
+            await client.call_tool("remember", {"user": "u1", "text": "Allergic to peanuts"})
+        )
+        hits = _data(await client.call_tool("search", {"user": "u1", "query": "peanuts"}))
+        assert [hit["id"] for hit in hits] == [note["id"]]
+    async with _as(url, globex) as other:
+        assert _data(await other.call_tool("search", {"user": "u1", "query": "peanuts"})) == []
+        assert (await other.call_tool("get", {"user": "u1", "record_id": note["id"]})).is_error
+        assert (await other.call_tool("forget", {"user": "u1", "record_id": note["id"]})).is_error
+    async with _as(url, acme) as client:
+        assert _data(await client.call_tool("get", {"user": "u1", "record_id": note["id"]}))
