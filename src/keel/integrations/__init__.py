@@ -1,2 +1,4 @@
 """keel inside other frameworks, each module behind its own extra and never imported by keel's
-core: ``keel.integrations.mcp`` (``keel[mcp]``), a memory server for any MCP client."""
+core: ``keel.integrations.mcp`` (``keel[mcp]``), a memory server for any MCP client;
+``keel.integrations.pydantic_ai`` (``keel[pydantic-ai]``), keel's context engine as a
+pydantic-ai history processor."""

@@ -1,0 +1,189 @@
+"""keel's context engine as a pydantic-ai history processor: the history each model request
+sees fits an exact token budget with the answer's reserve kept free, older turns are folded
+into a running summary, old tool output is pruned, and a tool call is never separated from
+its return (pydantic-ai conversations break for good on an orphan; pydantic-ai#4728).
+
+    from keel.integrations.pydantic_ai import KeelHistory
+    history = KeelHistory("gpt-4o", budget=ContextBudget(working_budget=16_000))
+    agent = Agent(model, capabilities=[history.capability()])
+
+pydantic-ai keeps what a processor returns as the run's history, so the summary travels in it
+(one system part, marked) and the next request's processing starts from there: the processor
+holds no state of its own and any number of runs can share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+try:
+    from pydantic_ai.capabilities.process_history import ProcessHistory
+    from pydantic_ai.messages import (
+        ModelMessage,
+        ModelRequest,
+        ModelRequestPart,
+        ModelResponse,
+        RetryPromptPart,
+        SystemPromptPart,
+        TextPart,
+        ToolCallPart,
+        ToolReturnPart,
+        UserPromptPart,
+    )
+except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+    from keel.errors import BackendUnavailableError
+
+    raise BackendUnavailableError("pydantic-ai is not installed (the 'pydantic-ai' extra)") from exc
+
+from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
+from keel.messages import Message, ToolCall
+
+__all__ = ["SUMMARY_MARK", "KeelHistory"]
+
+SUMMARY_MARK = "[keel summary of the earlier conversation]\n"
+"""How the summary's system part starts (how the processor finds it again next time)."""
+
+_ORIGIN = "pydantic_ai"  # metadata key: (message index, part index or -1 for a response)
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        return "\n".join(
+            item if isinstance(item, str) else f"[{type(item).__name__}]" for item in content
+        )
+    return str(content)
+
+
+class KeelHistory:
+    """keel's context engine as a pydantic-ai history processor: pass
+    ``capabilities=[history.capability()]`` to an ``Agent`` (or the object itself wherever
+    pydantic-ai takes a history processor function).
+
+    Args:
+        model: the model whose tokenizer and window count (a spec such as ``"gpt-4o"``).
+        budget: how the window is shared (default: the whole window, 12% answer reserve).
+        pruning: how older tool output is cut.
+        summary: when the oldest turns are folded into the running summary.
+    """
+
+    def __init__(
+        self,
+        model: str = "gpt-4o",
+        *,
+        budget: ContextBudget | None = None,
+        pruning: PruningPolicy | None = None,
+        summary: SummaryPolicy | None = None,
+    ) -> None:
+        self.engine = ContextEngine(model, budget=budget, pruning=pruning, summary=summary)
+
+    def capability(self) -> ProcessHistory[Any]:
+        """This processor as a pydantic-ai capability."""
+        return ProcessHistory(self)
+
+    async def __call__(self, messages: list[ModelMessage]) -> list[ModelMessage]:
+        system, summary, history = _to_keel(messages)
+        if not history:
+            return messages
+        conversation = self.engine.conversation(messages=history, summary=summary)
+        if conversation.needs_summary:
+            await conversation.asummarize()
+        compiled = self.engine.compile(conversation, system=system)
+        return _to_pydantic_ai(messages, compiled.messages, conversation.summary)
+
+
+def _to_keel(messages: Sequence[ModelMessage]) -> tuple[str, str, list[Message]]:
+    """The system text, the summary carried in the history, and the rest as keel messages,
+    each tagged with where it came from."""
+    system: list[str] = []
+    summary = ""
+    history: list[Message] = []
+    for index, message in enumerate(messages):
+        if isinstance(message, ModelResponse):
+            text = "".join(p.content for p in message.parts if isinstance(p, TextPart))
+            calls = [
+                ToolCall(id=p.tool_call_id, name=p.tool_name, arguments=p.args_as_json_str())
+                for p in message.parts
+                if isinstance(p, ToolCallPart)
+            ]
+            history.append(
+                Message.assistant(text, tool_calls=calls, metadata={_ORIGIN: (index, -1)})
+            )
+            continue
+        for position, part in enumerate(message.parts):
+            origin = {_ORIGIN: (index, position)}
+            if isinstance(part, SystemPromptPart):
+                if part.content.startswith(SUMMARY_MARK):
+                    summary = part.content[len(SUMMARY_MARK) :]
+                else:
+                    system.append(part.content)
+            elif isinstance(part, UserPromptPart):
+                history.append(Message.user(_text_of(part.content), metadata=origin))
+            elif isinstance(part, ToolReturnPart):
+                history.append(
+                    Message.tool(
+                        part.tool_call_id,
+                        part.model_response_str(),
+                        name=part.tool_name,
+                        metadata=origin,
+                    )
+                )
+            elif isinstance(part, RetryPromptPart):
+                content = part.model_response()
+                if part.tool_name is not None:
+                    tool = Message.tool(
+                        part.tool_call_id, content, name=part.tool_name, metadata=origin
+                    )
+                    history.append(tool)
+                else:
+                    history.append(Message.user(content, metadata=origin))
+    return "\n\n".join(system), summary, history
+
+
+def _to_pydantic_ai(
+    original: Sequence[ModelMessage], compiled: Sequence[Message], summary: str
+) -> list[ModelMessage]:
+    """The original messages and parts the compiled prompt kept, in order; a pruned tool
+    return carries the pruned text; the system parts stay first, the summary after them."""
+    kept_parts: dict[int, dict[int, Message]] = {}
+    for sent in compiled:
+        origin = sent.metadata.get(_ORIGIN)
+        if origin is not None:
+            kept_parts.setdefault(origin[0], {})[origin[1]] = sent
+    rebuilt: list[ModelMessage] = []
+    for index, message in enumerate(original):
+        kept = kept_parts.get(index)
+        if isinstance(message, ModelResponse):
+            if kept is not None:
+                rebuilt.append(message)
+            continue
+        parts: list[ModelRequestPart] = []
+        for position, part in enumerate(message.parts):
+            if isinstance(part, SystemPromptPart):
+                if not part.content.startswith(SUMMARY_MARK):
+                    parts.append(part)
+                continue
+            compiled_part = None if kept is None else kept.get(position)
+            if compiled_part is None:
+                continue
+            if type(part) is ToolReturnPart and compiled_part.metadata.get("keel_cut"):
+                # The model sees the pruned text; special returns (tool search) stay whole.
+                plain: Any = part
+                parts.append(replace(plain, content=compiled_part.content))
+            else:
+                parts.append(part)
+        if parts:
+            rebuilt.append(replace(message, parts=parts))
+    if summary.strip():
+        block = SystemPromptPart(content=SUMMARY_MARK + summary)
+        first = rebuilt[0] if rebuilt else None
+        if isinstance(first, ModelRequest):
+            systems = [p for p in first.parts if isinstance(p, SystemPromptPart)]
+            others = [p for p in first.parts if not isinstance(p, SystemPromptPart)]
+            rebuilt[0] = replace(first, parts=[*systems, block, *others])
+        else:
+            rebuilt.insert(0, ModelRequest(parts=[block]))
+    return rebuilt
