@@ -50,7 +50,7 @@ def test_stores_import_without_server_drivers_or_integrations() -> None:
     code = (
         "import sys, keel.stores, keel.runtime, keel.memory, keel.service, keel.cli; "
         "print(sorted(m for m in ('psycopg', 'redis', 'torch', 'llama_cpp', 'mcp', "
-        "'keel.integrations', 'pydantic_ai', 'playwright') if m in sys.modules))"
+        "'keel.integrations', 'pydantic_ai', 'agents', 'playwright') if m in sys.modules))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -1,4 +1,5 @@
 """keel inside other frameworks, each module behind its own extra and never imported by keel's
 core: ``keel.integrations.mcp`` (``keel[mcp]``), a memory server for any MCP client;
 ``keel.integrations.pydantic_ai`` (``keel[pydantic-ai]``), keel's context engine as a
-pydantic-ai history processor."""
+pydantic-ai history processor; ``keel.integrations.openai_agents``
+(``keel[openai-agents]``), an Agents SDK session within the model's window."""

@@ -1,0 +1,273 @@
+"""An OpenAI Agents SDK ``Session`` on keel's state store and context engine.
+
+The SDK's own sessions return stored items as they are: cut with ``limit``, a
+``function_call_output`` can be sent without its ``function_call`` (openai-agents-python#4322),
+and nothing keeps the history inside the model's window. ``KeelSession.get_items`` returns the
+history the model should see: within an exact token budget (the answer's reserve kept free),
+older turns folded into one running summary, old tool output pruned, a call never separated
+from its output (with or without ``limit``). Items are PII-masked before they are stored, and
+every write is compare-and-set on the session's version, so a failed or concurrent write
+never leaves half a turn (#4615). State lives where keel's state lives: a SQLite file,
+PostgreSQL or Redis, durable across processes.
+
+    from keel.integrations.openai_agents import KeelSession
+    session = KeelSession("user-42", database="sqlite:///agents.db", model="gpt-4o")
+    await Runner.run(agent, "Hi", session=session)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    import agents  # noqa: F401  (the SDK this session is for)
+except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+    from keel.errors import BackendUnavailableError
+
+    raise BackendUnavailableError(
+        "the OpenAI Agents SDK is not installed (the 'openai-agents' extra)"
+    ) from exc
+
+from pydantic import BaseModel, Field
+
+from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
+from keel.errors import ConflictError, UsageError
+from keel.messages import Message, ToolCall
+from keel.privacy import PIIMasker
+from keel.state import StateStore
+from keel.stores import open_state_backend
+
+__all__ = ["SUMMARY_MARK", "KeelSession", "SessionItems"]
+
+SUMMARY_MARK = "[keel summary of the earlier conversation]\n"
+"""How the summary item's text starts."""
+
+_MASKED_KEYS = frozenset({"content", "text", "output", "arguments"})
+
+
+class SessionItems(BaseModel):
+    """What a session stores: its items as JSON texts (immutable, so a write validates and
+    stores only the new ones), the running summary, and how many items it covers."""
+
+    items: list[str] = Field(default_factory=list)
+    summary: str = ""
+    summarized: int = 0
+
+
+def _mask(value: Any, masker: PIIMasker, key: str | None = None) -> Any:
+    """``value`` with the text of its content fields masked (ids, names, types kept)."""
+    if isinstance(value, dict):
+        return {k: _mask(v, masker, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mask(v, masker, key) for v in value]
+    if isinstance(value, str) and key in _MASKED_KEYS:
+        return masker.mask_text(value)
+    return value
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text", "")) if isinstance(part, dict) else str(part) for part in content
+        )
+    return "" if content is None else str(content)
+
+
+def _to_keel(items: Sequence[dict[str, Any]], offset: int) -> list[Message]:
+    """The items as keel messages, each tagged with the item indexes it came from; items the
+    engine has no role for (reasoning, built-in tool calls) travel with the next message."""
+    messages: list[Message] = []
+    carried: list[int] = []
+    for position, item in enumerate(items, start=offset):
+        kind = item.get("type")
+        role = item.get("role")
+        origin = [*carried, position]
+        if kind == "function_call":
+            call = ToolCall(
+                id=str(item["call_id"]),
+                name=str(item.get("name", "tool")),
+                arguments=str(item.get("arguments", "{}")),
+            )
+            previous = messages[-1] if messages else None
+            if previous is not None and previous.role == "assistant" and previous.tool_calls:
+                # Calls of one response are one assistant message: their outputs follow it.
+                messages[-1] = previous.model_copy(
+                    update={
+                        "tool_calls": (*previous.tool_calls, call),
+                        "metadata": {"items": [*previous.metadata["items"], *origin]},
+                    }
+                )
+            else:
+                messages.append(
+                    Message.assistant("", tool_calls=[call], metadata={"items": origin})
+                )
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+            messages.append(Message.tool(str(item["call_id"]), text, metadata={"items": origin}))
+        elif role in ("user", "system", "developer"):
+            make = Message.user if role == "user" else Message.system
+            messages.append(make(_text(item.get("content")), metadata={"items": origin}))
+        elif role == "assistant":
+            messages.append(
+                Message.assistant(_text(item.get("content")), metadata={"items": origin})
+            )
+        else:
+            carried = origin
+            continue
+        carried = []
+    return messages
+
+
+class KeelSession:
+    """A Session (the Agents SDK protocol) whose history fits the model's window.
+
+    Args:
+        session_id: the conversation's id.
+        database: where state lives (``sqlite:///PATH``, ``postgresql://...``, ``redis://...``);
+            or pass ``state``.
+        state: a state store of :class:`SessionItems` (several sessions can share one).
+        model: the model whose tokenizer and window count.
+        budget, pruning, summary: the context engine's policies.
+        masker: masks PII before anything is stored (``None``: store as given).
+    """
+
+    session_settings = None
+
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        database: str | None = None,
+        state: StateStore[SessionItems] | None = None,
+        model: str = "gpt-4o",
+        budget: ContextBudget | None = None,
+        pruning: PruningPolicy | None = None,
+        summary: SummaryPolicy | None = None,
+        masker: PIIMasker | None = None,
+    ) -> None:
+        if (database is None) == (state is None):
+            raise UsageError("give exactly one of database and state")
+        self.session_id = session_id
+        self.state = state or StateStore(open_state_backend(str(database)), SessionItems)
+        self.engine = ContextEngine(model, budget=budget, pruning=pruning, summary=summary)
+        self.masker = PIIMasker() if masker is None else masker
+
+    async def _load(self) -> SessionItems:
+        found = await self.state.aget(self.session_id)
+        return SessionItems() if found is None else found.state
+
+    async def all_items(self) -> list[dict[str, Any]]:
+        """Every stored item (masked), oldest first, with none left out."""
+        return [json.loads(item) for item in (await self._load()).items]
+
+    async def add_items(self, items: list[Any]) -> None:
+        """Append ``items`` (masked) in one compare-and-set write: all of them or none."""
+        if not items:
+            return
+        encoded = [json.dumps(_mask(dict(item), self.masker), ensure_ascii=False) for item in items]
+        if await self.state.aget(self.session_id) is None:
+            try:
+                await self.state.acreate(self.session_id, SessionItems(items=encoded))
+                return
+            except ConflictError:
+                pass  # another writer created it meanwhile: append below
+        await self.state.atransact(
+            self.session_id, lambda current: {"items": [*current.items, *encoded]}
+        )
+
+    async def pop_item(self) -> dict[str, Any] | None:
+        """Remove and return the newest item (None when the session is empty)."""
+        popped: list[str] = []
+
+        def drop_last(current: SessionItems) -> dict[str, Any] | None:
+            popped.clear()
+            if not current.items:
+                return None
+            popped.append(current.items[-1])
+            kept = current.items[:-1]
+            return {"items": kept, "summarized": min(current.summarized, len(kept))}
+
+        if await self.state.aget(self.session_id) is None:
+            return None
+        await self.state.atransact(self.session_id, drop_last)
+        return json.loads(popped[0]) if popped else None
+
+    async def clear_session(self) -> None:
+        """Forget the session."""
+        await self.state.adelete(self.session_id)
+
+    async def get_items(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """The history as the model should see it: within the budget, the summary first,
+        tool calls with their outputs; ``limit`` keeps the newest items, extended back to
+        the call of any output it would otherwise orphan."""
+        stored = await self.state.aget(self.session_id)
+        if stored is None:
+            return []
+        current = stored.state
+        items = [json.loads(item) for item in current.items]
+        unsummarized = items[current.summarized :]
+        history = _to_keel(unsummarized, current.summarized)
+        if not history:
+            return []
+        conversation = self.engine.conversation(messages=history, summary=current.summary)
+        if conversation.needs_summary and await conversation.asummarize() is not None:
+            folded = conversation.messages_summarized
+            covered = max(
+                (i for m in history[:folded] for i in m.metadata["items"]),
+                default=current.summarized - 1,
+            )
+            await self._keep_summary(stored.version, conversation.summary, covered + 1)
+        compiled = self.engine.compile(conversation, system="")
+        kept: dict[int, Message] = {}
+        for message in compiled.messages:
+            for index in message.metadata.get("items", ()):
+                kept[index] = message
+        result: list[dict[str, Any]] = []
+        for index in sorted(kept):
+            item = items[index]
+            message = kept[index]
+            if item.get("type") == "function_call_output" and message.metadata.get("keel_cut"):
+                item = {**item, "output": message.content}
+            result.append(item)
+        if limit is not None:
+            result = _newest(result, limit)
+        if conversation.summary.strip():
+            result.insert(0, {"role": "system", "content": SUMMARY_MARK + conversation.summary})
+        return result
+
+    async def _keep_summary(self, version: int, summary: str, covered: int) -> None:
+        """Store the new summary and what it covers, unless the session moved on (the next
+        read folds again: the summary is a cache of the items, never their only copy)."""
+        try:
+            await self.state.aupdate(
+                self.session_id,
+                {"summary": summary, "summarized": covered},
+                expected_version=version,
+            )
+        except ConflictError:
+            return
+
+
+def _newest(items: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` items, starting earlier where the cut would orphan an output."""
+    if limit <= 0:
+        return []
+    start = max(0, len(items) - limit)
+    called = {item.get("call_id") for item in items[start:] if item.get("type") == "function_call"}
+    while start > 0:
+        orphaned = {
+            item.get("call_id")
+            for item in items[start:]
+            if item.get("type") == "function_call_output" and item.get("call_id") not in called
+        }
+        if not orphaned:
+            break
+        start -= 1
+        if items[start].get("type") == "function_call":
+            called.add(items[start].get("call_id"))
+    return items[start:]
