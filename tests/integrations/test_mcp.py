@@ -3,10 +3,12 @@ memory tools work, PII is masked before it is stored, and a tenant's key sees on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +116,15 @@ def http_server(tmp_path: Path) -> Any:
         process.communicate(timeout=30)
 
 
-def _as(url: str, key: str) -> Client:
-    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    return Client(streamable_http_client(url, http_client=http))
+@contextlib.asynccontextmanager
+async def _as(url: str, key: str) -> AsyncIterator[Client]:
+    """An MCP client over HTTP carrying ``key``; its HTTP client closed afterwards."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=30) as http,
+        Client(streamable_http_client(url, http_client=http)) as client,
+    ):
+        yield client
 
 
 async def test_memory_over_http_needs_a_key_and_keeps_tenants_apart(http_server: Any) -> None:

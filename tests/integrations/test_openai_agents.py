@@ -10,7 +10,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from agents import Agent, Runner, function_tool
+from agents import Agent, Runner, function_tool, set_tracing_disabled
 from agents.items import ModelResponse
 from agents.models.interface import Model
 from agents.usage import Usage
@@ -23,6 +23,9 @@ from openai.types.responses import (
 from keel.context import ContextBudget
 from keel.integrations.openai_agents import SUMMARY_MARK, KeelSession
 from keel.tokens import counter_for
+
+# The SDK exports its traces to OpenAI by default: never from the tests (no network, no key).
+set_tracing_disabled(True)
 
 EMAIL = "ada@example.com"
 BUDGET = ContextBudget(working_budget=4_000)
