@@ -6,11 +6,12 @@ before they are stored, a failed write stores nothing (#4615), and a new process
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 from pathlib import Path
 from typing import Any
 
-from agents import Agent, Runner, function_tool, set_tracing_disabled
+from agents import Agent, RunConfig, Runner, function_tool, set_tracing_disabled
 from agents.items import ModelResponse
 from agents.models.interface import Model
 from agents.usage import Usage
@@ -62,6 +63,9 @@ class LooksUpThenAnswers(Model):
         raise NotImplementedError
 
 
+_SIZES = random.Random(11)  # seeded: tool outputs of 70 to 1,300 tokens
+
+
 @function_tool
 def lookup(item: str) -> str:
     """Look an item up.
@@ -69,7 +73,7 @@ def lookup(item: str) -> str:
     Args:
         item: what to look up.
     """
-    return f"records for {item}: " + "one long line of details about it " * 60
+    return f"records for {item}: " + "one long line of details about it " * _SIZES.randint(10, 180)
 
 
 def _orphans(items: list[dict[str, Any]]) -> list[str]:
@@ -87,6 +91,8 @@ def _text_tokens(items: list[dict[str, Any]]) -> int:
     for item in items:
         for key in ("content", "output", "arguments"):
             value = item.get(key)
+            if isinstance(value, list):  # content parts: the model reads their text
+                value = "".join(str(part.get("text", "")) for part in value)
             text.append(value if isinstance(value, str) else json.dumps(value or ""))
     return counter.count_text("\n".join(text))
 
@@ -98,9 +104,12 @@ async def test_a_long_run_through_the_sdks_runner_stays_in_budget_and_paired(
     session = KeelSession("u1", database=database, model="gpt-4o", budget=BUDGET)
     model = LooksUpThenAnswers()
     agent = Agent(name="helper", instructions="You look things up.", model=model, tools=[lookup])
+    # The filter fits each call's whole input, the turn in progress included (its tool output
+    # is not in the session yet when the history is read).
+    config = RunConfig(call_model_input_filter=session.input_filter)
     for turn in range(30):
         text = f"Turn {turn}: item {turn:04d}, reach me at {EMAIL}"
-        result = await Runner.run(agent, text, session=session)
+        result = await Runner.run(agent, text, session=session, run_config=config)
         assert result.final_output == "Here is what I found."
     assert len(model.inputs) == 60
     limit = session.engine.budget.limit

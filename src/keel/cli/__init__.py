@@ -13,6 +13,7 @@ from keel.cli import (  # noqa: F401
     _context,
     _demo,
     _doctor,
+    _integrations,
     _mcp,
     _memory,
     _models,

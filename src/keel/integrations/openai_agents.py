@@ -209,9 +209,11 @@ class KeelSession:
         if stored is None:
             return []
         current = stored.state
-        items = [json.loads(item) for item in current.items]
-        unsummarized = items[current.summarized :]
-        history = _to_keel(unsummarized, current.summarized)
+        # Only the items after the summary are decoded: a call's work does not grow with the
+        # session's length once older turns are folded.
+        start = current.summarized
+        items = {start + i: json.loads(item) for i, item in enumerate(current.items[start:])}
+        history = _to_keel(list(items.values()), start)
         if not history:
             return []
         conversation = self.engine.conversation(messages=history, summary=current.summary)
@@ -222,7 +224,18 @@ class KeelSession:
                 default=current.summarized - 1,
             )
             await self._keep_summary(stored.version, conversation.summary, covered + 1)
-        compiled = self.engine.compile(conversation, system="")
+        result = self._fit(conversation, items, system="")
+        if limit is not None:
+            result = _newest(result, limit)
+        if conversation.summary.strip():
+            result.insert(0, {"role": "system", "content": SUMMARY_MARK + conversation.summary})
+        return result
+
+    def _fit(
+        self, conversation: Any, items: dict[int, dict[str, Any]], *, system: str
+    ) -> list[dict[str, Any]]:
+        """The items the compiled prompt keeps, in order; pruned outputs carry the cut text."""
+        compiled = self.engine.compile(conversation, system=system)
         kept: dict[int, Message] = {}
         for message in compiled.messages:
             for index in message.metadata.get("items", ()):
@@ -234,11 +247,38 @@ class KeelSession:
             if item.get("type") == "function_call_output" and message.metadata.get("keel_cut"):
                 item = {**item, "output": message.content}
             result.append(item)
-        if limit is not None:
-            result = _newest(result, limit)
-        if conversation.summary.strip():
-            result.insert(0, {"role": "system", "content": SUMMARY_MARK + conversation.summary})
         return result
+
+    def input_filter(self, data: Any) -> Any:
+        """For ``RunConfig(call_model_input_filter=session.input_filter)``: every model call's
+        whole input (the history and the turn in progress, whose tool outputs the session has
+        not stored yet) fitted to the budget, the agent's instructions counted as the system
+        prompt; the summary item is kept first."""
+        from agents.run_config import ModelInputData
+
+        model_data = data.model_data
+        summary = ""
+        items: dict[int, dict[str, Any]] = {}
+        for index, item in enumerate(model_data.input):
+            entry = dict(item)
+            content = entry.get("content")
+            if entry.get("role") == "system" and str(content or "").startswith(SUMMARY_MARK):
+                summary = str(content)[len(SUMMARY_MARK) :]
+                continue
+            items[index] = entry
+        history = _to_keel(list(items.values()), 0)
+        # _to_keel numbers items from 0 in order; map those numbers back to input positions.
+        positions = list(items)
+        for message in history:
+            message.metadata["items"] = [positions[i] for i in message.metadata["items"]]
+        if not history:
+            return model_data
+        conversation = self.engine.conversation(messages=history, summary=summary)
+        fitted = self._fit(conversation, items, system=model_data.instructions or "")
+        if summary.strip():
+            fitted.insert(0, {"role": "system", "content": SUMMARY_MARK + summary})
+        sent: Any = fitted  # the SDK's item TypedDicts are plain dicts at run time
+        return ModelInputData(input=sent, instructions=model_data.instructions)
 
     async def _keep_summary(self, version: int, summary: str, covered: int) -> None:
         """Store the new summary and what it covers, unless the session moved on (the next
