@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.bench._cli import bench_json
 
 pytestmark = pytest.mark.slow
 
 
 def test_bench_integrations_json_contract_and_keel_never_overflows() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "keel", "bench", "integrations", "--turns", "60", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ),
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = bench_json("integrations", "--turns", "60")
     figures = report["openai_agents"]
     keel, sdk = figures["keel"], figures["sqlite_session"]
     assert keel["model_calls"] == sdk["model_calls"] == 120

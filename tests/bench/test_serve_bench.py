@@ -3,44 +3,19 @@ figures read back from the sessions' state and the effects table."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.bench._cli import bench_json
 
 pytestmark = pytest.mark.slow
 
 
 def test_bench_serve_loses_and_repeats_nothing_while_workers_are_killed() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keel",
-            "bench",
-            "serve",
-            "--workers",
-            "2",
-            "--sessions",
-            "8",
-            "--duration",
-            "8",
-            "--kill-every",
-            "2.5",
-            "--model-latency-ms",
-            "50",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ),
-        check=False,
+    report = bench_json(
+        "serve",
+        *("--workers", "2", "--sessions", "8", "--duration", "8", "--kill-every", "2.5"),
+        *("--model-latency-ms", "50"),
     )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
     for figures in (report, report["sqlite"]):
         assert figures["kills"] >= 2, figures
         assert figures["turns_committed"] == figures["turns_sent"] > 0, figures

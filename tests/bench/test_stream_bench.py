@@ -2,40 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.bench._cli import bench_json
 
 pytestmark = pytest.mark.slow
 
 
 def test_bench_stream_json_contract_and_no_violations() -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keel",
-            "bench",
-            "stream",
-            "--latency-turns",
-            "2",
-            "--turns",
-            "12",
-            "--max-tokens",
-            "12",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ),
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = bench_json("stream", "--latency-turns", "2", "--turns", "12", "--max-tokens", "12")
     assert report["turns"] == 12 and report["violations"] == 0, report["chaos"]
     assert set(report["ttft_ms_p50"]) == {"sdk", "agent_stream", "agent_stream_unmasked"}
     for key in ("added_ttft_ms_p50", "added_ttft_ms_p95", "tokens_per_s", "cancellations", "cuts"):

@@ -2,29 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from typing import Any
-
-
-def _bench_turns(*options: str) -> dict[str, Any]:
-    """``keel bench turns OPTIONS --json`` in a subprocess: its last line, parsed."""
-    result = subprocess.run(
-        [sys.executable, "-m", "keel", "bench", "turns", *options, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=os.environ.copy(),
-    )
-    assert result.returncode == 0, result.stderr
-    figures: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    return figures
+from tests.bench._cli import bench_json
 
 
 def test_bench_turns_json_contract() -> None:
-    figures = _bench_turns("--turns", "20", "--bucket", "10")
+    figures = bench_json("turns", "--turns", "20", "--bucket", "10")
     assert figures["turns"] == 20 and figures["tool_executions"] == 20
     assert len(figures["buckets_ms_p50"]) == 2 and figures["flatness"] > 0
     assert figures["p50_ms"] > 0 and figures["turns_per_s"] > 0 and figures["db_bytes"] > 0
@@ -33,8 +15,16 @@ def test_bench_turns_json_contract() -> None:
 
 
 def test_bench_turns_on_a_throwaway_postgres() -> None:
-    figures = _bench_turns(
-        "--turns", "10", "--bucket", "5", "--no-memory", "--no-langgraph", "--database", "postgres"
+    figures = bench_json(
+        "turns",
+        "--turns",
+        "10",
+        "--bucket",
+        "5",
+        "--no-memory",
+        "--no-langgraph",
+        "--database",
+        "postgres",
     )
     assert figures["database"] == "postgres" and figures["tool_executions"] == 10
     # Counted by the server: the session's rows, not an empty database's size.

@@ -12,17 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from agents import Agent, RunConfig, Runner, function_tool, set_tracing_disabled
-from agents.items import ModelResponse
-from agents.models.interface import Model
-from agents.usage import Usage
-from openai.types.responses import (
-    ResponseFunctionToolCall,
-    ResponseOutputMessage,
-    ResponseOutputText,
-)
 
 from keel.context import ContextBudget
 from keel.integrations.openai_agents import SUMMARY_MARK, KeelSession
+from keel.testing.openai_agents import LooksUpThenAnswers, orphaned_outputs, text_tokens
 from keel.tokens import counter_for
 
 # The SDK exports its traces to OpenAI by default: never from the tests (no network, no key).
@@ -30,37 +23,6 @@ set_tracing_disabled(True)
 
 EMAIL = "ada@example.com"
 BUDGET = ContextBudget(working_budget=4_000)
-
-
-class LooksUpThenAnswers(Model):
-    """Calls ``lookup`` once per user message, then answers; records every input it got."""
-
-    def __init__(self) -> None:
-        self.inputs: list[list[dict[str, Any]]] = []
-
-    async def get_response(
-        self, system_instructions: Any, input: Any, *args: Any, **kw: Any
-    ) -> ModelResponse:
-        items = [dict(item) for item in input] if isinstance(input, list) else []
-        self.inputs.append(items)
-        last = items[-1] if items else {}
-        n = len(self.inputs)
-        if last.get("type") == "function_call_output":
-            text = ResponseOutputText(
-                type="output_text", text="Here is what I found.", annotations=[]
-            )
-            output: Any = ResponseOutputMessage(
-                id=f"m{n}", type="message", role="assistant", status="completed", content=[text]
-            )
-        else:
-            output = ResponseFunctionToolCall(
-                type="function_call", call_id=f"call-{n}", name="lookup",
-                arguments=json.dumps({"item": str(last.get("content", ""))[-10:]}),
-            )  # fmt: skip
-        return ModelResponse(output=[output], usage=Usage(), response_id=None)
-
-    def stream_response(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
 
 
 _SIZES = random.Random(11)  # seeded: tool outputs of 70 to 1,300 tokens
@@ -77,24 +39,11 @@ def lookup(item: str) -> str:
 
 
 def _orphans(items: list[dict[str, Any]]) -> list[str]:
-    called = {i.get("call_id") for i in items if i.get("type") == "function_call"}
-    return [
-        str(i.get("call_id"))
-        for i in items
-        if i.get("type") == "function_call_output" and i.get("call_id") not in called
-    ]
+    return orphaned_outputs(items)
 
 
 def _text_tokens(items: list[dict[str, Any]]) -> int:
-    counter = counter_for("gpt-4o")
-    text = []
-    for item in items:
-        for key in ("content", "output", "arguments"):
-            value = item.get(key)
-            if isinstance(value, list):  # content parts: the model reads their text
-                value = "".join(str(part.get("text", "")) for part in value)
-            text.append(value if isinstance(value, str) else json.dumps(value or ""))
-    return counter.count_text("\n".join(text))
+    return text_tokens(items, counter_for("gpt-4o"))
 
 
 async def test_a_long_run_through_the_sdks_runner_stays_in_budget_and_paired(
@@ -102,7 +51,7 @@ async def test_a_long_run_through_the_sdks_runner_stays_in_budget_and_paired(
 ) -> None:
     database = f"sqlite:///{tmp_path / 'agents.db'}"
     session = KeelSession("u1", database=database, model="gpt-4o", budget=BUDGET)
-    model = LooksUpThenAnswers()
+    model = LooksUpThenAnswers(answer="Here is what I found.")
     agent = Agent(name="helper", instructions="You look things up.", model=model, tools=[lookup])
     # The filter fits each call's whole input, the turn in progress included (its tool output
     # is not in the session yet when the history is read).

@@ -17,7 +17,6 @@ the last turn. The LangGraph half of the issue's benchmark is not built yet.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import tempfile
 import time
@@ -26,80 +25,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["run_integrations_bench"]
-
-
-def _recorder() -> tuple[Any, list[list[dict[str, Any]]]]:
-    from agents.items import ModelResponse
-    from agents.models.interface import Model
-    from agents.usage import Usage
-    from openai.types.responses import (
-        ResponseFunctionToolCall,
-        ResponseOutputMessage,
-        ResponseOutputText,
-    )
-
-    inputs: list[list[dict[str, Any]]] = []
-
-    class LooksUpThenAnswers(Model):
-        async def get_response(
-            self,
-            system_instructions: str | None,
-            input: Any,
-            model_settings: Any,
-            tools: Any,
-            output_schema: Any,
-            handoffs: Any,
-            tracing: Any,
-            *,
-            previous_response_id: str | None,
-            conversation_id: str | None,
-            prompt: Any,
-        ) -> Any:
-            items = [dict(item) for item in input] if isinstance(input, list) else []
-            inputs.append(items)
-            last = items[-1] if items else {}
-            n = len(inputs)
-            if last.get("type") == "function_call_output":
-                text = ResponseOutputText(type="output_text", text="Found it.", annotations=[])
-                output: Any = ResponseOutputMessage(
-                    id=f"m{n}", type="message", role="assistant", status="completed", content=[text]
-                )
-            else:
-                asked = str(last.get("content", ""))
-                output = ResponseFunctionToolCall(
-                    type="function_call",
-                    call_id=f"call-{n}",
-                    name="lookup",
-                    arguments=json.dumps({"item": asked[-12:]}),
-                )
-            return ModelResponse(output=[output], usage=Usage(), response_id=None)
-
-        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
-            raise NotImplementedError
-
-    return LooksUpThenAnswers(), inputs
-
-
-def _tokens(items: list[dict[str, Any]], counter: Any) -> int:
-    """The input as the model's tokenizer counts its text (content, outputs, arguments)."""
-    parts = []
-    for item in items:
-        for key in ("content", "output", "arguments"):
-            value = item.get(key)
-            if isinstance(value, list):  # content parts: the model reads their text
-                value = "".join(str(part.get("text", "")) for part in value)
-            if value is not None:
-                parts.append(value if isinstance(value, str) else json.dumps(value))
-    return int(counter.count_text("\n".join(parts)))
-
-
-def _orphans(items: list[dict[str, Any]]) -> int:
-    called = {i.get("call_id") for i in items if i.get("type") == "function_call"}
-    return sum(
-        1
-        for i in items
-        if i.get("type") == "function_call_output" and i.get("call_id") not in called
-    )
 
 
 async def _drive(
@@ -126,7 +51,10 @@ async def _drive(
         lines = sizes.randint(20, 250)
         return f"records for {item}: " + "a detail line about the item and its history " * lines
 
-    model, inputs = _recorder()
+    from keel.testing.openai_agents import LooksUpThenAnswers
+
+    model = LooksUpThenAnswers()
+    inputs = model.inputs
     agent = Agent(name="helper", instructions="You look things up.", model=model, tools=[lookup])
     started = time.perf_counter()
     for turn in range(turns):
@@ -144,13 +72,15 @@ async def _drive(
 def _figures(
     inputs: list[list[dict[str, Any]]], elapsed: float, turns: int, limit: int, counter: Any
 ) -> dict[str, Any]:
-    per_call = [_tokens(items, counter) for items in inputs]
+    from keel.testing.openai_agents import orphaned_outputs, text_tokens
+
+    per_call = [text_tokens(items, counter) for items in inputs]
     per_turn = [max(per_call[2 * t], per_call[2 * t + 1]) for t in range(turns)]
     return {
         "turns": turns,
         "model_calls": len(inputs),
-        "orphans": sum(_orphans(items) for items in inputs),
-        "calls_with_orphans": sum(1 for items in inputs if _orphans(items)),
+        "orphans": sum(len(orphaned_outputs(items)) for items in inputs),
+        "calls_with_orphans": sum(1 for items in inputs if orphaned_outputs(items)),
         "overflows": sum(1 for tokens in per_call if tokens > limit),
         "prompt_tokens_t100": per_turn[min(99, turns - 1)],
         "prompt_tokens_t1000": per_turn[-1],

@@ -26,10 +26,10 @@ def mcp_command(
     fact_history, each for a user. Over http every request needs Authorization: Bearer <key>
     from `keel keys create --tenant T`, and acts for that key's tenant."""
     from keel.errors import UsageError
-    from keel.integrations.mcp import CachedKeys, memory_server, require_api_key
+    from keel.integrations.mcp import memory_server, require_api_key
     from keel.privacy import PIIMasker
     from keel.runtime import open_backends
-    from keel.service import APIKeys
+    from keel.service import APIKeys, CachedKeys
     from keel.settings import load_settings
 
     mode: Literal["stdio", "http"]

@@ -15,8 +15,7 @@ argument, within that tenant.
 
 from __future__ import annotations
 
-import hashlib
-import time
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal
 
@@ -30,33 +29,13 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 from keel.errors import UsageError
 from keel.memory import Memory, MemoryRecord, Scope
 
-__all__ = ["CachedKeys", "memory_server", "require_api_key"]
+__all__ = ["memory_server", "require_api_key"]
 
 TenantOfKey = Callable[[str], str | None]
 """An API key's tenant, or None for an unknown or revoked key."""
 
 _Scope = MutableMapping[str, Any]
 _ASGI = Callable[[_Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Any]
-
-
-class CachedKeys:
-    """``tenant_of_key`` with each verified key trusted for ``ttl_s`` (a revoked key stops
-    working within that time), shared by the HTTP gate and the tools."""
-
-    def __init__(self, tenant_of_key: TenantOfKey, ttl_s: float = 30.0) -> None:
-        self._tenant_of_key = tenant_of_key
-        self._ttl_s = ttl_s
-        self._verified: dict[str, tuple[str, float]] = {}
-
-    def __call__(self, key: str) -> str | None:
-        fingerprint = hashlib.sha256(key.encode()).hexdigest()
-        cached = self._verified.get(fingerprint)
-        if cached is not None and cached[1] > time.monotonic():
-            return cached[0]
-        found = self._tenant_of_key(key)
-        if found is not None:
-            self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
-        return found
 
 
 def _bearer(headers: Any) -> str | None:
@@ -149,7 +128,9 @@ def memory_server(
             value: The new value.
         """
         scope = scope_of(user, ctx)
-        record = await _in_thread(lambda: memory.remember_fact(scope, subject, attribute, value))
+        record = await asyncio.to_thread(
+            lambda: memory.remember_fact(scope, subject, attribute, value)
+        )
         return _record(record)
 
     @server.tool()
@@ -184,7 +165,7 @@ def memory_server(
             record_id: The record's id (from search or remember).
         """
         scope = scope_of(user, ctx)
-        record = await _in_thread(lambda: memory.get(scope, record_id))
+        record = await asyncio.to_thread(memory.get, scope, record_id)
         if record is None:
             raise UsageError(f"the user has no record {record_id!r}")
         return _record(record)
@@ -198,7 +179,7 @@ def memory_server(
             record_id: The record's id.
         """
         scope = scope_of(user, ctx)
-        forgotten = await _in_thread(lambda: memory.forget(scope, record_id))
+        forgotten = await asyncio.to_thread(memory.forget, scope, record_id)
         if not forgotten:
             raise UsageError(f"the user has no record {record_id!r}")
         return {"forgotten": record_id}
@@ -215,16 +196,10 @@ def memory_server(
             attribute: Which property.
         """
         scope = scope_of(user, ctx)
-        chain = await _in_thread(lambda: memory.fact_history(scope, subject, attribute))
+        chain = await asyncio.to_thread(memory.fact_history, scope, subject, attribute)
         return [_record(record) for record in chain]
 
     return server
-
-
-async def _in_thread(call: Callable[[], Any]) -> Any:
-    import asyncio
-
-    return await asyncio.to_thread(call)
 
 
 def require_api_key(app: _ASGI, tenant_of_key: TenantOfKey) -> _ASGI:

@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 from pydantic import BaseModel, Field
 
 from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
-from keel.errors import ConflictError, UsageError
+from keel.errors import ConflictError, StateError, UsageError
 from keel.messages import Message, ToolCall
 from keel.privacy import PIIMasker
 from keel.state import StateStore
@@ -170,15 +170,17 @@ class KeelSession:
         if not items:
             return
         encoded = [json.dumps(_mask(dict(item), self.masker), ensure_ascii=False) for item in items]
-        if await self.state.aget(self.session_id) is None:
+
+        def append(current: SessionItems) -> dict[str, Any]:
+            return {"items": [*current.items, *encoded]}
+
+        try:
+            await self.state.atransact(self.session_id, append)
+        except StateError:  # a new session
             try:
                 await self.state.acreate(self.session_id, SessionItems(items=encoded))
-                return
-            except ConflictError:
-                pass  # another writer created it meanwhile: append below
-        await self.state.atransact(
-            self.session_id, lambda current: {"items": [*current.items, *encoded]}
-        )
+            except ConflictError:  # another writer created it meanwhile
+                await self.state.atransact(self.session_id, append)
 
     async def pop_item(self) -> dict[str, Any] | None:
         """Remove and return the newest item (None when the session is empty)."""
@@ -192,9 +194,10 @@ class KeelSession:
             kept = current.items[:-1]
             return {"items": kept, "summarized": min(current.summarized, len(kept))}
 
-        if await self.state.aget(self.session_id) is None:
+        try:
+            await self.state.atransact(self.session_id, drop_last)
+        except StateError:  # no such session
             return None
-        await self.state.atransact(self.session_id, drop_last)
         return json.loads(popped[0]) if popped else None
 
     async def clear_session(self) -> None:

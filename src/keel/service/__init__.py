@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from keel.service._app import TurnRequest, create_app
 from keel.service._drain import Drain, DrainingServer
-from keel.service._keys import APIKey, APIKeys
+from keel.service._keys import APIKey, APIKeys, CachedKeys
 from keel.service._limits import RateLimiter
 from keel.service._serve import ServiceAgents, build_service
 
 __all__ = [
     "APIKey",
     "APIKeys",
+    "CachedKeys",
     "Drain",
     "DrainingServer",
     "RateLimiter",

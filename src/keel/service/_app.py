@@ -40,6 +40,7 @@ from keel.errors import (
 )
 from keel.runtime import AgentReply, TextDelta, TurnFinished
 from keel.service._drain import Drain
+from keel.service._keys import CachedKeys
 from keel.service._limits import RateLimiter
 from keel.tracing import RunQuery, RunStatus
 
@@ -223,7 +224,7 @@ def create_app(
         description="An agent runtime: sessions, turns (JSON or server-sent events), runs.",
         version="1",
     )
-    verified: dict[str, tuple[str, float]] = {}
+    tenant_of_key = CachedKeys(keys.tenant_of, key_cache_s)
 
     def error(status: int, kind: str, message: str) -> JSONResponse:
         return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
@@ -297,17 +298,6 @@ def create_app(
     def counted(tenant_id: str, reply: AgentReply) -> AgentReply:
         turns[(tenant_id, reply.status)] += 1
         return reply
-
-    def tenant_of_key(key: str) -> str | None:
-        """The key's tenant, or None for an unknown or revoked key (cached ``key_cache_s``)."""
-        fingerprint = hashlib.sha256(key.encode()).hexdigest()
-        cached = verified.get(fingerprint)
-        if cached is not None and cached[1] > time.monotonic():
-            return cached[0]
-        found = keys.tenant_of(key)
-        if found is not None:
-            verified[fingerprint] = (found, time.monotonic() + key_cache_s)
-        return found
 
     def tenant(authorization: str | None = Header(default=None)) -> str:
         scheme, _, key = (authorization or "").partition(" ")

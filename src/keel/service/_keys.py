@@ -13,6 +13,7 @@ import hmac
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from keel.stores import PostgresDatabase, SQLiteDatabase
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 
-__all__ = ["APIKey", "APIKeys"]
+__all__ = ["APIKey", "APIKeys", "CachedKeys"]
 
 _KEY = re.compile(r"keel_([0-9a-f]{12})_([A-Za-z0-9_-]{32,64})")
 
@@ -135,3 +136,25 @@ class APIKeys:
             parameters,
         )
         return [APIKey(str(r[0]), str(r[1]), float(r[2]), r[3] is not None) for r in rows]
+
+
+class CachedKeys:
+    """``tenant_of_key`` with each verified key trusted for ``ttl_s`` seconds without a look-up
+    (a revoked key stops working within that time): what every front door of the service (the
+    API, the viewer, the MCP server) checks keys with."""
+
+    def __init__(self, tenant_of_key: Callable[[str], str | None], ttl_s: float = 30.0) -> None:
+        self._tenant_of_key = tenant_of_key
+        self._ttl_s = ttl_s
+        self._verified: dict[str, tuple[str, float]] = {}
+
+    def __call__(self, key: str) -> str | None:
+        """The key's tenant, or None for an unknown or revoked key."""
+        fingerprint = hashlib.sha256(key.encode()).hexdigest()
+        cached = self._verified.get(fingerprint)
+        if cached is not None and cached[1] > time.monotonic():
+            return cached[0]
+        found = self._tenant_of_key(key)
+        if found is not None:
+            self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
+        return found
