@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from dataclasses import replace as replace_dc
@@ -889,6 +889,28 @@ class StateStore(Generic[S]):
             self._cache.pop(session_id, None)
         return self.backend.delete(session_id)
 
+    def drop_versions(self, session_id: str, versions: Iterable[int]) -> int:
+        """Delete these versions of a session's history (the head is always kept), in one
+        rewrite; a kept delta whose predecessor goes is rebased as a full snapshot, so every
+        kept version stays readable. Returns how many versions were deleted.
+
+        Raises:
+            ExpiredError: the session has expired.
+        """
+        doomed = set(versions)
+        now = self.clock()
+        rows = self.backend.history(session_id, now)
+        if not rows:
+            return 0
+        keep = {row.version for row in rows if row.version not in doomed}
+        keep.add(rows[-1].version)
+        if len(keep) == len(rows):
+            return 0
+        _drop_rows(self.backend, session_id, rows, keep, now)
+        with self._cache_lock:
+            self._cache.pop(session_id, None)
+        return len(rows) - len(keep)
+
     def vacuum(self) -> VacuumReport:
         """Delete expired sessions and apply the retention policy to every session.
 
@@ -1181,18 +1203,31 @@ def vacuum(
         doomed = [row.version for row in rows if row.version not in keep]
         if not doomed:
             continue
-        # A kept delta needs its predecessor; rebase it as a full snapshot when that goes.
-        replace: list[StoredCheckpoint] = []
-        for row in rows:
-            if row.version in keep and row.kind == "delta" and (row.version - 1) not in keep:
-                chain = backend.read_chain(session_id, row.version, now)
-                if chain is None:
-                    continue
-                data = replay(part.payload for part in chain.rows)
-                replace.append(replace_dc(chain.rows[-1], kind="full", payload=encode_full(data)))
-        backend.rewrite(session_id, doomed, replace)
         deleted += len(doomed)
-        rebased += len(replace)
+        rebased += _drop_rows(backend, session_id, rows, keep, now)
     return VacuumReport(
         expired_sessions=expired, checkpoints_deleted=deleted, checkpoints_rebased=rebased
     )
+
+
+def _drop_rows(
+    backend: StateBackend,
+    session_id: str,
+    rows: list[StoredCheckpoint],
+    keep: set[int],
+    now: float,
+) -> int:
+    """Delete the versions of ``rows`` not in ``keep`` (never the head) in one rewrite; a kept
+    delta whose predecessor goes is rebased as a full snapshot first. Returns how many were
+    rebased."""
+    replace: list[StoredCheckpoint] = []
+    for row in rows:
+        if row.version in keep and row.kind == "delta" and (row.version - 1) not in keep:
+            chain = backend.read_chain(session_id, row.version, now)
+            if chain is None:
+                continue
+            data = replay(part.payload for part in chain.rows)
+            replace.append(replace_dc(chain.rows[-1], kind="full", payload=encode_full(data)))
+    doomed = [row.version for row in rows if row.version not in keep]
+    backend.rewrite(session_id, doomed, replace)
+    return len(replace)

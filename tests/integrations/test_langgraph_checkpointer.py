@@ -1,0 +1,288 @@
+"""keel's LangGraph checkpointer: LangGraph's own conformance suite on SQLite, PostgreSQL and
+Redis, then what keel adds (a stale writer rejected, retention that keeps resume working, PII
+masked, storage that grows with what changed), through real LangGraph graphs."""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage
+from langgraph.checkpoint.conformance import checkpointer_test, validate
+from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES
+from langgraph.graph import START, StateGraph
+from langgraph.graph.message import add_messages
+
+from keel.integrations.langgraph import KeelCheckpointSaver, StaleWriterError
+
+
+def _conformance(url: str, name: str) -> dict[str, Any]:
+    @checkpointer_test(name=name)
+    async def factory() -> AsyncIterator[KeelCheckpointSaver]:
+        saver = KeelCheckpointSaver(url)
+        try:
+            yield saver
+        finally:
+            saver.close()
+
+    report = asyncio.run(validate(factory))
+    return {
+        capability: (result.passed, result.failures)
+        for capability, result in report.results.items()
+    }
+
+
+def _assert_passes_in_full(results: dict[str, Any]) -> None:
+    assert set(results) == {capability.value for capability in ALL_CAPABILITIES}
+    failed = {name: failures for name, (passed, failures) in results.items() if passed is not True}
+    assert not failed, failed
+
+
+def test_the_conformance_suite_passes_in_full_on_sqlite(tmp_path: Path) -> None:
+    _assert_passes_in_full(_conformance(f"sqlite:///{tmp_path / 'lg.db'}", "keel-sqlite"))
+
+
+def test_the_conformance_suite_passes_in_full_on_postgres(postgres_url: str) -> None:
+    _assert_passes_in_full(_conformance(postgres_url, "keel-postgres"))
+
+
+def test_the_conformance_suite_passes_in_full_on_redis(redis_url: str) -> None:
+    _assert_passes_in_full(_conformance(redis_url, "keel-redis"))
+
+
+# --- real graphs --------------------------------------------------------------------------------
+
+
+class Chat(TypedDict):
+    messages: Annotated[list[Any], add_messages]
+    steps: Annotated[int, operator.add]
+
+
+def _echo_graph(saver: KeelCheckpointSaver, gate: threading.Event | None = None) -> Any:
+    def reply(state: Chat) -> dict[str, Any]:
+        if gate is not None:
+            gate.wait(timeout=30)
+        last = state["messages"][-1].content
+        return {"messages": [AIMessage(content=f"echo: {last}")], "steps": 1}
+
+    graph = StateGraph(Chat)
+    graph.add_node("reply", reply)
+    graph.add_edge(START, "reply")
+    return graph.compile(checkpointer=saver)
+
+
+@pytest.fixture
+def db_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'keel.db'}"
+
+
+@pytest.fixture
+def saver(db_url: str) -> Iterator[KeelCheckpointSaver]:
+    with KeelCheckpointSaver(db_url) as opened:
+        yield opened
+
+
+def _thread(thread_id: str = "t1") -> dict[str, Any]:
+    return {"configurable": {"thread_id": thread_id}}
+
+
+def test_a_graph_resumes_its_thread_from_another_process_view(db_url: str) -> None:
+    with KeelCheckpointSaver(db_url) as first:
+        graph = _echo_graph(first)
+        for text in ("one", "two", "three"):
+            graph.invoke({"messages": [HumanMessage(content=text)], "steps": 0}, _thread())
+    with KeelCheckpointSaver(db_url) as second:
+        state = _echo_graph(second).invoke(
+            {"messages": [HumanMessage(content="four")], "steps": 0}, _thread()
+        )
+        assert [m.content for m in state["messages"]] == [
+            "one",
+            "echo: one",
+            "two",
+            "echo: two",
+            "three",
+            "echo: three",
+            "four",
+            "echo: four",
+        ]
+        assert state["steps"] == 4
+        history = list(_echo_graph(second).get_state_history(_thread()))
+        assert len(history) == 4 * 3  # input, loop step, and the step after it, per turn
+
+
+class _ReadThenWait(KeelCheckpointSaver):
+    """A saver whose run reads the thread, then waits for the test before going on."""
+
+    def __init__(self, url: str, gate: threading.Event) -> None:
+        super().__init__(url)
+        self.gate = gate
+        self.has_read = threading.Event()
+
+    def get_tuple(self, config: Any) -> Any:
+        found = super().get_tuple(config)
+        self.has_read.set()
+        self.gate.wait(timeout=30)
+        return found
+
+
+def _in_background(run: Any) -> tuple[threading.Thread, list[BaseException]]:
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            failure.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, failure
+
+
+def _everything_stored(saver: KeelCheckpointSaver) -> str:
+    """Every checkpoint's values and pending writes of thread t1, as one text."""
+    return " ".join(
+        f"{t.checkpoint['channel_values']} {t.pending_writes}" for t in saver.list(_thread())
+    )
+
+
+def test_a_writer_whose_thread_moved_on_is_rejected_and_stores_nothing(db_url: str) -> None:
+    gate = threading.Event()
+    with KeelCheckpointSaver(db_url) as a, _ReadThenWait(db_url, gate) as b:
+        _echo_graph(a).invoke({"messages": [HumanMessage(content="hello")], "steps": 0}, _thread())
+        b_run, failure = _in_background(
+            lambda: _echo_graph(b).invoke(
+                {"messages": [HumanMessage(content="from b")], "steps": 0}, _thread()
+            )
+        )
+        assert b.has_read.wait(timeout=30)
+        # B has read the thread's latest checkpoint; A stores a whole turn after it.
+        _echo_graph(a).invoke({"messages": [HumanMessage(content="from a")], "steps": 0}, _thread())
+        gate.set()
+        b_run.join(timeout=60)
+        assert failure and isinstance(failure[0], StaleWriterError), failure
+        texts = [m.content for m in _echo_graph(a).get_state(_thread()).values["messages"]]
+        assert texts == ["hello", "echo: hello", "from a", "echo: from a"]
+        assert "from b" not in _everything_stored(a)
+
+
+def test_a_step_result_of_a_superseded_run_is_never_visible(db_url: str) -> None:
+    gate = threading.Event()
+    with KeelCheckpointSaver(db_url) as a, KeelCheckpointSaver(db_url) as b:
+        _echo_graph(a).invoke({"messages": [HumanMessage(content="hello")], "steps": 0}, _thread())
+        # B stores its input, then waits inside its step; A runs a whole turn meanwhile.
+        b_run, failure = _in_background(
+            lambda: _echo_graph(b, gate).invoke(
+                {"messages": [HumanMessage(content="from b")], "steps": 0}, _thread()
+            )
+        )
+        for _ in range(3000):
+            if "from b" in _everything_stored(a):
+                break
+            threading.Event().wait(0.01)
+        _echo_graph(a).invoke({"messages": [HumanMessage(content="from a")], "steps": 0}, _thread())
+        gate.set()
+        b_run.join(timeout=60)
+        assert failure and isinstance(failure[0], StaleWriterError), failure
+        assert "echo: from b" not in _everything_stored(a)
+        texts = [m.content for m in _echo_graph(a).get_state(_thread()).values["messages"]]
+        assert texts[-1] == "echo: from a" and texts.count("echo: from a") == 1
+
+
+def test_keep_latest_keeps_resume_working_and_storage_small(saver: KeelCheckpointSaver) -> None:
+    graph = _echo_graph(saver)
+    for turn in range(5):
+        graph.invoke({"messages": [HumanMessage(content=f"turn {turn}")], "steps": 0}, _thread())
+    assert len(list(graph.get_state_history(_thread()))) == 15
+    saver.prune(["t1"], strategy="keep_latest")
+    assert len(list(graph.get_state_history(_thread()))) == 1
+    state = graph.invoke({"messages": [HumanMessage(content="after")], "steps": 0}, _thread())
+    assert [m.content for m in state["messages"]][-2:] == ["after", "echo: after"]
+    assert len(state["messages"]) == 12 and state["steps"] == 6
+
+
+def test_a_thread_expires_as_a_whole_after_its_ttl(db_url: str) -> None:
+    now = [1_000_000.0]
+    with KeelCheckpointSaver(db_url, ttl=60, clock=lambda: now[0]) as saver:
+        graph = _echo_graph(saver)
+        graph.invoke({"messages": [HumanMessage(content="a")], "steps": 0}, _thread())
+        now[0] += 59
+        graph.invoke({"messages": [HumanMessage(content="b")], "steps": 0}, _thread())
+        now[0] += 59  # within the ttl of the last write: still whole
+        assert len(graph.get_state(_thread()).values["messages"]) == 4
+        now[0] += 2
+        assert saver.get_tuple(_thread()) is None
+        saver.vacuum()
+        assert saver.store.sessions() == [] or all(
+            not s.startswith("langgraph/") for s in saver.store.sessions()
+        )
+
+
+def test_pii_is_masked_before_it_is_stored(db_url: str, tmp_path: Path) -> None:
+    with KeelCheckpointSaver(db_url) as saver:
+        graph = _echo_graph(saver)
+        graph.invoke(
+            {"messages": [HumanMessage(content="mail me at jane.doe@example.com")], "steps": 0},
+            _thread(),
+        )
+        restored = saver.get_tuple(_thread())
+        assert restored is not None
+        texts = [m.content for m in restored.checkpoint["channel_values"]["messages"]]
+        assert texts[0] == "mail me at <EMAIL_1>"
+    raw = (tmp_path / "keel.db").read_bytes()
+    for wal in tmp_path.glob("keel.db-wal"):
+        raw += wal.read_bytes()
+    assert b"jane.doe" not in raw
+    rows = sqlite3.connect(tmp_path / "keel.db").execute(
+        "SELECT payload FROM keel_state_checkpoints"
+    )
+    assert all("jane.doe" not in str(row[0]) for row in rows)
+
+
+def test_a_growing_thread_stores_what_changed_not_the_whole_list_again(
+    saver: KeelCheckpointSaver,
+) -> None:
+    graph = _echo_graph(saver)
+    padding = "x" * 2_000
+    sizes = []
+    for turns in (20, 20):
+        for turn in range(turns):
+            graph.invoke(
+                {"messages": [HumanMessage(content=f"{turn} {padding}")], "steps": 0}, _thread()
+            )
+        sizes.append(sum(info.size_bytes for info in saver.store.history(saver._session("t1", ""))))  # noqa: SLF001
+    # Twice the turns, about twice the bytes: linear (whole lists per checkpoint: about 4x).
+    assert sizes[1] / sizes[0] < 2.5, sizes
+
+
+def test_the_first_run_to_store_a_checkpoint_keeps_only_its_own_writes_on_the_parent(
+    db_url: str,
+) -> None:
+    """Two runs read the same latest checkpoint and both store the same task's writes on it;
+    the one that stores the next checkpoint first wins, and the parent's pending writes are
+    then the winner's alone (the loser's result is nowhere to be read)."""
+    with KeelCheckpointSaver(db_url) as a, KeelCheckpointSaver(db_url) as b:
+        graph = _echo_graph(a)
+        graph.invoke({"messages": [HumanMessage(content="hello")], "steps": 0}, _thread())
+        read_a, read_b = a.get_tuple(_thread()), b.get_tuple(_thread())
+        assert read_a is not None and read_b is not None
+        b.put_writes(read_b.config, [("messages", "result of b")], "task-1")
+        a.put_writes(read_a.config, [("messages", "result of a")], "task-1")
+        child = dict(read_a.checkpoint)
+        child["id"] = "2" + read_a.checkpoint["id"][1:]  # a newer id, as uuid6 orders them
+        a.put(read_a.config, child, {"source": "loop", "step": 9}, {})  # type: ignore[arg-type]
+        with pytest.raises(StaleWriterError):
+            b.put_writes(read_b.config, [("steps", 1)], "task-2")
+        with pytest.raises(StaleWriterError):
+            b.put(read_b.config, dict(read_b.checkpoint, id="3" + child["id"][1:]), {}, {})  # type: ignore[arg-type]
+        parent = a.get_tuple({"configurable": {**read_a.config["configurable"]}})
+        assert parent is not None
+        assert [w[2] for w in parent.pending_writes or []] == ["result of a"]
+        latest = b.get_tuple(_thread())
+        assert latest is not None and latest.checkpoint["id"] == child["id"]
