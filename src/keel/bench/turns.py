@@ -24,20 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keel.bench._react import ANSWER as _ANSWER
+from keel.bench._react import question as _question
+from keel.bench._react import tool_output as _tool_output
 from keel.bench._stats import nearest_rank
 from keel.messages import Message
 
 __all__ = ["run_turns_bench"]
-
-_ANSWER = "Here is what I found: " + "the answer in a few plain words " * 3
-
-
-def _question(turn: int) -> str:
-    return f"Question {turn}: what do the records say about item {turn % 97}?"
-
-
-def _tool_output(query: str) -> str:
-    return f"records for {query}: " + "one entry with its details " * 6
 
 
 def _summary(times_ms: list[float], bucket: int, elapsed_s: float) -> dict[str, Any]:
@@ -154,60 +147,15 @@ def _keel(
 def _langgraph(turns: int, bucket: int, directory: Path) -> dict[str, Any]:
     import sqlite3
 
-    from langchain_core.language_models.chat_models import BaseChatModel
-    from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
-    from langchain_core.outputs import ChatGeneration, ChatResult
-    from langchain_core.tools import tool as lc_tool
     from langgraph.checkpoint.sqlite import SqliteSaver
-    from langgraph.prebuilt import create_react_agent
 
-    executions = {"count": 0}
-
-    @lc_tool
-    def lookup(query: str) -> str:
-        """Look records up."""
-        executions["count"] += 1
-        return _tool_output(query)
-
-    class PolicyChatModel(BaseChatModel):
-        """Plays the same policy as keel's scripted model: a tool call, then the answer."""
-
-        calls: int = 0
-
-        @property
-        def _llm_type(self) -> str:
-            return "keel-bench-policy"
-
-        def bind_tools(self, tools: Any, **kwargs: Any) -> PolicyChatModel:
-            return self
-
-        def _generate(
-            self,
-            messages: list[BaseMessage],
-            stop: list[str] | None = None,
-            run_manager: Any = None,
-            **kwargs: Any,
-        ) -> ChatResult:
-            self.calls += 1
-            last = messages[-1]
-            if isinstance(last, ToolMessage):
-                reply = AIMessage(content=_ANSWER)
-            else:
-                query = str(last.content)[-24:]
-                reply = AIMessage(
-                    content="",
-                    tool_calls=[
-                        {"name": "lookup", "args": {"query": query}, "id": f"call_{self.calls}"}
-                    ],
-                )
-            return ChatResult(generations=[ChatGeneration(message=reply)])
+    from keel.bench._react import react_agent
 
     path = directory / "langgraph.db"
     conn = sqlite3.connect(path, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
-    saver = SqliteSaver(conn)
-    graph: Any = create_react_agent(PolicyChatModel(), [lookup], checkpointer=saver)
+    graph, executions = react_agent(SqliteSaver(conn))
     config = {"configurable": {"thread_id": "bench"}}
     times: list[float] = []
     started = time.perf_counter()

@@ -29,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import operator
 import random
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, cast
@@ -52,6 +53,7 @@ from langgraph.checkpoint.base import (
     writes_sort_key,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
+from langgraph.types import Send
 from pydantic import BaseModel, Field
 
 from keel.errors import ConflictError, ExpiredError, StateError, UsageError
@@ -71,6 +73,13 @@ _KEPT_TEXT = frozenset({"id", "tool_call_id", "name", "type", "role", "run_id"})
 """Fields whose text is an identifier, never masked (a masked id would break pairing)."""
 _ATTEMPTS = 50
 _MISSING = object()
+_REF = "__keel_item__"
+"""A stored value's stand-in for an object stored as a list channel item: ``{_REF: position}``
+(a position in ``items``)."""
+_RUNS = "__keel_items__"
+"""A stand-in for a list holding such objects: ``{_RUNS: [segment, ...]}``, a segment either a
+run ``[start, end]`` of them or ``{"v": value}`` for an item stored in place."""
+_PLAIN = (str, int, float, bool, bytes, type(None))
 _CACHED_SESSIONS = 256
 
 
@@ -124,6 +133,9 @@ class ThreadState(BaseModel):
     """The version holding the latest checkpoint's newest state."""
     scalars: dict[str, str] = Field(default_factory=dict)
     items: list[str] = Field(default_factory=list)
+    packets: list[str] = Field(default_factory=list)
+    """The items of LangGraph's own list channels (``__pregel_tasks``), kept apart so the
+    graph's lists stay one run each."""
     lists: dict[str, list[list[int]]] = Field(default_factory=dict)
     writes: dict[str, list[Any]] = Field(default_factory=dict)
     """Pending writes of this checkpoint, and of newer ones whose put is still on its way
@@ -141,19 +153,140 @@ class _Known:
 
 
 @dataclass
-class _ListCodecs:
-    """A session's list channels as last encoded and decoded: an item object to its stored
-    text, a stored text to its decoded object. LangGraph keeps a list's old items as the same
-    objects from step to step, so a put encodes only the new items, the store sees the old
-    texts as its own list's (and stores the appended tail only), and a read decodes only texts
-    it has not seen. An item is taken as unchanged while it is the same object."""
+class _Encoded:
+    """One list channel as last encoded or read: its item objects, and each one's position and
+    text in its pool (``items`` or ``packets``)."""
 
-    encoded: dict[str, dict[int, tuple[Any, str]]] = field(default_factory=dict)
-    decoded: dict[str, dict[str, Any]] = field(default_factory=dict)
-    positions: dict[str, int] = field(default_factory=dict)
-    """An item text to its position in ``items`` (built once per session and process)."""
-    indexed: int = 0
-    """How many of ``items`` ``positions`` covers."""
+    values: list[Any]
+    """The objects the graph holds (as it passed them to a put, or as a read returned them)."""
+    shown: list[Any]
+    """The objects a read returns: ``values`` as stored, masked."""
+    positions: list[int]
+    texts: list[str]
+    runs: list[list[int]]
+    by_id: dict[int, int]
+    """An item object's id to its index in ``values``."""
+
+    def holds(self, index: int, pool: Sequence[str]) -> bool:
+        """Whether the pool still holds item ``index`` where this says (a pool of another
+        incarnation of the namespace, or of a write that lost, may not)."""
+        position = self.positions[index]
+        if position >= len(pool):
+            return False
+        text = pool[position]
+        return text is self.texts[index] or text == self.texts[index]
+
+    def runs_prefix_of(self, runs: list[list[int]], pool: Sequence[str]) -> bool:
+        """Whether the stored list ``runs`` describes starts with this list's items."""
+        mine = self.runs
+        if not mine or len(mine) > len(runs) or mine[:-1] != runs[: len(mine) - 1]:
+            return False
+        last, theirs = mine[-1], runs[len(mine) - 1]
+        return (
+            last[0] == theirs[0]
+            and last[1] <= theirs[1]
+            and (last[1] == theirs[1] or len(mine) == len(runs))
+            and self.holds(0, pool)
+            and self.holds(len(self.values) - 1, pool)
+        )
+
+    def extended(
+        self,
+        values: list[Any],
+        positions: list[int],
+        texts: list[str],
+        shown: list[Any] | None = None,
+    ) -> _Encoded:
+        """This list with items appended (the new object shares this one's id map)."""
+        runs = [list(run) for run in self.runs]
+        for position in positions:
+            if runs and runs[-1][1] == position:
+                runs[-1][1] = position + 1
+            else:
+                runs.append([position, position + 1])
+        by_id = self.by_id
+        for index, value in enumerate(values, start=len(self.values)):
+            by_id.setdefault(id(value), index)
+        return _Encoded(
+            [*self.values, *values],
+            [*self.shown, *(values if shown is None else shown)],
+            [*self.positions, *positions],
+            [*self.texts, *texts],
+            runs,
+            by_id,
+        )
+
+    def prefix_of(self, values: Sequence[Any], pool: Sequence[str]) -> bool:
+        """Whether ``values`` starts with this list's very objects, still where this says."""
+        count = len(self.values)
+        return (
+            0 < count <= len(values)
+            and all(map(operator.is_, self.values, values))
+            and self.holds(0, pool)
+            and self.holds(count - 1, pool)
+        )
+
+
+def _positions(runs: list[list[int]]) -> list[int]:
+    return [position for start, end in runs for position in range(start, end)]
+
+
+def _encoded(
+    values: list[Any], positions: list[int], texts: list[str], shown: list[Any] | None = None
+) -> _Encoded:
+    by_id: dict[int, int] = {}
+    for index, value in enumerate(values):
+        by_id.setdefault(id(value), index)
+    return _Encoded(
+        list(values),
+        list(values) if shown is None else shown,
+        positions,
+        texts,
+        _runs(positions),
+        by_id,
+    )
+
+
+@dataclass
+class _ListCodecs:
+    """A session's list channels as last encoded or read, and its item texts' decoded objects.
+
+    LangGraph keeps a list's old items as the same objects from step to step, so a put
+    encodes only the new items, the store sees the old texts as its own list's (and stores the
+    appended tail only), and a read decodes only texts it has not seen. Any other value that
+    holds those very objects (a ``Send`` to the tool node carries the whole state) stores a
+    reference to them instead of a copy. An item is taken as unchanged while it is the same
+    object."""
+
+    lists: dict[str, _Encoded] = field(default_factory=dict)
+    decoded: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Refs:
+    """What a value being encoded may refer to: the graph's lists, stored in ``pool``."""
+
+    lists: list[_Encoded]
+    pool: Sequence[str]
+
+    def shown_at(self, position: int) -> Any:
+        """The object a read gives for the item at ``position`` of the pool."""
+        for encoded in self.lists:
+            if position in encoded.positions:
+                return encoded.shown[encoded.positions.index(position)]
+        raise StateError(f"no list item is stored at {position}")
+
+    def find(self, value: Any) -> int | None:
+        for encoded in self.lists:
+            index = encoded.by_id.get(id(value))
+            if index is not None and encoded.values[index] is value:
+                return encoded.positions[index] if encoded.holds(index, self.pool) else None
+        return None
+
+
+def _internal(channel: str) -> bool:
+    """LangGraph's own channels (``__pregel_tasks``, ``__start__``)."""
+    return channel.startswith("__")
 
 
 class _Index(BaseModel):
@@ -162,18 +295,34 @@ class _Index(BaseModel):
     names: list[str] = Field(default_factory=list)
 
 
-def _reason(checkpoint_id: str | None, run_id: str | None) -> str:
-    return _REASON + json.dumps([checkpoint_id, run_id])
+@dataclass(frozen=True)
+class _Row:
+    """What a version's reason says: the checkpoint its state is, its parent, and the run that
+    stored it (None for a version that only added writes)."""
+
+    version: int
+    checkpoint_id: str | None
+    parent: str | None
+    run_id: str | None
 
 
-def _parse_reason(reason: str) -> tuple[str | None, str | None]:
-    if not reason.startswith(_REASON):
-        return None, None
-    try:
-        checkpoint_id, run_id = json.loads(reason[len(_REASON) :])
-    except (ValueError, TypeError):
-        return None, None
-    return checkpoint_id, run_id
+def _reason(state: ThreadState, run_id: str | None) -> str:
+    return _REASON + json.dumps([state.id, run_id, state.parent])
+
+
+def _rows(infos: Iterable[Any]) -> list[_Row]:
+    """The versions of a history listing (newest first, as ``StateStore.history`` lists)."""
+    rows: list[_Row] = []
+    for info in infos:
+        reason = str(info.reason)
+        if not reason.startswith(_REASON):
+            continue
+        try:
+            checkpoint_id, run_id, parent = json.loads(reason[len(_REASON) :])
+        except (ValueError, TypeError):
+            continue
+        rows.append(_Row(info.version, checkpoint_id, parent, run_id))
+    return rows
 
 
 def _ids(config: RunnableConfig) -> tuple[str, str, str | None]:
@@ -200,6 +349,33 @@ _AT, _TASK, _CHANNEL, _VALUE, _PATH, _INDEX, _WRITER = range(7)
 
 def _writes_of(writes: dict[str, list[Any]], checkpoint_id: str | None) -> dict[str, list[Any]]:
     return {key: entry for key, entry in writes.items() if entry[_AT] == checkpoint_id}
+
+
+def _runs(positions: Iterable[int]) -> list[list[int]]:
+    """Positions as runs ``[start, end)`` of consecutive ones."""
+    runs: list[list[int]] = []
+    for position in positions:
+        if runs and runs[-1][1] == position:
+            runs[-1][1] = position + 1
+        else:
+            runs.append([position, position + 1])
+    return runs
+
+
+def _segments(items: list[Any]) -> list[Any]:
+    """A list whose items are ``{_REF: position}`` stand-ins or values, as segments."""
+    segments: list[Any] = []
+    for item in items:
+        if type(item) is dict and len(item) == 1 and type(item.get(_REF)) is int:
+            position = item[_REF]
+            last = segments[-1] if segments else None
+            if type(last) is list and last[1] == position:
+                last[1] = position + 1
+            else:
+                segments.append([position, position + 1])
+        else:
+            segments.append({"v": item})
+    return segments
 
 
 def _merged_writes(
@@ -255,6 +431,8 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         self._index: StateStore[_Index] = StateStore(self.backend, _Index, clock=clock)
         self._known: OrderedDict[str, _Known] = OrderedDict()
         self._codecs: OrderedDict[str, _ListCodecs] = OrderedDict()
+        self._recent: OrderedDict[tuple[str, str], int] = OrderedDict()
+        """(session, checkpoint id) -> the version last written with that checkpoint."""
         self._known_lock = threading.Lock()
         self._locks = [threading.Lock() for _ in range(64)]
         self._runs_seen: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -308,13 +486,87 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             return items if type(value) is list else tuple(items)
         return value
 
-    def _encode(self, value: Any) -> str:
-        kind, data = self.serde.dumps_typed(self._masked(value))
-        return f"{kind}:{base64.b64encode(data).decode('ascii')}"
+    def _encode(self, value: Any, refs: _Refs | None = None) -> str:
+        """A value's stored text: masked, with references standing in for the graph's list
+        items it holds."""
+        return self._encode_shown(value, refs, shown=False)[0]
 
-    def _decode(self, text: str) -> Any:
+    def _encode_shown(
+        self, value: Any, refs: _Refs | None = None, *, shown: bool = True
+    ) -> tuple[str, Any]:
+        """``_encode``, and what reading the text back gives (the value masked; with
+        ``shown=False`` it may still hold reference stand-ins)."""
+        referring = value
+        if refs is not None and refs.lists:
+            referring = self._with_refs(value, refs)
+        masked = self._masked(referring)
+        kind, data = self.serde.dumps_typed(masked)
+        text = f"{kind}:{base64.b64encode(data).decode('ascii')}"
+        if shown and referring is not value and refs is not None:
+            masked = self._decode(text, refs.shown_at)
+        return text, masked
+
+    def _with_refs(self, value: Any, refs: _Refs) -> Any:
+        if isinstance(value, _PLAIN):
+            return value
+        position = refs.find(value)
+        if position is not None:
+            return {_REF: position}
+        if type(value) is dict:
+            entries = {k: self._with_refs(v, refs) for k, v in value.items()}
+            return entries if any(entries[k] is not v for k, v in value.items()) else value
+        if type(value) is list:
+            for encoded in refs.lists:
+                if encoded.prefix_of(value, refs.pool):
+                    # The graph's list itself (or it and more): its runs, then the rest.
+                    rest = [self._with_refs(item, refs) for item in value[len(encoded.values) :]]
+                    return {_RUNS: [*map(list, encoded.runs), *_segments(rest)]}
+            items = [self._with_refs(item, refs) for item in value]
+            if all(new is old for new, old in zip(items, value, strict=True)):
+                return value
+            return {_RUNS: _segments(items)}
+        if type(value) is tuple:
+            items = [self._with_refs(item, refs) for item in value]
+            if all(new is old for new, old in zip(items, value, strict=True)):
+                return value
+            return tuple(items)
+        if isinstance(value, Send):
+            arg = self._with_refs(value.arg, refs)
+            return value if arg is value.arg else Send(value.node, arg, timeout=value.timeout)
+        return value
+
+    def _decode(self, text: str, item_at: Callable[[int], Any] | None = None) -> Any:
         kind, _, data = text.partition(":")
-        return self.serde.loads_typed((kind, base64.b64decode(data)))
+        value = self.serde.loads_typed((kind, base64.b64decode(data)))
+        return value if item_at is None else self._resolve(value, item_at)
+
+    def _resolve(self, value: Any, item_at: Callable[[int], Any]) -> Any:
+        if isinstance(value, _PLAIN):
+            return value
+        if type(value) is dict:
+            if len(value) == 1 and type(value.get(_REF)) is int:
+                return item_at(value[_REF])
+            if len(value) == 1 and type(value.get(_RUNS)) is list:
+                resolved: list[Any] = []
+                for segment in value[_RUNS]:
+                    if type(segment) is dict:
+                        resolved.append(self._resolve(segment["v"], item_at))
+                    else:
+                        resolved.extend(item_at(p) for p in range(segment[0], segment[1]))
+                return resolved
+            return {k: self._resolve(v, item_at) for k, v in value.items()}
+        if type(value) is list:
+            return [self._resolve(item, item_at) for item in value]
+        if type(value) is tuple:
+            return tuple(self._resolve(item, item_at) for item in value)
+        if isinstance(value, Send):
+            return Send(value.node, self._resolve(value.arg, item_at), timeout=value.timeout)
+        return value
+
+    def _refs(self, session: str, pool: Sequence[str]) -> _Refs:
+        """The graph's list items (stored in ``pool``): what other values refer to."""
+        lists = self._list_codecs(session).lists
+        return _Refs([found for name, found in lists.items() if not _internal(name)], pool)
 
     def _list_codecs(self, session: str) -> _ListCodecs:
         with self._known_lock:
@@ -333,56 +585,49 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         channel: str,
         values: list[Any],
         stored: list[str],
+        items: list[str],
     ) -> tuple[list[list[int]], list[str]]:
-        """A list channel as runs into ``stored`` (the namespace's ``items``, with what this
-        put appended so far), and the item texts to append (see ``_ListCodecs``)."""
+        """A list channel as runs into ``stored`` (the namespace's ``items`` or ``packets``,
+        with what this put appended so far), and the item texts to append (see
+        ``_ListCodecs``); references in them point into ``items``."""
         codecs = self._list_codecs(session)
         if base is None:
-            codecs.positions, codecs.indexed = {}, 0
-        if codecs.indexed > len(stored):
-            codecs.positions, codecs.indexed = {}, 0
-        for index in range(codecs.indexed, len(stored)):
-            codecs.positions[stored[index]] = index
-        codecs.indexed = len(stored)
-        previous = codecs.encoded.get(channel, {})
-        current: dict[int, tuple[Any, str]] = {}
+            codecs.lists = {}
+        last = codecs.lists.get(channel)
+        refs = self._refs(session, items)
+        if last is not None and last.prefix_of(values, stored):
+            # The same objects, then new ones: only the new ones are looked at.
+            start = len(last.values)
+            positions, texts = last.positions[:start], last.texts[:start]
+            shown = last.shown[:start]
+        else:
+            start, positions, texts, shown = 0, [], [], []
         appended: list[str] = []
-        new_positions: dict[str, int] = {}
-        runs: list[list[int]] = []
-        for item in values:
-            hit = previous.get(id(item))
-            text = hit[1] if hit is not None and hit[0] is item else self._encode(item)
-            current[id(item)] = (item, text)
-            position = codecs.positions.get(text)
-            if position is not None and (position >= len(stored) or stored[position] != text):
-                # Another incarnation of the namespace (deleted and created again elsewhere).
-                codecs.positions = {t: p for p, t in enumerate(stored)}
-                position = codecs.positions.get(text)
-            if position is None:
-                position = new_positions.get(text)
-            if position is None:
-                position = new_positions[text] = len(stored) + len(appended)
-                appended.append(text)
-            if runs and runs[-1][1] == position:
-                runs[-1][1] = position + 1
+        for item in values[start:]:
+            index = last.by_id.get(id(item)) if last is not None else None
+            if (
+                last is not None
+                and index is not None
+                and last.values[index] is item
+                and last.holds(index, stored)
+            ):
+                position, text = last.positions[index], last.texts[index]
+                masked = last.shown[index]
             else:
-                runs.append([position, position + 1])
-        codecs.encoded[channel] = current
-        return runs, appended
-
-    def _decode_list(self, session: str, channel: str, texts: list[str]) -> list[Any]:
-        codecs = self._list_codecs(session)
-        cache = codecs.decoded.get(channel, {})
-        current: dict[str, Any] = {}
-        items: list[Any] = []
-        for text in texts:
-            item = cache.get(text, _MISSING)
-            if item is _MISSING:
-                item = self._decode(text)
-            current[text] = item
-            items.append(item)
-        codecs.decoded[channel] = current
-        return items
+                # A masked item reads back masked, in this process as in any other.
+                text, masked = self._encode_shown(item, refs, shown=not _internal(channel))
+                position = len(stored) + len(appended)
+                appended.append(text)
+            positions.append(position)
+            texts.append(text)
+            shown.append(masked)
+        if start and last is not None:
+            codecs.lists[channel] = last.extended(
+                list(values[start:]), positions[start:], texts[start:], shown[start:]
+            )
+        else:
+            codecs.lists[channel] = _encoded(values, positions, texts, shown)
+        return codecs.lists[channel].runs, appended
 
     # --- the head of a session ----------------------------------------------------------------
 
@@ -414,15 +659,27 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         with self._known_lock:
             self._known.pop(session, None)
             self._codecs.pop(session, None)
+        self._forget_recent(session)
+
+    def _forget_recent(self, session: str) -> None:
+        with self._known_lock:
+            for key in [key for key in self._recent if key[0] == session]:
+                del self._recent[key]
 
     def _commit(
-        self, session: str, known: _Known | None, state: ThreadState, reason: str
+        self,
+        session: str,
+        known: _Known | None,
+        state: ThreadState,
+        run_id: str | None = None,
+        reason: str | None = None,
     ) -> _Known:
         """Write ``state`` as the version after ``known`` (compare-and-set) and cache it. A
         version holding the latest checkpoint's state becomes where readers find it."""
         version = known.version + 1 if known is not None else 1
         if state.id is not None and state.id == state.latest and state.latest_at != version:
             state = state.model_copy(update={"latest_at": version})
+        reason = reason or _reason(state, run_id)
         if known is None:
             self.store.create(session, state, reason=reason)
         else:
@@ -430,6 +687,11 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         committed = _Known(version, state)
         with self._known_lock:
             self._remember(session, committed)
+            if state.id is not None:
+                self._recent[(session, state.id)] = version
+                self._recent.move_to_end((session, state.id))
+                while len(self._recent) > 4096:
+                    self._recent.popitem(last=False)
         return committed
 
     def _version_of(self, session: str, known: _Known, checkpoint_id: str) -> int | None:
@@ -439,10 +701,32 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             return known.version
         if known.state.latest == checkpoint_id:
             return known.state.latest_at
-        for info in self.store.history(session):
-            if _parse_reason(info.reason)[0] == checkpoint_id:
-                return info.version
+        recent = self._recent.get((session, checkpoint_id))
+        if recent is not None and recent <= known.version:
+            return recent
+        for row in _rows(self.store.history(session)):
+            if row.checkpoint_id == checkpoint_id:
+                return row.version
         return None
+
+    def _writes_for(
+        self, session: str, known: _Known, state: ThreadState, rows: list[_Row] | None = None
+    ) -> dict[str, list[Any]]:
+        """A checkpoint's pending writes. Those stored once it was no longer the head (a
+        task's late write after the next checkpoint's put, a fork's first writes) are in the
+        versions after it: its children's newest versions and the head."""
+        writes = _writes_of(state.writes, state.id)
+        if state.id == known.state.id:
+            return writes
+        newest_child: dict[str, int] = {}
+        for row in rows if rows is not None else _rows(self.store.history(session)):
+            if row.parent == state.id and row.checkpoint_id is not None:
+                newest_child.setdefault(row.checkpoint_id, row.version)
+        later = [self._state_at(session, known, v) for v in sorted(newest_child.values())]
+        for holder in [*later, known.state]:
+            for key, entry in _writes_of(holder.writes, state.id).items():
+                writes.setdefault(key, entry)
+        return writes
 
     def _state_at(self, session: str, known: _Known, version: int) -> ThreadState:
         if version == known.version:
@@ -533,7 +817,6 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         full_metadata = get_checkpoint_metadata(config, metadata)
         run_id = full_metadata.get("run_id")
         run = str(run_id) if run_id is not None else None
-        reason = _reason(checkpoint["id"], run)
         with self._lock(session):
             known = self._head(session, fresh=False)
             for _ in range(_ATTEMPTS):
@@ -546,7 +829,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                     state = self._checkpoint_state(
                         session, known, checkpoint, full_metadata, new_versions, parent, mark
                     )
-                    self._commit(session, known, state, reason)
+                    self._commit(session, known, state, run)
                     break
                 except ConflictError as exc:
                     if isinstance(exc, StaleWriterError):
@@ -577,7 +860,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         if len(kept) == len(writes):
             return known
         state = known.state.model_copy(update={"writes": kept})
-        return self._commit(session, known, state, _reason(known.state.id, None))
+        return self._commit(session, known, state)
 
     def _checkpoint_state(
         self,
@@ -596,9 +879,13 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         linear = previous is not None and parent is not None and previous.id == parent
         versions = checkpoint["channel_versions"]
         items = list(previous.items) if previous is not None else []
+        packets = list(previous.packets) if previous is not None else []
         scalars: dict[str, str] = {}
         lists: dict[str, list[list[int]]] = {}
-        for channel, value in checkpoint["channel_values"].items():
+        # LangGraph's own channels (a Send carries the state) after the graph's, so their values
+        # refer to the graph's items.
+        channels = sorted(checkpoint["channel_values"].items(), key=lambda c: c[0].startswith("__"))
+        for channel, value in channels:
             unchanged = (
                 linear
                 and previous is not None
@@ -609,16 +896,23 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 if unchanged and previous is not None and channel in previous.lists:
                     lists[channel] = previous.lists[channel]
                     continue
-                runs, appended = self._encode_list(session, previous, channel, value, items)
+                pool = packets if _internal(channel) else items
+                runs, appended = self._encode_list(session, previous, channel, value, pool, items)
                 lists[channel] = runs
-                items.extend(appended)
+                pool.extend(appended)
             elif unchanged and previous is not None and channel in previous.scalars:
                 scalars[channel] = previous.scalars[channel]
             else:
-                scalars[channel] = self._encode(value)
+                scalars[channel] = self._encode(value, self._refs(session, items))
         latest = previous.latest if previous is not None else None
+        # Kept: writes of this checkpoint and newer ones (saves still on their way), and the
+        # parent's stored after the parent stopped being the head (a fork's first step).
         writes = (
-            {k: e for k, e in previous.writes.items() if e[_AT] >= checkpoint_id}
+            {
+                k: e
+                for k, e in previous.writes.items()
+                if e[_AT] >= checkpoint_id or (e[_AT] == parent and previous.id != parent)
+            }
             if previous is not None
             else {}
         )
@@ -637,6 +931,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             latest_at=0 if newest or previous is None else previous.latest_at,
             scalars=scalars,
             items=items,
+            packets=packets,
             lists=lists,
             writes=writes,
         )
@@ -661,16 +956,18 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             raise UsageError("put_writes needs configurable.checkpoint_id")
         mark = _run_mark(config, namespace)
         writer = mark.writer if mark is not None else ""
-        entries: dict[str, list[Any]] = {}
-        for position, (channel, value) in enumerate(writes):
-            index = WRITES_IDX_MAP.get(channel, position)
-            key = f"{target}\x1f{task_id}\x1f{index}" + (f"\x1f{writer}" if writer else "")
-            entries[key] = [target, task_id, channel, self._encode(value), task_path, index, writer]
         session = self._session(thread_id, namespace)
         with self._lock(session):
             known = self._head(session, fresh=False)
             for _ in range(_ATTEMPTS):
                 known = self._check_mark(session, known, mark)
+                refs = self._refs(session, known.state.items if known is not None else [])
+                entries: dict[str, list[Any]] = {}
+                for position, (channel, value) in enumerate(writes):
+                    index = WRITES_IDX_MAP.get(channel, position)
+                    key = f"{target}\x1f{task_id}\x1f{index}" + (f"\x1f{writer}" if writer else "")
+                    text = self._encode(value, refs)
+                    entries[key] = [target, task_id, channel, text, task_path, index, writer]
                 try:
                     if known is None:
                         self._register_namespace(thread_id, namespace)
@@ -678,12 +975,11 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                             session,
                             None,
                             ThreadState(writes=entries),
-                            _reason(None, None),
                         )
                         return
-                    state = self._with_writes(session, known, target, entries)
+                    state = self._with_writes(known, target, entries)
                     if state is not None:
-                        self._commit(session, known, state, _reason(state.id, None))
+                        self._commit(session, known, state)
                     return
                 except ConflictError as exc:
                     if isinstance(exc, StaleWriterError):
@@ -692,31 +988,12 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             raise ConflictError(session, None, None)
 
     def _with_writes(
-        self, session: str, known: _Known, target: str, entries: dict[str, list[Any]]
+        self, known: _Known, target: str, entries: dict[str, list[Any]]
     ) -> ThreadState | None:
-        head = known.state
-        latest = head.latest
-        # The head's own, or newer than anything stored (its put is still on its way).
-        if head.id == target or latest is None or target > latest:
-            merged = _merged_writes(head.writes, entries)
-            return None if merged is None else head.model_copy(update={"writes": merged})
-        version = self._version_of(session, known, target)
-        if version is None:
-            return None  # a checkpoint no longer stored (pruned, or its run deleted)
-        # Writes to an older checkpoint (a fork's first step): restate it with them.
-        old = self._state_at(session, known, version)
-        pending = {k: e for k, e in head.writes.items() if e[_AT] > latest}
-        merged = _merged_writes({**_writes_of(old.writes, target), **pending}, entries)
-        if merged is None:
-            return None
-        return old.model_copy(
-            update={
-                "writes": merged,
-                "latest": latest,
-                "latest_at": head.latest_at,
-                "items": head.items,
-            }
-        )
+        """The head with a task's writes added (of its own checkpoint, of one whose put is
+        still on its way, or of an older one: a late write, or a fork's first step)."""
+        merged = _merged_writes(known.state.writes, entries)
+        return None if merged is None else known.state.model_copy(update={"writes": merged})
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -737,27 +1014,75 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             except StateError:
                 return None  # removed by a concurrent prune
             mark = _RunMark(namespace, uuid.uuid4().hex, target) if checkpoint_id is None else None
-            return self._tuple(thread_id, namespace, state, session, mark)
+            writes = self._writes_for(session, known, state)
+            return self._tuple(
+                thread_id, namespace, state, writes, known.state.items, session, mark
+            )
 
     def _tuple(
         self,
         thread_id: str,
         namespace: str,
         state: ThreadState,
+        writes: dict[str, list[Any]],
+        items: list[str],
         session: str | None,
         mark: _RunMark | None,
     ) -> CheckpointTuple:
-        """The tuple of a stored state; ``session`` given, its list channels are decoded
-        through the session's cache (reads of the head, once per run)."""
-        values: dict[str, Any] = {
-            channel: self._decode(text) for channel, text in state.scalars.items()
-        }
+        """The tuple of a stored state; references resolve into ``items`` (the head's: the
+        writes gathered from later versions may refer to items stored after this state).
+        ``session`` given, its list channels are decoded through the session's cache (reads
+        of the head, once per run)."""
+        codecs = self._list_codecs(session) if session is not None else _ListCodecs()
+        known_texts = codecs.decoded
+        decoded: dict[str, Any] = {}
+
+        def item_at(position: int) -> Any:
+            text = items[position]
+            found = decoded.get(text, _MISSING)
+            if found is _MISSING:
+                found = known_texts.get(text, _MISSING)
+                if found is _MISSING:
+                    found = self._decode(text, item_at)
+                decoded[text] = found
+            return found
+
+        values: dict[str, Any] = {}
+        encoded: dict[str, _Encoded] = {}
         for channel, runs in state.lists.items():
-            texts = [text for start, end in runs for text in state.items[start:end]]
-            if session is None:
-                values[channel] = [self._decode(text) for text in texts]
+            last = codecs.lists.get(channel)
+            if not _internal(channel) and last is not None and last.runs_prefix_of(runs, items):
+                # The list this saver last stored or read, and maybe more: its objects again
+                # (the cost of a read stays flat however long the list grows).
+                start = len(last.values)
+                tail = _positions(runs)[start:]
+                tail_items = [item_at(p) for p in tail]
+                tail_texts = [items[p] for p in tail]
+                # The graph goes on with the objects this read returns.
+                if all(map(operator.is_, last.values, last.shown)):
+                    encoded[channel] = last.extended(tail_items, tail, tail_texts)
+                else:
+                    encoded[channel] = _encoded(
+                        [*last.shown, *tail_items],
+                        _positions(runs),
+                        [*last.texts, *tail_texts],
+                    )
+                values[channel] = list(encoded[channel].values)
+                continue
+            positions = _positions(runs)
+            if _internal(channel):
+                pool = state.packets
+                values[channel] = [self._decode(pool[p], item_at) for p in positions]
             else:
-                values[channel] = self._decode_list(session, channel, texts)
+                pool = items
+                values[channel] = [item_at(p) for p in positions]
+            # The run goes on with these objects: its puts find their texts by identity (a
+            # decoded item need not encode back to the very same text).
+            encoded[channel] = _encoded(values[channel], positions, [pool[p] for p in positions])
+        for channel, text in state.scalars.items():
+            values[channel] = self._decode(text, item_at)
+        if session is not None:
+            codecs.decoded, codecs.lists = decoded, encoded
         assert state.id is not None
         configurable: dict[str, Any] = {
             "thread_id": thread_id,
@@ -789,19 +1114,21 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 if state.parent
                 else None
             ),
-            pending_writes=self._pending_writes(state),
+            pending_writes=self._pending_writes(writes, item_at),
         )
 
-    def _pending_writes(self, state: ThreadState) -> list[tuple[str, str, Any]]:
-        """The checkpoint's writes in ``writes_sort_key`` order; a task's write stored by two
+    def _pending_writes(
+        self, writes: dict[str, list[Any]], item_at: Callable[[int], Any]
+    ) -> list[tuple[str, str, Any]]:
+        """A checkpoint's writes in ``writes_sort_key`` order; a task's write stored by two
         runs at once counts once (the first stored)."""
         chosen: dict[tuple[str, int], list[Any]] = {}
-        for entry in _writes_of(state.writes, state.id).values():
+        for entry in writes.values():
             chosen.setdefault((entry[_TASK], entry[_INDEX]), entry)
         ordered = sorted(
             chosen.values(), key=lambda e: writes_sort_key(e[_PATH], e[_TASK], e[_INDEX])
         )
-        return [(e[_TASK], e[_CHANNEL], self._decode(e[_VALUE])) for e in ordered]
+        return [(e[_TASK], e[_CHANNEL], self._decode(e[_VALUE], item_at)) for e in ordered]
 
     def _sessions_of(self, config: RunnableConfig | None) -> list[str]:
         if config is None or "thread_id" not in (config.get("configurable") or {}):
@@ -825,26 +1152,34 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         ``limit``."""
         before_id = ((before or {}).get("configurable") or {}).get("checkpoint_id")
         candidates: list[tuple[str, str, int]] = []
+        listings: dict[str, list[_Row]] = {}
         for session in self._sessions_of(config):
             try:
-                infos = self.store.history(session)
+                rows = listings[session] = _rows(self.store.history(session))
             except ExpiredError:
                 continue
-            seen: set[str] = set()
-            for info in infos:
-                checkpoint_id = _parse_reason(info.reason)[0]
-                if checkpoint_id is None or checkpoint_id in seen:
-                    continue
-                seen.add(checkpoint_id)
-                if before_id is None or checkpoint_id < before_id:
-                    candidates.append((checkpoint_id, session, info.version))
+            newest: dict[str, int] = {}
+            for row in rows:  # newest first: the first version of an id is its newest state
+                if row.checkpoint_id is not None:
+                    newest.setdefault(row.checkpoint_id, row.version)
+            candidates.extend(
+                (checkpoint_id, session, version)
+                for checkpoint_id, version in newest.items()
+                if before_id is None or checkpoint_id < before_id
+            )
         candidates.sort(reverse=True)
         returned = 0
+        heads: dict[str, _Known | None] = {}
         for _checkpoint_id, session, version in candidates:
             if limit is not None and returned >= limit:
                 return
+            if session not in heads:
+                heads[session] = self._head(session, fresh=True)
+            known = heads[session]
             try:
-                state = self.store.at(session, version).state
+                if known is None:
+                    continue
+                state = self._state_at(session, known, version)
             except (StateError, ExpiredError):
                 continue  # pruned since the listing
             if filter:
@@ -852,7 +1187,8 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 if any(metadata.get(key) != value for key, value in filter.items()):
                     continue
             thread_id, namespace = self._parse_session(session)
-            yield self._tuple(thread_id, namespace, state, None, None)
+            writes = self._writes_for(session, known, state, listings[session])
+            yield self._tuple(thread_id, namespace, state, writes, known.state.items, None, None)
             returned += 1
 
     # --- deleting, copying, pruning -----------------------------------------------------------
@@ -885,21 +1221,17 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
 
     def _drop_runs(self, session: str, runs: set[str]) -> None:
         try:
-            infos = self.store.history(session)
+            rows = _rows(self.store.history(session))
         except ExpiredError:
             return
-        doomed_ids = {
-            checkpoint_id
-            for checkpoint_id, run in map(_parse_reason, (i.reason for i in infos))
-            if checkpoint_id is not None and run in runs
-        }
-        if not doomed_ids:
+        doomed = {row.checkpoint_id for row in rows if row.run_id in runs}
+        doomed.discard(None)
+        if not doomed:
             return
         survivors: dict[str, int] = {}
-        for info in infos:  # newest first: the first version of an id is its newest state
-            checkpoint_id = _parse_reason(info.reason)[0]
-            if checkpoint_id is not None and checkpoint_id not in doomed_ids:
-                survivors.setdefault(checkpoint_id, info.version)
+        for row in rows:  # newest first: the first version of an id is its newest state
+            if row.checkpoint_id is not None and row.checkpoint_id not in doomed:
+                survivors.setdefault(row.checkpoint_id, row.version)
         if not survivors:
             self.store.delete(session)
             self._forget(session)
@@ -907,18 +1239,24 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         known = self._head(session, fresh=True)
         if known is None:
             return
-        if known.state.id in doomed_ids or known.state.latest in doomed_ids:
+        if known.state.id in doomed or known.state.latest in doomed:
+            # The newest remaining checkpoint becomes the head (and the latest).
             latest = max(survivors)
-            state = self.store.at(session, survivors[latest]).state.model_copy(
-                update={"latest": latest, "items": known.state.items}
+            old = self.store.at(session, survivors[latest]).state
+            state = old.model_copy(
+                update={
+                    "latest": latest,
+                    "writes": self._writes_for(session, known, old, rows),
+                    "items": known.state.items,
+                    "packets": known.state.packets,
+                }
             )
-            known = self._commit(session, known, state, _reason(latest, None))
-        doomed_versions = [
-            info.version
-            for info in infos
-            if _parse_reason(info.reason)[0] in doomed_ids or _parse_reason(info.reason)[0] is None
-        ]
-        self.store.drop_versions(session, doomed_versions)
+            known = self._commit(session, known, state)
+        self.store.drop_versions(
+            session,
+            [row.version for row in rows if row.checkpoint_id in doomed or not row.checkpoint_id],
+        )
+        self._forget_recent(session)
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint and write of a thread, in every namespace, to a new thread.
@@ -938,6 +1276,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 continue
             if not infos:
                 continue
+            rows = {row.version: row for row in _rows(infos)}
             target = self._session(target_thread_id, namespace)
             self._register_namespace(target_thread_id, namespace)
             known: _Known | None = None
@@ -949,11 +1288,11 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                     state = state.model_copy(
                         update={"latest_at": renumbered.get(state.latest_at, 0)}
                     )
-                    known = self._commit(target, known, state, info.reason)
+                    known = self._commit(target, known, state, reason=info.reason)
                     renumbered[info.version] = known.version
-                    run = _parse_reason(info.reason)[1]
-                    if run is not None:
-                        runs.add(run)
+                    row = rows.get(info.version)
+                    if row is not None and row.run_id is not None:
+                        runs.add(row.run_id)
             for run in runs:
                 self._register_run(run, target)
 
@@ -981,20 +1320,23 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             return
         latest = known.state.latest
         if known.state.id != latest:
-            # The head is an older checkpoint restated with writes: the latest becomes head.
+            # The head is another checkpoint (restated by delete_for_runs): the latest
+            # becomes the head, with every write it has.
             old = self._state_at(session, known, known.state.latest_at)
             pending = {k: e for k, e in known.state.writes.items() if e[_AT] > latest}
             state = old.model_copy(
                 update={
-                    "writes": {**_writes_of(old.writes, latest), **pending},
+                    "writes": {**self._writes_for(session, known, old), **pending},
                     "items": known.state.items,
+                    "packets": known.state.packets,
                 }
             )
-            known = self._commit(session, known, state, _reason(latest, None))
+            known = self._commit(session, known, state)
         older = [
             info.version for info in self.store.history(session) if info.version != known.version
         ]
         self.store.drop_versions(session, older)
+        self._forget_recent(session)
 
     def vacuum(self) -> VacuumReport:
         """Delete expired namespaces (``ttl``) and the index entries of what is gone."""
