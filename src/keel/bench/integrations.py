@@ -1,9 +1,17 @@
-"""``keel bench integrations``: keel inside the OpenAI Agents SDK, side by side with the SDK's own
-session, through the SDK's ``Runner``.
+"""``keel bench integrations``: keel inside other frameworks, side by side with their own parts.
 
-Workload: ``turns`` turns of one agent on one session. Each turn the user asks about an item,
-the model calls ``lookup`` (its output 80 to 2,500 tokens, seeded) and then answers: two
-model calls, four items. The model is a fake that records what the SDK sends it. The same
+**LangGraph.** The same graph, LangGraph's prebuilt ReAct agent with a chat model that plays a
+fixed policy, runs ``steps`` steps on one thread with LangGraph's ``SqliteSaver`` and with
+keel's checkpointer on SQLite. A step is one invocation of the graph: the user's question, a
+tool call, the tool's result, the answer (four super-steps, four checkpoints). Figures: steps
+per second over the whole run, the database's bytes on disk (WAL folded in), the checkpoints
+each stored (counted by listing them), and every answer and the thread's final message count
+checked. LangGraph's conformance suite (``langgraph-checkpoint-conformance``) runs against
+keel's checkpointer on SQLite and on a throwaway embedded PostgreSQL.
+
+**OpenAI Agents SDK.** Workload: ``turns`` turns of one agent on one session. Each turn the
+user asks about an item, the model calls ``lookup`` (its output 80 to 2,500 tokens, seeded)
+and then answers: two model calls, four items. The model is a fake that records what the SDK sends it. The same
 turns run through the SDK's ``SQLiteSession`` with ``SessionSettings(limit=...)`` (the SDK's
 way to bound the history) and through keel's ``KeelSession`` with a ``window``-token context
 budget, its input filter fitting each call's whole input (the turn in progress included).
@@ -11,7 +19,7 @@ budget, its input filter fitting each call's whole input (the turn in progress i
 Counted from what the model received, per call: orphaned tool items (a ``function_call_output``
 without its ``function_call`` in the same input), overflows (inputs over the window minus the
 answer's reserve, counted with the model's tokenizer), and prompt tokens at turn 100 and at
-the last turn. The LangGraph half of the issue's benchmark is not built yet.
+the last turn.
 """
 
 from __future__ import annotations
@@ -89,16 +97,121 @@ def _figures(
     }
 
 
+def _sqlite_bytes(path: Path) -> int:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+    return sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+
+
+def _run_graph(saver: Any, steps: int) -> dict[str, Any]:
+    from keel.bench._react import ANSWER, question, react_agent
+
+    graph, executions = react_agent(saver)
+    config = {"configurable": {"thread_id": "bench"}}
+    started = time.perf_counter()
+    for step in range(steps):
+        out = graph.invoke({"messages": [("user", question(step))]}, config)
+        if out["messages"][-1].content != ANSWER:
+            raise RuntimeError(f"step {step} did not answer")
+    elapsed = time.perf_counter() - started
+    messages = len(graph.get_state(config).values["messages"])
+    if messages != 4 * steps or executions["count"] != steps:
+        raise RuntimeError(
+            f"{messages} messages and {executions['count']} tool runs after {steps} steps"
+        )
+    return {
+        "steps_per_s": round(steps / elapsed, 2),
+        "seconds": round(elapsed, 2),
+        "checkpoints": sum(1 for _ in saver.list(config)),
+    }
+
+
+def _conformance(url: str) -> bool:
+    from langgraph.checkpoint.conformance import checkpointer_test, validate
+
+    from keel.integrations.langgraph import KeelCheckpointSaver
+
+    @checkpointer_test(name="keel")
+    async def factory() -> Any:
+        saver = KeelCheckpointSaver(url)
+        try:
+            yield saver
+        finally:
+            saver.close()
+
+    report = asyncio.run(validate(factory))
+    return all(result.passed is True for result in report.results.values())
+
+
+def _langgraph_half(
+    steps: int, folder: Path, conformance: bool, progress: Callable[[str], None] | None
+) -> dict[str, Any]:
+    import sqlite3
+
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    from keel.integrations.langgraph import KeelCheckpointSaver
+
+    if progress:
+        progress(f"LangGraph ReAct agent, {steps} steps on one thread: SqliteSaver")
+    path = folder / "langgraph.db"
+    conn = sqlite3.connect(path, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    try:
+        theirs = _run_graph(SqliteSaver(conn), steps)
+    finally:
+        conn.close()
+    theirs["bytes"] = _sqlite_bytes(path)
+    if progress:
+        progress("... and keel's checkpointer")
+    keel_path = folder / "keel-langgraph.db"
+    with KeelCheckpointSaver(f"sqlite:///{keel_path}") as saver:
+        ours = _run_graph(saver, steps)
+    ours["bytes"] = _sqlite_bytes(keel_path)
+    result: dict[str, Any] = {
+        "steps": steps,
+        "keel_steps_per_s": ours["steps_per_s"],
+        "sqlite_saver_steps_per_s": theirs["steps_per_s"],
+        "speedup": round(ours["steps_per_s"] / theirs["steps_per_s"], 2),
+        "keel_bytes": ours["bytes"],
+        "sqlite_saver_bytes": theirs["bytes"],
+        "bytes_ratio": round(theirs["bytes"] / ours["bytes"], 1),
+        "keel": ours,
+        "sqlite_saver": theirs,
+        "conformance": None,
+    }
+    if conformance:
+        from keel.testing.servers import postgres_server
+
+        if progress:
+            progress("LangGraph's conformance suite: keel on SQLite and on PostgreSQL")
+        sqlite_ok = _conformance(f"sqlite:///{folder / 'conformance.db'}")
+        with postgres_server() as server, server.throwaway_database() as url:
+            postgres_ok = _conformance(url)
+        result["conformance"] = {"sqlite": sqlite_ok, "postgres": postgres_ok}
+    return result
+
+
 def run_integrations_bench(
     *,
     turns: int = 1000,
     window: int = 16_000,
     sdk_limit: int = 50,
     seed: int = 7,
+    langgraph_steps: int = 1000,
+    conformance: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """The Agents SDK half: the SDK's ``SQLiteSession`` (``limit=sdk_limit`` items) against
-    keel's session (a ``window``-token budget), the same turns through the SDK's Runner."""
+    """Both halves: LangGraph's ``SqliteSaver`` against keel's checkpointer over
+    ``langgraph_steps`` steps (0: skipped), and the SDK's ``SQLiteSession`` (``limit=sdk_limit``
+    items) against keel's session (a ``window``-token budget) over ``turns`` turns (0:
+    skipped)."""
     from agents import SQLiteSession
     from agents.memory import SessionSettings
 
@@ -109,6 +222,13 @@ def run_integrations_bench(
     counter = counter_for("gpt-4o")
     with tempfile.TemporaryDirectory(prefix="keel-bench-integrations-") as name:
         folder = Path(name)
+        langgraph = (
+            _langgraph_half(langgraph_steps, folder, conformance, progress)
+            if langgraph_steps
+            else None
+        )
+        if not turns:
+            return {"openai_agents": None, "langgraph": langgraph, "seed": seed}
         keel = KeelSession(
             "bench",
             database=f"sqlite:///{folder / 'keel.db'}",
@@ -134,6 +254,6 @@ def run_integrations_bench(
                 **_figures(sdk_inputs, sdk_s, turns, limit, counter),
             },
         },
-        "langgraph": None,
+        "langgraph": langgraph,
         "seed": seed,
     }
