@@ -9,12 +9,13 @@ each stored (counted by listing them), and every answer and the thread's final m
 checked. LangGraph's conformance suite (``langgraph-checkpoint-conformance``) runs against
 keel's checkpointer on SQLite and on a throwaway embedded PostgreSQL.
 
-**OpenAI Agents SDK.** Workload: ``turns`` turns of one agent on one session. Each turn the
-user asks about an item, the model calls ``lookup`` (its output 80 to 2,500 tokens, seeded)
-and then answers: two model calls, four items. The model is a fake that records what the SDK sends it. The same
-turns run through the SDK's ``SQLiteSession`` with ``SessionSettings(limit=...)`` (the SDK's
-way to bound the history) and through keel's ``KeelSession`` with a ``window``-token context
-budget, its input filter fitting each call's whole input (the turn in progress included).
+**OpenAI Agents SDK.** Workload: ``turns`` turns of one agent on one session. Each turn the user
+asks about an item, the model calls ``lookup`` (its output 80 to 2,500 tokens, seeded) and then
+answers: two model calls, four items. The model is a fake that records what the SDK sends it.
+The same turns run through the SDK's ``SQLiteSession`` with ``SessionSettings(limit=...)`` (the
+SDK's way to bound the history) and through keel's ``KeelSession`` with a ``window``-token
+context budget, its input filter fitting each call's whole input (the turn in progress
+included).
 
 Counted from what the model received, per call: orphaned tool items (a ``function_call_output``
 without its ``function_call`` in the same input), overflows (inputs over the window minus the
