@@ -137,7 +137,7 @@ def _in_background(run: Any) -> tuple[threading.Thread, list[BaseException]]:
     def target() -> None:
         try:
             run()
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        except BaseException as exc:
             failure.append(exc)
 
     thread = threading.Thread(target=target)
@@ -256,7 +256,7 @@ def test_a_growing_thread_stores_what_changed_not_the_whole_list_again(
             graph.invoke(
                 {"messages": [HumanMessage(content=f"{turn} {padding}")], "steps": 0}, _thread()
             )
-        sizes.append(sum(info.size_bytes for info in saver.store.history(saver._session("t1", ""))))  # noqa: SLF001
+        sizes.append(sum(info.size_bytes for info in saver.store.history(saver._session("t1", ""))))
     # Twice the turns, about twice the bytes: linear (whole lists per checkpoint: about 4x).
     assert sizes[1] / sizes[0] < 2.5, sizes
 

@@ -3,11 +3,11 @@
 **LangGraph.** The same graph, LangGraph's prebuilt ReAct agent with a chat model that plays a
 fixed policy, runs ``steps`` steps on one thread with LangGraph's ``SqliteSaver`` and with
 keel's checkpointer on SQLite. A step is one invocation of the graph: the user's question, a
-tool call, the tool's result, the answer (four super-steps, four checkpoints). Figures: steps
-per second over the whole run, the database's bytes on disk (WAL folded in), the checkpoints
-each stored (counted by listing them), and every answer and the thread's final message count
-checked. LangGraph's conformance suite (``langgraph-checkpoint-conformance``) runs against
-keel's checkpointer on SQLite and on a throwaway embedded PostgreSQL.
+tool call, the tool's result, the answer (five checkpoints: the input, then one per super-step).
+Figures: steps per second over the whole run, the database's bytes on disk (WAL folded in), the
+checkpoints each stored (counted by listing them), and every answer and the thread's final
+message count checked. LangGraph's conformance suite (``langgraph-checkpoint-conformance``) runs
+against keel's checkpointer on SQLite and on a throwaway embedded PostgreSQL.
 
 **OpenAI Agents SDK.** Workload: ``turns`` turns of one agent on one session. Each turn the user
 asks about an item, the model calls ``lookup`` (its output 80 to 2,500 tokens, seeded) and then

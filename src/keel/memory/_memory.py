@@ -215,11 +215,15 @@ class Memory:
         subject: str | None = None,
         attribute: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        key: str | None = None,
+        expires_at: datetime | None = None,
     ) -> MemoryRecord:
         """Store a memory durably and return at once (embedding happens later).
 
         PII is masked first. Adding identical content twice returns the first record.
         A semantic record with ``subject`` and ``attribute`` supersedes the current value.
+        A record added under ``key`` replaces the scope's record under that key (a key is an
+        identifier, stored as given, like the scope's ids); ``expires_at`` makes it expire.
 
         Raises:
             UsageError: empty text, or ``provenance="verified"`` without ``verified_by``
@@ -258,8 +262,10 @@ class Memory:
             subject=subject_m,
             attribute=attribute_m,
             valid_from=(event_time or now) if subject_m is not None else None,
-            content_hash=content_hash(kind, type, masked, subject_m, attribute_m),
+            content_hash=content_hash(kind, type, masked, subject_m, attribute_m, key),
             metadata=self._mask_value(dict(metadata or {}), tenant),
+            key=key,
+            expires_at=expires_at,
         )
         result = self.store.insert(record)
         if result.created and self._worker is not None:
@@ -488,12 +494,19 @@ class Memory:
         k: int = 10,
         filters: MemoryFilter | None = None,
         now: datetime | None = None,
+        distinct: bool = True,
     ) -> list[MemoryHit]:
-        """The ``k`` most relevant memories of ``scope`` for ``query``, with their context."""
+        """The ``k`` most relevant memories of ``scope`` for ``query``, with their context.
+
+        ``distinct=False`` keeps near-duplicates (and skips MMR): for callers where two
+        records holding the same text are still two answers, such as keyed records.
+        """
         filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
         # MMR picks the k hits from the best ``window`` candidates; only those are read back.
         window = max(k * 4, 40)
         ranked = self._rank(query, scope, filters, now=now, window=window)
+        if not distinct:
+            return self._finish(ranked[:k], scope, k)
         return self._finish(self._diversify(ranked[:window], scope, keep=k), scope, k)
 
     async def asearch(self, query: str, *, scope: Scope, **options: Any) -> list[MemoryHit]:

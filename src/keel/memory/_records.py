@@ -42,11 +42,20 @@ class Scope(BaseModel):
 
 
 def content_hash(
-    kind: str, type_: str, text: str, subject: str | None, attribute: str | None
+    kind: str,
+    type_: str,
+    text: str,
+    subject: str | None,
+    attribute: str | None,
+    key: str | None = None,
 ) -> str:
-    """Identity of a memory's content within a scope (adding it twice is a no-op)."""
+    """Identity of a memory's content within a scope (adding it twice is a no-op).
+
+    A keyed record's key is part of it: two keys may hold the same text.
+    """
     normalized = " ".join(text.split())
-    material = "\x1f".join((kind, type_, subject or "", attribute or "", normalized))
+    parts = (kind, type_, subject or "", attribute or "", normalized)
+    material = "\x1f".join(parts if key is None else (*parts, key))
     return hashlib.sha256(material.encode("utf-8")).hexdigest()
 
 
@@ -90,6 +99,16 @@ class MemoryRecord(BaseModel):
         default=None, description="Model that produced the stored vector (None: not embedded yet)."
     )
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form JSON metadata.")
+    key: str | None = Field(
+        default=None,
+        description="The caller's name for the record, unique within the scope: a record added "
+        "under a key replaces the one that had it (stored as given, never masked).",
+    )
+    expires_at: datetime | None = Field(
+        default=None,
+        description="When the record expires: reads leave it out from then on and "
+        "``purge_expired`` deletes it (None: never).",
+    )
 
     @property
     def scope(self) -> Scope:
@@ -123,3 +142,15 @@ class MemoryFilter(BaseModel):
     )
     since: datetime | None = Field(default=None, description="Only records created at or after.")
     until: datetime | None = Field(default=None, description="Only records created before.")
+    keys: tuple[str, ...] = Field(default=(), description="Only records with one of these keys.")
+    key_prefix: str | None = Field(
+        default=None,
+        description="Only records whose key starts with this text, compared character by "
+        "character (no character is a wildcard).",
+    )
+    include_expired: bool = Field(default=False, description="Also return expired records.")
+    alive_at: datetime | None = Field(
+        default=None,
+        description="The time expiry is judged at (None: now); records expired by then are "
+        "left out unless ``include_expired``.",
+    )

@@ -39,6 +39,8 @@ RECORD_COLUMNS = (
     "content_hash",
     "embedding_model",
     "metadata",
+    "key",
+    "expires_at",
 )
 
 
@@ -79,13 +81,15 @@ def record_to_row(record: MemoryRecord) -> tuple[Any, ...]:
         record.content_hash,
         record.embedding_model,
         json.dumps(record.metadata, sort_keys=True, default=str),
+        record.key,
+        to_epoch(record.expires_at),
     )
 
 
 def record_from_row(row: tuple[Any, ...] | Any) -> MemoryRecord:
     """A record from a row in ``RECORD_COLUMNS`` order."""
     values = dict(zip(RECORD_COLUMNS, tuple(row), strict=True))
-    for key in ("created_at", "event_time", "valid_from", "valid_to"):
+    for key in ("created_at", "event_time", "valid_from", "valid_to", "expires_at"):
         values[key] = from_epoch(values[key])
     metadata = values["metadata"]
     values["metadata"] = json.loads(metadata) if isinstance(metadata, str) else (metadata or {})
@@ -117,15 +121,28 @@ def filter_sql(filters: Any, placeholder: str, prefix: str = "") -> tuple[str, l
     if filters.until is not None:
         conditions.append(f"{prefix}created_at < {p}")
         params.append(to_epoch(filters.until))
+    if filters.keys:
+        conditions.append(f"{prefix}key IN ({', '.join(p for _ in filters.keys)})")
+        params.extend(filters.keys)
+    if filters.key_prefix is not None:
+        # An equality on the key's first characters, not LIKE: '%' and '_' are just text.
+        conditions.append(f"substr({prefix}key, 1, CAST({p} AS INTEGER)) = {p}")
+        params.extend((len(filters.key_prefix), filters.key_prefix))
+    if not filters.include_expired:
+        conditions.append(f"({prefix}expires_at IS NULL OR {prefix}expires_at > {p})")
+        params.append(to_epoch(filters.alive_at or datetime.now(UTC)))
     return " AND ".join(conditions), params
 
 
 def is_selective(filters: Any) -> bool:
-    """True when a filter narrows beyond 'current records' (kinds, types, session, time)."""
+    """True when a filter narrows beyond 'current records' (kinds, types, session, time,
+    keys)."""
     return bool(
         filters.kinds
         or filters.types
         or filters.session_id is not None
         or filters.since is not None
         or filters.until is not None
+        or filters.keys
+        or filters.key_prefix is not None
     )

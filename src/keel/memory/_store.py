@@ -7,8 +7,9 @@ never read or touch another tenant's or user's records, whatever else it passes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 import numpy as np
 import numpy.typing as npt
@@ -68,7 +69,9 @@ class MemoryStore(ABC):
 
         Idempotent on ``(scope, content_hash)``: the existing record is returned, nothing is
         duplicated or deleted. A current semantic record with the same subject and attribute
-        is superseded (its ``valid_to`` set to the new record's ``valid_from``).
+        is superseded (its ``valid_to`` set to the new record's ``valid_from``). A record with
+        a ``key`` replaces (deletes) the scope's record under that key, in the same
+        transaction.
         """
 
     @abstractmethod
@@ -135,6 +138,15 @@ class MemoryStore(ABC):
     @abstractmethod
     def embedding_models(self) -> dict[str, int]:
         """How many records each embedding model embedded ('' for not embedded yet)."""
+
+    @abstractmethod
+    def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
+        """Change when records of ``scope`` expire (record id -> new time; None: never)."""
+
+    @abstractmethod
+    def purge_expired(self, scope: Scope | None, now: datetime) -> int:
+        """Delete the records of ``scope`` (of every scope when None) expired by ``now``;
+        returns how many."""
 
     @abstractmethod
     def delete(self, scope: Scope, record_id: str) -> bool:

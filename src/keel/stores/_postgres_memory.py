@@ -16,9 +16,10 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,17 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
                 created_at DOUBLE PRECISION NOT NULL
             );
             CREATE INDEX memory_outbox_record ON memory_outbox (record_id);
+            """,
+        ),
+        Migration(
+            "keyed records (a key names one record per scope) and expiry",
+            """
+            ALTER TABLE memory_records ADD COLUMN key TEXT;
+            ALTER TABLE memory_records ADD COLUMN expires_at DOUBLE PRECISION;
+            CREATE UNIQUE INDEX memory_records_key
+                ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
+            CREATE INDEX memory_records_expiry
+                ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
             """,
         ),
     ),
@@ -279,6 +291,18 @@ class PostgresMemoryStore(MemoryStore):
     def insert(self, record: MemoryRecord) -> InsertResult:
         self.setup()
         with self._connection() as conn:
+            if record.key is not None:
+                # The record a key named is replaced, in this transaction. The lock makes two
+                # writers of one key take turns: each would otherwise delete the old row and
+                # the second's insert would then break the key's uniqueness.
+                conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                    (f"memory key\x1f{record.tenant_id}\x1f{record.user_id}\x1f{record.key}",),
+                )
+                conn.execute(
+                    "DELETE FROM memory_records WHERE tenant_id = %s AND user_id = %s AND key = %s",
+                    (record.tenant_id, record.user_id, record.key),
+                )
             row = conn.execute(
                 f"INSERT INTO memory_records ({_SELECT}) VALUES ({_VALUES}) "
                 "ON CONFLICT (tenant_id, user_id, content_hash) DO NOTHING RETURNING id",
@@ -322,6 +346,31 @@ class PostgresMemoryStore(MemoryStore):
                 (record_id, scope.tenant_id, scope.user_id),
             )
             return bool(cursor.rowcount)
+
+    def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
+        if not expiry:
+            return
+        self.setup()
+        with self._connection() as conn, conn.cursor() as cur:
+            cur.executemany(
+                "UPDATE memory_records SET expires_at = %s "
+                "WHERE id = %s AND tenant_id = %s AND user_id = %s",
+                [
+                    (to_epoch(when), record_id, scope.tenant_id, scope.user_id)
+                    for record_id, when in expiry.items()
+                ],
+            )
+
+    def purge_expired(self, scope: Scope | None, now: datetime) -> int:
+        self.setup()
+        where = "expires_at IS NOT NULL AND expires_at <= %s"
+        params: tuple[object, ...] = (to_epoch(now),)
+        if scope is not None:
+            where += " AND tenant_id = %s AND user_id = %s"
+            params += (scope.tenant_id, scope.user_id)
+        with self._connection() as conn:
+            cursor = conn.execute(f"DELETE FROM memory_records WHERE {where}", params)
+            return int(cursor.rowcount)
 
     def _ensure_statistics(self, *tables: str) -> None:
         """ANALYZE each of ``tables`` that never was; checked once per table and process.

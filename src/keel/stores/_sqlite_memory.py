@@ -19,8 +19,9 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,17 @@ MEMORY_MIGRATIONS = MigrationSet(
                 VALUES (new.rowid, new.text, new.scope_token);
             END;
             INSERT INTO memory_fts(memory_fts) VALUES ('rebuild');
+            """,
+        ),
+        Migration(
+            "keyed records (a key names one record per scope) and expiry",
+            """
+            ALTER TABLE memory_records ADD COLUMN key TEXT;
+            ALTER TABLE memory_records ADD COLUMN expires_at REAL;
+            CREATE UNIQUE INDEX memory_records_key
+                ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
+            CREATE INDEX memory_records_expiry
+                ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
             """,
         ),
     ),
@@ -337,6 +349,13 @@ class SQLiteMemoryStore(MemoryStore):
         self._conn()
         try:
             with self.db.transaction() as conn:
+                if record.key is not None:
+                    # The record a key named is replaced, in this transaction.
+                    conn.execute(
+                        "DELETE FROM memory_records WHERE tenant_id = ? AND user_id = ? "
+                        "AND key = ?",
+                        (record.tenant_id, record.user_id, record.key),
+                    )
                 existing = conn.execute(
                     f"SELECT {_SELECT} FROM memory_records "
                     "WHERE tenant_id = ? AND user_id = ? AND content_hash = ?",
@@ -390,6 +409,38 @@ class SQLiteMemoryStore(MemoryStore):
         except sqlite3.Error as exc:
             raise translate_sqlite_error(exc, self.db.path) from exc
         return deleted
+
+    def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
+        if not expiry:
+            return
+        self._conn()
+        try:
+            with self.db.transaction() as conn:
+                conn.executemany(
+                    "UPDATE memory_records SET expires_at = ? "
+                    "WHERE id = ? AND tenant_id = ? AND user_id = ?",
+                    [
+                        (to_epoch(when), record_id, scope.tenant_id, scope.user_id)
+                        for record_id, when in expiry.items()
+                    ],
+                )
+        except sqlite3.Error as exc:
+            raise translate_sqlite_error(exc, self.db.path) from exc
+
+    def purge_expired(self, scope: Scope | None, now: datetime) -> int:
+        self._conn()
+        where = "expires_at IS NOT NULL AND expires_at <= ?"
+        params: tuple[object, ...] = (to_epoch(now),)
+        if scope is not None:
+            where += " AND tenant_id = ? AND user_id = ?"
+            params += (scope.tenant_id, scope.user_id)
+        try:
+            with self.db.transaction() as conn:
+                deleted = conn.execute(f"DELETE FROM memory_records WHERE {where}", params)
+                count = deleted.rowcount
+        except sqlite3.Error as exc:
+            raise translate_sqlite_error(exc, self.db.path) from exc
+        return int(count)
 
     # --- reads --------------------------------------------------------------------------
 
