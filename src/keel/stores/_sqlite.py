@@ -14,6 +14,7 @@ raises ``DatabaseFileError`` before the next read or write. The check is one ``s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sqlite3
@@ -139,6 +140,10 @@ class SQLiteDatabase:
         # busy timeout.
         self._write_lock = threading.RLock()
         self._connections: list[sqlite3.Connection] = []
+        # Whose each connection is: a thread that has ended can no longer use its connection,
+        # so the next new one closes it (a pool that starts threads per task, as LangGraph's
+        # executor does, would otherwise leave one open connection per thread it ever ran).
+        self._owners: dict[threading.Thread, list[sqlite3.Connection]] = {}
         self._closed = False
         # (st_dev, st_ino) of the file when it was first opened; None until then.
         self._identity: tuple[int, int] | None = None
@@ -220,8 +225,22 @@ class SQLiteDatabase:
             self._identity = self._file_identity()
         setattr(self._local, slot, conn)
         with self._lock:
+            self._close_ended_threads_connections()
             self._connections.append(conn)
+            self._owners.setdefault(threading.current_thread(), []).append(conn)
         return conn
+
+    def _close_ended_threads_connections(self) -> None:
+        """Close the connections of threads that have ended (under ``_lock``). An in-memory
+        database lives only while a connection to it is open: its connections are kept."""
+        if self.is_memory:
+            return
+        for thread in [thread for thread in self._owners if not thread.is_alive()]:
+            for conn in self._owners.pop(thread):
+                if conn in self._connections:
+                    self._connections.remove(conn)
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
 
     def _enable_wal(self, conn: sqlite3.Connection) -> str:
         """Switch to WAL, waiting out other processes doing the same: on a new file the switch
@@ -466,6 +485,7 @@ class SQLiteDatabase:
             for conn in self._connections:
                 conn.close()
             self._connections.clear()
+            self._owners.clear()
             self._closed = True
         self._local = threading.local()
 
