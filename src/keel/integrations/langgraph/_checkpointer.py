@@ -1339,11 +1339,47 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         self._forget_recent(session)
 
     def vacuum(self) -> VacuumReport:
-        """Delete expired namespaces (``ttl``) and the index entries of what is gone."""
+        """Delete expired sessions of the backend (this saver's namespaces after ``ttl``), then
+        this tenant's index entries that name what is gone (an index left empty goes too)."""
         report = self.store.vacuum()
         with self._known_lock:
             self._known.clear()
+            self._codecs.clear()
+            self._recent.clear()
+        sessions = set(self.store.sessions())
+        tenant = quote(self.tenant, safe="")
+        for index in sorted(sessions):
+            if index.startswith(f"langgraph-thread/{tenant}/"):
+                thread_id = unquote(index.rsplit("/", 1)[1])
+                alive = [
+                    n
+                    for n in self._namespaces(thread_id)
+                    if self._session(thread_id, n) in sessions
+                ]
+            elif index.startswith(f"langgraph-run/{tenant}/"):
+                found = self._index.get(index)
+                alive = [n for n in (found.state.names if found else []) if n in sessions]
+            else:
+                continue
+            self._keep_in_index(index, alive)
         return report
+
+    def _keep_in_index(self, index: str, names: Sequence[str]) -> None:
+        for _ in range(_ATTEMPTS):
+            found = self._index.get(index)
+            if found is None:
+                return
+            kept = [name for name in found.state.names if name in names]
+            try:
+                if not kept:
+                    self._index.delete(index)
+                elif kept != found.state.names:
+                    self._index.checkpoint(
+                        index, _Index(names=kept), expected_version=found.version, reason="index"
+                    )
+                return
+            except ConflictError:
+                continue
 
     # --- async twins --------------------------------------------------------------------------
 
