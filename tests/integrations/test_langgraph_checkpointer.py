@@ -297,3 +297,65 @@ def test_connections_of_ended_threads_are_closed(saver: KeelCheckpointSaver) -> 
         graph.invoke({"messages": [HumanMessage(content=f"t{turn}")], "steps": 0}, _thread())
     assert len(database._connections) < 10
     assert threading.active_count() + 2 >= len(database._connections)
+
+
+_PROCESS_B = """
+import sys, time
+from pathlib import Path
+from langchain_core.messages import HumanMessage
+sys.path.insert(0, sys.argv[3])
+from test_langgraph_checkpointer import _ReadThenWait, _echo_graph, _thread
+from keel.integrations.langgraph import StaleWriterError
+import threading
+
+gate = threading.Event()
+saver = _ReadThenWait(sys.argv[1], gate)
+signal = Path(sys.argv[2])
+
+def release():
+    saver.has_read.wait(30)
+    (signal.parent / "b-has-read").touch()
+    while not signal.exists():
+        time.sleep(0.01)
+    gate.set()
+
+threading.Thread(target=release, daemon=True).start()
+try:
+    _echo_graph(saver).invoke({"messages": [HumanMessage(content="from b")], "steps": 0}, _thread())
+except StaleWriterError:
+    print("stale")
+else:
+    print("stored")
+"""
+
+
+def test_a_second_process_on_a_moved_on_thread_is_rejected(db_url: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    with KeelCheckpointSaver(db_url) as a:
+        graph = _echo_graph(a)
+        graph.invoke({"messages": [HumanMessage(content="hello")], "steps": 0}, _thread())
+        signal = tmp_path / "a-is-done"
+        process = subprocess.Popen(
+            [sys.executable, "-c", _PROCESS_B, db_url, str(signal), str(Path(__file__).parent)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "b-has-read").exists():
+                assert process.poll() is None and time.monotonic() < deadline
+                time.sleep(0.01)
+            graph.invoke({"messages": [HumanMessage(content="from a")], "steps": 0}, _thread())
+            signal.touch()
+            out, _ = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+        assert out.strip() == "stale"
+        texts = [m.content for m in graph.get_state(_thread()).values["messages"]]
+        assert texts == ["hello", "echo: hello", "from a", "echo: from a"]
+        assert "from b" not in _everything_stored(a)
