@@ -1191,6 +1191,18 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             yield self._tuple(thread_id, namespace, state, writes, known.state.items, None, None)
             returned += 1
 
+    def count_checkpoints(self, thread_id: str) -> int:
+        """How many checkpoints a thread has stored, in every namespace, counted from the
+        stored history (nothing is decoded)."""
+        count = 0
+        for namespace in self._namespaces(thread_id):
+            try:
+                rows = _rows(self.store.history(self._session(thread_id, namespace)))
+            except ExpiredError:
+                continue
+            count += len({row.checkpoint_id for row in rows if row.checkpoint_id is not None})
+        return count
+
     # --- deleting, copying, pruning -----------------------------------------------------------
 
     def delete_thread(self, thread_id: str) -> None:
