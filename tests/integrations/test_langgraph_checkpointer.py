@@ -288,15 +288,16 @@ def test_the_first_run_to_store_a_checkpoint_keeps_only_its_own_writes_on_the_pa
         assert latest is not None and latest.checkpoint["id"] == child["id"]
 
 
-def test_connections_of_ended_threads_are_closed(saver: KeelCheckpointSaver) -> None:
-    """LangGraph's executor runs each invocation's saves on threads of its own; the SQLite
-    connection each of them opened is closed once the thread has ended, not kept open."""
+def test_connections_of_ended_threads_are_taken_over_not_piled_up(
+    saver: KeelCheckpointSaver,
+) -> None:
+    """LangGraph's executor runs each invocation's saves on threads of its own; a thread that
+    has ended leaves its SQLite connection to the next one instead of one more staying open."""
     graph = _echo_graph(saver)
     database = saver.backend.db  # type: ignore[attr-defined]
     for turn in range(30):
         graph.invoke({"messages": [HumanMessage(content=f"t{turn}")], "steps": 0}, _thread())
-    assert len(database._connections) < 10
-    assert threading.active_count() + 2 >= len(database._connections)
+    assert len(database._connections) <= 10
 
 
 _PROCESS_B = """

@@ -50,6 +50,8 @@ class _WouldWait(Exception):
 
 # Primary SQLite result codes (https://sqlite.org/rescode.html); extended codes keep them in
 # their low byte.
+_IDLE_CONNECTIONS = 8
+"""Connections of ended threads kept open per busy timeout, for the next threads to take."""
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
 _SQLITE_READONLY = 8
@@ -140,10 +142,12 @@ class SQLiteDatabase:
         # busy timeout.
         self._write_lock = threading.RLock()
         self._connections: list[sqlite3.Connection] = []
-        # Whose each connection is: a thread that has ended can no longer use its connection,
-        # so the next new one closes it (a pool that starts threads per task, as LangGraph's
-        # executor does, would otherwise leave one open connection per thread it ever ran).
-        self._owners: dict[threading.Thread, list[sqlite3.Connection]] = {}
+        # Whose each connection is (and its busy timeout): a thread that has ended can no
+        # longer use its connection, so the next thread that needs one takes it over instead
+        # of opening another (a pool that starts threads per task, as LangGraph's executor
+        # does, would otherwise open a connection per task and keep every one of them open).
+        self._owners: dict[threading.Thread, list[tuple[sqlite3.Connection, int]]] = {}
+        self._idle: dict[int, list[sqlite3.Connection]] = {}
         self._closed = False
         # (st_dev, st_ino) of the file when it was first opened; None until then.
         self._identity: tuple[int, int] | None = None
@@ -202,6 +206,17 @@ class SQLiteDatabase:
         busy_timeout_ms = int(self.busy_timeout_ms) if slot == "conn" else 0
         # A new connection to a deleted file would silently create an empty database.
         self.check_file()
+        with self._lock:
+            self._reclaim_ended_threads_connections()
+            idle = self._idle.get(busy_timeout_ms)
+            conn = idle.pop() if idle else None
+            if conn is not None:
+                self._owners.setdefault(threading.current_thread(), []).append(
+                    (conn, busy_timeout_ms)
+                )
+        if conn is not None:
+            setattr(self._local, slot, conn)
+            return conn
         self._prepare_directory()
         try:
             conn = sqlite3.connect(
@@ -225,18 +240,25 @@ class SQLiteDatabase:
             self._identity = self._file_identity()
         setattr(self._local, slot, conn)
         with self._lock:
-            self._close_ended_threads_connections()
             self._connections.append(conn)
-            self._owners.setdefault(threading.current_thread(), []).append(conn)
+            self._owners.setdefault(threading.current_thread(), []).append((conn, busy_timeout_ms))
         return conn
 
-    def _close_ended_threads_connections(self) -> None:
-        """Close the connections of threads that have ended (under ``_lock``). An in-memory
-        database lives only while a connection to it is open: its connections are kept."""
-        if self.is_memory:
-            return
+    def _reclaim_ended_threads_connections(self) -> None:
+        """Take back the connections of threads that have ended (under ``_lock``): a few stay
+        open for the next threads, the rest are closed."""
         for thread in [thread for thread in self._owners if not thread.is_alive()]:
-            for conn in self._owners.pop(thread):
+            for conn, busy_timeout_ms in self._owners.pop(thread):
+                idle = self._idle.setdefault(busy_timeout_ms, [])
+                try:
+                    if conn.in_transaction:
+                        conn.rollback()  # the thread ended inside a transaction
+                    reusable = len(idle) < _IDLE_CONNECTIONS
+                except sqlite3.Error:
+                    reusable = False  # closed (discarded) or broken
+                if reusable:
+                    idle.append(conn)
+                    continue
                 if conn in self._connections:
                     self._connections.remove(conn)
                 with contextlib.suppress(sqlite3.Error):
@@ -486,6 +508,7 @@ class SQLiteDatabase:
                 conn.close()
             self._connections.clear()
             self._owners.clear()
+            self._idle.clear()
             self._closed = True
         self._local = threading.local()
 
