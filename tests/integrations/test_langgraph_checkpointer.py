@@ -360,3 +360,54 @@ def test_a_second_process_on_a_moved_on_thread_is_rejected(db_url: str, tmp_path
         texts = [m.content for m in graph.get_state(_thread()).values["messages"]]
         assert texts == ["hello", "echo: hello", "from a", "echo: from a"]
         assert "from b" not in _everything_stored(a)
+
+
+def test_a_send_that_carries_the_state_stores_references_not_a_copy(
+    saver: KeelCheckpointSaver,
+) -> None:
+    """LangGraph's prebuilt ReAct agent sends the tool node a ``Send`` carrying the whole
+    state, every turn; stored as a copy, a thread's bytes would grow with its square."""
+    from keel.bench._react import ANSWER, question, react_agent
+
+    graph, _ = react_agent(saver)
+    sizes = []
+    for start in (0, 20):
+        for turn in range(start, start + 20):
+            out = graph.invoke({"messages": [("user", question(turn))]}, _thread())
+            assert out["messages"][-1].content == ANSWER
+        sizes.append(sum(info.size_bytes for info in saver.store.history(saver._session("t1", ""))))
+    assert sizes[1] / sizes[0] < 2.5, sizes
+    assert len(graph.get_state(_thread()).values["messages"]) == 4 * 40
+
+
+def test_writes_stored_after_their_checkpoint_stopped_being_the_head_are_kept(
+    saver: KeelCheckpointSaver,
+) -> None:
+    """LangGraph saves in the background: a task's write to checkpoint P can land after P's
+    child is stored (a late write), and a fork's first writes go to an older checkpoint.
+    Either way they are P's pending writes from then on, whatever is stored after."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    def put(parent: dict[str, Any] | None, checkpoint_id: str) -> dict[str, Any]:
+        config = {"configurable": {"thread_id": "t1", "checkpoint_ns": ""}}
+        if parent is not None:
+            config["configurable"]["checkpoint_id"] = parent["configurable"]["checkpoint_id"]
+        checkpoint = empty_checkpoint()
+        checkpoint["id"] = checkpoint_id
+        return saver.put(config, checkpoint, {"source": "loop", "step": 0}, {})  # type: ignore[arg-type]
+
+    def writes_of(config: dict[str, Any]) -> list[Any]:
+        found = saver.get_tuple(config)  # type: ignore[arg-type]
+        assert found is not None
+        return [w[2] for w in found.pending_writes or []]
+
+    p = put(None, "1")
+    x = put(p, "2")
+    saver.put_writes(p, [("messages", "late")], "task-p")  # type: ignore[arg-type]
+    y = put(x, "3")
+    assert writes_of(p) == ["late"]
+    saver.put_writes(p, [("messages", "fork's first")], "task-f")  # type: ignore[arg-type]
+    put(p, "4")  # the fork's checkpoint, a child of P
+    put(y, "5")
+    assert sorted(writes_of(p)) == ["fork's first", "late"]
+    assert writes_of(y) == [] and writes_of(x) == []

@@ -4,6 +4,7 @@ integrations`` run through LangGraph."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 __all__ = ["ANSWER", "question", "react_agent", "tool_output"]
@@ -68,5 +69,9 @@ def react_agent(checkpointer: Any) -> tuple[Any, dict[str, int]]:
                 )
             return ChatResult(generations=[ChatGeneration(message=reply)])
 
-    graph = create_react_agent(PolicyChatModel(), [lookup], checkpointer=checkpointer)
+    # Deprecated in LangGraph 1.0 for langchain's create_agent (another package); it is still
+    # LangGraph's own ReAct agent, the graph its users run.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        graph = create_react_agent(PolicyChatModel(), [lookup], checkpointer=checkpointer)
     return graph, executions
