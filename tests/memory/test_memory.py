@@ -388,3 +388,116 @@ def test_failed_embeddings_are_retried_not_lost(tmp_path: Path) -> None:
     assert mem.reembed() == 1
     assert mem.embedding_status().counts == {"keel-hashing-32": 1}
     mem.close()
+
+
+def test_pending_is_one_count_in_the_store(tmp_path: Path) -> None:
+    class NoLoading(SQLiteMemoryStore):
+        def pending(self, limit: int, max_attempts: int = 5) -> Any:
+            raise AssertionError("Memory.pending() must not read the outbox to count it")
+
+    store = NoLoading(tmp_path / "count.db")
+    mem = Memory(store, embedder=HashingEmbedder(32))
+    for number in range(3):
+        mem.add(f"note {number}", scope=SCOPE)
+    statements: list[str] = []
+    store._conn().set_trace_callback(statements.append)
+    try:
+        assert mem.pending() == 3
+    finally:
+        store._conn().set_trace_callback(None)
+    assert len(statements) == 1 and statements[0].startswith("SELECT COUNT(*) FROM memory_outbox")
+    mem.close()
+
+
+class _RecordingCondition(threading.Condition):
+    """A condition that notes, per thread, whether each ``wait_for`` ended by its predicate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.results: dict[str, list[bool]] = {}
+        self.waiting: dict[str, threading.Event] = {}
+
+    def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+        name = threading.current_thread().name
+        self.waiting.setdefault(name, threading.Event()).set()
+        result = super().wait_for(predicate, timeout)
+        self.results.setdefault(name, []).append(bool(result))
+        return result
+
+
+class _GatedEmbedder(HashingEmbedder):
+    def __init__(self) -> None:
+        super().__init__(32)
+        self.gate = threading.Event()
+
+    def embed(self, texts):  # type: ignore[no-untyped-def,override]
+        assert self.gate.wait(30), "test gate never opened"
+        return super().embed(texts)
+
+
+def _recorded_worker(tmp_path: Path, embedder: HashingEmbedder) -> tuple[Memory, Any]:
+    mem = Memory(SQLiteMemoryStore(tmp_path / "w.db"), embedder=embedder)
+    signal = _RecordingCondition()
+    mem._signal = signal
+    mem.start()
+    return mem, signal
+
+
+def test_flush_wakes_on_the_workers_signal(tmp_path: Path, monkeypatch: Any) -> None:
+    # A re-check far beyond the flush timeout: flush can only return by the worker's signal.
+    monkeypatch.setattr("keel.memory._memory.FLUSH_RECHECK_S", 3600.0)
+    embedder = _GatedEmbedder()
+    mem, signal = _recorded_worker(tmp_path, embedder)
+    mem.add("the spare key is in the shed", scope=SCOPE)
+    errors: list[BaseException] = []
+
+    def flush() -> None:
+        try:
+            mem.flush(timeout=20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    flusher = threading.Thread(target=flush, name="flusher", daemon=True)
+    flusher.start()
+    try:
+        waited = signal.waiting.setdefault("flusher", threading.Event()).wait(20)
+    finally:
+        embedder.gate.set()
+    assert waited, "flush never waited on the worker's signal"
+    flusher.join(30)
+    assert not flusher.is_alive() and errors == []
+    assert mem.pending() == 0
+    # Every wait of flush ended because the worker signalled, none by running out of time.
+    assert signal.results["flusher"] and all(signal.results["flusher"])
+    mem.close()
+
+
+def test_add_wakes_the_worker(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr("keel.memory._memory.WORKER_POLL_S", 3600.0)
+    embedder = _GatedEmbedder()
+    embedder.gate.set()
+    mem, signal = _recorded_worker(tmp_path, embedder)
+    with signal:  # the first pass (over an empty outbox) is over: the worker sleeps
+        assert signal.wait_for(lambda: mem._progress >= 1, timeout=20)
+    mem.add("the boiler code is written inside the cupboard", scope=SCOPE)  # no flush
+    with signal:
+        assert signal.wait_for(lambda: mem.store.count_pending() == 0, timeout=20)
+    assert mem.embedding_status().counts == {"keel-hashing-32": 1}
+    mem.close()
+
+
+def test_flush_picks_up_another_processs_rows(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr("keel.memory._memory.FLUSH_RECHECK_S", 3600.0)
+    monkeypatch.setattr("keel.memory._memory.WORKER_POLL_S", 3600.0)
+    here = Memory(SQLiteMemoryStore(tmp_path / "shared.db"), embedder=HashingEmbedder(32))
+    here.start()
+    with here._signal:  # its first pass is over: the worker sleeps until something wakes it
+        assert here._signal.wait_for(lambda: here._progress >= 1, timeout=20)
+    # The other process only writes (no worker): its add cannot signal this process.
+    there = Memory(SQLiteMemoryStore(tmp_path / "shared.db"), embedder=HashingEmbedder(32))
+    there.add("written by the other process", scope=SCOPE)
+    here.flush(timeout=20)
+    assert here.pending() == 0 and there.pending() == 0
+    assert here.embedding_status().counts == {"keel-hashing-32": 1}
+    there.close()
+    here.close()

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,14 @@ __all__ = ["EmbeddingStatus", "Memory", "MemoryHit", "ReplayExample"]
 logger = logging.getLogger("keel.memory")
 
 RUN_TYPE = "run"
+
+WORKER_POLL_S = 1.0
+"""How long the background worker sleeps without a signal before it looks at the outbox again:
+the only way it sees rows another process wrote (this process's adds wake it at once)."""
+
+FLUSH_RECHECK_S = 1.0
+"""How long ``flush`` waits for the worker's signal before it counts the outbox again (a bound
+for the cases no signal reaches it, such as another process's worker draining the rows)."""
 
 
 class MemoryHit(BaseModel):
@@ -173,10 +182,13 @@ class Memory:
         self.batch_size = batch_size
         self.max_attempts = max_attempts
         self.store.setup()
-        self._wake = threading.Event()
+        # One condition for both directions: ``add`` and ``flush`` bump ``_work`` to wake the
+        # worker; the worker bumps ``_progress`` after each batch and each pass over the outbox,
+        # which is what ``flush`` waits for.
+        self._signal = threading.Condition()
+        self._work = 0
+        self._progress = 0
         self._stop = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
         self._worker: threading.Thread | None = None
         self._process_lock = threading.Lock()
         self._keyword_pool: ThreadPoolExecutor | None = None
@@ -268,9 +280,8 @@ class Memory:
             expires_at=expires_at,
         )
         result = self.store.insert(record)
-        if result.created and self._worker is not None:
-            self._idle.clear()
-            self._wake.set()
+        if result.created:
+            self._notify_work()
         return result.record
 
     async def aadd(self, text: str, *, scope: Scope, **fields: Any) -> MemoryRecord:
@@ -354,21 +365,43 @@ class Memory:
                 batches += 1
                 if self.embedder is None:
                     self.store.fail(entries, "no embedder configured")
+                    self._notify_progress()
                     continue
                 try:
                     vectors = self.embedder.embed([e.text for e in entries])
                 except KeelError as exc:
                     self.last_error = str(exc)
                     self.store.fail(entries, str(exc))
+                    self._notify_progress()
                     logger.warning("memory embedding failed: %s", exc)
                     break
                 self.store.complete(entries, list(vectors), self.embedder.name)
                 done += len(entries)
+                self._notify_progress()
         return done
 
     def pending(self) -> int:
-        """Records waiting to be embedded (retries exhausted not counted)."""
-        return len(self.store.pending(1_000_000, self.max_attempts))
+        """Records waiting to be embedded (retries exhausted not counted), counted by the
+        store in one query."""
+        return self.store.count_pending(self.max_attempts)
+
+    def _notify_work(self) -> None:
+        """Wake the worker: there is work (or a flush, or a stop)."""
+        with self._signal:
+            self._work += 1
+            self._signal.notify_all()
+
+    def _woken(self, seen: int) -> bool:
+        return self._work != seen or self._stop.is_set()
+
+    def _progressed(self, seen: int) -> bool:
+        return self._progress != seen
+
+    def _notify_progress(self) -> None:
+        """Wake ``flush``: a batch was processed, or a pass over the outbox ended."""
+        with self._signal:
+            self._progress += 1
+            self._signal.notify_all()
 
     def start(self) -> None:
         """Start the background embedding thread (idempotent)."""
@@ -377,12 +410,15 @@ class Memory:
         self._stop.clear()
         self._worker = threading.Thread(target=self._run, name="keel-memory-outbox", daemon=True)
         self._worker.start()
-        self._wake.set()
 
     def _run(self) -> None:
+        seen = -1  # the first pass runs at once: the outbox may hold work from a crash
         while not self._stop.is_set():
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
+            with self._signal:
+                self._signal.wait_for(partial(self._woken, seen), timeout=WORKER_POLL_S)
+                seen = self._work
+            if self._stop.is_set():
+                break
             try:
                 while self.process_outbox(max_batches=1):
                     if self._stop.is_set():
@@ -390,23 +426,33 @@ class Memory:
             except Exception as exc:  # the worker must outlive one bad batch
                 self.last_error = str(exc)
                 logger.exception("memory outbox worker failed")
-                time.sleep(0.5)
-            if not self._wake.is_set():
-                self._idle.set()
+                self._stop.wait(0.5)
+            self._notify_progress()
 
     def flush(self, timeout: float | None = 60.0) -> None:
-        """Block until everything added so far is embedded."""
+        """Block until everything added so far is embedded.
+
+        With the background worker, waits on its signal (each batch it processes, each pass it
+        ends) rather than polling; the wait is bounded by ``FLUSH_RECHECK_S`` so rows written by
+        another process sharing the database are counted too.
+        """
         if self._worker is None or not self._worker.is_alive():
             self.process_outbox()
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.pending():
-            self._idle.clear()
-            self._wake.set()
+        while True:
+            with self._signal:
+                seen = self._progress  # read before counting: no signal can be missed
+            if not self.pending():
+                return
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError("memory outbox did not drain in time")
-            self._idle.wait(timeout=min(0.2, remaining) if remaining is not None else 0.2)
+            wait = FLUSH_RECHECK_S if remaining is None else min(FLUSH_RECHECK_S, remaining)
+            with self._signal:
+                self._work += 1  # make sure the worker looks (another process's rows)
+                self._signal.notify_all()
+                self._signal.wait_for(partial(self._progressed, seen), timeout=wait)
 
     async def aflush(self, timeout: float | None = 60.0) -> None:
         """Async twin of :meth:`flush`."""
@@ -415,7 +461,7 @@ class Memory:
     def close(self) -> None:
         """Stop the worker (work left stays in the durable outbox) and close the store."""
         self._stop.set()
-        self._wake.set()
+        self._notify_work()
         if self._worker is not None:
             self._worker.join(timeout=10)
             self._worker = None

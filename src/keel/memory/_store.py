@@ -122,6 +122,11 @@ class MemoryStore(ABC):
         first."""
 
     @abstractmethod
+    def count_pending(self, max_attempts: int = 5) -> int:
+        """How many outbox entries :meth:`pending` would return without a limit, counted by
+        the backend in one query (no entry is read)."""
+
+    @abstractmethod
     def complete(
         self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
     ) -> None:

@@ -697,6 +697,16 @@ class PostgresMemoryStore(MemoryStore):
             for r in rows
         ]
 
+    def count_pending(self, max_attempts: int = 5) -> int:
+        self.setup()
+        with self._reading() as conn:
+            row = conn.execute(
+                "SELECT COUNT(*) FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
+                "WHERE o.attempts < %s",
+                (int(max_attempts),),
+            ).fetchone()
+        return int(row[0])
+
     def complete(
         self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
     ) -> None:

@@ -668,6 +668,18 @@ class SQLiteMemoryStore(MemoryStore):
             for r in rows
         ]
 
+    def count_pending(self, max_attempts: int = 5) -> int:
+        row = (
+            self._conn()
+            .execute(
+                "SELECT COUNT(*) FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
+                "WHERE o.attempts < ?",
+                (int(max_attempts),),
+            )
+            .fetchone()
+        )
+        return int(row[0])
+
     def complete(
         self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
     ) -> None:

@@ -9,13 +9,13 @@ database, as a restarted process would)::
         def make_store(self, tmp_path):
             return lambda: SQLiteMemoryStore(tmp_path / "memory.db")
 
-The suite checks round trips, idempotent adds, facts superseded over time, the outbox and its
-replay after a crash, keyword search (BM25-like: rare words outweigh common ones) and vector
-search, filters, deletion, re-embedding, tenant isolation against crafted queries, and write
+The suite checks round trips, idempotent adds, facts superseded over time, the outbox, its count
+and its replay after a crash, keyword search (BM25-like: rare words outweigh common ones) and
+vector search, filters, deletion, re-embedding, tenant isolation against crafted queries, and write
 isolation: a write for one (tenant, user) never touches another's records, neither when it
 supersedes a fact with the same key, nor when it forgets a record by id, nor when a re-embed
-rewrites every vector. The other scopes are a user of the same tenant and a user with the same
-user id in another tenant, so a write that checks only one half of the scope fails.
+rewrites every vector. The other scopes are a user of the same tenant and a user with the same user
+id in another tenant, so a write that checks only one half of the scope fails.
 """
 
 from __future__ import annotations
@@ -118,6 +118,34 @@ class MemoryStoreConformance:
         stored = second.get(ALICE, record.id)
         assert stored is not None and stored.embedding_model == "keel-hashing-64"
         second.close()
+
+    def test_pending_entries_are_counted_by_the_store(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        memory = Memory(
+            store, embedder=HashingEmbedder(64), masker=None, batch_size=2, max_attempts=2
+        )
+        for number, scope in enumerate((ALICE, BOB, EVE, ALICE, BOB)):
+            memory.add(f"garden note number {number}", scope=scope)
+        # Every scope's entries count: one worker drains the whole outbox.
+        assert store.count_pending(2) == len(store.pending(100, 2)) == 5
+        assert memory.process_outbox(max_batches=1) == 2
+        assert store.count_pending(2) == len(store.pending(100, 2)) == 3
+        failing = store.pending(1, 2)
+        store.fail(failing, "embedder down")
+        assert store.count_pending(2) == 3 and store.count_pending(1) == 2
+        store.fail(failing, "embedder down")
+        # Entries out of attempts are not pending (a re-embed gives them a fresh start).
+        assert store.count_pending(2) == len(store.pending(100, 2)) == 2
+        assert store.count_pending(5) == 3
+        assert memory.pending() == 2
+        waiting = store.pending(1, 2)[0]
+        assert memory.forget(
+            Scope(tenant_id=waiting.tenant_id, user_id=waiting.user_id), waiting.record_id
+        )
+        assert store.count_pending(2) == len(store.pending(100, 2)) == 1
+        assert memory.process_outbox() == 1
+        assert store.count_pending(2) == 0 and store.count_pending(5) == 1
+        memory.close()
 
     def test_keyword_and_vector_search_rank_the_relevant_record(
         self, make_store: StoreFactory
