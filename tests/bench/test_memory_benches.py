@@ -128,6 +128,10 @@ def test_memory_bench_small() -> None:
         < report["embed_records_per_s"]
     )
     assert report["search_ms_p95"] >= report["search_ms_p50"] > 0
+    # The keys, and the embedder's own rate on the same texts next to indexing's.
+    assert report["write_per_s"] == report["write_records_per_s"]
+    assert report["index_per_s"] == report["embed_records_per_s"]
+    assert report["raw_embed_per_s"] > 0 and report["index_vs_raw"] > 0
 
 
 @pytest.mark.postgres

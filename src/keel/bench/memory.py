@@ -7,6 +7,8 @@ in batches through the outbox, until every record is searchable by keyword and b
 (``ingest_records_per_s``). Its two halves are reported too: ``write_records_per_s`` is the
 agent's hot path (``Memory.add``: masked, durable, keyword-searchable at once) and
 ``embed_records_per_s`` the outbox worker's vector indexing, which runs off the hot path.
+``raw_embed_per_s`` is the embedder alone on the same texts in the same batches (the same
+thread): the most indexing could reach; ``index_vs_raw`` is indexing's share of it.
 Search latency is :meth:`keel.memory.Memory.search` with the query embedding included.
 """
 
@@ -101,14 +103,30 @@ def _measure(
         if progress is not None:
             progress("ingest", min(start + batch, len(texts)), len(texts))
     ingest = writing + embedding
+    raw = _raw_embedding_seconds(memory, texts)
     return {
         "records": len(texts),
         "ingest_seconds": round(ingest, 1),
         "ingest_records_per_s": round(len(texts) / ingest, 1),
         "write_records_per_s": round(len(texts) / writing, 1),
         "embed_records_per_s": round(len(texts) / embedding, 1),
+        "write_per_s": round(len(texts) / writing, 1),
+        "index_per_s": round(len(texts) / embedding, 1),
+        "raw_embed_per_s": None if raw is None else round(len(texts) / raw, 1),
+        "index_vs_raw": None if raw is None else round(raw / embedding, 3),
         **_search_latency(memory, queries, progress),
     }
+
+
+def _raw_embedding_seconds(memory: Memory, texts: list[str]) -> float | None:
+    """The embedder's own time for the same texts in the outbox's batches, on this thread:
+    the most vector indexing could reach (None without an embedder)."""
+    if memory.embedder is None:
+        return None
+    started = time.perf_counter()
+    for start in range(0, len(texts), memory.batch_size):
+        memory.embedder.embed(texts[start : start + memory.batch_size])
+    return time.perf_counter() - started
 
 
 def _search_latency(
