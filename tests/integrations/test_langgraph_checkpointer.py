@@ -411,3 +411,26 @@ def test_writes_stored_after_their_checkpoint_stopped_being_the_head_are_kept(
     put(y, "5")
     assert sorted(writes_of(p)) == ["fork's first", "late"]
     assert writes_of(y) == [] and writes_of(x) == []
+
+
+def test_an_async_graph_on_postgres_resumes_and_lists_its_history(postgres_url: str) -> None:
+    """The async twins, through LangGraph's own ``ainvoke`` and ``aget_state_history``."""
+
+    async def scenario() -> tuple[list[str], int]:
+        with KeelCheckpointSaver(postgres_url) as saver:
+            graph = _echo_graph(saver)
+            for text in ("one", "two"):
+                await graph.ainvoke(
+                    {"messages": [HumanMessage(content=text)], "steps": 0}, _thread()
+                )
+        with KeelCheckpointSaver(postgres_url) as reopened:
+            graph = _echo_graph(reopened)
+            state = await graph.ainvoke(
+                {"messages": [HumanMessage(content="three")], "steps": 0}, _thread()
+            )
+            history = [snapshot async for snapshot in graph.aget_state_history(_thread())]
+        return [m.content for m in state["messages"]], len(history)
+
+    texts, checkpoints = asyncio.run(scenario())
+    assert texts == ["one", "echo: one", "two", "echo: two", "three", "echo: three"]
+    assert checkpoints == 3 * 3
