@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keel.bench._stats import sqlite_file_bytes
+
 __all__ = ["run_integrations_bench"]
 
 
@@ -96,17 +98,6 @@ def _figures(
         "prompt_tokens_max": max(per_turn),
         "turns_per_s": round(turns / elapsed, 1),
     }
-
-
-def _sqlite_bytes(path: Path) -> int:
-    import sqlite3
-
-    conn = sqlite3.connect(path)
-    try:
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    finally:
-        conn.close()
-    return sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
 
 
 def _run_graph(saver: Any, steps: int, count_checkpoints: Callable[[], int]) -> dict[str, Any]:
@@ -173,13 +164,13 @@ def _langgraph_half(
         theirs = _run_graph(SqliteSaver(conn), steps, sqlite_saver_checkpoints)
     finally:
         conn.close()
-    theirs["bytes"] = _sqlite_bytes(path)
+    theirs["bytes"] = sqlite_file_bytes(path)
     if progress:
         progress("... and keel's checkpointer")
     keel_path = folder / "keel-langgraph.db"
     with KeelCheckpointSaver(f"sqlite:///{keel_path}") as saver:
         ours = _run_graph(saver, steps, lambda: saver.count_checkpoints("bench"))
-    ours["bytes"] = _sqlite_bytes(keel_path)
+    ours["bytes"] = sqlite_file_bytes(keel_path)
     result: dict[str, Any] = {
         "steps": steps,
         "keel_steps_per_s": ours["steps_per_s"],

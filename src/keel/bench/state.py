@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from keel.bench._stats import sqlite_file_bytes
 from keel.errors import ConflictError
 from keel.messages import Message
 from keel.state import StateBackend, StateStore
@@ -41,20 +42,6 @@ _FILLER = (
 def message_text(step: int) -> str:
     """The deterministic ~200-character content of the message added at ``step``."""
     return f"step {step}: " + (_FILLER * 2)[: 190 - len(str(step))]
-
-
-def _file_bytes(path: Path) -> int:
-    conn = sqlite3.connect(path)
-    try:
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    finally:
-        conn.close()
-    total = 0
-    for suffix in ("", "-wal", "-shm"):
-        candidate = Path(f"{path}{suffix}")
-        if candidate.exists() and suffix != "-shm":
-            total += candidate.stat().st_size
-    return total
 
 
 def _concurrent_phase(
@@ -142,7 +129,7 @@ def _keel_backend(
                 at_ms.append((time.perf_counter() - t0) * 1000)
         finally:
             reader.close()
-        size = _file_bytes(file) if file is not None else store.storage_bytes()
+        size = sqlite_file_bytes(file) if file is not None else store.storage_bytes()
         history = store.history("bench")
     finally:
         store.close()
@@ -204,7 +191,7 @@ def _langgraph_sqlite(steps: int, directory: Path) -> dict[str, Any]:
     return {
         "checkpoints_per_s": round(steps / elapsed, 1),
         "read_ms_p50": round(statistics.median(read_ms), 3),
-        "bytes_total": _file_bytes(path),
+        "bytes_total": sqlite_file_bytes(path),
     }
 
 

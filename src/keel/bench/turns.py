@@ -27,7 +27,7 @@ from typing import Any
 from keel.bench._react import ANSWER as _ANSWER
 from keel.bench._react import question as _question
 from keel.bench._react import tool_output as _tool_output
-from keel.bench._stats import nearest_rank
+from keel.bench._stats import nearest_rank, sqlite_file_bytes
 from keel.messages import Message
 
 __all__ = ["run_turns_bench"]
@@ -45,19 +45,6 @@ def _summary(times_ms: list[float], bucket: int, elapsed_s: float) -> dict[str, 
         "p95_ms": round(nearest_rank(times_ms, 0.95), 3),
         "turns_per_s": round(len(times_ms) / elapsed_s, 2) if elapsed_s > 0 else None,
     }
-
-
-def _file_bytes(path: Path) -> int:
-    import sqlite3
-
-    conn = sqlite3.connect(path)
-    try:
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    finally:
-        conn.close()
-    return sum(
-        candidate.stat().st_size for candidate in (path, Path(f"{path}-wal")) if candidate.exists()
-    )
 
 
 def _postgres_bytes(url: str) -> int:
@@ -138,7 +125,7 @@ def _keel(
     else:
         database = settings.sqlite_path
         assert database is not None
-        figures["db_bytes"] = _file_bytes(database)
+        figures["db_bytes"] = sqlite_file_bytes(database)
     figures["tool_executions"] = executions["count"]
     figures["times_ms"] = times
     return figures
@@ -172,7 +159,7 @@ def _langgraph(turns: int, bucket: int, directory: Path) -> dict[str, Any]:
     if executions["count"] != turns:
         raise RuntimeError(f"LangGraph's tool ran {executions['count']} times for {turns} turns")
     figures = _summary(times, bucket, elapsed)
-    figures["db_bytes"] = _file_bytes(path)
+    figures["db_bytes"] = sqlite_file_bytes(path)
     return figures
 
 
