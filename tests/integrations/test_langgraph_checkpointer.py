@@ -8,52 +8,29 @@ import asyncio
 import operator
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
-from langgraph.checkpoint.conformance import checkpointer_test, validate
-from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES
 from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 
 from keel.integrations.langgraph import KeelCheckpointSaver, StaleWriterError
-
-
-def _conformance(url: str, name: str) -> dict[str, Any]:
-    @checkpointer_test(name=name)
-    async def factory() -> AsyncIterator[KeelCheckpointSaver]:
-        saver = KeelCheckpointSaver(url)
-        try:
-            yield saver
-        finally:
-            saver.close()
-
-    report = asyncio.run(validate(factory))
-    return {
-        capability: (result.passed, result.failures)
-        for capability, result in report.results.items()
-    }
-
-
-def _assert_passes_in_full(results: dict[str, Any]) -> None:
-    assert set(results) == {capability.value for capability in ALL_CAPABILITIES}
-    failed = {name: failures for name, (passed, failures) in results.items() if passed is not True}
-    assert not failed, failed
+from keel.testing.langgraph import conformance_failures
 
 
 def test_the_conformance_suite_passes_in_full_on_sqlite(tmp_path: Path) -> None:
-    _assert_passes_in_full(_conformance(f"sqlite:///{tmp_path / 'lg.db'}", "keel-sqlite"))
+    assert conformance_failures(f"sqlite:///{tmp_path / 'lg.db'}") == {}
 
 
 def test_the_conformance_suite_passes_in_full_on_postgres(postgres_url: str) -> None:
-    _assert_passes_in_full(_conformance(postgres_url, "keel-postgres"))
+    assert conformance_failures(postgres_url) == {}
 
 
 def test_the_conformance_suite_passes_in_full_on_redis(redis_url: str) -> None:
-    _assert_passes_in_full(_conformance(redis_url, "keel-redis"))
+    assert conformance_failures(redis_url) == {}
 
 
 # --- real graphs --------------------------------------------------------------------------------
