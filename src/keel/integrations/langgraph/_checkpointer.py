@@ -758,7 +758,15 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
 
     # --- registration in the indexes ----------------------------------------------------------
 
-    def _add_to_index(self, index: str, name: str) -> None:
+    def _add_to_index(self, index: str, name: str, *, new: bool = False) -> None:
+        """Add ``name`` to an index (``new``: the index most likely does not exist yet, as a
+        run's: try to create it before reading it)."""
+        if new:
+            try:
+                self._index.create(index, _Index(names=[name]))
+                return
+            except ConflictError:
+                pass
         for _ in range(_ATTEMPTS):
             found = self._index.get(index)
             try:
@@ -787,7 +795,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         seen = (run_id, session)
         if seen in self._runs_seen:
             return
-        self._add_to_index(self._run_index(run_id), session)
+        self._add_to_index(self._run_index(run_id), session, new=True)
         self._runs_seen[seen] = None
         while len(self._runs_seen) > 4096:
             self._runs_seen.popitem(last=False)
