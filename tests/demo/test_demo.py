@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from keel.demo import Airline
+from keel.demo import Airline, plans
+from keel.demo._junk import read_prompted
 from keel.demo._run import run_demo, sparkline_chart
+from keel.demo._worker import PROMPTED_FILE
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -53,6 +55,32 @@ def test_demo_resumes_after_sigkill_without_repeats_or_double_bookings(tmp_path:
     assert shown.returncode == 0 and "book_flight" in shown.stdout
 
 
+def test_a_demo_with_memory_stores_no_junk_memories(tmp_path: Path) -> None:
+    """No stored memory restates the system prompt, the rules, a resume prompt or a retrieved
+    memory (mem0#4573), and identical turns stay one record, across the kill and the resume."""
+    report = run_demo(trips=4, side_questions=3, workdir=tmp_path / "demo")
+    assert report.passed, report.problems
+    audit = report.memory_audit
+    assert audit is not None and report.junk_memories == audit.junk == 0, audit
+    assert (
+        audit.system_prompt,
+        audit.rules,
+        audit.resume_prompt,
+        audit.retrieved_memories,
+        audit.restated_memories,
+        audit.profiles,
+        audit.duplicates,
+    ) == (0, 0, 0, 0, 0, 0, 0)
+    # The audit had something to check: turns, runs and summaries stored, memories retrieved,
+    # and every kind of prompt text recorded (the worker killed mid-booking included).
+    assert audit.by_type == {"turn": audit.by_type["turn"], "run": 4, "summary": 1}
+    assert audit.retrieved > 10
+    kinds = {item.kind for item in read_prompted(tmp_path / "demo" / PROMPTED_FILE)}
+    assert kinds == {"system", "rules", "resume", "memory"}
+    # The demo says some turns word for word more than once: each is one record.
+    assert audit.by_type["turn"] < report.turns
+
+
 def test_without_the_journal_the_demo_books_twice_and_fails(tmp_path: Path) -> None:
     """The control: switch the journal off and the same kill makes the demo fail."""
     workdir = tmp_path / "demo"
@@ -71,6 +99,15 @@ def test_without_the_journal_the_demo_books_twice_and_fails(tmp_path: Path) -> N
     assert any("booked more than once" in problem for problem in report["problems"])
     per_trip = Airline(workdir / "airline.db").bookings_per_trip()
     assert sorted(per_trip.values()) == [1, 2]
+
+
+def test_every_planned_trip_is_a_different_journey() -> None:
+    """The airline counts bookings per journey (route and day): a plan that repeated one after
+    36 trips made a long demo report double bookings it never made."""
+    trips = plans(400, 0)
+    booked = {(t.origin, t.destination, (t.new_dates or t.dates).split(" ")[0]) for t in trips}
+    assert len(booked) == len(trips)
+    assert [t.dates for t in trips[:2]] == ["2027-01-01 to 2027-01-02", "2027-01-04 to 2027-01-05"]
 
 
 def test_chart_shape() -> None:

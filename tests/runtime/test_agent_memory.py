@@ -33,6 +33,12 @@ async def test_turns_summaries_and_recall_flow_through_memory(database: SQLiteDa
     records = memory.recent(scope, limit=200)
     kinds = {record.type for record in records}
     assert "turn" in kinds and "summary" in kinds
+    # One summary per session, the running one: each new summary replaced the one before (it
+    # restated most of it), so memory holds no chain of near-copies.
+    summaries = [record for record in records if record.type == "summary"]
+    state_now = agent.session_state("s1")
+    assert state_now is not None and len(summaries) == 1
+    assert summaries[0].text == state_now.runtime.summary and summaries[0].session_id == "s1"
     # PII was masked before anything was stored: memory, checkpoints.
     assert all("ada@example.com" not in record.text for record in records)
     state = agent.session_state("s1")

@@ -174,6 +174,11 @@ def _demo(
         ("max prompt tokens / budget", f"{report.max_prompt_tokens:,} / {report.prompt_budget:,}"),
         ("loops caught", report.loops_caught),
         ("turns that failed", report.failed_turns),
+    ]
+    if report.memory_audit is not None:
+        audit = report.memory_audit
+        lines.append(("junk memories stored", f"{audit.junk} of {audit.stored}"))
+    lines += [
         ("time", f"{report.seconds:.1f} s"),
         ("database", report.database),
         ("traces", _traces_hint(report.workdir, database, throwaway=throwaway)),

@@ -340,14 +340,21 @@ _FILLER_TOPICS = {
 
 
 def plans(trips: int, side_questions: int) -> list[TripPlan]:
-    """Deterministic trips; every other one changes its dates at confirmation."""
+    """Deterministic trips, each a different journey; every other one changes its dates at
+    confirmation."""
     result = []
     for index in range(trips):
         origin = _CITIES[index % len(_CITIES)]
         destination = _CITIES[(index * 5 + 3) % len(_CITIES)]
         day = 1 + (index * 3) % 27
-        dates = f"2027-01-{day:02d} to 2027-01-{day + 1:02d}"
-        new = f"2027-02-{day:02d} to 2027-02-{day + 2:02d}" if index % 2 == 1 else None
+        # Route and day repeat every 36 trips (12 cities, 9 days): later rounds fly in later
+        # months, so no two trips are the same journey (the airline counts bookings per trip).
+        rounds = index // 36
+        year, month = 2027 + rounds // 6, 1 + 2 * (rounds % 6)
+        first = f"{year}-{month:02d}"
+        dates = f"{first}-{day:02d} to {first}-{day + 1:02d}"
+        later = f"{year}-{month + 1:02d}"
+        new = f"{later}-{day:02d} to {later}-{day + 2:02d}" if index % 2 == 1 else None
         fill = tuple(_FILLERS[(index + k) % len(_FILLERS)] for k in range(side_questions))
         result.append(TripPlan(origin, destination, dates, 1 + index % 4, new, fill))
     return result

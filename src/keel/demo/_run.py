@@ -30,6 +30,7 @@ from typing import IO, Any
 from pydantic import BaseModel, Field
 
 from keel.demo._flights import Airline, FlightUser, plans, question_slot
+from keel.demo._junk import MemoryAudit, StoredMemory, audit_memories, read_prompted
 from keel.errors import KeelRuntimeError
 
 __all__ = ["DemoReport", "run_demo", "sparkline_chart"]
@@ -64,6 +65,14 @@ class DemoReport(BaseModel):
     workdir: str = Field(description="Where the demo's database and logs are.")
     database: str = Field(
         default="sqlite", description="Where the agent's state, journal, traces and memory were."
+    )
+    junk_memories: int | None = Field(
+        default=None,
+        description="Stored memories that restate the system prompt, the rules, a resume prompt "
+        "or a retrieved memory, invent a profile or duplicate another (None: memory off).",
+    )
+    memory_audit: MemoryAudit | None = Field(
+        default=None, description="What memory holds after the run, junk by reason."
     )
     prompt_tokens_per_turn: list[int] = Field(
         default_factory=list, exclude=True, description="Largest prompt of each turn."
@@ -263,6 +272,7 @@ def run_demo(
             failed += reply.get("status") != "completed"
             if on_turn is not None:
                 on_turn(turns, planned, reply)
+        audit = _audit_memory(worker, workdir, turn_timeout_s) if memory else None
     finally:
         worker.close()
     per_trip = Airline(workdir / "airline.db").bookings_per_trip()
@@ -276,6 +286,8 @@ def run_demo(
         problems.append(f"{repeated} question(s) asked again after the resume")
     if kill and not resumed:
         problems.append("the killed turn was not resumed")
+    if audit is not None and audit.junk:
+        problems.append(f"{audit.junk} junk memor{'y' if audit.junk == 1 else 'ies'} stored")
     return DemoReport(
         turns=turns,
         trips_planned=trips,
@@ -295,8 +307,25 @@ def run_demo(
         model=model,
         workdir=str(workdir),
         database=_where(workdir, database, redis_url),
+        junk_memories=None if audit is None else audit.junk,
+        memory_audit=audit,
         prompt_tokens_per_turn=prompt_tokens,
     )
+
+
+def _audit_memory(worker: _Worker, workdir: Path, timeout_s: float) -> MemoryAudit:
+    """Every stored memory against what the prompts held (see :mod:`keel.demo._junk`)."""
+    from keel.demo._worker import PROMPTED_FILE
+
+    worker.send({"op": "memories"})
+    answer = worker.receive(stalled=None, timeout_s=timeout_s)
+    assert answer is not None
+    records = [StoredMemory.model_validate(r) for r in answer["records"]]
+    if len(records) != int(answer["total"]):
+        raise KeelRuntimeError(
+            f"the memory audit read {len(records)} of {answer['total']} stored records"
+        )
+    return audit_memories(records, read_prompted(workdir / PROMPTED_FILE))
 
 
 def _where(workdir: Path, database: str | None, redis_url: str | None) -> str:

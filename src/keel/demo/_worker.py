@@ -20,11 +20,14 @@ from typing import Any
 
 from keel.context import ContextBudget
 from keel.demo._flights import RULES, SYSTEM_PROMPT, Airline, demo_machine, flight_tools
+from keel.demo._junk import PromptRecorder
 from keel.runtime._agent import Agent
 from keel.tools import ToolJournal
 
 SESSION = "demo-session"
 USER = "demo-user"
+PROMPTED_FILE = "prompted.jsonl"
+"""What the prompt compiler was given, in the workdir (the memory audit reads it)."""
 SCRIPTED_WINDOW_BUDGET = 8_000
 """The scripted policy reports a 128k-token model; the demo gives it an 8k working budget so
 that summarization, pruning and the flat prompt are visible within a few hundred turns."""
@@ -73,6 +76,27 @@ def build_agent(
     return agent
 
 
+def stored_memories(agent: Agent) -> dict[str, Any]:
+    """Every record in the agent's memory store (the demo has one user), for the audit."""
+    if agent.memory is None:
+        return {"records": [], "total": 0}
+    from keel.memory import MemoryFilter, Scope
+
+    store = agent.memory.store
+    total = store.count()
+    everything = MemoryFilter(include_superseded=True, include_expired=True)
+    records = store.list_records(
+        Scope(tenant_id=agent.tenant_id, user_id=USER),
+        everything,
+        limit=total + 1,
+        newest_first=False,
+    )
+    return {
+        "records": [{"id": r.id, "kind": r.kind, "type": r.type, "text": r.text} for r in records],
+        "total": total,
+    }
+
+
 def settle_in_doubt_bookings(journal: ToolJournal | None, airline: Airline) -> list[str]:
     """What an operator does after a crash: check each in-doubt booking with the airline (by
     its request key) and record the real outcome, so the resumed turn gets it instead of
@@ -113,6 +137,8 @@ async def serve(
         database=database,
         redis_url=redis_url,
     )
+    recorder = PromptRecorder(workdir / PROMPTED_FILE)
+    recorder.install(agent)
     airline = Airline(workdir / "airline.db")
     print(json.dumps({"op": "ready"}), flush=True)
     try:
@@ -127,6 +153,10 @@ async def serve(
                 keys = settle_in_doubt_bookings(agent.journal, airline)
                 print(json.dumps({"op": "settled", "keys": keys}), flush=True)
                 continue
+            elif command["op"] == "memories":
+                stored = await asyncio.to_thread(stored_memories, agent)
+                print(json.dumps({"op": "memories", **stored}), flush=True)
+                continue
             elif command["op"] == "resume":
                 resumed = await agent.resume(SESSION, USER)
                 if resumed is None:
@@ -137,6 +167,7 @@ async def serve(
                 return
             print(json.dumps({"op": "reply", **reply.model_dump(mode="json")}), flush=True)
     finally:
+        recorder.close()
         await agent.aclose()
 
 
