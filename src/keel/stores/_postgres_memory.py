@@ -300,8 +300,9 @@ class PostgresMemoryStore(MemoryStore):
                     (f"memory key\x1f{record.tenant_id}\x1f{record.user_id}\x1f{record.key}",),
                 )
                 conn.execute(
-                    "DELETE FROM memory_records WHERE tenant_id = %s AND user_id = %s AND key = %s",
-                    (record.tenant_id, record.user_id, record.key),
+                    "DELETE FROM memory_records WHERE tenant_id = %s AND user_id = %s "
+                    "AND key = %s AND content_hash <> %s",
+                    (record.tenant_id, record.user_id, record.key, record.content_hash),
                 )
             row = conn.execute(
                 f"INSERT INTO memory_records ({_SELECT}) VALUES ({_VALUES}) "

@@ -350,11 +350,12 @@ class SQLiteMemoryStore(MemoryStore):
         try:
             with self.db.transaction() as conn:
                 if record.key is not None:
-                    # The record a key named is replaced, in this transaction.
+                    # The record a key named is replaced, in this transaction (the very same
+                    # record added again stays as it is: adds are idempotent).
                     conn.execute(
                         "DELETE FROM memory_records WHERE tenant_id = ? AND user_id = ? "
-                        "AND key = ?",
-                        (record.tenant_id, record.user_id, record.key),
+                        "AND key = ? AND content_hash <> ?",
+                        (record.tenant_id, record.user_id, record.key, record.content_hash),
                     )
                 existing = conn.execute(
                     f"SELECT {_SELECT} FROM memory_records "

@@ -85,6 +85,18 @@ class MemoryStoreConformance:
         assert memory.store.count() == 2
         memory.close()
 
+    def test_a_keyed_add_replaces_a_different_record_and_keeps_the_same_one(
+        self, make_store: StoreFactory
+    ) -> None:
+        memory = _memory(make_store())
+        first = memory.add("summary one", scope=ALICE, kind="episodic", key="k")
+        again = memory.add("summary one", scope=ALICE, kind="episodic", key="k")
+        assert again.id == first.id and memory.store.count(ALICE) == 1
+        replaced = memory.add("summary two", scope=ALICE, kind="episodic", key="k")
+        assert replaced.id != first.id and memory.store.count(ALICE) == 1
+        assert memory.get(ALICE, first.id) is None
+        memory.close()
+
     def test_fact_supersedes_and_keeps_history(self, make_store: StoreFactory) -> None:
         memory = _memory(make_store())
         old = memory.remember_fact(ALICE, "alice", "home city", "Lisbon")
