@@ -111,8 +111,9 @@ class _RunMark:
 
 
 class ThreadState(BaseModel):
-    """What one version of a thread namespace stores: one checkpoint (the latest, or an older
-    one restated with writes added to it), its pending writes, and where the latest is.
+    """What one version of a thread namespace stores: one checkpoint (the head: the latest,
+    or the newest left by ``delete_for_runs``), its pending writes and those of checkpoints
+    written to after they stopped being the head, and where the latest is.
 
     List channels live in ``items``, every item text the namespace has stored, append-only (a
     list's growth is stored as its new items alone); ``lists`` names each list channel's items
@@ -695,8 +696,8 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         return committed
 
     def _version_of(self, session: str, known: _Known, checkpoint_id: str) -> int | None:
-        """The version holding a checkpoint's newest state (it is restated when writes are
-        added to it), or None when the namespace has no such checkpoint."""
+        """The newest version holding a checkpoint's state (a version that only adds writes
+        restates the head), or None when the namespace has no such checkpoint."""
         if known.state.id == checkpoint_id:
             return known.version
         if known.state.latest == checkpoint_id:
@@ -985,7 +986,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                             ThreadState(writes=entries),
                         )
                         return
-                    state = self._with_writes(known, target, entries)
+                    state = self._with_writes(known, entries)
                     if state is not None:
                         self._commit(session, known, state)
                     return
@@ -995,9 +996,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                     known = self._head(session, fresh=True)
             raise ConflictError(session, None, None)
 
-    def _with_writes(
-        self, known: _Known, target: str, entries: dict[str, list[Any]]
-    ) -> ThreadState | None:
+    def _with_writes(self, known: _Known, entries: dict[str, list[Any]]) -> ThreadState | None:
         """The head with a task's writes added (of its own checkpoint, of one whose put is
         still on its way, or of an older one: a late write, or a fork's first step)."""
         merged = _merged_writes(known.state.writes, entries)
