@@ -143,6 +143,25 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
     agent.state.acheckpoint = acheckpoint  # type: ignore[method-assign]
     agent.state.checkpoint = checkpoint  # type: ignore[method-assign]
 
+    # And either way of writing: a whole state, or an append of what the turn added.
+    original_aappend = agent.state.aappend
+    original_append = agent.state.append
+
+    async def aappend(session_id: str, append: Any, **options: Any) -> int:
+        before_write(options)
+        version = await original_aappend(session_id, append, **options)
+        after_write(options)
+        return version
+
+    def append_(session_id: str, append: Any, **options: Any) -> int:
+        before_write(options)
+        version = original_append(session_id, append, **options)
+        after_write(options)
+        return version
+
+    agent.state.aappend = aappend  # type: ignore[method-assign]
+    agent.state.append = append_  # type: ignore[method-assign]
+
     original_complete = model.acomplete
 
     async def complete(*call_args: Any, **call_kwargs: Any) -> Any:

@@ -369,17 +369,24 @@ async def test_a_failed_commit_leaves_no_unsaved_reply_in_the_next_prompt(
 
     agent = sqlite_agent(database, ScriptedModel(answers))
     await agent.handle("s1", "u1", "one")
-    original = agent.state.acheckpoint
+    original, original_append = agent.state.acheckpoint, agent.state.aappend
 
     async def failing_commit(session_id: str, state: AgentState, **options: object) -> int:
         if options.get("reason") == "turn completed":
             raise StoreError("disk full")
         return await original(session_id, state, **options)  # type: ignore[arg-type]
 
+    async def failing_append(session_id: str, append: object, **options: object) -> int:
+        if options.get("reason") == "turn completed":
+            raise StoreError("disk full")
+        return await original_append(session_id, append, **options)  # type: ignore[arg-type]
+
     agent.state.acheckpoint = failing_commit  # type: ignore[method-assign]
+    agent.state.aappend = failing_append  # type: ignore[method-assign]
     with pytest.raises(StoreError):
         await agent.handle("s1", "u1", "two")
     agent.state.acheckpoint = original  # type: ignore[method-assign]
+    agent.state.aappend = original_append  # type: ignore[method-assign]
     await agent.handle("s1", "u1", "three")
     # "two" was left open by the failed commit and is finished before "three"; the reply that
     # was never saved is not in the prompt next to the one that was.

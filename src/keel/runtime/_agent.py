@@ -148,14 +148,20 @@ class _Turn:
     turn_start: int
     """Index of the turn's user message in the state's messages."""
     state: AgentState
+    """The turn's state as of its last checkpoint, except ``messages``: while the turn appends
+    to the log, that is the log itself (see ``written``)."""
     version: int
     log: SessionLog
+    written: int
+    """Messages of the log the checkpoint at ``version`` holds: the rest are the next append."""
     memories: list[ContextMemory]
     position: MachinePosition | None
     run: RunTrace
     deadline: float
     lease: _Lease
     registry: ToolRegistry | None = None
+    loop_start: int = 0
+    """The log's length when the turn's loop started from it."""
     last_prompt: CompiledPrompt | None = None
     max_prompt_tokens: int = 0
     shrink_next: bool = False
@@ -823,7 +829,8 @@ class Agent:
             raise AccessDeniedError("this session belongs to another user")
 
     async def _load(self, key: str, user_id: str) -> Checkpoint[AgentState]:
-        checkpoint = await self.state.aget(key)
+        # Read, never changed: the turn builds its state with model_copy and its own log.
+        checkpoint = await self.state.apeek(key)
         if checkpoint is None:
             initial = AgentState(
                 max_steps=_UNBOUNDED_STEPS,
@@ -939,7 +946,9 @@ class Agent:
                     "user_id": user_id,
                 }
             )
-        messages = log.messages
+        # Until the turn's first checkpoint, the store holds the log up to the new message.
+        written = len(log) if resume else len(log) - 1
+        messages = log.live
         state = state.model_copy(
             update={"messages": messages, "machine": position, "runtime": runtime}
         )
@@ -964,6 +973,7 @@ class Agent:
             state=state,
             version=version,
             log=log,
+            written=written,
             memories=[],
             position=position,
             run=run,
@@ -979,6 +989,7 @@ class Agent:
         try:
             turn.memories = await self._memories(user_id, user_message.content)
             turn.registry = self._registry(turn)
+            turn.loop_start = len(log)
             result = await self._loop(turn).arun(
                 messages, session_id=key, first_step=state.step, turn_id=turn_id
             )
@@ -1084,6 +1095,7 @@ class Agent:
         )
         turn.version = version
         turn.state = state
+        turn.written = len(state.messages)
         turn.committed = True
         # The log holds exactly the messages just written: it stays valid for the new version.
         turn.log.version = version
@@ -1091,15 +1103,38 @@ class Agent:
             turn.emit(CheckpointCommitted(version=version, reason=options["reason"]))
         return version
 
+    async def _append(self, turn: _Turn, update: dict[str, Any], **options: Any) -> int:
+        """A compare-and-set checkpoint of the turn that appends the log's messages since the
+        last one and sets ``update``'s fields: its cost is what is new, however long the
+        session's history is."""
+        new = turn.log.since(turn.written)
+        version = await self.state.aappend(
+            turn.key,
+            {"messages": new} if new else {},
+            update=update,
+            expected_version=turn.version,
+            **options,
+        )
+        turn.version = version
+        turn.state = turn.state.model_copy(update={**update, "messages": turn.log.live})
+        turn.written += len(new)
+        turn.committed = True
+        turn.log.version = version
+        if turn.emit is not None:
+            turn.emit(CheckpointCommitted(version=version, reason=options["reason"]))
+        return version
+
     async def _before_model_call(
-        self, turn: _Turn, step: int, history: list[Message]
+        self, turn: _Turn, step: int, history: Sequence[Message]
     ) -> list[Message]:
         turn.log.take(history, self._mask_message)
-        state = turn.state.model_copy(
-            update={"messages": turn.log.messages, "step": step, "machine": turn.position}
-        )
         # The checkpoint before the model call: compare-and-set on the version we read.
-        await self._write(turn, state, reason="before model call", step=step)
+        await self._append(
+            turn,
+            {"step": step, "machine": turn.position, "runtime": turn.state.runtime},
+            reason="before model call",
+            step=step,
+        )
         # The trace so far is made durable with the checkpoint: a process killed during the
         # model call leaves both at the same point.
         await turn.run.aflush()
@@ -1146,8 +1181,9 @@ class Agent:
                 )
         if turn.position != turn.position_checkpointed:
             # A checkpoint after every transition (and slot gathered).
-            state = turn.state.model_copy(update={"machine": turn.position})
-            await self._write(turn, state, reason="after transition", step=record.step)
+            await self._append(
+                turn, {"machine": turn.position}, reason="after transition", step=record.step
+            )
             turn.position_checkpointed = turn.position
 
     # --- streaming ----------------------------------------------------------------------------
@@ -1277,12 +1313,12 @@ class Agent:
         # Back to the last good checkpoint, keeping the exchange and the failure count.
         last_good = await self.state.alast_good(turn.key)
         if last_good is None:
-            return turn.state
+            written = list(turn.state.messages[: turn.written])
+            return turn.state.model_copy(update={"messages": written})
         return (await self.state.aat(turn.key, last_good.version)).state
 
     async def _commit(self, turn: _Turn, result: LoopResult, *, resume: bool) -> AgentReply:
-        turn.log.take(result.messages, self._mask_message)
-        messages = turn.log.messages
+        turn.log.take_added(result.new_messages, turn.loop_start, self._mask_message)
         position = turn.position
         reverted = False
         status = result.status
@@ -1291,17 +1327,18 @@ class Agent:
             update={"open_turn": None, "open_turn_message": None}
         )
         if result.ok:
-            before, segment = messages[: turn.turn_start], messages[turn.turn_start :]
+            segment = turn.log.since(turn.turn_start)
             kept = _without_corrections(segment)
-            final_state = turn.state.model_copy(
-                update={
-                    "messages": [*before, *kept],
-                    "step": max(result.next_step, turn.state.step),
-                    "machine": position,
-                    "runtime": runtime,
-                }
-            )
             rebuilt = len(kept) != len(segment)
+            update: dict[str, Any] = {
+                "step": max(result.next_step, turn.state.step),
+                "machine": position,
+                "runtime": runtime,
+            }
+            if rebuilt:
+                before = turn.log.messages[: turn.turn_start]
+                update["messages"] = [*before, *kept]
+            final_state = turn.state.model_copy(update=update)
         else:
             reverted = True
             base = await self._failure_base(turn)
@@ -1357,12 +1394,18 @@ class Agent:
             error=error,
         )
         final_state = self._with_reply(turn, final_state, reply)
-        version = await self._write(
-            turn,
-            final_state,
-            reason="turn completed" if result.ok else f"turn failed: {status}",
-            good=True,
-        )
+        reason = "turn completed" if result.ok else f"turn failed: {status}"
+        if rebuilt:
+            version = await self._write(turn, final_state, reason=reason, good=True)
+        else:
+            # The turn's messages stand as they are: appended, whatever the history's length.
+            version = await self._append(
+                turn,
+                {name: getattr(final_state, name) for name in ("step", "machine", "runtime")},
+                reason=reason,
+                good=True,
+            )
+            final_state = turn.state
         if rebuilt:
             # History was rewritten: the log is built again from the store next turn.
             self._sessions.pop(turn.key, None)
@@ -1447,6 +1490,7 @@ class Agent:
         """Fold old turns into the running summary after the commit, within the time left;
         a summary that cannot be finished or saved is simply tried again next turn."""
         log = self._log(turn.key, committed, version)
+        appending = log is turn.log
         conversation = log.conversation
         remaining = turn.remaining()
         if not conversation.needs_summary or remaining <= 0:
@@ -1466,12 +1510,17 @@ class Agent:
             }
         )
         try:
-            version = await self._write(
-                turn,
-                committed.model_copy(update={"runtime": runtime}),
-                reason="summary",
-                good=True,
-            )
+            if appending:
+                version = await self._append(
+                    turn, {"runtime": runtime}, reason="summary", good=True
+                )
+            else:
+                version = await self._write(
+                    turn,
+                    committed.model_copy(update={"runtime": runtime}),
+                    reason="summary",
+                    good=True,
+                )
         except (ConflictError, StoreError):
             # The turn is committed; only its summary is not. The conversation already folded
             # the turns, so it is rebuilt from the store next time.

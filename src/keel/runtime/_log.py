@@ -59,6 +59,15 @@ class SessionLog:
         """The log, as a list of the caller's own (what a checkpoint stores)."""
         return list(self._messages)
 
+    @property
+    def live(self) -> list[Message]:
+        """The log itself, not copied: it only ever grows at its end. Read it; never change it."""
+        return self._messages
+
+    def since(self, start: int) -> list[Message]:
+        """The log's messages from position ``start`` on (costs what they are, not the log)."""
+        return self._messages[start:]
+
     def append(self, message: Message) -> None:
         """Add one message, already masked."""
         self._messages.append(message)
@@ -66,8 +75,17 @@ class SessionLog:
 
     def take(self, history: Sequence[Message], mask: Callable[[Message], Message]) -> None:
         """Mask and add the messages of ``history`` past the log's end (the loop's history
-        starts as a copy of the log, so positions agree)."""
+        starts as the log, so positions agree)."""
         new = [mask(message) for message in history[len(self._messages) :]]
+        self._messages.extend(new)
+        self.conversation.extend(new)
+
+    def take_added(
+        self, added: Sequence[Message], start: int, mask: Callable[[Message], Message]
+    ) -> None:
+        """Mask and add what a loop that started from the log's first ``start`` messages added
+        (``added``, in order) and the log does not hold yet."""
+        new = [mask(message) for message in added[len(self._messages) - start :]]
         self._messages.extend(new)
         self.conversation.extend(new)
 

@@ -30,13 +30,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar, overload
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer
 from pydantic_core import to_jsonable_python
 
 from keel._bridge import run_sync
@@ -119,8 +120,10 @@ class LoopHooks:
 
     Attributes:
         before_model_call: ``(step, messages) -> messages | None``, called before every model
-            call (checkpoint here). Return the prompt to send (a compiled context), or None to
-            send the loop's history as is.
+            call (checkpoint here). ``messages`` is the run's conversation so far, a read-only
+            sequence that is not copied (slicing it past the run's start costs what the run
+            added). Return the prompt to send (a compiled context), or None to send the loop's
+            history as is.
         after_step: ``(step_record) -> None``, called after every step (trace here).
         state_fingerprint: ``() -> str``, a digest of the state; unchanged for
             ``max_steps_without_progress`` steps counts as a loop.
@@ -141,7 +144,7 @@ class LoopHooks:
     """
 
     before_model_call: (
-        Callable[[int, list[Message]], MaybeAwaitable[list[Message] | None]] | None
+        Callable[[int, Sequence[Message]], MaybeAwaitable[Sequence[Message] | None]] | None
     ) = None
     after_step: Callable[[StepRecord], MaybeAwaitable[None]] | None = None
     state_fingerprint: Callable[[], MaybeAwaitable[str]] | None = None
@@ -208,7 +211,6 @@ class LoopResult(BaseModel):
     output: Any = Field(
         default=None, description="The validated structured answer, with an output schema."
     )
-    messages: list[Message] = Field(description="The whole conversation after the run.")
     new_messages: list[Message] = Field(description="The messages this run added.")
     steps: list[StepRecord] = Field(description="Every step, in order.")
     error: KeelError | None = Field(
@@ -232,9 +234,18 @@ class LoopResult(BaseModel):
         default=None, description="Death-spiral indicators of the session after the run."
     )
 
+    _earlier: Callable[[], list[Message]] = PrivateAttr(default=list)
+
     @field_serializer("output")
     def _serialize_output(self, output: Any) -> Any:
         return to_jsonable_python(output, fallback=str)
+
+    @property
+    def messages(self) -> list[Message]:
+        """The whole conversation after the run: the messages it started from, then
+        ``new_messages``. Built when asked for, so a run's cost does not grow with the
+        conversation it continues."""
+        return [*self._earlier(), *self.new_messages]
 
     @property
     def ok(self) -> bool:
@@ -253,11 +264,64 @@ class LoopResult(BaseModel):
         return self
 
 
+class _History(Sequence[Message]):
+    """A run's conversation: the messages it started from, then the messages the run added.
+
+    The earlier messages are not copied: the history is the first ``len(prior)`` items of the
+    caller's sequence as the run starts (the caller may append to it meanwhile, never change
+    those items), so what a step costs does not grow with the session's length. The hook reads
+    the run's messages past those it already has; only a loop without a ``before_model_call``
+    hook sends, and so copies, the whole history."""
+
+    __slots__ = ("added", "prior", "prior_len")
+
+    def __init__(self, prior: Sequence[Message]) -> None:
+        self.prior = prior
+        self.prior_len = len(prior)
+        self.added: list[Message] = []
+
+    def append(self, message: Message) -> None:
+        self.added.append(message)
+
+    def extend(self, messages: Iterable[Message]) -> None:
+        self.added.extend(messages)
+
+    def earlier(self) -> list[Message]:
+        """The messages the run started from, as a list of the caller's own."""
+        return list(itertools.islice(self.prior, self.prior_len))
+
+    def __len__(self) -> int:
+        return self.prior_len + len(self.added)
+
+    def __iter__(self) -> Iterator[Message]:
+        yield from itertools.islice(self.prior, self.prior_len)
+        yield from self.added
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Message]: ...
+
+    def __getitem__(self, index: int | slice) -> Message | list[Message]:
+        start = self.prior_len
+        if isinstance(index, slice):
+            first, stop, stride = index.indices(len(self))
+            if stride == 1 and first >= start:
+                return self.added[first - start : max(stop - start, 0)]
+            return list(self)[index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("history index out of range")
+        return self.prior[index] if index < start else self.added[index - start]
+
+
 @dataclass
 class _Run:
     session_id: str
     turn_id: str | None
-    history: list[Message]
+    history: _History
     start_len: int
     started: float
     started_wall: float
@@ -387,7 +451,7 @@ class ToolLoop:
         run = _Run(
             session_id=session_id,
             turn_id=turn_id,
-            history=list(messages),
+            history=_History(messages),
             start_len=len(messages),
             started=time.perf_counter(),
             started_wall=time.time(),
@@ -480,7 +544,7 @@ class ToolLoop:
         self, run: _Run, tool_failures: dict[str, int]
     ) -> tuple[str, Completion | None, Message] | None:
         """One step. Returns (kind, completion, message); raises _Stop to end the run."""
-        prompt = await _call(self.hooks.before_model_call, run.step, list(run.history))
+        prompt = await _call(self.hooks.before_model_call, run.step, run.history)
         sent = list(prompt) if prompt is not None else list(run.history)
         try:
             decision = await self.journal.adecision(_decision_scope(run), run.step)
@@ -827,14 +891,13 @@ class ToolLoop:
         error: KeelError | None = None,
         reverted: bool = False,
     ) -> LoopResult:
-        # model_construct: every value is built here, and validating ``messages`` would
-        # re-check the whole conversation (O(history)) on every run.
-        return LoopResult.model_construct(
+        # model_construct: every value is built here, and validating the messages would
+        # re-check them all on every run.
+        result = LoopResult.model_construct(
             status=status,
             final_message=final,
             output=output,
-            messages=list(run.history),
-            new_messages=run.history[run.start_len :],
+            new_messages=list(run.history.added),
             steps=list(run.steps),
             error=error,
             error_message=None if error is None else str(error),
@@ -847,6 +910,8 @@ class ToolLoop:
             repairs=run.repairs,
             spiral=self.monitor.snapshot(session_id=run.session_id),
         )
+        result._earlier = run.history.earlier
+        return result
 
 
 def _decision_scope(run: _Run) -> str:
@@ -872,7 +937,7 @@ def _masked_message(message: Message, redact: Callable[[str], str]) -> Message:
     return message.model_copy(update={"content": redact(message.content), "tool_calls": calls})
 
 
-def _close_open_calls(history: list[Message]) -> None:
+def _close_open_calls(history: _History) -> None:
     """Answer every tool call of the last assistant message that has no result yet."""
     for position in range(len(history) - 1, -1, -1):
         message = history[position]

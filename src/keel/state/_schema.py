@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, get_args, get_origin, get_type_hints
 
@@ -223,6 +223,39 @@ class StateSchema(Generic[S]):
             update={name: [*previous[name], *getattr(partial, name)] for name in kept}
         )
         return cast(S, whole), kept
+
+    def validate_appending(
+        self,
+        values: Mapping[str, Any],
+        append: Mapping[str, Sequence[Any]],
+        update: Mapping[str, Any],
+        unchanged: Collection[str],
+    ) -> tuple[BaseModel, dict[str, list[Any]]] | None:
+        """The fields of a state validated before (``values``, field -> value) with ``update``
+        set and ``append``'s items added to those list fields, validated at a cost that grows
+        with what is new: the lists' earlier items are not looked at.
+
+        The fields of ``append`` and of ``unchanged`` (list fields taken as they are) must be
+        ``extensible_lists`` holding only immutable items (the caller checks): those items
+        cannot have changed, and nothing else in the model reads those fields.
+
+        Returns:
+            The state with those lists empty, and each appended field's new items validated;
+            None when the result fails validation (validate the whole state then: it reports
+            the items' real indexes).
+        """
+        model = cast(type[BaseModel], self.state_type)
+        fields = dict(values)
+        fields.update(update)
+        for name in append:
+            fields[name] = list(append[name])
+        for name in unchanged:
+            fields[name] = []
+        try:
+            partial = model.model_validate(fields)
+        except ValidationError:
+            return None
+        return partial, {name: getattr(partial, name) for name in append}
 
     def to_json(self, state: S) -> JSONState:
         """The state as JSON data (field name -> JSON value)."""

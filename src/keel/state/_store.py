@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from dataclasses import replace as replace_dc
@@ -79,6 +79,26 @@ class _Base:
     replay_bytes: int
     """What replaying the deltas after ``last_full`` costs a read: their bytes, plus
     ``_ROW_REPLAY_COST`` each."""
+
+
+@dataclass(frozen=True)
+class _AppendPlan:
+    """A write that appends to list fields and sets others, planned on ``base``."""
+
+    base: _Base
+    row: StoredCheckpoint
+    partial: BaseModel
+    """The new state with the list fields of ``tails`` and ``unchanged`` empty."""
+    tails: dict[str, list[Any]]
+    tails_json: dict[str, list[Any]]
+    unchanged: frozenset[str]
+    data: JSONState
+    """The new state's JSON, its appended lists still the base's (``full_lists`` when the row
+    is a full snapshot)."""
+    full_lists: dict[str, list[Any]] | None
+    immutable: frozenset[str]
+    full_bytes: int
+    replay_bytes: int
 
 
 _IMMUTABLE: dict[type, bool] = {
@@ -323,7 +343,7 @@ class StateStore(Generic[S]):
         return self._finish_read(session_id, version, chain, cached)
 
     async def _aread(
-        self, session_id: str, version: int | None
+        self, session_id: str, version: int | None, *, copy: bool = True
     ) -> tuple[_Base, Checkpoint[S]] | None:
         cached = self._cache.get(session_id) if version is None else None
         if cached is not None:
@@ -332,7 +352,7 @@ class StateStore(Generic[S]):
             )
         else:
             chain = await self.backend.aread_chain(session_id, version, self.clock())
-        return self._finish_read(session_id, version, chain, cached)
+        return self._finish_read(session_id, version, chain, cached, copy=copy)
 
     def _finish_read(
         self,
@@ -340,6 +360,8 @@ class StateStore(Generic[S]):
         version: int | None,
         chain: Chain | None,
         cached: _Base | None = None,
+        *,
+        copy: bool = True,
     ) -> tuple[_Base, Checkpoint[S]] | None:
         if chain is None or not chain.rows:
             return None
@@ -352,8 +374,12 @@ class StateStore(Generic[S]):
         ):
             # The head is the version this store last read or wrote: its state is known, so
             # nothing is decoded or validated again (the cost of a read stays flat however long
-            # the session grows). The caller gets its own copy of the mutable containers.
-            return cached, Checkpoint(_info(session_id, last), self._copy(cached.state))
+            # the session grows). The caller gets its own copy of the mutable containers, taken
+            # while the base is still the newest (an append grows the newest base's lists).
+            with self._cache_lock:
+                if self._cache.get(session_id) is cached:
+                    state = self._copy(cached.state) if copy else cached.state
+                    return cached, Checkpoint(_info(session_id, last), state)
         base, state, last = self._rebuild(session_id, chain)
         if version is None or version == chain.head.version:
             self._remember(base)
@@ -530,6 +556,173 @@ class StateStore(Generic[S]):
         if patches:
             delta["patch"] = patches
         return data, values, delta, frozenset(immutable)
+
+    def _check_append(self, append: Mapping[str, Sequence[Any]], update: Mapping[str, Any]) -> None:
+        for name in (*append, *update):
+            if name not in self.schema.fields:
+                raise UsageError(f"{self.schema.name} has no field {name!r}")
+        for name, items in append.items():
+            if name in update:
+                raise UsageError(f"{name!r} is both appended to and set")
+            if isinstance(items, str | bytes | Mapping) or not isinstance(items, Sequence):
+                raise UsageError(f"the items to append to {name!r} must be a sequence")
+
+    def _appended_state(
+        self, base: _Base, append: Mapping[str, Sequence[Any]], update: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The whole new state of an append, as field values (for the general path)."""
+        fields = dict(base.values)
+        fields.update(update)
+        for name, items in append.items():
+            old = fields.get(name)
+            if not isinstance(old, list):
+                raise UsageError(f"{self.schema.name}.{name} is not a list: nothing to append to")
+            fields[name] = [*old, *items]
+        return fields
+
+    def _plan_append(
+        self,
+        base: _Base,
+        append: Mapping[str, Sequence[Any]],
+        update: Mapping[str, Any],
+        *,
+        reason: str,
+        step: int | None,
+        good: bool | None,
+    ) -> _AppendPlan | None:
+        """The row of an append and what the base becomes, at the cost of what is new; None
+        when only the general path (the whole state validated and compared) is sound here."""
+        if not reason:
+            raise UsageError("a checkpoint needs a reason")
+        if step is not None and step < 0:
+            raise UsageError(f"step must be >= 0, got {step}")
+        self._check_append(append, update)
+        extensible = self.schema.extensible_lists & base.immutable_lists
+        if (
+            not (self._fast_path and base.stored_schema_version == self.schema.version)
+            or not set(append) <= extensible
+            or set(base.data) != set(base.values)
+        ):
+            return None
+        unchanged = frozenset(name for name in extensible - set(append) if name not in update)
+        validated = self.schema.validate_appending(base.values, append, update, unchanged)
+        if validated is None:
+            return None
+        partial, tails = validated
+        if not all(_immutable(type(item)) for items in tails.values() for item in items):
+            return None
+        tails_json = {name: self.schema.field_to_json(name, items) for name, items in tails.items()}
+        data: JSONState = dict(base.data)
+        sets: dict[str, Any] = {}
+        patches: dict[str, Any] = {}
+        immutable = set(base.immutable_lists)
+        for name, value in self.schema.field_values(cast(S, partial)).items():
+            if name in tails or name in unchanged:
+                continue
+            old = base.values.get(name, _MISSING)
+            if old is value and _immutable(type(value)):
+                continue
+            encoded = self.schema.field_to_json(name, value)
+            data[name] = encoded
+            immutable.discard(name)
+            if isinstance(value, list) and all(map(_immutable, set(map(type, value)))):
+                immutable.add(name)
+            previous = base.data.get(name, _MISSING)
+            if isinstance(encoded, dict) and isinstance(previous, dict):
+                patch = patch_of(previous, encoded)
+                if patch:
+                    patches[name] = patch
+            elif previous is _MISSING or encoded != previous:
+                sets[name] = encoded
+        delta: dict[str, Any] = {}
+        if sets:
+            delta["set"] = sets
+        extends = {name: items for name, items in tails_json.items() if items}
+        if extends:
+            delta["extend"] = extends
+        if patches:
+            delta["patch"] = patches
+        version = base.version + 1
+        payload = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
+        replay_bytes = base.replay_bytes + _payload_bytes(payload) + _ROW_REPLAY_COST
+        full_lists: dict[str, list[Any]] | None = None
+        full_bytes = base.full_bytes
+        if version - base.last_full >= self.snapshot_every and replay_bytes >= base.full_bytes:
+            # A snapshot is written whole, once the deltas since the last one outweigh it.
+            full_lists = {name: [*base.data[name], *items] for name, items in tails_json.items()}
+            payload = encode_full({**data, **full_lists})
+            full_bytes = _payload_bytes(payload)
+            replay_bytes = 0
+        row = StoredCheckpoint(
+            version=version,
+            created_at=self.clock(),
+            step=base.step if step is None else step,
+            reason=reason,
+            kind="delta" if full_lists is None else "full",
+            payload=payload,
+            schema_name=self.schema.name,
+            schema_version=self.schema.version,
+            good=good,
+        )
+        return _AppendPlan(
+            base=base,
+            row=row,
+            partial=partial,
+            tails=tails,
+            tails_json=tails_json,
+            unchanged=unchanged,
+            data=data,
+            full_lists=full_lists,
+            immutable=frozenset(immutable),
+            full_bytes=full_bytes,
+            replay_bytes=replay_bytes,
+        )
+
+    def _remember_append(self, plan: _AppendPlan) -> int:
+        """Make the committed append the session's cached base; returns its version.
+
+        The base's own lists (never handed to a caller) grow in place while it is the newest
+        version this store knows, so an append costs its new items; a base another version
+        replaced meanwhile has its lists copied instead."""
+        base, row = plan.base, plan.row
+        with self._cache_lock:
+            current = self._cache.get(base.session_id)
+            in_place = current is base
+            values = dict(base.values)
+            data = dict(plan.data)
+            for name, items in plan.tails.items():
+                if in_place:
+                    values[name].extend(items)
+                else:
+                    values[name] = [*values[name], *items]
+                if plan.full_lists is not None:
+                    data[name] = plan.full_lists[name]
+                elif in_place:
+                    data[name].extend(plan.tails_json[name])
+                else:
+                    data[name] = [*data[name], *plan.tails_json[name]]
+            lists = {name: values[name] for name in (*plan.tails, *plan.unchanged)}
+            state = plan.partial.model_copy(update=lists)
+            for name, value in self.schema.field_values(cast(S, state)).items():
+                if name not in lists:
+                    values[name] = list(value) if isinstance(value, list) else value
+            new_base = _Base(
+                session_id=base.session_id,
+                version=row.version,
+                epoch=base.epoch,
+                step=row.step,
+                last_full=row.version if plan.full_lists is not None else base.last_full,
+                stored_schema_version=self.schema.version,
+                data=data,
+                values=values,
+                state=state,
+                immutable_lists=plan.immutable,
+                full_bytes=plan.full_bytes,
+                replay_bytes=plan.replay_bytes,
+            )
+            if current is None or current.epoch != base.epoch or current.version < row.version:
+                self._cache[base.session_id] = new_base
+        return row.version
 
     def _write(
         self,
@@ -758,6 +951,48 @@ class StateStore(Generic[S]):
             base = self._base_for(session_id, expected_version)
         return self._write(base, typed, reason=reason, step=step, good=good, kept=kept).version
 
+    def append(
+        self,
+        session_id: str,
+        append: Mapping[str, Sequence[Any]],
+        *,
+        expected_version: int,
+        reason: str,
+        update: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        good: bool | None = None,
+    ) -> int:
+        """Commit, as the next version if the head is still ``expected_version``, that
+        version with ``append``'s items added to the end of those list fields and ``update``'s
+        fields set (replaced, not reduced).
+
+        What ``checkpoint`` of the whole new state does, at a cost that grows with the items
+        and fields given, not with the length of the lists they extend: the turn loop of a
+        100,000-message session appends a message as cheaply as on its first turn. Returns the
+        new version.
+
+        Raises:
+            ConflictError: another writer committed first; nothing was written.
+            StateValidationError: the new state fails the schema.
+            UsageError: an unknown field, or ``append`` names a field that is not a list.
+        """
+        base = self._base_for(session_id, expected_version)
+        plan = self._plan_append(base, append, update or {}, reason=reason, step=step, good=good)
+        if plan is None:
+            state = self._appended_state(base, append, update or {})
+            typed, kept = self._validate_on(base, state)
+            return self._write(base, typed, reason=reason, step=step, good=good, kept=kept).version
+        self.backend.write(
+            session_id,
+            plan.row,
+            expected_version=base.version,
+            expected_epoch=base.epoch,
+            new_epoch=None,
+            ttl=None,
+            now=plan.row.created_at,
+        )
+        return self._remember_append(plan)
+
     def update(
         self,
         session_id: str,
@@ -971,6 +1206,16 @@ class StateStore(Generic[S]):
         found = await self._aread(session_id, None)
         return None if found is None else found[1]
 
+    async def apeek(self, session_id: str) -> Checkpoint[S] | None:
+        """``aget`` for a reader that only reads: the latest checkpoint, its state not copied.
+
+        A read of the version this store last wrote then costs one head row however long the
+        state's lists are. The state may be this store's own: read it at once, and never change
+        or keep it (a later ``append`` grows its lists in place).
+        """
+        found = await self._aread(session_id, None, copy=False)
+        return None if found is None else found[1]
+
     async def aload(self, session_id: str) -> Checkpoint[S]:
         """Async twin of ``load``."""
         found = await self.aget(session_id)
@@ -1037,6 +1282,38 @@ class StateStore(Generic[S]):
             base = await self._abase_for(session_id, expected_version)
         written = await self._awrite(base, typed, reason=reason, step=step, good=good, kept=kept)
         return written.version
+
+    async def aappend(
+        self,
+        session_id: str,
+        append: Mapping[str, Sequence[Any]],
+        *,
+        expected_version: int,
+        reason: str,
+        update: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        good: bool | None = None,
+    ) -> int:
+        """Async twin of ``append``."""
+        base = await self._abase_for(session_id, expected_version)
+        plan = self._plan_append(base, append, update or {}, reason=reason, step=step, good=good)
+        if plan is None:
+            state = self._appended_state(base, append, update or {})
+            typed, kept = self._validate_on(base, state)
+            written = await self._awrite(
+                base, typed, reason=reason, step=step, good=good, kept=kept
+            )
+            return written.version
+        await self.backend.awrite(
+            session_id,
+            plan.row,
+            expected_version=base.version,
+            expected_epoch=base.epoch,
+            new_epoch=None,
+            ttl=None,
+            now=plan.row.created_at,
+        )
+        return self._remember_append(plan)
 
     async def aupdate(
         self,

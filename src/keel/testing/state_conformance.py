@@ -124,6 +124,111 @@ class StateBackendConformance:
         finally:
             other_backend.close()
 
+    # --- appends -------------------------------------------------------------------------
+
+    def test_append_commits_what_a_checkpoint_of_the_whole_state_would(
+        self, backend: StateBackend
+    ) -> None:
+        """Appends stored as deltas and snapshots read back, in this store and a fresh one, as
+        the same states written whole, version by version, on every backend."""
+        store = StateStore(backend, ConversationState, snapshot_every=3)
+        whole = store.create("whole", ConversationState())
+        store.create("appended", ConversationState())
+        state = whole.state
+        for step in range(1, 25):
+            new = [Message.user(f"question {step}"), Message.assistant(f"answer {step} " * step)]
+            state = ConversationState(messages=[*state.messages, *new], step=step)
+            store.checkpoint("whole", state, expected_version=step, reason="step")
+            version = store.append(
+                "appended",
+                {"messages": new},
+                update={"step": step},
+                expected_version=step,
+                reason="step",
+            )
+            assert version == step + 1
+            assert store.load("appended").state == state
+        chain = backend.read_chain("appended", None, time.time())
+        assert chain is not None
+        # Appends wrote snapshots as well as deltas: the chain starts at a later full one.
+        assert chain.rows[0].kind == "full" and chain.rows[0].version > 1
+        fresh = StateStore(backend, ConversationState)
+        for version in (1, 2, 9, 17, 25):
+            assert fresh.at("appended", version).state == fresh.at("whole", version).state
+        assert fresh.load("appended").state == state
+
+    def test_an_append_on_a_stale_version_is_rejected_and_changes_nothing(
+        self, store: StateStore[CounterState], state_backend_url: str
+    ) -> None:
+        store.create("s", CounterState(items=["a"]))
+        other_backend = open_state_backend(state_backend_url)
+        other = StateStore(other_backend, CounterState)
+        try:
+            other.append("s", {"items": ["theirs"]}, expected_version=1, reason="won")
+            with pytest.raises(ConflictError) as caught:
+                store.append("s", {"items": ["stale"]}, expected_version=1, reason="lost")
+            assert (caught.value.expected, caught.value.actual) == (1, 2)
+            assert store.load("s").state.items == ["a", "theirs"]
+            assert other.load("s").state.items == ["a", "theirs"]
+            store.append("s", {"items": ["next"]}, expected_version=2, reason="after")
+            assert StateStore(other_backend, CounterState).load("s").state.items == [
+                "a",
+                "theirs",
+                "next",
+            ]
+        finally:
+            other_backend.close()
+
+    def test_an_append_leaves_states_read_before_it_as_they_were(
+        self, store: StateStore[CounterState]
+    ) -> None:
+        store.create("s", CounterState(items=["a"]))
+        store.append("s", {"items": ["b"]}, expected_version=1, reason="b")
+        read = store.load("s")
+        store.append("s", {"items": ["c"]}, update={"note": "n"}, expected_version=2, reason="c")
+        assert read.state.items == ["a", "b"] and read.state.note == ""
+        read.state.items.append("mine")
+        assert store.load("s").state == CounterState(items=["a", "b", "c"], note="n")
+
+    def test_an_invalid_append_is_rejected_with_the_item_s_real_index(
+        self, backend: StateBackend
+    ) -> None:
+        store = StateStore(backend, ConversationState)
+        store.create("s", ConversationState(messages=[Message.user("hi")] * 3))
+        with pytest.raises(StateValidationError) as caught:
+            store.append(
+                "s",
+                {"messages": [Message.user("ok"), {"role": "nobody", "content": "x"}]},
+                expected_version=1,
+                reason="bad",
+            )
+        assert "messages.4" in str(caught.value)
+        with pytest.raises(StateValidationError):
+            store.append("s", {}, update={"step": -1}, expected_version=1, reason="bad")
+        assert store.load("s").version == 1
+        assert (
+            StateStore(backend, ConversationState).load("s").state.messages
+            == [Message.user("hi")] * 3
+        )
+
+    async def test_async_appends_match_the_sync_ones(self, backend: StateBackend) -> None:
+        store = StateStore(backend, CounterState, snapshot_every=2)
+        version = (await store.acreate("s", CounterState())).version
+        for n in range(10):
+            version = await store.aappend(
+                "s",
+                {"items": [f"i{n}"]},
+                update={"counter": n},
+                expected_version=version,
+                reason="a",
+            )
+        assert version == 11
+        expected = CounterState(counter=9, items=[f"i{n}" for n in range(10)])
+        assert (await store.aload("s")).state == expected
+        fresh = StateStore(backend, CounterState)
+        assert (await fresh.aload("s")).state == expected
+        await store.aclose()
+
     def test_updates_go_through_reducers_and_history_records_them(
         self, store: StateStore[CounterState]
     ) -> None:
