@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from keel.bench.locomo import _within, parse_session_date, repair_evidence, run_locomo
+from keel.bench.locomo import _score, _within, parse_session_date, repair_evidence, run_locomo
 from keel.bench.memory import run_memory_bench, synthetic_corpus
 from keel.errors import ConfigError
 from keel.memory import STOPWORDS, HashingEmbedder
@@ -83,6 +83,7 @@ def test_locomo_harness_on_a_tiny_file(tmp_path: Path) -> None:
     assert report["questions_without_evidence"] == 1
     assert report["dropped_evidence_ids"] == 2
     assert report["recall_at_10"] == 1.0 and report["all_at_10"] == 1.0
+    assert report["session_recall_at_10"] == 1.0
     assert set(report["baselines"]) == {"bm25", "dense", "keel_without_neighbours"}
     # Like-for-like: at keel's budget no baseline gets more tokens than keel took.
     assert set(report["at_keel_budget"]) == set(report["baselines"])
@@ -108,6 +109,20 @@ def test_the_budget_keeps_the_leading_hits_that_fit() -> None:
     # A turn already kept (a neighbour shared by two hits) costs nothing again.
     shared = SimpleNamespace(records=(records[0], records[1]))
     assert _within([hits[0], shared], costs[0] + costs[1], counter) == [hits[0], shared]
+
+
+def test_session_recall_counts_the_sessions_holding_the_evidence() -> None:
+    counter = counter_for("gpt-4o", allow_estimate=True)
+    dia_of = {"a": "D1:3", "b": "D2:7", "c": "D2:9", "d": "D5:1"}
+    hits: list[Any] = [
+        SimpleNamespace(records=(SimpleNamespace(id=record, text=f"turn {record}"),))
+        for record in ("b", "d")
+    ]
+    # Evidence in sessions 1 and 2; session 2 is retrieved through another of its turns.
+    scored = _score(hits, ["D1:3", "D2:9"], dia_of, counter)
+    assert scored.recall == 0.0 and scored.session_recall == 0.5
+    assert _score(hits, ["D2:7", "D5:1"], dia_of, counter).session_recall == 1.0
+    assert _score([], ["D2:7"], dia_of, counter).session_recall == 0.0
 
 
 def test_the_stopwords_are_a_general_english_list() -> None:

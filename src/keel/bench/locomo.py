@@ -7,8 +7,10 @@ categories 1-4 is searched with :meth:`keel.memory.Memory.search` under the defa
 or evidence is read at query time: evidence only scores the result afterwards.
 
 Metrics: R@k (share of a question's evidence turns among the turns retrieved for the top k
-hits, their neighbouring turns included; adjacent hits share one block), All@10, tokens of
-the retrieved turns (each turn counted once), search latency with the query embedding.
+hits, their neighbouring turns included; adjacent hits share one block), session-level R@10
+(share of the sessions holding a question's evidence among the sessions of its top 10
+retrieved turns), All@10, tokens of the retrieved turns (each turn counted once), search
+latency with the query embedding.
 
 Baselines in the same run, each without neighbour expansion: keyword-only (BM25), dense-only,
 and keel itself without neighbours. Each is reported twice: at k (its own top 5 and top 10
@@ -108,11 +110,15 @@ class _Tally:
         self.latencies: list[float] = []
 
     def add_scores(self, category: int, top5: _Scored, top10: _Scored) -> None:
-        self.add(category, top5.recall, top10.recall, top10.complete, top10.tokens)
-
-    def add(self, category: int, r5: float, r10: float, all10: float, tokens: int) -> None:
         self.rows.append(
-            {"category": category, "r5": r5, "r10": r10, "all10": all10, "tokens": tokens}
+            {
+                "category": category,
+                "r5": top5.recall,
+                "r10": top10.recall,
+                "s10": top10.session_recall,
+                "all10": top10.complete,
+                "tokens": top10.tokens,
+            }
         )
 
     def summary(self, rows: list[dict[str, float]] | None = None) -> dict[str, Any]:
@@ -123,6 +129,7 @@ class _Tally:
             "questions": len(rows),
             "recall_at_5": round(statistics.fmean(r["r5"] for r in rows), 4),
             "recall_at_10": round(statistics.fmean(r["r10"] for r in rows), 4),
+            "session_recall_at_10": round(statistics.fmean(r["s10"] for r in rows), 4),
             "all_at_10": round(statistics.fmean(r["all10"] for r in rows), 4),
             "tokens_at_10": round(statistics.fmean(r["tokens"] for r in rows), 1),
         }
@@ -285,8 +292,16 @@ turns; the budget always binds before this)."""
 @dataclass(frozen=True)
 class _Scored:
     recall: float
+    """Share of the question's evidence turns among the retrieved turns."""
+    session_recall: float
+    """Share of the sessions holding its evidence among the sessions of the retrieved turns."""
     complete: float
     tokens: int
+
+
+def _session_of(dia_id: str) -> str:
+    """The session of a LoCoMo turn id (``D3:12`` -> ``D3``)."""
+    return dia_id.partition(":")[0]
 
 
 def _within(hits: list[MemoryHit], budget: int, counter: Any) -> list[MemoryHit]:
@@ -314,5 +329,12 @@ def _score(
             retrieved.setdefault(record.id, record.text)
     found_dia = {dia_of.get(record_id, "") for record_id in retrieved}
     found = sum(1 for dia in evidence if dia in found_dia)
+    sessions = {_session_of(dia) for dia in evidence}
+    found_sessions = {_session_of(dia) for dia in found_dia if dia}
     tokens = sum(counter.count_text(text) for text in retrieved.values())
-    return _Scored(found / len(evidence), float(found == len(evidence)), tokens)
+    return _Scored(
+        recall=found / len(evidence),
+        session_recall=len(sessions & found_sessions) / len(sessions),
+        complete=float(found == len(evidence)),
+        tokens=tokens,
+    )
