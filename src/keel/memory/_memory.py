@@ -723,14 +723,24 @@ class Memory:
         span = self.config.neighbours
         owner: dict[str, int] = {}
         blocks: list[MemoryHit] = []
+        # Every hit's neighbouring turns in one read (one query, not one per hit).
+        around: dict[str, list[MemoryRecord]] = {}
+        spans = {
+            (hit.record.session_id, hit.record.turn - span, hit.record.turn + span)
+            for hit in hits[:k]
+            if span and hit.record.session_id is not None and hit.record.turn is not None
+        }
+        for found in self.store.turns_around(scope, sorted(spans)) if spans else ():
+            around.setdefault(found.session_id or "", []).append(found)
         for hit in hits[:k]:
             record = hit.record
             turns: tuple[MemoryRecord, ...] = (record,)
             if span and record.session_id is not None and record.turn is not None:
+                first, last = record.turn - span, record.turn + span
                 turns = tuple(
-                    self.store.session_turns(
-                        scope, record.session_id, record.turn - span, record.turn + span
-                    )
+                    r
+                    for r in around.get(record.session_id, ())
+                    if r.turn is not None and first <= r.turn <= last
                 ) or (record,)
             if record.id in owner:
                 index = owner[record.id]

@@ -100,6 +100,20 @@ class MemoryStore(ABC):
     ) -> list[MemoryRecord]:
         """Records of one session with ``first_turn <= turn <= last_turn``, in turn order."""
 
+    def turns_around(
+        self, scope: Scope, spans: Sequence[tuple[str, int, int]]
+    ) -> list[MemoryRecord]:
+        """The records of every ``(session_id, first_turn, last_turn)`` span, each once, in
+        session and turn order: what ``session_turns`` gives for each span, read together.
+
+        Search reads the neighbouring turns of all its hits with it, so a backend where a
+        query is a round trip overrides it with one query."""
+        found: dict[str, MemoryRecord] = {}
+        for session_id, first_turn, last_turn in spans:
+            for record in self.session_turns(scope, session_id, first_turn, last_turn):
+                found.setdefault(record.id, record)
+        return sorted(found.values(), key=lambda r: (r.session_id or "", r.turn or 0))
+
     @abstractmethod
     def keyword_search(
         self, scope: Scope, terms: Sequence[str], filters: MemoryFilter, limit: int

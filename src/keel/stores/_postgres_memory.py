@@ -461,6 +461,18 @@ class PostgresMemoryStore(MemoryStore):
             (scope.tenant_id, scope.user_id, session_id, first_turn, last_turn),
         )
 
+    def turns_around(
+        self, scope: Scope, spans: Sequence[tuple[str, int, int]]
+    ) -> list[MemoryRecord]:
+        if not spans:
+            return []
+        ranges = " OR ".join(["(session_id = %s AND turn BETWEEN %s AND %s)"] * len(spans))
+        return self._query(
+            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s "
+            f"AND ({ranges}) ORDER BY session_id, turn, seq",
+            (scope.tenant_id, scope.user_id, *(value for span in spans for value in span)),
+        )
+
     def count(self, scope: Scope | None = None) -> int:
         self.setup()
         with self._reading() as conn:

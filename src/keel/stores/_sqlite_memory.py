@@ -508,6 +508,18 @@ class SQLiteMemoryStore(MemoryStore):
             (scope.tenant_id, scope.user_id, session_id, first_turn, last_turn),
         )
 
+    def turns_around(
+        self, scope: Scope, spans: Sequence[tuple[str, int, int]]
+    ) -> list[MemoryRecord]:
+        if not spans:
+            return []
+        ranges = " OR ".join(["(session_id = ? AND turn BETWEEN ? AND ?)"] * len(spans))
+        return self._query(
+            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = ? AND user_id = ? "
+            f"AND ({ranges}) ORDER BY session_id, turn, rowid",
+            (scope.tenant_id, scope.user_id, *(value for span in spans for value in span)),
+        )
+
     def count(self, scope: Scope | None = None) -> int:
         conn = self._conn()
         if scope is None:

@@ -231,6 +231,35 @@ class MemoryStoreConformance:
         assert memory.store.session_turns(BOB, "s", 0, 10) == []
         memory.close()
 
+    def test_turns_around_reads_every_span_once_in_order(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        for session in ("s", "t"):
+            for number in (4, 1, 3, 2, 5, 9):
+                memory.add(
+                    f"{session} turn {number}",
+                    scope=ALICE,
+                    type="turn",
+                    session_id=session,
+                    turn=number,
+                )
+        memory.add("bob's turn", scope=BOB, type="turn", session_id="s", turn=2)
+        # Overlapping spans of one session, a span of another, one that holds nothing.
+        spans = [("t", 8, 10), ("s", 1, 3), ("s", 2, 4), ("u", 0, 99)]
+        around = memory.store.turns_around(ALICE, spans)
+        assert [(r.session_id, r.turn) for r in around] == [
+            ("s", 1),
+            ("s", 2),
+            ("s", 3),
+            ("s", 4),
+            ("t", 9),
+        ]
+        expected = {r.id for span in spans for r in memory.store.session_turns(ALICE, *span)}
+        assert [r.id for r in around] == list(dict.fromkeys(r.id for r in around))
+        assert {r.id for r in around} == expected
+        assert memory.store.turns_around(BOB, [("s", 0, 10)])[0].text == "bob's turn"
+        assert memory.store.turns_around(ALICE, []) == []
+        memory.close()
+
     def test_delete_and_reembed(self, make_store: StoreFactory) -> None:
         memory = _memory(make_store())
         keep = memory.add("keep this memory", scope=ALICE)
@@ -291,6 +320,7 @@ class MemoryStoreConformance:
         assert memory.search("bob secret vault", scope=ALICE, filters=crafted) == []
         assert memory.store.list_records(ALICE, crafted) == []
         assert memory.store.session_turns(ALICE, "bob-s", -100, 100) == []
+        assert memory.store.turns_around(ALICE, [("bob-s", -100, 100)]) == []
         assert memory.get(ALICE, secret.id) is None
         assert memory.store.fetch(ALICE, [secret.id, evil.id, mine.id], MemoryFilter()) == [
             memory.get(ALICE, mine.id)
