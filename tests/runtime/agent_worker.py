@@ -124,43 +124,30 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
             killer.reached("commit_after_write")
             tool_ran["count"] = 0
 
-    # Either twin, so the kill points hold whichever one the Agent writes through.
-    original_acheckpoint = agent.state.acheckpoint
-    original_checkpoint = agent.state.checkpoint
+    # Every way of writing (a whole state or an append of what the turn added, either twin),
+    # so the kill points hold whichever one the Agent writes through.
+    def hooked_async(write: Any) -> Any:
+        async def hooked(session_id: str, value: Any, **options: Any) -> int:
+            before_write(options)
+            version = await write(session_id, value, **options)
+            after_write(options)
+            return int(version)
 
-    async def acheckpoint(session_id: str, state: Any, **options: Any) -> int:
-        before_write(options)
-        version = await original_acheckpoint(session_id, state, **options)
-        after_write(options)
-        return version
+        return hooked
 
-    def checkpoint(session_id: str, state: Any, **options: Any) -> int:
-        before_write(options)
-        version = original_checkpoint(session_id, state, **options)
-        after_write(options)
-        return version
+    def hooked_sync(write: Any) -> Any:
+        def hooked(session_id: str, value: Any, **options: Any) -> int:
+            before_write(options)
+            version = write(session_id, value, **options)
+            after_write(options)
+            return int(version)
 
-    agent.state.acheckpoint = acheckpoint  # type: ignore[method-assign]
-    agent.state.checkpoint = checkpoint  # type: ignore[method-assign]
+        return hooked
 
-    # And either way of writing: a whole state, or an append of what the turn added.
-    original_aappend = agent.state.aappend
-    original_append = agent.state.append
-
-    async def aappend(session_id: str, append: Any, **options: Any) -> int:
-        before_write(options)
-        version = await original_aappend(session_id, append, **options)
-        after_write(options)
-        return version
-
-    def append_(session_id: str, append: Any, **options: Any) -> int:
-        before_write(options)
-        version = original_append(session_id, append, **options)
-        after_write(options)
-        return version
-
-    agent.state.aappend = aappend  # type: ignore[method-assign]
-    agent.state.append = append_  # type: ignore[method-assign]
+    for name in ("acheckpoint", "aappend"):
+        setattr(agent.state, name, hooked_async(getattr(agent.state, name)))
+    for name in ("checkpoint", "append"):
+        setattr(agent.state, name, hooked_sync(getattr(agent.state, name)))
 
     original_complete = model.acomplete
 

@@ -1397,6 +1397,8 @@ class Agent:
         reason = "turn completed" if result.ok else f"turn failed: {status}"
         if rebuilt:
             version = await self._write(turn, final_state, reason=reason, good=True)
+            # History was rewritten: the log is built again from the store next turn.
+            self._sessions.pop(turn.key, None)
         else:
             # The turn's messages stand as they are: appended, whatever the history's length.
             version = await self._append(
@@ -1406,9 +1408,6 @@ class Agent:
                 good=True,
             )
             final_state = turn.state
-        if rebuilt:
-            # History was rewritten: the log is built again from the store next turn.
-            self._sessions.pop(turn.key, None)
         if result.ok:
             version = await self._summarize(turn, final_state, version)
             if self.memory is not None:

@@ -76,18 +76,18 @@ class SessionLog:
     def take(self, history: Sequence[Message], mask: Callable[[Message], Message]) -> None:
         """Mask and add the messages of ``history`` past the log's end (the loop's history
         starts as the log, so positions agree)."""
-        new = [mask(message) for message in history[len(self._messages) :]]
-        self._messages.extend(new)
-        self.conversation.extend(new)
+        self._extend([mask(message) for message in history[len(self._messages) :]])
 
     def take_added(
         self, added: Sequence[Message], start: int, mask: Callable[[Message], Message]
     ) -> None:
         """Mask and add what a loop that started from the log's first ``start`` messages added
         (``added``, in order) and the log does not hold yet."""
-        new = [mask(message) for message in added[len(self._messages) - start :]]
-        self._messages.extend(new)
-        self.conversation.extend(new)
+        self._extend([mask(message) for message in added[len(self._messages) - start :]])
+
+    def _extend(self, masked: list[Message]) -> None:
+        self._messages.extend(masked)
+        self.conversation.extend(masked)
 
     @property
     def messages_summarized(self) -> int:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["diff", "encode_full", "patch_of", "replay"]
+__all__ = ["delta_of", "diff", "encode_full", "patch_of", "replay"]
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -47,6 +47,16 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
             continue
         if previous != value:
             sets[name] = value
+    return delta_of(sets, extends, patches, sorted(set(old) - set(new)))
+
+
+def delta_of(
+    sets: dict[str, Any],
+    extends: dict[str, Any],
+    patches: dict[str, Any],
+    unset: list[str] | None = None,
+) -> dict[str, Any]:
+    """The delta document of those changes, each part present only when it holds any."""
     delta: dict[str, Any] = {}
     if sets:
         delta["set"] = sets
@@ -54,7 +64,6 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         delta["extend"] = extends
     if patches:
         delta["patch"] = patches
-    unset = sorted(set(old) - set(new))
     if unset:
         delta["unset"] = unset
     return delta

@@ -44,7 +44,7 @@ from keel.state._checkpoint import (
     Retention,
     VacuumReport,
 )
-from keel.state._delta import diff, encode_full, patch_of, replay
+from keel.state._delta import delta_of, diff, encode_full, patch_of, replay
 from keel.state._schema import JSONState, StateSchema
 
 __all__ = ["SessionLock", "StateStore", "vacuum"]
@@ -536,26 +536,73 @@ class StateStore(Generic[S]):
                 data[name] = [*base.data[name], *tail_json]
                 extends[name] = tail_json
                 continue
-            data[name] = self.schema.field_to_json(name, value)
-            if isinstance(value, list) and all(map(_immutable, set(map(type, value)))):
-                immutable.add(name)
-            previous = base.data.get(name, _MISSING)
-            if isinstance(data[name], dict) and isinstance(previous, dict):
-                patch = patch_of(previous, data[name])
-                if patch:
-                    patches[name] = patch
-            elif previous is _MISSING or data[name] != previous:
-                sets[name] = data[name]
+            self._encode_changed(base, name, value, data, sets, patches, immutable)
         if set(base.data) - set(data):
             return data, values, None, frozenset(immutable)
-        delta: dict[str, Any] = {}
-        if sets:
-            delta["set"] = sets
-        if extends:
-            delta["extend"] = extends
-        if patches:
-            delta["patch"] = patches
-        return data, values, delta, frozenset(immutable)
+        return data, values, delta_of(sets, extends, patches), frozenset(immutable)
+
+    def _encode_changed(
+        self,
+        base: _Base,
+        name: str,
+        value: Any,
+        data: JSONState,
+        sets: dict[str, Any],
+        patches: dict[str, Any],
+        immutable: set[str],
+    ) -> None:
+        """Encode a field that may differ from the base's into ``data``, recording it in
+        ``sets`` (replaced) or ``patches`` (an object's changed keys) when it does, and in
+        ``immutable`` when it is a list of immutable items."""
+        encoded = self.schema.field_to_json(name, value)
+        data[name] = encoded
+        immutable.discard(name)
+        if isinstance(value, list) and all(map(_immutable, set(map(type, value)))):
+            immutable.add(name)
+        previous = base.data.get(name, _MISSING)
+        if isinstance(encoded, dict) and isinstance(previous, dict):
+            patch = patch_of(previous, encoded)
+            if patch:
+                patches[name] = patch
+        elif previous is _MISSING or encoded != previous:
+            sets[name] = encoded
+
+    @staticmethod
+    def _check_step(reason: str, step: int | None) -> None:
+        if not reason:
+            raise UsageError("a checkpoint needs a reason")
+        if step is not None and step < 0:
+            raise UsageError(f"step must be >= 0, got {step}")
+
+    def _snapshot_due(self, base: _Base, version: int, replay_bytes: int) -> bool:
+        """Whether ``version`` is stored whole: the deltas since the last snapshot (this one's
+        included) cost a replay as much as it, at least ``snapshot_every`` versions after it."""
+        return version - base.last_full >= self.snapshot_every and replay_bytes >= base.full_bytes
+
+    def _row(
+        self,
+        base: _Base,
+        payload: str,
+        *,
+        full: bool,
+        reason: str,
+        step: int | None,
+        good: bool | None,
+        forked_from: str | None = None,
+    ) -> StoredCheckpoint:
+        """The row of the version after ``base``."""
+        return StoredCheckpoint(
+            version=base.version + 1,
+            created_at=self.clock(),
+            step=base.step if step is None else step,
+            reason=reason,
+            kind="full" if full else "delta",
+            payload=payload,
+            schema_name=self.schema.name,
+            schema_version=self.schema.version,
+            good=good,
+            forked_from=forked_from,
+        )
 
     def _check_append(self, append: Mapping[str, Sequence[Any]], update: Mapping[str, Any]) -> None:
         for name in (*append, *update):
@@ -569,8 +616,9 @@ class StateStore(Generic[S]):
 
     def _appended_state(
         self, base: _Base, append: Mapping[str, Sequence[Any]], update: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        """The whole new state of an append, as field values (for the general path)."""
+    ) -> tuple[S, dict[str, int]]:
+        """The whole new state of an append, validated as ``checkpoint`` validates one (the
+        general path), with the lists it kept."""
         fields = dict(base.values)
         fields.update(update)
         for name, items in append.items():
@@ -578,7 +626,7 @@ class StateStore(Generic[S]):
             if not isinstance(old, list):
                 raise UsageError(f"{self.schema.name}.{name} is not a list: nothing to append to")
             fields[name] = [*old, *items]
-        return fields
+        return self._validate_on(base, fields)
 
     def _plan_append(
         self,
@@ -592,10 +640,7 @@ class StateStore(Generic[S]):
     ) -> _AppendPlan | None:
         """The row of an append and what the base becomes, at the cost of what is new; None
         when only the general path (the whole state validated and compared) is sound here."""
-        if not reason:
-            raise UsageError("a checkpoint needs a reason")
-        if step is not None and step < 0:
-            raise UsageError(f"step must be >= 0, got {step}")
+        self._check_step(reason, step)
         self._check_append(append, update)
         extensible = self.schema.extensible_lists & base.immutable_lists
         if (
@@ -622,47 +667,20 @@ class StateStore(Generic[S]):
             old = base.values.get(name, _MISSING)
             if old is value and _immutable(type(value)):
                 continue
-            encoded = self.schema.field_to_json(name, value)
-            data[name] = encoded
-            immutable.discard(name)
-            if isinstance(value, list) and all(map(_immutable, set(map(type, value)))):
-                immutable.add(name)
-            previous = base.data.get(name, _MISSING)
-            if isinstance(encoded, dict) and isinstance(previous, dict):
-                patch = patch_of(previous, encoded)
-                if patch:
-                    patches[name] = patch
-            elif previous is _MISSING or encoded != previous:
-                sets[name] = encoded
-        delta: dict[str, Any] = {}
-        if sets:
-            delta["set"] = sets
+            self._encode_changed(base, name, value, data, sets, patches, immutable)
         extends = {name: items for name, items in tails_json.items() if items}
-        if extends:
-            delta["extend"] = extends
-        if patches:
-            delta["patch"] = patches
-        version = base.version + 1
+        delta = delta_of(sets, extends, patches)
         payload = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
         replay_bytes = base.replay_bytes + _payload_bytes(payload) + _ROW_REPLAY_COST
         full_lists: dict[str, list[Any]] | None = None
         full_bytes = base.full_bytes
-        if version - base.last_full >= self.snapshot_every and replay_bytes >= base.full_bytes:
-            # A snapshot is written whole, once the deltas since the last one outweigh it.
+        if self._snapshot_due(base, base.version + 1, replay_bytes):
             full_lists = {name: [*base.data[name], *items] for name, items in tails_json.items()}
             payload = encode_full({**data, **full_lists})
             full_bytes = _payload_bytes(payload)
             replay_bytes = 0
-        row = StoredCheckpoint(
-            version=version,
-            created_at=self.clock(),
-            step=base.step if step is None else step,
-            reason=reason,
-            kind="delta" if full_lists is None else "full",
-            payload=payload,
-            schema_name=self.schema.name,
-            schema_version=self.schema.version,
-            good=good,
+        row = self._row(
+            base, payload, full=full_lists is not None, reason=reason, step=step, good=good
         )
         return _AppendPlan(
             base=base,
@@ -797,10 +815,7 @@ class StateStore(Generic[S]):
         stored bytes stay within a small multiple of the deltas' and a read replays about one
         snapshot's worth of deltas, where a snapshot every so many versions would store the
         whole of a growing history over and over."""
-        if not reason:
-            raise UsageError("a checkpoint needs a reason")
-        if step is not None and step < 0:
-            raise UsageError(f"step must be >= 0, got {step}")
+        self._check_step(reason, step)
         data, values, delta, immutable = self._encode(base, state, kept or {})
         version = base.version + 1
         full = base.stored_schema_version != self.schema.version
@@ -810,21 +825,16 @@ class StateStore(Generic[S]):
                 delta = diff(base.data, data)
             payload = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
             replay_bytes = base.replay_bytes + _payload_bytes(payload) + _ROW_REPLAY_COST
-            full = (
-                version - base.last_full >= self.snapshot_every and replay_bytes >= base.full_bytes
-            )
+            full = self._snapshot_due(base, version, replay_bytes)
         if full:
             payload = encode_full(data)
             replay_bytes = 0
-        row = StoredCheckpoint(
-            version=version,
-            created_at=self.clock(),
-            step=base.step if step is None else step,
+        row = self._row(
+            base,
+            payload,
+            full=full,
             reason=reason,
-            kind="full" if full else "delta",
-            payload=payload,
-            schema_name=self.schema.name,
-            schema_version=self.schema.version,
+            step=step,
             good=good,
             forked_from=forked_from,
         )
@@ -979,8 +989,7 @@ class StateStore(Generic[S]):
         base = self._base_for(session_id, expected_version)
         plan = self._plan_append(base, append, update or {}, reason=reason, step=step, good=good)
         if plan is None:
-            state = self._appended_state(base, append, update or {})
-            typed, kept = self._validate_on(base, state)
+            typed, kept = self._appended_state(base, append, update or {})
             return self._write(base, typed, reason=reason, step=step, good=good, kept=kept).version
         self.backend.write(
             session_id,
@@ -1298,8 +1307,7 @@ class StateStore(Generic[S]):
         base = await self._abase_for(session_id, expected_version)
         plan = self._plan_append(base, append, update or {}, reason=reason, step=step, good=good)
         if plan is None:
-            state = self._appended_state(base, append, update or {})
-            typed, kept = self._validate_on(base, state)
+            typed, kept = self._appended_state(base, append, update or {})
             written = await self._awrite(
                 base, typed, reason=reason, step=step, good=good, kept=kept
             )
