@@ -117,12 +117,23 @@ def bench_locomo_command(
             help="Store the memories in a fresh PostgreSQL instead of the embedded SQLite.",
         ),
     ] = False,
+    embedder_spec: Annotated[
+        str,
+        typer.Option(
+            "--embedder",
+            help="Embedder spec (default: the bundled all-MiniLM-L6-v2); local:minilm-static "
+            "measures the static embeddings distilled from it.",
+        ),
+    ] = "local:all-minilm-l6-v2",
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
 ) -> None:
     """Turn-level evidence recall of keel's default memory search on LoCoMo."""
 
     from keel.bench.locomo import run_locomo
-    from keel.memory import default_embedder
+    from keel.memory import embedder_from_spec
+    from keel.settings import load_settings
+
+    embedder = embedder_from_spec(embedder_spec, load_settings())
 
     with ExitStack() as stack, _progress_bar(True) as progress:
         factory = None
@@ -136,7 +147,7 @@ def bench_locomo_command(
         def report(stage: str, done: int, total: int) -> None:
             progress.update(task, description=stage, completed=done, total=total)
 
-        result = run_locomo(data, embedder=default_embedder(), progress=report, store=factory)
+        result = run_locomo(data, embedder=embedder, progress=report, store=factory)
     if as_json:
         emit_json(result)
         return
@@ -216,6 +227,7 @@ def bench_memory_command(
 
     from keel.bench.memory import run_memory_bench
     from keel.memory import embedder_from_spec
+    from keel.settings import load_settings
 
     with ExitStack() as stack:
         factory = None
@@ -243,7 +255,7 @@ def bench_memory_command(
 
             result = run_memory_bench(
                 records,
-                embedder=embedder_from_spec(embedder_spec),
+                embedder=embedder_from_spec(embedder_spec, load_settings()),
                 postgres_store=factory,
                 postgres_records=postgres_records,
                 postgres_settle=settle,

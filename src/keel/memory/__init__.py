@@ -35,6 +35,7 @@ from keel.memory._records import (
     Provenance,
     Scope,
 )
+from keel.memory._static import StaticEmbedder, distill_minilm
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
 from keel.memory._text import STOPWORDS, keyword_terms
 
@@ -63,7 +64,9 @@ __all__ = [
     "Scope",
     "ScoredId",
     "SentenceTransformerEmbedder",
+    "StaticEmbedder",
     "default_embedder",
+    "distill_minilm",
     "embedder_from_settings",
     "embedder_from_spec",
     "keyword_terms",

@@ -23,7 +23,10 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
     """An embedder from a spec.
 
     ``local:all-minilm-l6-v2`` (the bundled default, on ONNX Runtime), ``local:/path/to/folder``
-    (another BERT-family sentence-transformers folder, on ONNX Runtime),
+    (another BERT-family sentence-transformers folder, on ONNX Runtime), ``local:minilm-static``
+    (static embeddings distilled from the bundled model on first use, kept in the data folder's
+    ``models``; ``local:minilm-static/128`` for another dimension), ``model2vec:/path/to/folder``
+    (any model2vec folder),
     ``sentence-transformers:/path/to/folder`` (any sentence-transformers model, through torch),
     ``hashing:256`` (no model), ``openai:MODEL/DIM`` or
     ``openai-compatible:MODEL/DIM@http://host:port/v1``.
@@ -32,6 +35,20 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
         ConfigError: an unknown or incomplete spec.
     """
     kind, _, rest = spec.partition(":")
+    if kind == "local" and rest.lower().partition("/")[0] == "minilm-static":
+        from keel.memory._static import StaticEmbedder
+
+        size = rest.partition("/")[2]
+        if size and not size.isdigit():
+            raise ConfigError(f"embedder spec {spec!r}: the dimension must be a number")
+        cache = settings.data_dir / "models" if settings is not None else None
+        return StaticEmbedder(dimension=int(size or 256), cache_dir=cache)
+    if kind == "model2vec":
+        from keel.memory._static import StaticEmbedder
+
+        if not rest:
+            raise ConfigError(f"embedder spec {spec!r} needs a folder: model2vec:/path/to/folder")
+        return StaticEmbedder(rest)
     if kind == "local":
         if rest.lower() in {"all-minilm-l6-v2", "minilm", ""}:
             return OnnxEmbedder()
@@ -59,7 +76,8 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
         return OpenAIEmbedder(model, dimension=int(dim), base_url=base, api_key=key)
     raise ConfigError(
         f"unknown embedder spec {spec!r}: use local:all-minilm-l6-v2, local:FOLDER, "
-        "sentence-transformers:FOLDER, hashing:DIM, openai:MODEL/DIM or "
+        "local:minilm-static, model2vec:FOLDER, sentence-transformers:FOLDER, hashing:DIM, "
+        "openai:MODEL/DIM or "
         "openai-compatible:MODEL/DIM@URL"
     )
 
