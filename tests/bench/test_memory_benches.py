@@ -14,6 +14,7 @@ from keel.errors import ConfigError
 from keel.memory import STOPWORDS, HashingEmbedder
 from keel.stores import PostgresMemoryStore
 from keel.tokens import counter_for
+from tests.bench._cli import bench_json
 
 
 def _tiny_locomo(path: Path) -> Path:
@@ -176,3 +177,19 @@ def test_memory_bench_measures_postgresql_again_once_settled(postgres_url: str) 
     assert postgres["records"] == 150 and report["records"] == 100
     assert postgres["settled"]["queries"] == 200
     assert postgres["settled"]["search_ms_p95"] >= postgres["settled"]["search_ms_p50"] > 0
+
+
+def test_ann_bench_scores_every_index_against_exact_search() -> None:
+    figures = bench_json("ann", "--sizes", "500,21000", "--embedder", "hashing:64")
+    assert figures["embedding_model"] == "keel-hashing-64" and figures["queries"] == 200
+    small, large = figures["sizes"]["500"], figures["sizes"]["21000"]
+    # Up to 20,000 vectors keel's index is exact: scored against exact search, it is perfect.
+    assert small["keel"]["recall_at_10"] == 1.0
+    # Above that, the sign-bit shortlist: approximate, and measured as such (64 hashed
+    # dimensions give it few bits to go on).
+    assert 0 < large["keel"]["recall_at_10"] < 1.0
+    for size in (small, large):
+        for name in ("keel", "hnswlib", "usearch"):
+            result = size[name]
+            assert result["search_ms_p95"] >= result["search_ms_p50"] > 0
+            assert result["memory_mb"] > 0 and 0 < result["recall_at_10"] <= 1

@@ -274,3 +274,50 @@ def bench_memory_command(
                 f"(writes {r['write_records_per_s']}/s, embedding {r['embed_records_per_s']}/s), "
                 f"search p50 {r['search_ms_p50']} ms, p95 {r['search_ms_p95']} ms"
             )
+
+
+@bench_app.command("ann")
+def bench_ann_command(
+    sizes: Annotated[
+        str, typer.Option("--sizes", help="Comma-separated index sizes, in vectors.")
+    ] = "100000,1000000",
+    embedder_spec: Annotated[
+        str,
+        typer.Option(
+            "--embedder",
+            help="Embedder of the synthetic notes (default: the static embeddings distilled "
+            "from MiniLM, which embed a million notes in minutes on 2 cores).",
+        ),
+    ] = "local:minilm-static",
+    threads: Annotated[int, typer.Option(min=1, help="Threads for the libraries' builds.")] = 2,
+    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
+) -> None:
+    """keel's embedded vector index against hnswlib and usearch: build time, memory, search
+    p50/p95 and recall@10 against exact search, at each size."""
+    from keel.bench.ann import run_ann_bench
+    from keel.memory import embedder_from_spec
+    from keel.settings import load_settings
+
+    try:
+        wanted = [int(part) for part in sizes.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter("--sizes takes whole numbers, e.g. 100000,1000000") from None
+    if not wanted or min(wanted) < 100:
+        raise typer.BadParameter("--sizes needs sizes of at least 100 vectors")
+    embedder = embedder_from_spec(embedder_spec, load_settings())
+    result = run_ann_bench(
+        wanted, embedder=embedder, threads=threads, progress=lambda line: err_console.print(line)
+    )
+    if as_json:
+        emit_json(result)
+        return
+    for size, figures in result["sizes"].items():
+        out_console.print(f"[bold]{int(size):,} vectors[/bold]")
+        for name, r in figures.items():
+            if not r.get("installed", True):
+                out_console.print(f"  {name}: not installed")
+                continue
+            out_console.print(
+                f"  {name}: recall@10 {r['recall_at_10']}, p50 {r['search_ms_p50']} ms, "
+                f"p95 {r['search_ms_p95']} ms, build {r['build_s']} s, {r['memory_mb']} MB"
+            )
