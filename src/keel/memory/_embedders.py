@@ -15,7 +15,7 @@ import hashlib
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,22 @@ def _normalize(matrix: npt.NDArray[Any]) -> FloatArray:
     norms[norms == 0] = 1.0
     normalized: FloatArray = (array / norms).astype(np.float32, copy=False)
     return normalized
+
+
+class _LoadedModels:
+    """Models loaded once per folder for the whole process: every embedder of one folder
+    shares the loaded model, and two threads never load it twice."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, folder: str, load: Callable[[], Any]) -> Any:
+        with self._lock:
+            model = self._loaded.get(folder)
+            if model is None:
+                model = self._loaded[folder] = load()
+            return model
 
 
 class Embedder(ABC):
@@ -91,8 +107,8 @@ class OnnxEmbedder(Embedder):
             takes more than one core from the agent and SQLite.
     """
 
-    _sessions: dict[str, Any] = {}  # noqa: RUF012  (process-wide, per folder)
-    _load_lock = threading.Lock()
+    _sessions = _LoadedModels()
+    _pool_lock = threading.Lock()
 
     def __init__(
         self,
@@ -113,12 +129,8 @@ class OnnxEmbedder(Embedder):
         self._runners: ThreadPoolExecutor | None = None
 
     def _load(self) -> tuple[Any, Any]:
-        key = self.path
-        with self._load_lock:
-            loaded = self._sessions.get(key)
-            if loaded is None:
-                loaded = self._sessions[key] = self._open()
-            return loaded
+        loaded: tuple[Any, Any] = self._sessions.get(self.path, self._open)
+        return loaded
 
     def _open(self) -> tuple[Any, Any]:
         try:
@@ -179,7 +191,7 @@ class OnnxEmbedder(Embedder):
         return _normalize(output)
 
     def _runner_pool(self) -> ThreadPoolExecutor:
-        with self._load_lock:
+        with self._pool_lock:
             if self._runners is None:
                 self._runners = ThreadPoolExecutor(
                     max_workers=self.threads, thread_name_prefix="keel-embed"
@@ -207,8 +219,7 @@ class SentenceTransformerEmbedder(Embedder):
     embedder created for the same folder in this process.
     """
 
-    _models: dict[str, Any] = {}  # noqa: RUF012  (process-wide cache of loaded models)
-    _load_lock = threading.Lock()
+    _models = _LoadedModels()
 
     def __init__(
         self,
@@ -232,24 +243,22 @@ class SentenceTransformerEmbedder(Embedder):
         self._lock = threading.Lock()
 
     def _model(self) -> Any:
-        with self._load_lock:
-            model = self._models.get(self.path)
-            if model is None:
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")
-                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-                try:
-                    from sentence_transformers import SentenceTransformer
-                except ImportError as exc:
-                    raise ConfigError(
-                        "the sentence-transformers embedder needs keel's 'embeddings' extra"
-                    ) from exc
-                from transformers.utils import logging as transformers_logging
+        return self._models.get(self.path, self._open)
 
-                # A library's load progress bar is not the caller's output.
-                transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-                model = SentenceTransformer(self.path, device="cpu")
-                self._models[self.path] = model
-            return model
+    def _open(self) -> Any:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError as exc:
+            raise ConfigError(
+                "the sentence-transformers embedder needs keel's 'embeddings' extra"
+            ) from exc
+        from transformers.utils import logging as transformers_logging
+
+        # A library's load progress bar is not the caller's output.
+        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        return SentenceTransformer(self.path, device="cpu")
 
     def embed(self, texts: Sequence[str]) -> FloatArray:
         if not texts:

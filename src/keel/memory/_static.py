@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from keel.errors import ConfigError
-from keel.memory._embedders import Embedder, FloatArray, _normalize
+from keel.memory._embedders import Embedder, FloatArray, _LoadedModels, _normalize
 
 __all__ = ["STATIC_MINILM", "StaticEmbedder", "distill_minilm"]
 
@@ -122,8 +121,7 @@ class StaticEmbedder(Embedder):
         ConfigError: the folder is not a model2vec folder, or the default cannot be built.
     """
 
-    _models: dict[str, Any] = {}  # noqa: RUF012  (process-wide, per folder)
-    _load_lock = threading.Lock()
+    _models = _LoadedModels()
 
     def __init__(
         self,
@@ -143,17 +141,16 @@ class StaticEmbedder(Embedder):
         self.dimension = int(self._model().dim)
 
     def _model(self) -> Any:
-        with self._load_lock:
-            model = self._models.get(self.path)
-            if model is None:
-                try:
-                    from model2vec import StaticModel
-                except ImportError as exc:
-                    raise ConfigError(
-                        "static embeddings need keel's 'static-embeddings' extra (model2vec)"
-                    ) from exc
-                model = self._models[self.path] = StaticModel.from_pretrained(self.path)
-            return model
+        return self._models.get(self.path, self._open)
+
+    def _open(self) -> Any:
+        try:
+            from model2vec import StaticModel
+        except ImportError as exc:
+            raise ConfigError(
+                "static embeddings need keel's 'static-embeddings' extra (model2vec)"
+            ) from exc
+        return StaticModel.from_pretrained(self.path)
 
     def embed(self, texts: Sequence[str]) -> FloatArray:
         if not texts:
