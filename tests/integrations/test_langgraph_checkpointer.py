@@ -41,8 +41,14 @@ class Chat(TypedDict):
     steps: Annotated[int, operator.add]
 
 
-def _echo_graph(saver: KeelCheckpointSaver, gate: threading.Event | None = None) -> Any:
+def _echo_graph(
+    saver: KeelCheckpointSaver,
+    gate: threading.Event | None = None,
+    entered: threading.Event | None = None,
+) -> Any:
     def reply(state: Chat) -> dict[str, Any]:
+        if entered is not None:
+            entered.set()
         if gate is not None:
             gate.wait(timeout=30)
         last = state["messages"][-1].content
@@ -150,19 +156,21 @@ def test_a_writer_whose_thread_moved_on_is_rejected_and_stores_nothing(db_url: s
 
 
 def test_a_step_result_of_a_superseded_run_is_never_visible(db_url: str) -> None:
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
     with KeelCheckpointSaver(db_url) as a, KeelCheckpointSaver(db_url) as b:
         _echo_graph(a).invoke({"messages": [HumanMessage(content="hello")], "steps": 0}, _thread())
-        # B stores its input, then waits inside its step; A runs a whole turn meanwhile.
+        # B stores its input, then waits inside its step; A runs a whole turn meanwhile. B saves
+        # synchronously, so once its step has started every checkpoint before the step is stored
+        # and A's turn cannot interleave with one of them.
         b_run, failure = _in_background(
-            lambda: _echo_graph(b, gate).invoke(
-                {"messages": [HumanMessage(content="from b")], "steps": 0}, _thread()
+            lambda: _echo_graph(b, gate, entered).invoke(
+                {"messages": [HumanMessage(content="from b")], "steps": 0},
+                _thread(),
+                durability="sync",
             )
         )
-        for _ in range(3000):
-            if "from b" in _everything_stored(a):
-                break
-            threading.Event().wait(0.01)
+        assert entered.wait(timeout=30)
+        assert "from b" in _everything_stored(a)
         _echo_graph(a).invoke({"messages": [HumanMessage(content="from a")], "steps": 0}, _thread())
         gate.set()
         b_run.join(timeout=60)
