@@ -277,3 +277,38 @@ def test_a_large_value_inside_the_runtime_is_stored_when_it_changes_not_every_st
     assert max(h.size_bytes for h in deltas) < 500
     assert StateStore(SQLiteStateBackend(tmp_path / "g.db"), AgentState).load("s").state == state
     store.close()
+
+
+def test_a_head_row_read_for_a_base_replaced_meanwhile_is_read_again_in_full(
+    tmp_path: Path,
+) -> None:
+    """The head row alone stands for a state only while it is the base this store holds; one
+    that another thread of the store replaced during the read is read again, whole."""
+    backend = SQLiteStateBackend(f"sqlite:///{tmp_path / 'state.db'}")
+    store = StateStore(backend, ConversationState, snapshot_every=50)
+    version = store.create("c", ConversationState()).version
+    for k in range(3):
+        version = store.append(
+            "c", {"messages": [Message.user(f"m{k}")]}, expected_version=version, reason="r"
+        )
+    read_head_chain = backend.read_head_chain
+    moved: list[int] = []
+
+    def racing_read(session_id: str, now: float, known_version: int, known_epoch: str) -> Any:
+        chain = read_head_chain(session_id, now, known_version, known_epoch)
+        if not moved:  # another thread appends between the read and the cache check
+            moved.append(
+                store.append(
+                    "c",
+                    {"messages": [Message.user("m3")]},
+                    expected_version=known_version,
+                    reason="r",
+                )
+            )
+        return chain
+
+    backend.read_head_chain = racing_read  # type: ignore[method-assign]
+    got = store.get("c")
+    assert got is not None and moved
+    assert [m.content for m in got.state.messages] == ["m0", "m1", "m2", "m3"]
+    assert got.version == moved[0]

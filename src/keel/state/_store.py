@@ -34,6 +34,7 @@ from keel.errors import (
     DatabaseLockedError,
     ExpiredError,
     StateError,
+    StoreError,
     UsageError,
 )
 from keel.state._backend import Chain, StateBackend, StoredCheckpoint
@@ -50,8 +51,23 @@ from keel.state._schema import JSONState, StateSchema
 __all__ = ["SessionLock", "StateStore", "vacuum"]
 
 S = TypeVar("S")
+_T = TypeVar("_T")
 
 _MISSING = object()
+
+
+class _Partial:
+    """What a read of the head row alone gave when it was not the head this store holds."""
+
+
+_PARTIAL = _Partial()
+
+
+def _whole(found: _T | _Partial) -> _T:
+    if isinstance(found, _Partial):
+        raise StoreError("the backend's chain does not start at a full snapshot")
+    return found
+
 
 _ROW_REPLAY_COST = 256
 """Bytes a delta is charged on top of its own for the row a read fetches, parses and applies,
@@ -338,9 +354,11 @@ class StateStore(Generic[S]):
             chain = self.backend.read_head_chain(
                 session_id, self.clock(), cached.version, cached.epoch
             )
-        else:
-            chain = self.backend.read_chain(session_id, version, self.clock())
-        return self._finish_read(session_id, version, chain, cached)
+            found = self._finish_read(session_id, version, chain, cached)
+            if not isinstance(found, _Partial):
+                return found
+        chain = self.backend.read_chain(session_id, version, self.clock())
+        return _whole(self._finish_read(session_id, version, chain))
 
     async def _aread(
         self, session_id: str, version: int | None, *, copy: bool = True
@@ -350,9 +368,11 @@ class StateStore(Generic[S]):
             chain = await self.backend.aread_head_chain(
                 session_id, self.clock(), cached.version, cached.epoch
             )
-        else:
-            chain = await self.backend.aread_chain(session_id, version, self.clock())
-        return self._finish_read(session_id, version, chain, cached, copy=copy)
+            found = self._finish_read(session_id, version, chain, cached, copy=copy)
+            if not isinstance(found, _Partial):
+                return found
+        chain = await self.backend.aread_chain(session_id, version, self.clock())
+        return _whole(self._finish_read(session_id, version, chain, copy=copy))
 
     def _finish_read(
         self,
@@ -362,7 +382,7 @@ class StateStore(Generic[S]):
         cached: _Base | None = None,
         *,
         copy: bool = True,
-    ) -> tuple[_Base, Checkpoint[S]] | None:
+    ) -> tuple[_Base, Checkpoint[S]] | _Partial | None:
         if chain is None or not chain.rows:
             return None
         last = chain.rows[-1]
@@ -380,6 +400,10 @@ class StateStore(Generic[S]):
                 if self._cache.get(session_id) is cached:
                     state = self._copy(cached.state) if copy else cached.state
                     return cached, Checkpoint(_info(session_id, last), state)
+        if chain.rows[0].kind != "full":
+            # The head row alone, for a cached base that is no longer this store's: the
+            # caller reads the whole chain instead.
+            return _PARTIAL
         base, state, last = self._rebuild(session_id, chain)
         if version is None or version == chain.head.version:
             self._remember(base)

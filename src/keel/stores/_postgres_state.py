@@ -99,6 +99,29 @@ LEFT JOIN keel_state_checkpoints c
 ORDER BY c.version
 """
 
+# The chain of the head for a reader that holds version %(kv)s of incarnation %(ke)s: while
+# that is still the head, the head row alone (the reader knows its state; a flat cost however
+# long the chain grows); otherwise the whole chain, as _READ_CHAIN. One statement, one snapshot.
+_READ_HEAD_CHAIN = f"""
+WITH h AS (
+    SELECT version, epoch, last_full, ttl, expires_at FROM keel_state_sessions
+    WHERE session_id = %(sid)s
+), b AS (
+    SELECT CASE WHEN h.version = %(kv)s::integer AND h.epoch = %(ke)s::text THEN h.version
+        ELSE (SELECT max(c.version) FROM keel_state_checkpoints c
+              WHERE c.session_id = %(sid)s AND c.kind = 'full' AND c.version <= h.version)
+        END AS base
+    FROM h
+)
+SELECT h.version, h.epoch, h.last_full, h.ttl, h.expires_at, h.version AS target,
+       {", ".join("c." + name.strip() for name in _COLUMNS.split(","))}
+FROM h LEFT JOIN b ON true
+LEFT JOIN keel_state_checkpoints c
+    ON c.session_id = %(sid)s AND c.version >= b.base AND c.version <= h.version
+    AND h.version >= 1
+ORDER BY c.version
+"""
+
 _APPEND = f"""
 WITH head AS (
     UPDATE keel_state_sessions SET
@@ -177,6 +200,10 @@ def _values(row: StoredCheckpoint) -> tuple[Any, ...]:
         row.good,
         row.forked_from,
     )
+
+
+def _known(session_id: str, version: int, epoch: str) -> dict[str, Any]:
+    return {"sid": session_id, "kv": version, "ke": epoch}
 
 
 def _row(values: Any, payload_size: int | None = None) -> StoredCheckpoint:
@@ -278,7 +305,22 @@ class PostgresStateBackend(StateBackend):
             found = cur.fetchall()
         return self._chain_from(session_id, found, now)
 
-    def _chain_from(self, session_id: str, found: list[Any], now: float) -> Chain | None:
+    def read_head_chain(
+        self, session_id: str, now: float, known_version: int, known_epoch: str
+    ) -> Chain | None:
+        with self._tx(single=True) as cur:
+            cur.execute(_READ_HEAD_CHAIN, _known(session_id, known_version, known_epoch))
+            found = cur.fetchall()
+        return self._chain_from(session_id, found, now, known=(known_version, known_epoch))
+
+    def _chain_from(
+        self,
+        session_id: str,
+        found: list[Any],
+        now: float,
+        *,
+        known: tuple[int, str] | None = None,
+    ) -> Chain | None:
         if not found:
             return None
         first = found[0]
@@ -290,6 +332,8 @@ class PostgresStateBackend(StateBackend):
             return None
         target = int(first[5])
         rows = [_row(values[6:]) for values in found]
+        if known == (head.version, head.epoch) and len(rows) == 1 and rows[0].version == target:
+            return Chain(head, rows)  # the head the reader holds, alone
         if not rows or rows[-1].version != target or rows[0].kind != "full":
             return None
         if len(rows) != target - rows[0].version + 1:
@@ -488,6 +532,14 @@ class PostgresStateBackend(StateBackend):
             await cur.execute(_READ_CHAIN, {"sid": session_id, "v": version})
             found = await cur.fetchall()
         return self._chain_from(session_id, found, now)
+
+    async def aread_head_chain(
+        self, session_id: str, now: float, known_version: int, known_epoch: str
+    ) -> Chain | None:
+        async with self._atx(single=True) as cur:
+            await cur.execute(_READ_HEAD_CHAIN, _known(session_id, known_version, known_epoch))
+            found = await cur.fetchall()
+        return self._chain_from(session_id, found, now, known=(known_version, known_epoch))
 
     async def awrite(
         self,

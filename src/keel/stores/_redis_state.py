@@ -64,8 +64,14 @@ if h[5] and h[5] ~= '' and tonumber(h[5]) <= now then return {'expired', h[5]} e
 local target = tonumber(h[1])
 if ARGV[1] ~= '' then target = tonumber(ARGV[1]) end
 if target > tonumber(h[1]) or target < 1 then return {'absent'} end
-local base = redis.call('ZREVRANGEBYSCORE', KEYS[3], target, '-inf', 'LIMIT', 0, 1)
-if #base == 0 then return {'absent'} end
+local base
+if ARGV[1] == '' and ARGV[3] and ARGV[3] == h[1] and ARGV[4] == h[2] then
+  -- The caller holds this head already: its row alone (a flat cost however long the chain).
+  base = {h[1]}
+else
+  base = redis.call('ZREVRANGEBYSCORE', KEYS[3], target, '-inf', 'LIMIT', 0, 1)
+  if #base == 0 then return {'absent'} end
+end
 local out = {'ok', h[1], h[2], h[3], h[4] or '', h[5] or ''}
 for v = tonumber(base[1]), target do
   local s = tostring(v)
@@ -285,6 +291,22 @@ class RedisStateBackend(StateBackend):
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
         found = await self._acall(
             "read", self._keys(session_id), ["" if version is None else version, repr(now)]
+        )
+        return self._chain_from(session_id, found, now)
+
+    def read_head_chain(
+        self, session_id: str, now: float, known_version: int, known_epoch: str
+    ) -> Chain | None:
+        found = self._call(
+            self._read, self._keys(session_id), ["", repr(now), known_version, known_epoch]
+        )
+        return self._chain_from(session_id, found, now)
+
+    async def aread_head_chain(
+        self, session_id: str, now: float, known_version: int, known_epoch: str
+    ) -> Chain | None:
+        found = await self._acall(
+            "read", self._keys(session_id), ["", repr(now), known_version, known_epoch]
         )
         return self._chain_from(session_id, found, now)
 

@@ -496,6 +496,57 @@ class StateBackendConformance:
         finally:
             other_backend.close()
 
+    async def test_a_read_of_the_head_a_reader_holds_costs_one_row_however_long_the_chain(
+        self, backend: StateBackend
+    ) -> None:
+        store = StateStore(backend, ConversationState, snapshot_every=50)
+        version = store.create("c", ConversationState()).version
+        for k in range(1, 41):
+            version = store.append(
+                "c",
+                {"messages": [Message.user(f"turn {k}")]},
+                expected_version=version,
+                reason="before_model_call",
+            )
+        now = time.time()
+        whole = backend.read_chain("c", None, now)
+        assert whole is not None and len(whole.rows) == 41  # v1 (full), then 40 deltas
+        head = whole.head
+        for read in (
+            backend.read_head_chain("c", now, head.version, head.epoch),
+            await backend.aread_head_chain("c", now, head.version, head.epoch),
+        ):
+            assert read is not None and read.head == head
+            assert read.rows == [whole.rows[-1]]  # a reader's per-turn read: the head row alone
+        # A reader holding an older version, or another incarnation, gets the whole chain.
+        for known_version, epoch in ((head.version - 1, head.epoch), (head.version, "another")):
+            for read in (
+                backend.read_head_chain("c", now, known_version, epoch),
+                await backend.aread_head_chain("c", now, known_version, epoch),
+            ):
+                assert read is not None and read.rows == whole.rows
+        # Through stores: the one holding the head reads it cheaply, a fresh one in full; both
+        # read the same state, and a writer elsewhere is seen.
+        expected = [f"turn {k}" for k in range(1, 41)]
+        mine = await store.aget("c")
+        assert mine is not None and [m.content for m in mine.state.messages] == expected
+        fresh = StateStore(open_state_backend_like(backend), ConversationState)
+        try:
+            theirs = await fresh.aget("c")
+            assert theirs is not None and theirs.state == mine.state
+            moved = fresh.append(
+                "c",
+                {"messages": [Message.user("elsewhere")]},
+                expected_version=version,
+                reason="before_model_call",
+            )
+            for seen in (await store.aget("c"), store.get("c")):
+                assert seen is not None and seen.version == moved
+                assert [m.content for m in seen.state.messages] == [*expected, "elsewhere"]
+        finally:
+            await fresh.aclose()
+            await store.aclose()
+
     # --- locks --------------------------------------------------------------------------------
 
     def test_lock_is_advisory_and_the_version_check_fences(
