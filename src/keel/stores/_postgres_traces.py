@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb
 from keel.errors import StoreError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
-from keel.stores._trace_sql import step_contribution, upsert_run_sql
+from keel.stores._trace_sql import upsert_run_sql
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
@@ -186,49 +186,44 @@ def _run_values(run: Run) -> tuple[Any, ...]:
     )
 
 
-def _write_steps(conn: psycopg.Connection[tuple[Any, ...]], run_id: str, steps: list[Step]) -> None:
-    """Insert or replace one run's steps; its totals move by the difference, in one update."""
-    # Locks the run row: concurrent writers of one run's steps serialise here.
-    if (
-        conn.execute("SELECT 1 FROM trace_runs WHERE run_id = %s FOR UPDATE", (run_id,)).fetchone()
-        is None
-    ):
-        raise StoreError(f"cannot write step {steps[0].step_id}: no run {run_id!r}")
-    written = {
-        row[0]: step_contribution(row[1], row[2] is not None, row[3], row[4])
-        for row in conn.execute(
-            "SELECT step_id, kind, error_type, prompt_tokens, completion_tokens FROM trace_steps "
-            "WHERE run_id = %s AND step_id = ANY(%s)",
-            (run_id, [step.step_id for step in steps]),
-        )
-    }
-    delta = [0] * 6
-    for step in steps:
-        new = step_contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
-        old = written.get(step.step_id)
-        for position, value in enumerate(new):
-            delta[position] += value - (0 if old is None else old[position])
-        written[step.step_id] = new  # the same step twice in a batch counts once
+# A run's totals, counted again from its steps (a run has at most its step limit of them), so
+# the whole batch goes to the server in one pipeline with nothing read back in between.
+_RECOUNT_TOTALS = (
+    "UPDATE trace_runs r SET step_count = s.steps, model_calls = s.models, "
+    "tool_calls = s.tools, tool_errors = s.errors, prompt_tokens = s.prompt, "
+    "completion_tokens = s.completion, heartbeat_at = GREATEST(r.heartbeat_at, %s) "
+    "FROM (SELECT count(*) AS steps, count(*) FILTER (WHERE kind = 'model') AS models, "
+    "count(*) FILTER (WHERE kind = 'tool') AS tools, "
+    "count(*) FILTER (WHERE kind = 'tool' AND error_type IS NOT NULL) AS errors, "
+    "coalesce(sum(prompt_tokens), 0) AS prompt, "
+    "coalesce(sum(completion_tokens), 0) AS completion "
+    "FROM trace_steps WHERE run_id = %s) s WHERE r.run_id = %s"
+)
+
+
+def _write_steps(
+    conn: psycopg.Connection[tuple[Any, ...]], run_id: str, steps: list[Step]
+) -> psycopg.Cursor[tuple[Any, ...]]:
+    """Insert or replace one run's steps and recount its totals; the caller checks the
+    returned cursor (the run's row lock) once the pipeline is through."""
+    # Locks the run row first: concurrent writers of one run's steps serialise here, and each
+    # later statement (READ COMMITTED) sees the steps of the writer before.
+    locked = conn.execute("SELECT 1 FROM trace_runs WHERE run_id = %s FOR UPDATE", (run_id,))
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_STEP, [_step_values(step) for step in steps])
-    conn.execute(
-        "UPDATE trace_runs SET step_count = step_count + %s, "
-        "model_calls = model_calls + %s, tool_calls = tool_calls + %s, "
-        "tool_errors = tool_errors + %s, prompt_tokens = prompt_tokens + %s, "
-        "completion_tokens = completion_tokens + %s, "
-        "heartbeat_at = GREATEST(heartbeat_at, %s) WHERE run_id = %s",
-        (*delta, datetime.now(UTC), run_id),
-    )
+    conn.execute(_RECOUNT_TOTALS, (datetime.now(UTC), run_id, run_id))
+    return locked
 
 
-def _end_run(conn: psycopg.Connection[tuple[Any, ...]], end: RunEnding) -> None:
-    updated = conn.execute(
+def _end_run(
+    conn: psycopg.Connection[tuple[Any, ...]], end: RunEnding
+) -> psycopg.Cursor[tuple[Any, ...]]:
+    """Set the run's final fields; the caller checks the cursor's row count."""
+    return conn.execute(
         "UPDATE trace_runs SET status = %s, ended_at = %s, output = %s, "
         "error_type = %s, error_message = %s WHERE run_id = %s",
         (end.status, end.ended_at, end.output, end.error_type, end.error_message, end.run_id),
-    ).rowcount
-    if updated == 0:
-        raise StoreError(f"cannot end run {end.run_id!r}: no such run")
+    )
 
 
 class PostgresTraceStore(TraceStore):
@@ -299,16 +294,34 @@ class PostgresTraceStore(TraceStore):
         """One transaction for the whole batch; per run, one lock, one read of the steps
         written before and one totals update."""
         self._ensure()
+        by_run: dict[str, list[Step]] = {}
+        for step in steps:
+            by_run.setdefault(step.run_id, []).append(step)
         with self._tx() as conn:
-            if run is not None:
-                conn.execute(_UPSERT_RUN, _run_values(run))
-            by_run: dict[str, list[Step]] = {}
-            for step in steps:
-                by_run.setdefault(step.run_id, []).append(step)
-            for run_id, run_steps in by_run.items():
-                _write_steps(conn, run_id, run_steps)
-            if end is not None:
-                _end_run(conn, end)
+            try:
+                # One round trip for the batch instead of one per statement.
+                with conn.pipeline():
+                    if run is not None:
+                        conn.execute(_UPSERT_RUN, _run_values(run))
+                    locks = {
+                        run_id: _write_steps(conn, run_id, run_steps)
+                        for run_id, run_steps in by_run.items()
+                    }
+                    ended = _end_run(conn, end) if end is not None else None
+            except psycopg.errors.ForeignKeyViolation as exc:
+                missing = next(
+                    (run_id for run_id in by_run if run_id in str(exc.diag.message_detail)),
+                    next(iter(by_run), "?"),
+                )
+                raise StoreError(f"cannot write steps: no run {missing!r}") from exc
+            for run_id, locked in locks.items():
+                if locked.fetchone() is None:
+                    raise StoreError(
+                        f"cannot write step {by_run[run_id][0].step_id}: no run {run_id!r}"
+                    )
+            if ended is not None and ended.rowcount == 0:
+                assert end is not None
+                raise StoreError(f"cannot end run {end.run_id!r}: no such run")
 
     def end_run(
         self,
