@@ -232,3 +232,29 @@ def test_successive_prompts_cost_what_their_messages_cost(model: str) -> None:
         # A counter of its own each time: no earlier list to start from.
         expected = ChatTokenCounter(counter.profile, counter.tokenizer).count_messages(prompt)
         assert counter.count_messages(prompt) == expected, prompt
+
+
+def test_a_short_text_counted_again_is_not_tokenized_again() -> None:
+    """Memory packing counts the same memories on every turn: a look-up, not a tokenization,
+    with the same counts as the tokenizer's, and long texts never kept."""
+    counter = counter_for("gpt-4o")
+    tokenized: list[str] = []
+    real = counter.tokenizer
+
+    class Counting:
+        exact = real.exact
+
+        def count(self, text: str) -> int:
+            tokenized.append(text)
+            return real.count(text)
+
+    counter.tokenizer = Counting()  # type: ignore[assignment]
+    memory = "On 2026-11-30 the user said: my daughter is allergic to peanuts."
+    long_output = "row " * 2000
+    counts = [counter.count_text(memory) for _ in range(5)]
+    assert counts == [real.count(memory)] * 5 and tokenized == [memory]
+    assert counter.count_text(long_output) == counter.count_text(long_output)
+    assert tokenized.count(long_output) == 2
+    for number in range(10_000):  # bounded: the oldest texts make room
+        counter.count_text(f"note {number}")
+    assert len(counter._text_counts) <= 8192

@@ -95,6 +95,12 @@ def render_tools_for_counting(tools: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# Texts longer than this are not cached, and at most _CACHED_TEXTS are: the cache holds at most
+# 32 MB of text in the worst case, typically well under one (memories are short).
+_CACHED_TEXT_CHARS = 4096
+_CACHED_TEXTS = 8192
+
+
 class ChatTokenCounter:
     """Counts prompts for one model: text, per-message framing, tool calls and tool schemas."""
 
@@ -115,6 +121,9 @@ class ChatTokenCounter:
         self._identity_counts: dict[int, int] = {}
         self._identity_kept: dict[int, Message] = {}
         self._tools_counts: dict[str, int] = {}
+        # Short texts counted again and again (the same memories packed on every turn): their
+        # counts, by text. Long texts are tokenized each time rather than kept alive here.
+        self._text_counts: dict[str, int] = {}
         self._last_list: tuple[list[Message], list[int]] | None = None
 
     @property
@@ -123,8 +132,18 @@ class ChatTokenCounter:
         return self.tokenizer.exact and self.profile.exact
 
     def count_text(self, text: str) -> int:
-        """Tokens of plain text."""
-        return self.tokenizer.count(text)
+        """Tokens of plain text (cached for texts up to ``_CACHED_TEXT_CHARS`` characters)."""
+        if len(text) > _CACHED_TEXT_CHARS or self.cache_size <= 0:
+            return self.tokenizer.count(text)
+        tokens = self._text_counts.get(text)
+        if tokens is None:
+            tokens = self.tokenizer.count(text)
+            if len(self._text_counts) >= min(self.cache_size, _CACHED_TEXTS):
+                # Oldest first, as the message counts; another thread may evict it first.
+                with contextlib.suppress(RuntimeError, StopIteration):
+                    self._text_counts.pop(next(iter(self._text_counts)), None)
+            self._text_counts[text] = tokens
+        return tokens
 
     def _chatml_render(self, message: Message) -> str:
         body = message.content
