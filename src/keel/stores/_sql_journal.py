@@ -71,16 +71,24 @@ class SQLToolJournal(ToolJournal):
         arguments: str,
     ) -> JournalClaim:
         with self._write() as conn:
-            cursor = conn.execute(
-                self.dialect.sql(
-                    "INSERT INTO keel_tool_journal (key, session_id, step, call_index, tool, "
-                    "arguments, status, attempts, started_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, 'started', 1, ?) ON CONFLICT (key) DO NOTHING"
+            # The new entry comes back with the insert; an existing one takes a read.
+            entry = next(
+                _entries(
+                    conn.execute(
+                        self.dialect.sql(
+                            "INSERT INTO keel_tool_journal (key, session_id, step, call_index, "
+                            "tool, arguments, status, attempts, started_at) "
+                            "VALUES (?, ?, ?, ?, ?, ?, 'started', 1, ?) "
+                            f"ON CONFLICT (key) DO NOTHING RETURNING {_COLUMNS}"
+                        ),
+                        (key, session_id, step, call_index, tool, arguments, time.time()),
+                    )
                 ),
-                (key, session_id, step, call_index, tool, arguments, time.time()),
+                None,
             )
-            created = cursor.rowcount == 1
-            entry = self._select(conn, key)
+            created = entry is not None
+            if entry is None:
+                entry = self._select(conn, key)
         if entry is None:  # pragma: no cover - inserted or present in the same transaction
             raise StoreError(f"journal entry {key!r} vanished")
         return JournalClaim(created=created, entry=entry)
@@ -128,14 +136,16 @@ class SQLToolJournal(ToolJournal):
 
     def record_decision(self, session_id: str, step: int, message: Message) -> Message:
         with self._write() as conn:
-            conn.execute(
+            row = conn.execute(
                 self.dialect.sql(
                     "INSERT INTO keel_tool_decisions (session_id, step, message, created_at) "
-                    "VALUES (?, ?, ?, ?) ON CONFLICT (session_id, step) DO NOTHING"
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (session_id, step) DO NOTHING "
+                    "RETURNING message"
                 ),
                 (session_id, step, message.model_dump_json(), time.time()),
-            )
-            row = conn.execute(self.dialect.sql(_DECISION), (session_id, step)).fetchone()
+            ).fetchone()
+            if row is None:  # decided before (a replay): that decision stands
+                row = conn.execute(self.dialect.sql(_DECISION), (session_id, step)).fetchone()
         return Message.model_validate_json(row[0])
 
     def decision(self, session_id: str, step: int) -> Message | None:
@@ -145,8 +155,11 @@ class SQLToolJournal(ToolJournal):
 
     def _update(self, key: str, assignments: str, params: tuple[Any, ...]) -> JournalEntry:
         with self._write() as conn:
-            conn.execute(self.dialect.sql(f"{assignments} WHERE key = ?"), (*params, key))
-            entry = self._select(conn, key)
+            cursor = conn.execute(
+                self.dialect.sql(f"{assignments} WHERE key = ? RETURNING {_COLUMNS}"),
+                (*params, key),
+            )
+            entry = next(_entries(cursor), None)
         if entry is None:
             raise StoreError(f"no journal entry {key!r}{self._where()}")
         return entry
