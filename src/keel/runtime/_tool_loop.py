@@ -546,13 +546,18 @@ class ToolLoop:
         """One step. Returns (kind, completion, message); raises _Stop to end the run."""
         prompt = await _call(self.hooks.before_model_call, run.step, run.history)
         sent = list(prompt) if prompt is not None else list(run.history)
-        try:
-            decision = await self.journal.adecision(_decision_scope(run), run.step)
-        except StoreError:
-            # Replay is an optimisation of resume; each side-effecting call is still claimed
-            # in the journal before it runs, and refused if that claim cannot be written.
-            logger.exception("could not read the journalled decision of step %s", run.step)
-            decision = None
+        decision: Message | None = None
+        # Only a run's first step can find a decision journalled before it: a run resumes at
+        # the step of its last checkpoint, and a later step is decided by this run (a
+        # concurrent writer's decision still wins, when ours is recorded).
+        if not run.steps:
+            try:
+                decision = await self.journal.adecision(_decision_scope(run), run.step)
+            except StoreError:
+                # Replay is an optimisation of resume; each side-effecting call is still
+                # claimed in the journal before it runs, and refused if that claim cannot be
+                # written.
+                logger.exception("could not read the journalled decision of step %s", run.step)
         completion: Completion | None = None
         if decision is not None:
             message = decision
