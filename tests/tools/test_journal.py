@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,19 @@ def test_concurrent_claims_have_one_winner(journal: ToolJournal) -> None:
     for thread in threads:
         thread.join()
     assert sorted(winners) == [False, False, False, True]
+
+
+async def test_concurrent_async_claims_have_one_winner(journal: ToolJournal) -> None:
+    claims = await asyncio.gather(
+        *(
+            journal.aclaim(
+                key="k9", session_id="s1", step=9, call_index=0, tool="book", arguments="{}"
+            )
+            for _ in range(4)
+        )
+    )
+    assert sorted(claim.created for claim in claims) == [False, False, False, True]
+    assert {claim.entry.key for claim in claims} == {"k9"}
 
 
 def test_sqlite_journal_is_a_versioned_component(tmp_path: Path) -> None:

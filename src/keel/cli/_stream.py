@@ -39,7 +39,8 @@ def bench_stream_command(
     out_console.print(
         f"ttft p50: sdk {ttft['sdk']:.0f} ms, agent.stream {ttft['agent_stream']:.0f} ms "
         f"(added p50 {report['added_ttft_ms_p50']:.1f} ms, p95 {report['added_ttft_ms_p95']:.1f}"
-        f" ms; unmasked added p50 {report['added_ttft_ms_unmasked_p50']:.1f} ms); "
+        f" ms; unmasked added p50 {report['added_ttft_ms_unmasked_p50']:.1f} ms; against the "
+        f"SDK masking the same way p50 {report['added_ttft_ms_vs_masked_sdk_p50']:.1f} ms); "
         f"{report['tokens_per_s']:.1f} tokens/s"
     )
     out_console.print(

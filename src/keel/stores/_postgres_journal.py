@@ -7,12 +7,12 @@ one claims it. psycopg is imported only when a journal is built.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
-from keel.stores._sql_journal import JournalDialect, SQLToolJournal
+from keel.stores._sql_journal import AsyncSQLToolJournal, JournalDialect
 
 __all__ = ["POSTGRES_JOURNAL_MIGRATIONS", "PostgresToolJournal"]
 
@@ -52,7 +52,7 @@ POSTGRES_JOURNAL_MIGRATIONS = MigrationSet(
 )
 
 
-class PostgresToolJournal(SQLToolJournal):
+class PostgresToolJournal(AsyncSQLToolJournal):
     """The tool journal in PostgreSQL; applies its migrations on construction.
 
     Args:
@@ -85,6 +85,12 @@ class PostgresToolJournal(SQLToolJournal):
     def _read(self) -> AbstractContextManager[Any]:
         # One statement, atomic in autocommit: no BEGIN and COMMIT round trips.
         return self.database.connection()
+
+    def _awrite(self) -> AbstractAsyncContextManager[Any]:
+        return self.database.atransaction()
+
+    def _aread(self) -> AbstractAsyncContextManager[Any]:
+        return self.database.aconnection()
 
     def close(self) -> None:
         """Close the database, unless it was passed in."""

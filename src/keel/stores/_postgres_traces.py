@@ -10,6 +10,7 @@ limit).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -201,29 +202,64 @@ _RECOUNT_TOTALS = (
 )
 
 
+# Locks the run row first: concurrent writers of one run's steps serialise here, and each
+# later statement (READ COMMITTED) sees the steps of the writer before.
+_LOCK_RUN = "SELECT 1 FROM trace_runs WHERE run_id = %s FOR UPDATE"
+
+_END_RUN = (
+    "UPDATE trace_runs SET status = %s, ended_at = %s, output = %s, "
+    "error_type = %s, error_message = %s WHERE run_id = %s"
+)
+
+
+def _end_values(end: RunEnding) -> tuple[Any, ...]:
+    return (end.status, end.ended_at, end.output, end.error_type, end.error_message, end.run_id)
+
+
+def _by_run(steps: Sequence[Step]) -> dict[str, list[Step]]:
+    by_run: dict[str, list[Step]] = {}
+    for step in steps:
+        by_run.setdefault(step.run_id, []).append(step)
+    return by_run
+
+
 def _write_steps(
     conn: psycopg.Connection[tuple[Any, ...]], run_id: str, steps: list[Step]
 ) -> psycopg.Cursor[tuple[Any, ...]]:
     """Insert or replace one run's steps and recount its totals; the caller checks the
     returned cursor (the run's row lock) once the pipeline is through."""
-    # Locks the run row first: concurrent writers of one run's steps serialise here, and each
-    # later statement (READ COMMITTED) sees the steps of the writer before.
-    locked = conn.execute("SELECT 1 FROM trace_runs WHERE run_id = %s FOR UPDATE", (run_id,))
+    locked = conn.execute(_LOCK_RUN, (run_id,))
     with conn.cursor() as cursor:
         cursor.executemany(_INSERT_STEP, [_step_values(step) for step in steps])
     conn.execute(_RECOUNT_TOTALS, (datetime.now(UTC), run_id, run_id))
     return locked
 
 
-def _end_run(
-    conn: psycopg.Connection[tuple[Any, ...]], end: RunEnding
-) -> psycopg.Cursor[tuple[Any, ...]]:
-    """Set the run's final fields; the caller checks the cursor's row count."""
-    return conn.execute(
-        "UPDATE trace_runs SET status = %s, ended_at = %s, output = %s, "
-        "error_type = %s, error_message = %s WHERE run_id = %s",
-        (end.status, end.ended_at, end.output, end.error_type, end.error_message, end.run_id),
+async def _awrite_steps(
+    conn: psycopg.AsyncConnection[tuple[Any, ...]], run_id: str, steps: list[Step]
+) -> psycopg.AsyncCursor[tuple[Any, ...]]:
+    """Async twin of :func:`_write_steps`."""
+    locked = await conn.execute(_LOCK_RUN, (run_id,))
+    async with conn.cursor() as cursor:
+        await cursor.executemany(_INSERT_STEP, [_step_values(step) for step in steps])
+    await conn.execute(_RECOUNT_TOTALS, (datetime.now(UTC), run_id, run_id))
+    return locked
+
+
+def _missing_run(exc: psycopg.errors.ForeignKeyViolation, by_run: dict[str, list[Step]]) -> str:
+    """The run a batch's steps named that does not exist, as the server reported it."""
+    return next(
+        (run_id for run_id in by_run if run_id in str(exc.diag.message_detail)),
+        next(iter(by_run), "?"),
     )
+
+
+def _no_step_run(run_id: str, by_run: dict[str, list[Step]]) -> StoreError:
+    return StoreError(f"cannot write step {by_run[run_id][0].step_id}: no run {run_id!r}")
+
+
+def _no_end_run(end: RunEnding) -> StoreError:
+    return StoreError(f"cannot end run {end.run_id!r}: no such run")
 
 
 class PostgresTraceStore(TraceStore):
@@ -294,9 +330,7 @@ class PostgresTraceStore(TraceStore):
         """One transaction for the whole batch; per run, one lock, one read of the steps
         written before and one totals update."""
         self._ensure()
-        by_run: dict[str, list[Step]] = {}
-        for step in steps:
-            by_run.setdefault(step.run_id, []).append(step)
+        by_run = _by_run(steps)
         with self._tx() as conn:
             try:
                 # One round trip for the batch instead of one per statement.
@@ -307,21 +341,79 @@ class PostgresTraceStore(TraceStore):
                         run_id: _write_steps(conn, run_id, run_steps)
                         for run_id, run_steps in by_run.items()
                     }
-                    ended = _end_run(conn, end) if end is not None else None
+                    ended = conn.execute(_END_RUN, _end_values(end)) if end is not None else None
             except psycopg.errors.ForeignKeyViolation as exc:
-                missing = next(
-                    (run_id for run_id in by_run if run_id in str(exc.diag.message_detail)),
-                    next(iter(by_run), "?"),
-                )
+                missing = _missing_run(exc, by_run)
                 raise StoreError(f"cannot write steps: no run {missing!r}") from exc
             for run_id, locked in locks.items():
                 if locked.fetchone() is None:
-                    raise StoreError(
-                        f"cannot write step {by_run[run_id][0].step_id}: no run {run_id!r}"
+                    raise _no_step_run(run_id, by_run)
+            if end is not None and ended is not None and ended.rowcount == 0:
+                raise _no_end_run(end)
+
+    # The writes' async twins run on the event loop's own connections: a worker thread would
+    # wait for the GIL while the loop serves other sessions (up to the 5 ms switch interval
+    # each way), at every flush of every turn.
+
+    async def awrite_batch(
+        self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None
+    ) -> None:
+        """Async twin of :meth:`write_batch`: the same statements in one pipeline."""
+        if not self._ready:
+            await asyncio.to_thread(self.setup)
+        by_run = _by_run(steps)
+        async with self.database.atransaction() as conn:
+            try:
+                async with conn.pipeline():
+                    if run is not None:
+                        await conn.execute(_UPSERT_RUN, _run_values(run))
+                    locks = {
+                        run_id: await _awrite_steps(conn, run_id, run_steps)
+                        for run_id, run_steps in by_run.items()
+                    }
+                    ended = (
+                        await conn.execute(_END_RUN, _end_values(end)) if end is not None else None
                     )
-            if ended is not None and ended.rowcount == 0:
-                assert end is not None
-                raise StoreError(f"cannot end run {end.run_id!r}: no such run")
+            except psycopg.errors.ForeignKeyViolation as exc:
+                missing = _missing_run(exc, by_run)
+                raise StoreError(f"cannot write steps: no run {missing!r}") from exc
+            for run_id, locked in locks.items():
+                if await locked.fetchone() is None:
+                    raise _no_step_run(run_id, by_run)
+            if end is not None and ended is not None and ended.rowcount == 0:
+                raise _no_end_run(end)
+
+    async def astart_run(self, run: Run) -> None:
+        """Async twin of :meth:`start_run`."""
+        await self.awrite_batch(run=run, steps=(), end=None)
+
+    async def awrite_step(self, step: Step) -> None:
+        """Async twin of :meth:`write_step`."""
+        await self.awrite_batch(run=None, steps=(step,), end=None)
+
+    async def aend_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus,
+        ended_at: datetime,
+        output: str | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        """Async twin of :meth:`end_run`."""
+        await self.awrite_batch(
+            run=None,
+            steps=(),
+            end=RunEnding(
+                run_id=run_id,
+                status=status,
+                ended_at=ended_at,
+                output=output,
+                error_type=error_type,
+                error_message=error_message,
+            ),
+        )
 
     def end_run(
         self,

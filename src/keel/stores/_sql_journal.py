@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from keel.errors import StoreError
 from keel.messages import Message
 from keel.tools._journal import JournalClaim, JournalEntry, ToolJournal, entry_from_row
 
-__all__ = ["JournalDialect", "SQLToolJournal"]
+__all__ = ["AsyncSQLToolJournal", "JournalDialect", "SQLToolJournal"]
 
 _COLUMNS = (
     "key, session_id, step, call_index, tool, arguments, status, ok, content, output, "
@@ -75,12 +75,7 @@ class SQLToolJournal(ToolJournal):
             entry = next(
                 _entries(
                     conn.execute(
-                        self.dialect.sql(
-                            "INSERT INTO keel_tool_journal (key, session_id, step, call_index, "
-                            "tool, arguments, status, attempts, started_at) "
-                            "VALUES (?, ?, ?, ?, ?, ?, 'started', 1, ?) "
-                            f"ON CONFLICT (key) DO NOTHING RETURNING {_COLUMNS}"
-                        ),
+                        self.dialect.sql(_CLAIM),
                         (key, session_id, step, call_index, tool, arguments, time.time()),
                     )
                 ),
@@ -94,14 +89,18 @@ class SQLToolJournal(ToolJournal):
         return JournalClaim(created=created, entry=entry)
 
     def restart(self, key: str) -> JournalEntry:
-        return self._update(key, "UPDATE keel_tool_journal SET attempts = attempts + 1", ())
+        return self._update(key, _RESTART, ())
 
     def finish(self, key: str, *, ok: bool, content: str, output: str) -> JournalEntry:
-        return self._update(
-            key,
-            "UPDATE keel_tool_journal SET status = ?, ok = ?, content = ?, output = ?, "
-            "finished_at = ?",
-            ("succeeded" if ok else "failed", self.dialect.flag(ok), content, output, time.time()),
+        return self._update(key, _FINISH, self._finish_params(ok, content, output))
+
+    def _finish_params(self, ok: bool, content: str, output: str) -> tuple[Any, ...]:
+        return (
+            "succeeded" if ok else "failed",
+            self.dialect.flag(ok),
+            content,
+            output,
+            time.time(),
         )
 
     def get(self, key: str) -> JournalEntry | None:
@@ -127,21 +126,12 @@ class SQLToolJournal(ToolJournal):
 
     def same_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
         # keel_tool_journal_session narrows to the session; a session has few entries.
-        return self._entries(
-            f"SELECT {_COLUMNS} FROM keel_tool_journal "
-            "WHERE session_id = ? AND tool = ? AND arguments = ? "
-            "ORDER BY started_at, step, call_index",
-            (session_id, tool, arguments),
-        )
+        return self._entries(_SAME_CALLS, (session_id, tool, arguments))
 
     def record_decision(self, session_id: str, step: int, message: Message) -> Message:
         with self._write() as conn:
             row = conn.execute(
-                self.dialect.sql(
-                    "INSERT INTO keel_tool_decisions (session_id, step, message, created_at) "
-                    "VALUES (?, ?, ?, ?) ON CONFLICT (session_id, step) DO NOTHING "
-                    "RETURNING message"
-                ),
+                self.dialect.sql(_RECORD_DECISION),
                 (session_id, step, message.model_dump_json(), time.time()),
             ).fetchone()
             if row is None:  # decided before (a replay): that decision stands
@@ -155,10 +145,7 @@ class SQLToolJournal(ToolJournal):
 
     def _update(self, key: str, assignments: str, params: tuple[Any, ...]) -> JournalEntry:
         with self._write() as conn:
-            cursor = conn.execute(
-                self.dialect.sql(f"{assignments} WHERE key = ? RETURNING {_COLUMNS}"),
-                (*params, key),
-            )
+            cursor = conn.execute(self.dialect.sql(_returning(assignments)), (*params, key))
             entry = next(_entries(cursor), None)
         if entry is None:
             raise StoreError(f"no journal entry {key!r}{self._where()}")
@@ -169,13 +156,122 @@ class SQLToolJournal(ToolJournal):
             return list(_entries(conn.execute(self.dialect.sql(sql), params)))
 
     def _select(self, conn: Any, key: str) -> JournalEntry | None:
-        cursor = conn.execute(
-            self.dialect.sql(f"SELECT {_COLUMNS} FROM keel_tool_journal WHERE key = ?"), (key,)
-        )
+        cursor = conn.execute(self.dialect.sql(_SELECT), (key,))
         return next(_entries(cursor), None)
 
 
+class AsyncSQLToolJournal(SQLToolJournal):
+    """The journal over an engine whose driver is async too (psycopg): the async twins run
+    the same statements on the event loop's own connections, with no worker thread between.
+
+    Under load a worker thread is not free: it waits for the GIL while the loop runs other
+    sessions' turns (up to the 5 ms switch interval each way), once per journal write.
+    """
+
+    @abstractmethod
+    def _awrite(self) -> AbstractAsyncContextManager[Any]:
+        """Async twin of :meth:`_write`."""
+
+    @abstractmethod
+    def _aread(self) -> AbstractAsyncContextManager[Any]:
+        """Async twin of :meth:`_read`."""
+
+    async def aclaim(
+        self,
+        *,
+        key: str,
+        session_id: str,
+        step: int,
+        call_index: int,
+        tool: str,
+        arguments: str,
+    ) -> JournalClaim:
+        async with self._awrite() as conn:
+            cursor = await conn.execute(
+                self.dialect.sql(_CLAIM),
+                (key, session_id, step, call_index, tool, arguments, time.time()),
+            )
+            found = await _aentries(cursor)
+            created = bool(found)
+            if not found:
+                found = await _aentries(await conn.execute(self.dialect.sql(_SELECT), (key,)))
+        if not found:  # pragma: no cover - inserted or present in the same transaction
+            raise StoreError(f"journal entry {key!r} vanished")
+        return JournalClaim(created=created, entry=found[0])
+
+    async def arestart(self, key: str) -> JournalEntry:
+        return await self._aupdate(key, _RESTART, ())
+
+    async def afinish(self, key: str, *, ok: bool, content: str, output: str) -> JournalEntry:
+        return await self._aupdate(key, _FINISH, self._finish_params(ok, content, output))
+
+    async def aget(self, key: str) -> JournalEntry | None:
+        async with self._aread() as conn:
+            found = await _aentries(await conn.execute(self.dialect.sql(_SELECT), (key,)))
+        return found[0] if found else None
+
+    async def asame_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
+        async with self._aread() as conn:
+            return await _aentries(
+                await conn.execute(self.dialect.sql(_SAME_CALLS), (session_id, tool, arguments))
+            )
+
+    async def arecord_decision(self, session_id: str, step: int, message: Message) -> Message:
+        async with self._awrite() as conn:
+            cursor = await conn.execute(
+                self.dialect.sql(_RECORD_DECISION),
+                (session_id, step, message.model_dump_json(), time.time()),
+            )
+            row = await cursor.fetchone()
+            if row is None:  # decided before (a replay): that decision stands
+                cursor = await conn.execute(self.dialect.sql(_DECISION), (session_id, step))
+                row = await cursor.fetchone()
+        return Message.model_validate_json(row[0])
+
+    async def adecision(self, session_id: str, step: int) -> Message | None:
+        async with self._aread() as conn:
+            cursor = await conn.execute(self.dialect.sql(_DECISION), (session_id, step))
+            row = await cursor.fetchone()
+        return None if row is None else Message.model_validate_json(row[0])
+
+    async def _aupdate(self, key: str, assignments: str, params: tuple[Any, ...]) -> JournalEntry:
+        async with self._awrite() as conn:
+            cursor = await conn.execute(self.dialect.sql(_returning(assignments)), (*params, key))
+            found = await _aentries(cursor)
+        if not found:
+            raise StoreError(f"no journal entry {key!r}{self._where()}")
+        return found[0]
+
+
+_CLAIM = (
+    "INSERT INTO keel_tool_journal (key, session_id, step, call_index, tool, arguments, status, "
+    "attempts, started_at) VALUES (?, ?, ?, ?, ?, ?, 'started', 1, ?) "
+    f"ON CONFLICT (key) DO NOTHING RETURNING {_COLUMNS}"
+)
+_SELECT = f"SELECT {_COLUMNS} FROM keel_tool_journal WHERE key = ?"
+_RESTART = "UPDATE keel_tool_journal SET attempts = attempts + 1"
+_FINISH = (
+    "UPDATE keel_tool_journal SET status = ?, ok = ?, content = ?, output = ?, finished_at = ?"
+)
+_SAME_CALLS = (
+    f"SELECT {_COLUMNS} FROM keel_tool_journal WHERE session_id = ? AND tool = ? "
+    "AND arguments = ? ORDER BY started_at, step, call_index"
+)
+_RECORD_DECISION = (
+    "INSERT INTO keel_tool_decisions (session_id, step, message, created_at) "
+    "VALUES (?, ?, ?, ?) ON CONFLICT (session_id, step) DO NOTHING RETURNING message"
+)
 _DECISION = "SELECT message FROM keel_tool_decisions WHERE session_id = ? AND step = ?"
+
+
+def _returning(assignments: str) -> str:
+    """An UPDATE of one entry by key that returns the entry as it is afterwards."""
+    return f"{assignments} WHERE key = ? RETURNING {_COLUMNS}"
+
+
+async def _aentries(cursor: Any) -> list[JournalEntry]:
+    names = [column[0] for column in cursor.description]
+    return [entry_from_row(dict(zip(names, row, strict=True))) for row in await cursor.fetchall()]
 
 
 def _entries(cursor: Any) -> Iterator[JournalEntry]:

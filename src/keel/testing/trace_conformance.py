@@ -407,6 +407,47 @@ class TraceStoreConformance:
         stats = await trace_store.asession_stats(session_id="s1")
         assert stats[0].model_calls == 1
 
+    async def test_an_async_batch_starts_rewrites_and_ends_a_run(
+        self, trace_store: TraceStore
+    ) -> None:
+        ended = T0 + timedelta(seconds=5)
+        await trace_store.awrite_batch(
+            run=_run("r1"),
+            steps=[_step("r1", 0, prompt_tokens=10), _step("r1", 1, "tool")],
+            end=None,
+        )
+        # Step 0 written again with other figures: the totals are the steps', not a sum.
+        await trace_store.awrite_batch(
+            run=None,
+            steps=[_step("r1", 0, prompt_tokens=4), _step("r1", 2, prompt_tokens=5)],
+            end=RunEnding("r1", "succeeded", ended, "done"),
+        )
+        run = trace_store.get_run("r1")
+        assert run is not None
+        assert (run.status, run.ended_at, run.output) == ("succeeded", ended, "done")
+        assert (run.step_count, run.model_calls, run.tool_calls, run.prompt_tokens) == (3, 2, 1, 9)
+        assert [step.seq for step in trace_store.get_steps("r1")] == [0, 1, 2]
+
+    async def test_async_writes_for_an_unknown_run_are_store_errors(
+        self, trace_store: TraceStore
+    ) -> None:
+        trace_store.start_run(_run("r1"))
+        writes = {
+            "awrite_step": trace_store.awrite_step(_step("ghost", 0)),
+            "aend_run": trace_store.aend_run("ghost", status="failed", ended_at=T0),
+            "awrite_batch": trace_store.awrite_batch(
+                run=None, steps=[_step("r1", 0), _step("ghost", 0)], end=None
+            ),
+        }
+        for name, write in writes.items():
+            try:
+                await write
+            except StoreError:
+                continue
+            raise AssertionError(f"{name} for an unknown run did not raise StoreError")
+        # A failed batch is rolled back whole: r1's step in it was not written either.
+        assert trace_store.get_steps("r1") == []
+
     async def test_tracer_writes_redacted_runs(self, trace_store: TraceStore) -> None:
         tracer = Tracer(trace_store)
         secret = "sk-proj-ABCDEFGHIJKLMNOPQRSTUV123456"
