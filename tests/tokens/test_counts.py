@@ -237,9 +237,9 @@ def test_successive_prompts_cost_what_their_messages_cost(model: str) -> None:
 def test_a_short_text_counted_again_is_not_tokenized_again() -> None:
     """Memory packing counts the same memories on every turn: a look-up, not a tokenization,
     with the same counts as the tokenizer's, and long texts never kept."""
-    counter = counter_for("gpt-4o")
+    shared = counter_for("gpt-4o")
     tokenized: list[str] = []
-    real = counter.tokenizer
+    real = shared.tokenizer
 
     class Counting:
         exact = real.exact
@@ -248,7 +248,9 @@ def test_a_short_text_counted_again_is_not_tokenized_again() -> None:
             tokenized.append(text)
             return real.count(text)
 
-    counter.tokenizer = Counting()  # type: ignore[assignment]
+    # A counter of its own: counter_for's is shared by the process (other tests use its
+    # tokenizer, and its cache may hold these texts already).
+    counter = ChatTokenCounter(shared.profile, Counting())  # type: ignore[arg-type]
     memory = "On 2026-11-30 the user said: my daughter is allergic to peanuts."
     long_output = "row " * 2000
     counts = [counter.count_text(memory) for _ in range(5)]
