@@ -22,17 +22,16 @@ from psycopg.types.json import Jsonb
 from keel.errors import StoreError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
-from keel.stores._trace_sql import upsert_run_sql
+from keel.stores._trace_sql import BatchedTraceStore, upsert_run_sql
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
     Run,
     RunQuery,
-    RunStatus,
     Step,
     StepMetric,
 )
-from keel.tracing._store import RunEnding, TraceStore
+from keel.tracing._store import RunEnding
 
 __all__ = ["POSTGRES_TRACE_MIGRATIONS", "PostgresTraceStore"]
 
@@ -262,7 +261,7 @@ def _no_end_run(end: RunEnding) -> StoreError:
     return StoreError(f"cannot end run {end.run_id!r}: no such run")
 
 
-class PostgresTraceStore(TraceStore):
+class PostgresTraceStore(BatchedTraceStore):
     """Traces in PostgreSQL, for keel processes that share one database.
 
     Args:
@@ -317,14 +316,6 @@ class PostgresTraceStore(TraceStore):
     def _ensure(self) -> None:
         if not self._ready:
             self.setup()
-
-    def start_run(self, run: Run) -> None:
-        """Insert the run (or replace its header, keeping steps and totals)."""
-        self.write_batch(run=run, steps=(), end=None)
-
-    def write_step(self, step: Step) -> None:
-        """Insert or replace the step and adjust its run's totals by the difference."""
-        self.write_batch(run=None, steps=(step,), end=None)
 
     def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
         """One transaction for the whole batch; per run, one lock, one read of the steps
@@ -382,62 +373,6 @@ class PostgresTraceStore(TraceStore):
                     raise _no_step_run(run_id, by_run)
             if end is not None and ended is not None and ended.rowcount == 0:
                 raise _no_end_run(end)
-
-    async def astart_run(self, run: Run) -> None:
-        """Async twin of :meth:`start_run`."""
-        await self.awrite_batch(run=run, steps=(), end=None)
-
-    async def awrite_step(self, step: Step) -> None:
-        """Async twin of :meth:`write_step`."""
-        await self.awrite_batch(run=None, steps=(step,), end=None)
-
-    async def aend_run(
-        self,
-        run_id: str,
-        *,
-        status: RunStatus,
-        ended_at: datetime,
-        output: str | None = None,
-        error_type: str | None = None,
-        error_message: str | None = None,
-    ) -> None:
-        """Async twin of :meth:`end_run`."""
-        await self.awrite_batch(
-            run=None,
-            steps=(),
-            end=RunEnding(
-                run_id=run_id,
-                status=status,
-                ended_at=ended_at,
-                output=output,
-                error_type=error_type,
-                error_message=error_message,
-            ),
-        )
-
-    def end_run(
-        self,
-        run_id: str,
-        *,
-        status: RunStatus,
-        ended_at: datetime,
-        output: str | None = None,
-        error_type: str | None = None,
-        error_message: str | None = None,
-    ) -> None:
-        """Set the run's final status, end time, output and error."""
-        self.write_batch(
-            run=None,
-            steps=(),
-            end=RunEnding(
-                run_id=run_id,
-                status=status,
-                ended_at=ended_at,
-                output=output,
-                error_type=error_type,
-                error_message=error_message,
-            ),
-        )
 
     def get_run(self, run_id: str) -> Run | None:
         """The run with this id, or None."""

@@ -22,17 +22,16 @@ from typing import Any, TypeVar
 from keel.errors import StoreError
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
-from keel.stores._trace_sql import step_contribution, upsert_run_sql
+from keel.stores._trace_sql import BatchedTraceStore, step_contribution, upsert_run_sql
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
     Run,
     RunQuery,
-    RunStatus,
     Step,
     StepMetric,
 )
-from keel.tracing._store import RunEnding, TraceStore
+from keel.tracing._store import RunEnding
 
 __all__ = ["TRACE_MIGRATIONS", "SQLiteTraceStore"]
 
@@ -343,7 +342,7 @@ def _end_run(conn: sqlite3.Connection, end: RunEnding) -> None:
 _T = TypeVar("_T")
 
 
-class SQLiteTraceStore(TraceStore):
+class SQLiteTraceStore(BatchedTraceStore):
     """Traces in the embedded SQLite file (``keel.db``), next to state, memory and journal.
 
     Args:
@@ -371,28 +370,6 @@ class SQLiteTraceStore(TraceStore):
     def _ensure(self) -> None:
         if not self._ready:
             self.setup()
-
-    def start_run(self, run: Run) -> None:
-        """Insert the run (or replace its header, keeping steps and totals)."""
-        self.write_batch(run=run, steps=(), end=None)
-
-    def write_step(self, step: Step) -> None:
-        """Insert or replace the step and adjust its run's totals by the difference."""
-        self.write_batch(run=None, steps=(step,), end=None)
-
-    def end_run(
-        self,
-        run_id: str,
-        *,
-        status: RunStatus,
-        ended_at: datetime,
-        output: str | None = None,
-        error_type: str | None = None,
-        error_message: str | None = None,
-    ) -> None:
-        """Set the run's final status, end time, output and error."""
-        ending = RunEnding(run_id, status, ended_at, output, error_type, error_message)
-        self.write_batch(run=None, steps=(), end=ending)
 
     def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
         """One transaction for the whole batch, one totals update per run."""
