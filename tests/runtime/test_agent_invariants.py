@@ -215,6 +215,54 @@ async def test_the_same_message_resent_after_a_crash_is_handled_once(
     assert [m.content for m in state.messages if m.role == "user"] == ["book R9"]
 
 
+@pytest.mark.postgres
+async def test_on_postgres_a_booking_cut_off_by_a_crash_is_never_run_again(
+    postgres_url: str,
+) -> None:
+    """The process dies inside the booking, after its effect and before any result or
+    checkpoint: on PostgreSQL, where the journal's claims are written on the event loop's own
+    connections, the next process finds the claim and does not book again."""
+    effects: list[str] = []
+
+    class _Crash(BaseException):
+        pass
+
+    @tool(side_effect=True, idempotent=False)
+    def book(ref: str) -> str:
+        """Book a seat.
+
+        Args:
+            ref: The booking reference.
+        """
+        effects.append(ref)
+        if len(effects) == 1:
+            raise _Crash  # the process dies with the seat booked
+        return f"BOOKED {ref}"
+
+    def on_postgres() -> Agent:
+        return Agent.open(
+            postgres_url,
+            model=ScriptedModel(_books_then_answers),
+            system_prompt="You help.",
+            tools=[book],
+            memory=False,
+        )
+
+    crashed = on_postgres()
+    try:
+        with pytest.raises(_Crash):
+            await crashed.handle("s1", "u1", "book R9")
+    finally:
+        await crashed.aclose()
+    fresh = on_postgres()
+    try:
+        reply = await fresh.handle("s1", "u1", "book R9")
+    finally:
+        await fresh.aclose()
+    assert effects == ["R9"], "the booking ran again after the crash"
+    assert reply.resumed and reply.status == "tool_in_doubt", reply
+
+
 # --- 6. sessions belong to one tenant and one user ------------------------------------------
 
 
