@@ -26,9 +26,12 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keel.bench._stats import nearest_rank
+
+if TYPE_CHECKING:
+    from keel.privacy import PIIMasker
 
 __all__ = ["run_stream_bench"]
 
@@ -147,13 +150,14 @@ def _agent(base_url: str, folder: Path, max_tokens: int, *, masked: bool, name: 
     )
 
 
-async def _sdk_turn(client: Any, question: str, max_tokens: int) -> tuple[float, float, int, float]:
+async def _sdk_turn(
+    client: Any, question: str, max_tokens: int, policy: PIIMasker
+) -> tuple[float, float, int, float]:
     """The raw SDK: time to the first content delta, time to the first text the SDK's caller
-    could show if it masked as keel does (keel's StreamMasker over the same deltas, the
-    agent's policy), tokens, decode seconds."""
-    from keel.privacy import PIIMasker, StreamMasker
+    could show if it masked as the agent does (keel's StreamMasker over the same deltas, with
+    ``policy``, the agent's own), tokens, decode seconds."""
+    from keel.privacy import StreamMasker
 
-    policy = PIIMasker()
     masker = StreamMasker(
         lambda whole: policy.mask_text(whole, remember=False), by_word=policy.streams_by_word()
     )
@@ -212,17 +216,21 @@ async def _latency(
     client = AsyncOpenAI(base_url=base_url, api_key="local")
     masked = _agent(base_url, folder, max_tokens, masked=True, name="masked")
     plain = _agent(base_url, folder, max_tokens, masked=False, name="unmasked")
+    policy = masked.masker
+    assert policy is not None, "the masked agent has no masker"
     sdk, sdk_masked, streamed, unmasked, run_ms, rates = [], [], [], [], [], []
     try:
         # One warm-up of each path (connections, the server's first prompt).
-        await _sdk_turn(client, "Hello", max_tokens)
+        await _sdk_turn(client, "Hello", max_tokens, policy)
         await _agent_stream_ttft(masked, "warm", "Hello")
         await _agent_stream_ttft(plain, "warm", "Hello")
         for turn in range(turns):
             question = _QUESTIONS[turn % len(_QUESTIONS)]
 
             async def sdk_way(question: str = question) -> None:
-                ttft, ttft_masked, pieces, decode_s = await _sdk_turn(client, question, max_tokens)
+                ttft, ttft_masked, pieces, decode_s = await _sdk_turn(
+                    client, question, max_tokens, policy
+                )
                 sdk.append(ttft)
                 sdk_masked.append(ttft_masked)
                 if pieces > 1 and decode_s > 0:
