@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from keel.stores import _sqlite_memory
 from keel.stores._sqlite_memory import _ScopeIndex
@@ -64,3 +66,33 @@ def test_a_re_embedded_record_replaces_its_vector_and_bits() -> None:
     assert index.ids[int(positions[0])] == "r5"
     flipped = _sqlite_memory._sign_bits(-vectors[5].reshape(1, -1))[0]
     assert (index.bits[:, 5] == flipped).all()
+
+
+@given(
+    distance=st.lists(st.integers(0, 12), min_size=1, max_size=600),
+    share=st.floats(0.0, 1.2),
+)
+# The 1/16 sample the cut-off is estimated from sees only 0s (too low a cut), or only 12s.
+@example(distance=[0 if i % 16 == 0 else 1 + i % 3 for i in range(640)], share=0.5)
+@example(distance=[12 if i % 16 == 0 else i % 3 for i in range(640)], share=0.2)
+def test_the_shortlist_is_exactly_the_smallest_distances_lowest_positions_first(
+    distance: list[int], share: float
+) -> None:
+    # Few distinct values, so most cut-offs fall inside a run of ties.
+    values = np.array(distance, dtype=np.uint16)
+    count = int(share * values.size)
+    expected = np.sort(np.argsort(values, kind="stable")[:count])
+    assert _sqlite_memory._smallest_positions(values, count).tolist() == expected.tolist()
+
+
+def test_a_shortlist_of_a_million_is_chosen_without_partitioning_all_of_them() -> None:
+    rng = np.random.default_rng(5)
+    # Hamming distances of 256-bit codes: a narrow bell around 128.
+    values = rng.binomial(256, 0.5, size=1_000_000).astype(np.uint16)
+    chosen = _sqlite_memory._smallest_positions(values, 40_000)
+    assert chosen.size == 40_000 and (np.diff(chosen) > 0).all()
+    cut = int(values[chosen].max())
+    assert (values[chosen] <= cut).all()
+    # Every closer row is in, and the rest are at the cut-off itself.
+    closer = int(np.count_nonzero(values < cut))
+    assert int(np.count_nonzero(values[chosen] < cut)) == closer < 40_000
