@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from keel.memory import Memory, MemoryFilter, MemoryStore, Scope
-from keel.stores import SQLiteDatabase, SQLiteMemoryStore, _postgres_memory, _sqlite_memory
+from keel.stores import (
+    SQLiteDatabase,
+    SQLiteMemoryStore,
+    _keywords,
+    _postgres_memory,
+    _sqlite_memory,
+)
 from keel.stores._keywords import TermFrequencies
 
 SCOPE = Scope(tenant_id="t", user_id="u")
@@ -135,3 +141,45 @@ def test_term_counts_are_reused_only_while_within_five_percent() -> None:
     assert len(counted) == before + 1  # "" was last counted at 10_050
     cache.get(scope, "", 10_051, count)
     assert len(counted) == before + 1
+
+
+def test_a_word_in_most_rows_ranks_its_newest_matches_shortest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Over the common-word cap (60 rows here), FTS5's bm25() would walk the word's whole
+    # doclist before ranking a single row; its newest matches are ordered as BM25 orders the
+    # rows of one word at term frequency 1: shortest first, and of equals the newest.
+    monkeypatch.setattr(_sqlite_memory, "_SCORED_DOCUMENTS", 40)
+    monkeypatch.setattr(_keywords, "common_term_cap", lambda total_rows, most=None: 60)
+    store = SQLiteMemoryStore(SQLiteDatabase(tmp_path / "kw.db"))
+    memory = Memory(store, embedder=None)
+    texts = [f"alpha {'long ' * (number % 3)}note {number:03d}" for number in range(150)]
+    for text in texts:
+        memory.add(text, scope=SCOPE)
+    memory.add("alpha for someone else", scope=OTHER)
+    found = _texts(store, ["alpha"], limit=100)
+    newest = texts[-40:]
+    assert found == sorted(newest, key=lambda text: (len(text), -texts.index(text)))
+    store.close()
+
+
+def test_sqlite_drops_a_word_in_more_than_20k_rows_even_under_a_twentieth() -> None:
+    rows = {"moderate": 30_000, "rare": 100}
+
+    def plan(most: int | None) -> list[str]:
+        return (
+            TermFrequencies()
+            .plan(
+                ("t", "u"),
+                list(rows),
+                total_rows=1_000_000,
+                budget=1500,
+                count=lambda term, limit: min(rows[term], limit),
+                most_common_rows=most,
+            )
+            .terms
+        )
+
+    # 30k of 1M rows is under 1/20: kept, unless a term may have at most 20k.
+    assert plan(None) == ["rare", "moderate"]
+    assert plan(_sqlite_memory._MOST_COMMON_ROWS) == ["rare"]

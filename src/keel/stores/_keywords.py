@@ -5,7 +5,8 @@ row and is the whole cost of a broad query: four common words can match most of 
 table. Both stores plan the same way:
 
 1. A term found in more than 1/20 of the rows is dropped (the rarest is kept if all are): it
-   carries almost no weight (low IDF) and would dominate the cost.
+   carries almost no weight (low IDF) and would dominate the cost. SQLite also drops a term
+   in more than 20,000 rows, since FTS5's bm25() walks each ranked term's every row.
 2. If the remaining terms still match more rows than the budget, every row with one of the
    rarest terms (up to half the budget) is scored, and of the rows that have only commoner
    terms, the newest fill the rest. A broad query prefers recent memories; a specific word
@@ -34,9 +35,11 @@ SCOPE_ROWS = ""
 AVERAGE_LENGTH_MILLI = " average length x 1000"
 
 
-def common_term_cap(total_rows: int) -> int:
-    """Rows above which a term counts as common (and is dropped)."""
-    return max(2000, total_rows // 20)
+def common_term_cap(total_rows: int, most: int | None = None) -> int:
+    """Rows above which a term counts as common (and is dropped); never above ``most``
+    (when given) once the table is large enough for 1/20 of it to exceed it."""
+    cap = max(2000, total_rows // 20)
+    return cap if most is None else max(2000, min(cap, most))
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class KeywordPlan:
     common_rows: int = 0
     #: Rows in the table when planned.
     total_rows: int = 0
+    #: Every term was over the cap: ``terms`` is the rarest alone, and it is common.
+    broad: bool = False
 
 
 def plan_terms(
@@ -59,7 +64,8 @@ def plan_terms(
 ) -> KeywordPlan:
     """Plan a query from each term's (bounded) document frequency."""
     kept = sorted((t for t in frequency if frequency[t] <= cap), key=frequency.__getitem__)
-    if not kept:
+    broad = not kept
+    if broad:
         kept = [min(frequency, key=frequency.__getitem__)]
     if sum(frequency[term] for term in kept) <= budget:
         return KeywordPlan(kept, total_rows=total_rows)
@@ -80,6 +86,7 @@ def plan_terms(
         newest=budget - rare_rows,
         common_rows=total_rows if uncounted else sum(frequency[term] for term in common),
         total_rows=total_rows,
+        broad=broad,
     )
 
 
@@ -120,12 +127,14 @@ class TermFrequencies:
         total_rows: int,
         budget: int,
         count: Callable[[str, int], int],
+        most_common_rows: int | None = None,
     ) -> KeywordPlan:
         """Plan ``terms`` for one scope; ``count(term, limit)`` counts matching rows up to
-        ``limit``. A table within the budget is ranked in full, with no counting at all."""
+        ``limit``. A table within the budget is ranked in full, with no counting at all.
+        ``most_common_rows`` caps the rows a kept term may have (see ``common_term_cap``)."""
         if total_rows <= budget:
             return KeywordPlan(terms, total_rows=total_rows)
-        cap = common_term_cap(total_rows)
+        cap = common_term_cap(total_rows, most_common_rows)
         frequency = {
             term: self.get(scope, term, total_rows, lambda t: count(t, cap + 1))
             for term in dict.fromkeys(terms)
