@@ -27,5 +27,11 @@ def test_bench_stream_json_contract_and_no_violations() -> None:
     ):
         assert key in report
     assert report["tokens_per_s"] > 0
+    # The wire clock saw every measured request and its first text (a NaN would be a miss).
+    wire = report["wire"]
+    assert set(wire) == {
+        f"added_ttft_ms{way}_p{q}" for way in ("", "_unmasked", "_vs_masked_sdk") for q in (50, 95)
+    }
+    assert all(value == value for value in wire.values()), wire
     # The seed makes both faults happen in a run this short.
     assert report["cancellations"] > 0 and report["cuts"] > 0

@@ -19,12 +19,16 @@ The bench starts llama-cpp-python's own server with the bundled SmolLM2 on 127.0
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import random
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +131,114 @@ class _CuttingProxy:
             self._replying.discard(connection)
 
 
+class _WireClock:
+    """A loopback TCP proxy, on a thread and event loop of its own, that timestamps the wire.
+
+    For each request it records when its first byte reached the proxy and when the first SSE
+    chunk with text went back through it (``time.perf_counter``, the client's clock). The time
+    a caller takes before its request is on the wire, plus the time from the first text on the
+    wire to the caller's first shown text, is the caller's own share of its time to first
+    token: the server's prompt processing, which varies by tens of ms from one request to the
+    next, is not in it. Its own thread keeps the caller's work from delaying the timestamps.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.requests: list[list[float]] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.base_events.Server | None = None
+
+    def __enter__(self) -> _WireClock:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        # The connections still open (kept alive by the clients, or already closed by them).
+        serving = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in serving:
+            task.cancel()
+        await asyncio.gather(*serving, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def mark(self) -> int:
+        """Where the next request will be in :attr:`requests`."""
+        return len(self.requests)
+
+    def first_since(self, mark: int) -> tuple[float, float]:
+        """The first request since ``mark``: (its first byte in, its first text out). A turn
+        can send more than one (a reply cut at ``max_tokens`` is continued): its first text
+        came from the first."""
+        request, text = self.requests[mark]
+        return request, text
+
+    async def _serve(
+        self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
+    ) -> None:
+        upstream_in, upstream_out = await asyncio.open_connection("127.0.0.1", self.target_port)
+        current: list[list[float]] = []
+
+        async def pump_requests() -> None:
+            with suppress(ConnectionError, asyncio.CancelledError):
+                while data := await client_in.read(65536):
+                    if data.startswith(b"POST"):
+                        record = [time.perf_counter(), math.nan]
+                        self.requests.append(record)
+                        current[:] = [record]
+                    upstream_out.write(data)
+                    await upstream_out.drain()
+            upstream_out.close()
+
+        async def pump_replies() -> None:
+            pending = b""
+            with suppress(ConnectionError, asyncio.CancelledError):
+                while data := await upstream_in.read(65536):
+                    seen = time.perf_counter()
+                    if current and math.isnan(current[0][1]):
+                        pending += data
+                        *lines, pending = pending.split(b"\n")
+                        if any(_has_text(line) for line in lines):
+                            current[0][1] = seen
+                    client_out.write(data)
+                    await client_out.drain()
+            client_out.close()
+            upstream_out.close()
+
+        requests = asyncio.create_task(pump_requests())
+        try:
+            await pump_replies()
+        finally:
+            requests.cancel()
+            with suppress(asyncio.CancelledError):
+                await requests
+
+
+def _has_text(line: bytes) -> bool:
+    """Whether one SSE line is a chat completion chunk carrying text."""
+    if not line.startswith(b"data: {"):
+        return False
+    try:
+        chunk = json.loads(line[6:])
+        return bool(chunk["choices"][0]["delta"].get("content"))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return False
+
+
 def _agent(base_url: str, folder: Path, max_tokens: int, *, masked: bool, name: str) -> Any:
     from keel.models import ModelOptions, OpenAICompatibleModel, RetryPolicy
     from keel.runtime import Agent
@@ -150,17 +262,39 @@ def _agent(base_url: str, folder: Path, max_tokens: int, *, masked: bool, name: 
     )
 
 
+@dataclass(frozen=True)
+class _FirstText:
+    """One streamed call's clock: when it started and when it first showed text (masked, for
+    the SDK's ``masked``, as the agent masks), and where the wire saw its request and text."""
+
+    started: float
+    shown: float
+    wire_request: float
+    wire_text: float
+    masked: float = math.nan
+
+    def ttft_ms(self, *, masked: bool = False) -> float:
+        return ((self.masked if masked else self.shown) - self.started) * 1000
+
+    def own_ms(self, *, masked: bool = False) -> float:
+        """The caller's share of its time to first text: before its request reached the
+        wire, and after the wire's first text."""
+        shown = self.masked if masked else self.shown
+        return ((self.wire_request - self.started) + (shown - self.wire_text)) * 1000
+
+
 async def _sdk_turn(
-    client: Any, question: str, max_tokens: int, policy: PIIMasker
-) -> tuple[float, float, int, float]:
-    """The raw SDK: time to the first content delta, time to the first text the SDK's caller
-    could show if it masked as the agent does (keel's StreamMasker over the same deltas, with
-    ``policy``, the agent's own), tokens, decode seconds."""
+    client: Any, clock: _WireClock, question: str, max_tokens: int, policy: PIIMasker
+) -> tuple[_FirstText, int, float]:
+    """The raw SDK: its first content delta, and the first text the SDK's caller could show
+    if it masked as the agent does (keel's StreamMasker over the same deltas, with ``policy``,
+    the agent's own); tokens; decode seconds."""
     from keel.privacy import StreamMasker
 
     masker = StreamMasker(
         lambda whole: policy.mask_text(whole, remember=False), by_word=policy.streams_by_word()
     )
+    mark = clock.mark()
     started = time.perf_counter()
     first: float | None = None
     first_masked: float | None = None
@@ -185,7 +319,8 @@ async def _sdk_turn(
         first_masked = ended
     if first_masked is None:
         first_masked = first  # masked to nothing: no first text, the raw figure stands in
-    return (first - started) * 1000, (first_masked - started) * 1000, pieces, ended - first
+    request, text = clock.first_since(mark)
+    return _FirstText(started, first, request, text, first_masked), pieces, ended - first
 
 
 async def _bust_cache(client: Any) -> None:
@@ -196,16 +331,27 @@ async def _bust_cache(client: Any) -> None:
     )
 
 
-async def _agent_stream_ttft(agent: Any, session: str, question: str) -> float:
+async def _agent_stream_ttft(
+    agent: Any, clock: _WireClock, session: str, question: str
+) -> _FirstText:
     from keel.runtime import TextDelta
 
+    mark = clock.mark()
     started = time.perf_counter()
     first: float | None = None
     async for event in agent.stream(question, session=session, user="bench"):
         if first is None and isinstance(event, TextDelta):
             first = time.perf_counter()
     assert first is not None, "the agent streamed no text"
-    return (first - started) * 1000
+    request, text = clock.first_since(mark)
+    return _FirstText(started, first, request, text)
+
+
+def _percentiles(name: str, values: list[float]) -> dict[str, float]:
+    return {
+        f"{name}_p50": round(nearest_rank(values, 0.5), 2),
+        f"{name}_p95": round(nearest_rank(values, 0.95), 2),
+    }
 
 
 async def _latency(
@@ -213,72 +359,98 @@ async def _latency(
 ) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key="local")
-    masked = _agent(base_url, folder, max_tokens, masked=True, name="masked")
-    plain = _agent(base_url, folder, max_tokens, masked=False, name="unmasked")
+    port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+    with _WireClock(port) as clock:
+        wired = f"http://127.0.0.1:{clock.port}/v1"
+        client = AsyncOpenAI(base_url=wired, api_key="local")
+        masked = _agent(wired, folder, max_tokens, masked=True, name="masked")
+        plain = _agent(wired, folder, max_tokens, masked=False, name="unmasked")
+        try:
+            return await _latency_ways(client, clock, masked, plain, turns, max_tokens, progress)
+        finally:
+            await masked.aclose()
+            await plain.aclose()
+            await client.close()
+
+
+async def _latency_ways(
+    client: Any,
+    clock: _WireClock,
+    masked: Any,
+    plain: Any,
+    turns: int,
+    max_tokens: int,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
     policy = masked.masker
     assert policy is not None, "the masked agent has no masker"
-    sdk, sdk_masked, streamed, unmasked, run_ms, rates = [], [], [], [], [], []
-    try:
-        # One warm-up of each path (connections, the server's first prompt).
-        await _sdk_turn(client, "Hello", max_tokens, policy)
-        await _agent_stream_ttft(masked, "warm", "Hello")
-        await _agent_stream_ttft(plain, "warm", "Hello")
-        for turn in range(turns):
-            question = _QUESTIONS[turn % len(_QUESTIONS)]
+    sdk: list[_FirstText] = []
+    streamed: list[_FirstText] = []
+    unmasked: list[_FirstText] = []
+    run_ms: list[float] = []
+    rates: list[float] = []
+    # One warm-up of each path (connections, the server's first prompt).
+    await _sdk_turn(client, clock, "Hello", max_tokens, policy)
+    await _agent_stream_ttft(masked, clock, "warm", "Hello")
+    await _agent_stream_ttft(plain, clock, "warm", "Hello")
+    for turn in range(turns):
+        question = _QUESTIONS[turn % len(_QUESTIONS)]
 
-            async def sdk_way(question: str = question) -> None:
-                ttft, ttft_masked, pieces, decode_s = await _sdk_turn(
-                    client, question, max_tokens, policy
-                )
-                sdk.append(ttft)
-                sdk_masked.append(ttft_masked)
-                if pieces > 1 and decode_s > 0:
-                    rates.append((pieces - 1) / decode_s)
+        async def sdk_way(question: str = question) -> None:
+            first, pieces, decode_s = await _sdk_turn(client, clock, question, max_tokens, policy)
+            sdk.append(first)
+            if pieces > 1 and decode_s > 0:
+                rates.append((pieces - 1) / decode_s)
 
-            async def stream_way(question: str = question, turn: int = turn) -> None:
-                streamed.append(await _agent_stream_ttft(masked, f"s{turn}", question))
+        async def stream_way(question: str = question, turn: int = turn) -> None:
+            streamed.append(await _agent_stream_ttft(masked, clock, f"s{turn}", question))
 
-            async def unmasked_way(question: str = question, turn: int = turn) -> None:
-                unmasked.append(await _agent_stream_ttft(plain, f"s{turn}", question))
+        async def unmasked_way(question: str = question, turn: int = turn) -> None:
+            unmasked.append(await _agent_stream_ttft(plain, clock, f"s{turn}", question))
 
-            async def run_way(question: str = question, turn: int = turn) -> None:
-                started = time.perf_counter()
-                await masked.run(question, session=f"r{turn}", user="bench")
-                run_ms.append((time.perf_counter() - started) * 1000)
+        async def run_way(question: str = question, turn: int = turn) -> None:
+            started = time.perf_counter()
+            await masked.run(question, session=f"r{turn}", user="bench")
+            run_ms.append((time.perf_counter() - started) * 1000)
 
-            ways = [sdk_way, stream_way, unmasked_way, run_way]
-            # Rotated, and each after an unrelated prompt: the server keeps the previous
-            # prompt's cache, which would make whichever way came second look faster.
-            ways = ways[turn % len(ways) :] + ways[: turn % len(ways)]
-            for way in ways:
-                await _bust_cache(client)
-                await way()
-            if (turn + 1) % 10 == 0:
-                progress(f"latency: {turn + 1}/{turns} prompts")
-    finally:
-        await masked.aclose()
-        await plain.aclose()
-        await client.close()
-    added = [a - s for a, s in zip(streamed, sdk, strict=True)]
-    added_plain = [a - s for a, s in zip(unmasked, sdk, strict=True)]
-    added_like_for_like = [a - s for a, s in zip(streamed, sdk_masked, strict=True)]
+        ways = [sdk_way, stream_way, unmasked_way, run_way]
+        # Rotated, and each after an unrelated prompt: the server keeps the previous
+        # prompt's cache, which would make whichever way came second look faster.
+        ways = ways[turn % len(ways) :] + ways[: turn % len(ways)]
+        for way in ways:
+            await _bust_cache(client)
+            await way()
+        if (turn + 1) % 10 == 0:
+            progress(f"latency: {turn + 1}/{turns} prompts")
+    pairs = list(zip(sdk, streamed, unmasked, strict=True))
     return {
         "latency_turns": turns,
         "ttft_ms_p50": {
-            "sdk": round(nearest_rank(sdk, 0.5), 2),
-            "sdk_masked": round(nearest_rank(sdk_masked, 0.5), 2),
-            "agent_stream": round(nearest_rank(streamed, 0.5), 2),
-            "agent_stream_unmasked": round(nearest_rank(unmasked, 0.5), 2),
+            "sdk": round(nearest_rank([s.ttft_ms() for s in sdk], 0.5), 2),
+            "sdk_masked": round(nearest_rank([s.ttft_ms(masked=True) for s in sdk], 0.5), 2),
+            "agent_stream": round(nearest_rank([a.ttft_ms() for a in streamed], 0.5), 2),
+            "agent_stream_unmasked": round(nearest_rank([a.ttft_ms() for a in unmasked], 0.5), 2),
         },
-        "added_ttft_ms_p50": round(nearest_rank(added, 0.5), 2),
-        "added_ttft_ms_p95": round(nearest_rank(added, 0.95), 2),
-        "added_ttft_ms_unmasked_p50": round(nearest_rank(added_plain, 0.5), 2),
-        "added_ttft_ms_unmasked_p95": round(nearest_rank(added_plain, 0.95), 2),
+        **_percentiles("added_ttft_ms", [a.ttft_ms() - s.ttft_ms() for s, a, _ in pairs]),
+        **_percentiles("added_ttft_ms_unmasked", [u.ttft_ms() - s.ttft_ms() for s, _, u in pairs]),
         # agent.stream against the SDK's caller masking the same deltas the same way: what
         # keel adds besides the word that masking must wait for, whoever masks.
-        "added_ttft_ms_vs_masked_sdk_p50": round(nearest_rank(added_like_for_like, 0.5), 2),
-        "added_ttft_ms_vs_masked_sdk_p95": round(nearest_rank(added_like_for_like, 0.95), 2),
+        **_percentiles(
+            "added_ttft_ms_vs_masked_sdk",
+            [a.ttft_ms() - s.ttft_ms(masked=True) for s, a, _ in pairs],
+        ),
+        # The same differences of the callers' own shares (see _WireClock): the server's
+        # time, the same work for both, is left out with its request-to-request jitter.
+        "wire": {
+            **_percentiles("added_ttft_ms", [a.own_ms() - s.own_ms() for s, a, _ in pairs]),
+            **_percentiles(
+                "added_ttft_ms_unmasked", [u.own_ms() - s.own_ms() for s, _, u in pairs]
+            ),
+            **_percentiles(
+                "added_ttft_ms_vs_masked_sdk",
+                [a.own_ms() - s.own_ms(masked=True) for s, a, _ in pairs],
+            ),
+        },
         "agent_run_ms_p50": round(nearest_rank(run_ms, 0.5), 2),
         "tokens_per_s": round(statistics.median(rates), 1) if rates else 0.0,
     }
