@@ -837,8 +837,7 @@ class Agent:
                 machine=self.machine.start() if self.machine is not None else None,
                 runtime=SessionRuntime(tenant_id=self.tenant_id, user_id=user_id),
             )
-            checkpoint = await self.state.acreate(key, initial)
-            await self.state.amark(key, checkpoint.version, good=True)
+            checkpoint = await self.state.acreate(key, initial, good=True)
         self._check_owner(checkpoint.state, user_id)
         return checkpoint
 

@@ -887,8 +887,10 @@ class StateStore(Generic[S]):
         reason: str = CheckpointReason.CREATED,
         step: int = 0,
         forked_from: str | None = None,
+        good: bool | None = None,
     ) -> Checkpoint[S]:
-        """Create a session at version 1 with ``state`` (validated).
+        """Create a session at version 1 with ``state`` (validated); ``good`` marks that first
+        checkpoint as ``mark`` would, in the same write.
 
         An expired session with the same id is replaced.
 
@@ -898,7 +900,7 @@ class StateStore(Generic[S]):
             StateValidationError: the state fails the schema.
         """
         row, epoch, ttl_s, base = self._plan_create(
-            session_id, state, ttl, reason, step, forked_from
+            session_id, state, ttl, reason, step, forked_from, good
         )
         self.backend.write(
             session_id,
@@ -920,6 +922,7 @@ class StateStore(Generic[S]):
         reason: str,
         step: int,
         forked_from: str | None,
+        good: bool | None = None,
     ) -> tuple[StoredCheckpoint, str, float | None, _Base]:
         if not session_id:
             raise UsageError("a session id must not be empty")
@@ -940,6 +943,7 @@ class StateStore(Generic[S]):
             schema_name=self.schema.name,
             schema_version=self.schema.version,
             forked_from=forked_from,
+            good=good,
         )
         base = _Base(
             session_id=session_id,
@@ -1278,10 +1282,11 @@ class StateStore(Generic[S]):
         reason: str = CheckpointReason.CREATED,
         step: int = 0,
         forked_from: str | None = None,
+        good: bool | None = None,
     ) -> Checkpoint[S]:
         """Async twin of ``create``."""
         row, epoch, ttl_s, base = self._plan_create(
-            session_id, state, ttl, reason, step, forked_from
+            session_id, state, ttl, reason, step, forked_from, good
         )
         await self.backend.awrite(
             session_id,

@@ -338,6 +338,18 @@ class StateBackendConformance:
         marks = {info.version: info.good for info in store.history("s")}
         assert marks[good_version] is True and marks[cp.version] is False
 
+    def test_a_session_created_good_is_a_revert_target_at_once(
+        self, store: StateStore[CounterState]
+    ) -> None:
+        created = store.create("s", CounterState(counter=1), good=True)
+        assert created.info.good is True
+        assert store.last_good("s") is not None
+        assert store.last_good("s").version == 1  # type: ignore[union-attr]
+        cp = store.update("s", {"counter": 5}, expected_version=1)
+        assert store.revert("s", expected_version=cp.version).state == CounterState(counter=1)
+        plain = store.create("plain", CounterState())
+        assert plain.info.good is None and store.last_good("plain") is None
+
     def test_fork_from_a_checkpoint(self, store: StateStore[CounterState]) -> None:
         cp = store.create("main", CounterState())
         for _ in range(3):
@@ -613,6 +625,9 @@ class StateBackendConformance:
         assert (await store.aat("a", 2)).state.counter == 2
         await store.amark("a", 2, good=True)
         assert (await store.arevert("a", expected_version=4)).state.counter == 2
+        born_good = await store.acreate("g", CounterState(), good=True)
+        assert born_good.info.good is True
+        assert (await store.alast_good("g")) is not None
         assert (await store.afork("a", "b")).state.counter == 2
         assert await store.adelete("b") is True
         assert await store.adelete("b") is False
