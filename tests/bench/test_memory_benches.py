@@ -193,3 +193,8 @@ def test_ann_bench_scores_every_index_against_exact_search() -> None:
             result = size[name]
             assert result["search_ms_p95"] >= result["search_ms_p50"] > 0
             assert result["memory_mb"] > 0 and 0 < result["recall_at_10"] <= 1
+
+
+def test_ann_bench_measures_keel_alone_without_the_libraries() -> None:
+    figures = bench_json("ann", "--sizes", "500", "--embedder", "hashing:64", "--no-libraries")
+    assert set(figures["sizes"]["500"]) == {"keel"}

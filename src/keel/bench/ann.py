@@ -150,9 +150,11 @@ def run_ann_bench(
     *,
     embedder: Embedder,
     threads: int,
+    libraries: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Build and query each index at each size; the figures per size and library."""
+    """Build and query each index at each size; the figures per size and library (keel's
+    alone when ``libraries`` is false)."""
     largest = max(sizes)
     texts, query_texts = synthetic_corpus(largest)
     if progress:
@@ -175,11 +177,10 @@ def run_ann_bench(
         # Exact cosine neighbours (unit vectors): the truth every index is scored against.
         truth = [set(np.argpartition(-(vectors @ query), _K)[:_K].tolist()) for query in queries]
         figures: dict[str, Any] = {}
-        candidates = {
-            "keel": _keel_index(vectors),
-            "hnswlib": _hnswlib_index(vectors, threads),
-            "usearch": _usearch_index(vectors, threads),
-        }
+        candidates: dict[str, dict[str, Any] | None] = {"keel": _keel_index(vectors)}
+        if libraries:
+            candidates["hnswlib"] = _hnswlib_index(vectors, threads)
+            candidates["usearch"] = _usearch_index(vectors, threads)
         for name, index in candidates.items():
             if index is None:
                 figures[name] = {"installed": False}

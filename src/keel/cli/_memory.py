@@ -290,6 +290,13 @@ def bench_ann_command(
         ),
     ] = "local:minilm-static",
     threads: Annotated[int, typer.Option(min=1, help="Threads for the libraries' builds.")] = 2,
+    libraries: Annotated[
+        bool,
+        typer.Option(
+            "--libraries/--no-libraries",
+            help="Also build hnswlib and usearch (at 1M vectors, 10 minutes or more each).",
+        ),
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
 ) -> None:
     """keel's embedded vector index against hnswlib and usearch: build time, memory, search
@@ -306,7 +313,11 @@ def bench_ann_command(
         raise typer.BadParameter("--sizes needs sizes of at least 100 vectors")
     embedder = embedder_from_spec(embedder_spec, load_settings())
     result = run_ann_bench(
-        wanted, embedder=embedder, threads=threads, progress=lambda line: err_console.print(line)
+        wanted,
+        embedder=embedder,
+        threads=threads,
+        libraries=libraries,
+        progress=lambda line: err_console.print(line),
     )
     if as_json:
         emit_json(result)
