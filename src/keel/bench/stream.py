@@ -54,20 +54,17 @@ _QUESTIONS = (
 )
 
 
-class _CuttingProxy:
-    """A loopback TCP proxy to the model server that can cut a reply mid-stream.
+class _LoopbackProxy:
+    """A loopback TCP proxy to the model server; subclasses watch, and may cut, what passes.
 
-    ``cut_next(after_bytes)`` makes the next response forwarded close both sockets after that
-    many bytes of it: the client sees the connection drop in the middle of the SSE stream.
-    ``replying`` counts the connections whose request is still being answered: one the client
-    gave up on ends when the client closes its side, which closes the server's too."""
+    Each client connection gets its own upstream connection. The hooks run on the proxy's
+    event loop with the connection's id: a request starting, a piece of the reply on its way
+    back (a number returned cuts the connection after that many of its bytes: a real TCP
+    close in the middle of the SSE stream), and the connection ending."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = 0
-        self._replying: set[int] = set()
-        self._cut_after: int | None = None
-        self.cuts = 0
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> None:
@@ -79,45 +76,41 @@ class _CuttingProxy:
             self._server.close()
             await self._server.wait_closed()
 
-    def cut_next(self, after_bytes: int) -> None:
-        self._cut_after = after_bytes
+    def _on_request(self, connection: int) -> None:
+        """A request's first bytes are on their way to the server."""
 
-    @property
-    def replying(self) -> int:
-        return len(self._replying)
+    def _on_reply(self, connection: int, data: bytes) -> int | None:
+        """``data`` of the server's reply is on its way back; a number cuts it after that many
+        bytes and closes the connection."""
+        return None
+
+    def _on_close(self, connection: int) -> None:
+        """The connection ended, either side having closed it."""
 
     async def _serve(
         self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
     ) -> None:
         upstream_in, upstream_out = await asyncio.open_connection("127.0.0.1", self.target_port)
         connection = id(client_out)
-        limit: list[int | None] = [None]
 
         async def pump_requests() -> None:
             with suppress(ConnectionError, asyncio.CancelledError):
                 while data := await client_in.read(65536):
                     if data.startswith(b"POST"):
-                        self._replying.add(connection)
-                        limit[0], self._cut_after = self._cut_after, None
+                        self._on_request(connection)
                     upstream_out.write(data)
                     await upstream_out.drain()
             upstream_out.close()
 
         async def pump_replies() -> None:
-            forwarded = 0
             with suppress(ConnectionError, asyncio.CancelledError):
                 while data := await upstream_in.read(65536):
-                    cut = limit[0]
-                    if cut is not None and forwarded + len(data) > cut:
-                        client_out.write(data[: max(0, cut - forwarded)])
-                        self.cuts += 1
+                    cut = self._on_reply(connection, data)
+                    if cut is not None:
+                        client_out.write(data[:cut])
                         break
                     client_out.write(data)
-                    forwarded += len(data)
                     await client_out.drain()
-                    if b"[DONE]" in data:
-                        self._replying.discard(connection)
-                        limit[0], forwarded = None, 0
             client_out.close()
             upstream_out.close()
 
@@ -128,11 +121,54 @@ class _CuttingProxy:
             requests.cancel()
             with suppress(asyncio.CancelledError):
                 await requests
+            self._on_close(connection)
+
+
+class _CuttingProxy(_LoopbackProxy):
+    """A proxy that can cut a reply mid-stream.
+
+    ``cut_next(after_bytes)`` makes the next response forwarded close both sockets after that
+    many bytes of it: the client sees the connection drop in the middle of the SSE stream.
+    ``replying`` counts the connections whose request is still being answered: one the client
+    gave up on ends when the client closes its side, which closes the server's too."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(target_port)
+        self._replying: set[int] = set()
+        self._cut_after: int | None = None
+        # Per connection: the byte its reply is cut after (None: not cut), bytes forwarded.
+        self._limits: dict[int, tuple[int | None, int]] = {}
+        self.cuts = 0
+
+    def cut_next(self, after_bytes: int) -> None:
+        self._cut_after = after_bytes
+
+    @property
+    def replying(self) -> int:
+        return len(self._replying)
+
+    def _on_request(self, connection: int) -> None:
+        self._replying.add(connection)
+        self._limits[connection], self._cut_after = (self._cut_after, 0), None
+
+    def _on_reply(self, connection: int, data: bytes) -> int | None:
+        limit, forwarded = self._limits.get(connection, (None, 0))
+        if limit is not None and forwarded + len(data) > limit:
+            self.cuts += 1
+            return max(0, limit - forwarded)
+        self._limits[connection] = (limit, forwarded + len(data))
+        if b"[DONE]" in data:
             self._replying.discard(connection)
+            self._limits[connection] = (None, 0)
+        return None
+
+    def _on_close(self, connection: int) -> None:
+        self._replying.discard(connection)
+        self._limits.pop(connection, None)
 
 
-class _WireClock:
-    """A loopback TCP proxy, on a thread and event loop of its own, that timestamps the wire.
+class _WireClock(_LoopbackProxy):
+    """A proxy, on a thread and event loop of its own, that timestamps the wire.
 
     For each request it records when its first byte reached the proxy and when the first SSE
     chunk with text went back through it (``time.perf_counter``, the client's clock). The time
@@ -143,38 +179,32 @@ class _WireClock:
     """
 
     def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = 0
+        super().__init__(target_port)
         self.requests: list[list[float]] = []
+        # Per connection: its request's record, and the reply's bytes after its last newline.
+        self._current: dict[int, list[float]] = {}
+        self._partial: dict[int, bytes] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: asyncio.base_events.Server | None = None
 
     def __enter__(self) -> _WireClock:
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.start(), self._loop).result(10)
         return self
 
     def __exit__(self, *_: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(self._stop_serving(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
 
-    async def _start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def _stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        # The connections still open (kept alive by the clients, or already closed by them).
+    async def _stop_serving(self) -> None:
+        # The connections still open (kept alive by the clients): the loop is this proxy's own.
         serving = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
         for task in serving:
             task.cancel()
         await asyncio.gather(*serving, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
+        await self.stop()
 
     def mark(self) -> int:
         """Where the next request will be in :attr:`requests`."""
@@ -187,45 +217,24 @@ class _WireClock:
         request, text = self.requests[mark]
         return request, text
 
-    async def _serve(
-        self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
-    ) -> None:
-        upstream_in, upstream_out = await asyncio.open_connection("127.0.0.1", self.target_port)
-        current: list[list[float]] = []
+    def _on_request(self, connection: int) -> None:
+        record = [time.perf_counter(), math.nan]
+        self.requests.append(record)
+        self._current[connection] = record
+        self._partial[connection] = b""
 
-        async def pump_requests() -> None:
-            with suppress(ConnectionError, asyncio.CancelledError):
-                while data := await client_in.read(65536):
-                    if data.startswith(b"POST"):
-                        record = [time.perf_counter(), math.nan]
-                        self.requests.append(record)
-                        current[:] = [record]
-                    upstream_out.write(data)
-                    await upstream_out.drain()
-            upstream_out.close()
+    def _on_reply(self, connection: int, data: bytes) -> int | None:
+        seen = time.perf_counter()
+        record = self._current.get(connection)
+        if record is not None and math.isnan(record[1]):
+            *lines, self._partial[connection] = (self._partial[connection] + data).split(b"\n")
+            if any(_has_text(line) for line in lines):
+                record[1] = seen
+        return None
 
-        async def pump_replies() -> None:
-            pending = b""
-            with suppress(ConnectionError, asyncio.CancelledError):
-                while data := await upstream_in.read(65536):
-                    seen = time.perf_counter()
-                    if current and math.isnan(current[0][1]):
-                        pending += data
-                        *lines, pending = pending.split(b"\n")
-                        if any(_has_text(line) for line in lines):
-                            current[0][1] = seen
-                    client_out.write(data)
-                    await client_out.drain()
-            client_out.close()
-            upstream_out.close()
-
-        requests = asyncio.create_task(pump_requests())
-        try:
-            await pump_replies()
-        finally:
-            requests.cancel()
-            with suppress(asyncio.CancelledError):
-                await requests
+    def _on_close(self, connection: int) -> None:
+        self._current.pop(connection, None)
+        self._partial.pop(connection, None)
 
 
 def _has_text(line: bytes) -> bool:
