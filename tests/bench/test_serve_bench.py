@@ -23,4 +23,8 @@ def test_bench_serve_loses_and_repeats_nothing_while_workers_are_killed() -> Non
         assert figures["double_effects"] == 0 and figures["missing_effects"] == 0, figures
         assert figures["effects_without_turn"] == 0 and figures["in_doubt_left"] == 0, figures
         assert set(figures["keel_added_ms"]) == {"p50", "p95", "p99", "turns"}
+        # The calm turns are those outside every kill window, among the first-attempt ones.
+        assert figures["kill_windows_s"] > 0, figures
+        calm, first = figures["keel_added_ms"], figures["keel_added_ms_first_attempt"]
+        assert calm["turns"] < first["turns"] <= figures["turns_committed"], figures
     assert report["workers"] == 2 and report["sqlite"]["workers"] == 1

@@ -14,8 +14,10 @@ Everything is counted from the effects themselves, read back at the end:
 - **double effects**: tags with more than one ``bench_effects`` row; **missing effects**:
   completed turns with none;
 - **keel-added latency**: the client's time for a turn minus the model's two latencies, over
-  the turns no kill touched (they landed on their first attempt: a turn whose worker died
-  under it, or that was sent to a worker still restarting, needed another), and over all;
+  the turns outside the kill windows (from a SIGKILL until the restarted worker answers) that
+  landed on their first attempt, over every turn that landed on its first attempt (a turn
+  whose worker died under it, or that was sent to a worker still restarting, needed another),
+  and over all;
 - **RSS** of each worker process, sampled every second.
 
 Then the same on SQLite with one worker (``sqlite``).
@@ -265,7 +267,7 @@ async def _drive(
     limits = httpx.Limits(max_connections=load.sessions + 16, max_keepalive_connections=None)
     statuses: Counter[str] = Counter()
     turns: list[_Turn] = []
-    restarts_s: list[float] = []
+    kill_windows: list[tuple[float, float]] = []
     round_robin = iter(range(1 << 62))
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=60) as client:
         await asyncio.gather(*(fleet.ready(i, client) for i in range(load.workers)))
@@ -326,7 +328,7 @@ async def _drive(
                 kills += 1
                 fleet.start(index)
                 await fleet.ready(index, client)
-                restarts_s.append(time.monotonic() - killed_at)
+                kill_windows.append((killed_at, time.monotonic()))
                 if progress is not None:
                     progress(f"killed worker {index} at {killed_at - started:.1f} s")
                 next_kill += load.kill_every_s
@@ -358,7 +360,7 @@ async def _drive(
     return {
         "turns": turns,
         "statuses": statuses,
-        "restarts_s": restarts_s,
+        "kill_windows": kill_windows,
         "kills": kills,
         "states": states,
         **reconciled,
@@ -375,10 +377,21 @@ def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict
     model_ms = load.model_latency_s * _MODEL_CALLS_PER_TURN * 1000
 
     landed = [t for t in turns if t.reply_status is not None]
-    added_all = [(t.ended - t.started) * 1000 - model_ms for t in landed]
-    # A turn a kill touched needed another attempt: its worker died under it (and the retry
-    # waited for the dead worker's lease), or it was sent to a worker still restarting.
-    added_calm = [(t.ended - t.started) * 1000 - model_ms for t in landed if t.attempts == 1]
+    windows: list[tuple[float, float]] = driven["kill_windows"]
+
+    def added_ms(selected: list[_Turn]) -> list[float]:
+        return [(t.ended - t.started) * 1000 - model_ms for t in selected]
+
+    def in_a_kill_window(turn: _Turn) -> bool:
+        return any(turn.started < ready and turn.ended > killed for killed, ready in windows)
+
+    # A turn a kill touched directly needed another attempt: its worker died under it (and the
+    # retry waited for the dead worker's lease), or it was sent to a worker still restarting.
+    first_attempt = [t for t in landed if t.attempts == 1]
+    # A kill window runs from the SIGKILL until the restarted worker answers; its start-up
+    # (imports, pools) takes most of one of the two cores, so turns on the other workers queue
+    # behind it too.
+    calm = [t for t in first_attempt if not in_a_kill_window(t)]
 
     def quantiles(values: list[float]) -> dict[str, float | int]:
         return {
@@ -398,13 +411,15 @@ def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict
         "turns_sent": len(sent),
         "turns_committed": sum(1 for tag in sent if held[tag] >= 1),
         "turns_per_s": round(sum(1 for tag in sent if held[tag] >= 1) / driven["elapsed_s"], 2),
-        "keel_added_ms": quantiles(added_calm),
-        "keel_added_ms_all_turns": quantiles(added_all),
+        "keel_added_ms": quantiles(added_ms(calm)),
+        "keel_added_ms_first_attempt": quantiles(added_ms(first_attempt)),
+        "keel_added_ms_all_turns": quantiles(added_ms(landed)),
         "retried_turns": sum(1 for t in turns if t.attempts > 1),
         "status_counts": dict(sorted(driven["statuses"].items())),
         "reply_statuses": dict(Counter(t.reply_status or "none" for t in turns)),
         "kills": driven["kills"],
-        "restart_s_p50": round(nearest_rank(driven["restarts_s"], 0.5), 2),
+        "restart_s_p50": round(nearest_rank([r - k for k, r in windows], 0.5), 2),
+        "kill_windows_s": round(sum(r - k for k, r in windows), 1),
         "lost_turns": sum(1 for tag in sent if held[tag] == 0),
         "duplicated_turns": sum(1 for tag in sent if held[tag] > 1),
         "double_effects": sum(1 for count in effects.values() if count > 1),
