@@ -26,5 +26,10 @@ def test_bench_serve_loses_and_repeats_nothing_while_workers_are_killed() -> Non
         # The calm turns are those outside every kill window, among the first-attempt ones.
         assert figures["kill_windows_s"] > 0, figures
         calm, first = figures["keel_added_ms"], figures["keel_added_ms_first_attempt"]
-        assert calm["turns"] < first["turns"] <= figures["turns_committed"], figures
+        assert calm["turns"] <= first["turns"] <= figures["turns_committed"], figures
+        if figures["workers"] > 1:
+            # While one worker restarts the others keep answering first time, inside the window;
+            # a lone worker (SQLite) answers nothing first time until it is back, so it may have
+            # no such turns at all.
+            assert calm["turns"] < first["turns"], figures
     assert report["workers"] == 2 and report["sqlite"]["workers"] == 1
