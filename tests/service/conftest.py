@@ -100,6 +100,7 @@ def _service(
         metrics_token=METRICS_TOKEN,
         tenants=agents.tenants,
         rate_limiter=rate_limiter,
+        ready=agents.aready,
     )
     try:
         with serving(app) as running:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.service.conftest import create_key, keel_serve
 
@@ -28,3 +31,21 @@ def test_keys_create_then_serve_answers_that_tenant(tmp_path: Path) -> None:
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it (exit status -15).
     assert served.process.returncode in (0, -15), served.stderr
     assert "Traceback" not in served.stderr, served.stderr
+
+
+def test_each_uvicorn_worker_builds_its_service_and_freezes_its_start_up_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from keel.service._factory import SERVE_ENV, create
+
+    monkeypatch.setenv(SERVE_ENV, json.dumps({"model": "scripted:echo", "memory": False}))
+    try:
+        app = create()
+        # What `keel serve --workers N` runs in each worker process, here in the test run.
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    with TestClient(app) as client:  # start-up warms the stores, shut-down closes them
+        assert client.get("/ready").json() == {"status": "ready"}

@@ -3,6 +3,7 @@ refused with 503 and Retry-After, and the server stops once the turn is done."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -26,12 +27,16 @@ def test_sigterm_drains_the_turns_in_flight_and_refuses_new_ones(tmp_path: Path)
     agents = ServiceAgents(backends, model, system_prompt="You echo.")
     keys = APIKeys(backends.sql)
     drain = Drain()
-    app = create_app(agents, keys, backends.traces, drain=drain)
+    app = create_app(agents, keys, backends.traces, drain=drain, ready=agents.aready)
     headers = {"Authorization": f"Bearer {keys.create('acme')}"}
     results: dict[str, httpx.Response] = {}
     try:
         with serving(app, lambda config: DrainingServer(config, drain)) as running:
             url = running.url
+            # Started, it set its start-up heap aside from the collector (undone below: this
+            # process is the test run, not a server).
+            assert gc.get_freeze_count() > 0
+            assert httpx.get(f"{url}/ready", timeout=5).json() == {"status": "ready"}
 
             def slow_turn() -> None:
                 body = {"message": "in flight", "user": "u1"}
@@ -53,10 +58,14 @@ def test_sigterm_drains_the_turns_in_flight_and_refuses_new_ones(tmp_path: Path)
             assert refused.status_code == 503 and refused.json()["error"]["type"] == "Draining"
             assert refused.headers["Retry-After"] == "1"
             assert httpx.get(f"{url}/health", timeout=5).status_code == 200, "stopped too early"
+            # A load balancer's readiness probe sees it go, while it still lives.
+            not_ready = httpx.get(f"{url}/ready", timeout=5)
+            assert not_ready.status_code == 503 and not_ready.json()["error"]["type"] == "Draining"
             turn.join(timeout=30)
             assert results["slow"].status_code == 200
             assert results["slow"].json()["text"] == "echo: in flight"
             running.thread.join(timeout=30)
             assert not running.thread.is_alive(), "the server did not stop once drained"
     finally:
+        gc.unfreeze()
         backends.close()

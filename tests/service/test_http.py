@@ -16,9 +16,10 @@ def _turn(client: httpx.Client, session: str, text: str, user: str = "u1") -> ht
     return client.post(f"/v1/sessions/{session}/turns", json={"message": text, "user": user})
 
 
-def test_every_route_but_health_needs_a_valid_key(service: Service) -> None:
+def test_every_route_but_health_and_ready_needs_a_valid_key(service: Service) -> None:
     with service.client(None) as anonymous:
         assert anonymous.get("/health").json() == {"status": "ok"}
+        assert anonymous.get("/ready").json() == {"status": "ready"}
         for method, path in (("GET", "/v1/sessions/s1"), ("GET", "/v1/runs")):
             response = anonymous.request(method, path)
             assert response.status_code == 401

@@ -39,6 +39,11 @@ _Closer = tuple[Callable[[], None], Callable[[], Awaitable[None]] | None]
 _Own = Callable[[Callable[[], None], Callable[[], Awaitable[None]] | None], None]
 
 
+_READINESS_PROBE = "keel-readiness-probe"
+"""A state key no session has (theirs are ``tenant/session``): reading it checks that the
+state store answers."""
+
+
 @dataclass
 class Backends:
     """What an agent stores into, opened from one database URL (and optionally Redis).
@@ -63,6 +68,19 @@ class Backends:
     """The SQL database the journal, traces and memory live in (more tables may join them:
     ``keel serve``'s API keys)."""
     _closers: list[_Closer] = field(default_factory=list, repr=False)
+
+    async def aready(self, connections: int = 1) -> None:
+        """Wait until every store answers: the SQL database with ``connections`` pooled
+        connections open (PostgreSQL), and the state store (one read).
+
+        Raises:
+            BackendUnavailableError: a server does not answer.
+            StoreError: a database cannot be read.
+        """
+        await self.sql.aping(connections)
+        if self.redis is not None:
+            # The journal, traces and memory are on the SQL database; state is not.
+            await self.state.apeek(_READINESS_PROBE)
 
     def close(self) -> None:
         """Stop memory's outbox worker and release every connection, newest first (idempotent)."""

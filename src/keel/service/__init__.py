@@ -9,9 +9,10 @@ from keel.service._app import TurnRequest, create_app
 from keel.service._drain import Drain, DrainingServer
 from keel.service._keys import APIKey, APIKeys, CachedKeys
 from keel.service._limits import RateLimiter
-from keel.service._serve import ServiceAgents, build_service
+from keel.service._serve import WARM_CONNECTIONS, ServiceAgents, build_service
 
 __all__ = [
+    "WARM_CONNECTIONS",
     "APIKey",
     "APIKeys",
     "CachedKeys",

@@ -1,9 +1,9 @@
 """The agent as an HTTP service: FastAPI routes over one agent per tenant, on shared stores.
 
-Every route but ``/health`` needs ``Authorization: Bearer <key>``; the key names the tenant, the
-request body never does. Everything a route reads or writes is scoped to that tenant (sessions
-through the agent's tenant-scoped keys, runs by their tenant), and what belongs to another
-tenant is answered 404, exactly as what does not exist.
+Every route but ``/health`` and ``/ready`` needs ``Authorization: Bearer <key>``; the key names
+the tenant, the request body never does. Everything a route reads or writes is scoped to that
+tenant (sessions through the agent's tenant-scoped keys, runs by their tenant), and what
+belongs to another tenant is answered 404, exactly as what does not exist.
 
 Errors have one body, ``{"error": {"type": ..., "message": ...}}``: 400 malformed JSON, 401 no
 or a bad key, 404 unknown (or another tenant's), 409 a session another turn holds, 413 a body
@@ -189,6 +189,7 @@ def create_app(
     tenants: Callable[[], Iterable[str]] | None = None,
     rate_limiter: RateLimiter | None = None,
     drain: Drain | None = None,
+    ready: Callable[[], Awaitable[None]] | None = None,
     ui: bool = True,
 ) -> FastAPI:
     """The service's FastAPI app.
@@ -207,11 +208,18 @@ def create_app(
         rate_limiter: requests per key and minute; over it, 429 with ``Retry-After``.
         drain: shared with a :class:`DrainingServer`: while it drains, new turns get 503 and
             the turns in flight are counted until they end.
+        ready: awaited by ``/ready`` (and once at start-up, to warm what it opens); it raises
+            :class:`~keel.errors.BackendUnavailableError` while a store does not answer.
         ui: serve the web trace viewer at ``/ui`` (it signs in with the same API keys).
     """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if ready is not None:
+            # Open the stores' connections before traffic comes; a store that is down now
+            # is reported by /ready rather than stopping the server.
+            with contextlib.suppress(BackendUnavailableError, StoreError):
+                await ready()
         try:
             yield
         finally:
@@ -375,6 +383,16 @@ def create_app(
     async def health() -> dict[str, str]:
         """Liveness: the process serves."""
         return {"status": "ok"}
+
+    @app.get("/ready", responses={503: {"description": "Draining, or a store does not answer"}})
+    async def readiness() -> Any:
+        """Readiness: the stores answer and the server is not draining (a load balancer sends
+        turns only to a ready worker)."""
+        if drain is not None and drain.draining:
+            return error(503, "Draining", "this server is shutting down; send it elsewhere")
+        if ready is not None:
+            await ready()
+        return {"status": "ready"}
 
     @app.post("/v1/sessions/{session_id}/turns", response_model=None)
     async def post_turn(

@@ -9,10 +9,13 @@ holds are done; a second signal stops it at once.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from types import FrameType
 from typing import Any
+
+from keel.service._process import freeze_startup_heap
 
 __all__ = ["Drain", "DrainingServer"]
 
@@ -45,7 +48,8 @@ def _server_base() -> Any:
 
 
 class DrainingServer(_server_base()):  # type: ignore[misc]
-    """A uvicorn server whose first SIGTERM (or SIGINT) drains, and whose second stops.
+    """A uvicorn server whose first SIGTERM (or SIGINT) drains, and whose second stops. As it
+    starts it freezes the start-up heap (:func:`freeze_startup_heap`).
 
     Args:
         config: uvicorn's ``Config``.
@@ -57,6 +61,12 @@ class DrainingServer(_server_base()):  # type: ignore[misc]
         super().__init__(config)
         self.drain = drain
         self.drain_timeout_s = drain_timeout_s
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # Before it listens (``started``), with the app built: what the app's own start-up
+        # adds (its connections) is little.
+        freeze_startup_heap()
+        await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining:

@@ -23,8 +23,11 @@ SERVE_ENV = "KEEL_SERVE_OPTIONS"
 
 def create() -> FastAPI:
     """The service, from ``KEEL_SERVE_OPTIONS`` (uvicorn calls this once per worker)."""
+    from keel.service._process import freeze_startup_heap
     from keel.service._serve import build_service
 
     options = json.loads(os.environ.get(SERVE_ENV, "{}"))
     app, _, _ = build_service(**options)
+    # This process is one of uvicorn's workers: it serves and does nothing else.
+    freeze_startup_heap()
     return app

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from keel.runtime import Agent, Backends
     from keel.tools import Tool
 
-__all__ = ["ServiceAgents", "build_service"]
+__all__ = ["WARM_CONNECTIONS", "ServiceAgents", "build_service"]
+
+WARM_CONNECTIONS = 4
+"""Database connections a worker opens before it reports ready. A turn holds one for a few ms
+at a time, so a worker's overlapping turns need a few; a connection opened under load instead
+costs its turn a new PostgreSQL server process."""
 
 
 class ServiceAgents:
@@ -45,6 +50,7 @@ class ServiceAgents:
         self.name = name
         self.agent_options = agent_options
         self._agents: dict[str, Agent] = {}
+        self._warm = False
 
     def __call__(self, tenant_id: str) -> Agent:
         agent = self._agents.get(tenant_id)
@@ -61,6 +67,17 @@ class ServiceAgents:
                 **self.agent_options,
             )
         return agent
+
+    async def aready(self) -> None:
+        """Wait until the stores answer, with the connections a worker's turns overlap on
+        already open (the first call opens them; later ones check one).
+
+        Raises:
+            BackendUnavailableError: a server does not answer.
+            StoreError: a database cannot be read.
+        """
+        await self.backends.aready(1 if self._warm else WARM_CONNECTIONS)
+        self._warm = True
 
     def tenants(self) -> list[str]:
         """The tenants whose agent was made."""
@@ -135,5 +152,6 @@ def build_service(
         tenants=agents.tenants,
         rate_limiter=limiter,
         drain=drain,
+        ready=agents.aready,
     )
     return app, agents, keys

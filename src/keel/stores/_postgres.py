@@ -243,6 +243,36 @@ class PostgresDatabase:
         async with self.aconnection() as conn, conn.transaction():
             yield conn
 
+    async def aping(self, connections: int = 1) -> None:
+        """Wait until the running loop's pool holds ``connections`` connections (at most its
+        ``max_size``) that each answered a query: a server warms its pool this way before it
+        takes traffic, so that its first requests do not wait for new server processes.
+
+        Raises:
+            BackendUnavailableError: the database does not answer within ``timeout``.
+        """
+        wanted = max(1, min(connections, self.max_size))
+        held = 0
+        all_held = asyncio.Event()
+
+        async def hold_one() -> None:
+            nonlocal held
+            async with self.aconnection() as conn:
+                await conn.execute("SELECT 1")
+                held += 1
+                if held == wanted:
+                    all_held.set()
+                # Keep it until every other one is out too: only then has the pool grown.
+                await all_held.wait()
+
+        try:
+            async with asyncio.timeout(self.timeout):
+                await asyncio.gather(*(hold_one() for _ in range(wanted)))
+        except TimeoutError as exc:
+            raise BackendUnavailableError(
+                f"PostgreSQL at {_location(self.url)} did not answer within {self.timeout:g} s"
+            ) from exc
+
     def close(self) -> None:
         """Close the pool (idempotent); an async pool is closed by :meth:`aclose`."""
         with self._open_lock:

@@ -405,6 +405,20 @@ class SQLiteDatabase:
             self._local.inline = previous
         return await asyncio.to_thread(call)
 
+    async def aping(self, connections: int = 1) -> None:
+        """Check that the file answers a query (``connections`` is for the interface
+        :class:`~keel.stores.PostgresDatabase` shares: each thread has one connection here).
+
+        Raises:
+            StoreError: the file cannot be read, or the database was closed.
+        """
+
+        def query() -> None:
+            with self.translated() as conn:
+                conn.execute("SELECT 1").fetchone()
+
+        await self.arun(query)
+
     @contextmanager
     def snapshot(self) -> Iterator[sqlite3.Connection]:
         """A read transaction: every read inside sees one consistent version of the file.
