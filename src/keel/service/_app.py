@@ -237,6 +237,9 @@ def create_app(
     def error(status: int, kind: str, message: str) -> JSONResponse:
         return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
 
+    def draining() -> JSONResponse:
+        return error(503, "Draining", "this server is shutting down; send it elsewhere")
+
     @app.exception_handler(_HTTPError)
     async def on_http_error(request: Request, exc: _HTTPError) -> JSONResponse:
         response = error(exc.status, exc.kind, exc.message)
@@ -273,7 +276,7 @@ def create_app(
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
             response: Any = error(413, "BodyTooLarge", f"the body is over {max_body_bytes} bytes")
         elif is_turn and drain is not None and drain.draining:
-            response = error(503, "Draining", "this server is shutting down; send it elsewhere")
+            response = draining()
             response.headers["Retry-After"] = "1"
         elif is_turn and drain is not None:
             drain.enter()
@@ -389,7 +392,7 @@ def create_app(
         """Readiness: the stores answer and the server is not draining (a load balancer sends
         turns only to a ready worker)."""
         if drain is not None and drain.draining:
-            return error(503, "Draining", "this server is shutting down; send it elsewhere")
+            return draining()
         if ready is not None:
             await ready()
         return {"status": "ready"}

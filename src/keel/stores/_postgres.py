@@ -252,17 +252,13 @@ class PostgresDatabase:
             BackendUnavailableError: the database does not answer within ``timeout``.
         """
         wanted = max(1, min(connections, self.max_size))
-        held = 0
-        all_held = asyncio.Event()
+        # Each keeps its connection until every other one is out too: only then has the pool
+        # grown to ``wanted``.
+        all_held = asyncio.Barrier(wanted)
 
         async def hold_one() -> None:
-            nonlocal held
             async with self.aconnection() as conn:
                 await conn.execute("SELECT 1")
-                held += 1
-                if held == wanted:
-                    all_held.set()
-                # Keep it until every other one is out too: only then has the pool grown.
                 await all_held.wait()
 
         try:
