@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from keel.errors import (
+    ConfigError,
     DatabaseCorruptError,
     DatabaseLockedError,
     DataDirectoryError,
@@ -136,3 +137,17 @@ def test_threads_write_concurrently_without_losing_rows(tmp_path: Path) -> None:
         thread.join()
     assert db.connection().execute("SELECT count(*) FROM widgets").fetchone()[0] == 200
     db.close()
+
+
+def test_a_sqlite_url_opens_the_file_it_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sqlite:///PATH`` names PATH, as every URL keel takes does, never ``./sqlite:/PATH``."""
+    monkeypatch.chdir(tmp_path)
+    db = SQLiteDatabase(f"sqlite:///{tmp_path / 'keel.db'}")
+    db.setup(WIDGETS)
+    db.close()
+    assert (tmp_path / "keel.db").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("keel.db")) == []
+    with pytest.raises(ConfigError, match="needs a file path"):
+        SQLiteDatabase("sqlite:///")

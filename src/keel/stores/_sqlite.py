@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from keel._urls import parse_database_url
 from keel.errors import (
     DatabaseCorruptError,
     DatabaseFileError,
@@ -132,6 +133,12 @@ class SQLiteDatabase:
     """
 
     def __init__(self, path: Path | str, *, busy_timeout_ms: int = 5000) -> None:
+        # A ``sqlite:///`` URL names its file, as everywhere else keel takes one: read as a
+        # bare path it would open ``./sqlite:/...``, a stray directory beside the caller.
+        if isinstance(path, str) and path.startswith("sqlite:"):
+            parsed = parse_database_url(path, kinds=("sqlite",)).path
+            assert parsed is not None
+            path = parsed
         self.path = str(path)
         self.busy_timeout_ms = busy_timeout_ms
         self._local = threading.local()
