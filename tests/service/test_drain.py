@@ -69,3 +69,38 @@ def test_sigterm_drains_the_turns_in_flight_and_refuses_new_ones(tmp_path: Path)
     finally:
         gc.unfreeze()
         backends.close()
+
+
+def test_a_streamed_turn_counts_as_in_flight_until_its_last_event_is_sent(
+    tmp_path: Path,
+) -> None:
+    """A streamed turn runs while its body is sent, after its response has started: a drain
+    that stopped counting it at the headers would stop the server under it."""
+    settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
+    backends = open_backends(
+        f"sqlite:///{tmp_path / 'keel.db'}", memory=False, masker=None, settings=settings
+    )
+    model = ScriptedModel(lambda call: f"echo: {call.last_user_text}", delay_s=1.0)
+    agents = ServiceAgents(backends, model, system_prompt="You echo.")
+    keys = APIKeys(backends.sql)
+    drain = Drain()
+    app = create_app(agents, keys, backends.traces, drain=drain)
+    headers = {"Authorization": f"Bearer {keys.create('acme')}", "Accept": "text/event-stream"}
+    try:
+        with serving(app, lambda config: DrainingServer(config, drain)) as running:
+            body = {"message": "streamed", "user": "u1"}
+            with httpx.stream(
+                "POST", f"{running.url}/v1/sessions/s1/turns", json=body, headers=headers
+            ) as response:
+                assert response.status_code == 200
+                # The headers are out; the model still thinks for a second.
+                assert drain.in_flight == 1
+                events = [line for line in response.iter_lines() if line.startswith("data:")]
+            assert events and "echo: streamed" in events[-1]
+            deadline = time.monotonic() + 10
+            while drain.in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert drain.in_flight == 0
+    finally:
+        gc.unfreeze()
+        backends.close()

@@ -27,6 +27,9 @@ from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Send
+from starlette.types import Scope as ASGIScope
 
 from keel.errors import (
     AccessDeniedError,
@@ -269,42 +272,49 @@ def create_app(
 
     turn_paths = ("/turns", "/chat/completions")
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        is_turn = request.method == "POST" and request.url.path.endswith(turn_paths)
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            response: Any = error(413, "BodyTooLarge", f"the body is over {max_body_bytes} bytes")
-        elif is_turn and drain is not None and drain.draining:
-            response = draining()
-            response.headers["Retry-After"] = "1"
-        elif is_turn and drain is not None:
-            drain.enter()
-            try:
-                response = await call_next(request)
-            except BaseException:
-                drain.leave()
-                raise
-            body = getattr(response, "body_iterator", None)
-            if body is not None:
-                # A streamed turn runs while its body is sent: it leaves when that ends.
+    def gate(app: ASGIApp) -> ASGIApp:
+        """Body limit, drain gate and request counts: plain ASGI, not ``BaseHTTPMiddleware``,
+        which runs every request in its own task group and pipes the response through a
+        memory stream (a cost on each turn, on the event loop the turns share)."""
 
-                async def counted_body() -> AsyncIterator[Any]:
-                    try:
-                        async for piece in body:
-                            yield piece
-                    finally:
-                        drain.leave()
+        async def gated(scope: ASGIScope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            status = 500
 
-                response.body_iterator = counted_body()
+            async def counted_send(message: Message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                await send(message)
+
+            method = scope["method"]
+            is_turn = method == "POST" and scope["path"].endswith(turn_paths)
+            length = Headers(scope=scope).get("content-length")
+            if length is not None and length.isdigit() and int(length) > max_body_bytes:
+                response = error(413, "BodyTooLarge", f"the body is over {max_body_bytes} bytes")
+                await response(scope, receive, counted_send)
+            elif is_turn and drain is not None and drain.draining:
+                response = draining()
+                response.headers["Retry-After"] = "1"
+                await response(scope, receive, counted_send)
+            elif is_turn and drain is not None:
+                drain.enter()
+                try:
+                    # A turn's response, streamed or not, is sent whole before the app
+                    # returns: the turn leaves the count once its last event is out.
+                    await app(scope, receive, counted_send)
+                finally:
+                    drain.leave()
             else:
-                drain.leave()
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        requests[(request.method, path, response.status_code)] += 1
-        return response
+                await app(scope, receive, counted_send)
+            route = scope.get("route")
+            requests[(method, getattr(route, "path", "unmatched"), status)] += 1
+
+        return gated
+
+    app.add_middleware(gate)
 
     def counted(tenant_id: str, reply: AgentReply) -> AgentReply:
         turns[(tenant_id, reply.status)] += 1
