@@ -173,6 +173,7 @@ def test_sqlite_drops_a_word_in_more_than_20k_rows_even_under_a_twentieth() -> N
                 ("t", "u"),
                 list(rows),
                 total_rows=1_000_000,
+                scope_rows=1_000_000,
                 budget=1500,
                 count=lambda term, limit: min(rows[term], limit),
                 most_common_rows=most,
@@ -183,3 +184,14 @@ def test_sqlite_drops_a_word_in_more_than_20k_rows_even_under_a_twentieth() -> N
     # 30k of 1M rows is under 1/20: kept, unless a term may have at most 20k.
     assert plan(None) == ["rare", "moderate"]
     assert plan(_sqlite_memory._MOST_COMMON_ROWS) == ["rare"]
+
+
+def test_a_term_in_more_than_half_the_scope_is_dropped_unless_it_is_all_there_is() -> None:
+    # 10 rows: a term in 6 has a negative BM25 IDF there, one in exactly 5 an IDF of zero.
+    assert _keywords.informative_terms({"caroline": 6, "lgbtq": 1}, 10) == ["lgbtq"]
+    assert _keywords.informative_terms({"half": 5, "lgbtq": 1}, 10) == ["half", "lgbtq"]
+    # Nothing informative the scope holds: the rarest common term still finds rows.
+    assert _keywords.informative_terms({"caroline": 9, "said": 7, "zebra": 0}, 10) == ["said"]
+    assert _keywords.informative_terms({"zebra": 0}, 10) == ["zebra"]
+    # A one-row scope: its only row is still found by its own words.
+    assert _keywords.informative_terms({"oslo": 1}, 1) == ["oslo"]

@@ -204,7 +204,7 @@ def test_search_reads_back_only_records_that_can_rank(
     tmp_path: Path, recency_weight: float
 ) -> None:
     memory, store, now = _many_lantern_notes(tmp_path, recency_weight)
-    query = "lantern harbour granite"
+    query = "harbour granite meadow"
     reference = [h.record.id for h in memory.search(query, scope=SCOPE, k=60, now=now)]
     everything = len(set(store.fetched))
     store.fetched.clear()
@@ -216,7 +216,7 @@ def test_search_reads_back_only_records_that_can_rank(
 
 def test_records_that_vanish_before_read_back_are_replaced(tmp_path: Path) -> None:
     memory, store, now = _many_lantern_notes(tmp_path, 0.5)
-    query = "lantern harbour granite"
+    query = "harbour granite meadow"
     reference = [h.record.id for h in memory.search(query, scope=SCOPE, k=60, now=now)]
     store.lost = set(reference[:45])
     hits = memory.search(query, scope=SCOPE, k=5, now=now)

@@ -619,14 +619,20 @@ class PostgresMemoryStore(MemoryStore):
             return round(1000 * float(value or 0))
 
         frequencies = self._term_frequencies
+        scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, count_rows)
         plan = frequencies.plan(
-            scope_key, terms, total_rows=total, budget=_SCORED_ROWS, count=count
+            scope_key,
+            terms,
+            total_rows=total,
+            scope_rows=scope_rows,
+            budget=_SCORED_ROWS,
+            count=count,
         )
         matches = {
             term: frequencies.get(scope_key, term, total, lambda t: count(t, cap + 1))
             for term in plan.terms
         }
-        rows = max(frequencies.get(scope_key, SCOPE_ROWS, total, count_rows), *matches.values())
+        rows = max(scope_rows, *matches.values())
         # FTS5's IDF, floored the same way: a term in over half the rows weighs almost nothing.
         idf = {
             term: max(math.log((rows - found + 0.5) / (found + 0.5)), 1e-6)

@@ -336,8 +336,6 @@ def _plan_keyword_query(
 ) -> _KeywordQuery:
     """The bounded query for ``terms`` in ``scope`` (see :mod:`keel.stores._keywords`)."""
     total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
-    if total <= _SCORED_DOCUMENTS:
-        return _KeywordQuery(_match(terms, scope))
     scope_key = (scope.tenant_id, scope.user_id)
 
     def count_rows(_: str) -> int:
@@ -352,7 +350,8 @@ def _plan_keyword_query(
     # whole table (one user on a laptop) it is pure overhead: every matching row would also
     # be joined with the token's doclist. Rows are checked against the scope in SQL anyway.
     scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, count_rows)
-    narrowing = scope if scope_rows < 0.9 * total else None
+    small = total <= _SCORED_DOCUMENTS
+    narrowing = scope if small or scope_rows < 0.9 * total else None
 
     def count(term: str, limit: int) -> int:
         return int(
@@ -367,10 +366,13 @@ def _plan_keyword_query(
         scope_key,
         terms,
         total_rows=total,
+        scope_rows=scope_rows,
         budget=_SCORED_DOCUMENTS,
         count=count,
         most_common_rows=_MOST_COMMON_ROWS,
     )
+    if small:
+        return _KeywordQuery(_match(plan.terms, scope))
     match = _match(plan.terms, narrowing)
     if not plan.newest:
         return _KeywordQuery(match)

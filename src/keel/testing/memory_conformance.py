@@ -188,13 +188,41 @@ class MemoryStoreConformance:
         # finds the answer. Without IDF the two kinds of match tie, and the tie goes to the
         # older records, the common ones here.
         memory = _memory(make_store())
-        for number in range(12):
+        for number in range(6):
             memory.add(f"Caroline talked about her plans for day {number}", scope=ALICE)
+            memory.add(f"the weather was mild on day {number}", scope=ALICE)
         rare = memory.add("the lgbtq support group met downtown on Sunday", scope=ALICE)
         memory.flush()
         keyword = memory.store.keyword_search(ALICE, ["caroline", "lgbtq"], MemoryFilter(), 5)
         assert [hit.record_id for hit in keyword][:1] == [rare.id]
         assert len(keyword) == 5
+        memory.close()
+
+    def test_a_word_in_most_of_a_scopes_rows_makes_no_row_a_keyword_match(
+        self, make_store: StoreFactory
+    ) -> None:
+        # A word in more than half of the scope's own rows (the speaker's name opening each
+        # turn) has a negative IDF there, however rare it is in the table: a row matching it
+        # alone is no keyword candidate. Only when it is all the scope holds of the query does
+        # it still find rows.
+        memory = _memory(make_store())
+        said = [
+            memory.add(f"Caroline: I planned the trip for day {number}", scope=ALICE).id
+            for number in range(8)
+        ]
+        memory.add("the weather was mild all week", scope=ALICE)
+        rare = memory.add("the lgbtq support group met downtown on Sunday", scope=ALICE)
+        for number in range(40):  # elsewhere in the table, nobody says it
+            memory.add(f"Bob's own note {number} about invoices", scope=BOB)
+        memory.flush()
+
+        def found(terms: list[str]) -> set[str]:
+            hits = memory.store.keyword_search(ALICE, terms, MemoryFilter(), 20)
+            return {hit.record_id for hit in hits}
+
+        assert found(["caroline", "lgbtq"]) == {rare.id}
+        assert found(["caroline"]) == set(said)
+        assert found(["caroline", "zebra"]) == set(said)
         memory.close()
 
     def test_filters_apply(self, make_store: StoreFactory) -> None:
