@@ -174,6 +174,7 @@ def test_sqlite_drops_a_word_in_more_than_20k_rows_even_under_a_twentieth() -> N
                 list(rows),
                 total_rows=1_000_000,
                 scope_rows=1_000_000,
+                listed=100,
                 budget=1500,
                 count=lambda term, limit: min(rows[term], limit),
                 most_common_rows=most,
@@ -187,11 +188,14 @@ def test_sqlite_drops_a_word_in_more_than_20k_rows_even_under_a_twentieth() -> N
 
 
 def test_a_term_in_more_than_half_the_scope_is_dropped_unless_it_is_all_there_is() -> None:
-    # 10 rows: a term in 6 has a negative BM25 IDF there, one in exactly 5 an IDF of zero.
-    assert _keywords.informative_terms({"caroline": 6, "lgbtq": 1}, 10) == ["lgbtq"]
-    assert _keywords.informative_terms({"half": 5, "lgbtq": 1}, 10) == ["half", "lgbtq"]
+    informative = _keywords.informative_terms
+    # 100 rows, 10 listed: a term in 60 has a negative BM25 IDF, one in exactly 50 an IDF of 0.
+    assert informative({"caroline": 60, "lgbtq": 1}, 100, 10) == ["lgbtq"]
+    assert informative({"half": 50, "lgbtq": 1}, 100, 10) == ["half", "lgbtq"]
+    # Listing 80: all 60 rows are ranked anyway, and the shared word still orders them.
+    assert informative({"caroline": 60, "lgbtq": 1}, 100, 80) == ["caroline", "lgbtq"]
     # Nothing informative the scope holds: the rarest common term still finds rows.
-    assert _keywords.informative_terms({"caroline": 9, "said": 7, "zebra": 0}, 10) == ["said"]
-    assert _keywords.informative_terms({"zebra": 0}, 10) == ["zebra"]
-    # A one-row scope: its only row is still found by its own words.
-    assert _keywords.informative_terms({"oslo": 1}, 1) == ["oslo"]
+    assert informative({"caroline": 90, "said": 70, "zebra": 0}, 100, 10) == ["said"]
+    assert informative({"zebra": 0}, 100, 10) == ["zebra"]
+    # A one-row scope: its only row is found by its own words.
+    assert informative({"oslo": 1}, 1, 0) == ["oslo"]

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from keel.errors import UsageError
@@ -501,3 +502,53 @@ def test_flush_picks_up_another_processs_rows(tmp_path: Path, monkeypatch: Any) 
     assert here.embedding_status().counts == {"keel-hashing-32": 1}
     there.close()
     here.close()
+
+
+class _RecordingEmbedder(HashingEmbedder):
+    """Hashed vectors, and every text it was asked to embed."""
+
+    def __init__(self) -> None:
+        super().__init__(64)
+        self.texts: list[str] = []
+
+    def embed(self, texts: Sequence[str]) -> Any:
+        self.texts.extend(texts)
+        return super().embed(texts)
+
+
+def test_a_turn_is_embedded_after_itself_with_the_turn_before_it_in_its_own_session(
+    tmp_path: Path,
+) -> None:
+    store = SQLiteMemoryStore(tmp_path / "context.db")
+    embedder = _RecordingEmbedder()
+    memory = Memory(store, embedder=embedder, masker=None)
+    other_user = Scope(tenant_id="acme", user_id="u2")
+    memory.add("Did you see the planetarium?", scope=SCOPE, session_id="s", turn=0)
+    # The same session id and turn in another user's scope: never their context.
+    memory.add("Secret plans of someone else", scope=other_user, session_id="s", turn=1)
+    memory.add("An unrelated talk", scope=SCOPE, session_id="elsewhere", turn=1)
+    memory.add("Yes, twice last spring.", scope=SCOPE, session_id="s", turn=1)
+    memory.add("A note outside any session", scope=SCOPE)
+    memory.process_outbox()
+    memory.add("It was closed in winter.", scope=SCOPE, session_id="s", turn=2)
+    memory.process_outbox()
+    assert embedder.texts == [
+        "Did you see the planetarium?",  # the session's first turn
+        "Secret plans of someone else",  # u2's session "s" has no turn 0
+        "An unrelated talk",
+        "Yes, twice last spring.\nDid you see the planetarium?",
+        "A note outside any session",
+        "It was closed in winter.\nYes, twice last spring.",  # one turn back, the newest
+    ]
+    stored = store.vectors(SCOPE, [r.id for r in memory.recent(SCOPE, limit=1)], embedder.name)
+    assert np.allclose(
+        next(iter(stored.values())),
+        embedder.embed_one("It was closed in winter.\nYes, twice last spring."),
+    )
+    embedder.texts.clear()
+    alone = Memory(store, embedder=embedder, masker=None, config=RetrievalConfig(context_turns=0))
+    alone.add("And the aquarium?", scope=SCOPE, session_id="s", turn=3)
+    alone.process_outbox()
+    assert embedder.texts == ["And the aquarium?"]
+    memory.close()
+    alone.close()

@@ -10,16 +10,17 @@ __all__ = ["RetrievalConfig"]
 class RetrievalConfig(BaseModel):
     """How :meth:`keel.memory.Memory.search` finds and ranks memories.
 
-    The defaults were tuned on the LoCoMo dev split (five conversations; see ``keel bench
-    locomo``): stopword-aware BM25 weighted above dense similarity in reciprocal-rank fusion,
-    plus the neighbouring turn on each side of a hit.
+    Stopword-aware BM25 (without the words most of a scope's rows hold) and dense similarity
+    weigh the same in reciprocal-rank fusion, each turn is embedded with the turn before it,
+    and a hit is shown with the neighbouring turn on each side. ``rrf_k`` and the recency
+    boost were chosen on the LoCoMo dev split (five conversations; see ``keel bench locomo``).
     """
 
     model_config = ConfigDict(frozen=True)
 
     candidates: int = Field(default=100, ge=1, description="Candidates taken from each retriever.")
     keyword_weight: float = Field(default=1.0, ge=0, description="Weight of the keyword ranking.")
-    vector_weight: float = Field(default=0.5, ge=0, description="Weight of the vector ranking.")
+    vector_weight: float = Field(default=1.0, ge=0, description="Weight of the vector ranking.")
     rrf_k: float = Field(
         default=10.0, gt=0, description="Reciprocal-rank constant: lower trusts top ranks more."
     )
@@ -39,6 +40,14 @@ class RetrievalConfig(BaseModel):
     )
     neighbours: int = Field(
         default=1, ge=0, description="Turns before and after a hit shown with it (same session)."
+    )
+    context_turns: int = Field(
+        default=1,
+        ge=0,
+        le=16,
+        description="Earlier turns of its session embedded with a turn, after it: a reply such "
+        "as 'yes, with my kids last week' is found by what it answers (0: each turn alone). "
+        "Applies to vectors embedded from then on.",
     )
     recency_weight: float = Field(
         default=0.05, ge=0, description="Boost for recent memories (0 disables)."

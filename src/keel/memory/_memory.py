@@ -43,7 +43,7 @@ from keel.memory._records import (
     utcnow,
 )
 from keel.memory._similarity import gram
-from keel.memory._store import MemoryStore, ScoredId
+from keel.memory._store import MemoryStore, OutboxEntry, ScoredId
 from keel.memory._text import keyword_terms, word_set
 from keel.messages import ToolCall
 from keel.privacy import PIIMasker
@@ -368,7 +368,7 @@ class Memory:
                     self._notify_progress()
                     continue
                 try:
-                    vectors = self.embedder.embed([e.text for e in entries])
+                    vectors = self.embedder.embed(self._embedding_texts(entries))
                 except KeelError as exc:
                     self.last_error = str(exc)
                     self.store.fail(entries, str(exc))
@@ -379,6 +379,36 @@ class Memory:
                 done += len(entries)
                 self._notify_progress()
         return done
+
+    def _embedding_texts(self, entries: Sequence[OutboxEntry]) -> list[str]:
+        """What each entry's vector is computed from: its text and, for a turn of a session,
+        the ``context_turns`` turns before it, newest first (an embedder that truncates a long
+        text cuts the oldest context, never the turn). A turn rarely stands alone, and the
+        turns before it are already stored when it is written, so it is embedded once."""
+        span = self.config.context_turns
+        wanted: dict[tuple[str, str], set[tuple[str, int, int]]] = {}
+        for entry in entries:
+            if span and entry.session_id is not None and entry.turn is not None:
+                key = (entry.tenant_id, entry.user_id)
+                wanted.setdefault(key, set()).add(
+                    (entry.session_id, entry.turn - span, entry.turn - 1)
+                )
+        earlier: dict[tuple[str, str, str, int], str] = {}
+        for (tenant_id, user_id), spans in wanted.items():
+            scope = Scope(tenant_id=tenant_id, user_id=user_id)
+            for record in self.store.turns_around(scope, sorted(spans)):
+                if record.session_id is not None and record.turn is not None:
+                    earlier[(tenant_id, user_id, record.session_id, record.turn)] = record.text
+        texts: list[str] = []
+        for entry in entries:
+            parts = [entry.text]
+            if entry.session_id is not None and entry.turn is not None:
+                for turn in range(entry.turn - 1, entry.turn - span - 1, -1):
+                    text = earlier.get((entry.tenant_id, entry.user_id, entry.session_id, turn))
+                    if text is not None:
+                        parts.append(text)
+            texts.append("\n".join(parts))
+        return texts
 
     def pending(self) -> int:
         """Records waiting to be embedded (retries exhausted not counted), counted by the

@@ -48,6 +48,10 @@ class OutboxEntry:
     user_id: str
     text: str
     attempts: int
+    session_id: str | None = None
+    """The record's session, when it is a turn of one (its context comes from there)."""
+    turn: int | None = None
+    """The record's turn in that session."""
 
 
 class MemoryStore(ABC):

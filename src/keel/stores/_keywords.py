@@ -4,9 +4,9 @@ Ranking (FTS5's bm25(), BM25 computed in SQL on PostgreSQL) costs microseconds p
 row and is the whole cost of a broad query: four common words can match most of a 100k-row
 table. Both stores plan the same way:
 
-0. A term in more than half of the scope's own rows says nothing about which of them a query
-   means (``informative_terms``): it is dropped, unless every term the scope holds is that
-   common (the rarest is kept).
+0. A term in more than half of the scope's own rows, and in more rows than the search lists,
+   says nothing about which of them a query means (``informative_terms``): it is dropped,
+   unless every term the scope holds is that common (the rarest is kept).
 1. A term found in more than 1/20 of the rows is dropped (the rarest is kept if all are): it
    carries almost no weight (low IDF) and would dominate the cost. SQLite also drops a term
    in more than 20,000 rows, since FTS5's bm25() walks each ranked term's every row.
@@ -46,17 +46,20 @@ def common_term_cap(total_rows: int, most: int | None = None) -> int:
     return cap if most is None else max(2000, min(cap, most))
 
 
-def informative_terms(frequency: Mapping[str, int], scope_rows: int) -> list[str]:
+def informative_terms(frequency: Mapping[str, int], scope_rows: int, listed: int) -> list[str]:
     """The terms of ``frequency`` (each term's rows in the scope) that tell its rows apart.
 
     A term in more than half of the scope's rows has a negative BM25 IDF by the scope's own
     figures (``log((N - n + 0.5) / (n + 0.5))``): the speaker's name that opens every turn of
-    a conversation, a word a user says in everything. Ranks are what fusion reads, and the
-    rows matching only such a term would take the keyword ranks after the real matches, each
-    as good as the next: they are dropped from the query. When every term the scope holds is
-    that common, the rarest is kept, so a scope of one or two rows is still searchable.
+    a conversation, a word a user says in everything. When its rows would also fill the
+    ``listed`` ranks the keyword search returns, the rows matching only it take every rank
+    after the real matches, each as good as the next, and fusion reads ranks: it is dropped
+    from the query. (In a scope that small a list holds, every row is ranked anyway, and a
+    shared word still orders them.) When every term the scope holds is that common, the
+    rarest is kept, so such a query still finds rows.
     """
-    kept = [term for term in frequency if 2 * frequency[term] <= scope_rows]
+    floor = max(scope_rows / 2, listed)
+    kept = [term for term in frequency if frequency[term] <= floor]
     if any(frequency[term] for term in kept):
         return kept
     present = [term for term in frequency if frequency[term]]
@@ -147,26 +150,27 @@ class TermFrequencies:
         *,
         total_rows: int,
         scope_rows: int,
+        listed: int,
         budget: int,
         count: Callable[[str, int], int],
         most_common_rows: int | None = None,
     ) -> KeywordPlan:
-        """Plan ``terms`` for one scope of ``scope_rows`` rows; ``count(term, limit)`` counts
-        the scope's matching rows up to ``limit``. Only its uninformative terms are dropped
-        from a table within the budget: it is ranked in full. ``most_common_rows`` caps the
-        rows a kept term may have (see ``common_term_cap``)."""
+        """Plan ``terms`` for one scope of ``scope_rows`` rows, for a search listing ``listed``
+        rows; ``count(term, limit)`` counts the scope's matching rows up to ``limit``. Only its
+        uninformative terms are dropped from a table within the budget: it is ranked in full.
+        ``most_common_rows`` caps the rows a kept term may have (see ``common_term_cap``)."""
         unique = list(dict.fromkeys(terms))
+        # Counted just past what informative_terms asks: a few doclist entries in a scope
+        # this small.
+        enough = max(scope_rows // 2, listed) + 1
         if total_rows <= budget:
-            # Counted up to just past half the scope: enough to tell what informative_terms
-            # asks, a few doclist entries for a scope this small.
-            limit = scope_rows // 2 + 1
-            small = {t: self.get(scope, t, total_rows, lambda t: count(t, limit)) for t in unique}
-            return KeywordPlan(informative_terms(small, scope_rows), total_rows=total_rows)
+            small = {t: self.get(scope, t, total_rows, lambda t: count(t, enough)) for t in unique}
+            return KeywordPlan(informative_terms(small, scope_rows, listed), total_rows=total_rows)
         cap = common_term_cap(total_rows, most_common_rows)
-        # Past min(cap, half the scope) a term is dropped either way: counted no further.
-        limit = min(cap, scope_rows // 2) + 1
+        # Past the cap a term is dropped as common: counted no further.
+        limit = min(cap + 1, enough)
         frequency = {t: self.get(scope, t, total_rows, lambda t: count(t, limit)) for t in unique}
-        kept = informative_terms(frequency, scope_rows)
+        kept = informative_terms(frequency, scope_rows, listed)
         return plan_terms(
             {term: frequency[term] for term in kept}, cap=cap, budget=budget, total_rows=total_rows
         )

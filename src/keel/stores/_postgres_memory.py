@@ -529,7 +529,7 @@ class PostgresMemoryStore(MemoryStore):
         scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
         scope_args = (scope.tenant_id, scope.user_id, *params)
         with self._reading() as conn:
-            statistics = self._keyword_statistics(conn, scope, safe)
+            statistics = self._keyword_statistics(conn, scope, safe, int(limit))
             plan = statistics.plan
             # Which rows to rank: every match when the plan allows, else the chosen ones.
             ranked = f"{scoped} AND tsv @@ q.query"
@@ -585,8 +585,11 @@ class PostgresMemoryStore(MemoryStore):
             rows = conn.execute(sql, args).fetchall()
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
 
-    def _keyword_statistics(self, conn: Any, scope: Scope, terms: list[str]) -> _KeywordStatistics:
-        """The bounded plan for ``terms`` in ``scope`` (see :mod:`keel.stores._keywords`)
+    def _keyword_statistics(
+        self, conn: Any, scope: Scope, terms: list[str], listed: int
+    ) -> _KeywordStatistics:
+        """The bounded plan for ``terms`` in ``scope``, listing ``listed`` rows (see
+        :mod:`keel.stores._keywords`)
         and what BM25 needs: each term's IDF and the scope's average record length."""
         total = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM memory_records").fetchone()[0])
         scope_key = (scope.tenant_id, scope.user_id)
@@ -625,6 +628,7 @@ class PostgresMemoryStore(MemoryStore):
             terms,
             total_rows=total,
             scope_rows=scope_rows,
+            listed=listed,
             budget=_SCORED_ROWS,
             count=count,
         )
@@ -735,13 +739,23 @@ class PostgresMemoryStore(MemoryStore):
         self.setup()
         with self._reading() as conn:
             rows = conn.execute(
-                "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts "
+                "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
+                "r.session_id, r.turn "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
                 "WHERE o.attempts < %s ORDER BY o.id LIMIT %s",
                 (int(max_attempts), int(limit)),
             ).fetchall()
         return [
-            OutboxEntry(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), int(r[5]))
+            OutboxEntry(
+                int(r[0]),
+                str(r[1]),
+                str(r[2]),
+                str(r[3]),
+                str(r[4]),
+                int(r[5]),
+                None if r[6] is None else str(r[6]),
+                None if r[7] is None else int(r[7]),
+            )
             for r in rows
         ]
 

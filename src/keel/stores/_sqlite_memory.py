@@ -332,9 +332,14 @@ def _match(terms: Sequence[str], scope: Scope | None) -> str:
 
 
 def _plan_keyword_query(
-    conn: sqlite3.Connection, scope: Scope, terms: list[str], frequencies: TermFrequencies
+    conn: sqlite3.Connection,
+    scope: Scope,
+    terms: list[str],
+    frequencies: TermFrequencies,
+    listed: int,
 ) -> _KeywordQuery:
-    """The bounded query for ``terms`` in ``scope`` (see :mod:`keel.stores._keywords`)."""
+    """The bounded query for ``terms`` in ``scope``, listing ``listed`` rows (see
+    :mod:`keel.stores._keywords`)."""
     total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
     scope_key = (scope.tenant_id, scope.user_id)
 
@@ -367,6 +372,7 @@ def _plan_keyword_query(
         terms,
         total_rows=total,
         scope_rows=scope_rows,
+        listed=listed,
         budget=_SCORED_DOCUMENTS,
         count=count,
         most_common_rows=_MOST_COMMON_ROWS,
@@ -624,7 +630,7 @@ class SQLiteMemoryStore(MemoryStore):
             return []
         conn = self._conn()
         try:
-            plan = _plan_keyword_query(conn, scope, safe, self._term_frequencies)
+            plan = _plan_keyword_query(conn, scope, safe, self._term_frequencies, int(limit))
             where, params = filter_sql(filters, "?", prefix="r.")
             # The scope is in the MATCH expression (fast) and checked on the rows again.
             scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
@@ -750,7 +756,8 @@ class SQLiteMemoryStore(MemoryStore):
         rows = (
             self._conn()
             .execute(
-                "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts "
+                "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
+                "r.session_id, r.turn "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
                 "WHERE o.attempts < ? ORDER BY o.id LIMIT ?",
                 (int(max_attempts), int(limit)),
@@ -758,7 +765,16 @@ class SQLiteMemoryStore(MemoryStore):
             .fetchall()
         )
         return [
-            OutboxEntry(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), int(r[5]))
+            OutboxEntry(
+                int(r[0]),
+                str(r[1]),
+                str(r[2]),
+                str(r[3]),
+                str(r[4]),
+                int(r[5]),
+                None if r[6] is None else str(r[6]),
+                None if r[7] is None else int(r[7]),
+            )
             for r in rows
         ]
 

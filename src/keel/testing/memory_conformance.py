@@ -202,27 +202,32 @@ class MemoryStoreConformance:
         self, make_store: StoreFactory
     ) -> None:
         # A word in more than half of the scope's own rows (the speaker's name opening each
-        # turn) has a negative IDF there, however rare it is in the table: a row matching it
-        # alone is no keyword candidate. Only when it is all the scope holds of the query does
-        # it still find rows.
+        # turn) has a negative IDF there, however rare it is in the table; in more rows than
+        # the search lists, the rows matching it alone would take every rank after the real
+        # match: they are no keyword candidates. Only when it is all the scope holds of the
+        # query does it still find rows.
         memory = _memory(make_store())
-        said = [
+        said = {
             memory.add(f"Caroline: I planned the trip for day {number}", scope=ALICE).id
-            for number in range(8)
-        ]
+            for number in range(30)
+        }
         memory.add("the weather was mild all week", scope=ALICE)
         rare = memory.add("the lgbtq support group met downtown on Sunday", scope=ALICE)
-        for number in range(40):  # elsewhere in the table, nobody says it
+        for number in range(60):  # elsewhere in the table, nobody says it
             memory.add(f"Bob's own note {number} about invoices", scope=BOB)
         memory.flush()
 
-        def found(terms: list[str]) -> set[str]:
+        def found(terms: list[str]) -> list[str]:
             hits = memory.store.keyword_search(ALICE, terms, MemoryFilter(), 20)
-            return {hit.record_id for hit in hits}
+            return [hit.record_id for hit in hits]
 
-        assert found(["caroline", "lgbtq"]) == {rare.id}
-        assert found(["caroline"]) == set(said)
-        assert found(["caroline", "zebra"]) == set(said)
+        assert found(["caroline", "lgbtq"]) == [rare.id]
+        for alone in (["caroline"], ["caroline", "zebra"]):
+            assert len(found(alone)) == 20 and set(found(alone)) <= said
+        # Listing more rows than the word is in: every row is ranked, the shared word orders.
+        every = memory.store.keyword_search(ALICE, ["caroline", "lgbtq"], MemoryFilter(), 40)
+        assert [hit.record_id for hit in every][:1] == [rare.id]
+        assert {hit.record_id for hit in every[1:]} == said
         memory.close()
 
     def test_filters_apply(self, make_store: StoreFactory) -> None:
