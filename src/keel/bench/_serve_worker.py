@@ -12,7 +12,11 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
 
 from keel.messages import Message
 from keel.testing import ScriptedCall, ScriptedModel
@@ -31,14 +35,26 @@ def _policy(call: ScriptedCall) -> Message | str:
     return ScriptedModel.tool_call("book", json.dumps({"tag": call.last_user_text}))
 
 
-def effect_tool(effects: str) -> Tool:
+async def _nothing_to_open() -> None:
+    return None
+
+
+def effect_tool(effects: str) -> tuple[Tool, Callable[[], Awaitable[None]]]:
     """``book(tag)``: one row per call in the effects table at ``effects`` (a PostgreSQL URL or
-    a SQLite file path). The table has no unique key, so a second run of a call shows."""
+    a SQLite file path). The table has no unique key, so a second run of a call shows.
+
+    With it, the coroutine function that opens the tool's own connection, for the worker's
+    start-up: opened by the first call instead, it would add a new server connection's cost
+    to the worker's first turn, counted as keel's time."""
     pid = os.getpid()
     if effects.startswith(("postgresql://", "postgres://")):
         import psycopg
 
         connection: list[psycopg.AsyncConnection[Any]] = []
+
+        async def connect() -> None:
+            if not connection:
+                connection.append(await psycopg.AsyncConnection.connect(effects, autocommit=True))
 
         @tool(side_effect=True, idempotent=False)
         async def book(tag: str) -> str:
@@ -47,14 +63,13 @@ def effect_tool(effects: str) -> Tool:
             Args:
                 tag: The booking's reference.
             """
-            if not connection:
-                connection.append(await psycopg.AsyncConnection.connect(effects, autocommit=True))
+            await connect()
             await connection[0].execute(
                 f"INSERT INTO {EFFECTS_TABLE} (tag, pid) VALUES (%s, %s)", (tag, pid)
             )
             return f"booked {tag}"
 
-        return book
+        return book, connect
 
     database = sqlite3.connect(effects, check_same_thread=False, isolation_level=None)
     database.execute("PRAGMA journal_mode=WAL")
@@ -69,7 +84,26 @@ def effect_tool(effects: str) -> Tool:
         database.execute(f"INSERT INTO {EFFECTS_TABLE} (tag, pid) VALUES (?, ?)", (tag, pid))
         return f"booked {tag}"
 
-    return book_in_sqlite
+    return book_in_sqlite, _nothing_to_open
+
+
+def _opening_first(app: ASGIApp, open_first: Callable[[], Awaitable[None]]) -> ASGIApp:
+    """``app``, with ``open_first`` awaited when the server starts, before the app's own
+    start-up (and so before it listens and answers ``/ready``)."""
+
+    async def opening(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def receive_after_opening() -> ASGIMessage:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await open_first()
+            return message
+
+        return await app(scope, receive_after_opening, send)
+
+    return opening
 
 
 def main() -> None:
@@ -80,17 +114,22 @@ def main() -> None:
     options = json.loads(os.environ[WORKER_ENV])
     model = ScriptedModel(_policy, delay_s=options["model_latency_s"])
     drain = Drain()
+    book, open_book = effect_tool(options["effects"])
     service, _, _ = build_service(
         options["database"],
         model=model,
-        tools=[effect_tool(options["effects"])],
+        tools=[book],
         redis_url=options.get("redis_url") or "",
         memory=False,
         drain=drain,
         lease_ttl_s=options["lease_ttl_s"],
     )
     config = uvicorn.Config(
-        service, host="127.0.0.1", port=options["port"], log_level="warning", access_log=False
+        _opening_first(service, open_book),
+        host="127.0.0.1",
+        port=options["port"],
+        log_level="warning",
+        access_log=False,
     )
     DrainingServer(config, drain).run()
 

@@ -235,7 +235,7 @@ def create_app(
         description="An agent runtime: sessions, turns (JSON or server-sent events), runs.",
         version="1",
     )
-    tenant_of_key = CachedKeys(keys.tenant_of, key_cache_s)
+    tenant_of_key = CachedKeys(keys.tenant_of, key_cache_s, keys.atenant_of)
 
     def error(status: int, kind: str, message: str) -> JSONResponse:
         return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
@@ -320,11 +320,11 @@ def create_app(
         turns[(tenant_id, reply.status)] += 1
         return reply
 
-    def tenant(authorization: str | None = Header(default=None)) -> str:
+    async def tenant(authorization: str | None = Header(default=None)) -> str:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise _HTTPError(401, "Unauthorized", "send Authorization: Bearer <API key>")
-        found = tenant_of_key(key)
+        found = await tenant_of_key.acheck(key)
         if found is None:
             raise _HTTPError(401, "Unauthorized", "unknown or revoked API key")
         return found

@@ -8,12 +8,13 @@ file and on PostgreSQL, next to the agent's other stores.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +57,21 @@ class APIKey:
     revoked: bool
 
 
+_LIVE_KEY = (
+    "SELECT tenant_id, secret_sha256 FROM keel_api_keys WHERE key_id = ? AND revoked_at IS NULL"
+)
+
+
 def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _verified(rows: list[tuple[Any, ...]], secret: str) -> str | None:
+    """The tenant of the key row found, if the secret's hash matches (in constant time)."""
+    if not rows:
+        return None
+    tenant_id, stored = rows[0]
+    return str(tenant_id) if hmac.compare_digest(str(stored), _digest(secret)) else None
 
 
 class APIKeys:
@@ -108,15 +122,23 @@ class APIKeys:
         if found is None:
             return None
         key_id, secret = found.groups()
-        rows = self._query(
-            "SELECT tenant_id, secret_sha256 FROM keel_api_keys "
-            "WHERE key_id = ? AND revoked_at IS NULL",
-            (key_id,),
-        )
-        if not rows:
+        return _verified(self._query(_LIVE_KEY, (key_id,)), secret)
+
+    async def atenant_of(self, key: str) -> str | None:
+        """:meth:`tenant_of` for an event loop. On PostgreSQL it reads on the async pool the
+        agent's stores use (already open when the server is ready), not on the sync one: a
+        worker's first request would otherwise open a connection of its own."""
+        found = _KEY.fullmatch(key.strip()) if isinstance(key, str) else None
+        if found is None:
             return None
-        tenant_id, stored = rows[0]
-        return str(tenant_id) if hmac.compare_digest(str(stored), _digest(secret)) else None
+        key_id, secret = found.groups()
+        if isinstance(self.database, SQLiteDatabase):
+            rows = await self.database.arun(lambda: self._query(_LIVE_KEY, (key_id,)))
+        else:
+            async with self.database.aconnection() as conn:
+                cursor = await conn.execute(self._sql(_LIVE_KEY), (key_id,))
+                rows = list(await cursor.fetchall())
+        return _verified(rows, secret)
 
     def revoke(self, key_id: str) -> bool:
         """Revoke a key by its id; False when there is no such live key."""
@@ -143,18 +165,44 @@ class CachedKeys:
     (a revoked key stops working within that time): what every front door of the service (the
     API, the viewer, the MCP server) checks keys with."""
 
-    def __init__(self, tenant_of_key: Callable[[str], str | None], ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        tenant_of_key: Callable[[str], str | None],
+        ttl_s: float = 30.0,
+        atenant_of_key: Callable[[str], Awaitable[str | None]] | None = None,
+    ) -> None:
         self._tenant_of_key = tenant_of_key
+        self._atenant_of_key = atenant_of_key
         self._ttl_s = ttl_s
         self._verified: dict[str, tuple[str, float]] = {}
 
     def __call__(self, key: str) -> str | None:
         """The key's tenant, or None for an unknown or revoked key."""
+        fingerprint, cached = self._cached(key)
+        if cached is not None:
+            return cached
+        return self._remember(fingerprint, self._tenant_of_key(key))
+
+    async def acheck(self, key: str) -> str | None:
+        """``self(key)`` from an event loop: a key verified within ``ttl_s`` is answered on the
+        loop, a look-up by ``atenant_of_key`` when there is one, else in a thread. An async
+        caller must not pay a thread hop (and, in a fresh process, the import of the thread
+        pool's machinery: 10 ms on a worker's first request) for what a dictionary holds."""
+        fingerprint, cached = self._cached(key)
+        if cached is not None:
+            return cached
+        if self._atenant_of_key is not None:
+            return self._remember(fingerprint, await self._atenant_of_key(key))
+        return self._remember(fingerprint, await asyncio.to_thread(self._tenant_of_key, key))
+
+    def _cached(self, key: str) -> tuple[str, str | None]:
         fingerprint = hashlib.sha256(key.encode()).hexdigest()
         cached = self._verified.get(fingerprint)
         if cached is not None and cached[1] > time.monotonic():
-            return cached[0]
-        found = self._tenant_of_key(key)
+            return fingerprint, cached[0]
+        return fingerprint, None
+
+    def _remember(self, fingerprint: str, found: str | None) -> str | None:
         if found is not None:
             self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
         return found

@@ -1,0 +1,67 @@
+"""API keys as the service's event loop checks them: the async look-up answers exactly as the
+sync one on both databases, and a cached or async check never touches the sync path."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from keel.service import APIKeys
+from keel.service._keys import CachedKeys
+from keel.stores import PostgresDatabase, SQLiteDatabase
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def keys(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[APIKeys]:
+    if request.param == "sqlite":
+        database: SQLiteDatabase | PostgresDatabase = SQLiteDatabase(tmp_path / "keys.db")
+    else:
+        database = PostgresDatabase(request.getfixturevalue("postgres_url"))
+    with database:
+        yield APIKeys(database)
+
+
+def test_the_async_look_up_answers_as_the_sync_one(keys: APIKeys) -> None:
+    acme = keys.create("acme")
+    revoked = keys.create("globex")
+    keys.revoke(revoked.split("_")[1])
+    wrong_secret = acme[:-1] + ("A" if acme[-1] != "A" else "B")
+    candidates = [acme, revoked, wrong_secret, "keel_nothex_x", "", "Bearer " + acme]
+
+    async def both() -> list[tuple[str | None, str | None]]:
+        answers = [(keys.tenant_of(key), await keys.atenant_of(key)) for key in candidates]
+        if isinstance(keys.database, PostgresDatabase):
+            await keys.database.aclose()
+        return answers
+
+    answers = asyncio.run(both())
+    assert answers[0] == ("acme", "acme")
+    assert all(sync == async_ for sync, async_ in answers)
+    assert [async_ for _, async_ in answers[1:]] == [None] * 5
+
+
+def test_a_cached_key_is_checked_on_the_loop_without_the_sync_look_up(keys: APIKeys) -> None:
+    acme = keys.create("acme")
+    sync_calls: list[str] = []
+
+    def sync_look_up(key: str) -> str | None:
+        sync_calls.append(key)
+        return keys.tenant_of(key)
+
+    cached = CachedKeys(sync_look_up, ttl_s=60.0, atenant_of_key=keys.atenant_of)
+
+    async def check_twice() -> list[str | None]:
+        answers = [await cached.acheck(acme), await cached.acheck(acme)]
+        if isinstance(keys.database, PostgresDatabase):
+            await keys.database.aclose()
+        return answers
+
+    assert asyncio.run(check_twice()) == ["acme", "acme"]
+    # The service's requests must not open the sync pool (a connection of its own on a
+    # worker's first request) nor hop to a thread for a key it verified a moment ago.
+    assert sync_calls == []
+    assert cached(acme) == "acme"
+    assert sync_calls == []
