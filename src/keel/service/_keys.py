@@ -66,6 +66,12 @@ def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+def _parsed(key: object) -> tuple[str, str] | None:
+    """A well-formed key's id and secret."""
+    found = _KEY.fullmatch(key.strip()) if isinstance(key, str) else None
+    return None if found is None else (found[1], found[2])
+
+
 def _verified(rows: list[tuple[Any, ...]], secret: str) -> str | None:
     """The tenant of the key row found, if the secret's hash matches (in constant time)."""
     if not rows:
@@ -118,27 +124,25 @@ class APIKeys:
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant a valid, unrevoked key belongs to; None for anything else."""
-        found = _KEY.fullmatch(key.strip()) if isinstance(key, str) else None
-        if found is None:
+        parsed = _parsed(key)
+        if parsed is None:
             return None
-        key_id, secret = found.groups()
+        key_id, secret = parsed
         return _verified(self._query(_LIVE_KEY, (key_id,)), secret)
 
     async def atenant_of(self, key: str) -> str | None:
         """:meth:`tenant_of` for an event loop. On PostgreSQL it reads on the async pool the
         agent's stores use (already open when the server is ready), not on the sync one: a
         worker's first request would otherwise open a connection of its own."""
-        found = _KEY.fullmatch(key.strip()) if isinstance(key, str) else None
-        if found is None:
-            return None
-        key_id, secret = found.groups()
         if isinstance(self.database, SQLiteDatabase):
-            rows = await self.database.arun(lambda: self._query(_LIVE_KEY, (key_id,)))
-        else:
-            async with self.database.aconnection() as conn:
-                cursor = await conn.execute(self._sql(_LIVE_KEY), (key_id,))
-                rows = list(await cursor.fetchall())
-        return _verified(rows, secret)
+            return await self.database.arun(lambda: self.tenant_of(key))
+        parsed = _parsed(key)
+        if parsed is None:
+            return None
+        key_id, secret = parsed
+        async with self.database.aconnection() as conn:
+            cursor = await conn.execute(self._sql(_LIVE_KEY), (key_id,))
+            return _verified(list(await cursor.fetchall()), secret)
 
     def revoke(self, key_id: str) -> bool:
         """Revoke a key by its id; False when there is no such live key."""
@@ -172,7 +176,7 @@ class CachedKeys:
         atenant_of_key: Callable[[str], Awaitable[str | None]] | None = None,
     ) -> None:
         self._tenant_of_key = tenant_of_key
-        self._atenant_of_key = atenant_of_key
+        self._atenant_of_key = atenant_of_key or (lambda key: asyncio.to_thread(tenant_of_key, key))
         self._ttl_s = ttl_s
         self._verified: dict[str, tuple[str, float]] = {}
 
@@ -185,15 +189,13 @@ class CachedKeys:
 
     async def acheck(self, key: str) -> str | None:
         """``self(key)`` from an event loop: a key verified within ``ttl_s`` is answered on the
-        loop, a look-up by ``atenant_of_key`` when there is one, else in a thread. An async
-        caller must not pay a thread hop (and, in a fresh process, the import of the thread
-        pool's machinery: 10 ms on a worker's first request) for what a dictionary holds."""
+        loop, a look-up by ``atenant_of_key`` (by default ``tenant_of_key`` in a thread). An
+        async caller must not pay a thread hop (and, in a fresh process, the import of the
+        thread pool's machinery: 10 ms on a worker's first request) for what a dict holds."""
         fingerprint, cached = self._cached(key)
         if cached is not None:
             return cached
-        if self._atenant_of_key is not None:
-            return self._remember(fingerprint, await self._atenant_of_key(key))
-        return self._remember(fingerprint, await asyncio.to_thread(self._tenant_of_key, key))
+        return self._remember(fingerprint, await self._atenant_of_key(key))
 
     def _cached(self, key: str) -> tuple[str, str | None]:
         fingerprint = hashlib.sha256(key.encode()).hexdigest()
