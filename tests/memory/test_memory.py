@@ -552,3 +552,84 @@ def test_a_turn_is_embedded_after_itself_with_the_turn_before_it_in_its_own_sess
     assert embedder.texts == ["And the aquarium?"]
     memory.close()
     alone.close()
+
+
+class _StepEmbedder(HashingEmbedder):
+    """Records each batch it embeds; a write waiting on ``embedded`` sees the next one."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__(32)
+        self.log = log
+        self.embedded = threading.Condition()
+        self.batches = 0
+
+    def embed(self, texts: Sequence[str]) -> Any:
+        vectors = super().embed(texts)
+        with self.embedded:
+            self.batches += 1
+            self.log.append(f"embed {self.batches}")
+            self.embedded.notify_all()
+        return vectors
+
+
+def test_a_batch_is_written_while_the_next_is_embedded(tmp_path: Path) -> None:
+    log: list[str] = []
+    embedder = _StepEmbedder(log)
+    store = SQLiteMemoryStore(tmp_path / "m.db")
+    complete = store.complete
+    writes = 0
+
+    def slow_complete(entries: Any, vectors: Any, model: str) -> None:
+        nonlocal writes
+        writes += 1
+        log.append(f"write {writes} starts")
+        with embedder.embedded:  # the next batch's embedding, if there is one, runs meanwhile
+            embedder.embedded.wait_for(lambda: embedder.batches > writes, timeout=2)
+        complete(entries, vectors, model)
+        log.append(f"write {writes} ends")
+
+    store.complete = slow_complete  # type: ignore[method-assign]
+    memory = Memory(store, embedder=embedder, batch_size=4)
+    for number in range(12):
+        memory.add(f"note {number} about the harbour", scope=SCOPE)
+    assert memory.process_outbox() == 12
+    # Everything written when process_outbox returns, each write overlapping the next embed.
+    assert memory.pending() == 0
+    assert log == [
+        "embed 1",
+        "write 1 starts",
+        "embed 2",
+        "write 1 ends",
+        "write 2 starts",
+        "embed 3",
+        "write 2 ends",
+        "write 3 starts",
+        "write 3 ends",
+    ]
+    assert len(memory.search("harbour", scope=SCOPE, k=20, distinct=False)) == 12
+    memory.close()
+
+
+def test_a_failed_write_is_raised_and_its_batch_stays_pending(tmp_path: Path) -> None:
+    store = SQLiteMemoryStore(tmp_path / "m.db")
+    complete = store.complete
+    calls = 0
+
+    def failing_second(entries: Any, vectors: Any, model: str) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise sqlite3.OperationalError("disk I/O error")
+        complete(entries, vectors, model)
+
+    store.complete = failing_second  # type: ignore[method-assign]
+    memory = Memory(store, embedder=HashingEmbedder(32), batch_size=4)
+    for number in range(12):
+        memory.add(f"note {number} about the lantern", scope=SCOPE)
+    with pytest.raises(sqlite3.OperationalError):
+        memory.process_outbox()
+    # The first batch committed; the failed one (and the one embedded after it) wait.
+    assert memory.pending() == 8
+    assert memory.process_outbox() == 8
+    assert memory.pending() == 0
+    memory.close()

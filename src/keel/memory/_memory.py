@@ -192,6 +192,7 @@ class Memory:
         self._worker: threading.Thread | None = None
         self._process_lock = threading.Lock()
         self._keyword_pool: ThreadPoolExecutor | None = None
+        self._write_pool: ThreadPoolExecutor | None = None
         self._keyword_pool_lock = threading.Lock()
         self.last_error: str | None = None
         if background:
@@ -354,31 +355,64 @@ class Memory:
 
         Safe to call from several threads (one processes at a time). Without an embedder the
         outbox is drained with nothing to do but mark entries done (keyword search still works).
+        Each batch's vectors are written while the next batch is embedded: on PostgreSQL the
+        HNSW insertions run in the server while the embedder computes, instead of after it.
+        Every write has committed when this returns.
         """
         done = 0
         batches = 0
         with self._process_lock:
-            while max_batches is None or batches < max_batches:
-                entries = self.store.pending(self.batch_size, self.max_attempts)
-                if not entries:
-                    break
-                batches += 1
-                if self.embedder is None:
-                    self.store.fail(entries, "no embedder configured")
-                    self._notify_progress()
-                    continue
-                try:
-                    vectors = self.embedder.embed(self._embedding_texts(entries))
-                except KeelError as exc:
-                    self.last_error = str(exc)
-                    self.store.fail(entries, str(exc))
-                    self._notify_progress()
-                    logger.warning("memory embedding failed: %s", exc)
-                    break
-                self.store.complete(entries, list(vectors), self.embedder.name)
-                done += len(entries)
-                self._notify_progress()
+            writing: Future[int] | None = None
+            in_flight: set[int] = set()
+            try:
+                while max_batches is None or batches < max_batches:
+                    # The batch being written is still pending until its write commits.
+                    entries = [
+                        entry
+                        for entry in self.store.pending(
+                            self.batch_size + len(in_flight), self.max_attempts
+                        )
+                        if entry.id not in in_flight
+                    ][: self.batch_size]
+                    if not entries:
+                        break
+                    batches += 1
+                    if self.embedder is None:
+                        self.store.fail(entries, "no embedder configured")
+                        self._notify_progress()
+                        continue
+                    try:
+                        vectors = self.embedder.embed(self._embedding_texts(entries))
+                    except KeelError as exc:
+                        self.last_error = str(exc)
+                        self.store.fail(entries, str(exc))
+                        self._notify_progress()
+                        logger.warning("memory embedding failed: %s", exc)
+                        break
+                    if writing is not None:
+                        done += writing.result()
+                    writing = self._writer().submit(
+                        self._complete, entries, list(vectors), self.embedder.name
+                    )
+                    in_flight = {entry.id for entry in entries}
+            finally:
+                if writing is not None:
+                    done += writing.result()
         return done
+
+    def _complete(self, entries: list[OutboxEntry], vectors: list[Any], model: str) -> int:
+        self.store.complete(entries, vectors, model)
+        self._notify_progress()
+        return len(entries)
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """The one thread that writes embedded batches, in order."""
+        with self._keyword_pool_lock:
+            if self._write_pool is None:
+                self._write_pool = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="keel-memory-write"
+                )
+            return self._write_pool
 
     def _embedding_texts(self, entries: Sequence[OutboxEntry]) -> list[str]:
         """What each entry's vector is computed from: its text and, for a turn of a session,
@@ -498,6 +532,9 @@ class Memory:
         if self._keyword_pool is not None:
             self._keyword_pool.shutdown(wait=True)
             self._keyword_pool = None
+        if self._write_pool is not None:
+            self._write_pool.shutdown(wait=True)
+            self._write_pool = None
         self.store.close()
 
     def __enter__(self) -> Memory:
