@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from keel.bench.locomo import _score, _within, parse_session_date, repair_evidence, run_locomo
-from keel.bench.memory import run_memory_bench, synthetic_corpus
+from keel.bench.memory import postgres_server_cpu, run_memory_bench, synthetic_corpus
 from keel.errors import ConfigError
 from keel.memory import STOPWORDS, HashingEmbedder
 from keel.stores import PostgresMemoryStore
@@ -170,10 +171,12 @@ def test_memory_bench_measures_postgresql_again_once_settled(postgres_url: str) 
         postgres_store=lambda: PostgresMemoryStore(postgres_url),
         postgres_records=150,
         postgres_settle=lambda: settled.append(True),
+        postgres_cpu=postgres_server_cpu(postgres_url),
         batch=50,
     )
     assert settled == [True]
     postgres = report["postgres"]
+    assert postgres["index_server_cpu_s"] >= 0 and "index_server_cpu_s" not in report["sqlite"]
     assert postgres["records"] == 150 and report["records"] == 100
     assert postgres["settled"]["queries"] == 200
     assert postgres["settled"]["search_ms_p95"] >= postgres["settled"]["search_ms_p50"] > 0
@@ -198,3 +201,23 @@ def test_ann_bench_scores_every_index_against_exact_search() -> None:
 def test_ann_bench_measures_keel_alone_without_the_libraries() -> None:
     figures = bench_json("ann", "--sizes", "500", "--embedder", "hashing:64", "--no-libraries")
     assert set(figures["sizes"]["500"]) == {"keel"}
+
+
+@pytest.mark.postgres
+def test_the_server_cpu_reading_counts_the_servers_own_work(postgres_url: str) -> None:
+    import psycopg
+
+    read = postgres_server_cpu(postgres_url)
+    before = read()
+    assert before is not None and before > 0
+    with psycopg.connect(postgres_url) as conn:
+        conn.execute("SELECT count(*) FROM generate_series(1, 3000000)").fetchone()
+        during = read()  # the backend that ran it is alive
+    assert during is not None and during - before >= 0.1
+    # Once it exits and the postmaster reaps it, its CPU is still counted (in cutime).
+    deadline = time.monotonic() + 30
+    after = read()
+    while (after is None or after < during) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = read()
+    assert after is not None and after >= during

@@ -89,21 +89,37 @@ def _measure(
     queries: list[str],
     progress: Callable[[str, int, int], None] | None,
     batch: int,
+    server_cpu: Callable[[], float | None] | None = None,
 ) -> dict[str, Any]:
     scope = _SCOPE
     writing = embedding = 0.0
+    indexing_cpu: float | None = 0.0
     for start in range(0, len(texts), batch):
         t0 = time.perf_counter()
         for text in texts[start : start + batch]:
             memory.add(text, scope=scope, kind="episodic", type="note")
         t1 = time.perf_counter()
+        before = None if server_cpu is None else server_cpu()
         memory.process_outbox()
+        after = None if server_cpu is None else server_cpu()
+        if before is None or after is None or indexing_cpu is None:
+            indexing_cpu = None
+        else:
+            indexing_cpu += after - before
         writing += t1 - t0
         embedding += time.perf_counter() - t1
         if progress is not None:
             progress("ingest", min(start + batch, len(texts)), len(texts))
     ingest = writing + embedding
     raw = _raw_embedding_seconds(memory, texts)
+    server = {}
+    if server_cpu is not None and indexing_cpu is not None:
+        # The database server's own CPU while vectors were indexed (pgvector's HNSW
+        # insertions): on one machine it shares the cores the embedder computes on.
+        server = {
+            "index_server_cpu_s": round(indexing_cpu, 1),
+            "index_server_cpu_ms_per_record": round(1000 * indexing_cpu / len(texts), 3),
+        }
     return {
         "records": len(texts),
         "ingest_seconds": round(ingest, 1),
@@ -114,8 +130,50 @@ def _measure(
         "index_per_s": round(len(texts) / embedding, 1),
         "raw_embed_per_s": None if raw is None else round(len(texts) / raw, 1),
         "index_vs_raw": None if raw is None else round(raw / embedding, 3),
+        **server,
         **_search_latency(memory, queries, progress),
     }
+
+
+def postgres_server_cpu(url: str) -> Callable[[], float | None]:
+    """The CPU seconds a local PostgreSQL server has used so far (its postmaster, every
+    process it runs now, and those it has reaped), read from /proc; None where that cannot
+    be read (not Linux, not this machine's server)."""
+    import os
+
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SHOW data_directory").fetchone()
+    pid_file = Path(str(row[0])) / "postmaster.pid" if row else None
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def fields(pid: int) -> list[str]:
+        """/proc/PID/stat's fields after the command name (which may hold spaces)."""
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return text[text.rindex(")") + 2 :].split()
+
+    def read() -> float | None:
+        if pid_file is None:
+            return None
+        try:
+            postmaster = int(pid_file.read_text().split()[0])
+            # utime, stime, then cutime and cstime: what its reaped backends had used.
+            total = sum(int(value) for value in fields(postmaster)[11:15])
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    child = fields(int(entry.name))
+                except OSError:
+                    continue  # exited meanwhile: in the postmaster's cutime once reaped
+                if int(child[1]) == postmaster:
+                    total += int(child[11]) + int(child[12])
+        except (OSError, ValueError, IndexError):
+            return None
+        return total / ticks
+
+    return read
 
 
 def _raw_embedding_seconds(memory: Memory, texts: list[str]) -> float | None:
@@ -156,6 +214,7 @@ def run_memory_bench(
     postgres_store: Callable[[], MemoryStore] | None = None,
     postgres_records: int | None = None,
     postgres_settle: Callable[[], None] | None = None,
+    postgres_cpu: Callable[[], float | None] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     batch: int = 512,
 ) -> dict[str, Any]:
@@ -164,6 +223,8 @@ def run_memory_bench(
     ``postgres_settle`` (VACUUM ANALYZE, say) runs after PostgreSQL's ingestion; search is
     then measured again through a new store (no term counts cached) as ``settled``: right
     after a bulk load, autovacuum catches up on the same CPUs the searches use.
+    ``postgres_cpu`` (see :func:`postgres_server_cpu`) reads the server's CPU seconds, so
+    the report says how much of the indexing time was the server's own work.
     """
     from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 
@@ -182,7 +243,9 @@ def run_memory_bench(
         count = postgres_records or records
         pg_texts, pg_queries = synthetic_corpus(count)
         memory = Memory(postgres_store(), embedder=embedder)
-        report["postgres"] = _measure(memory, pg_texts, pg_queries, progress, batch)
+        report["postgres"] = _measure(
+            memory, pg_texts, pg_queries, progress, batch, server_cpu=postgres_cpu
+        )
         memory.close()
         if postgres_settle is not None:
             postgres_settle()

@@ -232,6 +232,7 @@ def bench_memory_command(
     with ExitStack() as stack:
         factory = None
         settle: Callable[[], None] | None = None
+        server_cpu: Callable[[], float | None] | None = None
         if postgres:
             from keel.stores import PostgresMemoryStore
 
@@ -246,6 +247,9 @@ def bench_memory_command(
                     conn.execute("VACUUM (ANALYZE)")
 
             settle = vacuum
+            from keel.bench.memory import postgres_server_cpu
+
+            server_cpu = postgres_server_cpu(url)
 
         with _progress_bar(True) as progress:
             task = progress.add_task("memory", total=None)
@@ -259,6 +263,7 @@ def bench_memory_command(
                 postgres_store=factory,
                 postgres_records=postgres_records,
                 postgres_settle=settle,
+                postgres_cpu=server_cpu,
                 progress=report,
             )
         if postgres:
