@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from keel.errors import SchemaVersionError
 from keel.messages import Message, ToolCall
-from keel.stores import PostgresToolJournal, SQLiteDatabase, SQLiteToolJournal
+from keel.stores import PostgresDatabase, PostgresToolJournal, SQLiteDatabase, SQLiteToolJournal
 from keel.tools import InMemoryJournal, ToolJournal, idempotency_key
 
 
@@ -27,6 +27,17 @@ def journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ToolJour
         url = request.getfixturevalue("postgres_url")
         with PostgresToolJournal(url) as backend:
             yield backend
+
+
+@pytest.fixture
+async def ajournal(journal: ToolJournal) -> AsyncIterator[ToolJournal]:
+    """``journal`` for an async test: PostgreSQL's async pool lives on the test's own event
+    loop and is closed before that loop ends. Left open, the loop's teardown cancelled the
+    pool's tasks, and once in a CI run that cancellation never finished (the run hung)."""
+    yield journal
+    database = getattr(journal, "database", None)
+    if isinstance(database, PostgresDatabase):
+        await database.aclose()
 
 
 def _claim(journal: ToolJournal, step: int = 1, call_index: int = 0, tool: str = "book"):  # type: ignore[no-untyped-def]
@@ -128,7 +139,8 @@ def test_concurrent_claims_have_one_winner(journal: ToolJournal) -> None:
     assert sorted(winners) == [False, False, False, True]
 
 
-async def test_concurrent_async_claims_have_one_winner(journal: ToolJournal) -> None:
+async def test_concurrent_async_claims_have_one_winner(ajournal: ToolJournal) -> None:
+    journal = ajournal
     claims = await asyncio.gather(
         *(
             journal.aclaim(
@@ -160,7 +172,8 @@ def test_postgres_journal_refuses_a_newer_schema(postgres_url: str) -> None:
         PostgresToolJournal(postgres_url)
 
 
-async def test_async_twins_do_what_the_sync_methods_do(journal: ToolJournal) -> None:
+async def test_async_twins_do_what_the_sync_methods_do(ajournal: ToolJournal) -> None:
+    journal = ajournal
     claimed = await journal.aclaim(
         key="k1", session_id="s1", step=1, call_index=0, tool="book", arguments="{}"
     )

@@ -193,7 +193,7 @@ class Memory:
         self._process_lock = threading.Lock()
         self._keyword_pool: ThreadPoolExecutor | None = None
         self._write_pool: ThreadPoolExecutor | None = None
-        self._keyword_pool_lock = threading.Lock()
+        self._pools_lock = threading.Lock()
         self.last_error: str | None = None
         if background:
             self.start()
@@ -407,7 +407,7 @@ class Memory:
 
     def _writer(self) -> ThreadPoolExecutor:
         """The one thread that writes embedded batches, in order."""
-        with self._keyword_pool_lock:
+        with self._pools_lock:
             if self._write_pool is None:
                 self._write_pool = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="keel-memory-write"
@@ -736,7 +736,7 @@ class Memory:
         return records
 
     def _keyword_pool_executor(self) -> ThreadPoolExecutor:
-        with self._keyword_pool_lock:
+        with self._pools_lock:
             if self._keyword_pool is None:
                 self._keyword_pool = ThreadPoolExecutor(
                     max_workers=2, thread_name_prefix="keel-memory-keyword"
