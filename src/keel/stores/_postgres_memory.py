@@ -924,31 +924,28 @@ class _GrowthStatistics:
 
         try:
             with self._database.connection() as conn:
-                rows = conn.execute(
-                    "SELECT relname, reltuples FROM pg_class WHERE oid = ANY("
-                    "SELECT to_regclass(name) FROM unnest(%s::text[]) AS name)",
-                    (tables,),
-                ).fetchall()
-                found: dict[str, float] = {}
-                for name, reltuples in rows:
-                    if float(reltuples) < 0:
+                found = self._reltuples(conn, tables)
+                for name, reltuples in list(found.items()):
+                    if reltuples < 0:
                         conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(name)))
-                        reltuples = self._reltuples(conn, str(name))
-                    found[str(name)] = max(float(reltuples), 0.0)
+                        found.update(self._reltuples(conn, [name]))
         except (StoreError, psycopg.Error) as exc:
             # Statistics only steer plans, and autovacuum takes them later anyway.
             logger.debug("ANALYZE %s failed: %s", tables, exc)
             return
         with self._lock:
             for table in tables:
-                self._analyzed.setdefault(table, found.get(table, 0.0))
+                self._analyzed.setdefault(table, max(found.get(table, 0.0), 0.0))
 
     @staticmethod
-    def _reltuples(conn: Any, table: str) -> float:
-        row = conn.execute(
-            "SELECT reltuples FROM pg_class WHERE oid = to_regclass(%s)", (table,)
-        ).fetchone()
-        return 0.0 if row is None else max(float(row[0]), 0.0)
+    def _reltuples(conn: Any, tables: list[str]) -> dict[str, float]:
+        """Each existing table's ``reltuples`` (-1 when it was never analyzed)."""
+        rows = conn.execute(
+            "SELECT relname, reltuples FROM pg_class WHERE oid = ANY("
+            "SELECT to_regclass(name) FROM unnest(%s::text[]) AS name)",
+            (tables,),
+        ).fetchall()
+        return {str(name): float(reltuples) for name, reltuples in rows}
 
     def _analyze(self, table: str) -> None:
         import psycopg
@@ -957,9 +954,9 @@ class _GrowthStatistics:
         try:
             with self._database.connection() as conn:
                 conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(table)))
-                reltuples = self._reltuples(conn, table)
+                reltuples = self._reltuples(conn, [table]).get(table, 0.0)
             with self._lock:
-                self._analyzed[table] = reltuples
+                self._analyzed[table] = max(reltuples, 0.0)
         except (StoreError, psycopg.Error) as exc:
             logger.debug("ANALYZE %s failed: %s", table, exc)
         finally:
