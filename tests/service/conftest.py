@@ -101,6 +101,8 @@ def _service(
         tenants=agents.tenants,
         rate_limiter=rate_limiter,
         ready=agents.aready,
+        # The limiter's Redis client is closed on the server's loop, not left to the collector.
+        on_shutdown=rate_limiter.aclose if rate_limiter is not None else None,
     )
     try:
         with serving(app) as running:

@@ -3,6 +3,7 @@ keys and tenants, turns as JSON and as server-sent events, sessions, runs, typed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 
@@ -151,6 +152,9 @@ def test_the_openai_sdk_talks_to_the_agent_through_the_facade(service: Service) 
         api_key=key,
         default_headers={"X-Keel-Session": "s1", "X-Keel-User": "u1"},
     )
+    # Each client is closed: an unclosed one leaks its socket into a later test's warnings.
+    closing = contextlib.ExitStack()
+    closing.enter_context(client)
     completion = client.chat.completions.create(
         model="keel", messages=[{"role": "user", "content": f"For {EMAIL} book Oslo"}]
     )
@@ -169,8 +173,8 @@ def test_the_openai_sdk_talks_to_the_agent_through_the_facade(service: Service) 
     users = [m["content"] for m in state["messages"] if m["role"] == "user"]
     assert users == ["For <EMAIL_1> book Oslo", "now book Lima"]
     # Without a session the facade says what is missing.
-    bare = OpenAI(base_url=f"{service.url}/v1", api_key=key, max_retries=0)
-    with pytest.raises(Exception, match="X-Keel-Session"):
+    bare = closing.enter_context(OpenAI(base_url=f"{service.url}/v1", api_key=key, max_retries=0))
+    with closing, pytest.raises(Exception, match="X-Keel-Session"):
         bare.chat.completions.create(model="keel", messages=[{"role": "user", "content": "hi"}])
 
 

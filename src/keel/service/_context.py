@@ -1,0 +1,109 @@
+"""What every route of one app shares, built once by :func:`~keel.service.create_app` and
+reached through the request (``request.app.state.keel``), as FastAPI's dependencies expect."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Depends, Header, Request
+
+from keel.service._errors import HTTPError, RateLimited
+
+if TYPE_CHECKING:
+    from keel.memory import Memory
+    from keel.runtime import Agent, AgentReply
+    from keel.service._drain import Drain
+    from keel.service._keys import CachedKeys
+    from keel.service._limits import RateLimiter
+    from keel.tools import ToolJournal
+    from keel.tracing import TraceStore
+
+__all__ = [
+    "ServiceContext",
+    "context_of",
+    "journal_of",
+    "limited_tenant",
+    "memory_of",
+    "tenant",
+    "turn_id_of",
+]
+
+
+@dataclass
+class ServiceContext:
+    """The service's shared parts: the agents, the keys, the traces, limits and counters."""
+
+    agent_for: Callable[[str], Agent]
+    keys: CachedKeys
+    traces: TraceStore
+    metrics_token: str | None = None
+    tenants: Callable[[], Iterable[str]] | None = None
+    rate_limiter: RateLimiter | None = None
+    drain: Drain | None = None
+    ready: Callable[[], Awaitable[None]] | None = None
+    requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
+    """HTTP requests by method, route template and status."""
+    turns: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """Turns by tenant and how they ended."""
+
+    def counted(self, tenant_id: str, reply: AgentReply) -> AgentReply:
+        """Count a finished turn for ``/metrics``."""
+        self.turns[(tenant_id, reply.status)] += 1
+        return reply
+
+
+def context_of(request: Request) -> ServiceContext:
+    """The app's shared context (a dependency)."""
+    context: ServiceContext = request.app.state.keel
+    return context
+
+
+async def tenant(request: Request, authorization: str | None = Header(default=None)) -> str:
+    """The tenant the request's API key names; 401 without a valid key."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        raise HTTPError(401, "Unauthorized", "send Authorization: Bearer <API key>")
+    found = await context_of(request).keys.acheck(key)
+    if found is None:
+        raise HTTPError(401, "Unauthorized", "unknown or revoked API key")
+    return found
+
+
+async def limited_tenant(
+    request: Request,
+    tenant_id: str = Depends(tenant),
+    authorization: str | None = Header(default=None),
+) -> str:
+    """The request's tenant, once the key's rate limit lets it through (429 otherwise)."""
+    limiter = context_of(request).rate_limiter
+    if limiter is not None:
+        fingerprint = hashlib.sha256((authorization or "").encode()).hexdigest()[:32]
+        wait = await limiter.check(fingerprint)
+        if wait is not None:
+            raise RateLimited(wait)
+    return tenant_id
+
+
+def journal_of(agent: Agent) -> ToolJournal:
+    """The agent's tool journal; 404 when the service keeps none."""
+    if agent.journal is None:
+        raise HTTPError(404, "NotFound", "this service keeps no durable tool journal")
+    return agent.journal
+
+
+def memory_of(agent: Agent) -> Memory:
+    """The agent's long-term memory; 404 when the service runs without one."""
+    if agent.memory is None:
+        raise HTTPError(404, "NotFound", "this service runs without long-term memory")
+    return agent.memory
+
+
+def turn_id_of(idempotency_key: str | None) -> str | None:
+    """The agent's turn id for a request's ``Idempotency-Key`` (bounded, plain characters)."""
+    if idempotency_key is None:
+        return None
+    return "idem-" + hashlib.sha256(idempotency_key.encode()).hexdigest()[:40]
