@@ -25,7 +25,7 @@ typecheck:
 # The documentation site, strict (a broken link or a missing API reference fails), offline: a
 # dead proxy makes any download a plugin might try fail the build instead of reaching out.
 docs:
-	HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 NO_PROXY= \
+	HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 NO_PROXY= NO_MKDOCS_2_WARNING=1 \
 		.venv/bin/mkdocs build --strict --quiet
 
 # pytest exits 5 when it collected nothing: treated as a failure, never as a pass.
