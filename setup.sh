@@ -9,7 +9,8 @@ cd "$(dirname "$0")"
 
 STAMP=.venv/.keel-setup-stamp
 # What should be installed, as one hash: the package's dependencies and this script's steps.
-wanted="$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)"
+sha256() { if command -v sha256sum >/dev/null 2>&1; then sha256sum; else shasum -a 256; fi; }
+wanted="$(cat pyproject.toml setup.sh | sha256 | cut -d' ' -f1)"
 if [ "${KEEL_SETUP_FORCE:-0}" != "1" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] \
     && [ "$(cat "$STAMP")" = "$wanted" ]; then
   echo "==> set-up is current (.venv matches pyproject.toml and setup.sh)"
