@@ -26,7 +26,7 @@ typecheck:
 # dead proxy makes any download a plugin might try fail the build instead of reaching out.
 docs:
 	HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 NO_PROXY= NO_MKDOCS_2_WARNING=1 \
-		.venv/bin/mkdocs build --strict --quiet
+		.venv/bin/mkdocs build --strict
 
 # pytest exits 5 when it collected nothing: treated as a failure, never as a pass.
 pytest:

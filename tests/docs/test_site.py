@@ -7,6 +7,7 @@ import html
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,22 @@ def test_every_page_is_built_and_the_api_reference_comes_from_the_docstrings(sit
     assert html.escape(summary, quote=False) in agent
     errors = (site / "reference/errors/index.html").read_text(encoding="utf-8")
     assert 'id="keel.errors.KeelError"' in errors
+
+
+def test_make_docs_fails_on_a_broken_link(tmp_path: Path) -> None:
+    """The test command's own build target, on a copy of the pages with one broken link."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    shutil.copy2(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    (tmp_path / "src").symlink_to(ROOT / "src")
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
+    with (tmp_path / "docs/architecture.md").open("a") as page:
+        page.write("\nSee [the missing page](missing.md).\n")
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-f", str(ROOT / "Makefile"), "docs"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "missing.md" in result.stdout + result.stderr
