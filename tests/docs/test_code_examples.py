@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,9 @@ def test_python_example_runs(block: CodeBlock, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, f"{block.where} failed:\n{result.stdout}\n{result.stderr}"
+
+
+def test_examples_import_the_public_api_only() -> None:
+    private = re.compile(r"^\s*(?:from|import)\s+keel(?:\.\w+)*\.(?:_\w+|demo)\b", re.M)
+    found = [block.where for block in PYTHON if private.search(block.code)]
+    assert found == []
