@@ -555,20 +555,25 @@ def test_a_turn_is_embedded_after_itself_with_the_turn_before_it_in_its_own_sess
 
 
 class _StepEmbedder(HashingEmbedder):
-    """Records each batch it embeds; a write waiting on ``embedded`` sees the next one."""
+    """Records each batch it embeds, and forces the overlap the test expects: batch k + 1 is
+    embedded only once write k has started (a write waiting on ``steps`` sees the next batch)."""
 
     def __init__(self, log: list[str]) -> None:
         super().__init__(32)
         self.log = log
-        self.embedded = threading.Condition()
+        self.steps = threading.Condition()
         self.batches = 0
+        self.writes_started = 0
 
     def embed(self, texts: Sequence[str]) -> Any:
+        with self.steps:
+            # Generous: only a pipeline that never overlaps (the defect) waits this long.
+            self.steps.wait_for(lambda: self.writes_started >= self.batches, timeout=60)
         vectors = super().embed(texts)
-        with self.embedded:
+        with self.steps:
             self.batches += 1
             self.log.append(f"embed {self.batches}")
-            self.embedded.notify_all()
+            self.steps.notify_all()
         return vectors
 
 
@@ -577,16 +582,18 @@ def test_a_batch_is_written_while_the_next_is_embedded(tmp_path: Path) -> None:
     embedder = _StepEmbedder(log)
     store = SQLiteMemoryStore(tmp_path / "m.db")
     complete = store.complete
-    writes = 0
+    batches = 3  # 12 notes, 4 a batch
 
     def slow_complete(entries: Any, vectors: Any, model: str) -> None:
-        nonlocal writes
-        writes += 1
-        log.append(f"write {writes} starts")
-        with embedder.embedded:  # the next batch's embedding, if there is one, runs meanwhile
-            embedder.embedded.wait_for(lambda: embedder.batches > writes, timeout=2)
+        with embedder.steps:
+            embedder.writes_started += 1
+            write = embedder.writes_started
+            log.append(f"write {write} starts")
+            embedder.steps.notify_all()
+            if write < batches:  # the next batch's embedding runs meanwhile
+                embedder.steps.wait_for(lambda: embedder.batches > write, timeout=60)
         complete(entries, vectors, model)
-        log.append(f"write {writes} ends")
+        log.append(f"write {write} ends")
 
     store.complete = slow_complete  # type: ignore[method-assign]
     memory = Memory(store, embedder=embedder, batch_size=4)
