@@ -234,7 +234,9 @@ class Memory:
         """Store a memory durably and return at once (embedding happens later).
 
         PII is masked first. Adding identical content twice returns the first record.
-        A semantic record with ``subject`` and ``attribute`` supersedes the current value.
+        A semantic record with ``subject`` and ``attribute`` supersedes the current value (a
+        value the fact had before holds again as a new record, from now on; the current value
+        added again is returned as it is).
         A record added under ``key`` replaces the scope's record under that key (a key is an
         identifier, stored as given, like the scope's ids); ``expires_at`` makes it expire.
 

@@ -73,7 +73,9 @@ class MemoryStore(ABC):
 
         Idempotent on ``(scope, content_hash)``: the existing record is returned, nothing is
         duplicated or deleted. A current semantic record with the same subject and attribute
-        is superseded (its ``valid_to`` set to the new record's ``valid_from``). A record with
+        is superseded (its ``valid_to`` set to the new record's ``valid_from``); a fact's value
+        that held before and not now holds again as a new record, a new validity interval
+        (its hash made unique with :func:`keel.memory._records.reopened`). A record with
         a ``key`` replaces (deletes) the scope's record under that key, in the same
         transaction.
         """

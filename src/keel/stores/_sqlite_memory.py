@@ -27,7 +27,14 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from keel.memory._records import MemoryFilter, MemoryRecord, Scope
+from keel.memory._records import (
+    MemoryFilter,
+    MemoryRecord,
+    Scope,
+    is_fact,
+    reopened,
+    same_content,
+)
 from keel.memory._rows import (
     RECORD_COLUMNS,
     filter_sql,
@@ -444,34 +451,44 @@ class SQLiteMemoryStore(MemoryStore):
                         "AND key = ? AND content_hash <> ?",
                         (record.tenant_id, record.user_id, record.key, record.content_hash),
                     )
+                current: list[MemoryRecord] = []
+                if is_fact(record):
+                    current = [
+                        record_from_row(row)
+                        for row in conn.execute(
+                            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = ? "
+                            "AND user_id = ? AND subject = ? AND attribute = ? "
+                            "AND valid_to IS NULL",
+                            (record.tenant_id, record.user_id, record.subject, record.attribute),
+                        )
+                    ]
+                    for stored in current:
+                        if same_content(stored, record):
+                            return InsertResult(stored, created=False)
                 existing = conn.execute(
                     f"SELECT {_SELECT} FROM memory_records "
                     "WHERE tenant_id = ? AND user_id = ? AND content_hash = ?",
                     (record.tenant_id, record.user_id, record.content_hash),
                 ).fetchone()
                 if existing is not None:
-                    return InsertResult(record_from_row(existing), created=False)
-                superseded: list[str] = []
-                if record.kind == "semantic" and record.subject and record.attribute:
-                    rows = conn.execute(
-                        "SELECT id FROM memory_records WHERE tenant_id = ? AND user_id = ? "
-                        "AND subject = ? AND attribute = ? AND valid_to IS NULL",
-                        (record.tenant_id, record.user_id, record.subject, record.attribute),
-                    ).fetchall()
-                    superseded = [str(row[0]) for row in rows]
-                    if superseded:
-                        conn.execute(
-                            "UPDATE memory_records SET valid_to = ? WHERE tenant_id = ? "
-                            "AND user_id = ? AND subject = ? AND attribute = ? "
-                            "AND valid_to IS NULL",
-                            (
-                                to_epoch(record.valid_from or record.created_at),
-                                record.tenant_id,
-                                record.user_id,
-                                record.subject,
-                                record.attribute,
-                            ),
-                        )
+                    if not is_fact(record):
+                        return InsertResult(record_from_row(existing), created=False)
+                    # A value the fact had before, and not now: it holds again from now on.
+                    record = reopened(record)
+                superseded = [stored.id for stored in current]
+                if superseded:
+                    conn.execute(
+                        "UPDATE memory_records SET valid_to = ? WHERE tenant_id = ? "
+                        "AND user_id = ? AND subject = ? AND attribute = ? "
+                        "AND valid_to IS NULL",
+                        (
+                            to_epoch(record.valid_from or record.created_at),
+                            record.tenant_id,
+                            record.user_id,
+                            record.subject,
+                            record.attribute,
+                        ),
+                    )
                 conn.execute(
                     f"INSERT INTO memory_records ({_SELECT}) "
                     f"VALUES ({', '.join('?' for _ in RECORD_COLUMNS)})",
