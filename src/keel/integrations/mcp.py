@@ -16,11 +16,13 @@ argument, within that tenant.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 try:
     from mcp.server.mcpserver import Context, MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     from keel.errors import BackendUnavailableError
 
@@ -34,6 +36,8 @@ __all__ = ["memory_server", "require_api_key"]
 TenantOfKey = Callable[[str], str | None]
 """An API key's tenant, or None for an unknown or revoked key."""
 
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
 _Scope = MutableMapping[str, Any]
 _ASGI = Callable[[_Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Any]
 
@@ -59,6 +63,24 @@ def _record(record: MemoryRecord) -> dict[str, Any]:
         "subject": record.subject,
         "attribute": record.attribute,
     }
+
+
+def _with_reasons(
+    tool: Callable[_Params, Awaitable[_Result]],
+) -> Callable[_Params, Awaitable[_Result]]:
+    """``tool`` with keel's expected failures (a ``UsageError``: a missing record, another
+    user's, a bad argument) raised as the SDK's ``ToolError``: the client reads the reason
+    and the server logs one line. Anything else stays a crash (a generic message, a logged
+    traceback)."""
+
+    @functools.wraps(tool)
+    async def reasoned(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        try:
+            return await tool(*args, **kwargs)
+        except UsageError as exc:
+            raise ToolError(str(exc)) from exc
+
+    return reasoned
 
 
 def memory_server(
@@ -98,6 +120,7 @@ def memory_server(
         return Scope(tenant_id=found, user_id=user)
 
     @server.tool()
+    @_with_reasons
     async def remember(
         user: str,
         text: str,
@@ -116,6 +139,7 @@ def memory_server(
         return _record(record)
 
     @server.tool()
+    @_with_reasons
     async def remember_fact(
         user: str, subject: str, attribute: str, value: str, ctx: Context
     ) -> dict[str, Any]:
@@ -134,6 +158,7 @@ def memory_server(
         return _record(record)
 
     @server.tool()
+    @_with_reasons
     async def search(user: str, query: str, ctx: Context, k: int = 5) -> list[dict[str, Any]]:
         """The user's memories most relevant to the query, each with why it ranked.
 
@@ -157,6 +182,7 @@ def memory_server(
         ]
 
     @server.tool()
+    @_with_reasons
     async def get(user: str, record_id: str, ctx: Context) -> dict[str, Any]:
         """One of the user's records by id.
 
@@ -171,6 +197,7 @@ def memory_server(
         return _record(record)
 
     @server.tool()
+    @_with_reasons
     async def forget(user: str, record_id: str, ctx: Context) -> dict[str, Any]:
         """Forget one of the user's records.
 
@@ -185,6 +212,7 @@ def memory_server(
         return {"forgotten": record_id}
 
     @server.tool()
+    @_with_reasons
     async def fact_history(
         user: str, subject: str, attribute: str, ctx: Context
     ) -> list[dict[str, Any]]:
