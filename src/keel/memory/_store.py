@@ -137,9 +137,11 @@ class MemoryStore(ABC):
         """Stored unit vectors of the given records (those that have one)."""
 
     @abstractmethod
-    def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
+    def pending(
+        self, limit: int, max_attempts: int = 5, *, scope: Scope | None = None
+    ) -> list[OutboxEntry]:
         """Outbox entries not processed yet with fewer than ``max_attempts`` failures, oldest
-        first."""
+        first; of ``scope``'s records only when it is given."""
 
     @abstractmethod
     def count_pending(self, max_attempts: int = 5) -> int:

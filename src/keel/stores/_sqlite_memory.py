@@ -769,15 +769,19 @@ class SQLiteMemoryStore(MemoryStore):
 
     # --- outbox -------------------------------------------------------------------------
 
-    def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
+    def pending(
+        self, limit: int, max_attempts: int = 5, *, scope: Scope | None = None
+    ) -> list[OutboxEntry]:
+        in_scope = "" if scope is None else " AND r.tenant_id = ? AND r.user_id = ?"
+        scoped = () if scope is None else (scope.tenant_id, scope.user_id)
         rows = (
             self._conn()
             .execute(
                 "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
                 "r.session_id, r.turn "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                "WHERE o.attempts < ? ORDER BY o.id LIMIT ?",
-                (int(max_attempts), int(limit)),
+                f"WHERE o.attempts < ?{in_scope} ORDER BY o.id LIMIT ?",
+                (int(max_attempts), *scoped, int(limit)),
             )
             .fetchall()
         )

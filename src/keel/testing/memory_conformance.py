@@ -466,6 +466,22 @@ class MemoryStoreConformance:
             assert current[0].metadata["value"] == "Porto"
         memory.close()
 
+    def test_indexing_one_scopes_pending_records_leaves_the_others_waiting(
+        self, make_store: StoreFactory
+    ) -> None:
+        """A search's read-your-writes embeds its own scope's waiting records, never another
+        scope's backlog."""
+        memory = _memory(make_store())
+        mine = {memory.add(f"alice note {n}", scope=ALICE).id for n in range(3)}
+        for other in OTHERS:
+            memory.add("a note of someone else", scope=other)
+        assert {entry.record_id for entry in memory.store.pending(100, scope=ALICE)} == mine
+        assert memory.index_pending(ALICE) == 3
+        assert memory.store.pending(100, scope=ALICE) == []
+        assert memory.pending() == len(OTHERS)
+        assert set(memory.store.vectors(ALICE, sorted(mine), "keel-hashing-64")) == mine
+        memory.close()
+
     def test_forget_never_deletes_another_scopes_record(self, make_store: StoreFactory) -> None:
         memory = _memory(make_store())
         text = "the spare key is under the blue flowerpot"
