@@ -559,9 +559,10 @@ async def _arecall(state: _State, *, store: BaseStore) -> _State:
     return {"recalled": [item.value["text"] for item in items]}
 
 
-def _graph(store: KeelStore, recall: Any) -> Any:
-    builder = StateGraph(_State)
-    builder.add_node("remember", _remember)
+def _graph(store: KeelStore, recall: Any, remember: Any = _remember, state: Any = _State) -> Any:
+    """A graph of two nodes on ``store``: ``remember``, then ``recall``."""
+    builder = StateGraph(state)
+    builder.add_node("remember", remember)
     builder.add_node("recall", recall)
     builder.add_edge(START, "remember")
     builder.add_edge("remember", "recall")
@@ -613,13 +614,7 @@ def test_a_search_right_after_a_put_finds_it_by_meaning(
     before its vector is made."""
     memory = Memory(_memory_store(backend), embedder=minilm, background=worker)
     store = KeelStore(memory, tenant="acme")
-    builder = StateGraph(_Notes)
-    builder.add_node("put_notes", _put_notes)
-    builder.add_node("ask", _ask)
-    builder.add_edge(START, "put_notes")
-    builder.add_edge("put_notes", "ask")
-    builder.add_edge("ask", END)
-    graph = builder.compile(store=store)
+    graph = _graph(store, _ask, remember=_put_notes, state=_Notes)
     notes = {"pay": "Ada's salary went up to 90k this year", "pet": "Ada has a cat, Turing"}
     try:
         result = graph.invoke({"notes": notes, "question": "money earnings"})

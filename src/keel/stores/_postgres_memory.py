@@ -38,6 +38,7 @@ from keel.memory._records import (
 )
 from keel.memory._rows import (
     RECORD_COLUMNS,
+    current_fact_sql,
     filter_sql,
     record_from_row,
     record_to_row,
@@ -374,12 +375,7 @@ class PostgresMemoryStore(MemoryStore):
                 _lock(conn, "memory fact", record, f"{record.subject}\x1f{record.attribute}")
                 current = [
                     record_from_row(row)
-                    for row in conn.execute(
-                        f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s "
-                        "AND user_id = %s AND subject = %s AND attribute = %s "
-                        "AND valid_to IS NULL",
-                        (record.tenant_id, record.user_id, record.subject, record.attribute),
-                    ).fetchall()
+                    for row in conn.execute(*current_fact_sql(record, "%s")).fetchall()
                 ]
                 for stored in current:
                     if same_content(stored, record):

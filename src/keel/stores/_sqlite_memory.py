@@ -37,6 +37,7 @@ from keel.memory._records import (
 )
 from keel.memory._rows import (
     RECORD_COLUMNS,
+    current_fact_sql,
     filter_sql,
     is_selective,
     record_from_row,
@@ -455,12 +456,7 @@ class SQLiteMemoryStore(MemoryStore):
                 if is_fact(record):
                     current = [
                         record_from_row(row)
-                        for row in conn.execute(
-                            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = ? "
-                            "AND user_id = ? AND subject = ? AND attribute = ? "
-                            "AND valid_to IS NULL",
-                            (record.tenant_id, record.user_id, record.subject, record.attribute),
-                        )
+                        for row in conn.execute(*current_fact_sql(record, "?")).fetchall()
                     ]
                     for stored in current:
                         if same_content(stored, record):
