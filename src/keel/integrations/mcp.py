@@ -8,6 +8,10 @@ the MCP session starts (401 otherwise) and names the tenant of every call it mak
 server serves many tenants and none sees another's records. The user is each tool's ``user``
 argument, within that tenant.
 
+A call that fails as expected (a record that is not the user's, an argument out of range, an
+empty user) answers with its reason as the SDK's ``ToolError``, logged as one line; only a real
+crash is answered with the SDK's generic message and logged with its traceback.
+
     from keel.integrations.mcp import memory_server
     server = memory_server(memory, tenant="acme")
     server.run("stdio")
