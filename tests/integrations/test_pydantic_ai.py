@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from pydantic_ai import Agent
+from pydantic import BaseModel, Field
+from pydantic_ai import Agent, PromptedOutput
 from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
@@ -179,5 +180,43 @@ async def test_instructions_and_tool_definitions_count_in_the_budget() -> None:
         messages = result.all_messages()
     limit = history.engine.budget.limit
     assert len(sent) == 60
+    over = [tokens for tokens in sent if tokens > limit]
+    assert over == [], f"{len(over)} of {len(sent)} requests over {limit} (max {max(sent)})"
+
+
+_FIELD = "One line of the report, in the words of the records, with the item number cited. "
+
+
+class _Report(BaseModel):
+    """The answer's shape: its JSON schema (about 1,500 tokens) is sent as instructions."""
+
+    summary: str = Field(description=_FIELD * 25)
+    details: str = Field(description=_FIELD * 25)
+    sources: str = Field(description=_FIELD * 25)
+
+
+async def test_a_prompted_outputs_schema_counts_in_the_budget() -> None:
+    """``PromptedOutput`` states its schema in the instructions pydantic-ai renders after
+    the capability has run: counted all the same."""
+    sent: list[int] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        assert info.instructions is not None and "sources" in info.instructions
+        sent.append(_tokens(messages, info))
+        report = {"summary": "fine", "details": "all in stock", "sources": "item 1"}
+        return ModelResponse(parts=[TextPart(json.dumps(report))])
+
+    history = KeelHistory("gpt-4o", budget=ContextBudget(working_budget=3_000))
+    agent = Agent(
+        FunctionModel(model),
+        output_type=PromptedOutput(_Report),
+        capabilities=[history.capability()],
+    )
+    messages: list[ModelMessage] = []
+    for turn in range(25):
+        question = f"Turn {turn}: report on item {turn:04d}. " + "Context for it. " * 40
+        result = await agent.run(question, message_history=messages)
+        messages = result.all_messages()
+    limit = history.engine.budget.limit
     over = [tokens for tokens in sent if tokens > limit]
     assert over == [], f"{len(over)} of {len(sent)} requests over {limit} (max {max(sent)})"

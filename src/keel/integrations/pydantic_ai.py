@@ -12,7 +12,8 @@ pydantic-ai keeps what a processor returns as the run's history, so the summary 
 holds no state of its own and any number of runs can share it.
 
 Everything a request sends counts against the budget: the history's system parts, the agent's
-``instructions`` (static and dynamic, as the request will state them) and the tool definitions.
+``instructions`` (static and dynamic, as the request will state them, with a
+``PromptedOutput``'s schema) and the tool definitions.
 The capability reads the last two from the request it is about to make; the object used as a
 bare history processor sees only the history (pydantic-ai gives a processor nothing else).
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 try:
+    from pydantic_ai._output import StructuredTextOutputSchema
     from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.messages import (
         ModelMessage,
@@ -128,9 +130,13 @@ class _FitsRequests(AbstractCapability[Any]):
         self, ctx: RunContext[Any], request_context: ModelRequestContext
     ) -> ModelRequestContext:
         parameters = request_context.model_request_parameters
+        instructions = [
+            _instructions(parameters),
+            _output_instructions(parameters, request_context.model.profile),
+        ]
         messages = await self.history.fit(
             list(request_context.messages),
-            instructions=_instructions(parameters),
+            instructions="\n\n".join(text for text in instructions if text),
             tools=_tool_schemas(parameters),
         )
         # As ProcessHistory: this request sends the fitted history, and the run keeps it.
@@ -154,6 +160,23 @@ def _instructions(parameters: ModelRequestParameters) -> str:
         for part in parts
         if part.content and (visibility is None or visibility(part) == "prefix")
     )
+
+
+def _output_instructions(parameters: ModelRequestParameters, profile: Any) -> str:
+    """What a ``PromptedOutput`` adds to the instructions: the output schema in the model's
+    template (pydantic-ai renders it after the hooks have run, so it is rendered here)."""
+    if parameters.output_mode != "prompted" or parameters.output_object is None:
+        return ""
+    if parameters.prompted_output_instructions:
+        return parameters.prompted_output_instructions
+    template = parameters.prompted_output_template or (
+        profile.get("prompted_output_template")
+        if isinstance(profile, dict)
+        else getattr(profile, "prompted_output_template", None)
+    )
+    if not isinstance(template, str):
+        return ""
+    return StructuredTextOutputSchema.build_instructions(template, parameters.output_object)
 
 
 def _tool_schemas(parameters: ModelRequestParameters) -> list[dict[str, Any]]:
