@@ -419,3 +419,51 @@ def test_an_async_graph_on_postgres_resumes_and_lists_its_history(postgres_url: 
     texts, checkpoints = asyncio.run(scenario())
     assert texts == ["one", "echo: one", "two", "echo: two", "three", "echo: three"]
     assert checkpoints == 3 * 3
+
+
+# --- time travel ----------------------------------------------------------------------------
+
+
+def _texts_or_error(run: Any) -> list[str] | str:
+    """The messages a graph call leaves, or the name of the error it raised instead."""
+    try:
+        values = run()
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {exc}"
+    messages = values["messages"] if isinstance(values, dict) else values.values["messages"]
+    return [m.content for m in messages]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_config_from_get_state_forks_after_the_thread_moved_on(
+    backend: str, db_url: str, request: pytest.FixtureRequest
+) -> None:
+    """``get_state``'s config names its checkpoint: running from it, or updating it, once the
+    thread has moved on is a fork (as LangGraph's own savers do), not a stale writer. A run
+    that read "the latest" is still fenced (the tests above)."""
+    url = request.getfixturevalue("postgres_url") if backend == "postgres" else db_url
+    with KeelCheckpointSaver(url) as saver:
+        graph = _echo_graph(saver)
+        graph.invoke({"messages": [HumanMessage(content="one")], "steps": 0}, _thread())
+        snapshot = graph.get_state(_thread())
+        graph.invoke({"messages": [HumanMessage(content="two")], "steps": 0}, _thread())
+
+        forked = _texts_or_error(
+            lambda: graph.invoke(
+                {"messages": [HumanMessage(content="fork")], "steps": 0}, snapshot.config
+            )
+        )
+        assert forked == ["one", "echo: one", "fork", "echo: fork"]
+        assert _texts_or_error(lambda: graph.get_state(_thread())) == forked
+
+        graph.invoke({"messages": [HumanMessage(content="three")], "steps": 0}, _thread())
+        updated = _texts_or_error(
+            lambda: graph.get_state(
+                graph.update_state(snapshot.config, {"messages": [HumanMessage(content="edit")]})
+            )
+        )
+        assert updated == ["one", "echo: one", "edit"]
+        # Every branch stays in the thread's history.
+        ends = {tuple(_texts_or_error(lambda s=s: s)) for s in graph.get_state_history(_thread())}
+        assert ("one", "echo: one", "two", "echo: two") in ends
+        assert ("one", "echo: one", "fork", "echo: fork", "three", "echo: three") in ends

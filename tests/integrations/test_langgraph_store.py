@@ -25,7 +25,7 @@ from langgraph.store.base import (
 )
 
 from keel.integrations.langgraph._store import KeelStore
-from keel.memory import HashingEmbedder, Memory, MemoryStore
+from keel.memory import HashingEmbedder, Memory, MemoryStore, OnnxEmbedder
 from keel.stores import PostgresMemoryStore, SQLiteMemoryStore
 
 EMAIL = "ada.lovelace@example.com"
@@ -371,7 +371,8 @@ def test_a_search_refreshes_only_what_it_returns_and_only_when_asked(
     store.put(("cache",), "a", {"text": "alpha"}, ttl=1)
     store.put(("cache",), "b", {"text": "beta"}, ttl=1)
     clock.advance(0.8)
-    assert _keys(store.search(("cache",), query="alpha")) == ["a"]
+    # One hit (the vectors, made by the search, would add "b" behind it).
+    assert _keys(store.search(("cache",), query="alpha", limit=1)) == ["a"]
     assert _keys(store.search(("cache",), filter={"text": "beta"}, refresh_ttl=False)) == ["b"]
     clock.advance(0.8)
     assert store.get(("cache",), "a", refresh_ttl=False) is not None
@@ -558,9 +559,10 @@ async def _arecall(state: _State, *, store: BaseStore) -> _State:
     return {"recalled": [item.value["text"] for item in items]}
 
 
-def _graph(store: KeelStore, recall: Any) -> Any:
-    builder = StateGraph(_State)
-    builder.add_node("remember", _remember)
+def _graph(store: KeelStore, recall: Any, remember: Any = _remember, state: Any = _State) -> Any:
+    """A graph of two nodes on ``store``: ``remember``, then ``recall``."""
+    builder = StateGraph(state)
+    builder.add_node("remember", remember)
     builder.add_node("recall", recall)
     builder.add_edge(START, "remember")
     builder.add_edge("remember", "recall")
@@ -585,3 +587,42 @@ async def test_a_compiled_graph_runs_on_the_async_api(store: KeelStore) -> None:
         ("memories", "ada"),
         ("memories", "bob"),
     ]
+
+
+class _Notes(TypedDict, total=False):
+    notes: dict[str, str]
+    question: str
+    found: list[str]
+
+
+def _put_notes(state: _Notes, *, store: BaseStore) -> _Notes:
+    for key, text in state["notes"].items():
+        store.put(("notes", "ada"), key, {"text": text})
+    return {}
+
+
+def _ask(state: _Notes, *, store: BaseStore) -> _Notes:
+    return {"found": [item.key for item in store.search(("notes",), query=state["question"])]}
+
+
+@pytest.mark.parametrize("worker", [False, True], ids=["no-worker", "background-worker"])
+def test_a_search_right_after_a_put_finds_it_by_meaning(
+    backend: str, minilm: OnnxEmbedder, worker: bool
+) -> None:
+    """Read-your-writes: a node searches for what the node before it put, by meaning alone
+    (no word in common), whether or not the outbox has embedded it yet; a put still returns
+    before its vector is made."""
+    memory = Memory(_memory_store(backend), embedder=minilm, background=worker)
+    store = KeelStore(memory, tenant="acme")
+    graph = _graph(store, _ask, remember=_put_notes, state=_Notes)
+    notes = {"pay": "Ada's salary went up to 90k this year", "pet": "Ada has a cat, Turing"}
+    try:
+        result = graph.invoke({"notes": notes, "question": "money earnings"})
+        assert result["found"][:1] == ["pay"]
+        if not worker:  # nothing else embeds: the put left its record waiting
+            store.put(("notes", "ada"), "trip", {"text": "Ada flies to Lisbon on Friday"})
+            assert memory.pending() == 1, "a put waited for its embedding"
+            result = graph.invoke({"notes": {}, "question": "travel plans"})
+            assert result["found"][:1] == ["trip"] and memory.pending() == 0
+    finally:
+        memory.close()

@@ -16,6 +16,7 @@ import httpx
 import httpx2
 import pytest
 from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from keel.testing.servers import free_port
@@ -85,6 +86,47 @@ async def test_memory_over_stdio_masks_pii_and_follows_a_fact(tmp_path: Path) ->
     assert EMAIL not in dumped, "an e-mail address reached storage unmasked"
 
 
+def _error_text(result: Any) -> str:
+    assert result.is_error, result.content
+    return " ".join(getattr(part, "text", "") for part in result.content)
+
+
+async def test_an_expected_failure_reaches_the_client_with_its_reason(tmp_path: Path) -> None:
+    """A missing record, another user's, ``k=0``, an empty user, empty text: the client reads
+    why (the SDK's ``ToolError``), and the server logs no crash for any of them."""
+    server = StdioServerParameters(
+        command=sys.executable, args=["-m", "keel", "mcp", "--tenant", "acme"], env=_env(tmp_path)
+    )
+    stderr_path = tmp_path / "server-stderr.txt"
+    with stderr_path.open("w") as stderr:
+        async with Client(stdio_client(server, errlog=stderr)) as client:
+            note = _data(await client.call_tool("remember", {"user": "u1", "text": "Likes tea"}))
+            calls = {
+                "get nope": ("get", {"user": "u1", "record_id": "nope"}),
+                "get another user's": ("get", {"user": "u2", "record_id": note["id"]}),
+                "forget another user's": ("forget", {"user": "u2", "record_id": note["id"]}),
+                "k=0": ("search", {"user": "u1", "query": "tea", "k": 0}),
+                "empty user": ("search", {"user": " ", "query": "tea"}),
+                "empty text": ("remember", {"user": "u1", "text": "  "}),
+            }
+            reasons = {
+                case: _error_text(await client.call_tool(tool, arguments))
+                for case, (tool, arguments) in calls.items()
+            }
+    assert reasons == {
+        "get nope": "Error executing tool get: the user has no record 'nope'",
+        "get another user's": f"Error executing tool get: the user has no record {note['id']!r}",
+        "forget another user's": (
+            f"Error executing tool forget: the user has no record {note['id']!r}"
+        ),
+        "k=0": "Error executing tool search: k must be between 1 and 50, got 0",
+        "empty user": "Error executing tool search: user must not be empty",
+        "empty text": "Error executing tool remember: a memory needs non-empty text",
+    }
+    logged = stderr_path.read_text()
+    assert "Traceback" not in logged and "unexpected exception" not in logged, logged
+
+
 @pytest.fixture
 def http_server(tmp_path: Path) -> Any:
     import subprocess
@@ -141,7 +183,10 @@ async def test_memory_over_http_needs_a_key_and_keeps_tenants_apart(http_server:
         assert [hit["id"] for hit in hits] == [note["id"]]
     async with _as(url, globex) as other:
         assert _data(await other.call_tool("search", {"user": "u1", "query": "peanuts"})) == []
-        assert (await other.call_tool("get", {"user": "u1", "record_id": note["id"]})).is_error
-        assert (await other.call_tool("forget", {"user": "u1", "record_id": note["id"]})).is_error
+        missing = f"the user has no record {note['id']!r}"
+        theirs = await other.call_tool("get", {"user": "u1", "record_id": note["id"]})
+        assert _error_text(theirs).endswith(missing)
+        forgotten = await other.call_tool("forget", {"user": "u1", "record_id": note["id"]})
+        assert _error_text(forgotten).endswith(missing)
     async with _as(url, acme) as client:
         assert _data(await client.call_tool("get", {"user": "u1", "record_id": note["id"]}))

@@ -11,10 +11,18 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from agents import Agent, RunConfig, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    RunConfig,
+    Runner,
+    SessionSettings,
+    function_tool,
+    set_tracing_disabled,
+)
 
-from keel.context import ContextBudget
+from keel.context import ContextBudget, ExtractiveSummarizer
 from keel.integrations.openai_agents import SUMMARY_MARK, KeelSession
+from keel.testing import ScriptedModel
 from keel.testing.openai_agents import LooksUpThenAnswers, orphaned_outputs, text_tokens
 from keel.tokens import counter_for
 
@@ -89,11 +97,14 @@ async def test_limit_never_cuts_an_output_from_its_call(tmp_path: Path) -> None:
             {"role": "assistant", "content": "Done."},
         ]
     )
-    for limit in range(1, 7):
+    lengths = []
+    for limit in range(1, 8):
         newest = await session.get_items(limit=limit)
         assert not _orphans(newest), (limit, newest)
         assert newest[-1] == {"role": "assistant", "content": "Done."}
-    assert len(await session.get_items(limit=2)) == 5  # back to both calls of the response
+        lengths.append(len(newest))
+    # At most ``limit``; an output whose call the cut leaves out goes with it.
+    assert lengths == [1, 1, 1, 1, 5, 6, 6]
 
 
 async def test_a_failed_write_stores_nothing_and_pop_and_clear_work(tmp_path: Path) -> None:
@@ -115,3 +126,86 @@ async def test_a_failed_write_stores_nothing_and_pop_and_clear_work(tmp_path: Pa
     await session.add_items([{"role": "user", "content": "again"}])
     await session.clear_session()
     assert await session.get_items() == []
+
+
+SMALL = ContextBudget(working_budget=1_500)
+
+
+async def _turns(session: KeelSession, model: LooksUpThenAnswers, count: int, **run: Any) -> None:
+    agent = Agent(name="helper", instructions="You look things up.", model=model, tools=[lookup])
+    for turn in range(count):
+        result = await Runner.run(agent, f"Turn {turn}: item {turn:04d}", session=session, **run)
+        assert result.final_output == "Found it."
+
+
+def _history_sent(model: LooksUpThenAnswers) -> list[dict[str, Any]]:
+    """What the model got from the session on the newest turn's first call (its input
+    without the turn's own user message)."""
+    first_call = model.inputs[-2]
+    assert first_call[-1].get("role") == "user"
+    return first_call[:-1]
+
+
+async def test_the_runners_session_limit_is_at_most_that_many_items(tmp_path: Path) -> None:
+    """``SessionSettings(limit=3)``: the runner gets at most 3 items, the summary counted
+    among them, and none is an output without its call."""
+    session = KeelSession("u1", database=f"sqlite:///{tmp_path / 'a.db'}", budget=SMALL)
+    model = LooksUpThenAnswers()
+    await _turns(session, model, 8)
+    assert str((await session.get_items())[0]["content"]).startswith(SUMMARY_MARK)
+    for limit in (1, 2, 3, 4, 5):
+        settings = RunConfig(session_settings=SessionSettings(limit=limit))
+        await _turns(session, model, 1, run_config=settings)
+        sent = _history_sent(model)
+        assert len(sent) <= limit and not _orphans(sent), (limit, sent)
+    session.close()
+
+
+async def test_the_summarizer_is_chosen_a_model_or_the_extractive_one(tmp_path: Path) -> None:
+    """A ``ChatModel`` writes the summary the runner's model reads; by default keel's
+    extractive summarizer does, without a model call."""
+    writer = ScriptedModel(["Decisions:\n- the user looks items up one by one"], repeat_last=True)
+    database = f"sqlite:///{tmp_path / 'a.db'}"
+    sent: dict[str, str] = {}
+    for name, summarizer in (("model", writer), ("extractive", None)):
+        session = KeelSession(name, database=database, budget=SMALL, summarizer=summarizer)
+        model = LooksUpThenAnswers()
+        await _turns(session, model, 8)
+        summaries = [
+            i for i in _history_sent(model) if str(i.get("content", "")).startswith(SUMMARY_MARK)
+        ]
+        assert len(summaries) == 1, name
+        sent[name] = str(summaries[0]["content"])[len(SUMMARY_MARK) :]
+        session.close()
+    assert sent["model"] == "Decisions:\n- the user looks items up one by one"
+    assert writer.calls, "the chosen model wrote the summary"
+    assert "Turn" in sent["extractive"] and sent["extractive"] != sent["model"]
+    assert isinstance(KeelSession("x", database=database).engine.summarizer, ExtractiveSummarizer)
+
+
+def _open_files(path: Path) -> int:
+    """How many of this process's file descriptors are open on ``path`` (or its WAL)."""
+    fds = Path("/proc/self/fd")
+    found = 0
+    for fd in fds.iterdir():
+        try:
+            target = str(fd.readlink())
+        except OSError:
+            continue
+        found += target.startswith(str(path))
+    return found
+
+
+async def test_close_releases_the_database_the_session_opened(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    async with KeelSession("u1", database=f"sqlite:///{path}") as session:
+        await _turns(session, LooksUpThenAnswers(), 1)
+        assert _open_files(path) > 0
+    assert _open_files(path) == 0
+    shared = KeelSession("u1", database=f"sqlite:///{path}").state
+    session = KeelSession("u2", state=shared)
+    await _turns(session, LooksUpThenAnswers(), 1)
+    session.close()
+    assert await KeelSession("u3", state=shared).get_items() == [], "a store passed in stays open"
+    shared.close()
+    assert _open_files(path) == 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from pydantic_ai import Agent
+from pydantic import BaseModel, Field
+from pydantic_ai import Agent, PromptedOutput
 from pydantic_ai.messages import (
     ModelMessage,
     ModelRequest,
@@ -48,9 +49,25 @@ def _orphans(messages: list[ModelMessage]) -> list[str]:
     return problems
 
 
-def _tokens(messages: list[ModelMessage]) -> int:
-    """The request as keel counts it for gpt-4o (the same conversion a provider makes)."""
+def _tokens(messages: list[ModelMessage], info: AgentInfo | None = None) -> int:
+    """The request as keel counts it for gpt-4o (the same conversion a provider makes): with
+    ``info``, the instructions and tool definitions it sends besides the history too."""
     counted: list[Message] = []
+    tools: list[dict[str, object]] = []
+    if info is not None:
+        if info.instructions:
+            counted.append(Message.system(info.instructions))
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description or "",
+                    "parameters": tool.parameters_json_schema,
+                },
+            }
+            for tool in [*info.function_tools, *info.output_tools]
+        ]
     for message in messages:
         if isinstance(message, ModelResponse):
             text = "".join(p.content for p in message.parts if isinstance(p, TextPart))
@@ -64,7 +81,7 @@ def _tokens(messages: list[ModelMessage]) -> int:
                 counted.append(Message.user(str(part.content)))
             elif isinstance(part, ToolReturnPart):
                 counted.append(Message.user(part.model_response_str()))
-    return counter_for("gpt-4o").count_prompt(counted, [])
+    return counter_for("gpt-4o").count_prompt(counted, tools)
 
 
 async def test_every_request_fits_and_keeps_calls_with_their_returns() -> None:
@@ -124,3 +141,82 @@ async def test_every_request_fits_and_keeps_calls_with_their_returns() -> None:
     assert len(summaries) == 1, "older turns fold into one running summary"
     assert "Turn 0:" not in str(late), "the oldest turn left the window"
     assert "Turn 39:" in str(late), "the current turn is always sent"
+
+
+_RULES = "Answer from the records only; cite the item number; never guess a date. " * 100
+_LOOKUP = "Each record lists an item, its owner, where it is kept and when it was last checked. "
+
+
+async def test_instructions_and_tool_definitions_count_in_the_budget() -> None:
+    """About 1,600 tokens of ``instructions`` (static and dynamic) and a tool definition of
+    about 1,000 are sent with every request besides the history: counted, each request
+    still fits."""
+    sent: list[int] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        assert info.instructions is not None and _RULES.strip() in info.instructions
+        sent.append(_tokens(messages, info))
+        last = messages[-1]
+        assert isinstance(last, ModelRequest)
+        if any(isinstance(p, ToolReturnPart) for p in last.parts):
+            return ModelResponse(parts=[TextPart("Here is what the records say.")])
+        return ModelResponse(parts=[ToolCallPart("lookup", '{"item": "x"}', tool_call_id="c")])
+
+    history = KeelHistory("gpt-4o", budget=ContextBudget(working_budget=4_000))
+    agent = Agent(FunctionModel(model), instructions=_RULES, capabilities=[history.capability()])
+
+    @agent.instructions
+    def today() -> str:
+        return "Today is 2026-12-04; the records were last synced an hour ago."
+
+    @agent.tool_plain(description="Look an item up in the records. " + _LOOKUP * 50)
+    def lookup(item: str) -> str:
+        return f"records for {item}: " + "a long line of details about it " * 40
+
+    messages: list[ModelMessage] = []
+    for turn in range(30):
+        result = await agent.run(f"Turn {turn}: what about item {turn:04d}?",
+                                 message_history=messages)  # fmt: skip
+        messages = result.all_messages()
+    limit = history.engine.budget.limit
+    assert len(sent) == 60
+    over = [tokens for tokens in sent if tokens > limit]
+    assert over == [], f"{len(over)} of {len(sent)} requests over {limit} (max {max(sent)})"
+
+
+_FIELD = "One line of the report, in the words of the records, with the item number cited. "
+
+
+class _Report(BaseModel):
+    """The answer's shape: its JSON schema (about 1,500 tokens) is sent as instructions."""
+
+    summary: str = Field(description=_FIELD * 25)
+    details: str = Field(description=_FIELD * 25)
+    sources: str = Field(description=_FIELD * 25)
+
+
+async def test_a_prompted_outputs_schema_counts_in_the_budget() -> None:
+    """``PromptedOutput`` states its schema in the instructions pydantic-ai renders after
+    the capability has run: counted all the same."""
+    sent: list[int] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        assert info.instructions is not None and "sources" in info.instructions
+        sent.append(_tokens(messages, info))
+        report = {"summary": "fine", "details": "all in stock", "sources": "item 1"}
+        return ModelResponse(parts=[TextPart(json.dumps(report))])
+
+    history = KeelHistory("gpt-4o", budget=ContextBudget(working_budget=3_000))
+    agent = Agent(
+        FunctionModel(model),
+        output_type=PromptedOutput(_Report),
+        capabilities=[history.capability()],
+    )
+    messages: list[ModelMessage] = []
+    for turn in range(25):
+        question = f"Turn {turn}: report on item {turn:04d}. " + "Context for it. " * 40
+        result = await agent.run(question, message_history=messages)
+        messages = result.all_messages()
+    limit = history.engine.budget.limit
+    over = [tokens for tokens in sent if tokens > limit]
+    assert over == [], f"{len(over)} of {len(sent)} requests over {limit} (max {max(sent)})"

@@ -8,6 +8,10 @@ the MCP session starts (401 otherwise) and names the tenant of every call it mak
 server serves many tenants and none sees another's records. The user is each tool's ``user``
 argument, within that tenant.
 
+A call that fails as expected (a record that is not the user's, an argument out of range, an
+empty user) answers with its reason as the SDK's ``ToolError``, logged as one line; only a real
+crash is answered with the SDK's generic message and logged with its traceback.
+
     from keel.integrations.mcp import memory_server
     server = memory_server(memory, tenant="acme")
     server.run("stdio")
@@ -16,11 +20,13 @@ argument, within that tenant.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 try:
     from mcp.server.mcpserver import Context, MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     from keel.errors import BackendUnavailableError
 
@@ -34,6 +40,8 @@ __all__ = ["memory_server", "require_api_key"]
 TenantOfKey = Callable[[str], str | None]
 """An API key's tenant, or None for an unknown or revoked key."""
 
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
 _Scope = MutableMapping[str, Any]
 _ASGI = Callable[[_Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Any]
 
@@ -59,6 +67,24 @@ def _record(record: MemoryRecord) -> dict[str, Any]:
         "subject": record.subject,
         "attribute": record.attribute,
     }
+
+
+def _with_reasons(
+    tool: Callable[_Params, Awaitable[_Result]],
+) -> Callable[_Params, Awaitable[_Result]]:
+    """``tool`` with keel's expected failures (a ``UsageError``: a missing record, another
+    user's, a bad argument) raised as the SDK's ``ToolError``: the client reads the reason
+    and the server logs one line. Anything else stays a crash (a generic message, a logged
+    traceback)."""
+
+    @functools.wraps(tool)
+    async def reasoned(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        try:
+            return await tool(*args, **kwargs)
+        except UsageError as exc:
+            raise ToolError(str(exc)) from exc
+
+    return reasoned
 
 
 def memory_server(
@@ -98,6 +124,7 @@ def memory_server(
         return Scope(tenant_id=found, user_id=user)
 
     @server.tool()
+    @_with_reasons
     async def remember(
         user: str,
         text: str,
@@ -116,6 +143,7 @@ def memory_server(
         return _record(record)
 
     @server.tool()
+    @_with_reasons
     async def remember_fact(
         user: str, subject: str, attribute: str, value: str, ctx: Context
     ) -> dict[str, Any]:
@@ -134,6 +162,7 @@ def memory_server(
         return _record(record)
 
     @server.tool()
+    @_with_reasons
     async def search(user: str, query: str, ctx: Context, k: int = 5) -> list[dict[str, Any]]:
         """The user's memories most relevant to the query, each with why it ranked.
 
@@ -157,6 +186,7 @@ def memory_server(
         ]
 
     @server.tool()
+    @_with_reasons
     async def get(user: str, record_id: str, ctx: Context) -> dict[str, Any]:
         """One of the user's records by id.
 
@@ -171,6 +201,7 @@ def memory_server(
         return _record(record)
 
     @server.tool()
+    @_with_reasons
     async def forget(user: str, record_id: str, ctx: Context) -> dict[str, Any]:
         """Forget one of the user's records.
 
@@ -185,6 +216,7 @@ def memory_server(
         return {"forgotten": record_id}
 
     @server.tool()
+    @_with_reasons
     async def fact_history(
         user: str, subject: str, attribute: str, ctx: Context
     ) -> list[dict[str, Any]]:

@@ -4,15 +4,17 @@ The SDK's own sessions return stored items as they are: cut with ``limit``, a
 ``function_call_output`` can be sent without its ``function_call`` (openai-agents-python#4322),
 and nothing keeps the history inside the model's window. ``KeelSession.get_items`` returns the
 history the model should see: within an exact token budget (the answer's reserve kept free),
-older turns folded into one running summary, old tool output pruned, a call never separated
-from its output (with or without ``limit``). Items are PII-masked before they are stored, and
-every write is compare-and-set on the session's version, so a failed or concurrent write
-never leaves half a turn (#4615). State lives where keel's state lives: a SQLite file,
-PostgreSQL or Redis, durable across processes.
+older turns folded into one running summary (written by keel's extractive summarizer or by a
+model of your choice), old tool output pruned, a call never separated from its output (with or
+without ``limit``, which returns at most that many items, the summary among them). Items are
+PII-masked before they are stored, and every write is compare-and-set on the session's version,
+so a failed or concurrent write never leaves half a turn (#4615). State lives where keel's state
+lives: a SQLite file, PostgreSQL or Redis, durable across processes.
 
     from keel.integrations.openai_agents import KeelSession
     session = KeelSession("user-42", database="sqlite:///agents.db", model="gpt-4o")
     await Runner.run(agent, "Hi", session=session)
+    session.close()
 """
 
 from __future__ import annotations
@@ -32,9 +34,17 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 
 from pydantic import BaseModel, Field
 
-from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
+from keel.context import (
+    ContextBudget,
+    ContextEngine,
+    ModelSummarizer,
+    PruningPolicy,
+    Summarizer,
+    SummaryPolicy,
+)
 from keel.errors import ConflictError, StateError, UsageError
 from keel.messages import Message, ToolCall
+from keel.models import ChatModel
 from keel.privacy import PIIMasker
 from keel.state import StateStore
 from keel.stores import open_state_backend
@@ -133,7 +143,13 @@ class KeelSession:
         state: a state store of :class:`SessionItems` (several sessions can share one).
         model: the model whose tokenizer and window count.
         budget, pruning, summary: the context engine's policies.
+        summarizer: who writes the running summary: a ``ChatModel`` (through
+            :class:`keel.context.ModelSummarizer`), any :class:`keel.context.Summarizer`, or
+            None for keel's extractive one (offline, no model call).
         masker: masks PII before anything is stored (``None``: store as given).
+
+    ``close()`` (or ``async with``) releases the database the session opened from
+    ``database``; a ``state`` store passed in is the caller's to close.
     """
 
     session_settings = None
@@ -148,14 +164,36 @@ class KeelSession:
         budget: ContextBudget | None = None,
         pruning: PruningPolicy | None = None,
         summary: SummaryPolicy | None = None,
+        summarizer: Summarizer | ChatModel | None = None,
         masker: PIIMasker | None = None,
     ) -> None:
         if (database is None) == (state is None):
             raise UsageError("give exactly one of database and state")
         self.session_id = session_id
+        self._owns_state = state is None
         self.state = state or StateStore(open_state_backend(str(database)), SessionItems)
-        self.engine = ContextEngine(model, budget=budget, pruning=pruning, summary=summary)
+        if isinstance(summarizer, ChatModel):
+            summarizer = ModelSummarizer(summarizer)
+        self.engine = ContextEngine(
+            model, budget=budget, pruning=pruning, summary=summary, summarizer=summarizer
+        )
         self.masker = PIIMasker() if masker is None else masker
+
+    def close(self) -> None:
+        """Release the database this session opened (a ``state`` passed in stays open)."""
+        if self._owns_state:
+            self.state.close()
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`."""
+        if self._owns_state:
+            await self.state.aclose()
+
+    async def __aenter__(self) -> KeelSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     async def _load(self) -> SessionItems:
         found = await self.state.aget(self.session_id)
@@ -206,8 +244,9 @@ class KeelSession:
 
     async def get_items(self, limit: int | None = None) -> list[dict[str, Any]]:
         """The history as the model should see it: within the budget, the summary first,
-        tool calls with their outputs; ``limit`` keeps the newest items, extended back to
-        the call of any output it would otherwise orphan."""
+        tool calls with their outputs. ``limit`` keeps at most that many of the newest
+        items, the summary counted as the oldest: fewer where the cut would separate an
+        output from its call (the output goes too)."""
         stored = await self.state.aget(self.session_id)
         if stored is None:
             return []
@@ -228,11 +267,9 @@ class KeelSession:
             )
             await self._keep_summary(stored.version, conversation.summary, covered + 1)
         result = self._fit(conversation, items, system="")
-        if limit is not None:
-            result = _newest(result, limit)
         if conversation.summary.strip():
             result.insert(0, {"role": "system", "content": SUMMARY_MARK + conversation.summary})
-        return result
+        return result if limit is None else _newest(result, limit)
 
     def _fit(
         self, conversation: Any, items: dict[int, dict[str, Any]], *, system: str
@@ -297,20 +334,16 @@ class KeelSession:
 
 
 def _newest(items: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
-    """The newest ``limit`` items, starting earlier where the cut would orphan an output."""
-    if limit <= 0:
-        return []
-    start = max(0, len(items) - limit)
-    called = {item.get("call_id") for item in items[start:] if item.get("type") == "function_call"}
-    while start > 0:
-        orphaned = {
-            item.get("call_id")
+    """At most the newest ``limit`` items: the cut moves later while an output after it has
+    its call before it, so no output is sent without its call."""
+    start = max(0, len(items) - max(limit, 0))
+    while start < len(items):
+        called = {i.get("call_id") for i in items[start:] if i.get("type") == "function_call"}
+        orphaned = any(
+            item.get("type") == "function_call_output" and item.get("call_id") not in called
             for item in items[start:]
-            if item.get("type") == "function_call_output" and item.get("call_id") not in called
-        }
+        )
         if not orphaned:
             break
-        start -= 1
-        if items[start].get("type") == "function_call":
-            called.add(items[start].get("call_id"))
+        start += 1
     return items[start:]

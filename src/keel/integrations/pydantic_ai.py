@@ -10,16 +10,23 @@ its return (pydantic-ai conversations break for good on an orphan; pydantic-ai#4
 pydantic-ai keeps what a processor returns as the run's history, so the summary travels in it
 (one system part, marked) and the next request's processing starts from there: the processor
 holds no state of its own and any number of runs can share it.
+
+Everything a request sends counts against the budget: the history's system parts, the agent's
+``instructions`` (static and dynamic, as the request will state them, with a
+``PromptedOutput``'s schema) and the tool definitions.
+The capability reads the last two from the request it is about to make; the object used as a
+bare history processor sees only the history (pydantic-ai gives a processor nothing else).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 try:
-    from pydantic_ai.capabilities.process_history import ProcessHistory
+    from pydantic_ai._output import StructuredTextOutputSchema
+    from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.messages import (
         ModelMessage,
         ModelRequest,
@@ -32,6 +39,8 @@ try:
         ToolReturnPart,
         UserPromptPart,
     )
+    from pydantic_ai.models import ModelRequestContext, ModelRequestParameters
+    from pydantic_ai.tools import RunContext, ToolDefinition
 except ImportError as exc:  # pragma: no cover - the extra is installed in tests
     from keel.errors import BackendUnavailableError
 
@@ -80,19 +89,110 @@ class KeelHistory:
     ) -> None:
         self.engine = ContextEngine(model, budget=budget, pruning=pruning, summary=summary)
 
-    def capability(self) -> ProcessHistory[Any]:
-        """This processor as a pydantic-ai capability."""
-        return ProcessHistory(self)
+    def capability(self) -> AbstractCapability[Any]:
+        """This processor as a pydantic-ai capability: each request's history fitted with
+        the request's instructions and tool definitions counted."""
+        return _FitsRequests(self)
 
     async def __call__(self, messages: list[ModelMessage]) -> list[ModelMessage]:
+        return await self.fit(messages)
+
+    async def fit(
+        self,
+        messages: list[ModelMessage],
+        *,
+        instructions: str = "",
+        tools: Sequence[dict[str, Any]] = (),
+    ) -> list[ModelMessage]:
+        """``messages`` as the next request should send them, counted with the
+        ``instructions`` and the ``tools`` (OpenAI format) the request states besides."""
         system, summary, history = _to_keel(messages)
         if not history:
             return messages
         conversation = self.engine.conversation(messages=history, summary=summary)
         if conversation.needs_summary:
             await conversation.asummarize()
-        compiled = self.engine.compile(conversation, system=system)
+        # Counted as one system block with the history's system parts (pydantic-ai sends
+        # them itself: the compiled system message is only counted, never sent).
+        counted = "\n\n".join(text for text in (system, instructions) if text)
+        compiled = self.engine.compile(conversation, system=counted, tools=tools)
         return _to_pydantic_ai(messages, compiled.messages, conversation.summary)
+
+
+@dataclass
+class _FitsRequests(AbstractCapability[Any]):
+    """pydantic-ai's ``ProcessHistory`` for a :class:`KeelHistory`, with what the request
+    sends besides its history counted."""
+
+    history: KeelHistory
+
+    async def before_model_request(
+        self, ctx: RunContext[Any], request_context: ModelRequestContext
+    ) -> ModelRequestContext:
+        parameters = request_context.model_request_parameters
+        instructions = [
+            _instructions(parameters),
+            _output_instructions(parameters, request_context.model.profile),
+        ]
+        messages = await self.history.fit(
+            list(request_context.messages),
+            instructions="\n\n".join(text for text in instructions if text),
+            tools=_tool_schemas(parameters),
+        )
+        # As ProcessHistory: this request sends the fitted history, and the run keeps it.
+        request_context.messages = messages.copy()
+        ctx.messages[:] = messages
+        return request_context
+
+    @classmethod
+    def get_serialization_name(cls) -> str | None:
+        return None  # holds a KeelHistory: not part of an agent spec
+
+
+def _instructions(parameters: ModelRequestParameters) -> str:
+    """The instruction text the request states before its history: the agent's static and
+    dynamic parts (a part pydantic-ai sends in the history instead is counted there)."""
+    parts = parameters.instruction_parts or []
+    # pydantic-ai 2.60 has no instruction visibility: every part is in the prefix.
+    visibility = getattr(parameters, "instruction_visibility_of", None)
+    return "\n\n".join(
+        part.content
+        for part in parts
+        if part.content and (visibility is None or visibility(part) == "prefix")
+    )
+
+
+def _output_instructions(parameters: ModelRequestParameters, profile: Any) -> str:
+    """What a ``PromptedOutput`` adds to the instructions: the output schema in the model's
+    template (pydantic-ai renders it after the hooks have run, so it is rendered here)."""
+    if parameters.output_mode != "prompted" or parameters.output_object is None:
+        return ""
+    if parameters.prompted_output_instructions:
+        return parameters.prompted_output_instructions
+    template = parameters.prompted_output_template or (
+        profile.get("prompted_output_template")
+        if isinstance(profile, dict)
+        else getattr(profile, "prompted_output_template", None)
+    )
+    if not isinstance(template, str):
+        return ""
+    return StructuredTextOutputSchema.build_instructions(template, parameters.output_object)
+
+
+def _tool_schemas(parameters: ModelRequestParameters) -> list[dict[str, Any]]:
+    """The request's function and output tools as the OpenAI format states them."""
+    definitions: list[ToolDefinition] = [*parameters.function_tools, *parameters.output_tools]
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": tool.description or "",
+                "parameters": tool.parameters_json_schema,
+            },
+        }
+        for tool in definitions
+    ]
 
 
 def _to_keel(messages: Sequence[ModelMessage]) -> tuple[str, str, list[Message]]:

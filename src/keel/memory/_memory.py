@@ -234,7 +234,9 @@ class Memory:
         """Store a memory durably and return at once (embedding happens later).
 
         PII is masked first. Adding identical content twice returns the first record.
-        A semantic record with ``subject`` and ``attribute`` supersedes the current value.
+        A semantic record with ``subject`` and ``attribute`` supersedes the current value (a
+        value the fact had before holds again as a new record, from now on; the current value
+        added again is returned as it is).
         A record added under ``key`` replaces the scope's record under that key (a key is an
         identifier, stored as given, like the scope's ids); ``expires_at`` makes it expire.
 
@@ -398,6 +400,27 @@ class Memory:
             finally:
                 if writing is not None:
                     done += writing.result()
+        return done
+
+    def index_pending(self, scope: Scope) -> int:
+        """Embed and index ``scope``'s records still waiting in the outbox, now; returns how
+        many. A search right after a write then finds the new records by meaning too, not
+        only by their words, while ``add`` still returns without waiting for a vector. Only
+        the scope's own entries are embedded (not another user's backlog); an embedder that
+        fails leaves them waiting, and the search keyword-only for them."""
+        if self.embedder is None:
+            return 0
+        done = 0
+        with self._process_lock:
+            while entries := self.store.pending(self.batch_size, self.max_attempts, scope=scope):
+                try:
+                    vectors = self.embedder.embed(self._embedding_texts(entries))
+                except KeelError as exc:
+                    self.last_error = str(exc)
+                    self.store.fail(entries, str(exc))
+                    logger.warning("memory embedding failed: %s", exc)
+                    break
+                done += self._complete(entries, list(vectors), self.embedder.name)
         return done
 
     def _complete(self, entries: list[OutboxEntry], vectors: list[Any], model: str) -> int:

@@ -126,6 +126,29 @@ class MemoryRecord(BaseModel):
         return self.event_time or self.created_at
 
 
+def is_fact(record: MemoryRecord) -> bool:
+    """Whether a record is a value of a fact (a semantic record with subject and attribute):
+    one of a chain of validity intervals, the newest current."""
+    return record.kind == "semantic" and bool(record.subject) and bool(record.attribute)
+
+
+def same_content(stored: MemoryRecord, record: MemoryRecord) -> bool:
+    """Whether a stored record holds ``record``'s content (compared on what the content hash
+    is made of: a fact's reopened value has a hash of its own)."""
+    made = content_hash(
+        stored.kind, stored.type, stored.text, stored.subject, stored.attribute, stored.key
+    )
+    return made == record.content_hash
+
+
+def reopened(record: MemoryRecord) -> MemoryRecord:
+    """``record``, a fact's value that held before and holds again, as a record of its own:
+    its hash is made unique (the record's id in it), so the earlier interval's record, whose
+    hash it shares, stays as it was."""
+    unique = hashlib.sha256(f"{record.content_hash}\x1f{record.id}".encode()).hexdigest()
+    return record.model_copy(update={"content_hash": unique})
+
+
 class MemoryFilter(BaseModel):
     """Optional narrowing of a search or listing; the scope is always applied on top."""
 

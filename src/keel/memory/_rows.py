@@ -10,6 +10,7 @@ from keel.memory._records import MemoryRecord
 
 __all__ = [
     "RECORD_COLUMNS",
+    "current_fact_sql",
     "filter_sql",
     "from_epoch",
     "is_selective",
@@ -94,6 +95,17 @@ def record_from_row(row: tuple[Any, ...] | Any) -> MemoryRecord:
     metadata = values["metadata"]
     values["metadata"] = json.loads(metadata) if isinstance(metadata, str) else (metadata or {})
     return MemoryRecord.model_validate(values)
+
+
+def current_fact_sql(record: MemoryRecord, placeholder: str) -> tuple[str, tuple[Any, ...]]:
+    """A query of the current value of ``record``'s fact in its scope (one row, or none;
+    more only where writers raced before they took turns), and its parameters."""
+    p = placeholder
+    return (
+        f"SELECT {', '.join(RECORD_COLUMNS)} FROM memory_records WHERE tenant_id = {p} "
+        f"AND user_id = {p} AND subject = {p} AND attribute = {p} AND valid_to IS NULL",
+        (record.tenant_id, record.user_id, record.subject, record.attribute),
+    )
 
 
 def filter_sql(filters: Any, placeholder: str, prefix: str = "") -> tuple[str, list[Any]]:

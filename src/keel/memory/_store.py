@@ -73,7 +73,9 @@ class MemoryStore(ABC):
 
         Idempotent on ``(scope, content_hash)``: the existing record is returned, nothing is
         duplicated or deleted. A current semantic record with the same subject and attribute
-        is superseded (its ``valid_to`` set to the new record's ``valid_from``). A record with
+        is superseded (its ``valid_to`` set to the new record's ``valid_from``); a fact's value
+        that held before and not now holds again as a new record, a new validity interval
+        (its hash made unique with :func:`keel.memory._records.reopened`). A record with
         a ``key`` replaces (deletes) the scope's record under that key, in the same
         transaction.
         """
@@ -135,9 +137,11 @@ class MemoryStore(ABC):
         """Stored unit vectors of the given records (those that have one)."""
 
     @abstractmethod
-    def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
+    def pending(
+        self, limit: int, max_attempts: int = 5, *, scope: Scope | None = None
+    ) -> list[OutboxEntry]:
         """Outbox entries not processed yet with fewer than ``max_attempts`` failures, oldest
-        first."""
+        first; of ``scope``'s records only when it is given."""
 
     @abstractmethod
     def count_pending(self, max_attempts: int = 5) -> int:

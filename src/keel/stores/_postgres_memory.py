@@ -28,9 +28,17 @@ import numpy as np
 import numpy.typing as npt
 
 from keel.errors import ConfigError, StoreError
-from keel.memory._records import MemoryFilter, MemoryRecord, Scope
+from keel.memory._records import (
+    MemoryFilter,
+    MemoryRecord,
+    Scope,
+    is_fact,
+    reopened,
+    same_content,
+)
 from keel.memory._rows import (
     RECORD_COLUMNS,
+    current_fact_sql,
     filter_sql,
     record_from_row,
     record_to_row,
@@ -137,6 +145,10 @@ _INSERT_WITH_OUTBOX = (
     "SELECT id, %s FROM inserted) "
     "SELECT id FROM inserted"
 )
+_INSERT_RECORD = (
+    f"INSERT INTO memory_records ({_SELECT}) VALUES ({_VALUES}) "
+    "ON CONFLICT (tenant_id, user_id, content_hash) DO NOTHING RETURNING id"
+)
 _VECTOR_TABLE = re.compile(r"^memory_vectors_(\d+)$")
 # pgvector's HNSW limits: 2,000 dimensions for ``vector``, 4,000 for ``halfvec``.
 _HNSW_VECTOR_MAX = 2000
@@ -193,6 +205,15 @@ _SCORED_ROWS = 1500
 # BM25's parameters, FTS5's defaults: term-frequency saturation and length normalization.
 _BM25_K1 = 1.2
 _BM25_B = 0.75
+
+
+def _lock(conn: Any, what: str, record: MemoryRecord, name: str) -> None:
+    """Take the transaction's advisory lock on one name of the record's scope (a key, a
+    fact): writers of the same name take turns, others never wait."""
+    conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+        (f"{what}\x1f{record.tenant_id}\x1f{record.user_id}\x1f{name}",),
+    )
 
 
 @dataclass(frozen=True)
@@ -335,38 +356,44 @@ class PostgresMemoryStore(MemoryStore):
 
     def insert(self, record: MemoryRecord) -> InsertResult:
         self.setup()
-        if record.key is None and not (
-            record.kind == "semantic" and record.subject and record.attribute
-        ):
+        if record.key is None and not is_fact(record):
             return self._insert_plain(record)
         with self._connection() as conn:
             if record.key is not None:
                 # The record a key named is replaced, in this transaction. The lock makes two
                 # writers of one key take turns: each would otherwise delete the old row and
                 # the second's insert would then break the key's uniqueness.
-                conn.execute(
-                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                    (f"memory key\x1f{record.tenant_id}\x1f{record.user_id}\x1f{record.key}",),
-                )
+                _lock(conn, "memory key", record, record.key)
                 conn.execute(
                     "DELETE FROM memory_records WHERE tenant_id = %s AND user_id = %s "
                     "AND key = %s AND content_hash <> %s",
                     (record.tenant_id, record.user_id, record.key, record.content_hash),
                 )
-            row = conn.execute(
-                f"INSERT INTO memory_records ({_SELECT}) VALUES ({_VALUES}) "
-                "ON CONFLICT (tenant_id, user_id, content_hash) DO NOTHING RETURNING id",
-                record_to_row(record),
-            ).fetchone()
+            if is_fact(record):
+                # Writers of one fact take turns: each reads the current value, then
+                # supersedes it, and two at once would both leave theirs current.
+                _lock(conn, "memory fact", record, f"{record.subject}\x1f{record.attribute}")
+                current = [
+                    record_from_row(row)
+                    for row in conn.execute(*current_fact_sql(record, "%s")).fetchall()
+                ]
+                for stored in current:
+                    if same_content(stored, record):
+                        return InsertResult(stored, created=False)
+            row = conn.execute(_INSERT_RECORD, record_to_row(record)).fetchone()
             if row is None:
                 existing = conn.execute(
                     f"SELECT {_SELECT} FROM memory_records "
                     "WHERE tenant_id = %s AND user_id = %s AND content_hash = %s",
                     (record.tenant_id, record.user_id, record.content_hash),
                 ).fetchone()
-                return InsertResult(record_from_row(existing), created=False)
+                if not is_fact(record):
+                    return InsertResult(record_from_row(existing), created=False)
+                # A value the fact had before, and not now: it holds again from now on.
+                record = reopened(record)
+                conn.execute(_INSERT_RECORD, record_to_row(record))
             superseded: list[str] = []
-            if record.kind == "semantic" and record.subject and record.attribute:
+            if is_fact(record):
                 rows = conn.execute(
                     "UPDATE memory_records SET valid_to = %s WHERE tenant_id = %s "
                     "AND user_id = %s AND subject = %s AND attribute = %s AND valid_to IS NULL "
@@ -741,15 +768,19 @@ class PostgresMemoryStore(MemoryStore):
 
     # --- outbox -------------------------------------------------------------------------
 
-    def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
+    def pending(
+        self, limit: int, max_attempts: int = 5, *, scope: Scope | None = None
+    ) -> list[OutboxEntry]:
         self.setup()
+        in_scope = "" if scope is None else " AND r.tenant_id = %s AND r.user_id = %s"
+        scoped = () if scope is None else (scope.tenant_id, scope.user_id)
         with self._reading() as conn:
             rows = conn.execute(
                 "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
                 "r.session_id, r.turn "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                "WHERE o.attempts < %s ORDER BY o.id LIMIT %s",
-                (int(max_attempts), int(limit)),
+                f"WHERE o.attempts < %s{in_scope} ORDER BY o.id LIMIT %s",
+                (int(max_attempts), *scoped, int(limit)),
             ).fetchall()
         return [
             OutboxEntry(

@@ -27,9 +27,17 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from keel.memory._records import MemoryFilter, MemoryRecord, Scope
+from keel.memory._records import (
+    MemoryFilter,
+    MemoryRecord,
+    Scope,
+    is_fact,
+    reopened,
+    same_content,
+)
 from keel.memory._rows import (
     RECORD_COLUMNS,
+    current_fact_sql,
     filter_sql,
     is_selective,
     record_from_row,
@@ -444,34 +452,39 @@ class SQLiteMemoryStore(MemoryStore):
                         "AND key = ? AND content_hash <> ?",
                         (record.tenant_id, record.user_id, record.key, record.content_hash),
                     )
+                current: list[MemoryRecord] = []
+                if is_fact(record):
+                    current = [
+                        record_from_row(row)
+                        for row in conn.execute(*current_fact_sql(record, "?")).fetchall()
+                    ]
+                    for stored in current:
+                        if same_content(stored, record):
+                            return InsertResult(stored, created=False)
                 existing = conn.execute(
                     f"SELECT {_SELECT} FROM memory_records "
                     "WHERE tenant_id = ? AND user_id = ? AND content_hash = ?",
                     (record.tenant_id, record.user_id, record.content_hash),
                 ).fetchone()
                 if existing is not None:
-                    return InsertResult(record_from_row(existing), created=False)
-                superseded: list[str] = []
-                if record.kind == "semantic" and record.subject and record.attribute:
-                    rows = conn.execute(
-                        "SELECT id FROM memory_records WHERE tenant_id = ? AND user_id = ? "
-                        "AND subject = ? AND attribute = ? AND valid_to IS NULL",
-                        (record.tenant_id, record.user_id, record.subject, record.attribute),
-                    ).fetchall()
-                    superseded = [str(row[0]) for row in rows]
-                    if superseded:
-                        conn.execute(
-                            "UPDATE memory_records SET valid_to = ? WHERE tenant_id = ? "
-                            "AND user_id = ? AND subject = ? AND attribute = ? "
-                            "AND valid_to IS NULL",
-                            (
-                                to_epoch(record.valid_from or record.created_at),
-                                record.tenant_id,
-                                record.user_id,
-                                record.subject,
-                                record.attribute,
-                            ),
-                        )
+                    if not is_fact(record):
+                        return InsertResult(record_from_row(existing), created=False)
+                    # A value the fact had before, and not now: it holds again from now on.
+                    record = reopened(record)
+                superseded = [stored.id for stored in current]
+                if superseded:
+                    conn.execute(
+                        "UPDATE memory_records SET valid_to = ? WHERE tenant_id = ? "
+                        "AND user_id = ? AND subject = ? AND attribute = ? "
+                        "AND valid_to IS NULL",
+                        (
+                            to_epoch(record.valid_from or record.created_at),
+                            record.tenant_id,
+                            record.user_id,
+                            record.subject,
+                            record.attribute,
+                        ),
+                    )
                 conn.execute(
                     f"INSERT INTO memory_records ({_SELECT}) "
                     f"VALUES ({', '.join('?' for _ in RECORD_COLUMNS)})",
@@ -752,15 +765,19 @@ class SQLiteMemoryStore(MemoryStore):
 
     # --- outbox -------------------------------------------------------------------------
 
-    def pending(self, limit: int, max_attempts: int = 5) -> list[OutboxEntry]:
+    def pending(
+        self, limit: int, max_attempts: int = 5, *, scope: Scope | None = None
+    ) -> list[OutboxEntry]:
+        in_scope = "" if scope is None else " AND r.tenant_id = ? AND r.user_id = ?"
+        scoped = () if scope is None else (scope.tenant_id, scope.user_id)
         rows = (
             self._conn()
             .execute(
                 "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
                 "r.session_id, r.turn "
                 "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                "WHERE o.attempts < ? ORDER BY o.id LIMIT ?",
-                (int(max_attempts), int(limit)),
+                f"WHERE o.attempts < ?{in_scope} ORDER BY o.id LIMIT ?",
+                (int(max_attempts), *scoped, int(limit)),
             )
             .fetchall()
         )

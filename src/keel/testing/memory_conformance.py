@@ -9,17 +9,19 @@ database, as a restarted process would)::
         def make_store(self, tmp_path):
             return lambda: SQLiteMemoryStore(tmp_path / "memory.db")
 
-The suite checks round trips, idempotent adds, facts superseded over time, the outbox, its count
-and its replay after a crash, keyword search (BM25-like: rare words outweigh common ones) and
-vector search, filters, deletion, re-embedding, tenant isolation against crafted queries, and write
-isolation: a write for one (tenant, user) never touches another's records, neither when it
-supersedes a fact with the same key, nor when it forgets a record by id, nor when a re-embed
-rewrites every vector. The other scopes are a user of the same tenant and a user with the same user
-id in another tenant, so a write that checks only one half of the scope fails.
+The suite checks round trips, idempotent adds, facts superseded over time (and changed back to an
+earlier value, as a new interval), the outbox, its count and its replay after a crash, keyword
+search (BM25-like: rare words outweigh common ones) and vector search, filters, deletion,
+re-embedding, tenant isolation against crafted queries, and write isolation: a write for one
+(tenant, user) never touches another's records, neither when it supersedes a fact with the same
+key, nor when it forgets a record by id, nor when a re-embed rewrites every vector. The other
+scopes are a user of the same tenant and a user with the same user id in another tenant, so a
+write that checks only one half of the scope fails.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
 
@@ -113,6 +115,61 @@ class MemoryStoreConformance:
         assert {r.id for r in everything} == {old.id, new.id}
         assert memory.fact_history(BOB, "alice", "home city") == []
         memory.close()
+
+    def test_a_fact_can_change_back_as_a_new_validity_interval(
+        self, make_store: StoreFactory
+    ) -> None:
+        """People move back: Paris, Lyon, then Paris again is three intervals, the last one
+        current, and it is a new record (the first Paris keeps its own interval)."""
+        memory = _memory(make_store())
+        first = memory.remember_fact(ALICE, "alice", "home city", "Paris")
+        moved = memory.remember_fact(ALICE, "alice", "home city", "Lyon")
+        back = memory.remember_fact(ALICE, "alice", "home city", "Paris")
+        again = memory.remember_fact(ALICE, "alice", "home city", "Paris")
+        history = memory.fact_history(ALICE, "alice", "home city")
+        assert [(r.metadata["value"], r.valid_to is None) for r in history] == [
+            ("Paris", False),
+            ("Lyon", False),
+            ("Paris", True),
+        ]
+        assert [r.id for r in history] == [first.id, moved.id, back.id]
+        assert back.id != first.id and again.id == back.id, "the current value is idempotent"
+        assert history[0].valid_to == history[1].valid_from
+        assert history[1].valid_to == history[2].valid_from
+        assert [r.id for r in memory.profile(ALICE)] == [back.id]
+        # It is a record of its own in every tier: the outbox embeds it, search finds it.
+        memory.flush()
+        hits = memory.search("home city Paris", scope=ALICE, k=5)
+        assert back.id in {hit.record.id for hit in hits}
+        assert memory.fact_history(BOB, "alice", "home city") == []
+        memory.close()
+
+    def test_concurrent_writers_of_a_fact_leave_one_current_value(
+        self, make_store: StoreFactory
+    ) -> None:
+        """Each writer reads the current value and supersedes it: two at once, one store
+        each (as two processes), must not both leave theirs current."""
+        writers = 6
+        memories = [_memory(make_store()) for _ in range(writers)]
+        for round_ in range(3):
+            scope = Scope(tenant_id="acme", user_id=f"racer-{round_}")
+            memories[0].remember_fact(scope, "user", "home city", "Paris")
+            start = threading.Barrier(writers)
+
+            def write(index: int, scope: Scope = scope, start: threading.Barrier = start) -> None:
+                start.wait(timeout=60)
+                memories[index].remember_fact(scope, "user", "home city", f"city {index}")
+
+            threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            history = memories[0].fact_history(scope, "user", "home city")
+            assert len(history) == writers + 1
+            assert [r.valid_to is None for r in history].count(True) == 1, history
+        for memory in memories:
+            memory.close()
 
     def test_outbox_is_replayed_after_a_crash(self, make_store: StoreFactory) -> None:
         first = _memory(make_store())
@@ -407,6 +464,22 @@ class MemoryStoreConformance:
             current = memory.profile(other)
             assert len(current) == 1 and current[0].valid_to is None, other
             assert current[0].metadata["value"] == "Porto"
+        memory.close()
+
+    def test_indexing_one_scopes_pending_records_leaves_the_others_waiting(
+        self, make_store: StoreFactory
+    ) -> None:
+        """A search's read-your-writes embeds its own scope's waiting records, never another
+        scope's backlog."""
+        memory = _memory(make_store())
+        mine = {memory.add(f"alice note {n}", scope=ALICE).id for n in range(3)}
+        for other in OTHERS:
+            memory.add("a note of someone else", scope=other)
+        assert {entry.record_id for entry in memory.store.pending(100, scope=ALICE)} == mine
+        assert memory.index_pending(ALICE) == 3
+        assert memory.store.pending(100, scope=ALICE) == []
+        assert memory.pending() == len(OTHERS)
+        assert set(memory.store.vectors(ALICE, sorted(mine), "keel-hashing-64")) == mine
         memory.close()
 
     def test_forget_never_deletes_another_scopes_record(self, make_store: StoreFactory) -> None:

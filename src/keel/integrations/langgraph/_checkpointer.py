@@ -20,8 +20,10 @@ checkpoints and pending writes, in the order they were written. keel's store doe
   (ids, names and types kept).
 
 Explicit time travel (``checkpoint_id`` in the config) forks as LangGraph defines it: a put on
-an older checkpoint is a new branch, not a conflict. A thread's very first checkpoint has no
-run mark to check against.
+an older checkpoint is a new branch, not a conflict, whatever config named it (one from
+``get_state_history``, or from a ``get_state`` snapshot taken before the thread moved on: a
+read of a named checkpoint clears the mark such a config carries). Only a run that read "the
+latest" is fenced. A thread's very first checkpoint has no run mark to check against.
 """
 
 from __future__ import annotations
@@ -1022,9 +1024,15 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 return None  # removed by a concurrent prune
             mark = _RunMark(namespace, uuid.uuid4().hex, target) if checkpoint_id is None else None
             writes = self._writes_for(session, known, state)
-            return self._tuple(
+            found = self._tuple(
                 thread_id, namespace, state, writes, known.state.items, session, mark
             )
+            if checkpoint_id is not None:
+                # A run from a named checkpoint is a fork. LangGraph merges this config over
+                # the caller's, which may carry the mark of the read that produced it (a
+                # ``get_state`` snapshot's config): cleared, the fork is never fenced by it.
+                found.config["configurable"][_RUN_MARK] = None
+            return found
 
     def _tuple(
         self,

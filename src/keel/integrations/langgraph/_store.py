@@ -12,7 +12,10 @@ tenant's other stores never see it and keel's machinery works on it:
 - **A put replaces.** A record added under a key replaces the one that had it, in one
   transaction; ``value=None`` deletes it.
 - **``search(query=...)`` is keel's hybrid search**: keyword (BM25) and vector candidates
-  fused, scored, within the namespace prefix; the score comes back on each ``SearchItem``.
+  fused, scored, within the namespace prefix; the score comes back on each ``SearchItem``. A
+  search reads its own writes: items put before it whose vectors the outbox has not made yet
+  are embedded first (the scope's own, only when there are any), so a ``put`` never waits for
+  its embedding and a search never misses what was put.
   Without a query, the items under the prefix come newest first.
 - **TTL** in minutes as LangGraph defines it: a record expires that long after its last write
   (or read, with ``refresh_ttl``); an expired item is never returned and :meth:`sweep_ttl`
@@ -161,7 +164,7 @@ class KeelStore(BaseStore):
 
     Args:
         memory: where items live; its masker masks them and its embedder makes the vectors
-            (in the outbox, off the write path: ``memory.flush()`` indexes them at once).
+            (in the outbox, off the write path; a search embeds what is still waiting).
         tenant: the tenant every read and write is confined to.
         user: the user within the tenant (the tenant's graphs share ``"langgraph"``).
         fields: the value paths searched when a put gives no ``index`` (LangGraph's
@@ -285,6 +288,9 @@ class KeelStore(BaseStore):
         expected = None if not op.filter else self._masked(op.filter)
         found: list[tuple[MemoryRecord, float | None]]
         if op.query and op.query.strip():
+            # Read-your-writes: items put before this search and not embedded yet are
+            # embedded now (this scope's only), so the vector side finds them too.
+            self.memory.index_pending(self.scope)
             # The value filter applies after ranking: rank every candidate the retrievers
             # give, so the filter still has them to choose from.
             k = max(wanted, 2 * self.memory.config.candidates) if expected else wanted
