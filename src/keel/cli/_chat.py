@@ -100,9 +100,7 @@ class Chat:
             # The checkpoint before the model call is committed: the turn stays open there and
             # nothing half-written is visible. The next message (or chat) finishes it first.
             self.interrupted = True
-            self.console.print(
-                "\n[dim](turn interrupted; your next message finishes it first)[/]"
-            )
+            self.console.print("\n[dim](turn interrupted; your next message finishes it first)[/]")
 
     def _finish_open_turn(self) -> bool:
         """Finish the turn an interruption left open, saying so and showing its reply; False

@@ -174,16 +174,18 @@ def _stats_table(stats: list[SessionStats]) -> Any:
 
     table = Table(box=None, header_style="bold")
     table.add_column("session")
-    for column in ("runs", "calls", "retry rate", "avg prompt", "trend", "resets"):
+    # The figures and their names are the viewer's (keel.tracing.call_figures defines them).
+    for column in ("runs", "model calls", "tool calls", "retry rate", "avg prompt", "trend"):
         table.add_column(column, justify="right")
-    for column in ("ttft p50", "ttft p95", "loops", "abandoned"):
+    for column in ("resets", "ttft p50", "ttft p95", "loops", "abandoned"):
         table.add_column(column, justify="right")
     for item in stats:
         trend = f"x{item.prompt_growth:.2f} {item.prompt_tokens_slope:+.0f}/call"
         table.add_row(
             item.session_id,
             str(item.runs),
-            str(item.model_calls + item.tool_calls),
+            str(item.model_calls),
+            str(item.tool_calls),
             f"{item.retry_rate:.0%}",
             f"{item.avg_prompt_tokens:.0f}",
             f"[yellow]{trend} ↑[/]" if item.prompt_creeping else trend,

@@ -60,7 +60,13 @@ from keel.tracing._open import open_trace_store
 from keel.tracing._otel import OpenTelemetryExporter, export_run
 from keel.tracing._redact import Redactor, redact_json, redact_pii, redact_secrets
 from keel.tracing._render import render_run
-from keel.tracing._stats import LOOP_GUARD_NAME, percentile, session_stats
+from keel.tracing._stats import (
+    LOOP_GUARD_NAME,
+    CallFigures,
+    call_figures,
+    percentile,
+    session_stats,
+)
 from keel.tracing._store import TraceStore
 from keel.tracing._time import parse_since
 from keel.tracing._tracer import (
@@ -82,6 +88,7 @@ __all__ = [
     "LOOP_GUARD_NAME",
     "RUN_STATUSES",
     "STEP_KINDS",
+    "CallFigures",
     "LoopStep",
     "OpenTelemetryExporter",
     "PostgresTraceStore",
@@ -106,6 +113,7 @@ __all__ = [
     "Tracer",
     "abandon_after_s",
     "arecord_loop_step",
+    "call_figures",
     "export_run",
     "open_trace_store",
     "parse_since",

@@ -364,7 +364,8 @@ class SessionStats(BaseModel):
     )
     prompt_creeping: bool = Field(
         description="True when prompt_growth is over its threshold while retries climb (more "
-        "retried or failed model calls in the later half than in the earlier half)."
+        "retried model calls, as ``retries`` counts them, in the later half than in the "
+        "earlier half)."
     )
     state_resets: int = Field(description="State-machine resets (steps of kind ``reset``).")
     ttft_p50_ms: float | None = Field(description="Median time to first token; None if unknown.")
