@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -74,11 +75,29 @@ def test_an_unknown_model_is_named_with_the_worker_log(tmp_path: Path) -> None:
 
 def test_the_same_demo_sends_the_same_prompts_every_run(tmp_path: Path) -> None:
     """The figures the demo prints (max prompt tokens) are the same in every run: no clock
-    in a tool call id or a booking reference changes a prompt's token count."""
+    in a tool call id or a booking reference changes a prompt's token count, and what memory
+    recalls does not depend on how far its embedder got."""
     first, second = (
-        run_demo(trips=2, side_questions=2, memory=False, workdir=tmp_path / name)
+        run_demo(trips=3, side_questions=2, workdir=tmp_path / name)
         for name in ("first", "second")
     )
     assert first.passed and second.passed
     assert first.prompt_tokens_per_turn == second.prompt_tokens_per_turn
     assert first.max_prompt_tokens == second.max_prompt_tokens
+    # What the prompts hold that used to come from the clock: tool call ids, references.
+    made = [_ids_and_references(tmp_path / name) for name in ("first", "second")]
+    assert made[0] == made[1] and len(made[0][0]) > 10 and len(made[0][1]) == 3
+
+
+def _ids_and_references(workdir: Path) -> tuple[list[str], list[str]]:
+    with sqlite3.connect(workdir / "keel.db") as traces:
+        ids = [
+            row[0]
+            for row in traces.execute(
+                "SELECT s.tool_call_id FROM trace_steps s JOIN trace_runs r USING (run_id) "
+                "WHERE s.kind = 'tool' ORDER BY r.started_at, s.seq"
+            )
+        ]
+    with sqlite3.connect(workdir / "airline.db") as airline:
+        references = [row[0] for row in airline.execute("SELECT reference FROM bookings")]
+    return ids, references
