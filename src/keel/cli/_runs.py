@@ -57,7 +57,9 @@ def list_command(
         typer.Option(
             "--status",
             help="Only runs with this status: running, succeeded, failed, limited, escalated, "
-            "abandoned (still running when its worker died).",
+            "interrupted (stopped before its turn ended: cancelled, or its process died and "
+            "a later run took the turn over), abandoned (never ended and never taken over: "
+            "its worker died).",
         ),
     ] = None,
     tool_error: Annotated[
