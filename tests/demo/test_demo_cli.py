@@ -78,8 +78,7 @@ def test_the_same_demo_sends_the_same_prompts_every_run(tmp_path: Path) -> None:
     in a tool call id or a booking reference changes a prompt's token count, and what memory
     recalls does not depend on how far its embedder got."""
     first, second = (
-        run_demo(trips=3, side_questions=2, workdir=tmp_path / name)
-        for name in ("first", "second")
+        run_demo(trips=3, side_questions=2, workdir=tmp_path / name) for name in ("first", "second")
     )
     assert first.passed and second.passed
     assert first.prompt_tokens_per_turn == second.prompt_tokens_per_turn
