@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -21,6 +19,7 @@ from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.testing import ScriptedModel
 from keel.tracing import RunQuery, open_trace_store
+from tests.cli import keel_process
 
 
 class _CtrlCMidReply(ScriptedModel):
@@ -104,14 +103,7 @@ def test_state_says_how_many_messages_there_are_and_how_to_see_all() -> None:
 
 
 def _keel_chat(*args: str, stdin: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "keel", "chat", "--no-memory", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ),
-    )
+    return keel_process("chat", "--no-memory", *args, stdin=stdin)
 
 
 def test_chat_on_the_bundled_model_says_it_is_a_135m_demo_model() -> None:

@@ -4,23 +4,16 @@ a database named there is opened, never made, unless the user asks for a new one
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import keel_process
+
 
 def _keel(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "KEEL_EMBEDDER": "hashing:64"},
-    )
+    return keel_process(*args, stdin=stdin, env={"KEEL_EMBEDDER": "hashing:64"})
 
 
 def _one_error_line(result: subprocess.CompletedProcess[str], *says: str) -> None:

@@ -4,26 +4,15 @@ exception classes)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
+from typing import Any
 
 import click
 import pytest
 import typer
 
 from keel.cli import app, main
-
-
-def _keel(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ),
-    )
+from tests.cli import keel_process
 
 
 def _one_error_line(stderr: str) -> str:
@@ -46,13 +35,14 @@ def _one_error_line(stderr: str) -> str:
     ],
 )
 def test_a_usage_error_is_one_line_and_exit_2(args: tuple[str, ...], says: str) -> None:
-    result = _keel(*args)
+    result = keel_process(*args)
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     assert says in _one_error_line(result.stderr)
 
 
-def _commands(group: click.Command, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+def _commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The path of every command under ``group`` (a click command of Typer's click)."""
     commands = getattr(group, "commands", None)
     if commands is None:
         yield path

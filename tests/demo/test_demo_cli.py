@@ -4,24 +4,17 @@ why it stopped when it could not start."""
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 from keel.cli._demo import _summary
 from keel.demo._run import DemoReport, run_demo
+from tests.cli import keel_process
 
 
 def _keel_demo(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "keel", "demo", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ),
-    )
+    return keel_process("demo", *args, timeout=300)
 
 
 def test_piped_demo_reports_progress_on_stderr_against_the_trips_planned(tmp_path: Path) -> None:

@@ -113,7 +113,10 @@ class Chat:
         try:
             reply = self._runner.run(self.agent.resume(self.session, self.user))
         except KeyboardInterrupt:
-            self.console.print("\n[dim](interrupted again; it stays open)[/]")
+            self.console.print(
+                "\n[dim](interrupted again: that turn stays open, and your new message was "
+                "not sent)[/]"
+            )
             return False
         self.interrupted = False
         if reply is not None:
