@@ -73,6 +73,16 @@ def test_doctor_is_healthy_on_the_embedded_default(tmp_path: Path) -> None:
     assert by_name["local:smollm2"]["status"] == "ok"
     assert by_name["local:all-minilm-l6-v2"]["status"] == "ok"
     assert (tmp_path / "data" / "keel.db").exists()
+    assert report["model"] == "local:smollm2"
+    assert "135M-parameter demo model" in report["model_note"]
+
+
+def test_doctor_says_the_default_model_is_a_demo_model_and_how_to_set_a_real_one() -> None:
+    bundled = " ".join(_keel("doctor").stdout.split())
+    assert "model: local:smollm2" in bundled and "135M-parameter demo model" in bundled
+    assert "KEEL_MODEL=openai:gpt-4o-mini" in bundled
+    real = _keel("doctor", env={"KEEL_MODEL": "scripted:echo"})
+    assert "model: scripted:echo" in real.stdout and "KEEL_MODEL" not in real.stdout
 
 
 def test_doctor_fails_on_a_corrupt_database(tmp_path: Path) -> None:

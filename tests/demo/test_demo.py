@@ -53,6 +53,16 @@ def test_demo_resumes_after_sigkill_without_repeats_or_double_bookings(tmp_path:
     assert all(row["model_calls"] >= 5 for row in rows)
     shown = _keel("runs", "show", rows[0]["run_id"], env=env)
     assert shown.returncode == 0 and "book_flight" in shown.stdout
+    # The run the SIGKILL stopped says what happened to it: neither running for ever nor,
+    # later, abandoned; the resumed run that took its turn over finished it.
+    statuses = {}
+    for status in ("running", "abandoned", "interrupted"):
+        found = _keel("runs", "list", "--status", status, "--json", env=env)
+        statuses[status] = json.loads(found.stdout.strip().splitlines()[-1])["runs"]
+    assert statuses["running"] == [] and statuses["abandoned"] == []
+    (killed,) = statuses["interrupted"]
+    assert "took its turn over" in killed["error_message"]
+    assert "its process was killed or crashed" in killed["error_message"]
 
 
 def test_a_demo_with_memory_stores_no_junk_memories(tmp_path: Path) -> None:

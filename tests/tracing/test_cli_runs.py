@@ -189,6 +189,17 @@ def test_stats_json_has_the_indicators(filled: dict[str, str], keel: Callable[..
     assert plain.returncode == 0 and "loops caught" in plain.stdout
 
 
+def test_stats_counts_model_calls_as_the_viewer_does(
+    filled: dict[str, str], keel: Callable[..., Result]
+) -> None:
+    """Model calls and tool calls are two columns, never one sum the viewer does not show."""
+    plain = keel("runs", "stats", "--session", "s-long")
+    header = plain.stdout.splitlines()[0]
+    assert "model calls" in header and "tool calls" in header
+    row = next(line for line in plain.stdout.splitlines() if line.split()[:1] == ["s-long"])
+    assert row.split()[1:4] == ["1", "5", "5"]  # runs, model calls, tool calls
+
+
 def test_bad_since_is_a_usage_error(keel: Callable[..., Result]) -> None:
     result = keel("runs", "list", "--since", "yesterday-ish")
     assert result.returncode == 2 and "cannot read time" in result.stderr

@@ -3,13 +3,19 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
-from keel.tracing import StatsThresholds, StepMetric, percentile, session_stats
+from keel.tracing import StatsThresholds, StepMetric, call_figures, percentile, session_stats
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def _metric(
-    index: int, prompt: int, *, kind: str = "model", session: str = "s", attempt: int = 1
+    index: int,
+    prompt: int,
+    *,
+    kind: str = "model",
+    session: str = "s",
+    attempt: int = 1,
+    failed: bool = False,
 ) -> StepMetric:
     return StepMetric(
         session_id=session,
@@ -20,7 +26,7 @@ def _metric(
         attempt=attempt,
         prompt_tokens=prompt,
         ttft_ms=None,
-        failed=False,
+        failed=failed,
     )
 
 
@@ -63,3 +69,28 @@ def test_sessions_are_separate_and_output_is_json_safe() -> None:
     assert b.model_calls == 0 and b.tool_calls == 3 and b.avg_prompt_tokens == 0.0
     assert a.first_at == T0 and a.last_at == T0 + timedelta(seconds=5)
     json.loads(json.dumps([s.model_dump(mode="json") for s in stats], allow_nan=False))
+
+
+def test_failed_calls_that_were_not_retried_are_no_retries_climbing() -> None:
+    """No "while retries climb" next to a retry rate of 0%: climbing counts retries as the
+    retry rate does."""
+    failing = [_metric(i, 300 + 400 * i, failed=i >= 8) for i in range(12)]
+    (stats,) = session_stats(failing, StatsThresholds())
+    assert stats.retry_rate == 0.0 and stats.prompt_growth > 2
+    assert not stats.prompt_creeping and stats.warnings == ()
+
+
+def test_the_viewer_charts_the_figures_keel_runs_stats_reports() -> None:
+    from keel.ui._render import indicator_series
+
+    metrics = [_metric(i, 100 * i, attempt=2 if i % 3 == 0 else 1) for i in range(9)]
+    metrics += [_metric(9 + i, 0, kind="tool", attempt=2 if i == 0 else 1) for i in range(4)]
+    metrics += [_metric(13, 0, kind="reset")]
+    (stats,) = session_stats(metrics, StatsThresholds())
+    figures = call_figures(metrics)
+    assert (stats.model_calls, stats.tool_calls, stats.retries) == (9, 4, 4)
+    assert (figures.model_calls, figures.tool_calls, figures.retries) == (9, 4, 4)
+    charted = {series.name: series.points for series in indicator_series(metrics, buckets=1)}
+    assert charted["retry rate"][0][1] == stats.retry_rate == 4 / 13
+    assert charted["prompt tokens per call"][0][1] == stats.avg_prompt_tokens == 400
+    assert charted["machine resets"][0][1] == stats.state_resets == 1

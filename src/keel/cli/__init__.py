@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 
-import click
 import typer
 
 # Importing the command modules registers their commands on the app.
@@ -29,6 +29,22 @@ from keel.cli._app import app, err_console
 from keel.errors import KeelError, UsageError
 
 __all__ = ["app", "main"]
+
+
+def _click() -> ModuleType:
+    """The click exceptions module Typer raises from: click's own, or the copy that newer Typer
+    versions bundle (``typer._click``), whose classes an ``except click.ClickException`` misses.
+    Found from the class Typer exports, so it follows whichever Typer is installed."""
+    return sys.modules[typer.BadParameter.__module__]
+
+
+def _usage_line(exc: Exception) -> str:
+    """A click usage error as one line: the problem, and where the command's help is."""
+    message = " ".join(exc.format_message().split())  # type: ignore[attr-defined]
+    context = getattr(exc, "ctx", None)
+    if context is None:
+        return message
+    return f"{message} (see: {context.command_path} --help)"
 
 
 def _log_to_data_dir() -> None:
@@ -56,6 +72,16 @@ def _log_to_data_dir() -> None:
     logger.propagate = False
 
 
+def _show_click_error(exc: Exception) -> int:
+    """A click error as one line on stderr (a group run without its command: its help)."""
+    if type(exc).__name__ == "NoArgsIsHelpError":
+        exc.show()  # type: ignore[attr-defined]
+    else:
+        line = _usage_line(exc) if isinstance(exc, _click().UsageError) else str(exc)
+        err_console.print(f"[bold red]error:[/] {line}", markup=True, highlight=False)
+    return int(exc.exit_code)  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; a KeelError becomes one error line and a non-zero exit code."""
     _log_to_data_dir()
@@ -67,12 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(exc, UsageError) else 1
     except typer.Exit as exc:
         return int(exc.exit_code or 0)
-    except click.exceptions.Abort:
+    except typer.Abort:
         err_console.print("aborted")
         return 130
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
+    except _click().ClickException as exc:
+        return _show_click_error(exc)
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130

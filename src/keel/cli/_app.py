@@ -15,7 +15,15 @@ from rich.console import Console
 
 from keel.errors import KeelError, UsageError
 
-__all__ = ["app", "bench_app", "emit_json", "err_console", "fail", "out_console"]
+__all__ = [
+    "app",
+    "bench_app",
+    "demo_model_note",
+    "emit_json",
+    "err_console",
+    "fail",
+    "out_console",
+]
 
 app = typer.Typer(
     name="keel",
@@ -47,3 +55,20 @@ def fail(error: KeelError | str, *, code: int | None = None) -> NoReturn:
     if code is None:
         code = 2 if isinstance(error, UsageError) else 1
     raise typer.Exit(code)
+
+
+BUNDLED_MODEL = "local:smollm2"
+"""The default model: small enough to ship with keel, too small to hold a conversation."""
+
+
+def demo_model_note(spec: str) -> str | None:
+    """What a user of the bundled model must know (None for any other model): it is a
+    135M-parameter demo model, and how to point keel at a real one."""
+    if spec != BUNDLED_MODEL:
+        return None
+    return (
+        f"{BUNDLED_MODEL} is the bundled SmolLM2-135M-Instruct, a 135M-parameter demo model: "
+        "it runs offline but gives poor, repetitive answers. For a real model set KEEL_MODEL, "
+        "e.g. KEEL_MODEL=openai:gpt-4o-mini (with OPENAI_API_KEY) or "
+        "KEEL_MODEL=openai-compatible:MODEL@http://localhost:11434/v1 (Ollama, vLLM, ...)."
+    )

@@ -6,31 +6,226 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from keel.cli._app import app, out_console
+from keel.cli._app import app, demo_model_note, out_console
+from keel.cli._database import CreateOption
 
 if TYPE_CHECKING:
-    from keel.runtime import Agent
+    from rich.console import Console
+
+    from keel.runtime import Agent, AgentReply
 
 _HELP = (
-    "Commands: /state (the session's state), /memory QUERY (what memory retrieves), "
-    "/trace (the last turn's steps), /quit. Ctrl-C stops a turn safely."
+    "Commands: /state (the session's state; /state all for every message), /memory QUERY "
+    "(what memory retrieves), /trace (the last turn's steps), /quit. Ctrl-C stops a turn safely."
 )
 _SYSTEM = (
     "You are a helpful, concise assistant. Use what you remember about the user when it is "
     "relevant; say so when you do not know."
 )
+STATE_MESSAGES_SHOWN = 6
+"""Messages /state shows (the newest); /state all shows every one."""
 
 
-def _build(model_spec: str | None, memory: bool, database: str | None) -> Agent:
+def _build(
+    model_spec: str | None, memory: bool, database: str | None, *, create: bool = False
+) -> Agent:
+    from keel.cli._database import database_settings
     from keel.runtime import Agent
 
-    # Agent.open: the database URL (default KEEL_DATABASE, else the embedded SQLite file) holds
-    # the journal, traces and memory, and state unless KEEL_REDIS_URL moves it to Redis.
-    return Agent.open(database, model=model_spec, system_prompt=_SYSTEM, memory=memory, name="chat")
+    # The database (default KEEL_DATABASE, else the embedded SQLite file) holds the journal,
+    # traces and memory, and state unless KEEL_REDIS_URL moves it to Redis. A --database file
+    # that is not there is a typo unless --create says to start one.
+    settings = database_settings(database, writes=True, create=create)
+    return Agent.open(settings, model=model_spec, system_prompt=_SYSTEM, memory=memory, name="chat")
+
+
+class Chat:
+    """One chat on one session: reads lines, streams the agent's replies, runs the commands.
+
+    Ctrl-C in a reply stops the turn at its last checkpoint; the next message first finishes
+    that turn (saying so, and showing what came of it), then is answered.
+    """
+
+    def __init__(self, agent: Agent, session: str, user: str, console: Console) -> None:
+        self.agent = agent
+        self.session = session
+        self.user = user
+        self.console = console
+        self.last_run: str | None = None
+        self.interrupted = False
+        # One event loop for the whole chat: model clients keep connections bound to it.
+        self._runner = asyncio.Runner()
+
+    def run(self, read_line: Callable[[], str | None]) -> None:
+        """Chat until ``read_line`` returns None (end of input), /quit, or Ctrl-C at the prompt;
+        the agent is closed on the chat's loop at the end."""
+        try:
+            self._greet()
+            self._finish_open_turn()
+            while (line := read_line()) is not None:
+                text = line.strip()
+                if text in ("/quit", "/exit"):
+                    break
+                if text.startswith("/"):
+                    self._command(text)
+                elif text:
+                    self._say(text)
+        except KeyboardInterrupt:
+            self.console.print("\nbye")
+        finally:
+            # On the chat's loop: async clients (PostgreSQL, Redis) belong to it.
+            try:
+                self._runner.run(self.agent.aclose())
+            finally:
+                self._runner.close()
+
+    def _greet(self) -> None:
+        spec = self.agent.model.spec
+        self.console.print(f"keel chat · session {self.session} · {spec}. {_HELP}")
+        note = demo_model_note(spec)
+        if note is not None:
+            self.console.print(f"[yellow]note:[/] {note}", highlight=False)
+
+    def _say(self, text: str) -> None:
+        if self.interrupted and not self._finish_open_turn():
+            return
+        try:
+            self._runner.run(self._turn(text))
+        except KeyboardInterrupt:
+            # The checkpoint before the model call is committed: the turn stays open there and
+            # nothing half-written is visible. The next message (or chat) finishes it first.
+            self.interrupted = True
+            self.console.print("\n[dim](turn interrupted; your next message finishes it first)[/]")
+
+    def _finish_open_turn(self) -> bool:
+        """Finish the turn an interruption left open, saying so and showing its reply; False
+        when Ctrl-C stopped that too."""
+        state = self.agent.session_state(self.session)
+        if state is None or state.runtime.open_turn is None:
+            self.interrupted = False
+            return True
+        self.console.print("[dim](finishing the interrupted turn first...)[/]")
+        try:
+            reply = self._runner.run(self.agent.resume(self.session, self.user))
+        except KeyboardInterrupt:
+            self.console.print(
+                "\n[dim](interrupted again: that turn stays open, and your new message was "
+                "not sent)[/]"
+            )
+            return False
+        self.interrupted = False
+        if reply is not None:
+            self._show_finished(reply)
+        return True
+
+    def _show_finished(self, reply: AgentReply) -> None:
+        self.last_run = reply.run_id
+        outcome = "completed" if reply.status == "completed" else f"ended: {reply.status}"
+        self.console.print(f"[dim](the interrupted turn {outcome})[/]")
+        self.console.print("[bold]agent>[/] ", end="")
+        self._show(reply.text + "\n")
+
+    def _show(self, text: str) -> None:
+        self.console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+
+    async def _turn(self, text: str) -> None:
+        """One turn, streamed: the reply's text as it arrives, tool calls as they start."""
+        console, show = self.console, self._show
+        console.print("[bold]agent>[/] ", end="")
+        streamed = ""
+        async for event in self.agent.stream(text, session=self.session, user=self.user):
+            if event.type == "text":
+                show(event.text)
+                streamed += event.text
+            elif event.type == "text_discarded":
+                console.print("\n[dim](that reply was unusable; asking again)[/]")
+                console.print("[bold]agent>[/] ", end="")
+                streamed = ""
+            elif event.type == "tool_call_started":
+                arguments = json.dumps(event.arguments, ensure_ascii=False)
+                console.print(f"\n[dim]→ {event.name}[/] ", end="")
+                show(arguments + "\n")
+                console.print("[bold]agent>[/] ", end="")
+                streamed = ""
+            elif event.type == "final":
+                self.last_run = event.reply.run_id
+                # The reply is authoritative (a failed turn ends with a clean message).
+                if event.reply.text != streamed:
+                    if streamed:
+                        console.print()
+                        console.print("[bold]agent>[/] ", end="")
+                    show(event.reply.text)
+                console.print()
+
+    def _command(self, text: str) -> None:
+        name, _, argument = text.partition(" ")
+        if name == "/state":
+            self._state(every=argument.strip() == "all")
+        elif name == "/memory":
+            self._memory(argument.strip() or "what do I know about the user")
+        elif name == "/trace":
+            self._trace()
+        else:
+            self.console.print(f"unknown command {name}. {_HELP}", markup=False)
+
+    def _state(self, *, every: bool) -> None:
+        state = self.agent.session_state(self.session)
+        if state is None:
+            self.console.print("(no state yet: say something first)")
+            return
+        payload = state.model_dump(mode="json")
+        total = len(payload["messages"])
+        if not every:
+            payload["messages"] = payload["messages"][-STATE_MESSAGES_SHOWN:]
+        self.console.print_json(json.dumps(payload, default=str))
+        shown = len(payload["messages"])
+        hint = "" if shown == total else "; /state all shows every one"
+        self.console.print(f"(the session holds {total} messages, {shown} shown above{hint})")
+
+    def _memory(self, query: str) -> None:
+        long_term = self.agent.memory
+        if long_term is None:
+            self.console.print("memory is off (--no-memory)")
+            return
+        from keel.memory import Scope
+
+        long_term.flush()
+        packed = long_term.retrieve(
+            query, scope=Scope(tenant_id=self.agent.tenant_id, user_id=self.user), budget_tokens=400
+        )
+        self.console.print(packed.text or "(nothing relevant remembered)", markup=False)
+
+    def _trace(self) -> None:
+        from keel.tracing import RunQuery
+
+        assert self.agent.backends is not None  # Agent.open keeps what it opened
+        traces = self.agent.backends.traces
+        runs = traces.list_runs(RunQuery(session_id=self.session, limit=1))
+        if not runs:
+            self.console.print("(no runs yet)")
+            return
+        detail = traces.get_run_detail(runs[0].run_id)
+        for step in detail.steps if detail is not None else ():
+            self.console.print(
+                f"  {step.kind:<10} {step.name:<28} tokens {step.prompt_tokens}"
+                f"+{step.completion_tokens}  {step.latency_ms or 0:.0f} ms",
+                markup=False,
+            )
+
+
+def _read_line() -> str | None:
+    """The next line the user typed (a prompt on a terminal); None at the end of input."""
+    if not sys.stdin.isatty():
+        return sys.stdin.readline() or None
+    try:
+        return input("you> ")
+    except EOFError:
+        return None
 
 
 @app.command("chat")
@@ -46,115 +241,12 @@ def chat_command(
         typer.Option(
             "--database",
             help="Database URL: sqlite:///PATH or postgresql://... (default: KEEL_DATABASE, "
-            "else keel.db in the data directory). KEEL_REDIS_URL keeps state on Redis.",
+            "else keel.db in the data directory). KEEL_REDIS_URL keeps state on Redis. A "
+            "SQLite file must exist unless it is the default one or --create is given.",
         ),
     ] = None,
+    create: CreateOption = False,
 ) -> None:
     """Chat with an agent whose memory and state survive restarts (same --session)."""
-    from keel.tracing import RunQuery
-
-    agent = _build(model, memory, database)
-    assert agent.backends is not None  # Agent.open keeps what it opened
-    long_term, traces = agent.memory, agent.backends.traces
-    interactive = sys.stdin.isatty()
-    out_console.print(f"keel chat · session {session} · {agent.model.spec}. {_HELP}")
-    last_run: str | None = None
-
-    def show(text: str) -> None:
-        out_console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
-
-    async def turn(text: str) -> None:
-        """One turn, streamed: the reply's text as it arrives, tool calls as they start."""
-        nonlocal last_run
-        out_console.print("[bold]agent>[/] ", end="")
-        streamed = ""
-        async for event in agent.stream(text, session=session, user=user):
-            if event.type == "text":
-                show(event.text)
-                streamed += event.text
-            elif event.type == "text_discarded":
-                out_console.print("\n[dim](that reply was unusable; asking again)[/]")
-                out_console.print("[bold]agent>[/] ", end="")
-                streamed = ""
-            elif event.type == "tool_call_started":
-                arguments = json.dumps(event.arguments, ensure_ascii=False)
-                out_console.print(f"\n[dim]→ {event.name}[/] ", end="")
-                show(arguments + "\n")
-                out_console.print("[bold]agent>[/] ", end="")
-                streamed = ""
-            elif event.type == "final":
-                last_run = event.reply.run_id
-                # The reply is authoritative (a failed turn ends with a clean message).
-                if event.reply.text != streamed:
-                    if streamed:
-                        out_console.print()
-                        out_console.print("[bold]agent>[/] ", end="")
-                    show(event.reply.text)
-                out_console.print()
-
-    # One event loop for the whole chat: model clients keep connections bound to it.
-    runner = asyncio.Runner()
-    try:
-        resumed = runner.run(agent.resume(session, user))
-        if resumed is not None:
-            out_console.print(f"[dim](finished an interrupted turn)[/] {resumed.text}")
-        while True:
-            try:
-                line = input("you> ") if interactive else sys.stdin.readline()
-            except EOFError:
-                break
-            if not interactive and not line:
-                break
-            text = line.strip()
-            if not text:
-                continue
-            if text in ("/quit", "/exit"):
-                break
-            if text == "/state":
-                state = agent.session_state(session)
-                payload = None if state is None else state.model_dump(mode="json")
-                if payload is not None:
-                    payload["messages"] = payload["messages"][-6:]
-                out_console.print_json(json.dumps(payload, default=str))
-                continue
-            if text.startswith("/memory"):
-                query = text.removeprefix("/memory").strip() or "what do I know about the user"
-                if long_term is None:
-                    out_console.print("memory is off (--no-memory)")
-                    continue
-                from keel.memory import Scope
-
-                long_term.flush()
-                packed = long_term.retrieve(
-                    query, scope=Scope(tenant_id=agent.tenant_id, user_id=user), budget_tokens=400
-                )
-                out_console.print(packed.text or "(nothing relevant remembered)", markup=False)
-                continue
-            if text == "/trace":
-                runs = traces.list_runs(RunQuery(session_id=session, limit=1))
-                if not runs:
-                    out_console.print("(no runs yet)")
-                    continue
-                detail = traces.get_run_detail(runs[0].run_id)
-                for step in detail.steps if detail is not None else ():
-                    out_console.print(
-                        f"  {step.kind:<10} {step.name:<28} tokens {step.prompt_tokens}"
-                        f"+{step.completion_tokens}  {step.latency_ms or 0:.0f} ms",
-                        markup=False,
-                    )
-                continue
-            try:
-                runner.run(turn(text))
-            except KeyboardInterrupt:
-                # The checkpoint before the model call is committed; the open turn is finished
-                # by resume() on the next start. Nothing half-written is visible.
-                out_console.print("\n[dim](turn interrupted; it will resume next time)[/]")
-                continue
-    except KeyboardInterrupt:
-        out_console.print("\nbye")
-    finally:
-        # On the chat's loop: async clients (PostgreSQL, Redis) belong to it.
-        try:
-            runner.run(agent.aclose())
-        finally:
-            runner.close()
+    agent = _build(model, memory, database, create=create)
+    Chat(agent, session, user, out_console).run(_read_line)

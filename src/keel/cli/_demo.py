@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from keel.cli._app import app, emit_json, err_console, out_console
+
+if TYPE_CHECKING:
+    from keel.demo._run import DemoReport
 
 
 def _traces_hint(workdir: str, database: str | None, *, throwaway: bool) -> str:
@@ -20,7 +24,7 @@ def _traces_hint(workdir: str, database: str | None, *, throwaway: bool) -> str:
     if throwaway:
         return "dropped with the throwaway PostgreSQL (pass a postgresql:// URL to keep them)"
     url = database or f"sqlite:///{workdir}/keel.db"
-    return f"KEEL_DATABASE={redact_url(url)} keel runs list"
+    return f"keel runs list --database {redact_url(url)}"
 
 
 @app.command("demo")
@@ -123,28 +127,9 @@ def _demo(
     *,
     throwaway: bool,
 ) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from keel.demo._run import run_demo, sparkline_chart
 
-    console = err_console if as_json else out_console
-    with Progress(
-        TextColumn("[bold]demo[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=as_json,
-    ) as progress:
-        task = progress.add_task("turns", total=trips * (side_questions + 7), status="")
-
-        def on_turn(turn: int, planned: int, reply: dict[str, Any]) -> None:
-            status = (
-                f"{reply.get('workflow_state') or ''} {'(resumed)' if reply.get('resumed') else ''}"
-            )
-            progress.update(task, completed=turn, total=max(planned, turn), status=status)
-
+    with _progress(trips) as on_turn:
         report = run_demo(
             model=model,
             trips=trips,
@@ -157,14 +142,78 @@ def _demo(
             redis_url=redis_url,
             on_turn=on_turn,
         )
-        progress.update(task, total=report.turns, completed=report.turns)
+    # The summary is what was asked for (stdout); with --json the JSON object is, last.
+    console = err_console if as_json else out_console
     console.print("\n[bold]Prompt tokens per turn[/]")
     console.print(
         sparkline_chart(report.prompt_tokens_per_turn, limit=report.prompt_budget),
         markup=False,
         highlight=False,
     )
-    lines = [
+    for label, value in _summary(report, database, throwaway=throwaway):
+        console.print(f"  {label:<44} {value}", markup=False, highlight=False)
+    if as_json:
+        emit_json(report.model_dump(mode="json"))
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+OnTurn = Callable[[int, int, dict[str, Any]], None]
+
+
+@contextlib.contextmanager
+def _progress(trips: int) -> Iterator[OnTurn]:
+    """Progress on stderr, whether stdout is a terminal, a pipe or --json: trips booked out of
+    the trips planned (a known total; the turns a trip takes depend on the model). A bar on a
+    terminal, else a line per trip booked and one for the kill and resume."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not err_console.is_terminal:
+        started = time.monotonic()
+        said = {"booked": 0, "resumed": False}
+
+        def report(turn: int, booked: int, reply: dict[str, Any]) -> None:
+            if reply.get("resumed") and not said["resumed"]:
+                said["resumed"] = True
+                _line(
+                    f"worker killed inside a booking; a new worker resumed the turn (turn {turn})"
+                )
+            if booked > said["booked"]:
+                said["booked"] = booked
+                _line(
+                    f"{booked}/{trips} trips booked (turn {turn}, "
+                    f"{time.monotonic() - started:.1f} s)"
+                )
+
+        yield report
+        return
+    columns = (TextColumn("[bold]demo[/] trips booked"), BarColumn(), MofNCompleteColumn())
+    extra = (TextColumn("turn {task.fields[turn]} {task.fields[status]}"), TimeElapsedColumn())
+    with Progress(*columns, *extra, console=err_console, transient=True) as bar:
+        task = bar.add_task("trips", total=trips, turn=0, status="")
+
+        def update(turn: int, booked: int, reply: dict[str, Any]) -> None:
+            status = f"{reply.get('workflow_state') or ''}"
+            if reply.get("resumed"):
+                status += " (resumed after the kill)"
+            bar.update(task, completed=booked, turn=turn, status=status)
+
+        yield update
+
+
+def _line(text: str) -> None:
+    err_console.print(f"demo: {text}", markup=False, highlight=False)
+
+
+def _summary(report: DemoReport, database: str | None, *, throwaway: bool) -> list[tuple[str, Any]]:
+    loops = (
+        f"{report.loops_caught} (expected: the scripted model retries a failing look-up the "
+        "way a naive model does, and keel's loop guard stops it each time)"
+        if report.model == "scripted"
+        else f"{report.loops_caught} (the model repeated a failing call; keel's loop guard "
+        "stopped it each time)"
+    )
+    lines: list[tuple[str, Any]] = [
         ("turns", report.turns),
         ("bookings made", f"{report.bookings} of {report.trips_planned} trips"),
         ("worker SIGKILLed inside a booking and resumed", report.resumed_after_kill),
@@ -172,22 +221,17 @@ def _demo(
         ("questions repeated after resume", report.repeated_questions_after_resume),
         ("double bookings", report.double_bookings),
         ("max prompt tokens / budget", f"{report.max_prompt_tokens:,} / {report.prompt_budget:,}"),
-        ("loops caught", report.loops_caught),
+        ("loops caught", loops if report.loops_caught else 0),
         ("turns that failed", report.failed_turns),
     ]
     if report.memory_audit is not None:
         audit = report.memory_audit
         lines.append(("junk memories stored", f"{audit.junk} of {audit.stored}"))
-    lines += [
+    verdict = "passed" if report.passed else "FAILED: " + "; ".join(report.problems)
+    return [
+        *lines,
         ("time", f"{report.seconds:.1f} s"),
         ("database", report.database),
         ("traces", _traces_hint(report.workdir, database, throwaway=throwaway)),
+        ("result", verdict),
     ]
-    for label, value in lines:
-        console.print(f"  {label:<44} {value}", markup=False, highlight=False)
-    verdict = "passed" if report.passed else "FAILED: " + "; ".join(report.problems)
-    console.print(f"  {'result':<44} {verdict}", markup=False, highlight=False)
-    if as_json:
-        emit_json(report.model_dump(mode="json"))
-    if not report.passed:
-        raise typer.Exit(1)

@@ -13,7 +13,8 @@ from typing import Annotated, Literal
 import typer
 
 from keel._version import __version__
-from keel.cli._app import app, emit_json, out_console
+from keel.cli._app import app, demo_model_note, emit_json, out_console
+from keel.cli._database import DatabaseOption
 from keel.errors import KeelError
 from keel.settings import Settings, load_settings
 
@@ -42,9 +43,11 @@ def _run(area: str, name: str, probe: Callable[[], str], *, required: bool = Fal
         )
 
 
-def _database(settings: Settings) -> str:
+def _database(database: str | None) -> str:
+    from keel.cli._database import database_settings
     from keel.stores import open_database
 
+    settings = database_settings(database, writes=True)
     db = open_database(settings)
     try:
         versions = db.setup()
@@ -154,10 +157,11 @@ def _redis(settings: Settings) -> str:
 
 @app.command("doctor")
 def doctor_command(
+    database: DatabaseOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Check the embedded default and report which models, tokenizers and backends work."""
-    settings = load_settings()
+    settings = load_settings(**({"database": database} if database is not None else {}))
     checks = [
         Check(
             "keel",
@@ -166,7 +170,7 @@ def doctor_command(
             f"keel {__version__}, Python {platform.python_version()} ({sys.executable})",
         ),
         _run("storage", "data directory", lambda: _data_dir(settings), required=True),
-        _run("storage", "database", lambda: _database(settings), required=True),
+        _run("storage", "database", lambda: _database(database), required=True),
         _run("tokenizers", "cl100k_base", _encoding("cl100k_base"), required=True),
         _run("tokenizers", "o200k_base", _encoding("o200k_base"), required=True),
         _run("tokenizers", "smollm2 (GGUF)", _local_tokenizer),
@@ -178,10 +182,13 @@ def doctor_command(
         _run("extras", "opentelemetry", _module("opentelemetry", "trace export")),
     ]
     healthy = all(check.status != "fail" for check in checks if check.required)
+    note = demo_model_note(settings.model)
     if as_json:
         emit_json(
             {
                 "healthy": healthy,
+                "model": settings.model,
+                "model_note": note,
                 "checks": [check.__dict__ for check in checks],
             }
         )
@@ -195,5 +202,8 @@ def doctor_command(
             )
         verdict = "healthy" if healthy else "NOT healthy"
         out_console.print(f"embedded default: {verdict}")
+        out_console.print(f"model: {settings.model}", markup=False)
+        if note is not None:
+            out_console.print(f"[yellow]note[/] {note}", highlight=False)
     if not healthy:
         raise typer.Exit(1)

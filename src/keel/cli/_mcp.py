@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import typer
 
 from keel.cli._app import app, err_console
+from keel.cli._database import CreateOption, DatabaseOption
 
 
 @app.command("mcp")
@@ -17,28 +18,26 @@ def mcp_command(
     tenant: Annotated[str, typer.Option(help="stdio: the tenant every call acts for.")] = "default",
     host: Annotated[str, typer.Option(help="http: address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="http: port to listen on.")] = 8766,
-    database: Annotated[
-        str | None,
-        typer.Option(help="Database URL (default: KEEL_DATABASE, else the embedded file)."),
-    ] = None,
+    database: DatabaseOption = None,
+    create: CreateOption = False,
 ) -> None:
     """Serve keel memory to MCP clients: remember, remember_fact, search, get, forget,
     fact_history, each for a user. Over http every request needs Authorization: Bearer <key>
     from `keel keys create --tenant T`, and acts for that key's tenant."""
+    from keel.cli._database import database_settings
     from keel.errors import UsageError
     from keel.integrations.mcp import memory_server, require_api_key
     from keel.privacy import PIIMasker
     from keel.runtime import open_backends
     from keel.service import APIKeys, CachedKeys
-    from keel.settings import load_settings
 
     mode: Literal["stdio", "http"]
     if transport not in ("stdio", "http"):
         raise UsageError(f"--transport is stdio or http, not {transport!r}")
     mode = "stdio" if transport == "stdio" else "http"
-    settings = load_settings()
+    settings = database_settings(database, writes=True, create=create)
     backends = open_backends(
-        database or settings.database_url, memory=True, masker=PIIMasker(), settings=settings
+        settings.database_url, memory=True, masker=PIIMasker(), settings=settings
     )
     try:
         memory = backends.memory

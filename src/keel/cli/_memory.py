@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from keel.cli._app import app, bench_app, emit_json, err_console, out_console
+from keel.cli._database import DatabaseOption
 
 memory_app = typer.Typer(help="Long-term memory: status and maintenance.", no_args_is_help=True)
 app.add_typer(memory_app, name="memory")
@@ -37,13 +38,14 @@ def _progress_bar(enabled: bool) -> Any:
 
 @memory_app.command("status")
 def status_command(
+    database: DatabaseOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Show which embedding models produced the stored vectors."""
+    from keel.cli._database import database_settings
     from keel.memory import open_memory
-    from keel.settings import load_settings
 
-    memory = open_memory(load_settings())
+    memory = open_memory(database_settings(database))
     try:
         status = memory.embedding_status()
         payload = {
@@ -67,13 +69,14 @@ def status_command(
 
 @memory_app.command("reembed")
 def reembed_command(
+    database: DatabaseOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Rebuild the vectors of every record not embedded by the configured model."""
+    from keel.cli._database import database_settings
     from keel.memory import open_memory
-    from keel.settings import load_settings
 
-    memory = open_memory(load_settings())
+    memory = open_memory(database_settings(database))
     try:
         before = memory.embedding_status()
         with _progress_bar(not as_json) as progress:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from keel.cli._app import app, bench_app, emit_json, out_console
+from keel.cli._database import DatabaseOption
 from keel.errors import UsageError
 from keel.tracing._render import STATUS_STYLE, format_ms
 
@@ -28,11 +29,11 @@ SinceOption = Annotated[
 ]
 
 
-def _store() -> TraceStore:
-    from keel.settings import load_settings
+def _store(database: str | None) -> TraceStore:
+    from keel.cli._database import database_settings
     from keel.tracing import open_trace_store
 
-    return open_trace_store(load_settings())
+    return open_trace_store(database_settings(database))
 
 
 def _console() -> Console:
@@ -56,7 +57,9 @@ def list_command(
         typer.Option(
             "--status",
             help="Only runs with this status: running, succeeded, failed, limited, escalated, "
-            "abandoned (still running when its worker died).",
+            "interrupted (stopped before its turn ended: cancelled, or its process died and "
+            "a later run took the turn over), abandoned (never ended and never taken over: "
+            "its worker died).",
         ),
     ] = None,
     tool_error: Annotated[
@@ -67,6 +70,7 @@ def list_command(
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
     agent: Annotated[str | None, typer.Option("--agent", help="Only this agent.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most N runs.")] = 50,
+    database: DatabaseOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """List runs, newest first."""
@@ -93,7 +97,7 @@ def list_command(
         )
     except ValidationError as exc:
         raise UsageError(f"invalid filter: {exc.errors()[0]['msg']}") from exc
-    with _store() as store:
+    with _store(database) as store:
         runs = store.list_runs(query)
     if as_json:
         emit_json(
@@ -148,12 +152,13 @@ def show_command(
     full: Annotated[
         bool, typer.Option("--full", help="Do not shorten outputs, arguments and results.")
     ] = False,
+    database: DatabaseOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Show one run as a tree of its steps, with tokens and timings."""
     from keel.tracing import render_run
 
-    with _store() as store:
+    with _store(database) as store:
         run_id = store.resolve_run_id(run)
         detail = store.get_run_detail(run_id) if run_id else None
     if detail is None:
@@ -171,16 +176,18 @@ def _stats_table(stats: list[SessionStats]) -> Any:
 
     table = Table(box=None, header_style="bold")
     table.add_column("session")
-    for column in ("runs", "calls", "retry rate", "avg prompt", "trend", "resets"):
+    # The figures and their names are the viewer's (keel.tracing.call_figures defines them).
+    for column in ("runs", "model calls", "tool calls", "retry rate", "avg prompt", "trend"):
         table.add_column(column, justify="right")
-    for column in ("ttft p50", "ttft p95", "loops", "abandoned"):
+    for column in ("resets", "ttft p50", "ttft p95", "loops", "abandoned"):
         table.add_column(column, justify="right")
     for item in stats:
         trend = f"x{item.prompt_growth:.2f} {item.prompt_tokens_slope:+.0f}/call"
         table.add_row(
             item.session_id,
             str(item.runs),
-            str(item.model_calls + item.tool_calls),
+            str(item.model_calls),
+            str(item.tool_calls),
             f"{item.retry_rate:.0%}",
             f"{item.avg_prompt_tokens:.0f}",
             f"[yellow]{trend} ↑[/]" if item.prompt_creeping else trend,
@@ -218,6 +225,7 @@ def stats_command(
     max_loops: Annotated[
         int, typer.Option("--max-loops", min=0, help="Warn above this many loops caught.")
     ] = 0,
+    database: DatabaseOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Death-spiral indicators per session: retries, prompt growth, resets, TTFT, loops."""
@@ -232,7 +240,7 @@ def stats_command(
         max_state_resets=max_state_resets,
         max_loops=max_loops,
     )
-    with _store() as store:
+    with _store(database) as store:
         stats = store.session_stats(
             session_id=session,
             since=parse_since(since) if since else None,
@@ -268,13 +276,14 @@ def prune_command(
             "--older-than", help="Delete runs started before this: an age (30d) or ISO time."
         ),
     ],
+    database: DatabaseOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Delete old runs and their steps (trace retention)."""
     from keel.tracing import parse_since
 
     cutoff = parse_since(older_than)
-    with _store() as store:
+    with _store(database) as store:
         deleted = store.delete_runs(before=cutoff)
     if as_json:
         emit_json({"deleted_runs": deleted, "before": cutoff.isoformat()})

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from keel.cli._app import app, bench_app, emit_json, err_console, out_console
+from keel.cli._database import CreateOption, DatabaseOption
 
 if TYPE_CHECKING:
     from keel.runtime import Backends
@@ -17,31 +18,27 @@ keys_app = typer.Typer(
 )
 app.add_typer(keys_app, name="keys")
 
-_DATABASE_HELP = (
-    "Database URL: sqlite:///PATH or postgresql://... (default: KEEL_DATABASE, else keel.db in "
-    "the data directory)."
-)
 
-
-def _keys(database: str | None) -> tuple[Backends, APIKeys]:
+def _keys(
+    database: str | None, *, writes: bool = False, create: bool = False
+) -> tuple[Backends, APIKeys]:
+    from keel.cli._database import database_settings
     from keel.runtime import open_backends
     from keel.service import APIKeys as Keys
-    from keel.settings import load_settings
 
-    settings = load_settings()
-    backends = open_backends(
-        database or settings.database_url, memory=False, masker=None, settings=settings
-    )
+    settings = database_settings(database, writes=writes, create=create)
+    backends = open_backends(settings.database_url, memory=False, masker=None, settings=settings)
     return backends, Keys(backends.sql)
 
 
 @keys_app.command("create")
 def keys_create(
     tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
-    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+    database: DatabaseOption = None,
+    create: CreateOption = False,
 ) -> None:
     """Create a key for TENANT and print it: it is shown this once, only its hash is kept."""
-    backends, keys = _keys(database)
+    backends, keys = _keys(database, writes=True, create=create)
     try:
         out_console.print(keys.create(tenant), markup=False, highlight=False, soft_wrap=True)
     finally:
@@ -51,7 +48,7 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(
     tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
-    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+    database: DatabaseOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The keys (ids, tenants, dates; never their secrets)."""
@@ -80,7 +77,7 @@ def keys_list(
 @keys_app.command("revoke")
 def keys_revoke(
     key_id: Annotated[str, typer.Argument(help="The key's id (the part after keel_).")],
-    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+    database: DatabaseOption = None,
 ) -> None:
     """Revoke a key: requests with it get 401 (within the servers' key cache time)."""
     from keel.errors import UsageError
@@ -98,7 +95,8 @@ def keys_revoke(
 def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+    database: DatabaseOption = None,
+    create: CreateOption = False,
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="Model spec (default: settings.model).")
     ] = None,
@@ -130,8 +128,11 @@ def serve_command(
 
     import uvicorn
 
+    from keel.cli._database import database_settings
     from keel.service import build_service
     from keel.service._factory import SERVE_ENV
+
+    database_settings(database, writes=True, create=create)
 
     options = {
         "database": database,
@@ -224,7 +225,7 @@ def bench_serve_command(
 def ui_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8765,
-    database: Annotated[str | None, typer.Option(help=_DATABASE_HELP)] = None,
+    database: DatabaseOption = None,
     tenant: Annotated[str, typer.Option(help="The tenant to look at.")] = "default",
     memory: Annotated[bool, typer.Option(help="Show long-term memory.")] = True,
 ) -> None:
@@ -232,8 +233,10 @@ def ui_command(
     memory and health. It prints a key for TENANT that signs you in, revoked when it stops."""
     import uvicorn
 
+    from keel.cli._database import database_settings
     from keel.service import build_service
 
+    database_settings(database)  # the viewer opens a database; it never makes one
     service, _, _ = build_service(database, memory=memory)
     # The key lives on its own connection: the service closes its stores when it stops.
     backends, keys = _keys(database)

@@ -76,19 +76,25 @@ state_app = typer.Typer(
 )
 app.add_typer(state_app, name="state")
 
-_URL_HELP = "State backend URL (sqlite:///..., postgresql://..., redis://...); default: settings."
+_URL_HELP = (
+    "The state's database URL (sqlite:///..., postgresql://..., redis://...; default: "
+    "KEEL_DATABASE, else keel.db in the data directory). A SQLite file must exist."
+)
+UrlOption = Annotated[str | None, typer.Option("--database", "--url", help=_URL_HELP)]
 
 
 def _open(url: str | None) -> StateBackend:
-    from keel.settings import load_settings
+    from keel.cli._database import database_settings
     from keel.stores import open_state_backend
 
-    return open_state_backend(url or load_settings().database_url)
+    if url is not None and url.startswith(("redis://", "rediss://")):
+        return open_state_backend(url)
+    return open_state_backend(database_settings(url).database_url)
 
 
 @state_app.command("sessions")
 def state_sessions_command(
-    url: Annotated[str | None, typer.Option("--url", help=_URL_HELP)] = None,
+    url: UrlOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """List the stored sessions."""
@@ -108,7 +114,7 @@ def state_sessions_command(
 def state_history_command(
     session_id: Annotated[str, typer.Argument(help="The session.")],
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 20,
-    url: Annotated[str | None, typer.Option("--url", help=_URL_HELP)] = None,
+    url: UrlOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """A session's checkpoints: version, time, step, reason, storage kind and size, marks."""
@@ -160,7 +166,7 @@ def state_vacuum_command(
     max_age: Annotated[
         float | None, typer.Option(help="Drop checkpoints older than this many seconds.")
     ] = None,
-    url: Annotated[str | None, typer.Option("--url", help=_URL_HELP)] = None,
+    url: UrlOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Delete expired sessions and old checkpoints (the head and last good one always stay)."""

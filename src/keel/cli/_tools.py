@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from keel.cli._app import app, bench_app, emit_json, out_console
+from keel.cli._database import DatabaseOption
 
 if TYPE_CHECKING:
     from keel.tools import ToolJournal
@@ -59,11 +60,11 @@ tools_app = typer.Typer(
 app.add_typer(tools_app, name="tools")
 
 
-def _journal() -> ToolJournal:
-    from keel.settings import load_settings
+def _journal(database: str | None) -> ToolJournal:
+    from keel.cli._database import database_settings
     from keel.stores import PostgresToolJournal, SQLiteToolJournal, open_database
 
-    settings = load_settings()
+    settings = database_settings(database)
     parsed = settings.parsed_database
     if parsed.kind == "postgres":
         return PostgresToolJournal(parsed.url)  # postgres:// and postgresql+psycopg:// too
@@ -75,10 +76,11 @@ def tools_in_doubt_command(
     session: Annotated[
         str | None, typer.Option("--session", help="Only this session's calls.")
     ] = None,
+    database: DatabaseOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """List side-effecting calls that started and recorded no result (check them by hand)."""
-    entries = _journal().in_doubt(session)
+    entries = _journal(database).in_doubt(session)
     if as_json:
         emit_json({"in_doubt": [entry.model_dump() for entry in entries]})
         return
@@ -101,13 +103,14 @@ def tools_resolve_command(
     content: Annotated[
         str, typer.Option("--content", help="The result the model will be shown on resume.")
     ],
+    database: DatabaseOption = None,
 ) -> None:
     """Record the outcome of an in-doubt call after checking it by hand."""
     from keel.errors import UsageError
 
     if outcome not in ("succeeded", "failed"):
         raise UsageError(f"--outcome must be 'succeeded' or 'failed', not {outcome!r}")
-    journal = _journal()
+    journal = _journal(database)
     entry = journal.get(key)
     if entry is None:
         raise UsageError(f"no tool call {key!r} in the journal")

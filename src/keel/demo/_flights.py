@@ -15,6 +15,7 @@ import re
 import sqlite3
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,6 +28,7 @@ from keel.testing import ScriptedCall
 from keel.tools import Tool, ToolContext, tool
 
 __all__ = [
+    "BOOKED_REPLY",
     "Airline",
     "FlightUser",
     "TripPlan",
@@ -190,9 +192,11 @@ class Airline:
         )
         route = f"{row[0]}->{row[1]} on {row[2]}" if row is not None else f"flight {flight}"
         trip = f"{customer}: {route}"
+        # Derived from the airline's own count, not the clock: the same demo sends the same
+        # prompts (and token counts) every run, and a second booking still gets its own.
+        (booked,) = self._conn().execute("SELECT count(*) FROM bookings").fetchone()
         reference = (
-            "PNR"
-            + hashlib.sha256(f"{flight}|{trip}|{time.time_ns()}".encode()).hexdigest()[:6].upper()
+            "PNR" + hashlib.sha256(f"{flight}|{trip}|{booked}".encode()).hexdigest()[:6].upper()
         )
         self._conn().execute(
             "INSERT INTO bookings VALUES (?, ?, ?, ?, ?, ?)",
@@ -339,6 +343,10 @@ _FILLER_TOPICS = {
 }
 
 
+BOOKED_REPLY = "Your booking reference is"
+"""What a reply says when a trip is booked: the customer moves on to the next trip."""
+
+
 def plans(trips: int, side_questions: int) -> list[TripPlan]:
     """Deterministic trips, each a different journey; every other one changes its dates at
     confirmation."""
@@ -393,7 +401,7 @@ class FlightUser:
         if self.finished or not self.trips:
             return None
         self.said += 1
-        if "Your booking reference is" in last_reply:
+        if BOOKED_REPLY in last_reply:
             self.trip_index += 1
             self.said_dates_change = False
             self.started = False
@@ -464,8 +472,24 @@ def _since_user(messages: tuple[Message, ...]) -> tuple[str, list[tuple[ToolCall
     return user, calls, warned
 
 
+_PROMPT: ContextVar[str] = ContextVar("keel_demo_prompt", default="")
+"""A digest of the prompt the policy is answering (tool call ids are made from it)."""
+
+
+def _prompt_digest(messages: tuple[Message, ...]) -> str:
+    digest = hashlib.sha256()
+    for message in messages:
+        ids = ",".join(call.id for call in message.tool_calls)
+        digest.update(f"{message.role}|{message.tool_call_id}|{ids}|{message.content}\0".encode())
+    return digest.hexdigest()
+
+
 def _call(name: str, **arguments: Any) -> Message:
-    digest = hashlib.sha256(f"{name}{arguments}{time.time_ns()}".encode()).hexdigest()[:10]
+    # The id follows from the call and the prompt that led to it (each prompt holds every
+    # earlier call's id), not from the clock: ids, and so prompt token counts, are the same
+    # in every run of the demo, and a new call in the conversation still gets a new id.
+    prompt = _PROMPT.get()
+    digest = hashlib.sha256(f"{name}{arguments}{prompt}".encode()).hexdigest()[:10]
     return Message.assistant(
         "", tool_calls=[ToolCall(id=f"call_{digest}", name=name, arguments=json.dumps(arguments))]
     )
@@ -473,6 +497,14 @@ def _call(name: str, **arguments: Any) -> Message:
 
 def policy_model(call: ScriptedCall) -> Message | str:
     """Decide the next action from the prompt alone, as a tool-calling LLM would."""
+    token = _PROMPT.set(_prompt_digest(call.messages))
+    try:
+        return _policy(call)
+    finally:
+        _PROMPT.reset(token)
+
+
+def _policy(call: ScriptedCall) -> Message | str:
     step, known = _prompt_facts(call.messages)
     user, done, warned = _since_user(call.messages)
     names = [c.name for c, _ in done]
@@ -528,7 +560,7 @@ def policy_model(call: ScriptedCall) -> Message | str:
         return _call("go_to", step="completed")
     if step == "completed":
         reference = known.get("booking_reference", "?")
-        return f"Done! Your booking reference is {reference}. The itinerary is in your inbox."
+        return f"Done! {BOOKED_REPLY} {reference}. The itinerary is in your inbox."
     return _reprompt(step, known)
 
 

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, Field
 
-from keel.demo._flights import Airline, FlightUser, plans, question_slot
+from keel.demo._flights import BOOKED_REPLY, Airline, FlightUser, plans, question_slot
 from keel.demo._junk import MemoryAudit, StoredMemory, audit_memories, read_prompted
 from keel.errors import KeelRuntimeError
 
@@ -108,6 +108,7 @@ class _Worker:
             command += ["--database", database]
         if redis_url:
             command += ["--redis-url", redis_url]
+        self.workdir = workdir
         self._stderr = (workdir / "worker.stderr").open("ab")
         self.process = subprocess.Popen(
             command,
@@ -146,9 +147,10 @@ class _Worker:
             except Empty:
                 continue
             if line is None:
+                log = self.workdir / "worker.stderr"
                 raise KeelRuntimeError(
-                    f"the demo worker exited unexpectedly (code {self.process.wait()}); "
-                    "see worker.stderr in the demo directory"
+                    f"the demo worker exited unexpectedly (code {self.process.wait()})"
+                    f"{_cause(log)}; its log is {log}"
                 )
             return line
         raise KeelRuntimeError(f"the demo worker did not answer within {timeout_s:g} s")
@@ -176,6 +178,20 @@ class _Worker:
                 with contextlib.suppress(OSError):
                     stream.close()
         self._stderr.close()
+
+
+def _cause(log: Path) -> str:
+    """': <the exception that ended the worker>', from the last line of its log ('' if none):
+    a user needs the cause (an unknown model, a database it cannot open) on the terminal."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    name, colon, message = last.partition(": ")
+    if not colon or not name.replace(".", "").replace("_", "").isalnum():
+        return f": {last}" if last else ""
+    return f": {name.rsplit('.', 1)[-1]}: {message}"
 
 
 def run_demo(
@@ -207,14 +223,17 @@ def run_demo(
         database: the agent's database URL (default: ``sqlite:///WORKDIR/keel.db``); each
             worker, the restarted one too, opens its agent from it with ``Agent.open``.
         redis_url: keep the agent's state on this Redis (the rest stays on ``database``).
-        on_turn: called after each turn with (turn, planned_turns, reply).
+        on_turn: called after each turn with (turn, trips booked so far, reply): the trips
+            are the progress a caller can show against a known total (how many turns a trip
+            takes depends on the model's replies).
     """
     started = time.monotonic()
     workdir = workdir or Path(tempfile.mkdtemp(prefix="keel-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     stalled = workdir / "stalled"
     customer = FlightUser(plans(trips, side_questions))
-    planned = trips * (side_questions + 7)
+    # More turns than any trip plan needs: a model that never finishes a booking stops here.
+    turn_bound = 2 * trips * (side_questions + 7)
     kill_trip = trips // 2 if kill else -1
     worker = _Worker(workdir, model, memory, journal, database, redis_url)
     worker.receive(stalled=None, timeout_s=turn_timeout_s)  # ready
@@ -225,6 +244,7 @@ def run_demo(
     budget = 0
     loops = 0
     failed = 0
+    booked = 0
     resumed = False
     settled = 0
     repeated = 0
@@ -233,7 +253,7 @@ def run_demo(
     try:
         while True:
             message = customer.next_message(reply_text)
-            if message is None or turns >= planned * 2:
+            if message is None or turns >= turn_bound:
                 break
             if customer.trip_index != trip_seen:
                 trip_seen, given = customer.trip_index, set()
@@ -270,8 +290,9 @@ def run_demo(
             budget = int(reply.get("prompt_limit", budget))
             loops += int(reply.get("loops_detected", 0))
             failed += reply.get("status") != "completed"
+            booked += BOOKED_REPLY in reply_text
             if on_turn is not None:
-                on_turn(turns, planned, reply)
+                on_turn(turns, booked, reply)
         audit = _audit_memory(worker, workdir, turn_timeout_s) if memory else None
     finally:
         worker.close()

@@ -165,6 +165,10 @@ async def serve(
                 reply = resumed
             else:
                 return
+            if agent.memory is not None:
+                # The turn is in memory before the next one retrieves: what a turn recalls
+                # (and so its prompt) is the same in every run, not a race with the embedder.
+                await agent.memory.aflush()
             print(json.dumps({"op": "reply", **reply.model_dump(mode="json")}), flush=True)
     finally:
         recorder.close()

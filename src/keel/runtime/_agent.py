@@ -962,6 +962,8 @@ class Agent:
             time_limit_s=self.guards.run_timeout_s,
             buffered=True,
         )
+        if resume:
+            await self.tracer.atake_over_turn(run, turn_id)
         turn = _Turn(
             key=key,
             session_id=session_id,
@@ -992,6 +994,11 @@ class Agent:
             result = await self._loop(turn).arun(
                 messages, session_id=key, first_step=state.step, turn_id=turn_id
             )
+        except asyncio.CancelledError:
+            # Ctrl-C, or a caller that stopped reading the stream: the turn stays open at its
+            # last checkpoint for the next message to finish, and its run says so.
+            await run.aend(error=TurnInterruptedError(session_id, "cancelled by the caller"))
+            raise
         except ConflictError as exc:
             await run.aend("failed", error=exc)
             if isinstance(exc, TurnInterruptedError) or not turn.committed:

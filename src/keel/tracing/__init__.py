@@ -21,9 +21,10 @@ The runtime records through a :class:`Tracer`::
 Steps opened inside a ``with run.step(...)`` block get it as their parent (per task, through a
 context variable); ``parent=`` overrides. ``run.record(...)`` writes an event that already
 happened; ``run.guard``, ``run.loop_caught`` and ``run.state_reset`` record the guard events the
-death-spiral indicators count. After a crash, ``tracer.resume_run(run_id)`` continues a run; a
-run whose worker died and that nobody resumes reads as ``abandoned`` once it has been silent for
-longer than its time limit allows (:func:`abandon_after_s`).
+death-spiral indicators count. After a crash, ``tracer.resume_run(run_id)`` continues a run, or
+a new run finishes the open turn and ``tracer.atake_over_turn`` ends the turn's earlier runs as
+``interrupted``; a run whose worker died and that nobody resumes reads as ``abandoned`` once it
+has been silent for longer than its time limit allows (:func:`abandon_after_s`).
 
 Every text field, and every string inside JSON fields, passes through ``redact`` (default
 :func:`redact_pii`: every PII kind :class:`~keel.privacy.PIIMasker` masks, and credentials)
@@ -60,7 +61,13 @@ from keel.tracing._open import open_trace_store
 from keel.tracing._otel import OpenTelemetryExporter, export_run
 from keel.tracing._redact import Redactor, redact_json, redact_pii, redact_secrets
 from keel.tracing._render import render_run
-from keel.tracing._stats import LOOP_GUARD_NAME, percentile, session_stats
+from keel.tracing._stats import (
+    LOOP_GUARD_NAME,
+    CallFigures,
+    call_figures,
+    percentile,
+    session_stats,
+)
 from keel.tracing._store import TraceStore
 from keel.tracing._time import parse_since
 from keel.tracing._tracer import (
@@ -82,6 +89,7 @@ __all__ = [
     "LOOP_GUARD_NAME",
     "RUN_STATUSES",
     "STEP_KINDS",
+    "CallFigures",
     "LoopStep",
     "OpenTelemetryExporter",
     "PostgresTraceStore",
@@ -106,6 +114,7 @@ __all__ = [
     "Tracer",
     "abandon_after_s",
     "arecord_loop_step",
+    "call_figures",
     "export_run",
     "open_trace_store",
     "parse_since",

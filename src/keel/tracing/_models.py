@@ -30,10 +30,15 @@ __all__ = [
     "abandon_after_s",
 ]
 
-RunStatus = Literal["running", "succeeded", "failed", "limited", "escalated", "abandoned"]
+RunStatus = Literal[
+    "running", "succeeded", "failed", "limited", "escalated", "interrupted", "abandoned"
+]
 """How a run ended: ``running`` until it ends; ``limited`` when a step or time limit stopped it;
 ``escalated`` when a guard handed it to a human or the caller (loop, tool in doubt);
-``abandoned`` when it never ended: its worker died (SIGKILL, power loss) mid-run.
+``interrupted`` when it stopped before its turn ended and left the turn open for a later run
+to finish: cancelled (Ctrl-C, a caller that stopped reading) or its process stopped (killed,
+crashed) and another run took the turn over; its error says which; ``abandoned`` when it never
+ended and no run took its turn over: its worker died (SIGKILL, power loss) mid-run.
 
 ``abandoned`` is never written; stores derive it when they read a run: a run still ``running``
 whose last sign of life (its start, or its latest step written) is older than
@@ -46,6 +51,7 @@ RUN_STATUSES: tuple[RunStatus, ...] = (
     "failed",
     "limited",
     "escalated",
+    "interrupted",
     "abandoned",
 )
 """Every run status, in lifecycle order."""
@@ -358,7 +364,8 @@ class SessionStats(BaseModel):
     )
     prompt_creeping: bool = Field(
         description="True when prompt_growth is over its threshold while retries climb (more "
-        "retried or failed model calls in the later half than in the earlier half)."
+        "retried model calls, as ``retries`` counts them, in the later half than in the "
+        "earlier half)."
     )
     state_resets: int = Field(description="State-machine resets (steps of kind ``reset``).")
     ttft_p50_ms: float | None = Field(description="Median time to first token; None if unknown.")

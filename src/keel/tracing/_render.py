@@ -20,6 +20,7 @@ STATUS_STYLE = {
     "failed": "red",
     "limited": "yellow",
     "escalated": "magenta",
+    "interrupted": "yellow",
     "abandoned": "red",
 }
 """The rich style of each run status."""

@@ -34,10 +34,11 @@ from keel.errors import (
     StepLimitError,
     TimeLimitError,
     ToolInDoubtError,
+    TurnInterruptedError,
 )
 from keel.messages import Usage
 from keel.models import Completion
-from keel.tracing._models import Run, RunStatus, Step, StepKind
+from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepKind
 from keel.tracing._redact import Redactor, redact_json, redact_pii
 from keel.tracing._stats import LOOP_GUARD_NAME
 from keel.tracing._store import RunEnding, TraceStore
@@ -52,6 +53,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("keel.tracing")
+
+_TAKE_OVER_SCAN = 20
+"""Runs of a session a take-over looks through, newest first: a turn left open is its newest."""
 
 _CURRENT_STEP: ContextVar[StepTrace | None] = ContextVar("keel_current_step", default=None)
 
@@ -113,10 +117,13 @@ def status_for(error: BaseException | None) -> RunStatus:
     """The run status an exception ends a run with.
 
     Step and time limits -> ``limited``; loops and tool calls in doubt -> ``escalated`` (a
-    human or the caller must decide); anything else -> ``failed``; no error -> ``succeeded``.
+    human or the caller must decide); a turn interrupted with its turn left open ->
+    ``interrupted``; anything else -> ``failed``; no error -> ``succeeded``.
     """
     if error is None:
         return "succeeded"
+    if isinstance(error, TurnInterruptedError):
+        return "interrupted"
     if isinstance(error, StepLimitError | TimeLimitError):
         return "limited"
     if isinstance(error, LoopDetectedError | ToolInDoubtError):
@@ -384,6 +391,48 @@ class Tracer:
             self._failed("run resume", exc)
             return None
         return handle
+
+    async def atake_over_turn(self, run: RunTrace, turn_id: str) -> int:
+        """``run`` finishes the open turn ``turn_id``: the earlier runs of that turn that never
+        ended (their process was killed or crashed mid-turn) end as ``interrupted``, saying
+        which run took the turn over, instead of reading as ``running`` and later
+        ``abandoned``. The caller holds the session, so none of them is still working on it.
+        Returns how many runs it ended; never raises (a failure is counted, as for writes).
+        """
+        store = self.store
+        if store is None:
+            return 0
+        reason = (
+            f"run {run.run_id[:12]} took its turn over: this run stopped before the turn ended "
+            "(its process was killed or crashed)"
+        )
+        try:
+            stale = [
+                found
+                for status in ("running", "abandoned")
+                for found in await store.alist_runs(
+                    RunQuery(
+                        session_id=run.session_id,
+                        tenant_id=run.tenant_id,
+                        status=status,
+                        limit=_TAKE_OVER_SCAN,
+                    )
+                )
+                if found.attributes.get("turn_id") == turn_id and found.run_id != run.run_id
+            ]
+            for found in stale:
+                await store.aend_run(
+                    found.run_id,
+                    status="interrupted",
+                    ended_at=_now(),
+                    output=None,
+                    error_type=TurnInterruptedError.__name__,
+                    error_message=reason,
+                )
+        except Exception as exc:
+            self._failed("run take-over", exc)
+            return 0
+        return len(stale)
 
     def _export(self, run: Run, steps: Sequence[Step]) -> None:
         for exporter in self.exporters:

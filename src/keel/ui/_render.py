@@ -12,7 +12,7 @@ from datetime import datetime
 from html import escape
 from typing import Any
 
-from keel.tracing import StepMetric
+from keel.tracing import StepMetric, call_figures
 
 __all__ = [
     "SECTIONS",
@@ -156,16 +156,15 @@ def indicator_series(metrics: Sequence[StepMetric], buckets: int = 24) -> list[S
         if not part:
             continue
         at = part[0].started_at
-        calls = [m for m in part if m.kind in ("model", "tool")]
-        models = [m for m in part if m.kind == "model"]
-        if calls:
-            retry.append((at, sum(1 for m in calls if m.attempt > 1) / len(calls)))
-        if models:
-            tokens.append((at, sum(m.prompt_tokens for m in models) / len(models)))
-        resets.append((at, float(sum(1 for m in part if m.kind == "reset"))))
-        measured = [m.ttft_ms for m in models if m.ttft_ms is not None]
-        if measured:
-            ttft.append((at, sum(measured) / len(measured)))
+        # The figures as keel runs stats defines them (one definition, in keel.tracing).
+        figures = call_figures(part)
+        if figures.calls:
+            retry.append((at, figures.retry_rate))
+        if figures.model_calls:
+            tokens.append((at, figures.avg_prompt_tokens))
+        resets.append((at, float(figures.state_resets)))
+        if figures.ttfts_ms:
+            ttft.append((at, sum(figures.ttfts_ms) / len(figures.ttfts_ms)))
     return [
         Series("retry rate", "share of calls", tuple(retry)),
         Series("prompt tokens per call", "tokens", tuple(tokens)),

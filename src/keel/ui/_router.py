@@ -24,7 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from keel.errors import ConflictError, StateError
-from keel.tracing import RunQuery, TraceStore
+from keel.tracing import RUN_STATUSES, RunQuery, TraceStore
 from keel.ui._render import indicator_series, line_chart, machine_graph, state_diff, token_bar
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ COOKIE = "keel_ui_key"
 """The cookie holding the signed-in API key (HttpOnly, SameSite=Strict, path /ui)."""
 
 _PAGE = 25
-_STATUSES = ("running", "succeeded", "failed", "limited", "abandoned")
+_STATUSES = RUN_STATUSES
 
 
 class _SignIn(Exception):

@@ -1,0 +1,116 @@
+"""``keel chat`` through its own loop (``Chat.run``) on a real embedded agent: Ctrl-C in the
+middle of a reply, the note on the bundled demo model, ``/state``."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from rich.console import Console
+
+from keel.cli._chat import Chat
+from keel.messages import Message
+from keel.models import CompletionChunk, ModelOptions, ToolSchema
+from keel.runtime import Agent
+from keel.settings import load_settings
+from keel.testing import ScriptedModel
+from keel.tracing import RunQuery, open_trace_store
+from tests.cli import keel_process
+
+
+class _CtrlCMidReply(ScriptedModel):
+    """Answers ``Re: <message>``; its first streamed reply stops once the user has seen its
+    first words and presses Ctrl-C (a real SIGINT to this process, as the terminal sends it)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda call: f"Re: {call.last_user_text}")
+        self.pressed = False
+        self.screen = io.StringIO()
+
+    async def _astream(
+        self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
+    ) -> AsyncIterator[CompletionChunk]:
+        if not self.pressed:
+            self.pressed = True
+            # Longer than what masking holds back from the end of a stream (64 characters).
+            yield CompletionChunk(text="Once upon a time there was a keel. " * 4)
+            deadline = time.monotonic() + 60
+            while "Once upon a" not in self.screen.getvalue():
+                assert time.monotonic() < deadline, "the reply's first words were never shown"
+                await asyncio.sleep(0.01)
+            signal.raise_signal(signal.SIGINT)
+            await asyncio.Event().wait()  # the reply would go on; Ctrl-C stops it here
+        async for chunk in super()._astream(messages, tools, options):
+            yield chunk
+
+
+def _lines(*lines: str) -> Callable[[], str | None]:
+    queue = list(lines)
+    return lambda: queue.pop(0) if queue else None
+
+
+def _chat(model: ScriptedModel, *lines: str) -> str:
+    agent = Agent.open(model=model, system_prompt="You are brief.", memory=False, name="chat")
+    output = model.screen if isinstance(model, _CtrlCMidReply) else io.StringIO()
+    console = Console(file=output, width=200, highlight=False, soft_wrap=True)
+    Chat(agent, "s1", "u1", console).run(_lines(*lines))
+    return output.getvalue()
+
+
+def test_ctrl_c_mid_reply_then_a_message_finishes_the_turn_first_and_shows_it() -> None:
+    model = _CtrlCMidReply()
+    shown = _chat(model, "Tell me a story", "And then?")
+    expected = [
+        "agent> Once upon a",
+        "(turn interrupted; your next message finishes it first)",
+        "(finishing the interrupted turn first...)",
+        "(the interrupted turn completed)",
+        "agent> Re: Tell me a story",
+        "agent> Re: And then?",
+    ]
+    positions = [shown.find(text) for text in expected]
+    assert -1 not in positions and positions == sorted(positions), shown
+    # After the interrupted call, the interrupted turn was finished before the new message
+    # reached the model (the scripted model records the calls it answered).
+    assert [call.last_user_text for call in model.calls] == ["Tell me a story", "And then?"]
+
+
+def test_runs_of_a_chat_interrupted_by_ctrl_c_say_so_and_none_stays_running() -> None:
+    _chat(_CtrlCMidReply(), "Tell me a story", "And then?")
+    with open_trace_store(load_settings()) as store:
+        runs = store.list_runs(RunQuery(session_id="s1"))
+    by_age = sorted(runs, key=lambda run: run.started_at)
+    assert [run.status for run in by_age] == ["interrupted", "succeeded", "succeeded"]
+    first = by_age[0]
+    assert first.ended_at is not None and first.error_type == "TurnInterruptedError"
+    assert first.error_message is not None and "cancelled" in first.error_message
+    assert "next turn finishes it" in first.error_message
+    assert by_age[1].attributes["resumed"] is True
+
+
+def test_state_says_how_many_messages_there_are_and_how_to_see_all() -> None:
+    turns = [f"message {n}" for n in range(4)]
+    shown = _chat(ScriptedModel(lambda call: "ok"), *turns, "/state", "/state all")
+    partial, _, every = shown.partition("(the session holds 8 messages, 6 shown above")
+    assert "; /state all shows every one)" in every.splitlines()[0]
+    assert "message 0" not in partial and "message 1" in partial
+    assert "(the session holds 8 messages, 8 shown above)" in every
+    assert "message 0" in every
+
+
+def _keel_chat(*args: str, stdin: str) -> subprocess.CompletedProcess[str]:
+    return keel_process("chat", "--no-memory", *args, stdin=stdin)
+
+
+def test_chat_on_the_bundled_model_says_it_is_a_135m_demo_model() -> None:
+    bundled = _keel_chat(stdin="/quit\n")
+    assert bundled.returncode == 0, bundled.stderr
+    head = " ".join(bundled.stdout.split())
+    assert "local:smollm2" in head and "135M-parameter demo model" in head
+    assert "KEEL_MODEL=openai:gpt-4o-mini" in head
+    real = _keel_chat("-m", "scripted:echo", stdin="/quit\n")
+    assert real.returncode == 0 and "KEEL_MODEL" not in real.stdout
