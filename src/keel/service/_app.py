@@ -7,7 +7,8 @@ belongs to another tenant is answered 404, exactly as what does not exist.
 
 Errors have one body, ``{"error": {"type": ..., "message": ...}}``: 400 malformed JSON, 401 no
 or a bad key, 404 unknown (or another tenant's), 409 a session another turn holds, 413 a body
-over the limit, 422 a body that does not validate, 503 a store that is down.
+over the limit, 422 a body that does not validate, 503 a store that is down. The OpenAI
+routes (``/v1/chat/completions``, ``/v1/models``) answer OpenAI's error body instead.
 
 The routes live in :mod:`keel.service.routes`, one router per resource; what they share (the
 agents, the keys, the limits, the counters) is a :class:`ServiceContext` on ``app.state``,
@@ -43,6 +44,7 @@ _ROUTERS = (
     routes.ops.router,
     routes.turns.router,
     routes.chat.router,
+    routes.models.router,
     routes.sessions.router,
     routes.tools.router,
     routes.memory.router,

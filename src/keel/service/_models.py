@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "ChatCompletionRequest",
@@ -13,6 +13,7 @@ __all__ = [
     "MemoryAddition",
     "Resolution",
     "RevertRequest",
+    "StreamOptions",
     "TurnRequest",
 ]
 
@@ -68,28 +69,103 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    def text(self) -> str:
+        """The message's text (the text parts of a list of parts, joined)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(
+                str(part.get("text", "")) for part in content if part.get("type") == "text"
+            )
+        return content or ""
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = Field(default=False, description="End with a chunk of usage.")
+
+
+# Parameters that change nothing keel answers: accepted, and left out.
+_IGNORED = frozenset(
+    {"store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
+)
+# Generation parameters keel has no option for: accepted only at OpenAI's default (a client
+# library may send the default), otherwise a 400 naming them; never silently ignored.
+_AT_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "top_p": (1,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "modalities": (["text"],),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+}
+_CLIENT_TOOLS = "keel's agent runs its own tools; a client's tools are not supported"
+_WHY_NOT = {
+    "n": "keel answers one choice per request: n must be 1",
+    "tools": _CLIENT_TOOLS,
+    "tool_choice": _CLIENT_TOOLS,
+    "functions": _CLIENT_TOOLS,
+    "function_call": _CLIENT_TOOLS,
+}
+
 
 class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion request; keel uses the newest user message."""
+    """OpenAI's chat completion request. keel keeps the conversation and answers the last
+    message, the user's new one. ``max_tokens`` / ``max_completion_tokens``,
+    ``temperature``, ``stop`` and ``seed`` are this turn's model options; a parameter keel
+    cannot honour is refused (:meth:`unsupported`), never ignored."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(max_length=256)
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
+    max_tokens: int | None = Field(default=None, gt=0)
+    max_completion_tokens: int | None = Field(default=None, gt=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
 
-    def newest_user_text(self) -> str | None:
-        """The text of the newest user message with text, or None when there is none."""
-        for message in reversed(self.messages):
-            if message.role != "user":
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stop
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first parameter keel cannot honour, and why; None when there is none."""
+        both = self.max_tokens and self.max_completion_tokens
+        if both and self.max_tokens != self.max_completion_tokens:
+            return "max_tokens", "send max_completion_tokens or max_tokens, not both"
+        for name, value in (self.model_extra or {}).items():
+            if name in _IGNORED or value is None or value in _AT_DEFAULT_ONLY.get(name, ()):
                 continue
-            content = message.content
-            if isinstance(content, list):
-                content = "".join(
-                    str(part.get("text", "")) for part in content if part.get("type") == "text"
-                )
-            if content:
-                return content
+            why = _WHY_NOT.get(name) or f"keel's chat completions do not support {name!r}"
+            return name, why
         return None
+
+    def model_options(self) -> dict[str, Any]:
+        """The turn's model options the request sets (``ModelOptions`` fields)."""
+        options: dict[str, Any] = {}
+        tokens = self.max_completion_tokens or self.max_tokens
+        if tokens is not None:
+            options["max_tokens"] = tokens
+        if self.temperature is not None:
+            options["temperature"] = self.temperature
+        if self.stop:
+            options["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.seed is not None:
+            options["seed"] = self.seed
+        return options

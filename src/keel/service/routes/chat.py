@@ -2,110 +2,114 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 
 from keel.errors import KeelError
-from keel.runtime import TextDelta, TurnFinished
+from keel.models import ModelOptions
+from keel.runtime import TextDelta, TextDiscarded, ToolCallStarted, TurnFinished
 from keel.service._context import ServiceContext, context_of, limited_tenant, turn_id_of
-from keel.service._errors import HTTPError
+from keel.service._errors import HTTPError, describe
 from keel.service._models import ChatCompletionRequest
+from keel.service._openai import (
+    ChunkWriter,
+    FinishReason,
+    completion_body,
+    conversation_turn_id,
+    failed_turn,
+    usage_of,
+)
 
 if TYPE_CHECKING:
-    from keel.runtime import Agent, AgentReply
+    from keel.runtime import AgentEvent, AgentReply
 
 __all__ = ["router"]
 
+logger = logging.getLogger(__name__)
+
 router = APIRouter()
 
-
-def _completion(
-    body: ChatCompletionRequest, reply: AgentReply, created: int, context: ServiceContext
-) -> dict[str, Any]:
-    run = context.traces.get_run(reply.run_id)
-    prompt = run.prompt_tokens if run is not None else 0
-    completion = run.completion_tokens if run is not None else 0
-    return {
-        "id": f"chatcmpl-{reply.run_id}",
-        "object": "chat.completion",
-        "created": created,
-        "model": body.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": reply.text},
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        },
-        "keel": reply.model_dump(mode="json"),
-    }
+# A parked turn (waiting for a confirmation, an operator, a call in doubt) is answered: its
+# waiting message is the assistant's, and keel's status (in the ``keel`` field) says why.
+_PARKED = frozenset({"tool_in_doubt", "awaiting_approval", "escalated"})
 
 
-def _chunks(
-    agent: Agent,
-    body: ChatCompletionRequest,
-    text: str,
-    *,
-    session_id: str,
-    user_id: str,
-    turn_id: str | None,
-    tenant_id: str,
-    context: ServiceContext,
-) -> AsyncIterator[bytes]:
-    created = int(time.time())
+def _finish_reason(reply: AgentReply) -> FinishReason | None:
+    """OpenAI's ``finish_reason`` for a turn's reply; None when the turn failed (answered as
+    an error, never with keel's apology as the model's answer). An answer the runtime could
+    not finish within the token limit (``reply.truncated``, read only where the runtime has
+    that field) is ``length``."""
+    if reply.status != "completed" and reply.status not in _PARKED:
+        return None
+    return "length" if getattr(reply, "truncated", False) else "stop"
 
-    def chunk(delta: dict[str, Any], finish: str | None, completion_id: str) -> bytes:
-        payload = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": body.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+
+@dataclass(frozen=True)
+class _Turn:
+    """What the route resolved for one request: who, and which turn."""
+
+    session_id: str
+    user_id: str
+    turn_id: str
+
+    @property
+    def completion_id(self) -> str:
+        """Derived from the turn id: known before the first chunk, the same streamed or not,
+        and the same again when a resend replays the turn."""
+        return f"chatcmpl-{self.turn_id}"
+
+    def kwargs(self, options: ModelOptions | None) -> dict[str, Any]:
+        """``Agent.run`` / ``Agent.stream`` arguments."""
+        return {
+            "session": self.session_id,
+            "user": self.user_id,
+            "turn_id": self.turn_id,
+            "model_options": options,
         }
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
-    async def chunks() -> AsyncIterator[bytes]:
-        completion_id = f"chatcmpl-{hashlib.sha256(os.urandom(16)).hexdigest()[:24]}"
-        yield chunk({"role": "assistant", "content": ""}, None, completion_id)
-        shown = ""
-        try:
-            async for event in agent.stream(
-                text, session=session_id, user=user_id, turn_id=turn_id
-            ):
-                if isinstance(event, TextDelta):
-                    shown += event.text
-                    yield chunk({"content": event.text}, None, completion_id)
-                elif isinstance(event, TurnFinished):
-                    context.counted(tenant_id, event.reply)
-                    # The reply is authoritative: what it adds to the text shown, if the
-                    # streamed attempt was withdrawn or the turn ended with a message.
-                    rest = event.reply.text
-                    if rest.startswith(shown):
-                        rest = rest[len(shown) :]
-                    elif shown:
-                        rest = "\n" + rest
-                    if rest:
-                        yield chunk({"content": rest}, None, completion_id)
-        except KeelError as exc:
-            error = {"error": {"type": type(exc).__name__, "message": str(exc)}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
-            return
-        yield chunk({}, "stop", completion_id)
-        yield b"data: [DONE]\n\n"
 
-    return chunks()
+def _resolve(
+    body: ChatCompletionRequest,
+    session_id: str | None,
+    user_id: str | None,
+    idempotency_key: str | None,
+) -> tuple[_Turn, str]:
+    """The request's turn and the user's new message; 400/422 when it has none to run."""
+    if not session_id or not user_id:
+        raise HTTPError(
+            422,
+            "ValidationError",
+            "name the session and the user: X-Keel-Session and X-Keel-User headers, or "
+            "metadata.session_id and metadata.user_id",
+        )
+    refused = body.unsupported()
+    if refused is not None:
+        raise HTTPError(400, "UnsupportedParameter", refused[1], param=refused[0])
+    last = body.messages[-1]
+    if last.role != "user":
+        raise HTTPError(
+            400,
+            "NoNewMessage",
+            f"the last message is the {last.role}'s: keel keeps the conversation and answers "
+            "only a new user message at the end of the list",
+            param="messages",
+        )
+    text = last.text()
+    if not text:
+        raise HTTPError(400, "NoNewMessage", "the last user message has no text", param="messages")
+    turn_id = (
+        turn_id_of(idempotency_key)
+        or conversation_turn_id(session_id, user_id, body.messages)
+        or f"chat-{uuid.uuid4().hex}"
+    )
+    return _Turn(session_id, user_id, turn_id), text
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -118,36 +122,155 @@ async def chat_completions(
     idempotency_key: str | None = Header(default=None, max_length=255),
 ) -> Any:
     """OpenAI's chat completions, answered by the tenant's agent: point the ``openai`` SDK
-    here. keel keeps the session (its state, memory and context): send only the newest
-    message. The session and user come from ``X-Keel-Session`` / ``X-Keel-User``, else
-    from ``metadata`` (``session_id``, ``user_id``), the user also from ``user``."""
+    here. keel keeps the session (its state, memory and context); the last message must be
+    the user's new one. The session and user come from ``X-Keel-Session`` / ``X-Keel-User``,
+    else from ``metadata`` (``session_id``, ``user_id``), the user also from ``user``.
+
+    A retry runs the turn once: a client that sends the whole conversation gets the same turn
+    back for the same list, once the list holds an earlier answer; a list of only the newest
+    message cannot be told from a user saying the same words again, so a client that sends
+    only that (or retries a conversation's first message) uses ``Idempotency-Key``. A failed turn
+    is OpenAI's error (502 the model failed, 504 the time limit, 500 another limit), before
+    the first byte with its status, after it as an error event the SDK raises."""
     metadata = body.metadata or {}
-    session_id = x_keel_session or metadata.get("session_id")
-    user_id = x_keel_user or metadata.get("user_id") or body.user
-    if not session_id or not user_id:
-        raise HTTPError(
-            422,
-            "ValidationError",
-            "name the session and the user: X-Keel-Session and X-Keel-User headers, or "
-            "metadata.session_id and metadata.user_id",
-        )
-    text = body.newest_user_text()
-    if text is None:
-        raise HTTPError(422, "ValidationError", "messages hold no user message with text")
+    turn, text = _resolve(
+        body,
+        x_keel_session or metadata.get("session_id"),
+        x_keel_user or metadata.get("user_id") or body.user,
+        idempotency_key,
+    )
     agent = context.agent_for(tenant_id)
-    turn_id = turn_id_of(idempotency_key)
+    requested = body.model_options()
+    options = agent.model_options.model_copy(update=requested) if requested else None
     if not body.stream:
         created = int(time.time())
-        reply = await agent.run(text, session=session_id, user=user_id, turn_id=turn_id)
-        return _completion(body, context.counted(tenant_id, reply), created, context)
-    chunks = _chunks(
-        agent,
-        body,
-        text,
-        session_id=session_id,
-        user_id=user_id,
-        turn_id=turn_id,
-        tenant_id=tenant_id,
-        context=context,
+        reply = context.counted(tenant_id, await agent.run(text, **turn.kwargs(options)))
+        reason = _finish_reason(reply)
+        if reason is None:
+            raise failed_turn(reply)
+        usage = await usage_of(context.traces, reply)
+        return completion_body(turn.completion_id, body, reply, reason, usage, created)
+    events = aiter(agent.stream(text, **turn.kwargs(options)))
+    opening = await _opening(events, context, tenant_id)
+    writer = ChunkWriter(
+        turn.completion_id,
+        body.model,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
+    chunks = _chunks(writer, opening, events, context, tenant_id)
     return StreamingResponse(chunks, media_type="text/event-stream")
+
+
+async def _opening(
+    events: AsyncIterator[AgentEvent], context: ServiceContext, tenant_id: str
+) -> list[AgentEvent]:
+    """The turn's events up to its first text or its end, read before the response starts:
+    what fails until then (a busy session, a store, the turn itself) is the HTTP status."""
+    held: list[AgentEvent] = []
+    try:
+        while not held or not isinstance(held[-1], TextDelta | TurnFinished):
+            held.append(await anext(events))
+    except BaseException:
+        await _close(events)
+        raise
+    last = held[-1]
+    if isinstance(last, TurnFinished) and _finish_reason(last.reply) is None:
+        await _close(events)
+        raise failed_turn(context.counted(tenant_id, last.reply))
+    return held
+
+
+async def _close(events: AsyncIterator[AgentEvent]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def _replayed(
+    opening: list[AgentEvent], events: AsyncIterator[AgentEvent]
+) -> AsyncIterator[AgentEvent]:
+    for event in opening:
+        yield event
+    async for event in events:
+        yield event
+
+
+class _Shown:
+    """The text the client was sent for the answer being written: each step's since the
+    last tool call (what came before stays on the client's screen, as the model's words)."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, str] = {}
+        self.withdrawn = False
+        """Text of the answer was sent and then discarded (the model was asked again)."""
+
+    def see(self, event: AgentEvent) -> None:
+        if isinstance(event, TextDelta):
+            self.by_step[event.step] = self.by_step.get(event.step, "") + event.text
+        elif isinstance(event, ToolCallStarted):
+            self.by_step.clear()
+        elif isinstance(event, TextDiscarded) and self.by_step.pop(event.step, ""):
+            self.withdrawn = True
+
+    def rest_of(self, answer: str) -> str | None:
+        """What of ``answer`` is still to send; None when what was sent is not its start."""
+        sent = "".join(self.by_step.values())
+        if self.withdrawn or not answer.startswith(sent):
+            return None
+        return answer[len(sent) :]
+
+
+async def _chunks(
+    writer: ChunkWriter,
+    opening: list[AgentEvent],
+    events: AsyncIterator[AgentEvent],
+    context: ServiceContext,
+    tenant_id: str,
+) -> AsyncIterator[bytes]:
+    """The completion's chunks: the text as it comes, then the finish (or an error event)."""
+    yield writer.chunk({"role": "assistant", "content": ""})
+    shown = _Shown()
+    try:
+        async for event in _replayed(opening, events):
+            shown.see(event)
+            if isinstance(event, TextDelta):
+                yield writer.chunk({"content": event.text})
+            elif isinstance(event, TurnFinished):
+                reply = context.counted(tenant_id, event.reply)
+                async for chunk in _finish(writer, reply, shown, context):
+                    yield chunk
+    except KeelError as exc:
+        yield writer.error(*describe(exc))
+    except Exception:
+        logger.exception("a streamed completion failed after its first chunk")
+        yield writer.error(500, "InternalError", "the turn failed; the server's log says why")
+    finally:
+        await _close(events)
+
+
+async def _finish(
+    writer: ChunkWriter, reply: AgentReply, shown: _Shown, context: ServiceContext
+) -> AsyncIterator[bytes]:
+    """The end of a streamed completion: the rest of the answer and its finish reason, or
+    the failed turn's error (the text streamed so far was not an answer)."""
+    reason = _finish_reason(reply)
+    if reason is None:
+        error = failed_turn(reply)
+        yield writer.error(error.status, error.kind, error.message)
+        return
+    rest = shown.rest_of(reply.text)
+    if rest is None:
+        # An event stream cannot take text back: the answer is committed, and readable.
+        yield writer.error(
+            502,
+            "StreamWithdrawn",
+            "text streamed for this answer was withdrawn when the model was asked again; the "
+            f"answer is committed in run {reply.run_id} (GET /v1/runs/{reply.run_id})",
+        )
+        return
+    if rest:
+        yield writer.chunk({"content": rest})
+    yield writer.chunk({}, reason, keel=reply.model_dump(mode="json"))
+    if writer.include_usage:
+        yield writer.usage(await usage_of(context.traces, reply))
+    yield b"data: [DONE]\n\n"
