@@ -158,18 +158,28 @@ async def test_unmasked_text_streams_as_it_comes_and_is_withdrawn_the_same_way(
     assert events[-1].reply.status == "completed"  # type: ignore[union-attr]
 
 
-async def test_a_truncated_stream_is_treated_as_truncation(database: SQLiteDatabase) -> None:
+async def test_an_answer_cut_at_the_token_limit_streams_on_masked_whole_across_the_cut(
+    database: SQLiteDatabase,
+) -> None:
+    # The cut falls inside an e-mail address: each part alone does not look like one.
+    cut_at = _ANSWER.index("@example") + 4
     cut = Completion(
-        message=Message.assistant("A long answer that was cut off by max tokens " * 4),
+        message=Message.assistant(_ANSWER[:cut_at]),
         finish_reason="length",
         usage=Usage(prompt_tokens=5, completion_tokens=9),
         model="scripted",
         latency_ms=1.0,
     )
-    agent = sqlite_agent(database, ScriptedModel([cut, "Short answer."]), [])
+    agent = sqlite_agent(database, ScriptedModel([cut, _ANSWER[cut_at:]]), [])
     events = await _events(agent, "hello")
-    assert any(isinstance(e, TextDiscarded) for e in events)
-    assert events[-1].reply.text == "Short answer."  # type: ignore[union-attr]
+    reply = events[-1].reply  # type: ignore[union-attr]
+    assert reply.status == "completed" and not reply.truncated and reply.steps == 2
+    # The cut part stands (nothing withdrawn) and the stream goes on from it: what streamed is
+    # the reply, the address masked whole, no piece of it shown.
+    assert not any(isinstance(e, TextDiscarded) for e in events)
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert streamed == reply.text == agent.masker.mask_text(_ANSWER)  # type: ignore[union-attr]
+    assert "<EMAIL_1>" in streamed and "jane" not in streamed and "example" not in streamed
 
 
 class _Endless(ScriptedModel):

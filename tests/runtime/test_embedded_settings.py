@@ -52,6 +52,7 @@ def test_chat_and_reembed_agree_on_the_embedder(
     assert chat.returncode == 0, chat.stderr
     status = json.loads(_keel("memory", "status", "--json").stdout.splitlines()[-1])
     assert status["configured"] == "keel-hashing-64"
-    assert status["counts"] == {"keel-hashing-64": 1} and status["needs_reembed"] is False
+    # The turn's two records (the user's words, the model's), embedded before chat exited.
+    assert status["counts"] == {"keel-hashing-64": 2} and status["needs_reembed"] is False
     reembed = json.loads(_keel("memory", "reembed", "--json").stdout.splitlines()[-1])
-    assert reembed["reembedded"] == 0 and reembed["after"] == {"keel-hashing-64": 1}
+    assert reembed["reembedded"] == 0 and reembed["after"] == {"keel-hashing-64": 2}

@@ -264,7 +264,8 @@ def _completion(text: str, finish: str = "stop") -> Completion:
 
 
 async def test_truncated_and_empty_replies_get_a_corrective_retry() -> None:
-    model = ScriptedModel([_completion("The flight leaves at", "length"), "", "Done."])
+    # Stopped mid-sentence without reaching the token limit: not an answer to continue.
+    model = ScriptedModel([_completion("The flight leaves at"), "", "Done."])
     result = await ToolLoop(model, REGISTRY, guards=GuardConfig(max_model_failures=3)).arun(
         USER, session_id="s1"
     )
