@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
-from keel.context import is_runtime_note
+from keel.context import ContextBudget, is_runtime_note
 from keel.demo._junk import PromptRecorder, StoredMemory, audit_memories, read_prompted
 from keel.errors import ModelError
 from keel.memory import MemoryFilter, MemoryRecord, Scope
 from keel.runtime import Agent
 from keel.settings import load_settings
-from keel.testing import ScriptedModel
+from keel.testing import ScriptedModel, ScriptedReply
 
 USER = "ada"
 
@@ -27,11 +29,14 @@ def recorder(tmp_path: Path) -> Iterator[PromptRecorder]:
     prompted.close()
 
 
-def _embedded(tmp_path: Path, model: ScriptedModel, recorder: PromptRecorder) -> Agent:
+def _embedded(
+    tmp_path: Path, model: ScriptedModel, recorder: PromptRecorder, **options: Any
+) -> Agent:
     agent = Agent.embedded(
         model,
         system_prompt="You are a concierge. Answer briefly.",
         settings=load_settings(data_dir=tmp_path / "data", embedder="hashing:64"),
+        **options,
     )
     recorder.install(agent)
     return agent
@@ -87,20 +92,46 @@ async def test_what_the_model_says_is_stored_as_the_assistants_not_as_the_users_
 
 # --- keel's own words are never the model's, and never in memory --------------------------------
 
-APOLOGY = "having trouble producing an answer"
+APOLOGIES = {
+    "model_failed": "having trouble producing an answer",
+    "failed": "something went wrong on my side",
+}
 
 
+class _Itinerary(BaseModel):
+    """An answer type whose schema is too long for the operating rules' cap below."""
+
+    origin: str
+    destination: str
+    departure_date: str
+    return_date: str
+    passengers: int
+    cabin_class: str
+
+
+@pytest.mark.parametrize("failure", ["model_failed", "failed"])
 async def test_a_failed_turns_apology_is_shown_and_traced_but_never_the_models_own_words(
-    tmp_path: Path, recorder: PromptRecorder
+    tmp_path: Path, recorder: PromptRecorder, failure: str
 ) -> None:
-    model = ScriptedModel([ModelError("overloaded"), ModelError("overloaded"), "Once upon a time."])
-    async with _embedded(tmp_path, model, recorder) as agent:
-        failed = await agent.run("Tell me a story", session="s1", user=USER)
+    apology = APOLOGIES[failure]
+    if failure == "model_failed":
+        # The model kept failing: the loop's fallback.
+        replies: list[ScriptedReply] = [ModelError("overloaded"), ModelError("overloaded")]
+        output_type: type[Any] | None = None
+    else:
+        # The prompt cannot be built (the answer type's rule is over its cap): the agent's own.
+        replies, output_type = [], _Itinerary
+    model = ScriptedModel([*replies, "Once upon a time."])
+    context = ContextBudget(rules_cap=40)
+    async with _embedded(tmp_path, model, recorder, context=context) as agent:
+        failed = await agent.run(
+            "Tell me a story", session="s1", user=USER, output_type=output_type
+        )
         # The user is told, and the trace records what the user was told.
-        assert failed.status == "model_failed" and APOLOGY in failed.text
+        assert failed.status == failure and apology in failed.text and failed.error
         assert agent.backends is not None
         run = agent.backends.traces.get_run(failed.run_id)
-        assert run is not None and run.output is not None and APOLOGY in run.output
+        assert run is not None and run.output is not None and apology in run.output
         answered = await agent.run("Tell me a story, please", session="s1", user=USER)
         assert answered.status == "completed"
         state = agent.session_state("s1")
@@ -108,16 +139,16 @@ async def test_a_failed_turns_apology_is_shown_and_traced_but_never_the_models_o
     prompt = model.calls[-1].messages
     # The next prompt holds no apology as something the assistant said; what it holds of the
     # failed turn is keel's note, a system message that says it is keel's.
-    assert not any(APOLOGY in m.content for m in prompt)
+    assert not any(apology in m.content for m in prompt)
     assert [m.role for m in prompt if m.role != "system"] == ["user", "user"]
     notes = [m for m in prompt if "keel runtime note" in m.content]
     assert [(m.role, is_runtime_note(m)) for m in notes] == [("system", True)]
-    assert "model_failed" in notes[0].content
+    assert f"({failure})" in notes[0].content
     assert state is not None
-    assert not any(m.role == "assistant" and APOLOGY in m.content for m in state.messages)
+    assert not any(m.role == "assistant" and apology in m.content for m in state.messages)
     # Memory holds the user's words and the model's answer, nothing of keel's.
     _audit_is_clean(records, recorder)
-    assert not any(APOLOGY in r.text or "keel runtime note" in r.text for r in records)
+    assert not any(apology in r.text or "keel runtime note" in r.text for r in records)
     assert sorted(r.text for r in records) == [
         "Assistant: Once upon a time.",
         "User: Tell me a story, please",

@@ -126,6 +126,10 @@ async def test_retry_cap_asks_the_user() -> None:
     assert len(model.calls) == 3  # one call and two retries
     assert "book_flight" in result.text and "how you'd like to proceed" in result.text
     assert result.final_message.metadata["keel_stop"] == "tool_retry_limit"
+    # keel's words for the user are not in the run's conversation, as the model's or anyone's:
+    # a caller that continues from it never shows the model an apology it did not make.
+    assert result.final_message not in result.messages
+    assert not any("how you'd like to proceed" in m.content for m in result.new_messages)
     assert not result.reverted  # not a guard limit
     assert_calls_answered(result)
 

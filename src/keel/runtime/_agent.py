@@ -1021,14 +1021,12 @@ class Agent:
             await run.aend("failed", error=exc)
             raise
         except KeelError as exc:
-            await run.aend(error=exc)
             return await self._fail(turn, exc)
         except Exception as exc:
             # A bug in user code the loop does not own (a hook, a tool gate): the turn ends
             # cleanly at the last good state instead of leaving it open for ever.
             logger.exception("turn on session %s failed unexpectedly", key)
-            await run.aend(error=exc)
-            return await self._fail(turn, KeelError(f"{type(exc).__name__}: {exc}"))
+            return await self._fail(turn, KeelError(f"{type(exc).__name__}: {exc}"), cause=exc)
         return await self._commit(turn, result, resume=resume)
 
     def _loop(self, turn: _Turn) -> ToolLoop:
@@ -1475,16 +1473,20 @@ class Agent:
         )
         return reply.model_copy(update={"state_version": version})
 
-    async def _fail(self, turn: _Turn, error: KeelError) -> AgentReply:
+    async def _fail(
+        self, turn: _Turn, error: KeelError, *, cause: BaseException | None = None
+    ) -> AgentReply:
         """A failure outside the loop's own handling: back to the last good state, keeping the
-        user's message and any side effect that happened."""
-        base = await self._failure_base(turn)
+        user's message and any side effect that happened. The run ends with what the user is
+        told (``cause``: the error as raised, when ``error`` wraps it)."""
         text = _FAILURE_REPLY
         if turn.effects:
             text = (
                 "I'm sorry, something went wrong on my side before I could finish."
                 + self._effects_note(turn)
             )
+        await turn.run.aend(error=cause or error, output=text)
+        base = await self._failure_base(turn)
         final_state = base.model_copy(
             update={
                 "messages": [
