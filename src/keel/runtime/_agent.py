@@ -187,6 +187,8 @@ class _Turn:
     streamed_text: dict[int, StreamMasker | None] = field(default_factory=dict)
     """The steps whose reply text streamed: the masker of each (None: masking is off, the
     text went out as it came)."""
+    shown_steps: set[int] = field(default_factory=set)
+    """Steps whose reply text reached the caller (in part, at least)."""
     continued_steps: list[int] = field(default_factory=list)
     """Streamed steps whose answer was cut and is being continued (their text stands only if
     the answer is finished)."""
@@ -1227,6 +1229,7 @@ class Agent:
             if self.masker is None:
                 # Masking is off: nothing to hold back.
                 turn.streamed_text[step] = None
+                turn.shown_steps.add(step)
                 emit(TextDelta(step=step, text=_sanitize(text)))
                 return
             masker = turn.streamed_text.get(step)
@@ -1242,6 +1245,7 @@ class Agent:
                 )
             released = masker.feed(text)
             if released:
+                turn.shown_steps.add(step)
                 emit(TextDelta(step=step, text=released))
 
         def on_tool_start(step: int, call: ToolCall, arguments: dict[str, Any]) -> None:
@@ -1272,15 +1276,14 @@ class Agent:
         assert emit is not None
         streamed = record.step in turn.streamed_text
         masker = turn.streamed_text.pop(record.step, None)
-        shown = streamed and (masker is None or bool(masker.released))
+        shown = record.step in turn.shown_steps
         if record.action == "continued":
             # The answer goes on in the next step: one masker over all its parts, so a value
             # the cut split in two is still masked whole.
             if streamed:
                 turn.streamed_text[record.step + 1] = masker
                 turn.continued_steps.append(record.step)
-            return
-        if record.answer_parts:
+        elif record.answer_parts:
             # A failed call while an answer is continued: its parts stand, the next step goes
             # on. This step's own text is withdrawn (and its masker with it: the reply is
             # authoritative for a tail that masker held back).
@@ -1288,18 +1291,18 @@ class Agent:
                 emit(TextDiscarded(step=record.step, reason=self._mask(record.error or "")))
             elif streamed:
                 turn.streamed_text[record.step + 1] = masker
-            return
-        if record.action in ("final", "tool_calls"):
+        elif record.action in ("final", "tool_calls"):
             rest = masker.finish() if masker is not None else ""
             if rest:
                 emit(TextDelta(step=record.step, text=rest))
+            turn.continued_steps.clear()
         else:
             reason = self._mask(record.error or "the reply could not be used")
             # An answer being continued that ends unusable takes its earlier parts with it.
             withdrawn = [*turn.continued_steps, record.step] if shown else turn.continued_steps
             for step in withdrawn:
                 emit(TextDiscarded(step=step, reason=reason))
-        turn.continued_steps.clear()
+            turn.continued_steps.clear()
         for event in record.guard_events:
             emit(GuardWarning(step=record.step, message=self._mask(event)))
 
@@ -1367,6 +1370,13 @@ class Agent:
         return (await self.state.aat(turn.key, last_good.version)).state
 
     async def _commit(self, turn: _Turn, result: LoopResult, *, resume: bool) -> AgentReply:
+        if turn.emit is not None and result.truncated:
+            # The answer ended cut while it was being continued: what the masker still holds
+            # back of it is part of the answer.
+            for step, masker in turn.streamed_text.items():
+                rest = masker.finish() if masker is not None else ""
+                if rest:
+                    turn.emit(TextDelta(step=step, text=rest))
         turn.log.take_added(result.new_messages, turn.loop_start, self._mask_message)
         position = turn.position
         reverted = False
