@@ -52,7 +52,7 @@ async def test_extractive_summary_keeps_decisions_facts_actions_pending() -> Non
         )
     )
     assert "Decisions:\n- I have booked flight AF7700 to Lyon on Friday at 09:10." in summary
-    assert "Facts:\n- User: My booking reference is BK123." in summary
+    assert "Facts:\n- User said: My booking reference is BK123." in summary
     assert 'get_flights({"to": "Lyon"}) -> AF7700 departs 09:10, 120 EUR' in summary
     assert "Pending:" in summary and "hotel near the station" in summary
     assert "still pending" in summary
