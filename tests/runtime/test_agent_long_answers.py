@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+from keel.context import is_runtime_note
 from keel.guards import GuardConfig
 from keel.messages import Message, Usage
 from keel.models import Completion, ModelOptions, ToolSchema
@@ -40,11 +41,12 @@ async def test_an_answer_cut_at_the_token_limit_is_continued_into_one_reply(
     assert reply.status == "completed" and not reply.truncated and reply.error is None
     assert reply.text == "".join(STORY) and reply.steps == 3
     # Each continuation sees what the model wrote so far, as its own, and keel's request to
-    # go on from there (a correction: keel's words, never kept as the user's).
+    # go on from there, in keel's name: never the user's words, gone when the turn ends.
     second = model.calls[1].messages
     assert (second[-2].role, second[-2].content) == ("assistant", STORY[0])
-    assert second[-1].role == "user" and second[-1].metadata["keel_correction"] == "continue"
+    assert second[-1].role == "system" and is_runtime_note(second[-1])
     assert "Continue it exactly where it stopped" in second[-1].content
+    assert [m.role for m in second if m.role != "system"] == ["user", "assistant"]
     assert [m.content for m in model.calls[2].messages if m.role == "assistant"] == STORY[:2]
     # The history keeps one answer: the parts joined, no request to continue.
     state = agent.session_state("s1")

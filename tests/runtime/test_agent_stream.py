@@ -225,7 +225,7 @@ async def test_a_failed_call_while_an_answer_is_continued_keeps_what_streamed_of
     # The failed call showed nothing and withdrew nothing: the answer's first part stands.
     assert not any(isinstance(e, TextDiscarded) for e in events)
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == reply.text
-    assert [m.role for m in model.calls[2].messages[-2:]] == ["assistant", "user"]
+    assert [m.role for m in model.calls[2].messages[-2:]] == ["assistant", "system"]
 
 
 class _Endless(ScriptedModel):

@@ -9,6 +9,9 @@ says it is keel's; summaries and long-term memory leave it out (invariant 14).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from keel.messages import Message
 
 __all__ = ["RUNTIME_NOTE", "is_runtime_note", "runtime_note"]
@@ -19,9 +22,10 @@ RUNTIME_NOTE = "keel_note"
 _PREFIX = "[keel runtime note, not the assistant's words]"
 
 
-def runtime_note(text: str, *, reason: str) -> Message:
-    """A note from keel for the model's context: a system message that says it is keel's."""
-    return Message.system(f"{_PREFIX} {text}", metadata={RUNTIME_NOTE: reason})
+def runtime_note(text: str, *, reason: str, metadata: Mapping[str, Any] | None = None) -> Message:
+    """A note from keel for the model's context: a system message that says it is keel's
+    (``metadata``: more entries for the message's metadata)."""
+    return Message.system(f"{_PREFIX} {text}", metadata={**(metadata or {}), RUNTIME_NOTE: reason})
 
 
 def is_runtime_note(message: Message) -> bool:

@@ -1791,10 +1791,11 @@ def _open_turn_text(state: AgentState) -> str | None:
 
 def _without_corrections(segment: list[Message]) -> list[Message]:
     """The turn's messages without the runtime's corrective prompts and the unusable replies
-    they answered: scaffolding of the run, not words of the user or answers of the agent."""
+    they answered (or, for a request to continue, the part of the answer the final message
+    holds whole): scaffolding of the run, not words of the user or answers of the agent."""
     kept: list[Message] = []
     for message in segment:
-        if message.role == "user" and "keel_correction" in message.metadata:
+        if "keel_correction" in message.metadata:
             if kept and kept[-1].role == "assistant" and not kept[-1].tool_calls:
                 kept.pop()
             continue

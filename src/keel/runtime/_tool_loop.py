@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer
 from pydantic_core import to_jsonable_python
 
 from keel._bridge import run_sync
+from keel.context import runtime_note
 from keel.errors import (
     GuardError,
     KeelError,
@@ -731,7 +732,10 @@ class ToolLoop:
         run.cut_parts.append(part.content)
         run.retrying = False
         run.history.append(part)
-        run.history.append(Message.user(_CONTINUE, metadata={"keel_correction": "continue"}))
+        # keel's request, in keel's name (not the user's): a correction, gone when the turn ends.
+        run.history.append(
+            runtime_note(_CONTINUE, reason="continue", metadata={"keel_correction": "continue"})
+        )
         await self._finish_step(run, "continued", completion, part)
         return ("continued", completion, part)
 
