@@ -1306,6 +1306,15 @@ class Agent:
         for event in record.guard_events:
             emit(GuardWarning(step=record.step, message=self._mask(event)))
 
+    def _release_held_text(self, turn: _Turn) -> None:
+        """The answer ended cut while it was being continued: what a masker still holds back
+        of it is part of the answer, streamed now."""
+        assert turn.emit is not None
+        for step, masker in turn.streamed_text.items():
+            rest = masker.finish() if masker is not None else ""
+            if rest:
+                turn.emit(TextDelta(step=step, text=rest))
+
     def _is_effect(self, result: ToolResult) -> bool:
         """A side-effecting call that ran (now or before a crash) or may have run."""
         declared = self._domain_tools.get(result.tool)
@@ -1371,12 +1380,7 @@ class Agent:
 
     async def _commit(self, turn: _Turn, result: LoopResult, *, resume: bool) -> AgentReply:
         if turn.emit is not None and result.truncated:
-            # The answer ended cut while it was being continued: what the masker still holds
-            # back of it is part of the answer.
-            for step, masker in turn.streamed_text.items():
-                rest = masker.finish() if masker is not None else ""
-                if rest:
-                    turn.emit(TextDelta(step=step, text=rest))
+            self._release_held_text(turn)
         turn.log.take_added(result.new_messages, turn.loop_start, self._mask_message)
         position = turn.position
         reverted = False

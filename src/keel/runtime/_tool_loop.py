@@ -640,13 +640,7 @@ class ToolLoop:
             )
             if _cut_at_limit(completion):
                 return await self._continue_cut(run, completion)
-            if run.cut_parts:
-                # The last part of a continued answer: checked, and used, as the whole.
-                whole = "".join(run.cut_parts) + completion.message.content
-                run.cut_parts.clear()
-                completion = completion.model_copy(
-                    update={"message": completion.message.model_copy(update={"content": whole})}
-                )
+            completion = _whole_answer(run, completion)
             problem = check_response(completion)
             if problem is not None:
                 error = problem.error(self.model.spec)
@@ -1003,6 +997,17 @@ class ToolLoop:
         )
         result._earlier = run.history.earlier
         return result
+
+
+def _whole_answer(run: _Run, completion: Completion) -> Completion:
+    """``completion`` as the whole answer: after the parts of it the token limit cut, when it
+    is the last part of a continued answer (checked, and used, as the whole)."""
+    if not run.cut_parts:
+        return completion
+    whole = "".join(run.cut_parts) + completion.message.content
+    run.cut_parts.clear()
+    message = completion.message.model_copy(update={"content": whole})
+    return completion.model_copy(update={"message": message})
 
 
 def _cut_at_limit(completion: Completion) -> bool:
