@@ -604,11 +604,11 @@ class ToolLoop:
         else:
             assert run.current is not None
             run.current["prompt_messages"] = len(sent)
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the run's own
-            # cancellation when the call finishes at the same moment, and the run overruns.
             options = self.options
             if self.hooks.model_options is not None:
                 options = await _call(self.hooks.model_options, run.step, options)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the run's own
+            # cancellation when the call finishes at the same moment, and the run overruns.
             try:
                 async with asyncio.timeout(self.guards.model_timeout_s) as deadline:
                     completion = await self._ask_model(run, sent, options)
