@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel
 from typing_extensions import TypedDict
 
+from keel.context import is_runtime_note
 from keel.errors import (
     LoopDetectedError,
     MalformedResponseError,
@@ -152,7 +153,8 @@ async def test_first_loop_detection_warns_second_stops() -> None:
     statuses = [r.status for s in result.steps for r in s.tool_results]
     assert statuses == ["ok", "ok", "blocked", "blocked"]
     warning = [m for m in model.calls[3].messages if m.role == "system"][-1]
-    assert warning.content.startswith("Loop detected") and "Change approach" in warning.content
+    assert "Loop detected" in warning.content and "Change approach" in warning.content
+    assert is_runtime_note(warning)  # keel's words, marked as such (never summarized)
     assert reverted == [result.error] and result.reverted
     assert "repeating the same steps" in result.text
     assert_calls_answered(result)

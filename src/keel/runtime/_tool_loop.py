@@ -892,7 +892,8 @@ class ToolLoop:
                 if signal.stop:
                     await stop("loop_detected", signal.error())
                 notes.append(signal.advice())
-        run.history.extend(Message.system(note) for note in notes)
+        # keel's advice, marked as keel's: summaries and memory leave it out.
+        run.history.extend(runtime_note(note, reason="loop") for note in notes)
         await self._finish_step(
             run,
             "tool_calls",
