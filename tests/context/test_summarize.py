@@ -15,6 +15,7 @@ from keel.context import (
     ModelSummarizer,
     SummaryPolicy,
     SummaryRequest,
+    runtime_note,
     summarizer_for,
 )
 from keel.errors import ModelUnavailableError
@@ -51,7 +52,7 @@ async def test_extractive_summary_keeps_decisions_facts_actions_pending() -> Non
         )
     )
     assert "Decisions:\n- I have booked flight AF7700 to Lyon on Friday at 09:10." in summary
-    assert "Facts:\n- User: My booking reference is BK123." in summary
+    assert "Facts:\n- User said: My booking reference is BK123." in summary
     assert 'get_flights({"to": "Lyon"}) -> AF7700 departs 09:10, 120 EUR' in summary
     assert "Pending:" in summary and "hotel near the station" in summary
     assert "still pending" in summary
@@ -175,6 +176,31 @@ async def test_a_failing_memory_sink_commits_nothing() -> None:
     assert outcome is not None and not outcome.committed
     assert "memory store unreachable" in (outcome.error or "")
     assert conversation.messages == conversation_messages()
+
+
+@pytest.mark.parametrize("by_model", [False, True], ids=["extractive", "model"])
+async def test_keels_own_notes_are_never_summarized_nor_archived(by_model: bool) -> None:
+    note = runtime_note("The turn above ended without an answer (model_failed).", reason="x")
+    messages = [Message.user("Tell me a story about Lyon."), note, *conversation_messages()]
+    model = ScriptedModel(lambda call: "Facts:\n- The user wants a story.")
+    sink = RecordingSink()
+    engine = ContextEngine(
+        "gpt-4o",
+        memory_sink=sink,
+        summarizer=ModelSummarizer(model) if by_model else None,
+        summary=SummaryPolicy(keep_turns=2),
+    )
+    conversation = engine.conversation("s", messages)
+    outcome = await conversation.asummarize(force=True)
+    assert outcome is not None and outcome.committed
+    [(_, evicted, summary)] = sink.archived
+    # The note is folded away with its turn (counted), but no summary or archive holds it.
+    assert note not in evicted and Message.user("Tell me a story about Lyon.") in evicted
+    assert outcome.messages == len(evicted) + 1
+    assert "keel runtime note" not in summary and "without an answer" not in summary
+    if by_model:
+        assert "without an answer" not in model.calls[0].messages[1].content
+        assert "story about Lyon" in model.calls[0].messages[1].content
 
 
 async def test_model_summarizer_prompt_and_result() -> None:

@@ -119,8 +119,10 @@ async def test_model_options_per_agent_and_per_turn(database: SQLiteDatabase) ->
     )
     first, second = (call.options for call in model.calls)
     assert (first.temperature, first.seed, first.stop) == (0.2, 7, ("END",))
-    # max_tokens never exceeds the context's answer reserve.
-    assert first.max_tokens == agent.engine.budget.reserve
+    # Without the caller's max_tokens the answer may take what the window leaves (at most the
+    # model's output limit, here smaller), never less than the reserve no prompt takes.
+    assert first.max_tokens == agent.model.profile.max_output_tokens
+    assert first.max_tokens >= agent.engine.budget.reserve
     assert (second.temperature, second.seed, second.max_tokens) == (0.9, None, 50)
 
 

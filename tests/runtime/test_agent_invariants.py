@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from keel.context import ContextBudget
 from keel.errors import (
     AccessDeniedError,
     ConflictError,
@@ -471,14 +472,26 @@ async def test_many_different_tool_calls_without_a_machine_are_progress(
     assert reply.steps == 13
 
 
-# --- 19. the whole turn within the time limit; the reserve is the model's max_tokens --------
+# --- 19. the whole turn within the time limit; the answer's limit is the room left ----------
 
 
-async def test_the_answer_reserve_is_sent_as_max_tokens(database: SQLiteDatabase) -> None:
+@pytest.mark.parametrize("history_words", [0, 2_000])
+async def test_the_answer_may_take_what_the_window_leaves_never_less_than_the_reserve(
+    database: SQLiteDatabase, history_words: int
+) -> None:
     model = ScriptedModel(lambda call: "ok")
-    agent = sqlite_agent(database, model)
-    await agent.handle("s1", "u1", "hello")
-    assert model.calls[0].options.max_tokens == agent.engine.budget.reserve
+    agent = sqlite_agent(database, model, context=ContextBudget(working_budget=4_000))
+    if history_words:
+        await agent.handle("s1", "u1", "lorem " * history_words)
+    reply = await agent.handle("s1", "u1", "hello")
+    budget = agent.engine.budget
+    sent = model.calls[-1]
+    prompt_tokens = agent.model.counter.count_prompt(sent.messages, sent.tools)
+    assert prompt_tokens == reply.max_prompt_tokens
+    # The prompt never takes the reserve; the answer gets all the prompt left, not the reserve.
+    assert prompt_tokens + budget.reserve <= budget.effective_window
+    assert sent.options.max_tokens == budget.effective_window - prompt_tokens
+    assert sent.options.max_tokens >= budget.reserve
 
 
 async def test_the_time_limit_covers_memory_retrieval_and_commit(

@@ -416,7 +416,8 @@ def test_keel_chat_on_postgres(postgres_url: str) -> None:
     assert "scripted:echo" in chat.stdout.split("agent>")[-1]  # /trace read the run back
     assert _pg_count(postgres_url, "SELECT count(*) FROM trace_runs WHERE agent = 'chat'") == 1
     assert _pg_count(postgres_url, "SELECT count(*) FROM keel_state_sessions") == 1
-    assert _pg_count(postgres_url, "SELECT count(*) FROM memory_records") == 1
+    # One turn: the user's words and the model's, each its own record.
+    assert _pg_count(postgres_url, "SELECT count(*) FROM memory_records") == 2
     assert _connections_drain(postgres_url)
 
 

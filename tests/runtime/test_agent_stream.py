@@ -13,6 +13,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from keel.errors import ModelError
+from keel.guards import GuardConfig
 from keel.messages import Message, Usage
 from keel.models import Completion, CompletionChunk, ModelOptions, ToolSchema
 from keel.runtime import (
@@ -158,18 +159,73 @@ async def test_unmasked_text_streams_as_it_comes_and_is_withdrawn_the_same_way(
     assert events[-1].reply.status == "completed"  # type: ignore[union-attr]
 
 
-async def test_a_truncated_stream_is_treated_as_truncation(database: SQLiteDatabase) -> None:
+async def test_an_answer_cut_at_the_token_limit_streams_on_masked_whole_across_the_cut(
+    database: SQLiteDatabase,
+) -> None:
+    # The cut falls inside an e-mail address: each part alone does not look like one.
+    cut_at = _ANSWER.index("@example") + 4
     cut = Completion(
-        message=Message.assistant("A long answer that was cut off by max tokens " * 4),
+        message=Message.assistant(_ANSWER[:cut_at]),
         finish_reason="length",
         usage=Usage(prompt_tokens=5, completion_tokens=9),
         model="scripted",
         latency_ms=1.0,
     )
-    agent = sqlite_agent(database, ScriptedModel([cut, "Short answer."]), [])
+    agent = sqlite_agent(database, ScriptedModel([cut, _ANSWER[cut_at:]]), [])
     events = await _events(agent, "hello")
-    assert any(isinstance(e, TextDiscarded) for e in events)
-    assert events[-1].reply.text == "Short answer."  # type: ignore[union-attr]
+    reply = events[-1].reply  # type: ignore[union-attr]
+    assert reply.status == "completed" and not reply.truncated and reply.steps == 2
+    # The cut part stands (nothing withdrawn) and the stream goes on from it: what streamed is
+    # the reply, the address masked whole, no piece of it shown.
+    assert not any(isinstance(e, TextDiscarded) for e in events)
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert streamed == reply.text == agent.masker.mask_text(_ANSWER)  # type: ignore[union-attr]
+    assert "<EMAIL_1>" in streamed and "jane" not in streamed and "example" not in streamed
+
+
+async def test_an_answer_the_step_limit_leaves_cut_streams_all_of_what_was_written(
+    database: SQLiteDatabase,
+) -> None:
+    parts = ["The fox walked ", "through the quiet wood at dusk, looking for ", "its way home"]
+    cut = [
+        Completion(
+            message=Message.assistant(part),
+            finish_reason="length",
+            usage=Usage(prompt_tokens=5, completion_tokens=9),
+            model="scripted",
+            latency_ms=1.0,
+        )
+        for part in parts
+    ]
+    agent = sqlite_agent(database, ScriptedModel(cut), [], guards=GuardConfig(max_steps=3))
+    events = await _events(agent, "hello")
+    reply = events[-1].reply  # type: ignore[union-attr]
+    assert reply.status == "completed" and reply.truncated and reply.text == "".join(parts)
+    # Nothing withdrawn; the tail the masker held back comes out when the answer ends cut.
+    assert not any(isinstance(e, TextDiscarded) for e in events)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == reply.text
+
+
+async def test_a_failed_call_while_an_answer_is_continued_keeps_what_streamed_of_it(
+    database: SQLiteDatabase,
+) -> None:
+    first = "The fox walked through the quiet wood at dusk, looking for "
+    cut = Completion(
+        message=Message.assistant(first),
+        finish_reason="length",
+        usage=Usage(prompt_tokens=5, completion_tokens=9),
+        model="scripted",
+        latency_ms=1.0,
+    )
+    model = ScriptedModel([cut, ModelError("503 from the provider"), "its way home."])
+    agent = sqlite_agent(database, model, [])
+    events = await _events(agent, "hello")
+    reply = events[-1].reply  # type: ignore[union-attr]
+    assert reply.status == "completed" and reply.text == first + "its way home."
+    # The failed call showed nothing and withdrew nothing: the answer's first part stands.
+    assert not any(isinstance(e, TextDiscarded) for e in events)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == reply.text
+    assert [m.role for m in model.calls[2].messages[-2:]] == ["assistant", "system"]
 
 
 class _Endless(ScriptedModel):

@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel
 from typing_extensions import TypedDict
 
+from keel.context import is_runtime_note
 from keel.errors import (
     LoopDetectedError,
     MalformedResponseError,
@@ -126,6 +127,10 @@ async def test_retry_cap_asks_the_user() -> None:
     assert len(model.calls) == 3  # one call and two retries
     assert "book_flight" in result.text and "how you'd like to proceed" in result.text
     assert result.final_message.metadata["keel_stop"] == "tool_retry_limit"
+    # keel's words for the user are not in the run's conversation, as the model's or anyone's:
+    # a caller that continues from it never shows the model an apology it did not make.
+    assert result.final_message not in result.messages
+    assert not any("how you'd like to proceed" in m.content for m in result.new_messages)
     assert not result.reverted  # not a guard limit
     assert_calls_answered(result)
 
@@ -148,7 +153,8 @@ async def test_first_loop_detection_warns_second_stops() -> None:
     statuses = [r.status for s in result.steps for r in s.tool_results]
     assert statuses == ["ok", "ok", "blocked", "blocked"]
     warning = [m for m in model.calls[3].messages if m.role == "system"][-1]
-    assert warning.content.startswith("Loop detected") and "Change approach" in warning.content
+    assert "Loop detected" in warning.content and "Change approach" in warning.content
+    assert is_runtime_note(warning)  # keel's words, marked as such (never summarized)
     assert reverted == [result.error] and result.reverted
     assert "repeating the same steps" in result.text
     assert_calls_answered(result)
@@ -264,7 +270,8 @@ def _completion(text: str, finish: str = "stop") -> Completion:
 
 
 async def test_truncated_and_empty_replies_get_a_corrective_retry() -> None:
-    model = ScriptedModel([_completion("The flight leaves at", "length"), "", "Done."])
+    # Stopped mid-sentence without reaching the token limit: not an answer to continue.
+    model = ScriptedModel([_completion("The flight leaves at"), "", "Done."])
     result = await ToolLoop(model, REGISTRY, guards=GuardConfig(max_model_failures=3)).arun(
         USER, session_id="s1"
     )

@@ -24,6 +24,7 @@ from keel.context._budget import ContextBudget, PruningPolicy, ResolvedBudget, S
 from keel.context._conversation import Conversation, SummaryOutcome, Turn
 from keel.context._engine import CompiledPrompt, ContextEngine, render_prompt
 from keel.context._memory import ContextMemory, MemorySink
+from keel.context._notes import RUNTIME_NOTE, is_runtime_note, runtime_note
 from keel.context._report import (
     BudgetReport,
     DegradationStep,
@@ -40,6 +41,7 @@ from keel.context._summarize import (
 )
 
 __all__ = [
+    "RUNTIME_NOTE",
     "BudgetReport",
     "CompiledPrompt",
     "ContextBudget",
@@ -60,6 +62,8 @@ __all__ = [
     "SummaryPolicy",
     "SummaryRequest",
     "Turn",
+    "is_runtime_note",
     "render_prompt",
+    "runtime_note",
     "summarizer_for",
 ]

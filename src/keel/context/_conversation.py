@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from keel._bridge import run_sync
 from keel.context._budget import PruningPolicy, SummaryPolicy
 from keel.context._memory import MemorySink
+from keel.context._notes import is_runtime_note
 from keel.context._summarize import Summarizer, SummaryRequest
 from keel.context._text import cut_middle
 from keel.errors import UsageError
@@ -487,6 +488,9 @@ class Conversation:
         self._summarizing = True
         started = time.perf_counter()
         messages = [message for turn in chosen for message in turn.messages]
+        # keel's own notes are folded away with their turns, never summarized: a summary
+        # goes to the prompt and to long-term memory as what was said.
+        said = tuple(message for message in messages if not is_runtime_note(message))
         tokens = sum(turn.raw_total for turn in chosen)
         resummarized = False
         try:
@@ -495,7 +499,7 @@ class Conversation:
                 self.summarizer.summarize(
                     SummaryRequest(
                         previous=self._summary,
-                        messages=tuple(messages),
+                        messages=said,
                         max_tokens=self.summary_cap,
                         counter=self.counter,
                     )
@@ -528,7 +532,7 @@ class Conversation:
             if not summary.strip() and self._summary.strip():
                 raise ValueError("the summarizer returned an empty summary")
             if self.memory_sink is not None:
-                await self.memory_sink.archive(self.session_id, tuple(messages), summary)
+                await self.memory_sink.archive(self.session_id, said, summary)
         except Exception as exc:  # any failure leaves the raw turns in place
             return SummaryOutcome(
                 committed=False,

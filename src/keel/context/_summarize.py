@@ -186,7 +186,9 @@ class ExtractiveSummarizer:
                     if _PENDING.search(sentence) or _REQUEST.search(sentence):
                         add("Pending", f"User asked: {sentence}")
                     elif _FACT.search(sentence):
-                        add("Facts", f"User: {sentence}")
+                        # Not "User: ...": a summary line then spells a whole stored turn
+                        # record ("User: <message>"), which reads as a memory stored twice.
+                        add("Facts", f"User said: {sentence}")
                 elif message.role == "assistant":
                     if _PENDING.search(sentence):
                         add("Pending", sentence)

@@ -48,6 +48,7 @@ from keel.context import (
     ContextBudget,
     ContextEngine,
     ContextMemory,
+    runtime_note,
 )
 from keel.errors import (
     AccessDeniedError,
@@ -98,7 +99,7 @@ from keel.tools import (
 from keel.tracing import RunTrace, Tracer, arecord_loop_step, redact_json
 
 if TYPE_CHECKING:
-    from keel.memory import Memory
+    from keel.memory import Memory, Provenance
     from keel.runtime._backends import Backends
     from keel.settings import Settings
 
@@ -112,6 +113,8 @@ V = TypeVar("V")
 _UNBOUNDED_STEPS = 1_000_000_000
 """AgentState.max_steps for a session: per-run limits live in GuardConfig."""
 
+_CLOSE_FLUSH_S = 10.0
+"""How long closing an agent waits for memory to embed what its turns wrote."""
 _FINISHED_KEPT = 20
 _REPLIES_KEPT = 16
 """Replies kept for turns that came with the caller's own turn id (retries come within minutes)."""
@@ -163,6 +166,8 @@ class _Turn:
     loop_start: int = 0
     """The log's length when the turn's loop started from it."""
     last_prompt: CompiledPrompt | None = None
+    last_headroom: int = 0
+    """Tokens the last prompt left free beyond the reserve (see ``Agent._headroom``)."""
     max_prompt_tokens: int = 0
     shrink_next: bool = False
     committed: bool = False
@@ -182,6 +187,11 @@ class _Turn:
     streamed_text: dict[int, StreamMasker | None] = field(default_factory=dict)
     """The steps whose reply text streamed: the masker of each (None: masking is off, the
     text went out as it came)."""
+    shown_steps: set[int] = field(default_factory=set)
+    """Steps whose reply text reached the caller (in part, at least)."""
+    continued_steps: list[int] = field(default_factory=list)
+    """Streamed steps whose answer was cut and is being continued (their text stands only if
+    the answer is finished)."""
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -291,7 +301,10 @@ class Agent:
             ``run`` and ``stream`` can override it per turn.
         model_options: generation options for every model call (``max_tokens``,
             ``temperature``, ``stop``, ``seed``...); ``run`` and ``stream`` can override
-            them per turn. ``max_tokens`` is capped by the context's answer reserve.
+            them per turn. Without ``max_tokens`` a model call may generate what the window
+            leaves after its prompt (never less than the context's answer reserve, which no
+            prompt takes; at most the model's output limit); with it, at most that. An
+            answer cut at the limit is continued (``reply.truncated`` when it cannot be).
     """
 
     def __init__(
@@ -554,6 +567,14 @@ class Agent:
     async def aclose(self) -> None:
         """Flush memory's outbox and release what :meth:`open` / :meth:`embedded` opened."""
         if self.backends is not None:
+            if self.backends.memory is not None:
+                try:
+                    # What the last turns wrote is embedded before the worker stops (a process
+                    # that ends at once would leave it for the next start-up); bounded, and
+                    # what is left stays in the durable outbox.
+                    await self.backends.memory.aflush(timeout=_CLOSE_FLUSH_S)
+                except (TimeoutError, KeelError) as exc:
+                    logger.warning("memory's outbox was not flushed on close: %s", exc)
             await self.backends.aclose()
         while self._owned:
             await asyncio.to_thread(self._owned.pop(0))
@@ -1009,14 +1030,12 @@ class Agent:
             await run.aend("failed", error=exc)
             raise
         except KeelError as exc:
-            await run.aend(error=exc)
             return await self._fail(turn, exc)
         except Exception as exc:
             # A bug in user code the loop does not own (a hook, a tool gate): the turn ends
             # cleanly at the last good state instead of leaving it open for ever.
             logger.exception("turn on session %s failed unexpectedly", key)
-            await run.aend(error=exc)
-            return await self._fail(turn, KeelError(f"{type(exc).__name__}: {exc}"))
+            return await self._fail(turn, KeelError(f"{type(exc).__name__}: {exc}"), cause=exc)
         return await self._commit(turn, result, resume=resume)
 
     def _loop(self, turn: _Turn) -> ToolLoop:
@@ -1040,6 +1059,9 @@ class Agent:
                 revert_to_last_good=lambda error: self._on_guard_stop(turn, error),
                 before_side_effect=lambda call: turn.lease.check(),
                 refuse_call=lambda call: self._refusal(turn, call),
+                model_options=lambda step, options: options.model_copy(
+                    update={"max_tokens": self._answer_limit(turn)}
+                ),
                 **self._stream_hooks(turn),
             ),
             monitor=self.monitor,
@@ -1057,13 +1079,22 @@ class Agent:
 
     def _model_options(self, turn: _Turn) -> ModelOptions:
         options = turn.model_options
-        # The answer reserve is what the model may generate: never more.
-        reserve = max(self.engine.budget.reserve, 1)
-        update: dict[str, Any] = {"max_tokens": min(options.max_tokens or reserve, reserve)}
-        if turn.output_type is not None and options.json_schema is None:
-            # Providers that can enforce a schema do (structured outputs, a grammar).
-            update["json_schema"] = output_json_schema(turn.output_type)
-        return options.model_copy(update=update)
+        if turn.output_type is None or options.json_schema is not None:
+            return options
+        # Providers that can enforce a schema do (structured outputs, a grammar).
+        return options.model_copy(update={"json_schema": output_json_schema(turn.output_type)})
+
+    def _answer_limit(self, turn: _Turn) -> int:
+        """What the next model call may generate (DESIGN.md, "The answer's limit"): the room its
+        compiled prompt left in the window, at most the model's output limit, never less than
+        the reserve (room no prompt takes); the caller's ``max_tokens``, when given, caps it."""
+        budget = self.engine.budget
+        prompt = turn.last_prompt
+        used = (prompt.tokens if prompt is not None else budget.limit) + turn.last_headroom
+        room = min(budget.effective_window - used, self.model.profile.max_output_tokens)
+        room = max(room, budget.reserve, 1)
+        asked = turn.model_options.max_tokens
+        return room if asked is None else min(asked, room)
 
     def _headroom(self, turn: _Turn) -> int:
         """Tokens to leave free beyond the answer reserve in the next prompt: none, unless the
@@ -1145,13 +1176,14 @@ class Agent:
         # model call leaves both at the same point.
         await turn.run.aflush()
         assert turn.registry is not None
+        turn.last_headroom = self._headroom(turn)
         prompt = self.engine.compile(
             turn.log.conversation,
             system=self.system_prompt,
             rules=self._rules(turn),
             memories=turn.memories,
             tools=turn.registry.schemas(),
-            extra_headroom=self._headroom(turn),
+            extra_headroom=turn.last_headroom,
         )
         turn.shrink_next = False
         turn.last_prompt = prompt
@@ -1204,6 +1236,7 @@ class Agent:
             if self.masker is None:
                 # Masking is off: nothing to hold back.
                 turn.streamed_text[step] = None
+                turn.shown_steps.add(step)
                 emit(TextDelta(step=step, text=_sanitize(text)))
                 return
             masker = turn.streamed_text.get(step)
@@ -1219,6 +1252,7 @@ class Agent:
                 )
             released = masker.feed(text)
             if released:
+                turn.shown_steps.add(step)
                 emit(TextDelta(step=step, text=released))
 
         def on_tool_start(step: int, call: ToolCall, arguments: dict[str, Any]) -> None:
@@ -1249,16 +1283,44 @@ class Agent:
         assert emit is not None
         streamed = record.step in turn.streamed_text
         masker = turn.streamed_text.pop(record.step, None)
-        shown = streamed and (masker is None or bool(masker.released))
-        if record.action in ("final", "tool_calls"):
+        shown = record.step in turn.shown_steps
+        if record.action == "continued":
+            # The answer goes on in the next step: one masker over all its parts, so a value
+            # the cut split in two is still masked whole.
+            if streamed:
+                turn.streamed_text[record.step + 1] = masker
+                turn.continued_steps.append(record.step)
+        elif record.answer_parts:
+            # A failed call while an answer is continued: its parts stand, the next step goes
+            # on. This step's own text is withdrawn (and its masker with it: the reply is
+            # authoritative for a tail that masker held back).
+            if shown:
+                emit(TextDiscarded(step=record.step, reason=self._mask(record.error or "")))
+            elif streamed:
+                turn.streamed_text[record.step + 1] = masker
+        elif record.action in ("final", "tool_calls"):
             rest = masker.finish() if masker is not None else ""
             if rest:
                 emit(TextDelta(step=record.step, text=rest))
-        elif shown:
-            reason = record.error or "the reply could not be used"
-            emit(TextDiscarded(step=record.step, reason=self._mask(reason)))
+            turn.continued_steps.clear()
+        else:
+            reason = self._mask(record.error or "the reply could not be used")
+            # An answer being continued that ends unusable takes its earlier parts with it.
+            withdrawn = [*turn.continued_steps, record.step] if shown else turn.continued_steps
+            for step in withdrawn:
+                emit(TextDiscarded(step=step, reason=reason))
+            turn.continued_steps.clear()
         for event in record.guard_events:
             emit(GuardWarning(step=record.step, message=self._mask(event)))
+
+    def _release_held_text(self, turn: _Turn) -> None:
+        """The answer ended cut while it was being continued: what a masker still holds back
+        of it is part of the answer, streamed now."""
+        assert turn.emit is not None
+        for step, masker in turn.streamed_text.items():
+            rest = masker.finish() if masker is not None else ""
+            if rest:
+                turn.emit(TextDelta(step=step, text=rest))
 
     def _is_effect(self, result: ToolResult) -> bool:
         """A side-effecting call that ran (now or before a crash) or may have run."""
@@ -1324,6 +1386,8 @@ class Agent:
         return (await self.state.aat(turn.key, last_good.version)).state
 
     async def _commit(self, turn: _Turn, result: LoopResult, *, resume: bool) -> AgentReply:
+        if turn.emit is not None and result.truncated:
+            self._release_held_text(turn)
         turn.log.take_added(result.new_messages, turn.loop_start, self._mask_message)
         position = turn.position
         reverted = False
@@ -1358,12 +1422,11 @@ class Agent:
                     )
             if turn.effects:
                 text += self._effects_note(turn)
-            final = Message.assistant(text, metadata=dict(result.final_message.metadata))
             kept_messages = [
                 *base.messages,
                 turn.user_message,
                 *self._effect_messages(turn),
-                final,
+                _unanswered_note(status),
             ]
             final_state = base.model_copy(
                 update={
@@ -1395,6 +1458,7 @@ class Agent:
             tool_calls=tuple(r.tool for step in result.steps for r in step.tool_results),
             effects=tuple(call.name for call, _ in turn.effects),
             reverted=reverted or result.reverted,
+            truncated=result.truncated,
             resumed=resume,
             output=result.output if result.ok else None,
             error=error,
@@ -1430,23 +1494,27 @@ class Agent:
         )
         return reply.model_copy(update={"state_version": version})
 
-    async def _fail(self, turn: _Turn, error: KeelError) -> AgentReply:
+    async def _fail(
+        self, turn: _Turn, error: KeelError, *, cause: BaseException | None = None
+    ) -> AgentReply:
         """A failure outside the loop's own handling: back to the last good state, keeping the
-        user's message and any side effect that happened."""
-        base = await self._failure_base(turn)
+        user's message and any side effect that happened. The run ends with what the user is
+        told (``cause``: the error as raised, when ``error`` wraps it)."""
         text = _FAILURE_REPLY
         if turn.effects:
             text = (
                 "I'm sorry, something went wrong on my side before I could finish."
                 + self._effects_note(turn)
             )
+        await turn.run.aend(error=cause or error, output=text)
+        base = await self._failure_base(turn)
         final_state = base.model_copy(
             update={
                 "messages": [
                     *base.messages,
                     turn.user_message,
                     *self._effect_messages(turn),
-                    Message.assistant(text, metadata={"keel_stop": "failed"}),
+                    _unanswered_note("failed"),
                 ],
                 "step": max(turn.state.step, base.step),
                 "runtime": base.runtime.model_copy(
@@ -1536,17 +1604,28 @@ class Agent:
         return version
 
     def _remember_turn(self, turn: _Turn, reply: str) -> None:
+        """The turn's words in memory, each with its speaker's provenance: what the user wrote
+        is the user's claim; what the model answered is the assistant's, never the user's (a
+        model inventing "you live at 1027 Bergen Street" is not the user saying so)."""
         from keel.memory import Scope
 
         assert self.memory is not None
-        self.memory.add(
-            f"User: {turn.user_message.content}\nAssistant: {reply}",
-            scope=Scope(tenant_id=self.tenant_id, user_id=turn.user_id),
-            kind="episodic",
-            type="turn",
-            session_id=turn.session_id,
-            turn=turn.state.runtime.turns,
+        scope = Scope(tenant_id=self.tenant_id, user_id=turn.user_id)
+        said: tuple[tuple[str, str, Provenance], ...] = (
+            ("user", f"User: {turn.user_message.content}", "user_claim"),
+            ("assistant", f"Assistant: {reply}", "inferred"),
         )
+        for speaker, text, provenance in said:
+            self.memory.add(
+                text,
+                scope=scope,
+                kind="episodic",
+                type="turn",
+                provenance=provenance,
+                session_id=turn.session_id,
+                turn=turn.state.runtime.turns,
+                metadata={"speaker": speaker},
+            )
 
     def _remember_run(self, turn: _Turn) -> None:
         if self.memory is None or not turn.tool_calls:
@@ -1703,6 +1782,17 @@ def _is_user_turn(message: Message) -> bool:
     return message.role == "user" and "keel_correction" not in message.metadata
 
 
+def _unanswered_note(status: str) -> Message:
+    """What the history keeps of a turn keel ended without an answer: a note in keel's name.
+    The user got keel's apology (the reply, the trace); the model is never shown it as its own
+    answer, only that the turn got none."""
+    return runtime_note(
+        f"The turn above ended without an answer from the assistant ({status}); "
+        "keel told the user so.",
+        reason=status,
+    )
+
+
 def _open_turn_text(state: AgentState) -> str | None:
     index = state.runtime.open_turn_message
     if index is None or index >= len(state.messages):
@@ -1712,10 +1802,11 @@ def _open_turn_text(state: AgentState) -> str | None:
 
 def _without_corrections(segment: list[Message]) -> list[Message]:
     """The turn's messages without the runtime's corrective prompts and the unusable replies
-    they answered: scaffolding of the run, not words of the user or answers of the agent."""
+    they answered (or, for a request to continue, the part of the answer the final message
+    holds whole): scaffolding of the run, not words of the user or answers of the agent."""
     kept: list[Message] = []
     for message in segment:
-        if message.role == "user" and "keel_correction" in message.metadata:
+        if "keel_correction" in message.metadata:
             if kept and kept[-1].role == "assistant" and not kept[-1].tool_calls:
                 kept.pop()
             continue

@@ -47,6 +47,12 @@ class AgentReply(BaseModel):
         "they stay in the history even when the turn failed and the state was reverted.",
     )
     reverted: bool = Field(default=False, description="State went back to the last good version.")
+    truncated: bool = Field(
+        default=False,
+        description="The answer is cut: it kept reaching the token limit and the run's step or "
+        "time limit came before it could be continued to its end (``status`` stays "
+        '``completed``; an OpenAI-style caller reads it as ``finish_reason: "length"``).',
+    )
     resumed: bool = Field(default=False, description="The turn finished one a crash interrupted.")
     replayed: bool = Field(
         default=False,

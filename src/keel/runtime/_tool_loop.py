@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer
 from pydantic_core import to_jsonable_python
 
 from keel._bridge import run_sync
+from keel.context import runtime_note
 from keel.errors import (
     GuardError,
     KeelError,
@@ -83,6 +84,14 @@ LoopStatus = Literal[
 
 T = TypeVar("T")
 MaybeAwaitable: TypeAlias = T | Awaitable[T]
+
+_CONTINUE = (
+    "Your previous reply was cut off at the token limit. Continue it exactly where it stopped, "
+    "mid-word if it stopped mid-word: do not repeat what you wrote, do not start over, and do "
+    "not mention the cut."
+)
+"""What the model is told when its answer was cut at the token limit (keel's words, dropped
+from the history when the turn ends: the parts become one answer)."""
 
 _USER_MESSAGES: dict[LoopStatus, str] = {
     "step_limit": (
@@ -141,6 +150,9 @@ class LoopHooks:
             is checked only once it is complete, as an unstreamed one is.
         on_tool_start: ``(step, call, arguments) -> None``, right before a validated call runs.
         on_tool_result: ``(step, result) -> None``, as each call of a step ends.
+        model_options: ``(step, options) -> options``, right after ``before_model_call``: the
+            generation options of this step's model call (the agent sizes ``max_tokens`` to
+            the room its compiled prompt left in the window).
     """
 
     before_model_call: (
@@ -154,6 +166,7 @@ class LoopHooks:
     on_text: Callable[[int, str], MaybeAwaitable[None]] | None = None
     on_tool_start: Callable[[int, ToolCall, dict[str, Any]], None] | None = None
     on_tool_result: Callable[[int, ToolResult], MaybeAwaitable[None]] | None = None
+    model_options: Callable[[int, ModelOptions], MaybeAwaitable[ModelOptions]] | None = None
 
 
 class StepRecord(BaseModel):
@@ -162,10 +175,11 @@ class StepRecord(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     step: int = Field(description="The step number (unique within the session).")
-    action: Literal["tool_calls", "final", "retry", "stopped"] = Field(
+    action: Literal["tool_calls", "final", "continued", "retry", "stopped"] = Field(
         description=(
-            "What came of it: tool calls run, a final answer, a retry (unusable reply or model "
-            "failure), or the run stopped inside the step."
+            "What came of it: tool calls run, a final answer, an answer cut at the token limit "
+            "that the next step continues, a retry (unusable reply or model failure), or the "
+            "run stopped inside the step."
         )
     )
     started_at: float = Field(description="Unix time the step started.")
@@ -197,6 +211,11 @@ class StepRecord(BaseModel):
     state_fingerprint: str | None = Field(
         default=None, description="The state fingerprint after the step, if a hook gives one."
     )
+    answer_parts: int = Field(
+        default=0,
+        description="Parts of an answer cut at the token limit that stand after the step, to "
+        "be continued by the next one (0: none).",
+    )
 
 
 class LoopResult(BaseModel):
@@ -206,7 +225,8 @@ class LoopResult(BaseModel):
 
     status: LoopStatus = Field(description="How the run ended.")
     final_message: Message = Field(
-        description="The answer, or a clean explanation for the user when the run stopped."
+        description="The answer, or a clean explanation for the user when the run stopped "
+        "(keel's words, ``metadata['keel_stop']`` set: not in ``new_messages``)."
     )
     output: Any = Field(
         default=None, description="The validated structured answer, with an output schema."
@@ -227,6 +247,12 @@ class LoopResult(BaseModel):
     duration_ms: float = Field(ge=0, description="Wall time of the run.")
     reverted: bool = Field(
         default=False, description="True when the revert_to_last_good hook was called."
+    )
+    truncated: bool = Field(
+        default=False,
+        description="The answer is cut: it kept reaching the token limit, and the run's step or "
+        "time limit came before it could be continued to its end (``status`` is completed: "
+        "the answer is what the model wrote, not all it would have).",
     )
     loops_detected: int = Field(default=0, description="Loop detections (warnings and stop).")
     repairs: int = Field(default=0, description="Tool calls whose arguments were repaired.")
@@ -338,6 +364,8 @@ class _Run:
     last_failure: KeelError | None = None
     outcomes: set[tuple[str, str, str]] = field(default_factory=set)
     """Distinct (tool, arguments, result) seen: a new one is progress, whatever the state."""
+    cut_parts: list[str] = field(default_factory=list)
+    """The answer so far, when replies cut at the token limit are being continued."""
 
 
 class _Stop(Exception):
@@ -364,7 +392,10 @@ class ToolLoop:
             the answer is one JSON object validated against it; an invalid one is sent back with
             each wrong field, up to ``guards.max_output_retries`` times.
         options: generation options for every model call (``timeout_s`` defaults to the
-            guards' ``model_timeout_s``).
+            guards' ``model_timeout_s``). A text answer cut at ``max_tokens`` is continued:
+            the loop asks the model to go on where it stopped and joins the parts into one
+            answer, within the step and time limits (the loop asks providers for cut answers,
+            ``allow_truncated``, instead of an error).
         redact: masks everything the loop journals: each call's arguments and result (see
             :class:`~keel.tools.ToolExecutor`) and each step's decision (its text and tool
             call arguments), e.g. a :class:`~keel.privacy.PIIMasker` or the agent's masking
@@ -410,7 +441,8 @@ class ToolLoop:
         base = options or ModelOptions()
         if base.timeout_s is None:
             base = base.model_copy(update={"timeout_s": self.guards.model_timeout_s})
-        self.options = base
+        # A cut answer is this loop's to continue, not an error to retry from scratch.
+        self.options = base.model_copy(update={"allow_truncated": True})
 
     def run(
         self,
@@ -467,7 +499,10 @@ class ToolLoop:
             limit = TimeLimitError(
                 f"run reached its wall-clock limit of {self.guards.run_timeout_s:g} s"
             )
-            result = await self._stop(run, _Stop("time_limit", limit))
+            if run.cut_parts:
+                result = await self._cut_short(run, limit)
+            else:
+                result = await self._stop(run, _Stop("time_limit", limit))
         if result.error is not None and self.guards.fallback == "raise":
             raise result.error
         return result
@@ -484,6 +519,8 @@ class ToolLoop:
                 limit = StepLimitError(
                     f"run reached its limit of {self.guards.max_steps} steps without an answer"
                 )
+                if run.cut_parts:
+                    return await self._cut_short(run, limit)
                 return await self._stop(run, _Stop("step_limit", limit))
             elapsed = time.perf_counter() - run.started
             if elapsed >= self.guards.run_timeout_s:
@@ -497,6 +534,9 @@ class ToolLoop:
             if outcome is None:
                 continue
             kind, completion, message = outcome
+            if kind == "continued":
+                failures_in_a_row = 0
+                continue
             if kind == "retry":
                 failures_in_a_row += 1
                 if failures_in_a_row >= self.guards.max_model_failures:
@@ -564,11 +604,14 @@ class ToolLoop:
         else:
             assert run.current is not None
             run.current["prompt_messages"] = len(sent)
+            options = self.options
+            if self.hooks.model_options is not None:
+                options = await _call(self.hooks.model_options, run.step, options)
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the run's own
             # cancellation when the call finishes at the same moment, and the run overruns.
             try:
                 async with asyncio.timeout(self.guards.model_timeout_s) as deadline:
-                    completion = await self._ask_model(run, sent)
+                    completion = await self._ask_model(run, sent, options)
             except TimeoutError as exc:
                 reason = (
                     f"no answer within {self.guards.model_timeout_s:g} s"
@@ -595,6 +638,9 @@ class ToolLoop:
                 retry=run.retrying,
                 ttft_ms=completion.ttft_ms,
             )
+            if _cut_at_limit(completion):
+                return await self._continue_cut(run, completion)
+            completion = _whole_answer(run, completion)
             problem = check_response(completion)
             if problem is not None:
                 error = problem.error(self.model.spec)
@@ -631,13 +677,13 @@ class ToolLoop:
         )
         return ("tool_calls", completion, message)
 
-    async def _ask_model(self, run: _Run, sent: list[Message]) -> Completion:
+    async def _ask_model(self, run: _Run, sent: list[Message], options: ModelOptions) -> Completion:
         """One model call: streamed to ``on_text`` when it is set."""
         on_text = self.hooks.on_text
         if on_text is None:
-            return await self.model.acomplete(sent, run.tools, self.options)
+            return await self.model.acomplete(sent, run.tools, options)
         completion: Completion | None = None
-        stream = self.model.astream(sent, run.tools, self.options)
+        stream = self.model.astream(sent, run.tools, options)
         try:
             async for chunk in stream:
                 if chunk.text:
@@ -670,6 +716,36 @@ class ToolLoop:
         if recorded.model_dump(mode="json") == masked.model_dump(mode="json"):
             return message
         return recorded
+
+    async def _continue_cut(
+        self, run: _Run, completion: Completion
+    ) -> tuple[str, Completion | None, Message]:
+        """A text answer cut at the token limit: kept as written, and the next step asks the
+        model to go on from where it stopped (the parts become one answer when it ends)."""
+        part = completion.message
+        run.cut_parts.append(part.content)
+        run.retrying = False
+        run.history.append(part)
+        # keel's request, in keel's name (not the user's): a correction, gone when the turn ends.
+        run.history.append(
+            runtime_note(_CONTINUE, reason="continue", metadata={"keel_correction": "continue"})
+        )
+        await self._finish_step(run, "continued", completion, part)
+        return ("continued", completion, part)
+
+    async def _cut_short(self, run: _Run, limit: GuardError) -> LoopResult:
+        """The run's step or time limit came while an answer was being continued: the answer
+        is what was written, reported cut (with an output type, a cut answer is not one)."""
+        why = f"the answer was cut: {limit}"
+        if run.current is not None:
+            await self._finish_step(run, "stopped", None, None, error=limit, events=(why,))
+        if self.output_schema is not None:
+            error = MalformedResponseError(why, model=self.model.spec)
+            return await self._stop(run, _Stop("invalid_output", error))
+        run.errors.append(why)
+        answer = Message.assistant("".join(run.cut_parts))
+        run.history.append(answer)
+        return self._result(run, "completed", answer, truncated=True)
 
     async def _model_failure(
         self, run: _Run, error: ModelError
@@ -816,7 +892,8 @@ class ToolLoop:
                 if signal.stop:
                     await stop("loop_detected", signal.error())
                 notes.append(signal.advice())
-        run.history.extend(Message.system(note) for note in notes)
+        # keel's advice, marked as keel's: summaries and memory leave it out.
+        run.history.extend(runtime_note(note, reason="loop") for note in notes)
         await self._finish_step(
             run,
             "tool_calls",
@@ -833,7 +910,7 @@ class ToolLoop:
     async def _finish_step(
         self,
         run: _Run,
-        action: Literal["tool_calls", "final", "retry", "stopped"],
+        action: Literal["tool_calls", "final", "continued", "retry", "stopped"],
         completion: Completion | None,
         message: Message | None,
         *,
@@ -863,6 +940,7 @@ class ToolLoop:
             error=None if error is None else str(error),
             error_type=None if error is None else type(error).__name__,
             state_fingerprint=fingerprint,
+            answer_parts=len(run.cut_parts),
         )
         run.steps.append(record)
         run.current = None
@@ -882,8 +960,9 @@ class ToolLoop:
             self.monitor.record_state_reset(session_id=run.session_id, agent=self.agent)
         template = _USER_MESSAGES[stop.status]
         text = template.format(detail=stop.detail or str(stop.error))
+        # keel's words for the user, not the model's: the run's history does not hold them, so
+        # a caller that continues from ``messages`` never shows the model an apology as its own.
         final = Message.assistant(text, metadata={"keel_stop": stop.status})
-        run.history.append(final)
         return self._result(run, stop.status, final, error=stop.error, reverted=reverted)
 
     def _result(
@@ -895,6 +974,7 @@ class ToolLoop:
         output: Any = None,
         error: KeelError | None = None,
         reverted: bool = False,
+        truncated: bool = False,
     ) -> LoopResult:
         # model_construct: every value is built here, and validating the messages would
         # re-check them all on every run.
@@ -911,12 +991,35 @@ class ToolLoop:
             next_step=run.step,
             duration_ms=(time.perf_counter() - run.started) * 1000,
             reverted=reverted,
+            truncated=truncated,
             loops_detected=run.loops,
             repairs=run.repairs,
             spiral=self.monitor.snapshot(session_id=run.session_id),
         )
         result._earlier = run.history.earlier
         return result
+
+
+def _whole_answer(run: _Run, completion: Completion) -> Completion:
+    """``completion`` as the whole answer: after the parts of it the token limit cut, when it
+    is the last part of a continued answer (checked, and used, as the whole)."""
+    if not run.cut_parts:
+        return completion
+    whole = "".join(run.cut_parts) + completion.message.content
+    run.cut_parts.clear()
+    message = completion.message.model_copy(update={"content": whole})
+    return completion.model_copy(update={"message": message})
+
+
+def _cut_at_limit(completion: Completion) -> bool:
+    """Whether ``completion`` is a text answer the token limit cut (one to continue; a cut tool
+    call is not continued: its arguments are asked for again)."""
+    message = completion.message
+    return (
+        completion.finish_reason == "length"
+        and not message.tool_calls
+        and bool(message.content.strip())
+    )
 
 
 def _decision_scope(run: _Run) -> str:
