@@ -9,7 +9,6 @@ import asyncio
 import openai
 import pytest
 
-from keel.runtime import AgentReply
 from tests.service._openai_service import CUT, OpenAIService, facade, users_words
 
 __all__ = ["facade"]
@@ -117,32 +116,16 @@ def test_a_reply_cut_at_the_token_limit_is_never_a_finished_answer(
 ) -> None:
     key = facade.keys.create("acme")
     with facade.sync(key) as client:
-        if "truncated" in AgentReply.model_fields:
-            # The runtime continues a cut answer and reports one it could not finish.
-            whole = client.chat.completions.create(model="keel", messages=[_user("cut it")])
-            assert whole.choices[0].finish_reason == "length"
-            assert (whole.choices[0].message.content or "").startswith(CUT)
-            streamed = list(
-                client.chat.completions.create(
-                    model="keel", messages=[_user("cut again")], stream=True
-                )
-            )
-            reasons = [c.choices[0].finish_reason for c in streamed if c.choices]
-            text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-            assert reasons[-1] == "length" and text.startswith(CUT) and "sorry" not in text
-        else:
-            # A runtime that cannot continue it ends the turn failed: an error, not a reply.
-            with pytest.raises(openai.APIStatusError) as whole_error:
-                client.chat.completions.create(model="keel", messages=[_user("cut it")])
-            assert whole_error.value.status_code == 502
-            with pytest.raises(openai.APIError) as streamed_error:
-                list(
-                    client.chat.completions.create(
-                        model="keel", messages=[_user("cut again")], stream=True
-                    )
-                )
-            for raised in (whole_error.value, streamed_error.value):
-                assert "token limit" in raised.message and "sorry" not in raised.message
+        # The runtime continues a cut answer and reports one it could not finish.
+        whole = client.chat.completions.create(model="keel", messages=[_user("cut it")])
+        assert whole.choices[0].finish_reason == "length"
+        assert (whole.choices[0].message.content or "").startswith(CUT)
+        streamed = list(
+            client.chat.completions.create(model="keel", messages=[_user("cut again")], stream=True)
+        )
+        reasons = [c.choices[0].finish_reason for c in streamed if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert reasons[-1] == "length" and text.startswith(CUT) and "sorry" not in text
 
 
 def test_generation_parameters_are_this_turns_model_options(facade: OpenAIService) -> None:
@@ -302,3 +285,25 @@ def test_a_parked_turn_is_answered_with_its_waiting_message_and_keels_status(
     last = streamed[-1].model_extra
     assert streamed[-1].choices[0].finish_reason == "stop" and last is not None
     assert last["keel"]["status"] == "tool_in_doubt"
+
+
+def test_a_clients_max_tokens_caps_the_whole_answer(facade: OpenAIService) -> None:
+    """OpenAI's max_tokens means "cut here": the cut answer comes back as it is, finish_reason
+    length, after one model call, instead of being continued by the runtime."""
+    key = facade.keys.create("acme")
+    with facade.sync(key) as client:
+        before = len(facade.model.calls)
+        whole = client.chat.completions.create(
+            model="keel", messages=[_user("cut short")], max_tokens=4
+        )
+        assert len(facade.model.calls) == before + 1
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.choices[0].message.content == CUT
+        streamed = list(
+            client.chat.completions.create(
+                model="keel", messages=[_user("cut short again")], max_tokens=4, stream=True
+            )
+        )
+    reasons = [c.choices[0].finish_reason for c in streamed if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert (reasons[-1], text) == ("length", CUT)

@@ -64,6 +64,14 @@ class ModelOptions(BaseModel):
             "TruncatedResponseError. Off by default: a cut answer is never mistaken for a whole."
         ),
     )
+    continue_truncated: bool = Field(
+        default=True,
+        description=(
+            "For an agent's turn: an answer cut at max_tokens is continued by the runtime (the "
+            "default), or, False, ends the turn cut (``reply.truncated``): the caller's "
+            "max_tokens caps the whole answer, as OpenAI's API means it. Providers ignore it."
+        ),
+    )
 
 
 class Completion(BaseModel):

@@ -537,6 +537,8 @@ class ToolLoop:
             if kind == "continued":
                 failures_in_a_row = 0
                 continue
+            if kind == "cut" and completion is not None:
+                return await self._end_cut(run, completion, message)
             if kind == "retry":
                 failures_in_a_row += 1
                 if failures_in_a_row >= self.guards.max_model_failures:
@@ -639,6 +641,8 @@ class ToolLoop:
                 ttft_ms=completion.ttft_ms,
             )
             if _cut_at_limit(completion):
+                if not self.options.continue_truncated:
+                    return ("cut", completion, completion.message)
                 return await self._continue_cut(run, completion)
             completion = _whole_answer(run, completion)
             problem = check_response(completion)
@@ -732,6 +736,22 @@ class ToolLoop:
         )
         await self._finish_step(run, "continued", completion, part)
         return ("continued", completion, part)
+
+    async def _end_cut(self, run: _Run, completion: Completion, part: Message) -> LoopResult:
+        """The caller's ``max_tokens`` caps the whole answer (``continue_truncated`` off): the
+        answer is what was written, reported cut."""
+        why = "the answer was cut at the caller's max_tokens"
+        if self.output_schema is not None:
+            error = MalformedResponseError(why, model=self.model.spec)
+            await self._finish_step(run, "stopped", completion, part, error=error)
+            return await self._stop(run, _Stop("invalid_output", error))
+        # The step is final (its streamed text stands) before the part joins any earlier ones.
+        await self._finish_step(run, "final", completion, part, events=(why,))
+        run.cut_parts.append(part.content)
+        answer = Message.assistant("".join(run.cut_parts))
+        run.errors.append(why)
+        run.history.append(answer)
+        return self._result(run, "completed", answer, truncated=True)
 
     async def _cut_short(self, run: _Run, limit: GuardError) -> LoopResult:
         """The run's step or time limit came while an answer was being continued: the answer

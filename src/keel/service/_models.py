@@ -161,7 +161,10 @@ class ChatCompletionRequest(BaseModel):
         options: dict[str, Any] = {}
         tokens = self.max_completion_tokens or self.max_tokens
         if tokens is not None:
+            # OpenAI's max_tokens caps the whole answer: a cut one is finish_reason "length",
+            # not continued by the runtime.
             options["max_tokens"] = tokens
+            options["continue_truncated"] = False
         if self.temperature is not None:
             options["temperature"] = self.temperature
         if self.stop:

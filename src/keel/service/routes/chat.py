@@ -44,11 +44,10 @@ _PARKED = frozenset({"tool_in_doubt", "awaiting_approval", "escalated"})
 def _finish_reason(reply: AgentReply) -> FinishReason | None:
     """OpenAI's ``finish_reason`` for a turn's reply; None when the turn failed (answered as
     an error, never with keel's apology as the model's answer). An answer the runtime could
-    not finish within the token limit (``reply.truncated``, read only where the runtime has
-    that field) is ``length``."""
+    not finish within its limits (``reply.truncated``) is ``length``."""
     if reply.status != "completed" and reply.status not in _PARKED:
         return None
-    return "length" if getattr(reply, "truncated", False) else "stop"
+    return "length" if reply.truncated else "stop"
 
 
 @dataclass(frozen=True)
