@@ -107,7 +107,7 @@ def create_app(
     )
     context = ServiceContext(
         agent_for=agent_for,
-        keys=CachedKeys(keys.tenant_of, key_cache_s, keys.atenant_of),
+        keys=CachedKeys(keys.caller_of, key_cache_s, keys.acaller_of),
         traces=traces,
         metrics_token=metrics_token,
         tenants=tenants,
