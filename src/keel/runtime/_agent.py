@@ -1681,6 +1681,9 @@ def _user_text(text: object) -> str:
     )
     if not visible:
         raise UsageError("the user message is empty")
+    if "\x00" in text:
+        # PostgreSQL cannot store a NUL; SQLite could, so both refuse it before a turn starts.
+        raise UsageError("the user message holds a NUL character (U+0000)")
     return text
 
 

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 from fastapi import Depends, Request
 
+from keel.errors import SessionBusyError
 from keel.service._context import limited_tenant
 from keel.service._errors import HTTPError
-from keel.service._ids import session_id_from_wire
+from keel.service._ids import check_user_id, session_id_from_wire
 
 if TYPE_CHECKING:
     from keel.runtime import Agent
@@ -25,9 +26,11 @@ if TYPE_CHECKING:
 __all__ = [
     "access_log",
     "caller",
+    "chat_party",
     "owned_checkpoint",
     "path_session_id",
     "read_of",
+    "revert_holding_lease",
     "session_read",
     "user_of",
 ]
@@ -73,6 +76,39 @@ def read_of(who: Caller, owner: str | None, what: str) -> None:
                 "of_user": owner,
             },
         )
+
+
+def chat_party(
+    request: Request, session: str, user: str, *, user_from_header: bool
+) -> tuple[str, str]:
+    """The session and user a chat completion names: the session spelled as every session id
+    on the wire is (percent-encoded beyond the grammar's characters, in a header or the body),
+    an ``X-Keel-User`` header likewise; a user key's own user only (403 for another)."""
+    session_id = session_id_from_wire(session, "session")
+    user_id = session_id_from_wire(user, "X-Keel-User") if user_from_header else user
+    try:
+        check_user_id(user_id)
+    except ValueError as exc:
+        raise HTTPError(422, "ValidationError", f"user: {exc}") from None
+    who: Caller = request.state.keel_caller
+    return session_id, user_of(who, user_id)
+
+
+async def revert_holding_lease(
+    agent: Agent, session_id: str, *, expected_version: int, to_version: int
+) -> Checkpoint[AgentState]:
+    """Revert the session while holding its lease, as a turn does: a turn running on it makes
+    this :class:`~keel.errors.SessionBusyError` (409), and nothing changes."""
+    key = agent.session_key(session_id)
+    lease = agent.state.session_lock(key, ttl=agent.lease_ttl_s)
+    if not await lease.aacquire():
+        raise SessionBusyError(session_id, 0.0)
+    try:
+        return await agent.state.arevert(
+            key, expected_version=expected_version, to_version=to_version
+        )
+    finally:
+        await lease.arelease()
 
 
 async def owned_checkpoint(

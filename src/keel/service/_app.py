@@ -123,5 +123,6 @@ def create_app(
     if ui:
         from keel.ui import mount_ui
 
-        mount_ui(app, agent_for, context.keys, traces)
+        # The viewer shows a whole tenant: it signs in with the tenant's operator key only.
+        mount_ui(app, agent_for, context.keys.operator_tenant, traces)
     return app

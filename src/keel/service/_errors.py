@@ -18,6 +18,7 @@ from keel.errors import (
 )
 
 __all__ = [
+    "STORE_UNAVAILABLE",
     "HTTPError",
     "RateLimited",
     "draining_response",
@@ -45,6 +46,10 @@ class RateLimited(HTTPError):
             429, "RateLimited", f"too many requests for this key; retry in {retry_after_s:g} s"
         )
         self.retry_after_s = retry_after_s
+
+
+STORE_UNAVAILABLE = "a store did not answer; try again later"
+"""The message of every 503 a store's failure causes."""
 
 
 def error_response(status: int, kind: str, message: str) -> JSONResponse:
@@ -95,6 +100,9 @@ async def _on_keel_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, KeelError)
     status = error_status(exc)
     message = "not found" if status == 404 else str(exc)
+    if status == 503:
+        # A store's error names its database, host or driver: none of the client's business.
+        message = STORE_UNAVAILABLE
     return error_response(status, "NotFound" if status == 404 else type(exc).__name__, message)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from typing import Annotated
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 from fastapi.routing import APIRoute
 from pydantic import AfterValidator, Field
@@ -35,6 +35,7 @@ __all__ = [
     "UserId",
     "check_user_id",
     "session_id_from_wire",
+    "session_url",
     "text_without_nul",
 ]
 
@@ -64,6 +65,11 @@ def session_id_from_wire(spelled: str, where: str = "session_id") -> str:
             422, "ValidationError", f"{where}: the percent-encoding spells no printable id"
         ) from None
     return decoded
+
+
+def session_url(session_id: str) -> str:
+    """The spelling of ``session_id`` for a URL path (the inverse of the decoding)."""
+    return quote(session_id, safe="-._~:@")
 
 
 def check_user_id(value: str) -> str:

@@ -246,6 +246,11 @@ class CachedKeys:
         caller = self.caller(key)
         return None if caller is None else caller.tenant_id
 
+    def operator_tenant(self, key: str) -> str | None:
+        """The tenant of an operator (tenant-wide) key; None for any other key."""
+        caller = self.caller(key)
+        return None if caller is None or not caller.operator else caller.tenant_id
+
     def caller(self, key: str) -> Caller | None:
         """Who the key speaks for, or None for an unknown or revoked key."""
         fingerprint, cached = self._cached(key)

@@ -9,11 +9,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends, Header
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
 
 from keel.errors import KeelError
 from keel.runtime import TextDelta, TurnFinished
+from keel.service._access import chat_party
 from keel.service._context import ServiceContext, context_of, limited_tenant, turn_id_of
 from keel.service._errors import HTTPError
 from keel.service._models import ChatCompletionRequest
@@ -111,6 +112,7 @@ def _chunks(
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest,
+    request: Request,
     tenant_id: str = Depends(limited_tenant),
     context: ServiceContext = Depends(context_of),
     x_keel_session: str | None = Header(default=None, max_length=256),
@@ -131,6 +133,9 @@ async def chat_completions(
             "name the session and the user: X-Keel-Session and X-Keel-User headers, or "
             "metadata.session_id and metadata.user_id",
         )
+    session_id, user_id = chat_party(
+        request, session_id, user_id, user_from_header=x_keel_user is not None
+    )
     text = body.newest_user_text()
     if text is None:
         raise HTTPError(422, "ValidationError", "messages hold no user message with text")

@@ -9,8 +9,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from keel.errors import SessionBusyError, StateError
-from keel.service._access import caller, owned_checkpoint, path_session_id
+from keel.errors import StateError
+from keel.service._access import (
+    caller,
+    owned_checkpoint,
+    path_session_id,
+    revert_holding_lease,
+)
 from keel.service._context import ServiceContext, context_of
 from keel.service._errors import HTTPError
 from keel.service._ids import RawPathRoute
@@ -73,17 +78,11 @@ async def revert_session(
     ``expected_version`` (409 when another writer moved the session since). A revert holds
     the session's lease as a turn does: while a turn runs, 409 busy, and nothing changes."""
     agent = context.agent_for(who.tenant_id)
-    key = agent.session_key(session_id)
     await owned_checkpoint(agent, who, session_id, "the state")
-    lease = agent.state.session_lock(key, ttl=agent.lease_ttl_s)
-    if not await lease.aacquire():
-        raise SessionBusyError(session_id, 0.0)
     try:
-        checkpoint = await agent.state.arevert(
-            key, expected_version=revert.expected_version, to_version=revert.version
+        checkpoint = await revert_holding_lease(
+            agent, session_id, expected_version=revert.expected_version, to_version=revert.version
         )
     except StateError as exc:
         raise HTTPError(404, "NotFound", str(exc)) from None
-    finally:
-        await lease.arelease()
     return {"session_id": session_id, "version": checkpoint.version}

@@ -13,7 +13,7 @@ from keel.errors import KeelError
 from keel.runtime import TurnFinished
 from keel.service._access import caller, path_session_id, user_of
 from keel.service._context import ServiceContext, context_of, turn_id_of
-from keel.service._errors import error_status
+from keel.service._errors import STORE_UNAVAILABLE, error_status
 from keel.service._ids import RawPathRoute
 from keel.service._keys import Caller
 from keel.service._models import TurnRequest
@@ -56,7 +56,8 @@ async def post_turn(
                 yield f"event: {event.type}\ndata: {payload}\n\n".encode()
         except KeelError as exc:
             status = error_status(exc)
-            body = json.dumps({"type": type(exc).__name__, "message": str(exc), "status": status})
+            message = STORE_UNAVAILABLE if status == 503 else str(exc)
+            body = json.dumps({"type": type(exc).__name__, "message": message, "status": status})
             yield f"event: error\ndata: {body}\n\n".encode()
 
     return StreamingResponse(events(), media_type="text/event-stream")
