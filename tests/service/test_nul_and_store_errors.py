@@ -112,3 +112,23 @@ def test_a_blank_or_nul_user_is_refused_by_memory_as_by_turns(service: Service) 
             note = acme.post("/v1/memory", json={"user": user, "text": "dog"})
             assert (turn.status_code, note.status_code) == (422, 422), (user, note.text)
             assert note.json()["error"]["type"] == "ValidationError"
+
+
+def test_a_store_that_is_down_is_503_without_its_name_host_or_driver(postgres_url: str) -> None:
+    from keel.testing.servers import redis_server
+    from tests.service.test_postgres_service import _shut_down
+
+    with redis_server() as own_redis:
+        app, _, keys = build_service(
+            postgres_url, model=ScriptedModel(lambda call: "ok"), redis_url=own_redis, memory=False
+        )
+        port = own_redis.rsplit(":", 1)[-1].split("/")[0]
+        with serving(app) as running:
+            headers = {"Authorization": f"Bearer {keys.create('acme')}"}
+            with httpx.Client(base_url=running.url, headers=headers, timeout=60) as acme:
+                assert acme.get("/v1/sessions/s1").status_code == 404
+                _shut_down(own_redis)  # the state store goes away under the running server
+                down = acme.get("/v1/sessions/s1")
+                assert down.status_code == 503, down.text
+                message = down.json()["error"]["message"].lower()
+                assert not any(word in message for word in (*_STORE_WORDS, "redis", port))
