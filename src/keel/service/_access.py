@@ -127,6 +127,8 @@ async def session_read(
     """The session's newest checkpoint (None when it has none), when ``who`` may read what
     the session holds (404 for a user key and another user's session, or none)."""
     checkpoint = await agent.state.aget(agent.session_key(session_id))
+    if checkpoint is not None and not agent.owns(checkpoint.state):
+        raise HTTPError(404, "NotFound", "not found")
     owner = None if checkpoint is None else checkpoint.state.runtime.user_id
     read_of(who, owner, f"{what} of session {session_id!r}")
     return checkpoint
