@@ -81,7 +81,7 @@ def test_a_session_agent_run_made_outside_the_grammar_is_reachable_by_its_encodi
 
 
 class _GatedModel(ScriptedModel):
-    """Echoes; while ``gate`` is clear, a call waits for it (on the loop) after saying it started."""
+    """Echoes; while ``gate`` is clear, a call says it started and waits for it (on the loop)."""
 
     def __init__(self) -> None:
         super().__init__(lambda call: f"echo: {call.last_user_text}")
