@@ -92,7 +92,7 @@ def _calls(ids: dict[str, str]) -> list[_Call]:
         _Call("POST", "/v1/sessions/{session_id}/revert", session,
               body={"version": 1, "expected_version": 999}),
         _Call("GET", "/v1/sessions/{session_id}/in-doubt", session, query={"cursor": "0"}),
-        _Call("POST", "/v1/tools/in-doubt/{key}/resolve", {"key": "k-missing"},
+        _Call("POST", "/v1/tools/in-doubt/{key}/resolve", {"key": "k-acme"},
               body={"ok": True, "content": "done"}),
         _Call("GET", "/v1/runs", query={"session": "s1", "status": "succeeded", "limit": "5",
                                         "cursor": "1.a"}),
