@@ -96,3 +96,13 @@ def test_keys_list_says_which_key_is_an_operators(tmp_path: Path) -> None:
         "operator",
         "user:ada",
     ]
+
+
+def test_the_viewer_signs_in_only_an_operator_key(service: Service) -> None:
+    with httpx.Client(base_url=service.url, timeout=30) as browser:
+        for key, status in (
+            (service.keys.create("acme", "ada"), 401),
+            (service.keys.create("acme"), 303),
+        ):
+            answer = browser.post("/ui/login", data={"key": key, "next": "/ui/runs"})
+            assert answer.status_code == status, answer.text
