@@ -48,6 +48,9 @@ def test_a_user_key_reaches_only_its_users_sessions_memory_and_runs(
         assert ada.post("/v1/memory", json={"user": "bob", "text": "x"}).status_code == 403
         forget = ada.delete(f"/v1/memory/{note['id']}", params={"user": "bob"})
         assert forget.status_code == 403
+        chat = {"model": "keel", "messages": [{"role": "user", "content": "Book Rome"}]}
+        as_bob = {"X-Keel-Session": "s-bob", "X-Keel-User": "bob"}
+        assert ada.post("/v1/chat/completions", json=chat, headers=as_bob).status_code == 403
         # Nothing of Bob's changed.
         assert bob.get("/v1/sessions/s-bob").json()["version"] == bobs_turn["state_version"]
         hits = bob.get("/v1/memory/search", params=search).json()
