@@ -18,6 +18,7 @@ import pytest
 
 from keel.testing import ScriptedModel
 from tests.service.conftest import Service, _service
+from tests.service.test_ui_pages import _browser
 
 
 def _chat(client: httpx.Client, headers: dict[str, Any], **body: Any) -> httpx.Response:
@@ -127,7 +128,11 @@ def test_a_revert_while_a_turn_runs_is_409_busy_and_the_turn_commits(
         assert model.started.wait(30), "the second turn never reached the model"
         revert = {"version": 1, "expected_version": first["state_version"]}
         refused = acme.post("/v1/sessions/s1/revert", json=revert)
+        with _browser(service, key) as page:  # the viewer's revert takes the lease too
+            form = {"version": 1, "expected_version": first["state_version"], "confirm": "yes"}
+            viewed = page.post("/ui/sessions/s1/revert", data=form)
         model.gate.set()
+        assert "A turn is running on this session: nothing was reverted" in viewed.text
         running.join(30)
         assert refused.status_code == 409, refused.text
         assert refused.json()["error"]["type"] == "SessionBusyError"
