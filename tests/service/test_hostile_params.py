@@ -99,6 +99,8 @@ def _calls(ids: dict[str, str]) -> list[_Call]:
         _Call("GET", "/v1/runs/{run_id}", {"run_id": ids["run_id"]}),
         _Call("GET", "/v1/memory/search", query={"user": "u1", "q": "Oslo", "k": "3"}),
         _Call("POST", "/v1/memory", body={"user": "u1", "text": "likes fjords"}),
+        _Call("GET", "/v1/memory/{record_id}", {"record_id": ids["acme_record"]},
+              query={"user": "u1"}),
         _Call("DELETE", "/v1/memory/{record_id}", {"record_id": "r-missing"},
               query={"user": "u1"}),
         _Call("POST", "/v1/chat/completions",

@@ -66,3 +66,22 @@ def test_a_long_input_is_clipped_in_the_listing_and_whole_in_the_run(service: Se
         short = acme.post("/v1/sessions/s4/turns", json={"message": "Book Rome", "user": "u1"})
         newest = acme.get("/v1/runs", params={"limit": 1}).json()[0]
         assert newest["run_id"] == short.json()["run_id"] and newest["clipped"] is False
+
+
+def test_a_long_memory_is_clipped_in_a_search_and_whole_by_its_id(memory_service: Service) -> None:
+    service = memory_service
+    long_text = "Rex the dog " + "barks loudly " * 600
+    with (
+        service.client(service.keys.create("acme")) as acme,
+        service.client(service.keys.create("globex")) as globex,
+    ):
+        note = acme.post("/v1/memory", json={"user": "u1", "text": long_text}).json()
+        hits = acme.get("/v1/memory/search", params={"user": "u1", "q": "Rex dog"}).json()
+        record = hits[0]["record"]
+        assert record["id"] == note["id"] and record["clipped"]
+        assert record["text"] == note["text"][:CLIPPED_CHARS] + "…"
+        whole = acme.get(f"/v1/memory/{note['id']}", params={"user": "u1"})
+        assert whole.status_code == 200 and whole.json()["text"] == note["text"]
+        assert len(note["text"]) > CLIPPED_CHARS
+        assert acme.get(f"/v1/memory/{note['id']}", params={"user": "u2"}).status_code == 404
+        assert globex.get(f"/v1/memory/{note['id']}", params={"user": "u1"}).status_code == 404

@@ -14,6 +14,7 @@ from keel.service._errors import HTTPError
 from keel.service._ids import PLAIN_ID, Text, UserId
 from keel.service._keys import Caller
 from keel.service._models import MemoryAddition
+from keel.service._paging import clip
 
 __all__ = ["router"]
 
@@ -28,13 +29,14 @@ async def search_memory(
     who: Caller = Depends(caller),
     context: ServiceContext = Depends(context_of),
 ) -> list[dict[str, Any]]:
-    """The user's most relevant memories for ``q``, with why each ranked."""
+    """The user's most relevant memories for ``q``, with why each ranked; a long text is
+    clipped (``"clipped": true``), whole at ``GET /v1/memory/{id}``."""
     memory = memory_of(context.agent_for(who.tenant_id))
     read_of(who, user_of(who, user), "the memory")
     hits = await memory.asearch(q, scope=Scope(tenant_id=who.tenant_id, user_id=user), k=k)
     return [
         {
-            "record": hit.record.model_dump(mode="json", exclude={"embedding"}),
+            "record": clip(hit.record.model_dump(mode="json", exclude={"embedding"}), "text"),
             "score": hit.score,
             "keyword_rank": hit.keyword_rank,
             "vector_rank": hit.vector_rank,
@@ -43,6 +45,23 @@ async def search_memory(
         }
         for hit in hits
     ]
+
+
+@router.get("/v1/memory/{record_id}")
+async def get_memory(
+    user: Annotated[UserId, Query()],
+    record_id: str = Path(min_length=1, max_length=256, pattern=PLAIN_ID),
+    who: Caller = Depends(caller),
+    context: ServiceContext = Depends(context_of),
+) -> dict[str, Any]:
+    """One of the user's memories, its text whole (404 when the user has no such record)."""
+    memory = memory_of(context.agent_for(who.tenant_id))
+    read_of(who, user_of(who, user), "the memory")
+    scope = Scope(tenant_id=who.tenant_id, user_id=user)
+    found = await asyncio.to_thread(memory.get, scope, record_id)
+    if found is None:
+        raise HTTPError(404, "NotFound", "not found")
+    return found.model_dump(mode="json", exclude={"embedding"})
 
 
 @router.post("/v1/memory", status_code=201)
