@@ -190,3 +190,20 @@ async def test_memory_over_http_needs_a_key_and_keeps_tenants_apart(http_server:
         assert _error_text(forgotten).endswith(missing)
     async with _as(url, acme) as client:
         assert _data(await client.call_tool("get", {"user": "u1", "record_id": note["id"]}))
+
+
+def test_memory_over_http_refuses_a_key_of_one_user(http_server: Any) -> None:
+    import subprocess
+
+    url, env = http_server
+    created = subprocess.run(
+        [sys.executable, "-m", "keel", "keys", "create", "--tenant", "acme", "--user", "u1"],
+        capture_output=True, text=True, env=env, timeout=120, check=True,
+    )  # fmt: skip
+    user_key = created.stdout.strip().splitlines()[-1]
+    refused = httpx.post(url, json={}, headers={"Authorization": f"Bearer {user_key}"})
+    assert refused.status_code == 401, "a user's key reached every user's memory"
+    operator = httpx.post(
+        url, json={}, headers={"Authorization": f"Bearer {create_key('acme', env)}"}
+    )
+    assert operator.status_code != 401

@@ -41,6 +41,7 @@ class Service:
     keys: APIKeys
     database: Path
     booked: list[str]
+    agents: ServiceAgents
 
     def client(self, key: str | None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -67,7 +68,11 @@ def memory_service(tmp_path: Path) -> Iterator[Service]:
 
 
 def _service(
-    tmp_path: Path, *, memory: bool, rate_limiter: RateLimiter | None = None
+    tmp_path: Path,
+    *,
+    memory: bool,
+    rate_limiter: RateLimiter | None = None,
+    model: ScriptedModel | None = None,
 ) -> Iterator[Service]:
     from keel.privacy import PIIMasker
 
@@ -89,7 +94,7 @@ def _service(
         f"sqlite:///{path}", memory=memory, masker=PIIMasker(), settings=settings
     )
     agents = ServiceAgents(
-        backends, ScriptedModel(_policy), system_prompt="You book trips.", tools=[book]
+        backends, model or ScriptedModel(_policy), system_prompt="You book trips.", tools=[book]
     )
     keys = APIKeys(backends.sql)
     app = create_app(
@@ -106,7 +111,7 @@ def _service(
     )
     try:
         with serving(app) as running:
-            yield Service(running.url, keys, path, booked)
+            yield Service(running.url, keys, path, booked, agents)
     finally:
         backends.close()
 

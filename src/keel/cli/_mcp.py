@@ -49,7 +49,8 @@ def mcp_command(
             return
         import uvicorn
 
-        keys = CachedKeys(APIKeys(backends.sql).tenant_of)
+        # The MCP tools name any user of the tenant: only the tenant's operator keys serve.
+        keys = CachedKeys(APIKeys(backends.sql).caller_of).operator_tenant
         server = memory_server(memory, tenant_of_key=keys)
         gated = require_api_key(server.streamable_http_app(host=host), keys)
         err_console.print(f"keel mcp: http://{host}:{port}/mcp (Bearer API keys)")

@@ -34,13 +34,20 @@ def _keys(
 @keys_app.command("create")
 def keys_create(
     tenant: Annotated[str, typer.Option(help="The tenant the key acts for.")],
+    user: Annotated[
+        str | None,
+        typer.Option(help="The one user the key acts for (without: the tenant's operator key)."),
+    ] = None,
     database: DatabaseOption = None,
     create: CreateOption = False,
 ) -> None:
-    """Create a key for TENANT and print it: it is shown this once, only its hash is kept."""
+    """Create a key for TENANT (for one USER of it, with --user) and print it: it is shown
+    this once, only its hash is kept. A key without --user is the tenant's operator key: it
+    reaches every user's sessions, memory and runs (its reads of them are logged)."""
     backends, keys = _keys(database, writes=True, create=create)
     try:
-        out_console.print(keys.create(tenant), markup=False, highlight=False, soft_wrap=True)
+        created = keys.create(tenant, user)
+        out_console.print(created, markup=False, highlight=False, soft_wrap=True)
     finally:
         backends.close()
 
@@ -51,7 +58,8 @@ def keys_list(
     database: DatabaseOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """The keys (ids, tenants, dates; never their secrets)."""
+    """The keys (ids, tenants, scopes, dates; never their secrets). A key's scope is
+    ``operator`` (tenant-wide) or ``user:<id>``."""
     backends, keys = _keys(database)
     try:
         found = keys.list(tenant)
@@ -61,6 +69,8 @@ def keys_list(
         {
             "key_id": k.key_id,
             "tenant": k.tenant_id,
+            "scope": k.scope,
+            "user": k.user_id,
             "created_at": k.created_at,
             "revoked": k.revoked,
         }
@@ -71,7 +81,8 @@ def keys_list(
         return
     for row in rows:
         state = "revoked" if row["revoked"] else "active"
-        out_console.print(f"{row['key_id']}  {row['tenant']}  {state}", markup=False)
+        line = f"{row['key_id']}  {row['tenant']}  {row['scope']}  {state}"
+        out_console.print(line, markup=False)
 
 
 @keys_app.command("revoke")

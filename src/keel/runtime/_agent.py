@@ -818,9 +818,16 @@ class Agent:
         return run_sync(self.resume(session_id, user_id))
 
     def session_state(self, session_id: str) -> AgentState | None:
-        """The session's committed state (in this agent's tenant), or None."""
+        """The session's committed state (in this agent's tenant), or None; a state another
+        tenant's agent wrote (under a key that should never be this session's) is None too."""
         checkpoint = self.state.get(self.session_key(session_id))
-        return None if checkpoint is None else checkpoint.state
+        if checkpoint is None or not self.owns(checkpoint.state):
+            return None
+        return checkpoint.state
+
+    def owns(self, state: AgentState) -> bool:
+        """Whether ``state`` is of this agent's tenant (a state that names no tenant is)."""
+        return state.runtime.tenant_id in (None, self.tenant_id)
 
     # --- owning a session ---------------------------------------------------------------------
 
@@ -1767,6 +1774,9 @@ def _user_text(text: object) -> str:
     )
     if not visible:
         raise UsageError("the user message is empty")
+    if "\x00" in text:
+        # PostgreSQL cannot store a NUL; SQLite could, so both refuse it before a turn starts.
+        raise UsageError("the user message holds a NUL character (U+0000)")
     return text
 
 

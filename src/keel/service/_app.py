@@ -109,7 +109,7 @@ def create_app(
     )
     context = ServiceContext(
         agent_for=agent_for,
-        keys=CachedKeys(keys.tenant_of, key_cache_s, keys.atenant_of),
+        keys=CachedKeys(keys.caller_of, key_cache_s, keys.acaller_of),
         traces=traces,
         metrics_token=metrics_token,
         tenants=tenants,
@@ -125,5 +125,6 @@ def create_app(
     if ui:
         from keel.ui import mount_ui
 
-        mount_ui(app, agent_for, context.keys, traces)
+        # The viewer shows a whole tenant: it signs in with the tenant's operator key only.
+        mount_ui(app, agent_for, context.keys.operator_tenant, traces)
     return app

@@ -67,10 +67,11 @@ async def tenant(request: Request, authorization: str | None = Header(default=No
     scheme, _, key = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not key:
         raise HTTPError(401, "Unauthorized", "send Authorization: Bearer <API key>")
-    found = await context_of(request).keys.acheck(key)
+    found = await context_of(request).keys.acaller(key)
     if found is None:
         raise HTTPError(401, "Unauthorized", "unknown or revoked API key")
-    return found
+    request.state.keel_caller = found  # who the key speaks for: keel.service._access.caller
+    return found.tenant_id
 
 
 async def limited_tenant(

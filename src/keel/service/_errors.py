@@ -26,6 +26,7 @@ from keel.errors import (
 )
 
 __all__ = [
+    "STORE_UNAVAILABLE",
     "HTTPError",
     "RateLimited",
     "describe",
@@ -71,6 +72,10 @@ class RateLimited(HTTPError):
             429, "RateLimited", f"too many requests for this key; retry in {retry_after_s:g} s"
         )
         self.retry_after_s = retry_after_s
+
+
+STORE_UNAVAILABLE = "a store did not answer; try again later"
+"""The message of every 503 a store's failure causes."""
 
 
 def is_openai_path(path: str) -> bool:
@@ -170,6 +175,9 @@ def describe(exc: KeelError) -> tuple[int, str, str]:
     status = error_status(exc)
     if status == 404:
         return status, "NotFound", "not found"
+    if status == 503:
+        # A store's error names its database, host or driver: none of the client's business.
+        return status, type(exc).__name__, STORE_UNAVAILABLE
     return status, type(exc).__name__, str(exc)
 
 

@@ -1,4 +1,9 @@
-"""API keys: each names one tenant; only a hash of its secret is ever stored.
+"""API keys: each names one tenant and, optionally, one user; only a hash of its secret is
+ever stored.
+
+A **user key** (``keel keys create --tenant T --user U``) reaches only that user's sessions,
+memory and runs. A **tenant-wide key** is an operator's: it reaches every user of its tenant,
+and its reads of a user's data are logged (``keel.service.access``).
 
 A key reads ``keel_<id>_<secret>``. ``create`` returns it once; the database keeps the id, the
 tenant and the SHA-256 of the secret, so a leaked database reveals no usable key. ``tenant_of``
@@ -23,7 +28,7 @@ from keel.stores import PostgresDatabase, SQLiteDatabase
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 
-__all__ = ["APIKey", "APIKeys", "CachedKeys"]
+__all__ = ["APIKey", "APIKeys", "CachedKeys", "Caller"]
 
 _KEY = re.compile(r"keel_([0-9a-f]{12})_([A-Za-z0-9_-]{32,64})")
 
@@ -43,6 +48,10 @@ KEY_MIGRATIONS = MigrationSet(
             CREATE INDEX IF NOT EXISTS keel_api_keys_tenant ON keel_api_keys (tenant_id);
             """,
         ),
+        Migration(
+            "API keys of one user (NULL: the tenant's operator)",
+            "ALTER TABLE keel_api_keys ADD COLUMN user_id TEXT;",
+        ),
     ),
 )
 
@@ -55,10 +64,32 @@ class APIKey:
     tenant_id: str
     created_at: float
     revoked: bool
+    user_id: str | None = None
+    """The one user the key acts for; None for a tenant-wide (operator) key."""
+
+    @property
+    def scope(self) -> str:
+        """``operator`` for a tenant-wide key, ``user:<id>`` for a user's key."""
+        return "operator" if self.user_id is None else f"user:{self.user_id}"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a verified key speaks for: its tenant and, for a user key, its user."""
+
+    tenant_id: str
+    user_id: str | None = None
+    key_id: str = ""
+
+    @property
+    def operator(self) -> bool:
+        """A tenant-wide key: it reaches every user of the tenant."""
+        return self.user_id is None
 
 
 _LIVE_KEY = (
-    "SELECT tenant_id, secret_sha256 FROM keel_api_keys WHERE key_id = ? AND revoked_at IS NULL"
+    "SELECT tenant_id, secret_sha256, user_id FROM keel_api_keys "
+    "WHERE key_id = ? AND revoked_at IS NULL"
 )
 
 
@@ -72,12 +103,14 @@ def _parsed(key: object) -> tuple[str, str] | None:
     return None if found is None else (found[1], found[2])
 
 
-def _verified(rows: list[tuple[Any, ...]], secret: str) -> str | None:
-    """The tenant of the key row found, if the secret's hash matches (in constant time)."""
+def _verified(rows: list[tuple[Any, ...]], key_id: str, secret: str) -> Caller | None:
+    """Who the key row found speaks for, if the secret's hash matches (in constant time)."""
     if not rows:
         return None
-    tenant_id, stored = rows[0]
-    return str(tenant_id) if hmac.compare_digest(str(stored), _digest(secret)) else None
+    tenant_id, stored, user_id = rows[0]
+    if not hmac.compare_digest(str(stored), _digest(secret)):
+        return None
+    return Caller(str(tenant_id), None if user_id is None else str(user_id), key_id)
 
 
 class APIKeys:
@@ -110,39 +143,51 @@ class APIKeys:
         with self.database.connection() as conn:
             return list(conn.execute(self._sql(statement), parameters).fetchall())
 
-    def create(self, tenant_id: str) -> str:
-        """A new key for ``tenant_id``: the only time its secret is seen."""
-        if not isinstance(tenant_id, str) or not tenant_id.strip():
-            raise UsageError("a key needs a tenant")
+    def create(self, tenant_id: str, user_id: str | None = None) -> str:
+        """A new key for ``tenant_id`` (only ``user_id``'s data when given; the tenant's
+        operator key otherwise): the only time its secret is seen."""
+        for name, value in (("tenant", tenant_id), ("user", user_id)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise UsageError(f"a key's {name} must be non-blank text")
         key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
         self._execute(
-            "INSERT INTO keel_api_keys (key_id, tenant_id, secret_sha256, created_at) "
-            "VALUES (?, ?, ?, ?)",
-            (key_id, tenant_id, _digest(secret), time.time()),
+            "INSERT INTO keel_api_keys (key_id, tenant_id, secret_sha256, created_at, user_id) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (key_id, tenant_id, _digest(secret), time.time(), user_id),
         )
         return f"keel_{key_id}_{secret}"
 
-    def tenant_of(self, key: str) -> str | None:
-        """The tenant a valid, unrevoked key belongs to; None for anything else."""
+    def caller_of(self, key: str) -> Caller | None:
+        """Who a valid, unrevoked key speaks for; None for anything else."""
         parsed = _parsed(key)
         if parsed is None:
             return None
         key_id, secret = parsed
-        return _verified(self._query(_LIVE_KEY, (key_id,)), secret)
+        return _verified(self._query(_LIVE_KEY, (key_id,)), key_id, secret)
 
-    async def atenant_of(self, key: str) -> str | None:
-        """:meth:`tenant_of` for an event loop. On PostgreSQL it reads on the async pool the
+    def tenant_of(self, key: str) -> str | None:
+        """The tenant a valid, unrevoked key belongs to; None for anything else."""
+        caller = self.caller_of(key)
+        return None if caller is None else caller.tenant_id
+
+    async def acaller_of(self, key: str) -> Caller | None:
+        """:meth:`caller_of` for an event loop. On PostgreSQL it reads on the async pool the
         agent's stores use (already open when the server is ready), not on the sync one: a
         worker's first request would otherwise open a connection of its own."""
         if isinstance(self.database, SQLiteDatabase):
-            return await self.database.arun(lambda: self.tenant_of(key))
+            return await self.database.arun(lambda: self.caller_of(key))
         parsed = _parsed(key)
         if parsed is None:
             return None
         key_id, secret = parsed
         async with self.database.aconnection() as conn:
             cursor = await conn.execute(self._sql(_LIVE_KEY), (key_id,))
-            return _verified(list(await cursor.fetchall()), secret)
+            return _verified(list(await cursor.fetchall()), key_id, secret)
+
+    async def atenant_of(self, key: str) -> str | None:
+        """:meth:`tenant_of` for an event loop."""
+        caller = await self.acaller_of(key)
+        return None if caller is None else caller.tenant_id
 
     def revoke(self, key_id: str) -> bool:
         """Revoke a key by its id; False when there is no such live key."""
@@ -157,54 +202,85 @@ class APIKeys:
         """The keys (of one tenant, or all), newest first; never their secrets."""
         where, parameters = ("WHERE tenant_id = ?", (tenant_id,)) if tenant_id else ("", ())
         rows = self._query(
-            "SELECT key_id, tenant_id, created_at, revoked_at FROM keel_api_keys "
+            "SELECT key_id, tenant_id, created_at, revoked_at, user_id FROM keel_api_keys "
             f"{where} ORDER BY created_at DESC",
             parameters,
         )
-        return [APIKey(str(r[0]), str(r[1]), float(r[2]), r[3] is not None) for r in rows]
+        return [
+            APIKey(str(r[0]), str(r[1]), float(r[2]), r[3] is not None, _text_or_none(r[4]))
+            for r in rows
+        ]
+
+
+def _text_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+_Found = Caller | str | None
+"""What a key look-up answers: who the key speaks for (a bare tenant: its operator key)."""
+
+
+def _as_caller(found: _Found) -> Caller | None:
+    return Caller(found) if isinstance(found, str) else found
 
 
 class CachedKeys:
     """``tenant_of_key`` with each verified key trusted for ``ttl_s`` seconds without a look-up
     (a revoked key stops working within that time): what every front door of the service (the
-    API, the viewer, the MCP server) checks keys with."""
+    API, the viewer, the MCP server) checks keys with. The look-up answers a :class:`Caller`
+    (:meth:`APIKeys.caller_of`) or a bare tenant (an operator key)."""
 
     def __init__(
         self,
-        tenant_of_key: Callable[[str], str | None],
+        tenant_of_key: Callable[[str], _Found],
         ttl_s: float = 30.0,
-        atenant_of_key: Callable[[str], Awaitable[str | None]] | None = None,
+        atenant_of_key: Callable[[str], Awaitable[_Found]] | None = None,
     ) -> None:
         self._tenant_of_key = tenant_of_key
         self._atenant_of_key = atenant_of_key or (lambda key: asyncio.to_thread(tenant_of_key, key))
         self._ttl_s = ttl_s
-        self._verified: dict[str, tuple[str, float]] = {}
+        self._verified: dict[str, tuple[Caller, float]] = {}
 
     def __call__(self, key: str) -> str | None:
         """The key's tenant, or None for an unknown or revoked key."""
+        caller = self.caller(key)
+        return None if caller is None else caller.tenant_id
+
+    def operator_tenant(self, key: str) -> str | None:
+        """The tenant of an operator (tenant-wide) key; None for any other key."""
+        caller = self.caller(key)
+        return None if caller is None or not caller.operator else caller.tenant_id
+
+    def caller(self, key: str) -> Caller | None:
+        """Who the key speaks for, or None for an unknown or revoked key."""
         fingerprint, cached = self._cached(key)
         if cached is not None:
             return cached
-        return self._remember(fingerprint, self._tenant_of_key(key))
+        return self._remember(fingerprint, _as_caller(self._tenant_of_key(key)))
 
     async def acheck(self, key: str) -> str | None:
-        """``self(key)`` from an event loop: a key verified within ``ttl_s`` is answered on the
-        loop, a look-up by ``atenant_of_key`` (by default ``tenant_of_key`` in a thread). An
-        async caller must not pay a thread hop (and, in a fresh process, the import of the
+        """``self(key)`` from an event loop."""
+        caller = await self.acaller(key)
+        return None if caller is None else caller.tenant_id
+
+    async def acaller(self, key: str) -> Caller | None:
+        """:meth:`caller` from an event loop: a key verified within ``ttl_s`` is answered on
+        the loop, a look-up by ``atenant_of_key`` (by default ``tenant_of_key`` in a thread).
+        An async caller must not pay a thread hop (and, in a fresh process, the import of the
         thread pool's machinery: 10 ms on a worker's first request) for what a dict holds."""
         fingerprint, cached = self._cached(key)
         if cached is not None:
             return cached
-        return self._remember(fingerprint, await self._atenant_of_key(key))
+        return self._remember(fingerprint, _as_caller(await self._atenant_of_key(key)))
 
-    def _cached(self, key: str) -> tuple[str, str | None]:
+    def _cached(self, key: str) -> tuple[str, Caller | None]:
         fingerprint = hashlib.sha256(key.encode()).hexdigest()
         cached = self._verified.get(fingerprint)
         if cached is not None and cached[1] > time.monotonic():
             return fingerprint, cached[0]
         return fingerprint, None
 
-    def _remember(self, fingerprint: str, found: str | None) -> str | None:
+    def _remember(self, fingerprint: str, found: Caller | None) -> Caller | None:
         if found is not None:
             self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
         return found

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from keel.service._ids import Text, UserId
+
 __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
@@ -23,8 +25,8 @@ class TurnRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    message: str = Field(min_length=1, max_length=100_000, description="What the user wrote.")
-    user: str = Field(min_length=1, max_length=256, description="The user the session belongs to.")
+    message: Text = Field(min_length=1, max_length=100_000, description="What the user wrote.")
+    user: UserId = Field(description="The user the session belongs to.")
 
 
 class ErrorBody(BaseModel):
@@ -48,7 +50,7 @@ class Resolution(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ok: bool = Field(description="Whether the call took effect.")
-    content: str = Field(min_length=1, max_length=10_000, description="What to tell the model.")
+    content: Text = Field(min_length=1, max_length=10_000, description="What to tell the model.")
 
 
 class MemoryAddition(BaseModel):
@@ -56,8 +58,8 @@ class MemoryAddition(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    user: str = Field(min_length=1, max_length=256)
-    text: str = Field(min_length=1, max_length=20_000)
+    user: UserId
+    text: Text = Field(min_length=1, max_length=20_000)
     kind: Literal["episodic", "semantic", "procedural"] = "semantic"
 
 

@@ -226,21 +226,24 @@ class SQLiteStateBackend(StateBackend):
                     ),
                 )
             else:
-                actual = None if head is None else head.version
-                if (
-                    head is None
-                    or head.version != expected_version
-                    or head.epoch != expected_epoch
-                    or (head.expires_at is not None and head.expires_at <= now)
-                ):
-                    raise ConflictError(session_id, expected_version, actual)
-                conn.execute(
+                # The compare-and-set is the UPDATE itself: it moves only the head this writer
+                # read (version, incarnation, alive), so no row is written past a stale head
+                # whatever the checkpoint table would have said.
+                moved = conn.execute(
                     "UPDATE keel_state_sessions SET version = ?, updated_at = ?, "
                     "last_full = CASE WHEN ? THEN ? ELSE last_full END, "
                     "expires_at = CASE WHEN ttl IS NULL THEN NULL ELSE ? + ttl END "
-                    "WHERE session_id = ?",
-                    (row.version, now, row.kind == "full", row.version, now, session_id),
-                )
+                    "WHERE session_id = ? AND version = ? AND epoch IS ? "
+                    "AND (expires_at IS NULL OR expires_at > ?)",
+                    (
+                        row.version, now, row.kind == "full", row.version, now,
+                        session_id, expected_version, expected_epoch, now,
+                    ),
+                )  # fmt: skip
+                if moved.rowcount != 1:
+                    raise ConflictError(
+                        session_id, expected_version, None if head is None else head.version
+                    )
             conn.execute(
                 f"INSERT INTO keel_state_checkpoints (session_id, {_COLUMNS}) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

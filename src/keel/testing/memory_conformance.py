@@ -287,6 +287,31 @@ class MemoryStoreConformance:
         assert {hit.record_id for hit in every[1:]} == said
         memory.close()
 
+    def test_keyword_search_in_a_dominant_scope_never_lists_another_tenants_rows(
+        self, make_store: StoreFactory
+    ) -> None:
+        # A scope holding nearly the whole table (one user on a laptop) may leave the scope out
+        # of the full-text match: then only the check on the rows keeps another tenant's rows,
+        # with the same user id and the same words, out of the results (and of their slots).
+        memory = _memory(make_store())
+        mine = {
+            memory.add(f"invoice {number} for the harbour crane", scope=ALICE).id
+            for number in range(5)
+        }
+        for number in range(1_700):
+            memory.add(f"alice's diary entry {number} about the weather", scope=ALICE)
+        theirs = {
+            memory.add(f"invoice {number} for the harbour crane", scope=EVE).id
+            for number in range(40)
+        }
+        memory.flush()
+        for limit in (3, 5, 50):
+            hits = memory.store.keyword_search(ALICE, ["invoice", "crane"], MemoryFilter(), limit)
+            found = {hit.record_id for hit in hits}
+            assert found <= mine and not found & theirs
+            assert len(found) == min(limit, len(mine))
+        memory.close()
+
     def test_filters_apply(self, make_store: StoreFactory) -> None:
         memory = _memory(make_store())
         turn = memory.add("we talked about hiking boots", scope=ALICE, type="turn", session_id="a")

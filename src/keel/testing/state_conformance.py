@@ -17,6 +17,7 @@ and the seeds' scenarios: the e-commerce race, 64 concurrent writers, and SIGKIL
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -362,6 +363,27 @@ class StateBackendConformance:
         assert store.load("branch").state.counter == 101
         with pytest.raises(ConflictError):
             store.fork("main", "branch")
+
+    def test_a_blind_write_is_a_conflict_of_the_compare_and_set_itself(
+        self, store: StateStore[CounterState], backend: StateBackend
+    ) -> None:
+        # A writer on a stale version whose new row collides with no stored version (a blind
+        # write): only the compare-and-set can refuse it, and it answers ConflictError.
+        store.create("s", CounterState(counter=1))
+        before = store.update("s", {"counter": 2}, expected_version=1).state
+        now = time.time()
+        chain = backend.read_chain("s", None, now)
+        assert chain is not None and chain.head.version == 2
+        blind = dataclasses.replace(chain.rows[-1], version=9, reason="blind")
+        for expected, epoch in ((1, chain.head.epoch), (2, "another-incarnation")):
+            with pytest.raises(ConflictError) as caught:
+                backend.write(
+                    "s", blind, expected_version=expected, expected_epoch=epoch,
+                    new_epoch=None, ttl=None, now=now,
+                )  # fmt: skip
+            assert caught.value.actual == 2
+        assert [info.version for info in store.history("s")] == [2, 1]
+        assert store.load("s").state == before
 
     def test_delete_and_recreate_fences_old_writers(
         self, store: StateStore[CounterState], state_backend_url: str

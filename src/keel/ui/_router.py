@@ -23,7 +23,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from keel.errors import ConflictError, StateError
+from keel.errors import ConflictError, SessionBusyError, StateError
+from keel.service._access import path_session_id, revert_holding_lease
+from keel.service._ids import RawPathRoute, Text, session_url
 from keel.tracing import RUN_STATUSES, RunQuery, TraceStore
 from keel.ui._render import indicator_series, line_chart, machine_graph, state_diff, token_bar
 
@@ -58,6 +60,7 @@ def _environment() -> Environment:
     environment.filters["when"] = lambda value: (
         "" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
     )
+    environment.filters["session_url"] = session_url
     environment.filters["ms"] = lambda value: "" if value is None else f"{value:.0f} ms"
     return environment
 
@@ -95,7 +98,8 @@ def _tenant(request: Request, viewer: _Viewer = Depends(_viewer)) -> str:
     return tenant
 
 
-router = APIRouter(include_in_schema=False)
+# Matched as sent: a session id spelled team%2Falpha stays one path segment.
+router = APIRouter(include_in_schema=False, route_class=RawPathRoute)
 
 
 @router.get("/ui")
@@ -267,7 +271,7 @@ async def _session_view(
 @router.get("/ui/sessions/{session_id}")
 async def session(
     request: Request,
-    session_id: str,
+    session_id: str = Depends(path_session_id),
     a: int | None = Query(default=None, ge=1),
     b: int | None = Query(default=None, ge=1),
     tenant: str = Depends(_tenant),
@@ -294,7 +298,7 @@ async def session(
 @router.post("/ui/sessions/{session_id}/revert")
 async def revert(
     request: Request,
-    session_id: str,
+    session_id: str = Depends(path_session_id),
     version: int = Form(ge=1),
     expected_version: int = Form(ge=1),
     confirm: str | None = Form(default=None),
@@ -305,11 +309,15 @@ async def revert(
         notice = "Tick the confirmation to revert."
         return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
     agent = viewer.agent_for(tenant)
-    key = agent.session_key(session_id)
-    if await agent.state.aget(key) is None:
+    if await agent.state.aget(agent.session_key(session_id)) is None:
         raise _Missing
     try:
-        done = await agent.state.arevert(key, expected_version=expected_version, to_version=version)
+        done = await revert_holding_lease(
+            agent, session_id, expected_version=expected_version, to_version=version
+        )
+    except SessionBusyError:
+        notice = "A turn is running on this session: nothing was reverted; try again."
+        return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
     except ConflictError:
         notice = "The session moved on since this page was loaded: nothing was reverted."
         return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
@@ -322,10 +330,10 @@ async def revert(
 @router.post("/ui/sessions/{session_id}/resolve")
 async def resolve(
     request: Request,
-    session_id: str,
+    session_id: str = Depends(path_session_id),
     key: str = Form(max_length=256),
     ok: str = Form(),
-    content: str = Form(min_length=1, max_length=10_000),
+    content: Text = Form(min_length=1, max_length=10_000),  # noqa: B008 - FastAPI form field
     tenant: str = Depends(_tenant),
     viewer: _Viewer = Depends(_viewer),
 ) -> Response:

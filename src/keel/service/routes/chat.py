@@ -9,12 +9,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends, Header
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
 
 from keel.errors import KeelError
 from keel.models import ModelOptions
 from keel.runtime import TextDelta, TextDiscarded, ToolCallStarted, TurnFinished
+from keel.service._access import chat_party
 from keel.service._context import ServiceContext, context_of, limited_tenant, turn_id_of
 from keel.service._errors import HTTPError, describe
 from keel.service._models import ChatCompletionRequest
@@ -114,6 +115,7 @@ def _resolve(
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest,
+    request: Request,
     tenant_id: str = Depends(limited_tenant),
     context: ServiceContext = Depends(context_of),
     x_keel_session: str | None = Header(default=None, max_length=256),
@@ -132,12 +134,14 @@ async def chat_completions(
     is OpenAI's error (502 the model failed, 504 the time limit, 500 another limit), before
     the first byte with its status, after it as an error event the SDK raises."""
     metadata = body.metadata or {}
-    turn, text = _resolve(
-        body,
-        x_keel_session or metadata.get("session_id"),
-        x_keel_user or metadata.get("user_id") or body.user,
-        idempotency_key,
-    )
+    session_id = x_keel_session or metadata.get("session_id")
+    user_id = x_keel_user or metadata.get("user_id") or body.user
+    if session_id and user_id:
+        # The session-id grammar, and a user key's own user only.
+        session_id, user_id = chat_party(
+            request, session_id, user_id, user_from_header=x_keel_user is not None
+        )
+    turn, text = _resolve(body, session_id, user_id, idempotency_key)
     agent = context.agent_for(tenant_id)
     requested = body.model_options()
     options = agent.model_options.model_copy(update=requested) if requested else None

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 
 from keel.memory import Scope
-from keel.service._context import ServiceContext, context_of, limited_tenant, memory_of
+from keel.service._access import caller, read_of, user_of
+from keel.service._context import ServiceContext, context_of, memory_of
 from keel.service._errors import HTTPError
+from keel.service._ids import PLAIN_ID, Text, UserId
+from keel.service._keys import Caller
 from keel.service._models import MemoryAddition
+from keel.service._paging import clip
 
 __all__ = ["router"]
 
@@ -19,18 +23,20 @@ router = APIRouter()
 
 @router.get("/v1/memory/search")
 async def search_memory(
-    user: str = Query(min_length=1, max_length=256),
-    q: str = Query(min_length=1, max_length=2_000),
+    user: Annotated[UserId, Query()],
+    q: Annotated[Text, Query(min_length=1, max_length=2_000)],
     k: int = Query(default=10, ge=1, le=100),
-    tenant_id: str = Depends(limited_tenant),
+    who: Caller = Depends(caller),
     context: ServiceContext = Depends(context_of),
 ) -> list[dict[str, Any]]:
-    """The user's most relevant memories for ``q``, with why each ranked."""
-    memory = memory_of(context.agent_for(tenant_id))
-    hits = await memory.asearch(q, scope=Scope(tenant_id=tenant_id, user_id=user), k=k)
+    """The user's most relevant memories for ``q``, with why each ranked; a long text is
+    clipped (``"clipped": true``), whole at ``GET /v1/memory/{id}``."""
+    memory = memory_of(context.agent_for(who.tenant_id))
+    read_of(who, user_of(who, user), "the memory")
+    hits = await memory.asearch(q, scope=Scope(tenant_id=who.tenant_id, user_id=user), k=k)
     return [
         {
-            "record": hit.record.model_dump(mode="json", exclude={"embedding"}),
+            "record": clip(hit.record.model_dump(mode="json", exclude={"embedding"}), "text"),
             "score": hit.score,
             "keyword_rank": hit.keyword_rank,
             "vector_rank": hit.vector_rank,
@@ -41,30 +47,46 @@ async def search_memory(
     ]
 
 
+@router.get("/v1/memory/{record_id}")
+async def get_memory(
+    user: Annotated[UserId, Query()],
+    record_id: str = Path(min_length=1, max_length=256, pattern=PLAIN_ID),
+    who: Caller = Depends(caller),
+    context: ServiceContext = Depends(context_of),
+) -> dict[str, Any]:
+    """One of the user's memories, its text whole (404 when the user has no such record)."""
+    memory = memory_of(context.agent_for(who.tenant_id))
+    read_of(who, user_of(who, user), "the memory")
+    scope = Scope(tenant_id=who.tenant_id, user_id=user)
+    found = await asyncio.to_thread(memory.get, scope, record_id)
+    if found is None:
+        raise HTTPError(404, "NotFound", "not found")
+    return found.model_dump(mode="json", exclude={"embedding"})
+
+
 @router.post("/v1/memory", status_code=201)
 async def add_memory(
     record: MemoryAddition,
-    tenant_id: str = Depends(limited_tenant),
+    who: Caller = Depends(caller),
     context: ServiceContext = Depends(context_of),
 ) -> dict[str, Any]:
     """Remember a note for the user (masked before it is stored; a user claim)."""
-    memory = memory_of(context.agent_for(tenant_id))
-    added = await memory.aadd(
-        record.text, scope=Scope(tenant_id=tenant_id, user_id=record.user), kind=record.kind
-    )
+    memory = memory_of(context.agent_for(who.tenant_id))
+    scope = Scope(tenant_id=who.tenant_id, user_id=user_of(who, record.user))
+    added = await memory.aadd(record.text, scope=scope, kind=record.kind)
     return added.model_dump(mode="json", exclude={"embedding"})
 
 
 @router.delete("/v1/memory/{record_id}")
 async def forget_memory(
-    record_id: str,
-    user: str = Query(min_length=1, max_length=256),
-    tenant_id: str = Depends(limited_tenant),
+    user: Annotated[UserId, Query()],
+    record_id: str = Path(min_length=1, max_length=256, pattern=PLAIN_ID),
+    who: Caller = Depends(caller),
     context: ServiceContext = Depends(context_of),
 ) -> dict[str, Any]:
     """Forget one of the user's memories (404 when the user has no such record)."""
-    memory = memory_of(context.agent_for(tenant_id))
-    scope = Scope(tenant_id=tenant_id, user_id=user)
+    memory = memory_of(context.agent_for(who.tenant_id))
+    scope = Scope(tenant_id=who.tenant_id, user_id=user_of(who, user))
     if not await asyncio.to_thread(memory.forget, scope, record_id):
         raise HTTPError(404, "NotFound", "not found")
     return {"forgotten": record_id}

@@ -11,21 +11,24 @@ from fastapi.responses import StreamingResponse
 
 from keel.errors import KeelError
 from keel.runtime import TurnFinished
-from keel.service._context import ServiceContext, context_of, limited_tenant, turn_id_of
-from keel.service._errors import error_status
+from keel.service._access import caller, path_session_id, user_of
+from keel.service._context import ServiceContext, context_of, turn_id_of
+from keel.service._errors import STORE_UNAVAILABLE, error_status
+from keel.service._ids import RawPathRoute
+from keel.service._keys import Caller
 from keel.service._models import TurnRequest
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = APIRouter(route_class=RawPathRoute)
 
 
 @router.post("/v1/sessions/{session_id}/turns", response_model=None)
 async def post_turn(
-    session_id: str,
     turn: TurnRequest,
     request: Request,
-    tenant_id: str = Depends(limited_tenant),
+    session_id: str = Depends(path_session_id),
+    who: Caller = Depends(caller),
     context: ServiceContext = Depends(context_of),
     idempotency_key: str | None = Header(default=None, max_length=255),
 ) -> Any:
@@ -35,16 +38,17 @@ async def post_turn(
     With an ``Idempotency-Key``, sending the same request again (after a timeout, a dead
     worker) runs the turn once: a committed turn's reply comes back (``replayed``), a turn
     left open is finished. The same key with another message is 422."""
+    tenant_id, user_id = who.tenant_id, user_of(who, turn.user)
     agent = context.agent_for(tenant_id)
     turn_id = turn_id_of(idempotency_key)
     if "text/event-stream" not in request.headers.get("accept", ""):
-        reply = await agent.run(turn.message, session=session_id, user=turn.user, turn_id=turn_id)
+        reply = await agent.run(turn.message, session=session_id, user=user_id, turn_id=turn_id)
         return context.counted(tenant_id, reply).model_dump(mode="json")
 
     async def events() -> AsyncIterator[bytes]:
         try:
             async for event in agent.stream(
-                turn.message, session=session_id, user=turn.user, turn_id=turn_id
+                turn.message, session=session_id, user=user_id, turn_id=turn_id
             ):
                 if isinstance(event, TurnFinished):
                     context.counted(tenant_id, event.reply)
@@ -52,7 +56,8 @@ async def post_turn(
                 yield f"event: {event.type}\ndata: {payload}\n\n".encode()
         except KeelError as exc:
             status = error_status(exc)
-            body = json.dumps({"type": type(exc).__name__, "message": str(exc), "status": status})
+            message = STORE_UNAVAILABLE if status == 503 else str(exc)
+            body = json.dumps({"type": type(exc).__name__, "message": message, "status": status})
             yield f"event: error\ndata: {body}\n\n".encode()
 
     return StreamingResponse(events(), media_type="text/event-stream")
