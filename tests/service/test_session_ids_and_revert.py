@@ -32,7 +32,8 @@ def test_a_session_id_outside_the_grammar_is_422_and_creates_nothing(service: Se
             headers = {"X-Keel-Session": spelled, "X-Keel-User": "u1"}
             answer = _chat(acme, headers)
             assert answer.status_code == 422, (spelled, answer.text)
-            assert answer.json()["error"]["type"] == "ValidationError"
+            # The chat route answers in OpenAI's error shape (keel's kind is its code).
+            assert answer.json()["error"]["code"] == "validation_error"
         in_body = _chat(acme, {}, metadata={"session_id": "team/alpha", "user_id": "u1"})
         assert in_body.status_code == 422
         assert _chat(acme, {"X-Keel-Session": "s1", "X-Keel-User": "café".encode()}).is_error
