@@ -6,8 +6,9 @@ tenant (sessions through the agent's tenant-scoped keys, runs by their tenant), 
 belongs to another tenant is answered 404, exactly as what does not exist.
 
 Errors have one body, ``{"error": {"type": ..., "message": ...}}``: 400 malformed JSON, 401 no
-or a bad key, 404 unknown (or another tenant's), 409 a session another turn holds, 413 a body
-over the limit, 422 a body that does not validate, 503 a store that is down.
+or a bad key, 404 unknown (or another tenant's), 408 a body too slow to arrive, 409 a session
+another turn holds, 413 a body over the limit, 422 a body that does not validate, 503 a store
+that is down or a server that drains.
 
 The routes live in :mod:`keel.service.routes`, one router per resource; what they share (the
 agents, the keys, the limits, the counters) is a :class:`ServiceContext` on ``app.state``,
@@ -56,6 +57,7 @@ def create_app(
     traces: TraceStore,
     *,
     max_body_bytes: int = 1_000_000,
+    body_timeout_s: float = 30.0,
     key_cache_s: float = 30.0,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     metrics_token: str | None = None,
@@ -71,7 +73,9 @@ def create_app(
         agent_for: the agent of a tenant (made once per tenant, on shared stores).
         keys: the API keys.
         traces: the trace store the agents write to (``/v1/runs``).
-        max_body_bytes: larger request bodies get 413 before they are read whole.
+        max_body_bytes: larger request bodies get 413 (bytes are counted as they arrive,
+            chunked or not; no more than this is read).
+        body_timeout_s: a body that has not arrived whole within this time gets 408.
         key_cache_s: how long a verified key is trusted without a look-up (a revoked key
             stops working within this time).
         on_shutdown: awaited when the server stops (close the agents' stores there).
@@ -117,7 +121,13 @@ def create_app(
     )
     app.state.keel = context
     install_error_handlers(app)
-    app.add_middleware(Gate, context=context, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        Gate,
+        context=context,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        router=app.router,
+    )
     for router in _ROUTERS:
         app.include_router(router)
     if ui:
