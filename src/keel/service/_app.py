@@ -126,7 +126,7 @@ def create_app(
         context=context,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
-        router=app.router,
+        routes=[route for router in _ROUTERS for route in router.routes],
     )
     for router in _ROUTERS:
         app.include_router(router)

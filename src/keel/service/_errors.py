@@ -16,6 +16,7 @@ from keel.errors import (
     StoreError,
     UsageError,
 )
+from keel.service._logging import log_store_failure
 
 __all__ = [
     "HTTPError",
@@ -94,6 +95,9 @@ async def _on_invalid(request: Request, exc: Exception) -> JSONResponse:
 async def _on_keel_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, KeelError)
     status = error_status(exc)
+    if status == 503:
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        log_store_failure(request.method, route, exc)
     message = "not found" if status == 404 else str(exc)
     return error_response(status, "NotFound" if status == 404 else type(exc).__name__, message)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Sequence
 
 from starlette.datastructures import Headers
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Send
 from starlette.types import Scope as ASGIScope
 
@@ -44,7 +44,7 @@ class Gate:
         context: the service's shared context (keys, drain, counters).
         max_body_bytes: the most body bytes read; past them, 413.
         body_timeout_s: the longest a whole body may take to arrive; past it, 408.
-        router: the app's router, to name the route of a request the gate answers itself.
+        routes: the app's routes, to name the route of a request the gate answers itself.
     """
 
     def __init__(
@@ -53,13 +53,13 @@ class Gate:
         context: ServiceContext,
         max_body_bytes: int,
         body_timeout_s: float = 30.0,
-        router: Any = None,
+        routes: Sequence[BaseRoute] = (),
     ) -> None:
         self.app = app
         self.context = context
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
-        self.router = router
+        self.routes = tuple(routes)
 
     async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -169,8 +169,8 @@ class Gate:
         """The route's template (``/v1/runs/{run_id}``), also for a request the gate answered
         before routing; never the path the client sent."""
         route = scope.get("route")
-        if route is None and self.router is not None:
-            for candidate in self.router.routes:
+        if route is None:
+            for candidate in self.routes:
                 match, _ = candidate.matches(scope)
                 if match is not Match.NONE:
                     route = candidate

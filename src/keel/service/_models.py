@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "ChatCompletionRequest",
@@ -17,12 +17,19 @@ __all__ = [
 ]
 
 
+MAX_MESSAGE_CHARS = 100_000
+"""The most characters of one message, a turn's or a chat completion's, and of all the
+messages of one chat completion request."""
+
+
 class TurnRequest(BaseModel):
     """One user message for a session."""
 
     model_config = ConfigDict(extra="forbid")
 
-    message: str = Field(min_length=1, max_length=100_000, description="What the user wrote.")
+    message: str = Field(
+        min_length=1, max_length=MAX_MESSAGE_CHARS, description="What the user wrote."
+    )
     user: str = Field(min_length=1, max_length=256, description="The user the session belongs to.")
 
 
@@ -68,6 +75,18 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    def characters(self) -> int:
+        """The length of the message's text (of its text parts)."""
+        if isinstance(self.content, list):
+            return sum(len(str(part.get("text", ""))) for part in self.content)
+        return len(self.content or "")
+
+    @model_validator(mode="after")
+    def _capped(self) -> ChatMessage:
+        if self.characters() > MAX_MESSAGE_CHARS:
+            raise ValueError(f"a message holds at most {MAX_MESSAGE_CHARS} characters")
+        return self
+
 
 class ChatCompletionRequest(BaseModel):
     """OpenAI's chat completion request; keel uses the newest user message."""
@@ -79,6 +98,12 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _list_capped(self) -> ChatCompletionRequest:
+        if sum(message.characters() for message in self.messages) > MAX_MESSAGE_CHARS:
+            raise ValueError(f"the messages hold at most {MAX_MESSAGE_CHARS} characters in all")
+        return self
 
     def newest_user_text(self) -> str | None:
         """The text of the newest user message with text, or None when there is none."""
