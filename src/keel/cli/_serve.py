@@ -226,7 +226,9 @@ def serve_command(
 def bench_serve_command(
     workers: Annotated[int, typer.Option(min=1, help="Worker processes on PostgreSQL.")] = 4,
     sessions: Annotated[int, typer.Option(min=1, help="Concurrent sessions.")] = 200,
-    duration: Annotated[float, typer.Option(min=1, help="Seconds of load.")] = 60.0,
+    duration: Annotated[
+        float | None, typer.Option(min=1, help="Seconds of load (60; 30 with --hostile).")
+    ] = None,
     kill_every: Annotated[
         float, typer.Option(min=0, help="Seconds between SIGKILLs of a random worker (0: none).")
     ] = 5.0,
@@ -242,16 +244,27 @@ def bench_serve_command(
     sqlite: Annotated[bool, typer.Option(help="Also run on SQLite with one worker.")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the kills and the client's jitter.")] = 7,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
+    hostile: Annotated[
+        bool,
+        typer.Option(
+            "--hostile",
+            help="Instead: one SQLite worker serving 8 normal sessions while 20 clients send it "
+            "10 MB chunked bodies and bodies a byte a second.",
+        ),
+    ] = False,
 ) -> None:
     """The service under load on PostgreSQL + Redis while workers are SIGKILLed and restarted:
     lost and duplicated turns, double effects (counted from the effects), keel-added latency,
-    RSS; then the same on SQLite with one worker."""
+    RSS; then the same on SQLite with one worker. With --hostile, against hostile clients."""
+    if hostile:
+        _bench_hostile(duration or 30.0, seed, as_json)
+        return
     from keel.bench.serve import run_serve_bench
 
     report = run_serve_bench(
         workers=workers,
         sessions=sessions,
-        duration_s=duration,
+        duration_s=duration or 60.0,
         kill_every_s=kill_every,
         model_latency_ms=model_latency_ms,
         think_s=think,
@@ -277,6 +290,25 @@ def bench_serve_command(
             f"{figures['double_effects']}; RSS max {figures['rss_mb_max']} MB",
             markup=False,
         )
+
+
+def _bench_hostile(duration_s: float, seed: int, as_json: bool) -> None:
+    from keel.bench.serve import run_hostile_bench
+
+    report = run_hostile_bench(
+        duration_s=duration_s, seed=seed, progress=lambda text: err_console.print(text)
+    )
+    if as_json:
+        emit_json(report)
+        return
+    out_console.print(
+        f"{report['hostile_requests']} hostile requests ({report['refused_413']} refused 413, "
+        f"{report['timed_out_408']} timed out 408); normal turns lost "
+        f"{report['normal_turns_lost']} of {report['normal_turns_sent']}; peak RSS "
+        f"{report['peak_rss_mb']} MB = {report['peak_rss_ratio']}x idle; /health p99 "
+        f"{report['health_p99_ms']} ms",
+        markup=False,
+    )
 
 
 @app.command("ui")
