@@ -81,12 +81,6 @@ class ChatMessage(BaseModel):
             return sum(len(str(part.get("text", ""))) for part in self.content)
         return len(self.content or "")
 
-    @model_validator(mode="after")
-    def _capped(self) -> ChatMessage:
-        if self.characters() > MAX_MESSAGE_CHARS:
-            raise ValueError(f"a message holds at most {MAX_MESSAGE_CHARS} characters")
-        return self
-
 
 class ChatCompletionRequest(BaseModel):
     """OpenAI's chat completion request; keel uses the newest user message."""
@@ -100,7 +94,8 @@ class ChatCompletionRequest(BaseModel):
     metadata: dict[str, str] | None = None
 
     @model_validator(mode="after")
-    def _list_capped(self) -> ChatCompletionRequest:
+    def _capped(self) -> ChatCompletionRequest:
+        # The whole list's cap is each message's too.
         if sum(message.characters() for message in self.messages) > MAX_MESSAGE_CHARS:
             raise ValueError(f"the messages hold at most {MAX_MESSAGE_CHARS} characters in all")
         return self
