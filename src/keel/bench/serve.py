@@ -810,7 +810,7 @@ def run_hostile_bench(
     model_latency_ms: float = 300.0,
     think_s: float = 0.5,
     body_timeout_s: float = 5.0,
-    baseline_s: float = 10.0,
+    baseline_s: float | None = None,
     seed: int = 7,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -818,8 +818,9 @@ def run_hostile_bench(
     average, the model answering in ``model_latency_ms``) while ``clients`` hostile
     clients send it ``body_mb`` MB chunked bodies and bodies a byte a second: whether every
     normal turn committed, the worker's peak RSS over its idle RSS, ``/health`` latency, and
-    what the hostile requests got; first, ``baseline_s`` of the normal sessions alone (the
-    ``/health`` latency this machine gives without a hostile client)."""
+    what the hostile requests got; first, ``baseline_s`` (default: a third of ``duration_s``,
+    at most 10 s) of the normal sessions alone (the ``/health`` latency this machine gives
+    without a hostile client)."""
     load = _HostileLoad(
         clients,
         int(body_mb * 1_000_000),
@@ -829,7 +830,7 @@ def run_hostile_bench(
         think_s,
         body_timeout_s,
         seed,
-        baseline_s,
+        baseline_s if baseline_s is not None else min(10.0, duration_s / 3),
     )
     with _folder() as directory:
         database = f"sqlite:///{directory / 'keel.db'}"
