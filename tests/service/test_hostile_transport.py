@@ -4,7 +4,9 @@ service logs of each request. Raw sockets where an HTTP client would tidy the re
 
 from __future__ import annotations
 
+import gc
 import logging
+import signal
 import socket
 import sqlite3
 import time
@@ -15,8 +17,11 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from keel.service import Drain
-from tests.service.conftest import Service, _service
+from keel.runtime import open_backends
+from keel.service import APIKeys, Drain, DrainingServer, ServiceAgents, create_app
+from keel.settings import load_settings
+from keel.testing import ScriptedModel
+from tests.service.conftest import Service, _service, serving
 
 LIMIT = 10_000
 """The body limit of the ``service`` fixture."""
@@ -332,3 +337,61 @@ def test_a_store_failure_is_logged_at_warning_with_its_cause(
     assert "no such table" in warnings[0].getMessage()
     access = _logged(caplog, "keel.access", 1)
     assert [r.keel["status"] for r in access] == [503]  # type: ignore[attr-defined]
+
+
+def test_a_half_sent_body_does_not_hold_a_draining_server(tmp_path: Path) -> None:
+    """The issue's client, with a key this time: a turn declaring 100 bytes and sending 10.
+    It never counts as in flight, and on SIGTERM the server stops once the body's deadline
+    has passed (408), not when the client hangs up."""
+    settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
+    backends = open_backends(
+        f"sqlite:///{tmp_path / 'keel.db'}", memory=False, masker=None, settings=settings
+    )
+    agents = ServiceAgents(backends, ScriptedModel(lambda call: "hi"), system_prompt="Hi.")
+    keys = APIKeys(backends.sql)
+    drain = Drain()
+    app = create_app(agents, keys, backends.traces, drain=drain, body_timeout_s=1.0)
+    headers = {
+        "Authorization": f"Bearer {keys.create('acme')}",
+        "Content-Type": "application/json",
+        "Content-Length": "100",
+    }
+    try:
+        with serving(app, lambda config: DrainingServer(config, drain)) as running:
+            raw = Raw(running.url).send(
+                _head("POST", "/v1/sessions/s1/turns", headers), b"0123456789"
+            )
+            try:
+                deadline = time.monotonic() + 30
+                while not running.server.server_state.tasks:  # the request is being read
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                assert drain.in_flight == 0
+                running.server.handle_exit(signal.SIGTERM, None)
+                running.thread.join(timeout=30)
+                assert not running.thread.is_alive(), "a half-sent body held the server"
+                assert raw.response()[0] == 408
+            finally:
+                raw.close()
+    finally:
+        gc.unfreeze()
+        backends.close()
+
+
+def test_a_turn_whose_key_cannot_be_read_gets_503_not_500(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = _key(service)
+    caplog.set_level(logging.INFO, logger="keel")
+    with sqlite3.connect(service.database) as conn:
+        conn.execute("DROP TABLE keel_api_keys")
+    response = httpx.post(
+        f"{service.url}/v1/sessions/s1/turns",
+        json={"message": "book Lima", "user": "u1"},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert response.status_code == 503, response.text
+    assert "keel.db" not in response.text
+    warnings = _logged(caplog, "keel.service", 1)
+    assert warnings and "no such table" in warnings[0].getMessage()
+    assert service.booked == []

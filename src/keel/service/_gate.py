@@ -16,14 +16,16 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Send
 from starlette.types import Scope as ASGIScope
 
+from keel.errors import KeelError
 from keel.service._context import ServiceContext, authenticated_tenant
-from keel.service._errors import HTTPError, draining_response, error_response
-from keel.service._logging import RequestFacts, log_access, request_facts
+from keel.service._errors import HTTPError, draining_response, error_response, error_status
+from keel.service._logging import RequestFacts, log_access, log_store_failure, request_facts
 
 __all__ = ["Gate"]
 
@@ -94,10 +96,9 @@ class Gate:
             await draining_response()(scope, receive, send)
             return None
         if is_turn:
-            try:
-                await authenticated_tenant(self.context, Headers(scope=scope).get("authorization"))
-            except HTTPError as exc:
-                await error_response(exc.status, exc.kind, exc.message)(scope, receive, send)
+            refusal = await self._key_refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
                 return None
         length = Headers(scope=scope).get("content-length")
         declared_too_large = (
@@ -123,6 +124,19 @@ class Gate:
             await self.app(scope, replayed, send)
         finally:
             drain.leave()
+        return None
+
+    async def _key_refusal(self, scope: ASGIScope) -> JSONResponse | None:
+        """Why a turn's key is refused (401, or 503 when the keys cannot be read), or None."""
+        try:
+            await authenticated_tenant(self.context, Headers(scope=scope).get("authorization"))
+        except HTTPError as exc:
+            return error_response(exc.status, exc.kind, exc.message)
+        except KeelError as exc:
+            status = error_status(exc)
+            if status == 503:
+                log_store_failure(scope["method"], self._template(scope), exc)
+            return error_response(status, type(exc).__name__, "the API keys cannot be read now")
         return None
 
     def _refused_while_draining(self, scope: ASGIScope) -> bool:
