@@ -77,11 +77,12 @@ class _Worker:
     rss_kb: list[tuple[float, int]] = field(default_factory=list)
 
 
-def _rss_kb(pid: int) -> int | None:
+def _rss_kb(pid: int, field: str = "VmRSS") -> int | None:
+    """A process's resident memory in kB (``VmHWM``: its peak), from ``/proc``."""
     try:
         with Path(f"/proc/{pid}/status").open() as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1])
     except OSError:
         return None
@@ -657,17 +658,6 @@ def _reset_peak_rss(pid: int) -> bool:
     return True
 
 
-def _peak_rss_kb(pid: int) -> int | None:
-    try:
-        with Path(f"/proc/{pid}/status").open() as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 async def _one_turn(client: Any, url: str, session: int, tag: str) -> None:
     """One turn of a normal session, retried (same idempotency key) on a dropped connection,
     409 or 503 until it lands or a minute passes."""
@@ -788,7 +778,7 @@ async def _drive_hostile(
             progress(f"idle RSS {idle_kb / 1024:.0f} MB; {load.clients} hostile clients start")
         hostile = await _phase(client, url, pid, load, key, sent)
         held = await _committed(client, url, load.sessions)
-    peak_kb = max([*hostile.rss_kb, (_peak_rss_kb(pid) or 0) if kernel_peak else 0])
+    peak_kb = max([*hostile.rss_kb, (_rss_kb(pid, "VmHWM") or 0) if kernel_peak else 0])
     return {
         "idle_kb": idle_kb,
         "peak_kb": peak_kb,

@@ -191,7 +191,7 @@ def serve_command(
         )
     if log_format not in ("text", "json"):
         raise UsageError(f"--log-format {log_format!r}: text or json")
-    options = {
+    options: dict[str, Any] = {
         "database": database,
         "model": model,
         "system_prompt": system_prompt,
@@ -211,15 +211,18 @@ def serve_command(
     }
     if workers > 1:
         _run_workers(options, workers, transport)
-        return
+    else:
+        _run_one(options, transport)
+
+
+def _run_one(options: dict[str, Any], transport: dict[str, Any]) -> None:
+    """One process; SIGTERM: turns in flight finish, new requests get 503, then it stops."""
     from keel.service import Drain, DrainingServer, build_service
     from keel.service._protocol import ServiceConfig
 
     drain = Drain()
-    service, _, _ = build_service(**options, drain=drain)  # type: ignore[arg-type]
-    config = ServiceConfig(service, **transport)
-    # SIGTERM: turns in flight finish, new requests get 503, then the server stops.
-    DrainingServer(config, drain).run()
+    service, _, _ = build_service(**options, drain=drain)
+    DrainingServer(ServiceConfig(service, **transport), drain).run()
 
 
 @bench_app.command("serve")

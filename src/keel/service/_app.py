@@ -51,6 +51,26 @@ _ROUTERS = (
 )
 
 
+def _lifespan(
+    ready: Callable[[], Awaitable[None]] | None,
+    on_shutdown: Callable[[], Awaitable[None]] | None,
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if ready is not None:
+            # Open the stores' connections before traffic comes; a store that is down now
+            # is reported by /ready rather than stopping the server.
+            with contextlib.suppress(BackendUnavailableError, StoreError):
+                await ready()
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                await on_shutdown()
+
+    return lifespan
+
+
 def create_app(
     agent_for: Callable[[str], Agent],
     keys: APIKeys,
@@ -90,21 +110,8 @@ def create_app(
         ui: serve the web trace viewer at ``/ui`` (it signs in with the same API keys).
     """
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if ready is not None:
-            # Open the stores' connections before traffic comes; a store that is down now
-            # is reported by /ready rather than stopping the server.
-            with contextlib.suppress(BackendUnavailableError, StoreError):
-                await ready()
-        try:
-            yield
-        finally:
-            if on_shutdown is not None:
-                await on_shutdown()
-
     app = FastAPI(
-        lifespan=lifespan,
+        lifespan=_lifespan(ready, on_shutdown),
         title="keel",
         description="An agent runtime: sessions, turns (JSON or server-sent events), runs.",
         version="1",
