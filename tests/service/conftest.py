@@ -73,6 +73,8 @@ def _service(
     memory: bool,
     rate_limiter: RateLimiter | None = None,
     model: ScriptedModel | None = None,
+    max_body_bytes: int = 10_000,
+    **app_options: Any,
 ) -> Iterator[Service]:
     from keel.privacy import PIIMasker
 
@@ -101,13 +103,14 @@ def _service(
         agents,
         keys,
         backends.traces,
-        max_body_bytes=10_000,
+        max_body_bytes=max_body_bytes,
         metrics_token=METRICS_TOKEN,
         tenants=agents.tenants,
         rate_limiter=rate_limiter,
         ready=agents.aready,
         # The limiter's Redis client is closed on the server's loop, not left to the collector.
         on_shutdown=rate_limiter.aclose if rate_limiter is not None else None,
+        **app_options,
     )
     try:
         with serving(app) as running:

@@ -107,9 +107,8 @@ def _opening_first(app: ASGIApp, open_first: Callable[[], Awaitable[None]]) -> A
 
 
 def main() -> None:
-    import uvicorn
-
     from keel.service import Drain, DrainingServer, build_service
+    from keel.service._protocol import ServiceConfig
 
     options = json.loads(os.environ[WORKER_ENV])
     model = ScriptedModel(_policy, delay_s=options["model_latency_s"])
@@ -123,13 +122,15 @@ def main() -> None:
         memory=False,
         drain=drain,
         lease_ttl_s=options["lease_ttl_s"],
+        body_timeout_s=options.get("body_timeout_s", 30.0),
     )
-    config = uvicorn.Config(
+    # The transport `keel serve` runs with: header and body deadlines, keel's access lines.
+    config = ServiceConfig(
         _opening_first(service, open_book),
         host="127.0.0.1",
         port=options["port"],
-        log_level="warning",
-        access_log=False,
+        header_timeout_s=options.get("header_timeout_s", 10.0),
+        body_timeout_s=options.get("body_timeout_s", 30.0),
     )
     DrainingServer(config, drain).run()
 

@@ -21,6 +21,12 @@ Everything is counted from the effects themselves, read back at the end:
 - **RSS** of each worker process, sampled every second.
 
 Then the same on SQLite with one worker (``sqlite``).
+
+``--hostile`` (:func:`run_hostile_bench`) is another run: one worker on SQLite serving normal
+sessions while hostile clients send it 10 MB chunked bodies and bodies a byte a second (from a
+process of their own); it reports whether every normal turn committed, the worker's peak RSS
+over its idle RSS (the kernel's peak count, reset once the worker is warm), ``/health``
+latency, and what the hostile requests got (413, 408, a reset connection).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing import Any
 from keel.bench._serve_worker import EFFECTS_TABLE, WORKER_ENV
 from keel.bench._stats import nearest_rank
 
-__all__ = ["run_serve_bench"]
+__all__ = ["run_hostile_bench", "run_serve_bench"]
 
 _TENANT = "bench"
 _MODEL_CALLS_PER_TURN = 2
@@ -71,11 +77,12 @@ class _Worker:
     rss_kb: list[tuple[float, int]] = field(default_factory=list)
 
 
-def _rss_kb(pid: int) -> int | None:
+def _rss_kb(pid: int, field: str = "VmRSS") -> int | None:
+    """A process's resident memory in kB (``VmHWM``: its peak), from ``/proc``."""
     try:
         with Path(f"/proc/{pid}/status").open() as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1])
     except OSError:
         return None
@@ -521,3 +528,350 @@ def run_serve_bench(
             )
     figures["seed"] = seed
     return figures
+
+
+# --- keel bench serve --hostile ---------------------------------------------------------------
+
+_HOSTILE_PATHS = ("/v1/sessions/h{n}/turns", "/v1/chat/completions", "/v1/memory")
+_FLOOD_PIECE = 64 * 1024
+
+
+@dataclass
+class _HostileLoad:
+    """The hostile run's settings."""
+
+    clients: int
+    body_bytes: int
+    duration_s: float
+    sessions: int
+    model_latency_s: float
+    think_s: float
+    body_timeout_s: float
+    seed: int
+    baseline_s: float = 10.0
+
+
+def _head(method: str, path: str, key: str, framing: str) -> bytes:
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        "Host: 127.0.0.1",
+        f"Authorization: Bearer {key}",
+        "Content-Type: application/json",
+        "X-Keel-Session: h",
+        "X-Keel-User: h",
+        framing,
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def _answer(
+    writer: asyncio.StreamWriter, answer: asyncio.Task[bytes], timeout_s: float
+) -> str:
+    """The status line's code of a raw request's answer, or what happened instead."""
+    try:
+        head = await asyncio.wait_for(answer, timeout_s)
+    except (ConnectionError, asyncio.IncompleteReadError) as exc:
+        return type(exc).__name__
+    except TimeoutError:
+        return "no_answer"
+    finally:
+        writer.close()
+    return head.split(b" ", 2)[1].decode("ascii", "replace")
+
+
+async def _flood(port: int, key: str, path: str, body_bytes: int, timeout_s: float) -> str:
+    """One request whose chunked body is ``body_bytes`` long, sent as fast as the server
+    reads it, until the server answers; its status."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_head("POST", path, key, "Transfer-Encoding: chunked"))
+    answer = asyncio.create_task(reader.readuntil(b"\r\n\r\n"))
+    chunk = f"{_FLOOD_PIECE:x}\r\n".encode() + b"x" * _FLOOD_PIECE + b"\r\n"
+    sent = 0
+    try:
+        while sent < body_bytes and not answer.done():
+            writer.write(chunk)
+            await writer.drain()
+            sent += _FLOOD_PIECE
+        if not answer.done():
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+    except ConnectionError:
+        pass  # the server answered and closed: the answer may still be there to read
+    return await _answer(writer, answer, timeout_s)
+
+
+async def _trickle(port: int, key: str, path: str, timeout_s: float) -> str:
+    """One request that declares a 1 kB body and sends a byte of it a second; its status."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_head("POST", path, key, "Content-Length: 1000") + b'{"m')
+    answer = asyncio.create_task(reader.readuntil(b"\r\n\r\n"))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for _ in range(1000 - 3):
+            if answer.done() or time.monotonic() > deadline:
+                break
+            writer.write(b" ")
+            await writer.drain()
+            await asyncio.wait({answer}, timeout=1.0)
+    except ConnectionError:
+        pass
+    return await _answer(writer, answer, max(0.1, deadline - time.monotonic()))
+
+
+async def _hostile_clients(
+    port: int, key: str, load: _HostileLoad, stop_at: float
+) -> dict[str, int]:
+    """``load.clients`` clients, each sending floods and trickles in turn until ``stop_at``
+    (this process's ``time.time()``): the statuses they got."""
+    statuses: Counter[str] = Counter()
+    timeout_s = load.body_timeout_s + 30
+
+    async def client(number: int) -> None:
+        rng = random.Random(load.seed * 1000 + number)
+        while time.time() < stop_at:
+            path = rng.choice(_HOSTILE_PATHS).format(n=number)
+            try:
+                if rng.random() < 0.5:
+                    status = await _flood(port, key, path, load.body_bytes, timeout_s)
+                else:
+                    status = await _trickle(port, key, path, timeout_s)
+            except OSError as exc:
+                status = type(exc).__name__
+            statuses[status] += 1
+
+    await asyncio.gather(*(client(n) for n in range(load.clients)))
+    return dict(statuses)
+
+
+def _hostile_process(port: int, key: str, load: _HostileLoad, stop_at: float) -> dict[str, int]:
+    """The hostile clients in a process of their own: their sending would otherwise hold up
+    the loop that times ``/health``."""
+    return asyncio.run(_hostile_clients(port, key, load, stop_at))
+
+
+def _reset_peak_rss(pid: int) -> bool:
+    """Start the kernel's peak-RSS count (``VmHWM``) of ``pid`` afresh from now."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+async def _one_turn(client: Any, url: str, session: int, tag: str) -> None:
+    """One turn of a normal session, retried (same idempotency key) on a dropped connection,
+    409 or 503 until it lands or a minute passes."""
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            response = await client.post(
+                f"{url}/v1/sessions/n{session}/turns",
+                json={"message": tag, "user": f"u{session}"},
+                headers={"Idempotency-Key": tag},
+            )
+        except httpx.TransportError:
+            await asyncio.sleep(0.1)
+            continue
+        if response.status_code not in (409, 429, 503):
+            return
+        await asyncio.sleep(0.1)
+
+
+async def _normal_session(
+    client: Any, url: str, session: int, stop_at: float, sent: list[str], think_s: float
+) -> None:
+    """A session's turns until ``stop_at``, each after a pause of ``think_s`` on average."""
+    rng = random.Random(session)
+    number = 0
+    while time.monotonic() < stop_at:
+        await asyncio.sleep(rng.uniform(0, 2 * think_s))
+        tag = f"n{session}-t{number}"
+        sent.append(tag)
+        await _one_turn(client, url, session, tag)
+        number += 1
+
+
+async def _committed(client: Any, url: str, sessions: int) -> Counter[str]:
+    """How often each tag is held in its session's final state."""
+    held: Counter[str] = Counter()
+    for session in range(sessions):
+        response = await client.get(f"{url}/v1/sessions/n{session}")
+        if response.status_code == 200:
+            for message in response.json()["state"]["messages"]:
+                if message["role"] == "user":
+                    held[message["content"]] += 1
+    return held
+
+
+@dataclass
+class _Phase:
+    """What one phase of the hostile run measured."""
+
+    health_ms: list[float] = field(default_factory=list)
+    rss_kb: list[int] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+
+
+async def _phase(
+    client: Any, url: str, pid: int, load: _HostileLoad, key: str | None, sent: list[str]
+) -> _Phase:
+    """The normal sessions and a ``/health`` probe (every 50 ms) for ``load.duration_s``, with
+    the hostile clients (in a process of their own) when ``key`` is given."""
+    import concurrent.futures
+    import multiprocessing
+
+    import httpx
+
+    measured = _Phase()
+    stop_at = time.monotonic() + load.duration_s
+
+    async def probe_health() -> None:
+        async with httpx.AsyncClient(timeout=30) as prober:
+            while time.monotonic() < stop_at:
+                began = time.perf_counter()
+                response = await prober.get(f"{url}/health")
+                if response.status_code == 200:
+                    measured.health_ms.append((time.perf_counter() - began) * 1000)
+                measured.rss_kb.append(_rss_kb(pid) or 0)
+                await asyncio.sleep(0.05)
+
+    normal = [
+        _normal_session(client, url, s, stop_at, sent, load.think_s) for s in range(load.sessions)
+    ]
+    if key is None:
+        await asyncio.gather(probe_health(), *normal)
+        return measured
+    port = int(url.rsplit(":", 1)[1])
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        hostile = asyncio.get_running_loop().run_in_executor(
+            pool, _hostile_process, port, key, load, time.time() + load.duration_s
+        )
+        await asyncio.gather(probe_health(), *normal)
+        measured.statuses = await hostile
+    return measured
+
+
+async def _drive_hostile(
+    fleet: _Fleet, load: _HostileLoad, key: str, progress: Callable[[str], None] | None
+) -> dict[str, Any]:
+    import httpx
+
+    url, pid = fleet.url(0), fleet.live[0].process.pid
+    headers = {"Authorization": f"Bearer {key}"}
+    sent: list[str] = []
+    async with httpx.AsyncClient(headers=headers, timeout=60) as client:
+        await fleet.ready(0, client)
+        # Warm (the imports and pools a first turn opens), then the normal load alone: what
+        # /health answers in on this machine without a hostile client.
+        await asyncio.gather(
+            *(_one_turn(client, url, s, f"n{s}-warm") for s in range(load.sessions))
+        )
+        baseline_load = _HostileLoad(**{**load.__dict__, "duration_s": load.baseline_s})
+        baseline = await _phase(client, url, pid, baseline_load, None, sent)
+        await asyncio.sleep(1.0)
+        idle_kb = _rss_kb(pid) or 0
+        kernel_peak = _reset_peak_rss(pid)
+        if progress is not None:
+            progress(f"idle RSS {idle_kb / 1024:.0f} MB; {load.clients} hostile clients start")
+        hostile = await _phase(client, url, pid, load, key, sent)
+        held = await _committed(client, url, load.sessions)
+    peak_kb = max([*hostile.rss_kb, (_rss_kb(pid, "VmHWM") or 0) if kernel_peak else 0])
+    return {
+        "idle_kb": idle_kb,
+        "peak_kb": peak_kb,
+        "kernel_peak": kernel_peak,
+        "health_ms": hostile.health_ms,
+        "baseline_health_ms": baseline.health_ms,
+        "sent": sent,
+        "held": held,
+        "statuses": hostile.statuses,
+    }
+
+
+def run_hostile_bench(
+    *,
+    clients: int = 20,
+    body_mb: float = 10.0,
+    duration_s: float = 30.0,
+    sessions: int = 8,
+    model_latency_ms: float = 300.0,
+    think_s: float = 0.5,
+    body_timeout_s: float = 5.0,
+    baseline_s: float | None = None,
+    seed: int = 7,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """One worker on SQLite, serving ``sessions`` normal sessions (a turn after ``think_s`` on
+    average, the model answering in ``model_latency_ms``) while ``clients`` hostile
+    clients send it ``body_mb`` MB chunked bodies and bodies a byte a second: whether every
+    normal turn committed, the worker's peak RSS over its idle RSS, ``/health`` latency, and
+    what the hostile requests got; first, ``baseline_s`` (default: a third of ``duration_s``,
+    at most 10 s) of the normal sessions alone (the ``/health`` latency this machine gives
+    without a hostile client)."""
+    load = _HostileLoad(
+        clients,
+        int(body_mb * 1_000_000),
+        duration_s,
+        sessions,
+        model_latency_ms / 1000,
+        think_s,
+        body_timeout_s,
+        seed,
+        baseline_s if baseline_s is not None else min(10.0, duration_s / 3),
+    )
+    with _folder() as directory:
+        database = f"sqlite:///{directory / 'keel.db'}"
+        effects = str(directory / "effects.db")
+        _create_effects_table(effects)
+        key = _api_key(database)
+        options = {
+            "database": database,
+            "effects": effects,
+            "redis_url": None,
+            "model_latency_s": load.model_latency_s,
+            "lease_ttl_s": 2.0,
+            "body_timeout_s": body_timeout_s,
+        }
+        fleet = _Fleet(1, options, directory)
+        fleet.start(0)
+        try:
+            driven = asyncio.run(_drive_hostile(fleet, load, key, progress))
+        finally:
+            fleet.stop()
+    return _hostile_figures(load, driven)
+
+
+def _hostile_figures(load: _HostileLoad, driven: dict[str, Any]) -> dict[str, Any]:
+    held: Counter[str] = driven["held"]
+    sent: list[str] = driven["sent"]
+    statuses: dict[str, int] = driven["statuses"]
+    health: list[float] = driven["health_ms"]
+    return {
+        "hostile_clients": load.clients,
+        "hostile_body_mb": load.body_bytes / 1_000_000,
+        "duration_s": load.duration_s,
+        "body_timeout_s": load.body_timeout_s,
+        "idle_rss_mb": round(driven["idle_kb"] / 1024, 1),
+        "peak_rss_mb": round(driven["peak_kb"] / 1024, 1),
+        "peak_rss_ratio": round(driven["peak_kb"] / max(1, driven["idle_kb"]), 3),
+        "peak_rss_from_kernel": driven["kernel_peak"],
+        "normal_sessions": load.sessions,
+        "model_latency_ms": load.model_latency_s * 1000,
+        "think_s": load.think_s,
+        "normal_turns_sent": len(sent),
+        "normal_turns_committed": sum(1 for tag in sent if held[tag] >= 1),
+        "normal_turns_lost": sum(1 for tag in sent if held[tag] == 0),
+        "normal_turns_duplicated": sum(1 for tag in sent if held[tag] > 1),
+        "health_probes": len(health),
+        "health_p50_ms": round(nearest_rank(health, 0.50), 2),
+        "health_p99_ms": round(nearest_rank(health, 0.99), 2),
+        "health_max_ms": round(max(health, default=0.0), 2),
+        "health_p99_ms_without_hostile": round(nearest_rank(driven["baseline_health_ms"], 0.99), 2),
+        "hostile_requests": sum(statuses.values()),
+        "refused_413": statuses.get("413", 0),
+        "timed_out_408": statuses.get("408", 0),
+        "hostile_statuses": dict(sorted(statuses.items())),
+    }

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -102,6 +103,43 @@ def keys_revoke(
     out_console.print(f"revoked {key_id}")
 
 
+def _secret(name: str, environment: str, path: Path | None) -> str | None:
+    """A secret from its file (``path``) or the environment: never from the arguments, which
+    ``ps`` shows to every user of the machine."""
+    import os
+
+    from keel.errors import UsageError
+
+    if path is not None:
+        try:
+            value = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read the {name} file {path}: {exc.strerror}") from exc
+        if not value:
+            raise UsageError(f"the {name} file {path} is empty")
+        return value
+    return os.environ.get(environment) or None
+
+
+def _run_workers(options: dict[str, Any], workers: int, transport: dict[str, Any]) -> None:
+    """``workers`` processes, each building the service from ``options`` and draining on
+    SIGTERM as a single process does."""
+    import json
+    import os
+
+    from keel.service._drain import DrainingMultiprocess
+    from keel.service._factory import SERVE_ENV
+    from keel.service._protocol import ServiceConfig
+
+    # Each worker process builds its own service from these options (the environment, not
+    # the arguments: they may hold a secret).
+    os.environ[SERVE_ENV] = json.dumps(options)
+    config = ServiceConfig(
+        "keel.service._factory:create", factory=True, workers=workers, **transport
+    )
+    DrainingMultiprocess(config, sockets=[config.bind_socket()]).run()
+
+
 @app.command("serve")
 def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -123,63 +161,85 @@ def serve_command(
         int | None,
         typer.Option(help="Requests per API key and minute (429 beyond; off when not given)."),
     ] = None,
-    metrics_token: Annotated[
-        str | None,
+    metrics_token_file: Annotated[
+        Path | None,
         typer.Option(
-            envvar="KEEL_METRICS_TOKEN",
-            help="Token for GET /metrics (Prometheus); without one the route is off.",
+            help="File holding the token for GET /metrics (Prometheus), else KEEL_METRICS_TOKEN; "
+            "without either the route is off."
         ),
     ] = None,
+    metrics_token: Annotated[
+        str | None, typer.Option(hidden=True, help="Refused: ps shows it.")
+    ] = None,
+    header_timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds a request's headers may take (else closed).")
+    ] = 10.0,
+    body_timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds a request's body may take (else 408).")
+    ] = 30.0,
+    drain_timeout: Annotated[
+        float, typer.Option(min=0, help="On SIGTERM, the longest the turns in flight are awaited.")
+    ] = 60.0,
+    log_format: Annotated[
+        str, typer.Option(help="Log lines as text or json (one access line per request).")
+    ] = "text",
 ) -> None:
     """Serve the agent over HTTP (sessions, turns as JSON or server-sent events, runs); every
     request needs an API key from `keel keys create --tenant T`. With --workers N, N processes
-    serve any session each, on the same database (use PostgreSQL, and Redis, to scale out)."""
-    import json
-    import os
-
-    import uvicorn
-
+    serve any session each, on the same database (use PostgreSQL, and Redis, to scale out).
+    SIGTERM drains: turns in flight finish, new requests get 503 with Retry-After."""
     from keel.cli._database import database_settings
-    from keel.service import build_service
-    from keel.service._factory import SERVE_ENV
+    from keel.errors import UsageError
 
     database_settings(database, writes=True, create=create)
-
-    options = {
+    if metrics_token is not None:
+        raise UsageError(
+            "--metrics-token shows in ps to every user of this machine: set KEEL_METRICS_TOKEN "
+            "or pass --metrics-token-file"
+        )
+    if log_format not in ("text", "json"):
+        raise UsageError(f"--log-format {log_format!r}: text or json")
+    options: dict[str, Any] = {
         "database": database,
         "model": model,
         "system_prompt": system_prompt,
         "memory": memory,
         "max_body_bytes": max_body_bytes,
-        "metrics_token": metrics_token,
+        "body_timeout_s": body_timeout,
+        "metrics_token": _secret("metrics token", "KEEL_METRICS_TOKEN", metrics_token_file),
         "rate_limit_per_minute": rate_limit,
     }
+    transport: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "header_timeout_s": header_timeout,
+        "body_timeout_s": body_timeout,
+        "drain_timeout_s": drain_timeout,
+        "log_format": log_format,
+    }
     if workers > 1:
-        # Each worker process builds its own service from these options.
-        os.environ[SERVE_ENV] = json.dumps(options)
-        uvicorn.run(
-            "keel.service._factory:create",
-            factory=True,
-            host=host,
-            port=port,
-            workers=workers,
-            log_level="warning",
-        )
-        return
-    from keel.service import Drain, DrainingServer
+        _run_workers(options, workers, transport)
+    else:
+        _run_one(options, transport)
+
+
+def _run_one(options: dict[str, Any], transport: dict[str, Any]) -> None:
+    """One process; SIGTERM: turns in flight finish, new requests get 503, then it stops."""
+    from keel.service import Drain, DrainingServer, build_service
+    from keel.service._protocol import ServiceConfig
 
     drain = Drain()
-    service, _, _ = build_service(**options, drain=drain)  # type: ignore[arg-type]
-    # SIGTERM: turns in flight finish, new ones get 503, then the server stops.
-    config = uvicorn.Config(service, host=host, port=port, log_level="warning")
-    DrainingServer(config, drain).run()
+    service, _, _ = build_service(**options, drain=drain)
+    DrainingServer(ServiceConfig(service, **transport), drain).run()
 
 
 @bench_app.command("serve")
 def bench_serve_command(
     workers: Annotated[int, typer.Option(min=1, help="Worker processes on PostgreSQL.")] = 4,
     sessions: Annotated[int, typer.Option(min=1, help="Concurrent sessions.")] = 200,
-    duration: Annotated[float, typer.Option(min=1, help="Seconds of load.")] = 60.0,
+    duration: Annotated[
+        float | None, typer.Option(min=1, help="Seconds of load (60; 30 with --hostile).")
+    ] = None,
     kill_every: Annotated[
         float, typer.Option(min=0, help="Seconds between SIGKILLs of a random worker (0: none).")
     ] = 5.0,
@@ -195,16 +255,27 @@ def bench_serve_command(
     sqlite: Annotated[bool, typer.Option(help="Also run on SQLite with one worker.")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the kills and the client's jitter.")] = 7,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
+    hostile: Annotated[
+        bool,
+        typer.Option(
+            "--hostile",
+            help="Instead: one SQLite worker serving 8 normal sessions while 20 clients send it "
+            "10 MB chunked bodies and bodies a byte a second.",
+        ),
+    ] = False,
 ) -> None:
     """The service under load on PostgreSQL + Redis while workers are SIGKILLed and restarted:
     lost and duplicated turns, double effects (counted from the effects), keel-added latency,
-    RSS; then the same on SQLite with one worker."""
+    RSS; then the same on SQLite with one worker. With --hostile, against hostile clients."""
+    if hostile:
+        _bench_hostile(duration or 30.0, seed, as_json)
+        return
     from keel.bench.serve import run_serve_bench
 
     report = run_serve_bench(
         workers=workers,
         sessions=sessions,
-        duration_s=duration,
+        duration_s=duration or 60.0,
         kill_every_s=kill_every,
         model_latency_ms=model_latency_ms,
         think_s=think,
@@ -230,6 +301,25 @@ def bench_serve_command(
             f"{figures['double_effects']}; RSS max {figures['rss_mb_max']} MB",
             markup=False,
         )
+
+
+def _bench_hostile(duration_s: float, seed: int, as_json: bool) -> None:
+    from keel.bench.serve import run_hostile_bench
+
+    report = run_hostile_bench(
+        duration_s=duration_s, seed=seed, progress=lambda text: err_console.print(text)
+    )
+    if as_json:
+        emit_json(report)
+        return
+    out_console.print(
+        f"{report['hostile_requests']} hostile requests ({report['refused_413']} refused 413, "
+        f"{report['timed_out_408']} timed out 408); normal turns lost "
+        f"{report['normal_turns_lost']} of {report['normal_turns_sent']}; peak RSS "
+        f"{report['peak_rss_mb']} MB = {report['peak_rss_ratio']}x idle; /health p99 "
+        f"{report['health_p99_ms']} ms",
+        markup=False,
+    )
 
 
 @app.command("ui")

@@ -6,9 +6,10 @@ tenant (sessions through the agent's tenant-scoped keys, runs by their tenant), 
 belongs to another tenant is answered 404, exactly as what does not exist.
 
 Errors have one body, ``{"error": {"type": ..., "message": ...}}``: 400 malformed JSON, 401 no
-or a bad key, 404 unknown (or another tenant's), 409 a session another turn holds, 413 a body
-over the limit, 422 a body that does not validate, 503 a store that is down. The OpenAI
-routes (``/v1/chat/completions``, ``/v1/models``) answer OpenAI's error body instead.
+or a bad key, 404 unknown (or another tenant's), 408 a body too slow to arrive, 409 a session
+another turn holds, 413 a body over the limit, 422 a body that does not validate, 503 a store
+that is down or a server that drains. The OpenAI routes (``/v1/chat/completions``,
+``/v1/models``) answer OpenAI's error body instead.
 
 The routes live in :mod:`keel.service.routes`, one router per resource; what they share (the
 agents, the keys, the limits, the counters) is a :class:`ServiceContext` on ``app.state``,
@@ -52,12 +53,33 @@ _ROUTERS = (
 )
 
 
+def _lifespan(
+    ready: Callable[[], Awaitable[None]] | None,
+    on_shutdown: Callable[[], Awaitable[None]] | None,
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if ready is not None:
+            # Open the stores' connections before traffic comes; a store that is down now
+            # is reported by /ready rather than stopping the server.
+            with contextlib.suppress(BackendUnavailableError, StoreError):
+                await ready()
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                await on_shutdown()
+
+    return lifespan
+
+
 def create_app(
     agent_for: Callable[[str], Agent],
     keys: APIKeys,
     traces: TraceStore,
     *,
     max_body_bytes: int = 1_000_000,
+    body_timeout_s: float = 30.0,
     key_cache_s: float = 30.0,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     metrics_token: str | None = None,
@@ -73,7 +95,9 @@ def create_app(
         agent_for: the agent of a tenant (made once per tenant, on shared stores).
         keys: the API keys.
         traces: the trace store the agents write to (``/v1/runs``).
-        max_body_bytes: larger request bodies get 413 before they are read whole.
+        max_body_bytes: larger request bodies get 413 (bytes are counted as they arrive,
+            chunked or not; no more than this is read).
+        body_timeout_s: a body that has not arrived whole within this time gets 408.
         key_cache_s: how long a verified key is trusted without a look-up (a revoked key
             stops working within this time).
         on_shutdown: awaited when the server stops (close the agents' stores there).
@@ -88,21 +112,8 @@ def create_app(
         ui: serve the web trace viewer at ``/ui`` (it signs in with the same API keys).
     """
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if ready is not None:
-            # Open the stores' connections before traffic comes; a store that is down now
-            # is reported by /ready rather than stopping the server.
-            with contextlib.suppress(BackendUnavailableError, StoreError):
-                await ready()
-        try:
-            yield
-        finally:
-            if on_shutdown is not None:
-                await on_shutdown()
-
     app = FastAPI(
-        lifespan=lifespan,
+        lifespan=_lifespan(ready, on_shutdown),
         title="keel",
         description="An agent runtime: sessions, turns (JSON or server-sent events), runs.",
         version="1",
@@ -119,7 +130,13 @@ def create_app(
     )
     app.state.keel = context
     install_error_handlers(app)
-    app.add_middleware(Gate, context=context, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        Gate,
+        context=context,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        routes=[route for router in _ROUTERS for route in router.routes],
+    )
     for router in _ROUTERS:
         app.include_router(router)
     if ui:

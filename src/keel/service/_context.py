@@ -12,18 +12,21 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, Header, Request
 
 from keel.service._errors import HTTPError, RateLimited
+from keel.service._keys import bearer_key, key_id_of
+from keel.service._logging import note_run, note_tenant
 
 if TYPE_CHECKING:
     from keel.memory import Memory
     from keel.runtime import Agent, AgentReply
     from keel.service._drain import Drain
-    from keel.service._keys import CachedKeys
+    from keel.service._keys import CachedKeys, Caller
     from keel.service._limits import RateLimiter
     from keel.tools import ToolJournal
     from keel.tracing import TraceStore
 
 __all__ = [
     "ServiceContext",
+    "authenticated_caller",
     "context_of",
     "journal_of",
     "limited_tenant",
@@ -51,7 +54,8 @@ class ServiceContext:
     """Turns by tenant and how they ended."""
 
     def counted(self, tenant_id: str, reply: AgentReply) -> AgentReply:
-        """Count a finished turn for ``/metrics``."""
+        """Count a finished turn for ``/metrics`` (and name its run in the access log)."""
+        note_run(reply.run_id)
         self.turns[(tenant_id, reply.status)] += 1
         return reply
 
@@ -62,14 +66,22 @@ def context_of(request: Request) -> ServiceContext:
     return context
 
 
-async def tenant(request: Request, authorization: str | None = Header(default=None)) -> str:
-    """The tenant the request's API key names; 401 without a valid key."""
-    scheme, _, key = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not key:
+async def authenticated_caller(context: ServiceContext, authorization: str | None) -> Caller:
+    """Who an ``Authorization`` header's key speaks for (its tenant, and its one user for a
+    user key); 401 without a valid key."""
+    key = bearer_key(authorization)
+    if key is None:
         raise HTTPError(401, "Unauthorized", "send Authorization: Bearer <API key>")
-    found = await context_of(request).keys.acaller(key)
+    found = await context.keys.acaller(key)
     if found is None:
         raise HTTPError(401, "Unauthorized", "unknown or revoked API key")
+    note_tenant(found.tenant_id)
+    return found
+
+
+async def tenant(request: Request, authorization: str | None = Header(default=None)) -> str:
+    """The tenant the request's API key names; 401 without a valid key."""
+    found = await authenticated_caller(context_of(request), authorization)
     request.state.keel_caller = found  # who the key speaks for: keel.service._access.caller
     return found.tenant_id
 
@@ -79,11 +91,13 @@ async def limited_tenant(
     tenant_id: str = Depends(tenant),
     authorization: str | None = Header(default=None),
 ) -> str:
-    """The request's tenant, once the key's rate limit lets it through (429 otherwise)."""
+    """The request's tenant, once the key's rate limit lets it through (429 otherwise). A key
+    is counted by its id, however the header spells it (``bearer``, ``BEARER``, extra
+    spaces): the same key is one count."""
     limiter = context_of(request).rate_limiter
     if limiter is not None:
-        fingerprint = hashlib.sha256((authorization or "").encode()).hexdigest()[:32]
-        wait = await limiter.check(fingerprint)
+        key = bearer_key(authorization) or ""
+        wait = await limiter.check(key_id_of(key) or hashlib.sha256(key.encode()).hexdigest())
         if wait is not None:
             raise RateLimited(wait)
     return tenant_id

@@ -5,6 +5,12 @@ uvicorn alone stops listening at once and gives in-flight requests a grace perio
 that is about to go away should instead keep answering, refusing new turns with 503 and
 ``Retry-After`` (a load balancer or client sends them to another worker), until the turns it
 holds are done; a second signal stops it at once.
+
+With ``--workers N`` uvicorn's supervisor sends each worker SIGTERM and keeps the listening
+socket open until they are gone; a worker that stopped accepting at once (uvicorn's own
+shutdown) would leave new connections waiting in the socket's backlog until the supervisor
+exits and drops them. :class:`DrainingMultiprocess` makes every worker a
+:class:`DrainingServer`, so a multi-worker server drains exactly as a single process does.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 from keel.service._process import freeze_startup_heap
 
-__all__ = ["Drain", "DrainingServer"]
+__all__ = ["Drain", "DrainingMultiprocess", "DrainingServer", "worker_drain"]
 
 
 class Drain:
@@ -41,6 +47,17 @@ class Drain:
             self._in_flight -= 1
 
 
+_worker_drain: list[Drain] = []
+
+
+def worker_drain() -> Drain:
+    """This worker process's drain, shared by its server (:class:`DrainingMultiprocess`) and
+    its app (``keel.service._factory.create``): one per process."""
+    if not _worker_drain:
+        _worker_drain.append(Drain())
+    return _worker_drain[0]
+
+
 def _server_base() -> Any:
     import uvicorn
 
@@ -54,13 +71,18 @@ class DrainingServer(_server_base()):  # type: ignore[misc]
     Args:
         config: uvicorn's ``Config``.
         drain: the app's :class:`Drain` (``create_app(drain=...)``).
-        drain_timeout_s: the longest the turns in flight are waited for.
+        drain_timeout_s: the longest the turns in flight are waited for (default: the
+            config's ``drain_timeout_s``, else 60 s).
     """
 
-    def __init__(self, config: Any, drain: Drain, *, drain_timeout_s: float = 60.0) -> None:
+    def __init__(self, config: Any, drain: Drain, *, drain_timeout_s: float | None = None) -> None:
         super().__init__(config)
         self.drain = drain
-        self.drain_timeout_s = drain_timeout_s
+        self.drain_timeout_s = (
+            drain_timeout_s
+            if drain_timeout_s is not None
+            else float(getattr(config, "drain_timeout_s", 60.0))
+        )
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         # Before it listens (``started``), with the app built: what the app's own start-up
@@ -82,3 +104,38 @@ class DrainingServer(_server_base()):  # type: ignore[misc]
         while self.drain.in_flight > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         super().handle_exit(sig, frame)
+
+
+def _multiprocess_bases() -> tuple[Any, Any]:
+    from uvicorn.supervisors import multiprocess
+
+    return multiprocess.Process, multiprocess.Multiprocess
+
+
+class _DrainingProcess(_multiprocess_bases()[0]):  # type: ignore[misc]
+    """A worker of uvicorn's supervisor whose server drains (it is built in the worker)."""
+
+    @property
+    def server(self) -> Any:
+        server: Any = self.__dict__.get("_server")
+        if server is None:
+            server = self._server = DrainingServer(self.config, worker_drain())
+        return server
+
+
+class DrainingMultiprocess(_multiprocess_bases()[1]):  # type: ignore[misc]
+    """uvicorn's multi-process supervisor whose workers are :class:`DrainingServer` s: on
+    SIGTERM each keeps serving, refusing new requests with 503, until its turns are done.
+    The app the workers load must use :func:`worker_drain` as its drain."""
+
+    def run(self) -> None:
+        from uvicorn.supervisors import multiprocess
+
+        # The supervisor makes (and remakes) its workers through this module's name, in this
+        # process only: a `keel serve --workers N` parent does nothing else.
+        original = multiprocess.Process
+        multiprocess.Process = _DrainingProcess  # type: ignore[misc]
+        try:
+            super().run()
+        finally:
+            multiprocess.Process = original  # type: ignore[misc]

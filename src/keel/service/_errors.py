@@ -24,6 +24,7 @@ from keel.errors import (
     StoreError,
     UsageError,
 )
+from keel.service._logging import log_store_failure
 
 __all__ = [
     "STORE_UNAVAILABLE",
@@ -183,6 +184,9 @@ def describe(exc: KeelError) -> tuple[int, str, str]:
 
 async def _on_keel_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, KeelError)
+    if error_status(exc) == 503:
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        log_store_failure(request.method, route, exc)
     return error_response(*describe(exc), path=request.url.path)
 
 

@@ -1,7 +1,8 @@
 """The app factory uvicorn's worker processes import: each builds its own service from the
 ``KEEL_SERVE_*`` environment ``keel serve --workers N`` set, on the same database (and Redis).
 
-Workers share nothing in memory; correctness comes from the stores: compare-and-set on every
+Each worker drains on SIGTERM as a single process does (``DrainingMultiprocess``). Workers
+share nothing in memory; correctness comes from the stores: compare-and-set on every
 checkpoint, and the session lease (in the state store: SQLite, PostgreSQL or Redis) that lets
 one turn of a session run at a time, whichever worker took it.
 """
@@ -23,11 +24,13 @@ SERVE_ENV = "KEEL_SERVE_OPTIONS"
 
 def create() -> FastAPI:
     """The service, from ``KEEL_SERVE_OPTIONS`` (uvicorn calls this once per worker)."""
+    from keel.service._drain import worker_drain
     from keel.service._process import freeze_startup_heap
     from keel.service._serve import build_service
 
     options = json.loads(os.environ.get(SERVE_ENV, "{}"))
-    app, _, _ = build_service(**options)
+    # The drain this worker's server (a DrainingServer) starts on SIGTERM.
+    app, _, _ = build_service(**options, drain=worker_drain())
     # This process is one of uvicorn's workers: it serves and does nothing else.
     freeze_startup_heap()
     return app

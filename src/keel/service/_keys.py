@@ -28,7 +28,7 @@ from keel.stores import PostgresDatabase, SQLiteDatabase
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 
-__all__ = ["APIKey", "APIKeys", "CachedKeys", "Caller"]
+__all__ = ["APIKey", "APIKeys", "CachedKeys", "Caller", "bearer_key", "key_id_of"]
 
 _KEY = re.compile(r"keel_([0-9a-f]{12})_([A-Za-z0-9_-]{32,64})")
 
@@ -101,6 +101,22 @@ def _parsed(key: object) -> tuple[str, str] | None:
     """A well-formed key's id and secret."""
     found = _KEY.fullmatch(key.strip()) if isinstance(key, str) else None
     return None if found is None else (found[1], found[2])
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key an ``Authorization`` header carries, however it is spelled: the scheme in any
+    case, any whitespace around and between (``bearer KEY``, ``BEARER\tKEY``,
+    ``Bearer  KEY ``); None when the header is not one bearer token."""
+    parts = (authorization or "").split()
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        return None
+    return parts[1]
+
+
+def key_id_of(key: str) -> str | None:
+    """A well-formed key's id (what a key is counted by: the same key however it was sent)."""
+    parsed = _parsed(key)
+    return None if parsed is None else parsed[0]
 
 
 def _verified(rows: list[tuple[Any, ...]], key_id: str, secret: str) -> Caller | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from keel.service._ids import Text, UserId
 
@@ -20,12 +20,19 @@ __all__ = [
 ]
 
 
+MAX_MESSAGE_CHARS = 100_000
+"""The most characters of one message, a turn's or a chat completion's, and of all the
+messages of one chat completion request."""
+
+
 class TurnRequest(BaseModel):
     """One user message for a session."""
 
     model_config = ConfigDict(extra="forbid")
 
-    message: Text = Field(min_length=1, max_length=100_000, description="What the user wrote.")
+    message: Text = Field(
+        min_length=1, max_length=MAX_MESSAGE_CHARS, description="What the user wrote."
+    )
     user: UserId = Field(description="The user the session belongs to.")
 
 
@@ -79,6 +86,12 @@ class ChatMessage(BaseModel):
                 str(part.get("text", "")) for part in content if part.get("type") == "text"
             )
         return content or ""
+
+    def characters(self) -> int:
+        """The length of the message's text (of its text parts)."""
+        if isinstance(self.content, list):
+            return sum(len(str(part.get("text", ""))) for part in self.content)
+        return len(self.content or "")
 
 
 class StreamOptions(BaseModel):
@@ -138,6 +151,13 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     stop: str | list[str] | None = None
     seed: int | None = None
+
+    @model_validator(mode="after")
+    def _capped(self) -> ChatCompletionRequest:
+        # The whole list's cap is each message's too.
+        if sum(message.characters() for message in self.messages) > MAX_MESSAGE_CHARS:
+            raise ValueError(f"the messages hold at most {MAX_MESSAGE_CHARS} characters in all")
+        return self
 
     @field_validator("stop")
     @classmethod
