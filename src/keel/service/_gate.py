@@ -93,7 +93,7 @@ class Gate:
         drain = self.context.drain
         is_turn = scope["method"] == "POST" and scope["path"].endswith(_TURN_PATHS)
         if self._refused_while_draining(scope):
-            await draining_response()(scope, receive, send)
+            await draining_response(scope["path"])(scope, receive, send)
             return None
         if is_turn:
             refusal = await self._key_refusal(scope)
@@ -111,7 +111,7 @@ class Gate:
             await self._refuse_body(body, scope, receive, send)
             return None
         if self._refused_while_draining(scope):  # the drain began while the body came in
-            await draining_response()(scope, receive, send)
+            await draining_response(scope["path"])(scope, receive, send)
             return None
         replayed = _replaying(body, receive)
         if not (is_turn and drain is not None):
@@ -131,12 +131,13 @@ class Gate:
         try:
             await authenticated_caller(self.context, Headers(scope=scope).get("authorization"))
         except HTTPError as exc:
-            return error_response(exc.status, exc.kind, exc.message)
+            return error_response(exc.status, exc.kind, exc.message, path=scope["path"])
         except KeelError as exc:
             status = error_status(exc)
             if status == 503:
                 log_store_failure(scope["method"], self._template(scope), exc)
-            return error_response(status, type(exc).__name__, "the API keys cannot be read now")
+            message = "the API keys cannot be read now"
+            return error_response(status, type(exc).__name__, message, path=scope["path"])
         return None
 
     def _refused_while_draining(self, scope: ASGIScope) -> bool:
@@ -169,11 +170,17 @@ class Gate:
     ) -> None:
         if status == 413:
             response = error_response(
-                413, "BodyTooLarge", f"the body is over {self.max_body_bytes} bytes"
+                413,
+                "BodyTooLarge",
+                f"the body is over {self.max_body_bytes} bytes",
+                path=scope["path"],
             )
         else:
             response = error_response(
-                408, "RequestTimeout", f"the body did not arrive within {self.body_timeout_s:g} s"
+                408,
+                "RequestTimeout",
+                f"the body did not arrive within {self.body_timeout_s:g} s",
+                path=scope["path"],
             )
         # The rest of the body is never read: the connection ends with this response.
         response.headers["Connection"] = "close"
