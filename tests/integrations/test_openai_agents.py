@@ -11,6 +11,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
 from agents import (
     Agent,
     RunConfig,
@@ -34,6 +35,13 @@ BUDGET = ContextBudget(working_budget=4_000)
 
 
 _SIZES = random.Random(11)  # seeded: tool outputs of 70 to 1,300 tokens
+
+
+@pytest.fixture(autouse=True)
+def _same_sizes_in_any_order() -> None:
+    """Every test sees the same tool outputs, whichever tests of this module ran before it (a
+    shared generator made a test's data depend on the random test order)."""
+    _SIZES.seed(11)
 
 
 @function_tool
