@@ -38,7 +38,7 @@ from keel.memory._records import (
 )
 from keel.memory._rows import (
     RECORD_COLUMNS,
-    current_fact_sql,
+    current_fact,
     filter_sql,
     record_from_row,
     record_to_row,
@@ -373,11 +373,7 @@ class PostgresMemoryStore(MemoryStore):
                 # Writers of one fact take turns: each reads the current value, then
                 # supersedes it, and two at once would both leave theirs current.
                 _lock(conn, "memory fact", record, f"{record.subject}\x1f{record.attribute}")
-                current = [
-                    record_from_row(row)
-                    for row in conn.execute(*current_fact_sql(record, "%s")).fetchall()
-                ]
-                for stored in current:
+                for stored in current_fact(conn, record, "%s"):
                     if same_content(stored, record):
                         return InsertResult(stored, created=False)
             row = conn.execute(_INSERT_RECORD, record_to_row(record)).fetchone()

@@ -37,7 +37,7 @@ from keel.memory._records import (
 )
 from keel.memory._rows import (
     RECORD_COLUMNS,
-    current_fact_sql,
+    current_fact,
     filter_sql,
     is_selective,
     record_from_row,
@@ -454,10 +454,7 @@ class SQLiteMemoryStore(MemoryStore):
                     )
                 current: list[MemoryRecord] = []
                 if is_fact(record):
-                    current = [
-                        record_from_row(row)
-                        for row in conn.execute(*current_fact_sql(record, "?")).fetchall()
-                    ]
+                    current = current_fact(conn, record, "?")
                     for stored in current:
                         if same_content(stored, record):
                             return InsertResult(stored, created=False)
