@@ -10,9 +10,10 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
+from keel.stores._dialect import POSTGRES
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
-from keel.stores._sql_journal import AsyncSQLToolJournal, JournalDialect
+from keel.stores._sql_journal import AsyncSQLToolJournal
 
 __all__ = ["POSTGRES_JOURNAL_MIGRATIONS", "PostgresToolJournal"]
 
@@ -61,7 +62,7 @@ class PostgresToolJournal(AsyncSQLToolJournal):
         pool_size: with a URL, most connections its pool opens.
     """
 
-    dialect = JournalDialect(placeholder="%s", flag=bool)
+    dialect = POSTGRES
 
     def __init__(self, database: PostgresDatabase | str, *, pool_size: int = 4) -> None:
         self._owns_database = isinstance(database, str)

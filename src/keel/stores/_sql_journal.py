@@ -1,24 +1,24 @@
 """The tool journal's one implementation over SQL, for SQLite and PostgreSQL alike.
 
 Both engines take the same statements (``INSERT ... ON CONFLICT DO NOTHING`` claims, epoch
-seconds as floats); a :class:`JournalDialect` carries what differs in the SQL, and each
-engine's subclass says how it opens a write transaction and a read.
+seconds as floats); the :class:`~keel.stores._dialect.SqlDialect` carries what differs in the
+SQL, and each engine's subclass says how it opens a write transaction and a read.
 """
 
 from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 from keel.errors import StoreError
 from keel.messages import Message
+from keel.stores._dialect import SqlDialect
 from keel.tools._journal import JournalClaim, JournalEntry, ToolJournal, entry_from_row
 
-__all__ = ["AsyncSQLToolJournal", "JournalDialect", "SQLToolJournal"]
+__all__ = ["AsyncSQLToolJournal", "SQLToolJournal"]
 
 _COLUMNS = (
     "key, session_id, step, call_index, tool, arguments, status, ok, content, output, "
@@ -26,27 +26,10 @@ _COLUMNS = (
 )
 
 
-@dataclass(frozen=True)
-class JournalDialect:
-    """How one engine's SQL differs from the journal's statements.
-
-    Args:
-        placeholder: the parameter marker (``?`` for sqlite3, ``%s`` for psycopg).
-        flag: a boolean as its ``ok`` column stores it (SQLite has no boolean type).
-    """
-
-    placeholder: str
-    flag: Callable[[bool], object]
-
-    def sql(self, statement: str) -> str:
-        """``statement``, written with ``?`` markers, in this dialect."""
-        return statement.replace("?", self.placeholder)
-
-
 class SQLToolJournal(ToolJournal):
     """The journal's statements, run on the connections a subclass opens."""
 
-    dialect: JournalDialect
+    dialect: SqlDialect
 
     @abstractmethod
     def _write(self) -> AbstractContextManager[Any]:

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TypeVar
 
+from keel.stores._dialect import SQLITE
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_journal import JournalDialect, SQLToolJournal
+from keel.stores._sql_journal import SQLToolJournal
 from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["JOURNAL_MIGRATIONS", "SQLiteToolJournal"]
@@ -59,7 +60,7 @@ _T = TypeVar("_T")
 class SQLiteToolJournal(SQLToolJournal):
     """The tool journal in a :class:`~keel.stores.SQLiteDatabase` (applies its migrations)."""
 
-    dialect = JournalDialect(placeholder="?", flag=int)
+    dialect = SQLITE
 
     def __init__(self, db: SQLiteDatabase) -> None:
         self.db = db
