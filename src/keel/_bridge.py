@@ -5,6 +5,9 @@ its coroutine on ONE long-lived event loop in a daemon thread, the blocking-port
 instead of a new event loop per call. What an async client keeps per loop (an HTTP
 connection pool, a PostgreSQL or Redis async pool) is then made once and reused, not leaked
 with each call's dead loop, and sync calls from several threads share one loop safely.
+
+The other direction, async code calling a blocking function (SQLite, an ONNX embedder), goes
+through :func:`run_blocking`, the one place that decides where blocking work runs.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, ParamSpec, TypeVar
 
 from keel.errors import UsageError
 
-__all__ = ["iterate_sync", "run_sync"]
+__all__ = ["iterate_sync", "run_blocking", "run_sync"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -118,3 +122,13 @@ def iterate_sync(iterable: AsyncIterator[T], *, cleanup_wait_s: float = 30.0) ->
         if not future.done():
             future.cancel()
         finished.wait(cleanup_wait_s)
+
+
+async def run_blocking(function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run the blocking ``function`` off the event loop and await its result.
+
+    Every async path in keel that has to call blocking code (a SQLite store, an embedder, a
+    file) goes through here, so where such work runs (today: the running loop's default
+    executor, with the caller's context variables) is decided in one place.
+    """
+    return await asyncio.to_thread(function, *args, **kwargs)
