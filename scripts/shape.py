@@ -2,6 +2,7 @@
 
     python scripts/shape.py            # one JSON object
     python scripts/shape.py --list     # plus the offenders behind each figure
+    python scripts/shape.py --root DIR # another checkout's src/keel (a base commit, say)
 
 Counted over src/keel:
 - agent_class_lines: lines of `Agent` plus every keel-defined base class it inherits from.
@@ -9,7 +10,8 @@ Counted over src/keel:
 - functions_over_80: functions (and methods) longer than 80 lines, decorators excluded.
 - classes_over_30_methods: classes defining more than 30 methods (inherited ones not counted).
 - lazy_keel_imports: imports of keel modules inside functions outside keel/cli
-  (`importlib.import_module` counted too).
+  (`importlib.import_module` counted too); lazy_uncommented: those without a comment (on the
+  line or one of the two above) saying why.
 - upward_imports: imports from a package's module into `keel.stores` from memory/ or tracing/,
   or more generally from a lower layer into a higher one (see LAYERS).
 """
@@ -29,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent / "src" / "keel"
 LOWER_THAN_STORES = ("memory", "tracing", "state", "context", "privacy", "tools", "models")
 
 
-def _modules() -> list[tuple[Path, ast.Module, str]]:
+def _modules(root: Path) -> list[tuple[Path, ast.Module, str]]:
     found = []
-    for path in sorted(ROOT.rglob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         text = path.read_text()
         found.append((path, ast.parse(text), text))
     return found
@@ -63,16 +65,22 @@ def _keel_module(node: ast.AST, path: Path) -> str | None:
     return None
 
 
-def measure(show: bool = False) -> dict[str, object]:
-    modules = _modules()
+def _commented(text: str, line: int) -> bool:
+    lines = text.splitlines()
+    return any("#" in lines[i] for i in range(max(0, line - 3), line))
+
+
+def measure(show: bool = False, root: Path = ROOT) -> dict[str, object]:
+    modules = _modules(root)
     classes: dict[str, tuple[ast.ClassDef, Path]] = {}
     long_files, long_functions, big_classes, lazy, upward = [], [], [], [], []
+    uncommented: list[str] = []
     for path, tree, text in modules:
-        rel = str(path.relative_to(ROOT.parent))
+        rel = str(path.relative_to(root.parent))
         lines = text.count("\n") + 1
         if lines > 1000:
             long_files.append(f"{rel} {lines}")
-        package = path.relative_to(ROOT).parts[0] if len(path.relative_to(ROOT).parts) > 1 else ""
+        package = path.relative_to(root).parts[0] if len(path.relative_to(root).parts) > 1 else ""
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 classes.setdefault(node.name, (node, path))
@@ -89,8 +97,11 @@ def measure(show: bool = False) -> dict[str, object]:
                         if inner is node:
                             continue
                         target = _keel_module(inner, path)
-                        if target:
-                            lazy.append(f"{rel}:{inner.lineno} {target}")  # type: ignore[attr-defined]
+                        line = getattr(inner, "lineno", 0)
+                        if target and f"{rel}:{line} {target}" not in lazy:  # nested: once
+                            lazy.append(f"{rel}:{line} {target}")
+                            if not _commented(text, line):
+                                uncommented.append(f"{rel}:{line} {target}")
             if package in LOWER_THAN_STORES and isinstance(node, ast.Import | ast.ImportFrom):
                 target = _keel_module(node, path) or ""
                 if target.startswith("keel.stores"):
@@ -112,6 +123,7 @@ def measure(show: bool = False) -> dict[str, object]:
         "functions_over_80": len(long_functions),
         "classes_over_30_methods": len(big_classes),
         "lazy_keel_imports": len(lazy),
+        "lazy_uncommented": len(uncommented),
         "upward_imports": len(upward),
     }
     if show:
@@ -120,6 +132,7 @@ def measure(show: bool = False) -> dict[str, object]:
             ("functions over 80", long_functions),
             ("classes over 30 methods", big_classes),
             ("lazy keel imports", lazy),
+            ("lazy keel imports without a comment", uncommented),
             ("upward imports", upward),
         ):
             print(f"## {label}: {len(rows)}")
@@ -129,4 +142,5 @@ def measure(show: bool = False) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(show="--list" in sys.argv)))
+    where = Path(sys.argv[sys.argv.index("--root") + 1]) if "--root" in sys.argv else ROOT
+    print(json.dumps(measure(show="--list" in sys.argv, root=where)))
