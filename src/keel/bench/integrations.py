@@ -33,7 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keel.bench._react import ANSWER, question, react_agent
 from keel.bench._stats import sqlite_file_bytes
+from keel.context import ContextBudget
+from keel.testing.servers import postgres_server
+from keel.tokens import counter_for
 
 __all__ = ["run_integrations_bench"]
 
@@ -46,6 +50,9 @@ async def _drive(
     input_filter: Any = None,
 ) -> Any:
     from agents import Agent, RunConfig, Runner, function_tool, set_tracing_disabled
+
+    # The openai-agents extra: the SDK's scripted model.
+    from keel.testing.openai_agents import LooksUpThenAnswers
 
     set_tracing_disabled(True)
 
@@ -61,8 +68,6 @@ async def _drive(
         # Real tools answer with very different sizes: 20 to 250 lines (~80 to ~2,500 tokens).
         lines = sizes.randint(20, 250)
         return f"records for {item}: " + "a detail line about the item and its history " * lines
-
-    from keel.testing.openai_agents import LooksUpThenAnswers
 
     model = LooksUpThenAnswers()
     inputs = model.inputs
@@ -83,7 +88,7 @@ async def _drive(
 def _figures(
     inputs: list[list[dict[str, Any]]], elapsed: float, turns: int, limit: int, counter: Any
 ) -> dict[str, Any]:
-    from keel.testing.openai_agents import orphaned_outputs, text_tokens
+    from keel.testing.openai_agents import orphaned_outputs, text_tokens  # openai-agents extra
 
     per_call = [text_tokens(items, counter) for items in inputs]
     per_turn = [max(per_call[2 * t], per_call[2 * t + 1]) for t in range(turns)]
@@ -101,8 +106,6 @@ def _figures(
 
 
 def _run_graph(saver: Any, steps: int, count_checkpoints: Callable[[], int]) -> dict[str, Any]:
-    from keel.bench._react import ANSWER, question, react_agent
-
     graph, executions = react_agent(saver)
     config = {"configurable": {"thread_id": "bench"}}
     started = time.perf_counter()
@@ -130,7 +133,7 @@ def _langgraph_half(
 
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from keel.integrations.langgraph import KeelCheckpointSaver
+    from keel.integrations.langgraph import KeelCheckpointSaver  # the langgraph extra
 
     if progress:
         progress(f"LangGraph ReAct agent, {steps} steps on one thread: SqliteSaver")
@@ -167,8 +170,8 @@ def _langgraph_half(
         "conformance": None,
     }
     if conformance:
+        # The langgraph extra and LangGraph's conformance suite (the test extra).
         from keel.testing.langgraph import conformance_failures
-        from keel.testing.servers import postgres_server
 
         if progress:
             progress("LangGraph's conformance suite: keel on SQLite and on PostgreSQL")
@@ -196,9 +199,7 @@ def run_integrations_bench(
     from agents import SQLiteSession
     from agents.memory import SessionSettings
 
-    from keel.context import ContextBudget
-    from keel.integrations.openai_agents import KeelSession
-    from keel.tokens import counter_for
+    from keel.integrations.openai_agents import KeelSession  # the openai-agents extra
 
     counter = counter_for("gpt-4o")
     with tempfile.TemporaryDirectory(prefix="keel-bench-integrations-") as name:
