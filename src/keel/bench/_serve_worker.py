@@ -19,6 +19,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 
 from keel.messages import Message
+from keel.service import Drain, DrainingServer, build_service
+from keel.service._protocol import ServiceConfig
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
 
@@ -107,9 +109,6 @@ def _opening_first(app: ASGIApp, open_first: Callable[[], Awaitable[None]]) -> A
 
 
 def main() -> None:
-    from keel.service import Drain, DrainingServer, build_service
-    from keel.service._protocol import ServiceConfig
-
     options = json.loads(os.environ[WORKER_ENV])
     model = ScriptedModel(_policy, delay_s=options["model_latency_s"])
     drain = Drain()

@@ -25,6 +25,7 @@ import numpy.typing as npt
 from keel.bench._stats import nearest_rank
 from keel.bench.memory import synthetic_corpus
 from keel.memory import Embedder
+from keel.stores._sqlite_memory import _ScopeIndex, _sign_bits
 
 __all__ = ["run_ann_bench"]
 
@@ -69,8 +70,6 @@ def _measure(
 
 
 def _keel_index(vectors: FloatArray) -> dict[str, Any]:
-    from keel.stores._sqlite_memory import _ScopeIndex, _sign_bits
-
     def build() -> _ScopeIndex:
         # What the store holds once it has mirrored the rows: the matrix and its sign bits.
         index = _ScopeIndex(dimension=vectors.shape[1])

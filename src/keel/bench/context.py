@@ -294,6 +294,123 @@ def _langchain_baseline(
     return add, trim
 
 
+class _Tally:
+    """What one benchmark run measures, call by call and turn by turn."""
+
+    def __init__(self, engine: ContextEngine) -> None:
+        self.engine = engine
+        self.counter = engine.counter
+        self.budget = engine.budget
+        self.conversation = engine.conversation("bench")
+        self.tools_tokens = self.counter.count_tools(TOOLS)
+        # trim_messages knows nothing of tool schemas: give it the room they leave.
+        self.lc_add, self.lc_trim = _langchain_baseline(
+            self.counter.count_message,
+            engine.reply_priming_tokens,
+            self.budget.limit - self.tools_tokens,
+        )
+        self.assembly_ms: list[float] = []
+        self.summary_ms: list[float] = []
+        self.lc_ms: list[float] = []
+        self.first_prompt_tokens: list[int] = []
+        self.violations = 0
+        self.violation_examples: list[str] = []
+        self.max_prompt = 0
+        self.degraded = 0
+        self.full_tokens = (
+            self.counter.count_message(Message.system(SYSTEM_PROMPT)) + engine.reply_priming_tokens
+        )
+        self.full_tokens += (
+            self.counter.count_message(Message.system("\n".join(RULES))) + self.tools_tokens
+        )
+        self.full_over_budget = 0
+        self.full_over_window = 0
+        self.full_at: dict[int, int] = {}
+        self.lc_stats = {"over_limit": 0, "orphans": 0, "lost_newest_user": 0, "max_tokens": 0}
+        self.lc_first_tokens: list[int] = []
+        self.summaries_committed = 0
+        self.ingest_ms = 0.0
+        self.compiles = 0
+        self.tool_sizes: list[int] = []
+        self.outside: list[int] = []
+
+    def add(self, message: Message) -> None:
+        """One message into keel's conversation (timed), the full context and the baseline."""
+        started = time.perf_counter()
+        self.conversation.add(message)
+        self.ingest_ms += (time.perf_counter() - started) * 1000
+        self.full_tokens += self.counter.count_message(message)
+        self.lc_add(message)
+        if message.role == "tool":
+            self.tool_sizes.append(self.counter.count_text(message.content))
+
+    def model_call(self, first: bool) -> None:
+        """Compile the prompt (timed), check it, and trim the baseline's at the same point."""
+        started = time.perf_counter()
+        prompt = self.engine.compile(
+            self.conversation, system=SYSTEM_PROMPT, rules=RULES, tools=TOOLS
+        )
+        self.assembly_ms.append((time.perf_counter() - started) * 1000)
+        self.compiles += 1
+        exact = self.counter.count_prompt(prompt.messages, TOOLS)
+        problems = check_prompt(
+            prompt.messages, tokens=exact, limit=self.budget.limit, rules_first_line=_RULES_LINE
+        )
+        if exact != prompt.tokens:
+            problems.append(f"report says {prompt.tokens} tokens, recount {exact}")
+        if problems:
+            self.violations += 1
+            if len(self.violation_examples) < 5:
+                self.violation_examples.append("; ".join(problems))
+        self.max_prompt = max(self.max_prompt, exact)
+        self.degraded += bool(prompt.report.degradations)
+        if prompt.report.turns_outside_window:
+            self.outside.append(prompt.report.turns_outside_window)
+        if first:
+            self.first_prompt_tokens.append(exact)
+        self._baseline_call(first)
+
+    def _baseline_call(self, first: bool) -> None:
+        lc = self.lc_trim()
+        self.lc_ms.append(lc["ms"])
+        lc_tokens = lc["tokens"] + self.tools_tokens
+        self.lc_stats["max_tokens"] = max(self.lc_stats["max_tokens"], lc_tokens)
+        self.lc_stats["over_limit"] += lc_tokens > self.budget.limit
+        self.lc_stats["orphans"] += bool(lc["orphans"])
+        self.lc_stats["lost_newest_user"] += lc["lost_newest_user"]
+        if first:
+            self.lc_first_tokens.append(lc_tokens)
+
+    def turn(self, number: int, messages: list[Message]) -> None:
+        """One turn: the user's message, the tool calls and results, the answer; then the
+        summarizer (timed apart)."""
+        self.add(messages[0])
+        self.model_call(first=True)
+        tool_messages = list(messages[1:-1])
+        if tool_messages:
+            self.add(tool_messages[0])  # the assistant's tool calls
+            for result in tool_messages[1:]:
+                self.add(result)
+            self.model_call(first=False)
+        self.add(messages[-1])
+        self.full_at[number] = self.full_tokens
+        self.full_over_budget += self.full_tokens > self.budget.limit
+        self.full_over_window += self.full_tokens > self.budget.window - self.budget.reserve
+        started = time.perf_counter()
+        outcome = self.conversation.summarize()
+        if outcome is not None:
+            self.summary_ms.append((time.perf_counter() - started) * 1000)
+            self.summaries_committed += outcome.committed
+
+
+_RULES_LINE = "Operating rules"
+"""How the engine's rules message starts (the check finds it by this)."""
+
+
+def _at(values: Sequence[int], turn: int) -> int | None:
+    return values[turn - 1] if len(values) >= turn else None
+
+
 def run_context_benchmark(
     turns: int = 1000,
     *,
@@ -303,111 +420,20 @@ def run_context_benchmark(
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (see the module docstring)."""
-    engine = ContextEngine(model, budget=ContextBudget(working_budget=working_budget))
-    counter = engine.counter
-    budget = engine.budget
-    conversation = engine.conversation("bench")
-    tools_tokens = counter.count_tools(TOOLS)
-    # trim_messages knows nothing of tool schemas: give it the room they leave.
-    lc_add, lc_trim = _langchain_baseline(
-        counter.count_message, engine.reply_priming_tokens, budget.limit - tools_tokens
-    )
-    rules_first_line = "Operating rules"
-    script = synthetic_conversation(turns, seed)
-
-    assembly_ms: list[float] = []
-    summary_ms: list[float] = []
-    lc_ms: list[float] = []
-    first_prompt_tokens: list[int] = []
-    violations = 0
-    violation_examples: list[str] = []
-    max_prompt = 0
-    degraded = 0
-    full_tokens = counter.count_message(Message.system(SYSTEM_PROMPT)) + engine.reply_priming_tokens
-    full_tokens += counter.count_message(Message.system("\n".join(RULES))) + tools_tokens
-    full_over_budget = 0
-    full_over_window = 0
-    lc_stats = {"over_limit": 0, "orphans": 0, "lost_newest_user": 0, "max_tokens": 0}
-    lc_first_tokens: list[int] = []
-    summaries_committed = 0
-    ingest_started = 0.0
-    ingest_ms = 0.0
-    compiles = 0
-    tool_sizes: list[int] = []
-    outside: list[int] = []
-
-    def model_call(first: bool) -> None:
-        nonlocal violations, max_prompt, degraded, compiles
-        started = time.perf_counter()
-        prompt = engine.compile(conversation, system=SYSTEM_PROMPT, rules=RULES, tools=TOOLS)
-        assembly_ms.append((time.perf_counter() - started) * 1000)
-        compiles += 1
-        exact = counter.count_prompt(prompt.messages, TOOLS)
-        problems = check_prompt(
-            prompt.messages, tokens=exact, limit=budget.limit, rules_first_line=rules_first_line
-        )
-        if exact != prompt.tokens:
-            problems.append(f"report says {prompt.tokens} tokens, recount {exact}")
-        if problems:
-            violations += 1
-            if len(violation_examples) < 5:
-                violation_examples.append("; ".join(problems))
-        max_prompt = max(max_prompt, exact)
-        degraded += bool(prompt.report.degradations)
-        if prompt.report.turns_outside_window:
-            outside.append(prompt.report.turns_outside_window)
-        if first:
-            first_prompt_tokens.append(exact)
-        lc = lc_trim()
-        lc_ms.append(lc["ms"])
-        lc_tokens = lc["tokens"] + tools_tokens
-        lc_stats["max_tokens"] = max(lc_stats["max_tokens"], lc_tokens)
-        lc_stats["over_limit"] += lc_tokens > budget.limit
-        lc_stats["orphans"] += bool(lc["orphans"])
-        lc_stats["lost_newest_user"] += lc["lost_newest_user"]
-        if first:
-            lc_first_tokens.append(lc_tokens)
-
-    def add(message: Message) -> None:
-        nonlocal full_tokens, ingest_ms
-        started = time.perf_counter()
-        conversation.add(message)
-        ingest_ms += (time.perf_counter() - started) * 1000
-        full_tokens += counter.count_message(message)
-        lc_add(message)
-        if message.role == "tool":
-            tool_sizes.append(counter.count_text(message.content))
-
-    full_at: dict[int, int] = {}
-    for number, messages in enumerate(script, start=1):
-        add(messages[0])
-        model_call(first=True)
-        tool_messages = list(messages[1:-1])
-        if tool_messages:
-            add(tool_messages[0])  # the assistant's tool calls
-            for result in tool_messages[1:]:
-                add(result)
-            model_call(first=False)
-        add(messages[-1])
-        full_at[number] = full_tokens
-        full_over_budget += full_tokens > budget.limit
-        full_over_window += full_tokens > budget.window - budget.reserve
-        started = time.perf_counter()
-        outcome = conversation.summarize()
-        if outcome is not None:
-            summary_ms.append((time.perf_counter() - started) * 1000)
-            summaries_committed += outcome.committed
+    tally = _Tally(ContextEngine(model, budget=ContextBudget(working_budget=working_budget)))
+    for number, messages in enumerate(synthetic_conversation(turns, seed), start=1):
+        tally.turn(number, messages)
         if progress is not None:
             progress(number)
-    del ingest_started
+    return _report(tally, turns, model, working_budget)
 
-    def at(values: Sequence[int], turn: int) -> int | None:
-        return values[turn - 1] if len(values) >= turn else None
 
+def _report(tally: _Tally, turns: int, model: str, working_budget: int) -> dict[str, Any]:
+    budget = tally.budget
     last = turns
-    prompt_100 = at(first_prompt_tokens, min(100, turns))
-    prompt_last = at(first_prompt_tokens, last)
-    full_last = full_at[last]
+    prompt_100 = _at(tally.first_prompt_tokens, min(100, turns))
+    prompt_last = _at(tally.first_prompt_tokens, last)
+    full_last = tally.full_at[last]
     return {
         "turns": turns,
         "model": model,
@@ -415,62 +441,74 @@ def run_context_benchmark(
         "budget": working_budget,
         "reserve": budget.reserve,
         "prompt_limit": budget.limit,
-        "compiles": compiles,
-        "violations": violations,
-        "violation_examples": violation_examples,
-        "max_prompt_tokens": max_prompt,
+        "compiles": tally.compiles,
+        "violations": tally.violations,
+        "violation_examples": tally.violation_examples,
+        "max_prompt_tokens": tally.max_prompt,
         "prompt_tokens_turn100": prompt_100,
         f"prompt_tokens_turn{last}": prompt_last,
         "turn_last_vs_turn100": round(prompt_last / prompt_100, 4)
         if prompt_100 and prompt_last
         else None,
-        "prompt_tokens_mean": round(statistics.fmean(first_prompt_tokens), 1),
+        "prompt_tokens_mean": round(statistics.fmean(tally.first_prompt_tokens), 1),
         # Spread of the per-turn prompt once the summary is established (turn 100 on).
-        "prompt_tokens_p10_p90": _spread(first_prompt_tokens[min(99, turns - 1) :]),
-        "assembly_ms_p50": round(nearest_rank(assembly_ms, 0.50), 4),
-        "assembly_ms_p99": round(nearest_rank(assembly_ms, 0.99), 4),
-        "assembly_ms_max": round(max(assembly_ms), 4),
-        "degraded_compiles": degraded,
+        "prompt_tokens_p10_p90": _spread(tally.first_prompt_tokens[min(99, turns - 1) :]),
+        "assembly_ms_p50": round(nearest_rank(tally.assembly_ms, 0.50), 4),
+        "assembly_ms_p99": round(nearest_rank(tally.assembly_ms, 0.99), 4),
+        "assembly_ms_max": round(max(tally.assembly_ms), 4),
+        "degraded_compiles": tally.degraded,
         # Turns held raw but left out of a prompt while a large recent output took the room
         # (they return once it is pruned); the summary does not cover them meanwhile.
-        "compiles_with_turns_outside_window": len(outside),
-        "turns_outside_window_mean": round(statistics.fmean(outside), 1) if outside else 0.0,
-        "ingest_ms_total": round(ingest_ms, 1),
-        "summarizer": {
-            "name": type(engine.summarizer).__name__,
-            "runs": len(summary_ms),
-            "committed": summaries_committed,
-            "ms_total": round(sum(summary_ms), 2),
-            "ms_p50": round(nearest_rank(summary_ms, 0.5), 3),
-            "ms_max": round(max(summary_ms), 3) if summary_ms else 0.0,
-            "turns_summarized": conversation.turns_summarized,
-            "summary_tokens": conversation.summary_tokens,
-        },
+        "compiles_with_turns_outside_window": len(tally.outside),
+        "turns_outside_window_mean": round(statistics.fmean(tally.outside), 1)
+        if tally.outside
+        else 0.0,
+        "ingest_ms_total": round(tally.ingest_ms, 1),
+        "summarizer": _summarizer_figures(tally),
         "tool_output_tokens": {
-            "count": len(tool_sizes),
-            "min": min(tool_sizes, default=0),
-            "max": max(tool_sizes, default=0),
+            "count": len(tally.tool_sizes),
+            "min": min(tally.tool_sizes, default=0),
+            "max": max(tally.tool_sizes, default=0),
         },
         "full_context_tokens_turn1000" if last == 1000 else f"full_context_tokens_turn{last}": (
             full_last
         ),
         "token_reduction_vs_full": round(1 - prompt_last / full_last, 4) if prompt_last else None,
-        "baselines": {
-            "full_context": {
-                "tokens_turn100": full_at.get(min(100, turns)),
-                f"tokens_turn{last}": full_last,
-                "turns_over_budget": full_over_budget,
-                "turns_over_model_window": full_over_window,
-            },
-            "langchain_trim_messages": {
-                "prompt_tokens_turn100": at(lc_first_tokens, min(100, turns)),
-                f"prompt_tokens_turn{last}": at(lc_first_tokens, last),
-                "max_prompt_tokens": lc_stats["max_tokens"],
-                "assembly_ms_p50": round(nearest_rank(lc_ms, 0.50), 4),
-                "assembly_ms_p99": round(nearest_rank(lc_ms, 0.99), 4),
-                "over_limit": lc_stats["over_limit"],
-                "prompts_with_orphans": lc_stats["orphans"],
-                "prompts_missing_newest_user_message": lc_stats["lost_newest_user"],
-            },
+        "baselines": _baselines(tally, turns),
+    }
+
+
+def _summarizer_figures(tally: _Tally) -> dict[str, Any]:
+    summary_ms = tally.summary_ms
+    return {
+        "name": type(tally.engine.summarizer).__name__,
+        "runs": len(summary_ms),
+        "committed": tally.summaries_committed,
+        "ms_total": round(sum(summary_ms), 2),
+        "ms_p50": round(nearest_rank(summary_ms, 0.5), 3),
+        "ms_max": round(max(summary_ms), 3) if summary_ms else 0.0,
+        "turns_summarized": tally.conversation.turns_summarized,
+        "summary_tokens": tally.conversation.summary_tokens,
+    }
+
+
+def _baselines(tally: _Tally, last: int) -> dict[str, Any]:
+    lc_stats = tally.lc_stats
+    return {
+        "full_context": {
+            "tokens_turn100": tally.full_at.get(min(100, last)),
+            f"tokens_turn{last}": tally.full_at[last],
+            "turns_over_budget": tally.full_over_budget,
+            "turns_over_model_window": tally.full_over_window,
+        },
+        "langchain_trim_messages": {
+            "prompt_tokens_turn100": _at(tally.lc_first_tokens, min(100, last)),
+            f"prompt_tokens_turn{last}": _at(tally.lc_first_tokens, last),
+            "max_prompt_tokens": lc_stats["max_tokens"],
+            "assembly_ms_p50": round(nearest_rank(tally.lc_ms, 0.50), 4),
+            "assembly_ms_p99": round(nearest_rank(tally.lc_ms, 0.99), 4),
+            "over_limit": lc_stats["over_limit"],
+            "prompts_with_orphans": lc_stats["orphans"],
+            "prompts_missing_newest_user_message": lc_stats["lost_newest_user"],
         },
     }

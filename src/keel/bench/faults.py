@@ -35,38 +35,47 @@ import json
 import logging
 import os
 import random
-import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from keel.errors import ConflictError, ModelUnavailableError
+from keel.bench._fault_world import (
+    PLANS,
+    Crash,
+    Crasher,
+    Ledger,
+    PlannedModel,
+    World,
+    booking_policy,
+    plan_run,
+    worker_tools,
+    world_tools,
+)
+from keel.errors import ConflictError
 from keel.guards import GuardConfig
-from keel.messages import Message, Usage
-from keel.models import ChatModel, Completion, ModelOptions, ToolSchema
-from keel.runtime import Agent, AgentReply
+from keel.messages import Message
+from keel.models import ChatModel
+from keel.runtime import Agent, AgentReply, session_key
 from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
-from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import Tool, ToolContext, tool
+from keel.testing import ScriptedModel
+from keel.tools import Tool
 from keel.tracing import Tracer
 
 __all__ = [
     "FAULTS",
     "FaultBenchReport",
     "KillOutcome",
+    "Ledger",
     "PairOutcome",
     "kill_and_resume",
     "resume_after_kill",
@@ -74,26 +83,7 @@ __all__ = [
     "two_processes_one_session",
 ]
 
-FAULTS = (
-    "clean",
-    "hallucinated_tool",
-    "invalid_arguments",
-    "repairable_arguments",
-    "endless_loop",
-    "oscillation",
-    "model_hang",
-    "model_error",
-    "truncated_reply",
-    "tool_raises",
-    "tool_hang",
-    "booking_timeout",
-    "oversized_output",
-    "never_finishes",
-    "slow_run",
-    "structured_output",
-    "crash_resume",
-    "mixed",
-)
+FAULTS = tuple(PLANS)
 """The in-process fault kinds a run can draw (``mixed``: several recoverable ones in a run).
 The kinds done in other processes (``sigkill_in_tool``, ``sigkill_next_model_call``,
 ``two_process``) come on top, as many as ``kills`` and ``pairs`` ask for."""
@@ -109,383 +99,9 @@ _SLOW_GUARDS = _GUARDS.model_copy(update={"run_timeout_s": 0.15})
 _WORKER_GUARDS = GuardConfig(max_steps=8, run_timeout_s=60, model_timeout_s=10)
 _TIME_MARGIN_S = 1.0
 """Wall-clock slack over ``run_timeout_s`` for a whole turn (the commit comes after the loop)."""
-_SLOW_BOOKING_S = 0.3
-_FINAL = "Here is what I found for you."
-_HANG = "hang"
-_HANG_ONCE = "hang_once"
 _USER = "bench-user"
 _SYSTEM = "You book flights."
-_CITIES = ("Paris", "Lyon", "Oslo", "Rome", "Lima", "Kyiv", "Doha", "Baku", "Riga", "Bern", "Nice")
 _LIMIT_STATUSES = ("step_limit", "time_limit", "loop_detected")
-
-
-class _Crash(BaseException):
-    """Simulates the process dying: not an Exception, so nothing in keel catches it."""
-
-
-# --- the outside world: a ledger of effects keel does not own --------------------------------
-
-
-class Ledger:
-    """The external systems' own records: one row per effect that really happened.
-
-    A SQLite file apart from keel's, written by the tools themselves (from any process), keyed
-    by the business key the customer asked for (an order number), never by keel's keys.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with self._connect() as conn:
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS effects (session TEXT, tool TEXT, business_key TEXT, "
-                "idempotent INTEGER, idempotency_key TEXT, pid INTEGER, at REAL)"
-            )
-
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        conn.execute("PRAGMA journal_mode = WAL")
-        return conn
-
-    def record(
-        self, context: ToolContext | None, tool_name: str, business_key: str, *, idempotent: bool
-    ) -> None:
-        with contextlib.closing(self._connect()) as conn:
-            conn.execute(
-                "INSERT INTO effects VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    context.session_id if context else "",
-                    tool_name,
-                    business_key,
-                    int(idempotent),
-                    context.idempotency_key if context else "",
-                    os.getpid(),
-                    time.time(),
-                ),
-            )
-
-    def counts(
-        self, session: str | None = None, *, idempotent: bool = False
-    ) -> dict[tuple[str, str], int]:
-        """Effects per (session, business key)."""
-        where = "WHERE idempotent = ?" + (" AND session = ?" if session is not None else "")
-        params: tuple[Any, ...] = (int(idempotent),) + ((session,) if session else ())
-        with contextlib.closing(self._connect()) as conn:
-            rows = conn.execute(
-                f"SELECT session, business_key, COUNT(*) FROM effects {where} "
-                "GROUP BY session, business_key",
-                params,
-            ).fetchall()
-        return {(str(s), str(k)): int(n) for s, k, n in rows}
-
-
-@dataclass
-class _Crasher:
-    """Arms one simulated crash: where, and whether it already happened."""
-
-    where: str = ""
-    fired: bool = False
-
-    def maybe(self, where: str) -> None:
-        if self.where == where and not self.fired:
-            self.fired = True
-            raise _Crash(where)
-
-
-@dataclass
-class _World:
-    """What the bench tools act on: the ledger, the crash armed for the current run, and the
-    slow bookings still running in abandoned threads (waited for before the database closes)."""
-
-    ledger: Ledger
-    crasher: _Crasher = field(default_factory=_Crasher)
-    slow_booking: bool = False
-    slow_running: list[threading.Event] = field(default_factory=list)
-
-
-def _tools(world: _World) -> list[Tool]:
-    @tool
-    def search_flights(origin: str, destination: str, date: str = "2026-12-01") -> str:
-        """Find flights between two cities.
-
-        Args:
-            origin: City the trip starts from.
-            destination: City the trip goes to.
-            date: Day of travel, YYYY-MM-DD.
-        """
-        return json.dumps([{"flight": f"KL{len(origin) * 100 + len(destination)}", "date": date}])
-
-    @tool
-    def get_weather(city: str) -> str:
-        """Current weather in a city.
-
-        Args:
-            city: The city.
-        """
-        return f"{city}: {len(city) * 3} C, clear"
-
-    @tool(side_effect=True, idempotent=False)
-    def book_flight(
-        flight: str, passengers: int, order: str = "", ctx: ToolContext | None = None
-    ) -> str:
-        """Book seats on a flight (charges the card).
-
-        Args:
-            flight: Flight number.
-            passengers: Number of seats.
-            order: The customer's order number.
-        """
-        business_key = order or f"{flight}x{passengers}"
-        world.ledger.record(ctx, "book_flight", business_key, idempotent=False)
-        world.crasher.maybe("book_flight")
-        if world.slow_booking:
-            # The airline booked at once but answers after keel's tool timeout.
-            done = threading.Event()
-            world.slow_running.append(done)
-            time.sleep(_SLOW_BOOKING_S)
-            done.set()
-        return f"booked {passengers} seat(s) on {flight}, order {business_key}"
-
-    @tool(side_effect=True, idempotent=True)
-    def hold_seat(flight: str, seat: str, ctx: ToolContext | None = None) -> str:
-        """Hold a seat (holding twice is harmless).
-
-        Args:
-            flight: Flight number.
-            seat: Seat, e.g. 12A.
-        """
-        world.ledger.record(ctx, "hold_seat", f"{flight}/{seat}", idempotent=True)
-        world.crasher.maybe("hold_seat")
-        return f"seat {seat} held on {flight}"
-
-    @tool
-    def flaky_lookup(code: int) -> str:
-        """Look up a booking code.
-
-        Args:
-            code: The numeric code.
-        """
-        raise ValueError(f"booking service unavailable for code {code}")
-
-    @tool
-    async def slow_report(seconds: float) -> str:
-        """Build a report (slow).
-
-        Args:
-            seconds: How long the report takes.
-        """
-        await asyncio.sleep(seconds)
-        return "report"
-
-    @tool
-    def export_history(lines: int) -> str:
-        """Export the booking history.
-
-        Args:
-            lines: Number of lines.
-        """
-        return "\n".join(f"line {i}: booking record with some padding text" for i in range(lines))
-
-    return [
-        search_flights,
-        get_weather,
-        book_flight,
-        hold_seat,
-        flaky_lookup,
-        slow_report,
-        export_history,
-    ]
-
-
-# --- the plans: what the faulty model says, reply by reply ----------------------------------
-
-
-def _call(name: str, arguments: Any) -> Message:
-    raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return ScriptedModel.tool_call(name, raw)
-
-
-def _book(order: str, flight: str = "KL7", passengers: int = 1) -> Message:
-    return _call("book_flight", {"flight": flight, "passengers": passengers, "order": order})
-
-
-def _valid(rng: random.Random) -> Message:
-    if rng.random() < 0.5:
-        return _call("get_weather", {"city": rng.choice(_CITIES)})
-    origin, destination = rng.sample(_CITIES, 2)
-    return _call("search_flights", {"origin": origin, "destination": destination})
-
-
-def _truncated(kind: str) -> Completion:
-    texts = {
-        "length": "The flights I found are",
-        "fence": "Here is the code:\n```python\nprint(",
-        "json": '{"answer": "KL123", "seats": ',
-        "dangling": "The cheapest flight leaves at noon and",
-        "empty": "",
-    }
-    return Completion(
-        message=Message.assistant(texts[kind]),
-        finish_reason="length" if kind == "length" else "stop",
-        usage=Usage(prompt_tokens=50, completion_tokens=10),
-        model="scripted",
-        latency_ms=1.0,
-    )
-
-
-_REPAIRABLE = (
-    '```json\n{"flight": "KL7", "passengers": 2, "order": "ORDER"}\n```',
-    "{'flight': 'KL7', 'passengers': 2, 'order': 'ORDER'}",
-    '{"flight": "KL7", "passengers": 2, "order": "ORDER",}',
-    '{"flight": "KL7", "passengers": "2", "order": "ORDER"}',
-    'Sure! {"flight": "KL7", "passengers": 2, "order": "ORDER"}',
-    "{'flight': 'KL7', 'passengers': 2, 'order': 'ORDER', }",
-)
-_INVALID = (
-    '{"flight": "KL7", "passengers": "two"}',
-    '{"flight": "KL7"}',
-    '{"flight": "KL7", "passengers": 2, "seat_class": "gold"}',
-    '{"flight": "KL7", "passengers": 2.5}',
-    '{"flight": "KL7", "passengers":',
-    "[1, 2]",
-)
-
-
-def _plan(fault: str, rng: random.Random, order: str) -> tuple[list[Any], dict[str, Any]]:
-    """The script of a run (one reply per model call) and per-run settings. ``order`` is the
-    run's business key: every booking the plan means to make carries it (``order-2`` for a
-    second, different booking)."""
-    lead: list[Any] = [_valid(rng) for _ in range(rng.randint(0, 2))]
-    settings: dict[str, Any] = {}
-    plan: list[Any]
-    if fault == "clean":
-        plan = [*lead, _book(order), _FINAL]
-    elif fault == "hallucinated_tool":
-        wrong = [
-            _call(rng.choice(["serch_flights", "book_flite", "weather", "bookFlight"]), "{}")
-            for _ in range(rng.choice([1, 1, 2, 4]))
-        ]
-        plan = [*lead, *wrong, _call("get_weather", {"city": "Oslo"}), _FINAL]
-    elif fault == "invalid_arguments":
-        bad = [_call("book_flight", rng.choice(_INVALID)) for _ in range(rng.choice([1, 1, 2, 4]))]
-        plan = [*lead, *bad, _book(order, passengers=2), _FINAL]
-    elif fault == "repairable_arguments":
-        plan = [
-            *lead,
-            _call("book_flight", rng.choice(_REPAIRABLE).replace("ORDER", order)),
-            _FINAL,
-        ]
-    elif fault == "endless_loop":
-        plan = [*lead, _call("get_weather", {"city": "Paris"})]
-    elif fault == "oscillation":
-        a = _call("get_weather", {"city": "Paris"})
-        b = _call("search_flights", {"origin": "Paris", "destination": "Rome"})
-        plan = [*lead, *([a, b] * 10)]
-    elif fault == "model_hang":
-        hang = _HANG if rng.random() < 0.3 else _HANG_ONCE
-        plan = [*lead, hang, _call("get_weather", {"city": "Rome"}), _FINAL]
-    elif fault == "model_error":
-        persistent = rng.random() < 0.3
-        error = ModelUnavailableError("provider returned 503", model="scripted", attempts=3)
-        plan = [*lead, error, error if persistent else _FINAL, _FINAL]
-    elif fault == "truncated_reply":
-        kind = rng.choice(["length", "fence", "json", "dangling", "empty"])
-        again = rng.random() < 0.3
-        plan = [*lead, _truncated(kind), _truncated(kind) if again else _FINAL, _FINAL]
-    elif fault == "tool_raises":
-        plan = [
-            *lead,
-            *[_call("flaky_lookup", {"code": 100 + i}) for i in range(rng.choice([1, 2, 3, 4]))],
-            _FINAL,
-        ]
-    elif fault == "tool_hang":
-        plan = [*lead, _call("slow_report", {"seconds": 30}), _FINAL]
-    elif fault == "booking_timeout":
-        # The booking outlives its timeout; the customer insists in a second turn and the
-        # model books the same order again. It must take effect once.
-        plan = [*lead, _book(order), _book(order), _FINAL]
-        settings["slow_booking"] = True
-        settings["more_turns"] = [f"Did order {order} go through? Please book it."]
-    elif fault == "oversized_output":
-        plan = [*lead, _call("export_history", {"lines": rng.randint(200, 2000)}), _FINAL]
-    elif fault == "never_finishes":
-        plan = [_call("get_weather", {"city": f"{city} {i}"}) for i, city in enumerate(_CITIES * 3)]
-    elif fault == "slow_run":
-        plan = [_call("get_weather", {"city": f"{city} {i}"}) for i, city in enumerate(_CITIES * 3)]
-        settings["delay_s"] = 0.03
-        settings["guards"] = _SLOW_GUARDS
-    elif fault == "structured_output":
-        # The Agent takes no output schema: a malformed JSON answer is delivered as text.
-        wrong_answer = rng.choice(
-            ['{"flight": "KL7"}', '{"flight": "KL7", "seats": "many"}', "KL7, 2 seats"]
-        )
-        good = '{"flight": "KL7", "seats": 2}'
-        plan = [*lead, wrong_answer, wrong_answer if rng.random() < 0.3 else good, good]
-    elif fault == "crash_resume":
-        where = rng.choice(["book_flight", "book_flight", "hold_seat", "next_model_call"])
-        settings["crash"] = where
-        if where == "hold_seat":
-            action = _call("hold_seat", {"flight": "KL7", "seat": "12A"})
-        else:
-            action = _book(order, passengers=2)
-        plan = [*lead, action, _FINAL]
-    elif fault == "mixed":
-        fragments: list[list[Any]] = [
-            [_call(rng.choice(["serch_flights", "weather"]), "{}")],
-            [_call("book_flight", rng.choice(_REPAIRABLE).replace("ORDER", order))],
-            [_call("book_flight", rng.choice(_INVALID)), _book(f"{order}-2", flight="KL8")],
-            [_call("flaky_lookup", {"code": rng.randint(1, 99)})],
-            [_call("export_history", {"lines": 300})],
-            [_call("slow_report", {"seconds": 30})],
-            [_truncated(rng.choice(["length", "fence", "empty"]))],
-            [_valid(rng)],
-        ]
-        chosen = rng.sample(fragments, rng.randint(2, 3))
-        plan = [*lead, *[reply for fragment in chosen for reply in fragment], _FINAL]
-    else:  # pragma: no cover - FAULTS is exhaustive
-        raise ValueError(fault)
-    return plan, settings
-
-
-class _PlannedModel(ScriptedModel):
-    """A scripted model whose replies follow a plan indexed by the conversation's progress.
-
-    The position is the number of replies the conversation already holds (assistant messages,
-    plus the corrections that replaced unusable replies), so a resumed run (fresh model,
-    restored messages) continues exactly where the crashed one stopped. Replies that leave no
-    message (``hang_once``, exceptions) are consumed from the plan when used; ``hang`` stays.
-    ``crash`` (``next_model_call``): the first call that sees a booking's result dies.
-    """
-
-    def __init__(self, plan: list[Any], *, delay_s: float = 0.0, crasher: _Crasher) -> None:
-        self.plan = plan
-        self.crasher = crasher
-        super().__init__(self._reply, delay_s=delay_s)
-
-    def _index(self, messages: Sequence[Message]) -> int:
-        replies = sum(
-            1
-            for m in messages
-            if m.role == "assistant" or m.metadata.get("keel_correction") in ("truncated", "empty")
-        )
-        return min(replies, len(self.plan) - 1)
-
-    def _reply(self, call: ScriptedCall) -> Any:
-        return self.plan[self._index(call.messages)]
-
-    async def _acomplete(
-        self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
-    ) -> Completion:
-        if any(m.role == "tool" and m.content.startswith("booked ") for m in messages):
-            self.crasher.maybe("next_model_call")
-        position = self._index(messages)
-        reply = self.plan[position]
-        if isinstance(reply, BaseException) or reply == _HANG_ONCE:
-            self.plan = [*self.plan[:position], *self.plan[position + 1 :]]
-        if isinstance(reply, BaseException):
-            raise reply
-        if reply in (_HANG, _HANG_ONCE):
-            await asyncio.sleep(3600)
-        return await super()._acomplete(messages, tools, options)
 
 
 # --- one keel, as users run it ---------------------------------------------------------------
@@ -532,8 +148,6 @@ class _Keel:
     @staticmethod
     def key(session: str) -> str:
         """The session's key in the state store (the Agent scopes sessions to their tenant)."""
-        from keel.runtime._agent import session_key
-
         return session_key("default", session)
 
     def repairs(self, run_id: str) -> int:
@@ -582,19 +196,17 @@ class _Outcome:
     duplicated: int
 
 
-async def _one_run(
-    index: int, seed: int, keel: _Keel, world: _World, tools: list[Tool]
-) -> _Outcome:
+async def _one_run(index: int, seed: int, keel: _Keel, world: World, tools: list[Tool]) -> _Outcome:
     rng = random.Random(f"{seed}:{index}")
     fault = FAULTS[index % len(FAULTS)] if index < len(FAULTS) else rng.choice(FAULTS)
     session = f"bench-{seed}-{index}"
-    plan, settings = _plan(fault, rng, order=f"o{seed}-{index}")
-    crasher = world.crasher = _Crasher(where=str(settings.get("crash", "")))
+    plan, settings = plan_run(fault, rng, order=f"o{seed}-{index}")
+    crasher = world.crasher = Crasher(where=str(settings.get("crash", "")))
     world.slow_booking = bool(settings.get("slow_booking"))
-    guards: GuardConfig = settings.get("guards", _GUARDS)
+    guards = _SLOW_GUARDS if settings.get("slow") else _GUARDS
 
     def fresh_agent() -> Agent:
-        model = _PlannedModel(list(plan), delay_s=settings.get("delay_s", 0.0), crasher=crasher)
+        model = PlannedModel(list(plan), delay_s=settings.get("delay_s", 0.0), crasher=crasher)
         return keel.agent(model, tools, guards)
 
     texts = ["Book me a flight to Rome.", *settings.get("more_turns", [])]
@@ -610,7 +222,7 @@ async def _one_run(
         try:
             try:
                 reply = await agent.handle(session, _USER, text)
-            except _Crash:
+            except Crash:
                 # The process died mid-turn: a new one (fresh Agent, fresh model) resumes it.
                 within = within and time.perf_counter() - started <= _limit_s(guards)
                 resumed = True
@@ -663,7 +275,7 @@ _SIDE_EFFECT_TOOLS = frozenset({"book_flight", "hold_seat"})
 """The bench's side-effecting tools: what a revert keeps in the history."""
 
 
-def _revert_facts(keel: _Keel, world: _World, session: str, text: str) -> tuple[bool, bool]:
+def _revert_facts(keel: _Keel, world: World, session: str, text: str) -> tuple[bool, bool]:
     """From the store: did the guard stop revert the turn (no tool call or result of it in the
     committed state, which is the newest checkpoint), and did that hide a booking that the
     ledger says happened?"""
@@ -764,7 +376,7 @@ def run_fault_bench(
     with tempfile.TemporaryDirectory(prefix="keel-bench-faults-") as tmp:
         folder = workdir or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        world = _World(ledger=Ledger(folder / "ledger.db"))
+        world = World(ledger=Ledger(folder / "ledger.db"))
         keel = _Keel.open(folder / "keel.db", journal=journal)
         try:
             outcomes = asyncio.run(_all_runs(runs - kills - pairs, seed, keel, world, progress))
@@ -846,10 +458,10 @@ async def _all_runs(
     runs: int,
     seed: int,
     keel: _Keel,
-    world: _World,
+    world: World,
     progress: Callable[[int], None] | None,
 ) -> list[_Outcome]:
-    tools = _tools(world)
+    tools = world_tools(world)
     outcomes: list[_Outcome] = []
     for index in range(runs):
         outcomes.append(await _one_run(index, seed, keel, world, tools))
@@ -859,58 +471,6 @@ async def _all_runs(
 
 
 # --- other processes: the booking customer, the worker entry points --------------------------
-
-_ORDER = re.compile(r"\border (\S+?)[.?]?$")
-
-
-def _booking_policy(marker: Path | None = None) -> Callable[[ScriptedCall], Message | str]:
-    """A customer-service model: books the order the newest user message names, once it has
-    no booking result for it since that message, then confirms. ``marker``: on the call that
-    sees the booking's result, write it and hang (the worker is killed there)."""
-
-    def policy(call: ScriptedCall) -> Message | str:
-        users = [i for i, m in enumerate(call.messages) if m.role == "user"]
-        user = call.messages[users[-1]].content if users else ""
-        match = _ORDER.search(user)
-        order = match.group(1) if match else "none"
-        since = call.messages[users[-1] + 1 :] if users else call.messages
-        results = [m.content for m in since if m.role == "tool"]
-        if any(f"order {order}" in result for result in results):
-            if marker is not None:
-                marker.write_text("model call after the booking's result")
-                time.sleep(120)  # the parent kills the process here
-            return f"Booked order {order}."
-        if results:
-            return f"I could not book order {order}: {results[-1][:80]}"
-        # Call ids unique across processes, as a provider's are (two workers share a session).
-        arguments = json.dumps({"flight": "KL7", "passengers": 1, "order": order})
-        return ScriptedModel.tool_call("book_flight", arguments, f"call_{uuid.uuid4().hex[:16]}")
-
-    return policy
-
-
-def _worker_tools(folder: Path, marker: Path | None) -> list[Tool]:
-    """The booking tool for worker processes; ``marker``: book, write it and hang."""
-    ledger = Ledger(folder / "ledger.db")
-
-    @tool(side_effect=True, idempotent=False, timeout_s=300)
-    def book_flight(
-        flight: str, passengers: int, order: str = "", ctx: ToolContext | None = None
-    ) -> str:
-        """Book seats on a flight (charges the card).
-
-        Args:
-            flight: Flight number.
-            passengers: Number of seats.
-            order: The customer's order number.
-        """
-        ledger.record(ctx, "book_flight", order, idempotent=False)
-        if marker is not None:
-            marker.write_text("inside book_flight, after the booking")
-            time.sleep(120)  # the parent kills the process here
-        return f"booked {passengers} seat(s) on {flight}, order {order}"
-
-    return [book_flight]
 
 
 def _python_env() -> dict[str, str]:
@@ -940,8 +500,8 @@ def _kill_worker(folder: Path, session: str, mode: str) -> None:
     """The process that gets killed: one booking turn, hanging where ``mode`` says."""
     marker = folder / f"{session}.marker"
     keel = _Keel.open(folder / "keel.db")
-    model = ScriptedModel(_booking_policy(marker if mode == "next_model_call" else None))
-    tools = _worker_tools(folder, marker if mode == "in_tool" else None)
+    model = ScriptedModel(booking_policy(marker if mode == "next_model_call" else None))
+    tools = worker_tools(folder, marker if mode == "in_tool" else None)
     agent = keel.agent(model, tools, _WORKER_GUARDS)
     asyncio.run(agent.handle(session, _USER, _kill_text(session)))
 
@@ -987,7 +547,7 @@ def resume_after_kill(
     keel = _Keel.open(folder / "keel.db", journal=journal)
     try:
         agent = keel.agent(
-            ScriptedModel(_booking_policy()), _worker_tools(folder, None), _WORKER_GUARDS
+            ScriptedModel(booking_policy()), worker_tools(folder, None), _WORKER_GUARDS
         )
         stored = _stored_text(agent, _kill_text(session))
         try:
@@ -1034,9 +594,7 @@ def _pair_worker(folder: Path, session: str, worker: int, turns: int) -> None:
     """One of the two workers: wait for the start signal, send ``turns`` turns, print what
     each one returned as one JSON line."""
     keel = _Keel.open(folder / "keel.db")
-    agent = keel.agent(
-        ScriptedModel(_booking_policy()), _worker_tools(folder, None), _WORKER_GUARDS
-    )
+    agent = keel.agent(ScriptedModel(booking_policy()), worker_tools(folder, None), _WORKER_GUARDS)
     (folder / f"{session}.ready{worker}").write_text("ready")
     deadline = time.monotonic() + 60
     while not (folder / f"{session}.go").exists() and time.monotonic() < deadline:

@@ -25,84 +25,20 @@ the last turn.
 
 from __future__ import annotations
 
-import asyncio
-import random
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from keel.bench._react import ANSWER, question, react_agent
 from keel.bench._stats import sqlite_file_bytes
+from keel.testing.servers import postgres_server
 
 __all__ = ["run_integrations_bench"]
 
 
-async def _drive(
-    session: Any,
-    turns: int,
-    seed: int,
-    progress: Callable[[str], None] | None,
-    input_filter: Any = None,
-) -> Any:
-    from agents import Agent, RunConfig, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)
-
-    sizes = random.Random(seed)
-
-    @function_tool
-    def lookup(item: str) -> str:
-        """Look an item up.
-
-        Args:
-            item: what to look up.
-        """
-        # Real tools answer with very different sizes: 20 to 250 lines (~80 to ~2,500 tokens).
-        lines = sizes.randint(20, 250)
-        return f"records for {item}: " + "a detail line about the item and its history " * lines
-
-    from keel.testing.openai_agents import LooksUpThenAnswers
-
-    model = LooksUpThenAnswers()
-    inputs = model.inputs
-    agent = Agent(name="helper", instructions="You look things up.", model=model, tools=[lookup])
-    started = time.perf_counter()
-    for turn in range(turns):
-        await Runner.run(
-            agent,
-            f"Turn {turn}: what about item {turn:05d}?",
-            session=session,
-            run_config=RunConfig(call_model_input_filter=input_filter),
-        )
-        if progress is not None and (turn + 1) % 200 == 0:
-            progress(f"{type(session).__name__}: {turn + 1}/{turns} turns")
-    return inputs, time.perf_counter() - started
-
-
-def _figures(
-    inputs: list[list[dict[str, Any]]], elapsed: float, turns: int, limit: int, counter: Any
-) -> dict[str, Any]:
-    from keel.testing.openai_agents import orphaned_outputs, text_tokens
-
-    per_call = [text_tokens(items, counter) for items in inputs]
-    per_turn = [max(per_call[2 * t], per_call[2 * t + 1]) for t in range(turns)]
-    return {
-        "turns": turns,
-        "model_calls": len(inputs),
-        "orphans": sum(len(orphaned_outputs(items)) for items in inputs),
-        "calls_with_orphans": sum(1 for items in inputs if orphaned_outputs(items)),
-        "overflows": sum(1 for tokens in per_call if tokens > limit),
-        "prompt_tokens_t100": per_turn[min(99, turns - 1)],
-        "prompt_tokens_t1000": per_turn[-1],
-        "prompt_tokens_max": max(per_turn),
-        "turns_per_s": round(turns / elapsed, 1),
-    }
-
-
 def _run_graph(saver: Any, steps: int, count_checkpoints: Callable[[], int]) -> dict[str, Any]:
-    from keel.bench._react import ANSWER, question, react_agent
-
     graph, executions = react_agent(saver)
     config = {"configurable": {"thread_id": "bench"}}
     started = time.perf_counter()
@@ -130,7 +66,7 @@ def _langgraph_half(
 
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from keel.integrations.langgraph import KeelCheckpointSaver
+    from keel.integrations.langgraph import KeelCheckpointSaver  # the langgraph extra
 
     if progress:
         progress(f"LangGraph ReAct agent, {steps} steps on one thread: SqliteSaver")
@@ -167,8 +103,8 @@ def _langgraph_half(
         "conformance": None,
     }
     if conformance:
+        # The langgraph extra and LangGraph's conformance suite (the test extra).
         from keel.testing.langgraph import conformance_failures
-        from keel.testing.servers import postgres_server
 
         if progress:
             progress("LangGraph's conformance suite: keel on SQLite and on PostgreSQL")
@@ -193,14 +129,6 @@ def run_integrations_bench(
     ``langgraph_steps`` steps (0: skipped), and the SDK's ``SQLiteSession`` (``limit=sdk_limit``
     items) against keel's session (a ``window``-token budget) over ``turns`` turns (0:
     skipped)."""
-    from agents import SQLiteSession
-    from agents.memory import SessionSettings
-
-    from keel.context import ContextBudget
-    from keel.integrations.openai_agents import KeelSession
-    from keel.tokens import counter_for
-
-    counter = counter_for("gpt-4o")
     with tempfile.TemporaryDirectory(prefix="keel-bench-integrations-") as name:
         folder = Path(name)
         langgraph = (
@@ -210,31 +138,8 @@ def run_integrations_bench(
         )
         if not turns:
             return {"openai_agents": None, "langgraph": langgraph, "seed": seed}
-        keel = KeelSession(
-            "bench",
-            database=f"sqlite:///{folder / 'keel.db'}",
-            model="gpt-4o",
-            budget=ContextBudget(working_budget=window),
-        )
-        # What a prompt may take: the window less the answer's reserve (keel's default share).
-        limit = keel.engine.budget.limit
-        sdk = SQLiteSession(
-            "bench", folder / "sdk.db", session_settings=SessionSettings(limit=sdk_limit)
-        )
-        sdk_inputs, sdk_s = asyncio.run(_drive(sdk, turns, seed, progress))
-        keel_inputs, keel_s = asyncio.run(
-            _drive(keel, turns, seed, progress, input_filter=keel.input_filter)
-        )
-    return {
-        "openai_agents": {
-            "window": window,
-            "prompt_limit": limit,
-            "keel": _figures(keel_inputs, keel_s, turns, limit, counter),
-            "sqlite_session": {
-                "limit_items": sdk_limit,
-                **_figures(sdk_inputs, sdk_s, turns, limit, counter),
-            },
-        },
-        "langgraph": langgraph,
-        "seed": seed,
-    }
+        # The openai-agents extra: the SDK and keel's session for it.
+        from keel.bench._sdk_half import run_sdk_half
+
+        openai_agents = run_sdk_half(folder, turns, window, sdk_limit, seed, progress)
+    return {"openai_agents": openai_agents, "langgraph": langgraph, "seed": seed}

@@ -147,6 +147,144 @@ class _Tally:
         return result
 
 
+def _systems(default_cfg: RetrievalConfig) -> dict[str, RetrievalConfig]:
+    """keel's retrieval and the baselines it is compared with, as retrieval configurations."""
+    systems: dict[str, RetrievalConfig] = {
+        "keel": default_cfg,
+        "bm25": default_cfg.model_copy(
+            update={"vector_weight": 0.0, "neighbours": 0, "recency_weight": 0.0}
+        ),
+        "dense": default_cfg.model_copy(
+            update={
+                "keyword_weight": 0.0,
+                "neighbours": 0,
+                "recency_weight": 0.0,
+                "min_similarity": -1.0,
+            }
+        ),
+    }
+    systems["keel_without_neighbours"] = default_cfg.model_copy(update={"neighbours": 0})
+    return systems
+
+
+class _LocomoRun:
+    """One run over the conversations: each one ingested, then its questions asked of every
+    system; the tallies and counts the report is made of."""
+
+    def __init__(
+        self,
+        systems: dict[str, RetrievalConfig],
+        counter: Any,
+        questions_total: int,
+        progress: Callable[[str, int, int], None] | None,
+    ) -> None:
+        self.counter = counter
+        self.questions_total = questions_total
+        self.progress = progress
+        self.tallies = {name: _Tally() for name in systems}
+        self.budgeted = {name: _Tally() for name in systems if name != "keel"}
+        self.dropped_evidence = 0
+        self.skipped_questions = 0
+        self.turns_total = 0
+        self.ingest_seconds = 0.0
+        self.asked = 0
+
+    def conversation(self, memories: dict[str, Memory], number: int, item: dict[str, Any]) -> None:
+        scope = Scope(tenant_id="locomo", user_id=str(item.get("sample_id", number)))
+        by_dia = self._ingest(memories["keel"], scope, item["conversation"])
+        dia_of = {record_id: dia for dia, record_id in by_dia.items()}
+        known = set(by_dia)
+        for qa in item["qa"]:
+            category = qa.get("category")
+            if category not in CATEGORY_NAMES:
+                continue
+            self.asked += 1
+            evidence, dropped = repair_evidence(qa.get("evidence", []), known)
+            self.dropped_evidence += dropped
+            if not evidence:
+                self.skipped_questions += 1
+                continue
+            self._ask(memories, scope, str(qa["question"]), int(category), evidence, dia_of)
+            if self.progress is not None:
+                self.progress("questions", self.asked, self.questions_total)
+
+    def _ingest(self, writer: Memory, scope: Scope, conversation: dict[str, Any]) -> dict[str, str]:
+        """Every turn of every session as an episodic record (timed); record ids by turn id."""
+        sessions = sorted(
+            (int(m.group(1)), key)
+            for key in conversation
+            if (m := _SESSION.match(key)) and isinstance(conversation[key], list)
+        )
+        by_dia: dict[str, str] = {}
+        started = time.perf_counter()
+        for index, key in sessions:
+            when = parse_session_date(str(conversation.get(f"{key}_date_time", "")))
+            for position, turn in enumerate(conversation[key]):
+                record = writer.add(
+                    _turn_text(turn),
+                    scope=scope,
+                    kind="episodic",
+                    type="turn",
+                    session_id=f"session_{index}",
+                    turn=position,
+                    event_time=when,
+                    metadata={"dia_id": turn.get("dia_id", "")},
+                )
+                by_dia[str(turn.get("dia_id", ""))] = record.id
+                self.turns_total += 1
+        writer.process_outbox()
+        self.ingest_seconds += time.perf_counter() - started
+        return by_dia
+
+    def _ask(
+        self,
+        memories: dict[str, Memory],
+        scope: Scope,
+        question: str,
+        category: int,
+        evidence: list[str],
+        dia_of: dict[str, str],
+    ) -> None:
+        counter = self.counter
+        budget5 = budget10 = 0
+        for name, memory in memories.items():
+            started = time.perf_counter()
+            hits = memory.search(question, scope=scope, k=10)
+            self.tallies[name].latencies.append((time.perf_counter() - started) * 1000)
+            # With neighbours, adjacent hits merge into one block, so the top 5 hits
+            # are asked for, not read off the first 5 blocks.
+            top5 = (
+                hits[:5]
+                if memory.config.neighbours == 0
+                else memory.search(question, scope=scope, k=5)
+            )
+            scored5 = _score(top5, evidence, dia_of, counter)
+            scored10 = _score(hits[:10], evidence, dia_of, counter)
+            self.tallies[name].add_scores(category, scored5, scored10)
+            if name == "keel":
+                budget5, budget10 = scored5.tokens, scored10.tokens
+                continue
+            # The same system given keel's tokens for this question instead of k hits.
+            deep = memory.search(question, scope=scope, k=_BUDGET_DEPTH)
+            self.budgeted[name].add_scores(
+                category,
+                _score(_within(deep, budget5, counter), evidence, dia_of, counter),
+                _score(_within(deep, budget10, counter), evidence, dia_of, counter),
+            )
+
+    def report(self) -> dict[str, Any]:
+        report = self.tallies["keel"].full()
+        report["baselines"] = {name: self.tallies[name].full() for name in self.budgeted}
+        report["at_keel_budget"] = {name: tally.full() for name, tally in self.budgeted.items()}
+        for row in report["at_keel_budget"].values():
+            # Latency belongs to the search, reported with the baselines at k.
+            row.pop("search_ms_p50", None)
+            row.pop("search_ms_p95", None)
+        report["dropped_evidence_ids"] = self.dropped_evidence
+        report["questions_without_evidence"] = self.skipped_questions
+        return report
+
+
 def run_locomo(
     path: str | Path,
     *,
@@ -163,27 +301,11 @@ def run_locomo(
     conversations = load_locomo(path)
     counter = counter_for(token_model, allow_estimate=True)
     default_cfg = config or RetrievalConfig()
-    systems: dict[str, RetrievalConfig] = {
-        "keel": default_cfg,
-        "bm25": default_cfg.model_copy(
-            update={"vector_weight": 0.0, "neighbours": 0, "recency_weight": 0.0}
-        ),
-        "dense": default_cfg.model_copy(
-            update={
-                "keyword_weight": 0.0,
-                "neighbours": 0,
-                "recency_weight": 0.0,
-                "min_similarity": -1.0,
-            }
-        ),
-    }
-    systems["keel_without_neighbours"] = default_cfg.model_copy(update={"neighbours": 0})
-    tallies = {name: _Tally() for name in systems}
-    budgeted = {name: _Tally() for name in systems if name != "keel"}
-    dropped_evidence = 0
-    skipped_questions = 0
-    turns_total = 0
-    ingest_seconds = 0.0
+    systems = _systems(default_cfg)
+    questions_total = sum(
+        1 for c in conversations for q in c["qa"] if q.get("category") in CATEGORY_NAMES
+    )
+    run = _LocomoRun(systems, counter, questions_total, progress)
     with tempfile.TemporaryDirectory(prefix="keel-locomo-") as tmp:
         db = SQLiteDatabase(Path(tmp) / "locomo.db")
         memory_store = SQLiteMemoryStore(db) if store is None else store()
@@ -191,92 +313,14 @@ def run_locomo(
             name: Memory(memory_store, embedder=embedder, config=cfg, token_model=token_model)
             for name, cfg in systems.items()
         }
-        writer = memories["keel"]
-        questions_total = sum(
-            1 for c in conversations for q in c["qa"] if q.get("category") in CATEGORY_NAMES
-        )
-        asked = 0
         for number, item in enumerate(conversations):
-            conversation = item["conversation"]
-            scope = Scope(tenant_id="locomo", user_id=str(item.get("sample_id", number)))
-            sessions = sorted(
-                (int(m.group(1)), key)
-                for key in conversation
-                if (m := _SESSION.match(key)) and isinstance(conversation[key], list)
-            )
-            by_dia: dict[str, str] = {}
-            started = time.perf_counter()
-            for index, key in sessions:
-                when = parse_session_date(str(conversation.get(f"{key}_date_time", "")))
-                for position, turn in enumerate(conversation[key]):
-                    record = writer.add(
-                        _turn_text(turn),
-                        scope=scope,
-                        kind="episodic",
-                        type="turn",
-                        session_id=f"session_{index}",
-                        turn=position,
-                        event_time=when,
-                        metadata={"dia_id": turn.get("dia_id", "")},
-                    )
-                    by_dia[str(turn.get("dia_id", ""))] = record.id
-                    turns_total += 1
-            writer.process_outbox()
-            ingest_seconds += time.perf_counter() - started
-            dia_of = {record_id: dia for dia, record_id in by_dia.items()}
-            known = set(by_dia)
-            for qa in item["qa"]:
-                category = qa.get("category")
-                if category not in CATEGORY_NAMES:
-                    continue
-                asked += 1
-                evidence, dropped = repair_evidence(qa.get("evidence", []), known)
-                dropped_evidence += dropped
-                if not evidence:
-                    skipped_questions += 1
-                    continue
-                question = str(qa["question"])
-                budget5 = budget10 = 0
-                for name, memory in memories.items():
-                    started = time.perf_counter()
-                    hits = memory.search(question, scope=scope, k=10)
-                    tallies[name].latencies.append((time.perf_counter() - started) * 1000)
-                    # With neighbours, adjacent hits merge into one block, so the top 5 hits
-                    # are asked for, not read off the first 5 blocks.
-                    top5 = (
-                        hits[:5]
-                        if memory.config.neighbours == 0
-                        else memory.search(question, scope=scope, k=5)
-                    )
-                    scored5 = _score(top5, evidence, dia_of, counter)
-                    scored10 = _score(hits[:10], evidence, dia_of, counter)
-                    tallies[name].add_scores(int(category), scored5, scored10)
-                    if name == "keel":
-                        budget5, budget10 = scored5.tokens, scored10.tokens
-                        continue
-                    # The same system given keel's tokens for this question instead of k hits.
-                    deep = memory.search(question, scope=scope, k=_BUDGET_DEPTH)
-                    budgeted[name].add_scores(
-                        int(category),
-                        _score(_within(deep, budget5, counter), evidence, dia_of, counter),
-                        _score(_within(deep, budget10, counter), evidence, dia_of, counter),
-                    )
-                if progress is not None:
-                    progress("questions", asked, questions_total)
+            run.conversation(memories, number, item)
         memory_store.close()
         db.close()
-    report = tallies["keel"].full()
-    report["baselines"] = {name: tallies[name].full() for name in budgeted}
-    report["at_keel_budget"] = {name: tally.full() for name, tally in budgeted.items()}
-    for row in report["at_keel_budget"].values():
-        # Latency belongs to the search, reported with the baselines at k.
-        row.pop("search_ms_p50", None)
-        row.pop("search_ms_p95", None)
-    report["dropped_evidence_ids"] = dropped_evidence
-    report["questions_without_evidence"] = skipped_questions
+    report = run.report()
     report["conversations"] = len(conversations)
-    report["turns"] = turns_total
-    report["ingest_seconds"] = round(ingest_seconds, 1)
+    report["turns"] = run.turns_total
+    report["ingest_seconds"] = round(run.ingest_seconds, 1)
     report["embedding_model"] = embedder.name
     report["store"] = type(memory_store).__name__
     report["config"] = default_cfg.model_dump()

@@ -29,7 +29,9 @@ from keel.errors import (
     TruncatedResponseError,
 )
 from keel.messages import Message
-from keel.models import ModelOptions, OpenAICompatibleModel, RetryPolicy
+from keel.models import LocalModel, ModelOptions, OpenAICompatibleModel, RetryPolicy
+from keel.testing import FaultServer
+from keel.testing.servers import free_port
 
 __all__ = [
     "TOOL_SCHEMAS",
@@ -79,8 +81,6 @@ FAULT_CASES = (
 
 async def _one_case(case: FaultCase, base_url: str, policy: RetryPolicy) -> dict[str, Any]:
     if case.refused:
-        from keel.testing.servers import free_port
-
         base_url = f"http://127.0.0.1:{free_port()}/v1"
     model = OpenAICompatibleModel(
         f"{case.scenario}#{case.name}", base_url=base_url, api_key="bench", retry=policy
@@ -123,8 +123,6 @@ async def _one_case(case: FaultCase, base_url: str, policy: RetryPolicy) -> dict
 
 def bench_faults() -> dict[str, Any]:
     """Run every fault case against a local fault server; count the ones not handled."""
-    from keel.testing import FaultServer
-
     policy = RetryPolicy(
         max_attempts=3,
         initial_backoff_s=0.05,
@@ -163,8 +161,6 @@ def bench_faults() -> dict[str, Any]:
 
 def bench_local(max_tokens: int = 64) -> dict[str, Any]:
     """Cold-load the bundled model, stream one greedy answer, and time it."""
-    from keel.models import LocalModel
-
     model = LocalModel()
     load_s = model.load()
     messages = [Message.user("Write three sentences about the sea.")]
@@ -298,8 +294,6 @@ def bench_tool_calls(prompts: int = 100, max_tokens: int = 64) -> dict[str, Any]
     which is ``tool_call_valid_rate``. ``auto``: the model may answer in prose instead; the
     share of replies that are a valid call, an invalid one, or prose.
     """
-    from keel.models import LocalModel
-
     cases = tool_prompts(prompts)
     report: dict[str, Any] = {"prompts": len(cases), "tool_call_valid_rate": {}, "auto": {}}
     for constrained in (True, False):

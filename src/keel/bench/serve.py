@@ -32,9 +32,11 @@ latency, and what the hostile requests got (413, 408, a reset connection).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -49,8 +51,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from keel.bench._serve_worker import EFFECTS_TABLE, WORKER_ENV
 from keel.bench._stats import nearest_rank
+from keel.testing.servers import free_port, postgres_server, redis_server
 
 __all__ = ["run_hostile_bench", "run_serve_bench"]
 
@@ -93,8 +98,6 @@ class _Fleet:
     """The worker processes: started, killed (SIGKILL) and restarted on their ports."""
 
     def __init__(self, count: int, options: dict[str, Any], directory: Path) -> None:
-        from keel.testing.servers import free_port
-
         self.options = options
         self.directory = directory
         self.ports = [free_port() for _ in range(count)]
@@ -126,8 +129,6 @@ class _Fleet:
         self.retired.append(worker)
 
     async def ready(self, index: int, client: Any, timeout_s: float = 60.0) -> None:
-        import httpx
-
         deadline = time.monotonic() + timeout_s
         while True:
             worker = self.live[index]
@@ -220,6 +221,19 @@ def _api_key(database: str) -> str:
         backends.close()
 
 
+def _started_fleet(
+    workers: int, directory: Path, database: str, effects: str, **options: Any
+) -> tuple[_Fleet, str]:
+    """The effects table made, an API key for the bench's tenant, and ``workers`` workers
+    started on ``database`` with the worker ``options``; the fleet and the key."""
+    _create_effects_table(effects)
+    key = _api_key(database)
+    fleet = _Fleet(workers, {"database": database, "effects": effects, **options}, directory)
+    for index in range(workers):
+        fleet.start(index)
+    return fleet, key
+
+
 @dataclass
 class _Load:
     """One run's settings."""
@@ -261,6 +275,107 @@ async def _reconcile(client: Any, url: str, sessions: int, effects: str) -> dict
     return {"in_doubt": len(entries), "in_doubt_took_effect": took_effect, "in_doubt_left": left}
 
 
+class _Driver:
+    """The client side of one run: the sessions' turns, the kills, the RSS samples."""
+
+    def __init__(
+        self,
+        fleet: _Fleet,
+        load: _Load,
+        client: httpx.AsyncClient,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        self.fleet = fleet
+        self.load = load
+        self.client = client
+        self.progress = progress
+        self.rng = random.Random(load.seed)
+        self.statuses: Counter[str] = Counter()
+        self.turns: list[_Turn] = []
+        self.kill_windows: list[tuple[float, float]] = []
+        self.round_robin = iter(range(1 << 62))
+        self.started = time.monotonic()
+        self.stop_at = self.started + load.duration_s
+        self.finished = self.started
+
+    async def run(self) -> int:
+        """Every session until the run's end, under the kills; the number of kills."""
+        sampler = asyncio.create_task(self._sample_rss())
+        chaos_task = asyncio.create_task(self._chaos()) if self.load.kill_every_s > 0 else None
+        await asyncio.gather(*(self._session_loop(s) for s in range(self.load.sessions)))
+        self.finished = time.monotonic()
+        kills = await chaos_task if chaos_task is not None else 0
+        sampler.cancel()
+        self.fleet.sample_rss()
+        return kills
+
+    async def _one_turn(self, session: int, tag: str) -> None:
+        turn = _Turn(tag, time.monotonic())
+        self.turns.append(turn)
+        body = {"message": tag, "user": f"u{session}"}
+        deadline = turn.started + self.load.turn_timeout_s
+        while True:
+            turn.attempts += 1
+            url = self.fleet.url(next(self.round_robin) % self.load.workers)
+            try:
+                response = await self.client.post(
+                    f"{url}/v1/sessions/s{session}/turns",
+                    json=body,
+                    headers={"Idempotency-Key": tag},
+                )
+            except httpx.TransportError as exc:
+                self.statuses[type(exc).__name__] += 1
+            else:
+                self.statuses[str(response.status_code)] += 1
+                if response.status_code == 200:
+                    turn.reply_status = response.json()["status"]
+                    turn.ended = time.monotonic()
+                    return
+                if response.status_code not in (409, 429, 500, 502, 503):
+                    turn.gave_up = True
+                    turn.ended = time.monotonic()
+                    return
+            if time.monotonic() > deadline:
+                turn.gave_up = True
+                turn.ended = time.monotonic()
+                return
+            await asyncio.sleep(self.rng.uniform(0.05, 0.25))
+
+    async def _session_loop(self, session: int) -> None:
+        load = self.load
+        # Sessions arrive spread over one turn and one think time, not all at once.
+        spread = load.model_latency_s * _MODEL_CALLS_PER_TURN + 2 * load.think_s
+        await asyncio.sleep(self.rng.uniform(0, spread))
+        number = 0
+        while time.monotonic() < self.stop_at:
+            await self._one_turn(session, f"s{session}-t{number}")
+            number += 1
+            if load.think_s:
+                await asyncio.sleep(self.rng.uniform(0, 2 * load.think_s))
+
+    async def _chaos(self) -> int:
+        kills = 0
+        next_kill = self.started + self.load.kill_every_s
+        while next_kill < self.stop_at:
+            await asyncio.sleep(max(0.0, next_kill - time.monotonic()))
+            index = self.rng.randrange(self.load.workers)
+            killed_at = time.monotonic()
+            self.fleet.kill(index)
+            kills += 1
+            self.fleet.start(index)
+            await self.fleet.ready(index, self.client)
+            self.kill_windows.append((killed_at, time.monotonic()))
+            if self.progress is not None:
+                self.progress(f"killed worker {index} at {killed_at - self.started:.1f} s")
+            next_kill += self.load.kill_every_s
+        return kills
+
+    async def _sample_rss(self) -> None:
+        while time.monotonic() < self.stop_at + self.load.turn_timeout_s:
+            self.fleet.sample_rss()
+            await asyncio.sleep(1.0)
+
+
 async def _drive(
     fleet: _Fleet,
     load: _Load,
@@ -268,119 +383,28 @@ async def _drive(
     effects: str,
     progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-    import httpx
-
-    rng = random.Random(load.seed)
     headers = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=load.sessions + 16, max_keepalive_connections=None)
-    statuses: Counter[str] = Counter()
-    turns: list[_Turn] = []
-    kill_windows: list[tuple[float, float]] = []
-    round_robin = iter(range(1 << 62))
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=60) as client:
         await asyncio.gather(*(fleet.ready(i, client) for i in range(load.workers)))
-        started = time.monotonic()
-        stop_at = started + load.duration_s
-
-        async def one_turn(session: int, tag: str) -> None:
-            turn = _Turn(tag, time.monotonic())
-            turns.append(turn)
-            body = {"message": tag, "user": f"u{session}"}
-            deadline = turn.started + load.turn_timeout_s
-            while True:
-                turn.attempts += 1
-                url = fleet.url(next(round_robin) % load.workers)
-                try:
-                    response = await client.post(
-                        f"{url}/v1/sessions/s{session}/turns",
-                        json=body,
-                        headers={"Idempotency-Key": tag},
-                    )
-                except httpx.TransportError as exc:
-                    statuses[type(exc).__name__] += 1
-                else:
-                    statuses[str(response.status_code)] += 1
-                    if response.status_code == 200:
-                        turn.reply_status = response.json()["status"]
-                        turn.ended = time.monotonic()
-                        return
-                    if response.status_code not in (409, 429, 500, 502, 503):
-                        turn.gave_up = True
-                        turn.ended = time.monotonic()
-                        return
-                if time.monotonic() > deadline:
-                    turn.gave_up = True
-                    turn.ended = time.monotonic()
-                    return
-                await asyncio.sleep(rng.uniform(0.05, 0.25))
-
-        async def session_loop(session: int) -> None:
-            # Sessions arrive spread over one turn and one think time, not all at once.
-            spread = load.model_latency_s * _MODEL_CALLS_PER_TURN + 2 * load.think_s
-            await asyncio.sleep(rng.uniform(0, spread))
-            number = 0
-            while time.monotonic() < stop_at:
-                await one_turn(session, f"s{session}-t{number}")
-                number += 1
-                if load.think_s:
-                    await asyncio.sleep(rng.uniform(0, 2 * load.think_s))
-
-        async def chaos() -> int:
-            kills = 0
-            next_kill = started + load.kill_every_s
-            while next_kill < stop_at:
-                await asyncio.sleep(max(0.0, next_kill - time.monotonic()))
-                index = rng.randrange(load.workers)
-                killed_at = time.monotonic()
-                fleet.kill(index)
-                kills += 1
-                fleet.start(index)
-                await fleet.ready(index, client)
-                kill_windows.append((killed_at, time.monotonic()))
-                if progress is not None:
-                    progress(f"killed worker {index} at {killed_at - started:.1f} s")
-                next_kill += load.kill_every_s
-            return kills
-
-        async def sample_rss() -> None:
-            while time.monotonic() < stop_at + load.turn_timeout_s:
-                fleet.sample_rss()
-                await asyncio.sleep(1.0)
-
-        sampler = asyncio.create_task(sample_rss())
-        chaos_task = asyncio.create_task(chaos()) if load.kill_every_s > 0 else None
-        await asyncio.gather(*(session_loop(s) for s in range(load.sessions)))
-        finished = time.monotonic()
-        kills = await chaos_task if chaos_task is not None else 0
-        sampler.cancel()
-        fleet.sample_rss()
-
-        states: dict[int, Counter[str]] = {}
-        for session in range(load.sessions):
-            response = await client.get(f"{fleet.url(0)}/v1/sessions/s{session}")
-            held: Counter[str] = Counter()
-            if response.status_code == 200:
-                for message in response.json()["state"]["messages"]:
-                    if message["role"] == "user":
-                        held[message["content"]] += 1
-            states[session] = held
+        driver = _Driver(fleet, load, client, progress)
+        kills = await driver.run()
+        held = await _committed(client, fleet.url(0), load.sessions, "s")
         reconciled = await _reconcile(client, fleet.url(0), load.sessions, effects)
     return {
-        "turns": turns,
-        "statuses": statuses,
-        "kill_windows": kill_windows,
+        "turns": driver.turns,
+        "statuses": driver.statuses,
+        "kill_windows": driver.kill_windows,
         "kills": kills,
-        "states": states,
+        "held": held,
         **reconciled,
-        "elapsed_s": finished - started,
+        "elapsed_s": driver.finished - driver.started,
     }
 
 
 def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict[str, Any]:
     turns: list[_Turn] = driven["turns"]
-    held: Counter[str] = Counter()
-    for counts in driven["states"].values():
-        held.update(counts)
+    held: Counter[str] = driven["held"]
     sent = {turn.tag for turn in turns}
     model_ms = load.model_latency_s * _MODEL_CALLS_PER_TURN * 1000
 
@@ -448,18 +472,15 @@ def _run(
     directory: Path,
     progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-    _create_effects_table(effects)
-    key = _api_key(database)
-    options = {
-        "database": database,
-        "effects": effects,
-        "redis_url": redis_url,
-        "model_latency_s": load.model_latency_s,
-        "lease_ttl_s": load.lease_ttl_s,
-    }
-    fleet = _Fleet(load.workers, options, directory)
-    for index in range(load.workers):
-        fleet.start(index)
+    fleet, key = _started_fleet(
+        load.workers,
+        directory,
+        database,
+        effects,
+        redis_url=redis_url,
+        model_latency_s=load.model_latency_s,
+        lease_ttl_s=load.lease_ttl_s,
+    )
     # This client's full collections would stall every session's clock at once, counted as
     # keel's time: the collector scans only what the run adds, and sees the rest again after.
     gc.collect()
@@ -496,8 +517,6 @@ def run_serve_bench(
 ) -> dict[str, Any]:
     """Run the load on PostgreSQL + Redis with ``workers`` workers, then (``sqlite``) on SQLite
     with one; the figures of the first, with the second's under ``"sqlite"``."""
-    from keel.testing.servers import postgres_server, redis_server
-
     load = _Load(
         workers,
         sessions,
@@ -661,8 +680,6 @@ def _reset_peak_rss(pid: int) -> bool:
 async def _one_turn(client: Any, url: str, session: int, tag: str) -> None:
     """One turn of a normal session, retried (same idempotency key) on a dropped connection,
     409 or 503 until it lands or a minute passes."""
-    import httpx
-
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -693,11 +710,11 @@ async def _normal_session(
         number += 1
 
 
-async def _committed(client: Any, url: str, sessions: int) -> Counter[str]:
-    """How often each tag is held in its session's final state."""
+async def _committed(client: Any, url: str, sessions: int, prefix: str) -> Counter[str]:
+    """How often each tag is held in its session's final state (sessions ``{prefix}0``...)."""
     held: Counter[str] = Counter()
     for session in range(sessions):
-        response = await client.get(f"{url}/v1/sessions/n{session}")
+        response = await client.get(f"{url}/v1/sessions/{prefix}{session}")
         if response.status_code == 200:
             for message in response.json()["state"]["messages"]:
                 if message["role"] == "user":
@@ -719,11 +736,6 @@ async def _phase(
 ) -> _Phase:
     """The normal sessions and a ``/health`` probe (every 50 ms) for ``load.duration_s``, with
     the hostile clients (in a process of their own) when ``key`` is given."""
-    import concurrent.futures
-    import multiprocessing
-
-    import httpx
-
     measured = _Phase()
     stop_at = time.monotonic() + load.duration_s
 
@@ -757,8 +769,6 @@ async def _phase(
 async def _drive_hostile(
     fleet: _Fleet, load: _HostileLoad, key: str, progress: Callable[[str], None] | None
 ) -> dict[str, Any]:
-    import httpx
-
     url, pid = fleet.url(0), fleet.live[0].process.pid
     headers = {"Authorization": f"Bearer {key}"}
     sent: list[str] = []
@@ -777,7 +787,7 @@ async def _drive_hostile(
         if progress is not None:
             progress(f"idle RSS {idle_kb / 1024:.0f} MB; {load.clients} hostile clients start")
         hostile = await _phase(client, url, pid, load, key, sent)
-        held = await _committed(client, url, load.sessions)
+        held = await _committed(client, url, load.sessions, "n")
     peak_kb = max([*hostile.rss_kb, (_rss_kb(pid, "VmHWM") or 0) if kernel_peak else 0])
     return {
         "idle_kb": idle_kb,
@@ -825,18 +835,16 @@ def run_hostile_bench(
     with _folder() as directory:
         database = f"sqlite:///{directory / 'keel.db'}"
         effects = str(directory / "effects.db")
-        _create_effects_table(effects)
-        key = _api_key(database)
-        options = {
-            "database": database,
-            "effects": effects,
-            "redis_url": None,
-            "model_latency_s": load.model_latency_s,
-            "lease_ttl_s": 2.0,
-            "body_timeout_s": body_timeout_s,
-        }
-        fleet = _Fleet(1, options, directory)
-        fleet.start(0)
+        fleet, key = _started_fleet(
+            1,
+            directory,
+            database,
+            effects,
+            redis_url=None,
+            model_latency_s=load.model_latency_s,
+            lease_ttl_s=2.0,
+            body_timeout_s=body_timeout_s,
+        )
         try:
             driven = asyncio.run(_drive_hostile(fleet, load, key, progress))
         finally:

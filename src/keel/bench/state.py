@@ -22,14 +22,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from keel.bench._stats import sqlite_file_bytes
-from keel.errors import ConflictError
+from keel.errors import ConflictError, UsageError
 from keel.messages import Message
+from keel.settings import load_settings
 from keel.state import StateBackend, StateStore
+from keel.stores import PostgresStateBackend, RedisStateBackend, SQLiteStateBackend
 from keel.testing._state_models import ConversationState, CounterState
+from keel.testing.servers import postgres_server, redis_server
 
 __all__ = ["message_text", "run_state_bench"]
 
@@ -201,15 +205,57 @@ def _servers(
 ) -> Iterator[tuple[str | None, str | None]]:
     with contextlib.ExitStack() as stack:
         if want_postgres and postgres_url is None:
-            from keel.testing.servers import postgres_server
-
             server = stack.enter_context(postgres_server())
             postgres_url = stack.enter_context(server.throwaway_database())
         if want_redis and redis_url is None:
-            from keel.testing.servers import redis_server
-
             redis_url = stack.enter_context(redis_server())
         yield postgres_url, redis_url
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class _BackendRun:
+    """One backend to measure: how to open it, its file (SQLite), and what makes its server
+    ready for the bench before (``before``) and clean after (``after``)."""
+
+    name: str
+    open: Callable[[], StateBackend]
+    file: Path | None = None
+    before: Callable[[], None] = _nothing
+    after: Callable[[], None] = _nothing
+
+
+def _backend_runs(
+    backends: tuple[str, ...], directory: Path, pg_url: str | None, rd_url: str | None
+) -> list[_BackendRun]:
+    runs: list[_BackendRun] = []
+    if "sqlite" in backends:
+        sqlite_file = directory / "keel.db"
+        runs.append(_BackendRun("sqlite", lambda: SQLiteStateBackend(sqlite_file), sqlite_file))
+    if "postgres" in backends and pg_url is not None:
+        url = pg_url
+        runs.append(
+            _BackendRun(
+                "postgres",
+                lambda: PostgresStateBackend(url),
+                before=lambda: _reset_postgres(url),
+                after=lambda: _cleanup_postgres(url),
+            )
+        )
+    if "redis" in backends and rd_url is not None:
+        rurl = rd_url
+        runs.append(
+            _BackendRun(
+                "redis",
+                lambda: RedisStateBackend(rurl, prefix="keel:bench"),
+                before=lambda: _reset_redis(rurl),
+                after=lambda: _reset_redis(rurl),
+            )
+        )
+    return runs
 
 
 def run_state_bench(
@@ -230,9 +276,6 @@ def run_state_bench(
     redis-server). A configured PostgreSQL database must hold no keel state yet (the bench
     removes its own rows afterwards); on Redis it uses only keys under ``keel:bench``.
     """
-    from keel.settings import load_settings
-    from keel.stores import PostgresStateBackend, RedisStateBackend, SQLiteStateBackend
-
     say = progress or (lambda _text: None)
     settings = load_settings()
     if postgres_url is None and settings.database_url.startswith(("postgresql:", "postgres:")):
@@ -248,42 +291,15 @@ def run_state_bench(
         ),
     ):
         directory = Path(tmp)
-        if "sqlite" in backends:
-            say("sqlite ...")
-            sqlite_file = directory / "keel.db"
-            results["backends"]["sqlite"] = _keel_backend(
-                "sqlite",
-                lambda: SQLiteStateBackend(sqlite_file),
-                steps,
-                writers,
-                increments,
-                sqlite_file,
-            )
-        if "postgres" in backends and pg_url is not None:
-            say("postgres ...")
-            url = pg_url
-            _reset_postgres(url)
+        for run in _backend_runs(backends, directory, pg_url, rd_url):
+            say(f"{run.name} ...")
+            run.before()
             try:
-                results["backends"]["postgres"] = _keel_backend(
-                    "postgres", lambda: PostgresStateBackend(url), steps, writers, increments, None
+                results["backends"][run.name] = _keel_backend(
+                    run.name, run.open, steps, writers, increments, run.file
                 )
             finally:
-                _cleanup_postgres(url)
-        if "redis" in backends and rd_url is not None:
-            say("redis ...")
-            rurl = rd_url
-            _reset_redis(rurl)
-            try:
-                results["backends"]["redis"] = _keel_backend(
-                    "redis",
-                    lambda: RedisStateBackend(rurl, prefix="keel:bench"),
-                    steps,
-                    writers,
-                    increments,
-                    None,
-                )
-            finally:
-                _reset_redis(rurl)
+                run.after()
         if langgraph:
             say("langgraph SqliteSaver ...")
             results["langgraph_sqlite"] = _langgraph_sqlite(steps, directory)
@@ -296,7 +312,12 @@ def run_state_bench(
             "speedup": round(sqlite_figures["checkpoints_per_s"] / lang["checkpoints_per_s"], 2),
             "bytes_ratio": round(sqlite_figures["bytes_total"] / lang["bytes_total"], 4),
         }
-    results["workload"] = {
+    results["workload"] = _workload(steps, writers, increments)
+    return results
+
+
+def _workload(steps: int, writers: int, increments: int) -> dict[str, Any]:
+    return {
         "steps": steps,
         "message_chars": len(message_text(1)),
         "writers": writers,
@@ -311,7 +332,6 @@ def run_state_bench(
         "server_bytes": "postgres: pg_total_relation_size of keel_state tables; redis: MEMORY "
         "USAGE of keel keys",
     }
-    return results
 
 
 _BENCH_SESSIONS = ("bench", "contended")
@@ -320,8 +340,6 @@ _BENCH_SESSIONS = ("bench", "contended")
 def _reset_postgres(url: str) -> None:
     """Refuse a database that already holds keel state: the bench never touches real data."""
     import psycopg
-
-    from keel.errors import UsageError
 
     with psycopg.connect(url, autocommit=True) as conn:
         exists = conn.execute("SELECT to_regclass('keel_state_sessions')").fetchone()

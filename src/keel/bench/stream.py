@@ -30,12 +30,22 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from keel.bench._stats import nearest_rank
-
-if TYPE_CHECKING:
-    from keel.privacy import PIIMasker
+from keel.models import ModelOptions, OpenAICompatibleModel, RetryPolicy
+from keel.privacy import PIIMasker, StreamMasker
+from keel.runtime import (
+    Agent,
+    AgentReply,
+    CheckpointCommitted,
+    TextDelta,
+    TextDiscarded,
+    TurnFinished,
+)
+from keel.settings import load_settings
+from keel.state import AgentState
+from keel.testing.servers import llama_server
 
 __all__ = ["run_stream_bench"]
 
@@ -249,10 +259,6 @@ def _has_text(line: bytes) -> bool:
 
 
 def _agent(base_url: str, folder: Path, max_tokens: int, *, masked: bool, name: str) -> Any:
-    from keel.models import ModelOptions, OpenAICompatibleModel, RetryPolicy
-    from keel.runtime import Agent
-    from keel.settings import load_settings
-
     model = OpenAICompatibleModel(
         "smollm2",
         base_url=base_url,
@@ -298,8 +304,6 @@ async def _sdk_turn(
     """The raw SDK: its first content delta, and the first text the SDK's caller could show
     if it masked as the agent does (keel's StreamMasker over the same deltas, with ``policy``,
     the agent's own); tokens; decode seconds."""
-    from keel.privacy import StreamMasker
-
     masker = StreamMasker(
         lambda whole: policy.mask_text(whole, remember=False), by_word=policy.streams_by_word()
     )
@@ -343,8 +347,6 @@ async def _bust_cache(client: Any) -> None:
 async def _agent_stream_ttft(
     agent: Any, clock: _WireClock, session: str, question: str
 ) -> _FirstText:
-    from keel.runtime import TextDelta
-
     mark = clock.mark()
     started = time.perf_counter()
     first: float | None = None
@@ -431,6 +433,17 @@ async def _latency_ways(
             await way()
         if (turn + 1) % 10 == 0:
             progress(f"latency: {turn + 1}/{turns} prompts")
+    return _latency_figures(turns, sdk, streamed, unmasked, run_ms, rates)
+
+
+def _latency_figures(
+    turns: int,
+    sdk: list[_FirstText],
+    streamed: list[_FirstText],
+    unmasked: list[_FirstText],
+    run_ms: list[float],
+    rates: list[float],
+) -> dict[str, Any]:
     pairs = list(zip(sdk, streamed, unmasked, strict=True))
     return {
         "latency_turns": turns,
@@ -465,6 +478,92 @@ async def _latency_ways(
     }
 
 
+class _ChaosRun:
+    """Streamed turns on one session through the cutting proxy, each checked against the
+    committed state."""
+
+    def __init__(self, agent: Any, proxy: _CuttingProxy) -> None:
+        self.agent = agent
+        self.proxy = proxy
+        self.violations: list[str] = []
+        self.cancellations = 0
+        self.completed = 0
+        self.sent: list[str] = []
+
+    async def turn(self, turn: int, text: str, stop_after: int | None) -> None:
+        self.sent.append(text)
+        shown, reply = await self._stream(turn, text, stop_after)
+        state = self.agent.session_state("chaos")
+        if state is None:
+            self.violations.append(f"turn {turn}: no state")
+            return
+        users = [m.content for m in state.messages if m.role == "user"]
+        if reply is None:
+            self.cancellations += 1
+            await self._check_stopped(turn, state, shown)
+        else:
+            self.completed += 1
+            self._check_finished(turn, state, shown, reply)
+        # Every message sent is stored exactly once (a stopped turn's is kept, open).
+        if sorted(users) != sorted(self.sent):
+            self.violations.append(f"turn {turn}: user messages lost or repeated")
+
+    async def _stream(
+        self, turn: int, text: str, stop_after: int | None
+    ) -> tuple[list[str], AgentReply | None]:
+        """The text the stream showed (what a TextDiscarded took back removed) and its reply,
+        None when the consumer stopped first."""
+        shown: list[str] = []
+        checkpoints = deltas = 0
+        reply = None
+        stream = self.agent.stream(text, session="chaos", user="bench")
+        try:
+            async for event in stream:
+                if isinstance(event, CheckpointCommitted):
+                    checkpoints += 1
+                elif isinstance(event, TextDiscarded):
+                    shown.clear()
+                elif isinstance(event, TextDelta):
+                    if not checkpoints:
+                        self.violations.append(f"turn {turn}: text before any checkpoint")
+                    shown.append(event.text)
+                    deltas += 1
+                    if stop_after is not None and deltas >= stop_after:
+                        break
+                elif isinstance(event, TurnFinished):
+                    reply = event.reply
+        finally:
+            await stream.aclose()
+        return shown, reply
+
+    async def _check_stopped(self, turn: int, state: AgentState, shown: list[str]) -> None:
+        # Stopped mid-stream: the turn is open at a checkpoint before a model call, or,
+        # when it had finished before the stop reached it, committed whole (the text
+        # shown is the start of its reply).
+        head = self.agent.state.history(self.agent.session_key("chaos"), limit=1)[0]
+        if state.runtime.open_turn is not None:
+            if head.reason != "before model call":
+                self.violations.append(f"turn {turn}: left open at a {head.reason!r} write")
+        else:
+            assistants = [m.content for m in state.messages if m.role == "assistant"]
+            if not assistants or not assistants[-1].startswith("".join(shown)):
+                self.violations.append(f"turn {turn}: committed text is not what streamed")
+        await asyncio.sleep(0.3)
+        if self.proxy.replying > 0:
+            self.violations.append(f"turn {turn}: the model request kept running")
+
+    def _check_finished(
+        self, turn: int, state: AgentState, shown: list[str], reply: AgentReply
+    ) -> None:
+        if reply.status == "completed" and "".join(shown) != reply.text:
+            self.violations.append(f"turn {turn}: streamed text differs from the reply")
+        if state.runtime.open_turn is not None:
+            self.violations.append(f"turn {turn}: a finished turn was left open")
+        assistants = [m.content for m in state.messages if m.role == "assistant"]
+        if reply.status == "completed" and (not assistants or assistants[-1] != reply.text):
+            self.violations.append(f"turn {turn}: the committed reply is not the streamed one")
+
+
 async def _chaos(
     base_url: str,
     folder: Path,
@@ -473,8 +572,6 @@ async def _chaos(
     seed: int,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
-    from keel.runtime import CheckpointCommitted, TextDelta, TextDiscarded, TurnFinished
-
     port = int(base_url.rsplit(":", 1)[1].split("/")[0])
     proxy = _CuttingProxy(port)
     await proxy.start()
@@ -482,83 +579,26 @@ async def _chaos(
         f"http://127.0.0.1:{proxy.port}/v1", folder, max_tokens, masked=True, name="chaos"
     )
     rng = random.Random(seed)
-    violations: list[str] = []
-    cancellations = completed = 0
-    sent: list[str] = []
+    run = _ChaosRun(agent, proxy)
     try:
         for turn in range(turns):
             text = f"{_QUESTIONS[turn % len(_QUESTIONS)]} (turn {turn})"
-            sent.append(text)
             if rng.random() < 0.25:
                 proxy.cut_next(rng.randint(200, 1200))
             stop_after = rng.randint(1, 6) if rng.random() < 0.25 else None
-            shown: list[str] = []
-            checkpoints = 0
-            reply = None
-            deltas = 0
-            stream = agent.stream(text, session="chaos", user="bench")
-            try:
-                async for event in stream:
-                    if isinstance(event, CheckpointCommitted):
-                        checkpoints += 1
-                    elif isinstance(event, TextDiscarded):
-                        shown.clear()
-                    elif isinstance(event, TextDelta):
-                        if not checkpoints:
-                            violations.append(f"turn {turn}: text before any checkpoint")
-                        shown.append(event.text)
-                        deltas += 1
-                        if stop_after is not None and deltas >= stop_after:
-                            break
-                    elif isinstance(event, TurnFinished):
-                        reply = event.reply
-            finally:
-                await stream.aclose()
-            state = agent.session_state("chaos")
-            if state is None:
-                violations.append(f"turn {turn}: no state")
-                continue
-            users = [m.content for m in state.messages if m.role == "user"]
-            if reply is None:
-                cancellations += 1
-                # Stopped mid-stream: the turn is open at a checkpoint before a model call, or,
-                # when it had finished before the stop reached it, committed whole (the text
-                # shown is the start of its reply).
-                head = agent.state.history(agent.session_key("chaos"), limit=1)[0]
-                if state.runtime.open_turn is not None:
-                    if head.reason != "before model call":
-                        violations.append(f"turn {turn}: left open at a {head.reason!r} write")
-                else:
-                    assistants = [m.content for m in state.messages if m.role == "assistant"]
-                    if not assistants or not assistants[-1].startswith("".join(shown)):
-                        violations.append(f"turn {turn}: committed text is not what streamed")
-                await asyncio.sleep(0.3)
-                if proxy.replying > 0:
-                    violations.append(f"turn {turn}: the model request kept running")
-            else:
-                completed += 1
-                if reply.status == "completed" and "".join(shown) != reply.text:
-                    violations.append(f"turn {turn}: streamed text differs from the reply")
-                if state.runtime.open_turn is not None:
-                    violations.append(f"turn {turn}: a finished turn was left open")
-                assistants = [m.content for m in state.messages if m.role == "assistant"]
-                if reply.status == "completed" and (not assistants or assistants[-1] != reply.text):
-                    violations.append(f"turn {turn}: the committed reply is not the streamed one")
-            # Every message sent is stored exactly once (a stopped turn's is kept, open).
-            if sorted(users) != sorted(sent):
-                violations.append(f"turn {turn}: user messages lost or repeated")
+            await run.turn(turn, text, stop_after)
             if (turn + 1) % 20 == 0:
-                progress(f"chaos: {turn + 1}/{turns} turns, {len(violations)} violations")
+                progress(f"chaos: {turn + 1}/{turns} turns, {len(run.violations)} violations")
     finally:
         await agent.aclose()
         await proxy.stop()
     return {
         "turns": turns,
-        "completed": completed,
-        "cancellations": cancellations,
+        "completed": run.completed,
+        "cancellations": run.cancellations,
         "cuts": proxy.cuts,
-        "violations": len(violations),
-        "violation_examples": violations[:5],
+        "violations": len(run.violations),
+        "violation_examples": run.violations[:5],
         "seed": seed,
     }
 
@@ -572,8 +612,6 @@ def run_stream_bench(
     progress: Callable[[str], None] = lambda text: None,
 ) -> dict[str, Any]:
     """The whole ``keel bench stream`` report (one JSON object)."""
-    from keel.testing.servers import llama_server
-
     folder = Path(tempfile.mkdtemp(prefix="keel-bench-stream-"))
     with llama_server(n_ctx=2048) as base_url:
         progress(f"llama.cpp server at {base_url}")

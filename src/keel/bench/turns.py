@@ -26,11 +26,28 @@ from typing import Any
 
 from keel.bench._react import ANSWER as _ANSWER
 from keel.bench._react import question as _question
+from keel.bench._react import react_agent
 from keel.bench._react import tool_output as _tool_output
 from keel.bench._stats import nearest_rank, sqlite_file_bytes
 from keel.messages import Message
+from keel.runtime import Agent
+from keel.settings import load_settings
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.testing.servers import postgres_server
+from keel.tools import tool
 
 __all__ = ["run_turns_bench"]
+
+
+def _bucket_figures(p50s: list[float], p95s: list[float], times_ms: list[float]) -> dict[str, Any]:
+    """The buckets' medians and p95s, the flatness they show, and p50/p95 over ``times_ms``."""
+    return {
+        "buckets_ms_p50": p50s,
+        "buckets_ms_p95": p95s,
+        "flatness": round(p50s[-1] / p50s[0], 3) if p50s and p50s[0] > 0 else None,
+        "p50_ms": round(statistics.median(times_ms), 3),
+        "p95_ms": round(nearest_rank(times_ms, 0.95), 3),
+    }
 
 
 def _summary(times_ms: list[float], bucket: int, elapsed_s: float) -> dict[str, Any]:
@@ -38,11 +55,7 @@ def _summary(times_ms: list[float], bucket: int, elapsed_s: float) -> dict[str, 
     p50s = [round(statistics.median(part), 3) for part in buckets if part]
     p95s = [round(nearest_rank(part, 0.95), 3) for part in buckets if part]
     return {
-        "buckets_ms_p50": p50s,
-        "buckets_ms_p95": p95s,
-        "flatness": round(p50s[-1] / p50s[0], 3) if p50s and p50s[0] > 0 else None,
-        "p50_ms": round(statistics.median(times_ms), 3),
-        "p95_ms": round(nearest_rank(times_ms, 0.95), 3),
+        **_bucket_figures(p50s, p95s, times_ms),
         "turns_per_s": round(len(times_ms) / elapsed_s, 2) if elapsed_s > 0 else None,
     }
 
@@ -64,11 +77,6 @@ def _keel(
     postgres_url: str | None = None,
     name: str = "keel",
 ) -> dict[str, Any]:
-    from keel.runtime import Agent
-    from keel.settings import load_settings
-    from keel.testing import ScriptedCall, ScriptedModel
-    from keel.tools import tool
-
     executions = {"count": 0}
 
     @tool
@@ -136,8 +144,6 @@ def _langgraph(turns: int, bucket: int, directory: Path) -> dict[str, Any]:
 
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from keel.bench._react import react_agent
-
     path = directory / "langgraph.db"
     conn = sqlite3.connect(path, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -181,11 +187,7 @@ def _combined(runs: list[dict[str, Any]], bucket: int) -> dict[str, Any]:
     ]
     every = [time for run in runs for time in run["times_ms"]]
     return {
-        "buckets_ms_p50": p50s,
-        "buckets_ms_p95": p95s,
-        "flatness": round(p50s[-1] / p50s[0], 3) if p50s and p50s[0] > 0 else None,
-        "p50_ms": round(statistics.median(every), 3),
-        "p95_ms": round(nearest_rank(every, 0.95), 3),
+        **_bucket_figures(p50s, p95s, every),
         "turns_per_s": statistics.median(run["turns_per_s"] for run in runs),
         "db_bytes": runs[0]["db_bytes"],
         "tool_executions": runs[0]["tool_executions"],
@@ -218,8 +220,6 @@ def run_turns_bench(
         directory = Path(folder)
         server = None
         if database == "postgres":
-            from keel.testing.servers import postgres_server
-
             progress("starting a throwaway PostgreSQL")
             server = stack.enter_context(postgres_server())
 

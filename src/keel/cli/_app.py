@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -16,10 +17,13 @@ from rich.console import Console
 from keel.errors import KeelError, UsageError
 
 __all__ = [
+    "JsonLastOption",
+    "JsonOption",
     "app",
     "bench_app",
     "demo_model_note",
     "emit_json",
+    "emit_or_show",
     "err_console",
     "fail",
     "out_console",
@@ -38,6 +42,11 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+"""``--json``: the command's output is one JSON object instead of text."""
+JsonLastOption = Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")]
+"""``--json`` on a command that reports progress first: its last line is one JSON object."""
+
 out_console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -46,6 +55,17 @@ def emit_json(payload: Any) -> None:
     """Print one JSON object on one line (the machine-readable contract of ``--json``)."""
     sys.stdout.write(json.dumps(payload, default=str, ensure_ascii=False) + "\n")
     sys.stdout.flush()
+
+
+def emit_or_show(
+    payload: dict[str, Any], as_json: bool, show: Callable[[dict[str, Any]], None]
+) -> None:
+    """What a command with ``--json`` prints: the payload as one JSON line, else what ``show``
+    makes of it for people."""
+    if as_json:
+        emit_json(payload)
+    else:
+        show(payload)
 
 
 def fail(error: KeelError | str, *, code: int | None = None) -> NoReturn:

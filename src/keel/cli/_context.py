@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from keel.cli._app import bench_app, emit_json, out_console
+from keel.cli._app import JsonLastOption, bench_app, emit_or_show, out_console
 
 
 @bench_app.command("context")
@@ -17,15 +17,17 @@ def bench_context_command(
         int, typer.Option("--budget", min=1024, help="Working budget in tokens.")
     ] = 16_000,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic conversation.")] = 7,
-    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
+    as_json: JsonLastOption = False,
 ) -> None:
     """Compile every model call of a long conversation; compare full context and trim_messages."""
     from keel.bench.context import run_context_benchmark
 
     result = run_context_benchmark(turns, model=model, working_budget=budget, seed=seed)
-    if as_json:
-        emit_json(result)
-        return
+    emit_or_show(result, as_json, _show)
+
+
+def _show(result: dict[str, Any]) -> None:
+    turns = result["turns"]
     lc = result["baselines"]["langchain_trim_messages"]
     out_console.print(
         f"{result['turns']} turns, {result['compiles']} prompts for {result['model']} "

@@ -8,12 +8,12 @@ import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 import typer
 
 from keel._version import __version__
-from keel.cli._app import app, demo_model_note, emit_json, out_console
+from keel.cli._app import JsonOption, app, demo_model_note, emit_json, out_console
 from keel.cli._database import DatabaseOption
 from keel.errors import KeelError
 from keel.settings import Settings, load_settings
@@ -158,7 +158,7 @@ def _redis(settings: Settings) -> str:
 @app.command("doctor")
 def doctor_command(
     database: DatabaseOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Check the embedded default and report which models, tokenizers and backends work."""
     settings = load_settings(**({"database": database} if database is not None else {}))

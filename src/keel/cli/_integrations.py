@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from keel.cli._app import bench_app, emit_json, err_console, out_console
+from keel.cli._app import (
+    JsonLastOption,
+    bench_app,
+    emit_or_show,
+    err_console,
+    out_console,
+)
 
 
 @bench_app.command("integrations")
@@ -26,7 +32,7 @@ def bench_integrations_command(
     conformance: Annotated[
         bool, typer.Option(help="Run LangGraph's conformance suite on SQLite and PostgreSQL.")
     ] = True,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
+    as_json: JsonLastOption = False,
 ) -> None:
     """LangGraph's ReAct agent on SqliteSaver and on keel's checkpointer (steps/s, bytes,
     conformance); the OpenAI Agents SDK's Runner on the SDK's SQLiteSession (with a limit) and
@@ -43,9 +49,10 @@ def bench_integrations_command(
         conformance=conformance,
         progress=err_console.print,
     )
-    if as_json:
-        emit_json(report)
-        return
+    emit_or_show(report, as_json, _show)
+
+
+def _show(report: dict[str, Any]) -> None:
     graph = report["langgraph"]
     if graph is not None:
         out_console.print(

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from keel.cli._app import app, bench_app, emit_json, err_console, out_console
+from keel.cli._app import (
+    JsonLastOption,
+    JsonOption,
+    app,
+    bench_app,
+    emit_json,
+    emit_or_show,
+    err_console,
+    out_console,
+)
 from keel.cli._database import DatabaseOption
+
+if TYPE_CHECKING:
+    from keel.memory import Memory
 
 memory_app = typer.Typer(help="Long-term memory: status and maintenance.", no_args_is_help=True)
 app.add_typer(memory_app, name="memory")
@@ -36,27 +48,46 @@ def _progress_bar(enabled: bool) -> Any:
     )
 
 
-@memory_app.command("status")
-def status_command(
-    database: DatabaseOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-) -> None:
-    """Show which embedding models produced the stored vectors."""
+@contextmanager
+def _stage_progress(name: str) -> Iterator[Callable[[str, int, int], None]]:
+    """A progress bar on stderr, and the ``progress(stage, done, total)`` a bench reports to."""
+    with _progress_bar(True) as progress:
+        task = progress.add_task(name, total=None)
+
+        def report(stage: str, done: int, total: int) -> None:
+            progress.update(task, description=stage, completed=done, total=total)
+
+        yield report
+
+
+@contextmanager
+def _memory(database: str | None) -> Iterator[Memory]:
+    """The memory of ``--database`` (else the configured one), closed after."""
     from keel.cli._database import database_settings
     from keel.memory import open_memory
 
     memory = open_memory(database_settings(database))
     try:
-        status = memory.embedding_status()
-        payload = {
-            "configured": status.configured,
-            "counts": status.counts,
-            "stale": status.stale,
-            "missing": status.missing,
-            "needs_reembed": status.needs_reembed,
-        }
+        yield memory
     finally:
         memory.close()
+
+
+@memory_app.command("status")
+def status_command(
+    database: DatabaseOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Show which embedding models produced the stored vectors."""
+    with _memory(database) as memory:
+        status = memory.embedding_status()
+    payload = {
+        "configured": status.configured,
+        "counts": status.counts,
+        "stale": status.stale,
+        "missing": status.missing,
+        "needs_reembed": status.needs_reembed,
+    }
     if as_json:
         emit_json(payload)
         return
@@ -70,14 +101,10 @@ def status_command(
 @memory_app.command("reembed")
 def reembed_command(
     database: DatabaseOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Rebuild the vectors of every record not embedded by the configured model."""
-    from keel.cli._database import database_settings
-    from keel.memory import open_memory
-
-    memory = open_memory(database_settings(database))
-    try:
+    with _memory(database) as memory:
         before = memory.embedding_status()
         with _progress_bar(not as_json) as progress:
             task = progress.add_task("re-embedding", total=None)
@@ -87,8 +114,6 @@ def reembed_command(
 
             done = memory.reembed(progress=report)
         after = memory.embedding_status()
-    finally:
-        memory.close()
     if as_json:
         emit_json(
             {
@@ -128,7 +153,7 @@ def bench_locomo_command(
             "measures the static embeddings distilled from it.",
         ),
     ] = "local:all-minilm-l6-v2",
-    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
+    as_json: JsonLastOption = False,
 ) -> None:
     """Turn-level evidence recall of keel's default memory search on LoCoMo."""
 
@@ -138,23 +163,15 @@ def bench_locomo_command(
 
     embedder = embedder_from_spec(embedder_spec, load_settings())
 
-    with ExitStack() as stack, _progress_bar(True) as progress:
+    with ExitStack() as stack, _stage_progress("LoCoMo") as report:
         factory = None
         if postgres:
             from keel.stores import PostgresMemoryStore
 
             url = _fresh_postgres(stack)
             factory = lambda: PostgresMemoryStore(url)  # noqa: E731
-        task = progress.add_task("LoCoMo", total=None)
-
-        def report(stage: str, done: int, total: int) -> None:
-            progress.update(task, description=stage, completed=done, total=total)
-
         result = run_locomo(data, embedder=embedder, progress=report, store=factory)
-    if as_json:
-        emit_json(result)
-        return
-    _print_locomo(result)
+    emit_or_show(result, as_json, _print_locomo)
 
 
 def _print_locomo(result: dict[str, Any]) -> None:
@@ -224,7 +241,7 @@ def bench_memory_command(
             "the storage and index path without model inference.",
         ),
     ] = "local:all-minilm-l6-v2",
-    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
+    as_json: JsonLastOption = False,
 ) -> None:
     """Ingest synthetic records into the embedded memory, then measure search latency."""
 
@@ -233,47 +250,44 @@ def bench_memory_command(
     from keel.settings import load_settings
 
     with ExitStack() as stack:
-        factory = None
-        settle: Callable[[], None] | None = None
-        server_cpu: Callable[[], float | None] | None = None
-        if postgres:
-            from keel.stores import PostgresMemoryStore
-
-            settings = {"shared_buffers": postgres_shared_buffers}
-            url = _fresh_postgres(stack, settings)
-            factory = lambda: PostgresMemoryStore(url)  # noqa: E731
-
-            def vacuum() -> None:
-                import psycopg
-
-                with psycopg.connect(url, autocommit=True) as conn:
-                    conn.execute("VACUUM (ANALYZE)")
-
-            settle = vacuum
-            from keel.bench.memory import postgres_server_cpu
-
-            server_cpu = postgres_server_cpu(url)
-
-        with _progress_bar(True) as progress:
-            task = progress.add_task("memory", total=None)
-
-            def report(stage: str, done: int, total: int) -> None:
-                progress.update(task, description=stage, completed=done, total=total)
-
+        server_settings = {"shared_buffers": postgres_shared_buffers}
+        on_postgres = _on_fresh_postgres(stack, server_settings) if postgres else {}
+        with _stage_progress("memory") as report:
             result = run_memory_bench(
                 records,
                 embedder=embedder_from_spec(embedder_spec, load_settings()),
-                postgres_store=factory,
                 postgres_records=postgres_records,
-                postgres_settle=settle,
-                postgres_cpu=server_cpu,
                 progress=report,
+                **on_postgres,
             )
         if postgres:
-            result["postgres"]["server_settings"] = settings
-    if as_json:
-        emit_json(result)
-        return
+            result["postgres"]["server_settings"] = server_settings
+    emit_or_show(result, as_json, _print_memory)
+
+
+def _on_fresh_postgres(stack: ExitStack, settings: dict[str, str]) -> dict[str, Any]:
+    """``run_memory_bench``'s PostgreSQL arguments, on a server started with ``settings``: its
+    store, the VACUUM ANALYZE after ingestion, and the server's CPU reading."""
+    from keel.bench.memory import postgres_server_cpu
+    from keel.stores import PostgresMemoryStore
+
+    url = _fresh_postgres(stack, settings)
+    factory = lambda: PostgresMemoryStore(url)  # noqa: E731
+
+    def vacuum() -> None:
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("VACUUM (ANALYZE)")
+
+    return {
+        "postgres_store": factory,
+        "postgres_settle": vacuum,
+        "postgres_cpu": postgres_server_cpu(url),
+    }
+
+
+def _print_memory(result: dict[str, Any]) -> None:
     for backend in ("sqlite", "postgres"):
         if backend in result:
             r = result[backend]
@@ -305,7 +319,7 @@ def bench_ann_command(
             help="Also build hnswlib and usearch (at 1M vectors, 10 minutes or more each).",
         ),
     ] = True,
-    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")] = False,
+    as_json: JsonLastOption = False,
 ) -> None:
     """keel's embedded vector index against hnswlib and usearch: build time, memory, search
     p50/p95 and recall@10 against exact search, at each size."""
@@ -325,11 +339,12 @@ def bench_ann_command(
         embedder=embedder,
         threads=threads,
         libraries=libraries,
-        progress=lambda line: err_console.print(line),
+        progress=err_console.print,
     )
-    if as_json:
-        emit_json(result)
-        return
+    emit_or_show(result, as_json, _print_ann)
+
+
+def _print_ann(result: dict[str, Any]) -> None:
     for size, figures in result["sizes"].items():
         out_console.print(f"[bold]{int(size):,} vectors[/bold]")
         for name, r in figures.items():

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from keel.cli._app import app, bench_app, emit_json, out_console
+from keel.cli._app import JsonOption, app, bench_app, emit_json, emit_or_show, out_console
 
 
 @app.command("complete")
@@ -25,7 +25,7 @@ def complete_command(
         float | None, typer.Option("--timeout", min=0.001, help="Seconds for the whole call.")
     ] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Print text as it arrives.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Ask MODEL for one answer to PROMPT and print it with its usage."""
     import sys
@@ -105,7 +105,7 @@ def bench_models_command(
             help="Tool-requiring prompts for the tool-call rates (0: skip).",
         ),
     ] = 100,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Measure the local model (load, time to first token, tokens/s, valid tool calls with and
     without its grammar) and every fault kind."""
@@ -114,9 +114,10 @@ def bench_models_command(
     report = run_model_bench(
         max_tokens=max_tokens, local=not skip_local, tool_prompts_count=tool_prompts
     )
-    if as_json:
-        emit_json(report)
-        return
+    emit_or_show(report, as_json, _show_bench)
+
+
+def _show_bench(report: dict[str, Any]) -> None:
     local = report.get("local")
     if local:
         out_console.print(

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from keel.cli._app import app, bench_app, emit_json, out_console
+from keel.cli._app import JsonOption, app, bench_app, emit_json, out_console
 from keel.cli._database import DatabaseOption
 from keel.errors import UsageError
 from keel.tracing._render import STATUS_STYLE, format_ms
@@ -14,7 +14,7 @@ from keel.tracing._render import STATUS_STYLE, format_ms
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from keel.tracing import SessionStats, StepNode, TraceStore
+    from keel.tracing import Run, RunQuery, SessionStats, StepNode, TraceStore
 
 runs_app = typer.Typer(
     help="Run traces: list runs, show one as a tree of steps, death-spiral indicators.",
@@ -22,7 +22,6 @@ runs_app = typer.Typer(
 )
 app.add_typer(runs_app, name="runs")
 
-JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 SinceOption = Annotated[
     str | None,
     typer.Option("--since", help="Only runs started since: an ISO time or an age (1h, 2d)."),
@@ -74,29 +73,19 @@ def list_command(
     as_json: JsonOption = False,
 ) -> None:
     """List runs, newest first."""
-    from pydantic import ValidationError
-    from rich.table import Table
-
-    from keel.tracing import RUN_STATUSES, RunQuery, parse_since
-
-    if status is not None and status not in RUN_STATUSES:
-        raise UsageError(f"unknown status {status!r}; use one of {', '.join(RUN_STATUSES)}")
-    try:
-        query = RunQuery.model_validate(
-            {
-                "session_id": session,
-                "user_id": user,
-                "tenant_id": tenant,
-                "agent": agent,
-                "status": status,
-                "min_model_calls": min_steps,
-                "tool_error": True if tool_error else None,
-                "since": parse_since(since) if since else None,
-                "limit": limit,
-            }
-        )
-    except ValidationError as exc:
-        raise UsageError(f"invalid filter: {exc.errors()[0]['msg']}") from exc
+    query = _run_query(
+        {
+            "session_id": session,
+            "user_id": user,
+            "tenant_id": tenant,
+            "agent": agent,
+            "status": status,
+            "min_model_calls": min_steps,
+            "tool_error": True if tool_error else None,
+            "since": since,
+            "limit": limit,
+        }
+    )
     with _store(database) as store:
         runs = store.list_runs(query)
     if as_json:
@@ -111,6 +100,29 @@ def list_command(
     if not runs:
         _console().print("no runs match")
         return
+    _console().print(_runs_table(runs))
+    _console().print(f"{len(runs)} run(s); `keel runs show RUN` for details")
+
+
+def _run_query(filters: dict[str, Any]) -> RunQuery:
+    """The query the list's options ask for (``since``: an ISO time or an age)."""
+    from pydantic import ValidationError
+
+    from keel.tracing import RUN_STATUSES, RunQuery, parse_since
+
+    status = filters["status"]
+    if status is not None and status not in RUN_STATUSES:
+        raise UsageError(f"unknown status {status!r}; use one of {', '.join(RUN_STATUSES)}")
+    since = filters["since"]
+    try:
+        return RunQuery.model_validate({**filters, "since": parse_since(since) if since else None})
+    except ValidationError as exc:
+        raise UsageError(f"invalid filter: {exc.errors()[0]['msg']}") from exc
+
+
+def _runs_table(runs: list[Run]) -> Any:
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold")
     table.add_column("run", no_wrap=True)
     table.add_column("session")
@@ -138,8 +150,7 @@ def list_command(
             f"{run.prompt_tokens}/{run.completion_tokens}",
             str(run.tool_errors) if run.tool_errors else "",
         )
-    _console().print(table)
-    _console().print(f"{len(runs)} run(s); `keel runs show RUN` for details")
+    return table
 
 
 def _tree_json(nodes: list[StepNode]) -> list[dict[str, Any]]:

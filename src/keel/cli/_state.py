@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Annotated
+from contextlib import closing
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from keel.cli._app import app, bench_app, emit_json, err_console, out_console
+from keel.cli._app import (
+    JsonLastOption,
+    JsonOption,
+    app,
+    bench_app,
+    emit_json,
+    emit_or_show,
+    err_console,
+    out_console,
+)
 
 if TYPE_CHECKING:
     from keel.state import StateBackend
@@ -31,7 +40,7 @@ def bench_state_command(
     langgraph: Annotated[
         bool, typer.Option(help="Also run LangGraph's SqliteSaver on the same workload.")
     ] = True,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
+    as_json: JsonLastOption = False,
 ) -> None:
     """Checkpoints/s, read latency, bytes and lost updates per backend, versus LangGraph."""
     from keel.bench.state import run_state_bench
@@ -51,11 +60,12 @@ def bench_state_command(
         postgres_url=postgres_url,
         redis_url=redis_url,
         langgraph=langgraph,
-        progress=lambda text: err_console.print(text),
+        progress=err_console.print,
     )
-    if as_json:
-        emit_json(results)
-        return
+    emit_or_show(results, as_json, _show_bench)
+
+
+def _show_bench(results: dict[str, Any]) -> None:
     for name, figures in results["backends"].items():
         out_console.print(
             f"{name:<9} {figures['checkpoints_per_s']:>9.1f} checkpoints/s  "
@@ -95,14 +105,11 @@ def _open(url: str | None) -> StateBackend:
 @state_app.command("sessions")
 def state_sessions_command(
     url: UrlOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """List the stored sessions."""
-    backend = _open(url)
-    try:
+    with closing(_open(url)) as backend:
         sessions = backend.sessions()
-    finally:
-        backend.close()
     if as_json:
         emit_json({"sessions": sessions})
         return
@@ -115,36 +122,17 @@ def state_history_command(
     session_id: Annotated[str, typer.Argument(help="The session.")],
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 20,
     url: UrlOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """A session's checkpoints: version, time, step, reason, storage kind and size, marks."""
-    import time
-
     from keel.errors import StateError
-    from keel.state import CheckpointInfo
+    from keel.state import AgentState, StateStore
 
-    backend = _open(url)
-    try:
-        rows = backend.history(session_id, time.time())
-    finally:
-        backend.close()
-    if not rows:
+    with closing(_open(url)) as backend:
+        every = StateStore(backend, AgentState).history(session_id)
+    if not every:
         raise StateError(f"no state stored for session {session_id!r}")
-    infos = [
-        CheckpointInfo(
-            session_id=session_id,
-            version=row.version,
-            created_at=datetime.fromtimestamp(row.created_at, UTC),
-            step=row.step,
-            reason=row.reason,
-            kind=row.kind,
-            size_bytes=row.size,
-            schema_version=row.schema_version,
-            good=row.good,
-            forked_from=row.forked_from,
-        )
-        for row in reversed(rows)
-    ][:limit]
+    infos = every[:limit]
     if as_json:
         emit_json(
             {"session_id": session_id, "checkpoints": [i.model_dump(mode="json") for i in infos]}
@@ -167,7 +155,7 @@ def state_vacuum_command(
         float | None, typer.Option(help="Drop checkpoints older than this many seconds.")
     ] = None,
     url: UrlOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Delete expired sessions and old checkpoints (the head and last good one always stay)."""
     from pydantic import ValidationError
@@ -179,11 +167,8 @@ def state_vacuum_command(
         retention = Retention(keep_last=keep_last, max_age_s=max_age)
     except ValidationError as exc:
         raise UsageError(f"invalid retention: {exc.errors()[0]['msg']}") from exc
-    backend = _open(url)
-    try:
+    with closing(_open(url)) as backend:
         report = vacuum(backend, retention)
-    finally:
-        backend.close()
     if as_json:
         emit_json(report.model_dump())
         return

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from keel.cli._app import bench_app, emit_json, err_console, out_console
+from keel.cli._app import (
+    JsonLastOption,
+    bench_app,
+    emit_or_show,
+    err_console,
+    out_console,
+)
 
 
 @bench_app.command("stream")
@@ -19,7 +25,7 @@ def bench_stream_command(
     ] = 200,
     max_tokens: Annotated[int, typer.Option(min=4, help="Tokens per answer.")] = 24,
     seed: Annotated[int, typer.Option(help="Seed of the cancellations and cuts.")] = 7,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
+    as_json: JsonLastOption = False,
 ) -> None:
     """Time to first token (raw SDK vs agent.stream), keel's added latency, tokens/s, and 0
     invariant violations over streamed turns cut and cancelled at random (llama.cpp server)."""
@@ -30,11 +36,12 @@ def bench_stream_command(
         chaos_turns=turns,
         max_tokens=max_tokens,
         seed=seed,
-        progress=lambda text: err_console.print(text),
+        progress=err_console.print,
     )
-    if as_json:
-        emit_json(report)
-        return
+    emit_or_show(report, as_json, _show)
+
+
+def _show(report: dict[str, Any]) -> None:
     ttft = report["ttft_ms_p50"]
     out_console.print(
         f"ttft p50: sdk {ttft['sdk']:.0f} ms, agent.stream {ttft['agent_stream']:.0f} ms "

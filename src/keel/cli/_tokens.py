@@ -6,14 +6,14 @@ from typing import Annotated
 
 import typer
 
-from keel.cli._app import app, emit_json, out_console
+from keel.cli._app import JsonOption, app, emit_json, out_console
 
 
 @app.command("tokens")
 def tokens_command(
     text: Annotated[str, typer.Argument(help="The text to count; '-' reads standard input.")],
     model: Annotated[str, typer.Option("--model", "-m", help="Model name or spec.")] = "gpt-4o",
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
     estimate: Annotated[
         bool,
         typer.Option("--estimate", help="For an unknown model, print a padded estimate."),

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from keel.cli._app import app, bench_app, emit_json, out_console
+from keel.cli._app import JsonOption, app, bench_app, emit_json, out_console
 from keel.cli._database import DatabaseOption
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def bench_faults_command(
     pair_turns: Annotated[
         int, typer.Option("--pair-turns", min=1, help="Turns each worker of a pair sends.")
     ] = 6,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Run seeded faulty runs through the Agent and count what went wrong, from the effects."""
     from keel.bench.faults import run_fault_bench
@@ -77,7 +77,7 @@ def tools_in_doubt_command(
         str | None, typer.Option("--session", help="Only this session's calls.")
     ] = None,
     database: DatabaseOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """List side-effecting calls that started and recorded no result (check them by hand)."""
     entries = _journal(database).in_doubt(session)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from keel.cli._app import bench_app, emit_json, err_console, out_console
+from keel.cli._app import (
+    JsonLastOption,
+    bench_app,
+    emit_or_show,
+    err_console,
+    out_console,
+)
 
 
 @bench_app.command("turns")
@@ -31,7 +37,7 @@ def bench_turns_command(
             "the median of their medians is reported, and each run's flatness."
         ),
     ] = 1,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
+    as_json: JsonLastOption = False,
 ) -> None:
     """Per-turn cost (median, p95 per bucket), flatness, turns/s and bytes, versus LangGraph."""
     from keel.bench.turns import run_turns_bench
@@ -48,11 +54,12 @@ def bench_turns_command(
         langgraph=langgraph,
         database=database,
         repeat=repeat,
-        progress=lambda text: err_console.print(text),
+        progress=err_console.print,
     )
-    if as_json:
-        emit_json(result)
-        return
+    emit_or_show(result, as_json, _show)
+
+
+def _show(result: dict[str, Any]) -> None:
     rows = [("keel", result)]
     if "memory_on" in result:
         rows.append(("keel+memory", result["memory_on"]))
@@ -64,4 +71,4 @@ def bench_turns_command(
             f"flatness {figures['flatness']}  {figures['turns_per_s']:>7.1f} turns/s  "
             f"{figures['db_bytes']:>11} bytes"
         )
-        out_console.print(f"{'':<12} p50 per {bucket} turns: {figures['buckets_ms_p50']}")
+        out_console.print(f"{'':<12} p50 per {result['bucket']} turns: {figures['buckets_ms_p50']}")

@@ -13,6 +13,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -21,6 +22,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from keel._assets import smollm2_gguf
 from keel.errors import BackendUnavailableError
 
 __all__ = [
@@ -118,6 +122,16 @@ def _apply_settings(uri: str, settings: Mapping[str, str]) -> bool:
     return bool(row and row[0])
 
 
+def _stop(process: subprocess.Popen[bytes], *, timeout_s: float) -> None:
+    """Ask a server process to stop; kill it if it has not within ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
     """Start ``redis-server`` on a free loopback port, without persistence; yield its URL."""
@@ -145,11 +159,7 @@ def redis_server() -> Iterator[str]:
                 time.sleep(0.05)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        _stop(process, timeout_s=5)
 
 
 @contextlib.contextmanager
@@ -163,12 +173,6 @@ def llama_server(
         BackendUnavailableError: the server did not start (its log's tail says why; it needs
             llama-cpp-python's ``server`` extra).
     """
-    import sys
-
-    import httpx
-
-    from keel._assets import smollm2_gguf
-
     port = free_port()
     command = [
         sys.executable,
@@ -221,11 +225,6 @@ def llama_server(
             time.sleep(0.2)
         yield base_url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process, timeout_s=10)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
