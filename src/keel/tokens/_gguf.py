@@ -12,6 +12,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from keel._assets import AssetMissingError, smollm2_gguf
+from keel._llama import silence_llama_logs
 from keel.errors import UnknownModelError
 
 __all__ = ["GGUFTokenizer", "gguf_tokenizer"]
@@ -27,8 +29,6 @@ class GGUFTokenizer:
             raise UnknownModelError(
                 name, "exact counts need llama-cpp-python (the 'local' extra)"
             ) from exc
-        from keel._llama import silence_llama_logs
-
         silence_llama_logs()
         self._name = name
         self.path = path
@@ -82,8 +82,6 @@ class GGUFTokenizer:
 @cache
 def gguf_tokenizer(name: str) -> GGUFTokenizer:
     """The tokenizer of a bundled GGUF model (``smollm2``), loaded once."""
-    from keel._assets import AssetMissingError, smollm2_gguf
-
     if name != "smollm2":
         raise UnknownModelError(name, "bundled GGUF models: smollm2")
     try:
