@@ -15,11 +15,12 @@ from typing import Any
 from keel._assets import AssetMissingError, smollm2_gguf
 from keel._llama import silence_llama_logs
 from keel.errors import UnknownModelError
+from keel.tokens._base import ExactTokenizer
 
 __all__ = ["GGUFTokenizer", "gguf_tokenizer"]
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(ExactTokenizer):
     """The tokenizer embedded in a GGUF model file."""
 
     def __init__(self, name: str, path: Path) -> None:
@@ -30,7 +31,7 @@ class GGUFTokenizer:
                 name, "exact counts need llama-cpp-python (the 'local' extra)"
             ) from exc
         silence_llama_logs()
-        self._name = name
+        super().__init__(name)
         self.path = path
         self._vocab: Any = Llama(model_path=str(path), vocab_only=True, verbose=False)
         # llama.cpp's tokenizer keeps per-call scratch state; one caller at a time.
@@ -45,14 +46,6 @@ class GGUFTokenizer:
             vocab, self._vocab = self._vocab, None
         if vocab is not None:
             vocab.close()
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def exact(self) -> bool:
-        return True
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text: special-token spellings inside it are not special."""
