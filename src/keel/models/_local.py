@@ -33,11 +33,11 @@ from keel.errors import (
     ContextLengthExceededError,
     ModelTimeoutError,
     ModelUnavailableError,
-    TruncatedResponseError,
     UnknownModelError,
     UsageError,
 )
 from keel.messages import Message, Usage
+from keel.models._answer import StreamedAnswer, refuse_cut_answer, whole_call_deltas
 from keel.models._base import (
     ChatModel,
     Completion,
@@ -46,7 +46,6 @@ from keel.models._base import (
     ModelOptions,
     ToolSchema,
 )
-from keel.models._stream import StreamedAnswer, whole_call_deltas
 from keel.models._toolcalls import parse_tool_calls, render_tool_call, render_tools_prompt
 from keel.tokens import counter_for
 
@@ -459,13 +458,8 @@ class LocalModel(ChatModel):
             raw={"text": text, "finish_reason": finish},
             tool_call_errors=errors,
         )
-        if reason == "length" and not options.allow_truncated:
-            raise TruncatedResponseError(
-                f"the answer was cut at max_tokens={options.max_tokens or _DEFAULT_MAX_TOKENS} "
-                "(finish_reason=length); raise max_tokens or set allow_truncated",
-                model=self.spec,
-                raw=completion,
-            )
+        cap = options.max_tokens or _DEFAULT_MAX_TOKENS
+        refuse_cut_answer(completion, options, self.spec, f"max_tokens={cap}")
         return completion
 
     async def _acomplete(

@@ -41,6 +41,7 @@ from keel.errors import (
     TruncatedResponseError,
 )
 from keel.messages import Message, ToolCall, Usage
+from keel.models._answer import StreamedAnswer, refuse_cut_answer
 from keel.models._base import (
     ChatModel,
     Completion,
@@ -51,7 +52,6 @@ from keel.models._base import (
     ToolSchema,
 )
 from keel.models._retry import RetryableModelError, RetryPolicy, RetryState, call_with_retries
-from keel.models._stream import StreamedAnswer
 from keel.tokens import ChatTokenCounter, counter_for
 
 if TYPE_CHECKING:
@@ -319,13 +319,8 @@ class OpenAICompatibleModel(ChatModel):
                     model=self.spec,
                     raw=completion,
                 ) from exc
-        if completion.finish_reason == "length" and not options.allow_truncated:
-            raise TruncatedResponseError(
-                f"the answer was cut at max_tokens after {completion.usage.completion_tokens} "
-                "tokens (finish_reason=length); raise max_tokens or set allow_truncated",
-                model=self.spec,
-                raw=completion,
-            )
+        generated = completion.usage.completion_tokens
+        refuse_cut_answer(completion, options, self.spec, f"max_tokens after {generated} tokens")
         return completion
 
     # --- one answer ---------------------------------------------------------------------------

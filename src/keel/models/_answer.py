@@ -1,15 +1,16 @@
-"""What a streamed answer has said so far, shared by the models that stream: its text pieces,
-its tool calls put back together from their pieces, and when its first output came."""
+"""What the models share about the answer they return: a streamed answer put together from its
+pieces (text, tool calls, time to first output), and the refusal of an answer cut short."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 
+from keel.errors import TruncatedResponseError
 from keel.messages import ToolCall
-from keel.models._base import CompletionChunk, ToolCallDelta
+from keel.models._base import Completion, CompletionChunk, ModelOptions, ToolCallDelta
 
-__all__ = ["StreamedAnswer", "whole_call_deltas"]
+__all__ = ["StreamedAnswer", "refuse_cut_answer", "whole_call_deltas"]
 
 
 class StreamedAnswer:
@@ -66,3 +67,15 @@ def whole_call_deltas(calls: Sequence[ToolCall]) -> tuple[ToolCallDelta, ...]:
         ToolCallDelta(index=index, id=call.id, name=call.name, arguments=call.arguments)
         for index, call in enumerate(calls)
     )
+
+
+def refuse_cut_answer(completion: Completion, options: ModelOptions, model: str, cut: str) -> None:
+    """Raise :class:`TruncatedResponseError` for an answer that stopped at max_tokens, unless
+    the caller allows one; ``cut`` says where it stopped, for the message."""
+    if completion.finish_reason == "length" and not options.allow_truncated:
+        raise TruncatedResponseError(
+            f"the answer was cut at {cut} (finish_reason=length); raise max_tokens or set "
+            "allow_truncated",
+            model=model,
+            raw=completion,
+        )
