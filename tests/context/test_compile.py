@@ -217,6 +217,27 @@ def test_degradation_order_is_fixed_and_reported() -> None:
     assert all(step.tokens_saved > 0 and step.detail for step in prompt.report.degradations)
 
 
+def test_a_floor_that_cannot_fit_loses_its_oldest_turns_never_the_newest_user_message() -> None:
+    # One turn of 40 tool results outweighs the whole limit even pruned hard and elided.
+    engine = ContextEngine("gpt-4o", budget=ContextBudget(window=2_000))
+    calls = [ToolCall(id=f"c{i}", name="search") for i in range(40)]
+    history = [
+        Message.user("check everything"),
+        Message.assistant("", tool_calls=calls),
+        *(Message.tool(call.id, text_of(200, i), name="search") for i, call in enumerate(calls)),
+        Message.user("and now?"),
+    ]
+    prompt = engine.compile(history, system="S")
+    steps = [step.step for step in prompt.report.degradations]
+    assert steps == ["prune_tools_harder", "elide_messages", "drop_below_floor"]
+    assert "dropped below the floor" in prompt.report.degradations[-1].detail
+    assert [message.content for message in prompt.messages] == ["S", "and now?"]
+    assert prompt.tokens <= prompt.report.limit
+    # The system prompt alone fits, with the newest user message (however elided) it does not.
+    with pytest.raises(ContextOverflowError):
+        engine.compile([Message.user(text_of(5_000))], system=text_of(1_740))
+
+
 def test_memories_ranked_by_score_and_capped() -> None:
     engine = ContextEngine("gpt-4o", budget=ContextBudget(memories_cap=60))
     memories = [

@@ -85,3 +85,16 @@ def test_a_long_memory_is_clipped_in_a_search_and_whole_by_its_id(memory_service
         assert len(note["text"]) > CLIPPED_CHARS
         assert acme.get(f"/v1/memory/{note['id']}", params={"user": "u2"}).status_code == 404
         assert globex.get(f"/v1/memory/{note['id']}", params={"user": "u1"}).status_code == 404
+
+
+def test_a_listing_that_pages_by_number_refuses_any_other_cursor(service: Service) -> None:
+    with service.client(service.keys.create("acme")) as acme:
+        turn = acme.post("/v1/sessions/s1/turns", json={"message": "Book Oslo", "user": "u1"})
+        assert turn.status_code == 200, turn.text
+        for path in ("/v1/sessions/s1/checkpoints", "/v1/sessions/s1/in-doubt"):
+            refused = acme.get(path, params={"cursor": "abc"})
+            assert refused.status_code == 422, refused.text
+            assert "cursor" in refused.json()["error"]["message"]
+        older = acme.get("/v1/sessions/s1/checkpoints", params={"cursor": "2"})
+        assert [info["version"] for info in older.json()] == [1]
+        assert acme.get("/v1/sessions/s1/in-doubt", params={"cursor": "0"}).json() == []

@@ -26,6 +26,8 @@ from keel.tools import (
     ToolContext,
     ToolExecutor,
     ToolRegistry,
+    ToolScope,
+    idempotency_key,
     tool,
 )
 from keel.tools._executor import LATE_NOTE
@@ -206,6 +208,30 @@ async def test_side_effect_free_tools_are_not_journalled() -> None:
     journal = InMemoryJournal()
     result = await _run(_executor(journal), "explode", '{"reason": "x"}')
     assert result.idempotency_key is None and journal.entries() == []
+
+
+async def test_a_side_effect_free_tool_gets_its_context_as_a_first_start() -> None:
+    seen: list[ToolContext] = []
+
+    @tool
+    def look_up(city: str, context: ToolContext) -> str:
+        """Look a city up."""
+        seen.append(context)
+        return city
+
+    executor = ToolExecutor(ToolRegistry([look_up]), scope=ToolScope(user_id="u1", deps="db"))
+    call = ToolCall(id="call_7", name="look_up", arguments='{"city": "Oslo"}')
+    result = await executor.execute(call, session_id="s1", step=3, call_index=1, turn_id="t1")
+    assert result.ok and result.executed and result.attempt == 1
+    [context] = seen
+    assert (context.session_id, context.step, context.call_index, context.call_id) == (
+        "s1",
+        3,
+        1,
+        "call_7",
+    )
+    assert context.attempt == 1 and context.user_id == "u1" and context.deps == "db"
+    assert context.idempotency_key == idempotency_key("s1", 3, 1, "t1")
 
 
 async def test_no_journal_no_side_effect(tmp_path: Path) -> None:

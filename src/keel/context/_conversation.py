@@ -17,7 +17,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -491,69 +491,40 @@ class Conversation:
         # keel's own notes are folded away with their turns, never summarized: a summary
         # goes to the prompt and to long-term memory as what was said.
         said = tuple(message for message in messages if not is_runtime_note(message))
-        tokens = sum(turn.raw_total for turn in chosen)
+
+        def outcome(**fields: Any) -> SummaryOutcome:
+            return SummaryOutcome(
+                turns=len(chosen),
+                messages=len(messages),
+                tokens_evicted=sum(turn.raw_total for turn in chosen),
+                elapsed_ms=(time.perf_counter() - started) * 1000,
+                **fields,
+            )
+
         resummarized = False
         try:
-            timeout = self.summary_policy.timeout_s
-            summary = await asyncio.wait_for(
-                self.summarizer.summarize(
-                    SummaryRequest(
-                        previous=self._summary,
-                        messages=said,
-                        max_tokens=self.summary_cap,
-                        counter=self.counter,
-                    )
-                ),
-                timeout,
-            )
+            summary = await self._summarize_once(self._summary, said)
             summary_tokens = self.counter.count_text(summary)
             if summary_tokens > self.summary_cap:
                 resummarized = True
-                summary = await asyncio.wait_for(
-                    self.summarizer.summarize(
-                        SummaryRequest(
-                            previous=summary,
-                            messages=(),
-                            max_tokens=self.summary_cap,
-                            counter=self.counter,
-                        )
-                    ),
-                    timeout,
-                )
-                summary_tokens = self.counter.count_text(summary)
-                if summary_tokens > self.summary_cap:
-                    summary, summary_tokens = cut_middle(
-                        self.counter.tokenizer,
-                        summary,
-                        self.summary_cap,
-                        original_tokens=summary_tokens,
-                        kind="elide",
-                    )
+                summary, summary_tokens = await self._condense(summary)
             if not summary.strip() and self._summary.strip():
                 raise ValueError("the summarizer returned an empty summary")
             if self.memory_sink is not None:
                 await self.memory_sink.archive(self.session_id, said, summary)
         except Exception as exc:  # any failure leaves the raw turns in place
-            return SummaryOutcome(
+            return outcome(
                 committed=False,
-                turns=len(chosen),
-                messages=len(messages),
-                tokens_evicted=tokens,
                 summary_tokens=self._summary_tokens,
                 resummarized=resummarized,
-                elapsed_ms=(time.perf_counter() - started) * 1000,
                 error=f"{type(exc).__name__}: {exc}",
             )
         finally:
             self._summarizing = False
         if not self._turns or self._turns[0] is not chosen[0]:
-            return SummaryOutcome(
+            return outcome(
                 committed=False,
-                turns=len(chosen),
-                messages=len(messages),
-                tokens_evicted=tokens,
                 summary_tokens=self._summary_tokens,
-                elapsed_ms=(time.perf_counter() - started) * 1000,
                 error="the history changed while summarizing",
             )
         del self._turns[: len(chosen)]
@@ -563,14 +534,30 @@ class Conversation:
         self._summary_tokens = summary_tokens
         self._turns_summarized += len(chosen)
         self._messages_summarized += len(messages)
-        return SummaryOutcome(
-            committed=True,
-            turns=len(chosen),
-            messages=len(messages),
-            tokens_evicted=tokens,
-            summary_tokens=summary_tokens,
-            resummarized=resummarized,
-            elapsed_ms=(time.perf_counter() - started) * 1000,
+        return outcome(committed=True, summary_tokens=summary_tokens, resummarized=resummarized)
+
+    async def _summarize_once(self, previous: str, messages: tuple[Message, ...]) -> str:
+        """One call of the summarizer, within the policy's timeout."""
+        request = SummaryRequest(
+            previous=previous, messages=messages, max_tokens=self.summary_cap, counter=self.counter
+        )
+        return await asyncio.wait_for(
+            self.summarizer.summarize(request), self.summary_policy.timeout_s
+        )
+
+    async def _condense(self, summary: str) -> tuple[str, int]:
+        """A merged summary over its cap, summarized again alone; cut to the cap if it still
+        does not fit. The summary and its tokens."""
+        condensed = await self._summarize_once(summary, ())
+        tokens = self.counter.count_text(condensed)
+        if tokens <= self.summary_cap:
+            return condensed, tokens
+        return cut_middle(
+            self.counter.tokenizer,
+            condensed,
+            self.summary_cap,
+            original_tokens=tokens,
+            kind="elide",
         )
 
     @property

@@ -545,15 +545,34 @@ class _Compilation:
         )
 
     def _degrade(self) -> None:
-        engine = self.engine
-        limit = self.limit
-        protected = self.newest_user if self.newest_user is not None else len(self.conv._turns)
+        """Cut, in order, until the prompt fits: each step runs only while it is still over."""
         self._elide_oversized()
+        self._prune_tools_harder()
+        self._drop_memories()
+        if self.total > self.limit and self.summary_msg is not None:
+            self._shorten_summary(self.summary_msg)
+        if self.total > self.limit:
+            self._elide_messages()
+        if self.total > self.limit:
+            self._drop_below_floor()
+        if self.total > self.limit:
+            sections = {"system": self.system_t, "rules": self.rules_t, "tools": self.tools_t}
+            if self.newest_user is not None:
+                sections["newest_user_message"] = self.turns_t
+            sections["reply_priming"] = self.engine._priming
+            raise ContextOverflowError(
+                "the system prompt, operating rules, tool schemas and newest user message "
+                "(in its minimal form) do not fit the prompt limit together",
+                sections=sections,
+                limit=self.limit,
+            )
 
-        # 1. prune tool output harder, oldest first, outside the current turn
+    def _prune_tools_harder(self) -> None:
+        """Step 1: prune tool output harder, oldest first, outside the current turn."""
+        protected = self.newest_user if self.newest_user is not None else len(self.conv._turns)
         before, touched = self.total, 0
         for entry in self.plan:
-            if self.total <= limit:
+            if self.total <= self.limit:
                 break
             if entry.index >= protected:
                 continue
@@ -569,88 +588,78 @@ class _Compilation:
         self._step(
             "prune_tools_harder",
             before,
-            f"tool results of {touched} turns cut to {engine.pruning.hard_max_tokens} tokens",
+            f"tool results of {touched} turns cut to {self.engine.pruning.hard_max_tokens} tokens",
         )
 
-        # 3. drop memories, lowest-ranked first
+    def _drop_memories(self) -> None:
+        """Step 3: drop memories, lowest-ranked first."""
         before, dropped = self.total, 0
-        while self.total > limit and self.kept_memories:
+        while self.total > self.limit and self.kept_memories:
             self.kept_memories.pop()
-            self.memories_msg, self.memories_t, _ = engine._memories_block(self.kept_memories)
+            self.memories_msg, self.memories_t, _ = self.engine._memories_block(self.kept_memories)
             dropped += 1
         self._step("drop_memories", before, f"{dropped} lowest-ranked memories dropped")
 
-        # 4. shorten the summary
-        if self.total > limit and self.summary_msg is not None:
-            before = self.total
-            content_t = engine.counter.count_text(self.summary_msg.content)
-            target = content_t - (self.total - limit)
-            if target < engine.pruning.min_elided_tokens:
-                self.summary_msg, self.summary_t = None, 0
-                detail = "summary dropped: too little of it would fit"
-            else:
-                shorter, _ = cut_middle(
-                    engine.counter.tokenizer,
-                    self.summary_msg.content,
-                    target,
-                    original_tokens=content_t,
-                    kind="elide",
-                )
-                self.summary_msg, self.summary_t, _ = engine._block(shorter)
-                detail = f"summary cut from {content_t} to {target} tokens"
-            self._step("shorten_summary", before, detail)
-
-        # 5. elide the middle of the largest messages
-        if self.total > limit:
-            before, count = self.total, 0
-            floor = engine.pruning.min_elided_tokens
-            progress = True
-            while progress and self.total > limit:
-                # Largest first; repeated passes because a marker can eat part of a cut.
-                progress = False
-                candidates = sorted(
-                    (
-                        (entry.forms[position].content_tokens, entry, position)
-                        for entry in self.plan
-                        for position in range(len(entry.forms))
-                    ),
-                    key=lambda item: item[0],
-                    reverse=True,
-                )
-                for content_t, entry, position in candidates:
-                    over = self.total - limit
-                    if over <= 0 or content_t <= floor:
-                        break
-                    if self._elide(entry, position, max(floor, content_t - over)):
-                        count += 1
-                        progress = True
-            self._step("elide_messages", before, f"middle of {count} messages elided")
-
-        # 6. below the floor: oldest turns first, never the newest user message
-        if self.total > limit:
-            before, dropped = self.total, 0
-            position = 0
-            while self.total > limit and position < len(self.plan):
-                entry = self.plan[position]
-                if entry.index == self.newest_user:
-                    position += 1
-                    continue
-                self.plan.pop(position)
-                self.turns_t -= entry.tokens
-                dropped += 1
-            self._step("drop_below_floor", before, f"{dropped} turns dropped below the floor")
-
-        if self.total > limit:
-            sections = {"system": self.system_t, "rules": self.rules_t, "tools": self.tools_t}
-            if self.newest_user is not None:
-                sections["newest_user_message"] = self.turns_t
-            sections["reply_priming"] = self.engine._priming
-            raise ContextOverflowError(
-                "the system prompt, operating rules, tool schemas and newest user message "
-                "(in its minimal form) do not fit the prompt limit together",
-                sections=sections,
-                limit=limit,
+    def _shorten_summary(self, summary: Message) -> None:
+        """Step 4: cut the middle out of the summary, or drop it when too little would fit."""
+        engine = self.engine
+        before = self.total
+        content_t = engine.counter.count_text(summary.content)
+        target = content_t - (self.total - self.limit)
+        if target < engine.pruning.min_elided_tokens:
+            self.summary_msg, self.summary_t = None, 0
+            detail = "summary dropped: too little of it would fit"
+        else:
+            shorter, _ = cut_middle(
+                engine.counter.tokenizer,
+                summary.content,
+                target,
+                original_tokens=content_t,
+                kind="elide",
             )
+            self.summary_msg, self.summary_t, _ = engine._block(shorter)
+            detail = f"summary cut from {content_t} to {target} tokens"
+        self._step("shorten_summary", before, detail)
+
+    def _elide_messages(self) -> None:
+        """Step 5: elide the middle of the largest messages."""
+        before, count = self.total, 0
+        floor = self.engine.pruning.min_elided_tokens
+        progress = True
+        while progress and self.total > self.limit:
+            # Largest first; repeated passes because a marker can eat part of a cut.
+            progress = False
+            candidates = sorted(
+                (
+                    (entry.forms[position].content_tokens, entry, position)
+                    for entry in self.plan
+                    for position in range(len(entry.forms))
+                ),
+                key=lambda item: item[0],
+                reverse=True,
+            )
+            for content_t, entry, position in candidates:
+                over = self.total - self.limit
+                if over <= 0 or content_t <= floor:
+                    break
+                if self._elide(entry, position, max(floor, content_t - over)):
+                    count += 1
+                    progress = True
+        self._step("elide_messages", before, f"middle of {count} messages elided")
+
+    def _drop_below_floor(self) -> None:
+        """Step 6: below the floor, drop the oldest turns first, never the newest user message."""
+        before, dropped = self.total, 0
+        position = 0
+        while self.total > self.limit and position < len(self.plan):
+            entry = self.plan[position]
+            if entry.index == self.newest_user:
+                position += 1
+                continue
+            self.plan.pop(position)
+            self.turns_t -= entry.tokens
+            dropped += 1
+        self._step("drop_below_floor", before, f"{dropped} turns dropped below the floor")
 
     def run(self, extra_headroom: int = 0) -> CompiledPrompt:
         engine = self.engine
@@ -674,7 +683,6 @@ class _Compilation:
         return self._assemble()
 
     def _assemble(self) -> CompiledPrompt:
-        conv = self.conv
         messages: list[Message] = [self.system_msg]
         if self.memories_msg is not None:
             messages.append(self.memories_msg)
@@ -683,15 +691,31 @@ class _Compilation:
         pruned: list[PrunedOutput] = []
         if self.summary_cut is not None and self.summary_msg is not None:
             pruned.append(self.summary_cut.model_copy(update={"message_index": len(messages) - 1}))
-        rules_placed = False
+        kept_raw, kept_messages = self._place_turns(messages, pruned)
+        self._mark_window_start()
+        turns_kept = len(self.older_turns) + len(self.plan)
+        outside = len(self.conv._turns) - turns_kept - (1 if self.left_open else 0)
+        self._note_left_out(outside, kept_raw)
+        report = self._report(
+            turns_kept=turns_kept,
+            messages_kept=kept_messages,
+            turns_outside_window=max(0, outside),
+            pruned=tuple(pruned),
+        )
+        return CompiledPrompt(messages=tuple(messages), tools=self.tools, report=report)
+
+    def _place_turns(self, messages: list[Message], pruned: list[PrunedOutput]) -> tuple[int, int]:
+        """Append the window's turns (the older run, then the planned entries, the rules just
+        before the newest user message) and their cuts; the raw tokens and messages kept."""
         older = self.older_turns
-        history = conv._pruned_history
+        history = self.conv._pruned_history
         kept_raw = history.raw_tokens_of(older)
         older_start = len(messages)
         messages += history.messages(older)
         kept_messages = len(messages) - older_start
         for offset, raw, form in history.cuts(older):
             pruned.append(self._pruned_output(older_start + offset, raw, form))
+        rules_placed = False
         for entry in self.plan:
             if entry.index == self.newest_user and self.rules_msg is not None:
                 messages.append(self.rules_msg)
@@ -706,14 +730,21 @@ class _Compilation:
                 messages.append(form.message)
         if self.rules_msg is not None and not rules_placed:
             messages.append(self.rules_msg)
-        if older:
-            conv._window_start_seq = conv._turns[older.start].seq
+        return kept_raw, kept_messages
+
+    def _mark_window_start(self) -> None:
+        """Remember the oldest turn sent, where the next compile's window starts looking."""
+        conv = self.conv
+        if self.older_turns:
+            conv._window_start_seq = conv._turns[self.older_turns.start].seq
         elif self.plan:
             conv._window_start_seq = self.plan[0].turn.seq
         elif conv._turns:
             conv._window_start_seq = conv._turns[-1].seq
-        turns_kept = len(older) + len(self.plan)
-        outside = len(conv._turns) - turns_kept - (1 if self.left_open else 0)
+
+    def _note_left_out(self, outside: int, kept_raw: int) -> None:
+        """Report the turns not sent: those older than the window, and one left open."""
+        conv = self.conv
         if outside > 0:
             self.dropped.append(
                 DroppedItem(
@@ -732,9 +763,19 @@ class _Compilation:
                     reason="tool calls still waiting for their results",
                 )
             )
+
+    def _report(
+        self,
+        *,
+        turns_kept: int,
+        messages_kept: int,
+        turns_outside_window: int,
+        pruned: tuple[PrunedOutput, ...],
+    ) -> BudgetReport:
         budget = self.budget
         engine = self.engine
-        report = BudgetReport.model_construct(
+        # model_construct: the values are built here, validation would only cost.
+        return BudgetReport.model_construct(
             model=engine.model,
             exact=engine.counter.exact,
             window=budget.window,
@@ -754,15 +795,14 @@ class _Compilation:
             memories_cap=budget.memories_cap,
             summary_cap=budget.summary_cap,
             turns_kept=turns_kept,
-            messages_kept=kept_messages,
-            turns_outside_window=max(0, outside),
-            turns_summarized=conv.turns_summarized,
-            summary_pending=conv.needs_summary,
-            pruned=tuple(pruned),
+            messages_kept=messages_kept,
+            turns_outside_window=turns_outside_window,
+            turns_summarized=self.conv.turns_summarized,
+            summary_pending=self.conv.needs_summary,
+            pruned=pruned,
             dropped=tuple(self.dropped),
             degradations=tuple(self.steps),
         )
-        return CompiledPrompt(messages=tuple(messages), tools=self.tools, report=report)
 
     @staticmethod
     def _pruned_output(message_index: int, raw: _Form, form: _Form) -> PrunedOutput:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from keel.context._text import cut_middle
 from keel.errors import MalformedResponseError
 from keel.messages import Message
 from keel.models import ChatModel, ModelOptions
@@ -289,8 +290,6 @@ class ModelSummarizer:
         self.tool_output_tokens = tool_output_tokens
 
     def _line(self, message: Message) -> str:
-        from keel.context._text import cut_middle
-
         tokenizer = self.model.counter.tokenizer
         if message.role == "tool":
             content = message.content

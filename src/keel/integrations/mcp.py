@@ -19,7 +19,6 @@ crash is answered with the SDK's generic message and logged with its traceback.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal, ParamSpec, TypeVar
@@ -32,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 
     raise BackendUnavailableError("the MCP SDK is not installed (the 'mcp' extra)") from exc
 
+from keel._bridge import run_blocking
 from keel.errors import UsageError
 from keel.memory import Memory, MemoryRecord, Scope
 
@@ -110,6 +110,18 @@ def memory_server(
         instructions="Long-term memory of one user: remember what matters, search before you "
         "answer, follow how a fact changed. Every call names the user.",
     )
+    scope_of = _scope_resolver(tenant, tenant_of_key)
+    _add_finding_tools(server, memory, scope_of)
+    _add_record_tools(server, memory, scope_of)
+    return server
+
+
+_ScopeOf = Callable[[str, Context], Scope]
+
+
+def _scope_resolver(tenant: str | None, tenant_of_key: TenantOfKey | None) -> _ScopeOf:
+    """How a call's user (its argument) and tenant (fixed, or its bearer key's) become the
+    scope it acts in."""
 
     def scope_of(user: str, ctx: Context) -> Scope:
         if not user.strip():
@@ -122,6 +134,12 @@ def memory_server(
         if found is None:
             raise UsageError("send Authorization: Bearer <API key> (keel keys create --tenant T)")
         return Scope(tenant_id=found, user_id=user)
+
+    return scope_of
+
+
+def _add_finding_tools(server: MCPServer, memory: Memory, scope_of: _ScopeOf) -> None:
+    """The tools that add memories and find them: remember, remember_fact, search."""
 
     @server.tool()
     @_with_reasons
@@ -156,9 +174,7 @@ def memory_server(
             value: The new value.
         """
         scope = scope_of(user, ctx)
-        record = await asyncio.to_thread(
-            lambda: memory.remember_fact(scope, subject, attribute, value)
-        )
+        record = await run_blocking(memory.remember_fact, scope, subject, attribute, value)
         return _record(record)
 
     @server.tool()
@@ -185,6 +201,10 @@ def memory_server(
             for hit in hits
         ]
 
+
+def _add_record_tools(server: MCPServer, memory: Memory, scope_of: _ScopeOf) -> None:
+    """The tools that act on one known record or fact: get, forget, fact_history."""
+
     @server.tool()
     @_with_reasons
     async def get(user: str, record_id: str, ctx: Context) -> dict[str, Any]:
@@ -195,7 +215,7 @@ def memory_server(
             record_id: The record's id (from search or remember).
         """
         scope = scope_of(user, ctx)
-        record = await asyncio.to_thread(memory.get, scope, record_id)
+        record = await run_blocking(memory.get, scope, record_id)
         if record is None:
             raise UsageError(f"the user has no record {record_id!r}")
         return _record(record)
@@ -210,7 +230,7 @@ def memory_server(
             record_id: The record's id.
         """
         scope = scope_of(user, ctx)
-        forgotten = await asyncio.to_thread(memory.forget, scope, record_id)
+        forgotten = await run_blocking(memory.forget, scope, record_id)
         if not forgotten:
             raise UsageError(f"the user has no record {record_id!r}")
         return {"forgotten": record_id}
@@ -228,10 +248,8 @@ def memory_server(
             attribute: Which property.
         """
         scope = scope_of(user, ctx)
-        chain = await asyncio.to_thread(memory.fact_history, scope, subject, attribute)
+        chain = await run_blocking(memory.fact_history, scope, subject, attribute)
         return [_record(record) for record in chain]
-
-    return server
 
 
 def require_api_key(app: _ASGI, tenant_of_key: TenantOfKey) -> _ASGI:

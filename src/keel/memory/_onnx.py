@@ -110,7 +110,7 @@ class _GraphBuilder:
     """Accumulates ONNX nodes and initializers with unique, readable names."""
 
     def __init__(self) -> None:
-        import onnx
+        import onnx  # the 'embeddings' extra; only building an encoder needs it
 
         self.helper = onnx.helper
         self.numpy_helper = onnx.numpy_helper
@@ -133,115 +133,159 @@ class _GraphBuilder:
 
 def build_bert_encoder(folder: Path, config: BertConfig) -> bytes:
     """The serialized ONNX model: ``(input_ids, attention_mask)`` -> pooled ``(batch, hidden)``."""
-    import onnx
+    g = _BertGraph(folder, config)
+    x = g.embeddings()
+    mask = g.op("Cast", "attention_mask", to=g.onnx.TensorProto.FLOAT)
+    shared = g.layer_constants(mask)
+    for index in range(config.layers):
+        x = g.encoder_layer(x, f"encoder.layer.{index}", shared)
+    return g.serialize(g.pool(x, mask))
 
-    weights = read_safetensors(folder / "model.safetensors")
-    prefix = "bert." if "bert.embeddings.word_embeddings.weight" in weights else ""
 
-    def weight(name: str) -> npt.NDArray[np.float32]:
+@dataclass(frozen=True)
+class _LayerConstants:
+    """The tensors every encoder layer reads (names in the graph)."""
+
+    attention_bias: str
+    split_heads: str
+    merge_heads: str
+    scale: str
+    half: str
+    inv_sqrt2: str
+    one: str
+
+
+class _BertGraph(_GraphBuilder):
+    """The encoder's graph, written from the weights of a sentence-transformers folder."""
+
+    def __init__(self, folder: Path, config: BertConfig) -> None:
+        super().__init__()
+        import onnx  # the 'embeddings' extra; only building an encoder needs it
+
+        self.onnx = onnx
+        self.folder = folder
+        self.config = config
+        self.weights = read_safetensors(folder / "model.safetensors")
+        self.prefix = "bert." if "bert.embeddings.word_embeddings.weight" in self.weights else ""
+
+    def weight(self, name: str) -> npt.NDArray[np.float32]:
         try:
-            return np.asarray(weights[prefix + name], dtype=np.float32)
+            return np.asarray(self.weights[self.prefix + name], dtype=np.float32)
         except KeyError as exc:
-            raise ConfigError(f"{folder}: model.safetensors has no tensor {name}") from exc
+            raise ConfigError(f"{self.folder}: model.safetensors has no tensor {name}") from exc
 
-    g = _GraphBuilder()
-    hidden, heads = config.hidden_size, config.heads
-    head_size = hidden // heads
-    eps = config.layer_norm_eps
-
-    def layer_norm(x: str, name: str) -> str:
-        return g.op(
+    def layer_norm(self, x: str, name: str) -> str:
+        return self.op(
             "LayerNormalization",
             x,
-            g.constant(f"{name}.weight", weight(f"{name}.weight")),
-            g.constant(f"{name}.bias", weight(f"{name}.bias")),
+            self.constant(f"{name}.weight", self.weight(f"{name}.weight")),
+            self.constant(f"{name}.bias", self.weight(f"{name}.bias")),
             axis=-1,
-            epsilon=eps,
+            epsilon=self.config.layer_norm_eps,
         )
 
-    def dense(x: str, name: str) -> str:
+    def dense(self, x: str, name: str) -> str:
         # torch Linear stores (out, in); ONNX MatMul wants (in, out).
-        product = g.op("MatMul", x, g.constant(f"{name}.weight", weight(f"{name}.weight").T))
-        return g.op("Add", product, g.constant(f"{name}.bias", weight(f"{name}.bias")))
+        weight = self.constant(f"{name}.weight", self.weight(f"{name}.weight").T)
+        return self.op(
+            "Add",
+            self.op("MatMul", x, weight),
+            self.constant(f"{name}.bias", self.weight(f"{name}.bias")),
+        )
 
-    # Embeddings. Single-sentence inputs always use token type 0, so its row is folded into
-    # the position table.
-    positions = (
-        weight("embeddings.position_embeddings.weight")
-        + weight("embeddings.token_type_embeddings.weight")[0]
-    )
-    vocabulary = "embeddings.word_embeddings.weight"
-    words = g.op("Gather", g.constant(vocabulary, weight(vocabulary)), "input_ids")
-    length = g.op("Shape", "input_ids", start=1, end=2)
-    zero = g.constant("zero", np.array([0], dtype=np.int64))
-    position_rows = g.op("Slice", g.constant("positions", positions), zero, length, zero)
-    x = layer_norm(g.op("Add", words, position_rows), "embeddings.LayerNorm")
+    def embeddings(self) -> str:
+        """Word plus position embeddings, normalized. Single-sentence inputs always use token
+        type 0, so its row is folded into the position table."""
+        positions = (
+            self.weight("embeddings.position_embeddings.weight")
+            + self.weight("embeddings.token_type_embeddings.weight")[0]
+        )
+        vocabulary = "embeddings.word_embeddings.weight"
+        words = self.op("Gather", self.constant(vocabulary, self.weight(vocabulary)), "input_ids")
+        length = self.op("Shape", "input_ids", start=1, end=2)
+        zero = self.constant("zero", np.array([0], dtype=np.int64))
+        position_rows = self.op("Slice", self.constant("positions", positions), zero, length, zero)
+        return self.layer_norm(self.op("Add", words, position_rows), "embeddings.LayerNorm")
 
-    mask = g.op("Cast", "attention_mask", to=onnx.TensorProto.FLOAT)
-    # (1 - mask) * -10000, shaped (batch, 1, 1, seq) to broadcast over heads and queries.
-    padding = g.op(
-        "Mul",
-        g.op("Sub", g.constant("one", np.array(1.0, dtype=np.float32)), mask),
-        g.constant("neg", np.array(-10000.0, dtype=np.float32)),
-    )
-    attention_bias = g.op("Unsqueeze", padding, g.constant("axes12", np.array([1, 2])))
-    split_heads = g.constant("split_heads", np.array([0, 0, heads, head_size], dtype=np.int64))
-    merge_heads = g.constant("merge_heads", np.array([0, 0, hidden], dtype=np.int64))
-    scale = g.constant("scale", np.array(1.0 / math.sqrt(head_size), dtype=np.float32))
-    half = g.constant("half", np.array(0.5, dtype=np.float32))
-    inv_sqrt2 = g.constant("inv_sqrt2", np.array(1.0 / math.sqrt(2.0), dtype=np.float32))
-    one = "one"
-
-    for index in range(config.layers):
-        name = f"encoder.layer.{index}"
-        query = g.op("Reshape", dense(x, f"{name}.attention.self.query"), split_heads)
-        key = g.op("Reshape", dense(x, f"{name}.attention.self.key"), split_heads)
-        value = g.op("Reshape", dense(x, f"{name}.attention.self.value"), split_heads)
-        query = g.op("Transpose", query, perm=[0, 2, 1, 3])
-        key = g.op("Transpose", key, perm=[0, 2, 3, 1])
-        value = g.op("Transpose", value, perm=[0, 2, 1, 3])
-        scores = g.op("Add", g.op("Mul", g.op("MatMul", query, key), scale), attention_bias)
-        context = g.op("MatMul", g.op("Softmax", scores, axis=-1), value)
-        context = g.op("Reshape", g.op("Transpose", context, perm=[0, 2, 1, 3]), merge_heads)
-        attended = dense(context, f"{name}.attention.output.dense")
-        x = layer_norm(g.op("Add", attended, x), f"{name}.attention.output.LayerNorm")
-        inner = dense(x, f"{name}.intermediate.dense")
-        # Exact GELU, 0.5 * x * (1 + erf(x / sqrt(2))), as BERT was trained with.
-        gelu = g.op(
+    def layer_constants(self, mask: str) -> _LayerConstants:
+        heads, hidden = self.config.heads, self.config.hidden_size
+        head_size = hidden // heads
+        # (1 - mask) * -10000, shaped (batch, 1, 1, seq) to broadcast over heads and queries.
+        padding = self.op(
             "Mul",
-            g.op("Mul", inner, half),
-            g.op("Add", g.op("Erf", g.op("Mul", inner, inv_sqrt2)), one),
+            self.op("Sub", self.constant("one", np.array(1.0, dtype=np.float32)), mask),
+            self.constant("neg", np.array(-10000.0, dtype=np.float32)),
         )
-        output = dense(gelu, f"{name}.output.dense")
-        x = layer_norm(g.op("Add", output, x), f"{name}.output.LayerNorm")
-
-    if config.pooling == "cls":
-        pooled = g.op("Gather", x, g.constant("first", np.array(0, dtype=np.int64)), axis=1)
-    else:
-        weights_3d = g.op("Unsqueeze", mask, g.constant("axis2", np.array([2])))
-        axis1 = g.constant("axis1", np.array([1]))
-        total = g.op("ReduceSum", g.op("Mul", x, weights_3d), axis1, keepdims=0)
-        count = g.op(
-            "Max",
-            g.op("ReduceSum", weights_3d, axis1, keepdims=0),
-            g.constant("tiny", np.array(1e-9, dtype=np.float32)),
-        )
-        pooled = g.op("Div", total, count)
-    g.nodes.append(g.helper.make_node("Identity", [pooled], ["embedding"]))
-
-    graph = g.helper.make_graph(
-        g.nodes,
-        "sentence_encoder",
-        [
-            g.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "seq"]),
-            g.helper.make_tensor_value_info(
-                "attention_mask", onnx.TensorProto.INT64, ["batch", "seq"]
+        return _LayerConstants(
+            attention_bias=self.op("Unsqueeze", padding, self.constant("axes12", np.array([1, 2]))),
+            split_heads=self.constant(
+                "split_heads", np.array([0, 0, heads, head_size], dtype=np.int64)
             ),
-        ],
-        [g.helper.make_tensor_value_info("embedding", onnx.TensorProto.FLOAT, ["batch", hidden])],
-        g.initializers,
-    )
-    model = g.helper.make_model(graph, opset_imports=[g.helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    serialized: bytes = model.SerializeToString()
-    return serialized
+            merge_heads=self.constant("merge_heads", np.array([0, 0, hidden], dtype=np.int64)),
+            scale=self.constant("scale", np.array(1.0 / math.sqrt(head_size), dtype=np.float32)),
+            half=self.constant("half", np.array(0.5, dtype=np.float32)),
+            inv_sqrt2=self.constant("inv_sqrt2", np.array(1.0 / math.sqrt(2.0), dtype=np.float32)),
+            one="one",
+        )
+
+    def encoder_layer(self, x: str, name: str, shared: _LayerConstants) -> str:
+        """One transformer layer: self-attention, then the feed-forward block, each with its
+        residual and layer norm."""
+        op = self.op
+        query = op("Reshape", self.dense(x, f"{name}.attention.self.query"), shared.split_heads)
+        key = op("Reshape", self.dense(x, f"{name}.attention.self.key"), shared.split_heads)
+        value = op("Reshape", self.dense(x, f"{name}.attention.self.value"), shared.split_heads)
+        query = op("Transpose", query, perm=[0, 2, 1, 3])
+        key = op("Transpose", key, perm=[0, 2, 3, 1])
+        value = op("Transpose", value, perm=[0, 2, 1, 3])
+        scores = op("Add", op("Mul", op("MatMul", query, key), shared.scale), shared.attention_bias)
+        context = op("MatMul", op("Softmax", scores, axis=-1), value)
+        context = op("Reshape", op("Transpose", context, perm=[0, 2, 1, 3]), shared.merge_heads)
+        attended = self.dense(context, f"{name}.attention.output.dense")
+        x = self.layer_norm(op("Add", attended, x), f"{name}.attention.output.LayerNorm")
+        inner = self.dense(x, f"{name}.intermediate.dense")
+        # Exact GELU, 0.5 * x * (1 + erf(x / sqrt(2))), as BERT was trained with.
+        gelu = op(
+            "Mul",
+            op("Mul", inner, shared.half),
+            op("Add", op("Erf", op("Mul", inner, shared.inv_sqrt2)), shared.one),
+        )
+        output = self.dense(gelu, f"{name}.output.dense")
+        return self.layer_norm(op("Add", output, x), f"{name}.output.LayerNorm")
+
+    def pool(self, x: str, mask: str) -> str:
+        """The first token's vector (CLS pooling), or the mean over the unmasked tokens."""
+        if self.config.pooling == "cls":
+            return self.op("Gather", x, self.constant("first", np.array(0, dtype=np.int64)), axis=1)
+        weights_3d = self.op("Unsqueeze", mask, self.constant("axis2", np.array([2])))
+        axis1 = self.constant("axis1", np.array([1]))
+        total = self.op("ReduceSum", self.op("Mul", x, weights_3d), axis1, keepdims=0)
+        count = self.op(
+            "Max",
+            self.op("ReduceSum", weights_3d, axis1, keepdims=0),
+            self.constant("tiny", np.array(1e-9, dtype=np.float32)),
+        )
+        return self.op("Div", total, count)
+
+    def serialize(self, pooled: str) -> bytes:
+        """The model, its output named ``embedding``, as bytes."""
+        helper, tensor = self.helper, self.onnx.TensorProto
+        self.nodes.append(helper.make_node("Identity", [pooled], ["embedding"]))
+        graph = helper.make_graph(
+            self.nodes,
+            "sentence_encoder",
+            [
+                helper.make_tensor_value_info("input_ids", tensor.INT64, ["batch", "seq"]),
+                helper.make_tensor_value_info("attention_mask", tensor.INT64, ["batch", "seq"]),
+            ],
+            [
+                helper.make_tensor_value_info(
+                    "embedding", tensor.FLOAT, ["batch", self.config.hidden_size]
+                )
+            ],
+            self.initializers,
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        serialized: bytes = model.SerializeToString()
+        return serialized

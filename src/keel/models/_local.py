@@ -28,22 +28,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keel._assets import AssetMissingError, smollm2_gguf
 from keel.errors import (
     ContextLengthExceededError,
     ModelTimeoutError,
     ModelUnavailableError,
-    TruncatedResponseError,
     UnknownModelError,
     UsageError,
 )
 from keel.messages import Message, Usage
+from keel.models._answer import StreamedAnswer, refuse_cut_answer, whole_call_deltas
 from keel.models._base import (
     ChatModel,
     Completion,
     CompletionChunk,
     FinishReason,
     ModelOptions,
-    ToolCallDelta,
     ToolSchema,
 )
 from keel.models._toolcalls import parse_tool_calls, render_tool_call, render_tools_prompt
@@ -198,6 +198,42 @@ def _call_grammar(
     return _cached_call_grammar(json.dumps([list(tools), answer, required], sort_keys=True))
 
 
+def _generate_in_thread(
+    loop: asyncio.AbstractEventLoop,
+    loaded: _Loaded,
+    prompt: str,
+    max_tokens: int,
+    args: dict[str, Any],
+) -> tuple[asyncio.Queue[tuple[str, Any]], threading.Event]:
+    """Start generating in a daemon thread: the queue its events arrive on (the prompt's size,
+    each chunk, the end or the error) and the event that stops it between chunks."""
+    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    cancel = threading.Event()
+
+    def post(kind: str, value: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
+            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+    def work() -> None:
+        with loaded.lock:
+            try:
+                # Tokenized under the lock: one llama.cpp model, one caller at a time.
+                tokens = loaded.llama.tokenize(prompt.encode("utf-8"), special=True)
+                post("prompt", len(tokens))
+                if len(tokens) + max_tokens > loaded.n_ctx:
+                    return
+                for chunk in loaded.llama.create_completion(tokens, stream=True, **args):
+                    if cancel.is_set():
+                        break
+                    post("chunk", chunk)
+                post("end", None)
+            except Exception as exc:  # delivered to the caller, typed there
+                post("error", exc)
+
+    threading.Thread(target=work, name="keel-local-model", daemon=True).start()
+    return events, cancel
+
+
 class LocalModel(ChatModel):
     """SmolLM2-135M-Instruct running in-process (llama.cpp), no network.
 
@@ -248,8 +284,6 @@ class LocalModel(ChatModel):
     def _model_path(self) -> Path:
         if self._path is not None:
             return self._path
-        from keel._assets import AssetMissingError, smollm2_gguf
-
         try:
             return smollm2_gguf()
         except AssetMissingError as exc:
@@ -333,46 +367,18 @@ class LocalModel(ChatModel):
         prompt = self.render_prompt(messages, tools, options)
         max_tokens = options.max_tokens or _DEFAULT_MAX_TOKENS
         args = self._generation_args(tools if options.tool_choice != "none" else (), options)
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        cancel = threading.Event()
-
-        def post(kind: str, value: Any) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening
-                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
-
-        def work() -> None:
-            with loaded.lock:
-                try:
-                    # Tokenized under the lock: one llama.cpp model, one caller at a time.
-                    tokens = loaded.llama.tokenize(prompt.encode("utf-8"), special=True)
-                    post("prompt", len(tokens))
-                    if len(tokens) + max_tokens > loaded.n_ctx:
-                        return
-                    for chunk in loaded.llama.create_completion(tokens, stream=True, **args):
-                        if cancel.is_set():
-                            break
-                        post("chunk", chunk)
-                    post("end", None)
-                except Exception as exc:  # delivered to the caller, typed there
-                    post("error", exc)
-
-        worker = threading.Thread(target=work, name="keel-local-model", daemon=True)
-        worker.start()
-        pieces: list[str] = []
+        events, cancel = _generate_in_thread(loop, loaded, prompt, max_tokens, args)
+        answer = StreamedAnswer(started)
         prompt_tokens = 0
         finish: str | None = None
-        ttft: float | None = None
+        # With tools offered, the text may be a call: it is parsed once it is whole.
         stream_text = not tools or options.tool_choice == "none"
         deadline = None if options.timeout_s is None else time.monotonic() + options.timeout_s
         try:
             while True:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    kind, value = await asyncio.wait_for(queue.get(), timeout)
-                except TimeoutError as exc:
-                    raise ModelTimeoutError(
-                        f"no complete answer within {options.timeout_s}s", model=self.spec
-                    ) from exc
+                kind, value = await self._next_event(events, deadline, options)
+                if kind == "end":
+                    break
                 if kind == "prompt":
                     prompt_tokens = value
                     if prompt_tokens + max_tokens > loaded.n_ctx:
@@ -382,38 +388,43 @@ class LocalModel(ChatModel):
                             model=self.spec,
                         )
                     continue
-                if kind == "end":
-                    break
-                if kind == "error":
-                    raise ModelUnavailableError(
-                        f"local generation failed: {type(value).__name__}: {value}",
-                        model=self.spec,
-                    ) from value
                 choice = value["choices"][0]
-                piece = choice.get("text") or ""
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
-                if piece:
-                    if ttft is None:
-                        ttft = (time.perf_counter() - started) * 1000
-                    pieces.append(piece)
-                    # With tools offered, the text may be a call: it is parsed once it is whole.
-                    if stream_text:
-                        yield CompletionChunk(text=piece)
+                out = answer.add(choice.get("text") or "")
+                if out is not None and stream_text:
+                    yield out
         finally:
             cancel.set()
-        text = "".join(pieces)
-        completion = self._finish(text, finish, prompt_tokens, tools, options, started, ttft)
+        completion = self._finish(
+            answer.text, finish, prompt_tokens, tools, options, started, answer.ttft_ms
+        )
         if not stream_text and completion.message.content:
             yield CompletionChunk(text=completion.message.content)
         if completion.message.tool_calls:
-            yield CompletionChunk(
-                tool_calls=tuple(
-                    ToolCallDelta(index=index, id=call.id, name=call.name, arguments=call.arguments)
-                    for index, call in enumerate(completion.message.tool_calls)
-                )
-            )
+            yield CompletionChunk(tool_calls=whole_call_deltas(completion.message.tool_calls))
         yield CompletionChunk(completion=completion)
+
+    async def _next_event(
+        self,
+        events: asyncio.Queue[tuple[str, Any]],
+        deadline: float | None,
+        options: ModelOptions,
+    ) -> tuple[str, Any]:
+        """The generation thread's next event (``prompt``, ``chunk`` or ``end``), by the
+        call's deadline; its failure raised as keel's error."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            kind, value = await asyncio.wait_for(events.get(), timeout)
+        except TimeoutError as exc:
+            raise ModelTimeoutError(
+                f"no complete answer within {options.timeout_s}s", model=self.spec
+            ) from exc
+        if kind == "error":
+            raise ModelUnavailableError(
+                f"local generation failed: {type(value).__name__}: {value}", model=self.spec
+            ) from value
+        return kind, value
 
     def _finish(
         self,
@@ -447,13 +458,8 @@ class LocalModel(ChatModel):
             raw={"text": text, "finish_reason": finish},
             tool_call_errors=errors,
         )
-        if reason == "length" and not options.allow_truncated:
-            raise TruncatedResponseError(
-                f"the answer was cut at max_tokens={options.max_tokens or _DEFAULT_MAX_TOKENS} "
-                "(finish_reason=length); raise max_tokens or set allow_truncated",
-                model=self.spec,
-                raw=completion,
-            )
+        cap = options.max_tokens or _DEFAULT_MAX_TOKENS
+        refuse_cut_answer(completion, options, self.spec, f"max_tokens={cap}")
         return completion
 
     async def _acomplete(

@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import functools
 import json
 import re
 import time
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keel.errors import (
@@ -40,6 +41,7 @@ from keel.errors import (
     TruncatedResponseError,
 )
 from keel.messages import Message, ToolCall, Usage
+from keel.models._answer import StreamedAnswer, refuse_cut_answer
 from keel.models._base import (
     ChatModel,
     Completion,
@@ -104,6 +106,22 @@ def _retry_after(headers: Mapping[str, str] | None) -> float | None:
 def _with_cause(error: ModelError, cause: BaseException) -> ModelError:
     error.__cause__ = cause
     return error
+
+
+def _delta_of(delta: Any) -> tuple[str, tuple[ToolCallDelta, ...]]:
+    """A wire chunk's delta as keel's: its text and its tool-call pieces."""
+    if delta is None:
+        return "", ()
+    pieces = tuple(
+        ToolCallDelta(
+            index=call.index,
+            id=call.id,
+            name=call.function.name if call.function else None,
+            arguments=(call.function.arguments or "") if call.function else "",
+        )
+        for call in delta.tool_calls or ()
+    )
+    return delta.content or "", pieces
 
 
 async def _close_quietly(stream: Any) -> None:
@@ -301,13 +319,8 @@ class OpenAICompatibleModel(ChatModel):
                     model=self.spec,
                     raw=completion,
                 ) from exc
-        if completion.finish_reason == "length" and not options.allow_truncated:
-            raise TruncatedResponseError(
-                f"the answer was cut at max_tokens after {completion.usage.completion_tokens} "
-                "tokens (finish_reason=length); raise max_tokens or set allow_truncated",
-                model=self.spec,
-                raw=completion,
-            )
+        generated = completion.usage.completion_tokens
+        refuse_cut_answer(completion, options, self.spec, f"max_tokens after {generated} tokens")
         return completion
 
     # --- one answer ---------------------------------------------------------------------------
@@ -368,109 +381,32 @@ class OpenAICompatibleModel(ChatModel):
         request = self._request(messages, tools, options)
         request["stream"] = True
         request["stream_options"] = {"include_usage": True}
-        client = self._sdk_client()
-
-        async def attempt(state: RetryState) -> tuple[Any, Any, Any]:
-            # Opening the stream and reading its first chunk are retried; once text reached
-            # the caller, a retry would show it twice, so later failures are final.
-            try:
-                stream = await client.chat.completions.create(
-                    **request, timeout=state.attempt_timeout()
-                )
-            except Exception as exc:
-                translated = self._translate(exc)
-                raise translated from exc
-            iterator = stream.__aiter__()
-            try:
-                first = await asyncio.wait_for(iterator.__anext__(), state.attempt_timeout())
-            except StopAsyncIteration:
-                return stream, iterator, None
-            except Exception as exc:
-                await _close_quietly(stream)
-                if isinstance(exc, TimeoutError):
-                    error: ModelError = ModelTimeoutError(
-                        "no first chunk within the attempt's timeout", model=self.spec
-                    )
-                    raise RetryableModelError(_with_cause(error, exc)) from exc
-                translated = self._translate(exc)
-                if isinstance(translated, ModelError) and not isinstance(
-                    translated, MalformedResponseError | BadRequestError | AuthenticationError
-                ):
-                    translated = RetryableModelError(translated)
-                raise translated from exc
-            return stream, iterator, first
-
-        (stream, iterator, pending), state = await call_with_retries(
-            attempt, self.retry, timeout_s=options.timeout_s, model=self.spec
+        (stream, iterator, first), state = await call_with_retries(
+            functools.partial(self._open_stream, self._sdk_client(), request),
+            self.retry,
+            timeout_s=options.timeout_s,
+            model=self.spec,
         )
-        text: list[str] = []
-        calls: dict[int, dict[str, Any]] = {}
+        answer = StreamedAnswer(started)
         finish: str | None = None
         usage: Any = None
         served_model = self.model
-        ttft: float | None = None
         chunks = 0
-        exhausted = pending is None
         try:
-            while True:
-                if pending is not None:
-                    chunk, pending = pending, None
-                elif exhausted:
-                    break
-                else:
-                    remaining = state.remaining()
-                    if remaining <= 0:
-                        raise ModelTimeoutError(
-                            f"the stream did not finish within the call's time limit "
-                            f"(after {chunks} chunks)",
-                            model=self.spec,
-                            attempts=state.attempts,
-                        )
-                    try:
-                        chunk = await asyncio.wait_for(
-                            iterator.__anext__(),
-                            timeout=min(remaining, self.retry.attempt_timeout_s),
-                        )
-                    except StopAsyncIteration:
-                        break
-                    except TimeoutError as exc:
-                        raise TruncatedResponseError(
-                            f"the stream stalled after {chunks} chunks", model=self.spec
-                        ) from exc
-                    except Exception as exc:
-                        raise TruncatedResponseError(
-                            f"the stream broke after {chunks} chunks: {type(exc).__name__}: {exc}",
-                            model=self.spec,
-                        ) from exc
-                chunks += 1
-                served_model = getattr(chunk, "model", None) or served_model
-                if getattr(chunk, "usage", None) is not None:
-                    usage = chunk.usage
-                if not chunk.choices:
-                    continue
-                choice = chunk.choices[0]
-                if choice.finish_reason:
-                    finish = choice.finish_reason
-                delta = choice.delta
-                piece = (delta.content or "") if delta is not None else ""
-                deltas: list[ToolCallDelta] = []
-                for call in (delta.tool_calls or ()) if delta is not None else ():
-                    slot = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
-                    name = call.function.name if call.function else None
-                    arguments = (call.function.arguments or "") if call.function else ""
-                    if call.id:
-                        slot["id"] = call.id
-                    if name:
-                        slot["name"] += name
-                    slot["arguments"] += arguments
-                    deltas.append(
-                        ToolCallDelta(index=call.index, id=call.id, name=name, arguments=arguments)
-                    )
-                if piece or deltas:
-                    if ttft is None:
-                        ttft = (time.perf_counter() - started) * 1000
-                    text.append(piece)
-                    yield CompletionChunk(text=piece, tool_calls=tuple(deltas))
+            async with contextlib.aclosing(self._chunks(iterator, first, state)) as incoming:
+                async for chunk in incoming:
+                    chunks += 1
+                    served_model = getattr(chunk, "model", None) or served_model
+                    if getattr(chunk, "usage", None) is not None:
+                        usage = chunk.usage
+                    if not chunk.choices:
+                        continue
+                    choice = chunk.choices[0]
+                    if choice.finish_reason:
+                        finish = choice.finish_reason
+                    out = answer.add(*_delta_of(choice.delta))
+                    if out is not None:
+                        yield out
         finally:
             await _close_quietly(stream)
         if finish is None:
@@ -478,26 +414,89 @@ class OpenAICompatibleModel(ChatModel):
                 f"the stream ended after {chunks} chunks without a finish reason",
                 model=self.spec,
             )
-        tool_calls = tuple(
-            ToolCall(
-                id=slot["id"] or f"call_{index}",
-                name=slot["name"] or "unnamed",
-                arguments=slot["arguments"] or "{}",
-            )
-            for index, slot in sorted(calls.items())
-        )
-        message = Message.assistant("".join(text), tool_calls=tool_calls)
+        message = Message.assistant(answer.text, tool_calls=answer.tool_calls())
         completion = Completion(
             message=message,
             finish_reason=_FINISH.get(finish, "stop"),
             usage=self._usage(usage, messages, tools, message),
             model=served_model,
             latency_ms=(time.perf_counter() - started) * 1000,
-            ttft_ms=ttft,
+            ttft_ms=answer.ttft_ms,
             attempts=state.attempts,
             raw={"streamed": True, "chunks": chunks, "finish_reason": finish},
         )
         yield CompletionChunk(completion=self._check(completion, options))
+
+    async def _open_stream(
+        self, client: AsyncOpenAI, request: dict[str, Any], state: RetryState
+    ) -> tuple[Any, Any, Any]:
+        """One attempt at opening the stream and reading its first chunk (None when it ended
+        at once): the stream, its iterator and that chunk.
+
+        Both are retried; once text reached the caller, a retry would show it twice, so later
+        failures are final.
+        """
+        try:
+            stream = await client.chat.completions.create(
+                **request, timeout=state.attempt_timeout()
+            )
+        except Exception as exc:
+            translated = self._translate(exc)
+            raise translated from exc
+        iterator = stream.__aiter__()
+        try:
+            first = await asyncio.wait_for(iterator.__anext__(), state.attempt_timeout())
+        except StopAsyncIteration:
+            return stream, iterator, None
+        except Exception as exc:
+            await _close_quietly(stream)
+            if isinstance(exc, TimeoutError):
+                error: ModelError = ModelTimeoutError(
+                    "no first chunk within the attempt's timeout", model=self.spec
+                )
+                raise RetryableModelError(_with_cause(error, exc)) from exc
+            translated = self._translate(exc)
+            if isinstance(translated, ModelError) and not isinstance(
+                translated, MalformedResponseError | BadRequestError | AuthenticationError
+            ):
+                translated = RetryableModelError(translated)
+            raise translated from exc
+        return stream, iterator, first
+
+    async def _chunks(
+        self, iterator: Any, first: Any, state: RetryState
+    ) -> AsyncGenerator[Any, None]:
+        """The stream's chunks from ``first`` on, each within the attempt's timeout and all
+        within the call's time limit; a stall or a break is a truncated answer."""
+        if first is None:
+            return
+        yield first
+        read = 1
+        while True:
+            remaining = state.remaining()
+            if remaining <= 0:
+                raise ModelTimeoutError(
+                    f"the stream did not finish within the call's time limit (after {read} chunks)",
+                    model=self.spec,
+                    attempts=state.attempts,
+                )
+            try:
+                chunk = await asyncio.wait_for(
+                    iterator.__anext__(), timeout=min(remaining, self.retry.attempt_timeout_s)
+                )
+            except StopAsyncIteration:
+                return
+            except TimeoutError as exc:
+                raise TruncatedResponseError(
+                    f"the stream stalled after {read} chunks", model=self.spec
+                ) from exc
+            except Exception as exc:
+                raise TruncatedResponseError(
+                    f"the stream broke after {read} chunks: {type(exc).__name__}: {exc}",
+                    model=self.spec,
+                ) from exc
+            yield chunk
+            read += 1
 
     async def _release_loop_resources(self) -> None:
         client = self._clients.pop(asyncio.get_running_loop(), None)

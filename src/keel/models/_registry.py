@@ -22,11 +22,15 @@ A bare known OpenAI name (``gpt-4o-mini``) means ``openai:``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from keel.errors import ConfigError, UnknownModelError
 from keel.models._base import ChatModel
+from keel.models._local import LocalModel
+from keel.models._openai import OpenAICompatibleModel
 from keel.models._retry import RetryPolicy
+from keel.models._scripted import ScriptedCall, ScriptedModel
 from keel.settings import Settings, load_settings
 from keel.tokens import counter_for, model_profile, split_model_spec
 
@@ -72,65 +76,87 @@ def resolve_model(
         provider = "local" if profile.chat_format == "chatml" else "openai"
         spec = f"{provider}:{name}"
     if provider == "local":
-        from keel.models._local import LocalModel
-
         return LocalModel(name, **options)
     if provider == "scripted":
-        from keel.models._scripted import ScriptedCall, ScriptedModel
-
-        def echo(call: ScriptedCall) -> str:
-            return call.last_user_text
-
-        return ScriptedModel(echo, model=name, **options)
-    from keel.models._openai import OpenAICompatibleModel
-
-    if provider == "openai":
-        key = _api_key(settings) or os.environ.get("OPENAI_API_KEY")
-        if not key and "client" not in options:
-            raise ConfigError(f"{spec} needs an API key: set KEEL_OPENAI_API_KEY or OPENAI_API_KEY")
-        return OpenAICompatibleModel(
-            name,
-            base_url=settings.openai_base_url,
-            api_key=key,
-            retry=retry,
-            spec=spec,
-            counter=counter_for(name, allow_estimate=True),
-            max_tokens_param="max_completion_tokens",
-            **options,
+        return ScriptedModel(_echo_last_user, model=name, **options)
+    http_model = _HTTP_PROVIDERS.get(provider)
+    if http_model is None:
+        raise UnknownModelError(
+            spec, "providers: openai, openai-compatible, azure, local, scripted"
         )
-    if provider == "openai-compatible":
-        _, _, url = spec.partition(":")[2].partition("@")
-        base_url = url or settings.openai_base_url
-        if not base_url:
+    return http_model(spec, name, settings, retry, options)
+
+
+def _echo_last_user(call: ScriptedCall) -> str:
+    return call.last_user_text
+
+
+def _openai_model(
+    spec: str, name: str, settings: Settings, retry: RetryPolicy | None, options: dict[str, Any]
+) -> ChatModel:
+    key = _api_key(settings) or os.environ.get("OPENAI_API_KEY")
+    if not key and "client" not in options:
+        raise ConfigError(f"{spec} needs an API key: set KEEL_OPENAI_API_KEY or OPENAI_API_KEY")
+    return OpenAICompatibleModel(
+        name,
+        base_url=settings.openai_base_url,
+        api_key=key,
+        retry=retry,
+        spec=spec,
+        counter=counter_for(name, allow_estimate=True),
+        max_tokens_param="max_completion_tokens",
+        **options,
+    )
+
+
+def _compatible_model(
+    spec: str, name: str, settings: Settings, retry: RetryPolicy | None, options: dict[str, Any]
+) -> ChatModel:
+    _, _, url = spec.partition(":")[2].partition("@")
+    base_url = url or settings.openai_base_url
+    if not base_url:
+        raise ConfigError(
+            f"{spec} names no server: write openai-compatible:MODEL@http://host:port/v1 "
+            "or set KEEL_OPENAI_BASE_URL"
+        )
+    return OpenAICompatibleModel(
+        name,
+        base_url=base_url,
+        # Local servers ignore the key, but the SDK insists on one.
+        api_key=_api_key(settings) or os.environ.get("OPENAI_API_KEY") or "not-needed",
+        retry=retry,
+        spec=spec,
+        **options,
+    )
+
+
+def _azure_model(
+    spec: str, name: str, settings: Settings, retry: RetryPolicy | None, options: dict[str, Any]
+) -> ChatModel:
+    if "client" not in options:
+        # The SDK takes a third of a second to import: only a model that calls it pays.
+        from openai import AsyncAzureOpenAI, OpenAIError
+
+        try:
+            options["client"] = AsyncAzureOpenAI(max_retries=0)
+        except OpenAIError as exc:
             raise ConfigError(
-                f"{spec} names no server: write openai-compatible:MODEL@http://host:port/v1 "
-                "or set KEEL_OPENAI_BASE_URL"
-            )
-        return OpenAICompatibleModel(
-            name,
-            base_url=base_url,
-            # Local servers ignore the key, but the SDK insists on one.
-            api_key=_api_key(settings) or os.environ.get("OPENAI_API_KEY") or "not-needed",
-            retry=retry,
-            spec=spec,
-            **options,
-        )
-    if provider == "azure":
-        if "client" not in options:
-            from openai import AsyncAzureOpenAI, OpenAIError
+                f"{spec}: set AZURE_OPENAI_ENDPOINT, AZURE_OPENAI_API_KEY and "
+                f"OPENAI_API_VERSION ({exc})"
+            ) from exc
+    return OpenAICompatibleModel(
+        name,
+        retry=retry,
+        spec=spec,
+        counter=counter_for(name, allow_estimate=True),
+        **options,
+    )
 
-            try:
-                options["client"] = AsyncAzureOpenAI(max_retries=0)
-            except OpenAIError as exc:
-                raise ConfigError(
-                    f"{spec}: set AZURE_OPENAI_ENDPOINT, AZURE_OPENAI_API_KEY and "
-                    f"OPENAI_API_VERSION ({exc})"
-                ) from exc
-        return OpenAICompatibleModel(
-            name,
-            retry=retry,
-            spec=spec,
-            counter=counter_for(name, allow_estimate=True),
-            **options,
-        )
-    raise UnknownModelError(spec, "providers: openai, openai-compatible, azure, local, scripted")
+
+_HTTP_PROVIDERS: dict[
+    str, Callable[[str, str, Settings, RetryPolicy | None, dict[str, Any]], ChatModel]
+] = {
+    "openai": _openai_model,
+    "openai-compatible": _compatible_model,
+    "azure": _azure_model,
+}

@@ -12,7 +12,15 @@ from fastapi import Query, Request, Response
 
 from keel.service._errors import HTTPError
 
-__all__ = ["CLIPPED_CHARS", "MAX_PAGE", "clip", "cursor_query", "limit_query", "next_page"]
+__all__ = [
+    "CLIPPED_CHARS",
+    "MAX_PAGE",
+    "clip",
+    "cursor_query",
+    "limit_query",
+    "next_page",
+    "number_cursor",
+]
 
 MAX_PAGE = 200
 """The most items one page of a listing holds."""
@@ -37,6 +45,15 @@ def cursor_query() -> Any:
 def bad_cursor() -> HTTPError:
     """422 for a cursor this listing never handed out."""
     return HTTPError(422, "ValidationError", "cursor: not a cursor of this listing")
+
+
+def number_cursor(cursor: str | None) -> int | None:
+    """A listing's cursor that is a number (a version, an offset); 422 for any other."""
+    if cursor is None:
+        return None
+    if not cursor.isdigit():
+        raise bad_cursor()
+    return int(cursor)
 
 
 def next_page(request: Request, response: Response, cursor: str | None) -> None:

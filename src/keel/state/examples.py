@@ -18,40 +18,57 @@ def flight_booking_machine(*, max_retries: int = 3) -> StateMachine:
     fails ``max_retries`` times moves to failed, from where the user may start over (idle) or
     return to confirming.
     """
-    gather = ("search_airports",)
-    states = [
-        MachineState(
-            "idle",
-            description="no booking in progress",
-            instructions="Ask where the user wants to fly from, if they want to book a flight.",
-            max_retries=None,
+    return StateMachine(
+        "flight_booking",
+        states=[
+            MachineState(
+                "idle",
+                description="no booking in progress",
+                instructions="Ask where the user wants to fly from, if they want to book a flight.",
+                max_retries=None,
+            ),
+            *_gathering_states(),
+            *_booking_states(max_retries),
+        ],
+        transitions=_flight_transitions(),
+        initial="idle",
+        failure="failed",
+    )
+
+
+def _gathering(
+    slot: str, asking: str, instructions: str, tools: tuple[str, ...] = ()
+) -> MachineState:
+    """The state that asks the user for one slot."""
+    return MachineState(
+        f"gathering_{slot}",
+        description=f"asking for {asking}",
+        instructions=instructions,
+        tools=tools,
+        collects=(slot,),
+    )
+
+
+def _gathering_states() -> list[MachineState]:
+    """One state per slot, in the order they are asked for."""
+    airports = ("search_airports",)
+    return [
+        _gathering(
+            "origin", "the departure city", "Ask for the departure city or airport.", airports
         ),
-        MachineState(
-            "gathering_origin",
-            description="asking for the departure city",
-            instructions="Ask for the departure city or airport.",
-            tools=gather,
-            collects=("origin",),
+        _gathering(
+            "destination", "the destination", "Ask for the destination city or airport.", airports
         ),
-        MachineState(
-            "gathering_destination",
-            description="asking for the destination",
-            instructions="Ask for the destination city or airport.",
-            tools=gather,
-            collects=("destination",),
+        _gathering("dates", "travel dates", "Ask for the departure (and return) dates."),
+        _gathering(
+            "passengers", "the number of passengers", "Ask how many passengers are travelling."
         ),
-        MachineState(
-            "gathering_dates",
-            description="asking for travel dates",
-            instructions="Ask for the departure (and return) dates.",
-            collects=("dates",),
-        ),
-        MachineState(
-            "gathering_passengers",
-            description="asking for the number of passengers",
-            instructions="Ask how many passengers are travelling.",
-            collects=("passengers",),
-        ),
+    ]
+
+
+def _booking_states(max_retries: int) -> list[MachineState]:
+    """From the itinerary read back to the booking done, or failed."""
+    return [
         MachineState(
             "confirming",
             description="confirming the itinerary with the user",
@@ -84,7 +101,10 @@ def flight_booking_machine(*, max_retries: int = 3) -> StateMachine:
             max_retries=None,
         ),
     ]
-    transitions = [
+
+
+def _flight_transitions() -> list[Transition]:
+    return [
         Transition("idle", "gathering_origin", description="the user wants to book"),
         Transition("gathering_origin", "gathering_destination", requires=("origin",)),
         Transition("gathering_destination", "gathering_dates", requires=("destination",)),
@@ -96,10 +116,3 @@ def flight_booking_machine(*, max_retries: int = 3) -> StateMachine:
         Transition("failed", "idle", description="start over"),
         Transition("failed", "confirming", requires=FLIGHT_SLOTS, description="try again"),
     ]
-    return StateMachine(
-        "flight_booking",
-        states=states,
-        transitions=transitions,
-        initial="idle",
-        failure="failed",
-    )

@@ -6,7 +6,7 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["TokenCount", "Tokenizer"]
+__all__ = ["ExactTokenizer", "TokenCount", "Tokenizer"]
 
 
 @runtime_checkable
@@ -38,6 +38,21 @@ class Tokenizer(Protocol):
     def decode(self, tokens: list[int]) -> str:
         """Text of ``tokens``."""
         ...
+
+
+class ExactTokenizer:
+    """What every tokenizer whose counts are the model's own shares: its name, and ``exact``."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def exact(self) -> bool:
+        return True
 
 
 class TokenCount(BaseModel):

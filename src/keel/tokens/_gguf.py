@@ -12,12 +12,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from keel._assets import AssetMissingError, smollm2_gguf
+from keel._llama import silence_llama_logs
 from keel.errors import UnknownModelError
+from keel.tokens._base import ExactTokenizer
 
 __all__ = ["GGUFTokenizer", "gguf_tokenizer"]
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(ExactTokenizer):
     """The tokenizer embedded in a GGUF model file."""
 
     def __init__(self, name: str, path: Path) -> None:
@@ -27,10 +30,8 @@ class GGUFTokenizer:
             raise UnknownModelError(
                 name, "exact counts need llama-cpp-python (the 'local' extra)"
             ) from exc
-        from keel._llama import silence_llama_logs
-
         silence_llama_logs()
-        self._name = name
+        super().__init__(name)
         self.path = path
         self._vocab: Any = Llama(model_path=str(path), vocab_only=True, verbose=False)
         # llama.cpp's tokenizer keeps per-call scratch state; one caller at a time.
@@ -45,14 +46,6 @@ class GGUFTokenizer:
             vocab, self._vocab = self._vocab, None
         if vocab is not None:
             vocab.close()
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def exact(self) -> bool:
-        return True
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text: special-token spellings inside it are not special."""
@@ -82,8 +75,6 @@ class GGUFTokenizer:
 @cache
 def gguf_tokenizer(name: str) -> GGUFTokenizer:
     """The tokenizer of a bundled GGUF model (``smollm2``), loaded once."""
-    from keel._assets import AssetMissingError, smollm2_gguf
-
     if name != "smollm2":
         raise UnknownModelError(name, "bundled GGUF models: smollm2")
     try:

@@ -11,6 +11,7 @@ from functools import cache
 from typing import Any
 
 from keel.errors import UnknownModelError
+from keel.tokens._base import ExactTokenizer
 
 __all__ = ["EstimatingTokenizer", "OpenAIEncoding", "openai_encoding"]
 
@@ -45,20 +46,12 @@ def _pieces(text: str) -> list[tuple[str, bool]]:
     return pieces
 
 
-class OpenAIEncoding:
+class OpenAIEncoding(ExactTokenizer):
     """An exact tokenizer for one of OpenAI's encodings."""
 
     def __init__(self, name: str, encoding: Any) -> None:
-        self._name = name
+        super().__init__(name)
         self._encoding = encoding
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def exact(self) -> bool:
-        return True
 
     def count(self, text: str) -> int:
         if not text:

@@ -187,84 +187,67 @@ class ToolExecutor:
         }
         found = self.registry.get(call.name)
         if found is None:
-            suggestions = self.registry.suggest(call.name)
-            unknown = UnknownToolError(call.name, suggestions)
-            hint = f" Did you mean: {', '.join(suggestions)}?" if suggestions else ""
-            available = ", ".join(self.registry.names) or "none"
-            return ToolResult(
-                **base,
-                status="unknown_tool",
-                content=(
-                    f"Error: there is no tool named {call.name!r}.{hint} "
-                    f"Available tools: {available}."
-                ),
-                error=str(unknown),
-                error_type=type(unknown).__name__,
-                exception=unknown,
-                latency_ms=_ms(started),
-            )
-        try:
-            parsed = parse_arguments(call.arguments)
-        except ArgumentsNotJSONError as exc:
-            arguments_error = ToolArgumentsError(found.name, [str(exc)])
-            return ToolResult(
-                **base,
-                status="invalid_arguments",
-                content=(
-                    f"Error: the arguments for tool {found.name!r} are not usable: {exc}. "
-                    "Call the tool again with one JSON object, one key per parameter."
-                ),
-                problems=(str(exc),),
-                error=str(arguments_error),
-                error_type=type(arguments_error).__name__,
-                exception=arguments_error,
-                latency_ms=_ms(started),
-            )
-        value, coerced = coerce_scalars(parsed.value, found._parameters)
-        repairs = (*parsed.repairs, *coerced)
-        try:
-            validated = found.args_model.model_validate(value)
-        except ValidationError as exc:
-            problems = format_validation_error(exc)
-            if any("Extra inputs are not permitted" in line for line in problems):
-                problems.append(
-                    "Valid arguments: " + ", ".join(found.args_model.model_fields) + "."
-                )
-            arguments_error = ToolArgumentsError(found.name, problems)
-            return ToolResult(
-                **base,
-                status="invalid_arguments",
-                content=(
-                    f"Error: invalid arguments for tool {found.name!r}:\n"
-                    + "\n".join(problems)
-                    + "\nFix these fields and call the tool again."
-                ),
-                repairs=repairs,
-                problems=tuple(problems),
-                error=str(arguments_error),
-                error_type=type(arguments_error).__name__,
-                exception=arguments_error,
-                latency_ms=_ms(started),
-            )
+            return self._unknown_tool(call.name, base, started)
+        checked = _check_arguments(found, call.arguments, base, started)
+        if isinstance(checked, ToolResult):
+            return checked
+        validated, repairs = checked
         arguments = validated.model_dump(mode="json")
         base.update(arguments=arguments, repairs=repairs)
         key = idempotency_key(session_id, step, call_index, turn_id)
+        attempt = 1  # a call outside the journal is always its first start
+        if found.side_effect:
+            base["idempotency_key"] = key
+            claimed = await self._claim(
+                found, arguments, base, started, session_id, step, call_index
+            )
+            if isinstance(claimed, ToolResult):
+                return claimed
+            attempt = claimed.attempts
         context = ToolContext(
             session_id=session_id,
             step=step,
             call_index=call_index,
             call_id=call.id,
             idempotency_key=key,
+            attempt=attempt,
             user_id=self.scope.user_id,
             tenant_id=self.scope.tenant_id,
             run_id=self.scope.run_id,
             deps=self.scope.deps,
         )
-        if not found.side_effect:
-            if on_start is not None:
-                on_start(arguments)
-            return await self._run(found, validated, context, base, started, journalled=False)
-        base["idempotency_key"] = key
+        if on_start is not None:
+            on_start(arguments)
+        return await self._run(
+            found, validated, context, base, started, journalled=found.side_effect
+        )
+
+    def _unknown_tool(self, name: str, base: dict[str, Any], started: float) -> ToolResult:
+        """The model named no tool there is: the closest names, and every name, to pick from."""
+        suggestions = self.registry.suggest(name)
+        hint = f" Did you mean: {', '.join(suggestions)}?" if suggestions else ""
+        available = ", ".join(self.registry.names) or "none"
+        return _refused(
+            base,
+            started,
+            "unknown_tool",
+            f"Error: there is no tool named {name!r}.{hint} Available tools: {available}.",
+            UnknownToolError(name, suggestions),
+        )
+
+    async def _claim(
+        self,
+        found: Tool,
+        arguments: dict[str, Any],
+        base: dict[str, Any],
+        started: float,
+        session_id: str,
+        step: int,
+        call_index: int,
+    ) -> JournalEntry | ToolResult:
+        """Journal the intent of a side-effecting call before it runs: the entry to run it
+        under, or the result that answers it without running (a replay, a refusal)."""
+        key = base["idempotency_key"]
         try:
             # Masking is deterministic, so identical calls stay identical in the journal.
             canonical = self._masked(json.dumps(arguments, sort_keys=True))
@@ -296,52 +279,9 @@ class ToolExecutor:
         except StoreError as exc:
             # Without a durable intent the call could run twice after a crash: do not run it.
             return _not_recorded(found, base, started, "the journal is unavailable", exc)
-        entry = claim.entry
-        if not claim.created:
-            if not entry.in_doubt:
-                return ToolResult(
-                    **base,
-                    status="ok" if entry.ok else "failed",
-                    content=entry.content or "",
-                    output_text=entry.output or "",
-                    error=None if entry.ok else entry.content,
-                    error_type=None if entry.ok else "ToolExecutionError",
-                    exception=None if entry.ok else ToolExecutionError(entry.content or ""),
-                    replayed=True,
-                    attempt=entry.attempts,
-                    latency_ms=_ms(started),
-                )
-            if not found.idempotent:
-                doubt = ToolInDoubtError(found.name, key)
-                return ToolResult(
-                    **base,
-                    status="in_doubt",
-                    content=(
-                        f"Error: tool {found.name!r} was started before an interruption and "
-                        "it is unknown whether it took effect. It was not run again; an "
-                        "operator has been asked to check. Do not call it again."
-                    ),
-                    error=str(doubt),
-                    error_type=type(doubt).__name__,
-                    exception=doubt,
-                    attempt=entry.attempts,
-                    latency_ms=_ms(started),
-                )
-        context = ToolContext(
-            session_id=session_id,
-            step=step,
-            call_index=call_index,
-            call_id=call.id,
-            idempotency_key=key,
-            attempt=entry.attempts,
-            user_id=self.scope.user_id,
-            tenant_id=self.scope.tenant_id,
-            run_id=self.scope.run_id,
-            deps=self.scope.deps,
-        )
-        if on_start is not None:
-            on_start(arguments)
-        return await self._run(found, validated, context, base, started, journalled=True)
+        if claim.created:
+            return claim.entry
+        return _from_journal(found, claim.entry, base, started) or claim.entry
 
     async def _earlier_same_call(
         self, found: Tool, session_id: str, key: str, arguments: str
@@ -378,20 +318,15 @@ class ToolExecutor:
                     f"{earlier.step}) may or may not have taken effect and is not settled"
                 ),
             )
-            return ToolResult(
-                **base,
-                status="in_doubt",
-                content=(
-                    f"Error: tool {found.name!r} was not run: the same call made earlier "
-                    f"(call {earlier.key}) may or may not have taken effect, and an operator "
-                    "has been asked to check. Do not call it again; tell the user it is "
-                    "being checked."
-                ),
-                error=str(doubt),
-                error_type=type(doubt).__name__,
-                exception=doubt,
+            return _refused(
+                base,
+                started,
+                "in_doubt",
+                f"Error: tool {found.name!r} was not run: the same call made earlier "
+                f"(call {earlier.key}) may or may not have taken effect, and an operator has "
+                "been asked to check. Do not call it again; tell the user it is being checked.",
+                doubt,
                 attempt=earlier.attempts,
-                latency_ms=_ms(started),
             )
         done = (earlier.content or "").removeprefix(LATE_NOTE)
         content = f"Not run again: the same call made earlier (call {earlier.key}) did it: {done}"
@@ -489,16 +424,8 @@ class ToolExecutor:
         content = f"Error: {failure}"
         if journalled:
             await self._record(context, ok=False, output=content)
-        return ToolResult(
-            **base,
-            status="failed",
-            content=content,
-            error=str(failure),
-            error_type=type(failure).__name__,
-            exception=failure,
-            executed=True,
-            attempt=context.attempt,
-            latency_ms=_ms(started),
+        return _refused(
+            base, started, "failed", content, failure, executed=True, attempt=context.attempt
         )
 
     async def _run(
@@ -544,17 +471,14 @@ class ToolExecutor:
         finally:
             abandoned_result.reset(token)
         if failure is not None:
-            content = f"Error: {failure}"
-            return ToolResult(
-                **base,
-                status=status,
-                content=content,
-                error=str(failure),
-                error_type=type(failure).__name__,
-                exception=failure,
+            return _refused(
+                base,
+                started,
+                status,
+                f"Error: {failure}",
+                failure,
                 executed=True,
                 attempt=context.attempt,
-                latency_ms=_ms(started),
             )
         text = _as_text(output)
         shown, truncated = _cap(text, cap)
@@ -588,52 +512,133 @@ class ToolExecutor:
                 f"tool {found.name!r} did not finish within {timeout:g} s. It may or may not "
                 "have taken effect; it is safe to call it again."
             )
-            return ToolResult(
-                **base,
-                status="timeout",
-                content=f"Error: {failure}",
-                error=str(failure),
-                error_type=type(failure).__name__,
-                exception=failure,
+            return _refused(
+                base,
+                started,
+                "timeout",
+                f"Error: {failure}",
+                failure,
                 executed=True,
                 attempt=context.attempt,
-                latency_ms=_ms(started),
             )
         doubt = ToolInDoubtError(
             found.name, key, why=f"it did not finish within {timeout:g} s and may still take effect"
         )
-        return ToolResult(
-            **base,
-            status="in_doubt",
-            content=(
-                f"Error: tool {found.name!r} did not finish within {timeout:g} s; it may or may "
-                "not have taken effect. It will not be run again; an operator has been asked "
-                "to check. Do not call it again."
-            ),
-            error=str(doubt),
-            error_type=type(doubt).__name__,
-            exception=doubt,
+        return _refused(
+            base,
+            started,
+            "in_doubt",
+            f"Error: tool {found.name!r} did not finish within {timeout:g} s; it may or may "
+            "not have taken effect. It will not be run again; an operator has been asked "
+            "to check. Do not call it again.",
+            doubt,
             executed=True,
             attempt=context.attempt,
+        )
+
+
+def _refused(
+    base: dict[str, Any],
+    started: float,
+    status: ToolStatus,
+    content: str,
+    error: KeelError,
+    **fields: Any,
+) -> ToolResult:
+    """A result that carries ``error`` as its typed exception, its message and its class."""
+    return ToolResult(
+        **base,
+        status=status,
+        content=content,
+        error=str(error),
+        error_type=type(error).__name__,
+        exception=error,
+        latency_ms=_ms(started),
+        **fields,
+    )
+
+
+def _check_arguments(
+    found: Tool, raw: str, base: dict[str, Any], started: float
+) -> tuple[BaseModel, tuple[str, ...]] | ToolResult:
+    """The arguments parsed, repaired and validated (with the repairs made), or the result
+    that tells the model what to fix."""
+    try:
+        parsed = parse_arguments(raw)
+    except ArgumentsNotJSONError as exc:
+        return _refused(
+            base,
+            started,
+            "invalid_arguments",
+            f"Error: the arguments for tool {found.name!r} are not usable: {exc}. "
+            "Call the tool again with one JSON object, one key per parameter.",
+            ToolArgumentsError(found.name, [str(exc)]),
+            problems=(str(exc),),
+        )
+    value, coerced = coerce_scalars(parsed.value, found._parameters)
+    repairs = (*parsed.repairs, *coerced)
+    try:
+        return found.args_model.model_validate(value), repairs
+    except ValidationError as exc:
+        problems = format_validation_error(exc)
+        if any("Extra inputs are not permitted" in line for line in problems):
+            problems.append("Valid arguments: " + ", ".join(found.args_model.model_fields) + ".")
+        return _refused(
+            base,
+            started,
+            "invalid_arguments",
+            f"Error: invalid arguments for tool {found.name!r}:\n"
+            + "\n".join(problems)
+            + "\nFix these fields and call the tool again.",
+            ToolArgumentsError(found.name, problems),
+            repairs=repairs,
+            problems=tuple(problems),
+        )
+
+
+def _from_journal(
+    found: Tool, entry: JournalEntry, base: dict[str, Any], started: float
+) -> ToolResult | None:
+    """The answer to a call whose key the journal already holds: its recorded result, or a
+    refusal when a non-idempotent call is in doubt; ``None`` when it may run (again)."""
+    if not entry.in_doubt:
+        return ToolResult(
+            **base,
+            status="ok" if entry.ok else "failed",
+            content=entry.content or "",
+            output_text=entry.output or "",
+            error=None if entry.ok else entry.content,
+            error_type=None if entry.ok else "ToolExecutionError",
+            exception=None if entry.ok else ToolExecutionError(entry.content or ""),
+            replayed=True,
+            attempt=entry.attempts,
             latency_ms=_ms(started),
         )
+    if found.idempotent:
+        return None
+    return _refused(
+        base,
+        started,
+        "in_doubt",
+        f"Error: tool {found.name!r} was started before an interruption and it is unknown "
+        "whether it took effect. It was not run again; an operator has been asked to check. "
+        "Do not call it again.",
+        ToolInDoubtError(found.name, base["idempotency_key"]),
+        attempt=entry.attempts,
+    )
 
 
 def _not_recorded(
     found: Tool, base: dict[str, Any], started: float, why: str, error: KeelError
 ) -> ToolResult:
     """A side-effecting call refused because its intent could not be journalled: not run."""
-    return ToolResult(
-        **base,
-        status="failed",
-        content=(
-            f"Error: tool {found.name!r} was not run: its call could not be recorded "
-            f"({why}). Nothing happened; it can be tried later."
-        ),
-        error=str(error),
-        error_type=type(error).__name__,
-        exception=error,
-        latency_ms=_ms(started),
+    return _refused(
+        base,
+        started,
+        "failed",
+        f"Error: tool {found.name!r} was not run: its call could not be recorded "
+        f"({why}). Nothing happened; it can be tried later.",
+        error,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,26 +113,33 @@ def _decode(text: str) -> tuple[Any, list[str] | None]:
     return None, None
 
 
-def _scan(text: str, visit: Callable[[int, str], str | None]) -> str:
-    """Rebuild ``text``, letting ``visit`` replace characters outside string literals."""
-    out: list[str] = []
+def _characters(text: str, start: int = 0) -> Iterator[tuple[int, str, bool]]:
+    """Each character of ``text`` from ``start``, and whether it belongs to a string literal
+    (its quotes included), so that repairs never touch what the model wrote inside one."""
     quote: str | None = None
     escaped = False
-    for index, char in enumerate(text):
+    for index in range(start, len(text)):
+        char = text[index]
         if quote is not None:
-            out.append(char)
+            yield index, char, True
             if escaped:
                 escaped = False
             elif char == "\\":
                 escaped = True
             elif char == quote:
                 quote = None
-            continue
-        if char in ("'", '"'):
+        elif char in ("'", '"'):
             quote = char
-            out.append(char)
-            continue
-        replacement = visit(index, char)
+            yield index, char, True
+        else:
+            yield index, char, False
+
+
+def _scan(text: str, visit: Callable[[int, str], str | None]) -> str:
+    """Rebuild ``text``, letting ``visit`` replace characters outside string literals."""
+    out: list[str] = []
+    for index, char, in_string in _characters(text):
+        replacement = None if in_string else visit(index, char)
         out.append(char if replacement is None else replacement)
     return "".join(out)
 
@@ -174,22 +181,11 @@ def _single_object(text: str) -> str | None:
     if start < 0:
         return None
     depth = 0
-    quote: str | None = None
-    escaped = False
     end = -1
-    for index in range(start, len(text)):
-        char = text[index]
-        if quote is not None:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == quote:
-                quote = None
+    for index, char, in_string in _characters(text, start):
+        if in_string:
             continue
-        if char in ("'", '"'):
-            quote = char
-        elif char == "{":
+        if char == "{":
             depth += 1
         elif char == "}":
             depth -= 1

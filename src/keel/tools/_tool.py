@@ -248,55 +248,13 @@ def _build_tool(
     timeout_s: float | None,
     max_output_chars: int | None,
 ) -> Tool:
-    if isinstance(fn, Tool):
-        raise ToolDefinitionError(f"{fn.name!r} is already a tool")
-    if not callable(fn):
-        raise ToolDefinitionError(f"@tool needs a function, got {type(fn).__name__}")
-    tool_name: str = name or str(getattr(fn, "__name__", ""))
-    if not _NAME.match(tool_name):
-        raise ToolDefinitionError(
-            f"tool name {tool_name!r} is invalid: use 1-64 letters, digits, '_' or '-'"
-        )
+    tool_name = _checked_name(fn, name)
     if timeout_s is not None and timeout_s <= 0:
         raise ToolDefinitionError(f"tool {tool_name!r}: timeout_s must be positive")
     if max_output_chars is not None and max_output_chars < 1:
         raise ToolDefinitionError(f"tool {tool_name!r}: max_output_chars must be at least 1")
     summary, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
-    try:
-        hints = _type_hints(fn)
-    except Exception as exc:
-        raise ToolDefinitionError(
-            f"tool {tool_name!r}: cannot resolve its type annotations: {exc}"
-        ) from exc
-    fields: dict[str, Any] = {}
-    context_parameter: str | None = None
-    for parameter in inspect.signature(fn).parameters.values():
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            raise ToolDefinitionError(
-                f"tool {tool_name!r}: *{parameter.name} / **{parameter.name} cannot be "
-                "described to a model; declare each argument"
-            )
-        if parameter.kind is parameter.POSITIONAL_ONLY:
-            raise ToolDefinitionError(
-                f"tool {tool_name!r}: positional-only parameter {parameter.name!r}; "
-                "tools are called with keyword arguments"
-            )
-        if parameter.name not in hints:
-            raise ToolDefinitionError(
-                f"tool {tool_name!r}: parameter {parameter.name!r} has no type annotation"
-            )
-        annotation = hints[parameter.name]
-        if _is_context(annotation):
-            context_parameter = parameter.name
-            continue
-        default = ... if parameter.default is parameter.empty else parameter.default
-        doc = arg_docs.get(parameter.name)
-        if isinstance(default, FieldInfo):
-            fields[parameter.name] = (annotation, default)
-        elif doc and not _annotated_description(annotation):
-            fields[parameter.name] = (annotation, Field(default, description=doc))
-        else:
-            fields[parameter.name] = (annotation, default)
+    fields, context_parameter = _argument_fields(fn, tool_name, arg_docs)
     try:
         args_model: type[BaseModel] = create_model(
             _model_name(tool_name),
@@ -334,6 +292,63 @@ def _build_tool(
             stacklevel=4,
         )
     return built
+
+
+def _checked_name(fn: Callable[..., Any], name: str | None) -> str:
+    """The tool's name for the model, once ``fn`` is known to be a function that can be one."""
+    if isinstance(fn, Tool):
+        raise ToolDefinitionError(f"{fn.name!r} is already a tool")
+    if not callable(fn):
+        raise ToolDefinitionError(f"@tool needs a function, got {type(fn).__name__}")
+    tool_name: str = name or str(getattr(fn, "__name__", ""))
+    if not _NAME.match(tool_name):
+        raise ToolDefinitionError(
+            f"tool name {tool_name!r} is invalid: use 1-64 letters, digits, '_' or '-'"
+        )
+    return tool_name
+
+
+def _argument_fields(
+    fn: Callable[..., Any], tool_name: str, arg_docs: dict[str, str]
+) -> tuple[dict[str, Any], str | None]:
+    """The argument model's fields, one per parameter the model fills (described by the
+    docstring's ``Args:``), and the parameter that receives the :class:`ToolContext`."""
+    try:
+        hints = _type_hints(fn)
+    except Exception as exc:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: cannot resolve its type annotations: {exc}"
+        ) from exc
+    fields: dict[str, Any] = {}
+    context_parameter: str | None = None
+    for parameter in inspect.signature(fn).parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise ToolDefinitionError(
+                f"tool {tool_name!r}: *{parameter.name} / **{parameter.name} cannot be "
+                "described to a model; declare each argument"
+            )
+        if parameter.kind is parameter.POSITIONAL_ONLY:
+            raise ToolDefinitionError(
+                f"tool {tool_name!r}: positional-only parameter {parameter.name!r}; "
+                "tools are called with keyword arguments"
+            )
+        if parameter.name not in hints:
+            raise ToolDefinitionError(
+                f"tool {tool_name!r}: parameter {parameter.name!r} has no type annotation"
+            )
+        annotation = hints[parameter.name]
+        if _is_context(annotation):
+            context_parameter = parameter.name
+            continue
+        default = ... if parameter.default is parameter.empty else parameter.default
+        doc = arg_docs.get(parameter.name)
+        if isinstance(default, FieldInfo):
+            fields[parameter.name] = (annotation, default)
+        elif doc and not _annotated_description(annotation):
+            fields[parameter.name] = (annotation, Field(default, description=doc))
+        else:
+            fields[parameter.name] = (annotation, default)
+    return fields, context_parameter
 
 
 AbandonedResult = Callable[[bool, Any], None]

@@ -39,8 +39,13 @@ def _split_model(spec: str | None) -> tuple[str | None, str | None]:
     return provider, model.split("@", 1)[0] or spec
 
 
+def _present(attributes: dict[str, Any]) -> dict[str, Any]:
+    """The attributes that have a value: OpenTelemetry takes no None."""
+    return {key: value for key, value in attributes.items() if value is not None}
+
+
 def _run_attributes(run: Run) -> dict[str, Any]:
-    attributes: dict[str, Any] = {
+    return {
         sc.GEN_AI_OPERATION_NAME: sc.OP_INVOKE_AGENT,
         sc.GEN_AI_AGENT_NAME: run.agent,
         sc.GEN_AI_CONVERSATION_ID: run.session_id,
@@ -48,14 +53,14 @@ def _run_attributes(run: Run) -> dict[str, Any]:
         sc.KEEL_RUN_STATUS: run.status,
         sc.GEN_AI_USAGE_INPUT_TOKENS: run.prompt_tokens,
         sc.GEN_AI_USAGE_OUTPUT_TOKENS: run.completion_tokens,
+        **_present(
+            {
+                sc.KEEL_USER_ID: run.user_id,
+                sc.KEEL_TENANT_ID: run.tenant_id,
+                sc.ERROR_TYPE: run.error_type,
+            }
+        ),
     }
-    if run.user_id is not None:
-        attributes[sc.KEEL_USER_ID] = run.user_id
-    if run.tenant_id is not None:
-        attributes[sc.KEEL_TENANT_ID] = run.tenant_id
-    if run.error_type is not None:
-        attributes[sc.ERROR_TYPE] = run.error_type
-    return attributes
 
 
 def _step_attributes(step: Step, capture_content: bool) -> tuple[str, dict[str, Any]]:
@@ -65,13 +70,14 @@ def _step_attributes(step: Step, capture_content: bool) -> tuple[str, dict[str, 
         sc.KEEL_STEP_KIND: step.kind,
         sc.KEEL_STEP_NAME: step.name,
         sc.KEEL_ATTEMPT: step.attempt,
+        **_present(
+            {
+                sc.KEEL_LATENCY_MS: step.latency_ms,
+                sc.KEEL_STATE_VERSION: step.state_version,
+                sc.ERROR_TYPE: step.error_type,
+            }
+        ),
     }
-    if step.latency_ms is not None:
-        attributes[sc.KEEL_LATENCY_MS] = step.latency_ms
-    if step.state_version is not None:
-        attributes[sc.KEEL_STATE_VERSION] = step.state_version
-    if step.error_type is not None:
-        attributes[sc.ERROR_TYPE] = step.error_type
     if step.kind == "model":
         provider, model = _split_model(step.model or step.name)
         attributes[sc.GEN_AI_OPERATION_NAME] = sc.OP_CHAT

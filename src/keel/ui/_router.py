@@ -24,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from keel.errors import ConflictError, SessionBusyError, StateError
+from keel.memory import MemoryFilter, Scope
 from keel.service._access import path_session_id, revert_holding_lease
 from keel.service._ids import RawPathRoute, Text, session_url
 from keel.tracing import RUN_STATUSES, RunQuery, TraceStore
@@ -315,15 +316,13 @@ async def revert(
         done = await revert_holding_lease(
             agent, session_id, expected_version=expected_version, to_version=version
         )
+        notice = f"Reverted to version {version}: the session is now at version {done.version}."
     except SessionBusyError:
         notice = "A turn is running on this session: nothing was reverted; try again."
-        return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
     except ConflictError:
         notice = "The session moved on since this page was loaded: nothing was reverted."
-        return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
     except StateError:
         raise _Missing from None
-    notice = f"Reverted to version {version}: the session is now at version {done.version}."
     return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
 
 
@@ -357,8 +356,6 @@ async def memory(
     tenant: str = Depends(_tenant),
     viewer: _Viewer = Depends(_viewer),
 ) -> Response:
-    from keel.memory import MemoryFilter, Scope
-
     agent = viewer.agent_for(tenant)
     store = agent.memory
     records, hits, packed, histories = [], [], None, {}

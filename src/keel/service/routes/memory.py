@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query
 
-from keel.memory import Scope
+from keel.memory import Memory, Scope
 from keel.service._access import caller, read_of, user_of
 from keel.service._context import ServiceContext, context_of, memory_of
 from keel.service._errors import HTTPError
@@ -21,6 +21,18 @@ __all__ = ["router"]
 router = APIRouter()
 
 
+def _users_memory(
+    who: Caller, context: ServiceContext, user: str, *, read: bool
+) -> tuple[Memory, Scope]:
+    """The tenant's memory and the user's scope in it, once the key may act for the user
+    (and, to ``read``, see what the user's memory holds: an operator's read is logged)."""
+    memory = memory_of(context.agent_for(who.tenant_id))
+    user = user_of(who, user)
+    if read:
+        read_of(who, user, "the memory")
+    return memory, Scope(tenant_id=who.tenant_id, user_id=user)
+
+
 @router.get("/v1/memory/search")
 async def search_memory(
     user: Annotated[UserId, Query()],
@@ -31,9 +43,8 @@ async def search_memory(
 ) -> list[dict[str, Any]]:
     """The user's most relevant memories for ``q``, with why each ranked; a long text is
     clipped (``"clipped": true``), whole at ``GET /v1/memory/{id}``."""
-    memory = memory_of(context.agent_for(who.tenant_id))
-    read_of(who, user_of(who, user), "the memory")
-    hits = await memory.asearch(q, scope=Scope(tenant_id=who.tenant_id, user_id=user), k=k)
+    memory, scope = _users_memory(who, context, user, read=True)
+    hits = await memory.asearch(q, scope=scope, k=k)
     return [
         {
             "record": clip(hit.record.model_dump(mode="json", exclude={"embedding"}), "text"),
@@ -55,9 +66,7 @@ async def get_memory(
     context: ServiceContext = Depends(context_of),
 ) -> dict[str, Any]:
     """One of the user's memories, its text whole (404 when the user has no such record)."""
-    memory = memory_of(context.agent_for(who.tenant_id))
-    read_of(who, user_of(who, user), "the memory")
-    scope = Scope(tenant_id=who.tenant_id, user_id=user)
+    memory, scope = _users_memory(who, context, user, read=True)
     found = await asyncio.to_thread(memory.get, scope, record_id)
     if found is None:
         raise HTTPError(404, "NotFound", "not found")
@@ -71,8 +80,7 @@ async def add_memory(
     context: ServiceContext = Depends(context_of),
 ) -> dict[str, Any]:
     """Remember a note for the user (masked before it is stored; a user claim)."""
-    memory = memory_of(context.agent_for(who.tenant_id))
-    scope = Scope(tenant_id=who.tenant_id, user_id=user_of(who, record.user))
+    memory, scope = _users_memory(who, context, record.user, read=False)
     added = await memory.aadd(record.text, scope=scope, kind=record.kind)
     return added.model_dump(mode="json", exclude={"embedding"})
 
@@ -85,8 +93,7 @@ async def forget_memory(
     context: ServiceContext = Depends(context_of),
 ) -> dict[str, Any]:
     """Forget one of the user's memories (404 when the user has no such record)."""
-    memory = memory_of(context.agent_for(who.tenant_id))
-    scope = Scope(tenant_id=who.tenant_id, user_id=user_of(who, user))
+    memory, scope = _users_memory(who, context, user, read=False)
     if not await asyncio.to_thread(memory.forget, scope, record_id):
         raise HTTPError(404, "NotFound", "not found")
     return {"forgotten": record_id}

@@ -21,7 +21,7 @@ from keel.service._errors import HTTPError
 from keel.service._ids import RawPathRoute
 from keel.service._keys import Caller
 from keel.service._models import RevertRequest
-from keel.service._paging import bad_cursor, cursor_query, limit_query, next_page
+from keel.service._paging import cursor_query, limit_query, next_page, number_cursor
 
 __all__ = ["router"]
 
@@ -58,10 +58,9 @@ async def get_checkpoints(
     agent = context.agent_for(who.tenant_id)
     await owned_checkpoint(agent, who, session_id, "the checkpoints")
     history = await agent.state.ahistory(agent.session_key(session_id))
-    if cursor is not None:
-        if not cursor.isdigit():
-            raise bad_cursor()
-        history = [info for info in history if info.version < int(cursor)]
+    before = number_cursor(cursor)
+    if before is not None:
+        history = [info for info in history if info.version < before]
     page = history[:limit]
     next_page(request, response, str(page[-1].version) if len(history) > limit else None)
     return [info.model_dump(mode="json", exclude={"session_id"}) for info in page]

@@ -13,7 +13,7 @@ from keel.service._errors import HTTPError
 from keel.service._ids import PLAIN_ID, RawPathRoute
 from keel.service._keys import Caller
 from keel.service._models import Resolution
-from keel.service._paging import bad_cursor, cursor_query, limit_query, next_page
+from keel.service._paging import cursor_query, limit_query, next_page, number_cursor
 
 __all__ = ["router"]
 
@@ -36,13 +36,8 @@ async def session_in_doubt(
     journal = journal_of(agent)
     await session_read(agent, who, session_id, "the in-doubt calls")
     entries = await asyncio.to_thread(journal.in_doubt, agent.session_key(session_id))
-    if cursor is not None:
-        if not cursor.isdigit():
-            raise bad_cursor()
-        entries = entries[int(cursor) :]
-        start = int(cursor)
-    else:
-        start = 0
+    start = number_cursor(cursor) or 0
+    entries = entries[start:]
     page = entries[:limit]
     next_page(request, response, str(start + limit) if len(entries) > limit else None)
     return [entry.model_dump(mode="json", exclude={"session_id"}) for entry in page]
