@@ -19,7 +19,6 @@ crash is answered with the SDK's generic message and logged with its traceback.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal, ParamSpec, TypeVar
@@ -32,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 
     raise BackendUnavailableError("the MCP SDK is not installed (the 'mcp' extra)") from exc
 
+from keel._bridge import run_blocking
 from keel.errors import UsageError
 from keel.memory import Memory, MemoryRecord, Scope
 
@@ -156,9 +156,7 @@ def memory_server(
             value: The new value.
         """
         scope = scope_of(user, ctx)
-        record = await asyncio.to_thread(
-            lambda: memory.remember_fact(scope, subject, attribute, value)
-        )
+        record = await run_blocking(lambda: memory.remember_fact(scope, subject, attribute, value))
         return _record(record)
 
     @server.tool()
@@ -195,7 +193,7 @@ def memory_server(
             record_id: The record's id (from search or remember).
         """
         scope = scope_of(user, ctx)
-        record = await asyncio.to_thread(memory.get, scope, record_id)
+        record = await run_blocking(memory.get, scope, record_id)
         if record is None:
             raise UsageError(f"the user has no record {record_id!r}")
         return _record(record)
@@ -210,7 +208,7 @@ def memory_server(
             record_id: The record's id.
         """
         scope = scope_of(user, ctx)
-        forgotten = await asyncio.to_thread(memory.forget, scope, record_id)
+        forgotten = await run_blocking(memory.forget, scope, record_id)
         if not forgotten:
             raise UsageError(f"the user has no record {record_id!r}")
         return {"forgotten": record_id}
@@ -228,7 +226,7 @@ def memory_server(
             attribute: Which property.
         """
         scope = scope_of(user, ctx)
-        chain = await asyncio.to_thread(memory.fact_history, scope, subject, attribute)
+        chain = await run_blocking(memory.fact_history, scope, subject, attribute)
         return [_record(record) for record in chain]
 
     return server

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query
 
+from keel._bridge import run_blocking
 from keel.memory import Scope
 from keel.service._access import caller, read_of, user_of
 from keel.service._context import ServiceContext, context_of, memory_of
@@ -58,7 +58,7 @@ async def get_memory(
     memory = memory_of(context.agent_for(who.tenant_id))
     read_of(who, user_of(who, user), "the memory")
     scope = Scope(tenant_id=who.tenant_id, user_id=user)
-    found = await asyncio.to_thread(memory.get, scope, record_id)
+    found = await run_blocking(memory.get, scope, record_id)
     if found is None:
         raise HTTPError(404, "NotFound", "not found")
     return found.model_dump(mode="json", exclude={"embedding"})
@@ -87,6 +87,6 @@ async def forget_memory(
     """Forget one of the user's memories (404 when the user has no such record)."""
     memory = memory_of(context.agent_for(who.tenant_id))
     scope = Scope(tenant_id=who.tenant_id, user_id=user_of(who, user))
-    if not await asyncio.to_thread(memory.forget, scope, record_id):
+    if not await run_blocking(memory.forget, scope, record_id):
         raise HTTPError(404, "NotFound", "not found")
     return {"forgotten": record_id}
