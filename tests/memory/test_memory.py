@@ -439,14 +439,14 @@ class _GatedEmbedder(HashingEmbedder):
 def _recorded_worker(tmp_path: Path, embedder: HashingEmbedder) -> tuple[Memory, Any]:
     mem = Memory(SQLiteMemoryStore(tmp_path / "w.db"), embedder=embedder)
     signal = _RecordingCondition()
-    mem._signal = signal
+    mem.indexer._signal = signal
     mem.start()
     return mem, signal
 
 
 def test_flush_wakes_on_the_workers_signal(tmp_path: Path, monkeypatch: Any) -> None:
     # A re-check far beyond the flush timeout: flush can only return by the worker's signal.
-    monkeypatch.setattr("keel.memory._memory.FLUSH_RECHECK_S", 3600.0)
+    monkeypatch.setattr("keel.memory._outbox.FLUSH_RECHECK_S", 3600.0)
     embedder = _GatedEmbedder()
     mem, signal = _recorded_worker(tmp_path, embedder)
     mem.add("the spare key is in the shed", scope=SCOPE)
@@ -474,12 +474,12 @@ def test_flush_wakes_on_the_workers_signal(tmp_path: Path, monkeypatch: Any) -> 
 
 
 def test_add_wakes_the_worker(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("keel.memory._memory.WORKER_POLL_S", 3600.0)
+    monkeypatch.setattr("keel.memory._outbox.WORKER_POLL_S", 3600.0)
     embedder = _GatedEmbedder()
     embedder.gate.set()
     mem, signal = _recorded_worker(tmp_path, embedder)
     with signal:  # the first pass (over an empty outbox) is over: the worker sleeps
-        assert signal.wait_for(lambda: mem._progress >= 1, timeout=20)
+        assert signal.wait_for(lambda: mem.indexer._progress >= 1, timeout=20)
     mem.add("the boiler code is written inside the cupboard", scope=SCOPE)  # no flush
     with signal:
         assert signal.wait_for(lambda: mem.store.count_pending() == 0, timeout=20)
@@ -488,12 +488,12 @@ def test_add_wakes_the_worker(tmp_path: Path, monkeypatch: Any) -> None:
 
 
 def test_flush_picks_up_another_processs_rows(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("keel.memory._memory.FLUSH_RECHECK_S", 3600.0)
-    monkeypatch.setattr("keel.memory._memory.WORKER_POLL_S", 3600.0)
+    monkeypatch.setattr("keel.memory._outbox.FLUSH_RECHECK_S", 3600.0)
+    monkeypatch.setattr("keel.memory._outbox.WORKER_POLL_S", 3600.0)
     here = Memory(SQLiteMemoryStore(tmp_path / "shared.db"), embedder=HashingEmbedder(32))
     here.start()
-    with here._signal:  # its first pass is over: the worker sleeps until something wakes it
-        assert here._signal.wait_for(lambda: here._progress >= 1, timeout=20)
+    with here.indexer._signal:  # its first pass is over: the worker sleeps until something wakes it
+        assert here.indexer._signal.wait_for(lambda: here.indexer._progress >= 1, timeout=20)
     # The other process only writes (no worker): its add cannot signal this process.
     there = Memory(SQLiteMemoryStore(tmp_path / "shared.db"), embedder=HashingEmbedder(32))
     there.add("written by the other process", scope=SCOPE)
