@@ -34,6 +34,8 @@ STATE_MESSAGES_SHOWN = 6
 def _build(
     model_spec: str | None, memory: bool, database: str | None, *, create: bool = False
 ) -> Agent:
+    # Lazy: every keel command imports this module to register ``chat``; the runtime (numpy,
+    # the stores, the model clients) loads only when a chat starts.
     from keel.cli._database import database_settings
     from keel.runtime import Agent
 
@@ -190,7 +192,7 @@ class Chat:
         if long_term is None:
             self.console.print("memory is off (--no-memory)")
             return
-        from keel.memory import Scope
+        from keel.memory import Scope  # lazy as in _build (loaded by the agent by now)
 
         long_term.flush()
         packed = long_term.retrieve(
@@ -199,7 +201,7 @@ class Chat:
         self.console.print(packed.text or "(nothing relevant remembered)", markup=False)
 
     def _trace(self) -> None:
-        from keel.tracing import RunQuery
+        from keel.tracing import RunQuery  # lazy as in _build (loaded by the agent by now)
 
         assert self.agent.backends is not None  # Agent.open keeps what it opened
         traces = self.agent.backends.traces

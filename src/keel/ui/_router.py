@@ -24,6 +24,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from keel._bridge import run_blocking
 from keel.errors import ConflictError, SessionBusyError, StateError
+from keel.memory import MemoryFilter, Scope
 from keel.service._access import path_session_id, revert_holding_lease
 from keel.service._ids import RawPathRoute, Text, session_url
 from keel.tracing import RUN_STATUSES, RunQuery, TraceStore
@@ -357,8 +358,6 @@ async def memory(
     tenant: str = Depends(_tenant),
     viewer: _Viewer = Depends(_viewer),
 ) -> Response:
-    from keel.memory import MemoryFilter, Scope
-
     agent = viewer.agent_for(tenant)
     store = agent.memory
     records, hits, packed, histories = [], [], None, {}
