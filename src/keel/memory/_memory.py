@@ -43,7 +43,7 @@ from keel.memory._records import (
     mask_value,
     utcnow,
 )
-from keel.memory._retrieval import RUN_TYPE, MemoryHit, RetrievalDraft, Retriever
+from keel.memory._retrieval import RUN_TYPE, MemoryHit, Retriever
 from keel.memory._store import MemoryStore
 from keel.messages import ToolCall
 from keel.privacy import PIIMasker
@@ -361,13 +361,11 @@ class Memory:
         ``distinct=False`` keeps near-duplicates (and skips MMR): for callers where two
         records holding the same text are still two answers, such as keyed records.
         """
-        return self.retriever.search(
-            query, scope=scope, k=k, filters=filters, now=now, distinct=distinct
-        )
+        return self.retriever.search(query, scope, k, filters, now, distinct)
 
     async def asearch(self, query: str, *, scope: Scope, **options: Any) -> list[MemoryHit]:
         """Async twin of :meth:`search`."""
-        return await run_blocking(lambda: self.retriever.search(query, scope=scope, **options))
+        return await run_blocking(lambda: self.search(query, scope=scope, **options))
 
     def retrieve(
         self,
@@ -387,7 +385,10 @@ class Memory:
         (judged by the model judge in one call when configured), then the last ``recent``
         actions. Each block is labelled ``[kind · date · provenance]``.
         """
-        draft = self._draft(query, scope, budget_tokens, k, include_profile, recent, filters, now)
+        judged = self.judge is not None
+        draft = self.retriever.draft(
+            query, scope, budget_tokens, k, include_profile, recent, filters, now, judged
+        )
         judge = self.judge if draft.hits else None
         kept = None if judge is None else run_sync(judge.ajudge(query, draft.to_judge()))
         return draft.pack(kept, self.counter)
@@ -405,35 +406,15 @@ class Memory:
         now: datetime | None = None,
     ) -> PackedMemory:
         """Async twin of :meth:`retrieve`."""
+        judged = self.judge is not None
         draft = await run_blocking(
-            self._draft, query, scope, budget_tokens, k, include_profile, recent, filters, now
+            lambda: self.retriever.draft(
+                query, scope, budget_tokens, k, include_profile, recent, filters, now, judged
+            )
         )
         judge = self.judge if draft.hits else None
         kept = None if judge is None else await judge.ajudge(query, draft.to_judge())
         return draft.pack(kept, self.counter)
-
-    def _draft(
-        self,
-        query: str,
-        scope: Scope,
-        budget_tokens: int,
-        k: int,
-        include_profile: bool,
-        recent: int,
-        filters: MemoryFilter | None,
-        now: datetime | None,
-    ) -> RetrievalDraft:
-        return self.retriever.draft(
-            query,
-            scope,
-            budget_tokens=budget_tokens,
-            k=k,
-            include_profile=include_profile,
-            recent=recent,
-            filters=filters,
-            now=now,
-            judged=self.judge is not None,
-        )
 
     # --- experience replay ----------------------------------------------------------------
 
@@ -441,9 +422,8 @@ class Memory:
         self, task: str, *, scope: Scope, budget_tokens: int = 400, k: int = 3
     ) -> list[ReplayExample]:
         """Successful earlier runs similar to ``task``, within their own token budget."""
-        hits = self.retriever.search(
-            task, scope=scope, k=k, filters=MemoryFilter(types=(RUN_TYPE,))
-        )
+        replays = MemoryFilter(types=(RUN_TYPE,))
+        hits = self.retriever.search(task, scope, k, replays, None, True)
         examples: list[ReplayExample] = []
         used = 0
         for hit in hits:

@@ -165,7 +165,6 @@ class Retriever:
         self,
         query: str,
         scope: Scope,
-        *,
         budget_tokens: int,
         k: int,
         include_profile: bool,
@@ -187,7 +186,7 @@ class Retriever:
             budget_tokens=budget_tokens,
             k=k,
             judge_candidates=self.config.judge_candidates,
-            hits=self.search(query, scope=scope, k=wanted, filters=filters, now=now),
+            hits=self.search(query, scope, wanted, filters, now, True),
             facts=self.profile(scope) if include_profile else [],
             actions=self.recent(scope, limit=recent) if recent else [],
         )
@@ -197,18 +196,13 @@ class Retriever:
     def search(
         self,
         query: str,
-        *,
         scope: Scope,
-        k: int = 10,
-        filters: MemoryFilter | None = None,
-        now: datetime | None = None,
-        distinct: bool = True,
+        k: int,
+        filters: MemoryFilter | None,
+        now: datetime | None,
+        distinct: bool,
     ) -> list[MemoryHit]:
-        """The ``k`` most relevant memories of ``scope`` for ``query``, with their context.
-
-        ``distinct=False`` keeps near-duplicates (and skips MMR): for callers where two
-        records holding the same text are still two answers, such as keyed records.
-        """
+        """What ``Memory.search`` answers (its arguments, by position)."""
         filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
         # MMR picks the k hits from the best ``window`` candidates; only those are read back.
         window = max(k * 4, 40)
