@@ -7,27 +7,45 @@ connection pool, a PostgreSQL or Redis async pool) is then made once and reused,
 with each call's dead loop, and sync calls from several threads share one loop safely.
 
 The other direction, async code calling a blocking function (SQLite, an ONNX embedder), goes
-through :func:`run_blocking`, the one place that decides where blocking work runs.
+through :func:`run_blocking`; sync code that overlaps blocking work (a keyword query while the
+query is embedded, a batch written while the next is embedded, forward passes side by side)
+forks it with :func:`fork` or :func:`map_blocking`. All of it runs on ONE pool of named threads
+owned here (``keel-blocking-N``), the only place that decides where blocking work runs.
+
+Joining forked work never deadlocks on a busy pool: work no thread has started yet is taken
+back and run by the thread that joins it, so a pool thread that forks and joins (a search
+inside :func:`run_blocking`) always makes progress.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import itertools
+import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from keel.errors import UsageError
 
-__all__ = ["iterate_sync", "run_blocking", "run_sync"]
+__all__ = ["Forked", "fork", "iterate_sync", "map_blocking", "run_blocking", "run_sync"]
 
 T = TypeVar("T")
+A = TypeVar("A")
 P = ParamSpec("P")
+
+BLOCKING_THREADS = min(32, (os.cpu_count() or 1) + 4)
+"""Threads of the blocking pool: asyncio's default for ``to_thread``, which it replaces, and
+at least one per CPU, so an embedder's forward passes can use every core at once."""
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
+_pool: ThreadPoolExecutor | None = None
 
 
 def _bridge_loop() -> asyncio.AbstractEventLoop:
@@ -49,8 +67,13 @@ def _bridge_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+def run_sync(coroutine: Coroutine[Any, Any, T], *, cleanup_wait_s: float = 30.0) -> T:
     """Run ``coroutine`` on keel's bridge loop and wait for its result.
+
+    A caller that gives up (Ctrl-C raises KeyboardInterrupt while it waits) cancels the
+    coroutine and waits up to ``cleanup_wait_s`` for its ``finally`` blocks to run on the bridge
+    loop: when the interruption reaches the caller, what the coroutine held is released and
+    what it committed is what the store holds.
 
     Raises:
         UsageError: called from a thread whose event loop is running (await the async
@@ -65,13 +88,40 @@ def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
         raise UsageError(
             "a sync method was called inside a running event loop: await its async twin"
         )
-    future = asyncio.run_coroutine_threadsafe(coroutine, _bridge_loop())
+    finished = threading.Event()
+
+    async def guarded() -> T:
+        try:
+            return await coroutine
+        finally:
+            finished.set()
+
+    future = asyncio.run_coroutine_threadsafe(guarded(), _bridge_loop())
     try:
-        return future.result()
+        return _await_in_thread(future.result)
     except BaseException:
-        # The caller gave up (KeyboardInterrupt, say): stop the work it no longer waits for.
-        future.cancel()
+        if not future.done():
+            future.cancel()
+            finished.wait(cleanup_wait_s)
         raise
+
+
+SIGNAL_CHECK_S = 0.1
+"""How often the main thread, waiting on the bridge, wakes to run Python's signal handlers: a
+Ctrl-C that the kernel hands to another thread (the bridge's, a pool's) only reaches the main
+thread when it runs Python code, and a wait without a timeout never does."""
+
+
+def _await_in_thread(get: Callable[..., T]) -> T:
+    """``get(timeout=...)`` until it returns; the main thread wakes every ``SIGNAL_CHECK_S`` so
+    that KeyboardInterrupt is raised in it while it waits."""
+    if threading.current_thread() is not threading.main_thread():
+        return get()
+    while True:
+        try:
+            return get(timeout=SIGNAL_CHECK_S)
+        except (TimeoutError, queue.Empty):
+            continue
 
 
 _END = object()
@@ -111,7 +161,7 @@ def iterate_sync(iterable: AsyncIterator[T], *, cleanup_wait_s: float = 30.0) ->
     future = asyncio.run_coroutine_threadsafe(pump(), _bridge_loop())
     try:
         while True:
-            item = handoff.get()
+            item = _await_in_thread(handoff.get)
             if item is _END:
                 return
             ok, value = item
@@ -124,11 +174,75 @@ def iterate_sync(iterable: AsyncIterator[T], *, cleanup_wait_s: float = 30.0) ->
         finished.wait(cleanup_wait_s)
 
 
+def _blocking_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(BLOCKING_THREADS, thread_name_prefix="keel-blocking")
+        return _pool
+
+
 async def run_blocking(function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-    """Run the blocking ``function`` off the event loop and await its result.
+    """Run the blocking ``function`` on keel's blocking pool and await its result.
 
     Every async path in keel that has to call blocking code (a SQLite store, an embedder, a
-    file) goes through here, so where such work runs (today: the running loop's default
-    executor, with the caller's context variables) is decided in one place.
+    file) goes through here; ``function`` sees the caller's context variables, as with
+    ``asyncio.to_thread``.
     """
-    return await asyncio.to_thread(function, *args, **kwargs)
+    call = partial(contextvars.copy_context().run, function, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_blocking_pool(), call)
+
+
+class Forked(Generic[T]):
+    """Blocking work started on keel's blocking pool, whose result its caller joins."""
+
+    def __init__(self, call: Callable[[], T]) -> None:
+        self._call = call
+        self._future: Future[T] | None
+        try:
+            self._future = _blocking_pool().submit(call)
+        except RuntimeError:  # the interpreter is shutting down: join runs it here
+            self._future = None
+
+    def join(self) -> T:
+        """The work's result (its exception raised here); work no pool thread has started
+        yet runs in this thread, so joining never waits on a busy pool."""
+        if self._future is None or self._future.cancel():
+            ran: Future[T] = Future()  # a second join answers the same, never runs it again
+            try:
+                ran.set_result(self._call())
+            except BaseException as exc:
+                ran.set_exception(exc)
+            self._future = ran
+        return self._future.result()
+
+
+def fork(function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Forked[T]:
+    """Start the blocking ``function`` on keel's blocking pool; ``join()`` the result."""
+    return Forked(partial(contextvars.copy_context().run, function, *args, **kwargs))
+
+
+def map_blocking(function: Callable[[A], T], items: Sequence[A], *, width: int) -> list[T]:
+    """``function`` over ``items``, at most ``width`` calls at once (this thread runs one
+    lane, the pool the others; each lane takes the next item when it is free), results in
+    the items' order. Every call has ended when this returns or raises."""
+    results: list[Any] = [None] * len(items)
+    counter = itertools.count()
+
+    def lane() -> None:
+        while (index := next(counter)) < len(items):
+            results[index] = function(items[index])
+
+    lanes = [fork(lane) for _ in range(min(width, len(items)) - 1)]
+    try:
+        lane()
+    finally:
+        errors = []
+        for forked in lanes:
+            try:
+                forked.join()
+            except BaseException as exc:
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+    return results

@@ -439,14 +439,14 @@ class _GatedEmbedder(HashingEmbedder):
 def _recorded_worker(tmp_path: Path, embedder: HashingEmbedder) -> tuple[Memory, Any]:
     mem = Memory(SQLiteMemoryStore(tmp_path / "w.db"), embedder=embedder)
     signal = _RecordingCondition()
-    mem._signal = signal
+    mem.indexer._signal = signal
     mem.start()
     return mem, signal
 
 
 def test_flush_wakes_on_the_workers_signal(tmp_path: Path, monkeypatch: Any) -> None:
     # A re-check far beyond the flush timeout: flush can only return by the worker's signal.
-    monkeypatch.setattr("keel.memory._memory.FLUSH_RECHECK_S", 3600.0)
+    monkeypatch.setattr("keel.memory._outbox.FLUSH_RECHECK_S", 3600.0)
     embedder = _GatedEmbedder()
     mem, signal = _recorded_worker(tmp_path, embedder)
     mem.add("the spare key is in the shed", scope=SCOPE)
@@ -474,12 +474,12 @@ def test_flush_wakes_on_the_workers_signal(tmp_path: Path, monkeypatch: Any) -> 
 
 
 def test_add_wakes_the_worker(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("keel.memory._memory.WORKER_POLL_S", 3600.0)
+    monkeypatch.setattr("keel.memory._outbox.WORKER_POLL_S", 3600.0)
     embedder = _GatedEmbedder()
     embedder.gate.set()
     mem, signal = _recorded_worker(tmp_path, embedder)
     with signal:  # the first pass (over an empty outbox) is over: the worker sleeps
-        assert signal.wait_for(lambda: mem._progress >= 1, timeout=20)
+        assert signal.wait_for(lambda: mem.indexer._progress >= 1, timeout=20)
     mem.add("the boiler code is written inside the cupboard", scope=SCOPE)  # no flush
     with signal:
         assert signal.wait_for(lambda: mem.store.count_pending() == 0, timeout=20)
@@ -488,12 +488,12 @@ def test_add_wakes_the_worker(tmp_path: Path, monkeypatch: Any) -> None:
 
 
 def test_flush_picks_up_another_processs_rows(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("keel.memory._memory.FLUSH_RECHECK_S", 3600.0)
-    monkeypatch.setattr("keel.memory._memory.WORKER_POLL_S", 3600.0)
+    monkeypatch.setattr("keel.memory._outbox.FLUSH_RECHECK_S", 3600.0)
+    monkeypatch.setattr("keel.memory._outbox.WORKER_POLL_S", 3600.0)
     here = Memory(SQLiteMemoryStore(tmp_path / "shared.db"), embedder=HashingEmbedder(32))
     here.start()
-    with here._signal:  # its first pass is over: the worker sleeps until something wakes it
-        assert here._signal.wait_for(lambda: here._progress >= 1, timeout=20)
+    with here.indexer._signal:  # its first pass is over: the worker sleeps until something wakes it
+        assert here.indexer._signal.wait_for(lambda: here.indexer._progress >= 1, timeout=20)
     # The other process only writes (no worker): its add cannot signal this process.
     there = Memory(SQLiteMemoryStore(tmp_path / "shared.db"), embedder=HashingEmbedder(32))
     there.add("written by the other process", scope=SCOPE)
@@ -639,4 +639,61 @@ def test_a_failed_write_is_raised_and_its_batch_stays_pending(tmp_path: Path) ->
     assert memory.pending() == 8
     assert memory.process_outbox() == 8
     assert memory.pending() == 0
+    memory.close()
+
+
+def _reads_noted(store: SQLiteMemoryStore) -> list[str]:
+    """The name of the thread each read of ``store`` a retrieval makes ran on."""
+    read_on: list[str] = []
+    for name in ("fetch", "list_records", "keyword_search"):
+        method = getattr(store, name)
+
+        def noted(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            read_on.append(threading.current_thread().name)
+            return _method(*args, **kwargs)
+
+        setattr(store, name, noted)
+    return read_on
+
+
+def _harbour_memory(tmp_path: Path, judge: ModelJudge | None = None) -> tuple[Memory, list[str]]:
+    store = SQLiteMemoryStore(tmp_path / "threads.db")
+    read_on = _reads_noted(store)
+    memory = Memory(store, masker=None, judge=judge)  # keyword only: no overlap to fork
+    memory.add("the harbour lantern is green", scope=SCOPE, kind="semantic")
+    memory.add("we walked to the harbour at dawn", scope=SCOPE)
+    return memory, read_on
+
+
+def test_retrieve_reads_in_the_calling_thread_and_asks_the_judge_once(tmp_path: Path) -> None:
+    model = ScriptedModel(['{"relevant": [1]}'])
+    memory, read_on = _harbour_memory(tmp_path, ModelJudge(model))
+    packed = memory.retrieve("harbour", scope=SCOPE, budget_tokens=300, recent=2)
+    assert "harbour" in packed.text and len(model.calls) == 1
+    # One path: the store is read right here, not through the bridge loop and back to a
+    # thread (only the judge, a model call, runs on the bridge).
+    assert read_on and set(read_on) == {threading.current_thread().name}
+    memory.close()
+
+
+async def test_aretrieve_reads_in_one_call_on_the_blocking_pool(tmp_path: Path) -> None:
+    memory, read_on = _harbour_memory(tmp_path)
+    packed = await memory.aretrieve("harbour", scope=SCOPE, budget_tokens=300, recent=2)
+    assert "harbour" in packed.text
+    # Profile, search and recent actions: every read in one hop off the event loop.
+    assert len(read_on) >= 3 and len(set(read_on)) == 1
+    assert read_on[0].startswith("keel-blocking")
+    memory.close()
+
+
+def test_memory_overlaps_its_work_on_keels_blocking_pool_only(tmp_path: Path) -> None:
+    memory = Memory(SQLiteMemoryStore(tmp_path / "pool.db"), embedder=HashingEmbedder(32))
+    before = {thread.name for thread in threading.enumerate()}
+    for number in range(10):
+        memory.add(f"note {number} about the harbour", scope=SCOPE)
+    assert memory.process_outbox() == 10  # batches written while the next is embedded
+    assert memory.search("harbour", scope=SCOPE)  # keyword query beside the vector scan
+    started = {thread.name for thread in threading.enumerate()} - before
+    # No pool of its own: what runs beside the caller runs on the bridge's pool.
+    assert all(name.startswith("keel-blocking") for name in started), started
     memory.close()

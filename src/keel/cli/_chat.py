@@ -3,7 +3,6 @@ replies stream as they are generated (``Agent.stream``)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from keel._bridge import run_sync
 from keel.cli._app import app, demo_model_note, out_console
 from keel.cli._database import CreateOption
 
@@ -34,6 +34,8 @@ STATE_MESSAGES_SHOWN = 6
 def _build(
     model_spec: str | None, memory: bool, database: str | None, *, create: bool = False
 ) -> Agent:
+    # Lazy: every keel command imports this module to register ``chat``; the runtime (numpy,
+    # the stores, the model clients) loads only when a chat starts.
     from keel.cli._database import database_settings
     from keel.runtime import Agent
 
@@ -58,12 +60,14 @@ class Chat:
         self.console = console
         self.last_run: str | None = None
         self.interrupted = False
-        # One event loop for the whole chat: model clients keep connections bound to it.
-        self._runner = asyncio.Runner()
 
     def run(self, read_line: Callable[[], str | None]) -> None:
         """Chat until ``read_line`` returns None (end of input), /quit, or Ctrl-C at the prompt;
-        the agent is closed on the chat's loop at the end."""
+        the agent is closed at the end.
+
+        Turns run on keel's bridge loop (``run_sync``), the loop of every sync twin the chat
+        calls, so model clients and async store pools are made once for the whole chat; Ctrl-C
+        cancels the turn there and returns once the turn has unwound."""
         try:
             self._greet()
             self._finish_open_turn()
@@ -78,11 +82,7 @@ class Chat:
         except KeyboardInterrupt:
             self.console.print("\nbye")
         finally:
-            # On the chat's loop: async clients (PostgreSQL, Redis) belong to it.
-            try:
-                self._runner.run(self.agent.aclose())
-            finally:
-                self._runner.close()
+            self.agent.close()
 
     def _greet(self) -> None:
         spec = self.agent.model.spec
@@ -95,7 +95,7 @@ class Chat:
         if self.interrupted and not self._finish_open_turn():
             return
         try:
-            self._runner.run(self._turn(text))
+            run_sync(self._turn(text))
         except KeyboardInterrupt:
             # The checkpoint before the model call is committed: the turn stays open there and
             # nothing half-written is visible. The next message (or chat) finishes it first.
@@ -111,7 +111,7 @@ class Chat:
             return True
         self.console.print("[dim](finishing the interrupted turn first...)[/]")
         try:
-            reply = self._runner.run(self.agent.resume(self.session, self.user))
+            reply = run_sync(self.agent.resume(self.session, self.user))
         except KeyboardInterrupt:
             self.console.print(
                 "\n[dim](interrupted again: that turn stays open, and your new message was "
@@ -192,7 +192,7 @@ class Chat:
         if long_term is None:
             self.console.print("memory is off (--no-memory)")
             return
-        from keel.memory import Scope
+        from keel.memory import Scope  # lazy as in _build (loaded by the agent by now)
 
         long_term.flush()
         packed = long_term.retrieve(
@@ -201,7 +201,7 @@ class Chat:
         self.console.print(packed.text or "(nothing relevant remembered)", markup=False)
 
     def _trace(self) -> None:
-        from keel.tracing import RunQuery
+        from keel.tracing import RunQuery  # lazy as in _build (loaded by the agent by now)
 
         assert self.agent.backends is not None  # Agent.open keeps what it opened
         traces = self.agent.backends.traces

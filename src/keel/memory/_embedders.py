@@ -10,20 +10,21 @@ Provider libraries are imported lazily, inside the classes that use them.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from keel._assets import AssetMissingError, minilm_dir
+from keel._bridge import map_blocking, run_blocking
 from keel.errors import ConfigError, ModelError, ModelUnavailableError
+from keel.memory._onnx import BertConfig, build_bert_encoder
 from keel.memory._text import word_set
 
 __all__ = [
@@ -79,7 +80,7 @@ class Embedder(ABC):
 
     async def aembed(self, texts: Sequence[str]) -> FloatArray:
         """``embed`` without blocking the event loop."""
-        return await asyncio.to_thread(self.embed, texts)
+        return await run_blocking(self.embed, texts)
 
     def embed_one(self, text: str) -> FloatArray:
         """The vector of one text, shape ``(dimension,)``."""
@@ -108,7 +109,6 @@ class OnnxEmbedder(Embedder):
     """
 
     _sessions = _LoadedModels()
-    _pool_lock = threading.Lock()
 
     def __init__(
         self,
@@ -118,15 +118,12 @@ class OnnxEmbedder(Embedder):
         batch_size: int = 16,
         threads: int | None = None,
     ) -> None:
-        from keel.memory._onnx import BertConfig
-
         folder, self.name = _model_folder(path, name)
         self.path = str(folder)
         self.config = BertConfig.from_folder(folder)
         self.dimension = self.config.hidden_size
         self.batch_size = max(1, batch_size)
         self.threads = threads or _available_cpus()
-        self._runners: ThreadPoolExecutor | None = None
 
     def _load(self) -> tuple[Any, Any]:
         loaded: tuple[Any, Any] = self._sessions.get(self.path, self._open)
@@ -140,8 +137,6 @@ class OnnxEmbedder(Embedder):
             raise ConfigError(
                 "the ONNX embedder needs keel's 'embeddings' extra (onnxruntime, onnx, tokenizers)"
             ) from exc
-        from keel.memory._onnx import build_bert_encoder
-
         folder = Path(self.path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -183,20 +178,9 @@ class OnnxEmbedder(Embedder):
             output[chunk] = pooled
 
         chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        if len(chunks) == 1 or self.threads == 1:
-            for chunk in chunks:
-                run(chunk)
-        else:
-            list(self._runner_pool().map(run, chunks))
+        # Up to ``threads`` passes at once on keel's blocking pool (this thread runs one).
+        map_blocking(run, chunks, width=self.threads)
         return _normalize(output)
-
-    def _runner_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._runners is None:
-                self._runners = ThreadPoolExecutor(
-                    max_workers=self.threads, thread_name_prefix="keel-embed"
-                )
-            return self._runners
 
 
 def _model_folder(path: str | Path | None, name: str | None) -> tuple[Path, str]:
@@ -204,8 +188,6 @@ def _model_folder(path: str | Path | None, name: str | None) -> tuple[Path, str]
     if path is not None:
         folder = Path(path)
         return folder, name or folder.name
-    from keel._assets import AssetMissingError, minilm_dir
-
     try:
         return minilm_dir(), name or DEFAULT_EMBEDDING_MODEL
     except AssetMissingError as exc:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from keel.privacy import PIIMasker
 
 __all__ = [
     "MemoryFilter",
@@ -15,6 +18,8 @@ __all__ = [
     "Provenance",
     "Scope",
     "content_hash",
+    "mask_text",
+    "mask_value",
     "utcnow",
 ]
 
@@ -177,3 +182,19 @@ class MemoryFilter(BaseModel):
         description="The time expiry is judged at (None: now); records expired by then are "
         "left out unless ``include_expired``.",
     )
+
+
+def mask_text(masker: PIIMasker | None, text: str, tenant_id: str) -> str:
+    """``text`` with its PII masked for ``tenant_id`` (as it is when masking is off)."""
+    return text if masker is None else masker.mask_text(text, tenant_id=tenant_id)
+
+
+def mask_value(masker: PIIMasker | None, value: Any, tenant_id: str) -> Any:
+    """``value`` (metadata: strings, mappings, sequences) with every string masked."""
+    if isinstance(value, str):
+        return mask_text(masker, value, tenant_id)
+    if isinstance(value, Mapping):
+        return {str(k): mask_value(masker, v, tenant_id) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [mask_value(masker, v, tenant_id) for v in value]
+    return value

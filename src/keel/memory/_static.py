@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from keel._assets import AssetMissingError, minilm_dir
 from keel.errors import ConfigError
 from keel.memory._embedders import Embedder, FloatArray, _LoadedModels, _normalize
 
@@ -51,8 +52,6 @@ def distill_minilm(cache_dir: Path | None = None, *, dimension: int = 256) -> Pa
         ConfigError: the folder is absent and the distillation libraries (keel's
             ``static-embeddings`` extra: model2vec, torch, transformers) are not installed.
     """
-    from keel._assets import AssetMissingError, minilm_dir
-
     cache = cache_dir if cache_dir is not None else _default_cache_dir()
     target = cache / f"{STATIC_MINILM}-{dimension}"
     if (target / _MANIFEST).is_file():

@@ -7,16 +7,13 @@ provider layer, once, never in callers.
 
 from __future__ import annotations
 
-import asyncio
-import queue
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from keel._bridge import run_sync
+from keel._bridge import iterate_sync, run_sync
 from keel.messages import Message, Usage
 from keel.models._toolcalls import ToolCallParseError
 from keel.tokens import ChatTokenCounter, ModelProfile
@@ -171,17 +168,9 @@ class ChatModel(ABC):
         tools: Sequence[ToolSchema] = (),
         options: ModelOptions | None = None,
     ) -> Completion:
-        """Sync twin of :meth:`acomplete` (not for use inside a running event loop)."""
-
-        async def once() -> Completion:
-            try:
-                return await self.acomplete(messages, tools, options)
-            finally:
-                await self._release_loop_resources()
-
-        # Its own short-lived loop, released after the call: a one-off call from sync code
-        # leaves nothing open (an agent's sync twins run on keel's bridge loop instead).
-        return asyncio.run(once())
+        """Sync twin of :meth:`acomplete` (not for use inside a running event loop): runs on
+        keel's bridge loop, where the model's HTTP client is made once and reused."""
+        return run_sync(self.acomplete(messages, tools, options))
 
     def astream(
         self,
@@ -200,49 +189,10 @@ class ChatModel(ABC):
     ) -> Iterator[CompletionChunk]:
         """Sync twin of :meth:`astream`: chunks arrive as they are generated.
 
-        The async stream runs on its own event loop in a helper thread; leaving the loop early
-        (``break``) stops it after the chunk in flight.
+        The async stream runs on keel's bridge loop; leaving the loop early (``break``) stops
+        it where it waits.
         """
-        handoff: queue.Queue[CompletionChunk | BaseException | None] = queue.Queue(maxsize=64)
-        stop = threading.Event()
-
-        async def pump() -> None:
-            try:
-                async for chunk in self.astream(messages, tools, options):
-                    while not stop.is_set():
-                        try:
-                            handoff.put(chunk, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-            finally:
-                await self._release_loop_resources()
-
-        def run() -> None:
-            try:
-                asyncio.run(pump())
-                handoff.put(None)
-            except BaseException as exc:  # handed to the caller's thread, raised there
-                handoff.put(exc)
-
-        worker = threading.Thread(target=run, name="keel-model-stream", daemon=True)
-        worker.start()
-        try:
-            while True:
-                item = handoff.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            # A producer blocked on the full queue sees this within 0.1 s and ends its loop.
-            stop.set()
-
-    async def _release_loop_resources(self) -> None:  # noqa: B027  (optional hook)
-        """Hook: release what belongs to the running event loop (the sync twins end it)."""
+        return iterate_sync(self.astream(messages, tools, options))
 
     async def aclose(self) -> None:  # noqa: B027  (optional hook)
         """Release connections or loaded weights."""

@@ -174,11 +174,12 @@ class OpenAICompatibleModel(ChatModel):
         self._api_key = api_key
         self._headers = dict(default_headers or {})
         self._client = client
-        # An httpx client belongs to the event loop it first ran on; the sync twins start a new
-        # loop per call, so each loop gets its own client.
+        # An httpx client belongs to the event loop it first ran on (the sync twins' is keel's
+        # bridge loop), so each loop gets its own client.
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncOpenAI] = (
             weakref.WeakKeyDictionary()
         )
+        weakref.finalize(self, _close_dropped_clients, self._clients)
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -498,11 +499,6 @@ class OpenAICompatibleModel(ChatModel):
             yield chunk
             read += 1
 
-    async def _release_loop_resources(self) -> None:
-        client = self._clients.pop(asyncio.get_running_loop(), None)
-        if client is not None:
-            await client.close()
-
     async def aclose(self) -> None:
         """Close the HTTP clients this model opened (not one passed in), each on its own event
         loop (the sync twins' clients live on keel's bridge loop)."""
@@ -513,3 +509,14 @@ class OpenAICompatibleModel(ChatModel):
             elif loop.is_running():
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.close(), loop))
         self._clients.clear()
+
+
+def _close_dropped_clients(
+    clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncOpenAI],
+) -> None:
+    """A model dropped without ``close()``: its clients' connections are closed on the loops
+    they belong to (the bridge loop outlives every model), not left open for the garbage
+    collector to find."""
+    for loop, client in list(clients.items()):
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(client.close(), loop)

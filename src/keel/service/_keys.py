@@ -13,7 +13,6 @@ file and on PostgreSQL, next to the agent's other stores.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import re
@@ -23,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from keel._bridge import run_blocking
 from keel.errors import UsageError
 from keel.stores import PostgresDatabase, SQLiteDatabase
 from keel.stores._migrations import Migration, MigrationSet
@@ -253,7 +253,7 @@ class CachedKeys:
         atenant_of_key: Callable[[str], Awaitable[_Found]] | None = None,
     ) -> None:
         self._tenant_of_key = tenant_of_key
-        self._atenant_of_key = atenant_of_key or (lambda key: asyncio.to_thread(tenant_of_key, key))
+        self._atenant_of_key = atenant_of_key or (lambda key: run_blocking(tenant_of_key, key))
         self._ttl_s = ttl_s
         self._verified: dict[str, tuple[Caller, float]] = {}
 

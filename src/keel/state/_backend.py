@@ -7,11 +7,12 @@ new backend is a few hundred lines of driver code and must pass ``keel.testing.s
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
+
+from keel._bridge import run_blocking
 
 __all__ = ["Chain", "SessionHead", "StateBackend", "StoredCheckpoint"]
 
@@ -172,7 +173,7 @@ class StateBackend(ABC):
     async def _run_twin(self, call: Callable[[], _T]) -> _T:
         """Run one sync method's body for an async twin: in a worker thread by default, so a
         database round trip never blocks the event loop."""
-        return await asyncio.to_thread(call)
+        return await run_blocking(call)
 
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
         """Async twin of ``read_chain``."""

@@ -12,7 +12,6 @@ a resumed run replays the same calls instead of asking the model again and getti
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from keel._bridge import run_blocking
 from keel.messages import Message
 
 __all__ = [
@@ -167,7 +167,7 @@ class ToolJournal(ABC):
     async def _run_twin(self, call: Callable[[], _T]) -> _T:
         """Run one sync method's body for an async twin: in a worker thread by default, so a
         database round trip never blocks the event loop."""
-        return await asyncio.to_thread(call)
+        return await run_blocking(call)
 
     async def aclaim(
         self,

@@ -7,7 +7,6 @@ native async driver may override the twins.
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeVar
 
+from keel._bridge import run_blocking
 from keel.errors import UsageError
 from keel.tracing._models import (
     Run,
@@ -61,7 +61,7 @@ class TraceStore(ABC):
     async def _run_twin(self, function: Callable[[], _T]) -> _T:
         """Run one sync method's body for an async twin: in a worker thread by default; a
         backend that knows better overrides it (SQLite runs it inline unless it would wait)."""
-        return await asyncio.to_thread(function)
+        return await run_blocking(function)
 
     @abstractmethod
     def setup(self) -> None:

@@ -9,7 +9,6 @@ and go through the same compare-and-set and journal calls as the API.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from keel._bridge import run_blocking
 from keel.errors import ConflictError, SessionBusyError, StateError
 from keel.memory import MemoryFilter, Scope
 from keel.service._access import path_session_id, revert_holding_lease
@@ -168,7 +168,7 @@ async def runs(
         until=until,
         limit=_PAGE + 1,
     )
-    found = await asyncio.to_thread(viewer.traces.list_runs, query)
+    found = await run_blocking(viewer.traces.list_runs, query)
     shown, more = found[:_PAGE], len(found) > _PAGE
     filters = {
         "session": session or "",
@@ -200,7 +200,7 @@ async def run(
     tenant: str = Depends(_tenant),
     viewer: _Viewer = Depends(_viewer),
 ) -> Response:
-    detail = await asyncio.to_thread(viewer.traces.get_run_detail, run_id)
+    detail = await run_blocking(viewer.traces.get_run_detail, run_id)
     if detail is None or detail.run.tenant_id != tenant:
         raise _Missing
     session_id = detail.run.session_id
@@ -253,7 +253,7 @@ async def _session_view(
     position = checkpoint.state.machine
     in_doubt = []
     if agent.journal is not None:
-        in_doubt = await asyncio.to_thread(agent.journal.in_doubt, key)
+        in_doubt = await run_blocking(agent.journal.in_doubt, key)
     return viewer.page(
         "session.html",
         request,
@@ -342,7 +342,7 @@ async def resolve(
     entry = None if journal is None else await journal.aget(key)
     if journal is None or entry is None or entry.session_id != session_key:
         raise _Missing
-    await asyncio.to_thread(journal.resolve, key, ok=ok == "yes", content=content)
+    await run_blocking(journal.resolve, key, ok=ok == "yes", content=content)
     notice = f"Resolved {entry.tool} call."
     return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
 
@@ -361,14 +361,12 @@ async def memory(
     records, hits, packed, histories = [], [], None, {}
     if store is not None and user:
         scope = Scope(tenant_id=tenant, user_id=user)
-        records = await asyncio.to_thread(
-            store.store.list_records, scope, MemoryFilter(), limit=200
-        )
+        records = await run_blocking(store.store.list_records, scope, MemoryFilter(), limit=200)
         for record in records:
             if record.subject and record.attribute and record.valid_to is not None:
                 chain = (record.subject, record.attribute)
                 if chain not in histories:
-                    histories[chain] = await asyncio.to_thread(store.fact_history, scope, *chain)
+                    histories[chain] = await run_blocking(store.fact_history, scope, *chain)
         if q:
             hits = await store.asearch(q, scope=scope, k=10)
             packed = await store.aretrieve(q, scope=scope, budget_tokens=budget)
@@ -399,10 +397,10 @@ async def health(
     session_key = agent.session_key(session) if session else None
     window = _since(since)
     traces = viewer.traces
-    metrics = await asyncio.to_thread(
+    metrics = await run_blocking(
         lambda: traces.step_metrics(session_id=session_key, since=window, tenant_id=tenant)
     )
-    stats = await asyncio.to_thread(
+    stats = await run_blocking(
         lambda: traces.session_stats(session_id=session_key, since=window, tenant_id=tenant)
     )
     charts = [(series, line_chart(series)) for series in indicator_series(metrics)]

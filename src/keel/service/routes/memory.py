@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query
 
+from keel._bridge import run_blocking
 from keel.memory import Memory, Scope
 from keel.service._access import caller, read_of, user_of
 from keel.service._context import ServiceContext, context_of, memory_of
@@ -67,7 +67,7 @@ async def get_memory(
 ) -> dict[str, Any]:
     """One of the user's memories, its text whole (404 when the user has no such record)."""
     memory, scope = _users_memory(who, context, user, read=True)
-    found = await asyncio.to_thread(memory.get, scope, record_id)
+    found = await run_blocking(memory.get, scope, record_id)
     if found is None:
         raise HTTPError(404, "NotFound", "not found")
     return found.model_dump(mode="json", exclude={"embedding"})
@@ -94,6 +94,6 @@ async def forget_memory(
 ) -> dict[str, Any]:
     """Forget one of the user's memories (404 when the user has no such record)."""
     memory, scope = _users_memory(who, context, user, read=False)
-    if not await asyncio.to_thread(memory.forget, scope, record_id):
+    if not await run_blocking(memory.forget, scope, record_id):
         raise HTTPError(404, "NotFound", "not found")
     return {"forgotten": record_id}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
+from keel._bridge import run_blocking
 from keel.service._access import caller, path_session_id, read_of, session_read
 from keel.service._context import ServiceContext, context_of, journal_of
 from keel.service._errors import HTTPError
@@ -35,7 +35,7 @@ async def session_in_doubt(
     agent = context.agent_for(who.tenant_id)
     journal = journal_of(agent)
     await session_read(agent, who, session_id, "the in-doubt calls")
-    entries = await asyncio.to_thread(journal.in_doubt, agent.session_key(session_id))
+    entries = await run_blocking(journal.in_doubt, agent.session_key(session_id))
     start = number_cursor(cursor) or 0
     entries = entries[start:]
     page = entries[:limit]
@@ -62,7 +62,7 @@ async def resolve_in_doubt(
     session = await agent.state.aget(entry.session_id)
     owner = None if session is None else session.state.runtime.user_id
     read_of(who, owner, f"the in-doubt call {key!r}")
-    resolved = await asyncio.to_thread(
+    resolved = await run_blocking(
         journal.resolve, key, ok=resolution.ok, content=resolution.content
     )
     return resolved.model_dump(mode="json", exclude={"session_id"})

@@ -1,0 +1,423 @@
+"""Retrieval and ranking: the read path of ``Memory``.
+
+Exact look-ups (profile facts, recent actions), then keyword + vector candidates fused by
+weighted reciprocal rank, a calibrated similarity floor, recency weighting, de-duplication /
+MMR and neighbouring turns. What a prompt gets is a :class:`RetrievalDraft`, which the model
+judge (when there is one) filters and which is then packed into an exact token budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from keel._bridge import Forked, fork
+from keel.errors import KeelError, UsageError
+from keel.memory._config import RetrievalConfig
+from keel.memory._embedders import Embedder
+from keel.memory._packing import PackedMemory, label_for, pack_items
+from keel.memory._records import MemoryFilter, MemoryRecord, Scope, mask_text, utcnow
+from keel.memory._similarity import gram
+from keel.memory._store import MemoryStore, ScoredId
+from keel.memory._text import keyword_terms, word_set
+from keel.privacy import PIIMasker
+from keel.tokens import ChatTokenCounter
+
+__all__ = ["RUN_TYPE", "MemoryHit", "RetrievalDraft", "Retriever"]
+
+logger = logging.getLogger("keel.memory")
+
+RUN_TYPE = "run"
+"""The type of a successful run kept for experience replay (never a search hit otherwise)."""
+
+
+class MemoryHit(BaseModel):
+    """One search result: the record, how it ranked, and the turns around it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    record: MemoryRecord = Field(description="The matching record.")
+    score: float = Field(description="Fused relevance score (higher is better).")
+    keyword_rank: int | None = Field(default=None, description="1-based rank in keyword search.")
+    vector_rank: int | None = Field(default=None, description="1-based rank in vector search.")
+    similarity: float | None = Field(default=None, description="Cosine similarity to the query.")
+    recency_boost: float | None = Field(
+        default=None,
+        description="What recency multiplied the fused score by, in [1, 1 + recency_weight] "
+        "(None when recency weighting is off).",
+    )
+    context: tuple[MemoryRecord, ...] = Field(
+        default=(), description="The record with its neighbouring turns, in turn order."
+    )
+
+    @property
+    def records(self) -> tuple[MemoryRecord, ...]:
+        """The context when there is one, else just the record."""
+        return self.context or (self.record,)
+
+    def render(self) -> str:
+        """The labelled block this hit becomes in a prompt."""
+        records = self.records
+        if len(records) == 1:
+            return f"{label_for(self.record)} {self.record.text}"
+        lines = [label_for(self.record)]
+        lines.extend(record.text for record in records)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RetrievalDraft:
+    """What a retrieval for a prompt read (profile facts, search hits, recent actions),
+    before the model judge picks among the hits and the whole is packed."""
+
+    budget_tokens: int
+    k: int
+    judge_candidates: int
+    hits: list[MemoryHit]
+    facts: list[MemoryRecord] = field(default_factory=list)
+    actions: list[MemoryRecord] = field(default_factory=list)
+
+    def to_judge(self) -> list[str]:
+        """The candidates the judge sees, rendered (empty: there is nothing to judge)."""
+        return [hit.render() for hit in self.hits[: self.judge_candidates]]
+
+    def pack(self, kept: Sequence[int] | None, counter: ChatTokenCounter) -> PackedMemory:
+        """Profile facts, then the hits (only those at ``kept`` of the judged candidates when
+        a judge answered) by relevance, then recent actions, within the budget."""
+        hits = self.hits
+        if kept is not None:
+            shown = hits[: self.judge_candidates]
+            hits = [shown[i] for i in kept]
+        candidates: list[tuple[str, str, tuple[str, ...], float]] = [
+            ("profile", f"{label_for(r)} {r.text}", (r.id,), math.inf) for r in self.facts
+        ]
+        candidates.extend(
+            ("relevant", h.render(), tuple(r.id for r in h.records), h.score)
+            for h in hits[: self.k]
+        )
+        candidates.extend(
+            ("recent", f"{label_for(r)} {r.text}", (r.id,), 0.0) for r in self.actions
+        )
+        return pack_items(candidates, self.budget_tokens, counter)
+
+
+@dataclass
+class _Fused:
+    """Candidates fused by weighted reciprocal rank, with how each one ranked."""
+
+    scores: dict[str, float] = field(default_factory=dict)
+    keyword_rank: dict[str, int] = field(default_factory=dict)
+    vector_rank: dict[str, int] = field(default_factory=dict)
+    similarity: dict[str, float] = field(default_factory=dict)
+
+
+class Retriever:
+    """Searches a memory store and reads what a prompt gets from it.
+
+    Args:
+        store: the store searched.
+        embedder: embeds queries; None searches by keyword only.
+        masker: masks a query as records were masked when written.
+        config: retrieval settings.
+        on_error: told the message of a query embedding that failed (``Memory.last_error``).
+    """
+
+    def __init__(
+        self,
+        store: MemoryStore,
+        embedder: Embedder | None,
+        masker: PIIMasker | None,
+        config: RetrievalConfig,
+        on_error: Callable[[str], None],
+    ) -> None:
+        self.store = store
+        self.embedder = embedder
+        self.masker = masker
+        self.config = config
+        self._on_error = on_error
+
+    # --- exact tier -------------------------------------------------------------------------
+
+    def profile(self, scope: Scope, *, limit: int = 50) -> list[MemoryRecord]:
+        """Current semantic facts and preferences of the user, newest first."""
+        return self.store.list_records(scope, MemoryFilter(kinds=("semantic",)), limit=limit)
+
+    def recent(
+        self, scope: Scope, *, limit: int = 10, types: Sequence[str] = ()
+    ) -> list[MemoryRecord]:
+        """The last ``limit`` episodic records (optionally of some types), newest first."""
+        return self.store.list_records(
+            scope,
+            MemoryFilter(kinds=("episodic",), types=tuple(types), exclude_types=(RUN_TYPE,)),
+            limit=limit,
+        )
+
+    # --- for a prompt -----------------------------------------------------------------------
+
+    def draft(
+        self,
+        query: str,
+        scope: Scope,
+        budget_tokens: int,
+        k: int,
+        include_profile: bool,
+        recent: int,
+        filters: MemoryFilter | None,
+        now: datetime | None,
+        judged: bool,
+    ) -> RetrievalDraft:
+        """Everything a retrieval reads, in one blocking call; ``judged``: a judge will pick
+        among the best ``judge_candidates`` hits, so that many are searched for.
+
+        Raises:
+            UsageError: a negative budget.
+        """
+        if budget_tokens < 0:
+            raise UsageError("budget_tokens must be >= 0")
+        wanted = max(k, self.config.judge_candidates) if judged else k
+        return RetrievalDraft(
+            budget_tokens=budget_tokens,
+            k=k,
+            judge_candidates=self.config.judge_candidates,
+            hits=self.search(query, scope, wanted, filters, now, True),
+            facts=self.profile(scope) if include_profile else [],
+            actions=self.recent(scope, limit=recent) if recent else [],
+        )
+
+    # --- search -----------------------------------------------------------------------------
+
+    def search(
+        self,
+        query: str,
+        scope: Scope,
+        k: int,
+        filters: MemoryFilter | None,
+        now: datetime | None,
+        distinct: bool,
+    ) -> list[MemoryHit]:
+        """What ``Memory.search`` answers (its arguments, by position)."""
+        filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
+        # MMR picks the k hits from the best ``window`` candidates; only those are read back.
+        window = max(k * 4, 40)
+        ranked = self._rank(query, scope, filters, now=now, window=window)
+        if not distinct:
+            return self._finish(ranked[:k], scope, k)
+        return self._finish(self._diversify(ranked[:window], scope, keep=k), scope, k)
+
+    def _rank(
+        self,
+        query: str,
+        scope: Scope,
+        filters: MemoryFilter,
+        *,
+        now: datetime | None,
+        window: int,
+    ) -> list[MemoryHit]:
+        """Fused candidates, best first: at least the best ``window`` of them (when there are
+        that many), each with its record."""
+        keyword, vector = self._candidates(
+            mask_text(self.masker, query, scope.tenant_id), scope, filters
+        )
+        fused = self._fuse(keyword, vector)
+        if not fused.scores:
+            return []
+        records = self._fetch_reachable(scope, filters, fused.scores, window)
+        cfg = self.config
+        reference = now or utcnow()
+        hits: list[MemoryHit] = []
+        for record_id, record in records.items():
+            score = fused.scores[record_id]
+            boost = None
+            if cfg.recency_weight > 0:
+                age_days = max(0.0, (reference - record.when).total_seconds() / 86400)
+                boost = 1.0 + cfg.recency_weight * math.pow(
+                    0.5, age_days / cfg.recency_half_life_days
+                )
+                score *= boost
+            hits.append(
+                MemoryHit(
+                    record=record,
+                    score=score,
+                    keyword_rank=fused.keyword_rank.get(record_id),
+                    vector_rank=fused.vector_rank.get(record_id),
+                    similarity=fused.similarity.get(record_id),
+                    recency_boost=boost,
+                )
+            )
+        hits.sort(key=lambda h: (-h.score, h.record.id))
+        return hits
+
+    def _candidates(
+        self, masked_query: str, scope: Scope, filters: MemoryFilter
+    ) -> tuple[list[ScoredId], list[ScoredId]]:
+        """Keyword and vector candidates of the (masked) query."""
+        cfg = self.config
+        terms = keyword_terms(masked_query)
+        use_keywords = bool(terms) and cfg.keyword_weight > 0
+        embedder = self.embedder if cfg.vector_weight > 0 else None
+        if embedder is None:
+            if not use_keywords:
+                return [], []
+            return self.store.keyword_search(scope, terms, filters, cfg.candidates), []
+        # The keyword query runs while the query is embedded and the vectors scanned:
+        # SQLite, ONNX Runtime and numpy all release the GIL, so the two overlap.
+        pending: Forked[list[ScoredId]] | None = None
+        if use_keywords:
+            pending = fork(self.store.keyword_search, scope, terms, filters, cfg.candidates)
+        vector: list[ScoredId] = []
+        try:
+            query_vector = embedder.embed_one(masked_query)
+        except KeelError as exc:
+            # A down embedding endpoint degrades search to keyword-only, never fails it.
+            self._on_error(str(exc))
+            logger.warning("query embedding failed, keyword search only: %s", exc)
+        else:
+            vector = self.store.vector_search(
+                scope, query_vector, embedder.name, filters, cfg.candidates
+            )
+        return ([] if pending is None else pending.join()), vector
+
+    def _fuse(self, keyword: list[ScoredId], vector: list[ScoredId]) -> _Fused:
+        """Weighted reciprocal rank over both lists; a vector-only candidate under the
+        similarity floor is dropped."""
+        cfg = self.config
+        fused = _Fused()
+        for rank, hit in enumerate(keyword, start=1):
+            fused.keyword_rank[hit.record_id] = rank
+            fused.scores[hit.record_id] = cfg.keyword_weight / (cfg.rrf_k + rank)
+        for rank, hit in enumerate(vector, start=1):
+            fused.vector_rank[hit.record_id] = rank
+            fused.similarity[hit.record_id] = hit.score
+            if hit.record_id not in fused.keyword_rank and hit.score < cfg.min_similarity:
+                continue
+            fused.scores[hit.record_id] = fused.scores.get(hit.record_id, 0.0) + (
+                cfg.vector_weight / (cfg.rrf_k + rank)
+            )
+        return fused
+
+    def _fetch_reachable(
+        self, scope: Scope, filters: MemoryFilter, scores: dict[str, float], window: int
+    ) -> dict[str, MemoryRecord]:
+        """The records of every candidate that can still finish in the best ``window``.
+
+        Recency multiplies a fused score by a factor in [1, 1 + recency_weight], so the
+        ``window``-th best fused score is a floor under the ``window``-th best final score and
+        a candidate whose boosted score stays below it can never enter: its record is not read
+        (about 40 records instead of 200). Candidates the store drops (a filter, a concurrent
+        delete) are replaced from the rest.
+        """
+        ordered = sorted(scores, key=lambda record_id: (-scores[record_id], record_id))
+        boost = 1.0 + self.config.recency_weight
+        records: dict[str, MemoryRecord] = {}
+        start = 0
+        while start < len(ordered):
+            missing = window - len(records)
+            floor = scores[ordered[start + missing - 1]] if start + missing <= len(ordered) else 0
+            end = start + max(missing, 1)
+            while end < len(ordered) and scores[ordered[end]] * boost >= floor:
+                end += 1
+            records.update((r.id, r) for r in self.store.fetch(scope, ordered[start:end], filters))
+            start = end
+            if len(records) >= window:
+                break
+        return records
+
+    def _diversify(self, hits: list[MemoryHit], scope: Scope, keep: int) -> list[MemoryHit]:
+        """``keep`` of ``hits`` without near-duplicates; with ``mmr_lambda`` < 1 picked by MMR."""
+        cfg = self.config
+        count = len(hits)
+        if count <= 1:
+            return hits
+        similarity = self._similarities(hits, scope)
+        relevance = np.array([h.score for h in hits], dtype=np.float64)
+        relevance = relevance / max(float(relevance.max()), 1e-12)
+        alive = np.ones(count, dtype=bool)
+        redundancy = np.zeros(count, dtype=np.float64)
+        selected: list[int] = []
+        while len(selected) < keep and alive.any():
+            values = cfg.mmr_lambda * relevance - (1 - cfg.mmr_lambda) * redundancy
+            values[~alive] = -np.inf
+            chosen = int(np.argmax(values))
+            selected.append(chosen)
+            alive[chosen] = False
+            # Near-duplicates of what was chosen are removed for good.
+            alive &= similarity[chosen] < cfg.duplicate_similarity
+            redundancy = np.maximum(redundancy, similarity[chosen])
+        return [hits[i] for i in selected]
+
+    def _similarities(self, hits: list[MemoryHit], scope: Scope) -> Any:
+        """Pairwise similarity of the hits: cosine of their vectors when every hit has one,
+        else the Jaccard overlap of their words."""
+        count = len(hits)
+        ids = [h.record.id for h in hits]
+        vectors: dict[str, Any] = {}
+        if self.embedder is not None:
+            vectors = self.store.vectors(scope, ids, self.embedder.name)
+        if len(vectors) == count:
+            return gram(np.stack([np.asarray(vectors[i], dtype=np.float32) for i in ids]))
+        words = [word_set(h.record.text) for h in hits]
+        similarity = np.zeros((count, count), dtype=np.float32)
+        for a in range(count):
+            for b in range(a + 1, count):
+                union = words[a] | words[b]
+                value = len(words[a] & words[b]) / len(union) if union else 0.0
+                similarity[a, b] = similarity[b, a] = value
+        return similarity
+
+    def _finish(self, hits: list[MemoryHit], scope: Scope, k: int) -> list[MemoryHit]:
+        """Top ``k`` hits with their neighbouring turns.
+
+        A hit that an earlier hit already shows (as a neighbour) still counts as one of the
+        ``k`` and extends that earlier block with its own neighbours, so adjacent hits become
+        one contiguous block and no turn is shown twice.
+        """
+        span = self.config.neighbours
+        owner: dict[str, int] = {}
+        blocks: list[MemoryHit] = []
+        around = self._turns_around(hits[:k], scope)
+        for hit in hits[:k]:
+            record = hit.record
+            turns: tuple[MemoryRecord, ...] = (record,)
+            if span and record.session_id is not None and record.turn is not None:
+                first, last = record.turn - span, record.turn + span
+                turns = tuple(
+                    r
+                    for r in around.get(record.session_id, ())
+                    if r.turn is not None and first <= r.turn <= last
+                ) or (record,)
+            if record.id in owner:
+                index = owner[record.id]
+                block = blocks[index]
+                merged = {r.id: r for r in block.records}
+                for turn in turns:
+                    if turn.id not in owner:
+                        merged[turn.id] = turn
+                        owner[turn.id] = index
+                ordered = sorted(merged.values(), key=lambda r: (r.turn or 0, r.created_at))
+                blocks[index] = block.model_copy(update={"context": tuple(ordered)})
+                continue
+            fresh = tuple(r for r in turns if r.id not in owner or r.id == record.id)
+            for turn in fresh:
+                owner[turn.id] = len(blocks)
+            blocks.append(hit.model_copy(update={"context": fresh if span else ()}))
+        return blocks
+
+    def _turns_around(self, hits: list[MemoryHit], scope: Scope) -> dict[str, list[MemoryRecord]]:
+        """Every hit's neighbouring turns, by session, in one read (not one per hit)."""
+        span = self.config.neighbours
+        spans = {
+            (hit.record.session_id, hit.record.turn - span, hit.record.turn + span)
+            for hit in hits
+            if span and hit.record.session_id is not None and hit.record.turn is not None
+        }
+        around: dict[str, list[MemoryRecord]] = {}
+        for found in self.store.turns_around(scope, sorted(spans)) if spans else ():
+            around.setdefault(found.session_id or "", []).append(found)
+        return around
