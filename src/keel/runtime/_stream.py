@@ -18,8 +18,8 @@ from keel.runtime._events import (
     ToolCallStarted,
 )
 from keel.runtime._masking import Masking
+from keel.runtime._steps import StepRecord
 from keel.runtime._text import sanitize
-from keel.runtime._tool_loop import StepRecord
 from keel.tools import ToolResult
 from keel.tracing import redact_json
 

@@ -34,6 +34,16 @@ from keel.runtime._log import SessionLog
 from keel.runtime._masking import Masking
 from keel.runtime._replies import Recent, with_reply
 from keel.runtime._reply import AgentReply
+from keel.runtime._steps import (
+    LoopResult,
+    LoopRun,
+    LoopStop,
+    ModelStep,
+    StepRecord,
+    ToolGate,
+    ToolStep,
+    time_limit,
+)
 from keel.runtime._stream import TurnStream
 from keel.runtime._text import (
     clip,
@@ -42,7 +52,6 @@ from keel.runtime._text import (
     unanswered_note,
     without_corrections,
 )
-from keel.runtime._tool_loop import LoopHooks, LoopResult, StepRecord, ToolLoop
 from keel.runtime._workflow import WORKFLOW_TOOLS, Workflow, WorkflowCursor
 from keel.state import AgentState, Checkpoint, MachinePosition, StateStore
 from keel.tools import ToolJournal, ToolRegistry, ToolResult, ToolScope
@@ -273,9 +282,7 @@ class TurnRunner:
         try:
             self.memories = await deps.recall(self.user_id, self.user_message.content)
             self.loop_start = len(self.log)
-            result = await self._loop().arun(
-                self.log.live, session_id=self.key, first_step=self.state.step, turn_id=self.turn_id
-            )
+            result = await self._drive()
         except asyncio.CancelledError:
             # Ctrl-C, or a caller that stopped reading the stream: the turn stays open at its
             # last checkpoint for the next message to finish, and its run says so.
@@ -299,7 +306,9 @@ class TurnRunner:
             return await self._fail(KeelError(f"{type(exc).__name__}: {exc}"), cause=exc)
         return await self._commit(result)
 
-    def _loop(self) -> ToolLoop:
+    async def _drive(self) -> LoopResult:
+        """The model-and-tools loop, driven here: a checkpoint and a compiled prompt before each
+        model step, the trace (and a checkpoint after a transition) after each step."""
         deps = self.deps
         # The run's time limit covers the whole turn: what memory retrieval took is gone, and
         # a slice is kept back for the commit.
@@ -307,38 +316,88 @@ class TurnRunner:
         guards = deps.guards.model_copy(
             update={"run_timeout_s": max(self.remaining() - margin, 0.001)}
         )
-        stream = self.stream
-        return ToolLoop(
+        scope = ToolScope(
+            user_id=self.user_id,
+            tenant_id=deps.tenant_id,
+            run_id=self.run.run_id,
+            deps=self.tool_deps,
+        )
+        tools = ToolStep(
+            self.registry, deps.journal, guards=guards, redact=deps.masking.redact, scope=scope
+        )
+        model = ModelStep(
             deps.model,
-            self.registry,
+            tools.journal,
             guards=guards,
-            journal=deps.journal,
-            hooks=LoopHooks(
-                before_model_call=self._before_model_call,
-                after_step=self._after_step,
-                state_fingerprint=self.cursor.fingerprint,
-                revert_to_last_good=self._on_guard_stop,
-                before_side_effect=lambda call: self.lease.check(),
-                refuse_call=lambda call: deps.workflow.refusal(self.cursor.position, call),
-                model_options=lambda step, options: options.model_copy(
-                    update={"max_tokens": self._answer_limit()}
-                ),
-                on_text=stream.on_text if stream is not None else None,
-                on_tool_start=stream.on_tool_start if stream is not None else None,
-                on_tool_result=stream.on_tool_result if stream is not None else None,
-            ),
             monitor=deps.monitor,
             agent=deps.name,
-            redact=deps.masking.redact,
             output_schema=self.output_type,
             options=self._options(),
-            tool_scope=ToolScope(
-                user_id=self.user_id,
-                tenant_id=deps.tenant_id,
-                run_id=self.run.run_id,
-                deps=self.tool_deps,
-            ),
         )
+        run = model.start(
+            self.log.live,
+            session_id=self.key,
+            first_step=self.state.step,
+            turn_id=self.turn_id,
+            tools=self.registry.schemas(),
+        )
+        try:
+            async with asyncio.timeout(guards.run_timeout_s):
+                result = await self._steps(run, model, tools, guards)
+        except TimeoutError:
+            result = await self._end(run, time_limit(guards))
+        if result.error is not None and guards.fallback == "raise":
+            raise result.error
+        return result
+
+    async def _steps(
+        self, run: LoopRun, model: ModelStep, tools: ToolStep, guards: GuardConfig
+    ) -> LoopResult:
+        stream = self.stream
+        gate = ToolGate(
+            refuse=self._refusal,
+            before_side_effect=self._before_side_effect,
+            on_start=stream.on_tool_start if stream is not None else None,
+            on_result=stream.on_tool_result if stream is not None else None,
+            fingerprint=self.cursor.fingerprint,
+        )
+        try:
+            while True:
+                run.begin(guards)
+                sent = await self._before_model_call(run.step, run.history)
+                outcome = await model.replay(run)
+                if outcome is None:
+                    options = model.options.model_copy(update={"max_tokens": self._answer_limit()})
+                    on_text = stream.on_text if stream is not None else None
+                    outcome = await model.ask(run, sent, options, on_text)
+                await self._after_steps(run)
+                if outcome.kind == "tool_calls":
+                    await tools(run, outcome, gate)
+                elif (result := model.conclude(run, outcome)) is not None:
+                    await self._after_steps(run)
+                    return result
+                await self._after_steps(run)
+        except LoopStop as stop:
+            return await self._end(run, stop)
+
+    async def _end(self, run: LoopRun, stop: LoopStop) -> LoopResult:
+        """The run stops: its last step traced, and a guard's stop recorded in the trace (the
+        commit reverts to the last good state)."""
+        ended = run.halt(stop)
+        await self._after_steps(run)
+        if isinstance(ended, LoopResult):
+            return ended
+        if not isinstance(ended.error, GuardError):
+            return run.stopped(ended, reverted=False)
+        await self._on_guard_stop(ended.error)
+        return run.stopped(ended, reverted=True)
+
+    async def _refusal(self, call: ToolCall) -> str | None:
+        return self.deps.workflow.refusal(self.cursor.position, call)
+
+    async def _before_side_effect(self, call: ToolCall) -> None:
+        # A worker that stalled past its lease never acts on a session another one took over.
+        await self.lease.check()
 
     # --- the model step's inputs ----------------------------------------------------------------
 
@@ -407,6 +466,10 @@ class TurnRunner:
         return list(prompt.messages)
 
     # --- after each step ------------------------------------------------------------------------
+
+    async def _after_steps(self, run: LoopRun) -> None:
+        for record in run.take_finished():
+            await self._after_step(record)
 
     async def _after_step(self, record: StepRecord) -> None:
         if record.error_type == "ContextLengthExceededError":
