@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from keel._bridge import iterate_sync, run_sync
 from keel.context import ContextBudget, ContextEngine, ContextMemory
@@ -47,7 +47,7 @@ from keel.runtime._replies import Recent
 from keel.runtime._reply import AgentReply
 from keel.runtime._session import answer, resume_open_turn
 from keel.runtime._text import require_id, session_key, user_text
-from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps
+from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps, TurnOptions
 from keel.runtime._workflow import Workflow
 from keel.state import AgentState, StateMachine, StateStore
 from keel.tools import InMemoryJournal, Tool, ToolJournal
@@ -440,10 +440,7 @@ class Agent:
         *,
         session: str,
         user: str,
-        deps: Any = None,
-        output_type: type[Any] | None = None,
-        model_options: ModelOptions | None = None,
-        turn_id: str | None = None,
+        **options: Unpack[TurnOptions],
     ) -> AgentReply:
         """Process one user message of ``user`` in ``session`` and return the reply: the same
         as :meth:`handle`, with the identities named, so they cannot be swapped.
@@ -458,8 +455,7 @@ class Agent:
                 committed: it is returned (``replayed``). It was left open: it is finished.
                 The same id with another message is a ``UsageError``.
         """
-        extras = RunExtras(deps, output_type, model_options, turn_id)
-        return await self._handle(session, user, text, None, extras)
+        return await self._handle(session, user, text, None, RunExtras(**options))
 
     def run_sync(
         self,
@@ -467,23 +463,10 @@ class Agent:
         *,
         session: str,
         user: str,
-        deps: Any = None,
-        output_type: type[Any] | None = None,
-        model_options: ModelOptions | None = None,
-        turn_id: str | None = None,
+        **options: Unpack[TurnOptions],
     ) -> AgentReply:
         """Sync twin of :meth:`run` (not for use inside a running event loop)."""
-        return run_sync(
-            self.run(
-                text,
-                session=session,
-                user=user,
-                deps=deps,
-                output_type=output_type,
-                model_options=model_options,
-                turn_id=turn_id,
-            )
-        )
+        return run_sync(self.run(text, session=session, user=user, **options))
 
     async def stream(
         self,
@@ -491,10 +474,7 @@ class Agent:
         *,
         session: str,
         user: str,
-        deps: Any = None,
-        output_type: type[Any] | None = None,
-        model_options: ModelOptions | None = None,
-        turn_id: str | None = None,
+        **options: Unpack[TurnOptions],
     ) -> AsyncIterator[AgentEvent]:
         """Process one user message as :meth:`run` does, yielding its events as they happen:
         masked text deltas, tool calls as they start and end, workflow transitions,
@@ -507,7 +487,7 @@ class Agent:
         finishes it. Raises what :meth:`run` raises, at the point it happens.
         """
         events: asyncio.Queue[AgentEvent | None] = asyncio.Queue()
-        extras = RunExtras(deps, output_type, model_options, turn_id)
+        extras = RunExtras(**options)
         turn = asyncio.create_task(self._handle(session, user, text, events.put_nowait, extras))
         turn.add_done_callback(lambda _: events.put_nowait(None))
         try:
@@ -527,24 +507,11 @@ class Agent:
         *,
         session: str,
         user: str,
-        deps: Any = None,
-        output_type: type[Any] | None = None,
-        model_options: ModelOptions | None = None,
-        turn_id: str | None = None,
+        **options: Unpack[TurnOptions],
     ) -> Iterator[AgentEvent]:
         """Sync twin of :meth:`stream`: events arrive as they happen; leaving the loop early
         stops the turn as it does there (not for use inside a running event loop)."""
-        return iterate_sync(
-            self.stream(
-                text,
-                session=session,
-                user=user,
-                deps=deps,
-                output_type=output_type,
-                model_options=model_options,
-                turn_id=turn_id,
-            )
-        )
+        return iterate_sync(self.stream(text, session=session, user=user, **options))
 
     async def _handle(
         self,

@@ -37,19 +37,19 @@ from keel.errors import GuardError
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
+from keel.runtime._model_step import ModelStep
 from keel.runtime._steps import (
     LoopResult,
     LoopRun,
     LoopStatus,
     LoopStop,
     MaybeAwaitable,
-    ModelStep,
     StepRecord,
     ToolGate,
-    ToolStep,
     call_hook,
     time_limit,
 )
+from keel.runtime._tool_step import ToolStep
 from keel.tools import Tool, ToolJournal, ToolRegistry, ToolResult, ToolScope
 
 __all__ = ["LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]

@@ -14,17 +14,16 @@ running summary and the hand-off to memory.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
-from keel.context import CompiledPrompt, ContextEngine, ContextMemory
+from keel.context import ContextEngine, ContextMemory
 from keel.errors import ConflictError, GuardError, KeelError, StoreError, TurnInterruptedError
-from keel.guards import GuardConfig, SpiralMonitor, output_json_schema
+from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
 from keel.runtime._events import AgentEvent, CheckpointCommitted
@@ -32,16 +31,16 @@ from keel.runtime._hand_off import MemoryHandOff
 from keel.runtime._lease import Lease
 from keel.runtime._log import SessionLog
 from keel.runtime._masking import Masking
+from keel.runtime._model_step import ModelStep
+from keel.runtime._prompt import TurnPrompt
 from keel.runtime._replies import Recent, with_reply
 from keel.runtime._reply import AgentReply
 from keel.runtime._steps import (
     LoopResult,
     LoopRun,
     LoopStop,
-    ModelStep,
     StepRecord,
     ToolGate,
-    ToolStep,
     time_limit,
 )
 from keel.runtime._stream import TurnStream
@@ -52,12 +51,13 @@ from keel.runtime._text import (
     unanswered_note,
     without_corrections,
 )
+from keel.runtime._tool_step import ToolStep
 from keel.runtime._workflow import WORKFLOW_TOOLS, Workflow, WorkflowCursor
 from keel.state import AgentState, Checkpoint, MachinePosition, StateStore
-from keel.tools import ToolJournal, ToolRegistry, ToolResult, ToolScope
+from keel.tools import ToolJournal, ToolRegistry, ToolScope
 from keel.tracing import RunTrace, Tracer, arecord_loop_step
 
-__all__ = ["RunExtras", "SessionLogs", "TurnDeps", "TurnRunner"]
+__all__ = ["RunExtras", "SessionLogs", "TurnDeps", "TurnOptions", "TurnRunner"]
 
 logger = logging.getLogger("keel.runtime")
 
@@ -109,6 +109,15 @@ class TurnDeps:
     memory: MemoryHandOff | None
     recall: Callable[[str, str], Awaitable[list[ContextMemory]]]
     """The memories for (user id, query) within their budget."""
+
+
+class TurnOptions(TypedDict, total=False):
+    """The options of one ``Agent.run`` / ``Agent.stream`` call (see :meth:`Agent.run`)."""
+
+    deps: Any
+    output_type: type[Any] | None
+    model_options: ModelOptions | None
+    turn_id: str | None
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,6 @@ class TurnRunner:
         self.stream = TurnStream(emit, deps.masking) if emit is not None else None
         self.tool_deps = extras.deps
         self.output_type = extras.output_type or deps.output_type
-        self.model_options = extras.model_options or deps.model_options
         self.cursor = WorkflowCursor(checkpoint.state.machine, emit=emit)
         start = self._start(checkpoint.state, text, extras.turn_id)
         self.turn_id = start.turn_id
@@ -187,15 +195,18 @@ class TurnRunner:
         append."""
         self.record_reply = bool(self.user_message.metadata.get("client_turn"))
         """The caller gave the turn its id: its reply is committed with it, for retries."""
-        self.memories: list[ContextMemory] = []
         self.registry: ToolRegistry = deps.workflow.registry(self.cursor)
         self.loop_start = 0
         """The log's length when the turn's loop started from it."""
-        self.last_prompt: CompiledPrompt | None = None
-        self.last_headroom = 0
-        """Tokens the last prompt left free beyond the reserve (see :meth:`_headroom`)."""
-        self.max_prompt_tokens = 0
-        self.shrink_next = False
+        self.prompt = TurnPrompt(
+            deps.engine,
+            system_prompt=deps.system_prompt,
+            rules=deps.rules,
+            output_type=self.output_type,
+            options=extras.model_options or deps.model_options,
+            max_output_tokens=deps.model.profile.max_output_tokens,
+            tools=self.registry.schemas(),
+        )
         self.committed = False
         """Whether any checkpoint of this turn was written (a conflict then leaves it open)."""
         self.tool_calls: list[ToolCall] = []
@@ -280,7 +291,7 @@ class TurnRunner:
         if self.resume:
             await deps.tracer.atake_over_turn(run, self.turn_id)
         try:
-            self.memories = await deps.recall(self.user_id, self.user_message.content)
+            self.prompt.memories = await deps.recall(self.user_id, self.user_message.content)
             self.loop_start = len(self.log)
             result = await self._drive()
         except asyncio.CancelledError:
@@ -332,7 +343,7 @@ class TurnRunner:
             monitor=deps.monitor,
             agent=deps.name,
             output_schema=self.output_type,
-            options=self._options(),
+            options=self.prompt.options,
         )
         run = model.start(
             self.log.live,
@@ -367,7 +378,7 @@ class TurnRunner:
                 sent = await self._before_model_call(run.step, run.history)
                 outcome = await model.replay(run)
                 if outcome is None:
-                    options = model.options.model_copy(update={"max_tokens": self._answer_limit()})
+                    options = self.prompt.sized(model.options)
                     on_text = stream.on_text if stream is not None else None
                     outcome = await model.ask(run, sent, options, on_text)
                 await self._after_steps(run)
@@ -399,47 +410,6 @@ class TurnRunner:
         # A worker that stalled past its lease never acts on a session another one took over.
         await self.lease.check()
 
-    # --- the model step's inputs ----------------------------------------------------------------
-
-    def _options(self) -> ModelOptions:
-        options = self.model_options
-        if self.output_type is None or options.json_schema is not None:
-            return options
-        # Providers that can enforce a schema do (structured outputs, a grammar).
-        return options.model_copy(update={"json_schema": output_json_schema(self.output_type)})
-
-    def _answer_limit(self) -> int:
-        """What the next model call may generate (DESIGN.md, "The answer's limit"): the room its
-        compiled prompt left in the window, at most the model's output limit, never less than
-        the reserve (room no prompt takes); the caller's ``max_tokens``, when given, caps it."""
-        budget = self.deps.engine.budget
-        prompt = self.last_prompt
-        used = (prompt.tokens if prompt is not None else budget.limit) + self.last_headroom
-        room = min(budget.effective_window - used, self.deps.model.profile.max_output_tokens)
-        room = max(room, budget.reserve, 1)
-        asked = self.model_options.max_tokens
-        return room if asked is None else min(asked, room)
-
-    def _headroom(self) -> int:
-        """Tokens to leave free beyond the answer reserve in the next prompt: none, unless the
-        provider just said the prompt was too long. Our count and theirs then disagree (a
-        template or tokenizer we could only estimate): the retry gets a third less room."""
-        if not self.shrink_next:
-            return 0
-        limit = self.deps.engine.budget.limit
-        return limit - max(1024, int(limit * 2 / 3))
-
-    def _rules(self) -> list[str]:
-        rules = list(self.deps.rules)
-        if self.output_type is not None:
-            schema = json.dumps(output_json_schema(self.output_type), ensure_ascii=False)
-            rules.append(
-                "When you give your final answer, reply with only one JSON object that follows "
-                f"this JSON schema: {schema}"
-            )
-        rules.extend(self.deps.workflow.rules(self.cursor.position))
-        return rules
-
     async def _before_model_call(self, step: int, history: Sequence[Message]) -> list[Message]:
         self.log.take(history, self.deps.masking.mask_message)
         # The checkpoint before the model call: compare-and-set on the version we read.
@@ -451,19 +421,9 @@ class TurnRunner:
         # The trace so far is made durable with the checkpoint: a process killed during the
         # model call leaves both at the same point.
         await self.run.aflush()
-        self.last_headroom = self._headroom()
-        prompt = self.deps.engine.compile(
-            self.log.conversation,
-            system=self.deps.system_prompt,
-            rules=self._rules(),
-            memories=self.memories,
-            tools=self.registry.schemas(),
-            extra_headroom=self.last_headroom,
+        return self.prompt.compile(
+            self.log.conversation, self.deps.workflow.rules(self.cursor.position)
         )
-        self.shrink_next = False
-        self.last_prompt = prompt
-        self.max_prompt_tokens = max(self.max_prompt_tokens, prompt.tokens)
-        return list(prompt.messages)
 
     # --- after each step ------------------------------------------------------------------------
 
@@ -472,15 +432,14 @@ class TurnRunner:
             await self._after_step(record)
 
     async def _after_step(self, record: StepRecord) -> None:
-        if record.error_type == "ContextLengthExceededError":
-            self.shrink_next = True
+        self.prompt.note(record)
         if self.stream is not None:
             self.stream.end_step(record)
         await arecord_loop_step(
             self.run,
             record,
             model=self.deps.model.spec,
-            budget=self.last_prompt.report if self.last_prompt else None,
+            budget=self.prompt.last.report if self.prompt.last else None,
             state_version=self.version,
             transitions=self.cursor.transitions,
         )
@@ -502,23 +461,13 @@ class TurnRunner:
                 self.tool_calls.append(
                     ToolCall(id=result.call_id, name=result.tool, arguments=result.raw_arguments)
                 )
-            if self._is_effect(result):
+            if self.deps.workflow.ran_effect(result):
                 call = calls.get(result.call_id) or ToolCall(
                     id=result.call_id, name=result.tool, arguments=result.raw_arguments
                 )
                 self.effects.append(
                     (masking.mask_call(call), masking.mask_message(result.to_message()))
                 )
-
-    def _is_effect(self, result: ToolResult) -> bool:
-        """A side-effecting call that ran (now or before a crash) or may have run."""
-        if not self.deps.workflow.is_effect(result.tool):
-            return False
-        return (
-            result.ok
-            or result.status in ("in_doubt", "timeout")
-            or (result.status == "failed" and result.executed)
-        )
 
     async def _on_guard_stop(self, error: GuardError) -> None:
         await self.run.arecord(
@@ -584,7 +533,7 @@ class TurnRunner:
             state_version=self.version + 1,
             workflow_state=position.state if position is not None else None,
             steps=len(result.steps),
-            max_prompt_tokens=self.max_prompt_tokens,
+            max_prompt_tokens=self.prompt.max_tokens,
             prompt_limit=self.deps.engine.budget.limit,
             loops_detected=result.loops_detected,
             tool_calls=tuple(r.tool for step in result.steps for r in step.tool_results),

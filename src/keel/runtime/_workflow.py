@@ -13,7 +13,7 @@ from keel.errors import UsageError
 from keel.messages import ToolCall
 from keel.runtime._events import AgentEvent, WorkflowTransition
 from keel.state import MachinePosition, StateMachine
-from keel.tools import Tool, ToolRegistry, tool
+from keel.tools import Tool, ToolRegistry, ToolResult, tool
 
 __all__ = ["WORKFLOW_TOOLS", "Workflow", "WorkflowCursor"]
 
@@ -88,10 +88,17 @@ class Workflow:
         )
         return rules
 
-    def is_effect(self, name: str) -> bool:
-        """Whether ``name`` is a domain tool with side effects."""
-        declared = self.domain_tools.get(name)
-        return declared is not None and declared.side_effect
+    def ran_effect(self, result: ToolResult) -> bool:
+        """Whether ``result`` is of a side-effecting domain tool that ran (now or before a
+        crash) or may have run."""
+        declared = self.domain_tools.get(result.tool)
+        if declared is None or not declared.side_effect:
+            return False
+        return (
+            result.ok
+            or result.status in ("in_doubt", "timeout")
+            or (result.status == "failed" and result.executed)
+        )
 
     @staticmethod
     def _tools(machine: StateMachine, cursor: WorkflowCursor) -> list[Tool]:
