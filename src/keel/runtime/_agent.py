@@ -9,7 +9,8 @@
 3. retrieve long-term memories within their token budget;
 4. compile the context (exact budgets, window + summary, pruning; budget report kept);
 5. checkpoint BEFORE every model call (compare-and-set on the version read);
-6. run the model-and-tools loop (:class:`~keel.runtime.ToolLoop`): validation, repair,
+6. run the model and tool steps (the turn's :class:`~keel.runtime._turn.TurnRunner` drives
+   them, as :class:`~keel.runtime.ToolLoop` does standalone): validation, repair,
    exactly-once journal (keys unique to the turn), loop detection, step and time limits;
 7. apply workflow transitions from the model's structured tool calls (``go_to`` /
    ``remember``), never from regexes on prose, checkpointing after each one;

@@ -6,9 +6,11 @@ loop detection, retry caps, step and wall-clock limits. A run always ends, and i
 :class:`LoopResult`: a clean final message for the user, every step as a trace needs it, and the
 typed error when the run could not finish.
 
-It knows nothing of state, memory or context: the agent plugs those in through
+It knows nothing of state, memory or context: a caller plugs those in through
 :class:`LoopHooks` (compile the prompt and checkpoint before each model call, trace after each
-step, fingerprint the state, revert it when a limit is hit)::
+step, fingerprint the state, revert it when a limit is hit). It is a thin driver over the
+loop's steps (:mod:`keel.runtime._steps`); the agent's turn drives the same steps itself,
+without hooks (:class:`~keel.runtime._turn.TurnRunner`)::
 
     from keel.runtime import LoopHooks, ToolLoop
     from keel.stores import SQLiteDatabase, SQLiteToolJournal
@@ -57,7 +59,7 @@ __all__ = ["LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]
 
 @dataclass
 class LoopHooks:
-    """Callables the agent plugs into the loop; each may be sync or async.
+    """Callables a caller plugs into a :class:`ToolLoop`; each may be sync or async.
 
     Attributes:
         before_model_call: ``(step, messages) -> messages | None``, called before every model
