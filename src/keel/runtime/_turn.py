@@ -212,15 +212,16 @@ class TurnRunner:
         self.tool_calls: list[ToolCall] = []
         self.effects: list[tuple[ToolCall, Message]] = []
         """Side-effecting calls that ran, were replayed or are in doubt, with their results."""
-        self.trace: RunTrace | None = None
+        self._trace: RunTrace | None = None
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
     @property
-    def run(self) -> RunTrace:
-        assert self.trace is not None, "the turn has not started"
-        return self.trace
+    def trace(self) -> RunTrace:
+        """The turn's run in the trace store."""
+        assert self._trace is not None, "the turn has not started"
+        return self._trace
 
     # --- starting -------------------------------------------------------------------------------
 
@@ -278,7 +279,7 @@ class TurnRunner:
         """Run the turn to its reply (a failure the turn owns is a reply too)."""
         deps = self.deps
         deps.owners[self.key] = (self.session_id, self.user_id)
-        run = self.trace = await deps.tracer.astart_run(
+        run = self._trace = await deps.tracer.astart_run(
             self.session_id,
             user_id=self.user_id,
             tenant_id=deps.tenant_id,
@@ -330,7 +331,7 @@ class TurnRunner:
         scope = ToolScope(
             user_id=self.user_id,
             tenant_id=deps.tenant_id,
-            run_id=self.run.run_id,
+            run_id=self.trace.run_id,
             deps=self.tool_deps,
         )
         tools = ToolStep(
@@ -403,7 +404,7 @@ class TurnRunner:
         await self._on_guard_stop(ended.error)
         return run.stopped(ended, reverted=True)
 
-    async def _refusal(self, call: ToolCall) -> str | None:
+    def _refusal(self, call: ToolCall) -> str | None:
         return self.deps.workflow.refusal(self.cursor.position, call)
 
     async def _before_side_effect(self, call: ToolCall) -> None:
@@ -420,7 +421,7 @@ class TurnRunner:
         )
         # The trace so far is made durable with the checkpoint: a process killed during the
         # model call leaves both at the same point.
-        await self.run.aflush()
+        await self.trace.aflush()
         return self.prompt.compile(
             self.log.conversation, self.deps.workflow.rules(self.cursor.position)
         )
@@ -436,7 +437,7 @@ class TurnRunner:
         if self.stream is not None:
             self.stream.end_step(record)
         await arecord_loop_step(
-            self.run,
+            self.trace,
             record,
             model=self.deps.model.spec,
             budget=self.prompt.last.report if self.prompt.last else None,
@@ -470,7 +471,7 @@ class TurnRunner:
                 )
 
     async def _on_guard_stop(self, error: GuardError) -> None:
-        await self.run.arecord(
+        await self.trace.arecord(
             "guard", type(error).__name__, error_type=type(error).__name__, error_message=str(error)
         )
 
@@ -529,7 +530,7 @@ class TurnRunner:
             text=text,
             status=result.status,
             session_id=self.session_id,
-            run_id=self.run.run_id,
+            run_id=self.trace.run_id,
             state_version=self.version + 1,
             workflow_state=position.state if position is not None else None,
             steps=len(result.steps),
@@ -549,7 +550,7 @@ class TurnRunner:
         if result.ok:
             version = await self._summarize(self.state, version)
             self._hand_off(text, position)
-        await self.run.aend(
+        await self.trace.aend(
             "succeeded" if result.ok else _run_status(result.status),
             output=text,
             error=result.error,
@@ -596,7 +597,7 @@ class TurnRunner:
             before_state = position.state
             position = machine.record_failure(position, status)
             if position.state != before_state:
-                await self.run.arecord(
+                await self.trace.arecord(
                     "reset", "reset", error_message=position.failure_reason or status
                 )
         runtime = self.state.runtime.model_copy(
@@ -650,7 +651,7 @@ class TurnRunner:
                 "I'm sorry, something went wrong on my side before I could finish."
                 + self._effects_note()
             )
-        await self.run.aend(error=cause or error, output=text)
+        await self.trace.aend(error=cause or error, output=text)
         base = await self._failure_base()
         runtime = base.runtime.model_copy(
             update={
@@ -672,7 +673,7 @@ class TurnRunner:
             text=text,
             status="failed",
             session_id=self.session_id,
-            run_id=self.run.run_id,
+            run_id=self.trace.run_id,
             state_version=self.version + 1,
             workflow_state=base.machine.state if base.machine is not None else None,
             effects=tuple(call.name for call, _ in self.effects),
