@@ -1,5 +1,7 @@
-"""The runtime: :class:`Agent` runs one turn of DESIGN.md's flow over the inner
-:class:`ToolLoop` (model -> validate -> tools -> model, bounded by guards)."""
+"""The runtime: :class:`Agent` is the configuration and the public API; each turn of
+DESIGN.md's flow is run by its own ``TurnRunner`` over the loop's model and tool steps
+(model -> validate -> tools -> model, bounded by guards), which :class:`ToolLoop` also drives
+standalone."""
 
 from __future__ import annotations
 

@@ -6,19 +6,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from keel.runtime._steps import LoopStatus
+
 __all__ = ["AgentReply", "AgentStatus"]
 
-AgentStatus = Literal[
-    "completed",
-    "step_limit",
-    "time_limit",
-    "loop_detected",
-    "tool_retry_limit",
-    "tool_in_doubt",
-    "model_failed",
-    "invalid_output",
-    "failed",
-]
+AgentStatus = Literal[LoopStatus, "failed"]
 """How a turn ended: ``completed``, a loop status (:data:`~keel.runtime.LoopStatus`), or
 ``failed`` (an error the loop does not own: a bug in a hook, a workflow gate)."""
 

@@ -1,0 +1,352 @@
+"""The model's half of a loop step: a journalled decision replayed, or the model called (its
+text streamed when the driver asks), its reply checked, a cut answer continued, and what the
+reply means for the run (see :mod:`keel.runtime._steps`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from keel.context import runtime_note
+from keel.errors import MalformedResponseError, ModelError, ModelTimeoutError, StoreError
+from keel.guards import (
+    GuardConfig,
+    LoopDetector,
+    SpiralMonitor,
+    check_response,
+    validate_structured,
+)
+from keel.messages import Message
+from keel.models import ChatModel, Completion, ModelOptions
+from keel.runtime._steps import (
+    History,
+    LoopResult,
+    LoopRun,
+    LoopStop,
+    MaybeAwaitable,
+    ModelOutcome,
+    call_hook,
+    decision_scope,
+)
+from keel.tools import ToolJournal
+
+__all__ = ["ModelStep"]
+
+logger = logging.getLogger("keel.runtime")
+
+_CONTINUE = (
+    "Your previous reply was cut off at the token limit. Continue it exactly where it stopped, "
+    "mid-word if it stopped mid-word: do not repeat what you wrote, do not start over, and do "
+    "not mention the cut."
+)
+"""What the model is told when its answer was cut at the token limit (keel's words, dropped
+from the history when the turn ends: the parts become one answer)."""
+
+
+class ModelStep:
+    """The model's half of a step (see the module docstring).
+
+    Args:
+        model: the chat model.
+        journal: where a resumed run finds the decision of its first step.
+        guards: the model's timeout and failure cap, the output retries.
+        monitor: the death-spiral monitor each model call is recorded in.
+        agent: the agent's name, for the monitor.
+        output_schema: the type a final answer must be (None: text).
+        options: generation options (``timeout_s`` defaults to the guards' model timeout);
+            the model is asked for cut answers (``allow_truncated``), which this step
+            continues or ends.
+    """
+
+    def __init__(
+        self,
+        model: ChatModel,
+        journal: ToolJournal,
+        *,
+        guards: GuardConfig,
+        monitor: SpiralMonitor,
+        agent: str | None = None,
+        output_schema: type[Any] | None = None,
+        options: ModelOptions | None = None,
+    ) -> None:
+        self.model = model
+        self.journal = journal
+        self.guards = guards
+        self.monitor = monitor
+        self.agent = agent
+        self.output_schema = output_schema
+        base = options or ModelOptions()
+        if base.timeout_s is None:
+            base = base.model_copy(update={"timeout_s": guards.model_timeout_s})
+        # A cut answer is this loop's to continue, not an error to retry from scratch.
+        self.options = base.model_copy(update={"allow_truncated": True})
+
+    def start(
+        self,
+        messages: Sequence[Message],
+        *,
+        session_id: str,
+        first_step: int,
+        turn_id: str | None,
+        tools: list[dict[str, Any]],
+    ) -> LoopRun:
+        """A run from ``messages`` (not copied: see :class:`History`)."""
+        return LoopRun(
+            session_id=session_id,
+            turn_id=turn_id,
+            history=History(messages),
+            started=time.perf_counter(),
+            detector=LoopDetector(self.guards),
+            tools=tools,
+            model=self.model.spec,
+            output_schema=self.output_schema,
+            monitor=self.monitor,
+            agent=self.agent,
+            step=first_step,
+        )
+
+    async def replay(self, run: LoopRun) -> ModelOutcome | None:
+        """The decision journalled for the run's first step, if a run before it recorded one."""
+        # Only a run's first step can find a decision journalled before it: a run resumes at
+        # the step of its last checkpoint, and a later step is decided by this run (a
+        # concurrent writer's decision still wins, when ours is recorded).
+        if run.steps:
+            return None
+        try:
+            decision = await self.journal.adecision(decision_scope(run), run.step)
+        except StoreError:
+            # Replay is an optimisation of resume; each side-effecting call is still
+            # claimed in the journal before it runs, and refused if that claim cannot be
+            # written.
+            logger.exception("could not read the journalled decision of step %s", run.step)
+            return None
+        if decision is None:
+            return None
+        kind: Literal["tool_calls", "final"] = "tool_calls" if decision.tool_calls else "final"
+        return ModelOutcome(kind, None, decision, replayed=True)
+
+    async def ask(
+        self,
+        run: LoopRun,
+        sent: list[Message],
+        options: ModelOptions,
+        on_text: Callable[[int, str], MaybeAwaitable[None]] | None = None,
+    ) -> ModelOutcome:
+        """Call the model with ``sent`` (its text streamed to ``on_text`` when given); an
+        unusable reply or a failed call is a finished retry step."""
+        assert run.current is not None
+        run.current["prompt_messages"] = len(sent)
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the run's own
+        # cancellation when the call finishes at the same moment, and the run overruns.
+        try:
+            async with asyncio.timeout(self.guards.model_timeout_s) as deadline:
+                completion = await self._call_model(run, sent, options, on_text)
+        except TimeoutError as exc:
+            reason = (
+                f"no answer within {self.guards.model_timeout_s:g} s"
+                if deadline.expired()
+                else f"the model call timed out: {exc}"
+            )
+            return self._failure(run, ModelTimeoutError(reason, model=self.model.spec))
+        except ModelError as exc:
+            return self._failure(run, exc)
+        except Exception as exc:
+            # A custom ChatModel that raises something else (a bug, a KeyError): a model
+            # failure like any other, never an exception out of the run.
+            wrapped = ModelError(
+                f"the model raised {type(exc).__name__}: {exc}", model=self.model.spec
+            )
+            wrapped.__cause__ = exc
+            return self._failure(run, wrapped)
+        run.usage = run.usage + completion.usage
+        self.monitor.record_call(
+            session_id=run.session_id,
+            agent=self.agent,
+            prompt_tokens=completion.usage.prompt_tokens,
+            retry=run.retrying,
+            ttft_ms=completion.ttft_ms,
+        )
+        if _cut_at_limit(completion):
+            if not self.options.continue_truncated:
+                return ModelOutcome("cut", completion, completion.message)
+            return self._continue_cut(run, completion)
+        return self._checked(run, _whole_answer(run, completion))
+
+    def _checked(self, run: LoopRun, completion: Completion) -> ModelOutcome:
+        """A complete reply: its calls or answer, or, unusable, a retry with a correction."""
+        problem = check_response(completion)
+        if problem is not None:
+            error = problem.error(self.model.spec)
+            run.errors.append(str(error))
+            run.last_failure = error
+            run.retrying = True
+            run.history.append(
+                Message.user(problem.correction(), metadata={"keel_correction": problem.kind})
+            )
+            run.finish(
+                "retry",
+                completion,
+                completion.message,
+                error=error,
+                events=(f"unusable reply: {problem.detail}",),
+            )
+            return ModelOutcome("retry", completion, completion.message)
+        run.retrying = False
+        message = completion.message
+        return ModelOutcome("tool_calls" if message.tool_calls else "final", completion, message)
+
+    async def _call_model(
+        self,
+        run: LoopRun,
+        sent: list[Message],
+        options: ModelOptions,
+        on_text: Callable[[int, str], MaybeAwaitable[None]] | None,
+    ) -> Completion:
+        """One model call: streamed to ``on_text`` when it is set."""
+        if on_text is None:
+            return await self.model.acomplete(sent, run.tools, options)
+        completion: Completion | None = None
+        stream = self.model.astream(sent, run.tools, options)
+        try:
+            async for chunk in stream:
+                if chunk.text:
+                    await call_hook(on_text, run.step, chunk.text)
+                if chunk.completion is not None:
+                    completion = chunk.completion
+        finally:
+            # Stopped early (a timeout, a cancelled turn): the provider's request ends now.
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+        if completion is None:
+            raise ModelError("the stream ended without a complete answer", model=self.model.spec)
+        return completion
+
+    def _continue_cut(self, run: LoopRun, completion: Completion) -> ModelOutcome:
+        """A text answer cut at the token limit: kept as written, and the next step asks the
+        model to go on from where it stopped (the parts become one answer when it ends)."""
+        part = completion.message
+        run.cut_parts.append(part.content)
+        run.retrying = False
+        run.history.append(part)
+        # keel's request, in keel's name (not the user's): a correction, gone when the turn ends.
+        run.history.append(
+            runtime_note(_CONTINUE, reason="continue", metadata={"keel_correction": "continue"})
+        )
+        run.finish("continued", completion, part)
+        return ModelOutcome("continued", completion, part)
+
+    def _failure(self, run: LoopRun, error: ModelError) -> ModelOutcome:
+        run.errors.append(f"{type(error).__name__}: {error}")
+        run.retrying = True
+        run.last_failure = error
+        # A reply cut off mid-way still cost tokens and said something: trace both.
+        raw = getattr(error, "raw", None)
+        partial = raw if isinstance(raw, Completion) else None
+        if partial is not None:
+            run.usage = run.usage + partial.usage
+        self.monitor.record_call(
+            session_id=run.session_id,
+            agent=self.agent,
+            retry=True,
+            prompt_tokens=partial.usage.prompt_tokens if partial is not None else 0,
+        )
+        run.finish("retry", partial, partial.message if partial is not None else None, error=error)
+        return ModelOutcome("retry", partial, Message.assistant(""))
+
+    def conclude(self, run: LoopRun, outcome: ModelOutcome) -> LoopResult | None:
+        """What a step without tool calls means for the run: its result, or None to go on.
+
+        Raises:
+            LoopStop: the model kept failing, or the answer cannot be of the output type.
+        """
+        if outcome.kind == "continued":
+            run.failures_in_a_row = 0
+            return None
+        if outcome.kind == "cut":
+            return self._end_cut(run, outcome)
+        if outcome.kind == "retry":
+            run.failures_in_a_row += 1
+            if run.failures_in_a_row >= self.guards.max_model_failures:
+                last = run.last_failure or ModelError("the model kept failing")
+                raise LoopStop("model_failed", last)
+            return None
+        run.failures_in_a_row = 0
+        return self._answer(run, outcome.completion, outcome.message)
+
+    def _answer(
+        self, run: LoopRun, completion: Completion | None, message: Message
+    ) -> LoopResult | None:
+        """A final answer: the result, or (not of the output type) a retry with each wrong
+        field, while retries are left."""
+        output: Any = None
+        schema = self.output_schema
+        if schema is not None:
+            checked = validate_structured(message.content, schema)
+            if not checked.ok:
+                problem = "; ".join(checked.problems)
+                run.errors.append(f"structured output invalid: {problem}")
+                if run.output_retries >= self.guards.max_output_retries:
+                    error = MalformedResponseError(
+                        f"the answer does not match {schema.__name__}: {problem}",
+                        model=self.model.spec,
+                        raw=message.content,
+                    )
+                    run.finish("stopped", completion, message, error=error, events=(problem,))
+                    raise LoopStop("invalid_output", error)
+                run.output_retries += 1
+                run.history.append(message)
+                run.history.append(
+                    Message.user(
+                        checked.correction(schema), metadata={"keel_correction": "structured"}
+                    )
+                )
+                events = (f"structured output: {problem}",)
+                run.finish("retry", completion, message, events=events)
+                return None
+            output = checked.value
+        run.history.append(message)
+        run.finish("final", completion, message)
+        return run.result("completed", message, output=output)
+
+    def _end_cut(self, run: LoopRun, outcome: ModelOutcome) -> LoopResult:
+        """The caller's ``max_tokens`` caps the whole answer (``continue_truncated`` off): the
+        answer is what was written, reported cut."""
+        why = "the answer was cut at the caller's max_tokens"
+        part = outcome.message
+        if self.output_schema is not None:
+            error = MalformedResponseError(why, model=self.model.spec)
+            run.finish("stopped", outcome.completion, part, error=error)
+            raise LoopStop("invalid_output", error)
+        # The step is final (its streamed text stands) before the part joins any earlier ones.
+        run.finish("final", outcome.completion, part, events=(why,))
+        run.cut_parts.append(part.content)
+        answer = Message.assistant("".join(run.cut_parts))
+        run.errors.append(why)
+        run.history.append(answer)
+        return run.result("completed", answer, truncated=True)
+
+
+def _whole_answer(run: LoopRun, completion: Completion) -> Completion:
+    """``completion`` as the whole answer: after the parts of it the token limit cut, when it
+    is the last part of a continued answer (checked, and used, as the whole)."""
+    if not run.cut_parts:
+        return completion
+    whole = "".join(run.cut_parts) + completion.message.content
+    run.cut_parts.clear()
+    message = completion.message.model_copy(update={"content": whole})
+    return completion.model_copy(update={"message": message})
+
+
+def _cut_at_limit(completion: Completion) -> bool:
+    """Whether ``completion`` is a text answer the token limit cut (one to continue; a cut tool
+    call is not continued: its arguments are asked for again)."""
+    message = completion.message
+    return (
+        completion.finish_reason == "length"
+        and not message.tool_calls
+        and bool(message.content.strip())
+    )

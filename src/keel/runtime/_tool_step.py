@@ -1,0 +1,238 @@
+"""The tools' half of a loop step: the decision journalled, then each call past the loop
+detector and the driver's :class:`~keel.runtime._steps.ToolGate` to the executor (validated,
+repaired, journalled exactly once, run, its output bounded) (see :mod:`keel.runtime._steps`)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from keel.context import runtime_note
+from keel.errors import KeelError, StoreError, ToolError
+from keel.guards import GuardConfig, LoopSignal
+from keel.messages import Message, ToolCall
+from keel.models import Completion
+from keel.runtime._steps import (
+    LoopRun,
+    LoopStatus,
+    LoopStop,
+    ModelOutcome,
+    StepAction,
+    ToolGate,
+    blocked,
+    call_hook,
+    decision_scope,
+)
+from keel.tools import ToolExecutor, ToolJournal, ToolRegistry, ToolResult, ToolScope
+
+__all__ = ["ToolStep"]
+
+logger = logging.getLogger("keel.runtime")
+
+
+class ToolStep:
+    """The tools' half of a step (see the module docstring).
+
+    Args:
+        registry: the tools the model may call.
+        journal: the exactly-once journal (each side-effecting call is claimed in it).
+        guards: the tool timeout, output bound and retry cap.
+        redact: masks what is journalled: each call's arguments and result, and the step's
+            decision (None: journalled as they are).
+        scope: what each call's :class:`~keel.tools.ToolContext` carries.
+    """
+
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        journal: ToolJournal | None,
+        *,
+        guards: GuardConfig,
+        redact: Callable[[str], str] | None = None,
+        scope: ToolScope | None = None,
+    ) -> None:
+        self.registry = registry
+        self.guards = guards
+        self.redact = redact
+        self.executor = ToolExecutor(
+            registry,
+            journal=journal,
+            timeout_s=guards.tool_timeout_s,
+            max_output_chars=guards.max_output_chars,
+            redact=redact,
+            scope=scope,
+        )
+        self.journal = self.executor.journal
+
+    async def __call__(self, run: LoopRun, outcome: ModelOutcome, gate: ToolGate) -> None:
+        """Carry out the calls of ``outcome`` (journalled first when one has side effects).
+
+        Raises:
+            LoopStop: a loop, a call in doubt, a tool that kept failing (the step finished).
+        """
+        message = outcome.message
+        if not outcome.replayed and any(
+            (found := self.registry.get(call.name)) is not None and found.side_effect
+            for call in message.tool_calls
+        ):
+            try:
+                message = await self._record_decision(decision_scope(run), run.step, message)
+            except StoreError:
+                logger.exception("could not journal the decision of step %s", run.step)
+        run.history.append(message)
+        calls = _Calls(run, outcome.completion, message, outcome.replayed)
+        for index, call in enumerate(message.tool_calls):
+            await self._run_call(calls, index, call, gate)
+        fingerprint: str | None = None
+        run.outcomes.update((r.tool, r.raw_arguments, r.content) for r in calls.results)
+        if gate.fingerprint is not None:
+            fingerprint = await call_hook(gate.fingerprint)
+            # Progress is the state moving OR a call never seen before with a result never
+            # seen before: an agent without a workflow calling twelve different tools is
+            # working, not looping (repeats are the loop detector's business).
+            calls.signal(run.detector.check_progress(f"{fingerprint}|{len(run.outcomes)}"))
+        # keel's advice, marked as keel's: summaries and memory leave it out.
+        run.history.extend(runtime_note(note, reason="loop") for note in calls.notes)
+        calls.finish("tool_calls", fingerprint=fingerprint)
+        run.failures_in_a_row = 0
+
+    async def _run_call(self, calls: _Calls, index: int, call: ToolCall, gate: ToolGate) -> None:
+        run = calls.run
+        signal = run.detector.check_call(call.name, call.arguments)
+        if signal is not None:
+            calls.signal(signal)
+            repeat = blocked(call, "Not executed: this repeats earlier calls without progress.")
+            calls.add(repeat)
+            await call_hook(gate.on_result, run.step, repeat)
+            return
+        refusal = await call_hook(gate.refuse, call)
+        if refusal is not None:
+            # Refused before anything is journalled or run: a failed call for the model.
+            result = ToolResult(
+                call_id=call.id,
+                tool=call.name,
+                status="blocked",
+                content=f"Error: {refusal}",
+                raw_arguments=call.arguments,
+                error=refusal,
+                error_type="UsageError",
+            )
+        else:
+            found = self.registry.get(call.name)
+            if found is not None and found.side_effect:
+                await call_hook(gate.before_side_effect, call)
+            on_start = gate.on_start
+            result = await self.executor.execute(
+                call,
+                session_id=run.session_id,
+                step=run.step,
+                call_index=index,
+                turn_id=run.turn_id,
+                on_start=None if on_start is None else functools.partial(on_start, run.step, call),
+            )
+        calls.add(result)
+        await call_hook(gate.on_result, run.step, result)
+        self._count(calls, call, result)
+
+    def _count(self, calls: _Calls, call: ToolCall, result: ToolResult) -> None:
+        """What the guards make of a call's result: repairs, doubt, failures, loops."""
+        run = calls.run
+        if result.repairs:
+            run.repairs += 1
+            calls.events.append(f"repaired {call.name} arguments: {'; '.join(result.repairs)}")
+        if result.status == "in_doubt":
+            assert result.exception is not None
+            run.errors.append(str(result.exception))
+            calls.stop("tool_in_doubt", result.exception)
+        if not result.ok:
+            run.errors.append(result.error or result.status)
+        key = call.name if call.name in self.registry else "<unknown tools>"
+        if result.ok:
+            run.tool_failures[key] = 0
+        else:
+            run.tool_failures[key] = run.tool_failures.get(key, 0) + 1
+            if run.tool_failures[key] > self.guards.max_tool_retries:
+                error = result.exception or ToolError(result.error or result.status)
+                what = (
+                    f"the tool {call.name!r} kept failing ({result.error})"
+                    if key != "<unknown tools>"
+                    else "I kept trying to use tools that do not exist"
+                )
+                calls.stop("tool_retry_limit", error, what)
+        calls.signal(run.detector.check_error(call.name, None if result.ok else result.content))
+
+    async def _record_decision(self, session_id: str, step: int, message: Message) -> Message:
+        """Journal the step's decision (masked) and return the one to carry out."""
+        if self.redact is None:
+            return await self.journal.arecord_decision(session_id, step, message)
+        try:
+            masked = _masked_message(message, self.redact)
+        except Exception:
+            # Never journal it raw. Replay only saves a model call on resume: each
+            # side-effecting call is still claimed in the journal before it runs.
+            logger.exception("could not mask the decision of step %s; not journalled", step)
+            return message
+        recorded = await self.journal.arecord_decision(session_id, step, masked)
+        # Ours was written: carry out the calls as the model made them. Another run's decision
+        # was there first: carry out that one, as the journal keeps it.
+        if recorded.model_dump(mode="json") == masked.model_dump(mode="json"):
+            return message
+        return recorded
+
+
+class _Calls:
+    """The tool calls of one step as they run: results, guard events, advice for the model."""
+
+    def __init__(
+        self, run: LoopRun, completion: Completion | None, message: Message, replayed: bool
+    ) -> None:
+        self.run = run
+        self.completion = completion
+        self.message = message
+        self.replayed = replayed
+        self.results: list[ToolResult] = []
+        self.events: list[str] = []
+        self.notes: list[str] = []
+
+    def add(self, result: ToolResult) -> None:
+        self.results.append(result)
+        self.run.history.append(result.to_message())
+
+    def signal(self, signal: LoopSignal | None) -> None:
+        """Count a loop signal: a warning is advice for the model, a stop ends the run."""
+        if signal is None:
+            return
+        self.run.loops += 1
+        self.events.append(f"loop {'stop' if signal.stop else 'warning'}: {signal.kind}")
+        self.run.errors.append("; ".join(signal.evidence))
+        if signal.stop:
+            self.stop("loop_detected", signal.error())
+        self.notes.append(signal.advice())
+
+    def finish(self, action: StepAction, **options: Any) -> None:
+        self.run.finish(
+            action,
+            self.completion,
+            self.message,
+            results=self.results,
+            events=self.events,
+            replayed=self.replayed,
+            **options,
+        )
+
+    def stop(self, status: LoopStatus, error: KeelError, detail: str = "") -> None:
+        """Stop the run in this step: the calls not run yet are answered, the step finished."""
+        for call in self.message.tool_calls[len(self.results) :]:
+            self.add(blocked(call, "Not executed: the run was stopped."))
+        self.finish("stopped", error=error)
+        raise LoopStop(status, error, detail)
+
+
+def _masked_message(message: Message, redact: Callable[[str], str]) -> Message:
+    """``message`` with its text and every tool call's arguments masked."""
+    calls = tuple(
+        call.model_copy(update={"arguments": redact(call.arguments)}) for call in message.tool_calls
+    )
+    return message.model_copy(update={"content": redact(message.content), "tool_calls": calls})
