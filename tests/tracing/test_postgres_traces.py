@@ -6,6 +6,7 @@ import pytest
 
 from keel.errors import BackendUnavailableError
 from keel.settings import load_settings
+from keel.stores import PostgresDatabase
 from keel.stores._postgres_traces import PostgresTraceStore
 from keel.testing.trace_conformance import TraceStoreConformance
 from keel.tracing import TraceStore, open_trace_store
@@ -16,10 +17,11 @@ pytestmark = pytest.mark.postgres
 class TestPostgresTraceStore(TraceStoreConformance):
     @pytest.fixture
     def trace_store(self, postgres_url: str) -> Iterator[TraceStore]:
-        store = PostgresTraceStore(postgres_url)
-        store.setup()
-        yield store
-        store.close()
+        with PostgresDatabase(postgres_url, max_size=4) as database:
+            store = PostgresTraceStore(database)
+            store.setup()
+            yield store
+            store.close()
 
 
 def test_settings_with_a_postgres_url_open_the_postgres_store(postgres_url: str) -> None:
@@ -33,13 +35,13 @@ def test_settings_with_a_postgres_url_open_the_postgres_store(postgres_url: str)
 
 
 def test_an_unreachable_server_is_backend_unavailable() -> None:
+    database = PostgresDatabase("postgresql://nobody@127.0.0.1:1/none", timeout=1)
     with pytest.raises(BackendUnavailableError):
-        PostgresTraceStore("postgresql://nobody@127.0.0.1:1/none", connect_timeout=1)
+        PostgresTraceStore(database)
+    database.close()
 
 
 def test_a_shared_database_is_used_and_left_open(postgres_url: str) -> None:
-    from keel.stores import PostgresDatabase
-
     with PostgresDatabase(postgres_url, max_size=2) as database:
         store = PostgresTraceStore(database)
         store.setup()
@@ -57,12 +59,11 @@ def test_keel_runs_reads_a_postgres_database_from_settings(
     from keel.cli import main
     from keel.tracing import Tracer
 
-    store = PostgresTraceStore(postgres_url)
-    tracer = Tracer(store)
-    with tracer.start_run("pg-session") as run:
-        for index in range(10):
-            run.record("model", "m", prompt_tokens=100 + index)
-    store.close()
+    with PostgresDatabase(postgres_url, max_size=4) as database:
+        tracer = Tracer(PostgresTraceStore(database))
+        with tracer.start_run("pg-session") as run:
+            for index in range(10):
+                run.record("model", "m", prompt_tokens=100 + index)
     monkeypatch.setenv("KEEL_DATABASE", postgres_url)
     assert main(["runs", "list", "--min-steps", "10", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -28,12 +28,27 @@ def open_trace_store(settings: Settings | None = None, *, setup: bool = True) ->
         from keel.stores._sqlite import SQLiteDatabase
         from keel.stores._sqlite_traces import SQLiteTraceStore
 
-        database = SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms)
-        store = SQLiteTraceStore(database, close_database=True)
+        class _OwnSQLiteTraces(SQLiteTraceStore):
+            def close(self) -> None:  # the database opened here is the store's own
+                self.db.close()
+
+        store = _OwnSQLiteTraces(
+            SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms)
+        )
     else:
+        from keel.stores._postgres import PostgresDatabase
         from keel.stores._postgres_traces import PostgresTraceStore
 
-        store = PostgresTraceStore(parsed.url)
+        class _OwnPostgresTraces(PostgresTraceStore):
+            def close(self) -> None:  # the database opened here is the store's own
+                self.database.close()
+
+        database = PostgresDatabase(parsed.url, max_size=4, timeout=10.0)
+        try:
+            store = _OwnPostgresTraces(database)
+        except BaseException:
+            database.close()
+            raise
     if setup:
         try:
             store.setup()
