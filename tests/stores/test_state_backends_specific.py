@@ -8,7 +8,12 @@ import pytest
 
 from keel.errors import ConfigError, ExpiredError
 from keel.state import StateStore
-from keel.stores import PostgresStateBackend, RedisStateBackend, open_state_backend
+from keel.stores import (
+    PostgresDatabase,
+    PostgresStateBackend,
+    RedisStateBackend,
+    open_state_backend,
+)
 from keel.testing._state_models import CounterState
 
 
@@ -44,7 +49,8 @@ def test_redis_sessions_expire_natively_and_say_so(redis_url: str) -> None:
 
 @pytest.mark.postgres
 def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> None:
-    backend = PostgresStateBackend(postgres_url, max_size=1)
+    database = PostgresDatabase(postgres_url, max_size=1)
+    backend = PostgresStateBackend(database)
     store = StateStore(backend, CounterState)
     try:
         cp = store.create("s", CounterState())
@@ -57,6 +63,7 @@ def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> 
         assert store.load("s").state.counter == 10
     finally:
         store.close()
+        database.close()
 
 
 def test_unknown_backend_url_is_a_config_error() -> None:
@@ -71,8 +78,10 @@ def test_unreachable_servers_raise_backend_unavailable() -> None:
     port = free_port()
     with pytest.raises(BackendUnavailableError, match="Redis"):
         RedisStateBackend(f"redis://127.0.0.1:{port}/0")
+    database = PostgresDatabase(
+        f"postgresql://keel:secret@127.0.0.1:{port}/keel?connect_timeout=1", timeout=1
+    )
     with pytest.raises(BackendUnavailableError, match="PostgreSQL") as caught:
-        PostgresStateBackend(
-            f"postgresql://keel:secret@127.0.0.1:{port}/keel?connect_timeout=1", timeout=1
-        )
+        PostgresStateBackend(database)
+    database.close()
     assert "secret" not in str(caught.value)

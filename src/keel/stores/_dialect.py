@@ -67,6 +67,8 @@ class SqlDialect:
         least: the two-argument minimum function.
         byte_length: the expression for a text column's size in bytes (``{}``: the column).
         plus_seconds: a ``timestamp`` column plus seconds (``{}``: the column, the seconds).
+        row_lock: what a ``SELECT`` ends with to lock the rows it reads until the transaction
+            ends (SQLite needs none: its write transaction holds the whole file).
     """
 
     name: str
@@ -87,6 +89,7 @@ class SqlDialect:
     least: str = "MIN"
     byte_length: str = "length(CAST({} AS BLOB))"
     plus_seconds: str = "{} + CAST(1000000 * ({}) AS INTEGER)"
+    row_lock: str = ""
 
     def sql(self, statement: str) -> str:
         """``statement``, written with ``?`` markers, in this dialect."""
@@ -119,4 +122,5 @@ POSTGRES = SqlDialect(
     least="LEAST",
     byte_length="octet_length({})",
     plus_seconds="{} + make_interval(secs => {})",
+    row_lock=" FOR UPDATE",
 )

@@ -9,7 +9,7 @@ between them are never written twice for sync and async.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,10 +22,11 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    """One statement, with ``?`` markers, and its parameters (a list of rows for ``many``)."""
+    """One statement, with ``?`` markers, and its parameters (a list of rows for ``many``;
+    names, for a statement written in the driver's own ``%(name)s`` style)."""
 
     sql: str
-    params: Sequence[Any] = ()
+    params: Sequence[Any] | Mapping[str, Any] = ()
     many: bool = False
 
 
