@@ -16,9 +16,50 @@ from typing import Any
 from keel.errors import StoreError
 from keel.messages import Message
 from keel.stores._dialect import SqlDialect
+from keel.stores._migrations import Migration, MigrationSet
 from keel.tools._journal import JournalClaim, JournalEntry, ToolJournal, entry_from_row
 
-__all__ = ["AsyncSQLToolJournal", "SQLToolJournal"]
+__all__ = ["AsyncSQLToolJournal", "SQLToolJournal", "journal_migrations"]
+
+
+def journal_migrations(dialect: SqlDialect) -> MigrationSet:
+    """The ``journal`` component's migrations in ``dialect``'s column types."""
+    real = dialect.real_type
+    return MigrationSet(
+        "journal",
+        (
+            Migration(
+                "tool-call intents and results, and each step's decided tool calls",
+                f"""
+                CREATE TABLE IF NOT EXISTS keel_tool_journal (
+                    key TEXT PRIMARY KEY,
+                    session_id TEXT NOT NULL,
+                    step INTEGER NOT NULL,
+                    call_index INTEGER NOT NULL,
+                    tool TEXT NOT NULL,
+                    arguments TEXT NOT NULL,
+                    status TEXT NOT NULL CHECK (status IN ('started', 'succeeded', 'failed')),
+                    ok {dialect.flag_type},
+                    content TEXT,
+                    output TEXT,
+                    attempts INTEGER NOT NULL DEFAULT 1,
+                    started_at {real} NOT NULL,
+                    finished_at {real}
+                );
+                CREATE INDEX IF NOT EXISTS keel_tool_journal_session
+                    ON keel_tool_journal (session_id, step, call_index);
+                CREATE TABLE IF NOT EXISTS keel_tool_decisions (
+                    session_id TEXT NOT NULL,
+                    step INTEGER NOT NULL,
+                    message TEXT NOT NULL,
+                    created_at {real} NOT NULL,
+                    PRIMARY KEY (session_id, step)
+                );
+                """,
+            ),
+        ),
+    )
+
 
 _COLUMNS = (
     "key, session_id, step, call_index, tool, arguments, status, ok, content, output, "
