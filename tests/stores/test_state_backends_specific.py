@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
-from keel.errors import ConfigError, ExpiredError
+from keel.errors import ConfigError, ConflictError, ExpiredError
 from keel.state import StateStore
 from keel.stores import (
     PostgresDatabase,
@@ -64,6 +65,38 @@ def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> 
     finally:
         store.close()
         database.close()
+
+
+@pytest.mark.postgres
+async def test_postgres_async_creators_racing_for_one_session_one_wins_one_conflicts(
+    postgres_url: str,
+) -> None:
+    database = PostgresDatabase(postgres_url, max_size=4)
+    store = StateStore(PostgresStateBackend(database), CounterState)
+    waiting = (
+        "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+        "WHERE c.relname = 'keel_state_sessions' AND NOT l.granted"
+    )
+    try:
+        with database.transaction() as blocker:
+            # Reads of the table go on; both creators' writes wait here, so both have looked
+            # for the session before either creates it.
+            blocker.execute("LOCK TABLE keel_state_sessions IN SHARE MODE")
+            creates = [
+                asyncio.create_task(store.acreate("race", CounterState(counter=n))) for n in (1, 2)
+            ]
+            deadline = time.monotonic() + 30
+            with database.connection() as watcher:
+                while watcher.execute(waiting).fetchone() != (2,):
+                    assert time.monotonic() < deadline, "the creators never queued"
+                    await asyncio.sleep(0.01)
+        outcomes = await asyncio.gather(*creates, return_exceptions=True)
+        assert sum(isinstance(outcome, ConflictError) for outcome in outcomes) == 1, outcomes
+        won = next(outcome for outcome in outcomes if not isinstance(outcome, BaseException))
+        assert store.load("race").state.counter == won.state.counter
+    finally:
+        store.close()
+        await database.aclose()
 
 
 def test_unknown_backend_url_is_a_config_error() -> None:
