@@ -15,17 +15,17 @@ from contextlib import AbstractContextManager, asynccontextmanager, contextmanag
 from typing import Any, TypeVar
 
 from keel.errors import ConflictError
-from keel.state._backend import Chain, StoredCheckpoint
+from keel.state._backend import Chain
 from keel.stores._dialect import POSTGRES
 from keel.stores._postgres import PostgresDatabase, apply_migrations
 from keel.stores._sql_plan import Plan, Result, Statement, arun_plan
 from keel.stores._sql_state import (
     CHECKPOINT_COLUMNS,
+    Append,
     Scope,
     SQLStateBackend,
-    check_live,
     checkpoint_from_row,
-    head_from_row,
+    live_head,
     state_migrations,
 )
 
@@ -99,7 +99,10 @@ SELECT head.session_id, %(version)s::integer, %(created_at)s::double precision,
 FROM head
 """
 
+_HEAD_VERSION = "SELECT version FROM keel_state_sessions WHERE session_id = ?"
+
 _T = TypeVar("_T")
+_ONE_STATEMENT = frozenset({Scope.READ, Scope.WRITE_ONE, Scope.CHAIN, Scope.APPEND})
 
 
 def _chain_from(
@@ -109,8 +112,7 @@ def _chain_from(
     if not found:
         return None
     first = found[0]
-    head = head_from_row(session_id, first)
-    check_live(head, now)
+    head = live_head(session_id, first, now)
     if first[6] is None:  # no such version stored
         return None
     target = int(first[5])
@@ -137,8 +139,6 @@ class PostgresStateBackend(SQLStateBackend):
 
     name = "postgres"
     dialect = POSTGRES
-    _chain_scope = Scope.READ
-    _append_scope = Scope.WRITE_ONE
 
     def __init__(self, database: PostgresDatabase) -> None:
         super().__init__()
@@ -157,7 +157,8 @@ class PostgresStateBackend(SQLStateBackend):
 
     def _scope(self, scope: Scope) -> AbstractContextManager[Any]:
         # One statement runs in autocommit (itself atomic): one round trip, no BEGIN/COMMIT.
-        one = scope is Scope.READ or scope is Scope.WRITE_ONE
+        # The chain read and the append are one statement each.
+        one = scope in _ONE_STATEMENT
         return self.database.connection() if one else self.database.transaction()
 
     @contextmanager
@@ -169,7 +170,7 @@ class PostgresStateBackend(SQLStateBackend):
 
     @asynccontextmanager
     async def _acursor(self, scope: Scope) -> AsyncIterator[Any]:
-        one = scope is Scope.READ or scope is Scope.WRITE_ONE
+        one = scope in _ONE_STATEMENT
         opened = self.database.aconnection() if one else self.database.atransaction()
         async with opened as conn, conn.cursor() as cursor:
             if scope is Scope.SNAPSHOT:
@@ -192,18 +193,13 @@ class PostgresStateBackend(SQLStateBackend):
             found = yield Statement(_READ_HEAD_CHAIN, params)
         return _chain_from(session_id, found.rows, now, known)
 
-    def _append(
-        self,
-        session_id: str,
-        row: StoredCheckpoint,
-        expected: tuple[int, str | None],
-        now: float,
-    ) -> Plan[None]:
+    def _append(self, append: Append) -> Plan[None]:
+        row = append.row
         params = {
-            "sid": session_id,
-            "expected": expected[0],
-            "epoch": expected[1],
-            "now": now,
+            "sid": append.session_id,
+            "expected": append.expected_version,
+            "epoch": append.expected_epoch,
+            "now": append.now,
             "full": row.kind == "full",
             "version": row.version,
             "created_at": row.created_at,
@@ -216,13 +212,11 @@ class PostgresStateBackend(SQLStateBackend):
             "good": row.good,
             "forked_from": row.forked_from,
         }
-        appended = yield Statement(_APPEND, params)
-        if appended.rowcount == 1:
+        if (yield Statement(_APPEND, params)).rowcount == 1:
             return
-        found = yield Statement(
-            "SELECT version FROM keel_state_sessions WHERE session_id = ?", (session_id,)
-        )
-        raise ConflictError(session_id, expected[0], int(found.rows[0][0]) if found.rows else None)
+        found = yield Statement(_HEAD_VERSION, (append.session_id,))
+        head_version = int(found.rows[0][0]) if found.rows else None
+        raise ConflictError(append.session_id, append.expected_version, head_version)
 
     def storage_bytes(self) -> int:
         with self.database.connection() as conn:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -26,12 +27,13 @@ from keel.stores._sql_plan import Plan, Statement, run_plan
 __all__ = [
     "CHECKPOINT_COLUMNS",
     "HEAD",
+    "Append",
     "SQLStateBackend",
     "Scope",
-    "check_live",
     "checkpoint_from_row",
     "checkpoint_values",
     "head_from_row",
+    "live_head",
     "state_migrations",
 ]
 
@@ -94,6 +96,22 @@ class Scope(Enum):
     """One read statement."""
     SNAPSHOT = "snapshot"
     """Several reads that see one consistent version of the data."""
+    CHAIN = "chain"
+    """The engine's chain read (:meth:`SQLStateBackend._chain`)."""
+    APPEND = "append"
+    """The engine's compare-and-set append (:meth:`SQLStateBackend._append`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """An append: ``row`` goes after the head if that is still ``expected_version`` of
+    incarnation ``expected_epoch``."""
+
+    session_id: str
+    row: StoredCheckpoint
+    expected_version: int
+    expected_epoch: str | None
+    now: float
 
 
 CHECKPOINT_COLUMNS = (
@@ -177,13 +195,19 @@ def head_from_row(session_id: str, found: Sequence[Any]) -> SessionHead:
     )
 
 
-def check_live(head: SessionHead, now: float) -> None:
-    """Raise :class:`ExpiredError` when the session's time to live has passed."""
+def live_head(session_id: str, found: Sequence[Any], now: float) -> SessionHead:
+    """The head in the columns of :data:`HEAD`, alive at ``now``.
+
+    Raises:
+        ExpiredError: the session's time to live has passed.
+    """
+    head = head_from_row(session_id, found)
     if head.expires_at is not None and head.expires_at <= now:
         raise ExpiredError(
             f"session {head.session_id!r} expired {now - head.expires_at:.1f}s ago "
             f"(version {head.version}); it reads as absent"
         )
+    return head
 
 
 def _chunks(values: Sequence[Any]) -> Iterator[Sequence[Any]]:
@@ -233,7 +257,7 @@ class _Plans:
         found = (yield Statement(HEAD, (session_id,))).rows
         if not found:
             return []
-        check_live(head_from_row(session_id, found[0]), now)
+        live_head(session_id, found[0], now)
         size = self.dialect.byte_length.format("payload")
         listed = yield Statement(
             "SELECT version, created_at, step, reason, kind, '', schema_name, schema_version, "
@@ -331,11 +355,6 @@ class SQLStateBackend(StateBackend):
     def _cursor(self, scope: Scope) -> AbstractContextManager[Any]:
         """A cursor for ``scope``, driver errors translated."""
 
-    _chain_scope: Scope
-    """The scope :meth:`_chain`'s plan runs in."""
-    _append_scope: Scope
-    """The scope :meth:`_append`'s plan runs in."""
-
     @abstractmethod
     def _chain(
         self, session_id: str, version: int | None, now: float, known: tuple[int, str] | None
@@ -343,15 +362,9 @@ class SQLStateBackend(StateBackend):
         """How this engine reads a chain (``known``: the head the reader holds, if any)."""
 
     @abstractmethod
-    def _append(
-        self,
-        session_id: str,
-        row: StoredCheckpoint,
-        expected: tuple[int, str | None],
-        now: float,
-    ) -> Plan[None]:
-        """How this engine appends ``row`` if the head is still the ``expected`` version and
-        epoch (its compare-and-set): raises ConflictError, with nothing written, when not."""
+    def _append(self, append: Append) -> Plan[None]:
+        """How this engine appends (its compare-and-set): raises ConflictError, with nothing
+        written, when the head is not the one expected."""
 
     def _run(self, scope: Scope, plan: Callable[[], Plan[_T]]) -> _T:
         """Run the plan ``plan()`` builds (built afresh, so a call that moves may run again)."""
@@ -375,27 +388,28 @@ class SQLStateBackend(StateBackend):
         version, epoch = expected
         if version is None:
             return Scope.WRITE, lambda: self._plans.create(session_id, row, new_epoch, ttl, now)
-        return self._append_scope, lambda: self._append(session_id, row, (version, epoch), now)
+        append = Append(session_id, row, version, epoch, now)
+        return Scope.APPEND, lambda: self._append(append)
 
     def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        return self._run(self._chain_scope, lambda: self._chain(session_id, version, now, None))
+        return self._run(Scope.CHAIN, lambda: self._chain(session_id, version, now, None))
 
     def read_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
         known = (known_version, known_epoch)
-        return self._run(self._chain_scope, lambda: self._chain(session_id, None, now, known))
+        return self._run(Scope.CHAIN, lambda: self._chain(session_id, None, now, known))
 
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
         plan = lambda: self._chain(session_id, version, now, None)  # noqa: E731
-        return await self._arun(self._chain_scope, plan)
+        return await self._arun(Scope.CHAIN, plan)
 
     async def aread_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
         known = (known_version, known_epoch)
         plan = lambda: self._chain(session_id, None, now, known)  # noqa: E731
-        return await self._arun(self._chain_scope, plan)
+        return await self._arun(Scope.CHAIN, plan)
 
     def write(
         self,

@@ -40,86 +40,91 @@ from keel.tracing._store import RunEnding, TraceStore
 __all__ = ["STEP_FIELDS", "SQLTraceStore", "TraceStatements", "trace_migrations"]
 
 
+# Column types are the dialect's ({time}: a timestamp, {json}, {real}, {big}: a BIGINT).
+_RUNS_AND_STEPS = """
+    CREATE TABLE IF NOT EXISTS trace_runs (
+        run_id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        user_id TEXT,
+        tenant_id TEXT,
+        agent TEXT NOT NULL,
+        status TEXT NOT NULL,
+        started_at {time} NOT NULL,
+        ended_at {time},
+        input TEXT,
+        output TEXT,
+        error_type TEXT,
+        error_message TEXT,
+        step_count INTEGER NOT NULL DEFAULT 0,
+        model_calls INTEGER NOT NULL DEFAULT 0,
+        tool_calls INTEGER NOT NULL DEFAULT 0,
+        tool_errors INTEGER NOT NULL DEFAULT 0,
+        prompt_tokens {big} NOT NULL DEFAULT 0,
+        completion_tokens {big} NOT NULL DEFAULT 0,
+        attributes {json} NOT NULL DEFAULT '{{}}'
+    );
+    CREATE INDEX IF NOT EXISTS trace_runs_started ON trace_runs (started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_session ON trace_runs (session_id, started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_status ON trace_runs (status, started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_steps ON trace_runs (step_count);
+    CREATE INDEX IF NOT EXISTS trace_runs_tenant ON trace_runs (tenant_id, started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_tool_errors
+        ON trace_runs (started_at) WHERE tool_errors > 0;
+    CREATE TABLE IF NOT EXISTS trace_steps (
+        run_id TEXT NOT NULL REFERENCES trace_runs (run_id) ON DELETE CASCADE,
+        step_id TEXT NOT NULL,
+        parent_id TEXT,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        name TEXT NOT NULL,
+        started_at {time} NOT NULL,
+        ended_at {time},
+        latency_ms {real},
+        ttft_ms {real},
+        attempt INTEGER NOT NULL DEFAULT 1,
+        prompt_tokens INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        model TEXT,
+        finish_reason TEXT,
+        budget {json},
+        state_version {big},
+        raw_output TEXT,
+        parsed_action {json},
+        tool_name TEXT,
+        tool_call_id TEXT,
+        tool_arguments TEXT,
+        tool_result TEXT,
+        error_type TEXT,
+        error_message TEXT,
+        attributes {json} NOT NULL DEFAULT '{{}}',
+        PRIMARY KEY (run_id, step_id)
+    );
+    CREATE INDEX IF NOT EXISTS trace_steps_order ON trace_steps (run_id, seq);
+"""
+_HEARTBEATS = """
+    ALTER TABLE trace_runs {add_column} heartbeat_at {time};
+    ALTER TABLE trace_runs {add_column} time_limit_s {real};
+    UPDATE trace_runs SET heartbeat_at = COALESCE(ended_at, started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_model_calls ON trace_runs (model_calls);
+"""
+
+
 def trace_migrations(dialect: SqlDialect) -> MigrationSet:
     """The ``traces`` component's migrations in ``dialect``'s column types."""
-    time, json, real, big = (
-        dialect.time_type,
-        dialect.json_type,
-        dialect.real_type,
-        dialect.big_int_type,
-    )
-    runs_and_steps = f"""
-        CREATE TABLE IF NOT EXISTS trace_runs (
-            run_id TEXT PRIMARY KEY,
-            session_id TEXT NOT NULL,
-            user_id TEXT,
-            tenant_id TEXT,
-            agent TEXT NOT NULL,
-            status TEXT NOT NULL,
-            started_at {time} NOT NULL,
-            ended_at {time},
-            input TEXT,
-            output TEXT,
-            error_type TEXT,
-            error_message TEXT,
-            step_count INTEGER NOT NULL DEFAULT 0,
-            model_calls INTEGER NOT NULL DEFAULT 0,
-            tool_calls INTEGER NOT NULL DEFAULT 0,
-            tool_errors INTEGER NOT NULL DEFAULT 0,
-            prompt_tokens {big} NOT NULL DEFAULT 0,
-            completion_tokens {big} NOT NULL DEFAULT 0,
-            attributes {json} NOT NULL DEFAULT '{{}}'
-        );
-        CREATE INDEX IF NOT EXISTS trace_runs_started ON trace_runs (started_at);
-        CREATE INDEX IF NOT EXISTS trace_runs_session ON trace_runs (session_id, started_at);
-        CREATE INDEX IF NOT EXISTS trace_runs_status ON trace_runs (status, started_at);
-        CREATE INDEX IF NOT EXISTS trace_runs_steps ON trace_runs (step_count);
-        CREATE INDEX IF NOT EXISTS trace_runs_tenant ON trace_runs (tenant_id, started_at);
-        CREATE INDEX IF NOT EXISTS trace_runs_tool_errors
-            ON trace_runs (started_at) WHERE tool_errors > 0;
-        CREATE TABLE IF NOT EXISTS trace_steps (
-            run_id TEXT NOT NULL REFERENCES trace_runs (run_id) ON DELETE CASCADE,
-            step_id TEXT NOT NULL,
-            parent_id TEXT,
-            seq INTEGER NOT NULL,
-            kind TEXT NOT NULL,
-            name TEXT NOT NULL,
-            started_at {time} NOT NULL,
-            ended_at {time},
-            latency_ms {real},
-            ttft_ms {real},
-            attempt INTEGER NOT NULL DEFAULT 1,
-            prompt_tokens INTEGER NOT NULL DEFAULT 0,
-            completion_tokens INTEGER NOT NULL DEFAULT 0,
-            model TEXT,
-            finish_reason TEXT,
-            budget {json},
-            state_version {big},
-            raw_output TEXT,
-            parsed_action {json},
-            tool_name TEXT,
-            tool_call_id TEXT,
-            tool_arguments TEXT,
-            tool_result TEXT,
-            error_type TEXT,
-            error_message TEXT,
-            attributes {json} NOT NULL DEFAULT '{{}}',
-            PRIMARY KEY (run_id, step_id)
-        );
-        CREATE INDEX IF NOT EXISTS trace_steps_order ON trace_steps (run_id, seq);
-    """
-    heartbeats = f"""
-        ALTER TABLE trace_runs {dialect.add_column} heartbeat_at {time};
-        ALTER TABLE trace_runs {dialect.add_column} time_limit_s {real};
-        UPDATE trace_runs SET heartbeat_at = COALESCE(ended_at, started_at);
-        CREATE INDEX IF NOT EXISTS trace_runs_model_calls ON trace_runs (model_calls);
-    """
+    types = {
+        "time": dialect.time_type,
+        "json": dialect.json_type,
+        "real": dialect.real_type,
+        "big": dialect.big_int_type,
+        "add_column": dialect.add_column,
+    }
     return MigrationSet(
         "traces",
         (
-            Migration("runs and steps", runs_and_steps),
+            Migration("runs and steps", _RUNS_AND_STEPS.format(**types)),
             Migration(
-                "run heartbeats and time limits (abandoned runs); model-call filter", heartbeats
+                "run heartbeats and time limits (abandoned runs); model-call filter",
+                _HEARTBEATS.format(**types),
             ),
         ),
     )

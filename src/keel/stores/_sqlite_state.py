@@ -14,17 +14,17 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 from keel.errors import ConflictError
-from keel.state._backend import Chain, StoredCheckpoint
+from keel.state._backend import Chain
 from keel.stores._dialect import SQLITE
 from keel.stores._sql_plan import Plan, Statement
 from keel.stores._sql_state import (
     CHECKPOINT_COLUMNS,
     HEAD,
+    Append,
     Scope,
     SQLStateBackend,
-    check_live,
     checkpoint_from_row,
-    head_from_row,
+    live_head,
     state_migrations,
 )
 from keel.stores._sqlite import SQLiteDatabase
@@ -64,8 +64,6 @@ class SQLiteStateBackend(SQLStateBackend):
 
     name = "sqlite"
     dialect = SQLITE
-    _chain_scope = Scope.SNAPSHOT
-    _append_scope = Scope.WRITE
 
     def __init__(self, database: SQLiteDatabase) -> None:
         super().__init__()
@@ -79,7 +77,7 @@ class SQLiteStateBackend(SQLStateBackend):
     def _cursor(self, scope: Scope) -> Iterator[sqlite3.Cursor]:
         if scope is Scope.READ:
             opened = self.db.translated()
-        elif scope is Scope.SNAPSHOT:
+        elif scope is Scope.SNAPSHOT or scope is Scope.CHAIN:
             opened = self.db.snapshot()
         else:
             opened = self.db.transaction()
@@ -92,8 +90,7 @@ class SQLiteStateBackend(SQLStateBackend):
         found = (yield Statement(HEAD, (session_id,))).rows
         if not found:
             return None
-        head = head_from_row(session_id, found[0])
-        check_live(head, now)
+        head = live_head(session_id, found[0], now)
         if known == (head.version, head.epoch):
             # The head the reader holds: its row alone (its metadata is read fresh).
             rows = (yield Statement(_CHECKPOINT, (session_id, head.version))).rows
@@ -111,31 +108,19 @@ class SQLiteStateBackend(SQLStateBackend):
             return None
         return Chain(head, rows)
 
-    def _append(
-        self,
-        session_id: str,
-        row: StoredCheckpoint,
-        expected: tuple[int, str | None],
-        now: float,
-    ) -> Plan[None]:
+    def _append(self, append: Append) -> Plan[None]:
+        session_id, row = append.session_id, append.row
         found = (yield Statement(HEAD, (session_id,))).rows
-        version, epoch = expected
         moved = yield Statement(
             _MOVE_HEAD,
             (
-                row.version,
-                now,
-                row.kind == "full",
-                row.version,
-                now,
-                session_id,
-                version,
-                epoch,
-                now,
+                row.version, append.now, row.kind == "full", row.version, append.now,
+                session_id, append.expected_version, append.expected_epoch, append.now,
             ),
-        )
+        )  # fmt: skip
         if moved.rowcount != 1:
-            raise ConflictError(session_id, version, int(found[0][0]) if found else None)
+            head_version = int(found[0][0]) if found else None
+            raise ConflictError(session_id, append.expected_version, head_version)
         yield self._plans.insert_checkpoint(session_id, row)
 
     def storage_bytes(self) -> int:

@@ -8,6 +8,8 @@ from typing import Any
 from keel._urls import parse_database_url
 from keel.errors import ConfigError
 from keel.state._backend import StateBackend
+from keel.stores._postgres import PostgresDatabase
+from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["open_state_backend"]
 
@@ -27,7 +29,6 @@ def open_state_backend(url: str) -> StateBackend:
     except ConfigError as exc:
         raise ConfigError(f"unknown state backend URL: {exc}") from None
     if parsed.kind == "sqlite":
-        from keel.stores._sqlite import SQLiteDatabase
         from keel.stores._sqlite_state import SQLiteStateBackend
 
         class _OwnSQLiteState(SQLiteStateBackend):
@@ -41,7 +42,6 @@ def open_state_backend(url: str) -> StateBackend:
         sqlite = SQLiteDatabase(parsed.path)
         return _opened(sqlite, lambda: _OwnSQLiteState(sqlite))
     if parsed.kind == "postgres":
-        from keel.stores._postgres import PostgresDatabase
         from keel.stores._postgres_state import PostgresStateBackend
 
         class _OwnPostgresState(PostgresStateBackend):

@@ -25,8 +25,8 @@ def open_trace_store(settings: Settings | None = None, *, setup: bool = True) ->
         raise ConfigError(f"cannot keep traces there: {exc}") from None
     store: TraceStore
     if parsed.path is not None:
-        from keel.stores._sqlite import SQLiteDatabase
-        from keel.stores._sqlite_traces import SQLiteTraceStore
+        # keel.stores implements tracing's interfaces: it cannot be imported at the top.
+        from keel.stores import SQLiteDatabase, SQLiteTraceStore
 
         class _OwnSQLiteTraces(SQLiteTraceStore):
             def close(self) -> None:  # the database opened here is the store's own
@@ -36,8 +36,8 @@ def open_trace_store(settings: Settings | None = None, *, setup: bool = True) ->
             SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms)
         )
     else:
-        from keel.stores._postgres import PostgresDatabase
-        from keel.stores._postgres_traces import PostgresTraceStore
+        # keel.stores implements tracing's interfaces: it cannot be imported at the top.
+        from keel.stores import PostgresDatabase, PostgresTraceStore
 
         class _OwnPostgresTraces(PostgresTraceStore):
             def close(self) -> None:  # the database opened here is the store's own
