@@ -71,3 +71,43 @@ def test_keel_runs_reads_a_postgres_database_from_settings(
     assert main(["runs", "stats", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert stats["sessions"][0]["model_calls"] == 10
+
+
+def test_a_batch_whose_end_names_no_run_writes_nothing(postgres_url: str) -> None:
+    from datetime import UTC, datetime
+
+    from keel.errors import StoreError
+    from keel.tracing import Run, Step
+    from keel.tracing._store import RunEnding
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    with PostgresDatabase(postgres_url, max_size=2) as database:
+        store = PostgresTraceStore(database)
+        store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+        step = Step(run_id="r1", step_id="s0", seq=0, kind="model", started_at=now, ended_at=now)
+        with pytest.raises(StoreError, match="no such run"):
+            # The step and its run are fine, the end is not: the whole pipeline rolls back.
+            store.write_batch(run=None, steps=[step], end=RunEnding("other", "failed", now))
+        assert store.get_steps("r1") == []
+        assert store.get_run("r1").step_count == 0  # type: ignore[union-attr]
+
+
+async def test_an_async_batch_whose_end_names_no_run_writes_nothing(postgres_url: str) -> None:
+    from datetime import UTC, datetime
+
+    from keel.errors import StoreError
+    from keel.tracing import Run, Step
+    from keel.tracing._store import RunEnding
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    database = PostgresDatabase(postgres_url, max_size=2)
+    try:
+        store = PostgresTraceStore(database)
+        await store.astart_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+        step = Step(run_id="r1", step_id="s0", seq=0, kind="model", started_at=now, ended_at=now)
+        with pytest.raises(StoreError, match="no such run"):
+            await store.awrite_batch(run=None, steps=[step], end=RunEnding("other", "failed", now))
+        assert await store.aget_run_detail("r1") == store.get_run_detail("r1")
+        assert store.get_steps("r1") == []
+    finally:
+        await database.aclose()
