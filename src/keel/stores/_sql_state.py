@@ -489,6 +489,3 @@ class SQLStateBackend(StateBackend):
 
     def close(self) -> None:
         """Nothing to release: the database is the caller's to close."""
-
-    async def aclose(self) -> None:
-        """Nothing to release: the database is the caller's to close."""
