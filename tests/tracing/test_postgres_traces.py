@@ -6,6 +6,7 @@ import pytest
 
 from keel.errors import BackendUnavailableError
 from keel.settings import load_settings
+from keel.stores import PostgresDatabase
 from keel.stores._postgres_traces import PostgresTraceStore
 from keel.testing.trace_conformance import TraceStoreConformance
 from keel.tracing import TraceStore, open_trace_store
@@ -16,10 +17,11 @@ pytestmark = pytest.mark.postgres
 class TestPostgresTraceStore(TraceStoreConformance):
     @pytest.fixture
     def trace_store(self, postgres_url: str) -> Iterator[TraceStore]:
-        store = PostgresTraceStore(postgres_url)
-        store.setup()
-        yield store
-        store.close()
+        with PostgresDatabase(postgres_url, max_size=4) as database:
+            store = PostgresTraceStore(database)
+            store.setup()
+            yield store
+            store.close()
 
 
 def test_settings_with_a_postgres_url_open_the_postgres_store(postgres_url: str) -> None:
@@ -33,13 +35,13 @@ def test_settings_with_a_postgres_url_open_the_postgres_store(postgres_url: str)
 
 
 def test_an_unreachable_server_is_backend_unavailable() -> None:
+    database = PostgresDatabase("postgresql://nobody@127.0.0.1:1/none", timeout=1)
     with pytest.raises(BackendUnavailableError):
-        PostgresTraceStore("postgresql://nobody@127.0.0.1:1/none", connect_timeout=1)
+        PostgresTraceStore(database)
+    database.close()
 
 
 def test_a_shared_database_is_used_and_left_open(postgres_url: str) -> None:
-    from keel.stores import PostgresDatabase
-
     with PostgresDatabase(postgres_url, max_size=2) as database:
         store = PostgresTraceStore(database)
         store.setup()
@@ -57,12 +59,11 @@ def test_keel_runs_reads_a_postgres_database_from_settings(
     from keel.cli import main
     from keel.tracing import Tracer
 
-    store = PostgresTraceStore(postgres_url)
-    tracer = Tracer(store)
-    with tracer.start_run("pg-session") as run:
-        for index in range(10):
-            run.record("model", "m", prompt_tokens=100 + index)
-    store.close()
+    with PostgresDatabase(postgres_url, max_size=4) as database:
+        tracer = Tracer(PostgresTraceStore(database))
+        with tracer.start_run("pg-session") as run:
+            for index in range(10):
+                run.record("model", "m", prompt_tokens=100 + index)
     monkeypatch.setenv("KEEL_DATABASE", postgres_url)
     assert main(["runs", "list", "--min-steps", "10", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -70,3 +71,43 @@ def test_keel_runs_reads_a_postgres_database_from_settings(
     assert main(["runs", "stats", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert stats["sessions"][0]["model_calls"] == 10
+
+
+def test_a_batch_whose_end_names_no_run_writes_nothing(postgres_url: str) -> None:
+    from datetime import UTC, datetime
+
+    from keel.errors import StoreError
+    from keel.tracing import Run, Step
+    from keel.tracing._store import RunEnding
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    with PostgresDatabase(postgres_url, max_size=2) as database:
+        store = PostgresTraceStore(database)
+        store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+        step = Step(run_id="r1", step_id="s0", seq=0, kind="model", started_at=now, ended_at=now)
+        with pytest.raises(StoreError, match="no such run"):
+            # The step and its run are fine, the end is not: the whole pipeline rolls back.
+            store.write_batch(run=None, steps=[step], end=RunEnding("other", "failed", now))
+        assert store.get_steps("r1") == []
+        assert store.get_run("r1").step_count == 0  # type: ignore[union-attr]
+
+
+async def test_an_async_batch_whose_end_names_no_run_writes_nothing(postgres_url: str) -> None:
+    from datetime import UTC, datetime
+
+    from keel.errors import StoreError
+    from keel.tracing import Run, Step
+    from keel.tracing._store import RunEnding
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    database = PostgresDatabase(postgres_url, max_size=2)
+    try:
+        store = PostgresTraceStore(database)
+        await store.astart_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+        step = Step(run_id="r1", step_id="s0", seq=0, kind="model", started_at=now, ended_at=now)
+        with pytest.raises(StoreError, match="no such run"):
+            await store.awrite_batch(run=None, steps=[step], end=RunEnding("other", "failed", now))
+        assert await store.aget_run_detail("r1") == store.get_run_detail("r1")
+        assert store.get_steps("r1") == []
+    finally:
+        await database.aclose()

@@ -15,19 +15,21 @@ from keel.tracing import Tracer, TraceStore
 class TestSQLiteTraceStore(TraceStoreConformance):
     @pytest.fixture
     def trace_store(self, tmp_path: Path) -> Iterator[TraceStore]:
-        store = SQLiteTraceStore(SQLiteDatabase(tmp_path / "keel.db"), close_database=True)
-        store.setup()
-        yield store
-        store.close()
+        with SQLiteDatabase(tmp_path / "keel.db") as database:
+            store = SQLiteTraceStore(database)
+            store.setup()
+            yield store
+            store.close()
 
 
 class TestInMemorySQLiteTraceStore(TraceStoreConformance):
     @pytest.fixture
     def trace_store(self) -> Iterator[TraceStore]:
-        store = SQLiteTraceStore(":memory:")
-        store.setup()
-        yield store
-        store.close()
+        with SQLiteDatabase(":memory:") as database:
+            store = SQLiteTraceStore(database)
+            store.setup()
+            yield store
+            store.close()
 
 
 def test_traces_share_the_database_file_as_their_own_component(tmp_path: Path) -> None:
@@ -41,7 +43,7 @@ def test_traces_share_the_database_file_as_their_own_component(tmp_path: Path) -
 
 
 def test_list_filters_use_indexes(tmp_path: Path) -> None:
-    store = SQLiteTraceStore(tmp_path / "keel.db")
+    store = SQLiteTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
     store.setup()
     conn = store.db.connection()
     plans = {
@@ -54,11 +56,12 @@ def test_list_filters_use_indexes(tmp_path: Path) -> None:
         plan = " ".join(str(row[-1]) for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}"))
         assert "USING INDEX" in plan or "USING COVERING INDEX" in plan, (name, plan)
     store.close()
+    store.db.close()
 
 
 def test_nothing_unmasked_reaches_the_file(tmp_path: Path) -> None:
     path = tmp_path / "keel.db"
-    store = SQLiteTraceStore(path)
+    store = SQLiteTraceStore(SQLiteDatabase(path))
     tracer = Tracer(store)
     secrets = [
         "sk-proj-Zq8XvB2nM4kL6pR0tY1uW3eQ",
@@ -89,6 +92,7 @@ def test_nothing_unmasked_reaches_the_file(tmp_path: Path) -> None:
         run.transition("start", "booking", state_version=2, attributes={"who": secrets[4]})
         run.end(output=f"done, receipt sent to {secrets[4]}")
     store.close()
+    store.db.close()
     raw = path.read_bytes()
     wal = path.with_name(path.name + "-wal")
     if wal.exists():
@@ -111,7 +115,7 @@ def test_a_batch_is_one_transaction(tmp_path: Path) -> None:
     from keel.tracing import Run, Step
     from keel.tracing._store import RunEnding
 
-    store = SQLiteTraceStore(tmp_path / "keel.db")
+    store = SQLiteTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
     store.setup()
     now = datetime(2026, 1, 1, tzinfo=UTC)
     store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
@@ -128,3 +132,4 @@ def test_a_batch_is_one_transaction(tmp_path: Path) -> None:
     assert commits == ["COMMIT"]
     assert [s.step_id for s in store.get_steps("r1")] == ["s0"]
     store.close()
+    store.db.close()

@@ -26,10 +26,11 @@ from keel.tracing import Run, Step, Tracer, status_for
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[SQLiteTraceStore]:
-    store = SQLiteTraceStore(SQLiteDatabase(tmp_path / "keel.db"), close_database=True)
-    store.setup()
-    yield store
-    store.close()
+    with SQLiteDatabase(tmp_path / "keel.db") as database:
+        store = SQLiteTraceStore(database)
+        store.setup()
+        yield store
+        store.close()
 
 
 class Budget(BaseModel):

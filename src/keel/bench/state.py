@@ -31,7 +31,7 @@ from keel.errors import ConflictError, UsageError
 from keel.messages import Message
 from keel.settings import load_settings
 from keel.state import StateBackend, StateStore
-from keel.stores import PostgresStateBackend, RedisStateBackend, SQLiteStateBackend
+from keel.stores import RedisStateBackend, open_state_backend
 from keel.testing._state_models import ConversationState, CounterState
 from keel.testing.servers import postgres_server, redis_server
 
@@ -234,13 +234,17 @@ def _backend_runs(
     runs: list[_BackendRun] = []
     if "sqlite" in backends:
         sqlite_file = directory / "keel.db"
-        runs.append(_BackendRun("sqlite", lambda: SQLiteStateBackend(sqlite_file), sqlite_file))
+        runs.append(
+            _BackendRun(
+                "sqlite", lambda: open_state_backend(f"sqlite:///{sqlite_file}"), sqlite_file
+            )
+        )
     if "postgres" in backends and pg_url is not None:
         url = pg_url
         runs.append(
             _BackendRun(
                 "postgres",
-                lambda: PostgresStateBackend(url),
+                lambda: open_state_backend(url),
                 before=lambda: _reset_postgres(url),
                 after=lambda: _cleanup_postgres(url),
             )

@@ -62,12 +62,13 @@ app.add_typer(tools_app, name="tools")
 
 def _journal(database: str | None) -> ToolJournal:
     from keel.cli._database import database_settings
-    from keel.stores import PostgresToolJournal, SQLiteToolJournal, open_database
+    from keel.stores import PostgresDatabase, PostgresToolJournal, SQLiteToolJournal, open_database
 
     settings = database_settings(database)
     parsed = settings.parsed_database
     if parsed.kind == "postgres":
-        return PostgresToolJournal(parsed.url)  # postgres:// and postgresql+psycopg:// too
+        # postgres:// and postgresql+psycopg:// too
+        return PostgresToolJournal(PostgresDatabase(parsed.url, max_size=4, timeout=10))
     return SQLiteToolJournal(open_database(settings))
 
 

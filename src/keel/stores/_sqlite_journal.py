@@ -13,46 +13,12 @@ from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from keel.stores._dialect import SQLITE
-from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_journal import SQLToolJournal
+from keel.stores._sql_journal import SQLToolJournal, journal_migrations
 from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["JOURNAL_MIGRATIONS", "SQLiteToolJournal"]
 
-JOURNAL_MIGRATIONS = MigrationSet(
-    "journal",
-    (
-        Migration(
-            "tool-call intents and results, and each step's decided tool calls",
-            """
-            CREATE TABLE IF NOT EXISTS keel_tool_journal (
-                key TEXT PRIMARY KEY,
-                session_id TEXT NOT NULL,
-                step INTEGER NOT NULL,
-                call_index INTEGER NOT NULL,
-                tool TEXT NOT NULL,
-                arguments TEXT NOT NULL,
-                status TEXT NOT NULL CHECK (status IN ('started', 'succeeded', 'failed')),
-                ok INTEGER,
-                content TEXT,
-                output TEXT,
-                attempts INTEGER NOT NULL DEFAULT 1,
-                started_at REAL NOT NULL,
-                finished_at REAL
-            );
-            CREATE INDEX IF NOT EXISTS keel_tool_journal_session
-                ON keel_tool_journal (session_id, step, call_index);
-            CREATE TABLE IF NOT EXISTS keel_tool_decisions (
-                session_id TEXT NOT NULL,
-                step INTEGER NOT NULL,
-                message TEXT NOT NULL,
-                created_at REAL NOT NULL,
-                PRIMARY KEY (session_id, step)
-            );
-            """,
-        ),
-    ),
-)
+JOURNAL_MIGRATIONS = journal_migrations(SQLITE)
 
 _T = TypeVar("_T")
 

@@ -25,15 +25,30 @@ def open_trace_store(settings: Settings | None = None, *, setup: bool = True) ->
         raise ConfigError(f"cannot keep traces there: {exc}") from None
     store: TraceStore
     if parsed.path is not None:
-        from keel.stores._sqlite import SQLiteDatabase
-        from keel.stores._sqlite_traces import SQLiteTraceStore
+        # keel.stores implements tracing's interfaces: it cannot be imported at the top.
+        from keel.stores import SQLiteDatabase, SQLiteTraceStore
 
-        database = SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms)
-        store = SQLiteTraceStore(database, close_database=True)
+        class _OwnSQLiteTraces(SQLiteTraceStore):
+            def close(self) -> None:  # the database opened here is the store's own
+                self.db.close()
+
+        store = _OwnSQLiteTraces(
+            SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms)
+        )
     else:
-        from keel.stores._postgres_traces import PostgresTraceStore
+        # keel.stores implements tracing's interfaces: it cannot be imported at the top.
+        from keel.stores import PostgresDatabase, PostgresTraceStore
 
-        store = PostgresTraceStore(parsed.url)
+        class _OwnPostgresTraces(PostgresTraceStore):
+            def close(self) -> None:  # the database opened here is the store's own
+                self.database.close()
+
+        database = PostgresDatabase(parsed.url, max_size=4, timeout=10.0)
+        try:
+            store = _OwnPostgresTraces(database)
+        except BaseException:
+            database.close()
+            raise
     if setup:
         try:
             store.setup()

@@ -1,0 +1,75 @@
+"""One store operation's statements, written once and run by a sync or an async driver.
+
+A *plan* is a generator that yields :class:`Statement` objects and is sent each one's
+:class:`Result`; what it returns is the operation's result, what it raises (a conflict, a
+missing row) leaves through the runner and rolls the transaction back. The same plan runs on
+a sqlite3 cursor, a psycopg cursor, or a psycopg async cursor: the statements and the logic
+between them are never written twice for sync and async.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from keel.stores._dialect import SqlDialect
+
+__all__ = ["Plan", "Result", "Statement", "arun_plan", "run_plan"]
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One statement, with ``?`` markers, and its parameters (a list of rows for ``many``;
+    names, for a statement written in the driver's own ``%(name)s`` style)."""
+
+    sql: str
+    params: Sequence[Any] | Mapping[str, Any] = ()
+    many: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What a statement returned: its rows (none for a statement without a result) and the
+    number of rows it changed."""
+
+    rows: list[Any]
+    rowcount: int
+
+
+Plan = Generator[Statement, Result, _T]
+"""The statements of one operation; returns its result."""
+
+
+def run_plan(cursor: Any, dialect: SqlDialect, plan: Plan[_T]) -> _T:
+    """Run ``plan`` on a DB-API cursor (sqlite3 or psycopg)."""
+    try:
+        statement = next(plan)
+        while True:
+            sql = dialect.sql(statement.sql)
+            if statement.many:
+                cursor.executemany(sql, statement.params)
+            else:
+                cursor.execute(sql, statement.params)
+            rows = cursor.fetchall() if cursor.description is not None else []
+            statement = plan.send(Result(rows, cursor.rowcount))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+async def arun_plan(cursor: Any, dialect: SqlDialect, plan: Plan[_T]) -> _T:
+    """Run ``plan`` on a psycopg async cursor: the statements of :func:`run_plan`, awaited."""
+    try:
+        statement = next(plan)
+        while True:
+            sql = dialect.sql(statement.sql)
+            if statement.many:
+                await cursor.executemany(sql, statement.params)
+            else:
+                await cursor.execute(sql, statement.params)
+            rows = await cursor.fetchall() if cursor.description is not None else []
+            statement = plan.send(Result(rows, cursor.rowcount))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]

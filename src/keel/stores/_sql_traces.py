@@ -1,0 +1,477 @@
+"""The trace stores' SQL, written once for SQLite and PostgreSQL over a
+:class:`~keel.stores._dialect.SqlDialect`.
+
+Two tables: ``trace_runs`` (one row per run, with running totals so listing and filtering
+never scans steps) and ``trace_steps`` (one row per step, keyed by run and step id, ordered by
+``seq``). Indexes serve each ``keel runs list`` filter. Times and JSON are stored the
+dialect's way (SQLite: exact integer Unix microseconds and text; PostgreSQL: ``timestamptz``
+and ``jsonb``).
+
+A run's ``heartbeat_at`` is refreshed by every write of the run (start, resume, each step);
+reads report a ``running`` run whose heartbeat is older than ``abandon_after_s`` of its time
+limit as ``abandoned`` (``keel.tracing.RunStatus``).
+
+Each engine's subclass says how it opens a read and a write, migrates, and writes a batch of
+steps with its run's totals kept exact (that is where the engines really differ: SQLite's one
+writer adds each step's difference, PostgreSQL locks the run and recounts in one pipeline).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from keel.stores._dialect import SqlDialect
+from keel.stores._migrations import Migration, MigrationSet
+from keel.tracing._models import (
+    ABANDON_SLACK_CAP_S,
+    DEFAULT_RUN_TIME_LIMIT_S,
+    Run,
+    RunQuery,
+    RunStatus,
+    Step,
+    StepMetric,
+)
+from keel.tracing._store import RunEnding, TraceStore
+
+__all__ = ["STEP_FIELDS", "SQLTraceStore", "TraceStatements", "trace_migrations"]
+
+
+# Column types are the dialect's ({time}: a timestamp, {json}, {real}, {big}: a BIGINT).
+_RUNS_AND_STEPS = """
+    CREATE TABLE IF NOT EXISTS trace_runs (
+        run_id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        user_id TEXT,
+        tenant_id TEXT,
+        agent TEXT NOT NULL,
+        status TEXT NOT NULL,
+        started_at {time} NOT NULL,
+        ended_at {time},
+        input TEXT,
+        output TEXT,
+        error_type TEXT,
+        error_message TEXT,
+        step_count INTEGER NOT NULL DEFAULT 0,
+        model_calls INTEGER NOT NULL DEFAULT 0,
+        tool_calls INTEGER NOT NULL DEFAULT 0,
+        tool_errors INTEGER NOT NULL DEFAULT 0,
+        prompt_tokens {big} NOT NULL DEFAULT 0,
+        completion_tokens {big} NOT NULL DEFAULT 0,
+        attributes {json} NOT NULL DEFAULT '{{}}'
+    );
+    CREATE INDEX IF NOT EXISTS trace_runs_started ON trace_runs (started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_session ON trace_runs (session_id, started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_status ON trace_runs (status, started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_steps ON trace_runs (step_count);
+    CREATE INDEX IF NOT EXISTS trace_runs_tenant ON trace_runs (tenant_id, started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_tool_errors
+        ON trace_runs (started_at) WHERE tool_errors > 0;
+    CREATE TABLE IF NOT EXISTS trace_steps (
+        run_id TEXT NOT NULL REFERENCES trace_runs (run_id) ON DELETE CASCADE,
+        step_id TEXT NOT NULL,
+        parent_id TEXT,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        name TEXT NOT NULL,
+        started_at {time} NOT NULL,
+        ended_at {time},
+        latency_ms {real},
+        ttft_ms {real},
+        attempt INTEGER NOT NULL DEFAULT 1,
+        prompt_tokens INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        model TEXT,
+        finish_reason TEXT,
+        budget {json},
+        state_version {big},
+        raw_output TEXT,
+        parsed_action {json},
+        tool_name TEXT,
+        tool_call_id TEXT,
+        tool_arguments TEXT,
+        tool_result TEXT,
+        error_type TEXT,
+        error_message TEXT,
+        attributes {json} NOT NULL DEFAULT '{{}}',
+        PRIMARY KEY (run_id, step_id)
+    );
+    CREATE INDEX IF NOT EXISTS trace_steps_order ON trace_steps (run_id, seq);
+"""
+_HEARTBEATS = """
+    ALTER TABLE trace_runs {add_column} heartbeat_at {time};
+    ALTER TABLE trace_runs {add_column} time_limit_s {real};
+    UPDATE trace_runs SET heartbeat_at = COALESCE(ended_at, started_at);
+    CREATE INDEX IF NOT EXISTS trace_runs_model_calls ON trace_runs (model_calls);
+"""
+
+
+def trace_migrations(dialect: SqlDialect) -> MigrationSet:
+    """The ``traces`` component's migrations in ``dialect``'s column types."""
+    types = {
+        "time": dialect.time_type,
+        "json": dialect.json_type,
+        "real": dialect.real_type,
+        "big": dialect.big_int_type,
+        "add_column": dialect.add_column,
+    }
+    return MigrationSet(
+        "traces",
+        (
+            Migration("runs and steps", _RUNS_AND_STEPS.format(**types)),
+            Migration(
+                "run heartbeats and time limits (abandoned runs); model-call filter",
+                _HEARTBEATS.format(**types),
+            ),
+        ),
+    )
+
+
+_RUN_FIELDS = tuple(Run.model_fields)
+STEP_FIELDS = tuple(Step.model_fields)
+"""A step's columns, in the order of :meth:`TraceStatements.step_values`."""
+_RUN_HEADER_FIELDS = (
+    "run_id",
+    "session_id",
+    "user_id",
+    "tenant_id",
+    "agent",
+    "status",
+    "started_at",
+    "ended_at",
+    "input",
+    "output",
+    "error_type",
+    "error_message",
+    "attributes",
+    "time_limit_s",
+    "heartbeat_at",
+)
+_JSON = frozenset({"budget", "parsed_action", "attributes"})
+_TIMES = frozenset({"started_at", "ended_at"})
+_LIST_FILTERS = ("session_id", "user_id", "tenant_id", "agent")
+
+
+def _upsert(table: str, fields: Sequence[str], key: str, action: str) -> str:
+    return (
+        f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({', '.join('?' for _ in fields)}) "
+        f"ON CONFLICT ({key}) {action}"
+    )
+
+
+def _replace(fields: Sequence[str]) -> str:
+    return "DO UPDATE SET " + ", ".join(f"{name} = excluded.{name}" for name in fields)
+
+
+class TraceStatements:
+    """The trace statements and row conversions in one dialect (built once per store class).
+
+    Statements keep ``?`` markers; :meth:`SqlDialect.sql` spells them for the driver.
+    """
+
+    def __init__(self, dialect: SqlDialect) -> None:
+        self.dialect = dialect
+        # The status as read: a run still 'running' with no sign of life for longer than
+        # abandon_after_s(time_limit_s) is 'abandoned' (its worker died). One parameter: now.
+        limit = f"COALESCE(time_limit_s, {DEFAULT_RUN_TIME_LIMIT_S!r})"
+        silent_until = dialect.plus_seconds.format(
+            "COALESCE(heartbeat_at, started_at)",
+            f"{limit} + {dialect.least}({limit}, {ABANDON_SLACK_CAP_S!r})",
+        )
+        self.status = (
+            f"CASE WHEN status = 'running' AND {silent_until} < ? THEN 'abandoned' ELSE status END"
+        )
+        self.run_columns = ", ".join(
+            self.status if name == "status" else name for name in _RUN_FIELDS
+        )
+        self.upsert_run = dialect.sql(
+            _upsert("trace_runs", _RUN_HEADER_FIELDS, "run_id", _replace(_RUN_HEADER_FIELDS[1:]))
+        )
+        self.upsert_step = dialect.sql(
+            _upsert("trace_steps", STEP_FIELDS, "run_id, step_id", _replace(STEP_FIELDS[2:]))
+        )
+        self.insert_new_step = dialect.sql(
+            _upsert("trace_steps", STEP_FIELDS, "run_id, step_id", "DO NOTHING")
+        )
+        self.end_run = dialect.sql(
+            "UPDATE trace_runs SET status = ?, ended_at = ?, output = ?, "
+            "error_type = ?, error_message = ? WHERE run_id = ?"
+        )
+
+    def run_values(self, run: Run) -> tuple[Any, ...]:
+        """The parameters of :attr:`upsert_run` (the heartbeat is now)."""
+        to_time = self.dialect.to_time
+        return (
+            run.run_id,
+            run.session_id,
+            run.user_id,
+            run.tenant_id,
+            run.agent,
+            run.status,
+            to_time(run.started_at),
+            to_time(run.ended_at),
+            run.input,
+            run.output,
+            run.error_type,
+            run.error_message,
+            self.dialect.to_json(run.attributes),
+            run.time_limit_s,
+            to_time(datetime.now(UTC)),
+        )
+
+    def step_values(self, step: Step) -> tuple[Any, ...]:
+        """The parameters of :attr:`upsert_step` and :attr:`insert_new_step`."""
+        to_json, to_time = self.dialect.to_json, self.dialect.to_time
+        values: list[Any] = []
+        for name in STEP_FIELDS:
+            value = getattr(step, name)
+            if name in _JSON:
+                values.append(to_json(value))
+            elif name in _TIMES:
+                values.append(to_time(value))
+            else:
+                values.append(value)
+        return tuple(values)
+
+    def end_values(self, end: RunEnding) -> tuple[Any, ...]:
+        """The parameters of :attr:`end_run`."""
+        ended_at = self.dialect.to_time(end.ended_at)
+        return (end.status, ended_at, end.output, end.error_type, end.error_message, end.run_id)
+
+    def run_from_row(self, row: Sequence[Any]) -> Run:
+        data = dict(zip(_RUN_FIELDS, row, strict=True))
+        data["started_at"] = self.dialect.from_time(data["started_at"])
+        data["ended_at"] = self.dialect.from_time(data["ended_at"])
+        data["attributes"] = self.dialect.from_json(data["attributes"])
+        return Run.model_validate(data)
+
+    def step_from_row(self, row: Sequence[Any]) -> Step:
+        from_json, from_time = self.dialect.from_json, self.dialect.from_time
+        data: dict[str, Any] = {}
+        for name, value in zip(STEP_FIELDS, row, strict=True):
+            if name in _JSON:
+                data[name] = from_json(value)
+            elif name in _TIMES:
+                data[name] = from_time(value)
+            else:
+                data[name] = value
+        if data["attributes"] is None:
+            data["attributes"] = {}
+        return Step.model_validate(data)
+
+    def list_runs(self, query: RunQuery) -> tuple[str, list[Any]]:
+        """The statement and parameters of :meth:`SQLTraceStore.list_runs`."""
+        now = self.dialect.to_time(datetime.now(UTC))
+        where: list[str] = []
+        params: list[Any] = [now]
+        for column in _LIST_FILTERS:
+            value = getattr(query, column)
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if query.status is not None:
+            where.append(f"({self.status}) = ?")
+            params.extend((now, query.status))
+        for column, least in (
+            ("step_count", query.min_steps),
+            ("model_calls", query.min_model_calls),
+        ):
+            if least is not None:
+                where.append(f"{column} >= ?")
+                params.append(least)
+        if query.tool_error is not None:
+            where.append("tool_errors > 0" if query.tool_error else "tool_errors = 0")
+        for condition, moment in (
+            ("started_at >= ?", query.since),
+            ("started_at < ?", query.until),
+        ):
+            if moment is not None:
+                where.append(condition)
+                params.append(self.dialect.to_time(moment))
+        params.append(query.limit)
+        return (
+            f"SELECT {self.run_columns} FROM trace_runs{_where(where)} "
+            "ORDER BY started_at DESC, run_id DESC LIMIT ?",
+            params,
+        )
+
+    def step_metrics(
+        self, session_id: str | None, since: datetime | None, tenant_id: str | None
+    ) -> tuple[str, list[Any]]:
+        """The statement and parameters of :meth:`SQLTraceStore.step_metrics`."""
+        where: list[str] = []
+        params: list[Any] = []
+        for condition, value in (
+            ("r.session_id = ?", session_id),
+            ("r.tenant_id = ?", tenant_id),
+            ("r.started_at >= ?", self.dialect.to_time(since)),
+        ):
+            if value is not None:
+                where.append(condition)
+                params.append(value)
+        return (
+            "SELECT r.session_id, s.run_id, s.kind, s.name, s.started_at, s.attempt, "
+            "s.prompt_tokens, s.ttft_ms, s.error_type IS NOT NULL "
+            f"FROM trace_runs r JOIN trace_steps s ON s.run_id = r.run_id{_where(where)} "
+            "ORDER BY s.started_at, s.run_id, s.seq",
+            params,
+        )
+
+    def metric_from_row(self, row: Sequence[Any]) -> StepMetric:
+        return StepMetric(
+            session_id=row[0],
+            run_id=row[1],
+            kind=row[2],
+            name=row[3],
+            started_at=cast("datetime", self.dialect.from_time(row[4])),
+            attempt=row[5],
+            prompt_tokens=row[6],
+            ttft_ms=row[7],
+            failed=bool(row[8]),
+        )
+
+
+def _where(conditions: list[str]) -> str:
+    return f" WHERE {' AND '.join(conditions)}" if conditions else ""
+
+
+class SQLTraceStore(TraceStore):
+    """A trace store over SQL: every write is a batch (:meth:`write_batch`); the reads are
+    written once here, and run on the connections a subclass opens."""
+
+    statements: TraceStatements
+
+    def __init__(self) -> None:
+        self._ready = False
+
+    @abstractmethod
+    def _read(self) -> AbstractContextManager[Any]:
+        """A connection for one read statement, driver errors translated."""
+
+    @abstractmethod
+    def _write(self) -> AbstractContextManager[Any]:
+        """One write transaction's connection, driver errors translated."""
+
+    @abstractmethod
+    def _migrate(self) -> None:
+        """Create or migrate the ``traces`` tables."""
+
+    def setup(self) -> None:
+        """Create or migrate the ``traces`` tables; idempotent (and safe to run concurrently)."""
+        self._migrate()
+        self._ready = True
+
+    def _ensure(self) -> None:
+        if not self._ready:
+            self.setup()
+
+    def _fetch(self, sql: str, params: Sequence[Any]) -> list[Any]:
+        self._ensure()
+        with self._read() as conn:
+            return list(conn.execute(self.statements.dialect.sql(sql), params).fetchall())
+
+    def start_run(self, run: Run) -> None:
+        """Insert the run (or replace its header, keeping steps and totals)."""
+        self.write_batch(run=run, steps=(), end=None)
+
+    def write_step(self, step: Step) -> None:
+        """Insert or replace the step and keep its run's totals exact."""
+        self.write_batch(run=None, steps=(step,), end=None)
+
+    def end_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus,
+        ended_at: datetime,
+        output: str | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        """Set the run's final status, end time, output and error."""
+        ending = RunEnding(run_id, status, ended_at, output, error_type, error_message)
+        self.write_batch(run=None, steps=(), end=ending)
+
+    async def astart_run(self, run: Run) -> None:
+        """Async twin of :meth:`start_run`."""
+        await self.awrite_batch(run=run, steps=(), end=None)
+
+    async def awrite_step(self, step: Step) -> None:
+        """Async twin of :meth:`write_step`."""
+        await self.awrite_batch(run=None, steps=(step,), end=None)
+
+    async def aend_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus,
+        ended_at: datetime,
+        output: str | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        """Async twin of :meth:`end_run`."""
+        ending = RunEnding(run_id, status, ended_at, output, error_type, error_message)
+        await self.awrite_batch(run=None, steps=(), end=ending)
+
+    def get_run(self, run_id: str) -> Run | None:
+        """The run with this id, or None."""
+        sql = f"SELECT {self.statements.run_columns} FROM trace_runs WHERE run_id = ?"
+        now = self.statements.dialect.to_time(datetime.now(UTC))
+        rows = self._fetch(sql, (now, run_id))
+        return self.statements.run_from_row(rows[0]) if rows else None
+
+    def get_steps(self, run_id: str) -> list[Step]:
+        """The run's steps in start order."""
+        rows = self._fetch(
+            f"SELECT {', '.join(STEP_FIELDS)} FROM trace_steps WHERE run_id = ? "
+            "ORDER BY seq, started_at",
+            (run_id,),
+        )
+        return [self.statements.step_from_row(row) for row in rows]
+
+    def list_runs(self, query: RunQuery | None = None) -> list[Run]:
+        """Runs matching ``query``, newest first."""
+        rows = self._fetch(*self.statements.list_runs(query or RunQuery()))
+        return [self.statements.run_from_row(row) for row in rows]
+
+    def step_metrics(
+        self,
+        *,
+        session_id: str | None = None,
+        since: datetime | None = None,
+        tenant_id: str | None = None,
+    ) -> list[StepMetric]:
+        """Indicator columns of matching steps, oldest first."""
+        rows = self._fetch(*self.statements.step_metrics(session_id, since, tenant_id))
+        return [self.statements.metric_from_row(row) for row in rows]
+
+    def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Up to ``limit`` run ids that start with ``prefix``."""
+        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self._fetch(
+            "SELECT run_id FROM trace_runs WHERE run_id LIKE ? ESCAPE '\\' ORDER BY run_id LIMIT ?",
+            (pattern, limit),
+        )
+        return [str(row[0]) for row in rows]
+
+    def delete_runs(self, *, before: datetime) -> int:
+        """Delete runs started before ``before`` with their steps; returns how many runs."""
+        self._ensure()
+        dialect = self.statements.dialect
+        cutoff = (dialect.to_time(before),)
+        with self._write() as conn:
+            conn.execute(
+                dialect.sql(
+                    "DELETE FROM trace_steps WHERE run_id IN "
+                    "(SELECT run_id FROM trace_runs WHERE started_at < ?)"
+                ),
+                cutoff,
+            )
+            deleted = conn.execute(
+                dialect.sql("DELETE FROM trace_runs WHERE started_at < ?"), cutoff
+            ).rowcount
+        return int(deleted)
