@@ -43,9 +43,12 @@ def status_command(
 ) -> None:
     """Show which embedding models produced the stored vectors."""
     from keel.cli._database import database_settings
-    from keel.memory import open_memory
+    from keel.stores import Backends
 
-    memory = open_memory(database_settings(database))
+    # Memory only; its records embed here, not in a background worker.
+    backends = Backends.open(database_settings(database), redis_url="", background=False)
+    memory = backends.memory
+    assert memory is not None
     try:
         status = memory.embedding_status()
         payload = {
@@ -56,7 +59,7 @@ def status_command(
             "needs_reembed": status.needs_reembed,
         }
     finally:
-        memory.close()
+        backends.close()
     if as_json:
         emit_json(payload)
         return
@@ -74,9 +77,12 @@ def reembed_command(
 ) -> None:
     """Rebuild the vectors of every record not embedded by the configured model."""
     from keel.cli._database import database_settings
-    from keel.memory import open_memory
+    from keel.stores import Backends
 
-    memory = open_memory(database_settings(database))
+    # Memory only; its records embed here, not in a background worker.
+    backends = Backends.open(database_settings(database), redis_url="", background=False)
+    memory = backends.memory
+    assert memory is not None
     try:
         before = memory.embedding_status()
         with _progress_bar(not as_json) as progress:
@@ -88,7 +94,7 @@ def reembed_command(
             done = memory.reembed(progress=report)
         after = memory.embedding_status()
     finally:
-        memory.close()
+        backends.close()
     if as_json:
         emit_json(
             {
@@ -141,10 +147,12 @@ def bench_locomo_command(
     with ExitStack() as stack, _progress_bar(True) as progress:
         factory = None
         if postgres:
-            from keel.stores import PostgresMemoryStore
+            from keel.stores import PostgresDatabase, PostgresMemoryStore
 
-            url = _fresh_postgres(stack)
-            factory = lambda: PostgresMemoryStore(url)  # noqa: E731
+            database = stack.enter_context(
+                PostgresDatabase(_fresh_postgres(stack), max_size=8, timeout=10)
+            )
+            factory = lambda: PostgresMemoryStore(database)  # noqa: E731
         task = progress.add_task("LoCoMo", total=None)
 
         def report(stage: str, done: int, total: int) -> None:
@@ -237,11 +245,12 @@ def bench_memory_command(
         settle: Callable[[], None] | None = None
         server_cpu: Callable[[], float | None] | None = None
         if postgres:
-            from keel.stores import PostgresMemoryStore
+            from keel.stores import PostgresDatabase, PostgresMemoryStore
 
             settings = {"shared_buffers": postgres_shared_buffers}
             url = _fresh_postgres(stack, settings)
-            factory = lambda: PostgresMemoryStore(url)  # noqa: E731
+            database = stack.enter_context(PostgresDatabase(url, max_size=8, timeout=10))
+            factory = lambda: PostgresMemoryStore(database)  # noqa: E731
 
             def vacuum() -> None:
                 import psycopg

@@ -52,6 +52,7 @@ from keel.context import (
 )
 from keel.errors import (
     AccessDeniedError,
+    ConfigError,
     ConflictError,
     GuardError,
     KeelError,
@@ -62,8 +63,9 @@ from keel.errors import (
 )
 from keel.guards import GuardConfig, SpiralMonitor, output_json_schema
 from keel.messages import Message, ToolCall
-from keel.models import ChatModel, ModelOptions
-from keel.privacy import PIIMasker, StreamMasker
+from keel.models import ChatModel, ModelOptions, resolve_model
+from keel.privacy import DEFAULT_MASKER, PIIMasker, StreamMasker
+from keel.runtime._backends import Backends
 from keel.runtime._events import (
     AgentEvent,
     CheckpointCommitted,
@@ -78,6 +80,7 @@ from keel.runtime._events import (
 from keel.runtime._log import SessionLog
 from keel.runtime._reply import AgentReply
 from keel.runtime._tool_loop import LoopHooks, LoopResult, StepRecord, ToolLoop
+from keel.settings import Settings, load_settings
 from keel.state import (
     AgentState,
     Checkpoint,
@@ -100,8 +103,6 @@ from keel.tracing import RunTrace, Tracer, arecord_loop_step, redact_json
 
 if TYPE_CHECKING:
     from keel.memory import Memory, Provenance
-    from keel.runtime._backends import Backends
-    from keel.settings import Settings
 
 __all__ = ["Agent", "AgentReply"]
 
@@ -120,7 +121,7 @@ _REPLIES_KEPT = 16
 """Replies kept for turns that came with the caller's own turn id (retries come within minutes)."""
 _WORKFLOW_TOOLS = ("go_to", "remember")
 
-_DEFAULT_MASKER = PIIMasker()
+_DEFAULT_MASKER = DEFAULT_MASKER
 
 _FAILURE_REPLY = (
     "I'm sorry, something went wrong on my side and nothing was changed. Please try again."
@@ -429,42 +430,29 @@ class Agent:
             BackendUnavailableError: a server cannot be reached or its driver is missing.
             StoreError: a database cannot be opened or migrated.
         """
-        from keel.errors import ConfigError
-        from keel.models import resolve_model
-        from keel.runtime._backends import open_backends
-        from keel.settings import Settings, load_settings
-
         built_here = {"state", "tracer"} & set(options)
         if built_here:
             raise UsageError(
                 f"Agent.open builds {sorted(built_here)} from the database URL; to pass your "
                 "own stores, construct Agent(...) directly"
             )
-        url: str | None = None
         if isinstance(database, Settings):
             if settings is not None:
                 raise ConfigError("settings given twice: positionally and as settings=")
-            settings = database
-        elif database is not None:
-            if not isinstance(database, str):
-                raise ConfigError(
-                    f"Agent.open takes a database URL or Settings, not {type(database).__name__}"
-                )
-            url = database
-        settings = settings or load_settings()
-        chat_model = (
-            model
-            if isinstance(model, ChatModel)
-            else resolve_model(model or settings.model, settings=settings)
-        )
+            settings, database = database, None
+        elif database is not None and not isinstance(database, str):
+            raise ConfigError(
+                f"Agent.open takes a database URL or Settings, not {type(database).__name__}"
+            )
+        settings = settings or load_settings()  # an edge: read once, handed down from here
+        chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
         # One privacy policy for messages, the journal, memory and traces; None turns it off.
-        masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
-        backends = open_backends(
-            url if url is not None else settings.database_url,
-            redis_url=redis_url if redis_url is not None else settings.redis_url,
-            memory=memory,
-            masker=masker,
+        backends = Backends.open(
+            settings if database is None else database,
             settings=settings,
+            redis_url=redis_url,
+            memory=memory,
+            privacy=options.get("masker", _DEFAULT_MASKER),
         )
         try:
             agent = cls.on_backends(
@@ -499,7 +487,8 @@ class Agent:
         ``options`` are the constructor's (``tools=``, ``tenant_id=``, ``masker=``, ...);
         state, memory, the journal (unless ``journal`` is False) and the tracer come from
         ``backends``, the tracer masking with the agent's privacy policy."""
-        masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
+        # The stores' privacy policy unless the agent has its own: one masker for all of it.
+        masker: PIIMasker | None = options.setdefault("masker", backends.privacy)
         tenant_id: str = options.get("tenant_id", "default")
         redact = (
             None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
@@ -543,9 +532,7 @@ class Agent:
         Raises:
             UsageError: the settings name a server database (use :meth:`open`).
         """
-        from keel.settings import load_settings
-
-        settings = settings or load_settings()
+        settings = settings or load_settings()  # an edge: it must know the URL before open
         if settings.sqlite_path is None:
             raise UsageError(
                 f"{settings.database_url.split('://')[0]} databases are opened by "
