@@ -190,17 +190,10 @@ def serve_command(
     serve any session each, on the same database (use PostgreSQL, and Redis, to scale out).
     SIGTERM drains: turns in flight finish, new requests get 503 with Retry-After."""
     from keel.cli._database import database_settings
-    from keel.errors import UsageError
     from keel.service import ServeOptions
 
     settings = database_settings(database, writes=True, create=create)
-    if metrics_token is not None:
-        raise UsageError(
-            "--metrics-token shows in ps to every user of this machine: set KEEL_METRICS_TOKEN "
-            "or pass --metrics-token-file"
-        )
-    if log_format not in ("text", "json"):
-        raise UsageError(f"--log-format {log_format!r}: text or json")
+    _refuse_flags(metrics_token, log_format)
     options = ServeOptions(
         database=database,
         model=model,
@@ -223,6 +216,18 @@ def serve_command(
         _run_workers(options, workers, transport)
     else:
         _run_one(options, settings, transport)
+
+
+def _refuse_flags(metrics_token: str | None, log_format: str) -> None:
+    from keel.errors import UsageError
+
+    if metrics_token is not None:
+        raise UsageError(
+            "--metrics-token shows in ps to every user of this machine: set KEEL_METRICS_TOKEN "
+            "or pass --metrics-token-file"
+        )
+    if log_format not in ("text", "json"):
+        raise UsageError(f"--log-format {log_format!r}: text or json")
 
 
 def _run_one(options: ServeOptions, settings: Settings, transport: dict[str, Any]) -> None:

@@ -52,7 +52,6 @@ from keel.context import (
 )
 from keel.errors import (
     AccessDeniedError,
-    ConfigError,
     ConflictError,
     GuardError,
     KeelError,
@@ -65,7 +64,7 @@ from keel.guards import GuardConfig, SpiralMonitor, output_json_schema
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions, resolve_model
 from keel.privacy import DEFAULT_MASKER, PIIMasker, StreamMasker
-from keel.runtime._backends import Backends
+from keel.runtime._backends import Backends, edge_settings
 from keel.runtime._events import (
     AgentEvent,
     CheckpointCommitted,
@@ -436,19 +435,11 @@ class Agent:
                 f"Agent.open builds {sorted(built_here)} from the database URL; to pass your "
                 "own stores, construct Agent(...) directly"
             )
-        if isinstance(database, Settings):
-            if settings is not None:
-                raise ConfigError("settings given twice: positionally and as settings=")
-            settings, database = database, None
-        elif database is not None and not isinstance(database, str):
-            raise ConfigError(
-                f"Agent.open takes a database URL or Settings, not {type(database).__name__}"
-            )
-        settings = settings or load_settings()  # an edge: read once, handed down from here
+        target, settings = edge_settings(database, settings)  # read once, handed down
         chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
         # One privacy policy for messages, the journal, memory and traces; None turns it off.
         backends = Backends.open(
-            settings if database is None else database,
+            target,
             settings=settings,
             redis_url=redis_url,
             memory=memory,

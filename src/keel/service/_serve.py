@@ -15,11 +15,12 @@ from keel.errors import ConfigError
 from keel.models import ChatModel, resolve_model
 from keel.privacy import DEFAULT_MASKER
 from keel.runtime import Agent, Backends
+from keel.runtime._backends import edge_settings
 from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
-from keel.settings import Settings, load_settings
+from keel.settings import Settings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -186,11 +187,12 @@ def build_service(
     ``rate_limit_per_minute``: requests per key and minute (429 beyond), counted in Redis when
     there is one, so that every worker sees the same count. ``settings``: read once here (the
     service's edge) when not given; the stores, the model and the agents get them from here."""
-    settings = settings or load_settings()
-    # The stores are opened as Agent.open opens them; every tenant's agent shares them and
-    # their one privacy policy.
+    # The service's edge: the settings are read here (when not given) and handed down. The
+    # stores are opened as Agent.open opens them; every tenant's agent shares them and their
+    # one privacy policy.
+    target, settings = edge_settings(database or None, settings)
     backends = Backends.open(
-        database or settings,
+        target,
         settings=settings,
         redis_url=redis_url,
         memory=memory,
