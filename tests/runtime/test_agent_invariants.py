@@ -569,12 +569,12 @@ async def test_a_turn_ends_even_when_the_lease_renewal_swallows_its_cancellation
 async def test_on_server_backends_sessions_are_scoped_and_owned_one_turn_at_a_time(
     request: pytest.FixtureRequest, backend: str
 ) -> None:
-    from keel.stores import PostgresToolJournal, open_state_backend
+    from keel.stores import PostgresDatabase, PostgresToolJournal, open_state_backend
 
     url = request.getfixturevalue("postgres_url" if backend == "postgres" else "redis_url")
     journal_url = url if backend == "postgres" else request.getfixturevalue("postgres_url")
     book, effects = _booking()
-    with PostgresToolJournal(journal_url) as journal:
+    with PostgresDatabase(journal_url) as database, PostgresToolJournal(database) as journal:
         state_backend = open_state_backend(url)
 
         def agent_for(tenant: str) -> Agent:

@@ -58,10 +58,10 @@ def test_bench_refuses_a_database_with_keel_state(postgres_url: str) -> None:
     from keel.bench.state import run_state_bench
     from keel.errors import UsageError
     from keel.state import StateStore
-    from keel.stores import PostgresStateBackend
+    from keel.stores import open_state_backend
     from keel.testing._state_models import CounterState
 
-    store = StateStore(PostgresStateBackend(postgres_url), CounterState)
+    store = StateStore(open_state_backend(postgres_url), CounterState)
     store.create("real-user-session", CounterState(counter=7))
     with pytest.raises(UsageError, match="already holds keel state"):
         run_state_bench(steps=5, backends=("postgres",), postgres_url=postgres_url, langgraph=False)
@@ -71,7 +71,7 @@ def test_bench_refuses_a_database_with_keel_state(postgres_url: str) -> None:
 
 def test_bench_on_a_configured_empty_database_cleans_up(postgres_url: str) -> None:
     from keel.bench.state import run_state_bench
-    from keel.stores import PostgresStateBackend
+    from keel.stores import open_state_backend
 
     figures = run_state_bench(
         steps=10,
@@ -82,7 +82,7 @@ def test_bench_on_a_configured_empty_database_cleans_up(postgres_url: str) -> No
         langgraph=False,
     )
     assert figures["backends"]["postgres"]["lost_updates"] == 0
-    backend = PostgresStateBackend(postgres_url)
+    backend = open_state_backend(postgres_url)
     assert backend.sessions() == []
     backend.close()
 

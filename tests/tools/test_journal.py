@@ -25,7 +25,7 @@ def journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ToolJour
         db.close()
     else:
         url = request.getfixturevalue("postgres_url")
-        with PostgresToolJournal(url) as backend:
+        with PostgresDatabase(url) as database, PostgresToolJournal(database) as backend:
             yield backend
 
 
@@ -166,10 +166,11 @@ def test_sqlite_journal_is_a_versioned_component(tmp_path: Path) -> None:
 
 
 def test_postgres_journal_refuses_a_newer_schema(postgres_url: str) -> None:
-    with PostgresToolJournal(postgres_url) as journal, journal.database.transaction() as conn:
-        conn.execute("UPDATE keel_schema SET version = 99 WHERE component = 'journal'")
-    with pytest.raises(SchemaVersionError):
-        PostgresToolJournal(postgres_url)
+    with PostgresDatabase(postgres_url) as database:
+        with PostgresToolJournal(database), database.transaction() as conn:
+            conn.execute("UPDATE keel_schema SET version = 99 WHERE component = 'journal'")
+        with pytest.raises(SchemaVersionError):
+            PostgresToolJournal(database)
 
 
 async def test_async_twins_do_what_the_sync_methods_do(ajournal: ToolJournal) -> None:

@@ -231,7 +231,7 @@ def run_state_bench(
     removes its own rows afterwards); on Redis it uses only keys under ``keel:bench``.
     """
     from keel.settings import load_settings
-    from keel.stores import PostgresStateBackend, RedisStateBackend, SQLiteStateBackend
+    from keel.stores import RedisStateBackend, open_state_backend
 
     say = progress or (lambda _text: None)
     settings = load_settings()
@@ -253,7 +253,7 @@ def run_state_bench(
             sqlite_file = directory / "keel.db"
             results["backends"]["sqlite"] = _keel_backend(
                 "sqlite",
-                lambda: SQLiteStateBackend(sqlite_file),
+                lambda: open_state_backend(f"sqlite:///{sqlite_file}"),
                 steps,
                 writers,
                 increments,
@@ -265,7 +265,12 @@ def run_state_bench(
             _reset_postgres(url)
             try:
                 results["backends"]["postgres"] = _keel_backend(
-                    "postgres", lambda: PostgresStateBackend(url), steps, writers, increments, None
+                    "postgres",
+                    lambda: open_state_backend(url),
+                    steps,
+                    writers,
+                    increments,
+                    None,
                 )
             finally:
                 _cleanup_postgres(url)

@@ -39,7 +39,8 @@ def run_trace_bench(
     """Run the workload and return its figures (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="keel-bench-traces-") as tmp:
         db_path = path or Path(tmp) / "keel.db"
-        store = SQLiteTraceStore(SQLiteDatabase(db_path), close_database=True)
+        database = SQLiteDatabase(db_path)
+        store = SQLiteTraceStore(database)
         store.setup()
         tracer = Tracer(store, agent="bench")
         latencies: list[float] = []
@@ -89,6 +90,7 @@ def run_trace_bench(
         store.db.connection().execute("PRAGMA wal_checkpoint(TRUNCATE)")
         size = db_path.stat().st_size
         store.close()
+        database.close()
     return {
         "runs": runs,
         "steps_per_run": steps,

@@ -20,7 +20,7 @@ from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
-from keel.settings import Settings
+from keel.settings import Settings, validation_problems
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -140,10 +140,7 @@ class ServeOptions(BaseModel):
         try:
             return cls.model_validate_json(text)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(part) for part in error['loc']) or 'options'}: {error['msg']}"
-                for error in exc.errors()
-            )
+            problems = validation_problems(exc, "options")
             raise ConfigError(f"invalid keel serve options: {problems}") from exc
 
     def build(
