@@ -64,7 +64,7 @@ from keel.guards import GuardConfig, SpiralMonitor, output_json_schema
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions, resolve_model
 from keel.privacy import DEFAULT_MASKER, PIIMasker, StreamMasker
-from keel.runtime._backends import Backends, edge_settings
+from keel.runtime._backends import Backends, open_at_edge
 from keel.runtime._events import (
     AgentEvent,
     CheckpointCommitted,
@@ -435,17 +435,13 @@ class Agent:
                 f"Agent.open builds {sorted(built_here)} from the database URL; to pass your "
                 "own stores, construct Agent(...) directly"
             )
-        target, settings = edge_settings(database, settings)  # read once, handed down
-        chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
         # One privacy policy for messages, the journal, memory and traces; None turns it off.
-        backends = Backends.open(
-            target,
-            settings=settings,
-            redis_url=redis_url,
-            memory=memory,
-            privacy=options.get("masker", _DEFAULT_MASKER),
+        privacy = options.get("masker", _DEFAULT_MASKER)
+        backends, settings = open_at_edge(
+            database, settings, redis_url=redis_url, memory=memory, privacy=privacy
         )
         try:
+            chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
             agent = cls.on_backends(
                 backends,
                 chat_model,
@@ -526,7 +522,7 @@ class Agent:
         settings = settings or load_settings()  # an edge: it must know the URL before open
         if settings.sqlite_path is None:
             raise UsageError(
-                f"{settings.database_url.split('://')[0]} databases are opened by "
+                f"{settings.parsed_database.kind} databases are opened by "
                 "Agent.open, not as the embedded SQLite database"
             )
         return cls.open(

@@ -1,35 +1,51 @@
 """The stores an agent runs on: :class:`~keel.stores.Backends`, opened by
 :meth:`Backends.open <keel.stores.Backends.open>` (the one composition root, in
-:mod:`keel.stores._open`), re-exported here where the runtime has always offered it, and
-:func:`edge_settings`, how the edges that open them (``Agent.open``, ``keel serve``'s
-``build_service``) take a URL or settings."""
+:mod:`keel.stores._open`) and re-exported here where the runtime has always offered it, and
+:func:`open_at_edge`, the one way the edges that take a URL or settings (``Agent.open``,
+``keel serve``'s ``build_service``) open them."""
 
 from __future__ import annotations
 
 from keel.errors import ConfigError
+from keel.privacy import PIIMasker
 from keel.settings import Settings, load_settings
 from keel.stores import Backends
 
-__all__ = ["Backends", "edge_settings"]
+__all__ = ["Backends", "open_at_edge"]
 
 
-def edge_settings(
-    database: str | Settings | None, settings: Settings | None
-) -> tuple[str | Settings, Settings]:
-    """What to open and the settings to open it with, from an edge's two arguments.
+def open_at_edge(
+    database: str | Settings | None,
+    settings: Settings | None,
+    *,
+    redis_url: str | None,
+    memory: bool,
+    privacy: PIIMasker | None,
+) -> tuple[Backends, Settings]:
+    """The stores an edge's arguments name, and the settings they were opened with.
 
     ``database`` is a URL, the settings themselves, or None (``settings.database_url``). The
-    settings are read here, once, only when the caller gave none: everything below gets them
-    handed down.
+    settings are read here, once, only when the caller gave none; everything below gets them
+    handed down. The other arguments are :meth:`Backends.open`'s.
 
     Raises:
-        ConfigError: settings given twice, or ``database`` of another type; invalid settings.
+        ConfigError: settings given twice, ``database`` of another type, invalid settings, or
+            a URL keel cannot open.
+        BackendUnavailableError: a server cannot be reached or its driver is not installed.
+        StoreError: a database cannot be opened or migrated.
     """
     if isinstance(database, Settings):
         if settings is not None:
             raise ConfigError("settings given twice: positionally and as settings=")
-        return database, database
-    if database is not None and not isinstance(database, str):
+        settings = database
+    elif database is not None and not isinstance(database, str):
         raise ConfigError(f"a database URL or Settings is needed, not {type(database).__name__}")
     settings = settings or load_settings()
-    return (settings if database is None else database), settings
+    backends = Backends.open(
+        settings if database is None else database,
+        settings=settings,
+        redis_url=redis_url,
+        memory=memory,
+        privacy=privacy,
+    )
+    return backends, settings

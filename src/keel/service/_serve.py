@@ -15,7 +15,7 @@ from keel.errors import ConfigError
 from keel.models import ChatModel, resolve_model
 from keel.privacy import DEFAULT_MASKER
 from keel.runtime import Agent, Backends
-from keel.runtime._backends import edge_settings
+from keel.runtime._backends import open_at_edge
 from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
@@ -184,13 +184,11 @@ def build_service(
     ``rate_limit_per_minute``: requests per key and minute (429 beyond), counted in Redis when
     there is one, so that every worker sees the same count. ``settings``: read once here (the
     service's edge) when not given; the stores, the model and the agents get them from here."""
-    # The service's edge: the settings are read here (when not given) and handed down. The
-    # stores are opened as Agent.open opens them; every tenant's agent shares them and their
-    # one privacy policy.
-    target, settings = edge_settings(database or None, settings)
-    backends = Backends.open(
-        target,
-        settings=settings,
+    # The service's edge, opened as Agent.open opens: the settings are read there (when not
+    # given) and handed down; every tenant's agent shares the stores and their privacy policy.
+    backends, settings = open_at_edge(
+        database or None,
+        settings,
         redis_url=redis_url,
         memory=memory,
         privacy=agent_options.get("masker", DEFAULT_MASKER),
