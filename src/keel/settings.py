@@ -31,6 +31,7 @@ __all__ = [
     "Settings",
     "default_config_file",
     "load_settings",
+    "validation_problems",
 ]
 
 _APP = "keel"
@@ -197,11 +198,16 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: "
-            f"{error['msg'].removeprefix('Value error, ')}"
-            for error in exc.errors()
-        )
-        raise ConfigError(f"invalid settings: {problems}") from exc
+        raise ConfigError(f"invalid settings: {validation_problems(exc, 'settings')}") from exc
     finally:
         _file_values.reset(token)
+
+
+def validation_problems(exc: ValidationError, whole: str) -> str:
+    """One line naming each field pydantic refused and why (``whole``: what a problem that is
+    not about one field is about)."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or whole}: "
+        f"{error['msg'].removeprefix('Value error, ')}"
+        for error in exc.errors()
+    )

@@ -17,8 +17,9 @@ from keel.messages import Message
 from keel.models import CompletionChunk, ModelOptions, ToolSchema
 from keel.runtime import Agent
 from keel.settings import load_settings
+from keel.stores import Backends
 from keel.testing import ScriptedModel
-from keel.tracing import RunQuery, open_trace_store
+from keel.tracing import RunQuery
 from tests.cli import keel_process
 
 
@@ -81,8 +82,8 @@ def test_ctrl_c_mid_reply_then_a_message_finishes_the_turn_first_and_shows_it() 
 
 def test_runs_of_a_chat_interrupted_by_ctrl_c_say_so_and_none_stays_running() -> None:
     _chat(_CtrlCMidReply(), "Tell me a story", "And then?")
-    with open_trace_store(load_settings()) as store:
-        runs = store.list_runs(RunQuery(session_id="s1"))
+    with Backends.open(load_settings(), memory=False) as backends:
+        runs = backends.traces.list_runs(RunQuery(session_id="s1"))
     by_age = sorted(runs, key=lambda run: run.started_at)
     assert [run.status for run in by_age] == ["interrupted", "succeeded", "succeeded"]
     first = by_age[0]

@@ -26,7 +26,7 @@ from langgraph.store.base import (
 
 from keel.integrations.langgraph._store import KeelStore
 from keel.memory import HashingEmbedder, Memory, MemoryStore, OnnxEmbedder
-from keel.stores import PostgresMemoryStore, SQLiteMemoryStore
+from keel.stores import PostgresDatabase, PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
 
 EMAIL = "ada.lovelace@example.com"
 PHONE = "+44 20 7946 0958"
@@ -54,15 +54,23 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-def _memory_store(backend: str) -> MemoryStore:
-    if backend.startswith("postgresql://"):
-        return PostgresMemoryStore(backend)
-    return SQLiteMemoryStore(backend)
+@pytest.fixture
+def database(backend: str) -> Iterator[SQLiteDatabase | PostgresDatabase]:
+    """The database ``backend`` names, closed after the test."""
+    is_postgres = backend.startswith("postgresql://")
+    with PostgresDatabase(backend) if is_postgres else SQLiteDatabase(backend) as opened:
+        yield opened
+
+
+def _memory_store(database: SQLiteDatabase | PostgresDatabase) -> MemoryStore:
+    if isinstance(database, PostgresDatabase):
+        return PostgresMemoryStore(database)
+    return SQLiteMemoryStore(database)
 
 
 @pytest.fixture
-def memory(backend: str) -> Iterator[Memory]:
-    memory = Memory(_memory_store(backend), embedder=HashingEmbedder(64))
+def memory(database: SQLiteDatabase | PostgresDatabase) -> Iterator[Memory]:
+    memory = Memory(_memory_store(database), embedder=HashingEmbedder(64))
     yield memory
     memory.close()
 
@@ -607,12 +615,12 @@ def _ask(state: _Notes, *, store: BaseStore) -> _Notes:
 
 @pytest.mark.parametrize("worker", [False, True], ids=["no-worker", "background-worker"])
 def test_a_search_right_after_a_put_finds_it_by_meaning(
-    backend: str, minilm: OnnxEmbedder, worker: bool
+    database: SQLiteDatabase | PostgresDatabase, minilm: OnnxEmbedder, worker: bool
 ) -> None:
     """Read-your-writes: a node searches for what the node before it put, by meaning alone
     (no word in common), whether or not the outbox has embedded it yet; a put still returns
     before its vector is made."""
-    memory = Memory(_memory_store(backend), embedder=minilm, background=worker)
+    memory = Memory(_memory_store(database), embedder=minilm, background=worker)
     store = KeelStore(memory, tenant="acme")
     graph = _graph(store, _ask, remember=_put_notes, state=_Notes)
     notes = {"pay": "Ada's salary went up to 90k this year", "pet": "Ada has a cat, Turing"}

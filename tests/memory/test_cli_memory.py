@@ -5,19 +5,21 @@ import json
 import pytest
 
 from keel.cli import main
-from keel.memory import Scope, open_memory
+from keel.memory import Scope
 from keel.settings import load_settings
+from keel.stores import Backends
 
 
 def test_reembed_after_a_model_change(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("KEEL_EMBEDDER", "hashing:32")
-    memory = open_memory(load_settings())
-    memory.add("first memory", scope=Scope(tenant_id="t", user_id="u"))
-    memory.add("second memory", scope=Scope(tenant_id="t", user_id="v"))
-    memory.flush()
-    memory.close()
+    with Backends.open(load_settings(), background=False) as backends:
+        memory = backends.memory
+        assert memory is not None
+        memory.add("first memory", scope=Scope(tenant_id="t", user_id="u"))
+        memory.add("second memory", scope=Scope(tenant_id="t", user_id="v"))
+        memory.flush()
     monkeypatch.setenv("KEEL_EMBEDDER", "hashing:48")
     assert main(["memory", "status", "--json"]) == 0
     status = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -21,9 +21,9 @@ from keel.errors import ModelError
 from keel.guards import GuardConfig
 from keel.messages import Message, Usage
 from keel.models import Completion
-from keel.runtime import open_backends
 from keel.service import APIKeys, ServiceAgents, create_app
 from keel.settings import load_settings
+from keel.stores import Backends
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 from tests.service.conftest import serving
@@ -108,10 +108,9 @@ class OpenAIService:
 def facade(tmp_path: Path) -> Iterator[OpenAIService]:
     """The service with the scripted model above; its calls are ``facade.model.calls``."""
     model = ScriptedModel(_answer)
-    backends = open_backends(
+    backends = Backends.open(
         f"sqlite:///{tmp_path / 'keel.db'}",
         memory=False,
-        masker=None,
         settings=load_settings(data_dir=tmp_path, embedder="hashing:64"),
     )
     agents = ServiceAgents(

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from keel.messages import Message
-from keel.runtime import open_backends
 from keel.service import APIKeys, RateLimiter, ServiceAgents, create_app
 from keel.settings import load_settings
+from keel.stores import Backends
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.testing.servers import free_port
 from keel.tools import tool
@@ -76,8 +76,6 @@ def _service(
     max_body_bytes: int = 10_000,
     **app_options: Any,
 ) -> Iterator[Service]:
-    from keel.privacy import PIIMasker
-
     booked: list[str] = []
 
     @tool(side_effect=True, idempotent=False)
@@ -92,9 +90,7 @@ def _service(
 
     path = tmp_path / "keel.db"
     settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
-    backends = open_backends(
-        f"sqlite:///{path}", memory=memory, masker=PIIMasker(), settings=settings
-    )
+    backends = Backends.open(f"sqlite:///{path}", memory=memory, settings=settings)
     agents = ServiceAgents(
         backends, model or ScriptedModel(_policy), system_prompt="You book trips.", tools=[book]
     )

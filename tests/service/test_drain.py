@@ -11,18 +11,16 @@ from pathlib import Path
 
 import httpx
 
-from keel.runtime import open_backends
 from keel.service import APIKeys, Drain, DrainingServer, ServiceAgents, create_app
 from keel.settings import load_settings
+from keel.stores import Backends
 from keel.testing import ScriptedModel
 from tests.service.conftest import serving
 
 
 def test_sigterm_drains_the_turns_in_flight_and_refuses_new_ones(tmp_path: Path) -> None:
     settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
-    backends = open_backends(
-        f"sqlite:///{tmp_path / 'keel.db'}", memory=False, masker=None, settings=settings
-    )
+    backends = Backends.open(f"sqlite:///{tmp_path / 'keel.db'}", memory=False, settings=settings)
     model = ScriptedModel(lambda call: f"echo: {call.last_user_text}", delay_s=1.0)
     agents = ServiceAgents(backends, model, system_prompt="You echo.")
     keys = APIKeys(backends.sql)
@@ -77,9 +75,7 @@ def test_a_streamed_turn_counts_as_in_flight_until_its_last_event_is_sent(
     """A streamed turn runs while its body is sent, after its response has started: a drain
     that stopped counting it at the headers would stop the server under it."""
     settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
-    backends = open_backends(
-        f"sqlite:///{tmp_path / 'keel.db'}", memory=False, masker=None, settings=settings
-    )
+    backends = Backends.open(f"sqlite:///{tmp_path / 'keel.db'}", memory=False, settings=settings)
     model = ScriptedModel(lambda call: f"echo: {call.last_user_text}", delay_s=1.0)
     agents = ServiceAgents(backends, model, system_prompt="You echo.")
     keys = APIKeys(backends.sql)

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from keel.runtime import open_backends
 from keel.service import APIKeys, Drain, DrainingServer, ServiceAgents, create_app
 from keel.settings import load_settings
+from keel.stores import Backends
 from keel.testing import ScriptedModel
 from tests.service.conftest import Service, _service, serving
 
@@ -344,9 +344,7 @@ def test_a_half_sent_body_does_not_hold_a_draining_server(tmp_path: Path) -> Non
     It never counts as in flight, and on SIGTERM the server stops once the body's deadline
     has passed (408), not when the client hangs up."""
     settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
-    backends = open_backends(
-        f"sqlite:///{tmp_path / 'keel.db'}", memory=False, masker=None, settings=settings
-    )
+    backends = Backends.open(f"sqlite:///{tmp_path / 'keel.db'}", memory=False, settings=settings)
     agents = ServiceAgents(backends, ScriptedModel(lambda call: "hi"), system_prompt="Hi.")
     keys = APIKeys(backends.sql)
     drain = Drain()

@@ -15,7 +15,8 @@ from keel.cli import main
 from keel.errors import ToolExecutionError
 from keel.messages import Usage
 from keel.settings import load_settings
-from keel.tracing import Tracer, open_trace_store
+from keel.stores import Backends
+from keel.tracing import Tracer
 
 
 @dataclass
@@ -48,7 +49,8 @@ def _last_json(result: Result | subprocess.CompletedProcess[str]) -> dict[str, o
 @pytest.fixture
 def filled() -> dict[str, str]:
     """Three sessions' runs in the settings' database: short, long (>= 10 steps), failing."""
-    store = open_trace_store(load_settings())
+    backends = Backends.open(load_settings(), memory=False)
+    store = backends.traces
     tracer = Tracer(store, agent="booker")
     ids: dict[str, str] = {}
     with tracer.start_run("s-short", user_id="u1", input="hi") as run:
@@ -83,7 +85,7 @@ def filled() -> dict[str, str]:
         with run.step("tool", "book_flight", tool_arguments='{"flight": "XX1"}'):
             raise ToolExecutionError("payment service down")
     ids["fail"] = run.run_id
-    store.close()
+    backends.close()
     assert tracer.write_failures == 0
     return ids
 

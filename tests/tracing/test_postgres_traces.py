@@ -6,10 +6,10 @@ import pytest
 
 from keel.errors import BackendUnavailableError
 from keel.settings import load_settings
-from keel.stores import PostgresDatabase
+from keel.stores import Backends, PostgresDatabase
 from keel.stores._postgres_traces import PostgresTraceStore
 from keel.testing.trace_conformance import TraceStoreConformance
-from keel.tracing import TraceStore, open_trace_store
+from keel.tracing import TraceStore
 
 pytestmark = pytest.mark.postgres
 
@@ -25,13 +25,11 @@ class TestPostgresTraceStore(TraceStoreConformance):
 
 
 def test_settings_with_a_postgres_url_open_the_postgres_store(postgres_url: str) -> None:
-    store = open_trace_store(load_settings(database=postgres_url))
-    try:
+    with Backends.open(load_settings(database=postgres_url), memory=False) as backends:
+        store = backends.traces
         assert isinstance(store, PostgresTraceStore)
         store.setup()  # idempotent
         assert store.list_runs() == []
-    finally:
-        store.close()
 
 
 def test_an_unreachable_server_is_backend_unavailable() -> None:

@@ -210,11 +210,12 @@ def _effect_counts(effects: str) -> Counter[str]:
 
 
 def _api_key(database: str) -> str:
-    from keel.runtime import open_backends
     from keel.service import APIKeys
     from keel.settings import load_settings
+    from keel.stores import Backends
 
-    backends = open_backends(database, memory=False, masker=None, settings=load_settings())
+    settings = load_settings()
+    backends = Backends.open(database, settings=settings, memory=False, redis_url="")
     try:
         return APIKeys(backends.sql).create(_TENANT)
     finally:

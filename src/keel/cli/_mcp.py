@@ -27,18 +27,16 @@ def mcp_command(
     from keel.cli._database import database_settings
     from keel.errors import UsageError
     from keel.integrations.mcp import memory_server, require_api_key
-    from keel.privacy import PIIMasker
-    from keel.runtime import open_backends
     from keel.service import APIKeys, CachedKeys
+    from keel.stores import Backends
 
     mode: Literal["stdio", "http"]
     if transport not in ("stdio", "http"):
         raise UsageError(f"--transport is stdio or http, not {transport!r}")
     mode = "stdio" if transport == "stdio" else "http"
     settings = database_settings(database, writes=True, create=create)
-    backends = open_backends(
-        settings.database_url, memory=True, masker=PIIMasker(), settings=settings
-    )
+    # Memory masks with the default privacy policy; state stays off Redis (not used here).
+    backends = Backends.open(settings, memory=True, redis_url="")
     try:
         memory = backends.memory
         if memory is None:

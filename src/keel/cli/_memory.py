@@ -64,13 +64,16 @@ def _stage_progress(name: str) -> Iterator[Callable[[str, int, int], None]]:
 def _memory(database: str | None) -> Iterator[Memory]:
     """The memory of ``--database`` (else the configured one), closed after."""
     from keel.cli._database import database_settings
-    from keel.memory import open_memory
+    from keel.stores import Backends
 
-    memory = open_memory(database_settings(database))
+    # Memory only; its records embed here, not in a background worker.
+    backends = Backends.open(database_settings(database), redis_url="", background=False)
+    memory = backends.memory
+    assert memory is not None
     try:
         yield memory
     finally:
-        memory.close()
+        backends.close()
 
 
 @memory_app.command("status")
@@ -166,10 +169,12 @@ def bench_locomo_command(
     with ExitStack() as stack, _stage_progress("LoCoMo") as report:
         factory = None
         if postgres:
-            from keel.stores import PostgresMemoryStore
+            from keel.stores import PostgresDatabase, PostgresMemoryStore
 
-            url = _fresh_postgres(stack)
-            factory = lambda: PostgresMemoryStore(url)  # noqa: E731
+            database = stack.enter_context(
+                PostgresDatabase(_fresh_postgres(stack), max_size=8, timeout=10)
+            )
+            factory = lambda: PostgresMemoryStore(database)  # noqa: E731
         result = run_locomo(data, embedder=embedder, progress=report, store=factory)
     emit_or_show(result, as_json, _print_locomo)
 
@@ -269,10 +274,11 @@ def _on_fresh_postgres(stack: ExitStack, settings: dict[str, str]) -> dict[str, 
     """``run_memory_bench``'s PostgreSQL arguments, on a server started with ``settings``: its
     store, the VACUUM ANALYZE after ingestion, and the server's CPU reading."""
     from keel.bench.memory import postgres_server_cpu
-    from keel.stores import PostgresMemoryStore
+    from keel.stores import PostgresDatabase, PostgresMemoryStore
 
     url = _fresh_postgres(stack, settings)
-    factory = lambda: PostgresMemoryStore(url)  # noqa: E731
+    database = stack.enter_context(PostgresDatabase(url, max_size=8, timeout=10))
+    factory = lambda: PostgresMemoryStore(database)  # noqa: E731
 
     def vacuum() -> None:
         import psycopg

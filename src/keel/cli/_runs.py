@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -28,11 +30,13 @@ SinceOption = Annotated[
 ]
 
 
-def _store(database: str | None) -> TraceStore:
+@contextlib.contextmanager
+def _store(database: str | None) -> Iterator[TraceStore]:
     from keel.cli._database import database_settings
-    from keel.tracing import open_trace_store
+    from keel.stores import Backends
 
-    return open_trace_store(database_settings(database))
+    with Backends.open(database_settings(database), memory=False, redis_url="") as backends:
+        yield backends.traces
 
 
 def _console() -> Console:

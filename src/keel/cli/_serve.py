@@ -11,8 +11,9 @@ from keel.cli._app import app, bench_app, emit_json, err_console, out_console
 from keel.cli._database import CreateOption, DatabaseOption
 
 if TYPE_CHECKING:
-    from keel.runtime import Backends
-    from keel.service import APIKeys
+    from keel.service import APIKeys, ServeOptions
+    from keel.settings import Settings
+    from keel.stores import Backends
 
 keys_app = typer.Typer(
     help="API keys of `keel serve`: each names one tenant.", no_args_is_help=True
@@ -24,11 +25,12 @@ def _keys(
     database: str | None, *, writes: bool = False, create: bool = False
 ) -> tuple[Backends, APIKeys]:
     from keel.cli._database import database_settings
-    from keel.runtime import open_backends
     from keel.service import APIKeys as Keys
+    from keel.stores import Backends as Stores
 
     settings = database_settings(database, writes=writes, create=create)
-    backends = open_backends(settings.database_url, memory=False, masker=None, settings=settings)
+    # The keys live in the SQL database: no memory, and state stays off Redis.
+    backends = Stores.open(settings, memory=False, redis_url="")
     return backends, Keys(backends.sql)
 
 
@@ -121,19 +123,18 @@ def _secret(name: str, environment: str, path: Path | None) -> str | None:
     return os.environ.get(environment) or None
 
 
-def _run_workers(options: dict[str, Any], workers: int, transport: dict[str, Any]) -> None:
+def _run_workers(options: ServeOptions, workers: int, transport: dict[str, Any]) -> None:
     """``workers`` processes, each building the service from ``options`` and draining on
     SIGTERM as a single process does."""
-    import json
     import os
 
     from keel.service._drain import DrainingMultiprocess
     from keel.service._factory import SERVE_ENV
     from keel.service._protocol import ServiceConfig
 
-    # Each worker process builds its own service from these options (the environment, not
-    # the arguments: they may hold a secret).
-    os.environ[SERVE_ENV] = json.dumps(options)
+    # Each worker process builds its own service from these options, validated again there
+    # (the environment, not the arguments: they may hold a secret).
+    os.environ[SERVE_ENV] = options.to_json()
     config = ServiceConfig(
         "keel.service._factory:create", factory=True, workers=workers, **transport
     )
@@ -189,26 +190,20 @@ def serve_command(
     serve any session each, on the same database (use PostgreSQL, and Redis, to scale out).
     SIGTERM drains: turns in flight finish, new requests get 503 with Retry-After."""
     from keel.cli._database import database_settings
-    from keel.errors import UsageError
+    from keel.service import ServeOptions
 
-    database_settings(database, writes=True, create=create)
-    if metrics_token is not None:
-        raise UsageError(
-            "--metrics-token shows in ps to every user of this machine: set KEEL_METRICS_TOKEN "
-            "or pass --metrics-token-file"
-        )
-    if log_format not in ("text", "json"):
-        raise UsageError(f"--log-format {log_format!r}: text or json")
-    options: dict[str, Any] = {
-        "database": database,
-        "model": model,
-        "system_prompt": system_prompt,
-        "memory": memory,
-        "max_body_bytes": max_body_bytes,
-        "body_timeout_s": body_timeout,
-        "metrics_token": _secret("metrics token", "KEEL_METRICS_TOKEN", metrics_token_file),
-        "rate_limit_per_minute": rate_limit,
-    }
+    settings = database_settings(database, writes=True, create=create)
+    _refuse_flags(metrics_token, log_format)
+    options = ServeOptions(
+        database=database,
+        model=model,
+        system_prompt=system_prompt,
+        memory=memory,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout,
+        metrics_token=_secret("metrics token", "KEEL_METRICS_TOKEN", metrics_token_file),
+        rate_limit_per_minute=rate_limit,
+    )
     transport: dict[str, Any] = {
         "host": host,
         "port": port,
@@ -220,16 +215,28 @@ def serve_command(
     if workers > 1:
         _run_workers(options, workers, transport)
     else:
-        _run_one(options, transport)
+        _run_one(options, settings, transport)
 
 
-def _run_one(options: dict[str, Any], transport: dict[str, Any]) -> None:
+def _refuse_flags(metrics_token: str | None, log_format: str) -> None:
+    from keel.errors import UsageError
+
+    if metrics_token is not None:
+        raise UsageError(
+            "--metrics-token shows in ps to every user of this machine: set KEEL_METRICS_TOKEN "
+            "or pass --metrics-token-file"
+        )
+    if log_format not in ("text", "json"):
+        raise UsageError(f"--log-format {log_format!r}: text or json")
+
+
+def _run_one(options: ServeOptions, settings: Settings, transport: dict[str, Any]) -> None:
     """One process; SIGTERM: turns in flight finish, new requests get 503, then it stops."""
-    from keel.service import Drain, DrainingServer, build_service
+    from keel.service import Drain, DrainingServer
     from keel.service._protocol import ServiceConfig
 
     drain = Drain()
-    service, _, _ = build_service(**options, drain=drain)
+    service, _, _ = options.build(drain=drain, settings=settings)
     DrainingServer(ServiceConfig(service, **transport), drain).run()
 
 
@@ -337,8 +344,9 @@ def ui_command(
     from keel.cli._database import database_settings
     from keel.service import build_service
 
-    database_settings(database)  # the viewer opens a database; it never makes one
-    service, _, _ = build_service(database, memory=memory)
+    # The viewer opens a database; it never makes one.
+    settings = database_settings(database)
+    service, _, _ = build_service(database, memory=memory, settings=settings)
     # The key lives on its own connection: the service closes its stores when it stops.
     backends, keys = _keys(database)
     try:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -60,16 +62,13 @@ tools_app = typer.Typer(
 app.add_typer(tools_app, name="tools")
 
 
-def _journal(database: str | None) -> ToolJournal:
+@contextlib.contextmanager
+def _journal(database: str | None) -> Iterator[ToolJournal]:
     from keel.cli._database import database_settings
-    from keel.stores import PostgresDatabase, PostgresToolJournal, SQLiteToolJournal, open_database
+    from keel.stores import Backends
 
-    settings = database_settings(database)
-    parsed = settings.parsed_database
-    if parsed.kind == "postgres":
-        # postgres:// and postgresql+psycopg:// too
-        return PostgresToolJournal(PostgresDatabase(parsed.url, max_size=4, timeout=10))
-    return SQLiteToolJournal(open_database(settings))
+    with Backends.open(database_settings(database), memory=False, redis_url="") as backends:
+        yield backends.journal
 
 
 @tools_app.command("in-doubt")
@@ -81,7 +80,8 @@ def tools_in_doubt_command(
     as_json: JsonOption = False,
 ) -> None:
     """List side-effecting calls that started and recorded no result (check them by hand)."""
-    entries = _journal(database).in_doubt(session)
+    with _journal(database) as journal:
+        entries = journal.in_doubt(session)
     if as_json:
         emit_json({"in_doubt": [entry.model_dump() for entry in entries]})
         return
@@ -111,11 +111,11 @@ def tools_resolve_command(
 
     if outcome not in ("succeeded", "failed"):
         raise UsageError(f"--outcome must be 'succeeded' or 'failed', not {outcome!r}")
-    journal = _journal(database)
-    entry = journal.get(key)
-    if entry is None:
-        raise UsageError(f"no tool call {key!r} in the journal")
-    if not entry.in_doubt:
-        raise UsageError(f"tool call {key!r} is not in doubt: its result is recorded")
-    journal.resolve(key, ok=outcome == "succeeded", content=content)
+    with _journal(database) as journal:
+        entry = journal.get(key)
+        if entry is None:
+            raise UsageError(f"no tool call {key!r} in the journal")
+        if not entry.in_doubt:
+            raise UsageError(f"tool call {key!r} is not in doubt: its result is recorded")
+        journal.resolve(key, ok=outcome == "succeeded", content=content)
     out_console.print(f"{key}: recorded as {outcome}")

@@ -21,7 +21,9 @@ from typing import Any
 from keel.context import ContextBudget
 from keel.demo._flights import RULES, SYSTEM_PROMPT, Airline, demo_machine, flight_tools
 from keel.demo._junk import PromptRecorder
+from keel.models import resolve_model
 from keel.runtime._agent import Agent
+from keel.settings import load_settings
 from keel.tools import ToolJournal
 
 SESSION = "demo-session"
@@ -49,6 +51,7 @@ def build_agent(
     process's memory, which a SIGKILL loses).
     """
     airline = Airline(workdir / "airline.db")
+    settings = load_settings()  # this process's edge: read once, for the model and the stores
     budget: ContextBudget | None = None
     if model_spec == "scripted":
         from keel.demo._flights import policy_model
@@ -57,9 +60,7 @@ def build_agent(
         model: Any = ScriptedModel(policy_model, model="gpt-4o-mini")
         budget = ContextBudget(working_budget=SCRIPTED_WINDOW_BUDGET)
     else:
-        from keel.models import resolve_model
-
-        model = resolve_model(model_spec)
+        model = resolve_model(model_spec, settings)
     agent = Agent.open(
         database or f"sqlite:///{workdir / 'keel.db'}",
         redis_url=redis_url or "",
@@ -72,6 +73,7 @@ def build_agent(
         journal=journal,
         context=budget,
         name="flight-demo",
+        settings=settings,
     )
     return agent
 

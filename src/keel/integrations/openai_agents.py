@@ -45,7 +45,7 @@ from keel.context import (
 from keel.errors import ConflictError, StateError, UsageError
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel
-from keel.privacy import PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker
 from keel.state import StateStore
 from keel.stores import open_state_backend
 
@@ -146,7 +146,7 @@ class KeelSession:
         summarizer: who writes the running summary: a ``ChatModel`` (through
             :class:`keel.context.ModelSummarizer`), any :class:`keel.context.Summarizer`, or
             None for keel's extractive one (offline, no model call).
-        masker: masks PII before anything is stored (``None``: store as given).
+        masker: masks PII before anything is stored (None: keel's default policy).
 
     ``close()`` (or ``async with``) releases the database the session opened from
     ``database``; a ``state`` store passed in is the caller's to close.
@@ -177,7 +177,7 @@ class KeelSession:
         self.engine = ContextEngine(
             model, budget=budget, pruning=pruning, summary=summary, summarizer=summarizer
         )
-        self.masker = PIIMasker() if masker is None else masker
+        self.masker = DEFAULT_MASKER if masker is None else masker
 
     def close(self) -> None:
         """Release the database this session opened (a ``state`` passed in stays open)."""

@@ -21,12 +21,6 @@ from keel.memory._embedders import (
 )
 from keel.memory._judge import ModelJudge
 from keel.memory._memory import EmbeddingStatus, Memory, MemoryHit, ReplayExample
-from keel.memory._open import (
-    embedder_from_settings,
-    embedder_from_spec,
-    open_memory,
-    open_memory_store,
-)
 from keel.memory._packing import PackedItem, PackedMemory, label_for
 from keel.memory._records import (
     MemoryFilter,
@@ -35,6 +29,7 @@ from keel.memory._records import (
     Provenance,
     Scope,
 )
+from keel.memory._specs import embedder_from_settings, embedder_from_spec
 from keel.memory._static import StaticEmbedder, distill_minilm
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
 from keel.memory._text import STOPWORDS, keyword_terms
@@ -71,6 +66,4 @@ __all__ = [
     "embedder_from_spec",
     "keyword_terms",
     "label_for",
-    "open_memory",
-    "open_memory_store",
 ]

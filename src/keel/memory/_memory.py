@@ -46,7 +46,7 @@ from keel.memory._records import (
 from keel.memory._retrieval import RUN_TYPE, MemoryHit, Retriever
 from keel.memory._store import MemoryStore
 from keel.messages import ToolCall
-from keel.privacy import PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker
 from keel.tokens import ChatTokenCounter, counter_for
 
 __all__ = ["EmbeddingStatus", "Memory", "MemoryHit", "ReplayExample"]
@@ -95,7 +95,7 @@ class Memory:
         store: MemoryStore,
         *,
         embedder: Embedder | None = None,
-        masker: PIIMasker | None = PIIMasker(),  # noqa: B008  (immutable default policy)
+        masker: PIIMasker | None = DEFAULT_MASKER,
         config: RetrievalConfig | None = None,
         token_model: str = "gpt-4o",
         judge: ModelJudge | None = None,

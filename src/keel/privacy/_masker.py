@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from keel.errors import ConfigError
 from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all
 
-__all__ = ["ENTITY_TYPES", "MaskResult", "MaskingPolicy", "PIIMasker", "mask_pii"]
+__all__ = ["DEFAULT_MASKER", "ENTITY_TYPES", "MaskResult", "MaskingPolicy", "PIIMasker", "mask_pii"]
 
 ENTITY_TYPES: tuple[str, ...] = tuple(sorted({detector.entity for detector in DETECTORS}))
 """Every entity type the built-in detectors find."""
@@ -193,15 +193,15 @@ class PIIMasker:
         return self.mask_text(text, tenant_id=tenant_id)
 
 
-_DEFAULT: PIIMasker | None = None
+DEFAULT_MASKER = PIIMasker()
+"""The default privacy policy (every built-in PII and secret type, for every tenant): the one
+masker keel builds itself. An agent, a service or ``Backends.open`` that is given no masker of
+its own hands this one to its state, journal, traces and memory."""
 
 
 def mask_pii(text: str) -> str:
     """Mask every built-in PII and secret type in ``text`` with the default policy."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = PIIMasker()
-    return _DEFAULT.mask_text(text)
+    return DEFAULT_MASKER.mask_text(text)
 
 
 def _load_presidio() -> Any:

@@ -6,7 +6,7 @@ standalone."""
 from __future__ import annotations
 
 from keel.runtime._agent import Agent, session_key
-from keel.runtime._backends import Backends, open_backends
+from keel.runtime._backends import Backends
 from keel.runtime._events import (
     AgentEvent,
     CheckpointCommitted,
@@ -40,6 +40,5 @@ __all__ = [
     "ToolLoop",
     "TurnFinished",
     "WorkflowTransition",
-    "open_backends",
     "session_key",
 ]

@@ -38,8 +38,9 @@ from keel._bridge import iterate_sync, run_sync
 from keel.context import ContextBudget, ContextEngine, ContextMemory
 from keel.errors import KeelError, UsageError
 from keel.guards import GuardConfig, SpiralMonitor
-from keel.models import ChatModel, ModelOptions
-from keel.privacy import PIIMasker
+from keel.models import ChatModel, ModelOptions, resolve_model
+from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.runtime._backends import Backends, open_at_edge
 from keel.runtime._events import AgentEvent, TurnFinished
 from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, MemoryHandOff
 from keel.runtime._lease import Lease, own_session
@@ -50,14 +51,13 @@ from keel.runtime._session import answer, resume_open_turn
 from keel.runtime._text import require_id, session_key, user_text
 from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps, TurnOptions
 from keel.runtime._workflow import Workflow
+from keel.settings import Settings, load_settings
 from keel.state import AgentState, StateMachine, StateStore
 from keel.tools import InMemoryJournal, Tool, ToolJournal
 from keel.tracing import Tracer
 
 if TYPE_CHECKING:
     from keel.memory import Memory
-    from keel.runtime._backends import Backends
-    from keel.settings import Settings
 
 __all__ = ["SUMMARY_KEY_PREFIX", "Agent", "AgentReply", "session_key"]
 
@@ -66,7 +66,7 @@ logger = logging.getLogger("keel.runtime")
 _CLOSE_FLUSH_S = 10.0
 """How long closing an agent waits for memory to embed what its turns wrote."""
 
-_DEFAULT_MASKER = PIIMasker()
+_DEFAULT_MASKER = DEFAULT_MASKER
 
 _require_id = require_id
 """Kept under its old name: the service checks its ids with it."""
@@ -236,44 +236,19 @@ class Agent:
             BackendUnavailableError: a server cannot be reached or its driver is missing.
             StoreError: a database cannot be opened or migrated.
         """
-        from keel.errors import ConfigError
-        from keel.models import resolve_model
-        from keel.runtime._backends import open_backends
-        from keel.settings import Settings, load_settings
-
         built_here = {"state", "tracer"} & set(options)
         if built_here:
             raise UsageError(
                 f"Agent.open builds {sorted(built_here)} from the database URL; to pass your "
                 "own stores, construct Agent(...) directly"
             )
-        url: str | None = None
-        if isinstance(database, Settings):
-            if settings is not None:
-                raise ConfigError("settings given twice: positionally and as settings=")
-            settings = database
-        elif database is not None:
-            if not isinstance(database, str):
-                raise ConfigError(
-                    f"Agent.open takes a database URL or Settings, not {type(database).__name__}"
-                )
-            url = database
-        settings = settings or load_settings()
-        chat_model = (
-            model
-            if isinstance(model, ChatModel)
-            else resolve_model(model or settings.model, settings=settings)
-        )
         # One privacy policy for messages, the journal, memory and traces; None turns it off.
-        masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
-        backends = open_backends(
-            url if url is not None else settings.database_url,
-            redis_url=redis_url if redis_url is not None else settings.redis_url,
-            memory=memory,
-            masker=masker,
-            settings=settings,
+        privacy = options.get("masker", _DEFAULT_MASKER)
+        backends, settings = open_at_edge(
+            database, settings, redis_url=redis_url, memory=memory, privacy=privacy
         )
         try:
+            chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
             agent = cls.on_backends(
                 backends,
                 chat_model,
@@ -306,7 +281,8 @@ class Agent:
         ``options`` are the constructor's (``tools=``, ``tenant_id=``, ``masker=``, ...);
         state, memory, the journal (unless ``journal`` is False) and the tracer come from
         ``backends``, the tracer masking with the agent's privacy policy."""
-        masker: PIIMasker | None = options.get("masker", _DEFAULT_MASKER)
+        # The stores' privacy policy unless the agent has its own: one masker for all of it.
+        masker: PIIMasker | None = options.setdefault("masker", backends.privacy)
         tenant_id: str = options.get("tenant_id", "default")
         redact = (
             None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
@@ -350,12 +326,10 @@ class Agent:
         Raises:
             UsageError: the settings name a server database (use :meth:`open`).
         """
-        from keel.settings import load_settings
-
-        settings = settings or load_settings()
+        settings = settings or load_settings()  # an edge: it must know the URL before open
         if settings.sqlite_path is None:
             raise UsageError(
-                f"{settings.database_url.split('://')[0]} databases are opened by "
+                f"{settings.parsed_database.kind} databases are opened by "
                 "Agent.open, not as the embedded SQLite database"
             )
         return cls.open(

@@ -9,7 +9,7 @@ from keel.service._app import TurnRequest, create_app
 from keel.service._drain import Drain, DrainingServer
 from keel.service._keys import APIKey, APIKeys, CachedKeys
 from keel.service._limits import RateLimiter
-from keel.service._serve import WARM_CONNECTIONS, ServiceAgents, build_service
+from keel.service._serve import WARM_CONNECTIONS, ServeOptions, ServiceAgents, build_service
 
 __all__ = [
     "WARM_CONNECTIONS",
@@ -19,6 +19,7 @@ __all__ = [
     "Drain",
     "DrainingServer",
     "RateLimiter",
+    "ServeOptions",
     "ServiceAgents",
     "TurnRequest",
     "build_service",

@@ -140,6 +140,7 @@ def create_app(
     for router in _ROUTERS:
         app.include_router(router)
     if ui:
+        # Not at the top: keel.ui imports keel.service's route helpers (a cycle otherwise).
         from keel.ui import mount_ui
 
         # The viewer shows a whole tenant: it signs in with the tenant's operator key only.

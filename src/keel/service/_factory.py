@@ -1,5 +1,6 @@
 """The app factory uvicorn's worker processes import: each builds its own service from the
-``KEEL_SERVE_*`` environment ``keel serve --workers N`` set, on the same database (and Redis).
+:class:`~keel.service.ServeOptions` ``keel serve --workers N`` set (as JSON, in
+``KEEL_SERVE_OPTIONS``), on the same database (and Redis).
 
 Each worker drains on SIGTERM as a single process does (``DrainingMultiprocess``). Workers
 share nothing in memory; correctness comes from the stores: compare-and-set on every
@@ -9,9 +10,12 @@ one turn of a session run at a time, whichever worker took it.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING
+
+from keel.service._drain import worker_drain
+from keel.service._process import freeze_startup_heap
+from keel.service._serve import ServeOptions
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -19,18 +23,19 @@ if TYPE_CHECKING:
 __all__ = ["SERVE_ENV", "create"]
 
 SERVE_ENV = "KEEL_SERVE_OPTIONS"
-"""The environment variable holding the service's options (JSON) for the workers."""
+"""The environment variable holding the service's options (:class:`ServeOptions` as JSON) for
+the workers."""
 
 
 def create() -> FastAPI:
-    """The service, from ``KEEL_SERVE_OPTIONS`` (uvicorn calls this once per worker)."""
-    from keel.service._drain import worker_drain
-    from keel.service._process import freeze_startup_heap
-    from keel.service._serve import build_service
+    """The service, from ``KEEL_SERVE_OPTIONS`` (uvicorn calls this once per worker).
 
-    options = json.loads(os.environ.get(SERVE_ENV, "{}"))
+    Raises:
+        ConfigError: the variable does not hold valid :class:`ServeOptions`.
+    """
+    options = ServeOptions.from_json(os.environ.get(SERVE_ENV, "{}"))
     # The drain this worker's server (a DrainingServer) starts on SIGTERM.
-    app, _, _ = build_service(**options, drain=worker_drain())
+    app, _, _ = options.build(drain=worker_drain())
     # This process is one of uvicorn's workers: it serves and does nothing else.
     freeze_startup_heap()
     return app

@@ -1,24 +1,33 @@
-"""Assembling the service: the stores from one database URL, one agent per tenant on them."""
+"""Assembling the service: the stores from one database URL, one agent per tenant on them.
+
+:class:`ServeOptions` is what ``keel serve`` builds its service from: validated once by the
+command, handed to each worker process as this model's JSON and validated again there.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from keel.privacy import PIIMasker
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer
+
+from keel.errors import ConfigError
+from keel.models import ChatModel, resolve_model
+from keel.privacy import DEFAULT_MASKER
+from keel.runtime import Agent, Backends
+from keel.runtime._backends import open_at_edge
 from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
+from keel.settings import Settings, validation_problems
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from keel.models import ChatModel
-    from keel.runtime import Agent, Backends
     from keel.tools import Tool
 
-__all__ = ["WARM_CONNECTIONS", "ServiceAgents", "build_service"]
+__all__ = ["WARM_CONNECTIONS", "ServeOptions", "ServiceAgents", "build_service"]
 
 WARM_CONNECTIONS = 4
 """Database connections a worker opens before it reports ready. A turn holds one for a few ms
@@ -55,8 +64,6 @@ class ServiceAgents:
     def __call__(self, tenant_id: str) -> Agent:
         agent = self._agents.get(tenant_id)
         if agent is None:
-            from keel.runtime import Agent
-
             agent = self._agents[tenant_id] = Agent.on_backends(
                 self.backends,
                 self.model,
@@ -89,6 +96,72 @@ class ServiceAgents:
         await self.backends.aclose()
 
 
+class ServeOptions(BaseModel):
+    """The service ``keel serve`` runs: its database, model, prompt and request limits.
+
+    The command validates them once; with ``--workers N`` each worker process receives them as
+    this model's JSON (:meth:`to_json`, in the environment, not in the arguments ``ps`` shows)
+    and validates them again (:meth:`from_json`) before building its service.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    database: str | None = Field(
+        default=None, description="Database URL (default: KEEL_DATABASE, else keel.db)."
+    )
+    model: str | None = Field(default=None, description="Model spec (default: settings.model).")
+    system_prompt: str = "You are a helpful assistant."
+    memory: bool = Field(default=True, description="Use long-term memory.")
+    max_body_bytes: int = Field(default=1_000_000, description="Larger request bodies get 413.")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="Seconds a body may take.")
+    metrics_token: SecretStr | None = Field(
+        default=None, description="Token for GET /metrics; without one the route is off."
+    )
+    rate_limit_per_minute: int | None = Field(
+        default=None, description="Requests per API key and minute (429 beyond)."
+    )
+
+    @field_serializer("metrics_token", when_used="json")
+    def _reveal_token(self, token: SecretStr | None) -> str | None:
+        # The JSON goes to this service's own worker processes, which need the token itself.
+        return None if token is None else token.get_secret_value()
+
+    def to_json(self) -> str:
+        """These options as the JSON :meth:`from_json` reads (the metrics token in clear)."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeOptions:
+        """Options from :meth:`to_json`'s JSON, validated again.
+
+        Raises:
+            ConfigError: the JSON is not ServeOptions (one line per field).
+        """
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            problems = validation_problems(exc, "options")
+            raise ConfigError(f"invalid keel serve options: {problems}") from exc
+
+    def build(
+        self, *, drain: Drain | None = None, settings: Settings | None = None
+    ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
+        """The service these options describe (:func:`build_service`)."""
+        token = self.metrics_token
+        return build_service(
+            self.database,
+            model=self.model,
+            system_prompt=self.system_prompt,
+            memory=self.memory,
+            max_body_bytes=self.max_body_bytes,
+            body_timeout_s=self.body_timeout_s,
+            metrics_token=None if token is None else token.get_secret_value(),
+            rate_limit_per_minute=self.rate_limit_per_minute,
+            drain=drain,
+            settings=settings,
+        )
+
+
 def build_service(
     database: str | None = None,
     *,
@@ -102,28 +175,26 @@ def build_service(
     metrics_token: str | None = None,
     rate_limit_per_minute: int | None = None,
     drain: Drain | None = None,
+    settings: Settings | None = None,
     **agent_options: Any,
 ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
     """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
     its app, its agents (close them with ``aclose``) and its API keys.
 
     ``rate_limit_per_minute``: requests per key and minute (429 beyond), counted in Redis when
-    there is one, so that every worker sees the same count."""
-    from keel.models import ChatModel, resolve_model
-    from keel.runtime import open_backends
-    from keel.settings import load_settings
-
-    settings = load_settings()
-    url = database or settings.database_url
-    backends = open_backends(
-        url,
-        redis_url=redis_url if redis_url is not None else settings.redis_url,
+    there is one, so that every worker sees the same count. ``settings``: read once here (the
+    service's edge) when not given; the stores, the model and the agents get them from here."""
+    # The service's edge, opened as Agent.open opens: the settings are read there (when not
+    # given) and handed down; every tenant's agent shares the stores and their privacy policy.
+    backends, settings = open_at_edge(
+        database or None,
+        settings,
+        redis_url=redis_url,
         memory=memory,
-        masker=agent_options.get("masker", PIIMasker()),
-        settings=settings,
+        privacy=agent_options.get("masker", DEFAULT_MASKER),
     )
     try:
-        chat = model if isinstance(model, ChatModel) else resolve_model(model or settings.model)
+        chat = model if isinstance(model, ChatModel) else resolve_model(model, settings)
         agents = ServiceAgents(
             backends, chat, system_prompt=system_prompt, tools=tools, **agent_options
         )
@@ -131,7 +202,8 @@ def build_service(
     except BaseException:
         backends.close()
         raise
-    redis = redis_url if redis_url is not None else settings.redis_url
+    # Counted in the Redis the state is in, if any.
+    redis = None if backends.redis is None else backends.redis.url
     limiter = (
         None
         if rate_limit_per_minute is None

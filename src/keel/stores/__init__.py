@@ -2,7 +2,8 @@
 
 The embedded default is one SQLite file (:class:`SQLiteDatabase`); the state, memory, trace and
 journal stores extend it with their own migrations. On a server, :class:`PostgresDatabase` is
-the same for PostgreSQL: one connection pool that every PostgreSQL store can share.
+the same for PostgreSQL: one connection pool that every PostgreSQL store can share. The store
+classes take such a database object; :meth:`Backends.open` is where they are opened from a URL.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from keel._urls import DatabaseURL, parse_database_url
-from keel.errors import UsageError
-from keel.settings import Settings
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._open import Backends, open_database, open_state_backend
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
@@ -23,7 +23,6 @@ from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
 from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
 from keel.stores._sqlite_traces import TRACE_MIGRATIONS, SQLiteTraceStore
-from keel.stores._state import open_state_backend
 
 if TYPE_CHECKING:
     # Imports psycopg at module level: loaded on first use so that keel.stores works
@@ -39,6 +38,7 @@ __all__ = [
     "POSTGRES_TRACE_MIGRATIONS",
     "STATE_MIGRATIONS",
     "TRACE_MIGRATIONS",
+    "Backends",
     "DatabaseURL",
     "Migration",
     "MigrationSet",
@@ -61,23 +61,9 @@ __all__ = [
 ]
 
 
-def open_database(settings: Settings) -> SQLiteDatabase:
-    """The embedded database the settings name (no migrations applied yet).
-
-    Raises:
-        UsageError: the settings name a server database; open it with its own store.
-    """
-    path = settings.sqlite_path
-    if path is None:
-        raise UsageError(
-            f"{settings.database_url.split('://')[0]} databases are opened by their store "
-            "classes, not as the embedded SQLite database"
-        )
-    return SQLiteDatabase(path, busy_timeout_ms=settings.busy_timeout_ms)
-
-
 def __getattr__(name: str) -> Any:
     if name in ("PostgresTraceStore", "POSTGRES_TRACE_MIGRATIONS"):
+        # Imports psycopg at module level: the postgres extra, loaded only when asked for.
         from keel.stores import _postgres_traces
 
         return getattr(_postgres_traces, name)

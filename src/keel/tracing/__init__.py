@@ -4,7 +4,7 @@ OpenTelemetry.
 
 The runtime records through a :class:`Tracer`::
 
-    tracer = Tracer(open_trace_store())          # the database keel's settings name
+    tracer = Tracer(backends.traces)             # keel.stores.Backends.open(settings)
     run = await tracer.astart_run(session_id, user_id=user, input=message)
     async with run:                              # ends succeeded, or with status_for(error)
         async with run.step("model", model.spec, state_version=3, budget=report) as call:
@@ -37,8 +37,6 @@ and counted in :attr:`Tracer.write_failures` (the last one in :attr:`Tracer.last
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from keel.tracing._loop import LoopStep, ToolOutcome, arecord_loop_step
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
@@ -57,7 +55,6 @@ from keel.tracing._models import (
     StepNode,
     abandon_after_s,
 )
-from keel.tracing._open import open_trace_store
 from keel.tracing._otel import OpenTelemetryExporter, export_run
 from keel.tracing._redact import Redactor, redact_json, redact_pii, redact_secrets
 from keel.tracing._render import render_run
@@ -79,10 +76,6 @@ from keel.tracing._tracer import (
     status_for,
 )
 
-if TYPE_CHECKING:
-    from keel.stores._postgres_traces import PostgresTraceStore
-    from keel.stores._sqlite_traces import SQLiteTraceStore
-
 __all__ = [
     "ABANDON_SLACK_CAP_S",
     "DEFAULT_RUN_TIME_LIMIT_S",
@@ -92,14 +85,12 @@ __all__ = [
     "CallFigures",
     "LoopStep",
     "OpenTelemetryExporter",
-    "PostgresTraceStore",
     "Redactor",
     "Run",
     "RunDetail",
     "RunQuery",
     "RunStatus",
     "RunTrace",
-    "SQLiteTraceStore",
     "SessionStats",
     "StatsThresholds",
     "Step",
@@ -116,7 +107,6 @@ __all__ = [
     "arecord_loop_step",
     "call_figures",
     "export_run",
-    "open_trace_store",
     "parse_since",
     "percentile",
     "redact_json",
@@ -126,17 +116,3 @@ __all__ = [
     "session_stats",
     "status_for",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # The backends live in keel.stores (drivers stay there) and import this package, so they
-    # are loaded on first use; PostgreSQL also needs the optional psycopg driver.
-    if name == "SQLiteTraceStore":
-        from keel.stores._sqlite_traces import SQLiteTraceStore
-
-        return SQLiteTraceStore
-    if name == "PostgresTraceStore":
-        from keel.stores._postgres_traces import PostgresTraceStore
-
-        return PostgresTraceStore
-    raise AttributeError(f"module 'keel.tracing' has no attribute {name!r}")

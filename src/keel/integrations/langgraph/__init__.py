@@ -10,11 +10,12 @@ scoped to one tenant and user.
 ```python
 from langgraph.prebuilt import create_react_agent
 from keel.integrations.langgraph import KeelCheckpointSaver, KeelStore
-from keel.memory import open_memory
 from keel.settings import load_settings
+from keel.stores import Backends
 
 saver = KeelCheckpointSaver("sqlite:///keel.db")
-store = KeelStore(open_memory(load_settings()), tenant="acme")
+backends = Backends.open(load_settings())  # keel's stores; close it when done
+store = KeelStore(backends.memory, tenant="acme")
 agent = create_react_agent(model, tools, checkpointer=saver, store=store)
 agent.invoke({"messages": [("user", "hi")]}, {"configurable": {"thread_id": "t1"}})
 ```

@@ -1,8 +1,9 @@
-"""Open the memory the settings describe (the store, the embedder) in one call."""
+"""Embedders from their specs (``KEEL_EMBEDDER``): the one place a spec becomes a model.
+
+The memory *store* is opened with the rest of keel's stores, by
+:meth:`keel.stores.Backends.open`."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from keel.errors import ConfigError
 from keel.memory._embedders import (
@@ -12,11 +13,10 @@ from keel.memory._embedders import (
     OpenAIEmbedder,
     SentenceTransformerEmbedder,
 )
-from keel.memory._memory import Memory
-from keel.memory._store import MemoryStore
+from keel.memory._static import StaticEmbedder
 from keel.settings import Settings
 
-__all__ = ["embedder_from_settings", "embedder_from_spec", "open_memory", "open_memory_store"]
+__all__ = ["embedder_from_settings", "embedder_from_spec"]
 
 
 def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
@@ -36,16 +36,12 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
     """
     kind, _, rest = spec.partition(":")
     if kind == "local" and rest.lower().partition("/")[0] == "minilm-static":
-        from keel.memory._static import StaticEmbedder
-
         size = rest.partition("/")[2]
         if size and not size.isdigit():
             raise ConfigError(f"embedder spec {spec!r}: the dimension must be a number")
         cache = settings.data_dir / "models" if settings is not None else None
         return StaticEmbedder(dimension=int(size or 256), cache_dir=cache)
     if kind == "model2vec":
-        from keel.memory._static import StaticEmbedder
-
         if not rest:
             raise ConfigError(f"embedder spec {spec!r} needs a folder: model2vec:/path/to/folder")
         return StaticEmbedder(rest)
@@ -92,23 +88,3 @@ def embedder_from_settings(settings: Settings) -> Embedder:
         ConfigError: an unknown or incomplete spec.
     """
     return embedder_from_spec(settings.embedder, settings)
-
-
-def open_memory_store(settings: Settings, **options: Any) -> MemoryStore:
-    """The memory store behind ``settings.database_url`` (SQLite file or PostgreSQL)."""
-    from keel.stores import PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
-
-    parsed = settings.parsed_database
-    if parsed.kind == "postgres":
-        return PostgresMemoryStore(parsed.url, **options)
-    assert parsed.path is not None
-    return SQLiteMemoryStore(SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms))
-
-
-def open_memory(settings: Settings, **options: Any) -> Memory:
-    """A :class:`Memory` over the settings' database and embedder."""
-    return Memory(
-        open_memory_store(settings),
-        embedder=embedder_from_settings(settings),
-        **options,
-    )

@@ -1,0 +1,333 @@
+"""The composition root: every store keel opens from a database URL is opened here.
+
+:meth:`Backends.open` opens state, the tool journal, traces and memory on one database:
+``sqlite:///PATH`` is one SQLite file (one :class:`~keel.stores.SQLiteDatabase`) holding all
+four; ``postgresql://...`` is the four PostgreSQL stores sharing one
+:class:`~keel.stores.PostgresDatabase` (one connection pool). Either way a Redis URL moves state
+(checkpoints and session leases) to Redis, while the journal, traces and memory stay on the SQL
+database: they are queried (``keel runs``, ``keel tools in-doubt``, retrieval), which Redis is
+not built for.
+
+It opens everything or nothing: a store that fails to open closes the ones opened before it.
+:meth:`Backends.close` / :meth:`Backends.aclose` release them in reverse order, memory first so
+that its outbox worker stops before its database goes away.
+
+Two narrower openers remain, for their public signatures: :func:`open_state_backend` (a state
+backend alone, from any URL: ``KeelCheckpointSaver(url)``, the Agents SDK session, the state
+conformance kit) and :func:`open_database` (the embedded SQLite file, unmigrated: ``keel
+doctor``). Both parse the URL with :func:`keel._urls.parse_database_url`, as ``Backends.open``
+does; the store classes themselves take a database object, never a URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from keel._urls import DatabaseURL, parse_database_url
+from keel.errors import ConfigError, UsageError
+from keel.memory import Memory, MemoryStore, embedder_from_settings
+from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.settings import Settings
+from keel.state import AgentState, StateBackend, StateStore
+from keel.stores._postgres import PostgresDatabase
+from keel.stores._postgres_journal import PostgresToolJournal
+from keel.stores._postgres_memory import PostgresMemoryStore
+from keel.stores._postgres_state import PostgresStateBackend
+from keel.stores._redis_state import RedisStateBackend
+from keel.stores._sqlite import SQLiteDatabase
+from keel.stores._sqlite_journal import SQLiteToolJournal
+from keel.stores._sqlite_memory import SQLiteMemoryStore
+from keel.stores._sqlite_state import SQLiteStateBackend
+from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.tools import ToolJournal
+from keel.tracing import TraceStore
+
+__all__ = ["Backends", "open_database", "open_state_backend"]
+
+_AsyncClose = Callable[[], Awaitable[None]] | None
+_Closer = tuple[Callable[[], None], _AsyncClose]
+"""How to release one thing: sync, and natively async where the client is bound to a loop."""
+_Own = Callable[[Callable[[], None], _AsyncClose], None]
+
+
+_READINESS_PROBE = "keel-readiness-probe"
+"""A state key no session has (theirs are ``tenant/session``): reading it checks that the
+state store answers."""
+
+
+@dataclass
+class Backends:
+    """What an agent stores into, opened from one database URL (and optionally Redis).
+
+    Open it with :meth:`open`; close it with :meth:`close` or :meth:`aclose` (an
+    :class:`~keel.runtime.Agent` built by :meth:`~keel.runtime.Agent.open` does this in its own
+    ``close``), or use it as a context manager.
+    """
+
+    database: DatabaseURL
+    """The SQL database: journal, traces and memory (and state without Redis)."""
+    redis: DatabaseURL | None
+    """The Redis that holds state, if any."""
+    state: StateStore[AgentState]
+    """Session checkpoints and leases."""
+    journal: ToolJournal
+    """The exactly-once journal of side-effecting tool calls."""
+    traces: TraceStore
+    """Run traces."""
+    memory: Memory | None
+    """Long-term memory (its outbox indexed in the background), or None when off."""
+    sql: SQLiteDatabase | PostgresDatabase
+    """The SQL database the journal, traces and memory live in (more tables may join them:
+    ``keel serve``'s API keys)."""
+    privacy: PIIMasker | None = DEFAULT_MASKER
+    """The privacy policy memory masks with, and the one agents on these stores mask messages
+    and traces with unless given their own (None: masking off)."""
+    _closers: list[_Closer] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def open(
+        cls,
+        database: str | Settings,
+        *,
+        settings: Settings | None = None,
+        redis_url: str | None = None,
+        memory: bool = True,
+        background: bool = True,
+        privacy: PIIMasker | None = DEFAULT_MASKER,
+    ) -> Backends:
+        """Open state, journal, traces and memory on ``database`` (state on Redis if set).
+
+        Args:
+            database: ``sqlite:///PATH`` or ``postgresql://...``, or the settings whose
+                ``database_url`` to open.
+            settings: the SQLite busy timeout, the PostgreSQL pool size, the embedder and the
+                Redis URL (required with a URL: keel reads its settings once, at its edge,
+                and hands them down).
+            redis_url: ``redis://...``: state on Redis, the rest on ``database`` (default:
+                ``settings.redis_url``; ``""``: state on ``database`` whatever it says).
+            memory: open long-term memory (embedder from ``settings.embedder``).
+            background: memory embeds in its background worker (False: on ``flush`` /
+                ``process_outbox`` only, as a one-shot command wants).
+            privacy: the privacy policy (memory masks with it; agents on these stores too,
+                unless given their own). None turns masking off.
+
+        Raises:
+            UsageError: a URL without ``settings``.
+            ConfigError: a URL keel cannot open (a Redis URL as the database, an unknown scheme).
+            BackendUnavailableError: a server cannot be reached or its driver is not installed.
+            StoreError: a database cannot be opened or migrated.
+        """
+        if isinstance(database, Settings):
+            settings, database = database, database.database_url
+        elif settings is None:
+            raise UsageError(
+                "Backends.open(url) needs settings= (busy timeout, pool size, embedder): "
+                "load them once with keel.settings.load_settings() and pass them"
+            )
+        parsed = parse_database_url(database, kinds=("sqlite", "postgres"))
+        redis = _redis(settings.redis_url if redis_url is None else redis_url)
+        closers: list[_Closer] = []
+
+        def own(
+            sync: Callable[[], None], asynchronous: Callable[[], Awaitable[None]] | None
+        ) -> None:
+            closers.append((sync, asynchronous))
+
+        try:
+            sql = _open_sql(parsed, settings, own)
+            journal, traces, store = _sql_stores(sql)
+            state = (
+                _state_on_redis(redis, own)
+                if redis is not None
+                else StateStore(_state_backend(sql), AgentState)
+            )
+            long_term = None
+            if memory:
+                long_term = Memory(
+                    store,
+                    embedder=embedder_from_settings(settings),
+                    background=background,
+                    masker=privacy,
+                )
+                # Memory.close stops the outbox worker and closes the store; it runs first
+                # (closers pop from the end), before the database it writes to is closed.
+                own(long_term.close, None)
+        except BaseException:
+            while closers:
+                with contextlib.suppress(Exception):
+                    closers.pop()[0]()
+            raise
+        return cls(parsed, redis, state, journal, traces, long_term, sql, privacy, closers)
+
+    async def aready(self, connections: int = 1) -> None:
+        """Wait until every store answers: the SQL database with ``connections`` pooled
+        connections open (PostgreSQL), and the state store (one read).
+
+        Raises:
+            BackendUnavailableError: a server does not answer.
+            StoreError: a database cannot be read.
+        """
+        await self.sql.aping(connections)
+        if self.redis is not None:
+            # The journal, traces and memory are on the SQL database; state is not.
+            await self.state.apeek(_READINESS_PROBE)
+
+    def close(self) -> None:
+        """Stop memory's outbox worker and release every connection, newest first (idempotent)."""
+        errors: list[BaseException] = []
+        while self._closers:
+            sync, _ = self._closers.pop()
+            try:
+                sync()
+            except Exception as exc:  # close the rest, then report the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`: async clients are closed on the running event loop."""
+        errors: list[BaseException] = []
+        while self._closers:
+            sync, asynchronous = self._closers.pop()
+            try:
+                if asynchronous is not None:
+                    await asynchronous()
+                else:
+                    await asyncio.to_thread(sync)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Backends:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _redis(url: str | None) -> DatabaseURL | None:
+    if not url:
+        return None
+    try:
+        return parse_database_url(url, kinds=("redis",))
+    except ConfigError as exc:
+        raise ConfigError(f"the Redis URL: {exc}") from None
+
+
+def _open_sql(
+    parsed: DatabaseURL, settings: Settings, own: _Own
+) -> SQLiteDatabase | PostgresDatabase:
+    """The SQL database ``parsed`` names, tuned by ``settings``, closed last (closers pop from
+    the end): after memory's outbox worker stopped writing to it."""
+    if parsed.path is not None:
+        sqlite = SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms)
+        own(sqlite.close, None)
+        return sqlite
+    # One pool for the four stores.
+    postgres = PostgresDatabase(parsed.url, max_size=settings.postgres_pool_size)
+    own(postgres.close, postgres.aclose)
+    return postgres
+
+
+def _state_on_redis(redis: DatabaseURL, own: _Own) -> StateStore[AgentState]:
+    backend = RedisStateBackend(redis.url)
+    own(backend.close, backend.aclose)
+    return StateStore(backend, AgentState)
+
+
+def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:
+    if isinstance(sql, SQLiteDatabase):
+        return SQLiteStateBackend(sql)
+    return PostgresStateBackend(sql)
+
+
+def _sql_stores(
+    sql: SQLiteDatabase | PostgresDatabase,
+) -> tuple[ToolJournal, TraceStore, MemoryStore]:
+    """The journal, the traces (migrated) and the memory store on ``sql``; they close with it."""
+    if isinstance(sql, SQLiteDatabase):
+        journal: ToolJournal = SQLiteToolJournal(sql)
+        traces: TraceStore = SQLiteTraceStore(sql)
+        store: MemoryStore = SQLiteMemoryStore(sql)
+    else:
+        # Imports psycopg at module level: the postgres extra, present since the pool opened.
+        from keel.stores._postgres_traces import PostgresTraceStore
+
+        journal = PostgresToolJournal(sql)
+        traces = PostgresTraceStore(sql)
+        store = PostgresMemoryStore(sql)
+    traces.setup()
+    return journal, traces, store
+
+
+class _SQLiteStateAlone(SQLiteStateBackend):
+    """A SQLite state backend opened alone from a URL: it owns its database."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.db.close()
+
+
+class _PostgresStateAlone(PostgresStateBackend):
+    """A PostgreSQL state backend opened alone from a URL: it owns its pool."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.database.close()
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            await self.database.aclose()
+
+
+def open_state_backend(url: str) -> StateBackend:
+    """The state backend a URL names, alone; closing it closes the connections it opened.
+
+    ``sqlite:///path/to/keel.db`` (a file: several connections share it), ``postgresql://...`` /
+    ``postgres://...``, ``redis://...`` / ``rediss://...``.
+
+    Raises:
+        ConfigError: an unknown scheme.
+        BackendUnavailableError: the server cannot be reached or its driver is not installed.
+    """
+    try:
+        parsed = parse_database_url(url)
+    except ConfigError as exc:
+        raise ConfigError(f"unknown state backend URL: {exc}") from None
+    if parsed.kind == "redis":
+        return RedisStateBackend(parsed.url)
+    database: SQLiteDatabase | PostgresDatabase = (
+        SQLiteDatabase(parsed.path) if parsed.path is not None else PostgresDatabase(parsed.url)
+    )
+    try:
+        if isinstance(database, SQLiteDatabase):
+            return _SQLiteStateAlone(database)
+        return _PostgresStateAlone(database)
+    except BaseException:
+        database.close()
+        raise
+
+
+def open_database(settings: Settings) -> SQLiteDatabase:
+    """The embedded database the settings name (no migrations applied yet).
+
+    Raises:
+        UsageError: the settings name a server database; open it with :meth:`Backends.open`.
+    """
+    path = settings.sqlite_path
+    if path is None:
+        raise UsageError(
+            f"{settings.parsed_database.kind} databases are opened by Backends.open, "
+            "not as the embedded SQLite database"
+        )
+    return SQLiteDatabase(path, busy_timeout_ms=settings.busy_timeout_ms)
