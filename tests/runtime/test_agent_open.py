@@ -62,8 +62,9 @@ def _threads() -> set[int]:
 def _settle_threads(before: set[int]) -> set[str]:
     """Names of threads started since ``before`` that are still alive after a short wait. Not
     the agent's but the process's, shared by every agent: the test event loop's executor
-    threads (``asyncio_N``), the idle sync-tool threads (``keel-tool``, ending after 30 s idle)
-    and the one sync bridge loop (``keel-sync-bridge``, alive for the process's lifetime)."""
+    threads (``asyncio_N``), the idle sync-tool threads (``keel-tool``, ending after 30 s idle),
+    the one sync bridge loop (``keel-sync-bridge``) and the bridge's pool for blocking work
+    (``keel-blocking_N``), both alive for the process's lifetime."""
     deadline = time.monotonic() + 5
     while True:
         extra = {
@@ -71,7 +72,9 @@ def _settle_threads(before: set[int]) -> set[str]:
             for t in threading.enumerate()
             if t.ident not in before
             and t.is_alive()
-            and not t.name.startswith(("asyncio_", "keel-tool", "keel-sync-bridge"))
+            and not t.name.startswith(
+                ("asyncio_", "keel-tool", "keel-sync-bridge", "keel-blocking")
+            )
         }
         if not extra or time.monotonic() > deadline:
             return extra
