@@ -41,6 +41,7 @@ from keel.errors import (
 )
 from keel.messages import Message
 from keel.state import Retention, StateBackend, StateSchema, StateStore, append
+from keel.state._lease import THIS_PROCESS
 from keel.stores import open_state_backend
 from keel.testing._state_models import ConversationState, CounterState, OrderState
 from keel.testing._state_worker import expected_messages
@@ -610,9 +611,7 @@ class StateBackendConformance:
     async def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(
         self, store: StateStore[CounterState]
     ) -> None:
-        from keel.state._store import _THIS_PROCESS
-
-        host, namespace, _ = _THIS_PROCESS.split(":")
+        host, namespace, _ = THIS_PROCESS.split(":")
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
         now = time.time()
