@@ -166,6 +166,7 @@ _SCRIPTS = {
     "read": _READ,
     "history": _HISTORY,
     "mark": _MARK,
+    "rewrite": _REWRITE,
     "acquire": _ACQUIRE,
     "release": _RELEASE,
     "sadd": _SADD,
@@ -211,6 +212,152 @@ def _from_meta(
     )
 
 
+def _expired(session_id: str, expires_at: Any, now: float) -> ExpiredError:
+    ago = now - float(_text(expires_at))
+    return ExpiredError(f"session {session_id!r} expired {ago:.1f}s ago; it reads as absent")
+
+
+def _chain_from(session_id: str, found: Any, now: float) -> Chain | None:
+    """The chain the read script returned."""
+    status = _text(found[0])
+    if status == "absent":
+        return None
+    if status == "expired":
+        raise _expired(session_id, found[1], now)
+    ttl, expires_at = _text(found[4]), _text(found[5])
+    head = SessionHead(
+        session_id=session_id,
+        version=int(found[1]),
+        epoch=_text(found[2]),
+        last_full=int(found[3]),
+        ttl=float(ttl) if ttl else None,
+        expires_at=float(expires_at) if expires_at else None,
+    )
+    rows = [
+        _from_meta(int(found[i]), _text(found[i + 1]), _text(found[i + 2]), _text(found[i + 3]))
+        for i in range(6, len(found), 4)
+    ]
+    return Chain(head, rows)
+
+
+def _history_from(session_id: str, found: Any, now: float) -> list[StoredCheckpoint]:
+    """The rows (payloads left out) the history script returned."""
+    status = _text(found[0])
+    if status == "absent":
+        return []
+    if status == "expired":
+        raise _expired(session_id, found[1], now)
+    return [
+        _from_meta(int(found[i]), _text(found[i + 1]), "", _text(found[i + 3]), int(found[i + 2]))
+        for i in range(1, len(found), 4)
+    ]
+
+
+def _write_args(
+    row: StoredCheckpoint,
+    expected_version: int | None,
+    expected_epoch: str | None,
+    new_epoch: str | None,
+    ttl: float | None,
+    now: float,
+    tombstone_ms: int,
+) -> list[Any]:
+    """The write script's arguments."""
+    return [
+        "create" if expected_version is None else "append",
+        "" if expected_version is None else expected_version,
+        expected_epoch or "",
+        new_epoch or "",
+        row.version,
+        _meta(row),
+        row.kind,
+        "" if ttl is None else repr(float(ttl)),
+        repr(now),
+        tombstone_ms,
+        row.payload,
+        "" if row.good is None else ("1" if row.good else "0"),
+    ]
+
+
+def _check_write(session_id: str, expected_version: int | None, result: Any) -> None:
+    if _text(result[0]) == "conflict":
+        actual = _text(result[1]) if len(result) > 1 else ""
+        raise ConflictError(session_id, expected_version, int(actual) if actual else None)
+
+
+def _flag(good: bool | None) -> str:
+    return "" if good is None else ("1" if good else "0")
+
+
+class _RedisScripts:
+    """keel's Lua scripts on one Redis, through a sync client and, per event loop, an async one
+    (redis.asyncio clients belong to one loop); driver errors translated into keel's."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import redis  # the 'redis' extra: optional, so imported only when Redis is used
+        except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+            raise BackendUnavailableError("redis-py is not installed (the 'redis' extra)") from exc
+        self._redis = redis
+        self.url = url
+        self.client = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30)
+        try:
+            self.client.ping()
+        except redis.RedisError as exc:
+            self.client.close()
+            host = url.rpartition("@")[2]
+            raise BackendUnavailableError(f"Redis at {host} is unavailable: {exc}") from exc
+        self._scripts = {
+            name: self.client.register_script(source) for name, source in _SCRIPTS.items()
+        }
+        self._aclient: Any = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._ascripts: dict[str, Any] = {}
+
+    def _translated(self, exc: Exception) -> Exception:
+        redis = self._redis
+        if isinstance(exc, redis.TimeoutError):
+            return BackendUnavailableError(f"Redis timed out: {exc}")
+        if isinstance(exc, redis.ConnectionError):
+            return BackendUnavailableError(f"Redis is unavailable: {exc}")
+        return StoreError(f"Redis: {exc}")
+
+    def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run the script ``name``."""
+        return self.run(self._scripts[name], keys=keys, args=args)
+
+    def run(self, command: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a client command (or script)."""
+        try:
+            return command(*args, **kwargs)
+        except self._redis.RedisError as exc:
+            raise self._translated(exc) from exc
+
+    async def acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run the script ``name`` on this event loop's async client."""
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aloop is not loop:
+            # The 'redis' extra, imported above when this object was made.
+            from redis import asyncio as aredis
+
+            self._aclient = aredis.Redis.from_url(self.url, socket_timeout=30)
+            self._aloop = loop
+            self._ascripts = {
+                name: self._aclient.register_script(source) for name, source in _SCRIPTS.items()
+            }
+        try:
+            return await self._ascripts[name](keys=keys, args=args)
+        except self._redis.RedisError as exc:
+            raise self._translated(exc) from exc
+
+    async def aclose(self) -> None:
+        """Close the async client (of the loop that made it) and the sync one."""
+        if self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
+        self.client.close()
+
+
 class RedisStateBackend(StateBackend):
     """Checkpoints in Redis.
 
@@ -223,113 +370,41 @@ class RedisStateBackend(StateBackend):
     name = "redis"
 
     def __init__(self, url: str, *, prefix: str = "keel:state", tombstone_s: float = 3600) -> None:
-        try:
-            import redis
-        except ImportError as exc:  # pragma: no cover - the extra is installed in tests
-            raise BackendUnavailableError("redis-py is not installed (the 'redis' extra)") from exc
-        self._redis_module = redis
+        self._redis = _RedisScripts(url)
+        self._client = self._redis.client
         self.url = url
         self.prefix = prefix
         self.tombstone_ms = int(tombstone_s * 1000)
-        self._client = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30)
-        try:
-            self._client.ping()
-        except redis.RedisError as exc:
-            self._client.close()
-            host = url.rpartition("@")[2]
-            raise BackendUnavailableError(f"Redis at {host} is unavailable: {exc}") from exc
-        self._write = self._client.register_script(_WRITE)
-        self._read = self._client.register_script(_READ)
-        self._history = self._client.register_script(_HISTORY)
-        self._mark = self._client.register_script(_MARK)
-        self._rewrite = self._client.register_script(_REWRITE)
-        self._acquire = self._client.register_script(_ACQUIRE)
-        self._release = self._client.register_script(_RELEASE)
-        self._aclient: Any = None
-        self._aloop: asyncio.AbstractEventLoop | None = None
-        self._ascripts: dict[str, Any] = {}
+        self._sessions_key = f"{prefix}:sessions"
 
     def _keys(self, session_id: str) -> list[str]:
         tag = f"{self.prefix}:{{{session_id}}}"
         return [f"{tag}:head", f"{tag}:rows", f"{tag}:fulls", f"{tag}:tomb"]
 
-    @property
-    def _sessions_key(self) -> str:
-        return f"{self.prefix}:sessions"
-
-    def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        redis = self._redis_module
-        try:
-            return script(keys=keys, args=args)
-        except redis.ConnectionError as exc:
-            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
-        except redis.TimeoutError as exc:
-            raise BackendUnavailableError(f"Redis timed out: {exc}") from exc
-        except redis.RedisError as exc:
-            raise StoreError(f"Redis: {exc}") from exc
-
-    def _run(self, fn: Any, *args: Any) -> Any:
-        redis = self._redis_module
-        try:
-            return fn(*args)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
-        except redis.RedisError as exc:
-            raise StoreError(f"Redis: {exc}") from exc
-
-    @staticmethod
-    def _expired(session_id: str, expires_at: Any, now: float) -> ExpiredError:
-        ago = now - float(_text(expires_at))
-        return ExpiredError(f"session {session_id!r} expired {ago:.1f}s ago; it reads as absent")
+    def _lock_key(self, key: str) -> list[str]:
+        return [f"{self.prefix}:lock:{key}"]
 
     def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        found = self._call(
-            self._read, self._keys(session_id), ["" if version is None else version, repr(now)]
-        )
-        return self._chain_from(session_id, found, now)
+        args = ["" if version is None else version, repr(now)]
+        return _chain_from(session_id, self._redis.call("read", self._keys(session_id), args), now)
 
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        found = await self._acall(
-            "read", self._keys(session_id), ["" if version is None else version, repr(now)]
-        )
-        return self._chain_from(session_id, found, now)
+        args = ["" if version is None else version, repr(now)]
+        found = await self._redis.acall("read", self._keys(session_id), args)
+        return _chain_from(session_id, found, now)
 
     def read_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
-        found = self._call(
-            self._read, self._keys(session_id), ["", repr(now), known_version, known_epoch]
-        )
-        return self._chain_from(session_id, found, now)
+        args = ["", repr(now), known_version, known_epoch]
+        return _chain_from(session_id, self._redis.call("read", self._keys(session_id), args), now)
 
     async def aread_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
-        found = await self._acall(
-            "read", self._keys(session_id), ["", repr(now), known_version, known_epoch]
-        )
-        return self._chain_from(session_id, found, now)
-
-    def _chain_from(self, session_id: str, found: Any, now: float) -> Chain | None:
-        status = _text(found[0])
-        if status == "absent":
-            return None
-        if status == "expired":
-            raise self._expired(session_id, found[1], now)
-        ttl, expires_at = _text(found[4]), _text(found[5])
-        head = SessionHead(
-            session_id=session_id,
-            version=int(found[1]),
-            epoch=_text(found[2]),
-            last_full=int(found[3]),
-            ttl=float(ttl) if ttl else None,
-            expires_at=float(expires_at) if expires_at else None,
-        )
-        rows = [
-            _from_meta(int(found[i]), _text(found[i + 1]), _text(found[i + 2]), _text(found[i + 3]))
-            for i in range(6, len(found), 4)
-        ]
-        return Chain(head, rows)
+        args = ["", repr(now), known_version, known_epoch]
+        found = await self._redis.acall("read", self._keys(session_id), args)
+        return _chain_from(session_id, found, now)
 
     def write(
         self,
@@ -342,12 +417,13 @@ class RedisStateBackend(StateBackend):
         ttl: float | None,
         now: float,
     ) -> None:
-        create = expected_version is None
-        args = self._write_args(row, expected_version, expected_epoch, new_epoch, ttl, now)
-        result = self._call(self._write, self._keys(session_id), args)
-        self._check_write(session_id, expected_version, result)
-        if create:
-            self._run(self._client.sadd, self._sessions_key, session_id)
+        args = _write_args(
+            row, expected_version, expected_epoch, new_epoch, ttl, now, self.tombstone_ms
+        )
+        result = self._redis.call("write", self._keys(session_id), args)
+        _check_write(session_id, expected_version, result)
+        if expected_version is None:
+            self._redis.call("sadd", [self._sessions_key], [session_id])
 
     async def awrite(
         self,
@@ -360,166 +436,89 @@ class RedisStateBackend(StateBackend):
         ttl: float | None,
         now: float,
     ) -> None:
-        args = self._write_args(row, expected_version, expected_epoch, new_epoch, ttl, now)
-        result = await self._acall("write", self._keys(session_id), args)
-        self._check_write(session_id, expected_version, result)
+        args = _write_args(
+            row, expected_version, expected_epoch, new_epoch, ttl, now, self.tombstone_ms
+        )
+        result = await self._redis.acall("write", self._keys(session_id), args)
+        _check_write(session_id, expected_version, result)
         if expected_version is None:
-            await self._acall("sadd", [self._sessions_key], [session_id])
-
-    def _write_args(
-        self,
-        row: StoredCheckpoint,
-        expected_version: int | None,
-        expected_epoch: str | None,
-        new_epoch: str | None,
-        ttl: float | None,
-        now: float,
-    ) -> list[Any]:
-        return [
-            "create" if expected_version is None else "append",
-            "" if expected_version is None else expected_version,
-            expected_epoch or "",
-            new_epoch or "",
-            row.version,
-            _meta(row),
-            row.kind,
-            "" if ttl is None else repr(float(ttl)),
-            repr(now),
-            self.tombstone_ms,
-            row.payload,
-            "" if row.good is None else ("1" if row.good else "0"),
-        ]
-
-    @staticmethod
-    def _check_write(session_id: str, expected_version: int | None, result: Any) -> None:
-        if _text(result[0]) == "conflict":
-            actual = _text(result[1]) if len(result) > 1 else ""
-            raise ConflictError(session_id, expected_version, int(actual) if actual else None)
+            await self._redis.acall("sadd", [self._sessions_key], [session_id])
 
     def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
-        found = self._call(self._history, self._keys(session_id), [repr(now)])
-        return self._history_from(session_id, found, now)
+        found = self._redis.call("history", self._keys(session_id), [repr(now)])
+        return _history_from(session_id, found, now)
 
     async def ahistory(self, session_id: str, now: float) -> list[StoredCheckpoint]:
-        found = await self._acall("history", self._keys(session_id), [repr(now)])
-        return self._history_from(session_id, found, now)
-
-    def _history_from(self, session_id: str, found: Any, now: float) -> list[StoredCheckpoint]:
-        status = _text(found[0])
-        if status == "absent":
-            return []
-        if status == "expired":
-            raise self._expired(session_id, found[1], now)
-        return [
-            _from_meta(
-                int(found[i]), _text(found[i + 1]), "", _text(found[i + 3]), int(found[i + 2])
-            )
-            for i in range(1, len(found), 4)
-        ]
+        found = await self._redis.acall("history", self._keys(session_id), [repr(now)])
+        return _history_from(session_id, found, now)
 
     def mark(self, session_id: str, version: int, good: bool | None) -> bool:
-        flag = "" if good is None else ("1" if good else "0")
-        return bool(self._call(self._mark, [self._keys(session_id)[1]], [version, flag]))
+        return bool(self._redis.call("mark", self._keys(session_id)[1:2], [version, _flag(good)]))
 
     async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
-        flag = "" if good is None else ("1" if good else "0")
-        return bool(await self._acall("mark", [self._keys(session_id)[1]], [version, flag]))
+        keys = self._keys(session_id)[1:2]
+        return bool(await self._redis.acall("mark", keys, [version, _flag(good)]))
+
+    def delete(self, session_id: str) -> bool:
+        keys = [*self._keys(session_id), self._sessions_key]
+        return bool(self._redis.call("delete", keys, [session_id]))
 
     async def adelete(self, session_id: str) -> bool:
-        keys = self._keys(session_id)
-        return bool(await self._acall("delete", [*keys, self._sessions_key], [session_id]))
+        keys = [*self._keys(session_id), self._sessions_key]
+        return bool(await self._redis.acall("delete", keys, [session_id]))
+
+    def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
+        args = [owner, max(1, int(ttl * 1000))]
+        return bool(self._redis.call("acquire", self._lock_key(key), args))
 
     async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
-        return bool(
-            await self._acall(
-                "acquire", [f"{self.prefix}:lock:{key}"], [owner, max(1, int(ttl * 1000))]
-            )
-        )
+        args = [owner, max(1, int(ttl * 1000))]
+        return bool(await self._redis.acall("acquire", self._lock_key(key), args))
+
+    def release_lock(self, key: str, owner: str) -> bool:
+        return bool(self._redis.call("release", self._lock_key(key), [owner]))
 
     async def arelease_lock(self, key: str, owner: str) -> bool:
-        return bool(await self._acall("release", [f"{self.prefix}:lock:{key}"], [owner]))
+        return bool(await self._redis.acall("release", self._lock_key(key), [owner]))
 
-    def _async_scripts(self) -> dict[str, Any]:
-        # redis.asyncio clients belong to one event loop: make one per loop.
-        loop = asyncio.get_running_loop()
-        if self._aclient is None or self._aloop is not loop:
-            from redis import asyncio as aredis
-
-            self._aclient = aredis.Redis.from_url(self.url, socket_timeout=30)
-            self._aloop = loop
-            self._ascripts = {
-                name: self._aclient.register_script(source) for name, source in _SCRIPTS.items()
-            }
-        return self._ascripts
-
-    async def _acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        redis = self._redis_module
-        script = self._async_scripts()[name]
-        try:
-            return await script(keys=keys, args=args)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
-        except redis.RedisError as exc:
-            raise StoreError(f"Redis: {exc}") from exc
-
-    async def aclose(self) -> None:
-        if self._aclient is not None:
-            await self._aclient.aclose()
-            self._aclient = None
-        self.close()
+    def lock_holder(self, key: str, now: float) -> str | None:
+        value = self._redis.run(self._client.get, self._lock_key(key)[0])
+        return None if value is None else _text(value)
 
     def rewrite(self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]) -> None:
         args: list[Any] = [len(replace)]
         for row in replace:
             args.extend([row.version, row.payload, _meta(row)])
         args.extend(delete)
-        self._call(self._rewrite, self._keys(session_id)[:3], args)
-
-    def delete(self, session_id: str) -> bool:
-        keys = self._keys(session_id)
-        existed = int(self._run(self._client.exists, keys[0])) == 1
-        self._run(self._client.delete, *keys)
-        self._run(self._client.srem, self._sessions_key, session_id)
-        return existed
+        self._redis.call("rewrite", self._keys(session_id)[:3], args)
 
     def sessions(self) -> list[str]:
-        members = self._run(self._client.smembers, self._sessions_key)
+        members = self._redis.run(self._client.smembers, self._sessions_key)
         return sorted(_text(member) for member in members)
 
     def purge_expired(self, now: float) -> list[str]:
         expired: list[str] = []
         for session_id in self.sessions():
-            head, _rows, _fulls, _tomb = self._keys(session_id)
-            values = self._run(self._client.hmget, head, ["version", "expires_at"])
+            head = self._keys(session_id)[0]
+            values = self._redis.run(self._client.hmget, head, ["version", "expires_at"])
             if values[0] is not None:
                 expires_at = values[1]
                 if expires_at is None or float(_text(expires_at)) > now:
                     continue
             # Gone (native TTL) or past its expiry: drop it and its index entry.
-            self._run(self._client.delete, *self._keys(session_id))
-            self._run(self._client.srem, self._sessions_key, session_id)
+            self._redis.run(self._client.delete, *self._keys(session_id))
+            self._redis.run(self._client.srem, self._sessions_key, session_id)
             expired.append(session_id)
         return expired
-
-    def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
-        return bool(
-            self._call(
-                self._acquire, [f"{self.prefix}:lock:{key}"], [owner, max(1, int(ttl * 1000))]
-            )
-        )
-
-    def lock_holder(self, key: str, now: float) -> str | None:
-        value = self._run(self._client.get, f"{self.prefix}:lock:{key}")
-        return None if value is None else _text(value)
-
-    def release_lock(self, key: str, owner: str) -> bool:
-        return bool(self._call(self._release, [f"{self.prefix}:lock:{key}"], [owner]))
 
     def storage_bytes(self) -> int:
         total = 0
         for key in self._client.scan_iter(match=f"{self.prefix}:*", count=1000):
-            total += int(self._run(self._client.memory_usage, key, 0) or 0)
+            total += int(self._redis.run(self._client.memory_usage, key, 0) or 0)
         return total
 
     def close(self) -> None:
         self._client.close()
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
