@@ -307,7 +307,6 @@ class VersionCodec(Generic[S]):
         reason: str,
         step: int | None,
         good: bool | None,
-        forked_from: str | None = None,
     ) -> StoredCheckpoint:
         """The row of the version after ``base``."""
         return StoredCheckpoint(
@@ -320,7 +319,6 @@ class VersionCodec(Generic[S]):
             schema_name=self.schema.name,
             schema_version=self.schema.version,
             good=good,
-            forked_from=forked_from,
         )
 
     def check_append(self, append: Mapping[str, Sequence[Any]], update: Mapping[str, Any]) -> None:
@@ -425,7 +423,6 @@ class VersionCodec(Generic[S]):
         reason: str,
         step: int | None,
         good: bool | None = None,
-        forked_from: str | None = None,
         kept: Mapping[str, int] | None = None,
     ) -> tuple[StoredCheckpoint, Base]:
         """The row to append on top of ``base`` and the base it becomes once committed.
@@ -450,15 +447,7 @@ class VersionCodec(Generic[S]):
         if full:
             payload = encode_full(data)
             replay_bytes = 0
-        row = self._row(
-            base,
-            payload,
-            full=full,
-            reason=reason,
-            step=step,
-            good=good,
-            forked_from=forked_from,
-        )
+        row = self._row(base, payload, full=full, reason=reason, step=step, good=good)
         new_base = Base(
             session_id=base.session_id,
             version=version,

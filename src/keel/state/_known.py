@@ -162,10 +162,12 @@ class KnownVersions(Generic[S]):
                 self._bases[base.session_id] = new_base
         return row.version
 
-    def forget(self, session_id: str | None = None) -> None:
-        """Forget a session's base (every session's with None)."""
+    def forget(self, session_id: str) -> None:
+        """Forget a session's base (its history was rewritten or deleted)."""
         with self._lock:
-            if session_id is None:
-                self._bases.clear()
-            else:
-                self._bases.pop(session_id, None)
+            self._bases.pop(session_id, None)
+
+    def clear(self) -> None:
+        """Forget every session's base."""
+        with self._lock:
+            self._bases.clear()

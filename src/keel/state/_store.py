@@ -480,7 +480,7 @@ class StateStore(Generic[S]):
         every retained version stays readable. The head and the newest good checkpoint are kept.
         """
         report = vacuum(self.backend, self.retention, now=self.clock())
-        self._known.forget()
+        self._known.clear()
         return report
 
     async def avacuum(self) -> VacuumReport:

@@ -406,7 +406,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         """Delete expired sessions of the backend (this saver's namespaces after ``ttl``), then
         this tenant's index entries that name what is gone (an index left empty goes too)."""
         report = self.store.vacuum()
-        self._heads.forget()
+        self._heads.clear()
         sessions = set(self.store.sessions())
         tenant = quote(self.tenant, safe="")
         for index in sorted(sessions):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import operator
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -33,6 +31,7 @@ from keel.integrations.langgraph._thread import (
     RUN_MARK,
     TASK,
     VALUE,
+    Recent,
     RunMark,
     ThreadState,
 )
@@ -230,8 +229,7 @@ class ThreadCodec:
         self.serde = serde
         self.masker = masker
         self.tenant = tenant
-        self._sessions: OrderedDict[str, _ListCodecs] = OrderedDict()
-        self._lock = threading.Lock()
+        self._sessions: Recent[str, _ListCodecs] = Recent(CACHED_SESSIONS)
 
     def masked(self, value: Any, key: str | None = None) -> Any:
         """``value`` with its text masked; the very same object when nothing needed masking."""
@@ -342,14 +340,8 @@ class ThreadCodec:
         return _Refs([found for name, found in lists.items() if not _internal(name)], pool)
 
     def list_codecs(self, session: str) -> _ListCodecs:
-        with self._lock:
-            codecs = self._sessions.get(session)
-            if codecs is None:
-                codecs = self._sessions[session] = _ListCodecs()
-            self._sessions.move_to_end(session)
-            while len(self._sessions) > CACHED_SESSIONS:
-                self._sessions.popitem(last=False)
-            return codecs
+        """The session's list channels as last encoded or read."""
+        return self._sessions.get_or_put(session, _ListCodecs)
 
     def encode_list(
         self,
@@ -603,10 +595,10 @@ class ThreadCodec:
         ordered = sorted(chosen.values(), key=lambda e: writes_sort_key(e[PATH], e[TASK], e[INDEX]))
         return [(e[TASK], e[CHANNEL], self.decode(e[VALUE], item_at)) for e in ordered]
 
-    def forget(self, session: str | None = None) -> None:
-        """Forget a session's list channels (every session's with None)."""
-        with self._lock:
-            if session is None:
-                self._sessions.clear()
-            else:
-                self._sessions.pop(session, None)
+    def forget(self, session: str) -> None:
+        """Forget a session's list channels."""
+        self._sessions.pop(session)
+
+    def clear(self) -> None:
+        """Forget every session's list channels."""
+        self._sessions.clear()

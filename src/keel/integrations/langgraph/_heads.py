@@ -4,7 +4,6 @@ written, the version of each checkpoint, compare-and-set commits, and the run-ma
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Any
 
 from keel.errors import ExpiredError
@@ -12,6 +11,7 @@ from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._thread import (
     CACHED_SESSIONS,
     Known,
+    Recent,
     Row,
     RunMark,
     StaleWriterError,
@@ -39,10 +39,9 @@ class ThreadHeads:
         self.store = store
         self._codec = codec
         self._names = names
-        self._known: OrderedDict[str, Known] = OrderedDict()
-        self._recent: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._known: Recent[str, Known] = Recent(CACHED_SESSIONS)
+        self._recent: Recent[tuple[str, str], int] = Recent(_RECENT_CHECKPOINTS)
         """(session, checkpoint id) -> the version last written with that checkpoint."""
-        self._known_lock = threading.Lock()
         self._locks = [threading.Lock() for _ in range(64)]
 
     def lock(self, session: str) -> threading.Lock:
@@ -53,47 +52,34 @@ class ThreadHeads:
         """The session's head (read again with ``fresh``, else as last known); None when the
         session does not exist or has expired."""
         if not fresh:
-            with self._known_lock:
-                cached = self._known.get(session)
+            cached = self._known.get(session)
             if cached is not None:
                 return cached
         try:
             found = self.store.get(session)
         except ExpiredError:
             found = None
-        with self._known_lock:
-            if found is None:
-                self._known.pop(session, None)
-                return None
-            known = Known(found.version, found.state)
-            self._remember(session, known)
-            return known
+        if found is None:
+            self._known.pop(session)
+            return None
+        return self._known.put(session, Known(found.version, found.state))
 
-    def _remember(self, session: str, known: Known) -> None:
-        self._known[session] = known
-        self._known.move_to_end(session)
-        while len(self._known) > CACHED_SESSIONS:
-            self._known.popitem(last=False)
-
-    def forget(self, session: str | None = None) -> None:
-        """Forget what is known of a session (of every session with None)."""
-        with self._known_lock:
-            if session is None:
-                self._known.clear()
-            else:
-                self._known.pop(session, None)
+    def forget(self, session: str) -> None:
+        """Forget what is known of a session (deleted)."""
+        self._known.pop(session)
         self._codec.forget(session)
         self.forget_recent(session)
 
-    def forget_recent(self, session: str | None = None) -> None:
-        """Forget the versions recorded for a session's checkpoints (every session's with
-        None), after its history was rewritten."""
-        with self._known_lock:
-            if session is None:
-                self._recent.clear()
-                return
-            for key in [key for key in self._recent if key[0] == session]:
-                del self._recent[key]
+    def forget_recent(self, session: str) -> None:
+        """Forget the versions recorded for a session's checkpoints (its history was
+        rewritten)."""
+        self._recent.drop(lambda key: key[0] == session)
+
+    def clear(self) -> None:
+        """Forget what is known of every session (after a vacuum)."""
+        self._known.clear()
+        self._codec.clear()
+        self._recent.clear()
 
     def commit(
         self,
@@ -113,14 +99,9 @@ class ThreadHeads:
             self.store.create(session, state, reason=reason)
         else:
             self.store.checkpoint(session, state, expected_version=known.version, reason=reason)
-        committed = Known(version, state)
-        with self._known_lock:
-            self._remember(session, committed)
-            if state.id is not None:
-                self._recent[(session, state.id)] = version
-                self._recent.move_to_end((session, state.id))
-                while len(self._recent) > _RECENT_CHECKPOINTS:
-                    self._recent.popitem(last=False)
+        committed = self._known.put(session, Known(version, state))
+        if state.id is not None:
+            self._recent.put((session, state.id), version)
         return committed
 
     def version_of(self, session: str, known: Known, checkpoint_id: str) -> int | None:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from keel.errors import ConflictError
-from keel.integrations.langgraph._thread import ATTEMPTS, ThreadNames, _Index
+from keel.integrations.langgraph._thread import ATTEMPTS, Recent, ThreadNames, _Index
 from keel.state import StateBackend, StateStore
 
 __all__ = ["ThreadIndexes"]
@@ -25,7 +24,7 @@ class ThreadIndexes:
         # Indexes never expire with a namespace: vacuum() drops the entries of the gone.
         self.store: StateStore[_Index] = StateStore(backend, _Index, clock=clock)
         self._names = names
-        self._runs_seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._runs_seen: Recent[tuple[str, str], bool] = Recent(_RUNS_REMEMBERED)
 
     def add(self, index: str, name: str, *, new: bool = False) -> None:
         """Add ``name`` to an index (``new``: the index most likely does not exist yet, as a
@@ -65,9 +64,7 @@ class ThreadIndexes:
         if seen in self._runs_seen:
             return
         self.add(self._names.run_index(run_id), session, new=True)
-        self._runs_seen[seen] = None
-        while len(self._runs_seen) > _RUNS_REMEMBERED:
-            self._runs_seen.popitem(last=False)
+        self._runs_seen.put(seen, True)
 
     def names(self, index: str) -> list[str]:
         """What an index lists (nothing when it does not exist)."""
@@ -81,7 +78,7 @@ class ThreadIndexes:
     def delete_run(self, run_id: str) -> None:
         """Delete a run's index."""
         self.store.delete(self._names.run_index(run_id))
-        self._runs_seen = OrderedDict((seen, None) for seen in self._runs_seen if seen[0] != run_id)
+        self._runs_seen.drop(lambda seen: seen[0] == run_id)
 
     def keep_only(self, index: str, names: Sequence[str]) -> None:
         """Keep only ``names`` in an index; an index left empty goes."""

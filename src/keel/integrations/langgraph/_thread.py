@@ -4,9 +4,11 @@ store, and what a config, a run mark and a version's reason say."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote, unquote
 
 from langchain_core.runnables import RunnableConfig
@@ -26,6 +28,7 @@ __all__ = [
     "VALUE",
     "WRITER",
     "Known",
+    "Recent",
     "Row",
     "RunMark",
     "StaleWriterError",
@@ -231,3 +234,62 @@ class ThreadNames:
         """The thread id and namespace of a namespace session."""
         thread, namespace = session[len(self.prefix) :].split("/")
         return unquote(thread), unquote(namespace)
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class Recent(Generic[K, V]):
+    """The newest ``size`` entries of a map, the least recently put going first; safe to share
+    between threads."""
+
+    def __init__(self, size: int) -> None:
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: K) -> bool:
+        return key in self._items
+
+    def get(self, key: K) -> V | None:
+        """The entry of ``key``, if kept."""
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: K, value: V) -> V:
+        """Keep ``value`` as the newest entry of ``key``; returns it."""
+        with self._lock:
+            self._items[key] = value
+            self._keep_newest(key)
+        return value
+
+    def get_or_put(self, key: K, make: Callable[[], V]) -> V:
+        """The entry of ``key`` (``make()`` when none), now the newest."""
+        with self._lock:
+            found = self._items.get(key)
+            if found is None:
+                found = self._items[key] = make()
+            self._keep_newest(key)
+            return found
+
+    def _keep_newest(self, key: K) -> None:
+        self._items.move_to_end(key)
+        while len(self._items) > self._size:
+            self._items.popitem(last=False)
+
+    def drop(self, which: Callable[[K], bool]) -> None:
+        """Drop the entries whose key ``which`` selects."""
+        with self._lock:
+            for key in [key for key in self._items if which(key)]:
+                del self._items[key]
+
+    def pop(self, key: K) -> None:
+        """Drop the entry of ``key``, if kept."""
+        with self._lock:
+            self._items.pop(key, None)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._items.clear()
