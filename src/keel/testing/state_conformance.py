@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from keel.errors import (
     ConflictError,
+    DatabaseLockedError,
     ExpiredError,
     StateError,
     StateMigrationError,
@@ -583,6 +584,24 @@ class StateBackendConformance:
             await store.aclose()
 
     # --- locks --------------------------------------------------------------------------------
+
+    async def test_a_lease_held_elsewhere_refuses_the_block_after_its_wait(
+        self, store: StateStore[CounterState]
+    ) -> None:
+        holder = store.session_lock("busy", ttl=30)
+        assert holder.acquire()
+        refused = pytest.raises(DatabaseLockedError, match="'busy' is locked")
+        with refused, store.lock("busy", ttl=5, wait=0.05):
+            pytest.fail("the block ran without the lease")
+        with pytest.raises(DatabaseLockedError, match="'busy' is locked"):
+            async with store.alock("busy", ttl=5, wait=0.05):
+                pytest.fail("the block ran without the lease")
+        assert holder.release()
+        with store.lock("busy", ttl=5, wait=0) as lease:
+            assert lease.held
+        assert not lease.held  # released at the end of the block
+        assert store.session_lock("busy", ttl=5).acquire()
+        await store.aclose()
 
     def test_lock_is_advisory_and_the_version_check_fences(
         self, store: StateStore[CounterState], state_backend_url: str
