@@ -33,9 +33,10 @@ _INLINE: ContextVar[bool] = ContextVar("keel_state_inline", default=False)
 
 def sync_twin(
     method: Callable[Concatenate[Owner, P], Coroutine[Any, Any, T]],
-) -> Callable[Concatenate[Owner, P], T]:
+) -> Callable[Concatenate[Any, P], T]:
     """The sync twin of the async ``method``: the same coroutine, run inline over the
-    backend's sync methods. Assign it in the class body (``get = sync_twin(aget)``)."""
+    backend's sync methods. Assign it in the class body (``get = sync_twin(aget)``); its
+    ``self`` is typed ``Any`` so that it may implement an interface's sync method."""
 
     def twin(self: Owner, /, *args: P.args, **kwargs: P.kwargs) -> T:
         token = _INLINE.set(True)

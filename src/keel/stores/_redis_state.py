@@ -16,6 +16,7 @@ from typing import Any
 
 from keel.errors import BackendUnavailableError, ConflictError, ExpiredError, StoreError
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
+from keel.state._twins import backend_call, sync_twin
 
 __all__ = ["RedisStateBackend"]
 
@@ -323,8 +324,13 @@ class _RedisScripts:
         return StoreError(f"Redis: {exc}")
 
     def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run the script ``name``."""
+        """Run the script ``name`` on the sync client."""
         return self.run(self._scripts[name], keys=keys, args=args)
+
+    async def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run the script ``name``: inline on the sync client inside a sync twin, else on
+        this loop's async client."""
+        return await backend_call(self.call, self.acall, name, keys, args)
 
     def run(self, command: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a client command (or script)."""
@@ -384,46 +390,21 @@ class RedisStateBackend(StateBackend):
     def _lock_key(self, key: str) -> list[str]:
         return [f"{self.prefix}:lock:{key}"]
 
-    def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        args = ["" if version is None else version, repr(now)]
-        return _chain_from(session_id, self._redis.call("read", self._keys(session_id), args), now)
+    # Each operation is written once, as the async method over _RedisScripts.script: awaited,
+    # it runs on this loop's async client; its sync twin runs the same code inline on the sync
+    # client (keel.state._twins).
 
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
         args = ["" if version is None else version, repr(now)]
-        found = await self._redis.acall("read", self._keys(session_id), args)
+        found = await self._redis.script("read", self._keys(session_id), args)
         return _chain_from(session_id, found, now)
-
-    def read_head_chain(
-        self, session_id: str, now: float, known_version: int, known_epoch: str
-    ) -> Chain | None:
-        args = ["", repr(now), known_version, known_epoch]
-        return _chain_from(session_id, self._redis.call("read", self._keys(session_id), args), now)
 
     async def aread_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
         args = ["", repr(now), known_version, known_epoch]
-        found = await self._redis.acall("read", self._keys(session_id), args)
+        found = await self._redis.script("read", self._keys(session_id), args)
         return _chain_from(session_id, found, now)
-
-    def write(
-        self,
-        session_id: str,
-        row: StoredCheckpoint,
-        *,
-        expected_version: int | None,
-        expected_epoch: str | None,
-        new_epoch: str | None,
-        ttl: float | None,
-        now: float,
-    ) -> None:
-        args = _write_args(
-            row, expected_version, expected_epoch, new_epoch, ttl, now, self.tombstone_ms
-        )
-        result = self._redis.call("write", self._keys(session_id), args)
-        _check_write(session_id, expected_version, result)
-        if expected_version is None:
-            self._redis.call("sadd", [self._sessions_key], [session_id])
 
     async def awrite(
         self,
@@ -439,47 +420,38 @@ class RedisStateBackend(StateBackend):
         args = _write_args(
             row, expected_version, expected_epoch, new_epoch, ttl, now, self.tombstone_ms
         )
-        result = await self._redis.acall("write", self._keys(session_id), args)
+        result = await self._redis.script("write", self._keys(session_id), args)
         _check_write(session_id, expected_version, result)
         if expected_version is None:
-            await self._redis.acall("sadd", [self._sessions_key], [session_id])
-
-    def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
-        found = self._redis.call("history", self._keys(session_id), [repr(now)])
-        return _history_from(session_id, found, now)
+            await self._redis.script("sadd", [self._sessions_key], [session_id])
 
     async def ahistory(self, session_id: str, now: float) -> list[StoredCheckpoint]:
-        found = await self._redis.acall("history", self._keys(session_id), [repr(now)])
+        found = await self._redis.script("history", self._keys(session_id), [repr(now)])
         return _history_from(session_id, found, now)
-
-    def mark(self, session_id: str, version: int, good: bool | None) -> bool:
-        return bool(self._redis.call("mark", self._keys(session_id)[1:2], [version, _flag(good)]))
 
     async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
         keys = self._keys(session_id)[1:2]
-        return bool(await self._redis.acall("mark", keys, [version, _flag(good)]))
-
-    def delete(self, session_id: str) -> bool:
-        keys = [*self._keys(session_id), self._sessions_key]
-        return bool(self._redis.call("delete", keys, [session_id]))
+        return bool(await self._redis.script("mark", keys, [version, _flag(good)]))
 
     async def adelete(self, session_id: str) -> bool:
         keys = [*self._keys(session_id), self._sessions_key]
-        return bool(await self._redis.acall("delete", keys, [session_id]))
-
-    def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
-        args = [owner, max(1, int(ttl * 1000))]
-        return bool(self._redis.call("acquire", self._lock_key(key), args))
+        return bool(await self._redis.script("delete", keys, [session_id]))
 
     async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
         args = [owner, max(1, int(ttl * 1000))]
-        return bool(await self._redis.acall("acquire", self._lock_key(key), args))
-
-    def release_lock(self, key: str, owner: str) -> bool:
-        return bool(self._redis.call("release", self._lock_key(key), [owner]))
+        return bool(await self._redis.script("acquire", self._lock_key(key), args))
 
     async def arelease_lock(self, key: str, owner: str) -> bool:
-        return bool(await self._redis.acall("release", self._lock_key(key), [owner]))
+        return bool(await self._redis.script("release", self._lock_key(key), [owner]))
+
+    read_chain = sync_twin(aread_chain)
+    read_head_chain = sync_twin(aread_head_chain)
+    write = sync_twin(awrite)
+    history = sync_twin(ahistory)
+    mark = sync_twin(amark)
+    delete = sync_twin(adelete)
+    acquire_lock = sync_twin(aacquire_lock)
+    release_lock = sync_twin(arelease_lock)
 
     def lock_holder(self, key: str, now: float) -> str | None:
         value = self._redis.run(self._client.get, self._lock_key(key)[0])

@@ -598,7 +598,8 @@ class StateBackendConformance:
                 pytest.fail("the block ran without the lease")
         assert holder.release()
         with store.lock("busy", ttl=5, wait=0) as lease:
-            assert lease.held
+            held_in_block = lease.held
+        assert held_in_block
         assert not lease.held  # released at the end of the block
         assert store.session_lock("busy", ttl=5).acquire()
         await store.aclose()
