@@ -53,8 +53,7 @@ end
 return {'ok'}
 """
 
-_READ = """
-local now = tonumber(ARGV[2])
+_LIVE_HEAD = """
 local h = redis.call('HMGET', KEYS[1], 'version', 'epoch', 'last_full', 'ttl', 'expires_at')
 if not h[1] then
   local t = redis.call('GET', KEYS[4])
@@ -62,7 +61,15 @@ if not h[1] then
   return {'absent'}
 end
 if h[5] and h[5] ~= '' and tonumber(h[5]) <= now then return {'expired', h[5]} end
-local target = tonumber(h[1])
+"""
+"""The head of a live session as ``h`` (version, epoch, last_full, ttl, expires_at), given
+``now``; an expired one (its tombstone, once its keys are gone) or an absent one returns."""
+
+_READ = (
+    """
+local now = tonumber(ARGV[2])"""
+    + _LIVE_HEAD
+    + """local target = tonumber(h[1])
 if ARGV[1] ~= '' then target = tonumber(ARGV[1]) end
 if target > tonumber(h[1]) or target < 1 then return {'absent'} end
 local base
@@ -85,17 +92,13 @@ for v = tonumber(base[1]), target do
 end
 return out
 """
+)
 
-_HISTORY = """
-local now = tonumber(ARGV[1])
-local h = redis.call('HMGET', KEYS[1], 'version', 'expires_at')
-if not h[1] then
-  local t = redis.call('GET', KEYS[4])
-  if t then return {'expired', t} end
-  return {'absent'}
-end
-if h[2] and h[2] ~= '' and tonumber(h[2]) <= now then return {'expired', h[2]} end
-local out = {'ok'}
+_HISTORY = (
+    """
+local now = tonumber(ARGV[1])"""
+    + _LIVE_HEAD
+    + """local out = {'ok'}
 for v = 1, tonumber(h[1]) do
   local s = tostring(v)
   local m = redis.call('HGET', KEYS[2], 'm:' .. s)
@@ -108,6 +111,7 @@ for v = 1, tonumber(h[1]) do
 end
 return out
 """
+)
 
 _MARK = """
 if redis.call('HEXISTS', KEYS[1], 'm:' .. ARGV[1]) == 0 then return 0 end
