@@ -258,32 +258,6 @@ def _history_from(session_id: str, found: Any, now: float) -> list[StoredCheckpo
     ]
 
 
-def _write_args(
-    row: StoredCheckpoint,
-    expected_version: int | None,
-    expected_epoch: str | None,
-    new_epoch: str | None,
-    ttl: float | None,
-    now: float,
-    tombstone_ms: int,
-) -> list[Any]:
-    """The write script's arguments."""
-    return [
-        "create" if expected_version is None else "append",
-        "" if expected_version is None else expected_version,
-        expected_epoch or "",
-        new_epoch or "",
-        row.version,
-        _meta(row),
-        row.kind,
-        "" if ttl is None else repr(float(ttl)),
-        repr(now),
-        tombstone_ms,
-        row.payload,
-        "" if row.good is None else ("1" if row.good else "0"),
-    ]
-
-
 def _check_write(session_id: str, expected_version: int | None, result: Any) -> None:
     if _text(result[0]) == "conflict":
         actual = _text(result[1]) if len(result) > 1 else ""
@@ -421,9 +395,20 @@ class RedisStateBackend(StateBackend):
         ttl: float | None,
         now: float,
     ) -> None:
-        args = _write_args(
-            row, expected_version, expected_epoch, new_epoch, ttl, now, self.tombstone_ms
-        )
+        args = [
+            "create" if expected_version is None else "append",
+            "" if expected_version is None else expected_version,
+            expected_epoch or "",
+            new_epoch or "",
+            row.version,
+            _meta(row),
+            row.kind,
+            "" if ttl is None else repr(float(ttl)),
+            repr(now),
+            self.tombstone_ms,
+            row.payload,
+            _flag(row.good),
+        ]
         result = await self._redis.script("write", self._keys(session_id), args)
         _check_write(session_id, expected_version, result)
         if expected_version is None:
