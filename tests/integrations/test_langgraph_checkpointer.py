@@ -241,7 +241,9 @@ def test_a_growing_thread_stores_what_changed_not_the_whole_list_again(
             graph.invoke(
                 {"messages": [HumanMessage(content=f"{turn} {padding}")], "steps": 0}, _thread()
             )
-        sizes.append(sum(info.size_bytes for info in saver.store.history(saver._session("t1", ""))))
+        sizes.append(
+            sum(info.size_bytes for info in saver.store.history(saver._names.session("t1", "")))
+        )
     # Twice the turns, about twice the bytes: linear (whole lists per checkpoint: about 4x).
     assert sizes[1] / sizes[0] < 2.5, sizes
 
@@ -360,7 +362,9 @@ def test_a_send_that_carries_the_state_stores_references_not_a_copy(
         for turn in range(start, start + 20):
             out = graph.invoke({"messages": [("user", question(turn))]}, _thread())
             assert out["messages"][-1].content == ANSWER
-        sizes.append(sum(info.size_bytes for info in saver.store.history(saver._session("t1", ""))))
+        sizes.append(
+            sum(info.size_bytes for info in saver.store.history(saver._names.session("t1", "")))
+        )
     assert sizes[1] / sizes[0] < 2.5, sizes
     assert len(graph.get_state(_thread()).values["messages"]) == 4 * 40
 

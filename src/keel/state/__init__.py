@@ -31,6 +31,7 @@ from keel.state._checkpoint import (
     Retention,
     VacuumReport,
 )
+from keel.state._lease import SessionLock
 from keel.state._machine import (
     Guard,
     MachinePosition,
@@ -48,8 +49,9 @@ from keel.state._reducers import (
     overwrite,
     reducer,
 )
+from keel.state._retention import vacuum
 from keel.state._schema import JSONState, StateMigration, StateSchema
-from keel.state._store import SessionLock, StateStore, vacuum
+from keel.state._store import StateStore
 
 __all__ = [
     "AgentState",

@@ -16,6 +16,7 @@ from typing import Any
 
 from keel.errors import BackendUnavailableError, ConflictError, ExpiredError, StoreError
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
+from keel.state._twins import backend_call, sync_twin
 
 __all__ = ["RedisStateBackend"]
 
@@ -52,8 +53,7 @@ end
 return {'ok'}
 """
 
-_READ = """
-local now = tonumber(ARGV[2])
+_LIVE_HEAD = """
 local h = redis.call('HMGET', KEYS[1], 'version', 'epoch', 'last_full', 'ttl', 'expires_at')
 if not h[1] then
   local t = redis.call('GET', KEYS[4])
@@ -61,7 +61,15 @@ if not h[1] then
   return {'absent'}
 end
 if h[5] and h[5] ~= '' and tonumber(h[5]) <= now then return {'expired', h[5]} end
-local target = tonumber(h[1])
+"""
+"""The head of a live session as ``h`` (version, epoch, last_full, ttl, expires_at), given
+``now``; an expired one (its tombstone, once its keys are gone) or an absent one returns."""
+
+_READ = (
+    """
+local now = tonumber(ARGV[2])"""
+    + _LIVE_HEAD
+    + """local target = tonumber(h[1])
 if ARGV[1] ~= '' then target = tonumber(ARGV[1]) end
 if target > tonumber(h[1]) or target < 1 then return {'absent'} end
 local base
@@ -84,17 +92,13 @@ for v = tonumber(base[1]), target do
 end
 return out
 """
+)
 
-_HISTORY = """
-local now = tonumber(ARGV[1])
-local h = redis.call('HMGET', KEYS[1], 'version', 'expires_at')
-if not h[1] then
-  local t = redis.call('GET', KEYS[4])
-  if t then return {'expired', t} end
-  return {'absent'}
-end
-if h[2] and h[2] ~= '' and tonumber(h[2]) <= now then return {'expired', h[2]} end
-local out = {'ok'}
+_HISTORY = (
+    """
+local now = tonumber(ARGV[1])"""
+    + _LIVE_HEAD
+    + """local out = {'ok'}
 for v = 1, tonumber(h[1]) do
   local s = tostring(v)
   local m = redis.call('HGET', KEYS[2], 'm:' .. s)
@@ -107,6 +111,7 @@ for v = 1, tonumber(h[1]) do
 end
 return out
 """
+)
 
 _MARK = """
 if redis.call('HEXISTS', KEYS[1], 'm:' .. ARGV[1]) == 0 then return 0 end
@@ -166,6 +171,7 @@ _SCRIPTS = {
     "read": _READ,
     "history": _HISTORY,
     "mark": _MARK,
+    "rewrite": _REWRITE,
     "acquire": _ACQUIRE,
     "release": _RELEASE,
     "sadd": _SADD,
@@ -211,6 +217,131 @@ def _from_meta(
     )
 
 
+def _expired(session_id: str, expires_at: Any, now: float) -> ExpiredError:
+    ago = now - float(_text(expires_at))
+    return ExpiredError(f"session {session_id!r} expired {ago:.1f}s ago; it reads as absent")
+
+
+def _chain_from(session_id: str, found: Any, now: float) -> Chain | None:
+    """The chain the read script returned."""
+    status = _text(found[0])
+    if status == "absent":
+        return None
+    if status == "expired":
+        raise _expired(session_id, found[1], now)
+    ttl, expires_at = _text(found[4]), _text(found[5])
+    head = SessionHead(
+        session_id=session_id,
+        version=int(found[1]),
+        epoch=_text(found[2]),
+        last_full=int(found[3]),
+        ttl=float(ttl) if ttl else None,
+        expires_at=float(expires_at) if expires_at else None,
+    )
+    rows = [
+        _from_meta(int(found[i]), _text(found[i + 1]), _text(found[i + 2]), _text(found[i + 3]))
+        for i in range(6, len(found), 4)
+    ]
+    return Chain(head, rows)
+
+
+def _history_from(session_id: str, found: Any, now: float) -> list[StoredCheckpoint]:
+    """The rows (payloads left out) the history script returned."""
+    status = _text(found[0])
+    if status == "absent":
+        return []
+    if status == "expired":
+        raise _expired(session_id, found[1], now)
+    return [
+        _from_meta(int(found[i]), _text(found[i + 1]), "", _text(found[i + 3]), int(found[i + 2]))
+        for i in range(1, len(found), 4)
+    ]
+
+
+def _check_write(session_id: str, expected_version: int | None, result: Any) -> None:
+    if _text(result[0]) == "conflict":
+        actual = _text(result[1]) if len(result) > 1 else ""
+        raise ConflictError(session_id, expected_version, int(actual) if actual else None)
+
+
+def _flag(good: bool | None) -> str:
+    return "" if good is None else ("1" if good else "0")
+
+
+class _RedisScripts:
+    """keel's Lua scripts on one Redis, through a sync client and, per event loop, an async one
+    (redis.asyncio clients belong to one loop); driver errors translated into keel's."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import redis  # the 'redis' extra: optional, so imported only when Redis is used
+        except ImportError as exc:  # pragma: no cover - the extra is installed in tests
+            raise BackendUnavailableError("redis-py is not installed (the 'redis' extra)") from exc
+        self._redis = redis
+        self.url = url
+        self.client = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30)
+        try:
+            self.client.ping()
+        except redis.RedisError as exc:
+            self.client.close()
+            host = url.rpartition("@")[2]
+            raise BackendUnavailableError(f"Redis at {host} is unavailable: {exc}") from exc
+        self._scripts = {
+            name: self.client.register_script(source) for name, source in _SCRIPTS.items()
+        }
+        self._aclient: Any = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._ascripts: dict[str, Any] = {}
+
+    def _translated(self, exc: Exception) -> Exception:
+        redis = self._redis
+        if isinstance(exc, redis.TimeoutError):
+            return BackendUnavailableError(f"Redis timed out: {exc}")
+        if isinstance(exc, redis.ConnectionError):
+            return BackendUnavailableError(f"Redis is unavailable: {exc}")
+        return StoreError(f"Redis: {exc}")
+
+    def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run the script ``name`` on the sync client."""
+        return self.run(self._scripts[name], keys=keys, args=args)
+
+    async def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run the script ``name``: inline on the sync client inside a sync twin, else on
+        this loop's async client."""
+        return await backend_call(self.call, self.acall, name, keys, args)
+
+    def run(self, command: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a client command (or script)."""
+        try:
+            return command(*args, **kwargs)
+        except self._redis.RedisError as exc:
+            raise self._translated(exc) from exc
+
+    async def acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run the script ``name`` on this event loop's async client."""
+        loop = asyncio.get_running_loop()
+        if self._aclient is None or self._aloop is not loop:
+            # The 'redis' extra, imported above when this object was made.
+            from redis import asyncio as aredis
+
+            self._aclient = aredis.Redis.from_url(self.url, socket_timeout=30)
+            self._aloop = loop
+            self._ascripts = {
+                name: self._aclient.register_script(source) for name, source in _SCRIPTS.items()
+            }
+        try:
+            return await self._ascripts[name](keys=keys, args=args)
+        except self._redis.RedisError as exc:
+            raise self._translated(exc) from exc
+
+    async def aclose(self) -> None:
+        """Close the async client (of the loop that made it) and the sync one."""
+        if self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
+        self.client.close()
+
+
 class RedisStateBackend(StateBackend):
     """Checkpoints in Redis.
 
@@ -223,131 +354,35 @@ class RedisStateBackend(StateBackend):
     name = "redis"
 
     def __init__(self, url: str, *, prefix: str = "keel:state", tombstone_s: float = 3600) -> None:
-        try:
-            import redis
-        except ImportError as exc:  # pragma: no cover - the extra is installed in tests
-            raise BackendUnavailableError("redis-py is not installed (the 'redis' extra)") from exc
-        self._redis_module = redis
+        self._redis = _RedisScripts(url)
+        self._client = self._redis.client
         self.url = url
         self.prefix = prefix
         self.tombstone_ms = int(tombstone_s * 1000)
-        self._client = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30)
-        try:
-            self._client.ping()
-        except redis.RedisError as exc:
-            self._client.close()
-            host = url.rpartition("@")[2]
-            raise BackendUnavailableError(f"Redis at {host} is unavailable: {exc}") from exc
-        self._write = self._client.register_script(_WRITE)
-        self._read = self._client.register_script(_READ)
-        self._history = self._client.register_script(_HISTORY)
-        self._mark = self._client.register_script(_MARK)
-        self._rewrite = self._client.register_script(_REWRITE)
-        self._acquire = self._client.register_script(_ACQUIRE)
-        self._release = self._client.register_script(_RELEASE)
-        self._aclient: Any = None
-        self._aloop: asyncio.AbstractEventLoop | None = None
-        self._ascripts: dict[str, Any] = {}
+        self._sessions_key = f"{prefix}:sessions"
 
     def _keys(self, session_id: str) -> list[str]:
         tag = f"{self.prefix}:{{{session_id}}}"
         return [f"{tag}:head", f"{tag}:rows", f"{tag}:fulls", f"{tag}:tomb"]
 
-    @property
-    def _sessions_key(self) -> str:
-        return f"{self.prefix}:sessions"
+    def _lock_key(self, key: str) -> list[str]:
+        return [f"{self.prefix}:lock:{key}"]
 
-    def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        redis = self._redis_module
-        try:
-            return script(keys=keys, args=args)
-        except redis.ConnectionError as exc:
-            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
-        except redis.TimeoutError as exc:
-            raise BackendUnavailableError(f"Redis timed out: {exc}") from exc
-        except redis.RedisError as exc:
-            raise StoreError(f"Redis: {exc}") from exc
-
-    def _run(self, fn: Any, *args: Any) -> Any:
-        redis = self._redis_module
-        try:
-            return fn(*args)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
-        except redis.RedisError as exc:
-            raise StoreError(f"Redis: {exc}") from exc
-
-    @staticmethod
-    def _expired(session_id: str, expires_at: Any, now: float) -> ExpiredError:
-        ago = now - float(_text(expires_at))
-        return ExpiredError(f"session {session_id!r} expired {ago:.1f}s ago; it reads as absent")
-
-    def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        found = self._call(
-            self._read, self._keys(session_id), ["" if version is None else version, repr(now)]
-        )
-        return self._chain_from(session_id, found, now)
+    # Each operation is written once, as the async method over _RedisScripts.script: awaited,
+    # it runs on this loop's async client; its sync twin runs the same code inline on the sync
+    # client (keel.state._twins).
 
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        found = await self._acall(
-            "read", self._keys(session_id), ["" if version is None else version, repr(now)]
-        )
-        return self._chain_from(session_id, found, now)
-
-    def read_head_chain(
-        self, session_id: str, now: float, known_version: int, known_epoch: str
-    ) -> Chain | None:
-        found = self._call(
-            self._read, self._keys(session_id), ["", repr(now), known_version, known_epoch]
-        )
-        return self._chain_from(session_id, found, now)
+        args = ["" if version is None else version, repr(now)]
+        found = await self._redis.script("read", self._keys(session_id), args)
+        return _chain_from(session_id, found, now)
 
     async def aread_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
-        found = await self._acall(
-            "read", self._keys(session_id), ["", repr(now), known_version, known_epoch]
-        )
-        return self._chain_from(session_id, found, now)
-
-    def _chain_from(self, session_id: str, found: Any, now: float) -> Chain | None:
-        status = _text(found[0])
-        if status == "absent":
-            return None
-        if status == "expired":
-            raise self._expired(session_id, found[1], now)
-        ttl, expires_at = _text(found[4]), _text(found[5])
-        head = SessionHead(
-            session_id=session_id,
-            version=int(found[1]),
-            epoch=_text(found[2]),
-            last_full=int(found[3]),
-            ttl=float(ttl) if ttl else None,
-            expires_at=float(expires_at) if expires_at else None,
-        )
-        rows = [
-            _from_meta(int(found[i]), _text(found[i + 1]), _text(found[i + 2]), _text(found[i + 3]))
-            for i in range(6, len(found), 4)
-        ]
-        return Chain(head, rows)
-
-    def write(
-        self,
-        session_id: str,
-        row: StoredCheckpoint,
-        *,
-        expected_version: int | None,
-        expected_epoch: str | None,
-        new_epoch: str | None,
-        ttl: float | None,
-        now: float,
-    ) -> None:
-        create = expected_version is None
-        args = self._write_args(row, expected_version, expected_epoch, new_epoch, ttl, now)
-        result = self._call(self._write, self._keys(session_id), args)
-        self._check_write(session_id, expected_version, result)
-        if create:
-            self._run(self._client.sadd, self._sessions_key, session_id)
+        args = ["", repr(now), known_version, known_epoch]
+        found = await self._redis.script("read", self._keys(session_id), args)
+        return _chain_from(session_id, found, now)
 
     async def awrite(
         self,
@@ -360,22 +395,7 @@ class RedisStateBackend(StateBackend):
         ttl: float | None,
         now: float,
     ) -> None:
-        args = self._write_args(row, expected_version, expected_epoch, new_epoch, ttl, now)
-        result = await self._acall("write", self._keys(session_id), args)
-        self._check_write(session_id, expected_version, result)
-        if expected_version is None:
-            await self._acall("sadd", [self._sessions_key], [session_id])
-
-    def _write_args(
-        self,
-        row: StoredCheckpoint,
-        expected_version: int | None,
-        expected_epoch: str | None,
-        new_epoch: str | None,
-        ttl: float | None,
-        now: float,
-    ) -> list[Any]:
-        return [
+        args = [
             "create" if expected_version is None else "append",
             "" if expected_version is None else expected_version,
             expected_epoch or "",
@@ -387,139 +407,79 @@ class RedisStateBackend(StateBackend):
             repr(now),
             self.tombstone_ms,
             row.payload,
-            "" if row.good is None else ("1" if row.good else "0"),
+            _flag(row.good),
         ]
-
-    @staticmethod
-    def _check_write(session_id: str, expected_version: int | None, result: Any) -> None:
-        if _text(result[0]) == "conflict":
-            actual = _text(result[1]) if len(result) > 1 else ""
-            raise ConflictError(session_id, expected_version, int(actual) if actual else None)
-
-    def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
-        found = self._call(self._history, self._keys(session_id), [repr(now)])
-        return self._history_from(session_id, found, now)
+        result = await self._redis.script("write", self._keys(session_id), args)
+        _check_write(session_id, expected_version, result)
+        if expected_version is None:
+            await self._redis.script("sadd", [self._sessions_key], [session_id])
 
     async def ahistory(self, session_id: str, now: float) -> list[StoredCheckpoint]:
-        found = await self._acall("history", self._keys(session_id), [repr(now)])
-        return self._history_from(session_id, found, now)
-
-    def _history_from(self, session_id: str, found: Any, now: float) -> list[StoredCheckpoint]:
-        status = _text(found[0])
-        if status == "absent":
-            return []
-        if status == "expired":
-            raise self._expired(session_id, found[1], now)
-        return [
-            _from_meta(
-                int(found[i]), _text(found[i + 1]), "", _text(found[i + 3]), int(found[i + 2])
-            )
-            for i in range(1, len(found), 4)
-        ]
-
-    def mark(self, session_id: str, version: int, good: bool | None) -> bool:
-        flag = "" if good is None else ("1" if good else "0")
-        return bool(self._call(self._mark, [self._keys(session_id)[1]], [version, flag]))
+        found = await self._redis.script("history", self._keys(session_id), [repr(now)])
+        return _history_from(session_id, found, now)
 
     async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
-        flag = "" if good is None else ("1" if good else "0")
-        return bool(await self._acall("mark", [self._keys(session_id)[1]], [version, flag]))
+        keys = self._keys(session_id)[1:2]
+        return bool(await self._redis.script("mark", keys, [version, _flag(good)]))
 
     async def adelete(self, session_id: str) -> bool:
-        keys = self._keys(session_id)
-        return bool(await self._acall("delete", [*keys, self._sessions_key], [session_id]))
+        keys = [*self._keys(session_id), self._sessions_key]
+        return bool(await self._redis.script("delete", keys, [session_id]))
 
     async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
-        return bool(
-            await self._acall(
-                "acquire", [f"{self.prefix}:lock:{key}"], [owner, max(1, int(ttl * 1000))]
-            )
-        )
+        args = [owner, max(1, int(ttl * 1000))]
+        return bool(await self._redis.script("acquire", self._lock_key(key), args))
 
     async def arelease_lock(self, key: str, owner: str) -> bool:
-        return bool(await self._acall("release", [f"{self.prefix}:lock:{key}"], [owner]))
+        return bool(await self._redis.script("release", self._lock_key(key), [owner]))
 
-    def _async_scripts(self) -> dict[str, Any]:
-        # redis.asyncio clients belong to one event loop: make one per loop.
-        loop = asyncio.get_running_loop()
-        if self._aclient is None or self._aloop is not loop:
-            from redis import asyncio as aredis
+    read_chain = sync_twin(aread_chain)
+    read_head_chain = sync_twin(aread_head_chain)
+    write = sync_twin(awrite)
+    history = sync_twin(ahistory)
+    mark = sync_twin(amark)
+    delete = sync_twin(adelete)
+    acquire_lock = sync_twin(aacquire_lock)
+    release_lock = sync_twin(arelease_lock)
 
-            self._aclient = aredis.Redis.from_url(self.url, socket_timeout=30)
-            self._aloop = loop
-            self._ascripts = {
-                name: self._aclient.register_script(source) for name, source in _SCRIPTS.items()
-            }
-        return self._ascripts
-
-    async def _acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        redis = self._redis_module
-        script = self._async_scripts()[name]
-        try:
-            return await script(keys=keys, args=args)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise BackendUnavailableError(f"Redis is unavailable: {exc}") from exc
-        except redis.RedisError as exc:
-            raise StoreError(f"Redis: {exc}") from exc
-
-    async def aclose(self) -> None:
-        if self._aclient is not None:
-            await self._aclient.aclose()
-            self._aclient = None
-        self.close()
+    def lock_holder(self, key: str, now: float) -> str | None:
+        value = self._redis.run(self._client.get, self._lock_key(key)[0])
+        return None if value is None else _text(value)
 
     def rewrite(self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]) -> None:
         args: list[Any] = [len(replace)]
         for row in replace:
             args.extend([row.version, row.payload, _meta(row)])
         args.extend(delete)
-        self._call(self._rewrite, self._keys(session_id)[:3], args)
-
-    def delete(self, session_id: str) -> bool:
-        keys = self._keys(session_id)
-        existed = int(self._run(self._client.exists, keys[0])) == 1
-        self._run(self._client.delete, *keys)
-        self._run(self._client.srem, self._sessions_key, session_id)
-        return existed
+        self._redis.call("rewrite", self._keys(session_id)[:3], args)
 
     def sessions(self) -> list[str]:
-        members = self._run(self._client.smembers, self._sessions_key)
+        members = self._redis.run(self._client.smembers, self._sessions_key)
         return sorted(_text(member) for member in members)
 
     def purge_expired(self, now: float) -> list[str]:
         expired: list[str] = []
         for session_id in self.sessions():
-            head, _rows, _fulls, _tomb = self._keys(session_id)
-            values = self._run(self._client.hmget, head, ["version", "expires_at"])
+            head = self._keys(session_id)[0]
+            values = self._redis.run(self._client.hmget, head, ["version", "expires_at"])
             if values[0] is not None:
                 expires_at = values[1]
                 if expires_at is None or float(_text(expires_at)) > now:
                     continue
             # Gone (native TTL) or past its expiry: drop it and its index entry.
-            self._run(self._client.delete, *self._keys(session_id))
-            self._run(self._client.srem, self._sessions_key, session_id)
+            self._redis.run(self._client.delete, *self._keys(session_id))
+            self._redis.run(self._client.srem, self._sessions_key, session_id)
             expired.append(session_id)
         return expired
-
-    def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
-        return bool(
-            self._call(
-                self._acquire, [f"{self.prefix}:lock:{key}"], [owner, max(1, int(ttl * 1000))]
-            )
-        )
-
-    def lock_holder(self, key: str, now: float) -> str | None:
-        value = self._run(self._client.get, f"{self.prefix}:lock:{key}")
-        return None if value is None else _text(value)
-
-    def release_lock(self, key: str, owner: str) -> bool:
-        return bool(self._call(self._release, [f"{self.prefix}:lock:{key}"], [owner]))
 
     def storage_bytes(self) -> int:
         total = 0
         for key in self._client.scan_iter(match=f"{self.prefix}:*", count=1000):
-            total += int(self._run(self._client.memory_usage, key, 0) or 0)
+            total += int(self._redis.run(self._client.memory_usage, key, 0) or 0)
         return total
 
     def close(self) -> None:
         self._client.close()
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from keel.errors import (
     ConflictError,
+    DatabaseLockedError,
     ExpiredError,
     StateError,
     StateMigrationError,
@@ -41,6 +42,7 @@ from keel.errors import (
 )
 from keel.messages import Message
 from keel.state import Retention, StateBackend, StateSchema, StateStore, append
+from keel.state._lease import THIS_PROCESS
 from keel.stores import open_state_backend
 from keel.testing._state_models import ConversationState, CounterState, OrderState
 from keel.testing._state_worker import expected_messages
@@ -583,6 +585,25 @@ class StateBackendConformance:
 
     # --- locks --------------------------------------------------------------------------------
 
+    async def test_a_lease_held_elsewhere_refuses_the_block_after_its_wait(
+        self, store: StateStore[CounterState]
+    ) -> None:
+        holder = store.session_lock("busy", ttl=30)
+        assert holder.acquire()
+        refused = pytest.raises(DatabaseLockedError, match="'busy' is locked")
+        with refused, store.lock("busy", ttl=5, wait=0.05):
+            pytest.fail("the block ran without the lease")
+        with pytest.raises(DatabaseLockedError, match="'busy' is locked"):
+            async with store.alock("busy", ttl=5, wait=0.05):
+                pytest.fail("the block ran without the lease")
+        assert holder.release()
+        with store.lock("busy", ttl=5, wait=0) as lease:
+            held_in_block = lease.held
+        assert held_in_block
+        assert not lease.held  # released at the end of the block
+        assert store.session_lock("busy", ttl=5).acquire()
+        await store.aclose()
+
     def test_lock_is_advisory_and_the_version_check_fences(
         self, store: StateStore[CounterState], state_backend_url: str
     ) -> None:
@@ -610,9 +631,7 @@ class StateBackendConformance:
     async def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(
         self, store: StateStore[CounterState]
     ) -> None:
-        from keel.state._store import _THIS_PROCESS
-
-        host, namespace, _ = _THIS_PROCESS.split(":")
+        host, namespace, _ = THIS_PROCESS.split(":")
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
         now = time.time()

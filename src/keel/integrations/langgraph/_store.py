@@ -31,7 +31,6 @@ tenant's other stores never see it and keel's machinery works on it:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -61,6 +60,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 
     raise BackendUnavailableError("LangGraph is not installed (the 'langgraph' extra)") from exc
 
+from keel._bridge import run_blocking
 from keel.errors import UsageError
 from keel.memory import Memory, MemoryFilter, MemoryKind, MemoryRecord, Scope
 
@@ -213,9 +213,9 @@ class KeelStore(BaseStore):
         return results
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        """Async twin of :meth:`batch` (keel's stores are synchronous: run in a thread)."""
+        """Async twin of :meth:`batch` (keel's memory stores are synchronous: run off the loop)."""
         pending = list(ops)
-        return await asyncio.to_thread(self.batch, pending)
+        return await run_blocking(self.batch, pending)
 
     def sweep_ttl(self) -> int:
         """Delete this store's expired items (reads already leave them out); returns how
@@ -224,7 +224,7 @@ class KeelStore(BaseStore):
 
     async def asweep_ttl(self) -> int:
         """Async twin of :meth:`sweep_ttl`."""
-        return await asyncio.to_thread(self.sweep_ttl)
+        return await run_blocking(self.sweep_ttl)
 
     # --- operations ---------------------------------------------------------------------
 

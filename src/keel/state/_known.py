@@ -1,0 +1,173 @@
+"""What a ``StateStore`` knows of each session: the base of the newest version it read or wrote.
+
+A read of that version again costs one head row (nothing is decoded or validated again), and a
+write on it encodes only what changed (``VersionCodec``). Several threads share one store, so
+the bases live behind a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Any, Generic, TypeVar, cast
+
+from pydantic import BaseModel
+
+from keel.errors import StoreError
+from keel.state._backend import Chain
+from keel.state._checkpoint import Checkpoint
+from keel.state._codec import AppendPlan, Base, VersionCodec, checkpoint_info
+
+__all__ = ["PARTIAL", "KnownVersions", "Partial", "whole"]
+
+S = TypeVar("S")
+_T = TypeVar("_T")
+
+
+class Partial:
+    """What a read of the head row alone gave when it was not the head this store holds."""
+
+
+PARTIAL = Partial()
+
+
+def whole(found: _T | Partial) -> _T:
+    """A read of a whole chain's result (a chain that does not start at a snapshot is a fault
+    of the backend)."""
+    if isinstance(found, Partial):
+        raise StoreError("the backend's chain does not start at a full snapshot")
+    return found
+
+
+def _copy(state: Any) -> Any:
+    """A caller's own copy of the state's mutable containers."""
+    if isinstance(state, BaseModel):
+        containers = {
+            name: type(value)(value)
+            for name, value in state.__dict__.items()
+            if isinstance(value, list | dict | set)
+        }
+        return state.model_copy(update=containers)
+    return state
+
+
+class KnownVersions(Generic[S]):
+    """The newest base of each session this store read or wrote, and reads resolved on it."""
+
+    def __init__(self, codec: VersionCodec[S]) -> None:
+        self._codec = codec
+        self._bases: dict[str, Base] = {}
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str) -> Base | None:
+        """The session's newest known base, if any."""
+        return self._bases.get(session_id)
+
+    def resolve(
+        self,
+        session_id: str,
+        version: int | None,
+        chain: Chain | None,
+        cached: Base | None = None,
+        *,
+        copy: bool = True,
+    ) -> tuple[Base, Checkpoint[S]] | Partial | None:
+        """The base and checkpoint a read's ``chain`` holds; ``PARTIAL`` when it is the head row
+        alone (read for ``cached``) and that is no longer what this store knows."""
+        if chain is None or not chain.rows:
+            return None
+        last = chain.rows[-1]
+        if (
+            cached is not None
+            and last.version == cached.version == chain.head.version
+            and chain.head.epoch == cached.epoch
+            and last.schema_version == cached.stored_schema_version
+        ):
+            # The head is the version this store last read or wrote: its state is known, so
+            # nothing is decoded or validated again (the cost of a read stays flat however long
+            # the session grows). The caller gets its own copy of the mutable containers, taken
+            # while the base is still the newest (an append grows the newest base's lists).
+            with self._lock:
+                if self._bases.get(session_id) is cached:
+                    state = _copy(cached.state) if copy else cached.state
+                    return cached, Checkpoint(checkpoint_info(session_id, last), state)
+        if chain.rows[0].kind != "full":
+            # The head row alone, for a cached base that is no longer this store's: the
+            # caller reads the whole chain instead.
+            return PARTIAL
+        base, state, last = self._codec.rebuild(session_id, chain)
+        if version is None or version == chain.head.version:
+            self.remember(base)
+        return base, Checkpoint(checkpoint_info(session_id, last), state)
+
+    def remember(self, base: Base, owned: frozenset[str] = frozenset()) -> None:
+        """Keep ``base`` as the session's newest known version. ``owned`` names lists this store
+        built itself and handed to no caller, which need no copy."""
+        # Keep our own list objects: a caller appending to the state's list in place must not
+        # change the base the next delta is computed against.
+        base = replace(
+            base,
+            values={
+                k: list(v) if isinstance(v, list) and k not in owned else v
+                for k, v in base.values.items()
+            },
+        )
+        with self._lock:
+            current = self._bases.get(base.session_id)
+            if current is None or current.epoch != base.epoch or current.version <= base.version:
+                self._bases[base.session_id] = base
+
+    def remember_append(self, plan: AppendPlan) -> int:
+        """Make the committed append the session's known base; returns its version.
+
+        The base's own lists (never handed to a caller) grow in place while it is the newest
+        version this store knows, so an append costs its new items; a base another version
+        replaced meanwhile has its lists copied instead."""
+        base, row = plan.base, plan.row
+        with self._lock:
+            current = self._bases.get(base.session_id)
+            in_place = current is base
+            values = dict(base.values)
+            data = dict(plan.data)
+            for name, items in plan.tails.items():
+                if in_place:
+                    values[name].extend(items)
+                else:
+                    values[name] = [*values[name], *items]
+                if plan.full_lists is not None:
+                    data[name] = plan.full_lists[name]
+                elif in_place:
+                    data[name].extend(plan.tails_json[name])
+                else:
+                    data[name] = [*data[name], *plan.tails_json[name]]
+            lists = {name: values[name] for name in (*plan.tails, *plan.unchanged)}
+            state = plan.partial.model_copy(update=lists)
+            for name, value in self._codec.schema.field_values(cast(S, state)).items():
+                if name not in lists:
+                    values[name] = list(value) if isinstance(value, list) else value
+            new_base = replace(
+                base,
+                version=row.version,
+                step=row.step,
+                last_full=row.version if plan.full_lists is not None else base.last_full,
+                stored_schema_version=self._codec.schema.version,
+                data=data,
+                values=values,
+                state=state,
+                immutable_lists=plan.immutable,
+                full_bytes=plan.full_bytes,
+                replay_bytes=plan.replay_bytes,
+            )
+            if current is None or current.epoch != base.epoch or current.version < row.version:
+                self._bases[base.session_id] = new_base
+        return row.version
+
+    def forget(self, session_id: str) -> None:
+        """Forget a session's base (its history was rewritten or deleted)."""
+        with self._lock:
+            self._bases.pop(session_id, None)
+
+    def clear(self) -> None:
+        """Forget every session's base."""
+        with self._lock:
+            self._bases.clear()
