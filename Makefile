@@ -18,6 +18,7 @@ check: lint typecheck docs pytest
 lint:
 	.venv/bin/ruff check src tests
 	.venv/bin/ruff format --check src tests
+	.venv/bin/lint-imports
 
 typecheck:
 	.venv/bin/mypy src
