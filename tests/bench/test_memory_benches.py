@@ -13,7 +13,7 @@ from keel.bench.locomo import _score, _within, parse_session_date, repair_eviden
 from keel.bench.memory import postgres_server_cpu, run_memory_bench, synthetic_corpus
 from keel.errors import ConfigError
 from keel.memory import STOPWORDS, HashingEmbedder
-from keel.stores import PostgresMemoryStore
+from keel.stores import PostgresDatabase, PostgresMemoryStore
 from keel.tokens import counter_for
 from tests.bench._cli import bench_json
 
@@ -153,11 +153,12 @@ def test_memory_bench_small() -> None:
 
 @pytest.mark.postgres
 def test_locomo_runs_on_postgresql(tmp_path: Path, postgres_url: str) -> None:
-    report = run_locomo(
-        _tiny_locomo(tmp_path / "tiny.json"),
-        embedder=HashingEmbedder(64),
-        store=lambda: PostgresMemoryStore(postgres_url),
-    )
+    with PostgresDatabase(postgres_url) as database:
+        report = run_locomo(
+            _tiny_locomo(tmp_path / "tiny.json"),
+            embedder=HashingEmbedder(64),
+            store=lambda: PostgresMemoryStore(database),
+        )
     assert report["store"] == "PostgresMemoryStore"
     assert report["questions"] == 3 and report["recall_at_10"] == 1.0
 
@@ -165,15 +166,16 @@ def test_locomo_runs_on_postgresql(tmp_path: Path, postgres_url: str) -> None:
 @pytest.mark.postgres
 def test_memory_bench_measures_postgresql_again_once_settled(postgres_url: str) -> None:
     settled: list[bool] = []
-    report = run_memory_bench(
-        100,
-        embedder=HashingEmbedder(64),
-        postgres_store=lambda: PostgresMemoryStore(postgres_url),
-        postgres_records=150,
-        postgres_settle=lambda: settled.append(True),
-        postgres_cpu=postgres_server_cpu(postgres_url),
-        batch=50,
-    )
+    with PostgresDatabase(postgres_url) as database:
+        report = run_memory_bench(
+            100,
+            embedder=HashingEmbedder(64),
+            postgres_store=lambda: PostgresMemoryStore(database),
+            postgres_records=150,
+            postgres_settle=lambda: settled.append(True),
+            postgres_cpu=postgres_server_cpu(postgres_url),
+            batch=50,
+        )
     assert settled == [True]
     postgres = report["postgres"]
     assert postgres["index_server_cpu_s"] >= 0 and "index_server_cpu_s" not in report["sqlite"]

@@ -26,7 +26,12 @@ from langgraph.store.base import (
 
 from keel.integrations.langgraph._store import KeelStore
 from keel.memory import HashingEmbedder, Memory, MemoryStore, OnnxEmbedder
-from keel.stores import PostgresMemoryStore, SQLiteMemoryStore
+from keel.stores import (
+    PostgresDatabase,
+    PostgresMemoryStore,
+    SQLiteDatabase,
+    SQLiteMemoryStore,
+)
 
 EMAIL = "ada.lovelace@example.com"
 PHONE = "+44 20 7946 0958"
@@ -56,8 +61,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def _memory_store(backend: str) -> MemoryStore:
     if backend.startswith("postgresql://"):
-        return PostgresMemoryStore(backend)
-    return SQLiteMemoryStore(backend)
+        return PostgresMemoryStore(PostgresDatabase(backend))
+    return SQLiteMemoryStore(SQLiteDatabase(backend))
 
 
 @pytest.fixture

@@ -141,10 +141,12 @@ def bench_locomo_command(
     with ExitStack() as stack, _progress_bar(True) as progress:
         factory = None
         if postgres:
-            from keel.stores import PostgresMemoryStore
+            from keel.stores import PostgresDatabase, PostgresMemoryStore
 
             url = _fresh_postgres(stack)
-            factory = lambda: PostgresMemoryStore(url)  # noqa: E731
+            factory = lambda: PostgresMemoryStore(  # noqa: E731
+                stack.enter_context(PostgresDatabase(url, max_size=8, timeout=10))
+            )
         task = progress.add_task("LoCoMo", total=None)
 
         def report(stage: str, done: int, total: int) -> None:
@@ -237,11 +239,13 @@ def bench_memory_command(
         settle: Callable[[], None] | None = None
         server_cpu: Callable[[], float | None] | None = None
         if postgres:
-            from keel.stores import PostgresMemoryStore
+            from keel.stores import PostgresDatabase, PostgresMemoryStore
 
             settings = {"shared_buffers": postgres_shared_buffers}
             url = _fresh_postgres(stack, settings)
-            factory = lambda: PostgresMemoryStore(url)  # noqa: E731
+            factory = lambda: PostgresMemoryStore(  # noqa: E731
+                stack.enter_context(PostgresDatabase(url, max_size=8, timeout=10))
+            )
 
             def vacuum() -> None:
                 import psycopg

@@ -96,11 +96,12 @@ def embedder_from_settings(settings: Settings) -> Embedder:
 
 def open_memory_store(settings: Settings, **options: Any) -> MemoryStore:
     """The memory store behind ``settings.database_url`` (SQLite file or PostgreSQL)."""
-    from keel.stores import PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
+    from keel.stores import PostgresDatabase, PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
 
     parsed = settings.parsed_database
     if parsed.kind == "postgres":
-        return PostgresMemoryStore(parsed.url, **options)
+        database = PostgresDatabase(parsed.url, max_size=8, timeout=10)
+        return PostgresMemoryStore(database, **options)
     assert parsed.path is not None
     return SQLiteMemoryStore(SQLiteDatabase(parsed.path, busy_timeout_ms=settings.busy_timeout_ms))
 

@@ -8,10 +8,13 @@ connection and a transaction are opened, vector search, full text, compare-and-s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 __all__ = ["POSTGRES", "SQLITE", "SqlDialect"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -22,16 +25,42 @@ class SqlDialect:
         name: ``"sqlite"`` or ``"postgres"``, for the rare branch no field expresses.
         placeholder: the parameter marker (``?`` for sqlite3, ``%s`` for psycopg).
         flag: a boolean as a column stores it (SQLite has no boolean type).
+        array_parameters: a list of values is one array parameter (``= ANY(?)``) rather
+            than a marker per value (``IN (?, ?)``).
+        most_values: the most values :meth:`batches` puts in one list (0: no bound); SQLite
+            caps a statement's parameters.
+        skip_index: put before a column, keeps the planner from reaching rows through that
+            column's indexes (SQLite's unary ``+``), so a look-up by key uses the key's index
+            and not a scope's; PostgreSQL's planner needs no such hint.
+        json_marker: the marker of a JSON parameter (PostgreSQL casts it to ``jsonb``).
     """
 
     name: str
     placeholder: str
     flag: Callable[[bool], object]
+    array_parameters: bool = False
+    most_values: int = 0
+    skip_index: str = ""
+    json_marker: str = "?"
 
     def sql(self, statement: str) -> str:
         """``statement``, written with ``?`` markers, in this dialect."""
         return statement.replace("?", self.placeholder)
 
+    def any_of(self, column: str, values: Sequence[object]) -> tuple[str, tuple[object, ...]]:
+        """A condition that ``column`` is one of ``values`` (not empty), and its parameters."""
+        if self.array_parameters:
+            return f"{column} = ANY(?)", (list(values),)
+        return f"{column} IN ({', '.join('?' for _ in values)})", tuple(values)
 
-SQLITE = SqlDialect(name="sqlite", placeholder="?", flag=int)
-POSTGRES = SqlDialect(name="postgres", placeholder="%s", flag=bool)
+    def batches(self, values: Sequence[_T]) -> Iterator[Sequence[_T]]:
+        """``values`` in lists :meth:`any_of` takes in one statement (none when empty)."""
+        size = self.most_values or max(len(values), 1)
+        for start in range(0, len(values), size):
+            yield values[start : start + size]
+
+
+SQLITE = SqlDialect(name="sqlite", placeholder="?", flag=int, most_values=500, skip_index="+")
+POSTGRES = SqlDialect(
+    name="postgres", placeholder="%s", flag=bool, array_parameters=True, json_marker="?::jsonb"
+)

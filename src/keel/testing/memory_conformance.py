@@ -7,7 +7,7 @@ database, as a restarted process would)::
     class TestMyStore(MemoryStoreConformance):
         @pytest.fixture
         def make_store(self, tmp_path):
-            return lambda: SQLiteMemoryStore(tmp_path / "memory.db")
+            return lambda: SQLiteMemoryStore(SQLiteDatabase(tmp_path / "memory.db"))
 
 The suite checks round trips, idempotent adds, facts superseded over time (and changed back to an
 earlier value, as a new interval), the outbox, its count and its replay after a crash, keyword
