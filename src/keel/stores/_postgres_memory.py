@@ -48,7 +48,7 @@ from keel.stores._keywords import (
 )
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
-from keel.stores._sql_memory import SQLMemoryStore, insert_row_sql
+from keel.stores._sql_memory import SQLMemoryStore, insert_row_sql, require_database
 
 __all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
 
@@ -229,7 +229,7 @@ class PostgresMemoryStore(SQLMemoryStore):
     ) -> None:
         if not 1 <= ef_search <= 1000:
             raise ConfigError(f"ef_search must be within 1..1000 (pgvector's range): {ef_search}")
-        self.database = database
+        self.database = require_database(database, PostgresDatabase, "PostgresMemoryStore")
         self.url = database.url
         self.hnsw = hnsw
         self.ef_search = int(ef_search)

@@ -16,8 +16,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, closing
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 
+from keel.errors import UsageError
 from keel.memory._records import MemoryFilter, MemoryRecord, Scope, is_fact, reopened, same_content
 from keel.memory._rows import (
     RECORD_COLUMNS,
@@ -30,8 +31,9 @@ from keel.memory._rows import (
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry
 from keel.stores._dialect import SqlDialect
 
-__all__ = ["SQLMemoryStore", "insert_row_sql"]
+__all__ = ["SQLMemoryStore", "insert_row_sql", "require_database"]
 
+_D = TypeVar("_D")
 _COLUMNS = ", ".join(RECORD_COLUMNS)
 _IN_SCOPE = "tenant_id = ? AND user_id = ?"
 
@@ -73,10 +75,6 @@ class SQLMemoryStore(MemoryStore):
 
     def _execute(self, conn: Any, statement: str, params: Sequence[Any] = ()) -> Any:
         return conn.execute(self.dialect.sql(statement), tuple(params))
-
-    def _execute_many(self, conn: Any, statement: str, rows: Sequence[Sequence[Any]]) -> None:
-        with closing(conn.cursor()) as cursor:
-            cursor.executemany(self.dialect.sql(statement), rows)
 
     # --- writes -------------------------------------------------------------------------
 
@@ -160,10 +158,11 @@ class SQLMemoryStore(MemoryStore):
     def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
         if not expiry:
             return
-        with self._write() as conn:
-            self._execute_many(
-                conn,
-                f"UPDATE memory_records SET expires_at = ? WHERE id = ? AND {_IN_SCOPE}",
+        with self._write() as conn, closing(conn.cursor()) as cursor:
+            cursor.executemany(
+                self.dialect.sql(
+                    f"UPDATE memory_records SET expires_at = ? WHERE id = ? AND {_IN_SCOPE}"
+                ),
                 [
                     (to_epoch(when), record_id, scope.tenant_id, scope.user_id)
                     for record_id, when in expiry.items()
@@ -361,6 +360,17 @@ class SQLMemoryStore(MemoryStore):
                 "GROUP BY COALESCE(embedding_model, '')",
             ).fetchall()
         return {str(model): int(count) for model, count in rows}
+
+
+def require_database(database: object, kind: type[_D], store: str) -> _D:
+    """``database`` when it is a ``kind``: a store is given an open database to share, never
+    a path or URL (:class:`~keel.runtime.Backends` opens those)."""
+    if not isinstance(database, kind):
+        raise UsageError(
+            f"{store} takes a {kind.__name__}, not a {type(database).__name__}: "
+            f"open one with {kind.__name__}(...) and pass it"
+        )
+    return database
 
 
 @cache

@@ -32,8 +32,8 @@ from keel.memory._store import OutboxEntry, ScoredId
 from keel.stores._dialect import SQLITE
 from keel.stores._keywords import SCOPE_ROWS, TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_memory import SQLMemoryStore
-from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
+from keel.stores._sql_memory import SQLMemoryStore, require_database
+from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["MEMORY_MIGRATIONS", "SQLiteMemoryStore"]
 
@@ -408,7 +408,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
     inserted_order = "rowid"
 
     def __init__(self, database: SQLiteDatabase) -> None:
-        self.db = database
+        self.db = require_database(database, SQLiteDatabase, "SQLiteMemoryStore")
         self._indexes: dict[tuple[str, str, str], _ScopeIndex] = {}
         self._term_frequencies = TermFrequencies()
         self._index_lock = threading.Lock()
@@ -439,8 +439,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
         safe = [term.replace('"', "") for term in terms if term.strip('"')]
         if not safe or limit <= 0:
             return []
-        conn = self._conn()
-        try:
+        with self._read() as conn:
             plan = _plan_keyword_query(conn, scope, safe, self._term_frequencies, int(limit))
             where, params = filter_sql(filters, "?", prefix="r.")
             # The scope is in the MATCH expression (fast) and checked on the rows again.
@@ -475,8 +474,6 @@ class SQLiteMemoryStore(SQLMemoryStore):
                     rows = conn.execute(
                         full, (plan.match, *plan.restriction_args, *args, int(limit))
                     ).fetchall()
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
         # Scores are lower for better rows (FTS5's bm25() is negative): negated, higher is.
         return [ScoredId(str(row[0]), -float(row[1])) for row in rows]
 
