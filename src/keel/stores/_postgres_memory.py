@@ -48,7 +48,14 @@ from keel.stores._keywords import (
 )
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
-from keel.stores._sql_memory import SQLMemoryStore, insert_row_sql, require_database
+from keel.stores._sql_memory import (
+    SHARED_KEY_INDEXES,
+    SHARED_RECORD_COLUMNS,
+    SHARED_RECORD_INDEXES,
+    SQLMemoryStore,
+    insert_row_sql,
+    require_database,
+)
 
 __all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
 
@@ -60,21 +67,12 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
     (
         Migration(
             "memory records with full text, the embedding outbox",
-            """
+            f"""
             CREATE EXTENSION IF NOT EXISTS vector;
             CREATE TABLE memory_records (
                 seq BIGSERIAL UNIQUE,
                 id TEXT PRIMARY KEY,
-                tenant_id TEXT NOT NULL,
-                user_id TEXT NOT NULL,
-                kind TEXT NOT NULL,
-                type TEXT NOT NULL,
-                text TEXT NOT NULL,
-                provenance TEXT NOT NULL,
-                verified_by TEXT,
-                session_id TEXT,
-                step INTEGER,
-                turn INTEGER,
+                {SHARED_RECORD_COLUMNS},
                 created_at DOUBLE PRECISION NOT NULL,
                 event_time DOUBLE PRECISION,
                 subject TEXT,
@@ -83,16 +81,11 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
                 valid_to DOUBLE PRECISION,
                 content_hash TEXT NOT NULL,
                 embedding_model TEXT,
-                metadata JSONB NOT NULL DEFAULT '{}',
+                metadata JSONB NOT NULL DEFAULT '{{}}',
                 tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', text)) STORED,
                 UNIQUE (tenant_id, user_id, content_hash)
             );
-            CREATE INDEX memory_records_scope_time
-                ON memory_records (tenant_id, user_id, created_at);
-            CREATE INDEX memory_records_session
-                ON memory_records (tenant_id, user_id, session_id, turn);
-            CREATE INDEX memory_records_fact
-                ON memory_records (tenant_id, user_id, subject, attribute);
+            {SHARED_RECORD_INDEXES}
             CREATE INDEX memory_records_tsv ON memory_records USING GIN (tsv);
             CREATE TABLE memory_outbox (
                 id BIGSERIAL PRIMARY KEY,
@@ -106,13 +99,10 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
         ),
         Migration(
             "keyed records (a key names one record per scope) and expiry",
-            """
+            f"""
             ALTER TABLE memory_records ADD COLUMN key TEXT;
             ALTER TABLE memory_records ADD COLUMN expires_at DOUBLE PRECISION;
-            CREATE UNIQUE INDEX memory_records_key
-                ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
-            CREATE INDEX memory_records_expiry
-                ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
+            {SHARED_KEY_INDEXES}
             """,
         ),
         Migration(

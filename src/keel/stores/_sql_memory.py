@@ -31,11 +31,46 @@ from keel.memory._rows import (
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry
 from keel.stores._dialect import SqlDialect
 
-__all__ = ["SQLMemoryStore", "insert_row_sql", "require_database"]
+__all__ = [
+    "SHARED_KEY_INDEXES",
+    "SHARED_RECORD_COLUMNS",
+    "SHARED_RECORD_INDEXES",
+    "SQLMemoryStore",
+    "insert_row_sql",
+    "require_database",
+]
 
 _D = TypeVar("_D")
 _COLUMNS = ", ".join(RECORD_COLUMNS)
 _IN_SCOPE = "tenant_id = ? AND user_id = ?"
+
+# The parts of the memory schema both engines spell alike, in the migrations of each (which add
+# their own keys, their number and JSON types, their full text and their vectors). Whitespace
+# aside, it is the schema the migrations always made.
+SHARED_RECORD_COLUMNS = ", ".join(
+    (
+        "tenant_id TEXT NOT NULL",
+        "user_id TEXT NOT NULL",
+        "kind TEXT NOT NULL",
+        "type TEXT NOT NULL",
+        "text TEXT NOT NULL",
+        "provenance TEXT NOT NULL",
+        "verified_by TEXT",
+        "session_id TEXT",
+        "step INTEGER",
+        "turn INTEGER",
+    )
+)
+SHARED_RECORD_INDEXES = """
+    CREATE INDEX memory_records_scope_time ON memory_records (tenant_id, user_id, created_at);
+    CREATE INDEX memory_records_session ON memory_records (tenant_id, user_id, session_id, turn);
+    CREATE INDEX memory_records_fact ON memory_records (tenant_id, user_id, subject, attribute);
+"""
+SHARED_KEY_INDEXES = """
+    CREATE UNIQUE INDEX memory_records_key
+        ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
+    CREATE INDEX memory_records_expiry ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
+"""
 
 
 class SQLMemoryStore(MemoryStore):

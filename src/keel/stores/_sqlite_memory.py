@@ -32,7 +32,13 @@ from keel.memory._store import OutboxEntry, ScoredId
 from keel.stores._dialect import SQLITE
 from keel.stores._keywords import SCOPE_ROWS, TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_memory import SQLMemoryStore, require_database
+from keel.stores._sql_memory import (
+    SHARED_KEY_INDEXES,
+    SHARED_RECORD_COLUMNS,
+    SHARED_RECORD_INDEXES,
+    SQLMemoryStore,
+    require_database,
+)
 from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["MEMORY_MIGRATIONS", "SQLiteMemoryStore"]
@@ -44,20 +50,11 @@ MEMORY_MIGRATIONS = MigrationSet(
     (
         Migration(
             "memory records, full-text index, vectors and the embedding outbox",
-            """
+            f"""
             CREATE TABLE memory_records (
                 rowid INTEGER PRIMARY KEY,
                 id TEXT NOT NULL UNIQUE,
-                tenant_id TEXT NOT NULL,
-                user_id TEXT NOT NULL,
-                kind TEXT NOT NULL,
-                type TEXT NOT NULL,
-                text TEXT NOT NULL,
-                provenance TEXT NOT NULL,
-                verified_by TEXT,
-                session_id TEXT,
-                step INTEGER,
-                turn INTEGER,
+                {SHARED_RECORD_COLUMNS},
                 created_at REAL NOT NULL,
                 event_time REAL,
                 subject TEXT,
@@ -66,15 +63,10 @@ MEMORY_MIGRATIONS = MigrationSet(
                 valid_to REAL,
                 content_hash TEXT NOT NULL,
                 embedding_model TEXT,
-                metadata TEXT NOT NULL DEFAULT '{}',
+                metadata TEXT NOT NULL DEFAULT '{{}}',
                 UNIQUE (tenant_id, user_id, content_hash)
             );
-            CREATE INDEX memory_records_scope_time
-                ON memory_records (tenant_id, user_id, created_at);
-            CREATE INDEX memory_records_session
-                ON memory_records (tenant_id, user_id, session_id, turn);
-            CREATE INDEX memory_records_fact
-                ON memory_records (tenant_id, user_id, subject, attribute);
+            {SHARED_RECORD_INDEXES}
             CREATE VIRTUAL TABLE memory_fts USING fts5(
                 text, content='memory_records', content_rowid='rowid',
                 tokenize='porter unicode61'
@@ -145,13 +137,10 @@ MEMORY_MIGRATIONS = MigrationSet(
         ),
         Migration(
             "keyed records (a key names one record per scope) and expiry",
-            """
+            f"""
             ALTER TABLE memory_records ADD COLUMN key TEXT;
             ALTER TABLE memory_records ADD COLUMN expires_at REAL;
-            CREATE UNIQUE INDEX memory_records_key
-                ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
-            CREATE INDEX memory_records_expiry
-                ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
+            {SHARED_KEY_INDEXES}
             """,
         ),
     ),
