@@ -49,11 +49,11 @@ from keel.stores._keywords import (
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
 from keel.stores._sql_memory import (
-    SHARED_KEY_INDEXES,
     SHARED_RECORD_COLUMNS,
     SHARED_RECORD_INDEXES,
     SQLMemoryStore,
     insert_row_sql,
+    keyed_records_migration,
     require_database,
 )
 
@@ -97,14 +97,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             CREATE INDEX memory_outbox_record ON memory_outbox (record_id);
             """,
         ),
-        Migration(
-            "keyed records (a key names one record per scope) and expiry",
-            f"""
-            ALTER TABLE memory_records ADD COLUMN key TEXT;
-            ALTER TABLE memory_records ADD COLUMN expires_at DOUBLE PRECISION;
-            {SHARED_KEY_INDEXES}
-            """,
-        ),
+        keyed_records_migration("DOUBLE PRECISION"),
         Migration(
             "a short GIN pending list: searches right after a burst of writes stay fast",
             # Fast-update GIN keeps new rows in an unsorted pending list that every keyword
@@ -165,6 +158,11 @@ def _vector_dumper() -> Any:
             return _vector_to_binary(obj)
 
     return VectorDumper
+
+
+def _dimension(vectors: Sequence[FloatArray]) -> int:
+    """The dimension of a batch of vectors (one model made them all)."""
+    return int(np.asarray(vectors[0]).reshape(-1).shape[0])
 
 
 def _hnsw_operand(dimension: int) -> tuple[str, str] | None:
@@ -424,14 +422,6 @@ class PostgresMemoryStore(SQLMemoryStore):
                 ).fetchone()[0]
             )
 
-        def count_rows(_: str) -> int:
-            return int(
-                conn.execute(
-                    "SELECT COUNT(*) FROM memory_records WHERE tenant_id = %s AND user_id = %s",
-                    scope_key,
-                ).fetchone()[0]
-            )
-
         def length_milli(_: str) -> int:
             # The newest records' average, so it follows what the scope holds now.
             value = conn.execute(
@@ -442,7 +432,9 @@ class PostgresMemoryStore(SQLMemoryStore):
             return round(1000 * float(value or 0))
 
         frequencies = self._term_frequencies
-        scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, count_rows)
+        scope_rows = frequencies.get(
+            scope_key, SCOPE_ROWS, total, lambda _: self._count(conn, scope)
+        )
         plan = frequencies.plan(
             scope_key,
             terms,
@@ -557,31 +549,34 @@ class PostgresMemoryStore(SQLMemoryStore):
     def complete(
         self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
     ) -> None:
-        if not entries:
-            return
-        dimension = int(np.asarray(vectors[0]).reshape(-1).shape[0])
-        with self._write() as conn:
-            table = self._ensure_vector_table(conn, dimension)
-            with conn.cursor() as cur:
-                cur.adapters.register_dumper(np.ndarray, _vector_dumper())
-                for other in self._vector_tables - {dimension}:
-                    cur.execute(
-                        f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(%s)",
-                        ([e.record_id for e in entries],),
-                    )
-                cur.executemany(
-                    f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
-                    "SELECT id, tenant_id, user_id, %s, %b::vector FROM memory_records "
-                    "WHERE id = %s ON CONFLICT (record_id) DO UPDATE SET "
-                    "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
-                    [
-                        (model, np.asarray(vector), entry.record_id)
-                        for entry, vector in zip(entries, vectors, strict=True)
-                    ],
+        super().complete(entries, vectors, model)
+        if entries:
+            dimension = _dimension(vectors)
+            self._vector_tables.add(dimension)  # committed: searches may use it now
+            self._statistics.wrote({f"memory_vectors_{dimension}": len(entries)})
+
+    def _write_vectors(
+        self, conn: Any, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> None:
+        dimension = _dimension(vectors)
+        table = self._ensure_vector_table(conn, dimension)
+        with conn.cursor() as cur:
+            cur.adapters.register_dumper(np.ndarray, _vector_dumper())
+            for other in self._vector_tables - {dimension}:
+                cur.execute(
+                    f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(%s)",
+                    ([e.record_id for e in entries],),
                 )
-            self._dequeue(conn, entries, model)
-        self._vector_tables.add(dimension)  # committed: searches may use it now
-        self._statistics.wrote({table: len(entries)})
+            cur.executemany(
+                f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
+                "SELECT id, tenant_id, user_id, %s, %b::vector FROM memory_records "
+                "WHERE id = %s ON CONFLICT (record_id) DO UPDATE SET "
+                "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
+                [
+                    (model, np.asarray(vector), entry.record_id)
+                    for entry, vector in zip(entries, vectors, strict=True)
+                ],
+            )
 
     def wait_for_statistics(self, timeout: float | None = None) -> None:
         """Block until the ANALYZE runs this store started are done (tests, benchmarks)."""

@@ -28,15 +28,16 @@ from keel.memory._rows import (
     record_to_row,
     to_epoch,
 )
-from keel.memory._store import InsertResult, MemoryStore, OutboxEntry
+from keel.memory._store import FloatArray, InsertResult, MemoryStore, OutboxEntry
 from keel.stores._dialect import SqlDialect
+from keel.stores._migrations import Migration
 
 __all__ = [
-    "SHARED_KEY_INDEXES",
     "SHARED_RECORD_COLUMNS",
     "SHARED_RECORD_INDEXES",
     "SQLMemoryStore",
     "insert_row_sql",
+    "keyed_records_migration",
     "require_database",
 ]
 
@@ -66,11 +67,22 @@ SHARED_RECORD_INDEXES = """
     CREATE INDEX memory_records_session ON memory_records (tenant_id, user_id, session_id, turn);
     CREATE INDEX memory_records_fact ON memory_records (tenant_id, user_id, subject, attribute);
 """
-SHARED_KEY_INDEXES = """
-    CREATE UNIQUE INDEX memory_records_key
-        ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
-    CREATE INDEX memory_records_expiry ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
-"""
+
+
+def keyed_records_migration(number: str) -> Migration:
+    """The migration that adds a record's key (one record per key and scope) and expiry,
+    with ``number`` the engine's type for epoch seconds."""
+    return Migration(
+        "keyed records (a key names one record per scope) and expiry",
+        f"""
+        ALTER TABLE memory_records ADD COLUMN key TEXT;
+        ALTER TABLE memory_records ADD COLUMN expires_at {number};
+        CREATE UNIQUE INDEX memory_records_key
+            ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
+        CREATE INDEX memory_records_expiry
+            ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
+        """,
+    )
 
 
 class SQLMemoryStore(MemoryStore):
@@ -249,16 +261,6 @@ class SQLMemoryStore(MemoryStore):
                 (scope.tenant_id, scope.user_id, *id_params, *params),
             )
 
-    def _scoped_ids(
-        self, scope: Scope, filters: MemoryFilter, record_ids: Sequence[str] | None = None
-    ) -> list[str]:
-        """The ids :meth:`_scoped` reads."""
-        found: list[str] = []
-        with self._read() as conn:
-            for statement, params in self._scoped("id", scope, filters, record_ids):
-                found.extend(str(row[0]) for row in self._execute(conn, statement, params))
-        return found
-
     def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
         found = self._query(
             f"SELECT {_COLUMNS} FROM memory_records WHERE id = ? AND {_IN_SCOPE}",
@@ -310,12 +312,16 @@ class SQLMemoryStore(MemoryStore):
         )
 
     def count(self, scope: Scope | None = None) -> int:
+        with self._read() as conn:
+            return self._count(conn, scope)
+
+    def _count(self, conn: Any, scope: Scope | None) -> int:
+        """:meth:`count`, on ``conn`` (keyword search plans with the scope's size)."""
         statement: str = "SELECT COUNT(*) FROM memory_records"
         params: tuple[str, ...] = ()
         if scope is not None:
             statement, params = f"{statement} WHERE {_IN_SCOPE}", (scope.tenant_id, scope.user_id)
-        with self._read() as conn:
-            return int(self._execute(conn, statement, params).fetchone()[0])
+        return int(self._execute(conn, statement, params).fetchone()[0])
 
     # --- outbox -------------------------------------------------------------------------
 
@@ -345,18 +351,28 @@ class SQLMemoryStore(MemoryStore):
             ).fetchone()
         return int(row[0])
 
-    def _dequeue(self, conn: Any, entries: Sequence[OutboxEntry], model: str) -> None:
-        """Mark ``entries``' records embedded by ``model`` and take them off the outbox (in
-        the transaction that wrote their vectors)."""
-        for batch in self.dialect.batches(entries):
-            records, record_params = self.dialect.any_of("id", [e.record_id for e in batch])
-            self._execute(
-                conn,
-                f"UPDATE memory_records SET embedding_model = ? WHERE {records}",
-                (model, *record_params),
-            )
-            queued, queued_params = self.dialect.any_of("id", [e.id for e in batch])
-            self._execute(conn, f"DELETE FROM memory_outbox WHERE {queued}", queued_params)
+    @abstractmethod
+    def _write_vectors(
+        self, conn: Any, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> None:
+        """Store ``entries``' vectors, made by ``model``, in the transaction on ``conn``."""
+
+    def complete(
+        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> None:
+        if not entries:
+            return
+        with self._write() as conn:
+            self._write_vectors(conn, entries, vectors, model)
+            for batch in self.dialect.batches(entries):
+                records, record_params = self.dialect.any_of("id", [e.record_id for e in batch])
+                self._execute(
+                    conn,
+                    f"UPDATE memory_records SET embedding_model = ? WHERE {records}",
+                    (model, *record_params),
+                )
+                queued, queued_params = self.dialect.any_of("id", [e.id for e in batch])
+                self._execute(conn, f"DELETE FROM memory_outbox WHERE {queued}", queued_params)
 
     def fail(self, entries: Sequence[OutboxEntry], error: str) -> None:
         if not entries:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -33,10 +33,10 @@ from keel.stores._dialect import SQLITE
 from keel.stores._keywords import SCOPE_ROWS, TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sql_memory import (
-    SHARED_KEY_INDEXES,
     SHARED_RECORD_COLUMNS,
     SHARED_RECORD_INDEXES,
     SQLMemoryStore,
+    keyed_records_migration,
     require_database,
 )
 from keel.stores._sqlite import SQLiteDatabase
@@ -135,14 +135,7 @@ MEMORY_MIGRATIONS = MigrationSet(
             INSERT INTO memory_fts(memory_fts) VALUES ('rebuild');
             """,
         ),
-        Migration(
-            "keyed records (a key names one record per scope) and expiry",
-            f"""
-            ALTER TABLE memory_records ADD COLUMN key TEXT;
-            ALTER TABLE memory_records ADD COLUMN expires_at REAL;
-            {SHARED_KEY_INDEXES}
-            """,
-        ),
+        keyed_records_migration("REAL"),
     ),
 )
 
@@ -316,24 +309,16 @@ def _plan_keyword_query(
     terms: list[str],
     frequencies: TermFrequencies,
     listed: int,
+    count_scope: Callable[[], int],
 ) -> _KeywordQuery:
     """The bounded query for ``terms`` in ``scope``, listing ``listed`` rows (see
-    :mod:`keel.stores._keywords`)."""
+    :mod:`keel.stores._keywords`); ``count_scope`` counts the scope's rows."""
     total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
     scope_key = (scope.tenant_id, scope.user_id)
-
-    def count_rows(_: str) -> int:
-        return int(
-            conn.execute(
-                "SELECT COUNT(*) FROM memory_records WHERE tenant_id = ? AND user_id = ?",
-                scope_key,
-            ).fetchone()[0]
-        )
-
     # The scope token narrows a match to the scope's rows. For a scope that is nearly the
     # whole table (one user on a laptop) it is pure overhead: every matching row would also
     # be joined with the token's doclist. Rows are checked against the scope in SQL anyway.
-    scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, count_rows)
+    scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, lambda _: count_scope())
     small = total <= _SCORED_DOCUMENTS
     narrowing = scope if small or scope_rows < 0.9 * total else None
 
@@ -418,8 +403,6 @@ class SQLiteMemoryStore(SQLMemoryStore):
             self.setup()
         return self.db.connection()
 
-    # --- search -------------------------------------------------------------------------
-
     def keyword_search(
         self, scope: Scope, terms: Sequence[str], filters: MemoryFilter, limit: int
     ) -> list[ScoredId]:
@@ -429,7 +412,14 @@ class SQLiteMemoryStore(SQLMemoryStore):
         if not safe or limit <= 0:
             return []
         with self._read() as conn:
-            plan = _plan_keyword_query(conn, scope, safe, self._term_frequencies, int(limit))
+            plan = _plan_keyword_query(
+                conn,
+                scope,
+                safe,
+                self._term_frequencies,
+                int(limit),
+                lambda: self._count(conn, scope),
+            )
             where, params = filter_sql(filters, "?", prefix="r.")
             # The scope is in the MATCH expression (fast) and checked on the rows again.
             scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
@@ -512,6 +502,17 @@ class SQLiteMemoryStore(SQLMemoryStore):
         alive = set(self._scoped_ids(scope, filters, [hit.record_id for hit in hits]))
         return [hit for hit in hits if hit.record_id in alive][:limit]
 
+    def _scoped_ids(
+        self, scope: Scope, filters: MemoryFilter, record_ids: Sequence[str] | None = None
+    ) -> list[str]:
+        """The ids of the rows of ``scope`` that pass ``filters`` (among ``record_ids`` when
+        given): what search may return of its candidates."""
+        found: list[str] = []
+        with self._read() as conn:
+            for statement, params in self._scoped("id", scope, filters, record_ids):
+                found.extend(str(row[0]) for row in self._execute(conn, statement, params))
+        return found
+
     def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
         index = self._index(scope, model)
         return {
@@ -520,24 +521,21 @@ class SQLiteMemoryStore(SQLMemoryStore):
             if record_id in index.positions
         }
 
-    # --- outbox -------------------------------------------------------------------------
-
-    def complete(
-        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    def _write_vectors(
+        self,
+        conn: sqlite3.Connection,
+        entries: Sequence[OutboxEntry],
+        vectors: Sequence[FloatArray],
+        model: str,
     ) -> None:
-        if not entries:
-            return
-        with self._write() as conn:
-            conn.executemany(
-                "INSERT OR REPLACE INTO memory_vectors "
-                "(record_id, tenant_id, user_id, model, vector) "
-                "SELECT id, tenant_id, user_id, ?, ? FROM memory_records WHERE id = ?",
-                [
-                    (model, np.asarray(vector, dtype=np.float32).tobytes(), entry.record_id)
-                    for entry, vector in zip(entries, vectors, strict=True)
-                ],
-            )
-            self._dequeue(conn, entries, model)
+        conn.executemany(
+            "INSERT OR REPLACE INTO memory_vectors (record_id, tenant_id, user_id, model, vector) "
+            "SELECT id, tenant_id, user_id, ?, ? FROM memory_records WHERE id = ?",
+            [
+                (model, np.asarray(vector, dtype=np.float32).tobytes(), entry.record_id)
+                for entry, vector in zip(entries, vectors, strict=True)
+            ],
+        )
 
     def close(self) -> None:
         with self._index_lock:
