@@ -48,14 +48,7 @@ from keel.stores._keywords import (
 )
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
-from keel.stores._sql_memory import (
-    SHARED_RECORD_COLUMNS,
-    SHARED_RECORD_INDEXES,
-    SQLMemoryStore,
-    insert_row_sql,
-    keyed_records_migration,
-    require_database,
-)
+from keel.stores._sql_memory import MemorySchema, SQLMemoryStore, insert_row_sql, require_database
 
 __all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
 
@@ -72,7 +65,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             CREATE TABLE memory_records (
                 seq BIGSERIAL UNIQUE,
                 id TEXT PRIMARY KEY,
-                {SHARED_RECORD_COLUMNS},
+                {MemorySchema.record_columns},
                 created_at DOUBLE PRECISION NOT NULL,
                 event_time DOUBLE PRECISION,
                 subject TEXT,
@@ -85,7 +78,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
                 tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', text)) STORED,
                 UNIQUE (tenant_id, user_id, content_hash)
             );
-            {SHARED_RECORD_INDEXES}
+            {MemorySchema.record_indexes}
             CREATE INDEX memory_records_tsv ON memory_records USING GIN (tsv);
             CREATE TABLE memory_outbox (
                 id BIGSERIAL PRIMARY KEY,
@@ -97,7 +90,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             CREATE INDEX memory_outbox_record ON memory_outbox (record_id);
             """,
         ),
-        keyed_records_migration("DOUBLE PRECISION"),
+        MemorySchema.keyed_records("DOUBLE PRECISION"),
         Migration(
             "a short GIN pending list: searches right after a burst of writes stay fast",
             # Fast-update GIN keeps new rows in an unsorted pending list that every keyword

@@ -33,11 +33,9 @@ from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import Migration
 
 __all__ = [
-    "SHARED_RECORD_COLUMNS",
-    "SHARED_RECORD_INDEXES",
+    "MemorySchema",
     "SQLMemoryStore",
     "insert_row_sql",
-    "keyed_records_migration",
     "require_database",
 ]
 
@@ -45,44 +43,51 @@ _D = TypeVar("_D")
 _COLUMNS = ", ".join(RECORD_COLUMNS)
 _IN_SCOPE = "tenant_id = ? AND user_id = ?"
 
-# The parts of the memory schema both engines spell alike, in the migrations of each (which add
-# their own keys, their number and JSON types, their full text and their vectors). Whitespace
-# aside, it is the schema the migrations always made.
-SHARED_RECORD_COLUMNS = ", ".join(
-    (
-        "tenant_id TEXT NOT NULL",
-        "user_id TEXT NOT NULL",
-        "kind TEXT NOT NULL",
-        "type TEXT NOT NULL",
-        "text TEXT NOT NULL",
-        "provenance TEXT NOT NULL",
-        "verified_by TEXT",
-        "session_id TEXT",
-        "step INTEGER",
-        "turn INTEGER",
-    )
-)
-SHARED_RECORD_INDEXES = """
-    CREATE INDEX memory_records_scope_time ON memory_records (tenant_id, user_id, created_at);
-    CREATE INDEX memory_records_session ON memory_records (tenant_id, user_id, session_id, turn);
-    CREATE INDEX memory_records_fact ON memory_records (tenant_id, user_id, subject, attribute);
-"""
 
+class MemorySchema:
+    """The parts of the memory schema both engines spell alike, for the migrations of each
+    (which add their own keys, number and JSON types, full text and vectors). Whitespace
+    aside, it is the schema those migrations always made."""
 
-def keyed_records_migration(number: str) -> Migration:
-    """The migration that adds a record's key (one record per key and scope) and expiry,
-    with ``number`` the engine's type for epoch seconds."""
-    return Migration(
-        "keyed records (a key names one record per scope) and expiry",
-        f"""
-        ALTER TABLE memory_records ADD COLUMN key TEXT;
-        ALTER TABLE memory_records ADD COLUMN expires_at {number};
-        CREATE UNIQUE INDEX memory_records_key
-            ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
-        CREATE INDEX memory_records_expiry
-            ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
-        """,
+    #: The columns of ``memory_records`` between its key and its first timestamp.
+    record_columns = ", ".join(
+        (
+            "tenant_id TEXT NOT NULL",
+            "user_id TEXT NOT NULL",
+            "kind TEXT NOT NULL",
+            "type TEXT NOT NULL",
+            "text TEXT NOT NULL",
+            "provenance TEXT NOT NULL",
+            "verified_by TEXT",
+            "session_id TEXT",
+            "step INTEGER",
+            "turn INTEGER",
+        )
     )
+    #: The indexes of a scope's records by time, by session and turn, and by fact.
+    record_indexes = """
+        CREATE INDEX memory_records_scope_time ON memory_records (tenant_id, user_id, created_at);
+        CREATE INDEX memory_records_session
+            ON memory_records (tenant_id, user_id, session_id, turn);
+        CREATE INDEX memory_records_fact
+            ON memory_records (tenant_id, user_id, subject, attribute);
+    """
+
+    @staticmethod
+    def keyed_records(number: str) -> Migration:
+        """The migration that adds a record's key (one record per key and scope) and expiry,
+        with ``number`` the engine's type for epoch seconds."""
+        return Migration(
+            "keyed records (a key names one record per scope) and expiry",
+            f"""
+            ALTER TABLE memory_records ADD COLUMN key TEXT;
+            ALTER TABLE memory_records ADD COLUMN expires_at {number};
+            CREATE UNIQUE INDEX memory_records_key
+                ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
+            CREATE INDEX memory_records_expiry
+                ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
+            """,
+        )
 
 
 class SQLMemoryStore(MemoryStore):
@@ -90,7 +95,7 @@ class SQLMemoryStore(MemoryStore):
 
     A subclass sets :attr:`dialect` and :attr:`inserted_order`, opens connections
     (:meth:`_connection`, :meth:`_reading`), creates its schema in :meth:`setup` (which sets
-    ``_ready``), and implements search, vectors and :meth:`complete`.
+    ``_ready``), and implements search, :meth:`vectors` and :meth:`_write_vectors`.
     """
 
     dialect: SqlDialect

@@ -32,13 +32,7 @@ from keel.memory._store import OutboxEntry, ScoredId
 from keel.stores._dialect import SQLITE
 from keel.stores._keywords import SCOPE_ROWS, TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_memory import (
-    SHARED_RECORD_COLUMNS,
-    SHARED_RECORD_INDEXES,
-    SQLMemoryStore,
-    keyed_records_migration,
-    require_database,
-)
+from keel.stores._sql_memory import MemorySchema, SQLMemoryStore, require_database
 from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["MEMORY_MIGRATIONS", "SQLiteMemoryStore"]
@@ -54,7 +48,7 @@ MEMORY_MIGRATIONS = MigrationSet(
             CREATE TABLE memory_records (
                 rowid INTEGER PRIMARY KEY,
                 id TEXT NOT NULL UNIQUE,
-                {SHARED_RECORD_COLUMNS},
+                {MemorySchema.record_columns},
                 created_at REAL NOT NULL,
                 event_time REAL,
                 subject TEXT,
@@ -66,7 +60,7 @@ MEMORY_MIGRATIONS = MigrationSet(
                 metadata TEXT NOT NULL DEFAULT '{{}}',
                 UNIQUE (tenant_id, user_id, content_hash)
             );
-            {SHARED_RECORD_INDEXES}
+            {MemorySchema.record_indexes}
             CREATE VIRTUAL TABLE memory_fts USING fts5(
                 text, content='memory_records', content_rowid='rowid',
                 tokenize='porter unicode61'
@@ -135,7 +129,7 @@ MEMORY_MIGRATIONS = MigrationSet(
             INSERT INTO memory_fts(memory_fts) VALUES ('rebuild');
             """,
         ),
-        keyed_records_migration("REAL"),
+        MemorySchema.keyed_records("REAL"),
     ),
 )
 
