@@ -25,8 +25,8 @@ class SqlDialect:
         name: ``"sqlite"`` or ``"postgres"``, for the rare branch no field expresses.
         placeholder: the parameter marker (``?`` for sqlite3, ``%s`` for psycopg).
         flag: a boolean as a column stores it (SQLite has no boolean type).
-        array_parameters: a list of values is one array parameter (``= ANY(?)``) rather
-            than a marker per value (``IN (?, ?)``).
+        arrays: the driver binds a list as one array parameter (``= ANY(%s)``); otherwise
+            :meth:`one_of` spells ``IN (?, ?, ...)``.
         most_values: the most values :meth:`batches` puts in one list (0: no bound); SQLite
             caps a statement's parameters.
         skip_index: put before a column, keeps the planner from reaching rows through that
@@ -38,7 +38,7 @@ class SqlDialect:
     name: str
     placeholder: str
     flag: Callable[[bool], object]
-    array_parameters: bool = False
+    arrays: bool = False
     most_values: int = 0
     skip_index: str = ""
     json_marker: str = "?"
@@ -47,14 +47,15 @@ class SqlDialect:
         """``statement``, written with ``?`` markers, in this dialect."""
         return statement.replace("?", self.placeholder)
 
-    def any_of(self, column: str, values: Sequence[object]) -> tuple[str, tuple[object, ...]]:
-        """A condition that ``column`` is one of ``values`` (not empty), and its parameters."""
-        if self.array_parameters:
+    def one_of(self, column: str, values: Sequence[object]) -> tuple[str, tuple[object, ...]]:
+        """``column`` equal to one of ``values`` (not empty): the condition, with ``?``
+        markers, and its parameters."""
+        if self.arrays:
             return f"{column} = ANY(?)", (list(values),)
         return f"{column} IN ({', '.join('?' for _ in values)})", tuple(values)
 
     def batches(self, values: Sequence[_T]) -> Iterator[Sequence[_T]]:
-        """``values`` in lists :meth:`any_of` takes in one statement (none when empty)."""
+        """``values`` in lists :meth:`one_of` takes in one statement (none when empty)."""
         size = self.most_values or max(len(values), 1)
         for start in range(0, len(values), size):
             yield values[start : start + size]
@@ -62,5 +63,5 @@ class SqlDialect:
 
 SQLITE = SqlDialect(name="sqlite", placeholder="?", flag=int, most_values=500, skip_index="+")
 POSTGRES = SqlDialect(
-    name="postgres", placeholder="%s", flag=bool, array_parameters=True, json_marker="?::jsonb"
+    name="postgres", placeholder="%s", flag=bool, arrays=True, json_marker="?::jsonb"
 )

@@ -259,7 +259,7 @@ class SQLMemoryStore(MemoryStore):
         # By id, the scope is checked on the rows the id index finds.
         skip = self.dialect.skip_index
         for batch in self.dialect.batches(list(dict.fromkeys(record_ids))):
-            ids, id_params = self.dialect.any_of("id", batch)
+            ids, id_params = self.dialect.one_of("id", batch)
             yield (
                 f"SELECT {columns} FROM memory_records WHERE {skip}tenant_id = ? "
                 f"AND {skip}user_id = ? AND {ids}{condition}",
@@ -370,13 +370,13 @@ class SQLMemoryStore(MemoryStore):
         with self._write() as conn:
             self._write_vectors(conn, entries, vectors, model)
             for batch in self.dialect.batches(entries):
-                records, record_params = self.dialect.any_of("id", [e.record_id for e in batch])
+                records, record_params = self.dialect.one_of("id", [e.record_id for e in batch])
                 self._execute(
                     conn,
                     f"UPDATE memory_records SET embedding_model = ? WHERE {records}",
                     (model, *record_params),
                 )
-                queued, queued_params = self.dialect.any_of("id", [e.id for e in batch])
+                queued, queued_params = self.dialect.one_of("id", [e.id for e in batch])
                 self._execute(conn, f"DELETE FROM memory_outbox WHERE {queued}", queued_params)
 
     def fail(self, entries: Sequence[OutboxEntry], error: str) -> None:
@@ -384,7 +384,7 @@ class SQLMemoryStore(MemoryStore):
             return
         with self._write() as conn:
             for batch in self.dialect.batches(entries):
-                queued, params = self.dialect.any_of("id", [e.id for e in batch])
+                queued, params = self.dialect.one_of("id", [e.id for e in batch])
                 self._execute(
                     conn,
                     "UPDATE memory_outbox SET attempts = attempts + 1, last_error = ? "
