@@ -19,7 +19,7 @@ from keel.memory import (
     SentenceTransformerEmbedder,
     embedder_from_spec,
 )
-from keel.stores import SQLiteMemoryStore
+from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 
 
 def _vector(text: str, dimension: int) -> list[float]:
@@ -81,7 +81,7 @@ def test_openai_compatible_endpoint_over_real_http(embeddings_url: str, tmp_path
     assert np.allclose(vectors[1], expected / np.linalg.norm(expected), atol=1e-6)
     assert [r["path"] for r in _Handler.requests] == ["/v1/embeddings", "/v1/embeddings"]
     assert _Handler.requests[0]["auth"] == "Bearer k1"
-    mem = Memory(SQLiteMemoryStore(tmp_path / "o.db"), embedder=embedder)
+    mem = Memory(SQLiteMemoryStore(SQLiteDatabase(tmp_path / "o.db")), embedder=embedder)
     scope = Scope(tenant_id="t", user_id="u")
     record = mem.add("gamma", scope=scope)
     mem.flush()
@@ -111,7 +111,7 @@ def test_embedder_specs(embeddings_url: str) -> None:
 @pytest.mark.slow
 def test_minilm_finds_meaning_not_just_words(minilm: OnnxEmbedder, tmp_path: Path) -> None:
     assert minilm.name == "all-MiniLM-L6-v2" and minilm.dimension == 384
-    mem = Memory(SQLiteMemoryStore(tmp_path / "s.db"), embedder=minilm)
+    mem = Memory(SQLiteMemoryStore(SQLiteDatabase(tmp_path / "s.db")), embedder=minilm)
     scope = Scope(tenant_id="t", user_id="u")
     dog = mem.add("I adopted a puppy from the shelter last week", scope=scope)
     mem.add("The quarterly tax filing is due in April", scope=scope)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from keel.memory import Memory, MemoryFilter, MemoryStore, Scope
 from keel.stores import (
+    PostgresDatabase,
     SQLiteDatabase,
     SQLiteMemoryStore,
     _keywords,
@@ -24,14 +25,16 @@ OTHER = Scope(tenant_id="t", user_id="someone-else")
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def make_store(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Callable[[], MemoryStore]:
+) -> Iterator[Callable[[], MemoryStore]]:
     # A 40-row ranking budget makes a few hundred rows a "large" table.
     monkeypatch.setattr(_sqlite_memory, "_SCORED_DOCUMENTS", 40)
     monkeypatch.setattr(_postgres_memory, "_SCORED_ROWS", 40)
     if request.param == "sqlite":
-        return lambda: SQLiteMemoryStore(SQLiteDatabase(tmp_path / "kw.db"))
+        yield lambda: SQLiteMemoryStore(SQLiteDatabase(tmp_path / "kw.db"))
+        return
     url = request.getfixturevalue("postgres_url")
-    return lambda: _postgres_memory.PostgresMemoryStore(url)
+    with PostgresDatabase(url) as database:
+        yield lambda: _postgres_memory.PostgresMemoryStore(database)
 
 
 def _fill(store: MemoryStore, rows: int) -> None:

@@ -23,7 +23,7 @@ from keel.memory import (
     keyword_terms,
 )
 from keel.messages import ToolCall
-from keel.stores import SQLiteMemoryStore
+from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 from keel.testing import ScriptedModel
 from keel.tokens import counter_for
 
@@ -32,7 +32,9 @@ SCOPE = Scope(tenant_id="acme", user_id="u1")
 
 @pytest.fixture
 def memory(tmp_path: Path) -> Memory:
-    mem = Memory(SQLiteMemoryStore(tmp_path / "m.db"), embedder=HashingEmbedder(128))
+    mem = Memory(
+        SQLiteMemoryStore(SQLiteDatabase(tmp_path / "m.db")), embedder=HashingEmbedder(128)
+    )
     yield mem  # type: ignore[misc]
     mem.close()
 
@@ -68,7 +70,7 @@ def test_pii_is_masked_before_anything_is_persisted(memory: Memory, tmp_path: Pa
 
 
 def test_masking_can_be_turned_off_explicitly(tmp_path: Path) -> None:
-    mem = Memory(SQLiteMemoryStore(tmp_path / "x.db"), masker=None)
+    mem = Memory(SQLiteMemoryStore(SQLiteDatabase(tmp_path / "x.db")), masker=None)
     assert mem.add("jane@example.com", scope=SCOPE).text == "jane@example.com"
     mem.close()
 
@@ -183,7 +185,7 @@ class _FetchCountingStore(SQLiteMemoryStore):
 def _many_lantern_notes(
     tmp_path: Path, recency_weight: float
 ) -> tuple[Memory, _FetchCountingStore, datetime]:
-    store = _FetchCountingStore(tmp_path / "count.db")
+    store = _FetchCountingStore(SQLiteDatabase(tmp_path / "count.db"))
     # duplicate_similarity > 1: notes differing only in their number are not dropped as repeats.
     cfg = RetrievalConfig(recency_weight=recency_weight, duplicate_similarity=1.01)
     memory = Memory(store, embedder=HashingEmbedder(128), config=cfg, masker=None)
@@ -242,7 +244,9 @@ def test_search_leaves_no_thread_spinning_between_queries(tmp_path: Path) -> Non
     # OpenBLAS workers spin after each product numpy hands them; a search every few tens of
     # milliseconds kept one busy all the time (a whole core on a 2-core machine).
     memory = Memory(
-        SQLiteMemoryStore(tmp_path / "spin.db"), embedder=HashingEmbedder(384), masker=None
+        SQLiteMemoryStore(SQLiteDatabase(tmp_path / "spin.db")),
+        embedder=HashingEmbedder(384),
+        masker=None,
     )
     words = ["harbour", "orchard", "granite", "meadow", "violin", "saffron", "copper", "willow"]
     for number in range(2500):
@@ -325,7 +329,9 @@ def test_background_worker_embeds_off_the_hot_path(tmp_path: Path) -> None:
             return super().embed(texts)
 
     embedder = SlowEmbedder()
-    mem = Memory(SQLiteMemoryStore(tmp_path / "bg.db"), embedder=embedder, background=True)
+    mem = Memory(
+        SQLiteMemoryStore(SQLiteDatabase(tmp_path / "bg.db")), embedder=embedder, background=True
+    )
     record = mem.add("the wifi password is on the fridge", scope=SCOPE)  # returns at once
     assert mem.get(SCOPE, record.id) is not None
     assert mem.embedding_status().missing == 1
@@ -336,7 +342,7 @@ def test_background_worker_embeds_off_the_hot_path(tmp_path: Path) -> None:
 
 
 def test_embedding_model_change_is_detected(tmp_path: Path) -> None:
-    store = SQLiteMemoryStore(tmp_path / "e.db")
+    store = SQLiteMemoryStore(SQLiteDatabase(tmp_path / "e.db"))
     first = Memory(store, embedder=HashingEmbedder(64))
     first.add("alpha beta", scope=SCOPE)
     first.flush()
@@ -378,7 +384,9 @@ def test_failed_embeddings_are_retried_not_lost(tmp_path: Path) -> None:
             return super().embed(texts)
 
     embedder = Flaky(32)
-    mem = Memory(SQLiteMemoryStore(tmp_path / "f.db"), embedder=embedder, max_attempts=2)
+    mem = Memory(
+        SQLiteMemoryStore(SQLiteDatabase(tmp_path / "f.db")), embedder=embedder, max_attempts=2
+    )
     record = mem.add("remember the milk", scope=SCOPE)
     assert mem.process_outbox() == 0 and mem.pending() == 1
     assert mem.process_outbox() == 0 and mem.pending() == 0  # attempts exhausted
@@ -396,7 +404,7 @@ def test_pending_is_one_count_in_the_store(tmp_path: Path) -> None:
         def pending(self, limit: int, max_attempts: int = 5) -> Any:
             raise AssertionError("Memory.pending() must not read the outbox to count it")
 
-    store = NoLoading(tmp_path / "count.db")
+    store = NoLoading(SQLiteDatabase(tmp_path / "count.db"))
     mem = Memory(store, embedder=HashingEmbedder(32))
     for number in range(3):
         mem.add(f"note {number}", scope=SCOPE)
@@ -437,7 +445,7 @@ class _GatedEmbedder(HashingEmbedder):
 
 
 def _recorded_worker(tmp_path: Path, embedder: HashingEmbedder) -> tuple[Memory, Any]:
-    mem = Memory(SQLiteMemoryStore(tmp_path / "w.db"), embedder=embedder)
+    mem = Memory(SQLiteMemoryStore(SQLiteDatabase(tmp_path / "w.db")), embedder=embedder)
     signal = _RecordingCondition()
     mem.indexer._signal = signal
     mem.start()
@@ -490,12 +498,16 @@ def test_add_wakes_the_worker(tmp_path: Path, monkeypatch: Any) -> None:
 def test_flush_picks_up_another_processs_rows(tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setattr("keel.memory._outbox.FLUSH_RECHECK_S", 3600.0)
     monkeypatch.setattr("keel.memory._outbox.WORKER_POLL_S", 3600.0)
-    here = Memory(SQLiteMemoryStore(tmp_path / "shared.db"), embedder=HashingEmbedder(32))
+    here = Memory(
+        SQLiteMemoryStore(SQLiteDatabase(tmp_path / "shared.db")), embedder=HashingEmbedder(32)
+    )
     here.start()
     with here.indexer._signal:  # its first pass is over: the worker sleeps until something wakes it
         assert here.indexer._signal.wait_for(lambda: here.indexer._progress >= 1, timeout=20)
     # The other process only writes (no worker): its add cannot signal this process.
-    there = Memory(SQLiteMemoryStore(tmp_path / "shared.db"), embedder=HashingEmbedder(32))
+    there = Memory(
+        SQLiteMemoryStore(SQLiteDatabase(tmp_path / "shared.db")), embedder=HashingEmbedder(32)
+    )
     there.add("written by the other process", scope=SCOPE)
     here.flush(timeout=20)
     assert here.pending() == 0 and there.pending() == 0
@@ -519,7 +531,7 @@ class _RecordingEmbedder(HashingEmbedder):
 def test_a_turn_is_embedded_after_itself_with_the_turn_before_it_in_its_own_session(
     tmp_path: Path,
 ) -> None:
-    store = SQLiteMemoryStore(tmp_path / "context.db")
+    store = SQLiteMemoryStore(SQLiteDatabase(tmp_path / "context.db"))
     embedder = _RecordingEmbedder()
     memory = Memory(store, embedder=embedder, masker=None)
     other_user = Scope(tenant_id="acme", user_id="u2")
@@ -580,7 +592,7 @@ class _StepEmbedder(HashingEmbedder):
 def test_a_batch_is_written_while_the_next_is_embedded(tmp_path: Path) -> None:
     log: list[str] = []
     embedder = _StepEmbedder(log)
-    store = SQLiteMemoryStore(tmp_path / "m.db")
+    store = SQLiteMemoryStore(SQLiteDatabase(tmp_path / "m.db"))
     complete = store.complete
     batches = 3  # 12 notes, 4 a batch
 
@@ -618,7 +630,7 @@ def test_a_batch_is_written_while_the_next_is_embedded(tmp_path: Path) -> None:
 
 
 def test_a_failed_write_is_raised_and_its_batch_stays_pending(tmp_path: Path) -> None:
-    store = SQLiteMemoryStore(tmp_path / "m.db")
+    store = SQLiteMemoryStore(SQLiteDatabase(tmp_path / "m.db"))
     complete = store.complete
     calls = 0
 
@@ -657,7 +669,7 @@ def _reads_noted(store: SQLiteMemoryStore) -> list[str]:
 
 
 def _harbour_memory(tmp_path: Path, judge: ModelJudge | None = None) -> tuple[Memory, list[str]]:
-    store = SQLiteMemoryStore(tmp_path / "threads.db")
+    store = SQLiteMemoryStore(SQLiteDatabase(tmp_path / "threads.db"))
     read_on = _reads_noted(store)
     memory = Memory(store, masker=None, judge=judge)  # keyword only: no overlap to fork
     memory.add("the harbour lantern is green", scope=SCOPE, kind="semantic")
@@ -687,7 +699,9 @@ async def test_aretrieve_reads_in_one_call_on_the_blocking_pool(tmp_path: Path) 
 
 
 def test_memory_overlaps_its_work_on_keels_blocking_pool_only(tmp_path: Path) -> None:
-    memory = Memory(SQLiteMemoryStore(tmp_path / "pool.db"), embedder=HashingEmbedder(32))
+    memory = Memory(
+        SQLiteMemoryStore(SQLiteDatabase(tmp_path / "pool.db")), embedder=HashingEmbedder(32)
+    )
     before = {thread.name for thread in threading.enumerate()}
     for number in range(10):
         memory.add(f"note {number} about the harbour", scope=SCOPE)

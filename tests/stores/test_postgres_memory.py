@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
 
 import numpy as np
 import psycopg
@@ -11,13 +14,26 @@ import pytest
 
 from keel.errors import ConfigError
 from keel.memory import HashingEmbedder, Memory, MemoryFilter, Scope
-from keel.stores import PostgresMemoryStore
+from keel.stores import PostgresDatabase, PostgresMemoryStore
 
 pytestmark = pytest.mark.postgres
 
 ALICE = Scope(tenant_id="acme", user_id="alice")
 BOB = Scope(tenant_id="acme", user_id="bob")
 EVE = Scope(tenant_id="evil-corp", user_id="alice")
+
+OpenDatabase = Callable[..., PostgresDatabase]
+
+
+@pytest.fixture
+def open_database(postgres_url: str) -> Iterator[OpenDatabase]:
+    """Opens a pool on the test's database (a process of its own), closed after the test."""
+    with ExitStack() as databases:
+
+        def open_one(**options: Any) -> PostgresDatabase:
+            return databases.enter_context(PostgresDatabase(postgres_url, **options))
+
+        yield open_one
 
 
 def _scans(plan: list[tuple[str]]) -> str:
@@ -37,9 +53,11 @@ def _unit(rng: np.random.Generator, centers: np.ndarray, n: int) -> np.ndarray:
 
 
 @pytest.mark.slow
-def test_hnsw_serves_a_large_scope_with_only_its_rows(postgres_url: str) -> None:
+def test_hnsw_serves_a_large_scope_with_only_its_rows(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
     dim = 64
-    store = PostgresMemoryStore(postgres_url)
+    store = PostgresMemoryStore(open_database())
     seed = Memory(store, embedder=HashingEmbedder(dim), masker=None)
     seed.add("the store creates the vector table and its HNSW index", scope=EVE)
     seed.flush()
@@ -117,10 +135,14 @@ def test_hnsw_serves_a_large_scope_with_only_its_rows(postgres_url: str) -> None
     store.close()
 
 
-def test_wide_embeddings_get_a_halfvec_hnsw_index(postgres_url: str) -> None:
+def test_wide_embeddings_get_a_halfvec_hnsw_index(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
     # pgvector's HNSW takes at most 2,000 dimensions of `vector`: 3,072 (OpenAI
     # text-embedding-3-large) is indexed as halfvec, and queries use that expression.
-    memory = Memory(PostgresMemoryStore(postgres_url), embedder=HashingEmbedder(3072), masker=None)
+    memory = Memory(
+        PostgresMemoryStore(open_database()), embedder=HashingEmbedder(3072), masker=None
+    )
     store = memory.store
     assert isinstance(store, PostgresMemoryStore)
     allergy = memory.add("Alice is allergic to peanuts", scope=ALICE)
@@ -148,10 +170,10 @@ def test_wide_embeddings_get_a_halfvec_hnsw_index(postgres_url: str) -> None:
     memory.close()
 
 
-def test_a_vector_table_created_by_another_process_is_searched(postgres_url: str) -> None:
-    reader = PostgresMemoryStore(postgres_url)
+def test_a_vector_table_created_by_another_process_is_searched(open_database: OpenDatabase) -> None:
+    reader = PostgresMemoryStore(open_database())
     reader.setup()  # before any vector table exists, as a web process started before the worker
-    writer = Memory(PostgresMemoryStore(postgres_url), embedder=HashingEmbedder(64), masker=None)
+    writer = Memory(PostgresMemoryStore(open_database()), embedder=HashingEmbedder(64), masker=None)
     record = writer.add("the spare key is under the blue flowerpot", scope=ALICE)
     writer.flush()
     query = writer.embedder.embed_one("blue flowerpot")  # type: ignore[union-attr]
@@ -161,8 +183,8 @@ def test_a_vector_table_created_by_another_process_is_searched(postgres_url: str
     reader.close()
 
 
-def test_searches_run_with_iterative_hnsw_scans(postgres_url: str) -> None:
-    store = PostgresMemoryStore(postgres_url, hnsw=False, ef_search=64)
+def test_searches_run_with_iterative_hnsw_scans(open_database: OpenDatabase) -> None:
+    store = PostgresMemoryStore(open_database(), hnsw=False, ef_search=64)
     store.setup()
     with store._search_transaction() as conn:
         settings = conn.execute(
@@ -176,14 +198,14 @@ def test_searches_run_with_iterative_hnsw_scans(postgres_url: str) -> None:
     assert settings != ("64",)
     store.close()
     with pytest.raises(ConfigError, match="ef_search"):
-        PostgresMemoryStore(postgres_url, ef_search=0)
+        PostgresMemoryStore(open_database(), ef_search=0)
 
 
-def test_repeated_searches_keep_planning_with_the_query_vector(postgres_url: str) -> None:
+def test_repeated_searches_keep_planning_with_the_query_vector(open_database: OpenDatabase) -> None:
     # psycopg would prepare a statement after five runs, and a generic plan cannot see the
     # query vector: it sorts the whole scope by distance instead of walking the HNSW graph.
     # The database's connections never prepare, so every search is planned with its vector.
-    store = PostgresMemoryStore(postgres_url, min_size=1, max_size=1)
+    store = PostgresMemoryStore(open_database(max_size=1))
     memory = Memory(store, embedder=HashingEmbedder(64), masker=None)
     words = ["harbour", "lantern", "orchard", "granite", "meadow", "violin", "saffron"]
     for number in range(60):
@@ -197,8 +219,8 @@ def test_repeated_searches_keep_planning_with_the_query_vector(postgres_url: str
     memory.close()
 
 
-def test_vectors_read_back_exactly(postgres_url: str) -> None:
-    store = PostgresMemoryStore(postgres_url)
+def test_vectors_read_back_exactly(open_database: OpenDatabase) -> None:
+    store = PostgresMemoryStore(open_database())
     memory = Memory(store, embedder=HashingEmbedder(384), masker=None)
     record = memory.add("binary wire format of a stored vector", scope=ALICE)
     memory.flush()
@@ -210,12 +232,14 @@ def test_vectors_read_back_exactly(postgres_url: str) -> None:
     memory.close()
 
 
-def test_vector_search_joins_by_key_with_missing_or_stale_statistics(postgres_url: str) -> None:
+def test_vector_search_joins_by_key_with_missing_or_stale_statistics(
+    open_database: OpenDatabase,
+) -> None:
     # Autovacuum first analyzes a table up to a minute after its first rows, and a scope that
     # appeared since the last ANALYZE looks empty. Either way the planner took the scope for
     # one row and joined each vector candidate to its record by scanning the whole scope
     # again: quadratic, about 1 s per search at 2,000 records.
-    store = PostgresMemoryStore(postgres_url)
+    store = PostgresMemoryStore(open_database())
     memory = Memory(store, embedder=HashingEmbedder(64), masker=None)
     memory.add("the first record, in another scope", scope=BOB)
     memory.flush()
@@ -246,11 +270,13 @@ def _reltuples(url: str, table: str) -> float:
     return float(row[0])
 
 
-def test_statistics_follow_a_bulk_load_that_autovacuum_has_not_seen(postgres_url: str) -> None:
+def test_statistics_follow_a_bulk_load_that_autovacuum_has_not_seen(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
     # A scope planned as one row after thousands were written made every keyword search walk
     # the whole scope. Autovacuum is switched off here, so only the store can keep the
     # planner's row counts within 2x of the truth while it writes.
-    store = PostgresMemoryStore(postgres_url)
+    store = PostgresMemoryStore(open_database())
     store.setup()
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         for table in ("memory_records", "memory_outbox"):
@@ -271,11 +297,13 @@ def test_statistics_follow_a_bulk_load_that_autovacuum_has_not_seen(postgres_url
     memory.close()
 
 
-def test_the_keyword_index_pending_list_stays_short(postgres_url: str) -> None:
+def test_the_keyword_index_pending_list_stays_short(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
     # Every keyword search scans GIN's pending list in full until it is merged; at the 4 MB
     # default it held ~300 pages after 5,000 writes and keyword search right after a bulk
     # load took 2-3x its settled time.
-    store = PostgresMemoryStore(postgres_url)
+    store = PostgresMemoryStore(open_database())
     memory = Memory(store, embedder=None, masker=None)
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute("ALTER TABLE memory_records SET (autovacuum_enabled = false)")

@@ -83,7 +83,8 @@ class Memory:
         background: embed in a daemon thread (True) or only on ``process_outbox``/``flush``.
 
     Example:
-        >>> memory = Memory(SQLiteMemoryStore("memory.db"), embedder=default_embedder())
+        >>> store = SQLiteMemoryStore(SQLiteDatabase("memory.db"))
+        >>> memory = Memory(store, embedder=default_embedder())
         >>> scope = Scope(tenant_id="acme", user_id="u1")
         >>> memory.add("I'm vegetarian", scope=scope, kind="semantic")
         >>> memory.flush()

@@ -9,12 +9,14 @@ connection and a transaction are opened, vector search, full text, compare-and-s
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["POSTGRES", "SQLITE", "SqlDialect"]
+
+_T = TypeVar("_T")
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -69,6 +71,12 @@ class SqlDialect:
         plus_seconds: a ``timestamp`` column plus seconds (``{}``: the column, the seconds).
         row_lock: what a ``SELECT`` ends with to lock the rows it reads until the transaction
             ends (SQLite needs none: its write transaction holds the whole file).
+        most_values: the most values :meth:`batches` puts in one list (0: no bound); SQLite
+            caps a statement's parameters.
+        skip_index: put before a column, keeps the planner from reaching rows through that
+            column's indexes (SQLite's unary ``+``), so a look-up by key uses the key's index
+            and not a scope's; PostgreSQL's planner needs no such hint.
+        json_marker: the marker of a JSON parameter (PostgreSQL casts it to ``jsonb``).
     """
 
     name: str
@@ -90,6 +98,9 @@ class SqlDialect:
     byte_length: str = "length(CAST({} AS BLOB))"
     plus_seconds: str = "{} + CAST(1000000 * ({}) AS INTEGER)"
     row_lock: str = ""
+    most_values: int = 0
+    skip_index: str = ""
+    json_marker: str = "?"
 
     def sql(self, statement: str) -> str:
         """``statement``, written with ``?`` markers, in this dialect."""
@@ -102,8 +113,14 @@ class SqlDialect:
             return f"{column} = ANY(?)", (list(values),)
         return f"{column} IN ({', '.join('?' for _ in values)})", tuple(values)
 
+    def batches(self, values: Sequence[_T]) -> Iterator[Sequence[_T]]:
+        """``values`` in lists :meth:`one_of` takes in one statement (none when empty)."""
+        size = self.most_values or max(len(values), 1)
+        for start in range(0, len(values), size):
+            yield values[start : start + size]
 
-SQLITE = SqlDialect(name="sqlite", placeholder="?", flag=int)
+
+SQLITE = SqlDialect(name="sqlite", placeholder="?", flag=int, most_values=500, skip_index="+")
 POSTGRES = SqlDialect(
     name="postgres",
     placeholder="%s",
@@ -123,4 +140,5 @@ POSTGRES = SqlDialect(
     byte_length="octet_length({})",
     plus_seconds="{} + make_interval(secs => {})",
     row_lock=" FOR UPDATE",
+    json_marker="?::jsonb",
 )

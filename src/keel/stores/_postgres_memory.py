@@ -20,7 +20,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from functools import cache
 from typing import Any
 
@@ -33,18 +32,13 @@ from keel.memory._records import (
     MemoryRecord,
     Scope,
     is_fact,
-    reopened,
-    same_content,
 )
 from keel.memory._rows import (
-    RECORD_COLUMNS,
-    current_fact,
     filter_sql,
-    record_from_row,
     record_to_row,
-    to_epoch,
 )
-from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
+from keel.memory._store import InsertResult, OutboxEntry, ScoredId
+from keel.stores._dialect import POSTGRES
 from keel.stores._keywords import (
     AVERAGE_LENGTH_MILLI,
     SCOPE_ROWS,
@@ -54,6 +48,7 @@ from keel.stores._keywords import (
 )
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase, apply_migrations
+from keel.stores._sql_memory import MemorySchema, SQLMemoryStore, insert_row_sql, require_database
 
 __all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
 
@@ -65,21 +60,12 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
     (
         Migration(
             "memory records with full text, the embedding outbox",
-            """
+            f"""
             CREATE EXTENSION IF NOT EXISTS vector;
             CREATE TABLE memory_records (
                 seq BIGSERIAL UNIQUE,
                 id TEXT PRIMARY KEY,
-                tenant_id TEXT NOT NULL,
-                user_id TEXT NOT NULL,
-                kind TEXT NOT NULL,
-                type TEXT NOT NULL,
-                text TEXT NOT NULL,
-                provenance TEXT NOT NULL,
-                verified_by TEXT,
-                session_id TEXT,
-                step INTEGER,
-                turn INTEGER,
+                {MemorySchema.record_columns},
                 created_at DOUBLE PRECISION NOT NULL,
                 event_time DOUBLE PRECISION,
                 subject TEXT,
@@ -88,16 +74,11 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
                 valid_to DOUBLE PRECISION,
                 content_hash TEXT NOT NULL,
                 embedding_model TEXT,
-                metadata JSONB NOT NULL DEFAULT '{}',
+                metadata JSONB NOT NULL DEFAULT '{{}}',
                 tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', text)) STORED,
                 UNIQUE (tenant_id, user_id, content_hash)
             );
-            CREATE INDEX memory_records_scope_time
-                ON memory_records (tenant_id, user_id, created_at);
-            CREATE INDEX memory_records_session
-                ON memory_records (tenant_id, user_id, session_id, turn);
-            CREATE INDEX memory_records_fact
-                ON memory_records (tenant_id, user_id, subject, attribute);
+            {MemorySchema.record_indexes}
             CREATE INDEX memory_records_tsv ON memory_records USING GIN (tsv);
             CREATE TABLE memory_outbox (
                 id BIGSERIAL PRIMARY KEY,
@@ -109,17 +90,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             CREATE INDEX memory_outbox_record ON memory_outbox (record_id);
             """,
         ),
-        Migration(
-            "keyed records (a key names one record per scope) and expiry",
-            """
-            ALTER TABLE memory_records ADD COLUMN key TEXT;
-            ALTER TABLE memory_records ADD COLUMN expires_at DOUBLE PRECISION;
-            CREATE UNIQUE INDEX memory_records_key
-                ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
-            CREATE INDEX memory_records_expiry
-                ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
-            """,
-        ),
+        MemorySchema.keyed_records("DOUBLE PRECISION"),
         Migration(
             "a short GIN pending list: searches right after a burst of writes stay fast",
             # Fast-update GIN keeps new rows in an unsorted pending list that every keyword
@@ -134,20 +105,11 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
     ),
 )
 
-_SELECT = ", ".join(RECORD_COLUMNS)
-_SELECT_R = ", ".join(f"r.{column}" for column in RECORD_COLUMNS)
-_VALUES = ", ".join("%s::jsonb" if c == "metadata" else "%s" for c in RECORD_COLUMNS)
 # A new record and its outbox entry, written together or not at all (one statement).
-_INSERT_WITH_OUTBOX = (
-    f"WITH inserted AS (INSERT INTO memory_records ({_SELECT}) VALUES ({_VALUES}) "
-    "ON CONFLICT (tenant_id, user_id, content_hash) DO NOTHING RETURNING id), "
-    "queued AS (INSERT INTO memory_outbox (record_id, created_at) "
-    "SELECT id, %s FROM inserted) "
+_INSERT_WITH_OUTBOX = POSTGRES.sql(
+    f"WITH inserted AS ({insert_row_sql(POSTGRES)}), "
+    "queued AS (INSERT INTO memory_outbox (record_id, created_at) SELECT id, ? FROM inserted) "
     "SELECT id FROM inserted"
-)
-_INSERT_RECORD = (
-    f"INSERT INTO memory_records ({_SELECT}) VALUES ({_VALUES}) "
-    "ON CONFLICT (tenant_id, user_id, content_hash) DO NOTHING RETURNING id"
 )
 _VECTOR_TABLE = re.compile(r"^memory_vectors_(\d+)$")
 # pgvector's HNSW limits: 2,000 dimensions for ``vector``, 4,000 for ``halfvec``.
@@ -191,6 +153,11 @@ def _vector_dumper() -> Any:
     return VectorDumper
 
 
+def _dimension(vectors: Sequence[FloatArray]) -> int:
+    """The dimension of a batch of vectors (one model made them all)."""
+    return int(np.asarray(vectors[0]).reshape(-1).shape[0])
+
+
 def _hnsw_operand(dimension: int) -> tuple[str, str] | None:
     """The indexed expression and its cast for a query vector; None when HNSW cannot index it."""
     if dimension <= _HNSW_VECTOR_MAX:
@@ -207,15 +174,6 @@ _BM25_K1 = 1.2
 _BM25_B = 0.75
 
 
-def _lock(conn: Any, what: str, record: MemoryRecord, name: str) -> None:
-    """Take the transaction's advisory lock on one name of the record's scope (a key, a
-    fact): writers of the same name take turns, others never wait."""
-    conn.execute(
-        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-        (f"{what}\x1f{record.tenant_id}\x1f{record.user_id}\x1f{name}",),
-    )
-
-
 @dataclass(frozen=True)
 class _KeywordStatistics:
     """A keyword query's plan, each planned term's IDF, and the scope's average length."""
@@ -230,13 +188,12 @@ def _ts_any(terms: Sequence[str]) -> str:
     return " || ".join("plainto_tsquery('english', %s)" for _ in terms)
 
 
-class PostgresMemoryStore(MemoryStore):
+class PostgresMemoryStore(SQLMemoryStore):
     """Memory in PostgreSQL with pgvector (safe across threads).
 
     Args:
-        database: the :class:`~keel.stores.PostgresDatabase` to share (left open by
-            :meth:`close`), or a ``postgresql://`` URL for a database of the store's own.
-        min_size / max_size: with a URL, its pool's bounds.
+        database: the :class:`~keel.stores.PostgresDatabase` the records live in (left open
+            by :meth:`close`).
         hnsw: build an HNSW index (cosine) when a vector table is created: approximate and
             fast at scale. False keeps exact scans. Either way the planner ranks a small scope
             exactly from its scope index when that is cheaper than walking the graph.
@@ -245,34 +202,21 @@ class PostgresMemoryStore(MemoryStore):
             search asks for more rows or filters many out.
     """
 
+    dialect = POSTGRES
+    inserted_order = "seq"
+
     def __init__(
-        self,
-        database: PostgresDatabase | str,
-        *,
-        min_size: int = 1,
-        max_size: int = 8,
-        hnsw: bool = True,
-        ef_search: int = 100,
+        self, database: PostgresDatabase, *, hnsw: bool = True, ef_search: int = 100
     ) -> None:
-        if isinstance(database, str) and not database.startswith(("postgresql://", "postgres://")):
-            raise ConfigError(f"not a PostgreSQL URL: {database.split('://')[0]}://...")
         if not 1 <= ef_search <= 1000:
             raise ConfigError(f"ef_search must be within 1..1000 (pgvector's range): {ef_search}")
-        self._owns_database = isinstance(database, str)
-        try:
-            self.database = (
-                PostgresDatabase(database, min_size=min_size, max_size=max_size, timeout=10)
-                if isinstance(database, str)
-                else database
-            )
-        except StoreError as exc:  # pragma: no cover - the extra is installed in tests
-            raise ConfigError("PostgresMemoryStore needs keel's 'postgres' extra") from exc
-        self.url = self.database.url
+        self.database = require_database(database, PostgresDatabase, "PostgresMemoryStore")
+        self.url = database.url
         self.hnsw = hnsw
         self.ef_search = int(ef_search)
         self._ready = False
         self._vector_tables: set[int] = set()
-        self._statistics = _GrowthStatistics(self.database)
+        self._statistics = _GrowthStatistics(database)
         self._term_frequencies = TermFrequencies()
 
     @contextmanager
@@ -355,193 +299,32 @@ class PostgresMemoryStore(MemoryStore):
     # --- writes -------------------------------------------------------------------------
 
     def insert(self, record: MemoryRecord) -> InsertResult:
-        self.setup()
         if record.key is None and not is_fact(record):
-            return self._insert_plain(record)
-        with self._connection() as conn:
-            if record.key is not None:
-                # The record a key named is replaced, in this transaction. The lock makes two
-                # writers of one key take turns: each would otherwise delete the old row and
-                # the second's insert would then break the key's uniqueness.
-                _lock(conn, "memory key", record, record.key)
-                conn.execute(
-                    "DELETE FROM memory_records WHERE tenant_id = %s AND user_id = %s "
-                    "AND key = %s AND content_hash <> %s",
-                    (record.tenant_id, record.user_id, record.key, record.content_hash),
-                )
-            if is_fact(record):
-                # Writers of one fact take turns: each reads the current value, then
-                # supersedes it, and two at once would both leave theirs current.
-                _lock(conn, "memory fact", record, f"{record.subject}\x1f{record.attribute}")
-                for stored in current_fact(conn, record, "%s"):
-                    if same_content(stored, record):
-                        return InsertResult(stored, created=False)
-            row = conn.execute(_INSERT_RECORD, record_to_row(record)).fetchone()
-            if row is None:
-                existing = conn.execute(
-                    f"SELECT {_SELECT} FROM memory_records "
-                    "WHERE tenant_id = %s AND user_id = %s AND content_hash = %s",
-                    (record.tenant_id, record.user_id, record.content_hash),
-                ).fetchone()
-                if not is_fact(record):
-                    return InsertResult(record_from_row(existing), created=False)
-                # A value the fact had before, and not now: it holds again from now on.
-                record = reopened(record)
-                conn.execute(_INSERT_RECORD, record_to_row(record))
-            superseded: list[str] = []
-            if is_fact(record):
-                rows = conn.execute(
-                    "UPDATE memory_records SET valid_to = %s WHERE tenant_id = %s "
-                    "AND user_id = %s AND subject = %s AND attribute = %s AND valid_to IS NULL "
-                    "AND id <> %s RETURNING id",
-                    (
-                        to_epoch(record.valid_from or record.created_at),
-                        record.tenant_id,
-                        record.user_id,
-                        record.subject,
-                        record.attribute,
-                        record.id,
-                    ),
-                ).fetchall()
-                superseded = [str(r[0]) for r in rows]
-            conn.execute(
-                "INSERT INTO memory_outbox (record_id, created_at) VALUES (%s, %s)",
-                (record.id, time.time()),
-            )
-        self._statistics.wrote({"memory_records": 1, "memory_outbox": 1})
-        return InsertResult(record, created=True, superseded=tuple(superseded))
+            result = self._insert_plain(record)
+        else:
+            result = super().insert(record)
+        if result.created:
+            self._statistics.wrote({"memory_records": 1, "memory_outbox": 1})
+        return result
+
+    def _lock(self, conn: Any, what: str, record: MemoryRecord, name: str) -> None:
+        """Take the transaction's advisory lock on one name of the record's scope (a key, a
+        fact): writers of the same name take turns, others never wait."""
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+            (f"{what}\x1f{record.tenant_id}\x1f{record.user_id}\x1f{name}",),
+        )
 
     def _insert_plain(self, record: MemoryRecord) -> InsertResult:
         """A record that replaces nothing (no key, no fact to supersede): the row and its
         outbox entry in one statement, itself atomic, so one round trip instead of four."""
-        with self._reading() as conn:
+        with self._read() as conn:
             row = conn.execute(
                 _INSERT_WITH_OUTBOX, (*record_to_row(record), time.time())
             ).fetchone()
             if row is None:
-                existing = conn.execute(
-                    f"SELECT {_SELECT} FROM memory_records "
-                    "WHERE tenant_id = %s AND user_id = %s AND content_hash = %s",
-                    (record.tenant_id, record.user_id, record.content_hash),
-                ).fetchone()
-                return InsertResult(record_from_row(existing), created=False)
-        self._statistics.wrote({"memory_records": 1, "memory_outbox": 1})
+                return InsertResult(self._stored_content(conn, record), created=False)
         return InsertResult(record, created=True)
-
-    def delete(self, scope: Scope, record_id: str) -> bool:
-        self.setup()
-        with self._connection() as conn:
-            cursor = conn.execute(
-                "DELETE FROM memory_records WHERE id = %s AND tenant_id = %s AND user_id = %s",
-                (record_id, scope.tenant_id, scope.user_id),
-            )
-            return bool(cursor.rowcount)
-
-    def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
-        if not expiry:
-            return
-        self.setup()
-        with self._connection() as conn, conn.cursor() as cur:
-            cur.executemany(
-                "UPDATE memory_records SET expires_at = %s "
-                "WHERE id = %s AND tenant_id = %s AND user_id = %s",
-                [
-                    (to_epoch(when), record_id, scope.tenant_id, scope.user_id)
-                    for record_id, when in expiry.items()
-                ],
-            )
-
-    def purge_expired(self, scope: Scope | None, now: datetime) -> int:
-        self.setup()
-        where = "expires_at IS NOT NULL AND expires_at <= %s"
-        params: tuple[object, ...] = (to_epoch(now),)
-        if scope is not None:
-            where += " AND tenant_id = %s AND user_id = %s"
-            params += (scope.tenant_id, scope.user_id)
-        with self._connection() as conn:
-            cursor = conn.execute(f"DELETE FROM memory_records WHERE {where}", params)
-            return int(cursor.rowcount)
-
-    # --- reads --------------------------------------------------------------------------
-
-    def _query(self, sql: str, params: Sequence[Any]) -> list[MemoryRecord]:
-        self.setup()
-        with self._reading() as conn:
-            rows = conn.execute(sql, tuple(params)).fetchall()
-        return [record_from_row(row) for row in rows]
-
-    def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
-        found = self._query(
-            f"SELECT {_SELECT} FROM memory_records "
-            "WHERE id = %s AND tenant_id = %s AND user_id = %s",
-            (record_id, scope.tenant_id, scope.user_id),
-        )
-        return found[0] if found else None
-
-    def fetch(
-        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
-    ) -> list[MemoryRecord]:
-        if not record_ids:
-            return []
-        where, params = filter_sql(filters, "%s")
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s "
-            "AND id = ANY(%s)" + (f" AND {where}" if where else ""),
-            (scope.tenant_id, scope.user_id, list(record_ids), *params),
-        )
-
-    def list_records(
-        self, scope: Scope, filters: MemoryFilter, *, limit: int = 50, newest_first: bool = True
-    ) -> list[MemoryRecord]:
-        where, params = filter_sql(filters, "%s")
-        order = "DESC" if newest_first else "ASC"
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s"
-            + (f" AND {where}" if where else "")
-            + f" ORDER BY created_at {order}, seq {order} LIMIT %s",
-            (scope.tenant_id, scope.user_id, *params, int(limit)),
-        )
-
-    def fact_history(self, scope: Scope, subject: str, attribute: str) -> list[MemoryRecord]:
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s "
-            "AND kind = 'semantic' AND subject = %s AND attribute = %s "
-            "ORDER BY COALESCE(valid_from, created_at), seq",
-            (scope.tenant_id, scope.user_id, subject, attribute),
-        )
-
-    def session_turns(
-        self, scope: Scope, session_id: str, first_turn: int, last_turn: int
-    ) -> list[MemoryRecord]:
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s "
-            "AND session_id = %s AND turn BETWEEN %s AND %s ORDER BY turn, seq",
-            (scope.tenant_id, scope.user_id, session_id, first_turn, last_turn),
-        )
-
-    def turns_around(
-        self, scope: Scope, spans: Sequence[tuple[str, int, int]]
-    ) -> list[MemoryRecord]:
-        if not spans:
-            return []
-        ranges = " OR ".join(["(session_id = %s AND turn BETWEEN %s AND %s)"] * len(spans))
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = %s AND user_id = %s "
-            f"AND ({ranges}) ORDER BY session_id, turn, seq",
-            (scope.tenant_id, scope.user_id, *(value for span in spans for value in span)),
-        )
-
-    def count(self, scope: Scope | None = None) -> int:
-        self.setup()
-        with self._reading() as conn:
-            if scope is None:
-                row = conn.execute("SELECT COUNT(*) FROM memory_records").fetchone()
-            else:
-                row = conn.execute(
-                    "SELECT COUNT(*) FROM memory_records WHERE tenant_id = %s AND user_id = %s",
-                    (scope.tenant_id, scope.user_id),
-                ).fetchone()
-        return int(row[0])
 
     # --- search -------------------------------------------------------------------------
 
@@ -553,11 +336,10 @@ class PostgresMemoryStore(MemoryStore):
         safe = list(dict.fromkeys(t for t in terms if t.strip()))
         if not safe or limit <= 0:
             return []
-        self.setup()
         where, params = filter_sql(filters, "%s")
         scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
         scope_args = (scope.tenant_id, scope.user_id, *params)
-        with self._reading() as conn:
+        with self._read() as conn:
             statistics = self._keyword_statistics(conn, scope, safe, int(limit))
             plan = statistics.plan
             # Which rows to rank: every match when the plan allows, else the chosen ones.
@@ -633,14 +415,6 @@ class PostgresMemoryStore(MemoryStore):
                 ).fetchone()[0]
             )
 
-        def count_rows(_: str) -> int:
-            return int(
-                conn.execute(
-                    "SELECT COUNT(*) FROM memory_records WHERE tenant_id = %s AND user_id = %s",
-                    scope_key,
-                ).fetchone()[0]
-            )
-
         def length_milli(_: str) -> int:
             # The newest records' average, so it follows what the scope holds now.
             value = conn.execute(
@@ -651,7 +425,9 @@ class PostgresMemoryStore(MemoryStore):
             return round(1000 * float(value or 0))
 
         frequencies = self._term_frequencies
-        scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, count_rows)
+        scope_rows = frequencies.get(
+            scope_key, SCOPE_ROWS, total, lambda _: self._count(conn, scope)
+        )
         plan = frequencies.plan(
             scope_key,
             terms,
@@ -746,11 +522,10 @@ class PostgresMemoryStore(MemoryStore):
         return sql, values
 
     def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
-        self.setup()
         found: dict[str, FloatArray] = {}
         if not record_ids:
             return found
-        with self._reading() as conn, conn.cursor(binary=True) as cursor:
+        with self._read() as conn, conn.cursor(binary=True) as cursor:
             for dimension in sorted(self._vector_tables):
                 rows = cursor.execute(
                     f"SELECT record_id, embedding FROM memory_vectors_{dimension} "
@@ -764,113 +539,37 @@ class PostgresMemoryStore(MemoryStore):
 
     # --- outbox -------------------------------------------------------------------------
 
-    def pending(
-        self, limit: int, max_attempts: int = 5, *, scope: Scope | None = None
-    ) -> list[OutboxEntry]:
-        self.setup()
-        in_scope = "" if scope is None else " AND r.tenant_id = %s AND r.user_id = %s"
-        scoped = () if scope is None else (scope.tenant_id, scope.user_id)
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
-                "r.session_id, r.turn "
-                "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                f"WHERE o.attempts < %s{in_scope} ORDER BY o.id LIMIT %s",
-                (int(max_attempts), *scoped, int(limit)),
-            ).fetchall()
-        return [
-            OutboxEntry(
-                int(r[0]),
-                str(r[1]),
-                str(r[2]),
-                str(r[3]),
-                str(r[4]),
-                int(r[5]),
-                None if r[6] is None else str(r[6]),
-                None if r[7] is None else int(r[7]),
-            )
-            for r in rows
-        ]
-
-    def count_pending(self, max_attempts: int = 5) -> int:
-        self.setup()
-        with self._reading() as conn:
-            row = conn.execute(
-                "SELECT COUNT(*) FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                "WHERE o.attempts < %s",
-                (int(max_attempts),),
-            ).fetchone()
-        return int(row[0])
-
     def complete(
         self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
     ) -> None:
-        if not entries:
-            return
-        self.setup()
-        dimension = int(np.asarray(vectors[0]).reshape(-1).shape[0])
-        with self._connection() as conn:
-            table = self._ensure_vector_table(conn, dimension)
-            with conn.cursor() as cur:
-                cur.adapters.register_dumper(np.ndarray, _vector_dumper())
-                for other in self._vector_tables - {dimension}:
-                    cur.execute(
-                        f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(%s)",
-                        ([e.record_id for e in entries],),
-                    )
-                cur.executemany(
-                    f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
-                    "SELECT id, tenant_id, user_id, %s, %b::vector FROM memory_records "
-                    "WHERE id = %s ON CONFLICT (record_id) DO UPDATE SET "
-                    "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
-                    [
-                        (model, np.asarray(vector), entry.record_id)
-                        for entry, vector in zip(entries, vectors, strict=True)
-                    ],
-                )
+        super().complete(entries, vectors, model)
+        if entries:
+            dimension = _dimension(vectors)
+            self._vector_tables.add(dimension)  # committed: searches may use it now
+            self._statistics.wrote({f"memory_vectors_{dimension}": len(entries)})
+
+    def _write_vectors(
+        self, conn: Any, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> None:
+        dimension = _dimension(vectors)
+        table = self._ensure_vector_table(conn, dimension)
+        with conn.cursor() as cur:
+            cur.adapters.register_dumper(np.ndarray, _vector_dumper())
+            for other in self._vector_tables - {dimension}:
                 cur.execute(
-                    "UPDATE memory_records SET embedding_model = %s WHERE id = ANY(%s)",
-                    (model, [e.record_id for e in entries]),
+                    f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(%s)",
+                    ([e.record_id for e in entries],),
                 )
-                cur.execute(
-                    "DELETE FROM memory_outbox WHERE id = ANY(%s)", ([e.id for e in entries],)
-                )
-        self._vector_tables.add(dimension)  # committed: searches may use it now
-        self._statistics.wrote({table: len(entries)})
-
-    def fail(self, entries: Sequence[OutboxEntry], error: str) -> None:
-        self.setup()
-        with self._connection() as conn:
-            conn.execute(
-                "UPDATE memory_outbox SET attempts = attempts + 1, last_error = %s "
-                "WHERE id = ANY(%s)",
-                (error[:2000], [e.id for e in entries]),
+            cur.executemany(
+                f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
+                "SELECT id, tenant_id, user_id, %s, %b::vector FROM memory_records "
+                "WHERE id = %s ON CONFLICT (record_id) DO UPDATE SET "
+                "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
+                [
+                    (model, np.asarray(vector), entry.record_id)
+                    for entry, vector in zip(entries, vectors, strict=True)
+                ],
             )
-
-    def enqueue_reembed(self, model: str) -> int:
-        self.setup()
-        with self._connection() as conn:
-            # Entries that ran out of attempts (an embedder was down) get a fresh start.
-            retried = conn.execute(
-                "UPDATE memory_outbox SET attempts = 0 WHERE attempts > 0"
-            ).rowcount
-            cursor = conn.execute(
-                "INSERT INTO memory_outbox (record_id, created_at) "
-                "SELECT id, %s FROM memory_records r WHERE "
-                "(r.embedding_model IS NULL OR r.embedding_model <> %s) "
-                "AND NOT EXISTS (SELECT 1 FROM memory_outbox o WHERE o.record_id = r.id)",
-                (time.time(), model),
-            )
-            return int(cursor.rowcount) + int(retried)
-
-    def embedding_models(self) -> dict[str, int]:
-        self.setup()
-        with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT COALESCE(embedding_model, ''), COUNT(*) FROM memory_records "
-                "GROUP BY COALESCE(embedding_model, '')"
-            ).fetchall()
-        return {str(m): int(n) for m, n in rows}
 
     def wait_for_statistics(self, timeout: float | None = None) -> None:
         """Block until the ANALYZE runs this store started are done (tests, benchmarks)."""
@@ -878,8 +577,6 @@ class PostgresMemoryStore(MemoryStore):
 
     def close(self) -> None:
         self._statistics.wait(10.0)
-        if self._owns_database:
-            self.database.close()
 
     def __repr__(self) -> str:
         return f"PostgresMemoryStore({self.url.split('@')[-1]!r})"

@@ -18,37 +18,22 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from keel.memory._records import (
-    MemoryFilter,
-    MemoryRecord,
-    Scope,
-    is_fact,
-    reopened,
-    same_content,
-)
-from keel.memory._rows import (
-    RECORD_COLUMNS,
-    current_fact,
-    filter_sql,
-    is_selective,
-    record_from_row,
-    record_to_row,
-    to_epoch,
-)
+from keel.memory._records import MemoryFilter, Scope
+from keel.memory._rows import filter_sql, is_selective
 from keel.memory._similarity import row_dots
-from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
+from keel.memory._store import OutboxEntry, ScoredId
+from keel.stores._dialect import SQLITE
 from keel.stores._keywords import SCOPE_ROWS, TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sqlite import SQLiteDatabase, translate_sqlite_error
+from keel.stores._sql_memory import MemorySchema, SQLMemoryStore, require_database
+from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["MEMORY_MIGRATIONS", "SQLiteMemoryStore"]
 
@@ -59,20 +44,11 @@ MEMORY_MIGRATIONS = MigrationSet(
     (
         Migration(
             "memory records, full-text index, vectors and the embedding outbox",
-            """
+            f"""
             CREATE TABLE memory_records (
                 rowid INTEGER PRIMARY KEY,
                 id TEXT NOT NULL UNIQUE,
-                tenant_id TEXT NOT NULL,
-                user_id TEXT NOT NULL,
-                kind TEXT NOT NULL,
-                type TEXT NOT NULL,
-                text TEXT NOT NULL,
-                provenance TEXT NOT NULL,
-                verified_by TEXT,
-                session_id TEXT,
-                step INTEGER,
-                turn INTEGER,
+                {MemorySchema.record_columns},
                 created_at REAL NOT NULL,
                 event_time REAL,
                 subject TEXT,
@@ -81,15 +57,10 @@ MEMORY_MIGRATIONS = MigrationSet(
                 valid_to REAL,
                 content_hash TEXT NOT NULL,
                 embedding_model TEXT,
-                metadata TEXT NOT NULL DEFAULT '{}',
+                metadata TEXT NOT NULL DEFAULT '{{}}',
                 UNIQUE (tenant_id, user_id, content_hash)
             );
-            CREATE INDEX memory_records_scope_time
-                ON memory_records (tenant_id, user_id, created_at);
-            CREATE INDEX memory_records_session
-                ON memory_records (tenant_id, user_id, session_id, turn);
-            CREATE INDEX memory_records_fact
-                ON memory_records (tenant_id, user_id, subject, attribute);
+            {MemorySchema.record_indexes}
             CREATE VIRTUAL TABLE memory_fts USING fts5(
                 text, content='memory_records', content_rowid='rowid',
                 tokenize='porter unicode61'
@@ -158,22 +129,9 @@ MEMORY_MIGRATIONS = MigrationSet(
             INSERT INTO memory_fts(memory_fts) VALUES ('rebuild');
             """,
         ),
-        Migration(
-            "keyed records (a key names one record per scope) and expiry",
-            """
-            ALTER TABLE memory_records ADD COLUMN key TEXT;
-            ALTER TABLE memory_records ADD COLUMN expires_at REAL;
-            CREATE UNIQUE INDEX memory_records_key
-                ON memory_records (tenant_id, user_id, key) WHERE key IS NOT NULL;
-            CREATE INDEX memory_records_expiry
-                ON memory_records (expires_at) WHERE expires_at IS NOT NULL;
-            """,
-        ),
+        MemorySchema.keyed_records("REAL"),
     ),
 )
-
-_SELECT = ", ".join(RECORD_COLUMNS)
-_SELECT_R = ", ".join(f"r.{column}" for column in RECORD_COLUMNS)
 
 
 # Scopes with more vectors than this are searched through the sign-bit shortlist.
@@ -345,24 +303,16 @@ def _plan_keyword_query(
     terms: list[str],
     frequencies: TermFrequencies,
     listed: int,
+    count_scope: Callable[[], int],
 ) -> _KeywordQuery:
     """The bounded query for ``terms`` in ``scope``, listing ``listed`` rows (see
-    :mod:`keel.stores._keywords`)."""
+    :mod:`keel.stores._keywords`); ``count_scope`` counts the scope's rows."""
     total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
     scope_key = (scope.tenant_id, scope.user_id)
-
-    def count_rows(_: str) -> int:
-        return int(
-            conn.execute(
-                "SELECT COUNT(*) FROM memory_records WHERE tenant_id = ? AND user_id = ?",
-                scope_key,
-            ).fetchone()[0]
-        )
-
     # The scope token narrows a match to the scope's rows. For a scope that is nearly the
     # whole table (one user on a laptop) it is pure overhead: every matching row would also
     # be joined with the token's doclist. Rows are checked against the scope in SQL anyway.
-    scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, count_rows)
+    scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, lambda _: count_scope())
     small = total <= _SCORED_DOCUMENTS
     narrowing = scope if small or scope_rows < 0.9 * total else None
 
@@ -414,16 +364,19 @@ def _plan_keyword_query(
     )
 
 
-class SQLiteMemoryStore(MemoryStore):
+class SQLiteMemoryStore(SQLMemoryStore):
     """Memory in one SQLite file (WAL), shared with keel's other embedded stores.
 
     Args:
-        database: an open :class:`SQLiteDatabase`, or a path to open one.
+        database: the open :class:`SQLiteDatabase` the records live in (left open by
+            :meth:`close`).
     """
 
-    def __init__(self, database: SQLiteDatabase | str | Path) -> None:
-        self._owns_db = not isinstance(database, SQLiteDatabase)
-        self.db = database if isinstance(database, SQLiteDatabase) else SQLiteDatabase(database)
+    dialect = SQLITE
+    inserted_order = "rowid"
+
+    def __init__(self, database: SQLiteDatabase) -> None:
+        self.db = require_database(database, SQLiteDatabase, "SQLiteMemoryStore")
         self._indexes: dict[tuple[str, str, str], _ScopeIndex] = {}
         self._term_frequencies = TermFrequencies()
         self._index_lock = threading.Lock()
@@ -433,202 +386,16 @@ class SQLiteMemoryStore(MemoryStore):
         self.db.setup(MEMORY_MIGRATIONS)
         self._ready = True
 
+    def _connection(self) -> AbstractContextManager[sqlite3.Connection]:
+        return self.db.transaction()
+
+    def _reading(self) -> AbstractContextManager[sqlite3.Connection]:
+        return self.db.translated()
+
     def _conn(self) -> sqlite3.Connection:
         if not self._ready:
             self.setup()
         return self.db.connection()
-
-    # --- writes -------------------------------------------------------------------------
-
-    def insert(self, record: MemoryRecord) -> InsertResult:
-        self._conn()
-        try:
-            with self.db.transaction() as conn:
-                if record.key is not None:
-                    # The record a key named is replaced, in this transaction (the very same
-                    # record added again stays as it is: adds are idempotent).
-                    conn.execute(
-                        "DELETE FROM memory_records WHERE tenant_id = ? AND user_id = ? "
-                        "AND key = ? AND content_hash <> ?",
-                        (record.tenant_id, record.user_id, record.key, record.content_hash),
-                    )
-                current: list[MemoryRecord] = []
-                if is_fact(record):
-                    current = current_fact(conn, record, "?")
-                    for stored in current:
-                        if same_content(stored, record):
-                            return InsertResult(stored, created=False)
-                existing = conn.execute(
-                    f"SELECT {_SELECT} FROM memory_records "
-                    "WHERE tenant_id = ? AND user_id = ? AND content_hash = ?",
-                    (record.tenant_id, record.user_id, record.content_hash),
-                ).fetchone()
-                if existing is not None:
-                    if not is_fact(record):
-                        return InsertResult(record_from_row(existing), created=False)
-                    # A value the fact had before, and not now: it holds again from now on.
-                    record = reopened(record)
-                superseded = [stored.id for stored in current]
-                if superseded:
-                    conn.execute(
-                        "UPDATE memory_records SET valid_to = ? WHERE tenant_id = ? "
-                        "AND user_id = ? AND subject = ? AND attribute = ? "
-                        "AND valid_to IS NULL",
-                        (
-                            to_epoch(record.valid_from or record.created_at),
-                            record.tenant_id,
-                            record.user_id,
-                            record.subject,
-                            record.attribute,
-                        ),
-                    )
-                conn.execute(
-                    f"INSERT INTO memory_records ({_SELECT}) "
-                    f"VALUES ({', '.join('?' for _ in RECORD_COLUMNS)})",
-                    record_to_row(record),
-                )
-                conn.execute(
-                    "INSERT INTO memory_outbox (record_id, created_at) VALUES (?, ?)",
-                    (record.id, time.time()),
-                )
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
-        return InsertResult(record, created=True, superseded=tuple(superseded))
-
-    def delete(self, scope: Scope, record_id: str) -> bool:
-        self._conn()
-        try:
-            with self.db.transaction() as conn:
-                cursor = conn.execute(
-                    "DELETE FROM memory_records WHERE id = ? AND tenant_id = ? AND user_id = ?",
-                    (record_id, scope.tenant_id, scope.user_id),
-                )
-                deleted = cursor.rowcount > 0
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
-        return deleted
-
-    def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
-        if not expiry:
-            return
-        self._conn()
-        try:
-            with self.db.transaction() as conn:
-                conn.executemany(
-                    "UPDATE memory_records SET expires_at = ? "
-                    "WHERE id = ? AND tenant_id = ? AND user_id = ?",
-                    [
-                        (to_epoch(when), record_id, scope.tenant_id, scope.user_id)
-                        for record_id, when in expiry.items()
-                    ],
-                )
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
-
-    def purge_expired(self, scope: Scope | None, now: datetime) -> int:
-        self._conn()
-        where = "expires_at IS NOT NULL AND expires_at <= ?"
-        params: tuple[object, ...] = (to_epoch(now),)
-        if scope is not None:
-            where += " AND tenant_id = ? AND user_id = ?"
-            params += (scope.tenant_id, scope.user_id)
-        try:
-            with self.db.transaction() as conn:
-                deleted = conn.execute(f"DELETE FROM memory_records WHERE {where}", params)
-                count = deleted.rowcount
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
-        return int(count)
-
-    # --- reads --------------------------------------------------------------------------
-
-    def _query(self, sql: str, params: Sequence[object]) -> list[MemoryRecord]:
-        try:
-            rows = self._conn().execute(sql, tuple(params)).fetchall()
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
-        return [record_from_row(row) for row in rows]
-
-    def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
-        found = self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE id = ? AND tenant_id = ? AND user_id = ?",
-            (record_id, scope.tenant_id, scope.user_id),
-        )
-        return found[0] if found else None
-
-    def fetch(
-        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
-    ) -> list[MemoryRecord]:
-        if not record_ids:
-            return []
-        where, params = filter_sql(filters, "?")
-        records: list[MemoryRecord] = []
-        ids = list(dict.fromkeys(record_ids))
-        for start in range(0, len(ids), 500):
-            chunk = ids[start : start + 500]
-            records.extend(
-                self._query(
-                    f"SELECT {_SELECT} FROM memory_records WHERE +tenant_id = ? AND +user_id = ? "
-                    f"AND id IN ({', '.join('?' for _ in chunk)})"
-                    + (f" AND {where}" if where else ""),
-                    (scope.tenant_id, scope.user_id, *chunk, *params),
-                )
-            )
-        return records
-
-    def list_records(
-        self, scope: Scope, filters: MemoryFilter, *, limit: int = 50, newest_first: bool = True
-    ) -> list[MemoryRecord]:
-        where, params = filter_sql(filters, "?")
-        order = "DESC" if newest_first else "ASC"
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = ? AND user_id = ?"
-            + (f" AND {where}" if where else "")
-            + f" ORDER BY created_at {order}, rowid {order} LIMIT ?",
-            (scope.tenant_id, scope.user_id, *params, int(limit)),
-        )
-
-    def fact_history(self, scope: Scope, subject: str, attribute: str) -> list[MemoryRecord]:
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = ? AND user_id = ? "
-            "AND kind = 'semantic' AND subject = ? AND attribute = ? "
-            "ORDER BY COALESCE(valid_from, created_at), rowid",
-            (scope.tenant_id, scope.user_id, subject, attribute),
-        )
-
-    def session_turns(
-        self, scope: Scope, session_id: str, first_turn: int, last_turn: int
-    ) -> list[MemoryRecord]:
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = ? AND user_id = ? "
-            "AND session_id = ? AND turn BETWEEN ? AND ? ORDER BY turn, rowid",
-            (scope.tenant_id, scope.user_id, session_id, first_turn, last_turn),
-        )
-
-    def turns_around(
-        self, scope: Scope, spans: Sequence[tuple[str, int, int]]
-    ) -> list[MemoryRecord]:
-        if not spans:
-            return []
-        ranges = " OR ".join(["(session_id = ? AND turn BETWEEN ? AND ?)"] * len(spans))
-        return self._query(
-            f"SELECT {_SELECT} FROM memory_records WHERE tenant_id = ? AND user_id = ? "
-            f"AND ({ranges}) ORDER BY session_id, turn, rowid",
-            (scope.tenant_id, scope.user_id, *(value for span in spans for value in span)),
-        )
-
-    def count(self, scope: Scope | None = None) -> int:
-        conn = self._conn()
-        if scope is None:
-            row = conn.execute("SELECT COUNT(*) FROM memory_records").fetchone()
-        else:
-            row = conn.execute(
-                "SELECT COUNT(*) FROM memory_records WHERE tenant_id = ? AND user_id = ?",
-                (scope.tenant_id, scope.user_id),
-            ).fetchone()
-        return int(row[0])
-
-    # --- search -------------------------------------------------------------------------
 
     def keyword_search(
         self, scope: Scope, terms: Sequence[str], filters: MemoryFilter, limit: int
@@ -638,9 +405,15 @@ class SQLiteMemoryStore(MemoryStore):
         safe = [term.replace('"', "") for term in terms if term.strip('"')]
         if not safe or limit <= 0:
             return []
-        conn = self._conn()
-        try:
-            plan = _plan_keyword_query(conn, scope, safe, self._term_frequencies, int(limit))
+        with self._read() as conn:
+            plan = _plan_keyword_query(
+                conn,
+                scope,
+                safe,
+                self._term_frequencies,
+                int(limit),
+                lambda: self._count(conn, scope),
+            )
             where, params = filter_sql(filters, "?", prefix="r.")
             # The scope is in the MATCH expression (fast) and checked on the rows again.
             scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
@@ -674,8 +447,6 @@ class SQLiteMemoryStore(MemoryStore):
                     rows = conn.execute(
                         full, (plan.match, *plan.restriction_args, *args, int(limit))
                     ).fetchall()
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
         # Scores are lower for better rows (FTS5's bm25() is negative): negated, higher is.
         return [ScoredId(str(row[0]), -float(row[1])) for row in rows]
 
@@ -709,7 +480,7 @@ class SQLiteMemoryStore(MemoryStore):
         if is_selective(filters):
             # A narrow filter (replay examples, one session) is resolved in SQL first so the
             # nearest rows are never all filtered away afterwards.
-            allowed = self._allowed_ids(scope, filters)
+            allowed = self._scoped_ids(scope, filters)
             positions = np.array(
                 [index.positions[i] for i in allowed if i in index.positions], dtype=np.int64
             )
@@ -722,35 +493,19 @@ class SQLiteMemoryStore(MemoryStore):
         hits = [
             ScoredId(index.ids[int(p)], float(s)) for p, s in zip(positions, scores, strict=True)
         ]
-        alive = self._alive(scope, [hit.record_id for hit in hits], filters)
+        alive = set(self._scoped_ids(scope, filters, [hit.record_id for hit in hits]))
         return [hit for hit in hits if hit.record_id in alive][:limit]
 
-    def _alive(self, scope: Scope, record_ids: list[str], filters: MemoryFilter) -> set[str]:
-        where, params = filter_sql(filters, "?")
-        alive: set[str] = set()
-        conn = self._conn()
-        for start in range(0, len(record_ids), 500):
-            chunk = record_ids[start : start + 500]
-            rows = conn.execute(
-                "SELECT id FROM memory_records WHERE +tenant_id = ? AND +user_id = ? "
-                f"AND id IN ({', '.join('?' for _ in chunk)})" + (f" AND {where}" if where else ""),
-                (scope.tenant_id, scope.user_id, *chunk, *params),
-            ).fetchall()
-            alive.update(str(row[0]) for row in rows)
-        return alive
-
-    def _allowed_ids(self, scope: Scope, filters: MemoryFilter) -> list[str]:
-        where, params = filter_sql(filters, "?")
-        rows = (
-            self._conn()
-            .execute(
-                "SELECT id FROM memory_records WHERE tenant_id = ? AND user_id = ?"
-                + (f" AND {where}" if where else ""),
-                (scope.tenant_id, scope.user_id, *params),
-            )
-            .fetchall()
-        )
-        return [str(row[0]) for row in rows]
+    def _scoped_ids(
+        self, scope: Scope, filters: MemoryFilter, record_ids: Sequence[str] | None = None
+    ) -> list[str]:
+        """The ids of the rows of ``scope`` that pass ``filters`` (among ``record_ids`` when
+        given): what search may return of its candidates."""
+        found: list[str] = []
+        with self._read() as conn:
+            for statement, params in self._scoped("id", scope, filters, record_ids):
+                found.extend(str(row[0]) for row in self._execute(conn, statement, params))
+        return found
 
     def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
         index = self._index(scope, model)
@@ -760,122 +515,25 @@ class SQLiteMemoryStore(MemoryStore):
             if record_id in index.positions
         }
 
-    # --- outbox -------------------------------------------------------------------------
-
-    def pending(
-        self, limit: int, max_attempts: int = 5, *, scope: Scope | None = None
-    ) -> list[OutboxEntry]:
-        in_scope = "" if scope is None else " AND r.tenant_id = ? AND r.user_id = ?"
-        scoped = () if scope is None else (scope.tenant_id, scope.user_id)
-        rows = (
-            self._conn()
-            .execute(
-                "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
-                "r.session_id, r.turn "
-                "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                f"WHERE o.attempts < ?{in_scope} ORDER BY o.id LIMIT ?",
-                (int(max_attempts), *scoped, int(limit)),
-            )
-            .fetchall()
-        )
-        return [
-            OutboxEntry(
-                int(r[0]),
-                str(r[1]),
-                str(r[2]),
-                str(r[3]),
-                str(r[4]),
-                int(r[5]),
-                None if r[6] is None else str(r[6]),
-                None if r[7] is None else int(r[7]),
-            )
-            for r in rows
-        ]
-
-    def count_pending(self, max_attempts: int = 5) -> int:
-        row = (
-            self._conn()
-            .execute(
-                "SELECT COUNT(*) FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                "WHERE o.attempts < ?",
-                (int(max_attempts),),
-            )
-            .fetchone()
-        )
-        return int(row[0])
-
-    def complete(
-        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    def _write_vectors(
+        self,
+        conn: sqlite3.Connection,
+        entries: Sequence[OutboxEntry],
+        vectors: Sequence[FloatArray],
+        model: str,
     ) -> None:
-        if not entries:
-            return
-        try:
-            with self.db.transaction() as conn:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO memory_vectors "
-                    "(record_id, tenant_id, user_id, model, vector) "
-                    "SELECT id, tenant_id, user_id, ?, ? FROM memory_records WHERE id = ?",
-                    [
-                        (model, np.asarray(vector, dtype=np.float32).tobytes(), entry.record_id)
-                        for entry, vector in zip(entries, vectors, strict=True)
-                    ],
-                )
-                conn.executemany(
-                    "UPDATE memory_records SET embedding_model = ? WHERE id = ?",
-                    [(model, entry.record_id) for entry in entries],
-                )
-                conn.executemany(
-                    "DELETE FROM memory_outbox WHERE id = ?", [(entry.id,) for entry in entries]
-                )
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
-
-    def fail(self, entries: Sequence[OutboxEntry], error: str) -> None:
-        try:
-            with self.db.transaction() as conn:
-                conn.executemany(
-                    "UPDATE memory_outbox SET attempts = attempts + 1, last_error = ? WHERE id = ?",
-                    [(error[:2000], entry.id) for entry in entries],
-                )
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
-
-    def enqueue_reembed(self, model: str) -> int:
-        self._conn()
-        try:
-            with self.db.transaction() as conn:
-                # Entries that ran out of attempts (an embedder was down) get a fresh start.
-                retried = conn.execute(
-                    "UPDATE memory_outbox SET attempts = 0 WHERE attempts > 0"
-                ).rowcount
-                cursor = conn.execute(
-                    "INSERT INTO memory_outbox (record_id, created_at) "
-                    "SELECT id, ? FROM memory_records r WHERE "
-                    "(r.embedding_model IS NULL OR r.embedding_model != ?) "
-                    "AND NOT EXISTS (SELECT 1 FROM memory_outbox o WHERE o.record_id = r.id)",
-                    (time.time(), model),
-                )
-                queued = cursor.rowcount + retried
-        except sqlite3.Error as exc:
-            raise translate_sqlite_error(exc, self.db.path) from exc
-        return int(queued)
-
-    def embedding_models(self) -> dict[str, int]:
-        rows = (
-            self._conn()
-            .execute(
-                "SELECT COALESCE(embedding_model, ''), COUNT(*) FROM memory_records "
-                "GROUP BY COALESCE(embedding_model, '')"
-            )
-            .fetchall()
+        conn.executemany(
+            "INSERT OR REPLACE INTO memory_vectors (record_id, tenant_id, user_id, model, vector) "
+            "SELECT id, tenant_id, user_id, ?, ? FROM memory_records WHERE id = ?",
+            [
+                (model, np.asarray(vector, dtype=np.float32).tobytes(), entry.record_id)
+                for entry, vector in zip(entries, vectors, strict=True)
+            ],
         )
-        return {str(model): int(count) for model, count in rows}
 
     def close(self) -> None:
         with self._index_lock:
             self._indexes.clear()
-        if self._owns_db:
-            self.db.close()
 
     def __repr__(self) -> str:
         return f"SQLiteMemoryStore({self.db.path!r})"
