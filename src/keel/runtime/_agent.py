@@ -27,7 +27,6 @@ calls of the interrupted step instead of running them again.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -40,7 +39,7 @@ from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions
 from keel.privacy import DEFAULT_MASKER, PIIMasker
 from keel.runtime._backends import Backends
-from keel.runtime._events import AgentEvent, TurnFinished
+from keel.runtime._events import AgentEvent
 from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, MemoryHandOff
 from keel.runtime._lease import Lease, own_session
 from keel.runtime._masking import Masking
@@ -56,6 +55,7 @@ from keel.runtime._open import (
 from keel.runtime._replies import Recent
 from keel.runtime._reply import AgentReply
 from keel.runtime._session import answer, resume_open_turn
+from keel.runtime._stream import events_of
 from keel.runtime._text import require_id, session_key, user_text
 from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps, TurnOptions
 from keel.runtime._workflow import Workflow
@@ -360,7 +360,7 @@ class Agent:
         """Sync twin of :meth:`run` (not for use inside a running event loop)."""
         return run_sync(self.run(text, session=session, user=user, **options))
 
-    async def stream(
+    def stream(
         self,
         text: str,
         *,
@@ -378,20 +378,8 @@ class Agent:
         at its last checkpoint with the turn open, and the next message or :meth:`resume`
         finishes it. Raises what :meth:`run` raises, at the point it happens.
         """
-        events: asyncio.Queue[AgentEvent | None] = asyncio.Queue()
-        extras = RunExtras(**options)
-        turn = asyncio.create_task(self._handle(session, user, text, events.put_nowait, extras))
-        turn.add_done_callback(lambda _: events.put_nowait(None))
-        try:
-            while (event := await events.get()) is not None:
-                yield event
-            reply = turn.result()
-        finally:
-            if not turn.done():
-                turn.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await turn
-        yield TurnFinished(reply=reply)
+        # The options are read when the iteration starts, as an async generator's body runs.
+        return events_of(lambda emit: self._handle(session, user, text, emit, RunExtras(**options)))
 
     def stream_sync(
         self,
