@@ -177,13 +177,11 @@ class Agent:
         # from the store on its next turn.
         self._owners: Recent[str, tuple[str, str]] = Recent(session_cache_size)
         self._sessions = SessionLogs(session_cache_size)
-        self._hand_off = (
-            None
-            if memory is None
-            else MemoryHandOff(
+        self._hand_off: MemoryHandOff | None = None
+        if memory is not None:
+            self._hand_off = MemoryHandOff(
                 memory, tenant_id=tenant_id, budget_tokens=memory_budget_tokens, owners=self._owners
             )
-        )
         self.engine = ContextEngine(model, budget=context, memory_sink=self._hand_off)
         self.monitor = SpiralMonitor(prompt_limit=self.engine.budget.limit)
         self.backends: Backends | None = None
@@ -450,9 +448,7 @@ class Agent:
         return own_session(self.state, key, ttl=self.lease_ttl_s, wait_s=self.session_wait_s)
 
     async def _memories(self, user_id: str, query: str) -> list[ContextMemory]:
-        if self._hand_off is None:
-            return []
-        return await self._hand_off.recall(user_id, query)
+        return [] if self._hand_off is None else await self._hand_off.recall(user_id, query)
 
     def _deps(self) -> TurnDeps:
         """The agent's configuration as a turn takes it (read per turn: the attributes may be
