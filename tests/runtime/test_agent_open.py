@@ -453,3 +453,51 @@ def test_with_releases_what_open_opened(tmp_path: Path) -> None:
         assert backends is not None
     assert booked == ["Oslo"] and _sqlite_rows(path)["keel_tool_journal"] == 1
     assert not backends._closers, "the with block did not close what open opened"
+
+
+# --- what the factories build -----------------------------------------------------------------
+
+
+def test_open_refuses_the_stores_it_builds_itself(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    for given in ("state", "tracer"):
+        with pytest.raises(UsageError, match=rf"\['{given}'\].*construct Agent"):
+            Agent.open(url, model=ScriptedModel(["hi"]), system_prompt="hi", **{given: object()})  # type: ignore[arg-type]
+
+
+def test_a_subclass_is_built_as_itself(tmp_path: Path) -> None:
+    class BookingAgent(Agent):
+        pass
+
+    settings = load_settings(database=f"sqlite:///{tmp_path / 'k.db'}")
+    with BookingAgent.open(settings, model=ScriptedModel(["hi"]), system_prompt="hi") as opened:
+        assert type(opened) is BookingAgent
+        assert opened.backends is not None
+        shared = BookingAgent.on_backends(
+            opened.backends, ScriptedModel(["hi"]), system_prompt="hi"
+        )
+        assert type(shared) is BookingAgent and shared.backends is None
+    with BookingAgent.embedded(ScriptedModel(["hi"]), system_prompt="hi", settings=settings) as one:
+        assert type(one) is BookingAgent
+
+
+def test_embedded_keeps_state_in_its_file_whatever_keel_redis_url_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from keel.testing.servers import free_port
+
+    # Nothing listens there: opening it would fail.
+    monkeypatch.setenv("KEEL_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    settings = load_settings(database=f"sqlite:///{tmp_path / 'k.db'}")
+    assert settings.redis_url
+    with Agent.embedded(ScriptedModel(["Hi."]), system_prompt="hi", settings=settings) as agent:
+        assert agent.backends is not None and agent.backends.redis is None
+        assert agent.run_sync("Hello.", session="s1", user="u1").text == "Hi."
+    assert _sqlite_rows(tmp_path / "k.db")["keel_state_checkpoints"] > 0
+
+
+def test_an_agent_that_cannot_be_built_closes_the_stores_opened_for_it(tmp_path: Path) -> None:
+    before = _threads()
+    with pytest.raises(UsageError, match="system prompt"):
+        Agent.open(f"sqlite:///{tmp_path / 'k.db'}", model=ScriptedModel(["hi"]), system_prompt=" ")
+    assert _settle_threads(before) == set(), "memory's outbox worker outlived the failed open"

@@ -27,31 +27,39 @@ calls of the interrupted step instead of running them again.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from keel._bridge import iterate_sync, run_sync
 from keel.context import ContextBudget, ContextEngine, ContextMemory
-from keel.errors import KeelError, UsageError
+from keel.errors import UsageError
 from keel.guards import GuardConfig, SpiralMonitor
-from keel.models import ChatModel, ModelOptions, resolve_model
+from keel.models import ChatModel, ModelOptions
 from keel.privacy import DEFAULT_MASKER, PIIMasker
-from keel.runtime._backends import Backends, open_at_edge
-from keel.runtime._events import AgentEvent, TurnFinished
+from keel.runtime._backends import Backends
+from keel.runtime._events import AgentEvent
 from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, MemoryHandOff
 from keel.runtime._lease import Lease, own_session
 from keel.runtime._masking import Masking
+from keel.runtime._open import (
+    EmbeddedOptions,
+    OnBackendsOptions,
+    OpenOptions,
+    agent_on_backends,
+    close_opened,
+    embedded_agent,
+    open_agent,
+)
 from keel.runtime._replies import Recent
 from keel.runtime._reply import AgentReply
 from keel.runtime._session import answer, resume_open_turn
+from keel.runtime._stream import events_of
 from keel.runtime._text import require_id, session_key, user_text
 from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps, TurnOptions
 from keel.runtime._workflow import Workflow
-from keel.settings import Settings, load_settings
+from keel.settings import Settings
 from keel.state import AgentState, StateMachine, StateStore
 from keel.tools import InMemoryJournal, Tool, ToolJournal
 from keel.tracing import Tracer
@@ -62,9 +70,6 @@ if TYPE_CHECKING:
 __all__ = ["SUMMARY_KEY_PREFIX", "Agent", "AgentReply", "session_key"]
 
 logger = logging.getLogger("keel.runtime")
-
-_CLOSE_FLUSH_S = 10.0
-"""How long closing an agent waits for memory to embed what its turns wrote."""
 
 _DEFAULT_MASKER = DEFAULT_MASKER
 
@@ -172,20 +177,17 @@ class Agent:
         # from the store on its next turn.
         self._owners: Recent[str, tuple[str, str]] = Recent(session_cache_size)
         self._sessions = SessionLogs(session_cache_size)
-        self._hand_off = (
-            None
-            if memory is None
-            else MemoryHandOff(
+        self._hand_off: MemoryHandOff | None = None
+        if memory is not None:
+            self._hand_off = MemoryHandOff(
                 memory, tenant_id=tenant_id, budget_tokens=memory_budget_tokens, owners=self._owners
             )
-        )
         self.engine = ContextEngine(model, budget=context, memory_sink=self._hand_off)
         self.monitor = SpiralMonitor(prompt_limit=self.engine.budget.limit)
-        self._owned: list[Callable[[], None]] = []
         self.backends: Backends | None = None
         """The stores :meth:`open` opened (and closes); None for an agent built by hand."""
 
-    # --- construction ---------------------------------------------------------------------------
+    # --- construction (the wiring is in runtime/_open.py) -----------------------------------
 
     @classmethod
     def open(
@@ -194,15 +196,7 @@ class Agent:
         /,
         *,
         system_prompt: str,
-        model: ChatModel | str | None = None,
-        tools: Sequence[Tool] = (),
-        rules: Sequence[str] = (),
-        machine: StateMachine | None = None,
-        memory: bool = True,
-        journal: bool = True,
-        redis_url: str | None = None,
-        settings: Settings | None = None,
-        **options: Any,
+        **options: Unpack[OpenOptions],
     ) -> Agent:
         """An agent whose state, tool journal, traces and memory are opened from one URL.
 
@@ -219,9 +213,9 @@ class Agent:
             system_prompt: identity and guardrails.
             model: a ChatModel or a model spec (default: ``settings.model``).
             tools / rules / machine: as for the constructor.
-            memory: open long-term memory (embedder: ``settings.embedder``).
-            journal: use the durable tool journal. False (a control, not for production):
-                the agent keeps one in this process's memory, which a crash loses.
+            memory: open long-term memory (embedder: ``settings.embedder``; default True).
+            journal: use the durable tool journal (default True). False (a control, not for
+                production): the agent keeps one in this process's memory, which a crash loses.
             redis_url: ``redis://...`` for state (default: ``settings.redis_url``; ``""``
                 keeps state on the database even when ``KEEL_REDIS_URL`` is set).
             settings: model, embedder, SQLite busy timeout, and the URLs not given.
@@ -236,34 +230,7 @@ class Agent:
             BackendUnavailableError: a server cannot be reached or its driver is missing.
             StoreError: a database cannot be opened or migrated.
         """
-        built_here = {"state", "tracer"} & set(options)
-        if built_here:
-            raise UsageError(
-                f"Agent.open builds {sorted(built_here)} from the database URL; to pass your "
-                "own stores, construct Agent(...) directly"
-            )
-        # One privacy policy for messages, the journal, memory and traces; None turns it off.
-        privacy = options.get("masker", _DEFAULT_MASKER)
-        backends, settings = open_at_edge(
-            database, settings, redis_url=redis_url, memory=memory, privacy=privacy
-        )
-        try:
-            chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
-            agent = cls.on_backends(
-                backends,
-                chat_model,
-                system_prompt=system_prompt,
-                tools=tools,
-                rules=rules,
-                machine=machine,
-                journal=journal,
-                **options,
-            )
-        except BaseException:
-            backends.close()
-            raise
-        agent.backends = backends
-        return agent
+        return open_agent(cls, database, system_prompt=system_prompt, **options)
 
     @classmethod
     def on_backends(
@@ -272,8 +239,7 @@ class Agent:
         model: ChatModel,
         *,
         system_prompt: str,
-        journal: bool = True,
-        **options: Any,
+        **options: Unpack[OnBackendsOptions],
     ) -> Agent:
         """An agent on stores already open (several agents may share them: one per tenant,
         say). The caller keeps the stores: closing the agent does not close them.
@@ -281,27 +247,7 @@ class Agent:
         ``options`` are the constructor's (``tools=``, ``tenant_id=``, ``masker=``, ...);
         state, memory, the journal (unless ``journal`` is False) and the tracer come from
         ``backends``, the tracer masking with the agent's privacy policy."""
-        # The stores' privacy policy unless the agent has its own: one masker for all of it.
-        masker: PIIMasker | None = options.setdefault("masker", backends.privacy)
-        tenant_id: str = options.get("tenant_id", "default")
-        redact = (
-            None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
-        )
-        return cls(
-            model,
-            state=backends.state,
-            system_prompt=system_prompt,
-            memory=backends.memory,
-            journal=backends.journal if journal else None,
-            tracer=Tracer(
-                backends.traces,
-                redact=redact,
-                agent=options.get("name", "agent"),
-                # A run killed mid-turn reads as abandoned once silent past this limit.
-                run_time_limit_s=(options.get("guards") or GuardConfig()).run_timeout_s,
-            ),
-            **options,
-        )
+        return agent_on_backends(cls, backends, model, system_prompt=system_prompt, **options)
 
     @classmethod
     def embedded(
@@ -309,56 +255,25 @@ class Agent:
         model: ChatModel | str | None = None,
         *,
         system_prompt: str,
-        tools: Sequence[Tool] = (),
-        rules: Sequence[str] = (),
-        machine: StateMachine | None = None,
-        memory: bool = True,
-        settings: Settings | None = None,
-        **options: Any,
+        **options: Unpack[EmbeddedOptions],
     ) -> Agent:
         """An agent on the embedded default: one SQLite file holds state, the tool journal,
         traces and memory; the model is a spec (default: ``settings.model``) or a ChatModel.
 
-        ``options`` are passed to the constructor (``context=``, ``guards=``, ...). Close the
-        agent with :meth:`aclose` (or ``close``) to flush memory and release the database.
-        :meth:`open` is the same on any database (and Redis); this one refuses a server URL.
+        ``memory=``, ``journal=`` and ``settings=`` are :meth:`open`'s, the other ``options``
+        are passed to the constructor (``context=``, ``guards=``, ...). Close the agent with
+        :meth:`aclose` (or ``close``) to flush memory and release the database. :meth:`open` is
+        the same on any database (and Redis); this one refuses a server URL.
 
         Raises:
             UsageError: the settings name a server database (use :meth:`open`).
         """
-        settings = settings or load_settings()  # an edge: it must know the URL before open
-        if settings.sqlite_path is None:
-            raise UsageError(
-                f"{settings.parsed_database.kind} databases are opened by "
-                "Agent.open, not as the embedded SQLite database"
-            )
-        return cls.open(
-            settings.database_url,
-            model=model,
-            system_prompt=system_prompt,
-            tools=tools,
-            rules=rules,
-            machine=machine,
-            memory=memory,
-            redis_url="",  # embedded: everything in the one file, whatever KEEL_REDIS_URL says
-            settings=settings,
-            **options,
-        )
+        return embedded_agent(cls, model, system_prompt=system_prompt, **options)
 
     async def aclose(self) -> None:
         """Flush memory's outbox and release what :meth:`open` / :meth:`embedded` opened."""
         if self.backends is not None:
-            if self.backends.memory is not None:
-                try:
-                    # What the last turns wrote is embedded before the worker stops (a process
-                    # that ends at once would leave it for the next start-up); bounded, and
-                    # what is left stays in the durable outbox.
-                    await self.backends.memory.aflush(timeout=_CLOSE_FLUSH_S)
-                except (TimeoutError, KeelError) as exc:
-                    logger.warning("memory's outbox was not flushed on close: %s", exc)
-            await self.backends.aclose()
-        while self._owned:
-            await asyncio.to_thread(self._owned.pop(0))
+            await close_opened(self.backends)
 
     def close(self) -> None:
         """Sync twin of :meth:`aclose`, on the bridge loop the sync twins ran on: async clients
@@ -443,7 +358,7 @@ class Agent:
         """Sync twin of :meth:`run` (not for use inside a running event loop)."""
         return run_sync(self.run(text, session=session, user=user, **options))
 
-    async def stream(
+    def stream(
         self,
         text: str,
         *,
@@ -461,20 +376,8 @@ class Agent:
         at its last checkpoint with the turn open, and the next message or :meth:`resume`
         finishes it. Raises what :meth:`run` raises, at the point it happens.
         """
-        events: asyncio.Queue[AgentEvent | None] = asyncio.Queue()
-        extras = RunExtras(**options)
-        turn = asyncio.create_task(self._handle(session, user, text, events.put_nowait, extras))
-        turn.add_done_callback(lambda _: events.put_nowait(None))
-        try:
-            while (event := await events.get()) is not None:
-                yield event
-            reply = turn.result()
-        finally:
-            if not turn.done():
-                turn.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await turn
-        yield TurnFinished(reply=reply)
+        # The options are read when the iteration starts, as an async generator's body runs.
+        return events_of(lambda emit: self._handle(session, user, text, emit, RunExtras(**options)))
 
     def stream_sync(
         self,
@@ -545,9 +448,7 @@ class Agent:
         return own_session(self.state, key, ttl=self.lease_ttl_s, wait_s=self.session_wait_s)
 
     async def _memories(self, user_id: str, query: str) -> list[ContextMemory]:
-        if self._hand_off is None:
-            return []
-        return await self._hand_off.recall(user_id, query)
+        return [] if self._hand_off is None else await self._hand_off.recall(user_id, query)
 
     def _deps(self) -> TurnDeps:
         """The agent's configuration as a turn takes it (read per turn: the attributes may be

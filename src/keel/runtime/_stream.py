@@ -4,7 +4,9 @@ out unusable."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from keel.messages import ToolCall
@@ -16,14 +18,16 @@ from keel.runtime._events import (
     TextDiscarded,
     ToolCallFinished,
     ToolCallStarted,
+    TurnFinished,
 )
 from keel.runtime._masking import Masking
+from keel.runtime._reply import AgentReply
 from keel.runtime._steps import StepRecord
 from keel.runtime._text import sanitize
 from keel.tools import ToolResult
 from keel.tracing import redact_json
 
-__all__ = ["TurnStream"]
+__all__ = ["TurnStream", "events_of"]
 
 
 class TurnStream:
@@ -117,3 +121,27 @@ class TurnStream:
             rest = masker.finish() if masker is not None else ""
             if rest:
                 self.emit(TextDelta(step=step, text=rest))
+
+
+async def events_of(
+    turn: Callable[[Callable[[AgentEvent], None]], Coroutine[Any, Any, AgentReply]],
+) -> AsyncIterator[AgentEvent]:
+    """The events ``turn`` emits through the callback it is given, as they happen, and last a
+    :class:`TurnFinished` with its reply; it raises what the turn raises, where it happens.
+
+    The turn runs as a task of its own, so a consumer that stops early (``break``,
+    ``aclose``, a cancelled task) cancels it where it is, and waits for it to stop.
+    """
+    events: asyncio.Queue[AgentEvent | None] = asyncio.Queue()
+    task = asyncio.create_task(turn(events.put_nowait))
+    task.add_done_callback(lambda _: events.put_nowait(None))
+    try:
+        while (event := await events.get()) is not None:
+            yield event
+        reply = task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    yield TurnFinished(reply=reply)

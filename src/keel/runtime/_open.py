@@ -1,0 +1,202 @@
+"""How an :class:`~keel.runtime.Agent` is built on opened stores: the composition root's side
+of ``Agent.open``, ``Agent.embedded`` and ``Agent.on_backends``.
+
+The agent is configuration and the public API; opening the stores a URL or settings name,
+choosing the model from the settings, wiring one privacy policy through the journal, memory
+and traces, and closing what was opened when building fails are done here, by factories that
+take the class to build (so a subclass builds a subclass) and never an existing agent.
+:class:`AgentOptions` types the constructor's keywords once, so the classmethods that forward
+them (``**options: Unpack[...]``) do not repeat its parameter list.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
+
+from keel.context import ContextBudget
+from keel.errors import KeelError, UsageError
+from keel.guards import GuardConfig
+from keel.models import ChatModel, ModelOptions, resolve_model
+from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.runtime._backends import Backends, open_at_edge
+from keel.settings import Settings, load_settings
+from keel.state import StateMachine
+from keel.tools import Tool
+from keel.tracing import Tracer
+
+if TYPE_CHECKING:
+    # Only for the type of what is built: _agent imports this module to delegate to it.
+    from keel.runtime._agent import Agent
+
+__all__ = [
+    "AgentOptions",
+    "EmbeddedOptions",
+    "OnBackendsOptions",
+    "OpenOptions",
+    "agent_on_backends",
+    "close_opened",
+    "embedded_agent",
+    "open_agent",
+]
+
+logger = logging.getLogger("keel.runtime")
+
+AgentT = TypeVar("AgentT", bound="Agent")
+
+_CLOSE_FLUSH_S = 10.0
+"""How long closing an agent waits for memory to embed what its turns wrote."""
+
+_BUILT_FROM_BACKENDS = frozenset({"state", "tracer"})
+"""Constructor arguments the factories build from the stores, so a caller cannot pass them."""
+
+
+class AgentOptions(TypedDict, total=False):
+    """The :class:`~keel.runtime.Agent` constructor's keywords that a factory passes on as
+    given (state, memory, the journal and the tracer come from the stores it opens)."""
+
+    tools: Sequence[Tool]
+    rules: Sequence[str]
+    machine: StateMachine | None
+    context: ContextBudget | None
+    guards: GuardConfig | None
+    memory_budget_tokens: int
+    masker: PIIMasker | None
+    tenant_id: str
+    name: str
+    lease_ttl_s: float
+    session_wait_s: float | None
+    session_cache_size: int
+    output_type: type[Any] | None
+    model_options: ModelOptions | None
+
+
+class OnBackendsOptions(AgentOptions, total=False):
+    """:meth:`Agent.on_backends <keel.runtime.Agent.on_backends>`'s options."""
+
+    journal: bool
+
+
+class EmbeddedOptions(OnBackendsOptions, total=False):
+    """:meth:`Agent.embedded <keel.runtime.Agent.embedded>`'s options."""
+
+    memory: bool
+    settings: Settings | None
+
+
+class OpenOptions(EmbeddedOptions, total=False):
+    """:meth:`Agent.open <keel.runtime.Agent.open>`'s options."""
+
+    model: ChatModel | str | None
+    redis_url: str | None
+
+
+def open_agent(
+    cls: type[AgentT],
+    database: str | Settings | None,
+    *,
+    system_prompt: str,
+    model: ChatModel | str | None = None,
+    memory: bool = True,
+    journal: bool = True,
+    redis_url: str | None = None,
+    settings: Settings | None = None,
+    **options: Unpack[AgentOptions],
+) -> AgentT:
+    """A ``cls`` on the stores ``database`` names, which it owns: see ``Agent.open``."""
+    built_here = _BUILT_FROM_BACKENDS & set(options)
+    if built_here:
+        raise UsageError(
+            f"Agent.open builds {sorted(built_here)} from the database URL; to pass your "
+            "own stores, construct Agent(...) directly"
+        )
+    # One privacy policy for messages, the journal, memory and traces; None turns it off.
+    privacy = options.get("masker", DEFAULT_MASKER)
+    backends, settings = open_at_edge(
+        database, settings, redis_url=redis_url, memory=memory, privacy=privacy
+    )
+    try:
+        chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
+        agent = agent_on_backends(
+            cls, backends, chat_model, system_prompt=system_prompt, journal=journal, **options
+        )
+    except BaseException:
+        backends.close()
+        raise
+    agent.backends = backends
+    return agent
+
+
+def agent_on_backends(
+    cls: type[AgentT],
+    backends: Backends,
+    model: ChatModel,
+    *,
+    system_prompt: str,
+    journal: bool = True,
+    **options: Unpack[AgentOptions],
+) -> AgentT:
+    """A ``cls`` on stores the caller keeps open: see ``Agent.on_backends``."""
+    # The stores' privacy policy unless the agent has its own: one masker for all of it.
+    masker = options.setdefault("masker", backends.privacy)
+    tenant_id = options.get("tenant_id", "default")
+    redact = None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
+    return cls(
+        model,
+        state=backends.state,
+        system_prompt=system_prompt,
+        memory=backends.memory,
+        journal=backends.journal if journal else None,
+        tracer=Tracer(
+            backends.traces,
+            redact=redact,
+            agent=options.get("name", "agent"),
+            # A run killed mid-turn reads as abandoned once silent past this limit.
+            run_time_limit_s=(options.get("guards") or GuardConfig()).run_timeout_s,
+        ),
+        **options,
+    )
+
+
+def embedded_agent(
+    cls: type[AgentT],
+    model: ChatModel | str | None = None,
+    *,
+    system_prompt: str,
+    memory: bool = True,
+    settings: Settings | None = None,
+    **options: Unpack[OnBackendsOptions],
+) -> AgentT:
+    """A ``cls`` on the settings' SQLite file, which it owns: see ``Agent.embedded``."""
+    settings = settings or load_settings()  # an edge: it must know the URL before open
+    if settings.sqlite_path is None:
+        raise UsageError(
+            f"{settings.parsed_database.kind} databases are opened by "
+            "Agent.open, not as the embedded SQLite database"
+        )
+    # Embedded: everything in the one file, whatever KEEL_REDIS_URL says.
+    return open_agent(
+        cls,
+        settings.database_url,
+        model=model,
+        system_prompt=system_prompt,
+        memory=memory,
+        redis_url="",
+        settings=settings,
+        **options,
+    )
+
+
+async def close_opened(backends: Backends) -> None:
+    """Close the stores a factory opened for an agent, memory's outbox flushed first."""
+    if backends.memory is not None:
+        try:
+            # What the last turns wrote is embedded before the worker stops (a process that
+            # ends at once would leave it for the next start-up); bounded, and what is left
+            # stays in the durable outbox.
+            await backends.memory.aflush(timeout=_CLOSE_FLUSH_S)
+        except (TimeoutError, KeelError) as exc:
+            logger.warning("memory's outbox was not flushed on close: %s", exc)
+    await backends.aclose()
