@@ -101,13 +101,14 @@ async def test_another_runs_decision_is_the_one_carried_out(database: SQLiteData
     model = ScriptedModel([_decision(), "Done."])
     loop = ToolLoop(model, REGISTRY, journal=journal, redact=mask_pii)
 
-    original = journal.record_decision
+    original = journal.arecord_decision
 
-    def first_writer_wins(session_id: str, step: int, message: Message) -> Message:
-        original(session_id, step, theirs)  # another run wrote its decision a moment earlier
-        return original(session_id, step, message)
+    async def first_writer_wins(session_id: str, step: int, message: Message) -> Message:
+        await original(session_id, step, theirs)  # another run wrote its decision just before
+        return await original(session_id, step, message)
 
-    journal.record_decision = first_writer_wins  # type: ignore[method-assign]
+    # The loop records its decision through the journal's async twin (native on every store).
+    journal.arecord_decision = first_writer_wins  # type: ignore[method-assign]
     result = await loop.arun(USER, session_id="s1")
     assert result.ok and filed == ["<EMAIL_1>"]
     assert result.messages[2].tool_calls[0].id == "call_t"
