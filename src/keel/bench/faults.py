@@ -66,7 +66,7 @@ from keel.messages import Message
 from keel.models import ChatModel
 from keel.runtime import Agent, AgentReply, session_key
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal, SQLiteTraceStore
 from keel.testing import ScriptedModel
 from keel.tools import Tool
 from keel.tracing import Tracer
@@ -119,8 +119,6 @@ class _Keel:
 
     @classmethod
     def open(cls, path: Path, *, journal: bool = True) -> _Keel:
-        from keel.stores._sqlite_traces import SQLiteTraceStore
-
         db = SQLiteDatabase(path)
         traces = SQLiteTraceStore(db)
         traces.setup()

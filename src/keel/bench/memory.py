@@ -24,6 +24,7 @@ from typing import Any
 
 from keel.bench._stats import nearest_rank
 from keel.memory import Embedder, Memory, MemoryStore, Scope
+from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 
 __all__ = ["run_memory_bench", "synthetic_corpus"]
 
@@ -226,8 +227,6 @@ def run_memory_bench(
     ``postgres_cpu`` (see :func:`postgres_server_cpu`) reads the server's CPU seconds, so
     the report says how much of the indexing time was the server's own work.
     """
-    from keel.stores import SQLiteDatabase, SQLiteMemoryStore
-
     texts, queries = synthetic_corpus(records)
     # Loaded (the default builds its ONNX graph, about 1.5 s) before anything is timed, so
     # neither the first backend's indexing nor its raw figure counts the load.
