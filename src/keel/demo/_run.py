@@ -250,32 +250,17 @@ def run_demo(
         on_turn=on_turn,
     )
     audit = conversation.run(audit_memory=memory)
-    tally = conversation.tally
-    per_trip = Airline(workdir / "airline.db").bookings_per_trip()
-    doubles = sum(1 for count in per_trip.values() if count > 1)
-    problems = _problems(per_trip, trips, doubles, tally, kill=kill, audit=audit)
-    return DemoReport(
-        turns=tally.turns,
-        trips_planned=trips,
-        bookings=sum(per_trip.values()),
-        resumed_after_kill=tally.resumed,
-        repeated_questions_after_resume=tally.repeated,
-        double_bookings=doubles,
-        in_doubt_settled=tally.settled,
+    return _report(
+        conversation.tally,
+        audit,
+        trips=trips,
+        kill=kill,
         journal=journal,
-        passed=not problems,
-        problems=problems,
-        max_prompt_tokens=max(tally.prompt_tokens, default=0),
-        prompt_budget=tally.budget,
-        loops_caught=tally.loops,
-        failed_turns=tally.failed,
-        seconds=round(time.monotonic() - started, 2),
         model=model,
-        workdir=str(workdir),
-        database=_where(workdir, database, redis_url),
-        junk_memories=None if audit is None else audit.junk,
-        memory_audit=audit,
-        prompt_tokens_per_turn=tally.prompt_tokens,
+        workdir=workdir,
+        database=database,
+        redis_url=redis_url,
+        started=started,
     )
 
 
@@ -394,17 +379,24 @@ class _Conversation:
         return reply
 
 
-def _problems(
-    per_trip: dict[str, int],
-    trips: int,
-    doubles: int,
+def _report(
     tally: _Tally,
-    *,
-    kill: bool,
     audit: MemoryAudit | None,
-) -> list[str]:
-    """Why the run did not pass (empty: it did): ``per_trip`` is the airline's bookings per
-    trip, ``doubles`` the trips among them booked more than once."""
+    *,
+    trips: int,
+    kill: bool,
+    journal: bool,
+    model: str,
+    workdir: Path,
+    database: str | None,
+    redis_url: str | None,
+    started: float,
+) -> DemoReport:
+    """The customer's ``tally`` and the memory ``audit`` against the airline's own records,
+    with why the run did not pass (no problems: it did); ``started``: the demo's start on
+    the monotonic clock."""
+    per_trip = Airline(workdir / "airline.db").bookings_per_trip()
+    doubles = sum(1 for count in per_trip.values() if count > 1)
     problems = []
     if doubles:
         problems.append(f"{doubles} trip(s) booked more than once")
@@ -416,7 +408,29 @@ def _problems(
         problems.append("the killed turn was not resumed")
     if audit is not None and audit.junk:
         problems.append(f"{audit.junk} junk memor{'y' if audit.junk == 1 else 'ies'} stored")
-    return problems
+    return DemoReport(
+        turns=tally.turns,
+        trips_planned=trips,
+        bookings=sum(per_trip.values()),
+        resumed_after_kill=tally.resumed,
+        repeated_questions_after_resume=tally.repeated,
+        double_bookings=doubles,
+        in_doubt_settled=tally.settled,
+        journal=journal,
+        passed=not problems,
+        problems=problems,
+        max_prompt_tokens=max(tally.prompt_tokens, default=0),
+        prompt_budget=tally.budget,
+        loops_caught=tally.loops,
+        failed_turns=tally.failed,
+        seconds=round(time.monotonic() - started, 2),
+        model=model,
+        workdir=str(workdir),
+        database=_where(workdir, database, redis_url),
+        junk_memories=None if audit is None else audit.junk,
+        memory_audit=audit,
+        prompt_tokens_per_turn=tally.prompt_tokens,
+    )
 
 
 def _audit_memory(worker: _Worker, workdir: Path, timeout_s: float) -> MemoryAudit:
