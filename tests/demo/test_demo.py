@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from keel.demo import Airline, plans
-from keel.demo._junk import read_prompted
+from keel.demo._junk import PROMPTED_FILE, read_prompted
 from keel.demo._run import run_demo, sparkline_chart
-from keel.demo._worker import PROMPTED_FILE
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -18,6 +18,7 @@ from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 
 from keel.integrations.langgraph import KeelCheckpointSaver, StaleWriterError
+from keel.privacy import DEFAULT_MASKER
 from keel.testing.langgraph import conformance_failures
 
 
@@ -228,6 +229,11 @@ def test_pii_is_masked_before_it_is_stored(db_url: str, tmp_path: Path) -> None:
         "SELECT payload FROM keel_state_checkpoints"
     )
     assert all("jane.doe" not in str(row[0]) for row in rows)
+
+
+def test_the_default_masker_is_keels_one_default_policy(saver: KeelCheckpointSaver) -> None:
+    # The default policy is built once for the process, not again by each saver.
+    assert saver.masker is DEFAULT_MASKER
 
 
 def test_a_growing_thread_stores_what_changed_not_the_whole_list_again(

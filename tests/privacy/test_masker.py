@@ -7,6 +7,7 @@ import pytest
 
 from keel.errors import ConfigError
 from keel.privacy import ENTITY_TYPES, MaskingPolicy, PIIMasker, mask_pii
+from keel.tracing import redact_secrets
 
 CORPUS = Path(__file__).parent / "corpus"
 
@@ -50,6 +51,16 @@ def test_luhn_and_checksums_decide() -> None:
     assert mask_pii("card 4111 1111 1111 1112") == "card 4111 1111 1111 1112"
     assert mask_pii("iban DE89370400440532013000") == "iban <IBAN_1>"
     assert mask_pii("iban DE89370400440532013001") == "iban DE89370400440532013001"
+
+
+def test_one_digit_repeated_is_no_card_to_the_masker_but_is_to_the_secrets_redactor() -> None:
+    # Both use the one Luhn check, which thirteen sixes and seventeen fours pass. The masker
+    # also rejects one repeated digit (a placeholder, not a card); redact_secrets is
+    # deliberately conservative and masks whatever passes.
+    for number in ("6" * 13, "4" * 17):
+        assert mask_pii(f"card {number}") == f"card {number}"
+        assert redact_secrets(f"card {number}") == "card [REDACTED:card]"
+    assert mask_pii("card 5500 0000 0000 0004") == "card <CREDIT_CARD_1>"
 
 
 def test_per_tenant_policies() -> None:

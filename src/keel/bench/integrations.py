@@ -66,7 +66,9 @@ def _langgraph_half(
 
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from keel.integrations.langgraph import KeelCheckpointSaver  # the langgraph extra
+    # The langgraph extra (keel's saver, and LangGraph's SqliteSaver above): only this half
+    # of the bench needs it, so the other halves run without it.
+    from keel.integrations.langgraph import KeelCheckpointSaver
 
     if progress:
         progress(f"LangGraph ReAct agent, {steps} steps on one thread: SqliteSaver")

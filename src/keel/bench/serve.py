@@ -55,6 +55,9 @@ import httpx
 
 from keel.bench._serve_worker import EFFECTS_TABLE, WORKER_ENV
 from keel.bench._stats import nearest_rank
+from keel.service import APIKeys
+from keel.settings import load_settings
+from keel.stores import Backends
 from keel.testing.servers import free_port, postgres_server, redis_server
 
 __all__ = ["run_hostile_bench", "run_serve_bench"]
@@ -210,10 +213,6 @@ def _effect_counts(effects: str) -> Counter[str]:
 
 
 def _api_key(database: str) -> str:
-    from keel.service import APIKeys
-    from keel.settings import load_settings
-    from keel.stores import Backends
-
     settings = load_settings()
     backends = Backends.open(database, settings=settings, memory=False, redis_url="")
     try:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 from keel.context._engine import MEMORIES_HEADING, RULES_HEADING, SUMMARY_HEADING
 
 __all__ = [
+    "PROMPTED_FILE",
     "MemoryAudit",
     "PromptRecorder",
     "PromptedText",
@@ -42,6 +43,10 @@ __all__ = [
     "audit_memories",
     "read_prompted",
 ]
+
+PROMPTED_FILE = "prompted.jsonl"
+"""Where, in the demo's workdir, :class:`PromptRecorder` writes what the prompt compiler was
+given (the worker records it, the parent's memory audit reads it)."""
 
 PromptedKind = Literal["system", "rules", "resume", "memory"]
 

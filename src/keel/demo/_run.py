@@ -14,6 +14,7 @@ runs the same demo without the durable journal: it must fail (the resumed turn b
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -23,14 +24,22 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty, Queue
 from typing import IO, Any
 
 from pydantic import BaseModel, Field
 
+from keel._urls import parse_database_url, redact_url
 from keel.demo._flights import BOOKED_REPLY, Airline, FlightUser, plans, question_slot
-from keel.demo._junk import MemoryAudit, StoredMemory, audit_memories, read_prompted
+from keel.demo._junk import (
+    PROMPTED_FILE,
+    MemoryAudit,
+    StoredMemory,
+    audit_memories,
+    read_prompted,
+)
 from keel.errors import KeelRuntimeError
 
 __all__ = ["DemoReport", "run_demo", "sparkline_chart"]
@@ -230,72 +239,162 @@ def run_demo(
     started = time.monotonic()
     workdir = workdir or Path(tempfile.mkdtemp(prefix="keel-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    stalled = workdir / "stalled"
-    customer = FlightUser(plans(trips, side_questions))
-    # More turns than any trip plan needs: a model that never finishes a booking stops here.
-    turn_bound = 2 * trips * (side_questions + 7)
-    kill_trip = trips // 2 if kill else -1
-    worker = _Worker(workdir, model, memory, journal, database, redis_url)
-    worker.receive(stalled=None, timeout_s=turn_timeout_s)  # ready
-    reply_text = ""
-    turns = 0
-    prompt_tokens: list[int] = []
-    max_prompt = 0
-    budget = 0
-    loops = 0
-    failed = 0
-    booked = 0
-    resumed = False
-    settled = 0
-    repeated = 0
-    given: set[str] = set()
-    trip_seen = -1
-    try:
+    conversation = _Conversation(
+        functools.partial(_Worker, workdir, model, memory, journal, database, redis_url),
+        FlightUser(plans(trips, side_questions)),
+        workdir,
+        kill_trip=trips // 2 if kill else None,
+        # More turns than any trip plan needs: a model that never finishes a booking stops here.
+        turn_bound=2 * trips * (side_questions + 7),
+        timeout_s=turn_timeout_s,
+        on_turn=on_turn,
+    )
+    audit = conversation.run(audit_memory=memory)
+    return _report(
+        conversation.tally,
+        audit,
+        trips=trips,
+        kill=kill,
+        journal=journal,
+        model=model,
+        workdir=workdir,
+        database=database,
+        redis_url=redis_url,
+        started=started,
+    )
+
+
+@dataclass
+class _Tally:
+    """What the customer's side counts over the run, turn by turn."""
+
+    turns: int = 0
+    prompt_tokens: list[int] = field(default_factory=list)
+    """The largest prompt of each turn."""
+    budget: int = 0
+    loops: int = 0
+    failed: int = 0
+    booked: int = 0
+    resumed: bool = False
+    settled: int = 0
+    repeated: int = 0
+    """Questions, after the resume, for a detail the customer gave earlier in the trip."""
+
+    def add(self, reply: dict[str, Any], given: set[str]) -> None:
+        """One turn's ``reply``; ``given``: the details the customer gave in this trip."""
+        self.turns += 1
+        text = str(reply.get("text", ""))
+        if self.resumed:
+            asked = question_slot(text)
+            if asked is not None and asked in given:
+                self.repeated += 1
+        self.prompt_tokens.append(int(reply.get("max_prompt_tokens", 0)))
+        self.budget = int(reply.get("prompt_limit", self.budget))
+        self.loops += int(reply.get("loops_detected", 0))
+        self.failed += reply.get("status") != "completed"
+        self.booked += BOOKED_REPLY in text
+
+
+class _Conversation:
+    """The customer talking to the worker, one message a turn, until the trips are booked;
+    inside the booking of trip ``kill_trip`` (None: never) the worker is SIGKILLed, and a new
+    one settles the in-doubt booking and resumes the interrupted turn."""
+
+    def __init__(
+        self,
+        new_worker: Callable[[], _Worker],
+        customer: FlightUser,
+        workdir: Path,
+        *,
+        kill_trip: int | None,
+        turn_bound: int,
+        timeout_s: float,
+        on_turn: Callable[[int, int, dict[str, Any]], None] | None,
+    ) -> None:
+        self._new_worker = new_worker
+        self._customer = customer
+        self._workdir = workdir
+        self._stalled = workdir / "stalled"
+        self._kill_trip = kill_trip
+        self._turn_bound = turn_bound
+        self._timeout_s = timeout_s
+        self._on_turn = on_turn
+        self.tally = _Tally()
+
+    def run(self, *, audit_memory: bool) -> MemoryAudit | None:
+        """Talk until done; then, if ``audit_memory``, audit what the agent's memory holds."""
+        self._start_worker()
+        try:
+            self._talk()
+            if not audit_memory:
+                return None
+            return _audit_memory(self._worker, self._workdir, self._timeout_s)
+        finally:
+            self._worker.close()
+
+    def _start_worker(self) -> None:
+        self._worker = self._new_worker()
+        self._worker.receive(stalled=None, timeout_s=self._timeout_s)  # ready
+
+    def _talk(self) -> None:
+        customer, tally = self._customer, self.tally
+        reply_text = ""
+        given: set[str] = set()
+        trip_seen = -1
         while True:
             message = customer.next_message(reply_text)
-            if message is None or turns >= turn_bound:
-                break
+            if message is None or tally.turns >= self._turn_bound:
+                return
             if customer.trip_index != trip_seen:
                 trip_seen, given = customer.trip_index, set()
             answered = question_slot_answer(message)
             if answered is not None:
                 given.add(answered)
-            if customer.trip_index == kill_trip and message == "Yes, book it." and not resumed:
-                (workdir / "stall").write_text("stall inside the next book_flight")
-            worker.send({"op": "say", "text": message})
-            reply = worker.receive(
-                stalled=stalled if kill and not resumed else None, timeout_s=turn_timeout_s
+            killing = self._kill_trip is not None and not tally.resumed
+            if killing and customer.trip_index == self._kill_trip and message == "Yes, book it.":
+                (self._workdir / "stall").write_text("stall inside the next book_flight")
+            self._worker.send({"op": "say", "text": message})
+            reply = self._worker.receive(
+                stalled=self._stalled if killing else None, timeout_s=self._timeout_s
             )
             if reply is None:
-                worker.kill()
-                stalled.unlink()
-                worker = _Worker(workdir, model, memory, journal, database, redis_url)
-                worker.receive(stalled=None, timeout_s=turn_timeout_s)
-                worker.send({"op": "settle"})
-                answer = worker.receive(stalled=None, timeout_s=turn_timeout_s)
-                settled = len(answer.get("keys", [])) if answer is not None else 0
-                worker.send({"op": "resume"})
-                reply = worker.receive(stalled=None, timeout_s=turn_timeout_s)
-                resumed = bool(reply is not None and reply.get("resumed"))
+                reply = self._kill_and_resume()
             assert reply is not None
-            turns += 1
             reply_text = str(reply.get("text", ""))
-            if resumed:
-                asked = question_slot(reply_text)
-                if asked is not None and asked in given:
-                    repeated += 1
-            tokens = int(reply.get("max_prompt_tokens", 0))
-            prompt_tokens.append(tokens)
-            max_prompt = max(max_prompt, tokens)
-            budget = int(reply.get("prompt_limit", budget))
-            loops += int(reply.get("loops_detected", 0))
-            failed += reply.get("status") != "completed"
-            booked += BOOKED_REPLY in reply_text
-            if on_turn is not None:
-                on_turn(turns, booked, reply)
-        audit = _audit_memory(worker, workdir, turn_timeout_s) if memory else None
-    finally:
-        worker.close()
+            tally.add(reply, given)
+            if self._on_turn is not None:
+                self._on_turn(tally.turns, tally.booked, reply)
+
+    def _kill_and_resume(self) -> dict[str, Any] | None:
+        """The worker is inside the booking: kill it, start another, settle, resume."""
+        self._worker.kill()
+        self._stalled.unlink()
+        self._start_worker()
+        self._worker.send({"op": "settle"})
+        answer = self._worker.receive(stalled=None, timeout_s=self._timeout_s)
+        self.tally.settled = len(answer.get("keys", [])) if answer is not None else 0
+        self._worker.send({"op": "resume"})
+        reply = self._worker.receive(stalled=None, timeout_s=self._timeout_s)
+        self.tally.resumed = bool(reply is not None and reply.get("resumed"))
+        return reply
+
+
+def _report(
+    tally: _Tally,
+    audit: MemoryAudit | None,
+    *,
+    trips: int,
+    kill: bool,
+    journal: bool,
+    model: str,
+    workdir: Path,
+    database: str | None,
+    redis_url: str | None,
+    started: float,
+) -> DemoReport:
+    """The customer's ``tally`` and the memory ``audit`` against the airline's own records,
+    with why the run did not pass (no problems: it did); ``started``: the demo's start on
+    the monotonic clock."""
     per_trip = Airline(workdir / "airline.db").bookings_per_trip()
     doubles = sum(1 for count in per_trip.values() if count > 1)
     problems = []
@@ -303,41 +402,39 @@ def run_demo(
         problems.append(f"{doubles} trip(s) booked more than once")
     if len(per_trip) != trips:
         problems.append(f"{len(per_trip)} of {trips} trips booked")
-    if repeated:
-        problems.append(f"{repeated} question(s) asked again after the resume")
-    if kill and not resumed:
+    if tally.repeated:
+        problems.append(f"{tally.repeated} question(s) asked again after the resume")
+    if kill and not tally.resumed:
         problems.append("the killed turn was not resumed")
     if audit is not None and audit.junk:
         problems.append(f"{audit.junk} junk memor{'y' if audit.junk == 1 else 'ies'} stored")
     return DemoReport(
-        turns=turns,
+        turns=tally.turns,
         trips_planned=trips,
         bookings=sum(per_trip.values()),
-        resumed_after_kill=resumed,
-        repeated_questions_after_resume=repeated,
+        resumed_after_kill=tally.resumed,
+        repeated_questions_after_resume=tally.repeated,
         double_bookings=doubles,
-        in_doubt_settled=settled,
+        in_doubt_settled=tally.settled,
         journal=journal,
         passed=not problems,
         problems=problems,
-        max_prompt_tokens=max_prompt,
-        prompt_budget=budget,
-        loops_caught=loops,
-        failed_turns=failed,
+        max_prompt_tokens=max(tally.prompt_tokens, default=0),
+        prompt_budget=tally.budget,
+        loops_caught=tally.loops,
+        failed_turns=tally.failed,
         seconds=round(time.monotonic() - started, 2),
         model=model,
         workdir=str(workdir),
         database=_where(workdir, database, redis_url),
         junk_memories=None if audit is None else audit.junk,
         memory_audit=audit,
-        prompt_tokens_per_turn=prompt_tokens,
+        prompt_tokens_per_turn=tally.prompt_tokens,
     )
 
 
 def _audit_memory(worker: _Worker, workdir: Path, timeout_s: float) -> MemoryAudit:
     """Every stored memory against what the prompts held (see :mod:`keel.demo._junk`)."""
-    from keel.demo._worker import PROMPTED_FILE
-
     worker.send({"op": "memories"})
     answer = worker.receive(stalled=None, timeout_s=timeout_s)
     assert answer is not None
@@ -350,8 +447,6 @@ def _audit_memory(worker: _Worker, workdir: Path, timeout_s: float) -> MemoryAud
 
 
 def _where(workdir: Path, database: str | None, redis_url: str | None) -> str:
-    from keel._urls import parse_database_url, redact_url
-
     url = database or f"sqlite:///{workdir / 'keel.db'}"
     kind = parse_database_url(url).kind
     where = f"{kind} ({redact_url(url)})"

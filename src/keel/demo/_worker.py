@@ -19,17 +19,24 @@ from pathlib import Path
 from typing import Any
 
 from keel.context import ContextBudget
-from keel.demo._flights import RULES, SYSTEM_PROMPT, Airline, demo_machine, flight_tools
-from keel.demo._junk import PromptRecorder
+from keel.demo._flights import (
+    RULES,
+    SYSTEM_PROMPT,
+    Airline,
+    demo_machine,
+    flight_tools,
+    policy_model,
+)
+from keel.demo._junk import PROMPTED_FILE, PromptRecorder
+from keel.memory import MemoryFilter, Scope
 from keel.models import resolve_model
 from keel.runtime._agent import Agent
 from keel.settings import load_settings
+from keel.testing import ScriptedModel
 from keel.tools import ToolJournal
 
 SESSION = "demo-session"
 USER = "demo-user"
-PROMPTED_FILE = "prompted.jsonl"
-"""What the prompt compiler was given, in the workdir (the memory audit reads it)."""
 SCRIPTED_WINDOW_BUDGET = 8_000
 """The scripted policy reports a 128k-token model; the demo gives it an 8k working budget so
 that summarization, pruning and the flat prompt are visible within a few hundred turns."""
@@ -54,9 +61,6 @@ def build_agent(
     settings = load_settings()  # this process's edge: read once, for the model and the stores
     budget: ContextBudget | None = None
     if model_spec == "scripted":
-        from keel.demo._flights import policy_model
-        from keel.testing import ScriptedModel
-
         model: Any = ScriptedModel(policy_model, model="gpt-4o-mini")
         budget = ContextBudget(working_budget=SCRIPTED_WINDOW_BUDGET)
     else:
@@ -82,8 +86,6 @@ def stored_memories(agent: Agent) -> dict[str, Any]:
     """Every record in the agent's memory store (the demo has one user), for the audit."""
     if agent.memory is None:
         return {"records": [], "total": 0}
-    from keel.memory import MemoryFilter, Scope
-
     store = agent.memory.store
     total = store.count()
     everything = MemoryFilter(include_superseded=True, include_expired=True)

@@ -83,6 +83,8 @@ class Memory:
         background: embed in a daemon thread (True) or only on ``process_outbox``/``flush``.
 
     Example:
+        >>> from keel.memory import Memory, Scope, default_embedder
+        >>> from keel.stores import SQLiteDatabase, SQLiteMemoryStore
         >>> store = SQLiteMemoryStore(SQLiteDatabase("memory.db"))
         >>> memory = Memory(store, embedder=default_embedder())
         >>> scope = Scope(tenant_id="acme", user_id="u1")

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DETECTORS", "Detector", "EntityType", "Finding", "find_all"]
+__all__ = ["DETECTORS", "Detector", "EntityType", "Finding", "find_all", "luhn_ok"]
 
 EntityType = str
 """An entity type name, also the placeholder's prefix (``EMAIL`` -> ``<EMAIL_1>``)."""
@@ -61,18 +61,24 @@ def _email(value: str) -> bool:
     return value.rsplit(".", 1)[-1].lower() not in _FILE_SUFFIXES
 
 
-def _luhn(value: str) -> bool:
-    digits = [int(ch) for ch in value if ch.isdigit()]
-    if not 13 <= len(digits) <= 19 or len(set(digits)) == 1:
-        return False
+def luhn_ok(digits: str) -> bool:
+    """Whether ``digits`` (digits only) pass the Luhn check, the checksum of payment cards."""
     total = 0
-    for index, digit in enumerate(reversed(digits)):
+    for index, char in enumerate(reversed(digits)):
+        value = int(char)
         if index % 2 == 1:
-            digit *= 2
-            if digit > 9:
-                digit -= 9
-        total += digit
+            value *= 2
+            if value > 9:
+                value -= 9
+        total += value
     return total % 10 == 0
+
+
+def _luhn(value: str) -> bool:
+    # One digit repeated passes Luhn for some lengths (sixteen zeros, thirteen sixes), but it
+    # is a placeholder, not a card.
+    digits = "".join(ch for ch in value if ch.isdigit())
+    return 13 <= len(digits) <= 19 and len(set(digits)) > 1 and luhn_ok(digits)
 
 
 def _card(value: str) -> bool:

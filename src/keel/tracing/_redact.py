@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keel.privacy import mask_pii
+from keel.privacy._detectors import luhn_ok
 
 __all__ = ["Redactor", "redact_json", "redact_pii", "redact_secrets"]
 
@@ -82,21 +83,9 @@ _EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-
 _CARD = re.compile(r"\b\d(?:[ -]?\d){12,18}\b")
 
 
-def _luhn_ok(digits: str) -> bool:
-    total = 0
-    for index, char in enumerate(reversed(digits)):
-        value = int(char)
-        if index % 2 == 1:
-            value *= 2
-            if value > 9:
-                value -= 9
-        total += value
-    return total % 10 == 0
-
-
 def _card(match: re.Match[str]) -> str:
     digits = re.sub(r"[ -]", "", match.group(0))
-    return "[REDACTED:card]" if 13 <= len(digits) <= 19 and _luhn_ok(digits) else match.group(0)
+    return "[REDACTED:card]" if 13 <= len(digits) <= 19 and luhn_ok(digits) else match.group(0)
 
 
 # Cheap substring checks that gate each regex: Python's regex engine costs ~0.1 us per

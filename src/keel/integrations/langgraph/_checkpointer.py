@@ -74,7 +74,7 @@ from keel.integrations.langgraph._thread import (
     rows_of,
     run_mark_of,
 )
-from keel.privacy import PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker
 from keel.state import StateBackend, StateStore, VacuumReport
 from keel.stores import open_state_backend
 
@@ -88,7 +88,8 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         backend: a state backend URL (``sqlite:///keel.db``, ``postgresql://...``,
             ``redis://...``) or a ``StateBackend``.
         tenant: every thread this saver reads or writes belongs to this tenant.
-        masker: masks PII before anything is stored (default ``PIIMasker()``).
+        masker: masks PII before anything is stored (default: the one default policy,
+            ``keel.privacy.DEFAULT_MASKER``).
         ttl: a thread namespace expires this long after its last write (None: never).
         snapshot_every: passed to ``StateStore`` (fewest versions between full snapshots).
         serde: LangGraph's serializer for channel values (default ``JsonPlusSerializer``).
@@ -111,7 +112,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             raise UsageError("a tenant must not be empty")
         self.backend = open_state_backend(backend) if isinstance(backend, str) else backend
         self.tenant = tenant
-        self.masker = PIIMasker() if masker is None else masker
+        self.masker = DEFAULT_MASKER if masker is None else masker
         self.store: StateStore[ThreadState] = StateStore(
             self.backend, ThreadState, snapshot_every=snapshot_every, default_ttl=ttl, clock=clock
         )
