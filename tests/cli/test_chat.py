@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import signal
 import subprocess
 import time
@@ -43,7 +44,10 @@ class _CtrlCMidReply(ScriptedModel):
             while "Once upon a" not in self.screen.getvalue():
                 assert time.monotonic() < deadline, "the reply's first words were never shown"
                 await asyncio.sleep(0.01)
-            signal.raise_signal(signal.SIGINT)
+            # To the process, as a terminal sends it (the kernel hands it to a thread that
+            # does not block it): raise_signal would aim it at this thread, the bridge's, and
+            # a bridge thread started by a thread that blocks SIGINT would hold it pending.
+            os.kill(os.getpid(), signal.SIGINT)
             await asyncio.Event().wait()  # the reply would go on; Ctrl-C stops it here
         async for chunk in super()._astream(messages, tools, options):
             yield chunk
