@@ -3,6 +3,7 @@ replies stream as they are generated (``Agent.stream``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Callable
@@ -10,7 +11,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from keel._bridge import run_sync
 from keel.cli._app import app, demo_model_note, out_console
 from keel.cli._database import CreateOption
 
@@ -60,14 +60,17 @@ class Chat:
         self.console = console
         self.last_run: str | None = None
         self.interrupted = False
+        # One event loop for the whole chat, in this (the main) thread: Ctrl-C cancels the turn
+        # on it directly (asyncio.Runner's SIGINT handler). On the bridge loop, the interrupt
+        # had to reach the main thread first, and in three full test runs in a row it did not.
+        self._runner = asyncio.Runner()
 
     def run(self, read_line: Callable[[], str | None]) -> None:
         """Chat until ``read_line`` returns None (end of input), /quit, or Ctrl-C at the prompt;
         the agent is closed at the end.
 
-        Turns run on keel's bridge loop (``run_sync``), the loop of every sync twin the chat
-        calls, so model clients and async store pools are made once for the whole chat; Ctrl-C
-        cancels the turn there and returns once the turn has unwound."""
+        Turns run on the chat's own loop; Ctrl-C cancels the turn there and returns once the
+        turn has unwound."""
         try:
             self._greet()
             self._finish_open_turn()
@@ -82,7 +85,11 @@ class Chat:
         except KeyboardInterrupt:
             self.console.print("\nbye")
         finally:
-            self.agent.close()
+            # On the chat's loop: async clients (PostgreSQL, Redis) belong to it.
+            try:
+                self._runner.run(self.agent.aclose())
+            finally:
+                self._runner.close()
 
     def _greet(self) -> None:
         spec = self.agent.model.spec
@@ -95,7 +102,7 @@ class Chat:
         if self.interrupted and not self._finish_open_turn():
             return
         try:
-            run_sync(self._turn(text))
+            self._runner.run(self._turn(text))
         except KeyboardInterrupt:
             # The checkpoint before the model call is committed: the turn stays open there and
             # nothing half-written is visible. The next message (or chat) finishes it first.
@@ -111,7 +118,7 @@ class Chat:
             return True
         self.console.print("[dim](finishing the interrupted turn first...)[/]")
         try:
-            reply = run_sync(self.agent.resume(self.session, self.user))
+            reply = self._runner.run(self.agent.resume(self.session, self.user))
         except KeyboardInterrupt:
             self.console.print(
                 "\n[dim](interrupted again: that turn stays open, and your new message was "
