@@ -62,7 +62,13 @@ def _chat(model: ScriptedModel, *lines: str) -> str:
     agent = Agent.open(model=model, system_prompt="You are brief.", memory=False, name="chat")
     output = model.screen if isinstance(model, _CtrlCMidReply) else io.StringIO()
     console = Console(file=output, width=200, highlight=False, soft_wrap=True)
-    Chat(agent, "s1", "u1", console).run(_lines(*lines))
+    # Ctrl-C as at a terminal: a run started in the background (``make test &``, nohup)
+    # inherits SIGINT ignored, and then no Ctrl-C reaches any program.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        Chat(agent, "s1", "u1", console).run(_lines(*lines))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return output.getvalue()
 
 
