@@ -9,11 +9,13 @@ report). Driver and provider exceptions never leak: they are translated at the b
 KeelError
 ├── UsageError                       misuse of the API or the configuration
 │   ├── ConfigError                  unreadable or invalid settings / config file
+│   │   └── VaultKeyError            the PII master key is missing, malformed or not the vault's
 │   ├── UnknownModelError            a model name or spec keel cannot resolve
 │   ├── ToolDefinitionError          a function that cannot become a tool
 │   └── StateDefinitionError         an invalid state machine or state schema
 └── KeelRuntimeError                 failures while running
     ├── AccessDeniedError            a session or record of another tenant or user
+    ├── PlaceholderError             a PII placeholder that cannot be resolved to its value
     ├── StoreError                   storage backends
     │   ├── ConflictError            compare-and-set lost: the version read is stale
     │   │   ├── SessionBusyError     another turn held the session's lease past the wait
@@ -81,6 +83,7 @@ __all__ = [
     "ModelError",
     "ModelTimeoutError",
     "ModelUnavailableError",
+    "PlaceholderError",
     "RateLimitError",
     "SchemaVersionError",
     "SessionBusyError",
@@ -102,6 +105,7 @@ __all__ = [
     "UnknownModelError",
     "UnknownToolError",
     "UsageError",
+    "VaultKeyError",
 ]
 
 
@@ -118,6 +122,11 @@ class UsageError(KeelError):
 
 class ConfigError(UsageError):
     """Settings or the config file are unreadable or invalid."""
+
+
+class VaultKeyError(ConfigError):
+    """The PII vault's master key is missing, malformed, or not the key the vault's data keys
+    were wrapped with: raised at start-up, never a fallback to storing values raw."""
 
 
 class UnknownModelError(UsageError):
@@ -146,6 +155,17 @@ class KeelRuntimeError(KeelError):
 
 class AccessDeniedError(KeelRuntimeError):
     """The session (or record) belongs to another tenant or user; nothing of it is shown."""
+
+
+class PlaceholderError(KeelRuntimeError):
+    """A PII placeholder that cannot be resolved for this tenant and user: unknown to their
+    vault, erased by ``forget``, or stored in a row that fails to decrypt. The value is never
+    guessed and the tool call that needed it is not made."""
+
+    def __init__(self, placeholder: str, reason: str) -> None:
+        self.placeholder = placeholder
+        self.reason = reason
+        super().__init__(f"{placeholder} cannot be resolved: {reason}")
 
 
 class StoreError(KeelRuntimeError):

@@ -6,29 +6,54 @@ IBANs (mod-97 checked), IP addresses and API keys / tokens (``sk-...``, ``AKIA..
 ``<EMAIL_1>``, under a policy that can differ per tenant. :func:`mask_pii` is the one-liner;
 :data:`DEFAULT_MASKER` is the default policy every part of keel shares unless given its own.
 :class:`StreamMasker` masks a text that arrives in pieces (a streamed reply).
+
+With a :class:`Vault` (a master key from ``KEEL_PII_KEY``, a key file or a
+:class:`KeyProvider`), placeholders are stable per tenant and user and the values are kept
+sealed, so tools get them back (:meth:`UserVault.resolve_arguments`) and the user reads them
+(:meth:`UserVault.reveal`), while everything persisted holds placeholders only.
 """
 
 from __future__ import annotations
 
 from keel.privacy._detectors import Detector, Finding
+from keel.privacy._keys import KeyProvider, MasterKey, key_provider_from_env
 from keel.privacy._masker import (
     DEFAULT_MASKER,
     ENTITY_TYPES,
     MaskingPolicy,
     MaskResult,
+    Numbering,
     PIIMasker,
     mask_pii,
 )
 from keel.privacy._stream import StreamMasker
+from keel.privacy._vault import (
+    PLACEHOLDER,
+    StoredKey,
+    UserVault,
+    Vault,
+    VaultStore,
+    placeholders_in,
+)
 
 __all__ = [
     "DEFAULT_MASKER",
     "ENTITY_TYPES",
+    "PLACEHOLDER",
     "Detector",
     "Finding",
+    "KeyProvider",
     "MaskResult",
     "MaskingPolicy",
+    "MasterKey",
+    "Numbering",
     "PIIMasker",
+    "StoredKey",
     "StreamMasker",
+    "UserVault",
+    "Vault",
+    "VaultStore",
+    "key_provider_from_env",
     "mask_pii",
+    "placeholders_in",
 ]

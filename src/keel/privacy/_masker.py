@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,7 +10,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from keel.errors import ConfigError
 from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all
 
-__all__ = ["DEFAULT_MASKER", "ENTITY_TYPES", "MaskResult", "MaskingPolicy", "PIIMasker", "mask_pii"]
+__all__ = [
+    "DEFAULT_MASKER",
+    "ENTITY_TYPES",
+    "MaskResult",
+    "MaskingPolicy",
+    "Numbering",
+    "PIIMasker",
+    "mask_pii",
+]
+
+Numbering = Callable[[str, str], str]
+"""``(entity, value) -> placeholder``: how a masker numbers what it finds (a user's vault)."""
 
 ENTITY_TYPES: tuple[str, ...] = tuple(sorted({detector.entity for detector in DETECTORS}))
 """Every entity type the built-in detectors find."""
@@ -127,12 +138,23 @@ class PIIMasker:
             found = _merge(found, _presidio_findings(self._presidio, text))
         return [finding for finding in found if finding.text not in policy.allow]
 
-    def mask(self, text: str, *, tenant_id: str | None = None, remember: bool = True) -> MaskResult:
+    def mask(
+        self,
+        text: str,
+        *,
+        tenant_id: str | None = None,
+        remember: bool = True,
+        numbering: Numbering | None = None,
+    ) -> MaskResult:
         """Mask ``text`` under the tenant's policy.
 
         ``remember=False`` leaves the result out of the masker's cache: for texts that will not
         come again (each longer prefix of a streamed reply), which would only push out the
-        ones that do."""
+        ones that do. ``numbering`` gives each ``(entity, value)`` its placeholder (a user's
+        vault: the same placeholder in every text); without it placeholders are numbered per
+        text."""
+        if numbering is not None:
+            return self._mask(text, tenant_id, numbering)
         if not remember or len(text) > _CACHED_TEXT_CHARS:
             return self._mask(text, tenant_id)
         policy = self.policy_for(tenant_id)
@@ -151,7 +173,9 @@ class PIIMasker:
             results[text] = result
         return result
 
-    def _mask(self, text: str, tenant_id: str | None) -> MaskResult:
+    def _mask(
+        self, text: str, tenant_id: str | None, numbered: Numbering | None = None
+    ) -> MaskResult:
         found = self.findings(text, tenant_id=tenant_id)
         if not found:
             return MaskResult(text=text)
@@ -161,7 +185,11 @@ class PIIMasker:
         cursor = 0
         for finding in found:
             key = (finding.entity, finding.text)
-            if key not in numbering:
+            if key in numbering:
+                pass
+            elif numbered is not None:
+                numbering[key] = numbered(finding.entity, finding.text)
+            else:
                 per_type[finding.entity] = per_type.get(finding.entity, 0) + 1
                 numbering[key] = f"<{finding.entity}_{per_type[finding.entity]}>"
             pieces.append(text[cursor : finding.start])
@@ -185,9 +213,16 @@ class PIIMasker:
         policy = self.policy_for(tenant_id)
         return not self._extra and not (policy.presidio and self._presidio is not None)
 
-    def mask_text(self, text: str, *, tenant_id: str | None = None, remember: bool = True) -> str:
-        """Just the masked text (``remember``: as :meth:`mask`)."""
-        return self.mask(text, tenant_id=tenant_id, remember=remember).text
+    def mask_text(
+        self,
+        text: str,
+        *,
+        tenant_id: str | None = None,
+        remember: bool = True,
+        numbering: Numbering | None = None,
+    ) -> str:
+        """Just the masked text (``remember``, ``numbering``: as :meth:`mask`)."""
+        return self.mask(text, tenant_id=tenant_id, remember=remember, numbering=numbering).text
 
     def __call__(self, text: str, *, tenant_id: str | None = None) -> str:
         return self.mask_text(text, tenant_id=tenant_id)

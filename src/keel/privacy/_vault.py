@@ -1,0 +1,393 @@
+"""The PII vault: stable placeholders for each tenant's and user's values, the values sealed.
+
+Within one tenant and user, one value has one placeholder for ever (``<EMAIL_3>`` is the same
+address in every turn, checkpoint, memory record and trace of that user, in every process).
+The way from a value to its placeholder is an HMAC under the user's data key, never a plain
+hash (a phone number or a zip code is easy to brute-force from an unkeyed one). The value
+itself is sealed with AES-256-GCM under that data key, bound to its owner and its row; the data
+key is stored only wrapped by the deployment's master key (:mod:`keel.privacy._keys`).
+
+:class:`Vault` is the deployment's vault over a :class:`VaultStore` (SQLite or PostgreSQL,
+opened with the other stores); :meth:`Vault.user` gives the view of one tenant's user, which is
+all a turn, a tool call or an adapter ever touches: another tenant's or user's placeholder is
+unknown to it. ``forget`` destroys a user's data key and sealed values at once; their
+placeholders stay in histories, resolving to nothing. Nothing here keeps a plaintext value: a
+:class:`UserVault` holds its user's data key for its own life only (one turn, one call), and
+reads sealed values from the store each time it resolves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from keel.errors import PlaceholderError, VaultKeyError
+from keel.privacy._keys import KEY_BYTES, KeyProvider
+
+__all__ = [
+    "PLACEHOLDER",
+    "StoredKey",
+    "UserVault",
+    "Vault",
+    "VaultStore",
+    "placeholders_in",
+]
+
+PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*)_([1-9][0-9]{0,8})>")
+"""A placeholder as keel writes it: ``<EMAIL_3>``, ``<CREDIT_CARD_12>``."""
+
+_NONCE_BYTES = 12
+_CHECK_TENANT = ""
+_CHECK_USER = ""
+"""The key check lives under an owner no tenant can be (tenant ids are never empty)."""
+_CHECK_PLAINTEXT = b"keel pii vault key check"
+
+
+def placeholders_in(text: str) -> list[str]:
+    """The placeholders written in ``text``, each once, in order."""
+    return list(dict.fromkeys(match.group(0) for match in PLACEHOLDER.finditer(text)))
+
+
+@dataclass(frozen=True)
+class StoredKey:
+    """A data key as stored: wrapped by the master key named ``key_id``."""
+
+    wrapped: bytes
+    key_id: str
+
+
+class VaultStore(ABC):
+    """Where the vault keeps wrapped data keys and sealed values; every method is scoped to
+    one ``(tenant_id, user_id)`` and never sees a key or a value in the clear.
+
+    A value row is ``(tenant_id, user_id, entity, number, token, sealed)``: ``token`` is the
+    value's HMAC (unique per user), ``number`` counts per user and entity from 1 and is never
+    reused, not even after ``forget`` (a new value must not take a forgotten value's
+    placeholder, which histories still hold). Methods are blocking and thread-safe; async code
+    calls them through :func:`keel._bridge.run_blocking`.
+    """
+
+    @abstractmethod
+    def key_check(self) -> StoredKey | None:
+        """The sealed check that tells the right master key from a wrong one (None: none yet)."""
+
+    @abstractmethod
+    def set_key_check(self, check: StoredKey, *, expected: StoredKey | None) -> bool:
+        """Replace the key check if it is still ``expected`` (compare-and-set); False if not."""
+
+    @abstractmethod
+    def data_key(self, tenant_id: str, user_id: str) -> StoredKey | None:
+        """The user's wrapped data key (None: none yet, or forgotten)."""
+
+    @abstractmethod
+    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey:
+        """Store ``key`` as the user's data key unless they have one; the one that stands."""
+
+    @abstractmethod
+    def numbers(
+        self, tenant_id: str, user_id: str, tokens: Sequence[bytes]
+    ) -> dict[bytes, tuple[str, int]]:
+        """``token -> (entity, number)`` for the user's values among ``tokens``."""
+
+    @abstractmethod
+    def add_value(
+        self,
+        tenant_id: str,
+        user_id: str,
+        entity: str,
+        token: bytes,
+        sealed: bytes,
+        *,
+        key: StoredKey,
+    ) -> int | None:
+        """Store a value under the next number of ``entity`` for the user and return it; the
+        existing number when ``token`` is already stored (a racing writer's). None when the
+        user's data key is no longer ``key`` (forgotten meanwhile): nothing is stored."""
+
+    @abstractmethod
+    def sealed(
+        self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], tuple[bytes, bytes] | None]:
+        """``(entity, number) -> (token, sealed)`` for the refs the user has; None for a
+        forgotten one; refs the user never had are left out."""
+
+    @abstractmethod
+    def forget(self, tenant_id: str, user_id: str) -> int:
+        """Delete the user's data key and every token and sealed value of theirs, keeping only
+        the numbers (so they are never reused); the number of values erased."""
+
+    @abstractmethod
+    def data_keys(self) -> Iterator[tuple[str, str, StoredKey]]:
+        """Every ``(tenant_id, user_id, key)`` (for re-wrapping under a new master key)."""
+
+    @abstractmethod
+    def rewrap(self, tenant_id: str, user_id: str, old: StoredKey, new: StoredKey) -> bool:
+        """Replace the user's data key ``old`` with ``new`` (compare-and-set on ``old``)."""
+
+    def close(self) -> None:  # noqa: B027 - most stores hold nothing of their own
+        """Release what the store holds (the database is closed by its owner)."""
+
+
+class Vault:
+    """The deployment's PII vault: a :class:`VaultStore` and the master key's provider.
+
+    Args:
+        store: where wrapped keys and sealed values live.
+        keys: the master key (``MasterKey``, or a KMS-backed :class:`KeyProvider`).
+
+    :meth:`check` (run by the opener at start-up) proves ``keys`` is the vault's master key.
+    """
+
+    def __init__(self, store: VaultStore, keys: KeyProvider) -> None:
+        self.store = store
+        self.keys = keys
+
+    def check(self) -> None:
+        """Prove the master key opens this vault (seal the check on first use).
+
+        Raises:
+            VaultKeyError: the key is not the one this vault's data keys are wrapped with.
+        """
+        context = _owner(_CHECK_TENANT, _CHECK_USER)
+        stored = self.store.key_check()
+        if stored is None:
+            check = StoredKey(self.keys.wrap(_CHECK_PLAINTEXT, context), self.keys.key_id)
+            if self.store.set_key_check(check, expected=None):
+                return
+            stored = self.store.key_check()
+            assert stored is not None
+        try:
+            opened = self.keys.unwrap(stored.wrapped, context)
+        except VaultKeyError as exc:
+            raise VaultKeyError(
+                f"the PII master key ({self.keys.key_id}) is not this vault's "
+                f"(its data keys are wrapped by {stored.key_id})"
+            ) from exc
+        if opened != _CHECK_PLAINTEXT:
+            raise VaultKeyError("the vault's key check does not match")
+
+    def user(self, tenant_id: str, user_id: str) -> UserVault:
+        """The vault as one tenant's user sees it (their placeholders only)."""
+        if not tenant_id or not user_id:
+            raise PlaceholderError("<vault>", "a vault view needs a tenant and a user")
+        return UserVault(self, tenant_id, user_id)
+
+    def forget(self, tenant_id: str, user_id: str) -> int:
+        """Erase the user's data key and values (their placeholders resolve to nothing from
+        now on, in every process); the number of values erased."""
+        return self.store.forget(tenant_id, user_id)
+
+    def rotate(self, new_keys: KeyProvider) -> int:
+        """Re-wrap every data key (and the key check) under ``new_keys``; the number of data
+        keys re-wrapped. Values are not re-encrypted: their data keys do not change.
+
+        Raises:
+            VaultKeyError: this vault's current key does not open its data keys.
+        """
+        self.check()
+        rewrapped = 0
+        for tenant_id, user_id, old in self.store.data_keys():
+            context = _owner(tenant_id, user_id)
+            data_key = self.keys.unwrap(old.wrapped, context)
+            new = StoredKey(new_keys.wrap(data_key, context), new_keys.key_id)
+            # A key forgotten or re-wrapped meanwhile is left as it now is.
+            rewrapped += self.store.rewrap(tenant_id, user_id, old, new)
+        context = _owner(_CHECK_TENANT, _CHECK_USER)
+        old_check = self.store.key_check()
+        new_check = StoredKey(new_keys.wrap(_CHECK_PLAINTEXT, context), new_keys.key_id)
+        self.store.set_key_check(new_check, expected=old_check)
+        self.keys = new_keys
+        return rewrapped
+
+
+class UserVault:
+    """One tenant's user's view of the vault, for one unit of work (a turn, a call).
+
+    It holds the user's data key while it lives (created on the first value); placeholders it
+    has looked up are remembered by token, never by value, and values are read sealed from the
+    store each time they are resolved, so a ``forget`` elsewhere takes effect at once.
+    """
+
+    def __init__(self, vault: Vault, tenant_id: str, user_id: str) -> None:
+        self.vault = vault
+        self.tenant_id = tenant_id
+        self.user_id = user_id
+        self._context = _owner(tenant_id, user_id)
+        self._key: tuple[StoredKey, bytes] | None = None
+        self._numbers: dict[bytes, str] = {}
+        """token -> placeholder, for the values this view has already placed."""
+
+    # --- values -> placeholders -----------------------------------------------------------------
+
+    def placeholder(self, entity: str, value: str) -> str:
+        """The user's placeholder for ``value`` (stored sealed on first sight)."""
+        for _ in range(3):
+            stored, data_key = self._writing_key()
+            token = self._token(data_key, entity, value)
+            known = self._numbers.get(token)
+            if known is not None:
+                return known
+            found = self.vault.store.numbers(self.tenant_id, self.user_id, [token])
+            if token in found:
+                return self._remember(token, *found[token])
+            sealed = self._seal(data_key, token, value)
+            number = self.vault.store.add_value(
+                self.tenant_id, self.user_id, entity, token, sealed, key=stored
+            )
+            if number is not None:
+                return self._remember(token, entity, number)
+            # The user was forgotten meanwhile: a new data key, and the value under it.
+            self._forget_key()
+        raise PlaceholderError(f"<{entity}_?>", "the user's data key kept changing")
+
+    # --- placeholders -> values -----------------------------------------------------------------
+
+    def values(self, placeholders: Iterable[str]) -> dict[str, str]:
+        """Each of ``placeholders`` with its value.
+
+        Raises:
+            PlaceholderError: one is not the user's, was forgotten, or fails to decrypt (it
+                names the placeholder).
+        """
+        refs: dict[str, tuple[str, int]] = {}
+        for placeholder in dict.fromkeys(placeholders):
+            match = PLACEHOLDER.fullmatch(placeholder)
+            if match is None:
+                raise PlaceholderError(placeholder, "not a placeholder")
+            refs[placeholder] = (match.group(1), int(match.group(2)))
+        if not refs:
+            return {}
+        rows = self.vault.store.sealed(self.tenant_id, self.user_id, list(refs.values()))
+        opened: dict[str, str] = {}
+        for placeholder, ref in refs.items():
+            if ref not in rows:
+                raise PlaceholderError(placeholder, "no such value for this user")
+            row = rows[ref]
+            if row is None:
+                raise PlaceholderError(placeholder, "the value was erased (forget)")
+            key = self._reading_key()
+            if key is None:
+                raise PlaceholderError(placeholder, "the value was erased (forget)")
+            opened[placeholder] = self._open(key[1], placeholder, *row)
+        return opened
+
+    def resolve(self, text: str) -> str:
+        """``text`` with every placeholder replaced by its value.
+
+        Raises:
+            PlaceholderError: a placeholder in it cannot be resolved (nothing is guessed).
+        """
+        found = placeholders_in(text)
+        if not found:
+            return text
+        values = self.values(found)
+        return PLACEHOLDER.sub(lambda match: values[match.group(0)], text)
+
+    def reveal(self, text: str) -> str:
+        """``text`` with the user's own placeholders replaced by their values; any other
+        placeholder (unknown, erased, undecryptable) is left as written."""
+        found = placeholders_in(text)
+        if not found:
+            return text
+        values: dict[str, str] = {}
+        for placeholder in found:
+            try:
+                values.update(self.values([placeholder]))
+            except PlaceholderError:
+                continue
+        return PLACEHOLDER.sub(lambda match: values.get(match.group(0), match.group(0)), text)
+
+    def resolve_arguments(self, arguments: str, *, keep: Iterable[str] = ()) -> str:
+        """A tool call's JSON arguments with placeholders resolved in every string value,
+        except under the top-level names in ``keep`` (they stay masked); text that is not
+        JSON is returned as it is (the call's validation reports it).
+
+        Raises:
+            PlaceholderError: as :meth:`resolve`.
+        """
+        if not PLACEHOLDER.search(arguments):
+            return arguments
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        kept = frozenset(keep)
+        if isinstance(parsed, dict):
+            resolved: Any = {
+                name: value if name in kept else self._resolve_value(value)
+                for name, value in parsed.items()
+            }
+        else:
+            resolved = self._resolve_value(parsed)
+        return json.dumps(resolved, ensure_ascii=False)
+
+    def _resolve_value(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.resolve(value)
+        if isinstance(value, list):
+            return [self._resolve_value(item) for item in value]
+        if isinstance(value, dict):
+            return {name: self._resolve_value(item) for name, item in value.items()}
+        return value
+
+    # --- keys and sealing -----------------------------------------------------------------------
+
+    def _reading_key(self) -> tuple[StoredKey, bytes] | None:
+        """The user's data key, if they have one."""
+        if self._key is None:
+            stored = self.vault.store.data_key(self.tenant_id, self.user_id)
+            if stored is None:
+                return None
+            self._key = (stored, self.vault.keys.unwrap(stored.wrapped, self._context))
+        return self._key
+
+    def _writing_key(self) -> tuple[StoredKey, bytes]:
+        """The user's data key, created on their first value."""
+        key = self._reading_key()
+        if key is None:
+            keys = self.vault.keys
+            fresh = StoredKey(keys.wrap(secrets.token_bytes(KEY_BYTES), self._context), keys.key_id)
+            stored = self.vault.store.add_data_key(self.tenant_id, self.user_id, fresh)
+            key = self._key = (stored, keys.unwrap(stored.wrapped, self._context))
+        return key
+
+    def _forget_key(self) -> None:
+        self._key = None
+        self._numbers.clear()
+
+    def _token(self, data_key: bytes, entity: str, value: str) -> bytes:
+        message = entity.encode() + b"\x00" + value.encode("utf-8", "surrogatepass")
+        return hmac.new(data_key, message, hashlib.sha256).digest()
+
+    def _remember(self, token: bytes, entity: str, number: int) -> str:
+        placeholder = f"<{entity}_{number}>"
+        self._numbers[token] = placeholder
+        return placeholder
+
+    def _seal(self, data_key: bytes, token: bytes, value: str) -> bytes:
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        aad = self._context + b"\x00" + token
+        return nonce + AESGCM(data_key).encrypt(nonce, value.encode("utf-8", "surrogatepass"), aad)
+
+    def _open(self, data_key: bytes, placeholder: str, token: bytes, sealed: bytes) -> str:
+        aad = self._context + b"\x00" + token
+        try:
+            plain = AESGCM(data_key).decrypt(sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], aad)
+        except (InvalidTag, ValueError) as exc:
+            raise PlaceholderError(placeholder, "its sealed value fails to decrypt") from exc
+        return plain.decode("utf-8", "surrogatepass")
+
+
+def _owner(tenant_id: str, user_id: str) -> bytes:
+    """What a wrapped key and a sealed value are bound to: their tenant and user."""
+    return json.dumps([tenant_id, user_id]).encode()
