@@ -1,0 +1,26 @@
+"""Human approval of consequential tool calls, and escalation of turns to an operator.
+
+See :mod:`keel.approvals._model`: :class:`ApprovalRequest` (one call waiting), the
+:class:`ApprovalStore` queue (SQLite and PostgreSQL implementations live in ``keel.stores``),
+and :class:`ApprovalDecision`.
+"""
+
+from __future__ import annotations
+
+from keel.approvals._model import (
+    ApprovalDecision,
+    ApprovalKind,
+    ApprovalRequest,
+    ApprovalStatus,
+    ApprovalStore,
+    Decider,
+)
+
+__all__ = [
+    "ApprovalDecision",
+    "ApprovalKind",
+    "ApprovalRequest",
+    "ApprovalStatus",
+    "ApprovalStore",
+    "Decider",
+]

@@ -1,0 +1,129 @@
+"""Approval requests: a consequential tool call (or an escalated turn) waiting for a person.
+
+A request is made when the model calls a tool whose approval policy asks for one, or when a
+turn escalates (a loop after the warning, a call left in doubt). It waits in the
+:class:`ApprovalStore` (the operators' queue, across sessions and processes) until someone
+allowed to decide does, or it expires. Deciding is one compare-and-set on the request's status:
+two operators deciding at once, or the same decision sent twice, settle it once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ApprovalDecision",
+    "ApprovalKind",
+    "ApprovalRequest",
+    "ApprovalStatus",
+    "ApprovalStore",
+    "Decider",
+]
+
+ApprovalKind = Literal["user", "operator", "escalation"]
+"""Who decides: the session's own ``user`` (a confirmation in the conversation), one of the
+tenant's ``operator``\\s (an approval), or an operator answering an ``escalation`` (a turn that
+looped again or left a call in doubt: retry, skip, or a text for the model)."""
+
+ApprovalStatus = Literal["pending", "approved", "rejected", "expired", "cancelled"]
+"""``pending`` until decided; ``expired`` counts as rejected; ``cancelled`` when the session
+was reverted or its turn ended otherwise (with the reason)."""
+
+Decider = Literal["user", "operator"]
+
+
+class ApprovalDecision(BaseModel):
+    """What a person decided about one request."""
+
+    model_config = ConfigDict(frozen=True)
+
+    approve: bool = Field(description="True to run the call (or resume the turn).")
+    by: str = Field(description="Who decided: ``user:<id>`` or ``operator:<name>``.")
+    note: str | None = Field(default=None, description="Why (shown to the model on a rejection).")
+    arguments: str | None = Field(
+        default=None,
+        description="Corrected arguments (JSON, validated like the model's) that the approved "
+        "call runs with instead of the requested ones.",
+    )
+    action: Literal["retry", "skip", "answer"] | None = Field(
+        default=None,
+        description="For an escalation: run the stopped call again, skip it, or give the model "
+        "``note`` as the answer.",
+    )
+    decided_at: float = Field(description="Epoch seconds.")
+
+
+class ApprovalRequest(BaseModel):
+    """One call (or escalated turn) waiting for a decision; arguments are stored masked."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(description="The request's id (stable across retries of the same call).")
+    tenant_id: str
+    user_id: str
+    session_id: str
+    turn_id: str
+    kind: ApprovalKind
+    tool: str | None = Field(default=None, description="The tool (None for an escalation).")
+    call_id: str | None = Field(default=None, description="The model's tool call id.")
+    arguments: str = Field(default="{}", description="The call's arguments, masked.")
+    reason: str = Field(default="", description="Why a person must decide (the policy's words).")
+    step: int = Field(default=0, description="The loop step the call belongs to.")
+    created_at: float
+    expires_at: float | None = Field(default=None, description="Epoch seconds; None: never.")
+    status: ApprovalStatus = "pending"
+    decision: ApprovalDecision | None = None
+    status_reason: str | None = Field(default=None, description="Why it was cancelled or expired.")
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def decidable_by(self) -> tuple[Decider, ...]:
+        """Who may decide: the user for a confirmation (operators too), operators otherwise."""
+        return ("user", "operator") if self.kind == "user" else ("operator",)
+
+
+class ApprovalStore(ABC):
+    """The durable queue of approval requests, scoped by tenant in every method."""
+
+    @abstractmethod
+    async def aadd(self, request: ApprovalRequest) -> ApprovalRequest:
+        """Store ``request`` unless one with its id exists; the one that stands."""
+
+    @abstractmethod
+    async def aget(self, tenant_id: str, request_id: str) -> ApprovalRequest | None:
+        """The tenant's request (None: none, or another tenant's)."""
+
+    @abstractmethod
+    async def alist(
+        self,
+        tenant_id: str,
+        *,
+        user_id: str | None = None,
+        session_id: str | None = None,
+        statuses: Sequence[ApprovalStatus] = ("pending",),
+        limit: int = 100,
+    ) -> list[ApprovalRequest]:
+        """The tenant's requests, oldest first."""
+
+    @abstractmethod
+    async def adecide(
+        self, tenant_id: str, request_id: str, status: ApprovalStatus, decision: ApprovalDecision
+    ) -> tuple[ApprovalRequest, bool]:
+        """Settle a pending request (compare-and-set on ``pending``): the request as it now
+        stands and whether this call settled it (False: it was already settled, by this same
+        decision sent again or by another one; the caller reads which from the request).
+
+        Raises:
+            KeyError: no such request for this tenant.
+        """
+
+    @abstractmethod
+    async def acancel(self, tenant_id: str, session_id: str, reason: str) -> int:
+        """Cancel the session's pending requests; how many."""
+
+    @abstractmethod
+    async def aexpire(self, now: float) -> int:
+        """Mark pending requests past their expiry ``expired``; how many."""
