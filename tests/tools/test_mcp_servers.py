@@ -24,9 +24,7 @@ from keel.testing.servers import free_port
 from keel.tools import MCPServer, MCPToolOverride
 
 ROOT = Path(__file__).resolve().parents[2]
-EVERYTHING = (
-    ROOT / ".venv/npm/node_modules/@modelcontextprotocol/server-everything/dist/index.js"
-)
+EVERYTHING = ROOT / ".venv/npm/node_modules/@modelcontextprotocol/server-everything/dist/index.js"
 NODE = shutil.which("node")
 needs_everything = pytest.mark.skipif(
     NODE is None or not EVERYTHING.exists(),
@@ -58,14 +56,16 @@ async def test_mcp_server_git_commits_for_real_through_the_agent(tmp_path: Path)
     _git(repo, "config", "user.email", "agent@example.com")
     _git(repo, "config", "user.name", "Agent")
     (repo / "notes.txt").write_text("first note\n")
-    git_server = shutil.which("mcp-server-git") or str(Path(sys.executable).parent / "mcp-server-git")
+    git_server = shutil.which("mcp-server-git") or str(
+        Path(sys.executable).parent / "mcp-server-git"
+    )
     # The repository is the deployment's choice: injected, never the model's.
     pinned = MCPToolOverride(inject={"repo_path": str(repo)})
     server = MCPServer.stdio(
         git_server,
         ["--repository", str(repo)],
         name="git",
-        tools={name: pinned for name in ("git_add", "git_commit", "git_status", "git_log")},
+        tools=dict.fromkeys(("git_add", "git_commit", "git_status", "git_log"), pinned),
     )
     with server:
         tools = server.tools()
@@ -83,7 +83,7 @@ async def test_mcp_server_git_commits_for_real_through_the_agent(tmp_path: Path)
         agent = Agent.embedded(model, system_prompt="You keep notes.", tools=[server], memory=False)
         reply = await agent.handle("s1", "u1", "Commit my notes.")
         assert reply.status == "completed", reply
-        added, committed, log = _tool_texts(agent)
+        log = _tool_texts(agent)[-1]
         assert "Add the first note" in log
         await agent.aclose()
     assert _git(repo, "log", "--format=%s").splitlines() == ["Add the first note"]
@@ -97,7 +97,12 @@ async def _everything_through_an_agent(server: MCPServer) -> list[str]:
         assert not tools["get-sum"].side_effect
         assert tools["toggle-simulated-logging"].side_effect
         model = ScriptedModel(
-            [_call("echo", message="hello"), _call("get-sum", a=2, b="40"), _call("get-sum", a=1), "Done."]
+            [
+                _call("echo", message="hello"),
+                _call("get-sum", a=2, b="40"),
+                _call("get-sum", a=1),
+                "Done.",
+            ]
         )
         agent = Agent.embedded(model, system_prompt="You test.", tools=[server], memory=False)
         reply = await agent.handle("s1", "u1", "Go.")
