@@ -301,11 +301,14 @@ def _schema_tool(
     injected = dict(override.inject)
 
     async def call(arguments: dict[str, Any], context: ToolContext | None) -> str:
+        sent = {**arguments, **injected}
         try:
-            result = await connection.call(remote, {**arguments, **injected})
+            result = await connection.call(remote, sent)
         except MCPConnectionLost as lost:
-            if not side_effect:
-                raise
+            if idempotent:
+                # Harmless to repeat by its declaration: once more, on the new connection
+                # (the wait for it is bounded by the call's timeout).
+                return result_text(await connection.call(remote, sent), remote)
             key = context.idempotency_key if context is not None else "?"
             raise ToolInDoubtError(remote, key, why=str(lost)) from lost
         return result_text(result, remote)

@@ -198,6 +198,13 @@ class Connection:
         try:
             return await client.call_tool(name, arguments)
         except MCPError as exc:
+            if _session_unknown(exc):
+                # An HTTP server that restarted refused the call before running it: send it
+                # once more on a new session.
+                self._lost.set()
+                while self._client is client:
+                    await asyncio.sleep(0.01)
+                return await (await self._open_client()).call_tool(name, arguments)
             if exc.code != CONNECTION_CLOSED:
                 raise  # the server answered: a protocol error, settled
             self._lost.set()
@@ -235,6 +242,13 @@ def _start_failure(server: MCPServer, exc: Exception) -> Exception:
     )
     failure.__cause__ = exc
     return failure
+
+
+def _session_unknown(error: MCPError) -> bool:
+    """The streamable-HTTP server does not know the session (it restarted): the request was
+    refused at the door, so nothing ran."""
+    message = str(error.message if hasattr(error, "message") else error).lower()
+    return "session not found" in message or "session terminated" in message
 
 
 def _closed(client: Client) -> bool:
