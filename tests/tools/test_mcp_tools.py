@@ -170,6 +170,8 @@ def test_a_secret_from_the_environment_is_used_and_never_printed_logged_or_trace
     caplog.set_level(logging.DEBUG)
     server = stdio_server(effects, env={"MCP_TOKEN": FromEnv("FAULT_TOKEN")})
     assert secret not in repr(server) and "MCP_TOKEN" in repr(server)
+    literal = MCPServer.http("http://127.0.0.1:9/mcp", headers={"X-Api-Key": "literal-key-9"})
+    assert "literal-key-9" not in repr(literal) and "X-Api-Key" in repr(literal)
     with server:
         model = ScriptedModel([_call("token_digest"), "Done."])
         agent = Agent.embedded(model, system_prompt="You test.", tools=[server], memory=False)
