@@ -20,12 +20,12 @@ import httpx
 import pytest
 
 from keel.errors import ToolDefinitionError
-from keel.messages import Message
+from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.testing import ScriptedModel
 from keel.testing.mcp_fault_server import stdio_server
 from keel.testing.servers import free_port
-from keel.tools import FromEnv, MCPServer, MCPToolOverride, tool
+from keel.tools import FromEnv, MCPServer, MCPToolOverride, ToolExecutor, ToolRegistry, tool
 
 
 @pytest.fixture
@@ -249,3 +249,14 @@ async def test_an_http_server_that_restarts_is_reconnected_and_tenants_get_their
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+async def test_a_tool_gone_from_the_server_before_keel_relisted_is_a_failed_call(
+    fault: MCPServer,
+) -> None:
+    stale = ToolExecutor(ToolRegistry(fault.tools().values()))
+    assert fault.call("remove_tool", {"name": "echo"}) == "removed echo"
+    call = ToolCall(id="c1", name="echo", arguments='{"text": "hi"}')
+    result = await stale.execute(call, session_id="s1", step=1)
+    assert result.status == "failed" and "echo" in result.content, result.content
+    await _until(lambda: "echo" not in fault.tools())
