@@ -260,3 +260,14 @@ async def test_a_tool_gone_from_the_server_before_keel_relisted_is_a_failed_call
     result = await stale.execute(call, session_id="s1", step=1)
     assert result.status == "failed" and "echo" in result.content, result.content
     await _until(lambda: "echo" not in fault.tools())
+
+
+async def test_a_turn_after_its_server_was_closed_offers_none_of_its_tools_and_still_answers(
+    effects: Path,
+) -> None:
+    model = ScriptedModel(["Hello."])
+    with stdio_server(effects) as server:
+        agent = Agent.embedded(model, system_prompt="You test.", tools=[server], memory=False)
+    reply = await agent.handle("s1", "u1", "Hi.")
+    assert reply.status == "completed" and model.calls[-1].tools == ()
+    await agent.aclose()

@@ -118,7 +118,7 @@ class MCPServer:
     prefix: str = ""
     timeout_s: float | None = None
     connect_timeout_s: float = 30.0
-    _state: dict[str, Any] = field(default_factory=dict, compare=False)
+    _state: dict[str, Any] = field(default_factory=dict, init=False, compare=False)
 
     @classmethod
     def stdio(
@@ -189,7 +189,6 @@ class MCPServer:
             self,
             headers={**self.headers, **(headers or {})},
             env={**self.env, **(env or {})},
-            _state={},
         )
 
     def __repr__(self) -> str:
@@ -238,8 +237,10 @@ class MCPServer:
         return connection
 
     def tools(self) -> dict[str, SchemaTool]:
-        """The tools the model may call now, by keel name (hidden ones left out)."""
-        return dict(self._connection.tools)
+        """The tools the model may call now, by keel name (hidden ones left out); none while
+        the server is closed (a turn then offers none of them, and never fails for it)."""
+        connection: Connection | None = self._state.get("connection")
+        return {} if connection is None else dict(connection.tools)
 
     @property
     def problems(self) -> list[str]:

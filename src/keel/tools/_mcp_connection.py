@@ -166,7 +166,18 @@ class Connection:
             client = self._client
             if client is not None:
                 # Not awaited here: the session's reader is what delivers the listing.
-                self.loop.create_task(self._relist(client))
+                self.loop.create_task(self._relist_after_change(client))
+
+    async def _relist_after_change(self, client: Client) -> None:
+        try:
+            await self._relist(client)
+        except Exception as exc:
+            # The old listing stays; a lost connection relists when it reconnects.
+            logger.warning(
+                "MCP server %r: listing its changed tools failed (%s)",
+                self.server.name,
+                type(exc).__name__,
+            )
 
     async def _relist(self, client: Client) -> None:
         listed: list[Any] = []
