@@ -16,8 +16,9 @@ import pytest
 from pydantic import Field
 
 from keel.messages import Message
-from keel.privacy import MasterKey
+from keel.privacy import Detector, MasterKey, PIIMasker
 from keel.runtime import Agent, TextDelta, TurnFinished
+from keel.state import MachineState, StateMachine, Transition
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
 
@@ -444,3 +445,57 @@ async def test_after_forget_the_next_turns_tool_gets_no_value(
     assert EMAIL not in reply.text
     state = agent.session_state("s1")
     assert state is not None and state.messages[0].content == "My email is <EMAIL_1>"
+
+
+async def test_the_workflows_remember_keeps_the_placeholder_in_the_state(
+    opened: Callable[..., Agent], tmp_path: Path
+) -> None:
+    machine = StateMachine(
+        "support",
+        states=[
+            MachineState("asking", "gathering details", "Ask for the address.", ()),
+            MachineState("done", "done", "Say goodbye.", (), terminal=True),
+        ],
+        transitions=[Transition("asking", "done")],
+        initial="asking",
+    )
+    model = ScriptedModel(
+        [
+            _calling("remember", slot="email", value=lambda call: _placeholder(call, "EMAIL")),
+            "Noted.",
+        ]
+    )
+    agent = opened(model, [], machine=machine)
+    await agent.run(f"My email is {EMAIL}", session="s1", user="alice")
+    state = agent.session_state("s1")
+    assert state is not None and state.machine is not None
+    assert state.machine.slots == {"email": "<EMAIL_1>"}
+    _persisted_without_values(tmp_path / "keel.db")
+
+
+async def test_a_value_only_its_context_reveals_is_journalled_as_its_placeholder(
+    opened: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A detector that needs the words around a value ("account 123456") does not find it in
+    the call's arguments alone: the journal still gets the placeholder the value came from."""
+    account = Detector("ACCOUNT", re.compile(r"account (\d{6})"), group=1)
+    closed: list[str] = []
+
+    @tool(side_effect=True)
+    def close_account(number: str) -> str:
+        """Close a customer account.
+
+        Args:
+            number: The account number.
+        """
+        closed.append(number)
+        return "closed"
+
+    model = ScriptedModel(
+        [_calling("close_account", number=lambda call: _placeholder(call, "ACCOUNT")), "Done."]
+    )
+    agent = opened(model, [close_account], masker=PIIMasker(extra_detectors=[account]))
+    await agent.run("please close my account 123456", session="s1", user="alice")
+    assert closed == ["123456"]
+    journal = _table(tmp_path / "keel.db", "keel_tool_journal")
+    assert "<ACCOUNT_1>" in journal and "123456" not in journal
