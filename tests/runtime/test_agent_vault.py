@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import sqlite3
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,6 +30,8 @@ OLD_EMAIL = "old.address@example.org"
 PHONE = "+1 415 555 0198"
 API_KEY = "sk-proj-abcdefghijklmnopqrstuvwxyz012345"
 RAW = (EMAIL, OLD_EMAIL, PHONE, API_KEY)
+
+_ROOT = Path(__file__).resolve().parents[2]
 
 Address = Annotated[str, Field(pattern=r"^[a-z.]+@[a-z.]+\.[a-z]+$")]
 """An e-mail address as a tool validates it: a placeholder is not one."""
@@ -499,3 +504,40 @@ async def test_a_value_only_its_context_reveals_is_journalled_as_its_placeholder
     assert closed == ["123456"]
     journal = _table(tmp_path / "keel.db", "keel_tool_journal")
     assert "<ACCOUNT_1>" in journal and "123456" not in journal
+
+
+# --- across a crash -------------------------------------------------------------------------------
+
+
+def _vault_worker(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "tests.runtime.vault_worker",
+        "--db",
+        str(tmp_path / "keel.db"),
+        "--effects",
+        str(tmp_path / "effects.txt"),
+        *extra,
+    ]
+    return subprocess.run(
+        command, cwd=_ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_a_turn_killed_mid_tool_and_resumed_in_a_new_process_sends_the_real_address(
+    tmp_path: Path, pii_key: str
+) -> None:
+    texts = [f"My email is {EMAIL}", "hello", "how are you?", "send my receipt"]
+    killed = _vault_worker(tmp_path, "--texts", json.dumps(texts), "--kill-at-send", "1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert len(killed.stdout.splitlines()) == 3, "the kill was not in the fourth turn"
+    effects = tmp_path / "effects.txt"
+    assert not effects.exists()
+    # A new process, the same key: the open turn resolves the placeholder its journal holds.
+    resumed = _vault_worker(tmp_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout.splitlines()[0]) == {"resumed": "completed", "reply": "Sent."}
+    assert effects.read_text().split() == [EMAIL]
+    rows = _persisted_without_values(tmp_path / "keel.db")
+    assert "<EMAIL_1>" in rows
