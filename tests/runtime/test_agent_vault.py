@@ -541,3 +541,23 @@ def test_a_turn_killed_mid_tool_and_resumed_in_a_new_process_sends_the_real_addr
     assert effects.read_text().split() == [EMAIL]
     rows = _persisted_without_values(tmp_path / "keel.db")
     assert "<EMAIL_1>" in rows
+
+
+async def test_memory_records_hold_the_users_stable_placeholders(
+    tmp_path: Path, pii_key: str
+) -> None:
+    model = ScriptedModel(["Noted.", lambda call: f"Saved {_placeholder(call, 'EMAIL', 1)}."])
+    agent = Agent.open(
+        f"sqlite:///{tmp_path / 'keel.db'}", model=model, system_prompt="You help customers."
+    )
+    try:
+        await agent.run(f"My old email is {OLD_EMAIL}", session="s1", user="alice")
+        await agent.run(f"My new email is {EMAIL}", session="s1", user="alice")
+        assert agent.memory is not None
+        await agent.memory.aflush()
+    finally:
+        await agent.aclose()
+    texts = _table(tmp_path / "keel.db", "memory_records")
+    # The second address is <EMAIL_2> in memory as in the state, never a per-text <EMAIL_1>.
+    assert "My new email is <EMAIL_2>" in texts and "Saved <EMAIL_2>." in texts
+    _persisted_without_values(tmp_path / "keel.db")
