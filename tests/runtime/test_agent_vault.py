@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import pytest
 from pydantic import Field
 
+from keel.errors import UsageError
 from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.privacy import Detector, MasterKey, PIIMasker
@@ -583,3 +584,14 @@ async def test_a_failed_turns_reply_shows_the_users_values_of_what_was_done(
     assert state is not None
     assert any("receipt sent to <EMAIL_1>" in message.content for message in state.messages)
     _persisted_without_values(tmp_path / "keel.db")
+
+
+def test_values_for_the_model_need_a_vault(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="needs a PII vault"):
+        Agent.open(
+            f"sqlite:///{tmp_path / 'keel.db'}",
+            model=ScriptedModel([]),
+            system_prompt="You help customers.",
+            memory=False,
+            model_sees="values",
+        )
