@@ -152,26 +152,31 @@ class PIIMasker:
         come again (each longer prefix of a streamed reply), which would only push out the
         ones that do. ``numbering`` gives each ``(entity, value)`` its placeholder (a user's
         vault: the same placeholder in every text); without it placeholders are numbered per
-        text."""
-        if numbering is not None:
-            return self._mask(text, tenant_id, numbering)
+        text. With a numbering only texts with nothing to mask are cached (most of what a trace
+        records): a text that holds a value is never kept."""
         if not remember or len(text) > _CACHED_TEXT_CHARS:
-            return self._mask(text, tenant_id)
+            return self._mask(text, tenant_id, numbering)
+        results = self._cached(tenant_id)
+        result = results.get(text)
+        if result is not None and (numbering is None or not result.masked):
+            return result
+        result = self._mask(text, tenant_id, numbering)
+        if numbering is None or not result.masked:
+            if len(results) >= _CACHED_RESULTS:
+                # Oldest first: dicts keep insertion order.
+                del results[next(iter(results))]
+            results[text] = result
+        return result
+
+    def _cached(self, tenant_id: str | None) -> dict[str, MaskResult]:
+        """The kept results of the tenant's policy (per policy object, see ``__init__``)."""
         policy = self.policy_for(tenant_id)
         kept = self._results.get(id(policy))
         if kept is None or kept[0] is not policy:
             if len(self._results) >= _CACHED_POLICIES:
                 del self._results[next(iter(self._results))]
             kept = self._results[id(policy)] = (policy, {})
-        results = kept[1]
-        result = results.get(text)
-        if result is None:
-            result = self._mask(text, tenant_id)
-            if len(results) >= _CACHED_RESULTS:
-                # Oldest first: dicts keep insertion order.
-                del results[next(iter(results))]
-            results[text] = result
-        return result
+        return kept[1]
 
     def _mask(
         self, text: str, tenant_id: str | None, numbered: Numbering | None = None
