@@ -17,7 +17,10 @@ checkpoints and pending writes, in the order they were written. keel's store doe
   atomic rewrite; ``ttl`` expires a whole namespace after that long without a write, never a
   part of one.
 - **PII masked before it is stored**: the text in channel values, pending writes and metadata
-  (ids, names and types kept).
+  (ids, names and types kept). With a PII vault (``vault=``), each value is stored sealed in
+  the vault and the checkpoint holds the user's stable placeholder for it; a read gives the
+  graph that user's values back, so a graph resumed from keel's checkpoints runs its tools
+  with the values LangGraph's own savers would have given it, and nothing raw is stored.
 
 Explicit time travel (``checkpoint_id`` in the config) forks as LangGraph defines it: a put on
 an older checkpoint is a new branch, not a conflict, whatever config named it (one from
@@ -54,6 +57,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from keel._bridge import run_blocking
 from keel.errors import ConflictError, ExpiredError, StateError, UsageError
+from keel.integrations._privacy import Lens
 from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._heads import ThreadHeads
 from keel.integrations.langgraph._indexes import ThreadIndexes
@@ -74,7 +78,7 @@ from keel.integrations.langgraph._thread import (
     rows_of,
     run_mark_of,
 )
-from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.state import StateBackend, StateStore, VacuumReport
 from keel.stores import open_state_backend
 
@@ -94,6 +98,16 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         snapshot_every: passed to ``StateStore`` (fewest versions between full snapshots).
         serde: LangGraph's serializer for channel values (default ``JsonPlusSerializer``).
         clock: seconds since the epoch, for tests of expiry.
+        vault: the PII vault: values are stored there sealed, checkpoints hold the user's
+            placeholders, and reads give the user their values back. Not given, and
+            ``backend`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
+            open the vault on that database (neither set: masking alone, as without a vault).
+        user: whose values a thread holds when its config says nothing:
+            ``config["configurable"]["user_id"]`` names the user; without it, this; without
+            both, the thread id (each thread its own user).
+
+    Raises:
+        VaultKeyError: the environment's PII key is malformed, or not the vault's.
     """
 
     def __init__(
@@ -106,12 +120,16 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         snapshot_every: int = 100,
         serde: SerializerProtocol | None = None,
         clock: Callable[[], float] = time.time,
+        vault: Vault | None = None,
+        user: str | None = None,
     ) -> None:
         super().__init__(serde=serde)
         if not tenant:
             raise UsageError("a tenant must not be empty")
         self.backend = open_state_backend(backend) if isinstance(backend, str) else backend
         self.tenant = tenant
+        self.vault = vault
+        self.user = user
         self.masker = DEFAULT_MASKER if masker is None else masker
         self.store: StateStore[ThreadState] = StateStore(
             self.backend, ThreadState, snapshot_every=snapshot_every, default_ttl=ttl, clock=clock
@@ -143,6 +161,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         full_metadata = get_checkpoint_metadata(config, metadata)
         run_id = full_metadata.get("run_id")
         run = str(run_id) if run_id is not None else None
+        codec = self._codec_for(config, thread_id)
         heads = self._heads
         with heads.lock(session):
             known = heads.head(session, fresh=False)
@@ -153,7 +172,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 try:
                     if known is not None and mark is not None:
                         known = self._drop_other_writers(session, known, mark)
-                    state = self._codec.checkpoint_state(
+                    state = codec.checkpoint_state(
                         session,
                         known.state if known is not None else None,
                         checkpoint,
@@ -163,6 +182,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                         mark,
                     )
                     heads.commit(session, known, state, run)
+                    codec.settle(session)
                     break
                 except ConflictError as exc:
                     if isinstance(exc, StaleWriterError):
@@ -216,22 +236,24 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         mark = run_mark_of(config, namespace)
         writer = mark.writer if mark is not None else ""
         session = self._names.session(thread_id, namespace)
+        codec = self._codec_for(config, thread_id)
         heads = self._heads
         with heads.lock(session):
             known = heads.head(session, fresh=False)
             for _ in range(ATTEMPTS):
                 known = heads.check_mark(session, known, mark)
-                refs = self._codec.refs(session, known.state.items if known is not None else [])
+                refs = codec.refs(session, known.state.items if known is not None else [])
                 entries: dict[str, list[Any]] = {}
                 for position, (channel, value) in enumerate(writes):
                     index = WRITES_IDX_MAP.get(channel, position)
                     key = f"{target}\x1f{task_id}\x1f{index}" + (f"\x1f{writer}" if writer else "")
-                    text = self._codec.encode(value, refs)
+                    text = codec.encode(value, refs)
                     entries[key] = [target, task_id, channel, text, task_path, index, writer]
                 try:
                     if known is None:
                         self._indexes.register_namespace(thread_id, namespace)
                         heads.commit(session, None, ThreadState(writes=entries))
+                        codec.settle(session)
                         return
                     # The head with a task's writes added (of its own checkpoint, of one whose
                     # put is still on its way, or of an older one: a late write, a fork's first
@@ -240,6 +262,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                     if merged is not None:
                         state = known.state.model_copy(update={"writes": merged})
                         heads.commit(session, known, state)
+                        codec.settle(session)
                     return
                 except ConflictError as exc:
                     if isinstance(exc, StaleWriterError):
@@ -268,7 +291,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 return None  # removed by a concurrent prune
             mark = RunMark(namespace, uuid.uuid4().hex, target) if checkpoint_id is None else None
             writes = heads.writes_for(session, known, state)
-            found = self._codec.tuple_of(
+            found = self._codec_for(config, thread_id).tuple_of(
                 thread_id, namespace, state, writes, known.state.items, session, mark
             )
             if checkpoint_id is not None:
@@ -277,6 +300,14 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 # ``get_state`` snapshot's config): cleared, the fork is never fenced by it.
                 found.config["configurable"][RUN_MARK] = None
             return found
+
+    def _codec_for(self, config: RunnableConfig | None, thread_id: str) -> ThreadCodec:
+        """The codec as the config's user sees it (the saver's own without a vault)."""
+        if self.vault is None:
+            return self._codec
+        configurable = (config or {}).get("configurable") or {}
+        user = str(configurable.get("user_id") or self.user or thread_id)
+        return self._codec.view(Lens(self.masker, self.tenant, self.vault, user))
 
     def _sessions_of(self, config: RunnableConfig | None) -> list[str]:
         names = self._names
@@ -318,6 +349,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         candidates.sort(reverse=True)
         returned = 0
         heads: dict[str, Known | None] = {}
+        codecs: dict[str, ThreadCodec] = {}
         for _checkpoint_id, session, version in candidates:
             if limit is not None and returned >= limit:
                 return
@@ -330,15 +362,16 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 state = self._heads.state_at(session, known, version)
             except (StateError, ExpiredError):
                 continue  # pruned since the listing
+            thread_id, namespace = self._names.parse_session(session)
+            codec = codecs.get(thread_id) or codecs.setdefault(
+                thread_id, self._codec_for(config, thread_id)
+            )
             if filter:
-                metadata = self._codec.decode(state.meta)
+                metadata = codec.decode(state.meta)
                 if any(metadata.get(key) != value for key, value in filter.items()):
                     continue
-            thread_id, namespace = self._names.parse_session(session)
             writes = self._heads.writes_for(session, known, state, listings[session])
-            yield self._codec.tuple_of(
-                thread_id, namespace, state, writes, known.state.items, None, None
-            )
+            yield codec.tuple_of(thread_id, namespace, state, writes, known.state.items, None, None)
             returned += 1
 
     def count_checkpoints(self, thread_id: str) -> int:

@@ -1,0 +1,126 @@
+"""What the adapters share to keep a user's values out of storage and give them back on reads.
+
+An adapter masks what it stores and reveals what the framework reads through a :class:`Lens`:
+one user's view for one call. With a :class:`~keel.privacy.Vault`, masking numbers each value
+with the user's stable placeholder (the value goes into the vault, sealed) and a read reveals
+the user's own placeholders (another user's, or an erased one, stay as written). Without one,
+masking is keel's masker as it always was and nothing is revealed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from keel.privacy import PIIMasker, UserVault, Vault
+
+__all__ = ["Lens", "map_texts"]
+
+
+class Lens:
+    """One user's view for one call of an adapter: how it masks and reveals text.
+
+    Args:
+        masker: the adapter's masking policy.
+        tenant: the tenant whose policy applies and whose vault holds the values.
+        vault: the deployment's vault (None: masking alone, nothing revealed).
+        user: whose values these are (needed with a vault).
+        per_call: without a vault, number placeholders across every text this lens masks
+            (two different addresses in two items of one write are ``<EMAIL_1>`` and
+            ``<EMAIL_2>``) instead of per text.
+    """
+
+    def __init__(
+        self,
+        masker: PIIMasker,
+        tenant: str,
+        vault: Vault | None = None,
+        user: str | None = None,
+        *,
+        per_call: bool = False,
+    ) -> None:
+        self.masker = masker
+        self.tenant = tenant
+        self.user = user
+        self.user_vault: UserVault | None = (
+            vault.user(tenant, user) if vault is not None and user is not None else None
+        )
+        self._numbers: dict[tuple[str, str], str] | None = (
+            {} if per_call and self.user_vault is None else None
+        )
+
+    @property
+    def reveals(self) -> bool:
+        """Whether reads give values back (a vault is in use)."""
+        return self.user_vault is not None
+
+    def mask(self, text: str) -> str:
+        """``text`` as it may be stored."""
+        if self.user_vault is not None:
+            return self.masker.mask_text(
+                text, tenant_id=self.tenant, numbering=self.user_vault.placeholder
+            )
+        if self._numbers is not None:
+            return self.masker.mask_text(text, tenant_id=self.tenant, numbering=self._number)
+        return self.masker.mask_text(text, tenant_id=self.tenant)
+
+    def reveal(self, text: str) -> str:
+        """``text`` with the user's own placeholders replaced by their values."""
+        if self.user_vault is None:
+            return text
+        return self.user_vault.reveal(text)
+
+    def stamp(self) -> bytes | None:
+        """What changes when the user's data key does (created, erased by ``forget``): a
+        cache of revealed values is only good while this stays the same."""
+        if self.user_vault is None:
+            return None
+        found = self.user_vault.vault.store.data_key(self.tenant, self.user_vault.user_id)
+        return None if found is None else found.wrapped
+
+    def _number(self, entity: str, value: str) -> str:
+        assert self._numbers is not None
+        key = (entity, value)
+        found = self._numbers.get(key)
+        if found is None:
+            count = sum(1 for known in self._numbers if known[0] == entity) + 1
+            found = self._numbers[key] = f"<{entity}_{count}>"
+        return found
+
+
+def map_texts(
+    value: Any,
+    change: Callable[[str], str],
+    *,
+    texts: frozenset[str],
+    kept: frozenset[str] = frozenset(),
+    key: str | None = None,
+    inside: bool = False,
+) -> Any:
+    """A JSON-like ``value`` (dicts, lists, strings) with ``change`` applied to the strings
+    under a key in ``texts`` (at any depth below it), except those under a key in ``kept``;
+    the very same object where nothing changed."""
+    if isinstance(value, str):
+        return change(value) if inside and key not in kept else value
+    if isinstance(value, dict):
+        entries = {
+            name: map_texts(
+                item,
+                change,
+                texts=texts,
+                kept=kept,
+                key=name,
+                inside=inside or name in texts,
+            )
+            for name, item in value.items()
+        }
+        return entries if any(entries[k] is not v for k, v in value.items()) else value
+    if isinstance(value, list):
+        items = [
+            map_texts(item, change, texts=texts, kept=kept, key=key, inside=inside)
+            for item in value
+        ]
+        return (
+            items if any(new is not old for new, old in zip(items, value, strict=True)) else value
+        )
+    return value
