@@ -11,6 +11,11 @@ PII-masked before they are stored, and every write is compare-and-set on the ses
 so a failed or concurrent write never leaves half a turn (#4615). State lives where keel's state
 lives: a SQLite file, PostgreSQL or Redis, durable across processes.
 
+With a PII vault (``vault=``), each value is stored sealed in the vault and the items hold the
+user's stable placeholder for it (two addresses are ``<EMAIL_1>`` and ``<EMAIL_2>`` in every
+item and turn); ``get_items`` and ``pop_item`` give the user's values back, so the next run's
+model and tools see them as the SDK's own sessions would have given them.
+
     from keel.integrations.openai_agents import KeelSession
     session = KeelSession("user-42", database="sqlite:///agents.db", model="gpt-4o")
     await Runner.run(agent, "Hi", session=session)
@@ -20,7 +25,7 @@ lives: a SQLite file, PostgreSQL or Redis, durable across processes.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -43,9 +48,10 @@ from keel.context import (
     SummaryPolicy,
 )
 from keel.errors import ConflictError, StateError, UsageError
+from keel.integrations._privacy import Lens
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel
-from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.state import StateStore
 from keel.stores import open_state_backend
 
@@ -66,14 +72,15 @@ class SessionItems(BaseModel):
     summarized: int = 0
 
 
-def _mask(value: Any, masker: PIIMasker, key: str | None = None) -> Any:
-    """``value`` with the text of its content fields masked (ids, names, types kept)."""
+def _texts_changed(value: Any, change: Callable[[str], str], key: str | None = None) -> Any:
+    """``value`` with ``change`` applied to the text of its content fields (ids, names, types
+    kept): masking before a write, revealing after a read."""
     if isinstance(value, dict):
-        return {k: _mask(v, masker, k) for k, v in value.items()}
+        return {k: _texts_changed(v, change, k) for k, v in value.items()}
     if isinstance(value, list):
-        return [_mask(v, masker, key) for v in value]
+        return [_texts_changed(v, change, key) for v in value]
     if isinstance(value, str) and key in _MASKED_KEYS:
-        return masker.mask_text(value)
+        return change(value)
     return value
 
 
@@ -147,9 +154,20 @@ class KeelSession:
             :class:`keel.context.ModelSummarizer`), any :class:`keel.context.Summarizer`, or
             None for keel's extractive one (offline, no model call).
         masker: masks PII before anything is stored (None: keel's default policy).
+        tenant: whose policy masks, and whose vault holds the values.
+        user_id: whose values the session holds (None: the session id names the user).
+        vault: the PII vault: values are stored there sealed, items hold the user's stable
+            placeholders, and reads give the user their values back. Not given, and
+            ``database`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
+            open the vault on that database. Without a vault, the items of one ``add_items``
+            call are numbered together (two addresses in it are ``<EMAIL_1>`` and
+            ``<EMAIL_2>``), and reads give placeholders.
 
     ``close()`` (or ``async with``) releases the database the session opened from
     ``database``; a ``state`` store passed in is the caller's to close.
+
+    Raises:
+        VaultKeyError: the environment's PII key is malformed, or not the vault's.
     """
 
     session_settings = None
@@ -166,10 +184,18 @@ class KeelSession:
         summary: SummaryPolicy | None = None,
         summarizer: Summarizer | ChatModel | None = None,
         masker: PIIMasker | None = None,
+        tenant: str = "default",
+        user_id: str | None = None,
+        vault: Vault | None = None,
     ) -> None:
         if (database is None) == (state is None):
             raise UsageError("give exactly one of database and state")
+        if not tenant:
+            raise UsageError("a tenant must not be empty")
         self.session_id = session_id
+        self.tenant = tenant
+        self.user_id = user_id or session_id
+        self.vault = vault
         self._owns_state = state is None
         self.state = state or StateStore(open_state_backend(str(database)), SessionItems)
         if isinstance(summarizer, ChatModel):
@@ -178,6 +204,10 @@ class KeelSession:
             model, budget=budget, pruning=pruning, summary=summary, summarizer=summarizer
         )
         self.masker = DEFAULT_MASKER if masker is None else masker
+
+    def _lens(self) -> Lens:
+        """The session's user for one call (a write's placeholders numbered together)."""
+        return Lens(self.masker, self.tenant, self.vault, self.user_id, per_call=True)
 
     def close(self) -> None:
         """Release the database this session opened (a ``state`` passed in stays open)."""
@@ -200,14 +230,18 @@ class KeelSession:
         return SessionItems() if found is None else found.state
 
     async def all_items(self) -> list[dict[str, Any]]:
-        """Every stored item (masked), oldest first, with none left out."""
+        """Every stored item as stored (masked: placeholders, never values), oldest first,
+        with none left out."""
         return [json.loads(item) for item in (await self._load()).items]
 
     async def add_items(self, items: list[Any]) -> None:
         """Append ``items`` (masked) in one compare-and-set write: all of them or none."""
         if not items:
             return
-        encoded = [json.dumps(_mask(dict(item), self.masker), ensure_ascii=False) for item in items]
+        mask = self._lens().mask
+        encoded = [
+            json.dumps(_texts_changed(dict(item), mask), ensure_ascii=False) for item in items
+        ]
 
         def append(current: SessionItems) -> dict[str, Any]:
             return {"items": [*current.items, *encoded]}
@@ -221,7 +255,8 @@ class KeelSession:
                 await self.state.atransact(self.session_id, append)
 
     async def pop_item(self) -> dict[str, Any] | None:
-        """Remove and return the newest item (None when the session is empty)."""
+        """Remove and return the newest item, the user's values in it (None when the session
+        is empty)."""
         popped: list[str] = []
 
         def drop_last(current: SessionItems) -> dict[str, Any] | None:
@@ -236,7 +271,10 @@ class KeelSession:
             await self.state.atransact(self.session_id, drop_last)
         except StateError:  # no such session
             return None
-        return json.loads(popped[0]) if popped else None
+        if not popped:
+            return None
+        found: dict[str, Any] = _texts_changed(json.loads(popped[0]), self._lens().reveal)
+        return found
 
     async def clear_session(self) -> None:
         """Forget the session."""
@@ -269,7 +307,11 @@ class KeelSession:
         result = self._fit(conversation, items, system="")
         if conversation.summary.strip():
             result.insert(0, {"role": "system", "content": SUMMARY_MARK + conversation.summary})
-        return result if limit is None else _newest(result, limit)
+        newest = result if limit is None else _newest(result, limit)
+        lens = self._lens()
+        if not lens.reveals:
+            return newest
+        return [_texts_changed(item, lens.reveal) for item in newest]
 
     def _fit(
         self, conversation: Any, items: dict[int, dict[str, Any]], *, system: str
