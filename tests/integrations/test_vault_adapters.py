@@ -1,0 +1,239 @@
+"""The PII vault inside the adapters, through each framework's own runner: a LangGraph graph
+resumed from keel's checkpoints in a new process, an Agents SDK run reading keel's session and a
+pydantic-ai run given the history keel stored see the user's real values where the framework's
+own store would have given them; storage holds placeholders only (every table of the SQLite
+file and its write-ahead log, payloads decoded); another user of the same tenant reading the
+same thread gets placeholders."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import START, StateGraph
+from langgraph.graph.message import add_messages
+from langgraph.prebuilt import ToolNode, tools_condition
+
+from keel.integrations.langgraph import KeelCheckpointSaver
+from keel.privacy import MasterKey, Vault, key_provider_from_env
+from keel.stores import SQLiteDatabase, SQLiteVaultStore
+
+EMAIL = "alice.smith@example.com"
+OTHER_EMAIL = "a.smith@work.example.org"
+PHONE = "+1 415 555 0134"
+
+_PAYLOAD = re.compile(rb"[a-z]+:([A-Za-z0-9+/]{16,}={0,2})")
+"""A value a LangGraph checkpoint stores: its serializer's kind, then the bytes in base64."""
+
+
+def _everything_stored(path: Path) -> bytes:
+    """Every row of every table of the SQLite file, the file's and its write-ahead log's raw
+    bytes, and every base64 payload found in them decoded (checkpoints store values so)."""
+    parts: list[bytes] = []
+    with closing(sqlite3.connect(path)) as conn:
+        query = "SELECT name FROM sqlite_master WHERE type = 'table'"
+        for (table,) in conn.execute(query).fetchall():
+            parts.extend(repr(row).encode() for row in conn.execute(f'SELECT * FROM "{table}"'))
+    parts.append(path.read_bytes())
+    wal = path.with_name(path.name + "-wal")
+    if wal.exists():
+        parts.append(wal.read_bytes())
+    raw = b"\n".join(parts)
+    decoded = []
+    for match in _PAYLOAD.finditer(raw):
+        try:
+            decoded.append(base64.b64decode(match.group(1), validate=True))
+        except ValueError:
+            continue
+    return raw + b"\n" + b"\n".join(decoded)
+
+
+@pytest.fixture
+def key_text() -> str:
+    """The master key as a deployment sets ``KEEL_PII_KEY``."""
+    return MasterKey.new_key_text()
+
+
+@pytest.fixture
+def key(key_text: str) -> MasterKey:
+    return MasterKey.from_text(key_text)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "keel.db"
+
+
+@pytest.fixture
+def vault(db_path: Path, key: MasterKey) -> Iterator[Vault]:
+    """The vault on the adapters' own SQLite file, as a deployment keeps it."""
+    with SQLiteDatabase(db_path) as database:
+        opened = Vault(SQLiteVaultStore(database), key)
+        opened.check()
+        yield opened
+
+
+# --- LangGraph ----------------------------------------------------------------------------------
+
+RECEIVED: list[str] = []
+"""What ``send_receipt`` was called with, in this process."""
+
+
+@tool
+def send_receipt(email: str) -> str:
+    """Send the order's receipt to an e-mail address."""
+    RECEIVED.append(email)
+    return f"receipt sent to {email}"
+
+
+class _Chat(TypedDict):
+    messages: Annotated[list[Any], add_messages]
+
+
+def _assistant(state: _Chat) -> dict[str, Any]:
+    """A scripted model: asked for the receipt, it sends it to the address the user gave
+    earlier in the thread (as the thread reads now); after the tool, it answers."""
+    last = state["messages"][-1]
+    if isinstance(last, ToolMessage):
+        return {"messages": [AIMessage(content="Sent.")]}
+    if "receipt" not in str(last.content):
+        return {"messages": [AIMessage(content="Noted.")]}
+    said = " ".join(str(m.content) for m in state["messages"] if isinstance(m, HumanMessage))
+    address = re.findall(r"<EMAIL_\d+>|\S+@\S+", said)[0]
+    call = {"name": "send_receipt", "args": {"email": address}, "id": "call-1"}
+    return {"messages": [AIMessage(content="", tool_calls=[call])]}
+
+
+def receipt_graph(saver: Any) -> Any:
+    """The assistant and a tool node, interrupted before the tool runs."""
+    graph = StateGraph(_Chat)
+    graph.add_node("assistant", _assistant)
+    graph.add_node("tools", ToolNode([send_receipt]))
+    graph.add_edge(START, "assistant")
+    graph.add_conditional_edges("assistant", tools_condition)
+    graph.add_edge("tools", "assistant")
+    return graph.compile(checkpointer=saver, interrupt_before=["tools"])
+
+
+def _alice(thread: str = "t1") -> dict[str, Any]:
+    return {"configurable": {"thread_id": thread, "user_id": "alice"}}
+
+
+def _up_to_the_tool(saver: Any) -> None:
+    """Two turns of alice's: her address, then the request that stops before the tool."""
+    graph = receipt_graph(saver)
+    graph.invoke({"messages": [HumanMessage(content=f"My email is {EMAIL}")]}, _alice())
+    graph.invoke({"messages": [HumanMessage(content="Please send my receipt")]}, _alice())
+    assert graph.get_state(_alice()).next == ("tools",)
+
+
+_RESUME = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from test_vault_adapters import RECEIVED, receipt_graph, resuming_saver
+with resuming_saver(sys.argv[1]) as saver:
+    receipt_graph(saver).invoke(None, {"configurable": {"thread_id": "t1", "user_id": "alice"}})
+print(json.dumps(RECEIVED))
+"""
+
+
+def resuming_saver(path: str) -> KeelCheckpointSaver:
+    """The saver a new process opens: the master key from ``KEEL_PII_KEY``."""
+    provider = key_provider_from_env()
+    assert provider is not None
+    vault = Vault(SQLiteVaultStore(SQLiteDatabase(path)), provider)
+    return KeelCheckpointSaver(f"sqlite:///{path}", tenant="acme", vault=vault)
+
+
+def _resumed_in_a_new_process(db_path: Path, key_text: str) -> list[str]:
+    environment = {**os.environ, "KEEL_PII_KEY": key_text}
+    done = subprocess.run(
+        [sys.executable, "-c", _RESUME, str(db_path), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    received: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return received
+
+
+def test_a_graph_resumed_in_a_new_process_runs_its_tool_with_the_address_as_sqlitesaver(
+    db_path: Path, key_text: str, vault: Vault, tmp_path: Path
+) -> None:
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
+        _up_to_the_tool(saver)
+    keel_received = _resumed_in_a_new_process(db_path, key_text)
+
+    RECEIVED.clear()
+    with SqliteSaver.from_conn_string(str(tmp_path / "langgraph.db")) as own:
+        _up_to_the_tool(own)
+    with SqliteSaver.from_conn_string(str(tmp_path / "langgraph.db")) as own_again:
+        receipt_graph(own_again).invoke(None, _alice())
+    assert keel_received == RECEIVED == [EMAIL]
+
+    stored = _everything_stored(db_path)
+    assert b"<EMAIL_1>" in stored, "the payloads were read: the placeholder is in them"
+    assert EMAIL.encode() not in stored and b"alice.smith" not in stored
+
+
+def test_another_user_of_the_tenant_reads_the_thread_with_placeholders(
+    db_path: Path, vault: Vault
+) -> None:
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
+        _up_to_the_tool(saver)
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
+        bob = {"configurable": {"thread_id": "t1", "user_id": "bob"}}
+        for config, address in ((bob, "<EMAIL_1>"), (_alice(), EMAIL)):
+            messages = receipt_graph(saver).get_state(config).values["messages"]
+            assert messages[0].content == f"My email is {address}"
+            assert messages[-1].tool_calls[0]["args"] == {"email": address}
+        history = [t.checkpoint for t in saver.list(bob)]
+        assert history and EMAIL not in repr(history)
+
+
+def test_one_address_keeps_its_placeholder_in_every_turn_and_thread_of_the_user(
+    db_path: Path, vault: Vault
+) -> None:
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
+        graph = receipt_graph(saver)
+        for thread, text in (("t1", EMAIL), ("t1", OTHER_EMAIL), ("t2", f"{OTHER_EMAIL} {EMAIL}")):
+            graph.invoke({"messages": [HumanMessage(content=f"write {text}")]}, _alice(thread))
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme") as masked:
+        texts = [
+            str(m.content)
+            for thread in ("t1", "t2")
+            for m in receipt_graph(masked).get_state(_alice(thread)).values["messages"]
+            if isinstance(m, HumanMessage)
+        ]
+    assert texts == ["write <EMAIL_1>", "write <EMAIL_2>", "write <EMAIL_2> <EMAIL_1>"]
+
+
+def test_after_forget_the_same_saver_reads_placeholders_not_what_it_had_cached(
+    db_path: Path, vault: Vault
+) -> None:
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
+        graph = receipt_graph(saver)
+        _up_to_the_tool(saver)
+        assert graph.get_state(_alice()).values["messages"][0].content == f"My email is {EMAIL}"
+        assert vault.forget("acme", "alice") == 1
+        messages = graph.get_state(_alice()).values["messages"]
+        assert messages[0].content == "My email is <EMAIL_1>"
+        RECEIVED.clear()
+        graph.invoke(None, _alice())
+        assert RECEIVED == ["<EMAIL_1>"], "an erased value reached the tool"
