@@ -20,14 +20,24 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import pytest
+from agents import Agent, Runner, function_tool, set_tracing_disabled
+from agents.items import ModelResponse
+from agents.models.interface import Model
+from agents.usage import Usage
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode, tools_condition
+from openai.types.responses import (
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseOutputText,
+)
 
 from keel.integrations.langgraph import KeelCheckpointSaver
+from keel.integrations.openai_agents import KeelSession
 from keel.privacy import MasterKey, Vault, key_provider_from_env
 from keel.stores import SQLiteDatabase, SQLiteVaultStore
 
@@ -237,3 +247,124 @@ def test_after_forget_the_same_saver_reads_placeholders_not_what_it_had_cached(
         RECEIVED.clear()
         graph.invoke(None, _alice())
         assert RECEIVED == ["<EMAIL_1>"], "an erased value reached the tool"
+
+
+# --- the OpenAI Agents SDK ----------------------------------------------------------------------
+
+set_tracing_disabled(True)
+
+
+@function_tool
+def mail_receipt(email: str) -> str:
+    """Send the order's receipt to an e-mail address.
+
+    Args:
+        email: where to send it.
+    """
+    RECEIVED.append(email)
+    return f"receipt sent to {email}"
+
+
+def _said(texts: list[str]) -> list[str]:
+    return re.findall(r"<EMAIL_\d+>|[\w.+-]+@[\w.-]+\w", " ".join(texts))
+
+
+class _Mailer(Model):
+    """A scripted model: asked for the receipt, it calls ``mail_receipt`` with the first
+    address the user gave in the input it was sent; otherwise it answers."""
+
+    async def get_response(
+        self,
+        system_instructions: str | None,
+        input: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> ModelResponse:
+        items = [dict(item) for item in input]
+        last = items[-1]
+        if last.get("type") != "function_call_output" and "receipt" in str(last.get("content")):
+            users = [str(i.get("content")) for i in items if i.get("role") == "user"]
+            call = ResponseFunctionToolCall(
+                type="function_call",
+                call_id=f"call-{len(items)}",
+                name="mail_receipt",
+                arguments=json.dumps({"email": _said(users)[0]}),
+            )
+            return ModelResponse(output=[call], usage=Usage(), response_id=None)
+        text = ResponseOutputText(type="output_text", text="Noted.", annotations=[])
+        message = ResponseOutputMessage(
+            id="m", type="message", role="assistant", status="completed", content=[text]
+        )
+        return ModelResponse(output=[message], usage=Usage(), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def _users_texts(items: list[dict[str, Any]]) -> list[str]:
+    return [str(item["content"]) for item in items if item.get("role") == "user"]
+
+
+async def test_an_agents_sdk_run_reads_the_address_the_first_turn_gave_from_keels_session(
+    db_path: Path, vault: Vault
+) -> None:
+    database = f"sqlite:///{db_path}"
+    agent = Agent(name="shop", model=_Mailer(), tools=[mail_receipt])
+    first = KeelSession("conv-1", database=database, tenant="acme", user_id="alice", vault=vault)
+    await Runner.run(agent, f"My email is {EMAIL}", session=first)
+    await Runner.run(agent, f"My work email is {OTHER_EMAIL}", session=first)
+    first.close()
+    RECEIVED.clear()
+    second = KeelSession("conv-1", database=database, tenant="acme", user_id="alice", vault=vault)
+    await Runner.run(agent, "Please send my receipt", session=second)
+    assert RECEIVED == [EMAIL]
+    # Two addresses in two items: two placeholders in storage, each read back as itself.
+    assert _users_texts(await second.all_items())[:2] == [
+        "My email is <EMAIL_1>",
+        "My work email is <EMAIL_2>",
+    ]
+    assert _users_texts(await second.get_items())[:2] == [
+        f"My email is {EMAIL}",
+        f"My work email is {OTHER_EMAIL}",
+    ]
+    second.close()
+    stored = _everything_stored(db_path)
+    assert b"<EMAIL_2>" in stored
+    assert EMAIL.encode() not in stored and OTHER_EMAIL.encode() not in stored
+
+
+async def test_another_user_reading_the_session_gets_placeholders_and_pop_reveals(
+    db_path: Path, vault: Vault
+) -> None:
+    database = f"sqlite:///{db_path}"
+    alice = KeelSession("conv-1", database=database, tenant="acme", user_id="alice", vault=vault)
+    await alice.add_items(
+        [
+            {"role": "user", "content": f"mail {EMAIL}"},
+            {"role": "user", "content": f"or {OTHER_EMAIL}, never {EMAIL}"},
+        ]
+    )
+    bob = KeelSession("conv-1", database=database, tenant="acme", user_id="bob", vault=vault)
+    assert _users_texts(await bob.get_items()) == [
+        "mail <EMAIL_1>",
+        "or <EMAIL_2>, never <EMAIL_1>",
+    ]
+    assert await bob.pop_item() == {"role": "user", "content": "or <EMAIL_2>, never <EMAIL_1>"}
+    assert await alice.pop_item() == {"role": "user", "content": f"mail {EMAIL}"}
+    bob.close()
+    alice.close()
+
+
+async def test_without_a_vault_one_write_numbers_its_items_together(db_path: Path) -> None:
+    session = KeelSession("conv-1", database=f"sqlite:///{db_path}")
+    await session.add_items(
+        [
+            {"role": "user", "content": f"mail {EMAIL}"},
+            {"role": "user", "content": f"or {OTHER_EMAIL}, never {EMAIL}"},
+        ]
+    )
+    assert _users_texts(await session.get_items()) == [
+        "mail <EMAIL_1>",
+        "or <EMAIL_2>, never <EMAIL_1>",
+    ]
+    session.close()
