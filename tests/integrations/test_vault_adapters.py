@@ -35,9 +35,15 @@ from openai.types.responses import (
     ResponseOutputMessage,
     ResponseOutputText,
 )
+from pydantic_ai import Agent as PydanticAgent
+from pydantic_ai.messages import ModelMessage, ModelRequest, TextPart, ToolCallPart, UserPromptPart
+from pydantic_ai.messages import ModelResponse as PydanticResponse
+from pydantic_ai.models.function import AgentInfo, FunctionModel
 
+from keel.errors import ConflictError
 from keel.integrations.langgraph import KeelCheckpointSaver
 from keel.integrations.openai_agents import KeelSession
+from keel.integrations.pydantic_ai import KeelMessageStore
 from keel.privacy import MasterKey, Vault, key_provider_from_env
 from keel.stores import SQLiteDatabase, SQLiteVaultStore
 
@@ -368,3 +374,92 @@ async def test_without_a_vault_one_write_numbers_its_items_together(db_path: Pat
         "or <EMAIL_2>, never <EMAIL_1>",
     ]
     session.close()
+
+
+# --- pydantic-ai --------------------------------------------------------------------------------
+
+
+def _receipt_agent() -> PydanticAgent[None, str]:
+    """A pydantic-ai agent on a scripted model: asked for the receipt, it calls
+    ``send_receipt`` with the first address the user gave in the history it was sent."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        last = messages[-1]
+        if isinstance(last, ModelRequest) and any(
+            isinstance(part, UserPromptPart) and "receipt" in str(part.content)
+            for part in last.parts
+        ):
+            users = [
+                str(part.content)
+                for message in messages
+                if isinstance(message, ModelRequest)
+                for part in message.parts
+                if isinstance(part, UserPromptPart)
+            ]
+            call = ToolCallPart("send_receipt", {"email": _said(users)[0]}, tool_call_id="c1")
+            return PydanticResponse(parts=[call])
+        return PydanticResponse(parts=[TextPart("Noted.")])
+
+    agent = PydanticAgent(FunctionModel(respond))
+
+    @agent.tool_plain
+    def send_receipt(email: str) -> dict[str, str]:
+        """Send the order's receipt to an e-mail address."""
+        RECEIVED.append(email)
+        return {"sent_to": email}
+
+    return agent
+
+
+async def test_a_pydantic_ai_run_given_keels_history_gets_the_values_storage_placeholders(
+    db_path: Path, vault: Vault
+) -> None:
+    database = f"sqlite:///{db_path}"
+    agent = _receipt_agent()
+    first = KeelMessageStore(
+        "conv-1", database=database, tenant="acme", user_id="alice", vault=vault
+    )
+    result = await agent.run(f"My email is {EMAIL}", message_history=await first.load())
+    await first.save(result.all_messages())
+    result = await agent.run(f"My work email is {OTHER_EMAIL}", message_history=await first.load())
+    await first.save(result.all_messages())
+    first.close()
+    RECEIVED.clear()
+    later = KeelMessageStore(
+        "conv-1", database=database, tenant="acme", user_id="alice", vault=vault
+    )
+    result = await agent.run("Please send my receipt", message_history=await later.load())
+    assert RECEIVED == [EMAIL]
+    await later.save(result.all_messages())
+    stored = json.dumps(await later.stored())
+    assert "My email is <EMAIL_1>" in stored and "My work email is <EMAIL_2>" in stored
+    assert '"sent_to": "<EMAIL_1>"' in stored, "the tool's return is masked too"
+    later.close()
+    everything = _everything_stored(db_path)
+    assert EMAIL.encode() not in everything and OTHER_EMAIL.encode() not in everything
+
+    bob = KeelMessageStore("conv-1", database=database, tenant="acme", user_id="bob", vault=vault)
+    texts = [
+        str(part.content)
+        for message in await bob.load()
+        for part in message.parts
+        if isinstance(part, UserPromptPart)
+    ]
+    assert texts[:2] == ["My email is <EMAIL_1>", "My work email is <EMAIL_2>"]
+    bob.close()
+
+
+async def test_a_save_over_a_history_saved_since_is_rejected_and_stores_nothing(
+    db_path: Path,
+) -> None:
+    database = f"sqlite:///{db_path}"
+    agent = _receipt_agent()
+    one = KeelMessageStore("conv-1", database=database)
+    two = KeelMessageStore("conv-1", database=database)
+    assert await one.load() == [] and await two.load() == []
+    await one.save((await agent.run("from one")).all_messages())
+    with pytest.raises(ConflictError):
+        await two.save((await agent.run("from two")).all_messages())
+    assert "from two" not in json.dumps(await one.stored())
+    one.close()
+    two.close()
