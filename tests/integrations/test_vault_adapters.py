@@ -40,11 +40,11 @@ from pydantic_ai.messages import ModelMessage, ModelRequest, TextPart, ToolCallP
 from pydantic_ai.messages import ModelResponse as PydanticResponse
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from keel.errors import ConflictError
+from keel.errors import ConflictError, VaultKeyError
 from keel.integrations.langgraph import KeelCheckpointSaver
 from keel.integrations.openai_agents import KeelSession
 from keel.integrations.pydantic_ai import KeelMessageStore
-from keel.privacy import MasterKey, Vault, key_provider_from_env
+from keel.privacy import MasterKey, Vault
 from keel.stores import SQLiteDatabase, SQLiteVaultStore
 
 EMAIL = "alice.smith@example.com"
@@ -167,11 +167,9 @@ print(json.dumps(RECEIVED))
 
 
 def resuming_saver(path: str) -> KeelCheckpointSaver:
-    """The saver a new process opens: the master key from ``KEEL_PII_KEY``."""
-    provider = key_provider_from_env()
-    assert provider is not None
-    vault = Vault(SQLiteVaultStore(SQLiteDatabase(path)), provider)
-    return KeelCheckpointSaver(f"sqlite:///{path}", tenant="acme", vault=vault)
+    """The saver a new process opens: no vault given, ``KEEL_PII_KEY`` in the environment
+    opens it on the checkpoints' database."""
+    return KeelCheckpointSaver(f"sqlite:///{path}", tenant="acme")
 
 
 def _resumed_in_a_new_process(db_path: Path, key_text: str) -> list[str]:
@@ -312,7 +310,7 @@ def _users_texts(items: list[dict[str, Any]]) -> list[str]:
 
 
 async def test_an_agents_sdk_run_reads_the_address_the_first_turn_gave_from_keels_session(
-    db_path: Path, vault: Vault
+    db_path: Path, vault: Vault, key_text: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     database = f"sqlite:///{db_path}"
     agent = Agent(name="shop", model=_Mailer(), tools=[mail_receipt])
@@ -321,7 +319,9 @@ async def test_an_agents_sdk_run_reads_the_address_the_first_turn_gave_from_keel
     await Runner.run(agent, f"My work email is {OTHER_EMAIL}", session=first)
     first.close()
     RECEIVED.clear()
-    second = KeelSession("conv-1", database=database, tenant="acme", user_id="alice", vault=vault)
+    # Another session object, the vault opened on its database by the environment's key.
+    monkeypatch.setenv("KEEL_PII_KEY", key_text)
+    second = KeelSession("conv-1", database=database, tenant="acme", user_id="alice")
     await Runner.run(agent, "Please send my receipt", session=second)
     assert RECEIVED == [EMAIL]
     # Two addresses in two items: two placeholders in storage, each read back as itself.
@@ -412,7 +412,7 @@ def _receipt_agent() -> PydanticAgent[None, str]:
 
 
 async def test_a_pydantic_ai_run_given_keels_history_gets_the_values_storage_placeholders(
-    db_path: Path, vault: Vault
+    db_path: Path, vault: Vault, key_text: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     database = f"sqlite:///{db_path}"
     agent = _receipt_agent()
@@ -425,9 +425,9 @@ async def test_a_pydantic_ai_run_given_keels_history_gets_the_values_storage_pla
     await first.save(result.all_messages())
     first.close()
     RECEIVED.clear()
-    later = KeelMessageStore(
-        "conv-1", database=database, tenant="acme", user_id="alice", vault=vault
-    )
+    # Another store object, the vault opened on its database by the environment's key.
+    monkeypatch.setenv("KEEL_PII_KEY", key_text)
+    later = KeelMessageStore("conv-1", database=database, tenant="acme", user_id="alice")
     result = await agent.run("Please send my receipt", message_history=await later.load())
     assert RECEIVED == [EMAIL]
     await later.save(result.all_messages())
@@ -463,3 +463,75 @@ async def test_a_save_over_a_history_saved_since_is_rejected_and_stores_nothing(
     assert "from two" not in json.dumps(await one.stored())
     one.close()
     two.close()
+
+
+# --- the vault from the environment -------------------------------------------------------------
+
+
+def test_a_malformed_key_in_the_environment_is_a_typed_error_before_anything_opens(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KEEL_PII_KEY", "not-a-key")
+    for open_one in (
+        lambda: KeelCheckpointSaver(f"sqlite:///{db_path}"),
+        lambda: KeelSession("conv-1", database=f"sqlite:///{db_path}"),
+        lambda: KeelMessageStore("conv-1", database=f"sqlite:///{db_path}"),
+    ):
+        with pytest.raises(VaultKeyError, match="KEEL_PII_KEY"):
+            open_one()
+    assert not db_path.exists(), "a database was opened before the key was read"
+
+
+def test_another_master_key_than_the_vaults_is_refused(
+    db_path: Path, vault: Vault, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KEEL_PII_KEY", MasterKey.new_key_text())
+    with pytest.raises(VaultKeyError, match="not this vault's"):
+        KeelCheckpointSaver(f"sqlite:///{db_path}")
+    with pytest.raises(VaultKeyError, match="not this vault's"):
+        KeelSession("conv-1", database=f"sqlite:///{db_path}")
+    with pytest.raises(VaultKeyError, match="not this vault's"):
+        KeelMessageStore("conv-1", database=f"sqlite:///{db_path}")
+
+
+def test_without_a_key_in_the_environment_the_adapters_mask_alone(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KEEL_PII_KEY", raising=False)
+    monkeypatch.delenv("KEEL_PII_KEY_FILE", raising=False)
+    database = f"sqlite:///{db_path}"
+    with KeelCheckpointSaver(database) as saver:
+        assert saver.vault is None
+    for adapter in (KeelSession("c", database=database), KeelMessageStore("c", database=database)):
+        assert adapter.vault is None
+        adapter.close()
+
+
+def test_on_postgresql_the_environments_key_opens_the_vault_beside_the_checkpoints(
+    postgres_url: str, key_text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KEEL_PII_KEY", key_text)
+    with KeelCheckpointSaver(postgres_url, tenant="acme") as saver:
+        assert saver.vault is not None
+        _up_to_the_tool(saver)
+    RECEIVED.clear()
+    with KeelCheckpointSaver(postgres_url, tenant="acme") as saver:
+        receipt_graph(saver).invoke(None, _alice())
+    assert RECEIVED == [EMAIL]
+    monkeypatch.delenv("KEEL_PII_KEY")
+    with KeelCheckpointSaver(postgres_url, tenant="acme") as masked:
+        stored = masked.get_tuple(_alice())
+        assert stored is not None and EMAIL not in repr(stored.checkpoint)
+        assert "<EMAIL_1>" in repr(stored.checkpoint)
+
+
+def test_a_vault_given_with_checkpoints_on_redis(redis_url: str, vault: Vault) -> None:
+    with KeelCheckpointSaver(redis_url, tenant="acme", vault=vault) as saver:
+        _up_to_the_tool(saver)
+    RECEIVED.clear()
+    with KeelCheckpointSaver(redis_url, tenant="acme", vault=vault) as saver:
+        receipt_graph(saver).invoke(None, _alice())
+    assert RECEIVED == [EMAIL]
+    with KeelCheckpointSaver(redis_url, tenant="acme") as masked:
+        stored = masked.get_tuple(_alice())
+        assert stored is not None and EMAIL not in repr(stored.checkpoint)

@@ -12,9 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from keel.privacy import PIIMasker, UserVault, Vault
+from keel._urls import parse_database_url
+from keel.errors import ConfigError
+from keel.privacy import KeyProvider, PIIMasker, UserVault, Vault, key_provider_from_env
+from keel.state import StateBackend
+from keel.stores import (
+    PostgresStateBackend,
+    PostgresVaultStore,
+    SQLiteStateBackend,
+    SQLiteVaultStore,
+    open_state_backend,
+)
 
-__all__ = ["Lens", "map_texts"]
+__all__ = ["Lens", "map_texts", "open_with_vault"]
 
 
 class Lens:
@@ -86,6 +96,41 @@ class Lens:
             count = sum(1 for known in self._numbers if known[0] == entity) + 1
             found = self._numbers[key] = f"<{entity}_{count}>"
         return found
+
+
+def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault | None]:
+    """The state backend ``url`` names, and the vault the adapter uses: ``vault`` when given;
+    else, for a SQL URL, the one ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` open on that very
+    database (neither set, or a Redis URL: None). The vault's store closes with the backend.
+
+    Raises:
+        VaultKeyError: the environment's key is malformed (nothing is opened) or is not the
+            database's vault's (the backend is closed again).
+    """
+    keys: KeyProvider | None = None
+    if vault is None and _names_sql(url):
+        keys = key_provider_from_env()
+    backend = open_state_backend(url)
+    if keys is None:
+        return backend, vault
+    try:
+        if isinstance(backend, SQLiteStateBackend):
+            opened = Vault(SQLiteVaultStore(backend.db), keys)
+        else:
+            assert isinstance(backend, PostgresStateBackend)
+            opened = Vault(PostgresVaultStore(backend.database), keys)
+        opened.check()
+    except BaseException:
+        backend.close()
+        raise
+    return backend, opened
+
+
+def _names_sql(url: str) -> bool:
+    try:
+        return parse_database_url(url).kind != "redis"
+    except ConfigError:
+        return False  # the opener says what is wrong with it
 
 
 def map_texts(

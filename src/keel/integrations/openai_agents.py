@@ -48,12 +48,11 @@ from keel.context import (
     SummaryPolicy,
 )
 from keel.errors import ConflictError, StateError, UsageError
-from keel.integrations._privacy import Lens
+from keel.integrations._privacy import Lens, open_with_vault
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel
 from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.state import StateStore
-from keel.stores import open_state_backend
 
 __all__ = ["SUMMARY_MARK", "KeelSession", "SessionItems"]
 
@@ -197,7 +196,10 @@ class KeelSession:
         self.user_id = user_id or session_id
         self.vault = vault
         self._owns_state = state is None
-        self.state = state or StateStore(open_state_backend(str(database)), SessionItems)
+        if state is None:
+            backend, self.vault = open_with_vault(str(database), vault)
+            state = StateStore(backend, SessionItems)
+        self.state = state
         if isinstance(summarizer, ChatModel):
             summarizer = ModelSummarizer(summarizer)
         self.engine = ContextEngine(

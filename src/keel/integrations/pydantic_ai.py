@@ -62,11 +62,10 @@ from pydantic import BaseModel, Field
 
 from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
 from keel.errors import UsageError
-from keel.integrations._privacy import Lens, map_texts
+from keel.integrations._privacy import Lens, map_texts, open_with_vault
 from keel.messages import Message, ToolCall
 from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.state import StateStore
-from keel.stores import open_state_backend
 
 __all__ = ["SUMMARY_MARK", "KeelHistory", "KeelMessageStore", "StoredMessages"]
 
@@ -368,7 +367,10 @@ class KeelMessageStore:
         self.vault = vault
         self.masker = DEFAULT_MASKER if masker is None else masker
         self._owns_state = state is None
-        self.state = state or StateStore(open_state_backend(str(database)), StoredMessages)
+        if state is None:
+            backend, self.vault = open_with_vault(str(database), vault)
+            state = StateStore(backend, StoredMessages)
+        self.state = state
         self._version: int | None = None
         """The version the last ``load`` read (None: the conversation was not stored)."""
 

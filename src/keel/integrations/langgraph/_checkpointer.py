@@ -57,7 +57,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from keel._bridge import run_blocking
 from keel.errors import ConflictError, ExpiredError, StateError, UsageError
-from keel.integrations._privacy import Lens
+from keel.integrations._privacy import Lens, open_with_vault
 from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._heads import ThreadHeads
 from keel.integrations.langgraph._indexes import ThreadIndexes
@@ -80,7 +80,6 @@ from keel.integrations.langgraph._thread import (
 )
 from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.state import StateBackend, StateStore, VacuumReport
-from keel.stores import open_state_backend
 
 __all__ = ["KeelCheckpointSaver", "StaleWriterError", "ThreadState"]
 
@@ -126,9 +125,11 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         super().__init__(serde=serde)
         if not tenant:
             raise UsageError("a tenant must not be empty")
-        self.backend = open_state_backend(backend) if isinstance(backend, str) else backend
+        if isinstance(backend, str):
+            self.backend, self.vault = open_with_vault(backend, vault)
+        else:
+            self.backend, self.vault = backend, vault
         self.tenant = tenant
-        self.vault = vault
         self.user = user
         self.masker = DEFAULT_MASKER if masker is None else masker
         self.store: StateStore[ThreadState] = StateStore(
