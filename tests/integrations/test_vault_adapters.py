@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import operator
 import os
 import re
 import sqlite3
@@ -30,6 +31,7 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.types import Send
 from openai.types.responses import (
     ResponseFunctionToolCall,
     ResponseOutputMessage,
@@ -251,6 +253,35 @@ def test_after_forget_the_same_saver_reads_placeholders_not_what_it_had_cached(
         RECEIVED.clear()
         graph.invoke(None, _alice())
         assert RECEIVED == ["<EMAIL_1>"], "an erased value reached the tool"
+
+
+class _Fanned(TypedDict):
+    done: Annotated[list[str], operator.add]
+
+
+def test_a_sends_argument_is_stored_masked_and_its_node_gets_the_value_on_resume(
+    db_path: Path, vault: Vault
+) -> None:
+    """A ``Send`` carries its argument in the checkpoint's pending tasks: masked there like
+    every channel value, the value given back to its node when the graph resumes."""
+    got: list[str] = []
+
+    def work(task: dict[str, str]) -> dict[str, Any]:
+        got.append(task["email"])
+        return {"done": ["mailed"]}
+
+    builder = StateGraph(_Fanned)
+    builder.add_node("work", work)
+    builder.add_conditional_edges(START, lambda _: [Send("work", {"email": OTHER_EMAIL})])
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
+        graph = builder.compile(checkpointer=saver, interrupt_before=["work"])
+        graph.invoke({"done": []}, _alice())
+    stored = _everything_stored(db_path)
+    assert OTHER_EMAIL.encode() not in stored and b"<EMAIL_1>" in stored
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
+        graph = builder.compile(checkpointer=saver, interrupt_before=["work"])
+        assert graph.invoke(None, _alice())["done"] == ["mailed"]
+    assert got == [OTHER_EMAIL]
 
 
 # --- the OpenAI Agents SDK ----------------------------------------------------------------------
