@@ -10,12 +10,14 @@ masking is keel's masker as it always was and nothing is revealed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
+
+from pydantic import BaseModel
 
 from keel._urls import parse_database_url
-from keel.errors import ConfigError
+from keel.errors import ConfigError, UsageError
 from keel.privacy import KeyProvider, PIIMasker, UserVault, Vault, key_provider_from_env
-from keel.state import StateBackend
+from keel.state import StateBackend, StateStore
 from keel.stores import (
     PostgresStateBackend,
     PostgresVaultStore,
@@ -24,7 +26,9 @@ from keel.stores import (
     open_state_backend,
 )
 
-__all__ = ["Lens", "map_texts", "open_with_vault"]
+__all__ = ["Lens", "PrivateHistory", "map_texts", "open_with_vault"]
+
+S = TypeVar("S", bound=BaseModel)
 
 
 class Lens:
@@ -96,6 +100,63 @@ class Lens:
             count = sum(1 for known in self._numbers if known[0] == entity) + 1
             found = self._numbers[key] = f"<{entity}_{count}>"
         return found
+
+
+class PrivateHistory(Generic[S]):
+    """What the Agents SDK session and the pydantic-ai message store share: one
+    conversation's history on a state store (opened from ``database`` and owned, or passed in
+    as ``state``), the user it belongs to, and the vault its values go to.
+
+    Raises:
+        UsageError: not exactly one of ``database`` and ``state``, or an empty tenant.
+        VaultKeyError: as :func:`open_with_vault`.
+    """
+
+    def __init__(
+        self,
+        schema: type[S],
+        conversation_id: str,
+        *,
+        database: str | None,
+        state: StateStore[S] | None,
+        masker: PIIMasker,
+        tenant: str,
+        user_id: str | None,
+        vault: Vault | None,
+    ) -> None:
+        if (database is None) == (state is None):
+            raise UsageError("give exactly one of database and state")
+        if not tenant:
+            raise UsageError("a tenant must not be empty")
+        self.tenant = tenant
+        self.user_id = user_id or conversation_id
+        self.masker = masker
+        self.vault = vault
+        self._owns_state = state is None
+        if state is None:
+            backend, self.vault = open_with_vault(str(database), vault)
+            state = StateStore(backend, schema)
+        self.state: StateStore[S] = state
+
+    def _lens(self, *, per_call: bool = False) -> Lens:
+        """The user's view for one call."""
+        return Lens(self.masker, self.tenant, self.vault, self.user_id, per_call=per_call)
+
+    def close(self) -> None:
+        """Release the database this opened (a ``state`` passed in stays open)."""
+        if self._owns_state:
+            self.state.close()
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`."""
+        if self._owns_state:
+            await self.state.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault | None]:

@@ -47,8 +47,8 @@ from keel.context import (
     Summarizer,
     SummaryPolicy,
 )
-from keel.errors import ConflictError, StateError, UsageError
-from keel.integrations._privacy import Lens, open_with_vault
+from keel.errors import ConflictError, StateError
+from keel.integrations._privacy import PrivateHistory
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel
 from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
@@ -139,7 +139,7 @@ def _to_keel(items: Sequence[dict[str, Any]], offset: int) -> list[Message]:
     return messages
 
 
-class KeelSession:
+class KeelSession(PrivateHistory[SessionItems]):
     """A Session (the Agents SDK protocol) whose history fits the model's window.
 
     Args:
@@ -187,45 +187,22 @@ class KeelSession:
         user_id: str | None = None,
         vault: Vault | None = None,
     ) -> None:
-        if (database is None) == (state is None):
-            raise UsageError("give exactly one of database and state")
-        if not tenant:
-            raise UsageError("a tenant must not be empty")
+        super().__init__(
+            SessionItems,
+            session_id,
+            database=database,
+            state=state,
+            masker=DEFAULT_MASKER if masker is None else masker,
+            tenant=tenant,
+            user_id=user_id,
+            vault=vault,
+        )
         self.session_id = session_id
-        self.tenant = tenant
-        self.user_id = user_id or session_id
-        self.vault = vault
-        self._owns_state = state is None
-        if state is None:
-            backend, self.vault = open_with_vault(str(database), vault)
-            state = StateStore(backend, SessionItems)
-        self.state = state
         if isinstance(summarizer, ChatModel):
             summarizer = ModelSummarizer(summarizer)
         self.engine = ContextEngine(
             model, budget=budget, pruning=pruning, summary=summary, summarizer=summarizer
         )
-        self.masker = DEFAULT_MASKER if masker is None else masker
-
-    def _lens(self) -> Lens:
-        """The session's user for one call (a write's placeholders numbered together)."""
-        return Lens(self.masker, self.tenant, self.vault, self.user_id, per_call=True)
-
-    def close(self) -> None:
-        """Release the database this session opened (a ``state`` passed in stays open)."""
-        if self._owns_state:
-            self.state.close()
-
-    async def aclose(self) -> None:
-        """Async twin of :meth:`close`."""
-        if self._owns_state:
-            await self.state.aclose()
-
-    async def __aenter__(self) -> KeelSession:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     async def _load(self) -> SessionItems:
         found = await self.state.aget(self.session_id)
@@ -240,7 +217,7 @@ class KeelSession:
         """Append ``items`` (masked) in one compare-and-set write: all of them or none."""
         if not items:
             return
-        mask = self._lens().mask
+        mask = self._lens(per_call=True).mask  # a write's placeholders numbered together
         encoded = [
             json.dumps(_texts_changed(dict(item), mask), ensure_ascii=False) for item in items
         ]

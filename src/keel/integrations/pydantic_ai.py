@@ -61,8 +61,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 from pydantic import BaseModel, Field
 
 from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
-from keel.errors import UsageError
-from keel.integrations._privacy import Lens, map_texts, open_with_vault
+from keel.integrations._privacy import PrivateHistory, map_texts
 from keel.messages import Message, ToolCall
 from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.state import StateStore
@@ -321,7 +320,7 @@ class StoredMessages(BaseModel):
     messages: list[str] = Field(default_factory=list)
 
 
-class KeelMessageStore:
+class KeelMessageStore(PrivateHistory[StoredMessages]):
     """A pydantic-ai conversation's message history on keel's state store (SQLite,
     PostgreSQL or Redis): ``load`` before a run, ``save`` its ``all_messages()`` after.
 
@@ -357,25 +356,19 @@ class KeelMessageStore:
         user_id: str | None = None,
         vault: Vault | None = None,
     ) -> None:
-        if (database is None) == (state is None):
-            raise UsageError("give exactly one of database and state")
-        if not tenant:
-            raise UsageError("a tenant must not be empty")
+        super().__init__(
+            StoredMessages,
+            conversation_id,
+            database=database,
+            state=state,
+            masker=DEFAULT_MASKER if masker is None else masker,
+            tenant=tenant,
+            user_id=user_id,
+            vault=vault,
+        )
         self.conversation_id = conversation_id
-        self.tenant = tenant
-        self.user_id = user_id or conversation_id
-        self.vault = vault
-        self.masker = DEFAULT_MASKER if masker is None else masker
-        self._owns_state = state is None
-        if state is None:
-            backend, self.vault = open_with_vault(str(database), vault)
-            state = StateStore(backend, StoredMessages)
-        self.state = state
         self._version: int | None = None
         """The version the last ``load`` read (None: the conversation was not stored)."""
-
-    def _lens(self) -> Lens:
-        return Lens(self.masker, self.tenant, self.vault, self.user_id)
 
     async def load(self) -> list[ModelMessage]:
         """The stored history, the user's values in it (empty for a new conversation)."""
@@ -421,19 +414,3 @@ class KeelMessageStore:
         """Forget the conversation."""
         await self.state.adelete(self.conversation_id)
         self._version = None
-
-    def close(self) -> None:
-        """Release the database this store opened (a ``state`` passed in stays open)."""
-        if self._owns_state:
-            self.state.close()
-
-    async def aclose(self) -> None:
-        """Async twin of :meth:`close`."""
-        if self._owns_state:
-            await self.state.aclose()
-
-    async def __aenter__(self) -> KeelMessageStore:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
