@@ -566,3 +566,18 @@ def test_a_vault_given_with_checkpoints_on_redis(redis_url: str, vault: Vault) -
     with KeelCheckpointSaver(redis_url, tenant="acme") as masked:
         stored = masked.get_tuple(_alice())
         assert stored is not None and EMAIL not in repr(stored.checkpoint)
+
+
+def test_a_read_after_a_write_gives_the_graph_its_own_messages_back(
+    db_path: Path, vault: Vault
+) -> None:
+    """With the vault, what a read reveals is what the graph wrote: the saver hands back the
+    graph's own message objects, so the next read and put look at what is new only."""
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
+        graph = receipt_graph(saver)
+        state = graph.invoke({"messages": [HumanMessage(content=f"mail {EMAIL}")]}, _alice())
+        found = saver.get_tuple(_alice())
+        assert found is not None
+        read = found.checkpoint["channel_values"]["messages"]
+        assert [m.content for m in read] == [f"mail {EMAIL}", "Noted."]
+        assert all(mine is theirs for mine, theirs in zip(read, state["messages"], strict=True))

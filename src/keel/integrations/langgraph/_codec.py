@@ -324,7 +324,12 @@ class ThreadCodec:
             return text, masked
         if referring is not value and refs is not None:
             return text, self.decode(text, refs.shown_at)
-        return text, self.revealed(masked)
+        shown_value = self.revealed(masked)
+        if shown_value is not value and self.lens.reveals and shown_value == value:
+            # The user's own values come back whole: the graph goes on with its own object (a
+            # read of the thread stays as cheap as what is new in it).
+            return text, value
+        return text, shown_value
 
     def _with_refs(self, value: Any, refs: _Refs) -> Any:
         if isinstance(value, _PLAIN):
