@@ -42,7 +42,7 @@ from pydantic_ai.messages import ModelMessage, ModelRequest, TextPart, ToolCallP
 from pydantic_ai.messages import ModelResponse as PydanticResponse
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from keel.errors import ConflictError, VaultKeyError
+from keel.errors import AccessDeniedError, ConflictError, VaultKeyError
 from keel.integrations.langgraph import KeelCheckpointSaver
 from keel.integrations.openai_agents import KeelSession
 from keel.integrations.pydantic_ai import KeelMessageStore
@@ -211,16 +211,43 @@ def test_a_graph_resumed_in_a_new_process_runs_its_tool_with_the_address_as_sqli
 def test_another_user_of_the_tenant_reads_the_thread_with_placeholders(
     db_path: Path, vault: Vault
 ) -> None:
+    """bob has a ``<EMAIL_1>`` of his own: reading alice's thread, he gets her placeholders,
+    never her values nor his own in their place, and cannot write to it."""
+    bob = {"configurable": {"thread_id": "t1", "user_id": "bob"}}
     with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
         _up_to_the_tool(saver)
+        bobs_own = {"configurable": {"thread_id": "t-bob", "user_id": "bob"}}
+        said = {"messages": [HumanMessage(content=f"I am {OTHER_EMAIL}")]}
+        receipt_graph(saver).invoke(said, bobs_own)
     with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme", vault=vault) as saver:
-        bob = {"configurable": {"thread_id": "t1", "user_id": "bob"}}
         for config, address in ((bob, "<EMAIL_1>"), (_alice(), EMAIL)):
             messages = receipt_graph(saver).get_state(config).values["messages"]
             assert messages[0].content == f"My email is {address}"
             assert messages[-1].tool_calls[0]["args"] == {"email": address}
-        history = [t.checkpoint for t in saver.list(bob)]
-        assert history and EMAIL not in repr(history)
+        history = repr([t.checkpoint for t in saver.list(bob)])
+        assert "<EMAIL_1>" in history and EMAIL not in history and OTHER_EMAIL not in history
+        with pytest.raises(AccessDeniedError):
+            receipt_graph(saver).invoke(None, bob)
+
+
+def test_a_thread_stored_before_the_vault_keeps_its_placeholders(
+    db_path: Path, vault: Vault
+) -> None:
+    """Its placeholders were numbered per text, not by the user's vault: revealing them with
+    the vault would put other values in their place."""
+    url = f"sqlite:///{db_path}"
+    with KeelCheckpointSaver(url, tenant="acme") as before:
+        receipt_graph(before).invoke(
+            {"messages": [HumanMessage(content=f"to {OTHER_EMAIL}")]}, _alice()
+        )
+    with KeelCheckpointSaver(url, tenant="acme", vault=vault) as saver:
+        receipt_graph(saver).invoke(
+            {"messages": [HumanMessage(content=f"to {EMAIL}")]}, _alice("t2")
+        )
+        graph = receipt_graph(saver)
+        graph.invoke({"messages": [HumanMessage(content=f"and {EMAIL}")]}, _alice())
+        texts = [m.content for m in graph.get_state(_alice()).values["messages"]]
+    assert texts[0] == "to <EMAIL_1>" and texts[2] == "and <EMAIL_1>"
 
 
 def test_one_address_keeps_its_placeholder_in_every_turn_and_thread_of_the_user(
@@ -581,3 +608,23 @@ def test_a_read_after_a_write_gives_the_graph_its_own_messages_back(
         read = found.checkpoint["channel_values"]["messages"]
         assert [m.content for m in read] == [f"mail {EMAIL}", "Noted."]
         assert all(mine is theirs for mine, theirs in zip(read, state["messages"], strict=True))
+
+
+def test_without_user_id_in_the_config_the_savers_user_then_the_thread_holds_the_values(
+    db_path: Path, vault: Vault
+) -> None:
+    url = f"sqlite:///{db_path}"
+    asked = {"messages": [HumanMessage(content=f"mail {EMAIL}")]}
+    for thread, user in (("t1", "alice"), ("t2", None)):
+        with KeelCheckpointSaver(url, tenant="acme", vault=vault, user=user) as saver:
+            receipt_graph(saver).invoke(asked, {"configurable": {"thread_id": thread}})
+
+    def first_text(thread: str, user: str | None) -> str:
+        with KeelCheckpointSaver(url, tenant="acme", vault=vault, user=user) as saver:
+            state = receipt_graph(saver).get_state({"configurable": {"thread_id": thread}})
+            return str(state.values["messages"][0].content)
+
+    assert first_text("t1", "alice") == f"mail {EMAIL}"
+    assert first_text("t1", None) == "mail <EMAIL_1>", "the thread t1 is not the user alice"
+    assert first_text("t2", None) == f"mail {EMAIL}", "the thread names its user"
+    assert first_text("t2", "alice") == "mail <EMAIL_1>"

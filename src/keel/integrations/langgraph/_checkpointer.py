@@ -56,7 +56,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from keel._bridge import run_blocking
-from keel.errors import ConflictError, ExpiredError, StateError, UsageError
+from keel.errors import AccessDeniedError, ConflictError, ExpiredError, StateError, UsageError
 from keel.integrations._privacy import Lens, open_with_vault
 from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._heads import ThreadHeads
@@ -162,12 +162,12 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         full_metadata = get_checkpoint_metadata(config, metadata)
         run_id = full_metadata.get("run_id")
         run = str(run_id) if run_id is not None else None
-        codec = self._codec_for(config, thread_id)
         heads = self._heads
         with heads.lock(session):
             known = heads.head(session, fresh=False)
             for _ in range(ATTEMPTS):
                 known = heads.check_mark(session, known, mark, parent)
+                codec = self._writing_codec(config, thread_id, known)
                 if known is None:
                     self._indexes.register_namespace(thread_id, namespace)
                 try:
@@ -237,12 +237,12 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         mark = run_mark_of(config, namespace)
         writer = mark.writer if mark is not None else ""
         session = self._names.session(thread_id, namespace)
-        codec = self._codec_for(config, thread_id)
         heads = self._heads
         with heads.lock(session):
             known = heads.head(session, fresh=False)
             for _ in range(ATTEMPTS):
                 known = heads.check_mark(session, known, mark)
+                codec = self._writing_codec(config, thread_id, known)
                 refs = codec.refs(session, known.state.items if known is not None else [])
                 entries: dict[str, list[Any]] = {}
                 for position, (channel, value) in enumerate(writes):
@@ -253,7 +253,8 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 try:
                     if known is None:
                         self._indexes.register_namespace(thread_id, namespace)
-                        heads.commit(session, None, ThreadState(writes=entries))
+                        state = ThreadState(writes=entries, owner=codec.owner)
+                        heads.commit(session, None, state)
                         codec.settle(session)
                         return
                     # The head with a task's writes added (of its own checkpoint, of one whose
@@ -292,7 +293,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 return None  # removed by a concurrent prune
             mark = RunMark(namespace, uuid.uuid4().hex, target) if checkpoint_id is None else None
             writes = heads.writes_for(session, known, state)
-            found = self._codec_for(config, thread_id).tuple_of(
+            found = self._reading_codec(config, thread_id, known).tuple_of(
                 thread_id, namespace, state, writes, known.state.items, session, mark
             )
             if checkpoint_id is not None:
@@ -302,12 +303,40 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 found.config["configurable"][RUN_MARK] = None
             return found
 
-    def _codec_for(self, config: RunnableConfig | None, thread_id: str) -> ThreadCodec:
-        """The codec as the config's user sees it (the saver's own without a vault)."""
+    def _user_of(self, config: RunnableConfig | None, thread_id: str) -> str:
+        configurable = (config or {}).get("configurable") or {}
+        return str(configurable.get("user_id") or self.user or thread_id)
+
+    def _reading_codec(
+        self, config: RunnableConfig | None, thread_id: str, known: Known
+    ) -> ThreadCodec:
+        """The codec a read decodes with: revealing the values of the namespace's owner to
+        that user alone (anyone else, or a namespace stored without a vault: placeholders)."""
+        user = self._user_of(config, thread_id)
+        if self.vault is None or known.state.owner != user:
+            return self._codec
+        return self._codec.view(Lens(self.masker, self.tenant, self.vault, user))
+
+    def _writing_codec(
+        self, config: RunnableConfig | None, thread_id: str, known: Known | None
+    ) -> ThreadCodec:
+        """The codec a write encodes with: the user's vault numbering for a namespace of
+        theirs (or a new one, theirs from now on); masking alone for one stored without a
+        vault.
+
+        Raises:
+            AccessDeniedError: the namespace holds another user's values.
+        """
         if self.vault is None:
             return self._codec
-        configurable = (config or {}).get("configurable") or {}
-        user = str(configurable.get("user_id") or self.user or thread_id)
+        user = self._user_of(config, thread_id)
+        owner = known.state.owner if known is not None else user
+        if owner == "":
+            return self._codec
+        if owner != user:
+            raise AccessDeniedError(
+                f"thread {thread_id!r} holds another user's values; {user!r} cannot write to it"
+            )
         return self._codec.view(Lens(self.masker, self.tenant, self.vault, user))
 
     def _sessions_of(self, config: RunnableConfig | None) -> list[str]:
@@ -364,8 +393,8 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             except (StateError, ExpiredError):
                 continue  # pruned since the listing
             thread_id, namespace = self._names.parse_session(session)
-            codec = codecs.get(thread_id) or codecs.setdefault(
-                thread_id, self._codec_for(config, thread_id)
+            codec = codecs.get(session) or codecs.setdefault(
+                session, self._reading_codec(config, thread_id, known)
             )
             if filter:
                 metadata = codec.decode(state.meta)

@@ -249,6 +249,11 @@ class ThreadCodec:
         # own values, so each user has a cache of their own, good while their data key stays.
         self._viewer: Any = (self.lens.user, self.lens.stamp()) if self.lens.reveals else None
 
+    @property
+    def owner(self) -> str:
+        """Who owns a namespace this codec creates: the user, with a vault."""
+        return self.lens.user or "" if self.lens.reveals else ""
+
     def view(self, lens: Lens) -> ThreadCodec:
         """This codec as one user's call sees it (masking with their numbering, reads
         revealing their values), sharing the caches of this one."""
@@ -513,6 +518,7 @@ class ThreadCodec:
             updated=checkpoint.get("updated_channels"),
             meta=self.encode(dict(metadata)),
             by=mark.writer if mark is not None else "",
+            owner=previous.owner if previous is not None else self.owner,
             latest=checkpoint_id if newest else latest,
             latest_at=0 if newest or previous is None else previous.latest_at,
             scalars=scalars,
