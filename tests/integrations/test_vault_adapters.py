@@ -228,6 +228,9 @@ def test_another_user_of_the_tenant_reads_the_thread_with_placeholders(
         assert "<EMAIL_1>" in history and EMAIL not in history and OTHER_EMAIL not in history
         with pytest.raises(AccessDeniedError):
             receipt_graph(saver).invoke(None, bob)
+    without = KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme")
+    with without, pytest.raises(VaultKeyError, match="sealed in a PII vault"):
+        receipt_graph(without).invoke(None, _alice())
 
 
 def test_a_thread_stored_before_the_vault_keeps_its_placeholders(
@@ -400,6 +403,9 @@ async def test_an_agents_sdk_run_reads_the_address_the_first_turn_gave_from_keel
 async def test_another_user_reading_the_session_gets_placeholders_and_pop_reveals(
     db_path: Path, vault: Vault
 ) -> None:
+    """bob has a ``<EMAIL_1>`` of his own: reading alice's session he gets her placeholders,
+    never her values nor his own in their place, and cannot add to it; a session object
+    without the vault cannot add to it either."""
     database = f"sqlite:///{db_path}"
     alice = KeelSession("conv-1", database=database, tenant="acme", user_id="alice", vault=vault)
     await alice.add_items(
@@ -408,15 +414,22 @@ async def test_another_user_reading_the_session_gets_placeholders_and_pop_reveal
             {"role": "user", "content": f"or {OTHER_EMAIL}, never {EMAIL}"},
         ]
     )
+    bobs_own = KeelSession("conv-b", database=database, tenant="acme", user_id="bob", vault=vault)
+    await bobs_own.add_items([{"role": "user", "content": f"I am {OTHER_EMAIL}"}])
     bob = KeelSession("conv-1", database=database, tenant="acme", user_id="bob", vault=vault)
     assert _users_texts(await bob.get_items()) == [
         "mail <EMAIL_1>",
         "or <EMAIL_2>, never <EMAIL_1>",
     ]
+    with pytest.raises(AccessDeniedError):
+        await bob.add_items([{"role": "user", "content": f"mine: {OTHER_EMAIL}"}])
+    without = KeelSession("conv-1", database=database, tenant="acme", user_id="alice")
+    with pytest.raises(VaultKeyError, match="sealed in a PII vault"):
+        await without.add_items([{"role": "user", "content": f"again {EMAIL}"}])
     assert await bob.pop_item() == {"role": "user", "content": "or <EMAIL_2>, never <EMAIL_1>"}
     assert await alice.pop_item() == {"role": "user", "content": f"mail {EMAIL}"}
-    bob.close()
-    alice.close()
+    for session in (alice, bobs_own, bob, without):
+        session.close()
 
 
 async def test_without_a_vault_one_write_numbers_its_items_together(db_path: Path) -> None:
@@ -504,6 +517,10 @@ async def test_a_pydantic_ai_run_given_keels_history_gets_the_values_storage_pla
         if isinstance(part, UserPromptPart)
     ]
     assert texts[:2] == ["My email is <EMAIL_1>", "My work email is <EMAIL_2>"]
+    with pytest.raises(AccessDeniedError):
+        await bob.save(
+            (await agent.run("bob's turn", message_history=await bob.load())).all_messages()
+        )
     bob.close()
 
 

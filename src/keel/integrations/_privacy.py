@@ -15,7 +15,7 @@ from typing import Any, Generic, Self, TypeVar
 from pydantic import BaseModel
 
 from keel._urls import parse_database_url
-from keel.errors import ConfigError, UsageError
+from keel.errors import AccessDeniedError, ConfigError, UsageError, VaultKeyError
 from keel.privacy import KeyProvider, PIIMasker, UserVault, Vault, key_provider_from_env
 from keel.state import StateBackend, StateStore
 from keel.stores import (
@@ -26,7 +26,13 @@ from keel.stores import (
     open_state_backend,
 )
 
-__all__ = ["Lens", "PrivateHistory", "map_texts", "open_with_vault"]
+__all__ = ["NEEDS_VAULT", "Lens", "PrivateHistory", "map_texts", "open_with_vault"]
+
+NEEDS_VAULT = (
+    "{} holds values sealed in a PII vault: write to it with that vault (vault=, or "
+    "KEEL_PII_KEY / KEEL_PII_KEY_FILE); placeholders numbered without it would read back as "
+    "other values"
+)
 
 S = TypeVar("S", bound=BaseModel)
 
@@ -138,9 +144,33 @@ class PrivateHistory(Generic[S]):
             state = StateStore(backend, schema)
         self.state: StateStore[S] = state
 
-    def _lens(self, *, per_call: bool = False) -> Lens:
-        """The user's view for one call."""
-        return Lens(self.masker, self.tenant, self.vault, self.user_id, per_call=per_call)
+    @property
+    def new_owner(self) -> str:
+        """Who owns a history this creates: its user, with a vault ("": nobody)."""
+        return self.user_id if self.vault is not None else ""
+
+    def _reading_lens(self, owner: str) -> Lens:
+        """The lens a read reveals with: the owner's values to the owner alone (anyone else,
+        or a history stored without a vault: placeholders)."""
+        vault = self.vault if owner == self.user_id else None
+        return Lens(self.masker, self.tenant, vault, self.user_id)
+
+    def _writing_lens(self, owner: str | None, *, per_call: bool = False) -> Lens:
+        """The lens a write masks with: the user's vault numbering for a history of theirs
+        (or a new one, ``owner`` None); masking alone for one stored without a vault.
+
+        Raises:
+            AccessDeniedError: the history holds another user's values.
+            VaultKeyError: it holds a user's values and this has no vault.
+        """
+        if owner and self.vault is None:
+            raise VaultKeyError(NEEDS_VAULT.format("the history"))
+        if owner is not None and owner not in ("", self.user_id):
+            raise AccessDeniedError(
+                f"the history holds another user's values; {self.user_id!r} cannot write to it"
+            )
+        vault = self.vault if owner in (None, self.user_id) else None
+        return Lens(self.masker, self.tenant, vault, self.user_id, per_call=per_call)
 
     def close(self) -> None:
         """Release the database this opened (a ``state`` passed in stays open)."""

@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 
 from pydantic import BaseModel, Field
 
+from keel._bridge import run_blocking
 from keel.context import (
     ContextBudget,
     ContextEngine,
@@ -69,6 +70,8 @@ class SessionItems(BaseModel):
     items: list[str] = Field(default_factory=list)
     summary: str = ""
     summarized: int = 0
+    owner: str = ""
+    """The user whose vault numbered the placeholders in ``items`` ("": stored without one)."""
 
 
 def _texts_changed(value: Any, change: Callable[[str], str], key: str | None = None) -> Any:
@@ -217,21 +220,35 @@ class KeelSession(PrivateHistory[SessionItems]):
         """Append ``items`` (masked) in one compare-and-set write: all of them or none."""
         if not items:
             return
-        mask = self._lens(per_call=True).mask  # a write's placeholders numbered together
-        encoded = [
-            json.dumps(_texts_changed(dict(item), mask), ensure_ascii=False) for item in items
-        ]
+        found = await self.state.aget(self.session_id)
+        owner = None if found is None else found.state.owner
+        encoded = await run_blocking(self._encoded, items, owner)
 
         def append(current: SessionItems) -> dict[str, Any]:
+            if current.owner != (self.new_owner if owner is None else owner):
+                raise ConflictError(self.session_id, None, None)  # recreated meanwhile
             return {"items": [*current.items, *encoded]}
 
         try:
             await self.state.atransact(self.session_id, append)
         except StateError:  # a new session
+            fresh = SessionItems(items=encoded, owner=self.new_owner)
             try:
-                await self.state.acreate(self.session_id, SessionItems(items=encoded))
+                await self.state.acreate(self.session_id, fresh)
             except ConflictError:  # another writer created it meanwhile
                 await self.state.atransact(self.session_id, append)
+
+    def _encoded(self, items: list[Any], owner: str | None) -> list[str]:
+        """The items as stored: masked, the placeholders of one write numbered together."""
+        mask = self._writing_lens(owner, per_call=True).mask
+        return [json.dumps(_texts_changed(dict(i), mask), ensure_ascii=False) for i in items]
+
+    async def _revealed(self, items: list[dict[str, Any]], owner: str) -> list[dict[str, Any]]:
+        """``items`` with the owner's values in them, when the owner reads."""
+        lens = self._reading_lens(owner)
+        if not lens.reveals:
+            return items
+        return await run_blocking(lambda: [_texts_changed(i, lens.reveal) for i in items])
 
     async def pop_item(self) -> dict[str, Any] | None:
         """Remove and return the newest item, the user's values in it (None when the session
@@ -242,7 +259,7 @@ class KeelSession(PrivateHistory[SessionItems]):
             popped.clear()
             if not current.items:
                 return None
-            popped.append(current.items[-1])
+            popped.extend((current.items[-1], current.owner))
             kept = current.items[:-1]
             return {"items": kept, "summarized": min(current.summarized, len(kept))}
 
@@ -252,8 +269,7 @@ class KeelSession(PrivateHistory[SessionItems]):
             return None
         if not popped:
             return None
-        found: dict[str, Any] = _texts_changed(json.loads(popped[0]), self._lens().reveal)
-        return found
+        return (await self._revealed([json.loads(popped[0])], popped[1]))[0]
 
     async def clear_session(self) -> None:
         """Forget the session."""
@@ -287,10 +303,7 @@ class KeelSession(PrivateHistory[SessionItems]):
         if conversation.summary.strip():
             result.insert(0, {"role": "system", "content": SUMMARY_MARK + conversation.summary})
         newest = result if limit is None else _newest(result, limit)
-        lens = self._lens()
-        if not lens.reveals:
-            return newest
-        return [_texts_changed(item, lens.reveal) for item in newest]
+        return await self._revealed(newest, current.owner)
 
     def _fit(
         self, conversation: Any, items: dict[int, dict[str, Any]], *, system: str

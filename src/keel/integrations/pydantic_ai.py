@@ -60,6 +60,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 
 from pydantic import BaseModel, Field
 
+from keel._bridge import run_blocking
 from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
 from keel.integrations._privacy import PrivateHistory, map_texts
 from keel.messages import Message, ToolCall
@@ -318,6 +319,9 @@ class StoredMessages(BaseModel):
     JSON (an unchanged message is the same text again, so a save stores what changed)."""
 
     messages: list[str] = Field(default_factory=list)
+    owner: str = ""
+    """The user whose vault numbered the placeholders in ``messages`` ("": stored without
+    one)."""
 
 
 class KeelMessageStore(PrivateHistory[StoredMessages]):
@@ -369,15 +373,21 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
         self.conversation_id = conversation_id
         self._version: int | None = None
         """The version the last ``load`` read (None: the conversation was not stored)."""
+        self._owner: str | None = None
+        """Whose values the history ``load`` read holds (None: not stored)."""
 
     async def load(self) -> list[ModelMessage]:
         """The stored history, the user's values in it (empty for a new conversation)."""
         found = await self.state.aget(self.conversation_id)
         self._version = None if found is None else found.version
+        self._owner = None if found is None else found.state.owner
         if found is None:
             return []
-        lens = self._lens()
-        dumped = [json.loads(text) for text in found.state.messages]
+        return await run_blocking(self._decoded, found.state)
+
+    def _decoded(self, stored: StoredMessages) -> list[ModelMessage]:
+        lens = self._reading_lens(stored.owner)
+        dumped = [json.loads(text) for text in stored.messages]
         if lens.reveals:
             dumped = [map_texts(m, lens.reveal, texts=_TEXTS, kept=_KEPT) for m in dumped]
         return ModelMessagesTypeAdapter.validate_python(dumped)
@@ -395,22 +405,26 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
             ConflictError: the history was saved by someone else since (or never loaded
                 while it exists).
         """
-        mask = self._lens().mask
-        dumped = ModelMessagesTypeAdapter.dump_python(list(messages), mode="json")
-        texts = [
-            json.dumps(map_texts(m, mask, texts=_TEXTS, kept=_KEPT), ensure_ascii=False)
-            for m in dumped
-        ]
+        texts = await run_blocking(self._encoded, list(messages))
         if self._version is None:
-            created = await self.state.acreate(self.conversation_id, StoredMessages(messages=texts))
-            self._version = created.version
+            fresh = StoredMessages(messages=texts, owner=self.new_owner)
+            created = await self.state.acreate(self.conversation_id, fresh)
+            self._version, self._owner = created.version, fresh.owner
             return
         updated = await self.state.aupdate(
             self.conversation_id, {"messages": texts}, expected_version=self._version
         )
         self._version = updated.version
 
+    def _encoded(self, messages: list[ModelMessage]) -> list[str]:
+        mask = self._writing_lens(self._owner).mask
+        dumped = ModelMessagesTypeAdapter.dump_python(messages, mode="json")
+        return [
+            json.dumps(map_texts(m, mask, texts=_TEXTS, kept=_KEPT), ensure_ascii=False)
+            for m in dumped
+        ]
+
     async def clear(self) -> None:
         """Forget the conversation."""
         await self.state.adelete(self.conversation_id)
-        self._version = None
+        self._version = self._owner = None

@@ -56,7 +56,15 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from keel._bridge import run_blocking
-from keel.errors import AccessDeniedError, ConflictError, ExpiredError, StateError, UsageError
+from keel.errors import (
+    AccessDeniedError,
+    ConflictError,
+    ExpiredError,
+    StateError,
+    UsageError,
+    VaultKeyError,
+)
+from keel.integrations._privacy import NEEDS_VAULT as _NEEDS_VAULT
 from keel.integrations._privacy import Lens, open_with_vault
 from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._heads import ThreadHeads
@@ -326,11 +334,16 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
 
         Raises:
             AccessDeniedError: the namespace holds another user's values.
+            VaultKeyError: it holds a user's values and this saver has no vault (its
+                placeholders, numbered per text, would read back as other values).
         """
+        owner = known.state.owner if known is not None else None
         if self.vault is None:
+            if owner:
+                raise VaultKeyError(_NEEDS_VAULT.format(f"thread {thread_id!r}"))
             return self._codec
         user = self._user_of(config, thread_id)
-        owner = known.state.owner if known is not None else user
+        owner = user if owner is None else owner
         if owner == "":
             return self._codec
         if owner != user:
