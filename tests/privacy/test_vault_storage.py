@@ -51,6 +51,13 @@ def _mask(backends: Backends, owner: tuple[str, str], values: dict[str, str]) ->
     return masked
 
 
+def _mask_both(backends: Backends) -> dict[tuple[str, str], str]:
+    """Alice's sentence (the user's PII) and Bob's (a tool's), each masked in their vault."""
+    return {
+        owner: _mask(backends, owner, pii) for owner, pii in ((ALICE, USER_PII), (BOB, TOOL_PII))
+    }
+
+
 def _resolves(
     backends: Backends, owner: tuple[str, str], masked: str, values: dict[str, str]
 ) -> None:
@@ -124,10 +131,7 @@ def _recover(master: MasterKey, rows: dict[str, list[tuple[Any, ...]]]) -> set[s
 def test_the_vault_holds_only_ciphertext(settings: Settings) -> None:
     key = MasterKey.generate()
     with _open(settings, key) as backends:
-        masked = {
-            owner: _mask(backends, owner, pii)
-            for owner, pii in ((ALICE, USER_PII), (BOB, TOOL_PII))
-        }
+        masked = _mask_both(backends)
         _resolves(backends, ALICE, masked[ALICE], USER_PII)
         rows = _vault_rows(backends)
         assert len(rows["keel_pii_values"]) == len(USER_PII) + len(TOOL_PII)
@@ -147,10 +151,7 @@ def test_after_rotation_the_old_key_is_refused_and_the_new_one_opens_everything(
 ) -> None:
     old, new = MasterKey.generate(), MasterKey.generate()
     with _open(settings, old) as backends:
-        masked = {
-            owner: _mask(backends, owner, pii)
-            for owner, pii in ((ALICE, USER_PII), (BOB, TOOL_PII))
-        }
+        masked = _mask_both(backends)
         assert backends.vault is not None
         assert backends.vault.rotate(new) == 2
         # This process goes on with the new key.
@@ -168,10 +169,7 @@ def test_after_rotation_the_old_key_is_refused_and_the_new_one_opens_everything(
 def test_forget_leaves_nothing_of_the_user_for_the_master_key(settings: Settings) -> None:
     key = MasterKey.generate()
     with _open(settings, key) as backends:
-        masked = {
-            owner: _mask(backends, owner, pii)
-            for owner, pii in ((ALICE, USER_PII), (BOB, TOOL_PII))
-        }
+        masked = _mask_both(backends)
         assert backends.vault is not None
         assert backends.vault.forget(*ALICE) == len(USER_PII)
         with pytest.raises(PlaceholderError, match="erased"):
@@ -193,10 +191,7 @@ def test_a_copy_of_the_file_taken_after_forget_gives_nothing_of_the_user(tmp_pat
     settings = load_settings(data_dir=tmp_path / "live")
     key = MasterKey.generate()
     with _open(settings, key) as backends:
-        masked = {
-            owner: _mask(backends, owner, pii)
-            for owner, pii in ((ALICE, USER_PII), (BOB, TOOL_PII))
-        }
+        masked = _mask_both(backends)
         assert backends.vault is not None
         before = _vault_rows(backends)
         alices = [
