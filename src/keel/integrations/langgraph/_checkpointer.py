@@ -64,8 +64,7 @@ from keel.errors import (
     UsageError,
     VaultKeyError,
 )
-from keel.integrations._privacy import NEEDS_VAULT as _NEEDS_VAULT
-from keel.integrations._privacy import Lens, open_with_vault
+from keel.integrations._privacy import NEEDS_VAULT, Lens, open_with_vault
 from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._heads import ThreadHeads
 from keel.integrations.langgraph._indexes import ThreadIndexes
@@ -340,7 +339,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         owner = known.state.owner if known is not None else None
         if self.vault is None:
             if owner:
-                raise VaultKeyError(_NEEDS_VAULT.format(f"thread {thread_id!r}"))
+                raise VaultKeyError(NEEDS_VAULT.format(f"thread {thread_id!r}"))
             return self._codec
         user = self._user_of(config, thread_id)
         owner = user if owner is None else owner
