@@ -11,6 +11,11 @@ PII-masked before they are stored, and every write is compare-and-set on the ses
 so a failed or concurrent write never leaves half a turn (#4615). State lives where keel's state
 lives: a SQLite file, PostgreSQL or Redis, durable across processes.
 
+With a PII vault (``vault=``), each value is stored sealed in the vault and the items hold the
+user's stable placeholder for it (two addresses are ``<EMAIL_1>`` and ``<EMAIL_2>`` in every
+item and turn); ``get_items`` and ``pop_item`` give the user's values back, so the next run's
+model and tools see them as the SDK's own sessions would have given them.
+
     from keel.integrations.openai_agents import KeelSession
     session = KeelSession("user-42", database="sqlite:///agents.db", model="gpt-4o")
     await Runner.run(agent, "Hi", session=session)
@@ -20,7 +25,7 @@ lives: a SQLite file, PostgreSQL or Redis, durable across processes.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -34,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 
 from pydantic import BaseModel, Field
 
+from keel._bridge import run_blocking
 from keel.context import (
     ContextBudget,
     ContextEngine,
@@ -42,12 +48,12 @@ from keel.context import (
     Summarizer,
     SummaryPolicy,
 )
-from keel.errors import ConflictError, StateError, UsageError
+from keel.errors import ConflictError, StateError
+from keel.integrations._privacy import PrivateHistory
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel
-from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.state import StateStore
-from keel.stores import open_state_backend
 
 __all__ = ["SUMMARY_MARK", "KeelSession", "SessionItems"]
 
@@ -64,16 +70,19 @@ class SessionItems(BaseModel):
     items: list[str] = Field(default_factory=list)
     summary: str = ""
     summarized: int = 0
+    owner: str = ""
+    """The user whose vault numbered the placeholders in ``items`` ("": stored without one)."""
 
 
-def _mask(value: Any, masker: PIIMasker, key: str | None = None) -> Any:
-    """``value`` with the text of its content fields masked (ids, names, types kept)."""
+def _texts_changed(value: Any, change: Callable[[str], str], key: str | None = None) -> Any:
+    """``value`` with ``change`` applied to the text of its content fields (ids, names, types
+    kept): masking before a write, revealing after a read."""
     if isinstance(value, dict):
-        return {k: _mask(v, masker, k) for k, v in value.items()}
+        return {k: _texts_changed(v, change, k) for k, v in value.items()}
     if isinstance(value, list):
-        return [_mask(v, masker, key) for v in value]
+        return [_texts_changed(v, change, key) for v in value]
     if isinstance(value, str) and key in _MASKED_KEYS:
-        return masker.mask_text(value)
+        return change(value)
     return value
 
 
@@ -133,7 +142,7 @@ def _to_keel(items: Sequence[dict[str, Any]], offset: int) -> list[Message]:
     return messages
 
 
-class KeelSession:
+class KeelSession(PrivateHistory[SessionItems]):
     """A Session (the Agents SDK protocol) whose history fits the model's window.
 
     Args:
@@ -147,9 +156,20 @@ class KeelSession:
             :class:`keel.context.ModelSummarizer`), any :class:`keel.context.Summarizer`, or
             None for keel's extractive one (offline, no model call).
         masker: masks PII before anything is stored (None: keel's default policy).
+        tenant: whose policy masks, and whose vault holds the values.
+        user_id: whose values the session holds (None: the session id names the user).
+        vault: the PII vault: values are stored there sealed, items hold the user's stable
+            placeholders, and reads give the user their values back. Not given, and
+            ``database`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
+            open the vault on that database. Without a vault, the items of one ``add_items``
+            call are numbered together (two addresses in it are ``<EMAIL_1>`` and
+            ``<EMAIL_2>``), and reads give placeholders.
 
     ``close()`` (or ``async with``) releases the database the session opened from
     ``database``; a ``state`` store passed in is the caller's to close.
+
+    Raises:
+        VaultKeyError: the environment's PII key is malformed, or not the vault's.
     """
 
     session_settings = None
@@ -166,69 +186,80 @@ class KeelSession:
         summary: SummaryPolicy | None = None,
         summarizer: Summarizer | ChatModel | None = None,
         masker: PIIMasker | None = None,
+        tenant: str = "default",
+        user_id: str | None = None,
+        vault: Vault | None = None,
     ) -> None:
-        if (database is None) == (state is None):
-            raise UsageError("give exactly one of database and state")
+        super().__init__(
+            SessionItems,
+            session_id,
+            database=database,
+            state=state,
+            masker=DEFAULT_MASKER if masker is None else masker,
+            tenant=tenant,
+            user_id=user_id,
+            vault=vault,
+        )
         self.session_id = session_id
-        self._owns_state = state is None
-        self.state = state or StateStore(open_state_backend(str(database)), SessionItems)
         if isinstance(summarizer, ChatModel):
             summarizer = ModelSummarizer(summarizer)
         self.engine = ContextEngine(
             model, budget=budget, pruning=pruning, summary=summary, summarizer=summarizer
         )
-        self.masker = DEFAULT_MASKER if masker is None else masker
-
-    def close(self) -> None:
-        """Release the database this session opened (a ``state`` passed in stays open)."""
-        if self._owns_state:
-            self.state.close()
-
-    async def aclose(self) -> None:
-        """Async twin of :meth:`close`."""
-        if self._owns_state:
-            await self.state.aclose()
-
-    async def __aenter__(self) -> KeelSession:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     async def _load(self) -> SessionItems:
         found = await self.state.aget(self.session_id)
         return SessionItems() if found is None else found.state
 
     async def all_items(self) -> list[dict[str, Any]]:
-        """Every stored item (masked), oldest first, with none left out."""
+        """Every stored item as stored (masked: placeholders, never values), oldest first,
+        with none left out."""
         return [json.loads(item) for item in (await self._load()).items]
 
     async def add_items(self, items: list[Any]) -> None:
         """Append ``items`` (masked) in one compare-and-set write: all of them or none."""
         if not items:
             return
-        encoded = [json.dumps(_mask(dict(item), self.masker), ensure_ascii=False) for item in items]
+        found = await self.state.aget(self.session_id)
+        owner = None if found is None else found.state.owner
+        encoded = await run_blocking(self._encoded, items, owner)
 
         def append(current: SessionItems) -> dict[str, Any]:
+            if current.owner != (self.new_owner if owner is None else owner):
+                raise ConflictError(self.session_id, None, None)  # recreated meanwhile
             return {"items": [*current.items, *encoded]}
 
         try:
             await self.state.atransact(self.session_id, append)
         except StateError:  # a new session
+            fresh = SessionItems(items=encoded, owner=self.new_owner)
             try:
-                await self.state.acreate(self.session_id, SessionItems(items=encoded))
+                await self.state.acreate(self.session_id, fresh)
             except ConflictError:  # another writer created it meanwhile
                 await self.state.atransact(self.session_id, append)
 
+    def _encoded(self, items: list[Any], owner: str | None) -> list[str]:
+        """The items as stored: masked, the placeholders of one write numbered together."""
+        mask = self._writing_lens(owner, per_call=True).mask
+        return [json.dumps(_texts_changed(dict(i), mask), ensure_ascii=False) for i in items]
+
+    async def _revealed(self, items: list[dict[str, Any]], owner: str) -> list[dict[str, Any]]:
+        """``items`` with the owner's values in them, when the owner reads."""
+        lens = self._reading_lens(owner)
+        if not lens.reveals:
+            return items
+        return await run_blocking(lambda: [_texts_changed(i, lens.reveal) for i in items])
+
     async def pop_item(self) -> dict[str, Any] | None:
-        """Remove and return the newest item (None when the session is empty)."""
+        """Remove and return the newest item, the user's values in it (None when the session
+        is empty)."""
         popped: list[str] = []
 
         def drop_last(current: SessionItems) -> dict[str, Any] | None:
             popped.clear()
             if not current.items:
                 return None
-            popped.append(current.items[-1])
+            popped.extend((current.items[-1], current.owner))
             kept = current.items[:-1]
             return {"items": kept, "summarized": min(current.summarized, len(kept))}
 
@@ -236,7 +267,9 @@ class KeelSession:
             await self.state.atransact(self.session_id, drop_last)
         except StateError:  # no such session
             return None
-        return json.loads(popped[0]) if popped else None
+        if not popped:
+            return None
+        return (await self._revealed([json.loads(popped[0])], popped[1]))[0]
 
     async def clear_session(self) -> None:
         """Forget the session."""
@@ -269,7 +302,8 @@ class KeelSession:
         result = self._fit(conversation, items, system="")
         if conversation.summary.strip():
             result.insert(0, {"role": "system", "content": SUMMARY_MARK + conversation.summary})
-        return result if limit is None else _newest(result, limit)
+        newest = result if limit is None else _newest(result, limit)
+        return await self._revealed(newest, current.owner)
 
     def _fit(
         self, conversation: Any, items: dict[int, dict[str, Any]], *, system: str

@@ -16,10 +16,21 @@ Everything a request sends counts against the budget: the history's system parts
 ``PromptedOutput``'s schema) and the tool definitions.
 The capability reads the last two from the request it is about to make; the object used as a
 bare history processor sees only the history (pydantic-ai gives a processor nothing else).
+
+:class:`KeelMessageStore` keeps a conversation's message history between runs (pydantic-ai
+leaves storing it to you) on keel's state store, PII masked before it is stored. With a PII
+vault, each value is stored sealed in the vault and the history holds the user's stable
+placeholder for it; ``load`` gives the user's values back, so the next run sees the history as
+it was when it was saved, and nothing raw is stored::
+
+    store = KeelMessageStore("conv-1", database="sqlite:///chat.db", user_id="u-42", vault=vault)
+    result = await agent.run("Send my receipt", message_history=await store.load())
+    await store.save(result.all_messages())
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,6 +40,7 @@ try:
     from pydantic_ai.capabilities import AbstractCapability
     from pydantic_ai.messages import (
         ModelMessage,
+        ModelMessagesTypeAdapter,
         ModelRequest,
         ModelRequestPart,
         ModelResponse,
@@ -46,15 +58,28 @@ except ImportError as exc:  # pragma: no cover - the extra is installed in tests
 
     raise BackendUnavailableError("pydantic-ai is not installed (the 'pydantic-ai' extra)") from exc
 
-from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
-from keel.messages import Message, ToolCall
+from pydantic import BaseModel, Field
 
-__all__ = ["SUMMARY_MARK", "KeelHistory"]
+from keel._bridge import run_blocking
+from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
+from keel.integrations._privacy import PrivateHistory, map_texts
+from keel.messages import Message, ToolCall
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
+from keel.state import StateStore
+
+__all__ = ["SUMMARY_MARK", "KeelHistory", "KeelMessageStore", "StoredMessages"]
 
 SUMMARY_MARK = "[keel summary of the earlier conversation]\n"
 """How the summary's system part starts (how the processor finds it again next time)."""
 
 _ORIGIN = "pydantic_ai"  # metadata key: (message index, part index or -1 for a response)
+
+_TEXTS = frozenset({"content", "args", "instructions", "metadata"})
+"""Where a stored message's text is (what a user, a model or a tool wrote), at any depth."""
+_KEPT = frozenset(
+    {"kind", "part_kind", "media_type", "data", "identifier", "tool_call_id", "tool_name"}
+)
+"""Identifiers and encodings below those, never masked (binary data stays as it is)."""
 
 
 def _text_of(content: Any) -> str:
@@ -287,3 +312,119 @@ def _to_pydantic_ai(
         else:
             rebuilt.insert(0, ModelRequest(parts=[block]))
     return rebuilt
+
+
+class StoredMessages(BaseModel):
+    """What a :class:`KeelMessageStore` stores for a conversation: each message as masked
+    JSON (an unchanged message is the same text again, so a save stores what changed)."""
+
+    messages: list[str] = Field(default_factory=list)
+    owner: str = ""
+    """The user whose vault numbered the placeholders in ``messages`` ("": stored without
+    one)."""
+
+
+class KeelMessageStore(PrivateHistory[StoredMessages]):
+    """A pydantic-ai conversation's message history on keel's state store (SQLite,
+    PostgreSQL or Redis): ``load`` before a run, ``save`` its ``all_messages()`` after.
+
+    Args:
+        conversation_id: the conversation's id.
+        database: where state lives (``sqlite:///PATH``, ``postgresql://...``,
+            ``redis://...``); or pass ``state``.
+        state: a state store of :class:`StoredMessages` (several conversations can share one).
+        masker: masks PII before anything is stored (None: keel's default policy).
+        tenant: whose policy masks, and whose vault holds the values.
+        user_id: whose values the conversation holds (None: the conversation id names the
+            user).
+        vault: the PII vault: values are stored there sealed, the history holds the user's
+            stable placeholders, and ``load`` gives the user their values back. Not given, and
+            ``database`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
+            open the vault on that database. Without a vault, ``load`` gives placeholders.
+
+    Each ``save`` is compare-and-set on the version the last ``load`` read: a save over a
+    history someone else saved since raises ``ConflictError`` and stores nothing.
+
+    Raises:
+        VaultKeyError: the environment's PII key is malformed, or not the vault's.
+    """
+
+    def __init__(
+        self,
+        conversation_id: str,
+        *,
+        database: str | None = None,
+        state: StateStore[StoredMessages] | None = None,
+        masker: PIIMasker | None = None,
+        tenant: str = "default",
+        user_id: str | None = None,
+        vault: Vault | None = None,
+    ) -> None:
+        super().__init__(
+            StoredMessages,
+            conversation_id,
+            database=database,
+            state=state,
+            masker=DEFAULT_MASKER if masker is None else masker,
+            tenant=tenant,
+            user_id=user_id,
+            vault=vault,
+        )
+        self.conversation_id = conversation_id
+        self._version: int | None = None
+        """The version the last ``load`` read (None: the conversation was not stored)."""
+        self._owner: str | None = None
+        """Whose values the history ``load`` read holds (None: not stored)."""
+
+    async def load(self) -> list[ModelMessage]:
+        """The stored history, the user's values in it (empty for a new conversation)."""
+        found = await self.state.aget(self.conversation_id)
+        self._version = None if found is None else found.version
+        self._owner = None if found is None else found.state.owner
+        if found is None:
+            return []
+        return await run_blocking(self._decoded, found.state)
+
+    def _decoded(self, stored: StoredMessages) -> list[ModelMessage]:
+        lens = self._reading_lens(stored.owner)
+        dumped = [json.loads(text) for text in stored.messages]
+        if lens.reveals:
+            dumped = [map_texts(m, lens.reveal, texts=_TEXTS, kept=_KEPT) for m in dumped]
+        return ModelMessagesTypeAdapter.validate_python(dumped)
+
+    async def stored(self) -> list[dict[str, Any]]:
+        """The history as stored (masked: placeholders, never values), as JSON objects."""
+        found = await self.state.aget(self.conversation_id)
+        return [] if found is None else [json.loads(text) for text in found.state.messages]
+
+    async def save(self, messages: Sequence[ModelMessage]) -> None:
+        """Store ``messages`` (masked) as the conversation's history, in one compare-and-set
+        write on the version ``load`` read.
+
+        Raises:
+            ConflictError: the history was saved by someone else since (or never loaded
+                while it exists).
+        """
+        texts = await run_blocking(self._encoded, list(messages))
+        if self._version is None:
+            fresh = StoredMessages(messages=texts, owner=self.new_owner)
+            created = await self.state.acreate(self.conversation_id, fresh)
+            self._version, self._owner = created.version, fresh.owner
+            return
+        updated = await self.state.aupdate(
+            self.conversation_id, {"messages": texts}, expected_version=self._version
+        )
+        self._version = updated.version
+
+    def _encoded(self, messages: list[ModelMessage]) -> list[str]:
+        mask = self._writing_lens(self._owner).mask
+        dumped = ModelMessagesTypeAdapter.dump_python(messages, mode="json")
+        return [
+            json.dumps(map_texts(m, mask, texts=_TEXTS, kept=_KEPT), ensure_ascii=False)
+            for m in dumped
+        ]
+
+    async def clear(self) -> None:
+        """Forget the conversation."""
+        await self.state.adelete(self.conversation_id)
+        self._version = self._owner = None

@@ -17,7 +17,10 @@ checkpoints and pending writes, in the order they were written. keel's store doe
   atomic rewrite; ``ttl`` expires a whole namespace after that long without a write, never a
   part of one.
 - **PII masked before it is stored**: the text in channel values, pending writes and metadata
-  (ids, names and types kept).
+  (ids, names and types kept). With a PII vault (``vault=``), each value is stored sealed in
+  the vault and the checkpoint holds the user's stable placeholder for it; a read gives the
+  graph that user's values back, so a graph resumed from keel's checkpoints runs its tools
+  with the values LangGraph's own savers would have given it, and nothing raw is stored.
 
 Explicit time travel (``checkpoint_id`` in the config) forks as LangGraph defines it: a put on
 an older checkpoint is a new branch, not a conflict, whatever config named it (one from
@@ -53,7 +56,15 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from keel._bridge import run_blocking
-from keel.errors import ConflictError, ExpiredError, StateError, UsageError
+from keel.errors import (
+    AccessDeniedError,
+    ConflictError,
+    ExpiredError,
+    StateError,
+    UsageError,
+    VaultKeyError,
+)
+from keel.integrations._privacy import NEEDS_VAULT, Lens, open_with_vault
 from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._heads import ThreadHeads
 from keel.integrations.langgraph._indexes import ThreadIndexes
@@ -74,9 +85,8 @@ from keel.integrations.langgraph._thread import (
     rows_of,
     run_mark_of,
 )
-from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.state import StateBackend, StateStore, VacuumReport
-from keel.stores import open_state_backend
 
 __all__ = ["KeelCheckpointSaver", "StaleWriterError", "ThreadState"]
 
@@ -94,6 +104,16 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         snapshot_every: passed to ``StateStore`` (fewest versions between full snapshots).
         serde: LangGraph's serializer for channel values (default ``JsonPlusSerializer``).
         clock: seconds since the epoch, for tests of expiry.
+        vault: the PII vault: values are stored there sealed, checkpoints hold the user's
+            placeholders, and reads give the user their values back. Not given, and
+            ``backend`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
+            open the vault on that database (neither set: masking alone, as without a vault).
+        user: whose values a thread holds when its config says nothing:
+            ``config["configurable"]["user_id"]`` names the user; without it, this; without
+            both, the thread id (each thread its own user).
+
+    Raises:
+        VaultKeyError: the environment's PII key is malformed, or not the vault's.
     """
 
     def __init__(
@@ -106,12 +126,18 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         snapshot_every: int = 100,
         serde: SerializerProtocol | None = None,
         clock: Callable[[], float] = time.time,
+        vault: Vault | None = None,
+        user: str | None = None,
     ) -> None:
         super().__init__(serde=serde)
         if not tenant:
             raise UsageError("a tenant must not be empty")
-        self.backend = open_state_backend(backend) if isinstance(backend, str) else backend
+        if isinstance(backend, str):
+            self.backend, self.vault = open_with_vault(backend, vault)
+        else:
+            self.backend, self.vault = backend, vault
         self.tenant = tenant
+        self.user = user
         self.masker = DEFAULT_MASKER if masker is None else masker
         self.store: StateStore[ThreadState] = StateStore(
             self.backend, ThreadState, snapshot_every=snapshot_every, default_ttl=ttl, clock=clock
@@ -148,12 +174,13 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             known = heads.head(session, fresh=False)
             for _ in range(ATTEMPTS):
                 known = heads.check_mark(session, known, mark, parent)
+                codec = self._writing_codec(config, thread_id, known)
                 if known is None:
                     self._indexes.register_namespace(thread_id, namespace)
                 try:
                     if known is not None and mark is not None:
                         known = self._drop_other_writers(session, known, mark)
-                    state = self._codec.checkpoint_state(
+                    state = codec.checkpoint_state(
                         session,
                         known.state if known is not None else None,
                         checkpoint,
@@ -163,6 +190,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                         mark,
                     )
                     heads.commit(session, known, state, run)
+                    codec.settle(session)
                     break
                 except ConflictError as exc:
                     if isinstance(exc, StaleWriterError):
@@ -221,17 +249,20 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             known = heads.head(session, fresh=False)
             for _ in range(ATTEMPTS):
                 known = heads.check_mark(session, known, mark)
-                refs = self._codec.refs(session, known.state.items if known is not None else [])
+                codec = self._writing_codec(config, thread_id, known)
+                refs = codec.refs(session, known.state.items if known is not None else [])
                 entries: dict[str, list[Any]] = {}
                 for position, (channel, value) in enumerate(writes):
                     index = WRITES_IDX_MAP.get(channel, position)
                     key = f"{target}\x1f{task_id}\x1f{index}" + (f"\x1f{writer}" if writer else "")
-                    text = self._codec.encode(value, refs)
+                    text = codec.encode(value, refs)
                     entries[key] = [target, task_id, channel, text, task_path, index, writer]
                 try:
                     if known is None:
                         self._indexes.register_namespace(thread_id, namespace)
-                        heads.commit(session, None, ThreadState(writes=entries))
+                        state = ThreadState(writes=entries, owner=codec.owner)
+                        heads.commit(session, None, state)
+                        codec.settle(session)
                         return
                     # The head with a task's writes added (of its own checkpoint, of one whose
                     # put is still on its way, or of an older one: a late write, a fork's first
@@ -240,6 +271,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                     if merged is not None:
                         state = known.state.model_copy(update={"writes": merged})
                         heads.commit(session, known, state)
+                        codec.settle(session)
                     return
                 except ConflictError as exc:
                     if isinstance(exc, StaleWriterError):
@@ -268,7 +300,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 return None  # removed by a concurrent prune
             mark = RunMark(namespace, uuid.uuid4().hex, target) if checkpoint_id is None else None
             writes = heads.writes_for(session, known, state)
-            found = self._codec.tuple_of(
+            found = self._reading_codec(config, thread_id, known).tuple_of(
                 thread_id, namespace, state, writes, known.state.items, session, mark
             )
             if checkpoint_id is not None:
@@ -277,6 +309,47 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 # ``get_state`` snapshot's config): cleared, the fork is never fenced by it.
                 found.config["configurable"][RUN_MARK] = None
             return found
+
+    def _user_of(self, config: RunnableConfig | None, thread_id: str) -> str:
+        configurable = (config or {}).get("configurable") or {}
+        return str(configurable.get("user_id") or self.user or thread_id)
+
+    def _reading_codec(
+        self, config: RunnableConfig | None, thread_id: str, known: Known
+    ) -> ThreadCodec:
+        """The codec a read decodes with: revealing the values of the namespace's owner to
+        that user alone (anyone else, or a namespace stored without a vault: placeholders)."""
+        user = self._user_of(config, thread_id)
+        if self.vault is None or known.state.owner != user:
+            return self._codec
+        return self._codec.view(Lens(self.masker, self.tenant, self.vault, user))
+
+    def _writing_codec(
+        self, config: RunnableConfig | None, thread_id: str, known: Known | None
+    ) -> ThreadCodec:
+        """The codec a write encodes with: the user's vault numbering for a namespace of
+        theirs (or a new one, theirs from now on); masking alone for one stored without a
+        vault.
+
+        Raises:
+            AccessDeniedError: the namespace holds another user's values.
+            VaultKeyError: it holds a user's values and this saver has no vault (its
+                placeholders, numbered per text, would read back as other values).
+        """
+        owner = known.state.owner if known is not None else None
+        if self.vault is None:
+            if owner:
+                raise VaultKeyError(NEEDS_VAULT.format(f"thread {thread_id!r}"))
+            return self._codec
+        user = self._user_of(config, thread_id)
+        owner = user if owner is None else owner
+        if owner == "":
+            return self._codec
+        if owner != user:
+            raise AccessDeniedError(
+                f"thread {thread_id!r} holds another user's values; {user!r} cannot write to it"
+            )
+        return self._codec.view(Lens(self.masker, self.tenant, self.vault, user))
 
     def _sessions_of(self, config: RunnableConfig | None) -> list[str]:
         names = self._names
@@ -318,6 +391,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         candidates.sort(reverse=True)
         returned = 0
         heads: dict[str, Known | None] = {}
+        codecs: dict[str, ThreadCodec] = {}
         for _checkpoint_id, session, version in candidates:
             if limit is not None and returned >= limit:
                 return
@@ -330,15 +404,16 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
                 state = self._heads.state_at(session, known, version)
             except (StateError, ExpiredError):
                 continue  # pruned since the listing
+            thread_id, namespace = self._names.parse_session(session)
+            codec = codecs.get(session) or codecs.setdefault(
+                session, self._reading_codec(config, thread_id, known)
+            )
             if filter:
-                metadata = self._codec.decode(state.meta)
+                metadata = codec.decode(state.meta)
                 if any(metadata.get(key) != value for key, value in filter.items()):
                     continue
-            thread_id, namespace = self._names.parse_session(session)
             writes = self._heads.writes_for(session, known, state, listings[session])
-            yield self._codec.tuple_of(
-                thread_id, namespace, state, writes, known.state.items, None, None
-            )
+            yield codec.tuple_of(thread_id, namespace, state, writes, known.state.items, None, None)
             returned += 1
 
     def count_checkpoints(self, thread_id: str) -> int:

@@ -22,6 +22,7 @@ from langgraph.types import Send
 from pydantic import BaseModel
 
 from keel.errors import StateError
+from keel.integrations._privacy import Lens
 from keel.integrations.langgraph._thread import (
     AT,
     CACHED_SESSIONS,
@@ -223,38 +224,89 @@ class ThreadCodec:
         serde: LangGraph's serializer for channel values.
         masker: masks PII before anything is stored.
         tenant: the tenant the masker masks for.
+        lens: the user a call is for (:meth:`view`): masking with their numbering, reads
+            revealing their values; none: masking alone.
+        sessions: the list channels' cache (shared by a codec's views).
     """
 
-    def __init__(self, serde: SerializerProtocol, masker: PIIMasker, tenant: str) -> None:
+    def __init__(
+        self,
+        serde: SerializerProtocol,
+        masker: PIIMasker,
+        tenant: str,
+        *,
+        lens: Lens | None = None,
+        sessions: Recent[tuple[str, Any], _ListCodecs] | None = None,
+    ) -> None:
         self.serde = serde
         self.masker = masker
         self.tenant = tenant
-        self._sessions: Recent[str, _ListCodecs] = Recent(CACHED_SESSIONS)
+        self.lens = lens or Lens(masker, tenant)
+        self._sessions: Recent[tuple[str, Any], _ListCodecs] = (
+            Recent(CACHED_SESSIONS) if sessions is None else sessions
+        )
+        # Whose list channels a session's cache holds: with a vault, a read gives the user's
+        # own values, so each user has a cache of their own, good while their data key stays.
+        self._viewer: Any = (self.lens.user, self.lens.stamp()) if self.lens.reveals else None
+
+    @property
+    def owner(self) -> str:
+        """Who owns a namespace this codec creates: the user, with a vault."""
+        return self.lens.user or "" if self.lens.reveals else ""
+
+    def view(self, lens: Lens) -> ThreadCodec:
+        """This codec as one user's call sees it (masking with their numbering, reads
+        revealing their values), sharing the caches of this one."""
+        return ThreadCodec(self.serde, self.masker, self.tenant, lens=lens, sessions=self._sessions)
+
+    def settle(self, session: str) -> None:
+        """After a write: the session's cache is kept under the user's data key as it now is
+        (the write may have created it), so it is never read under another one (after a
+        ``forget``)."""
+        if not self.lens.reveals:
+            return
+        viewer = (self.lens.user, self.lens.stamp())
+        if viewer != self._viewer:
+            found = self._sessions.get((session, self._viewer))
+            self._sessions.pop((session, self._viewer))
+            if found is not None:
+                self._sessions.put((session, viewer), found)
+            self._viewer = viewer
 
     def masked(self, value: Any, key: str | None = None) -> Any:
         """``value`` with its text masked; the very same object when nothing needed masking."""
+        return self._mapped(value, self.lens.mask, key)
+
+    def revealed(self, value: Any) -> Any:
+        """``value`` with the user's own placeholders revealed (a vault in use); the very same
+        object when there was nothing to reveal."""
+        return self._mapped(value, self.lens.reveal) if self.lens.reveals else value
+
+    def _mapped(self, value: Any, change: Callable[[str], str], key: str | None = None) -> Any:
         if isinstance(value, str):
-            if key in _KEPT_TEXT:
-                return value
-            return self.masker.mask_text(value, tenant_id=self.tenant)
+            return value if key in _KEPT_TEXT else change(value)
         if isinstance(value, BaseModel):
             changes = {}
             for name in type(value).model_fields:
                 current = getattr(value, name, None)
-                masked = self.masked(current, name)
-                if masked is not current:
-                    changes[name] = masked
+                mapped = self._mapped(current, change, name)
+                if mapped is not current:
+                    changes[name] = mapped
             return value.model_copy(update=changes) if changes else value
         if type(value) is dict:
             entries = {
-                k: self.masked(v, k if isinstance(k, str) else None) for k, v in value.items()
+                k: self._mapped(v, change, k if isinstance(k, str) else None)
+                for k, v in value.items()
             }
             return entries if any(entries[k] is not v for k, v in value.items()) else value
         if type(value) is list or type(value) is tuple:
-            items = [self.masked(item, key) for item in value]
+            items = [self._mapped(item, change, key) for item in value]
             if all(new is old for new, old in zip(items, value, strict=True)):
                 return value
             return items if type(value) is list else tuple(items)
+        if isinstance(value, Send):
+            arg = self._mapped(value.arg, change)
+            return value if arg is value.arg else Send(value.node, arg, timeout=value.timeout)
         return value
 
     def encode(self, value: Any, refs: _Refs | None = None) -> str:
@@ -273,9 +325,16 @@ class ThreadCodec:
         masked = self.masked(referring)
         kind, data = self.serde.dumps_typed(masked)
         text = f"{kind}:{base64.b64encode(data).decode('ascii')}"
-        if shown and referring is not value and refs is not None:
-            masked = self.decode(text, refs.shown_at)
-        return text, masked
+        if not shown:
+            return text, masked
+        if referring is not value and refs is not None:
+            return text, self.decode(text, refs.shown_at)
+        shown_value = self.revealed(masked)
+        if shown_value is not value and self.lens.reveals and shown_value == value:
+            # The user's own values come back whole: the graph goes on with its own object (a
+            # read of the thread stays as cheap as what is new in it).
+            return text, value
+        return text, shown_value
 
     def _with_refs(self, value: Any, refs: _Refs) -> Any:
         if isinstance(value, _PLAIN):
@@ -308,7 +367,7 @@ class ThreadCodec:
 
     def decode(self, text: str, item_at: Callable[[int], Any] | None = None) -> Any:
         kind, _, data = text.partition(":")
-        value = self.serde.loads_typed((kind, base64.b64decode(data)))
+        value = self.revealed(self.serde.loads_typed((kind, base64.b64decode(data))))
         return value if item_at is None else self._resolve(value, item_at)
 
     def _resolve(self, value: Any, item_at: Callable[[int], Any]) -> Any:
@@ -341,7 +400,7 @@ class ThreadCodec:
 
     def list_codecs(self, session: str) -> _ListCodecs:
         """The session's list channels as last encoded or read."""
-        return self._sessions.get_or_put(session, _ListCodecs)
+        return self._sessions.get_or_put((session, self._viewer), _ListCodecs)
 
     def encode_list(
         self,
@@ -459,6 +518,7 @@ class ThreadCodec:
             updated=checkpoint.get("updated_channels"),
             meta=self.encode(dict(metadata)),
             by=mark.writer if mark is not None else "",
+            owner=previous.owner if previous is not None else self.owner,
             latest=checkpoint_id if newest else latest,
             latest_at=0 if newest or previous is None else previous.latest_at,
             scalars=scalars,
@@ -596,8 +656,8 @@ class ThreadCodec:
         return [(e[TASK], e[CHANNEL], self.decode(e[VALUE], item_at)) for e in ordered]
 
     def forget(self, session: str) -> None:
-        """Forget a session's list channels."""
-        self._sessions.pop(session)
+        """Forget a session's list channels (every user's)."""
+        self._sessions.drop(lambda key: key[0] == session)
 
     def clear(self) -> None:
         """Forget every session's list channels."""

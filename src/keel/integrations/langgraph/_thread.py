@@ -101,6 +101,9 @@ class ThreadState(BaseModel):
     meta: str = ""
     by: str = ""
     """The writer token of the run that stored the checkpoint ("" unmarked)."""
+    owner: str = ""
+    """The user whose vault numbered the placeholders stored here, set when a saver with a
+    vault created the namespace ("": none, and no read reveals anything)."""
     latest: str | None = None
     latest_at: int = 0
     """The version holding the latest checkpoint's newest state."""

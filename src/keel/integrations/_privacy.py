@@ -1,0 +1,262 @@
+"""What the adapters share to keep a user's values out of storage and give them back on reads.
+
+An adapter masks what it stores and reveals what the framework reads through a :class:`Lens`:
+one user's view for one call. With a :class:`~keel.privacy.Vault`, masking numbers each value
+with the user's stable placeholder (the value goes into the vault, sealed) and a read reveals
+the user's own placeholders (another user's, or an erased one, stay as written). Without one,
+masking is keel's masker as it always was and nothing is revealed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, Self, TypeVar
+
+from pydantic import BaseModel
+
+from keel._urls import parse_database_url
+from keel.errors import AccessDeniedError, ConfigError, UsageError, VaultKeyError
+from keel.privacy import KeyProvider, PIIMasker, UserVault, Vault, key_provider_from_env
+from keel.state import StateBackend, StateStore
+from keel.stores import (
+    PostgresStateBackend,
+    PostgresVaultStore,
+    SQLiteStateBackend,
+    SQLiteVaultStore,
+    open_state_backend,
+)
+
+__all__ = ["NEEDS_VAULT", "Lens", "PrivateHistory", "map_texts", "open_with_vault"]
+
+NEEDS_VAULT = (
+    "{} holds values sealed in a PII vault: write to it with that vault (vault=, or "
+    "KEEL_PII_KEY / KEEL_PII_KEY_FILE); placeholders numbered without it would read back as "
+    "other values"
+)
+
+S = TypeVar("S", bound=BaseModel)
+
+
+class Lens:
+    """One user's view for one call of an adapter: how it masks and reveals text.
+
+    Args:
+        masker: the adapter's masking policy.
+        tenant: the tenant whose policy applies and whose vault holds the values.
+        vault: the deployment's vault (None: masking alone, nothing revealed).
+        user: whose values these are (needed with a vault).
+        per_call: without a vault, number placeholders across every text this lens masks
+            (two different addresses in two items of one write are ``<EMAIL_1>`` and
+            ``<EMAIL_2>``) instead of per text.
+    """
+
+    def __init__(
+        self,
+        masker: PIIMasker,
+        tenant: str,
+        vault: Vault | None = None,
+        user: str | None = None,
+        *,
+        per_call: bool = False,
+    ) -> None:
+        self.masker = masker
+        self.tenant = tenant
+        self.user = user
+        self.user_vault: UserVault | None = (
+            vault.user(tenant, user) if vault is not None and user is not None else None
+        )
+        self._numbers: dict[tuple[str, str], str] | None = (
+            {} if per_call and self.user_vault is None else None
+        )
+
+    @property
+    def reveals(self) -> bool:
+        """Whether reads give values back (a vault is in use)."""
+        return self.user_vault is not None
+
+    def mask(self, text: str) -> str:
+        """``text`` as it may be stored."""
+        if self.user_vault is not None:
+            return self.masker.mask_text(
+                text, tenant_id=self.tenant, numbering=self.user_vault.placeholder
+            )
+        if self._numbers is not None:
+            return self.masker.mask_text(text, tenant_id=self.tenant, numbering=self._number)
+        return self.masker.mask_text(text, tenant_id=self.tenant)
+
+    def reveal(self, text: str) -> str:
+        """``text`` with the user's own placeholders replaced by their values."""
+        if self.user_vault is None:
+            return text
+        return self.user_vault.reveal(text)
+
+    def stamp(self) -> bytes | None:
+        """What changes when the user's data key does (created, erased by ``forget``): a
+        cache of revealed values is only good while this stays the same."""
+        if self.user_vault is None:
+            return None
+        found = self.user_vault.vault.store.data_key(self.tenant, self.user_vault.user_id)
+        return None if found is None else found.wrapped
+
+    def _number(self, entity: str, value: str) -> str:
+        assert self._numbers is not None
+        key = (entity, value)
+        found = self._numbers.get(key)
+        if found is None:
+            count = sum(1 for known in self._numbers if known[0] == entity) + 1
+            found = self._numbers[key] = f"<{entity}_{count}>"
+        return found
+
+
+class PrivateHistory(Generic[S]):
+    """What the Agents SDK session and the pydantic-ai message store share: one
+    conversation's history on a state store (opened from ``database`` and owned, or passed in
+    as ``state``), the user it belongs to, and the vault its values go to.
+
+    Raises:
+        UsageError: not exactly one of ``database`` and ``state``, or an empty tenant.
+        VaultKeyError: as :func:`open_with_vault`.
+    """
+
+    def __init__(
+        self,
+        schema: type[S],
+        conversation_id: str,
+        *,
+        database: str | None,
+        state: StateStore[S] | None,
+        masker: PIIMasker,
+        tenant: str,
+        user_id: str | None,
+        vault: Vault | None,
+    ) -> None:
+        if (database is None) == (state is None):
+            raise UsageError("give exactly one of database and state")
+        if not tenant:
+            raise UsageError("a tenant must not be empty")
+        self.tenant = tenant
+        self.user_id = user_id or conversation_id
+        self.masker = masker
+        self.vault = vault
+        self._owns_state = state is None
+        if state is None:
+            backend, self.vault = open_with_vault(str(database), vault)
+            state = StateStore(backend, schema)
+        self.state: StateStore[S] = state
+
+    @property
+    def new_owner(self) -> str:
+        """Who owns a history this creates: its user, with a vault ("": nobody)."""
+        return self.user_id if self.vault is not None else ""
+
+    def _reading_lens(self, owner: str) -> Lens:
+        """The lens a read reveals with: the owner's values to the owner alone (anyone else,
+        or a history stored without a vault: placeholders)."""
+        vault = self.vault if owner == self.user_id else None
+        return Lens(self.masker, self.tenant, vault, self.user_id)
+
+    def _writing_lens(self, owner: str | None, *, per_call: bool = False) -> Lens:
+        """The lens a write masks with: the user's vault numbering for a history of theirs
+        (or a new one, ``owner`` None); masking alone for one stored without a vault.
+
+        Raises:
+            AccessDeniedError: the history holds another user's values.
+            VaultKeyError: it holds a user's values and this has no vault.
+        """
+        if owner and self.vault is None:
+            raise VaultKeyError(NEEDS_VAULT.format("the history"))
+        if owner is not None and owner not in ("", self.user_id):
+            raise AccessDeniedError(
+                f"the history holds another user's values; {self.user_id!r} cannot write to it"
+            )
+        vault = self.vault if owner in (None, self.user_id) else None
+        return Lens(self.masker, self.tenant, vault, self.user_id, per_call=per_call)
+
+    def close(self) -> None:
+        """Release the database this opened (a ``state`` passed in stays open)."""
+        if self._owns_state:
+            self.state.close()
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`."""
+        if self._owns_state:
+            await self.state.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault | None]:
+    """The state backend ``url`` names, and the vault the adapter uses: ``vault`` when given;
+    else, for a SQL URL, the one ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` open on that very
+    database (neither set, or a Redis URL: None). The vault's store closes with the backend.
+
+    Raises:
+        VaultKeyError: the environment's key is malformed (nothing is opened) or is not the
+            database's vault's (the backend is closed again).
+    """
+    keys: KeyProvider | None = None
+    if vault is None and _names_sql(url):
+        keys = key_provider_from_env()
+    backend = open_state_backend(url)
+    if keys is None:
+        return backend, vault
+    try:
+        if isinstance(backend, SQLiteStateBackend):
+            opened = Vault(SQLiteVaultStore(backend.db), keys)
+        else:
+            assert isinstance(backend, PostgresStateBackend)
+            opened = Vault(PostgresVaultStore(backend.database), keys)
+        opened.check()
+    except BaseException:
+        backend.close()
+        raise
+    return backend, opened
+
+
+def _names_sql(url: str) -> bool:
+    try:
+        return parse_database_url(url).kind != "redis"
+    except ConfigError:
+        return False  # the opener says what is wrong with it
+
+
+def map_texts(
+    value: Any,
+    change: Callable[[str], str],
+    *,
+    texts: frozenset[str],
+    kept: frozenset[str] = frozenset(),
+    key: str | None = None,
+    inside: bool = False,
+) -> Any:
+    """A JSON-like ``value`` (dicts, lists, strings) with ``change`` applied to the strings
+    under a key in ``texts`` (at any depth below it), except those under a key in ``kept``;
+    the very same object where nothing changed."""
+    if isinstance(value, str):
+        return change(value) if inside and key not in kept else value
+    if isinstance(value, dict):
+        entries = {
+            name: map_texts(
+                item,
+                change,
+                texts=texts,
+                kept=kept,
+                key=name,
+                inside=inside or name in texts,
+            )
+            for name, item in value.items()
+        }
+        return entries if any(entries[k] is not v for k, v in value.items()) else value
+    if isinstance(value, list):
+        items = [
+            map_texts(item, change, texts=texts, kept=kept, key=key, inside=inside)
+            for item in value
+        ]
+        return (
+            items if any(new is not old for new, old in zip(items, value, strict=True)) else value
+        )
+    return value
