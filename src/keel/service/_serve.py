@@ -242,7 +242,7 @@ def build_service(
         rate_limiter=limiter,
         drain=drain,
         ready=agents.aready,
-        vault=getattr(backends, "vault", None),  # VSTORE-PENDING
+        vault=backends.vault,
         operators_see_values=operators_see_values,
     )
     return app, agents, keys
