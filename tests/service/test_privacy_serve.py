@@ -10,12 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from keel.privacy import MasterKey
 from keel.settings import load_settings
 from keel.stores import Backends
 from keel.testing.servers import free_port
+from tests.service.conftest import create_key, keel_serve
 
 EMAIL = "grace.hopper@example.com"
 
@@ -54,6 +56,47 @@ def test_a_bad_pii_key_stops_keel_serve_before_it_serves(tmp_path: Path, workers
     status, stderr = _serve_fails({**base, "KEEL_PII_KEY": MasterKey.new_key_text()}, *arguments)
     assert status != 0
     assert "not this vault's" in stderr and "Traceback" not in stderr
+
+
+def test_forget_takes_effect_in_every_worker_at_once(
+    tmp_path: Path, postgres_url: str, redis_url: str
+) -> None:
+    env = {
+        **os.environ,
+        "KEEL_DATA_DIR": str(tmp_path / "data"),
+        "KEEL_EMBEDDER": "hashing:64",
+        "KEEL_DATABASE": postgres_url,
+        "KEEL_REDIS_URL": redis_url,
+        "KEEL_PII_KEY": MasterKey.new_key_text(),
+    }
+    env.pop("KEEL_PII_KEY_FILE", None)
+    user_key, operator_key = create_key_for_user("acme", "ada", env), create_key("acme", env)
+    arguments = ("--workers", "2", "--model", "scripted:echo", "--no-memory")
+    with keel_serve(*arguments, env=env) as served:
+        ada = httpx.Client(
+            base_url=served.url, headers={"Authorization": f"Bearer {user_key}"}, timeout=60
+        )
+        operator = httpx.Client(
+            base_url=served.url, headers={"Authorization": f"Bearer {operator_key}"}, timeout=60
+        )
+        with ada, operator:
+            body = {"message": f"my email is {EMAIL}", "user": "ada"}
+            reply = ada.post("/v1/sessions/s1/turns", json=body)
+            assert reply.status_code == 200 and reply.json()["text"] == body["message"]
+            # 16 reads, each on a new connection (the workers share the listening socket, so
+            # the reads are spread over them): every one shows the value until the forget,
+            # and none after it, whichever worker answered.
+            before = [
+                ada.get("/v1/sessions/s1", headers={"Connection": "close"}).text for _ in range(16)
+            ]
+            assert all(EMAIL in read for read in before)
+            forgot = operator.post("/v1/privacy/forget", json={"user_id": "ada"})
+            assert forgot.status_code == 200 and forgot.json()["erased"] == 1
+            after = [
+                ada.get("/v1/sessions/s1", headers={"Connection": "close"}).text for _ in range(16)
+            ]
+            assert not any(EMAIL in read for read in after)
+            assert all("<EMAIL_1>" in read for read in after)
 
 
 def create_key_for_user(tenant: str, user: str, env: dict[str, str]) -> str:

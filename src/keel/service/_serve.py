@@ -57,7 +57,8 @@ class ServiceAgents:
         self.system_prompt = system_prompt
         self.tools = tuple(tools)
         self.name = name
-        self.agent_options = agent_options
+        # Every tenant's agent keeps its users' values in the stores' vault (if one is open).
+        self.agent_options = {"vault": backends.vault, **agent_options}
         self._agents: dict[str, Agent] = {}
         self._warm = False
 
