@@ -153,25 +153,30 @@ class PIIMasker:
         ones that do. ``numbering`` gives each ``(entity, value)`` its placeholder (a user's
         vault: the same placeholder in every text); without it placeholders are numbered per
         text."""
-        if numbering is not None:
-            return self._mask(text, tenant_id, numbering)
         if not remember or len(text) > _CACHED_TEXT_CHARS:
-            return self._mask(text, tenant_id)
-        policy = self.policy_for(tenant_id)
-        kept = self._results.get(id(policy))
-        if kept is None or kept[0] is not policy:
-            if len(self._results) >= _CACHED_POLICIES:
-                del self._results[next(iter(self._results))]
-            kept = self._results[id(policy)] = (policy, {})
-        results = kept[1]
+            return self._mask(text, tenant_id, numbering)
+        results = self._results_of(self.policy_for(tenant_id))
         result = results.get(text)
-        if result is None:
-            result = self._mask(text, tenant_id)
+        if result is not None and (numbering is None or not result.masked):
+            # A text with nothing to mask is the same under any numbering: most texts a vault
+            # turn masks are (its history, already placeholders), each several times a turn.
+            return result
+        result = self._mask(text, tenant_id, numbering)
+        if numbering is None or not result.masked:
             if len(results) >= _CACHED_RESULTS:
                 # Oldest first: dicts keep insertion order.
                 del results[next(iter(results))]
             results[text] = result
         return result
+
+    def _results_of(self, policy: MaskingPolicy) -> dict[str, MaskResult]:
+        """The cached results of ``policy`` (kept per policy object, see ``__init__``)."""
+        kept = self._results.get(id(policy))
+        if kept is None or kept[0] is not policy:
+            if len(self._results) >= _CACHED_POLICIES:
+                del self._results[next(iter(self._results))]
+            kept = self._results[id(policy)] = (policy, {})
+        return kept[1]
 
     def _mask(
         self, text: str, tenant_id: str | None, numbered: Numbering | None = None
