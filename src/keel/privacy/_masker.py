@@ -152,14 +152,13 @@ class PIIMasker:
         come again (each longer prefix of a streamed reply), which would only push out the
         ones that do. ``numbering`` gives each ``(entity, value)`` its placeholder (a user's
         vault: the same placeholder in every text); without it placeholders are numbered per
-        text."""
+        text. With a numbering only texts with nothing to mask are cached (most of what a trace
+        records): a text that holds a value is never kept."""
         if not remember or len(text) > _CACHED_TEXT_CHARS:
             return self._mask(text, tenant_id, numbering)
-        results = self._results_of(self.policy_for(tenant_id))
+        results = self._cached(tenant_id)
         result = results.get(text)
         if result is not None and (numbering is None or not result.masked):
-            # A text with nothing to mask is the same under any numbering: most texts a vault
-            # turn masks are (its history, already placeholders), each several times a turn.
             return result
         result = self._mask(text, tenant_id, numbering)
         if numbering is None or not result.masked:
@@ -169,8 +168,9 @@ class PIIMasker:
             results[text] = result
         return result
 
-    def _results_of(self, policy: MaskingPolicy) -> dict[str, MaskResult]:
-        """The cached results of ``policy`` (kept per policy object, see ``__init__``)."""
+    def _cached(self, tenant_id: str | None) -> dict[str, MaskResult]:
+        """The kept results of the tenant's policy (per policy object, see ``__init__``)."""
+        policy = self.policy_for(tenant_id)
         kept = self._results.get(id(policy))
         if kept is None or kept[0] is not policy:
             if len(self._results) >= _CACHED_POLICIES:

@@ -249,8 +249,8 @@ class Agent:
         say). The caller keeps the stores: closing the agent does not close them.
 
         ``options`` are the constructor's (``tools=``, ``tenant_id=``, ``masker=``, ...);
-        state, memory, the journal (unless ``journal`` is False) and the tracer come from
-        ``backends``, the tracer masking with the agent's privacy policy."""
+        state, memory, the journal (unless ``journal`` is False), the vault and the tracer
+        come from ``backends``, the tracer masking with the agent's privacy policy."""
         return agent_on_backends(cls, backends, model, system_prompt=system_prompt, **options)
 
     @classmethod

@@ -144,6 +144,8 @@ def agent_on_backends(
     """A ``cls`` on stores the caller keeps open: see ``Agent.on_backends``."""
     # The stores' privacy policy unless the agent has its own: one masker for all of it.
     masker = options.setdefault("masker", backends.privacy)
+    # The stores' PII vault (KEEL_PII_KEY) unless the agent is given its own, or None.
+    options.setdefault("vault", backends.vault)
     tenant_id = options.get("tenant_id", "default")
     redact = None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
     return cls(
