@@ -249,7 +249,6 @@ def _ticket_agent(backends: Backends, log: _ToolLog) -> Agent:
         system_prompt="You file support tickets.",
         tools=[file_ticket],
         tenant_id=TENANT,
-        vault=backends.vault,
     )
 
 
@@ -420,7 +419,6 @@ def _flows_phase(flows: int, seed: int, directory: Path, *, vault: bool = True) 
         system_prompt="You serve customers.",
         tools=_flow_tools(log, rng),
         tenant_id=TENANT,
-        vault=backends.vault,
     )
 
     async def drive() -> None:

@@ -57,8 +57,7 @@ class ServiceAgents:
         self.system_prompt = system_prompt
         self.tools = tuple(tools)
         self.name = name
-        # Every tenant's agent keeps its users' values in the stores' vault (if one is open).
-        self.agent_options = {"vault": backends.vault, **agent_options}
+        self.agent_options = agent_options
         self._agents: dict[str, Agent] = {}
         self._warm = False
 
