@@ -13,7 +13,9 @@ Figures:
 - ``resolve_ms_p50/p95``: the resolution at the tool boundary timed (the executor's step that
   reads a call's placeholders from the user's vault and puts the values in its arguments,
   wrapped by a timer for the run), per tool call.
-- ``turn_added_ms_p50``: the median of the per-turn differences (vault minus no vault).
+- ``turn_added_ms_p50``: the median of the per-turn differences (vault minus no vault);
+  ``*_cpu_*``: the same in this process's CPU time, which other processes on a shared
+  machine do not inflate.
 - ``vault_rows_per_value`` and ``vault_bytes_per_value``: rows and the summed bytes of every
   column of the vault's tables, read from the database, per distinct value stored.
 - ``forget_seconds``: ``Vault.forget`` of one user holding ``forget_values`` values.
@@ -204,24 +206,26 @@ class _ToolLog:
 
 
 @contextlib.contextmanager
-def _timed_resolution() -> Iterator[list[float]]:
+def _timed_resolution() -> Iterator[tuple[list[float], list[float]]]:
     """Every resolution of a tool call's placeholders at the tool boundary, timed (ms), for
     the length of the block: the executor's step that reads the call's placeholders from the
     user's vault and writes the values into the parsed arguments (``_executor._resolved``,
-    wrapped by a timer)."""
+    wrapped by a timer): wall-clock and this process's CPU time."""
     original = _executor._resolved
     times: list[float] = []
+    cpu: list[float] = []
 
     def timed(value: Any, vault: UserVault, kept: tuple[str, ...], into: dict[str, str]) -> Any:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         try:
             return original(value, vault, kept, into)
         finally:
             times.append((time.perf_counter() - started) * 1000)
+            cpu.append((time.process_time() - started_cpu) * 1000)
 
     _executor._resolved = timed
     try:
-        yield times
+        yield times, cpu
     finally:
         _executor._resolved = original
 
@@ -293,22 +297,24 @@ def _turns_phase(
     log, unused = _ToolLog(), _ToolLog()
     agents = {"vault": _ticket_agent(vaulted, log), "masked": _ticket_agent(masked, unused)}
     times: dict[str, list[float]] = {"vault": [], "masked": []}
+    cpu: dict[str, list[float]] = {"vault": [], "masked": []}
 
     async def drive() -> None:
         for index, (user, message, _) in enumerate(workload.turns):
             # Alternate which goes first, so neither always meets a warmer cache.
             order = ("vault", "masked") if index % 2 == 0 else ("masked", "vault")
             for name in order:
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.process_time()
                 reply = await agents[name].handle(f"s-{user}", user, message)
                 times[name].append((time.perf_counter() - started) * 1000)
+                cpu[name].append((time.process_time() - started_cpu) * 1000)
                 if reply.status != "completed":
                     raise RuntimeError(f"turn {index} ({name}): {reply.status} {reply.error}")
             if index % 200 == 199:
                 progress(f"  {index + 1} turns")
 
     try:
-        with _timed_resolution() as resolved:
+        with _timed_resolution() as (resolved, resolved_cpu):
             asyncio.run(drive())
     finally:
         for agent in agents.values():
@@ -318,12 +324,18 @@ def _turns_phase(
     if len(resolved) < len(workload.turns):
         raise RuntimeError(f"{len(resolved)} resolutions timed for {len(workload.turns)} calls")
     added = [a - b for a, b in zip(times["vault"], times["masked"], strict=True)]
+    added_cpu = [a - b for a, b in zip(cpu["vault"], cpu["masked"], strict=True)]
     return {
         "resolve_ms_p50": round(statistics.median(resolved), 4),
         "resolve_ms_p95": round(nearest_rank(resolved, 0.95), 4),
         "resolutions": len(resolved),
         "turn_ms_p50": {name: round(statistics.median(t), 3) for name, t in times.items()},
         "turn_added_ms_p50": round(statistics.median(added), 3),
+        # CPU time of this process (all its threads): what a loaded machine's other
+        # processes do not add to.
+        "resolve_cpu_ms_p50": round(statistics.median(resolved_cpu), 4),
+        "turn_cpu_ms_p50": {name: round(statistics.median(t), 3) for name, t in cpu.items()},
+        "turn_added_cpu_ms_p50": round(statistics.median(added_cpu), 3),
         "ticket_calls_with_placeholder": len(log.with_placeholder),
         **_vault_footprint(directory / "vault" / "keel.db"),
     }
