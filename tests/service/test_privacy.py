@@ -121,6 +121,34 @@ def test_a_tool_gets_over_http_the_email_given_two_turns_earlier(
     assert reply["text"] == f"Done: receipt sent to {ADA_EMAIL}"
 
 
+def test_streamed_turns_and_chat_completions_show_the_user_their_values(
+    vault_service: VaultService,
+) -> None:
+    service = vault_service
+    with service.client(service.keys.create("acme", "ada")) as ada:
+        _turn(ada, "s-ada", "ada", f"My email is {ADA_EMAIL}")
+        streamed = ada.post(
+            "/v1/sessions/s-ada/turns",
+            json={"message": "Please send my receipt", "user": "ada"},
+            headers={"Accept": "text/event-stream"},
+        )
+        events = [
+            json.loads(line[len("data: ") :])
+            for line in streamed.text.splitlines()
+            if line.startswith("data: ")
+        ]
+        text = "".join(event["text"] for event in events if event["type"] == "text")
+        assert text == f"Done: receipt sent to {ADA_EMAIL}"
+        assert events[-1]["reply"]["text"] == text
+        chat = {"model": "keel", "messages": [{"role": "user", "content": "Send my receipt"}]}
+        headers = {"X-Keel-Session": "s-ada", "X-Keel-User": "ada"}
+        completion = ada.post("/v1/chat/completions", json=chat, headers=headers)
+        assert completion.status_code == 200, completion.text
+        answer = completion.json()["choices"][0]["message"]["content"]
+        assert answer == f"Done: receipt sent to {ADA_EMAIL}"
+    assert service.sent == [ADA_EMAIL, ADA_EMAIL]
+
+
 def test_a_user_key_reads_its_values_an_operator_key_placeholders(
     vault_service: VaultService,
 ) -> None:
