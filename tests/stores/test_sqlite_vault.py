@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from keel.privacy import StoredKey
+from keel.privacy import MasterKey, StoredKey, Vault
 from keel.stores import SQLiteDatabase, SQLiteVaultStore
 
 
@@ -42,3 +42,19 @@ def test_forget_leaves_no_erased_byte_in_the_file_or_the_log(tmp_path: Path) -> 
         assert lingering == []
         # The other user's rows are untouched (the WAL was checkpointed into the file).
         assert all(secret in after for secret in kept)
+
+
+def test_a_rotation_leaves_no_key_wrapped_by_the_old_master_key(tmp_path: Path) -> None:
+    path = tmp_path / "keel.db"
+    with SQLiteDatabase(path) as db:
+        vault = Vault(SQLiteVaultStore(db), MasterKey.generate())
+        vault.check()
+        for user in ("alice", "bob", "carol"):
+            vault.user("acme", user).placeholder("EMAIL", f"{user}@example.com")
+        old_wrapped = [key.wrapped for _, _, key in vault.store.data_keys()]
+        old_check = vault.store.key_check()
+        assert old_check is not None
+        assert all(wrapped in _on_disk(path) for wrapped in old_wrapped)
+        assert vault.rotate(MasterKey.generate()) == 3
+        after = _on_disk(path)
+        assert [wrapped for wrapped in (*old_wrapped, old_check.wrapped) if wrapped in after] == []

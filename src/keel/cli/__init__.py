@@ -18,6 +18,7 @@ from keel.cli import (  # noqa: F401
     _mcp,
     _memory,
     _models,
+    _privacy,
     _runs,
     _serve,
     _state,

@@ -18,6 +18,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -27,7 +28,7 @@ from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sql_plan import Plan, Statement, run_plan
 
-__all__ = ["SQLVaultStore", "vault_migrations"]
+__all__ = ["SQLVaultStore", "VaultCounts", "vault_migrations"]
 
 _T = TypeVar("_T")
 
@@ -213,6 +214,19 @@ class SQLVaultStore(VaultStore):
     def forget(self, tenant_id: str, user_id: str) -> int:
         return self._run(True, lambda: _forget(tenant_id, user_id))
 
+    def counts(self) -> VaultCounts:
+        """How many users have a data key, values are kept sealed, values were erased."""
+        return self._run(False, _counts)
+
+
+@dataclass(frozen=True)
+class VaultCounts:
+    """What a vault holds, in numbers only (``keel privacy status``)."""
+
+    users: int
+    values: int
+    erased: int
+
 
 _KEY_COLUMNS = "wrapped, key_id"
 _CHECK = f"SELECT {_KEY_COLUMNS} FROM keel_pii_key_check WHERE id = 1"
@@ -244,6 +258,11 @@ _ADD_VALUE = (
     "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING number"
 )
 _SEALED = f"SELECT number, token, sealed FROM keel_pii_values WHERE {_OWNER} AND entity = ?"
+_COUNTS = (
+    "SELECT (SELECT COUNT(*) FROM keel_pii_keys), "
+    "(SELECT COUNT(*) FROM keel_pii_values WHERE sealed IS NOT NULL), "
+    "(SELECT COUNT(*) FROM keel_pii_values WHERE sealed IS NULL)"
+)
 _FORGET_KEY = f"DELETE FROM keel_pii_keys WHERE {_OWNER}"
 _FORGET_VALUES = (
     f"UPDATE keel_pii_values SET token = NULL, sealed = NULL WHERE {_OWNER} "
@@ -275,6 +294,11 @@ def _keys_page(after: tuple[str, str] | None) -> Plan[list[tuple[str, str, Store
         (str(tenant), str(user), _key((wrapped, key_id)))
         for tenant, user, wrapped, key_id in result.rows
     ]
+
+
+def _counts() -> Plan[VaultCounts]:
+    row = (yield Statement(_COUNTS)).rows[0]
+    return VaultCounts(*(int(count) for count in row))
 
 
 def _forget(tenant_id: str, user_id: str) -> Plan[int]:

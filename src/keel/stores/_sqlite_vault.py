@@ -2,8 +2,9 @@
 
 Erased bytes must not linger in the file: every vault write runs with ``PRAGMA
 secure_delete = ON`` (SQLite overwrites what it deletes, a forgotten key's and value's cells
-and freed pages, with zeros), and ``forget`` ends with a ``TRUNCATE`` checkpoint, so the
-write-ahead log's older copies of those pages are gone from disk too.
+and freed pages, with zeros), and ``forget`` and the end of a key rotation end with a
+``TRUNCATE`` checkpoint, so the write-ahead log's older copies of those pages are gone from
+disk too (unless a reader holds part of the log then: a warning says so).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
+from keel.privacy import StoredKey
 from keel.stores._dialect import SQLITE
 from keel.stores._sql_vault import SQLVaultStore, vault_migrations
 from keel.stores._sqlite import SQLiteDatabase
@@ -43,6 +45,14 @@ class SQLiteVaultStore(SQLVaultStore):
 
     def _read(self) -> AbstractContextManager[sqlite3.Connection]:
         return self.db.translated()
+
+    def set_key_check(self, check: StoredKey, *, expected: StoredKey | None) -> bool:
+        replaced = super().set_key_check(check, expected=expected)
+        if replaced and expected is not None:
+            # The last step of a rotation: the log's copies of keys wrapped by the old master
+            # key go too (a leaked old key is why one rotates).
+            self.purge_log()
+        return replaced
 
     def forget(self, tenant_id: str, user_id: str) -> int:
         erased = super().forget(tenant_id, user_id)
