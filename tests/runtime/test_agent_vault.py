@@ -18,6 +18,8 @@ from typing import Annotated, Any
 import pytest
 from pydantic import Field
 
+from keel.errors import UsageError
+from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.privacy import Detector, MasterKey, PIIMasker
 from keel.runtime import Agent, TextDelta, TurnFinished
@@ -561,3 +563,35 @@ async def test_memory_records_hold_the_users_stable_placeholders(
     # The second address is <EMAIL_2> in memory as in the state, never a per-text <EMAIL_1>.
     assert "My new email is <EMAIL_2>" in texts and "Saved <EMAIL_2>." in texts
     _persisted_without_values(tmp_path / "keel.db")
+
+
+async def test_a_failed_turns_reply_shows_the_users_values_of_what_was_done(
+    opened: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A turn that fails after a side effect tells the user what was done, in their values;
+    the state keeps the placeholders."""
+    received: list[str] = []
+    send = _calling("send_receipt", email=lambda call: _placeholder(call, "EMAIL"))
+    agent = opened(
+        ScriptedModel([send], repeat_last=True),
+        [_receipt_tool(received, side_effect=True)],
+        guards=GuardConfig(max_steps=1, fallback="raise"),
+    )
+    reply = await agent.run(f"My email is {EMAIL}, send my receipt", session="s1", user="alice")
+    assert reply.status == "failed" and received == [EMAIL]
+    assert f"receipt sent to {EMAIL}" in reply.text
+    state = agent.session_state("s1")
+    assert state is not None
+    assert any("receipt sent to <EMAIL_1>" in message.content for message in state.messages)
+    _persisted_without_values(tmp_path / "keel.db")
+
+
+def test_values_for_the_model_need_a_vault(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="needs a PII vault"):
+        Agent.open(
+            f"sqlite:///{tmp_path / 'keel.db'}",
+            model=ScriptedModel([]),
+            system_prompt="You help customers.",
+            memory=False,
+            model_sees="values",
+        )

@@ -115,6 +115,8 @@ class Masking:
         first (then by its own redaction), so the trace holds the placeholders the state does."""
         if self.user_vault is None or self.masker is None:
             return tracer
+        # A shallow copy for the turn (same store and exporters): only its redaction is the
+        # user's. Its failure counters are the turn's own, not the agent tracer's.
         turn_tracer = copy.copy(tracer)
         own = tracer.redact
         mask = self.mask
@@ -123,7 +125,9 @@ class Masking:
 
     def stream_masker(self) -> StreamMasker | RevealStream | None:
         """A masker for text that arrives in pieces (None: masking is off). With a vault the
-        pieces are the user's to read: their placeholders revealed, never split."""
+        pieces are the user's to read, as the reply is: their placeholders revealed (never
+        split), and a value the model wrote out shown as written (the reply reveals the
+        placeholder it is stored under)."""
         if self.user_vault is not None:
             return RevealStream(lambda text: self.reveal(sanitize(text)))
         policy, tenant_id = self.masker, self.tenant_id
