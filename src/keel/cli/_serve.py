@@ -184,6 +184,13 @@ def serve_command(
     log_format: Annotated[
         str, typer.Option(help="Log lines as text or json (one access line per request).")
     ] = "text",
+    operators_see_values: Annotated[
+        bool,
+        typer.Option(
+            help="With a PII vault (KEEL_PII_KEY): a tenant's operator key reads its users' "
+            "values in histories (without it, placeholders; a user key reads its own values)."
+        ),
+    ] = False,
 ) -> None:
     """Serve the agent over HTTP (sessions, turns as JSON or server-sent events, runs); every
     request needs an API key from `keel keys create --tenant T`. With --workers N, N processes
@@ -203,6 +210,7 @@ def serve_command(
         body_timeout_s=body_timeout,
         metrics_token=_secret("metrics token", "KEEL_METRICS_TOKEN", metrics_token_file),
         rate_limit_per_minute=rate_limit,
+        operators_see_values=operators_see_values,
     )
     transport: dict[str, Any] = {
         "host": host,
@@ -213,6 +221,7 @@ def serve_command(
         "log_format": log_format,
     }
     if workers > 1:
+        _check_vault(settings)
         _run_workers(options, workers, transport)
     else:
         _run_one(options, settings, transport)
@@ -228,6 +237,15 @@ def _refuse_flags(metrics_token: str | None, log_format: str) -> None:
         )
     if log_format not in ("text", "json"):
         raise UsageError(f"--log-format {log_format!r}: text or json")
+
+
+def _check_vault(settings: Settings) -> None:
+    """Open the stores once here, so that a PII master key that is malformed or not this
+    vault's stops the command with its error (VaultKeyError) before any worker starts: a
+    worker failing alone would be restarted, and nothing would say why."""
+    from keel.stores import Backends as Stores
+
+    Stores.open(settings, memory=False, redis_url="").close()
 
 
 def _run_one(options: ServeOptions, settings: Settings, transport: dict[str, Any]) -> None:

@@ -299,12 +299,16 @@ class UserVault:
         found = placeholders_in(text)
         if not found:
             return text
-        values: dict[str, str] = {}
-        for placeholder in found:
-            try:
-                values.update(self.values([placeholder]))
-            except PlaceholderError:
-                continue
+        try:
+            # One read of the store for them all (a reply's placeholders are the user's).
+            values = self.values(found)
+        except PlaceholderError:
+            values = {}
+            for placeholder in found:
+                try:
+                    values.update(self.values([placeholder]))
+                except PlaceholderError:
+                    continue
         return PLACEHOLDER.sub(lambda match: values.get(match.group(0), match.group(0)), text)
 
     def resolve_arguments(self, arguments: str, *, keep: Iterable[str] = ()) -> str:

@@ -31,8 +31,10 @@ from keel.service._errors import install_error_handlers
 from keel.service._gate import Gate
 from keel.service._keys import CachedKeys
 from keel.service._models import ChatCompletionRequest, TurnRequest
+from keel.service._privacy import Disclosure
 
 if TYPE_CHECKING:
+    from keel.privacy import Vault
     from keel.runtime import Agent
     from keel.service._drain import Drain
     from keel.service._keys import APIKeys
@@ -50,6 +52,7 @@ _ROUTERS = (
     routes.tools.router,
     routes.memory.router,
     routes.runs.router,
+    routes.privacy.router,
 )
 
 
@@ -88,6 +91,8 @@ def create_app(
     drain: Drain | None = None,
     ready: Callable[[], Awaitable[None]] | None = None,
     ui: bool = True,
+    vault: Vault | None = None,
+    operators_see_values: bool = False,
 ) -> FastAPI:
     """The service's FastAPI app.
 
@@ -110,6 +115,11 @@ def create_app(
         ready: awaited by ``/ready`` (and once at start-up, to warm what it opens); it raises
             :class:`~keel.errors.BackendUnavailableError` while a store does not answer.
         ui: serve the web trace viewer at ``/ui`` (it signs in with the same API keys).
+        vault: the agents' PII vault: reads of history show a user key its user's values,
+            and ``POST /v1/privacy/forget`` erases a user's (None: no vault, and that route
+            answers 404).
+        operators_see_values: a tenant's operator key reads its users' values too (without
+            it, placeholders).
     """
 
     app = FastAPI(
@@ -127,6 +137,7 @@ def create_app(
         rate_limiter=rate_limiter,
         drain=drain,
         ready=ready,
+        privacy=Disclosure(vault, operators_see_values),
     )
     app.state.keel = context
     install_error_handlers(app)

@@ -14,6 +14,7 @@ from fastapi import Depends, Header, Request
 from keel.service._errors import HTTPError, RateLimited
 from keel.service._keys import bearer_key, key_id_of
 from keel.service._logging import note_run, note_tenant
+from keel.service._privacy import Disclosure
 
 if TYPE_CHECKING:
     from keel.memory import Memory
@@ -48,6 +49,8 @@ class ServiceContext:
     rate_limiter: RateLimiter | None = None
     drain: Drain | None = None
     ready: Callable[[], Awaitable[None]] | None = None
+    privacy: Disclosure = field(default_factory=Disclosure)
+    """The PII vault, and who reads values from it."""
     requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
     """HTTP requests by method, route template and status."""
     turns: Counter[tuple[str, str]] = field(default_factory=Counter)

@@ -120,6 +120,11 @@ class ServeOptions(BaseModel):
     rate_limit_per_minute: int | None = Field(
         default=None, description="Requests per API key and minute (429 beyond)."
     )
+    operators_see_values: bool = Field(
+        default=False,
+        description="A tenant's operator key reads its users' PII values in histories "
+        "(without it, placeholders; a user key always reads its own values).",
+    )
 
     @field_serializer("metrics_token", when_used="json")
     def _reveal_token(self, token: SecretStr | None) -> str | None:
@@ -157,6 +162,7 @@ class ServeOptions(BaseModel):
             body_timeout_s=self.body_timeout_s,
             metrics_token=None if token is None else token.get_secret_value(),
             rate_limit_per_minute=self.rate_limit_per_minute,
+            operators_see_values=self.operators_see_values,
             drain=drain,
             settings=settings,
         )
@@ -174,6 +180,7 @@ def build_service(
     body_timeout_s: float = 30.0,
     metrics_token: str | None = None,
     rate_limit_per_minute: int | None = None,
+    operators_see_values: bool = False,
     drain: Drain | None = None,
     settings: Settings | None = None,
     **agent_options: Any,
@@ -183,7 +190,15 @@ def build_service(
 
     ``rate_limit_per_minute``: requests per key and minute (429 beyond), counted in Redis when
     there is one, so that every worker sees the same count. ``settings``: read once here (the
-    service's edge) when not given; the stores, the model and the agents get them from here."""
+    service's edge) when not given; the stores, the model and the agents get them from here.
+
+    With a PII master key (``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the settings) the agents
+    keep values in the vault and reads of history show a user key its own values, an operator
+    key placeholders (values with ``operators_see_values``).
+
+    Raises:
+        VaultKeyError: the master key is malformed, missing from its file, or not this
+            vault's (nothing is served, nothing is stored raw)."""
     # The service's edge, opened as Agent.open opens: the settings are read there (when not
     # given) and handed down; every tenant's agent shares the stores and their privacy policy.
     backends, settings = open_at_edge(
@@ -227,5 +242,7 @@ def build_service(
         rate_limiter=limiter,
         drain=drain,
         ready=agents.aready,
+        vault=backends.vault,
+        operators_see_values=operators_see_values,
     )
     return app, agents, keys

@@ -45,7 +45,7 @@ async def search_memory(
     clipped (``"clipped": true``), whole at ``GET /v1/memory/{id}``."""
     memory, scope = _users_memory(who, context, user, read=True)
     hits = await memory.asearch(q, scope=scope, k=k)
-    return [
+    found = [
         {
             "record": clip(hit.record.model_dump(mode="json", exclude={"embedding"}), "text"),
             "score": hit.score,
@@ -56,6 +56,7 @@ async def search_memory(
         }
         for hit in hits
     ]
+    return await context.privacy.shown(who, scope.user_id, found)
 
 
 @router.get("/v1/memory/{record_id}")
@@ -70,7 +71,9 @@ async def get_memory(
     found = await run_blocking(memory.get, scope, record_id)
     if found is None:
         raise HTTPError(404, "NotFound", "not found")
-    return found.model_dump(mode="json", exclude={"embedding"})
+    return await context.privacy.shown(
+        who, scope.user_id, found.model_dump(mode="json", exclude={"embedding"})
+    )
 
 
 @router.post("/v1/memory", status_code=201)
@@ -79,10 +82,15 @@ async def add_memory(
     who: Caller = Depends(caller),
     context: ServiceContext = Depends(context_of),
 ) -> dict[str, Any]:
-    """Remember a note for the user (masked before it is stored; a user claim)."""
+    """Remember a note for the user (masked before it is stored, with the user's own
+    placeholders when the service keeps a PII vault; a user claim)."""
     memory, scope = _users_memory(who, context, record.user, read=False)
-    added = await memory.aadd(record.text, scope=scope, kind=record.kind)
-    return added.model_dump(mode="json", exclude={"embedding"})
+    user = record.user
+    text = await context.privacy.masked(memory.masker, who.tenant_id, user, record.text)
+    added = await memory.aadd(text, scope=scope, kind=record.kind)
+    return await context.privacy.shown(
+        who, user, added.model_dump(mode="json", exclude={"embedding"})
+    )
 
 
 @router.delete("/v1/memory/{record_id}")

@@ -77,7 +77,12 @@ async def list_runs(
             "operator key %s listed the runs of tenant %s", who.key_id, who.tenant_id,
             extra={"tenant": who.tenant_id, "key_id": who.key_id, "read": "runs"},
         )  # fmt: skip
-    return [clip(run.model_dump(mode="json"), "input", "output", "error_message") for run in page]
+    return [
+        await context.privacy.shown(
+            who, run.user_id, clip(run.model_dump(mode="json"), "input", "output", "error_message")
+        )
+        for run in page
+    ]
 
 
 @router.get("/v1/runs/{run_id}")
@@ -86,9 +91,10 @@ async def get_run(
     who: Caller = Depends(caller),
     context: ServiceContext = Depends(context_of),
 ) -> dict[str, Any]:
-    """One run with its steps, its input and output whole."""
+    """One run with its steps, its input and output whole (with a PII vault: values or
+    placeholders as for the session's state)."""
     detail = context.traces.get_run_detail(run_id)
     if detail is None or detail.run.tenant_id != who.tenant_id:
         raise HTTPError(404, "NotFound", "not found")
     read_of(who, detail.run.user_id, f"the run {run_id!r}")
-    return detail.model_dump(mode="json")
+    return await context.privacy.shown(who, detail.run.user_id, detail.model_dump(mode="json"))

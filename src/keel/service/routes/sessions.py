@@ -34,13 +34,15 @@ async def get_session(
     who: Caller = Depends(caller),
     context: ServiceContext = Depends(context_of),
 ) -> dict[str, Any]:
-    """The session's committed state and version."""
+    """The session's committed state and version (with a PII vault: its user's values to
+    the user's key, placeholders to an operator key unless the service grants it values)."""
     agent = context.agent_for(who.tenant_id)
     checkpoint = await owned_checkpoint(agent, who, session_id, "the state")
+    owner = checkpoint.state.runtime.user_id
     return {
         "session_id": session_id,
         "version": checkpoint.version,
-        "state": checkpoint.state.model_dump(mode="json"),
+        "state": await context.privacy.shown(who, owner, checkpoint.state.model_dump(mode="json")),
     }
 
 

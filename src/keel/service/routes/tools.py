@@ -34,13 +34,15 @@ async def session_in_doubt(
     first, a page at a time (``X-Next-Cursor``)."""
     agent = context.agent_for(who.tenant_id)
     journal = journal_of(agent)
-    await session_read(agent, who, session_id, "the in-doubt calls")
+    checkpoint = await session_read(agent, who, session_id, "the in-doubt calls")
     entries = await run_blocking(journal.in_doubt, agent.session_key(session_id))
     start = number_cursor(cursor) or 0
     entries = entries[start:]
     page = entries[:limit]
     next_page(request, response, str(start + limit) if len(entries) > limit else None)
-    return [entry.model_dump(mode="json", exclude={"session_id"}) for entry in page]
+    owner = None if checkpoint is None else checkpoint.state.runtime.user_id
+    listed = [entry.model_dump(mode="json", exclude={"session_id"}) for entry in page]
+    return await context.privacy.shown(who, owner, listed)
 
 
 @router.post("/v1/tools/in-doubt/{key}/resolve")
