@@ -21,7 +21,10 @@ from keel.errors import KeelError, UsageError
 from keel.guards import GuardConfig
 from keel.models import ChatModel, ModelOptions, resolve_model
 from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends, open_at_edge
+from keel.runtime._masking import Masking
+from keel.runtime._turn import TurnDeps
 from keel.settings import Settings, load_settings
 from keel.state import StateMachine
 from keel.tools import Tool
@@ -40,6 +43,7 @@ __all__ = [
     "close_opened",
     "embedded_agent",
     "open_agent",
+    "turn_deps",
 ]
 
 logger = logging.getLogger("keel.runtime")
@@ -71,6 +75,7 @@ class AgentOptions(TypedDict, total=False):
     session_cache_size: int
     output_type: type[Any] | None
     model_options: ModelOptions | None
+    approvals: Approvals | None
 
 
 class OnBackendsOptions(AgentOptions, total=False):
@@ -200,3 +205,30 @@ async def close_opened(backends: Backends) -> None:
         except (TimeoutError, KeelError) as exc:
             logger.warning("memory's outbox was not flushed on close: %s", exc)
     await backends.aclose()
+
+
+def turn_deps(agent: Agent) -> TurnDeps:
+    """What a turn takes of ``agent``'s configuration (read per turn: its attributes may be
+    set between turns)."""
+    return TurnDeps(
+        model=agent.model,
+        state=agent.state,
+        engine=agent.engine,
+        monitor=agent.monitor,
+        guards=agent.guards,
+        journal=agent._journal,
+        tracer=agent.tracer,
+        masking=Masking(agent.masker, agent.tenant_id),
+        workflow=agent._workflow,
+        system_prompt=agent.system_prompt,
+        rules=agent.rules,
+        output_type=agent.output_type,
+        model_options=agent.model_options,
+        tenant_id=agent.tenant_id,
+        name=agent.name,
+        logs=agent._sessions,
+        owners=agent._owners,
+        memory=agent._hand_off,
+        recall=agent._memories,
+        approvals=agent.approvals,
+    )

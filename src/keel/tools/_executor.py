@@ -43,12 +43,26 @@ from keel.tools._registry import ToolRegistry
 from keel.tools._repair import ArgumentsNotJSONError, coerce_scalars, parse_arguments
 from keel.tools._tool import AbandonedResult, Tool, ToolContext, ToolScope, abandoned_result
 
-__all__ = ["ToolExecutor", "ToolResult", "ToolStatus", "format_validation_error"]
+__all__ = [
+    "ToolExecutor",
+    "ToolResult",
+    "ToolStatus",
+    "format_validation_error",
+    "validated_arguments",
+]
 
 ToolStatus = Literal[
-    "ok", "failed", "timeout", "unknown_tool", "invalid_arguments", "in_doubt", "blocked"
+    "ok",
+    "failed",
+    "timeout",
+    "unknown_tool",
+    "invalid_arguments",
+    "in_doubt",
+    "blocked",
+    "awaiting_approval",
 ]
-"""How a call ended. ``blocked``: a guard refused to run it (a loop was detected)."""
+"""How a call ended. ``blocked``: a guard refused to run it (a loop was detected).
+``awaiting_approval``: not run yet, a person must decide first."""
 
 logger = logging.getLogger("keel.tools")
 
@@ -611,6 +625,21 @@ def _check_arguments(
             repairs=repairs,
             problems=tuple(problems),
         )
+
+
+def validated_arguments(found: Tool, raw: str) -> BaseModel:
+    """``raw`` parsed, repaired and validated as the executor does a model's arguments (an
+    approver's corrected arguments, say).
+
+    Raises:
+        ToolArgumentsError: one line per problem.
+    """
+    base: dict[str, Any] = {"call_id": "", "tool": found.name, "raw_arguments": raw}
+    checked = _check_arguments(found, raw, base, time.perf_counter())
+    if isinstance(checked, ToolResult):
+        assert isinstance(checked.exception, ToolArgumentsError)
+        raise checked.exception
+    return checked[0]
 
 
 def _from_journal(
