@@ -2,67 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from keel.approvals import ApprovalRequest, ApprovalStore
-from keel.service import APIKeys, build_service
-from keel.settings import load_settings
-from keel.testing import ScriptedModel
-from keel.testing.approvals_conformance import request
-from tests.service.conftest import serving
-
-
-@dataclass
-class Approvals:
-    url: str
-    keys: APIKeys
-    store: ApprovalStore
-
-    def client(self, key: str) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=30
-        )
-
-    def add(self, *requests: ApprovalRequest) -> None:
-        async def add() -> None:
-            for made in requests:
-                await self.store.aadd(made)
-
-        asyncio.run(add())
-
-    def get(self, tenant: str, request_id: str) -> ApprovalRequest | None:
-        return asyncio.run(self.store.aget(tenant, request_id))
-
-
-@pytest.fixture
-def approvals(tmp_path: Path) -> Iterator[Approvals]:
-    settings = load_settings(data_dir=tmp_path)
-    app, agents, keys = build_service(
-        f"sqlite:///{tmp_path / 'keel.db'}",
-        model=ScriptedModel(lambda call: "ok"),
-        memory=False,
-        settings=settings,
-    )
-    store = agents.backends.approvals
-    with serving(app) as running:
-        yield Approvals(running.url, keys, store)
-    agents.backends.close()
-
-
-def _queue(approvals: Approvals) -> None:
-    approvals.add(
-        request("op-alice", created_at=1.0),
-        request("confirm-alice", created_at=2.0, kind="user", tool="cancel_order"),
-        request("confirm-bob", created_at=3.0, kind="user", user_id="bob", session_id="s2"),
-        request("theirs", tenant_id="evil-corp", created_at=4.0, kind="user"),
-    )
+from tests.approvals.conftest import Approvals, add_queue
 
 
 def _ids(response: httpx.Response) -> list[str]:
@@ -71,7 +15,7 @@ def _ids(response: httpx.Response) -> list[str]:
 
 
 def test_an_operator_key_lists_the_tenants_queue(approvals: Approvals) -> None:
-    _queue(approvals)
+    add_queue(approvals)
     with approvals.client(approvals.keys.create("acme")) as client:
         assert _ids(client.get("/v1/approvals")) == ["op-alice", "confirm-alice", "confirm-bob"]
         assert _ids(client.get("/v1/approvals", params={"user": "bob"})) == ["confirm-bob"]
@@ -88,7 +32,7 @@ def test_an_operator_key_lists_the_tenants_queue(approvals: Approvals) -> None:
 
 
 def test_a_user_key_lists_only_its_own_confirmations(approvals: Approvals) -> None:
-    _queue(approvals)
+    add_queue(approvals)
     with approvals.client(approvals.keys.create("acme", user_id="alice")) as client:
         assert _ids(client.get("/v1/approvals")) == ["confirm-alice"]
         assert client.get("/v1/approvals", params={"user": "bob"}).status_code == 403
@@ -99,7 +43,7 @@ def test_a_user_key_lists_only_its_own_confirmations(approvals: Approvals) -> No
 
 
 def test_a_key_that_may_not_decide_gets_404_and_nothing_changes(approvals: Approvals) -> None:
-    _queue(approvals)
+    add_queue(approvals)
     verdict = {"approve": True, "note": "fine"}
     cases = (
         (approvals.keys.create("acme", user_id="alice"), "op-alice"),
@@ -124,7 +68,7 @@ def test_a_key_that_may_not_decide_gets_404_and_nothing_changes(approvals: Appro
 
 
 def test_a_bad_verdict_is_422(approvals: Approvals) -> None:
-    _queue(approvals)
+    add_queue(approvals)
     with approvals.client(approvals.keys.create("acme")) as client:
         for body in ({}, {"approve": "perhaps"}, {"approve": True, "arguments": "[1]"},
                      {"approve": True, "extra": 1}):  # fmt: skip

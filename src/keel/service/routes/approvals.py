@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from keel.approvals import ApprovalRequest, ApprovalStatus, ApprovalStore
     from keel.runtime import AgentReply
 
-__all__ = ["ApprovalVerdict", "router"]
+__all__ = ["ApprovalVerdict", "approvals_of", "decide_as", "router", "visible_to"]
 
 router = APIRouter(route_class=RawPathRoute)
 
@@ -77,7 +77,7 @@ def approvals_of(context: ServiceContext) -> ApprovalStore:
     return context.approvals
 
 
-def _visible(who: Caller, request: ApprovalRequest) -> bool:
+def visible_to(who: Caller, request: ApprovalRequest) -> bool:
     """Whether ``who`` may see and decide ``request``: an operator key any of its tenant's;
     a user key its own user's confirmations only."""
     if who.operator:
@@ -113,7 +113,7 @@ async def list_approvals(
         statuses=statuses,
         limit=start + limit + 1 if who.operator else _MOST_OWN,
     )
-    shown = [item for item in found if _visible(who, item)][start:]
+    shown = [item for item in found if visible_to(who, item)][start:]
     if who.operator and user_id is not None:
         read_of(who, user_id, "the approval requests")
     next_page(request, response, str(start + limit) if len(shown) > limit else None)
@@ -139,7 +139,7 @@ async def get_approval(
 ) -> dict[str, Any]:
     """One approval request, as it stands (404: none, or not one this key may see)."""
     found = await approvals_of(context).aget(who.tenant_id, approval_id)
-    if found is None or not _visible(who, found):
+    if found is None or not visible_to(who, found):
         raise HTTPError(404, "NotFound", "not found")
     read_of(who, found.user_id, f"the approval request {approval_id!r}")
     return found.model_dump(mode="json")
@@ -156,20 +156,33 @@ async def decide_approval(
     a rejected one gives the model a result saying who rejected it and why), and its reply is
     the answer. The same decision sent again answers the same reply without running anything
     twice; a request already settled otherwise is 409. A key that may not decide it gets 404."""
-    store = approvals_of(context)
-    found = await store.aget(who.tenant_id, approval_id)
-    if found is None or not _visible(who, found):
+    reply = await decide_as(
+        context, who, approval_id, verdict.approve, verdict.note, verdict.arguments
+    )
+    return context.counted(who.tenant_id, reply).model_dump(mode="json")
+
+
+async def decide_as(
+    context: ServiceContext,
+    who: Caller,
+    approval_id: str,
+    approve: bool,
+    note: str | None,
+    arguments: dict[str, Any] | None,
+) -> AgentReply:
+    """Decide the request as ``who`` through the tenant's agent (which resumes the waiting
+    turn) and return the turn's reply; 404 when ``who`` may not see the request."""
+    found = await approvals_of(context).aget(who.tenant_id, approval_id)
+    if found is None or not visible_to(who, found):
         raise HTTPError(404, "NotFound", "not found")
     agent = cast("_Decides", context.agent_for(who.tenant_id))
     by = f"operator:{who.key_id}" if who.operator else f"user:{who.user_id}"
-    arguments = None if verdict.arguments is None else json.dumps(verdict.arguments)
-    reply = await agent.decide(
+    return await agent.decide(
         found.session_id,
         approval_id,
-        approve=verdict.approve,
+        approve=approve,
         by=by,
-        note=verdict.note,
-        arguments=arguments,
+        note=note,
+        arguments=None if arguments is None else json.dumps(arguments, ensure_ascii=False),
         user_id=who.user_id,
     )
-    return context.counted(who.tenant_id, reply).model_dump(mode="json")
