@@ -33,6 +33,7 @@ from keel.service._keys import CachedKeys
 from keel.service._models import ChatCompletionRequest, TurnRequest
 
 if TYPE_CHECKING:
+    from keel.approvals import ApprovalStore
     from keel.runtime import Agent
     from keel.service._drain import Drain
     from keel.service._keys import APIKeys
@@ -50,6 +51,7 @@ _ROUTERS = (
     routes.tools.router,
     routes.memory.router,
     routes.runs.router,
+    routes.approvals.router,
 )
 
 
@@ -88,6 +90,7 @@ def create_app(
     drain: Drain | None = None,
     ready: Callable[[], Awaitable[None]] | None = None,
     ui: bool = True,
+    approvals: ApprovalStore | None = None,
 ) -> FastAPI:
     """The service's FastAPI app.
 
@@ -110,6 +113,8 @@ def create_app(
         ready: awaited by ``/ready`` (and once at start-up, to warm what it opens); it raises
             :class:`~keel.errors.BackendUnavailableError` while a store does not answer.
         ui: serve the web trace viewer at ``/ui`` (it signs in with the same API keys).
+        approvals: the approvals queue the agents write to (``/v1/approvals``; without it,
+            those routes answer 404).
     """
 
     app = FastAPI(
@@ -127,6 +132,7 @@ def create_app(
         rate_limiter=rate_limiter,
         drain=drain,
         ready=ready,
+        approvals=approvals,
     )
     app.state.keel = context
     install_error_handlers(app)

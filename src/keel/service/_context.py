@@ -16,6 +16,7 @@ from keel.service._keys import bearer_key, key_id_of
 from keel.service._logging import note_run, note_tenant
 
 if TYPE_CHECKING:
+    from keel.approvals import ApprovalStore
     from keel.memory import Memory
     from keel.runtime import Agent, AgentReply
     from keel.service._drain import Drain
@@ -48,6 +49,8 @@ class ServiceContext:
     rate_limiter: RateLimiter | None = None
     drain: Drain | None = None
     ready: Callable[[], Awaitable[None]] | None = None
+    approvals: ApprovalStore | None = None
+    """The queue of requests waiting for a person (``/v1/approvals``), if the service keeps one."""
     requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
     """HTTP requests by method, route template and status."""
     turns: Counter[tuple[str, str]] = field(default_factory=Counter)

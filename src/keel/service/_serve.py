@@ -227,5 +227,6 @@ def build_service(
         rate_limiter=limiter,
         drain=drain,
         ready=agents.aready,
+        approvals=backends.approvals,
     )
     return app, agents, keys

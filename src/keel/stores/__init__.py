@@ -1,9 +1,10 @@
 """Storage backends behind small interfaces.
 
-The embedded default is one SQLite file (:class:`SQLiteDatabase`); the state, memory, trace and
-journal stores extend it with their own migrations. On a server, :class:`PostgresDatabase` is
-the same for PostgreSQL: one connection pool that every PostgreSQL store can share. The store
-classes take such a database object; :meth:`Backends.open` is where they are opened from a URL.
+The embedded default is one SQLite file (:class:`SQLiteDatabase`); the state, memory, trace,
+journal and approvals stores extend it with their own migrations. On a server,
+:class:`PostgresDatabase` is the same for PostgreSQL: one connection pool that every PostgreSQL
+store can share. The store classes take such a database object; :meth:`Backends.open` is where
+they are opened from a URL.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from keel._urls import DatabaseURL, parse_database_url
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._open import Backends, open_database, open_state_backend
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
+from keel.stores._postgres_approvals import POSTGRES_APPROVAL_MIGRATIONS, PostgresApprovalStore
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
+from keel.stores._sqlite_approvals import APPROVAL_MIGRATIONS, SQLiteApprovalStore
 from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
 from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
@@ -30,9 +33,11 @@ if TYPE_CHECKING:
     from keel.stores._postgres_traces import POSTGRES_TRACE_MIGRATIONS, PostgresTraceStore
 
 __all__ = [
+    "APPROVAL_MIGRATIONS",
     "CORE_MIGRATIONS",
     "JOURNAL_MIGRATIONS",
     "MEMORY_MIGRATIONS",
+    "POSTGRES_APPROVAL_MIGRATIONS",
     "POSTGRES_JOURNAL_MIGRATIONS",
     "POSTGRES_MEMORY_MIGRATIONS",
     "POSTGRES_TRACE_MIGRATIONS",
@@ -42,12 +47,14 @@ __all__ = [
     "DatabaseURL",
     "Migration",
     "MigrationSet",
+    "PostgresApprovalStore",
     "PostgresDatabase",
     "PostgresMemoryStore",
     "PostgresStateBackend",
     "PostgresToolJournal",
     "PostgresTraceStore",
     "RedisStateBackend",
+    "SQLiteApprovalStore",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
     "SQLiteStateBackend",

@@ -1,10 +1,11 @@
 """The composition root: every store keel opens from a database URL is opened here.
 
-:meth:`Backends.open` opens state, the tool journal, traces and memory on one database:
-``sqlite:///PATH`` is one SQLite file (one :class:`~keel.stores.SQLiteDatabase`) holding all
-four; ``postgresql://...`` is the four PostgreSQL stores sharing one
-:class:`~keel.stores.PostgresDatabase` (one connection pool). Either way a Redis URL moves state
-(checkpoints and session leases) to Redis, while the journal, traces and memory stay on the SQL
+:meth:`Backends.open` opens state, the tool journal, the approvals queue, traces and memory
+on one database: ``sqlite:///PATH`` is one SQLite file (one
+:class:`~keel.stores.SQLiteDatabase`) holding all five; ``postgresql://...`` is the five
+PostgreSQL stores sharing one :class:`~keel.stores.PostgresDatabase` (one connection pool).
+Either way a Redis URL moves state (checkpoints and session leases) to Redis, while the
+journal, the approvals, traces and memory stay on the SQL
 database: they are queried (``keel runs``, ``keel tools in-doubt``, retrieval), which Redis is
 not built for.
 
@@ -27,17 +28,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from keel._urls import DatabaseURL, parse_database_url
+from keel.approvals import ApprovalStore
 from keel.errors import ConfigError, UsageError
 from keel.memory import Memory, MemoryStore, embedder_from_settings
 from keel.privacy import DEFAULT_MASKER, PIIMasker
 from keel.settings import Settings
 from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
+from keel.stores._postgres_approvals import PostgresApprovalStore
 from keel.stores._postgres_journal import PostgresToolJournal
 from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import SQLiteDatabase
+from keel.stores._sqlite_approvals import SQLiteApprovalStore
 from keel.stores._sqlite_journal import SQLiteToolJournal
 from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import SQLiteStateBackend
@@ -75,6 +79,8 @@ class Backends:
     """Session checkpoints and leases."""
     journal: ToolJournal
     """The exactly-once journal of side-effecting tool calls."""
+    approvals: ApprovalStore
+    """The queue of tool calls and escalated turns waiting for a person's decision."""
     traces: TraceStore
     """Run traces."""
     memory: Memory | None
@@ -138,7 +144,7 @@ class Backends:
 
         try:
             sql = _open_sql(parsed, settings, own)
-            journal, traces, store = _sql_stores(sql)
+            journal, approvals, traces, store = _sql_stores(sql)
             state = (
                 _state_on_redis(redis, own)
                 if redis is not None
@@ -160,7 +166,9 @@ class Backends:
                 with contextlib.suppress(Exception):
                     closers.pop()[0]()
             raise
-        return cls(parsed, redis, state, journal, traces, long_term, sql, privacy, closers)
+        return cls(
+            parsed, redis, state, journal, approvals, traces, long_term, sql, privacy, closers
+        )
 
     async def aready(self, connections: int = 1) -> None:
         """Wait until every store answers: the SQL database with ``connections`` pooled
@@ -247,10 +255,12 @@ def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:
 
 def _sql_stores(
     sql: SQLiteDatabase | PostgresDatabase,
-) -> tuple[ToolJournal, TraceStore, MemoryStore]:
-    """The journal, the traces (migrated) and the memory store on ``sql``; they close with it."""
+) -> tuple[ToolJournal, ApprovalStore, TraceStore, MemoryStore]:
+    """The journal, the approvals queue, the traces (migrated) and the memory store on
+    ``sql``; they close with it."""
     if isinstance(sql, SQLiteDatabase):
         journal: ToolJournal = SQLiteToolJournal(sql)
+        approvals: ApprovalStore = SQLiteApprovalStore(sql)
         traces: TraceStore = SQLiteTraceStore(sql)
         store: MemoryStore = SQLiteMemoryStore(sql)
     else:
@@ -258,10 +268,11 @@ def _sql_stores(
         from keel.stores._postgres_traces import PostgresTraceStore
 
         journal = PostgresToolJournal(sql)
+        approvals = PostgresApprovalStore(sql)
         traces = PostgresTraceStore(sql)
         store = PostgresMemoryStore(sql)
     traces.setup()
-    return journal, traces, store
+    return journal, approvals, traces, store
 
 
 class _SQLiteStateAlone(SQLiteStateBackend):
