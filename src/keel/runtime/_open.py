@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
+from keel.approvals import ApprovalRequest
 from keel.context import ContextBudget
 from keel.errors import KeelError, UsageError
 from keel.guards import GuardConfig
@@ -82,6 +83,8 @@ class OnBackendsOptions(AgentOptions, total=False):
     """:meth:`Agent.on_backends <keel.runtime.Agent.on_backends>`'s options."""
 
     journal: bool
+    on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None
+    """Called once per new approval request in the stores' queue (notify your systems)."""
 
 
 class EmbeddedOptions(OnBackendsOptions, total=False):
@@ -108,6 +111,7 @@ def open_agent(
     journal: bool = True,
     redis_url: str | None = None,
     settings: Settings | None = None,
+    on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None = None,
     **options: Unpack[AgentOptions],
 ) -> AgentT:
     """A ``cls`` on the stores ``database`` names, which it owns: see ``Agent.open``."""
@@ -125,7 +129,13 @@ def open_agent(
     try:
         chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
         agent = agent_on_backends(
-            cls, backends, chat_model, system_prompt=system_prompt, journal=journal, **options
+            cls,
+            backends,
+            chat_model,
+            system_prompt=system_prompt,
+            journal=journal,
+            on_approval_request=on_approval_request,
+            **options,
         )
     except BaseException:
         backends.close()
@@ -141,12 +151,15 @@ def agent_on_backends(
     *,
     system_prompt: str,
     journal: bool = True,
+    on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None = None,
     **options: Unpack[AgentOptions],
 ) -> AgentT:
     """A ``cls`` on stores the caller keeps open: see ``Agent.on_backends``."""
     # The stores' privacy policy unless the agent has its own: one masker for all of it.
     masker = options.setdefault("masker", backends.privacy)
     tenant_id = options.get("tenant_id", "default")
+    # Calls that wait for a person wait in the stores' queue unless the agent has its own.
+    options.setdefault("approvals", Approvals(backends.approvals, on_request=on_approval_request))
     redact = None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
     return cls(
         model,
