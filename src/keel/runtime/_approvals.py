@@ -113,7 +113,8 @@ def decided_text(request: ApprovalRequest, result: ToolResult | None) -> str:
             if decision is not None and decision.arguments
             else ""
         )
-        return f"{what} was approved by {by}{why}; it ran{corrected}: {result.content}"
+        ran = "it ran" if result.ok else "its outcome"
+        return f"{what} was approved by {by}{why}; {ran}{corrected}: {result.content}"
     if request.status == "rejected":
         return f"{what} was rejected by {by}{why}. It was not run; do not call it again."
     if request.status == "expired":
