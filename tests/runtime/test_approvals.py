@@ -130,6 +130,9 @@ async def test_an_approved_call_runs_once_after_the_decision(open_agent: Any) ->
     # The same decision sent again (an HTTP retry): settled, nothing runs again.
     repeat = await agent.decide("s1", waiting.id, approve=True, by="alice")
     assert repeat.replayed and shop.refunds == [("W1", 50)]
+    # A contrary decision after it (a second operator): the first one stands, nothing runs.
+    contrary = await agent.decide("s1", waiting.id, approve=False, by="bob")
+    assert contrary.replayed and shop.refunds == [("W1", 50)]
     stored = await agent.approvals.store.aget("default", waiting.id)
     assert stored.status == "approved" and stored.decision.by == "operator:alice"
     state = agent.session_state("s1")
