@@ -250,3 +250,45 @@ async def test_the_stream_says_a_call_waits(open_agent: Any) -> None:
     assert requested.approval.tool == "refund"
     assert isinstance(events[-1], TurnFinished)
     assert events[-1].reply.status == "awaiting_approval"
+
+
+def _confirming(call: ScriptedCall) -> Message | str:
+    """A model that turns the user's yes or no into the decision tool's call."""
+    last = call.messages[-1]
+    if last.role == "user" and last.content in ("yes", "no"):
+        waiting = [m.content for m in call.messages if m.role == "tool" and "apr-" in m.content]
+        approval = waiting[-1].split("approval ")[1].split(",")[0]
+        arguments = {"approval_id": approval, "approve": last.content == "yes", "note": "said so"}
+        return ScriptedModel.tool_call("decide_approval", json.dumps(arguments))
+    if last.role == "user":
+        return "Please answer yes or no."
+    return "Noted: " + last.content
+
+
+@pytest.mark.parametrize("answer", ["yes", "no"])
+async def test_the_users_reply_confirms_through_the_decision_tool(
+    open_agent: Any, answer: str
+) -> None:
+    shop = Shop()
+    agent = open_agent(
+        shop, [_both(), _confirming, _confirming, _confirming, _told], approval="user"
+    )
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    assert parked.status == "awaiting_approval"
+    # A reply that decides nothing leaves it waiting.
+    unclear = await agent.run("hmm, what do you mean?", session="s1", user="u1")
+    assert unclear.status == "awaiting_approval" and unclear.text == "Please answer yes or no."
+    assert shop.refunds == []
+    decided = await agent.run(answer, session="s1", user="u1")
+    stored = await agent.approvals.store.aget("default", parked.approvals[0].id)
+    if answer == "yes":
+        assert stored.status == "approved" and stored.decision.by == "user:u1"
+        assert shop.refunds == [("W1", 50)] and "approved by user:u1 (said so)" in decided.text
+    else:
+        assert stored.status == "rejected" and shop.refunds == []
+        assert "rejected by user:u1" in decided.text
+    assert decided.status == "completed"
+    state = agent.session_state("s1")
+    assert state is not None and state.runtime.awaiting == ()
+    decisions = [m for m in state.messages if m.role == "tool" and m.name == "decide_approval"]
+    assert len(decisions) == 1  # recorded like any call

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from keel.approvals import ApprovalRequest, ApprovalStore
+from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus, ApprovalStore
 from keel.context import runtime_note
 from keel.errors import ToolArgumentsError
 from keel.messages import Message, ToolCall
@@ -34,9 +34,11 @@ from keel.tools import (
     Tool,
     ToolContext,
     ToolExecutor,
+    ToolRegistry,
     ToolResult,
     ToolScope,
     idempotency_key,
+    tool,
     validated_arguments,
 )
 
@@ -44,7 +46,17 @@ if TYPE_CHECKING:
     # Only for types: the runner builds this module's objects.
     from keel.runtime._turn import TurnRunner
 
-__all__ = ["Approvals", "TurnApprovals", "approval_id", "decided_text", "pending_view"]
+__all__ = [
+    "DECISION_TOOL",
+    "Approvals",
+    "TurnApprovals",
+    "approval_id",
+    "decided_text",
+    "pending_view",
+]
+
+DECISION_TOOL = "decide_approval"
+"""The built-in tool the model records a user's answer to a confirmation with."""
 
 logger = logging.getLogger("keel.runtime")
 
@@ -135,6 +147,57 @@ class TurnApprovals:
     @property
     def parked(self) -> bool:
         return bool(self.requested)
+
+    def registry(self, registry: ToolRegistry, new_message: bool) -> ToolRegistry:
+        """The turn's tools: with :data:`DECISION_TOOL` when a user's message comes to a
+        session that waits for that user's confirmation (the model reads the answer)."""
+        if not (new_message and self.config is not None and self.runner.state.runtime.awaiting):
+            return registry
+        return ToolRegistry([*registry, self._decision_tool()])
+
+    def _decision_tool(self) -> Tool:
+        approvals = self
+
+        @tool(name=DECISION_TOOL)
+        async def decide_approval(approval_id: str, approve: bool, note: str = "") -> str:
+            """Record the user's answer to a confirmation you asked them for: call it when
+            their message says yes or no to a call that waits for their confirmation.
+
+            Args:
+                approval_id: The approval's id (apr-...), as the waiting call's result says.
+                approve: True when the user confirmed, False when they declined.
+                note: The user's answer, in a few words.
+            """
+            return await approvals.decide_as_user(approval_id, approve, note)
+
+        return decide_approval
+
+    async def decide_as_user(self, request_id: str, approve: bool, note: str) -> str:
+        """The user's answer, read by the model, as one compare-and-set on the request."""
+        runner = self.runner
+        assert self.config is not None
+        request = await self.config.store.aget(runner.deps.tenant_id, request_id)
+        if (
+            request is None
+            or request.session_id != runner.session_id
+            or request.kind != "user"
+            or request.user_id != runner.user_id
+        ):
+            return f"Error: no confirmation {request_id!r} waits for this user's answer here."
+        decision = ApprovalDecision(
+            approve=approve,
+            by=f"user:{runner.user_id}",
+            note=runner.deps.masking.mask(note) or None,
+            decided_at=time.time(),
+        )
+        status: ApprovalStatus = "approved" if approve else "rejected"
+        request, settled = await self.config.store.adecide(
+            runner.deps.tenant_id, request_id, status, decision
+        )
+        await self.record_decision(request, f"decided by the user's message: {request.status}")
+        if not settled:
+            return f"Already settled: the call is {request.status}; nothing changed."
+        return f"Recorded: the user {'confirmed' if approve else 'declined'} {request.tool}."
 
     def executor(self) -> ToolExecutor:
         """The executor decided calls run through: the turn's journal, masking and scope."""
@@ -278,24 +341,7 @@ class TurnApprovals:
             runner.log.append(
                 runtime_note(text, reason="approval", metadata={"approval": request.id})
             )
-            decision = request.decision
-            await runner.trace.arecord(
-                "other",
-                "approval_decided",
-                tool_name=request.tool,
-                tool_call_id=request.call_id,
-                tool_result=text,
-                attributes=_trace_attributes(request),
-            )
-            if runner.emit is not None:
-                runner.emit(
-                    ApprovalDecided(
-                        approval_id=request.id,
-                        status=request.status,
-                        by=None if decision is None else decision.by,
-                        result=text,
-                    )
-                )
+            await self.record_decision(request, text)
         runtime = runner.state.runtime.model_copy(
             update={
                 "awaiting": (),
@@ -304,6 +350,27 @@ class TurnApprovals:
             }
         )
         await runner.checkpoint({"runtime": runtime}, reason="approvals decided")
+
+    async def record_decision(self, request: ApprovalRequest, text: str) -> None:
+        """The decision in the trace (who, when, what changed) and in the stream."""
+        runner, decision = self.runner, request.decision
+        await runner.trace.arecord(
+            "other",
+            "approval_decided",
+            tool_name=request.tool,
+            tool_call_id=request.call_id,
+            tool_result=text,
+            attributes=_trace_attributes(request),
+        )
+        if runner.emit is not None:
+            runner.emit(
+                ApprovalDecided(
+                    approval_id=request.id,
+                    status=request.status,
+                    by=None if decision is None else decision.by,
+                    result=text,
+                )
+            )
 
     async def carry_out(self, request: ApprovalRequest) -> ToolResult | None:
         """Run an approved call once, under the journal key the model's call had (its

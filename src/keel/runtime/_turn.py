@@ -197,8 +197,10 @@ class TurnRunner:
         append."""
         self.record_reply = bool(self.user_message.metadata.get("client_turn"))
         """The caller gave the turn its id: its reply is committed with it, for retries."""
-        self.registry: ToolRegistry = deps.workflow.registry(self.cursor)
         self.approvals = TurnApprovals(self)
+        self.registry: ToolRegistry = self.approvals.registry(
+            deps.workflow.registry(self.cursor), new_message=text is not None
+        )
         self.loop_start = 0
         """The log's length when the turn's loop started from it."""
         self.prompt = TurnPrompt(
@@ -590,7 +592,9 @@ class TurnRunner:
     def _completed_state(self, result: LoopResult) -> tuple[AgentState, bool]:
         """The state of a completed turn, and whether its history was rebuilt: its messages
         are the log itself unless the runtime's corrections had to be dropped from it."""
-        awaiting = tuple(request.id for request in self.approvals.requested)
+        # Still waiting for what it waited for (a message that decided nothing), and more.
+        requested = (request.id for request in self.approvals.requested)
+        awaiting = tuple(dict.fromkeys((*self.state.runtime.awaiting, *requested)))
         runtime = self.state.runtime.model_copy(
             update={"open_turn": None, "open_turn_message": None, "awaiting": awaiting}
         )
