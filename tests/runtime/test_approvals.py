@@ -22,6 +22,7 @@ from keel.errors import AccessDeniedError, ToolArgumentsError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.runtime._events import ApprovalRequested, TurnFinished
+from keel.service._access import revert_holding_lease
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import ApprovalNeed, ToolContext, tool
 
@@ -292,3 +293,43 @@ async def test_the_users_reply_confirms_through_the_decision_tool(
     assert state is not None and state.runtime.awaiting == ()
     decisions = [m for m in state.messages if m.role == "tool" and m.name == "decide_approval"]
     assert len(decisions) == 1  # recorded like any call
+
+
+async def test_a_revert_cancels_what_the_parked_turn_waited_for(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told])
+    first = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    [waiting] = first.approvals
+    history = await agent.state.ahistory(agent.session_key("s1"))
+    before_turn = min(info.version for info in history)
+    # The operator's revert (the service's route and the viewer's form call this).
+    reverted = await revert_holding_lease(
+        agent, "s1", expected_version=first.state_version, to_version=before_turn
+    )
+    assert reverted.state.runtime.awaiting == ()
+    stored = await agent.approvals.store.aget("default", waiting.id)
+    assert stored.status == "cancelled" and "reverted" in (stored.status_reason or "")
+    late = await agent.decide("s1", waiting.id, approve=True, by="alice")
+    assert late.replayed and shop.refunds == []
+
+
+async def test_every_request_and_decision_is_in_the_trace(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told])
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    decided = await agent.decide("s1", parked.approvals[0].id, approve=True, by="alice")
+    store = agent.tracer.store
+
+    async def steps(run_id: str, name: str) -> list[Any]:
+        detail = await store.aget_run_detail(run_id)
+        return [step for step in detail.steps if step.name == name]
+
+    requested = await steps(parked.run_id, "approval_requested")
+    settled = await steps(decided.run_id, "approval_decided")
+    assert [s.attributes["approval_id"] for s in requested] == [parked.approvals[0].id]
+    [step] = settled
+    assert (
+        step.attributes["decided_by"] == "operator:alice"
+        and step.attributes["status"] == "approved"
+    )
+    assert step.attributes["decided_at"] is not None

@@ -29,7 +29,14 @@ from keel.runtime._turn import RunExtras, TurnDeps
 from keel.state import AgentState, Checkpoint
 from keel.tools import validated_arguments
 
-__all__ = ["DecideOptions", "answer_session", "decide", "resume_parked", "resume_session"]
+__all__ = [
+    "DecideOptions",
+    "answer_session",
+    "cancel_on_revert",
+    "decide",
+    "resume_parked",
+    "resume_session",
+]
 
 Own = Callable[[str], contextlib.AbstractAsyncContextManager[Lease]]
 """Takes a session's lease for a block (the agent's ``_own``)."""
@@ -241,3 +248,17 @@ async def resume_parked(
     if checkpoint is not None and checkpoint.state.runtime.awaiting and deps.approvals:
         return await resume_session(deps, lease, key, ids)
     return await resume_open_turn(deps, lease, key, ids)
+
+
+async def cancel_on_revert(
+    approvals: Approvals | None,
+    tenant_id: str,
+    session_id: str,
+    reverted: Checkpoint[AgentState],
+) -> int:
+    """A revert of a parked session cancels what its turn waited for (recorded with the
+    reason): the state it went back to waits for nothing of it. How many were cancelled."""
+    if approvals is None or reverted.state.runtime.awaiting:
+        return 0
+    reason = f"the session was reverted (to version {reverted.version})"
+    return await approvals.store.acancel(tenant_id, session_id, reason)
