@@ -76,7 +76,7 @@ def _both(amount: int = 50) -> Message:
 
 def _told(call: ScriptedCall) -> str:
     """What the model was told last (keel's note on the decision), for its answer."""
-    notes = [m.content for m in call.messages if m.role == "system" and "approval" in m.content]
+    notes = [m.content for m in call.messages if m.role == "system" and "runtime note" in m.content]
     return "Told: " + (notes[-1] if notes else "nothing")
 
 
@@ -84,12 +84,14 @@ def _told(call: ScriptedCall) -> str:
 def open_agent(tmp_path: Path) -> Iterator[Any]:
     agents: list[Agent] = []
 
-    def build(shop: Shop, replies: list[Any], approval: Any = True, **options: Any) -> Agent:
+    def build(
+        shop: Shop, replies: list[Any], approval: Any = True, extra: Any = (), **options: Any
+    ) -> Agent:
         agent = Agent.open(
             f"sqlite:///{tmp_path / 'keel.db'}",
             system_prompt="You run a shop.",
             model=ScriptedModel(replies),
-            tools=_tools(shop, approval),
+            tools=[*_tools(shop, approval), *extra],
             memory=False,
             on_approval_request=shop.requested.append,
             **options,
@@ -333,3 +335,46 @@ async def test_every_request_and_decision_is_in_the_trace(open_agent: Any) -> No
         and step.attributes["status"] == "approved"
     )
     assert step.attributes["decided_at"] is not None
+
+
+async def test_a_call_in_doubt_escalates_keeps_its_reads_and_resumes_with_the_verdict(
+    open_agent: Any,
+) -> None:
+    shop = Shop()
+    release = threading.Event()
+
+    @tool(side_effect=True, idempotent=False, timeout_s=0.2)
+    def cancel(order: str) -> str:
+        """Cancel an order.
+
+        Args:
+            order: The order id.
+        """
+        shop.refunds.append((order, 0))
+        release.wait(30)  # the shop's answer never comes in time
+        return f"cancelled {order}"
+
+    look = ScriptedModel.tool_call("look_up", '{"order": "W1"}')
+    stop = ScriptedModel.tool_call("cancel", '{"order": "W1"}')
+    agent = open_agent(shop, [look, stop, _told], extra=[cancel], escalate=True)
+    try:
+        stopped = await agent.run("Cancel W1.", session="s1", user="u1")
+        assert stopped.status == "escalated" and not stopped.reverted, stopped
+        [escalation] = stopped.approvals
+        assert escalation.kind == "escalation" and escalation.tool == "cancel"
+        assert escalation.decidable_by == ("operator",)
+        state = agent.session_state("s1")
+        assert state is not None and state.runtime.awaiting == (escalation.id,)
+        # What the turn learned before it stopped stays in the model's view.
+        assert any("W1: paid 80 EUR" in m.content for m in state.messages if m.role == "tool")
+        [entry] = agent.journal.in_doubt(agent.session_key("s1"))
+        agent.journal.resolve(entry.key, ok=True, content="cancelled W1 (checked by hand)")
+        answered = await agent.decide(
+            "s1", escalation.id, approve=True, by="alice", action="answer", note="it went through"
+        )
+        assert answered.status == "completed", answered
+        assert "answered by operator:alice: it went through" in answered.text
+        assert "it took effect (cancelled W1 (checked by hand))" in answered.text
+        assert shop.refunds == [("W1", 0)]
+    finally:
+        release.set()
