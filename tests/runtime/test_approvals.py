@@ -23,6 +23,7 @@ from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.runtime._events import ApprovalRequested, TurnFinished
 from keel.service._access import revert_holding_lease
+from keel.state import MachineState, StateMachine, Transition
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import ApprovalNeed, ToolContext, tool
 
@@ -378,3 +379,29 @@ async def test_a_call_in_doubt_escalates_keeps_its_reads_and_resumes_with_the_ve
         assert shop.refunds == [("W1", 0)]
     finally:
         release.set()
+
+
+async def test_a_workflow_state_that_waits_for_the_user_says_what_it_awaits(
+    open_agent: Any,
+) -> None:
+    machine = StateMachine(
+        "refunds",
+        states=[
+            MachineState(
+                "confirming",
+                tools=("refund",),
+                awaits_user="the user's yes or no to the refund of 50 EUR on W1",
+            ),
+            MachineState("done", terminal=True),
+        ],
+        transitions=[Transition("confirming", "done")],
+        initial="confirming",
+    )
+    model_replies: list[Any] = ["Shall I refund 50 EUR on W1?"]
+    agent = open_agent(Shop(), model_replies, machine=machine)
+    await agent.run("Refund W1.", session="s1", user="u1")
+    [call] = agent.model.calls
+    prompt = "\n".join(m.content for m in call.messages)
+    assert (
+        "This step waits for the user: the user's yes or no to the refund of 50 EUR on W1" in prompt
+    )
