@@ -405,3 +405,29 @@ async def test_a_workflow_state_that_waits_for_the_user_says_what_it_awaits(
     assert (
         "This step waits for the user: the user's yes or no to the refund of 50 EUR on W1" in prompt
     )
+
+
+async def test_a_loop_after_the_warning_escalates_and_the_operators_text_resumes_it(
+    open_agent: Any,
+) -> None:
+    shop = Shop()
+
+    def stuck(call: ScriptedCall) -> Message | str:
+        last = call.messages[-1]
+        if last.role == "system" and "went to an operator" in last.content:
+            return "Understood: " + last.content
+        return ScriptedModel.tool_call("look_up", '{"order": "W1"}')
+
+    agent = open_agent(shop, [], escalate=("loop_detected",))
+    agent.model = ScriptedModel(stuck)  # the same reply to every call: it loops
+    stopped = await agent.run("What about W1?", session="s1", user="u1")
+    assert stopped.status == "escalated" and not stopped.reverted, stopped
+    [escalation] = stopped.approvals
+    assert escalation.kind == "escalation" and "loop_detected" in escalation.reason
+    looked = len(shop.lookups)
+    answered = await agent.decide(
+        "s1", escalation.id, approve=True, by="alice", action="answer", note="W1 shipped today"
+    )
+    assert answered.status == "completed"
+    assert "answered by operator:alice: W1 shipped today" in answered.text
+    assert len(shop.lookups) == looked  # the operator's text, not another round of reads
