@@ -34,6 +34,7 @@ from keel.service._models import ChatCompletionRequest, TurnRequest
 from keel.service._privacy import Disclosure
 
 if TYPE_CHECKING:
+    from keel.approvals import ApprovalStore
     from keel.privacy import Vault
     from keel.runtime import Agent
     from keel.service._drain import Drain
@@ -53,6 +54,7 @@ _ROUTERS = (
     routes.memory.router,
     routes.runs.router,
     routes.privacy.router,
+    routes.approvals.router,
 )
 
 
@@ -93,6 +95,7 @@ def create_app(
     ui: bool = True,
     vault: Vault | None = None,
     operators_see_values: bool = False,
+    approvals: ApprovalStore | None = None,
 ) -> FastAPI:
     """The service's FastAPI app.
 
@@ -120,6 +123,8 @@ def create_app(
             answers 404).
         operators_see_values: a tenant's operator key reads its users' values too (without
             it, placeholders).
+        approvals: the approvals queue the agents write to (``/v1/approvals``; without it,
+            those routes answer 404).
     """
 
     app = FastAPI(
@@ -138,6 +143,7 @@ def create_app(
         drain=drain,
         ready=ready,
         privacy=Disclosure(vault, operators_see_values),
+        approvals=approvals,
     )
     app.state.keel = context
     install_error_handlers(app)

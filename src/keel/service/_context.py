@@ -17,6 +17,7 @@ from keel.service._logging import note_run, note_tenant
 from keel.service._privacy import Disclosure
 
 if TYPE_CHECKING:
+    from keel.approvals import ApprovalStore
     from keel.memory import Memory
     from keel.runtime import Agent, AgentReply
     from keel.service._drain import Drain
@@ -51,6 +52,8 @@ class ServiceContext:
     ready: Callable[[], Awaitable[None]] | None = None
     privacy: Disclosure = field(default_factory=Disclosure)
     """The PII vault, and who reads values from it."""
+    approvals: ApprovalStore | None = None
+    """The queue of requests waiting for a person (``/v1/approvals``), if the service keeps one."""
     requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
     """HTTP requests by method, route template and status."""
     turns: Counter[tuple[str, str]] = field(default_factory=Counter)

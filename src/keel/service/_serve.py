@@ -244,5 +244,6 @@ def build_service(
         ready=agents.aready,
         vault=backends.vault,
         operators_see_values=operators_see_values,
+        approvals=backends.approvals,
     )
     return app, agents, keys

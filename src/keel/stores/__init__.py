@@ -1,7 +1,7 @@
 """Storage backends behind small interfaces.
 
 The embedded default is one SQLite file (:class:`SQLiteDatabase`); the state, memory, trace,
-journal and PII vault stores extend it with their own migrations. On a server,
+journal, PII vault and approvals stores extend it with their own migrations. On a server,
 :class:`PostgresDatabase` is the same for PostgreSQL: one connection pool that every
 PostgreSQL store can share. The store classes take such a database object;
 :meth:`Backends.open` is where they are opened from a URL.
@@ -15,12 +15,14 @@ from keel._urls import DatabaseURL, parse_database_url
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._open import Backends, open_database, open_state_backend
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
+from keel.stores._postgres_approvals import POSTGRES_APPROVAL_MIGRATIONS, PostgresApprovalStore
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._postgres_vault import POSTGRES_VAULT_MIGRATIONS, PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
+from keel.stores._sqlite_approvals import APPROVAL_MIGRATIONS, SQLiteApprovalStore
 from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
 from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
@@ -33,9 +35,11 @@ if TYPE_CHECKING:
     from keel.stores._postgres_traces import POSTGRES_TRACE_MIGRATIONS, PostgresTraceStore
 
 __all__ = [
+    "APPROVAL_MIGRATIONS",
     "CORE_MIGRATIONS",
     "JOURNAL_MIGRATIONS",
     "MEMORY_MIGRATIONS",
+    "POSTGRES_APPROVAL_MIGRATIONS",
     "POSTGRES_JOURNAL_MIGRATIONS",
     "POSTGRES_MEMORY_MIGRATIONS",
     "POSTGRES_TRACE_MIGRATIONS",
@@ -47,6 +51,7 @@ __all__ = [
     "DatabaseURL",
     "Migration",
     "MigrationSet",
+    "PostgresApprovalStore",
     "PostgresDatabase",
     "PostgresMemoryStore",
     "PostgresStateBackend",
@@ -54,6 +59,7 @@ __all__ = [
     "PostgresTraceStore",
     "PostgresVaultStore",
     "RedisStateBackend",
+    "SQLiteApprovalStore",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
     "SQLiteStateBackend",

@@ -1,10 +1,11 @@
 """The composition root: every store keel opens from a database URL is opened here.
 
-:meth:`Backends.open` opens state, the tool journal, traces and memory on one database:
-``sqlite:///PATH`` is one SQLite file (one :class:`~keel.stores.SQLiteDatabase`) holding all
-four; ``postgresql://...`` is the four PostgreSQL stores sharing one
-:class:`~keel.stores.PostgresDatabase` (one connection pool). Either way a Redis URL moves state
-(checkpoints and session leases) to Redis, while the journal, traces and memory stay on the SQL
+:meth:`Backends.open` opens state, the tool journal, the approvals queue, traces and memory
+on one database: ``sqlite:///PATH`` is one SQLite file (one
+:class:`~keel.stores.SQLiteDatabase`) holding all five; ``postgresql://...`` is the five
+PostgreSQL stores sharing one :class:`~keel.stores.PostgresDatabase` (one connection pool).
+Either way a Redis URL moves state (checkpoints and session leases) to Redis, while the
+journal, the approvals, traces and memory stay on the SQL
 database: they are queried (``keel runs``, ``keel tools in-doubt``, retrieval), which Redis is
 not built for. Given a PII master key (``pii_key=``, else the settings' ``pii_key`` /
 ``pii_key_file``), the PII vault opens on the SQL database too, and its key is checked there:
@@ -29,18 +30,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from keel._urls import DatabaseURL, parse_database_url
+from keel.approvals import ApprovalStore
 from keel.errors import ConfigError, UsageError
 from keel.memory import Memory, MemoryStore, embedder_from_settings
 from keel.privacy import DEFAULT_MASKER, KeyProvider, MasterKey, PIIMasker, Vault, VaultStore
 from keel.settings import Settings
 from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
+from keel.stores._postgres_approvals import PostgresApprovalStore
 from keel.stores._postgres_journal import PostgresToolJournal
 from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._postgres_vault import PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import SQLiteDatabase
+from keel.stores._sqlite_approvals import SQLiteApprovalStore
 from keel.stores._sqlite_journal import SQLiteToolJournal
 from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import SQLiteStateBackend
@@ -79,6 +83,8 @@ class Backends:
     """Session checkpoints and leases."""
     journal: ToolJournal
     """The exactly-once journal of side-effecting tool calls."""
+    approvals: ApprovalStore
+    """The queue of tool calls and escalated turns waiting for a person's decision."""
     traces: TraceStore
     """Run traces."""
     memory: Memory | None
@@ -152,7 +158,7 @@ class Backends:
 
         try:
             sql = _open_sql(parsed, settings, own)
-            journal, traces, store = _sql_stores(sql)
+            journal, approvals, traces, store = _sql_stores(sql)
             vault = None if keys is None else _open_vault(sql, keys, own)
             state = (
                 _state_on_redis(redis, own)
@@ -175,7 +181,19 @@ class Backends:
                 with contextlib.suppress(Exception):
                     closers.pop()[0]()
             raise
-        return cls(parsed, redis, state, journal, traces, long_term, sql, privacy, vault, closers)
+        return cls(
+            parsed,
+            redis,
+            state,
+            journal,
+            approvals,
+            traces,
+            long_term,
+            sql,
+            privacy,
+            vault,
+            closers,
+        )
 
     async def aready(self, connections: int = 1) -> None:
         """Wait until every store answers: the SQL database with ``connections`` pooled
@@ -287,10 +305,12 @@ def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:
 
 def _sql_stores(
     sql: SQLiteDatabase | PostgresDatabase,
-) -> tuple[ToolJournal, TraceStore, MemoryStore]:
-    """The journal, the traces (migrated) and the memory store on ``sql``; they close with it."""
+) -> tuple[ToolJournal, ApprovalStore, TraceStore, MemoryStore]:
+    """The journal, the approvals queue, the traces (migrated) and the memory store on
+    ``sql``; they close with it."""
     if isinstance(sql, SQLiteDatabase):
         journal: ToolJournal = SQLiteToolJournal(sql)
+        approvals: ApprovalStore = SQLiteApprovalStore(sql)
         traces: TraceStore = SQLiteTraceStore(sql)
         store: MemoryStore = SQLiteMemoryStore(sql)
     else:
@@ -298,10 +318,11 @@ def _sql_stores(
         from keel.stores._postgres_traces import PostgresTraceStore
 
         journal = PostgresToolJournal(sql)
+        approvals = PostgresApprovalStore(sql)
         traces = PostgresTraceStore(sql)
         store = PostgresMemoryStore(sql)
     traces.setup()
-    return journal, traces, store
+    return journal, approvals, traces, store
 
 
 class _SQLiteStateAlone(SQLiteStateBackend):

@@ -8,7 +8,13 @@ they run at most once per (session, step, call), across crashes.
 
 from __future__ import annotations
 
-from keel.tools._executor import ToolExecutor, ToolResult, ToolStatus, format_validation_error
+from keel.tools._executor import (
+    ToolExecutor,
+    ToolResult,
+    ToolStatus,
+    format_validation_error,
+    validated_arguments,
+)
 from keel.tools._journal import (
     InMemoryJournal,
     JournalClaim,
@@ -32,9 +38,19 @@ from keel.tools._repair import (
     parse_arguments,
 )
 from keel.tools._schema_tool import SchemaTool, schema_tool
-from keel.tools._tool import NestedArgumentsWarning, Tool, ToolContext, ToolScope, tool
+from keel.tools._tool import (
+    ApprovalNeed,
+    ApprovalPolicy,
+    NestedArgumentsWarning,
+    Tool,
+    ToolContext,
+    ToolScope,
+    tool,
+)
 
 __all__ = [
+    "ApprovalNeed",
+    "ApprovalPolicy",
     "ArgumentsNotJSONError",
     "FromEnv",
     "InMemoryJournal",
@@ -62,4 +78,5 @@ __all__ = [
     "schema_tool",
     "start_servers",
     "tool",
+    "validated_arguments",
 ]

@@ -4,7 +4,8 @@ Sign-in is the service's own API key, entered once and kept in an HttpOnly, Same
 cookie; every page is scoped to that key's tenant exactly as the API is (another tenant's run
 or session is a 404 like one that does not exist). Pages are rendered on the server with
 Jinja2 (autoescaped); charts and graphs are inline SVG; forms post back (revert, resolve)
-and go through the same compare-and-set and journal calls as the API.
+and go through the same compare-and-set and journal calls as the API; the approvals page
+(``_approvals.py``) decides through the agent, as the API does.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def _environment() -> Environment:
     )
     environment.filters["session_url"] = session_url
     environment.filters["ms"] = lambda value: "" if value is None else f"{value:.0f} ms"
+    environment.filters["epoch"] = lambda value: datetime.fromtimestamp(value, UTC).strftime(
+        "%Y-%m-%d %H:%M:%S"
+    )
     return environment
 
 
@@ -439,3 +443,7 @@ def mount_ui(
     app.add_exception_handler(_SignIn, sign_in_first)
     app.add_exception_handler(_Missing, missing)
     app.include_router(router)
+    # Not at the top: the approvals page builds on this module's viewer (a cycle otherwise).
+    from keel.ui._approvals import router as approvals_router
+
+    app.include_router(approvals_router)

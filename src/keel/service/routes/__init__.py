@@ -1,5 +1,27 @@
 """The service's routers, one per resource; :func:`~keel.service.create_app` includes them."""
 
-from keel.service.routes import chat, memory, models, ops, privacy, runs, sessions, tools, turns
+from keel.service.routes import (
+    approvals,
+    chat,
+    memory,
+    models,
+    ops,
+    privacy,
+    runs,
+    sessions,
+    tools,
+    turns,
+)
 
-__all__ = ["chat", "memory", "models", "ops", "privacy", "runs", "sessions", "tools", "turns"]
+__all__ = [
+    "approvals",
+    "chat",
+    "memory",
+    "models",
+    "ops",
+    "privacy",
+    "runs",
+    "sessions",
+    "tools",
+    "turns",
+]

@@ -1,0 +1,230 @@
+"""The approvals queue's one implementation over SQL, for SQLite and PostgreSQL alike.
+
+Every statement names the tenant (the primary key is ``(tenant_id, id)``: another tenant's
+request with the same id is another row, never a match). A decision is one compare-and-set,
+``UPDATE ... WHERE status = 'pending'``: of two deciders (two operators, or one HTTP request
+sent twice) exactly one changes the row; the other reads the request as the first left it.
+A request past its expiry is never shown nor decided as pending: each operation that reads
+requests first marks those of its scope ``expired``, in the same transaction.
+
+Each operation is a plan (``_sql_plan.py``); each engine's subclass says how it runs one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus, ApprovalStore
+from keel.errors import StoreError, UsageError
+from keel.stores._dialect import SqlDialect
+from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._sql_plan import Plan, Result, Statement
+
+__all__ = ["EXPIRED_REASON", "SQLApprovalStore", "approval_migrations"]
+
+EXPIRED_REASON = "no decision before it expired"
+"""The ``status_reason`` of a request that expired."""
+
+_T = TypeVar("_T")
+
+
+def approval_migrations(dialect: SqlDialect) -> MigrationSet:
+    """The ``approvals`` component's migrations in ``dialect``'s column types."""
+    real = dialect.real_type
+    return MigrationSet(
+        "approvals",
+        (
+            Migration(
+                "approval requests and their decisions, per tenant",
+                f"""
+                CREATE TABLE IF NOT EXISTS keel_approvals (
+                    tenant_id TEXT NOT NULL,
+                    id TEXT NOT NULL,
+                    user_id TEXT NOT NULL,
+                    session_id TEXT NOT NULL,
+                    turn_id TEXT NOT NULL,
+                    kind TEXT NOT NULL CHECK (kind IN ('user', 'operator', 'escalation')),
+                    tool TEXT,
+                    call_id TEXT,
+                    arguments TEXT NOT NULL,
+                    reason TEXT NOT NULL,
+                    step INTEGER NOT NULL,
+                    created_at {real} NOT NULL,
+                    expires_at {real},
+                    status TEXT NOT NULL CHECK (status IN
+                        ('pending', 'approved', 'rejected', 'expired', 'cancelled')),
+                    decision TEXT,
+                    status_reason TEXT,
+                    metadata TEXT NOT NULL,
+                    PRIMARY KEY (tenant_id, id)
+                );
+                CREATE INDEX IF NOT EXISTS keel_approvals_queue
+                    ON keel_approvals (tenant_id, status, created_at);
+                CREATE INDEX IF NOT EXISTS keel_approvals_session
+                    ON keel_approvals (tenant_id, session_id, status);
+                CREATE INDEX IF NOT EXISTS keel_approvals_expiry
+                    ON keel_approvals (status, expires_at);
+                """,
+            ),
+        ),
+    )
+
+
+_COLUMNS = (
+    "tenant_id, id, user_id, session_id, turn_id, kind, tool, call_id, arguments, reason, "
+    "step, created_at, expires_at, status, decision, status_reason, metadata"
+)
+_NAMES = tuple(name.strip() for name in _COLUMNS.split(","))
+_SETTLED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired", "cancelled")
+
+
+class SQLApprovalStore(ApprovalStore):
+    """The queue's plans, run by :meth:`_arun` on the connections a subclass opens."""
+
+    dialect: SqlDialect
+
+    @abstractmethod
+    async def _arun(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
+        """Run the plan ``plan()`` builds, in one write transaction or one read."""
+
+    async def aadd(self, request: ApprovalRequest) -> ApprovalRequest:
+        row = _row(request)
+        return await self._arun(True, lambda: _add(row, request.tenant_id, request.id))
+
+    async def aget(self, tenant_id: str, request_id: str) -> ApprovalRequest | None:
+        return await self._arun(True, lambda: _get(tenant_id, request_id, time.time()))
+
+    async def alist(
+        self,
+        tenant_id: str,
+        *,
+        user_id: str | None = None,
+        session_id: str | None = None,
+        statuses: Sequence[ApprovalStatus] = ("pending",),
+        limit: int = 100,
+    ) -> list[ApprovalRequest]:
+        if limit < 1:
+            raise UsageError(f"limit must be at least 1, not {limit}")
+        unknown = sorted(set(statuses) - {"pending", *_SETTLED})
+        if unknown:
+            raise UsageError(f"unknown approval statuses {unknown}")
+        if not statuses:
+            return []
+        clauses = ["tenant_id = ?"]
+        params: list[Any] = [tenant_id]
+        for column, value in (("user_id", user_id), ("session_id", session_id)):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                params.append(value)
+        condition, values = self.dialect.one_of("status", list(dict.fromkeys(statuses)))
+        clauses.append(condition)
+        sql = (
+            f"SELECT {_COLUMNS} FROM keel_approvals WHERE {' AND '.join(clauses)} "
+            "ORDER BY created_at, id LIMIT ?"
+        )
+        query = Statement(sql, (*params, *values, limit))
+        return await self._arun(True, lambda: _list(tenant_id, query, time.time()))
+
+    async def adecide(
+        self, tenant_id: str, request_id: str, status: ApprovalStatus, decision: ApprovalDecision
+    ) -> tuple[ApprovalRequest, bool]:
+        if status not in _SETTLED:
+            raise UsageError(
+                f"a decision settles a request: status {status!r} is not one of {list(_SETTLED)}"
+            )
+        params = (status, decision.model_dump_json(), tenant_id, request_id)
+        return await self._arun(True, lambda: _decide(params, time.time()))
+
+    async def acancel(self, tenant_id: str, session_id: str, reason: str) -> int:
+        params = (reason, tenant_id, session_id)
+        return await self._arun(True, lambda: _count(Statement(_CANCEL, params)))
+
+    async def aexpire(self, now: float) -> int:
+        return await self._arun(True, lambda: _count(Statement(_EXPIRE_ALL, (EXPIRED_REASON, now))))
+
+
+def _row(request: ApprovalRequest) -> tuple[Any, ...]:
+    decision = None if request.decision is None else request.decision.model_dump_json()
+    values = request.model_dump(exclude={"decision", "metadata"})
+    values["decision"] = decision
+    values["metadata"] = json.dumps(request.metadata, ensure_ascii=False)
+    return tuple(values[name] for name in _NAMES)
+
+
+def _requests(result: Result) -> list[ApprovalRequest]:
+    requests = []
+    for row in result.rows:
+        values = dict(zip(_NAMES, row, strict=True))
+        decision = values.pop("decision")
+        values["decision"] = (
+            None if decision is None else ApprovalDecision.model_validate_json(decision)
+        )
+        values["metadata"] = json.loads(values["metadata"])
+        requests.append(ApprovalRequest.model_validate(values))
+    return requests
+
+
+def _expire_one(tenant_id: str, request_id: str, now: float) -> Statement:
+    return Statement(
+        _EXPIRE_ALL + " AND tenant_id = ? AND id = ?",
+        (EXPIRED_REASON, now, tenant_id, request_id),
+    )
+
+
+def _add(row: tuple[Any, ...], tenant_id: str, request_id: str) -> Plan[ApprovalRequest]:
+    created = _requests((yield Statement(_INSERT, row)))
+    found = created or _requests((yield Statement(_SELECT, (tenant_id, request_id))))
+    if not found:  # pragma: no cover - inserted or present in the same transaction
+        raise StoreError(f"approval request {request_id!r} vanished")
+    return found[0]
+
+
+def _get(tenant_id: str, request_id: str, now: float) -> Plan[ApprovalRequest | None]:
+    yield _expire_one(tenant_id, request_id, now)
+    found = _requests((yield Statement(_SELECT, (tenant_id, request_id))))
+    return found[0] if found else None
+
+
+def _list(tenant_id: str, query: Statement, now: float) -> Plan[list[ApprovalRequest]]:
+    yield Statement(_EXPIRE_ALL + " AND tenant_id = ?", (EXPIRED_REASON, now, tenant_id))
+    return _requests((yield query))
+
+
+def _decide(params: tuple[Any, ...], now: float) -> Plan[tuple[ApprovalRequest, bool]]:
+    tenant_id, request_id = params[2], params[3]
+    # A request past its expiry is expired, whoever decides it now.
+    yield _expire_one(tenant_id, request_id, now)
+    settled = _requests((yield Statement(_DECIDE, params)))
+    if settled:
+        return settled[0], True
+    found = _requests((yield Statement(_SELECT, (tenant_id, request_id))))
+    if not found:
+        raise KeyError(request_id)
+    return found[0], False
+
+
+def _count(statement: Statement) -> Plan[int]:
+    return (yield statement).rowcount
+
+
+_INSERT = (
+    f"INSERT INTO keel_approvals ({_COLUMNS}) VALUES ({', '.join('?' for _ in _NAMES)}) "
+    f"ON CONFLICT (tenant_id, id) DO NOTHING RETURNING {_COLUMNS}"
+)
+_SELECT = f"SELECT {_COLUMNS} FROM keel_approvals WHERE tenant_id = ? AND id = ?"
+_DECIDE = (
+    "UPDATE keel_approvals SET status = ?, decision = ? "
+    f"WHERE tenant_id = ? AND id = ? AND status = 'pending' RETURNING {_COLUMNS}"
+)
+_CANCEL = (
+    "UPDATE keel_approvals SET status = 'cancelled', status_reason = ? "
+    "WHERE tenant_id = ? AND session_id = ? AND status = 'pending'"
+)
+_EXPIRE_ALL = (
+    "UPDATE keel_approvals SET status = 'expired', status_reason = ? "
+    "WHERE status = 'pending' AND expires_at IS NOT NULL AND expires_at <= ?"
+)

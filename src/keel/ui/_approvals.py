@@ -1,0 +1,88 @@
+"""The viewer's approvals page: the tenant's pending queue, and a form per request to approve
+(optionally with corrected arguments) or reject it. A decision goes through the tenant's agent,
+as ``POST /v1/approvals/{id}`` does: the waiting turn resumes, and its answer is shown."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, Form, Path, Request
+from fastapi.responses import Response
+
+from keel.errors import KeelError
+from keel.service._context import context_of
+from keel.service._errors import HTTPError
+from keel.service._ids import PLAIN_ID, RawPathRoute, Text
+from keel.service._keys import Caller, key_id_of
+from keel.service.routes.approvals import decide_as
+from keel.ui._router import COOKIE, _Missing, _tenant, _Viewer, _viewer
+
+__all__ = ["router"]
+
+router = APIRouter(include_in_schema=False, route_class=RawPathRoute)
+
+_SHOWN = 200
+
+
+async def _queue_page(
+    request: Request, viewer: _Viewer, tenant: str, *, notice: str | None = None
+) -> Response:
+    context = context_of(request)
+    enabled = context.approvals is not None
+    pending = []
+    if context.approvals is not None:
+        pending = await context.approvals.alist(tenant, limit=_SHOWN)
+    return viewer.page(
+        "approvals.html", request, tenant=tenant, enabled=enabled, pending=pending, notice=notice
+    )
+
+
+@router.get("/ui/approvals")
+async def approvals(
+    request: Request, tenant: str = Depends(_tenant), viewer: _Viewer = Depends(_viewer)
+) -> Response:
+    return await _queue_page(request, viewer, tenant)
+
+
+def _corrected(arguments: str) -> dict[str, Any] | None:
+    """The form's corrected arguments: none when left empty; a JSON object otherwise."""
+    if not arguments.strip():
+        return None
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError("The corrected arguments must be a JSON object: nothing was decided.")
+    return value
+
+
+@router.post("/ui/approvals/{approval_id}")
+async def decide(
+    request: Request,
+    approval_id: str = Path(min_length=1, max_length=256, pattern=PLAIN_ID),
+    verdict: str = Form(pattern=r"^(approve|reject)$"),
+    note: Text = Form("", max_length=10_000),  # noqa: B008 - FastAPI form field
+    arguments: str = Form("", max_length=100_000),
+    tenant: str = Depends(_tenant),
+    viewer: _Viewer = Depends(_viewer),
+) -> Response:
+    # The viewer signs in with the tenant's operator key only; the decider is that key.
+    who = Caller(tenant, None, key_id_of(request.cookies.get(COOKIE, "")) or "viewer")
+    approve = verdict == "approve"
+    try:
+        corrected = _corrected(arguments) if approve else None
+        reply = await decide_as(
+            context_of(request), who, approval_id, approve, note or None, corrected
+        )
+    except ValueError as exc:
+        return await _queue_page(request, viewer, tenant, notice=str(exc))
+    except HTTPError:
+        raise _Missing from None
+    except KeelError as exc:
+        notice = f"{approval_id} was not decided: {exc}"
+        return await _queue_page(request, viewer, tenant, notice=notice)
+    done = "Approved" if approve else "Rejected"
+    notice = f"{done} {approval_id}; the turn resumed ({reply.status}): {reply.text[:300]}"
+    return await _queue_page(request, viewer, tenant, notice=notice)

@@ -1,0 +1,131 @@
+"""``keel approvals list / approve / reject``: the operator's side of the queue, as subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keel.approvals import ApprovalRequest
+from keel.settings import load_settings
+from keel.stores import Backends
+from keel.testing.approvals_conformance import request
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _keel(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "keel", "approvals", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])},
+    )
+
+
+def _on_queue(work: Any) -> Any:
+    async def run() -> Any:
+        backends = Backends.open(load_settings(), memory=False)
+        try:
+            return await work(backends.approvals)
+        finally:
+            await backends.aclose()
+
+    return asyncio.run(run())
+
+
+def _add(*requests: ApprovalRequest) -> None:
+    async def add(store: Any) -> None:
+        for made in requests:
+            await store.aadd(made)
+
+    _on_queue(add)
+
+
+def _get(tenant: str, request_id: str) -> ApprovalRequest:
+    found: ApprovalRequest | None = _on_queue(lambda store: store.aget(tenant, request_id))
+    assert found is not None
+    return found
+
+
+def _listed(*args: str) -> list[dict[str, Any]]:
+    done = _keel("list", "--json", *args)
+    assert done.returncode == 0, done.stderr
+    approvals: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])["approvals"]
+    return approvals
+
+
+@pytest.fixture(autouse=True)
+def _queue() -> None:
+    _add(
+        request("ap-1", tenant_id="default", created_at=1.0),
+        request("ap-2", tenant_id="default", created_at=2.0, user_id="bob", session_id="s2"),
+        request("ap-3", tenant_id="default", created_at=3.0, kind="user", tool="cancel"),
+        request("ap-9", tenant_id="acme", created_at=4.0),
+    )
+
+
+def test_list_shows_the_tenants_pending_queue_with_its_filters() -> None:
+    assert [r["id"] for r in _listed()] == ["ap-1", "ap-2", "ap-3"]
+    assert [r["id"] for r in _listed("--user", "bob")] == ["ap-2"]
+    assert [r["id"] for r in _listed("--session", "s1")] == ["ap-1", "ap-3"]
+    assert [r["id"] for r in _listed("--tenant", "acme")] == ["ap-9"]
+    first = _listed()[0]
+    assert (first["tool"], first["arguments"]) == ("refund", '{"order": "#W1", "amount": 900}')
+    text = _keel("list").stdout
+    assert "ap-1" in text and "refunds over 500 need an operator" in text
+    assert "no approvals pending" in _keel("list", "--tenant", "nobody").stdout
+
+
+def test_approve_records_the_operator_the_note_and_corrected_arguments() -> None:
+    done = _keel(
+        "approve", "ap-1", "--by", "olga", "--note", "checked", "--arguments", '{"amount": 500}'
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ap-1: approved by operator:olga" in done.stdout
+    decided = _get("default", "ap-1")
+    assert decided.status == "approved" and decided.decision is not None
+    assert (decided.decision.by, decided.decision.note) == ("operator:olga", "checked")
+    assert decided.decision.arguments == '{"amount": 500}'
+    assert [r["id"] for r in _listed()] == ["ap-2", "ap-3"]
+
+
+def test_reject_needs_a_note_and_records_it() -> None:
+    missing = _keel("reject", "ap-2")
+    assert missing.returncode == 2 and "--note" in missing.stderr
+    done = _keel("reject", "ap-2", "--note", "not for this customer", "--by", "olga")
+    assert done.returncode == 0, done.stderr
+    decided = _get("default", "ap-2")
+    assert decided.status == "rejected" and decided.decision is not None
+    assert (decided.decision.approve, decided.decision.note) == (False, "not for this customer")
+
+
+def test_a_repeated_decision_is_no_error_and_a_contrary_one_is_refused() -> None:
+    assert _keel("approve", "ap-1", "--by", "olga").returncode == 0
+    again = _keel("approve", "ap-1", "--by", "olga")
+    assert again.returncode == 0 and "already approved by operator:olga" in again.stdout
+    contrary = _keel("reject", "ap-1", "--note", "no", "--by", "ivan")
+    assert contrary.returncode == 1
+    assert "already approved by operator:olga" in contrary.stderr
+    decided = _get("default", "ap-1")
+    assert decided.decision is not None and decided.decision.by == "operator:olga"
+
+
+def test_another_tenants_request_is_not_found_and_left_alone() -> None:
+    done = _keel("approve", "ap-9", "--by", "olga")
+    assert done.returncode == 2 and "no approval request 'ap-9' in tenant 'default'" in done.stderr
+    assert _get("acme", "ap-9").status == "pending"
+
+
+def test_bad_corrected_arguments_are_usage_errors() -> None:
+    for bad, says in (("{not json", "not JSON"), ("[1, 2]", "JSON object")):
+        done = _keel("approve", "ap-1", "--arguments", bad)
+        assert done.returncode == 2 and says in done.stderr
+    assert _get("default", "ap-1").status == "pending"
