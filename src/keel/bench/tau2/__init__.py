@@ -1,0 +1,1 @@
+"""keel bench tau2."""
