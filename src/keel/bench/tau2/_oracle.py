@@ -40,6 +40,8 @@ _PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*_\d+>")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _CONTEXT = 24
 """Characters of text around a placeholder used to find the value it replaced."""
+_LOOKUPS = 2
+"""How often the oracle makes one lookup: again when the first result left its prompt."""
 _FREE_TEXT = frozenset({("transfer_to_human_agents", "summary")})
 """Arguments the model writes in its own words (nothing to copy)."""
 
@@ -246,22 +248,23 @@ class GroundedOracle(ScriptedModel):
         depth: int = 3,
     ) -> tuple[str, dict[str, Any]] | None:
         """The first read to make so that a value of ``action`` the prompt lacks shows up."""
-        done = {_canonical(n, a) for n, a in made}
+        done = Counter(_canonical(n, a) for n, a in made)
         for value in _values(action.arguments, action.name):
             if seen.exact(value) is not None:
                 continue
             for name, arguments in self._lookups():
-                if _canonical(name, arguments) in done or value not in self._simulate(
-                    name, arguments
-                ):
+                if value not in self._simulate(name, arguments):
                     continue
                 needed = GoldAction(name, arguments)
+                shown = self._ground(needed, seen)
+                if shown is not None:
+                    # Once more when keel's context has trimmed an older result; not again.
+                    if done[_canonical(name, shown)] < _LOOKUPS:
+                        return name, shown
+                    continue
                 deeper = self._lookup_for(needed, seen, made, depth - 1) if depth else None
                 if deeper is not None:
                     return deeper
-                shown = self._ground(needed, seen)
-                if shown is not None:
-                    return name, shown
         return None
 
     def _ungrounded(self, index: int) -> None:
