@@ -40,6 +40,24 @@ _PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*_\d+>")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _CONTEXT = 24
 """Characters of text around a placeholder used to find the value it replaced."""
+_US_STATES = {
+    code: name.replace("_", " ")
+    for code, name in (
+        item.split("=")
+        for item in (
+            "AL=Alabama AK=Alaska AZ=Arizona AR=Arkansas CA=California CO=Colorado "
+            "CT=Connecticut DE=Delaware FL=Florida GA=Georgia HI=Hawaii ID=Idaho IL=Illinois "
+            "IN=Indiana IA=Iowa KS=Kansas KY=Kentucky LA=Louisiana ME=Maine MD=Maryland "
+            "MA=Massachusetts MI=Michigan MN=Minnesota MS=Mississippi MO=Missouri MT=Montana "
+            "NE=Nebraska NV=Nevada NH=New_Hampshire NJ=New_Jersey NM=New_Mexico NY=New_York "
+            "NC=North_Carolina ND=North_Dakota OH=Ohio OK=Oklahoma OR=Oregon PA=Pennsylvania "
+            "RI=Rhode_Island SC=South_Carolina SD=South_Dakota TN=Tennessee TX=Texas UT=Utah "
+            "VT=Vermont VA=Virginia WA=Washington WV=West_Virginia WI=Wisconsin WY=Wyoming "
+            "DC=Washington_DC"
+        ).split()
+    )
+}
+"""US states by postal code: a model writes ``NY`` for "New York" without being told."""
 _LOOKUPS = 2
 """How often the oracle makes one lookup: again when the first result left its prompt."""
 _FREE_TEXT = frozenset({("transfer_to_human_agents", "summary")})
@@ -85,6 +103,11 @@ class Grounding:
                 return placeholder
         return None
 
+    def known(self, value: str) -> str | None:
+        """A state's postal code, when the prompt names the state (what any model knows)."""
+        name = _US_STATES.get(value)
+        return value if name is not None and name.lower() in self.text.lower() else None
+
     def loose(self, value: str) -> str | None:
         """``value`` written otherwise (another case), as a whole word of the prompt."""
         pattern = r"(?<![A-Za-z0-9])" + re.escape(value) + r"(?![A-Za-z0-9])"
@@ -94,6 +117,10 @@ class Grounding:
     def expression(self, expression: str) -> bool:
         """A sum the model writes itself: every number in it is in the prompt."""
         return all(number in self.text for number in _NUMBER.findall(expression))
+
+
+def _copy(seen: Grounding, value: str) -> str | None:
+    return seen.exact(value) or seen.known(value) or seen.loose(value)
 
 
 def _values(arguments: dict[str, Any], name: str) -> Iterator[str]:
@@ -234,7 +261,7 @@ class GroundedOracle(ScriptedModel):
                 grounded[key] = value
                 continue
             items = value if isinstance(value, list) else [value]
-            copied = [seen.exact(v) or seen.loose(v) if isinstance(v, str) else v for v in items]
+            copied = [_copy(seen, v) if isinstance(v, str) else v for v in items]
             if any(v is None for v in copied):
                 return None
             grounded[key] = copied if isinstance(value, list) else copied[0]

@@ -5,6 +5,7 @@ bench's modes, and its score from the server's own records."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 from keel.bench.tau2._customer import GO_ON, YES, first_message, next_message
 from keel.bench.tau2._data import (
+    PACKAGE,
     PLACEHOLDER_ARG,
     WRITE_TOOLS,
     Task,
@@ -257,7 +259,7 @@ def worker(folder: Path, task_id: str, kill_point: str, split: str = "all") -> N
 # --- the score -------------------------------------------------------------------------------
 
 
-def gold_db(task: Task, folder: Path) -> dict[str, Any] | None:
+def gold_db(task: Task, folder: Path) -> dict[str, Any]:
     """The database the task's gold calls produce (run on the same server, in its own
     namespace), as τ²-bench computes it."""
     _, state_dir = _folder_files(folder)
@@ -266,7 +268,14 @@ def gold_db(task: Task, folder: Path) -> dict[str, Any] | None:
     if state is None:
         asyncio.run(_run_gold(task, state_dir, key))
         state = read_state(state_dir, key)
-    return None if state is None else state["db"]
+    return _base_db() if state is None else state["db"]
+
+
+def _base_db() -> dict[str, Any]:
+    # The package's own loader of its database (the bench extra).
+    server = importlib.import_module(f"{PACKAGE}.server")
+    db: dict[str, Any] = server._base_db()
+    return db
 
 
 async def _run_gold(task: Task, state_dir: Path, key: str) -> None:
@@ -285,7 +294,8 @@ def score(
     task: Task, folder: Path, key: str, statuses: list[str], error: str | None, *, fault: str
 ) -> TaskOutcome:
     _, state_dir = _folder_files(folder)
-    state = read_state(state_dir, key) or {"db": None, "calls": []}
+    # No state: the agent never called the server, and the store is as it started.
+    state = read_state(state_dir, key) or {"db": _base_db(), "calls": []}
     calls = [c["tau2_tool_call"] for c in state["calls"]]
     made = Counter(_canonical(c["name"], c["arguments"]) for c in calls if c["name"] in WRITE_TOOLS)
     gold = Counter(_canonical(a.name, a.arguments) for a in task.actions if a.writes)
@@ -293,7 +303,7 @@ def score(
     ungrounded = set(record.read_text().split()) if record.exists() else set()
     return TaskOutcome(
         task=task.id,
-        db_match=state["db"] is not None and state["db"] == gold_db(task, folder),
+        db_match=state["db"] == gold_db(task, folder),
         doubled_writes=sum(max(0, n - gold[k]) for k, n in made.items() if k in gold),
         missing_writes=sum(max(0, n - made[k]) for k, n in gold.items()),
         placeholder_args=sum(1 for c in calls if PLACEHOLDER_ARG.search(json.dumps(c["arguments"]))),
