@@ -58,6 +58,9 @@ _US_STATES = {
     )
 }
 """US states by postal code: a model writes ``NY`` for "New York" without being told."""
+_UNSETTLED = ("in doubt", "may or may not have taken effect")
+"""How keel tells the model a call's outcome is unknown: the oracle asks for it again (keel
+must answer with what an operator recorded, never run it twice)."""
 _LOOKUPS = 2
 """How often the oracle makes one lookup: again when the first result left its prompt."""
 _FREE_TEXT = frozenset({("transfer_to_human_agents", "summary")})
@@ -317,7 +320,7 @@ def _calls_made(messages: list[Message]) -> tuple[list[tuple[str, dict[str, Any]
                 continue
             made.append((tool_call.name, arguments))
             result = results.get(tool_call.id)
-            if result is not None and "in doubt" not in result:
+            if result is not None and not any(words in result for words in _UNSETTLED):
                 done[_canonical(tool_call.name, arguments)] += 1
     return made, done
 

@@ -111,6 +111,8 @@ async def converse(
     resumed = await agent.resume(session, USER)
     if resumed is not None:
         statuses.append(f"resumed:{resumed.status}")
+        if resumed.status == "tool_in_doubt" and settle is not None:
+            await settle(agent, session)
     state = agent.session_state(session)
     last = _last_answer(state)
     message = first_message(task) if last is None else next_message(resumed.text if resumed else last)
@@ -176,7 +178,7 @@ async def _run_here(task: Task, folder: Path, mode: str, key: str, fault: list[s
                 task,
                 session,
                 duplicate=mode == "duplicate",
-                settle=settle_from_call_log(state_dir, key) if mode == "timeout" else None,
+                settle=settle_from_call_log(state_dir, key),
             )
         finally:
             await agent.aclose()
@@ -249,7 +251,7 @@ def worker(folder: Path, task_id: str, kill_point: str, split: str = "all") -> N
         async with retail_tools(state_dir, key, fault=fault) as tools:
             agent = _agent(folder, oracle, tools)
             try:
-                return await converse(agent, task, session)
+                return await converse(agent, task, session, settle=settle_from_call_log(state_dir, key))
             finally:
                 await agent.aclose()
 
