@@ -40,23 +40,62 @@ _PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*_\d+>")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _CONTEXT = 24
 """Characters of text around a placeholder used to find the value it replaced."""
-_US_STATES = {
-    code: name.replace("_", " ")
-    for code, name in (
-        item.split("=")
-        for item in (
-            "AL=Alabama AK=Alaska AZ=Arizona AR=Arkansas CA=California CO=Colorado "
-            "CT=Connecticut DE=Delaware FL=Florida GA=Georgia HI=Hawaii ID=Idaho IL=Illinois "
-            "IN=Indiana IA=Iowa KS=Kansas KY=Kentucky LA=Louisiana ME=Maine MD=Maryland "
-            "MA=Massachusetts MI=Michigan MN=Minnesota MS=Mississippi MO=Missouri MT=Montana "
-            "NE=Nebraska NV=Nevada NH=New_Hampshire NJ=New_Jersey NM=New_Mexico NY=New_York "
-            "NC=North_Carolina ND=North_Dakota OH=Ohio OK=Oklahoma OR=Oregon PA=Pennsylvania "
-            "RI=Rhode_Island SC=South_Carolina SD=South_Dakota TN=Tennessee TX=Texas UT=Utah "
-            "VT=Vermont VA=Virginia WA=Washington WV=West_Virginia WI=Wisconsin WY=Wyoming "
-            "DC=Washington_DC"
-        ).split()
-    )
-}
+_US_STATES = dict(
+    pair.split("=")
+    for pair in [
+        "AL=Alabama",
+        "AK=Alaska",
+        "AZ=Arizona",
+        "AR=Arkansas",
+        "CA=California",
+        "CO=Colorado",
+        "CT=Connecticut",
+        "DE=Delaware",
+        "FL=Florida",
+        "GA=Georgia",
+        "HI=Hawaii",
+        "ID=Idaho",
+        "IL=Illinois",
+        "IN=Indiana",
+        "IA=Iowa",
+        "KS=Kansas",
+        "KY=Kentucky",
+        "LA=Louisiana",
+        "ME=Maine",
+        "MD=Maryland",
+        "MA=Massachusetts",
+        "MI=Michigan",
+        "MN=Minnesota",
+        "MS=Mississippi",
+        "MO=Missouri",
+        "MT=Montana",
+        "NE=Nebraska",
+        "NV=Nevada",
+        "NH=New Hampshire",
+        "NJ=New Jersey",
+        "NM=New Mexico",
+        "NY=New York",
+        "NC=North Carolina",
+        "ND=North Dakota",
+        "OH=Ohio",
+        "OK=Oklahoma",
+        "OR=Oregon",
+        "PA=Pennsylvania",
+        "RI=Rhode Island",
+        "SC=South Carolina",
+        "SD=South Dakota",
+        "TN=Tennessee",
+        "TX=Texas",
+        "UT=Utah",
+        "VT=Vermont",
+        "VA=Virginia",
+        "WA=Washington",
+        "WV=West Virginia",
+        "WI=Wisconsin",
+        "WY=Wyoming",
+        "DC=Washington DC",
+    ]
+)
 """US states by postal code: a model writes ``NY`` for "New York" without being told."""
 _UNSETTLED = ("in doubt", "may or may not have taken effect")
 """How keel tells the model a call's outcome is unknown: the oracle asks for it again (keel
@@ -202,8 +241,11 @@ class GroundedOracle(ScriptedModel):
         yield "find_user_id_by_email", {"email": user["email"]}
         yield (
             "find_user_id_by_name_zip",
-            {"first_name": name["first_name"], "last_name": name["last_name"],
-             "zip": user["address"]["zip"]},
+            {
+                "first_name": name["first_name"],
+                "last_name": name["last_name"],
+                "zip": user["address"]["zip"],
+            },
         )
         yield "get_user_details", {"user_id": self.user}
         for order_id in user["orders"]:

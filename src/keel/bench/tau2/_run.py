@@ -115,7 +115,9 @@ async def converse(
             await settle(agent, session)
     state = agent.session_state(session)
     last = _last_answer(state)
-    message = first_message(task) if last is None else next_message(resumed.text if resumed else last)
+    message = (
+        first_message(task) if last is None else next_message(resumed.text if resumed else last)
+    )
     turns = sum(1 for m in state.messages if m.role == "user") if state else 0
     while message is not None and turns < 2 * len(task.actions) + 8:
         turn_id = f"{session}-t{turns}"
@@ -128,7 +130,9 @@ async def converse(
     return statuses
 
 
-async def _deliver(agent: Agent, session: str, text: str, turn_id: str, *, twice: bool) -> AgentReply:
+async def _deliver(
+    agent: Agent, session: str, text: str, turn_id: str, *, twice: bool
+) -> AgentReply:
     if not twice:
         return await agent.run(text, session=session, user=USER, turn_id=turn_id)
     # An HTTP retry: the same message with the same turn id, while the first is in flight.
@@ -151,7 +155,8 @@ def settle_from_call_log(state_dir: Path, key: str) -> Callable[[Agent, str], Aw
         for entry in journal.in_doubt(agent.session_key(session)):
             arguments = json.loads(entry.arguments)
             done = [
-                c for c in calls
+                c
+                for c in calls
                 if c["tau2_tool_call"]["name"] == entry.tool
                 and c["tau2_tool_call"]["arguments"] == arguments
             ]
@@ -251,7 +256,9 @@ def worker(folder: Path, task_id: str, kill_point: str, split: str = "all") -> N
         async with retail_tools(state_dir, key, fault=fault) as tools:
             agent = _agent(folder, oracle, tools)
             try:
-                return await converse(agent, task, session, settle=settle_from_call_log(state_dir, key))
+                return await converse(
+                    agent, task, session, settle=settle_from_call_log(state_dir, key)
+                )
             finally:
                 await agent.aclose()
 
@@ -308,7 +315,9 @@ def score(
         db_match=state["db"] == gold_db(task, folder),
         doubled_writes=sum(max(0, n - gold[k]) for k, n in made.items() if k in gold),
         missing_writes=sum(max(0, n - made[k]) for k, n in gold.items()),
-        placeholder_args=sum(1 for c in calls if PLACEHOLDER_ARG.search(json.dumps(c["arguments"]))),
+        placeholder_args=sum(
+            1 for c in calls if PLACEHOLDER_ARG.search(json.dumps(c["arguments"]))
+        ),
         ungrounded=len(ungrounded),
         fault=fault,
         error=error,

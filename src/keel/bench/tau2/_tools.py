@@ -43,11 +43,13 @@ async def _session(state_dir: Path, command: list[str]) -> AsyncIterator[Any]:
         args=command[1:],
         env={**os.environ, STATE_DIR_ENV: str(state_dir)},
     )
-    with open(os.devnull, "w") as errlog:
-        async with stdio_client(params, errlog=errlog) as (read, write):
-            async with ClientSession(read, write) as session:
-                await session.initialize()
-                yield session
+    with Path(os.devnull).open("w") as errlog:
+        async with (
+            stdio_client(params, errlog=errlog) as (read, write),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            yield session
 
 
 @contextlib.asynccontextmanager
