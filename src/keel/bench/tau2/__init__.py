@@ -52,6 +52,8 @@ def _mode_row(outcomes: list[TaskOutcome], seconds: float) -> dict[str, Any]:
         "placeholder_args": sum(o.placeholder_args for o in outcomes),
         "ungrounded_calls": sum(o.ungrounded for o in outcomes),
         "errors": sum(1 for o in outcomes if o.error),
+        "kills": sum(o.statuses.count("killed") for o in outcomes),
+        "in_doubt_settled": sum(o.settled for o in outcomes),
         "seconds": round(seconds, 2),
     }
 

@@ -65,6 +65,11 @@ class TaskOutcome:
     error: str | None = None
     statuses: list[str] = field(default_factory=list)
 
+    @property
+    def settled(self) -> int:
+        """In-doubt writes an operator settled from the server's call log."""
+        return self.statuses.count("settled")
+
 
 def _folder_files(folder: Path) -> tuple[Path, Path]:
     return folder / "keel.db", folder / "state"
@@ -103,7 +108,7 @@ async def converse(
     session: str,
     *,
     duplicate: bool = False,
-    settle: Callable[[Agent, str], Awaitable[None]] | None = None,
+    settle: Callable[[Agent, str], Awaitable[int]] | None = None,
 ) -> list[str]:
     """Carry the conversation on from where the session is (a new process resumes the open
     turn first) until the agent's last answer; the turns' statuses."""
@@ -112,7 +117,7 @@ async def converse(
     if resumed is not None:
         statuses.append(f"resumed:{resumed.status}")
         if resumed.status == "tool_in_doubt" and settle is not None:
-            await settle(agent, session)
+            statuses.extend(["settled"] * await settle(agent, session))
     state = agent.session_state(session)
     last = _last_answer(state)
     message = (
@@ -125,7 +130,7 @@ async def converse(
         statuses.append(reply.status)
         turns += 1
         if reply.status == "tool_in_doubt" and settle is not None:
-            await settle(agent, session)
+            statuses.extend(["settled"] * await settle(agent, session))
         message = next_message(reply.text)
     return statuses
 
@@ -143,16 +148,17 @@ async def _deliver(
     return first if not first.replayed else second
 
 
-def settle_from_call_log(state_dir: Path, key: str) -> Callable[[Agent, str], Awaitable[None]]:
+def settle_from_call_log(state_dir: Path, key: str) -> Callable[[Agent, str], Awaitable[int]]:
     """What an operator does with a write left in doubt: look it up in the server's own call
     log and record what really happened (``keel tools resolve``'s API)."""
 
-    async def settle(agent: Agent, session: str) -> None:
+    async def settle(agent: Agent, session: str) -> int:
         journal = agent.journal
         if journal is None:
-            return
+            return 0
         calls = await call_log(state_dir, key)
-        for entry in journal.in_doubt(agent.session_key(session)):
+        entries = journal.in_doubt(agent.session_key(session))
+        for entry in entries:
             arguments = json.loads(entry.arguments)
             done = [
                 c
@@ -167,6 +173,7 @@ def settle_from_call_log(state_dir: Path, key: str) -> Callable[[Agent, str], Aw
                 journal.resolve(
                     entry.key, ok=False, content="Error: the store has no record of this call."
                 )
+        return len(entries)
 
     return settle
 
