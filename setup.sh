@@ -62,5 +62,15 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
 fi
 
+# An MCP server no one here wrote, for the MCP tool tests: the reference "everything" server,
+# pinned, into a folder of the venv. Without npm the tests that need it are skipped.
+if command -v npm >/dev/null 2>&1; then
+  echo "==> @modelcontextprotocol/server-everything (npm, for the MCP tests)"
+  npm install --silent --no-audit --no-fund --prefix .venv/npm \
+    @modelcontextprotocol/server-everything@2026.8.31 >/dev/null
+else
+  echo "warning: npm not found; the MCP tests against server-everything will be skipped" >&2
+fi
+
 echo "$wanted" > "$STAMP"
 echo "==> done. Try: make demo, or .venv/bin/keel doctor"

@@ -92,7 +92,16 @@ if TYPE_CHECKING:
         open_database,
     )
     from keel.tokens import count_tokens
-    from keel.tools import Tool, ToolContext, ToolRegistry, tool
+    from keel.tools import (
+        FromEnv,
+        MCPServer,
+        MCPToolOverride,
+        Tool,
+        ToolContext,
+        ToolRegistry,
+        schema_tool,
+        tool,
+    )
     from keel.tracing import RunQuery, Tracer
 
 _LAZY: dict[str, str] = {
@@ -138,6 +147,10 @@ _LAZY: dict[str, str] = {
     "TokenCount": "keel.tokens",  # moved to keel.tokens; still resolves
     "Tokenizer": "keel.tokens",  # moved to keel.tokens; still resolves
     "Tool": "keel.tools",
+    "FromEnv": "keel.tools",
+    "MCPServer": "keel.tools",
+    "MCPToolOverride": "keel.tools",
+    "schema_tool": "keel.tools",
     "ToolContext": "keel.tools",
     "ToolLoop": "keel.runtime",
     "ToolRegistry": "keel.tools",
@@ -170,10 +183,13 @@ __all__ = [
     "ContextEngine",
     "ContextOverflowError",
     "Conversation",
+    "FromEnv",
     "GuardConfig",
     "KeelError",
     "KeelRuntimeError",
     "LocalModel",
+    "MCPServer",
+    "MCPToolOverride",
     "MachineState",
     "Memory",
     "MemoryRecord",
@@ -217,6 +233,7 @@ __all__ = [
     "mask_pii",
     "open_database",
     "resolve_model",
+    "schema_tool",
     "tool",
 ]
 

@@ -350,6 +350,7 @@ class ToolInDoubtError(ToolError):
         self.tool = tool
         self.idempotency_key = idempotency_key
         why = why or "it started before a crash and recorded no result"
+        self.why = why
         super().__init__(
             f"tool {tool!r} call {idempotency_key} is in doubt: {why}; it is not idempotent, "
             "so it was not run again"

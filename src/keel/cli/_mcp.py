@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from keel.cli._app import app, err_console
+from keel.cli._app import JsonOption, app, bench_app, emit_json, err_console, out_console
 from keel.cli._database import CreateOption, DatabaseOption
 
 
@@ -55,3 +55,22 @@ def mcp_command(
         uvicorn.run(gated, host=host, port=port, log_level="warning")
     finally:
         backends.close()
+
+
+@bench_app.command("mcp")
+def bench_mcp_command(
+    calls: Annotated[int, typer.Option("--calls", min=1, help="Tool calls each way.")] = 500,
+    kills: Annotated[int, typer.Option("--kills", min=0, help="Workers SIGKILLed mid-write.")] = 5,
+    as_json: JsonOption = False,
+) -> None:
+    """keel's added time per MCP tool call over the raw SDK client, and exactly-once under
+    SIGKILL counted from the server's own effects."""
+    # The bench starts MCP servers: the optional SDK is loaded only when it runs.
+    from keel.bench.mcp import run_mcp_bench
+
+    report = run_mcp_bench(calls, kills=kills)
+    if as_json:
+        emit_json(report.model_dump())
+        return
+    for name, value in report.model_dump().items():
+        out_console.print(f"{name:<24} {value}")

@@ -61,7 +61,7 @@ from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps, TurnOptions
 from keel.runtime._workflow import Workflow
 from keel.settings import Settings
 from keel.state import AgentState, StateMachine, StateStore
-from keel.tools import InMemoryJournal, Tool, ToolJournal
+from keel.tools import InMemoryJournal, MCPServer, Tool, ToolJournal
 from keel.tracing import Tracer
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class Agent:
         state: the state store (``StateStore(backend, AgentState)``); every write is
             compare-and-set on the version read.
         system_prompt: identity and guardrails; always message 0 of every prompt.
-        tools: the domain tools.
+        tools: the domain tools, and MCP servers (:class:`~keel.MCPServer`) whose tools join.
         rules: operating rules placed last, before the newest user message.
         machine: an optional workflow; the model moves it with the ``go_to`` and
             ``remember`` tools, and only the current state's tools may run.
@@ -127,7 +127,7 @@ class Agent:
         *,
         state: StateStore[AgentState],
         system_prompt: str,
-        tools: Sequence[Tool] = (),
+        tools: Sequence[Tool | MCPServer] = (),
         rules: Sequence[str] = (),
         machine: StateMachine | None = None,
         memory: Memory | None = None,
@@ -172,7 +172,7 @@ class Agent:
         self.name = name
         self.lease_ttl_s = lease_ttl_s
         self.session_wait_s = lease_ttl_s + 5.0 if session_wait_s is None else session_wait_s
-        self._workflow = Workflow(machine, {t.name: t for t in tools})
+        self._workflow = Workflow(machine, tools)
         # Bounded: a long-running service sees sessions come and go; an evicted one is rebuilt
         # from the store on its next turn.
         self._owners: Recent[str, tuple[str, str]] = Recent(session_cache_size)

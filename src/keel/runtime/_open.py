@@ -24,7 +24,7 @@ from keel.privacy import DEFAULT_MASKER, PIIMasker
 from keel.runtime._backends import Backends, open_at_edge
 from keel.settings import Settings, load_settings
 from keel.state import StateMachine
-from keel.tools import Tool
+from keel.tools import MCPServer, Tool
 from keel.tracing import Tracer
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class AgentOptions(TypedDict, total=False):
     """The :class:`~keel.runtime.Agent` constructor's keywords that a factory passes on as
     given (state, memory, the journal and the tracer come from the stores it opens)."""
 
-    tools: Sequence[Tool]
+    tools: Sequence[Tool | MCPServer]
     rules: Sequence[str]
     machine: StateMachine | None
     context: ContextBudget | None

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from keel.errors import UsageError
 from keel.messages import ToolCall
 from keel.runtime._events import AgentEvent, WorkflowTransition
 from keel.state import MachinePosition, StateMachine
-from keel.tools import Tool, ToolRegistry, ToolResult, tool
+from keel.tools import MCPServer, Tool, ToolRegistry, ToolResult, start_servers, tool
 
 __all__ = ["WORKFLOW_TOOLS", "Workflow", "WorkflowCursor"]
 
@@ -40,14 +40,30 @@ class WorkflowCursor:
 
 
 class Workflow:
-    """An agent's domain tools, under its state machine when it has one."""
+    """An agent's domain tools (Python ones and those of its MCP servers, as listed now),
+    under its state machine when it has one."""
 
-    def __init__(self, machine: StateMachine | None, domain_tools: Mapping[str, Tool]) -> None:
-        clash = set(domain_tools) & set(WORKFLOW_TOOLS)
+    def __init__(self, machine: StateMachine | None, tools: Iterable[Tool | MCPServer]) -> None:
+        given = list(tools)
+        self._own = {t.name: t for t in given if isinstance(t, Tool)}
+        self.servers = [t for t in given if isinstance(t, MCPServer)]
+        start_servers(self.servers, taken=set(self._own))
+        self.machine = machine
+        clash = set(self.domain_tools) & set(WORKFLOW_TOOLS)
         if machine is not None and clash:
             raise UsageError(f"tool names {sorted(clash)} are reserved for the workflow")
-        self.machine = machine
-        self.domain_tools = dict(domain_tools)
+
+    @property
+    def domain_tools(self) -> dict[str, Tool]:
+        """The domain's tools now: the Python ones, then each server's (a name listed later
+        by a server under a name already taken is left out, as ``start_servers`` logs)."""
+        if not self.servers:
+            return self._own
+        merged: dict[str, Tool] = dict(self._own)
+        for server in self.servers:
+            for name, listed in server.tools().items():
+                merged.setdefault(name, listed)
+        return merged
 
     def registry(self, cursor: WorkflowCursor) -> ToolRegistry:
         """The turn's tools: the domain's, and the workflow's moving ``cursor``."""

@@ -17,6 +17,13 @@ from keel.tools._journal import (
     ToolJournal,
     idempotency_key,
 )
+from keel.tools._mcp import (
+    FromEnv,
+    MCPServer,
+    MCPToolError,
+    MCPToolOverride,
+    start_servers,
+)
 from keel.tools._registry import ToolRegistry
 from keel.tools._repair import (
     ArgumentsNotJSONError,
@@ -24,16 +31,22 @@ from keel.tools._repair import (
     coerce_scalars,
     parse_arguments,
 )
+from keel.tools._schema_tool import SchemaTool, schema_tool
 from keel.tools._tool import NestedArgumentsWarning, Tool, ToolContext, ToolScope, tool
 
 __all__ = [
     "ArgumentsNotJSONError",
+    "FromEnv",
     "InMemoryJournal",
     "JournalClaim",
     "JournalEntry",
     "JournalStatus",
+    "MCPServer",
+    "MCPToolError",
+    "MCPToolOverride",
     "NestedArgumentsWarning",
     "RepairedArguments",
+    "SchemaTool",
     "Tool",
     "ToolContext",
     "ToolExecutor",
@@ -46,5 +59,7 @@ __all__ = [
     "format_validation_error",
     "idempotency_key",
     "parse_arguments",
+    "schema_tool",
+    "start_servers",
     "tool",
 ]

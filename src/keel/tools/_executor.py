@@ -461,11 +461,18 @@ class ToolExecutor:
             if journalled:
                 # It may have taken effect (and its thread may still be running): the intent
                 # stays in the journal without a result, in doubt, which is the truth.
-                return self._timed_out_in_doubt(found, context, base, started, timeout)
+                return self._in_doubt(
+                    found, context, base, started, f"did not finish within {timeout:g} s"
+                )
             failure = ToolExecutionError(
                 f"tool {found.name!r} did not finish within {timeout:g} s."
             )
             status: ToolStatus = "timeout"
+        except ToolInDoubtError as exc:
+            # The tool itself cannot tell whether it took effect (its server died mid-call).
+            if not journalled:
+                return await self._failed(found, context, base, started, exc, journalled)
+            return self._in_doubt(found, context, base, started, exc.why)
         except Exception as exc:
             return await self._failed(found, context, base, started, exc, journalled)
         finally:
@@ -496,20 +503,21 @@ class ToolExecutor:
             latency_ms=_ms(started),
         )
 
-    def _timed_out_in_doubt(
+    def _in_doubt(
         self,
         found: Tool,
         context: ToolContext,
         base: dict[str, Any],
         started: float,
-        timeout: float,
+        why: str,
     ) -> ToolResult:
-        """A side-effecting call that outlived its timeout: in doubt, never a plain failure."""
+        """A side-effecting call that may have taken effect (it outlived its timeout, its
+        server died mid-call): in doubt, never a plain failure."""
         key = context.idempotency_key
         if found.idempotent:
             # Running it again is harmless by its declaration: the model may retry.
             failure = ToolExecutionError(
-                f"tool {found.name!r} did not finish within {timeout:g} s. It may or may not "
+                f"tool {found.name!r} {why}. It may or may not "
                 "have taken effect; it is safe to call it again."
             )
             return _refused(
@@ -521,14 +529,12 @@ class ToolExecutor:
                 executed=True,
                 attempt=context.attempt,
             )
-        doubt = ToolInDoubtError(
-            found.name, key, why=f"it did not finish within {timeout:g} s and may still take effect"
-        )
+        doubt = ToolInDoubtError(found.name, key, why=f"it {why} and may have taken effect")
         return _refused(
             base,
             started,
             "in_doubt",
-            f"Error: tool {found.name!r} did not finish within {timeout:g} s; it may or may "
+            f"Error: tool {found.name!r} {why}; it may or may "
             "not have taken effect. It will not be run again; an operator has been asked "
             "to check. Do not call it again.",
             doubt,

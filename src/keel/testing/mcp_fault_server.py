@@ -1,0 +1,143 @@
+"""An MCP server that misbehaves on request, for keel's MCP tests and ``keel bench mcp``.
+
+``python -m keel.testing.mcp_fault_server EFFECTS_FILE [--http PORT]``: stdio by default,
+streamable HTTP on 127.0.0.1:PORT with ``--http``. Its effects are lines appended to
+``EFFECTS_FILE`` (flushed and fsynced before the tool answers), so a test counts what really
+happened from the server's side, across its restarts.
+
+Tools: ``echo`` (read-only), ``write`` (unannotated: side-effecting, not idempotent; an item
+``crash:...`` exits the process after applying it, ``hang:...`` never answers after applying
+it, ``slow:...`` answers after 30 s), ``count`` (read-only: effects so far), ``huge``
+(read-only: that many characters), ``fail`` (an ``isError`` result), ``hang`` (read-only,
+never answers), ``token_digest`` (read-only: a digest of ``MCP_TOKEN``, never the token),
+``add_tool`` / ``remove_tool`` (change the listing and say so), and ``bad_schema`` (listed
+with a malformed JSON schema).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
+
+from keel.tools import MCPServer as KeelMCPServer
+
+READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
+
+
+def build(effects: Path) -> MCPServer:
+    """The server, its effects appended to ``effects``."""
+    server = MCPServer("keel-fault")
+
+    def applied(item: str) -> None:
+        with effects.open("a", encoding="utf-8") as out:
+            out.write(item + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+
+    @server.tool(annotations=READ_ONLY)
+    def echo(text: str) -> str:
+        """Return the text."""
+        return text
+
+    @server.tool()
+    async def write(item: str) -> str:
+        """Record an item (a side effect)."""
+        applied(item)
+        if item.startswith("crash:"):
+            os._exit(3)
+        if item.startswith("hang:"):
+            await asyncio.Event().wait()
+        if item.startswith("slow:"):
+            await asyncio.sleep(30)
+        return f"wrote {item}"
+
+    @server.tool(annotations=READ_ONLY)
+    def count() -> int:
+        """How many items were written."""
+        return len(effects.read_text(encoding="utf-8").splitlines()) if effects.exists() else 0
+
+    @server.tool(annotations=READ_ONLY)
+    def huge(chars: int) -> str:
+        """Return that many characters."""
+        return "x" * chars
+
+    @server.tool(annotations=READ_ONLY)
+    def fail(reason: str) -> str:
+        """Fail with the reason."""
+        raise ToolError(reason)
+
+    @server.tool(annotations=READ_ONLY)
+    async def hang() -> str:
+        """Never answer."""
+        await asyncio.Event().wait()
+        return "never"
+
+    @server.tool(annotations=READ_ONLY)
+    def token_digest() -> str:
+        """A digest of the MCP_TOKEN this server was given."""
+        token = os.environ.get("MCP_TOKEN", "")
+        return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+    @server.tool()
+    async def add_tool(name: str, ctx: Context) -> str:
+        """Add a read-only tool that returns its name, and tell the client."""
+
+        def added() -> str:
+            return name
+
+        server.add_tool(added, name=name, description=f"The added tool {name}.")
+        await ctx.session.send_tool_list_changed()
+        return f"added {name}"
+
+    @server.tool()
+    async def remove_tool(name: str, ctx: Context) -> str:
+        """Remove a tool, and tell the client."""
+        server.remove_tool(name)
+        await ctx.session.send_tool_list_changed()
+        return f"removed {name}"
+
+    @server.tool(annotations=READ_ONLY)
+    def bad_schema(x: str) -> str:
+        """Listed with a schema no validator accepts."""
+        return x
+
+    # A malformed schema, as a buggy server would list it.
+    server._tool_manager._tools["bad_schema"].parameters = {
+        "type": "object",
+        "properties": {"x": {"type": "no-such-type"}},
+    }
+    return server
+
+
+def main(argv: list[str]) -> None:
+    effects = Path(argv[0])
+    server = build(effects)
+    if len(argv) > 2 and argv[1] == "--http":
+        server.run("streamable-http", host="127.0.0.1", port=int(argv[2]))
+    else:
+        server.run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
+
+def stdio_server(effects: Path, **options: Any) -> KeelMCPServer:
+    """This server as keel's :class:`~keel.tools.MCPServer` over stdio, run by this Python on
+    this process's ``PYTHONPATH`` (so a checkout's keel serves, not an installed one)."""
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+    return KeelMCPServer.stdio(
+        sys.executable,
+        ["-m", "keel.testing.mcp_fault_server", str(effects)],
+        name=options.pop("name", "fault"),
+        env={**env, **options.pop("env", {})},
+        **options,
+    )

@@ -1,0 +1,262 @@
+"""Tools from an MCP server, through the Agent, against keel's own fault server (a real MCP
+server in a real process): annotations set the flags, the deployment's overrides win, a server
+that dies mid-write leaves the write in doubt and is restarted, a hang is bounded by the tool's
+timeout, an isError result, a huge output, a malformed schema and a changed listing are each
+a clear result, and a secret given from the environment is never logged, traced or printed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from keel.errors import ToolDefinitionError
+from keel.messages import Message, ToolCall
+from keel.runtime import Agent
+from keel.testing import ScriptedModel
+from keel.testing.mcp_fault_server import stdio_server
+from keel.testing.servers import free_port
+from keel.tools import FromEnv, MCPServer, MCPToolOverride, ToolExecutor, ToolRegistry, tool
+
+
+@pytest.fixture
+def effects(tmp_path: Path) -> Path:
+    return tmp_path / "effects.txt"
+
+
+@pytest.fixture
+def fault(effects: Path) -> Iterator[MCPServer]:
+    with stdio_server(
+        effects,
+        tools={
+            "hang": MCPToolOverride(timeout_s=0.5),
+            "huge": MCPToolOverride(max_output_chars=100),
+            "count": MCPToolOverride(hidden=True),
+        },
+    ) as server:
+        yield server
+
+
+def _written(effects: Path) -> list[str]:
+    return effects.read_text().splitlines() if effects.exists() else []
+
+
+def _tool_texts(agent: Agent, session: str = "s1") -> list[str]:
+    state = agent.session_state(session)
+    assert state is not None
+    return [message.content for message in state.messages if message.role == "tool"]
+
+
+def _call(tool_name: str, **arguments: object) -> Message:
+    return ScriptedModel.tool_call(tool_name, json.dumps(arguments))
+
+
+def test_annotations_set_the_flags_and_the_deployment_overrides_them(fault: MCPServer) -> None:
+    tools = fault.tools()
+    assert (tools["echo"].side_effect, tools["echo"].idempotent) == (False, True)
+    # Unannotated: side-effecting and not idempotent (the safe default).
+    assert (tools["write"].side_effect, tools["write"].idempotent) == (True, False)
+    assert "count" not in tools and "bad_schema" not in tools
+    assert tools["hang"].timeout_s == 0.5
+    assert any("bad_schema" in problem for problem in fault.problems)
+    assert fault.call("count") == "0"  # hidden from the model, not from the deployment
+    overridden = MCPServer.stdio(
+        fault.command or "",
+        fault.args,
+        env=fault.env,
+        name="again",
+        tools={
+            "write": MCPToolOverride(side_effect=False),
+            "echo": MCPToolOverride(idempotent=False),
+        },
+    )
+    with overridden:
+        again = overridden.tools()
+        assert not again["write"].side_effect and not again["echo"].idempotent
+
+
+async def test_a_server_that_dies_mid_write_leaves_it_in_doubt_and_never_runs_it_again(
+    fault: MCPServer, effects: Path
+) -> None:
+    crash = _call("write", item="crash:1")
+    model = ScriptedModel([crash, crash, _call("echo", text="hi"), "ok"])
+    agent = Agent.embedded(model, system_prompt="You write.", tools=[fault], memory=False)
+    first = await agent.handle("s1", "u1", "Write it.")
+    assert first.status == "tool_in_doubt", first
+    assert "lost its MCP server 'fault' mid-call" in (first.error or "")
+    again = await agent.handle("s1", "u1", "Write it again.")
+    assert again.status == "tool_in_doubt"
+    assert _written(effects) == ["crash:1"]  # applied once, never repeated
+    # The server was started again: the next call works.
+    third = await agent.handle("s1", "u1", "Say hi.")
+    assert third.status == "completed" and _tool_texts(agent)[-1] == "hi"
+    await agent.aclose()
+
+
+async def test_a_hang_an_error_and_a_huge_output_each_end_as_a_clear_result(
+    fault: MCPServer,
+) -> None:
+    model = ScriptedModel(
+        [_call("hang"), _call("fail", reason="no such order"), _call("huge", chars=5000), "Done."]
+    )
+    agent = Agent.embedded(model, system_prompt="You test.", tools=[fault], memory=False)
+    reply = await agent.handle("s1", "u1", "Go.")
+    assert reply.status == "completed", reply
+    hang, fail, huge = _tool_texts(agent)
+    assert "did not finish within 0.5 s" in hang
+    assert "failed: MCPToolError: " in fail and "no such order" in fail
+    assert huge.startswith("x" * 100) and "[output truncated: 5000 characters" in huge
+    await agent.aclose()
+
+
+async def test_the_listing_follows_the_server_when_it_changes(fault: MCPServer) -> None:
+    model = ScriptedModel(
+        [
+            *(_call("add_tool", name="late_tool"), "Added.", _call("late_tool"), "Called."),
+            *(_call("remove_tool", name="late_tool"), "Removed.", _call("late_tool"), "Gone."),
+        ]
+    )
+    agent = Agent.embedded(model, system_prompt="You test.", tools=[fault], memory=False)
+    assert "late_tool" not in fault.tools()
+    await agent.handle("s1", "u1", "Add it.")
+    await _until(lambda: "late_tool" in fault.tools())
+    called = await agent.handle("s1", "u1", "Call it.")
+    assert called.status == "completed" and _tool_texts(agent)[-1] == "late_tool"
+    names = {schema["function"]["name"] for schema in model.calls[-1].tools}
+    assert "late_tool" in names
+    await agent.handle("s1", "u1", "Remove it.")
+    await _until(lambda: "late_tool" not in fault.tools())
+    await agent.handle("s1", "u1", "Call it.")
+    assert "there is no tool named 'late_tool'" in _tool_texts(agent)[-1]
+    await agent.aclose()
+
+
+async def _until(condition: object) -> None:
+    import asyncio  # only this helper polls
+
+    for _ in range(400):
+        if callable(condition) and condition():
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError("the condition never held")
+
+
+async def test_injected_arguments_are_neither_seen_nor_chosen_by_the_model(effects: Path) -> None:
+    server = stdio_server(effects, tools={"echo": MCPToolOverride(inject={"text": "from-deploy"})})
+    with server:
+        assert server.tools()["echo"].parameters_schema()["properties"] == {}
+        model = ScriptedModel([_call("echo"), _call("echo", text="mine"), "Done."])
+        agent = Agent.embedded(model, system_prompt="You test.", tools=[server], memory=False)
+        await agent.handle("s1", "u1", "Echo.")
+        # The deployment's value, whatever the model wrote.
+        assert _tool_texts(agent) == ["from-deploy", "from-deploy"]
+        await agent.aclose()
+
+
+def test_a_secret_from_the_environment_is_used_and_never_printed_logged_or_traced(
+    effects: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "sk-live-7f3a9c1e5b"
+    monkeypatch.setenv("FAULT_TOKEN", secret)
+    caplog.set_level(logging.DEBUG)
+    server = stdio_server(effects, env={"MCP_TOKEN": FromEnv("FAULT_TOKEN")})
+    assert secret not in repr(server) and "MCP_TOKEN" in repr(server)
+    literal = MCPServer.http("http://127.0.0.1:9/mcp", headers={"X-Api-Key": "literal-key-9"})
+    assert "literal-key-9" not in repr(literal) and "X-Api-Key" in repr(literal)
+    with server:
+        model = ScriptedModel([_call("token_digest"), "Done."])
+        agent = Agent.embedded(model, system_prompt="You test.", tools=[server], memory=False)
+        import asyncio  # a sync test: the agent's turn on its own loop
+
+        asyncio.run(agent.handle("s1", "u1", "Check."))
+        assert _tool_texts(agent) == [hashlib.sha256(secret.encode()).hexdigest()[:16]]
+        asyncio.run(agent.aclose())
+    assert secret not in caplog.text
+    for database in (tmp_path / "data").rglob("*.db*"):
+        assert secret.encode() not in database.read_bytes()
+    with sqlite3.connect(next((tmp_path / "data").rglob("*.db"))) as db:
+        assert db.execute("select count(*) from sqlite_master").fetchone()[0] > 0
+    monkeypatch.delenv("FAULT_TOKEN")
+    with pytest.raises(Exception, match="FAULT_TOKEN is not set"):
+        stdio_server(effects, env={"MCP_TOKEN": FromEnv("FAULT_TOKEN")}).start()
+
+
+def test_a_name_two_sources_share_is_refused_and_a_prefix_resolves_it(effects: Path) -> None:
+    @tool
+    def echo(text: str) -> str:
+        """Echo locally."""
+        return text
+
+    model = ScriptedModel(["Hi."])
+    clash = pytest.raises(ToolDefinitionError, match="'echo' of MCP server 'fault' clashes")
+    with stdio_server(effects) as server, clash:
+        Agent.embedded(model, system_prompt="You test.", tools=[echo, server], memory=False)
+    with stdio_server(effects, prefix="fault_") as server:
+        agent = Agent.embedded(model, system_prompt="You test.", tools=[echo, server], memory=False)
+        assert {"echo", "fault_echo", "fault_write"} <= set(agent._workflow.domain_tools)
+        agent.close()
+
+
+def _http_fault_server(effects: Path, port: int) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keel.testing.mcp_fault_server", str(effects), "--http", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        assert process.poll() is None, "the fault server exited"
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+            return process
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, "the fault server did not start"
+            time.sleep(0.1)
+
+
+async def test_an_http_server_that_restarts_is_reconnected_and_tenants_get_their_own_settings(
+    effects: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    process = _http_fault_server(effects, port)
+    monkeypatch.setenv("ACME_TOKEN", "acme-secret-1")
+    shared = MCPServer.http(f"http://127.0.0.1:{port}/mcp", name="fault-http")
+    acme = shared.with_settings(headers={"Authorization": FromEnv("ACME_TOKEN", "Bearer {}")})
+    assert dict(acme.headers) and not dict(shared.headers)
+    assert "acme-secret-1" not in repr(acme)
+    model = ScriptedModel([_call("echo", text="one"), _call("echo", text="two"), "Done."])
+    try:
+        with acme:
+            agent = Agent.embedded(model, system_prompt="You test.", tools=[acme], memory=False)
+            process.terminate()
+            process.wait(timeout=30)
+            process = _http_fault_server(effects, port)
+            # Each call finds the server restarted (a read: repeated once on the new
+            # connection, never shown to the model as a failure).
+            reply = await agent.handle("s1", "u1", "Echo twice.")
+            assert reply.status == "completed", reply
+            assert _tool_texts(agent) == ["one", "two"]
+            await agent.aclose()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+async def test_a_tool_gone_from_the_server_before_keel_relisted_is_a_failed_call(
+    fault: MCPServer,
+) -> None:
+    stale = ToolExecutor(ToolRegistry(fault.tools().values()))
+    assert fault.call("remove_tool", {"name": "echo"}) == "removed echo"
+    call = ToolCall(id="c1", name="echo", arguments='{"text": "hi"}')
+    result = await stale.execute(call, session_id="s1", step=1)
+    assert result.status == "failed" and "echo" in result.content, result.content
+    await _until(lambda: "echo" not in fault.tools())
