@@ -30,11 +30,12 @@ from keel.bench.tau2._data import (
     state_key,
 )
 from keel.bench.tau2._oracle import GroundedOracle
-from keel.bench.tau2._tools import call_log, retail_tools
+from keel.bench.tau2._tools import call_log, retail_server, run_calls
 from keel.guards import GuardConfig
 from keel.runtime import Agent, AgentReply
 from keel.state import AgentState
 from keel.testing import ScriptedCall
+from keel.tools import MCPServer
 
 __all__ = ["MODES", "TaskOutcome", "gold_db", "run_task", "score"]
 
@@ -42,7 +43,13 @@ MODES = ("clean", "kill", "timeout", "duplicate")
 USER = "customer"
 DOMAIN = "retail"
 _GUARDS = GuardConfig(
-    max_steps=60, run_timeout_s=300, model_timeout_s=60, tool_timeout_s=60, max_output_chars=200_000
+    max_steps=60,
+    run_timeout_s=300,
+    model_timeout_s=60,
+    tool_timeout_s=60,
+    max_output_chars=200_000,
+    # The gold calls of a task may fail a few times in a row (a wrong id the customer gave).
+    max_tool_retries=6,
 )
 _TIMEOUT_S = 0.5
 """A write's timeout in the timeout mode; the proxy holds its answer for :data:`_HELD_S`."""
@@ -75,14 +82,14 @@ def _folder_files(folder: Path) -> tuple[Path, Path]:
     return folder / "keel.db", folder / "state"
 
 
-def _agent(folder: Path, oracle: GroundedOracle, tools: list[Any]) -> Agent:
+def _agent(folder: Path, oracle: GroundedOracle, server: MCPServer) -> Agent:
     database, _ = _folder_files(folder)
     return Agent.open(
         f"sqlite:///{database}",
         system_prompt=load_policy(DOMAIN),
         model=oracle,
         memory=False,
-        tools=tools,
+        tools=[server],
         guards=_GUARDS,
         name="bench-tau2",
     )
@@ -182,8 +189,8 @@ async def _run_here(task: Task, folder: Path, mode: str, key: str, fault: list[s
     session = f"{mode}-{task.id}"
     _, state_dir = _folder_files(folder)
     timeout = _TIMEOUT_S if mode == "timeout" else 30.0
-    async with retail_tools(state_dir, key, fault=fault, write_timeout_s=timeout) as tools:
-        agent = _agent(folder, _oracle(task, folder, session), tools)
+    with retail_server(state_dir, key, fault=fault, write_timeout_s=timeout) as server:
+        agent = _agent(folder, _oracle(task, folder, session), server)
         try:
             return await converse(
                 agent,
@@ -260,8 +267,8 @@ def worker(folder: Path, task_id: str, kill_point: str, split: str = "all") -> N
         oracle._policy = dying
 
     async def go() -> list[str]:
-        async with retail_tools(state_dir, key, fault=fault) as tools:
-            agent = _agent(folder, oracle, tools)
+        with retail_server(state_dir, key, fault=fault) as server:
+            agent = _agent(folder, oracle, server)
             try:
                 return await converse(
                     agent, task, session, settle=settle_from_call_log(state_dir, key)
@@ -295,11 +302,7 @@ def _base_db() -> dict[str, Any]:
 
 
 async def _run_gold(task: Task, state_dir: Path, key: str) -> None:
-    async with retail_tools(state_dir, key) as tools:
-        by_name = {t.name: t for t in tools}
-        for action in task.actions:
-            tool = by_name[action.name]
-            await tool.ainvoke(tool.args_model(**action.arguments))
+    await run_calls(state_dir, key, [(a.name, a.arguments) for a in task.actions])
 
 
 def _canonical(name: str, arguments: dict[str, Any]) -> str:
