@@ -90,6 +90,17 @@ class Settings(BaseSettings):
     openai_api_key: SecretStr | None = Field(
         default=None, description="API key for OpenAI-compatible endpoints."
     )
+    pii_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The PII vault's master key (32 bytes, base64 or hex; `keel privacy new-key`): "
+            "with it, masked values are kept sealed so tools can use them. Unset: vault off."
+        ),
+    )
+    pii_key_file: Path | None = Field(
+        default=None,
+        description="A file holding the PII vault's master key (used when pii_key is unset).",
+    )
     busy_timeout_ms: int = Field(
         default=5000,
         ge=0,
@@ -121,6 +132,11 @@ class Settings(BaseSettings):
     @classmethod
     def _expand(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("pii_key_file", mode="after")
+    @classmethod
+    def _expand_key_file(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser()
 
     @field_validator("database", mode="after")
     @classmethod

@@ -5,7 +5,8 @@ IBANs (mod-97 checked), IP addresses and API keys / tokens (``sk-...``, ``AKIA..
 ``ghp_...``, JWTs, bearer tokens, PEM private keys) with typed placeholders such as
 ``<EMAIL_1>``, under a policy that can differ per tenant. :func:`mask_pii` is the one-liner;
 :data:`DEFAULT_MASKER` is the default policy every part of keel shares unless given its own.
-:class:`StreamMasker` masks a text that arrives in pieces (a streamed reply).
+:class:`StreamMasker` masks a text that arrives in pieces (a streamed reply);
+:class:`RevealStream` reveals a user's placeholders in one, never splitting a placeholder.
 
 With a :class:`Vault` (a master key from ``KEEL_PII_KEY``, a key file or a
 :class:`KeyProvider`), placeholders are stable per tenant and user and the values are kept
@@ -26,7 +27,7 @@ from keel.privacy._masker import (
     PIIMasker,
     mask_pii,
 )
-from keel.privacy._stream import StreamMasker
+from keel.privacy._stream import RevealStream, StreamMasker
 from keel.privacy._vault import (
     PLACEHOLDER,
     StoredKey,
@@ -48,6 +49,7 @@ __all__ = [
     "MasterKey",
     "Numbering",
     "PIIMasker",
+    "RevealStream",
     "StoredKey",
     "StreamMasker",
     "UserVault",

@@ -18,13 +18,19 @@ that more text can no longer change:
 
 What is released is therefore exactly the start of ``mask(whole text)``, and :meth:`finish`
 releases the rest: the pieces put together are the masked whole.
+
+:class:`RevealStream` goes the other way, for a user's vault: it shows a streamed text with the
+user's own placeholders replaced by their values, holding back an unfinished ``<...`` until it
+closes or can no longer be a placeholder, so a placeholder is never split across two pieces
+and each one is revealed whole.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
-__all__ = ["StreamMasker"]
+__all__ = ["RevealStream", "StreamMasker"]
 
 _BLOCK_START = "-----BEGIN"
 
@@ -151,3 +157,38 @@ def _last_safe_word_end(text: str, floor: int) -> int:
             return space
         end = space
     return 0
+
+
+_OPEN_PLACEHOLDER = re.compile(r"<(?:[A-Z][A-Z0-9_]*)?\Z")
+"""The end of a text that more text may still turn into a placeholder (``<``, ``<EMAIL_1``)."""
+
+
+class RevealStream:
+    """Reveals placeholders in a text received in pieces; see the module docstring.
+
+    Args:
+        reveal: the text with its placeholders replaced (a :class:`~keel.privacy.UserVault`'s
+            ``reveal``); called on whole placeholders only.
+        max_held_chars: an unfinished ``<...`` longer than this is not one of keel's
+            placeholders (their entity names are short): it is released as written.
+    """
+
+    def __init__(self, reveal: Callable[[str], str], *, max_held_chars: int = 64) -> None:
+        if max_held_chars < 12:
+            raise ValueError("max_held_chars must leave room for a placeholder (>= 12)")
+        self._reveal = reveal
+        self.max_held_chars = max_held_chars
+        self._held = ""
+
+    def feed(self, piece: str) -> str:
+        """Take ``piece``; return the revealed text that can be shown now ('' when none)."""
+        text = self._held + piece
+        opened = _OPEN_PLACEHOLDER.search(text, max(0, len(text) - self.max_held_chars))
+        cut = len(text) if opened is None else opened.start()
+        self._held = text[cut:]
+        return self._reveal(text[:cut]) if cut else ""
+
+    def finish(self) -> str:
+        """Everything held back, revealed (the stream ended)."""
+        held, self._held = self._held, ""
+        return self._reveal(held) if held else ""

@@ -37,12 +37,12 @@ from keel.context import ContextBudget, ContextEngine, ContextMemory
 from keel.errors import UsageError
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions
-from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.runtime._backends import Backends
 from keel.runtime._events import AgentEvent
 from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, MemoryHandOff
 from keel.runtime._lease import Lease, own_session
-from keel.runtime._masking import Masking
+from keel.runtime._masking import Masking, ModelSees, checked_model_sees
 from keel.runtime._open import (
     EmbeddedOptions,
     OnBackendsOptions,
@@ -99,6 +99,7 @@ class Agent:
         masker: masks PII and secrets in every message at the door (user text, tool results,
             model output), so prompts, checkpoints, memory and traces only ever hold
             placeholders like ``<EMAIL_1>``. ``None`` turns masking off, explicitly.
+        vault / model_sees: the PII vault (tools and replies get values), what the model sees.
         tenant_id: the tenant every session, journal entry, trace and memory is scoped to.
         name: the agent's name in traces and death-spiral indicators.
         lease_ttl_s: how long a turn's lease on its session lasts without renewal (it is
@@ -137,6 +138,8 @@ class Agent:
         guards: GuardConfig | None = None,
         memory_budget_tokens: int = 800,
         masker: PIIMasker | None = _DEFAULT_MASKER,
+        vault: Vault | None = None,
+        model_sees: ModelSees = "placeholders",
         tenant_id: str = "default",
         name: str = "agent",
         lease_ttl_s: float = 10.0,
@@ -168,6 +171,7 @@ class Agent:
         self.guards = guards or GuardConfig()
         self.memory_budget_tokens = memory_budget_tokens
         self.masker = masker
+        self.vault, self.model_sees = vault, checked_model_sees(model_sees, vault)
         self.tenant_id = tenant_id
         self.name = name
         self.lease_ttl_s = lease_ttl_s
@@ -245,8 +249,8 @@ class Agent:
         say). The caller keeps the stores: closing the agent does not close them.
 
         ``options`` are the constructor's (``tools=``, ``tenant_id=``, ``masker=``, ...);
-        state, memory, the journal (unless ``journal`` is False) and the tracer come from
-        ``backends``, the tracer masking with the agent's privacy policy."""
+        state, memory, the journal (unless ``journal`` is False), the vault and the tracer
+        come from ``backends``, the tracer masking with the agent's privacy policy."""
         return agent_on_backends(cls, backends, model, system_prompt=system_prompt, **options)
 
     @classmethod
@@ -451,8 +455,7 @@ class Agent:
         return [] if self._hand_off is None else await self._hand_off.recall(user_id, query)
 
     def _deps(self) -> TurnDeps:
-        """The agent's configuration as a turn takes it (read per turn: the attributes may be
-        set between turns)."""
+        """The agent's configuration as a turn takes it (read per turn: it may change)."""
         return TurnDeps(
             model=self.model,
             state=self.state,
@@ -461,7 +464,7 @@ class Agent:
             guards=self.guards,
             journal=self._journal,
             tracer=self.tracer,
-            masking=Masking(self.masker, self.tenant_id),
+            masking=Masking(self.masker, self.tenant_id, self.vault, self.model_sees),
             workflow=self._workflow,
             system_prompt=self.system_prompt,
             rules=self.rules,

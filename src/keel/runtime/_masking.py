@@ -1,30 +1,99 @@
-"""The agent's privacy policy applied to what a turn stores and shows: one masker, one tenant."""
+"""The agent's privacy policy applied to what a turn stores and shows: one masker, one tenant,
+and with a PII vault one user.
+
+Without a vault, placeholders are numbered per text (``<EMAIL_1>`` is the first address of
+that text) and the values are gone. With one, :meth:`Masking.for_user` gives the turn its
+user's view of the vault: every mask numbers through it, so a value has one placeholder in
+every turn, checkpoint, trace, journal row and memory record of that user, and the values can
+come back where they are needed: for the tools (the executor resolves their arguments), for the
+model when the deployment trusts it (``model_sees="values"``), and for the user's own reply.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import json
+from collections.abc import Callable, Sequence
+from typing import Literal
 
+from keel.errors import UsageError
 from keel.messages import Message, ToolCall
-from keel.privacy import PIIMasker, StreamMasker
+from keel.privacy import PLACEHOLDER, PIIMasker, RevealStream, StreamMasker, UserVault, Vault
 from keel.runtime._text import sanitize
+from keel.tracing import Tracer, redact_json
 
-__all__ = ["Masking"]
+__all__ = ["Masking", "ModelSees", "checked_model_sees"]
+
+ModelSees = Literal["placeholders", "values"]
+"""What the model is shown of the user's PII: placeholders (the default), or the values (for
+a model the deployment trusts with them, a local one say; needs a vault)."""
+
+
+def checked_model_sees(model_sees: ModelSees, vault: Vault | None) -> ModelSees:
+    """``model_sees``, once it is known to be a policy the agent can keep.
+
+    Raises:
+        UsageError: not one of :data:`ModelSees`, or values without a vault to hold them.
+    """
+    if model_sees not in ("placeholders", "values"):
+        raise UsageError(f"model_sees is 'placeholders' or 'values', got {model_sees!r}")
+    if model_sees == "values" and vault is None:
+        raise UsageError(
+            "model_sees='values' needs a PII vault (vault=..., or KEEL_PII_KEY for the stores "
+            "to open one): without it, masked values are gone"
+        )
+    return model_sees
 
 
 class Masking:
     """Masks PII and secrets in text, tool calls and messages for one tenant (``masker``
-    None: masking is off, text passes through, made storable)."""
+    None: masking is off, text passes through, made storable).
 
-    def __init__(self, masker: PIIMasker | None, tenant_id: str) -> None:
+    Args:
+        masker: the privacy policy.
+        tenant_id: the tenant whose policy applies.
+        vault: the deployment's PII vault (None: placeholders per text, values gone).
+        model_sees: what the model is shown (see :data:`ModelSees`).
+        user_vault: the turn's user's view of ``vault`` (set by :meth:`for_user`).
+    """
+
+    def __init__(
+        self,
+        masker: PIIMasker | None,
+        tenant_id: str,
+        vault: Vault | None = None,
+        model_sees: ModelSees = "placeholders",
+        *,
+        user_vault: UserVault | None = None,
+    ) -> None:
         self.masker = masker
         self.tenant_id = tenant_id
+        self.vault = vault
+        self.model_sees = checked_model_sees(model_sees, vault)
+        self.user_vault = user_vault
         self.redact: Callable[[str], str] | None = None if masker is None else self.mask
         """What the tool journal masks with, as the messages are (None: off)."""
+
+    def for_user(self, user_id: str) -> Masking:
+        """The masking of one turn of ``user_id``: numbered through their view of the vault
+        (this masking itself when there is no vault)."""
+        if self.vault is None:
+            return self
+        return Masking(
+            self.masker,
+            self.tenant_id,
+            self.vault,
+            self.model_sees,
+            user_vault=self.vault.user(self.tenant_id, user_id),
+        )
+
+    # --- values -> placeholders -----------------------------------------------------------------
 
     def mask(self, text: str) -> str:
         if self.masker is None or not text:
             return text
-        return self.masker.mask_text(text, tenant_id=self.tenant_id)
+        numbering = None if self.user_vault is None else self.user_vault.placeholder
+        return self.masker.mask_text(text, tenant_id=self.tenant_id, numbering=numbering)
 
     def mask_call(self, call: ToolCall) -> ToolCall:
         arguments = self.mask(sanitize(call.arguments))
@@ -41,8 +110,22 @@ class Masking:
             return message
         return message.model_copy(update={"content": content, "tool_calls": calls})
 
-    def stream_masker(self) -> StreamMasker | None:
-        """A masker for text that arrives in pieces (None: masking is off)."""
+    def traced(self, tracer: Tracer) -> Tracer:
+        """``tracer`` for one turn: what it records is masked through the user's numbering
+        first (then by its own redaction), so the trace holds the placeholders the state does."""
+        if self.user_vault is None or self.masker is None:
+            return tracer
+        turn_tracer = copy.copy(tracer)
+        own = tracer.redact
+        mask = self.mask
+        turn_tracer.redact = lambda text: own(mask(text))
+        return turn_tracer
+
+    def stream_masker(self) -> StreamMasker | RevealStream | None:
+        """A masker for text that arrives in pieces (None: masking is off). With a vault the
+        pieces are the user's to read: their placeholders revealed, never split."""
+        if self.user_vault is not None:
+            return RevealStream(lambda text: self.reveal(sanitize(text)))
         policy, tenant_id = self.masker, self.tenant_id
         if policy is None:
             return None
@@ -51,3 +134,39 @@ class Masking:
             lambda whole: policy.mask_text(sanitize(whole), tenant_id=tenant_id, remember=False),
             by_word=policy.streams_by_word(tenant_id),
         )
+
+    # --- placeholders -> values -----------------------------------------------------------------
+
+    def reveal(self, text: str) -> str:
+        """``text`` with the user's own placeholders shown as their values (what the user
+        reads); as it is without a vault."""
+        if self.user_vault is None or not text:
+            return text
+        return self.user_vault.reveal(text)
+
+    def for_model(self, messages: Sequence[Message]) -> list[Message]:
+        """The compiled prompt as the model is shown it: revealed when the deployment trusts
+        the model with values, else as compiled (placeholders). Nothing revealed is stored."""
+        if self.model_sees != "values" or self.user_vault is None:
+            return list(messages)
+        return [self._revealed(message) for message in messages]
+
+    def _revealed(self, message: Message) -> Message:
+        content = self.reveal(message.content)
+        calls = tuple(
+            call.model_copy(update={"arguments": self._revealed_arguments(call.arguments)})
+            for call in message.tool_calls
+        )
+        if content == message.content and calls == message.tool_calls:
+            return message
+        return message.model_copy(update={"content": content, "tool_calls": calls})
+
+    def _revealed_arguments(self, arguments: str) -> str:
+        """JSON arguments with each string revealed (a value may hold a quote)."""
+        if PLACEHOLDER.search(arguments) is None:
+            return arguments
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return self.reveal(arguments)
+        return json.dumps(redact_json(parsed, self.reveal), ensure_ascii=False)

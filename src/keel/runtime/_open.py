@@ -20,8 +20,9 @@ from keel.context import ContextBudget
 from keel.errors import KeelError, UsageError
 from keel.guards import GuardConfig
 from keel.models import ChatModel, ModelOptions, resolve_model
-from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.runtime._backends import Backends, open_at_edge
+from keel.runtime._masking import ModelSees
 from keel.settings import Settings, load_settings
 from keel.state import StateMachine
 from keel.tools import MCPServer, Tool
@@ -64,6 +65,8 @@ class AgentOptions(TypedDict, total=False):
     guards: GuardConfig | None
     memory_budget_tokens: int
     masker: PIIMasker | None
+    vault: Vault | None
+    model_sees: ModelSees
     tenant_id: str
     name: str
     lease_ttl_s: float
@@ -141,6 +144,8 @@ def agent_on_backends(
     """A ``cls`` on stores the caller keeps open: see ``Agent.on_backends``."""
     # The stores' privacy policy unless the agent has its own: one masker for all of it.
     masker = options.setdefault("masker", backends.privacy)
+    # The stores' PII vault (KEEL_PII_KEY) unless the agent is given its own, or None.
+    options.setdefault("vault", backends.vault)
     tenant_id = options.get("tenant_id", "default")
     redact = None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
     return cls(

@@ -76,6 +76,7 @@ async def answer(
     extras: RunExtras | None,
 ) -> AgentReply:
     """The reply to ``text`` from user ``ids[1]`` on session ``ids[0]`` (store key ``key``)."""
+    deps = deps.for_user(ids[1])
     checkpoint = await _load(deps, key, ids[1])
     runtime = checkpoint.state.runtime
     turn_id = extras.turn_id if extras is not None else None
@@ -83,7 +84,7 @@ async def answer(
         masked = deps.masking.mask(sanitize(text))
         replayed = recorded_reply(checkpoint.state, turn_id, masked)
         if replayed is not None:
-            return replayed
+            return replayed.model_copy(update={"text": deps.masking.reveal(replayed.text)})
         if runtime.open_turn == turn_id:
             if open_turn_text(checkpoint.state) != masked:
                 raise UsageError(f"turn id {turn_id!r} was used for another message")
@@ -112,4 +113,4 @@ async def resume_open_turn(
     check_owner(checkpoint.state, ids[1], deps.tenant_id)
     if checkpoint.state.runtime.open_turn is None:
         return None
-    return await _turn(deps, lease, key, ids, checkpoint, None)
+    return await _turn(deps.for_user(ids[1]), lease, key, ids, checkpoint, None)

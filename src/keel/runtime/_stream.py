@@ -1,6 +1,6 @@
-"""A streamed turn's events: the model's text masked as it arrives (a placeholder is never
-split), tool calls as they start and end, and the text of a step withdrawn when the step turns
-out unusable."""
+"""A streamed turn's events: the model's text masked as it arrives (with a PII vault, the
+user's placeholders revealed; a placeholder is never split), tool calls as they start and end,
+and the text of a step withdrawn when the step turns out unusable."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from keel.messages import ToolCall
-from keel.privacy import StreamMasker
+from keel.privacy import RevealStream, StreamMasker
 from keel.runtime._events import (
     AgentEvent,
     GuardWarning,
@@ -36,9 +36,9 @@ class TurnStream:
     def __init__(self, emit: Callable[[AgentEvent], None], masking: Masking) -> None:
         self.emit = emit
         self._masking = masking
-        self._streamed: dict[int, StreamMasker | None] = {}
+        self._streamed: dict[int, StreamMasker | RevealStream | None] = {}
         """The steps whose reply text streamed: the masker of each (None: masking is off, the
-        text went out as it came)."""
+        text went out as it came; a :class:`RevealStream` with a vault: the user's values)."""
         self._shown: set[int] = set()
         """Steps whose reply text reached the caller (in part, at least)."""
         self._continued: list[int] = []
@@ -47,17 +47,11 @@ class TurnStream:
 
     def on_text(self, step: int, text: str) -> None:
         """More characters of ``step``'s reply: released as far as masking allows."""
-        if self._masking.masker is None:
-            # Masking is off: nothing to hold back.
-            self._streamed[step] = None
-            self._shown.add(step)
-            self.emit(TextDelta(step=step, text=sanitize(text)))
-            return
-        masker = self._streamed.get(step)
-        if masker is None:
-            masker = self._streamed[step] = self._masking.stream_masker()
-        assert masker is not None
-        released = masker.feed(text)
+        if step not in self._streamed:
+            self._streamed[step] = self._masking.stream_masker()
+        masker = self._streamed[step]
+        # Masking off: nothing to hold back.
+        released = sanitize(text) if masker is None else masker.feed(text)
         if released:
             self._shown.add(step)
             self.emit(TextDelta(step=step, text=released))

@@ -14,6 +14,7 @@ from keel.errors import KeelError, StoreError, ToolError
 from keel.guards import GuardConfig, LoopSignal
 from keel.messages import Message, ToolCall
 from keel.models import Completion
+from keel.privacy import UserVault
 from keel.runtime._steps import (
     LoopRun,
     LoopStatus,
@@ -42,6 +43,8 @@ class ToolStep:
         redact: masks what is journalled: each call's arguments and result, and the step's
             decision (None: journalled as they are).
         scope: what each call's :class:`~keel.tools.ToolContext` carries.
+        vault: the user's view of the PII vault: placeholders in a call's arguments are
+            resolved for the tool (None: used as written).
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class ToolStep:
         guards: GuardConfig,
         redact: Callable[[str], str] | None = None,
         scope: ToolScope | None = None,
+        vault: UserVault | None = None,
     ) -> None:
         self.registry = registry
         self.guards = guards
@@ -63,6 +67,7 @@ class ToolStep:
             max_output_chars=guards.max_output_chars,
             redact=redact,
             scope=scope,
+            vault=vault,
         )
         self.journal = self.executor.journal
 

@@ -14,6 +14,7 @@ running summary and the hand-off to memory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -109,6 +110,14 @@ class TurnDeps:
     memory: MemoryHandOff | None
     recall: Callable[[str, str], Awaitable[list[ContextMemory]]]
     """The memories for (user id, query) within their budget."""
+
+    def for_user(self, user_id: str) -> TurnDeps:
+        """The dependencies of ``user_id``'s turns: masking numbered through their view of the
+        PII vault, and a tracer that masks the same way (these very ones without a vault)."""
+        masking = self.masking.for_user(user_id)
+        if masking is self.masking:
+            return self
+        return dataclasses.replace(self, masking=masking, tracer=masking.traced(self.tracer))
 
 
 class TurnOptions(TypedDict, total=False):
@@ -335,7 +344,12 @@ class TurnRunner:
             deps=self.tool_deps,
         )
         tools = ToolStep(
-            self.registry, deps.journal, guards=guards, redact=deps.masking.redact, scope=scope
+            self.registry,
+            deps.journal,
+            guards=guards,
+            redact=deps.masking.redact,
+            scope=scope,
+            vault=deps.masking.user_vault,
         )
         model = ModelStep(
             deps.model,
@@ -422,9 +436,11 @@ class TurnRunner:
         # The trace so far is made durable with the checkpoint: a process killed during the
         # model call leaves both at the same point.
         await self.trace.aflush()
-        return self.prompt.compile(
+        compiled = self.prompt.compile(
             self.log.conversation, self.deps.workflow.rules(self.cursor.position)
         )
+        # The model is shown values only when the deployment trusts it; the log keeps masks.
+        return self.deps.masking.for_model(compiled)
 
     # --- after each step ------------------------------------------------------------------------
 
@@ -459,9 +475,8 @@ class TurnRunner:
         calls = {call.id: call for call in (record.response.tool_calls if record.response else ())}
         for result in record.tool_results:
             if result.ok and result.tool not in WORKFLOW_TOOLS:
-                self.tool_calls.append(
-                    ToolCall(id=result.call_id, name=result.tool, arguments=result.raw_arguments)
-                )
+                call = ToolCall(id=result.call_id, name=result.tool, arguments=result.raw_arguments)
+                self.tool_calls.append(masking.mask_call(call))
             if self.deps.workflow.ran_effect(result):
                 call = calls.get(result.call_id) or ToolCall(
                     id=result.call_id, name=result.tool, arguments=result.raw_arguments
@@ -555,7 +570,8 @@ class TurnRunner:
             output=text,
             error=result.error,
         )
-        return reply.model_copy(update={"state_version": version})
+        # The user reads their own values; what was stored keeps the placeholders.
+        return reply.model_copy(update={"state_version": version, "text": masking.reveal(text)})
 
     async def _save(self, final_state: AgentState, reason: str, *, rebuilt: bool) -> int:
         """The turn's last checkpoint, marked good."""
@@ -683,7 +699,8 @@ class TurnRunner:
         final_state = self._with_reply(final_state, reply)
         version = await self._write(final_state, reason="turn failed: failed", good=True)
         self.deps.logs.pop(self.key, None)
-        return reply.model_copy(update={"state_version": version})
+        revealed = self.deps.masking.reveal(text)
+        return reply.model_copy(update={"state_version": version, "text": revealed})
 
     def _with_reply(self, state: AgentState, reply: AgentReply) -> AgentState:
         if not self.record_reply:

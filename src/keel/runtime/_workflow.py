@@ -143,4 +143,6 @@ class Workflow:
             cursor.position = machine.fill(position, **{slot: value})
             return json.dumps({"remembered": {slot: value}})
 
-        return [tool(go_to), tool(remember)]
+        # Slots are state, stored as they are: they keep the user's placeholders, never values.
+        keep_placeholders = tool(sees_values=False)
+        return [keep_placeholders(go_to), keep_placeholders(remember)]

@@ -1,9 +1,10 @@
 """Storage backends behind small interfaces.
 
-The embedded default is one SQLite file (:class:`SQLiteDatabase`); the state, memory, trace and
-journal stores extend it with their own migrations. On a server, :class:`PostgresDatabase` is
-the same for PostgreSQL: one connection pool that every PostgreSQL store can share. The store
-classes take such a database object; :meth:`Backends.open` is where they are opened from a URL.
+The embedded default is one SQLite file (:class:`SQLiteDatabase`); the state, memory, trace,
+journal and PII vault stores extend it with their own migrations. On a server,
+:class:`PostgresDatabase` is the same for PostgreSQL: one connection pool that every
+PostgreSQL store can share. The store classes take such a database object;
+:meth:`Backends.open` is where they are opened from a URL.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
+from keel.stores._postgres_vault import POSTGRES_VAULT_MIGRATIONS, PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
 from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
 from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
 from keel.stores._sqlite_traces import TRACE_MIGRATIONS, SQLiteTraceStore
+from keel.stores._sqlite_vault import VAULT_MIGRATIONS, SQLiteVaultStore
 
 if TYPE_CHECKING:
     # Imports psycopg at module level: loaded on first use so that keel.stores works
@@ -36,8 +39,10 @@ __all__ = [
     "POSTGRES_JOURNAL_MIGRATIONS",
     "POSTGRES_MEMORY_MIGRATIONS",
     "POSTGRES_TRACE_MIGRATIONS",
+    "POSTGRES_VAULT_MIGRATIONS",
     "STATE_MIGRATIONS",
     "TRACE_MIGRATIONS",
+    "VAULT_MIGRATIONS",
     "Backends",
     "DatabaseURL",
     "Migration",
@@ -47,12 +52,14 @@ __all__ = [
     "PostgresStateBackend",
     "PostgresToolJournal",
     "PostgresTraceStore",
+    "PostgresVaultStore",
     "RedisStateBackend",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
     "SQLiteStateBackend",
     "SQLiteToolJournal",
     "SQLiteTraceStore",
+    "SQLiteVaultStore",
     "open_database",
     "open_state_backend",
     "parse_database_url",

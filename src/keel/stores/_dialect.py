@@ -64,7 +64,8 @@ class SqlDialect:
         to_json, from_json: a ``json`` column's value, written and read (SQLite keeps text).
         arrays: the driver binds a list as one array parameter (``= ANY(%s)``); otherwise
             :meth:`one_of` spells ``IN (?, ?, ...)``.
-        time_type, json_type, real_type, big_int_type, flag_type: column types in DDL.
+        time_type, json_type, real_type, big_int_type, flag_type, bytes_type: column types
+            in DDL (``bytes_type``: raw bytes, read back as ``bytes``).
         add_column: ``ALTER TABLE`` words that add a column (idempotent where the engine can).
         least: the two-argument minimum function.
         byte_length: the expression for a text column's size in bytes (``{}``: the column).
@@ -93,6 +94,7 @@ class SqlDialect:
     real_type: str = "REAL"
     big_int_type: str = "INTEGER"
     flag_type: str = "INTEGER"
+    bytes_type: str = "BLOB"
     add_column: str = "ADD COLUMN"
     least: str = "MIN"
     byte_length: str = "length(CAST({} AS BLOB))"
@@ -135,6 +137,7 @@ POSTGRES = SqlDialect(
     real_type="DOUBLE PRECISION",
     big_int_type="BIGINT",
     flag_type="BOOLEAN",
+    bytes_type="BYTEA",
     add_column="ADD COLUMN IF NOT EXISTS",
     least="LEAST",
     byte_length="octet_length({})",

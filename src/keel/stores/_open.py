@@ -6,7 +6,9 @@ four; ``postgresql://...`` is the four PostgreSQL stores sharing one
 :class:`~keel.stores.PostgresDatabase` (one connection pool). Either way a Redis URL moves state
 (checkpoints and session leases) to Redis, while the journal, traces and memory stay on the SQL
 database: they are queried (``keel runs``, ``keel tools in-doubt``, retrieval), which Redis is
-not built for.
+not built for. Given a PII master key (``pii_key=``, else the settings' ``pii_key`` /
+``pii_key_file``), the PII vault opens on the SQL database too, and its key is checked there:
+a wrong key is a ``VaultKeyError`` at start-up, never values stored raw.
 
 It opens everything or nothing: a store that fails to open closes the ones opened before it.
 :meth:`Backends.close` / :meth:`Backends.aclose` release them in reverse order, memory first so
@@ -29,23 +31,25 @@ from dataclasses import dataclass, field
 from keel._urls import DatabaseURL, parse_database_url
 from keel.errors import ConfigError, UsageError
 from keel.memory import Memory, MemoryStore, embedder_from_settings
-from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.privacy import DEFAULT_MASKER, KeyProvider, MasterKey, PIIMasker, Vault, VaultStore
 from keel.settings import Settings
 from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
 from keel.stores._postgres_journal import PostgresToolJournal
 from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
+from keel.stores._postgres_vault import PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sqlite import SQLiteDatabase
 from keel.stores._sqlite_journal import SQLiteToolJournal
 from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import SQLiteStateBackend
 from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
 
-__all__ = ["Backends", "open_database", "open_state_backend"]
+__all__ = ["Backends", "open_database", "open_state_backend", "pii_key_from_settings"]
 
 _AsyncClose = Callable[[], Awaitable[None]] | None
 _Closer = tuple[Callable[[], None], _AsyncClose]
@@ -85,6 +89,9 @@ class Backends:
     privacy: PIIMasker | None = DEFAULT_MASKER
     """The privacy policy memory masks with, and the one agents on these stores mask messages
     and traces with unless given their own (None: masking off)."""
+    vault: Vault | None = None
+    """The PII vault on the SQL database (masked values kept sealed per tenant and user), or
+    None when no master key was given (masking as before: values are dropped)."""
     _closers: list[_Closer] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -97,6 +104,7 @@ class Backends:
         memory: bool = True,
         background: bool = True,
         privacy: PIIMasker | None = DEFAULT_MASKER,
+        pii_key: KeyProvider | None = None,
     ) -> Backends:
         """Open state, journal, traces and memory on ``database`` (state on Redis if set).
 
@@ -113,12 +121,17 @@ class Backends:
                 ``process_outbox`` only, as a one-shot command wants).
             privacy: the privacy policy (memory masks with it; agents on these stores too,
                 unless given their own). None turns masking off.
+            pii_key: the PII vault's master key (a :class:`~keel.privacy.MasterKey` or a
+                KMS-backed :class:`~keel.privacy.KeyProvider`); default: ``settings.pii_key``,
+                else ``settings.pii_key_file``; none of them: no vault.
 
         Raises:
             UsageError: a URL without ``settings``.
             ConfigError: a URL keel cannot open (a Redis URL as the database, an unknown scheme).
             BackendUnavailableError: a server cannot be reached or its driver is not installed.
             StoreError: a database cannot be opened or migrated.
+            VaultKeyError: the PII key is malformed, its file is missing, or it is not the
+                key this database's vault was sealed with (nothing is left open).
         """
         if isinstance(database, Settings):
             settings, database = database, database.database_url
@@ -129,6 +142,7 @@ class Backends:
             )
         parsed = parse_database_url(database, kinds=("sqlite", "postgres"))
         redis = _redis(settings.redis_url if redis_url is None else redis_url)
+        keys = pii_key if pii_key is not None else pii_key_from_settings(settings)
         closers: list[_Closer] = []
 
         def own(
@@ -139,6 +153,7 @@ class Backends:
         try:
             sql = _open_sql(parsed, settings, own)
             journal, traces, store = _sql_stores(sql)
+            vault = None if keys is None else _open_vault(sql, keys, own)
             state = (
                 _state_on_redis(redis, own)
                 if redis is not None
@@ -160,7 +175,7 @@ class Backends:
                 with contextlib.suppress(Exception):
                     closers.pop()[0]()
             raise
-        return cls(parsed, redis, state, journal, traces, long_term, sql, privacy, closers)
+        return cls(parsed, redis, state, journal, traces, long_term, sql, privacy, vault, closers)
 
     async def aready(self, connections: int = 1) -> None:
         """Wait until every store answers: the SQL database with ``connections`` pooled
@@ -237,6 +252,31 @@ def _state_on_redis(redis: DatabaseURL, own: _Own) -> StateStore[AgentState]:
     backend = RedisStateBackend(redis.url)
     own(backend.close, backend.aclose)
     return StateStore(backend, AgentState)
+
+
+def pii_key_from_settings(settings: Settings) -> MasterKey | None:
+    """The PII master key the settings give: ``pii_key`` (``KEEL_PII_KEY``), else
+    ``pii_key_file`` (``KEEL_PII_KEY_FILE``); None when neither is set (the vault is off).
+
+    Raises:
+        VaultKeyError: one is set but holds no usable key (never ignored).
+    """
+    if settings.pii_key is not None:
+        return MasterKey.from_text(settings.pii_key.get_secret_value(), source="KEEL_PII_KEY")
+    if settings.pii_key_file is not None:
+        return MasterKey.from_file(settings.pii_key_file)
+    return None
+
+
+def _open_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider, own: _Own) -> Vault:
+    """The vault on ``sql`` (migrated), its master key checked."""
+    store: VaultStore = (
+        SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
+    )
+    own(store.close, None)
+    vault = Vault(store, keys)
+    vault.check()
+    return vault
 
 
 def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:

@@ -4,6 +4,12 @@ Every outcome is a :class:`ToolResult`: the text the model sees next (``content`
 fact a trace needs. The model always gets something it can act on: the closest valid tool
 names, the JSON problem, one line per invalid field, or the tool's own failure.
 
+With a user's PII vault, placeholders in a call's arguments (``<EMAIL_1>``) are resolved to
+that user's values once the arguments are parsed, before they are validated (an ``EmailStr``
+validates the real address), and only for the call's own tenant and user: the tool runs with the
+values while the journal, the result's arguments and the history keep the placeholders. A
+placeholder that cannot be resolved stops the call before anything is journalled or run.
+
 A side-effecting call that may have taken effect without a recorded result (it outlived its
 timeout, its run was cancelled, the process died) stays *in doubt* in the journal; a
 non-idempotent one is never run again until it is settled, not under its own key and not as
@@ -25,6 +31,7 @@ from pydantic_core import to_jsonable_python
 
 from keel.errors import (
     KeelError,
+    PlaceholderError,
     StoreError,
     ToolArgumentsError,
     ToolExecutionError,
@@ -32,6 +39,7 @@ from keel.errors import (
     UnknownToolError,
 )
 from keel.messages import Message, ToolCall
+from keel.privacy import PLACEHOLDER, UserVault, placeholders_in
 from keel.tools._journal import InMemoryJournal, JournalEntry, ToolJournal, idempotency_key
 from keel.tools._registry import ToolRegistry
 from keel.tools._repair import ArgumentsNotJSONError, coerce_scalars, parse_arguments
@@ -137,6 +145,9 @@ class ToolExecutor:
             a replayed call returns the masked content. ``None`` (the default) journals the
             texts as they are. The result the model gets now is not masked here: the agent
             masks messages at its door.
+        vault: the user's view of the PII vault: placeholders in a call's arguments are
+            resolved to their values for the tool (see the module docstring; a tool declared
+            ``sees_values=False`` gets them as written). None: arguments are used as written.
     """
 
     def __init__(
@@ -148,8 +159,10 @@ class ToolExecutor:
         max_output_chars: int = 4000,
         redact: Callable[[str], str] | None = None,
         scope: ToolScope | None = None,
+        vault: UserVault | None = None,
     ) -> None:
         self.registry = registry
+        self.vault = vault
         self.journal = journal if journal is not None else InMemoryJournal()
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
@@ -188,11 +201,14 @@ class ToolExecutor:
         found = self.registry.get(call.name)
         if found is None:
             return self._unknown_tool(call.name, base, started)
-        checked = _check_arguments(found, call.arguments, base, started)
+        values: dict[str, str] = {}
+        resolve = None if self.vault is None or not found.sees_values else values
+        checked = _check_arguments(found, call.arguments, base, started, self.vault, resolve)
         if isinstance(checked, ToolResult):
             return checked
         validated, repairs = checked
-        arguments = validated.model_dump(mode="json")
+        # What is journalled, traced and streamed keeps the placeholders; the tool gets values.
+        arguments = _with_placeholders(validated.model_dump(mode="json"), values)
         base.update(arguments=arguments, repairs=repairs)
         key = idempotency_key(session_id, step, call_index, turn_id)
         attempt = 1  # a call outside the journal is always its first start
@@ -565,12 +581,23 @@ def _refused(
 
 
 def _check_arguments(
-    found: Tool, raw: str, base: dict[str, Any], started: float
+    found: Tool,
+    raw: str,
+    base: dict[str, Any],
+    started: float,
+    vault: UserVault | None = None,
+    resolved: dict[str, str] | None = None,
 ) -> tuple[BaseModel, tuple[str, ...]] | ToolResult:
-    """The arguments parsed, repaired and validated (with the repairs made), or the result
-    that tells the model what to fix."""
+    """The arguments parsed, repaired, their placeholders resolved (when ``resolved`` is
+    given: it gets each placeholder with its value) and validated (with the repairs made), or
+    the result that tells the model what to fix."""
     try:
         parsed = parse_arguments(raw)
+        value = parsed.value
+        if vault is not None and resolved is not None:
+            value = _resolved(value, vault, found.masked_arguments, resolved)
+    except PlaceholderError as exc:
+        return _unresolved(found, base, started, exc)
     except ArgumentsNotJSONError as exc:
         return _refused(
             base,
@@ -581,7 +608,7 @@ def _check_arguments(
             ToolArgumentsError(found.name, [str(exc)]),
             problems=(str(exc),),
         )
-    value, coerced = coerce_scalars(parsed.value, found._parameters)
+    value, coerced = coerce_scalars(value, found._parameters)
     repairs = (*parsed.repairs, *coerced)
     try:
         return found.args_model.model_validate(value), repairs
@@ -600,6 +627,81 @@ def _check_arguments(
             repairs=repairs,
             problems=tuple(problems),
         )
+
+
+def _resolved(value: Any, vault: UserVault, kept: tuple[str, ...], into: dict[str, str]) -> Any:
+    """``value`` (parsed arguments) with the placeholders in its strings replaced by the
+    vault's values, except under the top-level names ``kept``; ``into`` gets what was used.
+
+    Raises:
+        PlaceholderError: one is not the user's, was erased, or fails to decrypt.
+    """
+    resolvable = (
+        {name: item for name, item in value.items() if name not in kept}
+        if isinstance(value, dict)
+        else value
+    )
+    found: list[str] = []
+
+    def collect(text: str) -> str:
+        found.extend(placeholders_in(text))
+        return text
+
+    _map_strings(resolvable, collect)
+    if not found:
+        return value
+    into.update(vault.values(found))  # one read of the store for the whole call
+
+    def substitute(text: str) -> str:
+        return PLACEHOLDER.sub(lambda match: into.get(match.group(0), match.group(0)), text)
+
+    if isinstance(value, dict):
+        return {
+            name: item if name in kept else _map_strings(item, substitute)
+            for name, item in value.items()
+        }
+    return _map_strings(value, substitute)
+
+
+def _with_placeholders(value: Any, values: dict[str, str]) -> Any:
+    """``value`` with each resolved value written as its placeholder again (longest first)."""
+    if not values:
+        return value
+    longest_first = sorted(values.items(), key=lambda item: -len(item[1]))
+
+    def masked(text: str) -> str:
+        for placeholder, real in longest_first:
+            if real:
+                text = text.replace(real, placeholder)
+        return text
+
+    return _map_strings(value, masked)
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """``value`` (JSON data) with ``change`` applied to every string in it."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, list):
+        return [_map_strings(item, change) for item in value]
+    if isinstance(value, dict):
+        return {name: _map_strings(item, change) for name, item in value.items()}
+    return value
+
+
+def _unresolved(
+    found: Tool, base: dict[str, Any], started: float, error: PlaceholderError
+) -> ToolResult:
+    """A call whose arguments hold a placeholder the user's vault cannot resolve: not made."""
+    return _refused(
+        base,
+        started,
+        "invalid_arguments",
+        f"Error: tool {found.name!r} was not called: {error}. Nothing was done; ask the user "
+        f"for the value {error.placeholder} stands for, or go on without it.",
+        error,
+        problems=(str(error),),
+    )
 
 
 def _from_journal(

@@ -113,6 +113,11 @@ class Tool:
     max_output_chars: int | None = None
     context_parameter: str | None = None
     nested_fields: tuple[str, ...] = field(default=())
+    sees_values: bool = True
+    """With a PII vault: placeholders in the arguments are resolved to the user's values
+    before the call (False: the tool gets the placeholders)."""
+    masked_arguments: tuple[str, ...] = ()
+    """Top-level arguments that keep their placeholders even for a tool that sees values."""
 
     @property
     def is_async(self) -> bool:
@@ -178,6 +183,8 @@ def tool(
     idempotent: bool | None = None,
     timeout_s: float | None = None,
     max_output_chars: int | None = None,
+    sees_values: bool = True,
+    masked_arguments: tuple[str, ...] = (),
 ) -> Callable[[F], Tool]: ...
 
 
@@ -191,6 +198,8 @@ def tool(
     idempotent: bool | None = None,
     timeout_s: float | None = None,
     max_output_chars: int | None = None,
+    sees_values: bool = True,
+    masked_arguments: tuple[str, ...] = (),
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Turn a typed function (sync or async) into a :class:`Tool`.
 
@@ -216,6 +225,12 @@ def tool(
         timeout_s: per-call wall-clock limit (default: the executor's).
         max_output_chars: output longer than this is truncated for the model (default: the
             executor's); the whole output stays in the result for traces.
+        sees_values: with a PII vault (``Agent(vault=...)``), placeholders such as
+            ``<EMAIL_1>`` in the call's arguments are replaced by the user's real values
+            before the arguments are validated and the tool runs. False: the tool gets the
+            placeholders (one that must never see personal data).
+        masked_arguments: names of top-level arguments that keep their placeholders even for a
+            tool that sees values (secrets it passes on without reading).
 
     Raises:
         ToolDefinitionError: the function cannot be described as a tool (``*args``, a
@@ -231,6 +246,8 @@ def tool(
             idempotent=(not side_effect) if idempotent is None else idempotent,
             timeout_s=timeout_s,
             max_output_chars=max_output_chars,
+            sees_values=sees_values,
+            masked_arguments=masked_arguments,
         )
 
     if function is not None:
@@ -247,6 +264,8 @@ def _build_tool(
     idempotent: bool,
     timeout_s: float | None,
     max_output_chars: int | None,
+    sees_values: bool = True,
+    masked_arguments: tuple[str, ...] = (),
 ) -> Tool:
     tool_name = _checked_name(fn, name)
     if timeout_s is not None and timeout_s <= 0:
@@ -255,6 +274,11 @@ def _build_tool(
         raise ToolDefinitionError(f"tool {tool_name!r}: max_output_chars must be at least 1")
     summary, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
     fields, context_parameter = _argument_fields(fn, tool_name, arg_docs)
+    unknown = sorted(set(masked_arguments) - set(fields))
+    if unknown:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: masked_arguments names arguments it does not take: {unknown}"
+        )
     try:
         args_model: type[BaseModel] = create_model(
             _model_name(tool_name),
@@ -284,6 +308,8 @@ def _build_tool(
         max_output_chars=max_output_chars,
         context_parameter=context_parameter,
         nested_fields=tuple(nested),
+        sees_values=sees_values,
+        masked_arguments=tuple(masked_arguments),
     )
     built.__dict__["_parameters"] = _strip_titles(raw_schema)  # seeds the cached_property
     if nested:

@@ -1,0 +1,282 @@
+"""The PII vault's store over SQL, for SQLite and PostgreSQL alike (component ``vault``).
+
+Rows hold only what the vault hands down: wrapped data keys, HMAC tokens and sealed values,
+never a key or a value in the clear. The statements are written once over a
+:class:`~keel.stores._dialect.SqlDialect`; each engine's subclass says how it opens a write
+transaction and a read.
+
+``add_value`` reads the user's key row with the dialect's row lock (PostgreSQL ``FOR UPDATE``;
+SQLite's write transaction holds the whole file), so a ``forget`` and the user's other writers
+wait for it: the key is compared and the next number counted in the same transaction that
+inserts. The insert is ``ON CONFLICT DO NOTHING`` and retried all the same, so a number is
+never taken twice even by a writer that holds no lock.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from functools import partial
+from typing import Any, TypeVar
+
+from keel.errors import StoreError
+from keel.privacy import StoredKey, VaultStore
+from keel.stores._dialect import SqlDialect
+from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._sql_plan import Plan, Statement, run_plan
+
+__all__ = ["SQLVaultStore", "vault_migrations"]
+
+_T = TypeVar("_T")
+
+_ATTEMPTS = 16
+"""Inserts tried before ``add_value`` gives up (each lost only to a writer that won)."""
+_KEYS_PAGE = 500
+"""Data keys read at a time by ``data_keys`` (a re-wrap runs between pages)."""
+
+
+def vault_migrations(dialect: SqlDialect) -> MigrationSet:
+    """The ``vault`` component's migrations in ``dialect``'s column types."""
+    raw, real = dialect.bytes_type, dialect.real_type
+    return MigrationSet(
+        "vault",
+        (
+            Migration(
+                "wrapped data keys per tenant and user, sealed values, the master key's check",
+                f"""
+                CREATE TABLE IF NOT EXISTS keel_pii_keys (
+                    tenant_id TEXT NOT NULL,
+                    user_id TEXT NOT NULL,
+                    wrapped {raw} NOT NULL,
+                    key_id TEXT NOT NULL,
+                    created_at {real} NOT NULL,
+                    PRIMARY KEY (tenant_id, user_id)
+                );
+                CREATE TABLE IF NOT EXISTS keel_pii_values (
+                    tenant_id TEXT NOT NULL,
+                    user_id TEXT NOT NULL,
+                    entity TEXT NOT NULL,
+                    number INTEGER NOT NULL,
+                    token {raw},
+                    sealed {raw},
+                    created_at {real} NOT NULL,
+                    PRIMARY KEY (tenant_id, user_id, entity, number),
+                    UNIQUE (tenant_id, user_id, token)
+                );
+                CREATE TABLE IF NOT EXISTS keel_pii_key_check (
+                    id INTEGER PRIMARY KEY CHECK (id = 1),
+                    wrapped {raw} NOT NULL,
+                    key_id TEXT NOT NULL,
+                    updated_at {real} NOT NULL
+                );
+                """,
+            ),
+        ),
+    )
+
+
+class SQLVaultStore(VaultStore):
+    """The vault store's statements, run on the connections a subclass opens."""
+
+    dialect: SqlDialect
+
+    @abstractmethod
+    def _write(self) -> AbstractContextManager[Any]:
+        """One write transaction's connection, driver errors translated."""
+
+    @abstractmethod
+    def _read(self) -> AbstractContextManager[Any]:
+        """A connection for one read statement, driver errors translated."""
+
+    def _run(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
+        with self._write() if write else self._read() as conn:
+            return run_plan(conn.cursor(), self.dialect, plan())
+
+    # --- the master key's check -----------------------------------------------------------------
+
+    def key_check(self) -> StoredKey | None:
+        return self._run(False, lambda: _one_key(_CHECK, ()))
+
+    def set_key_check(self, check: StoredKey, *, expected: StoredKey | None) -> bool:
+        if expected is None:
+            params: tuple[Any, ...] = (check.wrapped, check.key_id, time.time())
+            return self._run(True, lambda: _changed(_ADD_CHECK, params))
+        params = (check.wrapped, check.key_id, time.time(), expected.wrapped, expected.key_id)
+        return self._run(True, lambda: _changed(_REPLACE_CHECK, params))
+
+    # --- data keys ------------------------------------------------------------------------------
+
+    def data_key(self, tenant_id: str, user_id: str) -> StoredKey | None:
+        return self._run(False, lambda: _one_key(_DATA_KEY, (tenant_id, user_id)))
+
+    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey:
+        return self._run(True, lambda: self._add_data_key(tenant_id, user_id, key))
+
+    def _add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> Plan[StoredKey]:
+        params = (tenant_id, user_id, key.wrapped, key.key_id, time.time())
+        rows = (yield Statement(_ADD_DATA_KEY, params)).rows
+        if not rows:  # another writer's key stands (committed before our insert)
+            rows = (yield Statement(_DATA_KEY, (tenant_id, user_id))).rows
+        if not rows:  # pragma: no cover - present at the insert, gone by the read: a forget
+            raise StoreError(f"the data key of {tenant_id}/{user_id} vanished while added")
+        return _key(rows[0])
+
+    def data_keys(self) -> Iterator[tuple[str, str, StoredKey]]:
+        after: tuple[str, str] | None = None
+        while True:
+            page = self._run(False, partial(_keys_page, after))
+            yield from page
+            if len(page) < _KEYS_PAGE:
+                return
+            after = (page[-1][0], page[-1][1])
+
+    def rewrap(self, tenant_id: str, user_id: str, old: StoredKey, new: StoredKey) -> bool:
+        params = (new.wrapped, new.key_id, tenant_id, user_id, old.wrapped, old.key_id)
+        return self._run(True, lambda: _changed(_REWRAP, params))
+
+    # --- values ---------------------------------------------------------------------------------
+
+    def numbers(
+        self, tenant_id: str, user_id: str, tokens: Sequence[bytes]
+    ) -> dict[bytes, tuple[str, int]]:
+        return self._run(False, lambda: self._numbers(tenant_id, user_id, tokens))
+
+    def _numbers(
+        self, tenant_id: str, user_id: str, tokens: Sequence[bytes]
+    ) -> Plan[dict[bytes, tuple[str, int]]]:
+        found: dict[bytes, tuple[str, int]] = {}
+        for batch in self.dialect.batches(list(dict.fromkeys(tokens))):
+            condition, params = self.dialect.one_of("token", batch)
+            sql = f"{_NUMBERS} AND {condition}"
+            for token, entity, number in (yield Statement(sql, (tenant_id, user_id, *params))).rows:
+                found[bytes(token)] = (str(entity), int(number))
+        return found
+
+    def add_value(
+        self,
+        tenant_id: str,
+        user_id: str,
+        entity: str,
+        token: bytes,
+        sealed: bytes,
+        *,
+        key: StoredKey,
+    ) -> int | None:
+        return self._run(
+            True, lambda: self._add_value(tenant_id, user_id, entity, token, sealed, key)
+        )
+
+    def _add_value(
+        self, tenant_id: str, user_id: str, entity: str, token: bytes, sealed: bytes, key: StoredKey
+    ) -> Plan[int | None]:
+        owner = (tenant_id, user_id)
+        rows = (yield Statement(_DATA_KEY + self.dialect.row_lock, owner)).rows
+        if not rows or _key(rows[0]) != key:
+            return None  # forgotten (or replaced) since the caller read it: store nothing
+        for _ in range(_ATTEMPTS):
+            rows = (yield Statement(_NUMBER_OF_TOKEN, (*owner, token))).rows
+            if rows:  # stored already, by this user's earlier call or a racing one
+                return int(rows[0][0])
+            last = (yield Statement(_LAST_NUMBER, (*owner, entity))).rows[0][0]
+            params = (*owner, entity, int(last) + 1, token, sealed, time.time())
+            rows = (yield Statement(_ADD_VALUE, params)).rows
+            if rows:
+                return int(rows[0][0])
+        raise StoreError(
+            f"no free {entity} number for {tenant_id}/{user_id} after {_ATTEMPTS} tries"
+        )
+
+    def sealed(
+        self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], tuple[bytes, bytes] | None]:
+        return self._run(False, lambda: self._sealed(tenant_id, user_id, refs))
+
+    def _sealed(
+        self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
+    ) -> Plan[dict[tuple[str, int], tuple[bytes, bytes] | None]]:
+        by_entity: dict[str, list[int]] = {}
+        for entity, number in dict.fromkeys(refs):
+            by_entity.setdefault(entity, []).append(number)
+        found: dict[tuple[str, int], tuple[bytes, bytes] | None] = {}
+        for entity, numbers in by_entity.items():
+            for batch in self.dialect.batches(numbers):
+                condition, params = self.dialect.one_of("number", batch)
+                sql = f"{_SEALED} AND {condition}"
+                result = yield Statement(sql, (tenant_id, user_id, entity, *params))
+                for number, token, sealed in result.rows:
+                    kept = token is not None and sealed is not None
+                    found[(entity, int(number))] = (bytes(token), bytes(sealed)) if kept else None
+        return found
+
+    def forget(self, tenant_id: str, user_id: str) -> int:
+        return self._run(True, lambda: _forget(tenant_id, user_id))
+
+
+_KEY_COLUMNS = "wrapped, key_id"
+_CHECK = f"SELECT {_KEY_COLUMNS} FROM keel_pii_key_check WHERE id = 1"
+_ADD_CHECK = (
+    "INSERT INTO keel_pii_key_check (id, wrapped, key_id, updated_at) VALUES (1, ?, ?, ?) "
+    "ON CONFLICT (id) DO NOTHING"
+)
+_REPLACE_CHECK = (
+    "UPDATE keel_pii_key_check SET wrapped = ?, key_id = ?, updated_at = ? "
+    "WHERE id = 1 AND wrapped = ? AND key_id = ?"
+)
+_OWNER = "tenant_id = ? AND user_id = ?"
+_DATA_KEY = f"SELECT {_KEY_COLUMNS} FROM keel_pii_keys WHERE {_OWNER}"
+_ADD_DATA_KEY = (
+    "INSERT INTO keel_pii_keys (tenant_id, user_id, wrapped, key_id, created_at) "
+    f"VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant_id, user_id) DO NOTHING RETURNING {_KEY_COLUMNS}"
+)
+_KEYS_FROM = f"SELECT tenant_id, user_id, {_KEY_COLUMNS} FROM keel_pii_keys"
+_KEYS_ORDER = f" ORDER BY tenant_id, user_id LIMIT {_KEYS_PAGE}"
+_REWRAP = (
+    f"UPDATE keel_pii_keys SET wrapped = ?, key_id = ? WHERE {_OWNER} "
+    "AND wrapped = ? AND key_id = ?"
+)
+_NUMBERS = f"SELECT token, entity, number FROM keel_pii_values WHERE {_OWNER}"
+_NUMBER_OF_TOKEN = f"SELECT number FROM keel_pii_values WHERE {_OWNER} AND token = ?"
+_LAST_NUMBER = f"SELECT COALESCE(MAX(number), 0) FROM keel_pii_values WHERE {_OWNER} AND entity = ?"
+_ADD_VALUE = (
+    "INSERT INTO keel_pii_values (tenant_id, user_id, entity, number, token, sealed, created_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING number"
+)
+_SEALED = f"SELECT number, token, sealed FROM keel_pii_values WHERE {_OWNER} AND entity = ?"
+_FORGET_KEY = f"DELETE FROM keel_pii_keys WHERE {_OWNER}"
+_FORGET_VALUES = (
+    f"UPDATE keel_pii_values SET token = NULL, sealed = NULL WHERE {_OWNER} "
+    "AND (token IS NOT NULL OR sealed IS NOT NULL)"
+)
+
+
+def _key(row: Sequence[Any]) -> StoredKey:
+    return StoredKey(bytes(row[0]), str(row[1]))
+
+
+def _one_key(sql: str, params: tuple[Any, ...]) -> Plan[StoredKey | None]:
+    rows = (yield Statement(sql, params)).rows
+    return _key(rows[0]) if rows else None
+
+
+def _changed(sql: str, params: tuple[Any, ...]) -> Plan[bool]:
+    return (yield Statement(sql, params)).rowcount == 1
+
+
+def _keys_page(after: tuple[str, str] | None) -> Plan[list[tuple[str, str, StoredKey]]]:
+    if after is None:
+        result = yield Statement(_KEYS_FROM + _KEYS_ORDER)
+    else:
+        # (tenant, user) after the last one read, spelled without row values.
+        later = " WHERE tenant_id > ? OR (tenant_id = ? AND user_id > ?)"
+        result = yield Statement(_KEYS_FROM + later + _KEYS_ORDER, (after[0], *after))
+    return [
+        (str(tenant), str(user), _key((wrapped, key_id)))
+        for tenant, user, wrapped, key_id in result.rows
+    ]
+
+
+def _forget(tenant_id: str, user_id: str) -> Plan[int]:
+    yield Statement(_FORGET_KEY, (tenant_id, user_id))
+    return (yield Statement(_FORGET_VALUES, (tenant_id, user_id))).rowcount
