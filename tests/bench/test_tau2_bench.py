@@ -108,3 +108,12 @@ def test_a_write_waits_for_the_customers_yes() -> None:
         )
     )
     assert name == "cancel_pending_order"
+
+
+def test_placeholders_side_by_side_are_told_apart() -> None:
+    raw = "Hi. My emails are a.one@example.com and a.two@example.com. Look me up."
+    masked = "Hi. My emails are <EMAIL_1> and <EMAIL_2>. Look me up."
+    assert attribute_placeholders(masked, [raw]) == {
+        "<EMAIL_1>": "a.one@example.com",
+        "<EMAIL_2>": "a.two@example.com",
+    }

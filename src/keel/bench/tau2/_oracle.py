@@ -114,6 +114,9 @@ def _server() -> Any:
 def attribute_placeholders(masked: str, raw_texts: Sequence[str]) -> dict[str, str]:
     """Which value each placeholder in ``masked`` replaced, found by lining the text around it
     up with the texts the oracle knows were said (``raw_texts``)."""
+    whole = _whole_alignment(masked, raw_texts)
+    if whole:
+        return whole
     found: dict[str, str] = {}
     for match in _PLACEHOLDER.finditer(masked):
         before = _PLACEHOLDER.split(masked[: match.start()])[-1][-_CONTEXT:]
@@ -127,6 +130,19 @@ def attribute_placeholders(masked: str, raw_texts: Sequence[str]) -> dict[str, s
                 found.setdefault(match.group(0), hit.group(1))
                 break
     return found
+
+
+def _whole_alignment(masked: str, raw_texts: Sequence[str]) -> dict[str, str]:
+    """Placeholders read off a known text that ``masked`` is a masking of, whole (several
+    placeholders side by side are told apart only so)."""
+    literals = _PLACEHOLDER.split(masked)
+    names = _PLACEHOLDER.findall(masked)
+    pattern = re.compile("(.+?)".join(re.escape(literal) for literal in literals), re.DOTALL)
+    for raw in raw_texts:
+        hit = pattern.fullmatch(raw)
+        if hit is not None:
+            return dict(zip(names, hit.groups(), strict=True))
+    return {}
 
 
 class Grounding:

@@ -32,7 +32,9 @@ from keel.bench.tau2._data import (
 from keel.bench.tau2._oracle import GroundedOracle
 from keel.bench.tau2._tools import call_log, retail_server, run_calls
 from keel.guards import GuardConfig
+from keel.privacy import MasterKey
 from keel.runtime import Agent, AgentReply
+from keel.settings import load_settings
 from keel.state import AgentState
 from keel.testing import ScriptedCall
 from keel.tools import MCPServer
@@ -82,10 +84,20 @@ def _folder_files(folder: Path) -> tuple[Path, Path]:
     return folder / "keel.db", folder / "state"
 
 
+def _pii_key(folder: Path) -> Path:
+    """The run's PII master key, in a file as a deployment keeps one (``KEEL_PII_KEY_FILE``):
+    every process of the run opens the same vault with it."""
+    path = folder / "pii.key"
+    if not path.exists():
+        path.write_text(MasterKey.new_key_text())
+    return path
+
+
 def _agent(folder: Path, oracle: GroundedOracle, server: MCPServer) -> Agent:
     database, _ = _folder_files(folder)
     return Agent.open(
         f"sqlite:///{database}",
+        settings=load_settings(pii_key_file=_pii_key(folder)),
         system_prompt=load_policy(DOMAIN),
         model=oracle,
         memory=False,
