@@ -111,8 +111,9 @@ def test_a_write_waits_for_the_customers_yes() -> None:
 
 
 def test_placeholders_side_by_side_are_told_apart() -> None:
-    raw = "Hi. My emails are a.one@example.com and a.two@example.com. Look me up."
-    masked = "Hi. My emails are <EMAIL_1> and <EMAIL_2>. Look me up."
+    # Task 54's shape: the text between the two (" and ") comes earlier in the message too.
+    raw = "I am Amelia, and I have two emails: a.one@example.com and a.two@example.com."
+    masked = "I am Amelia, and I have two emails: <EMAIL_1> and <EMAIL_2>."
     assert attribute_placeholders(masked, [raw]) == {
         "<EMAIL_1>": "a.one@example.com",
         "<EMAIL_2>": "a.two@example.com",
