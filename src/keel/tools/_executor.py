@@ -40,7 +40,13 @@ from keel.errors import (
 )
 from keel.messages import Message, ToolCall
 from keel.privacy import PLACEHOLDER, UserVault, placeholders_in
-from keel.tools._journal import InMemoryJournal, JournalEntry, ToolJournal, idempotency_key
+from keel.tools._journal import (
+    SETTLED_NOTE,
+    InMemoryJournal,
+    JournalEntry,
+    ToolJournal,
+    idempotency_key,
+)
 from keel.tools._registry import ToolRegistry
 from keel.tools._repair import ArgumentsNotJSONError, coerce_scalars, parse_arguments
 from keel.tools._tool import AbandonedResult, Tool, ToolContext, ToolScope, abandoned_result
@@ -58,6 +64,15 @@ LATE_NOTE = "[finished after keel had stopped waiting for it] "
 """Starts the journalled content of a call that finished after its timeout (or after its run
 was cancelled): the model was told it was in doubt, so a repeat gets this result instead of
 running again."""
+
+
+def _done_unseen(entry: JournalEntry) -> bool:
+    """A call the model was told is in doubt that did take effect: it finished late, or an
+    operator settled it (``ToolJournal.resolve``)."""
+    return (entry.content or "").startswith(LATE_NOTE) or (entry.output or "").startswith(
+        SETTLED_NOTE
+    )
+
 
 _TRUNCATION_MARKER = "\n[output truncated: {total} characters, the first {shown} shown]"
 
@@ -304,13 +319,14 @@ class ToolExecutor:
     ) -> JournalEntry | None:
         """An earlier identical call (same session, tool, canonical arguments; another key)
         that forbids running this one: one still in doubt, or else the newest one if it
-        finished only after keel had stopped waiting for it (the model never saw it done)."""
+        finished only after keel had stopped waiting for it or that an operator settled as done
+        (either way the model never saw it done)."""
         same = await self.journal.asame_calls(session_id, found.name, arguments)
         earlier = [entry for entry in same if entry.key != key]
         doubtful = [e for e in earlier if e.in_doubt]
         if doubtful:
             return doubtful[0]
-        if earlier and earlier[-1].ok and (earlier[-1].content or "").startswith(LATE_NOTE):
+        if earlier and earlier[-1].ok and _done_unseen(earlier[-1]):
             return earlier[-1]
         return None
 

@@ -97,7 +97,7 @@ _US_STATES = dict(
     ]
 )
 """US states by postal code: a model writes ``NY`` for "New York" without being told."""
-_UNSETTLED = ("in doubt", "may or may not have taken effect")
+_UNSETTLED = ("in doubt", "may or may not have taken effect", "unknown whether it took effect")
 """How keel tells the model a call's outcome is unknown: the oracle asks for it again (keel
 must answer with what an operator recorded, never run it twice)."""
 _LOOKUPS = 2
