@@ -32,6 +32,7 @@ from keel.bench.tau2._data import (
 from keel.bench.tau2._oracle import GroundedOracle
 from keel.bench.tau2._tools import call_log, retail_server, run_calls
 from keel.guards import GuardConfig
+from keel.messages import Message
 from keel.privacy import MasterKey
 from keel.runtime import Agent, AgentReply
 from keel.settings import load_settings
@@ -107,9 +108,23 @@ def _agent(folder: Path, oracle: GroundedOracle, server: MCPServer) -> Agent:
     )
 
 
-def _oracle(task: Task, folder: Path, session: str) -> GroundedOracle:
+class _DyingOracle(GroundedOracle):
+    """The oracle of a process the kill mode SIGKILLs at its ``die_at``th model call: a crash
+    between steps (keel checkpoints before each model call)."""
+
+    die_at = 0
+
+    def decide(self, call: ScriptedCall) -> Message | str:
+        if len(self.calls) == self.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().decide(call)
+
+
+def _oracle(task: Task, folder: Path, session: str, *, die_at: int = 0) -> GroundedOracle:
     texts = [first_message(task), YES, GO_ON]
-    return GroundedOracle(task, texts, record=folder / f"{session}.ungrounded")
+    oracle = _DyingOracle(task, texts, record=folder / f"{session}.ungrounded")
+    oracle.die_at = die_at
+    return oracle
 
 
 def _last_answer(state: AgentState | None) -> str | None:
@@ -266,17 +281,7 @@ def worker(folder: Path, task_id: str, kill_point: str, split: str = "all") -> N
     _, state_dir = _folder_files(folder)
     kind, _, number = kill_point.partition(":")
     fault = ["--kill-after-write", number] if kind == "write" else []
-    oracle = _oracle(task, folder, session)
-    if kind == "step":
-        oracle.kill_at = int(number)  # type: ignore[attr-defined]
-        decide = oracle.decide
-
-        def dying(call: ScriptedCall) -> Any:
-            if len(oracle.calls) == int(number):
-                os.kill(os.getpid(), signal.SIGKILL)
-            return decide(call)
-
-        oracle._policy = dying
+    oracle = _oracle(task, folder, session, die_at=int(number) if kind == "step" else 0)
 
     async def go() -> list[str]:
         with retail_server(state_dir, key, fault=fault) as server:
