@@ -326,21 +326,52 @@ def _canonical(name: str, arguments: dict[str, Any]) -> str:
     return name + json.dumps(arguments, sort_keys=True)
 
 
+def _write(call: dict[str, Any]) -> str | None:
+    tool_call = call["tau2_tool_call"]
+    if tool_call["name"] not in WRITE_TOOLS:
+        return None
+    return _canonical(tool_call["name"], tool_call["arguments"])
+
+
+def _applied_writes(calls: list[dict[str, Any]]) -> Counter[str]:
+    """The writes the server applied, from its call log (a rejected one changed nothing)."""
+    return Counter(key for c in calls if (key := _write(c)) and not c["tau2_tool_message"]["error"])
+
+
+def _doubled_writes(calls: list[dict[str, Any]], gold: Counter[str]) -> int:
+    """Writes that reached the server again after it had applied them (as often as the gold
+    calls apply them): what exactly-once forbids. A write the server rejected may be sent
+    again once an operator found it changed nothing."""
+    applied: Counter[str] = Counter()
+    doubled = 0
+    for call in calls:
+        key = _write(call)
+        if key is None:
+            continue
+        if applied[key] >= max(gold[key], 1):
+            doubled += 1
+        if not call["tau2_tool_message"]["error"]:
+            applied[key] += 1
+    return doubled
+
+
 def score(
     task: Task, folder: Path, key: str, statuses: list[str], error: str | None, *, fault: str
 ) -> TaskOutcome:
     _, state_dir = _folder_files(folder)
+    expected = gold_db(task, folder)
     # No state: the agent never called the server, and the store is as it started.
     state = read_state(state_dir, key) or {"db": _base_db(), "calls": []}
+    gold_state = read_state(state_dir, state_key(DOMAIN, task.id, "gold")) or {"calls": []}
     calls = [c["tau2_tool_call"] for c in state["calls"]]
-    made = Counter(_canonical(c["name"], c["arguments"]) for c in calls if c["name"] in WRITE_TOOLS)
-    gold = Counter(_canonical(a.name, a.arguments) for a in task.actions if a.writes)
+    made = _applied_writes(state["calls"])
+    gold = _applied_writes(gold_state["calls"])
     record = folder / f"{key.split('/')[-1]}-{task.id}.ungrounded"
     ungrounded = set(record.read_text().split()) if record.exists() else set()
     return TaskOutcome(
         task=task.id,
-        db_match=state["db"] == gold_db(task, folder),
-        doubled_writes=sum(max(0, n - gold[k]) for k, n in made.items() if k in gold),
+        db_match=state["db"] == expected,
+        doubled_writes=_doubled_writes(state["calls"], gold),
         missing_writes=sum(max(0, n - made[k]) for k, n in gold.items()),
         placeholder_args=sum(
             1 for c in calls if PLACEHOLDER_ARG.search(json.dumps(c["arguments"]))
