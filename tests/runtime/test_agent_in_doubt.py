@@ -84,3 +84,42 @@ async def test_a_timed_out_booking_is_in_doubt_and_the_model_cannot_book_it_agai
         answered.wait(10)
         await asyncio.sleep(0.2)
         await agent.aclose()
+
+
+async def test_a_booking_an_operator_settled_is_not_run_again_when_the_model_asks_again() -> None:
+    # τ²-bench's retail through keel found it: the turn ends in doubt, an operator settles the
+    # call as done from the store's records, and the customer's "carry on" makes the model ask
+    # for the same booking again; it must get the operator's answer, not a second booking.
+    effects: list[int] = []
+    release = threading.Event()
+
+    @tool(side_effect=True, idempotent=False, timeout_s=0.2)
+    def pay(amount: int) -> str:
+        """Charge the customer's card.
+
+        Args:
+            amount: Amount in cents.
+        """
+        effects.append(amount)
+        release.wait(30)
+        return f"charged {amount}"
+
+    charge = ScriptedModel.tool_call("pay", json.dumps({"amount": 5000}))
+    model = ScriptedModel([charge, charge, "Your card was charged once."])
+    agent = Agent.embedded(model, system_prompt="You take payments.", tools=[pay], memory=False)
+    try:
+        first = await agent.handle("s1", "u1", "Charge me 50 euros.")
+        assert first.status == "tool_in_doubt" and effects == [5000]
+        assert agent.journal is not None
+        (doubtful,) = agent.journal.in_doubt(agent.session_key("s1"))
+        agent.journal.resolve(doubtful.key, ok=True, content="charged 5000, receipt R7 (checked)")
+        again = await agent.handle("s1", "u1", "Could you check and carry on?")
+        assert again.status == "completed" and effects == [5000]
+        state = agent.session_state("s1")
+        assert state is not None
+        last_tool = [m.content for m in state.messages if m.role == "tool"][-1]
+        assert "receipt R7 (checked)" in last_tool and "Not run again" in last_tool
+    finally:
+        release.set()
+        await asyncio.sleep(0.2)
+        await agent.aclose()

@@ -24,6 +24,7 @@ from keel.cli import (  # noqa: F401
     _serve,
     _state,
     _stream,
+    _tau2,
     _tokens,
     _tools,
     _turns,

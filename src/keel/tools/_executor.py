@@ -79,6 +79,7 @@ LATE_NOTE = "[finished after keel had stopped waiting for it] "
 was cancelled): the model was told it was in doubt, so a repeat gets this result instead of
 running again."""
 
+
 _TRUNCATION_MARKER = "\n[output truncated: {total} characters, the first {shown} shown]"
 
 
