@@ -114,6 +114,26 @@ class VaultStore(ABC):
         existing number when ``token`` is already stored (a racing writer's). None when the
         user's data key is no longer ``key`` (forgotten meanwhile): nothing is stored."""
 
+    def add_values(
+        self,
+        tenant_id: str,
+        user_id: str,
+        values: Sequence[tuple[str, bytes, bytes]],
+        *,
+        key: StoredKey,
+    ) -> list[int] | None:
+        """:meth:`add_value` for each ``(entity, token, sealed)`` of ``values``: their numbers,
+        in order (a token stored already, or given twice, keeps one number). None when the
+        user's data key is not ``key``. A store overrides it to place them all in one
+        transaction, comparing the key once; this one places them one by one."""
+        numbers: list[int] = []
+        for entity, token, sealed in values:
+            number = self.add_value(tenant_id, user_id, entity, token, sealed, key=key)
+            if number is None:
+                return None
+            numbers.append(number)
+        return numbers
+
     @abstractmethod
     def sealed(
         self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
@@ -231,24 +251,47 @@ class UserVault:
 
     def placeholder(self, entity: str, value: str) -> str:
         """The user's placeholder for ``value`` (stored sealed on first sight)."""
+        return self.placeholders([(entity, value)])[0]
+
+    def placeholders(self, values: Sequence[tuple[str, str]]) -> list[str]:
+        """The user's placeholder for each ``(entity, value)``, in order: one look-up of the
+        store for those this view has not placed yet, and the new ones stored sealed in one
+        write (a text's findings, placed at once)."""
+        if not values:
+            return []
         for _ in range(3):
             stored, data_key = self._writing_key()
-            token = self._token(data_key, entity, value)
-            known = self._numbers.get(token)
-            if known is not None:
-                return known
-            found = self.vault.store.numbers(self.tenant_id, self.user_id, [token])
-            if token in found:
-                return self._remember(token, *found[token])
-            sealed = self._seal(data_key, token, value)
-            number = self.vault.store.add_value(
-                self.tenant_id, self.user_id, entity, token, sealed, key=stored
-            )
-            if number is not None:
-                return self._remember(token, entity, number)
-            # The user was forgotten meanwhile: a new data key, and the value under it.
-            self._forget_key()
-        raise PlaceholderError(f"<{entity}_?>", "the user's data key kept changing")
+            tokens = [self._token(data_key, entity, value) for entity, value in values]
+            unplaced = [token for token in dict.fromkeys(tokens) if token not in self._numbers]
+            if unplaced:
+                found = self.vault.store.numbers(self.tenant_id, self.user_id, unplaced)
+                for token, (entity, number) in found.items():
+                    self._remember(token, entity, number)
+            new = {
+                token: (entity, value)
+                for token, (entity, value) in zip(tokens, values, strict=True)
+                if token not in self._numbers
+            }
+            if new and not self._add(stored, data_key, new):
+                # The user was forgotten meanwhile: a new data key, and the values under it.
+                self._forget_key()
+                continue
+            return [self._numbers[token] for token in tokens]
+        raise PlaceholderError(f"<{values[0][0]}_?>", "the user's data key kept changing")
+
+    def _add(self, stored: StoredKey, data_key: bytes, new: dict[bytes, tuple[str, str]]) -> bool:
+        """Store the ``token -> (entity, value)`` not stored yet, sealed, in one write, and
+        remember their placeholders; False when ``stored`` is no longer the user's key."""
+        sealed = [
+            (entity, token, self._seal(data_key, token, value))
+            for token, (entity, value) in new.items()
+        ]
+        numbers = self.vault.store.add_values(self.tenant_id, self.user_id, sealed, key=stored)
+        if numbers is None:
+            return False
+        for (entity, token, _), number in zip(sealed, numbers, strict=True):
+            self._remember(token, entity, number)
+        return True
 
     # --- placeholders -> values -----------------------------------------------------------------
 
