@@ -246,6 +246,8 @@ class UserVault:
         self._key: tuple[StoredKey, bytes] | None = None
         self._numbers: dict[bytes, str] = {}
         """token -> placeholder, for the values this view has already placed."""
+        self._cipher: tuple[bytes, AESGCM, Any] | None = None
+        """The data key's AES-GCM and keyed HMAC, built once for the view (not per value)."""
 
     # --- values -> placeholders -----------------------------------------------------------------
 
@@ -410,11 +412,20 @@ class UserVault:
 
     def _forget_key(self) -> None:
         self._key = None
+        self._cipher = None
         self._numbers.clear()
 
+    def _ciphers(self, data_key: bytes) -> tuple[AESGCM, Any]:
+        """AES-GCM and the HMAC under ``data_key`` (its key schedule and padded key computed
+        once: a turn seals and tokenizes tens of values)."""
+        if self._cipher is None or self._cipher[0] != data_key:
+            self._cipher = (data_key, AESGCM(data_key), hmac.new(data_key, None, hashlib.sha256))
+        return self._cipher[1], self._cipher[2]
+
     def _token(self, data_key: bytes, entity: str, value: str) -> bytes:
-        message = entity.encode() + b"\x00" + value.encode("utf-8", "surrogatepass")
-        return hmac.new(data_key, message, hashlib.sha256).digest()
+        mac = self._ciphers(data_key)[1].copy()
+        mac.update(entity.encode() + b"\x00" + value.encode("utf-8", "surrogatepass"))
+        return bytes(mac.digest())
 
     def _remember(self, token: bytes, entity: str, number: int) -> str:
         placeholder = f"<{entity}_{number}>"
@@ -424,12 +435,17 @@ class UserVault:
     def _seal(self, data_key: bytes, token: bytes, value: str) -> bytes:
         nonce = secrets.token_bytes(_NONCE_BYTES)
         aad = self._context + b"\x00" + token
-        return nonce + AESGCM(data_key).encrypt(nonce, value.encode("utf-8", "surrogatepass"), aad)
+        sealed = self._ciphers(data_key)[0].encrypt(
+            nonce, value.encode("utf-8", "surrogatepass"), aad
+        )
+        return nonce + sealed
 
     def _open(self, data_key: bytes, placeholder: str, token: bytes, sealed: bytes) -> str:
         aad = self._context + b"\x00" + token
         try:
-            plain = AESGCM(data_key).decrypt(sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], aad)
+            plain = self._ciphers(data_key)[0].decrypt(
+                sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], aad
+            )
         except (InvalidTag, ValueError) as exc:
             raise PlaceholderError(placeholder, "its sealed value fails to decrypt") from exc
         return plain.decode("utf-8", "surrogatepass")
