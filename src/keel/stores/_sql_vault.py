@@ -5,11 +5,12 @@ never a key or a value in the clear. The statements are written once over a
 :class:`~keel.stores._dialect.SqlDialect`; each engine's subclass says how it opens a write
 transaction and a read.
 
-``add_value`` and ``add_values`` (a batch in one transaction) read the user's key row with the dialect's row lock (PostgreSQL ``FOR UPDATE``;
-SQLite's write transaction holds the whole file), so a ``forget`` and the user's other writers
-wait for it: the key is compared and the next number counted in the same transaction that
-inserts. The insert is ``ON CONFLICT DO NOTHING`` and retried all the same, so a number is
-never taken twice even by a writer that holds no lock.
+``add_values`` (and ``add_value``, a batch of one) reads the user's key row with the
+dialect's row lock (PostgreSQL ``FOR UPDATE``; SQLite's write transaction holds the whole
+file), so a ``forget`` and the user's other writers wait for it: the key is compared once and
+the next numbers counted in the same transaction that inserts the batch. Each insert is
+``ON CONFLICT DO NOTHING`` and retried all the same, so a number is never taken twice even
+by a writer that holds no lock.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ per user and entity from 1 that are never reused (not even after ``forget``), ``
 refusing a key that is no longer the user's (``add_values`` too, a batch numbered in order,
 a token given twice numbered once), and scoping: another user of the same tenant, and
 the same user id in another tenant, see and change nothing of the user's. Races are forced
-with a :class:`threading.Barrier`: two writers of one value get one number, of two values two, two batches sharing a value
-agree on its number.
+with a :class:`threading.Barrier`: two writers of one value get one number, of two values
+two, and two batches sharing a value agree on its number.
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ class VaultStoreConformance:
             refs = [("EMAIL", 1), ("PHONE", 1)]
             if added is not None:  # stored first, then erased by the forget
                 assert added == [1, 1]
-                assert store.sealed(*owner, refs) == {ref: None for ref in refs}
+                assert store.sealed(*owner, refs) == dict.fromkeys(refs)
             else:
                 assert store.sealed(*owner, refs) == {}
 
