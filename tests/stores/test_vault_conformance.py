@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from keel.privacy import VaultStore
 from keel.stores import PostgresDatabase, PostgresVaultStore, SQLiteDatabase, SQLiteVaultStore
 from keel.testing.vault_conformance import StoreFactory, VaultStoreConformance
 
@@ -29,4 +30,20 @@ class TestPostgresVaultStore(VaultStoreConformance):
         with ExitStack() as databases:
             yield lambda: PostgresVaultStore(
                 databases.enter_context(PostgresDatabase(postgres_url))
+            )
+
+
+class _OneByOneStore(SQLiteVaultStore):
+    """A store without a batch of its own: ``VaultStore.add_values``'s default, one
+    ``add_value`` after another."""
+
+    add_values = VaultStore.add_values
+
+
+class TestDefaultAddValues(VaultStoreConformance):
+    @pytest.fixture
+    def make_store(self, tmp_path: Path) -> Iterator[StoreFactory]:
+        with ExitStack() as databases:
+            yield lambda: _OneByOneStore(
+                databases.enter_context(SQLiteDatabase(tmp_path / "vault.db"))
             )

@@ -21,6 +21,7 @@ from keel.privacy._keys import KeyProvider, MasterKey, key_provider_from_env
 from keel.privacy._masker import (
     DEFAULT_MASKER,
     ENTITY_TYPES,
+    BatchNumbering,
     MaskingPolicy,
     MaskResult,
     Numbering,
@@ -41,6 +42,7 @@ __all__ = [
     "DEFAULT_MASKER",
     "ENTITY_TYPES",
     "PLACEHOLDER",
+    "BatchNumbering",
     "Detector",
     "Finding",
     "KeyProvider",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,6 +13,7 @@ from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all
 __all__ = [
     "DEFAULT_MASKER",
     "ENTITY_TYPES",
+    "BatchNumbering",
     "MaskResult",
     "MaskingPolicy",
     "Numbering",
@@ -22,6 +23,10 @@ __all__ = [
 
 Numbering = Callable[[str, str], str]
 """``(entity, value) -> placeholder``: how a masker numbers what it finds (a user's vault)."""
+
+BatchNumbering = Callable[[Sequence[tuple[str, str]]], list[str]]
+"""``[(entity, value), ...] -> [placeholder, ...]``: a :data:`Numbering` of all of a text's
+findings at once (a user's vault places them in one write)."""
 
 ENTITY_TYPES: tuple[str, ...] = tuple(sorted({detector.entity for detector in DETECTORS}))
 """Every entity type the built-in detectors find."""
@@ -145,6 +150,7 @@ class PIIMasker:
         tenant_id: str | None = None,
         remember: bool = True,
         numbering: Numbering | None = None,
+        batch_numbering: BatchNumbering | None = None,
     ) -> MaskResult:
         """Mask ``text`` under the tenant's policy.
 
@@ -152,16 +158,19 @@ class PIIMasker:
         come again (each longer prefix of a streamed reply), which would only push out the
         ones that do. ``numbering`` gives each ``(entity, value)`` its placeholder (a user's
         vault: the same placeholder in every text); without it placeholders are numbered per
-        text. With a numbering only texts with nothing to mask are cached (most of what a trace
+        text. ``batch_numbering`` does the same for all of a text's findings in one call (a
+        vault stores a text's new values in one write); it is used when both are given. With
+        a numbering only texts with nothing to mask are cached (most of what a trace
         records): a text that holds a value is never kept."""
+        numbered = _batched(numbering, batch_numbering)
         if not remember or len(text) > _CACHED_TEXT_CHARS:
-            return self._mask(text, tenant_id, numbering)
+            return self._mask(text, tenant_id, numbered)
         results = self._cached(tenant_id)
         result = results.get(text)
-        if result is not None and (numbering is None or not result.masked):
+        if result is not None and (numbered is None or not result.masked):
             return result
-        result = self._mask(text, tenant_id, numbering)
-        if numbering is None or not result.masked:
+        result = self._mask(text, tenant_id, numbered)
+        if numbered is None or not result.masked:
             if len(results) >= _CACHED_RESULTS:
                 # Oldest first: dicts keep insertion order.
                 del results[next(iter(results))]
@@ -179,31 +188,29 @@ class PIIMasker:
         return kept[1]
 
     def _mask(
-        self, text: str, tenant_id: str | None, numbered: Numbering | None = None
+        self, text: str, tenant_id: str | None, numbered: BatchNumbering | None = None
     ) -> MaskResult:
         found = self.findings(text, tenant_id=tenant_id)
         if not found:
             return MaskResult(text=text)
-        numbering: dict[tuple[str, str], str] = {}
-        per_type: dict[str, int] = {}
+        keys = list(dict.fromkeys((finding.entity, finding.text) for finding in found))
+        if numbered is not None:
+            numbering = dict(zip(keys, numbered(keys), strict=True))
+        else:
+            per_type: dict[str, int] = {}
+            numbering = {}
+            for entity, value in keys:
+                per_type[entity] = per_type.get(entity, 0) + 1
+                numbering[(entity, value)] = f"<{entity}_{per_type[entity]}>"
         pieces: list[str] = []
         cursor = 0
-        for finding in found:
-            key = (finding.entity, finding.text)
-            if key in numbering:
-                pass
-            elif numbered is not None:
-                numbering[key] = numbered(finding.entity, finding.text)
-            else:
-                per_type[finding.entity] = per_type.get(finding.entity, 0) + 1
-                numbering[key] = f"<{finding.entity}_{per_type[finding.entity]}>"
-            pieces.append(text[cursor : finding.start])
-            pieces.append(numbering[key])
-            cursor = finding.end
-        pieces.append(text[cursor:])
         counts: dict[str, int] = {}
         for finding in found:
+            pieces.append(text[cursor : finding.start])
+            pieces.append(numbering[(finding.entity, finding.text)])
+            cursor = finding.end
             counts[finding.entity] = counts.get(finding.entity, 0) + 1
+        pieces.append(text[cursor:])
         return MaskResult(
             text="".join(pieces),
             counts=counts,
@@ -225,9 +232,17 @@ class PIIMasker:
         tenant_id: str | None = None,
         remember: bool = True,
         numbering: Numbering | None = None,
+        batch_numbering: BatchNumbering | None = None,
     ) -> str:
-        """Just the masked text (``remember``, ``numbering``: as :meth:`mask`)."""
-        return self.mask(text, tenant_id=tenant_id, remember=remember, numbering=numbering).text
+        """Just the masked text (``remember``, ``numbering``, ``batch_numbering``: as
+        :meth:`mask`)."""
+        return self.mask(
+            text,
+            tenant_id=tenant_id,
+            remember=remember,
+            numbering=numbering,
+            batch_numbering=batch_numbering,
+        ).text
 
     def __call__(self, text: str, *, tenant_id: str | None = None) -> str:
         return self.mask_text(text, tenant_id=tenant_id)
@@ -242,6 +257,16 @@ its own hands this one to its state, journal, traces and memory."""
 def mask_pii(text: str) -> str:
     """Mask every built-in PII and secret type in ``text`` with the default policy."""
     return DEFAULT_MASKER.mask_text(text)
+
+
+def _batched(
+    numbering: Numbering | None, batch_numbering: BatchNumbering | None
+) -> BatchNumbering | None:
+    """The numbering of a text's findings as one call (None: per text)."""
+    if batch_numbering is not None or numbering is None:
+        return batch_numbering
+    number = numbering
+    return lambda keys: [number(entity, value) for entity, value in keys]
 
 
 def _load_presidio() -> Any:

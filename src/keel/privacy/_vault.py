@@ -114,6 +114,26 @@ class VaultStore(ABC):
         existing number when ``token`` is already stored (a racing writer's). None when the
         user's data key is no longer ``key`` (forgotten meanwhile): nothing is stored."""
 
+    def add_values(
+        self,
+        tenant_id: str,
+        user_id: str,
+        values: Sequence[tuple[str, bytes, bytes]],
+        *,
+        key: StoredKey,
+    ) -> list[int] | None:
+        """:meth:`add_value` for each ``(entity, token, sealed)`` of ``values``: their numbers,
+        in order (a token stored already, or given twice, keeps one number). None when the
+        user's data key is not ``key``. A store overrides it to place them all in one
+        transaction, comparing the key once; this one places them one by one."""
+        numbers: list[int] = []
+        for entity, token, sealed in values:
+            number = self.add_value(tenant_id, user_id, entity, token, sealed, key=key)
+            if number is None:
+                return None
+            numbers.append(number)
+        return numbers
+
     @abstractmethod
     def sealed(
         self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
@@ -226,29 +246,54 @@ class UserVault:
         self._key: tuple[StoredKey, bytes] | None = None
         self._numbers: dict[bytes, str] = {}
         """token -> placeholder, for the values this view has already placed."""
+        self._cipher: tuple[bytes, AESGCM, Any] | None = None
+        """The data key's AES-GCM and keyed HMAC, built once for the view (not per value)."""
 
     # --- values -> placeholders -----------------------------------------------------------------
 
     def placeholder(self, entity: str, value: str) -> str:
         """The user's placeholder for ``value`` (stored sealed on first sight)."""
+        return self.placeholders([(entity, value)])[0]
+
+    def placeholders(self, values: Sequence[tuple[str, str]]) -> list[str]:
+        """The user's placeholder for each ``(entity, value)``, in order: one look-up of the
+        store for those this view has not placed yet, and the new ones stored sealed in one
+        write (a text's findings, placed at once)."""
+        if not values:
+            return []
         for _ in range(3):
             stored, data_key = self._writing_key()
-            token = self._token(data_key, entity, value)
-            known = self._numbers.get(token)
-            if known is not None:
-                return known
-            found = self.vault.store.numbers(self.tenant_id, self.user_id, [token])
-            if token in found:
-                return self._remember(token, *found[token])
-            sealed = self._seal(data_key, token, value)
-            number = self.vault.store.add_value(
-                self.tenant_id, self.user_id, entity, token, sealed, key=stored
-            )
-            if number is not None:
-                return self._remember(token, entity, number)
-            # The user was forgotten meanwhile: a new data key, and the value under it.
-            self._forget_key()
-        raise PlaceholderError(f"<{entity}_?>", "the user's data key kept changing")
+            tokens = [self._token(data_key, entity, value) for entity, value in values]
+            unplaced = [token for token in dict.fromkeys(tokens) if token not in self._numbers]
+            if unplaced:
+                found = self.vault.store.numbers(self.tenant_id, self.user_id, unplaced)
+                for token, (entity, number) in found.items():
+                    self._remember(token, entity, number)
+            new = {
+                token: (entity, value)
+                for token, (entity, value) in zip(tokens, values, strict=True)
+                if token not in self._numbers
+            }
+            if new and not self._add(stored, data_key, new):
+                # The user was forgotten meanwhile: a new data key, and the values under it.
+                self._forget_key()
+                continue
+            return [self._numbers[token] for token in tokens]
+        raise PlaceholderError(f"<{values[0][0]}_?>", "the user's data key kept changing")
+
+    def _add(self, stored: StoredKey, data_key: bytes, new: dict[bytes, tuple[str, str]]) -> bool:
+        """Store the ``token -> (entity, value)`` not stored yet, sealed, in one write, and
+        remember their placeholders; False when ``stored`` is no longer the user's key."""
+        sealed = [
+            (entity, token, self._seal(data_key, token, value))
+            for token, (entity, value) in new.items()
+        ]
+        numbers = self.vault.store.add_values(self.tenant_id, self.user_id, sealed, key=stored)
+        if numbers is None:
+            return False
+        for (entity, token, _), number in zip(sealed, numbers, strict=True):
+            self._remember(token, entity, number)
+        return True
 
     # --- placeholders -> values -----------------------------------------------------------------
 
@@ -367,11 +412,20 @@ class UserVault:
 
     def _forget_key(self) -> None:
         self._key = None
+        self._cipher = None
         self._numbers.clear()
 
+    def _ciphers(self, data_key: bytes) -> tuple[AESGCM, Any]:
+        """AES-GCM and the HMAC under ``data_key`` (its key schedule and padded key computed
+        once: a turn seals and tokenizes tens of values)."""
+        if self._cipher is None or self._cipher[0] != data_key:
+            self._cipher = (data_key, AESGCM(data_key), hmac.new(data_key, None, hashlib.sha256))
+        return self._cipher[1], self._cipher[2]
+
     def _token(self, data_key: bytes, entity: str, value: str) -> bytes:
-        message = entity.encode() + b"\x00" + value.encode("utf-8", "surrogatepass")
-        return hmac.new(data_key, message, hashlib.sha256).digest()
+        mac = self._ciphers(data_key)[1].copy()
+        mac.update(entity.encode() + b"\x00" + value.encode("utf-8", "surrogatepass"))
+        return bytes(mac.digest())
 
     def _remember(self, token: bytes, entity: str, number: int) -> str:
         placeholder = f"<{entity}_{number}>"
@@ -381,12 +435,17 @@ class UserVault:
     def _seal(self, data_key: bytes, token: bytes, value: str) -> bytes:
         nonce = secrets.token_bytes(_NONCE_BYTES)
         aad = self._context + b"\x00" + token
-        return nonce + AESGCM(data_key).encrypt(nonce, value.encode("utf-8", "surrogatepass"), aad)
+        sealed = self._ciphers(data_key)[0].encrypt(
+            nonce, value.encode("utf-8", "surrogatepass"), aad
+        )
+        return nonce + sealed
 
     def _open(self, data_key: bytes, placeholder: str, token: bytes, sealed: bytes) -> str:
         aad = self._context + b"\x00" + token
         try:
-            plain = AESGCM(data_key).decrypt(sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], aad)
+            plain = self._ciphers(data_key)[0].decrypt(
+                sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], aad
+            )
         except (InvalidTag, ValueError) as exc:
             raise PlaceholderError(placeholder, "its sealed value fails to decrypt") from exc
         return plain.decode("utf-8", "surrogatepass")

@@ -92,8 +92,9 @@ class Masking:
     def mask(self, text: str) -> str:
         if self.masker is None or not text:
             return text
-        numbering = None if self.user_vault is None else self.user_vault.placeholder
-        return self.masker.mask_text(text, tenant_id=self.tenant_id, numbering=numbering)
+        # A text's values are placed in one write of the vault (its batch numbering).
+        numbering = None if self.user_vault is None else self.user_vault.placeholders
+        return self.masker.mask_text(text, tenant_id=self.tenant_id, batch_numbering=numbering)
 
     def mask_call(self, call: ToolCall) -> ToolCall:
         arguments = self.mask(sanitize(call.arguments))

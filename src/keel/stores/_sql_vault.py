@@ -5,11 +5,12 @@ never a key or a value in the clear. The statements are written once over a
 :class:`~keel.stores._dialect.SqlDialect`; each engine's subclass says how it opens a write
 transaction and a read.
 
-``add_value`` reads the user's key row with the dialect's row lock (PostgreSQL ``FOR UPDATE``;
-SQLite's write transaction holds the whole file), so a ``forget`` and the user's other writers
-wait for it: the key is compared and the next number counted in the same transaction that
-inserts. The insert is ``ON CONFLICT DO NOTHING`` and retried all the same, so a number is
-never taken twice even by a writer that holds no lock.
+``add_values`` (and ``add_value``, a batch of one) reads the user's key row with the
+dialect's row lock (PostgreSQL ``FOR UPDATE``; SQLite's write transaction holds the whole
+file), so a ``forget`` and the user's other writers wait for it: the key is compared once and
+the next numbers counted in the same transaction that inserts the batch. Each insert is
+``ON CONFLICT DO NOTHING`` and retried all the same, so a number is never taken twice even
+by a writer that holds no lock.
 """
 
 from __future__ import annotations
@@ -172,21 +173,66 @@ class SQLVaultStore(VaultStore):
     def _add_value(
         self, tenant_id: str, user_id: str, entity: str, token: bytes, sealed: bytes, key: StoredKey
     ) -> Plan[int | None]:
+        numbers = yield from self._add_values(tenant_id, user_id, [(entity, token, sealed)], key)
+        return None if numbers is None else numbers[0]
+
+    def add_values(
+        self,
+        tenant_id: str,
+        user_id: str,
+        values: Sequence[tuple[str, bytes, bytes]],
+        *,
+        key: StoredKey,
+    ) -> list[int] | None:
+        if not values:
+            return []
+        return self._run(True, lambda: self._add_values(tenant_id, user_id, values, key))
+
+    def _add_values(
+        self,
+        tenant_id: str,
+        user_id: str,
+        values: Sequence[tuple[str, bytes, bytes]],
+        key: StoredKey,
+    ) -> Plan[list[int] | None]:
         owner = (tenant_id, user_id)
         rows = (yield Statement(_DATA_KEY + self.dialect.row_lock, owner)).rows
         if not rows or _key(rows[0]) != key:
             return None  # forgotten (or replaced) since the caller read it: store nothing
-        for _ in range(_ATTEMPTS):
-            rows = (yield Statement(_NUMBER_OF_TOKEN, (*owner, token))).rows
-            if rows:  # stored already, by this user's earlier call or a racing one
-                return int(rows[0][0])
-            last = (yield Statement(_LAST_NUMBER, (*owner, entity))).rows[0][0]
-            params = (*owner, entity, int(last) + 1, token, sealed, time.time())
+        # Tokens stored already (by this user's earlier call or a racing one) keep their
+        # number; a token given twice in the batch is numbered once.
+        stored = yield from self._numbers(tenant_id, user_id, [token for _, token, _ in values])
+        numbered = {token: number for token, (_, number) in stored.items()}
+        last: dict[str, int] = {}
+        for entity, token, sealed in values:
+            if token not in numbered:
+                numbered[token] = yield from self._place(owner, entity, token, sealed, last)
+        return [numbered[token] for _, token, _ in values]
+
+    def _place(
+        self,
+        owner: tuple[str, str],
+        entity: str,
+        token: bytes,
+        sealed: bytes,
+        last: dict[str, int],
+    ) -> Plan[int]:
+        """Insert one new value under the entity's next number (``last``: the entity's last
+        number as this transaction counted it, kept up to date)."""
+        for attempt in range(_ATTEMPTS):
+            if attempt:  # lost to a writer that holds no lock: it may have stored this token
+                rows = (yield Statement(_NUMBER_OF_TOKEN, (*owner, token))).rows
+                if rows:
+                    return int(rows[0][0])
+            if attempt or entity not in last:
+                last[entity] = int((yield Statement(_LAST_NUMBER, (*owner, entity))).rows[0][0])
+            params = (*owner, entity, last[entity] + 1, token, sealed, time.time())
             rows = (yield Statement(_ADD_VALUE, params)).rows
             if rows:
-                return int(rows[0][0])
+                last[entity] = int(rows[0][0])
+                return last[entity]
         raise StoreError(
-            f"no free {entity} number for {tenant_id}/{user_id} after {_ATTEMPTS} tries"
+            f"no free {entity} number for {owner[0]}/{owner[1]} after {_ATTEMPTS} tries"
         )
 
     def sealed(
@@ -197,18 +243,17 @@ class SQLVaultStore(VaultStore):
     def _sealed(
         self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
     ) -> Plan[dict[tuple[str, int], tuple[bytes, bytes] | None]]:
-        by_entity: dict[str, list[int]] = {}
-        for entity, number in dict.fromkeys(refs):
-            by_entity.setdefault(entity, []).append(number)
         found: dict[tuple[str, int], tuple[bytes, bytes] | None] = {}
-        for entity, numbers in by_entity.items():
-            for batch in self.dialect.batches(numbers):
-                condition, params = self.dialect.one_of("number", batch)
-                sql = f"{_SEALED} AND {condition}"
-                result = yield Statement(sql, (tenant_id, user_id, entity, *params))
-                for number, token, sealed in result.rows:
-                    kept = token is not None and sealed is not None
-                    found[(entity, int(number))] = (bytes(token), bytes(sealed)) if kept else None
+        unique = list(dict.fromkeys(refs))
+        # Every (entity, number) in one statement (SQLite's parameter cap: two per ref).
+        size = self.dialect.most_values // 2 or max(len(unique), 1)
+        for start in range(0, len(unique), size):
+            condition, params = _refs_condition(self.dialect, unique[start : start + size])
+            result = yield Statement(f"{_SEALED} AND {condition}", (tenant_id, user_id, *params))
+            for entity, number, token, sealed in result.rows:
+                kept = token is not None and sealed is not None
+                ref = (str(entity), int(number))
+                found[ref] = (bytes(token), bytes(sealed)) if kept else None
         return found
 
     def forget(self, tenant_id: str, user_id: str) -> int:
@@ -257,7 +302,7 @@ _ADD_VALUE = (
     "INSERT INTO keel_pii_values (tenant_id, user_id, entity, number, token, sealed, created_at) "
     "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING number"
 )
-_SEALED = f"SELECT number, token, sealed FROM keel_pii_values WHERE {_OWNER} AND entity = ?"
+_SEALED = f"SELECT entity, number, token, sealed FROM keel_pii_values WHERE {_OWNER}"
 _COUNTS = (
     "SELECT (SELECT COUNT(*) FROM keel_pii_keys), "
     "(SELECT COUNT(*) FROM keel_pii_values WHERE sealed IS NOT NULL), "
@@ -272,6 +317,23 @@ _FORGET_VALUES = (
 
 def _key(row: Sequence[Any]) -> StoredKey:
     return StoredKey(bytes(row[0]), str(row[1]))
+
+
+def _refs_condition(
+    dialect: SqlDialect, refs: Sequence[tuple[str, int]]
+) -> tuple[str, tuple[Any, ...]]:
+    """``(entity, number)`` equal to one of ``refs`` (not empty), with its parameters: two
+    arrays unnested on PostgreSQL (one statement text whatever the count), a row-value list
+    on SQLite."""
+    if dialect.arrays:
+        entities = [entity for entity, _ in refs]
+        numbers = [number for _, number in refs]
+        return _REFS_UNNEST, (entities, numbers)
+    markers = ", ".join("(?, ?)" for _ in refs)
+    return f"(entity, number) IN (VALUES {markers})", tuple(part for ref in refs for part in ref)
+
+
+_REFS_UNNEST = "(entity, number) IN (SELECT * FROM unnest(?::text[], ?::integer[]))"
 
 
 def _one_key(sql: str, params: tuple[Any, ...]) -> Plan[StoredKey | None]:

@@ -13,9 +13,11 @@ as a restarted process would)::
 The suite checks each method's contract on opaque bytes (the store never sees a key or a value
 in the clear): the key check's and re-wrap's compare-and-set, one data key per user, numbers
 per user and entity from 1 that are never reused (not even after ``forget``), ``add_value``
-refusing a key that is no longer the user's, and scoping: another user of the same tenant, and
+refusing a key that is no longer the user's (``add_values`` too, a batch numbered in order,
+a token given twice numbered once), and scoping: another user of the same tenant, and
 the same user id in another tenant, see and change nothing of the user's. Races are forced
-with a :class:`threading.Barrier`: two writers of one value get one number, of two values two.
+with a :class:`threading.Barrier`: two writers of one value get one number, of two values
+two, and two batches sharing a value agree on its number.
 """
 
 from __future__ import annotations
@@ -231,6 +233,60 @@ class VaultStoreConformance:
             assert store.add_value(*other, "EMAIL", token, _sealed(), key=key) is None
             assert store.numbers(*other, [token]) == {}
 
+    def test_add_values_numbers_a_batch_in_order(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        key = _with_key(store, ALICE)
+        stored = (_token(), _sealed())
+        assert store.add_values(*ALICE, [("EMAIL", *stored)], key=key) == [1]
+        repeated, phone, email = _token(), (_token(), _sealed()), (_token(), _sealed())
+        batch = [
+            ("PHONE", *phone),
+            ("EMAIL", repeated, _sealed()),
+            ("EMAIL", stored[0], _sealed()),  # stored already: keeps its number
+            ("EMAIL", repeated, _sealed()),  # twice in the batch: one number
+            ("EMAIL", *email),
+        ]
+        assert store.add_values(*ALICE, batch, key=key) == [1, 2, 1, 2, 3]
+        assert store.add_values(*ALICE, [], key=key) == []
+        reopened = make_store()
+        assert reopened.numbers(*ALICE, [repeated, email[0], phone[0]]) == {
+            repeated: ("EMAIL", 2),
+            email[0]: ("EMAIL", 3),
+            phone[0]: ("PHONE", 1),
+        }
+        # The first sealing of a token stands.
+        assert reopened.sealed(*ALICE, [("EMAIL", 1), ("PHONE", 1), ("EMAIL", 3)]) == {
+            ("EMAIL", 1): stored,
+            ("PHONE", 1): phone,
+            ("EMAIL", 3): email,
+        }
+
+    def test_add_values_stores_nothing_under_a_key_that_is_not_the_users(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        batch = [("EMAIL", _token(), _sealed()), ("PHONE", _token(), _sealed())]
+        tokens = [token for _, token, _ in batch]
+        assert store.add_values(*ALICE, batch, key=_key()) is None
+        key = _with_key(store, ALICE)
+        for wrong in (_key(), StoredKey(key.wrapped, "another id")):
+            assert store.add_values(*ALICE, batch, key=wrong) is None
+        assert store.add_values(*BOB, batch, key=key) is None
+        assert store.numbers(*ALICE, tokens) == {}
+        assert store.numbers(*BOB, tokens) == {}
+        assert store.add_values(*ALICE, batch, key=key) == [1, 1]
+        store.forget(*ALICE)
+        assert store.add_values(*ALICE, [("EMAIL", _token(), _sealed())], key=key) is None
+
+    def test_add_values_never_reuses_a_forgotten_number(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        key = _with_key(store, ALICE)
+        store.add_values(*ALICE, [("EMAIL", _token(), _sealed()) for _ in range(2)], key=key)
+        store.forget(*ALICE)
+        fresh = _with_key(store, ALICE)
+        batch = [("EMAIL", _token(), _sealed()), ("EMAIL", _token(), _sealed())]
+        assert store.add_values(*ALICE, batch, key=fresh) == [3, 4]
+
     # --- scoping --------------------------------------------------------------------------------
 
     def test_another_user_or_tenant_sees_none_of_the_users_values(
@@ -339,6 +395,52 @@ class VaultStoreConformance:
             assert store.numbers(*ALICE, tokens) == {
                 token: ("EMAIL", number) for token, number in zip(tokens, got, strict=True)
             }
+
+    def test_two_batches_sharing_values_agree_on_their_numbers(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        key = _with_key(store, ALICE)
+        for round_ in range(_RACES):
+            shared, own = _token(), [_token(), _token()]
+            batches = [[("EMAIL", shared, _sealed()), ("EMAIL", token, _sealed())] for token in own]
+            got = _race([partial(store.add_values, *ALICE, batch, key=key) for batch in batches])
+            first, second = got
+            assert isinstance(first, list) and isinstance(second, list)
+            assert first[0] == second[0]  # one number for the value both gave
+            assert sorted([first[0], first[1], second[1]]) == [
+                3 * round_ + 1,
+                3 * round_ + 2,
+                3 * round_ + 3,
+            ]
+            assert store.numbers(*ALICE, [shared, *own]) == {
+                shared: ("EMAIL", first[0]),
+                own[0]: ("EMAIL", first[1]),
+                own[1]: ("EMAIL", second[1]),
+            }
+
+    def test_a_batch_racing_forget_is_erased_or_never_stored(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        for round_ in range(_RACES):
+            owner = ("acme", f"batch-forgotten-{round_}")
+            key = _with_key(store, owner)
+            batch = [("EMAIL", _token(), _sealed()), ("PHONE", _token(), _sealed())]
+            added, _ = _race(
+                [
+                    partial(store.add_values, *owner, batch, key=key),
+                    partial(store.forget, *owner),
+                ]
+            )
+            assert store.data_key(*owner) is None
+            assert store.numbers(*owner, [token for _, token, _ in batch]) == {}
+            refs = [("EMAIL", 1), ("PHONE", 1)]
+            if added is not None:  # stored first, then erased by the forget
+                assert added == [1, 1]
+                assert store.sealed(*owner, refs) == dict.fromkeys(refs)
+            else:
+                assert store.sealed(*owner, refs) == {}
 
     def test_a_value_racing_forget_is_erased_or_never_stored(
         self, make_store: StoreFactory
