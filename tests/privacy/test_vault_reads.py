@@ -3,7 +3,7 @@ call, whatever their number (a spy over the real SQLite store counts the reads).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,29 +11,17 @@ import pytest
 from keel.errors import PlaceholderError
 from keel.privacy import MasterKey, PIIMasker, Vault, placeholders_in
 from keel.stores import SQLiteDatabase
-from keel.stores._sqlite_vault import SQLiteVaultStore
 from tests.privacy._samples import USER_PII, sentence
-
-
-class CountingStore(SQLiteVaultStore):
-    """The real SQLite vault store, counting the reads of sealed values."""
-
-    sealed_reads = 0
-
-    def sealed(
-        self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
-    ) -> dict[tuple[str, int], tuple[bytes, bytes] | None]:
-        self.sealed_reads += 1
-        return super().sealed(tenant_id, user_id, refs)
+from tests.privacy._spy import SpyVaultStore
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[CountingStore]:
+def store(tmp_path: Path) -> Iterator[SpyVaultStore]:
     with SQLiteDatabase(tmp_path / "vault.db") as db:
-        yield CountingStore(db)
+        yield SpyVaultStore(db)
 
 
-def test_reveal_reads_all_of_a_texts_placeholders_in_one_call(store: CountingStore) -> None:
+def test_reveal_reads_all_of_a_texts_placeholders_in_one_call(store: SpyVaultStore) -> None:
     vault = Vault(store, MasterKey.generate())
     vault.check()
     alice = vault.user("acme", "alice")
@@ -51,7 +39,7 @@ def test_reveal_reads_all_of_a_texts_placeholders_in_one_call(store: CountingSto
     assert revealed == text + " and <EMAIL_9>"
 
 
-def test_values_reads_once_and_names_the_placeholder_that_fails(store: CountingStore) -> None:
+def test_values_reads_once_and_names_the_placeholder_that_fails(store: SpyVaultStore) -> None:
     vault = Vault(store, MasterKey.generate())
     vault.check()
     alice = vault.user("acme", "alice")
