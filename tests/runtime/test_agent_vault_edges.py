@@ -4,6 +4,8 @@ answer shows the user's values, and a wrong or missing master key stops the agen
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,3 +146,59 @@ def test_a_missing_key_file_stops_the_agent_at_start_up(
     monkeypatch.setenv("KEEL_PII_KEY_FILE", str(tmp_path / "no-such.key"))
     with pytest.raises(VaultKeyError, match=r"no-such\.key"):
         _open_with_env(tmp_path, how)
+
+
+_FORGET = """
+import sys
+from keel.settings import load_settings
+from keel.stores import Backends
+
+with Backends.open(load_settings(database=sys.argv[1]), memory=False) as stores:
+    assert stores.vault is not None
+    print(stores.vault.forget("default", "alice"))
+"""
+
+
+async def test_a_forget_in_another_process_leaves_this_process_nothing_to_resolve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every cache this process has (the masker's, the session's log, the turn's vault view)
+    was warm with alice's address when another process forgot her: the next turn here can
+    neither call the tool with it nor show it."""
+    monkeypatch.setenv("KEEL_PII_KEY", MasterKey.new_key_text())
+    received: list[str] = []
+
+    @tool
+    def send_receipt(email: str) -> str:
+        """Send the receipt.
+
+        Args:
+            email: Where to send it.
+        """
+        received.append(email)
+        return "sent"
+
+    send = ScriptedModel.tool_call("send_receipt", json.dumps({"email": "<EMAIL_1>"}))
+    model = ScriptedModel(["Noted.", send, "Sent to <EMAIL_1>.", send, "Sent to <EMAIL_1>."])
+    database = f"sqlite:///{tmp_path / 'keel.db'}"
+    agent = Agent.open(
+        database, model=model, system_prompt="You help.", tools=[send_receipt], memory=False
+    )
+    try:
+        await agent.run(f"My email is {EMAIL}", session="s1", user="alice")
+        before = await agent.run("send my receipt", session="s1", user="alice")
+        assert received == [EMAIL] and before.text == f"Sent to {EMAIL}."
+        forgot = subprocess.run(
+            [sys.executable, "-c", _FORGET, database],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert forgot.returncode == 0, forgot.stderr
+        assert forgot.stdout.split() == ["1"]
+        after = await agent.run("send it again", session="s1", user="alice")
+    finally:
+        await agent.aclose()
+    assert received == [EMAIL], "a value forgotten by another process reached a tool"
+    assert after.text == "Sent to <EMAIL_1>."
