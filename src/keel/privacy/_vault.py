@@ -298,7 +298,7 @@ class UserVault:
     # --- placeholders -> values -----------------------------------------------------------------
 
     def values(self, placeholders: Iterable[str]) -> dict[str, str]:
-        """Each of ``placeholders`` with its value.
+        """Each of ``placeholders`` with its value (one read of the store for them all).
 
         Raises:
             PlaceholderError: one is not the user's, was forgotten, or fails to decrypt (it
@@ -310,20 +310,32 @@ class UserVault:
             if match is None:
                 raise PlaceholderError(placeholder, "not a placeholder")
             refs[placeholder] = (match.group(1), int(match.group(2)))
+        opened: dict[str, str] = {}
+        for placeholder, value in self._opened(refs).items():
+            if isinstance(value, PlaceholderError):
+                raise value
+            opened[placeholder] = value
+        return opened
+
+    def _opened(self, refs: dict[str, tuple[str, int]]) -> dict[str, str | PlaceholderError]:
+        """Each placeholder of ``refs`` with its value, or the error that says why it has
+        none; the sealed values are read from the store in one call."""
         if not refs:
             return {}
         rows = self.vault.store.sealed(self.tenant_id, self.user_id, list(refs.values()))
-        opened: dict[str, str] = {}
+        opened: dict[str, str | PlaceholderError] = {}
         for placeholder, ref in refs.items():
+            row = rows.get(ref)
+            key = None if row is None else self._reading_key()
             if ref not in rows:
-                raise PlaceholderError(placeholder, "no such value for this user")
-            row = rows[ref]
-            if row is None:
-                raise PlaceholderError(placeholder, "the value was erased (forget)")
-            key = self._reading_key()
-            if key is None:
-                raise PlaceholderError(placeholder, "the value was erased (forget)")
-            opened[placeholder] = self._open(key[1], placeholder, *row)
+                opened[placeholder] = PlaceholderError(placeholder, "no such value for this user")
+            elif row is None or key is None:
+                opened[placeholder] = PlaceholderError(placeholder, "the value was erased (forget)")
+            else:
+                try:
+                    opened[placeholder] = self._open(key[1], placeholder, *row)
+                except PlaceholderError as exc:
+                    opened[placeholder] = exc
         return opened
 
     def resolve(self, text: str) -> str:
@@ -344,16 +356,16 @@ class UserVault:
         found = placeholders_in(text)
         if not found:
             return text
-        try:
-            # One read of the store for them all (a reply's placeholders are the user's).
-            values = self.values(found)
-        except PlaceholderError:
-            values = {}
-            for placeholder in found:
-                try:
-                    values.update(self.values([placeholder]))
-                except PlaceholderError:
-                    continue
+        refs = {
+            match.group(0): (match.group(1), int(match.group(2)))
+            for match in map(PLACEHOLDER.fullmatch, found)
+            if match is not None
+        }
+        values = {
+            placeholder: value
+            for placeholder, value in self._opened(refs).items()
+            if isinstance(value, str)
+        }
         return PLACEHOLDER.sub(lambda match: values.get(match.group(0), match.group(0)), text)
 
     def resolve_arguments(self, arguments: str, *, keep: Iterable[str] = ()) -> str:

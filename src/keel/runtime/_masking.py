@@ -12,10 +12,14 @@ model when the deployment trusts it (``model_sees="values"``), and for the user'
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
+from pydantic import BaseModel
+
+from keel._bridge import run_blocking
 from keel.errors import UsageError
 from keel.messages import Message, ToolCall
 from keel.privacy import PLACEHOLDER, PIIMasker, RevealStream, StreamMasker, UserVault, Vault
@@ -149,6 +153,26 @@ class Masking:
             return text
         return self.user_vault.reveal(text)
 
+    async def areveal(self, text: str) -> str:
+        """:meth:`reveal`, its read of the vault off the event loop (a round trip on
+        PostgreSQL)."""
+        if self.user_vault is None or not text or PLACEHOLDER.search(text) is None:
+            return text
+        return await run_blocking(self.user_vault.reveal, text)
+
+    async def areveal_output(self, output: Any) -> Any:
+        """A structured answer (``output_type``) with the user's placeholders in its strings
+        shown as their values, for the caller; as it is without a vault."""
+        if self.user_vault is None or output is None:
+            return output
+        return await run_blocking(_revealed_output, output, self.reveal)
+
+    async def afor_model(self, messages: Sequence[Message]) -> list[Message]:
+        """:meth:`for_model`, the vault read off the event loop when there is one to do."""
+        if self.model_sees != "values" or self.user_vault is None:
+            return list(messages)
+        return await run_blocking(self.for_model, messages)
+
     def for_model(self, messages: Sequence[Message]) -> list[Message]:
         """The compiled prompt as the model is shown it: revealed when the deployment trusts
         the model with values, else as compiled (placeholders). Nothing revealed is stored."""
@@ -175,3 +199,29 @@ class Masking:
         except ValueError:
             return self.reveal(arguments)
         return json.dumps(redact_json(parsed, self.reveal), ensure_ascii=False)
+
+
+def _revealed_output(value: Any, reveal: Callable[[str], str]) -> Any:
+    """``value`` (a validated structured answer: a model, a dataclass, a dict, a list, a
+    string) with ``reveal`` applied to every string in it; its types are kept."""
+    if isinstance(value, str):
+        return reveal(value)
+    if isinstance(value, BaseModel):
+        fields = {name: getattr(value, name) for name in type(value).model_fields}
+        return value.model_copy(
+            update={name: _revealed_output(item, reveal) for name, item in fields.items()}
+        )
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {
+            field.name: _revealed_output(getattr(value, field.name), reveal)
+            for field in dataclasses.fields(value)
+            if field.init
+        }
+        return dataclasses.replace(value, **changed)
+    if isinstance(value, dict):
+        return {key: _revealed_output(item, reveal) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_revealed_output(item, reveal) for item in value]
+        # A named tuple takes its fields one by one.
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value

@@ -86,7 +86,7 @@ async def answer(
         masked = deps.masking.mask(sanitize(text))
         replayed = recorded_reply(checkpoint.state, turn_id, masked)
         if replayed is not None:
-            return replayed.model_copy(update={"text": deps.masking.reveal(replayed.text)})
+            return replayed.model_copy(update={"text": await deps.masking.areveal(replayed.text)})
         if runtime.open_turn == turn_id:
             if open_turn_text(checkpoint.state) != masked:
                 raise UsageError(f"turn id {turn_id!r} was used for another message")

@@ -454,7 +454,7 @@ class TurnRunner:
             self.log.conversation, self.deps.workflow.rules(self.cursor.position)
         )
         # The model is shown values only when the deployment trusts it; the log keeps masks.
-        return self.deps.masking.for_model(compiled)
+        return await self.deps.masking.afor_model(compiled)
 
     # --- after each step ------------------------------------------------------------------------
 
@@ -596,7 +596,11 @@ class TurnRunner:
             error=result.error,
         )
         # The user reads their own values; what was stored keeps the placeholders.
-        return reply.model_copy(update={"state_version": version, "text": masking.reveal(text)})
+        shown = {
+            "text": await masking.areveal(text),
+            "output": await masking.areveal_output(reply.output),
+        }
+        return reply.model_copy(update={"state_version": version, **shown})
 
     async def _save(self, final_state: AgentState, reason: str, *, rebuilt: bool) -> int:
         """The turn's last checkpoint, marked good."""
@@ -727,7 +731,7 @@ class TurnRunner:
         final_state = self._with_reply(final_state, reply)
         version = await self._write(final_state, reason="turn failed: failed", good=True)
         self.deps.logs.pop(self.key, None)
-        revealed = self.deps.masking.reveal(text)
+        revealed = await self.deps.masking.areveal(text)
         return reply.model_copy(update={"state_version": version, "text": revealed})
 
     def _with_reply(self, state: AgentState, reply: AgentReply) -> AgentState:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer
 from pydantic_core import to_jsonable_python
 
+from keel._bridge import run_blocking
 from keel.errors import (
     KeelError,
     PlaceholderError,
@@ -223,8 +224,15 @@ class ToolExecutor:
         if found is None:
             return self._unknown_tool(call.name, base, started)
         values: dict[str, str] = {}
-        resolve = None if self.vault is None or not found.sees_values else values
-        checked = _check_arguments(found, call.arguments, base, started, self.vault, resolve)
+        if self.vault is not None and found.sees_values:
+            wanted = _placeholders_to_resolve(found, call.arguments)
+            try:
+                # One read of the store for the whole call, off the event loop (a round trip
+                # on PostgreSQL).
+                values = await run_blocking(self.vault.values, wanted) if wanted else {}
+            except PlaceholderError as exc:
+                return _unresolved(found, base, started, exc)
+        checked = _check_arguments(found, call.arguments, base, started, values)
         if isinstance(checked, ToolResult):
             return checked
         validated, repairs = checked
@@ -617,19 +625,13 @@ def _check_arguments(
     raw: str,
     base: dict[str, Any],
     started: float,
-    vault: UserVault | None = None,
-    resolved: dict[str, str] | None = None,
+    values: dict[str, str] | None = None,
 ) -> tuple[BaseModel, tuple[str, ...]] | ToolResult:
-    """The arguments parsed, repaired, their placeholders resolved (when ``resolved`` is
-    given: it gets each placeholder with its value) and validated (with the repairs made), or
-    the result that tells the model what to fix."""
+    """The arguments parsed, repaired, their placeholders replaced by ``values`` (the vault's,
+    resolved beforehand) and validated (with the repairs made), or the result that tells the
+    model what to fix."""
     try:
         parsed = parse_arguments(raw)
-        value = parsed.value
-        if vault is not None and resolved is not None:
-            value = _resolved(value, vault, found.masked_arguments, resolved)
-    except PlaceholderError as exc:
-        return _unresolved(found, base, started, exc)
     except ArgumentsNotJSONError as exc:
         return _refused(
             base,
@@ -640,6 +642,7 @@ def _check_arguments(
             ToolArgumentsError(found.name, [str(exc)]),
             problems=(str(exc),),
         )
+    value = _resolved(parsed.value, found.masked_arguments, values) if values else parsed.value
     value, coerced = coerce_scalars(value, found._parameters)
     repairs = (*parsed.repairs, *coerced)
     try:
@@ -661,31 +664,33 @@ def _check_arguments(
         )
 
 
-def _resolved(value: Any, vault: UserVault, kept: tuple[str, ...], into: dict[str, str]) -> Any:
-    """``value`` (parsed arguments) with the placeholders in its strings replaced by the
-    vault's values, except under the top-level names ``kept``; ``into`` gets what was used.
-
-    Raises:
-        PlaceholderError: one is not the user's, was erased, or fails to decrypt.
-    """
-    resolvable = (
-        {name: item for name, item in value.items() if name not in kept}
-        if isinstance(value, dict)
-        else value
-    )
-    found: list[str] = []
+def _placeholders_to_resolve(found: Tool, raw: str) -> list[str]:
+    """The placeholders in a call's arguments that the tool gets as values: all but those
+    under its ``masked_arguments`` (none when the arguments are not JSON: validation says so)."""
+    if PLACEHOLDER.search(raw) is None:
+        return []
+    try:
+        value = parse_arguments(raw).value
+    except ArgumentsNotJSONError:
+        return []
+    if isinstance(value, dict):
+        value = {name: item for name, item in value.items() if name not in found.masked_arguments}
+    found_placeholders: list[str] = []
 
     def collect(text: str) -> str:
-        found.extend(placeholders_in(text))
+        found_placeholders.extend(placeholders_in(text))
         return text
 
-    _map_strings(resolvable, collect)
-    if not found:
-        return value
-    into.update(vault.values(found))  # one read of the store for the whole call
+    _map_strings(value, collect)
+    return found_placeholders
+
+
+def _resolved(value: Any, kept: tuple[str, ...], values: dict[str, str]) -> Any:
+    """``value`` (parsed arguments) with the placeholders in its strings replaced by their
+    ``values``, except under the top-level names ``kept``."""
 
     def substitute(text: str) -> str:
-        return PLACEHOLDER.sub(lambda match: into.get(match.group(0), match.group(0)), text)
+        return PLACEHOLDER.sub(lambda match: values.get(match.group(0), match.group(0)), text)
 
     if isinstance(value, dict):
         return {

@@ -1,0 +1,39 @@
+"""A spy over the real SQLite vault store: it counts the reads of sealed values and records
+whether each ran on an event loop's thread (where a blocking read stalls every other turn)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from keel.stores import SQLiteDatabase
+from keel.stores._sqlite_vault import SQLiteVaultStore
+
+__all__ = ["SpyVaultStore"]
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class SpyVaultStore(SQLiteVaultStore):
+    """The real SQLite vault store; ``reads_on_loop`` has one entry per read of sealed values:
+    True when it ran on a thread with a running event loop."""
+
+    def __init__(self, db: SQLiteDatabase) -> None:
+        super().__init__(db)
+        self.reads_on_loop: list[bool] = []
+
+    @property
+    def sealed_reads(self) -> int:
+        return len(self.reads_on_loop)
+
+    def sealed(
+        self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], tuple[bytes, bytes] | None]:
+        self.reads_on_loop.append(_on_event_loop())
+        return super().sealed(tenant_id, user_id, refs)
