@@ -44,7 +44,7 @@ from typing import Any
 
 from keel.bench._stats import nearest_rank
 from keel.messages import Message
-from keel.privacy import DEFAULT_MASKER, ENTITY_TYPES, PLACEHOLDER, MasterKey, UserVault
+from keel.privacy import DEFAULT_MASKER, ENTITY_TYPES, PLACEHOLDER, MasterKey
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.stores import Backends
@@ -208,26 +208,40 @@ class _ToolLog:
 @contextlib.contextmanager
 def _timed_resolution() -> Iterator[tuple[list[float], list[float]]]:
     """Every resolution of a tool call's placeholders at the tool boundary, timed (ms), for
-    the length of the block: the executor's step that reads the call's placeholders from the
-    user's vault and writes the values into the parsed arguments (``_executor._resolved``,
-    wrapped by a timer): wall-clock and this process's CPU time."""
-    original = _executor._resolved
+    the length of the block: the executor's read of the call's placeholders from the user's
+    vault (``ToolExecutor._vault_values``, off the event loop) plus the writing of the values
+    into the parsed arguments (``_executor._resolved``), each wrapped by a timer and added up
+    per call (the bench's calls run one at a time): wall-clock and this process's CPU time."""
+    read, substitute = _executor.ToolExecutor._vault_values, _executor._resolved
     times: list[float] = []
     cpu: list[float] = []
 
-    def timed(value: Any, vault: UserVault, kept: tuple[str, ...], into: dict[str, str]) -> Any:
+    async def timed_read(executor: _executor.ToolExecutor, found: Tool, raw: str) -> dict[str, str]:
+        if executor.vault is None or not found.sees_values:
+            return await read(executor, found, raw)  # nothing to resolve: not a resolution
         started, started_cpu = time.perf_counter(), time.process_time()
         try:
-            return original(value, vault, kept, into)
+            return await read(executor, found, raw)
         finally:
             times.append((time.perf_counter() - started) * 1000)
             cpu.append((time.process_time() - started_cpu) * 1000)
 
-    _executor._resolved = timed
+    def timed_substitute(value: Any, kept: tuple[str, ...], values: dict[str, str]) -> Any:
+        started, started_cpu = time.perf_counter(), time.process_time()
+        try:
+            return substitute(value, kept, values)
+        finally:
+            if values and times:
+                times[-1] += (time.perf_counter() - started) * 1000
+                cpu[-1] += (time.process_time() - started_cpu) * 1000
+
+    _executor.ToolExecutor._vault_values = timed_read  # type: ignore[method-assign,assignment]
+    _executor._resolved = timed_substitute
     try:
         yield times, cpu
     finally:
-        _executor._resolved = original
+        _executor.ToolExecutor._vault_values = read  # type: ignore[method-assign]
+        _executor._resolved = substitute
 
 
 def _ticket_agent(backends: Backends, log: _ToolLog) -> Agent:

@@ -223,15 +223,10 @@ class ToolExecutor:
         found = self.registry.get(call.name)
         if found is None:
             return self._unknown_tool(call.name, base, started)
-        values: dict[str, str] = {}
-        if self.vault is not None and found.sees_values:
-            wanted = _placeholders_to_resolve(found, call.arguments)
-            try:
-                # One read of the store for the whole call, off the event loop (a round trip
-                # on PostgreSQL).
-                values = await run_blocking(self.vault.values, wanted) if wanted else {}
-            except PlaceholderError as exc:
-                return _unresolved(found, base, started, exc)
+        try:
+            values = await self._vault_values(found, call.arguments)
+        except PlaceholderError as exc:
+            return _unresolved(found, base, started, exc)
         checked = _check_arguments(found, call.arguments, base, started, values)
         if isinstance(checked, ToolResult):
             return checked
@@ -327,6 +322,20 @@ class ToolExecutor:
         if claim.created:
             return claim.entry
         return _from_journal(found, claim.entry, base, started) or claim.entry
+
+    async def _vault_values(self, found: Tool, raw: str) -> dict[str, str]:
+        """The user's values for the placeholders in a call's raw arguments (none for a tool
+        that does not see values, or without a vault).
+
+        Raises:
+            PlaceholderError: one is not the user's, was erased, or fails to decrypt.
+        """
+        if self.vault is None or not found.sees_values:
+            return {}
+        wanted = _placeholders_to_resolve(found, raw)
+        # One read of the store for the whole call, off the event loop (a round trip on
+        # PostgreSQL).
+        return await run_blocking(self.vault.values, wanted) if wanted else {}
 
     async def _earlier_same_call(
         self, found: Tool, session_id: str, key: str, arguments: str
