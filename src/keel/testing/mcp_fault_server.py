@@ -5,13 +5,14 @@ streamable HTTP on 127.0.0.1:PORT with ``--http``. Its effects are lines appende
 ``EFFECTS_FILE`` (flushed and fsynced before the tool answers), so a test counts what really
 happened from the server's side, across its restarts.
 
-Tools: ``echo`` (read-only), ``write`` (unannotated: side-effecting, not idempotent; an item
-``crash:...`` exits the process after applying it, ``hang:...`` never answers after applying
-it, ``slow:...`` answers after 30 s), ``count`` (read-only: effects so far), ``huge``
-(read-only: that many characters), ``fail`` (an ``isError`` result), ``hang`` (read-only,
-never answers), ``token_digest`` (read-only: a digest of ``MCP_TOKEN``, never the token),
-``add_tool`` / ``remove_tool`` (change the listing and say so), and ``bad_schema`` (listed
-with a malformed JSON schema).
+Tools: ``echo`` (read-only), ``profile`` (read-only: a customer record for an address, with
+a phone number the client has never seen), ``write`` (unannotated: side-effecting, not
+idempotent; an item ``crash:...`` exits the process after applying it, ``hang:...`` never
+answers after applying it, ``slow:...`` answers after 30 s), ``count`` (read-only: effects so
+far), ``huge`` (read-only: that many characters), ``fail`` (an ``isError`` result), ``hang``
+(read-only, never answers), ``token_digest`` (read-only: a digest of ``MCP_TOKEN``, never the
+token), ``add_tool`` / ``remove_tool`` (change the listing and say so), and ``bad_schema``
+(listed with a malformed JSON schema).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from keel.tools import MCPServer as KeelMCPServer
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
 
+PROFILE_PHONE = "+1 415 555 0198"
+"""The phone number ``profile`` returns: a value only the server knew."""
+
 
 def build(effects: Path) -> MCPServer:
     """The server, its effects appended to ``effects``."""
@@ -46,6 +50,11 @@ def build(effects: Path) -> MCPServer:
     def echo(text: str) -> str:
         """Return the text."""
         return text
+
+    @server.tool(annotations=READ_ONLY)
+    def profile(email: str) -> str:
+        """The customer record of an e-mail address."""
+        return f'{{"email": "{email}", "phone": "{PROFILE_PHONE}"}}'
 
     @server.tool()
     async def write(item: str) -> str:
