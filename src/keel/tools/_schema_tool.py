@@ -114,9 +114,11 @@ def schema_tool(
         description: what the tool does, for the model.
         parameters: a JSON schema of type ``object`` (draft 2020-12 unless ``$schema`` says).
         function: ``async def f(arguments: dict, context: ToolContext | None) -> Any``.
-        side_effect / idempotent / timeout_s / max_output_chars / sees_values /
-            masked_arguments: as for :func:`~keel.tools.tool` (with a PII vault the tool gets
-            the user's values, except under ``masked_arguments`` or with ``sees_values=False``).
+        side_effect / idempotent / timeout_s / max_output_chars: as for
+            :func:`~keel.tools.tool`.
+        sees_values / masked_arguments: as for :func:`~keel.tools.tool` (with a PII vault the
+            tool gets the user's values, except under ``masked_arguments`` or with
+            ``sees_values=False``).
 
     Raises:
         ToolDefinitionError: an invalid name, an empty description, a schema that is not a
