@@ -11,16 +11,22 @@ idempotent; an item ``crash:...`` exits the process after applying it, ``hang:..
 answers after applying it, ``slow:...`` answers after 30 s), ``count`` (read-only: effects so
 far), ``huge`` (read-only: that many characters), ``fail`` (an ``isError`` result), ``hang``
 (read-only, never answers), ``token_digest`` (read-only: a digest of ``MCP_TOKEN``, never the
-token), ``add_tool`` / ``remove_tool`` (change the listing and say so), and ``bad_schema``
-(listed with a malformed JSON schema).
+token), ``header_digest`` (read-only: a digest of an HTTP header the call came with),
+``add_tool`` / ``remove_tool`` (change the listing and say so), and ``bad_schema`` (listed with
+a malformed JSON schema).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +101,14 @@ def build(effects: Path) -> MCPServer:
         token = os.environ.get("MCP_TOKEN", "")
         return hashlib.sha256(token.encode()).hexdigest()[:16]
 
+    @server.tool(annotations=READ_ONLY)
+    def header_digest(name: str, ctx: Context) -> str:
+        """A digest of the HTTP header this call came with (over streamable HTTP)."""
+        request = ctx.request_context.request
+        headers = getattr(request, "headers", None)
+        value = "" if headers is None else headers.get(name, "")
+        return hashlib.sha256(value.encode()).hexdigest()[:16]
+
     @server.tool()
     async def add_tool(name: str, ctx: Context) -> str:
         """Add a read-only tool that returns its name, and tell the client."""
@@ -137,6 +151,37 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+@contextlib.contextmanager
+def http_process(effects: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """This server over streamable HTTP on 127.0.0.1:``port``, in its own process, once it
+    answers; stopped at the end."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keel.testing.mcp_fault_server", str(effects), "--http", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(port):
+            if process.poll() is not None:
+                raise RuntimeError("the fault server exited")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the fault server did not start")
+            time.sleep(0.1)
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def stdio_server(effects: Path, **options: Any) -> KeelMCPServer:
