@@ -245,3 +245,23 @@ async def test_a_turn_after_its_server_was_closed_offers_none_of_its_tools_and_s
     reply = await agent.handle("s1", "u1", "Hi.")
     assert reply.status == "completed" and model.calls[-1].tools == ()
     await agent.aclose()
+
+
+async def test_a_server_hung_at_its_listing_is_left_out_until_it_answers(
+    effects: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = tmp_path / "answer-now"
+    model = ScriptedModel(["Hello.", _call("echo", text="back"), "Done."])
+    with stdio_server(effects, list_after=gate, connect_timeout_s=0.5) as server:
+        # Built while the server still withholds its listing: left out, with the reason logged.
+        agent = Agent.embedded(model, system_prompt="You test.", tools=[server], memory=False)
+        assert server.tools() == {}
+        assert "'fault' did not list its tools within 0.5 s" in caplog.text
+        first = await agent.handle("s1", "u1", "Hi.")
+        assert first.status == "completed" and model.calls[-1].tools == ()
+        gate.touch()
+        await _until(lambda: "echo" in server.tools())
+        second = await agent.handle("s1", "u1", "Echo.")
+        assert second.status == "completed", second
+        assert _tool_texts(agent) == ["back"]
+        await agent.aclose()

@@ -1,9 +1,10 @@
 """An MCP server that misbehaves on request, for keel's MCP tests and ``keel bench mcp``.
 
-``python -m keel.testing.mcp_fault_server EFFECTS_FILE [--http PORT]``: stdio by default,
-streamable HTTP on 127.0.0.1:PORT with ``--http``. Its effects are lines appended to
-``EFFECTS_FILE`` (flushed and fsynced before the tool answers), so a test counts what really
-happened from the server's side, across its restarts.
+``python -m keel.testing.mcp_fault_server EFFECTS_FILE [--http PORT] [--list-after FILE]``:
+stdio by default, streamable HTTP on 127.0.0.1:PORT with ``--http``; with ``--list-after``,
+it answers ``tools/list`` only once FILE exists (hung at start-up). Its effects are lines
+appended to ``EFFECTS_FILE`` (flushed and fsynced before the tool answers), so a test counts
+what really happened from the server's side, across its restarts.
 
 Tools: ``echo`` (read-only), ``profile`` (read-only: a customer record for an address, with
 a phone number the client has never seen), ``write`` (unannotated: side-effecting, not
@@ -42,9 +43,12 @@ PROFILE_PHONE = "+1 415 555 0198"
 """The phone number ``profile`` returns: a value only the server knew."""
 
 
-def build(effects: Path) -> MCPServer:
-    """The server, its effects appended to ``effects``."""
+def build(effects: Path, list_after: Path | None = None) -> MCPServer:
+    """The server, its effects appended to ``effects``; with ``list_after``, a ``tools/list``
+    is answered only once that file exists (a server hung at start-up, then recovered)."""
     server = MCPServer("keel-fault")
+    if list_after is not None:
+        _gate_listing(server, list_after)
 
     def applied(item: str) -> None:
         with effects.open("a", encoding="utf-8") as out:
@@ -140,11 +144,23 @@ def build(effects: Path) -> MCPServer:
     return server
 
 
+def _gate_listing(server: MCPServer, gate: Path) -> None:
+    listed = server.list_tools
+
+    async def list_when_open() -> Any:
+        while not gate.exists():
+            await asyncio.sleep(0.05)
+        return await listed()
+
+    # The SDK's handler looks list_tools up on the instance at each request.
+    setattr(server, "list_tools", list_when_open)  # noqa: B010
+
+
 def main(argv: list[str]) -> None:
-    effects = Path(argv[0])
-    server = build(effects)
-    if len(argv) > 2 and argv[1] == "--http":
-        server.run("streamable-http", host="127.0.0.1", port=int(argv[2]))
+    effects, options = Path(argv[0]), dict(zip(argv[1::2], argv[2::2], strict=False))
+    server = build(effects, Path(options["--list-after"]) if "--list-after" in options else None)
+    if "--http" in options:
+        server.run("streamable-http", host="127.0.0.1", port=int(options["--http"]))
     else:
         server.run()
 
@@ -188,9 +204,11 @@ def stdio_server(effects: Path, **options: Any) -> KeelMCPServer:
     """This server as keel's :class:`~keel.tools.MCPServer` over stdio, run by this Python on
     this process's ``PYTHONPATH`` (so a checkout's keel serves, not an installed one)."""
     env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+    list_after = options.pop("list_after", None)
+    gate = [] if list_after is None else ["--list-after", str(list_after)]
     return KeelMCPServer.stdio(
         sys.executable,
-        ["-m", "keel.testing.mcp_fault_server", str(effects)],
+        ["-m", "keel.testing.mcp_fault_server", str(effects), *gate],
         name=options.pop("name", "fault"),
         env={**env, **options.pop("env", {})},
         **options,

@@ -205,11 +205,13 @@ class MCPServer:
     # --- the connection ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect and list the tools (once; later calls return at once).
+        """Connect and list the tools (once; later calls return at once). A server that has
+        not listed its tools within ``connect_timeout_s`` (hung) is left out, logged: it offers
+        no tools until its listing arrives, and never holds up the agent or a turn.
 
         Raises:
             ConfigError: the ``mcp`` extra is not installed, or a :class:`FromEnv` is unset.
-            ToolDefinitionError: the server could not be reached within ``connect_timeout_s``.
+            ToolDefinitionError: the server could not be started or reached (a failure).
         """
         if "connection" in self._state:
             return
