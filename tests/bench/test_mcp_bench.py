@@ -19,7 +19,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 def test_kills_at_every_point_neither_double_nor_lose_a_write() -> None:
     command = [sys.executable, "-m", "keel", "bench", "mcp", "--calls", "30", "--kills", "4"]
     result = subprocess.run(
-        [*command, "--seed", "11", "--json"],
+        [*command, "--seed", "1", "--json"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -28,9 +28,10 @@ def test_kills_at_every_point_neither_double_nor_lose_a_write() -> None:
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"added_ms_p50", "added_ms_p95", "calls", "kills", "doubled", "missing"} <= set(report)
-    assert report["calls"] == 30 and report["kills"] == 4 and report["seed"] == 11
+    assert report["calls"] == 30 and report["kills"] == 4 and report["seed"] == 1
     points = report["points"]
-    # Four rounds: each point once, in the seed's order.
+    # Four rounds: each point once, in the seed's order (seed 1 kills mid-write on the second
+    # write, after the first was checkpointed: the resumed turn's revert must keep it).
     assert set(points) == set(KILL_POINTS)
     assert all(point["kills"] == 1 for point in points.values()), points
     # Only a kill mid-write leaves a write in doubt; it is settled, never run again.
