@@ -10,20 +10,16 @@ import hashlib
 import json
 import logging
 import sqlite3
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from keel.errors import ToolDefinitionError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.testing import ScriptedModel
-from keel.testing.mcp_fault_server import stdio_server
+from keel.testing.mcp_fault_server import http_process, stdio_server
 from keel.testing.servers import free_port
 from keel.tools import FromEnv, MCPServer, MCPToolOverride, ToolExecutor, ToolRegistry, tool
 
@@ -206,49 +202,27 @@ def test_a_name_two_sources_share_is_refused_and_a_prefix_resolves_it(effects: P
         agent.close()
 
 
-def _http_fault_server(effects: Path, port: int) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "keel.testing.mcp_fault_server", str(effects), "--http", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        assert process.poll() is None, "the fault server exited"
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
-            return process
-        except httpx.HTTPError:
-            assert time.monotonic() < deadline, "the fault server did not start"
-            time.sleep(0.1)
-
-
 async def test_an_http_server_that_restarts_is_reconnected_and_tenants_get_their_own_settings(
     effects: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = free_port()
-    process = _http_fault_server(effects, port)
     monkeypatch.setenv("ACME_TOKEN", "acme-secret-1")
     shared = MCPServer.http(f"http://127.0.0.1:{port}/mcp", name="fault-http")
     acme = shared.with_settings(headers={"Authorization": FromEnv("ACME_TOKEN", "Bearer {}")})
     assert dict(acme.headers) and not dict(shared.headers)
     assert "acme-secret-1" not in repr(acme)
     model = ScriptedModel([_call("echo", text="one"), _call("echo", text="two"), "Done."])
-    try:
-        with acme:
-            agent = Agent.embedded(model, system_prompt="You test.", tools=[acme], memory=False)
-            process.terminate()
-            process.wait(timeout=30)
-            process = _http_fault_server(effects, port)
+    with http_process(effects, port) as first, acme:
+        agent = Agent.embedded(model, system_prompt="You test.", tools=[acme], memory=False)
+        first.terminate()
+        first.wait(timeout=30)
+        with http_process(effects, port):
             # Each call finds the server restarted (a read: repeated once on the new
             # connection, never shown to the model as a failure).
             reply = await agent.handle("s1", "u1", "Echo twice.")
             assert reply.status == "completed", reply
             assert _tool_texts(agent) == ["one", "two"]
             await agent.aclose()
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 async def test_a_tool_gone_from_the_server_before_keel_relisted_is_a_failed_call(
@@ -271,3 +245,23 @@ async def test_a_turn_after_its_server_was_closed_offers_none_of_its_tools_and_s
     reply = await agent.handle("s1", "u1", "Hi.")
     assert reply.status == "completed" and model.calls[-1].tools == ()
     await agent.aclose()
+
+
+async def test_a_server_hung_at_its_listing_is_left_out_until_it_answers(
+    effects: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = tmp_path / "answer-now"
+    model = ScriptedModel(["Hello.", _call("echo", text="back"), "Done."])
+    with stdio_server(effects, list_after=gate, connect_timeout_s=0.5) as server:
+        # Built while the server still withholds its listing: left out, with the reason logged.
+        agent = Agent.embedded(model, system_prompt="You test.", tools=[server], memory=False)
+        assert server.tools() == {}
+        assert "'fault' did not list its tools within 0.5 s" in caplog.text
+        first = await agent.handle("s1", "u1", "Hi.")
+        assert first.status == "completed" and model.calls[-1].tools == ()
+        gate.touch()
+        await _until(lambda: "echo" in server.tools())
+        second = await agent.handle("s1", "u1", "Echo.")
+        assert second.status == "completed", second
+        assert _tool_texts(agent) == ["back"]
+        await agent.aclose()

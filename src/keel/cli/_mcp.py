@@ -60,7 +60,8 @@ def mcp_command(
 @bench_app.command("mcp")
 def bench_mcp_command(
     calls: Annotated[int, typer.Option("--calls", min=1, help="Tool calls each way.")] = 500,
-    kills: Annotated[int, typer.Option("--kills", min=0, help="Workers SIGKILLed mid-write.")] = 5,
+    kills: Annotated[int, typer.Option("--kills", min=0, help="Workers SIGKILLed.")] = 5,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the kill points.")] = 7,
     as_json: JsonOption = False,
 ) -> None:
     """keel's added time per MCP tool call over the raw SDK client, and exactly-once under
@@ -68,7 +69,7 @@ def bench_mcp_command(
     # The bench starts MCP servers: the optional SDK is loaded only when it runs.
     from keel.bench.mcp import run_mcp_bench
 
-    report = run_mcp_bench(calls, kills=kills)
+    report = run_mcp_bench(calls, kills=kills, seed=seed)
     if as_json:
         emit_json(report.model_dump())
         return

@@ -227,9 +227,25 @@ class TurnRunner:
         self.committed = False
         """Whether any checkpoint of this turn was written (a conflict then leaves it open)."""
         self.tool_calls: list[ToolCall] = []
-        self.effects: list[tuple[ToolCall, Message]] = []
+        self.effects: list[tuple[ToolCall, Message]] = self._checkpointed_effects()
         """Side-effecting calls that ran, were replayed or are in doubt, with their results."""
         self._trace: RunTrace | None = None
+
+    def _checkpointed_effects(self) -> list[tuple[ToolCall, Message]]:
+        """A resumed turn's side-effecting calls that a process before this one ran and
+        checkpointed with their results: a revert keeps them in the history like its own, or
+        the model, no longer seeing them done, would make them again."""
+        if not self.resume:
+            return []
+        segment = self.log.since(self.turn_start)
+        answers = {m.tool_call_id: m for m in segment if m.role == "tool"}
+        tools = self.deps.workflow.domain_tools
+        return [
+            (call, answers[call.id])
+            for message in segment
+            for call in message.tool_calls
+            if call.id in answers and (found := tools.get(call.name)) and found.side_effect
+        ]
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

@@ -78,6 +78,10 @@ class MCPToolOverride:
         inject: arguments added to every call, removed from the schema the model sees (the
             model can neither see nor choose them: a tenant's ``state_key``, say).
         timeout_s / max_output_chars: as for :func:`~keel.tools.tool`.
+        sees_values: with a PII vault, the server gets the user's real values for the
+            placeholders in the arguments (False: it gets the placeholders; for a server the
+            deployment does not trust with them).
+        masked_arguments: arguments that keep their placeholders even so (secrets).
     """
 
     side_effect: bool | None = None
@@ -86,6 +90,8 @@ class MCPToolOverride:
     inject: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None
     max_output_chars: int | None = None
+    sees_values: bool = True
+    masked_arguments: tuple[str, ...] = ()
 
 
 class MCPToolError(Exception):
@@ -199,11 +205,13 @@ class MCPServer:
     # --- the connection ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect and list the tools (once; later calls return at once).
+        """Connect and list the tools (once; later calls return at once). A server that has
+        not listed its tools within ``connect_timeout_s`` (hung) is left out, logged: it offers
+        no tools until its listing arrives, and never holds up the agent or a turn.
 
         Raises:
             ConfigError: the ``mcp`` extra is not installed, or a :class:`FromEnv` is unset.
-            ToolDefinitionError: the server could not be reached within ``connect_timeout_s``.
+            ToolDefinitionError: the server could not be started or reached (a failure).
         """
         if "connection" in self._state:
             return
@@ -323,6 +331,8 @@ def _schema_tool(
         idempotent=idempotent,
         timeout_s=override.timeout_s if override.timeout_s is not None else server.timeout_s,
         max_output_chars=override.max_output_chars,
+        sees_values=override.sees_values,
+        masked_arguments=tuple(override.masked_arguments),
     )
 
 

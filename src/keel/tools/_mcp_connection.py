@@ -56,20 +56,37 @@ class Connection:
         self._first: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def start(self, timeout_s: float) -> None:
-        """Start the loop and the supervisor; wait for the first listing.
+        """Start the loop and the supervisor; wait for the first listing, at most
+        ``timeout_s``: a server that has not answered by then (hung) is left out, offering no
+        tools, until its listing arrives (the supervisor keeps waiting, and reconnects).
 
         Raises:
-            ToolDefinitionError: the server could not be reached or listed in time.
+            ToolDefinitionError: the server could not be reached (it failed, not hung).
         """
         self._thread.start()
         self.loop.call_soon_threadsafe(self._spawn_supervisor)
         try:
             self._first.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError as exc:
+        except concurrent.futures.TimeoutError:
+            # From here on a failed first connection is retried with backoff like a lost one
+            # (unless the listing or the failure came in just now).
+            if not self._first.cancel():
+                self._settled_first()
+                return
+            logger.warning(
+                "MCP server %r did not list its tools within %g s; its tools are left out "
+                "until it does",
+                self.server.name,
+                timeout_s,
+            )
+        except Exception:
             self.close()
-            raise ToolDefinitionError(
-                f"MCP server {self.server.name!r} did not list its tools within {timeout_s:g} s"
-            ) from exc
+            raise
+
+    def _settled_first(self) -> None:
+        """The first connection's outcome, known: nothing, or it failed (closed, raised)."""
+        try:
+            self._first.result(timeout=0)
         except Exception:
             self.close()
             raise
@@ -110,14 +127,17 @@ class Connection:
                     self._ready.set()
                     delay = _BACKOFF_FIRST_S
                     if not self._first.done():
-                        self._first.set_result(None)
+                        with contextlib.suppress(concurrent.futures.InvalidStateError):
+                            self._first.set_result(None)  # unless start() gave up just now
                     await self._lost.wait()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if not self._first.done():
-                    self._first.set_exception(_start_failure(self.server, exc))
-                    return
+                    # Unless start() gave up waiting just now: then retried as a lost one.
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        self._first.set_exception(_start_failure(self.server, exc))
+                        return
                 # The type only: a transport's message may quote a URL with credentials.
                 logger.warning(
                     "MCP server %r: connection lost (%s); reconnecting in %.1f s",

@@ -103,6 +103,8 @@ def schema_tool(
     idempotent: bool | None = None,
     timeout_s: float | None = None,
     max_output_chars: int | None = None,
+    sees_values: bool = True,
+    masked_arguments: tuple[str, ...] = (),
 ) -> SchemaTool:
     """A tool from its name, description, the JSON schema of its arguments and an async
     function: the arguments a model writes are validated against ``parameters``.
@@ -112,11 +114,15 @@ def schema_tool(
         description: what the tool does, for the model.
         parameters: a JSON schema of type ``object`` (draft 2020-12 unless ``$schema`` says).
         function: ``async def f(arguments: dict, context: ToolContext | None) -> Any``.
-        side_effect / idempotent / timeout_s / max_output_chars: as for :func:`~keel.tools.tool`.
+        side_effect / idempotent / timeout_s / max_output_chars: as for
+            :func:`~keel.tools.tool`.
+        sees_values / masked_arguments: as for :func:`~keel.tools.tool` (with a PII vault the
+            tool gets the user's values, except under ``masked_arguments`` or with
+            ``sees_values=False``).
 
     Raises:
-        ToolDefinitionError: an invalid name, an empty description, or a schema that is not a
-            valid JSON schema of an object.
+        ToolDefinitionError: an invalid name, an empty description, a schema that is not a
+            valid JSON schema of an object, or a masked argument the schema does not name.
     """
     if not _NAME.match(name):
         raise ToolDefinitionError(
@@ -131,6 +137,11 @@ def schema_tool(
     schema = _object_schema(name, parameters)
     validator_class = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
     names = tuple(schema.get("properties", {}))
+    unknown = sorted(set(masked_arguments) - set(names))
+    if unknown:
+        raise ToolDefinitionError(
+            f"tool {name!r}: masked_arguments names arguments it does not take: {unknown}"
+        )
     args_model = type(
         f"{name}_arguments",
         (_SchemaArguments,),
@@ -146,6 +157,8 @@ def schema_tool(
         timeout_s=timeout_s,
         max_output_chars=max_output_chars,
         context_parameter="context",
+        sees_values=sees_values,
+        masked_arguments=tuple(masked_arguments),
     )
     built.__dict__["_parameters"] = schema  # seeds the cached_property: the schema as given
     return built
