@@ -38,11 +38,12 @@ from keel.errors import UsageError
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions
 from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends
+from keel.runtime._decisions import DecideOptions, answer_session, decide, resume_parked
 from keel.runtime._events import AgentEvent
 from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, MemoryHandOff
 from keel.runtime._lease import Lease, own_session
-from keel.runtime._masking import Masking
 from keel.runtime._open import (
     EmbeddedOptions,
     OnBackendsOptions,
@@ -51,10 +52,10 @@ from keel.runtime._open import (
     close_opened,
     embedded_agent,
     open_agent,
+    turn_deps,
 )
 from keel.runtime._replies import Recent
 from keel.runtime._reply import AgentReply
-from keel.runtime._session import answer, resume_open_turn
 from keel.runtime._stream import events_of
 from keel.runtime._text import require_id, session_key, user_text
 from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps, TurnOptions
@@ -119,6 +120,8 @@ class Agent:
             leaves after its prompt (never less than the context's answer reserve, which no
             prompt takes; at most the model's output limit); with it, at most that. An
             answer cut at the limit is continued (``reply.truncated`` when it cannot be).
+        approvals: where calls that wait for a person (``@tool(approval=...)``) wait, who is
+            told, and how long they may (see :meth:`decide`).
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class Agent:
         session_cache_size: int = 256,
         output_type: type[Any] | None = None,
         model_options: ModelOptions | None = None,
+        approvals: Approvals | None = None,
     ) -> None:
         if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise UsageError("an agent needs a system prompt")
@@ -159,6 +163,7 @@ class Agent:
         self.model_options = model_options or ModelOptions()
         self.rules = tuple(rules)
         self.machine = machine
+        self.approvals = approvals
         self.memory = memory
         self.journal = journal
         # Without a durable journal, one in memory for the agent's life: exactly-once and the
@@ -406,7 +411,8 @@ class Agent:
             _require_id("turn_id", extras.turn_id)
         key = self.session_key(session_id)
         async with self._own(key) as lease:
-            return await answer(self._deps(), lease, key, (session_id, user_id), text, emit, extras)
+            ids = (session_id, user_id)
+            return await answer_session(self._deps(), lease, key, ids, text, emit, extras)
 
     def handle_sync(self, session_id: str, user_id: str, text: str) -> AgentReply:
         """Sync twin of :meth:`handle` (not for use inside a running event loop). Safe to call
@@ -424,11 +430,27 @@ class Agent:
         _require_id("user_id", user_id)
         key = self.session_key(session_id)
         async with self._own(key) as lease:
-            return await resume_open_turn(self._deps(), lease, key, (session_id, user_id))
+            return await resume_parked(self._deps(), lease, key, (session_id, user_id))
 
     def resume_sync(self, session_id: str, user_id: str) -> AgentReply | None:
         """Sync twin of :meth:`resume`."""
         return run_sync(self.resume(session_id, user_id))
+
+    async def decide(
+        self, session_id: str, approval_id: str, **how: Unpack[DecideOptions]
+    ) -> AgentReply:
+        """Settle a waiting call (``approve=``; ``by=`` an operator, or ``user_id=`` the user
+        confirming; ``note=``, corrected ``arguments=``): the reply of the turn that goes on.
+        AccessDeniedError: not this tenant's request, or not this user's to confirm."""
+        return await decide(
+            self._deps(), self._own, self.session_key(session_id), session_id, approval_id, **how
+        )
+
+    def decide_sync(
+        self, session_id: str, approval_id: str, **how: Unpack[DecideOptions]
+    ) -> AgentReply:
+        """Sync twin of :meth:`decide`."""
+        return run_sync(self.decide(session_id, approval_id, **how))
 
     def session_state(self, session_id: str) -> AgentState | None:
         """The session's committed state (in this agent's tenant), or None; a state another
@@ -453,24 +475,4 @@ class Agent:
     def _deps(self) -> TurnDeps:
         """The agent's configuration as a turn takes it (read per turn: the attributes may be
         set between turns)."""
-        return TurnDeps(
-            model=self.model,
-            state=self.state,
-            engine=self.engine,
-            monitor=self.monitor,
-            guards=self.guards,
-            journal=self._journal,
-            tracer=self.tracer,
-            masking=Masking(self.masker, self.tenant_id),
-            workflow=self._workflow,
-            system_prompt=self.system_prompt,
-            rules=self.rules,
-            output_type=self.output_type,
-            model_options=self.model_options,
-            tenant_id=self.tenant_id,
-            name=self.name,
-            logs=self._sessions,
-            owners=self._owners,
-            memory=self._hand_off,
-            recall=self._memories,
-        )
+        return turn_deps(self)

@@ -13,10 +13,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from keel.runtime._reply import AgentReply
+from keel.runtime._reply import AgentReply, PendingApproval
 
 __all__ = [
     "AgentEvent",
+    "ApprovalDecided",
+    "ApprovalRequested",
     "CheckpointCommitted",
     "GuardWarning",
     "TextDelta",
@@ -96,6 +98,24 @@ class GuardWarning(_Event):
     message: str
 
 
+class ApprovalRequested(_Event):
+    """A call waits for a person's decision before it runs (the turn parks after its step)."""
+
+    type: Literal["approval_requested"] = "approval_requested"
+    step: int
+    approval: PendingApproval
+
+
+class ApprovalDecided(_Event):
+    """A waiting call was decided (or expired, or was cancelled): what comes of it."""
+
+    type: Literal["approval_decided"] = "approval_decided"
+    approval_id: str
+    status: str = Field(description="approved, rejected, expired or cancelled.")
+    by: str | None = Field(default=None, description="Who decided (None: expired, cancelled).")
+    result: str = Field(description="What the model is told of it (masked).")
+
+
 class TurnFinished(_Event):
     """The turn ended; ``reply`` is what :meth:`Agent.run` would have returned."""
 
@@ -111,6 +131,8 @@ AgentEvent = Annotated[
     | WorkflowTransition
     | CheckpointCommitted
     | GuardWarning
+    | ApprovalRequested
+    | ApprovalDecided
     | TurnFinished,
     Field(discriminator="type"),
 ]

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
+from keel.approvals import ApprovalRequest
 from keel.context import ContextBudget
 from keel.errors import KeelError, UsageError
 from keel.guards import GuardConfig
 from keel.models import ChatModel, ModelOptions, resolve_model
 from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends, open_at_edge
+from keel.runtime._masking import Masking
+from keel.runtime._turn import TurnDeps
 from keel.settings import Settings, load_settings
 from keel.state import StateMachine
 from keel.tools import Tool
@@ -40,6 +44,7 @@ __all__ = [
     "close_opened",
     "embedded_agent",
     "open_agent",
+    "turn_deps",
 ]
 
 logger = logging.getLogger("keel.runtime")
@@ -71,12 +76,15 @@ class AgentOptions(TypedDict, total=False):
     session_cache_size: int
     output_type: type[Any] | None
     model_options: ModelOptions | None
+    approvals: Approvals | None
 
 
 class OnBackendsOptions(AgentOptions, total=False):
     """:meth:`Agent.on_backends <keel.runtime.Agent.on_backends>`'s options."""
 
     journal: bool
+    on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None
+    """Called once per new approval request in the stores' queue (notify your systems)."""
 
 
 class EmbeddedOptions(OnBackendsOptions, total=False):
@@ -103,6 +111,7 @@ def open_agent(
     journal: bool = True,
     redis_url: str | None = None,
     settings: Settings | None = None,
+    on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None = None,
     **options: Unpack[AgentOptions],
 ) -> AgentT:
     """A ``cls`` on the stores ``database`` names, which it owns: see ``Agent.open``."""
@@ -120,7 +129,13 @@ def open_agent(
     try:
         chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
         agent = agent_on_backends(
-            cls, backends, chat_model, system_prompt=system_prompt, journal=journal, **options
+            cls,
+            backends,
+            chat_model,
+            system_prompt=system_prompt,
+            journal=journal,
+            on_approval_request=on_approval_request,
+            **options,
         )
     except BaseException:
         backends.close()
@@ -136,12 +151,15 @@ def agent_on_backends(
     *,
     system_prompt: str,
     journal: bool = True,
+    on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None = None,
     **options: Unpack[AgentOptions],
 ) -> AgentT:
     """A ``cls`` on stores the caller keeps open: see ``Agent.on_backends``."""
     # The stores' privacy policy unless the agent has its own: one masker for all of it.
     masker = options.setdefault("masker", backends.privacy)
     tenant_id = options.get("tenant_id", "default")
+    # Calls that wait for a person wait in the stores' queue unless the agent has its own.
+    options.setdefault("approvals", Approvals(backends.approvals, on_request=on_approval_request))
     redact = None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
     return cls(
         model,
@@ -200,3 +218,30 @@ async def close_opened(backends: Backends) -> None:
         except (TimeoutError, KeelError) as exc:
             logger.warning("memory's outbox was not flushed on close: %s", exc)
     await backends.aclose()
+
+
+def turn_deps(agent: Agent) -> TurnDeps:
+    """What a turn takes of ``agent``'s configuration (read per turn: its attributes may be
+    set between turns)."""
+    return TurnDeps(
+        model=agent.model,
+        state=agent.state,
+        engine=agent.engine,
+        monitor=agent.monitor,
+        guards=agent.guards,
+        journal=agent._journal,
+        tracer=agent.tracer,
+        masking=Masking(agent.masker, agent.tenant_id),
+        workflow=agent._workflow,
+        system_prompt=agent.system_prompt,
+        rules=agent.rules,
+        output_type=agent.output_type,
+        model_options=agent.model_options,
+        tenant_id=agent.tenant_id,
+        name=agent.name,
+        logs=agent._sessions,
+        owners=agent._owners,
+        memory=agent._hand_off,
+        recall=agent._memories,
+        approvals=agent.approvals,
+    )

@@ -8,11 +8,27 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from keel.runtime._steps import LoopStatus
 
-__all__ = ["AgentReply", "AgentStatus"]
+__all__ = ["AgentReply", "AgentStatus", "PendingApproval"]
 
 AgentStatus = Literal[LoopStatus, "failed"]
-"""How a turn ended: ``completed``, a loop status (:data:`~keel.runtime.LoopStatus`), or
-``failed`` (an error the loop does not own: a bug in a hook, a workflow gate)."""
+"""How a turn ended: ``completed``, a loop status (:data:`~keel.runtime.LoopStatus`, among
+them ``awaiting_approval``: parked until a person decides), or ``failed`` (an error the loop
+does not own: a bug in a hook, a workflow gate)."""
+
+
+class PendingApproval(BaseModel):
+    """One call of the turn waiting for a person (see ``Agent.decide``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(description="The request's id, to decide it with.")
+    kind: Literal["user", "operator", "escalation"]
+    tool: str | None
+    arguments: str = Field(description="The call's arguments (masked).")
+    reason: str = Field(description="Why a person must decide (the policy's words).")
+    decidable_by: tuple[str, ...] = Field(description="Who may decide: user, operator.")
+    expires_at: float | None = Field(description="Epoch seconds; None: never.")
+    status: str = Field(description="pending, approved, rejected, expired or cancelled.")
 
 
 class AgentReply(BaseModel):
@@ -57,6 +73,10 @@ class AgentReply(BaseModel):
         "before this message was handled.",
     )
     error: str | None = Field(default=None, description="The error, when the turn failed.")
+    approvals: tuple[PendingApproval, ...] = Field(
+        default=(),
+        description="The calls the turn is parked on (``status='awaiting_approval'``).",
+    )
     output: Any = Field(
         default=None,
         description="The validated answer when the turn had an ``output_type`` (``text`` is its "

@@ -15,7 +15,7 @@ from keel.runtime._text import open_turn_text, sanitize
 from keel.runtime._turn import RunExtras, TurnDeps, TurnRunner
 from keel.state import AgentState, Checkpoint, SessionRuntime
 
-__all__ = ["answer", "check_owner", "resume_open_turn"]
+__all__ = ["answer", "check_owner", "resume_open_turn", "run_turn"]
 
 _UNBOUNDED_STEPS = 1_000_000_000
 """AgentState.max_steps for a session: per-run limits live in GuardConfig."""
@@ -45,7 +45,7 @@ async def _load(deps: TurnDeps, key: str, user_id: str) -> Checkpoint[AgentState
     return checkpoint
 
 
-async def _turn(
+async def run_turn(
     deps: TurnDeps,
     lease: Lease,
     key: str,
@@ -88,15 +88,15 @@ async def answer(
             if open_turn_text(checkpoint.state) != masked:
                 raise UsageError(f"turn id {turn_id!r} was used for another message")
             # The caller's retry of a turn a crash left open: finish it, once.
-            return await _turn(deps, lease, key, ids, checkpoint, None, emit)
+            return await run_turn(deps, lease, key, ids, checkpoint, None, emit)
     interrupted: AgentReply | None = None
     if runtime.open_turn is not None:
         open_text = open_turn_text(checkpoint.state)
-        interrupted = await _turn(deps, lease, key, ids, checkpoint, None)
+        interrupted = await run_turn(deps, lease, key, ids, checkpoint, None)
         if open_text is not None and open_text == deps.masking.mask(sanitize(text)):
             return interrupted
         checkpoint = await deps.state.aload(key)
-    reply = await _turn(deps, lease, key, ids, checkpoint, text, emit, extras)
+    reply = await run_turn(deps, lease, key, ids, checkpoint, text, emit, extras)
     if interrupted is not None:
         reply = reply.model_copy(update={"interrupted_turn": interrupted})
     return reply
@@ -112,4 +112,4 @@ async def resume_open_turn(
     check_owner(checkpoint.state, ids[1], deps.tenant_id)
     if checkpoint.state.runtime.open_turn is None:
         return None
-    return await _turn(deps, lease, key, ids, checkpoint, None)
+    return await run_turn(deps, lease, key, ids, checkpoint, None)

@@ -75,8 +75,11 @@ LoopStatus = Literal[
     "tool_in_doubt",
     "model_failed",
     "invalid_output",
+    "awaiting_approval",
 ]
-"""How a run ended. Only ``completed`` is a real answer; every other status carries an error."""
+"""How a run ended. Only ``completed`` is a real answer; ``awaiting_approval`` is parked (a
+call waits for a person's decision, the model is not asked again until it is in); every
+other status carries an error."""
 
 StepAction = Literal["tool_calls", "final", "continued", "retry", "stopped"]
 
@@ -319,6 +322,9 @@ class ToolGate:
         on_start: ``(step, call, arguments) -> None`` right before a validated call runs.
         on_result: ``(step, result) -> None`` as each call ends.
         fingerprint: ``() -> str``, a digest of the driver's state, for progress.
+        hold: ``(step, index, call) -> result | None`` before a call that passed ``refuse``
+            is journalled or run: a result holds it back (it waits for a person's approval),
+            None lets it through.
     """
 
     refuse: Callable[[ToolCall], MaybeAwaitable[str | None]] | None = None
@@ -326,6 +332,7 @@ class ToolGate:
     on_start: Callable[[int, ToolCall, dict[str, Any]], None] | None = None
     on_result: Callable[[int, ToolResult], MaybeAwaitable[None]] | None = None
     fingerprint: Callable[[], MaybeAwaitable[str]] | None = None
+    hold: Callable[[int, int, ToolCall], MaybeAwaitable[ToolResult | None]] | None = None
 
 
 @dataclass

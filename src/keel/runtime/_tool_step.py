@@ -108,7 +108,11 @@ class ToolStep:
             await call_hook(gate.on_result, run.step, repeat)
             return
         refusal = await call_hook(gate.refuse, call)
-        if refusal is not None:
+        held = None if refusal is not None else await call_hook(gate.hold, run.step, index, call)
+        if held is not None:
+            # Waits for a person's decision: nothing journalled, nothing run.
+            result = held
+        elif refusal is not None:
             # Refused before anything is journalled or run: a failed call for the model.
             result = ToolResult(
                 call_id=call.id,
@@ -134,7 +138,8 @@ class ToolStep:
             )
         calls.add(result)
         await call_hook(gate.on_result, run.step, result)
-        self._count(calls, call, result)
+        if held is None:
+            self._count(calls, call, result)
 
     def _count(self, calls: _Calls, call: ToolCall, result: ToolResult) -> None:
         """What the guards make of a call's result: repairs, doubt, failures, loops."""

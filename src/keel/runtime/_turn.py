@@ -26,6 +26,7 @@ from keel.errors import ConflictError, GuardError, KeelError, StoreError, TurnIn
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
+from keel.runtime._approvals import Approvals, TurnApprovals, pending_view
 from keel.runtime._events import AgentEvent, CheckpointCommitted
 from keel.runtime._hand_off import MemoryHandOff
 from keel.runtime._lease import Lease
@@ -109,6 +110,7 @@ class TurnDeps:
     memory: MemoryHandOff | None
     recall: Callable[[str, str], Awaitable[list[ContextMemory]]]
     """The memories for (user id, query) within their budget."""
+    approvals: Approvals | None = None
 
 
 class TurnOptions(TypedDict, total=False):
@@ -196,6 +198,7 @@ class TurnRunner:
         self.record_reply = bool(self.user_message.metadata.get("client_turn"))
         """The caller gave the turn its id: its reply is committed with it, for retries."""
         self.registry: ToolRegistry = deps.workflow.registry(self.cursor)
+        self.approvals = TurnApprovals(self)
         self.loop_start = 0
         """The log's length when the turn's loop started from it."""
         self.prompt = TurnPrompt(
@@ -293,6 +296,8 @@ class TurnRunner:
             await deps.tracer.atake_over_turn(run, self.turn_id)
         try:
             self.prompt.memories = await deps.recall(self.user_id, self.user_message.content)
+            if self.resume and self.state.runtime.awaiting:
+                await self.approvals.settle()  # a parked turn goes on: its decisions first
             self.loop_start = len(self.log)
             result = await self._drive()
         except asyncio.CancelledError:
@@ -372,6 +377,7 @@ class TurnRunner:
             on_start=stream.on_tool_start if stream is not None else None,
             on_result=stream.on_tool_result if stream is not None else None,
             fingerprint=self.cursor.fingerprint,
+            hold=self.approvals.hold,
         )
         try:
             while True:
@@ -385,6 +391,9 @@ class TurnRunner:
                 await self._after_steps(run)
                 if outcome.kind == "tool_calls":
                     await tools(run, outcome, gate)
+                    if self.approvals.parked:
+                        await self._after_steps(run)
+                        return self.approvals.park(run)
                 elif (result := model.conclude(run, outcome)) is not None:
                     await self._after_steps(run)
                     return result
@@ -486,6 +495,10 @@ class TurnRunner:
         self.written = len(state.messages)
         return self._written(version, options["reason"])
 
+    async def checkpoint(self, update: dict[str, Any], *, reason: str) -> int:
+        """A checkpoint of the log so far with ``update``'s fields set (the turn stays open)."""
+        return await self._append(update, reason=reason)
+
     async def _append(self, update: dict[str, Any], **options: Any) -> int:
         """A compare-and-set checkpoint of the turn that appends the log's messages since the
         last one and sets ``update``'s fields: its cost is what is new, however long the
@@ -519,7 +532,8 @@ class TurnRunner:
         masking = self.deps.masking
         self.log.take_added(result.new_messages, self.loop_start, masking.mask_message)
         text = masking.mask(sanitize(result.text))
-        if result.ok:
+        parked = result.status == "awaiting_approval"
+        if result.ok or parked:
             final_state, rebuilt = self._completed_state(result)
         else:
             final_state, rebuilt = await self._reverted_state(result), True
@@ -539,13 +553,16 @@ class TurnRunner:
             loops_detected=result.loops_detected,
             tool_calls=tuple(r.tool for step in result.steps for r in step.tool_results),
             effects=tuple(call.name for call, _ in self.effects),
-            reverted=not result.ok or result.reverted,
+            reverted=not (result.ok or parked) or result.reverted,
             truncated=result.truncated,
             resumed=self.resume,
             output=result.output if result.ok else None,
             error=masking.mask(result.error_message) if result.error_message else None,
+            approvals=tuple(pending_view(r) for r in self.approvals.requested),
         )
         reason = "turn completed" if result.ok else f"turn failed: {result.status}"
+        if parked:
+            reason = "turn parked: awaiting approval"
         version = await self._save(self._with_reply(final_state, reply), reason, rebuilt=rebuilt)
         if result.ok:
             version = await self._summarize(self.state, version)
@@ -573,8 +590,9 @@ class TurnRunner:
     def _completed_state(self, result: LoopResult) -> tuple[AgentState, bool]:
         """The state of a completed turn, and whether its history was rebuilt: its messages
         are the log itself unless the runtime's corrections had to be dropped from it."""
+        awaiting = tuple(request.id for request in self.approvals.requested)
         runtime = self.state.runtime.model_copy(
-            update={"open_turn": None, "open_turn_message": None}
+            update={"open_turn": None, "open_turn_message": None, "awaiting": awaiting}
         )
         segment = self.log.since(self.turn_start)
         kept = without_corrections(segment)
@@ -753,6 +771,7 @@ class TurnRunner:
 def _run_status(status: str) -> Any:
     if status in ("step_limit", "time_limit"):
         return "limited"
-    if status in ("loop_detected", "tool_in_doubt"):
+    if status in ("loop_detected", "tool_in_doubt", "awaiting_approval"):
+        # Handed to a person (DESIGN.md, "Turn outcomes").
         return "escalated"
     return "failed"

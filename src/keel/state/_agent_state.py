@@ -42,6 +42,11 @@ class SessionRuntime(BaseModel):
     finished_workflows: tuple[dict[str, Any], ...] = Field(
         default=(), description="The last positions of finished workflow instances (newest 20)."
     )
+    awaiting: tuple[str, ...] = Field(
+        default=(),
+        description="The approval requests the session's last turn is parked on (their ids): "
+        "once all are decided, the turn goes on from where it stopped.",
+    )
     replies: tuple[dict[str, Any], ...] = Field(
         default=(),
         description="The replies of the newest turns a caller gave its own turn id "

@@ -8,7 +8,13 @@ they run at most once per (session, step, call), across crashes.
 
 from __future__ import annotations
 
-from keel.tools._executor import ToolExecutor, ToolResult, ToolStatus, format_validation_error
+from keel.tools._executor import (
+    ToolExecutor,
+    ToolResult,
+    ToolStatus,
+    format_validation_error,
+    validated_arguments,
+)
 from keel.tools._journal import (
     InMemoryJournal,
     JournalClaim,
@@ -24,9 +30,19 @@ from keel.tools._repair import (
     coerce_scalars,
     parse_arguments,
 )
-from keel.tools._tool import NestedArgumentsWarning, Tool, ToolContext, ToolScope, tool
+from keel.tools._tool import (
+    ApprovalNeed,
+    ApprovalPolicy,
+    NestedArgumentsWarning,
+    Tool,
+    ToolContext,
+    ToolScope,
+    tool,
+)
 
 __all__ = [
+    "ApprovalNeed",
+    "ApprovalPolicy",
     "ArgumentsNotJSONError",
     "InMemoryJournal",
     "JournalClaim",
@@ -47,4 +63,5 @@ __all__ = [
     "idempotency_key",
     "parse_arguments",
     "tool",
+    "validated_arguments",
 ]

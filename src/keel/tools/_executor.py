@@ -32,17 +32,37 @@ from keel.errors import (
     UnknownToolError,
 )
 from keel.messages import Message, ToolCall
-from keel.tools._journal import InMemoryJournal, JournalEntry, ToolJournal, idempotency_key
+from keel.tools._journal import (
+    SETTLED_NOTE,
+    InMemoryJournal,
+    JournalEntry,
+    ToolJournal,
+    idempotency_key,
+)
 from keel.tools._registry import ToolRegistry
 from keel.tools._repair import ArgumentsNotJSONError, coerce_scalars, parse_arguments
 from keel.tools._tool import AbandonedResult, Tool, ToolContext, ToolScope, abandoned_result
 
-__all__ = ["ToolExecutor", "ToolResult", "ToolStatus", "format_validation_error"]
+__all__ = [
+    "ToolExecutor",
+    "ToolResult",
+    "ToolStatus",
+    "format_validation_error",
+    "validated_arguments",
+]
 
 ToolStatus = Literal[
-    "ok", "failed", "timeout", "unknown_tool", "invalid_arguments", "in_doubt", "blocked"
+    "ok",
+    "failed",
+    "timeout",
+    "unknown_tool",
+    "invalid_arguments",
+    "in_doubt",
+    "blocked",
+    "awaiting_approval",
 ]
-"""How a call ended. ``blocked``: a guard refused to run it (a loop was detected)."""
+"""How a call ended. ``blocked``: a guard refused to run it (a loop was detected).
+``awaiting_approval``: not run yet, a person must decide first."""
 
 logger = logging.getLogger("keel.tools")
 
@@ -287,14 +307,16 @@ class ToolExecutor:
         self, found: Tool, session_id: str, key: str, arguments: str
     ) -> JournalEntry | None:
         """An earlier identical call (same session, tool, canonical arguments; another key)
-        that forbids running this one: one still in doubt, or else the newest one if it
-        finished only after keel had stopped waiting for it (the model never saw it done)."""
+        that forbids running this one: one still in doubt, or else the newest one if it was
+        settled as done after the model was told it was in doubt (the model never saw it
+        done): by its own late result, or by an operator. Settled as failed, it did not
+        happen, and the repeat runs."""
         same = await self.journal.asame_calls(session_id, found.name, arguments)
         earlier = [entry for entry in same if entry.key != key]
         doubtful = [e for e in earlier if e.in_doubt]
         if doubtful:
             return doubtful[0]
-        if earlier and earlier[-1].ok and (earlier[-1].content or "").startswith(LATE_NOTE):
+        if earlier and earlier[-1].ok and _settled_late(earlier[-1]):
             return earlier[-1]
         return None
 
@@ -329,6 +351,7 @@ class ToolExecutor:
                 attempt=earlier.attempts,
             )
         done = (earlier.content or "").removeprefix(LATE_NOTE)
+        output = (earlier.output or "").removeprefix(SETTLED_NOTE) or done
         content = f"Not run again: the same call made earlier (call {earlier.key}) did it: {done}"
         key = base["idempotency_key"]
         claim = await self.journal.aclaim(
@@ -340,12 +363,12 @@ class ToolExecutor:
             arguments=earlier.arguments,
         )
         if claim.created:
-            await self.journal.afinish(key, ok=True, content=content, output=earlier.output or done)
+            await self.journal.afinish(key, ok=True, content=content, output=output)
         return ToolResult(
             **base,
             status="ok",
             content=content,
-            output_text=earlier.output or done,
+            output_text=output,
             replayed=True,
             attempt=earlier.attempts,
             latency_ms=_ms(started),
@@ -537,6 +560,14 @@ class ToolExecutor:
         )
 
 
+def _settled_late(entry: JournalEntry) -> bool:
+    """Whether ``entry`` was settled after the model was told it was in doubt: by the late
+    result of its own thread, or by an operator."""
+    return (entry.content or "").startswith(LATE_NOTE) or (entry.output or "").startswith(
+        SETTLED_NOTE
+    )
+
+
 def _refused(
     base: dict[str, Any],
     started: float,
@@ -594,6 +625,21 @@ def _check_arguments(
             repairs=repairs,
             problems=tuple(problems),
         )
+
+
+def validated_arguments(found: Tool, raw: str) -> BaseModel:
+    """``raw`` parsed, repaired and validated as the executor does a model's arguments (an
+    approver's corrected arguments, say).
+
+    Raises:
+        ToolArgumentsError: one line per problem.
+    """
+    base: dict[str, Any] = {"call_id": "", "tool": found.name, "raw_arguments": raw}
+    checked = _check_arguments(found, raw, base, time.perf_counter())
+    if isinstance(checked, ToolResult):
+        assert isinstance(checked.exception, ToolArgumentsError)
+        raise checked.exception
+    return checked[0]
 
 
 def _from_journal(

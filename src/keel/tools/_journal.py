@@ -25,6 +25,7 @@ from keel._bridge import run_blocking
 from keel.messages import Message
 
 __all__ = [
+    "SETTLED_NOTE",
     "InMemoryJournal",
     "JournalClaim",
     "JournalEntry",
@@ -34,6 +35,11 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+SETTLED_NOTE = "[settled by an operator] "
+"""Starts the journalled ``output`` of a call an operator settled (:meth:`ToolJournal.resolve`):
+the model never saw it done, so a repeat of the same call gets this result instead of running
+again (see :class:`~keel.tools.ToolExecutor`)."""
 
 JournalStatus = Literal["started", "succeeded", "failed"]
 """``started``: intent written, no result yet. ``succeeded``/``failed``: the result is recorded."""
@@ -154,9 +160,10 @@ class ToolJournal(ABC):
     def resolve(self, key: str, *, ok: bool, content: str) -> JournalEntry:
         """Operator action: record the outcome of an in-doubt call (after checking by hand).
 
-        A resumed run then returns ``content`` to the model instead of raising.
+        A resumed run then returns ``content`` to the model instead of raising, and a repeat
+        of the same call gets it too instead of running again (settled as succeeded).
         """
-        return self.finish(key, ok=ok, content=content, output=content)
+        return self.finish(key, ok=ok, content=content, output=SETTLED_NOTE + content)
 
     def in_doubt(self, session_id: str | None = None) -> list[JournalEntry]:
         """Calls that started and recorded no result: an operator must look at them."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -24,7 +25,7 @@ import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, overload
+from typing import Any, Generic, Literal, TypeAlias, overload
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.fields import FieldInfo
@@ -32,7 +33,15 @@ from typing_extensions import TypeVar
 
 from keel.errors import ToolDefinitionError
 
-__all__ = ["NestedArgumentsWarning", "Tool", "ToolContext", "ToolScope", "tool"]
+__all__ = [
+    "ApprovalNeed",
+    "ApprovalPolicy",
+    "NestedArgumentsWarning",
+    "Tool",
+    "ToolContext",
+    "ToolScope",
+    "tool",
+]
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _ARGS_HEADERS = ("args:", "arguments:", "parameters:")
@@ -97,6 +106,24 @@ class ToolScope:
 
 
 @dataclass(frozen=True)
+class ApprovalNeed:
+    """What a tool's approval policy asks of one call: who decides (the session's ``user``
+    confirms, or an ``operator`` approves), why, and how long the request may wait (None:
+    the agent's default)."""
+
+    kind: Literal["user", "operator"] = "operator"
+    reason: str = ""
+    expires_after_s: float | None = None
+
+
+ApprovalPolicy: TypeAlias = (
+    "bool | Literal['user', 'operator'] | Callable[[BaseModel, ToolContext], ApprovalNeed | None]"
+)
+"""``True`` (an operator approves every call), ``"user"`` / ``"operator"``, or a callable of
+the validated arguments and the call's context that decides per call (None: no approval)."""
+
+
+@dataclass(frozen=True)
 class Tool:
     """A callable tool: its name, description, argument model, schema and declared effects.
 
@@ -113,6 +140,19 @@ class Tool:
     max_output_chars: int | None = None
     context_parameter: str | None = None
     nested_fields: tuple[str, ...] = field(default=())
+    approval: ApprovalPolicy | None = None
+
+    def approval_need(self, arguments: BaseModel, context: ToolContext) -> ApprovalNeed | None:
+        """Whether this call waits for a person before it runs (see :func:`tool`)."""
+        policy = self.approval
+        if policy is None or policy is False:
+            return None
+        if policy is True or policy == "operator":
+            return ApprovalNeed("operator", f"{self.name} needs an operator's approval")
+        if policy == "user":
+            return ApprovalNeed("user", f"{self.name} needs the user's confirmation")
+        assert callable(policy)
+        return policy(arguments, context)
 
     @property
     def is_async(self) -> bool:
@@ -178,6 +218,7 @@ def tool(
     idempotent: bool | None = None,
     timeout_s: float | None = None,
     max_output_chars: int | None = None,
+    approval: ApprovalPolicy | None = None,
 ) -> Callable[[F], Tool]: ...
 
 
@@ -191,6 +232,7 @@ def tool(
     idempotent: bool | None = None,
     timeout_s: float | None = None,
     max_output_chars: int | None = None,
+    approval: ApprovalPolicy | None = None,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Turn a typed function (sync or async) into a :class:`Tool`.
 
@@ -216,14 +258,21 @@ def tool(
         timeout_s: per-call wall-clock limit (default: the executor's).
         max_output_chars: output longer than this is truncated for the model (default: the
             executor's); the whole output stays in the result for traces.
+        approval: the call waits for a person before it runs: ``True`` or ``"operator"``
+            (an operator approves), ``"user"`` (the user confirms), or a policy
+            ``(arguments, context) -> ApprovalNeed | None`` deciding per call (a refund over
+            500). Such a tool is side-effecting (journalled, run once) unless said otherwise.
 
     Raises:
         ToolDefinitionError: the function cannot be described as a tool (``*args``, a
             parameter without a type annotation, an invalid name).
     """
 
+    # A call a person must approve is consequential: journalled, so it runs once.
+    side_effect = side_effect or approval not in (None, False)
+
     def build(fn: Callable[..., Any]) -> Tool:
-        return _build_tool(
+        built = _build_tool(
             fn,
             name=name,
             description=description,
@@ -232,6 +281,14 @@ def tool(
             timeout_s=timeout_s,
             max_output_chars=max_output_chars,
         )
+        if approval not in (None, False):
+            if not (approval in (True, "user", "operator") or callable(approval)):
+                raise ToolDefinitionError(
+                    f"tool {built.name!r}: approval must be True, 'user', 'operator' or a "
+                    f"policy callable, not {approval!r}"
+                )
+            return dataclasses.replace(built, approval=approval)
+        return built
 
     if function is not None:
         return build(function)

@@ -1,0 +1,233 @@
+"""Deciding a waiting call, and a session parked on one: ``Agent.decide`` and what a new
+message or ``Agent.resume`` finds on a parked session (see :mod:`keel.runtime._approvals`).
+
+A decision is one compare-and-set in the approval store (``adecide`` on a pending request):
+two deciders at once, or the same decision sent twice, settle it once. Whoever settled it,
+the session then goes on under its lease: when every request it waits for is decided, its
+turn resumes (the approved calls run once, through the journal); until then, nothing runs.
+Only the tenant's operators decide (the agent is the tenant's), and for a confirmation the
+session's own user too: anyone else gets :class:`~keel.errors.AccessDeniedError`, as for a
+request that does not exist, so nothing tells them it does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from typing import Literal, TypedDict, Unpack
+
+from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus
+from keel.errors import AccessDeniedError, UsageError
+from keel.runtime._approvals import Approvals, pending_view
+from keel.runtime._events import AgentEvent
+from keel.runtime._lease import Lease
+from keel.runtime._reply import AgentReply
+from keel.runtime._session import answer, check_owner, resume_open_turn, run_turn
+from keel.runtime._turn import RunExtras, TurnDeps
+from keel.state import AgentState, Checkpoint
+from keel.tools import validated_arguments
+
+__all__ = ["DecideOptions", "answer_session", "decide", "resume_parked", "resume_session"]
+
+Own = Callable[[str], contextlib.AbstractAsyncContextManager[Lease]]
+"""Takes a session's lease for a block (the agent's ``_own``)."""
+
+
+class DecideOptions(TypedDict, total=False):
+    """``Agent.decide``'s keywords besides the session and the request."""
+
+    approve: bool
+    by: str | None
+    note: str | None
+    arguments: str | None
+    user_id: str | None
+    action: Literal["retry", "skip", "answer"] | None
+
+
+async def decide(
+    deps: TurnDeps,
+    own: Own,
+    key: str,
+    session_id: str,
+    approval_id: str,
+    **options: Unpack[DecideOptions],
+) -> AgentReply:
+    """Settle request ``approval_id`` of ``session_id`` and let the session go on: the reply
+    of its resumed turn, or one saying what it still waits for (see ``Agent.decide``)."""
+    config = _config(deps)
+    request = await config.store.aget(deps.tenant_id, approval_id)
+    if request is None or request.session_id != session_id:
+        raise AccessDeniedError("there is no such approval request for this session")
+    approve = options.get("approve")
+    if not isinstance(approve, bool):
+        raise UsageError("approve= must be True or False")
+    decision = ApprovalDecision(
+        approve=approve,
+        by=_decider(request, options.get("by"), options.get("user_id")),
+        note=_masked(deps, options.get("note")),
+        arguments=_corrected(deps, request, options.get("arguments")),
+        action=options.get("action"),
+        decided_at=time.time(),
+    )
+    await _expire_overdue(config, [request])
+    status: ApprovalStatus = "approved" if approve else "rejected"
+    await config.store.adecide(deps.tenant_id, approval_id, status, decision)
+    async with own(key) as lease:
+        return await resume_session(deps, lease, key, (session_id, request.user_id), approval_id)
+
+
+def _config(deps: TurnDeps) -> Approvals:
+    if deps.approvals is None:
+        raise UsageError(
+            "this agent has no approval queue (Agent(..., approvals=Approvals(store)))"
+        )
+    return deps.approvals
+
+
+def _decider(request: ApprovalRequest, by: object, user_id: object) -> str:
+    """Who decides, as the request records it; refused unless they may."""
+    if user_id is not None:
+        if request.kind != "user" or request.user_id != user_id:
+            raise AccessDeniedError("there is no such approval request for this session")
+        return f"user:{user_id}"
+    if not isinstance(by, str) or not by.strip():
+        raise UsageError("by= names the operator who decides (or user_id= the user)")
+    return by if by.startswith(("operator:", "user:")) else f"operator:{by}"
+
+
+def _masked(deps: TurnDeps, text: object) -> str | None:
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise UsageError("note= must be text")
+    return deps.masking.mask(text)
+
+
+def _corrected(deps: TurnDeps, request: ApprovalRequest, arguments: object) -> str | None:
+    """The approver's corrected arguments, validated as the model's are (masked, as the
+    request's are), or None.
+
+    Raises:
+        ToolArgumentsError: they do not fit the tool.
+    """
+    if arguments is None:
+        return None
+    found = deps.workflow.domain_tools.get(request.tool or "")
+    if found is None or not isinstance(arguments, str):
+        raise UsageError("arguments= corrects a tool call's arguments: one JSON object")
+    validated = validated_arguments(found, arguments)
+    return deps.masking.mask(json.dumps(validated.model_dump(mode="json"), sort_keys=True))
+
+
+async def _expire_overdue(config: Approvals, requests: list[ApprovalRequest]) -> bool:
+    """Mark the pending requests past their expiry expired; whether any was."""
+    now = time.time()
+    overdue = any(
+        r.status == "pending" and r.expires_at is not None and r.expires_at <= now for r in requests
+    )
+    if overdue:
+        await config.store.aexpire(now)
+    return overdue
+
+
+async def _awaited(deps: TurnDeps, state: AgentState) -> list[ApprovalRequest]:
+    """The requests the session waits for, as they stand now (overdue ones expired)."""
+    config = _config(deps)
+    ids = state.runtime.awaiting
+
+    async def read() -> list[ApprovalRequest]:
+        found = [await config.store.aget(deps.tenant_id, request_id) for request_id in ids]
+        return [request for request in found if request is not None]
+
+    requests = await read()
+    if await _expire_overdue(config, requests):
+        requests = await read()
+    return requests
+
+
+def _standing(
+    session_id: str,
+    checkpoint: Checkpoint[AgentState],
+    requests: list[ApprovalRequest],
+    text: str,
+) -> AgentReply:
+    """A reply that runs nothing: what the session waits for, or what became of a request."""
+    waiting = any(request.status == "pending" for request in requests)
+    return AgentReply(
+        text=text,
+        status="awaiting_approval" if waiting else "completed",
+        session_id=session_id,
+        run_id="",
+        state_version=checkpoint.version,
+        approvals=tuple(pending_view(request) for request in requests),
+    )
+
+
+async def resume_session(
+    deps: TurnDeps,
+    lease: Lease,
+    key: str,
+    ids: tuple[str, str],
+    approval_id: str | None = None,
+) -> AgentReply:
+    """The parked session goes on once every request it waits for is decided; else a reply
+    saying what it still waits for (``approval_id``: the request just decided)."""
+    checkpoint = await deps.state.aload(key)
+    check_owner(checkpoint.state, ids[1], deps.tenant_id)
+    awaiting = checkpoint.state.runtime.awaiting
+    if approval_id is not None and approval_id not in awaiting:
+        # Decided again, or after its turn went on: nothing more runs.
+        config = _config(deps)
+        request = await config.store.aget(deps.tenant_id, approval_id)
+        requests = [] if request is None else [request]
+        reply = _standing(ids[0], checkpoint, requests, f"Approval {approval_id} is settled.")
+        return reply.model_copy(update={"replayed": True})
+    requests = await _awaited(deps, checkpoint.state)
+    pending = [request for request in requests if request.status == "pending"]
+    if pending:
+        text = "Waiting for: " + "; ".join(f"{r.tool} ({r.reason})" for r in pending)
+        return _standing(ids[0], checkpoint, requests, text)
+    return await run_turn(deps, lease, key, ids, checkpoint, None)
+
+
+async def answer_session(
+    deps: TurnDeps,
+    lease: Lease,
+    key: str,
+    ids: tuple[str, str],
+    text: str,
+    emit: Callable[[AgentEvent], None] | None,
+    extras: RunExtras | None,
+) -> AgentReply:
+    """A user's message on the session: a parked turn whose requests are all decided goes
+    on first; one still waiting stays parked and the reply says what it waits for."""
+    checkpoint = await deps.state.apeek(key)
+    if checkpoint is None or not checkpoint.state.runtime.awaiting or deps.approvals is None:
+        return await answer(deps, lease, key, ids, text, emit, extras)
+    check_owner(checkpoint.state, ids[1], deps.tenant_id)
+    requests = await _awaited(deps, checkpoint.state)
+    pending = [request for request in requests if request.status == "pending"]
+    if pending:
+        who = " and ".join(
+            sorted({"your confirmation" if r.kind == "user" else "an operator" for r in pending})
+        )
+        waiting = f"I'm still waiting for {who} before I go on: " + "; ".join(
+            f"{r.tool} {r.arguments} ({r.reason})" for r in pending
+        )
+        return _standing(ids[0], checkpoint, requests, waiting)
+    went_on = await run_turn(deps, lease, key, ids, checkpoint, None)
+    reply = await answer(deps, lease, key, ids, text, emit, extras)
+    return reply.model_copy(update={"interrupted_turn": went_on})
+
+
+async def resume_parked(
+    deps: TurnDeps, lease: Lease, key: str, ids: tuple[str, str]
+) -> AgentReply | None:
+    """``Agent.resume``: a turn a crash left open is finished; a parked one goes on when
+    every request it waits for is decided; None when there is nothing to finish."""
+    checkpoint = await deps.state.apeek(key)
+    if checkpoint is not None and checkpoint.state.runtime.awaiting and deps.approvals:
+        return await resume_session(deps, lease, key, ids)
+    return await resume_open_turn(deps, lease, key, ids)

@@ -1,0 +1,249 @@
+"""Through the Agent: calls that wait for a person's decision (issue 37). The turn parks with
+``awaiting_approval``, the model is not asked again until the decision is in, and then the
+approved call runs once (counted from the tool's own effect), a rejected or expired one never.
+The queue is the SQLite store ``Agent.open`` opens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from keel.approvals import ApprovalRequest
+from keel.errors import AccessDeniedError, ToolArgumentsError
+from keel.messages import Message, ToolCall
+from keel.runtime import Agent
+from keel.runtime._events import ApprovalRequested, TurnFinished
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.tools import ApprovalNeed, ToolContext, tool
+
+
+@dataclass
+class Shop:
+    """The world the tools act on: what they did, in order."""
+
+    refunds: list[tuple[str, int]] = field(default_factory=list)
+    lookups: list[str] = field(default_factory=list)
+    requested: list[ApprovalRequest] = field(default_factory=list)
+
+
+def _tools(shop: Shop, approval: Any) -> list[Any]:
+    @tool
+    def look_up(order: str) -> str:
+        """Look an order up.
+
+        Args:
+            order: The order id.
+        """
+        shop.lookups.append(order)
+        return f"{order}: paid 80 EUR"
+
+    @tool(approval=approval)
+    def refund(order: str, amount: int) -> str:
+        """Refund part of an order.
+
+        Args:
+            order: The order id.
+            amount: Euros to refund.
+        """
+        shop.refunds.append((order, amount))
+        return f"refunded {amount} EUR on {order}"
+
+    return [look_up, refund]
+
+
+def _both(amount: int = 50) -> Message:
+    """One step that reads and refunds."""
+    return Message.assistant(
+        "",
+        tool_calls=[
+            ToolCall(id="c1", name="look_up", arguments='{"order": "W1"}'),
+            ToolCall(
+                id="c2", name="refund", arguments=json.dumps({"order": "W1", "amount": amount})
+            ),
+        ],
+    )
+
+
+def _told(call: ScriptedCall) -> str:
+    """What the model was told last (keel's note on the decision), for its answer."""
+    notes = [m.content for m in call.messages if m.role == "system" and "approval" in m.content]
+    return "Told: " + (notes[-1] if notes else "nothing")
+
+
+@pytest.fixture
+def open_agent(tmp_path: Path) -> Iterator[Any]:
+    agents: list[Agent] = []
+
+    def build(shop: Shop, replies: list[Any], approval: Any = True, **options: Any) -> Agent:
+        agent = Agent.open(
+            f"sqlite:///{tmp_path / 'keel.db'}",
+            system_prompt="You run a shop.",
+            model=ScriptedModel(replies),
+            tools=_tools(shop, approval),
+            memory=False,
+            on_approval_request=shop.requested.append,
+            **options,
+        )
+        agents.append(agent)
+        return agent
+
+    yield build
+    for agent in agents:
+        agent.close()
+
+
+async def test_an_approved_call_runs_once_after_the_decision(open_agent: Any) -> None:
+    shop = Shop()
+    model_replies: list[Any] = [_both(), _told]
+    agent = open_agent(shop, model_replies)
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    assert parked.status == "awaiting_approval", parked
+    [waiting] = parked.approvals
+    assert waiting.tool == "refund" and json.loads(waiting.arguments) == {
+        "order": "W1",
+        "amount": 50,
+    }
+    assert waiting.decidable_by == ("operator",) and waiting.status == "pending"
+    # The read of the same step ran; the refund did not; the queue and the hook have it.
+    assert shop.lookups == ["W1"] and shop.refunds == []
+    assert [r.id for r in shop.requested] == [waiting.id]
+    state = agent.session_state("s1")
+    assert state is not None and state.runtime.awaiting == (waiting.id,)
+    assert state.runtime.open_turn is None  # parked, not open: no lease held while it waits
+    # A new message while it waits: the model is not asked, the reply says what it waits for.
+    again = await agent.run("Is it done?", session="s1", user="u1")
+    assert again.status == "awaiting_approval" and "operator" in again.text
+    assert len(agent.model.calls) == 1
+    decided = await agent.decide("s1", waiting.id, approve=True, by="alice", note="ok by policy")
+    assert decided.status == "completed", decided
+    assert "approved by operator:alice (ok by policy); it ran: refunded 50 EUR" in decided.text
+    assert shop.refunds == [("W1", 50)]
+    # The same decision sent again (an HTTP retry): settled, nothing runs again.
+    repeat = await agent.decide("s1", waiting.id, approve=True, by="alice")
+    assert repeat.replayed and shop.refunds == [("W1", 50)]
+    stored = await agent.approvals.store.aget("default", waiting.id)
+    assert stored.status == "approved" and stored.decision.by == "operator:alice"
+    state = agent.session_state("s1")
+    assert state is not None and state.runtime.awaiting == () and state.runtime.open_turn is None
+
+
+async def test_a_rejected_call_never_runs_and_the_model_hears_who_and_why(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told])
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    decided = await agent.decide(
+        "s1", parked.approvals[0].id, approve=False, by="bob", note="refunds over 40 need a manager"
+    )
+    assert decided.status == "completed" and shop.refunds == []
+    assert "rejected by operator:bob (refunds over 40 need a manager)" in decided.text
+
+
+async def test_corrected_arguments_are_validated_and_run_instead(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told])
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    approval = parked.approvals[0].id
+    with pytest.raises(ToolArgumentsError, match="amount"):
+        await agent.decide(
+            "s1", approval, approve=True, by="alice", arguments='{"order": "W1", "amount": "lots"}'
+        )
+    stored = await agent.approvals.store.aget("default", approval)
+    assert stored.status == "pending"  # an invalid correction decides nothing
+    decided = await agent.decide(
+        "s1", approval, approve=True, by="alice", arguments='{"order": "W1", "amount": "30"}'
+    )
+    assert shop.refunds == [("W1", 30)]
+    assert 'with corrected arguments {"amount": 30, "order": "W1"}' in decided.text
+
+
+async def test_an_expired_request_counts_as_rejected(open_agent: Any) -> None:
+    shop = Shop()
+
+    def over_40(arguments: BaseModel, context: ToolContext) -> ApprovalNeed | None:
+        if arguments.model_dump()["amount"] <= 40:
+            return None
+        return ApprovalNeed("operator", "refunds over 40 need approval", expires_after_s=0.05)
+
+    agent = open_agent(shop, [_both(amount=30), "Refunded 30.", _both(), _told], approval=over_40)
+    small = await agent.run("Refund 30 on W1.", session="s1", user="u1")
+    assert small.status == "completed" and shop.refunds == [("W1", 30)]  # under: no approval
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    [waiting] = parked.approvals
+    assert waiting.reason == "refunds over 40 need approval" and waiting.expires_at is not None
+    while time.time() <= waiting.expires_at:
+        await asyncio.sleep(0.01)
+    decided = await agent.decide("s1", waiting.id, approve=True, by="alice")
+    assert decided.status == "completed" and "expired without a decision" in decided.text
+    assert shop.refunds == [("W1", 30)]
+    stored = await agent.approvals.store.aget("default", waiting.id)
+    assert stored.status == "expired"
+
+
+async def test_only_the_tenant_and_for_a_confirmation_the_user_decide(
+    open_agent: Any, tmp_path: Path
+) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told], approval="user")
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    [waiting] = parked.approvals
+    assert waiting.decidable_by == ("user", "operator") and "confirm" in parked.text
+    other_tenant = open_agent(Shop(), [], tenant_id="globex")
+    with pytest.raises(AccessDeniedError):
+        await other_tenant.decide("s1", waiting.id, approve=True, by="mallory")
+    with pytest.raises(AccessDeniedError):
+        await agent.decide("s1", waiting.id, approve=True, user_id="u2")
+    with pytest.raises(AccessDeniedError):
+        await agent.decide("s2", waiting.id, approve=True, by="alice")
+    stored = await agent.approvals.store.aget("default", waiting.id)
+    assert stored.status == "pending" and shop.refunds == []
+    decided = await agent.decide("s1", waiting.id, approve=True, user_id="u1")
+    assert "approved by user:u1" in decided.text and shop.refunds == [("W1", 50)]
+
+
+async def test_an_operator_approval_is_not_the_users_to_give(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told])
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    with pytest.raises(AccessDeniedError):
+        await agent.decide("s1", parked.approvals[0].id, approve=True, user_id="u1")
+    assert shop.refunds == []
+
+
+def test_two_deciders_at_once_run_the_call_once(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told, _told])
+    parked = agent.run_sync("Refund 50 on W1.", session="s1", user="u1")
+    approval = parked.approvals[0].id
+    barrier = threading.Barrier(2)
+    replies: list[Any] = []
+
+    def decide(by: str) -> None:
+        barrier.wait()
+        replies.append(agent.decide_sync("s1", approval, approve=True, by=by))
+
+    threads = [threading.Thread(target=decide, args=(name,)) for name in ("alice", "bob")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(replies) == 2 and shop.refunds == [("W1", 50)]
+    assert sorted(reply.replayed for reply in replies) == [False, True]
+
+
+async def test_the_stream_says_a_call_waits(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told])
+    events = [e async for e in agent.stream("Refund 50 on W1.", session="s1", user="u1")]
+    [requested] = [e for e in events if isinstance(e, ApprovalRequested)]
+    assert requested.approval.tool == "refund"
+    assert isinstance(events[-1], TurnFinished)
+    assert events[-1].reply.status == "awaiting_approval"
