@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,20 +54,6 @@ class ApprovalVerdict(BaseModel):
         default=None,
         description="Corrected arguments the approved call runs with (validated like the model's).",
     )
-
-
-class _Decides(Protocol):
-    async def decide(
-        self,
-        session_id: str,
-        approval_id: str,
-        *,
-        approve: bool,
-        by: str,
-        note: str | None = None,
-        arguments: str | None = None,
-        user_id: str | None = None,
-    ) -> AgentReply: ...
 
 
 def approvals_of(context: ServiceContext) -> ApprovalStore:
@@ -175,7 +161,7 @@ async def decide_as(
     found = await approvals_of(context).aget(who.tenant_id, approval_id)
     if found is None or not visible_to(who, found):
         raise HTTPError(404, "NotFound", "not found")
-    agent = cast("_Decides", context.agent_for(who.tenant_id))
+    agent = context.agent_for(who.tenant_id)
     by = f"operator:{who.key_id}" if who.operator else f"user:{who.user_id}"
     return await agent.decide(
         found.session_id,
