@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from keel.errors import ToolArgumentsError
 from keel.service._access import caller, read_of, user_of
 from keel.service._context import ServiceContext, context_of
 from keel.service._errors import HTTPError
@@ -157,18 +158,23 @@ async def decide_as(
     arguments: dict[str, Any] | None,
 ) -> AgentReply:
     """Decide the request as ``who`` through the tenant's agent (which resumes the waiting
-    turn) and return the turn's reply; 404 when ``who`` may not see the request."""
+    turn) and return the turn's reply; 404 when ``who`` may not see the request, 422 when
+    the tool refuses the corrected arguments."""
     found = await approvals_of(context).aget(who.tenant_id, approval_id)
     if found is None or not visible_to(who, found):
         raise HTTPError(404, "NotFound", "not found")
     agent = context.agent_for(who.tenant_id)
     by = f"operator:{who.key_id}" if who.operator else f"user:{who.user_id}"
-    return await agent.decide(
-        found.session_id,
-        approval_id,
-        approve=approve,
-        by=by,
-        note=note,
-        arguments=None if arguments is None else json.dumps(arguments, ensure_ascii=False),
-        user_id=who.user_id,
-    )
+    try:
+        return await agent.decide(
+            found.session_id,
+            approval_id,
+            approve=approve,
+            by=by,
+            note=note,
+            arguments=None if arguments is None else json.dumps(arguments, ensure_ascii=False),
+            user_id=who.user_id,
+        )
+    except ToolArgumentsError as exc:
+        # Corrected arguments the tool refuses are the client's to fix: nothing was decided.
+        raise HTTPError(422, "ValidationError", f"arguments: {exc}") from None
