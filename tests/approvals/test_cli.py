@@ -13,9 +13,12 @@ from typing import Any
 import pytest
 
 from keel.approvals import ApprovalRequest
+from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.stores import Backends
+from keel.testing import ScriptedCall, ScriptedModel
 from keel.testing.approvals_conformance import request
+from keel.tools import tool
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -129,3 +132,40 @@ def test_bad_corrected_arguments_are_usage_errors() -> None:
         done = _keel("approve", "ap-1", "--arguments", bad)
         assert done.returncode == 2 and says in done.stderr
     assert _get("default", "ap-1").status == "pending"
+
+
+def test_an_operator_approves_from_the_cli_and_the_agent_runs_the_call_once() -> None:
+    refunds: list[str] = []
+
+    @tool(approval="operator")
+    def refund(order: str) -> str:
+        """Refund an order.
+
+        Args:
+            order: The order.
+        """
+        refunds.append(order)
+        return f"refunded {order}"
+
+    def model(call: ScriptedCall) -> Any:
+        if call.messages[-1].role == "user":
+            return ScriptedModel.tool_call("refund", '{"order": "W9"}')
+        return "done"
+
+    with Agent.open(
+        system_prompt="You refund.", model=ScriptedModel(model), tools=[refund], memory=False
+    ) as agent:
+        parked = agent.run_sync("refund W9", session="s9", user="ada")
+        assert parked.status == "awaiting_approval"
+        (waiting,) = parked.approvals
+        assert waiting.id in [r["id"] for r in _listed("--session", "s9")]
+        done = _keel("approve", waiting.id, "--by", "olga")
+        assert done.returncode == 0, done.stderr
+        assert refunds == []  # the command line decides; the agent's process runs the call
+        resumed = agent.resume_sync("s9", "ada")
+        assert resumed is not None and resumed.status == "completed"
+        assert refunds == ["W9"]
+        again = _keel("approve", waiting.id, "--by", "olga")
+        assert again.returncode == 0 and "already approved" in again.stdout
+        assert agent.resume_sync("s9", "ada") is None
+        assert refunds == ["W9"]
