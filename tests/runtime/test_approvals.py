@@ -22,6 +22,8 @@ from keel.errors import AccessDeniedError, ToolArgumentsError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.runtime._events import ApprovalRequested, TurnFinished
+from keel.service._access import revert_holding_lease
+from keel.state import MachineState, StateMachine, Transition
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import ApprovalNeed, ToolContext, tool
 
@@ -75,7 +77,7 @@ def _both(amount: int = 50) -> Message:
 
 def _told(call: ScriptedCall) -> str:
     """What the model was told last (keel's note on the decision), for its answer."""
-    notes = [m.content for m in call.messages if m.role == "system" and "approval" in m.content]
+    notes = [m.content for m in call.messages if m.role == "system" and "runtime note" in m.content]
     return "Told: " + (notes[-1] if notes else "nothing")
 
 
@@ -83,12 +85,14 @@ def _told(call: ScriptedCall) -> str:
 def open_agent(tmp_path: Path) -> Iterator[Any]:
     agents: list[Agent] = []
 
-    def build(shop: Shop, replies: list[Any], approval: Any = True, **options: Any) -> Agent:
+    def build(
+        shop: Shop, replies: list[Any], approval: Any = True, extra: Any = (), **options: Any
+    ) -> Agent:
         agent = Agent.open(
             f"sqlite:///{tmp_path / 'keel.db'}",
             system_prompt="You run a shop.",
             model=ScriptedModel(replies),
-            tools=_tools(shop, approval),
+            tools=[*_tools(shop, approval), *extra],
             memory=False,
             on_approval_request=shop.requested.append,
             **options,
@@ -130,6 +134,9 @@ async def test_an_approved_call_runs_once_after_the_decision(open_agent: Any) ->
     # The same decision sent again (an HTTP retry): settled, nothing runs again.
     repeat = await agent.decide("s1", waiting.id, approve=True, by="alice")
     assert repeat.replayed and shop.refunds == [("W1", 50)]
+    # A contrary decision after it (a second operator): the first one stands, nothing runs.
+    contrary = await agent.decide("s1", waiting.id, approve=False, by="bob")
+    assert contrary.replayed and shop.refunds == [("W1", 50)]
     stored = await agent.approvals.store.aget("default", waiting.id)
     assert stored.status == "approved" and stored.decision.by == "operator:alice"
     state = agent.session_state("s1")
@@ -247,3 +254,154 @@ async def test_the_stream_says_a_call_waits(open_agent: Any) -> None:
     assert requested.approval.tool == "refund"
     assert isinstance(events[-1], TurnFinished)
     assert events[-1].reply.status == "awaiting_approval"
+
+
+def _confirming(call: ScriptedCall) -> Message | str:
+    """A model that turns the user's yes or no into the decision tool's call."""
+    last = call.messages[-1]
+    if last.role == "user" and last.content in ("yes", "no"):
+        waiting = [m.content for m in call.messages if m.role == "tool" and "apr-" in m.content]
+        approval = waiting[-1].split("approval ")[1].split(",")[0]
+        arguments = {"approval_id": approval, "approve": last.content == "yes", "note": "said so"}
+        return ScriptedModel.tool_call("decide_approval", json.dumps(arguments))
+    if last.role == "user":
+        return "Please answer yes or no."
+    return "Noted: " + last.content
+
+
+@pytest.mark.parametrize("answer", ["yes", "no"])
+async def test_the_users_reply_confirms_through_the_decision_tool(
+    open_agent: Any, answer: str
+) -> None:
+    shop = Shop()
+    agent = open_agent(
+        shop, [_both(), _confirming, _confirming, _confirming, _told], approval="user"
+    )
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    assert parked.status == "awaiting_approval"
+    # A reply that decides nothing leaves it waiting.
+    unclear = await agent.run("hmm, what do you mean?", session="s1", user="u1")
+    assert unclear.status == "awaiting_approval" and unclear.text == "Please answer yes or no."
+    assert shop.refunds == []
+    decided = await agent.run(answer, session="s1", user="u1")
+    stored = await agent.approvals.store.aget("default", parked.approvals[0].id)
+    if answer == "yes":
+        assert stored.status == "approved" and stored.decision.by == "user:u1"
+        assert shop.refunds == [("W1", 50)] and "approved by user:u1 (said so)" in decided.text
+    else:
+        assert stored.status == "rejected" and shop.refunds == []
+        assert "rejected by user:u1" in decided.text
+    assert decided.status == "completed"
+    state = agent.session_state("s1")
+    assert state is not None and state.runtime.awaiting == ()
+    decisions = [m for m in state.messages if m.role == "tool" and m.name == "decide_approval"]
+    assert len(decisions) == 1  # recorded like any call
+
+
+async def test_a_revert_cancels_what_the_parked_turn_waited_for(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told])
+    first = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    [waiting] = first.approvals
+    history = await agent.state.ahistory(agent.session_key("s1"))
+    before_turn = min(info.version for info in history)
+    # The operator's revert (the service's route and the viewer's form call this).
+    reverted = await revert_holding_lease(
+        agent, "s1", expected_version=first.state_version, to_version=before_turn
+    )
+    assert reverted.state.runtime.awaiting == ()
+    stored = await agent.approvals.store.aget("default", waiting.id)
+    assert stored.status == "cancelled" and "reverted" in (stored.status_reason or "")
+    late = await agent.decide("s1", waiting.id, approve=True, by="alice")
+    assert late.replayed and shop.refunds == []
+
+
+async def test_every_request_and_decision_is_in_the_trace(open_agent: Any) -> None:
+    shop = Shop()
+    agent = open_agent(shop, [_both(), _told])
+    parked = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    decided = await agent.decide("s1", parked.approvals[0].id, approve=True, by="alice")
+    store = agent.tracer.store
+
+    async def steps(run_id: str, name: str) -> list[Any]:
+        detail = await store.aget_run_detail(run_id)
+        return [step for step in detail.steps if step.name == name]
+
+    requested = await steps(parked.run_id, "approval_requested")
+    settled = await steps(decided.run_id, "approval_decided")
+    assert [s.attributes["approval_id"] for s in requested] == [parked.approvals[0].id]
+    [step] = settled
+    assert (
+        step.attributes["decided_by"] == "operator:alice"
+        and step.attributes["status"] == "approved"
+    )
+    assert step.attributes["decided_at"] is not None
+
+
+async def test_a_call_in_doubt_escalates_keeps_its_reads_and_resumes_with_the_verdict(
+    open_agent: Any,
+) -> None:
+    shop = Shop()
+    release = threading.Event()
+
+    @tool(side_effect=True, idempotent=False, timeout_s=0.2)
+    def cancel(order: str) -> str:
+        """Cancel an order.
+
+        Args:
+            order: The order id.
+        """
+        shop.refunds.append((order, 0))
+        release.wait(30)  # the shop's answer never comes in time
+        return f"cancelled {order}"
+
+    look = ScriptedModel.tool_call("look_up", '{"order": "W1"}')
+    stop = ScriptedModel.tool_call("cancel", '{"order": "W1"}')
+    agent = open_agent(shop, [look, stop, _told], extra=[cancel], escalate=True)
+    try:
+        stopped = await agent.run("Cancel W1.", session="s1", user="u1")
+        assert stopped.status == "escalated" and not stopped.reverted, stopped
+        [escalation] = stopped.approvals
+        assert escalation.kind == "escalation" and escalation.tool == "cancel"
+        assert escalation.decidable_by == ("operator",)
+        state = agent.session_state("s1")
+        assert state is not None and state.runtime.awaiting == (escalation.id,)
+        # What the turn learned before it stopped stays in the model's view.
+        assert any("W1: paid 80 EUR" in m.content for m in state.messages if m.role == "tool")
+        [entry] = agent.journal.in_doubt(agent.session_key("s1"))
+        agent.journal.resolve(entry.key, ok=True, content="cancelled W1 (checked by hand)")
+        answered = await agent.decide(
+            "s1", escalation.id, approve=True, by="alice", action="answer", note="it went through"
+        )
+        assert answered.status == "completed", answered
+        assert "answered by operator:alice: it went through" in answered.text
+        assert "it took effect (cancelled W1 (checked by hand))" in answered.text
+        assert shop.refunds == [("W1", 0)]
+    finally:
+        release.set()
+
+
+async def test_a_workflow_state_that_waits_for_the_user_says_what_it_awaits(
+    open_agent: Any,
+) -> None:
+    machine = StateMachine(
+        "refunds",
+        states=[
+            MachineState(
+                "confirming",
+                tools=("refund",),
+                awaits_user="the user's yes or no to the refund of 50 EUR on W1",
+            ),
+            MachineState("done", terminal=True),
+        ],
+        transitions=[Transition("confirming", "done")],
+        initial="confirming",
+    )
+    model_replies: list[Any] = ["Shall I refund 50 EUR on W1?"]
+    agent = open_agent(Shop(), model_replies, machine=machine)
+    await agent.run("Refund W1.", session="s1", user="u1")
+    [call] = agent.model.calls
+    prompt = "\n".join(m.content for m in call.messages)
+    assert (
+        "This step waits for the user: the user's yes or no to the refund of 50 EUR on W1" in prompt
+    )

@@ -6,9 +6,12 @@ standalone."""
 from __future__ import annotations
 
 from keel.runtime._agent import Agent, session_key
+from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends
 from keel.runtime._events import (
     AgentEvent,
+    ApprovalDecided,
+    ApprovalRequested,
     CheckpointCommitted,
     GuardWarning,
     TextDelta,
@@ -18,7 +21,7 @@ from keel.runtime._events import (
     TurnFinished,
     WorkflowTransition,
 )
-from keel.runtime._reply import AgentReply, AgentStatus
+from keel.runtime._reply import AgentReply, AgentStatus, PendingApproval
 from keel.runtime._tool_loop import LoopHooks, LoopResult, LoopStatus, StepRecord, ToolLoop
 
 __all__ = [
@@ -26,12 +29,16 @@ __all__ = [
     "AgentEvent",
     "AgentReply",
     "AgentStatus",
+    "ApprovalDecided",
+    "ApprovalRequested",
+    "Approvals",
     "Backends",
     "CheckpointCommitted",
     "GuardWarning",
     "LoopHooks",
     "LoopResult",
     "LoopStatus",
+    "PendingApproval",
     "StepRecord",
     "TextDelta",
     "TextDiscarded",

@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from keel.approvals import ApprovalRequest, ApprovalStore
+from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus, ApprovalStore
 from keel.context import runtime_note
-from keel.errors import ToolArgumentsError
+from keel.errors import ToolArgumentsError, ToolInDoubtError
 from keel.messages import Message, ToolCall
 from keel.runtime._events import ApprovalDecided, ApprovalRequested
 from keel.runtime._reply import PendingApproval
@@ -34,9 +34,11 @@ from keel.tools import (
     Tool,
     ToolContext,
     ToolExecutor,
+    ToolRegistry,
     ToolResult,
     ToolScope,
     idempotency_key,
+    tool,
     validated_arguments,
 )
 
@@ -44,7 +46,23 @@ if TYPE_CHECKING:
     # Only for types: the runner builds this module's objects.
     from keel.runtime._turn import TurnRunner
 
-__all__ = ["Approvals", "TurnApprovals", "approval_id", "decided_text", "pending_view"]
+__all__ = [
+    "DECISION_TOOL",
+    "Approvals",
+    "TurnApprovals",
+    "approval_id",
+    "decided_text",
+    "pending_view",
+]
+
+ESCALATED_NOTE = " I've handed this to a person; I'll continue as soon as they answer."
+"""What the user is told, after keel's stop message, of a turn that escalated."""
+
+_ESCALATING = ("loop_detected", "tool_in_doubt")
+"""The stops a turn may escalate instead of failing (``Approvals.escalate``)."""
+
+DECISION_TOOL = "decide_approval"
+"""The built-in tool the model records a user's answer to a confirmation with."""
 
 logger = logging.getLogger("keel.runtime")
 
@@ -59,11 +77,20 @@ class Approvals:
         on_request: ``(request) -> None``, sync or async, called once per new request (notify
             your own systems: a chat message, a ticket); a failure is logged, never the turn's.
         expires_after_s: how long a request may wait (None: until decided).
+        escalate: a turn that loops again after the warning, or leaves a call in doubt,
+            goes to the operators' queue (``escalated``, keeping what it learned) instead of
+            failing: True for both, or the stops by name (``("tool_in_doubt",)``).
     """
 
     store: ApprovalStore
     on_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None = None
     expires_after_s: float | None = None
+    escalate: bool | tuple[str, ...] = False
+
+    def escalates(self, status: str) -> bool:
+        """Whether a turn that stopped with ``status`` escalates."""
+        chosen = _ESCALATING if self.escalate is True else self.escalate or ()
+        return status in chosen and status in _ESCALATING
 
 
 def approval_id(journal_key: str) -> str:
@@ -113,7 +140,8 @@ def decided_text(request: ApprovalRequest, result: ToolResult | None) -> str:
             if decision is not None and decision.arguments
             else ""
         )
-        return f"{what} was approved by {by}{why}; it ran{corrected}: {result.content}"
+        ran = "it ran" if result.ok else "its outcome"
+        return f"{what} was approved by {by}{why}; {ran}{corrected}: {result.content}"
     if request.status == "rejected":
         return f"{what} was rejected by {by}{why}. It was not run; do not call it again."
     if request.status == "expired":
@@ -134,6 +162,57 @@ class TurnApprovals:
     @property
     def parked(self) -> bool:
         return bool(self.requested)
+
+    def registry(self, registry: ToolRegistry, new_message: bool) -> ToolRegistry:
+        """The turn's tools: with :data:`DECISION_TOOL` when a user's message comes to a
+        session that waits for that user's confirmation (the model reads the answer)."""
+        if not (new_message and self.config is not None and self.runner.state.runtime.awaiting):
+            return registry
+        return ToolRegistry([*registry, self._decision_tool()])
+
+    def _decision_tool(self) -> Tool:
+        approvals = self
+
+        @tool(name=DECISION_TOOL)
+        async def decide_approval(approval_id: str, approve: bool, note: str = "") -> str:
+            """Record the user's answer to a confirmation you asked them for: call it when
+            their message says yes or no to a call that waits for their confirmation.
+
+            Args:
+                approval_id: The approval's id (apr-...), as the waiting call's result says.
+                approve: True when the user confirmed, False when they declined.
+                note: The user's answer, in a few words.
+            """
+            return await approvals.decide_as_user(approval_id, approve, note)
+
+        return decide_approval
+
+    async def decide_as_user(self, request_id: str, approve: bool, note: str) -> str:
+        """The user's answer, read by the model, as one compare-and-set on the request."""
+        runner = self.runner
+        assert self.config is not None
+        request = await self.config.store.aget(runner.deps.tenant_id, request_id)
+        if (
+            request is None
+            or request.session_id != runner.session_id
+            or request.kind != "user"
+            or request.user_id != runner.user_id
+        ):
+            return f"Error: no confirmation {request_id!r} waits for this user's answer here."
+        decision = ApprovalDecision(
+            approve=approve,
+            by=f"user:{runner.user_id}",
+            note=runner.deps.masking.mask(note) or None,
+            decided_at=time.time(),
+        )
+        status: ApprovalStatus = "approved" if approve else "rejected"
+        request, settled = await self.config.store.adecide(
+            runner.deps.tenant_id, request_id, status, decision
+        )
+        await self.record_decision(request, f"decided by the user's message: {request.status}")
+        if not settled:
+            return f"Already settled: the call is {request.status}; nothing changed."
+        return f"Recorded: the user {'confirmed' if approve else 'declined'} {request.tool}."
 
     def executor(self) -> ToolExecutor:
         """The executor decided calls run through: the turn's journal, masking and scope."""
@@ -237,19 +316,60 @@ class TurnApprovals:
             expires_at=None if expires_after is None else now + expires_after,
             metadata={"call_index": index, "journal_key": key},
         )
+        return await self._stored(request)
+
+    async def _stored(self, request: ApprovalRequest) -> ApprovalRequest:
+        """``request`` in the queue (or the one a replayed step stored): a new one is traced
+        and the deployment told."""
+        assert self.config is not None
         stored = await self.config.store.aadd(request)
         if stored.created_at == request.created_at:
-            await runner.trace.arecord(
+            await self.runner.trace.arecord(
                 "other",
                 "approval_requested",
-                tool_name=found.name,
-                tool_call_id=call.id,
+                tool_name=stored.tool,
+                tool_call_id=stored.call_id,
                 tool_arguments=stored.arguments,
                 attributes=_trace_attributes(stored),
             )
             if self.config.on_request is not None:
                 await _notify(self.config.on_request, stored)
         return stored
+
+    async def escalate(self, result: LoopResult) -> bool:
+        """Put a turn that stopped (a loop again, a call in doubt) in the operators' queue
+        instead of failing it, when the agent escalates that stop; whether it did."""
+        runner = self.runner
+        if self.config is None or not self.config.escalates(result.status):
+            return False
+        doubtful = [r for s in result.steps for r in s.tool_results if r.status == "in_doubt"]
+        stopped = doubtful[-1] if doubtful else None
+        journal_key = (
+            stopped.exception.idempotency_key
+            if stopped and isinstance(stopped.exception, ToolInDoubtError)
+            else None
+        )
+        key = idempotency_key(runner.key, result.next_step, 0, runner.turn_id)
+        masking = runner.deps.masking
+        now = time.time()
+        request = ApprovalRequest(
+            id="esc-" + key.removeprefix("keel-"),
+            tenant_id=runner.deps.tenant_id,
+            user_id=runner.user_id,
+            session_id=runner.session_id,
+            turn_id=runner.turn_id,
+            kind="escalation",
+            tool=None if stopped is None else stopped.tool,
+            call_id=None if stopped is None else stopped.call_id,
+            arguments="{}" if stopped is None else masking.mask(stopped.raw_arguments),
+            reason=masking.mask(f"{result.status}: {result.error_message or ''}"),
+            step=result.next_step,
+            created_at=now,
+            expires_at=None,
+            metadata={"stop": result.status, "journal_key": journal_key},
+        )
+        self.requested.append(await self._stored(request))
+        return True
 
     def park(self, run: LoopRun) -> LoopResult:
         """The result of a run parked after its step: keel's waiting message as its answer."""
@@ -272,29 +392,14 @@ class TurnApprovals:
             request = await self.config.store.aget(runner.deps.tenant_id, request_id)
             if request is None or request.status == "pending":
                 continue
-            result = await self.carry_out(request)
-            text = masking.mask(decided_text(request, result))
+            if request.kind == "escalation":
+                text = masking.mask(await self._answered(request))
+            else:
+                text = masking.mask(decided_text(request, await self.carry_out(request)))
             runner.log.append(
                 runtime_note(text, reason="approval", metadata={"approval": request.id})
             )
-            decision = request.decision
-            await runner.trace.arecord(
-                "other",
-                "approval_decided",
-                tool_name=request.tool,
-                tool_call_id=request.call_id,
-                tool_result=text,
-                attributes=_trace_attributes(request),
-            )
-            if runner.emit is not None:
-                runner.emit(
-                    ApprovalDecided(
-                        approval_id=request.id,
-                        status=request.status,
-                        by=None if decision is None else decision.by,
-                        result=text,
-                    )
-                )
+            await self.record_decision(request, text)
         runtime = runner.state.runtime.model_copy(
             update={
                 "awaiting": (),
@@ -303,6 +408,50 @@ class TurnApprovals:
             }
         )
         await runner.checkpoint({"runtime": runtime}, reason="approvals decided")
+
+    async def _answered(self, request: ApprovalRequest) -> str:
+        """What the model is told of an operator's answer to an escalation: the answer, and
+        how a call left in doubt was settled (its result, as the operator recorded it)."""
+        decision = request.decision
+        by = "nobody" if decision is None else decision.by
+        note = f": {decision.note}" if decision is not None and decision.note else ""
+        key = request.metadata.get("journal_key")
+        entry = None if not key else await self.runner.deps.journal.aget(str(key))
+        settled = ""
+        if entry is not None and not entry.in_doubt:
+            happened = "it took effect" if entry.ok else "it did not take effect"
+            settled = f" The call {entry.tool} was checked: {happened} ({entry.content})."
+        stop = request.metadata.get("stop", "a stop")
+        if request.status != "approved" or decision is None:
+            what = f"was closed ({request.status}) by {by}{note}"
+        elif decision.action == "skip":
+            what = f"was answered by {by}: skip the stopped step and go on without it{note}"
+        elif decision.action == "answer":
+            what = f"was answered by {by}{note}"
+        else:
+            what = f"was answered by {by}: try again{note}"
+        return f"The turn stopped ({stop}) and went to an operator; it {what}.{settled}"
+
+    async def record_decision(self, request: ApprovalRequest, text: str) -> None:
+        """The decision in the trace (who, when, what changed) and in the stream."""
+        runner, decision = self.runner, request.decision
+        await runner.trace.arecord(
+            "other",
+            "approval_decided",
+            tool_name=request.tool,
+            tool_call_id=request.call_id,
+            tool_result=text,
+            attributes=_trace_attributes(request),
+        )
+        if runner.emit is not None:
+            runner.emit(
+                ApprovalDecided(
+                    approval_id=request.id,
+                    status=request.status,
+                    by=None if decision is None else decision.by,
+                    result=text,
+                )
+            )
 
     async def carry_out(self, request: ApprovalRequest) -> ToolResult | None:
         """Run an approved call once, under the journal key the model's call had (its

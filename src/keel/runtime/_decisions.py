@@ -29,7 +29,14 @@ from keel.runtime._turn import RunExtras, TurnDeps
 from keel.state import AgentState, Checkpoint
 from keel.tools import validated_arguments
 
-__all__ = ["DecideOptions", "answer_session", "decide", "resume_parked", "resume_session"]
+__all__ = [
+    "DecideOptions",
+    "answer_session",
+    "cancel_on_revert",
+    "decide",
+    "resume_parked",
+    "resume_session",
+]
 
 Own = Callable[[str], contextlib.AbstractAsyncContextManager[Lease]]
 """Takes a session's lease for a block (the agent's ``_own``)."""
@@ -201,22 +208,32 @@ async def answer_session(
     emit: Callable[[AgentEvent], None] | None,
     extras: RunExtras | None,
 ) -> AgentReply:
-    """A user's message on the session: a parked turn whose requests are all decided goes
-    on first; one still waiting stays parked and the reply says what it waits for."""
+    """A user's message on the session. Parked on the user's confirmation: the model reads
+    the message and may record the answer (``decide_approval``); once everything is decided
+    the turn goes on. Parked on an operator only: it stays parked, the reply says so, the
+    model is not asked. Not parked, or everything decided: the message is answered."""
     checkpoint = await deps.state.apeek(key)
     if checkpoint is None or not checkpoint.state.runtime.awaiting or deps.approvals is None:
         return await answer(deps, lease, key, ids, text, emit, extras)
     check_owner(checkpoint.state, ids[1], deps.tenant_id)
     requests = await _awaited(deps, checkpoint.state)
     pending = [request for request in requests if request.status == "pending"]
-    if pending:
-        who = " and ".join(
-            sorted({"your confirmation" if r.kind == "user" else "an operator" for r in pending})
-        )
-        waiting = f"I'm still waiting for {who} before I go on: " + "; ".join(
+    if pending and not any(request.kind == "user" for request in pending):
+        waiting = "I'm still waiting for an operator before I go on: " + "; ".join(
             f"{r.tool} {r.arguments} ({r.reason})" for r in pending
         )
         return _standing(ids[0], checkpoint, requests, waiting)
+    if pending:
+        reply = await answer(deps, lease, key, ids, text, emit, extras)
+        checkpoint = await deps.state.aload(key)
+        requests = await _awaited(deps, checkpoint.state)
+        if any(request.status == "pending" for request in requests):
+            # The answer decided nothing (or not all): still parked.
+            views = tuple(pending_view(request) for request in requests)
+            return reply.model_copy(update={"status": "awaiting_approval", "approvals": views})
+        if not requests:
+            return reply
+        return await run_turn(deps, lease, key, ids, checkpoint, None)
     went_on = await run_turn(deps, lease, key, ids, checkpoint, None)
     reply = await answer(deps, lease, key, ids, text, emit, extras)
     return reply.model_copy(update={"interrupted_turn": went_on})
@@ -231,3 +248,17 @@ async def resume_parked(
     if checkpoint is not None and checkpoint.state.runtime.awaiting and deps.approvals:
         return await resume_session(deps, lease, key, ids)
     return await resume_open_turn(deps, lease, key, ids)
+
+
+async def cancel_on_revert(
+    approvals: Approvals | None,
+    tenant_id: str,
+    session_id: str,
+    reverted: Checkpoint[AgentState],
+) -> int:
+    """A revert of a parked session cancels what its turn waited for (recorded with the
+    reason): the state it went back to waits for nothing of it. How many were cancelled."""
+    if approvals is None or reverted.state.runtime.awaiting:
+        return 0
+    reason = f"the session was reverted (to version {reverted.version})"
+    return await approvals.store.acancel(tenant_id, session_id, reason)

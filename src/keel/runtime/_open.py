@@ -85,6 +85,9 @@ class OnBackendsOptions(AgentOptions, total=False):
     journal: bool
     on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None
     """Called once per new approval request in the stores' queue (notify your systems)."""
+    escalate: bool | tuple[str, ...]
+    """A loop after the warning or a call in doubt goes to the operators' queue instead of
+    failing the turn (see :class:`~keel.runtime.Approvals`)."""
 
 
 class EmbeddedOptions(OnBackendsOptions, total=False):
@@ -112,6 +115,7 @@ def open_agent(
     redis_url: str | None = None,
     settings: Settings | None = None,
     on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None = None,
+    escalate: bool | tuple[str, ...] = False,
     **options: Unpack[AgentOptions],
 ) -> AgentT:
     """A ``cls`` on the stores ``database`` names, which it owns: see ``Agent.open``."""
@@ -135,6 +139,7 @@ def open_agent(
             system_prompt=system_prompt,
             journal=journal,
             on_approval_request=on_approval_request,
+            escalate=escalate,
             **options,
         )
     except BaseException:
@@ -152,6 +157,7 @@ def agent_on_backends(
     system_prompt: str,
     journal: bool = True,
     on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None = None,
+    escalate: bool | tuple[str, ...] = False,
     **options: Unpack[AgentOptions],
 ) -> AgentT:
     """A ``cls`` on stores the caller keeps open: see ``Agent.on_backends``."""
@@ -159,7 +165,10 @@ def agent_on_backends(
     masker = options.setdefault("masker", backends.privacy)
     tenant_id = options.get("tenant_id", "default")
     # Calls that wait for a person wait in the stores' queue unless the agent has its own.
-    options.setdefault("approvals", Approvals(backends.approvals, on_request=on_approval_request))
+    options.setdefault(
+        "approvals",
+        Approvals(backends.approvals, on_request=on_approval_request, escalate=escalate),
+    )
     redact = None if masker is None else functools.partial(masker.mask_text, tenant_id=tenant_id)
     return cls(
         model,

@@ -10,10 +10,12 @@ from keel.runtime._steps import LoopStatus
 
 __all__ = ["AgentReply", "AgentStatus", "PendingApproval"]
 
-AgentStatus = Literal[LoopStatus, "failed"]
+AgentStatus = Literal[LoopStatus, "failed", "escalated"]
 """How a turn ended: ``completed``, a loop status (:data:`~keel.runtime.LoopStatus`, among
-them ``awaiting_approval``: parked until a person decides), or ``failed`` (an error the loop
-does not own: a bug in a hook, a workflow gate)."""
+them ``awaiting_approval``: parked until a person decides), ``escalated`` (a loop after the
+warning or a call in doubt, handed to the operators' queue instead of failing: their answer
+resumes it), or ``failed`` (an error the loop does not own: a bug in a hook, a workflow
+gate)."""
 
 
 class PendingApproval(BaseModel):

@@ -26,7 +26,7 @@ from keel.errors import ConflictError, GuardError, KeelError, StoreError, TurnIn
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
-from keel.runtime._approvals import Approvals, TurnApprovals, pending_view
+from keel.runtime._approvals import ESCALATED_NOTE, Approvals, TurnApprovals, pending_view
 from keel.runtime._events import AgentEvent, CheckpointCommitted
 from keel.runtime._hand_off import MemoryHandOff
 from keel.runtime._lease import Lease
@@ -197,8 +197,10 @@ class TurnRunner:
         append."""
         self.record_reply = bool(self.user_message.metadata.get("client_turn"))
         """The caller gave the turn its id: its reply is committed with it, for retries."""
-        self.registry: ToolRegistry = deps.workflow.registry(self.cursor)
         self.approvals = TurnApprovals(self)
+        self.registry: ToolRegistry = self.approvals.registry(
+            deps.workflow.registry(self.cursor), new_message=text is not None
+        )
         self.loop_start = 0
         """The log's length when the turn's loop started from it."""
         self.prompt = TurnPrompt(
@@ -532,7 +534,10 @@ class TurnRunner:
         masking = self.deps.masking
         self.log.take_added(result.new_messages, self.loop_start, masking.mask_message)
         text = masking.mask(sanitize(result.text))
-        parked = result.status == "awaiting_approval"
+        escalated = await self.approvals.escalate(result)
+        parked = result.status == "awaiting_approval" or escalated
+        if escalated:
+            text += ESCALATED_NOTE
         if result.ok or parked:
             final_state, rebuilt = self._completed_state(result)
         else:
@@ -542,7 +547,7 @@ class TurnRunner:
         position = final_state.machine
         reply = AgentReply(
             text=text,
-            status=result.status,
+            status="escalated" if escalated else result.status,
             session_id=self.session_id,
             run_id=self.trace.run_id,
             state_version=self.version + 1,
@@ -553,7 +558,7 @@ class TurnRunner:
             loops_detected=result.loops_detected,
             tool_calls=tuple(r.tool for step in result.steps for r in step.tool_results),
             effects=tuple(call.name for call, _ in self.effects),
-            reverted=not (result.ok or parked) or result.reverted,
+            reverted=not parked and (not result.ok or result.reverted),
             truncated=result.truncated,
             resumed=self.resume,
             output=result.output if result.ok else None,
@@ -562,7 +567,7 @@ class TurnRunner:
         )
         reason = "turn completed" if result.ok else f"turn failed: {result.status}"
         if parked:
-            reason = "turn parked: awaiting approval"
+            reason = "turn parked: " + ("escalated" if escalated else "awaiting approval")
         version = await self._save(self._with_reply(final_state, reply), reason, rebuilt=rebuilt)
         if result.ok:
             version = await self._summarize(self.state, version)
@@ -590,7 +595,9 @@ class TurnRunner:
     def _completed_state(self, result: LoopResult) -> tuple[AgentState, bool]:
         """The state of a completed turn, and whether its history was rebuilt: its messages
         are the log itself unless the runtime's corrections had to be dropped from it."""
-        awaiting = tuple(request.id for request in self.approvals.requested)
+        # Still waiting for what it waited for (a message that decided nothing), and more.
+        requested = (request.id for request in self.approvals.requested)
+        awaiting = tuple(dict.fromkeys((*self.state.runtime.awaiting, *requested)))
         runtime = self.state.runtime.model_copy(
             update={"open_turn": None, "open_turn_message": None, "awaiting": awaiting}
         )

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, Request
 
 from keel.errors import SessionBusyError
+from keel.runtime._decisions import cancel_on_revert
 from keel.service._context import limited_tenant
 from keel.service._errors import HTTPError
 from keel.service._ids import check_user_id, session_id_from_wire
@@ -104,9 +105,11 @@ async def revert_holding_lease(
     if not await lease.aacquire():
         raise SessionBusyError(session_id, 0.0)
     try:
-        return await agent.state.arevert(
+        reverted = await agent.state.arevert(
             key, expected_version=expected_version, to_version=to_version
         )
+        await cancel_on_revert(agent.approvals, agent.tenant_id, session_id, reverted)
+        return reverted
     finally:
         await lease.arelease()
 

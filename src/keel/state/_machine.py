@@ -57,6 +57,8 @@ class MachineState:
         terminal: the workflow ends here; it needs no outgoing transition.
         max_retries: failed attempts allowed here before the machine moves to its failure
             state (None: unlimited).
+        awaits_user: what this state waits for from the user (a confirmation, a document),
+            said in its resume prompt: the model asks for it and acts only once it is given.
     """
 
     name: str
@@ -66,6 +68,7 @@ class MachineState:
     collects: tuple[str, ...] = ()
     terminal: bool = False
     max_retries: int | None = 3
+    awaits_user: str | None = None
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,11 @@ class StateMachine:
             lines.append(f"Still needed: {', '.join(missing)}.")
         if current.instructions:
             lines.append(f"What to do now: {current.instructions}")
+        if current.awaits_user:
+            lines.append(
+                f"This step waits for the user: {current.awaits_user}. If they have not given "
+                "it yet, ask for it and do nothing else until they do."
+            )
         lines.append(
             f"Tools allowed now: {', '.join(current.tools)}."
             if current.tools
