@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,9 @@ class Approvals:
     keys: APIKeys
     store: ApprovalStore
     effects: list[str] = field(default_factory=list)
-    """What the service's tools did: ``refund ORDER AMOUNT`` / ``cancel ORDER``."""
+    """What the service's tools did: ``refund ORDER AMOUNT`` / ``cancel ORDER`` / ``hold ORDER``."""
+    release: threading.Event = field(default_factory=threading.Event)
+    """Lets ``hold``, whose answer never comes in time, return (at teardown)."""
 
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(
@@ -47,7 +50,7 @@ class Approvals:
         return asyncio.run(self.store.aget(tenant, request_id))
 
 
-def _shop_tools(effects: list[str]) -> list[Tool]:
+def _shop_tools(effects: list[str], release: threading.Event) -> list[Tool]:
     @tool(approval="operator")
     def refund(order: str, amount: int) -> str:
         """Refund an order.
@@ -69,38 +72,59 @@ def _shop_tools(effects: list[str]) -> list[Tool]:
         effects.append(f"cancel {order}")
         return f"cancelled {order}"
 
-    return [refund, cancel]
+    @tool(side_effect=True, idempotent=False, timeout_s=0.2)
+    def hold(order: str) -> str:
+        """Put an order on hold (the shop's answer never comes in time: left in doubt).
+
+        Args:
+            order: The order.
+        """
+        effects.append(f"hold {order}")
+        release.wait(30)
+        return f"held {order}"
+
+    return [refund, cancel, hold]
 
 
 def _shop_model(call: ScriptedCall) -> Message | str:
-    """``refund ORDER AMOUNT`` / ``cancel ORDER``: calls the tool; then says what it was told."""
+    """``refund ORDER AMOUNT`` / ``cancel ORDER`` / ``hold ORDER``: calls the tool; then says
+    what keel told it last."""
     words = call.last_user_text.split()
-    if call.messages[-1].role == "user" and words and words[0] in ("refund", "cancel"):
+    if call.messages[-1].role == "user" and words and words[0] in ("refund", "cancel", "hold"):
         arguments: dict[str, Any] = {"order": words[1]}
         if words[0] == "refund":
             arguments["amount"] = int(words[2])
         return ScriptedModel.tool_call(words[0], json.dumps(arguments))
-    notes = [m.content for m in call.messages if m.role == "system" and "approval" in m.content]
+    notes = [
+        m.content
+        for m in call.messages
+        if m.role == "system" and ("approval" in m.content or "operator" in m.content)
+    ]
     return "Told: " + (notes[-1] if notes else "nothing")
 
 
 @pytest.fixture
 def approvals(tmp_path: Path) -> Iterator[Approvals]:
-    """The service ``keel serve`` builds, its agents with a refund an operator approves and a
-    cancellation the user confirms."""
+    """The service ``keel serve`` builds, its agents with a refund an operator approves, a
+    cancellation the user confirms, and a hold left in doubt that escalates."""
     settings = load_settings(data_dir=tmp_path)
     effects: list[str] = []
+    release = threading.Event()
     app, agents, keys = build_service(
         f"sqlite:///{tmp_path / 'keel.db'}",
         model=ScriptedModel(_shop_model),
-        tools=_shop_tools(effects),
+        tools=_shop_tools(effects, release),
         memory=False,
         settings=settings,
+        escalate=True,
     )
     store = agents.backends.approvals
-    with serving(app) as running:
-        yield Approvals(running.url, keys, store, effects)
-    agents.backends.close()
+    try:
+        with serving(app) as running:
+            yield Approvals(running.url, keys, store, effects, release)
+    finally:
+        release.set()
+        agents.backends.close()
 
 
 def add_queue(approvals: Approvals) -> None:

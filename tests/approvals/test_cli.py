@@ -169,3 +169,14 @@ def test_an_operator_approves_from_the_cli_and_the_agent_runs_the_call_once() ->
         assert again.returncode == 0 and "already approved" in again.stdout
         assert agent.resume_sync("s9", "ada") is None
         assert refunds == ["W9"]
+
+
+def test_an_escalations_answer_is_recorded_with_its_action() -> None:
+    _add(request("esc-1", tenant_id="default", kind="escalation", tool=None, created_at=5.0))
+    wrong = _keel("approve", "esc-1", "--action", "undo")
+    assert wrong.returncode == 2 and "retry, skip or answer" in wrong.stderr
+    done = _keel("approve", "esc-1", "--action", "answer", "--note", "it went through")
+    assert done.returncode == 0, done.stderr
+    decided = _get("default", "esc-1")
+    assert decided.decision is not None
+    assert (decided.decision.action, decided.decision.note) == ("answer", "it went through")

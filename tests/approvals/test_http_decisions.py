@@ -115,3 +115,27 @@ def test_two_operators_deciding_at_once_settle_it_once(approvals: Approvals) -> 
     assert standing is not None and standing.status in ("approved", "rejected")
     ran = ["refund W6 900"] if standing.status == "approved" else []
     assert approvals.effects == ran
+
+
+def test_an_escalated_turn_is_answered_with_an_action(approvals: Approvals) -> None:
+    with approvals.client(approvals.keys.create("acme")) as operator:
+        stopped = operator.post("/v1/sessions/s7/turns", json={"message": "hold W7", "user": "u"})
+        assert stopped.status_code == 200, stopped.text
+        assert stopped.json()["status"] == "escalated"
+        (escalation,) = stopped.json()["approvals"]
+        listed = operator.get("/v1/approvals").json()
+        assert [(item["id"], item["kind"]) for item in listed] == [(escalation["id"], "escalation")]
+        bad = operator.post(
+            f"/v1/approvals/{escalation['id']}", json={"approve": True, "action": "undo"}
+        )
+        assert bad.status_code == 422
+        answered = operator.post(
+            f"/v1/approvals/{escalation['id']}",
+            json={"approve": True, "action": "skip", "note": "leave it on hold"},
+        )
+        assert answered.status_code == 200, answered.text
+        assert (
+            "skip the stopped step and go on without it: leave it on hold"
+            in (answered.json()["text"])
+        )
+    assert approvals.effects == ["hold W7"]

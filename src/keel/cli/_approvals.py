@@ -128,13 +128,24 @@ def _decide(request_id: str, tenant: str, database: str | None, decision: Approv
     fail(f"{request_id} is already {request.status}{by}{reason}")
 
 
-def _decision(approve: bool, by: str | None, note: str | None, arguments: str | None) -> Any:
+def _decision(
+    approve: bool,
+    by: str | None,
+    note: str | None,
+    arguments: str | None,
+    action: str | None = None,
+) -> Any:
     from keel.approvals import ApprovalDecision
 
     name = by or getpass.getuser()
     who = name if name.startswith("operator:") else f"operator:{name}"
     return ApprovalDecision(
-        approve=approve, by=who, note=note, arguments=arguments, decided_at=time.time()
+        approve=approve,
+        by=who,
+        note=note,
+        arguments=arguments,
+        action=action,
+        decided_at=time.time(),
     )
 
 
@@ -147,11 +158,24 @@ def approvals_approve_command(
         str | None,
         typer.Option("--arguments", help="Corrected arguments (a JSON object) to run with."),
     ] = None,
+    action: Annotated[
+        str | None,
+        typer.Option(
+            "--action",
+            help="For an escalated turn: retry the stopped call, skip it, or answer (--note "
+            "is the answer for the model).",
+        ),
+    ] = None,
     tenant: TenantOption = "default",
     database: DatabaseOption = None,
 ) -> None:
-    """Approve a request: the call runs (once), with --arguments if given."""
-    decision = _decision(True, by, note, _corrected(arguments))
+    """Approve a request: the call runs (once), with --arguments if given; an escalated turn
+    goes on as --action says."""
+    from keel.errors import UsageError
+
+    if action not in (None, "retry", "skip", "answer"):
+        raise UsageError(f"--action must be retry, skip or answer, not {action!r}")
+    decision = _decision(True, by, note, _corrected(arguments), action)
     _decide(request_id, tenant, database, decision)
 
 

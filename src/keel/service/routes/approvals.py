@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +54,11 @@ class ApprovalVerdict(BaseModel):
     arguments: dict[str, Any] | None = Field(
         default=None,
         description="Corrected arguments the approved call runs with (validated like the model's).",
+    )
+    action: Literal["retry", "skip", "answer"] | None = Field(
+        default=None,
+        description="For an escalated turn: run the stopped call again, skip it, or give the "
+        "model ``note`` as the answer.",
     )
 
 
@@ -144,7 +149,7 @@ async def decide_approval(
     the answer. The same decision sent again answers the same reply without running anything
     twice; a request already settled otherwise is 409. A key that may not decide it gets 404."""
     reply = await decide_as(
-        context, who, approval_id, verdict.approve, verdict.note, verdict.arguments
+        context, who, approval_id, verdict.approve, verdict.note, verdict.arguments, verdict.action
     )
     return context.counted(who.tenant_id, reply).model_dump(mode="json")
 
@@ -156,6 +161,7 @@ async def decide_as(
     approve: bool,
     note: str | None,
     arguments: dict[str, Any] | None,
+    action: Literal["retry", "skip", "answer"] | None = None,
 ) -> AgentReply:
     """Decide the request as ``who`` through the tenant's agent (which resumes the waiting
     turn) and return the turn's reply; 404 when ``who`` may not see the request, 422 when
@@ -174,6 +180,7 @@ async def decide_as(
             note=note,
             arguments=None if arguments is None else json.dumps(arguments, ensure_ascii=False),
             user_id=who.user_id,
+            action=action,
         )
     except ToolArgumentsError as exc:
         # Corrected arguments the tool refuses are the client's to fix: nothing was decided.
