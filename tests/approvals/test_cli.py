@@ -180,3 +180,20 @@ def test_an_escalations_answer_is_recorded_with_its_action() -> None:
     decided = _get("default", "esc-1")
     assert decided.decision is not None
     assert (decided.decision.action, decided.decision.note) == ("answer", "it went through")
+
+
+@pytest.mark.postgres
+def test_the_commands_work_the_queue_on_postgresql(postgres_url: str) -> None:
+    async def add() -> None:
+        backends = Backends.open(load_settings(database=postgres_url), memory=False)
+        try:
+            await backends.approvals.aadd(request("pg-1", tenant_id="acme"))
+        finally:
+            await backends.aclose()
+
+    asyncio.run(add())
+    listed = _listed("--database", postgres_url, "--tenant", "acme")
+    assert [item["id"] for item in listed] == ["pg-1"]
+    done = _keel("reject", "pg-1", "--note", "no", "--database", postgres_url, "--tenant", "acme")
+    assert done.returncode == 0, done.stderr
+    assert _listed("--database", postgres_url, "--tenant", "acme") == []
