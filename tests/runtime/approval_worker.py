@@ -26,6 +26,7 @@ from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 
 KILL_POINTS = (
+    "after_request_added",
     "before_decision_commits",
     "after_decision_commits",
     "tool_before_effect",
@@ -41,8 +42,8 @@ def _kill_if(args: argparse.Namespace, point: str) -> None:
 
 def policy(call: ScriptedCall) -> Message | str:
     last = call.messages[-1]
-    if last.role == "system" and "approval" in last.content:
-        return "Done: " + last.content
+    if last.role in ("system", "tool"):
+        return "Done: " + last.content  # keel's note on the decision, or the call's result
     order = call.last_user_text.removeprefix("refund ").split()[0]
     return ScriptedModel.tool_call("refund", json.dumps({"order": order}))
 
@@ -85,6 +86,14 @@ def build(args: argparse.Namespace) -> Agent:
         return settled
 
     store.adecide = adecide  # type: ignore[method-assign]
+    added = store.aadd
+
+    async def aadd(request: ApprovalRequest) -> ApprovalRequest:
+        stored = await added(request)
+        _kill_if(args, "after_request_added")
+        return stored
+
+    store.aadd = aadd  # type: ignore[method-assign]
     return agent
 
 
@@ -107,11 +116,17 @@ async def run(args: argparse.Namespace) -> None:
         reply: Any
         if args.do == "ask":
             reply = await agent.run("refund W1", session="s1", user="u1")
+        elif args.do == "pending":
+            assert agent.approvals is not None
+            waiting = await agent.approvals.store.alist("default", session_id="s1")
+            reply = None
+            print(json.dumps({"pending": [request.id for request in waiting]}), flush=True)
         elif args.do == "decide":
             reply = await agent.decide("s1", args.approval, approve=True, by="alice")
         else:
             reply = await agent.resume("s1", "u1")
-        print(_line(reply), flush=True)
+        if args.do != "pending":
+            print(_line(reply), flush=True)
     finally:
         await agent.aclose()
 
@@ -120,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--db", required=True)
     parser.add_argument("--effects", required=True)
-    parser.add_argument("--do", choices=("ask", "decide", "resume"), required=True)
+    parser.add_argument("--do", choices=("ask", "pending", "decide", "resume"), required=True)
     parser.add_argument("--approval", default="")
     parser.add_argument("--kill-at", default="")
     asyncio.run(run(parser.parse_args()))

@@ -297,8 +297,8 @@ async def test_identities_are_keyword_only(database: SQLiteDatabase) -> None:
     assert reply.status == "completed" and reply.session_id == "s1"
 
 
-def test_reply_statuses_are_the_loop_statuses_and_failed() -> None:
-    assert set(get_args(AgentStatus)) == {*get_args(LoopStatus), "failed"}
+def test_reply_statuses_are_the_loop_statuses_failed_and_escalated() -> None:
+    assert set(get_args(AgentStatus)) == {*get_args(LoopStatus), "failed", "escalated"}
 
 
 async def test_streamed_prefixes_stay_out_of_the_maskers_cache(database: SQLiteDatabase) -> None:

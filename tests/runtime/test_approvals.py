@@ -18,12 +18,13 @@ import pytest
 from pydantic import BaseModel
 
 from keel.approvals import ApprovalRequest
-from keel.errors import AccessDeniedError, ToolArgumentsError
+from keel.errors import AccessDeniedError, ToolArgumentsError, UsageError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.runtime._events import ApprovalRequested, TurnFinished
 from keel.service._access import revert_holding_lease
-from keel.state import MachineState, StateMachine, Transition
+from keel.state import AgentState, MachineState, StateMachine, StateStore, Transition
+from keel.stores import SQLiteDatabase, SQLiteStateBackend
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import ApprovalNeed, ToolContext, tool
 
@@ -405,3 +406,53 @@ async def test_a_workflow_state_that_waits_for_the_user_says_what_it_awaits(
     assert (
         "This step waits for the user: the user's yes or no to the refund of 50 EUR on W1" in prompt
     )
+
+
+async def test_a_loop_after_the_warning_escalates_and_the_operators_text_resumes_it(
+    open_agent: Any,
+) -> None:
+    shop = Shop()
+
+    def stuck(call: ScriptedCall) -> Message | str:
+        last = call.messages[-1]
+        if last.role == "system" and "went to an operator" in last.content:
+            return "Understood: " + last.content
+        return ScriptedModel.tool_call("look_up", '{"order": "W1"}')
+
+    agent = open_agent(shop, [], escalate=("loop_detected",))
+    agent.model = ScriptedModel(stuck)  # the same reply to every call: it loops
+    stopped = await agent.run("What about W1?", session="s1", user="u1")
+    assert stopped.status == "escalated" and not stopped.reverted, stopped
+    [escalation] = stopped.approvals
+    assert escalation.kind == "escalation" and "loop_detected" in escalation.reason
+    looked = len(shop.lookups)
+    answered = await agent.decide(
+        "s1", escalation.id, approve=True, by="alice", action="answer", note="W1 shipped today"
+    )
+    assert answered.status == "completed"
+    assert "answered by operator:alice: W1 shipped today" in answered.text
+    assert len(shop.lookups) == looked  # the operator's text, not another round of reads
+
+
+async def test_without_a_queue_a_call_that_needs_approval_is_refused(tmp_path: Path) -> None:
+    shop = Shop()
+    database = SQLiteDatabase(tmp_path / "bare.db")
+    agent = Agent(
+        ScriptedModel([_both(), "I could not refund it."]),
+        state=StateStore(SQLiteStateBackend(database), AgentState),
+        system_prompt="You run a shop.",
+        tools=_tools(shop, True),
+    )
+    reply = await agent.run("Refund 50 on W1.", session="s1", user="u1")
+    assert reply.status == "completed" and shop.refunds == [] and shop.lookups == ["W1"]
+    [refused] = [m for m in reply_messages(agent) if m.role == "tool" and m.name == "refund"]
+    assert "has no approval queue" in refused.content
+    with pytest.raises(UsageError, match="no approval queue"):
+        await agent.decide("s1", "apr-1", approve=True, by="alice")
+    database.close()
+
+
+def reply_messages(agent: Agent) -> list[Message]:
+    state = agent.session_state("s1")
+    assert state is not None
+    return state.messages

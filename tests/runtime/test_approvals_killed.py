@@ -83,3 +83,19 @@ def test_killed_inside_the_approved_tool_it_is_never_run_again(tmp_path: Path, p
     # Started and never recorded: in doubt, for an operator to settle; not run blindly again.
     assert after["status"] == "completed" and "unknown whether it took effect" in str(after["text"])
     assert _effects(tmp_path) == ran
+
+
+def test_killed_before_the_turn_parked_a_decision_still_runs_the_call_once(
+    tmp_path: Path,
+) -> None:
+    killed = _worker(tmp_path, "--do", "ask", "--kill-at", "after_request_added")
+    assert killed.returncode == -signal.SIGKILL
+    # The request is in the queue; the turn never parked (it is left open).
+    listed = _worker(tmp_path, "--do", "pending")
+    assert listed.returncode == 0, listed.stderr
+    [approval] = json.loads(listed.stdout.strip().splitlines()[-1])["pending"]
+    after = _reply(_worker(tmp_path, "--do", "decide", "--approval", approval))
+    assert after["status"] == "completed" and "REFUNDED W1" in str(after["text"]), after
+    assert _effects(tmp_path) == ["W1"]
+    again = _reply(_worker(tmp_path, "--do", "decide", "--approval", approval))
+    assert again["replayed"] and _effects(tmp_path) == ["W1"]

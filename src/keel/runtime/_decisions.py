@@ -185,6 +185,10 @@ async def resume_session(
     check_owner(checkpoint.state, ids[1], deps.tenant_id)
     awaiting = checkpoint.state.runtime.awaiting
     if approval_id is not None and approval_id not in awaiting:
+        if checkpoint.state.runtime.open_turn is not None:
+            # A crash came before the turn could park on it: finishing the turn replays
+            # its step, which finds the request decided and carries it out.
+            return await run_turn(deps, lease, key, ids, checkpoint, None)
         # Decided again, or after its turn went on: nothing more runs.
         config = _config(deps)
         request = await config.store.aget(deps.tenant_id, approval_id)
