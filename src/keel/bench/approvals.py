@@ -23,8 +23,9 @@ them) and the committed sessions, checked against the decision that stands in th
   or still waits.
 
 The time from a decision to the call's effect is measured in the deciding worker (from the
-call to ``agent.decide`` to the effect's timestamp), next to a plain tool call's (from the
-call to ``agent.run`` to the effect of a tool that needs no approval).
+call to ``agent.decide`` to the effect's timestamp; a restarted worker's first decision, which
+also loads the code a decision runs, is left out), next to a plain tool call's (from the call
+to ``agent.run`` to the effect of a tool that needs no approval).
 """
 
 from __future__ import annotations
@@ -256,6 +257,8 @@ class _Worker:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.process = self._start()
+        self.decided = 0
+        """Decisions this process made: its first one also loads the code a decision runs."""
 
     def _start(self) -> subprocess.Popen[str]:
         process = subprocess.Popen(
@@ -293,6 +296,7 @@ class _Worker:
         self.process.wait()
         self._close_pipes()
         self.process = self._start()
+        self.decided = 0
 
     def _close_pipes(self) -> None:
         for pipe in (self.process.stdin, self.process.stdout):
@@ -425,7 +429,11 @@ class _Bench:
             self._killed_decision(flow, decider, parker, decision)
         else:
             answer = decider.ask(decision)
-            if self._answered(flow, answer, "the decision") and decision["approve"]:
+            warm = decider.decided > 0
+            decider.decided += 1
+            if self._answered(flow, answer, "the decision") and decision["approve"] and warm:
+                # Timed on a process that decided before: a restarted worker's first decision
+                # loads what a decision runs, which is start-up, not the decision.
                 assert answer is not None
                 flow.decided_at = answer["t0"]
             if flow.kind == "duplicate":
