@@ -496,8 +496,10 @@ class _Bench:
                 f"{runtime.awaiting}, open turn {runtime.open_turn}"
             )
 
-    def plain_call(self, index: int) -> None:
-        worker = self.workers[index % 2]
+    def plain_call(self, index: int, turn: int) -> None:
+        # Each session's turns alternate between the workers, as a decision comes from the
+        # worker that did not park the turn: neither finds the session in its own cache.
+        worker = self.workers[turn % 2]
         order = f"l{index}"
         answer = worker.ask(
             {"op": "turn", "session": f"plain{index % 4}", "text": f"lookup {order}"}
@@ -529,7 +531,7 @@ def run_approval_bench(
             for flow in planned:
                 bench.run_flow(flow)
                 if plain_every and flow.index % plain_every == 0:
-                    bench.plain_call(flow.index)
+                    bench.plain_call(flow.index, flow.index // (plain_every * 4))
             standing = {
                 flow.index: bench.request(flow.approval_id) if flow.approval_id else None
                 for flow in planned
