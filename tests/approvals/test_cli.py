@@ -13,9 +13,12 @@ from typing import Any
 import pytest
 
 from keel.approvals import ApprovalRequest
+from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.stores import Backends
+from keel.testing import ScriptedCall, ScriptedModel
 from keel.testing.approvals_conformance import request
+from keel.tools import tool
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -129,3 +132,68 @@ def test_bad_corrected_arguments_are_usage_errors() -> None:
         done = _keel("approve", "ap-1", "--arguments", bad)
         assert done.returncode == 2 and says in done.stderr
     assert _get("default", "ap-1").status == "pending"
+
+
+def test_an_operator_approves_from_the_cli_and_the_agent_runs_the_call_once() -> None:
+    refunds: list[str] = []
+
+    @tool(approval="operator")
+    def refund(order: str) -> str:
+        """Refund an order.
+
+        Args:
+            order: The order.
+        """
+        refunds.append(order)
+        return f"refunded {order}"
+
+    def model(call: ScriptedCall) -> Any:
+        if call.messages[-1].role == "user":
+            return ScriptedModel.tool_call("refund", '{"order": "W9"}')
+        return "done"
+
+    with Agent.open(
+        system_prompt="You refund.", model=ScriptedModel(model), tools=[refund], memory=False
+    ) as agent:
+        parked = agent.run_sync("refund W9", session="s9", user="ada")
+        assert parked.status == "awaiting_approval"
+        (waiting,) = parked.approvals
+        assert waiting.id in [r["id"] for r in _listed("--session", "s9")]
+        done = _keel("approve", waiting.id, "--by", "olga")
+        assert done.returncode == 0, done.stderr
+        assert refunds == []  # the command line decides; the agent's process runs the call
+        resumed = agent.resume_sync("s9", "ada")
+        assert resumed is not None and resumed.status == "completed"
+        assert refunds == ["W9"]
+        again = _keel("approve", waiting.id, "--by", "olga")
+        assert again.returncode == 0 and "already approved" in again.stdout
+        assert agent.resume_sync("s9", "ada") is None
+        assert refunds == ["W9"]
+
+
+def test_an_escalations_answer_is_recorded_with_its_action() -> None:
+    _add(request("esc-1", tenant_id="default", kind="escalation", tool=None, created_at=5.0))
+    wrong = _keel("approve", "esc-1", "--action", "undo")
+    assert wrong.returncode == 2 and "retry, skip or answer" in wrong.stderr
+    done = _keel("approve", "esc-1", "--action", "answer", "--note", "it went through")
+    assert done.returncode == 0, done.stderr
+    decided = _get("default", "esc-1")
+    assert decided.decision is not None
+    assert (decided.decision.action, decided.decision.note) == ("answer", "it went through")
+
+
+@pytest.mark.postgres
+def test_the_commands_work_the_queue_on_postgresql(postgres_url: str) -> None:
+    async def add() -> None:
+        backends = Backends.open(load_settings(database=postgres_url), memory=False)
+        try:
+            await backends.approvals.aadd(request("pg-1", tenant_id="acme"))
+        finally:
+            await backends.aclose()
+
+    asyncio.run(add())
+    listed = _listed("--database", postgres_url, "--tenant", "acme")
+    assert [item["id"] for item in listed] == ["pg-1"]
+    done = _keel("reject", "pg-1", "--note", "no", "--database", postgres_url, "--tenant", "acme")
+    assert done.returncode == 0, done.stderr
+    assert _listed("--database", postgres_url, "--tenant", "acme") == []

@@ -65,3 +65,19 @@ def test_corrected_arguments_that_are_not_an_object_decide_nothing(approvals: Ap
             assert "must be a JSON object: nothing was decided" in answer.text
     stored = approvals.get("acme", "op-alice")
     assert stored is not None and stored.status == "pending"
+
+
+def test_an_escalation_is_answered_from_the_page_with_an_action(approvals: Approvals) -> None:
+    with approvals.client(approvals.keys.create("acme")) as api:
+        stopped = api.post("/v1/sessions/s7/turns", json={"message": "hold W7", "user": "u"})
+        (escalation,) = stopped.json()["approvals"]
+    with _signed_in(approvals, "acme") as client:
+        page = client.get("/ui/approvals")
+        assert 'select name="action"' in page.text and "escalated turn" in page.text
+        answer = client.post(
+            f"/ui/approvals/{escalation['id']}",
+            data={"verdict": "approve", "action": "retry", "note": "try once more"},
+        )
+    assert answer.status_code == 200
+    assert f"Approved {escalation['id']}" in answer.text
+    assert "answered by operator:" in answer.text and "try again" in answer.text

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from keel.cli._app import JsonOption, app, emit_json, fail, out_console
+from keel.cli._app import JsonLastOption, JsonOption, app, bench_app, emit_json, fail, out_console
 from keel.cli._database import DatabaseOption
 
 if TYPE_CHECKING:
@@ -128,13 +128,24 @@ def _decide(request_id: str, tenant: str, database: str | None, decision: Approv
     fail(f"{request_id} is already {request.status}{by}{reason}")
 
 
-def _decision(approve: bool, by: str | None, note: str | None, arguments: str | None) -> Any:
+def _decision(
+    approve: bool,
+    by: str | None,
+    note: str | None,
+    arguments: str | None,
+    action: str | None = None,
+) -> Any:
     from keel.approvals import ApprovalDecision
 
     name = by or getpass.getuser()
     who = name if name.startswith("operator:") else f"operator:{name}"
     return ApprovalDecision(
-        approve=approve, by=who, note=note, arguments=arguments, decided_at=time.time()
+        approve=approve,
+        by=who,
+        note=note,
+        arguments=arguments,
+        action=action,
+        decided_at=time.time(),
     )
 
 
@@ -147,11 +158,24 @@ def approvals_approve_command(
         str | None,
         typer.Option("--arguments", help="Corrected arguments (a JSON object) to run with."),
     ] = None,
+    action: Annotated[
+        str | None,
+        typer.Option(
+            "--action",
+            help="For an escalated turn: retry the stopped call, skip it, or answer (--note "
+            "is the answer for the model).",
+        ),
+    ] = None,
     tenant: TenantOption = "default",
     database: DatabaseOption = None,
 ) -> None:
-    """Approve a request: the call runs (once), with --arguments if given."""
-    decision = _decision(True, by, note, _corrected(arguments))
+    """Approve a request: the call runs (once), with --arguments if given; an escalated turn
+    goes on as --action says."""
+    from keel.errors import UsageError
+
+    if action not in (None, "retry", "skip", "answer"):
+        raise UsageError(f"--action must be retry, skip or answer, not {action!r}")
+    decision = _decision(True, by, note, _corrected(arguments), action)
     _decide(request_id, tenant, database, decision)
 
 
@@ -165,3 +189,36 @@ def approvals_reject_command(
 ) -> None:
     """Reject a request: the call does not run; the model is told who rejected it and why."""
     _decide(request_id, tenant, database, _decision(False, by, note, None))
+
+
+@bench_app.command("approvals")
+def bench_approvals_command(
+    flows: Annotated[int, typer.Option("--flows", min=1, help="Approval flows in all.")] = 1000,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed (default: a random one, printed).")
+    ] = None,
+    sessions: Annotated[int, typer.Option("--sessions", min=1, help="Sessions they go to.")] = 8,
+    kills: Annotated[
+        int, typer.Option("--kills", min=0, help="How many flows get a worker SIGKILLed.")
+    ] = 30,
+    as_json: JsonLastOption = False,
+) -> None:
+    """Approval flows through two worker processes (approvals, rejections, corrections,
+    expiries, duplicate and concurrent decisions, SIGKILLs), counted from the tool's effects."""
+    import random
+
+    from keel.bench.approvals import run_approval_bench
+
+    chosen = random.SystemRandom().randrange(2**31) if seed is None else seed
+    out_console.print(f"seed {chosen}")
+    report = run_approval_bench(flows, seed=chosen, sessions=sessions, kills=kills)
+    payload = report.model_dump()
+    if as_json:
+        emit_json(payload)
+        return
+    out_console.print(f"{report.flows} flows in {report.seconds:.1f} s")
+    for name, value in payload.items():
+        if name not in ("flows", "seconds", "failures", "seed"):
+            out_console.print(f"  {name:<28} {value}")
+    for failure in report.failures:
+        out_console.print(f"  [red]failure[/] {failure}", markup=True)

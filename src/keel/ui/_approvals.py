@@ -5,7 +5,7 @@ as ``POST /v1/approvals/{id}`` does: the waiting turn resumes, and its answer is
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Form, Path, Request
 from fastapi.responses import Response
@@ -23,6 +23,12 @@ __all__ = ["router"]
 router = APIRouter(include_in_schema=False, route_class=RawPathRoute)
 
 _SHOWN = 200
+_ACTIONS: dict[str, Literal["retry", "skip", "answer"]] = {
+    "retry": "retry",
+    "skip": "skip",
+    "answer": "answer",
+}
+"""An escalation's answers, as the form spells them."""
 
 
 async def _queue_page(
@@ -65,6 +71,7 @@ async def decide(
     verdict: str = Form(pattern=r"^(approve|reject)$"),
     note: Text = Form("", max_length=10_000),  # noqa: B008 - FastAPI form field
     arguments: str = Form("", max_length=100_000),
+    action: str = Form("", pattern=r"^(|retry|skip|answer)$"),
     tenant: str = Depends(_tenant),
     viewer: _Viewer = Depends(_viewer),
 ) -> Response:
@@ -74,7 +81,13 @@ async def decide(
     try:
         corrected = _corrected(arguments) if approve else None
         reply = await decide_as(
-            context_of(request), who, approval_id, approve, note or None, corrected
+            context_of(request),
+            who,
+            approval_id,
+            approve,
+            note or None,
+            corrected,
+            _ACTIONS.get(action),
         )
     except ValueError as exc:
         return await _queue_page(request, viewer, tenant, notice=str(exc))

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from keel.errors import ToolArgumentsError
 from keel.service._access import caller, read_of, user_of
 from keel.service._context import ServiceContext, context_of
 from keel.service._errors import HTTPError
@@ -54,20 +55,11 @@ class ApprovalVerdict(BaseModel):
         default=None,
         description="Corrected arguments the approved call runs with (validated like the model's).",
     )
-
-
-class _Decides(Protocol):
-    async def decide(
-        self,
-        session_id: str,
-        approval_id: str,
-        *,
-        approve: bool,
-        by: str,
-        note: str | None = None,
-        arguments: str | None = None,
-        user_id: str | None = None,
-    ) -> AgentReply: ...
+    action: Literal["retry", "skip", "answer"] | None = Field(
+        default=None,
+        description="For an escalated turn: run the stopped call again, skip it, or give the "
+        "model ``note`` as the answer.",
+    )
 
 
 def approvals_of(context: ServiceContext) -> ApprovalStore:
@@ -157,7 +149,7 @@ async def decide_approval(
     the answer. The same decision sent again answers the same reply without running anything
     twice; a request already settled otherwise is 409. A key that may not decide it gets 404."""
     reply = await decide_as(
-        context, who, approval_id, verdict.approve, verdict.note, verdict.arguments
+        context, who, approval_id, verdict.approve, verdict.note, verdict.arguments, verdict.action
     )
     return context.counted(who.tenant_id, reply).model_dump(mode="json")
 
@@ -169,20 +161,27 @@ async def decide_as(
     approve: bool,
     note: str | None,
     arguments: dict[str, Any] | None,
+    action: Literal["retry", "skip", "answer"] | None = None,
 ) -> AgentReply:
     """Decide the request as ``who`` through the tenant's agent (which resumes the waiting
-    turn) and return the turn's reply; 404 when ``who`` may not see the request."""
+    turn) and return the turn's reply; 404 when ``who`` may not see the request, 422 when
+    the tool refuses the corrected arguments."""
     found = await approvals_of(context).aget(who.tenant_id, approval_id)
     if found is None or not visible_to(who, found):
         raise HTTPError(404, "NotFound", "not found")
-    agent = cast("_Decides", context.agent_for(who.tenant_id))
+    agent = context.agent_for(who.tenant_id)
     by = f"operator:{who.key_id}" if who.operator else f"user:{who.user_id}"
-    return await agent.decide(
-        found.session_id,
-        approval_id,
-        approve=approve,
-        by=by,
-        note=note,
-        arguments=None if arguments is None else json.dumps(arguments, ensure_ascii=False),
-        user_id=who.user_id,
-    )
+    try:
+        return await agent.decide(
+            found.session_id,
+            approval_id,
+            approve=approve,
+            by=by,
+            note=note,
+            arguments=None if arguments is None else json.dumps(arguments, ensure_ascii=False),
+            user_id=who.user_id,
+            action=action,
+        )
+    except ToolArgumentsError as exc:
+        # Corrected arguments the tool refuses are the client's to fix: nothing was decided.
+        raise HTTPError(422, "ValidationError", f"arguments: {exc}") from None
