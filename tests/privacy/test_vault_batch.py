@@ -4,6 +4,7 @@ the view has not placed yet and one write (``VaultStore.add_values``) for what i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.stores import Backends
 from keel.testing import ScriptedModel
+from keel.tools import tool
 
 TENANT = "acme"
 EMAIL, PHONE, CARD = "ada.lovelace@example.com", "+1 415 555 0132", "4111 1111 1111 1111"
@@ -162,3 +164,40 @@ def test_the_masker_hands_a_texts_findings_to_the_batch_numbering_once() -> None
     assert len(calls) == 1
     per_value = PIIMasker().mask_text(text, numbering=lambda entity, value: f"<{entity}_9>")
     assert per_value == "mail <EMAIL_9> or <EMAIL_9>, call <PHONE_9>"
+
+
+async def test_a_turn_masks_each_text_holding_a_value_once(
+    backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The log, the trace and the journal mask the same texts again: the turn's memo answers
+    # them, so a text's values are looked up in the user's vault once a turn, not per use.
+    placed: list[tuple[tuple[str, str], ...]] = []
+    placeholders = UserVault.placeholders
+
+    def counted(self: UserVault, found: Sequence[tuple[str, str]]) -> list[str]:
+        placed.append(tuple(found))
+        return placeholders(self, found)
+
+    @tool(side_effect=True)
+    def look_up(name: str) -> str:
+        """Find a customer.
+
+        Args:
+            name: Their name.
+        """
+        return f"{name}: {EMAIL}, {PHONE}, card {CARD}"
+
+    monkeypatch.setattr(UserVault, "placeholders", counted)
+    model = ScriptedModel(
+        [ScriptedModel.tool_call("look_up", json.dumps({"name": "Ada"})), f"Found: {EMAIL}."]
+    )
+    agent = Agent.on_backends(
+        backends, model, system_prompt="You help.", tools=[look_up], tenant_id=TENANT
+    )
+    try:
+        reply = await agent.handle("s-1", "alice", f"mail {EMAIL}, call {PHONE}")
+        assert reply.status == "completed"
+        assert placed, "the user's values were never placed"
+        assert len(placed) == len(set(placed)), placed
+    finally:
+        await agent.aclose()

@@ -28,6 +28,10 @@ from keel.tracing import Tracer, redact_json
 
 __all__ = ["Masking", "ModelSees", "checked_model_sees"]
 
+_MASKED_KEPT = 512
+_MASKED_TEXT_CHARS = 16_384
+"""Bounds of one turn's memo of masked texts (entries, and the length of a text kept)."""
+
 ModelSees = Literal["placeholders", "values"]
 """What the model is shown of the user's PII: placeholders (the default), or the values (for
 a model the deployment trusts with them, a local one say; needs a vault)."""
@@ -75,6 +79,11 @@ class Masking:
         self.vault = vault
         self.model_sees = checked_model_sees(model_sees, vault)
         self.user_vault = user_vault
+        self._masked: dict[str, str] = {}
+        """The texts this turn's masking has masked through the user's vault, with their masked
+        form: a turn masks the same texts several times (its log, its trace, its journal), and
+        a text holding a value is never kept by the masker's own cache, which outlives the
+        turn. This one lives as long as the turn's view of the vault (and its data key)."""
         self.redact: Callable[[str], str] | None = None if masker is None else self.mask
         """What the tool journal masks with, as the messages are (None: off)."""
 
@@ -96,9 +105,17 @@ class Masking:
     def mask(self, text: str) -> str:
         if self.masker is None or not text:
             return text
-        # A text's values are placed in one write of the vault (its batch numbering).
-        numbering = None if self.user_vault is None else self.user_vault.placeholders
-        return self.masker.mask_text(text, tenant_id=self.tenant_id, batch_numbering=numbering)
+        if self.user_vault is None:
+            return self.masker.mask_text(text, tenant_id=self.tenant_id)
+        masked = self._masked.get(text)
+        if masked is None:
+            # A text's values are placed in one write of the vault (its batch numbering).
+            masked = self.masker.mask_text(
+                text, tenant_id=self.tenant_id, batch_numbering=self.user_vault.placeholders
+            )
+            if len(self._masked) < _MASKED_KEPT and len(text) <= _MASKED_TEXT_CHARS:
+                self._masked[text] = masked
+        return masked
 
     def mask_call(self, call: ToolCall) -> ToolCall:
         arguments = self.mask(sanitize(call.arguments))
