@@ -20,6 +20,7 @@ of a timed-out call finishes after all, its real result is journalled and settle
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -29,7 +30,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer
 from pydantic_core import to_jsonable_python
 
-from keel._bridge import run_blocking
 from keel.errors import (
     KeelError,
     PlaceholderError,
@@ -335,7 +335,9 @@ class ToolExecutor:
         wanted = _placeholders_to_resolve(found, raw)
         # One read of the store for the whole call, off the event loop (a round trip on
         # PostgreSQL).
-        return await run_blocking(self.vault.values, wanted) if wanted else {}
+        if not wanted:
+            return {}
+        return await self.vault.vault.store.arun(functools.partial(self.vault.values, wanted))
 
     async def _earlier_same_call(
         self, found: Tool, session_id: str, key: str, arguments: str
