@@ -5,7 +5,8 @@ Two agents on one SQLite database stand for two service workers: one parks each 
 refund that waits for approval, the other decides it. The deciding worker's log of the session
 is a few turns behind; it catches up by counting the messages added since, not by counting the
 whole history again. What is counted is read from the context engine's conversation itself:
-how many messages it counts during each decision.
+how many messages it counts during each decision. A log another worker rewrote (a revert)
+is built again, not caught up.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from keel.context import Conversation
 from keel.messages import Message
 from keel.runtime import Agent
+from keel.service._access import revert_holding_lease
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 
@@ -90,3 +92,37 @@ async def test_a_decision_counts_only_what_was_added_since_its_worker_last_saw_t
     # long the session has grown; the first, from a cold worker, the same four from the store.
     # Without the catch-up, each decision counts the whole history again: 6, 12, ..., 72.
     assert counted_per_decision == [6] * 12, counted_per_decision
+
+
+async def test_a_worker_whose_log_another_worker_rewrote_builds_it_again(
+    tmp_path: Path,
+) -> None:
+    seen: list[list[str]] = []
+
+    def recording(call: ScriptedCall) -> str:
+        seen.append([m.content for m in call.messages if m.role == "user"])
+        return "Noted."
+
+    def worker() -> Agent:
+        return Agent.open(
+            f"sqlite:///{tmp_path / 'keel.db'}",
+            system_prompt="You take notes.",
+            model=ScriptedModel(recording),
+            memory=False,
+        )
+
+    first, second = worker(), worker()
+    try:
+        one = await first.run("one", session="s1", user="u1")
+        two = await first.run("two", session="s1", user="u1")
+        # The other worker goes back to before "two" and goes on: as long a history as the
+        # first worker's log holds, with another message where "two" was.
+        await revert_holding_lease(
+            second, "s1", expected_version=two.state_version, to_version=one.state_version
+        )
+        await second.run("three", session="s1", user="u1")
+        await first.run("four", session="s1", user="u1")
+    finally:
+        await first.aclose()
+        await second.aclose()
+    assert seen[-1] == ["one", "three", "four"], seen
