@@ -5,8 +5,8 @@ Two agents on one SQLite database stand for two service workers: one parks each 
 refund that waits for approval, the other decides it. The deciding worker's log of the session
 is a few turns behind; it catches up by counting the messages added since, not by counting the
 whole history again. What is counted is read from the context engine's conversation itself:
-how many messages it counts during each decision. A log another worker rewrote (a revert)
-is built again, not caught up.
+how many messages it counts during each decision. A log another worker rewrote (a revert) or
+summarized further is built again, not caught up.
 """
 
 from __future__ import annotations
@@ -126,3 +126,51 @@ async def test_a_worker_whose_log_another_worker_rewrote_builds_it_again(
         await first.aclose()
         await second.aclose()
     assert seen[-1] == ["one", "three", "four"], seen
+
+
+async def test_a_worker_whose_log_another_worker_summarized_builds_it_again(
+    tmp_path: Path,
+) -> None:
+    seen: list[list[str]] = []
+
+    def recording(call: ScriptedCall) -> str:
+        seen.append([m.content for m in call.messages if m.role in ("user", "system")])
+        return "Noted."
+
+    def worker() -> Agent:
+        return Agent.open(
+            f"sqlite:///{tmp_path / 'keel.db'}",
+            system_prompt="You take notes.",
+            model=ScriptedModel(recording),
+            memory=False,
+        )
+
+    first, second = worker(), worker()
+    try:
+        await first.run("one", session="s1", user="u1")
+        await first.run("two", session="s1", user="u1")
+        # The other worker's turn folds the first turn into the running summary.
+        key = second.session_key("s1")
+        stored = await second.state.aload(key)
+        runtime = stored.state.runtime.model_copy(
+            update={
+                "turns": 3,
+                "summary": "The user first said one.",
+                "messages_summarized": 2,
+                "turns_summarized": 1,
+            }
+        )
+        added = [Message.user("three", metadata={"turn": 3}), Message.assistant("Noted.")]
+        summarized = stored.state.model_copy(
+            update={"messages": [*stored.state.messages, *added], "runtime": runtime}
+        )
+        await second.state.acheckpoint(
+            key, summarized, expected_version=stored.version, reason="turn"
+        )
+        await first.run("four", session="s1", user="u1")
+    finally:
+        await first.aclose()
+        await second.aclose()
+    prompt = seen[-1]
+    assert "one" not in prompt and prompt[-3:] == ["two", "three", "four"], prompt
+    assert any("The user first said one." in text for text in prompt), prompt
