@@ -248,8 +248,15 @@ async def test_a_turn_after_its_server_was_closed_offers_none_of_its_tools_and_s
 
 
 async def test_a_server_hung_at_its_listing_is_left_out_until_it_answers(
-    effects: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    effects: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A test before this one may have set up keel's own logging (the CLI's, the service's),
+    # which stops "keel" records at its handler: caplog listens at the root.
+    monkeypatch.setattr(logging.getLogger("keel"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="keel")
     gate = tmp_path / "answer-now"
     model = ScriptedModel(["Hello.", _call("echo", text="back"), "Done."])
     with stdio_server(effects, list_after=gate, connect_timeout_s=0.5) as server:
