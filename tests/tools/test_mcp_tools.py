@@ -248,8 +248,15 @@ async def test_a_turn_after_its_server_was_closed_offers_none_of_its_tools_and_s
 
 
 async def test_a_server_hung_at_its_listing_is_left_out_until_it_answers(
-    effects: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    effects: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A test before this one may have set up keel's own logging (the CLI's, the service's),
+    # which stops "keel" records at its handler: caplog listens at the root.
+    monkeypatch.setattr(logging.getLogger("keel"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="keel")
     gate = tmp_path / "answer-now"
     model = ScriptedModel(["Hello.", _call("echo", text="back"), "Done."])
     with stdio_server(effects, list_after=gate, connect_timeout_s=0.5) as server:
@@ -265,3 +272,29 @@ async def test_a_server_hung_at_its_listing_is_left_out_until_it_answers(
         assert second.status == "completed", second
         assert _tool_texts(agent) == ["back"]
         await agent.aclose()
+
+
+async def test_a_deployment_makes_an_mcp_write_wait_for_an_operators_approval(
+    effects: Path, tmp_path: Path
+) -> None:
+    with stdio_server(effects, tools={"write": MCPToolOverride(approval=True)}) as server:
+        model = ScriptedModel([_call("write", item="refund:W1"), "Done."])
+        agent = Agent.open(
+            f"sqlite:///{tmp_path / 'keel.db'}",
+            system_prompt="You write.",
+            model=model,
+            tools=[server],
+            memory=False,
+        )
+        try:
+            parked = await agent.handle("s1", "u1", "Refund W1.")
+            assert parked.status == "awaiting_approval", parked
+            assert _written(effects) == []  # nothing reached the server before the decision
+            [waiting] = parked.approvals
+            decided = await agent.decide("s1", waiting.id, approve=True, by="ops")
+            assert decided.status == "completed", decided
+            again = await agent.decide("s1", waiting.id, approve=True, by="ops")
+            assert again.replayed
+            assert _written(effects) == ["refund:W1"]  # once
+        finally:
+            await agent.aclose()

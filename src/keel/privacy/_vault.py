@@ -24,13 +24,14 @@ import json
 import re
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from keel._bridge import run_blocking
 from keel.errors import PlaceholderError, VaultKeyError
 from keel.privacy._keys import KEY_BYTES, KeyProvider
 
@@ -47,6 +48,7 @@ PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*)_([1-9][0-9]{0,8})>")
 """A placeholder as keel writes it: ``<EMAIL_3>``, ``<CREDIT_CARD_12>``."""
 
 _NONCE_BYTES = 12
+_T = TypeVar("_T")
 _CHECK_TENANT = ""
 _CHECK_USER = ""
 """The key check lives under an owner no tenant can be (tenant ids are never empty)."""
@@ -156,6 +158,12 @@ class VaultStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - most stores hold nothing of their own
         """Release what the store holds (the database is closed by its owner)."""
+
+    async def arun(self, call: Callable[[], _T]) -> _T:
+        """Run ``call`` (blocking work on this store) for an event loop: on the bridge's pool
+        of blocking threads (a round trip to a server must not stall the loop). A store whose
+        calls take microseconds and wait for no one may run them inline instead."""
+        return await run_blocking(call)
 
 
 class Vault:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus, ApprovalStore
 from keel.context import runtime_note
-from keel.errors import ToolArgumentsError, ToolInDoubtError
+from keel.errors import PlaceholderError, ToolArgumentsError, ToolInDoubtError
 from keel.messages import Message, ToolCall
 from keel.runtime._events import ApprovalDecided, ApprovalRequested
 from keel.runtime._reply import PendingApproval
@@ -37,9 +37,9 @@ from keel.tools import (
     ToolRegistry,
     ToolResult,
     ToolScope,
+    avalidated_arguments,
     idempotency_key,
     tool,
-    validated_arguments,
 )
 
 if TYPE_CHECKING:
@@ -224,6 +224,8 @@ class TurnApprovals:
                 timeout_s=deps.guards.tool_timeout_s,
                 max_output_chars=deps.guards.max_output_chars,
                 redact=deps.masking.redact,
+                # An approved call gets the user's values as any call of the turn does.
+                vault=deps.masking.user_vault,
                 scope=ToolScope(
                     user_id=runner.user_id,
                     tenant_id=deps.tenant_id,
@@ -242,9 +244,12 @@ class TurnApprovals:
         if found is None or found.approval in (None, False):
             return None
         try:
-            arguments = validated_arguments(found, call.arguments)
-        except ToolArgumentsError:
-            return None  # the executor tells the model what to fix; nothing to approve yet
+            # With the user's values in place of their placeholders, as the call would run.
+            vault = runner.deps.masking.user_vault
+            arguments = await avalidated_arguments(found, call.arguments, vault)
+        except (ToolArgumentsError, PlaceholderError):
+            # The executor refuses the call too and tells the model why: nothing to approve.
+            return None
         key = idempotency_key(runner.key, step, index, runner.turn_id)
         context = ToolContext(
             session_id=runner.key,

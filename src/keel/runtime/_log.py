@@ -51,6 +51,27 @@ class SessionLog:
         )
         return cls(conversation, state.messages, version=version, summarized_before=summarized)
 
+    def catch_up(self, state: AgentState, version: int) -> bool:
+        """Bring the log to ``version`` when its ``state`` (written by another process) only
+        added messages after the log's and summarized nothing more; whether it did (if not,
+        the caller builds the log again). Only the added messages are counted: the log's own
+        are compared, not counted again."""
+        runtime = state.runtime
+        held = len(self._messages)
+        conversation = self.conversation
+        if (
+            version <= self.version
+            or len(state.messages) < held
+            or runtime.messages_summarized != self.messages_summarized
+            or runtime.turns_summarized != conversation.turns_summarized
+            or runtime.summary != conversation.summary
+            or state.messages[:held] != self._messages
+        ):
+            return False
+        self._extend(state.messages[held:])
+        self.version = version
+        return True
+
     def __len__(self) -> int:
         return len(self._messages)
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from keel._bridge import run_blocking
 from keel.errors import UsageError
 from keel.messages import Message, ToolCall
 from keel.privacy import PLACEHOLDER, PIIMasker, RevealStream, StreamMasker, UserVault, Vault
@@ -175,20 +175,23 @@ class Masking:
         PostgreSQL)."""
         if self.user_vault is None or not text or PLACEHOLDER.search(text) is None:
             return text
-        return await run_blocking(self.user_vault.reveal, text)
+        return await self.user_vault.vault.store.arun(
+            functools.partial(self.user_vault.reveal, text)
+        )
 
     async def areveal_output(self, output: Any) -> Any:
         """A structured answer (``output_type``) with the user's placeholders in its strings
         shown as their values, for the caller; as it is without a vault."""
         if self.user_vault is None or output is None:
             return output
-        return await run_blocking(_revealed_output, output, self.reveal)
+        reveal = functools.partial(_revealed_output, output, self.reveal)
+        return await self.user_vault.vault.store.arun(reveal)
 
     async def afor_model(self, messages: Sequence[Message]) -> list[Message]:
         """:meth:`for_model`, the vault read off the event loop when there is one to do."""
         if self.model_sees != "values" or self.user_vault is None:
             return list(messages)
-        return await run_blocking(self.for_model, messages)
+        return await self.user_vault.vault.store.arun(functools.partial(self.for_model, messages))
 
     def for_model(self, messages: Sequence[Message]) -> list[Message]:
         """The compiled prompt as the model is shown it: revealed when the deployment trusts

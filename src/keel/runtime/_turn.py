@@ -76,9 +76,10 @@ class SessionLogs(Recent[str, SessionLog]):
     an evicted session's log is rebuilt from the store)."""
 
     def of(self, engine: ContextEngine, key: str, state: AgentState, version: int) -> SessionLog:
-        """The session's log at ``version``: the kept one, or built from ``state``."""
+        """The session's log at ``version``: the kept one (brought up to ``version`` when
+        another process only added to it), or built from ``state``."""
         cached = self.get(key)
-        if cached is not None and cached.version == version:
+        if cached is not None and (cached.version == version or cached.catch_up(state, version)):
             self.move_to_end(key)
             return cached
         log = SessionLog.of(engine, key, state, version)

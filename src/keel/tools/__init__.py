@@ -12,6 +12,7 @@ from keel.tools._executor import (
     ToolExecutor,
     ToolResult,
     ToolStatus,
+    avalidated_arguments,
     format_validation_error,
     validated_arguments,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "ToolResult",
     "ToolScope",
     "ToolStatus",
+    "avalidated_arguments",
     "coerce_scalars",
     "format_validation_error",
     "idempotency_key",

@@ -20,16 +20,16 @@ of a timed-out call finishes after all, its real result is journalled and settle
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer
 from pydantic_core import to_jsonable_python
 
-from keel._bridge import run_blocking
 from keel.errors import (
     KeelError,
     PlaceholderError,
@@ -335,7 +335,9 @@ class ToolExecutor:
         wanted = _placeholders_to_resolve(found, raw)
         # One read of the store for the whole call, off the event loop (a round trip on
         # PostgreSQL).
-        return await run_blocking(self.vault.values, wanted) if wanted else {}
+        if not wanted:
+            return {}
+        return await self.vault.vault.store.arun(functools.partial(self.vault.values, wanted))
 
     async def _earlier_same_call(
         self, found: Tool, session_id: str, key: str, arguments: str
@@ -750,15 +752,18 @@ def _unresolved(
     )
 
 
-def validated_arguments(found: Tool, raw: str) -> BaseModel:
+def validated_arguments(
+    found: Tool, raw: str, values: Mapping[str, str] | None = None
+) -> BaseModel:
     """``raw`` parsed, repaired and validated as the executor does a model's arguments (an
-    approver's corrected arguments, say).
+    approver's corrected arguments, say); ``values``: the user's values for its placeholders,
+    put in before validation as the executor does (:func:`avalidated_arguments`).
 
     Raises:
         ToolArgumentsError: one line per problem.
     """
     base: dict[str, Any] = {"call_id": "", "tool": found.name, "raw_arguments": raw}
-    checked = _check_arguments(found, raw, base, time.perf_counter())
+    checked = _check_arguments(found, raw, base, time.perf_counter(), dict(values or {}))
     if isinstance(checked, ToolResult):
         assert isinstance(checked.exception, ToolArgumentsError)
         raise checked.exception
@@ -830,3 +835,21 @@ def _cap(text: str, limit: int) -> tuple[str, bool]:
 
 def _ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000
+
+
+async def avalidated_arguments(found: Tool, raw: str, vault: UserVault | None) -> BaseModel:
+    """:func:`validated_arguments` with the placeholders of ``raw`` resolved in ``vault`` first,
+    exactly as the executor will before it runs the call (what decides whether a call may run
+    must see the arguments it will run with).
+
+    Raises:
+        ToolArgumentsError: one line per problem.
+        PlaceholderError: a placeholder the user's vault cannot resolve (the executor will not
+            make the call either).
+    """
+    values: dict[str, str] = {}
+    if vault is not None and found.sees_values:
+        wanted = _placeholders_to_resolve(found, raw)
+        if wanted:
+            values = await vault.vault.store.arun(functools.partial(vault.values, wanted))
+    return validated_arguments(found, raw, values)

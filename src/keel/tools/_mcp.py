@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from keel.errors import ConfigError, ToolDefinitionError, ToolExecutionError, ToolInDoubtError
 from keel.tools._schema_tool import SchemaTool, schema_tool
-from keel.tools._tool import _NAME, ToolContext
+from keel.tools._tool import _NAME, ApprovalPolicy, ToolContext
 
 if TYPE_CHECKING:
     # The connection imports the optional ``mcp`` SDK; only started servers load it.
@@ -82,6 +82,7 @@ class MCPToolOverride:
             placeholders in the arguments (False: it gets the placeholders; for a server the
             deployment does not trust with them).
         masked_arguments: arguments that keep their placeholders even so (secrets).
+        approval: the call waits for a person before it runs, as ``@tool(approval=...)``.
     """
 
     side_effect: bool | None = None
@@ -92,6 +93,7 @@ class MCPToolOverride:
     max_output_chars: int | None = None
     sees_values: bool = True
     masked_arguments: tuple[str, ...] = ()
+    approval: ApprovalPolicy | None = None
 
 
 class MCPToolError(Exception):
@@ -333,6 +335,7 @@ def _schema_tool(
         max_output_chars=override.max_output_chars,
         sees_values=override.sees_values,
         masked_arguments=tuple(override.masked_arguments),
+        approval=override.approval,
     )
 
 

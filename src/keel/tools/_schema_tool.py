@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from keel.errors import ToolDefinitionError
-from keel.tools._tool import _NAME, Tool, ToolContext
+from keel.tools._tool import _NAME, ApprovalPolicy, Tool, ToolContext, check_approval
 
 __all__ = ["SchemaFunction", "SchemaTool", "schema_tool"]
 
@@ -105,6 +105,7 @@ def schema_tool(
     max_output_chars: int | None = None,
     sees_values: bool = True,
     masked_arguments: tuple[str, ...] = (),
+    approval: ApprovalPolicy | None = None,
 ) -> SchemaTool:
     """A tool from its name, description, the JSON schema of its arguments and an async
     function: the arguments a model writes are validated against ``parameters``.
@@ -152,13 +153,15 @@ def schema_tool(
         description=description.strip(),
         function=function,
         args_model=args_model,
-        side_effect=side_effect,
+        # A call a person must approve is consequential: journalled, so it runs once.
+        side_effect=side_effect or approval not in (None, False),
         idempotent=(not side_effect) if idempotent is None else idempotent,
         timeout_s=timeout_s,
         max_output_chars=max_output_chars,
         context_parameter="context",
         sees_values=sees_values,
         masked_arguments=tuple(masked_arguments),
+        approval=check_approval(name, approval),
     )
     built.__dict__["_parameters"] = schema  # seeds the cached_property: the schema as given
     return built

@@ -299,18 +299,28 @@ def tool(
             sees_values=sees_values,
             masked_arguments=masked_arguments,
         )
-        if approval not in (None, False):
-            if not (approval in (True, "user", "operator") or callable(approval)):
-                raise ToolDefinitionError(
-                    f"tool {built.name!r}: approval must be True, 'user', 'operator' or a "
-                    f"policy callable, not {approval!r}"
-                )
-            return dataclasses.replace(built, approval=approval)
-        return built
+        checked = check_approval(built.name, approval)
+        return built if checked is None else dataclasses.replace(built, approval=checked)
 
     if function is not None:
         return build(function)
     return build
+
+
+def check_approval(name: str, approval: ApprovalPolicy | None) -> ApprovalPolicy | None:
+    """A tool's approval policy once it is one keel can apply (None or False: none).
+
+    Raises:
+        ToolDefinitionError: not True, ``"user"``, ``"operator"`` or a policy callable.
+    """
+    if approval is None or approval is False:
+        return None
+    if not (approval in (True, "user", "operator") or callable(approval)):
+        raise ToolDefinitionError(
+            f"tool {name!r}: approval must be True, 'user', 'operator' or a policy callable, "
+            f"not {approval!r}"
+        )
+    return approval
 
 
 def _build_tool(
