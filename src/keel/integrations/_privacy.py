@@ -16,7 +16,14 @@ from pydantic import BaseModel
 
 from keel._urls import parse_database_url
 from keel.errors import AccessDeniedError, ConfigError, UsageError, VaultKeyError
-from keel.privacy import KeyProvider, PIIMasker, UserVault, Vault, key_provider_from_env
+from keel.privacy import (
+    DEFAULT_MASKER,
+    KeyProvider,
+    PIIMasker,
+    UserVault,
+    Vault,
+    key_provider_from_env,
+)
 from keel.state import StateBackend, StateStore
 from keel.stores import (
     PostgresStateBackend,
@@ -125,7 +132,7 @@ class PrivateHistory(Generic[S]):
         *,
         database: str | None,
         state: StateStore[S] | None,
-        masker: PIIMasker,
+        masker: PIIMasker | None,
         tenant: str,
         user_id: str | None,
         vault: Vault | None,
@@ -136,7 +143,7 @@ class PrivateHistory(Generic[S]):
             raise UsageError("a tenant must not be empty")
         self.tenant = tenant
         self.user_id = user_id or conversation_id
-        self.masker = masker
+        self.masker = DEFAULT_MASKER if masker is None else masker
         self.vault = vault
         self._owns_state = state is None
         if state is None:

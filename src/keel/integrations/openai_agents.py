@@ -52,7 +52,7 @@ from keel.errors import ConflictError, StateError
 from keel.integrations._privacy import PrivateHistory
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel
-from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
+from keel.privacy import PIIMasker, Vault
 from keel.state import StateStore
 
 __all__ = ["SUMMARY_MARK", "KeelSession", "SessionItems"]
@@ -195,7 +195,7 @@ class KeelSession(PrivateHistory[SessionItems]):
             session_id,
             database=database,
             state=state,
-            masker=DEFAULT_MASKER if masker is None else masker,
+            masker=masker,
             tenant=tenant,
             user_id=user_id,
             vault=vault,

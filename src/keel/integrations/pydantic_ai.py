@@ -64,7 +64,7 @@ from keel._bridge import run_blocking
 from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
 from keel.integrations._privacy import PrivateHistory, map_texts
 from keel.messages import Message, ToolCall
-from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
+from keel.privacy import PIIMasker, Vault
 from keel.state import StateStore
 
 __all__ = ["SUMMARY_MARK", "KeelHistory", "KeelMessageStore", "StoredMessages"]
@@ -365,7 +365,7 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
             conversation_id,
             database=database,
             state=state,
-            masker=DEFAULT_MASKER if masker is None else masker,
+            masker=masker,
             tenant=tenant,
             user_id=user_id,
             vault=vault,

@@ -36,7 +36,6 @@ from keel.tools import (
     ToolExecutor,
     ToolRegistry,
     ToolResult,
-    ToolScope,
     avalidated_arguments,
     idempotency_key,
     tool,
@@ -215,24 +214,10 @@ class TurnApprovals:
         return f"Recorded: the user {'confirmed' if approve else 'declined'} {request.tool}."
 
     def executor(self) -> ToolExecutor:
-        """The executor decided calls run through: the turn's journal, masking and scope."""
+        """The executor decided calls run through: the turn's own tool step's (its journal,
+        masking, vault and scope)."""
         if self._executor is None:
-            runner, deps = self.runner, self.runner.deps
-            self._executor = ToolExecutor(
-                runner.registry,
-                journal=deps.journal,
-                timeout_s=deps.guards.tool_timeout_s,
-                max_output_chars=deps.guards.max_output_chars,
-                redact=deps.masking.redact,
-                # An approved call gets the user's values as any call of the turn does.
-                vault=deps.masking.user_vault,
-                scope=ToolScope(
-                    user_id=runner.user_id,
-                    tenant_id=deps.tenant_id,
-                    run_id=runner.trace.run_id,
-                    deps=runner.tool_deps,
-                ),
-            )
+            self._executor = self.runner.tool_step(self.runner.deps.guards).executor
         return self._executor
 
     # --- holding a call back ------------------------------------------------------------------

@@ -364,20 +364,7 @@ class TurnRunner:
         guards = deps.guards.model_copy(
             update={"run_timeout_s": max(self.remaining() - margin, 0.001)}
         )
-        scope = ToolScope(
-            user_id=self.user_id,
-            tenant_id=deps.tenant_id,
-            run_id=self.trace.run_id,
-            deps=self.tool_deps,
-        )
-        tools = ToolStep(
-            self.registry,
-            deps.journal,
-            guards=guards,
-            redact=deps.masking.redact,
-            scope=scope,
-            vault=deps.masking.user_vault,
-        )
+        tools = self.tool_step(guards)
         model = ModelStep(
             deps.model,
             tools.journal,
@@ -402,6 +389,26 @@ class TurnRunner:
         if result.error is not None and guards.fallback == "raise":
             raise result.error
         return result
+
+    def tool_step(self, guards: GuardConfig) -> ToolStep:
+        """The turn's tool step: its registry, the journal, the user's masking and vault, and
+        the scope its tools' contexts carry (every call of the turn runs through one such,
+        an approved call too)."""
+        deps = self.deps
+        scope = ToolScope(
+            user_id=self.user_id,
+            tenant_id=deps.tenant_id,
+            run_id=self.trace.run_id,
+            deps=self.tool_deps,
+        )
+        return ToolStep(
+            self.registry,
+            deps.journal,
+            guards=guards,
+            redact=deps.masking.redact,
+            scope=scope,
+            vault=deps.masking.user_vault,
+        )
 
     async def _steps(
         self, run: LoopRun, model: ModelStep, tools: ToolStep, guards: GuardConfig
