@@ -21,6 +21,7 @@ __all__ = [
     "ApprovalRequest",
     "ApprovalStatus",
     "ApprovalStore",
+    "Channel",
     "Decider",
 ]
 
@@ -34,6 +35,11 @@ ApprovalStatus = Literal["pending", "approved", "rejected", "expired", "cancelle
 was reverted or its turn ended otherwise (with the reason)."""
 
 Decider = Literal["user", "operator"]
+
+Channel = Literal["agent", "conversation", "http", "cli", "viewer", "mcp"]
+"""Through which entrance a decision came: ``agent.decide`` in the application's code, the
+user's own words in the ``conversation``, the service's ``http`` route, the ``cli``, the web
+``viewer``, an ``mcp`` client."""
 
 
 class ApprovalDecision(BaseModel):
@@ -55,6 +61,15 @@ class ApprovalDecision(BaseModel):
         "``note`` as the answer.",
     )
     decided_at: float = Field(description="Epoch seconds.")
+    channel: Channel | None = Field(
+        default=None, description="Through which entrance the decision came (None: not recorded)."
+    )
+    arguments_digest: str | None = Field(
+        default=None,
+        description="SHA-256 (hex) of the exact arguments approved, masked and canonical (the "
+        "corrected ones when given, else the request's): a call whose arguments differ needs a "
+        "new decision.",
+    )
 
 
 class ApprovalRequest(BaseModel):
@@ -79,6 +94,11 @@ class ApprovalRequest(BaseModel):
     decision: ApprovalDecision | None = None
     status_reason: str | None = Field(default=None, description="Why it was cancelled or expired.")
     metadata: dict[str, Any] = Field(default_factory=dict)
+    arguments_schema: dict[str, Any] | None = Field(
+        default=None,
+        description="The tool's JSON schema for its arguments, so that corrected arguments are "
+        "validated by whichever channel decides (the CLI holds no agent and no tool).",
+    )
 
     def decidable_by(self) -> tuple[Decider, ...]:
         """Who may decide: the user for a confirmation (operators too), operators otherwise."""
