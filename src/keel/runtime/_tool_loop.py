@@ -30,10 +30,9 @@ A tool that waits for a person (``@tool(approval=...)``) goes through the same a
 as in an agent's turn, never around it. Without ``approvals=`` its calls are refused (the
 model is told it needs a person's approval and that there is no queue; the tool never runs).
 With ``approvals=Approvals(store)`` the call waits in the store and the run ends
-``awaiting_approval`` (``result.approvals`` would be the agent's; here the requests are in the
-store, by session); once decided, run the same step again (``first_step`` the held step, the
-same ``turn_id``): the journalled decision is replayed, the hold finds the request decided and
-carries it out, once, with exactly the approved arguments.
+``awaiting_approval``, its requests in the store (by session); once decided, run the same step again (``first_step`` the held step, the
+same ``turn_id``): the journalled decision of a side-effecting tool is replayed, the hold
+finds the request decided and carries it out, once, with exactly the approved arguments.
 """
 
 from __future__ import annotations
