@@ -29,9 +29,9 @@ without hooks (:class:`~keel.runtime._turn.TurnRunner`)::
 A tool that waits for a person (``@tool(approval=...)``) goes through the same approval hold
 as in an agent's turn, never around it. Without ``approvals=`` its calls are refused (the
 model is told it needs a person's approval and that there is no queue; the tool never runs).
-With ``approvals=Approvals(store)`` the call waits in the store and the run ends
-``awaiting_approval``, its requests in the store (by session); once decided, run the same step again (``first_step`` the held step, the
-same ``turn_id``): the journalled decision of a side-effecting tool is replayed, the hold
+With ``approvals=Approvals(store)`` the call waits in the store (by session) and the run ends
+``awaiting_approval``; once decided, run the same step again (``first_step`` the held step,
+the same ``turn_id``): the journalled decision of a side-effecting tool is replayed, the hold
 finds the request decided and carries it out, once, with exactly the approved arguments.
 """
 
