@@ -224,7 +224,8 @@ async def answer_session(
     extras: RunExtras | None,
 ) -> AgentReply:
     """A user's message on the session. Parked on the user's confirmation: the model reads
-    the message and may record the answer (``decide_approval``); once everything is decided
+    the message and may record the answer (``decide_approval``, accepted only before any tool
+    result enters the turn: see :mod:`keel.runtime._approvals`); once everything is decided
     the turn goes on. Parked on an operator only: it stays parked, the reply says so, the
     model is not asked. Not parked, or everything decided: the message is answered."""
     checkpoint = await deps.state.apeek(key)
