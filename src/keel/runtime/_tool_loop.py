@@ -233,7 +233,7 @@ class ToolLoop:
             turn_id=turn_id,
             tools=self.registry.schemas(),
         )
-        tools = self.tool_step(session_id, turn_id)
+        tools = self._tool_step(session_id, turn_id)
         try:
             async with asyncio.timeout(self.guards.run_timeout_s):
                 result = await self._drive(run, tools)
@@ -243,7 +243,7 @@ class ToolLoop:
             raise result.error
         return result
 
-    def tool_step(self, session_id: str, turn_id: str | None = None) -> ToolStep:
+    def _tool_step(self, session_id: str, turn_id: str | None = None) -> ToolStep:
         """The tool step of one run on ``session_id``: its approval hold holds that run's
         calls (a run's facts are its own, so one loop serves many sessions)."""
         scope = self.tool_scope
