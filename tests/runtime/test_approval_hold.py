@@ -21,7 +21,7 @@ from keel.messages import Message
 from keel.runtime import Agent, Approvals, ToolLoop
 from keel.stores import SQLiteApprovalStore, SQLiteDatabase
 from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import InMemoryJournal, tool
+from keel.tools import InMemoryJournal, ToolContext, tool
 
 
 @dataclass
@@ -346,3 +346,32 @@ def _messages(agent: Agent) -> list[Message]:
 
 def _history(agent: Agent) -> str:
     return "\n".join(m.content for m in _messages(agent))
+
+
+async def test_the_policy_sees_the_context_the_call_runs_with(open_agent: Any) -> None:
+    """One place builds a call's context and journal key: the approval policy decides on the
+    very context the tool then gets."""
+    shop = Shop()
+    seen: dict[str, Any] = {}
+
+    def small_refunds_pass(arguments: Any, context: ToolContext) -> None:
+        seen["policy"] = context
+        return
+
+    @tool(approval=small_refunds_pass, side_effect=True)
+    def note(text: str, context: ToolContext) -> str:
+        """Write a note.
+
+        Args:
+            text: The note.
+        """
+        seen["tool"] = context
+        return "noted"
+
+    agent = open_agent(
+        shop, [ScriptedModel.tool_call("note", '{"text": "hi"}'), "Done."], extra=[note]
+    )
+    reply = await agent.run("Note hi.", session="s1", user="u1", deps="the deps")
+    assert reply.status == "completed"
+    assert seen["policy"] == seen["tool"]
+    assert seen["tool"].user_id == "u1" and seen["tool"].deps == "the deps"
