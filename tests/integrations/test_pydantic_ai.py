@@ -145,16 +145,19 @@ async def test_every_request_fits_and_keeps_calls_with_their_returns() -> None:
 
 _RULES = "Answer from the records only; cite the item number; never guess a date. " * 100
 _LOOKUP = "Each record lists an item, its owner, where it is kept and when it was last checked. "
+_TODAY = "Today is 2026-12-04; the records were last synced an hour ago, from the warehouse. " * 70
+"""A dynamic instruction as long as the static one: leaving either out of the count shows."""
 
 
 async def test_instructions_and_tool_definitions_count_in_the_budget() -> None:
-    """About 1,600 tokens of ``instructions`` (static and dynamic) and a tool definition of
-    about 1,000 are sent with every request besides the history: counted, each request
-    still fits."""
+    """About 1,600 tokens of static ``instructions``, as many of dynamic ones and a tool
+    definition of about 1,000 are sent with every request besides the history: counted, each
+    request still fits (one part left out of the count sends 1,600 tokens over)."""
     sent: list[int] = []
 
     def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         assert info.instructions is not None and _RULES.strip() in info.instructions
+        assert _TODAY.strip() in info.instructions
         sent.append(_tokens(messages, info))
         last = messages[-1]
         assert isinstance(last, ModelRequest)
@@ -162,12 +165,12 @@ async def test_instructions_and_tool_definitions_count_in_the_budget() -> None:
             return ModelResponse(parts=[TextPart("Here is what the records say.")])
         return ModelResponse(parts=[ToolCallPart("lookup", '{"item": "x"}', tool_call_id="c")])
 
-    history = KeelHistory("gpt-4o", budget=ContextBudget(working_budget=4_000))
+    history = KeelHistory("gpt-4o", budget=ContextBudget(working_budget=5_600))
     agent = Agent(FunctionModel(model), instructions=_RULES, capabilities=[history.capability()])
 
     @agent.instructions
     def today() -> str:
-        return "Today is 2026-12-04; the records were last synced an hour ago."
+        return _TODAY
 
     @agent.tool_plain(description="Look an item up in the records. " + _LOOKUP * 50)
     def lookup(item: str) -> str:

@@ -2,17 +2,20 @@
 
 See :mod:`keel.approvals._model`: :class:`ApprovalRequest` (one call waiting), the
 :class:`ApprovalStore` queue (SQLite and PostgreSQL implementations live in ``keel.stores``),
-and :class:`ApprovalDecision`.
+and :class:`ApprovalDecision`, bound to the arguments it approved by
+:func:`arguments_digest`.
 """
 
 from __future__ import annotations
 
+from keel.approvals._digest import arguments_digest, canonical_arguments
 from keel.approvals._model import (
     ApprovalDecision,
     ApprovalKind,
     ApprovalRequest,
     ApprovalStatus,
     ApprovalStore,
+    Channel,
     Decider,
 )
 
@@ -22,5 +25,8 @@ __all__ = [
     "ApprovalRequest",
     "ApprovalStatus",
     "ApprovalStore",
+    "Channel",
     "Decider",
+    "arguments_digest",
+    "canonical_arguments",
 ]

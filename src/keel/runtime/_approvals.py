@@ -1,17 +1,33 @@
-"""Approvals inside a turn: a call that waits for a person, the turn parked on it, and the
-decided calls carried out (exactly once, through the journal) when the turn goes on.
+"""The approval hold: the policy a tool step consults for every call before its executor, a
+turn parked on what it holds, and the decided calls carried out (exactly once, through the
+journal) when the turn goes on.
 
-A tool declares that its calls wait for a decision (``@tool(approval=...)``). When the model
-calls one, :class:`TurnApprovals` holds it back before anything is journalled or run: a
-request goes to the agent's :class:`~keel.approvals.ApprovalStore` (its id derived from the
+A tool declares that its calls wait for a decision (``@tool(approval=...)``). The tool step
+(:class:`~keel.runtime._tool_step.ToolStep`) owns one :class:`ApprovalHold`, built from the
+agent's :class:`Approvals` and the turn's facts (:class:`TurnFacts`: tenant, user, session,
+turn, trace, events, masking, the lease check), passed in by whichever drives the loop (the
+agent's turn or a :class:`~keel.runtime.ToolLoop`); the hold never reaches back into its
+driver. When the model calls such a tool, the hold keeps it back before anything is journalled
+or run: a request goes to the :class:`~keel.approvals.ApprovalStore` (its id derived from the
 call's journal key, so a replayed step finds the same request), the model's history gets a
-result saying it waits, and the other calls of the step run. After the step the turn ends,
-parked (``awaiting_approval``), its committed state naming the requests it waits for
+result saying it waits, and the other calls of the step run. After the step the run ends,
+parked (``awaiting_approval``), the turn's committed state naming the requests it waits for
 (``runtime.awaiting``). The model is not asked again until every one is decided; then the
-turn goes on (:meth:`TurnApprovals.settle`, before the loop of the next run on the session):
+turn goes on (:meth:`ApprovalHold.settle`, before the loop of the next run on the session):
 an approved call runs under the journal key the model's call would have had (a crash
 anywhere, or the same decision sent twice, never runs it twice), a rejected or expired one is
 answered with who decided and why, and the model carries on from there.
+
+A decision is bound to the arguments it approved (``ApprovalDecision.arguments_digest``, see
+:func:`keel.approvals.arguments_digest`): a call is carried out only with exactly those, and a
+call whose arguments differ is not run (it needs a decision of its own).
+
+A user's confirmation comes from the user: ``Agent.decide(user_id=...)``, the user's key over
+HTTP, the viewer, or the user's own new message read by the model through
+:data:`DECISION_TOOL`. That tool is offered only on a user's new message while a confirmation
+waits, and the hold accepts its call only while nothing untrusted has entered the turn (no
+tool result yet): a fetched page or any other tool's output cannot confirm on the user's
+behalf.
 """
 
 from __future__ import annotations
@@ -19,39 +35,46 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus, ApprovalStore
+from keel.approvals import (
+    ApprovalDecision,
+    ApprovalRequest,
+    ApprovalStatus,
+    ApprovalStore,
+    arguments_digest,
+)
 from keel.context import runtime_note
 from keel.errors import PlaceholderError, ToolArgumentsError, ToolInDoubtError
 from keel.messages import Message, ToolCall
-from keel.runtime._events import ApprovalDecided, ApprovalRequested
+from keel.runtime._events import AgentEvent, ApprovalDecided, ApprovalRequested
 from keel.runtime._reply import PendingApproval
-from keel.runtime._steps import LoopResult, LoopRun, call_hook
+from keel.runtime._steps import LoopResult, LoopRun, MaybeAwaitable, blocked, call_hook
 from keel.tools import (
     Tool,
-    ToolContext,
     ToolExecutor,
     ToolRegistry,
     ToolResult,
     avalidated_arguments,
     idempotency_key,
     tool,
+    validated_arguments,
 )
 
 if TYPE_CHECKING:
-    # Only for types: the runner builds this module's objects.
-    from keel.runtime._turn import TurnRunner
+    from keel.tracing import RunTrace
 
 __all__ = [
     "DECISION_TOOL",
+    "ApprovalHold",
     "Approvals",
-    "TurnApprovals",
+    "TurnFacts",
     "approval_id",
     "decided_text",
     "pending_view",
+    "with_decision_tool",
 ]
 
 ESCALATED_NOTE = " I've handed this to a person; I'll continue as soon as they answer."
@@ -148,104 +171,103 @@ def decided_text(request: ApprovalRequest, result: ToolResult | None) -> str:
     return f"{what} was cancelled ({request.status_reason or 'no reason given'}). Not run."
 
 
-class TurnApprovals:
-    """One turn's approvals: the calls it holds back, and the decided ones it carries out."""
+@dataclass(frozen=True)
+class TurnFacts:
+    """What an :class:`ApprovalHold` knows of the turn (or run) it holds calls for, given by
+    whichever drives the loop.
 
-    def __init__(self, runner: TurnRunner) -> None:
-        self.runner = runner
-        self.config: Approvals | None = runner.deps.approvals
+    Attributes:
+        key: the session's store key: the journal's and the tool contexts' session.
+        session_id: the session as requests name it.
+        user_id / tenant_id: whose turn it is.
+        turn_id: the turn the calls belong to (None: a loop run outside a turn).
+        mask: masks what the hold stores or shows (a request's arguments, reason and notes;
+            None: kept as written).
+        trace: the turn's run in the trace store (None: not traced).
+        emit: where the turn's events go (None: not streamed).
+        before_side_effect: ``(call) -> None``, right before a decided call runs: the agent
+            checks its lease on the session here.
+        confirmations: whether a user's message in this turn may confirm a waiting call
+            through :data:`DECISION_TOOL` (offered only then).
+    """
+
+    key: str
+    session_id: str
+    user_id: str
+    tenant_id: str
+    turn_id: str | None = None
+    mask: Callable[[str], str] | None = None
+    trace: RunTrace | None = None
+    emit: Callable[[AgentEvent], None] | None = None
+    before_side_effect: Callable[[ToolCall], MaybeAwaitable[None]] | None = None
+    confirmations: bool = False
+
+    def masked(self, text: str) -> str:
+        """``text`` as the hold may store or show it."""
+        return text if self.mask is None else self.mask(text)
+
+
+@tool(name=DECISION_TOOL)
+def _decision_tool(approval_id: str, approve: bool, note: str = "") -> str:
+    """Record the user's answer to a confirmation you asked them for: call it when their
+    message says yes or no to a call that waits for their confirmation.
+
+    Args:
+        approval_id: The approval's id (apr-...), as the waiting call's result says.
+        approve: True when the user confirmed, False when they declined.
+        note: The user's answer, in a few words.
+    """
+    # The hold answers every call of this tool before the executor: reaching here means a
+    # path went around it, and nothing is decided.
+    return "Error: not recorded (a confirmation is recorded only through the approval hold)."
+
+
+def with_decision_tool(registry: ToolRegistry, offered: bool) -> ToolRegistry:
+    """``registry``, with :data:`DECISION_TOOL` when ``offered`` (a user's new message comes
+    to a session that waits for a confirmation: the model reads the answer)."""
+    return ToolRegistry([*registry, _decision_tool]) if offered else registry
+
+
+class ApprovalHold:
+    """The approval policy of one turn's tool step (see the module docstring).
+
+    Args:
+        config: the agent's approvals (None: a call that needs one is refused, not run).
+        facts: the turn's facts.
+        executor: the tool step's executor: it builds a call's context and journal key, and
+            runs the decided calls.
+    """
+
+    def __init__(self, config: Approvals | None, facts: TurnFacts, executor: ToolExecutor) -> None:
+        self.config = config
+        self.facts = facts
+        self.executor = executor
         self.requested: list[ApprovalRequest] = []
         """The requests this turn is parked on, in the order of their calls."""
-        self._executor: ToolExecutor | None = None
 
     @property
     def parked(self) -> bool:
         return bool(self.requested)
 
-    def registry(self, registry: ToolRegistry, new_message: bool) -> ToolRegistry:
-        """The turn's tools: with :data:`DECISION_TOOL` when a user's message comes to a
-        session that waits for that user's confirmation (the model reads the answer)."""
-        if not (new_message and self.config is not None and self.runner.state.runtime.awaiting):
-            return registry
-        return ToolRegistry([*registry, self._decision_tool()])
-
-    def _decision_tool(self) -> Tool:
-        approvals = self
-
-        @tool(name=DECISION_TOOL)
-        async def decide_approval(approval_id: str, approve: bool, note: str = "") -> str:
-            """Record the user's answer to a confirmation you asked them for: call it when
-            their message says yes or no to a call that waits for their confirmation.
-
-            Args:
-                approval_id: The approval's id (apr-...), as the waiting call's result says.
-                approve: True when the user confirmed, False when they declined.
-                note: The user's answer, in a few words.
-            """
-            return await approvals.decide_as_user(approval_id, approve, note)
-
-        return decide_approval
-
-    async def decide_as_user(self, request_id: str, approve: bool, note: str) -> str:
-        """The user's answer, read by the model, as one compare-and-set on the request."""
-        runner = self.runner
-        assert self.config is not None
-        request = await self.config.store.aget(runner.deps.tenant_id, request_id)
-        if (
-            request is None
-            or request.session_id != runner.session_id
-            or request.kind != "user"
-            or request.user_id != runner.user_id
-        ):
-            return f"Error: no confirmation {request_id!r} waits for this user's answer here."
-        decision = ApprovalDecision(
-            approve=approve,
-            by=f"user:{runner.user_id}",
-            note=runner.deps.masking.mask(note) or None,
-            decided_at=time.time(),
-        )
-        status: ApprovalStatus = "approved" if approve else "rejected"
-        request, settled = await self.config.store.adecide(
-            runner.deps.tenant_id, request_id, status, decision
-        )
-        await self.record_decision(request, f"decided by the user's message: {request.status}")
-        if not settled:
-            return f"Already settled: the call is {request.status}; nothing changed."
-        return f"Recorded: the user {'confirmed' if approve else 'declined'} {request.tool}."
-
-    def executor(self) -> ToolExecutor:
-        """The executor decided calls run through: the turn's own tool step's (its journal,
-        masking, vault and scope)."""
-        if self._executor is None:
-            self._executor = self.runner.tool_step(self.runner.deps.guards).executor
-        return self._executor
-
     # --- holding a call back ------------------------------------------------------------------
 
-    async def hold(self, step: int, index: int, call: ToolCall) -> ToolResult | None:
-        """The result that holds ``call`` back until a person decides; None: it runs now."""
-        runner = self.runner
-        found = runner.registry.get(call.name)
+    async def consult(self, run: LoopRun, index: int, call: ToolCall) -> ToolResult | None:
+        """The result that holds ``call`` back (it waits for a person, or is refused); None:
+        it runs now."""
+        found = self.executor.registry.get(call.name)
+        if found is _decision_tool:
+            return await self._confirmation(run, call)
         if found is None or found.approval in (None, False):
             return None
         try:
             # With the user's values in place of their placeholders, as the call would run.
-            vault = runner.deps.masking.user_vault
-            arguments = await avalidated_arguments(found, call.arguments, vault)
+            arguments = await avalidated_arguments(found, call.arguments, self.executor.vault)
         except (ToolArgumentsError, PlaceholderError):
             # The executor refuses the call too and tells the model why: nothing to approve.
             return None
-        key = idempotency_key(runner.key, step, index, runner.turn_id)
-        context = ToolContext(
-            session_id=runner.key,
-            step=step,
-            call_index=index,
-            call_id=call.id,
-            idempotency_key=key,
-            user_id=runner.user_id,
-            tenant_id=runner.deps.tenant_id,
-            run_id=runner.trace.run_id,
-            deps=runner.tool_deps,
+        facts = self.facts
+        context = self.executor.call_context(
+            call, session_id=facts.key, step=run.step, call_index=index, turn_id=facts.turn_id
         )
         need = found.approval_need(arguments, context)
         if need is None:
@@ -257,16 +279,20 @@ class TurnApprovals:
                 f"Error: {call.name} needs a person's approval and this agent has no approval "
                 "queue, so it was not run.",
             )
-        request = await self._request(found, call, step, index, key, arguments.model_dump(), need)
+        masked = facts.masked(json.dumps(arguments.model_dump(), sort_keys=True, default=str))
+        request = await self._request(
+            found, call, run.step, index, context.idempotency_key, masked, need
+        )
         if request.status != "pending":
-            # Decided before the turn parked on it (a crash between the two): carry it out.
-            result = await self.carry_out(request)
+            # Decided before the run parked on it (a crash between the two): carry it out, if
+            # this call is the one that was decided.
+            result = await self.carry_out(request, asked=masked)
             status = "blocked" if result is None else result.status
             return _held(call, status, decided_text(request, result))
         self.requested.append(request)
         view = pending_view(request)
-        if runner.emit is not None:
-            runner.emit(ApprovalRequested(step=step, approval=view))
+        if facts.emit is not None:
+            facts.emit(ApprovalRequested(step=run.step, approval=view))
         return _held(
             call,
             "awaiting_approval",
@@ -282,29 +308,31 @@ class TurnApprovals:
         step: int,
         index: int,
         key: str,
-        arguments: dict[str, Any],
+        arguments: str,
         need: Any,
     ) -> ApprovalRequest:
-        """The request for the held call: stored, or the one a replayed step stored."""
+        """The request for the held call (``arguments``: masked): stored, or the one a
+        replayed step stored."""
         assert self.config is not None
-        runner, deps = self.runner, self.runner.deps
+        facts = self.facts
         now = time.time()
         expires_after = need.expires_after_s or self.config.expires_after_s
         request = ApprovalRequest(
             id=approval_id(key),
-            tenant_id=deps.tenant_id,
-            user_id=runner.user_id,
-            session_id=runner.session_id,
-            turn_id=runner.turn_id,
+            tenant_id=facts.tenant_id,
+            user_id=facts.user_id,
+            session_id=facts.session_id,
+            turn_id=facts.turn_id or "",
             kind=need.kind,
             tool=found.name,
             call_id=call.id,
-            arguments=deps.masking.mask(json.dumps(arguments, sort_keys=True, default=str)),
-            reason=deps.masking.mask(need.reason),
+            arguments=arguments,
+            reason=facts.masked(need.reason),
             step=step,
             created_at=now,
             expires_at=None if expires_after is None else now + expires_after,
             metadata={"call_index": index, "journal_key": key},
+            arguments_schema=found.parameters_schema(),
         )
         return await self._stored(request)
 
@@ -314,24 +342,78 @@ class TurnApprovals:
         assert self.config is not None
         stored = await self.config.store.aadd(request)
         if stored.created_at == request.created_at:
-            await self.runner.trace.arecord(
-                "other",
-                "approval_requested",
-                tool_name=stored.tool,
-                tool_call_id=stored.call_id,
-                tool_arguments=stored.arguments,
-                attributes=_trace_attributes(stored),
-            )
+            if self.facts.trace is not None:
+                await self.facts.trace.arecord(
+                    "other",
+                    "approval_requested",
+                    tool_name=stored.tool,
+                    tool_call_id=stored.call_id,
+                    tool_arguments=stored.arguments,
+                    attributes=_trace_attributes(stored),
+                )
             if self.config.on_request is not None:
                 await _notify(self.config.on_request, stored)
         return stored
 
+    # --- the user's words, read by the model --------------------------------------------------
+
+    async def _confirmation(self, run: LoopRun, call: ToolCall) -> ToolResult:
+        """A call of :data:`DECISION_TOOL`: recorded as the user's answer only while nothing
+        untrusted has entered the turn (see the module docstring)."""
+        if any(message.role == "tool" for message in run.history.added):
+            return blocked(
+                call,
+                f"Error: {DECISION_TOOL} was refused: a confirmation is taken only from the "
+                "user's own message, before any tool result entered this turn, and one has. "
+                "Nothing was decided; ask the user to confirm in a message of their own.",
+            )
+        try:
+            answer = validated_arguments(_decision_tool, call.arguments).model_dump()
+        except ToolArgumentsError as exc:
+            return blocked(call, f"Error: invalid arguments for {DECISION_TOOL}: {exc}")
+        text = await self.decide_as_user(
+            str(answer["approval_id"]), bool(answer["approve"]), str(answer["note"])
+        )
+        return _held(call, "blocked" if text.startswith("Error") else "ok", text)
+
+    async def decide_as_user(self, request_id: str, approve: bool, note: str) -> str:
+        """The user's answer, read by the model, as one compare-and-set on the request."""
+        facts = self.facts
+        if self.config is None or not facts.confirmations:
+            return f"Error: no confirmation {request_id!r} waits for this user's answer here."
+        request = await self.config.store.aget(facts.tenant_id, request_id)
+        if (
+            request is None
+            or request.session_id != facts.session_id
+            or request.kind != "user"
+            or request.user_id != facts.user_id
+        ):
+            return f"Error: no confirmation {request_id!r} waits for this user's answer here."
+        decision = ApprovalDecision(
+            approve=approve,
+            by=f"user:{facts.user_id}",
+            note=facts.masked(note) or None,
+            decided_at=time.time(),
+            channel="conversation",
+            arguments_digest=arguments_digest(request.arguments),
+        )
+        status: ApprovalStatus = "approved" if approve else "rejected"
+        request, settled = await self.config.store.adecide(
+            facts.tenant_id, request_id, status, decision
+        )
+        await self.record_decision(request, f"decided by the user's message: {request.status}")
+        if not settled:
+            return f"Already settled: the call is {request.status}; nothing changed."
+        return f"Recorded: the user {'confirmed' if approve else 'declined'} {request.tool}."
+
+    # --- a stopped or parked run --------------------------------------------------------------
+
     async def escalate(self, result: LoopResult) -> bool:
         """Put a turn that stopped (a loop again, a call in doubt) in the operators' queue
         instead of failing it, when the agent escalates that stop; whether it did."""
-        runner = self.runner
         if self.config is None or not self.config.escalates(result.status):
             return False
+        facts = self.facts
         doubtful = [r for s in result.steps for r in s.tool_results if r.status == "in_doubt"]
         stopped = doubtful[-1] if doubtful else None
         journal_key = (
@@ -339,20 +421,19 @@ class TurnApprovals:
             if stopped and isinstance(stopped.exception, ToolInDoubtError)
             else None
         )
-        key = idempotency_key(runner.key, result.next_step, 0, runner.turn_id)
-        masking = runner.deps.masking
+        key = idempotency_key(facts.key, result.next_step, 0, facts.turn_id)
         now = time.time()
         request = ApprovalRequest(
             id="esc-" + key.removeprefix("keel-"),
-            tenant_id=runner.deps.tenant_id,
-            user_id=runner.user_id,
-            session_id=runner.session_id,
-            turn_id=runner.turn_id,
+            tenant_id=facts.tenant_id,
+            user_id=facts.user_id,
+            session_id=facts.session_id,
+            turn_id=facts.turn_id or "",
             kind="escalation",
             tool=None if stopped is None else stopped.tool,
             call_id=None if stopped is None else stopped.call_id,
-            arguments="{}" if stopped is None else masking.mask(stopped.raw_arguments),
-            reason=masking.mask(f"{result.status}: {result.error_message or ''}"),
+            arguments="{}" if stopped is None else facts.masked(stopped.raw_arguments),
+            reason=facts.masked(f"{result.status}: {result.error_message or ''}"),
             step=result.next_step,
             created_at=now,
             expires_at=None,
@@ -371,33 +452,23 @@ class TurnApprovals:
 
     # --- going on once decided ----------------------------------------------------------------
 
-    async def settle(self) -> None:
-        """The parked turn goes on: each decided request carried out or answered, a note
-        for the model per request, and the turn open again (a checkpoint before any model
-        call), no longer waiting."""
-        runner = self.runner
+    async def settle(self, awaiting: Sequence[str]) -> list[Message]:
+        """The parked turn goes on: each decided request of ``awaiting`` carried out or
+        answered; keel's note for the model per request (the driver adds them to the turn)."""
         assert self.config is not None
-        masking = runner.deps.masking
-        for request_id in runner.state.runtime.awaiting:
-            request = await self.config.store.aget(runner.deps.tenant_id, request_id)
+        mask = self.facts.masked
+        notes: list[Message] = []
+        for request_id in awaiting:
+            request = await self.config.store.aget(self.facts.tenant_id, request_id)
             if request is None or request.status == "pending":
                 continue
             if request.kind == "escalation":
-                text = masking.mask(await self._answered(request))
+                text = mask(await self._answered(request))
             else:
-                text = masking.mask(decided_text(request, await self.carry_out(request)))
-            runner.log.append(
-                runtime_note(text, reason="approval", metadata={"approval": request.id})
-            )
+                text = mask(decided_text(request, await self.carry_out(request)))
+            notes.append(runtime_note(text, reason="approval", metadata={"approval": request.id}))
             await self.record_decision(request, text)
-        runtime = runner.state.runtime.model_copy(
-            update={
-                "awaiting": (),
-                "open_turn": runner.turn_id,
-                "open_turn_message": runner.turn_start,
-            }
-        )
-        await runner.checkpoint({"runtime": runtime}, reason="approvals decided")
+        return notes
 
     async def _answered(self, request: ApprovalRequest) -> str:
         """What the model is told of an operator's answer to an escalation: the answer, and
@@ -406,7 +477,7 @@ class TurnApprovals:
         by = "nobody" if decision is None else decision.by
         note = f": {decision.note}" if decision is not None and decision.note else ""
         key = request.metadata.get("journal_key")
-        entry = None if not key else await self.runner.deps.journal.aget(str(key))
+        entry = None if not key else await self.executor.journal.aget(str(key))
         settled = ""
         if entry is not None and not entry.in_doubt:
             happened = "it took effect" if entry.ok else "it did not take effect"
@@ -424,17 +495,18 @@ class TurnApprovals:
 
     async def record_decision(self, request: ApprovalRequest, text: str) -> None:
         """The decision in the trace (who, when, what changed) and in the stream."""
-        runner, decision = self.runner, request.decision
-        await runner.trace.arecord(
-            "other",
-            "approval_decided",
-            tool_name=request.tool,
-            tool_call_id=request.call_id,
-            tool_result=text,
-            attributes=_trace_attributes(request),
-        )
-        if runner.emit is not None:
-            runner.emit(
+        facts, decision = self.facts, request.decision
+        if facts.trace is not None:
+            await facts.trace.arecord(
+                "other",
+                "approval_decided",
+                tool_name=request.tool,
+                tool_call_id=request.call_id,
+                tool_result=text,
+                attributes=_trace_attributes(request),
+            )
+        if facts.emit is not None:
+            facts.emit(
                 ApprovalDecided(
                     approval_id=request.id,
                     status=request.status,
@@ -443,9 +515,16 @@ class TurnApprovals:
                 )
             )
 
-    async def carry_out(self, request: ApprovalRequest) -> ToolResult | None:
+    async def carry_out(
+        self, request: ApprovalRequest, *, asked: str | None = None
+    ) -> ToolResult | None:
         """Run an approved call once, under the journal key the model's call had (its
-        recorded result when it already ran); None for a request that is not approved."""
+        recorded result when it already ran), with exactly the arguments the decision
+        approved; None for a request that is not approved. ``asked``: the masked arguments
+        of the model's call found decided (a replayed step), which must be the request's.
+
+        A decision bound to other arguments than those about to run (its digest differs)
+        runs nothing: the result says a new decision is needed."""
         if request.status != "approved" or request.tool is None:
             return None
         decision = request.decision
@@ -455,15 +534,36 @@ class TurnApprovals:
             name=request.tool,
             arguments=arguments or request.arguments,
         )
+        unbound = _unbound(request, call.arguments, asked)
+        if unbound is not None:
+            logger.warning("approval %s not carried out: %s", request.id, unbound)
+            return blocked(
+                call,
+                f"Error: not run: {unbound}. A call with these arguments needs a new decision.",
+            )
         # A worker that stalled past its lease never acts on a session another one took over.
-        await self.runner.lease.check()
-        return await self.executor().execute(
+        await call_hook(self.facts.before_side_effect, call)
+        return await self.executor.execute(
             call,
-            session_id=self.runner.key,
+            session_id=self.facts.key,
             step=request.step,
             call_index=int(request.metadata.get("call_index", 0)),
-            turn_id=request.turn_id,
+            turn_id=request.turn_id or None,
         )
+
+
+def _unbound(request: ApprovalRequest, running: str, asked: str | None) -> str | None:
+    """Why ``running`` (the arguments about to run) is not what ``request``'s decision
+    approved, or None when it is. A decision recorded without a digest (before decisions were
+    bound) approved the request as stored."""
+    decision = request.decision
+    if asked is not None and arguments_digest(asked) != arguments_digest(request.arguments):
+        return f"the call's arguments are not those of approval {request.id}"
+    if decision is None or decision.arguments_digest is None:
+        return None
+    if arguments_digest(running) != decision.arguments_digest:
+        return f"approval {request.id} approved other arguments than these"
+    return None
 
 
 def _held(call: ToolCall, status: Any, content: str) -> ToolResult:

@@ -18,7 +18,13 @@ import time
 from collections.abc import Callable
 from typing import Literal, TypedDict, Unpack
 
-from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus
+from keel.approvals import (
+    ApprovalDecision,
+    ApprovalRequest,
+    ApprovalStatus,
+    Channel,
+    arguments_digest,
+)
 from keel.errors import AccessDeniedError, UsageError
 from keel.runtime._approvals import Approvals, pending_view
 from keel.runtime._events import AgentEvent
@@ -51,6 +57,7 @@ class DecideOptions(TypedDict, total=False):
     arguments: str | None
     user_id: str | None
     action: Literal["retry", "skip", "answer"] | None
+    channel: Channel
 
 
 async def decide(
@@ -70,13 +77,17 @@ async def decide(
     approve = options.get("approve")
     if not isinstance(approve, bool):
         raise UsageError("approve= must be True or False")
+    corrected = _corrected(deps, request, options.get("arguments"))
     decision = ApprovalDecision(
         approve=approve,
         by=_decider(request, options.get("by"), options.get("user_id")),
         note=_masked(deps, options.get("note")),
-        arguments=_corrected(deps, request, options.get("arguments")),
+        arguments=corrected,
         action=options.get("action"),
         decided_at=time.time(),
+        channel=options.get("channel", "agent"),
+        # Bound to exactly what it approves: the corrected arguments, else the request's.
+        arguments_digest=arguments_digest(corrected or request.arguments),
     )
     await _expire_overdue(config, [request])
     status: ApprovalStatus = "approved" if approve else "rejected"
@@ -213,7 +224,8 @@ async def answer_session(
     extras: RunExtras | None,
 ) -> AgentReply:
     """A user's message on the session. Parked on the user's confirmation: the model reads
-    the message and may record the answer (``decide_approval``); once everything is decided
+    the message and may record the answer (``decide_approval``, accepted only before any tool
+    result enters the turn: see :mod:`keel.runtime._approvals`); once everything is decided
     the turn goes on. Parked on an operator only: it stays parked, the reply says so, the
     model is not asked. Not parked, or everything decided: the message is answered."""
     checkpoint = await deps.state.apeek(key)

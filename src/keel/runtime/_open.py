@@ -14,26 +14,25 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
+from typing import Any, Protocol, TypedDict, TypeVar, Unpack
 
 from keel.approvals import ApprovalRequest
-from keel.context import ContextBudget
+from keel.context import ContextBudget, ContextEngine, ContextMemory
 from keel.errors import KeelError, UsageError
-from keel.guards import GuardConfig
+from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions, resolve_model
 from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends, open_at_edge
+from keel.runtime._hand_off import MemoryHandOff
 from keel.runtime._masking import Masking, ModelSees
-from keel.runtime._turn import TurnDeps
+from keel.runtime._replies import Recent
+from keel.runtime._turn import SessionLogs, TurnDeps
+from keel.runtime._workflow import Workflow
 from keel.settings import Settings, load_settings
-from keel.state import StateMachine
-from keel.tools import MCPServer, Tool
+from keel.state import AgentState, StateMachine, StateStore
+from keel.tools import MCPServer, Tool, ToolJournal
 from keel.tracing import Tracer
-
-if TYPE_CHECKING:
-    # Only for the type of what is built: _agent imports this module to delegate to it.
-    from keel.runtime._agent import Agent
 
 __all__ = [
     "AgentOptions",
@@ -49,7 +48,41 @@ __all__ = [
 
 logger = logging.getLogger("keel.runtime")
 
-AgentT = TypeVar("AgentT", bound="Agent")
+
+class Configured(Protocol):
+    """An agent as this module sees it (the :class:`~keel.runtime.Agent`, which imports this
+    module, is not imported back): built from a model and the constructor's options, told the
+    stores it owns, and read per turn by :func:`turn_deps`."""
+
+    model: ChatModel
+    state: StateStore[AgentState]
+    engine: ContextEngine
+    monitor: SpiralMonitor
+    guards: GuardConfig
+    _journal: ToolJournal
+    tracer: Tracer
+    masker: PIIMasker | None
+    vault: Vault | None
+    model_sees: ModelSees
+    _workflow: Workflow
+    system_prompt: str
+    rules: tuple[str, ...]
+    output_type: type[Any] | None
+    model_options: ModelOptions
+    tenant_id: str
+    name: str
+    _sessions: SessionLogs
+    _owners: Recent[str, tuple[str, str]]
+    _hand_off: MemoryHandOff | None
+    approvals: Approvals | None
+    backends: Backends | None
+
+    def __init__(self, model: ChatModel, *, system_prompt: str, **options: Any) -> None: ...
+
+    async def _memories(self, user_id: str, query: str) -> list[ContextMemory]: ...
+
+
+AgentT = TypeVar("AgentT", bound=Configured)
 
 _CLOSE_FLUSH_S = 10.0
 """How long closing an agent waits for memory to embed what its turns wrote."""
@@ -233,7 +266,7 @@ async def close_opened(backends: Backends) -> None:
     await backends.aclose()
 
 
-def turn_deps(agent: Agent) -> TurnDeps:
+def turn_deps(agent: Configured) -> TurnDeps:
     """What a turn takes of ``agent``'s configuration (read per turn: its attributes may be
     set between turns)."""
     return TurnDeps(

@@ -11,8 +11,8 @@ explicit inputs:
   type, a retry, a stop);
 - the tool step (:class:`~keel.runtime._tool_step.ToolStep`): journal the decision, then for
   each call: the loop detector, the driver's :class:`ToolGate` (refuse by workflow, check the
-  lease before a side effect, events), and the executor (validate, repair, journal exactly
-  once, run, bound the output).
+  lease before a side effect, events), the step's approval hold (a call that waits for a
+  person), and the executor (validate, repair, journal exactly once, run, bound the output).
 
 Neither calls back into its driver: a step finishes its :class:`StepRecord` into the run, the
 driver reads the finished ones (:meth:`LoopRun.take_finished`) and does its own bookkeeping
@@ -322,9 +322,9 @@ class ToolGate:
         on_start: ``(step, call, arguments) -> None`` right before a validated call runs.
         on_result: ``(step, result) -> None`` as each call ends.
         fingerprint: ``() -> str``, a digest of the driver's state, for progress.
-        hold: ``(step, index, call) -> result | None`` before a call that passed ``refuse``
-            is journalled or run: a result holds it back (it waits for a person's approval),
-            None lets it through.
+
+    A call that passed ``refuse`` then goes through the tool step's own approval hold, which
+    no driver can leave out.
     """
 
     refuse: Callable[[ToolCall], MaybeAwaitable[str | None]] | None = None
@@ -332,7 +332,6 @@ class ToolGate:
     on_start: Callable[[int, ToolCall, dict[str, Any]], None] | None = None
     on_result: Callable[[int, ToolResult], MaybeAwaitable[None]] | None = None
     fingerprint: Callable[[], MaybeAwaitable[str]] | None = None
-    hold: Callable[[int, int, ToolCall], MaybeAwaitable[ToolResult | None]] | None = None
 
 
 @dataclass

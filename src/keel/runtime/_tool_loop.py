@@ -25,6 +25,14 @@ without hooks (:class:`~keel.runtime._turn.TurnRunner`)::
     result = await loop.arun(messages, session_id="user-42", first_step=next_step)
     reply = result.text                             # always a clean message for the user
     result.raise_for_status()                       # or inspect result.status / result.error
+
+A tool that waits for a person (``@tool(approval=...)``) goes through the same approval hold
+as in an agent's turn, never around it. Without ``approvals=`` its calls are refused (the
+model is told it needs a person's approval and that there is no queue; the tool never runs).
+With ``approvals=Approvals(store)`` the call waits in the store (by session) and the run ends
+``awaiting_approval``; once decided, run the same step again (``first_step`` the held step,
+the same ``turn_id``): the journalled decision of a side-effecting tool is replayed, the hold
+finds the request decided and carries it out, once, with exactly the approved arguments.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from keel.errors import GuardError
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
+from keel.runtime._approvals import Approvals, TurnFacts
 from keel.runtime._model_step import ModelStep
 from keel.runtime._steps import (
     LoopResult,
@@ -52,7 +61,7 @@ from keel.runtime._steps import (
     time_limit,
 )
 from keel.runtime._tool_step import ToolStep
-from keel.tools import Tool, ToolJournal, ToolRegistry, ToolResult, ToolScope
+from keel.tools import InMemoryJournal, Tool, ToolJournal, ToolRegistry, ToolResult, ToolScope
 
 __all__ = ["LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]
 
@@ -130,7 +139,9 @@ class ToolLoop:
             ``None`` (the default) journals them as they are. Only the journal is masked
             here: the messages of the run are the caller's to mask.
         tool_scope: the user, tenant, run id and dependencies each tool call's
-            :class:`~keel.tools.ToolContext` carries.
+            :class:`~keel.tools.ToolContext` carries (and an approval request names).
+        approvals: where calls that wait for a person wait (see the module docstring). None
+            (the default): such calls are refused, not run.
     """
 
     def __init__(
@@ -147,6 +158,7 @@ class ToolLoop:
         options: ModelOptions | None = None,
         redact: Callable[[str], str] | None = None,
         tool_scope: ToolScope | None = None,
+        approvals: Approvals | None = None,
     ) -> None:
         self.model = model
         self.registry = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
@@ -156,11 +168,9 @@ class ToolLoop:
         self.agent = agent
         self.output_schema = output_schema
         self.redact = redact
-        self.tool_step = ToolStep(
-            self.registry, journal, guards=self.guards, redact=redact, scope=tool_scope
-        )
-        self.executor = self.tool_step.executor
-        self.journal = self.tool_step.journal
+        self.approvals = approvals
+        self.tool_scope = tool_scope or ToolScope()
+        self.journal = journal if journal is not None else InMemoryJournal()
         self.model_step = ModelStep(
             model,
             self.journal,
@@ -223,18 +233,42 @@ class ToolLoop:
             turn_id=turn_id,
             tools=self.registry.schemas(),
         )
+        tools = self._tool_step(session_id, turn_id)
         try:
             async with asyncio.timeout(self.guards.run_timeout_s):
-                result = await self._drive(run)
+                result = await self._drive(run, tools)
         except TimeoutError:
             result = await self._end(run, time_limit(self.guards))
         if result.error is not None and self.guards.fallback == "raise":
             raise result.error
         return result
 
+    def _tool_step(self, session_id: str, turn_id: str | None = None) -> ToolStep:
+        """The tool step of one run on ``session_id``: its approval hold holds that run's
+        calls (a run's facts are its own, so one loop serves many sessions)."""
+        scope = self.tool_scope
+        facts = TurnFacts(
+            key=session_id,
+            session_id=session_id,
+            user_id=scope.user_id or "",
+            tenant_id=scope.tenant_id or "default",
+            turn_id=turn_id,
+            mask=self.redact,
+            before_side_effect=self.hooks.before_side_effect,
+        )
+        return ToolStep(
+            self.registry,
+            self.journal,
+            guards=self.guards,
+            redact=self.redact,
+            scope=scope,
+            facts=facts,
+            approvals=self.approvals,
+        )
+
     # --- driving the steps ------------------------------------------------------------------
 
-    async def _drive(self, run: LoopRun) -> LoopResult:
+    async def _drive(self, run: LoopRun, tools: ToolStep) -> LoopResult:
         """Step until an answer or a stop, the hooks around each step."""
         hooks, model_step = self.hooks, self.model_step
         try:
@@ -250,8 +284,10 @@ class ToolLoop:
                     outcome = await model_step.ask(run, sent, options, hooks.on_text)
                 await self._after_steps(run)
                 if outcome.kind == "tool_calls":
-                    await self.tool_step(run, outcome, self._gate)
+                    await tools(run, outcome, self._gate)
                     await self._after_steps(run)
+                    if tools.hold.parked:
+                        return tools.hold.park(run)
                 elif (result := model_step.conclude(run, outcome)) is not None:
                     await self._after_steps(run)
                     return result

@@ -1,6 +1,7 @@
 """The tools' half of a loop step: the decision journalled, then each call past the loop
-detector and the driver's :class:`~keel.runtime._steps.ToolGate` to the executor (validated,
-repaired, journalled exactly once, run, its output bounded) (see :mod:`keel.runtime._steps`)."""
+detector, the driver's :class:`~keel.runtime._steps.ToolGate` and the step's own approval hold
+(:class:`~keel.runtime._approvals.ApprovalHold`) to the executor (validated, repaired,
+journalled exactly once, run, its output bounded) (see :mod:`keel.runtime._steps`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from keel.guards import GuardConfig, LoopSignal
 from keel.messages import Message, ToolCall
 from keel.models import Completion
 from keel.privacy import UserVault
+from keel.runtime._approvals import ApprovalHold, Approvals, TurnFacts
 from keel.runtime._steps import (
     LoopRun,
     LoopStatus,
@@ -45,6 +47,10 @@ class ToolStep:
         scope: what each call's :class:`~keel.tools.ToolContext` carries.
         vault: the user's view of the PII vault: placeholders in a call's arguments are
             resolved for the tool (None: used as written).
+        facts: the turn's facts (who, which session and turn, its trace and events), for the
+            step's approval hold.
+        approvals: the agent's approvals: where a call that needs a person's decision waits
+            (None: such a call is refused, never run).
     """
 
     def __init__(
@@ -56,6 +62,8 @@ class ToolStep:
         redact: Callable[[str], str] | None = None,
         scope: ToolScope | None = None,
         vault: UserVault | None = None,
+        facts: TurnFacts,
+        approvals: Approvals | None = None,
     ) -> None:
         self.registry = registry
         self.guards = guards
@@ -70,6 +78,9 @@ class ToolStep:
             vault=vault,
         )
         self.journal = self.executor.journal
+        self.hold = ApprovalHold(approvals, facts, self.executor)
+        """Consulted for every call that passed the gate, before the executor: a call that
+        waits for a person's decision is held back here, whoever drives the loop."""
 
     async def __call__(self, run: LoopRun, outcome: ModelOutcome, gate: ToolGate) -> None:
         """Carry out the calls of ``outcome`` (journalled first when one has side effects).
@@ -113,7 +124,7 @@ class ToolStep:
             await call_hook(gate.on_result, run.step, repeat)
             return
         refusal = await call_hook(gate.refuse, call)
-        held = None if refusal is not None else await call_hook(gate.hold, run.step, index, call)
+        held = None if refusal is not None else await self.hold.consult(run, index, call)
         if held is not None:
             # Waits for a person's decision: nothing journalled, nothing run.
             result = held

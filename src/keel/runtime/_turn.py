@@ -27,7 +27,14 @@ from keel.errors import ConflictError, GuardError, KeelError, StoreError, TurnIn
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
-from keel.runtime._approvals import ESCALATED_NOTE, Approvals, TurnApprovals, pending_view
+from keel.runtime._approvals import (
+    ESCALATED_NOTE,
+    ApprovalHold,
+    Approvals,
+    TurnFacts,
+    pending_view,
+    with_decision_tool,
+)
 from keel.runtime._events import AgentEvent, CheckpointCommitted
 from keel.runtime._hand_off import MemoryHandOff
 from keel.runtime._lease import Lease
@@ -210,10 +217,15 @@ class TurnRunner:
         append."""
         self.record_reply = bool(self.user_message.metadata.get("client_turn"))
         """The caller gave the turn its id: its reply is committed with it, for retries."""
-        self.approvals = TurnApprovals(self)
-        self.registry: ToolRegistry = self.approvals.registry(
-            deps.workflow.registry(self.cursor), new_message=text is not None
+        self.confirmations = (
+            text is not None and deps.approvals is not None and bool(self.state.runtime.awaiting)
         )
+        """A user's message to a session that waits for a confirmation: the model may read the
+        user's answer in it (see :mod:`keel.runtime._approvals`)."""
+        self.registry: ToolRegistry = with_decision_tool(
+            deps.workflow.registry(self.cursor), offered=self.confirmations
+        )
+        self._tools: ToolStep | None = None
         self.loop_start = 0
         """The log's length when the turn's loop started from it."""
         self.prompt = TurnPrompt(
@@ -328,7 +340,7 @@ class TurnRunner:
         try:
             self.prompt.memories = await deps.recall(self.user_id, self.user_message.content)
             if self.resume and self.state.runtime.awaiting:
-                await self.approvals.settle()  # a parked turn goes on: its decisions first
+                await self._settle()  # a parked turn goes on: its decisions first
             self.loop_start = len(self.log)
             result = await self._drive()
         except asyncio.CancelledError:
@@ -364,7 +376,7 @@ class TurnRunner:
         guards = deps.guards.model_copy(
             update={"run_timeout_s": max(self.remaining() - margin, 0.001)}
         )
-        tools = self.tool_step(guards)
+        tools = self.tools
         model = ModelStep(
             deps.model,
             tools.journal,
@@ -390,25 +402,59 @@ class TurnRunner:
             raise result.error
         return result
 
-    def tool_step(self, guards: GuardConfig) -> ToolStep:
-        """The turn's tool step: its registry, the journal, the user's masking and vault, and
-        the scope its tools' contexts carry (every call of the turn runs through one such,
-        an approved call too)."""
-        deps = self.deps
-        scope = ToolScope(
-            user_id=self.user_id,
-            tenant_id=deps.tenant_id,
-            run_id=self.trace.run_id,
-            deps=self.tool_deps,
+    @property
+    def tools(self) -> ToolStep:
+        """The turn's one tool step: its registry, the journal, the user's masking and vault,
+        the scope its tools' contexts carry, and its approval hold, given the turn's facts
+        (every call of the turn runs through it, a decided call too). Built once the turn's
+        run is traced."""
+        if self._tools is None:
+            deps = self.deps
+            scope = ToolScope(
+                user_id=self.user_id,
+                tenant_id=deps.tenant_id,
+                run_id=self.trace.run_id,
+                deps=self.tool_deps,
+            )
+            facts = TurnFacts(
+                key=self.key,
+                session_id=self.session_id,
+                user_id=self.user_id,
+                tenant_id=deps.tenant_id,
+                turn_id=self.turn_id,
+                mask=deps.masking.mask,
+                trace=self.trace,
+                emit=self.emit,
+                before_side_effect=self._before_side_effect,
+                confirmations=self.confirmations,
+            )
+            self._tools = ToolStep(
+                self.registry,
+                deps.journal,
+                guards=deps.guards,
+                redact=deps.masking.redact,
+                scope=scope,
+                vault=deps.masking.user_vault,
+                facts=facts,
+                approvals=deps.approvals,
+            )
+        return self._tools
+
+    @property
+    def hold(self) -> ApprovalHold:
+        """The turn's approval hold (its tool step's)."""
+        return self.tools.hold
+
+    async def _settle(self) -> None:
+        """The parked turn goes on: the hold carries out or answers each decided request, its
+        notes join the turn, and the turn is open again (a checkpoint before any model call),
+        no longer waiting."""
+        for note in await self.hold.settle(self.state.runtime.awaiting):
+            self.log.append(note)
+        runtime = self.state.runtime.model_copy(
+            update={"awaiting": (), "open_turn": self.turn_id, "open_turn_message": self.turn_start}
         )
-        return ToolStep(
-            self.registry,
-            deps.journal,
-            guards=guards,
-            redact=deps.masking.redact,
-            scope=scope,
-            vault=deps.masking.user_vault,
-        )
+        await self.checkpoint({"runtime": runtime}, reason="approvals decided")
 
     async def _steps(
         self, run: LoopRun, model: ModelStep, tools: ToolStep, guards: GuardConfig
@@ -420,7 +466,6 @@ class TurnRunner:
             on_start=stream.on_tool_start if stream is not None else None,
             on_result=stream.on_tool_result if stream is not None else None,
             fingerprint=self.cursor.fingerprint,
-            hold=self.approvals.hold,
         )
         try:
             while True:
@@ -434,9 +479,9 @@ class TurnRunner:
                 await self._after_steps(run)
                 if outcome.kind == "tool_calls":
                     await tools(run, outcome, gate)
-                    if self.approvals.parked:
+                    if tools.hold.parked:
                         await self._after_steps(run)
-                        return self.approvals.park(run)
+                        return tools.hold.park(run)
                 elif (result := model.conclude(run, outcome)) is not None:
                     await self._after_steps(run)
                     return result
@@ -576,7 +621,7 @@ class TurnRunner:
         masking = self.deps.masking
         self.log.take_added(result.new_messages, self.loop_start, masking.mask_message)
         text = masking.mask(sanitize(result.text))
-        escalated = await self.approvals.escalate(result)
+        escalated = await self.hold.escalate(result)
         parked = result.status == "awaiting_approval" or escalated
         if escalated:
             text += ESCALATED_NOTE
@@ -605,7 +650,7 @@ class TurnRunner:
             resumed=self.resume,
             output=result.output if result.ok else None,
             error=masking.mask(result.error_message) if result.error_message else None,
-            approvals=tuple(pending_view(r) for r in self.approvals.requested),
+            approvals=tuple(pending_view(r) for r in self.hold.requested),
         )
         reason = "turn completed" if result.ok else f"turn failed: {result.status}"
         if parked:
@@ -643,7 +688,7 @@ class TurnRunner:
         """The state of a completed turn, and whether its history was rebuilt: its messages
         are the log itself unless the runtime's corrections had to be dropped from it."""
         # Still waiting for what it waited for (a message that decided nothing), and more.
-        requested = (request.id for request in self.approvals.requested)
+        requested = (request.id for request in self.hold.requested)
         awaiting = tuple(dict.fromkeys((*self.state.runtime.awaiting, *requested)))
         runtime = self.state.runtime.model_copy(
             update={"open_turn": None, "open_turn_message": None, "awaiting": awaiting}

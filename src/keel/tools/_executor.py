@@ -20,6 +20,7 @@ of a timed-out call finishes after all, its real result is journalled and settle
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -234,32 +235,45 @@ class ToolExecutor:
         # What is journalled, traced and streamed keeps the placeholders; the tool gets values.
         arguments = _with_placeholders(validated.model_dump(mode="json"), values)
         base.update(arguments=arguments, repairs=repairs)
-        key = idempotency_key(session_id, step, call_index, turn_id)
-        attempt = 1  # a call outside the journal is always its first start
+        context = self.call_context(
+            call, session_id=session_id, step=step, call_index=call_index, turn_id=turn_id
+        )
         if found.side_effect:
-            base["idempotency_key"] = key
+            base["idempotency_key"] = context.idempotency_key
             claimed = await self._claim(
                 found, arguments, base, started, session_id, step, call_index
             )
             if isinstance(claimed, ToolResult):
                 return claimed
-            attempt = claimed.attempts
-        context = ToolContext(
-            session_id=session_id,
-            step=step,
-            call_index=call_index,
-            call_id=call.id,
-            idempotency_key=key,
-            attempt=attempt,
-            user_id=self.scope.user_id,
-            tenant_id=self.scope.tenant_id,
-            run_id=self.scope.run_id,
-            deps=self.scope.deps,
-        )
+            context = dataclasses.replace(context, attempt=claimed.attempts)
         if on_start is not None:
             on_start(arguments)
         return await self._run(
             found, validated, context, base, started, journalled=found.side_effect
+        )
+
+    def call_context(
+        self,
+        call: ToolCall,
+        *,
+        session_id: str,
+        step: int,
+        call_index: int = 0,
+        turn_id: str | None = None,
+    ) -> ToolContext:
+        """The context ``call`` runs with, its journal key included: the one place both are
+        built, so that what decides whether a call may run (an approval policy) sees the call
+        as the tool will (a first start: a journalled retry counts its attempts)."""
+        return ToolContext(
+            session_id=session_id,
+            step=step,
+            call_index=call_index,
+            call_id=call.id,
+            idempotency_key=idempotency_key(session_id, step, call_index, turn_id),
+            user_id=self.scope.user_id,
+            tenant_id=self.scope.tenant_id,
+            run_id=self.scope.run_id,
+            deps=self.scope.deps,
         )
 
     def _unknown_tool(self, name: str, base: dict[str, Any], started: float) -> ToolResult:
