@@ -13,8 +13,10 @@ from keel.approvals._model import (
     ApprovalRequest,
     ApprovalStatus,
     ApprovalStore,
+    Channel,
     Decider,
 )
+from keel.approvals._outcome import repeats_standing
 
 __all__ = [
     "ApprovalDecision",
@@ -22,5 +24,7 @@ __all__ = [
     "ApprovalRequest",
     "ApprovalStatus",
     "ApprovalStore",
+    "Channel",
     "Decider",
+    "repeats_standing",
 ]

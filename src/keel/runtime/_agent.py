@@ -443,8 +443,10 @@ class Agent:
         self, session_id: str, approval_id: str, **how: Unpack[DecideOptions]
     ) -> AgentReply:
         """Settle a waiting call (``approve=``; ``by=`` an operator, or ``user_id=`` the user
-        confirming; ``note=``, corrected ``arguments=``): the reply of the turn that goes on.
-        AccessDeniedError: not this tenant's request, or not this user's to confirm."""
+        confirming; ``note=``, corrected ``arguments=``; ``channel=`` it came through): the
+        reply of the turn that goes on. AccessDeniedError: not this tenant's request, or not
+        this user's to confirm. ApprovalSettledError: already settled otherwise (the same
+        decision sent again is no error)."""
         return await decide(
             self._deps(), self._own, self.session_key(session_id), session_id, approval_id, **how
         )
