@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 
 from keel.approvals import ApprovalRequest
+from keel.privacy import PLACEHOLDER, MasterKey
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.stores import Backends
@@ -88,16 +91,122 @@ def test_list_shows_the_tenants_pending_queue_with_its_filters() -> None:
 
 
 def test_approve_records_the_operator_the_note_and_corrected_arguments() -> None:
-    done = _keel(
-        "approve", "ap-1", "--by", "olga", "--note", "checked", "--arguments", '{"amount": 500}'
-    )
+    corrected = '{"order": "#W1", "amount": 500}'
+    done = _keel("approve", "ap-1", "--by", "olga", "--note", "checked", "--arguments", corrected)
     assert done.returncode == 0, done.stderr
     assert "ap-1: approved by operator:olga" in done.stdout
     decided = _get("default", "ap-1")
     assert decided.status == "approved" and decided.decision is not None
     assert (decided.decision.by, decided.decision.note) == ("operator:olga", "checked")
-    assert decided.decision.arguments == '{"amount": 500}'
+    assert json.loads(decided.decision.arguments or "") == {"order": "#W1", "amount": 500}
+    assert decided.decision.channel == "cli"
     assert [r["id"] for r in _listed()] == ["ap-2", "ap-3"]
+
+
+def test_corrected_arguments_the_tools_schema_refuses_are_not_recorded() -> None:
+    for bad, says in (
+        ('{"order": "#W1", "amount": "lots"}', "amount: 'lots' is not of type 'integer'"),
+        ('{"order": "#W1"}', "'amount' is a required property"),
+        ('{"order": "#W1", "amount": 5, "to": "me"}', "Additional properties"),
+    ):
+        done = _keel("approve", "ap-1", "--by", "olga", "--arguments", bad)
+        assert done.returncode == 1, (bad, done.stdout)
+        assert "invalid arguments for 'refund'" in done.stderr and says in done.stderr
+        assert _get("default", "ap-1").status == "pending"
+    assert _keel("approve", "ap-1", "--by", "olga").returncode == 0  # without: approved
+
+
+def test_corrections_of_a_request_made_without_a_schema_are_refused() -> None:
+    _add(request("old-1", tenant_id="default", created_at=6.0, arguments_schema=None))
+    done = _keel("approve", "old-1", "--arguments", '{"order": "#W1", "amount": 1}')
+    assert done.returncode == 2 and "cannot be checked here: nothing was decided" in done.stderr
+    assert _get("default", "old-1").status == "pending"
+    assert _keel("reject", "old-1", "--note", "no").returncode == 0
+    assert _get("default", "old-1").status == "rejected"
+
+
+def test_a_decision_on_a_cancelled_request_exits_with_the_outcome_that_stands() -> None:
+    async def cancel(store: Any) -> None:
+        await store.acancel("default", "s2", "the session was reverted (to version 3)")
+
+    _on_queue(cancel)
+    done = _keel("approve", "ap-2", "--by", "olga")
+    assert done.returncode == 1
+    assert "ap-2 is already cancelled (the session was reverted (to version 3))" in done.stderr
+    assert _get("default", "ap-2").decision is None
+
+
+def _newest_email(call: ScriptedCall) -> str:
+    """The newest email placeholder the model was shown."""
+    seen = "\n".join(m.content for m in call.messages if m.role == "user")
+    return [m.group(0) for m in PLACEHOLDER.finditer(seen) if m.group(1) == "EMAIL"][-1]
+
+
+def test_a_cli_decision_is_stored_masked_through_the_users_vault_and_runs_with_the_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KEEL_PII_KEY", MasterKey.new_key_text())
+    sent: list[str] = []
+
+    @tool(approval="operator")
+    def send_receipt(email: str) -> str:
+        """Send the receipt.
+
+        Args:
+            email: Where to.
+        """
+        sent.append(email)
+        return "sent"
+
+    def model(call: ScriptedCall) -> Any:
+        if call.messages[-1].role != "user":
+            return "done"
+        if "receipt" in call.last_user_text:
+            arguments = {"email": _newest_email(call)}
+            return ScriptedModel.tool_call("send_receipt", json.dumps(arguments))
+        return "noted"
+
+    phone, new_email = "+1 415 555 2671", "new@corp.example"
+    with Agent.open(
+        system_prompt="You send receipts.",
+        model=ScriptedModel(model),
+        tools=[send_receipt],
+        memory=False,
+    ) as agent:
+        agent.run_sync("my email is ada@corp.example", session="s-r", user="ada")
+        parked = agent.run_sync("send my receipt", session="s-r", user="ada")
+        (waiting,) = parked.approvals
+        decide = (
+            "approve",
+            waiting.id,
+            "--by",
+            "olga",
+            "--note",
+            f"call me at {phone}",
+            "--arguments",
+            json.dumps({"email": new_email}),
+        )
+        done = _keel(*decide)
+        assert done.returncode == 0, done.stderr
+        path = load_settings().sqlite_path
+        assert path is not None
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            row = db.execute("SELECT * FROM keel_approvals WHERE id = ?", (waiting.id,)).fetchone()
+        stored = repr(row)
+        assert new_email not in stored and "415 555 2671" not in stored, stored
+        for part in path.parent.glob(path.name + "*"):  # the file, its WAL
+            assert new_email.encode() not in part.read_bytes(), part
+        decision = _get("default", waiting.id).decision
+        assert decision is not None and decision.channel == "cli"
+        assert decision.note is not None and "<PHONE_" in decision.note
+        # Its own placeholder, not the one of the user's first address.
+        assert json.loads(decision.arguments or "")["email"] not in waiting.arguments
+        # The same command again is a repeat (masked alike), no error.
+        again = _keel(*decide)
+        assert again.returncode == 0 and "already approved" in again.stdout, again.stderr
+        resumed = agent.resume_sync("s-r", "ada")
+        assert resumed is not None and resumed.status == "completed"
+    assert sent == [new_email]
 
 
 def test_reject_needs_a_note_and_records_it() -> None:

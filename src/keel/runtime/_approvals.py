@@ -305,6 +305,7 @@ class TurnApprovals:
             created_at=now,
             expires_at=None if expires_after is None else now + expires_after,
             metadata={"call_index": index, "journal_key": key},
+            arguments_schema=found.parameters_schema(),
         )
         return await self._stored(request)
 
