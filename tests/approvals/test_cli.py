@@ -36,9 +36,10 @@ def _keel(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _on_queue(work: Any) -> Any:
+def _on_queue(work: Any, database: str | None = None) -> Any:
     async def run() -> Any:
-        backends = Backends.open(load_settings(), memory=False)
+        settings = load_settings(**({} if database is None else {"database": database}))
+        backends = Backends.open(settings, memory=False)
         try:
             return await work(backends.approvals)
         finally:
@@ -55,8 +56,10 @@ def _add(*requests: ApprovalRequest) -> None:
     _on_queue(add)
 
 
-def _get(tenant: str, request_id: str) -> ApprovalRequest:
-    found: ApprovalRequest | None = _on_queue(lambda store: store.aget(tenant, request_id))
+def _get(tenant: str, request_id: str, database: str | None = None) -> ApprovalRequest:
+    found: ApprovalRequest | None = _on_queue(
+        lambda store: store.aget(tenant, request_id), database
+    )
     assert found is not None
     return found
 
@@ -142,8 +145,34 @@ def _newest_email(call: ScriptedCall) -> str:
     return [m.group(0) for m in PLACEHOLDER.finditer(seen) if m.group(1) == "EMAIL"][-1]
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def vault_database(request: pytest.FixtureRequest) -> str:
+    """The database an application with a PII vault runs on: the default SQLite file, or a
+    fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{load_settings().data_dir / 'keel.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url
+
+
+def _stored_row(database: str, request_id: str) -> str:
+    """The request's row in keel_approvals, read from the database itself (and for SQLite,
+    every byte of its file and WAL), as text."""
+    if database.startswith("sqlite:///"):
+        path = Path(database.removeprefix("sqlite:///"))
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            row = db.execute("SELECT * FROM keel_approvals WHERE id = ?", (request_id,)).fetchone()
+        files = b"".join(part.read_bytes() for part in path.parent.glob(path.name + "*"))
+        return repr(row) + files.decode("latin-1")
+    import psycopg
+
+    with psycopg.connect(database) as conn:
+        found = conn.execute("SELECT * FROM keel_approvals WHERE id = %s", (request_id,))
+        return repr(found.fetchone())
+
+
 def test_a_cli_decision_is_stored_masked_through_the_users_vault_and_runs_with_the_value(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, vault_database: str
 ) -> None:
     monkeypatch.setenv("KEEL_PII_KEY", MasterKey.new_key_text())
     sent: list[str] = []
@@ -168,6 +197,7 @@ def test_a_cli_decision_is_stored_masked_through_the_users_vault_and_runs_with_t
 
     phone, new_email = "+1 415 555 2671", "new@corp.example"
     with Agent.open(
+        vault_database,
         system_prompt="You send receipts.",
         model=ScriptedModel(model),
         tools=[send_receipt],
@@ -185,18 +215,15 @@ def test_a_cli_decision_is_stored_masked_through_the_users_vault_and_runs_with_t
             f"call me at {phone}",
             "--arguments",
             json.dumps({"email": new_email}),
+            "--database",
+            vault_database,
         )
         done = _keel(*decide)
         assert done.returncode == 0, done.stderr
-        path = load_settings().sqlite_path
-        assert path is not None
-        with contextlib.closing(sqlite3.connect(path)) as db:
-            row = db.execute("SELECT * FROM keel_approvals WHERE id = ?", (waiting.id,)).fetchone()
-        stored = repr(row)
+        stored = _stored_row(vault_database, waiting.id)
+        assert waiting.id in stored
         assert new_email not in stored and "415 555 2671" not in stored, stored
-        for part in path.parent.glob(path.name + "*"):  # the file, its WAL
-            assert new_email.encode() not in part.read_bytes(), part
-        decision = _get("default", waiting.id).decision
+        decision = _get("default", waiting.id, vault_database).decision
         assert decision is not None and decision.channel == "cli"
         assert decision.note is not None and "<PHONE_" in decision.note
         # Its own placeholder, not the one of the user's first address.
