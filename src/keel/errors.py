@@ -16,6 +16,7 @@ KeelError
 └── KeelRuntimeError                 failures while running
     ├── AccessDeniedError            a session or record of another tenant or user
     ├── PlaceholderError             a PII placeholder that cannot be resolved to its value
+    ├── ApprovalSettledError         a decision that did not take effect: another one stands
     ├── StoreError                   storage backends
     │   ├── ConflictError            compare-and-set lost: the version read is stale
     │   │   ├── SessionBusyError     another turn held the session's lease past the wait
@@ -57,10 +58,14 @@ KeelError
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keel.approvals import ApprovalRequest
 
 __all__ = [
     "AccessDeniedError",
+    "ApprovalSettledError",
     "AuthenticationError",
     "BackendUnavailableError",
     "BadRequestError",
@@ -166,6 +171,22 @@ class PlaceholderError(KeelRuntimeError):
         self.placeholder = placeholder
         self.reason = reason
         super().__init__(f"{placeholder} cannot be resolved: {reason}")
+
+
+class ApprovalSettledError(KeelRuntimeError):
+    """A decision that did not take effect: the request was already settled otherwise (by
+    another decision, a revert's cancellation, its expiry). ``request`` is the outcome that
+    stands. The same decision sent again is no error: it answers as the first did."""
+
+    def __init__(self, request: ApprovalRequest) -> None:
+        self.request = request
+        decision = request.decision
+        by = f" by {decision.by}" if decision is not None else ""
+        reason = f" ({request.status_reason})" if request.status_reason else ""
+        super().__init__(
+            f"approval {request.id} is already {request.status}{by}{reason}: "
+            "this decision did not take effect"
+        )
 
 
 class StoreError(KeelRuntimeError):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 
 from keel.approvals import ApprovalRequest
+from keel.privacy import PLACEHOLDER, MasterKey
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.stores import Backends
@@ -33,9 +36,10 @@ def _keel(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _on_queue(work: Any) -> Any:
+def _on_queue(work: Any, database: str | None = None) -> Any:
     async def run() -> Any:
-        backends = Backends.open(load_settings(), memory=False)
+        settings = load_settings(**({} if database is None else {"database": database}))
+        backends = Backends.open(settings, memory=False)
         try:
             return await work(backends.approvals)
         finally:
@@ -52,8 +56,10 @@ def _add(*requests: ApprovalRequest) -> None:
     _on_queue(add)
 
 
-def _get(tenant: str, request_id: str) -> ApprovalRequest:
-    found: ApprovalRequest | None = _on_queue(lambda store: store.aget(tenant, request_id))
+def _get(tenant: str, request_id: str, database: str | None = None) -> ApprovalRequest:
+    found: ApprovalRequest | None = _on_queue(
+        lambda store: store.aget(tenant, request_id), database
+    )
     assert found is not None
     return found
 
@@ -88,16 +94,147 @@ def test_list_shows_the_tenants_pending_queue_with_its_filters() -> None:
 
 
 def test_approve_records_the_operator_the_note_and_corrected_arguments() -> None:
-    done = _keel(
-        "approve", "ap-1", "--by", "olga", "--note", "checked", "--arguments", '{"amount": 500}'
-    )
+    corrected = '{"order": "#W1", "amount": 500}'
+    done = _keel("approve", "ap-1", "--by", "olga", "--note", "checked", "--arguments", corrected)
     assert done.returncode == 0, done.stderr
     assert "ap-1: approved by operator:olga" in done.stdout
     decided = _get("default", "ap-1")
     assert decided.status == "approved" and decided.decision is not None
     assert (decided.decision.by, decided.decision.note) == ("operator:olga", "checked")
-    assert decided.decision.arguments == '{"amount": 500}'
+    assert json.loads(decided.decision.arguments or "") == {"order": "#W1", "amount": 500}
+    assert decided.decision.channel == "cli"
     assert [r["id"] for r in _listed()] == ["ap-2", "ap-3"]
+
+
+def test_corrected_arguments_the_tools_schema_refuses_are_not_recorded() -> None:
+    for bad, says in (
+        ('{"order": "#W1", "amount": "lots"}', "amount: 'lots' is not of type 'integer'"),
+        ('{"order": "#W1"}', "'amount' is a required property"),
+        ('{"order": "#W1", "amount": 5, "to": "me"}', "Additional properties"),
+    ):
+        done = _keel("approve", "ap-1", "--by", "olga", "--arguments", bad)
+        assert done.returncode == 1, (bad, done.stdout)
+        assert "invalid arguments for 'refund'" in done.stderr and says in done.stderr
+        assert _get("default", "ap-1").status == "pending"
+    assert _keel("approve", "ap-1", "--by", "olga").returncode == 0  # without: approved
+
+
+def test_corrections_of_a_request_made_without_a_schema_are_refused() -> None:
+    _add(request("old-1", tenant_id="default", created_at=6.0, arguments_schema=None))
+    done = _keel("approve", "old-1", "--arguments", '{"order": "#W1", "amount": 1}')
+    assert done.returncode == 2 and "cannot be checked here: nothing was decided" in done.stderr
+    assert _get("default", "old-1").status == "pending"
+    assert _keel("reject", "old-1", "--note", "no").returncode == 0
+    assert _get("default", "old-1").status == "rejected"
+
+
+def test_a_decision_on_a_cancelled_request_exits_with_the_outcome_that_stands() -> None:
+    async def cancel(store: Any) -> None:
+        await store.acancel("default", "s2", "the session was reverted (to version 3)")
+
+    _on_queue(cancel)
+    done = _keel("approve", "ap-2", "--by", "olga")
+    assert done.returncode == 1
+    assert "ap-2 is already cancelled (the session was reverted (to version 3))" in done.stderr
+    assert _get("default", "ap-2").decision is None
+
+
+def _newest_email(call: ScriptedCall) -> str:
+    """The newest email placeholder the model was shown."""
+    seen = "\n".join(m.content for m in call.messages if m.role == "user")
+    return [m.group(0) for m in PLACEHOLDER.finditer(seen) if m.group(1) == "EMAIL"][-1]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def vault_database(request: pytest.FixtureRequest) -> str:
+    """The database an application with a PII vault runs on: the default SQLite file, or a
+    fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{load_settings().data_dir / 'keel.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url
+
+
+def _stored_row(database: str, request_id: str) -> str:
+    """The request's row in keel_approvals, read from the database itself (and for SQLite,
+    every byte of its file and WAL), as text."""
+    if database.startswith("sqlite:///"):
+        path = Path(database.removeprefix("sqlite:///"))
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            row = db.execute("SELECT * FROM keel_approvals WHERE id = ?", (request_id,)).fetchone()
+        files = b"".join(part.read_bytes() for part in path.parent.glob(path.name + "*"))
+        return repr(row) + files.decode("latin-1")
+    import psycopg
+
+    with psycopg.connect(database) as conn:
+        found = conn.execute("SELECT * FROM keel_approvals WHERE id = %s", (request_id,))
+        return repr(found.fetchone())
+
+
+def test_a_cli_decision_is_stored_masked_through_the_users_vault_and_runs_with_the_value(
+    monkeypatch: pytest.MonkeyPatch, vault_database: str
+) -> None:
+    monkeypatch.setenv("KEEL_PII_KEY", MasterKey.new_key_text())
+    sent: list[str] = []
+
+    @tool(approval="operator")
+    def send_receipt(email: str) -> str:
+        """Send the receipt.
+
+        Args:
+            email: Where to.
+        """
+        sent.append(email)
+        return "sent"
+
+    def model(call: ScriptedCall) -> Any:
+        if call.messages[-1].role != "user":
+            return "done"
+        if "receipt" in call.last_user_text:
+            arguments = {"email": _newest_email(call)}
+            return ScriptedModel.tool_call("send_receipt", json.dumps(arguments))
+        return "noted"
+
+    phone, new_email = "+1 415 555 2671", "new@corp.example"
+    with Agent.open(
+        vault_database,
+        system_prompt="You send receipts.",
+        model=ScriptedModel(model),
+        tools=[send_receipt],
+        memory=False,
+    ) as agent:
+        agent.run_sync("my email is ada@corp.example", session="s-r", user="ada")
+        parked = agent.run_sync("send my receipt", session="s-r", user="ada")
+        (waiting,) = parked.approvals
+        decide = (
+            "approve",
+            waiting.id,
+            "--by",
+            "olga",
+            "--note",
+            f"call me at {phone}",
+            "--arguments",
+            json.dumps({"email": new_email}),
+            "--database",
+            vault_database,
+        )
+        done = _keel(*decide)
+        assert done.returncode == 0, done.stderr
+        stored = _stored_row(vault_database, waiting.id)
+        assert waiting.id in stored
+        raw = [value for value in (new_email, "415 555 2671") if value in stored]
+        assert raw == [], "stored raw in keel_approvals"
+        decision = _get("default", waiting.id, vault_database).decision
+        assert decision is not None and decision.channel == "cli"
+        assert decision.note is not None and "<PHONE_" in decision.note
+        # Its own placeholder, not the one of the user's first address.
+        assert json.loads(decision.arguments or "")["email"] not in waiting.arguments
+        # The same command again is a repeat (masked alike), no error.
+        again = _keel(*decide)
+        assert again.returncode == 0 and "already approved" in again.stdout, again.stderr
+        resumed = agent.resume_sync("s-r", "ada")
+        assert resumed is not None and resumed.status == "completed"
+    assert sent == [new_email]
 
 
 def test_reject_needs_a_note_and_records_it() -> None:

@@ -81,3 +81,20 @@ def test_an_escalation_is_answered_from_the_page_with_an_action(approvals: Appro
     assert answer.status_code == 200
     assert f"Approved {escalation['id']}" in answer.text
     assert "answered by operator:" in answer.text and "try again" in answer.text
+
+
+def test_a_decision_that_did_not_take_effect_says_the_outcome_that_stands(
+    approvals: Approvals,
+) -> None:
+    with approvals.client(approvals.keys.create("acme")) as api:
+        parked = api.post("/v1/sessions/s9/turns", json={"message": "refund W9 900", "user": "u"})
+        (waiting,) = parked.json()["approvals"]
+    with _signed_in(approvals, "acme") as client:
+        first = client.post(f"/ui/approvals/{waiting['id']}", data={"verdict": "approve"})
+        assert f"Approved {waiting['id']}" in first.text
+        late = client.post(
+            f"/ui/approvals/{waiting['id']}", data={"verdict": "reject", "note": "no"}
+        )
+    assert late.status_code == 200
+    assert f"{waiting['id']} was not decided" in late.text and "already approved by" in late.text
+    assert approvals.effects == ["refund W9 900"]

@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from keel.approvals import ApprovalRequest
-from keel.errors import AccessDeniedError, ToolArgumentsError, UsageError
+from keel.errors import AccessDeniedError, ApprovalSettledError, ToolArgumentsError, UsageError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.runtime._events import ApprovalRequested, TurnFinished
@@ -133,11 +133,13 @@ async def test_an_approved_call_runs_once_after_the_decision(open_agent: Any) ->
     assert "approved by operator:alice (ok by policy); it ran: refunded 50 EUR" in decided.text
     assert shop.refunds == [("W1", 50)]
     # The same decision sent again (an HTTP retry): settled, nothing runs again.
-    repeat = await agent.decide("s1", waiting.id, approve=True, by="alice")
+    repeat = await agent.decide("s1", waiting.id, approve=True, by="alice", note="ok by policy")
     assert repeat.replayed and shop.refunds == [("W1", 50)]
-    # A contrary decision after it (a second operator): the first one stands, nothing runs.
-    contrary = await agent.decide("s1", waiting.id, approve=False, by="bob")
-    assert contrary.replayed and shop.refunds == [("W1", 50)]
+    # A contrary decision after it (a second operator): refused, the first one stands.
+    with pytest.raises(ApprovalSettledError, match="already approved by operator:alice") as late:
+        await agent.decide("s1", waiting.id, approve=False, by="bob")
+    assert late.value.request.decision is not None and late.value.request.decision.approve
+    assert shop.refunds == [("W1", 50)]
     stored = await agent.approvals.store.aget("default", waiting.id)
     assert stored.status == "approved" and stored.decision.by == "operator:alice"
     state = agent.session_state("s1")
@@ -189,8 +191,13 @@ async def test_an_expired_request_counts_as_rejected(open_agent: Any) -> None:
     assert waiting.reason == "refunds over 40 need approval" and waiting.expires_at is not None
     while time.time() <= waiting.expires_at:
         await asyncio.sleep(0.01)
-    decided = await agent.decide("s1", waiting.id, approve=True, by="alice")
-    assert decided.status == "completed" and "expired without a decision" in decided.text
+    with pytest.raises(ApprovalSettledError, match="already expired") as late:
+        await agent.decide("s1", waiting.id, approve=True, by="alice")
+    assert late.value.request.status == "expired"
+    # The parked turn goes on when the session is next taken up, told what became of it.
+    resumed = await agent.resume("s1", "u1")
+    assert resumed is not None and resumed.status == "completed"
+    assert "expired without a decision" in resumed.text
     assert shop.refunds == [("W1", 30)]
     stored = await agent.approvals.store.aget("default", waiting.id)
     assert stored.status == "expired"
@@ -236,7 +243,10 @@ def test_two_deciders_at_once_run_the_call_once(open_agent: Any) -> None:
 
     def decide(by: str) -> None:
         barrier.wait()
-        replies.append(agent.decide_sync("s1", approval, approve=True, by=by))
+        try:
+            replies.append(agent.decide_sync("s1", approval, approve=True, by=by))
+        except ApprovalSettledError as exc:
+            replies.append(exc)  # the loser: another operator's approval stands
 
     threads = [threading.Thread(target=decide, args=(name,)) for name in ("alice", "bob")]
     for thread in threads:
@@ -244,7 +254,9 @@ def test_two_deciders_at_once_run_the_call_once(open_agent: Any) -> None:
     for thread in threads:
         thread.join(60)
     assert len(replies) == 2 and shop.refunds == [("W1", 50)]
-    assert sorted(reply.replayed for reply in replies) == [False, True]
+    (lost,) = [reply for reply in replies if isinstance(reply, ApprovalSettledError)]
+    (won,) = [reply for reply in replies if not isinstance(reply, ApprovalSettledError)]
+    assert won.status == "completed" and lost.request.status == "approved"
 
 
 async def test_the_stream_says_a_call_waits(open_agent: Any) -> None:
@@ -313,8 +325,9 @@ async def test_a_revert_cancels_what_the_parked_turn_waited_for(open_agent: Any)
     assert reverted.state.runtime.awaiting == ()
     stored = await agent.approvals.store.aget("default", waiting.id)
     assert stored.status == "cancelled" and "reverted" in (stored.status_reason or "")
-    late = await agent.decide("s1", waiting.id, approve=True, by="alice")
-    assert late.replayed and shop.refunds == []
+    with pytest.raises(ApprovalSettledError, match=r"already cancelled .*reverted"):
+        await agent.decide("s1", waiting.id, approve=True, by="alice")
+    assert shop.refunds == []
 
 
 async def test_every_request_and_decision_is_in_the_trace(open_agent: Any) -> None:

@@ -18,6 +18,7 @@ from keel.approvals._model import (
     Channel,
     Decider,
 )
+from keel.approvals._outcome import repeats_standing
 
 __all__ = [
     "ApprovalDecision",
@@ -29,4 +30,5 @@ __all__ = [
     "Decider",
     "arguments_digest",
     "canonical_arguments",
+    "repeats_standing",
 ]

@@ -50,7 +50,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from keel.approvals import ApprovalRequest
-from keel.errors import KeelError
+from keel.errors import ApprovalSettledError, KeelError
 from keel.messages import Message
 from keel.runtime import Agent, session_key
 from keel.settings import load_settings
@@ -207,14 +207,18 @@ async def _worker_command(agent: Agent, command: dict[str, Any]) -> dict[str, An
     if op == "turn":
         reply = await agent.run(command["text"], session=session, user=_USER)
     elif op == "decide":
-        reply = await agent.decide(
-            session,
-            command["id"],
-            approve=command["approve"],
-            by=command["by"],
-            note=command.get("note"),
-            arguments=command.get("arguments"),
-        )
+        try:
+            reply = await agent.decide(
+                session,
+                command["id"],
+                approve=command["approve"],
+                by=command["by"],
+                note=command.get("note"),
+                arguments=command.get("arguments"),
+            )
+        except ApprovalSettledError as exc:
+            # The loser of a concurrent decision, or a late one: refused, nothing ran.
+            return {"status": exc.request.status, "settled_otherwise": True, "t0": started}
     else:
         resumed = await agent.resume(session, _USER)
         if resumed is None:

@@ -3,6 +3,12 @@
 The command line holds no agent (the tools run in the application's process), so it decides
 on the queue itself: one compare-and-set, as ``agent.decide`` makes it. The turn waiting on
 the request resumes in the application's process, which reads the decision from the queue.
+
+What it records is what ``agent.decide`` would: the note and corrected arguments masked
+through the request's user's view of the PII vault (the tool is given the values back, and a
+``forget`` erases them), corrected arguments validated first against the tool's arguments
+schema the request carries (none recorded: corrections are refused, there is nothing to check
+them against), and a decision that did not take effect refused with the outcome that stands.
 """
 
 from __future__ import annotations
@@ -11,15 +17,18 @@ import asyncio
 import getpass
 import json
 import time
-from typing import TYPE_CHECKING, Annotated, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 
-from keel.cli._app import JsonLastOption, JsonOption, app, bench_app, emit_json, fail, out_console
+from keel._bridge import run_blocking
+from keel.cli._app import JsonLastOption, JsonOption, app, bench_app, emit_json, out_console
 from keel.cli._database import DatabaseOption
 
 if TYPE_CHECKING:
-    from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus, ApprovalStore
+    from keel.approvals import ApprovalRequest, ApprovalStatus
+    from keel.stores import Backends
 
 approvals_app = typer.Typer(
     help="Work the approvals queue: tool calls and escalated turns waiting for an operator.",
@@ -36,15 +45,15 @@ ByOption = Annotated[
 ]
 
 
-def _run_on_queue(database: str | None, work: Any) -> Any:
-    """Run ``work(store)`` (a coroutine function) on the configured database's queue."""
+def _on_backends(database: str | None, work: Any) -> Any:
+    """Run ``work(backends)`` (a coroutine function) on the configured database's stores."""
     from keel.cli._database import database_settings
     from keel.stores import Backends
 
     async def run() -> Any:
         backends = Backends.open(database_settings(database), memory=False, redis_url="")
         try:
-            return await work(backends.approvals)
+            return await work(backends)
         finally:
             await backends.aclose()
 
@@ -65,10 +74,10 @@ def approvals_list_command(
 ) -> None:
     """List the pending requests, oldest first."""
 
-    async def pending(store: ApprovalStore) -> list[ApprovalRequest]:
-        return await store.alist(tenant, user_id=user, session_id=session, limit=1000)
+    async def pending(backends: Backends) -> list[ApprovalRequest]:
+        return await backends.approvals.alist(tenant, user_id=user, session_id=session, limit=1000)
 
-    requests: list[ApprovalRequest] = _run_on_queue(database, pending)
+    requests: list[ApprovalRequest] = _on_backends(database, pending)
     if as_json:
         emit_json({"approvals": [_summary(request) for request in requests]})
         return
@@ -88,8 +97,8 @@ def _clock(epoch: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
 
-def _corrected(arguments: str | None) -> str | None:
-    """The ``--arguments`` JSON object, normalized (the agent validates it against the tool)."""
+def _corrected(arguments: str | None) -> dict[str, Any] | None:
+    """The ``--arguments`` JSON object (checked against the tool's schema when deciding)."""
     from keel.errors import UsageError
 
     if arguments is None:
@@ -100,53 +109,151 @@ def _corrected(arguments: str | None) -> str | None:
         raise UsageError(f"--arguments is not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise UsageError("--arguments must be a JSON object of the tool's arguments")
-    return json.dumps(value, ensure_ascii=False)
+    return value
 
 
-def _decide(request_id: str, tenant: str, database: str | None, decision: ApprovalDecision) -> None:
-    """Settle the request with ``decision``; a repeat of the standing decision is no error."""
+@dataclass(frozen=True)
+class _Verdict:
+    """What the operator decided, as typed: nothing masked or checked yet."""
+
+    approve: bool
+    by: str
+    note: str | None
+    arguments: dict[str, Any] | None
+    action: Literal["retry", "skip", "answer"] | None = None
+
+
+def _decide(request_id: str, tenant: str, database: str | None, verdict: _Verdict) -> None:
+    """Settle the request with ``verdict``; a repeat of the standing decision is no error.
+
+    Raises:
+        UsageError: no such request; corrected arguments for a request that names no schema.
+        ToolArgumentsError: corrected arguments the tool's schema refuses (nothing recorded).
+        ApprovalSettledError: the request was already settled otherwise.
+    """
+    from keel.approvals import ApprovalDecision, arguments_digest, repeats_standing
+    from keel.errors import ApprovalSettledError, UsageError
+
+    async def settle(backends: Backends) -> tuple[ApprovalRequest, bool]:
+        found = await backends.approvals.aget(tenant, request_id)
+        if found is None:
+            raise UsageError(f"no approval request {request_id!r} in tenant {tenant!r}")
+        if verdict.arguments is not None:
+            _check_corrected(found, verdict.arguments)
+        note, arguments = await run_blocking(_masked, backends, found, verdict)
+        decision = ApprovalDecision(
+            approve=verdict.approve,
+            by=verdict.by,
+            note=note,
+            arguments=arguments,
+            action=verdict.action,
+            decided_at=time.time(),
+            channel="cli",
+            # Bound to exactly what it approves: the corrected arguments, else the request's.
+            arguments_digest=arguments_digest(arguments or found.arguments),
+        )
+        status: ApprovalStatus = "approved" if verdict.approve else "rejected"
+        try:
+            standing, settled = await backends.approvals.adecide(
+                tenant, request_id, status, decision
+            )
+        except KeyError:
+            raise UsageError(f"no approval request {request_id!r} in tenant {tenant!r}") from None
+        if not settled and not repeats_standing(standing, decision):
+            raise ApprovalSettledError(standing)
+        return standing, settled
+
+    request, settled = _on_backends(database, settle)
+    verb = "approved" if verdict.approve else "rejected"
+    by = request.decision.by if request.decision is not None else verdict.by
+    out_console.print(f"{request_id}: {'' if settled else 'already '}{verb} by {by}")
+
+
+def _check_corrected(request: ApprovalRequest, arguments: dict[str, Any]) -> None:
+    """Refuse corrected arguments the request's tool would refuse: checked here, against the
+    schema the request carries, so that a correction the tool cannot take is never recorded
+    as approved.
+
+    Raises:
+        UsageError: the request names no tool, or no schema (made before keel recorded one):
+            there is nothing to check the correction against.
+        ToolArgumentsError: one line per problem.
+    """
+    import jsonschema
+
+    from keel.errors import ToolArgumentsError, UsageError
+
+    if request.tool is None:
+        raise UsageError(f"{request.id} is an escalated turn: --arguments corrects a tool call")
+    schema = request.arguments_schema
+    if schema is None:
+        raise UsageError(
+            f"{request.id} was made before keel recorded its tool's arguments schema, so "
+            "corrected arguments cannot be checked here: nothing was decided. Approve or "
+            "reject it without --arguments, or correct it through the application "
+            "(agent.decide, POST /v1/approvals/ID), which checks them against the tool."
+        )
+    validator_class = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    problems = [
+        f"{'.'.join(str(part) for part in error.absolute_path) or 'arguments'}: {error.message}"
+        for error in validator_class(schema).iter_errors(arguments)
+    ]
+    if problems:
+        raise ToolArgumentsError(request.tool, sorted(problems))
+
+
+def _masked(
+    backends: Backends, request: ApprovalRequest, verdict: _Verdict
+) -> tuple[str | None, str | None]:
+    """The verdict's note and corrected arguments (JSON) as the queue stores them: masked
+    as the request's user's own turns are.
+
+    Raises:
+        UsageError: corrected arguments hold a value that only a PII vault could give the
+            tool back, and there is none (it would be given a placeholder).
+    """
     from keel.errors import UsageError
+    from keel.tracing import redact_json
 
-    async def settle(store: ApprovalStore) -> tuple[ApprovalRequest, bool]:
-        status: ApprovalStatus = "approved" if decision.approve else "rejected"
-        return await store.adecide(tenant, request_id, status, decision)
-
-    try:
-        request, settled = _run_on_queue(database, settle)
-    except KeyError:
-        raise UsageError(f"no approval request {request_id!r} in tenant {tenant!r}") from None
-    verb = "approved" if decision.approve else "rejected"
-    if settled:
-        out_console.print(f"{request_id}: {verb} by {decision.by}")
-        return
-    standing = request.decision
-    if request.status == verb and standing is not None and standing.by == decision.by:
-        out_console.print(f"{request_id}: already {verb} by {standing.by}")
-        return
-    by = f" by {standing.by}" if standing is not None else ""
-    reason = f" ({request.status_reason})" if request.status_reason else ""
-    fail(f"{request_id} is already {request.status}{by}{reason}")
+    note = None if verdict.note is None else _mask_for_user(backends, request, verdict.note)
+    if verdict.arguments is None:
+        return note, None
+    masked = redact_json(verdict.arguments, lambda text: _mask_for_user(backends, request, text))
+    if backends.vault is None and masked != verdict.arguments:
+        raise UsageError(
+            "the corrected arguments hold personal data, and without a PII vault "
+            "(KEEL_PII_KEY) the tool would be given placeholders instead of the values: "
+            "nothing was decided"
+        )
+    return note, json.dumps(masked, ensure_ascii=False, sort_keys=True)
 
 
-def _decision(
+def _mask_for_user(backends: Backends, request: ApprovalRequest, text: str) -> str:
+    """``text`` as keel stores what concerns the request's user: masked with the configured
+    masker through the user's view of the vault, so that a value has the one placeholder it
+    has in every turn of theirs and resolves for the tool (without a vault, numbered per
+    text: the values are gone; with masking off, as it is)."""
+    masker = backends.privacy
+    if masker is None or not text:
+        return text
+    if backends.vault is None:
+        return masker.mask_text(text, tenant_id=request.tenant_id)
+    user_vault = backends.vault.user(request.tenant_id, request.user_id)
+    return masker.mask_text(
+        text, tenant_id=request.tenant_id, batch_numbering=user_vault.placeholders
+    )
+
+
+def _verdict(
     approve: bool,
     by: str | None,
     note: str | None,
-    arguments: str | None,
-    action: str | None = None,
-) -> Any:
-    from keel.approvals import ApprovalDecision
-
+    arguments: dict[str, Any] | None,
+    action: Literal["retry", "skip", "answer"] | None = None,
+) -> _Verdict:
     name = by or getpass.getuser()
     who = name if name.startswith("operator:") else f"operator:{name}"
-    return ApprovalDecision(
-        approve=approve,
-        by=who,
-        note=note,
-        arguments=arguments,
-        action=action,
-        decided_at=time.time(),
-    )
+    return _Verdict(approve, who, note, arguments, action)
 
 
 @approvals_app.command("approve")
@@ -175,8 +282,8 @@ def approvals_approve_command(
 
     if action not in (None, "retry", "skip", "answer"):
         raise UsageError(f"--action must be retry, skip or answer, not {action!r}")
-    decision = _decision(True, by, note, _corrected(arguments), action)
-    _decide(request_id, tenant, database, decision)
+    chosen = cast('Literal["retry", "skip", "answer"] | None', action)
+    _decide(request_id, tenant, database, _verdict(True, by, note, _corrected(arguments), chosen))
 
 
 @approvals_app.command("reject")
@@ -188,7 +295,7 @@ def approvals_reject_command(
     database: DatabaseOption = None,
 ) -> None:
     """Reject a request: the call does not run; the model is told who rejected it and why."""
-    _decide(request_id, tenant, database, _decision(False, by, note, None))
+    _decide(request_id, tenant, database, _verdict(False, by, note, None))
 
 
 @bench_app.command("approvals")

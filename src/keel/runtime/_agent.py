@@ -445,7 +445,7 @@ class Agent:
         """Settle a waiting call (``approve=``; ``by=`` an operator, or ``user_id=`` the user
         confirming; ``note=``, corrected ``arguments=``, ``channel=``): the reply of the turn
         that goes on; the call runs with exactly the arguments decided, or not at all.
-        AccessDeniedError: not this tenant's request, or not this user's to confirm."""
+        AccessDeniedError: not yours to decide. ApprovalSettledError: settled otherwise."""
         return await decide(
             self._deps(), self._own, self.session_key(session_id), session_id, approval_id, **how
         )

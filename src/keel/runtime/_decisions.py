@@ -24,8 +24,9 @@ from keel.approvals import (
     ApprovalStatus,
     Channel,
     arguments_digest,
+    repeats_standing,
 )
-from keel.errors import AccessDeniedError, UsageError
+from keel.errors import AccessDeniedError, ApprovalSettledError, UsageError
 from keel.runtime._approvals import Approvals, pending_view
 from keel.runtime._events import AgentEvent
 from keel.runtime._lease import Lease
@@ -69,7 +70,13 @@ async def decide(
     **options: Unpack[DecideOptions],
 ) -> AgentReply:
     """Settle request ``approval_id`` of ``session_id`` and let the session go on: the reply
-    of its resumed turn, or one saying what it still waits for (see ``Agent.decide``)."""
+    of its resumed turn, or one saying what it still waits for (see ``Agent.decide``).
+
+    Raises:
+        ApprovalSettledError: the request was already settled otherwise (another decision,
+            a cancellation, its expiry): this one did not take effect. The same decision
+            sent again is no error.
+    """
     config = _config(deps)
     request = await config.store.aget(deps.tenant_id, approval_id)
     if request is None or request.session_id != session_id:
@@ -91,7 +98,9 @@ async def decide(
     )
     await _expire_overdue(config, [request])
     status: ApprovalStatus = "approved" if approve else "rejected"
-    await config.store.adecide(deps.tenant_id, approval_id, status, decision)
+    standing, settled = await config.store.adecide(deps.tenant_id, approval_id, status, decision)
+    if not settled and not repeats_standing(standing, decision):
+        raise ApprovalSettledError(standing)
     async with own(key) as lease:
         return await resume_session(deps, lease, key, (session_id, request.user_id), approval_id)
 

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from keel.errors import (
     AccessDeniedError,
+    ApprovalSettledError,
     BackendUnavailableError,
     ConflictError,
     KeelError,
@@ -131,7 +132,7 @@ def error_status(exc: KeelError) -> int:
     """The HTTP status of one of keel's exceptions."""
     if isinstance(exc, AccessDeniedError):
         return 404  # another user's session: as if it did not exist
-    if isinstance(exc, SessionBusyError | ConflictError):
+    if isinstance(exc, SessionBusyError | ConflictError | ApprovalSettledError):
         return 409
     if isinstance(exc, UsageError):
         return 422

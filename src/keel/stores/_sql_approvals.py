@@ -70,13 +70,17 @@ def approval_migrations(dialect: SqlDialect) -> MigrationSet:
                     ON keel_approvals (status, expires_at);
                 """,
             ),
+            Migration(
+                "a request carries its tool's arguments schema (JSON; NULL for earlier ones)",
+                f"ALTER TABLE keel_approvals {dialect.add_column} arguments_schema TEXT;",
+            ),
         ),
     )
 
 
 _COLUMNS = (
     "tenant_id, id, user_id, session_id, turn_id, kind, tool, call_id, arguments, reason, "
-    "step, created_at, expires_at, status, decision, status_reason, metadata"
+    "step, created_at, expires_at, status, decision, status_reason, metadata, arguments_schema"
 )
 _NAMES = tuple(name.strip() for name in _COLUMNS.split(","))
 _SETTLED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired", "cancelled")
@@ -149,9 +153,11 @@ class SQLApprovalStore(ApprovalStore):
 
 def _row(request: ApprovalRequest) -> tuple[Any, ...]:
     decision = None if request.decision is None else request.decision.model_dump_json()
-    values = request.model_dump(exclude={"decision", "metadata"})
+    values = request.model_dump(exclude={"decision", "metadata", "arguments_schema"})
     values["decision"] = decision
     values["metadata"] = json.dumps(request.metadata, ensure_ascii=False)
+    schema = request.arguments_schema
+    values["arguments_schema"] = None if schema is None else json.dumps(schema, ensure_ascii=False)
     return tuple(values[name] for name in _NAMES)
 
 
@@ -164,6 +170,8 @@ def _requests(result: Result) -> list[ApprovalRequest]:
             None if decision is None else ApprovalDecision.model_validate_json(decision)
         )
         values["metadata"] = json.loads(values["metadata"])
+        schema = values["arguments_schema"]
+        values["arguments_schema"] = None if schema is None else json.loads(schema)
         requests.append(ApprovalRequest.model_validate(values))
     return requests
 

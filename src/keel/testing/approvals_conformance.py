@@ -10,9 +10,10 @@ thread of the concurrency test open the database on its own, as another process 
         def approvals_database_url(self, tmp_path):
             return f"sqlite:///{tmp_path / 'keel.db'}"
 
-It covers the contract (round trip, idempotent adds, oldest-first listing with its filters),
-the compare-and-set decision (a repeat and a different second decision leave the first
-standing; two threads forced to decide at once by a barrier: exactly one settles), tenant
+It covers the contract (round trip, the tool's arguments schema and the decision's channel
+included; idempotent adds; oldest-first listing with its filters), the compare-and-set
+decision (a repeat and a different second decision leave the first standing; two threads
+forced to decide at once by a barrier: exactly one settles), tenant
 scoping of every method (the other tenant holds a request with the same id), expiry (a request
 past its expiry reads, lists and decides as expired even before a sweep), cancellation, and
 durability across a reopen.
@@ -34,11 +35,18 @@ from keel.errors import UsageError
 from keel.settings import load_settings
 from keel.stores import Backends
 
-__all__ = ["ApprovalStoreConformance", "request"]
+__all__ = ["REFUND_SCHEMA", "ApprovalStoreConformance", "request"]
 
 TENANT = "acme"
 OTHER_TENANT = "evil-corp"
 NOW = 1_800_000_000.0
+REFUND_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"order": {"type": "string"}, "amount": {"type": "integer"}},
+    "required": ["order", "amount"],
+    "additionalProperties": False,
+}
+"""The arguments schema of the refund tool :func:`request` asks about."""
 
 
 def request(request_id: str = "ap-1", **fields: Any) -> ApprovalRequest:
@@ -57,6 +65,7 @@ def request(request_id: str = "ap-1", **fields: Any) -> ApprovalRequest:
         "step": 2,
         "created_at": NOW,
         "metadata": {"channel": "web", "nested": {"k": [1, 2]}},
+        "arguments_schema": REFUND_SCHEMA,
     }
     values.update(fields)
     return ApprovalRequest(**values)
@@ -90,6 +99,24 @@ class ApprovalStoreConformance:
         assert await store.aadd(made) == made
         assert await store.aget(TENANT, made.id) == made
         assert await store.aget(TENANT, "missing") is None
+
+    async def test_the_arguments_schema_and_the_decisions_channel_round_trip(
+        self, store: ApprovalStore
+    ) -> None:
+        nested = {
+            "type": "object",
+            "properties": {"to": {"$ref": "#/$defs/Address"}},
+            "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        }
+        with_schema = await store.aadd(request("a", arguments_schema=nested))
+        without = await store.aadd(request("b", arguments_schema=None))
+        assert await store.aget(TENANT, "a") == with_schema
+        assert with_schema.arguments_schema == nested
+        assert await store.aget(TENANT, "b") == without and without.arguments_schema is None
+        decision = _decision(channel="cli", arguments_digest="ab" * 32)
+        decided, _ = await store.adecide(TENANT, "a", "approved", decision)
+        assert decided.decision == decision
+        assert (await store.alist(TENANT, statuses=("approved",))) == [decided]
 
     async def test_adding_the_same_id_again_keeps_the_first(self, store: ApprovalStore) -> None:
         first = request()

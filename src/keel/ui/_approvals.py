@@ -1,6 +1,8 @@
 """The viewer's approvals page: the tenant's pending queue, and a form per request to approve
 (optionally with corrected arguments) or reject it. A decision goes through the tenant's agent,
-as ``POST /v1/approvals/{id}`` does: the waiting turn resumes, and its answer is shown."""
+as ``POST /v1/approvals/{id}`` does: the waiting turn resumes, and its answer is shown as the
+operator's key reads it (placeholders, unless the service grants operators values). A decision
+that did not take effect says so, with the outcome that stands."""
 
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ async def decide(
             note or None,
             corrected,
             _ACTIONS.get(action),
+            channel="viewer",
         )
     except ValueError as exc:
         return await _queue_page(request, viewer, tenant, notice=str(exc))

@@ -3,7 +3,9 @@ one, which resumes the turn that waits on it.
 
 An operator key sees and decides the tenant's whole queue. A user key sees and decides only
 its own user's confirmations (requests of kind ``user``); any other request is 404 to it, as
-another user's session is.
+another user's session is. A decision's answer is the resumed turn's reply as the key may read
+it: the user's values for the user's own key, placeholders for an operator key unless the
+service grants operators values.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import to_jsonable_python
 
-from keel.errors import ToolArgumentsError
+from keel.errors import ApprovalSettledError, ToolArgumentsError
 from keel.service._access import caller, read_of, user_of
 from keel.service._context import ServiceContext, context_of
 from keel.service._errors import HTTPError
@@ -24,10 +27,20 @@ from keel.service._keys import Caller
 from keel.service._paging import cursor_query, limit_query, next_page, number_cursor
 
 if TYPE_CHECKING:
-    from keel.approvals import ApprovalRequest, ApprovalStatus, ApprovalStore
+    from collections.abc import Awaitable, Callable
+
+    from keel.approvals import ApprovalRequest, ApprovalStatus, ApprovalStore, Channel
+    from keel.privacy import PIIMasker
     from keel.runtime import AgentReply
 
-__all__ = ["ApprovalVerdict", "approvals_of", "decide_as", "router", "visible_to"]
+__all__ = [
+    "ApprovalVerdict",
+    "approvals_of",
+    "decide_as",
+    "readable_reply",
+    "router",
+    "visible_to",
+]
 
 router = APIRouter(route_class=RawPathRoute)
 
@@ -147,10 +160,23 @@ async def decide_approval(
     """Decide a waiting request: the turn waiting on it resumes (the approved call runs once,
     a rejected one gives the model a result saying who rejected it and why), and its reply is
     the answer. The same decision sent again answers the same reply without running anything
-    twice; a request already settled otherwise is 409. A key that may not decide it gets 404."""
-    reply = await decide_as(
-        context, who, approval_id, verdict.approve, verdict.note, verdict.arguments, verdict.action
-    )
+    twice; a request already settled otherwise (another decision, a revert's cancellation,
+    its expiry) is 409, its body's ``approval`` the request as it stands. A key that may not
+    decide it gets 404."""
+    try:
+        reply = await decide_as(
+            context,
+            who,
+            approval_id,
+            verdict.approve,
+            verdict.note,
+            verdict.arguments,
+            verdict.action,
+        )
+    except ApprovalSettledError as exc:
+        standing = exc.request
+        shown = await context.privacy.shown(who, standing.user_id, standing.model_dump(mode="json"))
+        raise HTTPError(409, "ApprovalSettled", str(exc), extra={"approval": shown}) from None
     return context.counted(who.tenant_id, reply).model_dump(mode="json")
 
 
@@ -162,17 +188,24 @@ async def decide_as(
     note: str | None,
     arguments: dict[str, Any] | None,
     action: Literal["retry", "skip", "answer"] | None = None,
+    *,
+    channel: Channel = "http",
 ) -> AgentReply:
     """Decide the request as ``who`` through the tenant's agent (which resumes the waiting
-    turn) and return the turn's reply; 404 when ``who`` may not see the request, 422 when
-    the tool refuses the corrected arguments."""
+    turn) and return the turn's reply as ``who`` may read it (see :func:`readable_reply`);
+    404 when ``who`` may not see the request, 422 when the tool refuses the corrected
+    arguments.
+
+    Raises:
+        ApprovalSettledError: the request was already settled otherwise.
+    """
     found = await approvals_of(context).aget(who.tenant_id, approval_id)
     if found is None or not visible_to(who, found):
         raise HTTPError(404, "NotFound", "not found")
     agent = context.agent_for(who.tenant_id)
     by = f"operator:{who.key_id}" if who.operator else f"user:{who.user_id}"
     try:
-        return await agent.decide(
+        reply = await agent.decide(
             found.session_id,
             approval_id,
             approve=approve,
@@ -181,7 +214,44 @@ async def decide_as(
             arguments=None if arguments is None else json.dumps(arguments, ensure_ascii=False),
             user_id=who.user_id,
             action=action,
+            channel=channel,
         )
     except ToolArgumentsError as exc:
         # Corrected arguments the tool refuses are the client's to fix: nothing was decided.
         raise HTTPError(422, "ValidationError", f"arguments: {exc}") from None
+    return await readable_reply(context, who, found.user_id, agent.masker, reply)
+
+
+async def readable_reply(
+    context: ServiceContext,
+    who: Caller,
+    owner: str,
+    masker: PIIMasker | None,
+    reply: AgentReply,
+) -> AgentReply:
+    """``reply``, a turn's reply as the agent gives it (its user's placeholders revealed), as
+    ``who`` may read ``owner``'s data: as it is for the user and for an operator granted
+    values; for an operator not granted them, its values masked again through the user's
+    vault, so each placeholder is the one that value has everywhere else."""
+    privacy = context.privacy
+    if privacy.vault is None or masker is None or privacy.viewer(who, owner) is not None:
+        return reply
+
+    async def masked(text: str) -> str:
+        return await privacy.masked(masker, who.tenant_id, owner, text)
+
+    output = reply.output
+    if output is not None:
+        output = await _each_string(to_jsonable_python(output), masked)
+    return reply.model_copy(update={"text": await masked(reply.text), "output": output})
+
+
+async def _each_string(value: Any, change: Callable[[str], Awaitable[str]]) -> Any:
+    """``value`` (JSON-ready) with ``change`` applied to every string in it."""
+    if isinstance(value, str):
+        return await change(value)
+    if isinstance(value, dict):
+        return {name: await _each_string(item, change) for name, item in value.items()}
+    if isinstance(value, list):
+        return [await _each_string(item, change) for item in value]
+    return value
