@@ -14,7 +14,7 @@ from keel.errors import KeelError, StoreError, ToolError
 from keel.guards import GuardConfig, LoopSignal
 from keel.messages import Message, ToolCall
 from keel.models import Completion
-from keel.privacy import UserVault
+from keel.privacy import NoVault, UserVault
 from keel.runtime._steps import (
     LoopRun,
     LoopStatus,
@@ -44,7 +44,8 @@ class ToolStep:
             decision (None: journalled as they are).
         scope: what each call's :class:`~keel.tools.ToolContext` carries.
         vault: the user's view of the PII vault: placeholders in a call's arguments are
-            resolved for the tool (None: used as written).
+            resolved for the tool (:class:`~keel.privacy.NoVault`: refused; None: used as
+            written).
     """
 
     def __init__(
@@ -55,7 +56,7 @@ class ToolStep:
         guards: GuardConfig,
         redact: Callable[[str], str] | None = None,
         scope: ToolScope | None = None,
-        vault: UserVault | None = None,
+        vault: UserVault | NoVault | None = None,
     ) -> None:
         self.registry = registry
         self.guards = guards
