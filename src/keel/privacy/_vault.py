@@ -59,6 +59,10 @@ logger = logging.getLogger("keel.privacy")
 PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*)_([1-9][0-9]{0,8})>")
 """A placeholder as keel writes it: ``<EMAIL_3>``, ``<CREDIT_CARD_12>``."""
 
+_PLACEHOLDER_TEXT = re.compile(r"<[A-Z][A-Z0-9_]*_[1-9][0-9]{0,8}>")
+""":data:`PLACEHOLDER` without its groups: ``findall`` gives the placeholders themselves (a
+prompt is scanned before every model call)."""
+
 _DEFANGED = "\u2039{}\u203a"
 """How a placeholder-shaped text keel did not write is shown: ``<EMAIL_1>`` between single
 guillemets (U+2039, U+203A) instead of ``<`` and ``>``, still readable, never a placeholder."""
@@ -326,6 +330,8 @@ class UserVault:
         """The placeholders in what the model was shown; None until it was shown anything:
         before that, nothing the model wrote in this unit of work is being resolved (a call a
         person approved, a reply recorded with its foreign placeholders defanged)."""
+        self._scanned: set[str] = set()
+        """The texts :meth:`note_shown` has scanned (masked texts: placeholders, no values)."""
 
     # --- what this unit of work may resolve -----------------------------------------------------
 
@@ -333,9 +339,12 @@ class UserVault:
         """The model is shown ``texts`` (a compiled prompt): from now on this view resolves
         and reveals only the placeholders it placed and those in texts shown to the model."""
         shown = self._shown if self._shown is not None else set()
+        scanned = self._scanned
         for text in texts:
-            if "<" in text:
-                shown.update(match.group(0) for match in PLACEHOLDER.finditer(text))
+            # A turn's later prompts repeat its earlier ones: each text is scanned once.
+            if "<" in text and text not in scanned:
+                shown.update(_PLACEHOLDER_TEXT.findall(text))
+                scanned.add(text)
         self._shown = shown
 
     def is_foreign(self, placeholder: str) -> bool:
