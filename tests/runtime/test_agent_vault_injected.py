@@ -134,13 +134,15 @@ async def test_a_tool_result_holding_the_users_placeholders_reveals_no_value(
     assert again.replayed and CARD not in again.text and EMAIL not in again.text
     # Streamed, the same.
     deltas: list[str] = []
+    final = ""
     async for event in agent.stream("and the page now?", session="new2", user="alice"):
         if isinstance(event, TextDelta):
             deltas.append(event.text)
         elif isinstance(event, TurnFinished):
-            assert CARD not in event.reply.text and EMAIL not in event.reply.text
+            final = event.reply.text
     streamed = "".join(deltas)
     assert "The page says" in streamed and CARD not in streamed and EMAIL not in streamed
+    assert streamed == final
     assert sent == []
 
 

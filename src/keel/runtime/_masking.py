@@ -184,8 +184,10 @@ class Masking:
         pieces are the user's to read, as the reply is: their placeholders revealed (never
         split), and a value the model wrote out shown as written (the reply reveals the
         placeholder it is stored under)."""
-        if self.user_vault is not None:
-            return RevealStream(lambda text: self.reveal(sanitize(text)))
+        user_vault = self.user_vault
+        if user_vault is not None:
+            # As the reply will be: a placeholder the model was not shown is defanged.
+            return RevealStream(lambda text: self.reveal(user_vault.defang_foreign(sanitize(text))))
         policy, tenant_id = self.masker, self.tenant_id
         if policy is None:
             return None
