@@ -176,9 +176,7 @@ class Agent:
         self.memory_budget_tokens = memory_budget_tokens
         self.masker = masker
         self.vault, self.model_sees = vault, checked_model_sees(model_sees, vault)
-        self._no_vault = NoVault()
-        """Refuses tool calls that hold placeholders while the agent has no vault (and says
-        so once for the agent, not once per call)."""
+        self._no_vault = NoVault()  # without a vault: refuses placeholders, warns once an agent
         self.tenant_id = tenant_id
         self.name = name
         self.lease_ttl_s = lease_ttl_s
