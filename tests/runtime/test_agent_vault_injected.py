@@ -132,6 +132,11 @@ async def test_a_tool_result_holding_the_users_placeholders_reveals_no_value(
     assert "\u2039CREDIT_CARD_1\u203a" in reply.text
     again = await agent.run("what does the page say?", session="new", user="alice", turn_id="t1")
     assert again.replayed and CARD not in again.text and EMAIL not in again.text
+    # Nor does the stored history, which reads of the session reveal for the user.
+    state = agent.session_state("new")
+    assert state is not None
+    written = [m.content + "".join(c.arguments for c in m.tool_calls) for m in state.messages]
+    assert not any("<CREDIT_CARD_1>" in text or "<EMAIL_1>" in text for text in written)
     # Streamed, the same.
     deltas: list[str] = []
     final = ""
