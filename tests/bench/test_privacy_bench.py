@@ -1,5 +1,5 @@
-"""``keel bench privacy`` as a user runs it (a small workload), and its count of placeholders
-reaching tools, which must see them where there is no vault."""
+"""``keel bench privacy`` as a user runs it (a small workload), its count of placeholders
+reaching tools (none, with a vault or without one), and of injected placeholders resolved."""
 
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ def test_bench_privacy_json_contract() -> None:
     assert figures["turn_ms_p50"]["vault"] > 0 and "turn_added_ms_p50" in figures
     assert figures["vault_rows_per_value"] >= 1 and figures["vault_bytes_per_value"] > 32
     assert figures["forget_values"] == 200 and figures["forget_seconds"] > 0
+    # A fetched page named the users' placeholders (literally, then in words): no value left.
+    assert figures["injected_placeholders"] == 60
+    assert figures["injected_placeholders_resolved"] == 0
 
 
-def test_without_a_vault_the_flows_tools_get_placeholders_and_are_counted(
+def test_without_a_vault_no_flow_tool_gets_a_placeholder_its_calls_are_not_made(
     tmp_path: Path,
 ) -> None:
     figures = _flows_phase(2, 36, tmp_path, vault=False)
-    # Per flow: the receipt, the call back, the charge and the manager's call got one.
-    assert figures["placeholders_reaching_tools"] == 8 and figures["flow_tool_calls"] == 10
+    # Per flow, only the manager's look-up holds no placeholder: the receipt, the call back,
+    # the charge and the manager's call are refused before they run (issue 44, defect 10).
+    assert figures["placeholders_reaching_tools"] == 0 and figures["flow_tool_calls"] == 2

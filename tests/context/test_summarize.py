@@ -203,6 +203,20 @@ async def test_keels_own_notes_are_never_summarized_nor_archived(by_model: bool)
         assert "story about Lyon" in model.calls[0].messages[1].content
 
 
+async def test_a_model_summary_holds_only_the_placeholders_it_was_given() -> None:
+    """A summarizing model that writes a placeholder its input did not hold (a tool's text,
+    defanged, turned back into one) does not make it a placeholder: the summary reaches every
+    later prompt, where placeholders resolve (issue 44, defect 11)."""
+    model = ScriptedModel(["Facts:\n- Mail <EMAIL_1>, card <CREDIT_CARD_1>."])
+    engine = ContextEngine("gpt-4o", summarizer=ModelSummarizer(model))
+    given = [Message.user("My email is <EMAIL_1>."), Message.assistant("Noted.")]
+    conversation = engine.conversation("s", [*given, *conversation_messages()])
+    outcome = await conversation.asummarize(force=True)
+    assert outcome is not None and outcome.committed
+    assert "<EMAIL_1>" in model.calls[0].messages[1].content
+    assert conversation.summary == "Facts:\n- Mail <EMAIL_1>, card \u2039CREDIT_CARD_1\u203a."
+
+
 async def test_model_summarizer_prompt_and_result() -> None:
     model = ScriptedModel(["Decisions:\n- Booked AF7700 to Lyon (Friday 09:10)."])
     engine = ContextEngine("gpt-4o", summarizer=ModelSummarizer(model))

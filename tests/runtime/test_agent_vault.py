@@ -391,7 +391,8 @@ async def test_another_users_or_tenants_placeholder_is_not_resolved_and_the_call
     await agent.run("send my receipt", session="s-alice", user="alice")
     assert received == [EMAIL]
     results = _tool_results(agent, "s-bob")
-    assert len(results) == 1 and "<EMAIL_1>" in results[0] and "not called" in results[0]
+    # Bob's model never was shown <EMAIL_1>: the refusal names it defanged (no placeholder).
+    assert len(results) == 1 and "\u2039EMAIL_1\u203a" in results[0] and "not called" in results[0]
 
 
 def _tool_results(agent: Agent, session: str) -> list[str]:

@@ -87,7 +87,7 @@ def test_a_turn_streams_as_server_sent_events(service: Service) -> None:
         acme.stream(
             "POST",
             "/v1/sessions/s1/turns",
-            json={"message": f"Book Oslo for {EMAIL}", "user": "u1"},
+            json={"message": f"For {EMAIL}, book Oslo", "user": "u1"},
             headers={"Accept": "text/event-stream"},
         ) as response,
     ):

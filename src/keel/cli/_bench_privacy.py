@@ -25,8 +25,9 @@ def bench_privacy_command(
     as_json: JsonLastOption = False,
 ) -> None:
     """Resolution time per tool call (p50/p95), added time per turn (vault vs masking without
-    it), vault rows and bytes per value, forget time, and the tool calls that got a
-    placeholder (0), over seeded turns carrying every PII kind (embedded SQLite)."""
+    it), vault rows and bytes per value, forget time, the tool calls that got a placeholder
+    (0), and the placeholders a prompt injection named that a tool got the values of (0), over
+    seeded turns carrying every PII kind (embedded SQLite)."""
     from keel.bench.privacy import run_privacy_bench
 
     report = run_privacy_bench(
@@ -49,6 +50,7 @@ def _show(report: dict[str, Any]) -> None:
         f"{report['vault_bytes_per_value']} bytes per value; forget of "
         f"{report['forget_values']} values {report['forget_seconds']} s; "
         f"{report['placeholders_reaching_tools']} of {report['flow_tool_calls']} tool calls "
-        "got a placeholder",
+        f"got a placeholder; {report['injected_placeholders_resolved']} of "
+        f"{report['injected_placeholders']} injected placeholders resolved",
         markup=False,
     )

@@ -17,6 +17,7 @@ from keel.context._text import cut_middle
 from keel.errors import MalformedResponseError
 from keel.messages import Message
 from keel.models import ChatModel, ModelOptions
+from keel.privacy import defang_placeholders, placeholders_in
 from keel.tokens import ChatTokenCounter
 
 __all__ = [
@@ -326,10 +327,14 @@ class ModelSummarizer:
     async def summarize(self, request: SummaryRequest) -> str:
         """The merged summary (may exceed the cap; the conversation then condenses it)."""
         cap = request.max_tokens
+        # A summary may hold the placeholders it was given, no other: a model that turns a
+        # defanged one (text a tool wrote) back into a placeholder would make it look keel's.
+        given = set(placeholders_in(request.previous))
         if not request.messages:
-            return await self._ask(
+            condensed = await self._ask(
                 CONDENSE_INSTRUCTIONS.format(max_tokens=cap), request.previous, cap
             )
+            return defang_placeholders(condensed, keep=given)
         instructions = SUMMARY_INSTRUCTIONS.format(max_tokens=cap)
         counter = self.model.counter
         window = self.model.profile.context_window
@@ -350,6 +355,7 @@ class ModelSummarizer:
                 chunks.append([])
                 used = 0
             chunks[-1].append(line)
+            given.update(placeholders_in(line))
             used += size
         summary = request.previous
         for chunk in chunks:
@@ -358,7 +364,7 @@ class ModelSummarizer:
                 "New conversation excerpt:\n" + "\n".join(chunk)
             )
             summary = await self._ask(instructions, body, cap)
-        return summary
+        return defang_placeholders(summary, keep=given)
 
 
 def summarizer_for(model: ChatModel | None) -> Summarizer:

@@ -11,7 +11,10 @@ IBANs (mod-97 checked), IP addresses and API keys / tokens (``sk-...``, ``AKIA..
 With a :class:`Vault` (a master key from ``KEEL_PII_KEY``, a key file or a
 :class:`KeyProvider`), placeholders are stable per tenant and user and the values are kept
 sealed, so tools get them back (:meth:`UserVault.resolve_arguments`) and the user reads them
-(:meth:`UserVault.reveal`), while everything persisted holds placeholders only.
+(:meth:`UserVault.reveal`), while everything persisted holds placeholders only. Only the
+placeholders keel placed are resolved or revealed: :func:`defang_placeholders` neutralises
+placeholder-shaped text from tools and documents, and :meth:`UserVault.note_shown` limits a
+unit of work to the placeholders the model was shown; :class:`NoVault` refuses them all.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from keel.privacy._masker import (
 from keel.privacy._stream import RevealStream, StreamMasker
 from keel.privacy._vault import (
     PLACEHOLDER,
+    NoVault,
     StoredKey,
     UserVault,
     Vault,
     VaultStore,
+    defang_placeholders,
     placeholders_in,
 )
 
@@ -49,6 +54,7 @@ __all__ = [
     "MaskResult",
     "MaskingPolicy",
     "MasterKey",
+    "NoVault",
     "Numbering",
     "PIIMasker",
     "RevealStream",
@@ -57,6 +63,7 @@ __all__ = [
     "UserVault",
     "Vault",
     "VaultStore",
+    "defang_placeholders",
     "key_provider_from_env",
     "mask_pii",
     "placeholders_in",

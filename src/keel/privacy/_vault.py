@@ -14,6 +14,13 @@ unknown to it. ``forget`` destroys a user's data key and sealed values at once; 
 placeholders stay in histories, resolving to nothing. Nothing here keeps a plaintext value: a
 :class:`UserVault` holds its user's data key for its own life only (one turn, one call), and
 reads sealed values from the store each time it resolves.
+
+A placeholder's shape proves nothing: a tool's output, a web page or a document can spell
+``<CREDIT_CARD_1>`` too, and a model can be talked into writing it. So text that enters from
+such sources has its placeholder-shaped substrings neutralised (:func:`defang_placeholders`),
+and once a unit of work has shown the model a prompt (:meth:`UserVault.note_shown`) its view
+resolves and reveals only the placeholders keel placed in that unit of work or showed the
+model: a placeholder the model took from anywhere else is refused, not resolved.
 """
 
 from __future__ import annotations
@@ -21,10 +28,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,15 +45,27 @@ from keel.privacy._keys import KEY_BYTES, KeyProvider
 
 __all__ = [
     "PLACEHOLDER",
+    "NoVault",
     "StoredKey",
     "UserVault",
     "Vault",
     "VaultStore",
+    "defang_placeholders",
     "placeholders_in",
 ]
 
+logger = logging.getLogger("keel.privacy")
+
 PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*)_([1-9][0-9]{0,8})>")
 """A placeholder as keel writes it: ``<EMAIL_3>``, ``<CREDIT_CARD_12>``."""
+
+_PLACEHOLDER_TEXT = re.compile(r"<[A-Z][A-Z0-9_]*_[1-9][0-9]{0,8}>")
+""":data:`PLACEHOLDER` without its groups: ``findall`` gives the placeholders themselves (a
+prompt is scanned before every model call)."""
+
+_DEFANGED = "\u2039{}\u203a"
+"""How a placeholder-shaped text keel did not write is shown: ``<EMAIL_1>`` between single
+guillemets (U+2039, U+203A) instead of ``<`` and ``>``, still readable, never a placeholder."""
 
 _NONCE_BYTES = 12
 _T = TypeVar("_T")
@@ -54,10 +74,54 @@ _CHECK_USER = ""
 """The key check lives under an owner no tenant can be (tenant ids are never empty)."""
 _CHECK_PLAINTEXT = b"keel pii vault key check"
 
+FOREIGN_REASON = (
+    "keel did not place it in what the model was shown; it came from text keel did not write "
+    "(a tool's output, a document), and stands for none of the user's values"
+)
+
 
 def placeholders_in(text: str) -> list[str]:
     """The placeholders written in ``text``, each once, in order."""
     return list(dict.fromkeys(match.group(0) for match in PLACEHOLDER.finditer(text)))
+
+
+def defang_placeholders(text: str, keep: Container[str] = frozenset()) -> str:
+    """``text`` (from a source keel does not trust: a tool's output, a document) with every
+    placeholder-shaped substring but those in ``keep`` written so that it is no placeholder
+    (``<EMAIL_1>`` is written between single guillemets instead, see ``_DEFANGED``): it can
+    never resolve to, or reveal, a user's value."""
+    if "<" not in text:
+        return text
+    return PLACEHOLDER.sub(
+        lambda match: match.group(0) if match.group(0) in keep else _defanged(match), text
+    )
+
+
+def _defanged(match: re.Match[str]) -> str:
+    return _DEFANGED.format(match.group(0)[1:-1])
+
+
+class NoVault:
+    """What stands for the vault where placeholders are written but no vault keeps their
+    values (masking on, no PII key): no placeholder resolves, so a tool call that holds one is
+    not made, and the deployment is told once, in one warning, that its vault is off."""
+
+    def __init__(self) -> None:
+        self._warned = False
+
+    def refusal(self, placeholder: str) -> PlaceholderError:
+        """Why a call holding ``placeholder`` is not made (warns the first time)."""
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "a tool call held the placeholder %s and was not made: this agent masks PII "
+                "without a vault (no KEEL_PII_KEY or key file), so no placeholder stands for a "
+                "value any more; give it a PII key for tools to get the user's values",
+                placeholder,
+            )
+        return PlaceholderError(
+            placeholder, "this agent keeps no PII vault, so its values are gone"
+        )
 
 
 @dataclass(frozen=True)
@@ -244,6 +308,10 @@ class UserVault:
     It holds the user's data key while it lives (created on the first value); placeholders it
     has looked up are remembered by token, never by value, and values are read sealed from the
     store each time they are resolved, so a ``forget`` elsewhere takes effect at once.
+
+    Once the unit of work has shown the model a prompt (:meth:`note_shown`), the view resolves
+    and reveals only the placeholders it placed or showed (see the module docstring): the
+    others are *foreign*, written by a tool, a document or a model, and stand for nothing.
     """
 
     def __init__(self, vault: Vault, tenant_id: str, user_id: str) -> None:
@@ -256,6 +324,44 @@ class UserVault:
         """token -> placeholder, for the values this view has already placed."""
         self._cipher: tuple[bytes, AESGCM, Any] | None = None
         """The data key's AES-GCM and keyed HMAC, built once for the view (not per value)."""
+        self._placed: set[str] = set()
+        """The placeholders this view placed (values masked in this unit of work)."""
+        self._shown: set[str] | None = None
+        """The placeholders in what the model was shown; None until it was shown anything:
+        before that, nothing the model wrote in this unit of work is being resolved (a call a
+        person approved, a reply recorded with its foreign placeholders defanged)."""
+        self._scanned: set[str] = set()
+        """The texts :meth:`note_shown` has scanned (masked texts: placeholders, no values)."""
+
+    # --- what this unit of work may resolve -----------------------------------------------------
+
+    def note_shown(self, texts: Iterable[str]) -> None:
+        """The model is shown ``texts`` (a compiled prompt): from now on this view resolves
+        and reveals only the placeholders it placed and those in texts shown to the model."""
+        shown = self._shown if self._shown is not None else set()
+        scanned = self._scanned
+        for text in texts:
+            # A turn's later prompts repeat its earlier ones: each text is scanned once.
+            if "<" in text and text not in scanned:
+                shown.update(_PLACEHOLDER_TEXT.findall(text))
+                scanned.add(text)
+        self._shown = shown
+
+    def is_foreign(self, placeholder: str) -> bool:
+        """Whether ``placeholder`` came from text keel did not write: neither placed by this
+        view nor shown to the model (never, before the model was shown anything)."""
+        shown = self._shown
+        return shown is not None and placeholder not in shown and placeholder not in self._placed
+
+    def defang_foreign(self, text: str) -> str:
+        """``text`` (what a model or a tool wrote) with its foreign placeholders defanged
+        (:func:`defang_placeholders`); the others stay placeholders."""
+        if self._shown is None or "<" not in text:
+            return text
+        return PLACEHOLDER.sub(
+            lambda match: _defanged(match) if self.is_foreign(match.group(0)) else match.group(0),
+            text,
+        )
 
     # --- values -> placeholders -----------------------------------------------------------------
 
@@ -309,14 +415,16 @@ class UserVault:
         """Each of ``placeholders`` with its value (one read of the store for them all).
 
         Raises:
-            PlaceholderError: one is not the user's, was forgotten, or fails to decrypt (it
-                names the placeholder).
+            PlaceholderError: one is not the user's, was forgotten, fails to decrypt, or is
+                foreign (see :meth:`is_foreign`; it names the placeholder).
         """
         refs: dict[str, tuple[str, int]] = {}
         for placeholder in dict.fromkeys(placeholders):
             match = PLACEHOLDER.fullmatch(placeholder)
             if match is None:
                 raise PlaceholderError(placeholder, "not a placeholder")
+            if self.is_foreign(placeholder):
+                raise PlaceholderError(placeholder, FOREIGN_REASON)
             refs[placeholder] = (match.group(1), int(match.group(2)))
         opened: dict[str, str] = {}
         for placeholder, value in self._opened(refs).items():
@@ -360,14 +468,14 @@ class UserVault:
 
     def reveal(self, text: str) -> str:
         """``text`` with the user's own placeholders replaced by their values; any other
-        placeholder (unknown, erased, undecryptable) is left as written."""
+        placeholder (unknown, erased, undecryptable, foreign) is left as written."""
         found = placeholders_in(text)
         if not found:
             return text
         refs = {
             match.group(0): (match.group(1), int(match.group(2)))
             for match in map(PLACEHOLDER.fullmatch, found)
-            if match is not None
+            if match is not None and not self.is_foreign(match.group(0))
         }
         values = {
             placeholder: value
@@ -450,6 +558,7 @@ class UserVault:
     def _remember(self, token: bytes, entity: str, number: int) -> str:
         placeholder = f"<{entity}_{number}>"
         self._numbers[token] = placeholder
+        self._placed.add(placeholder)
         return placeholder
 
     def _seal(self, data_key: bytes, token: bytes, value: str) -> bytes:

@@ -37,7 +37,7 @@ from keel.context import ContextBudget, ContextEngine, ContextMemory
 from keel.errors import UsageError
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions
-from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
+from keel.privacy import DEFAULT_MASKER, NoVault, PIIMasker, Vault
 from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends
 from keel.runtime._decisions import DecideOptions, answer_session, decide, resume_parked
@@ -176,6 +176,7 @@ class Agent:
         self.memory_budget_tokens = memory_budget_tokens
         self.masker = masker
         self.vault, self.model_sees = vault, checked_model_sees(model_sees, vault)
+        self._no_vault = NoVault()  # without a vault: refuses placeholders, warns once an agent
         self.tenant_id = tenant_id
         self.name = name
         self.lease_ttl_s = lease_ttl_s

@@ -7,6 +7,9 @@ user's view of the vault: every mask numbers through it, so a value has one plac
 every turn, checkpoint, trace, journal row and memory record of that user, and the values can
 come back where they are needed: for the tools (the executor resolves their arguments), for the
 model when the deployment trusts it (``model_sees="values"``), and for the user's own reply.
+Only placeholders keel placed come back: the prompt the model is shown is noted
+(:meth:`Masking.afor_model`), and what the model and the tools write is stored with the other
+placeholders it spells out defanged (:meth:`Masking.mask_untrusted`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ from pydantic import BaseModel
 
 from keel.errors import UsageError
 from keel.messages import Message, ToolCall
-from keel.privacy import PLACEHOLDER, PIIMasker, RevealStream, StreamMasker, UserVault, Vault
+from keel.privacy import (
+    PLACEHOLDER,
+    NoVault,
+    PIIMasker,
+    RevealStream,
+    StreamMasker,
+    UserVault,
+    Vault,
+)
 from keel.runtime._text import sanitize
 from keel.tracing import Tracer, redact_json
 
@@ -63,6 +74,8 @@ class Masking:
         vault: the deployment's PII vault (None: placeholders per text, values gone).
         model_sees: what the model is shown (see :data:`ModelSees`).
         user_vault: the turn's user's view of ``vault`` (set by :meth:`for_user`).
+        no_vault: what refuses tool calls holding placeholders while masking has no vault
+            (the agent's, so that it warns once for the agent; default: one of its own).
     """
 
     def __init__(
@@ -73,6 +86,7 @@ class Masking:
         model_sees: ModelSees = "placeholders",
         *,
         user_vault: UserVault | None = None,
+        no_vault: NoVault | None = None,
     ) -> None:
         self.masker = masker
         self.tenant_id = tenant_id
@@ -86,6 +100,14 @@ class Masking:
         turn. This one lives as long as the turn's view of the vault (and its data key)."""
         self.redact: Callable[[str], str] | None = None if masker is None else self.mask
         """What the tool journal masks with, as the messages are (None: off)."""
+        self.no_vault = (no_vault or NoVault()) if masker is not None and vault is None else None
+        """Placeholders without a vault: a tool call holding one is refused."""
+
+    @property
+    def tool_vault(self) -> UserVault | NoVault | None:
+        """What resolves a tool call's placeholders: the user's vault, :class:`NoVault` when
+        this masking writes placeholders no vault keeps, None when masking is off."""
+        return self.user_vault if self.user_vault is not None else self.no_vault
 
     def for_user(self, user_id: str) -> Masking:
         """The masking of one turn of ``user_id``: numbered through their view of the vault
@@ -117,8 +139,17 @@ class Masking:
                 self._masked[text] = masked
         return masked
 
+    def mask_untrusted(self, text: str) -> str:
+        """:meth:`mask` for text a model or a tool wrote: the placeholders in it that keel
+        neither placed nor showed the model in this turn are defanged first (they stand for
+        none of the user's values: see :meth:`UserVault.note_shown`)."""
+        if self.user_vault is not None:
+            text = self.user_vault.defang_foreign(text)
+        return self.mask(text)
+
     def mask_call(self, call: ToolCall) -> ToolCall:
-        arguments = self.mask(sanitize(call.arguments))
+        """A call the model made, as it may be stored (:meth:`mask_untrusted`)."""
+        arguments = self.mask_untrusted(sanitize(call.arguments))
         return (
             call
             if arguments == call.arguments
@@ -126,7 +157,10 @@ class Masking:
         )
 
     def mask_message(self, message: Message) -> Message:
-        content = self.mask(sanitize(message.content))
+        content = sanitize(message.content)
+        # The user's own words are theirs; a model's or a tool's may spell out placeholders.
+        untrusted = message.role in ("assistant", "tool")
+        content = self.mask_untrusted(content) if untrusted else self.mask(content)
         calls = tuple(self.mask_call(call) for call in message.tool_calls)
         if content == message.content and calls == message.tool_calls:
             return message
@@ -150,8 +184,10 @@ class Masking:
         pieces are the user's to read, as the reply is: their placeholders revealed (never
         split), and a value the model wrote out shown as written (the reply reveals the
         placeholder it is stored under)."""
-        if self.user_vault is not None:
-            return RevealStream(lambda text: self.reveal(sanitize(text)))
+        user_vault = self.user_vault
+        if user_vault is not None:
+            # As the reply will be: a placeholder the model was not shown is defanged.
+            return RevealStream(lambda text: self.reveal(user_vault.defang_foreign(sanitize(text))))
         policy, tenant_id = self.masker, self.tenant_id
         if policy is None:
             return None
@@ -188,7 +224,15 @@ class Masking:
         return await self.user_vault.vault.store.arun(reveal)
 
     async def afor_model(self, messages: Sequence[Message]) -> list[Message]:
-        """:meth:`for_model`, the vault read off the event loop when there is one to do."""
+        """:meth:`for_model`, the vault read off the event loop when there is one to do. The
+        placeholders in ``messages`` are noted as shown to the model: from now on the turn
+        resolves and reveals those and the ones it placed, no other."""
+        if self.user_vault is not None:
+            self.user_vault.note_shown(
+                text
+                for message in messages
+                for text in (message.content, *(call.arguments for call in message.tool_calls))
+            )
         if self.model_sees != "values" or self.user_vault is None:
             return list(messages)
         return await self.user_vault.vault.store.arun(functools.partial(self.for_model, messages))

@@ -21,7 +21,7 @@ from keel.context import ContextBudget, ContextEngine, ContextMemory
 from keel.errors import KeelError, UsageError
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions, resolve_model
-from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
+from keel.privacy import DEFAULT_MASKER, NoVault, PIIMasker, Vault
 from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends, open_at_edge
 from keel.runtime._hand_off import MemoryHandOff
@@ -60,6 +60,7 @@ class Configured(Protocol):
     monitor: SpiralMonitor
     guards: GuardConfig
     _journal: ToolJournal
+    _no_vault: NoVault
     tracer: Tracer
     masker: PIIMasker | None
     vault: Vault | None
@@ -277,7 +278,13 @@ def turn_deps(agent: Configured) -> TurnDeps:
         guards=agent.guards,
         journal=agent._journal,
         tracer=agent.tracer,
-        masking=Masking(agent.masker, agent.tenant_id, agent.vault, agent.model_sees),
+        masking=Masking(
+            agent.masker,
+            agent.tenant_id,
+            agent.vault,
+            agent.model_sees,
+            no_vault=agent._no_vault,
+        ),
         workflow=agent._workflow,
         system_prompt=agent.system_prompt,
         rules=agent.rules,

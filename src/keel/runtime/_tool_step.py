@@ -15,7 +15,7 @@ from keel.errors import KeelError, StoreError, ToolError
 from keel.guards import GuardConfig, LoopSignal
 from keel.messages import Message, ToolCall
 from keel.models import Completion
-from keel.privacy import UserVault
+from keel.privacy import NoVault, UserVault
 from keel.runtime._approvals import ApprovalHold, Approvals, TurnFacts
 from keel.runtime._steps import (
     LoopRun,
@@ -46,7 +46,8 @@ class ToolStep:
             decision (None: journalled as they are).
         scope: what each call's :class:`~keel.tools.ToolContext` carries.
         vault: the user's view of the PII vault: placeholders in a call's arguments are
-            resolved for the tool (None: used as written).
+            resolved for the tool (:class:`~keel.privacy.NoVault`: refused; None: used as
+            written).
         facts: the turn's facts (who, which session and turn, its trace and events), for the
             step's approval hold.
         approvals: the agent's approvals: where a call that needs a person's decision waits
@@ -61,7 +62,7 @@ class ToolStep:
         guards: GuardConfig,
         redact: Callable[[str], str] | None = None,
         scope: ToolScope | None = None,
-        vault: UserVault | None = None,
+        vault: UserVault | NoVault | None = None,
         facts: TurnFacts,
         approvals: Approvals | None = None,
     ) -> None:

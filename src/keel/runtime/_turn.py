@@ -434,7 +434,7 @@ class TurnRunner:
                 guards=deps.guards,
                 redact=deps.masking.redact,
                 scope=scope,
-                vault=deps.masking.user_vault,
+                vault=deps.masking.tool_vault,
                 facts=facts,
                 approvals=deps.approvals,
             )
@@ -620,7 +620,9 @@ class TurnRunner:
             self.stream.release_held()
         masking = self.deps.masking
         self.log.take_added(result.new_messages, self.loop_start, masking.mask_message)
-        text = masking.mask(sanitize(result.text))
+        # What the model wrote: a placeholder it did not get from keel is stored defanged, so
+        # neither this reply nor its replay or memory reveals it.
+        text = masking.mask_untrusted(sanitize(result.text))
         escalated = await self.hold.escalate(result)
         parked = result.status == "awaiting_approval" or escalated
         if escalated:
