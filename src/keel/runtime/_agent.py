@@ -177,8 +177,7 @@ class Agent:
         self.masker = masker
         self.vault, self.model_sees = vault, checked_model_sees(model_sees, vault)
         self._no_vault = NoVault()  # without a vault: refuses placeholders, warns once an agent
-        self.tenant_id = tenant_id
-        self.name = name
+        self.tenant_id, self.name = tenant_id, name
         self.lease_ttl_s = lease_ttl_s
         self.session_wait_s = lease_ttl_s + 5.0 if session_wait_s is None else session_wait_s
         self._workflow = Workflow(machine, tools)
