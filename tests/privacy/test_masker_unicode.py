@@ -40,6 +40,10 @@ MASKED_WHOLE = [
     ("هاتف ٠٥٠١٢٣٤٥٦٧", "هاتف <PHONE_1>"),
     ("call 030\u2011123\u20114567", "call <PHONE_1>"),
     ("Kevin Rose (Wagnershire): 0013849336028", "Kevin Rose (Wagnershire): <PHONE_1>"),
+    # Shorter than ten digits, or grouped as an amount: a phone number after a cue word.
+    ("call me on 500 806 360 today", "call me on <PHONE_1> today"),
+    ("Tel. 7439 1500", "Tel. <PHONE_1>"),
+    ("my number is 90743915.", "my number is <PHONE_1>."),
     ("wire to TH302914177763 today", "wire to <IBAN_1> today"),
 ]
 
