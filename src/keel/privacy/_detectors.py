@@ -232,18 +232,20 @@ def _email_span(value: str) -> tuple[int, int] | None:
 class _EmailDetector(Detector):
     def find(self, text: str) -> list[Finding]:
         found: list[Finding] = []
+        after_previous = 0  # a local part holds no "@": it starts after the one before
         at = text.find("@")
         while at != -1:
-            local = _EMAIL_LOCAL.search(text, max(0, at - _EMAIL_LOCAL_WINDOW), at)
+            window = max(after_previous, at - _EMAIL_LOCAL_WINDOW)
+            local = _EMAIL_LOCAL.search(text, window, at)
             domain = self.pattern.match(text, at + 1)
             if local is not None and domain is not None:
                 span = _email_span(text[local.start() : domain.end()])
                 if span is not None:
                     start, end = local.start() + span[0], local.start() + span[1]
                     found.append(Finding(self.entity, start, end, text[start:end]))
-                    at = text.find("@", end)
+                    after_previous, at = end, text.find("@", end)
                     continue
-            at = text.find("@", at + 1)
+            after_previous, at = at + 1, text.find("@", at + 1)
         return found
 
 
