@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keel.errors import ConfigError
+from keel.errors import ConfigError, UsageError
 from keel.privacy import PIIMasker
 
 __all__ = ["DEFAULT_LOCALES", "TARGETS", "run_masking_bench"]
@@ -245,7 +245,10 @@ def generate_samples(locales: Sequence[str], per_locale: int, seed: int) -> list
     faker_class = _faker()
     samples: list[_Sample] = []
     for index, locale in enumerate(locales):
-        fake = faker_class(locale)
+        try:
+            fake = faker_class(locale)
+        except AttributeError as exc:  # Faker's answer to a locale it does not have
+            raise UsageError(f"Faker has no locale {locale!r}: {exc}") from exc
         fake.seed_instance(seed * 1000 + index)
         rng = random.Random(f"{seed}:{locale}")
         for entity in ENTITIES:

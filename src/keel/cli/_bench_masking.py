@@ -65,6 +65,10 @@ def _show(report: dict[str, Any]) -> None:
         f"{report['mask_us_per_kb']} µs per KB",
         markup=False,
     )
+    for example in report["false_positive_examples"][:5]:
+        out_console.print(
+            f"  found {example['entity']} in PII-free text: {example['context']!r}", markup=False
+        )
     for miss in report["worst_misses"]:
         out_console.print(
             f"  missed {miss['entity']} ({miss['locale']}, {miss['variant']}): "
