@@ -1,13 +1,17 @@
 """Issue 44, defect 12, through ``Agent``: a user message holding an IDN address with Unicode
 letters, an address with a Cyrillic look-alike letter, a card in fullwidth digits and a bare
-ten-digit phone number. The model sees placeholders only, and no row of any table nor any byte
-of the SQLite file or its write-ahead log holds a raw value (in its own form or in ASCII)."""
+ten-digit phone number. The model sees placeholders only; the vault sealed each value whole and
+``forget`` erases all four; no row of any table nor any byte of the SQLite file or its
+write-ahead log holds a raw value (in its own form or in ASCII)."""
 
 from __future__ import annotations
 
 import unicodedata
 from pathlib import Path
 
+import pytest
+
+from keel.privacy import MasterKey
 from keel.runtime import Agent
 from keel.testing import ScriptedCall, ScriptedModel
 from tests.privacy._samples import dump_sqlite
@@ -40,9 +44,15 @@ def _raw_in(data: str | bytes) -> list[str]:
     return found
 
 
+@pytest.mark.parametrize("vault", [True, False], ids=["vault", "no-vault"])
 async def test_unicode_addresses_fullwidth_card_and_bare_phone_are_never_stored_raw(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: bool
 ) -> None:
+    monkeypatch.setenv("KEEL_EMBEDDER", "hashing:64")
+    if vault:
+        monkeypatch.setenv("KEEL_PII_KEY", MasterKey.new_key_text())
+    else:
+        monkeypatch.delenv("KEEL_PII_KEY", raising=False)
     seen: list[str] = []
 
     def answer(call: ScriptedCall) -> str:
@@ -55,6 +65,9 @@ async def test_unicode_addresses_fullwidth_card_and_bare_phone_are_never_stored_
         reply = await agent.run(MESSAGE, session="s1", user="alice")
         assert agent.memory is not None
         await agent.memory.aflush()
+        if vault:  # it sealed each value whole, one row each, and forgets all four
+            assert agent.vault is not None
+            assert agent.vault.forget("default", "alice") == len(VALUES)
     finally:
         await agent.aclose()
     assert reply.status == "completed"
