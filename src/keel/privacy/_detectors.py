@@ -3,16 +3,28 @@
 Regular expressions find candidates; checksums and range checks (Luhn for payment cards,
 mod-97 for IBANs, octet ranges for IPv4, SSA rules for SSNs) reject the strings that only look
 like one, so order numbers, dates and version strings stay readable.
+
+The detectors read a folded copy of the text (:func:`fold`): fullwidth forms, digits of other
+scripts, Unicode spaces and dashes become their ASCII equivalents one character for one, so a
+card written in fullwidth digits is found like any other and the span replaced is the original
+one. Addresses may hold any letters (``jörg.müller@bücher.example``, a Cyrillic letter among
+Latin ones). A phone number needs a shape no count or date has (a ``+``, a trunk ``0``, ten
+digits in groups) or a word such as "call" or "Telefon" just before it.
+
+Every pattern starts with a character class, not a look-behind, so the regular expression
+engine skips to the positions that can start a match instead of trying each one; the masker
+runs on every text of every turn.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DETECTORS", "Detector", "EntityType", "Finding", "find_all", "luhn_ok"]
+__all__ = ["DETECTORS", "Detector", "EntityType", "Finding", "find_all", "fold", "luhn_ok"]
 
 EntityType = str
 """An entity type name, also the placeholder's prefix (``EMAIL`` -> ``<EMAIL_1>``)."""
@@ -53,12 +65,56 @@ class Detector:
         return found
 
 
+# --- folding ---------------------------------------------------------------------------------
+
+_UNICODE_SPACES = "\u00a0\u1680\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200B)))
+# The dashes found between digit groups (hyphen, non-breaking hyphen, figure dash, minus, small
+# hyphen-minus); not the en and em dashes of prose (year ranges, asides).
+_UNICODE_DASHES = "\u2010\u2011\u2012\u2212\ufe63"
+_FOLD_CACHE_LIMIT = 1 << 16
+
+
+class _FoldTable(dict[int, int | str]):
+    """``str.translate``'s table, filled on first sight of each character: a digit of any script
+    becomes its ASCII digit, a fullwidth form its ASCII character, a Unicode space or dash an
+    ASCII one; anything else stays. One character for one, so positions do not move."""
+
+    def __missing__(self, code: int) -> int | str:
+        char = chr(code)
+        folded: int | str = code
+        if 0xFF01 <= code <= 0xFF5E:
+            folded = chr(code - 0xFEE0)
+        elif char in _UNICODE_SPACES:
+            folded = " "
+        elif char in _UNICODE_DASHES:
+            folded = "-"
+        else:
+            digit = unicodedata.decimal(char, None)
+            if digit is not None:
+                folded = str(digit)
+        if len(self) < _FOLD_CACHE_LIMIT:
+            self[code] = folded
+        return folded
+
+
+_FOLD_TABLE = _FoldTable()
+# A character ``fold`` changes: non-ASCII, then (checked only there) a digit, a fullwidth form,
+# a Unicode space or dash. Most non-ASCII text (accents, other scripts) has none and is left as
+# it is without a pass over each character in Python's mapping.
+_FOLDABLE = re.compile(rf"[^\x00-\x7f](?<=[\d\uff01-\uff5e{_UNICODE_SPACES}{_UNICODE_DASHES}])")
+
+
+def fold(text: str) -> str:
+    """``text`` with fullwidth forms, digits of every script, Unicode spaces and dashes as their
+    ASCII equivalents, character for character (same length, same positions)."""
+    if text.isascii() or _FOLDABLE.search(text) is None:
+        return text
+    return text.translate(_FOLD_TABLE)
+
+
+# --- validators ------------------------------------------------------------------------------
+
 _FILE_SUFFIXES = frozenset({"png", "jpg", "jpeg", "gif", "svg", "webp", "pdf", "txt", "js", "css"})
-
-
-def _email(value: str) -> bool:
-    # "logo@2x.png" is a file name, not an address.
-    return value.rsplit(".", 1)[-1].lower() not in _FILE_SUFFIXES
 
 
 def luhn_ok(digits: str) -> bool:
@@ -74,24 +130,29 @@ def luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
-def _luhn(value: str) -> bool:
+def _card(value: str) -> bool:
+    digits = "".join(ch for ch in value if ch.isdigit())
     # One digit repeated passes Luhn for some lengths (sixteen zeros, thirteen sixes), but it
     # is a placeholder, not a card.
-    digits = "".join(ch for ch in value if ch.isdigit())
-    return 13 <= len(digits) <= 19 and len(set(digits)) > 1 and luhn_ok(digits)
-
-
-def _card(value: str) -> bool:
-    # Separators, when present, must be consistent groups (4-4-4-4, 4-6-5) not arbitrary.
-    if not _luhn(value):
+    if not (12 <= len(digits) <= 19 and len(set(digits)) > 1 and luhn_ok(digits)):
         return False
-    digits = "".join(ch for ch in value if ch.isdigit())
-    return digits[0] in "3456"
+    if len(digits) == 12:
+        return digits[0] in "56" or digits.startswith("0604")  # Maestro, the 12-digit scheme
+    # Issuer prefixes: 2 (Mastercard 2-series, Mir, JCB 2131), 3 (Amex, Diners, JCB), 4 (Visa),
+    # 5-6 (Mastercard, Maestro, Discover, UnionPay), 8 (UnionPay 81), 9 (national schemes);
+    # 1 only as JCB's 15-digit 1800. A millisecond timestamp (13 digits, 1...) is none of them.
+    return (
+        digits[0] in "2345689"
+        or digits.startswith("0604")
+        or (len(digits) == 15 and digits.startswith("1800"))
+    )
 
 
 def _iban(value: str) -> bool:
     compact = value.replace(" ", "").upper()
-    if not 15 <= len(compact) <= 34:
+    # 15 (Norway) to 34 characters; 14 too, the length of the Thai account numbers Faker writes
+    # as IBANs (mod-97 still decides).
+    if not 14 <= len(compact) <= 34:
         return False
     rearranged = compact[4:] + compact[:4]
     numeric = "".join(str(int(ch, 36)) for ch in rearranged)
@@ -123,12 +184,201 @@ def _ipv6(value: str) -> bool:
     return True
 
 
-def _phone(value: str) -> bool:
-    digits = sum(ch.isdigit() for ch in value)
-    if not (8 if value.startswith("+") else 10) <= digits <= 15:
-        return False
-    # A date or a dotted version string is not a phone number.
-    return not re.fullmatch(r"\d{4}[-./]\d{2}[-./]\d{2}", value.strip())
+# --- e-mail ----------------------------------------------------------------------------------
+
+# Marks that letters of Indic and other scripts carry (not \w, yet part of a name).
+_MARKS = (
+    "\u0300-\u036f\u0483-\u0489\u0591-\u05c7\u0610-\u061a\u064b-\u065f"  # Latin, Cyrillic...
+    "\u0900-\u0903\u093a-\u094f\u0951-\u0957\u0962\u0963\u0981-\u0983\u09bc-\u09cd"  # Indic
+    "\u0e31\u0e34-\u0e3a\u0e47-\u0e4e"  # Thai
+)
+# Read outwards from each "@": the local part is the run of its characters that ends there (at
+# most 64, RFC 5321; a window of twice that), the domain the labels that start after it.
+_EMAIL_LOCAL = re.compile(rf"(?<![\w.%+\-{_MARKS}])[\w.%+\-{_MARKS}]++\Z")
+_EMAIL_DOMAIN = re.compile(rf"[\w\-{_MARKS}]++(?:\.[\w\-{_MARKS}]++)++")
+_EMAIL_LOCAL_WINDOW = 128
+# Scripts written without spaces: an address in a Chinese or Japanese sentence is delimited by
+# the change of script, not by a space.
+_UNSPACED = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+
+
+def _email_span(value: str) -> tuple[int, int] | None:
+    """The address within a candidate (offsets into ``value``), None if it is none."""
+    at = value.index("@")
+    start, end = 0, len(value)
+    local = value[:at]
+    last_unspaced = None
+    for last_unspaced in _UNSPACED.finditer(local):  # noqa: B007
+        pass
+    if last_unspaced is not None and last_unspaced.end() < at:
+        start = last_unspaced.end()
+    while start < at and value[start] in ".-+%":
+        start += 1
+    if start == at:
+        return None
+    top_level = value[value.rindex(".") + 1 :]
+    first_unspaced = _UNSPACED.search(top_level)
+    if first_unspaced is not None and first_unspaced.start() > 0:
+        end -= len(top_level) - first_unspaced.start()
+        top_level = top_level[: first_unspaced.start()]
+    if top_level.lower() in _FILE_SUFFIXES:  # "logo@2x.png" is a file name, not an address
+        return None
+    if not (top_level.startswith("xn--") or (len(top_level) >= 2 and top_level.isalpha())):
+        return None
+    return start, end
+
+
+@dataclass(frozen=True)
+class _EmailDetector(Detector):
+    def find(self, text: str) -> list[Finding]:
+        found: list[Finding] = []
+        after_previous = 0  # a local part holds no "@": it starts after the one before
+        at = text.find("@")
+        while at != -1:
+            window = max(after_previous, at - _EMAIL_LOCAL_WINDOW)
+            local = _EMAIL_LOCAL.search(text, window, at)
+            domain = self.pattern.match(text, at + 1)
+            if local is not None and domain is not None:
+                span = _email_span(text[local.start() : domain.end()])
+                if span is not None:
+                    start, end = local.start() + span[0], local.start() + span[1]
+                    found.append(Finding(self.entity, start, end, text[start:end]))
+                    after_previous, at = end, text.find("@", end)
+                    continue
+            after_previous, at = at + 1, text.find("@", at + 1)
+        return found
+
+
+# --- phone -----------------------------------------------------------------------------------
+
+_PHONE = re.compile(
+    # A "(", "+" or digit that does not continue a word, a number, an id or a version...
+    r"[(+\d](?<![A-Za-z0-9_+\-./#@:,$%][(+\d])"
+    # (six more digits at least, no more than three other characters apart: most numbers in
+    # a text are shorter, and are dropped here rather than by the checks in Python)
+    r"(?=(?:\D{0,3}\d){6})"
+    r"(?:(?<=\d)|\+?\d)\d*+"
+    # ...then digit groups, each after a separator: space . - / or a parenthesis ("(0)",
+    # "(835) ", ") "), or " - "; possessive, so a run of digits is never re-split.
+    r"(?:(?> [\-/] |\)?[ \-./]?\(?)\d++){0,9}+\)?"
+    r"(?:(?:x|ext\.?)\d{1,6}+)?"  # an extension (no space: "x204", "ext.12")
+    r"(?![A-Za-z0-9_@]|[.,:\-/]\d)"
+)
+_DIGIT_RUN = re.compile(r"\d+")
+_EXTENSION = re.compile(r"(?:x|ext\.?)\d+\Z")
+_DATE = re.compile(
+    r"(?<!\d)(?:(?:19|20)\d\d([-./])\d{1,2}\1\d{1,2}|\d{1,2}([-./])\d{1,2}\2(?:19|20)\d\d)(?!\d)"
+)
+_PARENS = re.compile(r"\([^)]*\)?")
+_AREA_CODE = re.compile(r"\(\+?\d{1,5}\)")
+_THOUSANDS = re.compile(r"\d{1,3}(?:([ .])\d{3})(?:\1\d{3})*")
+# Bare digits that are a phone number without a cue: ten digits not starting with 0 or 1 (a
+# North American number, most countries' mobiles; a Unix time starts with 1), a mainland China
+# mobile, a national number with its trunk 0, or an international one with its 00.
+_BARE_PHONE = re.compile(r"[2-9]\d{9}|1[3-9]\d{9}|0[1-9]\d{7,10}|00[1-9]\d{8,12}")
+_SSN_SHAPE = re.compile(r"\d{3}-\d{2}-\d{4}")
+# The tail of a code in capitals and digits ("GB82 WEST 1234 5698 ..."): an IBAN or an account
+# number the IBAN check rejected, not a phone number.
+_CODE_GROUP_BEFORE = re.compile(r"(?<![A-Za-z0-9])[A-Z0-9]{4} \Z")
+_PHONE_CONTEXT_CHARS = 40
+# Words that say a phone number follows, lowercased: whole words, word stems, and the words of
+# scripts written without spaces (found anywhere). A set lookup per word of the few words
+# before a number, not one pattern of many alternatives tried at each position.
+_PHONE_WORDS = frozenset(
+    (
+        *("call", "calls", "called", "phone", "phoned", "tel", "telephone", "mobile", "cell"),
+        *("cellphone", "fax", "whatsapp", "sms", "text", "dial", "ring", "reach", "contact"),
+        *("kontakt", "hotline", "number", "ph", "mob", "tlf", "tfn", "handy", "portable"),
+        *("celular", "móvil", "movil", "numéro", "número", "numero", "nummer", "numer"),
+        *("telefoon", "telefone", "teléfono", "telefono", "téléphone", "cep", "gsm", "nomor"),
+        *("sđt", "thoại", "тел", "звоните"),
+    )
+)
+_PHONE_WORD_STEMS = ("telefon", "puhelin", "mobil", "телефон", "номер", "τηλ")
+# Scripts without spaces, or whose vowel signs split a word in two for \w+.
+_UNSPACED_PHONE_WORDS = (
+    *("電話", "电话", "手机", "手機", "携帯", "연락처", "전화", "휴대폰", "โทร"),
+    *("טלפון", "هاتف", "تلفن", "جوال", "फ़ोन", "फोन", "मोबाइल"),
+)
+_WORD = re.compile(r"\w+")
+
+
+def _phone_cue(context: str) -> bool:
+    """Whether ``context`` (the text just before a number, on its line) says a phone number
+    follows: "call me at", "Tel.", "Telefonnummer:", "电话"."""
+    for word in _WORD.findall(context.lower()):
+        if word in _PHONE_WORDS or word.startswith(_PHONE_WORD_STEMS):
+            return True
+    return not context.isascii() and any(word in context for word in _UNSPACED_PHONE_WORDS)
+
+
+def _phone_span(value: str, text: str, start: int) -> tuple[int, int] | None:
+    """The number within a candidate (offsets into ``value``), None if it is no phone number.
+
+    Without a "+" or a word such as "call" just before it, it needs a shape a count, a year, a
+    date, an id or a version does not have: ten digits or more in groups, a trunk "0", an area
+    code in parentheses."""
+    begin, end = 0, len(value)
+    if value[0] == "(" and value.count("(") > value.count(")"):
+        begin = 1
+    if value[-1] == ")" and value.count(")") > value.count("("):
+        end -= 1
+    core = _EXTENSION.sub("", value[begin:end])
+    groups = _DIGIT_RUN.findall(core)
+    digits = sum(len(group) for group in groups)
+    if not 7 <= digits <= 15:
+        return None
+    if len(groups) > 1 and len(groups[-1]) == 1:
+        return None  # an ISBN (978-3-16-148410-0) ends in one check digit; a number does not
+    if _DATE.search(core) or not all(_AREA_CODE.fullmatch(part) for part in _PARENS.findall(core)):
+        return None  # a date inside, or parentheses around something else: "48213 (2024-05-01)"
+    if "0123456789".find("".join(groups)) != -1:
+        return None  # the digits in order: an alphabet, not a number
+    longest = max(len(group) for group in groups)
+    if "." in core:
+        # Dots only: 881.428.6570, +61.8.8353.3740, but not an IP address (four groups of at
+        # most three), a version (10.0.19041.1264), a decimal (+3.140000) or a standard's
+        # number (POSIX 1003.1-1988).
+        if not core.lstrip("(+").replace(".", "").isdigit() or longest > 4:
+            return None
+        if len(groups) == 4 and longest <= 3:
+            return None
+    international = core.startswith(("+", "(+"))
+    if international:
+        return (begin, end) if groups[0][0] != "0" else None  # no country code starts with 0
+    line_start = text.rfind("\n", max(0, start - _PHONE_CONTEXT_CHARS), start) + 1
+    context = text[max(line_start, start - _PHONE_CONTEXT_CHARS) : start]
+    if _phone_cue(context):  # a cue on the number's own line
+        return begin, end
+    if "." in core:
+        return (begin, end) if digits >= 10 else None
+    if len(groups[0]) == 1 and longest >= 7:
+        return None  # "0 160133733": columns of a table
+    if _SSN_SHAPE.fullmatch(core) or _CODE_GROUP_BEFORE.search(context):
+        return None
+    if len(groups) == 1:
+        if start > 0 and text[start - 1] in "([{=":
+            return None  # a literal in code: IPv4Address(3221225985), {2147483647: ...}
+        return (begin, end) if _BARE_PHONE.fullmatch(core) else None
+    if "(" in core:
+        return (begin, end) if digits >= 8 else None
+    if _THOUSANDS.fullmatch(core):
+        return None  # 1 234 567 890: a grouped amount
+    if digits >= 10 or (core[0] == "0" and (digits >= 9 or len(groups) >= 3)):
+        return begin, end
+    return None
+
+
+@dataclass(frozen=True)
+class _PhoneDetector(Detector):
+    def find(self, text: str) -> list[Finding]:
+        found: list[Finding] = []
+        for match in self.pattern.finditer(text):
+            span = _phone_span(match.group(), text, match.start())
+            if span is not None:
+                start, end = match.start() + span[0], match.start() + span[1]
+                found.append(Finding(self.entity, start, end, text[start:end]))
+        return found
 
 
 DETECTORS: tuple[Detector, ...] = (
@@ -141,12 +391,12 @@ DETECTORS: tuple[Detector, ...] = (
     ),
     Detector(
         "JWT",
-        re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
+        re.compile(r"eyJ(?<!\weyJ)[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
         priority=90,
     ),
     Detector(
         "BEARER_TOKEN",
-        re.compile(r"(?i)\bbearer\s+([A-Za-z0-9\-._~+/]{16,}=*)"),
+        re.compile(r"(?i)b(?<!\wb)earer\s+([A-Za-z0-9\-._~+/]{16,}=*)"),
         priority=85,
         group=1,
     ),
@@ -163,31 +413,31 @@ DETECTORS: tuple[Detector, ...] = (
         ),
         priority=80,
     ),
-    Detector(
-        "EMAIL",
-        re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,24}\b"),
-        _email,
-        priority=70,
-    ),
+    _EmailDetector("EMAIL", _EMAIL_DOMAIN, priority=70),
     Detector(
         "IBAN",
-        re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,4})?\b"),
+        re.compile(
+            r"[A-Z](?<![A-Za-z0-9][A-Z])[A-Z]\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,4})?"
+            r"(?![A-Za-z0-9])"
+        ),
         _iban,
         priority=60,
     ),
     Detector(
         "CREDIT_CARD",
         re.compile(
-            r"(?<![\d-])(?:\d{4}[ -]?){3}\d{1,7}(?![\d-])"
-            r"|(?<![\d-])\d{4}[ -]?\d{6}[ -]?\d{5}(?![\d-])"
+            # After a "+" it is a phone number, after a "." a decimal fraction.
+            r"\d(?<![A-Za-z0-9_\-+.]\d)"
+            r"(?:\d{3}(?:[ \-]?\d{4}){2}(?:[ \-]?\d{1,4}){0,2}|\d{3}[ \-]?\d{6}[ \-]?\d{4,5})"
+            r"(?![\d\-])"
         ),
         _card,
         priority=50,
     ),
-    Detector("US_SSN", re.compile(r"(?<![\d-])\d{3}-\d{2}-\d{4}(?![\d-])"), _ssn, priority=45),
+    Detector("US_SSN", re.compile(r"\d(?<![\d\-]\d)\d{2}-\d{2}-\d{4}(?![\d-])"), _ssn, priority=45),
     Detector(
         "IP_ADDRESS",
-        re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])"),
+        re.compile(r"\d(?<![\d.]\d)\d{0,2}(?:\.\d{1,3}){3}(?![\d.])"),
         _ipv4,
         priority=40,
     ),
@@ -197,31 +447,28 @@ DETECTORS: tuple[Detector, ...] = (
         _ipv6,
         priority=40,
     ),
-    Detector(
-        "PHONE",
-        re.compile(
-            # international: +CC then digit groups; NANP: (415) 555-0198 / 415-555-0198;
-            # national with a trunk 0: 07700 900123, 020 7946 0018
-            r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(?\d{1,5}\)?){1,6}(?![\w-])"
-            r"|(?<![\w+])(?:\(\d{3}\)\s?|\d{3}[ .-])\d{3}[ .-]\d{4}(?![\w-])"
-            r"|(?<![\w+])0\d{2,4}[ .-]?\d{3,4}[ .-]?\d{3,4}(?![\w-])"
-        ),
-        _phone,
-        priority=30,
-    ),
+    _PhoneDetector("PHONE", _PHONE, priority=30),
 )
 
 
 def find_all(text: str, detectors: tuple[Detector, ...] | list[Detector]) -> list[Finding]:
-    """Non-overlapping findings in text order; on overlap the higher priority, then longer, wins."""
+    """Non-overlapping findings in text order; on overlap the higher priority, then longer, wins.
+
+    The detectors read :func:`fold`'s copy of ``text``; each finding's ``text`` is the original
+    span (fullwidth digits as written)."""
+    folded = fold(text)
     candidates: list[tuple[int, Finding]] = []
     for detector in detectors:
-        candidates.extend((detector.priority, finding) for finding in detector.find(text))
+        candidates.extend((detector.priority, finding) for finding in detector.find(folded))
     candidates.sort(key=lambda item: (-item[0], -(item[1].end - item[1].start), item[1].start))
     chosen: list[Finding] = []
     for _, finding in candidates:
         if any(finding.start < other.end and other.start < finding.end for other in chosen):
             continue
+        if folded is not text:
+            finding = Finding(
+                finding.entity, finding.start, finding.end, text[finding.start : finding.end]
+            )
         chosen.append(finding)
     chosen.sort(key=lambda finding: finding.start)
     return chosen

@@ -30,6 +30,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from keel.privacy._detectors import fold
+
 __all__ = ["RevealStream", "StreamMasker"]
 
 _BLOCK_START = "-----BEGIN"
@@ -138,8 +140,10 @@ class StreamMasker:
         return limit if limit - max(space, 0) > self.max_word_chars else 0
 
 
-_SPANNING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+()-./:")
-"""Every character of the built-in findings that may hold whitespace (IBAN, card, phone)."""
+_SPANNING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+()-./: ")
+"""Every character of the built-in findings that may hold whitespace (IBAN, card, phone), as
+the detectors read them (:func:`~keel.privacy._detectors.fold`): a fullwidth digit or a
+no-break space between groups is one of these too."""
 _WHITESPACE = " \t\n\r"
 
 
@@ -153,7 +157,7 @@ def _last_safe_word_end(text: str, floor: int) -> int:
             return 0
         start = max(text.rfind(char, floor, space) for char in _WHITESPACE) + 1
         word = text[start:space]
-        if word and not _SPANNING_CHARS.issuperset(word):
+        if word and not _SPANNING_CHARS.issuperset(fold(word)):
             return space
         end = space
     return 0
