@@ -101,6 +101,17 @@ class Settings(BaseSettings):
         default=None,
         description="A file holding the PII vault's master key (used when pii_key is unset).",
     )
+    pii_key_previous: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The master key a key rotation is moving away from, while it is under way: data "
+            "keys still wrapped by it are opened with it (never used to wrap)."
+        ),
+    )
+    pii_key_previous_file: Path | None = Field(
+        default=None,
+        description="A file holding pii_key_previous (used when pii_key_previous is unset).",
+    )
     busy_timeout_ms: int = Field(
         default=5000,
         ge=0,
@@ -133,7 +144,7 @@ class Settings(BaseSettings):
     def _expand(cls, value: Path) -> Path:
         return value.expanduser()
 
-    @field_validator("pii_key_file", mode="after")
+    @field_validator("pii_key_file", "pii_key_previous_file", mode="after")
     @classmethod
     def _expand_key_file(cls, value: Path | None) -> Path | None:
         return None if value is None else value.expanduser()

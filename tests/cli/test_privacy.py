@@ -93,12 +93,14 @@ def test_status_forget_and_status_again() -> None:
     assert "2 users, 3 values sealed" in shown.stdout
     forgot = _keel("forget", "--tenant", "acme", "--user", "alice", key=key)
     assert forgot.returncode == 0, forgot.stderr
-    assert forgot.stdout.strip() == "erased 2 values of acme/alice"
+    assert forgot.stdout.splitlines()[0] == "erased 2 values of acme/alice"
+    assert "until it is rotated away and destroyed" in forgot.stdout
     assert _json(_keel("status", "--json", key=key))["erased"] == 2
     with pytest.raises(PlaceholderError, match="erased"):
         _resolved(key, "alice", placed["alice"])
     assert _resolved(key, "bob", placed["bob"]) == placed["bob"]
     again = _json(_keel("forget", "--tenant", "acme", "--user", "alice", "--json", key=key))
+    assert again.pop("final").startswith("not yet in copies of the database")
     assert again == {"tenant": "acme", "user": "alice", "erased": 0}
     for result in (shown, forgot):
         assert not [value for value in (*ALICE.values(), *BOB.values()) if value in result.stdout]
@@ -126,6 +128,7 @@ def test_rotate_key_rewraps_and_the_old_key_is_refused_after(tmp_path: Path) -> 
     # Back again, the new key given as a file this time.
     key_file = tmp_path / "old.key"
     key_file.write_text(old)
+    key_file.chmod(0o600)
     back = _keel("rotate-key", "--new-key-file", str(key_file), key=new)
     assert back.returncode == 0, back.stderr
     assert back.stdout.startswith("re-wrapped 2 data keys under key ")

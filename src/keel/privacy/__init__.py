@@ -17,7 +17,7 @@ sealed, so tools get them back (:meth:`UserVault.resolve_arguments`) and the use
 from __future__ import annotations
 
 from keel.privacy._detectors import Detector, Finding
-from keel.privacy._keys import KeyProvider, MasterKey, key_provider_from_env
+from keel.privacy._keys import KeyProvider, KeyRing, MasterKey, key_provider_from_env
 from keel.privacy._masker import (
     DEFAULT_MASKER,
     ENTITY_TYPES,
@@ -46,6 +46,7 @@ __all__ = [
     "Detector",
     "Finding",
     "KeyProvider",
+    "KeyRing",
     "MaskResult",
     "MaskingPolicy",
     "MasterKey",

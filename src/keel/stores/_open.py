@@ -28,12 +28,23 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import SecretStr
 
 from keel._urls import DatabaseURL, parse_database_url
 from keel.approvals import ApprovalStore
-from keel.errors import ConfigError, UsageError
+from keel.errors import ConfigError, UsageError, VaultKeyError
 from keel.memory import Memory, MemoryStore, embedder_from_settings
-from keel.privacy import DEFAULT_MASKER, KeyProvider, MasterKey, PIIMasker, Vault, VaultStore
+from keel.privacy import (
+    DEFAULT_MASKER,
+    KeyProvider,
+    KeyRing,
+    MasterKey,
+    PIIMasker,
+    Vault,
+    VaultStore,
+)
 from keel.settings import Settings
 from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
@@ -110,7 +121,7 @@ class Backends:
         memory: bool = True,
         background: bool = True,
         privacy: PIIMasker | None = DEFAULT_MASKER,
-        pii_key: KeyProvider | None = None,
+        pii_key: KeyProvider | KeyRing | None = None,
     ) -> Backends:
         """Open state, journal, traces and memory on ``database`` (state on Redis if set).
 
@@ -128,8 +139,11 @@ class Backends:
             privacy: the privacy policy (memory masks with it; agents on these stores too,
                 unless given their own). None turns masking off.
             pii_key: the PII vault's master key (a :class:`~keel.privacy.MasterKey` or a
-                KMS-backed :class:`~keel.privacy.KeyProvider`); default: ``settings.pii_key``,
-                else ``settings.pii_key_file``; none of them: no vault.
+                KMS-backed :class:`~keel.privacy.KeyProvider`), or a
+                :class:`~keel.privacy.KeyRing` while a rotation is under way; default:
+                ``settings.pii_key``, else ``settings.pii_key_file`` (with
+                ``settings.pii_key_previous`` / ``pii_key_previous_file`` as the previous key);
+                none of them: no vault.
 
         Raises:
             UsageError: a URL without ``settings``.
@@ -272,21 +286,41 @@ def _state_on_redis(redis: DatabaseURL, own: _Own) -> StateStore[AgentState]:
     return StateStore(backend, AgentState)
 
 
-def pii_key_from_settings(settings: Settings) -> MasterKey | None:
-    """The PII master key the settings give: ``pii_key`` (``KEEL_PII_KEY``), else
-    ``pii_key_file`` (``KEEL_PII_KEY_FILE``); None when neither is set (the vault is off).
+def pii_key_from_settings(settings: Settings) -> KeyRing | None:
+    """The PII master keys the settings give: ``pii_key`` (``KEEL_PII_KEY``), else
+    ``pii_key_file`` (``KEEL_PII_KEY_FILE``), with ``pii_key_previous`` /
+    ``pii_key_previous_file`` beside it while a rotation is under way; None when no current
+    key is set (the vault is off).
 
     Raises:
-        VaultKeyError: one is set but holds no usable key (never ignored).
+        VaultKeyError: one is set but holds no usable key (never ignored), or a previous key
+            is given without a current one.
     """
-    if settings.pii_key is not None:
-        return MasterKey.from_text(settings.pii_key.get_secret_value(), source="KEEL_PII_KEY")
-    if settings.pii_key_file is not None:
-        return MasterKey.from_file(settings.pii_key_file)
+    current = _settings_key(settings.pii_key, settings.pii_key_file, "KEEL_PII_KEY")
+    previous = _settings_key(
+        settings.pii_key_previous, settings.pii_key_previous_file, "KEEL_PII_KEY_PREVIOUS"
+    )
+    if current is None:
+        if previous is not None:
+            raise VaultKeyError(
+                "KEEL_PII_KEY_PREVIOUS is set without KEEL_PII_KEY: the previous key only "
+                "unwraps beside a current one"
+            )
+        return None
+    return KeyRing(current, [] if previous is None else [previous])
+
+
+def _settings_key(text: SecretStr | None, path: Path | None, variable: str) -> MasterKey | None:
+    if text is not None:
+        return MasterKey.from_text(text.get_secret_value(), source=variable)
+    if path is not None:
+        return MasterKey.from_file(path)
     return None
 
 
-def _open_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider, own: _Own) -> Vault:
+def _open_vault(
+    sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider | KeyRing, own: _Own
+) -> Vault:
     """The vault on ``sql`` (migrated), its master key checked."""
     store: VaultStore = (
         SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)

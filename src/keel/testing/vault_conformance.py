@@ -11,7 +11,8 @@ as a restarted process would)::
             return lambda: SQLiteVaultStore(database)
 
 The suite checks each method's contract on opaque bytes (the store never sees a key or a value
-in the clear): the key check's and re-wrap's compare-and-set, one data key per user, numbers
+in the clear): one key check per master key, dropped only once no data key is wrapped by
+that key, the re-wrap's compare-and-set, one data key per user, numbers
 per user and entity from 1 that are never reused (not even after ``forget``), ``add_value``
 refusing a key that is no longer the user's (``add_values`` too, a batch numbered in order,
 a token given twice numbered once), and scoping: another user of the same tenant, and
@@ -76,26 +77,42 @@ def _race(calls: list[Callable[[], object]]) -> list[object]:
 class VaultStoreConformance:
     """Behaviour every vault store shares. Provide a ``make_store`` fixture."""
 
-    # --- the master key's check -----------------------------------------------------------------
+    # --- the master keys' checks ----------------------------------------------------------------
 
-    def test_the_key_check_is_set_once_then_only_by_compare_and_set(
+    def test_one_key_check_per_master_key_set_once(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        assert store.key_checks() == []
+        first, second = _key("first"), _key("second")
+        assert store.add_key_check(first) is True
+        assert store.add_key_check(StoredKey(b"another", first.key_id)) is False
+        assert store.key_checks() == [first]
+        assert store.add_key_check(second) is True
+        assert sorted(make_store().key_checks(), key=lambda check: check.key_id) == sorted(
+            [first, second], key=lambda check: check.key_id
+        )
+
+    def test_a_key_check_is_dropped_only_once_no_data_key_is_wrapped_by_its_key(
         self, make_store: StoreFactory
     ) -> None:
         store = make_store()
-        assert store.key_check() is None
-        first, second, third = _key("first"), _key("second"), _key("third")
-        assert store.set_key_check(first, expected=None) is True
-        assert store.set_key_check(second, expected=None) is False
-        assert store.key_check() == first
-        assert store.set_key_check(second, expected=third) is False
-        assert store.set_key_check(second, expected=StoredKey(first.wrapped, "other")) is False
-        assert store.key_check() == first
-        assert store.set_key_check(second, expected=first) is True
-        assert make_store().key_check() == second
+        old, new = _key("old"), _key("new")
+        store.add_key_check(old)
+        store.add_key_check(new)
+        alice = store.add_data_key(*ALICE, StoredKey(b"alice", old.key_id))
+        store.add_data_key(*BOB, StoredKey(b"bob", old.key_id))
+        assert store.wrapped_by(old.key_id) == 2
+        assert store.drop_key_check(old.key_id) is False
+        assert store.rewrap(*ALICE, alice, StoredKey(b"alice2", new.key_id)) is True
+        assert (store.wrapped_by(old.key_id), store.wrapped_by(new.key_id)) == (1, 1)
+        assert store.drop_key_check(old.key_id) is False
+        store.forget(*BOB)
+        assert store.drop_key_check(old.key_id) is True
+        assert store.drop_key_check(old.key_id) is False
+        assert make_store().key_checks() == [new]
 
     def test_the_key_check_is_no_users_data_key(self, make_store: StoreFactory) -> None:
         store = make_store()
-        store.set_key_check(_key("check"), expected=None)
+        store.add_key_check(_key("check"))
         assert list(store.data_keys()) == []
 
     # --- data keys ------------------------------------------------------------------------------
@@ -128,7 +145,7 @@ class VaultStoreConformance:
         for index in range(1203):
             owner = (f"tenant-{index % 2}", f"user-{(index * 7919) % 1203:05d}")
             expected[owner] = store.add_data_key(*owner, _key())
-        store.set_key_check(_key("check"), expected=None)
+        store.add_key_check(_key("check"))
         listed = [((tenant, user), key) for tenant, user, key in store.data_keys()]
         assert len(listed) == len(expected)
         assert dict(listed) == expected
