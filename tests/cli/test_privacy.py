@@ -163,3 +163,23 @@ def test_a_wrong_key_is_one_error_line_and_changes_nothing() -> None:
     )
     _one_error_line(_keel("status", key="not-a-key"), "KEEL_PII_KEY is not a 32-byte key")
     assert _resolved(key, "alice", placed["alice"]) == placed["alice"]
+
+
+def test_a_key_file_that_is_binary_or_open_to_others_is_one_error_line_without_key_bytes(
+    tmp_path: Path,
+) -> None:
+    binary = tmp_path / "binary.key"
+    raw = bytes([0xE9, 0x41, 0xFF]) + bytes(range(0x80, 0x9D))
+    binary.write_bytes(raw)
+    binary.chmod(0o600)
+    result = _keel("status", key=None, KEEL_PII_KEY_FILE=str(binary))
+    _one_error_line(result, "is not text")
+    shown = [f"0x{byte:02x}" for byte in raw] + [f"\\x{byte:02x}" for byte in raw]
+    assert [spelling for spelling in shown if spelling in result.stderr] == []
+    shared = tmp_path / "shared.key"
+    text = MasterKey.new_key_text()
+    shared.write_text(text)
+    shared.chmod(0o644)
+    result = _keel("status", key=None, KEEL_PII_KEY_FILE=str(shared))
+    _one_error_line(result, f"chmod 600 {shared}")
+    assert text not in result.stderr
