@@ -11,7 +11,19 @@ from tests.bench._cli import bench_json
 
 def test_bench_privacy_json_contract() -> None:
     figures = bench_json(
-        "privacy", "--turns", "30", "--users", "3", "--flows", "2", "--forget-values", "200"
+        "privacy",
+        "--turns",
+        "30",
+        "--users",
+        "3",
+        "--flows",
+        "2",
+        "--forget-values",
+        "200",
+        "--rotation-users",
+        "300",
+        "--rotation-kills",
+        "2",
     )
     assert figures["seed"] == 36 and figures["turns"] == 30
     assert figures["placeholders_reaching_tools"] == 0 and figures["flow_tool_calls"] == 10
@@ -20,6 +32,8 @@ def test_bench_privacy_json_contract() -> None:
     assert figures["turn_ms_p50"]["vault"] > 0 and "turn_added_ms_p50" in figures
     assert figures["vault_rows_per_value"] >= 1 and figures["vault_bytes_per_value"] > 32
     assert figures["forget_values"] == 200 and figures["forget_seconds"] > 0
+    assert figures["rotation_kills_survived"] == figures["rotation_kills"] == 2
+    assert figures["rotation_users"] == 300 and figures["rotation_finished"] is True
 
 
 def test_without_a_vault_the_flows_tools_get_placeholders_and_are_counted(

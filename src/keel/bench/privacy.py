@@ -23,6 +23,10 @@ Figures:
   turn; later turns' tools send a receipt, call back and charge; a lookup returns a phone a
   later tool dials), the tool calls whose arguments held a placeholder, as the tools recorded
   them: 0 is the promise.
+- ``rotation_kills_survived``: of ``rotation_kills`` SIGKILLs of a real ``keel privacy
+  rotate-key`` over ``rotation_users`` users, those after which every value of every user
+  resolved (:mod:`keel.bench.rotation_kills`; ``rotation_finished``: resumed, the new key alone
+  resolves everything and the old key is refused).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.bench._stats import nearest_rank
+from keel.bench.rotation_kills import run_rotation_kills
 from keel.messages import Message
 from keel.privacy import DEFAULT_MASKER, ENTITY_TYPES, PLACEHOLDER, MasterKey
 from keel.runtime import Agent
@@ -498,6 +503,8 @@ def run_privacy_bench(
     users: int = 100,
     flows: int = 50,
     forget_values: int = 10_000,
+    rotation_users: int = 3000,
+    rotation_kills: int = 5,
     seed: int = 36,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
@@ -514,6 +521,15 @@ def run_privacy_bench(
         figures.update(_flows_phase(flows, seed, directory))
         progress(f"forget: one user with {forget_values} values")
         figures.update(_forget_phase(forget_values, seed, directory))
+        figures.update(
+            run_rotation_kills(
+                users=rotation_users,
+                kills=rotation_kills,
+                seed=seed,
+                directory=directory,
+                progress=progress,
+            )
+        )
     return {
         "seed": seed,
         "turns": turns,
