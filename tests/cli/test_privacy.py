@@ -11,7 +11,7 @@ import pytest
 
 from keel.errors import PlaceholderError
 from keel.privacy import MasterKey
-from keel.settings import load_settings
+from keel.settings import default_pii_key_file, load_settings
 from keel.stores import Backends
 from tests.cli import keel_process
 
@@ -106,8 +106,17 @@ def test_status_forget_and_status_again() -> None:
         assert not [value for value in (*ALICE.values(), *BOB.values()) if value in result.stdout]
 
 
-def test_status_without_a_key_says_the_vault_is_off() -> None:
-    assert _json(_keel("status", "--json", key=None)) == {"vault": "off"}
+def test_status_without_a_key_on_sqlite_is_keels_own_key_and_off_only_when_asked() -> None:
+    status = _json(_keel("status", "--json", key=None))
+    key = MasterKey.from_file(default_pii_key_file())
+    assert status == {"vault": "on", "key_id": key.key_id, "users": 0, "values": 0, "erased": 0}
+    assert _json(_keel("status", "--json", key=None, KEEL_PII_VAULT="off")) == {
+        "vault": "off",
+        "reason": "KEEL_PII_VAULT=off",
+        "users": 0,
+        "values": 0,
+        "erased": 0,
+    }
 
 
 def test_rotate_key_rewraps_and_the_old_key_is_refused_after(tmp_path: Path) -> None:
@@ -151,6 +160,8 @@ def test_rotate_key_rewraps_and_the_old_key_is_refused_after(tmp_path: Path) -> 
 def test_a_command_that_cannot_run_is_one_error_line(args: tuple[str, ...], says: str) -> None:
     key = MasterKey.new_key_text() if args[0] == "rotate-key" and "no PII" not in says else None
     env = {"NEW_PII_KEY": MasterKey.new_key_text(), "BAD_PII_KEY": "nope"}
+    if args[0] == "forget" and "no PII" in says:
+        env["KEEL_PII_VAULT"] = "off"  # else the embedded default's own key opens the vault
     _one_error_line(_keel(*args, key=key, **env), says)
 
 

@@ -40,8 +40,9 @@ def _sealed_round_trip(backends: Backends) -> None:
     }
 
 
-def test_no_key_no_vault(tmp_path: Path) -> None:
-    with Backends.open(load_settings(data_dir=tmp_path), memory=False) as backends:
+def test_opting_out_no_vault(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path, pii_vault=False)
+    with Backends.open(settings, memory=False) as backends:
         assert backends.vault is None
 
 

@@ -278,7 +278,11 @@ def _ticket_agent(backends: Backends, log: _ToolLog) -> Agent:
 def _open(directory: Path, name: str, key: MasterKey | None) -> Backends:
     settings = load_settings(data_dir=directory / name, embedder="hashing:64")
     return Backends.open(
-        f"sqlite:///{directory / name / 'keel.db'}", settings=settings, memory=False, pii_key=key
+        f"sqlite:///{directory / name / 'keel.db'}",
+        settings=settings,
+        memory=False,
+        pii_key=key,
+        vault=key is not None,
     )
 
 

@@ -22,6 +22,7 @@ from keel.cli._database import DatabaseOption
 if TYPE_CHECKING:
     from keel.privacy import KeyProvider, MasterKey, Vault
     from keel.stores import Backends
+    from keel.stores._sql_vault import VaultCounts
 
 privacy_app = typer.Typer(
     help="The PII vault: a new master key, forget a user, rotate the key, status.",
@@ -234,31 +235,73 @@ def _given_key(flag: str, path: Path | None, variable: str | None) -> MasterKey:
 
 @privacy_app.command("status")
 def status_command(database: DatabaseOption = None, as_json: JsonOption = False) -> None:
-    """Whether the vault is on, its key's id, and how many users and values it holds."""
-    from keel.stores._sql_vault import SQLVaultStore
+    """Whether the vault is on, its key's id, and how many users and values it holds (also
+    without a key: a vault whose key is missing is reported as such)."""
+    from keel.cli._database import database_settings
+    from keel.stores import Backends
+    from keel.stores._open import pii_key_from_settings
 
-    with _backends(database) as backends:
-        payload: dict[str, Any] = {"vault": "off"}
-        if backends.vault is not None:
-            payload = {"vault": "on", "key_id": backends.vault.keys.key_id}
-            store = backends.vault.store
-            if isinstance(store, SQLVaultStore):
-                counts = store.counts()
-                payload |= {
-                    "users": counts.users,
-                    "values": counts.values,
-                    "erased": counts.erased,
-                }
+    settings = database_settings(database)
+    keyless = pii_key_from_settings(settings) is None and (
+        not settings.pii_vault or settings.sqlite_path is None
+    )
+    if keyless:
+        # Nothing opens the vault: what the database holds is counted all the same.
+        with Backends.open(settings, redis_url="", memory=False, vault=False) as backends:
+            counts = _counts(backends)
+        held = counts.users + counts.values + counts.erased > 0
+        reason = "KEEL_PII_VAULT=off" if not settings.pii_vault else "no KEEL_PII_KEY"
+        payload: dict[str, Any] = {
+            "vault": "key missing" if held and settings.pii_vault else "off",
+            "reason": reason,
+            "users": counts.users,
+            "values": counts.values,
+            "erased": counts.erased,
+        }
+    else:
+        with _backends(database) as backends:
+            vault = _vault(backends)
+            counts = _counts(backends)
+            payload = {
+                "vault": "on",
+                "key_id": vault.keys.key_id,
+                "users": counts.users,
+                "values": counts.values,
+                "erased": counts.erased,
+            }
     emit_or_show(payload, as_json, _show_status)
 
 
+def _counts(backends: Backends) -> VaultCounts:
+    from keel.stores import SQLiteDatabase
+    from keel.stores._postgres_vault import PostgresVaultStore
+    from keel.stores._sql_vault import SQLVaultStore
+    from keel.stores._sqlite_vault import SQLiteVaultStore
+
+    store = backends.vault.store if backends.vault is not None else None
+    if not isinstance(store, SQLVaultStore):
+        sql = backends.sql
+        store = (
+            SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
+        )
+    return store.counts()
+
+
 def _show_status(payload: dict[str, Any]) -> None:
+    held = (
+        f"{payload['users']} users, {payload['values']} values sealed, {payload['erased']} erased"
+    )
+    if payload["vault"] == "key missing":
+        out_console.print(
+            f"vault: KEY MISSING ({payload['reason']}): this database holds {held}, and no "
+            "value of theirs can be resolved without the key"
+        )
+        return
     if payload["vault"] == "off":
-        out_console.print(f"vault: off ({_NO_KEY}); masked values are not kept")
+        out_console.print(
+            f"vault: off ({payload['reason']}); masked values are not kept ({_NO_KEY}); "
+            f"the database holds {held}"
+        )
         return
     out_console.print(f"vault: on, key {payload['key_id']}")
-    if "users" in payload:
-        out_console.print(
-            f"  {payload['users']} users, {payload['values']} values sealed, "
-            f"{payload['erased']} erased"
-        )
+    out_console.print(f"  {held}")

@@ -19,6 +19,7 @@ import binascii
 import contextlib
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import stat
@@ -36,10 +37,13 @@ __all__ = [
     "KeyProvider",
     "KeyRing",
     "MasterKey",
+    "embedded_key",
     "key_provider_from_env",
     "private_file_only",
     "write_key_file",
 ]
+
+logger = logging.getLogger("keel.privacy")
 
 KEY_BYTES = 32
 """AES-256: the master key and every data key."""
@@ -242,6 +246,35 @@ def write_key_file(path: str | Path, text: str) -> None:
         os.link(temporary, target)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def embedded_key(path: Path) -> MasterKey:
+    """The embedded database's master key, kept in ``path``: made on first use (one INFO
+    line names the file, never the key), read ever after. Two processes starting at once
+    agree on one key: the file appears whole or not at all, and the one that finds it made
+    reads the other's.
+
+    Raises:
+        VaultKeyError: the file cannot be made or read, or is not a private key file.
+    """
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_key_file(path, MasterKey.new_key_text())
+        except FileExistsError:
+            pass  # another process made it first: its key is the one
+        except OSError as exc:
+            raise VaultKeyError(
+                f"cannot create the PII key file {str(path)!r}: {exc.strerror} (set "
+                "KEEL_PII_KEY or KEEL_PII_KEY_FILE, or KEEL_PII_VAULT=off for masking only)"
+            ) from None
+        else:
+            logger.info(
+                "created the PII vault's master key for the embedded database in %s (mode "
+                "0600): keep it and a copy of it, without it no value in the vault opens",
+                path,
+            )
+    return MasterKey.from_file(path)
 
 
 def key_provider_from_env(environ: Mapping[str, str] | None = None) -> MasterKey | None:
