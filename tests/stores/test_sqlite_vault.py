@@ -18,6 +18,7 @@ def _on_disk(path: Path) -> bytes:
 def _fill(store: SQLiteVaultStore, tenant: str, user: str, count: int) -> list[bytes]:
     """Store ``count`` values for the user; every secret byte string written for them."""
     key = StoredKey(secrets.token_bytes(60), "k1")
+    store.add_key_check(StoredKey(b"check", "k1"))
     store.add_data_key(tenant, user, key)
     written = [key.wrapped]
     for _ in range(count):

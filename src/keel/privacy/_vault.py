@@ -102,8 +102,12 @@ class VaultStore(ABC):
         """The user's wrapped data key (None: none yet, or forgotten)."""
 
     @abstractmethod
-    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey:
-        """Store ``key`` as the user's data key unless they have one; the one that stands."""
+    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey | None:
+        """Store ``key`` as the user's data key unless they have one; the one that stands.
+        None, storing nothing, when the master key that wraps it (``key.key_id``) has no key
+        check: a process still running with a key rotated away must not wrap new data keys
+        that the vault's keys cannot open (the check is read under a shared lock, so a
+        :meth:`drop_key_check` racing this waits for it and then sees the key)."""
 
     @abstractmethod
     def numbers(
@@ -529,6 +533,16 @@ class UserVault:
             keys = self.vault.keys
             fresh = StoredKey(keys.wrap(secrets.token_bytes(KEY_BYTES), self._context), keys.key_id)
             stored = self.vault.store.add_data_key(self.tenant_id, self.user_id, fresh)
+            if stored is None:
+                # No check for this key: a vault used before its check (which seals the first),
+                # or a key rotated away (which the check refuses, saying so).
+                self.vault.check()
+                stored = self.vault.store.add_data_key(self.tenant_id, self.user_id, fresh)
+            if stored is None:
+                raise VaultKeyError(
+                    f"the PII master key {keys.key_id} is no longer this vault's (a key rotation "
+                    "moved it away): restart keel with the new key"
+                )
             key = self._key = (stored, self.vault.unwrap(stored, self._context))
         return key
 

@@ -121,7 +121,17 @@ class SQLVaultStore(VaultStore):
         return self._run(True, lambda: _changed(_ADD_CHECK, params))
 
     def drop_key_check(self, key_id: str) -> bool:
-        return self._run(True, lambda: _changed(_DROP_CHECK, (key_id, key_id)))
+        return self._run(True, lambda: self._drop_key_check(key_id))
+
+    def _drop_key_check(self, key_id: str) -> Plan[bool]:
+        # The check's row locked first: a writer adding a data key under this master key holds
+        # it shared until it commits, so the count below (a statement of its own, which sees
+        # what committed before it) cannot miss that key.
+        if not (yield Statement(_CHECK_OF + self.dialect.row_lock, (key_id,))).rows:
+            return False
+        if int((yield Statement(_WRAPPED_BY, (key_id,))).rows[0][0]):
+            return False
+        return (yield Statement(_DROP_CHECK, (key_id,))).rowcount == 1
 
     def wrapped_by(self, key_id: str) -> int:
         return self._run(False, lambda: _count(_WRAPPED_BY, (key_id,)))
@@ -131,10 +141,13 @@ class SQLVaultStore(VaultStore):
     def data_key(self, tenant_id: str, user_id: str) -> StoredKey | None:
         return self._run(False, lambda: _one_key(_DATA_KEY, (tenant_id, user_id)))
 
-    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey:
+    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey | None:
         return self._run(True, lambda: self._add_data_key(tenant_id, user_id, key))
 
-    def _add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> Plan[StoredKey]:
+    def _add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> Plan[StoredKey | None]:
+        share = " FOR SHARE" if self.dialect.row_lock else ""
+        if not (yield Statement(_CHECK_OF + share, (key.key_id,))).rows:
+            return None  # that master key is not (or no longer) the vault's
         params = (tenant_id, user_id, key.wrapped, key.key_id, time.time())
         rows = (yield Statement(_ADD_DATA_KEY, params)).rows
         if not rows:  # another writer's key stands (committed before our insert)
@@ -297,10 +310,8 @@ _ADD_CHECK = (
     "INSERT INTO keel_pii_key_checks (key_id, wrapped, created_at) VALUES (?, ?, ?) "
     "ON CONFLICT (key_id) DO NOTHING"
 )
-_DROP_CHECK = (
-    "DELETE FROM keel_pii_key_checks WHERE key_id = ? "
-    "AND NOT EXISTS (SELECT 1 FROM keel_pii_keys WHERE key_id = ?)"
-)
+_CHECK_OF = "SELECT key_id FROM keel_pii_key_checks WHERE key_id = ?"
+_DROP_CHECK = "DELETE FROM keel_pii_key_checks WHERE key_id = ?"
 _WRAPPED_BY = "SELECT COUNT(*) FROM keel_pii_keys WHERE key_id = ?"
 _OWNER = "tenant_id = ? AND user_id = ?"
 _DATA_KEY = f"SELECT {_KEY_COLUMNS} FROM keel_pii_keys WHERE {_OWNER}"
