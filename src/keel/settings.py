@@ -30,6 +30,7 @@ __all__ = [
     "MAX_BUSY_TIMEOUT_MS",
     "Settings",
     "default_config_file",
+    "default_pii_key_file",
     "load_settings",
     "validation_problems",
 ]
@@ -58,6 +59,13 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
 def default_config_file() -> Path:
     """Where keel looks for its TOML config file when ``KEEL_CONFIG`` is not set."""
     return Path(platformdirs.user_config_dir(_APP)) / "keel.toml"
+
+
+def default_pii_key_file() -> Path:
+    """Where the embedded database's PII master key is kept when none is configured: beside
+    the config file, outside the database it opens (a copy of ``keel.db`` alone opens
+    nothing)."""
+    return Path(platformdirs.user_config_dir(_APP)) / "pii.key"
 
 
 class Settings(BaseSettings):
@@ -94,12 +102,33 @@ class Settings(BaseSettings):
         default=None,
         description=(
             "The PII vault's master key (32 bytes, base64 or hex; `keel privacy new-key`): "
-            "with it, masked values are kept sealed so tools can use them. Unset: vault off."
+            "with it, masked values are kept sealed so tools can use them. Unset: the embedded "
+            "SQLite database uses a key file keel creates once in the config directory "
+            "(pii.key, mode 0600); a PostgreSQL database has no vault (a warning says so) and "
+            "is refused if it already holds one."
         ),
     )
     pii_key_file: Path | None = Field(
         default=None,
         description="A file holding the PII vault's master key (used when pii_key is unset).",
+    )
+    pii_key_previous: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The master key a key rotation is moving away from, while it is under way: data "
+            "keys still wrapped by it are opened with it (never used to wrap)."
+        ),
+    )
+    pii_key_previous_file: Path | None = Field(
+        default=None,
+        description="A file holding pii_key_previous (used when pii_key_previous is unset).",
+    )
+    pii_vault: bool = Field(
+        default=True,
+        description=(
+            "Keep masked values in the PII vault (off: masking only, values dropped, no key "
+            "created or required)."
+        ),
     )
     busy_timeout_ms: int = Field(
         default=5000,
@@ -133,7 +162,7 @@ class Settings(BaseSettings):
     def _expand(cls, value: Path) -> Path:
         return value.expanduser()
 
-    @field_validator("pii_key_file", mode="after")
+    @field_validator("pii_key_file", "pii_key_previous_file", mode="after")
     @classmethod
     def _expand_key_file(cls, value: Path | None) -> Path | None:
         return None if value is None else value.expanduser()

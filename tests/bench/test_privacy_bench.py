@@ -11,7 +11,19 @@ from tests.bench._cli import bench_json
 
 def test_bench_privacy_json_contract() -> None:
     figures = bench_json(
-        "privacy", "--turns", "30", "--users", "3", "--flows", "2", "--forget-values", "200"
+        "privacy",
+        "--turns",
+        "30",
+        "--users",
+        "3",
+        "--flows",
+        "2",
+        "--forget-values",
+        "200",
+        "--rotation-users",
+        "300",
+        "--rotation-kills",
+        "2",
     )
     assert figures["seed"] == 36 and figures["turns"] == 30
     assert figures["placeholders_reaching_tools"] == 0 and figures["flow_tool_calls"] == 10
@@ -23,6 +35,8 @@ def test_bench_privacy_json_contract() -> None:
     # A fetched page named the users' placeholders (literally, then in words): no value left.
     assert figures["injected_placeholders"] == 60
     assert figures["injected_placeholders_resolved"] == 0
+    assert figures["rotation_kills_survived"] == figures["rotation_kills"] == 2
+    assert figures["rotation_users"] == 300 and figures["rotation_finished"] is True
 
 
 def test_without_a_vault_no_flow_tool_gets_a_placeholder_its_calls_are_not_made(

@@ -11,7 +11,7 @@ import pytest
 
 from keel.errors import PlaceholderError
 from keel.privacy import MasterKey
-from keel.settings import load_settings
+from keel.settings import default_pii_key_file, load_settings
 from keel.stores import Backends
 from tests.cli import keel_process
 
@@ -93,19 +93,30 @@ def test_status_forget_and_status_again() -> None:
     assert "2 users, 3 values sealed" in shown.stdout
     forgot = _keel("forget", "--tenant", "acme", "--user", "alice", key=key)
     assert forgot.returncode == 0, forgot.stderr
-    assert forgot.stdout.strip() == "erased 2 values of acme/alice"
+    assert forgot.stdout.splitlines()[0] == "erased 2 values of acme/alice"
+    assert "until it is rotated away and destroyed" in forgot.stdout
     assert _json(_keel("status", "--json", key=key))["erased"] == 2
     with pytest.raises(PlaceholderError, match="erased"):
         _resolved(key, "alice", placed["alice"])
     assert _resolved(key, "bob", placed["bob"]) == placed["bob"]
     again = _json(_keel("forget", "--tenant", "acme", "--user", "alice", "--json", key=key))
+    assert again.pop("final").startswith("not yet in copies of the database")
     assert again == {"tenant": "acme", "user": "alice", "erased": 0}
     for result in (shown, forgot):
         assert not [value for value in (*ALICE.values(), *BOB.values()) if value in result.stdout]
 
 
-def test_status_without_a_key_says_the_vault_is_off() -> None:
-    assert _json(_keel("status", "--json", key=None)) == {"vault": "off"}
+def test_status_without_a_key_on_sqlite_is_keels_own_key_and_off_only_when_asked() -> None:
+    status = _json(_keel("status", "--json", key=None))
+    key = MasterKey.from_file(default_pii_key_file())
+    assert status == {"vault": "on", "key_id": key.key_id, "users": 0, "values": 0, "erased": 0}
+    assert _json(_keel("status", "--json", key=None, KEEL_PII_VAULT="off")) == {
+        "vault": "off",
+        "reason": "KEEL_PII_VAULT=off",
+        "users": 0,
+        "values": 0,
+        "erased": 0,
+    }
 
 
 def test_rotate_key_rewraps_and_the_old_key_is_refused_after(tmp_path: Path) -> None:
@@ -126,6 +137,7 @@ def test_rotate_key_rewraps_and_the_old_key_is_refused_after(tmp_path: Path) -> 
     # Back again, the new key given as a file this time.
     key_file = tmp_path / "old.key"
     key_file.write_text(old)
+    key_file.chmod(0o600)
     back = _keel("rotate-key", "--new-key-file", str(key_file), key=new)
     assert back.returncode == 0, back.stderr
     assert back.stdout.startswith("re-wrapped 2 data keys under key ")
@@ -148,6 +160,8 @@ def test_rotate_key_rewraps_and_the_old_key_is_refused_after(tmp_path: Path) -> 
 def test_a_command_that_cannot_run_is_one_error_line(args: tuple[str, ...], says: str) -> None:
     key = MasterKey.new_key_text() if args[0] == "rotate-key" and "no PII" not in says else None
     env = {"NEW_PII_KEY": MasterKey.new_key_text(), "BAD_PII_KEY": "nope"}
+    if args[0] == "forget" and "no PII" in says:
+        env["KEEL_PII_VAULT"] = "off"  # else the embedded default's own key opens the vault
     _one_error_line(_keel(*args, key=key, **env), says)
 
 
@@ -160,3 +174,23 @@ def test_a_wrong_key_is_one_error_line_and_changes_nothing() -> None:
     )
     _one_error_line(_keel("status", key="not-a-key"), "KEEL_PII_KEY is not a 32-byte key")
     assert _resolved(key, "alice", placed["alice"]) == placed["alice"]
+
+
+def test_a_key_file_that_is_binary_or_open_to_others_is_one_error_line_without_key_bytes(
+    tmp_path: Path,
+) -> None:
+    binary = tmp_path / "binary.key"
+    raw = bytes([0xE9, 0x41, 0xFF]) + bytes(range(0x80, 0x9D))
+    binary.write_bytes(raw)
+    binary.chmod(0o600)
+    result = _keel("status", key=None, KEEL_PII_KEY_FILE=str(binary))
+    _one_error_line(result, "is not text")
+    shown = [f"0x{byte:02x}" for byte in raw] + [f"\\x{byte:02x}" for byte in raw]
+    assert [spelling for spelling in shown if spelling in result.stderr] == []
+    shared = tmp_path / "shared.key"
+    text = MasterKey.new_key_text()
+    shared.write_text(text)
+    shared.chmod(0o644)
+    result = _keel("status", key=None, KEEL_PII_KEY_FILE=str(shared))
+    _one_error_line(result, f"chmod 600 {shared}")
+    assert text not in result.stderr

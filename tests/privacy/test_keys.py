@@ -64,6 +64,7 @@ def test_the_environment_gives_the_key_or_says_exactly_what_is_wrong(tmp_path: P
     assert from_env is not None and from_env.key_id == MasterKey.from_text(text).key_id
     key_file = tmp_path / "pii.key"
     key_file.write_text(text + "\n")
+    key_file.chmod(0o600)
     from_file = key_provider_from_env({"KEEL_PII_KEY_FILE": str(key_file)})
     assert from_file is not None and from_file.key_id == from_env.key_id
     with pytest.raises(VaultKeyError, match="KEEL_PII_KEY is set but empty"):
@@ -72,3 +73,33 @@ def test_the_environment_gives_the_key_or_says_exactly_what_is_wrong(tmp_path: P
         key_provider_from_env({"KEEL_PII_KEY_FILE": str(tmp_path / "missing.key")})
     with pytest.raises(VaultKeyError, match="not a 32-byte key"):
         key_provider_from_env({"KEEL_PII_KEY": "not a key"})
+
+
+def test_a_binary_key_file_is_refused_without_a_byte_of_it_in_the_message(tmp_path: Path) -> None:
+    raw = bytes([0x41, 0xE9, 0x9C, 0xFF]) + secrets.token_bytes(28)
+    key_file = tmp_path / "binary.key"
+    key_file.write_bytes(raw)
+    key_file.chmod(0o600)
+    with pytest.raises(VaultKeyError) as raised:
+        MasterKey.from_file(key_file)
+    message = str(raised.value)
+    assert "not text" in message and "binary.key" in message
+    # No byte of the key, in any spelling a decoder or repr would give it.
+    shown = [f"0x{byte:02x}" for byte in raw] + [f"\\x{byte:02x}" for byte in raw]
+    assert [spelling for spelling in shown if spelling in message] == []
+    assert raised.value.__cause__ is None and raised.value.__context__ is not None
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_key_file_open_to_others_is_refused_with_chmod_600(tmp_path: Path, mode: int) -> None:
+    key_file = tmp_path / "pii.key"
+    text = MasterKey.new_key_text()
+    key_file.write_text(text)
+    key_file.chmod(mode)
+    with pytest.raises(VaultKeyError, match="chmod 600") as raised:
+        MasterKey.from_file(key_file)
+    assert text not in str(raised.value)
+    key_file.chmod(0o600)
+    assert MasterKey.from_file(key_file).key_id == MasterKey.from_text(text).key_id
+    key_file.chmod(0o400)
+    assert MasterKey.from_file(key_file).key_id == MasterKey.from_text(text).key_id

@@ -23,7 +23,7 @@ from tests.privacy._samples import TOOL_PII, USER_PII, dump_sqlite, leaks, sente
 
 ALICE = ("acme", "alice")
 BOB = ("acme", "bob")
-_VAULT_TABLES = ("keel_pii_keys", "keel_pii_values", "keel_pii_key_check")
+_VAULT_TABLES = ("keel_pii_keys", "keel_pii_values", "keel_pii_key_checks")
 
 
 @pytest.fixture(autouse=True)
@@ -163,7 +163,7 @@ def test_after_rotation_the_old_key_is_refused_and_the_new_one_opens_everything(
         _resolves(backends, BOB, masked[BOB], TOOL_PII)
         rows = _vault_rows(backends)
         assert {row[3] for row in rows["keel_pii_keys"]} == {new.key_id}
-        assert {row[2] for row in rows["keel_pii_key_check"]} == {new.key_id}
+        assert {row[0] for row in rows["keel_pii_key_checks"]} == {new.key_id}
 
 
 def test_forget_leaves_nothing_of_the_user_for_the_master_key(settings: Settings) -> None:

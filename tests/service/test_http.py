@@ -46,7 +46,9 @@ def test_a_turn_as_json_then_the_session_and_its_runs(service: Service) -> None:
         response = _turn(acme, "s1", f"Mail me at {EMAIL}, book Oslo")
         assert response.status_code == 200, response.text
         reply = response.json()
-        assert reply["status"] == "completed" and "<EMAIL_1>" in reply["text"]
+        # The embedded default keeps a vault: the user reads their own address back, while
+        # what is stored holds its placeholder.
+        assert reply["status"] == "completed" and EMAIL in reply["text"]
         assert service.booked == ["Oslo"]
         session = acme.get("/v1/sessions/s1").json()
         assert session["version"] == reply["state_version"]
@@ -99,7 +101,8 @@ def test_a_turn_streams_as_server_sent_events(service: Service) -> None:
     kinds = [event["type"] for event in events]
     assert kinds[-1] == "final" and "tool_call_started" in kinds and "checkpoint" in kinds
     text = "".join(event["text"] for event in events if event["type"] == "text")
-    assert text == events[-1]["reply"]["text"] and EMAIL not in json.dumps(events)
+    # The user's own address, revealed to them by the embedded default's vault.
+    assert text == events[-1]["reply"]["text"] and EMAIL in text
 
 
 def test_bad_input_gets_a_typed_error_and_changes_nothing(service: Service) -> None:
@@ -159,7 +162,8 @@ def test_the_openai_sdk_talks_to_the_agent_through_the_facade(service: Service) 
         model="keel", messages=[{"role": "user", "content": f"For {EMAIL} book Oslo"}]
     )
     text = completion.choices[0].message.content
-    assert text is not None and text.startswith("Booked: trip to Oslo") and EMAIL not in text
+    # The user's own address, revealed to them; the session stores its placeholder.
+    assert text is not None and text.startswith("Booked: trip to Oslo") and EMAIL in text
     assert completion.usage is not None and completion.usage.prompt_tokens > 0
     # The client sends only the newest message: keel keeps the session.
     stream = client.chat.completions.create(

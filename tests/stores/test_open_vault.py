@@ -40,8 +40,9 @@ def _sealed_round_trip(backends: Backends) -> None:
     }
 
 
-def test_no_key_no_vault(tmp_path: Path) -> None:
-    with Backends.open(load_settings(data_dir=tmp_path), memory=False) as backends:
+def test_opting_out_no_vault(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path, pii_vault=False)
+    with Backends.open(settings, memory=False) as backends:
         assert backends.vault is None
 
 
@@ -52,7 +53,7 @@ def test_an_explicit_key_opens_the_vault_in_the_same_database(tmp_path: Path) ->
         store = backends.vault.store
         assert isinstance(store, SQLiteVaultStore) and store.db is backends.sql
         _sealed_round_trip(backends)
-        assert backends.sql.schema_versions()["vault"] == 1
+        assert backends.sql.schema_versions()["vault"] == 2
 
 
 def test_the_key_comes_from_the_environment(
@@ -69,6 +70,7 @@ def test_the_key_comes_from_the_environment(
 def test_the_key_comes_from_a_key_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     key_file = tmp_path / "pii.key"
     key_file.write_text(MasterKey.new_key_text() + "\n")
+    key_file.chmod(0o600)
     monkeypatch.setenv("KEEL_PII_KEY_FILE", str(key_file))
     with Backends.open(load_settings(data_dir=tmp_path), memory=False) as backends:
         _sealed_round_trip(backends)

@@ -29,6 +29,10 @@ Figures:
   and the injected model sends them to an attacker's address. Counted from what the sending
   tool received (each injected placeholder whose user's value it got): 0 is the promise.
   ``injected_placeholders`` is how many were sent.
+- ``rotation_kills_survived``: of ``rotation_kills`` SIGKILLs of a real ``keel privacy
+  rotate-key`` over ``rotation_users`` users, those after which every value of every user
+  resolved (:mod:`keel.bench.rotation_kills`; ``rotation_finished``: resumed, the new key alone
+  resolves everything and the old key is refused).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.bench._stats import nearest_rank
+from keel.bench.rotation_kills import run_rotation_kills
 from keel.messages import Message
 from keel.privacy import DEFAULT_MASKER, ENTITY_TYPES, PLACEHOLDER, MasterKey
 from keel.runtime import Agent
@@ -280,7 +285,11 @@ def _ticket_agent(backends: Backends, log: _ToolLog, *, sees_values: bool = True
 def _open(directory: Path, name: str, key: MasterKey | None) -> Backends:
     settings = load_settings(data_dir=directory / name, embedder="hashing:64")
     return Backends.open(
-        f"sqlite:///{directory / name / 'keel.db'}", settings=settings, memory=False, pii_key=key
+        f"sqlite:///{directory / name / 'keel.db'}",
+        settings=settings,
+        memory=False,
+        pii_key=key,
+        vault=key is not None,
     )
 
 
@@ -603,6 +612,8 @@ def run_privacy_bench(
     flows: int = 50,
     injections: int = 20,
     forget_values: int = 10_000,
+    rotation_users: int = 3000,
+    rotation_kills: int = 5,
     seed: int = 36,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
@@ -621,6 +632,15 @@ def run_privacy_bench(
         figures.update(_injection_phase(injections, seed, directory))
         progress(f"forget: one user with {forget_values} values")
         figures.update(_forget_phase(forget_values, seed, directory))
+        figures.update(
+            run_rotation_kills(
+                users=rotation_users,
+                kills=rotation_kills,
+                seed=seed,
+                directory=directory,
+                progress=progress,
+            )
+        )
     return {
         "seed": seed,
         "turns": turns,

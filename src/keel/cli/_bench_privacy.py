@@ -21,13 +21,20 @@ def bench_privacy_command(
     forget_values: Annotated[
         int, typer.Option(min=1, help="Values of the user whose forget is timed.")
     ] = 10_000,
+    rotation_users: Annotated[
+        int, typer.Option(min=1, help="Users of the vault whose key rotation is killed.")
+    ] = 3000,
+    rotation_kills: Annotated[
+        int, typer.Option(min=0, help="SIGKILLs of the rotation, at seeded points.")
+    ] = 5,
     seed: Annotated[int, typer.Option(help="Seed of the values and their mix.")] = 36,
     as_json: JsonLastOption = False,
 ) -> None:
     """Resolution time per tool call (p50/p95), added time per turn (vault vs masking without
     it), vault rows and bytes per value, forget time, the tool calls that got a placeholder
-    (0), and the placeholders a prompt injection named that a tool got the values of (0), over
-    seeded turns carrying every PII kind (embedded SQLite)."""
+    (0), the placeholders a prompt injection named that a tool got the values of (0), over
+    seeded turns carrying every PII kind (embedded SQLite), and a key rotation SIGKILLed at
+    seeded points after which every value must still resolve."""
     from keel.bench.privacy import run_privacy_bench
 
     report = run_privacy_bench(
@@ -36,6 +43,8 @@ def bench_privacy_command(
         users=users,
         flows=flows,
         forget_values=forget_values,
+        rotation_users=rotation_users,
+        rotation_kills=rotation_kills,
         seed=seed,
         progress=err_console.print,
     )
@@ -51,6 +60,8 @@ def _show(report: dict[str, Any]) -> None:
         f"{report['forget_values']} values {report['forget_seconds']} s; "
         f"{report['placeholders_reaching_tools']} of {report['flow_tool_calls']} tool calls "
         f"got a placeholder; {report['injected_placeholders_resolved']} of "
-        f"{report['injected_placeholders']} injected placeholders resolved",
+        f"{report['injected_placeholders']} injected placeholders resolved; "
+        f"{report['rotation_kills_survived']} of "
+        f"{report['rotation_kills']} key-rotation kills survived",
         markup=False,
     )

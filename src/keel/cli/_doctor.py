@@ -135,6 +135,27 @@ def _postgres(settings: Settings) -> str:
     return detail
 
 
+def _pii_vault(settings: Settings) -> str:
+    """Where the PII vault's key comes from (never the key, and nothing is created here)."""
+    from keel.settings import default_pii_key_file
+
+    if not settings.pii_vault:
+        return "off (KEEL_PII_VAULT=off): masking only, masked values are not kept"
+    if settings.pii_key is not None:
+        return "on, key from KEEL_PII_KEY"
+    if settings.pii_key_file is not None:
+        return f"on, key file {settings.pii_key_file}"
+    if settings.sqlite_path is not None:
+        path = default_pii_key_file()
+        made = "" if path.exists() else " (made on first use)"
+        return f"on, keel's key file for the embedded database {path}{made}"
+    raise RuntimeError(
+        "off: no KEEL_PII_KEY for the PostgreSQL database, so masked values are dropped and "
+        "tools get placeholders (a database that holds a vault is refused); set KEEL_PII_KEY, "
+        "or KEEL_PII_VAULT=off if masking alone is meant"
+    )
+
+
 def _redis(settings: Settings) -> str:
     if settings.redis_url:
         import redis
@@ -179,6 +200,7 @@ def doctor_command(
         _run("embedders", "local:all-minilm-l6-v2", _embedder),
         _run("backends", "postgresql", lambda: _postgres(settings)),
         _run("backends", "redis", lambda: _redis(settings)),
+        _run("privacy", "PII vault", lambda: _pii_vault(settings)),
         _run("extras", "opentelemetry", _module("opentelemetry", "trace export")),
     ]
     healthy = all(check.status != "fail" for check in checks if check.required)

@@ -9,7 +9,7 @@ command run on a vault it cannot open. No command prints a stored value or a dat
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -20,8 +20,9 @@ from keel.cli._app import JsonOption, app, emit_or_show, out_console
 from keel.cli._database import DatabaseOption
 
 if TYPE_CHECKING:
-    from keel.privacy import MasterKey, Vault
+    from keel.privacy import KeyProvider, MasterKey, Vault
     from keel.stores import Backends
+    from keel.stores._sql_vault import VaultCounts
 
 privacy_app = typer.Typer(
     help="The PII vault: a new master key, forget a user, rotate the key, status.",
@@ -36,12 +37,23 @@ _NO_KEY = (
 
 
 @contextmanager
-def _backends(database: str | None) -> Iterator[Backends]:
-    """The stores of ``--database`` (else the configured one) with the vault if a key is set."""
+def _backends(database: str | None, *, also: Sequence[KeyProvider] = ()) -> Iterator[Backends]:
+    """The stores of ``--database`` (else the configured one) with the vault if a key is set;
+    ``also``: keys beside the configured ones (a rotation's other key)."""
     from keel.cli._database import database_settings
+    from keel.errors import VaultKeyError
+    from keel.privacy import KeyRing
     from keel.stores import Backends
+    from keel.stores._open import pii_key_from_settings
 
-    backends = Backends.open(database_settings(database), redis_url="", memory=False)
+    settings = database_settings(database)
+    ring = None
+    if also:
+        configured = pii_key_from_settings(settings)
+        if configured is None:
+            raise VaultKeyError(_NO_KEY)
+        ring = KeyRing(configured.current, [*configured.previous, *also])
+    backends = Backends.open(settings, redis_url="", memory=False, pii_key=ring)
     try:
         yield backends
     finally:
@@ -76,75 +88,142 @@ def new_key_command(
 
 def _write_key_file(path: Path, text: str) -> None:
     from keel.errors import UsageError
+    from keel.privacy._keys import write_key_file
 
     try:
-        # O_EXCL: never overwrite a key, which would lose every value it opens.
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        write_key_file(path, text)
     except FileExistsError:
         raise UsageError(f"{path} exists: a key file is never overwritten") from None
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror}") from None
-    with os.fdopen(descriptor, "w", encoding="ascii") as out:
-        out.write(text + "\n")
+
+
+_FINAL_ONLY_AFTER_ROTATION = (
+    "not yet in copies of the database (PostgreSQL's write-ahead log, replicas, backups): "
+    "they open with the current master key until it is rotated away and destroyed "
+    "(`keel privacy forget --finalize --new-key-file NEW` does both)"
+)
+
+NewKeyFile = Annotated[
+    Path | None, typer.Option("--new-key-file", help="A file holding the new master key.")
+]
+NewKeyEnv = Annotated[
+    str | None,
+    typer.Option("--new-key-env", help="The environment variable holding the new key."),
+]
 
 
 @privacy_app.command("forget")
 def forget_command(
     tenant: Annotated[str, typer.Option("--tenant", help="The user's tenant.")],
     user: Annotated[str, typer.Option("--user", help="The user whose values to erase.")],
+    finalize: Annotated[
+        bool,
+        typer.Option(
+            "--finalize",
+            help="Then rotate the master key to the new key given (--new-key-file/-env), so "
+            "that copies of the database (WAL, replicas, backups) hold nothing the new key "
+            "opens; destroy the old key afterwards.",
+        ),
+    ] = False,
+    new_key_file: NewKeyFile = None,
+    new_key_env: NewKeyEnv = None,
     database: DatabaseOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Erase a user's values for good: their data key is destroyed (placeholders stay)."""
+    """Erase a user's values: their data key is destroyed (placeholders stay). Final in
+    copies of the database once the master key is rotated away and destroyed (--finalize)."""
     from keel.errors import UsageError
 
     if not tenant.strip() or not user.strip():
         raise UsageError("--tenant and --user must not be empty")
+    new = None
+    if finalize:
+        new = _given_key("--new-key", new_key_file, new_key_env)
+    elif new_key_file is not None or new_key_env is not None:
+        raise UsageError("a new key is given with --finalize only")
     with _backends(database) as backends:
-        erased = _vault(backends).forget(tenant, user)
-    payload = {"tenant": tenant, "user": user, "erased": erased}
-    emit_or_show(
-        payload,
-        as_json,
-        lambda _: out_console.print(f"erased {erased} values of {tenant}/{user}"),
-    )
+        vault = _vault(backends)
+        old_id = vault.keys.key_id
+        erased = vault.forget(tenant, user)
+        rewrapped = None if new is None else vault.rotate(new)
+    payload: dict[str, Any] = {"tenant": tenant, "user": user, "erased": erased}
+    if new is None:
+        payload["final"] = _FINAL_ONLY_AFTER_ROTATION
+    else:
+        payload |= {"rewrapped": rewrapped, "old_key_id": old_id, "key_id": new.key_id}
+        payload["final"] = (
+            f"once master key {old_id} is destroyed (every copy of KEEL_PII_KEY / its key "
+            f"file): run keel with key {new.key_id} from now on"
+        )
+    emit_or_show(payload, as_json, _show_forget)
+
+
+def _show_forget(payload: dict[str, Any]) -> None:
+    out_console.print(f"erased {payload['erased']} values of {payload['tenant']}/{payload['user']}")
+    if "rewrapped" in payload:
+        out_console.print(
+            f"re-wrapped {payload['rewrapped']} data keys under key {payload['key_id']} "
+            f"(was {payload['old_key_id']})"
+        )
+    out_console.print(f"final: {payload['final']}", soft_wrap=True)
 
 
 @privacy_app.command("rotate-key")
 def rotate_key_command(
-    new_key_file: Annotated[
-        Path | None, typer.Option("--new-key-file", help="A file holding the new master key.")
+    new_key_file: NewKeyFile = None,
+    new_key_env: NewKeyEnv = None,
+    old_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--old-key-file",
+            help="Finish a rotation to the configured key (KEEL_PII_KEY) from this old one.",
+        ),
     ] = None,
-    new_key_env: Annotated[
+    old_key_env: Annotated[
         str | None,
-        typer.Option("--new-key-env", help="The environment variable holding the new key."),
+        typer.Option("--old-key-env", help="As --old-key-file, the old key in this variable."),
     ] = None,
     database: DatabaseOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Re-wrap every data key under a new master key (then run keel with the new key)."""
-    new = _new_key(new_key_file, new_key_env)
-    with _backends(database) as backends:
+    """Re-wrap every data key under a new master key (then run keel with the new key).
+
+    Killed, rerun it: with the old key configured and --new-key-..., or with the new key
+    configured and --old-key-...; either finishes the rotation."""
+    from keel.errors import UsageError
+
+    finishing = old_key_file is not None or old_key_env is not None
+    if finishing and (new_key_file is not None or new_key_env is not None):
+        raise UsageError("give either the new key (--new-key-...) or the old one (--old-key-...)")
+    if finishing:
+        other = _given_key("--old-key", old_key_file, old_key_env)
+    else:
+        other = _given_key("--new-key", new_key_file, new_key_env)
+    with _backends(database, also=[other]) as backends:
         vault = _vault(backends)
-        old_id = vault.keys.key_id
+        current = vault.keys
+        new, old = (current, other) if finishing else (other, current)
         rewrapped = vault.rotate(new)
-    payload = {"rewrapped": rewrapped, "old_key_id": old_id, "key_id": new.key_id}
+    payload = {"rewrapped": rewrapped, "old_key_id": old.key_id, "key_id": new.key_id}
     emit_or_show(
         payload,
         as_json,
         lambda _: out_console.print(
-            f"re-wrapped {rewrapped} data keys under key {new.key_id} (was {old_id}); "
+            f"re-wrapped {rewrapped} data keys under key {new.key_id} (was {old.key_id}); "
             "from now on keel must run with the new key"
         ),
     )
 
 
-def _new_key(path: Path | None, variable: str | None) -> MasterKey:
+def _given_key(flag: str, path: Path | None, variable: str | None) -> MasterKey:
     from keel.errors import UsageError, VaultKeyError
     from keel.privacy import MasterKey
 
     if (path is None) == (variable is None):
-        raise UsageError("give the new key with one of --new-key-file or --new-key-env")
+        raise UsageError(
+            f"give the {flag[2:].replace('-', ' ')} with one of {flag}-file or {flag}-env"
+        )
     if path is not None:
         return MasterKey.from_file(path)
     assert variable is not None
@@ -156,31 +235,73 @@ def _new_key(path: Path | None, variable: str | None) -> MasterKey:
 
 @privacy_app.command("status")
 def status_command(database: DatabaseOption = None, as_json: JsonOption = False) -> None:
-    """Whether the vault is on, its key's id, and how many users and values it holds."""
-    from keel.stores._sql_vault import SQLVaultStore
+    """Whether the vault is on, its key's id, and how many users and values it holds (also
+    without a key: a vault whose key is missing is reported as such)."""
+    from keel.cli._database import database_settings
+    from keel.stores import Backends
+    from keel.stores._open import pii_key_from_settings
 
-    with _backends(database) as backends:
-        payload: dict[str, Any] = {"vault": "off"}
-        if backends.vault is not None:
-            payload = {"vault": "on", "key_id": backends.vault.keys.key_id}
-            store = backends.vault.store
-            if isinstance(store, SQLVaultStore):
-                counts = store.counts()
-                payload |= {
-                    "users": counts.users,
-                    "values": counts.values,
-                    "erased": counts.erased,
-                }
+    settings = database_settings(database)
+    keyless = pii_key_from_settings(settings) is None and (
+        not settings.pii_vault or settings.sqlite_path is None
+    )
+    if keyless:
+        # Nothing opens the vault: what the database holds is counted all the same.
+        with Backends.open(settings, redis_url="", memory=False, vault=False) as backends:
+            counts = _counts(backends)
+        held = counts.users + counts.values + counts.erased > 0
+        reason = "KEEL_PII_VAULT=off" if not settings.pii_vault else "no KEEL_PII_KEY"
+        payload: dict[str, Any] = {
+            "vault": "key missing" if held and settings.pii_vault else "off",
+            "reason": reason,
+            "users": counts.users,
+            "values": counts.values,
+            "erased": counts.erased,
+        }
+    else:
+        with _backends(database) as backends:
+            vault = _vault(backends)
+            counts = _counts(backends)
+            payload = {
+                "vault": "on",
+                "key_id": vault.keys.key_id,
+                "users": counts.users,
+                "values": counts.values,
+                "erased": counts.erased,
+            }
     emit_or_show(payload, as_json, _show_status)
 
 
+def _counts(backends: Backends) -> VaultCounts:
+    from keel.stores import SQLiteDatabase
+    from keel.stores._postgres_vault import PostgresVaultStore
+    from keel.stores._sql_vault import SQLVaultStore
+    from keel.stores._sqlite_vault import SQLiteVaultStore
+
+    store = backends.vault.store if backends.vault is not None else None
+    if not isinstance(store, SQLVaultStore):
+        sql = backends.sql
+        store = (
+            SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
+        )
+    return store.counts()
+
+
 def _show_status(payload: dict[str, Any]) -> None:
+    held = (
+        f"{payload['users']} users, {payload['values']} values sealed, {payload['erased']} erased"
+    )
+    if payload["vault"] == "key missing":
+        out_console.print(
+            f"vault: KEY MISSING ({payload['reason']}): this database holds {held}, and no "
+            "value of theirs can be resolved without the key"
+        )
+        return
     if payload["vault"] == "off":
-        out_console.print(f"vault: off ({_NO_KEY}); masked values are not kept")
+        out_console.print(
+            f"vault: off ({payload['reason']}); masked values are not kept ({_NO_KEY}); "
+            f"the database holds {held}"
+        )
         return
     out_console.print(f"vault: on, key {payload['key_id']}")
-    if "users" in payload:
-        out_console.print(
-            f"  {payload['users']} users, {payload['values']} values sealed, "
-            f"{payload['erased']} erased"
-        )
+    out_console.print(f"  {held}")

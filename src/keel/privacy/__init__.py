@@ -20,7 +20,7 @@ unit of work to the placeholders the model was shown; :class:`NoVault` refuses t
 from __future__ import annotations
 
 from keel.privacy._detectors import Detector, Finding
-from keel.privacy._keys import KeyProvider, MasterKey, key_provider_from_env
+from keel.privacy._keys import KeyProvider, KeyRing, MasterKey, key_provider_from_env
 from keel.privacy._masker import (
     DEFAULT_MASKER,
     ENTITY_TYPES,
@@ -51,6 +51,7 @@ __all__ = [
     "Detector",
     "Finding",
     "KeyProvider",
+    "KeyRing",
     "MaskResult",
     "MaskingPolicy",
     "MasterKey",

@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from keel._bridge import run_blocking
 from keel.errors import PlaceholderError, VaultKeyError
-from keel.privacy._keys import KEY_BYTES, KeyProvider
+from keel.privacy._keys import KEY_BYTES, KeyProvider, KeyRing
 
 __all__ = [
     "PLACEHOLDER",
@@ -144,20 +144,34 @@ class VaultStore(ABC):
     """
 
     @abstractmethod
-    def key_check(self) -> StoredKey | None:
-        """The sealed check that tells the right master key from a wrong one (None: none yet)."""
+    def key_checks(self) -> list[StoredKey]:
+        """The sealed checks, one per master key this vault accepts (a key with no check is
+        refused); two while a rotation is under way, none before the first use."""
 
     @abstractmethod
-    def set_key_check(self, check: StoredKey, *, expected: StoredKey | None) -> bool:
-        """Replace the key check if it is still ``expected`` (compare-and-set); False if not."""
+    def add_key_check(self, check: StoredKey) -> bool:
+        """Store ``check`` unless its master key (``check.key_id``) has one; True if stored."""
+
+    @abstractmethod
+    def drop_key_check(self, key_id: str) -> bool:
+        """Delete the check of master key ``key_id``, in one statement with the proof that no
+        data key is wrapped by it any more; False (nothing deleted) while one still is."""
+
+    @abstractmethod
+    def wrapped_by(self, key_id: str) -> int:
+        """How many data keys master key ``key_id`` wraps."""
 
     @abstractmethod
     def data_key(self, tenant_id: str, user_id: str) -> StoredKey | None:
         """The user's wrapped data key (None: none yet, or forgotten)."""
 
     @abstractmethod
-    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey:
-        """Store ``key`` as the user's data key unless they have one; the one that stands."""
+    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey | None:
+        """Store ``key`` as the user's data key unless they have one; the one that stands.
+        None, storing nothing, when the master key that wraps it (``key.key_id``) has no key
+        check: a process still running with a key rotated away must not wrap new data keys
+        that the vault's keys cannot open (the check is read under a shared lock, so a
+        :meth:`drop_key_check` racing this waits for it and then sees the key)."""
 
     @abstractmethod
     def numbers(
@@ -235,38 +249,77 @@ class Vault:
 
     Args:
         store: where wrapped keys and sealed values live.
-        keys: the master key (``MasterKey``, or a KMS-backed :class:`KeyProvider`).
+        keys: the master key (``MasterKey``, or a KMS-backed :class:`KeyProvider`), or a
+            :class:`KeyRing`: the current key and the previous ones a rotation under way
+            still needs (each data key row names the master key that wraps it).
 
-    :meth:`check` (run by the opener at start-up) proves ``keys`` is the vault's master key.
+    :meth:`check` (run by the opener at start-up) proves the keys are the vault's.
+
+    The vault keeps one sealed check per master key it accepts. A rotation seals the new
+    key's check first, re-wraps the data keys one by one (each a compare-and-set), and drops
+    the old key's check last, in one statement with the proof that no data key is wrapped by
+    it any more. Killed anywhere, the vault is consistent: every data key is wrapped by a key
+    that has a check, and rerunning the rotation with either key finishes it.
     """
 
-    def __init__(self, store: VaultStore, keys: KeyProvider) -> None:
+    def __init__(self, store: VaultStore, keys: KeyProvider | KeyRing) -> None:
         self.store = store
-        self.keys = keys
+        self.ring = KeyRing.of(keys)
+
+    @property
+    def keys(self) -> KeyProvider:
+        """The current master key: the one that wraps new data keys."""
+        return self.ring.current
 
     def check(self) -> None:
-        """Prove the master key opens this vault (seal the check on first use).
+        """Prove the master keys open this vault (seal the current key's check on first use),
+        and that every user is served: a rotation left half done needs both its keys.
 
         Raises:
-            VaultKeyError: the key is not the one this vault's data keys are wrapped with.
+            VaultKeyError: the current key is not one of the vault's, a key fails its check,
+                or data keys are still wrapped by a key of the vault's that was not given.
         """
-        context = _owner(_CHECK_TENANT, _CHECK_USER)
-        stored = self.store.key_check()
-        if stored is None:
-            check = StoredKey(self.keys.wrap(_CHECK_PLAINTEXT, context), self.keys.key_id)
-            if self.store.set_key_check(check, expected=None):
+        checks = {check.key_id: check for check in self.store.key_checks()}
+        current = self.keys
+        if not checks:
+            if self.store.add_key_check(_sealed_check(current)):
                 return
-            stored = self.store.key_check()
-            assert stored is not None
-        try:
-            opened = self.keys.unwrap(stored.wrapped, context)
-        except VaultKeyError as exc:
+            checks = {check.key_id: check for check in self.store.key_checks()}
+        if current.key_id not in checks:
             raise VaultKeyError(
-                f"the PII master key ({self.keys.key_id}) is not this vault's "
-                f"(its data keys are wrapped by {stored.key_id})"
-            ) from exc
-        if opened != _CHECK_PLAINTEXT:
-            raise VaultKeyError("the vault's key check does not match")
+                f"the PII master key ({current.key_id}) is not this vault's (its data keys are "
+                f"wrapped by {_named(checks)})"
+            )
+        accepted = [key for key in self.ring if key.key_id in checks]
+        for key in accepted:
+            _open_check(key, checks[key.key_id])
+        # A previous key the vault no longer accepts (its rotation finished) never unwraps.
+        self.ring = KeyRing(current, [key for key in accepted if key is not current])
+        for key_id in checks.keys() - {key.key_id for key in accepted}:
+            waiting = self.store.wrapped_by(key_id)
+            if waiting:
+                raise VaultKeyError(
+                    f"a PII key rotation between master keys {current.key_id} and {key_id} is "
+                    f"unfinished: {waiting} data keys are still wrapped by {key_id}, which was "
+                    "not given. Give it too (KEEL_PII_KEY_PREVIOUS, or KEEL_PII_KEY with this "
+                    "one as KEEL_PII_KEY_PREVIOUS), or finish the rotation with `keel privacy "
+                    "rotate-key` (--new-key-... or --old-key-...)"
+                )
+
+    def unwrap(self, stored: StoredKey, context: bytes) -> bytes:
+        """The data key ``stored`` wraps, opened by the master key its row names.
+
+        Raises:
+            VaultKeyError: that key is not in the ring, or does not open ``stored``.
+        """
+        provider = self.ring.provider(stored.key_id)
+        if provider is None:
+            raise VaultKeyError(
+                f"a data key is wrapped by PII master key {stored.key_id}, which this process "
+                f"was not given (it runs with {self.keys.key_id}): finish the key rotation "
+                "with `keel privacy rotate-key`, or give that key as KEEL_PII_KEY_PREVIOUS"
+            )
+        return provider.unwrap(stored.wrapped, context)
 
     def user(self, tenant_id: str, user_id: str) -> UserVault:
         """The vault as one tenant's user sees it (their placeholders only)."""
@@ -276,30 +329,83 @@ class Vault:
 
     def forget(self, tenant_id: str, user_id: str) -> int:
         """Erase the user's data key and values (their placeholders resolve to nothing from
-        now on, in every process); the number of values erased."""
+        now on, in every process); the number of values erased.
+
+        The rows are gone from the database; copies the database itself keeps (PostgreSQL's
+        write-ahead log, its replicas and backups) still hold the wrapped data key and the
+        sealed values until the master key that wrapped that data key is rotated away
+        (:meth:`rotate`) and destroyed: only then is the erasure final everywhere."""
         return self.store.forget(tenant_id, user_id)
 
     def rotate(self, new_keys: KeyProvider) -> int:
-        """Re-wrap every data key (and the key check) under ``new_keys``; the number of data
-        keys re-wrapped. Values are not re-encrypted: their data keys do not change.
+        """Re-wrap every data key under ``new_keys``, resumably; the number re-wrapped by this
+        call. Values are not re-encrypted: their data keys do not change. Afterwards only
+        ``new_keys`` opens the vault (the others' checks are dropped).
+
+        Killed at any point, rerun it (with the ring it had, or with ``new_keys`` as the
+        current key and the old one as previous) and it finishes.
 
         Raises:
-            VaultKeyError: this vault's current key does not open its data keys.
+            VaultKeyError: a key of the ring fails its check, a data key is wrapped by a key
+                the ring does not hold, or writers kept wrapping data keys under an old key.
         """
         self.check()
+        new_check = _sealed_check(new_keys)
+        # 1. The new key is accepted before any data key is wrapped by it.
+        if not self.store.add_key_check(new_check):
+            stored = {check.key_id: check for check in self.store.key_checks()}
+            _open_check(new_keys, stored[new_keys.key_id])
+        self.ring = KeyRing(new_keys, [key for key in self.ring if key is not new_keys])
         rewrapped = 0
-        for tenant_id, user_id, old in self.store.data_keys():
-            context = _owner(tenant_id, user_id)
-            data_key = self.keys.unwrap(old.wrapped, context)
-            new = StoredKey(new_keys.wrap(data_key, context), new_keys.key_id)
-            # A key forgotten or re-wrapped meanwhile is left as it now is.
-            rewrapped += self.store.rewrap(tenant_id, user_id, old, new)
-        context = _owner(_CHECK_TENANT, _CHECK_USER)
-        old_check = self.store.key_check()
-        new_check = StoredKey(new_keys.wrap(_CHECK_PLAINTEXT, context), new_keys.key_id)
-        self.store.set_key_check(new_check, expected=old_check)
-        self.keys = new_keys
-        return rewrapped
+        for _ in range(_ROTATION_PASSES):
+            # 2. Each data key re-wrapped by itself, a compare-and-set: a key forgotten or
+            # re-wrapped meanwhile is left as it now is.
+            for tenant_id, user_id, old in self.store.data_keys():
+                if old.key_id == new_keys.key_id:
+                    continue
+                context = _owner(tenant_id, user_id)
+                new = StoredKey(new_keys.wrap(self.unwrap(old, context), context), new_keys.key_id)
+                rewrapped += self.store.rewrap(tenant_id, user_id, old, new)
+            # 3. The old keys' checks last: refused by the store while a data key is still
+            # wrapped by one (a process that still runs with it wrote one meanwhile).
+            left = [
+                check.key_id
+                for check in self.store.key_checks()
+                if check.key_id != new_keys.key_id and not self.store.drop_key_check(check.key_id)
+            ]
+            if not left:
+                self.ring = KeyRing(new_keys)
+                return rewrapped
+        raise VaultKeyError(
+            f"data keys kept being wrapped by master key {', '.join(left)} during the rotation: "
+            "restart keel's processes with the new key (the old one as KEEL_PII_KEY_PREVIOUS), "
+            "then run the rotation again to finish it"
+        )
+
+
+_ROTATION_PASSES = 3
+"""Passes over the data keys a rotation makes before it gives up on writers that still wrap
+new users' keys under an old master key."""
+
+
+def _sealed_check(keys: KeyProvider) -> StoredKey:
+    return StoredKey(keys.wrap(_CHECK_PLAINTEXT, _owner(_CHECK_TENANT, _CHECK_USER)), keys.key_id)
+
+
+def _open_check(keys: KeyProvider, check: StoredKey) -> None:
+    try:
+        opened = keys.unwrap(check.wrapped, _owner(_CHECK_TENANT, _CHECK_USER))
+    except VaultKeyError as exc:
+        raise VaultKeyError(
+            f"the PII master key named {keys.key_id} does not open this vault's check for "
+            "that key (a different key under the same name)"
+        ) from exc
+    if opened != _CHECK_PLAINTEXT:
+        raise VaultKeyError("the vault's key check does not match")
+
+
+def _named(checks: dict[str, StoredKey]) -> str:
+    return " and ".join(sorted(checks)) or "no key yet"
 
 
 class UserVault:
@@ -525,7 +631,7 @@ class UserVault:
             stored = self.vault.store.data_key(self.tenant_id, self.user_id)
             if stored is None:
                 return None
-            self._key = (stored, self.vault.keys.unwrap(stored.wrapped, self._context))
+            self._key = (stored, self.vault.unwrap(stored, self._context))
         return self._key
 
     def _writing_key(self) -> tuple[StoredKey, bytes]:
@@ -535,7 +641,17 @@ class UserVault:
             keys = self.vault.keys
             fresh = StoredKey(keys.wrap(secrets.token_bytes(KEY_BYTES), self._context), keys.key_id)
             stored = self.vault.store.add_data_key(self.tenant_id, self.user_id, fresh)
-            key = self._key = (stored, keys.unwrap(stored.wrapped, self._context))
+            if stored is None:
+                # No check for this key: a vault used before its check (which seals the first),
+                # or a key rotated away (which the check refuses, saying so).
+                self.vault.check()
+                stored = self.vault.store.add_data_key(self.tenant_id, self.user_id, fresh)
+            if stored is None:
+                raise VaultKeyError(
+                    f"the PII master key {keys.key_id} is no longer this vault's (a key rotation "
+                    "moved it away): restart keel with the new key"
+                )
+            key = self._key = (stored, self.vault.unwrap(stored, self._context))
         return key
 
     def _forget_key(self) -> None:

@@ -26,15 +26,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import SecretStr
 
 from keel._urls import DatabaseURL, parse_database_url
 from keel.approvals import ApprovalStore
-from keel.errors import ConfigError, UsageError
+from keel.errors import ConfigError, UsageError, VaultKeyError
 from keel.memory import Memory, MemoryStore, embedder_from_settings
-from keel.privacy import DEFAULT_MASKER, KeyProvider, MasterKey, PIIMasker, Vault, VaultStore
-from keel.settings import Settings
+from keel.privacy import (
+    DEFAULT_MASKER,
+    KeyProvider,
+    KeyRing,
+    MasterKey,
+    PIIMasker,
+    Vault,
+    VaultStore,
+)
+from keel.privacy._keys import embedded_key
+from keel.settings import Settings, default_pii_key_file
 from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
 from keel.stores._postgres_approvals import PostgresApprovalStore
@@ -54,6 +67,8 @@ from keel.tools import ToolJournal
 from keel.tracing import TraceStore
 
 __all__ = ["Backends", "open_database", "open_state_backend", "pii_key_from_settings"]
+
+logger = logging.getLogger("keel.stores")
 
 _AsyncClose = Callable[[], Awaitable[None]] | None
 _Closer = tuple[Callable[[], None], _AsyncClose]
@@ -110,7 +125,8 @@ class Backends:
         memory: bool = True,
         background: bool = True,
         privacy: PIIMasker | None = DEFAULT_MASKER,
-        pii_key: KeyProvider | None = None,
+        pii_key: KeyProvider | KeyRing | None = None,
+        vault: bool | None = None,
     ) -> Backends:
         """Open state, journal, traces and memory on ``database`` (state on Redis if set).
 
@@ -128,16 +144,24 @@ class Backends:
             privacy: the privacy policy (memory masks with it; agents on these stores too,
                 unless given their own). None turns masking off.
             pii_key: the PII vault's master key (a :class:`~keel.privacy.MasterKey` or a
-                KMS-backed :class:`~keel.privacy.KeyProvider`); default: ``settings.pii_key``,
-                else ``settings.pii_key_file``; none of them: no vault.
+                KMS-backed :class:`~keel.privacy.KeyProvider`), or a
+                :class:`~keel.privacy.KeyRing` while a rotation is under way; default:
+                ``settings.pii_key``, else ``settings.pii_key_file`` (with
+                ``settings.pii_key_previous`` / ``pii_key_previous_file`` as the previous key);
+                none of them: on SQLite the key file keel keeps in the config directory
+                (:func:`~keel.settings.default_pii_key_file`, made on first use), on
+                PostgreSQL no vault (a warning says so once).
+            vault: False: no vault, masking only (no key made or required); default:
+                ``settings.pii_vault``.
 
         Raises:
             UsageError: a URL without ``settings``.
             ConfigError: a URL keel cannot open (a Redis URL as the database, an unknown scheme).
             BackendUnavailableError: a server cannot be reached or its driver is not installed.
             StoreError: a database cannot be opened or migrated.
-            VaultKeyError: the PII key is malformed, its file is missing, or it is not the
-                key this database's vault was sealed with (nothing is left open).
+            VaultKeyError: the PII key is malformed, its file is missing or open to others,
+                it is not the key this database's vault was sealed with, or no key is given
+                for a PostgreSQL database that holds a vault (nothing is left open).
         """
         if isinstance(database, Settings):
             settings, database = database, database.database_url
@@ -148,7 +172,10 @@ class Backends:
             )
         parsed = parse_database_url(database, kinds=("sqlite", "postgres"))
         redis = _redis(settings.redis_url if redis_url is None else redis_url)
-        keys = pii_key if pii_key is not None else pii_key_from_settings(settings)
+        wanted = settings.pii_vault if vault is None else vault
+        keys = None
+        if wanted:
+            keys = pii_key if pii_key is not None else pii_key_from_settings(settings)
         closers: list[_Closer] = []
 
         def own(
@@ -159,7 +186,15 @@ class Backends:
         try:
             sql = _open_sql(parsed, settings, own)
             journal, approvals, traces, store = _sql_stores(sql)
-            vault = None if keys is None else _open_vault(sql, keys, own)
+            opened = None
+            if keys is not None:
+                opened = _open_vault(sql, keys, own)
+            elif not wanted:
+                pass  # masking only, as asked
+            elif isinstance(sql, SQLiteDatabase):
+                opened = _open_embedded_vault(sql, own)
+            else:
+                _no_vault_without_its_key(sql, parsed)
             state = (
                 _state_on_redis(redis, own)
                 if redis is not None
@@ -191,7 +226,7 @@ class Backends:
             long_term,
             sql,
             privacy,
-            vault,
+            opened,
             closers,
         )
 
@@ -272,21 +307,41 @@ def _state_on_redis(redis: DatabaseURL, own: _Own) -> StateStore[AgentState]:
     return StateStore(backend, AgentState)
 
 
-def pii_key_from_settings(settings: Settings) -> MasterKey | None:
-    """The PII master key the settings give: ``pii_key`` (``KEEL_PII_KEY``), else
-    ``pii_key_file`` (``KEEL_PII_KEY_FILE``); None when neither is set (the vault is off).
+def pii_key_from_settings(settings: Settings) -> KeyRing | None:
+    """The PII master keys the settings give: ``pii_key`` (``KEEL_PII_KEY``), else
+    ``pii_key_file`` (``KEEL_PII_KEY_FILE``), with ``pii_key_previous`` /
+    ``pii_key_previous_file`` beside it while a rotation is under way; None when no current
+    key is set (the vault is off).
 
     Raises:
-        VaultKeyError: one is set but holds no usable key (never ignored).
+        VaultKeyError: one is set but holds no usable key (never ignored), or a previous key
+            is given without a current one.
     """
-    if settings.pii_key is not None:
-        return MasterKey.from_text(settings.pii_key.get_secret_value(), source="KEEL_PII_KEY")
-    if settings.pii_key_file is not None:
-        return MasterKey.from_file(settings.pii_key_file)
+    current = _settings_key(settings.pii_key, settings.pii_key_file, "KEEL_PII_KEY")
+    previous = _settings_key(
+        settings.pii_key_previous, settings.pii_key_previous_file, "KEEL_PII_KEY_PREVIOUS"
+    )
+    if current is None:
+        if previous is not None:
+            raise VaultKeyError(
+                "KEEL_PII_KEY_PREVIOUS is set without KEEL_PII_KEY: the previous key only "
+                "unwraps beside a current one"
+            )
+        return None
+    return KeyRing(current, [] if previous is None else [previous])
+
+
+def _settings_key(text: SecretStr | None, path: Path | None, variable: str) -> MasterKey | None:
+    if text is not None:
+        return MasterKey.from_text(text.get_secret_value(), source=variable)
+    if path is not None:
+        return MasterKey.from_file(path)
     return None
 
 
-def _open_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider, own: _Own) -> Vault:
+def _open_vault(
+    sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider | KeyRing, own: _Own
+) -> Vault:
     """The vault on ``sql`` (migrated), its master key checked."""
     store: VaultStore = (
         SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
@@ -295,6 +350,48 @@ def _open_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider, own: 
     vault = Vault(store, keys)
     vault.check()
     return vault
+
+
+def _open_embedded_vault(sql: SQLiteDatabase, own: _Own) -> Vault:
+    """The embedded database's vault, under the key file keel keeps for it."""
+    path = default_pii_key_file()
+    try:
+        return _open_vault(sql, embedded_key(path), own)
+    except VaultKeyError as exc:
+        raise VaultKeyError(
+            f"{exc} [with keel's own key file {path}, used as no KEEL_PII_KEY or "
+            "KEEL_PII_KEY_FILE is set: set the key this database was sealed with, or "
+            "KEEL_PII_VAULT=off for masking only]"
+        ) from exc
+
+
+_warned_no_vault = False
+
+
+def _no_vault_without_its_key(sql: PostgresDatabase, parsed: DatabaseURL) -> None:
+    """A server database opened with no key: refused if it holds a vault (its users' turns
+    would fail, or store values unsealed beside sealed ones), else said once in the log.
+
+    Raises:
+        VaultKeyError: the database holds a vault.
+    """
+    global _warned_no_vault
+    store = PostgresVaultStore(sql)
+    counts = store.counts()
+    if store.key_checks() or counts.users or counts.values:
+        raise VaultKeyError(
+            f"this database holds a PII vault ({counts.users} users, {counts.values} values "
+            "sealed) but no PII master key is given: set KEEL_PII_KEY or KEEL_PII_KEY_FILE "
+            "(KEEL_PII_VAULT=off to run without it, its users' placeholders unresolved)"
+        )
+    if not _warned_no_vault:
+        _warned_no_vault = True
+        logger.warning(
+            "no PII master key for the PostgreSQL database %s: the vault is off, masked "
+            "values are dropped and tools get placeholders; set KEEL_PII_KEY (`keel privacy "
+            "new-key`), or KEEL_PII_VAULT=off to say masking alone is meant",
+            parsed.url.split("@")[-1],
+        )
 
 
 def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:

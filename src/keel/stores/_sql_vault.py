@@ -75,6 +75,21 @@ def vault_migrations(dialect: SqlDialect) -> MigrationSet:
                 );
                 """,
             ),
+            Migration(
+                "one key check per master key (a rotation under way accepts two), and the data "
+                "keys found by the master key that wraps them",
+                f"""
+                CREATE TABLE IF NOT EXISTS keel_pii_key_checks (
+                    key_id TEXT PRIMARY KEY,
+                    wrapped {raw} NOT NULL,
+                    created_at {real} NOT NULL
+                );
+                INSERT INTO keel_pii_key_checks (key_id, wrapped, created_at)
+                    SELECT key_id, wrapped, updated_at FROM keel_pii_key_check;
+                DROP TABLE keel_pii_key_check;
+                CREATE INDEX IF NOT EXISTS keel_pii_keys_by_master_key ON keel_pii_keys (key_id);
+                """,
+            ),
         ),
     )
 
@@ -96,27 +111,43 @@ class SQLVaultStore(VaultStore):
         with self._write() if write else self._read() as conn:
             return run_plan(conn.cursor(), self.dialect, plan())
 
-    # --- the master key's check -----------------------------------------------------------------
+    # --- the master keys' checks ----------------------------------------------------------------
 
-    def key_check(self) -> StoredKey | None:
-        return self._run(False, lambda: _one_key(_CHECK, ()))
+    def key_checks(self) -> list[StoredKey]:
+        return self._run(False, _key_checks)
 
-    def set_key_check(self, check: StoredKey, *, expected: StoredKey | None) -> bool:
-        if expected is None:
-            params: tuple[Any, ...] = (check.wrapped, check.key_id, time.time())
-            return self._run(True, lambda: _changed(_ADD_CHECK, params))
-        params = (check.wrapped, check.key_id, time.time(), expected.wrapped, expected.key_id)
-        return self._run(True, lambda: _changed(_REPLACE_CHECK, params))
+    def add_key_check(self, check: StoredKey) -> bool:
+        params = (check.key_id, check.wrapped, time.time())
+        return self._run(True, lambda: _changed(_ADD_CHECK, params))
+
+    def drop_key_check(self, key_id: str) -> bool:
+        return self._run(True, lambda: self._drop_key_check(key_id))
+
+    def _drop_key_check(self, key_id: str) -> Plan[bool]:
+        # The check's row locked first: a writer adding a data key under this master key holds
+        # it shared until it commits, so the count below (a statement of its own, which sees
+        # what committed before it) cannot miss that key.
+        if not (yield Statement(_CHECK_OF + self.dialect.row_lock, (key_id,))).rows:
+            return False
+        if int((yield Statement(_WRAPPED_BY, (key_id,))).rows[0][0]):
+            return False
+        return (yield Statement(_DROP_CHECK, (key_id,))).rowcount == 1
+
+    def wrapped_by(self, key_id: str) -> int:
+        return self._run(False, lambda: _count(_WRAPPED_BY, (key_id,)))
 
     # --- data keys ------------------------------------------------------------------------------
 
     def data_key(self, tenant_id: str, user_id: str) -> StoredKey | None:
         return self._run(False, lambda: _one_key(_DATA_KEY, (tenant_id, user_id)))
 
-    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey:
+    def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey | None:
         return self._run(True, lambda: self._add_data_key(tenant_id, user_id, key))
 
-    def _add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> Plan[StoredKey]:
+    def _add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> Plan[StoredKey | None]:
+        share = " FOR SHARE" if self.dialect.row_lock else ""
+        if not (yield Statement(_CHECK_OF + share, (key.key_id,))).rows:
+            return None  # that master key is not (or no longer) the vault's
         params = (tenant_id, user_id, key.wrapped, key.key_id, time.time())
         rows = (yield Statement(_ADD_DATA_KEY, params)).rows
         if not rows:  # another writer's key stands (committed before our insert)
@@ -274,15 +305,14 @@ class VaultCounts:
 
 
 _KEY_COLUMNS = "wrapped, key_id"
-_CHECK = f"SELECT {_KEY_COLUMNS} FROM keel_pii_key_check WHERE id = 1"
+_CHECKS = f"SELECT {_KEY_COLUMNS} FROM keel_pii_key_checks ORDER BY created_at, key_id"
 _ADD_CHECK = (
-    "INSERT INTO keel_pii_key_check (id, wrapped, key_id, updated_at) VALUES (1, ?, ?, ?) "
-    "ON CONFLICT (id) DO NOTHING"
+    "INSERT INTO keel_pii_key_checks (key_id, wrapped, created_at) VALUES (?, ?, ?) "
+    "ON CONFLICT (key_id) DO NOTHING"
 )
-_REPLACE_CHECK = (
-    "UPDATE keel_pii_key_check SET wrapped = ?, key_id = ?, updated_at = ? "
-    "WHERE id = 1 AND wrapped = ? AND key_id = ?"
-)
+_CHECK_OF = "SELECT key_id FROM keel_pii_key_checks WHERE key_id = ?"
+_DROP_CHECK = "DELETE FROM keel_pii_key_checks WHERE key_id = ?"
+_WRAPPED_BY = "SELECT COUNT(*) FROM keel_pii_keys WHERE key_id = ?"
 _OWNER = "tenant_id = ? AND user_id = ?"
 _DATA_KEY = f"SELECT {_KEY_COLUMNS} FROM keel_pii_keys WHERE {_OWNER}"
 _ADD_DATA_KEY = (
@@ -339,6 +369,14 @@ _REFS_UNNEST = "(entity, number) IN (SELECT * FROM unnest(?::text[], ?::integer[
 def _one_key(sql: str, params: tuple[Any, ...]) -> Plan[StoredKey | None]:
     rows = (yield Statement(sql, params)).rows
     return _key(rows[0]) if rows else None
+
+
+def _key_checks() -> Plan[list[StoredKey]]:
+    return [_key(row) for row in (yield Statement(_CHECKS)).rows]
+
+
+def _count(sql: str, params: tuple[Any, ...]) -> Plan[int]:
+    return int((yield Statement(sql, params)).rows[0][0])
 
 
 def _changed(sql: str, params: tuple[Any, ...]) -> Plan[bool]:

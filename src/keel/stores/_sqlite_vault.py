@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
 
-from keel.privacy import StoredKey
 from keel.stores._dialect import SQLITE
 from keel.stores._sql_vault import SQLVaultStore, vault_migrations
 from keel.stores._sqlite import SQLiteDatabase
@@ -54,13 +53,13 @@ class SQLiteVaultStore(SQLVaultStore):
         # unless the call would wait for the write lock (the database's own rule).
         return await self.db.arun(call)
 
-    def set_key_check(self, check: StoredKey, *, expected: StoredKey | None) -> bool:
-        replaced = super().set_key_check(check, expected=expected)
-        if replaced and expected is not None:
+    def drop_key_check(self, key_id: str) -> bool:
+        dropped = super().drop_key_check(key_id)
+        if dropped:
             # The last step of a rotation: the log's copies of keys wrapped by the old master
             # key go too (a leaked old key is why one rotates).
             self.purge_log()
-        return replaced
+        return dropped
 
     def forget(self, tenant_id: str, user_id: str) -> int:
         erased = super().forget(tenant_id, user_id)

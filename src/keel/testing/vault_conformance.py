@@ -11,7 +11,8 @@ as a restarted process would)::
             return lambda: SQLiteVaultStore(database)
 
 The suite checks each method's contract on opaque bytes (the store never sees a key or a value
-in the clear): the key check's and re-wrap's compare-and-set, one data key per user, numbers
+in the clear): one key check per master key, dropped only once no data key is wrapped by
+that key, the re-wrap's compare-and-set, one data key per user, numbers
 per user and entity from 1 that are never reused (not even after ``forget``), ``add_value``
 refusing a key that is no longer the user's (``add_values`` too, a batch numbered in order,
 a token given twice numbered once), and scoping: another user of the same tenant, and
@@ -27,6 +28,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+
+import pytest
 
 from keel.privacy import StoredKey, VaultStore
 
@@ -44,9 +47,13 @@ _RACES = 8
 """Rounds of each forced race (each round a fresh pair of writers at one barrier)."""
 
 
-def _key(label: str = "k") -> StoredKey:
+MASTER = "conformance-master-key"
+"""The master key id the suite's data keys name; every test's store has its check."""
+
+
+def _key(key_id: str = MASTER) -> StoredKey:
     # Opaque bytes with a zero byte in them: a store must keep bytes, not text.
-    return StoredKey(b"\x01\x00" + secrets.token_bytes(40), f"{label}-{secrets.token_hex(4)}")
+    return StoredKey(b"\x01\x00" + secrets.token_bytes(40), key_id)
 
 
 def _token() -> bytes:
@@ -58,7 +65,9 @@ def _sealed() -> bytes:
 
 
 def _with_key(store: VaultStore, owner: tuple[str, str]) -> StoredKey:
-    return store.add_data_key(*owner, _key())
+    stored = store.add_data_key(*owner, _key())
+    assert stored is not None
+    return stored
 
 
 def _race(calls: list[Callable[[], object]]) -> list[object]:
@@ -76,27 +85,80 @@ def _race(calls: list[Callable[[], object]]) -> list[object]:
 class VaultStoreConformance:
     """Behaviour every vault store shares. Provide a ``make_store`` fixture."""
 
-    # --- the master key's check -----------------------------------------------------------------
+    @pytest.fixture(autouse=True)
+    def _master_key_check(self, make_store: StoreFactory) -> None:
+        """The check of the master key that wraps the suite's data keys (a store refuses a
+        data key under a master key without one)."""
+        make_store().add_key_check(StoredKey(b"check", MASTER))
 
-    def test_the_key_check_is_set_once_then_only_by_compare_and_set(
+    # --- the master keys' checks ----------------------------------------------------------------
+
+    def test_one_key_check_per_master_key_set_once(self, make_store: StoreFactory) -> None:
+        store = make_store()
+        [master] = store.key_checks()
+        first, second = _key("first"), _key("second")
+        assert store.add_key_check(first) is True
+        assert store.add_key_check(StoredKey(b"another", first.key_id)) is False
+        assert store.add_key_check(second) is True
+        checks = sorted(make_store().key_checks(), key=lambda check: check.key_id)
+        assert checks == sorted([master, first, second], key=lambda check: check.key_id)
+
+    def test_a_data_key_under_a_master_key_without_a_check_is_refused(
         self, make_store: StoreFactory
     ) -> None:
         store = make_store()
-        assert store.key_check() is None
-        first, second, third = _key("first"), _key("second"), _key("third")
-        assert store.set_key_check(first, expected=None) is True
-        assert store.set_key_check(second, expected=None) is False
-        assert store.key_check() == first
-        assert store.set_key_check(second, expected=third) is False
-        assert store.set_key_check(second, expected=StoredKey(first.wrapped, "other")) is False
-        assert store.key_check() == first
-        assert store.set_key_check(second, expected=first) is True
-        assert make_store().key_check() == second
+        assert store.add_data_key(*ALICE, _key("rotated-away")) is None
+        assert store.data_key(*ALICE) is None
+        old = _key("old")
+        store.add_key_check(old)
+        alice = store.add_data_key(*ALICE, StoredKey(b"alice", old.key_id))
+        assert alice is not None and store.rewrap(*ALICE, alice, _key()) is True
+        assert store.drop_key_check(old.key_id) is True
+        assert store.add_data_key(*BOB, StoredKey(b"bob", old.key_id)) is None
+        assert store.data_key(*BOB) is None
+
+    def test_a_check_dropped_while_data_keys_are_added_under_it_never_strands_one(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        for round_ in range(_RACES):
+            old = _key(f"racing-{round_}")
+            store.add_key_check(old)
+            owner = ("acme", f"late-{round_}")
+            added, dropped = _race(
+                [
+                    partial(store.add_data_key, *owner, StoredKey(b"late", old.key_id)),
+                    partial(store.drop_key_check, old.key_id),
+                ]
+            )
+            # Either the key came first (the check stays) or the drop did (no key stored).
+            assert (added is None) == (dropped is True)
+            assert (store.wrapped_by(old.key_id) == 0) == (dropped is True)
+
+    def test_a_key_check_is_dropped_only_once_no_data_key_is_wrapped_by_its_key(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        old, new = _key("old"), _key("new")
+        store.add_key_check(old)
+        store.add_key_check(new)
+        alice = store.add_data_key(*ALICE, StoredKey(b"alice", old.key_id))
+        store.add_data_key(*BOB, StoredKey(b"bob", old.key_id))
+        assert alice is not None and store.wrapped_by(old.key_id) == 2
+        assert store.drop_key_check(old.key_id) is False
+        assert store.rewrap(*ALICE, alice, StoredKey(b"alice2", new.key_id)) is True
+        assert (store.wrapped_by(old.key_id), store.wrapped_by(new.key_id)) == (1, 1)
+        assert store.drop_key_check(old.key_id) is False
+        store.forget(*BOB)
+        assert store.drop_key_check(old.key_id) is True
+        assert store.drop_key_check(old.key_id) is False
+        assert {check.key_id for check in make_store().key_checks()} == {MASTER, new.key_id}
 
     def test_the_key_check_is_no_users_data_key(self, make_store: StoreFactory) -> None:
         store = make_store()
-        store.set_key_check(_key("check"), expected=None)
+        store.add_key_check(_key("check"))
         assert list(store.data_keys()) == []
+        assert store.wrapped_by("check") == 0
 
     # --- data keys ------------------------------------------------------------------------------
 
@@ -128,7 +190,7 @@ class VaultStoreConformance:
         for index in range(1203):
             owner = (f"tenant-{index % 2}", f"user-{(index * 7919) % 1203:05d}")
             expected[owner] = store.add_data_key(*owner, _key())
-        store.set_key_check(_key("check"), expected=None)
+        store.add_key_check(_key("check"))
         listed = [((tenant, user), key) for tenant, user, key in store.data_keys()]
         assert len(listed) == len(expected)
         assert dict(listed) == expected

@@ -34,6 +34,7 @@ from keel.bench.tau2._tools import call_log, retail_server, run_calls
 from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.privacy import MasterKey
+from keel.privacy._keys import write_key_file
 from keel.runtime import Agent, AgentReply
 from keel.settings import load_settings
 from keel.state import AgentState
@@ -90,7 +91,7 @@ def _pii_key(folder: Path) -> Path:
     every process of the run opens the same vault with it."""
     path = folder / "pii.key"
     if not path.exists():
-        path.write_text(MasterKey.new_key_text())
+        write_key_file(path, MasterKey.new_key_text())
     return path
 
 
