@@ -12,6 +12,10 @@ With a :class:`Vault` (a master key from ``KEEL_PII_KEY``, a key file or a
 :class:`KeyProvider`), placeholders are stable per tenant and user and the values are kept
 sealed, so tools get them back (:meth:`UserVault.resolve_arguments`) and the user reads them
 (:meth:`UserVault.reveal`), while everything persisted holds placeholders only.
+
+:func:`privacy_view` gives the one object every part of keel masks and reveals a user's text
+through, for one unit of work (a turn, a request, an adapter's call): a :class:`PrivacyView`,
+numbered through the user's vault when there is one.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from keel.privacy._vault import (
     VaultStore,
     placeholders_in,
 )
+from keel.privacy._view import PrivacyView, privacy_view, storable
 
 __all__ = [
     "DEFAULT_MASKER",
@@ -51,6 +56,7 @@ __all__ = [
     "MasterKey",
     "Numbering",
     "PIIMasker",
+    "PrivacyView",
     "RevealStream",
     "StoredKey",
     "StreamMasker",
@@ -60,4 +66,6 @@ __all__ = [
     "key_provider_from_env",
     "mask_pii",
     "placeholders_in",
+    "privacy_view",
+    "storable",
 ]
