@@ -217,6 +217,19 @@ class PrivacyView:
             return self.reveal(arguments)
         return json.dumps(_mapped_strings(parsed, self.reveal), ensure_ascii=False)
 
+    def reveal_value(self, value: Any) -> Any:
+        """``value`` (JSON-like: strings, mappings, sequences) with the user's placeholders
+        in every string revealed; the very same object without a vault."""
+        if self.user_vault is None:
+            return value
+        if isinstance(value, str):
+            return self.reveal(value)
+        if isinstance(value, Mapping):
+            return {name: self.reveal_value(item) for name, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.reveal_value(item) for item in value]
+        return value
+
     def reveal_message(self, message: Message) -> Message:
         """``message`` with its content and tool calls' arguments revealed."""
         content = self.reveal(message.content)

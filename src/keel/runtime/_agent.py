@@ -187,6 +187,10 @@ class Agent:
         self._sessions = SessionLogs(session_cache_size)
         self._hand_off: MemoryHandOff | None = None
         if memory is not None:
+            if memory.vault is None and self.vault is not None:
+                # What is written to the agent's memory outside its turns (the service's
+                # memory route, MCP) numbers its values as the turns do: in the user's vault.
+                memory.vault = self.vault
             self._hand_off = MemoryHandOff(
                 memory, tenant_id=tenant_id, budget_tokens=memory_budget_tokens, owners=self._owners
             )

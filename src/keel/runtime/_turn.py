@@ -575,7 +575,7 @@ class TurnRunner:
             self.stream.release_held()
         masking = self.deps.masking
         self.log.take_added(result.new_messages, self.loop_start, masking.mask_message)
-        text = masking.mask(sanitize(result.text))
+        text = await masking.amask(sanitize(result.text))
         escalated = await self.approvals.escalate(result)
         parked = result.status == "awaiting_approval" or escalated
         if escalated:
@@ -604,7 +604,7 @@ class TurnRunner:
             truncated=result.truncated,
             resumed=self.resume,
             output=result.output if result.ok else None,
-            error=masking.mask(result.error_message) if result.error_message else None,
+            error=await masking.amask(result.error_message) if result.error_message else None,
             approvals=tuple(pending_view(r) for r in self.approvals.requested),
         )
         reason = "turn completed" if result.ok else f"turn failed: {result.status}"
@@ -613,7 +613,7 @@ class TurnRunner:
         version = await self._save(self._with_reply(final_state, reply), reason, rebuilt=rebuilt)
         if result.ok:
             version = await self._summarize(self.state, version)
-            self._hand_off(text, position)
+            await self._hand_off(text, position)
         await self.trace.aend(
             "succeeded" if result.ok else _run_status(result.status),
             output=text,
@@ -750,7 +750,7 @@ class TurnRunner:
             workflow_state=base.machine.state if base.machine is not None else None,
             effects=tuple(call.name for call, _ in self.effects),
             reverted=True,
-            error=self.deps.masking.mask(f"{type(error).__name__}: {error}"),
+            error=await self.deps.masking.amask(f"{type(error).__name__}: {error}"),
         )
         final_state = self._with_reply(final_state, reply)
         version = await self._write(final_state, reason="turn failed: failed", good=True)
@@ -801,12 +801,12 @@ class TurnRunner:
         log.version = version
         return version
 
-    def _hand_off(self, reply: str, position: MachinePosition | None) -> None:
+    async def _hand_off(self, reply: str, position: MachinePosition | None) -> None:
         """The committed turn's words to memory, and a workflow run that reached its goal."""
         memory, machine = self.deps.memory, self.deps.workflow.machine
         if memory is None:
             return
-        memory.remember_turn(
+        await memory.remember_turn(
             self.session_id,
             self.user_id,
             self.state.runtime.turns,
@@ -820,7 +820,7 @@ class TurnRunner:
             and position.state != machine.failure
         ):
             task = next((m.content for m in self.state.messages if is_user_turn(m)), "")
-            memory.remember_run(self.session_id, self.user_id, task, self.tool_calls)
+            await memory.remember_run(self.session_id, self.user_id, task, self.tool_calls)
 
 
 def _run_status(status: str) -> Any:
