@@ -65,12 +65,10 @@ def privacy_view(
     return PrivacyView(masker, tenant_id, user_vault, per_call=per_call)
 
 
-class _NeedsVault(Exception):
-    """A text holds values the vault must place (raised to leave the event loop for it)."""
-
-
-def _needs_vault(values: Sequence[tuple[str, str]]) -> list[str]:
-    raise _NeedsVault
+_SLOT_MARK = "\ue000"
+_SLOT = re.compile("\ue000([0-9]+)\ue000")
+"""Where a finding goes in a text masked on the event loop before its values are placed in
+the vault off it (a private-use character: a text holding one is masked off the loop whole)."""
 
 
 class PrivacyView:
@@ -131,27 +129,42 @@ class PrivacyView:
             masked = self.masker.mask_text(
                 text, tenant_id=self.tenant_id, batch_numbering=self.user_vault.placeholders
             )
-            if len(self._masked) < _MASKED_KEPT and len(text) <= _MASKED_TEXT_CHARS:
-                self._masked[text] = masked
+            self._keep(text, masked)
         return masked
 
     async def amask(self, text: str) -> str:
-        """:meth:`mask` for an event loop: a text with values to place in the vault is masked
-        off the loop (a write, a round trip on PostgreSQL); one with none (most of them, and
-        every text masked before) is masked in place."""
-        if self.masker is None or not text or self.user_vault is None:
+        """:meth:`mask` for an event loop: the text's values are found in place and placed in
+        the vault off the loop (a write, a round trip on PostgreSQL), in one call for the
+        text; a text with none (most of them, and every text masked before) never leaves it."""
+        user_vault = self.user_vault
+        if self.masker is None or not text or user_vault is None:
             return self.mask(text)
         masked = self._masked.get(text)
         if masked is not None:
             return masked
-        try:
-            # The masker keeps texts without values: those come back at once, and any
-            # other stops at the numbering, before the vault is touched.
-            return self.masker.mask_text(
-                text, tenant_id=self.tenant_id, batch_numbering=_needs_vault
-            )
-        except _NeedsVault:
-            return await self.user_vault.vault.store.arun(functools.partial(self.mask, text))
+        if _SLOT_MARK in text:
+            return await user_vault.vault.store.arun(functools.partial(self.mask, text))
+        found: list[tuple[str, str]] = []
+
+        def slots(values: Sequence[tuple[str, str]]) -> list[str]:
+            found.extend(values)
+            return [f"{_SLOT_MARK}{index}{_SLOT_MARK}" for index in range(len(values))]
+
+        # The masker numbers a text's findings in one call, and keeps no text it numbered
+        # that held a value: the slots never outlive this call.
+        template = self.masker.mask_text(text, tenant_id=self.tenant_id, batch_numbering=slots)
+        if not found:
+            return template
+        placed = await user_vault.vault.store.arun(
+            functools.partial(user_vault.placeholders, found)
+        )
+        masked = _SLOT.sub(lambda slot: placed[int(slot.group(1))], template)
+        self._keep(text, masked)
+        return masked
+
+    def _keep(self, text: str, masked: str) -> None:
+        if len(self._masked) < _MASKED_KEPT and len(text) <= _MASKED_TEXT_CHARS:
+            self._masked[text] = masked
 
     def mask_value(self, value: Any) -> Any:
         """``value`` (JSON-like: strings, mappings, sequences) with every string masked."""
