@@ -10,12 +10,30 @@ from keel._bridge import run_blocking
 from keel.context import ContextMemory
 from keel.memory import Memory, Provenance, Scope
 from keel.messages import Message, ToolCall
+from keel.privacy import Vault
 from keel.runtime._replies import Recent
 
-__all__ = ["SUMMARY_KEY_PREFIX", "MemoryHandOff"]
+__all__ = ["SUMMARY_KEY_PREFIX", "MemoryHandOff", "hand_off"]
 
 SUMMARY_KEY_PREFIX = "keel:summary:"
 """A session's running summary is kept in memory under this prefix and the session id."""
+
+
+def hand_off(
+    memory: Memory | None,
+    vault: Vault | None,
+    tenant_id: str,
+    budget_tokens: int,
+    owners: Recent[str, tuple[str, str]],
+) -> MemoryHandOff | None:
+    """The agent's hand-off to ``memory`` (None without memory). A memory with no vault of
+    its own is given the agent's: what is written to it outside the turns (the service's
+    memory route, MCP) numbers its values as the turns do, in the user's vault."""
+    if memory is None:
+        return None
+    if memory.vault is None and vault is not None:
+        memory.vault = vault
+    return MemoryHandOff(memory, tenant_id=tenant_id, budget_tokens=budget_tokens, owners=owners)
 
 
 class MemoryHandOff:
