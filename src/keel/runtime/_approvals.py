@@ -201,7 +201,7 @@ class TurnApprovals:
         decision = ApprovalDecision(
             approve=approve,
             by=f"user:{runner.user_id}",
-            note=runner.deps.masking.mask(note) or None,
+            note=await runner.deps.masking.amask(note) or None,
             decided_at=time.time(),
         )
         status: ApprovalStatus = "approved" if approve else "rejected"
@@ -299,8 +299,8 @@ class TurnApprovals:
             kind=need.kind,
             tool=found.name,
             call_id=call.id,
-            arguments=deps.masking.mask(json.dumps(arguments, sort_keys=True, default=str)),
-            reason=deps.masking.mask(need.reason),
+            arguments=await deps.masking.amask(json.dumps(arguments, sort_keys=True, default=str)),
+            reason=await deps.masking.amask(need.reason),
             step=step,
             created_at=now,
             expires_at=None if expires_after is None else now + expires_after,
@@ -351,8 +351,8 @@ class TurnApprovals:
             kind="escalation",
             tool=None if stopped is None else stopped.tool,
             call_id=None if stopped is None else stopped.call_id,
-            arguments="{}" if stopped is None else masking.mask(stopped.raw_arguments),
-            reason=masking.mask(f"{result.status}: {result.error_message or ''}"),
+            arguments="{}" if stopped is None else await masking.amask(stopped.raw_arguments),
+            reason=await masking.amask(f"{result.status}: {result.error_message or ''}"),
             step=result.next_step,
             created_at=now,
             expires_at=None,
@@ -383,9 +383,9 @@ class TurnApprovals:
             if request is None or request.status == "pending":
                 continue
             if request.kind == "escalation":
-                text = masking.mask(await self._answered(request))
+                text = await masking.amask(await self._answered(request))
             else:
-                text = masking.mask(decided_text(request, await self.carry_out(request)))
+                text = await masking.amask(decided_text(request, await self.carry_out(request)))
             runner.log.append(
                 runtime_note(text, reason="approval", metadata={"approval": request.id})
             )
