@@ -26,7 +26,6 @@ from keel.privacy import (
     StreamMasker,
     UserVault,
     Vault,
-    privacy_view,
     storable,
 )
 from keel.tracing import Tracer
@@ -96,13 +95,12 @@ class Masking:
         (this masking itself when there is no vault)."""
         if self.vault is None:
             return self
-        view = privacy_view(self.masker, self.tenant_id, user_id, self.vault)
         return Masking(
             self.masker,
             self.tenant_id,
             self.vault,
             self.model_sees,
-            user_vault=view.user_vault,
+            user_vault=self.vault.user(self.tenant_id, user_id),
         )
 
     # --- values -> placeholders -----------------------------------------------------------------
