@@ -5,52 +5,27 @@ across its texts with ``per_call``; reads reveal the user's own placeholders onl
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from keel.privacy import MasterKey, PIIMasker, StoredKey, Vault, privacy_view
+from keel.privacy import MasterKey, PIIMasker, Vault, privacy_view
 from keel.stores import SQLiteDatabase
-from tests.privacy._spy import SpyVaultStore, _on_event_loop
+from tests.privacy._spy import SpyVaultStore
 
 MASKER = PIIMasker()
-
-
-class WriteSpy(SpyVaultStore):
-    """The spy store, also recording where each look-up of numbers and write of values ran."""
-
-    def __init__(self, db: SQLiteDatabase) -> None:
-        super().__init__(db)
-        self.writes_on_loop: list[bool] = []
-
-    def numbers(
-        self, tenant_id: str, user_id: str, tokens: Sequence[bytes]
-    ) -> dict[bytes, tuple[str, int]]:
-        self.writes_on_loop.append(_on_event_loop())
-        return super().numbers(tenant_id, user_id, tokens)
-
-    def add_values(
-        self,
-        tenant_id: str,
-        user_id: str,
-        values: Sequence[tuple[str, bytes, bytes]],
-        *,
-        key: StoredKey,
-    ) -> list[int] | None:
-        self.writes_on_loop.append(_on_event_loop())
-        return super().add_values(tenant_id, user_id, values, key=key)
 
 
 @pytest.fixture
 def vault(tmp_path: Path) -> Iterator[Vault]:
     with SQLiteDatabase(tmp_path / "vault.db") as db:
-        yield Vault(WriteSpy(db), MasterKey.generate())
+        yield Vault(SpyVaultStore(db), MasterKey.generate())
 
 
 async def test_amask_numbers_as_mask_does_and_writes_off_the_loop(vault: Vault) -> None:
     store = vault.store
-    assert isinstance(store, WriteSpy)
+    assert isinstance(store, SpyVaultStore)
     first = privacy_view(MASKER, "acme", "ada", vault)
     assert first.mask("mail ada@example.com") == "mail <EMAIL_1>"
     store.writes_on_loop.clear()
@@ -92,3 +67,31 @@ async def test_a_payload_reveals_the_users_own_placeholders_only(vault: Vault) -
     bob = privacy_view(MASKER, "acme", "bob", vault)
     assert await bob.revealed(payload) == payload
     assert bob.reveal_value({"to": stored}) == {"to": stored}
+
+
+async def test_a_turn_places_the_users_and_the_models_values_off_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    """The user's message and the model's answer, each with a new value: placed in the vault
+    by the turn's view off the loop (``amask``), then read back as themselves."""
+    from keel.runtime import Agent
+    from keel.testing import ScriptedModel
+
+    with SQLiteDatabase(tmp_path / "vault.db") as db:
+        store = SpyVaultStore(db)
+        agent = Agent.open(
+            f"sqlite:///{tmp_path / 'keel.db'}",
+            system_prompt="You take notes.",
+            model=ScriptedModel(["Noted; your backup is bob@backup.example."]),
+            memory=False,
+            vault=Vault(store, MasterKey.generate()),
+        )
+        try:
+            reply = await agent.run("My email is ada@example.com", session="s", user="u")
+        finally:
+            await agent.aclose()
+    assert reply.text == "Noted; your backup is bob@backup.example.", reply.text
+    assert store.writes_on_loop, "nothing was placed in the vault"
+    assert not any(store.writes_on_loop), (
+        f"the vault was written on the event loop: {store.writes_on_loop}"
+    )

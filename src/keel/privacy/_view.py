@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -162,6 +162,16 @@ class PrivacyView:
         self._keep(text, masked)
         return masked
 
+    async def aplace(self, texts: Iterable[str | None]) -> None:
+        """Place the values of ``texts`` in the vault off the event loop, ahead of code that
+        masks them synchronously on it (a tracer's record): those masks then find them in
+        this view's memo."""
+        if self.user_vault is None or self.masker is None:
+            return
+        for text in texts:
+            if text:
+                await self.amask(text)
+
     def _keep(self, text: str, masked: str) -> None:
         if len(self._masked) < _MASKED_KEPT and len(text) <= _MASKED_TEXT_CHARS:
             self._masked[text] = masked
@@ -190,6 +200,23 @@ class PrivacyView:
         changed)."""
         content = self.mask(storable(message.content))
         calls = tuple(self.mask_call(call) for call in message.tool_calls)
+        if content == message.content and calls == message.tool_calls:
+            return message
+        return message.model_copy(update={"content": content, "tool_calls": calls})
+
+    async def amask_call(self, call: ToolCall) -> ToolCall:
+        """:meth:`mask_call` for an event loop (see :meth:`amask`)."""
+        arguments = await self.amask(storable(call.arguments))
+        return (
+            call
+            if arguments == call.arguments
+            else call.model_copy(update={"arguments": arguments})
+        )
+
+    async def amask_message(self, message: Message) -> Message:
+        """:meth:`mask_message` for an event loop (see :meth:`amask`)."""
+        content = await self.amask(storable(message.content))
+        calls = tuple([await self.amask_call(call) for call in message.tool_calls])
         if content == message.content and calls == message.tool_calls:
             return message
         return message.model_copy(update={"content": content, "tool_calls": calls})

@@ -28,7 +28,7 @@ from keel.privacy import (
     Vault,
     storable,
 )
-from keel.tracing import Tracer
+from keel.tracing import LoopStep, Tracer
 
 __all__ = ["Masking", "ModelSees", "checked_model_sees"]
 
@@ -118,6 +118,19 @@ class Masking:
 
     def mask_message(self, message: Message) -> Message:
         return self.view.mask_message(message)
+
+    async def amask_message(self, message: Message) -> Message:
+        """:meth:`mask_message`, a write of new values to the vault off the event loop."""
+        return await self.view.amask_message(message)
+
+    async def aplace_step(self, step: LoopStep) -> None:
+        """Place the values of what the trace records of ``step`` (the model's output, each
+        call's arguments and result, the errors) in the vault off the event loop: the turn
+        tracer masks them on it, synchronously, and then finds them in the view's memo."""
+        texts = [step.raw_output, step.error]
+        for result in step.tool_results:
+            texts.extend((result.raw_arguments, result.output_text, result.error))
+        await self.view.aplace(texts)
 
     def traced(self, tracer: Tracer) -> Tracer:
         """``tracer`` for one turn: what it records is masked through the user's view first

@@ -464,7 +464,7 @@ class TurnRunner:
         await self.lease.check()
 
     async def _before_model_call(self, step: int, history: Sequence[Message]) -> list[Message]:
-        self.log.take(history, self.deps.masking.mask_message)
+        await self.log.atake(history, self.deps.masking.amask_message)
         # The checkpoint before the model call: compare-and-set on the version we read.
         await self._append(
             {"step": step, "machine": self.cursor.position, "runtime": self.state.runtime},
@@ -488,6 +488,7 @@ class TurnRunner:
 
     async def _after_step(self, record: StepRecord) -> None:
         self.prompt.note(record)
+        await self.deps.masking.aplace_step(record)
         if self.stream is not None:
             self.stream.end_step(record)
         await arecord_loop_step(
@@ -574,7 +575,7 @@ class TurnRunner:
         if self.stream is not None and result.truncated:
             self.stream.release_held()
         masking = self.deps.masking
-        self.log.take_added(result.new_messages, self.loop_start, masking.mask_message)
+        await self.log.atake_added(result.new_messages, self.loop_start, masking.amask_message)
         text = await masking.amask(sanitize(result.text))
         escalated = await self.approvals.escalate(result)
         parked = result.status == "awaiting_approval" or escalated
