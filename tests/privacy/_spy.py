@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from keel.privacy import VaultStore
+from keel.privacy import StoredKey, VaultStore
 from keel.stores import SQLiteDatabase
 from keel.stores._sqlite_vault import SQLiteVaultStore
 
@@ -26,12 +26,31 @@ def _on_event_loop() -> bool:
 
 
 class SpyVaultStore(SQLiteVaultStore):
-    """The real SQLite vault store; ``reads_on_loop`` has one entry per read of sealed values:
-    True when it ran on a thread with a running event loop."""
+    """The real SQLite vault store; ``reads_on_loop`` has one entry per read of sealed values,
+    ``writes_on_loop`` one per look-up of numbers and write of values: True when it ran on a
+    thread with a running event loop."""
 
     def __init__(self, db: SQLiteDatabase) -> None:
         super().__init__(db)
         self.reads_on_loop: list[bool] = []
+        self.writes_on_loop: list[bool] = []
+
+    def numbers(
+        self, tenant_id: str, user_id: str, tokens: Sequence[bytes]
+    ) -> dict[bytes, tuple[str, int]]:
+        self.writes_on_loop.append(_on_event_loop())
+        return super().numbers(tenant_id, user_id, tokens)
+
+    def add_values(
+        self,
+        tenant_id: str,
+        user_id: str,
+        values: Sequence[tuple[str, bytes, bytes]],
+        *,
+        key: StoredKey,
+    ) -> list[int] | None:
+        self.writes_on_loop.append(_on_event_loop())
+        return super().add_values(tenant_id, user_id, values, key=key)
 
     async def arun(self, call: Callable[[], _T]) -> _T:
         # As a store on a server runs its calls (the interface's default), not inline as the

@@ -587,9 +587,7 @@ async def test_a_failed_turns_reply_shows_the_users_values_of_what_was_done(
     _persisted_without_values(tmp_path / "keel.db")
 
 
-def test_values_for_the_model_need_a_vault(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_values_for_the_model_need_a_vault(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The embedded default makes its own key: this agent opts out of the vault on purpose.
     monkeypatch.setenv("KEEL_PII_VAULT", "off")
     with pytest.raises(UsageError, match="needs a PII vault"):

@@ -35,7 +35,8 @@ def mcp_command(
         raise UsageError(f"--transport is stdio or http, not {transport!r}")
     mode = "stdio" if transport == "stdio" else "http"
     settings = database_settings(database, writes=True, create=create)
-    # Memory masks with the default privacy policy; state stays off Redis (not used here).
+    # Memory masks with the default privacy policy, through the user's vault when the stores
+    # open one (KEEL_PII_KEY); state stays off Redis (not used here).
     backends = Backends.open(settings, memory=True, redis_url="")
     try:
         memory = backends.memory

@@ -1,7 +1,8 @@
 """What the adapters share to keep a user's values out of storage and give them back on reads.
 
-An adapter masks what it stores and reveals what the framework reads through a :class:`Lens`:
-one user's view for one call. With a :class:`~keel.privacy.Vault`, masking numbers each value
+An adapter masks what it stores and reveals what the framework reads through a
+:class:`~keel.privacy.PrivacyView`: one user's view for one call, the one every part of keel
+uses. With a :class:`~keel.privacy.Vault`, masking numbers each value
 with the user's stable placeholder (the value goes into the vault, sealed) and a read reveals
 the user's own placeholders (another user's, or an erased one, stay as written). Without one,
 masking is keel's masker as it always was and nothing is revealed.
@@ -20,9 +21,10 @@ from keel.privacy import (
     DEFAULT_MASKER,
     KeyProvider,
     PIIMasker,
-    UserVault,
+    PrivacyView,
     Vault,
     key_provider_from_env,
+    privacy_view,
 )
 from keel.state import StateBackend, StateStore
 from keel.stores import (
@@ -33,7 +35,7 @@ from keel.stores import (
     open_state_backend,
 )
 
-__all__ = ["NEEDS_VAULT", "Lens", "PrivateHistory", "map_texts", "open_with_vault"]
+__all__ = ["NEEDS_VAULT", "PrivateHistory", "map_texts", "open_with_vault"]
 
 NEEDS_VAULT = (
     "{} holds values sealed in a PII vault: write to it with that vault (vault=, or "
@@ -42,77 +44,6 @@ NEEDS_VAULT = (
 )
 
 S = TypeVar("S", bound=BaseModel)
-
-
-class Lens:
-    """One user's view for one call of an adapter: how it masks and reveals text.
-
-    Args:
-        masker: the adapter's masking policy.
-        tenant: the tenant whose policy applies and whose vault holds the values.
-        vault: the deployment's vault (None: masking alone, nothing revealed).
-        user: whose values these are (needed with a vault).
-        per_call: without a vault, number placeholders across every text this lens masks
-            (two different addresses in two items of one write are ``<EMAIL_1>`` and
-            ``<EMAIL_2>``) instead of per text.
-    """
-
-    def __init__(
-        self,
-        masker: PIIMasker,
-        tenant: str,
-        vault: Vault | None = None,
-        user: str | None = None,
-        *,
-        per_call: bool = False,
-    ) -> None:
-        self.masker = masker
-        self.tenant = tenant
-        self.user = user
-        self.user_vault: UserVault | None = (
-            vault.user(tenant, user) if vault is not None and user is not None else None
-        )
-        self._numbers: dict[tuple[str, str], str] | None = (
-            {} if per_call and self.user_vault is None else None
-        )
-
-    @property
-    def reveals(self) -> bool:
-        """Whether reads give values back (a vault is in use)."""
-        return self.user_vault is not None
-
-    def mask(self, text: str) -> str:
-        """``text`` as it may be stored."""
-        if self.user_vault is not None:
-            return self.masker.mask_text(
-                text, tenant_id=self.tenant, numbering=self.user_vault.placeholder
-            )
-        if self._numbers is not None:
-            return self.masker.mask_text(text, tenant_id=self.tenant, numbering=self._number)
-        return self.masker.mask_text(text, tenant_id=self.tenant)
-
-    def reveal(self, text: str) -> str:
-        """``text`` with the user's own placeholders replaced by their values."""
-        if self.user_vault is None:
-            return text
-        return self.user_vault.reveal(text)
-
-    def stamp(self) -> bytes | None:
-        """What changes when the user's data key does (created, erased by ``forget``): a
-        cache of revealed values is only good while this stays the same."""
-        if self.user_vault is None:
-            return None
-        found = self.user_vault.vault.store.data_key(self.tenant, self.user_vault.user_id)
-        return None if found is None else found.wrapped
-
-    def _number(self, entity: str, value: str) -> str:
-        assert self._numbers is not None
-        key = (entity, value)
-        found = self._numbers.get(key)
-        if found is None:
-            count = sum(1 for known in self._numbers if known[0] == entity) + 1
-            found = self._numbers[key] = f"<{entity}_{count}>"
-        return found
 
 
 class PrivateHistory(Generic[S]):
@@ -156,14 +87,14 @@ class PrivateHistory(Generic[S]):
         """Who owns a history this creates: its user, with a vault ("": nobody)."""
         return self.user_id if self.vault is not None else ""
 
-    def _reading_lens(self, owner: str) -> Lens:
-        """The lens a read reveals with: the owner's values to the owner alone (anyone else,
+    def _reading_view(self, owner: str) -> PrivacyView:
+        """The view a read reveals with: the owner's values to the owner alone (anyone else,
         or a history stored without a vault: placeholders)."""
         vault = self.vault if owner == self.user_id else None
-        return Lens(self.masker, self.tenant, vault, self.user_id)
+        return privacy_view(self.masker, self.tenant, self.user_id, vault)
 
-    def _writing_lens(self, owner: str | None, *, per_call: bool = False) -> Lens:
-        """The lens a write masks with: the user's vault numbering for a history of theirs
+    def _writing_view(self, owner: str | None, *, per_call: bool = False) -> PrivacyView:
+        """The view a write masks with: the user's vault numbering for a history of theirs
         (or a new one, ``owner`` None); masking alone for one stored without a vault.
 
         Raises:
@@ -177,7 +108,7 @@ class PrivateHistory(Generic[S]):
                 f"the history holds another user's values; {self.user_id!r} cannot write to it"
             )
         vault = self.vault if owner in (None, self.user_id) else None
-        return Lens(self.masker, self.tenant, vault, self.user_id, per_call=per_call)
+        return privacy_view(self.masker, self.tenant, self.user_id, vault, per_call=per_call)
 
     def close(self) -> None:
         """Release the database this opened (a ``state`` passed in stays open)."""

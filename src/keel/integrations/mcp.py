@@ -97,7 +97,8 @@ def memory_server(
     """An MCP server over ``memory``.
 
     Args:
-        memory: where records live (masked on write by its masker).
+        memory: where records live (masked on write by its masker, through the user's vault
+            when the memory has one).
         tenant: the tenant of every call (stdio: the process acts for one tenant).
         tenant_of_key: for HTTP, the tenant of a request's bearer key; a call without a valid
             key is refused. Exactly one of ``tenant`` and ``tenant_of_key`` is given.

@@ -240,15 +240,15 @@ class KeelSession(PrivateHistory[SessionItems]):
 
     def _encoded(self, items: list[Any], owner: str | None) -> list[str]:
         """The items as stored: masked, the placeholders of one write numbered together."""
-        mask = self._writing_lens(owner, per_call=True).mask
+        mask = self._writing_view(owner, per_call=True).mask
         return [json.dumps(_texts_changed(dict(i), mask), ensure_ascii=False) for i in items]
 
     async def _revealed(self, items: list[dict[str, Any]], owner: str) -> list[dict[str, Any]]:
         """``items`` with the owner's values in them, when the owner reads."""
-        lens = self._reading_lens(owner)
-        if not lens.reveals:
+        view = self._reading_view(owner)
+        if not view.reveals:
             return items
-        return await run_blocking(lambda: [_texts_changed(i, lens.reveal) for i in items])
+        return await run_blocking(lambda: [_texts_changed(i, view.reveal) for i in items])
 
     async def pop_item(self) -> dict[str, Any] | None:
         """Remove and return the newest item, the user's values in it (None when the session

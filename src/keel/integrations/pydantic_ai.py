@@ -386,10 +386,10 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
         return await run_blocking(self._decoded, found.state)
 
     def _decoded(self, stored: StoredMessages) -> list[ModelMessage]:
-        lens = self._reading_lens(stored.owner)
+        view = self._reading_view(stored.owner)
         dumped = [json.loads(text) for text in stored.messages]
-        if lens.reveals:
-            dumped = [map_texts(m, lens.reveal, texts=_TEXTS, kept=_KEPT) for m in dumped]
+        if view.reveals:
+            dumped = [map_texts(m, view.reveal, texts=_TEXTS, kept=_KEPT) for m in dumped]
         return ModelMessagesTypeAdapter.validate_python(dumped)
 
     async def stored(self) -> list[dict[str, Any]]:
@@ -417,7 +417,7 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
         self._version = updated.version
 
     def _encoded(self, messages: list[ModelMessage]) -> list[str]:
-        mask = self._writing_lens(self._owner).mask
+        mask = self._writing_view(self._owner).mask
         dumped = ModelMessagesTypeAdapter.dump_python(messages, mode="json")
         return [
             json.dumps(map_texts(m, mask, texts=_TEXTS, kept=_KEPT), ensure_ascii=False)

@@ -39,14 +39,12 @@ from keel.memory._records import (
     Provenance,
     Scope,
     content_hash,
-    mask_text,
-    mask_value,
     utcnow,
 )
 from keel.memory._retrieval import RUN_TYPE, MemoryHit, Retriever
 from keel.memory._store import MemoryStore
 from keel.messages import ToolCall
-from keel.privacy import DEFAULT_MASKER, PIIMasker
+from keel.privacy import DEFAULT_MASKER, PIIMasker, PrivacyView, Vault, privacy_view
 from keel.tokens import ChatTokenCounter, counter_for
 
 __all__ = ["EmbeddingStatus", "Memory", "MemoryHit", "ReplayExample"]
@@ -81,6 +79,10 @@ class Memory:
         token_model: model whose tokenizer counts the packing budget.
         judge: optional model judge (one batched call per retrieval).
         background: embed in a daemon thread (True) or only on ``process_outbox``/``flush``.
+        vault: the PII vault the records' values go to (``Backends.open`` gives the stores'
+            own): a write masks through the view of its scope's user (:meth:`view`), so a
+            value has the placeholder it has in that user's turns and reads back as itself.
+            None: placeholders are numbered per text and the values are gone.
 
     Example:
         >>> from keel.memory import Memory, Scope, default_embedder
@@ -105,8 +107,10 @@ class Memory:
         background: bool = False,
         batch_size: int = 64,
         max_attempts: int = 5,
+        vault: Vault | None = None,
     ) -> None:
         self.store = store
+        self.vault = vault
         self.embedder = embedder
         self.masker = masker
         self.config = config or RetrievalConfig()
@@ -132,6 +136,11 @@ class Memory:
         """An embedding failed (a batch's, or a query's): the message is ``last_error``."""
         self.last_error = message
 
+    def view(self, scope: Scope) -> PrivacyView:
+        """How a write to ``scope`` masks (and a read of it may reveal): through the scope's
+        user's view of the vault, or the masker alone without one."""
+        return privacy_view(self.masker, scope.tenant_id, scope.user_id, self.vault)
+
     # --- write path ---------------------------------------------------------------------
 
     def add(
@@ -155,7 +164,8 @@ class Memory:
     ) -> MemoryRecord:
         """Store a memory durably and return at once (embedding happens later).
 
-        PII is masked first. Adding identical content twice returns the first record.
+        PII is masked first, through the scope's user's vault when the memory has one.
+        Adding identical content twice returns the first record.
         A semantic record with ``subject`` and ``attribute`` supersedes the current value (a
         value the fact had before holds again as a new record, from now on; the current value
         added again is returned as it is).
@@ -177,10 +187,10 @@ class Memory:
             raise UsageError("a fact needs both subject and attribute, or neither")
         if subject is not None and kind != "semantic":
             raise UsageError("subject/attribute facts are semantic memories (kind='semantic')")
-        tenant = scope.tenant_id
-        masked = mask_text(self.masker, text, tenant)
-        subject_m = None if subject is None else mask_text(self.masker, subject, tenant)
-        attribute_m = None if attribute is None else mask_text(self.masker, attribute, tenant)
+        view = self.view(scope)
+        masked = view.mask(text)
+        subject_m = None if subject is None else view.mask(subject)
+        attribute_m = None if attribute is None else view.mask(attribute)
         now = utcnow()
         record = MemoryRecord(
             id=uuid.uuid4().hex,
@@ -200,7 +210,7 @@ class Memory:
             attribute=attribute_m,
             valid_from=(event_time or now) if subject_m is not None else None,
             content_hash=content_hash(kind, type, masked, subject_m, attribute_m, key),
-            metadata=mask_value(self.masker, dict(metadata or {}), tenant),
+            metadata=view.mask_value(dict(metadata or {})),
             key=key,
             expires_at=expires_at,
         )
@@ -336,12 +346,8 @@ class Memory:
 
     def fact_history(self, scope: Scope, subject: str, attribute: str) -> list[MemoryRecord]:
         """Every value of one fact, oldest first (superseded ones have ``valid_to`` set)."""
-        tenant = scope.tenant_id
-        return self.store.fact_history(
-            scope,
-            mask_text(self.masker, subject, tenant),
-            mask_text(self.masker, attribute, tenant),
-        )
+        view = self.view(scope)
+        return self.store.fact_history(scope, view.mask(subject), view.mask(attribute))
 
     def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
         """One record of ``scope`` by id."""

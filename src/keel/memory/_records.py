@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -19,7 +18,6 @@ __all__ = [
     "Scope",
     "content_hash",
     "mask_text",
-    "mask_value",
     "utcnow",
 ]
 
@@ -187,14 +185,3 @@ class MemoryFilter(BaseModel):
 def mask_text(masker: PIIMasker | None, text: str, tenant_id: str) -> str:
     """``text`` with its PII masked for ``tenant_id`` (as it is when masking is off)."""
     return text if masker is None else masker.mask_text(text, tenant_id=tenant_id)
-
-
-def mask_value(masker: PIIMasker | None, value: Any, tenant_id: str) -> Any:
-    """``value`` (metadata: strings, mappings, sequences) with every string masked."""
-    if isinstance(value, str):
-        return mask_text(masker, value, tenant_id)
-    if isinstance(value, Mapping):
-        return {str(k): mask_value(masker, v, tenant_id) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [mask_value(masker, v, tenant_id) for v in value]
-    return value

@@ -15,6 +15,10 @@ sealed, so tools get them back (:meth:`UserVault.resolve_arguments`) and the use
 placeholders keel placed are resolved or revealed: :func:`defang_placeholders` neutralises
 placeholder-shaped text from tools and documents, and :meth:`UserVault.note_shown` limits a
 unit of work to the placeholders the model was shown; :class:`NoVault` refuses them all.
+
+:func:`privacy_view` gives the one object every part of keel masks and reveals a user's text
+through, for one unit of work (a turn, a request, an adapter's call): a :class:`PrivacyView`,
+numbered through the user's vault when there is one.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from keel.privacy._vault import (
     defang_placeholders,
     placeholders_in,
 )
+from keel.privacy._view import PrivacyView, privacy_view, storable
 
 __all__ = [
     "DEFAULT_MASKER",
@@ -58,6 +63,7 @@ __all__ = [
     "NoVault",
     "Numbering",
     "PIIMasker",
+    "PrivacyView",
     "RevealStream",
     "StoredKey",
     "StreamMasker",
@@ -68,4 +74,6 @@ __all__ = [
     "key_provider_from_env",
     "mask_pii",
     "placeholders_in",
+    "privacy_view",
+    "storable",
 ]

@@ -42,7 +42,7 @@ from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends
 from keel.runtime._decisions import DecideOptions, answer_session, decide, resume_parked
 from keel.runtime._events import AgentEvent
-from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, MemoryHandOff
+from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, hand_off
 from keel.runtime._lease import Lease, own_session
 from keel.runtime._masking import ModelSees, checked_model_sees
 from keel.runtime._open import (
@@ -185,11 +185,7 @@ class Agent:
         # from the store on its next turn.
         self._owners: Recent[str, tuple[str, str]] = Recent(session_cache_size)
         self._sessions = SessionLogs(session_cache_size)
-        self._hand_off: MemoryHandOff | None = None
-        if memory is not None:
-            self._hand_off = MemoryHandOff(
-                memory, tenant_id=tenant_id, budget_tokens=memory_budget_tokens, owners=self._owners
-            )
+        self._hand_off = hand_off(memory, self.vault, tenant_id, memory_budget_tokens, self._owners)
         self.engine = ContextEngine(model, budget=context, memory_sink=self._hand_off)
         self.monitor = SpiralMonitor(prompt_limit=self.engine.budget.limit)
         self.backends: Backends | None = None

@@ -196,15 +196,15 @@ class TurnFacts:
     user_id: str
     tenant_id: str
     turn_id: str | None = None
-    mask: Callable[[str], str] | None = None
+    mask: Callable[[str], Awaitable[str]] | None = None
     trace: RunTrace | None = None
     emit: Callable[[AgentEvent], None] | None = None
     before_side_effect: Callable[[ToolCall], MaybeAwaitable[None]] | None = None
     confirmations: bool = False
 
-    def masked(self, text: str) -> str:
+    async def masked(self, text: str) -> str:
         """``text`` as the hold may store or show it."""
-        return text if self.mask is None else self.mask(text)
+        return text if self.mask is None else await self.mask(text)
 
 
 @tool(name=DECISION_TOOL)
@@ -279,7 +279,7 @@ class ApprovalHold:
                 f"Error: {call.name} needs a person's approval and this agent has no approval "
                 "queue, so it was not run.",
             )
-        masked = facts.masked(json.dumps(arguments.model_dump(), sort_keys=True, default=str))
+        masked = await facts.masked(json.dumps(arguments.model_dump(), sort_keys=True, default=str))
         request = await self._request(
             found, call, run.step, index, context.idempotency_key, masked, need
         )
@@ -327,7 +327,7 @@ class ApprovalHold:
             tool=found.name,
             call_id=call.id,
             arguments=arguments,
-            reason=facts.masked(need.reason),
+            reason=await facts.masked(need.reason),
             step=step,
             created_at=now,
             expires_at=None if expires_after is None else now + expires_after,
@@ -392,7 +392,7 @@ class ApprovalHold:
         decision = ApprovalDecision(
             approve=approve,
             by=f"user:{facts.user_id}",
-            note=facts.masked(note) or None,
+            note=await facts.masked(note) or None,
             decided_at=time.time(),
             channel="conversation",
             arguments_digest=arguments_digest(request.arguments),
@@ -432,8 +432,8 @@ class ApprovalHold:
             kind="escalation",
             tool=None if stopped is None else stopped.tool,
             call_id=None if stopped is None else stopped.call_id,
-            arguments="{}" if stopped is None else facts.masked(stopped.raw_arguments),
-            reason=facts.masked(f"{result.status}: {result.error_message or ''}"),
+            arguments="{}" if stopped is None else await facts.masked(stopped.raw_arguments),
+            reason=await facts.masked(f"{result.status}: {result.error_message or ''}"),
             step=result.next_step,
             created_at=now,
             expires_at=None,
@@ -463,9 +463,9 @@ class ApprovalHold:
             if request is None or request.status == "pending":
                 continue
             if request.kind == "escalation":
-                text = mask(await self._answered(request))
+                text = await mask(await self._answered(request))
             else:
-                text = mask(decided_text(request, await self.carry_out(request)))
+                text = await mask(decided_text(request, await self.carry_out(request)))
             notes.append(runtime_note(text, reason="approval", metadata={"approval": request.id}))
             await self.record_decision(request, text)
         return notes

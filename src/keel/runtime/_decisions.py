@@ -30,6 +30,7 @@ from keel.errors import AccessDeniedError, ApprovalSettledError, UsageError
 from keel.runtime._approvals import Approvals, pending_view
 from keel.runtime._events import AgentEvent
 from keel.runtime._lease import Lease
+from keel.runtime._masking import Masking
 from keel.runtime._reply import AgentReply
 from keel.runtime._session import answer, check_owner, resume_open_turn, run_turn
 from keel.runtime._turn import RunExtras, TurnDeps
@@ -84,11 +85,15 @@ async def decide(
     approve = options.get("approve")
     if not isinstance(approve, bool):
         raise UsageError("approve= must be True or False")
-    corrected = _corrected(deps, request, options.get("arguments"))
+    by = _decider(request, options.get("by"), options.get("user_id"))
+    # What a decision stores is the request's user's, whoever decides: numbered through their
+    # vault, a corrected value is theirs to resolve (per text, <EMAIL_1> is another value).
+    masking = deps.masking.for_user(request.user_id)
+    corrected = await _corrected(deps, masking, request, options.get("arguments"))
     decision = ApprovalDecision(
         approve=approve,
-        by=_decider(request, options.get("by"), options.get("user_id")),
-        note=_masked(deps, options.get("note")),
+        by=by,
+        note=await _masked(masking, options.get("note")),
         arguments=corrected,
         action=options.get("action"),
         decided_at=time.time(),
@@ -124,15 +129,17 @@ def _decider(request: ApprovalRequest, by: object, user_id: object) -> str:
     return by if by.startswith(("operator:", "user:")) else f"operator:{by}"
 
 
-def _masked(deps: TurnDeps, text: object) -> str | None:
+async def _masked(masking: Masking, text: object) -> str | None:
     if text is None:
         return None
     if not isinstance(text, str):
         raise UsageError("note= must be text")
-    return deps.masking.mask(text)
+    return await masking.amask(text)
 
 
-def _corrected(deps: TurnDeps, request: ApprovalRequest, arguments: object) -> str | None:
+async def _corrected(
+    deps: TurnDeps, masking: Masking, request: ApprovalRequest, arguments: object
+) -> str | None:
     """The approver's corrected arguments, validated as the model's are (masked, as the
     request's are), or None.
 
@@ -145,7 +152,7 @@ def _corrected(deps: TurnDeps, request: ApprovalRequest, arguments: object) -> s
     if found is None or not isinstance(arguments, str):
         raise UsageError("arguments= corrects a tool call's arguments: one JSON object")
     validated = validated_arguments(found, arguments)
-    return deps.masking.mask(json.dumps(validated.model_dump(mode="json"), sort_keys=True))
+    return await masking.amask(json.dumps(validated.model_dump(mode="json"), sort_keys=True))
 
 
 async def _expire_overdue(config: Approvals, requests: list[ApprovalRequest]) -> bool:

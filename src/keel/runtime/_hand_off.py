@@ -10,12 +10,30 @@ from keel._bridge import run_blocking
 from keel.context import ContextMemory
 from keel.memory import Memory, Provenance, Scope
 from keel.messages import Message, ToolCall
+from keel.privacy import Vault
 from keel.runtime._replies import Recent
 
-__all__ = ["SUMMARY_KEY_PREFIX", "MemoryHandOff"]
+__all__ = ["SUMMARY_KEY_PREFIX", "MemoryHandOff", "hand_off"]
 
 SUMMARY_KEY_PREFIX = "keel:summary:"
 """A session's running summary is kept in memory under this prefix and the session id."""
+
+
+def hand_off(
+    memory: Memory | None,
+    vault: Vault | None,
+    tenant_id: str,
+    budget_tokens: int,
+    owners: Recent[str, tuple[str, str]],
+) -> MemoryHandOff | None:
+    """The agent's hand-off to ``memory`` (None without memory). A memory with no vault of
+    its own is given the agent's: what is written to it outside the turns (the service's
+    memory route, MCP) numbers its values as the turns do, in the user's vault."""
+    if memory is None:
+        return None
+    if memory.vault is None and vault is not None:
+        memory.vault = vault
+    return MemoryHandOff(memory, tenant_id=tenant_id, budget_tokens=budget_tokens, owners=owners)
 
 
 class MemoryHandOff:
@@ -61,18 +79,20 @@ class MemoryHandOff:
             for item in packed.items
         ]
 
-    def remember_turn(
+    async def remember_turn(
         self, session_id: str, user_id: str, turn: int, request: str, reply: str
     ) -> None:
         """The turn's words in memory, each with its speaker's provenance: what the user wrote
         is the user's claim; what the model answered is the assistant's, never the user's (a
-        model inventing "you live at 1027 Bergen Street" is not the user saying so)."""
+        model inventing "you live at 1027 Bergen Street" is not the user saying so). The
+        writes (and the memory's masking through the user's vault) run off the event loop."""
         said: tuple[tuple[str, str, Provenance], ...] = (
             ("user", f"User: {request}", "user_claim"),
             ("assistant", f"Assistant: {reply}", "inferred"),
         )
         for speaker, text, provenance in said:
-            self.memory.add(
+            await run_blocking(
+                self.memory.add,
                 text,
                 scope=self._scope(user_id),
                 kind="episodic",
@@ -83,14 +103,19 @@ class MemoryHandOff:
                 metadata={"speaker": speaker},
             )
 
-    def remember_run(
+    async def remember_run(
         self, session_id: str, user_id: str, task: str, tool_calls: Sequence[ToolCall]
     ) -> None:
         """A workflow run that reached its goal, to be replayed as an example."""
         if not tool_calls:
             return
-        self.memory.remember_run(
-            self._scope(user_id), task, tool_calls, succeeded=True, session_id=session_id
+        await run_blocking(
+            self.memory.remember_run,
+            self._scope(user_id),
+            task,
+            tool_calls,
+            succeeded=True,
+            session_id=session_id,
         )
 
     async def archive(self, session_id: str, evicted: Sequence[Message], summary: str) -> None:

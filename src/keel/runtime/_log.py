@@ -12,7 +12,7 @@ committed turn) or by an error drops the log, and the next turn builds it again 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from keel.context import ContextEngine, Conversation
 from keel.messages import Message
@@ -99,12 +99,27 @@ class SessionLog:
         starts as the log, so positions agree)."""
         self._extend([mask(message) for message in history[len(self._messages) :]])
 
+    async def atake(
+        self, history: Sequence[Message], mask: Callable[[Message], Awaitable[Message]]
+    ) -> None:
+        """:meth:`take` with an async ``mask`` (one that writes to the vault off the loop)."""
+        self._extend([await mask(message) for message in history[len(self._messages) :]])
+
     def take_added(
         self, added: Sequence[Message], start: int, mask: Callable[[Message], Message]
     ) -> None:
         """Mask and add what a loop that started from the log's first ``start`` messages added
         (``added``, in order) and the log does not hold yet."""
         self._extend([mask(message) for message in added[len(self._messages) - start :]])
+
+    async def atake_added(
+        self,
+        added: Sequence[Message],
+        start: int,
+        mask: Callable[[Message], Awaitable[Message]],
+    ) -> None:
+        """:meth:`take_added` with an async ``mask``."""
+        self._extend([await mask(message) for message in added[len(self._messages) - start :]])
 
     def _extend(self, masked: list[Message]) -> None:
         self._messages.extend(masked)

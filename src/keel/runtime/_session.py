@@ -58,6 +58,10 @@ async def run_turn(
     session_id, user_id = ids
     # Every way into a turn (a message, a resume, a decision) numbers through its user's vault.
     deps = deps.for_user(user_id)
+    if text is not None:
+        # The message's new values go to the vault off the event loop; the turn's own mask
+        # of it (as it starts) then finds it in the view's memo.
+        await deps.masking.amask(sanitize(text))
     try:
         runner = TurnRunner(deps, lease, key, session_id, user_id, checkpoint, text, emit, extras)
         return await runner()
@@ -83,7 +87,7 @@ async def answer(
     runtime = checkpoint.state.runtime
     turn_id = extras.turn_id if extras is not None else None
     if turn_id is not None:
-        masked = deps.masking.mask(sanitize(text))
+        masked = await deps.masking.amask(sanitize(text))
         replayed = recorded_reply(checkpoint.state, turn_id, masked)
         if replayed is not None:
             return replayed.model_copy(update={"text": await deps.masking.areveal(replayed.text)})
@@ -96,7 +100,7 @@ async def answer(
     if runtime.open_turn is not None:
         open_text = open_turn_text(checkpoint.state)
         interrupted = await run_turn(deps, lease, key, ids, checkpoint, None)
-        if open_text is not None and open_text == deps.masking.mask(sanitize(text)):
+        if open_text is not None and open_text == await deps.masking.amask(sanitize(text)):
             return interrupted
         checkpoint = await deps.state.aload(key)
     reply = await run_turn(deps, lease, key, ids, checkpoint, text, emit, extras)

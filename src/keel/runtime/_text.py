@@ -10,6 +10,7 @@ from urllib.parse import quote
 from keel.context import runtime_note
 from keel.errors import UsageError
 from keel.messages import Message
+from keel.privacy import storable
 from keel.state import AgentState
 
 __all__ = [
@@ -57,10 +58,9 @@ def user_text(text: object) -> str:
 
 
 def sanitize(text: str) -> str:
-    """Text that can be stored: lone surrogates (legal in JSON, not in UTF-8) become U+FFFD."""
-    if not text:
-        return text
-    return _LONE_SURROGATE.sub("\ufffd", text)
+    """Text that can be stored: lone surrogates (legal in JSON, not in UTF-8) become U+FFFD
+    (as the privacy view makes what it masks)."""
+    return storable(text) if text else text
 
 
 def is_user_turn(message: Message) -> bool:

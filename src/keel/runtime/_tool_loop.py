@@ -38,7 +38,7 @@ finds the request decided and carries it out, once, with exactly the approved ar
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,7 +253,7 @@ class ToolLoop:
             user_id=scope.user_id or "",
             tenant_id=scope.tenant_id or "default",
             turn_id=turn_id,
-            mask=self.redact,
+            mask=None if self.redact is None else _awaitable(self.redact),
             before_side_effect=self.hooks.before_side_effect,
         )
         return ToolStep(
@@ -311,3 +311,13 @@ class ToolLoop:
             await call_hook(self.hooks.revert_to_last_good, ended.error)
             reverted = True
         return run.stopped(ended, reverted=reverted)
+
+
+def _awaitable(redact: Callable[[str], str]) -> Callable[[str], Awaitable[str]]:
+    """``redact`` as the approval hold calls it (a loop's redaction is the caller's own,
+    blocking or not: its masking writes nothing to a vault)."""
+
+    async def masked(text: str) -> str:
+        return redact(text)
+
+    return masked

@@ -422,7 +422,7 @@ class TurnRunner:
                 user_id=self.user_id,
                 tenant_id=deps.tenant_id,
                 turn_id=self.turn_id,
-                mask=deps.masking.mask,
+                mask=deps.masking.amask,
                 trace=self.trace,
                 emit=self.emit,
                 before_side_effect=self._before_side_effect,
@@ -509,7 +509,7 @@ class TurnRunner:
         await self.lease.check()
 
     async def _before_model_call(self, step: int, history: Sequence[Message]) -> list[Message]:
-        self.log.take(history, self.deps.masking.mask_message)
+        await self.log.atake(history, self.deps.masking.amask_message)
         # The checkpoint before the model call: compare-and-set on the version we read.
         await self._append(
             {"step": step, "machine": self.cursor.position, "runtime": self.state.runtime},
@@ -533,6 +533,7 @@ class TurnRunner:
 
     async def _after_step(self, record: StepRecord) -> None:
         self.prompt.note(record)
+        await self.deps.masking.aplace_step(record)
         if self.stream is not None:
             self.stream.end_step(record)
         await arecord_loop_step(
@@ -619,10 +620,10 @@ class TurnRunner:
         if self.stream is not None and result.truncated:
             self.stream.release_held()
         masking = self.deps.masking
-        self.log.take_added(result.new_messages, self.loop_start, masking.mask_message)
+        await self.log.atake_added(result.new_messages, self.loop_start, masking.amask_message)
         # What the model wrote: a placeholder it did not get from keel is stored defanged, so
         # neither this reply nor its replay or memory reveals it.
-        text = masking.mask_untrusted(sanitize(result.text))
+        text = await masking.amask_untrusted(sanitize(result.text))
         escalated = await self.hold.escalate(result)
         parked = result.status == "awaiting_approval" or escalated
         if escalated:
@@ -651,7 +652,7 @@ class TurnRunner:
             truncated=result.truncated,
             resumed=self.resume,
             output=result.output if result.ok else None,
-            error=masking.mask(result.error_message) if result.error_message else None,
+            error=await masking.amask(result.error_message) if result.error_message else None,
             approvals=tuple(pending_view(r) for r in self.hold.requested),
         )
         reason = "turn completed" if result.ok else f"turn failed: {result.status}"
@@ -660,7 +661,7 @@ class TurnRunner:
         version = await self._save(self._with_reply(final_state, reply), reason, rebuilt=rebuilt)
         if result.ok:
             version = await self._summarize(self.state, version)
-            self._hand_off(text, position)
+            await self._hand_off(text, position)
         await self.trace.aend(
             "succeeded" if result.ok else _run_status(result.status),
             output=text,
@@ -797,7 +798,7 @@ class TurnRunner:
             workflow_state=base.machine.state if base.machine is not None else None,
             effects=tuple(call.name for call, _ in self.effects),
             reverted=True,
-            error=self.deps.masking.mask(f"{type(error).__name__}: {error}"),
+            error=await self.deps.masking.amask(f"{type(error).__name__}: {error}"),
         )
         final_state = self._with_reply(final_state, reply)
         version = await self._write(final_state, reason="turn failed: failed", good=True)
@@ -848,12 +849,12 @@ class TurnRunner:
         log.version = version
         return version
 
-    def _hand_off(self, reply: str, position: MachinePosition | None) -> None:
+    async def _hand_off(self, reply: str, position: MachinePosition | None) -> None:
         """The committed turn's words to memory, and a workflow run that reached its goal."""
         memory, machine = self.deps.memory, self.deps.workflow.machine
         if memory is None:
             return
-        memory.remember_turn(
+        await memory.remember_turn(
             self.session_id,
             self.user_id,
             self.state.runtime.turns,
@@ -867,7 +868,7 @@ class TurnRunner:
             and position.state != machine.failure
         ):
             task = next((m.content for m in self.state.messages if is_user_turn(m)), "")
-            memory.remember_run(self.session_id, self.user_id, task, self.tool_calls)
+            await memory.remember_run(self.session_id, self.user_id, task, self.tool_calls)
 
 
 def _run_status(status: str) -> Any:

@@ -11,16 +11,13 @@ worker takes effect in every other at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from keel._bridge import run_blocking
-from keel.errors import PlaceholderError
-from keel.privacy import PLACEHOLDER, placeholders_in
+from keel.privacy import PrivacyView, privacy_view
 
 if TYPE_CHECKING:
-    from keel.privacy import PIIMasker, UserVault, Vault
+    from keel.privacy import PIIMasker, Vault
     from keel.service._keys import Caller
 
 __all__ = ["Disclosure"]
@@ -36,82 +33,30 @@ class Disclosure:
     vault: Vault | None = None
     operators_see_values: bool = False
 
-    def viewer(self, who: Caller, owner: str | None) -> UserVault | None:
-        """The view of the vault that shows ``owner``'s values to ``who``; None when ``who``
-        reads placeholders (an operator not granted values, or no vault)."""
+    def viewer(self, who: Caller, owner: str | None) -> PrivacyView:
+        """The privacy view ``who`` reads ``owner``'s data through: one that reveals the
+        owner's values, or one that reveals nothing (an operator not granted values, another
+        user, or no vault)."""
+        return privacy_view(None, who.tenant_id, owner, self._vault_for(who, owner))
+
+    def _vault_for(self, who: Caller, owner: str | None) -> Vault | None:
         if self.vault is None or owner is None:
             return None
         if who.user_id is not None:
             # A user key reads its own user's data only (the routes answer 404 otherwise).
-            return self.vault.user(who.tenant_id, owner) if who.user_id == owner else None
-        return self.vault.user(who.tenant_id, owner) if self.operators_see_values else None
-
-    async def shown(self, who: Caller, owner: str | None, payload: _Payload) -> _Payload:
-        """``payload`` (JSON-ready: dicts, lists, strings) as ``who`` may read ``owner``'s
-        data: the owner's placeholders replaced by their values, or left as they are."""
-        return await revealed(self.viewer(who, owner), payload)
+            return self.vault if who.user_id == owner else None
+        return self.vault if self.operators_see_values else None
 
     async def masked(
         self, masker: PIIMasker | None, tenant_id: str, user_id: str, text: str
     ) -> str:
-        """``text`` masked with the user's stable placeholders, its values kept in the vault
-        (what a user writes outside a turn, a memory note, is numbered as a turn numbers it:
-        masked without the vault, ``<EMAIL_1>`` would stand for another of the user's
-        values). Without a vault or a masker, ``text`` as it is (the store masks it)."""
-        if self.vault is None or masker is None:
-            return text
-        numbering = self.vault.user(tenant_id, user_id).placeholder
-        return await run_blocking(masker.mask_text, text, tenant_id=tenant_id, numbering=numbering)
+        """``text`` masked through ``user_id``'s privacy view before it is stored: their
+        vault's numbering (what a user writes outside a turn is numbered as a turn numbers
+        it: masked without the vault, ``<EMAIL_1>`` would stand for another of the user's
+        values), or the masker alone without a vault."""
+        return await privacy_view(masker, tenant_id, user_id, self.vault).amask(text)
 
-
-async def revealed(viewer: UserVault | None, payload: _Payload) -> _Payload:
-    """``payload`` with every placeholder ``viewer`` can resolve replaced by its value, in
-    every string it holds; another user's, erased or unknown placeholders stay as written.
-    The values are read from the vault in one look-up, off the event loop."""
-    if viewer is None:
-        return payload
-    found = list(dict.fromkeys(p for text in _strings(payload) for p in placeholders_in(text)))
-    if not found:
-        return payload
-    values = await run_blocking(_resolvable, viewer, found)
-    if not values:
-        return payload
-    replaced: _Payload = _replace(payload, values)
-    return replaced
-
-
-def _resolvable(viewer: UserVault, placeholders: list[str]) -> dict[str, str]:
-    """The values of those of ``placeholders`` that ``viewer`` resolves (all at once when it
-    resolves them all, one by one to leave the others out otherwise)."""
-    try:
-        return viewer.values(placeholders)
-    except PlaceholderError:
-        pass
-    values: dict[str, str] = {}
-    for placeholder in placeholders:
-        try:
-            values.update(viewer.values([placeholder]))
-        except PlaceholderError:
-            continue
-    return values
-
-
-def _strings(payload: Any) -> Iterator[str]:
-    if isinstance(payload, str):
-        yield payload
-    elif isinstance(payload, dict):
-        for item in payload.values():
-            yield from _strings(item)
-    elif isinstance(payload, list | tuple):
-        for item in payload:
-            yield from _strings(item)
-
-
-def _replace(payload: Any, values: dict[str, str]) -> Any:
-    if isinstance(payload, str):
-        return PLACEHOLDER.sub(lambda match: values.get(match.group(0), match.group(0)), payload)
-    if isinstance(payload, dict):
-        return {name: _replace(item, values) for name, item in payload.items()}
-    if isinstance(payload, list | tuple):
-        return [_replace(item, values) for item in payload]
-    return payload
+    async def shown(self, who: Caller, owner: str | None, payload: _Payload) -> _Payload:
+        """``payload`` (JSON-ready: dicts, lists, strings) as ``who`` may read ``owner``'s
+        data: the owner's placeholders replaced by their values, or left as they are."""
+        return await self.viewer(who, owner).revealed(payload)

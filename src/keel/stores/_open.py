@@ -207,6 +207,7 @@ class Backends:
                     embedder=embedder_from_settings(settings),
                     background=background,
                     masker=privacy,
+                    vault=opened,
                 )
                 # Memory.close stops the outbox worker and closes the store; it runs first
                 # (closers pop from the end), before the database it writes to is closed.

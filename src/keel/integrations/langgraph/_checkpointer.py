@@ -64,7 +64,7 @@ from keel.errors import (
     UsageError,
     VaultKeyError,
 )
-from keel.integrations._privacy import NEEDS_VAULT, Lens, open_with_vault
+from keel.integrations._privacy import NEEDS_VAULT, open_with_vault
 from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._heads import ThreadHeads
 from keel.integrations.langgraph._indexes import ThreadIndexes
@@ -85,7 +85,7 @@ from keel.integrations.langgraph._thread import (
     rows_of,
     run_mark_of,
 )
-from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault, privacy_view
 from keel.state import StateBackend, StateStore, VacuumReport
 
 __all__ = ["KeelCheckpointSaver", "StaleWriterError", "ThreadState"]
@@ -322,7 +322,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         user = self._user_of(config, thread_id)
         if self.vault is None or known.state.owner != user:
             return self._codec
-        return self._codec.view(Lens(self.masker, self.tenant, self.vault, user))
+        return self._codec.view(privacy_view(self.masker, self.tenant, user, self.vault))
 
     def _writing_codec(
         self, config: RunnableConfig | None, thread_id: str, known: Known | None
@@ -349,7 +349,7 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             raise AccessDeniedError(
                 f"thread {thread_id!r} holds another user's values; {user!r} cannot write to it"
             )
-        return self._codec.view(Lens(self.masker, self.tenant, self.vault, user))
+        return self._codec.view(privacy_view(self.masker, self.tenant, user, self.vault))
 
     def _sessions_of(self, config: RunnableConfig | None) -> list[str]:
         names = self._names

@@ -22,7 +22,6 @@ from langgraph.types import Send
 from pydantic import BaseModel
 
 from keel.errors import StateError
-from keel.integrations._privacy import Lens
 from keel.integrations.langgraph._thread import (
     AT,
     CACHED_SESSIONS,
@@ -36,7 +35,7 @@ from keel.integrations.langgraph._thread import (
     RunMark,
     ThreadState,
 )
-from keel.privacy import PIIMasker
+from keel.privacy import PIIMasker, PrivacyView, privacy_view
 
 __all__ = ["ThreadCodec"]
 
@@ -235,26 +234,26 @@ class ThreadCodec:
         masker: PIIMasker,
         tenant: str,
         *,
-        lens: Lens | None = None,
+        lens: PrivacyView | None = None,
         sessions: Recent[tuple[str, Any], _ListCodecs] | None = None,
     ) -> None:
         self.serde = serde
         self.masker = masker
         self.tenant = tenant
-        self.lens = lens or Lens(masker, tenant)
+        self.lens = lens or privacy_view(masker, tenant)
         self._sessions: Recent[tuple[str, Any], _ListCodecs] = (
             Recent(CACHED_SESSIONS) if sessions is None else sessions
         )
         # Whose list channels a session's cache holds: with a vault, a read gives the user's
         # own values, so each user has a cache of their own, good while their data key stays.
-        self._viewer: Any = (self.lens.user, self.lens.stamp()) if self.lens.reveals else None
+        self._viewer: Any = (self.lens.user_id, self.lens.stamp()) if self.lens.reveals else None
 
     @property
     def owner(self) -> str:
         """Who owns a namespace this codec creates: the user, with a vault."""
-        return self.lens.user or "" if self.lens.reveals else ""
+        return self.lens.user_id or "" if self.lens.reveals else ""
 
-    def view(self, lens: Lens) -> ThreadCodec:
+    def view(self, lens: PrivacyView) -> ThreadCodec:
         """This codec as one user's call sees it (masking with their numbering, reads
         revealing their values), sharing the caches of this one."""
         return ThreadCodec(self.serde, self.masker, self.tenant, lens=lens, sessions=self._sessions)
@@ -265,7 +264,7 @@ class ThreadCodec:
         ``forget``)."""
         if not self.lens.reveals:
             return
-        viewer = (self.lens.user, self.lens.stamp())
+        viewer = (self.lens.user_id, self.lens.stamp())
         if viewer != self._viewer:
             found = self._sessions.get((session, self._viewer))
             self._sessions.pop((session, self._viewer))

@@ -20,7 +20,8 @@ tenant's other stores never see it and keel's machinery works on it:
 - **TTL** in minutes as LangGraph defines it: a record expires that long after its last write
   (or read, with ``refresh_ttl``); an expired item is never returned and :meth:`sweep_ttl`
   deletes what expired.
-- **PII masked before it is stored**, as :meth:`keel.memory.Memory.add` masks: the value
+- **PII masked before it is stored**, as :meth:`keel.memory.Memory.add` masks (through the
+  scope's user's vault when the memory has one, and then read back as it was put): the value
   (every string in it) and the text searched. Namespaces and keys are identifiers, stored as
   given like the scope's tenant and user: masked, two users' emails would become one label.
 
@@ -359,24 +360,16 @@ class KeelStore(BaseStore):
         self.memory.store.set_expiry(self.scope, expiry)
 
     def _masked(self, value: Any) -> Any:
-        """A filter as the stored values were masked (each string on its own), so it compares
-        with what was stored."""
-        masker = self.memory.masker
-        if masker is None:
-            return value
-        if isinstance(value, str):
-            return masker.mask_text(value, tenant_id=self.scope.tenant_id)
-        if isinstance(value, Mapping):
-            return {name: self._masked(item) for name, item in value.items()}
-        if isinstance(value, list | tuple):
-            return [self._masked(item) for item in value]
-        return value
+        """A filter as the stored values were masked (each string on its own, through the
+        scope's privacy view), so it compares with what was stored."""
+        return self.memory.view(self.scope).mask_value(value)
 
     def _item(self, record: MemoryRecord) -> Item:
         assert record.key is not None  # item records are always keyed
         namespace, key = _parse_record_key(record.key)
         created = record.metadata.get("created_at")
-        value = record.metadata.get("value")
+        # The scope's own values come back as they were put (with a vault; else as stored).
+        value = self.memory.view(self.scope).reveal_value(record.metadata.get("value"))
         return Item(
             namespace=namespace,
             key=key,

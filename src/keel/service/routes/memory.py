@@ -85,11 +85,10 @@ async def add_memory(
     """Remember a note for the user (masked before it is stored, with the user's own
     placeholders when the service keeps a PII vault; a user claim)."""
     memory, scope = _users_memory(who, context, record.user, read=False)
-    user = record.user
-    text = await context.privacy.masked(memory.masker, who.tenant_id, user, record.text)
-    added = await memory.aadd(text, scope=scope, kind=record.kind)
+    # Memory masks through the user's vault (the service's, as the agent's memory has it).
+    added = await memory.aadd(record.text, scope=scope, kind=record.kind)
     return await context.privacy.shown(
-        who, user, added.model_dump(mode="json", exclude={"embedding"})
+        who, scope.user_id, added.model_dump(mode="json", exclude={"embedding"})
     )
 
 
