@@ -62,14 +62,17 @@ async def test_the_turns_vault_reads_run_off_the_event_loop(
 
     model = ScriptedModel(
         [
+            "Noted.",
             ScriptedModel.tool_call("send_receipt", json.dumps({"email": "<EMAIL_1>"})),
             "Sent to <EMAIL_1>.",
         ]
     )
     agent = _agent(tmp_path, model, vault, tools=[send_receipt], model_sees="values")
     try:
-        reply = await agent.run(f"I am {EMAIL}", session="s1", user="alice", turn_id="t1")
-        again = await agent.run(f"I am {EMAIL}", session="s1", user="alice", turn_id="t1")
+        await agent.run(f"I am {EMAIL}", session="s1", user="alice", turn_id="t0")
+        # A later turn's values are the store's (the view that placed them is gone).
+        reply = await agent.run("send my receipt", session="s1", user="alice", turn_id="t1")
+        again = await agent.run("send my receipt", session="s1", user="alice", turn_id="t1")
     finally:
         await agent.aclose()
     assert received == [EMAIL]
@@ -78,6 +81,39 @@ async def test_the_turns_vault_reads_run_off_the_event_loop(
     # read of a sealed value ran on keel's blocking pool, none on the loop.
     assert len(store.reads_on_loop) >= 4
     assert not any(store.reads_on_loop), store.reads_on_loop
+
+
+async def test_a_turn_reads_back_the_values_it_placed_without_the_store(
+    tmp_path: Path, spied_vault: tuple[Vault, SpyVaultStore]
+) -> None:
+    """The turn holds the values it masked in its own texts: its tool call and its reply
+    resolve them from its view, not from a read of the sealed values."""
+    vault, store = spied_vault
+    received: list[str] = []
+
+    @tool
+    def send_receipt(email: str) -> str:
+        """Send the receipt.
+
+        Args:
+            email: Where to send it.
+        """
+        received.append(email)
+        return "sent"
+
+    model = ScriptedModel(
+        [
+            ScriptedModel.tool_call("send_receipt", json.dumps({"email": "<EMAIL_1>"})),
+            "Sent to <EMAIL_1>.",
+        ]
+    )
+    agent = _agent(tmp_path, model, vault, tools=[send_receipt])
+    try:
+        reply = await agent.run(f"I am {EMAIL}", session="s1", user="alice")
+    finally:
+        await agent.aclose()
+    assert received == [EMAIL] and reply.text == f"Sent to {EMAIL}."
+    assert store.sealed_reads == 0
 
 
 class Contact(BaseModel):

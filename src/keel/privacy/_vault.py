@@ -11,9 +11,11 @@ key is stored only wrapped by the deployment's master key (:mod:`keel.privacy._k
 opened with the other stores); :meth:`Vault.user` gives the view of one tenant's user, which is
 all a turn, a tool call or an adapter ever touches: another tenant's or user's placeholder is
 unknown to it. ``forget`` destroys a user's data key and sealed values at once; their
-placeholders stay in histories, resolving to nothing. Nothing here keeps a plaintext value: a
-:class:`UserVault` holds its user's data key for its own life only (one turn, one call), and
-reads sealed values from the store each time it resolves.
+placeholders stay in histories, resolving to nothing. Nothing here keeps a plaintext value
+beyond one unit of work: a :class:`UserVault` holds its user's data key for its own life only
+(one turn, one call), and the values that unit gave it to place (which it holds in the clear
+in its own texts anyway); every other value is read sealed from the store each time it
+resolves.
 
 A placeholder's shape proves nothing: a tool's output, a web page or a document can spell
 ``<CREDIT_CARD_1>`` too, and a model can be talked into writing it. So text that enters from
@@ -412,8 +414,11 @@ class UserVault:
     """One tenant's user's view of the vault, for one unit of work (a turn, a call).
 
     It holds the user's data key while it lives (created on the first value); placeholders it
-    has looked up are remembered by token, never by value, and values are read sealed from the
-    store each time they are resolved, so a ``forget`` elsewhere takes effect at once.
+    has looked up are remembered by token. The values the unit of work gave it to place are
+    kept with their placeholders for the view's life (the unit holds them in its own texts:
+    its tool calls and its reply resolve them without a read of the store); any other value
+    is read sealed from the store each time it is resolved, so a ``forget`` elsewhere takes
+    effect at once for those, and for every value in the next unit of work.
 
     Once the unit of work has shown the model a prompt (:meth:`note_shown`), the view resolves
     and reveals only the placeholders it placed or showed (see the module docstring): the
@@ -428,6 +433,8 @@ class UserVault:
         self._key: tuple[StoredKey, bytes] | None = None
         self._numbers: dict[bytes, str] = {}
         """token -> placeholder, for the values this view has already placed."""
+        self._given: dict[str, str] = {}
+        """placeholder -> value, for the values this unit of work gave the view to place."""
         self._cipher: tuple[bytes, AESGCM, Any] | None = None
         """The data key's AES-GCM and keyed HMAC, built once for the view (not per value)."""
         self._placed: set[str] = set()
@@ -498,7 +505,10 @@ class UserVault:
                 # The user was forgotten meanwhile: a new data key, and the values under it.
                 self._forget_key()
                 continue
-            return [self._numbers[token] for token in tokens]
+            placed = [self._numbers[token] for token in tokens]
+            for placeholder, (_, value) in zip(placed, values, strict=True):
+                self._given[placeholder] = value
+            return placed
         raise PlaceholderError(f"<{values[0][0]}_?>", "the user's data key kept changing")
 
     def _add(self, stored: StoredKey, data_key: bytes, new: dict[bytes, tuple[str, str]]) -> bool:
@@ -541,12 +551,20 @@ class UserVault:
 
     def _opened(self, refs: dict[str, tuple[str, int]]) -> dict[str, str | PlaceholderError]:
         """Each placeholder of ``refs`` with its value, or the error that says why it has
-        none; the sealed values are read from the store in one call."""
-        if not refs:
-            return {}
-        rows = self.vault.store.sealed(self.tenant_id, self.user_id, list(refs.values()))
+        none: a value given to this view to place from the view, the others read sealed from
+        the store in one call."""
         opened: dict[str, str | PlaceholderError] = {}
+        unread: dict[str, tuple[str, int]] = {}
         for placeholder, ref in refs.items():
+            given = self._given.get(placeholder)
+            if given is None:
+                unread[placeholder] = ref
+            else:
+                opened[placeholder] = given
+        if not unread:
+            return opened
+        rows = self.vault.store.sealed(self.tenant_id, self.user_id, list(unread.values()))
+        for placeholder, ref in unread.items():
             row = rows.get(ref)
             key = None if row is None else self._reading_key()
             if ref not in rows:
@@ -658,6 +676,7 @@ class UserVault:
         self._key = None
         self._cipher = None
         self._numbers.clear()
+        self._given.clear()
 
     def _ciphers(self, data_key: bytes) -> tuple[AESGCM, Any]:
         """AES-GCM and the HMAC under ``data_key`` (its key schedule and padded key computed

@@ -8,9 +8,10 @@ transaction and a read.
 ``add_values`` (and ``add_value``, a batch of one) reads the user's key row with the
 dialect's row lock (PostgreSQL ``FOR UPDATE``; SQLite's write transaction holds the whole
 file), so a ``forget`` and the user's other writers wait for it: the key is compared once and
-the next numbers counted in the same transaction that inserts the batch. Each insert is
-``ON CONFLICT DO NOTHING`` and retried all the same, so a number is never taken twice even
-by a writer that holds no lock.
+the next numbers counted in the same transaction that inserts the batch, four statements
+whatever its size (the key, the tokens stored already, the entities' last numbers, one
+multi-row insert). The insert is ``ON CONFLICT DO NOTHING`` and a row it leaves out is placed
+again one by one, so a number is never taken twice even by a writer that holds no lock.
 """
 
 from __future__ import annotations
@@ -234,11 +235,57 @@ class SQLVaultStore(VaultStore):
         # number; a token given twice in the batch is numbered once.
         stored = yield from self._numbers(tenant_id, user_id, [token for _, token, _ in values])
         numbered = {token: number for token, (_, number) in stored.items()}
-        last: dict[str, int] = {}
+        new: dict[bytes, tuple[str, bytes]] = {}
         for entity, token, sealed in values:
             if token not in numbered:
-                numbered[token] = yield from self._place(owner, entity, token, sealed, last)
+                new.setdefault(token, (entity, sealed))
+        if not new:
+            return [numbered[token] for _, token, _ in values]
+        numbered.update((yield from self._insert_new(owner, new)))
+        refused = [token for token in new if token not in numbered]
+        if refused:
+            # Lost to a writer that holds no lock (it stored the token, or took the number):
+            # a token it stored keeps that number, the others are placed one by one under
+            # their entity's next number, counted again.
+            stored = yield from self._numbers(tenant_id, user_id, refused)
+            numbered.update((token, number) for token, (_, number) in stored.items())
+            recounted: dict[str, int] = {}
+            for token in refused:
+                if token not in numbered:
+                    entity, sealed = new[token]
+                    numbered[token] = yield from self._place(
+                        owner, entity, token, sealed, recounted
+                    )
         return [numbered[token] for _, token, _ in values]
+
+    def _insert_new(
+        self, owner: tuple[str, str], new: dict[bytes, tuple[str, bytes]]
+    ) -> Plan[dict[bytes, int]]:
+        """Insert ``token -> (entity, sealed)``, each under its entity's next number, in one
+        statement (per few hundred parameters) after one read of the entities' last numbers;
+        ``token -> number`` of those inserted (a row that conflicts is left out)."""
+        entities = sorted({entity for entity, _ in new.values()})
+        last = dict.fromkeys(entities, 0)
+        condition, params = self.dialect.one_of("entity", entities)
+        counted = yield Statement(
+            f"{_LAST_NUMBERS} AND {condition} GROUP BY entity", (*owner, *params)
+        )
+        last.update((str(entity), int(number)) for entity, number in counted.rows)
+        now = time.time()
+        rows: list[tuple[Any, ...]] = []
+        for token, (entity, sealed) in new.items():
+            last[entity] += 1
+            rows.append((*owner, entity, last[entity], token, sealed, now))
+        inserted: dict[bytes, int] = {}
+        size = self.dialect.most_values // len(_VALUE_COLUMNS) or len(rows)
+        for start in range(0, len(rows), size):
+            batch = rows[start : start + size]
+            markers = ", ".join(_VALUE_ROW for _ in batch)
+            result = yield Statement(
+                _ADD_VALUES.format(rows=markers), tuple(part for row in batch for part in row)
+            )
+            inserted.update((bytes(token), int(number)) for token, number in result.rows)
+        return inserted
 
     def _place(
         self,
@@ -328,6 +375,13 @@ _REWRAP = (
 _NUMBERS = f"SELECT token, entity, number FROM keel_pii_values WHERE {_OWNER}"
 _NUMBER_OF_TOKEN = f"SELECT number FROM keel_pii_values WHERE {_OWNER} AND token = ?"
 _LAST_NUMBER = f"SELECT COALESCE(MAX(number), 0) FROM keel_pii_values WHERE {_OWNER} AND entity = ?"
+_LAST_NUMBERS = f"SELECT entity, MAX(number) FROM keel_pii_values WHERE {_OWNER}"
+_VALUE_COLUMNS = ("tenant_id", "user_id", "entity", "number", "token", "sealed", "created_at")
+_VALUE_ROW = f"({', '.join('?' for _ in _VALUE_COLUMNS)})"
+_ADD_VALUES = (
+    f"INSERT INTO keel_pii_values ({', '.join(_VALUE_COLUMNS)}) "
+    "VALUES {rows} ON CONFLICT DO NOTHING RETURNING token, number"
+)
 _ADD_VALUE = (
     "INSERT INTO keel_pii_values (tenant_id, user_id, entity, number, token, sealed, created_at) "
     "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING RETURNING number"
