@@ -64,7 +64,7 @@ from keel._bridge import run_blocking
 from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
 from keel.integrations._privacy import PrivateHistory, map_texts
 from keel.messages import Message, ToolCall
-from keel.privacy import PIIMasker, Vault
+from keel.privacy import PIIMasker, PrivacyView, Vault
 from keel.state import StateStore
 
 __all__ = ["SUMMARY_MARK", "KeelHistory", "KeelMessageStore", "StoredMessages"]
@@ -80,6 +80,9 @@ _KEPT = frozenset(
     {"kind", "part_kind", "media_type", "data", "identifier", "tool_call_id", "tool_name"}
 )
 """Identifiers and encodings below those, never masked (binary data stays as it is)."""
+_RETURNED_BY_TOOLS = frozenset({"tool-return", "builtin-tool-return", "retry-prompt"})
+"""The parts whose text a tool wrote (a retry prompt is a tool's ``ModelRetry`` or its
+arguments' validation errors)."""
 
 
 def _text_of(content: Any) -> str:
@@ -417,14 +420,30 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
         self._version = updated.version
 
     def _encoded(self, messages: list[ModelMessage]) -> list[str]:
-        mask = self._writing_view(self._owner).mask
+        view = self._writing_view(self._owner)
         dumped = ModelMessagesTypeAdapter.dump_python(messages, mode="json")
-        return [
-            json.dumps(map_texts(m, mask, texts=_TEXTS, kept=_KEPT), ensure_ascii=False)
-            for m in dumped
-        ]
+        return [json.dumps(_masked_message(m, view), ensure_ascii=False) for m in dumped]
 
     async def clear(self) -> None:
         """Forget the conversation."""
         await self.state.adelete(self.conversation_id)
         self._version = self._owner = None
+
+
+def _masked_message(message: dict[str, Any], view: PrivacyView) -> dict[str, Any]:
+    """A dumped message as stored: masked, and what a tool returned in its parts defanged
+    first (:meth:`~keel.privacy.PrivacyView.mask_tool_output`)."""
+
+    def masked_part(part: Any) -> Any:
+        returned = isinstance(part, dict) and part.get("part_kind") in _RETURNED_BY_TOOLS
+        mask = view.mask_tool_output if returned else view.mask
+        return map_texts(part, mask, texts=_TEXTS, kept=_KEPT)
+
+    return {
+        name: (
+            [masked_part(part) for part in value]
+            if name == "parts" and isinstance(value, list)
+            else map_texts({name: value}, view.mask, texts=_TEXTS, kept=_KEPT)[name]
+        )
+        for name, value in message.items()
+    }
