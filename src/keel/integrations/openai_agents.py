@@ -175,8 +175,10 @@ class KeelSession(PrivateHistory[SessionItems]):
         user_id: whose values the session holds (None: the session id names the user).
         vault: the PII vault: values are stored there sealed, items hold the user's stable
             placeholders, and reads give the user their values back. Not given, and
-            ``database`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
-            open the vault on that database. Without a vault, the items of one ``add_items``
+            ``database`` a SQL URL: the vault ``Backends.open`` opens on that database
+            (``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; neither set, on SQLite keel's own key
+            file in the config directory). Without a vault (``KEEL_PII_VAULT=off``, a
+            PostgreSQL database given no key, Redis), the items of one ``add_items``
             call are numbered together (two addresses in it are ``<EMAIL_1>`` and
             ``<EMAIL_2>``), and reads give placeholders.
 
@@ -184,7 +186,8 @@ class KeelSession(PrivateHistory[SessionItems]):
     ``database``; a ``state`` store passed in is the caller's to close.
 
     Raises:
-        VaultKeyError: the environment's PII key is malformed, or not the vault's.
+        VaultKeyError: the PII key is malformed or not the vault's, or a PostgreSQL database
+            holds a vault and no key is given.
     """
 
     session_settings = None

@@ -342,14 +342,17 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
             user).
         vault: the PII vault: values are stored there sealed, the history holds the user's
             stable placeholders, and ``load`` gives the user their values back. Not given, and
-            ``database`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
-            open the vault on that database. Without a vault, ``load`` gives placeholders.
+            ``database`` a SQL URL: the vault ``Backends.open`` opens on that database
+            (``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; neither set, on SQLite keel's own key
+            file in the config directory). Without a vault (``KEEL_PII_VAULT=off``, a
+            PostgreSQL database given no key, Redis), ``load`` gives placeholders.
 
     Each ``save`` is compare-and-set on the version the last ``load`` read: a save over a
     history someone else saved since raises ``ConflictError`` and stores nothing.
 
     Raises:
-        VaultKeyError: the environment's PII key is malformed, or not the vault's.
+        VaultKeyError: the PII key is malformed or not the vault's, or a PostgreSQL database
+            holds a vault and no key is given.
     """
 
     def __init__(
