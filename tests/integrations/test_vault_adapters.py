@@ -47,6 +47,7 @@ from keel.integrations.langgraph import KeelCheckpointSaver
 from keel.integrations.openai_agents import KeelSession
 from keel.integrations.pydantic_ai import KeelMessageStore
 from keel.privacy import MasterKey, Vault
+from keel.settings import default_pii_key_file
 from keel.stores import SQLiteDatabase, SQLiteVaultStore
 
 EMAIL = "alice.smith@example.com"
@@ -102,6 +103,13 @@ def vault(db_path: Path, key: MasterKey) -> Iterator[Vault]:
         opened = Vault(SQLiteVaultStore(database), key)
         opened.check()
         yield opened
+
+
+@pytest.fixture
+def masking_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter given no vault masks alone, as a deployment says with ``KEEL_PII_VAULT=off``
+    (otherwise, on SQLite, it opens the vault under keel's own key file)."""
+    monkeypatch.setenv("KEEL_PII_VAULT", "off")
 
 
 # --- LangGraph ----------------------------------------------------------------------------------
@@ -174,8 +182,12 @@ def resuming_saver(path: str) -> KeelCheckpointSaver:
     return KeelCheckpointSaver(f"sqlite:///{path}", tenant="acme")
 
 
-def _resumed_in_a_new_process(db_path: Path, key_text: str) -> list[str]:
-    environment = {**os.environ, "KEEL_PII_KEY": key_text}
+def _resumed_in_a_new_process(db_path: Path, key_text: str | None) -> list[str]:
+    """What the tool got in a new process resuming alice's thread: the vault opened by
+    ``KEEL_PII_KEY``, or with none by keel's own key file (this test's config directory)."""
+    environment = dict(os.environ)
+    if key_text is not None:
+        environment["KEEL_PII_KEY"] = key_text
     done = subprocess.run(
         [sys.executable, "-c", _RESUME, str(db_path), str(Path(__file__).parent)],
         capture_output=True,
@@ -208,6 +220,7 @@ def test_a_graph_resumed_in_a_new_process_runs_its_tool_with_the_address_as_sqli
     assert EMAIL.encode() not in stored and b"alice.smith" not in stored
 
 
+@pytest.mark.usefixtures("masking_alone")
 def test_another_user_of_the_tenant_reads_the_thread_with_placeholders(
     db_path: Path, vault: Vault
 ) -> None:
@@ -233,6 +246,7 @@ def test_another_user_of_the_tenant_reads_the_thread_with_placeholders(
         receipt_graph(without).invoke(None, _alice())
 
 
+@pytest.mark.usefixtures("masking_alone")
 def test_a_thread_stored_before_the_vault_keeps_its_placeholders(
     db_path: Path, vault: Vault
 ) -> None:
@@ -253,6 +267,7 @@ def test_a_thread_stored_before_the_vault_keeps_its_placeholders(
     assert texts[0] == "to <EMAIL_1>" and texts[2] == "and <EMAIL_1>"
 
 
+@pytest.mark.usefixtures("masking_alone")
 def test_one_address_keeps_its_placeholder_in_every_turn_and_thread_of_the_user(
     db_path: Path, vault: Vault
 ) -> None:
@@ -400,6 +415,7 @@ async def test_an_agents_sdk_run_reads_the_address_the_first_turn_gave_from_keel
     assert EMAIL.encode() not in stored and OTHER_EMAIL.encode() not in stored
 
 
+@pytest.mark.usefixtures("masking_alone")
 async def test_another_user_reading_the_session_gets_placeholders_and_pop_reveals(
     db_path: Path, vault: Vault
 ) -> None:
@@ -432,6 +448,7 @@ async def test_another_user_reading_the_session_gets_placeholders_and_pop_reveal
         session.close()
 
 
+@pytest.mark.usefixtures("masking_alone")
 async def test_without_a_vault_one_write_numbers_its_items_together(db_path: Path) -> None:
     session = KeelSession("conv-1", database=f"sqlite:///{db_path}")
     await session.add_items(
@@ -569,17 +586,53 @@ def test_another_master_key_than_the_vaults_is_refused(
         KeelMessageStore("conv-1", database=f"sqlite:///{db_path}")
 
 
-def test_without_a_key_in_the_environment_the_adapters_mask_alone(
+def test_with_no_key_on_sqlite_a_resumed_graph_gets_the_value_under_keels_own_key_file(
+    db_path: Path,
+) -> None:
+    """No ``KEEL_PII_KEY``: the saver opens the vault as ``Backends.open`` does, under the key
+    file keel makes in the config directory; a new process finds the same key there."""
+    with KeelCheckpointSaver(f"sqlite:///{db_path}", tenant="acme") as saver:
+        assert saver.vault is not None
+        _up_to_the_tool(saver)
+    RECEIVED.clear()
+    assert _resumed_in_a_new_process(db_path, None) == [EMAIL]
+    assert default_pii_key_file().exists()
+    stored = _everything_stored(db_path)
+    assert b"<EMAIL_1>" in stored and EMAIL.encode() not in stored
+
+
+async def test_with_no_key_on_sqlite_the_sessions_and_stores_read_the_value_back(
+    db_path: Path,
+) -> None:
+    """A second session and a second message store, opened on the same file with no key,
+    read the value the first one stored: one vault, keel's own key file."""
+    database = f"sqlite:///{db_path}"
+    said = {"role": "user", "content": f"mail {EMAIL}"}
+    async with KeelSession("conv-1", database=database, user_id="alice") as first:
+        await first.add_items([said])
+    async with KeelSession("conv-1", database=database, user_id="alice") as second:
+        assert second.vault is not None
+        assert _users_texts(await second.get_items()) == [f"mail {EMAIL}"]
+        assert _users_texts(await second.all_items()) == ["mail <EMAIL_1>"]
+    async with KeelMessageStore("conv-2", database=database, user_id="alice") as first_store:
+        await first_store.save([ModelRequest(parts=[UserPromptPart(content=f"mail {EMAIL}")])])
+    async with KeelMessageStore("conv-2", database=database, user_id="alice") as second_store:
+        loaded = await second_store.load()
+        assert loaded[0].parts[0].content == f"mail {EMAIL}"
+    assert EMAIL.encode() not in _everything_stored(db_path)
+
+
+def test_with_keel_pii_vault_off_the_adapters_mask_alone(
     db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("KEEL_PII_KEY", raising=False)
-    monkeypatch.delenv("KEEL_PII_KEY_FILE", raising=False)
+    monkeypatch.setenv("KEEL_PII_VAULT", "off")
     database = f"sqlite:///{db_path}"
     with KeelCheckpointSaver(database) as saver:
         assert saver.vault is None
     for adapter in (KeelSession("c", database=database), KeelMessageStore("c", database=database)):
         assert adapter.vault is None
         adapter.close()
+    assert not default_pii_key_file().exists()
 
 
 def test_on_postgresql_the_environments_key_opens_the_vault_beside_the_checkpoints(
@@ -594,6 +647,10 @@ def test_on_postgresql_the_environments_key_opens_the_vault_beside_the_checkpoin
         receipt_graph(saver).invoke(None, _alice())
     assert RECEIVED == [EMAIL]
     monkeypatch.delenv("KEEL_PII_KEY")
+    # A server database that holds a vault is refused without its key, as Backends.open does.
+    with pytest.raises(VaultKeyError, match="holds a PII vault"):
+        KeelCheckpointSaver(postgres_url, tenant="acme")
+    monkeypatch.setenv("KEEL_PII_VAULT", "off")
     with KeelCheckpointSaver(postgres_url, tenant="acme") as masked:
         stored = masked.get_tuple(_alice())
         assert stored is not None and EMAIL not in repr(stored.checkpoint)

@@ -10,10 +10,11 @@ masking is keel's masker as it always was and nothing is revealed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Generic, Self, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from keel._urls import parse_database_url
 from keel.errors import AccessDeniedError, ConfigError, UsageError, VaultKeyError
@@ -29,10 +30,9 @@ from keel.privacy import (
 from keel.state import StateBackend, StateStore
 from keel.stores import (
     PostgresStateBackend,
-    PostgresVaultStore,
     SQLiteStateBackend,
-    SQLiteVaultStore,
     open_state_backend,
+    open_vault,
 )
 
 __all__ = ["NEEDS_VAULT", "PrivateHistory", "map_texts", "open_with_vault"]
@@ -129,30 +129,44 @@ class PrivateHistory(Generic[S]):
 
 def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault | None]:
     """The state backend ``url`` names, and the vault the adapter uses: ``vault`` when given;
-    else, for a SQL URL, the one ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` open on that very
-    database (neither set, or a Redis URL: None). The vault's store closes with the backend.
+    else, for a SQL URL, the one an agent on that very database gets from ``Backends.open``
+    (:func:`keel.stores.open_vault`): under ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; with
+    neither, on SQLite under keel's own key file in the config directory, on PostgreSQL none
+    (refused where the database holds a vault); none with ``KEEL_PII_VAULT=off``, or for a
+    Redis URL. The vault's store closes with the backend.
 
     Raises:
-        VaultKeyError: the environment's key is malformed (nothing is opened) or is not the
-            database's vault's (the backend is closed again).
+        VaultKeyError: the environment's key is malformed (nothing is opened), or the key is
+            not the database's vault's, or a PostgreSQL database holds a vault and no key is
+            given (the backend is closed again).
+        ConfigError: ``KEEL_PII_VAULT`` is not a yes or a no.
     """
     keys: KeyProvider | None = None
-    if vault is None and _names_sql(url):
+    wanted = vault is None and _names_sql(url) and _vault_wanted()
+    if wanted:
         keys = key_provider_from_env()
     backend = open_state_backend(url)
-    if keys is None:
+    if not wanted:
         return backend, vault
     try:
         if isinstance(backend, SQLiteStateBackend):
-            opened = Vault(SQLiteVaultStore(backend.db), keys)
-        else:
-            assert isinstance(backend, PostgresStateBackend)
-            opened = Vault(PostgresVaultStore(backend.database), keys)
-        opened.check()
+            return backend, open_vault(backend.db, keys)
+        assert isinstance(backend, PostgresStateBackend)
+        return backend, open_vault(backend.database, keys)
     except BaseException:
         backend.close()
         raise
-    return backend, opened
+
+
+def _vault_wanted() -> bool:
+    """What ``KEEL_PII_VAULT`` says (the setting ``Backends.open`` reads): unset, yes."""
+    said = os.environ.get("KEEL_PII_VAULT", "").strip()
+    if not said:
+        return True
+    try:
+        return TypeAdapter(bool).validate_python(said)
+    except ValidationError:
+        raise ConfigError(f"KEEL_PII_VAULT={said!r}: say on or off") from None
 
 
 def _names_sql(url: str) -> bool:

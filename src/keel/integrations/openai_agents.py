@@ -52,7 +52,7 @@ from keel.errors import ConflictError, StateError
 from keel.integrations._privacy import PrivateHistory
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel
-from keel.privacy import PIIMasker, Vault
+from keel.privacy import PIIMasker, PrivacyView, Vault
 from keel.state import StateStore
 
 __all__ = ["SUMMARY_MARK", "KeelSession", "SessionItems"]
@@ -61,6 +61,9 @@ SUMMARY_MARK = "[keel summary of the earlier conversation]\n"
 """How the summary item's text starts."""
 
 _MASKED_KEYS = frozenset({"content", "text", "output", "arguments"})
+_WRITTEN_BY_THE_MODEL = frozenset({"function_call", "custom_tool_call", "reasoning"})
+"""The kinds of item without a role whose text the model wrote; any other (a tool's output,
+a hosted tool's call with its results) holds what a tool returned."""
 
 
 class SessionItems(BaseModel):
@@ -84,6 +87,18 @@ def _texts_changed(value: Any, change: Callable[[str], str], key: str | None = N
     if isinstance(value, str) and key in _MASKED_KEYS:
         return change(value)
     return value
+
+
+def _masked_item(item: dict[str, Any], view: PrivacyView) -> dict[str, Any]:
+    """``item`` as stored: masked, and what a tool returned in it defanged first
+    (:meth:`~keel.privacy.PrivacyView.mask_tool_output`); a call's arguments are the model's."""
+    if "role" in item or item.get("type") in _WRITTEN_BY_THE_MODEL:
+        written: dict[str, Any] = _texts_changed(item, view.mask)
+        return written
+    masked: dict[str, Any] = _texts_changed(item, view.mask_tool_output)
+    if "arguments" in item:
+        masked["arguments"] = _texts_changed(item["arguments"], view.mask, "arguments")
+    return masked
 
 
 def _text(content: Any) -> str:
@@ -160,8 +175,10 @@ class KeelSession(PrivateHistory[SessionItems]):
         user_id: whose values the session holds (None: the session id names the user).
         vault: the PII vault: values are stored there sealed, items hold the user's stable
             placeholders, and reads give the user their values back. Not given, and
-            ``database`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
-            open the vault on that database. Without a vault, the items of one ``add_items``
+            ``database`` a SQL URL: the vault ``Backends.open`` opens on that database
+            (``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; neither set, on SQLite keel's own key
+            file in the config directory). Without a vault (``KEEL_PII_VAULT=off``, a
+            PostgreSQL database given no key, Redis), the items of one ``add_items``
             call are numbered together (two addresses in it are ``<EMAIL_1>`` and
             ``<EMAIL_2>``), and reads give placeholders.
 
@@ -169,7 +186,8 @@ class KeelSession(PrivateHistory[SessionItems]):
     ``database``; a ``state`` store passed in is the caller's to close.
 
     Raises:
-        VaultKeyError: the environment's PII key is malformed, or not the vault's.
+        VaultKeyError: the PII key is malformed or not the vault's, or a PostgreSQL database
+            holds a vault and no key is given.
     """
 
     session_settings = None
@@ -240,8 +258,8 @@ class KeelSession(PrivateHistory[SessionItems]):
 
     def _encoded(self, items: list[Any], owner: str | None) -> list[str]:
         """The items as stored: masked, the placeholders of one write numbered together."""
-        mask = self._writing_view(owner, per_call=True).mask
-        return [json.dumps(_texts_changed(dict(i), mask), ensure_ascii=False) for i in items]
+        view = self._writing_view(owner, per_call=True)
+        return [json.dumps(_masked_item(dict(i), view), ensure_ascii=False) for i in items]
 
     async def _revealed(self, items: list[dict[str, Any]], owner: str) -> list[dict[str, Any]]:
         """``items`` with the owner's values in them, when the owner reads."""

@@ -64,7 +64,7 @@ from keel._bridge import run_blocking
 from keel.context import ContextBudget, ContextEngine, PruningPolicy, SummaryPolicy
 from keel.integrations._privacy import PrivateHistory, map_texts
 from keel.messages import Message, ToolCall
-from keel.privacy import PIIMasker, Vault
+from keel.privacy import PIIMasker, PrivacyView, Vault
 from keel.state import StateStore
 
 __all__ = ["SUMMARY_MARK", "KeelHistory", "KeelMessageStore", "StoredMessages"]
@@ -80,6 +80,9 @@ _KEPT = frozenset(
     {"kind", "part_kind", "media_type", "data", "identifier", "tool_call_id", "tool_name"}
 )
 """Identifiers and encodings below those, never masked (binary data stays as it is)."""
+_RETURNED_BY_TOOLS = frozenset({"tool-return", "builtin-tool-return", "retry-prompt"})
+"""The parts whose text a tool wrote (a retry prompt is a tool's ``ModelRetry`` or its
+arguments' validation errors)."""
 
 
 def _text_of(content: Any) -> str:
@@ -339,14 +342,17 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
             user).
         vault: the PII vault: values are stored there sealed, the history holds the user's
             stable placeholders, and ``load`` gives the user their values back. Not given, and
-            ``database`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
-            open the vault on that database. Without a vault, ``load`` gives placeholders.
+            ``database`` a SQL URL: the vault ``Backends.open`` opens on that database
+            (``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; neither set, on SQLite keel's own key
+            file in the config directory). Without a vault (``KEEL_PII_VAULT=off``, a
+            PostgreSQL database given no key, Redis), ``load`` gives placeholders.
 
     Each ``save`` is compare-and-set on the version the last ``load`` read: a save over a
     history someone else saved since raises ``ConflictError`` and stores nothing.
 
     Raises:
-        VaultKeyError: the environment's PII key is malformed, or not the vault's.
+        VaultKeyError: the PII key is malformed or not the vault's, or a PostgreSQL database
+            holds a vault and no key is given.
     """
 
     def __init__(
@@ -417,14 +423,30 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
         self._version = updated.version
 
     def _encoded(self, messages: list[ModelMessage]) -> list[str]:
-        mask = self._writing_view(self._owner).mask
+        view = self._writing_view(self._owner)
         dumped = ModelMessagesTypeAdapter.dump_python(messages, mode="json")
-        return [
-            json.dumps(map_texts(m, mask, texts=_TEXTS, kept=_KEPT), ensure_ascii=False)
-            for m in dumped
-        ]
+        return [json.dumps(_masked_message(m, view), ensure_ascii=False) for m in dumped]
 
     async def clear(self) -> None:
         """Forget the conversation."""
         await self.state.adelete(self.conversation_id)
         self._version = self._owner = None
+
+
+def _masked_message(message: dict[str, Any], view: PrivacyView) -> dict[str, Any]:
+    """A dumped message as stored: masked, and what a tool returned in its parts defanged
+    first (:meth:`~keel.privacy.PrivacyView.mask_tool_output`)."""
+
+    def masked_part(part: Any) -> Any:
+        returned = isinstance(part, dict) and part.get("part_kind") in _RETURNED_BY_TOOLS
+        mask = view.mask_tool_output if returned else view.mask
+        return map_texts(part, mask, texts=_TEXTS, kept=_KEPT)
+
+    return {
+        name: (
+            [masked_part(part) for part in value]
+            if name == "parts" and isinstance(value, list)
+            else map_texts({name: value}, view.mask, texts=_TEXTS, kept=_KEPT)[name]
+        )
+        for name, value in message.items()
+    }

@@ -32,7 +32,13 @@ from pydantic import BaseModel
 from keel.errors import PlaceholderError
 from keel.messages import Message, ToolCall
 from keel.privacy._masker import PIIMasker
-from keel.privacy._vault import PLACEHOLDER, UserVault, Vault, placeholders_in
+from keel.privacy._vault import (
+    PLACEHOLDER,
+    UserVault,
+    Vault,
+    defang_placeholders,
+    placeholders_in,
+)
 
 __all__ = ["PrivacyView", "privacy_view", "storable"]
 
@@ -212,6 +218,17 @@ class PrivacyView:
     async def amask_untrusted(self, text: str) -> str:
         """:meth:`mask_untrusted` for an event loop (see :meth:`amask`)."""
         return await self.amask(self.untrusted(text))
+
+    def mask_tool_output(self, text: str) -> str:
+        """:meth:`mask` of what a tool returned into a framework's history (an adapter's
+        write: a LangGraph ``ToolMessage``, an Agents SDK tool output, a pydantic-ai tool
+        return). The framework's tools and model were given the user's values, never
+        placeholders, so with a vault every placeholder-shaped text in it is the tool's own:
+        defanged, it is never revealed as the user's value when the history is read. Without
+        a vault nothing is revealed, and a history stored so keeps its placeholders."""
+        if self.user_vault is not None:
+            text = defang_placeholders(text)
+        return self.mask(text)
 
     def _content(self, message: Message) -> str:
         """A message's content before masking: the user's own words are theirs, a model's or a

@@ -19,7 +19,9 @@ Two narrower openers remain, for their public signatures: :func:`open_state_back
 backend alone, from any URL: ``KeelCheckpointSaver(url)``, the Agents SDK session, the state
 conformance kit) and :func:`open_database` (the embedded SQLite file, unmigrated: ``keel
 doctor``). Both parse the URL with :func:`keel._urls.parse_database_url`, as ``Backends.open``
-does; the store classes themselves take a database object, never a URL.
+does; the store classes themselves take a database object, never a URL. Whoever opens a
+database opens its PII vault with :func:`open_vault`, so that the adapters get the same vault
+(and the same embedded default key) as an agent on ``Backends.open``.
 """
 
 from __future__ import annotations
@@ -66,7 +68,13 @@ from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
 
-__all__ = ["Backends", "open_database", "open_state_backend", "pii_key_from_settings"]
+__all__ = [
+    "Backends",
+    "open_database",
+    "open_state_backend",
+    "open_vault",
+    "pii_key_from_settings",
+]
 
 logger = logging.getLogger("keel.stores")
 
@@ -186,15 +194,9 @@ class Backends:
         try:
             sql = _open_sql(parsed, settings, own)
             journal, approvals, traces, store = _sql_stores(sql)
-            opened = None
-            if keys is not None:
-                opened = _open_vault(sql, keys, own)
-            elif not wanted:
-                pass  # masking only, as asked
-            elif isinstance(sql, SQLiteDatabase):
-                opened = _open_embedded_vault(sql, own)
-            else:
-                _no_vault_without_its_key(sql, parsed)
+            opened = open_vault(sql, keys, wanted=wanted)
+            if opened is not None:
+                own(opened.store.close, None)
             state = (
                 _state_on_redis(redis, own)
                 if redis is not None
@@ -340,24 +342,46 @@ def _settings_key(text: SecretStr | None, path: Path | None, variable: str) -> M
     return None
 
 
-def _open_vault(
-    sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider | KeyRing, own: _Own
-) -> Vault:
-    """The vault on ``sql`` (migrated), its master key checked."""
+def open_vault(
+    sql: SQLiteDatabase | PostgresDatabase,
+    keys: KeyProvider | KeyRing | None,
+    *,
+    wanted: bool = True,
+) -> Vault | None:
+    """The PII vault on ``sql`` (migrated, its master key checked), as every opener of keel
+    opens it: under ``keys`` when given; else, unless ``wanted`` is False (masking only, no
+    key made or required), on SQLite under the key file keel keeps in the config directory
+    (:func:`~keel.settings.default_pii_key_file`, made on first use) and on PostgreSQL none.
+    Its store holds nothing of its own: it closes with ``sql``.
+
+    Raises:
+        VaultKeyError: the key is not this database's vault's, the key file cannot be made or
+            read, or no key is given for a PostgreSQL database that holds a vault.
+    """
+    if keys is not None:
+        return _checked_vault(sql, keys)
+    if not wanted:
+        return None
+    if isinstance(sql, SQLiteDatabase):
+        return _open_embedded_vault(sql)
+    _no_vault_without_its_key(sql)
+    return None
+
+
+def _checked_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider | KeyRing) -> Vault:
     store: VaultStore = (
         SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
     )
-    own(store.close, None)
     vault = Vault(store, keys)
     vault.check()
     return vault
 
 
-def _open_embedded_vault(sql: SQLiteDatabase, own: _Own) -> Vault:
+def _open_embedded_vault(sql: SQLiteDatabase) -> Vault:
     """The embedded database's vault, under the key file keel keeps for it."""
     path = default_pii_key_file()
     try:
-        return _open_vault(sql, embedded_key(path), own)
+        return _checked_vault(sql, embedded_key(path))
     except VaultKeyError as exc:
         raise VaultKeyError(
             f"{exc} [with keel's own key file {path}, used as no KEEL_PII_KEY or "
@@ -369,7 +393,7 @@ def _open_embedded_vault(sql: SQLiteDatabase, own: _Own) -> Vault:
 _warned_no_vault = False
 
 
-def _no_vault_without_its_key(sql: PostgresDatabase, parsed: DatabaseURL) -> None:
+def _no_vault_without_its_key(sql: PostgresDatabase) -> None:
     """A server database opened with no key: refused if it holds a vault (its users' turns
     would fail, or store values unsealed beside sealed ones), else said once in the log.
 
@@ -391,7 +415,7 @@ def _no_vault_without_its_key(sql: PostgresDatabase, parsed: DatabaseURL) -> Non
             "no PII master key for the PostgreSQL database %s: the vault is off, masked "
             "values are dropped and tools get placeholders; set KEEL_PII_KEY (`keel privacy "
             "new-key`), or KEEL_PII_VAULT=off to say masking alone is meant",
-            parsed.url.split("@")[-1],
+            sql.url.split("@")[-1],
         )
 
 

@@ -106,14 +106,16 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         clock: seconds since the epoch, for tests of expiry.
         vault: the PII vault: values are stored there sealed, checkpoints hold the user's
             placeholders, and reads give the user their values back. Not given, and
-            ``backend`` a SQL URL: ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE`` in the environment
-            open the vault on that database (neither set: masking alone, as without a vault).
+            ``backend`` a SQL URL: the vault ``Backends.open`` opens on that database
+            (``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; neither set, on SQLite keel's own key
+            file in the config directory; ``KEEL_PII_VAULT=off``: masking alone).
         user: whose values a thread holds when its config says nothing:
             ``config["configurable"]["user_id"]`` names the user; without it, this; without
             both, the thread id (each thread its own user).
 
     Raises:
-        VaultKeyError: the environment's PII key is malformed, or not the vault's.
+        VaultKeyError: the PII key is malformed or not the vault's, or a PostgreSQL database
+            holds a vault and no key is given.
     """
 
     def __init__(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from langchain_core.messages import ToolMessage
 from langgraph.checkpoint.base import (
     ChannelVersions,
     Checkpoint,
@@ -183,6 +184,13 @@ class _Refs:
         return None
 
 
+def _returned_by_a_tool(value: Any) -> bool:
+    """Whether ``value`` is a tool's message (a ``ToolMessage``, or one as a dict)."""
+    if isinstance(value, ToolMessage):
+        return True
+    return type(value) is dict and (value.get("role") == "tool" or value.get("type") == "tool")
+
+
 def _internal(channel: str) -> bool:
     """LangGraph's own channels (``__pregel_tasks``, ``__start__``)."""
     return channel.startswith("__")
@@ -273,38 +281,51 @@ class ThreadCodec:
             self._viewer = viewer
 
     def masked(self, value: Any, key: str | None = None) -> Any:
-        """``value`` with its text masked; the very same object when nothing needed masking."""
-        return self._mapped(value, self.lens.mask, key)
+        """``value`` with its text masked, what a tool returned in it defanged first
+        (:meth:`~keel.privacy.PrivacyView.mask_tool_output`); the very same object when
+        nothing needed masking."""
+        return self._mapped(value, self.lens.mask, key, returned=self.lens.mask_tool_output)
 
     def revealed(self, value: Any) -> Any:
         """``value`` with the user's own placeholders revealed (a vault in use); the very same
         object when there was nothing to reveal."""
         return self._mapped(value, self.lens.reveal) if self.lens.reveals else value
 
-    def _mapped(self, value: Any, change: Callable[[str], str], key: str | None = None) -> Any:
+    def _mapped(
+        self,
+        value: Any,
+        change: Callable[[str], str],
+        key: str | None = None,
+        *,
+        returned: Callable[[str], str] | None = None,
+    ) -> Any:
+        """``value`` with ``change`` applied to its text (ids kept), ``returned`` instead to
+        the text of a tool's message (default: ``change``)."""
+        if returned is not None and _returned_by_a_tool(value):
+            change, returned = returned, None
         if isinstance(value, str):
             return value if key in _KEPT_TEXT else change(value)
         if isinstance(value, BaseModel):
             changes = {}
             for name in type(value).model_fields:
                 current = getattr(value, name, None)
-                mapped = self._mapped(current, change, name)
+                mapped = self._mapped(current, change, name, returned=returned)
                 if mapped is not current:
                     changes[name] = mapped
             return value.model_copy(update=changes) if changes else value
         if type(value) is dict:
             entries = {
-                k: self._mapped(v, change, k if isinstance(k, str) else None)
+                k: self._mapped(v, change, k if isinstance(k, str) else None, returned=returned)
                 for k, v in value.items()
             }
             return entries if any(entries[k] is not v for k, v in value.items()) else value
         if type(value) is list or type(value) is tuple:
-            items = [self._mapped(item, change, key) for item in value]
+            items = [self._mapped(item, change, key, returned=returned) for item in value]
             if all(new is old for new, old in zip(items, value, strict=True)):
                 return value
             return items if type(value) is list else tuple(items)
         if isinstance(value, Send):
-            arg = self._mapped(value.arg, change)
+            arg = self._mapped(value.arg, change, returned=returned)
             return value if arg is value.arg else Send(value.node, arg, timeout=value.timeout)
         return value
 
