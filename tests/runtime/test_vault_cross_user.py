@@ -62,7 +62,8 @@ async def test_another_users_placeholder_never_resolves_nor_reveals(
         assert ALICE_EMAIL not in reply.text, (
             f"leak: Bob's reply shows Alice's address: {reply.text!r}"
         )
-        assert "<EMAIL_1>" in reply.text, reply.text
+        # Shown as what it is to Bob: a placeholder keel never placed for him, defanged.
+        assert "‹EMAIL_1›" in reply.text, reply.text
         assert sent == [], f"a placeholder Bob does not have was sent as {sent}"
     finally:
         await agent.aclose()
