@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from keel.messages import Message, ToolCall
 from keel.privacy import MasterKey
@@ -32,13 +33,14 @@ def _receipt_tool(sent: list[str]) -> Tool:
     return send_receipt
 
 
-def _agent(tmp_path: Path, model: ScriptedModel, sent: list[str]) -> Agent:
+def _agent(tmp_path: Path, model: ScriptedModel, sent: list[str], **options: object) -> Agent:
     return Agent.open(
         f"sqlite:///{tmp_path / 'keel.db'}",
         system_prompt="You send receipts.",
         model=model,
         tools=[_receipt_tool(sent)],
         memory=False,
+        **options,  # type: ignore[arg-type]
     )
 
 
@@ -152,3 +154,47 @@ async def test_a_user_confirming_masks_through_their_own_vault_not_the_deciders_
         assert sent == ["billing@newco.example"], sent
     finally:
         await agent.aclose()
+
+
+class Receipt(BaseModel):
+    to: str
+    notes: list[str]
+
+
+async def test_a_decider_who_may_not_read_values_gets_the_reply_as_stored(
+    tmp_path: Path,
+) -> None:
+    """``reveal=False`` (an operator not granted values): the resumed turn's reply is the one
+    the turn stored, never revealed, so no value comes back for a masker to miss; its
+    structured answer is masked as its text is. By default the decider reads the values."""
+    sent: list[str] = []
+    answer = json.dumps({"to": "<EMAIL_1>", "notes": ["sent to <EMAIL_1>", "<PHONE_9>"]})
+    model = ScriptedModel(
+        ["Noted.", _call("<EMAIL_1>"), answer, "Noted.", _call("<EMAIL_1>"), answer]
+    )
+    agent = _agent(tmp_path, model, sent, output_type=Receipt)
+    try:
+        replies = []
+        for session, reveal in (("s1", False), ("s2", True)):
+            await agent.run("My email is ada@example.com", session=session, user="u1")
+            parked = await agent.run("Send my receipt.", session=session, user="u1")
+            [waiting] = parked.approvals
+            if reveal:
+                replies.append(await agent.decide(session, waiting.id, approve=True, by="ops"))
+            else:
+                replies.append(
+                    await agent.decide(session, waiting.id, approve=True, by="ops", reveal=False)
+                )
+    finally:
+        await agent.aclose()
+    hidden, shown = replies
+    assert sent == ["ada@example.com", "ada@example.com"]
+    assert hidden.status == shown.status == "completed", replies
+    assert "ada@example.com" not in hidden.model_dump_json()
+    assert '"<EMAIL_1>"' in hidden.text
+    # What the model wrote that keel never placed stays defanged, as stored.
+    assert hidden.output.to == "<EMAIL_1>" and hidden.output.notes[0] == "sent to <EMAIL_1>"
+    assert hidden.output.notes[1] != "<PHONE_9>"
+    assert shown.output == Receipt(
+        to="ada@example.com", notes=["sent to ada@example.com", "<PHONE_9>"]
+    )

@@ -337,8 +337,19 @@ class PrivacyView:
         user's placeholders in its strings shown as their values; its types are kept."""
         if self.user_vault is None or output is None:
             return output
-        reveal = functools.partial(_revealed_output, output, self.reveal)
+        reveal = functools.partial(_changed_output, output, self.reveal)
         return await self.user_vault.vault.store.arun(reveal)
+
+    async def amask_output(self, output: Any) -> Any:
+        """A structured answer (see :meth:`areveal_output`) with every string in it masked as
+        what a model wrote is (:meth:`mask_untrusted`), off the event loop: as its JSON text
+        is stored, for a caller who may not read the user's values; its types are kept."""
+        if self.masker is None or output is None:
+            return output
+        mask = functools.partial(_changed_output, output, self.mask_untrusted)
+        if self.user_vault is None:
+            return mask()
+        return await self.user_vault.vault.store.arun(mask)
 
     async def revealed(self, payload: _Payload) -> _Payload:
         """``payload`` (JSON-ready: dicts, lists, strings) with every placeholder the user can
@@ -419,27 +430,28 @@ def _mapped_strings(value: Any, change: Callable[[str], str]) -> Any:
     return value
 
 
-def _revealed_output(value: Any, reveal: Callable[[str], str]) -> Any:
+def _changed_output(value: Any, change: Callable[[str], str]) -> Any:
     """``value`` (a validated structured answer: a model, a dataclass, a dict, a list, a
-    string) with ``reveal`` applied to every string in it; its types are kept."""
+    string) with ``change`` (a reveal, a mask) applied to every string in it; its types are
+    kept."""
     if isinstance(value, str):
-        return reveal(value)
+        return change(value)
     if isinstance(value, BaseModel):
         fields = {name: getattr(value, name) for name in type(value).model_fields}
         return value.model_copy(
-            update={name: _revealed_output(item, reveal) for name, item in fields.items()}
+            update={name: _changed_output(item, change) for name, item in fields.items()}
         )
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changed = {
-            field.name: _revealed_output(getattr(value, field.name), reveal)
+            field.name: _changed_output(getattr(value, field.name), change)
             for field in dataclasses.fields(value)
             if field.init
         }
         return dataclasses.replace(value, **changed)
     if isinstance(value, dict):
-        return {key: _revealed_output(item, reveal) for key, item in value.items()}
+        return {key: _changed_output(item, change) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        items = [_revealed_output(item, reveal) for item in value]
+        items = [_changed_output(item, change) for item in value]
         # A named tuple takes its fields one by one.
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value

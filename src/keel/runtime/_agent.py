@@ -440,7 +440,9 @@ class Agent:
     ) -> AgentReply:
         """Settle a waiting call (``approve=``; ``by=`` an operator, or ``user_id=`` the user
         confirming; ``note=``, corrected ``arguments=``, ``channel=``): the reply of the turn
-        that goes on; the call runs with exactly the arguments decided, or not at all.
+        that goes on, its user's values shown (``reveal=False``: placeholders, as stored, for
+        a decider who may not read them); the call runs with exactly the arguments decided,
+        or not at all.
         AccessDeniedError: not yours to decide. ApprovalSettledError: settled otherwise."""
         return await decide(
             self._deps(), self._own, self.session_key(session_id), session_id, approval_id, **how

@@ -60,6 +60,7 @@ class DecideOptions(TypedDict, total=False):
     user_id: str | None
     action: Literal["retry", "skip", "answer"] | None
     channel: Channel
+    reveal: bool
 
 
 async def decide(
@@ -86,6 +87,9 @@ async def decide(
     if not isinstance(approve, bool):
         raise UsageError("approve= must be True or False")
     by = _decider(request, options.get("by"), options.get("user_id"))
+    reveal = options.get("reveal", True)
+    if not isinstance(reveal, bool):
+        raise UsageError("reveal= must be True or False")
     # What a decision stores is the request's user's, whoever decides: numbered through their
     # vault, a corrected value is theirs to resolve (per text, <EMAIL_1> is another value).
     masking = deps.masking.for_user(request.user_id)
@@ -106,8 +110,9 @@ async def decide(
     standing, settled = await config.store.adecide(deps.tenant_id, approval_id, status, decision)
     if not settled and not repeats_standing(standing, decision):
         raise ApprovalSettledError(standing)
+    ids = (session_id, request.user_id)
     async with own(key) as lease:
-        return await resume_session(deps, lease, key, (session_id, request.user_id), approval_id)
+        return await resume_session(deps, lease, key, ids, approval_id, reveal=reveal)
 
 
 def _config(deps: TurnDeps) -> Approvals:
@@ -205,9 +210,13 @@ async def resume_session(
     key: str,
     ids: tuple[str, str],
     approval_id: str | None = None,
+    *,
+    reveal: bool = True,
 ) -> AgentReply:
     """The parked session goes on once every request it waits for is decided; else a reply
-    saying what it still waits for (``approval_id``: the request just decided)."""
+    saying what it still waits for (``approval_id``: the request just decided; ``reveal``:
+    False gives the resumed turn's reply as stored, see :class:`RunExtras`)."""
+    extras = RunExtras(reveal=reveal)
     checkpoint = await deps.state.aload(key)
     check_owner(checkpoint.state, ids[1], deps.tenant_id)
     awaiting = checkpoint.state.runtime.awaiting
@@ -215,7 +224,7 @@ async def resume_session(
         if checkpoint.state.runtime.open_turn is not None:
             # A crash came before the turn could park on it: finishing the turn replays
             # its step, which finds the request decided and carries it out.
-            return await run_turn(deps, lease, key, ids, checkpoint, None)
+            return await run_turn(deps, lease, key, ids, checkpoint, None, extras=extras)
         # Decided again, or after its turn went on: nothing more runs.
         config = _config(deps)
         request = await config.store.aget(deps.tenant_id, approval_id)
@@ -227,7 +236,7 @@ async def resume_session(
     if pending:
         text = "Waiting for: " + "; ".join(f"{r.tool} ({r.reason})" for r in pending)
         return _standing(ids[0], checkpoint, requests, text)
-    return await run_turn(deps, lease, key, ids, checkpoint, None)
+    return await run_turn(deps, lease, key, ids, checkpoint, None, extras=extras)
 
 
 async def answer_session(

@@ -150,6 +150,10 @@ class RunExtras:
     output_type: type[Any] | None = None
     model_options: ModelOptions | None = None
     turn_id: str | None = None
+    reveal: bool = True
+    """Whether the reply shows the user's values (their placeholders revealed, as the user
+    reads it); False: the reply as the turn stored it, placeholders, for a caller who may not
+    read the user's values (an operator deciding one of the turn's calls)."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,7 @@ class TurnRunner:
         self.stream = TurnStream(emit, deps.masking) if emit is not None else None
         self.tool_deps = extras.deps
         self.output_type = extras.output_type or deps.output_type
+        self.reveal = extras.reveal
         self.cursor = WorkflowCursor(checkpoint.state.machine, emit=emit)
         start = self._start(checkpoint.state, text, extras.turn_id)
         self.turn_id = start.turn_id
@@ -667,11 +672,16 @@ class TurnRunner:
             output=text,
             error=result.error,
         )
-        # The user reads their own values; what was stored keeps the placeholders.
-        shown = {
-            "text": await masking.areveal(text),
-            "output": await masking.areveal_output(reply.output),
-        }
+        if not self.reveal:
+            # For a caller who may not read the user's values: the reply as stored, and the
+            # structured answer masked as its text was.
+            shown = {"output": await masking.view.amask_output(reply.output)}
+        else:
+            # The user reads their own values; what was stored keeps the placeholders.
+            shown = {
+                "text": await masking.areveal(text),
+                "output": await masking.areveal_output(reply.output),
+            }
         return reply.model_copy(update={"state_version": version, **shown})
 
     async def _save(self, final_state: AgentState, reason: str, *, rebuilt: bool) -> int:
@@ -803,8 +813,8 @@ class TurnRunner:
         final_state = self._with_reply(final_state, reply)
         version = await self._write(final_state, reason="turn failed: failed", good=True)
         self.deps.logs.pop(self.key, None)
-        revealed = await self.deps.masking.areveal(text)
-        return reply.model_copy(update={"state_version": version, "text": revealed})
+        shown = await self.deps.masking.areveal(text) if self.reveal else text
+        return reply.model_copy(update={"state_version": version, "text": shown})
 
     def _with_reply(self, state: AgentState, reply: AgentReply) -> AgentState:
         if not self.record_reply:

@@ -39,13 +39,18 @@ class Disclosure:
         user, or no vault)."""
         return privacy_view(None, who.tenant_id, owner, self._vault_for(who, owner))
 
-    def _vault_for(self, who: Caller, owner: str | None) -> Vault | None:
-        if self.vault is None or owner is None:
-            return None
+    def reads_values(self, who: Caller, owner: str | None) -> bool:
+        """Whether ``who`` may read ``owner``'s values: a user key its own user's, an operator
+        key its users' where the deployment grants operators values."""
+        if owner is None:
+            return False
         if who.user_id is not None:
             # A user key reads its own user's data only (the routes answer 404 otherwise).
-            return self.vault if who.user_id == owner else None
-        return self.vault if self.operators_see_values else None
+            return who.user_id == owner
+        return self.operators_see_values
+
+    def _vault_for(self, who: Caller, owner: str | None) -> Vault | None:
+        return self.vault if self.reads_values(who, owner) else None
 
     async def masked(
         self, masker: PIIMasker | None, tenant_id: str, user_id: str, text: str

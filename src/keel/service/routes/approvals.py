@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic_core import to_jsonable_python
 
 from keel.errors import ApprovalSettledError, ToolArgumentsError
 from keel.service._access import caller, read_of, user_of
@@ -27,17 +26,13 @@ from keel.service._keys import Caller
 from keel.service._paging import cursor_query, limit_query, next_page, number_cursor
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
     from keel.approvals import ApprovalRequest, ApprovalStatus, ApprovalStore, Channel
-    from keel.privacy import PIIMasker
     from keel.runtime import AgentReply
 
 __all__ = [
     "ApprovalVerdict",
     "approvals_of",
     "decide_as",
-    "readable_reply",
     "router",
     "visible_to",
 ]
@@ -192,9 +187,11 @@ async def decide_as(
     channel: Channel = "http",
 ) -> AgentReply:
     """Decide the request as ``who`` through the tenant's agent (which resumes the waiting
-    turn) and return the turn's reply as ``who`` may read it (see :func:`readable_reply`);
-    404 when ``who`` may not see the request, 422 when the tool refuses the corrected
-    arguments.
+    turn) and return the turn's reply as ``who`` may read the request's user's data: their
+    values for the user's own key and for an operator granted values, else the reply as the
+    turn stored it (placeholders: never revealed, so no value the masker would miss in
+    revealed text reaches the operator); 404 when ``who`` may not see the request, 422 when
+    the tool refuses the corrected arguments.
 
     Raises:
         ApprovalSettledError: the request was already settled otherwise.
@@ -205,7 +202,7 @@ async def decide_as(
     agent = context.agent_for(who.tenant_id)
     by = f"operator:{who.key_id}" if who.operator else f"user:{who.user_id}"
     try:
-        reply = await agent.decide(
+        return await agent.decide(
             found.session_id,
             approval_id,
             approve=approve,
@@ -215,43 +212,8 @@ async def decide_as(
             user_id=who.user_id,
             action=action,
             channel=channel,
+            reveal=context.privacy.reads_values(who, found.user_id),
         )
     except ToolArgumentsError as exc:
         # Corrected arguments the tool refuses are the client's to fix: nothing was decided.
         raise HTTPError(422, "ValidationError", f"arguments: {exc}") from None
-    return await readable_reply(context, who, found.user_id, agent.masker, reply)
-
-
-async def readable_reply(
-    context: ServiceContext,
-    who: Caller,
-    owner: str,
-    masker: PIIMasker | None,
-    reply: AgentReply,
-) -> AgentReply:
-    """``reply``, a turn's reply as the agent gives it (its user's placeholders revealed), as
-    ``who`` may read ``owner``'s data: as it is for the user and for an operator granted
-    values; for an operator not granted them, its values masked again through the user's
-    vault, so each placeholder is the one that value has everywhere else."""
-    privacy = context.privacy
-    if privacy.vault is None or masker is None or privacy.viewer(who, owner) is not None:
-        return reply
-
-    async def masked(text: str) -> str:
-        return await privacy.masked(masker, who.tenant_id, owner, text)
-
-    output = reply.output
-    if output is not None:
-        output = await _each_string(to_jsonable_python(output), masked)
-    return reply.model_copy(update={"text": await masked(reply.text), "output": output})
-
-
-async def _each_string(value: Any, change: Callable[[str], Awaitable[str]]) -> Any:
-    """``value`` (JSON-ready) with ``change`` applied to every string in it."""
-    if isinstance(value, str):
-        return await change(value)
-    if isinstance(value, dict):
-        return {name: await _each_string(item, change) for name, item in value.items()}
-    if isinstance(value, list):
-        return [await _each_string(item, change) for item in value]
-    return value
