@@ -44,6 +44,9 @@ MASKED_WHOLE = [
     ("call me on 500 806 360 today", "call me on <PHONE_1> today"),
     ("Tel. 7439 1500", "Tel. <PHONE_1>"),
     ("my number is 90743915.", "my number is <PHONE_1>."),
+    # An id label does not hide a number a phone word names too, nor one it does not label.
+    ("id 2125550100; call 2125550100", "id <PHONE_1>; call <PHONE_1>"),
+    ("paid 2125550100 to valid 3125550100", "paid <PHONE_1> to valid <PHONE_2>"),
     ("wire to TH302914177763 today", "wire to <IBAN_1> today"),
 ]
 
@@ -75,6 +78,11 @@ NOT_PII = [
     "UUID 123e4567-e89b-12d3-a456-426614174000 in logs",
     "line 1234, column 56: x = a@b.c",
     "send logo@2x.png; pages 10\u201320",
+    # Ten digits a text labels as an id (τ²-bench's product and item ids), wherever they stand
+    # in it: under their key, as a key, in a list.
+    'order id 4896585277, "product_id": "4896585277", "productId": 7747408585',
+    '{"item_id": "4983901480"}, "variants": {"7747408585": {"item_id": "7747408585"}}',
+    '"item_ids": ["4202497723", "4602305039"], "new_item_ids": ["7706410293", "7747408585"]',
 ]
 
 

@@ -9,7 +9,8 @@ scripts, Unicode spaces and dashes become their ASCII equivalents one character 
 card written in fullwidth digits is found like any other and the span replaced is the original
 one. Addresses may hold any letters (``jörg.müller@bücher.example``, a Cyrillic letter among
 Latin ones). A phone number needs a shape no count or date has (a ``+``, a trunk ``0``, ten
-digits in groups) or a word such as "call" or "Telefon" just before it.
+digits in groups) or a word such as "call" or "Telefon" just before it; bare digits the text
+labels as an id (``"product_id": "4896585277"``) are an id wherever they stand in it.
 
 Every pattern starts with a character class, not a look-behind, so the regular expression
 engine skips to the positions that can start a match instead of trying each one; the masker
@@ -301,6 +302,14 @@ _UNSPACED_PHONE_WORDS = (
     *("טלפון", "هاتف", "تلفن", "جوال", "फ़ोन", "फोन", "मोबाइल"),
 )
 _WORD = re.compile(r"\w+")
+# Numbers a text labels as ids: after "id", "ids", "_id", "Id" ("order id 4896585277",
+# "product_id": "4896585277", productId: 4896585277), or in a list after one ("item_ids":
+# ["4896585277", "7747408585"]).
+_ID_LABELLED = re.compile(
+    r"(?:(?<![A-Za-z])[Ii]|(?<=[a-z])I)[Dd][Ss]?[\"' :=]{0,4}"
+    r"(?:\[([\d\"' ,]*)|[\"'({]{0,2}(\d{7,15})(?!\d))"
+)
+_ID_DIGITS = re.compile(r"\d{7,15}")
 
 
 def _phone_cue(context: str) -> bool:
@@ -312,8 +321,9 @@ def _phone_cue(context: str) -> bool:
     return not context.isascii() and any(word in context for word in _UNSPACED_PHONE_WORDS)
 
 
-def _phone_span(value: str, text: str, start: int) -> tuple[int, int] | None:
-    """The number within a candidate (offsets into ``value``), None if it is no phone number.
+def _phone_span(value: str, text: str, start: int) -> tuple[int, int, bool] | None:
+    """The number within a candidate (offsets into ``value``) and whether it is one by its
+    digits alone (a bare run, no cue); None if it is no phone number.
 
     Without a "+" or a word such as "call" just before it, it needs a shape a count, a year, a
     date, an id or a version does not have: ten digits or more in groups, a trunk "0", an area
@@ -345,13 +355,13 @@ def _phone_span(value: str, text: str, start: int) -> tuple[int, int] | None:
             return None
     international = core.startswith(("+", "(+"))
     if international:
-        return (begin, end) if groups[0][0] != "0" else None  # no country code starts with 0
+        return (begin, end, False) if groups[0][0] != "0" else None  # no country code starts 0
     line_start = text.rfind("\n", max(0, start - _PHONE_CONTEXT_CHARS), start) + 1
     context = text[max(line_start, start - _PHONE_CONTEXT_CHARS) : start]
     if _phone_cue(context):  # a cue on the number's own line
-        return begin, end
+        return begin, end, False
     if "." in core:
-        return (begin, end) if digits >= 10 else None
+        return (begin, end, False) if digits >= 10 else None
     if len(groups[0]) == 1 and longest >= 7:
         return None  # "0 160133733": columns of a table
     if _SSN_SHAPE.fullmatch(core) or _CODE_GROUP_BEFORE.search(context):
@@ -359,13 +369,13 @@ def _phone_span(value: str, text: str, start: int) -> tuple[int, int] | None:
     if len(groups) == 1:
         if start > 0 and text[start - 1] in "([{=":
             return None  # a literal in code: IPv4Address(3221225985), {2147483647: ...}
-        return (begin, end) if _BARE_PHONE.fullmatch(core) else None
+        return (begin, end, True) if _BARE_PHONE.fullmatch(core) else None
     if "(" in core:
-        return (begin, end) if digits >= 8 else None
+        return (begin, end, False) if digits >= 8 else None
     if _THOUSANDS.fullmatch(core):
         return None  # 1 234 567 890: a grouped amount
     if digits >= 10 or (core[0] == "0" and (digits >= 9 or len(groups) >= 3)):
-        return begin, end
+        return begin, end, False
     return None
 
 
@@ -373,11 +383,24 @@ def _phone_span(value: str, text: str, start: int) -> tuple[int, int] | None:
 class _PhoneDetector(Detector):
     def find(self, text: str) -> list[Finding]:
         found: list[Finding] = []
+        bare: list[Finding] = []
         for match in self.pattern.finditer(text):
             span = _phone_span(match.group(), text, match.start())
             if span is not None:
                 start, end = match.start() + span[0], match.start() + span[1]
-                found.append(Finding(self.entity, start, end, text[start:end]))
+                finding = Finding(self.entity, start, end, text[start:end])
+                (bare if span[2] else found).append(finding)
+        if bare:
+            # A bare run of digits the text labels as an id somewhere is an id wherever it
+            # stands in the text (a key, a list's item), unless a phone word names it there too.
+            ids = {
+                number
+                for hit in _ID_LABELLED.finditer(text)
+                for number in _ID_DIGITS.findall(hit.group(1) or hit.group(2))
+            }
+            ids -= {finding.text for finding in found}
+            found.extend(finding for finding in bare if finding.text not in ids)
+            found.sort(key=lambda finding: finding.start)
         return found
 
 
