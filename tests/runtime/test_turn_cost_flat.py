@@ -6,13 +6,20 @@ long-running session has them), runs turns through ``Agent.handle``, and reads f
 that is proportional to the history (copying the message list, comparing it item by item,
 validating or encoding it again) needs at least a list of that length while it runs, so the
 figure would grow with the history; work proportional to what is new keeps it flat. Memory
-counts are deterministic, unlike timings on a loaded machine.
+counts are nearly deterministic, unlike timings on a loaded machine, but not quite:
+``tracemalloc`` counts every thread of the process, and on a loaded machine one turn's window
+now and then takes in work that is no part of it (a lease renewal that came due, a pool thread
+or a thread left by another test allocating at that moment). Such a one-off lands in one turn;
+work proportional to the history is done by every turn. So each session runs several turns and
+the tests compare their medians, which one stray sample cannot move and a growth in every turn
+does.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import statistics
 import tracemalloc
 from pathlib import Path
 
@@ -40,7 +47,7 @@ def _policy(call: ScriptedCall) -> Message | str:
     return ScriptedModel.tool_call("lookup", json.dumps({"query": call.last_user_text[-12:]}))
 
 
-async def _turn_peaks(directory: Path, history: int, turns: int = 3) -> list[int]:
+async def _turn_peaks(directory: Path, history: int, turns: int = 5) -> list[int]:
     """The transient memory peak (bytes) of each of ``turns`` turns of a session that starts
     with ``history`` messages."""
     agent = Agent.open(
@@ -102,5 +109,8 @@ async def test_a_turn_holds_no_more_memory_after_40000_messages_than_after_400(
     short = await _turn_peaks(tmp_path / "short", 400)
     long = await _turn_peaks(tmp_path / "long", 40_000)
     # One copy of a 40,000-message list alone is 320 KB; a turn of either session holds
-    # about 90 KB beyond what it started with.
-    assert max(long) < max(short) + 128 * 1024, (short, long)
+    # about 90 KB beyond what it started with. The median of five turns, not the most: a
+    # full random-order run once saw ([98402, 93743, 94137], [95807, 90818, 680705]), one
+    # turn of the long session taking in 590 KB that its other turns (and the short
+    # session's) did not: not the history, which every turn would pay for.
+    assert statistics.median(long) < statistics.median(short) + 128 * 1024, (short, long)
