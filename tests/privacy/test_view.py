@@ -95,3 +95,50 @@ async def test_a_turn_places_the_users_and_the_models_values_off_the_event_loop(
     assert not any(store.writes_on_loop), (
         f"the vault was written on the event loop: {store.writes_on_loop}"
     )
+
+
+async def test_a_side_effecting_tools_new_value_is_journalled_off_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    """A side-effecting tool returns a value the turn has not seen (a new phone number): the
+    journal keeps its result masked, the value placed in the vault off the loop (the executor
+    masks through the turn's async view), and the user reads it back as itself."""
+    import json
+
+    from keel.runtime import Agent
+    from keel.testing import ScriptedCall, ScriptedModel
+    from keel.tools import tool
+
+    @tool(side_effect=True, idempotent=False)
+    def open_ticket(subject: str) -> str:
+        """Open a support ticket.
+
+        Args:
+            subject: What it is about.
+        """
+        return f"ticket T-1 opened for {subject}; the agent will call +1 415 555 2671"
+
+    def model(call: ScriptedCall) -> object:
+        if call.messages[-1].role == "user":
+            return ScriptedModel.tool_call("open_ticket", json.dumps({"subject": "refund"}))
+        return f"Done: {call.messages[-1].content}"
+
+    with SQLiteDatabase(tmp_path / "vault.db") as db:
+        store = SpyVaultStore(db)
+        agent = Agent.open(
+            f"sqlite:///{tmp_path / 'keel.db'}",
+            system_prompt="You open tickets.",
+            model=ScriptedModel(model),
+            tools=[open_ticket],
+            memory=False,
+            vault=Vault(store, MasterKey.generate()),
+        )
+        try:
+            reply = await agent.run("Please open a refund ticket", session="s", user="u")
+        finally:
+            await agent.aclose()
+    assert "+1 415 555 2671" in reply.text, reply.text
+    assert store.writes_on_loop, "nothing was placed in the vault"
+    assert not any(store.writes_on_loop), (
+        f"the vault was written on the event loop: {store.writes_on_loop}"
+    )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from keel.context import runtime_note
@@ -52,6 +52,8 @@ class ToolStep:
             step's approval hold.
         approvals: the agent's approvals: where a call that needs a person's decision waits
             (None: such a call is refused, never run).
+        aredact: ``redact`` for the event loop (the agent's masking places a new value in the
+            PII vault off it); ``redact`` is used where none is given.
     """
 
     def __init__(
@@ -65,10 +67,12 @@ class ToolStep:
         vault: UserVault | NoVault | None = None,
         facts: TurnFacts,
         approvals: Approvals | None = None,
+        aredact: Callable[[str], Awaitable[str]] | None = None,
     ) -> None:
         self.registry = registry
         self.guards = guards
         self.redact = redact
+        self.aredact = aredact
         self.executor = ToolExecutor(
             registry,
             journal=journal,
@@ -77,6 +81,7 @@ class ToolStep:
             redact=redact,
             scope=scope,
             vault=vault,
+            aredact=aredact,
         )
         self.journal = self.executor.journal
         self.hold = ApprovalHold(approvals, facts, self.executor)
@@ -190,7 +195,7 @@ class ToolStep:
         if self.redact is None:
             return await self.journal.arecord_decision(session_id, step, message)
         try:
-            masked = _masked_message(message, self.redact)
+            masked = await _masked_message(message, self.redact, self.aredact)
         except Exception:
             # Never journal it raw. Replay only saves a model call on resume: each
             # side-effecting call is still claimed in the journal before it runs.
@@ -252,9 +257,22 @@ class _Calls:
         raise LoopStop(status, error, detail)
 
 
-def _masked_message(message: Message, redact: Callable[[str], str]) -> Message:
-    """``message`` with its text and every tool call's arguments masked."""
+async def _masked_message(
+    message: Message,
+    redact: Callable[[str], str],
+    aredact: Callable[[str], Awaitable[str]] | None,
+) -> Message:
+    """``message`` with its text and every tool call's arguments masked (through ``aredact``
+    when there is one)."""
+
+    async def masked(text: str) -> str:
+        return redact(text) if aredact is None else await aredact(text)
+
     calls = tuple(
-        call.model_copy(update={"arguments": redact(call.arguments)}) for call in message.tool_calls
+        [
+            call.model_copy(update={"arguments": await masked(call.arguments)})
+            for call in message.tool_calls
+        ]
     )
-    return message.model_copy(update={"content": redact(message.content), "tool_calls": calls})
+    content = await masked(message.content)
+    return message.model_copy(update={"content": content, "tool_calls": calls})

@@ -442,6 +442,7 @@ class TurnRunner:
                 vault=deps.masking.tool_vault,
                 facts=facts,
                 approvals=deps.approvals,
+                aredact=None if deps.masking.redact is None else deps.masking.amask,
             )
         return self._tools
 

@@ -31,7 +31,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer
@@ -175,6 +175,9 @@ class ToolExecutor:
             a replayed call returns the masked content. ``None`` (the default) journals the
             texts as they are. The result the model gets now is not masked here: the agent
             masks messages at its door.
+        aredact: ``redact`` for the event loop (the agent's masking writes a new value to the
+            PII vault, a round trip on a server): used where the executor runs on the loop;
+            ``redact`` where it does not (a late result recorded from the tool's thread).
         vault: the user's view of the PII vault: placeholders in a call's arguments are
             resolved to their values for the tool (see the module docstring; a tool declared
             ``sees_values=False`` gets them as written). :class:`~keel.privacy.NoVault`: the
@@ -192,6 +195,7 @@ class ToolExecutor:
         redact: Callable[[str], str] | None = None,
         scope: ToolScope | None = None,
         vault: UserVault | NoVault | None = None,
+        aredact: Callable[[str], Awaitable[str]] | None = None,
     ) -> None:
         self.registry = registry
         self.vault = vault
@@ -199,11 +203,18 @@ class ToolExecutor:
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         self.redact = redact
+        self.aredact = aredact
         self.scope = scope or ToolScope()
 
     def _masked(self, text: str) -> str:
-        """``text`` as the journal may keep it."""
+        """``text`` as the journal may keep it (blocking: off the event loop)."""
         return text if self.redact is None or not text else self.redact(text)
+
+    async def _amasked(self, text: str) -> str:
+        """:meth:`_masked` on the event loop: through ``aredact`` when there is one."""
+        if self.redact is None or not text:
+            return text
+        return self.redact(text) if self.aredact is None else await self.aredact(text)
 
     async def execute(
         self,
@@ -313,7 +324,7 @@ class ToolExecutor:
         key = base["idempotency_key"]
         try:
             # Masking is deterministic, so identical calls stay identical in the journal.
-            canonical = self._masked(json.dumps(arguments, sort_keys=True))
+            canonical = await self._amasked(json.dumps(arguments, sort_keys=True))
         except Exception as exc:
             # Raw arguments never reach the journal, and without an intent the call is not run.
             unmasked = ToolExecutionError(
@@ -483,7 +494,7 @@ class ToolExecutor:
         that the masker no longer recognises.
         """
         try:
-            masked = self._masked(output)
+            masked = await self._amasked(output)
         except Exception:
             # The raw result must not be kept instead: the call stays in doubt, as below.
             logger.exception(
