@@ -10,29 +10,28 @@ masking is keel's masker as it always was and nothing is revealed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, Generic, Self, TypeVar
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel
 
 from keel._urls import parse_database_url
 from keel.errors import AccessDeniedError, ConfigError, UsageError, VaultKeyError
 from keel.privacy import (
     DEFAULT_MASKER,
-    KeyProvider,
     PIIMasker,
     PrivacyView,
     Vault,
-    key_provider_from_env,
     privacy_view,
 )
+from keel.settings import load_settings
 from keel.state import StateBackend, StateStore
 from keel.stores import (
     PostgresStateBackend,
     SQLiteStateBackend,
     open_state_backend,
     open_vault,
+    pii_key_from_settings,
 )
 
 __all__ = ["NEEDS_VAULT", "PrivateHistory", "map_texts", "open_with_vault"]
@@ -141,10 +140,10 @@ def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault 
             given (the backend is closed again).
         ConfigError: ``KEEL_PII_VAULT`` is not a yes or a no.
     """
-    keys: KeyProvider | None = None
-    wanted = vault is None and _names_sql(url) and _vault_wanted()
-    if wanted:
-        keys = key_provider_from_env()
+    settings = load_settings() if vault is None and _names_sql(url) else None
+    wanted = settings is not None and settings.pii_vault
+    # The keys Backends.open takes: the current one, and the previous one mid-rotation.
+    keys = pii_key_from_settings(settings) if settings is not None and wanted else None
     backend = open_state_backend(url)
     if not wanted:
         return backend, vault
@@ -156,17 +155,6 @@ def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault 
     except BaseException:
         backend.close()
         raise
-
-
-def _vault_wanted() -> bool:
-    """What ``KEEL_PII_VAULT`` says (the setting ``Backends.open`` reads): unset, yes."""
-    said = os.environ.get("KEEL_PII_VAULT", "").strip()
-    if not said:
-        return True
-    try:
-        return TypeAdapter(bool).validate_python(said)
-    except ValidationError:
-        raise ConfigError(f"KEEL_PII_VAULT={said!r}: say on or off") from None
 
 
 def _names_sql(url: str) -> bool:

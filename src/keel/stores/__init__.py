@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from keel._urls import DatabaseURL, parse_database_url
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._open import Backends, open_database, open_state_backend, open_vault
+from keel.stores._open import (
+    Backends,
+    open_database,
+    open_state_backend,
+    open_vault,
+    pii_key_from_settings,
+)
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_approvals import POSTGRES_APPROVAL_MIGRATIONS, PostgresApprovalStore
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
@@ -70,6 +76,7 @@ __all__ = [
     "open_state_backend",
     "open_vault",
     "parse_database_url",
+    "pii_key_from_settings",
     "translate_postgres_error",
     "translate_sqlite_error",
 ]
