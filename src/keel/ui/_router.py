@@ -5,10 +5,10 @@ opaque random token in an HttpOnly, SameSite=Strict cookie, only its hash stored
 keys, so every worker knows it), which ends after ``SESSION_LIFETIME_S``, on sign-out, or when
 its key is revoked; the key itself never reaches the cookie. Every page is scoped to that key's
 tenant exactly as the API is (another tenant's run or session is a 404 like one that does not
-exist). Pages are rendered on the server with
-Jinja2 (autoescaped); charts and graphs are inline SVG; forms post back (revert, resolve)
-and go through the same compare-and-set and journal calls as the API; the approvals page
-(``_approvals.py``) decides through the agent, as the API does.
+exist). Pages are rendered on the server with Jinja2 (autoescaped); charts and graphs are
+inline SVG; forms post back (revert, resolve) and go through the same compare-and-set and
+journal calls as the API; the approvals page (``_approvals.py``) decides through the agent, as
+the API does.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ SESSION_LIFETIME_S = 8 * 3600
 """How long a sign-in lasts (a working day); then the viewer asks for the key again."""
 
 _PAGE = 25
+_STATUSES = RUN_STATUSES
 
 SHORTEST_RUN_PREFIX = 8
 """The fewest characters of a run id that name it in a URL (the CLI prints 12)."""
@@ -57,7 +58,6 @@ SHORTEST_RUN_PREFIX = 8
 _PREFIX_SCAN = 50
 """At most this many runs of every tenant are read for one prefix (ids are random hex: two
 that share 8 characters are already rare)."""
-_STATUSES = RUN_STATUSES
 
 
 class _SignIn(Exception):
