@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page
 
 from tests.service.conftest import create_key, keel_serve
 
@@ -23,13 +22,6 @@ pytestmark = pytest.mark.slow
 
 DEMO_SESSION = "demo-session"
 DEMO_USER = "demo-user"
-
-
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        raise RuntimeError("chromium is not installed: ./setup.sh installs Debian's package")
-    return found
 
 
 @dataclass
@@ -65,16 +57,6 @@ def viewer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Viewer]:
     key, other = create_key("default", env), create_key("other", env)
     with keel_serve("--model", "scripted:echo", env=env) as served:
         yield Viewer(served.url, key, other, work / "screenshots")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=_chromium(), headless=True, args=["--no-sandbox"]
-        )
-        yield launched
-        launched.close()
 
 
 def _signed_in(browser: Browser, viewer: Viewer, key: str, width: int = 1280) -> Page:

@@ -1,5 +1,6 @@
 """``keel ui`` as a user starts it on the embedded database: it prints a key that signs in, the
-viewer answers, and the key is revoked when it stops."""
+viewer answers, and the key is revoked however it stops (Ctrl-C, SIGTERM from a supervisor,
+SIGHUP from a closed terminal)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from keel.testing.servers import free_port
 from keel.ui import COOKIE
 
 
-def test_keel_ui_prints_a_key_that_signs_in_and_is_revoked_when_it_stops(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda stop: stop.name
+)
+def test_keel_ui_prints_a_key_that_signs_in_and_is_revoked_when_it_stops(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
     env = {**os.environ, "KEEL_DATA_DIR": str(tmp_path), "KEEL_EMBEDDER": "hashing:64"}
     database = f"sqlite:///{tmp_path / 'keel.db'}"
     port = free_port()
@@ -52,9 +59,8 @@ def test_keel_ui_prints_a_key_that_signs_in_and_is_revoked_when_it_stops(tmp_pat
             runs = browser.get("/ui/runs")
             assert runs.status_code == 200 and "No runs match" in runs.text
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(stop)
         _, errors = process.communicate(timeout=30)  # closes the pipes too
-    assert process.returncode == 0, errors
     listed = subprocess.run(
         [sys.executable, "-m", "keel", "keys", "list", "--database", database, "--json"],
         capture_output=True,
@@ -64,3 +70,4 @@ def test_keel_ui_prints_a_key_that_signs_in_and_is_revoked_when_it_stops(tmp_pat
         check=True,
     )
     assert [key["revoked"] for key in json.loads(listed.stdout)["keys"]] == [True]
+    assert process.returncode == 0, (process.returncode, errors)

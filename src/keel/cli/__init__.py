@@ -29,6 +29,7 @@ from keel.cli import (  # noqa: F401
     _tokens,
     _tools,
     _turns,
+    _ui,
 )
 from keel.cli._app import app, err_console
 from keel.errors import KeelError, UsageError

@@ -161,5 +161,5 @@ def create_app(
         from keel.ui import mount_ui
 
         # The viewer shows a whole tenant: it signs in with the tenant's operator key only.
-        mount_ui(app, agent_for, context.keys.operator_tenant, traces)
+        mount_ui(app, agent_for, keys, traces)
     return app

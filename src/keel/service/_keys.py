@@ -20,7 +20,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from keel._bridge import run_blocking
 from keel.errors import UsageError
@@ -29,6 +29,8 @@ from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import apply_migrations
 
 __all__ = ["APIKey", "APIKeys", "CachedKeys", "Caller", "bearer_key", "key_id_of"]
+
+_T = TypeVar("_T")
 
 _KEY = re.compile(r"keel_([0-9a-f]{12})_([A-Za-z0-9_-]{32,64})")
 
@@ -51,6 +53,18 @@ KEY_MIGRATIONS = MigrationSet(
         Migration(
             "API keys of one user (NULL: the tenant's operator)",
             "ALTER TABLE keel_api_keys ADD COLUMN user_id TEXT;",
+        ),
+        Migration(
+            "The web viewer's sign-in sessions (hashes of their tokens only)",
+            """
+            CREATE TABLE IF NOT EXISTS keel_ui_sessions (
+                token_sha256 TEXT PRIMARY KEY,
+                key_id TEXT NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                expires_at DOUBLE PRECISION NOT NULL
+            );
+            CREATE INDEX IF NOT EXISTS keel_ui_sessions_key ON keel_ui_sessions (key_id);
+            """,
         ),
     ),
 )
@@ -92,6 +106,13 @@ _LIVE_KEY = (
     "WHERE key_id = ? AND revoked_at IS NULL"
 )
 
+_LIVE_SESSION = (
+    "SELECT k.tenant_id, k.user_id, k.key_id FROM keel_ui_sessions s "
+    "JOIN keel_api_keys k ON k.key_id = s.key_id "
+    "WHERE s.token_sha256 = ? AND s.expires_at > ? AND k.revoked_at IS NULL"
+)
+"""A session's caller: only while the session has not expired and its key is not revoked."""
+
 
 def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
@@ -130,10 +151,19 @@ def _verified(rows: list[tuple[Any, ...]], key_id: str, secret: str) -> Caller |
 
 
 class APIKeys:
-    """The service's API keys, on the agent's SQL database (SQLite or PostgreSQL)."""
+    """The service's API keys, on the agent's SQL database (SQLite or PostgreSQL), and the
+    sign-in sessions of the web viewer, which a key opens.
 
-    def __init__(self, database: SQLiteDatabase | PostgresDatabase) -> None:
+    A viewer session is an opaque random token (the browser's cookie), stored as its SHA-256
+    with an expiry next to the keys, so that every worker of a service sees it: it speaks for
+    its key while the key is live and the session has not expired (or been ended). ``clock``:
+    the time in seconds since the epoch (a test moves it on instead of waiting)."""
+
+    def __init__(
+        self, database: SQLiteDatabase | PostgresDatabase, *, clock: Callable[[], float] = time.time
+    ) -> None:
         self.database = database
+        self._clock = clock
         self._sqlite = isinstance(database, SQLiteDatabase)
         if isinstance(database, SQLiteDatabase):
             database.setup(KEY_MIGRATIONS)
@@ -169,7 +199,7 @@ class APIKeys:
         self._execute(
             "INSERT INTO keel_api_keys (key_id, tenant_id, secret_sha256, created_at, user_id) "
             "VALUES (?, ?, ?, ?, ?)",
-            (key_id, tenant_id, _digest(secret), time.time(), user_id),
+            (key_id, tenant_id, _digest(secret), self._clock(), user_id),
         )
         return f"keel_{key_id}_{secret}"
 
@@ -206,13 +236,49 @@ class APIKeys:
         return None if caller is None else caller.tenant_id
 
     def revoke(self, key_id: str) -> bool:
-        """Revoke a key by its id; False when there is no such live key."""
+        """Revoke a key by its id (its viewer sessions end with it); False when there is no
+        such live key."""
         rows = self._execute(
             "UPDATE keel_api_keys SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL "
             "RETURNING key_id",
-            (time.time(), key_id),
+            (self._clock(), key_id),
         )
+        self._execute("DELETE FROM keel_ui_sessions WHERE key_id = ?", (key_id,))
         return bool(rows)
+
+    def start_session(self, key_id: str, lifetime_s: float) -> str:
+        """A new viewer session for the key ``key_id`` (verified by the caller), ending after
+        ``lifetime_s`` seconds: its token, the only time it is seen (only its hash is kept).
+        Expired sessions are cleared here, so that the table holds the live ones only."""
+        token = secrets.token_urlsafe(32)
+        now = self._clock()
+        self._execute("DELETE FROM keel_ui_sessions WHERE expires_at <= ?", (now,))
+        self._execute(
+            "INSERT INTO keel_ui_sessions (token_sha256, key_id, created_at, expires_at) "
+            "VALUES (?, ?, ?, ?)",
+            (_digest(token), key_id, now, now + lifetime_s),
+        )
+        return token
+
+    def session_caller(self, token: str) -> Caller | None:
+        """Who a viewer session speaks for: its key's caller, while the session has not
+        expired or ended and its key is not revoked; None otherwise."""
+        rows = self._query(_LIVE_SESSION, (_digest(token), self._clock()))
+        if not rows:
+            return None
+        tenant_id, user_id, key_id = rows[0]
+        return Caller(str(tenant_id), _text_or_none(user_id), str(key_id))
+
+    def end_session(self, token: str) -> None:
+        """End a viewer session (signing out): its token answers nothing from now on."""
+        self._execute("DELETE FROM keel_ui_sessions WHERE token_sha256 = ?", (_digest(token),))
+
+    async def arun(self, call: Callable[[], _T]) -> _T:
+        """``call`` (one of these methods) for an event loop: on SQLite as its database runs
+        a short store call, on PostgreSQL in a worker thread."""
+        if isinstance(self.database, SQLiteDatabase):
+            return await self.database.arun(call)
+        return await run_blocking(call)
 
     def list(self, tenant_id: str | None = None) -> list[APIKey]:
         """The keys (of one tenant, or all), newest first; never their secrets."""

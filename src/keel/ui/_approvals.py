@@ -16,9 +16,9 @@ from keel.errors import KeelError
 from keel.service._context import context_of
 from keel.service._errors import HTTPError
 from keel.service._ids import PLAIN_ID, RawPathRoute, Text
-from keel.service._keys import Caller, key_id_of
+from keel.service._keys import Caller
 from keel.service.routes.approvals import decide_as
-from keel.ui._router import COOKIE, _Missing, _tenant, _Viewer, _viewer
+from keel.ui._router import _Missing, _tenant, _Viewer, _viewer, signed_in
 
 __all__ = ["router"]
 
@@ -74,11 +74,11 @@ async def decide(
     note: Text = Form("", max_length=10_000),  # noqa: B008 - FastAPI form field
     arguments: str = Form("", max_length=100_000),
     action: str = Form("", pattern=r"^(|retry|skip|answer)$"),
-    tenant: str = Depends(_tenant),
+    who: Caller = Depends(signed_in),
     viewer: _Viewer = Depends(_viewer),
 ) -> Response:
     # The viewer signs in with the tenant's operator key only; the decider is that key.
-    who = Caller(tenant, None, key_id_of(request.cookies.get(COOKIE, "")) or "viewer")
+    tenant = who.tenant_id
     approve = verdict == "approve"
     try:
         corrected = _corrected(arguments) if approve else None

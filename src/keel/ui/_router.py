@@ -1,11 +1,14 @@
 """The web trace viewer's pages, mounted on the service's app at ``/ui``.
 
-Sign-in is the service's own API key, entered once and kept in an HttpOnly, SameSite=Strict
-cookie; every page is scoped to that key's tenant exactly as the API is (another tenant's run
-or session is a 404 like one that does not exist). Pages are rendered on the server with
-Jinja2 (autoescaped); charts and graphs are inline SVG; forms post back (revert, resolve)
-and go through the same compare-and-set and journal calls as the API; the approvals page
-(``_approvals.py``) decides through the agent, as the API does.
+Sign-in is a tenant's operator API key, entered once: it opens a server-side session (an
+opaque random token in an HttpOnly, SameSite=Strict cookie, only its hash stored next to the
+keys, so every worker knows it), which ends after ``SESSION_LIFETIME_S``, on sign-out, or when
+its key is revoked; the key itself never reaches the cookie. Every page is scoped to that key's
+tenant exactly as the API is (another tenant's run or session is a 404 like one that does not
+exist). Pages are rendered on the server with Jinja2 (autoescaped); charts and graphs are
+inline SVG; forms post back (revert, resolve) and go through the same compare-and-set and
+journal calls as the API; the approvals page (``_approvals.py``) decides through the agent, as
+the API does.
 """
 
 from __future__ import annotations
@@ -28,20 +31,33 @@ from keel.errors import ConflictError, SessionBusyError, StateError
 from keel.memory import MemoryFilter, Scope
 from keel.service._access import path_session_id, revert_holding_lease
 from keel.service._ids import RawPathRoute, Text, session_url
-from keel.tracing import RUN_STATUSES, RunQuery, TraceStore
+from keel.service._keys import Caller
+from keel.tracing import RUN_STATUSES, Run, RunQuery, TraceStore
 from keel.ui._render import indicator_series, line_chart, machine_graph, state_diff, token_bar
 
 if TYPE_CHECKING:
     from keel.runtime import Agent
+    from keel.service._keys import APIKeys
     from keel.state import MachinePosition
 
-__all__ = ["COOKIE", "mount_ui"]
+__all__ = ["COOKIE", "SESSION_LIFETIME_S", "mount_ui"]
 
-COOKIE = "keel_ui_key"
-"""The cookie holding the signed-in API key (HttpOnly, SameSite=Strict, path /ui)."""
+COOKIE = "keel_ui_session"
+"""The cookie holding the viewer's session token (HttpOnly, SameSite=Strict, path /ui; Secure
+over https): never the API key."""
+
+SESSION_LIFETIME_S = 8 * 3600
+"""How long a sign-in lasts (a working day); then the viewer asks for the key again."""
 
 _PAGE = 25
 _STATUSES = RUN_STATUSES
+
+SHORTEST_RUN_PREFIX = 8
+"""The fewest characters of a run id that name it in a URL (the CLI prints 12)."""
+
+_PREFIX_SCAN = 50
+"""At most this many runs of every tenant are read for one prefix (ids are random hex: two
+that share 8 characters are already rare)."""
 
 
 class _SignIn(Exception):
@@ -80,7 +96,7 @@ class _Viewer:
     """What the viewer's pages share, on ``app.state.keel_viewer``."""
 
     agent_for: Callable[[str], Agent]
-    tenant_of_key: Callable[[str], str | None]
+    keys: APIKeys
     traces: TraceStore
     templates: Environment = field(default_factory=_environment)
 
@@ -94,13 +110,21 @@ def _viewer(request: Request) -> _Viewer:
     return viewer
 
 
-def _tenant(request: Request, viewer: _Viewer = Depends(_viewer)) -> str:
-    """The signed-in key's tenant; without one, the browser is sent to sign in."""
-    key = request.cookies.get(COOKIE)
-    tenant = viewer.tenant_of_key(key) if key else None
-    if tenant is None:
+async def signed_in(request: Request, viewer: _Viewer = Depends(_viewer)) -> Caller:
+    """Who the browser's session speaks for (an operator key); without a live session, the
+    browser is sent to sign in. Looked up on every request, never cached: a session ends the
+    moment it is signed out, expires or its key is revoked."""
+    token = request.cookies.get(COOKIE)
+    keys = viewer.keys
+    caller = await keys.arun(lambda: keys.session_caller(token)) if token else None
+    if caller is None or not caller.operator:
         raise _SignIn
-    return tenant
+    return caller
+
+
+def _tenant(caller: Caller = Depends(signed_in)) -> str:
+    """The signed-in key's tenant."""
+    return caller.tenant_id
 
 
 # Matched as sent: a session id spelled team%2Falpha stays one path segment.
@@ -126,27 +150,42 @@ async def login(
     next: str = Form("/ui/runs"),
     viewer: _Viewer = Depends(_viewer),
 ) -> Response:
-    if viewer.tenant_of_key(key.strip()) is None:
+    keys = viewer.keys
+    # Verified afresh (no key cache): a key revoked a moment ago opens no session.
+    caller = await keys.acaller_of(key.strip())
+    if caller is None or not caller.operator:
         return viewer.page(
             "login.html",
             request,
             status=401,
             next=next,
-            error="Unknown or revoked key.",
+            error="Unknown or revoked key (the viewer takes a tenant's operator key).",
             tenant=None,
         )
+    key_id = caller.key_id
+    token = await keys.arun(lambda: keys.start_session(key_id, SESSION_LIFETIME_S))
     target = next if next.startswith("/ui") else "/ui/runs"
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
-        COOKIE, key.strip(), httponly=True, samesite="strict", path="/ui", max_age=86_400
+        COOKIE,
+        token,
+        httponly=True,
+        samesite="strict",
+        path="/ui",
+        max_age=SESSION_LIFETIME_S,
+        secure=request.url.scheme == "https",
     )
     return response
 
 
 @router.post("/ui/logout")
-async def logout() -> Response:
+async def logout(request: Request, viewer: _Viewer = Depends(_viewer)) -> Response:
+    token = request.cookies.get(COOKIE)
+    if token:
+        keys = viewer.keys
+        await keys.arun(lambda: keys.end_session(token))
     response = RedirectResponse("/ui/login", status_code=303)
-    response.delete_cookie(COOKIE, path="/ui")
+    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
     return response
 
 
@@ -197,6 +236,20 @@ async def runs(
     )
 
 
+def _tenant_runs(traces: TraceStore, tenant: str, run_id: str) -> list[Run]:
+    """The tenant's runs that ``run_id`` names: the run with that id, or those it is a prefix
+    of (at least ``SHORTEST_RUN_PREFIX`` characters), as ``keel runs show`` resolves the short
+    ids it prints. Another tenant's runs are not counted: they neither match nor make a
+    prefix ambiguous."""
+    exact = traces.get_run(run_id)
+    if exact is not None:
+        return [exact] if exact.tenant_id == tenant else []
+    if len(run_id) < SHORTEST_RUN_PREFIX:
+        return []
+    found = [traces.get_run(i) for i in traces.run_ids_starting_with(run_id, limit=_PREFIX_SCAN)]
+    return [run for run in found if run is not None and run.tenant_id == tenant]
+
+
 @router.get("/ui/runs/{run_id}")
 async def run(
     request: Request,
@@ -204,8 +257,14 @@ async def run(
     tenant: str = Depends(_tenant),
     viewer: _Viewer = Depends(_viewer),
 ) -> Response:
-    detail = await run_blocking(viewer.traces.get_run_detail, run_id)
-    if detail is None or detail.run.tenant_id != tenant:
+    named = await run_blocking(_tenant_runs, viewer.traces, tenant, run_id)
+    if len(named) > 1:
+        # 300 Multiple Choices: the page lists them, each a link to its full id.
+        return viewer.page(
+            "ambiguous.html", request, status=300, tenant=tenant, prefix=run_id, runs=named
+        )
+    detail = await run_blocking(viewer.traces.get_run_detail, named[0].run_id) if named else None
+    if detail is None:
         raise _Missing
     session_id = detail.run.session_id
     prefix = f"{tenant}/"
@@ -421,13 +480,11 @@ async def health(
 
 
 def mount_ui(
-    app: FastAPI,
-    agent_for: Callable[[str], Agent],
-    tenant_of_key: Callable[[str], str | None],
-    traces: TraceStore,
+    app: FastAPI, agent_for: Callable[[str], Agent], keys: APIKeys, traces: TraceStore
 ) -> None:
-    """Serve the viewer at ``/ui`` on ``app``."""
-    viewer = _Viewer(agent_for, tenant_of_key, traces)
+    """Serve the viewer at ``/ui`` on ``app``: it signs in with a tenant's operator key from
+    ``keys``, and keeps its sessions there."""
+    viewer = _Viewer(agent_for, keys, traces)
     app.state.keel_viewer = viewer
     app.mount(
         "/ui/static", StaticFiles(directory=Path(__file__).parent / "static"), name="ui-static"
