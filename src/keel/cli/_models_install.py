@@ -10,7 +10,13 @@ from typing import Annotated, Any
 
 import typer
 
-from keel._assets import BUNDLED_MODELS, INSTALL_COMMAND, BundledModel, installed_version
+from keel._assets import (
+    BUNDLED_MODELS,
+    INSTALL_COMMAND,
+    BundledModel,
+    installed_version,
+    runtime_installed,
+)
 from keel.cli._app import JsonOption, app, emit_or_show, err_console, fail, out_console
 from keel.errors import ConfigError, KeelRuntimeError
 
@@ -20,20 +26,15 @@ models_app = typer.Typer(
 )
 app.add_typer(models_app, name="models")
 
-# The library that runs each model, by the extra that brings it.
-_RUNTIME_MODULE = {"local": "llama_cpp", "embeddings": "onnxruntime"}
-
 
 def _status(model: BundledModel) -> dict[str, Any]:
-    version = installed_version(model)
-    runtime = _RUNTIME_MODULE[model.extra]
     return {
         "model": model.title,
         "package": model.distribution,
-        "installed": version,
+        "installed": installed_version(model),
         "pinned": model.version,
-        "runtime": runtime,
-        "runtime_installed": importlib.util.find_spec(runtime) is not None,
+        "runtime": model.runtime_module,
+        "runtime_installed": runtime_installed(model),
         "extra": model.extra,
     }
 
