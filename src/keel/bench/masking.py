@@ -233,7 +233,7 @@ def _faker() -> Any:
         from faker import Faker
     except ImportError as exc:
         raise ConfigError(
-            "keel bench masking generates its corpus with Faker: pip install 'keel[bench]' "
+            "keel bench masking generates its corpus with Faker: pip install 'keel-runtime[bench]' "
             "(or pip install faker)"
         ) from exc
     return Faker

@@ -20,6 +20,7 @@ from keel.cli import (  # noqa: F401
     _mcp,
     _memory,
     _models,
+    _models_install,
     _privacy,
     _runs,
     _serve,

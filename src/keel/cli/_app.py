@@ -42,6 +42,30 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from keel._version import __version__
+
+        out_console.print(f"keel {__version__}", markup=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _keel(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print keel's version (the keel-runtime package's) and exit.",
+        ),
+    ] = False,
+) -> None:
+    """keel: a runtime that keeps LLM agents from crashing, drifting or forgetting."""
+
+
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 """``--json``: the command's output is one JSON object instead of text."""
 JsonLastOption = Annotated[bool, typer.Option("--json", help="Last line: one JSON object.")]

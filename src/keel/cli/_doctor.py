@@ -95,7 +95,10 @@ def _local_model() -> str:
 
     path = smollm2_gguf()
     if importlib.util.find_spec("llama_cpp") is None:
-        raise RuntimeError(f"{path.name} found but llama-cpp-python is not installed")
+        raise RuntimeError(
+            f"{path.name} found but llama-cpp-python is not installed: "
+            "pip install 'keel-runtime[local]'"
+        )
     return f"SmolLM2-135M-Instruct, {path.stat().st_size / 1e6:.0f} MB, {path}"
 
 
@@ -106,7 +109,10 @@ def _embedder() -> str:
     needed = ("onnxruntime", "onnx", "tokenizers")
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise RuntimeError(f"all-MiniLM-L6-v2 found but {', '.join(missing)} not installed")
+        raise RuntimeError(
+            f"all-MiniLM-L6-v2 found but {', '.join(missing)} not installed: "
+            "pip install 'keel-runtime[embeddings]'"
+        )
     return f"all-MiniLM-L6-v2 (384 dims, ONNX Runtime), {folder}"
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from keel._assets import AssetMissingError, minilm_dir
+from keel._assets import minilm_dir
 from keel._bridge import map_blocking, run_blocking
 from keel.errors import ConfigError, ModelError, ModelUnavailableError
 from keel.memory._onnx import BertConfig, build_bert_encoder
@@ -135,7 +135,8 @@ class OnnxEmbedder(Embedder):
             from tokenizers import Tokenizer
         except ImportError as exc:
             raise ConfigError(
-                "the ONNX embedder needs keel's 'embeddings' extra (onnxruntime, onnx, tokenizers)"
+                "the ONNX embedder needs onnxruntime, onnx and tokenizers: "
+                "pip install 'keel-runtime[embeddings]'"
             ) from exc
         folder = Path(self.path)
         tokenizer_file = folder / "tokenizer.json"
@@ -188,10 +189,8 @@ def _model_folder(path: str | Path | None, name: str | None) -> tuple[Path, str]
     if path is not None:
         folder = Path(path)
         return folder, name or folder.name
-    try:
-        return minilm_dir(), name or DEFAULT_EMBEDDING_MODEL
-    except AssetMissingError as exc:
-        raise ConfigError(str(exc)) from exc
+    # ModelNotInstalledError (a ConfigError) when absent: it names `keel models install`.
+    return minilm_dir(), name or DEFAULT_EMBEDDING_MODEL
 
 
 class SentenceTransformerEmbedder(Embedder):
@@ -234,7 +233,8 @@ class SentenceTransformerEmbedder(Embedder):
             from sentence_transformers import SentenceTransformer
         except ImportError as exc:
             raise ConfigError(
-                "the sentence-transformers embedder needs keel's 'embeddings' extra"
+                "the sentence-transformers embedder needs torch and sentence-transformers: "
+                "pip install 'keel-runtime[sentence-transformers]'"
             ) from exc
         from transformers.utils import logging as transformers_logging
 

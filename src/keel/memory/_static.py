@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from keel._assets import AssetMissingError, minilm_dir
+from keel._assets import minilm_dir
 from keel.errors import ConfigError
 from keel.memory._embedders import Embedder, FloatArray, _LoadedModels, _normalize
 
@@ -56,18 +56,15 @@ def distill_minilm(cache_dir: Path | None = None, *, dimension: int = 256) -> Pa
     target = cache / f"{STATIC_MINILM}-{dimension}"
     if (target / _MANIFEST).is_file():
         return target
-    try:
-        source = minilm_dir()
-    except AssetMissingError as exc:
-        raise ConfigError(str(exc)) from exc
+    source = minilm_dir()
     try:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from model2vec.distill import distill
     except ImportError as exc:
         raise ConfigError(
-            "distilling static embeddings needs keel's 'static-embeddings' extra "
-            "(model2vec[distill], torch)"
+            "distilling static embeddings needs model2vec[distill] and torch: "
+            "pip install 'keel-runtime[static-embeddings]'"
         ) from exc
     cache.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache))
@@ -147,7 +144,7 @@ class StaticEmbedder(Embedder):
             from model2vec import StaticModel
         except ImportError as exc:
             raise ConfigError(
-                "static embeddings need keel's 'static-embeddings' extra (model2vec)"
+                "static embeddings need model2vec: pip install 'keel-runtime[static-embeddings]'"
             ) from exc
         return StaticModel.from_pretrained(self.path)
 

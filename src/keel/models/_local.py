@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keel._assets import AssetMissingError, smollm2_gguf
+from keel._assets import smollm2_gguf
 from keel.errors import (
     ContextLengthExceededError,
     ModelTimeoutError,
@@ -92,7 +92,7 @@ def _load(path: Path, n_ctx: int, n_threads: int) -> _Loaded:
             from llama_cpp import Llama
         except ImportError as exc:
             raise ModelUnavailableError(
-                "the local model needs llama-cpp-python (install keel's 'local' extra)",
+                "the local model needs llama-cpp-python: pip install 'keel-runtime[local]'",
                 model="local:smollm2",
             ) from exc
         started = time.perf_counter()
@@ -284,10 +284,7 @@ class LocalModel(ChatModel):
     def _model_path(self) -> Path:
         if self._path is not None:
             return self._path
-        try:
-            return smollm2_gguf()
-        except AssetMissingError as exc:
-            raise ModelUnavailableError(str(exc), model=self.spec) from exc
+        return smollm2_gguf()  # ModelNotInstalledError names `keel models install`
 
     def load(self) -> float:
         """Load the weights now (they load on first use otherwise); returns the load seconds."""

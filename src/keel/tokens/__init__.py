@@ -60,8 +60,9 @@ def counter_for(model: str, *, allow_estimate: bool = False) -> ChatTokenCounter
     """A prompt counter for a model name or spec (``gpt-4o``, ``local:smollm2``, ...).
 
     Raises:
-        UnknownModelError: the model is unknown and ``allow_estimate`` is False, or its
-            tokenizer is not installed.
+        UnknownModelError: the model is unknown and ``allow_estimate`` is False.
+        ModelNotInstalledError: the model's tokenizer ships with a bundled model that is not
+            installed (``keel models install``).
     """
     profile = model_profile(model, allow_estimate=allow_estimate)
     return ChatTokenCounter(profile, tokenizer_for(profile))

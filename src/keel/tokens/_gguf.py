@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from keel._assets import AssetMissingError, smollm2_gguf
+from keel._assets import smollm2_gguf
 from keel._llama import silence_llama_logs
 from keel.errors import UnknownModelError
 from keel.tokens._base import ExactTokenizer
@@ -77,8 +77,5 @@ def gguf_tokenizer(name: str) -> GGUFTokenizer:
     """The tokenizer of a bundled GGUF model (``smollm2``), loaded once."""
     if name != "smollm2":
         raise UnknownModelError(name, "bundled GGUF models: smollm2")
-    try:
-        path = smollm2_gguf()
-    except AssetMissingError as exc:
-        raise UnknownModelError(name, str(exc)) from exc
-    return GGUFTokenizer(f"gguf:{name}", path)
+    # ModelNotInstalledError when the model is absent: it names `keel models install`.
+    return GGUFTokenizer(f"gguf:{name}", smollm2_gguf())

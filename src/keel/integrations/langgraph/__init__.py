@@ -1,4 +1,4 @@
-"""keel inside LangGraph (``keel[langgraph]``).
+"""keel inside LangGraph (``keel-runtime[langgraph]``).
 
 :class:`KeelCheckpointSaver` is a ``BaseCheckpointSaver`` on keel's state stores (SQLite,
 PostgreSQL, Redis): each checkpoint stored as what changed since the one before, a stale
