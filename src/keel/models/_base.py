@@ -136,6 +136,12 @@ class ChatModel(ABC):
     (None: no cap of its own). An agent's answer cut there ends as written, reported cut
     (``reply.truncated``): it is not continued, since the model was configured to stop there."""
 
+    endpoint: str | None = None
+    """The server this model calls, as configured (``http://host:port/v1``; None: none, or the
+    provider's own). keel's errors about it name it, and it is never masked there: it is the
+    deployment's configuration, not anyone's data, and an operator must see which server
+    could not be reached."""
+
     def __init__(self, spec: str, profile: ModelProfile, counter: ChatTokenCounter) -> None:
         self.spec = spec
         self.profile = profile
