@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from keel.cli import main
-from keel.errors import ModelUnavailableError
+from keel.errors import MalformedResponseError, ModelUnavailableError
 from keel.messages import Message
 from keel.models import CompletionChunk, ModelOptions, ToolSchema
 from keel.runtime import Agent, TurnFinished
@@ -97,3 +97,24 @@ async def test_a_streamed_call_that_broke_shows_what_it_wrote(
     prompt, completion = _tokens(line)
     assert prompt > 10 and completion > 5, line
     assert "Let me look that up" in _show(run_id, capsys)
+
+
+def test_an_unusable_answer_that_raised_shows_the_tokens_it_wrote(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KEEL_PII_VAULT", "off")
+    unusable = MalformedResponseError(
+        "the reply is not valid JSON",
+        raw='{"order": "1024", "status": "shipped", "carrier": "the one that',
+    )
+    model = ScriptedModel([unusable, "Your order is on its way."])
+    agent = Agent.open(model=model, memory=False, system_prompt="You help customers.")
+    try:
+        reply = agent.handle_sync("s1", "u1", "Where is my order 1024?")
+    finally:
+        agent.close()
+    shown = _show(reply.run_id, capsys)
+    lines = shown.splitlines()
+    failed = next(i for i, line in enumerate(lines) if "MalformedResponseError" in line)
+    prompt, completion = _tokens(lines[failed - 1])
+    assert prompt > 10 and completion > 5, shown

@@ -276,13 +276,16 @@ class ModelStep:
             retry=True,
             prompt_tokens=partial.usage.prompt_tokens if partial is not None else 0,
         )
+        # What the model wrote before it failed: streamed, or the unusable text itself.
+        if partial is None and not call.produced and isinstance(raw, str):
+            call.produced.append(raw)
         traced = partial if partial is not None else self._failed_call(run, call)
         run.finish("retry", traced, traced.message, error=error)
         return ModelOutcome("retry", partial, Message.assistant(""))
 
     def _failed_call(self, run: LoopRun, call: _Call) -> Completion:
         """What the trace records of a call that failed without an answer: how long it took,
-        the prompt it was sent (counted here) and what it streamed before failing. Counted by
+        the prompt it was sent (counted here) and what it wrote before failing. Counted by
         keel, not billed by the provider: the run's usage leaves them out."""
         counter = self.model.counter
         try:
