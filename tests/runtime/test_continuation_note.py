@@ -38,7 +38,9 @@ def _echoing_model(echo: str, chunk_chars: int) -> ScriptedModel:
 
 
 @pytest.mark.parametrize("chunk_chars", [1, 7, 400])
-@pytest.mark.parametrize("echo", [_NOTE, _NOTE.split(". ")[0] + "."])
+@pytest.mark.parametrize(
+    "echo", [_NOTE, _NOTE.split(". ")[0] + "."], ids=["whole-note", "first-sentence"]
+)
 async def test_an_echoed_continuation_note_is_never_the_models_visible_words(
     database: SQLiteDatabase, echo: str, chunk_chars: int
 ) -> None:
