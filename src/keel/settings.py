@@ -89,6 +89,15 @@ class Settings(BaseSettings):
         description="Default model spec: local:smollm2, openai:gpt-4o-mini, "
         "openai-compatible:MODEL@http://host:port/v1, scripted:...",
     )
+    local_max_answer_tokens: int = Field(
+        default=384,
+        gt=0,
+        description=(
+            "Most tokens one answer of a bundled local model (local:*) may take: a longer one "
+            "ends there, reported cut (reply.truncated), instead of rambling on for minutes. "
+            "A spec can set its own: local:smollm2?max_answer_tokens=256."
+        ),
+    )
     embedder: str = Field(
         default="local:all-minilm-l6-v2", description="Default embedding model spec."
     )

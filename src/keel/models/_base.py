@@ -131,6 +131,17 @@ class CompletionChunk(BaseModel):
 class ChatModel(ABC):
     """A chat model. Implement ``_acomplete``; streaming defaults to one final chunk."""
 
+    max_answer_tokens: int | None = None
+    """The most tokens this model writes in one answer, whatever a call's ``max_tokens`` asks
+    (None: no cap of its own). An agent's answer cut there ends as written, reported cut
+    (``reply.truncated``): it is not continued, since the model was configured to stop there."""
+
+    endpoint: str | None = None
+    """The server this model calls, as configured (``http://host:port/v1``; None: none, or the
+    provider's own). keel's errors about it name it, and it is never masked there: it is the
+    deployment's configuration, not anyone's data, and an operator must see which server
+    could not be reached."""
+
     def __init__(self, spec: str, profile: ModelProfile, counter: ChatTokenCounter) -> None:
         self.spec = spec
         self.profile = profile

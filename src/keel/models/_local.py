@@ -55,7 +55,10 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 """The system prompt SmolLM2's chat template uses when none is given (token counts match)."""
 
 _END = "<|im_end|>"
-_DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_ANSWER_TOKENS = 384
+"""The default cap on one answer of the bundled model (the ``local_max_answer_tokens``
+setting): a model this small that has not stopped by then is rambling, and on a CPU every
+token costs time (2,048 of them took two minutes)."""
 
 
 @dataclass
@@ -252,6 +255,10 @@ class LocalModel(ChatModel):
             Greedy decoding of a model this small otherwise loops (it recites its tool list
             until ``max_tokens`` and the reply is cut); replies constrained to JSON (a required
             call, ``json_schema``, ``json_mode``) are not penalized. 1.0 turns it off.
+        max_answer_tokens: the most tokens one answer takes, whatever a call's ``max_tokens``
+            asks (default :data:`DEFAULT_MAX_ANSWER_TOKENS`; ``resolve_model`` passes the
+            ``local_max_answer_tokens`` setting, or the spec's ``?max_answer_tokens=N``). An
+            agent's answer cut there ends as written, reported cut, and is not continued.
     """
 
     def __init__(
@@ -263,6 +270,7 @@ class LocalModel(ChatModel):
         n_threads: int | None = None,
         constrain_tool_calls: bool = True,
         repeat_penalty: float = 1.2,
+        max_answer_tokens: int | None = None,
     ) -> None:
         if name != "smollm2":
             raise UnknownModelError(f"local:{name}", "bundled local models: smollm2")
@@ -275,6 +283,10 @@ class LocalModel(ChatModel):
         if repeat_penalty < 1.0:
             raise UsageError(f"repeat_penalty must be >= 1.0, got {repeat_penalty}")
         self.repeat_penalty = repeat_penalty
+        cap = DEFAULT_MAX_ANSWER_TOKENS if max_answer_tokens is None else max_answer_tokens
+        if cap < 1:
+            raise UsageError(f"max_answer_tokens must be at least 1, got {cap}")
+        self.max_answer_tokens: int = cap
 
     @property
     def context_window(self) -> int:
@@ -326,11 +338,16 @@ class LocalModel(ChatModel):
 
     # --- generation ---------------------------------------------------------------------------
 
+    def _answer_limit(self, options: ModelOptions) -> int:
+        """The tokens this call may generate: the call's ``max_tokens``, within the cap."""
+        asked = options.max_tokens
+        return self.max_answer_tokens if asked is None else min(asked, self.max_answer_tokens)
+
     def _generation_args(
         self, tools: Sequence[ToolSchema], options: ModelOptions
     ) -> dict[str, Any]:
         args: dict[str, Any] = {
-            "max_tokens": options.max_tokens or _DEFAULT_MAX_TOKENS,
+            "max_tokens": self._answer_limit(options),
             "temperature": 0.0 if options.temperature is None else options.temperature,
             "stop": [_END, "<|im_start|>", *options.stop],
         }
@@ -362,7 +379,7 @@ class LocalModel(ChatModel):
             None, _load, self._model_path(), self.n_ctx, self.n_threads
         )
         prompt = self.render_prompt(messages, tools, options)
-        max_tokens = options.max_tokens or _DEFAULT_MAX_TOKENS
+        max_tokens = self._answer_limit(options)
         args = self._generation_args(tools if options.tool_choice != "none" else (), options)
         events, cancel = _generate_in_thread(loop, loaded, prompt, max_tokens, args)
         answer = StreamedAnswer(started)
@@ -455,8 +472,9 @@ class LocalModel(ChatModel):
             raw={"text": text, "finish_reason": finish},
             tool_call_errors=errors,
         )
-        cap = options.max_tokens or _DEFAULT_MAX_TOKENS
-        refuse_cut_answer(completion, options, self.spec, f"max_tokens={cap}")
+        refuse_cut_answer(
+            completion, options, self.spec, f"max_tokens={self._answer_limit(options)}"
+        )
         return completion
 
     async def _acomplete(

@@ -169,6 +169,7 @@ class OpenAICompatibleModel(ChatModel):
         )
         self.model = model
         self.base_url = base_url
+        self.endpoint = base_url
         self.retry = retry or RetryPolicy()
         self.max_tokens_param = max_tokens_param
         self._api_key = api_key

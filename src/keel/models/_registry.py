@@ -11,7 +11,9 @@ Specs:
     Azure OpenAI; endpoint, key and API version from the SDK's usual ``AZURE_OPENAI_ENDPOINT``,
     ``AZURE_OPENAI_API_KEY`` and ``OPENAI_API_VERSION`` variables.
 ``local:smollm2``
-    the bundled SmolLM2-135M-Instruct, in-process.
+    the bundled SmolLM2-135M-Instruct, in-process; each answer at most
+    ``local_max_answer_tokens`` tokens (``KEEL_LOCAL_MAX_ANSWER_TOKENS``, default 384), or the
+    spec's own cap: ``local:smollm2?max_answer_tokens=256``.
 ``scripted:NAME``
     a :class:`~keel.testing.ScriptedModel` that echoes the last user message, with NAME's
     window and tokenizer (for demos and smoke tests; build one yourself for real scripts).
@@ -76,6 +78,8 @@ def resolve_model(
         provider = "local" if profile.chat_format == "chatml" else "openai"
         spec = f"{provider}:{name}"
     if provider == "local":
+        name, cap = _local_answer_cap(spec, name, settings)
+        options.setdefault("max_answer_tokens", cap)
         return LocalModel(name, **options)
     if provider == "scripted":
         return ScriptedModel(_echo_last_user, model=name, **options)
@@ -85,6 +89,20 @@ def resolve_model(
             spec, "providers: openai, openai-compatible, azure, local, scripted"
         )
     return http_model(spec, name, settings, retry, options)
+
+
+def _local_answer_cap(spec: str, name: str, settings: Settings) -> tuple[str, int]:
+    """A local spec's model name and answer cap: ``?max_answer_tokens=N`` when the spec
+    gives one, else the ``local_max_answer_tokens`` setting."""
+    name, _, query = name.partition("?")
+    if not query:
+        return name, settings.local_max_answer_tokens
+    key, _, value = query.partition("=")
+    if key != "max_answer_tokens" or not value.isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"{spec}: a local model spec takes one option, ?max_answer_tokens=N (N >= 1)"
+        )
+    return name, int(value)
 
 
 def _echo_last_user(call: ScriptedCall) -> str:

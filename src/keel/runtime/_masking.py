@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -35,6 +36,19 @@ from keel.privacy import (
 from keel.tracing import LoopStep, Tracer
 
 __all__ = ["Masking", "ModelSees", "checked_model_sees"]
+
+_HELD = "\ue001"
+"""Marks a model endpoint held out of masking (a private-use character, as the vault's own
+slots are, and not theirs)."""
+_HELD_MARK = re.compile("\ue001([0-9]+)\ue001")
+
+
+def _put_back(masked: str, held: Sequence[str]) -> str:
+    """``masked`` with each held endpoint where its mark is."""
+    if not held:
+        return masked
+    return _HELD_MARK.sub(lambda mark: held[int(mark.group(1))], masked)
+
 
 ModelSees = Literal["placeholders", "values"]
 """What the model is shown of the user's PII: placeholders (the default), or the values (for
@@ -68,6 +82,10 @@ class Masking:
         vault: the deployment's PII vault (None: placeholders per text, values gone).
         model_sees: what the model is shown (see :data:`ModelSees`).
         user_vault: the turn's user's view of ``vault`` (set by :meth:`for_user`).
+        endpoints: the model's own server addresses, as configured (its base URL): kept as
+            written where :meth:`mask` finds them, so that an error about the server names it
+            (``cannot reach http://10.0.0.5:8000/v1``). They are the deployment's
+            configuration, not user data; everything else in the text is masked as before.
         no_vault: what refuses tool calls holding placeholders while masking has no vault
             (the agent's, so that it warns once for the agent; default: one of its own).
     """
@@ -81,6 +99,7 @@ class Masking:
         *,
         user_vault: UserVault | None = None,
         no_vault: NoVault | None = None,
+        endpoints: Sequence[str] = (),
     ) -> None:
         self.masker = masker
         self.tenant_id = tenant_id
@@ -93,6 +112,7 @@ class Masking:
         """What the tool journal masks with, as the messages are (None: off)."""
         self.no_vault = (no_vault or NoVault()) if masker is not None and vault is None else None
         """Placeholders without a vault: a tool call holding one is refused."""
+        self.endpoints = tuple(sorted({e for e in endpoints if e}, key=len, reverse=True))
 
     @property
     def tool_vault(self) -> UserVault | NoVault | None:
@@ -116,17 +136,33 @@ class Masking:
             self.vault,
             self.model_sees,
             user_vault=self.vault.user(self.tenant_id, user_id),
+            endpoints=self.endpoints,
         )
 
     # --- values -> placeholders -----------------------------------------------------------------
 
     def mask(self, text: str) -> str:
-        """``text`` as it may be stored (blocking: see :meth:`amask` on an event loop)."""
-        return self.view.mask(text)
+        """``text`` as it may be stored (blocking: see :meth:`amask` on an event loop); the
+        model's own ``endpoints`` stay as written."""
+        held, text = self._hold_endpoints(text)
+        return _put_back(self.view.mask(text), held)
 
     async def amask(self, text: str) -> str:
         """:meth:`mask`, a write of new values to the vault off the event loop."""
-        return await self.view.amask(text)
+        held, text = self._hold_endpoints(text)
+        return _put_back(await self.view.amask(text), held)
+
+    def _hold_endpoints(self, text: str) -> tuple[list[str], str]:
+        """``text`` with each of the model's endpoints in it replaced by a mark no detector
+        finds, and the endpoints in the marks' order."""
+        held: list[str] = []
+        if not text:
+            return held, text
+        for endpoint in self.endpoints:
+            if endpoint in text:
+                text = text.replace(endpoint, f"{_HELD}{len(held)}{_HELD}")
+                held.append(endpoint)
+        return held, text
 
     def mask_untrusted(self, text: str) -> str:
         """:meth:`mask` for text a model or a tool wrote (see

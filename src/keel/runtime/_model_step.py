@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from keel.context import runtime_note
@@ -19,7 +20,7 @@ from keel.guards import (
     check_response,
     validate_structured,
 )
-from keel.messages import Message
+from keel.messages import Message, Usage
 from keel.models import ChatModel, Completion, ModelOptions
 from keel.runtime._steps import (
     History,
@@ -44,6 +45,10 @@ _CONTINUE = (
 )
 """What the model is told when its answer was cut at the token limit (keel's words, dropped
 from the history when the turn ends: the parts become one answer)."""
+
+_CONTINUE_ECHOES = (_CONTINUE, _CONTINUE.split(". ", 1)[0] + ".")
+"""keel's note as a model may echo it back (all of it, or its first sentence): never shown or
+kept as the model's words."""
 
 
 class ModelStep:
@@ -139,20 +144,21 @@ class ModelStep:
         unusable reply or a failed call is a finished retry step."""
         assert run.current is not None
         run.current["prompt_messages"] = len(sent)
+        call = _Call(sent, time.perf_counter())
         # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the run's own
         # cancellation when the call finishes at the same moment, and the run overruns.
         try:
             async with asyncio.timeout(self.guards.model_timeout_s) as deadline:
-                completion = await self._call_model(run, sent, options, on_text)
+                completion = await self._call_model(run, call, options, on_text)
         except TimeoutError as exc:
             reason = (
                 f"no answer within {self.guards.model_timeout_s:g} s"
                 if deadline.expired()
                 else f"the model call timed out: {exc}"
             )
-            return self._failure(run, ModelTimeoutError(reason, model=self.model.spec))
+            return self._failure(run, ModelTimeoutError(reason, model=self.model.spec), call)
         except ModelError as exc:
-            return self._failure(run, exc)
+            return self._failure(run, exc, call)
         except Exception as exc:
             # A custom ChatModel that raises something else (a bug, a KeyError): a model
             # failure like any other, never an exception out of the run.
@@ -160,7 +166,8 @@ class ModelStep:
                 f"the model raised {type(exc).__name__}: {exc}", model=self.model.spec
             )
             wrapped.__cause__ = exc
-            return self._failure(run, wrapped)
+            return self._failure(run, wrapped, call)
+        completion = _without_note(completion)
         run.usage = run.usage + completion.usage
         self.monitor.record_call(
             session_id=run.session_id,
@@ -170,7 +177,7 @@ class ModelStep:
             ttft_ms=completion.ttft_ms,
         )
         if _cut_at_limit(completion):
-            if not self.options.continue_truncated:
+            if not self.options.continue_truncated or self._cut_at_model_cap(options):
                 return ModelOutcome("cut", completion, completion.message)
             return self._continue_cut(run, completion)
         return self._checked(run, _whole_answer(run, completion))
@@ -198,24 +205,39 @@ class ModelStep:
         message = completion.message
         return ModelOutcome("tool_calls" if message.tool_calls else "final", completion, message)
 
+    def _cut_at_model_cap(self, options: ModelOptions) -> bool:
+        """Whether a cut answer stopped at the model's own cap (its ``max_answer_tokens``,
+        not the room the prompt left): the model was configured to stop there, and asking it
+        to go on would only ramble on, one capped part at a time."""
+        cap = self.model.max_answer_tokens
+        return cap is not None and (options.max_tokens is None or options.max_tokens >= cap)
+
     async def _call_model(
         self,
         run: LoopRun,
-        sent: list[Message],
+        call: _Call,
         options: ModelOptions,
         on_text: Callable[[int, str], MaybeAwaitable[None]] | None,
     ) -> Completion:
-        """One model call: streamed to ``on_text`` when it is set."""
+        """One model call: streamed to ``on_text`` when it is set (never keel's own note,
+        should the model echo it)."""
         if on_text is None:
-            return await self.model.acomplete(sent, run.tools, options)
+            return await self.model.acomplete(call.sent, run.tools, options)
         completion: Completion | None = None
-        stream = self.model.astream(sent, run.tools, options)
+        stream = self.model.astream(call.sent, run.tools, options)
+        shown = _NoteFilter()
         try:
             async for chunk in stream:
                 if chunk.text:
-                    await call_hook(on_text, run.step, chunk.text)
+                    call.produced.append(chunk.text)
+                    text = shown.feed(chunk.text)
+                    if text:
+                        await call_hook(on_text, run.step, text)
                 if chunk.completion is not None:
                     completion = chunk.completion
+            rest = shown.flush()
+            if rest:
+                await call_hook(on_text, run.step, rest)
         finally:
             # Stopped early (a timeout, a cancelled turn): the provider's request ends now.
             close = getattr(stream, "aclose", None)
@@ -239,7 +261,7 @@ class ModelStep:
         run.finish("continued", completion, part)
         return ModelOutcome("continued", completion, part)
 
-    def _failure(self, run: LoopRun, error: ModelError) -> ModelOutcome:
+    def _failure(self, run: LoopRun, error: ModelError, call: _Call) -> ModelOutcome:
         run.errors.append(f"{type(error).__name__}: {error}")
         run.retrying = True
         run.last_failure = error
@@ -254,8 +276,33 @@ class ModelStep:
             retry=True,
             prompt_tokens=partial.usage.prompt_tokens if partial is not None else 0,
         )
-        run.finish("retry", partial, partial.message if partial is not None else None, error=error)
+        # What the model wrote before it failed: streamed, or the unusable text itself.
+        if partial is None and not call.produced and isinstance(raw, str):
+            call.produced.append(raw)
+        traced = partial if partial is not None else self._failed_call(run, call)
+        run.finish("retry", traced, traced.message, error=error)
         return ModelOutcome("retry", partial, Message.assistant(""))
+
+    def _failed_call(self, run: LoopRun, call: _Call) -> Completion:
+        """What the trace records of a call that failed without an answer: how long it took,
+        the prompt it was sent (counted here) and what it wrote before failing. Counted by
+        keel, not billed by the provider: the run's usage leaves them out."""
+        counter = self.model.counter
+        try:
+            prompt_tokens = counter.count_prompt(call.sent, run.tools)
+            produced = "".join(call.produced)
+            completion_tokens = counter.count_text(produced) if produced else 0
+        except Exception:  # a tokenizer that cannot count this prompt: the duration stands
+            logger.debug("could not count the tokens of a failed model call", exc_info=True)
+            prompt_tokens = completion_tokens = 0
+            produced = ""
+        return Completion(
+            message=Message.assistant(_strip_note(produced)),
+            finish_reason="error",
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            model=self.model.spec,
+            latency_ms=(time.perf_counter() - call.started) * 1000,
+        )
 
     def conclude(self, run: LoopRun, outcome: ModelOutcome) -> LoopResult | None:
         """What a step without tool calls means for the run: its result, or None to go on.
@@ -313,9 +360,12 @@ class ModelStep:
         return run.result("completed", message, output=output)
 
     def _end_cut(self, run: LoopRun, outcome: ModelOutcome) -> LoopResult:
-        """The caller's ``max_tokens`` caps the whole answer (``continue_truncated`` off): the
-        answer is what was written, reported cut."""
+        """The caller's ``max_tokens`` caps the whole answer (``continue_truncated`` off), or
+        the model's own cap cut it: the answer is what was written, reported cut."""
         why = "the answer was cut at the caller's max_tokens"
+        if self.options.continue_truncated:
+            cap = self.model.max_answer_tokens
+            why = f"the answer was cut at the model's max_answer_tokens ({cap})"
         part = outcome.message
         if self.output_schema is not None:
             error = MalformedResponseError(why, model=self.model.spec)
@@ -328,6 +378,78 @@ class ModelStep:
         run.errors.append(why)
         run.history.append(answer)
         return run.result("completed", answer, truncated=True)
+
+
+@dataclass
+class _Call:
+    """One model call in flight: its prompt, when it started, the text it streamed so far."""
+
+    sent: list[Message]
+    started: float
+    produced: list[str] = field(default_factory=list)
+
+
+def _strip_note(text: str) -> str:
+    """``text`` without keel's continuation note (and the blank after it), where a model
+    echoed it as its own words."""
+    for echo in _CONTINUE_ECHOES:
+        while echo in text:
+            before, _, after = text.partition(echo)
+            text = before + after.lstrip()
+    return text
+
+
+def _without_note(completion: Completion) -> Completion:
+    """``completion`` with keel's continuation note taken out of its text (see
+    :func:`_strip_note`)."""
+    content = completion.message.content
+    if not any(echo in content for echo in _CONTINUE_ECHOES):
+        return completion
+    message = completion.message.model_copy(update={"content": _strip_note(content)})
+    return completion.model_copy(update={"message": message})
+
+
+class _NoteFilter:
+    """Streamed text with keel's continuation note taken out: text that may be the start of
+    the note is held back until the next piece says whether it is."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._drop_space = False
+
+    def feed(self, text: str) -> str:
+        """What of the stream so far can be shown now."""
+        held = self._held + text
+        keep = _open_note_prefix(held)
+        self._held = held[len(held) - keep :]
+        return self._release(held[: len(held) - keep])
+
+    def flush(self) -> str:
+        """The rest, at the stream's end."""
+        held, self._held = self._held, ""
+        return self._release(held)
+
+    def _release(self, text: str) -> str:
+        if self._drop_space:
+            text = text.lstrip()
+            self._drop_space = not text
+        shown = _strip_note(text)
+        if shown != text and text.rstrip().endswith(_CONTINUE_ECHOES):
+            # The note ended the text so far: the blank after it may come in the next piece.
+            self._drop_space = True
+        return shown
+
+
+def _open_note_prefix(text: str) -> int:
+    """The length of the longest end of ``text`` that begins keel's note without being all
+    of it (0: none)."""
+    note = _CONTINUE_ECHOES[0]
+    start = text.find(note[0], max(0, len(text) - len(note) + 1))
+    while start != -1:
+        if note.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(note[0], start + 1)
+    return 0
 
 
 def _whole_answer(run: LoopRun, completion: Completion) -> Completion:

@@ -284,6 +284,7 @@ def turn_deps(agent: Configured) -> TurnDeps:
             agent.vault,
             agent.model_sees,
             no_vault=agent._no_vault,
+            endpoints=[agent.model.endpoint] if agent.model.endpoint else [],
         ),
         workflow=agent._workflow,
         system_prompt=agent.system_prompt,
