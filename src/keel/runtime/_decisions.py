@@ -54,13 +54,27 @@ class DecideOptions(TypedDict, total=False):
     """``Agent.decide``'s keywords besides the session and the request."""
 
     approve: bool
+    """Required: True approves the call (it runs), False rejects it (it never runs)."""
     by: str | None
+    """The operator who decides (``"alice"`` is recorded as ``operator:alice``); required
+    unless ``user_id`` is given."""
     note: str | None
+    """Why, kept with the decision (masked like the user's text); for an escalation answered
+    with ``action="answer"``, the answer the model is given."""
     arguments: str | None
+    """Corrected arguments, one JSON object: the call runs with them instead of the requested
+    ones (validated against the tool as the model's are)."""
     user_id: str | None
+    """The user the request belongs to, confirming a call that waits for its user (a
+    ``user`` approval) instead of an operator."""
     action: Literal["retry", "skip", "answer"] | None
+    """For an escalation: run the stopped call again, skip it, or give the model ``note`` as
+    the answer."""
     channel: Channel
+    """Through which entrance the decision came, as recorded (default ``"agent"``)."""
     reveal: bool
+    """Show the user's values in the reply (default True); False keeps their placeholders,
+    as stored, for a decider who may not read them."""
 
 
 async def decide(
