@@ -1,7 +1,7 @@
 """keel: a runtime that keeps LLM agents from crashing, drifting or forgetting.
 
 The public API is exactly ``__all__``: what a user needs to build an agent, embedded or by hand
-on SQLite, PostgreSQL and Redis. Tokenizer plumbing lives in :mod:`keel.tokens` (its old names
+on SQLite, PostgreSQL and Redis. Tokenizer plumbing lives in `keel.tokens` (its old names
 here still resolve). Everything in underscore modules may move. Names are loaded on first use,
 so ``import keel`` (and every ``keel`` command) starts fast.
 

@@ -7,14 +7,14 @@ connection pool, a PostgreSQL or Redis async pool) is then made once and reused,
 with each call's dead loop, and sync calls from several threads share one loop safely.
 
 The other direction, async code calling a blocking function (SQLite, an ONNX embedder), goes
-through :func:`run_blocking`; sync code that overlaps blocking work (a keyword query while the
+through `run_blocking`; sync code that overlaps blocking work (a keyword query while the
 query is embedded, a batch written while the next is embedded, forward passes side by side)
-forks it with :func:`fork` or :func:`map_blocking`. All of it runs on ONE pool of named threads
+forks it with `fork` or `map_blocking`. All of it runs on ONE pool of named threads
 owned here (``keel-blocking-N``), the only place that decides where blocking work runs.
 
 Joining forked work never deadlocks on a busy pool: work no thread has started yet is taken
 back and run by the thread that joins it, so a pool thread that forks and joins (a search
-inside :func:`run_blocking`) always makes progress.
+inside `run_blocking`) always makes progress.
 """
 
 from __future__ import annotations

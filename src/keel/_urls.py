@@ -68,7 +68,7 @@ def redact_url(url: str) -> str:
 def parse_database_url(
     url: str, *, kinds: Collection[str] = ("sqlite", "postgres", "redis")
 ) -> DatabaseURL:
-    """Parse ``url`` into a :class:`DatabaseURL`, accepting only the engines in ``kinds``.
+    """Parse ``url`` into a [`DatabaseURL`][], accepting only the engines in ``kinds``.
 
     Raises:
         ConfigError: the URL is empty, has no or an unknown scheme, names an engine not in

@@ -49,7 +49,27 @@ def test_a_block_not_run_says_why() -> None:
     "block", [block for block in PYTHON if block.not_run_reason is None], ids=lambda b: b.where
 )
 def test_python_example_runs(block: CodeBlock, tmp_path: Path) -> None:
-    script = tmp_path / "example.py"
+    result = run_example(block, tmp_path)
+    assert result.returncode == 0, f"{block.where} failed:\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.mark.parametrize(
+    "block",
+    [block for block in PYTHON if block.not_run_reason is None and block.path.name == "privacy.md"],
+    ids=lambda b: b.where,
+)
+def test_a_privacy_example_runs_again_in_the_same_folder(block: CodeBlock, tmp_path: Path) -> None:
+    """A reader runs an example twice (after editing it): the second run finds what the first
+    one left (a vault sealed with the key that run made) and must still work."""
+    first = run_example(block, tmp_path)
+    assert first.returncode == 0, f"{block.where} failed:\n{first.stdout}\n{first.stderr}"
+    second = run_example(block, tmp_path)
+    assert second.returncode == 0, f"{block.where} failed again:\n{second.stderr}"
+
+
+def run_example(block: CodeBlock, folder: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``block`` as a script in ``folder``, offline, with a scratch data directory there."""
+    script = folder / "example.py"
     script.write_text(block.code, encoding="utf-8")
     environment = {
         key: value
@@ -57,16 +77,16 @@ def test_python_example_runs(block: CodeBlock, tmp_path: Path) -> None:
         if not key.startswith("KEEL_") and key != "XDG_CONFIG_HOME"
     }
     # A scratch data directory and no config file: an example reads only what it sets itself.
-    environment.update(KEEL_DATA_DIR=str(tmp_path / "data"), XDG_CONFIG_HOME=str(tmp_path))
-    result = subprocess.run(
+    environment.update(KEEL_DATA_DIR=str(folder / "data"), XDG_CONFIG_HOME=str(folder))
+    environment["TMPDIR"] = str(folder)  # what an example puts in a temporary folder stays here
+    return subprocess.run(
         [sys.executable, str(script)],
-        cwd=tmp_path,
+        cwd=folder,
         env=environment,
         capture_output=True,
         text=True,
         check=False,
     )
-    assert result.returncode == 0, f"{block.where} failed:\n{result.stdout}\n{result.stderr}"
 
 
 def test_examples_import_the_public_api_only() -> None:

@@ -1,9 +1,9 @@
 """Human approval of consequential tool calls, and escalation of turns to an operator.
 
-See :mod:`keel.approvals._model`: :class:`ApprovalRequest` (one call waiting), the
-:class:`ApprovalStore` queue (SQLite and PostgreSQL implementations live in ``keel.stores``),
-and :class:`ApprovalDecision`, bound to the arguments it approved by
-:func:`arguments_digest`.
+See `keel.approvals._model`: [`ApprovalRequest`][] (one call waiting), the
+[`ApprovalStore`][] queue (SQLite and PostgreSQL implementations live in ``keel.stores``),
+and [`ApprovalDecision`][], bound to the arguments it approved by
+[`arguments_digest`][].
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The digest that binds a decision to the exact arguments it approved.
 
 Every channel that decides (``Agent.decide``, the user's words in the conversation, HTTP, the
-CLI, the viewer) records :func:`arguments_digest` of the masked arguments it showed and approved
+CLI, the viewer) records [`arguments_digest`][] of the masked arguments it showed and approved
 (the corrected ones when it gave any); the agent computes it again over the arguments it is
 about to run, and runs nothing when the two differ. The arguments are compared as JSON values,
 not as text: key order and spacing do not make two calls differ, a changed value does.
@@ -26,6 +26,6 @@ def canonical_arguments(text: str) -> str:
 
 
 def arguments_digest(text: str) -> str:
-    """SHA-256 (hex) of ``text``'s canonical form (:func:`canonical_arguments`): what a
+    """SHA-256 (hex) of ``text``'s canonical form ([`canonical_arguments`][]): what a
     decision records in ``ApprovalDecision.arguments_digest``."""
     return hashlib.sha256(canonical_arguments(text).encode("utf-8")).hexdigest()

@@ -2,7 +2,7 @@
 
 A request is made when the model calls a tool whose approval policy asks for one, or when a
 turn escalates (a loop after the warning, a call left in doubt). It waits in the
-:class:`ApprovalStore` (the operators' queue, across sessions and processes) until someone
+[`ApprovalStore`][] (the operators' queue, across sessions and processes) until someone
 allowed to decide does, or it expires. Deciding is one compare-and-set on the request's status:
 two operators deciding at once, or the same decision sent twice, settle it once.
 """

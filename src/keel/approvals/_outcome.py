@@ -1,7 +1,8 @@
 """What a decision that did not settle its request was: the same decision sent again (an HTTP
 retry, a command run twice), which answers as the first did, or another one that lost (a
 contrary decision, one on a request cancelled or expired, the loser of a race), which every
-channel refuses with the outcome that stands (:class:`~keel.errors.ApprovalSettledError`)."""
+channel refuses with the outcome that stands
+([`ApprovalSettledError`][keel.errors.ApprovalSettledError])."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """What ``keel bench faults`` runs its agents against: the outside world and the faulty model.
 
-* The world: a :class:`Ledger` of the effects the bench tools really had (a SQLite file apart
+* The world: a `Ledger` of the effects the bench tools really had (a SQLite file apart
   from keel's), the crash armed for the current run, and the tools themselves.
 * The plans: per fault kind, the script of a run (one reply per model call) and its settings;
-  :class:`PlannedModel` plays a plan so that a resumed run continues where a crashed one
-  stopped; :func:`booking_policy` is the customer-service model of the worker processes.
+  `PlannedModel` plays a plan so that a resumed run continues where a crashed one
+  stopped; `booking_policy` is the customer-service model of the worker processes.
 """
 
 from __future__ import annotations

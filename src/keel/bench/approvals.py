@@ -1,6 +1,6 @@
 """``keel bench approvals``: approval flows through two worker processes, with SIGKILLs.
 
-Each flow is one turn of the real :class:`~keel.runtime.Agent` in which a scripted model asks
+Each flow is one turn of the real [`Agent`][] in which a scripted model asks
 for a refund that an operator must approve (``@tool(approval=...)``): the turn parks, and
 then the flow's decision comes, from the *other* worker process (the one that parked it is not
 the one that resumes it, as with stateless service workers on one database): an approval, a

@@ -1,4 +1,4 @@
-"""``keel bench faults``: seeded, randomized faulty runs of the real :class:`~keel.runtime.Agent`.
+"""``keel bench faults``: seeded, randomized faulty runs of the real [`Agent`][].
 
 Every run is a session of an Agent over one SQLite file (its StateStore, the tool journal and
 the traces), with the context engine and PII masking as users run it; a scripted model plays
@@ -10,7 +10,7 @@ other processes:
 
 * ``sigkill_*``: a worker process runs a booking turn and is killed with SIGKILL inside the
   booking tool, or in the model call right after its result; a fresh Agent here finishes the
-  turn with :meth:`Agent.resume <keel.runtime.Agent.resume>`.
+  turn with [`Agent.resume`][].
 * ``two_process``: two worker processes send turns with a booking tool to the *same* session
   at the same time, as two stateless service workers on one database would.
 

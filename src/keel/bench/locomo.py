@@ -2,8 +2,8 @@
 
 For each conversation, every turn becomes one episodic memory (``"Speaker: text [caption]"``,
 session id, turn number, the session's date as event time) in its own scope; each question of
-categories 1-4 is searched with :meth:`keel.memory.Memory.search` under the default
-:class:`~keel.memory.RetrievalConfig`, exactly as the runtime calls it. Nothing from answers
+categories 1-4 is searched with [`keel.memory.Memory.search`][] under the default
+[`RetrievalConfig`][], exactly as the runtime calls it. Nothing from answers
 or evidence is read at query time: evidence only scores the result afterwards.
 
 Metrics: R@k (share of a question's evidence turns among the turns retrieved for the top k

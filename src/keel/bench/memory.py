@@ -9,7 +9,7 @@ agent's hot path (``Memory.add``: masked, durable, keyword-searchable at once) a
 ``embed_records_per_s`` the outbox worker's vector indexing, which runs off the hot path.
 ``raw_embed_per_s`` is the embedder alone on the same texts in the same batches (the same
 thread): the most indexing could reach; ``index_vs_raw`` is indexing's share of it.
-Search latency is :meth:`keel.memory.Memory.search` with the query embedding included.
+Search latency is [`keel.memory.Memory.search`][] with the query embedding included.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def run_memory_bench(
     ``postgres_settle`` (VACUUM ANALYZE, say) runs after PostgreSQL's ingestion; search is
     then measured again through a new store (no term counts cached) as ``settled``: right
     after a bulk load, autovacuum catches up on the same CPUs the searches use.
-    ``postgres_cpu`` (see :func:`postgres_server_cpu`) reads the server's CPU seconds, so
+    ``postgres_cpu`` (see `postgres_server_cpu`) reads the server's CPU seconds, so
     the report says how much of the indexing time was the server's own work.
     """
     texts, queries = synthetic_corpus(records)

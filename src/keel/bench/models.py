@@ -4,8 +4,8 @@ The local part loads SmolLM2 in this process (cold load), then streams one greed
 reports the load time, the time to the first token and the decode speed; then it sends
 tool-requiring prompts with and without the tool-call grammar and counts the valid calls
 (``tool_call_valid_rate``). The fault part starts
-a :class:`~keel.testing.FaultServer` on loopback and sends each fault scenario through
-:class:`~keel.models.OpenAICompatibleModel`, streamed and not, checking that each ends in the
+a [`FaultServer`][] on loopback and sends each fault scenario through
+[`OpenAICompatibleModel`][], streamed and not, checking that each ends in the
 expected typed error or in a successful retry.
 """
 

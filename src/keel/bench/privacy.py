@@ -2,7 +2,7 @@
 
 Workload: ``turns`` turns (``users`` users, one session each), each user message carrying
 ``values_per_turn`` PII values, a seeded mix of every kind the masker finds
-(:data:`keel.privacy.ENTITY_TYPES`; about a third of a user's values come again in a later
+([`keel.privacy.ENTITY_TYPES`][]; about a third of a user's values come again in a later
 turn, as a customer repeats an email). A scripted model (zero latency, so what is timed is
 keel) calls one tool with the text it sees, placeholders included, and answers with what the
 tool returned. The same turns run twice, interleaved turn by turn: on an agent with the vault
@@ -31,7 +31,7 @@ Figures:
   ``injected_placeholders`` is how many were sent.
 - ``rotation_kills_survived``: of ``rotation_kills`` SIGKILLs of a real ``keel privacy
   rotate-key`` over ``rotation_users`` users, those after which every value of every user
-  resolved (:mod:`keel.bench.rotation_kills`; ``rotation_finished``: resumed, the new key alone
+  resolved (`keel.bench.rotation_kills`; ``rotation_finished``: resumed, the new key alone
   resolves everything and the old key is refused).
 """
 
@@ -157,7 +157,7 @@ _MAKERS: dict[str, Callable[[random.Random], str]] = {
 
 
 def pii_value(kind: str, rng: random.Random) -> tuple[str, str]:
-    """A value of ``kind`` (one of :data:`ENTITY_TYPES`) and a sentence that carries it, such
+    """A value of ``kind`` (one of [`ENTITY_TYPES`][]) and a sentence that carries it, such
     that the default masker finds exactly that value as that kind."""
     for _ in range(100):
         value = _MAKERS[kind](rng)

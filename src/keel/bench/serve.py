@@ -22,7 +22,7 @@ Everything is counted from the effects themselves, read back at the end:
 
 Then the same on SQLite with one worker (``sqlite``).
 
-``--hostile`` (:func:`run_hostile_bench`) is another run: one worker on SQLite serving normal
+``--hostile`` (`run_hostile_bench`) is another run: one worker on SQLite serving normal
 sessions while hostile clients send it 10 MB chunked bodies and bodies a byte a second (from a
 process of their own); it reports whether every normal turn committed, the worker's peak RSS
 over its idle RSS (the kernel's peak count, reset once the worker is warm), ``/health``

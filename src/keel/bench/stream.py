@@ -217,7 +217,7 @@ class _WireClock(_LoopbackProxy):
         await self.stop()
 
     def mark(self) -> int:
-        """Where the next request will be in :attr:`requests`."""
+        """Where the next request will be in `requests`."""
         return len(self.requests)
 
     def first_since(self, mark: int) -> tuple[float, float]:

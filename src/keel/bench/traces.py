@@ -1,7 +1,7 @@
 """``keel bench traces``: what tracing costs the agent, and how fast the trace queries are.
 
 Workload: ``runs`` runs in ``sessions`` sessions, each run ``steps`` steps through the
-:class:`~keel.tracing.Tracer` (the path the runtime takes: redaction, validation, one SQLite
+[`Tracer`][] (the path the runtime takes: redaction, validation, one SQLite
 transaction per step): a model step with a budget report and a ~2 kB raw output, then a tool step
 with ~8 kB of tool result inside it, alternating. The embedded SQLite file runs in WAL mode with
 ``synchronous=NORMAL``. Reported: per-step write latency (the cost of ending a step: building,

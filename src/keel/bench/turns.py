@@ -212,7 +212,7 @@ def run_turns_bench(
     ``database``: ``sqlite`` (the embedded default, one file) or ``postgres`` (a throwaway
     embedded PostgreSQL with pgvector, started here and dropped afterwards, holding state,
     journal, traces and memory; a fresh database for each keel run). ``repeat``: sessions of
-    keel with memory off, each on a fresh database, combined by :func:`_combined`."""
+    keel with memory off, each on a fresh database, combined by `_combined`."""
     if database not in ("sqlite", "postgres"):
         raise ValueError(f"database must be 'sqlite' or 'postgres', not {database!r}")
     with contextlib.ExitStack() as stack:

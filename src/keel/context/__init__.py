@@ -8,14 +8,16 @@ a running summary (``ExtractiveSummarizer`` offline, or ``ModelSummarizer``), ha
 evicts to long-term memory through a ``MemorySink``. Every compiled prompt carries a
 ``BudgetReport`` for the trace.
 
-Example::
+Example:
 
-    engine = ContextEngine("gpt-4o", budget=ContextBudget(working_budget=16_000))
-    conversation = engine.conversation("session-1")
-    conversation.add(Message.user("Book me a flight to Lyon on Friday."))
-    prompt = engine.compile(conversation, system="You are a travel agent.", rules=["Be brief."])
-    prompt.messages, prompt.text, prompt.report.model_dump_json()
-    await conversation.asummarize()   # between turns, off the hot path
+```python
+engine = ContextEngine("gpt-4o", budget=ContextBudget(working_budget=16_000))
+conversation = engine.conversation("session-1")
+conversation.add(Message.user("Book me a flight to Lyon on Friday."))
+prompt = engine.compile(conversation, system="You are a travel agent.", rules=["Be brief."])
+prompt.messages, prompt.text, prompt.report.model_dump_json()
+await conversation.asummarize()   # between turns, off the hot path
+```
 """
 
 from __future__ import annotations

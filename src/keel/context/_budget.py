@@ -1,8 +1,8 @@
 """How the prompt's tokens are shared out: the window, the answer reserve and section caps.
 
-A :class:`ContextBudget` is declarative (ratios, optional caps); :meth:`ContextBudget.resolve`
-turns it into the exact numbers for one model (:class:`ResolvedBudget`). :class:`PruningPolicy`
-and :class:`SummaryPolicy` say how old tool output is cut and when old turns are summarized.
+A [`ContextBudget`][] is declarative (ratios, optional caps); [`ContextBudget.resolve`][]
+turns it into the exact numbers for one model ([`ResolvedBudget`][]). [`PruningPolicy`][]
+and [`SummaryPolicy`][] say how old tool output is cut and when old turns are summarized.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class ContextBudget(BaseModel):
 
 
 class ResolvedBudget(BaseModel):
-    """A :class:`ContextBudget` resolved to exact token numbers for one model."""
+    """A [`ContextBudget`][] resolved to exact token numbers for one model."""
 
     model_config = _FROZEN
 

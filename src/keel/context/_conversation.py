@@ -1,6 +1,6 @@
 """The conversation history as the context engine holds it: turns, cached counts, a summary.
 
-A :class:`Conversation` is incremental. Each message is counted once, when it is added; each
+A [`Conversation`][] is incremental. Each message is counted once, when it is added; each
 turn keeps its exact size raw and with older tool output pruned, and the conversation keeps
 running totals, so compiling a prompt never recounts the history.
 
@@ -239,9 +239,9 @@ class SummaryOutcome(BaseModel):
 class Conversation:
     """One session's history for the context engine. Create it with ``engine.conversation()``.
 
-    Add messages with :meth:`add` as they happen; call :meth:`asummarize` (or its sync twin
-    :meth:`summarize`) between turns, off the hot path, to fold the oldest turns into the
-    running summary once the history passes the trigger of the :class:`SummaryPolicy`.
+    Add messages with [`add`][] as they happen; call [`asummarize`][] (or its sync twin
+    [`summarize`][]) between turns, off the hot path, to fold the oldest turns into the
+    running summary once the history passes the trigger of the [`SummaryPolicy`][].
     """
 
     def __init__(
@@ -288,7 +288,7 @@ class Conversation:
 
     @property
     def messages(self) -> list[Message]:
-        """The messages held raw, oldest first (summarized ones are in :attr:`summary`)."""
+        """The messages held raw, oldest first (summarized ones are in [`summary`][])."""
         return [message for turn in self._turns for message in turn.messages]
 
     def __len__(self) -> int:
@@ -337,7 +337,7 @@ class Conversation:
         return False
 
     def newest_user_index(self) -> int | None:
-        """Index in :attr:`turns` of the newest user message's turn, or None."""
+        """Index in [`turns`][] of the newest user message's turn, or None."""
         if self._last_user_seq is None or not self._turns:
             return None
         index = self._last_user_seq - self._turns[0].seq
@@ -567,7 +567,7 @@ class Conversation:
         return self._messages_summarized
 
     def summarize(self, *, force: bool = False) -> SummaryOutcome | None:
-        """Sync twin of :meth:`asummarize` (not for use inside a running event loop)."""
+        """Sync twin of [`asummarize`][] (not for use inside a running event loop)."""
         if not force and not self.needs_summary:
             return None
         return run_sync(self.asummarize(force=force))

@@ -1,14 +1,16 @@
 """The prompt compiler: system prompt first, rules last before the newest user message.
 
-Layout of every compiled prompt::
+Layout of every compiled prompt:
 
-    [0]   system    the system prompt (identity, safety guardrails), verbatim
-    [1]   system    "Relevant memories ..." block                        (when any are kept)
-    [2]   system    "Summary of the earlier conversation ..." block      (when there is one)
-    ...             older turns of the window, oldest first
-    [r]   system    "Operating rules ..." block                          (when rules are given)
-    [r+1] user      the newest user message
-    ...             the current turn after it (assistant tool calls and their results)
+```text
+[0]   system    the system prompt (identity, safety guardrails), verbatim
+[1]   system    "Relevant memories ..." block                        (when any are kept)
+[2]   system    "Summary of the earlier conversation ..." block      (when there is one)
+...             older turns of the window, oldest first
+[r]   system    "Operating rules ..." block                          (when rules are given)
+[r+1] user      the newest user message
+...             the current turn after it (assistant tool calls and their results)
+```
 
 Memories and summary are separate system messages with a clear heading rather than text
 appended to the system prompt: the system prompt stays byte-identical from call to call (so
@@ -28,7 +30,7 @@ compile's cost does not grow with the window.
 
 Degradation: when the preflight count (exact: messages, framing, reply priming and tool
 schemas) still exceeds the prompt limit, these steps are tried in this order until it fits,
-each one recorded in the :class:`BudgetReport`:
+each one recorded in the [`BudgetReport`][]:
 
 0. ``elide_oversized``: a message that alone is larger than the whole recent-turns budget
    (what system, rules, tools, memories and summary leave) can never be sent whole, so its
@@ -128,7 +130,7 @@ class CompiledPrompt:
 
     @cached_property
     def text(self) -> str:
-        """The prompt as one string (see :func:`render_prompt`)."""
+        """The prompt as one string (see [`render_prompt`][])."""
         return render_prompt(self.messages)
 
     def to_openai(self) -> list[dict[str, Any]]:
@@ -168,12 +170,12 @@ class ContextEngine:
     """Compiles prompts that always fit: budgets, window, summary, pruning and degradation.
 
     Args:
-        model: a model spec (``"gpt-4o"``), a :class:`ChatTokenCounter` or a ``ChatModel``;
+        model: a model spec (``"gpt-4o"``), a `ChatTokenCounter` or a ``ChatModel``;
             counts are exact for it.
         budget: how the window is shared out (default: whole window, 12% answer reserve).
         pruning: how older tool output is cut.
         summary: when the oldest turns are folded into the running summary.
-        summarizer: who writes the summary; default :class:`ExtractiveSummarizer` (offline).
+        summarizer: who writes the summary; default [`ExtractiveSummarizer`][] (offline).
         memory_sink: where evicted turns and committed summaries go (long-term memory).
 
     ``compile`` is synchronous, pure CPU and never calls a model: its cost depends on the
@@ -230,7 +232,7 @@ class ContextEngine:
         """A new, incremental conversation bound to this engine's counter and policies.
 
         To resume a stored session, pass the raw ``messages`` it still held and its running
-        ``summary`` (both read from :class:`Conversation` when it was saved); each message
+        ``summary`` (both read from [`Conversation`][] when it was saved); each message
         is counted once here, then never again.
         """
         conversation = Conversation(

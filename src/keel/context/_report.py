@@ -2,7 +2,7 @@
 
 It is a Pydantic model so the runtime can write it into traces as JSON
 (``report.model_dump_json()``). The full text of pruned tool output is on each
-:class:`PrunedOutput` as ``original`` for the caller to keep, but left out of the JSON.
+[`PrunedOutput`][] as ``original`` for the caller to keep, but left out of the JSON.
 """
 
 from __future__ import annotations

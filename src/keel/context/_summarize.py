@@ -2,7 +2,7 @@
 
 The running summary keeps four kinds of lines: decisions made, facts shared, actions taken
 (tool calls and what they returned) and pending items; pleasantries and repeats are dropped.
-:class:`ExtractiveSummarizer` needs no model and is the default; :class:`ModelSummarizer`
+[`ExtractiveSummarizer`][] needs no model and is the default; [`ModelSummarizer`][]
 asks a chat model with a prompt that preserves the same four kinds.
 """
 
@@ -155,7 +155,7 @@ class ExtractiveSummarizer:
         return self.summarize_sync(request)
 
     def summarize_sync(self, request: SummaryRequest) -> str:
-        """Synchronous form of :meth:`summarize` (the work is pure CPU)."""
+        """Synchronous form of [`summarize`][] (the work is pure CPU)."""
         sections = parse_summary(request.previous)
         seen = {_normalize(line) for lines in sections.values() for line in lines}
         results = {m.tool_call_id: m for m in request.messages if m.role == "tool"}
@@ -373,7 +373,7 @@ def summarizer_for(model: ChatModel | None) -> Summarizer:
     Extractive (no model call) when there is no model, or when it is a small local model
     (the bundled SmolLM2, or any window of at most ``SMALL_MODEL_WINDOW`` tokens): such a
     model's summaries lose more than they keep, and the call would compete with the agent's
-    own turns for the one local model. Otherwise a :class:`ModelSummarizer` on that model.
+    own turns for the one local model. Otherwise a [`ModelSummarizer`][] on that model.
     """
     if model is None:
         return ExtractiveSummarizer()

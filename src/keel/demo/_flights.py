@@ -2,7 +2,7 @@
 
 Everything here is deterministic and offline. The airline is a separate SQLite file (an
 external system: it does not deduplicate bookings, so exactly-once must come from keel's
-journal). :func:`policy_model` is a scripted stand-in for an LLM: it reads only what a real
+journal). `policy_model` is a scripted stand-in for an LLM: it reads only what a real
 model would see (the compiled prompt: the workflow's resume instructions, the conversation,
 tool results) and answers with structured tool calls.
 """

@@ -5,9 +5,9 @@ restated, recalled memories re-extracted, invented profiles. keel writes memorie
 never from the prompt: each finished turn (the user's message and the reply, verbatim), each
 successful workflow run (task and tool calls) and the session's running summary (one record per
 session, replaced each time the summary is committed again). This module checks that over a whole
-demo run. :class:`PromptRecorder` (in the worker) notes what the prompt compiler was given: the
+demo run. `PromptRecorder` (in the worker) notes what the prompt compiler was given: the
 system prompt, the operating rules, the resume prompts and the retrieved memories.
-:func:`audit_memories` then reads every stored record against them and counts records that
+`audit_memories` then reads every stored record against them and counts records that
 
 - restate the system prompt: contain it, or one of its sentences;
 - restate the operating rules: contain one of their sentences, or the rules heading;
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 PROMPTED_FILE = "prompted.jsonl"
-"""Where, in the demo's workdir, :class:`PromptRecorder` writes what the prompt compiler was
+"""Where, in the demo's workdir, `PromptRecorder` writes what the prompt compiler was
 given (the worker records it, the parent's memory audit reads it)."""
 
 PromptedKind = Literal["system", "rules", "resume", "memory"]
@@ -277,7 +277,7 @@ class PromptRecorder:
 
 
 def read_prompted(path: Path) -> list[PromptedText]:
-    """What :class:`PromptRecorder` wrote (a line cut short by a SIGKILL is skipped)."""
+    """What `PromptRecorder` wrote (a line cut short by a SIGKILL is skipped)."""
     if not path.exists():
         return []
     items = []

@@ -1,6 +1,6 @@
 """``keel demo``: a long flight-booking conversation, a SIGKILL mid tool call, a resume.
 
-The parent plays the customer (:class:`~keel.demo.FlightUser`) and drives a worker process
+The parent plays the customer (`FlightUser`) and drives a worker process
 that runs the agent. Midway, while the worker is inside the booking itself (``book_flight``, a
 non-idempotent tool: the airline has booked, the result is neither journalled nor
 checkpointed), the parent kills it with SIGKILL and starts a new worker. That worker settles
@@ -434,7 +434,7 @@ def _report(
 
 
 def _audit_memory(worker: _Worker, workdir: Path, timeout_s: float) -> MemoryAudit:
-    """Every stored memory against what the prompts held (see :mod:`keel.demo._junk`)."""
+    """Every stored memory against what the prompts held (see `keel.demo._junk`)."""
     worker.send({"op": "memories"})
     answer = worker.receive(stalled=None, timeout_s=timeout_s)
     assert answer is not None

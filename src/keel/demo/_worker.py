@@ -52,7 +52,7 @@ def build_agent(
     redis_url: str | None = None,
 ) -> Agent:
     """The flight agent on ``database`` (default: ``keel.db`` in ``workdir``), opened by
-    :meth:`Agent.open`: state, journal, traces and memory there, state on ``redis_url`` if set.
+    [`Agent.open`][]: state, journal, traces and memory there, state on ``redis_url`` if set.
 
     ``journal=False``: no durable tool journal (the executor falls back to one in this
     process's memory, which a SIGKILL loses).

@@ -2,7 +2,7 @@
 
 The detector sees each proposed call *before* it runs and each result after. The first
 detection in a run is a warning (the call is not run and the model is told to change approach);
-the second stops the run with :class:`~keel.errors.LoopDetectedError` carrying the evidence.
+the second stops the run with [`LoopDetectedError`][] carrying the evidence.
 """
 
 from __future__ import annotations

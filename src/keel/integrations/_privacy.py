@@ -1,8 +1,8 @@
 """What the adapters share to keep a user's values out of storage and give them back on reads.
 
 An adapter masks what it stores and reveals what the framework reads through a
-:class:`~keel.privacy.PrivacyView`: one user's view for one call, the one every part of keel
-uses. With a :class:`~keel.privacy.Vault`, masking numbers each value
+[`PrivacyView`][]: one user's view for one call, the one every part of keel
+uses. With a [`Vault`][], masking numbers each value
 with the user's stable placeholder (the value goes into the vault, sealed) and a read reveals
 the user's own placeholders (another user's, or an erased one, stay as written). Without one,
 masking is keel's masker as it always was and nothing is revealed.
@@ -52,7 +52,7 @@ class PrivateHistory(Generic[S]):
 
     Raises:
         UsageError: not exactly one of ``database`` and ``state``, or an empty tenant.
-        VaultKeyError: as :func:`open_with_vault`.
+        VaultKeyError: as `open_with_vault`.
     """
 
     def __init__(
@@ -115,7 +115,7 @@ class PrivateHistory(Generic[S]):
             self.state.close()
 
     async def aclose(self) -> None:
-        """Async twin of :meth:`close`."""
+        """Async twin of `close`."""
         if self._owns_state:
             await self.state.aclose()
 
@@ -129,7 +129,7 @@ class PrivateHistory(Generic[S]):
 def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault | None]:
     """The state backend ``url`` names, and the vault the adapter uses: ``vault`` when given;
     else, for a SQL URL, the one an agent on that very database gets from ``Backends.open``
-    (:func:`keel.stores.open_vault`): under ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; with
+    ([`keel.stores.open_vault`][]): under ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; with
     neither, on SQLite under keel's own key file in the config directory, on PostgreSQL none
     (refused where the database holds a vault); none with ``KEEL_PII_VAULT=off``, or for a
     Redis URL. The vault's store closes with the backend.

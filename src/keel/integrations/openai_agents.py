@@ -91,7 +91,8 @@ def _texts_changed(value: Any, change: Callable[[str], str], key: str | None = N
 
 def _masked_item(item: dict[str, Any], view: PrivacyView) -> dict[str, Any]:
     """``item`` as stored: masked, and what a tool returned in it defanged first
-    (:meth:`~keel.privacy.PrivacyView.mask_tool_output`); a call's arguments are the model's."""
+    ([`mask_tool_output`][keel.privacy.PrivacyView.mask_tool_output]); a call's arguments are the
+    model's."""
     if "role" in item or item.get("type") in _WRITTEN_BY_THE_MODEL:
         written: dict[str, Any] = _texts_changed(item, view.mask)
         return written
@@ -164,11 +165,11 @@ class KeelSession(PrivateHistory[SessionItems]):
         session_id: the conversation's id.
         database: where state lives (``sqlite:///PATH``, ``postgresql://...``, ``redis://...``);
             or pass ``state``.
-        state: a state store of :class:`SessionItems` (several sessions can share one).
+        state: a state store of [`SessionItems`][] (several sessions can share one).
         model: the model whose tokenizer and window count.
         budget, pruning, summary: the context engine's policies.
         summarizer: who writes the running summary: a ``ChatModel`` (through
-            :class:`keel.context.ModelSummarizer`), any :class:`keel.context.Summarizer`, or
+            [`keel.context.ModelSummarizer`][]), any [`keel.context.Summarizer`][], or
             None for keel's extractive one (offline, no model call).
         masker: masks PII before anything is stored (None: keel's default policy).
         tenant: whose policy masks, and whose vault holds the values.

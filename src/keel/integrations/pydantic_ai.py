@@ -17,15 +17,17 @@ Everything a request sends counts against the budget: the history's system parts
 The capability reads the last two from the request it is about to make; the object used as a
 bare history processor sees only the history (pydantic-ai gives a processor nothing else).
 
-:class:`KeelMessageStore` keeps a conversation's message history between runs (pydantic-ai
+[`KeelMessageStore`][] keeps a conversation's message history between runs (pydantic-ai
 leaves storing it to you) on keel's state store, PII masked before it is stored. With a PII
 vault, each value is stored sealed in the vault and the history holds the user's stable
 placeholder for it; ``load`` gives the user's values back, so the next run sees the history as
-it was when it was saved, and nothing raw is stored::
+it was when it was saved, and nothing raw is stored:
 
-    store = KeelMessageStore("conv-1", database="sqlite:///chat.db", user_id="u-42", vault=vault)
-    result = await agent.run("Send my receipt", message_history=await store.load())
-    await store.save(result.all_messages())
+```python
+store = KeelMessageStore("conv-1", database="sqlite:///chat.db", user_id="u-42", vault=vault)
+result = await agent.run("Send my receipt", message_history=await store.load())
+await store.save(result.all_messages())
+```
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ class KeelHistory:
 
 @dataclass
 class _FitsRequests(AbstractCapability[Any]):
-    """pydantic-ai's ``ProcessHistory`` for a :class:`KeelHistory`, with what the request
+    """pydantic-ai's ``ProcessHistory`` for a [`KeelHistory`][], with what the request
     sends besides its history counted."""
 
     history: KeelHistory
@@ -318,7 +320,7 @@ def _to_pydantic_ai(
 
 
 class StoredMessages(BaseModel):
-    """What a :class:`KeelMessageStore` stores for a conversation: each message as masked
+    """What a [`KeelMessageStore`][] stores for a conversation: each message as masked
     JSON (an unchanged message is the same text again, so a save stores what changed)."""
 
     messages: list[str] = Field(default_factory=list)
@@ -335,7 +337,7 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
         conversation_id: the conversation's id.
         database: where state lives (``sqlite:///PATH``, ``postgresql://...``,
             ``redis://...``); or pass ``state``.
-        state: a state store of :class:`StoredMessages` (several conversations can share one).
+        state: a state store of [`StoredMessages`][] (several conversations can share one).
         masker: masks PII before anything is stored (None: keel's default policy).
         tenant: whose policy masks, and whose vault holds the values.
         user_id: whose values the conversation holds (None: the conversation id names the
@@ -435,7 +437,7 @@ class KeelMessageStore(PrivateHistory[StoredMessages]):
 
 def _masked_message(message: dict[str, Any], view: PrivacyView) -> dict[str, Any]:
     """A dumped message as stored: masked, and what a tool returned in its parts defanged
-    first (:meth:`~keel.privacy.PrivacyView.mask_tool_output`)."""
+    first ([`mask_tool_output`][keel.privacy.PrivacyView.mask_tool_output])."""
 
     def masked_part(part: Any) -> Any:
         returned = isinstance(part, dict) and part.get("part_kind") in _RETURNED_BY_TOOLS

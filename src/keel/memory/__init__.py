@@ -1,10 +1,10 @@
 """Long-term memory: episodic, semantic and procedural records, retrieved within a budget.
 
-:class:`Memory` is the entry point: ``add`` (PII-masked, durable outbox, embedded off the hot
+[`Memory`][] is the entry point: ``add`` (PII-masked, durable outbox, embedded off the hot
 path), ``search`` (keyword + vector fusion, relevance floor, recency, MMR, neighbouring turns),
 ``retrieve`` (packed into an exact token budget, labelled with kind, date and provenance),
 ``remember_fact`` (facts superseded over time, history kept) and ``remember_run`` /
-``examples`` (experience replay). Backends live in :mod:`keel.stores`.
+``examples`` (experience replay). Backends live in [`keel.stores`][].
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ __all__ = ["RetrievalConfig"]
 
 
 class RetrievalConfig(BaseModel):
-    """How :meth:`keel.memory.Memory.search` finds and ranks memories.
+    """How [`keel.memory.Memory.search`][] finds and ranks memories.
 
     Stopword-aware BM25 (without the words most of a scope's rows hold) and dense similarity
     weigh the same in reciprocal-rank fusion, each turn is embedded with the turn before it,

@@ -1,10 +1,10 @@
 """Embedders: text -> unit-length float32 vectors, named so a model change is detected.
 
-:class:`OnnxEmbedder` runs all-MiniLM-L6-v2 (or another BERT-family sentence encoder) offline on
-ONNX Runtime, the default; :class:`SentenceTransformerEmbedder` runs any sentence-transformers
+[`OnnxEmbedder`][] runs all-MiniLM-L6-v2 (or another BERT-family sentence encoder) offline on
+ONNX Runtime, the default; [`SentenceTransformerEmbedder`][] runs any sentence-transformers
 model through torch;
-:class:`OpenAIEmbedder` calls any OpenAI-compatible ``/embeddings`` endpoint;
-:class:`HashingEmbedder` needs nothing installed (feature hashing; weak semantics, fast tests).
+[`OpenAIEmbedder`][] calls any OpenAI-compatible ``/embeddings`` endpoint;
+[`HashingEmbedder`][] needs nothing installed (feature hashing; weak semantics, fast tests).
 Provider libraries are imported lazily, inside the classes that use them.
 """
 

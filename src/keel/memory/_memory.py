@@ -1,18 +1,18 @@
 """Memory: the long-term tiers of an agent, behind one object.
 
 Write path: ``add`` masks PII, then commits the row and an outbox entry in one transaction and
-returns; the :class:`~keel.memory._outbox.OutboxIndexer` (a background thread, or
+returns; the `OutboxIndexer` (a background thread, or
 ``process_outbox`` / ``flush``) embeds and indexes the vector later, so a crash between the two
 is repaired by processing the outbox on the next start.
 
-Read path (:class:`~keel.memory._retrieval.Retriever`): exact look-ups (profile facts, recent
+Read path (`Retriever`): exact look-ups (profile facts, recent
 actions), then keyword + vector candidates fused by weighted reciprocal rank, a calibrated
 similarity floor, recency weighting, de-duplication / MMR, neighbouring turns, an optional
 one-call model judge, and packing into an exact token budget.
 
 The store is blocking (SQLite, or PostgreSQL through its sync driver): the sync methods are
 the implementation, and each async twin runs its sync method through
-:func:`keel._bridge.run_blocking`; the model judge, the one async step, is awaited by
+`keel._bridge.run_blocking`; the model judge, the one async step, is awaited by
 ``aretrieve`` and run through the bridge by ``retrieve``.
 """
 
@@ -80,7 +80,7 @@ class Memory:
         judge: optional model judge (one batched call per retrieval).
         background: embed in a daemon thread (True) or only on ``process_outbox``/``flush``.
         vault: the PII vault the records' values go to (``Backends.open`` gives the stores'
-            own): a write masks through the view of its scope's user (:meth:`view`), so a
+            own): a write masks through the view of its scope's user ([`view`][]), so a
             value has the placeholder it has in that user's turns and reads back as itself.
             None: placeholders are numbered per text and the values are gone.
 
@@ -220,7 +220,7 @@ class Memory:
         return result.record
 
     async def aadd(self, text: str, *, scope: Scope, **fields: Any) -> MemoryRecord:
-        """Async twin of :meth:`add`."""
+        """Async twin of [`add`][]."""
         return await run_blocking(lambda: self.add(text, scope=scope, **fields))
 
     def remember_fact(
@@ -286,12 +286,12 @@ class Memory:
 
     def process_outbox(self, *, max_batches: int | None = None) -> int:
         """Embed and index what the outbox holds; returns how many records were embedded
-        (see :meth:`OutboxIndexer.process`)."""
+        (see `OutboxIndexer.process`)."""
         return self.indexer.process(max_batches=max_batches)
 
     def index_pending(self, scope: Scope) -> int:
         """Embed and index ``scope``'s records still waiting in the outbox, now; returns how
-        many (see :meth:`OutboxIndexer.index_pending`)."""
+        many (see `OutboxIndexer.index_pending`)."""
         return self.indexer.index_pending(scope)
 
     def pending(self) -> int:
@@ -303,11 +303,11 @@ class Memory:
         self.indexer.start()
 
     def flush(self, timeout: float | None = 60.0) -> None:
-        """Block until everything added so far is embedded (see :meth:`OutboxIndexer.flush`)."""
+        """Block until everything added so far is embedded (see `OutboxIndexer.flush`)."""
         self.indexer.flush(timeout)
 
     async def aflush(self, timeout: float | None = 60.0) -> None:
-        """Async twin of :meth:`flush`."""
+        """Async twin of [`flush`][]."""
         await run_blocking(self.indexer.flush, timeout)
 
     def close(self) -> None:
@@ -373,7 +373,7 @@ class Memory:
         return self.retriever.search(query, scope, k, filters, now, distinct)
 
     async def asearch(self, query: str, *, scope: Scope, **options: Any) -> list[MemoryHit]:
-        """Async twin of :meth:`search`."""
+        """Async twin of [`search`][]."""
         return await run_blocking(lambda: self.search(query, scope=scope, **options))
 
     def retrieve(
@@ -414,7 +414,7 @@ class Memory:
         filters: MemoryFilter | None = None,
         now: datetime | None = None,
     ) -> PackedMemory:
-        """Async twin of :meth:`retrieve`."""
+        """Async twin of [`retrieve`][]."""
         judged = self.judge is not None
         draft = await run_blocking(
             lambda: self.retriever.draft(

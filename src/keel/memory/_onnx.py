@@ -8,7 +8,7 @@ written. On a 2-core machine it embeds about twice as fast as torch through
 sentence-transformers and a single query takes a few milliseconds instead of ~25.
 
 Only the standard BERT encoder is supported (absolute positions, GELU, mean or CLS pooling);
-anything else is a :class:`~keel.errors.ConfigError` that names what is different.
+anything else is a [`ConfigError`][] that names what is different.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Exact look-ups (profile facts, recent actions), then keyword + vector candidates fused by
 weighted reciprocal rank, a calibrated similarity floor, recency weighting, de-duplication /
-MMR and neighbouring turns. What a prompt gets is a :class:`RetrievalDraft`, which the model
+MMR and neighbouring turns. What a prompt gets is a `RetrievalDraft`, which the model
 judge (when there is one) filters and which is then packed into an exact token budget.
 """
 

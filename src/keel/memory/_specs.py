@@ -1,7 +1,7 @@
 """Embedders from their specs (``KEEL_EMBEDDER``): the one place a spec becomes a model.
 
 The memory *store* is opened with the rest of keel's stores, by
-:meth:`keel.stores.Backends.open`."""
+[`keel.stores.Backends.open`][]."""
 
 from __future__ import annotations
 

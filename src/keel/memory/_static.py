@@ -1,6 +1,6 @@
 """Static embeddings (model2vec): one vector per token, averaged per text, no network at all.
 
-:class:`StaticEmbedder` reads a model2vec folder. By default that folder is distilled from the
+[`StaticEmbedder`][] reads a model2vec folder. By default that folder is distilled from the
 bundled all-MiniLM-L6-v2 on this machine (about 30 s on 2 cores, through torch, once) and kept
 in the cache folder; every later embedder loads it in milliseconds. A text is embedded by a
 table look-up per token instead of a transformer pass: hundreds of times faster than MiniLM on
@@ -107,7 +107,7 @@ class StaticEmbedder(Embedder):
 
     Args:
         path: a model2vec folder. None: the embeddings distilled from the bundled
-            all-MiniLM-L6-v2 (:func:`distill_minilm`), built into ``cache_dir`` on first use.
+            all-MiniLM-L6-v2 ([`distill_minilm`][]), built into ``cache_dir`` on first use.
         name: the name stored with each vector; the folder's ``keel.json`` name (which carries
             a digest of the weights) or the folder name by default.
         dimension: the PCA dimension of the distilled default (ignored with ``path``).

@@ -1,6 +1,6 @@
 """The interface every memory backend implements (SQLite embedded, PostgreSQL).
 
-Every method takes a :class:`Scope` and applies it in the backend's own query, so a caller can
+Every method takes a [`Scope`][] and applies it in the backend's own query, so a caller can
 never read or touch another tenant's or user's records, whatever else it passes.
 """
 
@@ -59,7 +59,7 @@ class MemoryStore(ABC):
 
     Implementations: ``keel.stores.SQLiteMemoryStore`` (embedded, exact vector search over a
     numpy matrix kept in step with the rows) and ``keel.stores.PostgresMemoryStore``
-    (tsvector + pgvector HNSW). Methods are synchronous; :class:`keel.memory.Memory` runs them
+    (tsvector + pgvector HNSW). Methods are synchronous; [`keel.memory.Memory`][] runs them
     in a worker thread for its async API.
     """
 
@@ -75,7 +75,7 @@ class MemoryStore(ABC):
         duplicated or deleted. A current semantic record with the same subject and attribute
         is superseded (its ``valid_to`` set to the new record's ``valid_from``); a fact's value
         that held before and not now holds again as a new record, a new validity interval
-        (its hash made unique with :func:`keel.memory._records.reopened`). A record with
+        (its hash made unique with `keel.memory._records.reopened`). A record with
         a ``key`` replaces (deletes) the scope's record under that key, in the same
         transaction.
         """
@@ -145,7 +145,7 @@ class MemoryStore(ABC):
 
     @abstractmethod
     def count_pending(self, max_attempts: int = 5) -> int:
-        """How many outbox entries :meth:`pending` would return without a limit, counted by
+        """How many outbox entries [`pending`][] would return without a limit, counted by
         the backend in one query (no entry is read)."""
 
     @abstractmethod

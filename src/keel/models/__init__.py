@@ -1,9 +1,9 @@
 """Chat models behind one interface: OpenAI-compatible HTTP, the bundled local model, scripted.
 
 ``resolve_model("openai:gpt-4o-mini")`` (or ``openai-compatible:MODEL@URL``, ``local:smollm2``,
-``scripted:NAME``) gives a :class:`ChatModel`; ``complete``/``acomplete`` return a checked
-:class:`Completion`, ``stream``/``astream`` yield :class:`CompletionChunk` s. Retries live in
-one place, :class:`RetryPolicy`; failures surface as :mod:`keel.errors` types.
+``scripted:NAME``) gives a [`ChatModel`][]; ``complete``/``acomplete`` return a checked
+[`Completion`][], ``stream``/``astream`` yield [`CompletionChunk`][] s. Retries live in
+one place, [`RetryPolicy`][]; failures surface as [`keel.errors`][] types.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def whole_call_deltas(calls: Sequence[ToolCall]) -> tuple[ToolCallDelta, ...]:
 
 
 def refuse_cut_answer(completion: Completion, options: ModelOptions, model: str, cut: str) -> None:
-    """Raise :class:`TruncatedResponseError` for an answer that stopped at max_tokens, unless
+    """Raise [`TruncatedResponseError`][] for an answer that stopped at max_tokens, unless
     the caller allows one; ``cut`` says where it stopped, for the message."""
     if completion.finish_reason == "length" and not options.allow_truncated:
         raise TruncatedResponseError(

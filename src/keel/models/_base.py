@@ -1,6 +1,6 @@
 """The model interface: one request shape, one answer shape, sync and async twins.
 
-Providers subclass :class:`ChatModel` and implement ``_acomplete`` (and optionally
+Providers subclass [`ChatModel`][] and implement ``_acomplete`` (and optionally
 ``_astream``); the sync methods run the async ones. Retries and fault translation live in the
 provider layer, once, never in callers.
 """
@@ -179,7 +179,7 @@ class ChatModel(ABC):
         tools: Sequence[ToolSchema] = (),
         options: ModelOptions | None = None,
     ) -> Completion:
-        """Sync twin of :meth:`acomplete` (not for use inside a running event loop): runs on
+        """Sync twin of [`acomplete`][] (not for use inside a running event loop): runs on
         keel's bridge loop, where the model's HTTP client is made once and reused."""
         return run_sync(self.acomplete(messages, tools, options))
 
@@ -198,7 +198,7 @@ class ChatModel(ABC):
         tools: Sequence[ToolSchema] = (),
         options: ModelOptions | None = None,
     ) -> Iterator[CompletionChunk]:
-        """Sync twin of :meth:`astream`: chunks arrive as they are generated.
+        """Sync twin of [`astream`][]: chunks arrive as they are generated.
 
         The async stream runs on keel's bridge loop; leaving the loop early (``break``) stops
         it where it waits.
@@ -209,7 +209,7 @@ class ChatModel(ABC):
         """Release connections or loaded weights."""
 
     def close(self) -> None:
-        """Sync twin of :meth:`aclose`."""
+        """Sync twin of [`aclose`][]."""
         run_sync(self.aclose())
 
     def __repr__(self) -> str:

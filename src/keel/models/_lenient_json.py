@@ -3,7 +3,7 @@
 It accepts what strict JSON rejects but a human would read without doubt: single-quoted
 strings, trailing commas, unquoted keys, Python literals (``True``, ``None``), ``//`` comments
 and smart quotes. It still refuses anything ambiguous (an unclosed object, a missing value),
-raising :class:`LenientJSONError` with the position, so a truncated reply is never taken for a
+raising `LenientJSONError` with the position, so a truncated reply is never taken for a
 complete one.
 """
 

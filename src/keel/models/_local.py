@@ -1,12 +1,12 @@
 """The bundled local model: SmolLM2-135M-Instruct through llama-cpp-python, offline.
 
-The weights are loaded once per process and shared by every :class:`LocalModel` with the same
+The weights are loaded once per process and shared by every [`LocalModel`][] with the same
 settings. llama.cpp is not thread-safe for one context, so generations are serialized by a
 lock; they run in a worker thread so the event loop keeps serving while the model thinks.
 
 The model has no native tool calling: tools are described in the system prompt in the
-``<tool_call>`` format (:func:`~keel.models.render_tools_prompt`) and the reply is read with
-:func:`~keel.models.parse_tool_calls`. What cannot be read lands in
+``<tool_call>`` format ([`render_tools_prompt`][]) and the reply is read with
+[`parse_tool_calls`][]. What cannot be read lands in
 ``Completion.tool_call_errors`` instead of raising. ``json_mode``, ``json_schema`` and
 ``tool_choice="required"`` are enforced with a llama.cpp grammar, so the reply is valid JSON by
 construction.

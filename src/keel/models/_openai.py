@@ -2,15 +2,15 @@
 
 One class serves OpenAI, Azure OpenAI (pass an ``AsyncAzureOpenAI`` client), vLLM, Ollama,
 llama.cpp's server and LM Studio. The SDK is built with ``max_retries=0``: retries happen once,
-in :mod:`keel.models._retry`, and every SDK or transport exception is translated into the
-:mod:`keel.errors` hierarchy with ``raise ... from exc``.
+in `keel.models._retry`, and every SDK or transport exception is translated into the
+[`keel.errors`][] hierarchy with ``raise ... from exc``.
 
 What is checked before an answer is returned:
 
-* ``finish_reason == "length"`` raises :class:`~keel.errors.TruncatedResponseError` (its
-  ``raw`` is the partial :class:`Completion`), unless the call set ``allow_truncated``;
-* tool-call arguments that are not valid JSON raise :class:`~keel.errors.MalformedResponseError`
-  (``raw`` is the unchecked :class:`Completion`, for repair or feedback);
+* ``finish_reason == "length"`` raises [`TruncatedResponseError`][] (its
+  ``raw`` is the partial [`Completion`][]), unless the call set ``allow_truncated``;
+* tool-call arguments that are not valid JSON raise [`MalformedResponseError`][]
+  (``raw`` is the unchecked [`Completion`][], for repair or feedback);
 * a stream that ends without a finish reason, or breaks, raises ``TruncatedResponseError``;
 * usage comes from the provider (``stream_options.include_usage`` when streaming) and is
   counted with the model's tokenizer when the provider sends none.
@@ -139,7 +139,7 @@ class OpenAICompatibleModel(ChatModel):
         model: the model name the server expects (``gpt-4o-mini``, a vLLM/Ollama model id).
         base_url: the API root (``http://host:port/v1``); None means OpenAI itself.
         api_key: the key; None reads ``OPENAI_API_KEY`` (local servers accept any value).
-        retry: the retry policy (default :class:`RetryPolicy`).
+        retry: the retry policy (default [`RetryPolicy`][]).
         client: a ready ``AsyncOpenAI`` or ``AsyncAzureOpenAI`` client to use instead of
             building one; it should have ``max_retries=0`` so retries are not doubled.
         spec: the spec string to report (default ``openai-compatible:MODEL@URL``).

@@ -1,4 +1,4 @@
-"""From a model spec string to a ready :class:`ChatModel`.
+"""From a model spec string to a ready [`ChatModel`][].
 
 Specs:
 
@@ -15,7 +15,7 @@ Specs:
     ``local_max_answer_tokens`` tokens (``KEEL_LOCAL_MAX_ANSWER_TOKENS``, default 384), or the
     spec's own cap: ``local:smollm2?max_answer_tokens=256``.
 ``scripted:NAME``
-    a :class:`~keel.testing.ScriptedModel` that echoes the last user message, with NAME's
+    a [`ScriptedModel`][] that echoes the last user message, with NAME's
     window and tokenizer (for demos and smoke tests; build one yourself for real scripts).
 
 A bare known OpenAI name (``gpt-4o-mini``) means ``openai:``.
@@ -57,7 +57,7 @@ def resolve_model(
     Args:
         spec: ``openai:gpt-4o-mini``, ``openai-compatible:MODEL@http://host:port/v1``,
             ``azure:DEPLOYMENT``, ``local:smollm2`` or ``scripted:NAME``.
-        settings: where base URL and key come from (default: :func:`keel.settings.load_settings`).
+        settings: where base URL and key come from (default: [`keel.settings.load_settings`][]).
         retry: the retry policy for HTTP models.
         **options: passed to the model class (``n_ctx`` for the local model, ``client`` or
             ``default_headers`` for HTTP models).

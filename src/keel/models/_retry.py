@@ -1,6 +1,6 @@
 """The one retry policy of the model layer: exponential backoff with jitter, bounded twice.
 
-Providers run each request through :func:`call_with_retries`. Only errors marked retryable
+Providers run each request through `call_with_retries`. Only errors marked retryable
 (rate limits, server errors, connection failures, per-attempt timeouts) are retried; anything
 else surfaces at once. The loop stops at ``max_attempts`` or when the next wait would pass the
 call's deadline, whichever comes first, and re-raises the last typed error with ``attempts``
@@ -73,7 +73,7 @@ class RetryPolicy(BaseModel):
 class RetryableModelError(Exception):
     """Raised by a provider's attempt: ``error`` may be retried after ``retry_after_s``.
 
-    Internal plumbing between a provider and :func:`call_with_retries`; never escapes it.
+    Internal plumbing between a provider and `call_with_retries`; never escapes it.
     """
 
     def __init__(self, error: ModelError, retry_after_s: float | None = None) -> None:
@@ -114,8 +114,8 @@ async def call_with_retries(
 ) -> tuple[T, RetryState]:
     """Run ``attempt`` until it succeeds, raises a non-retryable error or the budget ends.
 
-    ``attempt`` raises :class:`RetryableModelError` for a failure that may be retried and any
-    :class:`ModelError` for one that may not. ``clock`` and ``sleep`` are the time it runs on
+    ``attempt`` raises `RetryableModelError` for a failure that may be retried and any
+    [`ModelError`][] for one that may not. ``clock`` and ``sleep`` are the time it runs on
     (tests pass a fake pair, so no bound depends on how busy the machine is).
 
     Returns:

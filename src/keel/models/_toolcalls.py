@@ -9,10 +9,10 @@ on: the tools are described in the system prompt and the model is asked to answe
 </tool_call>
 ```
 
-Small models drift from any format, so :func:`parse_tool_calls` also reads what they actually
+Small models drift from any format, so [`parse_tool_calls`][] also reads what they actually
 write: code fences, bare JSON objects, lists of calls, ``{"tool": ..., "args": ...}``, single
 quotes, trailing commas, Python literals, prose around the call, ``name(key="value")``. What it
-cannot read becomes a :class:`ToolCallParseError` in the result, never an exception, so the
+cannot read becomes a [`ToolCallParseError`][] in the result, never an exception, so the
 runtime can send the model feedback and let it try again.
 """
 
@@ -71,7 +71,7 @@ class ToolCallParseError(BaseModel):
 
 
 class ParsedToolCalls(BaseModel):
-    """What :func:`parse_tool_calls` read from a reply."""
+    """What [`parse_tool_calls`][] read from a reply."""
 
     model_config = ConfigDict(frozen=True)
 

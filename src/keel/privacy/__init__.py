@@ -1,23 +1,23 @@
 """PII and secret masking, shared by memory, traces and checkpoints.
 
-:class:`PIIMasker` replaces emails, phone numbers, payment cards (Luhn-checked), US SSNs,
+[`PIIMasker`][] replaces emails, phone numbers, payment cards (Luhn-checked), US SSNs,
 IBANs (mod-97 checked), IP addresses and API keys / tokens (``sk-...``, ``AKIA...``,
 ``ghp_...``, JWTs, bearer tokens, PEM private keys) with typed placeholders such as
-``<EMAIL_1>``, under a policy that can differ per tenant. :func:`mask_pii` is the one-liner;
-:data:`DEFAULT_MASKER` is the default policy every part of keel shares unless given its own.
-:class:`StreamMasker` masks a text that arrives in pieces (a streamed reply);
-:class:`RevealStream` reveals a user's placeholders in one, never splitting a placeholder.
+``<EMAIL_1>``, under a policy that can differ per tenant. [`mask_pii`][] is the one-liner;
+[`DEFAULT_MASKER`][] is the default policy every part of keel shares unless given its own.
+[`StreamMasker`][] masks a text that arrives in pieces (a streamed reply);
+[`RevealStream`][] reveals a user's placeholders in one, never splitting a placeholder.
 
-With a :class:`Vault` (a master key from ``KEEL_PII_KEY``, a key file or a
-:class:`KeyProvider`), placeholders are stable per tenant and user and the values are kept
-sealed, so tools get them back (:meth:`UserVault.resolve_arguments`) and the user reads them
-(:meth:`UserVault.reveal`), while everything persisted holds placeholders only. Only the
-placeholders keel placed are resolved or revealed: :func:`defang_placeholders` neutralises
-placeholder-shaped text from tools and documents, and :meth:`UserVault.note_shown` limits a
-unit of work to the placeholders the model was shown; :class:`NoVault` refuses them all.
+With a [`Vault`][] (a master key from ``KEEL_PII_KEY``, a key file or a
+[`KeyProvider`][]), placeholders are stable per tenant and user and the values are kept
+sealed, so tools get them back ([`UserVault.resolve_arguments`][]) and the user reads them
+([`UserVault.reveal`][]), while everything persisted holds placeholders only. Only the
+placeholders keel placed are resolved or revealed: [`defang_placeholders`][] neutralises
+placeholder-shaped text from tools and documents, and [`UserVault.note_shown`][] limits a
+unit of work to the placeholders the model was shown; [`NoVault`][] refuses them all.
 
-:func:`privacy_view` gives the one object every part of keel masks and reveals a user's text
-through, for one unit of work (a turn, a request, an adapter's call): a :class:`PrivacyView`,
+[`privacy_view`][] gives the one object every part of keel masks and reveals a user's text
+through, for one unit of work (a turn, a request, an adapter's call): a [`PrivacyView`][],
 numbered through the user's vault when there is one.
 """
 

@@ -4,7 +4,7 @@ Regular expressions find candidates; checksums and range checks (Luhn for paymen
 mod-97 for IBANs, octet ranges for IPv4, SSA rules for SSNs) reject the strings that only look
 like one, so order numbers, dates and version strings stay readable.
 
-The detectors read a folded copy of the text (:func:`fold`): fullwidth forms, digits of other
+The detectors read a folded copy of the text (`fold`): fullwidth forms, digits of other
 scripts, Unicode spaces and dashes become their ASCII equivalents one character for one, so a
 card written in fullwidth digits is found like any other and the span replaced is the original
 one. Addresses may hold any letters (``jörg.müller@bücher.example``, a Cyrillic letter among
@@ -477,7 +477,7 @@ DETECTORS: tuple[Detector, ...] = (
 def find_all(text: str, detectors: tuple[Detector, ...] | list[Detector]) -> list[Finding]:
     """Non-overlapping findings in text order; on overlap the higher priority, then longer, wins.
 
-    The detectors read :func:`fold`'s copy of ``text``; each finding's ``text`` is the original
+    The detectors read `fold`'s copy of ``text``; each finding's ``text`` is the original
     span (fullwidth digits as written)."""
     folded = fold(text)
     candidates: list[tuple[int, Finding]] = []

@@ -1,14 +1,14 @@
 """The PII vault's master key: what wraps each tenant's and user's data key.
 
 keel never stores the master key. It comes from the deployment: ``KEEL_PII_KEY`` (32 random
-bytes, base64 or hex), a key file (``KEEL_PII_KEY_FILE``), or any :class:`KeyProvider` (a KMS
+bytes, base64 or hex), a key file (``KEEL_PII_KEY_FILE``), or any [`KeyProvider`][] (a KMS
 client that wraps and unwraps data keys without ever handing out the master key). The data keys
 it wraps are what the vault encrypts values under; destroying one (``forget``) makes that
 user's values unrecoverable even to whoever holds the master key and a copy of the database.
 
 A key file is refused when its group or others may read it (as ssh refuses such a private
 key), and no error message ever quotes a byte of a key. During a key rotation a
-:class:`KeyRing` holds the current key (which wraps) and the previous ones (which only unwrap
+[`KeyRing`][] holds the current key (which wraps) and the previous ones (which only unwrap
 the rows that still name them).
 """
 
@@ -123,7 +123,7 @@ class MasterKey:
 
     @classmethod
     def from_file(cls, path: str | Path) -> MasterKey:
-        """The key written in ``path`` (as :meth:`from_text` reads it).
+        """The key written in ``path`` (as [`from_text`][] reads it).
 
         Raises:
             VaultKeyError: the file is missing, unreadable, readable by its group or others

@@ -25,7 +25,7 @@ Numbering = Callable[[str, str], str]
 """``(entity, value) -> placeholder``: how a masker numbers what it finds (a user's vault)."""
 
 BatchNumbering = Callable[[Sequence[tuple[str, str]]], list[str]]
-"""``[(entity, value), ...] -> [placeholder, ...]``: a :data:`Numbering` of all of a text's
+"""``[(entity, value), ...] -> [placeholder, ...]``: a [`Numbering`][] of all of a text's
 findings at once (a user's vault places them in one write)."""
 
 ENTITY_TYPES: tuple[str, ...] = tuple(sorted({detector.entity for detector in DETECTORS}))
@@ -218,7 +218,7 @@ class PIIMasker:
         )
 
     def streams_by_word(self, tenant_id: str | None = None) -> bool:
-        """Whether a :class:`~keel.privacy.StreamMasker` may release this policy's masked text
+        """Whether a [`StreamMasker`][] may release this policy's masked text
         word by word (``by_word``): true when only the built-in detectors run, whose findings
         that span whitespace are made of digits, capitals and separators. Presidio (names,
         places) and custom detectors may span any words: their text is held back instead."""
@@ -235,7 +235,7 @@ class PIIMasker:
         batch_numbering: BatchNumbering | None = None,
     ) -> str:
         """Just the masked text (``remember``, ``numbering``, ``batch_numbering``: as
-        :meth:`mask`)."""
+        [`mask`][])."""
         return self.mask(
             text,
             tenant_id=tenant_id,

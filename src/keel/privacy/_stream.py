@@ -3,7 +3,7 @@
 A streamed reply cannot be masked piece by piece: ``jane.doe@`` and ``example.com`` are harmless
 apart, a phone number can arrive one digit group at a time, and placeholders are numbered in
 order of appearance over the whole text (``<EMAIL_2>`` means the second address). So
-:class:`StreamMasker` masks everything received so far, each time, and releases only a prefix
+[`StreamMasker`][] masks everything received so far, each time, and releases only a prefix
 that more text can no longer change:
 
 * it ends at whitespace (no e-mail, key or token crosses it) at least ``hold_chars`` before the
@@ -16,10 +16,10 @@ that more text can no longer change:
 * the masked prefix must be the start of the masked whole, so a finding still open across it
   holds it back.
 
-What is released is therefore exactly the start of ``mask(whole text)``, and :meth:`finish`
+What is released is therefore exactly the start of ``mask(whole text)``, and `finish`
 releases the rest: the pieces put together are the masked whole.
 
-:class:`RevealStream` goes the other way, for a user's vault: it shows a streamed text with the
+[`RevealStream`][] goes the other way, for a user's vault: it shows a streamed text with the
 user's own placeholders replaced by their values, holding back an unfinished ``<...`` until it
 closes or can no longer be a placeholder, so a placeholder is never split across two pieces
 and each one is revealed whole.
@@ -41,7 +41,7 @@ class StreamMasker:
     """Masks a text received in pieces; see the module docstring.
 
     Args:
-        mask: the masking function (a :class:`~keel.privacy.PIIMasker`'s ``mask_text``, or any
+        mask: the masking function (a [`PIIMasker`][]'s ``mask_text``, or any
             function of the whole text whose findings do not span more than ``hold_chars``
             across whitespace).
         hold_chars: characters always held back from the end of what was received.
@@ -50,7 +50,7 @@ class StreamMasker:
         by_word: release up to the end of a word that no whitespace-spanning pattern can
             contain, without the hold-back. Only for masks whose findings that span whitespace
             are made of digits, capitals and ``+()-./:`` (the built-in detectors'; see
-            :meth:`PIIMasker.streams_by_word`).
+            [`PIIMasker.streams_by_word`][]).
     """
 
     def __init__(
@@ -142,7 +142,7 @@ class StreamMasker:
 
 _SPANNING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+()-./: ")
 """Every character of the built-in findings that may hold whitespace (IBAN, card, phone), as
-the detectors read them (:func:`~keel.privacy._detectors.fold`): a fullwidth digit or a
+the detectors read them (`fold`): a fullwidth digit or a
 no-break space between groups is one of these too."""
 _WHITESPACE = " \t\n\r"
 
@@ -171,7 +171,7 @@ class RevealStream:
     """Reveals placeholders in a text received in pieces; see the module docstring.
 
     Args:
-        reveal: the text with its placeholders replaced (a :class:`~keel.privacy.UserVault`'s
+        reveal: the text with its placeholders replaced (a [`UserVault`][]'s
             ``reveal``); called on whole placeholders only.
         max_held_chars: an unfinished ``<...`` longer than this is not one of keel's
             placeholders (their entity names are short): it is released as written.

@@ -5,22 +5,22 @@ address in every turn, checkpoint, memory record and trace of that user, in ever
 The way from a value to its placeholder is an HMAC under the user's data key, never a plain
 hash (a phone number or a zip code is easy to brute-force from an unkeyed one). The value
 itself is sealed with AES-256-GCM under that data key, bound to its owner and its row; the data
-key is stored only wrapped by the deployment's master key (:mod:`keel.privacy._keys`).
+key is stored only wrapped by the deployment's master key (`keel.privacy._keys`).
 
-:class:`Vault` is the deployment's vault over a :class:`VaultStore` (SQLite or PostgreSQL,
-opened with the other stores); :meth:`Vault.user` gives the view of one tenant's user, which is
+[`Vault`][] is the deployment's vault over a [`VaultStore`][] (SQLite or PostgreSQL,
+opened with the other stores); [`Vault.user`][] gives the view of one tenant's user, which is
 all a turn, a tool call or an adapter ever touches: another tenant's or user's placeholder is
 unknown to it. ``forget`` destroys a user's data key and sealed values at once; their
 placeholders stay in histories, resolving to nothing. Nothing here keeps a plaintext value
-beyond one unit of work: a :class:`UserVault` holds its user's data key for its own life only
+beyond one unit of work: a [`UserVault`][] holds its user's data key for its own life only
 (one turn, one call), and the values that unit gave it to place (which it holds in the clear
 in its own texts anyway); every other value is read sealed from the store each time it
 resolves.
 
 A placeholder's shape proves nothing: a tool's output, a web page or a document can spell
 ``<CREDIT_CARD_1>`` too, and a model can be talked into writing it. So text that enters from
-such sources has its placeholder-shaped substrings neutralised (:func:`defang_placeholders`),
-and once a unit of work has shown the model a prompt (:meth:`UserVault.note_shown`) its view
+such sources has its placeholder-shaped substrings neutralised ([`defang_placeholders`][]),
+and once a unit of work has shown the model a prompt ([`UserVault.note_shown`][]) its view
 resolves and reveals only the placeholders keel placed in that unit of work or showed the
 model: a placeholder the model took from anywhere else is refused, not resolved.
 """
@@ -62,7 +62,7 @@ PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*)_([1-9][0-9]{0,8})>")
 """A placeholder as keel writes it: ``<EMAIL_3>``, ``<CREDIT_CARD_12>``."""
 
 _PLACEHOLDER_TEXT = re.compile(r"<[A-Z][A-Z0-9_]*_[1-9][0-9]{0,8}>")
-""":data:`PLACEHOLDER` without its groups: ``findall`` gives the placeholders themselves (a
+"""[`PLACEHOLDER`][] without its groups: ``findall`` gives the placeholders themselves (a
 prompt is scanned before every model call)."""
 
 _DEFANGED = "\u2039{}\u203a"
@@ -142,7 +142,7 @@ class VaultStore(ABC):
     value's HMAC (unique per user), ``number`` counts per user and entity from 1 and is never
     reused, not even after ``forget`` (a new value must not take a forgotten value's
     placeholder, which histories still hold). Methods are blocking and thread-safe; async code
-    calls them through :func:`keel._bridge.run_blocking`.
+    calls them through `keel._bridge.run_blocking`.
     """
 
     @abstractmethod
@@ -173,7 +173,7 @@ class VaultStore(ABC):
         None, storing nothing, when the master key that wraps it (``key.key_id``) has no key
         check: a process still running with a key rotated away must not wrap new data keys
         that the vault's keys cannot open (the check is read under a shared lock, so a
-        :meth:`drop_key_check` racing this waits for it and then sees the key)."""
+        [`drop_key_check`][] racing this waits for it and then sees the key)."""
 
     @abstractmethod
     def numbers(
@@ -204,7 +204,7 @@ class VaultStore(ABC):
         *,
         key: StoredKey,
     ) -> list[int] | None:
-        """:meth:`add_value` for each ``(entity, token, sealed)`` of ``values``: their numbers,
+        """[`add_value`][] for each ``(entity, token, sealed)`` of ``values``: their numbers,
         in order (a token stored already, or given twice, keeps one number). None when the
         user's data key is not ``key``. A store overrides it to place them all in one
         transaction, comparing the key once; this one places them one by one."""
@@ -247,15 +247,15 @@ class VaultStore(ABC):
 
 
 class Vault:
-    """The deployment's PII vault: a :class:`VaultStore` and the master key's provider.
+    """The deployment's PII vault: a [`VaultStore`][] and the master key's provider.
 
     Args:
         store: where wrapped keys and sealed values live.
-        keys: the master key (``MasterKey``, or a KMS-backed :class:`KeyProvider`), or a
-            :class:`KeyRing`: the current key and the previous ones a rotation under way
+        keys: the master key (``MasterKey``, or a KMS-backed [`KeyProvider`][]), or a
+            [`KeyRing`][]: the current key and the previous ones a rotation under way
             still needs (each data key row names the master key that wraps it).
 
-    :meth:`check` (run by the opener at start-up) proves the keys are the vault's.
+    [`check`][] (run by the opener at start-up) proves the keys are the vault's.
 
     The vault keeps one sealed check per master key it accepts. A rotation seals the new
     key's check first, re-wraps the data keys one by one (each a compare-and-set), and drops
@@ -336,7 +336,7 @@ class Vault:
         The rows are gone from the database; copies the database itself keeps (PostgreSQL's
         write-ahead log, its replicas and backups) still hold the wrapped data key and the
         sealed values until the master key that wrapped that data key is rotated away
-        (:meth:`rotate`) and destroyed: only then is the erasure final everywhere."""
+        ([`rotate`][]) and destroyed: only then is the erasure final everywhere."""
         return self.store.forget(tenant_id, user_id)
 
     def rotate(self, new_keys: KeyProvider) -> int:
@@ -420,7 +420,7 @@ class UserVault:
     is read sealed from the store each time it is resolved, so a ``forget`` elsewhere takes
     effect at once for those, and for every value in the next unit of work.
 
-    Once the unit of work has shown the model a prompt (:meth:`note_shown`), the view resolves
+    Once the unit of work has shown the model a prompt ([`note_shown`][]), the view resolves
     and reveals only the placeholders it placed or showed (see the module docstring): the
     others are *foreign*, written by a tool, a document or a model, and stand for nothing.
     """
@@ -444,7 +444,7 @@ class UserVault:
         before that, nothing the model wrote in this unit of work is being resolved (a call a
         person approved, a reply recorded with its foreign placeholders defanged)."""
         self._scanned: set[str] = set()
-        """The texts :meth:`note_shown` has scanned (masked texts: placeholders, no values)."""
+        """The texts [`note_shown`][] has scanned (masked texts: placeholders, no values)."""
 
     # --- what this unit of work may resolve -----------------------------------------------------
 
@@ -468,7 +468,7 @@ class UserVault:
 
     def defang_foreign(self, text: str) -> str:
         """``text`` (what a model or a tool wrote) with its foreign placeholders defanged
-        (:func:`defang_placeholders`); the others stay placeholders."""
+        ([`defang_placeholders`][]); the others stay placeholders."""
         if self._shown is None or "<" not in text:
             return text
         return PLACEHOLDER.sub(
@@ -532,7 +532,7 @@ class UserVault:
 
         Raises:
             PlaceholderError: one is not the user's, was forgotten, fails to decrypt, or is
-                foreign (see :meth:`is_foreign`; it names the placeholder).
+                foreign (see [`is_foreign`][]; it names the placeholder).
         """
         refs: dict[str, tuple[str, int]] = {}
         for placeholder in dict.fromkeys(placeholders):
@@ -614,7 +614,7 @@ class UserVault:
         JSON is returned as it is (the call's validation reports it).
 
         Raises:
-            PlaceholderError: as :meth:`resolve`.
+            PlaceholderError: as [`resolve`][].
         """
         if not PLACEHOLDER.search(arguments):
             return arguments

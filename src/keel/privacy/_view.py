@@ -2,11 +2,11 @@
 it shows.
 
 Every entrance that stores or shows a user's text (a turn, a decision on one of its calls, a
-memory write from HTTP, MCP or :meth:`keel.memory.Memory.add`, an adapter's call, the
-service's reads) gets a :class:`PrivacyView` from :func:`privacy_view` and goes through it, so
+memory write from HTTP, MCP or [`keel.memory.Memory.add`][], an adapter's call, the
+service's reads) gets a [`PrivacyView`][] from [`privacy_view`][] and goes through it, so
 there is one answer to "which placeholder does this value get, and who may read it back":
 
-- With a vault, a value is numbered through the user's :class:`~keel.privacy.UserVault`: it
+- With a vault, a value is numbered through the user's [`UserVault`][]: it
   has one placeholder in every turn, checkpoint, trace, memory record and decision of that
   user, its value sealed. A read reveals the user's own placeholders; another user's, an
   erased one or an unknown one stays as written.
@@ -15,7 +15,7 @@ there is one answer to "which placeholder does this value get, and who may read 
 
 A view lives as long as its unit of work: it holds the user's data key (through its
 ``UserVault``) and a memo of the texts it masked, and neither outlives it. Its async methods
-keep the vault's reads and writes off the event loop (:meth:`VaultStore.arun`).
+keep the vault's reads and writes off the event loop ([`VaultStore.arun`][]).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def privacy_view(
 ) -> PrivacyView:
     """The view of ``user_id`` of ``tenant_id`` for one unit of work: numbered through their
     view of ``vault`` when there is a vault and a user, else masking alone (``per_call``: one
-    numbering across the view's texts, see :class:`PrivacyView`)."""
+    numbering across the view's texts, see [`PrivacyView`][])."""
     user_vault = None if vault is None or not user_id else vault.user(tenant_id, user_id)
     return PrivacyView(masker, tenant_id, user_vault, per_call=per_call)
 
@@ -139,7 +139,7 @@ class PrivacyView:
         return masked
 
     async def amask(self, text: str) -> str:
-        """:meth:`mask` for an event loop: the text's values are found in place and placed in
+        """[`mask`][] for an event loop: the text's values are found in place and placed in
         the vault off the loop (a write, a round trip on PostgreSQL), in one call for the
         text; a text with none (most of them, and every text masked before) never leaves it."""
         user_vault = self.user_vault
@@ -195,7 +195,7 @@ class PrivacyView:
     def untrusted(self, text: str) -> str:
         """``text`` that a model or a tool wrote, with the placeholders in it that keel neither
         placed nor showed the model in this unit of work defanged: they stand for none of the
-        user's values (:meth:`UserVault.note_shown`); as it is before a prompt was shown."""
+        user's values ([`UserVault.note_shown`][]); as it is before a prompt was shown."""
         if self.user_vault is None:
             return text
         return self.user_vault.defang_foreign(text)
@@ -212,15 +212,15 @@ class PrivacyView:
             )
 
     def mask_untrusted(self, text: str) -> str:
-        """:meth:`mask` of what a model or a tool wrote (:meth:`untrusted` first)."""
+        """[`mask`][] of what a model or a tool wrote ([`untrusted`][] first)."""
         return self.mask(self.untrusted(text))
 
     async def amask_untrusted(self, text: str) -> str:
-        """:meth:`mask_untrusted` for an event loop (see :meth:`amask`)."""
+        """[`mask_untrusted`][] for an event loop (see [`amask`][])."""
         return await self.amask(self.untrusted(text))
 
     def mask_tool_output(self, text: str) -> str:
-        """:meth:`mask` of what a tool returned into a framework's history (an adapter's
+        """[`mask`][] of what a tool returned into a framework's history (an adapter's
         write: a LangGraph ``ToolMessage``, an Agents SDK tool output, a pydantic-ai tool
         return). The framework's tools and model were given the user's values, never
         placeholders, so with a vault every placeholder-shaped text in it is the tool's own:
@@ -237,7 +237,7 @@ class PrivacyView:
         return self.untrusted(content) if message.role in ("assistant", "tool") else content
 
     def mask_call(self, call: ToolCall) -> ToolCall:
-        """A call a model made, its arguments masked (:meth:`untrusted` first; the very same
+        """A call a model made, its arguments masked ([`untrusted`][] first; the very same
         call when nothing changed)."""
         arguments = self.mask_untrusted(storable(call.arguments))
         return (
@@ -256,7 +256,7 @@ class PrivacyView:
         return message.model_copy(update={"content": content, "tool_calls": calls})
 
     async def amask_call(self, call: ToolCall) -> ToolCall:
-        """:meth:`mask_call` for an event loop (see :meth:`amask`)."""
+        """[`mask_call`][] for an event loop (see [`amask`][])."""
         arguments = await self.amask_untrusted(storable(call.arguments))
         return (
             call
@@ -265,7 +265,7 @@ class PrivacyView:
         )
 
     async def amask_message(self, message: Message) -> Message:
-        """:meth:`mask_message` for an event loop (see :meth:`amask`)."""
+        """[`mask_message`][] for an event loop (see [`amask`][])."""
         content = await self.amask(self._content(message))
         calls = tuple([await self.amask_call(call) for call in message.tool_calls])
         if content == message.content and calls == message.tool_calls:
@@ -291,7 +291,7 @@ class PrivacyView:
         return self.user_vault.reveal(text)
 
     async def areveal(self, text: str) -> str:
-        """:meth:`reveal`, its read of the vault off the event loop."""
+        """[`reveal`][], its read of the vault off the event loop."""
         if self.user_vault is None or not text or PLACEHOLDER.search(text) is None:
             return text
         return await self.user_vault.vault.store.arun(
@@ -341,8 +341,8 @@ class PrivacyView:
         return await self.user_vault.vault.store.arun(reveal)
 
     async def amask_output(self, output: Any) -> Any:
-        """A structured answer (see :meth:`areveal_output`) with every string in it masked as
-        what a model wrote is (:meth:`mask_untrusted`), off the event loop: as its JSON text
+        """A structured answer (see [`areveal_output`][]) with every string in it masked as
+        what a model wrote is ([`mask_untrusted`][]), off the event loop: as its JSON text
         is stored, for a caller who may not read the user's values; its types are kept."""
         if self.masker is None or output is None:
             return output

@@ -1,6 +1,6 @@
-"""The runtime: :class:`Agent` is the configuration and the public API; each turn of
+"""The runtime: [`Agent`][] is the configuration and the public API; each turn of
 DESIGN.md's flow is run by its own ``TurnRunner`` over the loop's model and tool steps
-(model -> validate -> tools -> model, bounded by guards), which :class:`ToolLoop` also drives
+(model -> validate -> tools -> model, bounded by guards), which [`ToolLoop`][] also drives
 standalone."""
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
 3. retrieve long-term memories within their token budget;
 4. compile the context (exact budgets, window + summary, pruning; budget report kept);
 5. checkpoint BEFORE every model call (compare-and-set on the version read);
-6. run the model and tool steps (the turn's :class:`~keel.runtime._turn.TurnRunner` drives
-   them, as :class:`~keel.runtime.ToolLoop` does standalone): validation, repair,
+6. run the model and tool steps (the turn's `TurnRunner` drives
+   them, as [`ToolLoop`][] does standalone): validation, repair,
    exactly-once journal (keys unique to the turn), loop detection, step and time limits;
 7. apply workflow transitions from the model's structured tool calls (``go_to`` /
    ``remember``), never from regexes on prose, checkpointing after each one;
@@ -20,7 +20,7 @@
 Any failure leaves the session at its last good checkpoint with a clean message for the user,
 except that side effects that happened stay in the history (reverting never hides a booking).
 Failures are counted per workflow state and a persistent one moves the machine to its failure
-state. A turn interrupted by a crash is finished by :meth:`Agent.resume`, or by the next
+state. A turn interrupted by a crash is finished by [`Agent.resume`][], or by the next
 ``handle`` on the session before it handles the new message, replaying the journalled tool
 calls of the interrupted step instead of running them again.
 """
@@ -87,7 +87,7 @@ class Agent:
         state: the state store (``StateStore(backend, AgentState)``); every write is
             compare-and-set on the version read.
         system_prompt: identity and guardrails; always message 0 of every prompt.
-        tools: the domain tools, and MCP servers (:class:`~keel.MCPServer`) whose tools join.
+        tools: the domain tools, and MCP servers ([`MCPServer`][]) whose tools join.
         rules: operating rules placed last, before the newest user message.
         machine: an optional workflow; the model moves it with the ``go_to`` and
             ``remember`` tools, and only the current state's tools may run.
@@ -108,8 +108,8 @@ class Agent:
             renewed every third of that while the turn runs). A lease whose holder died on
             this machine is taken over at once; one held elsewhere frees when it expires.
         session_wait_s: how long a turn waits for a session another turn holds before it
-            gives up with :class:`~keel.errors.SessionBusyError` (default: the lease's time
-            to live and 5 s, so a crashed holder's lease can expire).
+            gives up with [`SessionBusyError`][keel.errors.SessionBusyError] (default: the lease's
+            time to live and 5 s, so a crashed holder's lease can expire).
         session_cache_size: how many sessions' incremental conversations this process keeps
             (least recently used go first; an evicted session is rebuilt from the store).
         output_type: the type of the final answer (a Pydantic model, a TypedDict...): the
@@ -123,7 +123,7 @@ class Agent:
             prompt takes; at most the model's output limit); with it, at most that. An
             answer cut at the limit is continued (``reply.truncated`` when it cannot be).
         approvals: where calls that wait for a person (``@tool(approval=...)``) wait, who is
-            told, how long (see :meth:`decide`).
+            told, how long (see [`decide`][]).
     """
 
     def __init__(
@@ -189,7 +189,7 @@ class Agent:
         self.engine = ContextEngine(model, budget=context, memory_sink=self._hand_off)
         self.monitor = SpiralMonitor(prompt_limit=self.engine.budget.limit)
         self.backends: Backends | None = None
-        """The stores :meth:`open` opened (and closes); None for an agent built by hand."""
+        """The stores [`open`][] opened (and closes); None for an agent built by hand."""
 
     # --- construction (the wiring is in runtime/_open.py) -----------------------------------
 
@@ -207,13 +207,13 @@ class Agent:
         ``Agent.open("postgresql://u@host/db", system_prompt=...)``, ``Agent.open(settings,
         ...)`` or ``Agent.open(system_prompt=...)`` (``KEEL_DATABASE``, default: the SQLite
         file in the data directory). ``sqlite:///PATH``: one file holds everything, as
-        :meth:`embedded`. ``postgresql://...``: the PostgreSQL stores. A Redis URL
+        [`embedded`][]. ``postgresql://...``: the PostgreSQL stores. A Redis URL
         (``redis_url``, default ``KEEL_REDIS_URL``) moves state and session leases to Redis;
         the journal, traces and memory stay on the SQL database.
 
         Args:
             database: a database URL, or the settings to read it from (default: the
-                ``settings`` argument, else :func:`~keel.settings.load_settings`).
+                ``settings`` argument, else [`load_settings`][]).
             system_prompt: identity and guardrails.
             model: a ChatModel or a model spec (default: ``settings.model``).
             tools / rules / machine: as for the constructor.
@@ -226,7 +226,7 @@ class Agent:
             options: passed to the constructor (``context=``, ``guards=``, ``masker=``,
                 ``tenant_id=``, ``name=``, ...). The masker is also memory's and the tracer's.
 
-        Close the agent with :meth:`aclose` (or ``close``): it stops memory's outbox worker
+        Close the agent with [`aclose`][] (or ``close``): it stops memory's outbox worker
         (what is left stays in the durable outbox) and releases every connection it opened.
 
         Raises:
@@ -264,23 +264,23 @@ class Agent:
         """An agent on the embedded default: one SQLite file holds state, the tool journal,
         traces and memory; the model is a spec (default: ``settings.model``) or a ChatModel.
 
-        ``memory=``, ``journal=`` and ``settings=`` are :meth:`open`'s, the other ``options``
+        ``memory=``, ``journal=`` and ``settings=`` are [`open`][]'s, the other ``options``
         are passed to the constructor (``context=``, ``guards=``, ...). Close the agent with
-        :meth:`aclose` (or ``close``) to flush memory and release the database. :meth:`open` is
+        [`aclose`][] (or ``close``) to flush memory and release the database. [`open`][] is
         the same on any database (and Redis); this one refuses a server URL.
 
         Raises:
-            UsageError: the settings name a server database (use :meth:`open`).
+            UsageError: the settings name a server database (use [`open`][]).
         """
         return embedded_agent(cls, model, system_prompt=system_prompt, **options)
 
     async def aclose(self) -> None:
-        """Flush memory's outbox and release what :meth:`open` / :meth:`embedded` opened."""
+        """Flush memory's outbox and release what [`open`][] / [`embedded`][] opened."""
         if self.backends is not None:
             await close_opened(self.backends)
 
     def close(self) -> None:
-        """Sync twin of :meth:`aclose`, on the bridge loop the sync twins ran on: async clients
+        """Sync twin of [`aclose`][], on the bridge loop the sync twins ran on: async clients
         opened by ``handle_sync`` are closed on their own loop. ``with Agent.open(...) as
         agent:`` (or ``async with``) closes it at the end of the block."""
         run_sync(self.aclose())
@@ -337,10 +337,10 @@ class Agent:
         **options: Unpack[TurnOptions],
     ) -> AgentReply:
         """Process one user message of ``user`` in ``session`` and return the reply: the same
-        as :meth:`handle`, with the identities named, so they cannot be swapped.
+        as [`handle`][], with the identities named, so they cannot be swapped.
 
         Args:
-            deps: handed to every tool of the turn that declares a :class:`ToolContext`
+            deps: handed to every tool of the turn that declares a [`ToolContext`][]
                 parameter, as ``context.deps`` (a database handle, an API client...).
             output_type: this turn's answer type, instead of the agent's.
             model_options: this turn's generation options, instead of the agent's.
@@ -359,7 +359,7 @@ class Agent:
         user: str,
         **options: Unpack[TurnOptions],
     ) -> AgentReply:
-        """Sync twin of :meth:`run` (not for use inside a running event loop)."""
+        """Sync twin of [`run`][] (not for use inside a running event loop)."""
         return run_sync(self.run(text, session=session, user=user, **options))
 
     def stream(
@@ -370,15 +370,15 @@ class Agent:
         user: str,
         **options: Unpack[TurnOptions],
     ) -> AsyncIterator[AgentEvent]:
-        """Process one user message as :meth:`run` does, yielding its events as they happen:
+        """Process one user message as [`run`][] does, yielding its events as they happen:
         masked text deltas, tool calls as they start and end, workflow transitions,
-        checkpoints, guard warnings, and last a :class:`TurnFinished` with the reply.
+        checkpoints, guard warnings, and last a [`TurnFinished`][] with the reply.
 
-        Every invariant of :meth:`run` holds: a checkpoint precedes each model call, text is
+        Every invariant of [`run`][] holds: a checkpoint precedes each model call, text is
         masked before it is yielded. A consumer that stops early (``break``, ``aclose``, a
         cancelled task) stops the turn where it is: the model request ends, the session stays
-        at its last checkpoint with the turn open, and the next message or :meth:`resume`
-        finishes it. Raises what :meth:`run` raises, at the point it happens.
+        at its last checkpoint with the turn open, and the next message or [`resume`][]
+        finishes it. Raises what [`run`][] raises, at the point it happens.
         """
         # The options are read when the iteration starts, as an async generator's body runs.
         return events_of(lambda emit: self._handle(session, user, text, emit, RunExtras(**options)))
@@ -391,7 +391,7 @@ class Agent:
         user: str,
         **options: Unpack[TurnOptions],
     ) -> Iterator[AgentEvent]:
-        """Sync twin of :meth:`stream`: events arrive as they happen; leaving the loop early
+        """Sync twin of [`stream`][]: events arrive as they happen; leaving the loop early
         stops the turn as it does there (not for use inside a running event loop)."""
         return iterate_sync(self.stream(text, session=session, user=user, **options))
 
@@ -414,7 +414,7 @@ class Agent:
             return await answer_session(self._deps(), lease, key, ids, text, emit, extras)
 
     def handle_sync(self, session_id: str, user_id: str, text: str) -> AgentReply:
-        """Sync twin of :meth:`handle` (not for use inside a running event loop). Safe to call
+        """Sync twin of [`handle`][] (not for use inside a running event loop). Safe to call
         from several threads at once: turns on one session take turns through its lease."""
         return run_sync(self.handle(session_id, user_id, text))
 
@@ -432,7 +432,7 @@ class Agent:
             return await resume_parked(self._deps(), lease, key, (session_id, user_id))
 
     def resume_sync(self, session_id: str, user_id: str) -> AgentReply | None:
-        """Sync twin of :meth:`resume`."""
+        """Sync twin of [`resume`][]."""
         return run_sync(self.resume(session_id, user_id))
 
     async def decide(
@@ -451,7 +451,7 @@ class Agent:
     def decide_sync(
         self, session_id: str, approval_id: str, **how: Unpack[DecideOptions]
     ) -> AgentReply:
-        """Sync twin of :meth:`decide`."""
+        """Sync twin of [`decide`][]."""
         return run_sync(self.decide(session_id, approval_id, **how))
 
     def session_state(self, session_id: str) -> AgentState | None:

@@ -3,28 +3,28 @@ turn parked on what it holds, and the decided calls carried out (exactly once, t
 journal) when the turn goes on.
 
 A tool declares that its calls wait for a decision (``@tool(approval=...)``). The tool step
-(:class:`~keel.runtime._tool_step.ToolStep`) owns one :class:`ApprovalHold`, built from the
-agent's :class:`Approvals` and the turn's facts (:class:`TurnFacts`: tenant, user, session,
+(`ToolStep`) owns one `ApprovalHold`, built from the
+agent's [`Approvals`][] and the turn's facts (`TurnFacts`: tenant, user, session,
 turn, trace, events, masking, the lease check), passed in by whichever drives the loop (the
-agent's turn or a :class:`~keel.runtime.ToolLoop`); the hold never reaches back into its
+agent's turn or a [`ToolLoop`][]); the hold never reaches back into its
 driver. When the model calls such a tool, the hold keeps it back before anything is journalled
-or run: a request goes to the :class:`~keel.approvals.ApprovalStore` (its id derived from the
+or run: a request goes to the [`ApprovalStore`][] (its id derived from the
 call's journal key, so a replayed step finds the same request), the model's history gets a
 result saying it waits, and the other calls of the step run. After the step the run ends,
 parked (``awaiting_approval``), the turn's committed state naming the requests it waits for
 (``runtime.awaiting``). The model is not asked again until every one is decided; then the
-turn goes on (:meth:`ApprovalHold.settle`, before the loop of the next run on the session):
+turn goes on (`ApprovalHold.settle`, before the loop of the next run on the session):
 an approved call runs under the journal key the model's call would have had (a crash
 anywhere, or the same decision sent twice, never runs it twice), a rejected or expired one is
 answered with who decided and why, and the model carries on from there.
 
 A decision is bound to the arguments it approved (``ApprovalDecision.arguments_digest``, see
-:func:`keel.approvals.arguments_digest`): a call is carried out only with exactly those, and a
+[`keel.approvals.arguments_digest`][]): a call is carried out only with exactly those, and a
 call whose arguments differ is not run (it needs a decision of its own).
 
 A user's confirmation comes from the user: ``Agent.decide(user_id=...)``, the user's key over
 HTTP, the viewer, or the user's own new message read by the model through
-:data:`DECISION_TOOL`. That tool is offered only on a user's new message while a confirmation
+`DECISION_TOOL`. That tool is offered only on a user's new message while a confirmation
 waits, and the hold accepts its call only while nothing untrusted has entered the turn (no
 tool result yet): a fetched page or any other tool's output cannot confirm on the user's
 behalf.
@@ -173,7 +173,7 @@ def decided_text(request: ApprovalRequest, result: ToolResult | None) -> str:
 
 @dataclass(frozen=True)
 class TurnFacts:
-    """What an :class:`ApprovalHold` knows of the turn (or run) it holds calls for, given by
+    """What an `ApprovalHold` knows of the turn (or run) it holds calls for, given by
     whichever drives the loop.
 
     Attributes:
@@ -188,7 +188,7 @@ class TurnFacts:
         before_side_effect: ``(call) -> None``, right before a decided call runs: the agent
             checks its lease on the session here.
         confirmations: whether a user's message in this turn may confirm a waiting call
-            through :data:`DECISION_TOOL` (offered only then).
+            through `DECISION_TOOL` (offered only then).
     """
 
     key: str
@@ -223,7 +223,7 @@ def _decision_tool(approval_id: str, approve: bool, note: str = "") -> str:
 
 
 def with_decision_tool(registry: ToolRegistry, offered: bool) -> ToolRegistry:
-    """``registry``, with :data:`DECISION_TOOL` when ``offered`` (a user's new message comes
+    """``registry``, with `DECISION_TOOL` when ``offered`` (a user's new message comes
     to a session that waits for a confirmation: the model reads the answer)."""
     return ToolRegistry([*registry, _decision_tool]) if offered else registry
 
@@ -358,7 +358,7 @@ class ApprovalHold:
     # --- the user's words, read by the model --------------------------------------------------
 
     async def _confirmation(self, run: LoopRun, call: ToolCall) -> ToolResult:
-        """A call of :data:`DECISION_TOOL`: recorded as the user's answer only while nothing
+        """A call of `DECISION_TOOL`: recorded as the user's answer only while nothing
         untrusted has entered the turn (see the module docstring)."""
         if any(message.role == "tool" for message in run.history.added):
             return blocked(

@@ -1,7 +1,7 @@
-"""The stores an agent runs on: :class:`~keel.stores.Backends`, opened by
-:meth:`Backends.open <keel.stores.Backends.open>` (the one composition root, in
-:mod:`keel.stores._open`) and re-exported here where the runtime has always offered it, and
-:func:`open_at_edge`, the one way the edges that take a URL or settings (``Agent.open``,
+"""The stores an agent runs on: [`Backends`][], opened by
+[`Backends.open`][] (the one composition root, in
+`keel.stores._open`) and re-exported here where the runtime has always offered it, and
+`open_at_edge`, the one way the edges that take a URL or settings (``Agent.open``,
 ``keel serve``'s ``build_service``) open them."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def open_at_edge(
 
     ``database`` is a URL, the settings themselves, or None (``settings.database_url``). The
     settings are read here, once, only when the caller gave none; everything below gets them
-    handed down. The other arguments are :meth:`Backends.open`'s.
+    handed down. The other arguments are [`Backends.open`][]'s.
 
     Raises:
         ConfigError: settings given twice, ``database`` of another type, invalid settings, or

@@ -1,12 +1,12 @@
 """Deciding a waiting call, and a session parked on one: ``Agent.decide`` and what a new
-message or ``Agent.resume`` finds on a parked session (see :mod:`keel.runtime._approvals`).
+message or ``Agent.resume`` finds on a parked session (see `keel.runtime._approvals`).
 
 A decision is one compare-and-set in the approval store (``adecide`` on a pending request):
 two deciders at once, or the same decision sent twice, settle it once. Whoever settled it,
 the session then goes on under its lease: when every request it waits for is decided, its
 turn resumes (the approved calls run once, through the journal); until then, nothing runs.
 Only the tenant's operators decide (the agent is the tenant's), and for a confirmation the
-session's own user too: anyone else gets :class:`~keel.errors.AccessDeniedError`, as for a
+session's own user too: anyone else gets [`AccessDeniedError`][], as for a
 request that does not exist, so nothing tells them it does.
 """
 
@@ -54,13 +54,27 @@ class DecideOptions(TypedDict, total=False):
     """``Agent.decide``'s keywords besides the session and the request."""
 
     approve: bool
+    """Required: True approves the call (it runs), False rejects it (it never runs)."""
     by: str | None
+    """The operator who decides (``"alice"`` is recorded as ``operator:alice``); required
+    unless ``user_id`` is given."""
     note: str | None
+    """Why, kept with the decision (masked like the user's text); for an escalation answered
+    with ``action="answer"``, the answer the model is given."""
     arguments: str | None
+    """Corrected arguments, one JSON object: the call runs with them instead of the requested
+    ones (validated against the tool as the model's are)."""
     user_id: str | None
+    """The user the request belongs to, confirming a call that waits for its user (a
+    ``user`` approval) instead of an operator."""
     action: Literal["retry", "skip", "answer"] | None
+    """For an escalation: run the stopped call again, skip it, or give the model ``note`` as
+    the answer."""
     channel: Channel
+    """Through which entrance the decision came, as recorded (default ``"agent"``)."""
     reveal: bool
+    """Show the user's values in the reply (default True); False keeps their placeholders,
+    as stored, for a decider who may not read them."""
 
 
 async def decide(
@@ -215,7 +229,7 @@ async def resume_session(
 ) -> AgentReply:
     """The parked session goes on once every request it waits for is decided; else a reply
     saying what it still waits for (``approval_id``: the request just decided; ``reveal``:
-    False gives the resumed turn's reply as stored, see :class:`RunExtras`)."""
+    False gives the resumed turn's reply as stored, see `RunExtras`)."""
     extras = RunExtras(reveal=reveal)
     checkpoint = await deps.state.aload(key)
     check_owner(checkpoint.state, ids[1], deps.tenant_id)
@@ -250,7 +264,7 @@ async def answer_session(
 ) -> AgentReply:
     """A user's message on the session. Parked on the user's confirmation: the model reads
     the message and may record the answer (``decide_approval``, accepted only before any tool
-    result enters the turn: see :mod:`keel.runtime._approvals`); once everything is decided
+    result enters the turn: see `keel.runtime._approvals`); once everything is decided
     the turn goes on. Parked on an operator only: it stays parked, the reply says so, the
     model is not asked. Not parked, or everything decided: the message is answered."""
     checkpoint = await deps.state.apeek(key)

@@ -1,9 +1,9 @@
-"""What :meth:`Agent.stream` yields while a turn runs: typed events, one union.
+"""What [`Agent.stream`][] yields while a turn runs: typed events, one union.
 
 Every text in an event is masked by the agent's privacy policy before it is yielded, as the
-committed history is. The last event of a turn that ran is always :class:`TurnFinished` with the
-:class:`~keel.runtime.AgentReply`, whose ``text`` is authoritative: the text deltas of a step
-that turned out unusable (the model is asked again) are withdrawn by a :class:`TextDiscarded`,
+committed history is. The last event of a turn that ran is always [`TurnFinished`][] with the
+[`AgentReply`][], whose ``text`` is authoritative: the text deltas of a step
+that turned out unusable (the model is asked again) are withdrawn by a [`TextDiscarded`][],
 and a turn that fails ends with the clean message for the user in the reply.
 """
 
@@ -117,7 +117,7 @@ class ApprovalDecided(_Event):
 
 
 class TurnFinished(_Event):
-    """The turn ended; ``reply`` is what :meth:`Agent.run` would have returned."""
+    """The turn ended; ``reply`` is what [`Agent.run`][] would have returned."""
 
     type: Literal["final"] = "final"
     reply: AgentReply

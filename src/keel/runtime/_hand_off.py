@@ -1,6 +1,6 @@
 """What a turn takes from long-term memory and hands to it: memories retrieved for the prompt,
 the turn's words and a finished workflow run remembered after the commit, and committed
-summaries archived (the context engine's :class:`~keel.context.MemorySink`)."""
+summaries archived (the context engine's [`MemorySink`][keel.context.MemorySink])."""
 
 from __future__ import annotations
 

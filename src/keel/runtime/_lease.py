@@ -31,7 +31,7 @@ class Lease:
         self._ended = asyncio.Event()
 
     async def heartbeat(self) -> None:
-        """Renew the lease every third of its time to live until :meth:`end`."""
+        """Renew the lease every third of its time to live until `end`."""
         period = max(self.lock.ttl / 3, 0.05)
         while not self.lost:
             with contextlib.suppress(TimeoutError):
@@ -73,7 +73,7 @@ async def own_session(
     store: StateStore[Any], key: str, *, ttl: float, wait_s: float
 ) -> AsyncIterator[Lease]:
     """Hold session ``key`` for the block: wait up to ``wait_s`` for its lease (else
-    :class:`~keel.errors.SessionBusyError`), renew it while the block runs, release it after."""
+    [`SessionBusyError`][]), renew it while the block runs, release it after."""
     lock = store.session_lock(key, ttl=ttl)
     if not await lock.aacquire(wait_s):
         raise SessionBusyError(key, wait_s)

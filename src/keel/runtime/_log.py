@@ -1,9 +1,9 @@
 """One session's message log: what every checkpoint stores and what the context engine reads.
 
 A turn's messages exist in one place. The loop works on its own copy of the log (the history
-it hands to the model hook and returns at the end); :meth:`SessionLog.take` masks what the loop
+it hands to the model hook and returns at the end); `SessionLog.take` masks what the loop
 added since the last call, once, and appends it to the log and to the context engine's
-:class:`~keel.context.Conversation` of it together. A checkpoint stores :attr:`messages`.
+[`Conversation`][] of it together. A checkpoint stores [`messages`][].
 
 A log belongs to one state version of its session: the one its owner last wrote or read. A turn
 that ends by rewriting history (a revert to the last good state, corrections dropped from the
@@ -102,7 +102,7 @@ class SessionLog:
     async def atake(
         self, history: Sequence[Message], mask: Callable[[Message], Awaitable[Message]]
     ) -> None:
-        """:meth:`take` with an async ``mask`` (one that writes to the vault off the loop)."""
+        """`take` with an async ``mask`` (one that writes to the vault off the loop)."""
         self._extend([await mask(message) for message in history[len(self._messages) :]])
 
     def take_added(
@@ -118,7 +118,7 @@ class SessionLog:
         start: int,
         mask: Callable[[Message], Awaitable[Message]],
     ) -> None:
-        """:meth:`take_added` with an async ``mask``."""
+        """`take_added` with an async ``mask``."""
         self._extend([await mask(message) for message in added[len(self._messages) - start :]])
 
     def _extend(self, masked: list[Message]) -> None:

@@ -1,6 +1,6 @@
 """The model's half of a loop step: a journalled decision replayed, or the model called (its
 text streamed when the driver asks), its reply checked, a cut answer continued, and what the
-reply means for the run (see :mod:`keel.runtime._steps`)."""
+reply means for the run (see `keel.runtime._steps`)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class ModelStep:
         turn_id: str | None,
         tools: list[dict[str, Any]],
     ) -> LoopRun:
-        """A run from ``messages`` (not copied: see :class:`History`)."""
+        """A run from ``messages`` (not copied: see `History`)."""
         return LoopRun(
             session_id=session_id,
             turn_id=turn_id,

@@ -1,11 +1,11 @@
-"""How an :class:`~keel.runtime.Agent` is built on opened stores: the composition root's side
+"""How an [`Agent`][] is built on opened stores: the composition root's side
 of ``Agent.open``, ``Agent.embedded`` and ``Agent.on_backends``.
 
 The agent is configuration and the public API; opening the stores a URL or settings name,
 choosing the model from the settings, wiring one privacy policy through the journal, memory
 and traces, and closing what was opened when building fails are done here, by factories that
 take the class to build (so a subclass builds a subclass) and never an existing agent.
-:class:`AgentOptions` types the constructor's keywords once, so the classmethods that forward
+`AgentOptions` types the constructor's keywords once, so the classmethods that forward
 them (``**options: Unpack[...]``) do not repeat its parameter list.
 """
 
@@ -50,9 +50,9 @@ logger = logging.getLogger("keel.runtime")
 
 
 class Configured(Protocol):
-    """An agent as this module sees it (the :class:`~keel.runtime.Agent`, which imports this
+    """An agent as this module sees it (the [`Agent`][], which imports this
     module, is not imported back): built from a model and the constructor's options, told the
-    stores it owns, and read per turn by :func:`turn_deps`."""
+    stores it owns, and read per turn by `turn_deps`."""
 
     model: ChatModel
     state: StateStore[AgentState]
@@ -93,7 +93,7 @@ _BUILT_FROM_BACKENDS = frozenset({"state", "tracer"})
 
 
 class AgentOptions(TypedDict, total=False):
-    """The :class:`~keel.runtime.Agent` constructor's keywords that a factory passes on as
+    """The [`Agent`][] constructor's keywords that a factory passes on as
     given (state, memory, the journal and the tracer come from the stores it opens)."""
 
     tools: Sequence[Tool | MCPServer]
@@ -116,25 +116,25 @@ class AgentOptions(TypedDict, total=False):
 
 
 class OnBackendsOptions(AgentOptions, total=False):
-    """:meth:`Agent.on_backends <keel.runtime.Agent.on_backends>`'s options."""
+    """[`Agent.on_backends`][]'s options."""
 
     journal: bool
     on_approval_request: Callable[[ApprovalRequest], Awaitable[None] | None] | None
     """Called once per new approval request in the stores' queue (notify your systems)."""
     escalate: bool | tuple[str, ...]
     """A loop after the warning or a call in doubt goes to the operators' queue instead of
-    failing the turn (see :class:`~keel.runtime.Approvals`)."""
+    failing the turn (see [`Approvals`][])."""
 
 
 class EmbeddedOptions(OnBackendsOptions, total=False):
-    """:meth:`Agent.embedded <keel.runtime.Agent.embedded>`'s options."""
+    """[`Agent.embedded`][]'s options."""
 
     memory: bool
     settings: Settings | None
 
 
 class OpenOptions(EmbeddedOptions, total=False):
-    """:meth:`Agent.open <keel.runtime.Agent.open>`'s options."""
+    """[`Agent.open`][]'s options."""
 
     model: ChatModel | str | None
     redis_url: str | None

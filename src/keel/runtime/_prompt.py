@@ -60,7 +60,7 @@ class TurnPrompt:
         self.memories: list[ContextMemory] = []
         self.last: CompiledPrompt | None = None
         self.headroom = 0
-        """Tokens the last prompt left free beyond the reserve (see :meth:`_headroom`)."""
+        """Tokens the last prompt left free beyond the reserve (see `_headroom`)."""
         self.max_tokens = 0
         """The largest prompt compiled."""
         self._shrink_next = False

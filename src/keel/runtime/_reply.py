@@ -1,4 +1,4 @@
-"""What one turn of an :class:`~keel.runtime.Agent` produced."""
+"""What one turn of an [`Agent`][] produced."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from keel.runtime._steps import LoopStatus
 __all__ = ["AgentReply", "AgentStatus", "PendingApproval"]
 
 AgentStatus = Literal[LoopStatus, "failed", "escalated"]
-"""How a turn ended: ``completed``, a loop status (:data:`~keel.runtime.LoopStatus`, among
+"""How a turn ended: ``completed``, a loop status ([`LoopStatus`][], among
 them ``awaiting_approval``: parked until a person decides), ``escalated`` (a loop after the
 warning or a call in doubt, handed to the operators' queue instead of failing: their answer
 resumes it), or ``failed`` (an error the loop does not own: a bug in a hook, a workflow

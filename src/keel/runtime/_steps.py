@@ -1,23 +1,23 @@
 """The state of one run of the model-and-tools loop, and what its two steps share.
 
-A run is explicit state (:class:`LoopRun`: the history, the steps so far, the counters the
+A run is explicit state (`LoopRun`: the history, the steps so far, the counters the
 guards read) and two steps over it, each an object configured once per run and called with
 explicit inputs:
 
-- the model step (:class:`~keel.runtime._model_step.ModelStep`): replay the step's journalled
+- the model step (`ModelStep`): replay the step's journalled
   decision on a resumed run, or call the model (streamed to ``on_text`` when given) with the
   prompt and the options the driver gives it, check the reply, continue an answer the token
   limit cut, and decide what comes of the reply (a final answer validated against the output
   type, a retry, a stop);
-- the tool step (:class:`~keel.runtime._tool_step.ToolStep`): journal the decision, then for
-  each call: the loop detector, the driver's :class:`ToolGate` (refuse by workflow, check the
+- the tool step (`ToolStep`): journal the decision, then for
+  each call: the loop detector, the driver's `ToolGate` (refuse by workflow, check the
   lease before a side effect, events), the step's approval hold (a call that waits for a
   person), and the executor (validate, repair, journal exactly once, run, bound the output).
 
-Neither calls back into its driver: a step finishes its :class:`StepRecord` into the run, the
-driver reads the finished ones (:meth:`LoopRun.take_finished`) and does its own bookkeeping
-(checkpoint, trace) between steps. The drivers are :class:`~keel.runtime.ToolLoop` (standalone,
-with :class:`~keel.runtime.LoopHooks`) and the agent's :class:`~keel.runtime._turn.TurnRunner`.
+Neither calls back into its driver: a step finishes its [`StepRecord`][] into the run, the
+driver reads the finished ones (`LoopRun.take_finished`) and does its own bookkeeping
+(checkpoint, trace) between steps. The drivers are [`ToolLoop`][] (standalone,
+with [`LoopHooks`][]) and the agent's `TurnRunner`.
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ class LoopRun:
     output_retries: int = 0
     tool_failures: dict[str, int] = field(default_factory=dict)
     reported: int = 0
-    """Finished steps the driver has taken (see :meth:`take_finished`)."""
+    """Finished steps the driver has taken (see `take_finished`)."""
     agent: str | None = None
 
     def begin(self, guards: GuardConfig) -> None:
@@ -448,7 +448,7 @@ class LoopRun:
         return stop
 
     def stopped(self, stop: LoopStop, *, reverted: bool) -> LoopResult:
-        """The result of a run that :meth:`halt` ended at ``stop`` (``reverted``: the driver
+        """The result of a run that `halt` ended at ``stop`` (``reverted``: the driver
         went back to its last good state)."""
         if reverted:
             self.monitor.record_state_reset(session_id=self.session_id, agent=self.agent)

@@ -38,7 +38,7 @@ class TurnStream:
         self._masking = masking
         self._streamed: dict[int, StreamMasker | RevealStream | None] = {}
         """The steps whose reply text streamed: the masker of each (None: masking is off, the
-        text went out as it came; a :class:`RevealStream` with a vault: the user's values)."""
+        text went out as it came; a [`RevealStream`][] with a vault: the user's values)."""
         self._shown: set[int] = set()
         """Steps whose reply text reached the caller (in part, at least)."""
         self._continued: list[int] = []
@@ -121,7 +121,7 @@ async def events_of(
     turn: Callable[[Callable[[AgentEvent], None]], Coroutine[Any, Any, AgentReply]],
 ) -> AsyncIterator[AgentEvent]:
     """The events ``turn`` emits through the callback it is given, as they happen, and last a
-    :class:`TurnFinished` with its reply; it raises what the turn raises, where it happens.
+    [`TurnFinished`][] with its reply; it raises what the turn raises, where it happens.
 
     The turn runs as a task of its own, so a consumer that stops early (``break``,
     ``aclose``, a cancelled task) cancels it where it is, and waits for it to stop.

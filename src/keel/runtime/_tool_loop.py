@@ -1,30 +1,32 @@
 """The inner agent loop: model -> validate -> tools -> results -> model, until it ends.
 
-:class:`ToolLoop` owns everything between "here is the conversation" and "here is the answer":
+[`ToolLoop`][] owns everything between "here is the conversation" and "here is the answer":
 per-call model timeouts, response validation, tool execution (validated, repaired, journalled),
 loop detection, retry caps, step and wall-clock limits. A run always ends, and it ends with a
-:class:`LoopResult`: a clean final message for the user, every step as a trace needs it, and the
+[`LoopResult`][]: a clean final message for the user, every step as a trace needs it, and the
 typed error when the run could not finish.
 
 It knows nothing of state, memory or context: a caller plugs those in through
-:class:`LoopHooks` (compile the prompt and checkpoint before each model call, trace after each
+[`LoopHooks`][] (compile the prompt and checkpoint before each model call, trace after each
 step, fingerprint the state, revert it when a limit is hit). It is a thin driver over the
-loop's steps (:mod:`keel.runtime._steps`); the agent's turn drives the same steps itself,
-without hooks (:class:`~keel.runtime._turn.TurnRunner`)::
+loop's steps (`keel.runtime._steps`); the agent's turn drives the same steps itself,
+without hooks (`TurnRunner`):
 
-    from keel.runtime import LoopHooks, ToolLoop
-    from keel.stores import SQLiteDatabase, SQLiteToolJournal
+```python
+from keel.runtime import LoopHooks, ToolLoop
+from keel.stores import SQLiteDatabase, SQLiteToolJournal
 
-    loop = ToolLoop(
-        model,
-        [search_flights, book_flight],              # @tool functions, or a ToolRegistry
-        guards=GuardConfig(max_steps=12, run_timeout_s=60),
-        journal=SQLiteToolJournal(SQLiteDatabase("keel.db")),
-        hooks=LoopHooks(before_model_call=checkpoint, revert_to_last_good=revert),
-    )
-    result = await loop.arun(messages, session_id="user-42", first_step=next_step)
-    reply = result.text                             # always a clean message for the user
-    result.raise_for_status()                       # or inspect result.status / result.error
+loop = ToolLoop(
+    model,
+    [search_flights, book_flight],              # @tool functions, or a ToolRegistry
+    guards=GuardConfig(max_steps=12, run_timeout_s=60),
+    journal=SQLiteToolJournal(SQLiteDatabase("keel.db")),
+    hooks=LoopHooks(before_model_call=checkpoint, revert_to_last_good=revert),
+)
+result = await loop.arun(messages, session_id="user-42", first_step=next_step)
+reply = result.text                             # always a clean message for the user
+result.raise_for_status()                       # or inspect result.status / result.error
+```
 
 A tool that waits for a person (``@tool(approval=...)``) goes through the same approval hold
 as in an agent's turn, never around it. Without ``approvals=`` its calls are refused (the
@@ -68,7 +70,7 @@ __all__ = ["LoopHooks", "LoopResult", "LoopStatus", "StepRecord", "ToolLoop"]
 
 @dataclass
 class LoopHooks:
-    """Callables a caller plugs into a :class:`ToolLoop`; each may be sync or async.
+    """Callables a caller plugs into a [`ToolLoop`][]; each may be sync or async.
 
     Attributes:
         before_model_call: ``(step, messages) -> messages | None``, called before every model
@@ -133,13 +135,13 @@ class ToolLoop:
             answer, within the step and time limits (the loop asks providers for cut answers,
             ``allow_truncated``, instead of an error).
         redact: masks everything the loop journals: each call's arguments and result (see
-            :class:`~keel.tools.ToolExecutor`) and each step's decision (its text and tool
-            call arguments), e.g. a :class:`~keel.privacy.PIIMasker` or the agent's masking
+            [`ToolExecutor`][keel.tools.ToolExecutor]) and each step's decision (its text and tool
+            call arguments), e.g. a [`PIIMasker`][] or the agent's masking
             function. A resumed run replays the masked decision and the masked results.
             ``None`` (the default) journals them as they are. Only the journal is masked
             here: the messages of the run are the caller's to mask.
         tool_scope: the user, tenant, run id and dependencies each tool call's
-            :class:`~keel.tools.ToolContext` carries (and an approval request names).
+            [`ToolContext`][] carries (and an approval request names).
         approvals: where calls that wait for a person wait (see the module docstring). None
             (the default): such calls are refused, not run.
     """
@@ -198,7 +200,7 @@ class ToolLoop:
         first_step: int = 0,
         turn_id: str | None = None,
     ) -> LoopResult:
-        """Sync twin of :meth:`arun` (not for use inside a running event loop)."""
+        """Sync twin of [`arun`][] (not for use inside a running event loop)."""
         return run_sync(
             self.arun(messages, session_id=session_id, first_step=first_step, turn_id=turn_id)
         )

@@ -1,7 +1,7 @@
 """The tools' half of a loop step: the decision journalled, then each call past the loop
-detector, the driver's :class:`~keel.runtime._steps.ToolGate` and the step's own approval hold
-(:class:`~keel.runtime._approvals.ApprovalHold`) to the executor (validated, repaired,
-journalled exactly once, run, its output bounded) (see :mod:`keel.runtime._steps`)."""
+detector, the driver's `ToolGate` and the step's own approval hold
+(`ApprovalHold`) to the executor (validated, repaired,
+journalled exactly once, run, its output bounded) (see `keel.runtime._steps`)."""
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ class ToolStep:
         guards: the tool timeout, output bound and retry cap.
         redact: masks what is journalled: each call's arguments and result, and the step's
             decision (None: journalled as they are).
-        scope: what each call's :class:`~keel.tools.ToolContext` carries.
+        scope: what each call's [`ToolContext`][] carries.
         vault: the user's view of the PII vault: placeholders in a call's arguments are
-            resolved for the tool (:class:`~keel.privacy.NoVault`: refused; None: used as
+            resolved for the tool ([`NoVault`][]: refused; None: used as
             written).
         facts: the turn's facts (who, which session and turn, its trace and events), for the
             step's approval hold.

@@ -1,12 +1,12 @@
-"""One turn, run by the object that owns it: :class:`TurnRunner`.
+"""One turn, run by the object that owns it: `TurnRunner`.
 
-The :class:`~keel.runtime.Agent` is configuration; what a turn needs of it is one immutable
-:class:`TurnDeps` (the model, the stores, the context engine, the guards, the privacy policy,
+The [`Agent`][] is configuration; what a turn needs of it is one immutable
+`TurnDeps` (the model, the stores, the context engine, the guards, the privacy policy,
 the workflow...). A runner is built per turn over those dependencies and the turn's own facts
 (the session, the user, the checkpoint it starts from), and it owns everything that changes
 while the turn runs: the state as of its last checkpoint, the session's log, the workflow's
 position, the trace, the side effects that happened. It drives the turn itself: the checkpoint
-before each model call, the model step and the tool step (:mod:`keel.runtime._steps`), the
+before each model call, the model step and the tool step (`keel.runtime._steps`), the
 trace after each step, and at the end the commit (or the revert to the last good state), the
 running summary and the hand-off to memory.
 """
@@ -134,7 +134,7 @@ class TurnDeps:
 
 
 class TurnOptions(TypedDict, total=False):
-    """The options of one ``Agent.run`` / ``Agent.stream`` call (see :meth:`Agent.run`)."""
+    """The options of one ``Agent.run`` / ``Agent.stream`` call (see [`Agent.run`][])."""
 
     deps: Any
     output_type: type[Any] | None
@@ -226,7 +226,7 @@ class TurnRunner:
             text is not None and deps.approvals is not None and bool(self.state.runtime.awaiting)
         )
         """A user's message to a session that waits for a confirmation: the model may read the
-        user's answer in it (see :mod:`keel.runtime._approvals`)."""
+        user's answer in it (see `keel.runtime._approvals`)."""
         self.registry: ToolRegistry = with_decision_tool(
             deps.workflow.registry(self.cursor), offered=self.confirmations
         )

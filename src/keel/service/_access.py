@@ -99,7 +99,7 @@ async def revert_holding_lease(
     agent: Agent, session_id: str, *, expected_version: int, to_version: int
 ) -> Checkpoint[AgentState]:
     """Revert the session while holding its lease, as a turn does: a turn running on it makes
-    this :class:`~keel.errors.SessionBusyError` (409), and nothing changes."""
+    this [`SessionBusyError`][] (409), and nothing changes."""
     key = agent.session_key(session_id)
     lease = agent.state.session_lock(key, ttl=agent.lease_ttl_s)
     if not await lease.aacquire():

@@ -11,8 +11,8 @@ another turn holds, 413 a body over the limit, 422 a body that does not validate
 that is down or a server that drains. The OpenAI routes (``/v1/chat/completions``,
 ``/v1/models``) answer OpenAI's error body instead.
 
-The routes live in :mod:`keel.service.routes`, one router per resource; what they share (the
-agents, the keys, the limits, the counters) is a :class:`ServiceContext` on ``app.state``,
+The routes live in `keel.service.routes`, one router per resource; what they share (the
+agents, the keys, the limits, the counters) is a `ServiceContext` on ``app.state``,
 reached through dependencies.
 """
 
@@ -113,10 +113,10 @@ def create_app(
             metrics name tenants, so without a token the route does not exist.
         tenants: the tenants whose agents exist (their death-spiral indicators are exported).
         rate_limiter: requests per key and minute; over it, 429 with ``Retry-After``.
-        drain: shared with a :class:`DrainingServer`: while it drains, new turns get 503 and
+        drain: shared with a [`DrainingServer`][]: while it drains, new turns get 503 and
             the turns in flight are counted until they end.
         ready: awaited by ``/ready`` (and once at start-up, to warm what it opens); it raises
-            :class:`~keel.errors.BackendUnavailableError` while a store does not answer.
+            [`BackendUnavailableError`][] while a store does not answer.
         ui: serve the web trace viewer at ``/ui`` (it signs in with the same API keys).
         vault: the agents' PII vault: reads of history show a user key its user's values,
             and ``POST /v1/privacy/forget`` erases a user's (None: no vault, and that route

@@ -1,4 +1,4 @@
-"""What every route of one app shares, built once by :func:`~keel.service.create_app` and
+"""What every route of one app shares, built once by [`create_app`][] and
 reached through the request (``request.app.state.keel``), as FastAPI's dependencies expect."""
 
 from __future__ import annotations

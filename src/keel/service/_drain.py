@@ -9,8 +9,8 @@ holds are done; a second signal stops it at once.
 With ``--workers N`` uvicorn's supervisor sends each worker SIGTERM and keeps the listening
 socket open until they are gone; a worker that stopped accepting at once (uvicorn's own
 shutdown) would leave new connections waiting in the socket's backlog until the supervisor
-exits and drops them. :class:`DrainingMultiprocess` makes every worker a
-:class:`DrainingServer`, so a multi-worker server drains exactly as a single process does.
+exits and drops them. `DrainingMultiprocess` makes every worker a
+[`DrainingServer`][], so a multi-worker server drains exactly as a single process does.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _worker_drain: list[Drain] = []
 
 
 def worker_drain() -> Drain:
-    """This worker process's drain, shared by its server (:class:`DrainingMultiprocess`) and
+    """This worker process's drain, shared by its server (`DrainingMultiprocess`) and
     its app (``keel.service._factory.create``): one per process."""
     if not _worker_drain:
         _worker_drain.append(Drain())
@@ -66,11 +66,11 @@ def _server_base() -> Any:
 
 class DrainingServer(_server_base()):  # type: ignore[misc]
     """A uvicorn server whose first SIGTERM (or SIGINT) drains, and whose second stops. As it
-    starts it freezes the start-up heap (:func:`freeze_startup_heap`).
+    starts it freezes the start-up heap (`freeze_startup_heap`).
 
     Args:
         config: uvicorn's ``Config``.
-        drain: the app's :class:`Drain` (``create_app(drain=...)``).
+        drain: the app's [`Drain`][] (``create_app(drain=...)``).
         drain_timeout_s: the longest the turns in flight are waited for (default: the
             config's ``drain_timeout_s``, else 60 s).
     """
@@ -124,9 +124,9 @@ class _DrainingProcess(_multiprocess_bases()[0]):  # type: ignore[misc]
 
 
 class DrainingMultiprocess(_multiprocess_bases()[1]):  # type: ignore[misc]
-    """uvicorn's multi-process supervisor whose workers are :class:`DrainingServer` s: on
+    """uvicorn's multi-process supervisor whose workers are [`DrainingServer`][] s: on
     SIGTERM each keeps serving, refusing new requests with 503, until its turns are done.
-    The app the workers load must use :func:`worker_drain` as its drain."""
+    The app the workers load must use `worker_drain` as its drain."""
 
     def run(self) -> None:
         from uvicorn.supervisors import multiprocess

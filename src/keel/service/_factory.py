@@ -1,5 +1,5 @@
 """The app factory uvicorn's worker processes import: each builds its own service from the
-:class:`~keel.service.ServeOptions` ``keel serve --workers N`` set (as JSON, in
+[`ServeOptions`][] ``keel serve --workers N`` set (as JSON, in
 ``KEEL_SERVE_OPTIONS``), on the same database (and Redis).
 
 Each worker drains on SIGTERM as a single process does (``DrainingMultiprocess``). Workers
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["SERVE_ENV", "create"]
 
 SERVE_ENV = "KEEL_SERVE_OPTIONS"
-"""The environment variable holding the service's options (:class:`ServeOptions` as JSON) for
+"""The environment variable holding the service's options ([`ServeOptions`][] as JSON) for
 the workers."""
 
 
@@ -31,7 +31,7 @@ def create() -> FastAPI:
     """The service, from ``KEEL_SERVE_OPTIONS`` (uvicorn calls this once per worker).
 
     Raises:
-        ConfigError: the variable does not hold valid :class:`ServeOptions`.
+        ConfigError: the variable does not hold valid [`ServeOptions`][].
     """
     options = ServeOptions.from_json(os.environ.get(SERVE_ENV, "{}"))
     # The drain this worker's server (a DrainingServer) starts on SIGTERM.

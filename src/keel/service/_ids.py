@@ -3,7 +3,7 @@
 A **session id on the wire** (a path segment, the ``X-Keel-Session`` header, a body field) is
 1 to 256 characters of ``A-Z a-z 0-9 - . _ ~ : @`` and percent-encoded UTF-8 bytes (``%2F``
 for ``/``, ``%C3%A9`` for ``é``); it names the session its percent-decoding spells. So every
-session :meth:`Agent.run <keel.runtime.Agent.run>` accepts (any printable id) is reachable,
+session [`Agent.run`][] accepts (any printable id) is reachable,
 and one id has one spelling whatever carries it: ``X-Keel-Session: team/alpha`` or a raw
 ``café`` header (which HTTP would hand over as Latin-1) is 422, not another session.
 
@@ -98,7 +98,7 @@ Text = Annotated[str, AfterValidator(text_without_nul)]
 class RawPathRoute(APIRoute):
     """A route matched on the path as it was sent (``raw_path``), not on its decoding: a
     session id spelled ``team%2Falpha`` stays one path segment (decoded, ``/`` would split
-    it), and its parameter is the spelling, for :func:`session_id_from_wire` to decode."""
+    it), and its parameter is the spelling, for `session_id_from_wire` to decode."""
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
         raw_path = scope.get("raw_path")

@@ -217,7 +217,7 @@ class APIKeys:
         return None if caller is None else caller.tenant_id
 
     async def acaller_of(self, key: str) -> Caller | None:
-        """:meth:`caller_of` for an event loop. On PostgreSQL it reads on the async pool the
+        """[`caller_of`][] for an event loop. On PostgreSQL it reads on the async pool the
         agent's stores use (already open when the server is ready), not on the sync one: a
         worker's first request would otherwise open a connection of its own."""
         if isinstance(self.database, SQLiteDatabase):
@@ -231,7 +231,7 @@ class APIKeys:
             return _verified(list(await cursor.fetchall()), key_id, secret)
 
     async def atenant_of(self, key: str) -> str | None:
-        """:meth:`tenant_of` for an event loop."""
+        """[`tenant_of`][] for an event loop."""
         caller = await self.acaller_of(key)
         return None if caller is None else caller.tenant_id
 
@@ -309,8 +309,8 @@ def _as_caller(found: _Found) -> Caller | None:
 class CachedKeys:
     """``tenant_of_key`` with each verified key trusted for ``ttl_s`` seconds without a look-up
     (a revoked key stops working within that time): what every front door of the service (the
-    API, the viewer, the MCP server) checks keys with. The look-up answers a :class:`Caller`
-    (:meth:`APIKeys.caller_of`) or a bare tenant (an operator key)."""
+    API, the viewer, the MCP server) checks keys with. The look-up answers a `Caller`
+    ([`APIKeys.caller_of`][]) or a bare tenant (an operator key)."""
 
     def __init__(
         self,
@@ -346,7 +346,7 @@ class CachedKeys:
         return None if caller is None else caller.tenant_id
 
     async def acaller(self, key: str) -> Caller | None:
-        """:meth:`caller` from an event loop: a key verified within ``ttl_s`` is answered on
+        """[`caller`][] from an event loop: a key verified within ``ttl_s`` is answered on
         the loop, a look-up by ``atenant_of_key`` (by default ``tenant_of_key`` in a thread).
         An async caller must not pay a thread hop (and, in a fresh process, the import of the
         thread pool's machinery: 10 ms on a worker's first request) for what a dict holds."""

@@ -4,7 +4,7 @@ failure it answered 503 for (``keel.service``, WARNING, with the failure's cause
 An access line holds the method, the route's template (``/v1/sessions/{session_id}/turns``,
 never the path a client sent), the status, the duration, the tenant and the run id: never a
 key, a header or a body. The routes add the tenant and the run id to the request's
-:class:`RequestFacts` as they learn them; the gate logs the line once the response is out.
+`RequestFacts` as they learn them; the gate logs the line once the response is out.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ class ChatCompletionRequest(BaseModel):
     """OpenAI's chat completion request. keel keeps the conversation and answers the last
     message, the user's new one. ``max_tokens`` / ``max_completion_tokens``,
     ``temperature``, ``stop`` and ``seed`` are this turn's model options; a parameter keel
-    cannot honour is refused (:meth:`unsupported`), never ignored."""
+    cannot honour is refused (`unsupported`), never ignored."""
 
     model_config = ConfigDict(extra="allow")
 

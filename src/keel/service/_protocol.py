@@ -26,8 +26,8 @@ __all__ = ["HeaderDeadlineProtocol", "ServiceConfig"]
 
 class ServiceConfig(uvicorn.Config):
     """uvicorn's ``Config`` with keel's transport: headers within ``header_timeout_s``
-    (:class:`HeaderDeadlineProtocol`), keel's logging (``log_format``: text or JSON lines)
-    and keel's access line instead of uvicorn's; a :class:`~keel.service.DrainingServer`
+    (`HeaderDeadlineProtocol`), keel's logging (``log_format``: text or JSON lines)
+    and keel's access line instead of uvicorn's; a [`DrainingServer`][]
     waits ``drain_timeout_s`` at most for the turns in flight."""
 
     def __init__(

@@ -1,6 +1,6 @@
 """Assembling the service: the stores from one database URL, one agent per tenant on them.
 
-:class:`ServeOptions` is what ``keel serve`` builds its service from: validated once by the
+[`ServeOptions`][] is what ``keel serve`` builds its service from: validated once by the
 command, handed to each worker process as this model's JSON and validated again there.
 """
 
@@ -36,7 +36,7 @@ costs its turn a new PostgreSQL server process."""
 
 
 class ServiceAgents:
-    """One :class:`~keel.runtime.Agent` per tenant, all on the same stores, made on first use.
+    """One [`Agent`][] per tenant, all on the same stores, made on first use.
 
     The agents share the model, the prompt, the tools and the options; each is scoped to its
     tenant (sessions, journal entries, traces, memory).
@@ -100,8 +100,8 @@ class ServeOptions(BaseModel):
     """The service ``keel serve`` runs: its database, model, prompt and request limits.
 
     The command validates them once; with ``--workers N`` each worker process receives them as
-    this model's JSON (:meth:`to_json`, in the environment, not in the arguments ``ps`` shows)
-    and validates them again (:meth:`from_json`) before building its service.
+    this model's JSON ([`to_json`][], in the environment, not in the arguments ``ps`` shows)
+    and validates them again ([`from_json`][]) before building its service.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -132,12 +132,12 @@ class ServeOptions(BaseModel):
         return None if token is None else token.get_secret_value()
 
     def to_json(self) -> str:
-        """These options as the JSON :meth:`from_json` reads (the metrics token in clear)."""
+        """These options as the JSON [`from_json`][] reads (the metrics token in clear)."""
         return self.model_dump_json()
 
     @classmethod
     def from_json(cls, text: str) -> ServeOptions:
-        """Options from :meth:`to_json`'s JSON, validated again.
+        """Options from [`to_json`][]'s JSON, validated again.
 
         Raises:
             ConfigError: the JSON is not ServeOptions (one line per field).
@@ -151,7 +151,7 @@ class ServeOptions(BaseModel):
     def build(
         self, *, drain: Drain | None = None, settings: Settings | None = None
     ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
-        """The service these options describe (:func:`build_service`)."""
+        """The service these options describe ([`build_service`][])."""
         token = self.metrics_token
         return build_service(
             self.database,

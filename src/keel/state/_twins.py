@@ -1,9 +1,9 @@
 """Sync twins served from one async core, run inline in the caller's thread.
 
 ``StateStore`` and ``SessionLock`` write each operation once, as a coroutine that reaches the
-backend only through :func:`backend_call` (and waits only through :func:`pause`). The async
+backend only through `backend_call` (and waits only through `pause`). The async
 method awaits that coroutine: backend calls go to the backend's async twins (native on
-PostgreSQL and Redis, a worker thread on SQLite). Its sync twin, made by :func:`sync_twin`,
+PostgreSQL and Redis, a worker thread on SQLite). Its sync twin, made by `sync_twin`,
 drives the same coroutine to its end with no event loop: while it runs, every backend call goes
 to the backend's blocking sync method, so the coroutine never suspends.
 

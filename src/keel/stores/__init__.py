@@ -1,10 +1,10 @@
 """Storage backends behind small interfaces.
 
-The embedded default is one SQLite file (:class:`SQLiteDatabase`); the state, memory, trace,
+The embedded default is one SQLite file ([`SQLiteDatabase`][]); the state, memory, trace,
 journal, PII vault and approvals stores extend it with their own migrations. On a server,
-:class:`PostgresDatabase` is the same for PostgreSQL: one connection pool that every
+[`PostgresDatabase`][] is the same for PostgreSQL: one connection pool that every
 PostgreSQL store can share. The store classes take such a database object;
-:meth:`Backends.open` is where they are opened from a URL.
+[`Backends.open`][] is where they are opened from a URL.
 """
 
 from __future__ import annotations

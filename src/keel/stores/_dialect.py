@@ -1,7 +1,7 @@
 """How one SQL engine's statements differ from keel's: the one place the SQLite and PostgreSQL
 stores disagree on spelling.
 
-Each store's statements are written once, with ``?`` markers, over a :class:`SqlDialect`
+Each store's statements are written once, with ``?`` markers, over a `SqlDialect`
 (see ``_sql_journal.py``); the per-engine modules keep only what really differs (how a
 connection and a transaction are opened, vector search, full text, compare-and-set specifics).
 """
@@ -63,7 +63,7 @@ class SqlDialect:
             exact integer Unix microseconds; PostgreSQL ``timestamptz``). None stays None.
         to_json, from_json: a ``json`` column's value, written and read (SQLite keeps text).
         arrays: the driver binds a list as one array parameter (``= ANY(%s)``); otherwise
-            :meth:`one_of` spells ``IN (?, ?, ...)``.
+            `one_of` spells ``IN (?, ?, ...)``.
         time_type, json_type, real_type, big_int_type, flag_type, bytes_type: column types
             in DDL (``bytes_type``: raw bytes, read back as ``bytes``).
         add_column: ``ALTER TABLE`` words that add a column (idempotent where the engine can).
@@ -72,7 +72,7 @@ class SqlDialect:
         plus_seconds: a ``timestamp`` column plus seconds (``{}``: the column, the seconds).
         row_lock: what a ``SELECT`` ends with to lock the rows it reads until the transaction
             ends (SQLite needs none: its write transaction holds the whole file).
-        most_values: the most values :meth:`batches` puts in one list (0: no bound); SQLite
+        most_values: the most values `batches` puts in one list (0: no bound); SQLite
             caps a statement's parameters.
         skip_index: put before a column, keeps the planner from reaching rows through that
             column's indexes (SQLite's unary ``+``), so a look-up by key uses the key's index
@@ -116,7 +116,7 @@ class SqlDialect:
         return f"{column} IN ({', '.join('?' for _ in values)})", tuple(values)
 
     def batches(self, values: Sequence[_T]) -> Iterator[Sequence[_T]]:
-        """``values`` in lists :meth:`one_of` takes in one statement (none when empty)."""
+        """``values`` in lists `one_of` takes in one statement (none when empty)."""
         size = self.most_values or max(len(values), 1)
         for start in range(0, len(values), size):
             yield values[start : start + size]

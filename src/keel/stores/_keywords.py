@@ -122,7 +122,7 @@ class TermFrequencies:
     long time, a rare term's or a small scope's barely at all (they are cheap to count). Counts
     steer the plan (which terms to drop, where the recency floor goes) and weigh terms by IDF;
     a term that comes back in later queries costs nothing. Keys that are not words
-    (:data:`SCOPE_ROWS`, :data:`AVERAGE_LENGTH_MILLI`) hold figures of the scope itself.
+    (`SCOPE_ROWS`, `AVERAGE_LENGTH_MILLI`) hold figures of the scope itself.
     Safe to share between threads (single dict operations).
     """
 

@@ -1,9 +1,9 @@
 """The composition root: every store keel opens from a database URL is opened here.
 
-:meth:`Backends.open` opens state, the tool journal, the approvals queue, traces and memory
+[`Backends.open`][] opens state, the tool journal, the approvals queue, traces and memory
 on one database: ``sqlite:///PATH`` is one SQLite file (one
-:class:`~keel.stores.SQLiteDatabase`) holding all five; ``postgresql://...`` is the five
-PostgreSQL stores sharing one :class:`~keel.stores.PostgresDatabase` (one connection pool).
+[`SQLiteDatabase`][]) holding all five; ``postgresql://...`` is the five
+PostgreSQL stores sharing one [`PostgresDatabase`][] (one connection pool).
 Either way a Redis URL moves state (checkpoints and session leases) to Redis, while the
 journal, the approvals, traces and memory stay on the SQL
 database: they are queried (``keel runs``, ``keel tools in-doubt``, retrieval), which Redis is
@@ -12,15 +12,15 @@ not built for. Given a PII master key (``pii_key=``, else the settings' ``pii_ke
 a wrong key is a ``VaultKeyError`` at start-up, never values stored raw.
 
 It opens everything or nothing: a store that fails to open closes the ones opened before it.
-:meth:`Backends.close` / :meth:`Backends.aclose` release them in reverse order, memory first so
+[`Backends.close`][] / [`Backends.aclose`][] release them in reverse order, memory first so
 that its outbox worker stops before its database goes away.
 
-Two narrower openers remain, for their public signatures: :func:`open_state_backend` (a state
+Two narrower openers remain, for their public signatures: [`open_state_backend`][] (a state
 backend alone, from any URL: ``KeelCheckpointSaver(url)``, the Agents SDK session, the state
-conformance kit) and :func:`open_database` (the embedded SQLite file, unmigrated: ``keel
-doctor``). Both parse the URL with :func:`keel._urls.parse_database_url`, as ``Backends.open``
+conformance kit) and [`open_database`][] (the embedded SQLite file, unmigrated: ``keel
+doctor``). Both parse the URL with [`keel._urls.parse_database_url`][], as ``Backends.open``
 does; the store classes themselves take a database object, never a URL. Whoever opens a
-database opens its PII vault with :func:`open_vault`, so that the adapters get the same vault
+database opens its PII vault with [`open_vault`][], so that the adapters get the same vault
 (and the same embedded default key) as an agent on ``Backends.open``.
 """
 
@@ -93,8 +93,8 @@ state store answers."""
 class Backends:
     """What an agent stores into, opened from one database URL (and optionally Redis).
 
-    Open it with :meth:`open`; close it with :meth:`close` or :meth:`aclose` (an
-    :class:`~keel.runtime.Agent` built by :meth:`~keel.runtime.Agent.open` does this in its own
+    Open it with [`open`][]; close it with [`close`][] or [`aclose`][] (an
+    [`Agent`][] built by [`open`][keel.runtime.Agent.open] does this in its own
     ``close``), or use it as a context manager.
     """
 
@@ -151,13 +151,13 @@ class Backends:
                 ``process_outbox`` only, as a one-shot command wants).
             privacy: the privacy policy (memory masks with it; agents on these stores too,
                 unless given their own). None turns masking off.
-            pii_key: the PII vault's master key (a :class:`~keel.privacy.MasterKey` or a
-                KMS-backed :class:`~keel.privacy.KeyProvider`), or a
-                :class:`~keel.privacy.KeyRing` while a rotation is under way; default:
+            pii_key: the PII vault's master key (a [`MasterKey`][] or a
+                KMS-backed [`KeyProvider`][]), or a
+                [`KeyRing`][] while a rotation is under way; default:
                 ``settings.pii_key``, else ``settings.pii_key_file`` (with
                 ``settings.pii_key_previous`` / ``pii_key_previous_file`` as the previous key);
                 none of them: on SQLite the key file keel keeps in the config directory
-                (:func:`~keel.settings.default_pii_key_file`, made on first use), on
+                (`default_pii_key_file`, made on first use), on
                 PostgreSQL no vault (a warning says so once).
             vault: False: no vault, masking only (no key made or required); default:
                 ``settings.pii_vault``.
@@ -259,7 +259,7 @@ class Backends:
             raise errors[0]
 
     async def aclose(self) -> None:
-        """Async twin of :meth:`close`: async clients are closed on the running event loop."""
+        """Async twin of [`close`][]: async clients are closed on the running event loop."""
         errors: list[BaseException] = []
         while self._closers:
             sync, asynchronous = self._closers.pop()
@@ -351,7 +351,7 @@ def open_vault(
     """The PII vault on ``sql`` (migrated, its master key checked), as every opener of keel
     opens it: under ``keys`` when given; else, unless ``wanted`` is False (masking only, no
     key made or required), on SQLite under the key file keel keeps in the config directory
-    (:func:`~keel.settings.default_pii_key_file`, made on first use) and on PostgreSQL none.
+    (`default_pii_key_file`, made on first use) and on PostgreSQL none.
     Its store holds nothing of its own: it closes with ``sql``.
 
     Raises:
@@ -505,7 +505,7 @@ def open_database(settings: Settings) -> SQLiteDatabase:
     """The embedded database the settings name (no migrations applied yet).
 
     Raises:
-        UsageError: the settings name a server database; open it with :meth:`Backends.open`.
+        UsageError: the settings name a server database; open it with [`Backends.open`][].
     """
     path = settings.sqlite_path
     if path is None:

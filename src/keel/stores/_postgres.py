@@ -1,4 +1,4 @@
-"""What every PostgreSQL store shares: one :class:`PostgresDatabase` (its connection pool and
+"""What every PostgreSQL store shares: one [`PostgresDatabase`][] (its connection pool and
 error translation), the ``keel_schema`` table and one migration routine.
 
 All components (state, memory, journal, traces) record their schema version in the same table
@@ -117,12 +117,12 @@ class PostgresDatabase:
     Every connection runs in autocommit with server-side prepared statements off, so the pool
     is safe behind a transaction-mode pooler (PgBouncer) and no store's statements leave
     state on a connection another store picks up next. A store that needs several statements
-    atomic takes :meth:`transaction`; a row factory is chosen per cursor; a session setting
+    atomic takes [`transaction`][]; a row factory is chosen per cursor; a session setting
     one store needs is set with ``SET LOCAL`` inside its transaction. Native async calls get
     an ``AsyncConnectionPool`` bound to their event loop (one at a time: a call from another
     loop replaces it).
 
-    The pool opens on first use (or :meth:`open`); psycopg and psycopg-pool are imported only
+    The pool opens on first use (or [`open`][]); psycopg and psycopg-pool are imported only
     when a database is built.
 
     Args:
@@ -227,7 +227,7 @@ class PostgresDatabase:
 
     @asynccontextmanager
     async def aconnection(self) -> AsyncIterator[Any]:
-        """Async twin of :meth:`connection`, from the running event loop's pool."""
+        """Async twin of [`connection`][], from the running event loop's pool."""
         import psycopg
 
         try:
@@ -239,7 +239,7 @@ class PostgresDatabase:
 
     @asynccontextmanager
     async def atransaction(self) -> AsyncIterator[Any]:
-        """Async twin of :meth:`transaction`."""
+        """Async twin of [`transaction`][]."""
         async with self.aconnection() as conn, conn.transaction():
             yield conn
 
@@ -270,7 +270,7 @@ class PostgresDatabase:
             ) from exc
 
     def close(self) -> None:
-        """Close the pool (idempotent); an async pool is closed by :meth:`aclose`."""
+        """Close the pool (idempotent); an async pool is closed by [`aclose`][]."""
         with self._open_lock:
             self._closed = True
             self._opened = False

@@ -27,7 +27,7 @@ class PostgresApprovalStore(SQLApprovalStore):
     """The approvals queue in PostgreSQL; applies its migrations on construction.
 
     Args:
-        database: the :class:`~keel.stores.PostgresDatabase` to share (the caller closes it).
+        database: the [`PostgresDatabase`][] to share (the caller closes it).
     """
 
     dialect = POSTGRES

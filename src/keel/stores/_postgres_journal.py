@@ -23,7 +23,7 @@ class PostgresToolJournal(AsyncSQLToolJournal):
     """The tool journal in PostgreSQL; applies its migrations on construction.
 
     Args:
-        database: the :class:`~keel.stores.PostgresDatabase` to share (the caller closes it).
+        database: the [`PostgresDatabase`][] to share (the caller closes it).
     """
 
     dialect = POSTGRES

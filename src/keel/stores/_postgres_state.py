@@ -1,4 +1,4 @@
-"""State checkpoints in PostgreSQL (on a :class:`~keel.stores.PostgresDatabase`); the SQL is
+"""State checkpoints in PostgreSQL (on a [`PostgresDatabase`][]); the SQL is
 ``_sql_state.py``'s, the chain read and the append are this engine's own.
 
 Safe behind a transaction-mode connection pooler (PgBouncer): no server-side prepared
@@ -130,8 +130,8 @@ class PostgresStateBackend(SQLStateBackend):
     """Checkpoints in PostgreSQL.
 
     Args:
-        database: the :class:`~keel.stores.PostgresDatabase` to share (left open by
-            :meth:`close`); the ``state`` migrations are applied here.
+        database: the [`PostgresDatabase`][] to share (left open by
+            `close`); the ``state`` migrations are applied here.
 
     Raises:
         BackendUnavailableError: the server cannot be reached.

@@ -1,4 +1,4 @@
-"""Run traces in PostgreSQL (on a :class:`~keel.stores.PostgresDatabase`), component ``traces``;
+"""Run traces in PostgreSQL (on a [`PostgresDatabase`][]), component ``traces``;
 the SQL is ``_sql_traces.py``'s.
 
 The same two tables as the SQLite backend, with native types: ``timestamptz`` times and
@@ -82,7 +82,7 @@ class _Batch:
         return found
 
     def locks(self, cursors: list[Any]) -> list[Any]:
-        """The cursors of the runs' locks, among the cursors of :meth:`statements` (one per
+        """The cursors of the runs' locks, among the cursors of `statements` (one per
         statement that is not an executemany)."""
         first = int(self.run is not None)
         return cursors[first : first + 2 * len(self.by_run) : 2]
@@ -110,8 +110,8 @@ class PostgresTraceStore(SQLTraceStore):
     """Traces in PostgreSQL, for keel processes that share one database.
 
     Args:
-        database: the :class:`~keel.stores.PostgresDatabase` to share (left open by
-            :meth:`close`); its pool is opened here.
+        database: the [`PostgresDatabase`][] to share (left open by
+            [`close`][]); its pool is opened here.
 
     Raises:
         BackendUnavailableError: the server cannot be reached.
@@ -161,7 +161,7 @@ class PostgresTraceStore(SQLTraceStore):
     async def awrite_batch(
         self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None
     ) -> None:
-        """Async twin of :meth:`write_batch`: the same statements in one pipeline."""
+        """Async twin of [`write_batch`][]: the same statements in one pipeline."""
         if not self._ready:
             await asyncio.to_thread(self.setup)
         batch = _Batch.of(run, steps, end)

@@ -24,7 +24,7 @@ class PostgresVaultStore(SQLVaultStore):
     """The vault store in PostgreSQL; applies its migrations on construction.
 
     Args:
-        database: the :class:`~keel.stores.PostgresDatabase` to share (the caller closes it).
+        database: the [`PostgresDatabase`][] to share (the caller closes it).
     """
 
     dialect = POSTGRES

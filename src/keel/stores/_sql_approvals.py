@@ -87,7 +87,7 @@ _SETTLED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired", "canc
 
 
 class SQLApprovalStore(ApprovalStore):
-    """The queue's plans, run by :meth:`_arun` on the connections a subclass opens."""
+    """The queue's plans, run by `_arun` on the connections a subclass opens."""
 
     dialect: SqlDialect
 

@@ -1,7 +1,7 @@
 """The tool journal's one implementation over SQL, for SQLite and PostgreSQL alike.
 
 Both engines take the same statements (``INSERT ... ON CONFLICT DO NOTHING`` claims, epoch
-seconds as floats); the :class:`~keel.stores._dialect.SqlDialect` carries what differs in the
+seconds as floats); the `SqlDialect` carries what differs in the
 SQL, and each engine's subclass says how it opens a write transaction and a read. Each
 operation is a plan (``_sql_plan.py``), written once and run by the sync or the async runner.
 """
@@ -74,7 +74,7 @@ _T = TypeVar("_T")
 
 class SQLToolJournal(ToolJournal):
     """The journal's plans, run on the connections a subclass opens; the async twins run
-    the same plans through :meth:`_arun` (the sync runner, through :meth:`_run_twin`,
+    the same plans through `_arun` (the sync runner, through `_run_twin`,
     unless an engine's async driver runs them natively)."""
 
     dialect: SqlDialect
@@ -97,7 +97,7 @@ class SQLToolJournal(ToolJournal):
             return run_plan(conn.cursor(), self.dialect, plan())
 
     async def _arun(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
-        """Async twin of :meth:`_run`."""
+        """Async twin of `_run`."""
         return await self._run_twin(lambda: self._run(write, plan))
 
     def _claim(self, params: tuple[Any, ...]) -> Plan[JournalClaim]:
@@ -218,11 +218,11 @@ class AsyncSQLToolJournal(SQLToolJournal):
 
     @abstractmethod
     def _awrite(self) -> AbstractAsyncContextManager[Any]:
-        """Async twin of :meth:`_write`."""
+        """Async twin of `_write`."""
 
     @abstractmethod
     def _aread(self) -> AbstractAsyncContextManager[Any]:
-        """Async twin of :meth:`_read`."""
+        """Async twin of `_read`."""
 
     async def _arun(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
         async with self._awrite() if write else self._aread() as conn:

@@ -1,7 +1,7 @@
 """Memory's records, facts, outbox and scopes over SQL, written once for SQLite and PostgreSQL.
 
 Both engines take the same statements (``INSERT ... ON CONFLICT DO NOTHING RETURNING``, epoch
-seconds as floats, the same tables and columns); the :class:`~keel.stores._dialect.SqlDialect`
+seconds as floats, the same tables and columns); the `SqlDialect`
 carries what differs in the spelling (markers, a list of ids as ``IN (...)`` or ``= ANY(...)``,
 the JSON column's cast). Each engine's subclass says how it opens a write transaction and a
 read, and keeps what really differs: its vector search, its full text, PostgreSQL's per-fact
@@ -93,9 +93,9 @@ class MemorySchema:
 class SQLMemoryStore(MemoryStore):
     """The memory CRUD's statements, run on the connections a subclass opens.
 
-    A subclass sets :attr:`dialect` and :attr:`inserted_order`, opens connections
-    (:meth:`_connection`, :meth:`_reading`), creates its schema in :meth:`setup` (which sets
-    ``_ready``), and implements search, :meth:`vectors` and :meth:`_write_vectors`.
+    A subclass sets `dialect` and `inserted_order`, opens connections
+    (`_connection`, `_reading`), creates its schema in `setup` (which sets
+    ``_ready``), and implements search, `vectors` and `_write_vectors`.
     """
 
     dialect: SqlDialect
@@ -321,7 +321,7 @@ class SQLMemoryStore(MemoryStore):
             return self._count(conn, scope)
 
     def _count(self, conn: Any, scope: Scope | None) -> int:
-        """:meth:`count`, on ``conn`` (keyword search plans with the scope's size)."""
+        """`count`, on ``conn`` (keyword search plans with the scope's size)."""
         statement: str = "SELECT COUNT(*) FROM memory_records"
         params: tuple[str, ...] = ()
         if scope is not None:
@@ -420,7 +420,7 @@ class SQLMemoryStore(MemoryStore):
 
 def require_database(database: object, kind: type[_D], store: str) -> _D:
     """``database`` when it is a ``kind``: a store is given an open database to share, never
-    a path or URL (:class:`~keel.runtime.Backends` opens those)."""
+    a path or URL ([`Backends`][] opens those)."""
     if not isinstance(database, kind):
         raise UsageError(
             f"{store} takes a {kind.__name__}, not a {type(database).__name__}: "

@@ -1,7 +1,7 @@
 """One store operation's statements, written once and run by a sync or an async driver.
 
-A *plan* is a generator that yields :class:`Statement` objects and is sent each one's
-:class:`Result`; what it returns is the operation's result, what it raises (a conflict, a
+A *plan* is a generator that yields `Statement` objects and is sent each one's
+`Result`; what it returns is the operation's result, what it raises (a conflict, a
 missing row) leaves through the runner and rolls the transaction back. The same plan runs on
 a sqlite3 cursor, a psycopg cursor, or a psycopg async cursor: the statements and the logic
 between them are never written twice for sync and async.
@@ -60,7 +60,7 @@ def run_plan(cursor: Any, dialect: SqlDialect, plan: Plan[_T]) -> _T:
 
 
 async def arun_plan(cursor: Any, dialect: SqlDialect, plan: Plan[_T]) -> _T:
-    """Run ``plan`` on a psycopg async cursor: the statements of :func:`run_plan`, awaited."""
+    """Run ``plan`` on a psycopg async cursor: the statements of `run_plan`, awaited."""
     try:
         statement = next(plan)
         while True:

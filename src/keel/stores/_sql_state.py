@@ -1,5 +1,5 @@
 """The SQL state backends' statements, written once for SQLite and PostgreSQL over a
-:class:`~keel.stores._dialect.SqlDialect`.
+`SqlDialect`.
 
 Every operation is a plan (``_sql_plan.py``): its statements and the logic between them,
 written once and run by the sync runner or the async one. Each engine's subclass says how a
@@ -97,9 +97,9 @@ class Scope(Enum):
     SNAPSHOT = "snapshot"
     """Several reads that see one consistent version of the data."""
     CHAIN = "chain"
-    """The engine's chain read (:meth:`SQLStateBackend._chain`)."""
+    """The engine's chain read (`SQLStateBackend._chain`)."""
     APPEND = "append"
-    """The engine's compare-and-set append (:meth:`SQLStateBackend._append`)."""
+    """The engine's compare-and-set append (`SQLStateBackend._append`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ HEAD = (
     "SELECT version, epoch, last_full, ttl, expires_at FROM keel_state_sessions "
     "WHERE session_id = ?"
 )
-"""A session's head row (see :func:`head_from_row`)."""
+"""A session's head row (see `head_from_row`)."""
 _INSERT_CHECKPOINT = (
     f"INSERT INTO keel_state_checkpoints (session_id, {CHECKPOINT_COLUMNS}) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -150,7 +150,7 @@ _CHUNK = 500
 
 
 def checkpoint_from_row(values: Sequence[Any], payload_size: int | None = None) -> StoredCheckpoint:
-    """A checkpoint from its :data:`CHECKPOINT_COLUMNS`."""
+    """A checkpoint from its `CHECKPOINT_COLUMNS`."""
     good, forked_from = values[8], values[9]
     return StoredCheckpoint(
         version=int(values[0]),
@@ -168,7 +168,7 @@ def checkpoint_from_row(values: Sequence[Any], payload_size: int | None = None) 
 
 
 def checkpoint_values(dialect: SqlDialect, row: StoredCheckpoint) -> tuple[Any, ...]:
-    """A checkpoint's :data:`CHECKPOINT_COLUMNS` as parameters."""
+    """A checkpoint's `CHECKPOINT_COLUMNS` as parameters."""
     return (
         row.version,
         row.created_at,
@@ -184,7 +184,7 @@ def checkpoint_values(dialect: SqlDialect, row: StoredCheckpoint) -> tuple[Any, 
 
 
 def head_from_row(session_id: str, found: Sequence[Any]) -> SessionHead:
-    """A session's head from the columns of :data:`HEAD`."""
+    """A session's head from the columns of `HEAD`."""
     return SessionHead(
         session_id=session_id,
         version=int(found[0]),
@@ -196,7 +196,7 @@ def head_from_row(session_id: str, found: Sequence[Any]) -> SessionHead:
 
 
 def live_head(session_id: str, found: Sequence[Any], now: float) -> SessionHead:
-    """The head in the columns of :data:`HEAD`, alive at ``now``.
+    """The head in the columns of `HEAD`, alive at ``now``.
 
     Raises:
         ExpiredError: the session's time to live has passed.
@@ -342,8 +342,8 @@ class _Plans:
 class SQLStateBackend(StateBackend):
     """Checkpoints over SQL: each operation is a plan, run in the scope a subclass opens.
 
-    The async twins run the same plans through :meth:`_arun` (by default the sync runner,
-    through :meth:`_run_twin`; an engine with an async driver runs them natively).
+    The async twins run the same plans through `_arun` (by default the sync runner,
+    through `_run_twin`; an engine with an async driver runs them natively).
     """
 
     dialect: SqlDialect
@@ -372,7 +372,7 @@ class SQLStateBackend(StateBackend):
             return run_plan(cursor, self.dialect, plan())
 
     async def _arun(self, scope: Scope, plan: Callable[[], Plan[_T]]) -> _T:
-        """Async twin of :meth:`_run`."""
+        """Async twin of `_run`."""
         return await self._run_twin(lambda: self._run(scope, plan))
 
     def _write(
@@ -384,7 +384,7 @@ class SQLStateBackend(StateBackend):
         ttl: float | None,
         now: float,
     ) -> tuple[Scope, Callable[[], Plan[None]]]:
-        """The scope and plan of :meth:`write`: a create, or an append."""
+        """The scope and plan of `write`: a create, or an append."""
         version, epoch = expected
         if version is None:
             return Scope.WRITE, lambda: self._plans.create(session_id, row, new_epoch, ttl, now)

@@ -1,5 +1,5 @@
 """The trace stores' SQL, written once for SQLite and PostgreSQL over a
-:class:`~keel.stores._dialect.SqlDialect`.
+`SqlDialect`.
 
 Two tables: ``trace_runs`` (one row per run, with running totals so listing and filtering
 never scans steps) and ``trace_steps`` (one row per step, keyed by run and step id, ordered by
@@ -132,7 +132,7 @@ def trace_migrations(dialect: SqlDialect) -> MigrationSet:
 
 _RUN_FIELDS = tuple(Run.model_fields)
 STEP_FIELDS = tuple(Step.model_fields)
-"""A step's columns, in the order of :meth:`TraceStatements.step_values`."""
+"""A step's columns, in the order of `TraceStatements.step_values`."""
 _RUN_HEADER_FIELDS = (
     "run_id",
     "session_id",
@@ -169,7 +169,7 @@ def _replace(fields: Sequence[str]) -> str:
 class TraceStatements:
     """The trace statements and row conversions in one dialect (built once per store class).
 
-    Statements keep ``?`` markers; :meth:`SqlDialect.sql` spells them for the driver.
+    Statements keep ``?`` markers; `SqlDialect.sql` spells them for the driver.
     """
 
     def __init__(self, dialect: SqlDialect) -> None:
@@ -202,7 +202,7 @@ class TraceStatements:
         )
 
     def run_values(self, run: Run) -> tuple[Any, ...]:
-        """The parameters of :attr:`upsert_run` (the heartbeat is now)."""
+        """The parameters of `upsert_run` (the heartbeat is now)."""
         to_time = self.dialect.to_time
         return (
             run.run_id,
@@ -223,7 +223,7 @@ class TraceStatements:
         )
 
     def step_values(self, step: Step) -> tuple[Any, ...]:
-        """The parameters of :attr:`upsert_step` and :attr:`insert_new_step`."""
+        """The parameters of `upsert_step` and `insert_new_step`."""
         to_json, to_time = self.dialect.to_json, self.dialect.to_time
         values: list[Any] = []
         for name in STEP_FIELDS:
@@ -237,7 +237,7 @@ class TraceStatements:
         return tuple(values)
 
     def end_values(self, end: RunEnding) -> tuple[Any, ...]:
-        """The parameters of :attr:`end_run`."""
+        """The parameters of `end_run`."""
         ended_at = self.dialect.to_time(end.ended_at)
         return (end.status, ended_at, end.output, end.error_type, end.error_message, end.run_id)
 
@@ -263,7 +263,7 @@ class TraceStatements:
         return Step.model_validate(data)
 
     def list_runs(self, query: RunQuery) -> tuple[str, list[Any]]:
-        """The statement and parameters of :meth:`SQLTraceStore.list_runs`."""
+        """The statement and parameters of `SQLTraceStore.list_runs`."""
         now = self.dialect.to_time(datetime.now(UTC))
         where: list[str] = []
         params: list[Any] = [now]
@@ -301,7 +301,7 @@ class TraceStatements:
     def step_metrics(
         self, session_id: str | None, since: datetime | None, tenant_id: str | None
     ) -> tuple[str, list[Any]]:
-        """The statement and parameters of :meth:`SQLTraceStore.step_metrics`."""
+        """The statement and parameters of `SQLTraceStore.step_metrics`."""
         where: list[str] = []
         params: list[Any] = []
         for condition, value in (
@@ -339,7 +339,7 @@ def _where(conditions: list[str]) -> str:
 
 
 class SQLTraceStore(TraceStore):
-    """A trace store over SQL: every write is a batch (:meth:`write_batch`); the reads are
+    """A trace store over SQL: every write is a batch (`write_batch`); the reads are
     written once here, and run on the connections a subclass opens."""
 
     statements: TraceStatements
@@ -396,11 +396,11 @@ class SQLTraceStore(TraceStore):
         self.write_batch(run=None, steps=(), end=ending)
 
     async def astart_run(self, run: Run) -> None:
-        """Async twin of :meth:`start_run`."""
+        """Async twin of `start_run`."""
         await self.awrite_batch(run=run, steps=(), end=None)
 
     async def awrite_step(self, step: Step) -> None:
-        """Async twin of :meth:`write_step`."""
+        """Async twin of `write_step`."""
         await self.awrite_batch(run=None, steps=(step,), end=None)
 
     async def aend_run(
@@ -413,7 +413,7 @@ class SQLTraceStore(TraceStore):
         error_type: str | None = None,
         error_message: str | None = None,
     ) -> None:
-        """Async twin of :meth:`end_run`."""
+        """Async twin of `end_run`."""
         ending = RunEnding(run_id, status, ended_at, output, error_type, error_message)
         await self.awrite_batch(run=None, steps=(), end=ending)
 

@@ -2,7 +2,7 @@
 
 Rows hold only what the vault hands down: wrapped data keys, HMAC tokens and sealed values,
 never a key or a value in the clear. The statements are written once over a
-:class:`~keel.stores._dialect.SqlDialect`; each engine's subclass says how it opens a write
+`SqlDialect`; each engine's subclass says how it opens a write
 transaction and a read.
 
 ``add_values`` (and ``add_value``, a batch of one) reads the user's key row with the

@@ -414,7 +414,7 @@ class SQLiteDatabase:
 
     async def aping(self, connections: int = 1) -> None:
         """Check that the file answers a query (``connections`` is for the interface
-        :class:`~keel.stores.PostgresDatabase` shares: each thread has one connection here).
+        [`PostgresDatabase`][] shares: each thread has one connection here).
 
         Raises:
             StoreError: the file cannot be read, or the database was closed.

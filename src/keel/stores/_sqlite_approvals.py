@@ -23,7 +23,7 @@ _T = TypeVar("_T")
 
 
 class SQLiteApprovalStore(SQLApprovalStore):
-    """The approvals queue in a :class:`~keel.stores.SQLiteDatabase` (applies its migrations)."""
+    """The approvals queue in a [`SQLiteDatabase`][] (applies its migrations)."""
 
     dialect = SQLITE
 

@@ -24,7 +24,7 @@ _T = TypeVar("_T")
 
 
 class SQLiteToolJournal(SQLToolJournal):
-    """The tool journal in a :class:`~keel.stores.SQLiteDatabase` (applies its migrations)."""
+    """The tool journal in a [`SQLiteDatabase`][] (applies its migrations)."""
 
     dialect = SQLITE
 

@@ -306,7 +306,7 @@ def _plan_keyword_query(
     count_scope: Callable[[], int],
 ) -> _KeywordQuery:
     """The bounded query for ``terms`` in ``scope``, listing ``listed`` rows (see
-    :mod:`keel.stores._keywords`); ``count_scope`` counts the scope's rows."""
+    `keel.stores._keywords`); ``count_scope`` counts the scope's rows."""
     total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
     scope_key = (scope.tenant_id, scope.user_id)
     # The scope token narrows a match to the scope's rows. For a scope that is nearly the
@@ -368,8 +368,8 @@ class SQLiteMemoryStore(SQLMemoryStore):
     """Memory in one SQLite file (WAL), shared with keel's other embedded stores.
 
     Args:
-        database: the open :class:`SQLiteDatabase` the records live in (left open by
-            :meth:`close`).
+        database: the open [`SQLiteDatabase`][] the records live in (left open by
+            `close`).
     """
 
     dialect = SQLITE

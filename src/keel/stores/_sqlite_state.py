@@ -59,8 +59,8 @@ _T = TypeVar("_T")
 
 
 class SQLiteStateBackend(SQLStateBackend):
-    """Checkpoints in a :class:`~keel.stores.SQLiteDatabase` (its ``state`` migrations are
-    applied here; the database is left open by :meth:`close`)."""
+    """Checkpoints in a [`SQLiteDatabase`][] (its ``state`` migrations are
+    applied here; the database is left open by `close`)."""
 
     name = "sqlite"
     dialect = SQLITE

@@ -82,8 +82,8 @@ class SQLiteTraceStore(SQLTraceStore):
     """Traces in the embedded SQLite file (``keel.db``), next to state, memory and journal.
 
     Args:
-        database: the shared :class:`~keel.stores.SQLiteDatabase` (left open by
-            :meth:`close`).
+        database: the shared [`SQLiteDatabase`][] (left open by
+            [`close`][]).
     """
 
     statements = _STATEMENTS

@@ -29,7 +29,7 @@ logger = logging.getLogger("keel.stores")
 
 
 class SQLiteVaultStore(SQLVaultStore):
-    """The vault store in a :class:`~keel.stores.SQLiteDatabase` (applies its migrations)."""
+    """The vault store in a [`SQLiteDatabase`][] (applies its migrations)."""
 
     dialect = SQLITE
 

@@ -1,5 +1,5 @@
 """Kept for the import path ``keel.stores._state.open_state_backend``: the state backend is
-opened by the one opener, :mod:`keel.stores._open`."""
+opened by the one opener, `keel.stores._open`."""
 
 from __future__ import annotations
 

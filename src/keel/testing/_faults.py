@@ -1,6 +1,6 @@
 """A local OpenAI-compatible server that fails on purpose, to test fault handling for real.
 
-Point :class:`~keel.models.OpenAICompatibleModel` at ``server.base_url`` and pick the fault with
+Point [`OpenAICompatibleModel`][] at ``server.base_url`` and pick the fault with
 the request's model name, ``SCENARIO[:N][#TAG]``:
 
 =====================  ==========================================================================
@@ -20,7 +20,7 @@ the request's model name, ``SCENARIO[:N][#TAG]``:
 =====================  ==========================================================================
 
 Counters are kept per full model string, so ``server_error:2#a`` and ``server_error:2#b``
-fail independently. Every request is recorded in :attr:`FaultServer.requests`.
+fail independently. Every request is recorded in `FaultServer.requests`.
 """
 
 from __future__ import annotations
@@ -248,10 +248,12 @@ class _Server(ThreadingHTTPServer):
 class FaultServer:
     """An OpenAI-compatible HTTP server on 127.0.0.1 that produces the faults it is asked for.
 
-    Use it as a context manager (or call :meth:`start` / :meth:`stop`)::
+    Use it as a context manager (or call [`start`][] / [`stop`][]):
 
-        with FaultServer(retry_after_s=0.2) as server:
-            model = OpenAICompatibleModel("rate_limit:2", base_url=server.base_url, api_key="x")
+    ```python
+    with FaultServer(retry_after_s=0.2) as server:
+        model = OpenAICompatibleModel("rate_limit:2", base_url=server.base_url, api_key="x")
+    ```
 
     Args:
         retry_after_s: the ``Retry-After`` a 429 carries.

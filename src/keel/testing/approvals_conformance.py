@@ -1,14 +1,16 @@
-"""The conformance suite every :class:`~keel.approvals.ApprovalStore` backend must pass.
+"""The conformance suite every [`ApprovalStore`][] backend must pass.
 
-A backend's test module subclasses :class:`ApprovalStoreConformance` and supplies a
-``approvals_database_url`` fixture naming a fresh, empty database that :meth:`Backends.open
-<keel.stores.Backends.open>` opens (the store is ``Backends.approvals``; the URL lets each
-thread of the concurrency test open the database on its own, as another process would)::
+A backend's test module subclasses `ApprovalStoreConformance` and supplies a
+``approvals_database_url`` fixture naming a fresh, empty database that [`Backends.open`][] opens
+(the store is ``Backends.approvals``; the URL lets each thread of the concurrency test open the
+database on its own, as another process would):
 
-    class TestSQLiteApprovals(ApprovalStoreConformance):
-        @pytest.fixture
-        def approvals_database_url(self, tmp_path):
-            return f"sqlite:///{tmp_path / 'keel.db'}"
+```python
+class TestSQLiteApprovals(ApprovalStoreConformance):
+    @pytest.fixture
+    def approvals_database_url(self, tmp_path):
+        return f"sqlite:///{tmp_path / 'keel.db'}"
+```
 
 It covers the contract (round trip, the tool's arguments schema and the decision's channel
 included; idempotent adds; oldest-first listing with its filters), the compare-and-set
@@ -46,7 +48,7 @@ REFUND_SCHEMA: dict[str, Any] = {
     "required": ["order", "amount"],
     "additionalProperties": False,
 }
-"""The arguments schema of the refund tool :func:`request` asks about."""
+"""The arguments schema of the refund tool `request` asks about."""
 
 
 def request(request_id: str = "ap-1", **fields: Any) -> ApprovalRequest:

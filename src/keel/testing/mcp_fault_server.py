@@ -201,7 +201,7 @@ def _answers(port: int) -> bool:
 
 
 def stdio_server(effects: Path, **options: Any) -> KeelMCPServer:
-    """This server as keel's :class:`~keel.tools.MCPServer` over stdio, run by this Python on
+    """This server as keel's [`MCPServer`][keel.tools.MCPServer] over stdio, run by this Python on
     this process's ``PYTHONPATH`` (so a checkout's keel serves, not an installed one)."""
     env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
     list_after = options.pop("list_after", None)

@@ -1,14 +1,16 @@
-"""The conformance suite every :class:`keel.memory.MemoryStore` backend must pass.
+"""The conformance suite every [`keel.memory.MemoryStore`][] backend must pass.
 
-Subclass :class:`MemoryStoreConformance` in a test module and provide a ``make_store``
+Subclass `MemoryStoreConformance` in a test module and provide a ``make_store``
 fixture: a callable that opens the backend (calling it twice in one test must open the SAME
-database, as a restarted process would)::
+database, as a restarted process would):
 
-    class TestMyStore(MemoryStoreConformance):
-        @pytest.fixture
-        def make_store(self, tmp_path):
-            database = SQLiteDatabase(tmp_path / "memory.db")
-            return lambda: SQLiteMemoryStore(database)
+```python
+class TestMyStore(MemoryStoreConformance):
+    @pytest.fixture
+    def make_store(self, tmp_path):
+        database = SQLiteDatabase(tmp_path / "memory.db")
+        return lambda: SQLiteMemoryStore(database)
+```
 
 The suite checks round trips, idempotent adds, facts superseded over time (and changed back to an
 earlier value, as a new interval), the outbox, its count and its replay after a crash, keyword

@@ -1,13 +1,15 @@
 """The conformance suite every state backend must pass.
 
-A backend's test module subclasses :class:`StateBackendConformance` and supplies only a factory:
+A backend's test module subclasses `StateBackendConformance` and supplies only a factory:
 a ``state_backend_url`` fixture naming fresh, empty storage that ``open_state_backend`` opens
-(the URL is what lets the crash tests open the same storage from another process)::
+(the URL is what lets the crash tests open the same storage from another process):
 
-    class TestSQLiteState(StateBackendConformance):
-        @pytest.fixture
-        def state_backend_url(self, tmp_path):
-            return f"sqlite:///{tmp_path / 'state.db'}"
+```python
+class TestSQLiteState(StateBackendConformance):
+    @pytest.fixture
+    def state_backend_url(self, tmp_path):
+        return f"sqlite:///{tmp_path / 'state.db'}"
+```
 
 It covers compare-and-set, reducers, history (read at a version, revert, fork), delta storage,
 retention and vacuum, expiry, schema migrations, advisory locks with fencing, the async twins,

@@ -1,15 +1,17 @@
-"""The conformance suite every :class:`~keel.tracing.TraceStore` backend must pass.
+"""The conformance suite every [`TraceStore`][] backend must pass.
 
-Subclass :class:`TraceStoreConformance` in a test module and supply only the factory, as a
-pytest fixture named ``trace_store`` that yields a fresh, empty store (``setup()`` done)::
+Subclass `TraceStoreConformance` in a test module and supply only the factory, as a
+pytest fixture named ``trace_store`` that yields a fresh, empty store (``setup()`` done):
 
-    class TestMyTraces(TraceStoreConformance):
-        @pytest.fixture
-        def trace_store(self, tmp_path):
-            store = MyTraceStore(tmp_path / "traces")
-            store.setup()
-            yield store
-            store.close()
+```python
+class TestMyTraces(TraceStoreConformance):
+    @pytest.fixture
+    def trace_store(self, tmp_path):
+        store = MyTraceStore(tmp_path / "traces")
+        store.setup()
+        yield store
+        store.close()
+```
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
-"""The conformance suite every :class:`keel.privacy.VaultStore` backend must pass.
+"""The conformance suite every [`keel.privacy.VaultStore`][] backend must pass.
 
-Subclass :class:`VaultStoreConformance` in a test module and provide a ``make_store`` fixture:
+Subclass `VaultStoreConformance` in a test module and provide a ``make_store`` fixture:
 a callable that opens the backend (calling it twice in one test must open the SAME database,
-as a restarted process would)::
+as a restarted process would):
 
-    class TestMyVaultStore(VaultStoreConformance):
-        @pytest.fixture
-        def make_store(self, tmp_path):
-            database = SQLiteDatabase(tmp_path / "vault.db")
-            return lambda: SQLiteVaultStore(database)
+```python
+class TestMyVaultStore(VaultStoreConformance):
+    @pytest.fixture
+    def make_store(self, tmp_path):
+        database = SQLiteDatabase(tmp_path / "vault.db")
+        return lambda: SQLiteVaultStore(database)
+```
 
 The suite checks each method's contract on opaque bytes (the store never sees a key or a value
 in the clear): one key check per master key, dropped only once no data key is wrapped by
@@ -17,7 +19,7 @@ per user and entity from 1 that are never reused (not even after ``forget``), ``
 refusing a key that is no longer the user's (``add_values`` too, a batch numbered in order,
 a token given twice numbered once), and scoping: another user of the same tenant, and
 the same user id in another tenant, see and change nothing of the user's. Races are forced
-with a :class:`threading.Barrier`: two writers of one value get one number, of two values
+with a `threading.Barrier`: two writers of one value get one number, of two values
 two, and two batches sharing a value agree on its number.
 """
 

@@ -1,6 +1,6 @@
 """Exact, offline token counting.
 
-``counter_for("gpt-4o")`` gives a :class:`ChatTokenCounter` that counts text, whole prompts
+``counter_for("gpt-4o")`` gives a `ChatTokenCounter` that counts text, whole prompts
 (message framing and tool schemas included) for that model; ``count_tokens`` is the one-liner.
 OpenAI encodings come from ``bpe-openai`` (vocabularies inside the wheel), the bundled local
 model's from its own GGUF file. An unknown model gets a padded estimate only when asked for.

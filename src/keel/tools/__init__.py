@@ -1,8 +1,8 @@
 """Tools a model can call: typed functions, validated arguments, exactly-once side effects.
 
-``@tool`` turns a typed function into a :class:`Tool`; a :class:`ToolRegistry` holds the tools
-of a run; a :class:`ToolExecutor` carries out calls (look up, repair, validate, run with a
-timeout and an output cap) and journals side-effecting ones in a :class:`ToolJournal` so that
+``@tool`` turns a typed function into a [`Tool`][]; a [`ToolRegistry`][] holds the tools
+of a run; a [`ToolExecutor`][] carries out calls (look up, repair, validate, run with a
+timeout and an output cap) and journals side-effecting ones in a [`ToolJournal`][] so that
 they run at most once per (session, step, call), across crashes.
 """
 

@@ -1,6 +1,6 @@
 """Carrying out one tool call: look up, repair, validate, run once, cap, never crash.
 
-Every outcome is a :class:`ToolResult`: the text the model sees next (``content``) and every
+Every outcome is a [`ToolResult`][]: the text the model sees next (``content``) and every
 fact a trace needs. The model always gets something it can act on: the closest valid tool
 names, the JSON problem, one line per invalid field, or the tool's own failure.
 
@@ -10,10 +10,10 @@ validates the real address), and only for the call's own tenant and user: the to
 values while the journal, the result's arguments and the history keep the placeholders. A
 placeholder that cannot be resolved stops the call before anything is journalled or run: one
 the user's vault does not hold, one the model did not get from keel (it took it from a tool's
-output or a document, see :meth:`~keel.privacy.UserVault.note_shown`), and any placeholder at
-all where the agent masks without a vault (:class:`~keel.privacy.NoVault`). What a tool returns
+output or a document, see [`note_shown`][keel.privacy.UserVault.note_shown]), and any placeholder at
+all where the agent masks without a vault ([`NoVault`][]). What a tool returns
 (or raises) is text keel did not write: its placeholder-shaped substrings are defanged
-(:func:`~keel.privacy.defang_placeholders`) before the model, the journal or the user see it,
+([`defang_placeholders`][]) before the model, the journal or the user see it,
 except the placeholders the call itself carried.
 
 A side-effecting call that may have taken effect without a recorded result (it outlived its
@@ -171,7 +171,7 @@ class ToolExecutor:
         timeout_s: default per-call timeout for tools that declare none.
         max_output_chars: default output cap for tools that declare none.
         redact: masks every text written to the journal (a call's arguments, its content and
-            output), e.g. a :class:`~keel.privacy.PIIMasker` or the agent's masking function;
+            output), e.g. a [`PIIMasker`][] or the agent's masking function;
             a replayed call returns the masked content. ``None`` (the default) journals the
             texts as they are. The result the model gets now is not masked here: the agent
             masks messages at its door.
@@ -180,7 +180,7 @@ class ToolExecutor:
             ``redact`` where it does not (a late result recorded from the tool's thread).
         vault: the user's view of the PII vault: placeholders in a call's arguments are
             resolved to their values for the tool (see the module docstring; a tool declared
-            ``sees_values=False`` gets them as written). :class:`~keel.privacy.NoVault`: the
+            ``sees_values=False`` gets them as written). [`NoVault`][]: the
             agent masks without a vault, so a call holding a placeholder is not made. None:
             arguments are used as written.
     """
@@ -211,7 +211,7 @@ class ToolExecutor:
         return text if self.redact is None or not text else self.redact(text)
 
     async def _amasked(self, text: str) -> str:
-        """:meth:`_masked` on the event loop: through ``aredact`` when there is one."""
+        """`_masked` on the event loop: through ``aredact`` when there is one."""
         if self.redact is None or not text:
             return text
         return self.redact(text) if self.aredact is None else await self.aredact(text)
@@ -809,7 +809,7 @@ def validated_arguments(
 ) -> BaseModel:
     """``raw`` parsed, repaired and validated as the executor does a model's arguments (an
     approver's corrected arguments, say); ``values``: the user's values for its placeholders,
-    put in before validation as the executor does (:func:`avalidated_arguments`).
+    put in before validation as the executor does ([`avalidated_arguments`][]).
 
     Raises:
         ToolArgumentsError: one line per problem.
@@ -892,7 +892,7 @@ def _ms(started: float) -> float:
 async def avalidated_arguments(
     found: Tool, raw: str, vault: UserVault | NoVault | None
 ) -> BaseModel:
-    """:func:`validated_arguments` with the placeholders of ``raw`` resolved in ``vault`` first,
+    """[`validated_arguments`][] with the placeholders of ``raw`` resolved in ``vault`` first,
     exactly as the executor will before it runs the call (what decides whether a call may run
     must see the arguments it will run with).
 

@@ -37,9 +37,9 @@ __all__ = [
 _T = TypeVar("_T")
 
 SETTLED_NOTE = "[settled by an operator] "
-"""Starts the journalled ``output`` of a call an operator settled (:meth:`ToolJournal.resolve`):
+"""Starts the journalled ``output`` of a call an operator settled ([`ToolJournal.resolve`][]):
 the model never saw it done, so a repeat of the same call gets this result instead of running
-again (see :class:`~keel.tools.ToolExecutor`)."""
+again (see [`ToolExecutor`][])."""
 
 JournalStatus = Literal["started", "succeeded", "failed"]
 """``started``: intent written, no result yet. ``succeeded``/``failed``: the result is recorded."""
@@ -89,7 +89,7 @@ class JournalEntry(BaseModel):
 
 
 class JournalClaim(BaseModel):
-    """The answer to :meth:`ToolJournal.claim`: did this caller create the intent?"""
+    """The answer to [`ToolJournal.claim`][]: did this caller create the intent?"""
 
     model_config = ConfigDict(frozen=True)
 
@@ -100,7 +100,7 @@ class JournalClaim(BaseModel):
 class ToolJournal(ABC):
     """Where intents, results and step decisions of side-effecting calls are kept.
 
-    Implementations must make :meth:`claim` atomic (insert-if-absent) and durable before it
+    Implementations must make [`claim`][] atomic (insert-if-absent) and durable before it
     returns: the tool runs only after its intent is on disk.
     """
 
@@ -141,7 +141,7 @@ class ToolJournal(ABC):
 
         The executor asks before running a non-idempotent call under a new key: while an
         earlier identical call is in doubt, running this one could do the same thing twice.
-        Backends override this with an indexed query; the default filters :meth:`entries`.
+        Backends override this with an indexed query; the default filters [`entries`][].
         """
         return [
             entry
@@ -186,7 +186,7 @@ class ToolJournal(ABC):
         tool: str,
         arguments: str,
     ) -> JournalClaim:
-        """Async twin of :meth:`claim`."""
+        """Async twin of [`claim`][]."""
         return await self._run_twin(
             lambda: self.claim(
                 key=key,
@@ -199,27 +199,27 @@ class ToolJournal(ABC):
         )
 
     async def arestart(self, key: str) -> JournalEntry:
-        """Async twin of :meth:`restart`."""
+        """Async twin of [`restart`][]."""
         return await self._run_twin(lambda: self.restart(key))
 
     async def afinish(self, key: str, *, ok: bool, content: str, output: str) -> JournalEntry:
-        """Async twin of :meth:`finish`."""
+        """Async twin of [`finish`][]."""
         return await self._run_twin(lambda: self.finish(key, ok=ok, content=content, output=output))
 
     async def aget(self, key: str) -> JournalEntry | None:
-        """Async twin of :meth:`get`."""
+        """Async twin of [`get`][]."""
         return await self._run_twin(lambda: self.get(key))
 
     async def asame_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
-        """Async twin of :meth:`same_calls`."""
+        """Async twin of [`same_calls`][]."""
         return await self._run_twin(lambda: self.same_calls(session_id, tool, arguments))
 
     async def arecord_decision(self, session_id: str, step: int, message: Message) -> Message:
-        """Async twin of :meth:`record_decision`."""
+        """Async twin of [`record_decision`][]."""
         return await self._run_twin(lambda: self.record_decision(session_id, step, message))
 
     async def adecision(self, session_id: str, step: int) -> Message | None:
-        """Async twin of :meth:`decision`."""
+        """Async twin of [`decision`][]."""
         return await self._run_twin(lambda: self.decision(session_id, step))
 
 

@@ -2,16 +2,16 @@
 ``MCPServer.http(...)`` describe a server; an agent given one (``Agent(tools=[..., server])``)
 connects at start-up, lists its tools, and lists them again when the server says they changed.
 
-Each MCP tool becomes a :class:`~keel.tools.SchemaTool`: its JSON schema validates the model's
+Each MCP tool becomes a [`SchemaTool`][]: its JSON schema validates the model's
 arguments, and its annotations set keel's flags. ``readOnlyHint`` means no side effect; any
 other tool is side-effecting, idempotent only with ``idempotentHint`` (an unannotated tool is
 side-effecting and not idempotent, the safe default). A deployment overrides any of it per tool
-(:class:`MCPToolOverride`): flags, hidden from the model, arguments injected on every call.
+([`MCPToolOverride`][]): flags, hidden from the model, arguments injected on every call.
 
 Names: a tool keeps its server's name (``prefix=`` prepends one); a name two servers (or a
-Python tool) share is a :class:`~keel.errors.ToolDefinitionError` at start-up, and a tool that
+Python tool) share is a [`ToolDefinitionError`][] at start-up, and a tool that
 appears later under a taken name is left out (logged). Secrets in headers and environment
-come from the environment (:class:`FromEnv`), are read when the server is connected, and
+come from the environment ([`FromEnv`][]), are read when the server is connected, and
 never appear in a ``repr``, a log line or a trace.
 """
 
@@ -77,7 +77,7 @@ class MCPToolOverride:
         hidden: left out of the model's tools (the deployment can still call it).
         inject: arguments added to every call, removed from the schema the model sees (the
             model can neither see nor choose them: a tenant's ``state_key``, say).
-        timeout_s / max_output_chars: as for :func:`~keel.tools.tool`.
+        timeout_s / max_output_chars: as for [`tool`][].
         sees_values: with a PII vault, the server gets the user's real values for the
             placeholders in the arguments (False: it gets the placeholders; for a server the
             deployment does not trust with them).
@@ -106,12 +106,12 @@ class MCPConnectionLost(ConnectionError):
 
 @dataclass(frozen=True, repr=False, eq=False)
 class MCPServer:
-    """An MCP server whose tools an agent may call. Build one with :meth:`stdio` or
-    :meth:`http`; give it to an agent in ``tools=``.
+    """An MCP server whose tools an agent may call. Build one with [`stdio`][] or
+    [`http`][]; give it to an agent in ``tools=``.
 
-    The agent connects it (:meth:`start`) when it is built; a stdio server that exits is
+    The agent connects it ([`start`][]) when it is built; a stdio server that exits is
     started again, an HTTP one reconnected, with backoff (0.1 s doubling to 5 s). Close it with
-    :meth:`close` (or ``with server:``); several agents may share one server.
+    [`close`][] (or ``with server:``); several agents may share one server.
     """
 
     name: str
@@ -212,7 +212,7 @@ class MCPServer:
         no tools until its listing arrives, and never holds up the agent or a turn.
 
         Raises:
-            ConfigError: the ``mcp`` extra is not installed, or a :class:`FromEnv` is unset.
+            ConfigError: the ``mcp`` extra is not installed, or a [`FromEnv`][] is unset.
             ToolDefinitionError: the server could not be started or reached (a failure).
         """
         if "connection" in self._state:
@@ -229,7 +229,7 @@ class MCPServer:
         self._state["connection"] = connection
 
     def close(self) -> None:
-        """Disconnect (a stdio server is stopped); a later :meth:`start` connects again."""
+        """Disconnect (a stdio server is stopped); a later [`start`][] connects again."""
         connection: Connection | None = self._state.pop("connection", None)
         if connection is not None:
             connection.close()
@@ -261,12 +261,12 @@ class MCPServer:
 
     async def acall(self, name: str, arguments: Mapping[str, Any] | None = None) -> str:
         """Call a tool by its server-side name, hidden ones too (the deployment's own calls:
-        a reset, a log): its text, or :class:`MCPToolError`. Not journalled."""
+        a reset, a log): its text, or [`MCPToolError`][]. Not journalled."""
         result = await self._connection.call(name, dict(arguments or {}))
         return result_text(result, name)
 
     def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> str:
-        """Sync twin of :meth:`acall`."""
+        """Sync twin of [`acall`][]."""
         return self._connection.call_sync(name, dict(arguments or {}))
 
 

@@ -37,7 +37,7 @@ _BACKOFF_MAX_S = 5.0
 
 
 class Connection:
-    """The live side of an :class:`MCPServer`: its session, its tools, its supervisor."""
+    """The live side of an [`MCPServer`][]: its session, its tools, its supervisor."""
 
     def __init__(self, server: MCPServer) -> None:
         self.server = server

@@ -14,7 +14,7 @@ __all__ = ["ToolRegistry"]
 
 
 class ToolRegistry:
-    """Tools by name. Plain typed functions are turned into tools with :func:`tool` defaults.
+    """Tools by name. Plain typed functions are turned into tools with [`tool`][] defaults.
 
     Raises:
         ToolDefinitionError: two tools share a name.

@@ -80,7 +80,7 @@ def _detail(location: tuple[Any, ...], message: str, value: Any) -> InitErrorDet
 
 @dataclass(frozen=True)
 class SchemaTool(Tool):
-    """A :class:`Tool` whose arguments are described by a JSON schema and whose function is
+    """A [`Tool`][] whose arguments are described by a JSON schema and whose function is
     ``async def function(arguments: dict, context: ToolContext | None)``."""
 
     async def ainvoke(self, arguments: BaseModel, context: ToolContext | None = None) -> Any:
@@ -116,8 +116,8 @@ def schema_tool(
         parameters: a JSON schema of type ``object`` (draft 2020-12 unless ``$schema`` says).
         function: ``async def f(arguments: dict, context: ToolContext | None) -> Any``.
         side_effect / idempotent / timeout_s / max_output_chars: as for
-            :func:`~keel.tools.tool`.
-        sees_values / masked_arguments: as for :func:`~keel.tools.tool` (with a PII vault the
+            [`tool`][].
+        sees_values / masked_arguments: as for [`tool`][] (with a PII vault the
             tool gets the user's values, except under ``masked_arguments`` or with
             ``sees_values=False``).
 

@@ -97,7 +97,7 @@ class ToolContext(Generic[DepsT]):
 
 @dataclass(frozen=True)
 class ToolScope:
-    """Who a loop's tool calls run for: copied into each call's :class:`ToolContext`."""
+    """Who a loop's tool calls run for: copied into each call's [`ToolContext`][]."""
 
     user_id: str | None = None
     tenant_id: str | None = None
@@ -127,7 +127,7 @@ the validated arguments and the call's context that decides per call (None: no a
 class Tool:
     """A callable tool: its name, description, argument model, schema and declared effects.
 
-    Build one with :func:`tool`; call :meth:`ainvoke` with validated arguments.
+    Build one with [`tool`][]; call [`ainvoke`][] with validated arguments.
     """
 
     name: str
@@ -149,7 +149,7 @@ class Tool:
     approval: ApprovalPolicy | None = None
 
     def approval_need(self, arguments: BaseModel, context: ToolContext) -> ApprovalNeed | None:
-        """Whether this call waits for a person before it runs (see :func:`tool`)."""
+        """Whether this call waits for a person before it runs (see [`tool`][])."""
         policy = self.approval
         if policy is None or policy is False:
             return None
@@ -192,7 +192,7 @@ class Tool:
         waiting, but the thread runs on. It is a daemon thread (reused once idle, never one
         that is busy), not the event loop's shared executor, so hung tools neither starve
         other tools of workers nor keep ``asyncio.run`` (and the process) from ending. When
-        such a thread finishes after all, its outcome goes to :data:`abandoned_result` (the
+        such a thread finishes after all, its outcome goes to `abandoned_result` (the
         executor journals it for side-effecting calls). Prefer async tools for anything that
         may hang.
         """
@@ -244,18 +244,20 @@ def tool(
     masked_arguments: tuple[str, ...] = (),
     approval: ApprovalPolicy | None = None,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
-    """Turn a typed function (sync or async) into a :class:`Tool`.
+    """Turn a typed function (sync or async) into a [`Tool`][].
 
-    Use it bare (``@tool``) or with options::
+    Use it bare (``@tool``) or with options:
 
-        @tool(side_effect=True, idempotent=False, timeout_s=10)
-        async def book_flight(flight: str, passengers: int) -> str:
-            \"\"\"Book seats on a flight.
+    ```python
+    @tool(side_effect=True, idempotent=False, timeout_s=10)
+    async def book_flight(flight: str, passengers: int) -> str:
+        \"\"\"Book seats on a flight.
 
-            Args:
-                flight: The flight number, e.g. "AF123".
-                passengers: How many seats to book.
-            \"\"\"
+        Args:
+            flight: The flight number, e.g. "AF123".
+            passengers: How many seats to book.
+        \"\"\"
+    ```
 
     Args:
         name: the tool's name for the model (default: the function's name).
@@ -406,7 +408,7 @@ def _argument_fields(
     fn: Callable[..., Any], tool_name: str, arg_docs: dict[str, str]
 ) -> tuple[dict[str, Any], str | None]:
     """The argument model's fields, one per parameter the model fills (described by the
-    docstring's ``Args:``), and the parameter that receives the :class:`ToolContext`."""
+    docstring's ``Args:``), and the parameter that receives the [`ToolContext`][]."""
     try:
         hints = _type_hints(fn)
     except Exception as exc:

@@ -2,21 +2,23 @@
 stored next to the rest of keel's data, queryable from ``keel runs``, exportable to
 OpenTelemetry.
 
-The runtime records through a :class:`Tracer`::
+The runtime records through a [`Tracer`][]:
 
-    tracer = Tracer(backends.traces)             # keel.stores.Backends.open(settings)
-    run = await tracer.astart_run(session_id, user_id=user, input=message)
-    async with run:                              # ends succeeded, or with status_for(error)
-        async with run.step("model", model.spec, state_version=3, budget=report) as call:
-            completion = await model.acomplete(prompt, tools)
-            call.update(completion=completion)   # tokens, model, finish reason, ttft, output
-        for tool_call in completion.message.tool_calls:
-            async with run.step("tool", tool_call.name, parent=call,
-                                tool_call_id=tool_call.id,
-                                tool_arguments=tool_call.arguments) as tool:
-                tool.update(tool_result=result)  # stored whole
-        run.transition("searching", "booking", state_version=4)
-        await run.aend(output=reply)
+```python
+tracer = Tracer(backends.traces)             # keel.stores.Backends.open(settings)
+run = await tracer.astart_run(session_id, user_id=user, input=message)
+async with run:                              # ends succeeded, or with status_for(error)
+    async with run.step("model", model.spec, state_version=3, budget=report) as call:
+        completion = await model.acomplete(prompt, tools)
+        call.update(completion=completion)   # tokens, model, finish reason, ttft, output
+    for tool_call in completion.message.tool_calls:
+        async with run.step("tool", tool_call.name, parent=call,
+                            tool_call_id=tool_call.id,
+                            tool_arguments=tool_call.arguments) as tool:
+            tool.update(tool_result=result)  # stored whole
+    run.transition("searching", "booking", state_version=4)
+    await run.aend(output=reply)
+```
 
 Steps opened inside a ``with run.step(...)`` block get it as their parent (per task, through a
 context variable); ``parent=`` overrides. ``run.record(...)`` writes an event that already
@@ -24,15 +26,15 @@ happened; ``run.guard``, ``run.loop_caught`` and ``run.state_reset`` record the 
 death-spiral indicators count. After a crash, ``tracer.resume_run(run_id)`` continues a run, or
 a new run finishes the open turn and ``tracer.atake_over_turn`` ends the turn's earlier runs as
 ``interrupted``; a run whose worker died and that nobody resumes reads as ``abandoned`` once it
-has been silent for longer than its time limit allows (:func:`abandon_after_s`).
+has been silent for longer than its time limit allows ([`abandon_after_s`][]).
 
 Every text field, and every string inside JSON fields, passes through ``redact`` (default
-:func:`redact_pii`: every PII kind :class:`~keel.privacy.PIIMasker` masks, and credentials)
+[`redact_pii`][]: every PII kind [`PIIMasker`][] masks, and credentials)
 before it is stored or exported. Identifiers (run, session, user, tenant ids) are stored as
 given, because queries filter on them: use opaque ids, not e-mail addresses.
 
 Tracing never raises into the agent: a failed write is logged on the ``keel.tracing`` logger
-and counted in :attr:`Tracer.write_failures` (the last one in :attr:`Tracer.last_error`).
+and counted in [`Tracer.write_failures`][] (the last one in [`Tracer.last_error`][]).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The data a trace holds: runs, their steps, queries over them, and per-session indicators.
 
 All timestamps are timezone-aware UTC datetimes. Every text field has already been redacted by
-the :class:`~keel.tracing.Tracer` before a model of this module reaches a store.
+the [`Tracer`][] before a model of this module reaches a store.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ ended and no run took its turn over: its worker died (SIGKILL, power loss) mid-r
 
 ``abandoned`` is never written; stores derive it when they read a run: a run still ``running``
 whose last sign of life (its start, or its latest step written) is older than
-:func:`abandon_after_s` of its time limit cannot be alive, since a run ends within its time
+[`abandon_after_s`][] of its time limit cannot be alive, since a run ends within its time
 limit. A resumed run (``Tracer.resume_run``) is ``running`` again."""
 
 RUN_STATUSES: tuple[RunStatus, ...] = (
@@ -62,14 +62,14 @@ default)."""
 
 
 ABANDON_SLACK_CAP_S = 30.0
-"""The most slack :func:`abandon_after_s` adds to a run's time limit."""
+"""The most slack [`abandon_after_s`][] adds to a run's time limit."""
 
 
 def abandon_after_s(time_limit_s: float | None) -> float:
     """Seconds without a sign of life after which a ``running`` run counts as abandoned.
 
-    The run's time limit (or :data:`DEFAULT_RUN_TIME_LIMIT_S`) plus as much again, at most
-    :data:`ABANDON_SLACK_CAP_S` more: slack for the last writes and for the clocks of
+    The run's time limit (or [`DEFAULT_RUN_TIME_LIMIT_S`][]) plus as much again, at most
+    [`ABANDON_SLACK_CAP_S`][] more: slack for the last writes and for the clocks of
     different workers. Both trace stores compute the same bound in SQL.
     """
     limit = DEFAULT_RUN_TIME_LIMIT_S if time_limit_s is None else time_limit_s
@@ -151,7 +151,7 @@ class Run(BaseModel):
         default=None,
         gt=0,
         description="The run's wall-clock limit, if known; a ``running`` run silent for longer "
-        "(see :func:`abandon_after_s`) is reported ``abandoned``.",
+        "(see `abandon_after_s`) is reported ``abandoned``.",
     )
 
     @property
@@ -296,7 +296,7 @@ class StepMetric:
     run_id: str
     """Run of the step."""
     kind: str
-    """Kind of the step (a :data:`StepKind`)."""
+    """Kind of the step (a [`StepKind`][])."""
     name: str
     """Name of the step."""
     started_at: datetime

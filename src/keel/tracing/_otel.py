@@ -114,7 +114,7 @@ def _step_attributes(step: Step, capture_content: bool) -> tuple[str, dict[str, 
 
 
 class OpenTelemetryExporter:
-    """A :class:`~keel.tracing.TraceExporter` that emits OpenTelemetry spans.
+    """A [`TraceExporter`][] that emits OpenTelemetry spans.
 
     Args:
         tracer_provider: the provider to emit through; the global one by default.
@@ -171,7 +171,7 @@ def export_run(
     *,
     capture_content: bool = False,
 ) -> None:
-    """Export a stored run (from :meth:`TraceStore.get_run_detail`) as OpenTelemetry spans."""
+    """Export a stored run (from [`TraceStore.get_run_detail`][]) as OpenTelemetry spans."""
     OpenTelemetryExporter(tracer_provider, capture_content=capture_content).export(
         detail.run, detail.steps
     )

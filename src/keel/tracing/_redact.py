@@ -1,14 +1,14 @@
 """The redactors of traces: every PII kind keel masks, plus credentials only traces carry.
 
 Traces hold raw model outputs, tool arguments and tool results, which is exactly where API keys
-and personal data leak. :func:`redact_pii` is the default of :class:`~keel.tracing.Tracer`: it
-masks everything :class:`~keel.privacy.PIIMasker` masks (e-mail addresses, phone numbers,
+and personal data leak. [`redact_pii`][] is the default of [`Tracer`][]: it
+masks everything [`PIIMasker`][] masks (e-mail addresses, phone numbers,
 payment cards, IBANs, US SSNs, IP addresses, API keys and tokens, private keys) with the same
 typed placeholders memory and checkpoints hold (``<EMAIL_1>``), then what only
-:func:`redact_secrets` knows. Any ``Callable[[str], str]`` can be plugged in instead through the
+[`redact_secrets`][] knows. Any ``Callable[[str], str]`` can be plugged in instead through the
 ``redact=`` argument (an agent passes its own masking policy).
 
-:func:`redact_secrets` is the credentials-only redactor, deliberately conservative: when a
+[`redact_secrets`][] is the credentials-only redactor, deliberately conservative: when a
 string looks like a credential it is masked, at the cost of masking the odd harmless
 look-alike. What it masks, each replaced by ``[REDACTED:<kind>]``:
 
@@ -133,8 +133,8 @@ def redact_secrets(text: str) -> str:
 def redact_pii(text: str) -> str:
     """``text`` with every PII kind and every credential masked: the default of traces.
 
-    :func:`~keel.privacy.mask_pii` (PIIMasker's default policy, typed placeholders such as
-    ``<EMAIL_1>`` and ``<US_SSN_1>``), then :func:`redact_secrets` for the credentials only it
+    [`mask_pii`][] (PIIMasker's default policy, typed placeholders such as
+    ``<EMAIL_1>`` and ``<US_SSN_1>``), then [`redact_secrets`][] for the credentials only it
     knows (``password=...`` assignments, ``Authorization: Basic ...``). Idempotent.
     """
     if not text:

@@ -88,7 +88,7 @@ def is_retry(metric: StepMetric) -> bool:
 
 
 def call_figures(metrics: Iterable[StepMetric]) -> CallFigures:
-    """The figures of ``metrics`` (see :class:`CallFigures`)."""
+    """The figures of ``metrics`` (see [`CallFigures`][])."""
     rows = list(metrics)
     model = [m for m in rows if m.kind == "model"]
     return CallFigures(

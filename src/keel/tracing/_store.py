@@ -35,7 +35,7 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class RunEnding:
-    """How a run ended: the arguments of :meth:`TraceStore.end_run`."""
+    """How a run ended: the arguments of [`TraceStore.end_run`][]."""
 
     run_id: str
     status: RunStatus
@@ -48,7 +48,7 @@ class RunEnding:
 class TraceStore(ABC):
     """Where runs and steps are kept: write, query, and derive per-session indicators.
 
-    Contract (checked by :mod:`keel.testing.trace_conformance` for every backend):
+    Contract (checked by `keel.testing.trace_conformance` for every backend):
 
     - ``start_run`` inserts a run; starting an existing run id again replaces its header but
       keeps its steps and totals.
@@ -128,7 +128,7 @@ class TraceStore(ABC):
 
     def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
         """Start ``run`` (when given), write ``steps`` and end the run (when ``end`` is
-        given), in that order: what a buffered :class:`~keel.tracing.RunTrace` has gathered
+        given), in that order: what a buffered [`RunTrace`][] has gathered
         since its last flush. This default makes one call per item; a backend that can
         should do it in one transaction."""
         if run is not None:
@@ -196,21 +196,21 @@ class TraceStore(ABC):
     # --- async twins --------------------------------------------------------------------------
 
     async def asetup(self) -> None:
-        """Async twin of :meth:`setup`."""
+        """Async twin of [`setup`][]."""
         await self._run_twin(self.setup)
 
     async def astart_run(self, run: Run) -> None:
-        """Async twin of :meth:`start_run`."""
+        """Async twin of [`start_run`][]."""
         await self._run_twin(lambda: self.start_run(run))
 
     async def awrite_step(self, step: Step) -> None:
-        """Async twin of :meth:`write_step`."""
+        """Async twin of [`write_step`][]."""
         await self._run_twin(lambda: self.write_step(step))
 
     async def awrite_batch(
         self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None
     ) -> None:
-        """Async twin of :meth:`write_batch`."""
+        """Async twin of [`write_batch`][]."""
         await self._run_twin(lambda: self.write_batch(run=run, steps=steps, end=end))
 
     async def aend_run(
@@ -223,7 +223,7 @@ class TraceStore(ABC):
         error_type: str | None = None,
         error_message: str | None = None,
     ) -> None:
-        """Async twin of :meth:`end_run`."""
+        """Async twin of [`end_run`][]."""
         await self._run_twin(
             lambda: self.end_run(
                 run_id,
@@ -236,15 +236,15 @@ class TraceStore(ABC):
         )
 
     async def aget_run(self, run_id: str) -> Run | None:
-        """Async twin of :meth:`get_run`."""
+        """Async twin of [`get_run`][]."""
         return await self._run_twin(lambda: self.get_run(run_id))
 
     async def aget_run_detail(self, run_id: str) -> RunDetail | None:
-        """Async twin of :meth:`get_run_detail`."""
+        """Async twin of [`get_run_detail`][]."""
         return await self._run_twin(lambda: self.get_run_detail(run_id))
 
     async def alist_runs(self, query: RunQuery | None = None) -> list[Run]:
-        """Async twin of :meth:`list_runs`."""
+        """Async twin of [`list_runs`][]."""
         return await self._run_twin(lambda: self.list_runs(query))
 
     async def asession_stats(
@@ -255,7 +255,7 @@ class TraceStore(ABC):
         tenant_id: str | None = None,
         thresholds: StatsThresholds | None = None,
     ) -> list[SessionStats]:
-        """Async twin of :meth:`session_stats`."""
+        """Async twin of [`session_stats`][]."""
         return await self._run_twin(
             lambda: self.session_stats(
                 session_id=session_id, since=since, tenant_id=tenant_id, thresholds=thresholds
@@ -263,7 +263,7 @@ class TraceStore(ABC):
         )
 
     async def aclose(self) -> None:
-        """Async twin of :meth:`close`."""
+        """Async twin of [`close`][]."""
         await self._run_twin(self.close)
 
     def __enter__(self) -> TraceStore:

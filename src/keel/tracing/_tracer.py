@@ -1,9 +1,9 @@
-"""The API the runtime calls to trace runs: :class:`Tracer`, :class:`RunTrace`, :class:`StepTrace`.
+"""The API the runtime calls to trace runs: [`Tracer`][], [`RunTrace`][], [`StepTrace`][].
 
 Failure policy: tracing must never break the agent. Every write (and the redaction and
 serialisation before it, and every exporter) runs inside a guard: an exception is logged once as
-a warning on the ``keel.tracing`` logger, counted in :attr:`Tracer.write_failures` and kept in
-:attr:`Tracer.last_error`, and the agent carries on. Exceptions raised by the agent's own code
+a warning on the ``keel.tracing`` logger, counted in [`Tracer.write_failures`][] and kept in
+[`Tracer.last_error`][], and the agent carries on. Exceptions raised by the agent's own code
 inside a ``with run.step(...)`` block are recorded on the step and then re-raised unchanged.
 
 Writes are synchronous and small (one row per step, one transaction) so a trace survives a
@@ -78,7 +78,7 @@ class StepFields(TypedDict, total=False):
 
     Text fields are redacted before storage; ``budget``, ``parsed_action`` and ``attributes``
     are redacted recursively (every string value). Pydantic models are dumped to JSON.
-    ``usage`` fills the token counts; ``completion`` (a :class:`keel.models.Completion`) fills
+    ``usage`` fills the token counts; ``completion`` (a [`keel.models.Completion`][]) fills
     tokens, model, finish reason, time to first token, attempt and the raw output (the text, or
     the assistant message in the OpenAI wire format when it calls tools). Explicit fields win.
     """
@@ -164,22 +164,22 @@ def _jsonable(value: Any) -> Any:
 
 
 class Tracer:
-    """Records runs and their steps into a :class:`TraceStore`, redacted, without ever raising.
+    """Records runs and their steps into a [`TraceStore`][], redacted, without ever raising.
 
     Args:
         store: where the trace goes. ``None`` traces into nothing (steps still get ids and
             exporters still run), which keeps agent code free of ``if tracer`` checks.
         redact: applied to every text field and to every string inside JSON fields before
-            anything is stored or exported. Defaults to :func:`redact_pii`: every PII kind
-            :class:`~keel.privacy.PIIMasker` masks (e-mail, phone, card, IBAN, SSN, IP, API
-            keys...) and the credentials :func:`redact_secrets` knows. ``None`` turns masking
+            anything is stored or exported. Defaults to [`redact_pii`][]: every PII kind
+            [`PIIMasker`][] masks (e-mail, phone, card, IBAN, SSN, IP, API
+            keys...) and the credentials [`redact_secrets`][] knows. ``None`` turns masking
             off (explicit opt-out, e.g. for local debugging).
-        exporters: receive each finished run with its steps (see :class:`OpenTelemetryExporter`).
+        exporters: receive each finished run with its steps (see [`OpenTelemetryExporter`][]).
         agent: default agent name for runs.
         run_time_limit_s: the wall-clock limit of the runs this tracer records (the runtime's
             ``GuardConfig.run_timeout_s``), unless ``start_run`` gives one. A run killed
             before it ended is reported ``abandoned`` once it has been silent for longer
-            (:func:`~keel.tracing.abandon_after_s`); unknown, 300 s is assumed.
+            ([`abandon_after_s`][]); unknown, 300 s is assumed.
     """
 
     def __init__(
@@ -284,7 +284,7 @@ class Tracer:
         """Start a run and write its header (status ``running``). Never raises.
 
         Use the result as a context manager to end the run automatically: on a clean exit it
-        ends ``succeeded``, on an exception with :func:`status_for` of it (re-raised).
+        ends ``succeeded``, on an exception with [`status_for`][] of it (re-raised).
         ``time_limit_s`` is the run's wall-clock limit (default: the tracer's): a run killed
         before it ends is reported ``abandoned`` once silent for longer than that allows.
         """
@@ -309,10 +309,10 @@ class Tracer:
         time_limit_s: float | None = None,
         buffered: bool = False,
     ) -> RunTrace:
-        """Async twin of :meth:`start_run` (the write does not block the event loop).
+        """Async twin of [`start_run`][] (the write does not block the event loop).
 
         ``buffered``: the header and the steps are kept in memory and written together, in
-        one batch, by :meth:`RunTrace.aflush` and by :meth:`RunTrace.aend` (which writes the
+        one batch, by [`RunTrace.aflush`][] and by [`RunTrace.aend`][] (which writes the
         end in the same batch). A runtime that flushes at its own durable points (keel's
         Agent: before each model call, next to the checkpoint) pays one write per point
         instead of one per step; what a killed process loses is what came after its last
@@ -375,7 +375,7 @@ class Tracer:
         return handle
 
     async def aresume_run(self, run_id: str) -> RunTrace | None:
-        """Async twin of :meth:`resume_run`."""
+        """Async twin of [`resume_run`][]."""
         store = self.store
         if store is None:
             return None
@@ -443,7 +443,7 @@ class Tracer:
 
 
 class RunTrace:
-    """One run being traced. Made by :meth:`Tracer.start_run`; ended by :meth:`end`."""
+    """One run being traced. Made by [`Tracer.start_run`][]; ended by [`end`][]."""
 
     def __init__(
         self,
@@ -464,7 +464,7 @@ class RunTrace:
         self.agent = agent
         self.started_at = _now()
         self.status: RunStatus = "running"
-        """``running`` until :meth:`end`."""
+        """``running`` until [`end`][]."""
         self._seq = count()
         self._header: Run | None = None
         # False until the header is in the store; a failed start (a locked database, a blip
@@ -486,7 +486,7 @@ class RunTrace:
     ) -> StepTrace:
         """Open a step that starts now; use it with ``with`` or ``async with``.
 
-        The step is written when the block exits (or on :meth:`StepTrace.end`), with its end
+        The step is written when the block exits (or on [`StepTrace.end`][]), with its end
         time and latency. An exception leaving the block is recorded as the step's error and
         re-raised. Steps opened inside the block get this step as their parent unless
         ``parent`` says otherwise (a step, a step id, or None for a top-level step).
@@ -531,7 +531,7 @@ class RunTrace:
         ended_at: datetime | None = None,
         **fields: Unpack[StepFields],
     ) -> Step | None:
-        """Async twin of :meth:`record`."""
+        """Async twin of [`record`][]."""
         step = self._build(kind, name, self._parent_id(parent), started_at, ended_at, fields)
         if step is not None:
             await self._awrite(step)
@@ -693,7 +693,7 @@ class RunTrace:
         await self._aflush_with(None)
 
     def flush(self) -> None:
-        """Sync twin of :meth:`aflush`, for a caller that writes the batch inside its own
+        """Sync twin of [`aflush`][], for a caller that writes the batch inside its own
         transaction (the Agent makes it one commit with the checkpoint before a model call)."""
         self._flush_with(None)
 
@@ -789,7 +789,7 @@ class RunTrace:
         output: str | None = None,
         error: BaseException | None = None,
     ) -> None:
-        """End the run: ``status`` defaults to :func:`status_for` of ``error``. Never raises;
+        """End the run: ``status`` defaults to [`status_for`][] of ``error``. Never raises;
         a second call is ignored."""
         final = self._finish(status, output, error)
         if final is None:
@@ -821,7 +821,7 @@ class RunTrace:
         output: str | None = None,
         error: BaseException | None = None,
     ) -> None:
-        """Async twin of :meth:`end`."""
+        """Async twin of [`end`][]."""
         final = self._finish(status, output, error)
         if final is None:
             return
@@ -871,7 +871,7 @@ class RunTrace:
 
 
 class StepTrace:
-    """A step in progress. Made by :meth:`RunTrace.step`; written once, when it ends."""
+    """A step in progress. Made by [`RunTrace.step`][]; written once, when it ends."""
 
     def __init__(
         self,
@@ -935,7 +935,7 @@ class StepTrace:
         return step
 
     async def aend(self, **fields: Unpack[StepFields]) -> Step | None:
-        """Async twin of :meth:`end`."""
+        """Async twin of [`end`][]."""
         step = self._close(fields)
         if step is not None:
             await self.run._awrite(step)

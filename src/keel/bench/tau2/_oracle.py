@@ -6,7 +6,7 @@ its place (which placeholder stands for which value it learns by lining the mask
 with the text it knows was said: the customer's words, or what a lookup returns). A value it
 cannot find is never invented: when a lookup would show it (the customer's profile, an order,
 a product), it makes that lookup first, as an agent would; when none would, the call is
-skipped and counted in :attr:`GroundedOracle.ungrounded`. It asks the customer to confirm each
+skipped and counted in `GroundedOracle.ungrounded`. It asks the customer to confirm each
 write before making it, and answers once the calls are done.
 
 The oracle decides from the prompt alone (which calls it already made, what the customer
@@ -195,7 +195,7 @@ def _canonical(name: str, arguments: dict[str, Any]) -> str:
 
 
 class GroundedOracle(ScriptedModel):
-    """A :class:`~keel.testing.ScriptedModel` whose replies come from :meth:`decide`.
+    """A [`ScriptedModel`][] whose replies come from `decide`.
 
     Args:
         task: the task whose gold calls it follows.

@@ -56,7 +56,7 @@ _GUARDS = GuardConfig(
     max_tool_retries=6,
 )
 _TIMEOUT_S = 0.5
-"""A write's timeout in the timeout mode; the proxy holds its answer for :data:`_HELD_S`."""
+"""A write's timeout in the timeout mode; the proxy holds its answer for `_HELD_S`."""
 _HELD_S = 1.5
 _ATTEMPTS = 4
 """Processes a killed task may take before it counts as failed."""

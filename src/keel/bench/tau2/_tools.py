@@ -1,5 +1,5 @@
 """The retail store's tools as the agent gets them: the τ² MCP stdio server (behind the bench's
-fault proxy) as a keel :class:`~keel.tools.MCPServer`, with the deployment's overrides. The
+fault proxy) as a keel [`MCPServer`][], with the deployment's overrides. The
 server declares no annotations, so every tool would default to side-effecting: its reads are
 marked read-only, its writes side-effecting and not idempotent; ``state_key`` is injected on
 every call (the model neither sees nor chooses it); ``reset_state`` and ``get_call_log`` are the
@@ -41,7 +41,7 @@ def retail_server(
     state_dir: Path, key: str, *, fault: list[str] | None = None, write_timeout_s: float = 30.0
 ) -> MCPServer:
     """The server whose tools the agent gets, bound to the state namespace ``key``, started
-    through the fault proxy (``fault``: its options, see :mod:`keel.bench.tau2._proxy`)."""
+    through the fault proxy (``fault``: its options, see `keel.bench.tau2._proxy`)."""
     overrides = {
         name: MCPToolOverride(
             side_effect=name in WRITE_TOOLS,

@@ -1,10 +1,10 @@
 """keel inside LangGraph (``keel-runtime[langgraph]``).
 
-:class:`KeelCheckpointSaver` is a ``BaseCheckpointSaver`` on keel's state stores (SQLite,
+[`KeelCheckpointSaver`][] is a ``BaseCheckpointSaver`` on keel's state stores (SQLite,
 PostgreSQL, Redis): each checkpoint stored as what changed since the one before, a stale
 writer rejected, retention that keeps resume working, PII masked before it is stored (with a
 PII vault, the user's stable placeholders stored and the user's values given back on reads).
-:class:`KeelStore` is a ``BaseStore`` on keel memory: namespaces matched label by label,
+[`KeelStore`][] is a ``BaseStore`` on keel memory: namespaces matched label by label,
 hybrid keyword + vector search behind ``search(query=...)``, TTL, PII masked, every item
 scoped to one tenant and user.
 

@@ -10,7 +10,7 @@ checkpoints and pending writes, in the order they were written. keel's store doe
 - **A stale writer is rejected.** ``get_tuple`` of a thread's latest checkpoint marks the run
   that read it; LangGraph carries the mark into that run's puts and writes. Once another
   writer has stored a newer checkpoint, the stale run's next put or write raises
-  :class:`StaleWriterError` and stores nothing, and a newer checkpoint keeps only the pending
+  [`StaleWriterError`][] and stores nothing, and a newer checkpoint keeps only the pending
   writes of the run that stored it.
 - **Retention that keeps resume working.** ``prune(strategy="keep_latest")`` keeps each
   namespace's latest checkpoint with its pending writes, rebased as a full snapshot in one

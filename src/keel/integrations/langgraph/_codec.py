@@ -231,7 +231,7 @@ class ThreadCodec:
         serde: LangGraph's serializer for channel values.
         masker: masks PII before anything is stored.
         tenant: the tenant the masker masks for.
-        lens: the user a call is for (:meth:`view`): masking with their numbering, reads
+        lens: the user a call is for (`view`): masking with their numbering, reads
             revealing their values; none: masking alone.
         sessions: the list channels' cache (shared by a codec's views).
     """
@@ -282,7 +282,7 @@ class ThreadCodec:
 
     def masked(self, value: Any, key: str | None = None) -> Any:
         """``value`` with its text masked, what a tool returned in it defanged first
-        (:meth:`~keel.privacy.PrivacyView.mask_tool_output`); the very same object when
+        ([`mask_tool_output`][keel.privacy.PrivacyView.mask_tool_output]); the very same object when
         nothing needed masking."""
         return self._mapped(value, self.lens.mask, key, returned=self.lens.mask_tool_output)
 

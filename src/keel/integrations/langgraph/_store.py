@@ -18,9 +18,9 @@ tenant's other stores never see it and keel's machinery works on it:
   its embedding and a search never misses what was put.
   Without a query, the items under the prefix come newest first.
 - **TTL** in minutes as LangGraph defines it: a record expires that long after its last write
-  (or read, with ``refresh_ttl``); an expired item is never returned and :meth:`sweep_ttl`
+  (or read, with ``refresh_ttl``); an expired item is never returned and `sweep_ttl`
   deletes what expired.
-- **PII masked before it is stored**, as :meth:`keel.memory.Memory.add` masks (through the
+- **PII masked before it is stored**, as [`keel.memory.Memory.add`][] masks (through the
   scope's user's vault when the memory has one, and then read back as it was put): the value
   (every string in it) and the text searched. Namespaces and keys are identifiers, stored as
   given like the scope's tenant and user: masked, two users' emails would become one label.
@@ -214,7 +214,7 @@ class KeelStore(BaseStore):
         return results
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        """Async twin of :meth:`batch` (keel's memory stores are synchronous: run off the loop)."""
+        """Async twin of [`batch`][] (keel's memory stores are synchronous: run off the loop)."""
         pending = list(ops)
         return await run_blocking(self.batch, pending)
 
@@ -224,7 +224,7 @@ class KeelStore(BaseStore):
         return self.memory.store.purge_expired(self.scope, self._clock())
 
     async def asweep_ttl(self) -> int:
-        """Async twin of :meth:`sweep_ttl`."""
+        """Async twin of [`sweep_ttl`][]."""
         return await run_blocking(self.sweep_ttl)
 
     # --- operations ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The service's routers, one per resource; :func:`~keel.service.create_app` includes them."""
+"""The service's routers, one per resource; [`create_app`][] includes them."""
 
 from keel.service.routes import (
     approvals,

@@ -1,6 +1,6 @@
 """Sessions: their committed state, checkpoint history and revert.
 
-A session id in a path is spelled as :mod:`keel.service._ids` says (percent-encoded UTF-8
+A session id in a path is spelled as `keel.service._ids` says (percent-encoded UTF-8
 beyond ``A-Z a-z 0-9 - . _ ~ : @``), so every session an agent holds has a URL."""
 
 from __future__ import annotations
