@@ -256,7 +256,7 @@ class LocalModel(ChatModel):
             until ``max_tokens`` and the reply is cut); replies constrained to JSON (a required
             call, ``json_schema``, ``json_mode``) are not penalized. 1.0 turns it off.
         max_answer_tokens: the most tokens one answer takes, whatever a call's ``max_tokens``
-            asks (default :data:`DEFAULT_MAX_ANSWER_TOKENS`; ``resolve_model`` passes the
+            asks (default `DEFAULT_MAX_ANSWER_TOKENS`; ``resolve_model`` passes the
             ``local_max_answer_tokens`` setting, or the spec's ``?max_answer_tokens=N``). An
             agent's answer cut there ends as written, reported cut, and is not continued.
     """

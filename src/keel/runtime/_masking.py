@@ -1,16 +1,16 @@
 """The agent's privacy policy applied to what a turn stores and shows: one masker, one tenant,
 and with a PII vault one user.
 
-The masking and revealing itself is the turn's :class:`~keel.privacy.PrivacyView`, the one
+The masking and revealing itself is the turn's [`PrivacyView`][], the one
 every entrance uses. Without a vault, placeholders are numbered per text (``<EMAIL_1>`` is the
-first address of that text) and the values are gone. With one, :meth:`Masking.for_user` gives
+first address of that text) and the values are gone. With one, `Masking.for_user` gives
 the turn its user's view: every mask numbers through it, so a value has one placeholder in
 every turn, checkpoint, trace, journal row and memory record of that user, and the values can
 come back where they are needed: for the tools (the executor resolves their arguments), for the
 model when the deployment trusts it (``model_sees="values"``), and for the user's own reply.
 Only placeholders keel placed come back: the prompt the model is shown is noted
-(:meth:`Masking.afor_model`), and what the model and the tools write is stored with the other
-placeholders it spells out defanged (:meth:`Masking.mask_untrusted`).
+(`Masking.afor_model`), and what the model and the tools write is stored with the other
+placeholders it spells out defanged (`Masking.mask_untrusted`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def checked_model_sees(model_sees: ModelSees, vault: Vault | None) -> ModelSees:
     """``model_sees``, once it is known to be a policy the agent can keep.
 
     Raises:
-        UsageError: not one of :data:`ModelSees`, or values without a vault to hold them.
+        UsageError: not one of `ModelSees`, or values without a vault to hold them.
     """
     if model_sees not in ("placeholders", "values"):
         raise UsageError(f"model_sees is 'placeholders' or 'values', got {model_sees!r}")
@@ -73,17 +73,17 @@ def checked_model_sees(model_sees: ModelSees, vault: Vault | None) -> ModelSees:
 
 class Masking:
     """The agent's privacy policy for one tenant, and with a vault one turn's user: the
-    :class:`~keel.privacy.PrivacyView` a turn masks and reveals through (``view``), with what
+    [`PrivacyView`][] a turn masks and reveals through (``view``), with what
     only a turn needs besides (what the model is shown, the tracer, streamed text).
 
     Args:
         masker: the privacy policy (None: masking is off, text passes through, made storable).
         tenant_id: the tenant whose policy applies.
         vault: the deployment's PII vault (None: placeholders per text, values gone).
-        model_sees: what the model is shown (see :data:`ModelSees`).
-        user_vault: the turn's user's view of ``vault`` (set by :meth:`for_user`).
+        model_sees: what the model is shown (see `ModelSees`).
+        user_vault: the turn's user's view of ``vault`` (set by `for_user`).
         endpoints: the model's own server addresses, as configured (its base URL): kept as
-            written where :meth:`mask` finds them, so that an error about the server names it
+            written where `mask` finds them, so that an error about the server names it
             (``cannot reach http://10.0.0.5:8000/v1``). They are the deployment's
             configuration, not user data; everything else in the text is masked as before.
         no_vault: what refuses tool calls holding placeholders while masking has no vault
@@ -116,7 +116,7 @@ class Masking:
 
     @property
     def tool_vault(self) -> UserVault | NoVault | None:
-        """What resolves a tool call's placeholders: the user's vault, :class:`NoVault` when
+        """What resolves a tool call's placeholders: the user's vault, [`NoVault`][] when
         this masking writes placeholders no vault keeps, None when masking is off."""
         return self.user_vault if self.user_vault is not None else self.no_vault
 
@@ -142,13 +142,13 @@ class Masking:
     # --- values -> placeholders -----------------------------------------------------------------
 
     def mask(self, text: str) -> str:
-        """``text`` as it may be stored (blocking: see :meth:`amask` on an event loop); the
+        """``text`` as it may be stored (blocking: see `amask` on an event loop); the
         model's own ``endpoints`` stay as written."""
         held, text = self._hold_endpoints(text)
         return _put_back(self.view.mask(text), held)
 
     async def amask(self, text: str) -> str:
-        """:meth:`mask`, a write of new values to the vault off the event loop."""
+        """`mask`, a write of new values to the vault off the event loop."""
         held, text = self._hold_endpoints(text)
         return _put_back(await self.view.amask(text), held)
 
@@ -165,12 +165,12 @@ class Masking:
         return held, text
 
     def mask_untrusted(self, text: str) -> str:
-        """:meth:`mask` for text a model or a tool wrote (see
-        :meth:`~keel.privacy.PrivacyView.untrusted`)."""
+        """`mask` for text a model or a tool wrote (see
+        [`untrusted`][keel.privacy.PrivacyView.untrusted])."""
         return self.view.mask_untrusted(text)
 
     async def amask_untrusted(self, text: str) -> str:
-        """:meth:`mask_untrusted`, a write of new values to the vault off the event loop."""
+        """`mask_untrusted`, a write of new values to the vault off the event loop."""
         return await self.view.amask_untrusted(text)
 
     def mask_call(self, call: ToolCall) -> ToolCall:
@@ -180,7 +180,7 @@ class Masking:
         return self.view.mask_message(message)
 
     async def amask_message(self, message: Message) -> Message:
-        """:meth:`mask_message`, a write of new values to the vault off the event loop."""
+        """`mask_message`, a write of new values to the vault off the event loop."""
         return await self.view.amask_message(message)
 
     async def aplace_step(self, step: LoopStep) -> None:
@@ -231,7 +231,7 @@ class Masking:
         return self.view.reveal(text)
 
     async def areveal(self, text: str) -> str:
-        """:meth:`reveal`, its read of the vault off the event loop (a round trip on
+        """`reveal`, its read of the vault off the event loop (a round trip on
         PostgreSQL)."""
         return await self.view.areveal(text)
 
@@ -241,7 +241,7 @@ class Masking:
         return await self.view.areveal_output(output)
 
     async def afor_model(self, messages: Sequence[Message]) -> list[Message]:
-        """:meth:`for_model`, the vault read off the event loop when there is one to do. The
+        """`for_model`, the vault read off the event loop when there is one to do. The
         placeholders in ``messages`` are noted as shown to the model: from now on the turn
         resolves and reveals those and the ones it placed, no other."""
         self.view.note_shown(messages)

@@ -401,7 +401,7 @@ def _strip_note(text: str) -> str:
 
 def _without_note(completion: Completion) -> Completion:
     """``completion`` with keel's continuation note taken out of its text (see
-    :func:`_strip_note`)."""
+    `_strip_note`)."""
     content = completion.message.content
     if not any(echo in content for echo in _CONTINUE_ECHOES):
         return completion

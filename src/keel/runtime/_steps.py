@@ -131,7 +131,8 @@ class StepRecord(BaseModel):
     started_at: float = Field(description="Unix time the step started.")
     latency_ms: float = Field(ge=0, description="Wall time of the whole step.")
     model_latency_ms: float | None = Field(
-        default=None, description="Wall time of the model call (None if replayed or failed)."
+        default=None,
+        description="Wall time of the model call (None if replayed; a failed call records how long it ran).",
     )
     ttft_ms: float | None = Field(default=None, description="Time to first token, if known.")
     model: str = Field(default="", description="The model that answered.")
