@@ -132,7 +132,7 @@ class StepRecord(BaseModel):
     latency_ms: float = Field(ge=0, description="Wall time of the whole step.")
     model_latency_ms: float | None = Field(
         default=None,
-        description="Wall time of the model call (None if replayed; a failed call records how long it ran).",
+        description="Wall time of the model call (None if replayed; a failed call has one too).",
     )
     ttft_ms: float | None = Field(default=None, description="Time to first token, if known.")
     model: str = Field(default="", description="The model that answered.")
