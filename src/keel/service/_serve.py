@@ -20,6 +20,7 @@ from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
+from keel.service._source import AgentSource, load_agent
 from keel.settings import Settings, validation_problems
 
 if TYPE_CHECKING:
@@ -39,7 +40,9 @@ class ServiceAgents:
     """One :class:`~keel.runtime.Agent` per tenant, all on the same stores, made on first use.
 
     The agents share the model, the prompt, the tools and the options; each is scoped to its
-    tenant (sessions, journal entries, traces, memory).
+    tenant (sessions, journal entries, traces, memory). With ``source`` (the application's
+    agent or factory, :meth:`from_source`) each tenant's agent is the source's definition
+    instead, a factory called once per tenant.
     """
 
     def __init__(
@@ -54,6 +57,8 @@ class ServiceAgents:
     ) -> None:
         self.backends = backends
         self.model = model
+        self.source: AgentSource | None = None
+        self.settings: Settings | None = None
         self.system_prompt = system_prompt
         self.tools = tuple(tools)
         self.name = name
@@ -61,9 +66,30 @@ class ServiceAgents:
         self._agents: dict[str, Agent] = {}
         self._warm = False
 
+    @classmethod
+    def from_source(
+        cls, backends: Backends, source: AgentSource, settings: Settings
+    ) -> ServiceAgents:
+        """The agents of ``source`` (checked here: a factory that fails, fails now).
+
+        Raises:
+            ConfigError: the factory raised.
+            UsageError: the factory returned something other than an Agent.
+        """
+        template = source.check(settings)
+        agents = cls(
+            backends, template.model, system_prompt=template.system_prompt, name=template.name
+        )
+        agents.source, agents.settings = source, settings
+        return agents
+
     def __call__(self, tenant_id: str) -> Agent:
         agent = self._agents.get(tenant_id)
-        if agent is None:
+        if agent is None and self.source is not None and self.settings is not None:
+            agent = self._agents[tenant_id] = self.source.agent_for(
+                tenant_id, self.backends, self.settings
+            )
+        elif agent is None:
             agent = self._agents[tenant_id] = Agent.on_backends(
                 self.backends,
                 self.model,
@@ -91,8 +117,11 @@ class ServiceAgents:
         return list(self._agents)
 
     async def aclose(self) -> None:
-        """Close the model's clients and the stores."""
-        await self.model.aclose()
+        """Close the models' clients and the stores."""
+        models = {id(self.model): self.model}
+        models.update((id(agent.model), agent.model) for agent in self._agents.values())
+        for model in models.values():
+            await model.aclose()
         await self.backends.aclose()
 
 
@@ -110,6 +139,11 @@ class ServeOptions(BaseModel):
         default=None, description="Database URL (default: KEEL_DATABASE, else keel.db)."
     )
     model: str | None = Field(default=None, description="Model spec (default: settings.model).")
+    agent: str | None = Field(
+        default=None,
+        description="MODULE:ATTRIBUTE of the application's Agent or factory (instead of "
+        "model and system_prompt); each worker loads it.",
+    )
     system_prompt: str = "You are a helpful assistant."
     memory: bool = Field(default=True, description="Use long-term memory.")
     max_body_bytes: int = Field(default=1_000_000, description="Larger request bodies get 413.")
@@ -153,8 +187,10 @@ class ServeOptions(BaseModel):
     ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
         """The service these options describe (:func:`build_service`)."""
         token = self.metrics_token
+        source = None if self.agent is None else AgentSource(load_agent(self.agent), self.agent)
         return build_service(
             self.database,
+            agent=source,
             model=self.model,
             system_prompt=self.system_prompt,
             memory=self.memory,
@@ -171,6 +207,7 @@ class ServeOptions(BaseModel):
 def build_service(
     database: str | None = None,
     *,
+    agent: AgentSource | None = None,
     model: ChatModel | str | None = None,
     system_prompt: str = "You are a helpful assistant.",
     tools: Sequence[Tool] = (),
@@ -188,6 +225,9 @@ def build_service(
     """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
     its app, its agents (close them with ``aclose``) and its API keys.
 
+    ``agent``: the application's agent or factory, served instead of ``model``,
+    ``system_prompt`` and ``tools``, one agent per tenant on these stores.
+
     ``rate_limit_per_minute``: requests per key and minute (429 beyond), counted in Redis when
     there is one, so that every worker sees the same count. ``settings``: read once here (the
     service's edge) when not given; the stores, the model and the agents get them from here.
@@ -198,7 +238,9 @@ def build_service(
 
     Raises:
         VaultKeyError: the master key is malformed, missing from its file, or not this
-            vault's (nothing is served, nothing is stored raw)."""
+            vault's (nothing is served, nothing is stored raw).
+        ConfigError: ``agent``'s factory raised.
+        UsageError: ``agent``'s factory returned something other than an Agent."""
     # The service's edge, opened as Agent.open opens: the settings are read there (when not
     # given) and handed down; every tenant's agent shares the stores and their privacy policy.
     backends, settings = open_at_edge(
@@ -209,10 +251,13 @@ def build_service(
         privacy=agent_options.get("masker", DEFAULT_MASKER),
     )
     try:
-        chat = model if isinstance(model, ChatModel) else resolve_model(model, settings)
-        agents = ServiceAgents(
-            backends, chat, system_prompt=system_prompt, tools=tools, **agent_options
-        )
+        if agent is not None:
+            agents = ServiceAgents.from_source(backends, agent, settings)
+        else:
+            chat = model if isinstance(model, ChatModel) else resolve_model(model, settings)
+            agents = ServiceAgents(
+                backends, chat, system_prompt=system_prompt, tools=tools, **agent_options
+            )
         keys = APIKeys(backends.sql)
     except BaseException:
         backends.close()
