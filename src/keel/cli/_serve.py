@@ -356,7 +356,8 @@ def _check_agent(options: ServeOptions, settings: Settings) -> None:
         return
     from keel.service._source import AgentSource, load_agent
 
-    built = AgentSource(load_agent(options.agent), options.agent).check(settings)
+    spec = options.agent
+    built = AgentSource(load_agent(spec), f"--agent {spec!r}").check(settings)
     if built.backends is not None:
         built.backends.close()
 

@@ -187,7 +187,11 @@ class ServeOptions(BaseModel):
     ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
         """The service these options describe (:func:`build_service`)."""
         token = self.metrics_token
-        source = None if self.agent is None else AgentSource(load_agent(self.agent), self.agent)
+        source = (
+            None
+            if self.agent is None
+            else AgentSource(load_agent(self.agent), f"--agent {self.agent!r}")
+        )
         return build_service(
             self.database,
             agent=source,
