@@ -224,6 +224,7 @@ def build_service(
     operators_see_values: bool = False,
     drain: Drain | None = None,
     settings: Settings | None = None,
+    ui: bool = True,
     **agent_options: Any,
 ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
     """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
@@ -294,5 +295,6 @@ def build_service(
         vault=backends.vault,
         operators_see_values=operators_see_values,
         approvals=backends.approvals,
+        ui=ui,
     )
     return app, agents, keys
