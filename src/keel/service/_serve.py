@@ -1,7 +1,8 @@
 """Assembling the service: the stores from one database URL, one agent per tenant on them.
 
-:class:`ServeOptions` is what ``keel serve`` builds its service from: validated once by the
-command, handed to each worker process as this model's JSON and validated again there.
+[`ServeOptions`][keel.service.ServeOptions] is what ``keel serve`` builds its service from:
+validated once by the command, handed to each worker process as this model's JSON and
+validated again there.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ costs its turn a new PostgreSQL server process."""
 
 
 class ServiceAgents:
-    """One :class:`~keel.runtime.Agent` per tenant, all on the same stores, made on first use.
+    """One [`Agent`][keel.Agent] per tenant, all on the same stores, made on first use.
 
     The agents share the model, the prompt, the tools and the options; each is scoped to its
     tenant (sessions, journal entries, traces, memory). With ``source`` (the application's
-    agent or factory, :meth:`from_source`) each tenant's agent is the source's definition
-    instead, a factory called once per tenant.
+    agent or factory, [`from_source`][keel.service.ServiceAgents.from_source]) each tenant's
+    agent is the source's definition instead, a factory called once per tenant.
     """
 
     def __init__(
@@ -129,8 +130,9 @@ class ServeOptions(BaseModel):
     """The service ``keel serve`` runs: its database, model, prompt and request limits.
 
     The command validates them once; with ``--workers N`` each worker process receives them as
-    this model's JSON (:meth:`to_json`, in the environment, not in the arguments ``ps`` shows)
-    and validates them again (:meth:`from_json`) before building its service.
+    this model's JSON ([`to_json`][keel.service.ServeOptions.to_json], in the environment, not
+    in the arguments ``ps`` shows) and validates them again
+    ([`from_json`][keel.service.ServeOptions.from_json]) before building its service.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -166,12 +168,13 @@ class ServeOptions(BaseModel):
         return None if token is None else token.get_secret_value()
 
     def to_json(self) -> str:
-        """These options as the JSON :meth:`from_json` reads (the metrics token in clear)."""
+        """These options as the JSON [`from_json`][keel.service.ServeOptions.from_json] reads
+        (the metrics token in clear)."""
         return self.model_dump_json()
 
     @classmethod
     def from_json(cls, text: str) -> ServeOptions:
-        """Options from :meth:`to_json`'s JSON, validated again.
+        """Options from [`to_json`][keel.service.ServeOptions.to_json]'s JSON, validated again.
 
         Raises:
             ConfigError: the JSON is not ServeOptions (one line per field).
@@ -185,7 +188,7 @@ class ServeOptions(BaseModel):
     def build(
         self, *, drain: Drain | None = None, settings: Settings | None = None
     ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
-        """The service these options describe (:func:`build_service`)."""
+        """The service these options describe ([`build_service`][keel.service.build_service])."""
         token = self.metrics_token
         source = (
             None
@@ -228,7 +231,8 @@ def build_service(
     **agent_options: Any,
 ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
     """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
-    its app, its agents (close them with ``aclose``) and its API keys.
+    its app, its agents (close them with ``aclose``) and its API keys. To add keel to your own
+    FastAPI application, [`mount`][keel.service.mount] is the simpler door.
 
     ``agent``: the application's agent or factory, served instead of ``model``,
     ``system_prompt`` and ``tools``, one agent per tenant on these stores.
