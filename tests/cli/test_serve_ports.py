@@ -53,3 +53,22 @@ def test_a_port_in_use_is_one_line_naming_the_address(tmp_path: Path) -> None:
         f"error: cannot listen on 127.0.0.1:{port}: the address is already in use "
         "(stop what holds it or choose another --port)"
     )
+
+
+def test_the_listening_line_masks_the_database_password(tmp_path: Path) -> None:
+    from keel.cli._serve import _listening_line
+    from keel.service import ServeOptions
+    from keel.settings import load_settings
+
+    settings = load_settings(
+        data_dir=tmp_path, database="postgresql://keel:s3cret-pw@db.internal:5432/keel"
+    )
+    options = ServeOptions(model="scripted:echo")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        port = listening.getsockname()[1]
+        line = _listening_line(listening, options, settings, 4)
+    assert line == (
+        f"keel serve: listening on http://127.0.0.1:{port} · model scripted:echo · "
+        "database postgresql://keel:***@db.internal:5432/keel · 4 workers"
+    )

@@ -3,10 +3,13 @@ driven by the ``openai`` SDK; the application's routes still answer."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+import pytest
 from fastapi import FastAPI
 
 from keel.runtime import Agent
@@ -45,3 +48,37 @@ def test_a_mounted_agent_answers_under_its_path_beside_the_apps_routes(tmp_path:
         assert refused.status_code == 401
     # The factory built the check's agent and one per tenant on the given settings.
     assert tenants == [str(tmp_path)] * 2
+
+
+@pytest.mark.parametrize("form", ["agent", "factory()", "factory(settings)"])
+def test_mount_takes_an_agent_or_either_factory_each_tenant_scoped(
+    tmp_path: Path, form: str
+) -> None:
+    settings = load_settings(data_dir=tmp_path, embedder="hashing:64")
+
+    def made() -> Agent:
+        model = ScriptedModel(lambda call: f"{form}: {call.last_user_text}")
+        return Agent.embedded(model, system_prompt="You help.", memory=False, settings=settings)
+
+    target: Any = {
+        "agent": made(),
+        "factory()": made,
+        "factory(settings)": lambda settings: made(),
+    }[form]
+    app = FastAPI()
+    keys = mount(app, target, database=settings, memory=False)
+    ada, bob = keys.create("acme", user_id="ada"), keys.create("globex", user_id="bob")
+    with serving(app) as running:
+        for key in (ada, bob):
+            with httpx.Client(base_url=f"{running.url}/keel", timeout=30) as client:
+                reply = client.post(
+                    "/v1/sessions/s1/turns",
+                    json={"message": "hi", "user": "ada" if key == ada else "bob"},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["text"] == f"{form}: hi"
+    # The same session id in two tenants: two sessions, each in its tenant's store.
+    with sqlite3.connect(tmp_path / "keel.db") as db:
+        stored = {row[0] for row in db.execute("SELECT session_id FROM keel_state_sessions")}
+    assert stored == {"acme/s1", "globex/s1"}
