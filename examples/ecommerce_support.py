@@ -1,6 +1,12 @@
-"""The seeds' e-commerce support agent: order lookup, cancel, change address, and the race.
+"""The seeds' e-commerce support agent: order lookup, refunds an operator approves, cancel,
+change address, and the race.
 
-Run it: ``.venv/bin/python examples/ecommerce_support.py``. Two agent instances handle
+Serve it: ``keel serve --agent examples.ecommerce_support:build`` (from the repository's root):
+:func:`build` is the customer-support agent, on the settings' database and model, with
+``lookup_order`` (by e-mail or order number) and ``issue_refund``, which waits for an
+operator's approval (``keel approvals approve ID``, or ``POST /v1/approvals/ID``).
+
+Run the race: ``.venv/bin/python examples/ecommerce_support.py``. Two agent instances handle
 "cancel order 1024" and "change the shipping address first" at the same time. Orders carry a
 version and every change is compare-and-set on the version the agent read: exactly one change
 commits; the other agent gets a conflict, re-reads the order, sees it cancelled and tells the
@@ -22,6 +28,7 @@ from typing import Any
 from keel.errors import ConflictError
 from keel.messages import Message
 from keel.runtime import Agent
+from keel.settings import Settings, load_settings
 from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
 from keel.testing import ScriptedCall, ScriptedModel
@@ -37,9 +44,15 @@ class Shop:
         with self._connect() as conn:
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY, status TEXT, "
-                "address TEXT, version INTEGER)"
+                "address TEXT, version INTEGER, email TEXT, total REAL)"
             )
-            conn.execute("INSERT OR IGNORE INTO orders VALUES ('1024', 'paid', '1 Old Road', 1)")
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS refunds (order_id TEXT, amount REAL, reason TEXT)"
+            )
+            conn.execute(
+                "INSERT OR IGNORE INTO orders VALUES "
+                "('1024', 'paid', '1 Old Road', 1, 'ada@example.com', 40.0)"
+            )
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=10)
@@ -52,6 +65,25 @@ class Shop:
         if row is None:
             raise LookupError(f"no order {order_id}")
         return {"id": row[0], "status": row[1], "address": row[2], "version": row[3]}
+
+    def find(self, email_or_order_id: str) -> list[dict[str, Any]]:
+        """The orders of an e-mail address, or the one order of that number."""
+        with self._connect() as conn:
+            rows = conn.execute(
+                "SELECT id, status, total, email FROM orders WHERE id = ? OR lower(email) = ?",
+                (email_or_order_id, email_or_order_id.strip().lower()),
+            ).fetchall()
+        return [{"id": r[0], "status": r[1], "total": r[2], "email": r[3]} for r in rows]
+
+    def refund(self, order_id: str, amount: float, reason: str) -> None:
+        """Pay ``amount`` of the order back (a row in ``refunds``: the refund's effect)."""
+        with self._connect() as conn:
+            conn.execute("INSERT INTO refunds VALUES (?, ?, ?)", (order_id, amount, reason))
+
+    def refunds(self) -> list[tuple[str, float, str]]:
+        """Every refund paid, in order."""
+        with self._connect() as conn:
+            return list(conn.execute("SELECT order_id, amount, reason FROM refunds ORDER BY rowid"))
 
     def update(self, order_id: str, expected_version: int, **changes: str) -> dict[str, Any]:
         assignments = ", ".join(f"{key} = ?" for key in changes)
@@ -173,6 +205,58 @@ async def race(workdir: Path) -> tuple[str, str, dict[str, Any]]:
         second.handle("customer-1-phone", "ada", "Change the shipping address of 1024 first!"),
     )
     return cancel.text, change.text, shop.get("1024")
+
+
+SUPPORT_PROMPT = (
+    "You are the customer-support agent of an online shop. Find the customer's order with "
+    "lookup_order (by their e-mail address or the order number) before acting on it. Refund "
+    "only the order's total or less, with issue_refund; an operator approves every refund."
+)
+
+
+def support_tools(shop: Shop) -> list[Tool]:
+    """The support agent's tools: look orders up, and refund one (after approval)."""
+
+    @tool
+    def lookup_order(email_or_order_id: str) -> str:
+        """Find orders by the customer's e-mail address or by order number.
+
+        Args:
+            email_or_order_id: The customer's e-mail address, or an order number like 1024.
+        """
+        found = shop.find(email_or_order_id)
+        return json.dumps(found) if found else f"no order for {email_or_order_id}"
+
+    @tool(side_effect=True, idempotent=False, approval="operator")
+    def issue_refund(order_id: str, amount: float, reason: str = "") -> str:
+        """Refund (part of) an order to the customer's card.
+
+        Args:
+            order_id: The order number.
+            amount: How much to refund, at most the order's total.
+            reason: Why, in a few words.
+        """
+        orders = shop.find(order_id)
+        if not orders:
+            return f"no order {order_id}: nothing refunded"
+        if amount <= 0 or amount > orders[0]["total"]:
+            return f"cannot refund {amount}: order {order_id} totals {orders[0]['total']}"
+        shop.refund(order_id, amount, reason)
+        return f"refunded {amount:.2f} on order {order_id}"
+
+    return [lookup_order, issue_refund]
+
+
+def build(settings: Settings | None = None) -> Agent:
+    """The customer-support agent, on the settings' database and model (default: the
+    environment's, :func:`~keel.settings.load_settings`); the shop's orders and refunds live
+    in ``shop.db`` in the settings' data directory.
+
+    ``keel serve --agent examples.ecommerce_support:build`` calls it once per tenant."""
+    settings = settings or load_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    shop = Shop(settings.data_dir / "shop.db")
+    return Agent.open(settings, system_prompt=SUPPORT_PROMPT, tools=support_tools(shop))
 
 
 if __name__ == "__main__":

@@ -42,3 +42,26 @@ def test_examples_and_the_readme_use_the_public_api_only() -> None:
     sources = {path.name: path.read_text(encoding="utf-8") for path in EXAMPLES.glob("*.py")}
     for name, text in {**sources, "README.md": readme}.items():
         assert not private.findall(text), f"{name} imports a private module or keel.demo"
+
+
+async def test_ecommerce_build_is_the_support_agent_on_the_settings_database(
+    tmp_path: Path,
+) -> None:
+    from keel.settings import load_settings
+
+    example = _load("ecommerce_support")
+    assert hasattr(example, "build"), "examples/ecommerce_support.py has no build(settings)"
+    settings = load_settings(data_dir=tmp_path, model="scripted:echo", embedder="hashing:64")
+    agent = example.build(settings)
+    try:
+        reply = await agent.run("hello", session="s1", user="ada")
+        assert reply.status == "completed" and reply.text == "hello"  # the settings' model
+    finally:
+        await agent.aclose()
+    # The settings' database, and the shop beside it.
+    assert (tmp_path / "keel.db").exists() and (tmp_path / "shop.db").exists()
+    tools = {t.name: t for t in example.support_tools(example.Shop(tmp_path / "shop.db"))}
+    assert set(tools) == {"lookup_order", "issue_refund"}
+    assert tools["issue_refund"].approval == "operator" and tools["issue_refund"].side_effect
+    found = tools["lookup_order"].function("ADA@example.com")
+    assert '"id": "1024"' in found and '"total": 40.0' in found

@@ -152,16 +152,18 @@ class Served:
     url: str
     process: subprocess.Popen[str]
     stderr: str = ""
+    stdout: str = ""
 
 
 @contextlib.contextmanager
-def keel_serve(*arguments: str, env: dict[str, str]) -> Iterator[Served]:
-    """``keel serve ARGUMENTS`` as a subprocess on a free port, once its /health answers;
-    terminated (SIGTERM) afterwards."""
+def keel_serve(*arguments: str, env: dict[str, str], cwd: Path | None = None) -> Iterator[Served]:
+    """``keel serve ARGUMENTS`` as a subprocess on a free port (in ``cwd``), once its /health
+    answers; terminated (SIGTERM) afterwards."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "keel", "serve", "--port", str(port), *arguments],
         env=env,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -182,13 +184,15 @@ def keel_serve(*arguments: str, env: dict[str, str]) -> Iterator[Served]:
     finally:
         if process.poll() is None:
             process.terminate()
-        served.stderr = process.communicate(timeout=60)[1]
+        served.stdout, served.stderr = process.communicate(timeout=60)
 
 
-def create_key(tenant: str, env: dict[str, str]) -> str:
-    """``keel keys create --tenant TENANT`` as a user runs it; the key it printed."""
+def create_key(tenant: str, env: dict[str, str], user: str | None = None) -> str:
+    """``keel keys create --tenant TENANT [--user USER]`` as a user runs it; the key it
+    printed."""
+    scope = [] if user is None else ["--user", user]
     created = subprocess.run(
-        [sys.executable, "-m", "keel", "keys", "create", "--tenant", tenant],
+        [sys.executable, "-m", "keel", "keys", "create", "--tenant", tenant, *scope],
         capture_output=True,
         text=True,
         env=env,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -11,6 +13,8 @@ from keel.cli._app import app, bench_app, emit_json, err_console, out_console
 from keel.cli._database import CreateOption, DatabaseOption
 
 if TYPE_CHECKING:
+    import socket
+
     from keel.service import APIKeys, ServeOptions
     from keel.settings import Settings
     from keel.stores import Backends
@@ -123,7 +127,68 @@ def _secret(name: str, environment: str, path: Path | None) -> str | None:
     return os.environ.get(environment) or None
 
 
-def _run_workers(options: ServeOptions, workers: int, transport: dict[str, Any]) -> None:
+_DEFAULT_PROMPT = "You are a helpful, concise assistant."
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The service's listening socket, bound here so that an address that cannot be had is
+    one clear error before anything starts (uvicorn would log and exit 3 on its own).
+
+    Raises:
+        ConfigError: the address is in use, not this machine's, or not ours to take.
+    """
+    import socket as sockets
+
+    from keel.errors import ConfigError
+
+    family = sockets.AF_INET6 if ":" in host else sockets.AF_INET
+    listening = sockets.socket(family, sockets.SOCK_STREAM)
+    listening.setsockopt(sockets.SOL_SOCKET, sockets.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+    except OSError as exc:
+        listening.close()
+        where = f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            why = "the address is already in use (stop what holds it or choose another --port)"
+        elif exc.errno == errno.EACCES:
+            why = "permission denied (ports below 1024 need privileges: choose another --port)"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            why = "the address is not one of this machine's (check --host)"
+        else:
+            why = exc.strerror or str(exc)
+        raise ConfigError(f"cannot listen on {where}: {why}") from None
+    except (OverflowError, sockets.gaierror) as exc:
+        listening.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    listening.set_inheritable(True)
+    return listening
+
+
+def _listening_line(
+    listening: socket.socket, options: ServeOptions, settings: Settings, workers: int
+) -> str:
+    """What ``keel serve`` says once it is about to take traffic: where, what, on what."""
+    host, port = listening.getsockname()[:2]
+    shown_host = f"[{host}]" if ":" in host else host
+    serving = (
+        f"agent {options.agent}" if options.agent else f"model {options.model or settings.model}"
+    )
+    count = "1 worker" if workers == 1 else f"{workers} workers"
+    database = settings.parsed_database.redacted
+    where = f"http://{shown_host}:{port}"
+    return f"keel serve: listening on {where} · {serving} · database {database} · {count}"
+
+
+def _say(line: str) -> None:
+    # Logs go to stderr (JSON lines with --log-format json); this line is the command's output.
+    out_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    sys.stdout.flush()
+
+
+def _run_workers(
+    options: ServeOptions, workers: int, transport: dict[str, Any], listening: socket.socket
+) -> None:
     """``workers`` processes, each building the service from ``options`` and draining on
     SIGTERM as a single process does."""
     import os
@@ -138,21 +203,33 @@ def _run_workers(options: ServeOptions, workers: int, transport: dict[str, Any])
     config = ServiceConfig(
         "keel.service._factory:create", factory=True, workers=workers, **transport
     )
-    DrainingMultiprocess(config, sockets=[config.bind_socket()]).run()
+    DrainingMultiprocess(config, sockets=[listening]).run()
 
 
 @app.command("serve")
 def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free port).")
+    ] = 8000,
     database: DatabaseOption = None,
     create: CreateOption = False,
+    agent: Annotated[
+        str | None,
+        typer.Option(
+            "--agent",
+            help="Your application's agent, as MODULE:ATTRIBUTE (found from the current "
+            "directory, as uvicorn finds main:app): an Agent, or a function returning one, "
+            "called as f() or f(settings) once per tenant. Not with --model/--system-prompt.",
+        ),
+    ] = None,
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="Model spec (default: settings.model).")
     ] = None,
     system_prompt: Annotated[
-        str, typer.Option(help="The agent's system prompt.")
-    ] = "You are a helpful, concise assistant.",
+        str | None,
+        typer.Option(help=f"The agent's system prompt (default: {_DEFAULT_PROMPT!r})."),
+    ] = None,
     memory: Annotated[bool, typer.Option(help="Use long-term memory.")] = True,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 1_000_000,
     workers: Annotated[
@@ -192,19 +269,22 @@ def serve_command(
         ),
     ] = False,
 ) -> None:
-    """Serve the agent over HTTP (sessions, turns as JSON or server-sent events, runs); every
-    request needs an API key from `keel keys create --tenant T`. With --workers N, N processes
-    serve any session each, on the same database (use PostgreSQL, and Redis, to scale out).
-    SIGTERM drains: turns in flight finish, new requests get 503 with Retry-After."""
+    """Serve the agent over HTTP (sessions, turns as JSON or server-sent events, runs, and
+    OpenAI's chat completions); every request needs an API key from `keel keys create
+    --tenant T`. --agent serves your application's agent (`keel serve --agent main:build`),
+    else --model with --system-prompt. With --workers N, N processes serve any session each,
+    on the same database (use PostgreSQL, and Redis, to scale out). SIGTERM drains: turns in
+    flight finish, new requests get 503 with Retry-After."""
     from keel.cli._database import database_settings
     from keel.service import ServeOptions
 
     settings = database_settings(database, writes=True, create=create)
-    _refuse_flags(metrics_token, log_format)
+    _refuse_flags(metrics_token, log_format, agent=agent, model=model, prompt=system_prompt)
     options = ServeOptions(
         database=database,
         model=model,
-        system_prompt=system_prompt,
+        agent=agent,
+        system_prompt=system_prompt or _DEFAULT_PROMPT,
         memory=memory,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout,
@@ -220,14 +300,27 @@ def serve_command(
         "drain_timeout_s": drain_timeout,
         "log_format": log_format,
     }
-    if workers > 1:
-        _check_vault(settings)
-        _run_workers(options, workers, transport)
-    else:
-        _run_one(options, settings, transport)
+    listening = _listening_socket(host, port)
+    try:
+        if workers > 1:
+            _check_vault(settings)
+            _check_agent(options, settings)
+            _say(_listening_line(listening, options, settings, workers))
+            _run_workers(options, workers, transport, listening)
+        else:
+            _run_one(options, settings, transport, listening)
+    finally:
+        listening.close()
 
 
-def _refuse_flags(metrics_token: str | None, log_format: str) -> None:
+def _refuse_flags(
+    metrics_token: str | None,
+    log_format: str,
+    *,
+    agent: str | None,
+    model: str | None,
+    prompt: str | None,
+) -> None:
     from keel.errors import UsageError
 
     if metrics_token is not None:
@@ -237,6 +330,14 @@ def _refuse_flags(metrics_token: str | None, log_format: str) -> None:
         )
     if log_format not in ("text", "json"):
         raise UsageError(f"--log-format {log_format!r}: text or json")
+    if agent is not None and (model is not None or prompt is not None):
+        given = " and ".join(
+            flag for flag, value in (("--model", model), ("--system-prompt", prompt)) if value
+        )
+        raise UsageError(
+            f"--agent {agent} brings its own model and system prompt: drop {given} (set the "
+            "model in your factory, or read it from the settings it is given)"
+        )
 
 
 def _check_vault(settings: Settings) -> None:
@@ -248,14 +349,33 @@ def _check_vault(settings: Settings) -> None:
     Stores.open(settings, memory=False, redis_url="").close()
 
 
-def _run_one(options: ServeOptions, settings: Settings, transport: dict[str, Any]) -> None:
+def _check_agent(options: ServeOptions, settings: Settings) -> None:
+    """Load ``--agent`` and build it once here, for the same reason: a spec or a factory that
+    fails is one error line, not workers failing and restarting."""
+    if options.agent is None:
+        return
+    from keel.service._source import AgentSource, load_agent
+
+    spec = options.agent
+    built = AgentSource(load_agent(spec), f"--agent {spec!r}").check(settings)
+    if built.backends is not None:
+        built.backends.close()
+
+
+def _run_one(
+    options: ServeOptions,
+    settings: Settings,
+    transport: dict[str, Any],
+    listening: socket.socket,
+) -> None:
     """One process; SIGTERM: turns in flight finish, new requests get 503, then it stops."""
     from keel.service import Drain, DrainingServer
     from keel.service._protocol import ServiceConfig
 
     drain = Drain()
     service, _, _ = options.build(drain=drain, settings=settings)
-    DrainingServer(ServiceConfig(service, **transport), drain).run()
+    _say(_listening_line(listening, options, settings, 1))
+    DrainingServer(ServiceConfig(service, **transport), drain).run(sockets=[listening])
 
 
 @bench_app.command("serve")

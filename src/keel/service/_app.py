@@ -97,7 +97,8 @@ def create_app(
     operators_see_values: bool = False,
     approvals: ApprovalStore | None = None,
 ) -> FastAPI:
-    """The service's FastAPI app.
+    """The service's FastAPI app, assembled from its parts (the low-level door: to serve an
+    agent in your own application, use [`mount`][keel.service.mount]; to run it, ``keel serve``).
 
     Args:
         agent_for: the agent of a tenant (made once per tenant, on shared stores).
@@ -113,10 +114,11 @@ def create_app(
             metrics name tenants, so without a token the route does not exist.
         tenants: the tenants whose agents exist (their death-spiral indicators are exported).
         rate_limiter: requests per key and minute; over it, 429 with ``Retry-After``.
-        drain: shared with a [`DrainingServer`][]: while it drains, new turns get 503 and
-            the turns in flight are counted until they end.
+        drain: shared with a [`DrainingServer`][keel.service.DrainingServer]: while it
+            drains, new turns get 503 and the turns in flight are counted until they end.
         ready: awaited by ``/ready`` (and once at start-up, to warm what it opens); it raises
-            [`BackendUnavailableError`][] while a store does not answer.
+            [`BackendUnavailableError`][keel.errors.BackendUnavailableError] while a store
+            does not answer.
         ui: serve the web trace viewer at ``/ui`` (it signs in with the same API keys).
         vault: the agents' PII vault: reads of history show a user key its user's values,
             and ``POST /v1/privacy/forget`` erases a user's (None: no vault, and that route
@@ -125,6 +127,9 @@ def create_app(
             it, placeholders).
         approvals: the approvals queue the agents write to (``/v1/approvals``; without it,
             those routes answer 404).
+
+    Returns:
+        The app; serve it with uvicorn (or ``DrainingServer``).
     """
 
     app = FastAPI(

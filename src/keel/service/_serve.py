@@ -1,7 +1,8 @@
 """Assembling the service: the stores from one database URL, one agent per tenant on them.
 
-[`ServeOptions`][] is what ``keel serve`` builds its service from: validated once by the
-command, handed to each worker process as this model's JSON and validated again there.
+[`ServeOptions`][keel.service.ServeOptions] is what ``keel serve`` builds its service from:
+validated once by the command, handed to each worker process as this model's JSON and
+validated again there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
+from keel.service._source import AgentSource, load_agent
 from keel.settings import Settings, validation_problems
 
 if TYPE_CHECKING:
@@ -36,10 +38,12 @@ costs its turn a new PostgreSQL server process."""
 
 
 class ServiceAgents:
-    """One [`Agent`][] per tenant, all on the same stores, made on first use.
+    """One [`Agent`][keel.Agent] per tenant, all on the same stores, made on first use.
 
     The agents share the model, the prompt, the tools and the options; each is scoped to its
-    tenant (sessions, journal entries, traces, memory).
+    tenant (sessions, journal entries, traces, memory). With ``source`` (the application's
+    agent or factory, [`from_source`][keel.service.ServiceAgents.from_source]) each tenant's
+    agent is the source's definition instead, a factory called once per tenant.
     """
 
     def __init__(
@@ -54,6 +58,8 @@ class ServiceAgents:
     ) -> None:
         self.backends = backends
         self.model = model
+        self.source: AgentSource | None = None
+        self.settings: Settings | None = None
         self.system_prompt = system_prompt
         self.tools = tuple(tools)
         self.name = name
@@ -61,9 +67,30 @@ class ServiceAgents:
         self._agents: dict[str, Agent] = {}
         self._warm = False
 
+    @classmethod
+    def from_source(
+        cls, backends: Backends, source: AgentSource, settings: Settings
+    ) -> ServiceAgents:
+        """The agents of ``source`` (checked here: a factory that fails, fails now).
+
+        Raises:
+            ConfigError: the factory raised.
+            UsageError: the factory returned something other than an Agent.
+        """
+        template = source.check(settings)
+        agents = cls(
+            backends, template.model, system_prompt=template.system_prompt, name=template.name
+        )
+        agents.source, agents.settings = source, settings
+        return agents
+
     def __call__(self, tenant_id: str) -> Agent:
         agent = self._agents.get(tenant_id)
-        if agent is None:
+        if agent is None and self.source is not None and self.settings is not None:
+            agent = self._agents[tenant_id] = self.source.agent_for(
+                tenant_id, self.backends, self.settings
+            )
+        elif agent is None:
             agent = self._agents[tenant_id] = Agent.on_backends(
                 self.backends,
                 self.model,
@@ -91,8 +118,11 @@ class ServiceAgents:
         return list(self._agents)
 
     async def aclose(self) -> None:
-        """Close the model's clients and the stores."""
-        await self.model.aclose()
+        """Close the models' clients and the stores."""
+        models = {id(self.model): self.model}
+        models.update((id(agent.model), agent.model) for agent in self._agents.values())
+        for model in models.values():
+            await model.aclose()
         await self.backends.aclose()
 
 
@@ -100,8 +130,9 @@ class ServeOptions(BaseModel):
     """The service ``keel serve`` runs: its database, model, prompt and request limits.
 
     The command validates them once; with ``--workers N`` each worker process receives them as
-    this model's JSON ([`to_json`][], in the environment, not in the arguments ``ps`` shows)
-    and validates them again ([`from_json`][]) before building its service.
+    this model's JSON ([`to_json`][keel.service.ServeOptions.to_json], in the environment, not
+    in the arguments ``ps`` shows) and validates them again
+    ([`from_json`][keel.service.ServeOptions.from_json]) before building its service.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -110,6 +141,11 @@ class ServeOptions(BaseModel):
         default=None, description="Database URL (default: KEEL_DATABASE, else keel.db)."
     )
     model: str | None = Field(default=None, description="Model spec (default: settings.model).")
+    agent: str | None = Field(
+        default=None,
+        description="MODULE:ATTRIBUTE of the application's Agent or factory (instead of "
+        "model and system_prompt); each worker loads it.",
+    )
     system_prompt: str = "You are a helpful assistant."
     memory: bool = Field(default=True, description="Use long-term memory.")
     max_body_bytes: int = Field(default=1_000_000, description="Larger request bodies get 413.")
@@ -132,12 +168,13 @@ class ServeOptions(BaseModel):
         return None if token is None else token.get_secret_value()
 
     def to_json(self) -> str:
-        """These options as the JSON [`from_json`][] reads (the metrics token in clear)."""
+        """These options as the JSON [`from_json`][keel.service.ServeOptions.from_json] reads
+        (the metrics token in clear)."""
         return self.model_dump_json()
 
     @classmethod
     def from_json(cls, text: str) -> ServeOptions:
-        """Options from [`to_json`][]'s JSON, validated again.
+        """Options from [`to_json`][keel.service.ServeOptions.to_json]'s JSON, validated again.
 
         Raises:
             ConfigError: the JSON is not ServeOptions (one line per field).
@@ -151,10 +188,16 @@ class ServeOptions(BaseModel):
     def build(
         self, *, drain: Drain | None = None, settings: Settings | None = None
     ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
-        """The service these options describe ([`build_service`][])."""
+        """The service these options describe ([`build_service`][keel.service.build_service])."""
         token = self.metrics_token
+        source = (
+            None
+            if self.agent is None
+            else AgentSource(load_agent(self.agent), f"--agent {self.agent!r}")
+        )
         return build_service(
             self.database,
+            agent=source,
             model=self.model,
             system_prompt=self.system_prompt,
             memory=self.memory,
@@ -171,6 +214,7 @@ class ServeOptions(BaseModel):
 def build_service(
     database: str | None = None,
     *,
+    agent: AgentSource | None = None,
     model: ChatModel | str | None = None,
     system_prompt: str = "You are a helpful assistant.",
     tools: Sequence[Tool] = (),
@@ -183,10 +227,15 @@ def build_service(
     operators_see_values: bool = False,
     drain: Drain | None = None,
     settings: Settings | None = None,
+    ui: bool = True,
     **agent_options: Any,
 ) -> tuple[FastAPI, ServiceAgents, APIKeys]:
     """The service on ``database`` (default: ``KEEL_DATABASE``, else the embedded SQLite file):
-    its app, its agents (close them with ``aclose``) and its API keys.
+    its app, its agents (close them with ``aclose``) and its API keys. To add keel to your own
+    FastAPI application, [`mount`][keel.service.mount] is the simpler door.
+
+    ``agent``: the application's agent or factory, served instead of ``model``,
+    ``system_prompt`` and ``tools``, one agent per tenant on these stores.
 
     ``rate_limit_per_minute``: requests per key and minute (429 beyond), counted in Redis when
     there is one, so that every worker sees the same count. ``settings``: read once here (the
@@ -198,7 +247,9 @@ def build_service(
 
     Raises:
         VaultKeyError: the master key is malformed, missing from its file, or not this
-            vault's (nothing is served, nothing is stored raw)."""
+            vault's (nothing is served, nothing is stored raw).
+        ConfigError: ``agent``'s factory raised.
+        UsageError: ``agent``'s factory returned something other than an Agent."""
     # The service's edge, opened as Agent.open opens: the settings are read there (when not
     # given) and handed down; every tenant's agent shares the stores and their privacy policy.
     backends, settings = open_at_edge(
@@ -209,10 +260,13 @@ def build_service(
         privacy=agent_options.get("masker", DEFAULT_MASKER),
     )
     try:
-        chat = model if isinstance(model, ChatModel) else resolve_model(model, settings)
-        agents = ServiceAgents(
-            backends, chat, system_prompt=system_prompt, tools=tools, **agent_options
-        )
+        if agent is not None:
+            agents = ServiceAgents.from_source(backends, agent, settings)
+        else:
+            chat = model if isinstance(model, ChatModel) else resolve_model(model, settings)
+            agents = ServiceAgents(
+                backends, chat, system_prompt=system_prompt, tools=tools, **agent_options
+            )
         keys = APIKeys(backends.sql)
     except BaseException:
         backends.close()
@@ -245,5 +299,6 @@ def build_service(
         vault=backends.vault,
         operators_see_values=operators_see_values,
         approvals=backends.approvals,
+        ui=ui,
     )
     return app, agents, keys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -30,6 +31,7 @@ from keel.service._openai import (
 
 if TYPE_CHECKING:
     from keel.runtime import AgentEvent, AgentReply
+    from keel.service._keys import Caller
 
 __all__ = ["router"]
 
@@ -75,20 +77,42 @@ class _Turn:
         }
 
 
+# A client's own instructions: keel's agent has its system prompt and operating rules, set
+# where it is served; a request cannot replace or add to them (a customer could otherwise
+# talk the agent out of its rules), and silently dropping them would mislead the client.
+_INSTRUCTION_ROLES = frozenset({"system", "developer"})
+
+
+def _refuse_instructions(body: ChatCompletionRequest) -> None:
+    """400 for a request that carries a system (or developer) message."""
+    for message in body.messages:
+        if message.role in _INSTRUCTION_ROLES:
+            raise HTTPError(
+                400,
+                "UnsupportedParameter",
+                f"a {message.role} message: keel's agent has its own system prompt and "
+                "operating rules, set where it is served (keel serve --agent or "
+                "--system-prompt); send the conversation's user and assistant messages only",
+                param="messages",
+            )
+
+
+def conversation_session_id(who: Caller, user_id: str, body: ChatCompletionRequest) -> str:
+    """The session of a client that names none: derived from the key, the user and the
+    conversation's first user message, so that every turn of one conversation (the client
+    resends it whole) lands in the same session."""
+    first = next((m.text() for m in body.messages if m.role == "user"), "")
+    seed = "\x00".join((who.tenant_id, who.key_id, user_id, first))
+    return "chat-" + hashlib.sha256(seed.encode()).hexdigest()[:32]
+
+
 def _resolve(
     body: ChatCompletionRequest,
-    session_id: str | None,
-    user_id: str | None,
+    session_id: str,
+    user_id: str,
     idempotency_key: str | None,
 ) -> tuple[_Turn, str]:
-    """The request's turn and the user's new message; 400/422 when it has none to run."""
-    if not session_id or not user_id:
-        raise HTTPError(
-            422,
-            "ValidationError",
-            "name the session and the user: X-Keel-Session and X-Keel-User headers, or "
-            "metadata.session_id and metadata.user_id",
-        )
+    """The request's turn and the user's new message; 400 when it has none to run."""
     refused = body.unsupported()
     if refused is not None:
         raise HTTPError(400, "UnsupportedParameter", refused[1], param=refused[0])
@@ -112,6 +136,32 @@ def _resolve(
     return _Turn(session_id, user_id, turn_id), text
 
 
+def _party(
+    request: Request,
+    body: ChatCompletionRequest,
+    x_keel_session: str | None,
+    x_keel_user: str | None,
+) -> tuple[str, str]:
+    """The session and the user of a chat completion (see ``chat_completions``)."""
+    who: Caller = request.state.keel_caller
+    metadata = body.metadata or {}
+    user_id = x_keel_user or metadata.get("user_id") or body.user or who.user_id
+    if not user_id:
+        raise HTTPError(
+            400,
+            "MissingUser",
+            "name the user this operator key speaks for: OpenAI's user field (or the "
+            "X-Keel-User header); or use a user's key (keel keys create --tenant T --user U)",
+            param="user",
+        )
+    _refuse_instructions(body)
+    session_id = x_keel_session or metadata.get("session_id")
+    if not session_id:
+        session_id = conversation_session_id(who, user_id, body)
+    # The session-id grammar, and a user key's own user only.
+    return chat_party(request, session_id, user_id, user_from_header=x_keel_user is not None)
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest,
@@ -123,9 +173,16 @@ async def chat_completions(
     idempotency_key: str | None = Header(default=None, max_length=255),
 ) -> Any:
     """OpenAI's chat completions, answered by the tenant's agent: point the ``openai`` SDK
-    here. keel keeps the session (its state, memory and context); the last message must be
-    the user's new one. The session and user come from ``X-Keel-Session`` / ``X-Keel-User``,
-    else from ``metadata`` (``session_id``, ``user_id``), the user also from ``user``.
+    here (``base_url`` and ``api_key`` are all it needs). keel keeps the session (its state,
+    memory and context); the last message must be the user's new one.
+
+    The user is ``X-Keel-User``, else ``metadata.user_id``, else OpenAI's ``user``, else the
+    user of a user key (an operator key that names none is 400). The session is
+    ``X-Keel-Session``, else ``metadata.session_id``, else derived from the key, the user and
+    the conversation's first user message: a client that resends the whole conversation keeps
+    one session (two conversations that open with the same words share it: name the session
+    to keep them apart). A ``system`` or ``developer`` message is 400: the agent's prompt and
+    rules are set where it is served, never by a request.
 
     A retry runs the turn once: a client that sends the whole conversation gets the same turn
     back for the same list, once the list holds an earlier answer; a list of only the newest
@@ -133,14 +190,7 @@ async def chat_completions(
     only that (or retries a conversation's first message) uses ``Idempotency-Key``. A failed turn
     is OpenAI's error (502 the model failed, 504 the time limit, 500 another limit), before
     the first byte with its status, after it as an error event the SDK raises."""
-    metadata = body.metadata or {}
-    session_id = x_keel_session or metadata.get("session_id")
-    user_id = x_keel_user or metadata.get("user_id") or body.user
-    if session_id and user_id:
-        # The session-id grammar, and a user key's own user only.
-        session_id, user_id = chat_party(
-            request, session_id, user_id, user_from_header=x_keel_user is not None
-        )
+    session_id, user_id = _party(request, body, x_keel_session, x_keel_user)
     turn, text = _resolve(body, session_id, user_id, idempotency_key)
     agent = context.agent_for(tenant_id)
     requested = body.model_options()
