@@ -1,4 +1,4 @@
-"""keel inside an existing FastAPI application: :func:`mount`."""
+"""keel inside an existing FastAPI application: [`mount`][]."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""The application's agent a service serves: an :class:`~keel.runtime.Agent`, or a factory
+"""The application's agent a service serves: an [`Agent`][], or a factory
 that builds one, found by a ``module:attribute`` spec as ``uvicorn main:app`` finds its app.
 
 The agent (or each agent a factory builds) is the definition of what is served: its model,
 system prompt, tools, rules, workflow, guards and options. The service places it on its own
-stores, one agent per tenant, as :class:`~keel.service.ServiceAgents` does for ``--model``:
+stores, one agent per tenant, as [`ServiceAgents`][] does for ``--model``:
 the stores a factory opened for its agent (``Agent.open(settings, ...)``) are closed again.
 """
 
