@@ -26,8 +26,8 @@ from keel.approvals import (
     arguments_digest,
     repeats_standing,
 )
-from keel.errors import AccessDeniedError, ApprovalSettledError, UsageError
-from keel.runtime._approvals import Approvals, pending_view
+from keel.errors import AccessDeniedError, ApprovalSettledError, SessionBusyError, UsageError
+from keel.runtime._approvals import Approvals, pending_view, waiting_text
 from keel.runtime._events import AgentEvent
 from keel.runtime._lease import Lease
 from keel.runtime._masking import Masking
@@ -41,6 +41,7 @@ __all__ = [
     "DecideOptions",
     "answer_session",
     "cancel_on_revert",
+    "carry_out_decisions",
     "decide",
     "resume_parked",
     "resume_session",
@@ -48,6 +49,12 @@ __all__ = [
 
 Own = Callable[[str], contextlib.AbstractAsyncContextManager[Lease]]
 """Takes a session's lease for a block (the agent's ``_own``)."""
+
+_DECIDED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired")
+"""The outcomes a parked turn goes on from (a cancelled request's turn was reverted away)."""
+
+DECIDED_SCAN = 10_000
+"""The most decided requests one :func:`carry_out_decisions` reads (oldest first)."""
 
 
 class DecideOptions(TypedDict, total=False):
@@ -260,9 +267,7 @@ async def answer_session(
     requests = await _awaited(deps, checkpoint.state)
     pending = [request for request in requests if request.status == "pending"]
     if pending and not any(request.kind == "user" for request in pending):
-        waiting = "I'm still waiting for an operator before I go on: " + "; ".join(
-            f"{r.tool} {r.arguments} ({r.reason})" for r in pending
-        )
+        waiting = waiting_text(pending, deps.workflow.domain_tools.get)
         return _standing(ids[0], checkpoint, requests, waiting)
     if pending:
         reply = await answer(deps, lease, key, ids, text, emit, extras)
@@ -303,3 +308,63 @@ async def cancel_on_revert(
         return 0
     reason = f"the session was reverted (to version {reverted.version})"
     return await approvals.store.acancel(tenant_id, session_id, reason)
+
+
+async def carry_out_decisions(
+    deps: TurnDeps, own: Own, key_of: Callable[[str], str], user_id: str | None = None
+) -> list[AgentReply]:
+    """``Agent.carry_out_decisions``: every session of the tenant (of ``user_id`` only, when
+    given) whose parked turn waits for requests decided elsewhere (``keel approvals
+    approve``, another process's ``decide``, an expiry) goes on, once: the replies of the
+    turns that went on, oldest decision first.
+
+    Safe to run in several processes at once: a session goes on under its lease, and its
+    state is read again there; a session another process holds is left to it (its turn
+    goes on there, or on the next call).
+    """
+    config = _config(deps)
+    await config.store.aexpire(time.time())
+    decided = await config.store.alist(
+        deps.tenant_id, user_id=user_id, statuses=_DECIDED, limit=DECIDED_SCAN
+    )
+    replies: list[AgentReply] = []
+    for session_id, owner in dict.fromkeys((r.session_id, r.user_id) for r in decided):
+        ids = {r.id for r in decided if r.session_id == session_id}
+        reply = await _carry_out(deps, own, key_of(session_id), (session_id, owner), ids)
+        if reply is not None:
+            replies.append(reply)
+    return replies
+
+
+async def _carry_out(
+    deps: TurnDeps, own: Own, key: str, ids: tuple[str, str], decided: set[str]
+) -> AgentReply | None:
+    """The reply of the session's parked turn gone on, when it waits for nothing but the
+    ``decided`` requests and the like; None when there is nothing to carry out (now)."""
+    if not _parked_on(await deps.state.apeek(key), ids[1], deps.tenant_id, decided):
+        return None
+    try:
+        async with own(key) as lease:
+            # Read again under the lease: another process may have carried it out meanwhile.
+            checkpoint = await deps.state.apeek(key)
+            if not _parked_on(checkpoint, ids[1], deps.tenant_id, decided):
+                return None
+            assert checkpoint is not None
+            requests = await _awaited(deps, checkpoint.state)
+            if any(request.status == "pending" for request in requests):
+                return None
+            return await run_turn(deps, lease, key, ids, checkpoint, None, extras=RunExtras())
+    except SessionBusyError:
+        return None
+
+
+def _parked_on(
+    checkpoint: Checkpoint[AgentState] | None, user_id: str, tenant_id: str, decided: set[str]
+) -> bool:
+    """Whether the session is this tenant's and user's, parked on one of ``decided``."""
+    if checkpoint is None:
+        return False
+    runtime = checkpoint.state.runtime
+    if runtime.tenant_id not in (None, tenant_id) or runtime.user_id not in (None, user_id):
+        return False
+    return bool(decided.intersection(runtime.awaiting))
