@@ -56,6 +56,11 @@ _DECIDED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired")
 DECIDED_SCAN = 10_000
 """The most decided requests one :func:`carry_out_decisions` reads (oldest first)."""
 
+RESUMING_GRACE_S = 15.0
+"""How long a decision made through a channel that goes on with the turn itself
+(``agent.decide``, HTTP, the viewer) is left to it; past that (its process died before the
+turn went on), it is carried out like one from the command line, which only records it."""
+
 
 class DecideOptions(TypedDict, total=False):
     """``Agent.decide``'s keywords besides the session and the request."""
@@ -327,6 +332,8 @@ async def carry_out_decisions(
     decided = await config.store.alist(
         deps.tenant_id, user_id=user_id, statuses=_DECIDED, limit=DECIDED_SCAN
     )
+    now = time.time()
+    decided = [request for request in decided if _left_to_carry_out(request, now)]
     replies: list[AgentReply] = []
     for session_id, owner in dict.fromkeys((r.session_id, r.user_id) for r in decided):
         ids = {r.id for r in decided if r.session_id == session_id}
@@ -356,6 +363,15 @@ async def _carry_out(
             return await run_turn(deps, lease, key, ids, checkpoint, None, extras=RunExtras())
     except SessionBusyError:
         return None
+
+
+def _left_to_carry_out(request: ApprovalRequest, now: float) -> bool:
+    """Whether nobody else is about to carry ``request`` out: decided on the command line
+    (which only records), expired, or decided elsewhere longer ago than the grace."""
+    decision = request.decision
+    if decision is None or decision.channel in (None, "cli"):
+        return True
+    return now - decision.decided_at >= RESUMING_GRACE_S
 
 
 def _parked_on(
