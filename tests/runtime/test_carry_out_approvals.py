@@ -10,15 +10,18 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from keel.approvals import ApprovalDecision, arguments_digest
 from keel.errors import ToolDefinitionError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
+from keel.runtime._decisions import RESUMING_GRACE_S
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import schema_tool, tool
 
@@ -257,3 +260,32 @@ def test_a_waiting_message_needs_an_approval_and_words() -> None:
         waiting_message="A colleague checks refunds first.",
     )
     assert built.waiting_message == "A colleague checks refunds first."
+
+
+async def test_a_decision_that_goes_on_by_itself_is_left_to_its_decider_for_a_while(
+    open_agent: Any,
+) -> None:
+    """A decision through HTTP or ``agent.decide`` goes on in the decider's own call: carrying
+    it out at the same moment would answer that decider "settled" instead of the turn. Only
+    when its decider died (the grace is over) is it carried out here."""
+    refunds: list[str] = []
+    agent = open_agent(refunds, [_refund_call("1"), _refund_call("2"), _told])
+    just_now = await agent.run("Refund order 1.", session="s1", user="ann")
+    long_ago = await agent.run("Refund order 2.", session="s2", user="ann")
+
+    async def decided_over_http(parked: Any, decided_at: float) -> None:
+        decision = ApprovalDecision(
+            approve=True,
+            by="operator:alice",
+            decided_at=decided_at,
+            channel="http",
+            arguments_digest=arguments_digest(parked.approvals[0].arguments),
+        )
+        await agent.approvals.store.adecide("default", parked.approvals[0].id, "approved", decision)
+
+    # s1's decider is about to go on with its turn; s2's died before it could.
+    await decided_over_http(just_now, time.time())
+    await decided_over_http(long_ago, time.time() - RESUMING_GRACE_S - 1)
+    went_on = await agent.carry_out_decisions()
+    assert [reply.session_id for reply in went_on] == ["s2"]
+    assert refunds == ["2 40.0"]

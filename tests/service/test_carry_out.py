@@ -113,6 +113,9 @@ def test_a_decision_on_the_command_line_is_carried_out_by_a_worker_once(tmp_path
                 assert turn.status_code == 200, turn.text
                 body = turn.json()
                 assert body["status"] == "awaiting_approval", body
+                # What the customer reads: no raw JSON, no tool name (those are the operator's).
+                assert body["text"].startswith("I need a colleague to approve this"), body
+                assert "{" not in body["text"] and "issue_refund" not in body["text"]
                 return str(body["approvals"][0]["id"])
 
             def state(session: str) -> dict[str, Any]:
