@@ -23,7 +23,7 @@ from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.runtime._decisions import RESUMING_GRACE_S
 from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import schema_tool, tool
+from keel.tools import ApprovalNeed, schema_tool, tool
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -113,7 +113,9 @@ def test_a_decision_on_the_command_line_is_carried_out_once(open_agent: Any, dat
     _keel_approvals(database, "approve", approval, "--by", "alice", "--note", "policy ok")
     assert refunds == []  # the command line records the decision; it runs no tool
 
-    [went_on] = agent.carry_out_decisions_sync()
+    went = agent.carry_out_decisions_sync()
+    assert len(went) == 1, went
+    went_on = went[0]
     assert went_on.status == "completed" and went_on.session_id == "s1", went_on
     assert "approved by operator:alice (policy ok)" in went_on.text
     assert refunds == ["1024 40.0"]
@@ -127,7 +129,9 @@ def test_a_decision_on_the_command_line_is_carried_out_once(open_agent: Any, dat
     # A rejection is carried out too: the turn goes on, the refund never runs.
     again = agent.run_sync("And refund 2048.", session="s1", user="ann")
     _keel_approvals(database, "reject", again.approvals[0].id, "--note", "not eligible")
-    [rejected] = agent.carry_out_decisions_sync()
+    went = agent.carry_out_decisions_sync()
+    assert len(went) == 1, went
+    rejected = went[0]
     assert rejected.status == "completed" and "rejected" in rejected.text
     assert refunds == ["1024 40.0"]
 
@@ -289,3 +293,37 @@ async def test_a_decision_that_goes_on_by_itself_is_left_to_its_decider_for_a_wh
     went_on = await agent.carry_out_decisions()
     assert [reply.session_id for reply in went_on] == ["s2"]
     assert refunds == ["2 40.0"]
+
+
+def test_an_expired_request_lets_its_turn_go_on_without_the_call(database: str) -> None:
+    refunds: list[str] = []
+
+    def briefly(arguments: Any, context: Any) -> ApprovalNeed:
+        # Past its expiry as soon as it is stored: nobody decides in time.
+        return ApprovalNeed("operator", "refunds need an operator", expires_after_s=1e-6)
+
+    @tool(approval=briefly)
+    def issue_refund(order_id: str, amount: float) -> str:
+        """Refund an order.
+
+        Args:
+            order_id: The order.
+            amount: Euros.
+        """
+        refunds.append(order_id)
+        return "refunded"
+
+    with Agent.open(
+        database,
+        system_prompt="You support a shop's customers.",
+        model=ScriptedModel([_refund_call(), _told]),
+        tools=[issue_refund],
+        memory=False,
+    ) as agent:
+        parked = agent.run_sync("Refund my order 1024, please.", session="s1", user="ann")
+        assert parked.status == "awaiting_approval"
+        went = agent.carry_out_decisions_sync()
+        assert len(went) == 1, went
+        went_on = went[0]
+    assert went_on.status == "completed" and "expired without a decision" in went_on.text
+    assert refunds == []
