@@ -129,7 +129,13 @@ def test_a_decision_on_the_command_line_is_carried_out_by_a_worker_once(tmp_path
             _approve(database, request_id)
 
             _until("the refund was made", lambda: _refunds(ledger) == ["refund 1024"])
-            _until("the turn went on", lambda: not state("s1")["runtime"]["awaiting"])
+
+            def went_on() -> bool:
+                runtime = state("s1")["runtime"]
+                # Parked no more, and the turn that went on committed (not mid-turn).
+                return not runtime["awaiting"] and runtime["open_turn"] is None
+
+            _until("the turn went on", went_on)
             last = state("s1")["messages"][-1]
             assert last["role"] == "assistant" and "approved by operator:alice" in last["content"]
 

@@ -107,7 +107,10 @@ def test_a_worker_carries_out_an_approval_made_on_the_command_line(tmp_path: Pat
                     f"{served.url}/v1/sessions/{session}", headers=operator, timeout=30
                 )
                 state = read.json()["state"]
-                return None if state["runtime"]["awaiting"] else state["messages"]
+                runtime = state["runtime"]
+                # Parked no more, and the turn that went on committed (not mid-turn).
+                done = not runtime["awaiting"] and runtime["open_turn"] is None
+                return state["messages"] if done else None
 
             messages = _until("the session's turn went on", went_on)
             last = messages[-1]
