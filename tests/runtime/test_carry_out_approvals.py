@@ -327,3 +327,20 @@ def test_an_expired_request_lets_its_turn_go_on_without_the_call(database: str) 
         went_on = went[0]
     assert went_on.status == "completed" and "expired without a decision" in went_on.text
     assert refunds == []
+
+
+def test_an_agent_without_the_tool_leaves_the_decision_to_the_one_with_it(
+    open_agent: Any, database: str
+) -> None:
+    """``keel ui`` (an agent with no tools) on the application's database must not carry out
+    the application's refund: it could not run it, and the turn would go on without it."""
+    refunds: list[str] = []
+    application = open_agent(refunds, [_refund_call(), _told])
+    parked = application.run_sync("Refund my order 1024, please.", session="s1", user="ann")
+    _keel_approvals(database, "approve", parked.approvals[0].id)
+    with Agent.open(
+        database, system_prompt="A viewer's agent.", model=ScriptedModel([_told]), memory=False
+    ) as toolless:
+        assert toolless.carry_out_decisions_sync() == []
+    went = application.carry_out_decisions_sync()
+    assert [reply.status for reply in went] == ["completed"] and refunds == ["1024 40.0"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal, TypedDict, Unpack
 
 from keel.approvals import (
@@ -333,7 +333,8 @@ async def carry_out_decisions(
         deps.tenant_id, user_id=user_id, statuses=_DECIDED, limit=DECIDED_SCAN
     )
     now = time.time()
-    decided = [request for request in decided if _left_to_carry_out(request, now)]
+    tools = deps.workflow.domain_tools
+    decided = [r for r in decided if _left_to_carry_out(r, now) and _ours(r, tools)]
     replies: list[AgentReply] = []
     for session_id, owner in dict.fromkeys((r.session_id, r.user_id) for r in decided):
         ids = {r.id for r in decided if r.session_id == session_id}
@@ -360,6 +361,8 @@ async def _carry_out(
             requests = await _awaited(deps, checkpoint.state)
             if any(request.status == "pending" for request in requests):
                 return None
+            if not all(_ours(request, deps.workflow.domain_tools) for request in requests):
+                return None
             return await run_turn(deps, lease, key, ids, checkpoint, None, extras=RunExtras())
     except SessionBusyError:
         return None
@@ -372,6 +375,12 @@ def _left_to_carry_out(request: ApprovalRequest, now: float) -> bool:
     if decision is None or decision.channel in (None, "cli"):
         return True
     return now - decision.decided_at >= RESUMING_GRACE_S
+
+
+def _ours(request: ApprovalRequest, tools: Mapping[str, object]) -> bool:
+    """Whether this agent can carry ``request`` out: it has the request's tool. Another
+    application on the same database (``keel ui``'s agent has no tools) leaves it alone."""
+    return request.tool is None or request.tool in tools
 
 
 def _parked_on(
