@@ -321,7 +321,7 @@ async def carry_out_decisions(
     """``Agent.carry_out_decisions``: every session of the tenant (of ``user_id`` only, when
     given) whose parked turn waits for requests decided elsewhere (``keel approvals
     approve``, another process's ``decide``, an expiry) goes on, once: the replies of the
-    turns that went on, oldest decision first.
+    turns that went on, the oldest request's session first.
 
     Safe to run in several processes at once: a session goes on under its lease, and its
     state is read again there; a session another process holds is left to it (its turn
@@ -335,10 +335,12 @@ async def carry_out_decisions(
     now = time.time()
     tools = deps.workflow.domain_tools
     decided = [r for r in decided if _left_to_carry_out(r, now) and _ours(r, tools)]
+    sessions: dict[tuple[str, str], set[str]] = {}
+    for request in decided:
+        sessions.setdefault((request.session_id, request.user_id), set()).add(request.id)
     replies: list[AgentReply] = []
-    for session_id, owner in dict.fromkeys((r.session_id, r.user_id) for r in decided):
-        ids = {r.id for r in decided if r.session_id == session_id}
-        reply = await _carry_out(deps, own, key_of(session_id), (session_id, owner), ids)
+    for ids, request_ids in sessions.items():
+        reply = await _carry_out(deps, own, key_of(ids[0]), ids, request_ids)
         if reply is not None:
             replies.append(reply)
     return replies

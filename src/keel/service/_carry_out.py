@@ -5,9 +5,9 @@
 A background task of each worker calls ``agent.carry_out_decisions()`` for every tenant every
 ``every_s`` seconds. Several workers (or servers) doing so at once carry each decision out
 once: a parked turn goes on under its session's lease, its state read again there, its tool
-calls through the journal. While the server drains, no new pass starts; a pass in flight is
-counted as a turn in flight, so the drain waits for it; at shutdown the task stops before the
-stores close.
+calls through the journal. While the server drains, no new pass starts; at shutdown the pass
+in flight finishes (or, past a bound, is cancelled: its turn goes on later, whole) before the
+stores close. A pass is not a client's turn: it never counts in the drain's turns in flight.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ class DecisionCarrier:
         agent_for: the tenant's agent (the service's, made on first use).
         tenants: the tenants to look at (awaited when it returns an awaitable).
         every_s: seconds between passes (0.05 to 3600).
-        drain: the server's drain: no pass starts while it drains, and a pass in flight
-            counts as a turn in flight.
+        drain: the server's drain: no pass starts while it drains.
 
     Raises:
         UsageError: ``every_s`` is out of range.
@@ -89,17 +88,12 @@ class DecisionCarrier:
         """Pass after pass until :meth:`stop`; a failing pass is logged, never the worker's."""
         while not self._stop.is_set():
             if not self._draining():
-                if self.drain is not None:
-                    self.drain.enter()
                 try:
                     went_on = await self.pass_once()
                     if went_on:
                         logger.info("carried out decisions: %d turns went on", went_on)
                 except Exception:
                     logger.exception("carrying out decisions failed; trying again")
-                finally:
-                    if self.drain is not None:
-                        self.drain.leave()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.every_s)
 
