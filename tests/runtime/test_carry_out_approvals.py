@@ -338,9 +338,24 @@ def test_an_agent_without_the_tool_leaves_the_decision_to_the_one_with_it(
     application = open_agent(refunds, [_refund_call(), _told])
     parked = application.run_sync("Refund my order 1024, please.", session="s1", user="ann")
     _keel_approvals(database, "approve", parked.approvals[0].id)
-    with Agent.open(
-        database, system_prompt="A viewer's agent.", model=ScriptedModel([_told]), memory=False
-    ) as toolless:
-        assert toolless.carry_out_decisions_sync() == []
+
+    @tool
+    def lookup_order(order_id: str) -> str:
+        """Look an order up.
+
+        Args:
+            order_id: The order.
+        """
+        return order_id
+
+    for tools in ([], [lookup_order]):
+        with Agent.open(
+            database,
+            system_prompt="Another application's agent.",
+            model=ScriptedModel([_told]),
+            tools=tools,
+            memory=False,
+        ) as other:
+            assert other.carry_out_decisions_sync() == []
     went = application.carry_out_decisions_sync()
     assert [reply.status for reply in went] == ["completed"] and refunds == ["1024 40.0"]

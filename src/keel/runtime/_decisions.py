@@ -328,12 +328,16 @@ async def carry_out_decisions(
     goes on there, or on the next call).
     """
     config = _config(deps)
+    tools = deps.workflow.domain_tools
+    if not tools:
+        # It never parked a turn: one parked on the same database is another application's
+        # (``keel ui``'s agent has no tools), whose model and tools must continue it.
+        return []
     # The queue marks its overdue requests expired as it lists them (ApprovalStore.alist).
     decided = await config.store.alist(
         deps.tenant_id, user_id=user_id, statuses=_DECIDED, limit=DECIDED_SCAN
     )
     now = time.time()
-    tools = deps.workflow.domain_tools
     decided = [r for r in decided if _left_to_carry_out(r, now) and _ours(r, tools)]
     sessions: dict[tuple[str, str], set[str]] = {}
     for request in decided:
