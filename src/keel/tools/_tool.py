@@ -284,8 +284,7 @@ def tool(
             ``(arguments, context) -> ApprovalNeed | None`` deciding per call (a refund over
             500). Such a tool is side-effecting (journalled, run once) unless said otherwise.
         waiting_message: what the customer reads while a call waits for that decision
-            ("I've asked a colleague to approve the refund; ..."). Default: keel's own
-            sentence, written for a customer (the operator's detail stays in the request).
+            (default: keel's own sentence for a customer; the detail stays in the request).
 
     Raises:
         ToolDefinitionError: the function cannot be described as a tool (``*args``, a
@@ -309,8 +308,6 @@ def tool(
         )
         checked = check_approval(built.name, approval)
         waiting = check_waiting_message(built.name, checked, waiting_message)
-        if checked is None:
-            return built
         return dataclasses.replace(built, approval=checked, waiting_message=waiting)
 
     if function is not None:
