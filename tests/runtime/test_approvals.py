@@ -126,7 +126,7 @@ async def test_an_approved_call_runs_once_after_the_decision(open_agent: Any) ->
     assert state.runtime.open_turn is None  # parked, not open: no lease held while it waits
     # A new message while it waits: the model is not asked, the reply says what it waits for.
     again = await agent.run("Is it done?", session="s1", user="u1")
-    assert again.status == "awaiting_approval" and "operator" in again.text
+    assert again.status == "awaiting_approval" and "colleague" in again.text
     assert len(agent.model.calls) == 1
     decided = await agent.decide("s1", waiting.id, approve=True, by="alice", note="ok by policy")
     assert decided.status == "completed", decided

@@ -126,7 +126,8 @@ class ApprovalStore(ABC):
         statuses: Sequence[ApprovalStatus] = ("pending",),
         limit: int = 100,
     ) -> list[ApprovalRequest]:
-        """The tenant's requests, oldest first."""
+        """The tenant's requests, oldest first; a pending one past its expiry is marked
+        ``expired`` before it is listed (a parked turn goes on from an expiry too)."""
 
     @abstractmethod
     async def adecide(

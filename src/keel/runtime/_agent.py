@@ -40,7 +40,13 @@ from keel.models import ChatModel, ModelOptions
 from keel.privacy import DEFAULT_MASKER, NoVault, PIIMasker, Vault
 from keel.runtime._approvals import Approvals
 from keel.runtime._backends import Backends
-from keel.runtime._decisions import DecideOptions, answer_session, decide, resume_parked
+from keel.runtime._decisions import (
+    DecideOptions,
+    answer_session,
+    carry_out_decisions,
+    decide,
+    resume_parked,
+)
 from keel.runtime._events import AgentEvent
 from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, hand_off
 from keel.runtime._lease import Lease, own_session
@@ -329,12 +335,7 @@ class Agent:
         return await self._handle(session_id, user_id, text, None)
 
     async def run(
-        self,
-        text: str,
-        *,
-        session: str,
-        user: str,
-        **options: Unpack[TurnOptions],
+        self, text: str, *, session: str, user: str, **options: Unpack[TurnOptions]
     ) -> AgentReply:
         """Process one user message of ``user`` in ``session`` and return the reply: the same
         as [`handle`][], with the identities named, so they cannot be swapped.
@@ -352,23 +353,13 @@ class Agent:
         return await self._handle(session, user, text, None, RunExtras(**options))
 
     def run_sync(
-        self,
-        text: str,
-        *,
-        session: str,
-        user: str,
-        **options: Unpack[TurnOptions],
+        self, text: str, *, session: str, user: str, **options: Unpack[TurnOptions]
     ) -> AgentReply:
         """Sync twin of [`run`][] (not for use inside a running event loop)."""
         return run_sync(self.run(text, session=session, user=user, **options))
 
     def stream(
-        self,
-        text: str,
-        *,
-        session: str,
-        user: str,
-        **options: Unpack[TurnOptions],
+        self, text: str, *, session: str, user: str, **options: Unpack[TurnOptions]
     ) -> AsyncIterator[AgentEvent]:
         """Process one user message as [`run`][] does, yielding its events as they happen:
         masked text deltas, tool calls as they start and end, workflow transitions,
@@ -384,12 +375,7 @@ class Agent:
         return events_of(lambda emit: self._handle(session, user, text, emit, RunExtras(**options)))
 
     def stream_sync(
-        self,
-        text: str,
-        *,
-        session: str,
-        user: str,
-        **options: Unpack[TurnOptions],
+        self, text: str, *, session: str, user: str, **options: Unpack[TurnOptions]
     ) -> Iterator[AgentEvent]:
         """Sync twin of [`stream`][]: events arrive as they happen; leaving the loop early
         stops the turn as it does there (not for use inside a running event loop)."""
@@ -453,6 +439,16 @@ class Agent:
     ) -> AgentReply:
         """Sync twin of [`decide`][]."""
         return run_sync(self.decide(session_id, approval_id, **how))
+
+    async def carry_out_decisions(self, user_id: str | None = None) -> list[AgentReply]:
+        """Carry out what was decided elsewhere (``keel approvals approve``, HTTP, the viewer,
+        another process): each parked turn of this tenant (of ``user_id``) whose requests are
+        all decided goes on, once even across processes; the replies of the turns that did."""
+        return await carry_out_decisions(self._deps(), self._own, self.session_key, user_id)
+
+    def carry_out_decisions_sync(self, user_id: str | None = None) -> list[AgentReply]:
+        """Sync twin of :meth:`carry_out_decisions`."""
+        return run_sync(self.carry_out_decisions(user_id))
 
     def session_state(self, session_id: str) -> AgentState | None:
         """The session's committed state (in this agent's tenant), or None; a state another

@@ -74,6 +74,7 @@ __all__ = [
     "approval_id",
     "decided_text",
     "pending_view",
+    "waiting_text",
     "with_decision_tool",
 ]
 
@@ -135,19 +136,43 @@ def pending_view(request: ApprovalRequest) -> PendingApproval:
     )
 
 
-def _waiting_text(requests: list[ApprovalRequest]) -> str:
-    """keel's words for the user while the turn is parked."""
-    parts = []
+WAITING_FOR_OPERATOR = (
+    "I need a colleague to approve this before I go on; I'll continue as soon as it's decided."
+)
+"""What a customer reads while a call waits for an operator (a tool's ``waiting_message``
+replaces it); the operator's detail (tool, arguments, reason) stays in the request."""
+
+
+def waiting_text(
+    requests: Sequence[ApprovalRequest], tool_named: Callable[[str], Tool | None]
+) -> str:
+    """keel's words for the customer while the turn is parked on ``requests``: each tool's
+    own ``waiting_message``, else a sentence written for a customer (no JSON, no tool name);
+    the same words once."""
+    parts: list[str] = []
     for request in requests:
-        what = f"{request.tool} {request.arguments}"
-        if request.kind == "user":
-            parts.append(f"Please confirm: shall I go ahead with {what}? ({request.reason})")
+        found = tool_named(request.tool) if request.tool else None
+        if found is not None and found.waiting_message:
+            text = found.waiting_message
+        elif request.kind == "user":
+            text = f"Please confirm: shall I {_in_words(request)}?"
         else:
-            parts.append(
-                f"{what} needs an operator's approval ({request.reason}); I'll continue as "
-                "soon as it is decided."
-            )
+            text = WAITING_FOR_OPERATOR
+        if text not in parts:
+            parts.append(text)
     return "\n".join(parts)
+
+
+def _in_words(request: ApprovalRequest) -> str:
+    """A call as a person reads it: ``cancel (order: 1024)``."""
+    what = (request.tool or "go on").replace("_", " ")
+    try:
+        arguments = json.loads(request.arguments)
+    except json.JSONDecodeError:
+        return what
+    if not isinstance(arguments, dict) or not arguments:
+        return what
+    return f"{what} ({', '.join(f'{name}: {value}' for name, value in arguments.items())})"
 
 
 def decided_text(request: ApprovalRequest, result: ToolResult | None) -> str:
@@ -445,7 +470,8 @@ class ApprovalHold:
     def park(self, run: LoopRun) -> LoopResult:
         """The result of a run parked after its step: keel's waiting message as its answer."""
         waiting = Message.assistant(
-            _waiting_text(self.requested), metadata={"keel_stop": "awaiting_approval"}
+            waiting_text(self.requested, self.executor.registry.get),
+            metadata={"keel_stop": "awaiting_approval"},
         )
         run.history.append(waiting)
         return run.result("awaiting_approval", waiting)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal, TypedDict, Unpack
 
 from keel.approvals import (
@@ -26,8 +26,8 @@ from keel.approvals import (
     arguments_digest,
     repeats_standing,
 )
-from keel.errors import AccessDeniedError, ApprovalSettledError, UsageError
-from keel.runtime._approvals import Approvals, pending_view
+from keel.errors import AccessDeniedError, ApprovalSettledError, SessionBusyError, UsageError
+from keel.runtime._approvals import Approvals, pending_view, waiting_text
 from keel.runtime._events import AgentEvent
 from keel.runtime._lease import Lease
 from keel.runtime._masking import Masking
@@ -41,6 +41,7 @@ __all__ = [
     "DecideOptions",
     "answer_session",
     "cancel_on_revert",
+    "carry_out_decisions",
     "decide",
     "resume_parked",
     "resume_session",
@@ -48,6 +49,17 @@ __all__ = [
 
 Own = Callable[[str], contextlib.AbstractAsyncContextManager[Lease]]
 """Takes a session's lease for a block (the agent's ``_own``)."""
+
+_DECIDED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired")
+"""The outcomes a parked turn goes on from (a cancelled request's turn was reverted away)."""
+
+DECIDED_SCAN = 10_000
+"""The most decided requests one :func:`carry_out_decisions` reads (oldest first)."""
+
+RESUMING_GRACE_S = 15.0
+"""How long a decision made through a channel that goes on with the turn itself
+(``agent.decide``, HTTP, the viewer) is left to it; past that (its process died before the
+turn went on), it is carried out like one from the command line, which only records it."""
 
 
 class DecideOptions(TypedDict, total=False):
@@ -274,9 +286,7 @@ async def answer_session(
     requests = await _awaited(deps, checkpoint.state)
     pending = [request for request in requests if request.status == "pending"]
     if pending and not any(request.kind == "user" for request in pending):
-        waiting = "I'm still waiting for an operator before I go on: " + "; ".join(
-            f"{r.tool} {r.arguments} ({r.reason})" for r in pending
-        )
+        waiting = waiting_text(pending, deps.workflow.domain_tools.get)
         return _standing(ids[0], checkpoint, requests, waiting)
     if pending:
         reply = await answer(deps, lease, key, ids, text, emit, extras)
@@ -317,3 +327,89 @@ async def cancel_on_revert(
         return 0
     reason = f"the session was reverted (to version {reverted.version})"
     return await approvals.store.acancel(tenant_id, session_id, reason)
+
+
+async def carry_out_decisions(
+    deps: TurnDeps, own: Own, key_of: Callable[[str], str], user_id: str | None = None
+) -> list[AgentReply]:
+    """``Agent.carry_out_decisions``: every session of the tenant (of ``user_id`` only, when
+    given) whose parked turn waits for requests decided elsewhere (``keel approvals
+    approve``, another process's ``decide``, an expiry) goes on, once: the replies of the
+    turns that went on, the oldest request's session first.
+
+    Safe to run in several processes at once: a session goes on under its lease, and its
+    state is read again there; a session another process holds is left to it (its turn
+    goes on there, or on the next call).
+    """
+    config = _config(deps)
+    tools = deps.workflow.domain_tools
+    if not tools:
+        # It never parked a turn: one parked on the same database is another application's
+        # (``keel ui``'s agent has no tools), whose model and tools must continue it.
+        return []
+    # The queue marks its overdue requests expired as it lists them (ApprovalStore.alist).
+    decided = await config.store.alist(
+        deps.tenant_id, user_id=user_id, statuses=_DECIDED, limit=DECIDED_SCAN
+    )
+    now = time.time()
+    decided = [r for r in decided if _left_to_carry_out(r, now) and _ours(r, tools)]
+    sessions: dict[tuple[str, str], set[str]] = {}
+    for request in decided:
+        sessions.setdefault((request.session_id, request.user_id), set()).add(request.id)
+    replies: list[AgentReply] = []
+    for ids, request_ids in sessions.items():
+        reply = await _carry_out(deps, own, key_of(ids[0]), ids, request_ids)
+        if reply is not None:
+            replies.append(reply)
+    return replies
+
+
+async def _carry_out(
+    deps: TurnDeps, own: Own, key: str, ids: tuple[str, str], decided: set[str]
+) -> AgentReply | None:
+    """The reply of the session's parked turn gone on, when it waits for nothing but the
+    ``decided`` requests and the like; None when there is nothing to carry out (now)."""
+    if not _parked_on(await deps.state.apeek(key), ids[1], deps.tenant_id, decided):
+        return None
+    try:
+        async with own(key) as lease:
+            # Read again under the lease: another process may have carried it out meanwhile.
+            checkpoint = await deps.state.apeek(key)
+            if not _parked_on(checkpoint, ids[1], deps.tenant_id, decided):
+                return None
+            assert checkpoint is not None
+            requests = await _awaited(deps, checkpoint.state)
+            if any(request.status == "pending" for request in requests):
+                return None
+            if not all(_ours(request, deps.workflow.domain_tools) for request in requests):
+                return None
+            return await run_turn(deps, lease, key, ids, checkpoint, None, extras=RunExtras())
+    except SessionBusyError:
+        return None
+
+
+def _left_to_carry_out(request: ApprovalRequest, now: float) -> bool:
+    """Whether nobody else is about to carry ``request`` out: decided on the command line
+    (which only records), expired, or decided elsewhere longer ago than the grace."""
+    decision = request.decision
+    if decision is None or decision.channel in (None, "cli"):
+        return True
+    return now - decision.decided_at >= RESUMING_GRACE_S
+
+
+def _ours(request: ApprovalRequest, tools: Mapping[str, object]) -> bool:
+    """Whether this agent can carry ``request`` out: it has the request's tool. Another
+    application on the same database (``keel ui``'s agent has no tools) leaves it alone."""
+    return request.tool is None or request.tool in tools
+
+
+def _parked_on(
+    checkpoint: Checkpoint[AgentState] | None, user_id: str, tenant_id: str, decided: set[str]
+) -> bool:
+    """Whether the session is this tenant's and user's, parked on one of ``decided``."""
+    if checkpoint is None:
+        return False
+    runtime = checkpoint.state.runtime
+    if runtime.tenant_id not in (None, tenant_id) or runtime.user_id not in (None, user_id):
+        return False
+    return bool(decided.intersection(runtime.awaiting))

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 
 from keel.errors import BackendUnavailableError, StoreError
 from keel.service import routes
+from keel.service._carry_out import DEFAULT_EVERY_S, DecisionCarrier, carrying_out, service_carrier
 from keel.service._context import ServiceContext
 from keel.service._errors import install_error_handlers
 from keel.service._gate import Gate
@@ -61,6 +62,7 @@ _ROUTERS = (
 def _lifespan(
     ready: Callable[[], Awaitable[None]] | None,
     on_shutdown: Callable[[], Awaitable[None]] | None,
+    carrier: DecisionCarrier | None = None,
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,7 +72,8 @@ def _lifespan(
             with contextlib.suppress(BackendUnavailableError, StoreError):
                 await ready()
         try:
-            yield
+            async with carrying_out(carrier):  # stopped before the stores close
+                yield
         finally:
             if on_shutdown is not None:
                 await on_shutdown()
@@ -96,6 +99,7 @@ def create_app(
     vault: Vault | None = None,
     operators_see_values: bool = False,
     approvals: ApprovalStore | None = None,
+    carry_out_every_s: float | None = DEFAULT_EVERY_S,
 ) -> FastAPI:
     """The service's FastAPI app, assembled from its parts (the low-level door: to serve an
     agent in your own application, use [`mount`][keel.service.mount]; to run it, ``keel serve``).
@@ -127,13 +131,21 @@ def create_app(
             it, placeholders).
         approvals: the approvals queue the agents write to (``/v1/approvals``; without it,
             those routes answer 404).
+        carry_out_every_s: with a queue, every this many seconds a background task carries
+            out what was decided elsewhere (``keel approvals approve``): the parked turns go
+            on, as ``agent.carry_out_decisions()`` does (None: never).
 
     Returns:
         The app; serve it with uvicorn (or ``DrainingServer``).
     """
+    carrier = (
+        None
+        if approvals is None or carry_out_every_s is None
+        else service_carrier(agent_for, keys, tenants, every_s=carry_out_every_s, drain=drain)
+    )
 
     app = FastAPI(
-        lifespan=_lifespan(ready, on_shutdown),
+        lifespan=_lifespan(ready, on_shutdown, carrier),
         title="keel",
         description="An agent runtime: sessions, turns (JSON or server-sent events), runs.",
         version="1",

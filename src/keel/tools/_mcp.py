@@ -83,6 +83,7 @@ class MCPToolOverride:
             deployment does not trust with them).
         masked_arguments: arguments that keep their placeholders even so (secrets).
         approval: the call waits for a person before it runs, as ``@tool(approval=...)``.
+        waiting_message: what the customer reads meanwhile, as ``@tool(waiting_message=...)``.
     """
 
     side_effect: bool | None = None
@@ -94,6 +95,7 @@ class MCPToolOverride:
     sees_values: bool = True
     masked_arguments: tuple[str, ...] = ()
     approval: ApprovalPolicy | None = None
+    waiting_message: str | None = None
 
 
 class MCPToolError(Exception):
@@ -338,6 +340,7 @@ def _schema_tool(
         sees_values=override.sees_values,
         masked_arguments=tuple(override.masked_arguments),
         approval=override.approval,
+        waiting_message=override.waiting_message,
     )
 
 

@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from keel.errors import ToolDefinitionError
-from keel.tools._tool import _NAME, ApprovalPolicy, Tool, ToolContext, check_approval
+from keel.tools._tool import (
+    _NAME,
+    ApprovalPolicy,
+    Tool,
+    ToolContext,
+    check_approval,
+    check_waiting_message,
+)
 
 __all__ = ["SchemaFunction", "SchemaTool", "schema_tool"]
 
@@ -106,6 +113,7 @@ def schema_tool(
     sees_values: bool = True,
     masked_arguments: tuple[str, ...] = (),
     approval: ApprovalPolicy | None = None,
+    waiting_message: str | None = None,
 ) -> SchemaTool:
     """A tool from its name, description, the JSON schema of its arguments and an async
     function: the arguments a model writes are validated against ``parameters``.
@@ -120,6 +128,7 @@ def schema_tool(
         sees_values / masked_arguments: as for [`tool`][] (with a PII vault the
             tool gets the user's values, except under ``masked_arguments`` or with
             ``sees_values=False``).
+        approval / waiting_message: as for :func:`~keel.tools.tool`.
 
     Raises:
         ToolDefinitionError: an invalid name, an empty description, a schema that is not a
@@ -143,6 +152,7 @@ def schema_tool(
         raise ToolDefinitionError(
             f"tool {name!r}: masked_arguments names arguments it does not take: {unknown}"
         )
+    checked_approval = check_approval(name, approval)
     args_model = type(
         f"{name}_arguments",
         (_SchemaArguments,),
@@ -161,7 +171,8 @@ def schema_tool(
         context_parameter="context",
         sees_values=sees_values,
         masked_arguments=tuple(masked_arguments),
-        approval=check_approval(name, approval),
+        approval=checked_approval,
+        waiting_message=check_waiting_message(name, checked_approval, waiting_message),
     )
     built.__dict__["_parameters"] = schema  # seeds the cached_property: the schema as given
     return built

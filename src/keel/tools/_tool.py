@@ -147,6 +147,9 @@ class Tool:
     """Top-level arguments that keep their placeholders even for a tool that sees values."""
 
     approval: ApprovalPolicy | None = None
+    waiting_message: str | None = None
+    """What the customer reads while a call of this tool waits for a decision (None: keel's
+    default, written for a customer)."""
 
     def approval_need(self, arguments: BaseModel, context: ToolContext) -> ApprovalNeed | None:
         """Whether this call waits for a person before it runs (see [`tool`][])."""
@@ -227,6 +230,7 @@ def tool(
     sees_values: bool = True,
     masked_arguments: tuple[str, ...] = (),
     approval: ApprovalPolicy | None = None,
+    waiting_message: str | None = None,
 ) -> Callable[[F], Tool]: ...
 
 
@@ -243,6 +247,7 @@ def tool(
     sees_values: bool = True,
     masked_arguments: tuple[str, ...] = (),
     approval: ApprovalPolicy | None = None,
+    waiting_message: str | None = None,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Turn a typed function (sync or async) into a [`Tool`][].
 
@@ -280,6 +285,8 @@ def tool(
             (an operator approves), ``"user"`` (the user confirms), or a policy
             ``(arguments, context) -> ApprovalNeed | None`` deciding per call (a refund over
             500). Such a tool is side-effecting (journalled, run once) unless said otherwise.
+        waiting_message: what the customer reads while a call waits for that decision
+            (default: keel's own sentence for a customer; the detail stays in the request).
 
     Raises:
         ToolDefinitionError: the function cannot be described as a tool (``*args``, a
@@ -302,7 +309,8 @@ def tool(
             masked_arguments=masked_arguments,
         )
         checked = check_approval(built.name, approval)
-        return built if checked is None else dataclasses.replace(built, approval=checked)
+        waiting = check_waiting_message(built.name, checked, waiting_message)
+        return dataclasses.replace(built, approval=checked, waiting_message=waiting)
 
     if function is not None:
         return build(function)
@@ -323,6 +331,26 @@ def check_approval(name: str, approval: ApprovalPolicy | None) -> ApprovalPolicy
             f"not {approval!r}"
         )
     return approval
+
+
+def check_waiting_message(
+    name: str, approval: ApprovalPolicy | None, waiting_message: str | None
+) -> str | None:
+    """A tool's waiting message once it is one keel can show (None: keel's default).
+
+    Raises:
+        ToolDefinitionError: not text, blank, or given to a tool that waits for nobody.
+    """
+    if waiting_message is None:
+        return None
+    if not isinstance(waiting_message, str) or not waiting_message.strip():
+        raise ToolDefinitionError(f"tool {name!r}: waiting_message must be non-empty text")
+    if approval is None:
+        raise ToolDefinitionError(
+            f"tool {name!r}: waiting_message is shown while a call waits for approval, and "
+            "this tool has no approval= policy"
+        )
+    return waiting_message.strip()
 
 
 def _build_tool(
