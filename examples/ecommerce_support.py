@@ -227,7 +227,14 @@ def support_tools(shop: Shop) -> list[Tool]:
         found = shop.find(email_or_order_id)
         return json.dumps(found) if found else f"no order for {email_or_order_id}"
 
-    @tool(side_effect=True, idempotent=False, approval="operator")
+    @tool(
+        side_effect=True,
+        idempotent=False,
+        approval="operator",
+        waiting_message=(
+            "I've asked a colleague to approve the refund; I'll let you know as soon as it's done."
+        ),
+    )
     def issue_refund(order_id: str, amount: float, reason: str = "") -> str:
         """Refund (part of) an order to the customer's card.
 

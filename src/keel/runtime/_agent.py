@@ -447,7 +447,7 @@ class Agent:
         return await carry_out_decisions(self._deps(), self._own, self.session_key, user_id)
 
     def carry_out_decisions_sync(self, user_id: str | None = None) -> list[AgentReply]:
-        """Sync twin of :meth:`carry_out_decisions`."""
+        """Sync twin of [`carry_out_decisions`][]."""
         return run_sync(self.carry_out_decisions(user_id))
 
     def session_state(self, session_id: str) -> AgentState | None:

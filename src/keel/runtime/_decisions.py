@@ -54,7 +54,7 @@ _DECIDED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired")
 """The outcomes a parked turn goes on from (a cancelled request's turn was reverted away)."""
 
 DECIDED_SCAN = 10_000
-"""The most decided requests one :func:`carry_out_decisions` reads (oldest first)."""
+"""The most decided requests one `carry_out_decisions` reads (oldest first)."""
 
 RESUMING_GRACE_S = 15.0
 """How long a decision made through a channel that goes on with the turn itself

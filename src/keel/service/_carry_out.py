@@ -85,7 +85,7 @@ class DecisionCarrier:
         return went_on
 
     async def run(self) -> None:
-        """Pass after pass until :meth:`stop`; a failing pass is logged, never the worker's."""
+        """Pass after pass until `stop`; a failing pass is logged, never the worker's."""
         while not self._stop.is_set():
             if not self._draining():
                 try:
@@ -98,7 +98,7 @@ class DecisionCarrier:
                 await asyncio.wait_for(self._stop.wait(), self.every_s)
 
     def arm(self) -> None:
-        """Ready for a new :meth:`run` (an app's lifespan may run more than once)."""
+        """Ready for a new `run` (an app's lifespan may run more than once)."""
         self._stop = asyncio.Event()
 
     def stop(self) -> None:

@@ -128,7 +128,7 @@ def schema_tool(
         sees_values / masked_arguments: as for [`tool`][] (with a PII vault the
             tool gets the user's values, except under ``masked_arguments`` or with
             ``sees_values=False``).
-        approval / waiting_message: as for :func:`~keel.tools.tool`.
+        approval / waiting_message: as for [`tool`][].
 
     Raises:
         ToolDefinitionError: an invalid name, an empty description, a schema that is not a
