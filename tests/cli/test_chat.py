@@ -1,5 +1,6 @@
 """``keel chat`` through its own loop (``Chat.run``) on a real embedded agent: Ctrl-C in the
-middle of a reply, the note on the bundled demo model, ``/state``."""
+middle of a reply, the note on the bundled demo model, ``/state``, ``/approve`` and
+``/reject``."""
 
 from __future__ import annotations
 
@@ -72,35 +73,36 @@ def _chat(model: ScriptedModel, *lines: str) -> str:
     return output.getvalue()
 
 
-def test_ctrl_c_mid_reply_then_a_message_finishes_the_turn_first_and_shows_it() -> None:
+def test_ctrl_c_mid_reply_cancels_the_turn_and_the_next_message_is_answered_alone() -> None:
     model = _CtrlCMidReply()
     shown = _chat(model, "Tell me a story", "And then?")
     expected = [
         "agent> Once upon a",
-        "(turn interrupted; your next message finishes it first)",
-        "(finishing the interrupted turn first...)",
-        "(the interrupted turn completed)",
-        "agent> Re: Tell me a story",
+        "(cancelled: that answer stops here, as the history says)",
         "agent> Re: And then?",
     ]
     positions = [shown.find(text) for text in expected]
     assert -1 not in positions and positions == sorted(positions), shown
-    # After the interrupted call, the interrupted turn was finished before the new message
-    # reached the model (the scripted model records the calls it answered).
-    assert [call.last_user_text for call in model.calls] == ["Tell me a story", "And then?"]
+    assert "finishing the interrupted turn" not in shown, shown
+    # The story was never asked for again (the scripted model records the calls it answered:
+    # the cancelled one never was), the new message was answered next...
+    assert [call.last_user_text for call in model.calls] == ["And then?"]
+    # ... the model seeing keel's note that the user cancelled the story.
+    notes = [m.content for m in model.calls[0].messages if m.role == "system"]
+    assert any("[cancelled]" in note for note in notes), notes
 
 
-def test_runs_of_a_chat_interrupted_by_ctrl_c_say_so_and_none_stays_running() -> None:
+def test_runs_of_a_chat_cancelled_by_ctrl_c_say_so_and_none_stays_running() -> None:
     _chat(_CtrlCMidReply(), "Tell me a story", "And then?")
     with Backends.open(load_settings(), memory=False) as backends:
         runs = backends.traces.list_runs(RunQuery(session_id="s1"))
     by_age = sorted(runs, key=lambda run: run.started_at)
-    assert [run.status for run in by_age] == ["interrupted", "succeeded", "succeeded"]
+    assert [run.status for run in by_age] == ["interrupted", "succeeded"]
     first = by_age[0]
-    assert first.ended_at is not None and first.error_type == "TurnInterruptedError"
-    assert first.error_message is not None and "cancelled" in first.error_message
-    assert "next turn finishes it" in first.error_message
-    assert by_age[1].attributes["resumed"] is True
+    assert first.ended_at is not None and first.error_type == "CancelledError"
+    assert first.error_message is not None and "cancelled by the user" in first.error_message
+    assert "closed without an answer" in first.error_message
+    assert by_age[1].attributes["resumed"] is False
 
 
 def test_state_says_how_many_messages_there_are_and_how_to_see_all() -> None:
