@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,7 +21,8 @@ from keel.models import CompletionChunk, ModelOptions, ToolSchema
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.stores import Backends
-from keel.testing import ScriptedModel
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.tools import tool
 from keel.tracing import RunQuery
 from tests.cli import keel_process
 
@@ -127,3 +129,75 @@ def test_chat_on_the_bundled_model_says_it_is_a_135m_demo_model() -> None:
     assert "KEEL_MODEL=openai:gpt-4o-mini" in head
     real = _keel_chat("-m", "scripted:echo", stdin="/quit\n")
     assert real.returncode == 0 and "KEEL_MODEL" not in real.stdout
+
+
+def _told(call: ScriptedCall) -> str:
+    """What the model was told last (keel's note on the decision), for its answer."""
+    notes = [m.content for m in call.messages if m.role == "system" and "runtime note" in m.content]
+    return "Told: " + (notes[-1] if notes else "nothing")
+
+
+def _decided_in_chat(command: str) -> tuple[str, list[tuple[str, int]]]:
+    """A chat whose refund waits for approval, then ``command ID note`` typed at the prompt:
+    what it showed, and the refunds that ran."""
+    refunds: list[tuple[str, int]] = []
+
+    @tool(approval="operator")
+    def refund(order: str, amount: int) -> str:
+        """Refund part of an order.
+
+        Args:
+            order: The order id.
+            amount: Euros to refund.
+        """
+        refunds.append((order, amount))
+        return f"refunded {amount} EUR on {order}"
+
+    call = ScriptedModel.tool_call("refund", '{"order": "W1", "amount": 50}')
+    agent = Agent.open(
+        model=ScriptedModel([call, _told]),
+        system_prompt="You run a shop.",
+        tools=[refund],
+        memory=False,
+        name="chat",
+    )
+    output = io.StringIO()
+    console = Console(file=output, width=200, highlight=False, soft_wrap=True)
+    lines = ["/help", "Refund 50 on W1.", command]
+
+    def read_line() -> str | None:
+        if len(lines) > 1:
+            return lines.pop(0)
+        waiting = re.search(rf"\(waiting: .*{command} (\S+) \[NOTE\]", output.getvalue())
+        if waiting is None or not lines:
+            return None
+        return f"{lines.pop()} {waiting.group(1)} ok by policy"
+
+    Chat(agent, "s1", "u1", console).run(read_line)
+    return output.getvalue(), refunds
+
+
+def test_approve_in_the_chat_decides_the_waiting_call_and_shows_the_turn_going_on() -> None:
+    shown, refunds = _decided_in_chat("/approve")
+    help_line = shown.splitlines()[1]
+    assert help_line.startswith("Commands: "), shown
+    assert "/approve ID [NOTE]" in help_line and "/reject ID [NOTE]" in help_line, shown
+    found = re.search(r"\(waiting: refund needs approval; /approve (\S+) \[NOTE\]", shown)
+    assert found is not None, shown
+    approval = found.group(1)
+    assert refunds == [("W1", 50)], shown
+    _, _, after = shown.partition(f"(approved {approval})")
+    assert "agent> Told:" in after, shown
+    assert "approved by operator:chat (ok by policy); it ran: refunded 50 EUR" in after, shown
+    with Backends.open(load_settings(), memory=False) as backends:
+        stored = asyncio.run(backends.approvals.aget("default", approval))
+    assert stored is not None and stored.status == "approved", stored
+    assert stored.decision is not None and stored.decision.by == "operator:chat"
+    assert stored.decision.note == "ok by policy"
+
+
+def test_reject_in_the_chat_decides_the_waiting_call_and_it_never_runs() -> None:
+    shown, refunds = _decided_in_chat("/reject")
+    assert refunds == [], shown
+    _, _, after = shown.partition("(rejected ")
+    assert "rejected by operator:chat (ok by policy)" in after, shown

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from keel.runtime import Agent, AgentReply
 
 _HELP = (
-    "Commands: /state (the session's state; /state all for every message), /memory QUERY "
+    "Commands: /help, /state (the session's state; /state all for every message), /memory QUERY "
     "(what memory retrieves), /trace (the last turn's steps), /approve ID [NOTE] and /reject ID "
     "[NOTE] (decide a call that waits for approval), /quit. Ctrl-C cancels the answer."
 )
@@ -212,6 +212,8 @@ class Chat:
             self._trace()
         elif name in ("/approve", "/reject"):
             self._decide(name == "/approve", argument.strip())
+        elif name == "/help":
+            self.console.print(_HELP, markup=False)
         else:
             self.console.print(f"unknown command {name}. {_HELP}", markup=False)
 
