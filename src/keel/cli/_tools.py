@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -100,7 +100,7 @@ _SHOWN_CHARS = 200
 """How much of a settled call's recorded output ``keel tools resolve`` shows."""
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     """What really happened to a call in doubt, as the operator found it."""
 
     succeeded = "succeeded"
@@ -134,7 +134,8 @@ def tools_resolve_command(
             settled = " ".join((entry.output or entry.content or "").split())
             if len(settled) > _SHOWN_CHARS:
                 settled = settled[: _SHOWN_CHARS - 1] + "…"
-            note = "" if entry.status == outcome.value else f"; --outcome {outcome.value} not recorded"
+            ignored = f"; --outcome {outcome.value} not recorded"
+            note = "" if entry.status == outcome.value else ignored
             out_console.print(
                 f"{key} is already settled as {entry.status}: {settled} (nothing changed{note})",
                 markup=False,
