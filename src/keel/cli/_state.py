@@ -119,14 +119,13 @@ def state_sessions_command(
 
 
 def near_sessions(typed: str, sessions: list[str], most: int = 3) -> list[str]:
-    """The stored sessions ``typed`` may have meant: the same session in a tenant
-    (``chat`` for ``default/chat``: the store's keys name the tenant), then those spelled
-    nearly alike, in full or without the tenant (difflib, as click suggests commands)."""
+    """The stored sessions ``typed`` may have meant: those spelled nearly alike (difflib, as
+    click suggests commands), in full or without the tenant (``chat`` finds ``default/chat``:
+    the store's keys name the tenant)."""
     tails: dict[str, list[str]] = {}
     for key in sessions:
         tails.setdefault(key.rpartition("/")[2], []).append(key)
-    found = [*tails.get(typed, [])]
-    found += difflib.get_close_matches(typed, sessions, n=most)
+    found = difflib.get_close_matches(typed, sessions, n=most)
     for tail in difflib.get_close_matches(typed.rpartition("/")[2], list(tails), n=most):
         found += tails[tail]
     return list(dict.fromkeys(found))[:most]
