@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from rich.console import Console
 
@@ -22,25 +23,27 @@ from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.stores import Backends
 from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import tool
+from keel.tools import Tool, tool
 from keel.tracing import RunQuery
 from tests.cli import keel_process
 
 
 class _CtrlCMidReply(ScriptedModel):
-    """Answers ``Re: <message>``; its first streamed reply stops once the user has seen its
-    first words and presses Ctrl-C (a real SIGINT to this process, as the terminal sends it)."""
+    """Answers ``Re: <message>`` (or ``answer``); its streamed reply number ``story_at`` is a
+    story that stops once the user has seen its first words and presses Ctrl-C (a real SIGINT
+    to this process, as the terminal sends it)."""
 
-    def __init__(self) -> None:
-        super().__init__(lambda call: f"Re: {call.last_user_text}")
-        self.pressed = False
+    def __init__(self, answer: Callable[[ScriptedCall], Any] | None = None, story_at: int = 0):
+        super().__init__(answer or (lambda call: f"Re: {call.last_user_text}"))
+        self.streamed = 0
+        self.story_at = story_at
         self.screen = io.StringIO()
 
     async def _astream(
         self, messages: Sequence[Message], tools: Sequence[ToolSchema], options: ModelOptions
     ) -> AsyncIterator[CompletionChunk]:
-        if not self.pressed:
-            self.pressed = True
+        self.streamed += 1
+        if self.streamed - 1 == self.story_at:
             # Longer than what masking holds back from the end of a stream (64 characters).
             yield CompletionChunk(text="Once upon a time there was a keel. " * 4)
             deadline = time.monotonic() + 60
@@ -61,8 +64,10 @@ def _lines(*lines: str) -> Callable[[], str | None]:
     return lambda: queue.pop(0) if queue else None
 
 
-def _chat(model: ScriptedModel, *lines: str) -> str:
-    agent = Agent.open(model=model, system_prompt="You are brief.", memory=False, name="chat")
+def _chat(model: ScriptedModel, *lines: str, tools: Sequence[Tool] = ()) -> str:
+    agent = Agent.open(
+        model=model, system_prompt="You are brief.", tools=tools, memory=False, name="chat"
+    )
     output = model.screen if isinstance(model, _CtrlCMidReply) else io.StringIO()
     console = Console(file=output, width=200, highlight=False, soft_wrap=True)
     # Ctrl-C as at a terminal: a run started in the background (``make test &``, nohup)
@@ -92,6 +97,38 @@ def test_ctrl_c_mid_reply_cancels_the_turn_and_the_next_message_is_answered_alon
     # ... the model seeing keel's note that the user cancelled the story.
     notes = [m.content for m in model.calls[0].messages if m.role == "system"]
     assert any("[cancelled]" in note for note in notes), notes
+
+
+def test_ctrl_c_after_a_side_effect_keeps_it_in_the_history_before_the_cancellation() -> None:
+    booked: list[str] = []
+
+    @tool(side_effect=True)
+    def book(seat: str) -> str:
+        """Book a seat.
+
+        Args:
+            seat: The seat.
+        """
+        booked.append(seat)
+        return f"booked {seat}"
+
+    def answer(call: ScriptedCall) -> Any:
+        if call.last_user_text.startswith("Book") and all(m.role != "tool" for m in call.messages):
+            return ScriptedModel.tool_call("book", '{"seat": "4A"}')
+        return f"Re: {call.last_user_text}"
+
+    # The booking runs, then the answer about it is cancelled mid-sentence.
+    model = _CtrlCMidReply(answer, story_at=1)
+    shown = _chat(model, "Book seat 4A", "Is it booked?", "/state all", tools=[book])
+    assert "(cancelled: that answer stops here" in shown and "agent> Re: Is it booked?" in shown
+    assert booked == ["4A"]  # once: nothing finished the cancelled turn later
+    # The next question's model call sees the booking, then keel's note, then the question.
+    seen = [(m.role, m.content) for m in model.calls[-1].messages]
+    assert ("tool", "booked 4A") in seen, seen
+    note = next(i for i, (role, text) in enumerate(seen) if "[cancelled]" in text)
+    assert seen.index(("tool", "booked 4A")) < note < seen.index(("user", "Is it booked?")), seen
+    state = shown.partition("agent> Re: Is it booked?")[2]
+    assert '"open_turn": null' in state and "[cancelled]" in state, state
 
 
 def test_runs_of_a_chat_cancelled_by_ctrl_c_say_so_and_none_stays_running() -> None:
