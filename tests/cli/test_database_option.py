@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from keel.testing.servers import free_port
 from tests.cli import keel_process
 
 
@@ -99,3 +101,25 @@ def test_the_default_database_and_create_make_one(tmp_path: Path) -> None:
     made = _keel("chat", "-m", "scripted:echo", "--database", f"sqlite:///{new}", "--create")
     assert made.returncode == 0, made.stderr
     assert new.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("runs", "list"), ("chat", "--no-memory", "-m", "scripted:echo")],
+    ids=["sync-pool", "async-pool"],
+)
+def test_a_postgres_server_that_is_not_there_fails_at_once_in_one_line(
+    command: tuple[str, ...],
+) -> None:
+    url = f"postgres://nobody@127.0.0.1:{free_port()}/x"
+    started = time.monotonic()
+    result = _keel(*command, "--database", url, stdin="hello\n")
+    took = time.monotonic() - started
+    # Exit 1, as every other store error; one line saying why; no pool retrying for 30 s
+    # (a generous bound: it takes about a second, the pool's wait took 30.6).
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert f"cannot connect to PostgreSQL at {url.rpartition('@')[2]}" in lines[0], lines[0]
+    assert "Connection refused" in lines[0], lines[0]
+    assert took < 15, f"took {took:.1f} s"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from keel.errors import BackendUnavailableError, DatabaseReadOnlyError
 from keel.stores import PostgresDatabase, PostgresStateBackend, PostgresToolJournal
+from keel.testing.servers import free_port
 
 pytestmark = pytest.mark.postgres
 
@@ -38,3 +41,19 @@ async def test_async_calls_use_the_running_loop_pool(postgres_url: str) -> None:
     with pytest.raises(BackendUnavailableError):
         async with database.aconnection():
             pass
+
+
+async def test_a_server_that_refuses_fails_the_first_async_call_at_once_with_its_reason() -> None:
+    url = f"postgresql://nobody@127.0.0.1:{free_port()}/x"
+    database = PostgresDatabase(url)  # the pool's own wait: 30 s
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match="Connection refused") as caught:
+        async with database.aconnection():
+            pass
+    assert "\n" not in str(caught.value)  # libpq's hint joined to the line
+    assert time.monotonic() - started < 15  # generous: about a second; it was 30
+    # A later call tries again (a server down at start-up may be up by then), on a new pool.
+    with pytest.raises(BackendUnavailableError, match="Connection refused"):
+        async with database.aconnection():
+            pass
+    await database.aclose()

@@ -39,11 +39,40 @@ def test_an_operator_lists_and_resolves_in_doubt_calls() -> None:
     assert payload["in_doubt"][0]["tool"] == "book_flight"
     wrong = _keel("tools", "resolve", key, "--outcome", "maybe", "--content", "x")
     assert wrong.returncode == 2 and "succeeded" in wrong.stderr
+    # Without --content too, the outcome is what is wrong first.
+    wrong = _keel("tools", "resolve", key, "--outcome", "maybe")
+    assert wrong.returncode == 2, wrong.stderr
+    assert "--outcome" in wrong.stderr and "'maybe'" in wrong.stderr, wrong.stderr
+    assert "--content" not in wrong.stderr, wrong.stderr
     done = _keel("tools", "resolve", key, "--outcome", "succeeded", "--content", "booked, ref 7")
     assert done.returncode == 0, done.stderr
     entry = journal.get(key)
     assert entry is not None and entry.status == "succeeded" and entry.content == "booked, ref 7"
+    # An operator's repeat is harmless: it says how the call was settled, and changes nothing.
     again = _keel("tools", "resolve", key, "--outcome", "failed", "--content", "x")
-    assert again.returncode == 2 and "not in doubt" in again.stderr
+    assert again.returncode == 0, again.stderr
+    said = " ".join(again.stdout.split())
+    assert f"{key} is already settled as succeeded: [settled by an operator] booked, ref 7" in said
+    assert "--outcome failed not recorded" in said, said
+    entry = journal.get(key)
+    assert entry is not None and entry.status == "succeeded" and entry.content == "booked, ref 7"
     assert "no tool calls in doubt" in _keel("tools", "in-doubt").stdout
+    db.close()
+
+
+def test_resolving_a_call_its_late_result_settled_says_so_and_succeeds() -> None:
+    db = open_database(load_settings())
+    journal = SQLiteToolJournal(db)
+    key = idempotency_key("s1", 2, 0)
+    journal.claim(key=key, session_id="s1", step=2, call_index=0, tool="refund", arguments="{}")
+    # The operator looks it up; meanwhile the shop's answer comes in after all.
+    journal.finish(key, ok=True, content="refunded 40 EUR", output="refunded 40 EUR (ref 9)")
+    late = _keel("tools", "resolve", key, "--outcome", "succeeded", "--content", "done by hand")
+    assert late.returncode == 0, late.stderr
+    said = " ".join(late.stdout.split())
+    assert f"{key} is already settled as succeeded: refunded 40 EUR (ref 9) (nothing changed)" in (
+        said
+    ), said
+    entry = journal.get(key)
+    assert entry is not None and entry.content == "refunded 40 EUR"  # the result stands
     db.close()

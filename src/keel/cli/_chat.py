@@ -13,6 +13,7 @@ import typer
 
 from keel.cli._app import app, demo_model_note, out_console
 from keel.cli._database import CreateOption
+from keel.errors import KeelError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -20,9 +21,12 @@ if TYPE_CHECKING:
     from keel.runtime import Agent, AgentReply
 
 _HELP = (
-    "Commands: /state (the session's state; /state all for every message), /memory QUERY "
-    "(what memory retrieves), /trace (the last turn's steps), /quit. Ctrl-C stops a turn safely."
+    "Commands: /help, /state (the session's state; /state all for every message), /memory QUERY "
+    "(what memory retrieves), /trace (the last turn's steps), /approve ID [NOTE] and /reject ID "
+    "[NOTE] (decide a call that waits for approval), /quit. Ctrl-C cancels the answer."
 )
+_DECIDER = "operator:chat"
+"""Who decides what the person at the terminal approves or rejects (as the record shows it)."""
 _SYSTEM = (
     "You are a helpful, concise assistant. Use what you remember about the user when it is "
     "relevant; say so when you do not know."
@@ -49,8 +53,10 @@ def _build(
 class Chat:
     """One chat on one session: reads lines, streams the agent's replies, runs the commands.
 
-    Ctrl-C in a reply stops the turn at its last checkpoint; the next message first finishes
-    that turn (saying so, and showing what came of it), then is answered.
+    Ctrl-C in a reply cancels the turn as a person means it: the answer stops there and is not
+    finished later, and the session's history says the user cancelled it (``on_cancel=
+    "close"``), so the next message is answered on its own. A turn a crash (or a second Ctrl-C
+    while the cancellation was written) left open is finished first, saying so.
     """
 
     def __init__(self, agent: Agent, session: str, user: str, console: Console) -> None:
@@ -97,6 +103,14 @@ class Chat:
         note = demo_model_note(spec)
         if note is not None:
             self.console.print(f"[yellow]note:[/] {note}", highlight=False)
+        state = self.agent.session_state(self.session)
+        if state is not None and state.messages:
+            count = len(state.messages)
+            self.console.print(
+                f"[dim](resuming session {self.session}: {count} "
+                f"message{'' if count == 1 else 's'} so far; /state all shows them)[/]",
+                highlight=False,
+            )
 
     def _say(self, text: str) -> None:
         if self.interrupted and not self._finish_open_turn():
@@ -104,10 +118,17 @@ class Chat:
         try:
             self._runner.run(self._turn(text))
         except KeyboardInterrupt:
-            # The checkpoint before the model call is committed: the turn stays open there and
-            # nothing half-written is visible. The next message (or chat) finishes it first.
-            self.interrupted = True
-            self.console.print("\n[dim](turn interrupted; your next message finishes it first)[/]")
+            self._cancelled()
+
+    def _cancelled(self) -> None:
+        """Ctrl-C stopped a turn: closed as cancelled (what the turn wrote on its way out), or,
+        when that write could not happen, left open for the next message to finish first."""
+        state = self.agent.session_state(self.session)
+        if state is None or state.runtime.open_turn is None:
+            self.console.print("\n[dim](cancelled: that answer stops here, as the history says)[/]")
+            return
+        self.interrupted = True
+        self.console.print("\n[dim](turn interrupted; your next message finishes it first)[/]")
 
     def _finish_open_turn(self) -> bool:
         """Finish the turn an interruption left open, saying so and showing its reply; False
@@ -145,7 +166,8 @@ class Chat:
         console, show = self.console, self._show
         console.print("[bold]agent>[/] ", end="")
         streamed = ""
-        async for event in self.agent.stream(text, session=self.session, user=self.user):
+        turn = self.agent.stream(text, session=self.session, user=self.user, on_cancel="close")
+        async for event in turn:
             if event.type == "text":
                 show(event.text)
                 streamed += event.text
@@ -168,6 +190,17 @@ class Chat:
                         console.print("[bold]agent>[/] ", end="")
                     show(event.reply.text)
                 console.print()
+                self._show_waiting(event.reply)
+
+    def _show_waiting(self, reply: AgentReply) -> None:
+        """The calls the turn waits on, with the commands that decide them here."""
+        for pending in reply.approvals:
+            if pending.status == "pending":
+                self.console.print(
+                    f"[dim](waiting: {pending.tool} needs approval; /approve {pending.id} "
+                    f"[NOTE] or /reject {pending.id} [NOTE])[/]",
+                    highlight=False,
+                )
 
     def _command(self, text: str) -> None:
         name, _, argument = text.partition(" ")
@@ -177,8 +210,37 @@ class Chat:
             self._memory(argument.strip() or "what do I know about the user")
         elif name == "/trace":
             self._trace()
+        elif name in ("/approve", "/reject"):
+            self._decide(name == "/approve", argument.strip())
+        elif name == "/help":
+            self.console.print(_HELP, markup=False)
         else:
             self.console.print(f"unknown command {name}. {_HELP}", markup=False)
+
+    def _decide(self, approve: bool, argument: str) -> None:
+        """``/approve ID [NOTE]`` / ``/reject ID [NOTE]``: the person at the terminal decides
+        as an operator (``Agent.decide``); the turn that goes on is shown."""
+        approval_id, _, note = argument.partition(" ")
+        if not approval_id:
+            verb = "/approve" if approve else "/reject"
+            self.console.print(f"usage: {verb} ID [NOTE] (the id the waiting call shows)")
+            return
+        decided = self.agent.decide(
+            self.session, approval_id, approve=approve, by=_DECIDER, note=note.strip() or None
+        )
+        try:
+            reply = self._runner.run(decided)
+        except KeyboardInterrupt:
+            self.console.print("\n[dim](interrupted: /state shows where the session is)[/]")
+            return
+        except KeelError as exc:
+            self.console.print(f"[red]error:[/] {exc}", highlight=False)
+            return
+        self.last_run = reply.run_id
+        self.console.print(f"[dim]({'approved' if approve else 'rejected'} {approval_id})[/]")
+        self.console.print("[bold]agent>[/] ", end="")
+        self._show(reply.text + "\n")
+        self._show_waiting(reply)
 
     def _state(self, *, every: bool) -> None:
         state = self.agent.session_state(self.session)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from contextlib import closing
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -117,6 +118,19 @@ def state_sessions_command(
         out_console.print(session_id)
 
 
+def near_sessions(typed: str, sessions: list[str], most: int = 3) -> list[str]:
+    """The stored sessions ``typed`` may have meant: those spelled nearly alike (difflib, as
+    click suggests commands), in full or without the tenant (``chat`` finds ``default/chat``:
+    the store's keys name the tenant)."""
+    tails: dict[str, list[str]] = {}
+    for key in sessions:
+        tails.setdefault(key.rpartition("/")[2], []).append(key)
+    found = difflib.get_close_matches(typed, sessions, n=most)
+    for tail in difflib.get_close_matches(typed.rpartition("/")[2], list(tails), n=most):
+        found += tails[tail]
+    return list(dict.fromkeys(found))[:most]
+
+
 @state_app.command("history")
 def state_history_command(
     session_id: Annotated[str, typer.Argument(help="The session.")],
@@ -130,8 +144,12 @@ def state_history_command(
 
     with closing(_open(url)) as backend:
         every = StateStore(backend, AgentState).history(session_id)
+        near = [] if every else near_sessions(session_id, backend.sessions())
     if not every:
-        raise StateError(f"no state stored for session {session_id!r}")
+        hint = "; keel state sessions lists them"
+        if near:
+            hint = f"; did you mean {' or '.join(map(repr, near))}? ({hint[2:]})"
+        raise StateError(f"no state stored for session {session_id!r}{hint}")
     infos = every[:limit]
     if as_json:
         emit_json(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -95,27 +96,51 @@ def tools_in_doubt_command(
         )
 
 
+_SHOWN_CHARS = 200
+"""How much of a settled call's recorded output ``keel tools resolve`` shows."""
+
+
+class Outcome(StrEnum):
+    """What really happened to a call in doubt, as the operator found it."""
+
+    succeeded = "succeeded"
+    failed = "failed"
+
+
 @tools_app.command("resolve")
 def tools_resolve_command(
     key: Annotated[str, typer.Argument(help="The idempotency key of the in-doubt call.")],
+    # A choice, checked as it is parsed: a wrong --outcome is the first thing said, before a
+    # missing --content.
     outcome: Annotated[
-        str, typer.Option("--outcome", help="What really happened: 'succeeded' or 'failed'.")
+        Outcome, typer.Option("--outcome", help="What really happened: 'succeeded' or 'failed'.")
     ],
     content: Annotated[
         str, typer.Option("--content", help="The result the model will be shown on resume.")
     ],
     database: DatabaseOption = None,
 ) -> None:
-    """Record the outcome of an in-doubt call after checking it by hand."""
+    """Record the outcome of an in-doubt call after checking it by hand (a call already
+    settled, by its late result or another operator, is left as it is, and said how)."""
     from keel.errors import UsageError
 
-    if outcome not in ("succeeded", "failed"):
-        raise UsageError(f"--outcome must be 'succeeded' or 'failed', not {outcome!r}")
     with _journal(database) as journal:
         entry = journal.get(key)
         if entry is None:
             raise UsageError(f"no tool call {key!r} in the journal")
         if not entry.in_doubt:
-            raise UsageError(f"tool call {key!r} is not in doubt: its result is recorded")
-        journal.resolve(key, ok=outcome == "succeeded", content=content)
-    out_console.print(f"{key}: recorded as {outcome}")
+            # An operator's repeat, or a result that came in late: harmless, nothing to do. The
+            # recorded output says how ("[settled by an operator] ..." or the tool's own).
+            settled = " ".join((entry.output or entry.content or "").split())
+            if len(settled) > _SHOWN_CHARS:
+                settled = settled[: _SHOWN_CHARS - 1] + "…"
+            ignored = f"; --outcome {outcome.value} not recorded"
+            note = "" if entry.status == outcome.value else ignored
+            out_console.print(
+                f"{key} is already settled as {entry.status}: {settled} (nothing changed{note})",
+                markup=False,
+                highlight=False,
+            )
+            return
+        journal.resolve(key, ok=outcome is Outcome.succeeded, content=content)
+    out_console.print(f"{key}: recorded as {outcome.value}")

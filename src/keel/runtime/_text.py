@@ -14,6 +14,7 @@ from keel.privacy import storable
 from keel.state import AgentState
 
 __all__ = [
+    "cancelled_note",
     "clip",
     "is_user_turn",
     "open_turn_text",
@@ -76,6 +77,17 @@ def unanswered_note(status: str) -> Message:
         f"The turn above ended without an answer from the assistant ({status}); "
         "keel told the user so.",
         reason=status,
+    )
+
+
+def cancelled_note() -> Message:
+    """What the history keeps of a turn its user cancelled (Ctrl-C in ``keel chat``): a note in
+    keel's name, so the model knows the question above went unanswered on purpose and answers
+    the next message, not the cancelled one."""
+    return runtime_note(
+        "[cancelled] The user cancelled the turn above before the assistant finished its "
+        "answer; it stays unanswered unless they ask again.",
+        reason="cancelled",
     )
 
 

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from keel.context import ContextEngine, ContextMemory
 from keel.errors import ConflictError, GuardError, KeelError, StoreError, TurnInterruptedError
@@ -54,6 +54,7 @@ from keel.runtime._steps import (
 )
 from keel.runtime._stream import TurnStream
 from keel.runtime._text import (
+    cancelled_note,
     clip,
     is_user_turn,
     sanitize,
@@ -140,6 +141,15 @@ class TurnOptions(TypedDict, total=False):
     output_type: type[Any] | None
     model_options: ModelOptions | None
     turn_id: str | None
+    on_cancel: OnCancel
+
+
+OnCancel = Literal["keep_open", "close"]
+"""What a cancelled turn leaves: ``keep_open`` (the default) keeps it open at its last
+checkpoint for the session's next turn (or ``resume``) to finish, as after a crash; ``close``
+ends it there, as a person at a terminal means Ctrl-C: the history keeps the user's message,
+the side effects that happened and keel's note that the user cancelled the answer, and the next
+message is answered on its own."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,7 @@ class RunExtras:
     output_type: type[Any] | None = None
     model_options: ModelOptions | None = None
     turn_id: str | None = None
+    on_cancel: OnCancel = "keep_open"
     reveal: bool = True
     """Whether the reply shows the user's values (their placeholders revealed, as the user
     reads it); False: the reply as the turn stored it, placeholders, for a caller who may not
@@ -208,6 +219,7 @@ class TurnRunner:
         self.tool_deps = extras.deps
         self.output_type = extras.output_type or deps.output_type
         self.reveal = extras.reveal
+        self.on_cancel = extras.on_cancel
         self.cursor = WorkflowCursor(checkpoint.state.machine, emit=emit)
         start = self._start(checkpoint.state, text, extras.turn_id)
         self.turn_id = start.turn_id
@@ -350,7 +362,10 @@ class TurnRunner:
             result = await self._drive()
         except asyncio.CancelledError:
             # Ctrl-C, or a caller that stopped reading the stream: the turn stays open at its
-            # last checkpoint for the next message to finish, and its run says so.
+            # last checkpoint for the next message to finish (unless the caller asked for it to
+            # be closed), and its run says so.
+            if self.on_cancel == "close" and await self._close_cancelled():
+                raise
             await run.aend(error=TurnInterruptedError(self.session_id, "cancelled by the caller"))
             raise
         except ConflictError as exc:
@@ -742,21 +757,21 @@ class TurnRunner:
         )
         return base.model_copy(
             update={
-                "messages": self._reverted_messages(base, status),
+                "messages": self._reverted_messages(base, unanswered_note(status)),
                 "step": max(result.next_step, self.state.step),
                 "machine": position,
                 "runtime": runtime,
             }
         )
 
-    def _reverted_messages(self, base: AgentState, status: str) -> list[Message]:
+    def _reverted_messages(self, base: AgentState, note: Message) -> list[Message]:
         """The last good messages, then the user's message, the side effects that happened and
         keel's note that the turn got no answer."""
         effects: list[Message] = []
         if self.effects:
             calls = tuple(call for call, _ in self.effects)
             effects = [Message.assistant("", tool_calls=calls), *(r for _, r in self.effects)]
-        return [*base.messages, self.user_message, *effects, unanswered_note(status)]
+        return [*base.messages, self.user_message, *effects, note]
 
     def _effects_note(self) -> str:
         done = "; ".join(
@@ -784,22 +799,7 @@ class TurnRunner:
             )
         await self.trace.aend(error=cause or error, output=text)
         base = await self._failure_base()
-        runtime = base.runtime.model_copy(
-            update={
-                "turns": self.state.runtime.turns,
-                "open_turn": None,
-                "open_turn_message": None,
-                "tenant_id": self.deps.tenant_id,
-                "user_id": self.user_id,
-            }
-        )
-        final_state = base.model_copy(
-            update={
-                "messages": self._reverted_messages(base, "failed"),
-                "step": max(self.state.step, base.step),
-                "runtime": runtime,
-            }
-        )
+        final_state = self._closed_state(base, unanswered_note("failed"))
         reply = AgentReply(
             text=text,
             status="failed",
@@ -816,6 +816,43 @@ class TurnRunner:
         self.deps.logs.pop(self.key, None)
         shown = await self.deps.masking.areveal(text) if self.reveal else text
         return reply.model_copy(update={"state_version": version, "text": shown})
+
+    async def _close_cancelled(self) -> bool:
+        """End the turn its caller cancelled, at the last good state with the user's message,
+        the side effects that happened and keel's note that the user cancelled it: no later
+        turn finishes it. False when it could not be written (the turn then stays open)."""
+        try:
+            base = await self._failure_base()
+            final_state = self._closed_state(base, cancelled_note())
+            await self._write(final_state, reason="turn cancelled", good=True)
+        except (ConflictError, StoreError):
+            logger.warning("the cancelled turn on session %s stays open", self.key, exc_info=True)
+            return False
+        finally:
+            self.deps.logs.pop(self.key, None)
+        reason = "cancelled by the user: the turn was closed without an answer"
+        await self.trace.aend("interrupted", error=asyncio.CancelledError(reason))
+        return True
+
+    def _closed_state(self, base: AgentState, note: Message) -> AgentState:
+        """``base`` (the last good state) with this turn closed on ``note``: the user's
+        message, the side effects that happened, then the note."""
+        runtime = base.runtime.model_copy(
+            update={
+                "turns": self.state.runtime.turns,
+                "open_turn": None,
+                "open_turn_message": None,
+                "tenant_id": self.deps.tenant_id,
+                "user_id": self.user_id,
+            }
+        )
+        return base.model_copy(
+            update={
+                "messages": self._reverted_messages(base, note),
+                "step": max(self.state.step, base.step),
+                "runtime": runtime,
+            }
+        )
 
     def _with_reply(self, state: AgentState, reply: AgentReply) -> AgentState:
         if not self.record_reply:

@@ -42,6 +42,10 @@ _READ_ONLY_TRANSACTION = "25006"
 # of walking the HNSW graph).
 _CONNECTION_OPTIONS: dict[str, Any] = {"autocommit": True, "prepare_threshold": None}
 
+DEFAULT_CONNECT_TIMEOUT_S = 5
+"""Seconds one connection attempt may take when the URL sets none (``?connect_timeout=N``, as
+libpq reads it): libpq's own default waits for ever on a host that does not answer."""
+
 _SCHEMA_TABLE = (
     "CREATE TABLE IF NOT EXISTS keel_schema (component TEXT PRIMARY KEY, "
     "version INTEGER NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
@@ -83,6 +87,20 @@ def apply_migrations(target: Any, migrations: MigrationSet) -> int:
     return applied
 
 
+def _connection_options(url: str) -> dict[str, Any]:
+    """The options every connection is made with: keel's, and a connection timeout unless the
+    URL sets its own."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(url)
+    except Exception:  # psycopg's ProgrammingError: the connection reports it, as before
+        given = {}
+    if "connect_timeout" in given:
+        return dict(_CONNECTION_OPTIONS)
+    return {**_CONNECTION_OPTIONS, "connect_timeout": DEFAULT_CONNECT_TIMEOUT_S}
+
+
 def translate_postgres_error(exc: Exception, url: str) -> StoreError:
     """The keel error for a psycopg error (raise it ``from exc``); the SQLSTATE decides.
 
@@ -122,14 +140,20 @@ class PostgresDatabase:
     an ``AsyncConnectionPool`` bound to their event loop (one at a time: a call from another
     loop replaces it).
 
-    The pool opens on first use (or [`open`][]); psycopg and psycopg-pool are imported only
-    when a database is built.
+    The pool opens on first use (or :meth:`open`), after one connection made directly: a
+    server that refuses it, a wrong password or a database that does not exist fail at once
+    with the server's reason, and a host that does not answer within the connection timeout
+    (``?connect_timeout=N`` in the URL, default :data:`DEFAULT_CONNECT_TIMEOUT_S`) fails then,
+    instead of the pool retrying in the background until ``timeout``. psycopg and psycopg-pool
+    are imported only when a database is built.
 
     Args:
-        url: a ``postgresql://`` connection URL.
+        url: a ``postgresql://`` connection URL (libpq's parameters, ``connect_timeout`` among
+            them, in its query string).
         min_size: connections each pool keeps open.
         max_size: most connections each pool opens.
-        timeout: seconds to wait for the first connection, and for a free one.
+        timeout: seconds to wait for a free connection (and for the pool's first ones, once
+            the server has answered).
 
     Raises:
         BackendUnavailableError: psycopg or psycopg-pool is not installed.
@@ -148,12 +172,13 @@ class PostgresDatabase:
         self.min_size = min_size
         self.max_size = max_size
         self.timeout = timeout
+        self._options = _connection_options(url)
         self._pool: ConnectionPool[Any] = ConnectionPool(
             url,
             min_size=min_size,
             max_size=max_size,
             timeout=timeout,
-            kwargs=_CONNECTION_OPTIONS,
+            kwargs=self._options,
             open=False,
         )
         self._open_lock = threading.Lock()
@@ -176,13 +201,41 @@ class PostgresDatabase:
             if self._closed:
                 raise BackendUnavailableError(f"PostgreSQL at {_location(self.url)} was closed")
             try:
+                self._first_connection()
                 self._pool.open(wait=True, timeout=self.timeout)
+            except BackendUnavailableError:
+                self._pool.close()
+                raise
             except Exception as exc:  # psycopg errors, or the pool's own PoolTimeout
                 self._pool.close()
                 raise BackendUnavailableError(
                     f"cannot connect to PostgreSQL at {_location(self.url)}: {exc}"
                 ) from exc
             self._opened = True
+
+    def _first_connection(self) -> None:
+        """One connection made and closed: the server's reason, in one line, when it fails."""
+        import psycopg
+
+        try:
+            psycopg.connect(self.url, **self._options).close()
+        except psycopg.Error as exc:
+            raise self._unreachable(exc) from exc
+
+    async def _afirst_connection(self) -> None:
+        import psycopg
+
+        try:
+            await (await psycopg.AsyncConnection.connect(self.url, **self._options)).close()
+        except psycopg.Error as exc:
+            raise self._unreachable(exc) from exc
+
+    def _unreachable(self, exc: Exception) -> BackendUnavailableError:
+        # libpq's message spans lines (a hint on a tab-indented second line): one line here.
+        reason = " ".join(str(exc).split())
+        return BackendUnavailableError(
+            f"cannot connect to PostgreSQL at {_location(self.url)}: {reason}"
+        )
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
@@ -215,15 +268,27 @@ class PostgresDatabase:
                 min_size=self.min_size,
                 max_size=self.max_size,
                 timeout=self.timeout,
-                kwargs=_CONNECTION_OPTIONS,
+                kwargs=self._options,
                 open=False,
             )
             # Set before the first await, so concurrent first calls share one pool.
             self._apool, self._aloop = pool, loop
-            self._aopening = asyncio.ensure_future(pool.open(wait=True, timeout=self.timeout))
+            self._aopening = asyncio.ensure_future(self._aopen(pool))
         assert self._aopening is not None
         await asyncio.shield(self._aopening)
         return self._apool
+
+    async def _aopen(self, pool: Any) -> None:
+        """Open ``pool`` after a first direct connection; on failure the next call tries
+        again with a new pool (a server that was down at start-up may be up by then)."""
+        try:
+            await self._afirst_connection()
+            await pool.open(wait=True, timeout=self.timeout)
+        except BaseException:
+            if self._apool is pool:
+                self._apool = None
+            await pool.close()
+            raise
 
     @asynccontextmanager
     async def aconnection(self) -> AsyncIterator[Any]:
