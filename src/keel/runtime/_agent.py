@@ -368,7 +368,7 @@ class Agent:
         Every invariant of [`run`][] holds: a checkpoint precedes each model call, text is
         masked before it is yielded. A consumer that stops early (``break``, ``aclose``, a
         cancelled task) stops the turn where it is: the model request ends, the turn stays
-        open at its last checkpoint and the next message or :meth:`resume` finishes it (with
+        open at its last checkpoint and the next message or [`resume`][] finishes it (with
         ``on_cancel="close"`` it ends there, cancelled, as history says). Raises as run does.
         """
         # The options are read when the iteration starts, as an async generator's body runs.

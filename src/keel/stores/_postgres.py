@@ -140,10 +140,10 @@ class PostgresDatabase:
     an ``AsyncConnectionPool`` bound to their event loop (one at a time: a call from another
     loop replaces it).
 
-    The pool opens on first use (or :meth:`open`), after one connection made directly: a
+    The pool opens on first use (or [`open`][]), after one connection made directly: a
     server that refuses it, a wrong password or a database that does not exist fail at once
     with the server's reason, and a host that does not answer within the connection timeout
-    (``?connect_timeout=N`` in the URL, default :data:`DEFAULT_CONNECT_TIMEOUT_S`) fails then,
+    (``?connect_timeout=N`` in the URL, default `DEFAULT_CONNECT_TIMEOUT_S`) fails then,
     instead of the pool retrying in the background until ``timeout``. psycopg and psycopg-pool
     are imported only when a database is built.
 
