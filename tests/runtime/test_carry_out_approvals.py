@@ -536,3 +536,63 @@ def test_a_decision_its_session_no_longer_waits_for_is_marked_after_the_grace(
     peeked.clear()
     assert agent.carry_out_decisions_sync() == []
     assert peeked == [agent.session_key("s1")]
+
+
+def test_a_request_decided_before_its_turn_parks_on_it_is_not_dropped(database: str) -> None:
+    """The request is stored a moment before the checkpoint that parks on it: a decision in
+    between (long enough ago to be past any grace), and a pass peeking then, finds the session
+    not parked on it yet. The pass must leave it, and carry it out once the turn parks."""
+    refunds: list[str] = []
+    checking = threading.Event()
+    release = threading.Event()
+
+    @tool
+    def check_stock(order_id: str) -> str:
+        """Check the order's stock.
+
+        Args:
+            order_id: The order.
+        """
+        checking.set()
+        assert release.wait(60), "the test never released the step"
+        return "in stock"
+
+    both = Message.assistant(
+        "",
+        tool_calls=[
+            ToolCall(id="c1", name="issue_refund", arguments='{"amount": 5.0, "order_id": "7"}'),
+            ToolCall(id="c2", name="check_stock", arguments='{"order_id": "7"}'),
+        ],
+    )
+
+    def build(replies: list[Any]) -> Agent:
+        return Agent.open(
+            database,
+            system_prompt="You support a shop's customers.",
+            model=ScriptedModel(replies),
+            tools=[_refund_tool(refunds), check_stock],
+            memory=False,
+        )
+
+    with build([both]) as application, build([_told]) as carrier:
+        parked: list[Any] = []
+        turn = threading.Thread(
+            target=lambda: parked.append(
+                application.run_sync("Refund order 7.", session="s1", user="ann")
+            )
+        )
+        turn.start()
+        try:
+            # The refund's request is stored; the step's other call still runs: not parked yet.
+            assert checking.wait(60), "the step never reached its second call"
+            [request] = run_sync(carrier.approvals.store.alist("default"))  # type: ignore[union-attr]
+            _decide_in_store(carrier, request.id, decided_at=time.time() - 3600)
+            assert carrier.carry_out_decisions_sync() == []
+            assert _carried_out_at(carrier, request.id) is None, "dropped before its turn parked"
+        finally:
+            release.set()
+            turn.join(60)
+        assert [reply.status for reply in parked] == ["awaiting_approval"]
+        went = carrier.carry_out_decisions_sync()
+        assert [reply.session_id for reply in went] == ["s1"] and refunds == ["7 5.0"]
+        assert _carried_out_at(carrier, request.id) is not None
