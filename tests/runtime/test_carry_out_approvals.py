@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from keel._bridge import run_sync
 from keel.approvals import ApprovalDecision, arguments_digest
 from keel.errors import ToolDefinitionError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
-from keel._bridge import run_sync
 from keel.runtime._decisions import RESUMING_GRACE_S
 from keel.service._access import revert_holding_lease
 from keel.testing import ScriptedCall, ScriptedModel
@@ -406,7 +406,8 @@ def _old_decided(database_file: Path, count: int, *, carried_out: bool, sessions
         columns = {row[1] for row in db.execute("PRAGMA table_info(keel_approvals)")}
         if carried_out and "carried_out_at" in columns:
             db.execute(
-                "UPDATE keel_approvals SET carried_out_at = ? WHERE id LIKE 'apr-old-%'", (long_ago,)
+                "UPDATE keel_approvals SET carried_out_at = ? WHERE id LIKE 'apr-old-%'",
+                (long_ago,),
             )
 
 
@@ -523,9 +524,7 @@ def test_a_decision_its_session_no_longer_waits_for_is_marked_after_the_grace(
         history = run_sync(agent.state.ahistory(key))
         current = max(info.version for info in history)
         first = min(info.version for info in history)
-        run_sync(
-            revert_holding_lease(agent, session, expected_version=current, to_version=first)
-        )
+        run_sync(revert_holding_lease(agent, session, expected_version=current, to_version=first))
         state = agent.session_state(session)
         assert state is not None and state.runtime.awaiting == ()
     peeked = _counting_peeks(agent)

@@ -64,6 +64,12 @@ class ApprovalDecision(BaseModel):
     channel: Channel | None = Field(
         default=None, description="Through which entrance the decision came (None: not recorded)."
     )
+    recorded_only: bool = Field(
+        default=False,
+        description="The decider only recorded it (a viewer whose agent lacks the request's "
+        "tool; the command line's ``cli`` channel says so by itself): the application's "
+        "carrier carries it out at once, instead of leaving it to the decider for a while.",
+    )
     arguments_digest: str | None = Field(
         default=None,
         description="SHA-256 (hex) of the exact arguments approved, masked and canonical (the "

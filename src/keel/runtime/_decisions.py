@@ -24,6 +24,7 @@ from keel.approvals import (
     ApprovalStatus,
     Channel,
     arguments_digest,
+    check_corrected_arguments,
     repeats_standing,
 )
 from keel.errors import AccessDeniedError, ApprovalSettledError, SessionBusyError, UsageError
@@ -121,7 +122,13 @@ async def decide(
     # What a decision stores is the request's user's, whoever decides: numbered through their
     # vault, a corrected value is theirs to resolve (per text, <EMAIL_1> is another value).
     masking = deps.masking.for_user(request.user_id)
-    corrected = await _corrected(deps, masking, request, options.get("arguments"))
+    tools = deps.workflow.domain_tools
+    # An agent without the request's tool (``keel ui``'s has none) cannot go on with the turn
+    # that asked: it records the decision, as the command line does, and the application's
+    # carrier (``carry_out_decisions``, a ``keel serve`` worker) carries it out.
+    goes_on = bool(tools) and _ours(request, tools)
+    check = _corrected if goes_on else _corrected_by_schema
+    corrected = await check(deps, masking, request, options.get("arguments"))
     decision = ApprovalDecision(
         approve=approve,
         by=by,
@@ -130,6 +137,7 @@ async def decide(
         action=options.get("action"),
         decided_at=time.time(),
         channel=options.get("channel", "agent"),
+        recorded_only=not goes_on,
         # Bound to exactly what it approves: the corrected arguments, else the request's.
         arguments_digest=arguments_digest(corrected or request.arguments),
     )
@@ -138,6 +146,8 @@ async def decide(
     standing, settled = await config.store.adecide(deps.tenant_id, approval_id, status, decision)
     if not settled and not repeats_standing(standing, decision):
         raise ApprovalSettledError(standing)
+    if not goes_on:
+        return await _recorded(deps, key, session_id, standing)
     ids = (session_id, request.user_id)
     async with own(key) as lease:
         return await resume_session(deps, lease, key, ids, approval_id, reveal=reveal)
@@ -186,6 +196,42 @@ async def _corrected(
         raise UsageError("arguments= corrects a tool call's arguments: one JSON object")
     validated = validated_arguments(found, arguments)
     return await masking.amask(json.dumps(validated.model_dump(mode="json"), sort_keys=True))
+
+
+async def _corrected_by_schema(
+    deps: TurnDeps, masking: Masking, request: ApprovalRequest, arguments: object
+) -> str | None:
+    """The corrected arguments checked against the schema the request carries (this agent
+    lacks the tool), masked as the request's are, or None."""
+    if arguments is None:
+        return None
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else None
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise UsageError("arguments= corrects a tool call's arguments: one JSON object")
+    check_corrected_arguments(request, value)
+    return await masking.amask(json.dumps(value, sort_keys=True))
+
+
+async def _recorded(
+    deps: TurnDeps, key: str, session_id: str, standing: ApprovalRequest
+) -> AgentReply:
+    """The reply to a decision this agent only recorded: nothing ran here."""
+    checkpoint = await deps.state.apeek(key)
+    text = (
+        f"Approval {standing.id} is {standing.status}: recorded; the application that asked "
+        "for it carries it out."
+    )
+    return AgentReply(
+        text=text,
+        status="completed",
+        session_id=session_id,
+        run_id="",
+        state_version=0 if checkpoint is None else checkpoint.version,
+        approvals=(pending_view(standing),),
+    )
 
 
 async def _expire_overdue(config: Approvals, requests: list[ApprovalRequest]) -> bool:
@@ -444,7 +490,7 @@ def _left_to_carry_out(request: ApprovalRequest, now: float) -> bool:
     """Whether nobody else is about to carry ``request`` out: decided on the command line
     (which only records), expired, or decided elsewhere longer ago than the grace."""
     decision = request.decision
-    if decision is None or decision.channel in (None, "cli"):
+    if decision is None or decision.recorded_only or decision.channel in (None, "cli"):
         return True
     return now - decision.decided_at >= RESUMING_GRACE_S
 

@@ -306,7 +306,9 @@ class ApprovalStoreConformance:
             await store.aadd(
                 request(name, created_at=NOW + 1 + index, user_id="bob" if name == "bobs" else "al")
             )
-        await store.aadd(request("overdue", created_at=NOW + 9, expires_at=now - 1, session_id="s2"))
+        await store.aadd(
+            request("overdue", created_at=NOW + 9, expires_at=now - 1, session_id="s2")
+        )
         await store.aadd(request("approved", tenant_id=OTHER_TENANT))
         await store.adecide(TENANT, "approved", "approved", _decision())
         await store.adecide(TENANT, "rejected", "rejected", _decision(False))
