@@ -145,6 +145,15 @@ class Settings(BaseSettings):
         le=MAX_BUSY_TIMEOUT_MS,
         description="How long SQLite waits on a locked database, in ms (at most one hour).",
     )
+    carry_out_every_s: float = Field(
+        default=2.0,
+        ge=0.05,
+        le=3600.0,
+        description=(
+            "How often each `keel serve` worker carries out approval decisions made elsewhere "
+            "(`keel approvals approve`), in seconds (0.05 to 3600)."
+        ),
+    )
     postgres_pool_size: int = Field(
         default=10,
         ge=1,

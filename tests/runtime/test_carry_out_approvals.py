@@ -5,8 +5,10 @@ written for a customer (issue 45). The queue is the SQLite store ``Agent.open`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -17,11 +19,13 @@ from typing import Any
 
 import pytest
 
+from keel._bridge import run_sync
 from keel.approvals import ApprovalDecision, arguments_digest
 from keel.errors import ToolDefinitionError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.runtime._decisions import RESUMING_GRACE_S
+from keel.service._access import revert_holding_lease
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import ApprovalNeed, schema_tool, tool
 
@@ -359,3 +363,235 @@ def test_an_agent_without_the_tool_leaves_the_decision_to_the_one_with_it(
             assert other.carry_out_decisions_sync() == []
     went = application.carry_out_decisions_sync()
     assert [reply.status for reply in went] == ["completed"] and refunds == ["1024 40.0"]
+
+
+# --- a pass reads what is left to carry out, never the history --------------------------------
+
+
+def _old_decided(database_file: Path, count: int, *, carried_out: bool, sessions: int) -> None:
+    """``count`` requests decided on the command line long ago, bulk-inserted into the queue
+    (``sessions`` sessions with no state), carried out already when ``carried_out``."""
+    long_ago = time.time() - 86_400
+    rows = []
+    for index in range(count):
+        decision = ApprovalDecision(
+            approve=True, by="operator:olga", decided_at=long_ago + index, channel="cli"
+        )
+        rows.append(
+            {
+                "tenant_id": "default",
+                "id": f"apr-old-{index:06d}",
+                "user_id": "ann",
+                "session_id": f"old-{index % sessions}",
+                "turn_id": f"t-{index}",
+                "kind": "operator",
+                "tool": "issue_refund",
+                "call_id": f"c-{index}",
+                "arguments": '{"amount": 1.0, "order_id": "1"}',
+                "reason": "refunds need an operator",
+                "step": 0,
+                "created_at": long_ago + index,
+                "status": "approved",
+                "decision": decision.model_dump_json(),
+                "metadata": "{}",
+            }
+        )
+    with contextlib.closing(sqlite3.connect(database_file)) as db, db:
+        names = list(rows[0])
+        db.executemany(
+            f"INSERT INTO keel_approvals ({', '.join(names)}) "
+            f"VALUES ({', '.join('?' for _ in names)})",
+            [tuple(row.values()) for row in rows],
+        )
+        columns = {row[1] for row in db.execute("PRAGMA table_info(keel_approvals)")}
+        if carried_out and "carried_out_at" in columns:
+            db.execute(
+                "UPDATE keel_approvals SET carried_out_at = ? WHERE id LIKE 'apr-old-%'",
+                (long_ago,),
+            )
+
+
+def _counting_peeks(agent: Agent) -> list[str]:
+    """The session keys ``agent``'s state store is peeked at, from now on."""
+    peeked: list[str] = []
+    peek = agent.state.apeek
+
+    async def counted(key: str) -> Any:
+        peeked.append(key)
+        return await peek(key)
+
+    agent.state.apeek = counted  # type: ignore[method-assign]
+    return peeked
+
+
+def _decide_in_store(
+    agent: Agent, approval_id: str, *, decided_at: float | None = None, approve: bool = True
+) -> None:
+    """A decision as ``keel approvals approve`` records it (channel ``cli``), at ``decided_at``."""
+    found = agent.approvals.store  # type: ignore[union-attr]
+    request = run_sync(found.aget("default", approval_id))
+    assert request is not None
+    decision = ApprovalDecision(
+        approve=approve,
+        by="operator:alice",
+        decided_at=time.time() if decided_at is None else decided_at,
+        channel="cli",
+        arguments_digest=arguments_digest(request.arguments),
+    )
+    run_sync(found.adecide("default", approval_id, "approved" if approve else "rejected", decision))
+
+
+def _carried_out_at(agent: Agent, approval_id: str) -> float | None:
+    request = run_sync(agent.approvals.store.aget("default", approval_id))  # type: ignore[union-attr]
+    assert request is not None
+    return getattr(request, "carried_out_at", None)
+
+
+def test_a_pass_peeks_only_the_session_of_the_new_decision(
+    open_agent: Any, database: str, tmp_path: Path
+) -> None:
+    """2,000 decisions carried out long ago and one new decision on the command line: the
+    pass looks at the one session whose turn waits for it, not at the history."""
+    refunds: list[str] = []
+    agent = open_agent(refunds, [_refund_call(), _told])
+    parked = agent.run_sync("Refund my order 1024, please.", session="s1", user="ann")
+    _old_decided(tmp_path / "keel.db", 2000, carried_out=True, sessions=2000)
+    _keel_approvals(database, "approve", parked.approvals[0].id)
+    peeked = _counting_peeks(agent)
+    went = agent.carry_out_decisions_sync()
+    assert [reply.session_id for reply in went] == ["s1"] and refunds == ["1024 40.0"]
+    assert set(peeked) == {agent.session_key("s1")}, f"{len(set(peeked))} sessions peeked"
+    # Carried out: the next pass reads nothing and peeks nothing.
+    peeked.clear()
+    assert agent.carry_out_decisions_sync() == [] and peeked == []
+    assert _carried_out_at(agent, parked.approvals[0].id) is not None
+
+
+def test_a_new_decision_past_the_old_scan_limit_is_carried_out(
+    open_agent: Any, tmp_path: Path
+) -> None:
+    """More decided requests than a pass once read (10,000), none marked carried out (as after
+    the upgrade): the newest decision is still carried out, and the old ones, whose sessions
+    wait for nothing, are marked, so the next pass reads none of them."""
+    refunds: list[str] = []
+    agent = open_agent(refunds, [_refund_call(), _told])
+    parked = agent.run_sync("Refund my order 1024, please.", session="s1", user="ann")
+    _old_decided(tmp_path / "keel.db", 10_001, carried_out=False, sessions=7)
+    _decide_in_store(agent, parked.approvals[0].id)
+    went = agent.carry_out_decisions_sync()
+    assert [reply.session_id for reply in went] == ["s1"] and refunds == ["1024 40.0"]
+    peeked = _counting_peeks(agent)
+    assert agent.carry_out_decisions_sync() == [] and peeked == []
+
+
+def test_every_way_a_parked_turn_goes_on_marks_its_request(open_agent: Any) -> None:
+    refunds: list[str] = []
+    script = [_refund_call("1"), _told, _refund_call("2"), _told, _refund_call("3"), _told]
+    agent = open_agent(refunds, [*script, _refund_call("4"), _told, "You're welcome."])
+    # Agent.decide: the decider goes on with the turn.
+    first = agent.run_sync("Refund order 1.", session="s1", user="ann")
+    agent.decide_sync("s1", first.approvals[0].id, approve=True, by="alice")
+    # Decided elsewhere, then Agent.resume.
+    second = agent.run_sync("Refund order 2.", session="s2", user="ann")
+    _decide_in_store(agent, second.approvals[0].id)
+    assert agent.resume_sync("s2", "ann") is not None
+    # Rejected on the command line, then the carrier.
+    third = agent.run_sync("Refund order 3.", session="s3", user="ann")
+    _decide_in_store(agent, third.approvals[0].id, approve=False)
+    assert [reply.session_id for reply in agent.carry_out_decisions_sync()] == ["s3"]
+    # Decided elsewhere, then the user's next message.
+    fourth = agent.run_sync("Refund order 4.", session="s4", user="ann")
+    _decide_in_store(agent, fourth.approvals[0].id)
+    answered = agent.run_sync("Thanks!", session="s4", user="ann")
+    assert answered.interrupted_turn is not None
+    assert refunds == ["1 40.0", "2 40.0", "4 40.0"]
+    for reply in (first, second, third, fourth):
+        assert _carried_out_at(agent, reply.approvals[0].id) is not None, reply.approvals[0].id
+
+
+def test_a_decision_its_session_no_longer_waits_for_is_marked_after_the_grace(
+    open_agent: Any,
+) -> None:
+    """Decided, then reverted away: not carried out, and not read again by later passes once
+    the decision is older than the grace (a younger one is looked at until then)."""
+    refunds: list[str] = []
+    agent = open_agent(refunds, [_refund_call("1"), _refund_call("2")])
+    recent = agent.run_sync("Refund order 1.", session="s1", user="ann")
+    old = agent.run_sync("Refund order 2.", session="s2", user="ann")
+    for session, reply, at in (("s1", recent, time.time()), ("s2", old, time.time() - 3600)):
+        _decide_in_store(agent, reply.approvals[0].id, decided_at=at)
+        key = agent.session_key(session)
+        history = run_sync(agent.state.ahistory(key))
+        current = max(info.version for info in history)
+        first = min(info.version for info in history)
+        run_sync(revert_holding_lease(agent, session, expected_version=current, to_version=first))
+        state = agent.session_state(session)
+        assert state is not None and state.runtime.awaiting == ()
+    peeked = _counting_peeks(agent)
+    assert agent.carry_out_decisions_sync() == [] and refunds == []
+    assert sorted(set(peeked)) == [agent.session_key("s1"), agent.session_key("s2")]
+    assert _carried_out_at(agent, old.approvals[0].id) is not None
+    assert _carried_out_at(agent, recent.approvals[0].id) is None
+    peeked.clear()
+    assert agent.carry_out_decisions_sync() == []
+    assert peeked == [agent.session_key("s1")]
+
+
+def test_a_request_decided_before_its_turn_parks_on_it_is_not_dropped(database: str) -> None:
+    """The request is stored a moment before the checkpoint that parks on it: a decision in
+    between (long enough ago to be past any grace), and a pass peeking then, finds the session
+    not parked on it yet. The pass must leave it, and carry it out once the turn parks."""
+    refunds: list[str] = []
+    checking = threading.Event()
+    release = threading.Event()
+
+    @tool
+    def check_stock(order_id: str) -> str:
+        """Check the order's stock.
+
+        Args:
+            order_id: The order.
+        """
+        checking.set()
+        assert release.wait(60), "the test never released the step"
+        return "in stock"
+
+    both = Message.assistant(
+        "",
+        tool_calls=[
+            ToolCall(id="c1", name="issue_refund", arguments='{"amount": 5.0, "order_id": "7"}'),
+            ToolCall(id="c2", name="check_stock", arguments='{"order_id": "7"}'),
+        ],
+    )
+
+    def build(replies: list[Any]) -> Agent:
+        return Agent.open(
+            database,
+            system_prompt="You support a shop's customers.",
+            model=ScriptedModel(replies),
+            tools=[_refund_tool(refunds), check_stock],
+            memory=False,
+        )
+
+    with build([both]) as application, build([_told]) as carrier:
+        parked: list[Any] = []
+        turn = threading.Thread(
+            target=lambda: parked.append(
+                application.run_sync("Refund order 7.", session="s1", user="ann")
+            )
+        )
+        turn.start()
+        try:
+            # The refund's request is stored; the step's other call still runs: not parked yet.
+            assert checking.wait(60), "the step never reached its second call"
+            [request] = run_sync(carrier.approvals.store.alist("default"))  # type: ignore[union-attr]
+            _decide_in_store(carrier, request.id, decided_at=time.time() - 3600)
+            assert carrier.carry_out_decisions_sync() == []
+            assert _carried_out_at(carrier, request.id) is None, "dropped before its turn parked"
+        finally:
+            release.set()
+            turn.join(60)
+        assert [reply.status for reply in parked] == ["awaiting_approval"]
+        went = carrier.carry_out_decisions_sync()
+        assert [reply.session_id for reply in went] == ["s1"] and refunds == ["7 5.0"]
+        assert _carried_out_at(carrier, request.id) is not None

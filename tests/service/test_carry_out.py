@@ -156,3 +156,28 @@ def test_the_interval_is_bounded() -> None:
     for every_s in (0.0, -1.0, 86_400.0):
         with pytest.raises(UsageError, match="carry-out interval"):
             DecisionCarrier(lambda tenant: None, list, every_s=every_s)  # type: ignore[arg-type,return-value]
+
+
+def test_the_interval_is_a_setting_keel_serve_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KEEL_CARRY_OUT_EVERY_S`` sets how often each worker passes; out of bounds, the
+    settings refuse it (before anything is served)."""
+    from keel.errors import ConfigError
+
+    monkeypatch.setenv("KEEL_CARRY_OUT_EVERY_S", "0.5")
+    settings = load_settings(data_dir=tmp_path)
+    app, agents, _ = build_service(
+        f"sqlite:///{tmp_path / 'keel.db'}",
+        model=ScriptedModel(["hi"]),
+        memory=False,
+        settings=settings,
+    )
+    try:
+        assert getattr(app.state.keel, "carry_out_every_s", None) == 0.5
+    finally:
+        agents.backends.close()
+    for wrong in ("0", "86400", "often"):
+        monkeypatch.setenv("KEEL_CARRY_OUT_EVERY_S", wrong)
+        with pytest.raises(ConfigError, match="carry_out_every_s"):
+            load_settings(data_dir=tmp_path)

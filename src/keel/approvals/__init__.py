@@ -19,6 +19,7 @@ from keel.approvals._model import (
     Decider,
 )
 from keel.approvals._outcome import repeats_standing
+from keel.approvals._schema import check_corrected_arguments
 
 __all__ = [
     "ApprovalDecision",
@@ -30,5 +31,6 @@ __all__ = [
     "Decider",
     "arguments_digest",
     "canonical_arguments",
+    "check_corrected_arguments",
     "repeats_standing",
 ]

@@ -64,6 +64,12 @@ class ApprovalDecision(BaseModel):
     channel: Channel | None = Field(
         default=None, description="Through which entrance the decision came (None: not recorded)."
     )
+    recorded_only: bool = Field(
+        default=False,
+        description="The decider only recorded it (a viewer whose agent lacks the request's "
+        "tool; the command line's ``cli`` channel says so by itself): the application's "
+        "carrier carries it out at once, instead of leaving it to the decider for a while.",
+    )
     arguments_digest: str | None = Field(
         default=None,
         description="SHA-256 (hex) of the exact arguments approved, masked and canonical (the "
@@ -99,6 +105,12 @@ class ApprovalRequest(BaseModel):
         description="The tool's JSON schema for its arguments, so that corrected arguments are "
         "validated by whichever channel decides (the CLI holds no agent and no tool).",
     )
+    carried_out_at: float | None = Field(
+        default=None,
+        description="Epoch seconds when its decision was carried out: the turn parked on it "
+        "went on past it (or went on without it). None: pending, or decided and left to carry "
+        "out (what ``ApprovalStore.alist_to_carry_out`` lists).",
+    )
 
     def decidable_by(self) -> tuple[Decider, ...]:
         """Who may decide: the user for a confirmation (operators too), operators otherwise."""
@@ -128,6 +140,28 @@ class ApprovalStore(ABC):
     ) -> list[ApprovalRequest]:
         """The tenant's requests, oldest first; a pending one past its expiry is marked
         ``expired`` before it is listed (a parked turn goes on from an expiry too)."""
+
+    @abstractmethod
+    async def alist_to_carry_out(
+        self,
+        tenant_id: str,
+        *,
+        user_id: str | None = None,
+        after: tuple[float, str] | None = None,
+        limit: int = 100,
+    ) -> list[ApprovalRequest]:
+        """The tenant's decided requests (approved, rejected, expired) not yet marked carried
+        out, oldest first; ``after``: the ``(created_at, id)`` of the previous page's last
+        one. A pending one past its expiry is marked ``expired`` first. Its cost follows what
+        is left to carry out, never the tenant's whole history (an index holds just those)."""
+
+    @abstractmethod
+    async def amark_carried_out(
+        self, tenant_id: str, request_ids: Sequence[str], now: float | None = None
+    ) -> int:
+        """Record that the decisions of the tenant's ``request_ids`` were carried out (their
+        turn went on past them) at ``now`` (default: the current time): they leave
+        `alist_to_carry_out`. Only decided requests not yet marked are; how many."""
 
     @abstractmethod
     async def adecide(

@@ -131,7 +131,12 @@ def _decide(request_id: str, tenant: str, database: str | None, verdict: _Verdic
         ToolArgumentsError: corrected arguments the tool's schema refuses (nothing recorded).
         ApprovalSettledError: the request was already settled otherwise.
     """
-    from keel.approvals import ApprovalDecision, arguments_digest, repeats_standing
+    from keel.approvals import (
+        ApprovalDecision,
+        arguments_digest,
+        check_corrected_arguments,
+        repeats_standing,
+    )
     from keel.errors import ApprovalSettledError, UsageError
 
     async def settle(backends: Backends) -> tuple[ApprovalRequest, bool]:
@@ -139,7 +144,7 @@ def _decide(request_id: str, tenant: str, database: str | None, verdict: _Verdic
         if found is None:
             raise UsageError(f"no approval request {request_id!r} in tenant {tenant!r}")
         if verdict.arguments is not None:
-            _check_corrected(found, verdict.arguments)
+            check_corrected_arguments(found, verdict.arguments)
         note, arguments = await run_blocking(_masked, backends, found, verdict)
         decision = ApprovalDecision(
             approve=verdict.approve,
@@ -167,39 +172,6 @@ def _decide(request_id: str, tenant: str, database: str | None, verdict: _Verdic
     verb = "approved" if verdict.approve else "rejected"
     by = request.decision.by if request.decision is not None else verdict.by
     out_console.print(f"{request_id}: {'' if settled else 'already '}{verb} by {by}")
-
-
-def _check_corrected(request: ApprovalRequest, arguments: dict[str, Any]) -> None:
-    """Refuse corrected arguments the request's tool would refuse: checked here, against the
-    schema the request carries, so that a correction the tool cannot take is never recorded
-    as approved.
-
-    Raises:
-        UsageError: the request names no tool, or no schema (made before keel recorded one):
-            there is nothing to check the correction against.
-        ToolArgumentsError: one line per problem.
-    """
-    import jsonschema
-
-    from keel.errors import ToolArgumentsError, UsageError
-
-    if request.tool is None:
-        raise UsageError(f"{request.id} is an escalated turn: --arguments corrects a tool call")
-    schema = request.arguments_schema
-    if schema is None:
-        raise UsageError(
-            f"{request.id} was made before keel recorded its tool's arguments schema, so "
-            "corrected arguments cannot be checked here: nothing was decided. Approve or "
-            "reject it without --arguments, or correct it through the application "
-            "(agent.decide, POST /v1/approvals/ID), which checks them against the tool."
-        )
-    validator_class = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
-    problems = [
-        f"{'.'.join(str(part) for part in error.absolute_path) or 'arguments'}: {error.message}"
-        for error in validator_class(schema).iter_errors(arguments)
-    ]
-    if problems:
-        raise ToolArgumentsError(request.tool, sorted(problems))
 
 
 def _masked(

@@ -269,6 +269,9 @@ class ApprovalHold:
         self.executor = executor
         self.requested: list[ApprovalRequest] = []
         """The requests this turn is parked on, in the order of their calls."""
+        self.settled: list[str] = []
+        """The decided requests `settle` carried out or answered (to mark once the turn's
+        checkpoint no longer waits for them: `mark_carried_out`)."""
 
     @property
     def parked(self) -> bool:
@@ -310,9 +313,11 @@ class ApprovalHold:
         )
         if request.status != "pending":
             # Decided before the run parked on it (a crash between the two): carry it out, if
-            # this call is the one that was decided.
+            # this call is the one that was decided. No checkpoint waits for it: the turn goes
+            # on past it here.
             result = await self.carry_out(request, asked=masked)
             status = "blocked" if result is None else result.status
+            await self.mark_carried_out([request.id])
             return _held(call, status, decided_text(request, result))
         self.requested.append(request)
         view = pending_view(request)
@@ -494,7 +499,19 @@ class ApprovalHold:
                 text = await mask(decided_text(request, await self.carry_out(request)))
             notes.append(runtime_note(text, reason="approval", metadata={"approval": request.id}))
             await self.record_decision(request, text)
+            self.settled.append(request.id)
         return notes
+
+    async def mark_carried_out(self, request_ids: Sequence[str]) -> None:
+        """Record that the turn went on past ``request_ids`` (carriers stop reading them).
+        A failure is logged, never the turn's: a carrier's pass marks them later, finding the
+        session no longer parked on them."""
+        if self.config is None or not request_ids:
+            return
+        try:
+            await self.config.store.amark_carried_out(self.facts.tenant_id, request_ids)
+        except Exception:
+            logger.exception("marking approvals %s carried out failed", list(request_ids))
 
     async def _answered(self, request: ApprovalRequest) -> str:
         """What the model is told of an operator's answer to an escalation: the answer, and

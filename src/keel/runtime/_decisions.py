@@ -24,6 +24,7 @@ from keel.approvals import (
     ApprovalStatus,
     Channel,
     arguments_digest,
+    check_corrected_arguments,
     repeats_standing,
 )
 from keel.errors import AccessDeniedError, ApprovalSettledError, SessionBusyError, UsageError
@@ -50,11 +51,13 @@ __all__ = [
 Own = Callable[[str], contextlib.AbstractAsyncContextManager[Lease]]
 """Takes a session's lease for a block (the agent's ``_own``)."""
 
-_DECIDED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired")
-"""The outcomes a parked turn goes on from (a cancelled request's turn was reverted away)."""
+CARRY_OUT_PAGE = 500
+"""How many requests left to carry out `carry_out_decisions` reads at a time (it reads them
+all, page after page: only the decided requests not yet carried out, never the history)."""
 
-DECIDED_SCAN = 10_000
-"""The most decided requests one `carry_out_decisions` reads (oldest first)."""
+PARKING_GRACE_S = 60.0
+"""How old a decision must be before a pass that finds its session not parked on it marks it
+carried out (see `_gone_past`): longer than a request is stored before its turn parks on it."""
 
 RESUMING_GRACE_S = 15.0
 """How long a decision made through a channel that goes on with the turn itself
@@ -119,7 +122,13 @@ async def decide(
     # What a decision stores is the request's user's, whoever decides: numbered through their
     # vault, a corrected value is theirs to resolve (per text, <EMAIL_1> is another value).
     masking = deps.masking.for_user(request.user_id)
-    corrected = await _corrected(deps, masking, request, options.get("arguments"))
+    tools = deps.workflow.domain_tools
+    # An agent without the request's tool (``keel ui``'s has none) cannot go on with the turn
+    # that asked: it records the decision, as the command line does, and the application's
+    # carrier (``carry_out_decisions``, a ``keel serve`` worker) carries it out.
+    goes_on = bool(tools) and _ours(request, tools)
+    check = _corrected if goes_on else _corrected_by_schema
+    corrected = await check(deps, masking, request, options.get("arguments"))
     decision = ApprovalDecision(
         approve=approve,
         by=by,
@@ -128,6 +137,7 @@ async def decide(
         action=options.get("action"),
         decided_at=time.time(),
         channel=options.get("channel", "agent"),
+        recorded_only=not goes_on,
         # Bound to exactly what it approves: the corrected arguments, else the request's.
         arguments_digest=arguments_digest(corrected or request.arguments),
     )
@@ -136,6 +146,8 @@ async def decide(
     standing, settled = await config.store.adecide(deps.tenant_id, approval_id, status, decision)
     if not settled and not repeats_standing(standing, decision):
         raise ApprovalSettledError(standing)
+    if not goes_on:
+        return await _recorded(deps, key, session_id, standing)
     ids = (session_id, request.user_id)
     async with own(key) as lease:
         return await resume_session(deps, lease, key, ids, approval_id, reveal=reveal)
@@ -184,6 +196,42 @@ async def _corrected(
         raise UsageError("arguments= corrects a tool call's arguments: one JSON object")
     validated = validated_arguments(found, arguments)
     return await masking.amask(json.dumps(validated.model_dump(mode="json"), sort_keys=True))
+
+
+async def _corrected_by_schema(
+    deps: TurnDeps, masking: Masking, request: ApprovalRequest, arguments: object
+) -> str | None:
+    """The corrected arguments checked against the schema the request carries (this agent
+    lacks the tool), masked as the request's are, or None."""
+    if arguments is None:
+        return None
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else None
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise UsageError("arguments= corrects a tool call's arguments: one JSON object")
+    check_corrected_arguments(request, value)
+    return await masking.amask(json.dumps(value, sort_keys=True))
+
+
+async def _recorded(
+    deps: TurnDeps, key: str, session_id: str, standing: ApprovalRequest
+) -> AgentReply:
+    """The reply to a decision this agent only recorded: nothing ran here."""
+    checkpoint = await deps.state.apeek(key)
+    text = (
+        f"Approval {standing.id} is {standing.status}: recorded; the application that asked "
+        "for it carries it out."
+    )
+    return AgentReply(
+        text=text,
+        status="completed",
+        session_id=session_id,
+        run_id="",
+        state_version=0 if checkpoint is None else checkpoint.version,
+        approvals=(pending_view(standing),),
+    )
 
 
 async def _expire_overdue(config: Approvals, requests: list[ApprovalRequest]) -> bool:
@@ -337,6 +385,11 @@ async def carry_out_decisions(
     approve``, another process's ``decide``, an expiry) goes on, once: the replies of the
     turns that went on, the oldest request's session first.
 
+    It reads only the decided requests not yet carried out (`ApprovalStore.alist_to_carry_out`:
+    a turn that goes on past a request marks it, see ``TurnRunner._settle``), so a pass costs
+    what was decided since, never the tenant's whole history. One whose session is not parked
+    on it (reverted, or its turn went on without it) is marked here, once that is certain.
+
     Safe to run in several processes at once: a session goes on under its lease, and its
     state is read again there; a session another process holds is left to it (its turn
     goes on there, or on the next call).
@@ -347,18 +400,41 @@ async def carry_out_decisions(
         # It never parked a turn: one parked on the same database is another application's
         # (``keel ui``'s agent has no tools), whose model and tools must continue it.
         return []
-    # The queue marks its overdue requests expired as it lists them (ApprovalStore.alist).
-    decided = await config.store.alist(
-        deps.tenant_id, user_id=user_id, statuses=_DECIDED, limit=DECIDED_SCAN
-    )
-    now = time.time()
-    decided = [r for r in decided if _left_to_carry_out(r, now) and _ours(r, tools)]
-    sessions: dict[tuple[str, str], set[str]] = {}
-    for request in decided:
-        sessions.setdefault((request.session_id, request.user_id), set()).add(request.id)
     replies: list[AgentReply] = []
-    for ids, request_ids in sessions.items():
-        reply = await _carry_out(deps, own, key_of(ids[0]), ids, request_ids)
+    after: tuple[float, str] | None = None
+    while True:
+        # The queue marks its overdue requests expired as it lists them.
+        page = await config.store.alist_to_carry_out(
+            deps.tenant_id, user_id=user_id, after=after, limit=CARRY_OUT_PAGE
+        )
+        replies.extend(await _carry_out_page(deps, own, key_of, page))
+        if len(page) < CARRY_OUT_PAGE:
+            return replies
+        after = (page[-1].created_at, page[-1].id)
+
+
+async def _carry_out_page(
+    deps: TurnDeps, own: Own, key_of: Callable[[str], str], page: list[ApprovalRequest]
+) -> list[AgentReply]:
+    """The turns parked on ``page``'s requests gone on; what they no longer wait for marked."""
+    config = _config(deps)
+    now = time.time()
+    tools = deps.workflow.domain_tools
+    sessions: dict[tuple[str, str], list[ApprovalRequest]] = {}
+    for request in page:
+        if _left_to_carry_out(request, now) and _ours(request, tools):
+            sessions.setdefault((request.session_id, request.user_id), []).append(request)
+    replies: list[AgentReply] = []
+    for ids, requests in sessions.items():
+        key = key_of(ids[0])
+        checkpoint = await deps.state.apeek(key)
+        decided = {request.id for request in requests}
+        if not _parked_on(checkpoint, ids[1], deps.tenant_id, decided):
+            gone = [request.id for request in requests if _gone_past(request, checkpoint, now)]
+            if gone:
+                await config.store.amark_carried_out(deps.tenant_id, gone)
+            continue
+        reply = await _carry_out(deps, own, key, ids, decided)
         if reply is not None:
             replies.append(reply)
     return replies
@@ -369,8 +445,6 @@ async def _carry_out(
 ) -> AgentReply | None:
     """The reply of the session's parked turn gone on, when it waits for nothing but the
     ``decided`` requests and the like; None when there is nothing to carry out (now)."""
-    if not _parked_on(await deps.state.apeek(key), ids[1], deps.tenant_id, decided):
-        return None
     try:
         async with own(key) as lease:
             # Read again under the lease: another process may have carried it out meanwhile.
@@ -388,11 +462,35 @@ async def _carry_out(
         return None
 
 
+def _gone_past(
+    request: ApprovalRequest, checkpoint: Checkpoint[AgentState] | None, now: float
+) -> bool:
+    """Whether the session, found not parked on ``request``, will never park on it: its turn
+    went on without it (or was reverted), so no pass need read it again.
+
+    The order this guards: the tool step stores the request, then the turn's checkpoint that
+    parks on it (``runtime.awaiting``) commits, after the step's other calls; a decision (the
+    command line reads the queue) can come in between, and a pass peeking then finds the
+    session not yet parked on it. Marking it then would lose it: the turn parks a moment
+    later on a request no pass reads again. So it is left while the turn that asked is still
+    open in the checkpoint (the checkpoint before each model call records ``open_turn``, and
+    committed before the model asked for the call, so before the request was stored), and
+    while its decision is younger than `PARKING_GRACE_S`."""
+    if checkpoint is not None and checkpoint.state.runtime.open_turn == request.turn_id:
+        return False
+    decision = request.decision
+    if decision is not None:
+        decided_at = decision.decided_at
+    else:  # expired: decided by its expiry
+        decided_at = request.expires_at if request.expires_at is not None else request.created_at
+    return now - decided_at >= PARKING_GRACE_S
+
+
 def _left_to_carry_out(request: ApprovalRequest, now: float) -> bool:
     """Whether nobody else is about to carry ``request`` out: decided on the command line
     (which only records), expired, or decided elsewhere longer ago than the grace."""
     decision = request.decision
-    if decision is None or decision.channel in (None, "cli"):
+    if decision is None or decision.recorded_only or decision.channel in (None, "cli"):
         return True
     return now - decision.decided_at >= RESUMING_GRACE_S
 

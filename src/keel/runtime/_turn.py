@@ -476,6 +476,9 @@ class TurnRunner:
             update={"awaiting": (), "open_turn": self.turn_id, "open_turn_message": self.turn_start}
         )
         await self.checkpoint({"runtime": runtime}, reason="approvals decided")
+        # Marked only now that no checkpoint waits for them: a crash before leaves the turn
+        # parked on them, for the next `carry_out_decisions` (or resume) to find again.
+        await self.hold.mark_carried_out(self.hold.settled)
 
     async def _steps(
         self, run: LoopRun, model: ModelStep, tools: ToolStep, guards: GuardConfig

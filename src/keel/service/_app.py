@@ -161,6 +161,7 @@ def create_app(
         ready=ready,
         privacy=Disclosure(vault, operators_see_values),
         approvals=approvals,
+        carry_out_every_s=None if carrier is None else carrier.every_s,
     )
     app.state.keel = context
     install_error_handlers(app)

@@ -54,6 +54,9 @@ class ServiceContext:
     """The PII vault, and who reads values from it."""
     approvals: ApprovalStore | None = None
     """The queue of requests waiting for a person (``/v1/approvals``), if the service keeps one."""
+    carry_out_every_s: float | None = None
+    """How often the worker's background task carries out decisions made elsewhere (None:
+    no task runs)."""
     requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
     """HTTP requests by method, route template and status."""
     turns: Counter[tuple[str, str]] = field(default_factory=Counter)

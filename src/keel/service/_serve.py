@@ -299,6 +299,7 @@ def build_service(
         vault=backends.vault,
         operators_see_values=operators_see_values,
         approvals=backends.approvals,
+        carry_out_every_s=settings.carry_out_every_s,
         ui=ui,
     )
     return app, agents, keys

@@ -32,6 +32,12 @@ EXPIRED_REASON = "no decision before it expired"
 _T = TypeVar("_T")
 
 
+_DECIDED_SQL = "status IN ('approved', 'rejected', 'expired')"
+"""The decided statuses, spelled once: the partial index's predicate and the queries that
+use it must say it alike (SQLite uses a partial index only for a query that repeats its
+terms)."""
+
+
 def approval_migrations(dialect: SqlDialect) -> MigrationSet:
     """The ``approvals`` component's migrations in ``dialect``'s column types."""
     real = dialect.real_type
@@ -74,13 +80,24 @@ def approval_migrations(dialect: SqlDialect) -> MigrationSet:
                 "a request carries its tool's arguments schema (JSON; NULL for earlier ones)",
                 f"ALTER TABLE keel_approvals {dialect.add_column} arguments_schema TEXT;",
             ),
+            Migration(
+                "a decided request records when it was carried out; a partial index holds the "
+                "decided ones left to carry out, so a carrier's pass reads only those",
+                f"""
+                ALTER TABLE keel_approvals {dialect.add_column} carried_out_at {real};
+                CREATE INDEX IF NOT EXISTS keel_approvals_to_carry_out
+                    ON keel_approvals (tenant_id, created_at, id)
+                    WHERE carried_out_at IS NULL AND {_DECIDED_SQL};
+                """,
+            ),
         ),
     )
 
 
 _COLUMNS = (
     "tenant_id, id, user_id, session_id, turn_id, kind, tool, call_id, arguments, reason, "
-    "step, created_at, expires_at, status, decision, status_reason, metadata, arguments_schema"
+    "step, created_at, expires_at, status, decision, status_reason, metadata, arguments_schema, "
+    "carried_out_at"
 )
 _NAMES = tuple(name.strip() for name in _COLUMNS.split(","))
 _SETTLED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired", "cancelled")
@@ -132,6 +149,44 @@ class SQLApprovalStore(ApprovalStore):
         )
         query = Statement(sql, (*params, *values, limit))
         return await self._arun(True, lambda: _list(tenant_id, query, time.time()))
+
+    async def alist_to_carry_out(
+        self,
+        tenant_id: str,
+        *,
+        user_id: str | None = None,
+        after: tuple[float, str] | None = None,
+        limit: int = 100,
+    ) -> list[ApprovalRequest]:
+        if limit < 1:
+            raise UsageError(f"limit must be at least 1, not {limit}")
+        clauses = ["tenant_id = ?", "carried_out_at IS NULL", _DECIDED_SQL]
+        params: list[Any] = [tenant_id]
+        if user_id is not None:
+            clauses.append("user_id = ?")
+            params.append(user_id)
+        if after is not None:
+            clauses.append("(created_at > ? OR (created_at = ? AND id > ?))")
+            params.extend((after[0], after[0], after[1]))
+        sql = (
+            f"SELECT {_COLUMNS} FROM keel_approvals WHERE {' AND '.join(clauses)} "
+            "ORDER BY created_at, id LIMIT ?"
+        )
+        query = Statement(sql, (*params, limit))
+        return await self._arun(True, lambda: _list(tenant_id, query, time.time()))
+
+    async def amark_carried_out(
+        self, tenant_id: str, request_ids: Sequence[str], now: float | None = None
+    ) -> int:
+        ids = list(dict.fromkeys(request_ids))
+        if not ids:
+            return 0
+        at = time.time() if now is None else now
+        statements = []
+        for batch in self.dialect.batches(ids):
+            condition, values = self.dialect.one_of("id", list(batch))
+            statements.append(Statement(f"{_MARK} AND {condition}", (at, tenant_id, *values)))
+        return await self._arun(True, lambda: _counts(statements))
 
     async def adecide(
         self, tenant_id: str, request_id: str, status: ApprovalStatus, decision: ApprovalDecision
@@ -219,6 +274,13 @@ def _count(statement: Statement) -> Plan[int]:
     return (yield statement).rowcount
 
 
+def _counts(statements: Sequence[Statement]) -> Plan[int]:
+    total = 0
+    for statement in statements:
+        total += (yield statement).rowcount
+    return total
+
+
 _INSERT = (
     f"INSERT INTO keel_approvals ({_COLUMNS}) VALUES ({', '.join('?' for _ in _NAMES)}) "
     f"ON CONFLICT (tenant_id, id) DO NOTHING RETURNING {_COLUMNS}"
@@ -227,6 +289,10 @@ _SELECT = f"SELECT {_COLUMNS} FROM keel_approvals WHERE tenant_id = ? AND id = ?
 _DECIDE = (
     "UPDATE keel_approvals SET status = ?, decision = ? "
     f"WHERE tenant_id = ? AND id = ? AND status = 'pending' RETURNING {_COLUMNS}"
+)
+_MARK = (
+    "UPDATE keel_approvals SET carried_out_at = ? "
+    f"WHERE tenant_id = ? AND carried_out_at IS NULL AND {_DECIDED_SQL}"
 )
 _CANCEL = (
     "UPDATE keel_approvals SET status = 'cancelled', status_reason = ? "

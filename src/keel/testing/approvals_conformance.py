@@ -17,8 +17,9 @@ included; idempotent adds; oldest-first listing with its filters), the compare-a
 decision (a repeat and a different second decision leave the first standing; two threads
 forced to decide at once by a barrier: exactly one settles), tenant
 scoping of every method (the other tenant holds a request with the same id), expiry (a request
-past its expiry reads, lists and decides as expired even before a sweep), cancellation, and
-durability across a reopen.
+past its expiry reads, lists and decides as expired even before a sweep), cancellation, what is
+left to carry out (decided and not yet marked carried out, paged oldest first) and its
+marking, and durability across a reopen.
 """
 
 from __future__ import annotations
@@ -294,6 +295,71 @@ class ApprovalStoreConformance:
         assert decided is not None and (decided.status, decided.decision) == ("approved", first)
         assert [r.id for r in await store.alist(TENANT)] == ["elsewhere"]
 
+    # --- carrying decisions out -----------------------------------------------------------
+
+    async def test_decided_requests_are_left_to_carry_out_until_marked(
+        self, store: ApprovalStore
+    ) -> None:
+        now = time.time()
+        await store.aadd(request("waiting", created_at=NOW))
+        for index, name in enumerate(("approved", "rejected", "cancelled", "bobs")):
+            await store.aadd(
+                request(name, created_at=NOW + 1 + index, user_id="bob" if name == "bobs" else "al")
+            )
+        await store.aadd(
+            request("overdue", created_at=NOW + 9, expires_at=now - 1, session_id="s2")
+        )
+        await store.aadd(request("approved", tenant_id=OTHER_TENANT))
+        await store.adecide(TENANT, "approved", "approved", _decision())
+        await store.adecide(TENANT, "rejected", "rejected", _decision(False))
+        await store.adecide(TENANT, "bobs", "approved", _decision())
+        await store.acancel(TENANT, "s1", "reverted")  # "waiting" and "cancelled"
+        await store.adecide(OTHER_TENANT, "approved", "approved", _decision())
+
+        left = await store.alist_to_carry_out(TENANT)
+        # Decided (the overdue one expired as it is listed), oldest first; never pending nor
+        # cancelled, never another tenant's.
+        assert [r.id for r in left] == ["approved", "rejected", "bobs", "overdue"]
+        assert all(r.carried_out_at is None for r in left)
+        assert [r.id for r in await store.alist_to_carry_out(TENANT, user_id="bob")] == ["bobs"]
+        first = await store.alist_to_carry_out(TENANT, limit=2)
+        after = (first[-1].created_at, first[-1].id)
+        rest = await store.alist_to_carry_out(TENANT, after=after, limit=2)
+        assert [r.id for r in [*first, *rest]] == ["approved", "rejected", "bobs", "overdue"]
+
+        marked_at = NOW + 100
+        assert await store.amark_carried_out(TENANT, ["approved", "overdue"], marked_at) == 2
+        # Marked once; a pending, cancelled, unknown or other tenant's request never is.
+        assert await store.amark_carried_out(TENANT, ["approved", "cancelled", "nope"]) == 0
+        assert await store.amark_carried_out(TENANT, []) == 0
+        assert [r.id for r in await store.alist_to_carry_out(TENANT)] == ["rejected", "bobs"]
+        carried = await store.aget(TENANT, "approved")
+        assert carried is not None and carried.carried_out_at == marked_at
+        assert carried.status == "approved"  # the decision itself stands as it was
+        assert [r.id for r in await store.alist(TENANT, statuses=("approved",))] == [
+            "approved",
+            "bobs",
+        ]
+        assert [r.id for r in await store.alist_to_carry_out(OTHER_TENANT)] == ["approved"]
+        cancelled = await store.aget(TENANT, "cancelled")
+        assert cancelled is not None and cancelled.carried_out_at is None
+
+    async def test_many_marked_at_once_leave_only_the_new_decision(
+        self, store: ApprovalStore
+    ) -> None:
+        ids = [f"old-{index:04d}" for index in range(1200)]  # more than one batch of markers
+        for index, request_id in enumerate(ids):
+            await store.aadd(request(request_id, created_at=NOW + index))
+            await store.adecide(TENANT, request_id, "approved", _decision())
+        assert await store.amark_carried_out(TENANT, ids) == len(ids)
+        await store.aadd(request("new", created_at=NOW + 5000))
+        await store.adecide(TENANT, "new", "approved", _decision(channel="cli"))
+        assert [r.id for r in await store.alist_to_carry_out(TENANT, limit=10)] == ["new"]
+
+    async def test_bad_carry_out_arguments_are_usage_errors(self, store: ApprovalStore) -> None:
+        with pytest.raises(UsageError, match="limit"):
+            await store.alist_to_carry_out(TENANT, limit=0)
+
     # --- durability -----------------------------------------------------------------------
 
     async def test_requests_and_decisions_survive_a_reopen(
@@ -302,6 +368,10 @@ class ApprovalStoreConformance:
         await store.aadd(request("a"))
         decided, _ = await store.adecide(TENANT, "a", "rejected", _decision(False, note="no"))
         waiting = await store.aadd(request("b"))
+        await store.amark_carried_out(TENANT, ["a"], NOW)
         async with _opened(approvals_database_url) as reopened:
-            assert await reopened.aget(TENANT, "a") == decided
+            assert await reopened.aget(TENANT, "a") == decided.model_copy(
+                update={"carried_out_at": NOW}
+            )
             assert await reopened.alist(TENANT) == [waiting]
+            assert await reopened.alist_to_carry_out(TENANT) == []

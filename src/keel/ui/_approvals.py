@@ -1,8 +1,11 @@
 """The viewer's approvals page: the tenant's pending queue, and a form per request to approve
 (optionally with corrected arguments) or reject it. A decision goes through the tenant's agent,
-as ``POST /v1/approvals/{id}`` does: the waiting turn resumes, and its answer is shown as the
-operator's key reads it (placeholders, unless the service grants operators values). A decision
-that did not take effect says so, with the outcome that stands."""
+as ``POST /v1/approvals/{id}`` does: under ``keel serve --agent`` the waiting turn resumes, and
+its answer is shown as the operator's key reads it (placeholders, unless the service grants
+operators values). The standalone ``keel ui``, whose agent has none of the application's tools,
+records the decision (channel ``viewer``), as the command line does, and leaves the turn to the
+application's carrier. A decision that did not take effect says so, with the outcome that
+stands."""
 
 from __future__ import annotations
 
@@ -100,5 +103,9 @@ async def decide(
         notice = f"{approval_id} was not decided: {exc}"
         return await _queue_page(request, viewer, tenant, notice=notice)
     done = "Approved" if approve else "Rejected"
-    notice = f"{done} {approval_id}; the turn resumed ({reply.status}): {reply.text[:300]}"
+    if not reply.run_id:
+        # Recorded only (this viewer's agent lacks the tool): the application carries it out.
+        notice = f"{done} {approval_id}. {reply.text[:300]}"
+    else:
+        notice = f"{done} {approval_id}; the turn resumed ({reply.status}): {reply.text[:300]}"
     return await _queue_page(request, viewer, tenant, notice=notice)
