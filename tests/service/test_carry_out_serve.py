@@ -5,7 +5,6 @@ decision, and a worker carries it out with nobody asking: the refund is made exa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sqlite3
@@ -16,19 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.service.conftest import create_key, keel_serve
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# ``keel serve --agent``, the e-commerce example's factory and the deterministic support model
-# are issue 45's serve part; this test runs wherever they are (the merged branch).
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("tests.service._support_model") is None
-    or "def build(" not in (ROOT / "examples" / "ecommerce_support.py").read_text(),
-    reason="needs keel serve --agent and examples.ecommerce_support:build",
-)
 
 
 def _refunds(data_dir: Path) -> list[tuple[str, float, str]]:
