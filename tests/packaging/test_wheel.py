@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import time
 import typing
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -53,6 +54,12 @@ def test_the_wheel_is_keel_runtime_imported_from_the_new_virtualenv_only(
     shown = installed_wheel.keel("--version")
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == f"keel {wheel_version}"
+    # The license travels with the wheel (PEP 639: declared, and its text in the dist-info).
+    with zipfile.ZipFile(installed_wheel.wheel) as wheel:
+        names = wheel.namelist()
+        metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names[-10:]
+    assert b"License-Expression: Apache-2.0" in metadata
     # The wheel's dependency metadata is satisfied by what pip resolved.
     check = installed_wheel.pip_check
     assert check.returncode == 0, check.stdout + check.stderr
@@ -62,7 +69,13 @@ def test_the_sdist_holds_the_sources_and_nothing_built_or_cached(
     installed_wheel: InstalledWheel,
 ) -> None:
     members = sdist_members(installed_wheel.sdist)
-    for needed in ("pyproject.toml", "README.md", "src/keel/__init__.py", "src/keel/py.typed"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "LICENSE",
+        "src/keel/__init__.py",
+        "src/keel/py.typed",
+    ):
         assert needed in members, needed
     junk = [
         name
