@@ -26,8 +26,9 @@ from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.runtime._decisions import RESUMING_GRACE_S
 from keel.service._access import revert_holding_lease
-from keel.testing import ScriptedCall, ScriptedModel
+from keel.testing import ScriptedModel
 from keel.tools import ApprovalNeed, schema_tool, tool
+from tests.approvals._refunds import refund_tool, told
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -41,27 +42,6 @@ def _refund_call(order: str = "1024", amount: float = 40.0) -> Message:
     return Message.assistant(
         "", tool_calls=[ToolCall(id="c1", name="issue_refund", arguments=arguments)]
     )
-
-
-def _told(call: ScriptedCall) -> str:
-    """The model's answer once the turn goes on: what keel told it of the decision."""
-    notes = [m.content for m in call.messages if m.role == "system" and "approval" in m.content]
-    return "Done. " + (notes[-1] if notes else "nothing")
-
-
-def _refund_tool(refunds: list[str], **options: Any) -> Any:
-    @tool(approval="operator", **options)
-    def issue_refund(order_id: str, amount: float) -> str:
-        """Refund an order.
-
-        Args:
-            order_id: The order.
-            amount: Euros.
-        """
-        refunds.append(f"{order_id} {amount}")
-        return f"refunded {amount} on {order_id}"
-
-    return issue_refund
 
 
 @pytest.fixture
@@ -80,7 +60,7 @@ def open_agent(database: str) -> Iterator[Any]:
             database,
             system_prompt="You support a shop's customers.",
             model=ScriptedModel(replies),
-            tools=[_refund_tool(refunds, **tool_options)],
+            tools=[refund_tool(refunds, **tool_options)],
             memory=False,
             **options,
         )
@@ -107,7 +87,7 @@ def _keel_approvals(database: str, *args: str) -> subprocess.CompletedProcess[st
 
 def test_a_decision_on_the_command_line_is_carried_out_once(open_agent: Any, database: str) -> None:
     refunds: list[str] = []
-    agent = open_agent(refunds, [_refund_call(), _told, _refund_call("2048", 15.0), _told])
+    agent = open_agent(refunds, [_refund_call(), told, _refund_call("2048", 15.0), told])
     parked = agent.run_sync("Refund my order 1024, please.", session="s1", user="ann")
     assert parked.status == "awaiting_approval" and refunds == []
     approval = parked.approvals[0].id
@@ -142,7 +122,7 @@ def test_a_decision_on_the_command_line_is_carried_out_once(open_agent: Any, dat
 
 def test_only_the_users_decisions_when_a_user_is_named(open_agent: Any, database: str) -> None:
     refunds: list[str] = []
-    agent = open_agent(refunds, [_refund_call(), _told])
+    agent = open_agent(refunds, [_refund_call(), told])
     parked = agent.run_sync("Refund my order 1024, please.", session="s1", user="ann")
     _keel_approvals(database, "approve", parked.approvals[0].id)
     assert agent.carry_out_decisions_sync(user_id="bob") == [] and refunds == []
@@ -176,7 +156,7 @@ def test_two_processes_carrying_out_at_once_go_on_once(open_agent: Any, database
         agent = Agent.open(
             database,
             system_prompt="You support a shop's customers.",
-            model=ScriptedModel([_refund_call(), _told, _told]),
+            model=ScriptedModel([_refund_call(), told, told]),
             tools=[issue_refund],
             memory=False,
             session_wait_s=60,
@@ -277,7 +257,7 @@ async def test_a_decision_that_goes_on_by_itself_is_left_to_its_decider_for_a_wh
     it out at the same moment would answer that decider "settled" instead of the turn. Only
     when its decider died (the grace is over) is it carried out here."""
     refunds: list[str] = []
-    agent = open_agent(refunds, [_refund_call("1"), _refund_call("2"), _told])
+    agent = open_agent(refunds, [_refund_call("1"), _refund_call("2"), told])
     just_now = await agent.run("Refund order 1.", session="s1", user="ann")
     long_ago = await agent.run("Refund order 2.", session="s2", user="ann")
 
@@ -320,7 +300,7 @@ def test_an_expired_request_lets_its_turn_go_on_without_the_call(database: str) 
     with Agent.open(
         database,
         system_prompt="You support a shop's customers.",
-        model=ScriptedModel([_refund_call(), _told]),
+        model=ScriptedModel([_refund_call(), told]),
         tools=[issue_refund],
         memory=False,
     ) as agent:
@@ -339,7 +319,7 @@ def test_an_agent_without_the_tool_leaves_the_decision_to_the_one_with_it(
     """``keel ui`` (an agent with no tools) on the application's database must not carry out
     the application's refund: it could not run it, and the turn would go on without it."""
     refunds: list[str] = []
-    application = open_agent(refunds, [_refund_call(), _told])
+    application = open_agent(refunds, [_refund_call(), told])
     parked = application.run_sync("Refund my order 1024, please.", session="s1", user="ann")
     _keel_approvals(database, "approve", parked.approvals[0].id)
 
@@ -356,7 +336,7 @@ def test_an_agent_without_the_tool_leaves_the_decision_to_the_one_with_it(
         with Agent.open(
             database,
             system_prompt="Another application's agent.",
-            model=ScriptedModel([_told]),
+            model=ScriptedModel([told]),
             tools=tools,
             memory=False,
         ) as other:
@@ -453,7 +433,7 @@ def test_a_pass_peeks_only_the_session_of_the_new_decision(
     """2,000 decisions carried out long ago and one new decision on the command line: the
     pass looks at the one session whose turn waits for it, not at the history."""
     refunds: list[str] = []
-    agent = open_agent(refunds, [_refund_call(), _told])
+    agent = open_agent(refunds, [_refund_call(), told])
     parked = agent.run_sync("Refund my order 1024, please.", session="s1", user="ann")
     _old_decided(tmp_path / "keel.db", 2000, carried_out=True, sessions=2000)
     _keel_approvals(database, "approve", parked.approvals[0].id)
@@ -474,7 +454,7 @@ def test_a_new_decision_past_the_old_scan_limit_is_carried_out(
     the upgrade): the newest decision is still carried out, and the old ones, whose sessions
     wait for nothing, are marked, so the next pass reads none of them."""
     refunds: list[str] = []
-    agent = open_agent(refunds, [_refund_call(), _told])
+    agent = open_agent(refunds, [_refund_call(), told])
     parked = agent.run_sync("Refund my order 1024, please.", session="s1", user="ann")
     _old_decided(tmp_path / "keel.db", 10_001, carried_out=False, sessions=7)
     _decide_in_store(agent, parked.approvals[0].id)
@@ -486,8 +466,8 @@ def test_a_new_decision_past_the_old_scan_limit_is_carried_out(
 
 def test_every_way_a_parked_turn_goes_on_marks_its_request(open_agent: Any) -> None:
     refunds: list[str] = []
-    script = [_refund_call("1"), _told, _refund_call("2"), _told, _refund_call("3"), _told]
-    agent = open_agent(refunds, [*script, _refund_call("4"), _told, "You're welcome."])
+    script = [_refund_call("1"), told, _refund_call("2"), told, _refund_call("3"), told]
+    agent = open_agent(refunds, [*script, _refund_call("4"), told, "You're welcome."])
     # Agent.decide: the decider goes on with the turn.
     first = agent.run_sync("Refund order 1.", session="s1", user="ann")
     agent.decide_sync("s1", first.approvals[0].id, approve=True, by="alice")
@@ -569,11 +549,11 @@ def test_a_request_decided_before_its_turn_parks_on_it_is_not_dropped(database: 
             database,
             system_prompt="You support a shop's customers.",
             model=ScriptedModel(replies),
-            tools=[_refund_tool(refunds), check_stock],
+            tools=[refund_tool(refunds), check_stock],
             memory=False,
         )
 
-    with build([both]) as application, build([_told]) as carrier:
+    with build([both]) as application, build([told]) as carrier:
         parked: list[Any] = []
         turn = threading.Thread(
             target=lambda: parked.append(

@@ -19,9 +19,9 @@ from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.service import build_service
 from keel.settings import load_settings
-from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import tool
+from keel.testing import ScriptedModel
 from keel.ui import COOKIE
+from tests.approvals._refunds import refund_tool, told
 from tests.service.conftest import serving
 
 
@@ -32,33 +32,13 @@ def _refund_call(order: str) -> Message:
     )
 
 
-def _told(call: ScriptedCall) -> str:
-    notes = [m.content for m in call.messages if m.role == "system" and "approval" in m.content]
-    return "Done. " + (notes[-1] if notes else "nothing")
-
-
-def _refund_tool(refunds: list[str]) -> Any:
-    @tool(approval="operator")
-    def issue_refund(order_id: str, amount: float) -> str:
-        """Refund an order.
-
-        Args:
-            order_id: The order.
-            amount: Euros.
-        """
-        refunds.append(f"{order_id} {amount}")
-        return f"refunded {amount} on {order_id}"
-
-    return issue_refund
-
-
 @contextlib.contextmanager
 def _viewer(database: str, data_dir: Path, tools: list[Any]) -> Iterator[httpx.Client]:
     """The service with the viewer on ``database`` (``tools``: none, as ``keel ui`` has),
     an operator of tenant ``default`` signed in."""
     app, agents, keys = build_service(
         database,
-        model=ScriptedModel([_told]),
+        model=ScriptedModel([told]),
         tools=tools,
         memory=False,
         settings=load_settings(data_dir=data_dir),
@@ -80,8 +60,8 @@ def test_a_decision_in_the_standalone_viewer_is_carried_out_by_the_application_o
     with Agent.open(
         database,
         system_prompt="You support a shop's customers.",
-        model=ScriptedModel([_refund_call("1024"), _told]),
-        tools=[_refund_tool(refunds)],
+        model=ScriptedModel([_refund_call("1024"), told]),
+        tools=[refund_tool(refunds)],
         memory=False,
     ) as application:
         parked = application.run_sync("Refund my order 1024.", session="s1", user="ann")
@@ -107,10 +87,10 @@ def test_a_decision_in_the_standalone_viewer_is_carried_out_by_the_application_o
 def test_under_the_applications_service_the_viewer_goes_on_at_once(tmp_path: Path) -> None:
     database = f"sqlite:///{tmp_path / 'keel.db'}"
     refunds: list[str] = []
-    tools = [_refund_tool(refunds)]
+    tools = [refund_tool(refunds)]
     app, agents, keys = build_service(
         database,
-        model=ScriptedModel([_refund_call("7"), _told]),
+        model=ScriptedModel([_refund_call("7"), told]),
         tools=tools,
         memory=False,
         settings=load_settings(data_dir=tmp_path),

@@ -156,6 +156,13 @@ class ApprovalStore(ABC):
         is left to carry out, never the tenant's whole history (an index holds just those)."""
 
     @abstractmethod
+    async def atenants_to_carry_out(self, now: float | None = None) -> list[str]:
+        """The tenants with decided requests not yet marked carried out, sorted; pending
+        requests past their expiry at ``now`` (default: the current time) are marked
+        ``expired`` first. A carrier looks at these tenants only: its cost follows what is
+        left to carry out, never how many tenants or keys exist."""
+
+    @abstractmethod
     async def amark_carried_out(
         self, tenant_id: str, request_ids: Sequence[str], now: float | None = None
     ) -> int:

@@ -141,7 +141,7 @@ def create_app(
     carrier = (
         None
         if approvals is None or carry_out_every_s is None
-        else service_carrier(agent_for, keys, tenants, every_s=carry_out_every_s, drain=drain)
+        else service_carrier(agent_for, approvals, every_s=carry_out_every_s, drain=drain)
     )
 
     app = FastAPI(

@@ -2,12 +2,13 @@
 (``keel approvals approve``, which holds no agent and runs no tool) leads to its effect while
 ``keel serve`` runs, without the application noticing.
 
-A background task of each worker calls ``agent.carry_out_decisions()`` for every tenant every
-``every_s`` seconds. Several workers (or servers) doing so at once carry each decision out
-once: a parked turn goes on under its session's lease, its state read again there, its tool
-calls through the journal. While the server drains, no new pass starts; at shutdown the pass
-in flight finishes (or, past a bound, is cancelled: its turn goes on later, whole) before the
-stores close. A pass is not a client's turn: it never counts in the drain's turns in flight.
+Every ``every_s`` seconds a background task of each worker calls
+``agent.carry_out_decisions()`` for each tenant with decisions left to carry out. Several
+workers (or servers) doing so at once carry each decision out once: a parked turn goes on
+under its session's lease, its state read again there, its tool calls through the journal.
+While the server drains, no new pass starts; at shutdown the pass in flight finishes (or,
+past a bound, is cancelled: its turn goes on later, whole) before the stores close. A pass
+is not a client's turn: it never counts in the drain's turns in flight.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import TYPE_CHECKING
 from keel.errors import UsageError
 
 if TYPE_CHECKING:
+    from keel.approvals import ApprovalStore
     from keel.runtime import Agent
     from keel.service._drain import Drain
-    from keel.service._keys import APIKeys
 
 __all__ = ["DEFAULT_EVERY_S", "DecisionCarrier", "carrying_out", "service_carrier"]
 
@@ -129,18 +130,11 @@ async def carrying_out(carrier: DecisionCarrier | None) -> AsyncIterator[None]:
 
 def service_carrier(
     agent_for: Callable[[str], Agent],
-    keys: APIKeys,
-    made: Callable[[], Iterable[str]] | None,
+    approvals: ApprovalStore,
     *,
     every_s: float,
     drain: Drain | None,
 ) -> DecisionCarrier:
-    """The service's carrier: it looks at every tenant with a live key (whose sessions the
-    service serves) and every tenant whose agent it made."""
-
-    async def tenants() -> list[str]:
-        listed = await asyncio.to_thread(keys.list)
-        live = [key.tenant_id for key in listed if not key.revoked]
-        return [*(made() if made is not None else ()), *live]
-
-    return DecisionCarrier(agent_for, tenants, every_s=every_s, drain=drain)
+    """The service's carrier: each pass looks at the tenants the queue holds decisions left
+    to carry out for (read from its index of those), not at every tenant or key."""
+    return DecisionCarrier(agent_for, approvals.atenants_to_carry_out, every_s=every_s, drain=drain)

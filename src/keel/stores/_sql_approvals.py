@@ -175,6 +175,10 @@ class SQLApprovalStore(ApprovalStore):
         query = Statement(sql, (*params, limit))
         return await self._arun(True, lambda: _list(tenant_id, query, time.time()))
 
+    async def atenants_to_carry_out(self, now: float | None = None) -> list[str]:
+        at = time.time() if now is None else now
+        return await self._arun(True, lambda: _tenants_to_carry_out(at))
+
     async def amark_carried_out(
         self, tenant_id: str, request_ids: Sequence[str], now: float | None = None
     ) -> int:
@@ -257,6 +261,11 @@ def _list(tenant_id: str, query: Statement, now: float) -> Plan[list[ApprovalReq
     return _requests((yield query))
 
 
+def _tenants_to_carry_out(now: float) -> Plan[list[str]]:
+    yield Statement(_EXPIRE_ALL, (EXPIRED_REASON, now))
+    return [row[0] for row in (yield Statement(_TENANTS_TO_CARRY_OUT, ())).rows]
+
+
 def _decide(params: tuple[Any, ...], now: float) -> Plan[tuple[ApprovalRequest, bool]]:
     tenant_id, request_id = params[2], params[3]
     # A request past its expiry is expired, whoever decides it now.
@@ -293,6 +302,11 @@ _DECIDE = (
 _MARK = (
     "UPDATE keel_approvals SET carried_out_at = ? "
     f"WHERE tenant_id = ? AND carried_out_at IS NULL AND {_DECIDED_SQL}"
+)
+# Read from the partial index of what is left to carry out (its rows only).
+_TENANTS_TO_CARRY_OUT = (
+    "SELECT DISTINCT tenant_id FROM keel_approvals "
+    f"WHERE carried_out_at IS NULL AND {_DECIDED_SQL} ORDER BY tenant_id"
 )
 _CANCEL = (
     "UPDATE keel_approvals SET status = 'cancelled', status_reason = ? "

@@ -356,6 +356,29 @@ class ApprovalStoreConformance:
         await store.adecide(TENANT, "new", "approved", _decision(channel="cli"))
         assert [r.id for r in await store.alist_to_carry_out(TENANT, limit=10)] == ["new"]
 
+    async def test_the_tenants_to_carry_out_are_those_with_decisions_left(
+        self, store: ApprovalStore
+    ) -> None:
+        now = time.time()
+        assert await store.atenants_to_carry_out() == []
+        await store.aadd(request("pending", tenant_id="waits"))
+        await store.aadd(request("done", tenant_id="done"))
+        await store.adecide("done", "done", "approved", _decision())
+        await store.amark_carried_out("done", ["done"])
+        await store.aadd(request("cancelled", tenant_id="cancels"))
+        await store.acancel("cancels", "s1", "reverted")
+        # Pending, carried out or cancelled: nothing to carry out for those tenants.
+        assert await store.atenants_to_carry_out() == []
+        await store.aadd(request("approved", tenant_id=TENANT))
+        await store.adecide(TENANT, "approved", "approved", _decision())
+        await store.aadd(request("overdue", tenant_id=OTHER_TENANT, expires_at=now - 1))
+        # Decided, or expired as the tenants are listed; sorted, each once.
+        assert await store.atenants_to_carry_out() == sorted([OTHER_TENANT, TENANT])
+        overdue = await store.aget(OTHER_TENANT, "overdue")
+        assert overdue is not None and overdue.status == "expired"
+        await store.amark_carried_out(TENANT, ["approved"])
+        assert await store.atenants_to_carry_out() == [OTHER_TENANT]
+
     async def test_bad_carry_out_arguments_are_usage_errors(self, store: ApprovalStore) -> None:
         with pytest.raises(UsageError, match="limit"):
             await store.alist_to_carry_out(TENANT, limit=0)
