@@ -221,7 +221,7 @@ class APIKeys:
         agent's stores use (already open when the server is ready), not on the sync one: a
         worker's first request would otherwise open a connection of its own."""
         if isinstance(self.database, SQLiteDatabase):
-            return await self.database.arun(lambda: self.caller_of(key))
+            return await self.database.acall(lambda: self.caller_of(key))
         parsed = _parsed(key)
         if parsed is None:
             return None
@@ -277,7 +277,7 @@ class APIKeys:
         """``call`` (one of these methods) for an event loop: on SQLite as its database runs
         a short store call, on PostgreSQL in a worker thread."""
         if isinstance(self.database, SQLiteDatabase):
-            return await self.database.arun(call)
+            return await self.database.acall(call)
         return await run_blocking(call)
 
     def list(self, tenant_id: str | None = None) -> list[APIKey]:

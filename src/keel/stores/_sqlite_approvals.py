@@ -36,4 +36,4 @@ class SQLiteApprovalStore(SQLApprovalStore):
             return run_plan(conn.cursor(), self.dialect, plan())
 
     async def _arun(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
-        return await self.db.arun(lambda: self._run(write, plan))
+        return await self.db.acall(lambda: self._run(write, plan))

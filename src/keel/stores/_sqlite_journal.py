@@ -33,7 +33,7 @@ class SQLiteToolJournal(SQLToolJournal):
         db.setup(JOURNAL_MIGRATIONS)
 
     async def _run_twin(self, call: Callable[[], _T]) -> _T:
-        return await self.db.arun(call)
+        return await self.db.acall(call)
 
     def _write(self) -> AbstractContextManager[sqlite3.Connection]:
         return self.db.transaction()

@@ -93,7 +93,7 @@ class SQLiteTraceStore(SQLTraceStore):
         self.db = database
 
     async def _run_twin(self, function: Callable[[], _T]) -> _T:
-        return await self.db.arun(function)
+        return await self.db.acall(function)
 
     def _read(self) -> AbstractContextManager[sqlite3.Connection]:
         return self.db.translated()

@@ -51,7 +51,7 @@ class SQLiteVaultStore(SQLVaultStore):
     async def arun(self, call: Callable[[], _T]) -> _T:
         # Tens of microseconds on the local file, a reader never waits in WAL mode: inline,
         # unless the call would wait for the write lock (the database's own rule).
-        return await self.db.arun(call)
+        return await self.db.acall(call)
 
     def drop_key_check(self, key_id: str) -> bool:
         dropped = super().drop_key_check(key_id)
