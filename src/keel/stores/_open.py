@@ -14,10 +14,11 @@ a wrong key is a ``VaultKeyError`` at start-up, never values stored raw.
 ``only=`` names the stores wanted, for whoever needs fewer than an agent: the state alone
 (``KeelCheckpointSaver(url)``, ``keel state``, the state conformance kit: a Redis URL is
 accepted there), the state and the vault (the adapters' histories), the journal alone, or none
-(the database alone, unmigrated: ``keel doctor``). A state store opened alone owns its
-database, so that its backend can be handed on (``StateStore(backends.state.backend, MyState)``)
-and closing it closes everything. The store classes themselves take a database object, never
-a URL; URLs are parsed by [`keel._urls.parse_database_url`][], as everywhere.
+(the database alone, unmigrated: ``keel doctor``). A state store opened alone (or with the
+vault alone) owns its database, so that its backend can be handed on
+(``StateStore(backends.state.backend, MyState)``) and closing it closes the database. The
+store classes themselves take a database object, never a URL; URLs are parsed by
+[`keel._urls.parse_database_url`][], as everywhere.
 
 It opens everything or nothing: a store that fails to open closes the ones opened before it.
 [`Backends.close`][] / [`Backends.aclose`][] release them in reverse order, memory first so
@@ -175,8 +176,8 @@ class Backends:
                 ``database_url`` of ``settings``.
             only: the stores wanted, of [`STORE_NAMES`][keel.stores.STORE_NAMES] (default:
                 all). Memory brings the vault it seals values in; ``()`` opens the SQL
-                database alone, unmigrated. The state alone owns its database: closing its
-                backend closes it, so the backend can be handed on.
+                database alone, unmigrated. The state alone (or with the vault alone) owns
+                its database: closing its backend closes it, so the backend can be handed on.
             settings: the SQLite busy timeout, the PostgreSQL pool size, the embedder and the
                 Redis URL (required with a URL: keel reads its settings once, at its edge,
                 and hands them down).
@@ -187,14 +188,11 @@ class Backends:
                 ``process_outbox`` only, as a one-shot command wants).
             privacy: the privacy policy (memory masks with it; agents on these stores too,
                 unless given their own). None turns masking off.
-            pii_key: the PII vault's master key (a [`MasterKey`][] or a
-                KMS-backed [`KeyProvider`][]), or a
-                [`KeyRing`][] while a rotation is under way; default:
-                ``settings.pii_key``, else ``settings.pii_key_file`` (with
-                ``settings.pii_key_previous`` / ``pii_key_previous_file`` as the previous key);
-                none of them: on SQLite the key file keel keeps in the config directory
-                (`default_pii_key_file`, made on first use), on
-                PostgreSQL no vault (a warning says so once).
+            pii_key: the PII vault's master key (a [`MasterKey`][], a KMS-backed
+                [`KeyProvider`][], or a [`KeyRing`][] mid-rotation); default: the settings'
+                ``pii_key``, else ``pii_key_file`` (``pii_key_previous*`` the previous key);
+                none: on SQLite keel's own key file (`default_pii_key_file`, made on first
+                use), on PostgreSQL no vault (a warning says so once).
             vault: False: no vault, masking only (no key made or required); default:
                 ``settings.pii_vault``.
 
@@ -211,59 +209,15 @@ class Backends:
         """
         wanted = _wanted(only, memory=memory)
         settings, url = _settings_and_url(database, settings)
-        try:
-            parsed = parse_database_url(url)
-        except ConfigError as exc:
-            if wanted == {"state"}:
-                raise ConfigError(f"unknown state backend URL: {exc}") from None
-            raise
-        if parsed.kind == "redis":
-            if wanted != {"state"}:
-                raise ConfigError(
-                    f"a Redis URL holds the state alone (only=('state',)), not "
-                    f"{', '.join(sorted(wanted - {'state'})) or 'the SQL database'}: give the "
-                    "SQL database's URL, and the Redis one as redis_url"
-                )
-            redis: DatabaseURL | None = parsed
-        else:
-            redis = _redis(settings.redis_url if redis_url is None else redis_url)
+        parsed, redis = _urls(url, wanted, settings.redis_url if redis_url is None else redis_url)
         vault_on = "vault" in wanted and (settings.pii_vault if vault is None else vault)
-        keys = None
-        if vault_on:
-            keys = pii_key if pii_key is not None else pii_key_from_settings(settings)
-        on_sql = wanted - {"state"} if redis is not None else wanted
-        closers: list[_Closer] = []
-
-        def own(
-            sync: Callable[[], None], asynchronous: Callable[[], Awaitable[None]] | None
-        ) -> None:
-            closers.append((sync, asynchronous))
-
+        keys = _vault_keys(settings, pii_key) if vault_on else None
         opened = _Opened()
         try:
-            if parsed.kind != "redis" and (on_sql or not wanted):
-                opened.sql = _open_sql(parsed, settings, own)
-                if on_sql == {"state"}:
-                    opened.state = _state_alone(opened.sql, closers)
-                else:
-                    _open_on_sql(opened, on_sql, keys, vault_on, own)
-            if redis is not None and "state" in wanted:
-                opened.state = _state_on_redis(redis, own)
-            if opened.memory_store is not None:
-                opened.memory = Memory(
-                    opened.memory_store,
-                    embedder=embedder_from_settings(settings),
-                    background=background,
-                    masker=privacy,
-                    vault=opened.vault,
-                )
-                # Memory.close stops the outbox worker and closes the store; it runs first
-                # (closers pop from the end), before the database it writes to is closed.
-                own(opened.memory.close, None)
+            opened.open(parsed, redis, wanted, settings, keys, vault_on)
+            opened.open_memory(settings, background=background, privacy=privacy)
         except BaseException:
-            while closers:
-                with contextlib.suppress(Exception):
-                    closers.pop()[0]()
+            opened.close_quietly()
             raise
         return cls(
             database=parsed,
@@ -278,7 +232,7 @@ class Backends:
             _approvals=opened.approvals,
             _traces=opened.traces,
             _sql=opened.sql,
-            _closers=closers,
+            _closers=opened.closers,
         )
 
     async def aready(self, connections: int = 1) -> None:
@@ -334,7 +288,7 @@ T = TypeVar("T")
 
 @dataclass
 class _Opened:
-    """What one [`Backends.open`][] has opened so far."""
+    """What one [`Backends.open`][] has opened so far, and how to close it (newest first)."""
 
     sql: SQLiteDatabase | PostgresDatabase | None = None
     state: StateStore[AgentState] | None = None
@@ -344,6 +298,54 @@ class _Opened:
     memory_store: MemoryStore | None = None
     memory: Memory | None = None
     vault: Vault | None = None
+    closers: list[_Closer] = field(default_factory=list)
+
+    def own(self, sync: Callable[[], None], asynchronous: _AsyncClose) -> None:
+        self.closers.append((sync, asynchronous))
+
+    def open(
+        self,
+        parsed: DatabaseURL,
+        redis: DatabaseURL | None,
+        wanted: frozenset[StoreName],
+        settings: Settings,
+        keys: KeyProvider | KeyRing | None,
+        vault_on: bool,
+    ) -> None:
+        """The SQL database and the stores ``wanted`` on it, then the state on ``redis``."""
+        on_sql = wanted - {"state"} if redis is not None else wanted
+        if parsed.kind != "redis" and (on_sql or not wanted):
+            self.sql = _open_sql(parsed, settings, self.own)
+            if "state" in on_sql and on_sql <= {"state", "vault"}:
+                # The state with nothing but its vault: the state's backend owns the database.
+                self.state = _state_alone(self.sql, self.closers)
+                on_sql -= {"state"}
+            _open_on_sql(self, on_sql, keys, vault_on, self.own)
+        if redis is not None and "state" in wanted:
+            self.state = _state_on_redis(redis, self.own)
+
+    def open_memory(
+        self, settings: Settings, *, background: bool, privacy: PIIMasker | None
+    ) -> None:
+        """Memory on the memory store opened (if any), sealing values in the vault."""
+        if self.memory_store is None:
+            return
+        self.memory = Memory(
+            self.memory_store,
+            embedder=embedder_from_settings(settings),
+            background=background,
+            masker=privacy,
+            vault=self.vault,
+        )
+        # Memory.close stops the outbox worker and closes the store; it runs first (closers
+        # pop from the end), before the database it writes to is closed.
+        self.own(self.memory.close, None)
+
+    def close_quietly(self) -> None:
+        """Close what was opened, newest first, when opening the rest failed."""
+        while self.closers:
+            with contextlib.suppress(Exception):
+                self.closers.pop()[0]()
 
     def names(self, wanted: frozenset[StoreName]) -> frozenset[StoreName]:
         present = {
@@ -355,6 +357,38 @@ class _Opened:
             "vault": self.vault,
         }
         return frozenset(name for name in wanted if present[name] is not None)
+
+
+def _urls(
+    url: str, wanted: frozenset[StoreName], redis_url: str | None
+) -> tuple[DatabaseURL, DatabaseURL | None]:
+    """The database ``url`` names, and the Redis that holds state (if any).
+
+    Raises:
+        ConfigError: a URL keel cannot open, or a Redis URL for more than the state.
+    """
+    try:
+        parsed = parse_database_url(url)
+    except ConfigError as exc:
+        if wanted == {"state"}:
+            raise ConfigError(f"unknown state backend URL: {exc}") from None
+        raise
+    if parsed.kind != "redis":
+        return parsed, _redis(redis_url)
+    if wanted != {"state"}:
+        raise ConfigError(
+            f"a Redis URL holds the state alone (only=('state',)), not "
+            f"{', '.join(sorted(wanted - {'state'})) or 'the SQL database'}: give the "
+            "SQL database's URL, and the Redis one as redis_url"
+        )
+    return parsed, parsed
+
+
+def _vault_keys(
+    settings: Settings, pii_key: KeyProvider | KeyRing | None
+) -> KeyProvider | KeyRing | None:
+    """The vault's keys: ``pii_key`` when given, else the settings'."""
+    return pii_key if pii_key is not None else pii_key_from_settings(settings)
 
 
 def _wanted(only: Iterable[StoreName] | None, *, memory: bool) -> frozenset[StoreName]:
@@ -469,8 +503,9 @@ def _trace_store(sql: SQLiteDatabase | PostgresDatabase) -> TraceStore:
 def _state_alone(
     sql: SQLiteDatabase | PostgresDatabase, closers: list[_Closer]
 ) -> StateStore[AgentState]:
-    """The state store on ``sql`` alone, its backend owning ``sql``: closing it (or a store
-    it is handed on to) closes the database."""
+    """The state store on ``sql``, its backend owning ``sql``: closing it (or a store it is
+    handed on to) closes the database (and the vault's store on it, which holds nothing of
+    its own)."""
     backend: _SQLiteStateAlone | _PostgresStateAlone = (
         _SQLiteStateAlone(sql) if isinstance(sql, SQLiteDatabase) else _PostgresStateAlone(sql)
     )
