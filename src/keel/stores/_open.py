@@ -428,7 +428,7 @@ def _settings_and_url(
         UsageError: a URL (or None) without settings.
     """
     if isinstance(database, Settings):
-        if settings is not None and settings is not database:
+        if settings is not None:
             raise ConfigError("settings given twice: positionally and as settings=")
         return database, database.database_url
     if database is not None and not isinstance(database, str):
