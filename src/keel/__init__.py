@@ -89,7 +89,6 @@ if TYPE_CHECKING:
         SQLiteStateBackend,
         SQLiteToolJournal,
         SQLiteTraceStore,
-        open_database,
     )
     from keel.tokens import count_tokens
     from keel.tools import (
@@ -163,7 +162,6 @@ _LAZY: dict[str, str] = {
     "load_settings": "keel.settings",
     "mask_pii": "keel.privacy",
     "model_profile": "keel.tokens",  # moved to keel.tokens; still resolves
-    "open_database": "keel.stores",
     "resolve_model": "keel.models",
     "tool": "keel.tools",
 }
@@ -231,7 +229,6 @@ __all__ = [
     "errors",
     "load_settings",
     "mask_pii",
-    "open_database",
     "resolve_model",
     "schema_tool",
     "tool",

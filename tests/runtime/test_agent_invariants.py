@@ -569,14 +569,15 @@ async def test_a_turn_ends_even_when_the_lease_renewal_swallows_its_cancellation
 async def test_on_server_backends_sessions_are_scoped_and_owned_one_turn_at_a_time(
     request: pytest.FixtureRequest, backend: str
 ) -> None:
-    from keel.stores import PostgresDatabase, PostgresToolJournal, open_state_backend
+    from keel.stores import PostgresDatabase, PostgresToolJournal
+    from keel.testing._state_worker import state_backend_at
 
     url = request.getfixturevalue("postgres_url" if backend == "postgres" else "redis_url")
     journal_url = url if backend == "postgres" else request.getfixturevalue("postgres_url")
     book, effects = _booking()
     with PostgresDatabase(journal_url, max_size=4) as journal_database:
         journal = PostgresToolJournal(journal_database)
-        state_backend = open_state_backend(url)
+        state_backend = state_backend_at(url)
 
         def agent_for(tenant: str) -> Agent:
             return Agent(

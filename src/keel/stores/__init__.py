@@ -13,13 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from keel._urls import DatabaseURL, parse_database_url
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._open import (
-    Backends,
-    open_database,
-    open_state_backend,
-    open_vault,
-    pii_key_from_settings,
-)
+from keel.stores._open import STORE_NAMES, Backends, StoreName, pii_key_from_settings
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_approvals import POSTGRES_APPROVAL_MIGRATIONS, PostgresApprovalStore
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
@@ -51,6 +45,7 @@ __all__ = [
     "POSTGRES_TRACE_MIGRATIONS",
     "POSTGRES_VAULT_MIGRATIONS",
     "STATE_MIGRATIONS",
+    "STORE_NAMES",
     "TRACE_MIGRATIONS",
     "VAULT_MIGRATIONS",
     "Backends",
@@ -72,9 +67,7 @@ __all__ = [
     "SQLiteToolJournal",
     "SQLiteTraceStore",
     "SQLiteVaultStore",
-    "open_database",
-    "open_state_backend",
-    "open_vault",
+    "StoreName",
     "parse_database_url",
     "pii_key_from_settings",
     "translate_postgres_error",
