@@ -429,13 +429,8 @@ class Conversation:
             self.add(message)
 
     def _raw_form(self, message: Message) -> _Form:
-        tokens = self.counter.count_message(message)
-        framing = (
-            self.counter.count_message(message.model_copy(update={"content": ""}))
-            if message.content
-            else tokens
-        )
-        return _Form(message, tokens, max(0, tokens - framing), None)
+        tokens, content_tokens = self.counter.count_message_content(message)
+        return _Form(message, tokens, content_tokens, None)
 
     def _pruned_form(self, form: _Form, limit: int, how: _CutHow) -> _Form:
         """``form`` with its content cut to ``limit`` tokens (itself when it is not larger)."""
