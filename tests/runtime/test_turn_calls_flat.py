@@ -2,20 +2,19 @@
 
 One session of the ``keel bench turns`` workload (a question, one tool call, an answer), each
 question holding an e-mail address, so that every prompt shows the model placeholders and its
-tool call resolves one. The profiler counts the calls of keel's own functions (generator steps
-included) that each turn makes on the event loop's thread: a turn that walks the history (a
-scan of every message of the prompt for placeholders, a copy validated again) makes more of
-them in a longer session, one proportional to what is new makes as many at turn 100 as at turn
-10. Counts are exact where timings on a shared machine are not; only keel's frames are
-counted, so the event loop's own scheduling (a thread's reply that came a little later) adds
-nothing. Each question has the same length, and the medians of five turns are compared: a
-turn that now and then does more (a checkpoint that is a full snapshot) moves one sample, a
-growth moves them all.
+tool call resolves one (the model passes on the tail of the question it was shown). The
+profiler counts the calls of keel's own functions (generator steps included) that each turn
+makes on the event loop's thread: a turn that walks the history (a scan of every message of
+the prompt for placeholders, a copy validated again) makes more of them in a longer session,
+one proportional to what is new makes as many at turn 100 as at turn 10. Counts are exact where
+timings on a shared machine are not; only keel's frames are counted, so the event loop's own
+scheduling (a thread's reply that came a little later) adds nothing. Each question has the
+same length, and the medians of five turns are compared: a turn that now and then does more (a
+checkpoint that is a full snapshot) moves one sample, a growth moves them all.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,30 +22,12 @@ from types import FrameType
 from typing import Any
 
 import keel
-from keel.messages import Message
 from keel.runtime import Agent
 from keel.settings import load_settings
-from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import tool
+from keel.testing import ScriptedModel
+from tests.runtime.test_turn_cost_flat import _policy, lookup
 
 _KEEL = str(Path(keel.__file__).parent)
-
-
-@tool
-def lookup(query: str) -> str:
-    """Look records up.
-
-    Args:
-        query: What to look up.
-    """
-    return f"the record for {query}"
-
-
-def _policy(call: ScriptedCall) -> Message | str:
-    if call.messages[-1].role == "tool":
-        return "Here it is."
-    # The model passes the placeholder it was shown on to the tool, which gets the value.
-    return ScriptedModel.tool_call("lookup", json.dumps({"query": call.last_user_text[-24:]}))
 
 
 async def _calls_per_turn(directory: Path, turns: int) -> list[int]:
