@@ -38,9 +38,10 @@ from keel.privacy._vault import (
     Vault,
     defang_placeholders,
     placeholders_in,
+    placeholders_written,
 )
 
-__all__ = ["PrivacyView", "privacy_view", "storable"]
+__all__ = ["PrivacyView", "message_placeholders", "privacy_view", "storable"]
 
 _MASKED_KEPT = 512
 _MASKED_TEXT_CHARS = 16_384
@@ -54,6 +55,14 @@ _Payload = TypeVar("_Payload")
 def storable(text: str) -> str:
     """Text that can be stored: lone surrogates (legal in JSON, not in UTF-8) become U+FFFD."""
     return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+def message_placeholders(message: Message) -> frozenset[str]:
+    """The placeholders a model is shown in ``message``: those written in its content and in
+    its tool calls' arguments (what [`PrivacyView.note_shown`][] notes of it)."""
+    if not message.tool_calls:
+        return placeholders_written((message.content,))
+    return placeholders_written((message.content, *(call.arguments for call in message.tool_calls)))
 
 
 def privacy_view(
@@ -200,16 +209,25 @@ class PrivacyView:
             return text
         return self.user_vault.defang_foreign(text)
 
-    def note_shown(self, messages: Iterable[Message]) -> None:
+    def note_shown(
+        self, messages: Iterable[Message], *, placeholders: Iterable[str] | None = None
+    ) -> None:
         """Note the placeholders of ``messages`` (a prompt about to be sent) as shown to the
         model: from now on this view resolves and reveals those and the ones it placed, no
-        other."""
-        if self.user_vault is not None:
-            self.user_vault.note_shown(
-                text
-                for message in messages
-                for text in (message.content, *(call.arguments for call in message.tool_calls))
-            )
+        other. ``placeholders``: those of ``messages`` when the caller knows them already (a
+        compiled prompt's, kept as its history grew: see
+        [`CompiledPrompt`][keel.context.CompiledPrompt]): then no message is scanned, and a
+        turn's cost does not grow with the window."""
+        if self.user_vault is None:
+            return
+        if placeholders is not None:
+            self.user_vault.note_placeholders_shown(placeholders)
+            return
+        self.user_vault.note_shown(
+            text
+            for message in messages
+            for text in (message.content, *(call.arguments for call in message.tool_calls))
+        )
 
     def mask_untrusted(self, text: str) -> str:
         """[`mask`][] of what a model or a tool wrote ([`untrusted`][] first)."""
