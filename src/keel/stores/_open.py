@@ -27,7 +27,6 @@ that its outbox worker stops before its database goes away.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -37,6 +36,7 @@ from typing import Literal, TypeVar, get_args
 
 from pydantic import SecretStr
 
+from keel._bridge import run_blocking
 from keel._urls import DatabaseURL, parse_database_url
 from keel.approvals import ApprovalStore
 from keel.errors import ConfigError, UsageError, VaultKeyError
@@ -270,7 +270,7 @@ class Backends:
                 if asynchronous is not None:
                     await asynchronous()
                 else:
-                    await asyncio.to_thread(sync)
+                    await run_blocking(sync)
             except Exception as exc:
                 errors.append(exc)
         if errors:
