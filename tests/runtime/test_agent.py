@@ -14,7 +14,7 @@ from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
 from keel.stores._sqlite_traces import SQLiteTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tracing import RunQuery, Tracer
@@ -37,7 +37,7 @@ def _agent(
         system_prompt="You are SkyDesk.",
         tools=flight_tools(airline),
         machine=demo_machine(),
-        journal=SQLiteToolJournal(database),
+        journal=SQLToolJournal(database),
         tracer=Tracer(traces),
         context=ContextBudget(working_budget=budget),
         guards=guards,

@@ -12,14 +12,14 @@ from pathlib import Path
 _OPEN = """
 import sys, time
 from pathlib import Path
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
 from keel.stores._sqlite_traces import SQLiteTraceStore
 start = float(sys.argv[2])
 while time.time() < start:
     time.sleep(0.001)
 db = SQLiteDatabase(Path(sys.argv[1]))
 SQLiteStateBackend(db)
-SQLiteToolJournal(db)
+SQLToolJournal(db)
 SQLiteTraceStore(db).setup()
 db.close()
 """

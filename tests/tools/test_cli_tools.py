@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from keel.settings import load_settings
-from keel.stores import SQLiteToolJournal, open_database
+from keel.stores import SQLToolJournal, open_database
 from keel.tools import idempotency_key
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -27,7 +27,7 @@ def _keel(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_an_operator_lists_and_resolves_in_doubt_calls() -> None:
     db = open_database(load_settings())
-    journal = SQLiteToolJournal(db)
+    journal = SQLToolJournal(db)
     key = idempotency_key("s1", 3, 0)
     journal.claim(
         key=key, session_id="s1", step=3, call_index=0, tool="book_flight", arguments="{}"
@@ -62,7 +62,7 @@ def test_an_operator_lists_and_resolves_in_doubt_calls() -> None:
 
 def test_resolving_a_call_its_late_result_settled_says_so_and_succeeds() -> None:
     db = open_database(load_settings())
-    journal = SQLiteToolJournal(db)
+    journal = SQLToolJournal(db)
     key = idempotency_key("s1", 2, 0)
     journal.claim(key=key, session_id="s1", step=2, call_index=0, tool="refund", arguments="{}")
     # The operator looks it up; meanwhile the shop's answer comes in after all.

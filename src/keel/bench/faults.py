@@ -66,7 +66,7 @@ from keel.messages import Message
 from keel.models import ChatModel
 from keel.runtime import Agent, AgentReply, session_key
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal, SQLiteTraceStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteTraceStore, SQLToolJournal
 from keel.testing import ScriptedModel
 from keel.tools import Tool
 from keel.tracing import Tracer
@@ -113,7 +113,7 @@ class _Keel:
 
     db: SQLiteDatabase
     state: StateStore[AgentState]
-    journal: SQLiteToolJournal | None
+    journal: SQLToolJournal | None
     tracer: Tracer
     traces: Any
 
@@ -125,7 +125,7 @@ class _Keel:
         return cls(
             db=db,
             state=StateStore(SQLiteStateBackend(db), AgentState),
-            journal=SQLiteToolJournal(db) if journal else None,
+            journal=SQLToolJournal(db) if journal else None,
             tracer=Tracer(traces, agent="bench-faults"),
             traces=traces,
         )

@@ -21,15 +21,13 @@ from keel.stores._open import (
     pii_key_from_settings,
 )
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
-from keel.stores._postgres_approvals import POSTGRES_APPROVAL_MIGRATIONS, PostgresApprovalStore
-from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._postgres_vault import POSTGRES_VAULT_MIGRATIONS, PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
+from keel.stores._sql_approvals import SQLApprovalStore, approval_migrations
+from keel.stores._sql_journal import SQLToolJournal, journal_migrations
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
-from keel.stores._sqlite_approvals import APPROVAL_MIGRATIONS, SQLiteApprovalStore
-from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
 from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
 from keel.stores._sqlite_traces import TRACE_MIGRATIONS, SQLiteTraceStore
@@ -41,12 +39,8 @@ if TYPE_CHECKING:
     from keel.stores._postgres_traces import POSTGRES_TRACE_MIGRATIONS, PostgresTraceStore
 
 __all__ = [
-    "APPROVAL_MIGRATIONS",
     "CORE_MIGRATIONS",
-    "JOURNAL_MIGRATIONS",
     "MEMORY_MIGRATIONS",
-    "POSTGRES_APPROVAL_MIGRATIONS",
-    "POSTGRES_JOURNAL_MIGRATIONS",
     "POSTGRES_MEMORY_MIGRATIONS",
     "POSTGRES_TRACE_MIGRATIONS",
     "POSTGRES_VAULT_MIGRATIONS",
@@ -57,21 +51,21 @@ __all__ = [
     "DatabaseURL",
     "Migration",
     "MigrationSet",
-    "PostgresApprovalStore",
     "PostgresDatabase",
     "PostgresMemoryStore",
     "PostgresStateBackend",
-    "PostgresToolJournal",
     "PostgresTraceStore",
     "PostgresVaultStore",
     "RedisStateBackend",
-    "SQLiteApprovalStore",
+    "SQLApprovalStore",
+    "SQLToolJournal",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
     "SQLiteStateBackend",
-    "SQLiteToolJournal",
     "SQLiteTraceStore",
     "SQLiteVaultStore",
+    "approval_migrations",
+    "journal_migrations",
     "open_database",
     "open_state_backend",
     "open_vault",

@@ -52,15 +52,13 @@ from keel.privacy._keys import embedded_key
 from keel.settings import Settings, default_pii_key_file
 from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
-from keel.stores._postgres_approvals import PostgresApprovalStore
-from keel.stores._postgres_journal import PostgresToolJournal
 from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._postgres_vault import PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
+from keel.stores._sql_approvals import SQLApprovalStore
+from keel.stores._sql_journal import SQLToolJournal
 from keel.stores._sqlite import SQLiteDatabase
-from keel.stores._sqlite_approvals import SQLiteApprovalStore
-from keel.stores._sqlite_journal import SQLiteToolJournal
 from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import SQLiteStateBackend
 from keel.stores._sqlite_traces import SQLiteTraceStore
@@ -430,17 +428,15 @@ def _sql_stores(
 ) -> tuple[ToolJournal, ApprovalStore, TraceStore, MemoryStore]:
     """The journal, the approvals queue, the traces (migrated) and the memory store on
     ``sql``; they close with it."""
+    journal: ToolJournal = SQLToolJournal(sql)
+    approvals: ApprovalStore = SQLApprovalStore(sql)
     if isinstance(sql, SQLiteDatabase):
-        journal: ToolJournal = SQLiteToolJournal(sql)
-        approvals: ApprovalStore = SQLiteApprovalStore(sql)
         traces: TraceStore = SQLiteTraceStore(sql)
         store: MemoryStore = SQLiteMemoryStore(sql)
     else:
         # Imports psycopg at module level: the postgres extra, present since the pool opened.
         from keel.stores._postgres_traces import PostgresTraceStore
 
-        journal = PostgresToolJournal(sql)
-        approvals = PostgresApprovalStore(sql)
         traces = PostgresTraceStore(sql)
         store = PostgresMemoryStore(sql)
     traces.setup()
