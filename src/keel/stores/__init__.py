@@ -23,15 +23,15 @@ from keel.stores._open import (
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
-from keel.stores._postgres_vault import POSTGRES_VAULT_MIGRATIONS, PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore, approval_migrations
 from keel.stores._sql_journal import SQLToolJournal, journal_migrations
+from keel.stores._sql_vault import SQLVaultStore, vault_migrations
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
 from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
 from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
 from keel.stores._sqlite_traces import TRACE_MIGRATIONS, SQLiteTraceStore
-from keel.stores._sqlite_vault import VAULT_MIGRATIONS, SQLiteVaultStore
+from keel.stores._sqlite_vault import SQLiteVaultStore
 
 if TYPE_CHECKING:
     # Imports psycopg at module level: loaded on first use so that keel.stores works
@@ -43,10 +43,8 @@ __all__ = [
     "MEMORY_MIGRATIONS",
     "POSTGRES_MEMORY_MIGRATIONS",
     "POSTGRES_TRACE_MIGRATIONS",
-    "POSTGRES_VAULT_MIGRATIONS",
     "STATE_MIGRATIONS",
     "TRACE_MIGRATIONS",
-    "VAULT_MIGRATIONS",
     "Backends",
     "DatabaseURL",
     "Migration",
@@ -55,10 +53,10 @@ __all__ = [
     "PostgresMemoryStore",
     "PostgresStateBackend",
     "PostgresTraceStore",
-    "PostgresVaultStore",
     "RedisStateBackend",
     "SQLApprovalStore",
     "SQLToolJournal",
+    "SQLVaultStore",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
     "SQLiteStateBackend",
@@ -73,6 +71,7 @@ __all__ = [
     "pii_key_from_settings",
     "translate_postgres_error",
     "translate_sqlite_error",
+    "vault_migrations",
 ]
 
 

@@ -54,10 +54,10 @@ from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
 from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
-from keel.stores._postgres_vault import PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore
 from keel.stores._sql_journal import SQLToolJournal
+from keel.stores._sql_vault import SQLVaultStore
 from keel.stores._sqlite import SQLiteDatabase
 from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import SQLiteStateBackend
@@ -368,7 +368,7 @@ def open_vault(
 
 def _checked_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider | KeyRing) -> Vault:
     store: VaultStore = (
-        SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
+        SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)
     )
     vault = Vault(store, keys)
     vault.check()
@@ -399,7 +399,7 @@ def _no_vault_without_its_key(sql: PostgresDatabase) -> None:
         VaultKeyError: the database holds a vault.
     """
     global _warned_no_vault
-    store = PostgresVaultStore(sql)
+    store = SQLVaultStore(sql)
     counts = store.counts()
     if store.key_checks() or counts.users or counts.values:
         raise VaultKeyError(
