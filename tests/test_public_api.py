@@ -64,15 +64,15 @@ def test_an_agent_can_be_built_by_hand_from_the_top_level_names(tmp_path: Path) 
         AgentState,
         SQLiteDatabase,
         SQLiteStateBackend,
-        SQLiteTraceStore,
         SQLToolJournal,
+        SQLTraceStore,
         StateStore,
         Tracer,
     )
     from keel.testing import ScriptedModel
 
     database = SQLiteDatabase(tmp_path / "keel.db")
-    traces = SQLiteTraceStore(database)
+    traces = SQLTraceStore(database)
     traces.setup()
     with Agent(
         ScriptedModel(["hi"]),

@@ -26,7 +26,7 @@ from keel.messages import Message
 from keel.runtime import Agent, AgentReply, TextDelta, TurnFinished
 from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores._sql_traces import SQLTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 from keel.tracing import Tracer
@@ -88,7 +88,7 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
         return f"BOOKED {ref}"
 
     database = SQLiteDatabase(args.db)
-    traces = SQLiteTraceStore(database)
+    traces = SQLTraceStore(database)
     traces.setup()
     # Streamed, the reply arrives over time, as from a real server (the kill lands mid-way).
     model = ScriptedModel(policy, stream_delay_s=0.001)

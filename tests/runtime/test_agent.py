@@ -15,7 +15,7 @@ from keel.messages import Message
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores._sql_traces import SQLTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tracing import RunQuery, Tracer
 
@@ -27,8 +27,8 @@ def _agent(
     *,
     guards: GuardConfig | None = None,
     budget: int = 8_000,
-) -> tuple[Agent, Airline, SQLiteTraceStore]:
-    traces = SQLiteTraceStore(database)
+) -> tuple[Agent, Airline, SQLTraceStore]:
+    traces = SQLTraceStore(database)
     traces.setup()
     airline = Airline(tmp_path / "airline.db")
     agent = Agent(

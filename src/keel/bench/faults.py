@@ -66,7 +66,7 @@ from keel.messages import Message
 from keel.models import ChatModel
 from keel.runtime import Agent, AgentReply, session_key
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteTraceStore, SQLToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal, SQLTraceStore
 from keel.testing import ScriptedModel
 from keel.tools import Tool
 from keel.tracing import Tracer
@@ -120,7 +120,7 @@ class _Keel:
     @classmethod
     def open(cls, path: Path, *, journal: bool = True) -> _Keel:
         db = SQLiteDatabase(path)
-        traces = SQLiteTraceStore(db)
+        traces = SQLTraceStore(db)
         traces.setup()
         return cls(
             db=db,

@@ -20,7 +20,7 @@ from typing import Any
 
 from keel.messages import Usage
 from keel.stores import SQLiteDatabase
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores._sql_traces import SQLTraceStore
 from keel.tracing import RunQuery, Tracer, percentile
 
 __all__ = ["run_trace_bench"]
@@ -40,7 +40,7 @@ def run_trace_bench(
     with tempfile.TemporaryDirectory(prefix="keel-bench-traces-") as tmp:
         db_path = path or Path(tmp) / "keel.db"
         database = SQLiteDatabase(db_path)
-        store = SQLiteTraceStore(database)
+        store = SQLTraceStore(database)
         store.setup()
         tracer = Tracer(store, agent="bench")
         latencies: list[float] = []
@@ -87,7 +87,7 @@ def run_trace_bench(
         t = time.perf_counter()
         stats = store.session_stats()
         stats_ms = _ms(t)
-        store.db.connection().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        database.connection().execute("PRAGMA wal_checkpoint(TRUNCATE)")
         size = db_path.stat().st_size
         store.close()
         database.close()

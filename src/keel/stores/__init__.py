@@ -26,25 +26,23 @@ from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore, approval_migrations
 from keel.stores._sql_journal import SQLToolJournal, journal_migrations
+from keel.stores._sql_traces import SQLTraceStore, trace_migrations
 from keel.stores._sql_vault import SQLVaultStore, vault_migrations
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
 from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
 from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
-from keel.stores._sqlite_traces import TRACE_MIGRATIONS, SQLiteTraceStore
 from keel.stores._sqlite_vault import SQLiteVaultStore
 
 if TYPE_CHECKING:
     # Imports psycopg at module level: loaded on first use so that keel.stores works
     # without the postgres extra.
-    from keel.stores._postgres_traces import POSTGRES_TRACE_MIGRATIONS, PostgresTraceStore
+    from keel.stores._postgres_traces import PostgresTraceStore
 
 __all__ = [
     "CORE_MIGRATIONS",
     "MEMORY_MIGRATIONS",
     "POSTGRES_MEMORY_MIGRATIONS",
-    "POSTGRES_TRACE_MIGRATIONS",
     "STATE_MIGRATIONS",
-    "TRACE_MIGRATIONS",
     "Backends",
     "DatabaseURL",
     "Migration",
@@ -56,11 +54,11 @@ __all__ = [
     "RedisStateBackend",
     "SQLApprovalStore",
     "SQLToolJournal",
+    "SQLTraceStore",
     "SQLVaultStore",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
     "SQLiteStateBackend",
-    "SQLiteTraceStore",
     "SQLiteVaultStore",
     "approval_migrations",
     "journal_migrations",
@@ -69,6 +67,7 @@ __all__ = [
     "open_vault",
     "parse_database_url",
     "pii_key_from_settings",
+    "trace_migrations",
     "translate_postgres_error",
     "translate_sqlite_error",
     "vault_migrations",
@@ -76,7 +75,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("PostgresTraceStore", "POSTGRES_TRACE_MIGRATIONS"):
+    if name == "PostgresTraceStore":
         # Imports psycopg at module level: the postgres extra, loaded only when asked for.
         from keel.stores import _postgres_traces
 

@@ -57,11 +57,11 @@ from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore
 from keel.stores._sql_journal import SQLToolJournal
+from keel.stores._sql_traces import SQLTraceStore
 from keel.stores._sql_vault import SQLVaultStore
 from keel.stores._sqlite import SQLiteDatabase
 from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import SQLiteStateBackend
-from keel.stores._sqlite_traces import SQLiteTraceStore
 from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
@@ -426,12 +426,12 @@ def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:
 def _sql_stores(
     sql: SQLiteDatabase | PostgresDatabase,
 ) -> tuple[ToolJournal, ApprovalStore, TraceStore, MemoryStore]:
-    """The journal, the approvals queue, the traces (migrated) and the memory store on
-    ``sql``; they close with it."""
+    """The journal, the approvals queue, the traces and the memory store on ``sql`` (each
+    migrated as it is built); they close with it."""
     journal: ToolJournal = SQLToolJournal(sql)
     approvals: ApprovalStore = SQLApprovalStore(sql)
     if isinstance(sql, SQLiteDatabase):
-        traces: TraceStore = SQLiteTraceStore(sql)
+        traces: TraceStore = SQLTraceStore(sql)
         store: MemoryStore = SQLiteMemoryStore(sql)
     else:
         # Imports psycopg at module level: the postgres extra, present since the pool opened.
@@ -439,7 +439,6 @@ def _sql_stores(
 
         traces = PostgresTraceStore(sql)
         store = PostgresMemoryStore(sql)
-    traces.setup()
     return journal, approvals, traces, store
 
 
