@@ -21,7 +21,7 @@ from keel.stores._open import (
     pii_key_from_settings,
 )
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
-from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
+from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore, approval_migrations
@@ -29,7 +29,7 @@ from keel.stores._sql_journal import SQLToolJournal, journal_migrations
 from keel.stores._sql_traces import SQLTraceStore, trace_migrations
 from keel.stores._sql_vault import SQLVaultStore, vault_migrations
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
-from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
+from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
 from keel.stores._sqlite_vault import SQLiteVaultStore
 
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CORE_MIGRATIONS",
-    "MEMORY_MIGRATIONS",
-    "POSTGRES_MEMORY_MIGRATIONS",
     "STATE_MIGRATIONS",
     "Backends",
     "DatabaseURL",

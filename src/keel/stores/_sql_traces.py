@@ -20,10 +20,10 @@ writers of one run take turns and each step's difference moves the run's totals 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from functools import cache
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from keel.errors import StoreError
 from keel.stores._dialect import SqlDialect
@@ -36,14 +36,14 @@ from keel.tracing._models import (
     RunDetail,
     RunQuery,
     RunStatus,
-    SessionStats,
-    StatsThresholds,
     Step,
     StepMetric,
 )
 from keel.tracing._store import RunEnding, TraceStore
 
 __all__ = ["STEP_FIELDS", "SQLTraceStore", "TraceSQL", "trace_migrations", "trace_sql"]
+
+_T = TypeVar("_T")
 
 
 # Column types are the dialect's ({time}: a timestamp, {json}, {real}, {big}: a BIGINT).
@@ -395,13 +395,15 @@ class SQLTraceStore(TraceStore):
         """Create or migrate the ``traces`` tables; idempotent (and safe to run concurrently)."""
         self.db.migrate(trace_migrations(self.db.dialect))
 
-    async def asetup(self) -> None:
-        await self.db.acall(self.setup)
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        # The database's own rule (a composed read, the setup): on SQLite inline unless it
+        # would wait, on PostgreSQL on keel's blocking pool.
+        return await self.db.acall(call)
 
-    def _read(self, sql: str, params: Sequence[Any]) -> list[Any]:
+    def _fetch(self, sql: str, params: Sequence[Any]) -> list[Any]:
         return self.db.run(lambda: _rows(Statement(sql, params)), write=False)
 
-    async def _aread(self, sql: str, params: Sequence[Any]) -> list[Any]:
+    async def _afetch(self, sql: str, params: Sequence[Any]) -> list[Any]:
         return await self.db.arun(lambda: _rows(Statement(sql, params)), write=False)
 
     # --- writes -------------------------------------------------------------------------------
@@ -476,27 +478,27 @@ class SQLTraceStore(TraceStore):
 
     def get_run(self, run_id: str) -> Run | None:
         """The run with this id, or None."""
-        rows = self._read(*self._run_query(run_id))
+        rows = self._fetch(*self._run_query(run_id))
         return self.statements.run_from_row(rows[0]) if rows else None
 
     async def aget_run(self, run_id: str) -> Run | None:
-        rows = await self._aread(*self._run_query(run_id))
+        rows = await self._afetch(*self._run_query(run_id))
         return self.statements.run_from_row(rows[0]) if rows else None
 
     def get_steps(self, run_id: str) -> list[Step]:
         """The run's steps in start order."""
-        return [self.statements.step_from_row(row) for row in self._read(_STEPS, (run_id,))]
+        return [self.statements.step_from_row(row) for row in self._fetch(_STEPS, (run_id,))]
 
     async def aget_run_detail(self, run_id: str) -> RunDetail | None:
         return await self.db.acall(lambda: self.get_run_detail(run_id))
 
     def list_runs(self, query: RunQuery | None = None) -> list[Run]:
         """Runs matching ``query``, newest first."""
-        rows = self._read(*self.statements.list_runs(query or RunQuery()))
+        rows = self._fetch(*self.statements.list_runs(query or RunQuery()))
         return [self.statements.run_from_row(row) for row in rows]
 
     async def alist_runs(self, query: RunQuery | None = None) -> list[Run]:
-        rows = await self._aread(*self.statements.list_runs(query or RunQuery()))
+        rows = await self._afetch(*self.statements.list_runs(query or RunQuery()))
         return [self.statements.run_from_row(row) for row in rows]
 
     def step_metrics(
@@ -507,33 +509,16 @@ class SQLTraceStore(TraceStore):
         tenant_id: str | None = None,
     ) -> list[StepMetric]:
         """Indicator columns of matching steps, oldest first."""
-        rows = self._read(*self.statements.step_metrics(session_id, since, tenant_id))
+        rows = self._fetch(*self.statements.step_metrics(session_id, since, tenant_id))
         return [self.statements.metric_from_row(row) for row in rows]
-
-    async def asession_stats(
-        self,
-        *,
-        session_id: str | None = None,
-        since: datetime | None = None,
-        tenant_id: str | None = None,
-        thresholds: StatsThresholds | None = None,
-    ) -> list[SessionStats]:
-        return await self.db.acall(
-            lambda: self.session_stats(
-                session_id=session_id, since=since, tenant_id=tenant_id, thresholds=thresholds
-            )
-        )
 
     def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Up to ``limit`` run ids that start with ``prefix``."""
         pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        return [str(row[0]) for row in self._read(_RUN_IDS_LIKE, (pattern, limit))]
+        return [str(row[0]) for row in self._fetch(_RUN_IDS_LIKE, (pattern, limit))]
 
     def close(self) -> None:
         """Nothing to release: the database is the caller's to close."""
-
-    async def aclose(self) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.db!r})"

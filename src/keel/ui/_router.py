@@ -116,7 +116,7 @@ async def signed_in(request: Request, viewer: _Viewer = Depends(_viewer)) -> Cal
     moment it is signed out, expires or its key is revoked."""
     token = request.cookies.get(COOKIE)
     keys = viewer.keys
-    caller = await keys.arun(lambda: keys.session_caller(token)) if token else None
+    caller = await keys.acall(lambda: keys.session_caller(token)) if token else None
     if caller is None or not caller.operator:
         raise _SignIn
     return caller
@@ -163,7 +163,7 @@ async def login(
             tenant=None,
         )
     key_id = caller.key_id
-    token = await keys.arun(lambda: keys.start_session(key_id, SESSION_LIFETIME_S))
+    token = await keys.acall(lambda: keys.start_session(key_id, SESSION_LIFETIME_S))
     target = next if next.startswith("/ui") else "/ui/runs"
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
@@ -183,7 +183,7 @@ async def logout(request: Request, viewer: _Viewer = Depends(_viewer)) -> Respon
     token = request.cookies.get(COOKIE)
     if token:
         keys = viewer.keys
-        await keys.arun(lambda: keys.end_session(token))
+        await keys.acall(lambda: keys.end_session(token))
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
     return response
