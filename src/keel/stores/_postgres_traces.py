@@ -105,7 +105,7 @@ class PostgresTraceStore(SQLTraceStore):
 
     Args:
         db: the [`PostgresDatabase`][keel.stores.PostgresDatabase] to share (left open by
-            [`close`][]).
+            [`close`][keel.stores.SQLTraceStore.close]).
 
     Raises:
         BackendUnavailableError: the server cannot be reached.
