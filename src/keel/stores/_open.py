@@ -426,8 +426,8 @@ def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:
 def _sql_stores(
     sql: SQLiteDatabase | PostgresDatabase,
 ) -> tuple[ToolJournal, ApprovalStore, TraceStore, MemoryStore]:
-    """The journal, the approvals queue, the traces and the memory store on ``sql`` (each
-    migrated as it is built); they close with it."""
+    """The journal, the approvals queue, the traces (each migrated as it is built) and the
+    memory store (migrated on first use) on ``sql``; they close with it."""
     journal: ToolJournal = SQLToolJournal(sql)
     approvals: ApprovalStore = SQLApprovalStore(sql)
     if isinstance(sql, SQLiteDatabase):
