@@ -154,8 +154,12 @@ class VaultStore(ABC):
     A value row is ``(tenant_id, user_id, entity, number, token, sealed)``: ``token`` is the
     value's HMAC (unique per user), ``number`` counts per user and entity from 1 and is never
     reused, not even after ``forget`` (a new value must not take a forgotten value's
-    placeholder, which histories still hold). Methods are blocking and thread-safe; async code
-    calls them through `keel._bridge.run_blocking`.
+    placeholder, which histories still hold).
+
+    Sync/async contract: every method is blocking and thread-safe, with no async twins. A
+    caller on an event loop hands a whole unit of work (a message masked: several reads and a
+    write) to [`acall`][], which runs it the way the store should: on keel's blocking pool by
+    default, inline on SQLite unless it would wait (the database's own rule).
     """
 
     @abstractmethod
@@ -252,7 +256,7 @@ class VaultStore(ABC):
     def close(self) -> None:  # noqa: B027 - most stores hold nothing of their own
         """Release what the store holds (the database is closed by its owner)."""
 
-    async def arun(self, call: Callable[[], _T]) -> _T:
+    async def acall(self, call: Callable[[], _T]) -> _T:
         """Run ``call`` (blocking work on this store) for an event loop: on the bridge's pool
         of blocking threads (a round trip to a server must not stall the loop). A store whose
         calls take microseconds and wait for no one may run them inline instead."""

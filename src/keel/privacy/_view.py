@@ -15,7 +15,7 @@ there is one answer to "which placeholder does this value get, and who may read 
 
 A view lives as long as its unit of work: it holds the user's data key (through its
 ``UserVault``) and a memo of the texts it masked, and neither outlives it. Its async methods
-keep the vault's reads and writes off the event loop ([`VaultStore.arun`][]).
+keep the vault's reads and writes off the event loop ([`VaultStore.acall`][]).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class PrivacyView:
         if masked is not None:
             return masked
         if _SLOT_MARK in text:
-            return await user_vault.vault.store.arun(functools.partial(self.mask, text))
+            return await user_vault.vault.store.acall(functools.partial(self.mask, text))
         found: list[tuple[str, str]] = []
 
         def slots(values: Sequence[tuple[str, str]]) -> list[str]:
@@ -170,7 +170,7 @@ class PrivacyView:
         template = self.masker.mask_text(text, tenant_id=self.tenant_id, batch_numbering=slots)
         if not found:
             return template
-        placed = await user_vault.vault.store.arun(
+        placed = await user_vault.vault.store.acall(
             functools.partial(user_vault.placeholders, found)
         )
         masked = _SLOT.sub(lambda slot: placed[int(slot.group(1))], template)
@@ -312,7 +312,7 @@ class PrivacyView:
         """[`reveal`][], its read of the vault off the event loop."""
         if self.user_vault is None or not text or PLACEHOLDER.search(text) is None:
             return text
-        return await self.user_vault.vault.store.arun(
+        return await self.user_vault.vault.store.acall(
             functools.partial(self.user_vault.reveal, text)
         )
 
@@ -356,7 +356,7 @@ class PrivacyView:
         if self.user_vault is None or output is None:
             return output
         reveal = functools.partial(_changed_output, output, self.reveal)
-        return await self.user_vault.vault.store.arun(reveal)
+        return await self.user_vault.vault.store.acall(reveal)
 
     async def amask_output(self, output: Any) -> Any:
         """A structured answer (see [`areveal_output`][]) with every string in it masked as
@@ -367,7 +367,7 @@ class PrivacyView:
         mask = functools.partial(_changed_output, output, self.mask_untrusted)
         if self.user_vault is None:
             return mask()
-        return await self.user_vault.vault.store.arun(mask)
+        return await self.user_vault.vault.store.acall(mask)
 
     async def revealed(self, payload: _Payload) -> _Payload:
         """``payload`` (JSON-ready: dicts, lists, strings) with every placeholder the user can
@@ -380,7 +380,7 @@ class PrivacyView:
         found = list(dict.fromkeys(p for text in _strings(payload) for p in placeholders_in(text)))
         if not found:
             return payload
-        values = await viewer.vault.store.arun(functools.partial(_resolvable, viewer, found))
+        values = await viewer.vault.store.acall(functools.partial(_resolvable, viewer, found))
         if not values:
             return payload
         replaced: _Payload = _replaced(payload, values)

@@ -251,7 +251,7 @@ class Masking:
         user_vault = self.user_vault
         if self.model_sees != "values" or user_vault is None:
             return list(messages)
-        return await user_vault.vault.store.arun(functools.partial(self.for_model, messages))
+        return await user_vault.vault.store.acall(functools.partial(self.for_model, messages))
 
     def for_model(self, messages: Sequence[Message]) -> list[Message]:
         """The compiled prompt as the model is shown it: revealed when the deployment trusts

@@ -54,18 +54,16 @@ from keel.privacy._keys import embedded_key
 from keel.settings import Settings, default_pii_key_file
 from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
-from keel.stores._postgres_approvals import PostgresApprovalStore
-from keel.stores._postgres_journal import PostgresToolJournal
 from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
-from keel.stores._postgres_vault import PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
+from keel.stores._sql_approvals import SQLApprovalStore
+from keel.stores._sql_journal import SQLToolJournal
+from keel.stores._sql_traces import SQLTraceStore
+from keel.stores._sql_vault import SQLVaultStore
 from keel.stores._sqlite import SQLiteDatabase
-from keel.stores._sqlite_approvals import SQLiteApprovalStore
-from keel.stores._sqlite_journal import SQLiteToolJournal
 from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import SQLiteStateBackend
-from keel.stores._sqlite_traces import SQLiteTraceStore
 from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
@@ -462,18 +460,11 @@ def _open_on_sql(
     sql = opened.sql
     assert sql is not None
     if "journal" in names:
-        opened.journal = (
-            SQLiteToolJournal(sql) if isinstance(sql, SQLiteDatabase) else PostgresToolJournal(sql)
-        )
+        opened.journal = SQLToolJournal(sql)
     if "approvals" in names:
-        opened.approvals = (
-            SQLiteApprovalStore(sql)
-            if isinstance(sql, SQLiteDatabase)
-            else PostgresApprovalStore(sql)
-        )
+        opened.approvals = SQLApprovalStore(sql)
     if "traces" in names:
         opened.traces = _trace_store(sql)
-        opened.traces.setup()
     if "memory" in names:
         opened.memory_store = (
             SQLiteMemoryStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresMemoryStore(sql)
@@ -493,7 +484,7 @@ def _open_on_sql(
 
 def _trace_store(sql: SQLiteDatabase | PostgresDatabase) -> TraceStore:
     if isinstance(sql, SQLiteDatabase):
-        return SQLiteTraceStore(sql)
+        return SQLTraceStore(sql)
     # Imports psycopg at module level: the postgres extra, present since the pool opened.
     from keel.stores._postgres_traces import PostgresTraceStore
 
@@ -606,7 +597,7 @@ def _open_vault(
 
 def _checked_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider | KeyRing) -> Vault:
     store: VaultStore = (
-        SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
+        SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)
     )
     vault = Vault(store, keys)
     vault.check()
@@ -637,7 +628,7 @@ def _no_vault_without_its_key(sql: PostgresDatabase) -> None:
         VaultKeyError: the database holds a vault.
     """
     global _warned_no_vault
-    store = PostgresVaultStore(sql)
+    store = SQLVaultStore(sql)
     counts = store.counts()
     if store.key_checks() or counts.users or counts.values:
         raise VaultKeyError(

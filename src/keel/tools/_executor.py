@@ -362,7 +362,7 @@ class ToolExecutor:
             return {}
         if isinstance(self.vault, NoVault):
             raise self.vault.refusal(wanted[0])
-        return await self.vault.vault.store.arun(functools.partial(self.vault.values, wanted))
+        return await self.vault.vault.store.acall(functools.partial(self.vault.values, wanted))
 
     def _untrusted(self, text: str, base: dict[str, Any]) -> str:
         """``text`` (a tool's output or error) as keel lets it in: its placeholder-shaped
@@ -896,5 +896,5 @@ async def avalidated_arguments(
         if wanted and isinstance(vault, NoVault):
             raise vault.refusal(wanted[0])
         if wanted and isinstance(vault, UserVault):
-            values = await vault.vault.store.arun(functools.partial(vault.values, wanted))
+            values = await vault.vault.store.acall(functools.partial(vault.values, wanted))
     return validated_arguments(found, raw, values)

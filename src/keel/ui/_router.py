@@ -101,7 +101,7 @@ async def login(
             tenant=None,
         )
     key_id = caller.key_id
-    token = await keys.arun(lambda: keys.start_session(key_id, SESSION_LIFETIME_S))
+    token = await keys.acall(lambda: keys.start_session(key_id, SESSION_LIFETIME_S))
     target = next if next.startswith("/ui") else "/ui/runs"
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
@@ -121,7 +121,7 @@ async def logout(request: Request, viewer: Viewer = Depends(current_viewer)) -> 
     token = request.cookies.get(COOKIE)
     if token:
         keys = viewer.keys
-        await keys.arun(lambda: keys.end_session(token))
+        await keys.acall(lambda: keys.end_session(token))
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
     return response

@@ -92,7 +92,7 @@ async def signed_in(request: Request, viewer: Viewer = Depends(current_viewer)) 
     moment it is signed out, expires or its key is revoked."""
     token = request.cookies.get(COOKIE)
     keys = viewer.keys
-    caller = await keys.arun(lambda: keys.session_caller(token)) if token else None
+    caller = await keys.acall(lambda: keys.session_caller(token)) if token else None
     if caller is None or not caller.operator:
         raise SignInFirst
     return caller
