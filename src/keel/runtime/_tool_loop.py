@@ -58,7 +58,6 @@ from keel.runtime._steps import (
     LoopStop,
     MaybeAwaitable,
     StepRecord,
-    ToolGate,
     call_hook,
     time_limit,
 )
@@ -183,14 +182,6 @@ class ToolLoop:
             options=options,
         )
         self.options = self.model_step.options
-        hooks_ = self.hooks
-        self._gate = ToolGate(
-            refuse=hooks_.refuse_call,
-            before_side_effect=hooks_.before_side_effect,
-            on_start=hooks_.on_tool_start,
-            on_result=hooks_.on_tool_result,
-            fingerprint=hooks_.state_fingerprint,
-        )
 
     def run(
         self,
@@ -266,6 +257,8 @@ class ToolLoop:
             scope=scope,
             facts=facts,
             approvals=self.approvals,
+            refuse=self.hooks.refuse_call,
+            events=_HookEvents(self.hooks),
         )
 
     # --- driving the steps ------------------------------------------------------------------
@@ -286,7 +279,9 @@ class ToolLoop:
                     outcome = await model_step.ask(run, sent, options, hooks.on_text)
                 await self._after_steps(run)
                 if outcome.kind == "tool_calls":
-                    await tools(run, outcome, self._gate)
+                    calls = await tools(run, outcome)
+                    fingerprint = await call_hook(hooks.state_fingerprint)
+                    tools.finish(calls, fingerprint)
                     await self._after_steps(run)
                     if tools.hold.parked:
                         return tools.hold.park(run)
@@ -313,6 +308,22 @@ class ToolLoop:
             await call_hook(self.hooks.revert_to_last_good, ended.error)
             reverted = True
         return run.stopped(ended, reverted=reverted)
+
+
+class _HookEvents:
+    """A loop's tool hooks as its tool step's event sink."""
+
+    def __init__(self, hooks: LoopHooks) -> None:
+        self.hooks = hooks
+
+    def on_tool_start(self, step: int, call: ToolCall, arguments: dict[str, Any]) -> None:
+        if self.hooks.on_tool_start is not None:
+            self.hooks.on_tool_start(step, call, arguments)
+
+    def on_tool_result(self, step: int, result: ToolResult) -> MaybeAwaitable[None]:
+        if self.hooks.on_tool_result is None:
+            return None
+        return self.hooks.on_tool_result(step, result)
 
 
 def _awaitable(redact: Callable[[str], str]) -> Callable[[str], Awaitable[str]]:
