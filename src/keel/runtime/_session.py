@@ -228,6 +228,7 @@ class Sessions:
 
     async def _turn(
         self,
+        deps: TurnDeps,
         lease: Lease,
         ids: tuple[str, str, str],
         loaded: Loaded,
@@ -236,9 +237,9 @@ class Sessions:
         extras: RunExtras | None = None,
     ) -> tuple[AgentReply, Loaded]:
         """One turn on the session ``loaded`` (``text``: the user's message; None finishes
-        its open turn): the reply, and the session as the turn left it."""
-        # Every way into a turn (a message, a resume, a decision) numbers through its user's vault.
-        deps = self.deps.for_user(ids[2])
+        its open turn) with ``deps``, its user's (every way into a turn, a message, a resume,
+        a decision, numbers through its user's vault): the reply, and the session as the turn
+        left it."""
         if text is not None:
             # The message's new values go to the vault off the event loop; the turn's own mask
             # of it (as it starts) then finds it in the view's memo.
@@ -272,9 +273,11 @@ class Sessions:
         async with self.own(key) as lease:
             ids = (key, session_id, user_id)
             loaded = await self._load(ids)
-            if loaded[0].runtime.awaiting and self.deps.approvals is not None:
-                return await self._answer_parked(lease, ids, loaded, text, emit, extras)
-            reply, _ = await self._message(lease, ids, loaded, text, emit, extras)
+            # One view of the user's vault for the message, whatever turns it runs.
+            deps = self.deps.for_user(user_id)
+            if loaded[0].runtime.awaiting and deps.approvals is not None:
+                return await self._answer_parked(deps, lease, ids, loaded, text, emit, extras)
+            reply, _ = await self._message(deps, lease, ids, loaded, text, emit, extras)
             return reply
 
     async def _load(self, ids: tuple[str, str, str]) -> Loaded:
@@ -295,6 +298,7 @@ class Sessions:
 
     async def _message(
         self,
+        deps: TurnDeps,
         lease: Lease,
         ids: tuple[str, str, str],
         loaded: Loaded,
@@ -306,7 +310,7 @@ class Sessions:
         turn answered once, an open turn finished first, then the message's own turn."""
         state = loaded[0]
         runtime = state.runtime
-        masking = self.deps.for_user(ids[2]).masking
+        masking = deps.masking
         turn_id = extras.turn_id if extras is not None else None
         if turn_id is not None:
             masked = await masking.amask(storable(text))
@@ -318,20 +322,21 @@ class Sessions:
                 if open_turn_text(state) != masked:
                     raise UsageError(f"turn id {turn_id!r} was used for another message")
                 # The caller's retry of a turn a crash left open: finish it, once.
-                return await self._turn(lease, ids, loaded, None, emit)
+                return await self._turn(deps, lease, ids, loaded, None, emit)
         interrupted: AgentReply | None = None
         if runtime.open_turn is not None:
             open_text = open_turn_text(state)
-            interrupted, loaded = await self._turn(lease, ids, loaded, None)
+            interrupted, loaded = await self._turn(deps, lease, ids, loaded, None)
             if open_text is not None and open_text == await masking.amask(storable(text)):
                 return interrupted, loaded
-        reply, loaded = await self._turn(lease, ids, loaded, text, emit, extras)
+        reply, loaded = await self._turn(deps, lease, ids, loaded, text, emit, extras)
         if interrupted is not None:
             reply = reply.model_copy(update={"interrupted_turn": interrupted})
         return reply, loaded
 
     async def _answer_parked(
         self,
+        deps: TurnDeps,
         lease: Lease,
         ids: tuple[str, str, str],
         loaded: Loaded,
@@ -351,7 +356,7 @@ class Sessions:
             waiting = waiting_text(pending, self.deps.workflow.domain_tools.get)
             return _standing(ids[1], loaded[1], requests, waiting)
         if pending:
-            reply, loaded = await self._message(lease, ids, loaded, text, emit, extras)
+            reply, loaded = await self._message(deps, lease, ids, loaded, text, emit, extras)
             requests = await self._awaited(loaded[0])
             if any(request.status == "pending" for request in requests):
                 # The answer decided nothing (or not all): still parked.
@@ -359,9 +364,9 @@ class Sessions:
                 return reply.model_copy(update={"status": "awaiting_approval", "approvals": views})
             if not requests:
                 return reply
-            return (await self._turn(lease, ids, loaded, None))[0]
-        went_on, loaded = await self._turn(lease, ids, loaded, None)
-        reply, _ = await self._message(lease, ids, loaded, text, emit, extras)
+            return (await self._turn(deps, lease, ids, loaded, None))[0]
+        went_on, loaded = await self._turn(deps, lease, ids, loaded, None)
+        reply, _ = await self._message(deps, lease, ids, loaded, text, emit, extras)
         return reply.model_copy(update={"interrupted_turn": went_on})
 
     async def _awaited(self, state: AgentState) -> list[ApprovalRequest]:
@@ -393,14 +398,16 @@ class Sessions:
                 return None
             check_owner(checkpoint.state, user_id, self.deps.tenant_id)
             loaded = (checkpoint.state, checkpoint.version)
-            if checkpoint.state.runtime.awaiting and self.deps.approvals:
-                return await self._go_on(lease, ids, loaded)
+            deps = self.deps.for_user(user_id)
+            if checkpoint.state.runtime.awaiting and deps.approvals:
+                return await self._go_on(deps, lease, ids, loaded)
             if checkpoint.state.runtime.open_turn is None:
                 return None
-            return (await self._turn(lease, ids, loaded, None))[0]
+            return (await self._turn(deps, lease, ids, loaded, None))[0]
 
     async def _go_on(
         self,
+        deps: TurnDeps,
         lease: Lease,
         ids: tuple[str, str, str],
         loaded: Loaded,
@@ -417,7 +424,7 @@ class Sessions:
             if state.runtime.open_turn is not None:
                 # A crash came before the turn could park on it: finishing the turn replays
                 # its step, which finds the request decided and carries it out.
-                return (await self._turn(lease, ids, loaded, None, extras=extras))[0]
+                return (await self._turn(deps, lease, ids, loaded, None, extras=extras))[0]
             # Decided again, or after its turn went on: nothing more runs.
             request = await _config(self.deps).store.aget(self.deps.tenant_id, approval_id)
             requests = [] if request is None else [request]
@@ -428,7 +435,7 @@ class Sessions:
         if pending:
             text = "Waiting for: " + "; ".join(f"{r.tool} ({r.reason})" for r in pending)
             return _standing(ids[1], version, requests, text)
-        return (await self._turn(lease, ids, loaded, None, extras=extras))[0]
+        return (await self._turn(deps, lease, ids, loaded, None, extras=extras))[0]
 
     async def decide(
         self, session_id: str, approval_id: str, **options: Unpack[DecideOptions]
@@ -491,7 +498,8 @@ class Sessions:
             checkpoint = await deps.state.aload(key)
             check_owner(checkpoint.state, request.user_id, deps.tenant_id)
             loaded = (checkpoint.state, checkpoint.version)
-            return await self._go_on(lease, ids, loaded, approval_id, reveal=reveal)
+            deps = deps.for_user(request.user_id)
+            return await self._go_on(deps, lease, ids, loaded, approval_id, reveal=reveal)
 
     async def carry_out(self, user_id: str | None = None) -> list[AgentReply]:
         """``Agent.carry_out_decisions``: every session of the tenant (of ``user_id`` only,
@@ -571,7 +579,8 @@ class Sessions:
                 if not all(_ours(request, deps.workflow.domain_tools) for request in requests):
                     return None
                 loaded = (checkpoint.state, checkpoint.version)
-                return (await self._turn(lease, ids, loaded, None, extras=RunExtras()))[0]
+                deps = deps.for_user(ids[2])
+                return (await self._turn(deps, lease, ids, loaded, None, extras=RunExtras()))[0]
         except SessionBusyError:
             return None
 
