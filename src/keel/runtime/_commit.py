@@ -29,8 +29,8 @@ from keel.privacy import Vault, storable
 from keel.runtime._approvals import ESCALATED_NOTE, ApprovalHold, pending_view
 from keel.runtime._events import AgentEvent, CheckpointCommitted
 from keel.runtime._log import SessionLog, SessionLogs
+from keel.runtime._loop_run import LoopResult, StepRecord
 from keel.runtime._reply import AgentReply, with_reply
-from keel.runtime._steps import LoopResult, StepRecord
 from keel.runtime._workflow import WORKFLOW_TOOLS, Workflow
 from keel.state import AgentState, MachinePosition, StateStore
 from keel.tracing import RunTrace

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from keel.messages import ToolCall
 from keel.privacy import RevealStream, StreamMasker, storable
+from keel.runtime._loop_run import StepRecord
 from keel.runtime._masking import Masking
 from keel.runtime._reply import AgentReply, PendingApproval
-from keel.runtime._steps import StepRecord
 from keel.tools import ToolResult
 from keel.tracing import redact_json
 

@@ -1,6 +1,6 @@
 """The model's half of a loop step: a journalled decision replayed, or the model called (its
 text streamed when the driver asks), its reply checked, a cut answer continued, and what the
-reply means for the run (see `keel.runtime._steps`); and its inputs for one turn
+reply means for the run (see `keel.runtime._loop_run`); and its inputs for one turn
 (`TurnPrompt`): each step's prompt compiled from the session's conversation, and its generation
 options sized to the room that prompt left."""
 
@@ -26,7 +26,7 @@ from keel.guards import (
 )
 from keel.messages import Message, Usage
 from keel.models import ChatModel, Completion, ModelOptions
-from keel.runtime._steps import (
+from keel.runtime._loop_run import (
     History,
     LoopResult,
     LoopRun,

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel.errors import UsageError
-from keel.runtime._steps import LoopStatus
+from keel.runtime._loop_run import LoopStatus
 from keel.state import AgentState
 
 __all__ = [

@@ -9,7 +9,7 @@ typed error when the run could not finish.
 It knows nothing of state, memory or context: a caller plugs those in through
 [`LoopHooks`][] (compile the prompt and checkpoint before each model call, trace after each
 step, fingerprint the state, revert it when a limit is hit). It is a thin driver over the
-loop's steps (`keel.runtime._steps`); the agent's turn drives the same steps itself,
+loop's steps (`keel.runtime._loop_run`); the agent's turn drives the same steps itself,
 without hooks (`TurnRunner`):
 
 ```python
@@ -50,8 +50,7 @@ from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
 from keel.runtime._approvals import Approvals, TurnFacts
-from keel.runtime._model_step import ModelStep
-from keel.runtime._steps import (
+from keel.runtime._loop_run import (
     LoopResult,
     LoopRun,
     LoopStatus,
@@ -61,6 +60,7 @@ from keel.runtime._steps import (
     call_hook,
     time_limit,
 )
+from keel.runtime._model_step import ModelStep
 from keel.runtime._tool_step import ToolStep
 from keel.tools import InMemoryJournal, Tool, ToolJournal, ToolRegistry, ToolResult, ToolScope
 

@@ -1,7 +1,7 @@
 """The tools' half of a loop step: the decision journalled, then each call past the loop
 detector, the gate it was built with (``refuse``: the workflow's, or a loop's hook), and the
 step's own approval hold (`ApprovalHold`) to the executor (validated, repaired, journalled
-exactly once, run, its output bounded) (see `keel.runtime._steps`).
+exactly once, run, its output bounded) (see `keel.runtime._loop_run`).
 
 The step is given data, never its driver: the gate and the lease check come at construction
 (``refuse``, ``facts.before_side_effect``), the events go to a sink (``events``), and the
@@ -21,7 +21,7 @@ from keel.messages import Message, ToolCall
 from keel.models import Completion
 from keel.privacy import NoVault, UserVault
 from keel.runtime._approvals import ApprovalHold, Approvals, TurnFacts
-from keel.runtime._steps import (
+from keel.runtime._loop_run import (
     LoopRun,
     LoopStatus,
     LoopStop,

@@ -4,7 +4,7 @@ The [`Agent`][] is configuration; what a turn needs of it is one immutable `Turn
 model, the stores, the context engine, the guards, the privacy policy, the workflow...), handed
 over once by the agent. A runner is built per turn over those dependencies and the turn's own
 facts (the session, the user, the state it starts from). It drives the steps: the checkpoint
-before each model call, the model step and the tool step (`keel.runtime._steps`), the trace
+before each model call, the model step and the tool step (`keel.runtime._loop_run`), the trace
 after each step. What the turn writes (checkpoints, the commit or the revert, the summary, the
 hand-off to memory) is its writer's (`keel.runtime._commit.TurnWriter`), which owns the
 session's version.
@@ -29,10 +29,10 @@ from keel.runtime._approvals import ApprovalHold, Approvals, TurnFacts, with_dec
 from keel.runtime._commit import MemoryHandOff, TurnEnd, TurnWriter, WriterPolicy
 from keel.runtime._events import AgentEvent, TurnStream
 from keel.runtime._log import SessionLogs
+from keel.runtime._loop_run import LoopResult, LoopRun, LoopStop, StepRecord, time_limit
 from keel.runtime._masking import Masking
 from keel.runtime._model_step import ModelStep, TurnPrompt
 from keel.runtime._reply import AgentReply
-from keel.runtime._steps import LoopResult, LoopRun, LoopStop, StepRecord, time_limit
 from keel.runtime._tool_step import ToolStep
 from keel.runtime._workflow import Workflow, WorkflowCursor
 from keel.state import AgentState, StateStore
