@@ -32,6 +32,7 @@ import re
 import time
 import unicodedata
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, Unpack
 from urllib.parse import quote
 
@@ -200,6 +201,19 @@ async def own_session(
                 logger.warning("could not release the lease on session %s", key)
 
 
+@dataclass(frozen=True)
+class _Message:
+    """A user's message as the entry carries it: its user's dependencies, the session's lease
+    and ids (store key, session, user), the text, where its events go, the call's options."""
+
+    deps: TurnDeps
+    lease: Lease
+    ids: tuple[str, str, str]
+    text: str
+    emit: Callable[[AgentEvent], None] | None
+    extras: RunExtras | None
+
+
 class Sessions:
     """An agent's sessions as its turns reach them (see the module docstring): built by the
     agent over what it hands over (its `TurnDeps` and its kept session logs).
@@ -275,9 +289,10 @@ class Sessions:
             loaded = await self._load(ids)
             # One view of the user's vault for the message, whatever turns it runs.
             deps = self.deps.for_user(user_id)
+            message = _Message(deps, lease, ids, text, emit, extras)
             if loaded[0].runtime.awaiting and deps.approvals is not None:
-                return await self._answer_parked(deps, lease, ids, loaded, text, emit, extras)
-            reply, _ = await self._message(deps, lease, ids, loaded, text, emit, extras)
+                return await self._answer_parked(message, loaded)
+            reply, _ = await self._message(message, loaded)
             return reply
 
     async def _load(self, ids: tuple[str, str, str]) -> Loaded:
@@ -296,18 +311,11 @@ class Sessions:
         check_owner(checkpoint.state, ids[2], deps.tenant_id)
         return checkpoint.state, checkpoint.version
 
-    async def _message(
-        self,
-        deps: TurnDeps,
-        lease: Lease,
-        ids: tuple[str, str, str],
-        loaded: Loaded,
-        text: str,
-        emit: Callable[[AgentEvent], None] | None,
-        extras: RunExtras | None,
-    ) -> tuple[AgentReply, Loaded]:
+    async def _message(self, message: _Message, loaded: Loaded) -> tuple[AgentReply, Loaded]:
         """A message on a session not parked (or whose parked turn went on): a retry of a
         turn answered once, an open turn finished first, then the message's own turn."""
+        deps, lease, ids, text = message.deps, message.lease, message.ids, message.text
+        emit, extras = message.emit, message.extras
         state = loaded[0]
         runtime = state.runtime
         masking = deps.masking
@@ -334,29 +342,21 @@ class Sessions:
             reply = reply.model_copy(update={"interrupted_turn": interrupted})
         return reply, loaded
 
-    async def _answer_parked(
-        self,
-        deps: TurnDeps,
-        lease: Lease,
-        ids: tuple[str, str, str],
-        loaded: Loaded,
-        text: str,
-        emit: Callable[[AgentEvent], None] | None,
-        extras: RunExtras | None,
-    ) -> AgentReply:
+    async def _answer_parked(self, message: _Message, loaded: Loaded) -> AgentReply:
         """A message on a parked session. Parked on the user's confirmation: the model reads
         the message and may record the answer (``decide_approval``, accepted only before any
         tool result enters the turn: see `keel.runtime._approvals`); once everything is
         decided the turn goes on. Parked on an operator only: it stays parked, the reply says
         so, the model is not asked. Everything decided: the turn goes on, then the message
         is answered."""
+        deps, lease, ids = message.deps, message.lease, message.ids
         requests = await self._awaited(loaded[0])
         pending = [request for request in requests if request.status == "pending"]
         if pending and not any(request.kind == "user" for request in pending):
             waiting = waiting_text(pending, self.deps.workflow.domain_tools.get)
             return _standing(ids[1], loaded[1], requests, waiting)
         if pending:
-            reply, loaded = await self._message(deps, lease, ids, loaded, text, emit, extras)
+            reply, loaded = await self._message(message, loaded)
             requests = await self._awaited(loaded[0])
             if any(request.status == "pending" for request in requests):
                 # The answer decided nothing (or not all): still parked.
@@ -366,7 +366,7 @@ class Sessions:
                 return reply
             return (await self._turn(deps, lease, ids, loaded, None))[0]
         went_on, loaded = await self._turn(deps, lease, ids, loaded, None)
-        reply, _ = await self._message(deps, lease, ids, loaded, text, emit, extras)
+        reply, _ = await self._message(message, loaded)
         return reply.model_copy(update={"interrupted_turn": went_on})
 
     async def _awaited(self, state: AgentState) -> list[ApprovalRequest]:
