@@ -52,3 +52,26 @@ def test_no_modules_import_each_other_around_a_circle() -> None:
     # a circle moved out of sight is still a circle.
     cycles = SHAPE.import_cycles()
     assert all(set(group) <= _MCP_CIRCLE for group in cycles), cycles
+
+
+def test_the_turn_runner_drives_and_nothing_more() -> None:
+    # Its helpers are counted as its own: the writer, the entry and the steps hold the rest.
+    assert FIGURES["turn_runner_lines"] <= 300
+    assert FIGURES["turn_runner_methods"] <= 20
+
+
+def _one_turn_block() -> str:
+    """The diagram of docs/architecture.md's "One turn" section."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("## One turn") :]
+    start = section.index("```text") + len("```text")
+    return section[start : section.index("```", start)]
+
+
+def test_the_one_turn_diagram_names_every_runtime_module_a_turn_passes_through() -> None:
+    # Real turns (plain, streamed with memory, an approval decided), traced by a profiler.
+    found = SHAPE.turn_modules()["runtime"]
+    block = _one_turn_block()
+    missing = [name for name in found if name.removeprefix("keel/") not in block]
+    assert not missing, f"docs/architecture.md's One turn block does not name {missing}"
+    assert 0 < len(found) <= 12, found

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from keel import Agent, AgentReply, ContextBudget, GuardConfig, Settings
-from keel.runtime._decisions import DecideOptions
+from keel.runtime._session import DecideOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 # A proxy nothing listens on: a plugin that tried to download would fail the build.

@@ -216,7 +216,7 @@ async def test_one_log_is_what_the_store_keeps_and_the_context_engine_reads(
     agent, _, _ = _agent(database, tmp_path, model, budget=3_000)
     await _converse(agent, FlightUser(plans(2, 2)))
     key = agent.session_key("s1")
-    log = agent._sessions[key]
+    log = agent._logs[key]
     stored = agent.state.load(key)
     assert log.version == stored.version
     assert log.messages == stored.state.messages
@@ -228,5 +228,5 @@ async def test_one_log_is_what_the_store_keeps_and_the_context_engine_reads(
     assert log.conversation.messages == log.messages[summarized:]
     # Kept in step, not rebuilt from the store each turn (that would cost the whole history).
     await agent.handle("s1", "u1", "Thanks, that is all.")
-    assert agent._sessions[key] is log
+    assert agent._logs[key] is log
     assert log.messages == agent.state.load(key).state.messages

@@ -500,11 +500,12 @@ async def test_the_time_limit_covers_memory_retrieval_and_commit(
     model = ScriptedModel(lambda call: "ok", delay_s=0.3)
     agent = sqlite_agent(database, model, guards=GuardConfig(run_timeout_s=1.0, model_timeout_s=5))
 
-    async def slow_memories(user_id: str, query: str) -> list[object]:
-        await asyncio.sleep(0.8)
-        return []
+    class SlowMemories:
+        async def recall(self, user_id: str, query: str) -> list[object]:
+            await asyncio.sleep(0.8)
+            return []
 
-    agent._memories = slow_memories  # type: ignore[assignment, method-assign]
+    agent._hand_off = SlowMemories()  # type: ignore[assignment]
     reply = await agent.handle("s1", "u1", "hello")
     # The loop got what was left of the turn's second (too little for a 0.3 s model call),
     # not a fresh second of its own.
@@ -662,7 +663,7 @@ async def test_the_session_cache_is_bounded_and_an_evicted_session_is_rebuilt(
     agent = sqlite_agent(database, ScriptedModel(answers), session_cache_size=2)
     for session in ("a", "b", "c"):
         await agent.handle(session, "u1", f"hello from {session}")
-    assert len(agent._sessions) == 2 and len(agent._owners) == 2
-    assert agent.session_key("a") not in agent._sessions
+    assert len(agent._logs) == 2
+    assert agent.session_key("a") not in agent._logs
     await agent.handle("a", "u1", "again")
     assert prompts[-1] == ["You help.", "hello from a", "Noted: hello from a.", "again"]

@@ -24,7 +24,7 @@ from keel.approvals import ApprovalDecision, arguments_digest
 from keel.errors import ToolDefinitionError
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
-from keel.runtime._decisions import RESUMING_GRACE_S
+from keel.runtime._session import RESUMING_GRACE_S
 from keel.service._access import revert_holding_lease
 from keel.testing import ScriptedModel
 from keel.tools import ApprovalNeed, schema_tool, tool

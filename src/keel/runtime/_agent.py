@@ -27,29 +27,21 @@ calls of the interrupted step instead of running them again.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
 from keel._bridge import iterate_sync, run_sync
-from keel.context import ContextBudget, ContextEngine, ContextMemory
+from keel.context import ContextBudget, ContextEngine
 from keel.errors import UsageError
 from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions
 from keel.privacy import DEFAULT_MASKER, NoVault, PIIMasker, Vault
 from keel.runtime._approvals import Approvals
-from keel.runtime._decisions import (
-    DecideOptions,
-    answer_session,
-    carry_out_decisions,
-    decide,
-    resume_parked,
-)
-from keel.runtime._events import AgentEvent
-from keel.runtime._hand_off import SUMMARY_KEY_PREFIX, hand_off
-from keel.runtime._lease import Lease, own_session
-from keel.runtime._masking import ModelSees, checked_model_sees
+from keel.runtime._commit import SUMMARY_KEY_PREFIX, hand_off
+from keel.runtime._events import AgentEvent, events_of
+from keel.runtime._log import SessionLogs
+from keel.runtime._masking import Masking, ModelSees, checked_model_sees
 from keel.runtime._open import (
     EmbeddedOptions,
     OnBackendsOptions,
@@ -58,16 +50,13 @@ from keel.runtime._open import (
     close_opened,
     embedded_agent,
     open_agent,
-    turn_deps,
 )
-from keel.runtime._replies import Recent
 from keel.runtime._reply import AgentReply
-from keel.runtime._stream import events_of
-from keel.runtime._text import require_id, session_key, user_text
-from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps, TurnOptions
+from keel.runtime._session import DecideOptions, Sessions, require_id, session_key
+from keel.runtime._turn import RunExtras, TurnDeps, TurnOptions
 from keel.runtime._workflow import Workflow
 from keel.settings import Settings
-from keel.state import AgentState, StateMachine, StateStore
+from keel.state import AgentState, Checkpoint, StateMachine, StateStore
 from keel.stores import Backends
 from keel.tools import InMemoryJournal, MCPServer, Tool, ToolJournal
 from keel.tracing import Tracer
@@ -78,11 +67,6 @@ if TYPE_CHECKING:
 __all__ = ["SUMMARY_KEY_PREFIX", "Agent", "AgentReply", "session_key"]
 
 logger = logging.getLogger("keel.runtime")
-
-_DEFAULT_MASKER = DEFAULT_MASKER
-
-_require_id = require_id
-"""Kept under its old name: the service checks its ids with it."""
 
 
 class Agent:
@@ -147,7 +131,7 @@ class Agent:
         context: ContextBudget | None = None,
         guards: GuardConfig | None = None,
         memory_budget_tokens: int = 800,
-        masker: PIIMasker | None = _DEFAULT_MASKER,
+        masker: PIIMasker | None = DEFAULT_MASKER,
         vault: Vault | None = None,
         model_sees: ModelSees = "placeholders",
         tenant_id: str = "default",
@@ -161,7 +145,7 @@ class Agent:
     ) -> None:
         if not isinstance(system_prompt, str) or not system_prompt.strip():
             raise UsageError("an agent needs a system prompt")
-        _require_id("tenant_id", tenant_id)
+        require_id("tenant_id", tenant_id)
         if lease_ttl_s <= 0:
             raise UsageError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
         if session_cache_size < 1:
@@ -187,13 +171,12 @@ class Agent:
         self.lease_ttl_s = lease_ttl_s
         self.session_wait_s = lease_ttl_s + 5.0 if session_wait_s is None else session_wait_s
         self._workflow = Workflow(machine, tools)
+        self._hand_off = hand_off(memory, self.vault, tenant_id, memory_budget_tokens)
+        self.engine = ContextEngine(model, budget=context)
+        self.monitor = SpiralMonitor(prompt_limit=self.engine.budget.limit)
         # Bounded: a long-running service sees sessions come and go; an evicted one is rebuilt
         # from the store on its next turn.
-        self._owners: Recent[str, tuple[str, str]] = Recent(session_cache_size)
-        self._sessions = SessionLogs(session_cache_size)
-        self._hand_off = hand_off(memory, self.vault, tenant_id, memory_budget_tokens, self._owners)
-        self.engine = ContextEngine(model, budget=context, memory_sink=self._hand_off)
-        self.monitor = SpiralMonitor(prompt_limit=self.engine.budget.limit)
+        self._logs = SessionLogs(self.engine, session_cache_size)
         self.backends: Backends | None = None
         """The stores [`open`][] opened (and closes); None for an agent built by hand."""
 
@@ -332,7 +315,7 @@ class Agent:
                 stays open and the session's next turn finishes it.
             StoreError: the state store itself is unavailable.
         """
-        return await self._handle(session_id, user_id, text, None)
+        return await self._hand_over().answer(session_id, user_id, text, None, None)
 
     async def run(
         self, text: str, *, session: str, user: str, **options: Unpack[TurnOptions]
@@ -350,7 +333,7 @@ class Agent:
                 committed: it is returned (``replayed``). It was left open: it is finished.
                 The same id with another message is a ``UsageError``.
         """
-        return await self._handle(session, user, text, None, RunExtras(**options))
+        return await self._hand_over().answer(session, user, text, None, RunExtras(**options))
 
     def run_sync(
         self, text: str, *, session: str, user: str, **options: Unpack[TurnOptions]
@@ -372,7 +355,9 @@ class Agent:
         ``on_cancel="close"`` it ends there, cancelled, as history says). Raises as run does.
         """
         # The options are read when the iteration starts, as an async generator's body runs.
-        return events_of(lambda emit: self._handle(session, user, text, emit, RunExtras(**options)))
+        return events_of(
+            lambda emit: self._hand_over().answer(session, user, text, emit, RunExtras(**options))
+        )
 
     def stream_sync(
         self, text: str, *, session: str, user: str, **options: Unpack[TurnOptions]
@@ -380,24 +365,6 @@ class Agent:
         """Sync twin of [`stream`][]: events arrive as they happen; leaving the loop early
         stops the turn as it does there (not for use inside a running event loop)."""
         return iterate_sync(self.stream(text, session=session, user=user, **options))
-
-    async def _handle(
-        self,
-        session_id: str,
-        user_id: str,
-        text: str,
-        emit: Callable[[AgentEvent], None] | None,
-        extras: RunExtras | None = None,
-    ) -> AgentReply:
-        _require_id("session_id", session_id)
-        _require_id("user_id", user_id)
-        text = user_text(text)
-        if extras is not None and extras.turn_id is not None:
-            _require_id("turn_id", extras.turn_id)
-        key = self.session_key(session_id)
-        async with self._own(key) as lease:
-            ids = (session_id, user_id)
-            return await answer_session(self._deps(), lease, key, ids, text, emit, extras)
 
     def handle_sync(self, session_id: str, user_id: str, text: str) -> AgentReply:
         """Sync twin of [`handle`][] (not for use inside a running event loop). Safe to call
@@ -411,11 +378,7 @@ class Agent:
             AccessDeniedError: the session belongs to another user.
             SessionBusyError: another turn holds the session.
         """
-        _require_id("session_id", session_id)
-        _require_id("user_id", user_id)
-        key = self.session_key(session_id)
-        async with self._own(key) as lease:
-            return await resume_parked(self._deps(), lease, key, (session_id, user_id))
+        return await self._hand_over().resume(session_id, user_id)
 
     def resume_sync(self, session_id: str, user_id: str) -> AgentReply | None:
         """Sync twin of [`resume`][]."""
@@ -430,9 +393,7 @@ class Agent:
         a decider who may not read them); the call runs with exactly the arguments decided,
         or not at all.
         AccessDeniedError: not yours to decide. ApprovalSettledError: settled otherwise."""
-        return await decide(
-            self._deps(), self._own, self.session_key(session_id), session_id, approval_id, **how
-        )
+        return await self._hand_over().decide(session_id, approval_id, **how)
 
     def decide_sync(
         self, session_id: str, approval_id: str, **how: Unpack[DecideOptions]
@@ -444,7 +405,7 @@ class Agent:
         """Carry out what was decided elsewhere (``keel approvals approve``, HTTP, the viewer,
         another process): each parked turn of this tenant (of ``user_id``) whose requests are
         all decided goes on, once even across processes; the replies of the turns that did."""
-        return await carry_out_decisions(self._deps(), self._own, self.session_key, user_id)
+        return await self._hand_over().carry_out(user_id)
 
     def carry_out_decisions_sync(self, user_id: str | None = None) -> list[AgentReply]:
         """Sync twin of [`carry_out_decisions`][]."""
@@ -464,12 +425,44 @@ class Agent:
 
     # --- what a turn is given -----------------------------------------------------------------
 
-    def _own(self, key: str) -> contextlib.AbstractAsyncContextManager[Lease]:
-        return own_session(self.state, key, ttl=self.lease_ttl_s, wait_s=self.session_wait_s)
+    async def revert(
+        self, session_id: str, *, expected_version: int, to_version: int
+    ) -> Checkpoint[AgentState]:
+        """Revert the session to ``to_version`` (compare-and-set on ``expected_version``,
+        else a ``ConflictError``) under its lease, as a turn holds it: a turn running on it
+        makes this [`SessionBusyError`][keel.errors.SessionBusyError] at once, nothing changed.
+        What a parked turn waited for is cancelled when the state reverted to waits for none
+        of it."""
+        return await self._hand_over().revert(
+            session_id, expected_version=expected_version, to_version=to_version
+        )
 
-    async def _memories(self, user_id: str, query: str) -> list[ContextMemory]:
-        return [] if self._hand_off is None else await self._hand_off.recall(user_id, query)
+    # --- what a turn is handed --------------------------------------------------------------
 
-    def _deps(self) -> TurnDeps:
-        """The agent's configuration as a turn takes it (read per turn: it may change)."""
-        return turn_deps(self)
+    def __setattr__(self, name: str, value: Any) -> None:
+        # What turns were handed is rebuilt from the configuration once it changes.
+        super().__setattr__(name, value)
+        if not name.startswith("_"):
+            self.__dict__.pop("_turns", None)
+
+    def _hand_over(self) -> Sessions:
+        """The agent's sessions, over the parts the agent hands its turns (kept until its
+        configuration changes): the dependencies, fixed while turns run, and the logs."""
+        turns: Sessions | None = self.__dict__.get("_turns")
+        if turns is None:
+            endpoints = [self.model.endpoint] if self.model.endpoint else []
+            masking = Masking(
+                self.masker, self.tenant_id, self.vault, self.model_sees,
+                no_vault=self._no_vault, endpoints=endpoints,
+            )  # fmt: skip
+            deps = TurnDeps(
+                self.model, self.state, self.engine, self.monitor, self.guards, self._journal,
+                self.tracer, masking, self._workflow, self.system_prompt, self.rules,
+                self.output_type, self.model_options, self.tenant_id, self.name,
+                self._hand_off, self.approvals,
+            )  # fmt: skip
+            turns = Sessions(
+                deps, self._logs, lease_ttl_s=self.lease_ttl_s, wait_s=self.session_wait_s
+            )
+            self.__dict__["_turns"] = turns
+        return turns

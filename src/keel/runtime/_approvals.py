@@ -50,8 +50,8 @@ from keel.context import runtime_note
 from keel.errors import PlaceholderError, ToolArgumentsError, ToolInDoubtError
 from keel.messages import Message, ToolCall
 from keel.runtime._events import AgentEvent, ApprovalDecided, ApprovalRequested
+from keel.runtime._loop_run import LoopResult, LoopRun, MaybeAwaitable, blocked, call_hook
 from keel.runtime._reply import PendingApproval
-from keel.runtime._steps import LoopResult, LoopRun, MaybeAwaitable, blocked, call_hook
 from keel.tools import (
     Tool,
     ToolExecutor,

@@ -12,13 +12,14 @@ committed turn) or by an error drops the log, and the next turn builds it again 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
 from keel.context import ContextEngine, Conversation
 from keel.messages import Message
 from keel.state import AgentState
 
-__all__ = ["SessionLog"]
+__all__ = ["SessionLog", "SessionLogs"]
 
 
 class SessionLog:
@@ -129,3 +130,30 @@ class SessionLog:
     def messages_summarized(self) -> int:
         """Leading messages of the log folded into the running summary."""
         return self._summarized_before + self.conversation.messages_summarized
+
+
+class SessionLogs(OrderedDict[str, SessionLog]):
+    """The sessions' logs one agent keeps, by session key, over its context engine: the
+    ``size`` most recently used (an evicted session's log is rebuilt from the store)."""
+
+    def __init__(self, engine: ContextEngine, size: int) -> None:
+        super().__init__()
+        self.engine = engine
+        self.size = size
+
+    def __setitem__(self, key: str, value: SessionLog) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+    def of(self, key: str, state: AgentState, version: int) -> SessionLog:
+        """The session's log at ``version``: the kept one (brought up to ``version`` when
+        another process only added to it), or built from ``state``."""
+        cached = self.get(key)
+        if cached is not None and (cached.version == version or cached.catch_up(state, version)):
+            self.move_to_end(key)
+            return cached
+        log = SessionLog.of(self.engine, key, state, version)
+        self[key] = log
+        return log

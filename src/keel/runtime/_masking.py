@@ -202,8 +202,24 @@ class Masking:
         turn_tracer = copy.copy(tracer)
         own = tracer.redact
         mask = self.view.mask
-        turn_tracer.redact = lambda text: own(mask(text))
+        if self._is_policy(own):
+            # The tracer's own redaction is this very policy: what the view masked, it finds
+            # nothing more in (a trace records some forty texts a turn; one pass each).
+            turn_tracer.redact = mask
+        else:
+            turn_tracer.redact = lambda text: own(mask(text))
         return turn_tracer
+
+    def _is_policy(self, redact: Callable[[str], str]) -> bool:
+        """Whether ``redact`` is this masking's policy for its tenant, as the factories give
+        the agent's tracer (``functools.partial(masker.mask_text, tenant_id=...)``)."""
+        return (
+            isinstance(redact, functools.partial)
+            and self.masker is not None
+            and redact.func == self.masker.mask_text
+            and not redact.args
+            and redact.keywords == {"tenant_id": self.tenant_id}
+        )
 
     def stream_masker(self) -> StreamMasker | RevealStream | None:
         """A masker for text that arrives in pieces (None: masking is off). With a vault the

@@ -17,21 +17,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypedDict, TypeVar, Unpack
 
 from keel.approvals import ApprovalRequest
-from keel.context import ContextBudget, ContextEngine, ContextMemory
+from keel.context import ContextBudget
 from keel.errors import KeelError, UsageError
-from keel.guards import GuardConfig, SpiralMonitor
+from keel.guards import GuardConfig
 from keel.models import ChatModel, ModelOptions, resolve_model
-from keel.privacy import DEFAULT_MASKER, NoVault, PIIMasker, Vault
+from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault
 from keel.runtime._approvals import Approvals
-from keel.runtime._hand_off import MemoryHandOff
-from keel.runtime._masking import Masking, ModelSees
-from keel.runtime._replies import Recent
-from keel.runtime._turn import SessionLogs, TurnDeps
-from keel.runtime._workflow import Workflow
+from keel.runtime._masking import ModelSees
 from keel.settings import Settings, load_settings
-from keel.state import AgentState, StateMachine, StateStore
+from keel.state import StateMachine
 from keel.stores import Backends
-from keel.tools import MCPServer, Tool, ToolJournal
+from keel.tools import MCPServer, Tool
 from keel.tracing import Tracer
 
 __all__ = [
@@ -43,7 +39,6 @@ __all__ = [
     "close_opened",
     "embedded_agent",
     "open_agent",
-    "turn_deps",
 ]
 
 logger = logging.getLogger("keel.runtime")
@@ -51,36 +46,12 @@ logger = logging.getLogger("keel.runtime")
 
 class Configured(Protocol):
     """An agent as this module sees it (the [`Agent`][], which imports this
-    module, is not imported back): built from a model and the constructor's options, told the
-    stores it owns, and read per turn by `turn_deps`."""
+    module, is not imported back): built from a model and the constructor's options, and told
+    the stores it owns."""
 
-    model: ChatModel
-    state: StateStore[AgentState]
-    engine: ContextEngine
-    monitor: SpiralMonitor
-    guards: GuardConfig
-    _journal: ToolJournal
-    _no_vault: NoVault
-    tracer: Tracer
-    masker: PIIMasker | None
-    vault: Vault | None
-    model_sees: ModelSees
-    _workflow: Workflow
-    system_prompt: str
-    rules: tuple[str, ...]
-    output_type: type[Any] | None
-    model_options: ModelOptions
-    tenant_id: str
-    name: str
-    _sessions: SessionLogs
-    _owners: Recent[str, tuple[str, str]]
-    _hand_off: MemoryHandOff | None
-    approvals: Approvals | None
     backends: Backends | None
 
     def __init__(self, model: ChatModel, *, system_prompt: str, **options: Any) -> None: ...
-
-    async def _memories(self, user_id: str, query: str) -> list[ContextMemory]: ...
 
 
 AgentT = TypeVar("AgentT", bound=Configured)
@@ -268,37 +239,3 @@ async def close_opened(backends: Backends) -> None:
         except (TimeoutError, KeelError) as exc:
             logger.warning("memory's outbox was not flushed on close: %s", exc)
     await backends.aclose()
-
-
-def turn_deps(agent: Configured) -> TurnDeps:
-    """What a turn takes of ``agent``'s configuration (read per turn: its attributes may be
-    set between turns)."""
-    return TurnDeps(
-        model=agent.model,
-        state=agent.state,
-        engine=agent.engine,
-        monitor=agent.monitor,
-        guards=agent.guards,
-        journal=agent._journal,
-        tracer=agent.tracer,
-        masking=Masking(
-            agent.masker,
-            agent.tenant_id,
-            agent.vault,
-            agent.model_sees,
-            no_vault=agent._no_vault,
-            endpoints=[agent.model.endpoint] if agent.model.endpoint else [],
-        ),
-        workflow=agent._workflow,
-        system_prompt=agent.system_prompt,
-        rules=agent.rules,
-        output_type=agent.output_type,
-        model_options=agent.model_options,
-        tenant_id=agent.tenant_id,
-        name=agent.name,
-        logs=agent._sessions,
-        owners=agent._owners,
-        memory=agent._hand_off,
-        recall=agent._memories,
-        approvals=agent.approvals,
-    )

@@ -1,14 +1,29 @@
-"""What one turn of an [`Agent`][] produced."""
+"""What one turn of an [`Agent`][] produced, and the replies a session keeps for retries: a
+turn the caller gave its own id (an HTTP ``Idempotency-Key``) runs once; its reply is committed
+with the turn, and a retry gets it back."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from keel.runtime._steps import LoopStatus
+from keel.errors import UsageError
+from keel.runtime._loop_run import LoopStatus
+from keel.state import AgentState
 
-__all__ = ["AgentReply", "AgentStatus", "PendingApproval"]
+__all__ = [
+    "AgentReply",
+    "AgentStatus",
+    "PendingApproval",
+    "recorded_reply",
+    "request_digest",
+    "with_reply",
+]
+
+_REPLIES_KEPT = 16
+"""Replies kept for turns that came with the caller's own turn id (retries come within minutes)."""
 
 AgentStatus = Literal[LoopStatus, "failed", "escalated"]
 """How a turn ended: ``completed``, a loop status ([`LoopStatus`][], among
@@ -84,3 +99,37 @@ class AgentReply(BaseModel):
         description="The validated answer when the turn had an ``output_type`` (``text`` is its "
         "JSON, masked; this value is the model's, for the caller only, never stored).",
     )
+
+
+def request_digest(masked_text: str) -> str:
+    """What identifies a turn's request for its retries: its (masked) message."""
+    return hashlib.sha256(masked_text.encode()).hexdigest()
+
+
+def recorded_reply(state: AgentState, turn_id: str, masked_text: str) -> AgentReply | None:
+    """The reply committed for turn ``turn_id``, marked ``replayed``; None when none was.
+
+    Raises:
+        UsageError: the turn id was used for another message.
+    """
+    recorded = next((r for r in state.runtime.replies if r.get("turn_id") == turn_id), None)
+    if recorded is None:
+        return None
+    if recorded.get("request") != request_digest(masked_text):
+        raise UsageError(f"turn id {turn_id!r} was used for another message")
+    replayed = AgentReply.model_validate(recorded["reply"])
+    return replayed.model_copy(update={"replayed": True})
+
+
+def with_reply(state: AgentState, turn_id: str, request: str, reply: AgentReply) -> AgentState:
+    """``state`` with ``reply`` recorded for turn ``turn_id`` (whose masked message was
+    ``request``): committed in the same write as the turn, so a retry finds exactly that."""
+    runtime = state.runtime
+    record = {
+        "turn_id": turn_id,
+        "request": request_digest(request),
+        "reply": reply.model_dump(mode="json"),
+    }
+    kept = [r for r in runtime.replies if r.get("turn_id") != turn_id]
+    replies = (*kept, record)[-_REPLIES_KEPT:]
+    return state.model_copy(update={"runtime": runtime.model_copy(update={"replies": replies})})

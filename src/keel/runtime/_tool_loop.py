@@ -9,7 +9,7 @@ typed error when the run could not finish.
 It knows nothing of state, memory or context: a caller plugs those in through
 [`LoopHooks`][] (compile the prompt and checkpoint before each model call, trace after each
 step, fingerprint the state, revert it when a limit is hit). It is a thin driver over the
-loop's steps (`keel.runtime._steps`); the agent's turn drives the same steps itself,
+loop's steps (`keel.runtime._loop_run`); the agent's turn drives the same steps itself,
 without hooks (`TurnRunner`):
 
 ```python
@@ -50,18 +50,17 @@ from keel.guards import GuardConfig, SpiralMonitor
 from keel.messages import Message, ToolCall
 from keel.models import ChatModel, ModelOptions
 from keel.runtime._approvals import Approvals, TurnFacts
-from keel.runtime._model_step import ModelStep
-from keel.runtime._steps import (
+from keel.runtime._loop_run import (
     LoopResult,
     LoopRun,
     LoopStatus,
     LoopStop,
     MaybeAwaitable,
     StepRecord,
-    ToolGate,
     call_hook,
     time_limit,
 )
+from keel.runtime._model_step import ModelStep
 from keel.runtime._tool_step import ToolStep
 from keel.tools import InMemoryJournal, Tool, ToolJournal, ToolRegistry, ToolResult, ToolScope
 
@@ -183,14 +182,6 @@ class ToolLoop:
             options=options,
         )
         self.options = self.model_step.options
-        hooks_ = self.hooks
-        self._gate = ToolGate(
-            refuse=hooks_.refuse_call,
-            before_side_effect=hooks_.before_side_effect,
-            on_start=hooks_.on_tool_start,
-            on_result=hooks_.on_tool_result,
-            fingerprint=hooks_.state_fingerprint,
-        )
 
     def run(
         self,
@@ -266,6 +257,8 @@ class ToolLoop:
             scope=scope,
             facts=facts,
             approvals=self.approvals,
+            refuse=self.hooks.refuse_call,
+            events=_HookEvents(self.hooks),
         )
 
     # --- driving the steps ------------------------------------------------------------------
@@ -286,7 +279,9 @@ class ToolLoop:
                     outcome = await model_step.ask(run, sent, options, hooks.on_text)
                 await self._after_steps(run)
                 if outcome.kind == "tool_calls":
-                    await tools(run, outcome, self._gate)
+                    calls = await tools(run, outcome)
+                    fingerprint = await call_hook(hooks.state_fingerprint)
+                    tools.finish(calls, fingerprint)
                     await self._after_steps(run)
                     if tools.hold.parked:
                         return tools.hold.park(run)
@@ -313,6 +308,22 @@ class ToolLoop:
             await call_hook(self.hooks.revert_to_last_good, ended.error)
             reverted = True
         return run.stopped(ended, reverted=reverted)
+
+
+class _HookEvents:
+    """A loop's tool hooks as its tool step's event sink."""
+
+    def __init__(self, hooks: LoopHooks) -> None:
+        self.hooks = hooks
+
+    def on_tool_start(self, step: int, call: ToolCall, arguments: dict[str, Any]) -> None:
+        if self.hooks.on_tool_start is not None:
+            self.hooks.on_tool_start(step, call, arguments)
+
+    def on_tool_result(self, step: int, result: ToolResult) -> MaybeAwaitable[None]:
+        if self.hooks.on_tool_result is None:
+            return None
+        return self.hooks.on_tool_result(step, result)
 
 
 def _awaitable(redact: Callable[[str], str]) -> Callable[[str], Awaitable[str]]:

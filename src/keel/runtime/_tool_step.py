@@ -1,14 +1,18 @@
 """The tools' half of a loop step: the decision journalled, then each call past the loop
-detector, the driver's `ToolGate` and the step's own approval hold
-(`ApprovalHold`) to the executor (validated, repaired,
-journalled exactly once, run, its output bounded) (see `keel.runtime._steps`)."""
+detector, the gate it was built with (``refuse``: the workflow's, or a loop's hook), and the
+step's own approval hold (`ApprovalHold`) to the executor (validated, repaired, journalled
+exactly once, run, its output bounded) (see `keel.runtime._loop_run`).
+
+The step is given data, never its driver: the gate and the lease check come at construction
+(``refuse``, ``facts.before_side_effect``), the events go to a sink (``events``), and the
+driver's state fingerprint comes in with `ToolStep.finish` once the calls ran."""
 
 from __future__ import annotations
 
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from keel.context import runtime_note
 from keel.errors import KeelError, StoreError, ToolError
@@ -17,22 +21,33 @@ from keel.messages import Message, ToolCall
 from keel.models import Completion
 from keel.privacy import NoVault, UserVault
 from keel.runtime._approvals import ApprovalHold, Approvals, TurnFacts
-from keel.runtime._steps import (
+from keel.runtime._loop_run import (
     LoopRun,
     LoopStatus,
     LoopStop,
+    MaybeAwaitable,
     ModelOutcome,
     StepAction,
-    ToolGate,
     blocked,
     call_hook,
     decision_scope,
 )
 from keel.tools import ToolExecutor, ToolJournal, ToolRegistry, ToolResult, ToolScope
 
-__all__ = ["ToolStep"]
+__all__ = ["ToolEvents", "ToolStep"]
 
 logger = logging.getLogger("keel.runtime")
+
+
+class ToolEvents(Protocol):
+    """Where a step's tool events go as they happen (a streamed turn's events, a loop's
+    hooks); sync or async."""
+
+    def on_tool_start(self, step: int, call: ToolCall, arguments: dict[str, Any]) -> None:
+        """Right before a validated call runs."""
+
+    def on_tool_result(self, step: int, result: ToolResult) -> MaybeAwaitable[None]:
+        """As each call ends."""
 
 
 class ToolStep:
@@ -54,6 +69,9 @@ class ToolStep:
             (None: such a call is refused, never run).
         aredact: ``redact`` for the event loop (the agent's masking places a new value in the
             PII vault off it); ``redact`` is used where none is given.
+        refuse: ``(call) -> reason | None``, asked before a call is validated, journalled or
+            run (the workflow's gate at its current position, or a loop's hook).
+        events: where the tool events go (None: nowhere).
     """
 
     def __init__(
@@ -68,8 +86,12 @@ class ToolStep:
         facts: TurnFacts,
         approvals: Approvals | None = None,
         aredact: Callable[[str], Awaitable[str]] | None = None,
+        refuse: Callable[[ToolCall], MaybeAwaitable[str | None]] | None = None,
+        events: ToolEvents | None = None,
     ) -> None:
         self.registry = registry
+        self.refuse = refuse
+        self.events = events
         self.guards = guards
         self.redact = redact
         self.aredact = aredact
@@ -88,11 +110,12 @@ class ToolStep:
         """Consulted for every call that passed the gate, before the executor: a call that
         waits for a person's decision is held back here, whoever drives the loop."""
 
-    async def __call__(self, run: LoopRun, outcome: ModelOutcome, gate: ToolGate) -> None:
-        """Carry out the calls of ``outcome`` (journalled first when one has side effects).
+    async def __call__(self, run: LoopRun, outcome: ModelOutcome) -> StepCalls:
+        """Carry out the calls of ``outcome`` (journalled first when one has side effects);
+        the driver ends the step with `finish`.
 
         Raises:
-            LoopStop: a loop, a call in doubt, a tool that kept failing (the step finished).
+            LoopStop: a call in doubt, a tool that kept failing (the step finished).
         """
         message = outcome.message
         if not outcome.replayed and any(
@@ -104,13 +127,21 @@ class ToolStep:
             except StoreError:
                 logger.exception("could not journal the decision of step %s", run.step)
         run.history.append(message)
-        calls = _Calls(run, outcome.completion, message, outcome.replayed)
+        calls = StepCalls(run, outcome.completion, message, outcome.replayed)
         for index, call in enumerate(message.tool_calls):
-            await self._run_call(calls, index, call, gate)
-        fingerprint: str | None = None
+            await self._run_call(calls, index, call)
+        return calls
+
+    def finish(self, calls: StepCalls, fingerprint: str | None) -> None:
+        """End the step whose calls ran: progress judged against the driver's state
+        ``fingerprint`` (None: the driver has none), keel's advice added, the record finished.
+
+        Raises:
+            LoopStop: the step made no progress for too long (the step finished).
+        """
+        run = calls.run
         run.outcomes.update((r.tool, r.raw_arguments, r.content) for r in calls.results)
-        if gate.fingerprint is not None:
-            fingerprint = await call_hook(gate.fingerprint)
+        if fingerprint is not None:
             # Progress is the state moving OR a call never seen before with a result never
             # seen before: an agent without a workflow calling twelve different tools is
             # working, not looping (repeats are the loop detector's business).
@@ -120,16 +151,17 @@ class ToolStep:
         calls.finish("tool_calls", fingerprint=fingerprint)
         run.failures_in_a_row = 0
 
-    async def _run_call(self, calls: _Calls, index: int, call: ToolCall, gate: ToolGate) -> None:
-        run = calls.run
+    async def _run_call(self, calls: StepCalls, index: int, call: ToolCall) -> None:
+        run, events = calls.run, self.events
         signal = run.detector.check_call(call.name, call.arguments)
         if signal is not None:
             calls.signal(signal)
             repeat = blocked(call, "Not executed: this repeats earlier calls without progress.")
             calls.add(repeat)
-            await call_hook(gate.on_result, run.step, repeat)
+            if events is not None:
+                await call_hook(events.on_tool_result, run.step, repeat)
             return
-        refusal = await call_hook(gate.refuse, call)
+        refusal = await call_hook(self.refuse, call)
         held = None if refusal is not None else await self.hold.consult(run, index, call)
         if held is not None:
             # Waits for a person's decision: nothing journalled, nothing run.
@@ -148,22 +180,25 @@ class ToolStep:
         else:
             found = self.registry.get(call.name)
             if found is not None and found.side_effect:
-                await call_hook(gate.before_side_effect, call)
-            on_start = gate.on_start
+                # A worker that stalled past its lease never acts on a session another took.
+                await call_hook(self.hold.facts.before_side_effect, call)
             result = await self.executor.execute(
                 call,
                 session_id=run.session_id,
                 step=run.step,
                 call_index=index,
                 turn_id=run.turn_id,
-                on_start=None if on_start is None else functools.partial(on_start, run.step, call),
+                on_start=None
+                if events is None
+                else functools.partial(events.on_tool_start, run.step, call),
             )
         calls.add(result)
-        await call_hook(gate.on_result, run.step, result)
+        if events is not None:
+            await call_hook(events.on_tool_result, run.step, result)
         if held is None:
             self._count(calls, call, result)
 
-    def _count(self, calls: _Calls, call: ToolCall, result: ToolResult) -> None:
+    def _count(self, calls: StepCalls, call: ToolCall, result: ToolResult) -> None:
         """What the guards make of a call's result: repairs, doubt, failures, loops."""
         run = calls.run
         if result.repairs:
@@ -209,7 +244,7 @@ class ToolStep:
         return recorded
 
 
-class _Calls:
+class StepCalls:
     """The tool calls of one step as they run: results, guard events, advice for the model."""
 
     def __init__(

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 
 from fastapi import Depends, Request
 
-from keel.errors import SessionBusyError
-from keel.runtime._decisions import cancel_on_revert
 from keel.service._context import limited_tenant
 from keel.service._errors import HTTPError
 from keel.service._ids import check_user_id, session_id_from_wire
@@ -98,20 +96,9 @@ def chat_party(
 async def revert_holding_lease(
     agent: Agent, session_id: str, *, expected_version: int, to_version: int
 ) -> Checkpoint[AgentState]:
-    """Revert the session while holding its lease, as a turn does: a turn running on it makes
-    this [`SessionBusyError`][] (409), and nothing changes."""
-    key = agent.session_key(session_id)
-    lease = agent.state.session_lock(key, ttl=agent.lease_ttl_s)
-    if not await lease.aacquire():
-        raise SessionBusyError(session_id, 0.0)
-    try:
-        reverted = await agent.state.arevert(
-            key, expected_version=expected_version, to_version=to_version
-        )
-        await cancel_on_revert(agent.approvals, agent.tenant_id, session_id, reverted)
-        return reverted
-    finally:
-        await lease.arelease()
+    """Revert the session while holding its lease ([`Agent.revert`][]): a turn running on it
+    makes this [`SessionBusyError`][keel.errors.SessionBusyError] (409), and nothing changes."""
+    return await agent.revert(session_id, expected_version=expected_version, to_version=to_version)
 
 
 async def owned_checkpoint(

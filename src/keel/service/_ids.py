@@ -24,7 +24,7 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from keel.errors import UsageError
-from keel.runtime._agent import _require_id as require_id
+from keel.runtime._session import require_id
 from keel.service._errors import HTTPError
 
 __all__ = [

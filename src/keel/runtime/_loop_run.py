@@ -10,12 +10,13 @@ explicit inputs:
   limit cut, and decide what comes of the reply (a final answer validated against the output
   type, a retry, a stop);
 - the tool step (`ToolStep`): journal the decision, then for
-  each call: the loop detector, the driver's `ToolGate` (refuse by workflow, check the
-  lease before a side effect, events), the step's approval hold (a call that waits for a
-  person), and the executor (validate, repair, journal exactly once, run, bound the output).
+  each call: the loop detector, the gate it was built with (the workflow's), the lease check
+  before a side effect, the step's approval hold (a call that waits for a person), and the
+  executor (validate, repair, journal exactly once, run, bound the output).
 
-Neither calls back into its driver: a step finishes its [`StepRecord`][] into the run, the
-driver reads the finished ones (`LoopRun.take_finished`) and does its own bookkeeping
+Neither calls back into its driver: each is given data (the gate, the lease, an event sink,
+the driver's state fingerprint once its calls ran) and finishes its [`StepRecord`][] into the
+run; the driver reads the finished ones (`LoopRun.take_finished`) and does its own bookkeeping
 (checkpoint, trace) between steps. The drivers are [`ToolLoop`][] (standalone,
 with [`LoopHooks`][]) and the agent's `TurnRunner`.
 """
@@ -59,7 +60,6 @@ __all__ = [
     "LoopStop",
     "ModelOutcome",
     "StepRecord",
-    "ToolGate",
     "blocked",
     "call_hook",
     "decision_scope",
@@ -310,29 +310,6 @@ class ModelOutcome:
     completion: Completion | None
     message: Message
     replayed: bool = False
-
-
-@dataclass(frozen=True)
-class ToolGate:
-    """What a tool step asks its driver, each optional and sync or async.
-
-    Attributes:
-        refuse: ``(call) -> reason | None`` before a call is validated, journalled or run.
-        before_side_effect: ``(call) -> None`` right before a side-effecting call is claimed;
-            raise to stop the run before the effect.
-        on_start: ``(step, call, arguments) -> None`` right before a validated call runs.
-        on_result: ``(step, result) -> None`` as each call ends.
-        fingerprint: ``() -> str``, a digest of the driver's state, for progress.
-
-    A call that passed ``refuse`` then goes through the tool step's own approval hold, which
-    no driver can leave out.
-    """
-
-    refuse: Callable[[ToolCall], MaybeAwaitable[str | None]] | None = None
-    before_side_effect: Callable[[ToolCall], MaybeAwaitable[None]] | None = None
-    on_start: Callable[[int, ToolCall, dict[str, Any]], None] | None = None
-    on_result: Callable[[int, ToolResult], MaybeAwaitable[None]] | None = None
-    fingerprint: Callable[[], MaybeAwaitable[str]] | None = None
 
 
 @dataclass
