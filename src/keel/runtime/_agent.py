@@ -281,9 +281,13 @@ class Agent:
         return embedded_agent(cls, model, system_prompt=system_prompt, **options)
 
     async def aclose(self) -> None:
-        """Flush memory's outbox and release what [`open`][] / [`embedded`][] opened."""
-        if self.backends is not None:
-            await close_opened(self.backends)
+        """Stop the MCP servers this agent started, flush memory's outbox and release what
+        [`open`][] / [`embedded`][] opened."""
+        try:
+            await self._workflow.mcp.aclose()
+        finally:
+            if self.backends is not None:
+                await close_opened(self.backends)
 
     def close(self) -> None:
         """Sync twin of [`aclose`][], on the bridge loop the sync twins ran on: async clients
@@ -292,12 +296,15 @@ class Agent:
         run_sync(self.aclose())
 
     async def __aenter__(self) -> Agent:
+        await self._workflow.mcp.open()  # a server that cannot start fails here, not mid-turn
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     def __enter__(self) -> Agent:
+        if self._workflow.mcp.pending:
+            run_sync(self._workflow.mcp.open())
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -397,7 +404,7 @@ class Agent:
         key = self.session_key(session_id)
         async with self._own(key) as lease:
             ids = (session_id, user_id)
-            return await answer_session(self._deps(), lease, key, ids, text, emit, extras)
+            return await answer_session(await self._deps(), lease, key, ids, text, emit, extras)
 
     def handle_sync(self, session_id: str, user_id: str, text: str) -> AgentReply:
         """Sync twin of [`handle`][] (not for use inside a running event loop). Safe to call
@@ -415,7 +422,7 @@ class Agent:
         _require_id("user_id", user_id)
         key = self.session_key(session_id)
         async with self._own(key) as lease:
-            return await resume_parked(self._deps(), lease, key, (session_id, user_id))
+            return await resume_parked(await self._deps(), lease, key, (session_id, user_id))
 
     def resume_sync(self, session_id: str, user_id: str) -> AgentReply | None:
         """Sync twin of [`resume`][]."""
@@ -430,8 +437,9 @@ class Agent:
         a decider who may not read them); the call runs with exactly the arguments decided,
         or not at all.
         AccessDeniedError: not yours to decide. ApprovalSettledError: settled otherwise."""
+        deps = await self._deps()
         return await decide(
-            self._deps(), self._own, self.session_key(session_id), session_id, approval_id, **how
+            deps, self._own, self.session_key(session_id), session_id, approval_id, **how
         )
 
     def decide_sync(
@@ -444,7 +452,7 @@ class Agent:
         """Carry out what was decided elsewhere (``keel approvals approve``, HTTP, the viewer,
         another process): each parked turn of this tenant (of ``user_id``) whose requests are
         all decided goes on, once even across processes; the replies of the turns that did."""
-        return await carry_out_decisions(self._deps(), self._own, self.session_key, user_id)
+        return await carry_out_decisions(await self._deps(), self._own, self.session_key, user_id)
 
     def carry_out_decisions_sync(self, user_id: str | None = None) -> list[AgentReply]:
         """Sync twin of [`carry_out_decisions`][]."""
@@ -470,6 +478,8 @@ class Agent:
     async def _memories(self, user_id: str, query: str) -> list[ContextMemory]:
         return [] if self._hand_off is None else await self._hand_off.recall(user_id, query)
 
-    def _deps(self) -> TurnDeps:
-        """The agent's configuration as a turn takes it (read per turn: it may change)."""
+    async def _deps(self) -> TurnDeps:
+        """The agent's configuration as a turn takes it (read per turn: it may change), its
+        MCP servers started on the first."""
+        await self._workflow.mcp.open()
         return turn_deps(self)
