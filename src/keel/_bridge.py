@@ -9,8 +9,16 @@ with each call's dead loop, and sync calls from several threads share one loop s
 The other direction, async code calling a blocking function (SQLite, an ONNX embedder), goes
 through `run_blocking`; sync code that overlaps blocking work (a keyword query while the
 query is embedded, a batch written while the next is embedded, forward passes side by side)
-forks it with `fork` or `map_blocking`. All of it runs on ONE pool of named threads
-owned here (``keel-blocking-N``), the only place that decides where blocking work runs.
+forks it with `fork` or `map_blocking`. All of it runs on ONE bounded pool of named threads
+owned here (``keel-blocking-N``). Work that may run far longer than its caller waits (a sync
+tool that hangs past its timeout, a model's generation) goes through `run_in_thread`, a daemon
+thread of its own, so that it never fills that pool. This module is the only one in keel that
+starts a thread or an event loop (tests/test_async_rule.py keeps it so, with the exceptions
+docs/architecture.md lists).
+
+What a library ties to one loop for its whole life (an MCP session) is opened on the bridge
+loop and reached from any loop with `on_bridge`; a background worker that lives as long as
+its owner is a task there (`spawn`).
 
 Joining forked work never deadlocks on a busy pool: work no thread has started yet is taken
 back and run by the thread that joins it, so a pool thread that forks and joins (a search
@@ -39,9 +47,11 @@ __all__ = [
     "iterate_sync",
     "map_blocking",
     "on_bridge",
+    "on_bridge_thread",
     "run_blocking",
     "run_in_thread",
     "run_sync",
+    "spawn",
 ]
 
 T = TypeVar("T")
@@ -140,6 +150,18 @@ async def on_bridge(coroutine: Coroutine[Any, Any, T]) -> T:
     if asyncio.get_running_loop() is loop:
         return await coroutine
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, loop))
+
+
+def spawn(coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+    """Start ``coroutine`` on keel's bridge loop and return at once: for a background worker
+    that lives as long as its owner (memory's outbox), instead of a thread of its own. Its
+    blocking steps go through `run_blocking`."""
+    return asyncio.run_coroutine_threadsafe(coroutine, _bridge_loop())
+
+
+def on_bridge_thread() -> bool:
+    """Whether this thread runs keel's bridge loop (where waiting for it would wait forever)."""
+    return _thread is not None and threading.current_thread() is _thread
 
 
 SIGNAL_CHECK_S = 0.1

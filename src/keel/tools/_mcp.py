@@ -1,6 +1,7 @@
 """MCP servers as a source of tools, next to Python ones: ``MCPServer.stdio(...)`` and
 ``MCPServer.http(...)`` describe a server; an agent given one (``Agent(tools=[..., server])``)
-connects at start-up, lists its tools, and lists them again when the server says they changed.
+connects on its first turn, lists its tools, and lists them again when the server says they
+changed; ``Agent.aclose`` disconnects (``AgentServers``).
 
 Each MCP tool becomes a [`SchemaTool`][]: its JSON schema validates the model's
 arguments, and its annotations set keel's flags. ``readOnlyHint`` means no side effect; any
@@ -9,7 +10,7 @@ side-effecting and not idempotent, the safe default). A deployment overrides any
 ([`MCPToolOverride`][]): flags, hidden from the model, arguments injected on every call.
 
 Names: a tool keeps its server's name (``prefix=`` prepends one); a name two servers (or a
-Python tool) share is a [`ToolDefinitionError`][] at start-up, and a tool that
+Python tool) share is a [`ToolDefinitionError`][] when they connect, and a tool that
 appears later under a taken name is left out (logged). Secrets in headers and environment
 come from the environment ([`FromEnv`][]), are read when the server is connected, and
 never appear in a ``repr``, a log line or a trace.

@@ -10,7 +10,7 @@ waits until the connection is lost (a call saw it close) or the server is closed
 again with backoff. A call hops onto the bridge loop and back; cancelling the caller (a tool
 timeout) cancels the call there.
 
-This module knows the server only by the settings it reads ([`ServerSettings`][]) and turns
+This module knows the server only by the settings it reads (``ServerSettings``) and turns
 listings into tools with the function it is given: the server's own module imports this one
 (when a server starts), never the other way round.
 """
