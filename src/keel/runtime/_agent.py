@@ -402,9 +402,10 @@ class Agent:
         if extras is not None and extras.turn_id is not None:
             _require_id("turn_id", extras.turn_id)
         key = self.session_key(session_id)
+        deps = await self._deps()  # before the lease: a server starting holds no session
         async with self._own(key) as lease:
             ids = (session_id, user_id)
-            return await answer_session(await self._deps(), lease, key, ids, text, emit, extras)
+            return await answer_session(deps, lease, key, ids, text, emit, extras)
 
     def handle_sync(self, session_id: str, user_id: str, text: str) -> AgentReply:
         """Sync twin of [`handle`][] (not for use inside a running event loop). Safe to call
@@ -420,9 +421,9 @@ class Agent:
         """
         _require_id("session_id", session_id)
         _require_id("user_id", user_id)
-        key = self.session_key(session_id)
+        key, deps = self.session_key(session_id), await self._deps()
         async with self._own(key) as lease:
-            return await resume_parked(await self._deps(), lease, key, (session_id, user_id))
+            return await resume_parked(deps, lease, key, (session_id, user_id))
 
     def resume_sync(self, session_id: str, user_id: str) -> AgentReply | None:
         """Sync twin of [`resume`][]."""

@@ -50,9 +50,10 @@ class Workflow:
         self.servers = [t for t in given if isinstance(t, MCPServer)]
         # Started on the agent's first turn (``open``), not here: building an agent starts
         # no process; ``Agent.aclose`` lets them go.
-        self.mcp = AgentServers(self.servers, taken=set(self._own))
+        reserved = WORKFLOW_TOOLS if machine is not None else ()
+        self.mcp = AgentServers(self.servers, taken=set(self._own), reserved=reserved)
         self.machine = machine
-        clash = set(self.domain_tools) & set(WORKFLOW_TOOLS)
+        clash = set(self._own) & set(WORKFLOW_TOOLS)
         if machine is not None and clash:
             raise UsageError(f"tool names {sorted(clash)} are reserved for the workflow")
 

@@ -475,13 +475,16 @@ def start_servers(servers: Sequence[MCPServer], *, taken: set[str]) -> None:
         raise
 
 
-def check_names(servers: Sequence[MCPServer], *, taken: set[str]) -> None:
-    """Check the tools ``servers`` list now against ``taken`` and each other's.
+def check_names(
+    servers: Sequence[MCPServer], *, taken: set[str], reserved: Sequence[str] = ()
+) -> None:
+    """Check the tools ``servers`` list now against ``taken`` (Python tools'), ``reserved``
+    (a workflow's) and each other's.
 
     Raises:
         ToolDefinitionError: two tools share a name.
     """
-    owners = dict.fromkeys(taken, "a Python tool")
+    owners = dict.fromkeys(taken, "a Python tool") | dict.fromkeys(reserved, "the workflow's")
     for server in servers:
         for name in server.tools():
             if name in owners:
@@ -502,13 +505,15 @@ class AgentServers:
         ToolDefinitionError: (built) two tools listed now share a name.
     """
 
-    def __init__(self, servers: Sequence[MCPServer], *, taken: set[str]) -> None:
+    def __init__(
+        self, servers: Sequence[MCPServer], *, taken: set[str], reserved: Sequence[str] = ()
+    ) -> None:
         self.servers = list(servers)
-        self._taken = set(taken)
+        self._taken, self._reserved = set(taken), tuple(reserved)
         self._held = [server for server in self.servers if not server._started_by_owner]
         self._open = not self._held
         self._lock: asyncio.Lock | None = None
-        check_names(self.servers, taken=self._taken)
+        check_names(self.servers, taken=self._taken, reserved=self._reserved)
 
     @property
     def pending(self) -> bool:
@@ -545,7 +550,7 @@ class AgentServers:
                 for server in self._held:
                     await server._hold()
                     held.append(server)
-                check_names(self.servers, taken=self._taken)
+                check_names(self.servers, taken=self._taken, reserved=self._reserved)
             except BaseException:
                 for server in held:
                     await server._let_go()
