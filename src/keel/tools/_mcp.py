@@ -261,18 +261,17 @@ class MCPServer:
     # On the bridge loop: the one thread that changes ``_state`` once a server is in use.
 
     async def _start_here(self, *, by_agent: bool) -> None:
+        starting: asyncio.Future[None] | None = self._state.get("starting")
+        if starting is None and "connection" not in self._state:
+            starting = self._state["starting"] = asyncio.ensure_future(self._connect())
+        if starting is not None:  # one connection, whoever else waits for it
+            try:
+                await asyncio.shield(starting)
+            finally:
+                if starting.done():
+                    self._state.pop("starting", None)
         if not by_agent:
             self._state["owned"] = True  # started by its owner: agents never close it
-        starting: asyncio.Future[None] | None = self._state.get("starting")
-        if starting is None:
-            if "connection" in self._state:
-                return
-            starting = self._state["starting"] = asyncio.ensure_future(self._connect())
-        try:
-            await asyncio.shield(starting)
-        finally:
-            if starting.done():
-                self._state.pop("starting", None)
 
     async def _connect(self) -> None:
         try:
