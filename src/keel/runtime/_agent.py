@@ -303,8 +303,7 @@ class Agent:
         await self.aclose()
 
     def __enter__(self) -> Agent:
-        if self._workflow.mcp.pending:
-            run_sync(self._workflow.mcp.open())
+        self._workflow.mcp.open_sync()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -480,7 +479,6 @@ class Agent:
         return [] if self._hand_off is None else await self._hand_off.recall(user_id, query)
 
     async def _deps(self) -> TurnDeps:
-        """The agent's configuration as a turn takes it (read per turn: it may change), its
-        MCP servers started on the first."""
+        """The agent's configuration as a turn takes it (read per turn), MCP servers started."""
         await self._workflow.mcp.open()
         return turn_deps(self)

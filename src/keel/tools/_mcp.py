@@ -514,10 +514,10 @@ class AgentServers:
         self._lock: asyncio.Lock | None = None
         check_names(self.servers, taken=self._taken, reserved=self._reserved)
 
-    @property
-    def pending(self) -> bool:
-        """Whether [`open`][] has servers to start."""
-        return not self._open
+    def open_sync(self) -> None:
+        """Sync twin of [`open`][] (at once, inside a running loop too, when it has)."""
+        if not self._open:
+            run_sync(self.open())
 
     async def open(self) -> None:
         """Start the servers the agent holds (once: at once when it has).
