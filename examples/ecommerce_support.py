@@ -30,7 +30,7 @@ from keel.messages import Message
 from keel.runtime import Agent
 from keel.settings import Settings, load_settings
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
 
@@ -191,7 +191,7 @@ def agent_for(database: SQLiteDatabase, shop: Shop, gate: RaceGate | None) -> Ag
         state=StateStore(SQLiteStateBackend(database), AgentState),
         system_prompt="You are the support agent of an online shop.",
         tools=shop_tools(shop, gate),
-        journal=SQLiteToolJournal(database),
+        journal=SQLToolJournal(database),
     )
 
 

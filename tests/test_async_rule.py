@@ -53,12 +53,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
         "keel chat runs its turns on an asyncio.Runner in the main thread, where Ctrl-C "
         "cancels a turn directly",
     ),
-    # The stores' own, owned by the stores and opener helpers of issue 46, who route them
-    # through run_blocking / db.acall (an entry nothing matches any more fails below).
-    ("stores/_open.py", "to_thread"): (1, "stores: to be routed through the bridge"),
-    ("stores/_sqlite.py", "to_thread"): (1, "stores: to be routed through the bridge"),
-    ("stores/_postgres_traces.py", "to_thread"): (1, "stores: to be routed through the bridge"),
-    ("stores/_postgres_memory.py", "Thread"): (1, "stores: to be routed through the bridge"),
 }
 """(module, call) -> (how many such calls, why). Keep docs/architecture.md in step."""
 

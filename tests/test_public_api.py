@@ -64,21 +64,21 @@ def test_an_agent_can_be_built_by_hand_from_the_top_level_names(tmp_path: Path) 
         AgentState,
         SQLiteDatabase,
         SQLiteStateBackend,
-        SQLiteToolJournal,
-        SQLiteTraceStore,
+        SQLToolJournal,
+        SQLTraceStore,
         StateStore,
         Tracer,
     )
     from keel.testing import ScriptedModel
 
     database = SQLiteDatabase(tmp_path / "keel.db")
-    traces = SQLiteTraceStore(database)
+    traces = SQLTraceStore(database)
     traces.setup()
     with Agent(
         ScriptedModel(["hi"]),
         state=StateStore(SQLiteStateBackend(database), AgentState),
         system_prompt="You help.",
-        journal=SQLiteToolJournal(database),
+        journal=SQLToolJournal(database),
         tracer=Tracer(traces),
     ) as agent:
         reply = agent.run_sync("hello", session="s1", user="u1")

@@ -59,10 +59,7 @@ KeelError
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from keel.approvals import ApprovalRequest
+from typing import Any, Protocol
 
 __all__ = [
     "AccessDeniedError",
@@ -184,12 +181,39 @@ class PlaceholderError(KeelRuntimeError):
         super().__init__(f"{placeholder} cannot be resolved: {reason}")
 
 
+class _Decider(Protocol):
+    @property
+    def by(self) -> str: ...
+
+
+class _StandingRequest(Protocol):
+    """An [`ApprovalRequest`][keel.approvals.ApprovalRequest] as it stands, seen through what
+    an error handler reads: this module sits below every other and imports nothing of keel."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def user_id(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def status_reason(self) -> str | None: ...
+
+    @property
+    def decision(self) -> _Decider | None: ...
+
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]: ...
+
+
 class ApprovalSettledError(KeelRuntimeError):
     """A decision that did not take effect: the request was already settled otherwise (by
     another decision, a revert's cancellation, its expiry). ``request`` is the outcome that
     stands. The same decision sent again is no error: it answers as the first did."""
 
-    def __init__(self, request: ApprovalRequest) -> None:
+    def __init__(self, request: _StandingRequest) -> None:
         self.request = request
         decision = request.decision
         by = f" by {decision.by}" if decision is not None else ""

@@ -26,7 +26,6 @@ from keel._urls import DatabaseURL, parse_database_url
 from keel.errors import ConfigError
 
 __all__ = [
-    "DATABASE_SCHEMES",
     "MAX_BUSY_TIMEOUT_MS",
     "Settings",
     "default_config_file",
@@ -41,8 +40,6 @@ MAX_BUSY_TIMEOUT_MS = 3_600_000
 """The longest busy timeout accepted: an hour. Longer is a typo, and SQLite's own limit is a
 32-bit number of milliseconds."""
 
-DATABASE_SCHEMES = ("sqlite:///", "postgresql://", "postgres://", "postgresql+psycopg://")
-"""The database URLs keel can open."""
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("keel_config_file", default=None)
 
 

@@ -5,15 +5,29 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from keel.approvals import ApprovalDecision
 from keel.settings import load_settings
-from keel.stores import Backends, PostgresApprovalStore, SQLiteApprovalStore
+from keel.stores import Backends, SQLApprovalStore
+from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import MigrationSet
 from keel.testing.approvals_conformance import REFUND_SCHEMA, ApprovalStoreConformance, request
+
+
+def _first(
+    count: int, migrations: Callable[[SqlDialect], MigrationSet]
+) -> Callable[[SqlDialect], MigrationSet]:
+    """The approvals migrations as a keel of an earlier schema had them: the first ``count``."""
+
+    def earlier(dialect: SqlDialect) -> MigrationSet:
+        every = migrations(dialect)
+        return MigrationSet(every.component, every.migrations[:count])
+
+    return earlier
 
 
 class TestSQLiteApprovals(ApprovalStoreConformance):
@@ -33,7 +47,7 @@ async def test_backends_open_the_sqlite_queue_in_the_same_file(tmp_path: Path) -
     url = f"sqlite:///{tmp_path / 'keel.db'}"
     backends = Backends.open(load_settings(database=url), memory=False)
     try:
-        assert isinstance(backends.approvals, SQLiteApprovalStore)
+        assert isinstance(backends.approvals, SQLApprovalStore)
         assert backends.approvals.db is backends.sql
         await backends.approvals.aadd(request())
         assert backends.sql.schema_versions()["approvals"] == 3
@@ -45,8 +59,8 @@ async def test_backends_open_the_sqlite_queue_in_the_same_file(tmp_path: Path) -
 async def test_backends_open_the_postgres_queue_on_the_shared_pool(postgres_url: str) -> None:
     backends = Backends.open(load_settings(database=postgres_url), memory=False)
     try:
-        assert isinstance(backends.approvals, PostgresApprovalStore)
-        assert backends.approvals.database is backends.sql
+        assert isinstance(backends.approvals, SQLApprovalStore)
+        assert backends.approvals.db is backends.sql
         assert await backends.approvals.alist("acme") == []
     finally:
         await backends.aclose()
@@ -55,12 +69,11 @@ async def test_backends_open_the_postgres_queue_on_the_shared_pool(postgres_url:
 async def test_requests_made_before_the_schema_column_read_without_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from keel.stores import _sqlite_approvals
+    from keel.stores import _sql_approvals
 
     url = f"sqlite:///{tmp_path / 'keel.db'}"
-    current = _sqlite_approvals.APPROVAL_MIGRATIONS
-    first = MigrationSet(current.component, current.migrations[:1])
-    monkeypatch.setattr(_sqlite_approvals, "APPROVAL_MIGRATIONS", first)
+    current = _sql_approvals.approval_migrations
+    monkeypatch.setattr(_sql_approvals, "approval_migrations", _first(1, current))
     Backends.open(load_settings(database=url), memory=False).close()
     # A row as the first schema stored it, with no arguments_schema column.
     old = request("old", arguments_schema=None)
@@ -71,7 +84,7 @@ async def test_requests_made_before_the_schema_column_read_without_one(
             f"INSERT INTO keel_approvals ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})",
             list(row.values()),
         )
-    monkeypatch.setattr(_sqlite_approvals, "APPROVAL_MIGRATIONS", current)
+    monkeypatch.setattr(_sql_approvals, "approval_migrations", current)
     backends = Backends.open(load_settings(database=url), memory=False)
     try:
         assert backends.sql.schema_versions()["approvals"] == 3
@@ -99,12 +112,11 @@ async def test_what_is_left_to_carry_out_is_read_through_its_own_index(tmp_path:
 async def test_requests_decided_before_the_upgrade_are_left_to_carry_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from keel.stores import _sqlite_approvals
+    from keel.stores import _sql_approvals
 
     url = f"sqlite:///{tmp_path / 'keel.db'}"
-    current = _sqlite_approvals.APPROVAL_MIGRATIONS
-    second = MigrationSet(current.component, current.migrations[:2])
-    monkeypatch.setattr(_sqlite_approvals, "APPROVAL_MIGRATIONS", second)
+    current = _sql_approvals.approval_migrations
+    monkeypatch.setattr(_sql_approvals, "approval_migrations", _first(2, current))
     Backends.open(load_settings(database=url), memory=False).close()
     # A request decided under the second schema, with no carried_out_at column.
     decision = ApprovalDecision(approve=True, by="operator:olga", decided_at=1.0)
@@ -116,7 +128,7 @@ async def test_requests_decided_before_the_upgrade_are_left_to_carry_out(
             f"INSERT INTO keel_approvals ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})",
             list(row.values()),
         )
-    monkeypatch.setattr(_sqlite_approvals, "APPROVAL_MIGRATIONS", current)
+    monkeypatch.setattr(_sql_approvals, "approval_migrations", current)
     backends = Backends.open(load_settings(database=url), memory=False)
     try:
         assert backends.sql.schema_versions()["approvals"] == 3

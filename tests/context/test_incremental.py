@@ -3,7 +3,10 @@
 ``ReferenceCompilation`` is the compile as it was before the older turns of the window became
 one run (one binary search and one slice): every turn of the window is walked and planned as
 an entry. Random conversations, budgets and policies, compiled again and again as messages
-are added and the oldest turns summarized, must give the same prompt both ways.
+are added and the oldest turns summarized, must give the same prompt both ways. Their texts
+spell placeholders (at the start, in the middle that pruning cuts, in tool calls' arguments):
+the placeholders a compiled prompt says it shows, kept as the history grew, must be exactly
+those its messages show, scanned whole.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from keel.context._engine import _Compilation, _Entry
 from keel.context._report import BudgetReport, DroppedItem, PrunedOutput, SectionTokens
 from keel.errors import ContextOverflowError
 from keel.messages import Message, ToolCall
+from keel.privacy import message_placeholders, placeholders_in
 from tests.context._helpers import TOOLS, text_of
 
 
@@ -259,20 +263,28 @@ class Session:
         tag = f"t{self.number}"
         seed = self.seed + self.number
         size = action.sizes[0]
+        # Some texts spell placeholders, one in the middle a cut may take out.
+        mark = f" <EMAIL_{self.number}> " if seed % 3 == 0 else " "
         if action.kind == "user":
-            self.conversation.add(Message.user(f"{tag} " + text_of(size, seed)))
+            self.conversation.add(Message.user(f"{tag}{mark}" + text_of(size, seed)))
         elif action.kind == "answer":
             self.conversation.add(Message.assistant(f"{tag} " + text_of(size, seed)))
         elif action.kind == "notice":
             self.conversation.add(Message.system(f"{tag} note " + text_of(size, seed)))
         else:
             calls = [
-                ToolCall(id=f"{tag}_{i}", name="lookup", arguments=f'{{"query": "{tag}"}}')
+                ToolCall(id=f"{tag}_{i}", name="lookup", arguments=f'{{"query": "{tag}{mark}"}}')
                 for i in range(len(action.sizes))
             ]
             self.conversation.add(Message.assistant("", tool_calls=calls))
             results = [
-                Message.tool(call.id, text_of(size, seed + size), name="lookup")
+                Message.tool(
+                    call.id,
+                    text_of(size // 2, seed + size)
+                    + f"{mark}<PHONE_{self.number}> "
+                    + text_of(size - size // 2, seed),
+                    name="lookup",
+                )
                 for call, size in zip(calls, action.sizes, strict=True)
             ]
             self.conversation.extend(results[: action.answered])
@@ -315,6 +327,12 @@ class Session:
         assert actual.tools == expected.tools
         assert actual.report == expected.report
         assert conversation._window_start_seq == expected_start
+        scanned = frozenset().union(*map(message_placeholders, actual.messages))
+        assert actual.placeholders == scanned
+        if scanned:
+            event("placeholders shown")
+        if any(set(placeholders_in(cut.original)) - scanned for cut in actual.report.pruned):
+            event("a cut took a placeholder out of the prompt")
         report = actual.report
         event("degraded" if report.degradations else "not degraded")
         if self.waiting:
@@ -391,6 +409,9 @@ def check_pruned_history(conversation: Conversation) -> None:
     cut = [(offset, form) for offset, form in enumerate(forms) if form.how is not None]
     assert [(offset, form) for offset, _, form in history.cuts(held)] == cut
     assert len(history._cut_at) == len(history._cuts) == len(cut)
+    marked = [form.placeholders for form in forms if form.placeholders]
+    assert history._marks == marked and len(history._marked_at) == len(marked)
+    assert history.placeholders(held) == frozenset().union(*marked)
     assert history.pruned_tokens_of(held) == conversation.pruned_tokens
 
 

@@ -409,11 +409,11 @@ def test_pending_is_one_count_in_the_store(tmp_path: Path) -> None:
     for number in range(3):
         mem.add(f"note {number}", scope=SCOPE)
     statements: list[str] = []
-    store._conn().set_trace_callback(statements.append)
+    store.db.connection().set_trace_callback(statements.append)
     try:
         assert mem.pending() == 3
     finally:
-        store._conn().set_trace_callback(None)
+        store.db.connection().set_trace_callback(None)
     assert len(statements) == 1 and statements[0].startswith("SELECT COUNT(*) FROM memory_outbox")
     mem.close()
 

@@ -52,10 +52,10 @@ class SpyVaultStore(SQLiteVaultStore):
         self.writes_on_loop.append(_on_event_loop())
         return super().add_values(tenant_id, user_id, values, key=key)
 
-    async def arun(self, call: Callable[[], _T]) -> _T:
+    async def acall(self, call: Callable[[], _T]) -> _T:
         # As a store on a server runs its calls (the interface's default), not inline as the
-        # SQLite store may: what is checked is that the turn hands its reads to ``arun``.
-        return await VaultStore.arun(self, call)
+        # SQLite store may: what is checked is that the turn hands its reads to ``acall``.
+        return await VaultStore.acall(self, call)
 
     @property
     def sealed_reads(self) -> int:

@@ -25,8 +25,8 @@ from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.runtime import Agent, AgentReply, TextDelta, TurnFinished
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores._sql_traces import SQLTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 from keel.tracing import Tracer
@@ -88,7 +88,7 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
         return f"BOOKED {ref}"
 
     database = SQLiteDatabase(args.db)
-    traces = SQLiteTraceStore(database)
+    traces = SQLTraceStore(database)
     traces.setup()
     # Streamed, the reply arrives over time, as from a real server (the kill lands mid-way).
     model = ScriptedModel(policy, stream_delay_s=0.001)
@@ -97,7 +97,7 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
         state=StateStore(SQLiteStateBackend(database), AgentState),
         system_prompt="You book seats.",
         tools=[book],
-        journal=SQLiteToolJournal(database),
+        journal=SQLToolJournal(database),
         tracer=Tracer(traces),
         context=ContextBudget(working_budget=args.budget),
         guards=GuardConfig(run_timeout_s=60, model_timeout_s=30, tool_timeout_s=30),

@@ -11,7 +11,7 @@ import pytest
 from keel.models import ChatModel
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
 from keel.tools import Tool
 
 
@@ -35,6 +35,6 @@ def sqlite_agent(
         state=StateStore(SQLiteStateBackend(database), AgentState),
         system_prompt="You help.",
         tools=tools,
-        journal=SQLiteToolJournal(database),
+        journal=SQLToolJournal(database),
         **options,
     )

@@ -14,8 +14,8 @@ from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores._sql_traces import SQLTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tracing import RunQuery, Tracer
 
@@ -27,8 +27,8 @@ def _agent(
     *,
     guards: GuardConfig | None = None,
     budget: int = 8_000,
-) -> tuple[Agent, Airline, SQLiteTraceStore]:
-    traces = SQLiteTraceStore(database)
+) -> tuple[Agent, Airline, SQLTraceStore]:
+    traces = SQLTraceStore(database)
     traces.setup()
     airline = Airline(tmp_path / "airline.db")
     agent = Agent(
@@ -37,7 +37,7 @@ def _agent(
         system_prompt="You are SkyDesk.",
         tools=flight_tools(airline),
         machine=demo_machine(),
-        journal=SQLiteToolJournal(database),
+        journal=SQLToolJournal(database),
         tracer=Tracer(traces),
         context=ContextBudget(working_budget=budget),
         guards=guards,

@@ -23,7 +23,7 @@ from keel.messages import Message, Usage
 from keel.models import Completion
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
 from tests.runtime.conftest import sqlite_agent
@@ -73,7 +73,7 @@ async def test_a_turn_that_cannot_own_the_session_changes_nothing(
     after = agent.state.load(key)
     assert after.version == before.version and after.state == before.state
     assert effects == []
-    assert SQLiteToolJournal(database).entries() == []
+    assert SQLToolJournal(database).entries() == []
 
 
 async def test_a_write_from_another_writer_mid_turn_is_never_overwritten(
@@ -528,7 +528,7 @@ async def test_a_turn_that_lost_its_lease_runs_no_side_effect(database: SQLiteDa
     with pytest.raises(ConflictError, match="interrupted"):
         await agent.handle("s1", "u1", "book LATE1")
     assert effects == []
-    assert SQLiteToolJournal(database).entries() == []
+    assert SQLToolJournal(database).entries() == []
 
 
 async def test_a_turn_ends_even_when_the_lease_renewal_swallows_its_cancellation(
@@ -569,14 +569,15 @@ async def test_a_turn_ends_even_when_the_lease_renewal_swallows_its_cancellation
 async def test_on_server_backends_sessions_are_scoped_and_owned_one_turn_at_a_time(
     request: pytest.FixtureRequest, backend: str
 ) -> None:
-    from keel.stores import PostgresDatabase, PostgresToolJournal, open_state_backend
+    from keel.stores import PostgresDatabase, SQLToolJournal
+    from keel.testing._state_worker import state_backend_at
 
     url = request.getfixturevalue("postgres_url" if backend == "postgres" else "redis_url")
     journal_url = url if backend == "postgres" else request.getfixturevalue("postgres_url")
     book, effects = _booking()
     with PostgresDatabase(journal_url, max_size=4) as journal_database:
-        journal = PostgresToolJournal(journal_database)
-        state_backend = open_state_backend(url)
+        journal = SQLToolJournal(journal_database)
+        state_backend = state_backend_at(url)
 
         def agent_for(tenant: str) -> Agent:
             return Agent(
@@ -639,13 +640,13 @@ async def test_a_tool_the_workflow_step_does_not_allow_is_refused_before_the_jou
         system_prompt="You sell.",
         tools=[book],
         machine=machine,
-        journal=SQLiteToolJournal(database),
+        journal=SQLToolJournal(database),
     )
     reply = await agent.handle("s1", "u1", "I want it")
     assert reply.status == "completed", reply.error
     assert effects == ["NOW"]
     assert reply.effects == ("book",), "the refused call is no effect"
-    journalled = SQLiteToolJournal(database).entries()
+    journalled = SQLToolJournal(database).entries()
     assert [entry.arguments for entry in journalled] == ['{"ref": "NOW"}']
 
 

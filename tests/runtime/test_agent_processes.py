@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
 from tests.runtime.agent_worker import KILL_POINTS
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def _state(tmp_path: Path, session: str = "s1") -> AgentState:
 def _in_doubt(tmp_path: Path) -> int:
     database = SQLiteDatabase(tmp_path / "keel.db")
     try:
-        return len(SQLiteToolJournal(database).in_doubt())
+        return len(SQLToolJournal(database).in_doubt())
     finally:
         database.close()
 

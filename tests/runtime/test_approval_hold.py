@@ -19,7 +19,7 @@ import pytest
 from keel.approvals import ApprovalDecision, ApprovalRequest, arguments_digest
 from keel.messages import Message
 from keel.runtime import Agent, Approvals, ToolLoop
-from keel.stores import SQLiteApprovalStore, SQLiteDatabase
+from keel.stores import SQLApprovalStore, SQLiteDatabase
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import InMemoryJournal, ToolContext, tool
 
@@ -110,7 +110,7 @@ async def test_tool_loop_never_runs_an_approval_tool_without_a_queue() -> None:
 async def test_tool_loop_parks_an_approval_tool_and_runs_it_once_decided(tmp_path: Path) -> None:
     shop = Shop()
     database = SQLiteDatabase(tmp_path / "loop.db")
-    store = SQLiteApprovalStore(database)
+    store = SQLApprovalStore(database)
     journal = InMemoryJournal()
 
     def loop(replies: list[Any]) -> ToolLoop:
@@ -148,7 +148,7 @@ async def test_a_replayed_step_with_other_arguments_is_not_carried_out(tmp_path:
     """The request found decided for this call's key approved other arguments: not run."""
     shop = Shop()
     database = SQLiteDatabase(tmp_path / "loop.db")
-    store = SQLiteApprovalStore(database)
+    store = SQLApprovalStore(database)
     first = ToolLoop(ScriptedModel([_refund(50)]), _tools(shop), approvals=Approvals(store))
     await first.arun([Message.user("Refund 50 on W1.")], session_id="s1", turn_id="t1")
     [request] = await store.alist("default", session_id="s1")

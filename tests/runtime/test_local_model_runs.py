@@ -12,7 +12,7 @@ from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.models import ModelOptions, resolve_model
 from keel.runtime import ToolLoop
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLToolJournal
 from keel.tools import ToolRegistry
 
 PROMPTS = (
@@ -31,7 +31,7 @@ async def test_local_model_runs_end_within_limits(prompt: str, tmp_path: Path) -
         resolve_model("local:smollm2"),
         ToolRegistry(flight_tools(airline)),
         guards=GuardConfig(max_steps=4, run_timeout_s=240, model_timeout_s=90),
-        journal=SQLiteToolJournal(database),
+        journal=SQLToolJournal(database),
         options=ModelOptions(max_tokens=96, temperature=0.0, seed=7),
     )
     result = await loop.arun(

@@ -9,7 +9,7 @@ import pytest
 from keel.messages import Message
 from keel.privacy import mask_pii
 from keel.runtime import ToolLoop
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLToolJournal
 from keel.testing import ScriptedModel
 from keel.tools import ToolRegistry, tool
 from tests.privacy._samples import MODEL_PII, TOOL_PII, USER_PII, dump_sqlite, leaks, sentence
@@ -46,7 +46,7 @@ def _decision() -> Message:
 
 
 async def test_decisions_and_results_are_journalled_masked(database: SQLiteDatabase) -> None:
-    journal = SQLiteToolJournal(database)
+    journal = SQLToolJournal(database)
     model = ScriptedModel([_decision(), "Done."])
     loop = ToolLoop(model, REGISTRY, journal=journal, redact=mask_pii)
     result = await loop.arun(USER, session_id="s1")
@@ -68,7 +68,7 @@ async def test_decisions_and_results_are_journalled_masked(database: SQLiteDatab
 async def test_resume_replays_the_masked_decision_and_result_exactly_once(
     database: SQLiteDatabase,
 ) -> None:
-    journal = SQLiteToolJournal(database)
+    journal = SQLToolJournal(database)
 
     def died(_: object) -> Message:
         raise Crash("killed after the tool ran, before the next model call")
@@ -94,7 +94,7 @@ async def test_resume_replays_the_masked_decision_and_result_exactly_once(
 
 
 async def test_another_runs_decision_is_the_one_carried_out(database: SQLiteDatabase) -> None:
-    journal = SQLiteToolJournal(database)
+    journal = SQLToolJournal(database)
     theirs = ScriptedModel.tool_call(
         "file_claim", json.dumps({"customer": "<EMAIL_1>", "note": "theirs"}), call_id="call_t"
     )

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from keel.runtime import session_key
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLToolJournal
 from tests.service.conftest import Service
 
 _NUL = ["\x00", "a\x00b"]
@@ -144,7 +144,7 @@ def seeded(
     """acme and globex, each with a session s1 (a turn), a memory and an in-doubt call."""
     service = memory_service
     database = SQLiteDatabase(service.database)
-    journal = SQLiteToolJournal(database)
+    journal = SQLToolJournal(database)
     with (
         service.client(service.keys.create("acme")) as acme,
         service.client(service.keys.create("globex")) as globex,

@@ -203,10 +203,10 @@ def test_revert_is_compare_and_set_and_scoped_to_the_tenant(service: Service) ->
 
 def test_in_doubt_calls_are_listed_and_resolved_within_the_tenant(service: Service) -> None:
     from keel.runtime import session_key
-    from keel.stores import SQLiteDatabase, SQLiteToolJournal
+    from keel.stores import SQLiteDatabase, SQLToolJournal
 
     database = SQLiteDatabase(service.database)
-    journal = SQLiteToolJournal(database)
+    journal = SQLToolJournal(database)
     claim = journal.claim(
         key="k-1", session_id=session_key("acme", "s1"), step=3, call_index=0,
         tool="book", arguments='{"city": "Oslo"}',

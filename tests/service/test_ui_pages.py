@@ -97,12 +97,12 @@ def test_a_revert_is_confirmed_and_compare_and_set(service: Service) -> None:
 
 def test_an_in_doubt_call_is_shown_and_resolved_only_within_the_tenant(service: Service) -> None:
     from keel.runtime import session_key
-    from keel.stores import SQLiteDatabase, SQLiteToolJournal
+    from keel.stores import SQLiteDatabase, SQLToolJournal
 
     acme, globex = service.keys.create("acme"), service.keys.create("globex")
     _turn(service, acme, "s1", "Book Oslo")
     database = SQLiteDatabase(service.database)
-    journal = SQLiteToolJournal(database)
+    journal = SQLToolJournal(database)
     journal.claim(
         key="k-9", session_id=session_key("acme", "s1"), step=7, call_index=0,
         tool="book", arguments='{"city": "Lima"}',

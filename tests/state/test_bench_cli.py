@@ -58,10 +58,10 @@ def test_bench_refuses_a_database_with_keel_state(postgres_url: str) -> None:
     from keel.bench.state import run_state_bench
     from keel.errors import UsageError
     from keel.state import StateStore
-    from keel.stores import open_state_backend
     from keel.testing._state_models import CounterState
+    from keel.testing._state_worker import state_backend_at
 
-    store = StateStore(open_state_backend(postgres_url), CounterState)
+    store = StateStore(state_backend_at(postgres_url), CounterState)
     store.create("real-user-session", CounterState(counter=7))
     with pytest.raises(UsageError, match="already holds keel state"):
         run_state_bench(steps=5, backends=("postgres",), postgres_url=postgres_url, langgraph=False)
@@ -71,7 +71,7 @@ def test_bench_refuses_a_database_with_keel_state(postgres_url: str) -> None:
 
 def test_bench_on_a_configured_empty_database_cleans_up(postgres_url: str) -> None:
     from keel.bench.state import run_state_bench
-    from keel.stores import open_state_backend
+    from keel.testing._state_worker import state_backend_at
 
     figures = run_state_bench(
         steps=10,
@@ -82,18 +82,18 @@ def test_bench_on_a_configured_empty_database_cleans_up(postgres_url: str) -> No
         langgraph=False,
     )
     assert figures["backends"]["postgres"]["lost_updates"] == 0
-    backend = open_state_backend(postgres_url)
+    backend = state_backend_at(postgres_url)
     assert backend.sessions() == []
     backend.close()
 
 
 def test_state_operations_cli(tmp_path: Path) -> None:
     from keel.state import StateStore
-    from keel.stores import open_state_backend
     from keel.testing._state_models import CounterState
+    from keel.testing._state_worker import state_backend_at
 
     url = f"sqlite:///{tmp_path / 'ops.db'}"
-    store = StateStore(open_state_backend(url), CounterState, snapshot_every=3)
+    store = StateStore(state_backend_at(url), CounterState, snapshot_every=3)
     cp = store.create("a", CounterState())
     for _ in range(6):
         cp = store.update("a", {"counter": 1}, expected_version=cp.version)
@@ -121,6 +121,6 @@ def test_state_operations_cli(tmp_path: Path) -> None:
     assert "Traceback" not in missing.stderr
     bad = keel("state", "vacuum", "--keep-last", "0")
     assert bad.returncode == 2
-    reopened = StateStore(open_state_backend(url), CounterState)
+    reopened = StateStore(state_backend_at(url), CounterState)
     assert reopened.load("a").state.counter == 6 and reopened.at("a", 3).state.counter == 2
     reopened.close()

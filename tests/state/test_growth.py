@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from keel.errors import StateValidationError
 from keel.messages import Message
 from keel.state import AgentState, StateSchema, StateStore, add_messages, append
-from keel.stores import open_state_backend
 from keel.testing._state_models import ConversationState, CounterState
+from keel.testing._state_worker import state_backend_at
 
 _checked: list[str] = []
 
@@ -46,7 +46,7 @@ class AtMostThree(AgentState):
 
 
 def _store(tmp_path: Path, schema: Any, **options: Any) -> StateStore[Any]:
-    return StateStore(open_state_backend(f"sqlite:///{tmp_path / 'g.db'}"), schema, **options)
+    return StateStore(state_backend_at(f"sqlite:///{tmp_path / 'g.db'}"), schema, **options)
 
 
 def test_appended_items_alone_are_validated(tmp_path: Path) -> None:
@@ -276,7 +276,7 @@ def test_a_large_value_inside_the_runtime_is_stored_when_it_changes_not_every_st
     # The summary rides in the first snapshot only: each delta holds the changed counter.
     assert max(h.size_bytes for h in deltas) < 500
     assert (
-        StateStore(open_state_backend(f"sqlite:///{tmp_path / 'g.db'}"), AgentState).load("s").state
+        StateStore(state_backend_at(f"sqlite:///{tmp_path / 'g.db'}"), AgentState).load("s").state
         == state
     )
     store.close()
@@ -287,7 +287,7 @@ def test_a_head_row_read_for_a_base_replaced_meanwhile_is_read_again_in_full(
 ) -> None:
     """The head row alone stands for a state only while it is the base this store holds; one
     that another thread of the store replaced during the read is read again, whole."""
-    backend = open_state_backend(f"sqlite:///{tmp_path / 'state.db'}")
+    backend = state_backend_at(f"sqlite:///{tmp_path / 'state.db'}")
     store = StateStore(backend, ConversationState, snapshot_every=50)
     version = store.create("c", ConversationState()).version
     for k in range(3):

@@ -7,7 +7,7 @@ import pytest
 from keel.errors import InvalidTransitionError, StateDefinitionError, UsageError
 from keel.state import AgentState, MachineState, StateMachine, StateStore, Transition
 from keel.state.examples import FLIGHT_SLOTS, flight_booking_machine
-from keel.stores import open_state_backend
+from keel.testing._state_worker import state_backend_at
 
 
 def _at_confirming() -> tuple[StateMachine, object]:
@@ -119,13 +119,13 @@ def test_resume_prompt_says_where_it_left_off_and_what_it_has() -> None:
 
 def test_position_survives_a_store_round_trip_and_resumes_identically(tmp_path: Path) -> None:
     machine, position = _at_confirming()
-    store = StateStore(open_state_backend(f"sqlite:///{tmp_path / 'k.db'}"), AgentState)
+    store = StateStore(state_backend_at(f"sqlite:///{tmp_path / 'k.db'}"), AgentState)
     cp = store.create("trip", AgentState())
     store.update(
         "trip", {"machine": position}, expected_version=cp.version, reason="after_transition"
     )
     store.close()
-    fresh = StateStore(open_state_backend(f"sqlite:///{tmp_path / 'k.db'}"), AgentState)
+    fresh = StateStore(state_backend_at(f"sqlite:///{tmp_path / 'k.db'}"), AgentState)
     loaded = fresh.load("trip").state.machine
     fresh.close()
     assert loaded == position

@@ -11,7 +11,7 @@ from keel.errors import StateDefinitionError, StateMigrationError, StateValidati
 from keel.messages import Message
 from keel.state import AgentState, StateSchema, StateStore, add_messages, append
 from keel.state.examples import flight_booking_machine
-from keel.stores import open_state_backend
+from keel.testing._state_worker import state_backend_at
 
 
 class GraphState(ExtTypedDict):
@@ -35,13 +35,13 @@ def test_typed_dict_state_validates_and_reduces() -> None:
 
 def test_typed_dict_state_in_a_store_round_trips(tmp_path: Path) -> None:
     store = StateStore(
-        open_state_backend(f"sqlite:///{tmp_path / 's.db'}"), StateSchema[GraphState](GraphState)
+        state_backend_at(f"sqlite:///{tmp_path / 's.db'}"), StateSchema[GraphState](GraphState)
     )
     cp = store.create("g", {"messages": [], "visited": []})
     cp = store.update("g", {"visited": "x", "messages": [Message.user("q")]}, expected_version=1)
     cp = store.update("g", {"summary": "done"}, expected_version=cp.version)
     fresh = StateStore(
-        open_state_backend(f"sqlite:///{tmp_path / 's.db'}"), StateSchema[GraphState](GraphState)
+        state_backend_at(f"sqlite:///{tmp_path / 's.db'}"), StateSchema[GraphState](GraphState)
     )
     loaded = fresh.load("g").state
     assert loaded == cp.state and loaded["summary"] == "done"
@@ -141,7 +141,7 @@ class Notes(BaseModel):
 
 def test_in_place_mutation_of_a_returned_state_is_still_stored(tmp_path: Path) -> None:
     """Deltas reuse unchanged JSON by object identity; mutating in place must not defeat it."""
-    store = StateStore(open_state_backend(f"sqlite:///{tmp_path / 'n.db'}"), Notes)
+    store = StateStore(state_backend_at(f"sqlite:///{tmp_path / 'n.db'}"), Notes)
     cp = store.create("n", Notes(items=["a"], rows=[{"x": 1}]))
     cp.state.items.append("b")
     cp.state.rows[0]["x"] = 2
@@ -151,7 +151,7 @@ def test_in_place_mutation_of_a_returned_state_is_still_stored(tmp_path: Path) -
     assert again.state == Notes(items=["a", "b"], rows=[{"x": 2}], meta={"k": 1})
     again.state.items.append("c")
     store.checkpoint("n", again.state, expected_version=version, reason="update")
-    fresh = StateStore(open_state_backend(f"sqlite:///{tmp_path / 'n.db'}"), Notes)
+    fresh = StateStore(state_backend_at(f"sqlite:///{tmp_path / 'n.db'}"), Notes)
     assert fresh.load("n").state.items == ["a", "b", "c"]
     store.close()
     fresh.close()

@@ -12,12 +12,12 @@ import pytest
 
 from keel.state import StateStore
 from keel.state._twins import sync_twin
-from keel.stores import open_state_backend
 from keel.testing._state_models import CounterState
+from keel.testing._state_worker import state_backend_at
 
 
 def _store(tmp_path: Path) -> StateStore[CounterState]:
-    return StateStore(open_state_backend(f"sqlite:///{tmp_path / 'state.db'}"), CounterState)
+    return StateStore(state_backend_at(f"sqlite:///{tmp_path / 'state.db'}"), CounterState)
 
 
 def test_a_sync_method_runs_in_the_calling_thread(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The one opener: ``Backends.open`` from settings or a URL, and the state backend opened alone."""
+"""The one opener: ``Backends.open`` from settings or a URL, all the stores or ``only=`` some."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from keel.errors import StoreError, UsageError
+from keel.errors import ConfigError, StoreError, UsageError
 from keel.memory import Scope
 from keel.privacy import MaskingPolicy, PIIMasker
 from keel.runtime import Agent
 from keel.settings import load_settings
-from keel.stores import Backends, RedisStateBackend, SQLiteDatabase, open_state_backend
+from keel.stores import STORE_NAMES, Backends, RedisStateBackend, SQLiteDatabase
 from keel.testing import ScriptedModel
 
 
@@ -65,13 +65,69 @@ def test_memory_without_its_worker_embeds_only_when_flushed(tmp_path: Path) -> N
 
 
 def test_a_state_backend_opened_alone_closes_its_database(tmp_path: Path) -> None:
-    backend = open_state_backend(f"sqlite:///{tmp_path / 'state.db'}")
+    opened = Backends.open(
+        f"sqlite:///{tmp_path / 'state.db'}", settings=load_settings(), only=("state",)
+    )
+    backend = opened.state.backend
     database = backend.db  # type: ignore[attr-defined]
     assert isinstance(database, SQLiteDatabase)
     database.connection()
     backend.close()
     with pytest.raises(StoreError, match="closed"):
         database.connection()
+    opened.close()  # closing the backends too is harmless
+
+
+def _tables(path: Path) -> set[str]:
+    import sqlite3
+
+    with sqlite3.connect(path) as connection:
+        rows = connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        return {name for (name,) in rows}
+
+
+def test_only_opens_the_stores_it_names_and_says_which_are_missing(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path)
+    with Backends.open(settings, only=("journal",)) as backends:
+        assert backends.opened == {"journal"}
+        backends.journal.get("nothing")
+        assert backends.memory is None and backends.vault is None
+        with pytest.raises(
+            UsageError, match="state store was not opened: these backends hold journal"
+        ):
+            _ = backends.state
+        with pytest.raises(UsageError, match="traces"):
+            _ = backends.traces
+    tables = _tables(tmp_path / "keel.db")
+    assert any("journal" in name for name in tables), tables
+    assert not any("trace" in name or "memor" in name for name in tables), tables
+
+
+def test_only_the_database_alone_is_left_unmigrated(tmp_path: Path) -> None:
+    with Backends.open(load_settings(data_dir=tmp_path), only=()) as backends:
+        assert backends.opened == frozenset()
+        assert isinstance(backends.sql, SQLiteDatabase)
+    assert not any("journal" in name or "state" in name for name in _tables(tmp_path / "keel.db"))
+
+
+def test_an_unknown_store_name_is_refused_with_the_names_there_are(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path)
+    with pytest.raises(UsageError, match="'checkpoints'.*the stores are " + ", ".join(STORE_NAMES)):
+        Backends.open(settings, only=("state", "checkpoints"))  # type: ignore[list-item]
+    with pytest.raises(UsageError, match=r"only=\('state',\)"):
+        Backends.open(settings, only="state")  # type: ignore[arg-type]
+    assert not (tmp_path / "keel.db").exists(), "a refused call opened the database"
+
+
+def test_a_redis_url_opens_the_state_alone(tmp_path: Path, redis_url: str) -> None:
+    settings = load_settings(data_dir=tmp_path)
+    with pytest.raises(ConfigError, match="Redis URL holds the state alone"):
+        Backends.open(redis_url, settings=settings)
+    with Backends.open(redis_url, settings=settings, only=("state",)) as backends:
+        assert isinstance(backends.state.backend, RedisStateBackend)
+        with pytest.raises(UsageError, match="no SQL database"):
+            _ = backends.sql
+    assert not (tmp_path / "keel.db").exists()
 
 
 def test_agents_on_the_stores_mask_with_their_privacy_policy(tmp_path: Path) -> None:

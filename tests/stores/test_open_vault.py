@@ -11,10 +11,10 @@ from keel.privacy import MasterKey
 from keel.settings import load_settings
 from keel.stores import (
     Backends,
-    PostgresVaultStore,
     RedisStateBackend,
     SQLiteDatabase,
     SQLiteVaultStore,
+    SQLVaultStore,
 )
 
 
@@ -143,7 +143,9 @@ def _other_connections(url: str) -> int:
 def test_postgres_opens_the_vault_and_refuses_a_wrong_key(postgres_url: str) -> None:
     settings = load_settings(database=postgres_url)
     with Backends.open(settings, memory=False, pii_key=MasterKey.generate()) as backends:
-        assert isinstance(backends.vault and backends.vault.store, PostgresVaultStore)
+        store = backends.vault and backends.vault.store
+        assert isinstance(store, SQLVaultStore) and not isinstance(store, SQLiteVaultStore)
+        assert store.db is backends.sql
         _sealed_round_trip(backends)
     with pytest.raises(VaultKeyError, match="not this vault's"):
         Backends.open(settings, memory=False, pii_key=MasterKey.generate())

@@ -15,6 +15,7 @@ import pytest
 from keel.errors import ConfigError
 from keel.memory import HashingEmbedder, Memory, MemoryFilter, Scope
 from keel.stores import PostgresDatabase, PostgresMemoryStore
+from keel.stores._sql_plan import Plan, Statement
 
 pytestmark = pytest.mark.postgres
 
@@ -43,8 +44,8 @@ def _scans(plan: list[tuple[str]]) -> str:
 
 def _explain(store: PostgresMemoryStore, scope: Scope, query: np.ndarray, f: MemoryFilter) -> str:
     sql, params = store._vector_search_sql(scope, query, "m", f, 100)
-    with store._search_transaction() as conn:
-        return _scans(conn.execute("EXPLAIN (ANALYZE, COSTS OFF) " + sql, params).fetchall())
+    explain = Statement("EXPLAIN (ANALYZE, COSTS OFF) " + sql, params)
+    return _scans(store.db.run(lambda: store._searched(explain)))
 
 
 def _unit(rng: np.random.Generator, centers: np.ndarray, n: int) -> np.ndarray:
@@ -160,12 +161,14 @@ def test_wide_embeddings_get_a_halfvec_hnsw_index(
         assert row is not None and "halfvec(3072)" in row[0] and "halfvec_cosine_ops" in row[0]
     query = memory.embedder.embed_one("allergic peanuts")  # type: ignore[union-attr]
     sql, params = store._vector_search_sql(ALICE, query, memory.embedder.name, MemoryFilter(), 5)  # type: ignore[union-attr]
-    with store._search_transaction() as conn:
+
+    def explain() -> Plan[list[Any]]:
         # Without sorts, the only way to ORDER BY distance is the HNSW index: the planner
         # can take it only if the query's expression is the index's.
-        conn.execute("SET enable_sort = off")
-        plan = _scans(conn.execute("EXPLAIN " + sql, params).fetchall())
-        conn.execute("RESET enable_sort")
+        yield Statement("SET LOCAL enable_sort = off")
+        return (yield from store._searched(Statement("EXPLAIN " + sql, params)))
+
+    plan = _scans(store.db.run(explain))
     assert "Index Scan using memory_vectors_3072_hnsw" in plan, plan
     memory.close()
 
@@ -186,14 +189,14 @@ def test_a_vector_table_created_by_another_process_is_searched(open_database: Op
 def test_searches_run_with_iterative_hnsw_scans(open_database: OpenDatabase) -> None:
     store = PostgresMemoryStore(open_database(), hnsw=False, ef_search=64)
     store.setup()
-    with store._search_transaction() as conn:
-        settings = conn.execute(
-            "SELECT current_setting('hnsw.iterative_scan'), current_setting('hnsw.ef_search')"
-        ).fetchone()
-    assert settings == ("relaxed_order", "64")
+    read = Statement(
+        "SELECT current_setting('hnsw.iterative_scan'), current_setting('hnsw.ef_search')"
+    )
+    settings = store.db.run(lambda: store._searched(read))[0]
+    assert tuple(settings) == ("relaxed_order", "64")
     # Set for the search's transaction only: another store's next use of the connection
     # runs with the server's defaults.
-    with store.database.connection() as conn:
+    with store.db.connection() as conn:
         settings = conn.execute("SELECT current_setting('hnsw.ef_search', true)").fetchone()
     assert settings != ("64",)
     store.close()
@@ -213,7 +216,7 @@ def test_repeated_searches_keep_planning_with_the_query_vector(open_database: Op
     memory.flush()
     for number in range(12):
         assert memory.search(f"{words[number % 7]} {number}", scope=ALICE, k=5)
-    with store._connection() as conn:
+    with store.db.transaction() as conn:
         prepared = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
     assert prepared == (0,)
     memory.close()
@@ -243,7 +246,7 @@ def test_vector_search_joins_by_key_with_missing_or_stale_statistics(
     memory = Memory(store, embedder=HashingEmbedder(64), masker=None)
     memory.add("the first record, in another scope", scope=BOB)
     memory.flush()
-    with store._connection() as conn:
+    with store.db.transaction() as conn:
         never_analyzed = conn.execute(
             "SELECT relname FROM pg_class WHERE relname IN "
             "('memory_records', 'memory_outbox', 'memory_vectors_64') AND reltuples < 0"
@@ -255,8 +258,8 @@ def test_vector_search_joins_by_key_with_missing_or_stale_statistics(
     memory.flush()
     query = memory.embedder.embed_one("note 5: harbour meadow")  # type: ignore[union-attr]
     sql, params = store._vector_search_sql(ALICE, query, "keel-hashing-64", MemoryFilter(), 100)
-    with store._search_transaction() as conn:
-        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN (ANALYZE) " + sql, params))
+    explain = Statement("EXPLAIN (ANALYZE) " + sql, params)
+    plan = "\n".join(r[0] for r in store.db.run(lambda: store._searched(explain)))
     assert "Rows Removed by Join Filter" not in plan
     assert len(store.vector_search(ALICE, query, "keel-hashing-64", MemoryFilter(), 100)) == 100
     assert store.vector_search(EVE, query, "keel-hashing-64", MemoryFilter(), 100) == []

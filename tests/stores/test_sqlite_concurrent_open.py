@@ -12,15 +12,15 @@ from pathlib import Path
 _OPEN = """
 import sys, time
 from pathlib import Path
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores._sql_traces import SQLTraceStore
 start = float(sys.argv[2])
 while time.time() < start:
     time.sleep(0.001)
 db = SQLiteDatabase(Path(sys.argv[1]))
 SQLiteStateBackend(db)
-SQLiteToolJournal(db)
-SQLiteTraceStore(db).setup()
+SQLToolJournal(db)
+SQLTraceStore(db).setup()
 db.close()
 """
 

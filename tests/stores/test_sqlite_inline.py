@@ -44,7 +44,7 @@ async def test_a_free_database_is_written_inline_on_the_loop_thread(tmp_path: Pa
         threads.append(threading.get_ident())
         return _insert(db, "a")
 
-    assert await db.arun(write) == "a"
+    assert await db.acall(write) == "a"
     assert threads == [threading.get_ident()]
     assert _names(db) == ["a"]
     db.close()
@@ -70,7 +70,7 @@ async def test_a_write_that_would_wait_moves_off_the_loop(tmp_path: Path) -> Non
     ticker = asyncio.create_task(tick())
     releaser = asyncio.create_task(release_later())
     # Inline, the busy wait would hold the loop: the release could never run.
-    assert await db.arun(lambda: _insert(db, "b")) == "b"
+    assert await db.acall(lambda: _insert(db, "b")) == "b"
     await releaser
     await ticker
     assert ticks >= 5, "the loop was blocked while the write waited for the lock"
@@ -94,7 +94,7 @@ async def test_a_call_that_already_wrote_is_never_run_again(tmp_path: Path) -> N
             threading.Timer(0.2, holder.execute, args=("COMMIT",)).start()
         _insert(db, "second")
 
-    await db.arun(two_transactions)
+    await db.acall(two_transactions)
     assert runs == 1
     assert _names(db) == ["first", "second"]
     assert holder is not None

@@ -13,9 +13,9 @@ from keel.stores import (
     PostgresDatabase,
     PostgresStateBackend,
     RedisStateBackend,
-    open_state_backend,
 )
 from keel.testing._state_models import CounterState
+from keel.testing._state_worker import state_backend_at
 
 
 @pytest.mark.redis
@@ -101,7 +101,7 @@ async def test_postgres_async_creators_racing_for_one_session_one_wins_one_confl
 
 def test_unknown_backend_url_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="unknown state backend"):
-        open_state_backend("mongodb://localhost")
+        state_backend_at("mongodb://localhost")
 
 
 def test_unreachable_servers_raise_backend_unavailable() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from keel.privacy import VaultStore
-from keel.stores import PostgresDatabase, PostgresVaultStore, SQLiteDatabase, SQLiteVaultStore
+from keel.stores import PostgresDatabase, SQLiteDatabase, SQLiteVaultStore, SQLVaultStore
 from keel.testing.vault_conformance import StoreFactory, VaultStoreConformance
 
 
@@ -28,9 +28,7 @@ class TestPostgresVaultStore(VaultStoreConformance):
     @pytest.fixture
     def make_store(self, postgres_url: str) -> Iterator[StoreFactory]:
         with ExitStack() as databases:
-            yield lambda: PostgresVaultStore(
-                databases.enter_context(PostgresDatabase(postgres_url))
-            )
+            yield lambda: SQLVaultStore(databases.enter_context(PostgresDatabase(postgres_url)))
 
 
 class _OneByOneStore(SQLiteVaultStore):

@@ -260,3 +260,23 @@ def test_a_short_text_counted_again_is_not_tokenized_again() -> None:
     for number in range(10_000):  # bounded: the oldest texts make room
         counter.count_text(f"note {number}")
     assert len(counter._text_counts) <= 8192
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "gpt-4", "local:smollm2"])
+def test_a_messages_content_tokens_are_its_count_less_its_framing(model: str) -> None:
+    counter = counter_for(model)
+    call = ToolCall(id="c1", name="lookup", arguments='{"query": "LHR"}')
+    messages = [
+        *(Message.user(text) for text in SAMPLES.values()),
+        Message.assistant("", tool_calls=[call]),
+        Message.assistant("Let me look.", tool_calls=[call]),
+        Message.tool("c1", SAMPLES["json"], name="lookup"),
+        Message.system(""),
+    ]
+    for message in messages:
+        tokens = counter.count_message(message)
+        framing = counter.count_message(message.model_copy(update={"content": ""}))
+        expected = (tokens, max(0, tokens - framing))
+        # Counted fresh (a copy), and after the message itself was counted.
+        assert counter.count_message_content(message.model_copy()) == expected
+        assert counter.count_message_content(message) == expected

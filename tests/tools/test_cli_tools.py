@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from keel.settings import load_settings
-from keel.stores import SQLiteToolJournal, open_database
+from keel.stores import Backends
 from keel.tools import idempotency_key
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -26,8 +26,8 @@ def _keel(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_an_operator_lists_and_resolves_in_doubt_calls() -> None:
-    db = open_database(load_settings())
-    journal = SQLiteToolJournal(db)
+    backends = Backends.open(load_settings(), only=("journal",), redis_url="")
+    journal = backends.journal
     key = idempotency_key("s1", 3, 0)
     journal.claim(
         key=key, session_id="s1", step=3, call_index=0, tool="book_flight", arguments="{}"
@@ -57,12 +57,12 @@ def test_an_operator_lists_and_resolves_in_doubt_calls() -> None:
     entry = journal.get(key)
     assert entry is not None and entry.status == "succeeded" and entry.content == "booked, ref 7"
     assert "no tool calls in doubt" in _keel("tools", "in-doubt").stdout
-    db.close()
+    backends.close()
 
 
 def test_resolving_a_call_its_late_result_settled_says_so_and_succeeds() -> None:
-    db = open_database(load_settings())
-    journal = SQLiteToolJournal(db)
+    backends = Backends.open(load_settings(), only=("journal",), redis_url="")
+    journal = backends.journal
     key = idempotency_key("s1", 2, 0)
     journal.claim(key=key, session_id="s1", step=2, call_index=0, tool="refund", arguments="{}")
     # The operator looks it up; meanwhile the shop's answer comes in after all.
@@ -75,4 +75,4 @@ def test_resolving_a_call_its_late_result_settled_says_so_and_succeeds() -> None
     ), said
     entry = journal.get(key)
     assert entry is not None and entry.content == "refunded 40 EUR"  # the result stands
-    db.close()
+    backends.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from keel.bench.faults import kill_and_resume
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLToolJournal
 
 
 @pytest.mark.slow
@@ -21,7 +21,7 @@ def test_killed_inside_the_booking_the_call_is_in_doubt_and_nobody_is_booked_twi
     assert outcome.bookings == 1 and outcome.doubles == 0
     assert outcome.status == "tool_in_doubt"
     db = SQLiteDatabase(tmp_path / "keel.db")
-    doubtful = SQLiteToolJournal(db).in_doubt("default/kill-1-0")
+    doubtful = SQLToolJournal(db).in_doubt("default/kill-1-0")
     assert [entry.tool for entry in doubtful] == ["book_flight"]
     db.close()
 
@@ -35,7 +35,7 @@ def test_killed_after_the_result_was_checkpointed_the_turn_completes_once(
     assert outcome.status == "completed"
     assert outcome.bookings == 1 and outcome.doubles == 0 and outcome.lost_turns == 0
     db = SQLiteDatabase(tmp_path / "keel.db")
-    (entry,) = SQLiteToolJournal(db).entries("default/kill-1-1")
+    (entry,) = SQLToolJournal(db).entries("default/kill-1-1")
     db.close()
     assert entry.status == "succeeded" and entry.attempts == 1
 

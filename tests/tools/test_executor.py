@@ -18,7 +18,7 @@ from keel.errors import (
     UnknownToolError,
 )
 from keel.messages import ToolCall
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLToolJournal
 from keel.tools import (
     InMemoryJournal,
     JournalEntry,
@@ -236,7 +236,7 @@ async def test_a_side_effect_free_tool_gets_its_context_as_a_first_start() -> No
 
 async def test_no_journal_no_side_effect(tmp_path: Path) -> None:
     db = SQLiteDatabase(tmp_path / "keel.db")
-    executor = ToolExecutor(ToolRegistry([book_flight]), journal=SQLiteToolJournal(db))
+    executor = ToolExecutor(ToolRegistry([book_flight]), journal=SQLToolJournal(db))
     db.close()  # the database goes away before the call
     result = await _run(executor, "book_flight", '{"flight": "AF1", "passengers": 1}')
     assert result.status == "failed" and not result.executed and executions == []
@@ -247,7 +247,7 @@ async def test_a_lost_result_record_leaves_the_call_in_doubt(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     db = SQLiteDatabase(tmp_path / "keel.db")
-    journal = SQLiteToolJournal(db)
+    journal = SQLToolJournal(db)
 
     @tool(side_effect=True)
     def pay(amount: int) -> str:
@@ -258,7 +258,7 @@ async def test_a_lost_result_record_leaves_the_call_in_doubt(
     result = await _run(ToolExecutor(ToolRegistry([pay]), journal=journal), "pay", '{"amount": 3}')
     assert result.ok and result.content == "paid 3"
     assert "stays in doubt" in caplog.text
-    reopened = SQLiteToolJournal(SQLiteDatabase(tmp_path / "keel.db"))
+    reopened = SQLToolJournal(SQLiteDatabase(tmp_path / "keel.db"))
     assert [entry.tool for entry in reopened.in_doubt()] == ["pay"]
     reopened.db.close()
 

@@ -11,7 +11,7 @@ import pytest
 
 from keel.errors import SchemaVersionError
 from keel.messages import Message, ToolCall
-from keel.stores import PostgresDatabase, PostgresToolJournal, SQLiteDatabase, SQLiteToolJournal
+from keel.stores import PostgresDatabase, SQLiteDatabase, SQLToolJournal
 from keel.tools import InMemoryJournal, ToolJournal, idempotency_key
 
 
@@ -21,12 +21,12 @@ def journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ToolJour
         yield InMemoryJournal()
     elif request.param == "sqlite":
         db = SQLiteDatabase(tmp_path / "keel.db")
-        yield SQLiteToolJournal(db)
+        yield SQLToolJournal(db)
         db.close()
     else:
         url = request.getfixturevalue("postgres_url")
         with PostgresDatabase(url, max_size=4) as database:
-            yield PostgresToolJournal(database)
+            yield SQLToolJournal(database)
 
 
 @pytest.fixture
@@ -155,23 +155,23 @@ async def test_concurrent_async_claims_have_one_winner(ajournal: ToolJournal) ->
 
 def test_sqlite_journal_is_a_versioned_component(tmp_path: Path) -> None:
     db = SQLiteDatabase(tmp_path / "keel.db")
-    SQLiteToolJournal(db)
+    SQLToolJournal(db)
     assert db.schema_versions()["journal"] == 1
-    SQLiteToolJournal(db)  # idempotent
+    SQLToolJournal(db)  # idempotent
     with db.transaction() as conn:
         conn.execute("UPDATE keel_schema SET version = 99 WHERE component = 'journal'")
     with pytest.raises(SchemaVersionError):
-        SQLiteToolJournal(db)
+        SQLToolJournal(db)
     db.close()
 
 
 def test_postgres_journal_refuses_a_newer_schema(postgres_url: str) -> None:
     with PostgresDatabase(postgres_url, max_size=4) as database:
-        PostgresToolJournal(database)
+        SQLToolJournal(database)
         with database.transaction() as conn:
             conn.execute("UPDATE keel_schema SET version = 99 WHERE component = 'journal'")
         with pytest.raises(SchemaVersionError):
-            PostgresToolJournal(database)
+            SQLToolJournal(database)
 
 
 async def test_async_twins_do_what_the_sync_methods_do(ajournal: ToolJournal) -> None:

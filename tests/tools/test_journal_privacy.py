@@ -10,7 +10,7 @@ import pytest
 
 from keel.messages import ToolCall
 from keel.privacy import PIIMasker, mask_pii
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLToolJournal
 from keel.tools import (
     InMemoryJournal,
     ToolExecutor,
@@ -58,7 +58,7 @@ def journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ToolJour
         yield InMemoryJournal()
         return
     db = SQLiteDatabase(tmp_path / "keel.db")
-    yield SQLiteToolJournal(db)
+    yield SQLToolJournal(db)
     db.close()
 
 
@@ -164,7 +164,7 @@ async def test_a_failing_redactor_never_journals_raw_text(
 
 async def test_nothing_raw_reaches_the_sqlite_file(tmp_path: Path) -> None:
     db = SQLiteDatabase(tmp_path / "journal.db")
-    journal = SQLiteToolJournal(db)
+    journal = SQLToolJournal(db)
     executor = _executor(journal)
     await _run(executor, "file_claim", ARGUMENTS, step=1)
     await _run(executor, "refuse", json.dumps({"customer": USER_PII["EMAIL"]}), step=2)

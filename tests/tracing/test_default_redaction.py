@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from keel.privacy import mask_pii
 from keel.stores import SQLiteDatabase
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores._sql_traces import SQLTraceStore
 from keel.tracing import Tracer, redact_pii
 from tests.privacy._samples import MODEL_PII, TOOL_PII, USER_PII, dump_sqlite, leaks, sentence
 
@@ -33,7 +33,7 @@ def test_redact_pii_is_idempotent(text: str) -> None:
 
 def test_a_default_tracer_stores_no_pii(tmp_path: Path) -> None:
     database = SQLiteDatabase(tmp_path / "traces.db")
-    store = SQLiteTraceStore(database)
+    store = SQLTraceStore(database)
     tracer = Tracer(store)
     with tracer.start_run("s1", user_id="u1", input=sentence(USER_PII)) as run:
         with run.step(

@@ -10,7 +10,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from keel.errors import ToolExecutionError
 from keel.messages import Usage
 from keel.stores import SQLiteDatabase
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores._sql_traces import SQLTraceStore
 from keel.tracing import OpenTelemetryExporter, Tracer, export_run
 from keel.tracing import _semconv as sc
 
@@ -85,7 +85,7 @@ def test_live_export_uses_genai_conventions() -> None:
 
 def test_stored_runs_export_later_with_redacted_content(tmp_path: Path) -> None:
     database = SQLiteDatabase(tmp_path / "keel.db")
-    store = SQLiteTraceStore(database)
+    store = SQLTraceStore(database)
     run_id = _trace_a_run(Tracer(store))
     detail = store.get_run_detail(run_id)
     store.close()

@@ -6,7 +6,7 @@ import pytest
 
 from keel.errors import BackendUnavailableError
 from keel.settings import load_settings
-from keel.stores import Backends, PostgresDatabase
+from keel.stores import Backends, PostgresDatabase, SQLTraceStore
 from keel.stores._postgres_traces import PostgresTraceStore
 from keel.testing.trace_conformance import TraceStoreConformance
 from keel.tracing import TraceStore
@@ -20,6 +20,18 @@ class TestPostgresTraceStore(TraceStoreConformance):
         with PostgresDatabase(postgres_url, max_size=4) as database:
             store = PostgresTraceStore(database)
             store.setup()
+            yield store
+            store.close()
+
+
+class TestSQLTraceStoreOnPostgres(TraceStoreConformance):
+    """The one trace store's own batch (a plan: the run locked, each step's difference
+    added), without the pipeline PostgresTraceStore sends instead: correct on PostgreSQL too."""
+
+    @pytest.fixture
+    def trace_store(self, postgres_url: str) -> Iterator[TraceStore]:
+        with PostgresDatabase(postgres_url, max_size=4) as database:
+            store = SQLTraceStore(database)
             yield store
             store.close()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from keel.stores import SQLiteDatabase
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores._sql_traces import SQLTraceStore
 from keel.testing.trace_conformance import TraceStoreConformance
 from keel.tracing import Tracer, TraceStore
 
@@ -16,7 +16,7 @@ class TestSQLiteTraceStore(TraceStoreConformance):
     @pytest.fixture
     def trace_store(self, tmp_path: Path) -> Iterator[TraceStore]:
         with SQLiteDatabase(tmp_path / "keel.db") as database:
-            store = SQLiteTraceStore(database)
+            store = SQLTraceStore(database)
             store.setup()
             yield store
             store.close()
@@ -26,7 +26,7 @@ class TestInMemorySQLiteTraceStore(TraceStoreConformance):
     @pytest.fixture
     def trace_store(self) -> Iterator[TraceStore]:
         with SQLiteDatabase(":memory:") as database:
-            store = SQLiteTraceStore(database)
+            store = SQLTraceStore(database)
             store.setup()
             yield store
             store.close()
@@ -34,7 +34,7 @@ class TestInMemorySQLiteTraceStore(TraceStoreConformance):
 
 def test_traces_share_the_database_file_as_their_own_component(tmp_path: Path) -> None:
     db = SQLiteDatabase(tmp_path / "keel.db")
-    store = SQLiteTraceStore(db)
+    store = SQLTraceStore(db)
     store.setup()
     assert db.schema_versions() == {"core": 1, "traces": 2}
     store.close()  # not its database: still usable
@@ -43,7 +43,7 @@ def test_traces_share_the_database_file_as_their_own_component(tmp_path: Path) -
 
 
 def test_list_filters_use_indexes(tmp_path: Path) -> None:
-    store = SQLiteTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
+    store = SQLTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
     store.setup()
     conn = store.db.connection()
     plans = {
@@ -61,7 +61,7 @@ def test_list_filters_use_indexes(tmp_path: Path) -> None:
 
 def test_nothing_unmasked_reaches_the_file(tmp_path: Path) -> None:
     path = tmp_path / "keel.db"
-    store = SQLiteTraceStore(SQLiteDatabase(path))
+    store = SQLTraceStore(SQLiteDatabase(path))
     tracer = Tracer(store)
     secrets = [
         "sk-proj-Zq8XvB2nM4kL6pR0tY1uW3eQ",
@@ -115,7 +115,7 @@ def test_a_batch_is_one_transaction(tmp_path: Path) -> None:
     from keel.tracing import Run, Step
     from keel.tracing._store import RunEnding
 
-    store = SQLiteTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
+    store = SQLTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
     store.setup()
     now = datetime(2026, 1, 1, tzinfo=UTC)
     store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))

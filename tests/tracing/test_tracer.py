@@ -20,14 +20,14 @@ from keel.errors import (
 )
 from keel.messages import Usage
 from keel.stores import SQLiteDatabase
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.stores._sql_traces import SQLTraceStore
 from keel.tracing import Run, Step, Tracer, status_for
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[SQLiteTraceStore]:
+def store(tmp_path: Path) -> Iterator[SQLTraceStore]:
     with SQLiteDatabase(tmp_path / "keel.db") as database:
-        store = SQLiteTraceStore(database)
+        store = SQLTraceStore(database)
         store.setup()
         yield store
         store.close()
@@ -38,7 +38,7 @@ class Budget(BaseModel):
     reserve: int
 
 
-def test_a_turn_is_a_tree_with_timings_and_totals(store: SQLiteTraceStore) -> None:
+def test_a_turn_is_a_tree_with_timings_and_totals(store: SQLTraceStore) -> None:
     tracer = Tracer(store, agent="booker")
     with tracer.start_run("s1", user_id="u1", tenant_id="t1", input="book it") as run:
         with run.step(
@@ -78,7 +78,7 @@ def test_a_turn_is_a_tree_with_timings_and_totals(store: SQLiteTraceStore) -> No
     assert [n.step.kind for n in detail.tree()] == ["model", "transition"]
 
 
-def test_an_exception_is_recorded_and_reraised(store: SQLiteTraceStore) -> None:
+def test_an_exception_is_recorded_and_reraised(store: SQLTraceStore) -> None:
     tracer = Tracer(store)
     with pytest.raises(StepLimitError), tracer.start_run("s1") as run:
         with pytest.raises(ToolExecutionError), run.step("tool", "pay"):
@@ -101,7 +101,7 @@ def test_status_for_maps_errors_to_run_outcomes() -> None:
     assert status_for(ValueError("x")) == "failed"
 
 
-def test_guard_events_resets_and_loops(store: SQLiteTraceStore) -> None:
+def test_guard_events_resets_and_loops(store: SQLTraceStore) -> None:
     tracer = Tracer(store)
     with tracer.start_run("s1") as run:
         run.guard("truncation", "finish_reason=length")
@@ -124,7 +124,7 @@ def test_guard_events_resets_and_loops(store: SQLiteTraceStore) -> None:
     assert run_row is not None and run_row.status == "escalated"
 
 
-def test_ending_twice_keeps_the_first_outcome(store: SQLiteTraceStore) -> None:
+def test_ending_twice_keeps_the_first_outcome(store: SQLTraceStore) -> None:
     tracer = Tracer(store)
     with tracer.start_run("s1") as run:
         run.end("failed", error=RuntimeError("first"))
@@ -133,7 +133,7 @@ def test_ending_twice_keeps_the_first_outcome(store: SQLiteTraceStore) -> None:
     assert stored is not None and stored.status == "failed" and stored.error_message == "first"
 
 
-def test_explicit_parents_and_manual_end(store: SQLiteTraceStore) -> None:
+def test_explicit_parents_and_manual_end(store: SQLTraceStore) -> None:
     tracer = Tracer(store)
     run = tracer.start_run("s1")
     call = run.step("model", "m")
@@ -149,7 +149,7 @@ def test_explicit_parents_and_manual_end(store: SQLiteTraceStore) -> None:
     assert [s.name for s in store.get_steps(run.run_id)] == ["m", "t", "write"]
 
 
-async def test_async_steps_nest_per_task(store: SQLiteTraceStore) -> None:
+async def test_async_steps_nest_per_task(store: SQLTraceStore) -> None:
     tracer = Tracer(store)
     run = await tracer.astart_run("s1")
 
@@ -175,7 +175,7 @@ def test_a_failing_store_never_breaks_the_agent(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     db = SQLiteDatabase(tmp_path / "keel.db")
-    store = SQLiteTraceStore(db)
+    store = SQLTraceStore(db)
     store.setup()
     db.close()  # every write from now on raises StoreError inside the store
     tracer = Tracer(store)
@@ -194,7 +194,7 @@ def test_a_failing_store_never_breaks_the_agent(
 
 async def test_a_failing_store_never_breaks_an_async_agent(tmp_path: Path) -> None:
     db = SQLiteDatabase(tmp_path / "keel.db")
-    store = SQLiteTraceStore(db)
+    store = SQLTraceStore(db)
     store.setup()
     db.close()
     tracer = Tracer(store)
@@ -206,7 +206,7 @@ async def test_a_failing_store_never_breaks_an_async_agent(tmp_path: Path) -> No
 
 
 def test_a_bad_field_or_a_crashing_redactor_is_counted_not_raised(
-    store: SQLiteTraceStore,
+    store: SQLTraceStore,
 ) -> None:
     def broken(text: str) -> str:
         raise RuntimeError("redactor bug")
@@ -224,7 +224,7 @@ def test_a_bad_field_or_a_crashing_redactor_is_counted_not_raised(
     assert stored is not None and stored.step_count == 0 and stored.status == "succeeded"
 
 
-def test_redaction_can_be_turned_off_explicitly(store: SQLiteTraceStore) -> None:
+def test_redaction_can_be_turned_off_explicitly(store: SQLTraceStore) -> None:
     tracer = Tracer(store, redact=None)
     with tracer.start_run("s1", input="me@example.com") as run:
         pass
@@ -232,7 +232,7 @@ def test_redaction_can_be_turned_off_explicitly(store: SQLiteTraceStore) -> None
     assert stored is not None and stored.input == "me@example.com"
 
 
-def test_a_custom_redactor_sees_every_text_field(store: SQLiteTraceStore) -> None:
+def test_a_custom_redactor_sees_every_text_field(store: SQLTraceStore) -> None:
     tracer = Tracer(store, redact=lambda text: text.replace("Alice", "[NAME]"))
     with tracer.start_run("s1", input="Alice here", attributes={"who": ["Alice"]}) as run:
         run.record(
@@ -281,7 +281,7 @@ def test_exporters_get_finished_runs_and_cannot_break_the_agent() -> None:
     assert tracer.write_failures == 1 and "collector down" in str(tracer.last_error)
 
 
-def test_a_run_resumes_after_a_crash(store: SQLiteTraceStore) -> None:
+def test_a_run_resumes_after_a_crash(store: SQLTraceStore) -> None:
     first = Tracer(store)
     run = first.start_run("s1", input="book it")
     run.record("model", "m", prompt_tokens=10)
@@ -305,7 +305,7 @@ def test_a_run_resumes_after_a_crash(store: SQLiteTraceStore) -> None:
     assert second.resume_run("no-such-run") is None and second.write_failures == 1
 
 
-async def test_a_run_resumes_async(store: SQLiteTraceStore) -> None:
+async def test_a_run_resumes_async(store: SQLTraceStore) -> None:
     run = await Tracer(store).astart_run("s1")
     await run.arecord("model", "m")
     resumed = await Tracer(store).aresume_run(run.run_id)
@@ -315,7 +315,7 @@ async def test_a_run_resumes_async(store: SQLiteTraceStore) -> None:
     assert [s.seq for s in store.get_steps(run.run_id)] == [0, 1]
 
 
-async def test_a_scripted_model_loop_traced_from_completions(store: SQLiteTraceStore) -> None:
+async def test_a_scripted_model_loop_traced_from_completions(store: SQLTraceStore) -> None:
     from keel.messages import Message
     from keel.testing import ScriptedModel
 
@@ -365,7 +365,7 @@ def test_a_failed_run_start_is_retried_with_the_next_write(tmp_path: Path) -> No
     import sqlite3
 
     db = SQLiteDatabase(tmp_path / "keel.db", busy_timeout_ms=50)
-    store = SQLiteTraceStore(db)
+    store = SQLTraceStore(db)
     store.setup()
     blocker = sqlite3.connect(tmp_path / "keel.db", isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")  # another writer holds the lock
@@ -383,7 +383,7 @@ def test_a_failed_run_start_is_retried_with_the_next_write(tmp_path: Path) -> No
     db.close()
 
 
-async def test_a_buffered_run_writes_at_its_flushes_and_its_end(store: SQLiteTraceStore) -> None:
+async def test_a_buffered_run_writes_at_its_flushes_and_its_end(store: SQLTraceStore) -> None:
     tracer = Tracer(store, agent="booker")
     run = await tracer.astart_run("s1", input="hello", buffered=True)
     await run.arecord("model", "gpt", usage=Usage(prompt_tokens=10, completion_tokens=2))
@@ -412,7 +412,7 @@ async def test_a_buffered_run_writes_at_its_flushes_and_its_end(store: SQLiteTra
 
 
 async def test_a_buffered_run_ended_through_the_sync_twin_keeps_its_buffered_steps(
-    store: SQLiteTraceStore,
+    store: SQLTraceStore,
 ) -> None:
     tracer = Tracer(store)
     run = await tracer.astart_run("s1", input="hello", buffered=True)
@@ -427,7 +427,7 @@ async def test_a_buffered_run_ended_through_the_sync_twin_keeps_its_buffered_ste
 
 
 async def test_a_loop_step_becomes_a_model_step_with_its_tools_guards_and_moves_under_it(
-    store: SQLiteTraceStore,
+    store: SQLTraceStore,
 ) -> None:
     from dataclasses import dataclass, field
 

@@ -118,7 +118,11 @@ class ApprovalRequest(BaseModel):
 
 
 class ApprovalStore(ABC):
-    """The durable queue of approval requests, scoped by tenant in every method."""
+    """The durable queue of approval requests, scoped by tenant in every method.
+
+    Sync/async contract: every method is async and there are no sync twins: the queue is read
+    and written from the service's event loop (a CLI runs it through `keel._bridge.run_sync`).
+    """
 
     @abstractmethod
     async def aadd(self, request: ApprovalRequest) -> ApprovalRequest:

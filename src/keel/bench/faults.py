@@ -65,11 +65,12 @@ from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.models import ChatModel
 from keel.runtime import Agent, AgentReply, session_key
+from keel.settings import load_settings
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal, SQLiteTraceStore
+from keel.stores import Backends, StoreName
 from keel.testing import ScriptedModel
-from keel.tools import Tool
-from keel.tracing import Tracer
+from keel.tools import Tool, ToolJournal
+from keel.tracing import Tracer, TraceStore
 
 __all__ = [
     "FAULTS",
@@ -111,23 +112,26 @@ _LIMIT_STATUSES = ("step_limit", "time_limit", "loop_detected")
 class _Keel:
     """The stores every Agent of a bench shares: one SQLite file, as ``Agent.embedded``."""
 
-    db: SQLiteDatabase
+    backends: Backends
     state: StateStore[AgentState]
-    journal: SQLiteToolJournal | None
+    journal: ToolJournal | None
     tracer: Tracer
-    traces: Any
+    traces: TraceStore
 
     @classmethod
     def open(cls, path: Path, *, journal: bool = True) -> _Keel:
-        db = SQLiteDatabase(path)
-        traces = SQLiteTraceStore(db)
-        traces.setup()
+        only: tuple[StoreName, ...] = (
+            ("state", "journal", "traces") if journal else ("state", "traces")
+        )
+        backends = Backends.open(
+            f"sqlite:///{path}", settings=load_settings(), only=only, redis_url=""
+        )
         return cls(
-            db=db,
-            state=StateStore(SQLiteStateBackend(db), AgentState),
-            journal=SQLiteToolJournal(db) if journal else None,
-            tracer=Tracer(traces, agent="bench-faults"),
-            traces=traces,
+            backends=backends,
+            state=backends.state,
+            journal=backends.journal if journal else None,
+            tracer=Tracer(backends.traces, agent="bench-faults"),
+            traces=backends.traces,
         )
 
     def agent(self, model: ChatModel, tools: list[Tool], guards: GuardConfig) -> Agent:
@@ -156,7 +160,7 @@ class _Keel:
         )
 
     def close(self) -> None:
-        self.db.close()
+        self.backends.close()
 
 
 def _turn_messages(state: AgentState, text: str) -> list[Message]:

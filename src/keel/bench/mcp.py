@@ -42,7 +42,8 @@ from pydantic import BaseModel
 
 from keel.bench._stats import nearest_rank
 from keel.messages import ToolCall
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.settings import load_settings
+from keel.stores import Backends
 from keel.testing.mcp_fault_server import stdio_server
 from keel.tools import ToolExecutor, ToolRegistry
 
@@ -195,10 +196,12 @@ def _finish(
 def _settle(database: Path, effects: Path) -> None:
     """The operator's part: each in-doubt write settled from what the server applied."""
     applied = set(_applied(effects))
-    journal = SQLiteToolJournal(SQLiteDatabase(database))
-    for entry in journal.in_doubt():
-        item = json.loads(entry.arguments).get("item", "")
-        journal.resolve(entry.key, ok=item in applied, content=f"settled: {item in applied}")
+    url = f"sqlite:///{database}"
+    with Backends.open(url, settings=load_settings(), only=("journal",), redis_url="") as opened:
+        journal = opened.journal
+        for entry in journal.in_doubt():
+            item = json.loads(entry.arguments).get("item", "")
+            journal.resolve(entry.key, ok=item in applied, content=f"settled: {item in applied}")
 
 
 def _applied(effects: Path) -> list[str]:

@@ -31,8 +31,9 @@ from keel.errors import ConflictError, UsageError
 from keel.messages import Message
 from keel.settings import load_settings
 from keel.state import StateBackend, StateStore
-from keel.stores import RedisStateBackend, open_state_backend
+from keel.stores import RedisStateBackend
 from keel.testing._state_models import ConversationState, CounterState
+from keel.testing._state_worker import state_backend_at
 from keel.testing.servers import postgres_server, redis_server
 
 __all__ = ["message_text", "run_state_bench"]
@@ -235,16 +236,14 @@ def _backend_runs(
     if "sqlite" in backends:
         sqlite_file = directory / "keel.db"
         runs.append(
-            _BackendRun(
-                "sqlite", lambda: open_state_backend(f"sqlite:///{sqlite_file}"), sqlite_file
-            )
+            _BackendRun("sqlite", lambda: state_backend_at(f"sqlite:///{sqlite_file}"), sqlite_file)
         )
     if "postgres" in backends and pg_url is not None:
         url = pg_url
         runs.append(
             _BackendRun(
                 "postgres",
-                lambda: open_state_backend(url),
+                lambda: state_backend_at(url),
                 before=lambda: _reset_postgres(url),
                 after=lambda: _cleanup_postgres(url),
             )
@@ -254,6 +253,7 @@ def _backend_runs(
         runs.append(
             _BackendRun(
                 "redis",
+                # Its own key prefix, which the opener does not take: the bench resets it.
                 lambda: RedisStateBackend(rurl, prefix="keel:bench"),
                 before=lambda: _reset_redis(rurl),
                 after=lambda: _reset_redis(rurl),

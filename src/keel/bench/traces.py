@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from keel.messages import Usage
-from keel.stores import SQLiteDatabase
-from keel.stores._sqlite_traces import SQLiteTraceStore
+from keel.settings import load_settings
+from keel.stores import Backends, SQLiteDatabase
 from keel.tracing import RunQuery, Tracer, percentile
 
 __all__ = ["run_trace_bench"]
@@ -39,9 +39,10 @@ def run_trace_bench(
     """Run the workload and return its figures (see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="keel-bench-traces-") as tmp:
         db_path = path or Path(tmp) / "keel.db"
-        database = SQLiteDatabase(db_path)
-        store = SQLiteTraceStore(database)
-        store.setup()
+        backends = Backends.open(
+            f"sqlite:///{db_path}", settings=load_settings(), only=("traces",), redis_url=""
+        )
+        store = backends.traces
         tracer = Tracer(store, agent="bench")
         latencies: list[float] = []
         started = time.perf_counter()
@@ -87,10 +88,11 @@ def run_trace_bench(
         t = time.perf_counter()
         stats = store.session_stats()
         stats_ms = _ms(t)
-        store.db.connection().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        sql = backends.sql
+        assert isinstance(sql, SQLiteDatabase)
+        sql.connection().execute("PRAGMA wal_checkpoint(TRUNCATE)")
         size = db_path.stat().st_size
-        store.close()
-        database.close()
+        backends.close()
     return {
         "runs": runs,
         "steps_per_run": steps,

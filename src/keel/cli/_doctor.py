@@ -45,15 +45,21 @@ def _run(area: str, name: str, probe: Callable[[], str], *, required: bool = Fal
 
 def _database(database: str | None) -> str:
     from keel.cli._database import database_settings
-    from keel.stores import open_database
+    from keel.errors import UsageError
+    from keel.stores import Backends, SQLiteDatabase
 
     settings = database_settings(database, writes=True)
-    db = open_database(settings)
-    try:
+    if settings.sqlite_path is None:
+        raise UsageError(
+            f"{settings.parsed_database.kind} databases are opened by Backends.open, "
+            "not as the embedded SQLite database"
+        )
+    # The database alone, unmigrated: the doctor migrates it and checks it.
+    with Backends.open(settings, only=(), redis_url="") as backends:
+        db = backends.sql
+        assert isinstance(db, SQLiteDatabase)
         versions = db.setup()
         db.check_integrity()
-    finally:
-        db.close()
     schema = ", ".join(f"{name} v{version}" for name, version in sorted(versions.items()))
     return f"{settings.database_url} (WAL, schema {schema})"
 

@@ -274,16 +274,13 @@ def status_command(database: DatabaseOption = None, as_json: JsonOption = False)
 
 def _counts(backends: Backends) -> VaultCounts:
     from keel.stores import SQLiteDatabase
-    from keel.stores._postgres_vault import PostgresVaultStore
     from keel.stores._sql_vault import SQLVaultStore
     from keel.stores._sqlite_vault import SQLiteVaultStore
 
     store = backends.vault.store if backends.vault is not None else None
     if not isinstance(store, SQLVaultStore):
         sql = backends.sql
-        store = (
-            SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
-        )
+        store = SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)
     return store.counts()
 
 

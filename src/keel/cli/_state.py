@@ -95,12 +95,17 @@ UrlOption = Annotated[str | None, typer.Option("--database", "--url", help=_URL_
 
 
 def _open(url: str | None) -> StateBackend:
+    """The state backend ``url`` names (else the configured database's), alone: closing it
+    closes its database. The state is where the URL says, whatever ``KEEL_REDIS_URL`` says."""
     from keel.cli._database import database_settings
-    from keel.stores import open_state_backend
+    from keel.settings import load_settings
+    from keel.stores import Backends
 
     if url is not None and url.startswith(("redis://", "rediss://")):
-        return open_state_backend(url)
-    return open_state_backend(database_settings(url).database_url)
+        opened = Backends.open(url, settings=load_settings(), only=("state",))
+    else:
+        opened = Backends.open(database_settings(url), only=("state",), redis_url="")
+    return opened.state.backend
 
 
 @state_app.command("sessions")

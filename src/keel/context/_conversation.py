@@ -16,7 +16,7 @@ import asyncio
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +29,7 @@ from keel.context._summarize import Summarizer, SummaryRequest
 from keel.context._text import cut_middle
 from keel.errors import UsageError
 from keel.messages import Message
+from keel.privacy import message_placeholders
 from keel.tokens import ChatTokenCounter
 
 if TYPE_CHECKING:
@@ -42,12 +43,17 @@ _CutHow = Literal["pruned", "pruned_hard", "elided"]
 
 @dataclass(frozen=True, slots=True)
 class _Form:
-    """One way of sending a message: the message itself and its exact token cost."""
+    """One way of sending a message: the message itself, its exact token cost, and the
+    placeholders it shows the model (found once, when the form is made)."""
 
     message: Message
     tokens: int
     content_tokens: int
     how: _CutHow | None
+    placeholders: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placeholders", message_placeholders(self.message))
 
 
 class Turn:
@@ -134,6 +140,8 @@ class _PrunedHistory:
     __slots__ = (
         "_cut_at",
         "_cuts",
+        "_marked_at",
+        "_marks",
         "_messages",
         "_messages_before",
         "_pruned_before",
@@ -150,6 +158,10 @@ class _PrunedHistory:
         # reports each cut message, and most turns have none.
         self._cut_at: list[int] = []
         self._cuts: list[tuple[_Form, _Form]] = []
+        # Message numbers of the forms that show placeholders, with them: a prompt notes
+        # what it shows the model without scanning its messages again (most have none).
+        self._marked_at: list[int] = []
+        self._marks: list[frozenset[str]] = []
 
     @property
     def raw_tokens(self) -> int:
@@ -172,6 +184,9 @@ class _PrunedHistory:
         if pruned.how is not None:
             self._cut_at.append(self._messages_before[-1])
             self._cuts.append((raw, pruned))
+        if pruned.placeholders:
+            self._marked_at.append(self._messages_before[-1])
+            self._marks.append(pruned.placeholders)
         self._messages.append(pruned.message)
         self._messages_before[-1] += 1
         self._pruned_before[-1] += pruned.tokens
@@ -184,6 +199,9 @@ class _PrunedHistory:
         cuts = bisect_left(self._cut_at, end)
         del self._cut_at[:cuts]
         del self._cuts[:cuts]
+        marked = bisect_left(self._marked_at, end)
+        del self._marked_at[:marked]
+        del self._marks[:marked]
         del self._pruned_before[:count]
         del self._raw_before[:count]
         del self._messages_before[:count]
@@ -205,6 +223,15 @@ class _PrunedHistory:
         base = self._messages_before[0]
         before = self._messages_before
         return self._messages[before[turns.start] - base : before[turns.stop] - base]
+
+    def placeholders(self, turns: range) -> frozenset[str]:
+        """The placeholders the messages of a run of held turns show, tool output pruned."""
+        before = self._messages_before
+        low = bisect_left(self._marked_at, before[turns.start])
+        high = bisect_left(self._marked_at, before[turns.stop], low)
+        if low == high:
+            return frozenset()
+        return frozenset().union(*self._marks[low:high])
 
     def cuts(self, turns: range) -> list[tuple[int, _Form, _Form]]:
         """The cut messages of a run of held turns: position in the run, raw and cut form."""
@@ -402,13 +429,8 @@ class Conversation:
             self.add(message)
 
     def _raw_form(self, message: Message) -> _Form:
-        tokens = self.counter.count_message(message)
-        framing = (
-            self.counter.count_message(message.model_copy(update={"content": ""}))
-            if message.content
-            else tokens
-        )
-        return _Form(message, tokens, max(0, tokens - framing), None)
+        tokens, content_tokens = self.counter.count_message_content(message)
+        return _Form(message, tokens, content_tokens, None)
 
     def _pruned_form(self, form: _Form, limit: int, how: _CutHow) -> _Form:
         """``form`` with its content cut to ``limit`` tokens (itself when it is not larger)."""

@@ -78,6 +78,7 @@ from keel.context._text import cut_middle
 from keel.errors import ContextOverflowError, UsageError
 from keel.messages import Message
 from keel.models import ChatModel
+from keel.privacy import message_placeholders
 from keel.tokens import ChatTokenCounter, counter_for
 
 __all__ = ["CompiledPrompt", "ContextEngine", "render_prompt"]
@@ -122,6 +123,12 @@ class CompiledPrompt:
     """The tool schemas counted with the prompt (send them with it)."""
     report: BudgetReport = field(repr=False)
     """Tokens per section and what was dropped, pruned or degraded, and why."""
+    placeholders: frozenset[str] = field(default=frozenset(), repr=False)
+    """The PII placeholders the messages show the model (in their content and their tool
+    calls' arguments, see [`message_placeholders`][keel.privacy.message_placeholders]):
+    each history message's were found once, when it was added, so noting what a prompt
+    shows ([`PrivacyView.note_shown`][keel.privacy.PrivacyView.note_shown]) costs what is
+    new, not the window."""
 
     @property
     def tokens(self) -> int:
@@ -693,7 +700,7 @@ class _Compilation:
         pruned: list[PrunedOutput] = []
         if self.summary_cut is not None and self.summary_msg is not None:
             pruned.append(self.summary_cut.model_copy(update={"message_index": len(messages) - 1}))
-        kept_raw, kept_messages = self._place_turns(messages, pruned)
+        kept_raw, kept_messages, placeholders = self._place_turns(messages, pruned)
         self._mark_window_start()
         turns_kept = len(self.older_turns) + len(self.plan)
         outside = len(self.conv._turns) - turns_kept - (1 if self.left_open else 0)
@@ -704,14 +711,23 @@ class _Compilation:
             turns_outside_window=max(0, outside),
             pruned=tuple(pruned),
         )
-        return CompiledPrompt(messages=tuple(messages), tools=self.tools, report=report)
+        return CompiledPrompt(
+            messages=tuple(messages), tools=self.tools, report=report, placeholders=placeholders
+        )
 
-    def _place_turns(self, messages: list[Message], pruned: list[PrunedOutput]) -> tuple[int, int]:
+    def _place_turns(
+        self, messages: list[Message], pruned: list[PrunedOutput]
+    ) -> tuple[int, int, frozenset[str]]:
         """Append the window's turns (the older run, then the planned entries, the rules just
-        before the newest user message) and their cuts; the raw tokens and messages kept."""
+        before the newest user message) and their cuts; the raw tokens and messages kept, and
+        the placeholders the whole prompt shows (``messages`` holds the fixed blocks so far)."""
         older = self.older_turns
         history = self.conv._pruned_history
         kept_raw = history.raw_tokens_of(older)
+        # The fixed blocks are scanned (a few texts), the history never: its forms carry
+        # their placeholders, and the older run's are kept by message number.
+        shown = [message_placeholders(message) for message in messages]
+        shown.append(history.placeholders(older))
         older_start = len(messages)
         messages += history.messages(older)
         kept_messages = len(messages) - older_start
@@ -730,9 +746,13 @@ class _Compilation:
                         self._pruned_output(len(messages), entry.turn.raw[position], form)
                     )
                 messages.append(form.message)
-        if self.rules_msg is not None and not rules_placed:
-            messages.append(self.rules_msg)
-        return kept_raw, kept_messages
+                if form.placeholders:
+                    shown.append(form.placeholders)
+        if self.rules_msg is not None:
+            if not rules_placed:
+                messages.append(self.rules_msg)
+            shown.append(message_placeholders(self.rules_msg))
+        return kept_raw, kept_messages, frozenset().union(*shown)
 
     def _mark_window_start(self) -> None:
         """Remember the oldest turn sent, where the next compile's window starts looking."""

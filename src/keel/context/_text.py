@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from keel.tokens import Tokenizer
 
-__all__ = ["cut_middle", "elision_marker", "head_tokens", "pruning_marker", "tail_tokens"]
+__all__ = ["cut_middle", "elision_marker", "head_tokens", "pruning_marker"]
 
 _CHARS_PER_TOKEN_GUESS = 6
 
@@ -22,28 +22,11 @@ def _head_ids(tokenizer: Tokenizer, text: str, count: int) -> list[int]:
         chars *= 2
 
 
-def _tail_ids(tokenizer: Tokenizer, text: str, count: int) -> list[int]:
-    chars = count * _CHARS_PER_TOKEN_GUESS
-    while True:
-        ids = tokenizer.encode(text[-chars:])
-        if len(ids) > count or chars >= len(text):
-            return ids[-count:] if count else []
-        chars *= 2
-
-
 def head_tokens(tokenizer: Tokenizer, text: str, count: int) -> str:
     """The text of (at most) the first ``count`` tokens of ``text``."""
     if count <= 0 or not text:
         return ""
     return tokenizer.decode(_head_ids(tokenizer, text, count)).rstrip("\ufffd")
-
-
-def tail_tokens(tokenizer: Tokenizer, text: str, count: int) -> str:
-    """The text of (at most) the last ``count`` tokens of ``text``."""
-    if count <= 0 or not text:
-        return ""
-    # The first kept token may start inside a word; that is fine for a tail.
-    return tokenizer.decode(_tail_ids(tokenizer, text, count)).lstrip("\ufffd")
 
 
 def pruning_marker(original_tokens: int) -> str:

@@ -12,9 +12,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from keel._model_json import ArgumentsNotJSONError, parse_arguments
 from keel.errors import LoopDetectedError
 from keel.guards._config import GuardConfig
-from keel.tools._repair import ArgumentsNotJSONError, parse_arguments
 
 __all__ = ["LoopDetector", "LoopKind", "LoopSignal", "normalize_arguments"]
 

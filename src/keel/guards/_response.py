@@ -9,10 +9,9 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
+from keel._model_json import ArgumentsNotJSONError, format_validation_error, parse_arguments
 from keel.errors import MalformedResponseError, TruncatedResponseError
 from keel.models import Completion
-from keel.tools._executor import format_validation_error
-from keel.tools._repair import ArgumentsNotJSONError, parse_arguments
 
 __all__ = [
     "ResponseProblem",

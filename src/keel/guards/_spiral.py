@@ -18,10 +18,12 @@ prompt limit is known, prompts pinned near the limit while retries climb.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -185,7 +187,7 @@ class SpiralMonitor:
         else:
             name = "all"
         with self._lock:
-            return self._compute(name, self._scope(name))[0]
+            return self._compute(name, self._scope(name))[0]()
 
     def _evaluate(self, session_id: str | None, agent: str | None) -> list[SpiralSnapshot]:
         crossed: list[SpiralSnapshot] = []
@@ -194,22 +196,27 @@ class SpiralMonitor:
                 scope = self._scope(name)
                 # Keyed by indicator, not by its text: a retry rate moving from 50% to 56% is
                 # the same crossing, logged once.
-                snap, keys = self._compute(name, scope)
+                snapshot, keys = self._compute(name, scope)
                 new = keys - scope.warned
                 scope.warned = keys
                 if new:
-                    crossed.append(snap)
+                    crossed.append(snapshot())
         for snap in crossed:
             logger.warning(
                 "death-spiral indicators for %s: %s", snap.scope, "; ".join(snap.warnings)
             )
         return crossed
 
-    def _compute(self, name: str, scope: _Scope) -> tuple[SpiralSnapshot, frozenset[str]]:
+    def _compute(
+        self, name: str, scope: _Scope
+    ) -> tuple[Callable[[], SpiralSnapshot], frozenset[str]]:
+        """The indicators' warnings, and what makes their snapshot: made only when asked for
+        (a model call that crosses no new threshold, nearly every one, makes none)."""
         limits = self.thresholds
         calls = list(scope.calls)
         count = len(calls)
-        retry_rate = sum(call.retry for call in calls) / count if count else 0.0
+        retries = [call.retry for call in calls]
+        retry_rate = sum(retries) / count if count else 0.0
         prompts = [call.prompt_tokens for call in calls]
         avg_prompt = sum(prompts) / count if count else 0.0
         growth = 1.0
@@ -223,7 +230,7 @@ class SpiralMonitor:
             older = sum(prompts[:half]) / half
             newer = sum(prompts[-half:]) / half
             growth = newer / older if older > 0 else 1.0
-            climbing = sum(c.retry for c in calls[-half:]) > sum(c.retry for c in calls[:half])
+            climbing = sum(retries[-half:]) > sum(retries[:half])
             known = [c.prompt_limit for c in calls[-half:] if c.prompt_limit]
             if known:
                 fill = newer / (sum(known) / len(known))
@@ -250,7 +257,8 @@ class SpiralMonitor:
             warnings["resets"] = f"{resets} state resets > {limits.max_state_resets}"
         if avg_ttft is not None and avg_ttft > limits.max_ttft_ms:
             warnings["ttft"] = f"time to first token {avg_ttft:.0f} ms > {limits.max_ttft_ms:g} ms"
-        snapshot = SpiralSnapshot(
+        snapshot = functools.partial(
+            SpiralSnapshot,
             scope=name,
             calls=count,
             retry_rate=retry_rate,

@@ -25,16 +25,10 @@ from keel.privacy import (
     privacy_view,
 )
 from keel.settings import load_settings
-from keel.state import StateBackend, StateStore
-from keel.stores import (
-    PostgresStateBackend,
-    SQLiteStateBackend,
-    open_state_backend,
-    open_vault,
-    pii_key_from_settings,
-)
+from keel.state import StateStore
+from keel.stores import Backends, StoreName
 
-__all__ = ["NEEDS_VAULT", "PrivateHistory", "map_texts", "open_with_vault"]
+__all__ = ["NEEDS_VAULT", "PrivateHistory", "map_texts", "open_history_stores"]
 
 NEEDS_VAULT = (
     "{} holds values sealed in a PII vault: write to it with that vault (vault=, or "
@@ -52,7 +46,7 @@ class PrivateHistory(Generic[S]):
 
     Raises:
         UsageError: not exactly one of ``database`` and ``state``, or an empty tenant.
-        VaultKeyError: as `open_with_vault`.
+        VaultKeyError: as `open_history_stores`.
     """
 
     def __init__(
@@ -75,10 +69,11 @@ class PrivateHistory(Generic[S]):
         self.user_id = user_id or conversation_id
         self.masker = DEFAULT_MASKER if masker is None else masker
         self.vault = vault
-        self._owns_state = state is None
+        self._backends: Backends | None = None
         if state is None:
-            backend, self.vault = open_with_vault(str(database), vault)
-            state = StateStore(backend, schema)
+            self._backends = open_history_stores(str(database), vault)
+            self.vault = vault if vault is not None else self._backends.vault
+            state = StateStore(self._backends.state.backend, schema)
         self.state: StateStore[S] = state
 
     @property
@@ -111,13 +106,13 @@ class PrivateHistory(Generic[S]):
 
     def close(self) -> None:
         """Release the database this opened (a ``state`` passed in stays open)."""
-        if self._owns_state:
-            self.state.close()
+        if self._backends is not None:
+            self._backends.close()
 
     async def aclose(self) -> None:
         """Async twin of `close`."""
-        if self._owns_state:
-            await self.state.aclose()
+        if self._backends is not None:
+            await self._backends.aclose()
 
     async def __aenter__(self) -> Self:
         return self
@@ -126,40 +121,29 @@ class PrivateHistory(Generic[S]):
         await self.aclose()
 
 
-def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault | None]:
-    """The state backend ``url`` names, and the vault the adapter uses: ``vault`` when given;
-    else, for a SQL URL, the one an agent on that very database gets from ``Backends.open``
-    ([`keel.stores.open_vault`][]): under ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; with
-    neither, on SQLite under keel's own key file in the config directory, on PostgreSQL none
-    (refused where the database holds a vault); none with ``KEEL_PII_VAULT=off``, or for a
-    Redis URL. The vault's store closes with the backend.
+def open_history_stores(url: str, vault: Vault | None) -> Backends:
+    """The stores an adapter's history lives on, opened by [`Backends.open`][] from ``url``:
+    the state there (whatever ``KEEL_REDIS_URL`` says), and unless ``vault`` is given (the
+    adapter uses it) or ``url`` is Redis's, the vault an agent on that very database gets:
+    under ``KEEL_PII_KEY`` / ``KEEL_PII_KEY_FILE``; with neither, on SQLite under keel's own
+    key file in the config directory, on PostgreSQL none (refused where the database holds a
+    vault); none with ``KEEL_PII_VAULT=off``. Closing them closes the database.
 
     Raises:
-        VaultKeyError: the environment's key is malformed (nothing is opened), or the key is
-            not the database's vault's, or a PostgreSQL database holds a vault and no key is
-            given (the backend is closed again).
-        ConfigError: ``KEEL_PII_VAULT`` is not a yes or a no.
+        VaultKeyError: the environment's key is malformed, or the key is not the database's
+            vault's, or a PostgreSQL database holds a vault and no key is given (nothing is
+            left open).
+        ConfigError: ``KEEL_PII_VAULT`` is not a yes or a no, or ``url`` is none keel opens.
     """
-    settings = load_settings() if vault is None and _names_sql(url) else None
-    wanted = settings is not None and settings.pii_vault
-    # The keys Backends.open takes: the current one, and the previous one mid-rotation.
-    keys = pii_key_from_settings(settings) if settings is not None and wanted else None
-    backend = open_state_backend(url)
-    if not wanted:
-        return backend, vault
-    try:
-        if isinstance(backend, SQLiteStateBackend):
-            return backend, open_vault(backend.db, keys)
-        assert isinstance(backend, PostgresStateBackend)
-        return backend, open_vault(backend.database, keys)
-    except BaseException:
-        backend.close()
-        raise
+    only: tuple[StoreName, ...] = (
+        ("state",) if vault is not None or _names_redis(url) else ("state", "vault")
+    )
+    return Backends.open(url, settings=load_settings(), only=only, redis_url="")
 
 
-def _names_sql(url: str) -> bool:
+def _names_redis(url: str) -> bool:
     try:
-        return parse_database_url(url).kind != "redis"
+        return parse_database_url(url).kind == "redis"
     except ConfigError:
         return False  # the opener says what is wrong with it
 

@@ -10,7 +10,6 @@ from keel.memory._records import MemoryRecord
 
 __all__ = [
     "RECORD_COLUMNS",
-    "current_fact",
     "current_fact_sql",
     "filter_sql",
     "from_epoch",
@@ -107,12 +106,6 @@ def current_fact_sql(record: MemoryRecord, placeholder: str) -> tuple[str, tuple
         f"AND user_id = {p} AND subject = {p} AND attribute = {p} AND valid_to IS NULL",
         (record.tenant_id, record.user_id, record.subject, record.attribute),
     )
-
-
-def current_fact(conn: Any, record: MemoryRecord, placeholder: str) -> list[MemoryRecord]:
-    """The current value(s) of ``record``'s fact, read on ``conn`` (a DB-API connection of
-    either store, inside the transaction that writes the new value)."""
-    return [record_from_row(row) for row in conn.execute(*current_fact_sql(record, placeholder))]
 
 
 def filter_sql(filters: Any, placeholder: str, prefix: str = "") -> tuple[str, list[Any]]:

@@ -59,8 +59,12 @@ class MemoryStore(ABC):
 
     Implementations: ``keel.stores.SQLiteMemoryStore`` (embedded, exact vector search over a
     numpy matrix kept in step with the rows) and ``keel.stores.PostgresMemoryStore``
-    (tsvector + pgvector HNSW). Methods are synchronous; [`keel.memory.Memory`][] runs them
-    in a worker thread for its async API.
+    (tsvector + pgvector HNSW), both over ``keel.stores`` ``SQLMemoryStore``.
+
+    Sync/async contract: every method is blocking and thread-safe, with no async twins: a
+    memory operation is several store calls and an embedding, so [`keel.memory.Memory`][]
+    runs the whole operation on keel's blocking pool (`keel._bridge.run_blocking`) for its
+    async API.
     """
 
     @abstractmethod

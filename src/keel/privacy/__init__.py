@@ -46,7 +46,7 @@ from keel.privacy._vault import (
     defang_placeholders,
     placeholders_in,
 )
-from keel.privacy._view import PrivacyView, privacy_view, storable
+from keel.privacy._view import PrivacyView, message_placeholders, privacy_view, storable
 
 __all__ = [
     "DEFAULT_MASKER",
@@ -73,6 +73,7 @@ __all__ = [
     "defang_placeholders",
     "key_provider_from_env",
     "mask_pii",
+    "message_placeholders",
     "placeholders_in",
     "privacy_view",
     "storable",

@@ -104,7 +104,8 @@ class PIIMasker:
         self.tenant_policies: dict[str, MaskingPolicy] = dict(tenant_policies or {})
         self._extra = tuple(extra_detectors)
         self._presidio: Any = None
-        self._detectors: dict[MaskingPolicy, list[Detector]] = {}
+        self._detectors: dict[int, tuple[MaskingPolicy, list[Detector]]] = {}
+        """The detectors of each policy, by the policy's identity (see ``_results``)."""
         # Masking is a pure function of (policy, text); the same texts come back many times
         # (a message masked by the agent, then by the tracer, then its report), so recent
         # results are kept, per policy object: a frozen model's hash hashes every field on
@@ -133,12 +134,14 @@ class PIIMasker:
         policy = self.policy_for(tenant_id)
         if not policy.enabled or not text:
             return []
-        detectors = self._detectors.get(policy)
-        if detectors is None:
+        kept = self._detectors.get(id(policy))
+        if kept is None or kept[0] is not policy:
             detectors = [d for d in (*DETECTORS, *self._extra) if d.entity in policy.entities]
             detectors.extend(d for d in self._extra if d.entity not in policy.entities)
-            self._detectors[policy] = detectors
-        found = find_all(text, detectors)
+            if len(self._detectors) >= _CACHED_POLICIES:
+                del self._detectors[next(iter(self._detectors))]
+            kept = self._detectors[id(policy)] = (policy, detectors)
+        found = find_all(text, kept[1])
         if policy.presidio and self._presidio is not None:
             found = _merge(found, _presidio_findings(self._presidio, text))
         return [finding for finding in found if finding.text not in policy.allow]
@@ -236,6 +239,21 @@ class PIIMasker:
     ) -> str:
         """Just the masked text (``remember``, ``numbering``, ``batch_numbering``: as
         [`mask`][])."""
+        if remember and len(text) <= _CACHED_TEXT_CHARS:
+            # The common case, first and inline: a text met before (a trace's keys and
+            # labels, a message masked again by the tracer), kept as ``mask`` keeps it.
+            policy = (
+                self.policy
+                if tenant_id is None
+                else self.tenant_policies.get(tenant_id, self.policy)
+            )
+            kept = self._results.get(id(policy))
+            if kept is not None and kept[0] is policy:
+                result = kept[1].get(text)
+                if result is not None and (
+                    not result.placeholders or (numbering is None and batch_numbering is None)
+                ):
+                    return result.text
         return self.mask(
             text,
             tenant_id=tenant_id,

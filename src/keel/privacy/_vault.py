@@ -65,6 +65,8 @@ _PLACEHOLDER_TEXT = re.compile(r"<[A-Z][A-Z0-9_]*_[1-9][0-9]{0,8}>")
 """[`PLACEHOLDER`][] without its groups: ``findall`` gives the placeholders themselves (a
 prompt is scanned before every model call)."""
 
+_NO_PLACEHOLDERS: frozenset[str] = frozenset()
+
 _DEFANGED = "\u2039{}\u203a"
 """How a placeholder-shaped text keel did not write is shown: ``<EMAIL_1>`` between single
 guillemets (U+2039, U+203A) instead of ``<`` and ``>``, still readable, never a placeholder."""
@@ -85,6 +87,17 @@ FOREIGN_REASON = (
 def placeholders_in(text: str) -> list[str]:
     """The placeholders written in ``text``, each once, in order."""
     return list(dict.fromkeys(match.group(0) for match in PLACEHOLDER.finditer(text)))
+
+
+def placeholders_written(texts: Iterable[str]) -> frozenset[str]:
+    """The placeholders written in ``texts``, as [`UserVault.note_shown`][] notes them."""
+    found: frozenset[str] = _NO_PLACEHOLDERS
+    for text in texts:
+        if "<" in text:
+            written = _PLACEHOLDER_TEXT.findall(text)
+            if written:
+                found = found.union(written)
+    return found
 
 
 def defang_placeholders(text: str, keep: Container[str] = frozenset()) -> str:
@@ -141,8 +154,12 @@ class VaultStore(ABC):
     A value row is ``(tenant_id, user_id, entity, number, token, sealed)``: ``token`` is the
     value's HMAC (unique per user), ``number`` counts per user and entity from 1 and is never
     reused, not even after ``forget`` (a new value must not take a forgotten value's
-    placeholder, which histories still hold). Methods are blocking and thread-safe; async code
-    calls them through `keel._bridge.run_blocking`.
+    placeholder, which histories still hold).
+
+    Sync/async contract: every method is blocking and thread-safe, with no async twins. A
+    caller on an event loop hands a whole unit of work (a message masked: several reads and a
+    write) to [`acall`][], which runs it the way the store should: on keel's blocking pool by
+    default, inline on SQLite unless it would wait (the database's own rule).
     """
 
     @abstractmethod
@@ -239,7 +256,7 @@ class VaultStore(ABC):
     def close(self) -> None:  # noqa: B027 - most stores hold nothing of their own
         """Release what the store holds (the database is closed by its owner)."""
 
-    async def arun(self, call: Callable[[], _T]) -> _T:
+    async def acall(self, call: Callable[[], _T]) -> _T:
         """Run ``call`` (blocking work on this store) for an event loop: on the bridge's pool
         of blocking threads (a round trip to a server must not stall the loop). A store whose
         calls take microseconds and wait for no one may run them inline instead."""
@@ -459,6 +476,16 @@ class UserVault:
                 shown.update(_PLACEHOLDER_TEXT.findall(text))
                 scanned.add(text)
         self._shown = shown
+
+    def note_placeholders_shown(self, placeholders: Iterable[str]) -> None:
+        """[`note_shown`][] of a prompt whose placeholders are known already (a compiled
+        prompt keeps them as its history grows, see
+        [`CompiledPrompt`][keel.context.CompiledPrompt]): the model is shown exactly
+        ``placeholders``, and no text is scanned again."""
+        if self._shown is None:
+            self._shown = set(placeholders)
+        else:
+            self._shown.update(placeholders)
 
     def is_foreign(self, placeholder: str) -> bool:
         """Whether ``placeholder`` came from text keel did not write: neither placed by this

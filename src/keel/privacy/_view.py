@@ -15,7 +15,7 @@ there is one answer to "which placeholder does this value get, and who may read 
 
 A view lives as long as its unit of work: it holds the user's data key (through its
 ``UserVault``) and a memo of the texts it masked, and neither outlives it. Its async methods
-keep the vault's reads and writes off the event loop ([`VaultStore.arun`][]).
+keep the vault's reads and writes off the event loop ([`VaultStore.acall`][]).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from keel.privacy._vault import (
     Vault,
     defang_placeholders,
     placeholders_in,
+    placeholders_written,
 )
 
-__all__ = ["PrivacyView", "privacy_view", "storable"]
+__all__ = ["PrivacyView", "message_placeholders", "privacy_view", "storable"]
 
 _MASKED_KEPT = 512
 _MASKED_TEXT_CHARS = 16_384
@@ -54,6 +55,14 @@ _Payload = TypeVar("_Payload")
 def storable(text: str) -> str:
     """Text that can be stored: lone surrogates (legal in JSON, not in UTF-8) become U+FFFD."""
     return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+def message_placeholders(message: Message) -> frozenset[str]:
+    """The placeholders a model is shown in ``message``: those written in its content and in
+    its tool calls' arguments (what [`PrivacyView.note_shown`][] notes of it)."""
+    if not message.tool_calls:
+        return placeholders_written((message.content,))
+    return placeholders_written((message.content, *(call.arguments for call in message.tool_calls)))
 
 
 def privacy_view(
@@ -149,7 +158,7 @@ class PrivacyView:
         if masked is not None:
             return masked
         if _SLOT_MARK in text:
-            return await user_vault.vault.store.arun(functools.partial(self.mask, text))
+            return await user_vault.vault.store.acall(functools.partial(self.mask, text))
         found: list[tuple[str, str]] = []
 
         def slots(values: Sequence[tuple[str, str]]) -> list[str]:
@@ -161,7 +170,7 @@ class PrivacyView:
         template = self.masker.mask_text(text, tenant_id=self.tenant_id, batch_numbering=slots)
         if not found:
             return template
-        placed = await user_vault.vault.store.arun(
+        placed = await user_vault.vault.store.acall(
             functools.partial(user_vault.placeholders, found)
         )
         masked = _SLOT.sub(lambda slot: placed[int(slot.group(1))], template)
@@ -200,16 +209,25 @@ class PrivacyView:
             return text
         return self.user_vault.defang_foreign(text)
 
-    def note_shown(self, messages: Iterable[Message]) -> None:
+    def note_shown(
+        self, messages: Iterable[Message], *, placeholders: Iterable[str] | None = None
+    ) -> None:
         """Note the placeholders of ``messages`` (a prompt about to be sent) as shown to the
         model: from now on this view resolves and reveals those and the ones it placed, no
-        other."""
-        if self.user_vault is not None:
-            self.user_vault.note_shown(
-                text
-                for message in messages
-                for text in (message.content, *(call.arguments for call in message.tool_calls))
-            )
+        other. ``placeholders``: those of ``messages`` when the caller knows them already (a
+        compiled prompt's, kept as its history grew: see
+        [`CompiledPrompt`][keel.context.CompiledPrompt]): then no message is scanned, and a
+        turn's cost does not grow with the window."""
+        if self.user_vault is None:
+            return
+        if placeholders is not None:
+            self.user_vault.note_placeholders_shown(placeholders)
+            return
+        self.user_vault.note_shown(
+            text
+            for message in messages
+            for text in (message.content, *(call.arguments for call in message.tool_calls))
+        )
 
     def mask_untrusted(self, text: str) -> str:
         """[`mask`][] of what a model or a tool wrote ([`untrusted`][] first)."""
@@ -294,7 +312,7 @@ class PrivacyView:
         """[`reveal`][], its read of the vault off the event loop."""
         if self.user_vault is None or not text or PLACEHOLDER.search(text) is None:
             return text
-        return await self.user_vault.vault.store.arun(
+        return await self.user_vault.vault.store.acall(
             functools.partial(self.user_vault.reveal, text)
         )
 
@@ -338,7 +356,7 @@ class PrivacyView:
         if self.user_vault is None or output is None:
             return output
         reveal = functools.partial(_changed_output, output, self.reveal)
-        return await self.user_vault.vault.store.arun(reveal)
+        return await self.user_vault.vault.store.acall(reveal)
 
     async def amask_output(self, output: Any) -> Any:
         """A structured answer (see [`areveal_output`][]) with every string in it masked as
@@ -349,7 +367,7 @@ class PrivacyView:
         mask = functools.partial(_changed_output, output, self.mask_untrusted)
         if self.user_vault is None:
             return mask()
-        return await self.user_vault.vault.store.arun(mask)
+        return await self.user_vault.vault.store.acall(mask)
 
     async def revealed(self, payload: _Payload) -> _Payload:
         """``payload`` (JSON-ready: dicts, lists, strings) with every placeholder the user can
@@ -362,7 +380,7 @@ class PrivacyView:
         found = list(dict.fromkeys(p for text in _strings(payload) for p in placeholders_in(text)))
         if not found:
             return payload
-        values = await viewer.vault.store.arun(functools.partial(_resolvable, viewer, found))
+        values = await viewer.vault.store.acall(functools.partial(_resolvable, viewer, found))
         if not values:
             return payload
         replaced: _Payload = _replaced(payload, values)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from keel.runtime._agent import Agent, session_key
 from keel.runtime._approvals import Approvals
-from keel.runtime._backends import Backends
 from keel.runtime._events import (
     AgentEvent,
     ApprovalDecided,
@@ -23,6 +22,7 @@ from keel.runtime._events import (
 )
 from keel.runtime._reply import AgentReply, AgentStatus, PendingApproval
 from keel.runtime._tool_loop import LoopHooks, LoopResult, LoopStatus, StepRecord, ToolLoop
+from keel.stores import Backends
 
 __all__ = [
     "Agent",

@@ -39,7 +39,6 @@ from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions
 from keel.privacy import DEFAULT_MASKER, NoVault, PIIMasker, Vault
 from keel.runtime._approvals import Approvals
-from keel.runtime._backends import Backends
 from keel.runtime._decisions import (
     DecideOptions,
     answer_session,
@@ -69,6 +68,7 @@ from keel.runtime._turn import RunExtras, SessionLogs, TurnDeps, TurnOptions
 from keel.runtime._workflow import Workflow
 from keel.settings import Settings
 from keel.state import AgentState, StateMachine, StateStore
+from keel.stores import Backends
 from keel.tools import InMemoryJournal, MCPServer, Tool, ToolJournal
 from keel.tracing import Tracer
 

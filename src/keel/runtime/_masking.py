@@ -240,15 +240,18 @@ class Masking:
         shown as their values, for the caller; as it is without a vault."""
         return await self.view.areveal_output(output)
 
-    async def afor_model(self, messages: Sequence[Message]) -> list[Message]:
+    async def afor_model(
+        self, messages: Sequence[Message], placeholders: frozenset[str] | None = None
+    ) -> list[Message]:
         """`for_model`, the vault read off the event loop when there is one to do. The
-        placeholders in ``messages`` are noted as shown to the model: from now on the turn
-        resolves and reveals those and the ones it placed, no other."""
-        self.view.note_shown(messages)
+        placeholders in ``messages`` (``placeholders`` when the compiled prompt knows them)
+        are noted as shown to the model: from now on the turn resolves and reveals those and
+        the ones it placed, no other."""
+        self.view.note_shown(messages, placeholders=placeholders)
         user_vault = self.user_vault
         if self.model_sees != "values" or user_vault is None:
             return list(messages)
-        return await user_vault.vault.store.arun(functools.partial(self.for_model, messages))
+        return await user_vault.vault.store.acall(functools.partial(self.for_model, messages))
 
     def for_model(self, messages: Sequence[Message]) -> list[Message]:
         """The compiled prompt as the model is shown it: revealed when the deployment trusts

@@ -23,7 +23,6 @@ from keel.guards import GuardConfig, SpiralMonitor
 from keel.models import ChatModel, ModelOptions, resolve_model
 from keel.privacy import DEFAULT_MASKER, NoVault, PIIMasker, Vault
 from keel.runtime._approvals import Approvals
-from keel.runtime._backends import Backends, open_at_edge
 from keel.runtime._hand_off import MemoryHandOff
 from keel.runtime._masking import Masking, ModelSees
 from keel.runtime._replies import Recent
@@ -31,6 +30,7 @@ from keel.runtime._turn import SessionLogs, TurnDeps
 from keel.runtime._workflow import Workflow
 from keel.settings import Settings, load_settings
 from keel.state import AgentState, StateMachine, StateStore
+from keel.stores import Backends
 from keel.tools import MCPServer, Tool, ToolJournal
 from keel.tracing import Tracer
 
@@ -163,9 +163,12 @@ def open_agent(
         )
     # One privacy policy for messages, the journal, memory and traces; None turns it off.
     privacy = options.get("masker", DEFAULT_MASKER)
-    backends, settings = open_at_edge(
-        database, settings, redis_url=redis_url, memory=memory, privacy=privacy
+    if settings is None and not isinstance(database, Settings):
+        settings = load_settings()  # an edge: the settings are read here, once
+    backends = Backends.open(
+        database, settings=settings, redis_url=redis_url, memory=memory, privacy=privacy
     )
+    settings = backends.settings
     try:
         chat_model = model if isinstance(model, ChatModel) else resolve_model(model, settings)
         agent = agent_on_backends(

@@ -14,13 +14,13 @@ without hooks (`TurnRunner`):
 
 ```python
 from keel.runtime import LoopHooks, ToolLoop
-from keel.stores import SQLiteDatabase, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLToolJournal
 
 loop = ToolLoop(
     model,
     [search_flights, book_flight],              # @tool functions, or a ToolRegistry
     guards=GuardConfig(max_steps=12, run_timeout_s=60),
-    journal=SQLiteToolJournal(SQLiteDatabase("keel.db")),
+    journal=SQLToolJournal(SQLiteDatabase("keel.db")),
     hooks=LoopHooks(before_model_call=checkpoint, revert_to_last_good=revert),
 )
 result = await loop.arun(messages, session_id="user-42", first_step=next_step)
@@ -122,7 +122,7 @@ class ToolLoop:
         tools: the tools the model may call: a registry, or tools and typed functions.
         guards: limits and thresholds (defaults: the seed values).
         journal: exactly-once journal for side-effecting tools (default: in memory; pass a
-            ``SQLiteToolJournal`` or ``PostgresToolJournal`` for crash safety).
+            ``SQLToolJournal`` or ``SQLToolJournal`` for crash safety).
         hooks: the agent's callables (checkpoint, trace, fingerprint, revert).
         monitor: a shared death-spiral monitor (default: one per loop).
         agent: the agent's name, for the monitor's per-agent indicators.

@@ -547,7 +547,8 @@ class TurnRunner:
             self.log.conversation, self.deps.workflow.rules(self.cursor.position)
         )
         # The model is shown values only when the deployment trusts it; the log keeps masks.
-        return await self.deps.masking.afor_model(compiled)
+        shown = self.prompt.last.placeholders if self.prompt.last is not None else None
+        return await self.deps.masking.afor_model(compiled, shown)
 
     # --- after each step ------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from keel._bridge import run_blocking
 from keel.errors import UsageError
 from keel.stores import PostgresDatabase, SQLiteDatabase
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._postgres import apply_migrations
+from keel.stores._sql_plan import Plan, Statement
 
 __all__ = ["APIKey", "APIKeys", "CachedKeys", "Caller", "bearer_key", "key_id_of"]
 
@@ -164,30 +164,15 @@ class APIKeys:
     ) -> None:
         self.database = database
         self._clock = clock
-        self._sqlite = isinstance(database, SQLiteDatabase)
-        if isinstance(database, SQLiteDatabase):
-            database.setup(KEY_MIGRATIONS)
-        else:
-            with database.transaction() as conn:
-                apply_migrations(conn, KEY_MIGRATIONS)
-
-    def _sql(self, statement: str) -> str:
-        return statement if self._sqlite else statement.replace("?", "%s")
+        database.migrate(KEY_MIGRATIONS)
 
     def _execute(self, statement: str, parameters: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        if isinstance(self.database, SQLiteDatabase):
-            with self.database.transaction() as conn:
-                return list(conn.execute(statement, parameters).fetchall())
-        with self.database.transaction() as conn:
-            cursor = conn.execute(self._sql(statement), parameters)
-            return list(cursor.fetchall()) if cursor.description is not None else []
+        """One write, in a transaction of its own: the rows it returns."""
+        return self.database.run(lambda: _rows(Statement(statement, parameters)))
 
     def _query(self, statement: str, parameters: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        if isinstance(self.database, SQLiteDatabase):
-            with self.database.translated() as conn:
-                return list(conn.execute(statement, parameters).fetchall())
-        with self.database.connection() as conn:
-            return list(conn.execute(self._sql(statement), parameters).fetchall())
+        """One read: its rows."""
+        return self.database.run(lambda: _rows(Statement(statement, parameters)), write=False)
 
     def create(self, tenant_id: str, user_id: str | None = None) -> str:
         """A new key for ``tenant_id`` (only ``user_id``'s data when given; the tenant's
@@ -220,15 +205,12 @@ class APIKeys:
         """[`caller_of`][] for an event loop. On PostgreSQL it reads on the async pool the
         agent's stores use (already open when the server is ready), not on the sync one: a
         worker's first request would otherwise open a connection of its own."""
-        if isinstance(self.database, SQLiteDatabase):
-            return await self.database.arun(lambda: self.caller_of(key))
         parsed = _parsed(key)
         if parsed is None:
             return None
         key_id, secret = parsed
-        async with self.database.aconnection() as conn:
-            cursor = await conn.execute(self._sql(_LIVE_KEY), (key_id,))
-            return _verified(list(await cursor.fetchall()), key_id, secret)
+        read = Statement(_LIVE_KEY, (key_id,))
+        return _verified(await self.database.arun(lambda: _rows(read), write=False), key_id, secret)
 
     async def atenant_of(self, key: str) -> str | None:
         """[`tenant_of`][] for an event loop."""
@@ -273,12 +255,10 @@ class APIKeys:
         """End a viewer session (signing out): its token answers nothing from now on."""
         self._execute("DELETE FROM keel_ui_sessions WHERE token_sha256 = ?", (_digest(token),))
 
-    async def arun(self, call: Callable[[], _T]) -> _T:
-        """``call`` (one of these methods) for an event loop: on SQLite as its database runs
-        a short store call, on PostgreSQL in a worker thread."""
-        if isinstance(self.database, SQLiteDatabase):
-            return await self.database.arun(call)
-        return await run_blocking(call)
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        """``call`` (one of these methods) for an event loop, as the database runs a blocking
+        call: on SQLite inline unless it would wait, on PostgreSQL on keel's blocking pool."""
+        return await self.database.acall(call)
 
     def list(self, tenant_id: str | None = None) -> list[APIKey]:
         """The keys (of one tenant, or all), newest first; never their secrets."""
@@ -366,3 +346,7 @@ class CachedKeys:
         if found is not None:
             self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
         return found
+
+
+def _rows(statement: Statement) -> Plan[list[tuple[Any, ...]]]:
+    return [tuple(row) for row in (yield statement).rows]

@@ -16,13 +16,12 @@ from keel.errors import ConfigError
 from keel.models import ChatModel, resolve_model
 from keel.privacy import DEFAULT_MASKER
 from keel.runtime import Agent, Backends
-from keel.runtime._backends import open_at_edge
 from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
 from keel.service._source import AgentSource, load_agent
-from keel.settings import Settings, validation_problems
+from keel.settings import Settings, load_settings, validation_problems
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -252,9 +251,11 @@ def build_service(
         UsageError: ``agent``'s factory returned something other than an Agent."""
     # The service's edge, opened as Agent.open opens: the settings are read there (when not
     # given) and handed down; every tenant's agent shares the stores and their privacy policy.
-    backends, settings = open_at_edge(
+    if settings is None:
+        settings = load_settings()
+    backends = Backends.open(
         database or None,
-        settings,
+        settings=settings,
         redis_url=redis_url,
         memory=memory,
         privacy=agent_options.get("masker", DEFAULT_MASKER),

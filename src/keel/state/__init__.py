@@ -4,14 +4,17 @@
 from typing import Annotated
 from pydantic import BaseModel
 from keel.messages import Message
+from keel.settings import load_settings
 from keel.state import StateStore, add_messages
-from keel.stores import open_state_backend
+from keel.stores import Backends
 
 class Chat(BaseModel):
     messages: Annotated[list[Message], add_messages] = []
     step: int = 0
 
-store = StateStore(open_state_backend("sqlite:///keel.db"), Chat)
+# The state store alone: its backend owns the database, and closing the store closes it.
+opened = Backends.open("sqlite:///keel.db", settings=load_settings(), only=("state",))
+store = StateStore(opened.state.backend, Chat)
 cp = store.create("s1", Chat())
 cp = store.update("s1", {"messages": [Message.user("hi")]}, expected_version=cp.version)
 ```

@@ -49,7 +49,8 @@ class StateStore(Generic[S]):
     the same code, blocking.
 
     Args:
-        backend: where checkpoints live (``keel.stores.open_state_backend(url)`` builds one).
+        backend: where checkpoints live (``Backends.open(url, settings=..., only=("state",))``
+            opens one alone: ``.state.backend``).
         schema: the state type, or a ``StateSchema`` with its version and migrations.
         retention: how much history ``vacuum()`` keeps per session.
         snapshot_every: the fewest versions between two full snapshots (the rest are deltas).

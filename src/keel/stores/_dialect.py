@@ -2,8 +2,8 @@
 stores disagree on spelling.
 
 Each store's statements are written once, with ``?`` markers, over a `SqlDialect`
-(see ``_sql_journal.py``); the per-engine modules keep only what really differs (how a
-connection and a transaction are opened, vector search, full text, compare-and-set specifics).
+(see ``_sql_journal.py``), as plans its database runs; the per-engine modules keep only what
+really differs (vector search, full text, secure delete, a pipelined batch).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from keel.stores._sql_plan import Plan
+
 __all__ = [
     "AVERAGE_LENGTH_MILLI",
     "SCOPE_ROWS",
@@ -131,13 +133,19 @@ class TermFrequencies:
         self._counts: dict[tuple[str, str, str], tuple[int, int]] = {}
 
     def get(
-        self, scope: tuple[str, str], term: str, total_rows: int, count: Callable[[str], int]
-    ) -> int:
+        self,
+        scope: tuple[str, str],
+        term: str,
+        total_rows: int,
+        count: Callable[[str], Plan[int]],
+    ) -> Plan[int]:
+        """The count of ``term`` in ``scope``: the one kept, while it is close enough, else
+        what the plan ``count(term)`` counts (a statement of the store's search plan)."""
         key = (*scope, term)
         cached = self._counts.get(key)
         if cached is not None and total_rows - cached[1] <= 0.05 * cached[0]:
             return cached[0]
-        value = count(term)
+        value = yield from count(term)
         if len(self._counts) >= self.max_entries:
             self._counts.clear()
         self._counts[key] = (value, total_rows)
@@ -152,9 +160,9 @@ class TermFrequencies:
         scope_rows: int,
         listed: int,
         budget: int,
-        count: Callable[[str, int], int],
+        count: Callable[[str, int], Plan[int]],
         most_common_rows: int | None = None,
-    ) -> KeywordPlan:
+    ) -> Plan[KeywordPlan]:
         """Plan ``terms`` for one scope of ``scope_rows`` rows, for a search listing ``listed``
         rows; ``count(term, limit)`` counts the scope's matching rows up to ``limit``. Only its
         uninformative terms are dropped from a table within the budget: it is ranked in full.
@@ -164,13 +172,28 @@ class TermFrequencies:
         # this small.
         enough = max(scope_rows // 2, listed) + 1
         if total_rows <= budget:
-            small = {t: self.get(scope, t, total_rows, lambda t: count(t, enough)) for t in unique}
+            small = yield from self._counts_of(
+                scope, unique, total_rows, lambda t: count(t, enough)
+            )
             return KeywordPlan(informative_terms(small, scope_rows, listed), total_rows=total_rows)
         cap = common_term_cap(total_rows, most_common_rows)
         # Past the cap a term is dropped as common: counted no further.
         limit = min(cap + 1, enough)
-        frequency = {t: self.get(scope, t, total_rows, lambda t: count(t, limit)) for t in unique}
+        frequency = yield from self._counts_of(scope, unique, total_rows, lambda t: count(t, limit))
         kept = informative_terms(frequency, scope_rows, listed)
         return plan_terms(
             {term: frequency[term] for term in kept}, cap=cap, budget=budget, total_rows=total_rows
         )
+
+    def _counts_of(
+        self,
+        scope: tuple[str, str],
+        terms: list[str],
+        total_rows: int,
+        count: Callable[[str], Plan[int]],
+    ) -> Plan[dict[str, int]]:
+        """`get` of each of ``terms``."""
+        found: dict[str, int] = {}
+        for term in terms:
+            found[term] = yield from self.get(scope, term, total_rows, count)
+        return found

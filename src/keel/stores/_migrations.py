@@ -1,9 +1,12 @@
 """Ordered schema migrations, grouped by component.
 
 Each component (core, state, memory, traces, ...) owns one ordered list of migrations; a
-migration's position in its list is its version. ``setup()`` applies what a database lacks,
-records the version per component, and refuses a database whose version for a component is
-newer than this code knows (it was written by a newer keel).
+migration's position in its list is its version. A store's migrations are a function of the
+database's dialect (``journal_migrations(db.dialect)``), or, where the engines' schemas differ
+beyond spelling (memory), the engine's store class's ``migrations``. The database's
+``migrate`` applies what a database lacks, records the version per component, and refuses a
+database whose version for a component is newer than this code knows (it was written by a
+newer keel).
 """
 
 from __future__ import annotations

@@ -11,30 +11,32 @@ not built for. Given a PII master key (``pii_key=``, else the settings' ``pii_ke
 ``pii_key_file``), the PII vault opens on the SQL database too, and its key is checked there:
 a wrong key is a ``VaultKeyError`` at start-up, never values stored raw.
 
+``only=`` names the stores wanted, for whoever needs fewer than an agent: the state alone
+(``KeelCheckpointSaver(url)``, ``keel state``, the state conformance kit: a Redis URL is
+accepted there), the state and the vault (the adapters' histories), the journal alone, or none
+(the database alone, unmigrated: ``keel doctor``). A state store opened alone (or with the
+vault alone) owns its database, so that its backend can be handed on
+(``StateStore(backends.state.backend, MyState)``) and closing it closes the database. The
+store classes themselves take a database object, never a URL; URLs are parsed by
+[`keel._urls.parse_database_url`][], as everywhere.
+
 It opens everything or nothing: a store that fails to open closes the ones opened before it.
 [`Backends.close`][] / [`Backends.aclose`][] release them in reverse order, memory first so
 that its outbox worker stops before its database goes away.
-
-Two narrower openers remain, for their public signatures: [`open_state_backend`][] (a state
-backend alone, from any URL: ``KeelCheckpointSaver(url)``, the Agents SDK session, the state
-conformance kit) and [`open_database`][] (the embedded SQLite file, unmigrated: ``keel
-doctor``). Both parse the URL with [`keel._urls.parse_database_url`][], as ``Backends.open``
-does; the store classes themselves take a database object, never a URL. Whoever opens a
-database opens its PII vault with [`open_vault`][], so that the adapters get the same vault
-(and the same embedded default key) as an agent on ``Backends.open``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, TypeVar, get_args
 
 from pydantic import SecretStr
 
+from keel._bridge import run_blocking
 from keel._urls import DatabaseURL, parse_database_url
 from keel.approvals import ApprovalStore
 from keel.errors import ConfigError, UsageError, VaultKeyError
@@ -52,29 +54,21 @@ from keel.privacy._keys import embedded_key
 from keel.settings import Settings, default_pii_key_file
 from keel.state import AgentState, StateBackend, StateStore
 from keel.stores._postgres import PostgresDatabase
-from keel.stores._postgres_approvals import PostgresApprovalStore
-from keel.stores._postgres_journal import PostgresToolJournal
 from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_state import PostgresStateBackend
-from keel.stores._postgres_vault import PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
+from keel.stores._sql_approvals import SQLApprovalStore
+from keel.stores._sql_journal import SQLToolJournal
+from keel.stores._sql_traces import SQLTraceStore
+from keel.stores._sql_vault import SQLVaultStore
 from keel.stores._sqlite import SQLiteDatabase
-from keel.stores._sqlite_approvals import SQLiteApprovalStore
-from keel.stores._sqlite_journal import SQLiteToolJournal
 from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_state import SQLiteStateBackend
-from keel.stores._sqlite_traces import SQLiteTraceStore
 from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
 
-__all__ = [
-    "Backends",
-    "open_database",
-    "open_state_backend",
-    "open_vault",
-    "pii_key_from_settings",
-]
+__all__ = ["STORE_NAMES", "Backends", "StoreName", "pii_key_from_settings"]
 
 logger = logging.getLogger("keel.stores")
 
@@ -83,6 +77,12 @@ _Closer = tuple[Callable[[], None], _AsyncClose]
 """How to release one thing: sync, and natively async where the client is bound to a loop."""
 _Own = Callable[[Callable[[], None], _AsyncClose], None]
 
+
+StoreName = Literal["state", "journal", "approvals", "traces", "memory", "vault"]
+"""A store [`Backends.open`][] can open (``only=``)."""
+
+STORE_NAMES: tuple[StoreName, ...] = get_args(StoreName)
+"""Every store [`Backends.open`][] opens unless ``only=`` names fewer."""
 
 _READINESS_PROBE = "keel-readiness-probe"
 """A state key no session has (theirs are ``tenant/session``): reading it checks that the
@@ -95,39 +95,68 @@ class Backends:
 
     Open it with [`open`][]; close it with [`close`][] or [`aclose`][] (an
     [`Agent`][] built by [`open`][keel.runtime.Agent.open] does this in its own
-    ``close``), or use it as a context manager.
+    ``close``), or use it as a context manager. A store left out by ``only=`` is not there:
+    reading it is a ``UsageError`` that says so.
     """
 
     database: DatabaseURL
-    """The SQL database: journal, traces and memory (and state without Redis)."""
+    """The database URL opened: the SQL database (journal, traces and memory, and state
+    without Redis), or the Redis of a state store opened alone from a Redis URL."""
     redis: DatabaseURL | None
     """The Redis that holds state, if any."""
-    state: StateStore[AgentState]
-    """Session checkpoints and leases."""
-    journal: ToolJournal
-    """The exactly-once journal of side-effecting tool calls."""
-    approvals: ApprovalStore
-    """The queue of tool calls and escalated turns waiting for a person's decision."""
-    traces: TraceStore
-    """Run traces."""
+    settings: Settings
+    """The settings the stores were opened with (read once, at the edge, and handed down)."""
+    opened: frozenset[StoreName]
+    """The stores opened (``only=``; memory and the vault only when they are on)."""
     memory: Memory | None
     """Long-term memory (its outbox indexed in the background), or None when off."""
-    sql: SQLiteDatabase | PostgresDatabase
-    """The SQL database the journal, traces and memory live in (more tables may join them:
-    ``keel serve``'s API keys)."""
-    privacy: PIIMasker | None = DEFAULT_MASKER
+    privacy: PIIMasker | None
     """The privacy policy memory masks with, and the one agents on these stores mask messages
     and traces with unless given their own (None: masking off)."""
-    vault: Vault | None = None
+    vault: Vault | None
     """The PII vault on the SQL database (masked values kept sealed per tenant and user), or
     None when no master key was given (masking as before: values are dropped)."""
+    _state: StateStore[AgentState] | None = field(default=None, repr=False)
+    _journal: ToolJournal | None = field(default=None, repr=False)
+    _approvals: ApprovalStore | None = field(default=None, repr=False)
+    _traces: TraceStore | None = field(default=None, repr=False)
+    _sql: SQLiteDatabase | PostgresDatabase | None = field(default=None, repr=False)
     _closers: list[_Closer] = field(default_factory=list, repr=False)
+
+    @property
+    def state(self) -> StateStore[AgentState]:
+        """Session checkpoints and leases."""
+        return _opened(self._state, "state", self.opened)
+
+    @property
+    def journal(self) -> ToolJournal:
+        """The exactly-once journal of side-effecting tool calls."""
+        return _opened(self._journal, "journal", self.opened)
+
+    @property
+    def approvals(self) -> ApprovalStore:
+        """The queue of tool calls and escalated turns waiting for a person's decision."""
+        return _opened(self._approvals, "approvals", self.opened)
+
+    @property
+    def traces(self) -> TraceStore:
+        """Run traces."""
+        return _opened(self._traces, "traces", self.opened)
+
+    @property
+    def sql(self) -> SQLiteDatabase | PostgresDatabase:
+        """The SQL database the journal, traces and memory live in (more tables may join them:
+        ``keel serve``'s API keys)."""
+        if self._sql is None:
+            raise UsageError(f"no SQL database was opened: the state alone is on {self.database}")
+        return self._sql
 
     @classmethod
     def open(
         cls,
-        database: str | Settings,
+        database: str | Settings | None,
         *,
+        only: Iterable[StoreName] | None = None,
         settings: Settings | None = None,
         redis_url: str | None = None,
         memory: bool = True,
@@ -136,11 +165,17 @@ class Backends:
         pii_key: KeyProvider | KeyRing | None = None,
         vault: bool | None = None,
     ) -> Backends:
-        """Open state, journal, traces and memory on ``database`` (state on Redis if set).
+        """Open state, journal, approvals, traces and memory on ``database`` (state on Redis
+        if set), or only the stores ``only`` names.
 
         Args:
-            database: ``sqlite:///PATH`` or ``postgresql://...``, or the settings whose
-                ``database_url`` to open.
+            database: ``sqlite:///PATH`` or ``postgresql://...`` (``redis://...`` for the
+                state alone), the settings whose ``database_url`` to open, or None: the
+                ``database_url`` of ``settings``.
+            only: the stores wanted, of [`STORE_NAMES`][keel.stores.STORE_NAMES] (default:
+                all). Memory brings the vault it seals values in; ``()`` opens the SQL
+                database alone, unmigrated. The state alone (or with the vault alone) owns
+                its database: closing its backend closes it, so the backend can be handed on.
             settings: the SQLite busy timeout, the PostgreSQL pool size, the embedder and the
                 Redis URL (required with a URL: keel reads its settings once, at its edge,
                 and hands them down).
@@ -151,86 +186,51 @@ class Backends:
                 ``process_outbox`` only, as a one-shot command wants).
             privacy: the privacy policy (memory masks with it; agents on these stores too,
                 unless given their own). None turns masking off.
-            pii_key: the PII vault's master key (a [`MasterKey`][] or a
-                KMS-backed [`KeyProvider`][]), or a
-                [`KeyRing`][] while a rotation is under way; default:
-                ``settings.pii_key``, else ``settings.pii_key_file`` (with
-                ``settings.pii_key_previous`` / ``pii_key_previous_file`` as the previous key);
-                none of them: on SQLite the key file keel keeps in the config directory
-                (`default_pii_key_file`, made on first use), on
-                PostgreSQL no vault (a warning says so once).
+            pii_key: the PII vault's master key (a [`MasterKey`][], a KMS-backed
+                [`KeyProvider`][], or a [`KeyRing`][] mid-rotation); default: the settings'
+                ``pii_key``, else ``pii_key_file`` (``pii_key_previous*`` the previous key);
+                none: on SQLite keel's own key file (`default_pii_key_file`, made on first
+                use), on PostgreSQL no vault (a warning says so once).
             vault: False: no vault, masking only (no key made or required); default:
                 ``settings.pii_vault``.
 
         Raises:
-            UsageError: a URL without ``settings``.
-            ConfigError: a URL keel cannot open (a Redis URL as the database, an unknown scheme).
+            UsageError: a URL (or None) without ``settings``, or a name ``only`` does not know
+                (the message lists the stores).
+            ConfigError: settings given twice, ``database`` of another type, or a URL keel
+                cannot open (a Redis URL for more than the state, an unknown scheme).
             BackendUnavailableError: a server cannot be reached or its driver is not installed.
             StoreError: a database cannot be opened or migrated.
             VaultKeyError: the PII key is malformed, its file is missing or open to others,
                 it is not the key this database's vault was sealed with, or no key is given
                 for a PostgreSQL database that holds a vault (nothing is left open).
         """
-        if isinstance(database, Settings):
-            settings, database = database, database.database_url
-        elif settings is None:
-            raise UsageError(
-                "Backends.open(url) needs settings= (busy timeout, pool size, embedder): "
-                "load them once with keel.settings.load_settings() and pass them"
-            )
-        parsed = parse_database_url(database, kinds=("sqlite", "postgres"))
-        redis = _redis(settings.redis_url if redis_url is None else redis_url)
-        wanted = settings.pii_vault if vault is None else vault
-        keys = None
-        if wanted:
-            keys = pii_key if pii_key is not None else pii_key_from_settings(settings)
-        closers: list[_Closer] = []
-
-        def own(
-            sync: Callable[[], None], asynchronous: Callable[[], Awaitable[None]] | None
-        ) -> None:
-            closers.append((sync, asynchronous))
-
+        wanted = _wanted(only, memory=memory)
+        settings, url = _settings_and_url(database, settings)
+        parsed, redis = _urls(url, wanted, settings.redis_url if redis_url is None else redis_url)
+        vault_on = "vault" in wanted and (settings.pii_vault if vault is None else vault)
+        keys = _vault_keys(settings, pii_key) if vault_on else None
+        opened = _Opened()
         try:
-            sql = _open_sql(parsed, settings, own)
-            journal, approvals, traces, store = _sql_stores(sql)
-            opened = open_vault(sql, keys, wanted=wanted)
-            if opened is not None:
-                own(opened.store.close, None)
-            state = (
-                _state_on_redis(redis, own)
-                if redis is not None
-                else StateStore(_state_backend(sql), AgentState)
-            )
-            long_term = None
-            if memory:
-                long_term = Memory(
-                    store,
-                    embedder=embedder_from_settings(settings),
-                    background=background,
-                    masker=privacy,
-                    vault=opened,
-                )
-                # Memory.close stops the outbox worker and closes the store; it runs first
-                # (closers pop from the end), before the database it writes to is closed.
-                own(long_term.close, None)
+            opened.open(parsed, redis, wanted, settings, keys, vault_on)
+            opened.open_memory(settings, background=background, privacy=privacy)
         except BaseException:
-            while closers:
-                with contextlib.suppress(Exception):
-                    closers.pop()[0]()
+            opened.close_quietly()
             raise
         return cls(
-            parsed,
-            redis,
-            state,
-            journal,
-            approvals,
-            traces,
-            long_term,
-            sql,
-            privacy,
-            opened,
-            closers,
+            database=parsed,
+            redis=redis,
+            settings=settings,
+            opened=opened.names(wanted),
+            memory=opened.memory,
+            privacy=privacy,
+            vault=opened.vault,
+            _state=opened.state,
+            _journal=opened.journal,
+            _approvals=opened.approvals,
+            _traces=opened.traces,
+            _sql=opened.sql,
+            _closers=opened.closers,
         )
 
     async def aready(self, connections: int = 1) -> None:
@@ -241,8 +241,9 @@ class Backends:
             BackendUnavailableError: a server does not answer.
             StoreError: a database cannot be read.
         """
-        await self.sql.aping(connections)
-        if self.redis is not None:
+        if self._sql is not None:
+            await self._sql.aping(connections)
+        if self.redis is not None and self._state is not None:
             # The journal, traces and memory are on the SQL database; state is not.
             await self.state.apeek(_READINESS_PROBE)
 
@@ -267,7 +268,7 @@ class Backends:
                 if asynchronous is not None:
                     await asynchronous()
                 else:
-                    await asyncio.to_thread(sync)
+                    await run_blocking(sync)
             except Exception as exc:
                 errors.append(exc)
         if errors:
@@ -278,6 +279,232 @@ class Backends:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Opened:
+    """What one [`Backends.open`][] has opened so far, and how to close it (newest first)."""
+
+    sql: SQLiteDatabase | PostgresDatabase | None = None
+    state: StateStore[AgentState] | None = None
+    journal: ToolJournal | None = None
+    approvals: ApprovalStore | None = None
+    traces: TraceStore | None = None
+    memory_store: MemoryStore | None = None
+    memory: Memory | None = None
+    vault: Vault | None = None
+    closers: list[_Closer] = field(default_factory=list)
+
+    def own(self, sync: Callable[[], None], asynchronous: _AsyncClose) -> None:
+        self.closers.append((sync, asynchronous))
+
+    def open(
+        self,
+        parsed: DatabaseURL,
+        redis: DatabaseURL | None,
+        wanted: frozenset[StoreName],
+        settings: Settings,
+        keys: KeyProvider | KeyRing | None,
+        vault_on: bool,
+    ) -> None:
+        """The SQL database and the stores ``wanted`` on it, then the state on ``redis``."""
+        on_sql = wanted - {"state"} if redis is not None else wanted
+        if parsed.kind != "redis" and (on_sql or not wanted):
+            self.sql = _open_sql(parsed, settings, self.own)
+            if "state" in on_sql and on_sql <= {"state", "vault"}:
+                # The state with nothing but its vault: the state's backend owns the database.
+                self.state = _state_alone(self.sql, self.closers)
+                on_sql -= {"state"}
+            _open_on_sql(self, on_sql, keys, vault_on, self.own)
+        if redis is not None and "state" in wanted:
+            self.state = _state_on_redis(redis, self.own)
+
+    def open_memory(
+        self, settings: Settings, *, background: bool, privacy: PIIMasker | None
+    ) -> None:
+        """Memory on the memory store opened (if any), sealing values in the vault."""
+        if self.memory_store is None:
+            return
+        self.memory = Memory(
+            self.memory_store,
+            embedder=embedder_from_settings(settings),
+            background=background,
+            masker=privacy,
+            vault=self.vault,
+        )
+        # Memory.close stops the outbox worker and closes the store; it runs first (closers
+        # pop from the end), before the database it writes to is closed.
+        self.own(self.memory.close, None)
+
+    def close_quietly(self) -> None:
+        """Close what was opened, newest first, when opening the rest failed."""
+        while self.closers:
+            with contextlib.suppress(Exception):
+                self.closers.pop()[0]()
+
+    def names(self, wanted: frozenset[StoreName]) -> frozenset[StoreName]:
+        present = {
+            "state": self.state,
+            "journal": self.journal,
+            "approvals": self.approvals,
+            "traces": self.traces,
+            "memory": self.memory,
+            "vault": self.vault,
+        }
+        return frozenset(name for name in wanted if present[name] is not None)
+
+
+def _urls(
+    url: str, wanted: frozenset[StoreName], redis_url: str | None
+) -> tuple[DatabaseURL, DatabaseURL | None]:
+    """The database ``url`` names, and the Redis that holds state (if any).
+
+    Raises:
+        ConfigError: a URL keel cannot open, or a Redis URL for more than the state.
+    """
+    try:
+        parsed = parse_database_url(url)
+    except ConfigError as exc:
+        if wanted == {"state"}:
+            raise ConfigError(f"unknown state backend URL: {exc}") from None
+        raise
+    if parsed.kind != "redis":
+        return parsed, _redis(redis_url)
+    if wanted != {"state"}:
+        raise ConfigError(
+            f"a Redis URL holds the state alone (only=('state',)), not "
+            f"{', '.join(sorted(wanted - {'state'})) or 'the SQL database'}: give the "
+            "SQL database's URL, and the Redis one as redis_url"
+        )
+    return parsed, parsed
+
+
+def _vault_keys(
+    settings: Settings, pii_key: KeyProvider | KeyRing | None
+) -> KeyProvider | KeyRing | None:
+    """The vault's keys: ``pii_key`` when given, else the settings'."""
+    return pii_key if pii_key is not None else pii_key_from_settings(settings)
+
+
+def _wanted(only: Iterable[StoreName] | None, *, memory: bool) -> frozenset[StoreName]:
+    """The stores to open: ``only`` checked against [`STORE_NAMES`][keel.stores.STORE_NAMES],
+    memory dropped when it is off, and the vault brought in by memory (it seals values there).
+
+    Raises:
+        UsageError: a name that is no store's, or one name given as a string.
+    """
+    if only is None:
+        names: set[str] = set(STORE_NAMES)
+    elif isinstance(only, str):
+        raise UsageError(f"only= takes store names, e.g. only=({only!r},), not a string")
+    else:
+        names = set(only)
+    unknown = sorted(names - set(STORE_NAMES))
+    if unknown:
+        raise UsageError(
+            f"no store named {', '.join(map(repr, unknown))} in only=: the stores are "
+            f"{', '.join(STORE_NAMES)}"
+        )
+    wanted = frozenset(name for name in STORE_NAMES if name in names)
+    if not memory:
+        wanted -= {"memory"}
+    if "memory" in wanted:
+        wanted |= {"vault"}
+    return wanted
+
+
+def _settings_and_url(
+    database: str | Settings | None, settings: Settings | None
+) -> tuple[Settings, str]:
+    """The settings to open with, and the URL to open.
+
+    Raises:
+        ConfigError: settings given twice, or ``database`` of another type.
+        UsageError: a URL (or None) without settings.
+    """
+    if isinstance(database, Settings):
+        if settings is not None:
+            raise ConfigError("settings given twice: positionally and as settings=")
+        return database, database.database_url
+    if database is not None and not isinstance(database, str):
+        raise ConfigError(f"a database URL or Settings is needed, not {type(database).__name__}")
+    if settings is None:
+        raise UsageError(
+            "Backends.open(url) needs settings= (busy timeout, pool size, embedder): "
+            "load them once with keel.settings.load_settings() and pass them"
+        )
+    return settings, settings.database_url if database is None else database
+
+
+def _opened(store: T | None, name: StoreName, opened: frozenset[StoreName]) -> T:
+    if store is None:
+        raise UsageError(
+            f"the {name} store was not opened: these backends hold "
+            f"{', '.join(sorted(opened)) or 'no store'} (Backends.open's only=)"
+        )
+    return store
+
+
+def _open_on_sql(
+    opened: _Opened,
+    names: frozenset[StoreName],
+    keys: KeyProvider | KeyRing | None,
+    vault_on: bool,
+    own: _Own,
+) -> None:
+    """The stores ``names`` on ``opened.sql`` (migrated); they close with it, but for the
+    vault's, which holds nothing of its own either."""
+    sql = opened.sql
+    assert sql is not None
+    if "journal" in names:
+        opened.journal = SQLToolJournal(sql)
+    if "approvals" in names:
+        opened.approvals = SQLApprovalStore(sql)
+    if "traces" in names:
+        opened.traces = _trace_store(sql)
+    if "memory" in names:
+        opened.memory_store = (
+            SQLiteMemoryStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresMemoryStore(sql)
+        )
+    if "vault" in names:
+        opened.vault = _open_vault(sql, keys, wanted=vault_on)
+        if opened.vault is not None:
+            own(opened.vault.store.close, None)
+    if "state" in names:
+        backend: StateBackend = (
+            SQLiteStateBackend(sql)
+            if isinstance(sql, SQLiteDatabase)
+            else PostgresStateBackend(sql)
+        )
+        opened.state = StateStore(backend, AgentState)
+
+
+def _trace_store(sql: SQLiteDatabase | PostgresDatabase) -> TraceStore:
+    if isinstance(sql, SQLiteDatabase):
+        return SQLTraceStore(sql)
+    # Imports psycopg at module level: the postgres extra, present since the pool opened.
+    from keel.stores._postgres_traces import PostgresTraceStore
+
+    return PostgresTraceStore(sql)
+
+
+def _state_alone(
+    sql: SQLiteDatabase | PostgresDatabase, closers: list[_Closer]
+) -> StateStore[AgentState]:
+    """The state store on ``sql``, its backend owning ``sql``: closing it (or a store it is
+    handed on to) closes the database (and the vault's store on it, which holds nothing of
+    its own)."""
+    backend: _SQLiteStateAlone | _PostgresStateAlone = (
+        _SQLiteStateAlone(sql) if isinstance(sql, SQLiteDatabase) else _PostgresStateAlone(sql)
+    )
+    # The backend closes the database from here: its closer takes the database's place.
+    closers.pop()
+    asynchronous = backend.aclose if isinstance(backend, _PostgresStateAlone) else None
+    closers.append((backend.close, asynchronous))
+    return StateStore(backend, AgentState)
 
 
 def _redis(url: str | None) -> DatabaseURL | None:
@@ -342,16 +569,16 @@ def _settings_key(text: SecretStr | None, path: Path | None, variable: str) -> M
     return None
 
 
-def open_vault(
+def _open_vault(
     sql: SQLiteDatabase | PostgresDatabase,
     keys: KeyProvider | KeyRing | None,
     *,
     wanted: bool = True,
 ) -> Vault | None:
-    """The PII vault on ``sql`` (migrated, its master key checked), as every opener of keel
-    opens it: under ``keys`` when given; else, unless ``wanted`` is False (masking only, no
-    key made or required), on SQLite under the key file keel keeps in the config directory
-    (`default_pii_key_file`, made on first use) and on PostgreSQL none.
+    """The PII vault on ``sql`` (migrated, its master key checked): under ``keys`` when
+    given; else, unless ``wanted`` is False (masking only, no key made or required), on SQLite
+    under the key file keel keeps in the config directory (`default_pii_key_file`, made on
+    first use) and on PostgreSQL none.
     Its store holds nothing of its own: it closes with ``sql``.
 
     Raises:
@@ -370,7 +597,7 @@ def open_vault(
 
 def _checked_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider | KeyRing) -> Vault:
     store: VaultStore = (
-        SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresVaultStore(sql)
+        SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)
     )
     vault = Vault(store, keys)
     vault.check()
@@ -401,7 +628,7 @@ def _no_vault_without_its_key(sql: PostgresDatabase) -> None:
         VaultKeyError: the database holds a vault.
     """
     global _warned_no_vault
-    store = PostgresVaultStore(sql)
+    store = SQLVaultStore(sql)
     counts = store.counts()
     if store.key_checks() or counts.users or counts.values:
         raise VaultKeyError(
@@ -417,34 +644,6 @@ def _no_vault_without_its_key(sql: PostgresDatabase) -> None:
             "new-key`), or KEEL_PII_VAULT=off to say masking alone is meant",
             sql.url.split("@")[-1],
         )
-
-
-def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:
-    if isinstance(sql, SQLiteDatabase):
-        return SQLiteStateBackend(sql)
-    return PostgresStateBackend(sql)
-
-
-def _sql_stores(
-    sql: SQLiteDatabase | PostgresDatabase,
-) -> tuple[ToolJournal, ApprovalStore, TraceStore, MemoryStore]:
-    """The journal, the approvals queue, the traces (migrated) and the memory store on
-    ``sql``; they close with it."""
-    if isinstance(sql, SQLiteDatabase):
-        journal: ToolJournal = SQLiteToolJournal(sql)
-        approvals: ApprovalStore = SQLiteApprovalStore(sql)
-        traces: TraceStore = SQLiteTraceStore(sql)
-        store: MemoryStore = SQLiteMemoryStore(sql)
-    else:
-        # Imports psycopg at module level: the postgres extra, present since the pool opened.
-        from keel.stores._postgres_traces import PostgresTraceStore
-
-        journal = PostgresToolJournal(sql)
-        approvals = PostgresApprovalStore(sql)
-        traces = PostgresTraceStore(sql)
-        store = PostgresMemoryStore(sql)
-    traces.setup()
-    return journal, approvals, traces, store
 
 
 class _SQLiteStateAlone(SQLiteStateBackend):
@@ -471,46 +670,3 @@ class _PostgresStateAlone(PostgresStateBackend):
             await super().aclose()
         finally:
             await self.database.aclose()
-
-
-def open_state_backend(url: str) -> StateBackend:
-    """The state backend a URL names, alone; closing it closes the connections it opened.
-
-    ``sqlite:///path/to/keel.db`` (a file: several connections share it), ``postgresql://...`` /
-    ``postgres://...``, ``redis://...`` / ``rediss://...``.
-
-    Raises:
-        ConfigError: an unknown scheme.
-        BackendUnavailableError: the server cannot be reached or its driver is not installed.
-    """
-    try:
-        parsed = parse_database_url(url)
-    except ConfigError as exc:
-        raise ConfigError(f"unknown state backend URL: {exc}") from None
-    if parsed.kind == "redis":
-        return RedisStateBackend(parsed.url)
-    database: SQLiteDatabase | PostgresDatabase = (
-        SQLiteDatabase(parsed.path) if parsed.path is not None else PostgresDatabase(parsed.url)
-    )
-    try:
-        if isinstance(database, SQLiteDatabase):
-            return _SQLiteStateAlone(database)
-        return _PostgresStateAlone(database)
-    except BaseException:
-        database.close()
-        raise
-
-
-def open_database(settings: Settings) -> SQLiteDatabase:
-    """The embedded database the settings name (no migrations applied yet).
-
-    Raises:
-        UsageError: the settings name a server database; open it with [`Backends.open`][].
-    """
-    path = settings.sqlite_path
-    if path is None:
-        raise UsageError(
-            f"{settings.parsed_database.kind} databases are opened by Backends.open, "
-            "not as the embedded SQLite database"
-        )
-    return SQLiteDatabase(path, busy_timeout_ms=settings.busy_timeout_ms)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
+from keel._bridge import run_blocking
 from keel.errors import (
     BackendUnavailableError,
     DatabaseReadOnlyError,
@@ -22,7 +23,9 @@ from keel.errors import (
     StorageFullError,
     StoreError,
 )
+from keel.stores._dialect import POSTGRES
 from keel.stores._migrations import MigrationSet
+from keel.stores._sql_plan import Plan, arun_plan, run_plan
 
 __all__ = [
     "SCHEMA_LOCK_KEY",
@@ -30,6 +33,8 @@ __all__ = [
     "apply_migrations",
     "translate_postgres_error",
 ]
+
+_T = TypeVar("_T")
 
 SCHEMA_LOCK_KEY = 0x6B65656C  # "keel"
 """The advisory lock every keel setup takes on PostgreSQL."""
@@ -131,6 +136,7 @@ def _location(url: str) -> str:
 
 class PostgresDatabase:
     """A PostgreSQL database shared by keel's server stores: one pool, one error translation.
+    Stores run their SQL through it: [`run`][] / [`arun`][] a plan, [`migrate`][] their schema.
 
     Every connection runs in autocommit with server-side prepared statements off, so the pool
     is safe behind a transaction-mode pooler (PgBouncer) and no store's statements leave
@@ -158,6 +164,8 @@ class PostgresDatabase:
     Raises:
         BackendUnavailableError: psycopg or psycopg-pool is not installed.
     """
+
+    dialect = POSTGRES
 
     def __init__(
         self, url: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 30.0
@@ -307,6 +315,26 @@ class PostgresDatabase:
         """Async twin of [`transaction`][]."""
         async with self.aconnection() as conn, conn.transaction():
             yield conn
+
+    def run(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+        """Run the statements of ``plan()``: in one transaction when ``write``, else in
+        autocommit (one statement, atomic on its own, without BEGIN and COMMIT round trips)."""
+        with self.transaction() if write else self.connection() as conn:
+            return run_plan(conn.cursor(), self.dialect, plan())
+
+    async def arun(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+        """Async twin of [`run`][], on the running event loop's pool."""
+        async with self.atransaction() if write else self.aconnection() as conn:
+            return await arun_plan(conn.cursor(), self.dialect, plan())
+
+    def migrate(self, migrations: MigrationSet) -> None:
+        """Apply ``migrations`` in one transaction; idempotent."""
+        with self.transaction() as conn:
+            apply_migrations(conn, migrations)
+
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        """Run the blocking ``call`` off the event loop, on keel's one blocking pool."""
+        return await run_blocking(call)
 
     async def aping(self, connections: int = 1) -> None:
         """Wait until the running loop's pool holds ``connections`` connections (at most its

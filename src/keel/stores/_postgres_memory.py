@@ -17,8 +17,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from keel._bridge import fork
 from keel.errors import ConfigError, StoreError
 from keel.memory._records import (
     MemoryFilter,
@@ -38,7 +38,6 @@ from keel.memory._rows import (
     record_to_row,
 )
 from keel.memory._store import InsertResult, OutboxEntry, ScoredId
-from keel.stores._dialect import POSTGRES
 from keel.stores._keywords import (
     AVERAGE_LENGTH_MILLI,
     SCOPE_ROWS,
@@ -47,8 +46,17 @@ from keel.stores._keywords import (
     common_term_cap,
 )
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._postgres import PostgresDatabase, apply_migrations
-from keel.stores._sql_memory import MemorySchema, SQLMemoryStore, insert_row_sql, require_database
+from keel.stores._postgres import PostgresDatabase
+from keel.stores._sql_memory import (
+    MemorySchema,
+    SQLMemoryStore,
+    count_records,
+    insert_row_sql,
+    require_database,
+    rows_of,
+    stored_content,
+)
+from keel.stores._sql_plan import Plan, Statement
 
 __all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
 
@@ -106,8 +114,8 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
 )
 
 # A new record and its outbox entry, written together or not at all (one statement).
-_INSERT_WITH_OUTBOX = POSTGRES.sql(
-    f"WITH inserted AS ({insert_row_sql(POSTGRES)}), "
+_INSERT_WITH_OUTBOX = (
+    "WITH inserted AS ({insert}), "
     "queued AS (INSERT INTO memory_outbox (record_id, created_at) SELECT id, ? FROM inserted) "
     "SELECT id FROM inserted"
 )
@@ -137,10 +145,19 @@ def _vector_to_binary(vector: FloatArray) -> bytes:
     return int(values.shape[0]).to_bytes(2, "big") + b"\0\0" + values.tobytes()
 
 
+@dataclass(frozen=True, slots=True)
+class _BinaryVector:
+    """A vector parameter psycopg sends as a binary pgvector value (``%b::vector``: the cast
+    tells the server the parameter's type)."""
+
+    values: FloatArray
+
+
 @cache
-def _vector_dumper() -> Any:
-    """A psycopg dumper sending numpy arrays as binary pgvector values (``%b::vector``: the
-    cast tells the server the parameter's type)."""
+def _register_vector_dumper() -> None:
+    """Teach psycopg (once, for this process) to send a `_BinaryVector` in pgvector's binary
+    format: the type is keel's own, so no other value is sent differently."""
+    import psycopg
     from psycopg.adapt import Dumper
     from psycopg.pq import Format
 
@@ -148,9 +165,9 @@ def _vector_dumper() -> Any:
         format = Format.BINARY
 
         def dump(self, obj: Any) -> bytes:
-            return _vector_to_binary(obj)
+            return _vector_to_binary(obj.values)
 
-    return VectorDumper
+    psycopg.adapters.register_dumper(_BinaryVector, VectorDumper)
 
 
 def _dimension(vectors: Sequence[FloatArray]) -> int:
@@ -202,77 +219,39 @@ class PostgresMemoryStore(SQLMemoryStore):
             search asks for more rows or filters many out.
     """
 
-    dialect = POSTGRES
     inserted_order = "seq"
+    migrations = POSTGRES_MEMORY_MIGRATIONS
+    db: PostgresDatabase
 
-    def __init__(
-        self, database: PostgresDatabase, *, hnsw: bool = True, ef_search: int = 100
-    ) -> None:
+    def __init__(self, db: PostgresDatabase, *, hnsw: bool = True, ef_search: int = 100) -> None:
         if not 1 <= ef_search <= 1000:
             raise ConfigError(f"ef_search must be within 1..1000 (pgvector's range): {ef_search}")
-        self.database = require_database(database, PostgresDatabase, "PostgresMemoryStore")
-        self.url = database.url
+        super().__init__(require_database(db, PostgresDatabase, "PostgresMemoryStore"))
         self.hnsw = hnsw
         self.ef_search = int(ef_search)
-        self._ready = False
         self._vector_tables: set[int] = set()
-        self._statistics = _GrowthStatistics(database)
+        self._statistics = _GrowthStatistics(db)
         self._term_frequencies = TermFrequencies()
-
-    @contextmanager
-    def _connection(self) -> Iterator[Any]:
-        """One transaction on a pooled connection (tuple rows)."""
-        with self.database.transaction() as conn:
-            yield conn
-
-    @contextmanager
-    def _reading(self) -> Iterator[Any]:
-        """A pooled connection in autocommit, for reads: each statement sees what was
-        committed when it began, as in a READ COMMITTED transaction, with no BEGIN and COMMIT
-        round trips."""
-        with self.database.connection() as conn:
-            yield conn
-
-    @contextmanager
-    def _search_transaction(self) -> Iterator[Any]:
-        """A transaction set up for HNSW scans; ``SET LOCAL`` ends with it, so the settings
-        never reach another store's use of the connection.
-
-        Iterative scans even with hnsw=False: another process may have built the index.
-        Without them, a filtered HNSW scan stops after ef_search index rows, so a scope that
-        is a small part of the table would get fewer rows than asked for. relaxed_order, not
-        strict_order: strict ordering made some scans walk most of the graph (2.5 s against
-        18 ms at p95, 3k rows); the few rows it returns out of order are re-sorted by
-        vector_search.
-        """
-        with self._connection() as conn:
-            # One round trip for both (a simple query: no parameters, ef_search is an int).
-            conn.execute(
-                "SET LOCAL hnsw.iterative_scan = relaxed_order; "
-                f"SET LOCAL hnsw.ef_search = {self.ef_search}".encode()
-            )
-            yield conn
+        _register_vector_dumper()
 
     def setup(self) -> None:
         if self._ready:
             return
-        migrations = POSTGRES_MEMORY_MIGRATIONS
-        with self._connection() as conn:
-            apply_migrations(conn, migrations)
-            rows = conn.execute(
-                "SELECT tablename FROM pg_tables WHERE tablename LIKE 'memory_vectors_%%'"
-            ).fetchall()
-        for (name,) in rows:
+        self.db.migrate(self.migrations)
+        tables = Statement(
+            "SELECT tablename FROM pg_tables WHERE tablename LIKE 'memory_vectors_%%'"
+        )
+        for (name,) in self.db.run(lambda: rows_of(tables), write=False):
             match = _VECTOR_TABLE.match(str(name))
             if match:
                 self._vector_tables.add(int(match.group(1)))
         self._ready = True
 
-    def _ensure_vector_table(self, conn: Any, dimension: int) -> str:
+    def _ensure_vector_table(self, dimension: int) -> Plan[str]:
         table = f"memory_vectors_{int(dimension)}"
         if dimension not in self._vector_tables:
-            conn.execute(f"SELECT pg_advisory_xact_lock(hashtext('{table}'))")
-            conn.execute(
+            yield Statement(f"SELECT pg_advisory_xact_lock(hashtext('{table}'))")
+            yield Statement(
                 f"CREATE TABLE IF NOT EXISTS {table} ("
                 "record_id TEXT PRIMARY KEY REFERENCES memory_records(id) ON DELETE CASCADE, "
                 "tenant_id TEXT NOT NULL, user_id TEXT NOT NULL, model TEXT NOT NULL, "
@@ -285,10 +264,10 @@ class PostgresMemoryStore(SQLMemoryStore):
                     indexed = f"{expression} vector_cosine_ops"
                 else:
                     indexed = f"({expression}) halfvec_cosine_ops"
-                conn.execute(
+                yield Statement(
                     f"CREATE INDEX IF NOT EXISTS {table}_hnsw ON {table} USING hnsw ({indexed})"
                 )
-            conn.execute(
+            yield Statement(
                 f"CREATE INDEX IF NOT EXISTS {table}_scope ON {table} (tenant_id, user_id, model)"
             )
             # Not added to _vector_tables here: the caller does after its transaction commits.
@@ -307,23 +286,23 @@ class PostgresMemoryStore(SQLMemoryStore):
             self._statistics.wrote({"memory_records": 1, "memory_outbox": 1})
         return result
 
-    def _lock(self, conn: Any, what: str, record: MemoryRecord, name: str) -> None:
+    def _lock(self, what: str, record: MemoryRecord, name: str) -> Plan[None]:
         """Take the transaction's advisory lock on one name of the record's scope (a key, a
         fact): writers of the same name take turns, others never wait."""
-        conn.execute(
-            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+        yield Statement(
+            "SELECT pg_advisory_xact_lock(hashtextextended(?, 0))",
             (f"{what}\x1f{record.tenant_id}\x1f{record.user_id}\x1f{name}",),
         )
 
     def _insert_plain(self, record: MemoryRecord) -> InsertResult:
         """A record that replaces nothing (no key, no fact to supersede): the row and its
         outbox entry in one statement, itself atomic, so one round trip instead of four."""
-        with self._read() as conn:
-            row = conn.execute(
-                _INSERT_WITH_OUTBOX, (*record_to_row(record), time.time())
-            ).fetchone()
-            if row is None:
-                return InsertResult(self._stored_content(conn, record), created=False)
+        return self._migrated().run(lambda: self._insert_with_outbox(record), write=False)
+
+    def _insert_with_outbox(self, record: MemoryRecord) -> Plan[InsertResult]:
+        insert = _INSERT_WITH_OUTBOX.format(insert=insert_row_sql(self.db.dialect))
+        if not (yield Statement(insert, (*record_to_row(record), time.time()))).rows:
+            return InsertResult((yield from stored_content(record)), created=False)
         return InsertResult(record, created=True)
 
     # --- search -------------------------------------------------------------------------
@@ -339,96 +318,108 @@ class PostgresMemoryStore(SQLMemoryStore):
         where, params = filter_sql(filters, "%s")
         scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
         scope_args = (scope.tenant_id, scope.user_id, *params)
-        with self._read() as conn:
-            statistics = self._keyword_statistics(conn, scope, safe, int(limit))
-            plan = statistics.plan
-            # Which rows to rank: every match when the plan allows, else the chosen ones.
-            ranked = f"{scoped} AND tsv @@ q.query"
-            ranked_args: tuple[object, ...] = scope_args
-            if plan.newest:
-                # The rows to rank: the newest matches of the common terms, and every match of
-                # a rare one. Two ways to find the newest matches: walk the seq index backwards
-                # testing each row's tsvector (~0.5-1 us a row, newest * total / matches rows),
-                # or let the GIN index find every match and keep the newest (~2.2 us a match).
-                # PostgreSQL underrates the first's cost and walks 31k rows (17 ms) for two
-                # words in 6.5k rows at 100k; "seq + 0" hides the index from it.
-                walk = 3 * plan.common_rows**2 > plan.newest * plan.total_rows
-                chosen = (
-                    f"(SELECT seq FROM memory_records WHERE {scoped} AND tsv @@ "
-                    f"({_ts_any(plan.common)}) ORDER BY {'seq' if walk else 'seq + 0'} DESC "
-                    "LIMIT %s)"
+        return self._migrated().run(
+            lambda: self._keyword_search(scope, safe, scoped, scope_args, int(limit)), write=False
+        )
+
+    def _keyword_search(
+        self,
+        scope: Scope,
+        safe: list[str],
+        scoped: str,
+        scope_args: tuple[object, ...],
+        limit: int,
+    ) -> Plan[list[ScoredId]]:
+        statistics = yield from self._keyword_statistics(scope, safe, limit)
+        plan = statistics.plan
+        # Which rows to rank: every match when the plan allows, else the chosen ones.
+        ranked = f"{scoped} AND tsv @@ q.query"
+        ranked_args: tuple[object, ...] = scope_args
+        if plan.newest:
+            # The rows to rank: the newest matches of the common terms, and every match of
+            # a rare one. Two ways to find the newest matches: walk the seq index backwards
+            # testing each row's tsvector (~0.5-1 us a row, newest * total / matches rows),
+            # or let the GIN index find every match and keep the newest (~2.2 us a match).
+            # PostgreSQL underrates the first's cost and walks 31k rows (17 ms) for two
+            # words in 6.5k rows at 100k; "seq + 0" hides the index from it.
+            walk = 3 * plan.common_rows**2 > plan.newest * plan.total_rows
+            chosen = (
+                f"(SELECT seq FROM memory_records WHERE {scoped} AND tsv @@ "
+                f"({_ts_any(plan.common)}) ORDER BY {'seq' if walk else 'seq + 0'} DESC "
+                "LIMIT %s)"
+            )
+            chosen_args: tuple[object, ...] = (*scope_args, *plan.common, plan.newest)
+            if plan.rare:
+                chosen += (
+                    f" UNION (SELECT seq FROM memory_records WHERE {scoped} AND tsv @@ "
+                    f"({_ts_any(plan.rare)}))"
                 )
-                chosen_args: tuple[object, ...] = (*scope_args, *plan.common, plan.newest)
-                if plan.rare:
-                    chosen += (
-                        f" UNION (SELECT seq FROM memory_records WHERE {scoped} AND tsv @@ "
-                        f"({_ts_any(plan.rare)}))"
-                    )
-                    chosen_args += (*scope_args, *plan.rare)
-                # = ANY(ARRAY(...)): the chosen rows are read back through the seq index,
-                # never by a hash join over the whole table. The scope is checked again on
-                # the rows read back, as on every other read.
-                ranked = f"seq = ANY(ARRAY({chosen})) AND tenant_id = %s AND user_id = %s"
-                ranked_args = (*chosen_args, scope.tenant_id, scope.user_id)
-            # BM25 as SQLite's FTS5 computes it (k1 1.2, b 0.75), with each term counted once
-            # per record (memories are short) and the IDF of the scope's own rows. PostgreSQL's
-            # ts_rank_cd knows no IDF: a name said in every turn weighed as much as the one
-            # rare word that finds the answer (LoCoMo R@10 0.744 against 0.770 on SQLite), and
-            # it costs 4x more per row.
-            matched = " + ".join(
-                "%s * (tsv @@ plainto_tsquery('english', %s))::int" for _ in plan.terms
-            )
-            weights = statistics.idf
-            sql = (
-                f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
-                f"SELECT id, ({matched}) / (%s + %s * length(tsv)) AS score "
-                f"FROM memory_records, q WHERE {ranked} ORDER BY score DESC, seq LIMIT %s"
-            )
-            length_norm = _BM25_K1 * _BM25_B / max(statistics.average_length, 1.0)
-            args = (
-                *plan.terms,
-                *(value for term in plan.terms for value in (weights[term], term)),
-                1 + _BM25_K1 * (1 - _BM25_B),
-                length_norm,
-                *ranked_args,
-                int(limit),
-            )
-            rows = conn.execute(sql, args).fetchall()
+                chosen_args += (*scope_args, *plan.rare)
+            # = ANY(ARRAY(...)): the chosen rows are read back through the seq index,
+            # never by a hash join over the whole table. The scope is checked again on
+            # the rows read back, as on every other read.
+            ranked = f"seq = ANY(ARRAY({chosen})) AND tenant_id = %s AND user_id = %s"
+            ranked_args = (*chosen_args, scope.tenant_id, scope.user_id)
+        # BM25 as SQLite's FTS5 computes it (k1 1.2, b 0.75), with each term counted once
+        # per record (memories are short) and the IDF of the scope's own rows. PostgreSQL's
+        # ts_rank_cd knows no IDF: a name said in every turn weighed as much as the one
+        # rare word that finds the answer (LoCoMo R@10 0.744 against 0.770 on SQLite), and
+        # it costs 4x more per row.
+        matched = " + ".join(
+            "%s * (tsv @@ plainto_tsquery('english', %s))::int" for _ in plan.terms
+        )
+        weights = statistics.idf
+        sql = (
+            f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
+            f"SELECT id, ({matched}) / (%s + %s * length(tsv)) AS score "
+            f"FROM memory_records, q WHERE {ranked} ORDER BY score DESC, seq LIMIT %s"
+        )
+        length_norm = _BM25_K1 * _BM25_B / max(statistics.average_length, 1.0)
+        args = (
+            *plan.terms,
+            *(value for term in plan.terms for value in (weights[term], term)),
+            1 + _BM25_K1 * (1 - _BM25_B),
+            length_norm,
+            *ranked_args,
+            int(limit),
+        )
+        rows = (yield Statement(sql, args)).rows
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
 
     def _keyword_statistics(
-        self, conn: Any, scope: Scope, terms: list[str], listed: int
-    ) -> _KeywordStatistics:
+        self, scope: Scope, terms: list[str], listed: int
+    ) -> Plan[_KeywordStatistics]:
         """The bounded plan for ``terms`` in ``scope``, listing ``listed`` rows (see
         `keel.stores._keywords`)
         and what BM25 needs: each term's IDF and the scope's average record length."""
-        total = int(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM memory_records").fetchone()[0])
+        total = int(
+            (yield Statement("SELECT COALESCE(MAX(seq), 0) FROM memory_records")).rows[0][0]
+        )
         scope_key = (scope.tenant_id, scope.user_id)
         cap = common_term_cap(total)
 
-        def count(term: str, limit: int) -> int:
-            return int(
-                conn.execute(
-                    "SELECT COUNT(*) FROM (SELECT 1 FROM memory_records WHERE tenant_id = %s "
-                    "AND user_id = %s AND tsv @@ plainto_tsquery('english', %s) LIMIT %s) s",
-                    (scope.tenant_id, scope.user_id, term, limit),
-                ).fetchone()[0]
+        def count(term: str, limit: int) -> Plan[int]:
+            counted = yield Statement(
+                "SELECT COUNT(*) FROM (SELECT 1 FROM memory_records WHERE tenant_id = ? "
+                "AND user_id = ? AND tsv @@ plainto_tsquery('english', ?) LIMIT ?) s",
+                (scope.tenant_id, scope.user_id, term, limit),
             )
+            return int(counted.rows[0][0])
 
-        def length_milli(_: str) -> int:
+        def length_milli(_: str) -> Plan[int]:
             # The newest records' average, so it follows what the scope holds now.
-            value = conn.execute(
+            average = yield Statement(
                 "SELECT AVG(length(tsv)) FROM (SELECT tsv FROM memory_records WHERE "
-                "tenant_id = %s AND user_id = %s ORDER BY created_at DESC LIMIT 1000) s",
+                "tenant_id = ? AND user_id = ? ORDER BY created_at DESC LIMIT 1000) s",
                 scope_key,
-            ).fetchone()[0]
-            return round(1000 * float(value or 0))
+            )
+            return round(1000 * float(average.rows[0][0] or 0))
 
         frequencies = self._term_frequencies
-        scope_rows = frequencies.get(
-            scope_key, SCOPE_ROWS, total, lambda _: self._count(conn, scope)
+        scope_rows = yield from frequencies.get(
+            scope_key, SCOPE_ROWS, total, lambda _: count_records(scope)
         )
-        plan = frequencies.plan(
+        plan = yield from frequencies.plan(
             scope_key,
             terms,
             total_rows=total,
@@ -437,27 +428,26 @@ class PostgresMemoryStore(SQLMemoryStore):
             budget=_SCORED_ROWS,
             count=count,
         )
-        matches = {
-            term: frequencies.get(scope_key, term, total, lambda t: count(t, cap + 1))
-            for term in plan.terms
-        }
+        matches: dict[str, int] = {}
+        for term in plan.terms:
+            matches[term] = yield from frequencies.get(
+                scope_key, term, total, lambda t: count(t, cap + 1)
+            )
         rows = max(scope_rows, *matches.values())
         # FTS5's IDF, floored the same way: a term in over half the rows weighs almost nothing.
         idf = {
             term: max(math.log((rows - found + 0.5) / (found + 0.5)), 1e-6)
             for term, found in matches.items()
         }
-        average = frequencies.get(scope_key, AVERAGE_LENGTH_MILLI, total, length_milli)
+        average = yield from frequencies.get(scope_key, AVERAGE_LENGTH_MILLI, total, length_milli)
         return _KeywordStatistics(plan, idf, average / 1000)
 
     def _has_vector_table(self, dimension: int) -> bool:
         if dimension not in self._vector_tables:
             # Another process (an outbox worker) may have created it since setup().
-            with self._reading() as conn:
-                row = conn.execute(
-                    "SELECT to_regclass(%s)", (f"memory_vectors_{dimension}",)
-                ).fetchone()
-            if row is None or row[0] is None:
+            found = Statement("SELECT to_regclass(?)", (f"memory_vectors_{dimension}",))
+            rows = self.db.run(lambda: rows_of(found), write=False)
+            if not rows or rows[0][0] is None:
                 return False
             self._vector_tables.add(dimension)
         return True
@@ -471,9 +461,8 @@ class PostgresMemoryStore(SQLMemoryStore):
         # its cosine is undefined, so nothing is similar to it.
         if limit <= 0 or not query.any() or not self._has_vector_table(int(query.shape[0])):
             return []
-        sql, params = self._vector_search_sql(scope, query, model, filters, limit)
-        with self._search_transaction() as conn:
-            rows = conn.execute(sql, params).fetchall()
+        search = Statement(*self._vector_search_sql(scope, query, model, filters, limit))
+        rows = self.db.run(lambda: self._searched(search))
         # A stored zero vector (a text with no words) has a NaN cosine: never a match.
         hits = [
             ScoredId(str(r[0]), float(r[1]))
@@ -482,6 +471,25 @@ class PostgresMemoryStore(SQLMemoryStore):
         ]
         hits.sort(key=lambda hit: -hit.score)
         return hits
+
+    def _searched(self, search: Statement) -> Plan[list[Any]]:
+        """``search`` in a transaction set up for HNSW scans; the settings are the
+        transaction's own (``set_config``'s ``is_local``), so they never reach another
+        store's use of the connection.
+
+        Iterative scans even with hnsw=False: another process may have built the index.
+        Without them, a filtered HNSW scan stops after ef_search index rows, so a scope that
+        is a small part of the table would get fewer rows than asked for. relaxed_order, not
+        strict_order: strict ordering made some scans walk most of the graph (2.5 s against
+        18 ms at p95, 3k rows); the few rows it returns out of order are re-sorted by
+        vector_search.
+        """
+        yield Statement(
+            "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
+            "set_config('hnsw.ef_search', ?, true)",
+            (str(self.ef_search),),
+        )
+        return (yield search).rows
 
     def _vector_search_sql(
         self, scope: Scope, query: FloatArray, model: str, filters: MemoryFilter, limit: int
@@ -525,16 +533,18 @@ class PostgresMemoryStore(SQLMemoryStore):
         found: dict[str, FloatArray] = {}
         if not record_ids:
             return found
-        with self._read() as conn, conn.cursor(binary=True) as cursor:
-            for dimension in sorted(self._vector_tables):
-                rows = cursor.execute(
-                    f"SELECT record_id, embedding FROM memory_vectors_{dimension} "
-                    "WHERE tenant_id = %s AND user_id = %s AND model = %s "
-                    "AND record_id = ANY(%s)",
-                    (scope.tenant_id, scope.user_id, model, list(record_ids)),
-                ).fetchall()
-                for record_id, data in rows:
-                    found[str(record_id)] = _vector_from_binary(bytes(data))
+        database = self._migrated()  # first: setup finds the vector tables
+        # vector_send: each vector in its binary format (see _vector_from_binary).
+        reads = [
+            Statement(
+                f"SELECT record_id, vector_send(embedding) FROM memory_vectors_{dimension} "
+                "WHERE tenant_id = ? AND user_id = ? AND model = ? AND record_id = ANY(?)",
+                (scope.tenant_id, scope.user_id, model, list(record_ids)),
+            )
+            for dimension in sorted(self._vector_tables)
+        ]
+        for record_id, data in database.run(lambda: _all_rows(reads), write=False):
+            found[str(record_id)] = _vector_from_binary(bytes(data))
         return found
 
     # --- outbox -------------------------------------------------------------------------
@@ -549,27 +559,27 @@ class PostgresMemoryStore(SQLMemoryStore):
             self._statistics.wrote({f"memory_vectors_{dimension}": len(entries)})
 
     def _write_vectors(
-        self, conn: Any, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
-    ) -> None:
+        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> Plan[None]:
         dimension = _dimension(vectors)
-        table = self._ensure_vector_table(conn, dimension)
-        with conn.cursor() as cur:
-            cur.adapters.register_dumper(np.ndarray, _vector_dumper())
-            for other in self._vector_tables - {dimension}:
-                cur.execute(
-                    f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(%s)",
-                    ([e.record_id for e in entries],),
-                )
-            cur.executemany(
-                f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
-                "SELECT id, tenant_id, user_id, %s, %b::vector FROM memory_records "
-                "WHERE id = %s ON CONFLICT (record_id) DO UPDATE SET "
-                "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
-                [
-                    (model, np.asarray(vector), entry.record_id)
-                    for entry, vector in zip(entries, vectors, strict=True)
-                ],
+        table = yield from self._ensure_vector_table(dimension)
+        for other in self._vector_tables - {dimension}:
+            yield Statement(
+                f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(?)",
+                ([e.record_id for e in entries],),
             )
+        # %b: the vector goes in pgvector's binary format (_BinaryVector's dumper).
+        yield Statement(
+            f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
+            "SELECT id, tenant_id, user_id, ?, %b::vector FROM memory_records "
+            "WHERE id = ? ON CONFLICT (record_id) DO UPDATE SET "
+            "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
+            [
+                (model, _BinaryVector(np.asarray(vector)), entry.record_id)
+                for entry, vector in zip(entries, vectors, strict=True)
+            ],
+            many=True,
+        )
 
     def wait_for_statistics(self, timeout: float | None = None) -> None:
         """Block until the ANALYZE runs this store started are done (tests, benchmarks)."""
@@ -579,7 +589,14 @@ class PostgresMemoryStore(SQLMemoryStore):
         self._statistics.wait(10.0)
 
     def __repr__(self) -> str:
-        return f"PostgresMemoryStore({self.url.split('@')[-1]!r})"
+        return f"PostgresMemoryStore({self.db!r})"
+
+
+def _all_rows(statements: Sequence[Statement]) -> Plan[list[Any]]:
+    found: list[Any] = []
+    for statement in statements:
+        found.extend((yield statement).rows)
+    return found
 
 
 class _GrowthStatistics:
@@ -596,9 +613,9 @@ class _GrowthStatistics:
     tables on a busy server. A bulk load outgrows that: 5,000 records written in four seconds
     were planned as a 1-row scope, and every keyword search walked the whole scope to rank
     a few hundred rows (17 ms instead of 3). So once this process has written as many rows to
-    a table as it held when last analyzed (at least ``MIN_ROWS``), it is analyzed again, on a
-    thread of its own so the write that crossed the line does not wait: log2 of the table's
-    growth runs, each sampling at most 30,000 rows.
+    a table as it held when last analyzed (at least ``MIN_ROWS``), it is analyzed again, on
+    keel's blocking pool (``keel._bridge.fork``) so the write that crossed the line does not
+    wait: log2 of the table's growth runs, each sampling at most 30,000 rows.
     """
 
     MIN_ROWS = 500
@@ -610,7 +627,8 @@ class _GrowthStatistics:
         self._analyzed: dict[str, float] = {}
         #: Rows this process wrote to each table since then.
         self._written: dict[str, int] = {}
-        self._running: dict[str, threading.Thread] = {}
+        #: The ANALYZE runs in flight, each set when it is done.
+        self._running: dict[str, threading.Event] = {}
 
     def wrote(self, rows: Mapping[str, int]) -> None:
         """Note ``rows`` written to each table (committed); analyze what has outgrown its
@@ -618,7 +636,7 @@ class _GrowthStatistics:
         unknown = [table for table in rows if table not in self._analyzed]
         if unknown:
             self._first_statistics(unknown)
-        due: list[threading.Thread] = []
+        due: list[str] = []
         with self._lock:
             for table, count in rows.items():
                 written = self._written.get(table, 0) + count
@@ -630,30 +648,17 @@ class _GrowthStatistics:
                     and written >= max(self.MIN_ROWS, known)
                 ):
                     self._written[table] = 0
-                    thread = threading.Thread(
-                        target=self._analyze,
-                        args=(table,),
-                        name=f"keel-analyze-{table}",
-                        daemon=True,
-                    )
-                    self._running[table] = thread
-                    due.append(thread)
-        for thread in due:
-            thread.start()
+                    self._running[table] = threading.Event()
+                    due.append(table)
+        for table in due:
+            # Not joined: wait() watches its event (close waits for it, a bounded time).
+            fork(self._analyze, table)
 
     def _first_statistics(self, tables: list[str]) -> None:
         """ANALYZE each of ``tables`` that never was (synchronously: it is nearly empty)."""
-        import psycopg
-        from psycopg import sql
-
         try:
-            with self._database.connection() as conn:
-                found = self._reltuples(conn, tables)
-                for name, reltuples in list(found.items()):
-                    if reltuples < 0:
-                        conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(name)))
-                        found.update(self._reltuples(conn, [name]))
-        except (StoreError, psycopg.Error) as exc:
+            found = self._database.run(lambda: _analyzed_first(tables), write=False)
+        except StoreError as exc:
             # Statistics only steer plans, and autovacuum takes them later anyway.
             logger.debug("ANALYZE %s failed: %s", tables, exc)
             return
@@ -661,31 +666,18 @@ class _GrowthStatistics:
             for table in tables:
                 self._analyzed.setdefault(table, max(found.get(table, 0.0), 0.0))
 
-    @staticmethod
-    def _reltuples(conn: Any, tables: list[str]) -> dict[str, float]:
-        """Each existing table's ``reltuples`` (-1 when it was never analyzed)."""
-        rows = conn.execute(
-            "SELECT relname, reltuples FROM pg_class WHERE oid = ANY("
-            "SELECT to_regclass(name) FROM unnest(%s::text[]) AS name)",
-            (tables,),
-        ).fetchall()
-        return {str(name): float(reltuples) for name, reltuples in rows}
-
     def _analyze(self, table: str) -> None:
-        import psycopg
-        from psycopg import sql
-
         try:
-            with self._database.connection() as conn:
-                conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(table)))
-                reltuples = self._reltuples(conn, [table]).get(table, 0.0)
+            reltuples = self._database.run(lambda: _analyzed(table), write=False)
             with self._lock:
                 self._analyzed[table] = max(reltuples, 0.0)
-        except (StoreError, psycopg.Error) as exc:
+        except StoreError as exc:
             logger.debug("ANALYZE %s failed: %s", table, exc)
         finally:
             with self._lock:
-                self._running.pop(table, None)
+                done = self._running.pop(table, None)
+            if done is not None:
+                done.set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Join the ANALYZE runs in flight."""
@@ -695,8 +687,40 @@ class _GrowthStatistics:
                 running = list(self._running.values())
             if not running:
                 return
-            for thread in running:
+            for done in running:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                thread.join(remaining)
+                done.wait(remaining)
             if deadline is not None and time.monotonic() >= deadline:
                 return
+
+
+def _analyze_statement(table: str) -> Statement:
+    return Statement('ANALYZE "{}"'.format(table.replace('"', '""')))
+
+
+def _reltuples(tables: list[str]) -> Plan[dict[str, float]]:
+    """Each existing table's ``reltuples`` (-1 when it was never analyzed)."""
+    rows = (
+        yield Statement(
+            "SELECT relname, reltuples FROM pg_class WHERE oid = ANY("
+            "SELECT to_regclass(name) FROM unnest(?::text[]) AS name)",
+            (tables,),
+        )
+    ).rows
+    return {str(name): float(reltuples) for name, reltuples in rows}
+
+
+def _analyzed_first(tables: list[str]) -> Plan[dict[str, float]]:
+    """ANALYZE each of ``tables`` never analyzed; every table's ``reltuples`` after."""
+    found = yield from _reltuples(tables)
+    for name, reltuples in list(found.items()):
+        if reltuples < 0:
+            yield _analyze_statement(name)
+            found.update((yield from _reltuples([name])))
+    return found
+
+
+def _analyzed(table: str) -> Plan[float]:
+    """ANALYZE ``table``; its ``reltuples`` after."""
+    yield _analyze_statement(table)
+    return (yield from _reltuples([table])).get(table, 0.0)

@@ -1,4 +1,4 @@
-"""The approvals queue's one implementation over SQL, for SQLite and PostgreSQL alike.
+"""The approvals queue: one class over a SQL database, SQLite or PostgreSQL alike.
 
 Every statement names the tenant (the primary key is ``(tenant_id, id)``: another tenant's
 request with the same id is another row, never a match). A decision is one compare-and-set,
@@ -7,29 +7,29 @@ sent twice) exactly one changes the row; the other reads the request as the firs
 A request past its expiry is never shown nor decided as pending: each operation that reads
 requests first marks those of its scope ``expired``, in the same transaction.
 
-Each operation is a plan (``_sql_plan.py``); each engine's subclass says how it runs one.
+Each operation is a plan (``_sql_plan.py``), run by the database in one write transaction:
+on SQLite a ``BEGIN IMMEDIATE``, so the compare-and-set holds across the threads and processes
+that share the file; on PostgreSQL, under READ COMMITTED, a second UPDATE of the same row waits
+for the first to commit and then finds the row no longer pending.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from abc import abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from keel.approvals import ApprovalDecision, ApprovalRequest, ApprovalStatus, ApprovalStore
 from keel.errors import StoreError, UsageError
 from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_plan import Plan, Result, Statement
+from keel.stores._sql_plan import Plan, Result, SQLDatabase, Statement
 
 __all__ = ["EXPIRED_REASON", "SQLApprovalStore", "approval_migrations"]
 
 EXPIRED_REASON = "no decision before it expired"
 """The ``status_reason`` of a request that expired."""
-
-_T = TypeVar("_T")
 
 
 _DECIDED_SQL = "status IN ('approved', 'rejected', 'expired')"
@@ -104,20 +104,25 @@ _SETTLED: tuple[ApprovalStatus, ...] = ("approved", "rejected", "expired", "canc
 
 
 class SQLApprovalStore(ApprovalStore):
-    """The queue's plans, run by `_arun` on the connections a subclass opens."""
+    """The approvals queue in a SQL database ([`SQLiteDatabase`][keel.stores.SQLiteDatabase]
+    or [`PostgresDatabase`][keel.stores.PostgresDatabase]); applies its migrations on
+    construction. Every operation is one write transaction (a read first expires what is
+    due).
 
-    dialect: SqlDialect
+    Args:
+        db: the database to share (the caller closes it).
+    """
 
-    @abstractmethod
-    async def _arun(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
-        """Run the plan ``plan()`` builds, in one write transaction or one read."""
+    def __init__(self, db: SQLDatabase) -> None:
+        self.db = db
+        db.migrate(approval_migrations(db.dialect))
 
     async def aadd(self, request: ApprovalRequest) -> ApprovalRequest:
         row = _row(request)
-        return await self._arun(True, lambda: _add(row, request.tenant_id, request.id))
+        return await self.db.arun(lambda: _add(row, request.tenant_id, request.id))
 
     async def aget(self, tenant_id: str, request_id: str) -> ApprovalRequest | None:
-        return await self._arun(True, lambda: _get(tenant_id, request_id, time.time()))
+        return await self.db.arun(lambda: _get(tenant_id, request_id, time.time()))
 
     async def alist(
         self,
@@ -141,14 +146,14 @@ class SQLApprovalStore(ApprovalStore):
             if value is not None:
                 clauses.append(f"{column} = ?")
                 params.append(value)
-        condition, values = self.dialect.one_of("status", list(dict.fromkeys(statuses)))
+        condition, values = self.db.dialect.one_of("status", list(dict.fromkeys(statuses)))
         clauses.append(condition)
         sql = (
             f"SELECT {_COLUMNS} FROM keel_approvals WHERE {' AND '.join(clauses)} "
             "ORDER BY created_at, id LIMIT ?"
         )
         query = Statement(sql, (*params, *values, limit))
-        return await self._arun(True, lambda: _list(tenant_id, query, time.time()))
+        return await self.db.arun(lambda: _list(tenant_id, query, time.time()))
 
     async def alist_to_carry_out(
         self,
@@ -173,11 +178,11 @@ class SQLApprovalStore(ApprovalStore):
             "ORDER BY created_at, id LIMIT ?"
         )
         query = Statement(sql, (*params, limit))
-        return await self._arun(True, lambda: _list(tenant_id, query, time.time()))
+        return await self.db.arun(lambda: _list(tenant_id, query, time.time()))
 
     async def atenants_to_carry_out(self, now: float | None = None) -> list[str]:
         at = time.time() if now is None else now
-        return await self._arun(True, lambda: _tenants_to_carry_out(at))
+        return await self.db.arun(lambda: _tenants_to_carry_out(at))
 
     async def amark_carried_out(
         self, tenant_id: str, request_ids: Sequence[str], now: float | None = None
@@ -187,10 +192,10 @@ class SQLApprovalStore(ApprovalStore):
             return 0
         at = time.time() if now is None else now
         statements = []
-        for batch in self.dialect.batches(ids):
-            condition, values = self.dialect.one_of("id", list(batch))
+        for batch in self.db.dialect.batches(ids):
+            condition, values = self.db.dialect.one_of("id", list(batch))
             statements.append(Statement(f"{_MARK} AND {condition}", (at, tenant_id, *values)))
-        return await self._arun(True, lambda: _counts(statements))
+        return await self.db.arun(lambda: _counts(statements))
 
     async def adecide(
         self, tenant_id: str, request_id: str, status: ApprovalStatus, decision: ApprovalDecision
@@ -200,14 +205,14 @@ class SQLApprovalStore(ApprovalStore):
                 f"a decision settles a request: status {status!r} is not one of {list(_SETTLED)}"
             )
         params = (status, decision.model_dump_json(), tenant_id, request_id)
-        return await self._arun(True, lambda: _decide(params, time.time()))
+        return await self.db.arun(lambda: _decide(params, time.time()))
 
     async def acancel(self, tenant_id: str, session_id: str, reason: str) -> int:
         params = (reason, tenant_id, session_id)
-        return await self._arun(True, lambda: _count(Statement(_CANCEL, params)))
+        return await self.db.arun(lambda: _count(Statement(_CANCEL, params)))
 
     async def aexpire(self, now: float) -> int:
-        return await self._arun(True, lambda: _count(Statement(_EXPIRE_ALL, (EXPIRED_REASON, now))))
+        return await self.db.arun(lambda: _count(Statement(_EXPIRE_ALL, (EXPIRED_REASON, now))))
 
 
 def _row(request: ApprovalRequest) -> tuple[Any, ...]:

@@ -1,27 +1,30 @@
-"""The tool journal's one implementation over SQL, for SQLite and PostgreSQL alike.
+"""The tool journal: one class over a SQL database, SQLite or PostgreSQL alike.
 
 Both engines take the same statements (``INSERT ... ON CONFLICT DO NOTHING`` claims, epoch
-seconds as floats); the `SqlDialect` carries what differs in the
-SQL, and each engine's subclass says how it opens a write transaction and a read. Each
-operation is a plan (``_sql_plan.py``), written once and run by the sync or the async runner.
+seconds as floats); the database's `SqlDialect` carries what differs in the SQL. Each
+operation is a plan (``_sql_plan.py``), written once: the database runs it, in a write
+transaction or as one read, for a sync method and its async twin alike.
+
+The claim is committed in its own transaction before the tool runs, so of two writers racing
+on one call (two threads, two processes on one SQLite file, two servers on one PostgreSQL)
+exactly one claims it. On SQLite the journal lives in the same file as the checkpoints, so a
+crash loses neither or both.
 """
 
 from __future__ import annotations
 
 import time
-from abc import abstractmethod
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from keel.errors import StoreError
 from keel.messages import Message
 from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_plan import Plan, Result, Statement, arun_plan, run_plan
+from keel.stores._sql_plan import Plan, Result, SQLDatabase, Statement
 from keel.tools._journal import JournalClaim, JournalEntry, ToolJournal, entry_from_row
 
-__all__ = ["AsyncSQLToolJournal", "SQLToolJournal", "journal_migrations"]
+__all__ = ["SQLToolJournal", "journal_migrations"]
 
 
 def journal_migrations(dialect: SqlDialect) -> MigrationSet:
@@ -69,36 +72,21 @@ _COLUMNS = (
 )
 _NAMES = tuple(name.strip() for name in _COLUMNS.split(","))
 
-_T = TypeVar("_T")
-
 
 class SQLToolJournal(ToolJournal):
-    """The journal's plans, run on the connections a subclass opens; the async twins run
-    the same plans through `_arun` (the sync runner, through `_run_twin`,
-    unless an engine's async driver runs them natively)."""
+    """The tool journal in a SQL database ([`SQLiteDatabase`][keel.stores.SQLiteDatabase]
+    or [`PostgresDatabase`][keel.stores.PostgresDatabase]); applies its migrations on
+    construction. The async twins run the same plans through the database's
+    ``arun``: inline on SQLite unless a write would wait, on the event loop's own
+    connections on PostgreSQL (no worker thread between).
 
-    dialect: SqlDialect
+    Args:
+        db: the database to share (the caller closes it).
+    """
 
-    @abstractmethod
-    def _write(self) -> AbstractContextManager[Any]:
-        """One write transaction's connection, driver errors translated."""
-
-    @abstractmethod
-    def _read(self) -> AbstractContextManager[Any]:
-        """A connection for one read statement, driver errors translated."""
-
-    def _where(self) -> str:
-        """Where the journal is, for error messages ('' or ' in ...')."""
-        return ""
-
-    def _run(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
-        """Run the plan ``plan()`` builds (afresh: a call that moves may run again)."""
-        with self._write() if write else self._read() as conn:
-            return run_plan(conn.cursor(), self.dialect, plan())
-
-    async def _arun(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
-        """Async twin of `_run`."""
-        return await self._run_twin(lambda: self._run(write, plan))
+    def __init__(self, db: SQLDatabase) -> None:
+        self.db = db
+        db.migrate(journal_migrations(db.dialect))
 
     def _claim(self, params: tuple[Any, ...]) -> Plan[JournalClaim]:
         # The new entry comes back with the insert; an existing one takes a read.
@@ -111,12 +99,12 @@ class SQLToolJournal(ToolJournal):
     def _update(self, key: str, assignments: str, params: tuple[Any, ...]) -> Plan[JournalEntry]:
         found = _entries((yield Statement(_returning(assignments), (*params, key))))
         if not found:
-            raise StoreError(f"no journal entry {key!r}{self._where()}")
+            raise StoreError(f"no journal entry {key!r} in {self.db!r}")
         return found[0]
 
     def _finish(self, key: str, ok: bool, content: str, output: str) -> Plan[JournalEntry]:
         status = "succeeded" if ok else "failed"
-        params = (status, self.dialect.flag(ok), content, output, time.time())
+        params = (status, self.db.dialect.flag(ok), content, output, time.time())
         return self._update(key, _FINISH, params)
 
     def _record_decision(self, session_id: str, step: int, message: Message) -> Plan[Message]:
@@ -137,7 +125,7 @@ class SQLToolJournal(ToolJournal):
         arguments: str,
     ) -> JournalClaim:
         params = (key, session_id, step, call_index, tool, arguments, time.time())
-        return self._run(True, lambda: self._claim(params))
+        return self.db.run(lambda: self._claim(params))
 
     async def aclaim(
         self,
@@ -150,26 +138,26 @@ class SQLToolJournal(ToolJournal):
         arguments: str,
     ) -> JournalClaim:
         params = (key, session_id, step, call_index, tool, arguments, time.time())
-        return await self._arun(True, lambda: self._claim(params))
+        return await self.db.arun(lambda: self._claim(params))
 
     def restart(self, key: str) -> JournalEntry:
-        return self._run(True, lambda: self._update(key, _RESTART, ()))
+        return self.db.run(lambda: self._update(key, _RESTART, ()))
 
     async def arestart(self, key: str) -> JournalEntry:
-        return await self._arun(True, lambda: self._update(key, _RESTART, ()))
+        return await self.db.arun(lambda: self._update(key, _RESTART, ()))
 
     def finish(self, key: str, *, ok: bool, content: str, output: str) -> JournalEntry:
-        return self._run(True, lambda: self._finish(key, ok, content, output))
+        return self.db.run(lambda: self._finish(key, ok, content, output))
 
     async def afinish(self, key: str, *, ok: bool, content: str, output: str) -> JournalEntry:
-        return await self._arun(True, lambda: self._finish(key, ok, content, output))
+        return await self.db.arun(lambda: self._finish(key, ok, content, output))
 
     def get(self, key: str) -> JournalEntry | None:
-        found = self._run(False, lambda: _select(_SELECT, (key,)))
+        found = self.db.run(lambda: _select(_SELECT, (key,)), write=False)
         return found[0] if found else None
 
     async def aget(self, key: str) -> JournalEntry | None:
-        found = await self._arun(False, lambda: _select(_SELECT, (key,)))
+        found = await self.db.arun(lambda: _select(_SELECT, (key,)), write=False)
         return found[0] if found else None
 
     def entries(
@@ -186,47 +174,28 @@ class SQLToolJournal(ToolJournal):
         sql = (
             f"SELECT {_COLUMNS} FROM keel_tool_journal{where} ORDER BY started_at, step, call_index"
         )
-        return self._run(False, lambda: _select(sql, params))
+        return self.db.run(lambda: _select(sql, params), write=False)
 
     def same_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
         # keel_tool_journal_session narrows to the session; a session has few entries.
-        return self._run(False, lambda: _select(_SAME_CALLS, (session_id, tool, arguments)))
+        params = (session_id, tool, arguments)
+        return self.db.run(lambda: _select(_SAME_CALLS, params), write=False)
 
     async def asame_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
-        return await self._arun(False, lambda: _select(_SAME_CALLS, (session_id, tool, arguments)))
+        params = (session_id, tool, arguments)
+        return await self.db.arun(lambda: _select(_SAME_CALLS, params), write=False)
 
     def record_decision(self, session_id: str, step: int, message: Message) -> Message:
-        return self._run(True, lambda: self._record_decision(session_id, step, message))
+        return self.db.run(lambda: self._record_decision(session_id, step, message))
 
     async def arecord_decision(self, session_id: str, step: int, message: Message) -> Message:
-        return await self._arun(True, lambda: self._record_decision(session_id, step, message))
+        return await self.db.arun(lambda: self._record_decision(session_id, step, message))
 
     def decision(self, session_id: str, step: int) -> Message | None:
-        return self._run(False, lambda: _decision(session_id, step))
+        return self.db.run(lambda: _decision(session_id, step), write=False)
 
     async def adecision(self, session_id: str, step: int) -> Message | None:
-        return await self._arun(False, lambda: _decision(session_id, step))
-
-
-class AsyncSQLToolJournal(SQLToolJournal):
-    """The journal over an engine whose driver is async too (psycopg): the async twins run
-    the same plans on the event loop's own connections, with no worker thread between.
-
-    Under load a worker thread is not free: it waits for the GIL while the loop runs other
-    sessions' turns (up to the 5 ms switch interval each way), once per journal write.
-    """
-
-    @abstractmethod
-    def _awrite(self) -> AbstractAsyncContextManager[Any]:
-        """Async twin of `_write`."""
-
-    @abstractmethod
-    def _aread(self) -> AbstractAsyncContextManager[Any]:
-        """Async twin of `_read`."""
-
-    async def _arun(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
-        async with self._awrite() if write else self._aread() as conn:
-            return await arun_plan(conn.cursor(), self.dialect, plan())
+        return await self.db.arun(lambda: _decision(session_id, step), write=False)
 
 
 _CLAIM = (

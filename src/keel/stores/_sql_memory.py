@@ -1,11 +1,11 @@
 """Memory's records, facts, outbox and scopes over SQL, written once for SQLite and PostgreSQL.
 
 Both engines take the same statements (``INSERT ... ON CONFLICT DO NOTHING RETURNING``, epoch
-seconds as floats, the same tables and columns); the `SqlDialect`
-carries what differs in the spelling (markers, a list of ids as ``IN (...)`` or ``= ANY(...)``,
-the JSON column's cast). Each engine's subclass says how it opens a write transaction and a
-read, and keeps what really differs: its vector search, its full text, PostgreSQL's per-fact
-lock and its one-statement plain insert.
+seconds as floats, the same tables and columns); the database's `SqlDialect` carries what
+differs in the spelling (markers, a list of ids as ``IN (...)`` or ``= ANY(...)``, the JSON
+column's cast). Each operation is a plan (``_sql_plan.py``) the database runs. Each engine's
+subclass keeps what really differs: its schema, its vector search and vector table, its full
+text, PostgreSQL's per-fact lock and its one-statement plain insert.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, closing
 from datetime import datetime
 from functools import cache
 from typing import Any, TypeVar
@@ -22,7 +21,7 @@ from keel.errors import UsageError
 from keel.memory._records import MemoryFilter, MemoryRecord, Scope, is_fact, reopened, same_content
 from keel.memory._rows import (
     RECORD_COLUMNS,
-    current_fact,
+    current_fact_sql,
     filter_sql,
     record_from_row,
     record_to_row,
@@ -30,13 +29,17 @@ from keel.memory._rows import (
 )
 from keel.memory._store import FloatArray, InsertResult, MemoryStore, OutboxEntry
 from keel.stores._dialect import SqlDialect
-from keel.stores._migrations import Migration
+from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._sql_plan import Plan, Result, SQLDatabase, Statement
 
 __all__ = [
     "MemorySchema",
     "SQLMemoryStore",
+    "count_records",
     "insert_row_sql",
     "require_database",
+    "rows_of",
+    "stored_content",
 ]
 
 _D = TypeVar("_D")
@@ -91,135 +94,99 @@ class MemorySchema:
 
 
 class SQLMemoryStore(MemoryStore):
-    """The memory CRUD's statements, run on the connections a subclass opens.
+    """The memory CRUD's plans, run by the database; a subclass keeps what its engine does
+    its own way: search (vectors, full text), the vectors' table, and the lock writers of one
+    key or fact take turns on.
 
-    A subclass sets `dialect` and `inserted_order`, opens connections
-    (`_connection`, `_reading`), creates its schema in `setup` (which sets
-    ``_ready``), and implements search, `vectors` and `_write_vectors`.
+    A subclass sets `inserted_order`, names its `migrations`, and implements search,
+    `vectors` and `_write_vectors`. The schema is applied by [`setup`][] (the first use runs
+    it): a store built for a memory that is off never creates its tables.
     """
 
-    dialect: SqlDialect
     #: The column that orders rows as they were inserted (SQLite's rowid, PostgreSQL's seq).
     inserted_order: str
-    _ready: bool = False
+    #: The ``memory`` component's migrations in the engine's own schema.
+    migrations: MigrationSet
 
-    @abstractmethod
-    def _connection(self) -> AbstractContextManager[Any]:
-        """One write transaction's connection, driver errors translated."""
+    def __init__(self, db: SQLDatabase) -> None:
+        self.db = db
+        self._ready = False
 
-    @abstractmethod
-    def _reading(self) -> AbstractContextManager[Any]:
-        """A connection for reads, driver errors translated."""
+    def setup(self) -> None:
+        self.db.migrate(self.migrations)
+        self._ready = True
 
-    def _lock(self, conn: Any, what: str, record: MemoryRecord, name: str) -> None:
+    def _migrated(self) -> SQLDatabase:
+        """The database, its memory schema applied first."""
+        if not self._ready:
+            self.setup()
+        return self.db
+
+    def _lock(self, what: str, record: MemoryRecord, name: str) -> Plan[None]:
         """Make the writers of one name of ``record``'s scope (a key, a fact) take turns, for
         the rest of the transaction. SQLite's write transactions take turns already."""
-
-    def _write(self) -> AbstractContextManager[Any]:
-        if not self._ready:
-            self.setup()
-        return self._connection()
-
-    def _read(self) -> AbstractContextManager[Any]:
-        if not self._ready:
-            self.setup()
-        return self._reading()
-
-    def _execute(self, conn: Any, statement: str, params: Sequence[Any] = ()) -> Any:
-        return conn.execute(self.dialect.sql(statement), tuple(params))
+        yield from ()
 
     # --- writes -------------------------------------------------------------------------
 
     def insert(self, record: MemoryRecord) -> InsertResult:
-        with self._write() as conn:
-            if record.key is not None:
-                # The record a key named is replaced, in this transaction (the very same
-                # record added again stays as it is: adds are idempotent). Two writers of one
-                # key take turns: each would otherwise delete the old row, and the second's
-                # insert would then break the key's uniqueness.
-                self._lock(conn, "memory key", record, record.key)
-                self._execute(
-                    conn,
-                    f"DELETE FROM memory_records WHERE {_IN_SCOPE} AND key = ? "
-                    "AND content_hash <> ?",
-                    (record.tenant_id, record.user_id, record.key, record.content_hash),
-                )
-            if is_fact(record):
-                # Writers of one fact take turns: each reads the current value, then
-                # supersedes it, and two at once would both leave theirs current.
-                self._lock(conn, "memory fact", record, f"{record.subject}\x1f{record.attribute}")
-                for stored in current_fact(conn, record, self.dialect.placeholder):
-                    if same_content(stored, record):
-                        return InsertResult(stored, created=False)
-            if not self._insert_row(conn, record):
-                if not is_fact(record):
-                    return InsertResult(self._stored_content(conn, record), created=False)
-                # A value the fact had before, and not now: it holds again from now on.
-                record = reopened(record)
-                self._insert_row(conn, record)
-            superseded = self._supersede(conn, record) if is_fact(record) else ()
-            self._execute(
-                conn,
-                "INSERT INTO memory_outbox (record_id, created_at) VALUES (?, ?)",
-                (record.id, time.time()),
+        return self._migrated().run(lambda: self._insert(record))
+
+    def _insert(self, record: MemoryRecord) -> Plan[InsertResult]:
+        if record.key is not None:
+            # The record a key named is replaced, in this transaction (the very same
+            # record added again stays as it is: adds are idempotent). Two writers of one
+            # key take turns: each would otherwise delete the old row, and the second's
+            # insert would then break the key's uniqueness.
+            yield from self._lock("memory key", record, record.key)
+            yield Statement(
+                f"DELETE FROM memory_records WHERE {_IN_SCOPE} AND key = ? AND content_hash <> ?",
+                (record.tenant_id, record.user_id, record.key, record.content_hash),
             )
+        if is_fact(record):
+            # Writers of one fact take turns: each reads the current value, then
+            # supersedes it, and two at once would both leave theirs current.
+            yield from self._lock("memory fact", record, f"{record.subject}\x1f{record.attribute}")
+            for stored in _records((yield Statement(*current_fact_sql(record, "?")))):
+                if same_content(stored, record):
+                    return InsertResult(stored, created=False)
+        if not (yield self._insert_row(record)).rows:
+            if not is_fact(record):
+                return InsertResult((yield from stored_content(record)), created=False)
+            # A value the fact had before, and not now: it holds again from now on.
+            record = reopened(record)
+            yield self._insert_row(record)
+        superseded = (yield from _supersede(record)) if is_fact(record) else ()
+        yield Statement(
+            "INSERT INTO memory_outbox (record_id, created_at) VALUES (?, ?)",
+            (record.id, time.time()),
+        )
         return InsertResult(record, created=True, superseded=superseded)
 
-    def _insert_row(self, conn: Any, record: MemoryRecord) -> bool:
-        """Insert ``record``'s row; False when its scope holds the same content already."""
-        return bool(
-            self._execute(conn, insert_row_sql(self.dialect), record_to_row(record)).fetchall()
-        )
-
-    def _stored_content(self, conn: Any, record: MemoryRecord) -> MemoryRecord:
-        """The record of ``record``'s scope with its content (there: its insert conflicted)."""
-        row = self._execute(
-            conn,
-            f"SELECT {_COLUMNS} FROM memory_records WHERE {_IN_SCOPE} AND content_hash = ?",
-            (record.tenant_id, record.user_id, record.content_hash),
-        ).fetchone()
-        return record_from_row(row)
-
-    def _supersede(self, conn: Any, record: MemoryRecord) -> tuple[str, ...]:
-        """End the other current values of ``record``'s fact where its own validity begins;
-        their ids."""
-        rows = self._execute(
-            conn,
-            f"UPDATE memory_records SET valid_to = ? WHERE {_IN_SCOPE} AND subject = ? "
-            "AND attribute = ? AND valid_to IS NULL AND id <> ? RETURNING id",
-            (
-                to_epoch(record.valid_from or record.created_at),
-                record.tenant_id,
-                record.user_id,
-                record.subject,
-                record.attribute,
-                record.id,
-            ),
-        ).fetchall()
-        return tuple(str(row[0]) for row in rows)
+    def _insert_row(self, record: MemoryRecord) -> Statement:
+        """Insert ``record``'s row, returning its id; no row when its scope holds the same
+        content already."""
+        return Statement(insert_row_sql(self.db.dialect), record_to_row(record))
 
     def delete(self, scope: Scope, record_id: str) -> bool:
-        with self._write() as conn:
-            cursor = self._execute(
-                conn,
-                f"DELETE FROM memory_records WHERE id = ? AND {_IN_SCOPE}",
-                (record_id, scope.tenant_id, scope.user_id),
-            )
-            return bool(cursor.rowcount > 0)
+        statement = Statement(
+            f"DELETE FROM memory_records WHERE id = ? AND {_IN_SCOPE}",
+            (record_id, scope.tenant_id, scope.user_id),
+        )
+        return self._migrated().run(lambda: _changed(statement)) > 0
 
     def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
         if not expiry:
             return
-        with self._write() as conn, closing(conn.cursor()) as cursor:
-            cursor.executemany(
-                self.dialect.sql(
-                    f"UPDATE memory_records SET expires_at = ? WHERE id = ? AND {_IN_SCOPE}"
-                ),
-                [
-                    (to_epoch(when), record_id, scope.tenant_id, scope.user_id)
-                    for record_id, when in expiry.items()
-                ],
-            )
+        statement = Statement(
+            f"UPDATE memory_records SET expires_at = ? WHERE id = ? AND {_IN_SCOPE}",
+            [
+                (to_epoch(when), record_id, scope.tenant_id, scope.user_id)
+                for record_id, when in expiry.items()
+            ],
+            many=True,
+        )
+        self._migrated().run(lambda: _changed(statement))
 
     def purge_expired(self, scope: Scope | None, now: datetime) -> int:
         where = "expires_at IS NOT NULL AND expires_at <= ?"
@@ -227,17 +194,14 @@ class SQLMemoryStore(MemoryStore):
         if scope is not None:
             where += f" AND {_IN_SCOPE}"
             params += (scope.tenant_id, scope.user_id)
-        with self._write() as conn:
-            return int(
-                self._execute(conn, f"DELETE FROM memory_records WHERE {where}", params).rowcount
-            )
+        statement = Statement(f"DELETE FROM memory_records WHERE {where}", params)
+        return self._migrated().run(lambda: _changed(statement))
 
     # --- reads --------------------------------------------------------------------------
 
     def _query(self, statement: str, params: Sequence[Any]) -> list[MemoryRecord]:
-        with self._read() as conn:
-            rows = self._execute(conn, statement, params).fetchall()
-        return [record_from_row(row) for row in rows]
+        query = Statement(statement, params)
+        return self._migrated().run(lambda: _records_of(query), write=False)
 
     def _scoped(
         self,
@@ -257,14 +221,23 @@ class SQLMemoryStore(MemoryStore):
             )
             return
         # By id, the scope is checked on the rows the id index finds.
-        skip = self.dialect.skip_index
-        for batch in self.dialect.batches(list(dict.fromkeys(record_ids))):
-            ids, id_params = self.dialect.one_of("id", batch)
+        dialect = self.db.dialect
+        skip = dialect.skip_index
+        for batch in dialect.batches(list(dict.fromkeys(record_ids))):
+            ids, id_params = dialect.one_of("id", batch)
             yield (
                 f"SELECT {columns} FROM memory_records WHERE {skip}tenant_id = ? "
                 f"AND {skip}user_id = ? AND {ids}{condition}",
                 (scope.tenant_id, scope.user_id, *id_params, *params),
             )
+
+    def _scoped_ids(
+        self, scope: Scope, filters: MemoryFilter, record_ids: Sequence[str] | None = None
+    ) -> list[str]:
+        """The ids of the rows of ``scope`` that pass ``filters`` (among ``record_ids`` when
+        given): what search may return of its candidates."""
+        statements = [Statement(*found) for found in self._scoped("id", scope, filters, record_ids)]
+        return self._migrated().run(lambda: _ids(statements), write=False)
 
     def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
         found = self._query(
@@ -317,16 +290,7 @@ class SQLMemoryStore(MemoryStore):
         )
 
     def count(self, scope: Scope | None = None) -> int:
-        with self._read() as conn:
-            return self._count(conn, scope)
-
-    def _count(self, conn: Any, scope: Scope | None) -> int:
-        """`count`, on ``conn`` (keyword search plans with the scope's size)."""
-        statement: str = "SELECT COUNT(*) FROM memory_records"
-        params: tuple[str, ...] = ()
-        if scope is not None:
-            statement, params = f"{statement} WHERE {_IN_SCOPE}", (scope.tenant_id, scope.user_id)
-        return int(self._execute(conn, statement, params).fetchone()[0])
+        return self._migrated().run(lambda: count_records(scope), write=False)
 
     # --- outbox -------------------------------------------------------------------------
 
@@ -335,87 +299,154 @@ class SQLMemoryStore(MemoryStore):
     ) -> list[OutboxEntry]:
         in_scope = "" if scope is None else " AND r.tenant_id = ? AND r.user_id = ?"
         scoped = () if scope is None else (scope.tenant_id, scope.user_id)
-        with self._read() as conn:
-            rows = self._execute(
-                conn,
-                "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
-                "r.session_id, r.turn "
-                "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                f"WHERE o.attempts < ?{in_scope} ORDER BY o.id LIMIT ?",
-                (int(max_attempts), *scoped, int(limit)),
-            ).fetchall()
+        query = Statement(
+            "SELECT o.id, o.record_id, r.tenant_id, r.user_id, r.text, o.attempts, "
+            "r.session_id, r.turn "
+            "FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
+            f"WHERE o.attempts < ?{in_scope} ORDER BY o.id LIMIT ?",
+            (int(max_attempts), *scoped, int(limit)),
+        )
+        rows = self._migrated().run(lambda: rows_of(query), write=False)
         return [_outbox_entry(row) for row in rows]
 
     def count_pending(self, max_attempts: int = 5) -> int:
-        with self._read() as conn:
-            row = self._execute(
-                conn,
-                "SELECT COUNT(*) FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
-                "WHERE o.attempts < ?",
-                (int(max_attempts),),
-            ).fetchone()
-        return int(row[0])
+        query = Statement(
+            "SELECT COUNT(*) FROM memory_outbox o JOIN memory_records r ON r.id = o.record_id "
+            "WHERE o.attempts < ?",
+            (int(max_attempts),),
+        )
+        return int(self._migrated().run(lambda: rows_of(query), write=False)[0][0])
 
     @abstractmethod
     def _write_vectors(
-        self, conn: Any, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
-    ) -> None:
-        """Store ``entries``' vectors, made by ``model``, in the transaction on ``conn``."""
+        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> Plan[None]:
+        """Store ``entries``' vectors, made by ``model``, in the transaction of `complete`."""
 
     def complete(
         self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
     ) -> None:
-        if not entries:
-            return
-        with self._write() as conn:
-            self._write_vectors(conn, entries, vectors, model)
-            for batch in self.dialect.batches(entries):
-                records, record_params = self.dialect.one_of("id", [e.record_id for e in batch])
-                self._execute(
-                    conn,
-                    f"UPDATE memory_records SET embedding_model = ? WHERE {records}",
-                    (model, *record_params),
-                )
-                queued, queued_params = self.dialect.one_of("id", [e.id for e in batch])
-                self._execute(conn, f"DELETE FROM memory_outbox WHERE {queued}", queued_params)
+        if entries:
+            self._migrated().run(lambda: self._complete(entries, vectors, model))
+
+    def _complete(
+        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> Plan[None]:
+        yield from self._write_vectors(entries, vectors, model)
+        dialect = self.db.dialect
+        for batch in dialect.batches(entries):
+            records, record_params = dialect.one_of("id", [e.record_id for e in batch])
+            yield Statement(
+                f"UPDATE memory_records SET embedding_model = ? WHERE {records}",
+                (model, *record_params),
+            )
+            queued, queued_params = dialect.one_of("id", [e.id for e in batch])
+            yield Statement(f"DELETE FROM memory_outbox WHERE {queued}", queued_params)
 
     def fail(self, entries: Sequence[OutboxEntry], error: str) -> None:
         if not entries:
             return
-        with self._write() as conn:
-            for batch in self.dialect.batches(entries):
-                queued, params = self.dialect.one_of("id", [e.id for e in batch])
-                self._execute(
-                    conn,
+        dialect = self.db.dialect
+        statements = []
+        for batch in dialect.batches(entries):
+            queued, params = dialect.one_of("id", [e.id for e in batch])
+            statements.append(
+                Statement(
                     "UPDATE memory_outbox SET attempts = attempts + 1, last_error = ? "
                     f"WHERE {queued}",
                     (error[:2000], *params),
                 )
+            )
+        self._migrated().run(lambda: _all_changed(statements))
 
     def enqueue_reembed(self, model: str) -> int:
-        with self._write() as conn:
+        statements = [
             # Entries that ran out of attempts (an embedder was down) get a fresh start.
-            retried = self._execute(
-                conn, "UPDATE memory_outbox SET attempts = 0 WHERE attempts > 0"
-            ).rowcount
-            queued = self._execute(
-                conn,
+            Statement("UPDATE memory_outbox SET attempts = 0 WHERE attempts > 0"),
+            Statement(
                 "INSERT INTO memory_outbox (record_id, created_at) "
                 "SELECT id, ? FROM memory_records r WHERE "
                 "(r.embedding_model IS NULL OR r.embedding_model <> ?) "
                 "AND NOT EXISTS (SELECT 1 FROM memory_outbox o WHERE o.record_id = r.id)",
                 (time.time(), model),
-            ).rowcount
-        return int(queued) + int(retried)
+            ),
+        ]
+        return self._migrated().run(lambda: _all_changed(statements))
 
     def embedding_models(self) -> dict[str, int]:
-        with self._read() as conn:
-            rows = self._execute(
-                conn,
-                "SELECT COALESCE(embedding_model, ''), COUNT(*) FROM memory_records "
-                "GROUP BY COALESCE(embedding_model, '')",
-            ).fetchall()
+        query = Statement(
+            "SELECT COALESCE(embedding_model, ''), COUNT(*) FROM memory_records "
+            "GROUP BY COALESCE(embedding_model, '')"
+        )
+        rows = self._migrated().run(lambda: rows_of(query), write=False)
         return {str(model): int(count) for model, count in rows}
+
+
+def count_records(scope: Scope | None) -> Plan[int]:
+    """`SQLMemoryStore.count` as a plan (keyword search plans with the scope's size)."""
+    statement: str = "SELECT COUNT(*) FROM memory_records"
+    params: tuple[str, ...] = ()
+    if scope is not None:
+        statement, params = f"{statement} WHERE {_IN_SCOPE}", (scope.tenant_id, scope.user_id)
+    return int((yield Statement(statement, params)).rows[0][0])
+
+
+def stored_content(record: MemoryRecord) -> Plan[MemoryRecord]:
+    """The record of ``record``'s scope with its content (there: its insert conflicted)."""
+    found = yield Statement(
+        f"SELECT {_COLUMNS} FROM memory_records WHERE {_IN_SCOPE} AND content_hash = ?",
+        (record.tenant_id, record.user_id, record.content_hash),
+    )
+    return record_from_row(found.rows[0])
+
+
+def _supersede(record: MemoryRecord) -> Plan[tuple[str, ...]]:
+    """End the other current values of ``record``'s fact where its own validity begins;
+    their ids."""
+    ended = yield Statement(
+        f"UPDATE memory_records SET valid_to = ? WHERE {_IN_SCOPE} AND subject = ? "
+        "AND attribute = ? AND valid_to IS NULL AND id <> ? RETURNING id",
+        (
+            to_epoch(record.valid_from or record.created_at),
+            record.tenant_id,
+            record.user_id,
+            record.subject,
+            record.attribute,
+            record.id,
+        ),
+    )
+    return tuple(str(row[0]) for row in ended.rows)
+
+
+def _records(result: Result) -> list[MemoryRecord]:
+    return [record_from_row(row) for row in result.rows]
+
+
+def _records_of(query: Statement) -> Plan[list[MemoryRecord]]:
+    return _records((yield query))
+
+
+def rows_of(query: Statement) -> Plan[list[Any]]:
+    """The rows ``query`` returns."""
+    return (yield query).rows
+
+
+def _ids(statements: Sequence[Statement]) -> Plan[list[str]]:
+    found: list[str] = []
+    for statement in statements:
+        found.extend(str(row[0]) for row in (yield statement).rows)
+    return found
+
+
+def _changed(statement: Statement) -> Plan[int]:
+    return int((yield statement).rowcount)
+
+
+def _all_changed(statements: Sequence[Statement]) -> Plan[int]:
+    total = 0
+    for statement in statements:
+        total += int((yield statement).rowcount)
+    return total
 
 
 def require_database(database: object, kind: type[_D], store: str) -> _D:

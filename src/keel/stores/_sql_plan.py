@@ -9,13 +9,14 @@ between them are never written twice for sync and async.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from keel.stores._dialect import SqlDialect
+from keel.stores._migrations import MigrationSet
 
-__all__ = ["Plan", "Result", "Statement", "arun_plan", "run_plan"]
+__all__ = ["Plan", "Result", "SQLDatabase", "Statement", "arun_plan", "run_plan"]
 
 _T = TypeVar("_T")
 
@@ -41,6 +42,28 @@ class Result:
 
 Plan = Generator[Statement, Result, _T]
 """The statements of one operation; returns its result."""
+
+
+class SQLDatabase(Protocol):
+    """What a store needs of its database ([`SQLiteDatabase`][keel.stores.SQLiteDatabase] or
+    [`PostgresDatabase`][keel.stores.PostgresDatabase]): a store is one class over it, and
+    uses nothing else of it."""
+
+    @property
+    def dialect(self) -> SqlDialect:
+        """How the engine's SQL differs."""
+
+    def run(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+        """Run the statements of ``plan()``: in one transaction when ``write``."""
+
+    async def arun(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+        """Async twin of ``run``."""
+
+    def migrate(self, migrations: MigrationSet) -> None:
+        """Apply ``migrations``; idempotent."""
+
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        """Run the blocking ``call`` for an event loop, the way the engine should."""
 
 
 def run_plan(cursor: Any, dialect: SqlDialect, plan: Plan[_T]) -> _T:

@@ -1,5 +1,5 @@
-"""The trace stores' SQL, written once for SQLite and PostgreSQL over a
-`SqlDialect`.
+"""Run traces: one class over a SQL database, SQLite or PostgreSQL alike (component
+``traces``).
 
 Two tables: ``trace_runs`` (one row per run, with running totals so listing and filtering
 never scans steps) and ``trace_steps`` (one row per step, keyed by run and step id, ordered by
@@ -11,25 +11,29 @@ A run's ``heartbeat_at`` is refreshed by every write of the run (start, resume, 
 reads report a ``running`` run whose heartbeat is older than ``abandon_after_s`` of its time
 limit as ``abandoned`` (``keel.tracing.RunStatus``).
 
-Each engine's subclass says how it opens a read and a write, migrates, and writes a batch of
-steps with its run's totals kept exact (that is where the engines really differ: SQLite's one
-writer adds each step's difference, PostgreSQL locks the run and recounts in one pipeline).
+Every operation is a plan (``_sql_plan.py``) run by the database. A batch of steps locks its
+run's row first (PostgreSQL; SQLite's write transaction holds the whole file), so concurrent
+writers of one run take turns and each step's difference moves the run's totals exactly once.
+[`PostgresTraceStore`][keel.stores.PostgresTraceStore] sends a batch in one pipeline instead
+(one round trip).
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any, cast
+from functools import cache
+from typing import Any, TypeVar, cast
 
+from keel.errors import StoreError
 from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._sql_plan import Plan, SQLDatabase, Statement
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
     Run,
+    RunDetail,
     RunQuery,
     RunStatus,
     Step,
@@ -37,7 +41,9 @@ from keel.tracing._models import (
 )
 from keel.tracing._store import RunEnding, TraceStore
 
-__all__ = ["STEP_FIELDS", "SQLTraceStore", "TraceStatements", "trace_migrations"]
+__all__ = ["STEP_FIELDS", "SQLTraceStore", "TraceSQL", "trace_migrations", "trace_sql"]
+
+_T = TypeVar("_T")
 
 
 # Column types are the dialect's ({time}: a timestamp, {json}, {real}, {big}: a BIGINT).
@@ -132,7 +138,7 @@ def trace_migrations(dialect: SqlDialect) -> MigrationSet:
 
 _RUN_FIELDS = tuple(Run.model_fields)
 STEP_FIELDS = tuple(Step.model_fields)
-"""A step's columns, in the order of `TraceStatements.step_values`."""
+"""A step's columns, in the order of `TraceSQL.step_values`."""
 _RUN_HEADER_FIELDS = (
     "run_id",
     "session_id",
@@ -166,10 +172,9 @@ def _replace(fields: Sequence[str]) -> str:
     return "DO UPDATE SET " + ", ".join(f"{name} = excluded.{name}" for name in fields)
 
 
-class TraceStatements:
-    """The trace statements and row conversions in one dialect (built once per store class).
-
-    Statements keep ``?`` markers; `SqlDialect.sql` spells them for the driver.
+class TraceSQL:
+    """The trace statements and row conversions in one dialect (built once per dialect by
+    `trace_sql`). Statements keep ``?`` markers: the plan runner spells them for the driver.
     """
 
     def __init__(self, dialect: SqlDialect) -> None:
@@ -187,19 +192,20 @@ class TraceStatements:
         self.run_columns = ", ".join(
             self.status if name == "status" else name for name in _RUN_FIELDS
         )
-        self.upsert_run = dialect.sql(
-            _upsert("trace_runs", _RUN_HEADER_FIELDS, "run_id", _replace(_RUN_HEADER_FIELDS[1:]))
+        self.upsert_run = _upsert(
+            "trace_runs", _RUN_HEADER_FIELDS, "run_id", _replace(_RUN_HEADER_FIELDS[1:])
         )
-        self.upsert_step = dialect.sql(
-            _upsert("trace_steps", STEP_FIELDS, "run_id, step_id", _replace(STEP_FIELDS[2:]))
+        self.upsert_step = _upsert(
+            "trace_steps", STEP_FIELDS, "run_id, step_id", _replace(STEP_FIELDS[2:])
         )
-        self.insert_new_step = dialect.sql(
-            _upsert("trace_steps", STEP_FIELDS, "run_id, step_id", "DO NOTHING")
-        )
-        self.end_run = dialect.sql(
+        self.insert_new_step = _upsert("trace_steps", STEP_FIELDS, "run_id, step_id", "DO NOTHING")
+        self.end_run = (
             "UPDATE trace_runs SET status = ?, ended_at = ?, output = ?, "
             "error_type = ?, error_message = ? WHERE run_id = ?"
         )
+        # Locks the run's row (PostgreSQL): concurrent writers of one run's steps take turns
+        # here, and each later statement (READ COMMITTED) sees the steps of the writer before.
+        self.lock_run = f"SELECT 1 FROM trace_runs WHERE run_id = ?{dialect.row_lock}"
 
     def run_values(self, run: Run) -> tuple[Any, ...]:
         """The parameters of `upsert_run` (the heartbeat is now)."""
@@ -338,40 +344,79 @@ def _where(conditions: list[str]) -> str:
     return f" WHERE {' AND '.join(conditions)}" if conditions else ""
 
 
+@cache
+def trace_sql(dialect: SqlDialect) -> TraceSQL:
+    """The trace statements in ``dialect`` (one per dialect)."""
+    return TraceSQL(dialect)
+
+
+_OLD_STEP = (
+    "SELECT kind, error_type, prompt_tokens, completion_tokens FROM trace_steps "
+    "WHERE run_id = ? AND step_id = ?"
+)
+# The heartbeat only moves forward (a NULL one, of a run from before heartbeats, is set).
+_ADD_TOTALS = (
+    "UPDATE trace_runs SET step_count = step_count + ?, "
+    "model_calls = model_calls + ?, tool_calls = tool_calls + ?, "
+    "tool_errors = tool_errors + ?, prompt_tokens = prompt_tokens + ?, "
+    "completion_tokens = completion_tokens + ?, heartbeat_at = CASE "
+    "WHEN heartbeat_at IS NULL OR heartbeat_at < ? THEN ? ELSE heartbeat_at END "
+    "WHERE run_id = ?"
+)
+_DELETE_STEPS = (
+    "DELETE FROM trace_steps WHERE run_id IN (SELECT run_id FROM trace_runs WHERE started_at < ?)"
+)
+_DELETE_RUNS = "DELETE FROM trace_runs WHERE started_at < ?"
+_RUN_IDS_LIKE = (
+    "SELECT run_id FROM trace_runs WHERE run_id LIKE ? ESCAPE '\\' ORDER BY run_id LIMIT ?"
+)
+
+
 class SQLTraceStore(TraceStore):
-    """A trace store over SQL: every write is a batch (`write_batch`); the reads are
-    written once here, and run on the connections a subclass opens."""
+    """Traces in a SQL database ([`SQLiteDatabase`][keel.stores.SQLiteDatabase] or
+    [`PostgresDatabase`][keel.stores.PostgresDatabase]), next to state, memory and the
+    journal; applies its migrations on construction. Every write is a batch
+    ([`write_batch`][]), one transaction; the async twins run the same plans through the
+    database's ``arun``.
 
-    statements: TraceStatements
+    Args:
+        db: the database to share (left open by [`close`][]).
 
-    def __init__(self) -> None:
-        self._ready = False
+    Raises:
+        BackendUnavailableError: a server database cannot be reached.
+    """
 
-    @abstractmethod
-    def _read(self) -> AbstractContextManager[Any]:
-        """A connection for one read statement, driver errors translated."""
-
-    @abstractmethod
-    def _write(self) -> AbstractContextManager[Any]:
-        """One write transaction's connection, driver errors translated."""
-
-    @abstractmethod
-    def _migrate(self) -> None:
-        """Create or migrate the ``traces`` tables."""
+    def __init__(self, db: SQLDatabase) -> None:
+        self.db = db
+        self.statements = trace_sql(db.dialect)
+        self.setup()
 
     def setup(self) -> None:
         """Create or migrate the ``traces`` tables; idempotent (and safe to run concurrently)."""
-        self._migrate()
-        self._ready = True
+        self.db.migrate(trace_migrations(self.db.dialect))
 
-    def _ensure(self) -> None:
-        if not self._ready:
-            self.setup()
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        # The database's own rule (a composed read, the setup): on SQLite inline unless it
+        # would wait, on PostgreSQL on keel's blocking pool.
+        return await self.db.acall(call)
 
     def _fetch(self, sql: str, params: Sequence[Any]) -> list[Any]:
-        self._ensure()
-        with self._read() as conn:
-            return list(conn.execute(self.statements.dialect.sql(sql), params).fetchall())
+        return self.db.run(lambda: _rows(Statement(sql, params)), write=False)
+
+    async def _afetch(self, sql: str, params: Sequence[Any]) -> list[Any]:
+        return await self.db.arun(lambda: _rows(Statement(sql, params)), write=False)
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def write_batch(self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> None:
+        """One transaction for the whole batch, one totals update per run."""
+        self.db.run(lambda: _write_batch(self.statements, run, steps, end))
+
+    async def awrite_batch(
+        self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None
+    ) -> None:
+        """Async twin of [`write_batch`][]."""
+        await self.db.arun(lambda: _write_batch(self.statements, run, steps, end))
 
     def start_run(self, run: Run) -> None:
         """Insert the run (or replace its header, keeping steps and totals)."""
@@ -417,25 +462,43 @@ class SQLTraceStore(TraceStore):
         ending = RunEnding(run_id, status, ended_at, output, error_type, error_message)
         await self.awrite_batch(run=None, steps=(), end=ending)
 
+    def delete_runs(self, *, before: datetime) -> int:
+        """Delete runs started before ``before`` with their steps; returns how many runs."""
+        cutoff = (self.db.dialect.to_time(before),)
+        return self.db.run(lambda: _delete_runs(cutoff))
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def _run_query(self, run_id: str) -> tuple[str, tuple[Any, ...]]:
+        now = self.db.dialect.to_time(datetime.now(UTC))
+        return f"SELECT {self.statements.run_columns} FROM trace_runs WHERE run_id = ?", (
+            now,
+            run_id,
+        )
+
     def get_run(self, run_id: str) -> Run | None:
         """The run with this id, or None."""
-        sql = f"SELECT {self.statements.run_columns} FROM trace_runs WHERE run_id = ?"
-        now = self.statements.dialect.to_time(datetime.now(UTC))
-        rows = self._fetch(sql, (now, run_id))
+        rows = self._fetch(*self._run_query(run_id))
+        return self.statements.run_from_row(rows[0]) if rows else None
+
+    async def aget_run(self, run_id: str) -> Run | None:
+        rows = await self._afetch(*self._run_query(run_id))
         return self.statements.run_from_row(rows[0]) if rows else None
 
     def get_steps(self, run_id: str) -> list[Step]:
         """The run's steps in start order."""
-        rows = self._fetch(
-            f"SELECT {', '.join(STEP_FIELDS)} FROM trace_steps WHERE run_id = ? "
-            "ORDER BY seq, started_at",
-            (run_id,),
-        )
-        return [self.statements.step_from_row(row) for row in rows]
+        return [self.statements.step_from_row(row) for row in self._fetch(_STEPS, (run_id,))]
+
+    async def aget_run_detail(self, run_id: str) -> RunDetail | None:
+        return await self.db.acall(lambda: self.get_run_detail(run_id))
 
     def list_runs(self, query: RunQuery | None = None) -> list[Run]:
         """Runs matching ``query``, newest first."""
         rows = self._fetch(*self.statements.list_runs(query or RunQuery()))
+        return [self.statements.run_from_row(row) for row in rows]
+
+    async def alist_runs(self, query: RunQuery | None = None) -> list[Run]:
+        rows = await self._afetch(*self.statements.list_runs(query or RunQuery()))
         return [self.statements.run_from_row(row) for row in rows]
 
     def step_metrics(
@@ -452,26 +515,71 @@ class SQLTraceStore(TraceStore):
     def run_ids_starting_with(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Up to ``limit`` run ids that start with ``prefix``."""
         pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        rows = self._fetch(
-            "SELECT run_id FROM trace_runs WHERE run_id LIKE ? ESCAPE '\\' ORDER BY run_id LIMIT ?",
-            (pattern, limit),
-        )
-        return [str(row[0]) for row in rows]
+        return [str(row[0]) for row in self._fetch(_RUN_IDS_LIKE, (pattern, limit))]
 
-    def delete_runs(self, *, before: datetime) -> int:
-        """Delete runs started before ``before`` with their steps; returns how many runs."""
-        self._ensure()
-        dialect = self.statements.dialect
-        cutoff = (dialect.to_time(before),)
-        with self._write() as conn:
-            conn.execute(
-                dialect.sql(
-                    "DELETE FROM trace_steps WHERE run_id IN "
-                    "(SELECT run_id FROM trace_runs WHERE started_at < ?)"
-                ),
-                cutoff,
-            )
-            deleted = conn.execute(
-                dialect.sql("DELETE FROM trace_runs WHERE started_at < ?"), cutoff
-            ).rowcount
-        return int(deleted)
+    def close(self) -> None:
+        """Nothing to release: the database is the caller's to close."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.db!r})"
+
+
+_STEPS = (
+    f"SELECT {', '.join(STEP_FIELDS)} FROM trace_steps WHERE run_id = ? ORDER BY seq, started_at"
+)
+
+
+def _rows(statement: Statement) -> Plan[list[Any]]:
+    return (yield statement).rows
+
+
+def _delete_runs(cutoff: tuple[Any, ...]) -> Plan[int]:
+    yield Statement(_DELETE_STEPS, cutoff)
+    return (yield Statement(_DELETE_RUNS, cutoff)).rowcount
+
+
+def _contribution(kind: str, failed: bool, prompt: int, completion: int) -> tuple[int, ...]:
+    """What one step adds to its run's totals, in the order of ``_ADD_TOTALS``."""
+    return (
+        1,
+        int(kind == "model"),
+        int(kind == "tool"),
+        int(kind == "tool" and failed),
+        prompt,
+        completion,
+    )
+
+
+def _write_batch(
+    sql: TraceSQL, run: Run | None, steps: Sequence[Step], end: RunEnding | None
+) -> Plan[None]:
+    if run is not None:
+        yield Statement(sql.upsert_run, sql.run_values(run))
+    if steps:
+        yield from _write_steps(sql, steps)
+    if end is not None and (yield Statement(sql.end_run, sql.end_values(end))).rowcount == 0:
+        raise StoreError(f"cannot end run {end.run_id!r}: no such run")
+
+
+def _write_steps(sql: TraceSQL, steps: Sequence[Step]) -> Plan[None]:
+    """Insert or replace each step; each run's totals move by the difference, once."""
+    totals: dict[str, list[int]] = {}
+    for step in steps:
+        delta = totals.get(step.run_id)
+        if delta is None:
+            if not (yield Statement(sql.lock_run, (step.run_id,))).rows:
+                raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
+            delta = totals[step.run_id] = [0] * 6
+        added = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
+        values = sql.step_values(step)
+        if (yield Statement(sql.insert_new_step, values)).rowcount == 0:
+            # A step written again: replace it, and count only what changed.
+            old_row = (yield Statement(_OLD_STEP, (step.run_id, step.step_id))).rows[0]
+            old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
+            added = tuple(a - b for a, b in zip(added, old, strict=True))
+            yield Statement(sql.upsert_step, values)
+        for position, value in enumerate(added):
+            delta[position] += value
+    now = sql.dialect.to_time(datetime.now(UTC))
+    for run_id, delta in totals.items():
+        yield Statement(_ADD_TOTALS, (*delta, now, now, run_id))

@@ -1,9 +1,10 @@
-"""The PII vault's store over SQL, for SQLite and PostgreSQL alike (component ``vault``).
+"""The PII vault's store: one class over a SQL database, SQLite or PostgreSQL alike
+(component ``vault``).
 
 Rows hold only what the vault hands down: wrapped data keys, HMAC tokens and sealed values,
-never a key or a value in the clear. The statements are written once over a
-`SqlDialect`; each engine's subclass says how it opens a write
-transaction and a read.
+never a key or a value in the clear. Each operation is a plan (``_sql_plan.py``), written once
+over the database's `SqlDialect` and run by the database. What SQLite does beyond it (secure
+delete, the write-ahead log's purge) is [`SQLiteVaultStore`][keel.stores.SQLiteVaultStore]'s.
 
 ``add_values`` (and ``add_value``, a batch of one) reads the user's key row with the
 dialect's row lock (PostgreSQL ``FOR UPDATE``; SQLite's write transaction holds the whole
@@ -17,9 +18,7 @@ again one by one, so a number is never taken twice even by a writer that holds n
 from __future__ import annotations
 
 import time
-from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -28,7 +27,7 @@ from keel.errors import StoreError
 from keel.privacy import StoredKey, VaultStore
 from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_plan import Plan, Statement, run_plan
+from keel.stores._sql_plan import Plan, SQLDatabase, Statement
 
 __all__ = ["SQLVaultStore", "VaultCounts", "vault_migrations"]
 
@@ -96,57 +95,66 @@ def vault_migrations(dialect: SqlDialect) -> MigrationSet:
 
 
 class SQLVaultStore(VaultStore):
-    """The vault store's statements, run on the connections a subclass opens."""
+    """The vault store in a SQL database (PostgreSQL's as it is; SQLite's through
+    [`SQLiteVaultStore`][keel.stores.SQLiteVaultStore], which erases more); applies its
+    migrations on construction.
 
-    dialect: SqlDialect
+    ``add_value`` on PostgreSQL locks the user's key row (``FOR UPDATE``), so two processes
+    adding values for one user count numbers one after the other and a ``forget`` waits for a
+    write in flight (or that write sees the key gone).
 
-    @abstractmethod
-    def _write(self) -> AbstractContextManager[Any]:
-        """One write transaction's connection, driver errors translated."""
+    Args:
+        db: the database to share (the caller closes it).
+    """
 
-    @abstractmethod
-    def _read(self) -> AbstractContextManager[Any]:
-        """A connection for one read statement, driver errors translated."""
+    def __init__(self, db: SQLDatabase) -> None:
+        self.db = db
+        db.migrate(vault_migrations(db.dialect))
 
-    def _run(self, write: bool, plan: Callable[[], Plan[_T]]) -> _T:
-        with self._write() if write else self._read() as conn:
-            return run_plan(conn.cursor(), self.dialect, plan())
+    def _run_write(self, plan: Callable[[], Plan[_T]]) -> _T:
+        """Run the write ``plan()`` in one transaction (an engine adds what it must)."""
+        return self.db.run(plan)
+
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        # The database's own rule: on SQLite inline unless it would wait for the write lock
+        # (tens of microseconds on the local file), on PostgreSQL on keel's blocking pool.
+        return await self.db.acall(call)
 
     # --- the master keys' checks ----------------------------------------------------------------
 
     def key_checks(self) -> list[StoredKey]:
-        return self._run(False, _key_checks)
+        return self.db.run(_key_checks, write=False)
 
     def add_key_check(self, check: StoredKey) -> bool:
         params = (check.key_id, check.wrapped, time.time())
-        return self._run(True, lambda: _changed(_ADD_CHECK, params))
+        return self._run_write(lambda: _changed(_ADD_CHECK, params))
 
     def drop_key_check(self, key_id: str) -> bool:
-        return self._run(True, lambda: self._drop_key_check(key_id))
+        return self._run_write(lambda: self._drop_key_check(key_id))
 
     def _drop_key_check(self, key_id: str) -> Plan[bool]:
         # The check's row locked first: a writer adding a data key under this master key holds
         # it shared until it commits, so the count below (a statement of its own, which sees
         # what committed before it) cannot miss that key.
-        if not (yield Statement(_CHECK_OF + self.dialect.row_lock, (key_id,))).rows:
+        if not (yield Statement(_CHECK_OF + self.db.dialect.row_lock, (key_id,))).rows:
             return False
         if int((yield Statement(_WRAPPED_BY, (key_id,))).rows[0][0]):
             return False
         return (yield Statement(_DROP_CHECK, (key_id,))).rowcount == 1
 
     def wrapped_by(self, key_id: str) -> int:
-        return self._run(False, lambda: _count(_WRAPPED_BY, (key_id,)))
+        return self.db.run(lambda: _count(_WRAPPED_BY, (key_id,)), write=False)
 
     # --- data keys ------------------------------------------------------------------------------
 
     def data_key(self, tenant_id: str, user_id: str) -> StoredKey | None:
-        return self._run(False, lambda: _one_key(_DATA_KEY, (tenant_id, user_id)))
+        return self.db.run(lambda: _one_key(_DATA_KEY, (tenant_id, user_id)), write=False)
 
     def add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> StoredKey | None:
-        return self._run(True, lambda: self._add_data_key(tenant_id, user_id, key))
+        return self._run_write(lambda: self._add_data_key(tenant_id, user_id, key))
 
     def _add_data_key(self, tenant_id: str, user_id: str, key: StoredKey) -> Plan[StoredKey | None]:
-        share = " FOR SHARE" if self.dialect.row_lock else ""
+        share = " FOR SHARE" if self.db.dialect.row_lock else ""
         if not (yield Statement(_CHECK_OF + share, (key.key_id,))).rows:
             return None  # that master key is not (or no longer) the vault's
         params = (tenant_id, user_id, key.wrapped, key.key_id, time.time())
@@ -160,7 +168,7 @@ class SQLVaultStore(VaultStore):
     def data_keys(self) -> Iterator[tuple[str, str, StoredKey]]:
         after: tuple[str, str] | None = None
         while True:
-            page = self._run(False, partial(_keys_page, after))
+            page = self.db.run(partial(_keys_page, after), write=False)
             yield from page
             if len(page) < _KEYS_PAGE:
                 return
@@ -168,21 +176,21 @@ class SQLVaultStore(VaultStore):
 
     def rewrap(self, tenant_id: str, user_id: str, old: StoredKey, new: StoredKey) -> bool:
         params = (new.wrapped, new.key_id, tenant_id, user_id, old.wrapped, old.key_id)
-        return self._run(True, lambda: _changed(_REWRAP, params))
+        return self._run_write(lambda: _changed(_REWRAP, params))
 
     # --- values ---------------------------------------------------------------------------------
 
     def numbers(
         self, tenant_id: str, user_id: str, tokens: Sequence[bytes]
     ) -> dict[bytes, tuple[str, int]]:
-        return self._run(False, lambda: self._numbers(tenant_id, user_id, tokens))
+        return self.db.run(lambda: self._numbers(tenant_id, user_id, tokens), write=False)
 
     def _numbers(
         self, tenant_id: str, user_id: str, tokens: Sequence[bytes]
     ) -> Plan[dict[bytes, tuple[str, int]]]:
         found: dict[bytes, tuple[str, int]] = {}
-        for batch in self.dialect.batches(list(dict.fromkeys(tokens))):
-            condition, params = self.dialect.one_of("token", batch)
+        for batch in self.db.dialect.batches(list(dict.fromkeys(tokens))):
+            condition, params = self.db.dialect.one_of("token", batch)
             sql = f"{_NUMBERS} AND {condition}"
             for token, entity, number in (yield Statement(sql, (tenant_id, user_id, *params))).rows:
                 found[bytes(token)] = (str(entity), int(number))
@@ -198,8 +206,8 @@ class SQLVaultStore(VaultStore):
         *,
         key: StoredKey,
     ) -> int | None:
-        return self._run(
-            True, lambda: self._add_value(tenant_id, user_id, entity, token, sealed, key)
+        return self._run_write(
+            lambda: self._add_value(tenant_id, user_id, entity, token, sealed, key)
         )
 
     def _add_value(
@@ -218,7 +226,7 @@ class SQLVaultStore(VaultStore):
     ) -> list[int] | None:
         if not values:
             return []
-        return self._run(True, lambda: self._add_values(tenant_id, user_id, values, key))
+        return self._run_write(lambda: self._add_values(tenant_id, user_id, values, key))
 
     def _add_values(
         self,
@@ -228,7 +236,7 @@ class SQLVaultStore(VaultStore):
         key: StoredKey,
     ) -> Plan[list[int] | None]:
         owner = (tenant_id, user_id)
-        rows = (yield Statement(_DATA_KEY + self.dialect.row_lock, owner)).rows
+        rows = (yield Statement(_DATA_KEY + self.db.dialect.row_lock, owner)).rows
         if not rows or _key(rows[0]) != key:
             return None  # forgotten (or replaced) since the caller read it: store nothing
         # Tokens stored already (by this user's earlier call or a racing one) keep their
@@ -266,7 +274,7 @@ class SQLVaultStore(VaultStore):
         ``token -> number`` of those inserted (a row that conflicts is left out)."""
         entities = sorted({entity for entity, _ in new.values()})
         last = dict.fromkeys(entities, 0)
-        condition, params = self.dialect.one_of("entity", entities)
+        condition, params = self.db.dialect.one_of("entity", entities)
         counted = yield Statement(
             f"{_LAST_NUMBERS} AND {condition} GROUP BY entity", (*owner, *params)
         )
@@ -277,7 +285,7 @@ class SQLVaultStore(VaultStore):
             last[entity] += 1
             rows.append((*owner, entity, last[entity], token, sealed, now))
         inserted: dict[bytes, int] = {}
-        size = self.dialect.most_values // len(_VALUE_COLUMNS) or len(rows)
+        size = self.db.dialect.most_values // len(_VALUE_COLUMNS) or len(rows)
         for start in range(0, len(rows), size):
             batch = rows[start : start + size]
             markers = ", ".join(_VALUE_ROW for _ in batch)
@@ -316,7 +324,7 @@ class SQLVaultStore(VaultStore):
     def sealed(
         self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
     ) -> dict[tuple[str, int], tuple[bytes, bytes] | None]:
-        return self._run(False, lambda: self._sealed(tenant_id, user_id, refs))
+        return self.db.run(lambda: self._sealed(tenant_id, user_id, refs), write=False)
 
     def _sealed(
         self, tenant_id: str, user_id: str, refs: Sequence[tuple[str, int]]
@@ -324,9 +332,9 @@ class SQLVaultStore(VaultStore):
         found: dict[tuple[str, int], tuple[bytes, bytes] | None] = {}
         unique = list(dict.fromkeys(refs))
         # Every (entity, number) in one statement (SQLite's parameter cap: two per ref).
-        size = self.dialect.most_values // 2 or max(len(unique), 1)
+        size = self.db.dialect.most_values // 2 or max(len(unique), 1)
         for start in range(0, len(unique), size):
-            condition, params = _refs_condition(self.dialect, unique[start : start + size])
+            condition, params = _refs_condition(self.db.dialect, unique[start : start + size])
             result = yield Statement(f"{_SEALED} AND {condition}", (tenant_id, user_id, *params))
             for entity, number, token, sealed in result.rows:
                 kept = token is not None and sealed is not None
@@ -335,11 +343,11 @@ class SQLVaultStore(VaultStore):
         return found
 
     def forget(self, tenant_id: str, user_id: str) -> int:
-        return self._run(True, lambda: _forget(tenant_id, user_id))
+        return self._run_write(lambda: _forget(tenant_id, user_id))
 
     def counts(self) -> VaultCounts:
         """How many users have a data key, values are kept sealed, values were erased."""
-        return self._run(False, _counts)
+        return self.db.run(_counts, write=False)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ raises ``DatabaseFileError`` before the next read or write. The check is one ``s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -25,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from keel._bridge import run_blocking
 from keel._urls import parse_database_url
 from keel.errors import (
     DatabaseCorruptError,
@@ -36,7 +36,9 @@ from keel.errors import (
     StorageFullError,
     StoreError,
 )
+from keel.stores._dialect import SQLITE
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._sql_plan import Plan, run_plan
 
 __all__ = ["CORE_MIGRATIONS", "SQLiteDatabase", "translate_sqlite_error"]
 
@@ -130,7 +132,10 @@ class SQLiteDatabase:
 
     Each thread gets its own connection; writes go through ``transaction()``, which takes the
     write lock up front (``BEGIN IMMEDIATE``) so two writers never deadlock on an upgrade.
+    Stores run their SQL through it: [`run`][] / [`arun`][] a plan, [`migrate`][] their schema.
     """
+
+    dialect = SQLITE
 
     def __init__(self, path: Path | str, *, busy_timeout_ms: int = 5000) -> None:
         # A ``sqlite:///`` URL names its file, as everywhere else keel takes one: read as a
@@ -387,7 +392,23 @@ class SQLiteDatabase:
             inline.wrote = True
             return
 
-    async def arun(self, call: Callable[[], _T]) -> _T:
+    def run(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+        """Run the statements of ``plan()`` (a fresh plan each call): in one transaction when
+        ``write``, else on this thread's connection outside one (a read of one statement is
+        atomic on its own)."""
+        with self.transaction() if write else self.translated() as conn:
+            return run_plan(conn.cursor(), self.dialect, plan())
+
+    async def arun(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+        """[`run`][] for an event loop, as [`acall`][] runs a call (``plan`` may be called
+        again: a plan is built fresh for each try)."""
+        return await self.acall(lambda: self.run(plan, write=write))
+
+    def migrate(self, migrations: MigrationSet) -> None:
+        """Apply ``migrations`` (and the core ones); idempotent (see [`setup`][])."""
+        self.setup(migrations)
+
+    async def acall(self, call: Callable[[], _T]) -> _T:
         """Run ``call`` (the short body of a store method) for an event loop.
 
         A write costs tens of microseconds here: with WAL and ``synchronous = NORMAL`` a commit
@@ -410,7 +431,7 @@ class SQLiteDatabase:
             pass
         finally:
             self._local.inline = previous
-        return await asyncio.to_thread(call)
+        return await run_blocking(call)
 
     async def aping(self, connections: int = 1) -> None:
         """Check that the file answers a query (``connections`` is for the interface
@@ -424,7 +445,7 @@ class SQLiteDatabase:
             with self.translated() as conn:
                 conn.execute("SELECT 1").fetchone()
 
-        await self.arun(query)
+        await self.acall(query)
 
     @contextmanager
     def snapshot(self) -> Iterator[sqlite3.Connection]:

@@ -16,10 +16,8 @@ cache entry (a deleted record) can never leak out.
 
 from __future__ import annotations
 
-import sqlite3
 import threading
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,10 +27,16 @@ from keel.memory._records import MemoryFilter, Scope
 from keel.memory._rows import filter_sql, is_selective
 from keel.memory._similarity import row_dots
 from keel.memory._store import OutboxEntry, ScoredId
-from keel.stores._dialect import SQLITE
 from keel.stores._keywords import SCOPE_ROWS, TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_memory import MemorySchema, SQLMemoryStore, require_database
+from keel.stores._sql_memory import (
+    MemorySchema,
+    SQLMemoryStore,
+    count_records,
+    require_database,
+    rows_of,
+)
+from keel.stores._sql_plan import Plan, Statement
 from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["MEMORY_MIGRATIONS", "SQLiteMemoryStore"]
@@ -298,34 +302,29 @@ def _match(terms: Sequence[str], scope: Scope | None) -> str:
 
 
 def _plan_keyword_query(
-    conn: sqlite3.Connection,
-    scope: Scope,
-    terms: list[str],
-    frequencies: TermFrequencies,
-    listed: int,
-    count_scope: Callable[[], int],
-) -> _KeywordQuery:
+    scope: Scope, terms: list[str], frequencies: TermFrequencies, listed: int
+) -> Plan[_KeywordQuery]:
     """The bounded query for ``terms`` in ``scope``, listing ``listed`` rows (see
-    `keel.stores._keywords`); ``count_scope`` counts the scope's rows."""
-    total = int(conn.execute("SELECT MAX(rowid) FROM memory_records").fetchone()[0] or 0)
+    `keel.stores._keywords`)."""
+    total = int((yield Statement("SELECT MAX(rowid) FROM memory_records")).rows[0][0] or 0)
     scope_key = (scope.tenant_id, scope.user_id)
     # The scope token narrows a match to the scope's rows. For a scope that is nearly the
     # whole table (one user on a laptop) it is pure overhead: every matching row would also
     # be joined with the token's doclist. Rows are checked against the scope in SQL anyway.
-    scope_rows = frequencies.get(scope_key, SCOPE_ROWS, total, lambda _: count_scope())
+    scope_rows = yield from frequencies.get(
+        scope_key, SCOPE_ROWS, total, lambda _: count_records(scope)
+    )
     small = total <= _SCORED_DOCUMENTS
     narrowing = scope if small or scope_rows < 0.9 * total else None
 
-    def count(term: str, limit: int) -> int:
-        return int(
-            conn.execute(
-                "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
-                "LIMIT ?)",
-                (_match([term], narrowing), limit),
-            ).fetchone()[0]
+    def count(term: str, limit: int) -> Plan[int]:
+        counted = yield Statement(
+            "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? LIMIT ?)",
+            (_match([term], narrowing), limit),
         )
+        return int(counted.rows[0][0])
 
-    plan = frequencies.plan(
+    plan = yield from frequencies.plan(
         scope_key,
         terms,
         total_rows=total,
@@ -340,13 +339,16 @@ def _plan_keyword_query(
     match = _match(plan.terms, narrowing)
     if not plan.newest:
         return _KeywordQuery(match)
-    floor = conn.execute(
-        "SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? ORDER BY rowid DESC "
-        "LIMIT 1 OFFSET ?",
-        (_match(plan.common, narrowing), plan.newest),
-    ).fetchone()
-    if floor is None:
+    floors = (
+        yield Statement(
+            "SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? ORDER BY rowid DESC "
+            "LIMIT 1 OFFSET ?",
+            (_match(plan.common, narrowing), plan.newest),
+        )
+    ).rows
+    if not floors:
         return _KeywordQuery(match)
+    floor = floors[0]
     if not plan.rare:
         if plan.broad:
             return _KeywordQuery(
@@ -365,37 +367,22 @@ def _plan_keyword_query(
 
 
 class SQLiteMemoryStore(SQLMemoryStore):
-    """Memory in one SQLite file (WAL), shared with keel's other embedded stores.
+    """Memory in one SQLite file (WAL), shared with keel's other embedded stores: FTS5
+    keyword search, and exact vector search over an in-process copy of each scope's vectors.
 
     Args:
-        database: the open [`SQLiteDatabase`][] the records live in (left open by
-            `close`).
+        db: the open [`SQLiteDatabase`][keel.stores.SQLiteDatabase] the records live in (left
+            open by `close`).
     """
 
-    dialect = SQLITE
     inserted_order = "rowid"
+    migrations = MEMORY_MIGRATIONS
 
-    def __init__(self, database: SQLiteDatabase) -> None:
-        self.db = require_database(database, SQLiteDatabase, "SQLiteMemoryStore")
+    def __init__(self, db: SQLiteDatabase) -> None:
+        super().__init__(require_database(db, SQLiteDatabase, "SQLiteMemoryStore"))
         self._indexes: dict[tuple[str, str, str], _ScopeIndex] = {}
         self._term_frequencies = TermFrequencies()
         self._index_lock = threading.Lock()
-        self._ready = False
-
-    def setup(self) -> None:
-        self.db.setup(MEMORY_MIGRATIONS)
-        self._ready = True
-
-    def _connection(self) -> AbstractContextManager[sqlite3.Connection]:
-        return self.db.transaction()
-
-    def _reading(self) -> AbstractContextManager[sqlite3.Connection]:
-        return self.db.translated()
-
-    def _conn(self) -> sqlite3.Connection:
-        if not self._ready:
-            self.setup()
-        return self.db.connection()
 
     def keyword_search(
         self, scope: Scope, terms: Sequence[str], filters: MemoryFilter, limit: int
@@ -405,48 +392,49 @@ class SQLiteMemoryStore(SQLMemoryStore):
         safe = [term.replace('"', "") for term in terms if term.strip('"')]
         if not safe or limit <= 0:
             return []
-        with self._read() as conn:
-            plan = _plan_keyword_query(
-                conn,
-                scope,
-                safe,
-                self._term_frequencies,
-                int(limit),
-                lambda: self._count(conn, scope),
-            )
-            where, params = filter_sql(filters, "?", prefix="r.")
-            # The scope is in the MATCH expression (fast) and checked on the rows again.
-            scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
-            args = (scope.tenant_id, scope.user_id, *params)
-            # Fast path: the scope's best matches, ranked by the index; the filters (types,
-            # superseded facts, time) apply after. When they removed too many, rank again with
-            # the filters inside the query.
-            window = max(limit * 4, 200)
-            fast = (
-                f"SELECT r.id, f.score FROM (SELECT rowid, {plan.score} AS score "
-                f"FROM memory_fts WHERE memory_fts MATCH ?{plan.restriction} "
-                "ORDER BY score LIMIT ?) f JOIN memory_records r ON r.rowid = f.rowid "
-                f"WHERE {scoped} ORDER BY f.score LIMIT ?"
-            )
-            rows = conn.execute(
-                fast, (plan.match, *plan.restriction_args, window, *args, int(limit))
-            ).fetchall()
-            if len(rows) < limit:
-                total = conn.execute(
+        return self._migrated().run(
+            lambda: self._keyword_search(scope, safe, filters, int(limit)), write=False
+        )
+
+    def _keyword_search(
+        self, scope: Scope, safe: list[str], filters: MemoryFilter, limit: int
+    ) -> Plan[list[ScoredId]]:
+        plan = yield from _plan_keyword_query(scope, safe, self._term_frequencies, limit)
+        where, params = filter_sql(filters, "?", prefix="r.")
+        # The scope is in the MATCH expression (fast) and checked on the rows again.
+        scoped = "r.tenant_id = ? AND r.user_id = ?" + (f" AND {where}" if where else "")
+        args = (scope.tenant_id, scope.user_id, *params)
+        # Fast path: the scope's best matches, ranked by the index; the filters (types,
+        # superseded facts, time) apply after. When they removed too many, rank again with
+        # the filters inside the query.
+        window = max(limit * 4, 200)
+        fast = (
+            f"SELECT r.id, f.score FROM (SELECT rowid, {plan.score} AS score "
+            f"FROM memory_fts WHERE memory_fts MATCH ?{plan.restriction} "
+            "ORDER BY score LIMIT ?) f JOIN memory_records r ON r.rowid = f.rowid "
+            f"WHERE {scoped} ORDER BY f.score LIMIT ?"
+        )
+        rows = (
+            yield Statement(fast, (plan.match, *plan.restriction_args, window, *args, limit))
+        ).rows
+        if len(rows) < limit:
+            total = (
+                yield Statement(
                     "SELECT COUNT(*) FROM (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? "
                     f"{plan.restriction} LIMIT ?)",
                     (plan.match, *plan.restriction_args, window + 1),
-                ).fetchone()[0]
-                if int(total) > window:
-                    full = (
-                        f"SELECT r.id, {plan.score} AS score FROM memory_fts "
-                        "JOIN memory_records r ON r.rowid = memory_fts.rowid "
-                        f"WHERE memory_fts MATCH ?{plan.restriction} AND {scoped} "
-                        "ORDER BY score LIMIT ?"
-                    )
-                    rows = conn.execute(
-                        full, (plan.match, *plan.restriction_args, *args, int(limit))
-                    ).fetchall()
+                )
+            ).rows[0][0]
+            if int(total) > window:
+                full = (
+                    f"SELECT r.id, {plan.score} AS score FROM memory_fts "
+                    "JOIN memory_records r ON r.rowid = memory_fts.rowid "
+                    f"WHERE memory_fts MATCH ?{plan.restriction} AND {scoped} "
+                    "ORDER BY score LIMIT ?"
+                )
+                rows = (
+                    yield Statement(full, (plan.match, *plan.restriction_args, *args, limit))
+                ).rows
         # Scores are lower for better rows (FTS5's bm25() is negative): negated, higher is.
         return [ScoredId(str(row[0]), -float(row[1])) for row in rows]
 
@@ -454,16 +442,12 @@ class SQLiteMemoryStore(SQLMemoryStore):
         key = (scope.tenant_id, scope.user_id, model)
         with self._index_lock:
             index = self._indexes.setdefault(key, _ScopeIndex())
-            rows = (
-                self._conn()
-                .execute(
-                    "SELECT rowid, record_id, vector FROM memory_vectors WHERE tenant_id = ? "
-                    "AND user_id = ? AND model = ? AND rowid > ? ORDER BY rowid",
-                    (scope.tenant_id, scope.user_id, model, index.watermark),
-                )
-                .fetchall()
+            newer = Statement(
+                "SELECT rowid, record_id, vector FROM memory_vectors WHERE tenant_id = ? "
+                "AND user_id = ? AND model = ? AND rowid > ? ORDER BY rowid",
+                (scope.tenant_id, scope.user_id, model, index.watermark),
             )
-            for rowid, record_id, blob in rows:
+            for rowid, record_id, blob in self._migrated().run(lambda: rows_of(newer), write=False):
                 index.add(str(record_id), np.frombuffer(blob, dtype=np.float32))
                 index.watermark = int(rowid)
             return index
@@ -496,17 +480,6 @@ class SQLiteMemoryStore(SQLMemoryStore):
         alive = set(self._scoped_ids(scope, filters, [hit.record_id for hit in hits]))
         return [hit for hit in hits if hit.record_id in alive][:limit]
 
-    def _scoped_ids(
-        self, scope: Scope, filters: MemoryFilter, record_ids: Sequence[str] | None = None
-    ) -> list[str]:
-        """The ids of the rows of ``scope`` that pass ``filters`` (among ``record_ids`` when
-        given): what search may return of its candidates."""
-        found: list[str] = []
-        with self._read() as conn:
-            for statement, params in self._scoped("id", scope, filters, record_ids):
-                found.extend(str(row[0]) for row in self._execute(conn, statement, params))
-        return found
-
     def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
         index = self._index(scope, model)
         return {
@@ -516,19 +489,16 @@ class SQLiteMemoryStore(SQLMemoryStore):
         }
 
     def _write_vectors(
-        self,
-        conn: sqlite3.Connection,
-        entries: Sequence[OutboxEntry],
-        vectors: Sequence[FloatArray],
-        model: str,
-    ) -> None:
-        conn.executemany(
+        self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
+    ) -> Plan[None]:
+        yield Statement(
             "INSERT OR REPLACE INTO memory_vectors (record_id, tenant_id, user_id, model, vector) "
             "SELECT id, tenant_id, user_id, ?, ? FROM memory_records WHERE id = ?",
             [
                 (model, np.asarray(vector, dtype=np.float32).tobytes(), entry.record_id)
                 for entry, vector in zip(entries, vectors, strict=True)
             ],
+            many=True,
         )
 
     def close(self) -> None:
@@ -536,4 +506,4 @@ class SQLiteMemoryStore(SQLMemoryStore):
             self._indexes.clear()
 
     def __repr__(self) -> str:
-        return f"SQLiteMemoryStore({self.db.path!r})"
+        return f"SQLiteMemoryStore({self.db!r})"

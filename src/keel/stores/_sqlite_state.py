@@ -71,7 +71,7 @@ class SQLiteStateBackend(SQLStateBackend):
         database.setup(STATE_MIGRATIONS)
 
     async def _run_twin(self, call: Callable[[], _T]) -> _T:
-        return await self.db.arun(call)
+        return await self.db.acall(call)
 
     @contextmanager
     def _cursor(self, scope: Scope) -> Iterator[sqlite3.Cursor]:

@@ -1,57 +1,41 @@
-"""The PII vault's store in the embedded SQLite database (component ``vault``).
+"""What the PII vault's store does on SQLite beyond the shared SQL: erasing for good.
 
 Erased bytes must not linger in the file: every vault write runs with ``PRAGMA
 secure_delete = ON`` (SQLite overwrites what it deletes, a forgotten key's and value's cells
 and freed pages, with zeros), and ``forget`` and the end of a key rotation end with a
 ``TRUNCATE`` checkpoint, so the write-ahead log's older copies of those pages are gone from
-disk too (unless a reader holds part of the log then: a warning says so).
+disk too (unless a reader holds part of the log then: a warning says so). PostgreSQL has
+neither: its deleted tuples go at the next vacuum, which no statement of a store can force.
 """
 
 from __future__ import annotations
 
 import logging
-import sqlite3
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
 from typing import TypeVar
 
-from keel.stores._dialect import SQLITE
-from keel.stores._sql_vault import SQLVaultStore, vault_migrations
+from keel.stores._sql_plan import Plan, Statement
+from keel.stores._sql_vault import SQLVaultStore
 from keel.stores._sqlite import SQLiteDatabase
 
+__all__ = ["SQLiteVaultStore"]
+
 _T = TypeVar("_T")
-
-__all__ = ["VAULT_MIGRATIONS", "SQLiteVaultStore"]
-
-VAULT_MIGRATIONS = vault_migrations(SQLITE)
 
 logger = logging.getLogger("keel.stores")
 
 
 class SQLiteVaultStore(SQLVaultStore):
-    """The vault store in a [`SQLiteDatabase`][] (applies its migrations)."""
-
-    dialect = SQLITE
+    """The vault store in a [`SQLiteDatabase`][keel.stores.SQLiteDatabase]: a
+    [`SQLVaultStore`][keel.stores.SQLVaultStore] that zeroes what it deletes and purges the
+    write-ahead log after an erasure (applies its migrations)."""
 
     def __init__(self, db: SQLiteDatabase) -> None:
-        self.db = db
-        db.setup(VAULT_MIGRATIONS)
+        super().__init__(db)
+        self._path = db.path
 
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self.db.transaction() as conn:
-            # Per connection, and the connection is this thread's for every store: it stays
-            # on for them too (a few zeroed bytes per delete).
-            conn.execute("PRAGMA secure_delete = ON")
-            yield conn
-
-    def _read(self) -> AbstractContextManager[sqlite3.Connection]:
-        return self.db.translated()
-
-    async def arun(self, call: Callable[[], _T]) -> _T:
-        # Tens of microseconds on the local file, a reader never waits in WAL mode: inline,
-        # unless the call would wait for the write lock (the database's own rule).
-        return await self.db.arun(call)
+    def _run_write(self, plan: Callable[[], Plan[_T]]) -> _T:
+        return self.db.run(lambda: _securely(plan()))
 
     def drop_key_check(self, key_id: str) -> bool:
         dropped = super().drop_key_check(key_id)
@@ -70,12 +54,26 @@ class SQLiteVaultStore(SQLVaultStore):
         """Copy the write-ahead log into the file and truncate it to nothing, so that no
         older copy of an erased page is left in it; False when a reader still holds part of
         the log (it stays until the next full checkpoint)."""
-        with self.db.translated() as conn:
-            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        # Outside a transaction (a checkpoint cannot run inside one): a read, to the database.
+        busy = self.db.run(_checkpoint, write=False)
         if busy:
             logger.warning(
                 "database %s: a reader held the write-ahead log; erased vault rows may stay in "
                 "it until the next checkpoint",
-                self.db.path,
+                self._path,
             )
         return not busy
+
+
+def _securely(plan: Plan[_T]) -> Plan[_T]:
+    """``plan``, after turning secure delete on. The setting is the connection's, and the
+    connection is this thread's for every store: it stays on for them too (a few zeroed bytes
+    per delete)."""
+    yield Statement("PRAGMA secure_delete = ON")
+    return (yield from plan)
+
+
+def _checkpoint() -> Plan[bool]:
+    """Checkpoint the log and truncate it; True when a reader kept part of it."""
+    busy, _, _ = (yield Statement("PRAGMA wal_checkpoint(TRUNCATE)")).rows[0]
+    return bool(busy)

@@ -15,8 +15,9 @@ import time
 from typing import Any
 
 from keel.messages import Message
-from keel.state import StateStore
-from keel.stores import open_state_backend
+from keel.settings import load_settings
+from keel.state import StateBackend, StateStore
+from keel.stores import Backends
 from keel.testing._state_models import ConversationState, CounterState
 
 
@@ -30,9 +31,17 @@ def expected_messages(step: int, pending_user: bool) -> list[str]:
     return contents
 
 
+def state_backend_at(url: str) -> StateBackend:
+    """The state backend at ``url`` (SQLite, PostgreSQL or Redis), opened alone as keel opens
+    it ([`Backends.open`][keel.stores.Backends.open] with ``only=("state",)``, whatever
+    ``KEEL_REDIS_URL`` says): closing it closes its database."""
+    opened = Backends.open(url, settings=load_settings(), only=("state",), redis_url="")
+    return opened.state.backend
+
+
 def increment(url: str, session_id: str, count: int, name: str) -> int:
     """Add 1 to the counter and ``name:i`` to the items ``count`` times, with CAS and retry."""
-    store = StateStore(open_state_backend(url), CounterState)
+    store = StateStore(state_backend_at(url), CounterState)
     print("ready", flush=True)
     sys.stdin.readline()  # wait for the parent's "go" so every process starts together
     for i in range(count):
@@ -51,7 +60,7 @@ def main(argv: list[str]) -> int:
     steps = int(argv[3]) if len(argv) > 3 else 50
     if mode == "increment":
         return increment(url, session_id, steps, argv[4])
-    store = StateStore(open_state_backend(url), ConversationState, snapshot_every=4)
+    store = StateStore(state_backend_at(url), ConversationState, snapshot_every=4)
     current = store.get(session_id)
     if current is None:
         current = store.create(session_id, ConversationState())

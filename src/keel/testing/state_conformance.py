@@ -1,7 +1,7 @@
 """The conformance suite every state backend must pass.
 
 A backend's test module subclasses `StateBackendConformance` and supplies only a factory:
-a ``state_backend_url`` fixture naming fresh, empty storage that ``open_state_backend`` opens
+a ``state_backend_url`` fixture naming fresh, empty storage that ``Backends.open`` opens
 (the URL is what lets the crash tests open the same storage from another process):
 
 ```python
@@ -45,9 +45,8 @@ from keel.errors import (
 from keel.messages import Message
 from keel.state import Retention, StateBackend, StateSchema, StateStore, append
 from keel.state._lease import THIS_PROCESS
-from keel.stores import open_state_backend
 from keel.testing._state_models import ConversationState, CounterState, OrderState
-from keel.testing._state_worker import expected_messages
+from keel.testing._state_worker import expected_messages, state_backend_at
 
 __all__ = ["StateBackendConformance"]
 
@@ -86,7 +85,7 @@ class StateBackendConformance:
 
     @pytest.fixture
     def backend(self, state_backend_url: str) -> Iterator[StateBackend]:
-        opened = open_state_backend(state_backend_url)
+        opened = state_backend_at(state_backend_url)
         yield opened
         opened.close()
 
@@ -113,7 +112,7 @@ class StateBackendConformance:
         self, store: StateStore[CounterState], state_backend_url: str
     ) -> None:
         first = store.create("s", CounterState())
-        other_backend = open_state_backend(state_backend_url)
+        other_backend = state_backend_at(state_backend_url)
         other = StateStore(other_backend, CounterState)
         try:
             theirs = other.load("s")
@@ -166,7 +165,7 @@ class StateBackendConformance:
         self, store: StateStore[CounterState], state_backend_url: str
     ) -> None:
         store.create("s", CounterState(items=["a"]))
-        other_backend = open_state_backend(state_backend_url)
+        other_backend = state_backend_at(state_backend_url)
         other = StateStore(other_backend, CounterState)
         try:
             other.append("s", {"items": ["theirs"]}, expected_version=1, reason="won")
@@ -297,7 +296,7 @@ class StateBackendConformance:
             assert len(state.messages) == version - 1
             if version > 1:
                 assert state.messages[-1].content.startswith(f"question number {version - 1} ")
-        reopened = StateStore(open_state_backend_like(backend), ConversationState)
+        reopened = StateStore(_reopened(backend), ConversationState)
         try:
             assert reopened.load("c").state == cp.state
         finally:
@@ -393,7 +392,7 @@ class StateBackendConformance:
         self, store: StateStore[CounterState], state_backend_url: str
     ) -> None:
         store.create("s", CounterState(counter=1))
-        other_backend = open_state_backend(state_backend_url)
+        other_backend = state_backend_at(state_backend_url)
         other = StateStore(other_backend, CounterState)
         try:
             stale = other.load("s")
@@ -516,7 +515,7 @@ class StateBackendConformance:
     ) -> None:
         cp = store.create("c", CounterState())
         assert store.load("c").state.counter == 0  # this store now knows the head
-        other_backend = open_state_backend(state_backend_url)
+        other_backend = state_backend_at(state_backend_url)
         other = StateStore(other_backend, CounterState)
         try:
             moved = other.update("c", {"counter": 3}, expected_version=cp.version)
@@ -568,7 +567,7 @@ class StateBackendConformance:
         expected = [f"turn {k}" for k in range(1, 41)]
         mine = await store.aget("c")
         assert mine is not None and [m.content for m in mine.state.messages] == expected
-        fresh = StateStore(open_state_backend_like(backend), ConversationState)
+        fresh = StateStore(_reopened(backend), ConversationState)
         try:
             theirs = await fresh.aget("c")
             assert theirs is not None and theirs.state == mine.state
@@ -610,7 +609,7 @@ class StateBackendConformance:
         self, store: StateStore[CounterState], state_backend_url: str
     ) -> None:
         cp = store.create("s", CounterState())
-        other_backend = open_state_backend(state_backend_url)
+        other_backend = state_backend_at(state_backend_url)
         other = StateStore(other_backend, CounterState)
         try:
             slow = store.session_lock("s", ttl=1.0)
@@ -705,7 +704,7 @@ class StateBackendConformance:
 
     def test_ecommerce_race_exactly_one_commits(self, state_backend_url: str) -> None:
         """'Cancel order 1024' and 'change the shipping address first', concurrently."""
-        setup = StateStore(open_state_backend(state_backend_url), OrderState)
+        setup = StateStore(state_backend_at(state_backend_url), OrderState)
         setup.create("order-1024", OrderState(order_id=1024, shipping_address="1 Old Road"))
         setup.close()
         both_read = threading.Barrier(2)
@@ -713,7 +712,7 @@ class StateBackendConformance:
         outcome: dict[str, Any] = {}
 
         def agent(name: str) -> None:
-            store = StateStore(open_state_backend(state_backend_url), OrderState)
+            store = StateStore(state_backend_at(state_backend_url), OrderState)
             try:
                 current = store.load("order-1024")
                 both_read.wait()  # both hold version 1 now
@@ -764,7 +763,7 @@ class StateBackendConformance:
         assert outcome["cancel"] == (0, "Order 1024 is cancelled.")
         conflicts, reply = outcome["address"]
         assert conflicts == 1 and "can't be changed" in reply
-        final = StateStore(open_state_backend(state_backend_url), OrderState)
+        final = StateStore(state_backend_at(state_backend_url), OrderState)
         try:
             order = final.load("order-1024")
             assert order.version == 2 and order.state.status == "cancelled"
@@ -773,13 +772,13 @@ class StateBackendConformance:
             final.close()
 
     def test_ecommerce_race_symmetric_never_both(self, state_backend_url: str) -> None:
-        setup = StateStore(open_state_backend(state_backend_url), OrderState)
+        setup = StateStore(state_backend_at(state_backend_url), OrderState)
         cp = setup.create("o", OrderState(order_id=1024, shipping_address="1 Old Road"))
         start = threading.Barrier(2)
         results: list[str] = []
 
         def write(update: dict[str, Any]) -> None:
-            store = StateStore(open_state_backend(state_backend_url), OrderState)
+            store = StateStore(state_backend_at(state_backend_url), OrderState)
             try:
                 start.wait()
                 store.update("o", update, expected_version=cp.version)
@@ -805,7 +804,7 @@ class StateBackendConformance:
     @pytest.mark.slow
     def test_64_concurrent_writers_lose_nothing(self, state_backend_url: str) -> None:
         writers, increments = 64, 3
-        backends = [open_state_backend(state_backend_url) for _ in range(4)]
+        backends = [state_backend_at(state_backend_url) for _ in range(4)]
         try:
             StateStore(backends[0], CounterState).create("hot", CounterState())
             start = threading.Barrier(writers)
@@ -857,7 +856,7 @@ class StateBackendConformance:
     @pytest.mark.slow
     def test_concurrent_writer_processes_lose_nothing(self, state_backend_url: str) -> None:
         processes_n, increments = 4, 8
-        setup = StateStore(open_state_backend(state_backend_url), CounterState)
+        setup = StateStore(state_backend_at(state_backend_url), CounterState)
         setup.create("procs", CounterState())
         workers = [
             self._worker(state_backend_url, "procs", "increment", increments, f"p{i}")
@@ -880,7 +879,7 @@ class StateBackendConformance:
 
     @staticmethod
     def _check_consistent(url: str, session: str) -> tuple[int, str, int]:
-        store = StateStore(open_state_backend(url), ConversationState, snapshot_every=4)
+        store = StateStore(state_backend_at(url), ConversationState, snapshot_every=4)
         try:
             head = store.load(session)
             state = head.state
@@ -968,7 +967,7 @@ class StateBackendConformance:
         assert reason == "after_transition" and version > last_version
 
 
-def open_state_backend_like(backend: StateBackend) -> StateBackend:
+def _reopened(backend: StateBackend) -> StateBackend:
     """A second, independent connection to the storage ``backend`` uses."""
     url = getattr(backend, "url", None)
     if url is None:
@@ -976,4 +975,4 @@ def open_state_backend_like(backend: StateBackend) -> StateBackend:
         url = f"sqlite:///{Path(db.path)}" if db is not None else None
     if url is None:
         raise NotImplementedError(f"cannot reopen {backend!r}")
-    return open_state_backend(str(url))
+    return state_backend_at(str(url))

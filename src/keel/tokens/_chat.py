@@ -160,7 +160,26 @@ class ChatTokenCounter:
         known = self._identity_counts.get(id(message))
         if known is not None:
             return known
-        tokens = self._count_by_content(message)
+        return self._remember(message, self._count_by_content(message))
+
+    def count_message_content(self, message: Message) -> tuple[int, int]:
+        """[`count_message`][] of ``message``, and the tokens of its content within that (what
+        cutting its content can save): the content is tokenized once, not once more for a
+        copy without it, where the framing adds to the content (OpenAI's chat format)."""
+        if not message.content:
+            return self.count_message(message), 0
+        if self.profile.chat_format == "chatml":
+            tokens = self.count_message(message)
+            framing = self.count_message(message.model_copy(update={"content": ""}))
+            return tokens, max(0, tokens - framing)
+        content = self.tokenizer.count(message.content)
+        known = self._identity_counts.get(id(message))
+        if known is None:
+            known = self._remember(message, self._count_openai(message, content))
+        return known, content
+
+    def _remember(self, message: Message, tokens: int) -> int:
+        """Keep ``tokens`` as ``message``'s count (by identity, the object kept alive)."""
         if self.cache_size > 0:
             if len(self._identity_counts) >= self.cache_size:
                 oldest = next(iter(self._identity_counts))
@@ -196,7 +215,11 @@ class ChatTokenCounter:
                 return len(encode_template(rendered))
             framing = self.tokenizer.count(f"<|im_start|>{message.role}\n") + 3
             return framing + self.tokenizer.count(rendered)
-        tokens = _OPENAI_PER_MESSAGE + self.tokenizer.count(message.content)
+        return self._count_openai(message, self.tokenizer.count(message.content))
+
+    def _count_openai(self, message: Message, content_tokens: int) -> int:
+        """A message's tokens in OpenAI's chat format, its content's already counted."""
+        tokens = _OPENAI_PER_MESSAGE + content_tokens
         if message.name:
             tokens += _OPENAI_PER_NAME + self.tokenizer.count(message.name)
         for call in message.tool_calls:

@@ -8,6 +8,12 @@ they run at most once per (session, step, call), across crashes.
 
 from __future__ import annotations
 
+from keel._model_json import (
+    ArgumentsNotJSONError,
+    RepairedArguments,
+    coerce_scalars,
+    parse_arguments,
+)
 from keel.tools._executor import (
     ToolExecutor,
     ToolResult,
@@ -32,12 +38,6 @@ from keel.tools._mcp import (
     start_servers,
 )
 from keel.tools._registry import ToolRegistry
-from keel.tools._repair import (
-    ArgumentsNotJSONError,
-    RepairedArguments,
-    coerce_scalars,
-    parse_arguments,
-)
 from keel.tools._schema_tool import SchemaTool, schema_tool
 from keel.tools._tool import (
     ApprovalNeed,

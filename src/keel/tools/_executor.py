@@ -37,6 +37,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer
 from pydantic_core import to_jsonable_python
 
+from keel._model_json import (
+    ArgumentsNotJSONError,
+    coerce_scalars,
+    format_validation_error,
+    parse_arguments,
+)
 from keel.errors import (
     KeelError,
     PlaceholderError,
@@ -57,7 +63,6 @@ from keel.tools._journal import (
     idempotency_key,
 )
 from keel.tools._registry import ToolRegistry
-from keel.tools._repair import ArgumentsNotJSONError, coerce_scalars, parse_arguments
 from keel.tools._tool import AbandonedResult, Tool, ToolContext, ToolScope, abandoned_result
 
 __all__ = [
@@ -142,22 +147,6 @@ class ToolResult(BaseModel):
     def to_message(self) -> Message:
         """The tool message that answers the call."""
         return Message.tool(self.call_id, self.content, name=self.tool)
-
-
-def format_validation_error(error: ValidationError) -> list[str]:
-    """One line per invalid field: ``Field 'passengers': Input should be a valid integer``."""
-    lines: list[str] = []
-    for item in error.errors(include_url=False):
-        location = ".".join(str(part) for part in item.get("loc", ())) or "arguments"
-        message = str(item.get("msg", "invalid"))
-        for suffix in (
-            ", unable to parse string as an integer",
-            ", unable to parse string as a number",
-            ", unable to interpret input",
-        ):
-            message = message.removesuffix(suffix)
-        lines.append(f"Field '{location}': {message}")
-    return lines
 
 
 class ToolExecutor:
@@ -373,7 +362,7 @@ class ToolExecutor:
             return {}
         if isinstance(self.vault, NoVault):
             raise self.vault.refusal(wanted[0])
-        return await self.vault.vault.store.arun(functools.partial(self.vault.values, wanted))
+        return await self.vault.vault.store.acall(functools.partial(self.vault.values, wanted))
 
     def _untrusted(self, text: str, base: dict[str, Any]) -> str:
         """``text`` (a tool's output or error) as keel lets it in: its placeholder-shaped
@@ -907,5 +896,5 @@ async def avalidated_arguments(
         if wanted and isinstance(vault, NoVault):
             raise vault.refusal(wanted[0])
         if wanted and isinstance(vault, UserVault):
-            values = await vault.vault.store.arun(functools.partial(vault.values, wanted))
+            values = await vault.vault.store.acall(functools.partial(vault.values, wanted))
     return validated_arguments(found, raw, values)

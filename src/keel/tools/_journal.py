@@ -102,6 +102,13 @@ class ToolJournal(ABC):
 
     Implementations must make [`claim`][] atomic (insert-if-absent) and durable before it
     returns: the tool runs only after its intent is on disk.
+
+    Sync/async contract: the sync methods are the interface; [`aclaim`][], [`arestart`][],
+    [`afinish`][], [`aget`][], [`asame_calls`][], [`arecord_decision`][] and [`adecision`][]
+    are their async twins (same arguments, same result). By default a twin runs its sync
+    method through [`acall`][] (keel's blocking pool); a store may override a twin to do the
+    same natively (the SQL journal runs the same plan through its database's ``arun``).
+    [`entries`][], [`resolve`][] and [`in_doubt`][] are operator tools and sync only.
     """
 
     @abstractmethod
@@ -171,9 +178,10 @@ class ToolJournal(ABC):
 
     # --- async twins: what an event loop calls ----------------------------------------------
 
-    async def _run_twin(self, call: Callable[[], _T]) -> _T:
-        """Run one sync method's body for an async twin: in a worker thread by default, so a
-        database round trip never blocks the event loop."""
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        """Run ``call`` (blocking work on this journal: a sync method, for its async twin)
+        for an event loop: on keel's blocking pool by default, so a database round trip never
+        blocks the event loop."""
         return await run_blocking(call)
 
     async def aclaim(
@@ -187,7 +195,7 @@ class ToolJournal(ABC):
         arguments: str,
     ) -> JournalClaim:
         """Async twin of [`claim`][]."""
-        return await self._run_twin(
+        return await self.acall(
             lambda: self.claim(
                 key=key,
                 session_id=session_id,
@@ -200,27 +208,27 @@ class ToolJournal(ABC):
 
     async def arestart(self, key: str) -> JournalEntry:
         """Async twin of [`restart`][]."""
-        return await self._run_twin(lambda: self.restart(key))
+        return await self.acall(lambda: self.restart(key))
 
     async def afinish(self, key: str, *, ok: bool, content: str, output: str) -> JournalEntry:
         """Async twin of [`finish`][]."""
-        return await self._run_twin(lambda: self.finish(key, ok=ok, content=content, output=output))
+        return await self.acall(lambda: self.finish(key, ok=ok, content=content, output=output))
 
     async def aget(self, key: str) -> JournalEntry | None:
         """Async twin of [`get`][]."""
-        return await self._run_twin(lambda: self.get(key))
+        return await self.acall(lambda: self.get(key))
 
     async def asame_calls(self, session_id: str, tool: str, arguments: str) -> list[JournalEntry]:
         """Async twin of [`same_calls`][]."""
-        return await self._run_twin(lambda: self.same_calls(session_id, tool, arguments))
+        return await self.acall(lambda: self.same_calls(session_id, tool, arguments))
 
     async def arecord_decision(self, session_id: str, step: int, message: Message) -> Message:
         """Async twin of [`record_decision`][]."""
-        return await self._run_twin(lambda: self.record_decision(session_id, step, message))
+        return await self.acall(lambda: self.record_decision(session_id, step, message))
 
     async def adecision(self, session_id: str, step: int) -> Message | None:
         """Async twin of [`decision`][]."""
-        return await self._run_twin(lambda: self.decision(session_id, step))
+        return await self.acall(lambda: self.decision(session_id, step))
 
 
 class InMemoryJournal(ToolJournal):
@@ -230,7 +238,7 @@ class InMemoryJournal(ToolJournal):
     for crash safety.
     """
 
-    async def _run_twin(self, call: Callable[[], _T]) -> _T:
+    async def acall(self, call: Callable[[], _T]) -> _T:
         return call()  # memory only: nothing to wait for
 
     def __init__(self) -> None:

@@ -1,8 +1,9 @@
 """The interface every trace backend implements, with async twins.
 
-A backend implements the synchronous methods; the ``a``-prefixed twins run them in a worker
-thread by default so an event loop is never blocked by a database round trip. A backend with a
-native async driver may override the twins.
+A backend implements the synchronous methods; the ``a``-prefixed twins run them on keel's
+blocking pool by default so an event loop is never blocked by a database round trip. A
+backend that can do better overrides the twins (the SQL store runs the same plans through its
+database's ``arun``).
 """
 
 from __future__ import annotations
@@ -56,12 +57,21 @@ class TraceStore(ABC):
       totals (steps, calls, tool errors, tokens) exact, also when a step is rewritten.
     - ``end_run`` sets the final status, end time, output and error of a run.
     - Queries return runs newest first and steps in start order (``seq``).
+
+    Sync/async contract: the sync methods are the interface; [`asetup`][],
+    [`astart_run`][], [`awrite_step`][], [`awrite_batch`][], [`aend_run`][], [`aget_run`][],
+    [`aget_run_detail`][], [`alist_runs`][], [`asession_stats`][] and [`aclose`][] are their
+    async twins (same arguments, same result): each runs its sync method through
+    [`acall`][] (keel's blocking pool) unless a backend overrides it. The other reads and
+    [`delete_runs`][] are for the CLI and sync only.
     """
 
-    async def _run_twin(self, function: Callable[[], _T]) -> _T:
-        """Run one sync method's body for an async twin: in a worker thread by default; a
-        backend that knows better overrides it (SQLite runs it inline unless it would wait)."""
-        return await run_blocking(function)
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        """Run ``call`` (blocking work on this store: a sync method, for its async twin) for
+        an event loop: on keel's blocking pool by default; a backend that knows better
+        overrides it (the SQL store runs it as its database runs a blocking call: on SQLite
+        inline unless it would wait)."""
+        return await run_blocking(call)
 
     @abstractmethod
     def setup(self) -> None:
@@ -197,21 +207,21 @@ class TraceStore(ABC):
 
     async def asetup(self) -> None:
         """Async twin of [`setup`][]."""
-        await self._run_twin(self.setup)
+        await self.acall(self.setup)
 
     async def astart_run(self, run: Run) -> None:
         """Async twin of [`start_run`][]."""
-        await self._run_twin(lambda: self.start_run(run))
+        await self.acall(lambda: self.start_run(run))
 
     async def awrite_step(self, step: Step) -> None:
         """Async twin of [`write_step`][]."""
-        await self._run_twin(lambda: self.write_step(step))
+        await self.acall(lambda: self.write_step(step))
 
     async def awrite_batch(
         self, *, run: Run | None, steps: Sequence[Step], end: RunEnding | None
     ) -> None:
         """Async twin of [`write_batch`][]."""
-        await self._run_twin(lambda: self.write_batch(run=run, steps=steps, end=end))
+        await self.acall(lambda: self.write_batch(run=run, steps=steps, end=end))
 
     async def aend_run(
         self,
@@ -224,7 +234,7 @@ class TraceStore(ABC):
         error_message: str | None = None,
     ) -> None:
         """Async twin of [`end_run`][]."""
-        await self._run_twin(
+        await self.acall(
             lambda: self.end_run(
                 run_id,
                 status=status,
@@ -237,15 +247,15 @@ class TraceStore(ABC):
 
     async def aget_run(self, run_id: str) -> Run | None:
         """Async twin of [`get_run`][]."""
-        return await self._run_twin(lambda: self.get_run(run_id))
+        return await self.acall(lambda: self.get_run(run_id))
 
     async def aget_run_detail(self, run_id: str) -> RunDetail | None:
         """Async twin of [`get_run_detail`][]."""
-        return await self._run_twin(lambda: self.get_run_detail(run_id))
+        return await self.acall(lambda: self.get_run_detail(run_id))
 
     async def alist_runs(self, query: RunQuery | None = None) -> list[Run]:
         """Async twin of [`list_runs`][]."""
-        return await self._run_twin(lambda: self.list_runs(query))
+        return await self.acall(lambda: self.list_runs(query))
 
     async def asession_stats(
         self,
@@ -256,7 +266,7 @@ class TraceStore(ABC):
         thresholds: StatsThresholds | None = None,
     ) -> list[SessionStats]:
         """Async twin of [`session_stats`][]."""
-        return await self._run_twin(
+        return await self.acall(
             lambda: self.session_stats(
                 session_id=session_id, since=since, tenant_id=tenant_id, thresholds=thresholds
             )
@@ -264,7 +274,7 @@ class TraceStore(ABC):
 
     async def aclose(self) -> None:
         """Async twin of [`close`][]."""
-        await self._run_twin(self.close)
+        await self.acall(self.close)
 
     def __enter__(self) -> TraceStore:
         return self

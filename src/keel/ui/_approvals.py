@@ -21,7 +21,7 @@ from keel.service._errors import HTTPError
 from keel.service._ids import PLAIN_ID, RawPathRoute, Text
 from keel.service._keys import Caller
 from keel.service.routes.approvals import decide_as
-from keel.ui._router import _Missing, _tenant, _Viewer, _viewer, signed_in
+from keel.ui._viewer import Missing, Viewer, current_viewer, signed_in, signed_in_tenant
 
 __all__ = ["router"]
 
@@ -37,7 +37,7 @@ _ACTIONS: dict[str, Literal["retry", "skip", "answer"]] = {
 
 
 async def _queue_page(
-    request: Request, viewer: _Viewer, tenant: str, *, notice: str | None = None
+    request: Request, viewer: Viewer, tenant: str, *, notice: str | None = None
 ) -> Response:
     context = context_of(request)
     enabled = context.approvals is not None
@@ -51,7 +51,9 @@ async def _queue_page(
 
 @router.get("/ui/approvals")
 async def approvals(
-    request: Request, tenant: str = Depends(_tenant), viewer: _Viewer = Depends(_viewer)
+    request: Request,
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     return await _queue_page(request, viewer, tenant)
 
@@ -78,7 +80,7 @@ async def decide(
     arguments: str = Form("", max_length=100_000),
     action: str = Form("", pattern=r"^(|retry|skip|answer)$"),
     who: Caller = Depends(signed_in),
-    viewer: _Viewer = Depends(_viewer),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     # The viewer signs in with the tenant's operator key only; the decider is that key.
     tenant = who.tenant_id
@@ -98,7 +100,7 @@ async def decide(
     except ValueError as exc:
         return await _queue_page(request, viewer, tenant, notice=str(exc))
     except HTTPError:
-        raise _Missing from None
+        raise Missing from None
     except KeelError as exc:
         notice = f"{approval_id} was not decided: {exc}"
         return await _queue_page(request, viewer, tenant, notice=notice)

@@ -8,14 +8,13 @@ tenant exactly as the API is (another tenant's run or session is a 404 like one 
 exist). Pages are rendered on the server with Jinja2 (autoescaped); charts and graphs are
 inline SVG; forms post back (revert, resolve) and go through the same compare-and-set and
 journal calls as the API; the approvals page (``_approvals.py``) decides through the agent, as
-the API does.
+the API does. The sign-in and what every page shares are in ``_viewer.py``.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,30 +23,31 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Depends, FastAPI, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from jinja2 import Environment, PackageLoader, select_autoescape
 
 from keel._bridge import run_blocking
 from keel.errors import ConflictError, SessionBusyError, StateError
 from keel.memory import MemoryFilter, Scope
 from keel.service._access import path_session_id, revert_holding_lease
-from keel.service._ids import RawPathRoute, Text, session_url
-from keel.service._keys import Caller
+from keel.service._ids import RawPathRoute, Text
 from keel.tracing import RUN_STATUSES, Run, RunQuery, TraceStore
+from keel.ui._approvals import router as approvals_router
 from keel.ui._render import indicator_series, line_chart, machine_graph, state_diff, token_bar
+from keel.ui._viewer import (
+    COOKIE,
+    SESSION_LIFETIME_S,
+    Missing,
+    SignInFirst,
+    Viewer,
+    current_viewer,
+    signed_in_tenant,
+)
 
 if TYPE_CHECKING:
     from keel.runtime import Agent
     from keel.service._keys import APIKeys
     from keel.state import MachinePosition
 
-__all__ = ["COOKIE", "SESSION_LIFETIME_S", "mount_ui"]
-
-COOKIE = "keel_ui_session"
-"""The cookie holding the viewer's session token (HttpOnly, SameSite=Strict, path /ui; Secure
-over https): never the API key."""
-
-SESSION_LIFETIME_S = 8 * 3600
-"""How long a sign-in lasts (a working day); then the viewer asks for the key again."""
+__all__ = ["mount_ui"]
 
 _PAGE = 25
 _STATUSES = RUN_STATUSES
@@ -60,71 +60,9 @@ _PREFIX_SCAN = 50
 that share 8 characters are already rare)."""
 
 
-class _SignIn(Exception):
-    """No valid key: the page sends the browser to the sign-in form."""
-
-
-class _Missing(Exception):
-    """Not found, or the tenant's to see."""
-
-
-def _environment() -> Environment:
-    environment = Environment(
-        loader=PackageLoader("keel.ui", "templates"),
-        autoescape=select_autoescape(["html"]),
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    environment.filters["when"] = lambda value: (
-        "" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
-    )
-    environment.filters["session_url"] = session_url
-    environment.filters["ms"] = lambda value: "" if value is None else f"{value:.0f} ms"
-    environment.filters["epoch"] = lambda value: datetime.fromtimestamp(value, UTC).strftime(
-        "%Y-%m-%d %H:%M:%S"
-    )
-    return environment
-
-
 def _since(period: str | None) -> datetime | None:
     spans = {"1h": timedelta(hours=1), "24h": timedelta(days=1), "7d": timedelta(days=7)}
     return datetime.now(UTC) - spans[period] if period in spans else None
-
-
-@dataclass
-class _Viewer:
-    """What the viewer's pages share, on ``app.state.keel_viewer``."""
-
-    agent_for: Callable[[str], Agent]
-    keys: APIKeys
-    traces: TraceStore
-    templates: Environment = field(default_factory=_environment)
-
-    def page(self, name: str, request: Request, status: int = 200, **values: Any) -> HTMLResponse:
-        html = self.templates.get_template(name).render(request=request, **values)
-        return HTMLResponse(html, status_code=status)
-
-
-def _viewer(request: Request) -> _Viewer:
-    viewer: _Viewer = request.app.state.keel_viewer
-    return viewer
-
-
-async def signed_in(request: Request, viewer: _Viewer = Depends(_viewer)) -> Caller:
-    """Who the browser's session speaks for (an operator key); without a live session, the
-    browser is sent to sign in. Looked up on every request, never cached: a session ends the
-    moment it is signed out, expires or its key is revoked."""
-    token = request.cookies.get(COOKIE)
-    keys = viewer.keys
-    caller = await keys.arun(lambda: keys.session_caller(token)) if token else None
-    if caller is None or not caller.operator:
-        raise _SignIn
-    return caller
-
-
-def _tenant(caller: Caller = Depends(signed_in)) -> str:
-    """The signed-in key's tenant."""
-    return caller.tenant_id
 
 
 # Matched as sent: a session id spelled team%2Falpha stays one path segment.
@@ -138,7 +76,7 @@ async def home() -> Response:
 
 @router.get("/ui/login")
 async def login_form(
-    request: Request, next: str = "/ui/runs", viewer: _Viewer = Depends(_viewer)
+    request: Request, next: str = "/ui/runs", viewer: Viewer = Depends(current_viewer)
 ) -> Response:
     return viewer.page("login.html", request, next=next, error=None, tenant=None)
 
@@ -148,7 +86,7 @@ async def login(
     request: Request,
     key: str = Form(max_length=512),
     next: str = Form("/ui/runs"),
-    viewer: _Viewer = Depends(_viewer),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     keys = viewer.keys
     # Verified afresh (no key cache): a key revoked a moment ago opens no session.
@@ -163,7 +101,7 @@ async def login(
             tenant=None,
         )
     key_id = caller.key_id
-    token = await keys.arun(lambda: keys.start_session(key_id, SESSION_LIFETIME_S))
+    token = await keys.acall(lambda: keys.start_session(key_id, SESSION_LIFETIME_S))
     target = next if next.startswith("/ui") else "/ui/runs"
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
@@ -179,11 +117,11 @@ async def login(
 
 
 @router.post("/ui/logout")
-async def logout(request: Request, viewer: _Viewer = Depends(_viewer)) -> Response:
+async def logout(request: Request, viewer: Viewer = Depends(current_viewer)) -> Response:
     token = request.cookies.get(COOKIE)
     if token:
         keys = viewer.keys
-        await keys.arun(lambda: keys.end_session(token))
+        await keys.acall(lambda: keys.end_session(token))
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict")
     return response
@@ -198,8 +136,8 @@ async def runs(
     tool_error: str | None = Query(default=None),
     since: str | None = Query(default=None),
     until: datetime | None = None,
-    tenant: str = Depends(_tenant),
-    viewer: _Viewer = Depends(_viewer),
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     query = RunQuery(
         tenant_id=tenant,
@@ -254,8 +192,8 @@ def _tenant_runs(traces: TraceStore, tenant: str, run_id: str) -> list[Run]:
 async def run(
     request: Request,
     run_id: str,
-    tenant: str = Depends(_tenant),
-    viewer: _Viewer = Depends(_viewer),
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     named = await run_blocking(_tenant_runs, viewer.traces, tenant, run_id)
     if len(named) > 1:
@@ -265,7 +203,7 @@ async def run(
         )
     detail = await run_blocking(viewer.traces.get_run_detail, named[0].run_id) if named else None
     if detail is None:
-        raise _Missing
+        raise Missing
     session_id = detail.run.session_id
     prefix = f"{tenant}/"
     return viewer.page(
@@ -305,13 +243,13 @@ def _workflow_graph(agent: Agent, position: MachinePosition | None) -> str | Non
 
 
 async def _session_view(
-    viewer: _Viewer, request: Request, tenant: str, session_id: str, **extra: Any
+    viewer: Viewer, request: Request, tenant: str, session_id: str, **extra: Any
 ) -> HTMLResponse:
     agent = viewer.agent_for(tenant)
     key = agent.session_key(session_id)
     checkpoint = await agent.state.aget(key)
     if checkpoint is None:
-        raise _Missing
+        raise Missing
     history = await agent.state.ahistory(key, limit=200)
     position = checkpoint.state.machine
     in_doubt = []
@@ -338,8 +276,8 @@ async def session(
     session_id: str = Depends(path_session_id),
     a: int | None = Query(default=None, ge=1),
     b: int | None = Query(default=None, ge=1),
-    tenant: str = Depends(_tenant),
-    viewer: _Viewer = Depends(_viewer),
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     diff = None
     if a is not None and b is not None:
@@ -349,7 +287,7 @@ async def session(
             older = await agent.state.aat(key, min(a, b))
             newer = await agent.state.aat(key, max(a, b))
         except StateError:
-            raise _Missing from None
+            raise Missing from None
         diff = state_diff(
             older.state.model_dump(mode="json"),
             newer.state.model_dump(mode="json"),
@@ -366,15 +304,15 @@ async def revert(
     version: int = Form(ge=1),
     expected_version: int = Form(ge=1),
     confirm: str | None = Form(default=None),
-    tenant: str = Depends(_tenant),
-    viewer: _Viewer = Depends(_viewer),
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     if confirm != "yes":
         notice = "Tick the confirmation to revert."
         return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
     agent = viewer.agent_for(tenant)
     if await agent.state.aget(agent.session_key(session_id)) is None:
-        raise _Missing
+        raise Missing
     try:
         done = await revert_holding_lease(
             agent, session_id, expected_version=expected_version, to_version=version
@@ -385,7 +323,7 @@ async def revert(
     except ConflictError:
         notice = "The session moved on since this page was loaded: nothing was reverted."
     except StateError:
-        raise _Missing from None
+        raise Missing from None
     return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
 
 
@@ -396,15 +334,15 @@ async def resolve(
     key: str = Form(max_length=256),
     ok: str = Form(),
     content: Text = Form(min_length=1, max_length=10_000),  # noqa: B008 - FastAPI form field
-    tenant: str = Depends(_tenant),
-    viewer: _Viewer = Depends(_viewer),
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     agent = viewer.agent_for(tenant)
     journal = agent.journal
     session_key = agent.session_key(session_id)
     entry = None if journal is None else await journal.aget(key)
     if journal is None or entry is None or entry.session_id != session_key:
-        raise _Missing
+        raise Missing
     await run_blocking(journal.resolve, key, ok=ok == "yes", content=content)
     notice = f"Resolved {entry.tool} call."
     return await _session_view(viewer, request, tenant, session_id, notice=notice, diff=None)
@@ -416,8 +354,8 @@ async def memory(
     user: str | None = Query(default=None, max_length=256),
     q: str | None = Query(default=None, max_length=2_000),
     budget: int = Query(default=600, ge=50, le=20_000),
-    tenant: str = Depends(_tenant),
-    viewer: _Viewer = Depends(_viewer),
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     agent = viewer.agent_for(tenant)
     store = agent.memory
@@ -453,8 +391,8 @@ async def health(
     request: Request,
     session: str | None = Query(default=None, max_length=256),
     since: str | None = Query(default="24h"),
-    tenant: str = Depends(_tenant),
-    viewer: _Viewer = Depends(_viewer),
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
 ) -> Response:
     agent = viewer.agent_for(tenant)
     session_key = agent.session_key(session) if session else None
@@ -484,7 +422,7 @@ def mount_ui(
 ) -> None:
     """Serve the viewer at ``/ui`` on ``app``: it signs in with a tenant's operator key from
     ``keys``, and keeps its sessions there."""
-    viewer = _Viewer(agent_for, keys, traces)
+    viewer = Viewer(agent_for, keys, traces)
     app.state.keel_viewer = viewer
     app.mount(
         "/ui/static", StaticFiles(directory=Path(__file__).parent / "static"), name="ui-static"
@@ -497,10 +435,7 @@ def mount_ui(
     async def missing(request: Request, exc: Exception) -> Response:
         return viewer.page("missing.html", request, status=404, tenant=None)
 
-    app.add_exception_handler(_SignIn, sign_in_first)
-    app.add_exception_handler(_Missing, missing)
+    app.add_exception_handler(SignInFirst, sign_in_first)
+    app.add_exception_handler(Missing, missing)
     app.include_router(router)
-    # Not at the top: the approvals page builds on this module's viewer (a cycle otherwise).
-    from keel.ui._approvals import router as approvals_router
-
     app.include_router(approvals_router)

@@ -64,7 +64,7 @@ from keel.errors import (
     UsageError,
     VaultKeyError,
 )
-from keel.integrations._privacy import NEEDS_VAULT, open_with_vault
+from keel.integrations._privacy import NEEDS_VAULT, open_history_stores
 from keel.integrations.langgraph._codec import ThreadCodec
 from keel.integrations.langgraph._heads import ThreadHeads
 from keel.integrations.langgraph._indexes import ThreadIndexes
@@ -87,6 +87,7 @@ from keel.integrations.langgraph._thread import (
 )
 from keel.privacy import DEFAULT_MASKER, PIIMasker, Vault, privacy_view
 from keel.state import StateBackend, StateStore, VacuumReport
+from keel.stores import Backends
 
 __all__ = ["KeelCheckpointSaver", "StaleWriterError", "ThreadState"]
 
@@ -134,10 +135,15 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
         super().__init__(serde=serde)
         if not tenant:
             raise UsageError("a tenant must not be empty")
+        # The stores opened from a URL, closed with the saver; a backend passed in is closed
+        # by the saver's close as before.
+        self._backends: Backends | None = None
         if isinstance(backend, str):
-            self.backend, self.vault = open_with_vault(backend, vault)
-        else:
-            self.backend, self.vault = backend, vault
+            self._backends = open_history_stores(backend, vault)
+            backend = self._backends.state.backend
+            vault = vault if vault is not None else self._backends.vault
+        self.backend: StateBackend = backend
+        self.vault = vault
         self.tenant = tenant
         self.user = user
         self.masker = DEFAULT_MASKER if masker is None else masker
@@ -553,7 +559,11 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
 
     def close(self) -> None:
         """Release the backend's connections."""
-        self.store.close()
+        try:
+            self.store.close()
+        finally:
+            if self._backends is not None:
+                self._backends.close()
 
     def __enter__(self) -> KeelCheckpointSaver:
         return self

@@ -1,4 +1,8 @@
-"""Repair of tool arguments a model wrote almost, but not quite, as JSON.
+"""JSON a model wrote almost, but not quite, right: tool arguments (and structured outputs)
+repaired where that is safe, and a validation error said one line per field, the way the
+model is told what to fix. Below the tools and the guards, which both read what a model
+wrote: the executor and the loop detector its tool arguments, the response check its
+structured output.
 
 Only repairs that cannot change what the model meant are made: code fences stripped, a single
 object pulled out of surrounding prose, trailing commas dropped, single quotes and Python
@@ -16,7 +20,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ArgumentsNotJSONError", "RepairedArguments", "coerce_scalars", "parse_arguments"]
+from pydantic import ValidationError
+
+__all__ = [
+    "ArgumentsNotJSONError",
+    "RepairedArguments",
+    "coerce_scalars",
+    "format_validation_error",
+    "parse_arguments",
+]
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n?(.*?)\n?\s*```\s*$", re.DOTALL)
 _JSON_TO_PY = {"true": "True", "false": "False", "null": "None"}
@@ -270,3 +282,19 @@ def _scalar_type(prop: Any) -> str | None:
     if len(options) == 1:
         return _scalar_type(options[0])
     return None
+
+
+def format_validation_error(error: ValidationError) -> list[str]:
+    """One line per invalid field: ``Field 'passengers': Input should be a valid integer``."""
+    lines: list[str] = []
+    for item in error.errors(include_url=False):
+        location = ".".join(str(part) for part in item.get("loc", ())) or "arguments"
+        message = str(item.get("msg", "invalid"))
+        for suffix in (
+            ", unable to parse string as an integer",
+            ", unable to parse string as a number",
+            ", unable to interpret input",
+        ):
+            message = message.removesuffix(suffix)
+        lines.append(f"Field '{location}': {message}")
+    return lines

@@ -1,0 +1,69 @@
+"""A turn's work is what is new in it, never the session's length: counted, not timed.
+
+One session of the ``keel bench turns`` workload (a question, one tool call, an answer), each
+question holding an e-mail address, so that every prompt shows the model placeholders and its
+tool call resolves one (the model passes on the tail of the question it was shown). The
+profiler counts the calls of keel's own functions (generator steps included) that each turn
+makes on the event loop's thread: a turn that walks the history (a scan of every message of
+the prompt for placeholders, a copy validated again) makes more of them in a longer session,
+one proportional to what is new makes as many at turn 100 as at turn 10. Counts are exact where
+timings on a shared machine are not; only keel's frames are counted, so the event loop's own
+scheduling (a thread's reply that came a little later) adds nothing. Each question has the
+same length, and the medians of five turns are compared: a turn that now and then does more (a
+checkpoint that is a full snapshot) moves one sample, a growth moves them all.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import keel
+from keel.runtime import Agent
+from keel.settings import load_settings
+from keel.testing import ScriptedModel
+from tests.runtime.test_turn_cost_flat import _policy, lookup
+
+_KEEL = str(Path(keel.__file__).parent)
+
+
+async def _calls_per_turn(directory: Path, turns: int) -> list[int]:
+    agent = Agent.open(
+        None,
+        settings=load_settings(data_dir=directory, embedder="hashing:64"),
+        model=ScriptedModel(_policy),
+        system_prompt="You look records up.",
+        tools=[lookup],
+        memory=False,
+    )
+    counts: list[int] = []
+    count = [0]
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(_KEEL):
+            count[0] += 1
+
+    try:
+        for turn in range(turns):
+            count[0] = 0
+            sys.setprofile(profile)
+            try:
+                reply = await agent.handle("long", "u1", f"look up user{turn:04d}@example.com")
+            finally:
+                sys.setprofile(None)
+            assert reply.status == "completed" and reply.tool_calls == ("lookup",), reply
+            counts.append(count[0])
+    finally:
+        await agent.aclose()
+    return counts
+
+
+async def test_a_turn_makes_as_many_calls_at_turn_100_as_at_turn_10(tmp_path: Path) -> None:
+    counts = await _calls_per_turn(tmp_path, 105)
+    early, late = counts[10:15], counts[100:105]
+    # Before the prompt's placeholders were kept as the history grew, noting what each prompt
+    # showed the model walked every message of it: about 20 more calls every turn.
+    assert statistics.median(late) == statistics.median(early), (early, late)
