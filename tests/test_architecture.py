@@ -42,16 +42,11 @@ def test_every_import_inside_a_function_says_why() -> None:
     assert FIGURES["lazy_keel_imports"] <= 30
 
 
-# The MCP client's circle (tools._mcp <-> tools._mcp_connection) is being taken apart on
-# another branch of issue 46; once it has merged this must be strict: no circle at all.
-_MCP_CIRCLE = frozenset({"keel.tools._mcp", "keel.tools._mcp_connection"})
-
-
 def test_no_modules_import_each_other_around_a_circle() -> None:
     # Counted by scripts/shape.py on every import, inside TYPE_CHECKING and functions included:
     # a circle moved out of sight is still a circle.
     cycles = SHAPE.import_cycles()
-    assert all(set(group) <= _MCP_CIRCLE for group in cycles), cycles
+    assert cycles == [], cycles
 
 
 def test_the_turn_runner_drives_and_nothing_more() -> None:

@@ -9,8 +9,16 @@ with each call's dead loop, and sync calls from several threads share one loop s
 The other direction, async code calling a blocking function (SQLite, an ONNX embedder), goes
 through `run_blocking`; sync code that overlaps blocking work (a keyword query while the
 query is embedded, a batch written while the next is embedded, forward passes side by side)
-forks it with `fork` or `map_blocking`. All of it runs on ONE pool of named threads
-owned here (``keel-blocking-N``), the only place that decides where blocking work runs.
+forks it with `fork` or `map_blocking`. All of it runs on ONE bounded pool of named threads
+owned here (``keel-blocking-N``). Work that may run far longer than its caller waits (a sync
+tool that hangs past its timeout, a model's generation) goes through `run_in_thread`, a daemon
+thread of its own, so that it never fills that pool. This module is the only one in keel that
+starts a thread or an event loop (tests/test_async_rule.py keeps it so, with the exceptions
+docs/architecture.md lists).
+
+What a library ties to one loop for its whole life (an MCP session) is opened on the bridge
+loop and reached from any loop with `on_bridge`; a background worker that lives as long as
+its owner is a task there (`spawn`).
 
 Joining forked work never deadlocks on a busy pool: work no thread has started yet is taken
 back and run by the thread that joins it, so a pool thread that forks and joins (a search
@@ -22,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -32,11 +41,24 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 from keel.errors import UsageError
 
-__all__ = ["Forked", "fork", "iterate_sync", "map_blocking", "run_blocking", "run_sync"]
+__all__ = [
+    "Forked",
+    "fork",
+    "iterate_sync",
+    "map_blocking",
+    "on_bridge",
+    "on_bridge_thread",
+    "run_blocking",
+    "run_in_thread",
+    "run_sync",
+    "spawn",
+]
 
 T = TypeVar("T")
 A = TypeVar("A")
 P = ParamSpec("P")
+
+_logger = logging.getLogger("keel")
 
 BLOCKING_THREADS = min(32, (os.cpu_count() or 1) + 4)
 """Threads of the blocking pool: asyncio's default for ``to_thread``, which it replaces, and
@@ -67,7 +89,12 @@ def _bridge_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def run_sync(coroutine: Coroutine[Any, Any, T], *, cleanup_wait_s: float = 30.0) -> T:
+def run_sync(
+    coroutine: Coroutine[Any, Any, T],
+    *,
+    cleanup_wait_s: float = 30.0,
+    in_running_loop: bool = False,
+) -> T:
     """Run ``coroutine`` on keel's bridge loop and wait for its result.
 
     A caller that gives up (Ctrl-C raises KeyboardInterrupt while it waits) cancels the
@@ -75,19 +102,25 @@ def run_sync(coroutine: Coroutine[Any, Any, T], *, cleanup_wait_s: float = 30.0)
     loop: when the interruption reaches the caller, what the coroutine held is released and
     what it committed is what the store holds.
 
+    ``in_running_loop=True`` lets a thread whose own loop runs wait too (that loop stalls
+    meanwhile): for the set-up and tear-down calls users make in ``with`` blocks anywhere
+    (``with MCPServer.stdio(...) as server:``), never for a turn's work.
+
     Raises:
         UsageError: called from a thread whose event loop is running (await the async
-            method there instead: blocking that loop would stall everything on it).
+            method there instead: blocking that loop would stall everything on it), or, with
+            ``in_running_loop``, from the bridge loop itself (it would wait on itself).
     """
     try:
-        asyncio.get_running_loop()
+        running = asyncio.get_running_loop()
     except RuntimeError:
         pass
     else:
-        coroutine.close()
-        raise UsageError(
-            "a sync method was called inside a running event loop: await its async twin"
-        )
+        if not in_running_loop or running is _loop:
+            coroutine.close()
+            raise UsageError(
+                "a sync method was called inside a running event loop: await its async twin"
+            )
     finished = threading.Event()
 
     async def guarded() -> T:
@@ -104,6 +137,31 @@ def run_sync(coroutine: Coroutine[Any, Any, T], *, cleanup_wait_s: float = 30.0)
             future.cancel()
             finished.wait(cleanup_wait_s)
         raise
+
+
+async def on_bridge(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Await ``coroutine`` on keel's bridge loop, from any loop (cancelling the caller cancels
+    it there).
+
+    For what a library ties to the loop it was opened on for its whole life (an MCP session's
+    anyio task group): opened on the bridge loop once, it serves callers on every loop.
+    """
+    loop = _bridge_loop()
+    if asyncio.get_running_loop() is loop:
+        return await coroutine
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, loop))
+
+
+def spawn(coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+    """Start ``coroutine`` on keel's bridge loop and return at once: for a background worker
+    that lives as long as its owner (memory's outbox), instead of a thread of its own. Its
+    blocking steps go through `run_blocking`."""
+    return asyncio.run_coroutine_threadsafe(coroutine, _bridge_loop())
+
+
+def on_bridge_thread() -> bool:
+    """Whether this thread runs keel's bridge loop (where waiting for it would wait forever)."""
+    return _thread is not None and threading.current_thread() is _thread
 
 
 SIGNAL_CHECK_S = 0.1
@@ -246,3 +304,109 @@ def map_blocking(function: Callable[[A], T], items: Sequence[A], *, width: int) 
     if errors:
         raise errors[0]
     return results
+
+
+class _OwnThreads:
+    """Daemon threads for work that may never end: an idle one is reused, a new one starts
+    when none is.
+
+    Daemon, so work that hangs never keeps the process from exiting; never a bounded pool, so
+    work that hangs holds its own thread and nothing queues behind it (a bounded pool would
+    fill up with hung calls, and the blocking pool's short work would wait behind them). Reuse
+    spares each call a thread start (hundreds of microseconds on a busy machine). A thread
+    idle for ``idle_s`` ends.
+    """
+
+    def __init__(self, idle_s: float = 30.0) -> None:
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[_Job]] = []
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        # A forked child has none of its parent's threads.
+        self._lock = threading.Lock()
+        self._idle = []
+
+    def submit(self, run: Callable[[], _Outcome], deliver: Callable[[_Outcome], None]) -> None:
+        """Call ``run`` in a thread, then ``deliver`` its outcome once the thread is idle
+        again (so the caller's next call can reuse it)."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(
+                target=self._work, args=(inbox,), name="keel-thread", daemon=True
+            ).start()
+        inbox.put((run, deliver))
+
+    def _work(self, inbox: queue.SimpleQueue[_Job]) -> None:
+        while True:
+            try:
+                run, deliver = inbox.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:
+                        self._idle.remove(inbox)
+                        return
+                # A caller took this thread just now: its job is on the way.
+                continue
+            outcome = run()
+            with self._lock:
+                self._idle.append(inbox)
+            deliver(outcome)
+
+
+_Outcome = tuple[bool, Any]
+_Job = tuple[Callable[[], _Outcome], Callable[[_Outcome], None]]
+_own_threads = _OwnThreads()
+
+Abandoned = Callable[[bool, Any], None]
+"""Told ``(ok, value)`` when work run by `run_in_thread` ends after its caller stopped
+waiting (a timeout, a cancellation)."""
+
+
+async def run_in_thread(call: Callable[[], T], *, on_abandoned: Abandoned | None = None) -> T:
+    """Run ``call`` in a daemon thread of its own and await its result (context variables
+    carried over), for work that may run far longer than its caller waits: a user's sync tool
+    that hangs past its timeout, a model's generation. Cancelling the caller stops waiting,
+    not ``call``: its late outcome goes to ``on_abandoned``.
+
+    `run_blocking` is for keel's own short blocking work: its pool is bounded, so work that
+    may never return must not hold one of its threads.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def abandon(ok: bool, value: Any) -> None:
+        if on_abandoned is None:
+            return
+        try:
+            on_abandoned(ok, value)
+        except Exception:  # a report about abandoned work must never crash anything
+            _logger.exception("could not report the late result of abandoned work")
+
+    def deliver(ok: bool, value: Any) -> None:
+        if future.done():  # the caller stopped waiting (timeout, cancellation)
+            abandon(ok, value)
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def run() -> _Outcome:
+        try:
+            return True, context.run(call)
+        except BaseException as exc:
+            return False, exc
+
+    def hand_over(outcome: _Outcome) -> None:
+        try:
+            loop.call_soon_threadsafe(deliver, *outcome)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            abandon(*outcome)
+
+    _own_threads.submit(run, hand_over)
+    return await future

@@ -102,7 +102,7 @@ _REFERENCED_MODULES = (
     "keel.integrations.langgraph",
     "keel.integrations.openai_agents",
     "keel.integrations.pydantic_ai",
-    "keel.integrations.mcp",
+    "keel.integrations.mcp_server",
 )
 _RAW_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj|const):`?")
 

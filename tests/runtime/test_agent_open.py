@@ -62,7 +62,7 @@ def _threads() -> set[int]:
 def _settle_threads(before: set[int]) -> set[str]:
     """Names of threads started since ``before`` that are still alive after a short wait. Not
     the agent's but the process's, shared by every agent: the test event loop's executor
-    threads (``asyncio_N``), the idle sync-tool threads (``keel-tool``, ending after 30 s idle),
+    threads (``asyncio_N``), the idle sync-tool threads (``keel-thread``, ending after 30 s idle),
     the one sync bridge loop (``keel-sync-bridge``) and the bridge's pool for blocking work
     (``keel-blocking_N``), both alive for the process's lifetime."""
     deadline = time.monotonic() + 5
@@ -73,7 +73,7 @@ def _settle_threads(before: set[int]) -> set[str]:
             if t.ident not in before
             and t.is_alive()
             and not t.name.startswith(
-                ("asyncio_", "keel-tool", "keel-sync-bridge", "keel-blocking")
+                ("asyncio_", "keel-thread", "keel-sync-bridge", "keel-blocking")
             )
         }
         if not extra or time.monotonic() > deadline:

@@ -70,7 +70,7 @@ def test_closing_an_agent_embeds_what_its_turns_wrote_to_memory(tmp_path: Path) 
     memory.indexer._stop.set()
     memory.indexer.notify_work()
     assert memory.indexer._worker is not None
-    memory.indexer._worker.join(timeout=10)
+    memory.indexer._worker.result(timeout=10)
     agent.run_sync("My dog is called Rex", session="s1", user="u1")
     assert memory.pending() == 2  # the user's words and the model's, not embedded yet
     agent.close()

@@ -187,7 +187,7 @@ def test_registry_accepts_plain_functions_and_suggests_close_names() -> None:
 async def test_sync_tools_reuse_an_idle_thread_and_a_hung_one_blocks_no_other() -> None:
     import threading
 
-    from keel.tools._tool import _tool_threads, _ToolThreads
+    from keel._bridge import _own_threads, _OwnThreads
 
     release = threading.Event()
 
@@ -202,7 +202,7 @@ async def test_sync_tools_reuse_an_idle_thread_and_a_hung_one_blocks_no_other() 
         release.wait(10)
         return "released"
 
-    assert isinstance(_tool_threads, _ToolThreads)
+    assert isinstance(_own_threads, _OwnThreads)
     first = await where.ainvoke(where.args_model())
     second = await where.ainvoke(where.args_model())
     assert first == second, "an idle tool thread was not reused"

@@ -13,7 +13,6 @@ them against), and a decision that did not take effect refused with the outcome 
 
 from __future__ import annotations
 
-import asyncio
 import getpass
 import json
 import time
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 
-from keel._bridge import run_blocking
+from keel._bridge import run_blocking, run_sync
 from keel.cli._app import JsonLastOption, JsonOption, app, bench_app, emit_json, out_console
 from keel.cli._database import DatabaseOption
 
@@ -46,7 +45,9 @@ ByOption = Annotated[
 
 
 def _on_backends(database: str | None, work: Any) -> Any:
-    """Run ``work(backends)`` (a coroutine function) on the configured database's stores."""
+    """Run ``work(backends)`` (a coroutine function) on the configured database's stores, on
+    keel's bridge loop as every sync entry does (Ctrl-C cancels it there and waits for its
+    clean-up)."""
     from keel.cli._database import database_settings
     from keel.stores import Backends
 
@@ -57,7 +58,7 @@ def _on_backends(database: str | None, work: Any) -> Any:
         finally:
             await backends.aclose()
 
-    return asyncio.run(run())
+    return run_sync(run())
 
 
 def _summary(request: ApprovalRequest) -> dict[str, Any]:

@@ -26,7 +26,7 @@ def mcp_command(
     from `keel keys create --tenant T`, and acts for that key's tenant."""
     from keel.cli._database import database_settings
     from keel.errors import UsageError
-    from keel.integrations.mcp import memory_server, require_api_key
+    from keel.integrations.mcp_server import memory_server, require_api_key
     from keel.service import APIKeys, CachedKeys
     from keel.stores import Backends
 

@@ -1,7 +1,7 @@
 """Memory: the long-term tiers of an agent, behind one object.
 
 Write path: ``add`` masks PII, then commits the row and an outbox entry in one transaction and
-returns; the `OutboxIndexer` (a background thread, or
+returns; the `OutboxIndexer` (a background worker on the bridge loop, or
 ``process_outbox`` / ``flush``) embeds and indexes the vector later, so a crash between the two
 is repaired by processing the outbox on the next start.
 
@@ -78,7 +78,7 @@ class Memory:
         config: retrieval settings.
         token_model: model whose tokenizer counts the packing budget.
         judge: optional model judge (one batched call per retrieval).
-        background: embed in a daemon thread (True) or only on ``process_outbox``/``flush``.
+        background: embed in a background worker (True) or only on ``process_outbox``/``flush``.
         vault: the PII vault the records' values go to (``Backends.open`` gives the stores'
             own): a write masks through the view of its scope's user ([`view`][]), so a
             value has the placeholder it has in that user's turns and reads back as itself.
@@ -299,7 +299,7 @@ class Memory:
         return self.indexer.pending()
 
     def start(self) -> None:
-        """Start the background embedding thread (idempotent)."""
+        """Start the background embedding worker (idempotent)."""
         self.indexer.start()
 
     def flush(self, timeout: float | None = 60.0) -> None:

@@ -1,22 +1,28 @@
 """The outbox indexer: embeds and indexes what ``Memory.add`` committed, off the write path.
 
 ``add`` commits a record and an outbox entry in one transaction; this embeds the entries in
-batches (in a background thread, or when ``process`` / ``flush`` is called) and writes their
+batches (in a background worker, or when ``process`` / ``flush`` is called) and writes their
 vectors, so a crash between the two is repaired by processing the outbox on the next start.
+The worker is a task on keel's bridge loop (`keel._bridge.spawn`) that runs each batch on the
+blocking pool (`keel._bridge.run_blocking`): no thread of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from keel._bridge import Forked, fork
+from keel._bridge import Forked, fork, on_bridge_thread, run_blocking, spawn
 from keel.errors import KeelError, UsageError
 from keel.memory._embedders import Embedder
 from keel.memory._records import Scope
@@ -94,7 +100,10 @@ class OutboxIndexer:
         self._work = 0
         self._progress = 0
         self._stop = threading.Event()
-        self._worker: threading.Thread | None = None
+        self._worker: Future[None] | None = None
+        self._worker_pid = 0  # a forked child has none of its parent's bridge loop
+        self._wake: asyncio.Event | None = None  # the worker's, on the bridge loop
+        self._wake_loop: asyncio.AbstractEventLoop | None = None
         self._process_lock = threading.Lock()
 
     def process(self, *, max_batches: int | None = None) -> int:
@@ -238,6 +247,13 @@ class OutboxIndexer:
         with self._signal:
             self._work += 1
             self._signal.notify_all()
+        self._wake_worker()
+
+    def _wake_worker(self) -> None:
+        wake, loop = self._wake, self._wake_loop
+        if wake is not None and loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: no worker to wake
+                loop.call_soon_threadsafe(wake.set)
 
     def _woken(self, seen: int) -> bool:
         return self._work != seen or self._stop.is_set()
@@ -252,30 +268,39 @@ class OutboxIndexer:
             self._signal.notify_all()
 
     def start(self) -> None:
-        """Start the background embedding thread (idempotent)."""
-        if self._worker is not None and self._worker.is_alive():
+        """Start the background worker on the bridge loop (idempotent)."""
+        if self._running():
             return
         self._stop.clear()
-        self._worker = threading.Thread(target=self._run, name="keel-memory-outbox", daemon=True)
-        self._worker.start()
+        self._worker_pid = os.getpid()
+        self._worker = spawn(self._run())
 
-    def _run(self) -> None:
+    def _running(self) -> bool:
+        worker = self._worker
+        return worker is not None and not worker.done() and self._worker_pid == os.getpid()
+
+    async def _run(self) -> None:
+        wake = self._wake = asyncio.Event()
+        self._wake_loop = asyncio.get_running_loop()
         seen = -1  # the first pass runs at once: the outbox may hold work from a crash
         while not self._stop.is_set():
-            with self._signal:
-                self._signal.wait_for(partial(self._woken, seen), timeout=WORKER_POLL_S)
-                seen = self._work
+            wake.clear()  # before reading ``_work``: a signal after this read sets it again
+            if self._work == seen:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), WORKER_POLL_S)
+            seen = self._work
             if self._stop.is_set():
                 break
             try:
-                while self.process(max_batches=1):
+                while await run_blocking(self.process, max_batches=1):
                     if self._stop.is_set():
                         break
             except Exception as exc:  # the worker must outlive one bad batch
                 self._on_error(str(exc))
                 logger.exception("memory outbox worker failed")
-                self._stop.wait(0.5)
+                await asyncio.sleep(0.5)
             self._notify_progress()
+        self._wake = self._wake_loop = None
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Block until everything added so far is embedded.
@@ -284,7 +309,7 @@ class OutboxIndexer:
         ends) rather than polling; the wait is bounded by ``FLUSH_RECHECK_S`` so rows written by
         another process sharing the database are counted too.
         """
-        if self._worker is None or not self._worker.is_alive():
+        if not self._running():
             self.process()
             return
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -297,15 +322,17 @@ class OutboxIndexer:
             if remaining is not None and remaining <= 0:
                 raise TimeoutError("memory outbox did not drain in time")
             wait = FLUSH_RECHECK_S if remaining is None else min(FLUSH_RECHECK_S, remaining)
+            self.notify_work()  # make sure the worker looks (another process's rows)
             with self._signal:
-                self._work += 1  # make sure the worker looks (another process's rows)
-                self._signal.notify_all()
                 self._signal.wait_for(partial(self._progressed, seen), timeout=wait)
 
     def stop(self) -> None:
         """Stop the worker; the work left stays in the durable outbox."""
         self._stop.set()
         self.notify_work()
-        if self._worker is not None:
-            self._worker.join(timeout=10)
-            self._worker = None
+        worker, self._worker = self._worker, None
+        # The batch in progress ends first (at most 10 s), unless this is the bridge loop's
+        # own thread, which the worker needs to end: then it ends after this returns.
+        if worker is not None and self._worker_pid == os.getpid() and not on_bridge_thread():
+            with contextlib.suppress(Exception):
+                worker.result(timeout=10)

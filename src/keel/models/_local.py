@@ -1,8 +1,11 @@
 """The bundled local model: SmolLM2-135M-Instruct through llama-cpp-python, offline.
 
 The weights are loaded once per process and shared by every [`LocalModel`][] with the same
-settings. llama.cpp is not thread-safe for one context, so generations are serialized by a
-lock; they run in a worker thread so the event loop keeps serving while the model thinks.
+settings (loaded on keel's blocking pool, `keel._bridge.run_blocking`). llama.cpp is not
+thread-safe for one context, so generations are serialized by a lock; each runs in a thread of
+its own (`keel._bridge.run_in_thread`), not on the bounded blocking pool: a generation lasts
+seconds, and calls waiting for the lock would otherwise hold the pool's threads, so the event
+loop keeps serving while the model thinks and short blocking work never queues behind it.
 
 The model has no native tool calling: tools are described in the system prompt in the
 ``<tool_call>`` format ([`render_tools_prompt`][]) and the reply is read with
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from keel._assets import smollm2_gguf
+from keel._bridge import run_blocking, run_in_thread
 from keel.errors import (
     ContextLengthExceededError,
     ModelTimeoutError,
@@ -207,9 +211,10 @@ def _generate_in_thread(
     prompt: str,
     max_tokens: int,
     args: dict[str, Any],
-) -> tuple[asyncio.Queue[tuple[str, Any]], threading.Event]:
-    """Start generating in a daemon thread: the queue its events arrive on (the prompt's size,
-    each chunk, the end or the error) and the event that stops it between chunks."""
+) -> tuple[asyncio.Queue[tuple[str, Any]], threading.Event, asyncio.Task[None]]:
+    """Start generating in a thread of its own: the queue its events arrive on (the prompt's
+    size, each chunk, the end or the error), the event that stops it between chunks, and the
+    task that waits for it (cancel it when the caller stops listening)."""
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancel = threading.Event()
 
@@ -233,8 +238,7 @@ def _generate_in_thread(
             except Exception as exc:  # delivered to the caller, typed there
                 post("error", exc)
 
-    threading.Thread(target=work, name="keel-local-model", daemon=True).start()
-    return events, cancel
+    return events, cancel, loop.create_task(run_in_thread(work))
 
 
 class LocalModel(ChatModel):
@@ -375,13 +379,14 @@ class LocalModel(ChatModel):
     ) -> AsyncIterator[CompletionChunk]:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        loaded = await loop.run_in_executor(
-            None, _load, self._model_path(), self.n_ctx, self.n_threads
-        )
+        path = self._model_path()
+        loaded = _loaded.get((str(path), self.n_ctx, self.n_threads))  # loaded: no hop
+        if loaded is None:
+            loaded = await run_blocking(_load, path, self.n_ctx, self.n_threads)
         prompt = self.render_prompt(messages, tools, options)
         max_tokens = self._answer_limit(options)
         args = self._generation_args(tools if options.tool_choice != "none" else (), options)
-        events, cancel = _generate_in_thread(loop, loaded, prompt, max_tokens, args)
+        events, cancel, generating = _generate_in_thread(loop, loaded, prompt, max_tokens, args)
         answer = StreamedAnswer(started)
         prompt_tokens = 0
         finish: str | None = None
@@ -409,7 +414,8 @@ class LocalModel(ChatModel):
                 if out is not None and stream_text:
                     yield out
         finally:
-            cancel.set()
+            cancel.set()  # the thread stops at its next chunk, the lock then free
+            generating.cancel()  # nobody waits for it any more
         completion = self._finish(
             answer.text, finish, prompt_tokens, tools, options, started, answer.ttft_ms
         )

@@ -264,9 +264,13 @@ class Agent:
         return embedded_agent(cls, model, system_prompt=system_prompt, **options)
 
     async def aclose(self) -> None:
-        """Flush memory's outbox and release what [`open`][] / [`embedded`][] opened."""
-        if self.backends is not None:
-            await close_opened(self.backends)
+        """Stop the MCP servers this agent started, flush memory's outbox and release what
+        [`open`][] / [`embedded`][] opened."""
+        try:
+            await self._workflow.mcp.aclose()
+        finally:
+            if self.backends is not None:
+                await close_opened(self.backends)
 
     def close(self) -> None:
         """Sync twin of [`aclose`][], on the bridge loop the sync twins ran on: async clients
@@ -275,12 +279,14 @@ class Agent:
         run_sync(self.aclose())
 
     async def __aenter__(self) -> Agent:
+        await self._workflow.mcp.open()  # a server that cannot start fails here, not mid-turn
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     def __enter__(self) -> Agent:
+        self._workflow.mcp.open_sync()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -423,16 +429,13 @@ class Agent:
         """Whether ``state`` is of this agent's tenant (a state that names no tenant is)."""
         return state.runtime.tenant_id in (None, self.tenant_id)
 
-    # --- what a turn is given -----------------------------------------------------------------
-
     async def revert(
         self, session_id: str, *, expected_version: int, to_version: int
     ) -> Checkpoint[AgentState]:
-        """Revert the session to ``to_version`` (compare-and-set on ``expected_version``,
-        else a ``ConflictError``) under its lease, as a turn holds it: a turn running on it
-        makes this [`SessionBusyError`][keel.errors.SessionBusyError] at once, nothing changed.
-        What a parked turn waited for is cancelled when the state reverted to waits for none
-        of it."""
+        """Revert the session to ``to_version`` (compare-and-set on ``expected_version``, else
+        a ``ConflictError``) under its lease: a turn running on it makes this a
+        [`SessionBusyError`][keel.errors.SessionBusyError] at once, nothing changed. What a
+        parked turn waited for is cancelled when the state reverted to waits for none of it."""
         return await self._hand_over().revert(
             session_id, expected_version=expected_version, to_version=to_version
         )

@@ -234,9 +234,15 @@ class Sessions:
         """The store key of ``session_id`` in the agent's tenant."""
         return session_key(self.deps.tenant_id, session_id)
 
-    def own(self, key: str) -> contextlib.AbstractAsyncContextManager[Lease]:
-        """The session's lease for a block (see `own_session`)."""
-        return own_session(self.deps.state, key, ttl=self.lease_ttl_s, wait_s=self.wait_s)
+    @contextlib.asynccontextmanager
+    async def own(self, key: str) -> AsyncIterator[Lease]:
+        """The session's lease for a block (see `own_session`), the agent's MCP servers
+        started first: a server starting holds no session."""
+        await self.deps.workflow.mcp.open()
+        async with own_session(
+            self.deps.state, key, ttl=self.lease_ttl_s, wait_s=self.wait_s
+        ) as lease:
+            yield lease
 
     # --- the one runner ---------------------------------------------------------------------
 

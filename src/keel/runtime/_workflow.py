@@ -13,7 +13,8 @@ from keel.errors import UsageError
 from keel.messages import ToolCall
 from keel.runtime._events import AgentEvent, WorkflowTransition
 from keel.state import MachinePosition, StateMachine
-from keel.tools import MCPServer, Tool, ToolRegistry, ToolResult, start_servers, tool
+from keel.tools import MCPServer, Tool, ToolRegistry, ToolResult, tool
+from keel.tools._mcp import AgentServers
 
 __all__ = ["WORKFLOW_TOOLS", "Workflow", "WorkflowCursor"]
 
@@ -47,16 +48,19 @@ class Workflow:
         given = list(tools)
         self._own = {t.name: t for t in given if isinstance(t, Tool)}
         self.servers = [t for t in given if isinstance(t, MCPServer)]
-        start_servers(self.servers, taken=set(self._own))
+        # Started on the agent's first turn (``open``), not here: building an agent starts
+        # no process; ``Agent.aclose`` lets them go.
+        reserved = WORKFLOW_TOOLS if machine is not None else ()
+        self.mcp = AgentServers(self.servers, taken=set(self._own), reserved=reserved)
         self.machine = machine
-        clash = set(self.domain_tools) & set(WORKFLOW_TOOLS)
+        clash = set(self._own) & set(WORKFLOW_TOOLS)
         if machine is not None and clash:
             raise UsageError(f"tool names {sorted(clash)} are reserved for the workflow")
 
     @property
     def domain_tools(self) -> dict[str, Tool]:
         """The domain's tools now: the Python ones, then each server's (a name listed later
-        by a server under a name already taken is left out, as ``start_servers`` logs)."""
+        by a server under a name already taken is left out)."""
         if not self.servers:
             return self._own
         merged: dict[str, Tool] = dict(self._own)

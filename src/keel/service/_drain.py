@@ -78,6 +78,7 @@ class DrainingServer(_server_base()):  # type: ignore[misc]
     def __init__(self, config: Any, drain: Drain, *, drain_timeout_s: float | None = None) -> None:
         super().__init__(config)
         self.drain = drain
+        self._exit_after_drain: tuple[int, FrameType | None, float] | None = None
         self.drain_timeout_s = (
             drain_timeout_s
             if drain_timeout_s is not None
@@ -95,15 +96,18 @@ class DrainingServer(_server_base()):  # type: ignore[misc]
             super().handle_exit(sig, frame)
             return
         self.drain.draining = True
-        threading.Thread(
-            target=self._exit_when_drained, args=(sig, frame), name="keel-drain", daemon=True
-        ).start()
+        # The server's own loop ends the drain (``on_tick``, every 0.1 s), not a thread.
+        self._exit_after_drain = (sig, frame, time.monotonic() + self.drain_timeout_s)
 
-    def _exit_when_drained(self, sig: int, frame: FrameType | None) -> None:
-        deadline = time.monotonic() + self.drain_timeout_s
-        while self.drain.in_flight > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        super().handle_exit(sig, frame)
+    async def on_tick(self, counter: int) -> bool:
+        pending = self._exit_after_drain
+        if pending is not None:
+            sig, frame, deadline = pending
+            if self.drain.in_flight <= 0 or time.monotonic() >= deadline:
+                self._exit_after_drain = None
+                super().handle_exit(sig, frame)
+        should_exit: bool = await super().on_tick(counter)
+        return should_exit
 
 
 def _multiprocess_bases() -> tuple[Any, Any]:

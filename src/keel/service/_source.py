@@ -182,7 +182,8 @@ class AgentSource:
 def served_agent(template: Agent, backends: Backends, tenant_id: str) -> Agent:
     """``template``'s definition (model, prompt, tools, rules, workflow, guards, options) as an
     agent of ``tenant_id`` on ``backends``."""
-    # The tools as given to the template (Python tools and MCP servers, already started).
+    # The tools as given to the template (Python tools and MCP servers, shared: started by the
+    # first agent to run a turn, stopped by the last to close).
     workflow = template._workflow
     tools: list[Tool | MCPServer] = [*workflow._own.values(), *workflow.servers]
     options: dict[str, Any] = {}

@@ -1,6 +1,7 @@
 """MCP servers as a source of tools, next to Python ones: ``MCPServer.stdio(...)`` and
 ``MCPServer.http(...)`` describe a server; an agent given one (``Agent(tools=[..., server])``)
-connects at start-up, lists its tools, and lists them again when the server says they changed.
+connects on its first turn, lists its tools, and lists them again when the server says they
+changed; ``Agent.aclose`` disconnects (``AgentServers``).
 
 Each MCP tool becomes a [`SchemaTool`][]: its JSON schema validates the model's
 arguments, and its annotations set keel's flags. ``readOnlyHint`` means no side effect; any
@@ -9,7 +10,7 @@ side-effecting and not idempotent, the safe default). A deployment overrides any
 ([`MCPToolOverride`][]): flags, hidden from the model, arguments injected on every call.
 
 Names: a tool keeps its server's name (``prefix=`` prepends one); a name two servers (or a
-Python tool) share is a [`ToolDefinitionError`][] at start-up, and a tool that
+Python tool) share is a [`ToolDefinitionError`][] when they connect, and a tool that
 appears later under a taken name is left out (logged). Secrets in headers and environment
 come from the environment ([`FromEnv`][]), are read when the server is connected, and
 never appear in a ``repr``, a log line or a trace.
@@ -17,6 +18,7 @@ never appear in a ``repr``, a log line or a trace.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -24,9 +26,11 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from keel._bridge import on_bridge, run_sync
 from keel.errors import ConfigError, ToolDefinitionError, ToolExecutionError, ToolInDoubtError
 from keel.tools._schema_tool import SchemaTool, schema_tool
 from keel.tools._tool import _NAME, ApprovalPolicy, ToolContext
@@ -35,7 +39,15 @@ if TYPE_CHECKING:
     # The connection imports the optional ``mcp`` SDK; only started servers load it.
     from keel.tools._mcp_connection import Connection
 
-__all__ = ["FromEnv", "MCPServer", "MCPToolError", "MCPToolOverride"]
+__all__ = [
+    "AgentServers",
+    "FromEnv",
+    "MCPServer",
+    "MCPToolError",
+    "MCPToolOverride",
+    "check_names",
+    "start_servers",
+]
 
 logger = logging.getLogger("keel.tools.mcp")
 
@@ -102,18 +114,17 @@ class MCPToolError(Exception):
     """An MCP tool answered with ``isError``: the call ran and failed (not in doubt)."""
 
 
-class MCPConnectionLost(ConnectionError):
-    """The server went away during a read-only call (it is being restarted)."""
-
-
 @dataclass(frozen=True, repr=False, eq=False)
 class MCPServer:
     """An MCP server whose tools an agent may call. Build one with [`stdio`][] or
     [`http`][]; give it to an agent in ``tools=``.
 
-    The agent connects it ([`start`][]) when it is built; a stdio server that exits is
-    started again, an HTTP one reconnected, with backoff (0.1 s doubling to 5 s). Close it with
-    [`close`][] (or ``with server:``); several agents may share one server.
+    An agent given a server that is not started starts it on its first turn (or as ``async
+    with agent:`` begins) and closes it in ``Agent.aclose`` (several agents may share one: the
+    last to close it stops it). A server you started yourself ([`start`][], ``with server:``)
+    stays yours: agents use it as it is and never close it. A stdio server that exits is
+    started again, an HTTP one reconnected, with backoff (0.1 s doubling to 5 s). Every
+    server's session lives on keel's bridge loop (the MCP SDK ties a session to one loop).
     """
 
     name: str
@@ -209,32 +220,29 @@ class MCPServer:
     # --- the connection ----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect and list the tools (once; later calls return at once). A server that has
-        not listed its tools within ``connect_timeout_s`` (hung) is left out, logged: it offers
-        no tools until its listing arrives, and never holds up the agent or a turn.
+        """Connect and list the tools (once; later calls return at once); yours to
+        [`close`][]. A server that has not listed its tools within ``connect_timeout_s``
+        (hung) is left out, logged: it offers no tools until its listing arrives, and never
+        holds up the agent or a turn. Callable inside a running event loop (which waits), as
+        ``with server:`` is; [`astart`][] is its async twin.
 
         Raises:
             ConfigError: the ``mcp`` extra is not installed, or a [`FromEnv`][] is unset.
             ToolDefinitionError: the server could not be started or reached (a failure).
         """
-        if "connection" in self._state:
-            return
-        try:
-            # The optional SDK, loaded only when a server is used.
-            from keel.tools._mcp_connection import Connection
-        except ImportError as exc:  # pragma: no cover - the extra is part of the test set-up
-            raise ConfigError(
-                "MCP servers need the mcp extra: pip install 'keel-runtime[mcp]'"
-            ) from exc
-        connection = Connection(self)
-        connection.start(self.connect_timeout_s)
-        self._state["connection"] = connection
+        run_sync(self.astart(), in_running_loop=True)
+
+    async def astart(self) -> None:
+        """Async twin of [`start`][]."""
+        await on_bridge(self._start_here(by_agent=False))
 
     def close(self) -> None:
         """Disconnect (a stdio server is stopped); a later [`start`][] connects again."""
-        connection: Connection | None = self._state.pop("connection", None)
-        if connection is not None:
-            connection.close()
+        run_sync(self.aclose(), in_running_loop=True)
+
+    async def aclose(self) -> None:
+        """Async twin of [`close`][]."""
+        await on_bridge(self._close_here())
 
     def __enter__(self) -> MCPServer:
         self.start()
@@ -242,6 +250,68 @@ class MCPServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> MCPServer:
+        await self.astart()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # On the bridge loop: the one thread that changes ``_state`` once a server is in use.
+
+    async def _start_here(self, *, by_agent: bool) -> None:
+        starting: asyncio.Future[None] | None = self._state.get("starting")
+        if starting is None and "connection" not in self._state:
+            starting = self._state["starting"] = asyncio.ensure_future(self._connect())
+        if starting is not None:  # one connection, whoever else waits for it
+            try:
+                await asyncio.shield(starting)
+            finally:
+                if starting.done():
+                    self._state.pop("starting", None)
+        if not by_agent:
+            self._state["owned"] = True  # started by its owner: agents never close it
+
+    async def _connect(self) -> None:
+        try:
+            # The optional SDK, loaded only when a server is used.
+            from keel.tools._mcp_connection import Connection
+        except ImportError as exc:  # pragma: no cover - the extra is part of the test set-up
+            raise ConfigError(
+                "MCP servers need the mcp extra: pip install 'keel-runtime[mcp]'"
+            ) from exc
+        connection = Connection(self, partial(build_tools, self))
+        await connection.astart(self.connect_timeout_s)
+        self._state["connection"] = connection
+
+    async def _close_here(self) -> None:
+        connection: Connection | None = self._state.pop("connection", None)
+        self._state.pop("owned", None)
+        self._state.pop("agents", None)
+        if connection is not None:
+            await connection.aclose()
+
+    @property
+    def _started_by_owner(self) -> bool:
+        return bool(self._state.get("owned"))
+
+    async def _hold(self) -> None:
+        """An agent starts using the server: started unless it is (by another agent)."""
+        if self._started_by_owner:
+            return
+        await self._start_here(by_agent=True)
+        self._state["agents"] = self._state.get("agents", 0) + 1
+
+    async def _let_go(self) -> None:
+        """An agent that used the server closes: the last agent to let go stops it."""
+        if self._started_by_owner:
+            return
+        agents = self._state.get("agents", 0)
+        if agents <= 1:
+            await self._close_here()
+        else:
+            self._state["agents"] = agents - 1
 
     @property
     def _connection(self) -> Connection:
@@ -269,7 +339,7 @@ class MCPServer:
 
     def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> str:
         """Sync twin of [`acall`][]."""
-        return self._connection.call_sync(name, dict(arguments or {}))
+        return result_text(self._connection.call_sync(name, dict(arguments or {})), name)
 
 
 def build_tools(
@@ -314,6 +384,9 @@ def _schema_tool(
     schema = _without(dict(mcp_tool.input_schema or {}), override.inject)
     remote = mcp_tool.name
     injected = dict(override.inject)
+
+    # Loaded by now: a listing comes from a connection.
+    from keel.tools._mcp_connection import MCPConnectionLost
 
     async def call(arguments: dict[str, Any], context: ToolContext | None) -> str:
         sent = {**arguments, **injected}
@@ -381,28 +454,112 @@ def result_text(result: Any, tool_name: str) -> str:
 
 
 def start_servers(servers: Sequence[MCPServer], *, taken: set[str]) -> None:
-    """Start ``servers`` (an agent's, when it is built) and check their tools' names against
-    ``taken`` and each other's; on any failure the ones started here are closed again.
+    """Start ``servers`` (each one's [`start`][keel.tools.MCPServer.start]: yours to close)
+    and check their tools' names against ``taken`` and each other's; on any failure the ones
+    started here are closed again.
 
     Raises:
         ToolDefinitionError: a server could not start, or two tools share a name.
     """
-    owners = dict.fromkeys(taken, "a Python tool")
     started: list[MCPServer] = []
     try:
         for server in servers:
             if "connection" not in server._state:
                 server.start()
                 started.append(server)
-            for name in server.tools():
-                if name in owners:
-                    raise ToolDefinitionError(
-                        f"tool {name!r} of MCP server {server.name!r} clashes with "
-                        f"{owners[name]}; give the server a prefix "
-                        f"(MCPServer.stdio(..., prefix='{server.name}_'))"
-                    )
-                owners[name] = f"MCP server {server.name!r}'s"
+        check_names(servers, taken=taken)
     except BaseException:
         for server in started:
             server.close()
         raise
+
+
+def check_names(
+    servers: Sequence[MCPServer], *, taken: set[str], reserved: Sequence[str] = ()
+) -> None:
+    """Check the tools ``servers`` list now against ``taken`` (Python tools'), ``reserved``
+    (a workflow's) and each other's.
+
+    Raises:
+        ToolDefinitionError: two tools share a name.
+    """
+    owners = dict.fromkeys(taken, "a Python tool") | dict.fromkeys(reserved, "the workflow's")
+    for server in servers:
+        for name in server.tools():
+            if name in owners:
+                raise ToolDefinitionError(
+                    f"tool {name!r} of MCP server {server.name!r} clashes with "
+                    f"{owners[name]}; give the server a prefix "
+                    f"(MCPServer.stdio(..., prefix='{server.name}_'))"
+                )
+            owners[name] = f"MCP server {server.name!r}'s"
+
+
+class AgentServers:
+    """An agent's MCP servers. Those not started by their owner are the agents': started on
+    the agent's first turn ([`open`][]), let go when it closes ([`aclose`][]; the last agent
+    sharing one stops it). Those their owner started are used as they are.
+
+    Raises:
+        ToolDefinitionError: (built) two tools listed now share a name.
+    """
+
+    def __init__(
+        self, servers: Sequence[MCPServer], *, taken: set[str], reserved: Sequence[str] = ()
+    ) -> None:
+        self.servers = list(servers)
+        self._taken, self._reserved = set(taken), tuple(reserved)
+        self._held = [server for server in self.servers if not server._started_by_owner]
+        self._open = not self._held
+        self._lock: asyncio.Lock | None = None
+        check_names(self.servers, taken=self._taken, reserved=self._reserved)
+
+    def open_sync(self) -> None:
+        """Sync twin of [`open`][] (at once, inside a running loop too, when it has)."""
+        if not self._open:
+            run_sync(self.open())
+
+    async def open(self) -> None:
+        """Start the servers the agent holds (once: at once when it has).
+
+        Raises:
+            ConfigError: the ``mcp`` extra is not installed, or a [`FromEnv`][] is unset.
+            ToolDefinitionError: a server could not be started or reached, or two tools share
+                a name; the servers held here are let go again.
+        """
+        if not self._open:
+            await on_bridge(self._open_here())
+
+    async def aclose(self) -> None:
+        """Let go of the servers [`open`][] started (a later `open` starts them again)."""
+        if self._held and self._open:
+            await on_bridge(self._close_here())
+
+    def _guard(self) -> asyncio.Lock:
+        if self._lock is None:  # made on the bridge loop, where every open and close runs
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def _open_here(self) -> None:
+        async with self._guard():
+            if self._open:
+                return
+            held: list[MCPServer] = []
+            try:
+                for server in self._held:
+                    await server._hold()
+                    held.append(server)
+                check_names(self.servers, taken=self._taken, reserved=self._reserved)
+            except BaseException:
+                for server in held:
+                    await server._let_go()
+                raise
+            self._open = True
+
+    async def _close_here(self) -> None:
+        async with self._guard():
+            if not self._open:
+                return
+            self._open = False
+            for server in self._held:
+                await server._let_go()

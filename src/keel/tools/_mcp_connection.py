@@ -1,22 +1,27 @@
-"""One MCP server's connection, kept on its own event loop in a daemon thread.
+"""One MCP server's connection, kept on keel's bridge loop.
 
-Its own loop, because an agent's turns may run on any loop (``asyncio.run`` in a script, the
-sync twins' bridge loop, a server's loop) while an MCP session belongs to the loop it was
-opened on. A supervisor task holds the session: it connects, lists the tools, waits until the
-connection is lost (a call saw it close) or the server is closed, and connects again with
-backoff. A call hops onto that loop and back; cancelling the caller (a tool timeout) cancels
-the call there.
+The MCP SDK ties a session to the loop it was opened on, for its whole life: its anyio task
+group reads the server's messages, and it must be left from the task that entered it. An
+agent's turns may run on any loop (``asyncio.run`` in a script, the sync twins' bridge loop, a
+server's loop), so every session lives on the one bridge loop (`keel._bridge.on_bridge`),
+the loop keel already keeps for the life of the process, rather than on a loop and a thread of
+its own per server. A supervisor task there holds the session: it connects, lists the tools,
+waits until the connection is lost (a call saw it close) or the server is closed, and connects
+again with backoff. A call hops onto the bridge loop and back; cancelling the caller (a tool
+timeout) cancels the call there.
+
+This module knows the server only by the settings it reads (``ServerSettings``) and turns
+listings into tools with the function it is given: the server's own module imports this one
+(when a server starts), never the other way round.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import httpx2
 from mcp import Client, StdioServerParameters
@@ -24,11 +29,11 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, CallToolResult
 
+from keel._bridge import on_bridge, run_sync
 from keel.errors import KeelError, ToolDefinitionError
-from keel.tools._mcp import MCPConnectionLost, MCPServer, build_tools, result_text
 from keel.tools._schema_tool import SchemaTool
 
-__all__ = ["Connection"]
+__all__ = ["Connection", "MCPConnectionLost", "ServerSettings"]
 
 logger = logging.getLogger("keel.tools.mcp")
 
@@ -36,42 +41,77 @@ _BACKOFF_FIRST_S = 0.1
 _BACKOFF_MAX_S = 5.0
 
 
-class Connection:
-    """The live side of an [`MCPServer`][]: its session, its tools, its supervisor."""
+class MCPConnectionLost(ConnectionError):
+    """The server went away during a call (it is being restarted)."""
 
-    def __init__(self, server: MCPServer) -> None:
+
+class ServerSettings(Protocol):
+    """What a connection reads of its [`MCPServer`][keel.tools.MCPServer]."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def transport(self) -> Literal["stdio", "http"]: ...
+    @property
+    def command(self) -> str | None: ...
+    @property
+    def args(self) -> tuple[str, ...]: ...
+    @property
+    def env(self) -> Mapping[str, Any]: ...
+    @property
+    def cwd(self) -> str | None: ...
+    @property
+    def url(self) -> str | None: ...
+    @property
+    def headers(self) -> Mapping[str, Any]: ...
+    @property
+    def connect_timeout_s(self) -> float: ...
+
+
+MakeTools = Callable[[Sequence[Any], "Connection"], tuple[dict[str, SchemaTool], list[str]]]
+"""Turns a listing into keel tools (by keel name) and the reasons any were left out."""
+
+
+class Connection:
+    """The live side of an [`MCPServer`][keel.tools.MCPServer]: its session, its tools, its
+    supervisor, all on the bridge loop."""
+
+    def __init__(self, server: ServerSettings, make_tools: MakeTools) -> None:
         self.server = server
+        self._make_tools = make_tools
         self.tools: dict[str, SchemaTool] = {}
         self.problems: list[str] = []
         self.restarts = 0
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name=f"keel-mcp-{server.name}", daemon=True
-        )
         self._client: Client | None = None
         self._ready = asyncio.Event()
         self._lost = asyncio.Event()
         self._closing = False
         self._supervisor: asyncio.Task[None] | None = None
-        self._first: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._first: asyncio.Future[None] | None = None
+        self._relisting: set[asyncio.Task[None]] = set()
 
-    def start(self, timeout_s: float) -> None:
-        """Start the loop and the supervisor; wait for the first listing, at most
-        ``timeout_s``: a server that has not answered by then (hung) is left out, offering no
-        tools, until its listing arrives (the supervisor keeps waiting, and reconnects).
+    async def astart(self, timeout_s: float) -> None:
+        """Start the supervisor (on the bridge loop: call it there); wait for the first
+        listing, at most ``timeout_s``: a server that has not answered by then (hung) is left
+        out, offering no tools, until its listing arrives (the supervisor keeps waiting, and
+        reconnects).
 
         Raises:
             ToolDefinitionError: the server could not be reached (it failed, not hung).
         """
-        self._thread.start()
-        self.loop.call_soon_threadsafe(self._spawn_supervisor)
+        loop = asyncio.get_running_loop()
+        first = self._first = loop.create_future()
+        self._supervisor = loop.create_task(self._supervise())
         try:
-            self._first.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
+            await asyncio.wait_for(asyncio.shield(first), timeout_s)
+        except TimeoutError:
             # From here on a failed first connection is retried with backoff like a lost one
             # (unless the listing or the failure came in just now).
-            if not self._first.cancel():
-                self._settled_first()
+            if not first.cancel():
+                failure = first.exception()
+                if failure is not None:
+                    await self.aclose()
+                    raise failure from failure.__cause__
                 return
             logger.warning(
                 "MCP server %r did not list its tools within %g s; its tools are left out "
@@ -79,42 +119,22 @@ class Connection:
                 self.server.name,
                 timeout_s,
             )
-        except Exception:
-            self.close()
+        except BaseException:
+            await self.aclose()
             raise
 
-    def _settled_first(self) -> None:
-        """The first connection's outcome, known: nothing, or it failed (closed, raised)."""
-        try:
-            self._first.result(timeout=0)
-        except Exception:
-            self.close()
-            raise
+    async def aclose(self) -> None:
+        """Stop the supervisor (which closes the session and a stdio server); on the bridge
+        loop."""
+        self._closing = True
+        for task in self._relisting:
+            task.cancel()
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.cancel()
+            await asyncio.wait([supervisor])
 
-    def _spawn_supervisor(self) -> None:
-        self._supervisor = self.loop.create_task(self._supervise())
-
-    def close(self) -> None:
-        """Stop the supervisor (which closes the session and a stdio server) and the loop."""
-        if self.loop.is_closed():
-            return
-
-        async def stop() -> None:
-            self._closing = True
-            if self._supervisor is not None:
-                self._supervisor.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._supervisor
-
-        if self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=10)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-    # --- the supervisor (on the connection's loop) --------------------------------------------
+    # --- the supervisor (on the bridge loop) --------------------------------------------
 
     async def _supervise(self) -> None:
         delay = _BACKOFF_FIRST_S
@@ -126,18 +146,16 @@ class Connection:
                     self._lost.clear()
                     self._ready.set()
                     delay = _BACKOFF_FIRST_S
-                    if not self._first.done():
-                        with contextlib.suppress(concurrent.futures.InvalidStateError):
-                            self._first.set_result(None)  # unless start() gave up just now
+                    if self._first is not None and not self._first.done():
+                        self._first.set_result(None)  # unless astart gave up waiting
                     await self._lost.wait()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if not self._first.done():
-                    # Unless start() gave up waiting just now: then retried as a lost one.
-                    with contextlib.suppress(concurrent.futures.InvalidStateError):
-                        self._first.set_exception(_start_failure(self.server, exc))
-                        return
+                if self._first is not None and not self._first.done():
+                    # Unless astart gave up waiting: then retried as a lost one.
+                    self._first.set_exception(_start_failure(self.server, exc))
+                    return
                 # The type only: a transport's message may quote a URL with credentials.
                 logger.warning(
                     "MCP server %r: connection lost (%s); reconnecting in %.1f s",
@@ -186,7 +204,9 @@ class Connection:
             client = self._client
             if client is not None:
                 # Not awaited here: the session's reader is what delivers the listing.
-                self.loop.create_task(self._relist_after_change(client))
+                task = asyncio.get_running_loop().create_task(self._relist_after_change(client))
+                self._relisting.add(task)
+                task.add_done_callback(self._relisting.discard)
 
     async def _relist_after_change(self, client: Client) -> None:
         try:
@@ -208,7 +228,7 @@ class Connection:
             cursor = page.next_cursor
             if cursor is None:
                 break
-        self.tools, self.problems = build_tools(self.server, listed, self)
+        self.tools, self.problems = self._make_tools(listed, self)
         logger.info("MCP server %r lists %d tools", self.server.name, len(self.tools))
 
     # --- calls --------------------------------------------------------------------------------
@@ -250,16 +270,14 @@ class Connection:
 
     async def call(self, name: str, arguments: dict[str, Any]) -> CallToolResult:
         """Call ``name`` on the server from any loop (cancelling this cancels the call)."""
-        future = asyncio.run_coroutine_threadsafe(self._call_here(name, arguments), self.loop)
-        return await asyncio.wrap_future(future)
+        return await on_bridge(self._call_here(name, arguments))
 
-    def call_sync(self, name: str, arguments: dict[str, Any]) -> str:
-        """Call ``name`` and wait, from a thread outside the connection's loop."""
-        future = asyncio.run_coroutine_threadsafe(self._call_here(name, arguments), self.loop)
-        return result_text(future.result(), name)
+    def call_sync(self, name: str, arguments: dict[str, Any]) -> CallToolResult:
+        """Call ``name`` and wait, from any thread but the bridge loop's."""
+        return run_sync(self._call_here(name, arguments), in_running_loop=True)
 
 
-def _start_failure(server: MCPServer, exc: Exception) -> Exception:
+def _start_failure(server: ServerSettings, exc: Exception) -> Exception:
     """What ``start`` raises when the first connection fails: a configuration error as it is,
     anything else as a ToolDefinitionError naming the server (and the cause's type only)."""
     while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:

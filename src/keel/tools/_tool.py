@@ -8,18 +8,14 @@ descriptions. Side effects are declared, because exactly-once execution depends 
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import copy
 import dataclasses
 import functools
 import inspect
 import logging
-import os
-import queue
 import re
 import sys
-import threading
 import types
 import typing
 import warnings
@@ -31,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.fields import FieldInfo
 from typing_extensions import TypeVar
 
+from keel._bridge import run_in_thread
 from keel.errors import ToolDefinitionError
 
 __all__ = [
@@ -192,19 +189,21 @@ class Tool:
         """Run the function with validated arguments (sync functions run in a thread).
 
         A sync function that hangs cannot be interrupted by a timeout: the caller stops
-        waiting, but the thread runs on. It is a daemon thread (reused once idle, never one
-        that is busy), not the event loop's shared executor, so hung tools neither starve
-        other tools of workers nor keep ``asyncio.run`` (and the process) from ending. When
-        such a thread finishes after all, its outcome goes to `abandoned_result` (the
-        executor journals it for side-effecting calls). Prefer async tools for anything that
-        may hang.
+        waiting, but the thread runs on. It is a daemon thread of its own
+        (`keel._bridge.run_in_thread`: reused once idle, never one that is busy), not the
+        bounded blocking pool, so hung tools neither starve other work of threads nor keep
+        ``asyncio.run`` (and the process) from ending. When such a thread finishes after all,
+        its outcome goes to `abandoned_result` (the executor journals it for side-effecting
+        calls). Prefer async tools for anything that may hang.
         """
         kwargs = {name: getattr(arguments, name) for name in type(arguments).model_fields}
         if self.context_parameter is not None:
             kwargs[self.context_parameter] = context
         if self.is_async:
             return await self.function(**kwargs)
-        result = await _in_daemon_thread(functools.partial(self.function, **kwargs))
+        result = await run_in_thread(
+            functools.partial(self.function, **kwargs), on_abandoned=abandoned_result.get()
+        )
         if inspect.isawaitable(result):
             return await result
         return result
@@ -485,100 +484,6 @@ abandoned_result: contextvars.ContextVar[AbandonedResult | None] = contextvars.C
 cancelled run) still reports what really happened, so the journal can record it. A context
 variable rather than a parameter, so that wrappers of ``ainvoke`` (the Agent's workflow gate)
 carry it without knowing about it."""
-
-
-class _ToolThreads:
-    """Daemon threads for sync tools: an idle one is reused, a new one starts when none is.
-
-    Daemon, so a tool that hangs never keeps the process from exiting; never a bounded pool,
-    so a hung tool holds its own thread and no other call queues behind it. Reuse spares each
-    call a thread start (hundreds of microseconds on a busy machine). A thread idle for
-    ``idle_s`` ends.
-    """
-
-    def __init__(self, idle_s: float = 30.0) -> None:
-        self.idle_s = idle_s
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[_Job]] = []
-        os.register_at_fork(after_in_child=self._forget)
-
-    def _forget(self) -> None:
-        # A forked child has none of its parent's threads.
-        self._lock = threading.Lock()
-        self._idle = []
-
-    def submit(self, run: Callable[[], _Outcome], deliver: Callable[[_Outcome], None]) -> None:
-        """Call ``run`` in a thread, then ``deliver`` its outcome once the thread is idle
-        again (so the caller's next call can reuse it)."""
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(
-                target=self._work, args=(inbox,), name="keel-tool", daemon=True
-            ).start()
-        inbox.put((run, deliver))
-
-    def _work(self, inbox: queue.SimpleQueue[_Job]) -> None:
-        while True:
-            try:
-                run, deliver = inbox.get(timeout=self.idle_s)
-            except queue.Empty:
-                with self._lock:
-                    if inbox in self._idle:
-                        self._idle.remove(inbox)
-                        return
-                # A caller took this thread just now: its job is on the way.
-                continue
-            outcome = run()
-            with self._lock:
-                self._idle.append(inbox)
-            deliver(outcome)
-
-
-_Outcome = tuple[bool, Any]
-_Job = tuple[Callable[[], _Outcome], Callable[[_Outcome], None]]
-_tool_threads = _ToolThreads()
-
-
-async def _in_daemon_thread(call: Callable[[], Any]) -> Any:
-    """Run ``call`` in a daemon thread and await its result (contextvars carried over)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-    context = contextvars.copy_context()
-    on_abandoned = abandoned_result.get()
-
-    def abandon(ok: bool, value: Any) -> None:
-        if on_abandoned is None:
-            return
-        try:
-            on_abandoned(ok, value)
-        except Exception:  # a report about an abandoned call must never crash anything
-            logger.exception("could not report the late result of an abandoned tool call")
-
-    def deliver(ok: bool, value: Any) -> None:
-        if future.done():  # the caller stopped waiting (timeout, cancellation)
-            abandon(ok, value)
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-    def run() -> _Outcome:
-        try:
-            return True, context.run(call)
-        except BaseException as exc:
-            return False, exc
-
-    def hand_over(outcome: _Outcome) -> None:
-        try:
-            loop.call_soon_threadsafe(deliver, *outcome)
-        except RuntimeError:  # the event loop is closed: nobody is waiting any more
-            abandon(*outcome)
-
-    _tool_threads.submit(run, hand_over)
-    return await future
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:

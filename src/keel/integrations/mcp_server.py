@@ -12,7 +12,7 @@ A call that fails as expected (a record that is not the user's, an argument out 
 empty user) answers with its reason as the SDK's ``ToolError``, logged as one line; only a real
 crash is answered with the SDK's generic message and logged with its traceback.
 
-    from keel.integrations.mcp import memory_server
+    from keel.integrations.mcp_server import memory_server
     server = memory_server(memory, tenant="acme")
     server.run("stdio")
 """
