@@ -88,7 +88,10 @@ def test_a_worker_carries_out_an_approval_made_on_the_command_line(tmp_path: Pat
                 check=False,
             )
             assert approved.returncode == 0, approved.stderr
-            assert _refunds(data) == []  # the command line only records the decision
+            # The command line records the decision (it holds no agent and no tools); whether a
+            # worker's pass carried it out before the command exited is the machine's timing,
+            # so it is not asserted here (tests/approvals/test_cli.py pins the recording).
+            assert f"{request['id']}: approved by operator:olga" in approved.stdout
 
             _until("the refund was made", lambda: _refunds(data))
 
