@@ -12,13 +12,13 @@ from pathlib import Path
 _OPEN = """
 import sys, time
 from pathlib import Path
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal
+from keel.stores import SQLiteDatabase, SQLStateBackend, SQLiteToolJournal
 from keel.stores._sqlite_traces import SQLiteTraceStore
 start = float(sys.argv[2])
 while time.time() < start:
     time.sleep(0.001)
 db = SQLiteDatabase(Path(sys.argv[1]))
-SQLiteStateBackend(db)
+SQLStateBackend(db)
 SQLiteToolJournal(db)
 SQLiteTraceStore(db).setup()
 db.close()

@@ -66,7 +66,7 @@ from keel.messages import Message
 from keel.models import ChatModel
 from keel.runtime import Agent, AgentReply, session_key
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLiteToolJournal, SQLiteTraceStore
+from keel.stores import SQLiteDatabase, SQLiteToolJournal, SQLiteTraceStore, SQLStateBackend
 from keel.testing import ScriptedModel
 from keel.tools import Tool
 from keel.tracing import Tracer
@@ -124,7 +124,7 @@ class _Keel:
         traces.setup()
         return cls(
             db=db,
-            state=StateStore(SQLiteStateBackend(db), AgentState),
+            state=StateStore(SQLStateBackend(db), AgentState),
             journal=SQLiteToolJournal(db) if journal else None,
             tracer=Tracer(traces, agent="bench-faults"),
             traces=traces,

@@ -27,8 +27,7 @@ from keel.privacy import (
 from keel.settings import load_settings
 from keel.state import StateBackend, StateStore
 from keel.stores import (
-    PostgresStateBackend,
-    SQLiteStateBackend,
+    SQLStateBackend,
     open_state_backend,
     open_vault,
     pii_key_from_settings,
@@ -148,9 +147,7 @@ def open_with_vault(url: str, vault: Vault | None) -> tuple[StateBackend, Vault 
     if not wanted:
         return backend, vault
     try:
-        if isinstance(backend, SQLiteStateBackend):
-            return backend, open_vault(backend.db, keys)
-        assert isinstance(backend, PostgresStateBackend)
+        assert isinstance(backend, SQLStateBackend)
         return backend, open_vault(backend.database, keys)
     except BaseException:
         backend.close()

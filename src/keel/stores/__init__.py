@@ -24,14 +24,13 @@ from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_approvals import POSTGRES_APPROVAL_MIGRATIONS, PostgresApprovalStore
 from keel.stores._postgres_journal import POSTGRES_JOURNAL_MIGRATIONS, PostgresToolJournal
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS, PostgresMemoryStore
-from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._postgres_vault import POSTGRES_VAULT_MIGRATIONS, PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
+from keel.stores._sql_state import STATE_MIGRATIONS, SQLStateBackend
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
 from keel.stores._sqlite_approvals import APPROVAL_MIGRATIONS, SQLiteApprovalStore
 from keel.stores._sqlite_journal import JOURNAL_MIGRATIONS, SQLiteToolJournal
 from keel.stores._sqlite_memory import MEMORY_MIGRATIONS, SQLiteMemoryStore
-from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
 from keel.stores._sqlite_traces import TRACE_MIGRATIONS, SQLiteTraceStore
 from keel.stores._sqlite_vault import VAULT_MIGRATIONS, SQLiteVaultStore
 
@@ -60,15 +59,14 @@ __all__ = [
     "PostgresApprovalStore",
     "PostgresDatabase",
     "PostgresMemoryStore",
-    "PostgresStateBackend",
     "PostgresToolJournal",
     "PostgresTraceStore",
     "PostgresVaultStore",
     "RedisStateBackend",
+    "SQLStateBackend",
     "SQLiteApprovalStore",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
-    "SQLiteStateBackend",
     "SQLiteToolJournal",
     "SQLiteTraceStore",
     "SQLiteVaultStore",

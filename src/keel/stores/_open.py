@@ -55,14 +55,13 @@ from keel.stores._postgres import PostgresDatabase
 from keel.stores._postgres_approvals import PostgresApprovalStore
 from keel.stores._postgres_journal import PostgresToolJournal
 from keel.stores._postgres_memory import PostgresMemoryStore
-from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._postgres_vault import PostgresVaultStore
 from keel.stores._redis_state import RedisStateBackend
+from keel.stores._sql_state import SQLStateBackend
 from keel.stores._sqlite import SQLiteDatabase
 from keel.stores._sqlite_approvals import SQLiteApprovalStore
 from keel.stores._sqlite_journal import SQLiteToolJournal
 from keel.stores._sqlite_memory import SQLiteMemoryStore
-from keel.stores._sqlite_state import SQLiteStateBackend
 from keel.stores._sqlite_traces import SQLiteTraceStore
 from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
@@ -200,7 +199,7 @@ class Backends:
             state = (
                 _state_on_redis(redis, own)
                 if redis is not None
-                else StateStore(_state_backend(sql), AgentState)
+                else StateStore(SQLStateBackend(sql), AgentState)
             )
             long_term = None
             if memory:
@@ -419,12 +418,6 @@ def _no_vault_without_its_key(sql: PostgresDatabase) -> None:
         )
 
 
-def _state_backend(sql: SQLiteDatabase | PostgresDatabase) -> StateBackend:
-    if isinstance(sql, SQLiteDatabase):
-        return SQLiteStateBackend(sql)
-    return PostgresStateBackend(sql)
-
-
 def _sql_stores(
     sql: SQLiteDatabase | PostgresDatabase,
 ) -> tuple[ToolJournal, ApprovalStore, TraceStore, MemoryStore]:
@@ -447,30 +440,17 @@ def _sql_stores(
     return journal, approvals, traces, store
 
 
-class _SQLiteStateAlone(SQLiteStateBackend):
-    """A SQLite state backend opened alone from a URL: it owns its database."""
+class _SQLStateAlone(SQLStateBackend):
+    """A SQL state backend opened alone from a URL: it owns its database."""
 
     def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.db.close()
-
-
-class _PostgresStateAlone(PostgresStateBackend):
-    """A PostgreSQL state backend opened alone from a URL: it owns its pool."""
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.database.close()
+        self.database.close()
 
     async def aclose(self) -> None:
-        try:
-            await super().aclose()
-        finally:
+        if isinstance(self.database, PostgresDatabase):
             await self.database.aclose()
+        else:
+            self.database.close()
 
 
 def open_state_backend(url: str) -> StateBackend:
@@ -493,9 +473,7 @@ def open_state_backend(url: str) -> StateBackend:
         SQLiteDatabase(parsed.path) if parsed.path is not None else PostgresDatabase(parsed.url)
     )
     try:
-        if isinstance(database, SQLiteDatabase):
-            return _SQLiteStateAlone(database)
-        return _PostgresStateAlone(database)
+        return _SQLStateAlone(database)
     except BaseException:
         database.close()
         raise

@@ -44,6 +44,7 @@ from keel.errors import (
 )
 from keel.messages import Message
 from keel.state import Retention, StateBackend, StateSchema, StateStore, append
+from keel.state._backend import Chain
 from keel.state._lease import THIS_PROCESS
 from keel.stores import open_state_backend
 from keel.testing._state_models import ConversationState, CounterState, OrderState
@@ -556,13 +557,18 @@ class StateBackendConformance:
         ):
             assert read is not None and read.head == head
             assert read.rows == [whole.rows[-1]]  # a reader's per-turn read: the head row alone
-        # A reader holding an older version, or another incarnation, gets the whole chain.
-        for known_version, epoch in ((head.version - 1, head.epoch), (head.version, "another")):
-            for read in (
-                backend.read_head_chain("c", now, known_version, epoch),
-                await backend.aread_head_chain("c", now, known_version, epoch),
-            ):
-                assert read is not None and read.rows == whole.rows
+        # A reader holding an older version of this incarnation gets the rows after it (it
+        # catches up on them); one holding another incarnation's version, the whole chain.
+        for read in (
+            backend.read_head_chain("c", now, head.version - 3, head.epoch),
+            await backend.aread_head_chain("c", now, head.version - 3, head.epoch),
+        ):
+            assert read is not None and read.head == head and read.rows == whole.rows[-3:]
+        for read in (
+            backend.read_head_chain("c", now, head.version, "another"),
+            await backend.aread_head_chain("c", now, head.version, "another"),
+        ):
+            assert read is not None and read.rows == whole.rows
         # Through stores: the one holding the head reads it cheaply, a fresh one in full; both
         # read the same state, and a writer elsewhere is seen.
         expected = [f"turn {k}" for k in range(1, 41)]
@@ -584,6 +590,84 @@ class StateBackendConformance:
         finally:
             await fresh.aclose()
             await store.aclose()
+
+    async def test_a_reader_another_writer_moved_on_reads_only_the_rows_written_since(
+        self, backend: StateBackend
+    ) -> None:
+        """A process holding a session's version v loads it, once another process has written k
+        turns, from the k rows after v: the cost of a decision by a worker that did not write
+        the head stays flat however long the session is (counted in rows, not timed)."""
+        writer = StateStore(backend, ConversationState, snapshot_every=1000)
+        version = writer.create("c", ConversationState()).version
+        for k in range(60):
+            version = writer.append(
+                "c", {"messages": [Message.user(f"m{k}")]}, expected_version=version, reason="x"
+            )
+        reader_backend = open_state_backend_like(backend)
+        rows_read = _count_rows_read(reader_backend)
+        reader = StateStore(reader_backend, ConversationState)
+        try:
+            assert reader.load("c").version == 61 and rows_read == [61]  # the whole chain
+            for turn, k in enumerate((3, 1, 7, 2)):
+                for n in range(k):
+                    version = writer.append(
+                        "c",
+                        {"messages": [Message.assistant(f"t{turn}.{n}")]},
+                        expected_version=version,
+                        reason="x",
+                        update={"step": turn + 1},
+                    )
+                rows_read.clear()
+                got = reader.load("c") if turn % 2 else await reader.aload("c")
+                assert rows_read == [k]
+                theirs = writer.get("c")
+                assert theirs is not None
+                assert got.version == version and got.state == theirs.state
+                assert got.info == theirs.info
+            # What the reader caught up on is a base it writes on, as any other.
+            mine = reader.append(
+                "c", {"messages": [Message.user("mine")]}, expected_version=version, reason="x"
+            )
+            fresh = StateStore(open_state_backend_like(backend), ConversationState)
+            try:
+                assert fresh.load("c").state == reader.load("c").state
+                assert fresh.load("c").version == mine
+            finally:
+                fresh.close()
+        finally:
+            reader.close()
+
+    def test_a_catch_up_reads_the_whole_chain_when_the_rows_after_it_are_not_all_there(
+        self, backend: StateBackend
+    ) -> None:
+        """A snapshot among the new rows, a retention that dropped some of them, a schema the
+        reader does not share, a session deleted and created again: the state read is always
+        the one a fresh reader reads."""
+        writer = StateStore(backend, CounterState, snapshot_every=2)
+        reader = StateStore(open_state_backend_like(backend), CounterState, snapshot_every=2)
+        fresh = StateStore(open_state_backend_like(backend), CounterState)
+        try:
+            version = writer.create("c", CounterState()).version
+            assert reader.load("c").version == version
+            for step in range(6):
+                update = {"counter": 1, "items": [f"i{step}"], "note": f"n{step}"}
+                version = writer.update("c", update, expected_version=version).version
+            assert "full" in [info.kind for info in writer.history("c", limit=5)]
+            assert reader.load("c").state == fresh.load("c").state == writer.load("c").state
+            held = version
+            for step in range(4):
+                version = writer.update(
+                    "c", {"items": [f"j{step}"]}, expected_version=version
+                ).version
+            writer.drop_versions("c", [held + 2])
+            assert reader.load("c").state == fresh.load("c").state
+            assert reader.load("c").state.items[-1] == "j3"
+            writer.delete("c")
+            writer.create("c", CounterState(note="again"))
+            assert reader.load("c").state == CounterState(note="again")
+        finally:
+            reader.close()
+            fresh.close()
 
     # --- locks --------------------------------------------------------------------------------
 
@@ -968,12 +1052,37 @@ class StateBackendConformance:
         assert reason == "after_transition" and version > last_version
 
 
+def _count_rows_read(backend: StateBackend) -> list[int]:
+    """The rows each chain read of ``backend`` returns from here on, counted as it returns
+    them (the backend's own methods wrapped on this instance)."""
+    counted: list[int] = []
+
+    def count(chain: Chain | None) -> Chain | None:
+        counted.append(0 if chain is None else len(chain.rows))
+        return chain
+
+    for name in ("read_chain", "read_head_chain"):
+        sync, async_ = getattr(backend, name), getattr(backend, f"a{name}")
+
+        def counting(*args: Any, _sync: Any = sync, **kwargs: Any) -> Chain | None:
+            return count(_sync(*args, **kwargs))
+
+        async def acounting(*args: Any, _async: Any = async_, **kwargs: Any) -> Chain | None:
+            return count(await _async(*args, **kwargs))
+
+        setattr(backend, name, counting)
+        setattr(backend, f"a{name}", acounting)
+    return counted
+
+
 def open_state_backend_like(backend: StateBackend) -> StateBackend:
     """A second, independent connection to the storage ``backend`` uses."""
     url = getattr(backend, "url", None)
-    if url is None:
-        db = getattr(backend, "db", None)
-        url = f"sqlite:///{Path(db.path)}" if db is not None else None
+    database = getattr(backend, "database", None)
+    if url is None and database is not None:
+        url = getattr(database, "url", None)
+        if url is None:
+            url = f"sqlite:///{Path(database.path)}"
     if url is None:
         raise NotImplementedError(f"cannot reopen {backend!r}")
     return open_state_backend(str(url))
