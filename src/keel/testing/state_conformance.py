@@ -635,7 +635,7 @@ class StateBackendConformance:
             finally:
                 fresh.close()
         finally:
-            reader.close()
+            await reader.aclose()
 
     def test_a_catch_up_reads_the_whole_chain_when_the_rows_after_it_are_not_all_there(
         self, backend: StateBackend
