@@ -256,6 +256,160 @@ def _chunks(values: Sequence[Any]) -> Iterator[Sequence[Any]]:
         yield values[start : start + _CHUNK]
 
 
+class _Plans:
+    """The plans of each operation, in one database's dialect."""
+
+    def __init__(self, dialect: SqlDialect, engine: _Engine) -> None:
+        self.dialect = dialect
+        self.engine = engine
+        self.head_for_update = _HEAD + dialect.row_lock
+        size = dialect.byte_length.format("c.payload")
+        self.history_sql = (
+            f"SELECT h.{_HEAD_COLUMNS.replace(', ', ', h.')}, "
+            f"{', '.join('c.' + name for name in _CHECKPOINT_NAMES[:5])}, '', "
+            f"{', '.join('c.' + name for name in _CHECKPOINT_NAMES[6:])}, {size} "
+            "FROM keel_state_sessions h LEFT JOIN keel_state_checkpoints c "
+            "ON c.session_id = h.session_id WHERE h.session_id = ? ORDER BY c.version"
+        )
+
+    def read_chain(
+        self, session_id: str, version: int | None, now: float, known: tuple[int, str] | None
+    ) -> Plan[Chain | None]:
+        kv, ke = (None, None) if known is None else known
+        params = (session_id, version, ke, kv, ke, kv, session_id, kv, kv, session_id, session_id)
+        found = yield Statement(_READ_CHAIN, params)
+        return _chain_from(session_id, found.rows, now, known)
+
+    def write(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        expected: tuple[int | None, str | None],
+        new_epoch: str | None,
+        ttl: float | None,
+        now: float,
+    ) -> tuple[Callable[[], Plan[None]], bool]:
+        """The plan of `write` (a create, or the engine's append) and its ``write`` flag."""
+        version, epoch = expected
+        if version is None:
+            return lambda: self.create(session_id, row, new_epoch, ttl, now), True
+        append = _Append(session_id, row, version, epoch, now)
+        return lambda: self.engine.append(self, append), self.engine.single_write
+
+    def create(
+        self,
+        session_id: str,
+        row: StoredCheckpoint,
+        new_epoch: str | None,
+        ttl: float | None,
+        now: float,
+    ) -> Plan[None]:
+        """A new session with ``row`` as version 1; an expired one is replaced."""
+        session = (
+            session_id, row.version, new_epoch, row.version, ttl,
+            None if ttl is None else now + ttl, now,
+        )  # fmt: skip
+        created = yield Statement(_CREATE_SESSION, session)
+        if created.rowcount != 1:
+            found = (yield Statement(self.head_for_update, (session_id,))).rows
+            head = _head_from_row(session_id, found[0]) if found else None
+            if head is not None and (head.expires_at is None or head.expires_at > now):
+                raise ConflictError(session_id, None, head.version)
+            yield Statement(_DELETE_CHECKPOINTS, (session_id,))
+            yield Statement(_REPLACE_SESSION, session)
+        yield self.insert_checkpoint(session_id, row)
+
+    def insert_checkpoint(self, session_id: str, row: StoredCheckpoint) -> Statement:
+        return Statement(_INSERT_CHECKPOINT, (session_id, *_checkpoint_values(self.dialect, row)))
+
+    def history(self, session_id: str, now: float) -> Plan[list[StoredCheckpoint]]:
+        found = (yield Statement(self.history_sql, (session_id,))).rows
+        if not found:
+            return []
+        _live_head(session_id, found[0], now)
+        return [
+            _checkpoint_from_row(values[5:15], int(values[15]))
+            for values in found
+            if values[5] is not None
+        ]
+
+    def mark(self, session_id: str, version: int, good: bool | None) -> Plan[bool]:
+        marked = yield Statement(
+            "UPDATE keel_state_checkpoints SET good = ? WHERE session_id = ? AND version = ?",
+            (None if good is None else self.dialect.flag(good), session_id, version),
+        )
+        return marked.rowcount == 1
+
+    def rewrite(
+        self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]
+    ) -> Plan[None]:
+        found = (yield Statement(self.head_for_update, (session_id,))).rows
+        if not found:
+            return
+        if replace:
+            yield Statement(
+                "UPDATE keel_state_checkpoints SET kind = ?, payload = ? "
+                "WHERE session_id = ? AND version = ?",
+                [(row.kind, row.payload, session_id, row.version) for row in replace],
+                many=True,
+            )
+        head_version = int(found[0][0])
+        doomed = [version for version in delete if version != head_version]
+        for chunk in _chunks(doomed):
+            versions, params = self.dialect.one_of("version", chunk)
+            yield Statement(
+                f"DELETE FROM keel_state_checkpoints WHERE session_id = ? AND {versions}",
+                (session_id, *params),
+            )
+
+    @staticmethod
+    def delete(session_id: str) -> Plan[bool]:
+        yield Statement(_DELETE_CHECKPOINTS, (session_id,))
+        deleted = yield Statement(
+            "DELETE FROM keel_state_sessions WHERE session_id = ?", (session_id,)
+        )
+        return deleted.rowcount == 1
+
+    @staticmethod
+    def sessions() -> Plan[list[str]]:
+        found = yield Statement("SELECT session_id FROM keel_state_sessions ORDER BY session_id")
+        return [str(value) for (value,) in found.rows]
+
+    def purge_expired(self, now: float) -> Plan[list[str]]:
+        # The heads go first: a writer sliding one's expiry meanwhile waits for its row, then
+        # finds it gone, so no live session ever loses its checkpoints.
+        purged = yield Statement(
+            "DELETE FROM keel_state_sessions WHERE expires_at IS NOT NULL AND expires_at <= ? "
+            "RETURNING session_id",
+            (now,),
+        )
+        expired = sorted(str(value) for (value,) in purged.rows)
+        for chunk in _chunks(expired):
+            sessions, params = self.dialect.one_of("session_id", chunk)
+            yield Statement(f"DELETE FROM keel_state_checkpoints WHERE {sessions}", params)
+        yield Statement("DELETE FROM keel_state_locks WHERE expires_at <= ?", (now,))
+        return expired
+
+    @staticmethod
+    def acquire_lock(key: str, owner: str, ttl: float, now: float) -> Plan[bool]:
+        taken = yield Statement(_LOCK, (key, owner, now + ttl, now))
+        return taken.rowcount == 1
+
+    @staticmethod
+    def lock_holder(key: str, now: float) -> Plan[str | None]:
+        found = yield Statement(
+            "SELECT owner FROM keel_state_locks WHERE key = ? AND expires_at > ?", (key, now)
+        )
+        return str(found.rows[0][0]) if found.rows else None
+
+    @staticmethod
+    def release_lock(key: str, owner: str) -> Plan[bool]:
+        released = yield Statement(
+            "DELETE FROM keel_state_locks WHERE key = ? AND owner = ?", (key, owner)
+        )
+        return released.rowcount == 1
+
+
 class SQLStateBackend(StateBackend):
     """Checkpoints in a SQL database: SQLite (the embedded default) or PostgreSQL.
 
@@ -279,178 +433,31 @@ class SQLStateBackend(StateBackend):
         self.dialect: SqlDialect = database.dialect
         self.name = self.dialect.name
         self._engine = _ENGINES[self.dialect.name]
-        self._head_for_update = _HEAD + self.dialect.row_lock
-        size = self.dialect.byte_length.format("c.payload")
-        self._history = (
-            f"SELECT h.{_HEAD_COLUMNS.replace(', ', ', h.')}, "
-            f"{', '.join('c.' + name for name in _CHECKPOINT_NAMES[:5])}, '', "
-            f"{', '.join('c.' + name for name in _CHECKPOINT_NAMES[6:])}, {size} "
-            "FROM keel_state_sessions h LEFT JOIN keel_state_checkpoints c "
-            "ON c.session_id = h.session_id WHERE h.session_id = ? ORDER BY c.version"
-        )
+        self._plans = _Plans(self.dialect, self._engine)
         database.migrate(self._engine.migrations)
-
-    # --- the plans ----------------------------------------------------------------------------
-
-    def _read_chain(
-        self, session_id: str, version: int | None, now: float, known: tuple[int, str] | None
-    ) -> Plan[Chain | None]:
-        kv, ke = (None, None) if known is None else known
-        params = (session_id, version, ke, kv, ke, kv, session_id, kv, kv, session_id, session_id)
-        found = yield Statement(_READ_CHAIN, params)
-        return _chain_from(session_id, found.rows, now, known)
-
-    def _write(
-        self,
-        session_id: str,
-        row: StoredCheckpoint,
-        expected: tuple[int | None, str | None],
-        new_epoch: str | None,
-        ttl: float | None,
-        now: float,
-    ) -> tuple[Callable[[], Plan[None]], bool]:
-        """The plan of `write` (a create, or the engine's append) and its ``write`` flag."""
-        version, epoch = expected
-        if version is None:
-            return lambda: self._create(session_id, row, new_epoch, ttl, now), True
-        append = _Append(session_id, row, version, epoch, now)
-        return lambda: self._engine.append(self, append), self._engine.single_write
-
-    def _create(
-        self,
-        session_id: str,
-        row: StoredCheckpoint,
-        new_epoch: str | None,
-        ttl: float | None,
-        now: float,
-    ) -> Plan[None]:
-        """A new session with ``row`` as version 1; an expired one is replaced."""
-        session = (
-            session_id, row.version, new_epoch, row.version, ttl,
-            None if ttl is None else now + ttl, now,
-        )  # fmt: skip
-        created = yield Statement(_CREATE_SESSION, session)
-        if created.rowcount != 1:
-            found = (yield Statement(self._head_for_update, (session_id,))).rows
-            head = _head_from_row(session_id, found[0]) if found else None
-            if head is not None and (head.expires_at is None or head.expires_at > now):
-                raise ConflictError(session_id, None, head.version)
-            yield Statement(_DELETE_CHECKPOINTS, (session_id,))
-            yield Statement(_REPLACE_SESSION, session)
-        yield self._insert_checkpoint(session_id, row)
-
-    def _insert_checkpoint(self, session_id: str, row: StoredCheckpoint) -> Statement:
-        return Statement(_INSERT_CHECKPOINT, (session_id, *_checkpoint_values(self.dialect, row)))
-
-    def _history_plan(self, session_id: str, now: float) -> Plan[list[StoredCheckpoint]]:
-        found = (yield Statement(self._history, (session_id,))).rows
-        if not found:
-            return []
-        _live_head(session_id, found[0], now)
-        return [
-            _checkpoint_from_row(values[5:15], int(values[15]))
-            for values in found
-            if values[5] is not None
-        ]
-
-    def _mark(self, session_id: str, version: int, good: bool | None) -> Plan[bool]:
-        marked = yield Statement(
-            "UPDATE keel_state_checkpoints SET good = ? WHERE session_id = ? AND version = ?",
-            (None if good is None else self.dialect.flag(good), session_id, version),
-        )
-        return marked.rowcount == 1
-
-    def _rewrite(
-        self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]
-    ) -> Plan[None]:
-        found = (yield Statement(self._head_for_update, (session_id,))).rows
-        if not found:
-            return
-        if replace:
-            yield Statement(
-                "UPDATE keel_state_checkpoints SET kind = ?, payload = ? "
-                "WHERE session_id = ? AND version = ?",
-                [(row.kind, row.payload, session_id, row.version) for row in replace],
-                many=True,
-            )
-        head_version = int(found[0][0])
-        doomed = [version for version in delete if version != head_version]
-        for chunk in _chunks(doomed):
-            versions, params = self.dialect.one_of("version", chunk)
-            yield Statement(
-                f"DELETE FROM keel_state_checkpoints WHERE session_id = ? AND {versions}",
-                (session_id, *params),
-            )
-
-    @staticmethod
-    def _delete(session_id: str) -> Plan[bool]:
-        yield Statement(_DELETE_CHECKPOINTS, (session_id,))
-        deleted = yield Statement(
-            "DELETE FROM keel_state_sessions WHERE session_id = ?", (session_id,)
-        )
-        return deleted.rowcount == 1
-
-    @staticmethod
-    def _sessions() -> Plan[list[str]]:
-        found = yield Statement("SELECT session_id FROM keel_state_sessions ORDER BY session_id")
-        return [str(value) for (value,) in found.rows]
-
-    def _purge_expired(self, now: float) -> Plan[list[str]]:
-        # The heads go first: a writer sliding one's expiry meanwhile waits for its row, then
-        # finds it gone, so no live session ever loses its checkpoints.
-        purged = yield Statement(
-            "DELETE FROM keel_state_sessions WHERE expires_at IS NOT NULL AND expires_at <= ? "
-            "RETURNING session_id",
-            (now,),
-        )
-        expired = sorted(str(value) for (value,) in purged.rows)
-        for chunk in _chunks(expired):
-            sessions, params = self.dialect.one_of("session_id", chunk)
-            yield Statement(f"DELETE FROM keel_state_checkpoints WHERE {sessions}", params)
-        yield Statement("DELETE FROM keel_state_locks WHERE expires_at <= ?", (now,))
-        return expired
-
-    @staticmethod
-    def _acquire_lock(key: str, owner: str, ttl: float, now: float) -> Plan[bool]:
-        taken = yield Statement(_LOCK, (key, owner, now + ttl, now))
-        return taken.rowcount == 1
-
-    @staticmethod
-    def _lock_holder(key: str, now: float) -> Plan[str | None]:
-        found = yield Statement(
-            "SELECT owner FROM keel_state_locks WHERE key = ? AND expires_at > ?", (key, now)
-        )
-        return str(found.rows[0][0]) if found.rows else None
-
-    @staticmethod
-    def _release_lock(key: str, owner: str) -> Plan[bool]:
-        released = yield Statement(
-            "DELETE FROM keel_state_locks WHERE key = ? AND owner = ?", (key, owner)
-        )
-        return released.rowcount == 1
 
     # --- the interface: each method runs its plan, sync or async ------------------------------
 
     def read_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        plan = lambda: self._read_chain(session_id, version, now, None)  # noqa: E731
+        plan = lambda: self._plans.read_chain(session_id, version, now, None)  # noqa: E731
         return self.database.run(plan, write=False)
 
     async def aread_chain(self, session_id: str, version: int | None, now: float) -> Chain | None:
-        plan = lambda: self._read_chain(session_id, version, now, None)  # noqa: E731
+        plan = lambda: self._plans.read_chain(session_id, version, now, None)  # noqa: E731
         return await self.database.arun(plan, write=False)
 
     def read_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
         known = (known_version, known_epoch)
-        plan = lambda: self._read_chain(session_id, None, now, known)  # noqa: E731
+        plan = lambda: self._plans.read_chain(session_id, None, now, known)  # noqa: E731
         return self.database.run(plan, write=False)
 
     async def aread_head_chain(
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
         known = (known_version, known_epoch)
-        plan = lambda: self._read_chain(session_id, None, now, known)  # noqa: E731
+        plan = lambda: self._plans.read_chain(session_id, None, now, known)  # noqa: E731
         return await self.database.arun(plan, write=False)
 
     def write(
@@ -465,7 +472,7 @@ class SQLStateBackend(StateBackend):
         now: float,
     ) -> None:
         expected = (expected_version, expected_epoch)
-        plan, write = self._write(session_id, row, expected, new_epoch, ttl, now)
+        plan, write = self._plans.write(session_id, row, expected, new_epoch, ttl, now)
         self.database.run(plan, write=write)
 
     async def awrite(
@@ -480,59 +487,59 @@ class SQLStateBackend(StateBackend):
         now: float,
     ) -> None:
         expected = (expected_version, expected_epoch)
-        plan, write = self._write(session_id, row, expected, new_epoch, ttl, now)
+        plan, write = self._plans.write(session_id, row, expected, new_epoch, ttl, now)
         await self.database.arun(plan, write=write)
 
     def history(self, session_id: str, now: float) -> list[StoredCheckpoint]:
-        return self.database.run(lambda: self._history_plan(session_id, now), write=False)
+        return self.database.run(lambda: self._plans.history(session_id, now), write=False)
 
     async def ahistory(self, session_id: str, now: float) -> list[StoredCheckpoint]:
-        plan = lambda: self._history_plan(session_id, now)  # noqa: E731
+        plan = lambda: self._plans.history(session_id, now)  # noqa: E731
         return await self.database.arun(plan, write=False)
 
     def mark(self, session_id: str, version: int, good: bool | None) -> bool:
-        plan = lambda: self._mark(session_id, version, good)  # noqa: E731
+        plan = lambda: self._plans.mark(session_id, version, good)  # noqa: E731
         return self.database.run(plan, write=self._engine.single_write)
 
     async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
-        plan = lambda: self._mark(session_id, version, good)  # noqa: E731
+        plan = lambda: self._plans.mark(session_id, version, good)  # noqa: E731
         return await self.database.arun(plan, write=self._engine.single_write)
 
     def rewrite(self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]) -> None:
-        self.database.run(lambda: self._rewrite(session_id, delete, replace))
+        self.database.run(lambda: self._plans.rewrite(session_id, delete, replace))
 
     def delete(self, session_id: str) -> bool:
-        return self.database.run(lambda: self._delete(session_id))
+        return self.database.run(lambda: self._plans.delete(session_id))
 
     async def adelete(self, session_id: str) -> bool:
-        return await self.database.arun(lambda: self._delete(session_id))
+        return await self.database.arun(lambda: self._plans.delete(session_id))
 
     def sessions(self) -> list[str]:
-        return self.database.run(self._sessions, write=False)
+        return self.database.run(self._plans.sessions, write=False)
 
     def purge_expired(self, now: float) -> list[str]:
-        return self.database.run(lambda: self._purge_expired(now))
+        return self.database.run(lambda: self._plans.purge_expired(now))
 
     def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
-        plan = lambda: self._acquire_lock(key, owner, ttl, now)  # noqa: E731
+        plan = lambda: self._plans.acquire_lock(key, owner, ttl, now)  # noqa: E731
         return self.database.run(plan, write=self._engine.single_write)
 
     async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
-        plan = lambda: self._acquire_lock(key, owner, ttl, now)  # noqa: E731
+        plan = lambda: self._plans.acquire_lock(key, owner, ttl, now)  # noqa: E731
         return await self.database.arun(plan, write=self._engine.single_write)
 
     def lock_holder(self, key: str, now: float) -> str | None:
-        return self.database.run(lambda: self._lock_holder(key, now), write=False)
+        return self.database.run(lambda: self._plans.lock_holder(key, now), write=False)
 
     async def alock_holder(self, key: str, now: float) -> str | None:
-        return await self.database.arun(lambda: self._lock_holder(key, now), write=False)
+        return await self.database.arun(lambda: self._plans.lock_holder(key, now), write=False)
 
     def release_lock(self, key: str, owner: str) -> bool:
-        plan = lambda: self._release_lock(key, owner)  # noqa: E731
+        plan = lambda: self._plans.release_lock(key, owner)  # noqa: E731
         return self.database.run(plan, write=self._engine.single_write)
 
     async def arelease_lock(self, key: str, owner: str) -> bool:
-        plan = lambda: self._release_lock(key, owner)  # noqa: E731
+        plan = lambda: self._plans.release_lock(key, owner)  # noqa: E731
         return await self.database.arun(plan, write=self._engine.single_write)
 
     def storage_bytes(self) -> int:
@@ -562,7 +569,7 @@ _SQLITE_MOVE_HEAD = (
 )
 
 
-def _sqlite_append(backend: SQLStateBackend, append: _Append) -> Plan[None]:
+def _sqlite_append(plans: _Plans, append: _Append) -> Plan[None]:
     session_id, row = append.session_id, append.row
     found = (yield Statement(_HEAD, (session_id,))).rows
     moved = yield Statement(
@@ -575,7 +582,7 @@ def _sqlite_append(backend: SQLStateBackend, append: _Append) -> Plan[None]:
     if moved.rowcount != 1:
         head_version = int(found[0][0]) if found else None
         raise ConflictError(session_id, append.expected_version, head_version)
-    yield backend._insert_checkpoint(session_id, row)
+    yield plans.insert_checkpoint(session_id, row)
 
 
 def _sqlite_storage_bytes(database: SQLiteDatabase | PostgresDatabase) -> int:
@@ -620,7 +627,7 @@ FROM head
 """
 
 
-def _postgres_append(backend: SQLStateBackend, append: _Append) -> Plan[None]:
+def _postgres_append(plans: _Plans, append: _Append) -> Plan[None]:
     row = append.row
     params = {
         "sid": append.session_id,
@@ -655,7 +662,7 @@ class _Engine:
     """What one engine does its own way (the module's docstring says why)."""
 
     migrations: MigrationSet
-    append: Callable[[SQLStateBackend, _Append], Plan[None]]
+    append: Callable[[_Plans, _Append], Plan[None]]
     """The compare-and-set append: raises ConflictError, with nothing written, when the head
     is not the one expected."""
     single_write: bool
