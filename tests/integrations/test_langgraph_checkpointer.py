@@ -289,7 +289,7 @@ def test_connections_of_ended_threads_are_taken_over_not_piled_up(
     """LangGraph's executor runs each invocation's saves on threads of its own; a thread that
     has ended leaves its SQLite connection to the next one instead of one more staying open."""
     graph = _echo_graph(saver)
-    database = saver.backend.db  # type: ignore[attr-defined]
+    database = saver.backend.database  # type: ignore[attr-defined]
     for turn in range(30):
         graph.invoke({"messages": [HumanMessage(content=f"t{turn}")], "steps": 0}, _thread())
     assert len(database._connections) <= 10

@@ -66,7 +66,7 @@ def test_memory_without_its_worker_embeds_only_when_flushed(tmp_path: Path) -> N
 
 def test_a_state_backend_opened_alone_closes_its_database(tmp_path: Path) -> None:
     backend = open_state_backend(f"sqlite:///{tmp_path / 'state.db'}")
-    database = backend.db  # type: ignore[attr-defined]
+    database = backend.database  # type: ignore[attr-defined]
     assert isinstance(database, SQLiteDatabase)
     database.connection()
     backend.close()
