@@ -30,7 +30,7 @@ from keel.messages import Message
 from keel.runtime import Agent
 from keel.settings import Settings, load_settings
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores import SQLiteDatabase, SQLStateBackend, SQLToolJournal
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
 
@@ -188,7 +188,7 @@ def support_policy(call: ScriptedCall) -> Message | str:
 def agent_for(database: SQLiteDatabase, shop: Shop, gate: RaceGate | None) -> Agent:
     return Agent(
         ScriptedModel(support_policy),
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You are the support agent of an online shop.",
         tools=shop_tools(shop, gate),
         journal=SQLToolJournal(database),

@@ -63,7 +63,7 @@ def test_an_agent_can_be_built_by_hand_from_the_top_level_names(tmp_path: Path) 
         Agent,
         AgentState,
         SQLiteDatabase,
-        SQLiteStateBackend,
+        SQLStateBackend,
         SQLToolJournal,
         SQLTraceStore,
         StateStore,
@@ -76,7 +76,7 @@ def test_an_agent_can_be_built_by_hand_from_the_top_level_names(tmp_path: Path) 
     traces.setup()
     with Agent(
         ScriptedModel(["hi"]),
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You help.",
         journal=SQLToolJournal(database),
         tracer=Tracer(traces),
@@ -84,7 +84,7 @@ def test_an_agent_can_be_built_by_hand_from_the_top_level_names(tmp_path: Path) 
         reply = agent.run_sync("hello", session="s1", user="u1")
     assert reply.status == "completed" and traces.get_run(reply.run_id) is not None
     database.close()
-    for name in ("PostgresDatabase", "PostgresStateBackend", "RedisStateBackend", "LocalModel"):
+    for name in ("PostgresDatabase", "SQLStateBackend", "RedisStateBackend", "LocalModel"):
         assert name in keel.__all__
 
 

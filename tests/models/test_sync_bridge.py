@@ -17,7 +17,7 @@ from keel.messages import Message
 from keel.models import Completion, ModelOptions, OpenAICompatibleModel, RetryPolicy, ToolSchema
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend
+from keel.stores import SQLiteDatabase, SQLStateBackend
 from keel.testing import FaultServer, ScriptedModel
 
 
@@ -30,7 +30,7 @@ def test_handle_sync_reuses_one_client(
     database = SQLiteDatabase(tmp_path / "keel.db")
     agent = Agent(
         model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You help.",
     )
     for turn in range(3):
@@ -59,7 +59,7 @@ async def test_a_sync_twin_inside_a_running_loop_is_a_usage_error(tmp_path: Path
     database = SQLiteDatabase(tmp_path / "keel.db")
     agent = Agent(
         ScriptedModel(["ok"]),
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You help.",
     )
     with pytest.raises(UsageError, match="await its async twin"):

@@ -25,7 +25,7 @@ from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.runtime import Agent, AgentReply, TextDelta, TurnFinished
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores import SQLiteDatabase, SQLStateBackend, SQLToolJournal
 from keel.stores._sql_traces import SQLTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
@@ -94,7 +94,7 @@ def build(args: argparse.Namespace, killer: _Killer) -> tuple[Agent, SQLiteDatab
     model = ScriptedModel(policy, stream_delay_s=0.001)
     agent = Agent(
         model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You book seats.",
         tools=[book],
         journal=SQLToolJournal(database),

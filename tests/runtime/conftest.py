@@ -11,7 +11,7 @@ import pytest
 from keel.models import ChatModel
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores import SQLiteDatabase, SQLStateBackend, SQLToolJournal
 from keel.tools import Tool
 
 
@@ -32,7 +32,7 @@ def sqlite_agent(
     """An Agent on ``database``'s state store and durable journal ("You help.")."""
     return Agent(
         model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You help.",
         tools=tools,
         journal=SQLToolJournal(database),

@@ -14,7 +14,7 @@ from keel.guards import GuardConfig
 from keel.messages import Message
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores import SQLiteDatabase, SQLStateBackend, SQLToolJournal
 from keel.stores._sql_traces import SQLTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tracing import RunQuery, Tracer
@@ -33,7 +33,7 @@ def _agent(
     airline = Airline(tmp_path / "airline.db")
     agent = Agent(
         model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You are SkyDesk.",
         tools=flight_tools(airline),
         machine=demo_machine(),
@@ -187,7 +187,7 @@ async def test_a_thousand_turns_stay_under_the_window_minus_reserve(
     model = ScriptedModel(policy, model="gpt-4o-mini")
     agent = Agent(
         model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You are a research assistant.",
         tools=[lookup],
         context=ContextBudget(working_budget=6_000),

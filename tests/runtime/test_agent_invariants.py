@@ -23,7 +23,7 @@ from keel.messages import Message, Usage
 from keel.models import Completion
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores import SQLiteDatabase, SQLStateBackend, SQLToolJournal
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
 from tests.runtime.conftest import sqlite_agent
@@ -637,7 +637,7 @@ async def test_a_tool_the_workflow_step_does_not_allow_is_refused_before_the_jou
 
     agent = Agent(
         ScriptedModel(eager),
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You sell.",
         tools=[book],
         machine=machine,

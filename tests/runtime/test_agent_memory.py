@@ -7,7 +7,7 @@ from keel.memory import HashingEmbedder, Memory, Scope
 from keel.messages import Message
 from keel.runtime import Agent
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteMemoryStore, SQLiteStateBackend
+from keel.stores import SQLiteDatabase, SQLiteMemoryStore, SQLStateBackend
 from keel.testing import ScriptedCall, ScriptedModel
 
 
@@ -20,7 +20,7 @@ async def test_turns_summaries_and_recall_flow_through_memory(database: SQLiteDa
     model = ScriptedModel(policy)
     agent = Agent(
         model,
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You are a concierge.",
         memory=memory,
         context=ContextBudget(working_budget=3_000),

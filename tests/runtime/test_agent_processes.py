@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores import SQLiteDatabase, SQLStateBackend, SQLToolJournal
 from tests.runtime.agent_worker import KILL_POINTS
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def _effects(tmp_path: Path) -> Counter[str]:
 def _state(tmp_path: Path, session: str = "s1") -> AgentState:
     database = SQLiteDatabase(tmp_path / "keel.db")
     try:
-        checkpoint = StateStore(SQLiteStateBackend(database), AgentState).get(f"default/{session}")
+        checkpoint = StateStore(SQLStateBackend(database), AgentState).get(f"default/{session}")
         assert checkpoint is not None
         return checkpoint.state
     finally:

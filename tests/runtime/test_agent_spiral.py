@@ -16,14 +16,14 @@ _SCRIPT = textwrap.dedent(
     from keel.context import ContextBudget
     from keel.runtime import Agent
     from keel.state import AgentState, StateStore
-    from keel.stores import SQLiteDatabase, SQLiteStateBackend
+    from keel.stores import SQLiteDatabase, SQLStateBackend
     from keel.testing import ScriptedModel
 
     async def main() -> None:
         database = SQLiteDatabase(sys.argv[1])
         agent = Agent(
             ScriptedModel(lambda call: "Noted. " + "detail " * 40),
-            state=StateStore(SQLiteStateBackend(database), AgentState),
+            state=StateStore(SQLStateBackend(database), AgentState),
             system_prompt="You are brief.",
             context=ContextBudget(working_budget=6_000),
         )

@@ -29,7 +29,7 @@ from keel.runtime import (
     TurnFinished,
 )
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend
+from keel.stores import SQLiteDatabase, SQLStateBackend
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import Tool, tool
 from tests.runtime.conftest import sqlite_agent
@@ -147,7 +147,7 @@ async def test_unmasked_text_streams_as_it_comes_and_is_withdrawn_the_same_way(
 ) -> None:
     agent = Agent(
         _CutOnce(),
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You help.",
         masker=None,
     )
@@ -307,7 +307,7 @@ async def test_streamed_prefixes_stay_out_of_the_maskers_cache(database: SQLiteD
     masker = PIIMasker()
     agent = Agent(
         ScriptedModel(["word " * 80]),
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You help.",
         masker=masker,
     )

@@ -24,7 +24,7 @@ from keel.runtime import Agent
 from keel.runtime._events import ApprovalRequested, TurnFinished
 from keel.service._access import revert_holding_lease
 from keel.state import AgentState, MachineState, StateMachine, StateStore, Transition
-from keel.stores import SQLiteDatabase, SQLiteStateBackend
+from keel.stores import SQLiteDatabase, SQLStateBackend
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import ApprovalNeed, ToolContext, tool
 
@@ -452,7 +452,7 @@ async def test_without_a_queue_a_call_that_needs_approval_is_refused(tmp_path: P
     database = SQLiteDatabase(tmp_path / "bare.db")
     agent = Agent(
         ScriptedModel([_both(), "I could not refund it."]),
-        state=StateStore(SQLiteStateBackend(database), AgentState),
+        state=StateStore(SQLStateBackend(database), AgentState),
         system_prompt="You run a shop.",
         tools=_tools(shop, True),
     )

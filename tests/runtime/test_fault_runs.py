@@ -27,7 +27,7 @@ from keel.bench.faults import (
 )
 from keel.messages import Message
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend
+from keel.stores import SQLiteDatabase, SQLStateBackend
 from keel.tools import ToolContext
 
 _LIMITS = {"step_limit", "time_limit", "loop_detected"}
@@ -103,7 +103,7 @@ def test_pair_figures_count_business_bookings_and_committed_messages(tmp_path: P
     book("B", "keel-3")
     book("D", "keel-4")  # booked by a turn that reported a conflict
     db = SQLiteDatabase(tmp_path / "keel.db")
-    store = StateStore(SQLiteStateBackend(db), AgentState)
+    store = StateStore(SQLStateBackend(db), AgentState)
     texts = {order: f"Please book order {order}." for order in "ABCDE"}
     messages = [Message.user(texts["A"]), Message.user(texts["B"]), Message.user(texts["B"])]
     messages.append(Message.user(texts["E"]))  # a conflicted turn whose message stayed

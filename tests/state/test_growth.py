@@ -315,3 +315,35 @@ def test_a_head_row_read_for_a_base_replaced_meanwhile_is_read_again_in_full(
     assert got is not None and moved
     assert [m.content for m in got.state.messages] == ["m0", "m1", "m2", "m3"]
     assert got.version == moved[0]
+
+
+def test_a_reader_another_writer_moved_on_validates_only_the_items_written_since(
+    tmp_path: Path,
+) -> None:
+    """Catching up on a known version (a worker that did not write the head): the rows written
+    since are applied to it and only their new items validated, however long the list; a model
+    validator that must see the whole state still does."""
+    writer, reader = _store(tmp_path, Journal), _store(tmp_path, Journal)
+    version = writer.create("j", Journal(entries=[Entry(text=f"e{k}") for k in range(50)])).version
+    assert len(reader.load("j").state.entries) == 50
+    for k in (50, 51, 52):
+        version = writer.update(
+            "j", {"entries": [Entry(text=f"e{k}")], "step": k}, expected_version=version
+        ).version
+    _checked.clear()
+    caught_up = reader.load("j")
+    assert _checked == ["e50", "e51", "e52"]
+    assert caught_up.state == writer.load("j").state and caught_up.version == version
+    assert caught_up.state.step == 52
+    strict_writer, strict_reader = (
+        _store(tmp_path, AtMostThree),
+        _store(tmp_path, AtMostThree),
+    )
+    version = strict_writer.create("s", AtMostThree(messages=[Message.user("a")])).version
+    assert len(strict_reader.load("s").state.messages) == 1
+    version = strict_writer.append(
+        "s", {"messages": [Message.assistant("b")]}, expected_version=version, reason="r"
+    )
+    assert [m.content for m in strict_reader.load("s").state.messages] == ["a", "b"]
+    for store in (writer, reader, strict_writer, strict_reader):
+        store.close()

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from keel.errors import BackendUnavailableError, DatabaseReadOnlyError
-from keel.stores import PostgresDatabase, PostgresStateBackend, SQLToolJournal
+from keel.stores import PostgresDatabase, SQLStateBackend, SQLToolJournal
 from keel.testing.servers import free_port
 
 pytestmark = pytest.mark.postgres
@@ -24,7 +24,7 @@ def test_a_read_only_transaction_is_a_read_only_error(postgres_url: str) -> None
 
 def test_stores_share_a_database_and_leave_it_open(postgres_url: str) -> None:
     with PostgresDatabase(postgres_url, max_size=2) as database:
-        state = PostgresStateBackend(database)
+        state = SQLStateBackend(database)
         journal = SQLToolJournal(database)
         state.close()
         assert journal.entries() == []  # the shared pool outlives the stores

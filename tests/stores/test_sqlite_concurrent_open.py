@@ -12,13 +12,13 @@ from pathlib import Path
 _OPEN = """
 import sys, time
 from pathlib import Path
-from keel.stores import SQLiteDatabase, SQLiteStateBackend, SQLToolJournal
+from keel.stores import SQLiteDatabase, SQLStateBackend, SQLToolJournal
 from keel.stores._sql_traces import SQLTraceStore
 start = float(sys.argv[2])
 while time.time() < start:
     time.sleep(0.001)
 db = SQLiteDatabase(Path(sys.argv[1]))
-SQLiteStateBackend(db)
+SQLStateBackend(db)
 SQLToolJournal(db)
 SQLTraceStore(db).setup()
 db.close()

@@ -27,7 +27,7 @@ from keel.errors import (
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.state import AgentState, StateStore
-from keel.stores import SQLiteDatabase, SQLiteStateBackend
+from keel.stores import SQLiteDatabase, SQLStateBackend
 from keel.testing import ScriptedModel
 
 
@@ -73,7 +73,7 @@ def test_sqlite_full_is_a_storage_full_error_and_the_connection_stays_usable(
 
 def test_a_full_database_through_the_state_store(tmp_path: Path) -> None:
     db = SQLiteDatabase(tmp_path / "keel.db")
-    store = StateStore(SQLiteStateBackend(db), AgentState)
+    store = StateStore(SQLStateBackend(db), AgentState)
     store.create("s1", AgentState())
     _cap(db, spare_pages=1)
     big = AgentState(data={"notes": "x" * 500_000})
@@ -143,7 +143,7 @@ def _delete(path: Path) -> None:
 def test_a_database_deleted_while_open_is_a_typed_error_and_no_new_file(tmp_path: Path) -> None:
     path = tmp_path / "keel.db"
     db = SQLiteDatabase(path)
-    store = StateStore(SQLiteStateBackend(db), AgentState)
+    store = StateStore(SQLStateBackend(db), AgentState)
     store.create("s1", AgentState())
     _delete(path)
     with pytest.raises(DatabaseFileError):
@@ -230,7 +230,7 @@ def test_a_read_only_database_is_a_read_only_store_error(tmp_path: Path) -> None
     first.close()
     with _read_only(path):
         db = SQLiteDatabase(path)
-        store = StateStore(SQLiteStateBackend(db), AgentState)
+        store = StateStore(SQLStateBackend(db), AgentState)
         loaded = store.load("default/s1")  # reading still works
         with pytest.raises(DatabaseReadOnlyError) as caught:
             store.checkpoint(

@@ -11,8 +11,8 @@ from keel.errors import ConfigError, ConflictError, ExpiredError
 from keel.state import StateStore
 from keel.stores import (
     PostgresDatabase,
-    PostgresStateBackend,
     RedisStateBackend,
+    SQLStateBackend,
 )
 from keel.testing._state_models import CounterState
 from keel.testing._state_worker import state_backend_at
@@ -51,14 +51,14 @@ def test_redis_sessions_expire_natively_and_say_so(redis_url: str) -> None:
 @pytest.mark.postgres
 def test_postgres_uses_no_server_side_prepared_statements(postgres_url: str) -> None:
     database = PostgresDatabase(postgres_url, max_size=1)
-    backend = PostgresStateBackend(database)
+    backend = SQLStateBackend(database)
     store = StateStore(backend, CounterState)
     try:
         cp = store.create("s", CounterState())
         for _ in range(10):
             cp = store.update("s", {"counter": 1}, expected_version=cp.version)
             store.load("s")
-        with backend.database.connection() as conn:
+        with backend.db.connection() as conn:
             count = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
         assert count is not None and count[0] == 0
         assert store.load("s").state.counter == 10
@@ -72,7 +72,7 @@ async def test_postgres_async_creators_racing_for_one_session_one_wins_one_confl
     postgres_url: str,
 ) -> None:
     database = PostgresDatabase(postgres_url, max_size=4)
-    store = StateStore(PostgresStateBackend(database), CounterState)
+    store = StateStore(SQLStateBackend(database), CounterState)
     waiting = (
         "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
         "WHERE c.relname = 'keel_state_sessions' AND NOT l.granted"
@@ -115,6 +115,6 @@ def test_unreachable_servers_raise_backend_unavailable() -> None:
         f"postgresql://keel:secret@127.0.0.1:{port}/keel?connect_timeout=1", timeout=1
     )
     with pytest.raises(BackendUnavailableError, match="PostgreSQL") as caught:
-        PostgresStateBackend(database)
+        SQLStateBackend(database)
     database.close()
     assert "secret" not in str(caught.value)

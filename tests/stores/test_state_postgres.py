@@ -9,7 +9,7 @@ from keel.testing.state_conformance import StateBackendConformance
 pytestmark = pytest.mark.postgres
 
 
-class TestPostgresStateBackend(StateBackendConformance):
+class TestSQLStateBackendOnPostgres(StateBackendConformance):
     @pytest.fixture
     def state_backend_url(self, postgres_url: str) -> str:
         return postgres_url

@@ -9,7 +9,7 @@ import pytest
 from keel.testing.state_conformance import StateBackendConformance
 
 
-class TestSQLiteStateBackend(StateBackendConformance):
+class TestSQLStateBackendOnSQLite(StateBackendConformance):
     @pytest.fixture
     def state_backend_url(self, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'state.db'}"

@@ -71,8 +71,24 @@ class Chain:
 class StateBackend(ABC):
     """Raw checkpoint storage with compare-and-set. Every method is atomic on its own.
 
-    Sync methods are abstract; their ``a``-prefixed async twins run them in a worker thread
-    unless a backend implements them natively.
+    The sync/async contract:
+
+    - Every operation is a sync method, which blocks its thread until done. Sync code calls
+      them: ``StateStore``'s sync twins (``get``, ``append``, ...) call them inline in the
+      caller's thread (``state/_twins.py``), and so may code in a worker thread.
+    - The operations of a turn (``read_chain``, ``read_head_chain``, ``write``, ``history``,
+      ``mark``, ``delete``, the leases, ``close``) also have an ``a``-prefixed async twin: the
+      same operation, for code on a running event loop (``StateStore``'s async methods,
+      ``SessionLock``), which it never holds up waiting: for a lock, a server or a pool.
+    - Maintenance (``rewrite``, ``sessions``, ``purge_expired``, ``storage_bytes``) is sync
+      only: an async caller runs it on keel's blocking pool (``StateStore.avacuum`` does,
+      through ``keel._bridge.run_blocking``).
+
+    Each backend writes an operation once: the SQL one as a plan its database runs with
+    ``run`` or ``arun`` (SQLite inline on the loop unless it would wait, PostgreSQL on the
+    loop's own connections); the Redis one as the async method, whose sync twin drives the same
+    coroutine on its sync client (``state/_twins.py``). A backend that implements only the sync
+    methods gets async twins that run them on keel's blocking pool.
 
     Implementations translate driver errors into ``keel.errors`` (``BackendUnavailableError``,
     ``StoreError``) and raise ``ConflictError`` when a version check fails, with nothing of the
@@ -168,10 +184,10 @@ class StateBackend(ABC):
     def close(self) -> None:
         """Release connections."""
 
-    # --- async twins: a worker thread by default; server backends override them natively ----
+    # --- async twins: keel's blocking pool by default; keel's backends implement them --------
 
     async def _run_twin(self, call: Callable[[], _T]) -> _T:
-        """Run one sync method's body for an async twin: in a worker thread by default, so a
+        """Run one sync method's body for an async twin: on keel's blocking pool, so a
         database round trip never blocks the event loop."""
         return await run_blocking(call)
 
@@ -183,9 +199,13 @@ class StateBackend(ABC):
         self, session_id: str, now: float, known_version: int, known_epoch: str
     ) -> Chain | None:
         """The chain of the head, like ``read_chain(session_id, None, now)``, for a caller that
-        already holds version ``known_version`` of incarnation ``known_epoch``: while that is
-        still the head, the chain may hold the head row alone (its state is known; its
-        metadata, such as the good mark, is read fresh). The default reads the whole chain."""
+        already holds version ``known_version`` of incarnation ``known_epoch``, which it may
+        start later: while that version is still the head, at the head row alone (its state is
+        known; its metadata, such as the good mark, is read fresh); once another writer moved
+        the head on within that incarnation, at the row after it (the caller applies the rows
+        written since to the state it holds), or at a full snapshot among them. The whole
+        chain is always a right answer (the default), and the one for another incarnation.
+        """
         return self.read_chain(session_id, None, now)
 
     async def aread_head_chain(

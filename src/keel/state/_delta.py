@@ -86,17 +86,17 @@ def encode_full(state: dict[str, Any]) -> str:
     return json.dumps({"full": state}, separators=(",", ":"), ensure_ascii=False)
 
 
-def replay(payloads: Iterable[str]) -> dict[str, Any]:
-    """The state a chain describes: a full snapshot's payload, then the deltas after it in order.
+def replay(payloads: Iterable[str], state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The state a chain describes: a full snapshot's payload, then the deltas after it in order
+    (or, given ``state``, the deltas after that state: a reader catching up on a known version).
 
-    The state being built is this function's own (every value comes from parsing a payload), so
-    each delta is applied in place: replaying k deltas costs their size, not k copies of the
-    state's lists.
+    The state being built is this function's own (every value comes from parsing a payload, or
+    ``state``, whose fields' lists and objects must be the caller's own copies), so each delta
+    is applied in place: replaying k deltas costs their size, not k copies of the state's lists.
 
     Raises:
         ValueError: the chain is empty or does not start with a full snapshot.
     """
-    state: dict[str, Any] | None = None
     for payload in payloads:
         document = json.loads(payload)
         if "full" in document:

@@ -1,12 +1,16 @@
 """What a ``StateStore`` knows of each session: the base of the newest version it read or wrote.
 
-A read of that version again costs one head row (nothing is decoded or validated again), and a
-write on it encodes only what changed (``VersionCodec``). Several threads share one store, so
-the bases live behind a lock.
+A read of that version again costs one head row (nothing is decoded or validated again); a read
+once another writer (another process) moved the head on costs the rows written since: they are
+applied to the known version, their new list items alone validated (a catch-up), instead of the
+whole chain since the last snapshot being decoded again. A write on a known version encodes only
+what changed (``VersionCodec``). Several threads share one store, so the bases live behind a
+lock.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import replace
 from typing import Any, Generic, TypeVar, cast
@@ -16,7 +20,15 @@ from pydantic import BaseModel
 from keel.errors import StoreError
 from keel.state._backend import Chain
 from keel.state._checkpoint import Checkpoint
-from keel.state._codec import AppendPlan, Base, VersionCodec, checkpoint_info
+from keel.state._codec import (
+    ROW_REPLAY_COST,
+    AppendPlan,
+    Base,
+    VersionCodec,
+    checkpoint_info,
+    immutable_lists,
+)
+from keel.state._delta import replay
 
 __all__ = ["PARTIAL", "KnownVersions", "Partial", "whole"]
 
@@ -25,7 +37,9 @@ _T = TypeVar("_T")
 
 
 class Partial:
-    """What a read of the head row alone gave when it was not the head this store holds."""
+    """What a read for a known version gave when it cannot be resolved on that version (the
+    store holds another one now, or the rows after it are not all there): read the whole
+    chain instead."""
 
 
 PARTIAL = Partial()
@@ -49,6 +63,16 @@ def _copy(state: Any) -> Any:
         }
         return state.model_copy(update=containers)
     return state
+
+
+def _container_copy(value: Any) -> Any:
+    """A field's JSON value with its top container (a list, an object) copied: a delta
+    changes a field's list or object one level deep, never what lies inside."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
 
 
 class KnownVersions(Generic[S]):
@@ -92,12 +116,79 @@ class KnownVersions(Generic[S]):
                     state = _copy(cached.state) if copy else cached.state
                     return cached, Checkpoint(checkpoint_info(session_id, last), state)
         if chain.rows[0].kind != "full":
-            # The head row alone, for a cached base that is no longer this store's: the
-            # caller reads the whole chain instead.
-            return PARTIAL
+            # The rows after the version this store knows: applied to it, when it is still the
+            # base this store holds and they are all there; else the whole chain is read.
+            return PARTIAL if cached is None else self._catch_up(session_id, chain, cached)
         base, state, last = self._codec.rebuild(session_id, chain)
         if version is None or version == chain.head.version:
             self.remember(base)
+        return base, Checkpoint(checkpoint_info(session_id, last), state)
+
+    def _catch_up(
+        self, session_id: str, chain: Chain, cached: Base
+    ) -> tuple[Base, Checkpoint[S]] | Partial:
+        """The head ``chain`` reaches by the rows after ``cached``'s version: those rows applied
+        to it, at a cost that grows with them, not with the session (``PARTIAL`` when they
+        cannot be: not the rows right after it, another schema, or the base was replaced)."""
+        rows, schema = chain.rows, self._codec.schema
+        last = rows[-1]
+        if (
+            chain.head.epoch != cached.epoch
+            or rows[0].version != cached.version + 1
+            or last.version != chain.head.version
+            or len(rows) != last.version - cached.version
+            or cached.stored_schema_version != schema.version
+            or any(
+                row.kind != "delta" or row.schema_version != schema.version
+                or row.schema_name != schema.name
+                for row in rows
+            )
+        ):  # fmt: skip
+            return PARTIAL
+        with self._lock:
+            if self._bases.get(session_id) is not cached:
+                return PARTIAL
+            # Copies, taken while the base is the newest (an append grows its lists in place):
+            # the deltas are applied to these, and what only grew keeps the base's objects.
+            data = {name: _container_copy(value) for name, value in cached.data.items()}
+            known = {name: list(cached.values[name]) for name in cached.immutable_lists}
+        # The extensible lists whose leading items come out of the deltas as the very JSON
+        # objects they were keep the base's validated items for them (those JSON items are
+        # the ones they were validated from): only the items after them are validated.
+        lengths = {
+            name: len(data[name])
+            for name in schema.extensible_lists & known.keys()
+            if isinstance(data.get(name), list)
+        }
+        leading = {name: data[name][: lengths[name]] for name in lengths}
+        migrated = schema.migrate(
+            replay((row.payload for row in rows), data),
+            stored_name=last.schema_name,
+            stored_version=last.schema_version,
+        )
+        fields: dict[str, Any] = dict(migrated)
+        for name, length in lengths.items():
+            grown = migrated.get(name)
+            if (
+                isinstance(grown, list)
+                and len(grown) >= length == len(known[name])
+                and all(map(operator.is_, leading[name], grown))
+            ):
+                fields[name] = [*known[name], *grown[length:]]
+        state, _ = schema.validate_extending(fields, known)
+        values = schema.field_values(state)
+        base = replace(
+            cached,
+            version=last.version,
+            step=last.step,
+            stored_schema_version=last.schema_version,
+            data=migrated,
+            values=values,
+            state=state,
+            immutable_lists=immutable_lists(values),
+            replay_bytes=cached.replay_bytes + sum(row.size + ROW_REPLAY_COST for row in rows),
+        )
+        self.remember(base)
         return base, Checkpoint(checkpoint_info(session_id, last), state)
 
     def remember(self, base: Base, owned: frozenset[str] = frozenset()) -> None:

@@ -9,7 +9,12 @@ to encode the next delta cheaply (``KnownVersions``).
 
 Each operation is written once, as the async method; its sync twin runs the same code inline
 over the backend's sync methods (``keel.state._twins``). The async twins reach the backend's
-async methods (native asyncio on PostgreSQL and Redis; a worker thread on SQLite).
+async methods (``StateBackend`` states the contract).
+
+A read of a session whose head another writer (another process) moved on, where this store
+holds an earlier version, reads the rows written since and applies them to that version
+(``KnownVersions``): a decision by a worker that did not write the head costs the turns it
+missed, not the session's length.
 """
 
 from __future__ import annotations

@@ -1,11 +1,17 @@
 """Sync twins served from one async core, run inline in the caller's thread.
 
-``StateStore`` and ``SessionLock`` write each operation once, as a coroutine that reaches the
-backend only through `backend_call` (and waits only through `pause`). The async
-method awaits that coroutine: backend calls go to the backend's async twins (native on
-PostgreSQL and Redis, a worker thread on SQLite). Its sync twin, made by `sync_twin`,
-drives the same coroutine to its end with no event loop: while it runs, every backend call goes
-to the backend's blocking sync method, so the coroutine never suspends.
+This is keel's one way to write an operation once as a coroutine and give it a sync twin that
+runs in the caller's thread (``docs/architecture.md``, "One async policy"); SQL beneath it
+needs none, as a store's statements are a plan the database object runs with ``run`` or
+``arun`` (``stores/_sql_plan.py``).
+
+``StateStore``, ``SessionLock`` and the Redis state backend write each operation once, as a
+coroutine that reaches the backend (or the Redis client) only through `backend_call` (and waits
+only through `pause`). The async method awaits that coroutine: backend calls go to the
+backend's async twins (the database's ``arun`` on SQL: SQLite inline unless it would wait,
+PostgreSQL on the loop's own connections; native on Redis). Its sync twin, made by
+`sync_twin`, drives the same coroutine to its end with no event loop: while it runs, every
+backend call goes to the backend's blocking sync method, so the coroutine never suspends.
 
 Why not ``keel._bridge.run_sync``: a sync call would hop to the bridge's loop thread and from
 there to a worker thread for SQLite, about 170 us a call on this machine, five times a SQLite

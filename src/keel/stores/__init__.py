@@ -16,15 +16,14 @@ from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._open import STORE_NAMES, Backends, StoreName, pii_key_from_settings
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_memory import PostgresMemoryStore
-from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore, approval_migrations
 from keel.stores._sql_journal import SQLToolJournal, journal_migrations
+from keel.stores._sql_state import STATE_MIGRATIONS, SQLStateBackend
 from keel.stores._sql_traces import SQLTraceStore, trace_migrations
 from keel.stores._sql_vault import SQLVaultStore, vault_migrations
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
 from keel.stores._sqlite_memory import SQLiteMemoryStore
-from keel.stores._sqlite_state import STATE_MIGRATIONS, SQLiteStateBackend
 from keel.stores._sqlite_vault import SQLiteVaultStore
 
 if TYPE_CHECKING:
@@ -42,16 +41,15 @@ __all__ = [
     "MigrationSet",
     "PostgresDatabase",
     "PostgresMemoryStore",
-    "PostgresStateBackend",
     "PostgresTraceStore",
     "RedisStateBackend",
     "SQLApprovalStore",
+    "SQLStateBackend",
     "SQLToolJournal",
     "SQLTraceStore",
     "SQLVaultStore",
     "SQLiteDatabase",
     "SQLiteMemoryStore",
-    "SQLiteStateBackend",
     "SQLiteVaultStore",
     "StoreName",
     "approval_migrations",

@@ -52,18 +52,17 @@ from keel.privacy import (
 )
 from keel.privacy._keys import embedded_key
 from keel.settings import Settings, default_pii_key_file
-from keel.state import AgentState, StateBackend, StateStore
+from keel.state import AgentState, StateStore
 from keel.stores._postgres import PostgresDatabase
 from keel.stores._postgres_memory import PostgresMemoryStore
-from keel.stores._postgres_state import PostgresStateBackend
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore
 from keel.stores._sql_journal import SQLToolJournal
+from keel.stores._sql_state import SQLStateBackend
 from keel.stores._sql_traces import SQLTraceStore
 from keel.stores._sql_vault import SQLVaultStore
 from keel.stores._sqlite import SQLiteDatabase
 from keel.stores._sqlite_memory import SQLiteMemoryStore
-from keel.stores._sqlite_state import SQLiteStateBackend
 from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
@@ -474,12 +473,7 @@ def _open_on_sql(
         if opened.vault is not None:
             own(opened.vault.store.close, None)
     if "state" in names:
-        backend: StateBackend = (
-            SQLiteStateBackend(sql)
-            if isinstance(sql, SQLiteDatabase)
-            else PostgresStateBackend(sql)
-        )
-        opened.state = StateStore(backend, AgentState)
+        opened.state = StateStore(SQLStateBackend(sql), AgentState)
 
 
 def _trace_store(sql: SQLiteDatabase | PostgresDatabase) -> TraceStore:
@@ -497,12 +491,10 @@ def _state_alone(
     """The state store on ``sql``, its backend owning ``sql``: closing it (or a store it is
     handed on to) closes the database (and the vault's store on it, which holds nothing of
     its own)."""
-    backend: _SQLiteStateAlone | _PostgresStateAlone = (
-        _SQLiteStateAlone(sql) if isinstance(sql, SQLiteDatabase) else _PostgresStateAlone(sql)
-    )
+    backend = _SQLStateAlone(sql)
     # The backend closes the database from here: its closer takes the database's place.
     closers.pop()
-    asynchronous = backend.aclose if isinstance(backend, _PostgresStateAlone) else None
+    asynchronous = backend.aclose if isinstance(sql, PostgresDatabase) else None
     closers.append((backend.close, asynchronous))
     return StateStore(backend, AgentState)
 
@@ -646,27 +638,14 @@ def _no_vault_without_its_key(sql: PostgresDatabase) -> None:
         )
 
 
-class _SQLiteStateAlone(SQLiteStateBackend):
-    """A SQLite state backend opened alone from a URL: it owns its database."""
+class _SQLStateAlone(SQLStateBackend):
+    """A SQL state backend opened alone from a URL: it owns its database."""
 
     def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.db.close()
-
-
-class _PostgresStateAlone(PostgresStateBackend):
-    """A PostgreSQL state backend opened alone from a URL: it owns its pool."""
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.database.close()
+        self.db.close()
 
     async def aclose(self) -> None:
-        try:
-            await super().aclose()
-        finally:
-            await self.database.aclose()
+        if isinstance(self.db, PostgresDatabase):
+            await self.db.aclose()
+        else:
+            self.db.close()

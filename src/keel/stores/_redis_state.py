@@ -72,25 +72,37 @@ local now = tonumber(ARGV[2])"""
     + """local target = tonumber(h[1])
 if ARGV[1] ~= '' then target = tonumber(ARGV[1]) end
 if target > tonumber(h[1]) or target < 1 then return {'absent'} end
-local base
-if ARGV[1] == '' and ARGV[3] and ARGV[3] == h[1] and ARGV[4] == h[2] then
-  -- The caller holds this head already: its row alone (a flat cost however long the chain).
-  base = {h[1]}
-else
-  base = redis.call('ZREVRANGEBYSCORE', KEYS[3], target, '-inf', 'LIMIT', 0, 1)
-  if #base == 0 then return {'absent'} end
+local function rows(first)
+  local out = {'ok', h[1], h[2], h[3], h[4] or '', h[5] or ''}
+  for v = first, target do
+    local s = tostring(v)
+    local r = redis.call('HMGET', KEYS[2], 'm:' .. s, 'p:' .. s, 'g:' .. s)
+    if not r[1] then return nil end
+    out[#out + 1] = s
+    out[#out + 1] = r[1]
+    out[#out + 1] = r[2]
+    out[#out + 1] = r[3] or ''
+  end
+  return out
 end
-local out = {'ok', h[1], h[2], h[3], h[4] or '', h[5] or ''}
-for v = tonumber(base[1]), target do
-  local s = tostring(v)
-  local r = redis.call('HMGET', KEYS[2], 'm:' .. s, 'p:' .. s, 'g:' .. s)
-  if not r[1] then return {'absent'} end
-  out[#out + 1] = s
-  out[#out + 1] = r[1]
-  out[#out + 1] = r[2]
-  out[#out + 1] = r[3] or ''
+if ARGV[1] == '' and ARGV[3] and ARGV[4] == h[2] and tonumber(ARGV[3]) <= target then
+  -- The caller holds a version of this incarnation: the head, whose row alone it needs (a
+  -- flat cost however long the chain), or an older one, which it catches up from the rows
+  -- after it (from the newest full snapshot among them, if any). Rows missing there (a
+  -- retention ran): the whole chain, below.
+  local known = tonumber(ARGV[3])
+  local first = known
+  if known < target then
+    first = known + 1
+    local full = redis.call('ZREVRANGEBYSCORE', KEYS[3], target, '(' .. known, 'LIMIT', 0, 1)
+    if #full > 0 then first = tonumber(full[1]) end
+  end
+  local out = rows(first)
+  if out then return out end
 end
-return out
+local base = redis.call('ZREVRANGEBYSCORE', KEYS[3], target, '-inf', 'LIMIT', 0, 1)
+if #base == 0 then return {'absent'} end
+return rows(tonumber(base[1])) or {'absent'}
 """
 )
 
