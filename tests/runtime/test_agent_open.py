@@ -251,7 +251,7 @@ async def test_open_on_postgres_holds_one_pool_for_every_store(postgres_url: str
         await _converse(agent)
         await agent.memory.aflush()
         stores = (backends.state.backend, backends.journal, backends.traces, agent.memory.store)
-        assert len({id(getattr(store, "database", store)) for store in stores}) == 1
+        assert len({id(getattr(store, "db", store)) for store in stores}) == 1
         # The shared pool, and as many again for the state's native async calls on this
         # loop. A pool per store held five at least (state's two, one each for the rest).
         assert 0 < _other_connections(postgres_url) <= 2 * pool_size

@@ -35,7 +35,7 @@ async def ajournal(journal: ToolJournal) -> AsyncIterator[ToolJournal]:
     loop and is closed before that loop ends. Left open, the loop's teardown cancelled the
     pool's tasks, and once in a CI run that cancellation never finished (the run hung)."""
     yield journal
-    database = getattr(journal, "database", None)
+    database = getattr(journal, "db", None)
     if isinstance(database, PostgresDatabase):
         await database.aclose()
 
