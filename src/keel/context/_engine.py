@@ -266,8 +266,13 @@ class ContextEngine:
             if len(self._blocks) >= _BLOCK_CACHE_SIZE:
                 self._blocks.clear()
             message = Message.system(text)
-            tokens = self.counter.count_message(message)
-            content = self.counter.count_text(text)
+            if self.counter.profile.chat_format == "chatml":
+                tokens = self.counter.count_message(message)
+                content = self.counter.count_text(text)
+            else:
+                # The text tokenized once: OpenAI's framing adds to it (a new summary, every
+                # turn, would be tokenized twice).
+                tokens, content = self.counter.count_message_content(message)
             cached = (message, tokens, content)
             self._blocks[text] = cached
         return cached

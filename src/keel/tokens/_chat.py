@@ -53,14 +53,18 @@ def _json_type(schema: Mapping[str, Any]) -> str:
 def _common_start(earlier: list[Message], messages: list[Message]) -> int:
     """How many leading messages the two lists share (equal messages cost the same tokens).
 
-    A new prompt is most often the last one with its final message (the operating rules)
-    moved after what was added: that is checked first as one list comparison, which stops at
-    identical items without calling ``__eq__``; otherwise item by item.
+    A new prompt most often repeats the last one with messages added, or with its final
+    message (the operating rules) moved after what was added: the last shared item tells
+    which (an identity check), then one list comparison confirms it, which stops at identical
+    items without calling ``__eq__``; otherwise item by item.
     """
     shared = min(len(earlier), len(messages))
     for start in (shared, shared - 1):
-        if start > 0 and earlier[:start] == messages[:start]:
+        if start <= 0 or earlier[start - 1] is not messages[start - 1]:
+            continue
+        if earlier[:start] == messages[:start]:
             return start
+        break
     same = list(map(operator.is_, earlier, messages))
     try:
         return same.index(False)
@@ -250,13 +254,15 @@ class ChatTokenCounter:
         common start is found by identity and only what follows is looked up. All at C speed:
         a whole window costs a pass of identity checks, not a dict look-up per message.
         """
-        previous = self._last_list
+        # Taken, not shared (``dict.pop`` is atomic): the running sums are cut and extended in
+        # place, so a thread counting at the same moment starts afresh instead of from them.
+        previous: tuple[list[Message], list[int]] | None = self.__dict__.pop("_last_list", None)
         start = 0
         running: list[int] = []
         if previous is not None:
-            earlier, earlier_running = previous
+            earlier, running = previous
             start = _common_start(earlier, messages)
-            running = earlier_running[:start]
+            del running[start:]
         rest = messages[start:]
         counts: list[int | None] = list(map(self._identity_counts.get, map(id, rest)))
         with contextlib.suppress(ValueError):
@@ -264,10 +270,9 @@ class ChatTokenCounter:
             while True:
                 counts[position] = self.count_message(rest[position])
                 position = counts.index(None, position + 1)
-        base = running[-1] if running else 0
-        running.extend(itertools.accumulate(cast(list[int], counts), initial=base))
-        # ``accumulate`` repeats ``base`` first: drop it.
-        del running[start]
+        sums = itertools.accumulate(cast(list[int], counts), initial=running[-1] if running else 0)
+        next(sums)  # ``accumulate`` repeats its initial value first
+        running.extend(sums)
         self._last_list = (messages, running)
         return running[-1] if running else 0
 

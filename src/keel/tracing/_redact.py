@@ -162,11 +162,34 @@ def redact_json(value: Any, redact: Redactor) -> Any:
     """
     if isinstance(value, str):
         return redact(value)
-    if isinstance(value, dict):
-        return {
-            (redact(key) if isinstance(key, str) else key): redact_json(item, redact)
-            for key, item in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [redact_json(item, redact) for item in value]
+    if isinstance(value, dict | list | tuple):
+        return _redact_container(value, redact)
     return value
+
+
+# Numbers, booleans and null are kept as they are without a call each: a trace's budget and
+# attributes are mostly these.
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _redact_container(value: dict[Any, Any] | list[Any] | tuple[Any, ...], redact: Redactor) -> Any:
+    if isinstance(value, dict):
+        redacted: dict[Any, Any] = {}
+        for key, item in value.items():
+            kind = type(item)
+            redacted[redact(key) if isinstance(key, str) else key] = (
+                item
+                if kind in _SCALARS
+                else redact(item)
+                if kind is str
+                else redact_json(item, redact)
+            )
+        return redacted
+    return [
+        item
+        if type(item) in _SCALARS
+        else redact(item)
+        if type(item) is str
+        else redact_json(item, redact)
+        for item in value
+    ]
