@@ -22,23 +22,13 @@ from types import FrameType
 from typing import Any
 
 import keel
-from keel.runtime import Agent
-from keel.settings import load_settings
-from keel.testing import ScriptedModel
-from tests.runtime.test_turn_cost_flat import _policy, lookup
+from tests.runtime.test_turn_cost_flat import lookup_agent
 
 _KEEL = str(Path(keel.__file__).parent)
 
 
 async def _calls_per_turn(directory: Path, turns: int) -> list[int]:
-    agent = Agent.open(
-        None,
-        settings=load_settings(data_dir=directory, embedder="hashing:64"),
-        model=ScriptedModel(_policy),
-        system_prompt="You look records up.",
-        tools=[lookup],
-        memory=False,
-    )
+    agent = lookup_agent(directory)
     counts: list[int] = []
     count = [0]
 

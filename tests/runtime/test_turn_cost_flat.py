@@ -47,10 +47,9 @@ def _policy(call: ScriptedCall) -> Message | str:
     return ScriptedModel.tool_call("lookup", json.dumps({"query": call.last_user_text[-12:]}))
 
 
-async def _turn_peaks(directory: Path, history: int, turns: int = 5) -> list[int]:
-    """The transient memory peak (bytes) of each of ``turns`` turns of a session that starts
-    with ``history`` messages."""
-    agent = Agent.open(
+def lookup_agent(directory: Path) -> Agent:
+    """The ``keel bench turns`` agent (memory off) on a database in ``directory``."""
+    return Agent.open(
         None,
         settings=load_settings(data_dir=directory, embedder="hashing:64"),
         model=ScriptedModel(_policy),
@@ -58,6 +57,12 @@ async def _turn_peaks(directory: Path, history: int, turns: int = 5) -> list[int
         tools=[lookup],
         memory=False,
     )
+
+
+async def _turn_peaks(directory: Path, history: int, turns: int = 5) -> list[int]:
+    """The transient memory peak (bytes) of each of ``turns`` turns of a session that starts
+    with ``history`` messages."""
+    agent = lookup_agent(directory)
     try:
         key = agent.session_key("long")
         messages: list[Message] = []
