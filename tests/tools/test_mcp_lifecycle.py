@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import psutil
@@ -37,8 +38,10 @@ def _servers_running(effects: Path) -> list[psutil.Process]:
     return found
 
 
-async def _until_gone(effects: Path) -> None:
-    for _ in range(200):
+async def _until_gone(effects: Path, deadline_s: float = 30.0) -> None:
+    # A stopped server's process exits a little later on a loaded machine: polled, bounded.
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
         if not _servers_running(effects):
             return
         await asyncio.sleep(0.05)
