@@ -34,15 +34,11 @@ def redis_test_cluster() -> Iterator[RedisTestCluster]:
 @pytest.fixture
 def redis_cluster_url(redis_test_cluster: RedisTestCluster) -> str:
     """The session's Redis Cluster, every primary emptied before each test."""
-    import redis
     from redis.cluster import ClusterNode, RedisCluster
 
     client = RedisCluster(
         startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in redis_test_cluster.nodes]
     )
-    try:
-        client.flushall(target_nodes=RedisCluster.PRIMARIES)
-    except redis.RedisError:
-        pass
+    client.flushall(target_nodes=RedisCluster.PRIMARIES)
     client.close()
     return redis_test_cluster.url

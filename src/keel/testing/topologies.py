@@ -70,8 +70,9 @@ class PgBouncer:
 def pgbouncer(server: PostgresTestServer, *, pool_size: int = 20) -> Iterator[PgBouncer]:
     """Start PgBouncer in transaction pooling mode in front of ``server`` on a free loopback
     port; yield it ([`PgBouncer.url`][keel.testing.topologies.PgBouncer.url] turns a direct
-    database URL into the same database through it). Every database of the server is reachable through it (a ``*`` entry), each
-    with ``pool_size`` server connections, and `PREPARED_POOL` with one.
+    database URL into the same database through it). Every database of the server is
+    reachable through it (a ``*`` entry), each with ``pool_size`` server connections, and
+    `PREPARED_POOL` with one.
 
     PgBouncer refuses to run as root: started by root it runs as the system user the
     embedded PostgreSQL runs as.
