@@ -211,7 +211,7 @@ _SCRIPTS = {
     "delete": _DELETE,
 }
 
-_WAITED = frozenset({"write", "mark", "rewrite", "delete"})
+_WAITED = frozenset({"write", "mark", "rewrite", "delete", "sadd", "srem"})
 """The scripts that change a session's state: acknowledged only once ``wait_replicas``
 replicas have them, when a deployment asks for that. Leases are not waited for: a lease lost in
 a failover lets a second writer in, whose write the version check then rejects."""
@@ -372,46 +372,55 @@ class _RedisScripts:
         if isinstance(exc, redis.ConnectionError):
             return BackendUnavailableError(f"Redis is unavailable: {exc}")
         if isinstance(
-            exc, (redis.exceptions.ClusterDownError, redis.exceptions.RedisClusterException)
+            exc,
+            (
+                redis.exceptions.ClusterDownError,
+                redis.exceptions.ClusterError,
+                redis.exceptions.RedisClusterException,
+            ),
         ) or str(exc).startswith(("MASTERDOWN", "TRYAGAIN")):
             return BackendUnavailableError(f"Redis Cluster is unavailable: {exc}")
         return StoreError(f"Redis: {exc}")
 
     def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run the script ``name`` on the sync client (a state change waited for by
-        ``wait_replicas`` replicas, when set)."""
-        if name in _WAITED and self.durability.wait_replicas > 0:
-            return self._call_waited(name, keys, args)
+        """Run the script ``name`` on the sync client: routed by keel on a cluster, and a
+        state change waited for by ``wait_replicas`` replicas when set."""
+        if self.cluster or self._waits(name):
+            return self._call_routed(name, keys, args)
         return self.run(self._scripts[name], keys=keys, args=args)
 
-    def _call_waited(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """The script, then ``WAIT`` on the same connection (WAIT counts the replicas that
-        have this connection's writes): on a cluster, a connection to the primary of the
-        keys' slot, following its redirections."""
+    def _waits(self, name: str) -> bool:
+        return name in _WAITED and self.durability.wait_replicas > 0
+
+    def _call_routed(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """The script, then ``WAIT`` when it waits, pipelined on one connection (WAIT counts
+        the replicas that have this connection's writes): on a cluster, a connection to the
+        primary of the keys' slot, following its redirections for longer than redis-py would
+        (a write to a slot half-moved waits, TRYAGAIN, until the move ends)."""
         asking: tuple[str, int] | None = None
         for attempt in range(_REDIRECTS):
             try:
                 if self._stale_topology and self.cluster:
                     self.client.nodes_manager.initialize()
                     self._stale_topology = False
-                node = self._node_client(keys[0], asking)
-                pipe = node.pipeline(transaction=False)
+                pipe = self._node_client(keys[0], asking).pipeline(transaction=False)
                 if asking is not None:
                     pipe.execute_command("ASKING")
                 self._scripts[name](keys=keys, args=args, client=pipe)
-                pipe.wait(self.durability.wait_replicas, self.durability.wait_timeout_ms)
+                if self._waits(name):
+                    pipe.wait(self.durability.wait_replicas, self.durability.wait_timeout_ms)
                 results = pipe.execute(raise_on_error=False)
             except self._errors as exc:
                 self._stale_topology = True
                 raise self._translated(exc) from exc
-            redirect = self._redirect(results[-2])
+            redirect = self._redirect(results[1 if asking else 0])
             if redirect is None:
-                return self._acknowledged(results[-2], results[-1])
+                return self._acknowledged(name, results, asking is not None)
             asking = redirect if isinstance(redirect, tuple) else None
             if redirect == "later":
                 time.sleep(min(0.5, 0.02 * (attempt + 1)))
         raise BackendUnavailableError(
-            f"Redis kept redirecting a state write ({_REDIRECTS} tries): the cluster is "
+            f"Redis kept redirecting a state operation ({_REDIRECTS} tries): the cluster is "
             "reconfiguring"
         )
 
@@ -444,10 +453,16 @@ class _RedisScripts:
             return "later"
         return None
 
-    def _acknowledged(self, result: Any, replicas: Any) -> Any:
-        """The script's result once ``replicas`` (WAIT's answer) is enough."""
+    def _acknowledged(self, name: str, results: list[Any], asked: bool) -> Any:
+        """The script's result, once the replicas WAIT counted (if it waits) are enough."""
+        result = results[1 if asked else 0]
         if isinstance(result, Exception):
             raise self._translated(result) from result
+        if not self._waits(name):
+            return result
+        replicas = results[-1]
+        if isinstance(replicas, Exception):
+            raise self._translated(replicas) from replicas
         if int(replicas) < self.durability.wait_replicas:
             raise BackendUnavailableError(
                 f"a state write reached {int(replicas)} of the "
@@ -480,36 +495,36 @@ class _RedisScripts:
                 name: self._aclient.register_script(source) for name, source in _SCRIPTS.items()
             }
         try:
-            if name in _WAITED and self.durability.wait_replicas > 0:
-                return await self._acall_waited(name, keys, args)
+            if self.cluster or self._waits(name):
+                return await self._acall_routed(name, keys, args)
             return await self._ascripts[name](keys=keys, args=args)
         except self._errors as exc:
             raise self._translated(exc) from exc
 
-    async def _acall_waited(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Async twin of ``_call_waited``, on per-node clients of this loop (redis.asyncio's
+    async def _acall_routed(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Async twin of ``_call_routed``, on per-node clients of this loop (redis.asyncio's
         cluster client lends no connection of its own for a pipeline on one node)."""
         asking: tuple[str, int] | None = None
         for attempt in range(_REDIRECTS):
             try:
-                node = await self._anode_client(keys[0], asking)
-                pipe = node.pipeline(transaction=False)
+                pipe = (await self._anode_client(keys[0], asking)).pipeline(transaction=False)
                 if asking is not None:
                     pipe.execute_command("ASKING")
                 await self._ascripts[name](keys=keys, args=args, client=pipe)
-                pipe.wait(self.durability.wait_replicas, self.durability.wait_timeout_ms)
+                if self._waits(name):
+                    pipe.wait(self.durability.wait_replicas, self.durability.wait_timeout_ms)
                 results = await pipe.execute(raise_on_error=False)
             except self._errors:
                 self._stale_topology = True
                 raise
-            redirect = self._redirect(results[-2])
+            redirect = self._redirect(results[1 if asking else 0])
             if redirect is None:
-                return self._acknowledged(results[-2], results[-1])
+                return self._acknowledged(name, results, asking is not None)
             asking = redirect if isinstance(redirect, tuple) else None
             if redirect == "later":
                 await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
         raise BackendUnavailableError(
-            f"Redis kept redirecting a state write ({_REDIRECTS} tries): the cluster is "
+            f"Redis kept redirecting a state operation ({_REDIRECTS} tries): the cluster is "
             "reconfiguring"
         )
 
