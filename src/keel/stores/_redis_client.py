@@ -4,8 +4,9 @@ through redis-py's cluster-aware client, which follows the cluster's slot map (`
 ``ASK`` redirections, a failover's new primary).
 
 And what keel requires of a Redis that holds its state, checked when the state backend opens
-(:func:`durability_problems`): an append-only file fsynced on every write on every primary,
-and as many replicas as each state write waits for (``WAIT``).
+([`durability_problems`][keel.stores._redis_client.durability_problems]): an append-only file
+fsynced on every write on every primary, and as many replicas as each state write waits for
+(``WAIT``).
 """
 
 from __future__ import annotations
