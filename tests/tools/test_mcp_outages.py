@@ -8,6 +8,7 @@ Against a small stdio server written here with the ``mcp`` SDK and the third-par
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -69,10 +70,8 @@ def home(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
     helper = tmp_path / "helper.pid"
     if helper.exists():  # a helper the server left behind
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             psutil.Process(int(helper.read_text())).kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def _server(home: Path, **options: object) -> MCPServer:
@@ -130,7 +129,7 @@ async def test_a_write_while_the_server_is_down_and_cannot_restart_is_not_run_no
         assert _received(home) == []
         journal = agent.journal
         assert journal is not None and journal.in_doubt() == []  # nothing for an operator
-        [entry] = journal.entries("s1")
+        [entry] = journal.entries()
         assert entry.status == "failed" and "not run" in (entry.content or "")
         # The server is back: the same call runs (a failure that was not run is no doubt).
         (home / "broken").unlink()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from keel._bridge import on_bridge, run_sync
 from keel.errors import ConfigError, ToolDefinitionError, ToolExecutionError, ToolInDoubtError
+from keel.tools._executor import call_dispatch
 from keel.tools._schema_tool import SchemaTool, schema_tool
 from keel.tools._tool import _NAME, ApprovalPolicy, ToolContext
 
@@ -390,8 +391,14 @@ def _schema_tool(
 
     async def call(arguments: dict[str, Any], context: ToolContext | None) -> str:
         sent = {**arguments, **injected}
+        # The executor learns whether the request was written: one still unsent at its
+        # timeout never ran. A server that is down and cannot be restarted raises
+        # MCPServerUnavailable (a ToolNotRunError): a plain failure, not in doubt.
+        dispatch = call_dispatch.get()
+        if dispatch is not None:
+            dispatch.track()
         try:
-            result = await connection.call(remote, sent)
+            result = await connection.call(remote, sent, dispatch)
         except MCPConnectionLost as lost:
             if idempotent:
                 # Harmless to repeat by its declaration: once more, on the new connection
