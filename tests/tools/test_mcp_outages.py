@@ -29,7 +29,8 @@ from tests.tools.test_mcp_servers import EVERYTHING, NODE, needs_everything
 SECRET = "sk-live-7f3a9c1e5b8d2a4f6e0c"
 
 # The server: ``write`` appends each item it receives to HOME/received.txt; with HOME/broken it
-# exits at once with code 3 and a line on stderr (a server that cannot start); with HOME/helper
+# exits at once with code 3 and a line on stderr (a server that cannot start); with HOME/hang it
+# never answers; with HOME/helper
 # it first starts a helper process that inherits its stdin and stdout and keeps them open
 # after the server dies (so keel's reader sees no end of file).
 SERVER = f"""
@@ -41,6 +42,10 @@ if (home / "broken").exists():
     print("starting the outage server", file=sys.stderr)
     print("fatal: the database refused token {SECRET}", file=sys.stderr, flush=True)
     sys.exit(3)
+if (home / "hang").exists():
+    import signal
+
+    signal.pause()  # started, never answers (a server hung at start-up)
 if (home / "helper").exists():
     helper = subprocess.Popen(["sleep", "300"])
     (home / "helper.pid").write_text(str(helper.pid))
@@ -155,6 +160,25 @@ async def test_a_server_killed_before_a_write_is_restarted_and_the_write_sent_on
         assert reply.status == "completed", reply
         assert _tool_texts(agent) == ["wrote refund:W2"]
         assert _received(home) == ["refund:W2"]  # sent once, to the restarted server
+        journal = agent.journal
+        assert journal is not None and journal.in_doubt() == []
+        await agent.aclose()
+
+
+async def test_a_write_still_unsent_at_its_timeout_while_the_server_hangs_is_not_run(
+    home: Path,
+) -> None:
+    server = _server(home, timeout_s=2)  # the limit the call waits within, for the restart
+    model = ScriptedModel([_call("write", item="refund:W4"), "It failed."])
+    async with server:
+        agent = Agent.embedded(model, system_prompt="You write.", tools=[server], memory=False)
+        (home / "hang").touch()  # the restarted server never answers
+        _kill_server(home)
+        reply = await agent.handle("s1", "u1", "Refund W4.")
+        assert reply.status == "completed", reply
+        [failed] = _tool_texts(agent)
+        assert "was not run: it could not be sent within 2 s" in failed, failed
+        assert _received(home) == []
         journal = agent.journal
         assert journal is not None and journal.in_doubt() == []
         await agent.aclose()
