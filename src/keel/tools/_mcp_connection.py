@@ -6,9 +6,14 @@ agent's turns may run on any loop (``asyncio.run`` in a script, the sync twins' 
 server's loop), so every session lives on the one bridge loop (`keel._bridge.on_bridge`),
 the loop keel already keeps for the life of the process, rather than on a loop and a thread of
 its own per server. A supervisor task there holds the session: it connects, lists the tools,
-waits until the connection is lost (a call saw it close) or the server is closed, and connects
-again with backoff. A call hops onto the bridge loop and back; cancelling the caller (a tool
-timeout) cancels the call there.
+waits until the connection is lost (a call found the server gone) or the server is closed, and
+connects again with backoff. A call hops onto the bridge loop and back; cancelling the caller
+(a tool timeout) cancels the call there.
+
+What may be in doubt is only a call written to a live server (the stdio transport,
+`keel.tools._mcp_stdio`, says which): a call that finds its server gone waits for the next
+connection attempt (made at once) and is sent there, or fails as not run
+([`MCPServerUnavailable`][]) if that attempt fails.
 
 This module knows the server only by the settings it reads (``ServerSettings``) and turns
 listings into tools with the function it is given: the server's own module imports this one
@@ -239,7 +244,7 @@ class Connection:
             return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
         if isinstance(cause, KeelError):
             return str(cause).removeprefix(f"MCP server {self.server.name!r} ")
-        return f"failed ({type(cause).__name__})"
+        return f"could not be reached ({type(cause).__name__})"
 
     def _said(self) -> str:
         """The stdio server's last stderr lines, masked, for a warning ('' if none)."""
