@@ -164,7 +164,7 @@ class Connection:
         if supervisor is not None:
             supervisor.cancel()
             await asyncio.wait([supervisor])
-        self._settle("it was closed")
+        self._settle("was closed")
 
     # --- the supervisor (on the bridge loop) --------------------------------------------
 
@@ -194,7 +194,7 @@ class Connection:
                     # Misconfigured (a command that cannot run, an unset secret): no retry.
                     assert self._first is not None
                     self._first.set_exception(_start_failure(self.server, exc))
-                    self._settle(str(cause))
+                    self._settle(self._why(cause))
                     return
                 why = self._why(cause)
                 if not connected:
@@ -215,6 +215,15 @@ class Connection:
                         self.server.name,
                         why,
                         delay,
+                        self._said(),
+                    )
+            else:
+                if not self._closing and self._process_exit() is not None:
+                    # Found gone by a call (or by its own reader): said, with its last words.
+                    logger.warning(
+                        "MCP server %r %s; restarting%s",
+                        self.server.name,
+                        self._process_exit(),
                         self._said(),
                     )
             finally:
@@ -238,13 +247,20 @@ class Connection:
         """Why the server is not connected, for a warning and a failed call: the exit code of
         a stdio server that exited, else the error's type (a message may quote a URL with
         credentials)."""
-        process = self._process
-        if process is not None and process.exit_code is not None:
-            code = process.exit_code
-            return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+        exited = self._process_exit()
+        if exited is not None:
+            return exited
         if isinstance(cause, KeelError):
             return str(cause).removeprefix(f"MCP server {self.server.name!r} ")
         return f"could not be reached ({type(cause).__name__})"
+
+    def _process_exit(self) -> str | None:
+        """How a stdio server's process ended, if it ended by itself."""
+        process = self._process
+        code = None if process is None else process.exit_code
+        if code is None:
+            return None
+        return f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
 
     def _said(self) -> str:
         """The stdio server's last stderr lines, masked, for a warning ('' if none)."""
