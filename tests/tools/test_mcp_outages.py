@@ -23,6 +23,8 @@ import pytest
 from keel.messages import Message
 from keel.runtime import Agent
 from keel.testing import ScriptedModel
+from keel.testing.mcp_fault_server import http_process
+from keel.testing.servers import free_port
 from keel.tools import MCPServer
 from tests.tools.test_mcp_servers import EVERYTHING, NODE, needs_everything
 
@@ -143,6 +145,29 @@ async def test_a_write_while_the_server_is_down_and_cannot_restart_is_not_run_no
         assert _tool_texts(agent)[-1] == "wrote refund:W1"
         assert _received(home) == ["refund:W1"] and journal.in_doubt() == []
         await agent.aclose()
+
+
+async def test_a_write_to_an_http_server_that_is_down_is_not_run_not_in_doubt(
+    home: Path,
+) -> None:
+    effects = home / "effects.txt"
+    port = free_port()
+    server = MCPServer.http(f"http://127.0.0.1:{port}/mcp", name="fault-http", timeout_s=20)
+    model = ScriptedModel([_call("write", item="refund:W5"), "It failed."])
+    with http_process(effects, port) as process:
+        async with server:
+            agent = Agent.embedded(model, system_prompt="You write.", tools=[server], memory=False)
+            process.terminate()
+            process.wait(timeout=30)  # down, and nothing listens on its port any more
+            reply = await agent.handle("s1", "u1", "Refund W5.")
+            assert reply.status == "completed", reply
+            [failed] = _tool_texts(agent)
+            assert "MCP server 'fault-http' is unavailable" in failed, failed
+            assert "not run" in failed, failed
+            journal = agent.journal
+            assert journal is not None and journal.in_doubt() == []
+            await agent.aclose()
+    assert not effects.exists()
 
 
 async def test_a_server_killed_before_a_write_is_restarted_and_the_write_sent_once(

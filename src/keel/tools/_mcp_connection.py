@@ -299,7 +299,11 @@ class Connection:
                 yield client
             return
         async with (
-            httpx2.AsyncClient(headers=headers, timeout=server.connect_timeout_s) as http,
+            httpx2.AsyncClient(
+                headers=headers,
+                timeout=server.connect_timeout_s,
+                transport=_ConnectingTransport(httpx2.AsyncHTTPTransport()),
+            ) as http,
             Client(
                 _marking(streamable_http_client(server.url or "", http_client=http)),
                 mode="legacy",
@@ -472,6 +476,27 @@ class _MarkingWriter:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+class _ConnectingTransport(httpx2.AsyncBaseTransport):
+    """The HTTP client's transport, telling a call whose POST could not even connect (the
+    server is down) that its request never left. The SDK posts a request in a task run in
+    the sender's context, so the call's [`Outgoing`][] is there."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx2.ConnectError:
+            call = outgoing.get()
+            if call is not None and request.method == "POST":
+                call.written = False  # no connection: not one byte of it was sent
+            raise
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def _not_sent(sending: Outgoing) -> None:
