@@ -3,8 +3,8 @@ its ``write`` tool received, in a file it appends to): a call that never left ke
 failure, "not run", never in doubt; a server killed before a call is noticed before the call is
 sent (it is restarted and the call sent once); a server that crashes at start-up is left out like
 one that hangs, with its exit code and its last stderr lines (secrets masked) in the warning.
-Against a small stdio server written here with the ``mcp`` SDK and the third-party
-``@modelcontextprotocol/server-everything``."""
+Against a small stdio server written here with the ``mcp`` SDK, keel's fault server over HTTP,
+and the third-party ``@modelcontextprotocol/server-everything``."""
 
 from __future__ import annotations
 
