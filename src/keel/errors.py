@@ -45,6 +45,7 @@ KeelError
     │   ├── UnknownToolError         the model named a tool that does not exist
     │   ├── ToolArgumentsError       arguments invalid against the tool's schema
     │   ├── ToolExecutionError       the tool itself raised or timed out
+    │   │   └── ToolNotRunError      the call provably never left keel (its server was down)
     │   └── ToolInDoubtError         a side effect may have happened; an operator must decide
     ├── StateError                   workflow state
     │   ├── InvalidTransitionError   a transition not in the machine's table
@@ -104,6 +105,7 @@ __all__ = [
     "ToolError",
     "ToolExecutionError",
     "ToolInDoubtError",
+    "ToolNotRunError",
     "TruncatedResponseError",
     "TurnInterruptedError",
     "UnknownModelError",
@@ -396,6 +398,12 @@ class ToolArgumentsError(ToolError):
 
 class ToolExecutionError(ToolError):
     """The tool itself raised or ran past its timeout."""
+
+
+class ToolNotRunError(ToolExecutionError):
+    """The call provably never left keel (its MCP server was unavailable and could not be
+    restarted, or it was still waiting to be sent at its timeout): a plain failure, journalled
+    as failed (not in doubt), that may be tried again."""
 
 
 class ToolInDoubtError(ToolError):

@@ -26,10 +26,12 @@ of a timed-out call finishes after all, its real result is journalled and settle
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
@@ -50,6 +52,7 @@ from keel.errors import (
     ToolArgumentsError,
     ToolExecutionError,
     ToolInDoubtError,
+    ToolNotRunError,
     UnknownToolError,
 )
 from keel.messages import Message, ToolCall
@@ -66,6 +69,7 @@ from keel.tools._registry import ToolRegistry
 from keel.tools._tool import AbandonedResult, Tool, ToolContext, ToolScope, abandoned_result
 
 __all__ = [
+    "CallDispatch",
     "ToolExecutor",
     "ToolResult",
     "ToolStatus",
@@ -92,6 +96,53 @@ LATE_NOTE = "[finished after keel had stopped waiting for it] "
 """Starts the journalled content of a call that finished after its timeout (or after its run
 was cancelled): the model was told it was in doubt, so a repeat gets this result instead of
 running again."""
+
+
+class CallDispatch:
+    """Whether a journalled call has left keel, for a tool that can tell (an MCP tool: its
+    request is written to the server's transport, or not yet): one that [`track`][]s it and
+    was still waiting to be sent at its timeout never ran (a plain failure, not in doubt), and
+    is never sent after. Thread-safe: the request may be written on another thread's loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: Literal["untracked", "waiting", "sent", "abandoned"] = "untracked"
+
+    def track(self) -> None:
+        """The tool says when its call is sent."""
+        with self._lock:
+            if self._state == "untracked":
+                self._state = "waiting"
+
+    def may_send(self) -> bool:
+        """Right before the call is sent: False once the executor gave up on it."""
+        with self._lock:
+            if self._state == "abandoned":
+                return False
+            self._state = "sent"
+            return True
+
+    def not_sent(self) -> None:
+        """The send failed after all (nothing reached the other side)."""
+        with self._lock:
+            if self._state == "sent":
+                self._state = "waiting"
+
+    def give_up(self) -> bool:
+        """The executor stops waiting: True when the call was tracked and never sent (and now
+        never will be)."""
+        with self._lock:
+            if self._state != "waiting":
+                return False
+            self._state = "abandoned"
+            return True
+
+
+call_dispatch: contextvars.ContextVar[CallDispatch | None] = contextvars.ContextVar(
+    "keel_call_dispatch", default=None
+)
+"""Set by the executor around a journalled call (a context variable, as ``abandoned_result``,
+so wrappers of ``ainvoke`` carry it)."""
 
 
 _TRUNCATION_MARKER = "\n[output truncated: {total} characters, the first {shown} shown]"
@@ -523,6 +574,25 @@ class ToolExecutor:
             base, started, "failed", content, failure, executed=True, attempt=context.attempt
         )
 
+    async def _not_run(
+        self,
+        found: Tool,
+        context: ToolContext,
+        base: dict[str, Any],
+        started: float,
+        exc: ToolNotRunError,
+        journalled: bool,
+    ) -> ToolResult:
+        """A call that provably never left keel: a plain failure, journalled as failed (so
+        neither listed in doubt nor refused when made again)."""
+        why = self._untrusted(str(exc), base)
+        failure = ToolNotRunError(f"tool {found.name!r} was not run: {why}")
+        failure.__cause__ = exc
+        content = f"Error: {failure}. Nothing happened; it can be tried again later."
+        if journalled:
+            await self._record(context, ok=False, output=content)
+        return _refused(base, started, "failed", content, failure, attempt=context.attempt)
+
     async def _run(
         self,
         found: Tool,
@@ -545,6 +615,8 @@ class ToolExecutor:
         token = abandoned_result.set(
             self._late_recorder(found, context, cap, base) if journalled else None
         )
+        dispatch = CallDispatch() if journalled else None
+        dispatched = call_dispatch.set(dispatch)
         try:
             # asyncio.timeout, not wait_for: wait_for can swallow an outer cancellation.
             async with deadline:
@@ -553,6 +625,12 @@ class ToolExecutor:
             if not deadline.expired():
                 # The tool's own TimeoutError (a socket, say): a failure like any other.
                 return await self._failed(found, context, base, started, exc, journalled)
+            if dispatch is not None and dispatch.give_up():
+                # Still waiting to be sent (its server down): it never ran, and now never will.
+                unsent = ToolNotRunError(
+                    f"it could not be sent within {timeout:g} s (its server was unavailable)"
+                )
+                return await self._not_run(found, context, base, started, unsent, journalled)
             if journalled:
                 # It may have taken effect (and its thread may still be running): the intent
                 # stays in the journal without a result, in doubt, which is the truth.
@@ -563,6 +641,9 @@ class ToolExecutor:
                 f"tool {found.name!r} did not finish within {timeout:g} s."
             )
             status: ToolStatus = "timeout"
+        except ToolNotRunError as exc:
+            # The tool knows its call never left keel (its server was down): not in doubt.
+            return await self._not_run(found, context, base, started, exc, journalled)
         except ToolInDoubtError as exc:
             # The tool itself cannot tell whether it took effect (its server died mid-call).
             if not journalled:
@@ -572,6 +653,7 @@ class ToolExecutor:
             return await self._failed(found, context, base, started, exc, journalled)
         finally:
             abandoned_result.reset(token)
+            call_dispatch.reset(dispatched)
         if failure is not None:
             return _refused(
                 base,

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from keel._bridge import on_bridge, run_sync
 from keel.errors import ConfigError, ToolDefinitionError, ToolExecutionError, ToolInDoubtError
+from keel.tools._executor import call_dispatch
 from keel.tools._schema_tool import SchemaTool, schema_tool
 from keel.tools._tool import _NAME, ApprovalPolicy, ToolContext
 
@@ -123,8 +124,11 @@ class MCPServer:
     with agent:`` begins) and closes it in ``Agent.aclose`` (several agents may share one: the
     last to close it stops it). A server you started yourself ([`start`][], ``with server:``)
     stays yours: agents use it as it is and never close it. A stdio server that exits is
-    started again, an HTTP one reconnected, with backoff (0.1 s doubling to 5 s). Every
-    server's session lives on keel's bridge loop (the MCP SDK ties a session to one loop).
+    started again, an HTTP one reconnected, with backoff (0.1 s doubling to 5 s; a call that
+    needs it now cuts the wait short). A call that never reached the server (it was down and
+    could not be brought back) fails as a [`ToolNotRunError`][keel.errors.ToolNotRunError],
+    never in doubt. Every server's session lives on keel's bridge loop (the MCP SDK ties a
+    session to one loop).
     """
 
     name: str
@@ -221,14 +225,17 @@ class MCPServer:
 
     def start(self) -> None:
         """Connect and list the tools (once; later calls return at once); yours to
-        [`close`][]. A server that has not listed its tools within ``connect_timeout_s``
-        (hung) is left out, logged: it offers no tools until its listing arrives, and never
-        holds up the agent or a turn. Callable inside a running event loop (which waits), as
-        ``with server:`` is; [`astart`][] is its async twin.
+        [`close`][]. A server that fails before listing its tools (it exits, refuses the
+        connection) is left out at once, one that has not listed them within
+        ``connect_timeout_s`` (hung) then: logged with the reason (a stdio server's exit code
+        and last stderr lines, masked), it offers no tools until its listing arrives (it is
+        retried with backoff), and never holds up the agent or a turn. Callable inside a
+        running event loop (which waits), as ``with server:`` is; [`astart`][] is its async
+        twin.
 
         Raises:
             ConfigError: the ``mcp`` extra is not installed, or a [`FromEnv`][] is unset.
-            ToolDefinitionError: the server could not be started or reached (a failure).
+            ToolDefinitionError: the server is misconfigured: its command cannot be run.
         """
         run_sync(self.astart(), in_running_loop=True)
 
@@ -390,8 +397,14 @@ def _schema_tool(
 
     async def call(arguments: dict[str, Any], context: ToolContext | None) -> str:
         sent = {**arguments, **injected}
+        # The executor learns whether the request was written: one still unsent at its
+        # timeout never ran. A server that is down and cannot be restarted raises
+        # MCPServerUnavailable (a ToolNotRunError): a plain failure, not in doubt.
+        dispatch = call_dispatch.get()
+        if dispatch is not None:
+            dispatch.track()
         try:
-            result = await connection.call(remote, sent)
+            result = await connection.call(remote, sent, dispatch)
         except MCPConnectionLost as lost:
             if idempotent:
                 # Harmless to repeat by its declaration: once more, on the new connection
@@ -459,7 +472,7 @@ def start_servers(servers: Sequence[MCPServer], *, taken: set[str]) -> None:
     started here are closed again.
 
     Raises:
-        ToolDefinitionError: a server could not start, or two tools share a name.
+        ToolDefinitionError: a server's command cannot be run, or two tools share a name.
     """
     started: list[MCPServer] = []
     try:
@@ -524,8 +537,8 @@ class AgentServers:
 
         Raises:
             ConfigError: the ``mcp`` extra is not installed, or a [`FromEnv`][] is unset.
-            ToolDefinitionError: a server could not be started or reached, or two tools share
-                a name; the servers held here are let go again.
+            ToolDefinitionError: a server's command cannot be run, or two tools share a name;
+                the servers held here are let go again.
         """
         if not self._open:
             await on_bridge(self._open_here())
