@@ -151,6 +151,22 @@ class Settings(BaseSettings):
             "(`keel approvals approve`), in seconds (0.05 to 3600)."
         ),
     )
+    memory_retention: dict[str, dict[str, dict[str, float]]] = Field(
+        default_factory=dict,
+        description=(
+            'Memory retention per tenant, as JSON: {TENANT or "*": {KIND: {"max_age_days": '
+            'D, "max_count": N}}} with KIND episodic, semantic or procedural; "*" applies '
+            "to tenants without their own (`keel memory prune` and `keel serve` apply it)."
+        ),
+    )
+    memory_prune_every_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description=(
+            "How often each `keel serve` worker applies memory_retention, in seconds (0: never; "
+            "nothing runs while memory_retention is empty)."
+        ),
+    )
     postgres_pool_size: int = Field(
         default=10,
         ge=1,

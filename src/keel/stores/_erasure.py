@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from keel.memory import MemoryStore
     from keel.privacy import VaultStore
     from keel.stores._open import Backends
+    from keel.stores._postgres import PostgresDatabase
+    from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["ERASURE_STORES", "ErasureReport", "UserErasure", "aerase_user", "erase_user"]
 
@@ -184,11 +186,16 @@ def _memory_store(backends: Backends) -> MemoryStore | None:
     records from before)."""
     if backends.memory is not None:
         return backends.memory.store
+    return memory_store_on(backends.sql)
+
+
+def memory_store_on(sql: SQLiteDatabase | PostgresDatabase) -> MemoryStore | None:
+    """A memory store on ``sql`` when it holds memory's tables (None otherwise: nothing is
+    created), for work that needs no embedder: an erasure, retention."""
     from keel.stores._postgres_memory import PostgresMemoryStore
     from keel.stores._sqlite import SQLiteDatabase
     from keel.stores._sqlite_memory import SQLiteMemoryStore
 
-    sql = backends.sql
     if "memory_records" not in table_names(sql):
         return None
     return SQLiteMemoryStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresMemoryStore(sql)
