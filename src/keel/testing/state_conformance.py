@@ -782,6 +782,43 @@ class StateBackendConformance(StateScenarios):
         assert sorted(final.state.items) == sorted(f"t{i}" for i in range(24))
         await store.aclose()
 
+    # --- a user's erasure ---------------------------------------------------------------------
+
+    def test_erase_user_deletes_their_sessions_whole_and_only_theirs(
+        self, backend: StateBackend
+    ) -> None:
+        from keel.state import AgentState, SessionRuntime
+
+        store = StateStore(backend, AgentState, snapshot_every=2)
+        owners = {
+            "acme/s1": ("acme", "ada"),
+            "acme/s2": ("acme", "ada"),
+            "acme/s3": ("acme", "bob"),
+            "ACME/s4": ("ACME", "ada"),  # another tenant, spelled alike but for case
+            "acme%2Fx/s5": ("acme/x", "ada"),  # another tenant, whose key starts "acme"
+            "acme_/s6": ("acme_", "ada"),  # a LIKE wildcard in the tenant
+        }
+        for key, (tenant, user) in owners.items():
+            runtime = SessionRuntime(tenant_id=tenant, user_id=user)
+            checkpoint = store.create(key, AgentState(runtime=runtime))
+            for n in range(3):
+                checkpoint = store.update(
+                    key, {"data": {"n": n}}, expected_version=checkpoint.version
+                )
+        now = time.time()
+        assert backend.acquire_lock("session:acme/s1", "worker-1", 60, now)
+        assert backend.sessions_under("acme/") == ["acme/s1", "acme/s2", "acme/s3"]
+        erased = backend.erase_user("acme", "ada")
+        assert sorted(erased.sessions) == ["acme/s1", "acme/s2"]
+        assert erased.counts == {"sessions": 2, "checkpoints": 8, "leases": 1}
+        assert store.get("acme/s1") is None and store.get("acme/s2") is None
+        assert sorted(backend.sessions()) == sorted(set(owners) - {"acme/s1", "acme/s2"})
+        for kept in set(owners) - {"acme/s1", "acme/s2"}:
+            assert len(store.history(kept)) == 4
+        assert backend.acquire_lock("session:acme/s1", "worker-2", 60, now), "the lease stayed"
+        assert backend.erase_user("acme", "ada").sessions == ()
+        assert backend.erase_sessions(["acme/s1"]) == {"sessions": 0, "checkpoints": 0, "leases": 1}
+
 
 def _count_rows_read(backend: StateBackend) -> list[int]:
     """The rows each chain read of ``backend`` returns from here on, counted as it returns
