@@ -103,7 +103,9 @@ async def test_two_workers_pruning_at_once_delete_each_record_once(tmp_path: Pat
     ):
         assert first.memory is not None and second.memory is not None
         _fill(first.memory)
-        workers = [MemoryPruner(b.memory.store, policies, 3600) for b in (first, second) if b.memory]
+        workers = [
+            MemoryPruner(b.memory.store, policies, 3600) for b in (first, second) if b.memory
+        ]
         reports = await asyncio.gather(*(worker.pass_once() for worker in workers))
         assert sum(report.total for report in reports) == 10
         assert _counts(first.memory)["acme/ada"] == 3 and _counts(first.memory)["globex/bob"] == 4

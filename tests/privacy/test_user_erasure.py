@@ -104,9 +104,10 @@ def test_an_erasure_killed_half_way_is_finished_by_a_rerun(
                 erase_user(backends, TENANT, USER)
         # The journal and the state went; the traces, memory and vault are still there.
         half = left_of(ERASED, scan(url))
-        assert "trace_runs" in half[ERASED.session] and "keel_state_sessions" not in half[
-            ERASED.session
-        ]
+        assert (
+            "trace_runs" in half[ERASED.session]
+            and "keel_state_sessions" not in half[ERASED.session]
+        )
         report = erase_user(backends, TENANT, USER)
     assert report.removed["traces"]["trace_runs"] >= 2
     with sqlite3.connect(tmp_path / "keel.db") as conn:
