@@ -154,9 +154,10 @@ class Settings(BaseSettings):
     memory_retention: dict[str, dict[str, dict[str, float]]] = Field(
         default_factory=dict,
         description=(
-            'Memory retention per tenant, as JSON: {TENANT or "*": {KIND: {"max_age_days": '
-            'D, "max_count": N}}} with KIND episodic, semantic or procedural; "*" applies '
-            "to tenants without their own (`keel memory prune` and `keel serve` apply it)."
+            "Memory retention by tenant id (a key of one asterisk: every tenant without its "
+            "own): for each kind of memory (episodic, semantic, procedural) a rule of "
+            "max_age_days and max_count per user, as JSON (see the deployment guide); applied "
+            "by `keel memory prune` and `keel serve`."
         ),
     )
     memory_prune_every_s: float = Field(
