@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from keel._bridge import run_blocking
-from keel.state._erasure import StateErasure, erase_user_sessions
 
 __all__ = ["Chain", "SessionHead", "StateBackend", "StoredCheckpoint"]
 
@@ -179,8 +178,8 @@ class StateBackend(ABC):
 
     def sessions_under(self, prefix: str) -> list[str]:
         """The ids of stored sessions that start with ``prefix`` (a tenant's: a user's
-        erasure). This default filters [`sessions`][]; a backend that can should ask its
-        store for those alone."""
+        erasure, `keel.state.erase_user_sessions`). This default filters [`sessions`][]; a
+        backend that can should ask its store for those alone."""
         return [session_id for session_id in self.sessions() if session_id.startswith(prefix)]
 
     def erase_sessions(self, session_ids: Sequence[str]) -> dict[str, int]:
@@ -192,18 +191,12 @@ class StateBackend(ABC):
         in one transaction and remove the leases too."""
         sessions = checkpoints = 0
         for session_id in session_ids:
-            # Read as of the dawn of time: an expired session's rows are counted too.
-            found = len(self.history(session_id, float("-inf")))
+            # Read as of 1970, before any expiry: an expired session's rows are counted too.
+            found = len(self.history(session_id, 0.0))
             if self.delete(session_id):
                 sessions += 1
                 checkpoints += found
         return {"sessions": sessions, "checkpoints": checkpoints, "leases": 0}
-
-    def erase_user(self, tenant_id: str, user_id: str, *, also: Sequence[str] = ()) -> StateErasure:
-        """Erase every session of ``tenant_id`` whose state names ``user_id`` as its owner
-        (keel's agents' sessions: `keel.state._erasure`), with ``also``, session keys found
-        elsewhere, when they are the user's too. Idempotent."""
-        return erase_user_sessions(self, tenant_id, user_id, also=also)
 
     @abstractmethod
     def storage_bytes(self) -> int:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 from keel.errors import ExpiredError
+from keel.state._backend import StateBackend
 from keel.state._delta import replay
-
-if TYPE_CHECKING:
-    from keel.state._backend import StateBackend
 
 __all__ = [
     "LEASE_KEY_PREFIX",

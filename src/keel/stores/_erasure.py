@@ -42,14 +42,19 @@ from keel._bridge import run_blocking, run_sync
 from keel.errors import UsageError
 from keel.state._erasure import tenant_key_prefix, user_session_keys
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._postgres import PostgresDatabase
+from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._sql_plan import Plan, SQLDatabase, Statement
+from keel.stores._sql_vault import SQLVaultStore
+from keel.stores._sqlite import SQLiteDatabase
+from keel.stores._sqlite_memory import SQLiteMemoryStore
+from keel.stores._sqlite_vault import SQLiteVaultStore
 
 if TYPE_CHECKING:
     from keel.memory import MemoryStore
     from keel.privacy import VaultStore
     from keel.stores._open import Backends
     from keel.stores._postgres import PostgresDatabase
-    from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["ERASURE_STORES", "ErasureReport", "UserErasure", "aerase_user", "erase_user"]
 
@@ -192,9 +197,6 @@ def _memory_store(backends: Backends) -> MemoryStore | None:
 def memory_store_on(sql: SQLiteDatabase | PostgresDatabase) -> MemoryStore | None:
     """A memory store on ``sql`` when it holds memory's tables (None otherwise: nothing is
     created), for work that needs no embedder: an erasure, retention."""
-    from keel.stores._postgres_memory import PostgresMemoryStore
-    from keel.stores._sqlite import SQLiteDatabase
-    from keel.stores._sqlite_memory import SQLiteMemoryStore
 
     if "memory_records" not in table_names(sql):
         return None
@@ -206,9 +208,6 @@ def _vault_store(backends: Backends) -> VaultStore:
     are deleted without the master key)."""
     if backends.vault is not None:
         return backends.vault.store
-    from keel.stores._sql_vault import SQLVaultStore
-    from keel.stores._sqlite import SQLiteDatabase
-    from keel.stores._sqlite_vault import SQLiteVaultStore
 
     sql = backends.sql
     return SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)

@@ -142,10 +142,6 @@ class TraceStore(ABC):
         ``{"trace_runs": ..., "trace_steps": ...}``. Idempotent. This default raises."""
         raise NotImplementedError(f"{type(self).__name__} cannot erase a user")
 
-    async def aerase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
-        """Async twin of [`erase_user`][]."""
-        return await self.acall(lambda: self.erase_user(tenant_id, user_id))
-
     @abstractmethod
     def close(self) -> None:
         """Release connections."""
