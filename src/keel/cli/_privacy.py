@@ -132,7 +132,9 @@ def forget_command(
     as_json: JsonOption = False,
 ) -> None:
     """Erase a user's values: their data key is destroyed (placeholders stay). Final in
-    copies of the database once the master key is rotated away and destroyed (--finalize)."""
+    copies of the database once the master key is rotated away and destroyed (--finalize).
+    To erase the user from every store instead (sessions, memory, traces...): keel users
+    erase TENANT USER."""
     from keel.errors import UsageError
 
     if not tenant.strip() or not user.strip():
