@@ -21,6 +21,7 @@ from tests.cli import keel_process
 from tests.privacy._erasure_checks import assert_erased_only, assert_found_before
 from tests.privacy._erasure_world import (
     ERASED,
+    NEIGHBOURLY,
     TENANT,
     USER,
     _policy,
@@ -54,11 +55,13 @@ def test_the_cli_erases_the_user_from_every_table_and_no_one_else(tmp_path: Path
     assert report["removed"]["service"] == {"api_keys": 1, "ui_sessions": 0}
     assert_erased_only(before, scan(url), report)
 
-    again = keel_process("users", "erase", TENANT, USER, "--database", url, "--json")
-    assert json.loads(again.stdout.strip().splitlines()[-1])["total"] == 0
+    settings = load_settings(embedder="hashing:64")
+    with Backends.open(url, settings=settings, background=False, vault=False) as backends:
+        assert erase_user(backends, TENANT, USER).total == 0  # idempotent
     with sqlite3.connect(tmp_path / "keel.db") as conn:
         audit = conn.execute("SELECT tenant_id, requested_by, finished_at FROM keel_erasures")
         rows = list(audit)
+    # One audit row per erasure, finished, with counts and no user (the scan found none).
     assert len(rows) == 2 and all(row[:2] == (TENANT, "cli") and row[2] for row in rows)
 
 
@@ -116,3 +119,40 @@ def test_an_erasure_killed_half_way_is_finished_by_a_rerun(
     after = scan(url)
     assert left_of(ERASED, after) == {}
     assert after.rows_with("globex:" + USER) and before.rows_with("globex:" + USER)
+
+
+def test_sessions_on_redis_are_erased_with_the_rest(tmp_path: Path, redis_url: str) -> None:
+    import redis
+
+    url = f"sqlite:///{tmp_path / 'keel.db'}"
+    settings = load_settings(
+        embedder="hashing:64", pii_key=MasterKey.new_key_text(), redis_url=redis_url
+    )
+    populate(url, settings)
+    client = redis.Redis.from_url(redis_url)
+
+    def redis_holds(needle: str) -> int:
+        found = 0
+        for key in client.scan_iter(count=1000):
+            kind = client.type(key)
+            values: list[bytes] = [key]
+            if kind == b"hash":
+                values += [part for pair in client.hgetall(key).items() for part in pair]
+            elif kind == b"set":
+                values += list(client.smembers(key))
+            elif kind == b"string":
+                values.append(client.get(key) or b"")
+            found += sum(needle.encode() in value for value in values)
+        return found
+
+    assert redis_holds(ERASED.session) and redis_holds(ERASED.word)
+    before = scan(url)
+    assert "keel_state_sessions" not in before.tables  # the state is on Redis
+    with Backends.open(url, settings=settings, background=False) as backends:
+        report = erase_user(backends, TENANT, USER)
+    assert report.removed["state"]["sessions"] == 1
+    assert report.removed["state"]["checkpoints"] >= 2
+    assert redis_holds(ERASED.session) == 0 and redis_holds(ERASED.word) == 0
+    assert redis_holds(NEIGHBOURLY.session) and redis_holds(NEIGHBOURLY.word)
+    assert left_of(ERASED, scan(url)) == {}
+    client.close()
