@@ -52,11 +52,13 @@ fi
 echo "==> bundled offline models"
 .venv/bin/python -m keel models install
 
-# Debian packages the tests start: redis-server (the Redis backend) and chromium (the web
-# viewer's browser tests, driven by Playwright through its executable path: Playwright's own
-# browser download is never used).
+# Debian packages the tests start: redis-server (the Redis backend, and a Redis Cluster of six),
+# pgbouncer (transaction pooling in front of the test PostgreSQL) and chromium (the web viewer's
+# browser tests, driven by Playwright through its executable path: Playwright's own browser
+# download is never used).
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then

@@ -3,7 +3,8 @@
 ``sqlite:///PATH`` (three slashes then the path: ``sqlite:///data/keel.db`` is relative,
 ``sqlite:////var/keel.db`` absolute), ``postgresql://...`` (also ``postgres://`` and
 SQLAlchemy's ``postgresql+psycopg://``, handed to psycopg as ``postgresql://``), and
-``redis://`` / ``rediss://`` / ``unix://`` for the Redis state backend.
+``redis://`` / ``rediss://`` / ``unix://`` for the Redis state backend
+(``redis+cluster://HOST:PORT,HOST:PORT`` / ``rediss+cluster://`` for a Redis Cluster).
 
 This module imports nothing from keel but its errors, so settings and stores can both use it.
 """
@@ -31,6 +32,8 @@ _SCHEMES: dict[str, DatabaseKind] = {
     "redis": "redis",
     "rediss": "redis",
     "unix": "redis",
+    "redis+cluster": "redis",
+    "rediss+cluster": "redis",
 }
 _EXAMPLES: dict[DatabaseKind, str] = {
     "sqlite": "sqlite:///PATH",

@@ -12,7 +12,7 @@ import os
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import platformdirs
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -166,6 +166,27 @@ class Settings(BaseSettings):
         description=(
             "How often each `keel serve` worker applies memory_retention, in seconds (0: never; "
             "nothing runs while memory_retention is empty)."
+        ),
+    )
+    redis_wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Replicas each state write on Redis waits for (WAIT) before it is acknowledged; "
+            "0: acknowledged once the primary has it (a failover may lose the last moments)."
+        ),
+    )
+    redis_wait_timeout_ms: int = Field(
+        default=1000,
+        ge=1,
+        description="How long a state write waits for those replicas, in ms; fewer fail it.",
+    )
+    redis_durability: Literal["warn", "require", "off"] = Field(
+        default="warn",
+        description=(
+            "What a Redis holding state without an fsynced append-only file (appendonly yes, "
+            "appendfsync always) or with fewer replicas than redis_wait_replicas gets at "
+            "start-up: warn (a log line), require (refused) or off (not checked)."
         ),
     )
     postgres_pool_size: int = Field(

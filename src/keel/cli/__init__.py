@@ -10,6 +10,7 @@ import typer
 # Importing the command modules registers their commands on the app.
 from keel.cli import (  # noqa: F401
     _approvals,
+    _bench_cluster,
     _bench_masking,
     _bench_privacy,
     _chat,

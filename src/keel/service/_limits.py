@@ -71,9 +71,11 @@ class RateLimiter:
     async def _client(self) -> Any:
         loop = asyncio.get_running_loop()
         if self._redis is None or self._redis_loop is not loop:
-            from redis.asyncio import Redis
+            # redis+cluster:// gets the cluster-aware client: the window's one key is on one
+            # slot, so its INCR and EXPIRE stay one transaction there.
+            from keel.stores._redis_client import async_redis_client
 
-            self._redis = Redis.from_url(str(self._redis_url))
+            self._redis = async_redis_client(str(self._redis_url))
             self._redis_loop = loop
         return self._redis
 

@@ -55,6 +55,7 @@ from keel.settings import Settings, default_pii_key_file
 from keel.state import AgentState, StateStore
 from keel.stores._postgres import PostgresDatabase
 from keel.stores._postgres_memory import PostgresMemoryStore
+from keel.stores._redis_client import RedisDurability
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore
 from keel.stores._sql_journal import SQLToolJournal
@@ -319,7 +320,7 @@ class _Opened:
                 on_sql -= {"state"}
             _open_on_sql(self, on_sql, keys, vault_on, self.own)
         if redis is not None and "state" in wanted:
-            self.state = _state_on_redis(redis, self.own)
+            self.state = _state_on_redis(redis, settings, self.own)
 
     def open_memory(
         self, settings: Settings, *, background: bool, privacy: PIIMasker | None
@@ -523,8 +524,13 @@ def _open_sql(
     return postgres
 
 
-def _state_on_redis(redis: DatabaseURL, own: _Own) -> StateStore[AgentState]:
-    backend = RedisStateBackend(redis.url)
+def _state_on_redis(redis: DatabaseURL, settings: Settings, own: _Own) -> StateStore[AgentState]:
+    durability = RedisDurability(
+        wait_replicas=settings.redis_wait_replicas,
+        wait_timeout_ms=settings.redis_wait_timeout_ms,
+        policy=settings.redis_durability,
+    )
+    backend = RedisStateBackend(redis.url, durability=durability)
     own(backend.close, backend.aclose)
     return StateStore(backend, AgentState)
 

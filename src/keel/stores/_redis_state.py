@@ -1,7 +1,8 @@
 """State checkpoints in Redis (redis-py), with compare-and-set in Lua and native TTLs.
 
 Each session lives in three keys sharing a hash tag (so a Redis Cluster keeps them on one slot
-and the Lua scripts stay atomic there): ``head`` (version, epoch, ttl, expiry), ``rows`` (per
+and the Lua scripts stay atomic there: ``redis+cluster://`` URLs get redis-py's cluster-aware
+client): ``head`` (version, epoch, ttl, expiry), ``rows`` (per
 version: ``m:V`` metadata, ``p:V`` payload, ``g:V`` good mark) and ``fulls`` (versions stored as
 full snapshots). A session with a TTL has its keys expire natively at ``expires_at``; a small
 ``tomb`` key outlives them by ``tombstone_s`` so an expired read can say "expired" rather than
@@ -12,15 +13,32 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from keel.errors import BackendUnavailableError, ConflictError, ExpiredError, StoreError
+from keel.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    ConflictError,
+    ExpiredError,
+    StoreError,
+)
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
 from keel.state._erasure import LEASE_KEY_PREFIX
 from keel.state._twins import backend_call, sync_twin
+from keel.stores._redis_client import (
+    RedisDurability,
+    async_redis_client,
+    durability_problems,
+    is_cluster_url,
+    redis_client,
+)
 
 __all__ = ["RedisStateBackend"]
+
+logger = logging.getLogger("keel.stores")
 
 _WRITE = """
 local now = tonumber(ARGV[9])
@@ -176,9 +194,11 @@ _SADD = "return redis.call('SADD', KEYS[1], ARGV[1])"
 _DELETE = """
 local existed = redis.call('EXISTS', KEYS[1])
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-redis.call('SREM', KEYS[5], ARGV[1])
+if KEYS[5] then redis.call('SREM', KEYS[5], ARGV[1]) end
 return existed
 """
+
+_SREM = "return redis.call('SREM', KEYS[1], ARGV[1])"
 
 _SCRIPTS = {
     "write": _WRITE,
@@ -189,8 +209,18 @@ _SCRIPTS = {
     "acquire": _ACQUIRE,
     "release": _RELEASE,
     "sadd": _SADD,
+    "srem": _SREM,
     "delete": _DELETE,
 }
+
+_WAITED = frozenset({"write", "mark", "rewrite", "delete", "sadd", "srem"})
+"""The scripts that change a session's state: acknowledged only once ``wait_replicas``
+replicas have them, when a deployment asks for that. Leases are not waited for: a lease lost in
+a failover lets a second writer in, whose write the version check then rejects."""
+
+_REDIRECTS = 40
+"""Tries of one waited script while the cluster redirects it (a slot moving, a failover under
+way): each error of that kind says the script did not run, so trying again is safe."""
 
 
 def _text(value: Any) -> str:
@@ -286,26 +316,56 @@ class _RedisScripts:
     """keel's Lua scripts on one Redis, through a sync client and, per event loop, an async one
     (redis.asyncio clients belong to one loop); driver errors translated into keel's."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, durability: RedisDurability | None = None) -> None:
         try:
             import redis  # the 'redis' extra: optional, so imported only when Redis is used
+            from redis.exceptions import RedisClusterException
         except ImportError as exc:  # pragma: no cover - the extra is installed in tests
             raise BackendUnavailableError("redis-py is not installed (the 'redis' extra)") from exc
         self._redis = redis
+        self._errors: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
         self.url = url
-        self.client = redis.Redis.from_url(url, socket_timeout=30, health_check_interval=30)
+        self.cluster = is_cluster_url(url)
+        self.durability = durability or RedisDurability()
+        host = url.rpartition("@")[2]
         try:
+            # A cluster client reads the slot map from a start-up node as it is made.
+            self.client = redis_client(url, socket_timeout=30, health_check_interval=30)
             self.client.ping()
-        except redis.RedisError as exc:
-            self.client.close()
-            host = url.rpartition("@")[2]
+        except (redis.RedisError, RedisClusterException) as exc:
+            client = getattr(self, "client", None)
+            if client is not None:
+                client.close()
             raise BackendUnavailableError(f"Redis at {host} is unavailable: {exc}") from exc
+        if self.durability.policy != "off":
+            self._check_durability(host)
         self._scripts = {
             name: self.client.register_script(source) for name, source in _SCRIPTS.items()
         }
         self._aclient: Any = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._ascripts: dict[str, Any] = {}
+        self._anodes: dict[str, Any] = {}
+        self._stale_topology = False
+
+    def _check_durability(self, host: str) -> None:
+        """Refuse (policy ``require``) or log (``warn``) a Redis that can lose acknowledged
+        state writes."""
+        try:
+            problems = durability_problems(self.client, self.durability.wait_replicas)
+        except self._redis.RedisError as exc:
+            problems = [f"its persistence settings cannot be read ({exc})"]
+        if not problems:
+            return
+        what = (
+            f"Redis at {host} can lose acknowledged state writes: " + "; ".join(problems) + " "
+            "(docs/deployment.md, 'Redis Cluster': appendonly yes, appendfsync always, and "
+            "KEEL_REDIS_WAIT_REPLICAS replicas per primary)"
+        )
+        if self.durability.policy == "require":
+            self.client.close()
+            raise ConfigError(what + "; KEEL_REDIS_DURABILITY=require refuses it")
+        logger.warning("%s", what)
 
     def _translated(self, exc: Exception) -> Exception:
         redis = self._redis
@@ -313,11 +373,106 @@ class _RedisScripts:
             return BackendUnavailableError(f"Redis timed out: {exc}")
         if isinstance(exc, redis.ConnectionError):
             return BackendUnavailableError(f"Redis is unavailable: {exc}")
+        if isinstance(
+            exc,
+            (
+                redis.exceptions.ClusterDownError,
+                redis.exceptions.ClusterError,
+                redis.exceptions.RedisClusterException,
+            ),
+        ) or str(exc).startswith(("MASTERDOWN", "TRYAGAIN")):
+            return BackendUnavailableError(f"Redis Cluster is unavailable: {exc}")
         return StoreError(f"Redis: {exc}")
 
     def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run the script ``name`` on the sync client."""
+        """Run the script ``name`` on the sync client: routed by keel on a cluster, and a
+        state change waited for by ``wait_replicas`` replicas when set."""
+        if self.cluster or self._waits(name):
+            return self._call_routed(name, keys, args)
         return self.run(self._scripts[name], keys=keys, args=args)
+
+    def _waits(self, name: str) -> bool:
+        return name in _WAITED and self.durability.wait_replicas > 0
+
+    def _call_routed(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """The script, then ``WAIT`` when it waits, pipelined on one connection (WAIT counts
+        the replicas that have this connection's writes): on a cluster, a connection to the
+        primary of the keys' slot, following its redirections for longer than redis-py would
+        (a write to a slot half-moved waits, TRYAGAIN, until the move ends)."""
+        asking: tuple[str, int] | None = None
+        for attempt in range(_REDIRECTS):
+            try:
+                if self._stale_topology and self.cluster:
+                    self.client.nodes_manager.initialize()
+                    self._stale_topology = False
+                pipe = self._node_client(keys[0], asking).pipeline(transaction=False)
+                if asking is not None:
+                    pipe.execute_command("ASKING")
+                self._scripts[name](keys=keys, args=args, client=pipe)
+                if self._waits(name):
+                    pipe.wait(self.durability.wait_replicas, self.durability.wait_timeout_ms)
+                results = pipe.execute(raise_on_error=False)
+            except self._errors as exc:
+                self._stale_topology = True
+                raise self._translated(exc) from exc
+            redirect = self._redirect(results[1 if asking else 0])
+            if redirect is None:
+                return self._acknowledged(name, results, asking is not None)
+            asking = redirect if isinstance(redirect, tuple) else None
+            if redirect == "later":
+                time.sleep(min(0.5, 0.02 * (attempt + 1)))
+        raise BackendUnavailableError(
+            f"Redis kept redirecting a state operation ({_REDIRECTS} tries): the cluster is "
+            "reconfiguring"
+        )
+
+    def _node_client(self, key: str, asking: tuple[str, int] | None) -> Any:
+        if not self.cluster:
+            return self.client
+        if asking is not None:
+            node = self.client.get_node(host=asking[0], port=asking[1])
+            if node is None:
+                self.client.nodes_manager.initialize()
+                node = self.client.get_node(host=asking[0], port=asking[1])
+        else:
+            node = self.client.get_node_from_key(key)
+        return self.client.get_redis_connection(node)
+
+    def _redirect(self, result: Any) -> tuple[str, int] | str | None:
+        """What a waited script's result says: None (it ran, or failed for good), an ASK
+        target, or ``"moved"`` / ``"later"`` (the slot map changed; the cluster is busy):
+        try again."""
+        redis = self._redis
+        if isinstance(result, redis.exceptions.AskError):
+            return (result.host, result.port)
+        if isinstance(result, redis.exceptions.MovedError):
+            self._stale_topology = True
+            return "moved"
+        if isinstance(
+            result, (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+        ) or (isinstance(result, redis.ResponseError) and str(result).startswith("MASTERDOWN")):
+            self._stale_topology = True
+            return "later"
+        return None
+
+    def _acknowledged(self, name: str, results: list[Any], asked: bool) -> Any:
+        """The script's result, once the replicas WAIT counted (if it waits) are enough."""
+        result = results[1 if asked else 0]
+        if isinstance(result, Exception):
+            raise self._translated(result) from result
+        if not self._waits(name):
+            return result
+        replicas = results[-1]
+        if isinstance(replicas, Exception):
+            raise self._translated(replicas) from replicas
+        if int(replicas) < self.durability.wait_replicas:
+            raise BackendUnavailableError(
+                f"a state write reached {int(replicas)} of the "
+                f"{self.durability.wait_replicas} Redis replicas it waits for within "
+                f"{self.durability.wait_timeout_ms} ms: not acknowledged (the primary has it; "
+                "a failover now may lose it)"
+            )
+        return result
 
     async def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run the script ``name``: inline on the sync client inside a sync twin, else on
@@ -328,28 +483,84 @@ class _RedisScripts:
         """Run a client command (or script)."""
         try:
             return command(*args, **kwargs)
-        except self._redis.RedisError as exc:
+        except self._errors as exc:
             raise self._translated(exc) from exc
 
     async def acall(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run the script ``name`` on this event loop's async client."""
         loop = asyncio.get_running_loop()
         if self._aclient is None or self._aloop is not loop:
-            # The 'redis' extra, imported above when this object was made.
-            from redis import asyncio as aredis
-
-            self._aclient = aredis.Redis.from_url(self.url, socket_timeout=30)
+            self._aclient = async_redis_client(self.url, socket_timeout=30)
             self._aloop = loop
+            self._anodes = {}
             self._ascripts = {
                 name: self._aclient.register_script(source) for name, source in _SCRIPTS.items()
             }
         try:
+            if self.cluster or self._waits(name):
+                return await self._acall_routed(name, keys, args)
             return await self._ascripts[name](keys=keys, args=args)
-        except self._redis.RedisError as exc:
+        except self._errors as exc:
             raise self._translated(exc) from exc
 
+    async def _acall_routed(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Async twin of ``_call_routed``, on per-node clients of this loop (redis.asyncio's
+        cluster client lends no connection of its own for a pipeline on one node)."""
+        asking: tuple[str, int] | None = None
+        for attempt in range(_REDIRECTS):
+            try:
+                pipe = (await self._anode_client(keys[0], asking)).pipeline(transaction=False)
+                if asking is not None:
+                    pipe.execute_command("ASKING")
+                await self._ascripts[name](keys=keys, args=args, client=pipe)
+                if self._waits(name):
+                    pipe.wait(self.durability.wait_replicas, self.durability.wait_timeout_ms)
+                results = await pipe.execute(raise_on_error=False)
+            except self._errors:
+                self._stale_topology = True
+                raise
+            redirect = self._redirect(results[1 if asking else 0])
+            if redirect is None:
+                return self._acknowledged(name, results, asking is not None)
+            asking = redirect if isinstance(redirect, tuple) else None
+            if redirect == "later":
+                await asyncio.sleep(min(0.5, 0.02 * (attempt + 1)))
+        raise BackendUnavailableError(
+            f"Redis kept redirecting a state operation ({_REDIRECTS} tries): the cluster is "
+            "reconfiguring"
+        )
+
+    async def _anode_client(self, key: str, asking: tuple[str, int] | None) -> Any:
+        if not self.cluster:
+            return self._aclient
+        from redis import asyncio as aredis
+
+        if self._stale_topology:
+            await self._aclient.nodes_manager.initialize()
+            self._stale_topology = False
+        if asking is not None:
+            host, port = asking
+        else:
+            if not self._aclient.nodes_manager.slots_cache:
+                await self._aclient.initialize()
+            node = self._aclient.get_node_from_key(key)
+            host, port = node.host, node.port
+        address = f"{host}:{port}"
+        if address not in self._anodes:
+            self._anodes[address] = aredis.Redis(
+                host=host, port=port, socket_timeout=30, **self._anode_options()
+            )
+        return self._anodes[address]
+
+    def _anode_options(self) -> dict[str, Any]:
+        kwargs = self._aclient.connection_kwargs
+        return {k: kwargs[k] for k in ("username", "password", "ssl") if kwargs.get(k)}
+
     async def aclose(self) -> None:
-        """Close the async client (of the loop that made it) and the sync one."""
+        """Close the async clients (of the loop that made them) and the sync one."""
+        for node in self._anodes.values():
+            await node.aclose()
+        self._anodes = {}
         if self._aclient is not None:
             await self._aclient.aclose()
             self._aclient = None
@@ -360,15 +571,29 @@ class RedisStateBackend(StateBackend):
     """Checkpoints in Redis.
 
     Args:
-        url: a ``redis://`` URL.
+        url: a ``redis://`` URL, or ``redis+cluster://HOST:PORT,HOST:PORT,...`` for a Redis
+            Cluster (a session's keys share one slot, through their hash tag).
         prefix: key prefix (several apps may share one Redis).
         tombstone_s: how long after expiry a read still says "expired" rather than "absent".
+        durability: the replicas each state write waits for, and what a Redis without an
+            fsynced append-only file gets at start-up (default: no wait, a warning).
+
+    Raises:
+        BackendUnavailableError: Redis does not answer.
+        ConfigError: a non-durable Redis under ``durability.policy="require"``.
     """
 
     name = "redis"
 
-    def __init__(self, url: str, *, prefix: str = "keel:state", tombstone_s: float = 3600) -> None:
-        self._redis = _RedisScripts(url)
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "keel:state",
+        tombstone_s: float = 3600,
+        durability: RedisDurability | None = None,
+    ) -> None:
+        self._redis = _RedisScripts(url, durability)
         self._client = self._redis.client
         self.url = url
         self.prefix = prefix
@@ -437,6 +662,11 @@ class RedisStateBackend(StateBackend):
         return bool(await self._redis.script("mark", keys, [version, _flag(good)]))
 
     async def adelete(self, session_id: str) -> bool:
+        if self._redis.cluster:
+            # The index of sessions lives on another slot: no script may touch both.
+            existed = await self._redis.script("delete", self._keys(session_id), [session_id])
+            await self._redis.script("srem", [self._sessions_key], [session_id])
+            return bool(existed)
         keys = [*self._keys(session_id), self._sessions_key]
         return bool(await self._redis.script("delete", keys, [session_id]))
 
@@ -495,10 +725,12 @@ class RedisStateBackend(StateBackend):
             head, rows, fulls, tomb = self._keys(session_id)
             fields = self._redis.run(self._client.hkeys, rows)
             pipe = self._client.pipeline(transaction=False)
-            pipe.delete(head, rows, fulls, tomb)
+            for key in (head, rows, fulls, tomb):  # one key a DEL: a cluster's pipeline wants so
+                pipe.delete(key)
             pipe.delete(self._lock_key(LEASE_KEY_PREFIX + session_id)[0])
             pipe.srem(self._sessions_key, session_id)
-            removed_keys, leases, indexed = self._redis.run(pipe.execute)
+            *removed, leases, indexed = self._redis.run(pipe.execute)
+            removed_keys = sum(int(count) for count in removed)
             counts["checkpoints"] += sum(1 for name in fields if _text(name).startswith("m:"))
             counts["sessions"] += int(bool(removed_keys or indexed))
             counts["leases"] += int(leases)
