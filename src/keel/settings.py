@@ -151,6 +151,23 @@ class Settings(BaseSettings):
             "(`keel approvals approve`), in seconds (0.05 to 3600)."
         ),
     )
+    memory_retention: dict[str, dict[str, dict[str, float]]] = Field(
+        default_factory=dict,
+        description=(
+            "Memory retention by tenant id (a key of one asterisk: every tenant without its "
+            "own): for each kind of memory (episodic, semantic, procedural) a rule of "
+            "max_age_days and max_count per user, as JSON (see the deployment guide); applied "
+            "by `keel memory prune` and `keel serve`."
+        ),
+    )
+    memory_prune_every_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description=(
+            "How often each `keel serve` worker applies memory_retention, in seconds (0: never; "
+            "nothing runs while memory_retention is empty)."
+        ),
+    )
     redis_wait_replicas: int = Field(
         default=0,
         ge=0,

@@ -62,12 +62,14 @@ def test_engine_subclasses_are_the_engine_differences_only() -> None:
     assert SQLVaultStore.__subclasses__() == [SQLiteVaultStore]
     assert {c.__name__ for c in SQLTraceStore.__subclasses__()} <= {"PostgresTraceStore"}
     assert set(SQLMemoryStore.__subclasses__()) == {SQLiteMemoryStore, PostgresMemoryStore}
-    # What the SQLite vault adds to the shared store: secure delete and the log's purge.
+    # What the SQLite vault adds to the shared store: secure delete and the log's purge (after
+    # a forget and after a user's whole erasure).
     assert set(vars(SQLiteVaultStore)) - set(vars(object)) - {"__annotations__"} <= {
         "__init__",
         "_run_write",
         "drop_key_check",
         "forget",
+        "erase_user",
         "purge_log",
         "__static_attributes__",
         "__firstlineno__",

@@ -193,3 +193,13 @@ class ApprovalStore(ABC):
     @abstractmethod
     async def aexpire(self, now: float) -> int:
         """Mark pending requests past their expiry ``expired``; how many."""
+
+    async def auser_sessions(self, tenant_id: str, user_id: str) -> list[str]:
+        """The sessions (as requests name them) the user's requests were made in: where a
+        user's erasure looks for what else of theirs there is. This default raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list a user's sessions")
+
+    async def aerase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        """Delete every request of ``user_id`` in ``tenant_id``, whatever its status (a user's
+        erasure); ``{"approvals": removed}``. Idempotent. This default raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot erase a user")

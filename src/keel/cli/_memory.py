@@ -101,6 +101,49 @@ def status_command(
         out_console.print(f"{status.stale} records use another model: run keel memory reembed")
 
 
+@memory_app.command("prune")
+def prune_command(
+    tenant: Annotated[
+        str | None,
+        typer.Option("--tenant", help="Prune this tenant only (default: every tenant)."),
+    ] = None,
+    database: DatabaseOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Apply the memory retention policies (KEEL_MEMORY_RETENTION: per tenant, by age and by
+    count per user, for each kind) once: delete the records past them. Safe beside running
+    workers (`keel serve` prunes on its own every KEEL_MEMORY_PRUNE_EVERY_S)."""
+    from keel.cli._database import database_settings
+    from keel.memory import RetentionPolicies, prune_memory
+    from keel.stores import Backends
+
+    settings = database_settings(database)
+    policies = RetentionPolicies.parse(settings.memory_retention)
+    if policies.empty:
+        report_total, removed = 0, {}
+    else:
+        # Deleting needs no embedder and no vault: the memory store alone, on the database.
+        with Backends.open(settings, redis_url="", memory=False, vault=False, only=()) as opened:
+            from keel.stores._erasure import memory_store_on
+
+            store = memory_store_on(opened.sql)
+            report = prune_memory(store, policies, tenant_id=tenant) if store else None
+        removed = {} if report is None else report.removed
+        report_total = 0 if report is None else report.total
+    payload = {"policies": not policies.empty, "removed": removed, "total": report_total}
+    emit_or_show(payload, as_json, _show_prune)
+
+
+def _show_prune(payload: dict[str, Any]) -> None:
+    if not payload["policies"]:
+        out_console.print("no memory retention policy (set KEEL_MEMORY_RETENTION): nothing pruned")
+        return
+    out_console.print(f"pruned {payload['total']} memory records")
+    for tenant, kinds in sorted(payload["removed"].items()):
+        counts = ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))
+        out_console.print(f"  {tenant}: {counts}")
+
+
 @memory_app.command("reembed")
 def reembed_command(
     database: DatabaseOption = None,

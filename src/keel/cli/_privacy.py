@@ -132,7 +132,9 @@ def forget_command(
     as_json: JsonOption = False,
 ) -> None:
     """Erase a user's values: their data key is destroyed (placeholders stay). Final in
-    copies of the database once the master key is rotated away and destroyed (--finalize)."""
+    copies of the database once the master key is rotated away and destroyed (--finalize).
+    To erase the user from every store instead (sessions, memory, traces...): keel users
+    erase TENANT USER."""
     from keel.errors import UsageError
 
     if not tenant.strip() or not user.strip():
@@ -302,3 +304,50 @@ def _show_status(payload: dict[str, Any]) -> None:
         return
     out_console.print(f"vault: on, key {payload['key_id']}")
     out_console.print(f"  {held}")
+
+
+users_app = typer.Typer(
+    help="A tenant's users: erase one from every store.",
+    no_args_is_help=True,
+)
+app.add_typer(users_app, name="users")
+
+
+@users_app.command("erase")
+def erase_user_command(
+    tenant: Annotated[str, typer.Argument(help="The user's tenant.")],
+    user: Annotated[str, typer.Argument(help="The user to erase.")],
+    database: DatabaseOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Erase a user of a tenant from every store: their sessions and checkpoints (on Redis
+    too, when KEEL_REDIS_URL is set), tool journal, approvals, traces, memory, vault rows and
+    API keys; another tenant's user of the same id is left alone. Prints what was removed,
+    by store and table, and writes an audit row without the user (keel_erasures). Killed
+    half-way, run it again: it finishes the job. (``keel privacy forget`` erases only the
+    vault's values, leaving placeholders.)"""
+    from keel.cli._database import database_settings
+    from keel.stores import Backends, erase_user
+    from keel.stores._erasure import table_names
+
+    settings = database_settings(database)
+    # No vault key and no embedder are needed to delete rows: both stores are built on the
+    # database by the erasure itself.
+    with Backends.open(settings, memory=False, vault=False) as backends:
+        extra = {}
+        if "keel_api_keys" in table_names(backends.sql):
+            from keel.service._keys import APIKeys
+
+            extra["service"] = APIKeys(backends.sql).erase_user
+        report = erase_user(backends, tenant, user, requested_by="cli", extra=extra)
+    emit_or_show(report.to_dict(), as_json, _show_erasure)
+
+
+def _show_erasure(payload: dict[str, Any]) -> None:
+    out_console.print(
+        f"erased {payload['total']} rows of one user of {payload['tenant_id']} "
+        f"(audit row {payload['erasure_id']} in keel_erasures)"
+    )
+    for store, tables in payload["removed"].items():
+        counts = ", ".join(f"{table} {count}" for table, count in sorted(tables.items()))
+        out_console.print(f"  {store}: {counts or 'nothing'}")

@@ -9,7 +9,12 @@ path), ``search`` (keyword + vector fusion, relevance floor, recency, MMR, neigh
 
 from __future__ import annotations
 
-from keel.memory._config import RetrievalConfig
+from keel.memory._config import (
+    RetentionPolicies,
+    RetentionPolicy,
+    RetentionRule,
+    RetrievalConfig,
+)
 from keel.memory._embedders import (
     DEFAULT_EMBEDDING_MODEL,
     Embedder,
@@ -29,6 +34,7 @@ from keel.memory._records import (
     Provenance,
     Scope,
 )
+from keel.memory._retention import PruneReport, prune_memory
 from keel.memory._specs import embedder_from_settings, embedder_from_spec
 from keel.memory._static import StaticEmbedder, distill_minilm
 from keel.memory._store import InsertResult, MemoryStore, OutboxEntry, ScoredId
@@ -54,7 +60,11 @@ __all__ = [
     "PackedItem",
     "PackedMemory",
     "Provenance",
+    "PruneReport",
     "ReplayExample",
+    "RetentionPolicies",
+    "RetentionPolicy",
+    "RetentionRule",
     "RetrievalConfig",
     "Scope",
     "ScoredId",
@@ -66,4 +76,5 @@ __all__ = [
     "embedder_from_spec",
     "keyword_terms",
     "label_for",
+    "prune_memory",
 ]

@@ -1,10 +1,24 @@
-"""Retrieval settings, with defaults tuned on the LoCoMo development split."""
+"""Memory's settings: retrieval (defaults tuned on the LoCoMo development split) and
+retention (what `keel memory prune` deletes, per tenant and kind)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["RetrievalConfig"]
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from keel.errors import ConfigError
+from keel.memory._records import MemoryKind
+from keel.settings import validation_problems
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "RetentionPolicies",
+    "RetentionPolicy",
+    "RetentionRule",
+    "RetrievalConfig",
+]
 
 
 class RetrievalConfig(BaseModel):
@@ -58,3 +72,76 @@ class RetrievalConfig(BaseModel):
     judge_candidates: int = Field(
         default=20, ge=1, description="Candidates shown to the optional model judge."
     )
+
+
+class RetentionRule(BaseModel):
+    """How long one kind of memory is kept: by age, by count per user, or both."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_age_days: float | None = Field(
+        default=None, gt=0, description="Records older than this many days are deleted."
+    )
+    max_count: int | None = Field(
+        default=None, ge=0, description="Each user keeps this many newest records of the kind."
+    )
+
+
+class RetentionPolicy(BaseModel):
+    """One tenant's retention: a rule per kind of memory (a kind without one is kept)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    episodic: RetentionRule | None = None
+    semantic: RetentionRule | None = None
+    procedural: RetentionRule | None = None
+
+    def rules(self) -> dict[MemoryKind, RetentionRule]:
+        """The kinds this policy limits, with their rules."""
+        found: dict[MemoryKind, RetentionRule | None] = {
+            "episodic": self.episodic,
+            "semantic": self.semantic,
+            "procedural": self.procedural,
+        }
+        return {kind: rule for kind, rule in found.items() if rule is not None}
+
+
+DEFAULT_TENANT = "*"
+"""The key of the policy that applies to every tenant without one of its own."""
+
+
+class RetentionPolicies(BaseModel):
+    """Memory retention per tenant (``KEEL_MEMORY_RETENTION``): a tenant's own policy, else
+    the ``"*"`` one, else none (everything kept)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tenants: dict[str, RetentionPolicy] = Field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> RetentionPolicies:
+        """The policies a setting spells, ``{tenant or "*": {kind: {rule: value}}}``.
+
+        Raises:
+            ConfigError: a kind or rule keel does not know, or a value out of range.
+        """
+        policies: dict[str, RetentionPolicy] = {}
+        for tenant, spelled in raw.items():
+            try:
+                policies[str(tenant)] = RetentionPolicy.model_validate(spelled)
+            except ValidationError as exc:
+                problems = validation_problems(exc, "the policy")
+                raise ConfigError(
+                    f"invalid memory_retention for tenant {tenant!r}: {problems} (a policy is "
+                    '{"episodic"|"semantic"|"procedural": {"max_age_days": D, "max_count": N}})'
+                ) from None
+        return cls(tenants=policies)
+
+    def for_tenant(self, tenant_id: str) -> RetentionPolicy | None:
+        """The policy ``tenant_id`` is under (its own, else the default), or None."""
+        return self.tenants.get(tenant_id, self.tenants.get(DEFAULT_TENANT))
+
+    @property
+    def empty(self) -> bool:
+        """No policy limits anything: pruning has nothing to do."""
+        return not any(policy.rules() for policy in self.tenants.values())

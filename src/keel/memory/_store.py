@@ -14,7 +14,7 @@ from datetime import datetime
 import numpy as np
 import numpy.typing as npt
 
-from keel.memory._records import MemoryFilter, MemoryRecord, Scope
+from keel.memory._records import MemoryFilter, MemoryKind, MemoryRecord, Scope
 
 __all__ = ["InsertResult", "MemoryStore", "OutboxEntry", "ScoredId"]
 
@@ -186,6 +186,30 @@ class MemoryStore(ABC):
     @abstractmethod
     def count(self, scope: Scope | None = None) -> int:
         """Number of records in ``scope`` (in the whole store when None)."""
+
+    # --- a user's erasure and retention: defaults raise; keel's SQL stores implement them ----
+
+    def user_sessions(self, tenant_id: str, user_id: str) -> list[str]:
+        """The sessions the user's records came from (where a user's erasure looks for what
+        else of theirs there is)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list a user's sessions")
+
+    def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        """Delete every record of the user's scope with its vectors, keyword index entries and
+        outbox rows (a user's erasure); what was removed, by table. Idempotent."""
+        raise NotImplementedError(f"{type(self).__name__} cannot erase a user")
+
+    def tenants(self) -> list[str]:
+        """The tenants that have records (retention applies a default policy to each)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its tenants")
+
+    def prune(
+        self, tenant_id: str, kind: MemoryKind, *, before: datetime | None, keep: int | None
+    ) -> int:
+        """Delete the ``kind`` records of ``tenant_id`` created before ``before`` (None: any
+        age), and those beyond each user's newest ``keep`` of that kind (None: any number);
+        how many went. Idempotent: several workers may prune at once."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune")
 
     @abstractmethod
     def close(self) -> None:

@@ -245,6 +245,12 @@ class VaultStore(ABC):
         """Delete the user's data key and every token and sealed value of theirs, keeping only
         the numbers (so they are never reused); the number of values erased."""
 
+    def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        """Delete the user's data key and every row of their values, numbers included (a
+        user's whole erasure, their histories gone too: no placeholder of theirs is left to
+        resolve); ``{"pii_keys": ..., "pii_values": ...}``. Idempotent. This default raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot erase a user")
+
     @abstractmethod
     def data_keys(self) -> Iterator[tuple[str, str, StoredKey]]:
         """Every ``(tenant_id, user_id, key)`` (for re-wrapping under a new master key)."""

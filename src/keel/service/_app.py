@@ -33,6 +33,7 @@ from keel.service._gate import Gate
 from keel.service._keys import CachedKeys
 from keel.service._models import ChatCompletionRequest, TurnRequest
 from keel.service._privacy import Disclosure
+from keel.service._pruning import MemoryPruner, pruning
 
 if TYPE_CHECKING:
     from keel.approvals import ApprovalStore
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from keel.service._drain import Drain
     from keel.service._keys import APIKeys
     from keel.service._limits import RateLimiter
+    from keel.stores import ErasureReport
     from keel.tracing import TraceStore
 
 __all__ = ["ChatCompletionRequest", "TurnRequest", "create_app"]
@@ -63,6 +65,7 @@ def _lifespan(
     ready: Callable[[], Awaitable[None]] | None,
     on_shutdown: Callable[[], Awaitable[None]] | None,
     carrier: DecisionCarrier | None = None,
+    pruner: MemoryPruner | None = None,
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,7 +75,8 @@ def _lifespan(
             with contextlib.suppress(BackendUnavailableError, StoreError):
                 await ready()
         try:
-            async with carrying_out(carrier):  # stopped before the stores close
+            # Both stopped before the stores close.
+            async with carrying_out(carrier), pruning(pruner):
                 yield
         finally:
             if on_shutdown is not None:
@@ -100,6 +104,8 @@ def create_app(
     operators_see_values: bool = False,
     approvals: ApprovalStore | None = None,
     carry_out_every_s: float | None = DEFAULT_EVERY_S,
+    erase_user: Callable[[str, str, str], Awaitable[ErasureReport]] | None = None,
+    pruner: MemoryPruner | None = None,
 ) -> FastAPI:
     """The service's FastAPI app, assembled from its parts (the low-level door: to serve an
     agent in your own application, use [`mount`][keel.service.mount]; to run it, ``keel serve``).
@@ -134,6 +140,9 @@ def create_app(
         carry_out_every_s: with a queue, every this many seconds a background task carries
             out what was decided elsewhere (``keel approvals approve``): the parked turns go
             on, as ``agent.carry_out_decisions()`` does (None: never).
+        erase_user: erases ``(tenant, user, requested_by)`` from every store, for ``POST
+            /v1/privacy/erase`` (None: that route answers 404).
+        pruner: applies memory's retention policies every interval, in the background.
 
     Returns:
         The app; serve it with uvicorn (or ``DrainingServer``).
@@ -145,7 +154,7 @@ def create_app(
     )
 
     app = FastAPI(
-        lifespan=_lifespan(ready, on_shutdown, carrier),
+        lifespan=_lifespan(ready, on_shutdown, carrier, pruner),
         title="keel",
         description="An agent runtime: sessions, turns (JSON or server-sent events), runs.",
         version="1",
@@ -162,6 +171,7 @@ def create_app(
         privacy=Disclosure(vault, operators_see_values),
         approvals=approvals,
         carry_out_every_s=None if carrier is None else carrier.every_s,
+        erase_user=erase_user,
     )
     app.state.keel = context
     install_error_handlers(app)

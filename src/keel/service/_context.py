@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from keel.service._drain import Drain
     from keel.service._keys import CachedKeys, Caller
     from keel.service._limits import RateLimiter
+    from keel.stores import ErasureReport
     from keel.tools import ToolJournal
     from keel.tracing import TraceStore
 
@@ -57,6 +58,9 @@ class ServiceContext:
     carry_out_every_s: float | None = None
     """How often the worker's background task carries out decisions made elsewhere (None:
     no task runs)."""
+    erase_user: Callable[[str, str, str], Awaitable[ErasureReport]] | None = None
+    """Erase ``(tenant, user, requested_by)`` from every store (``POST /v1/privacy/erase``;
+    None: that route answers 404)."""
     requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
     """HTTP requests by method, route template and status."""
     turns: Counter[tuple[str, str]] = field(default_factory=Counter)

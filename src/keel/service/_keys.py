@@ -228,6 +228,11 @@ class APIKeys:
         self._execute("DELETE FROM keel_ui_sessions WHERE key_id = ?", (key_id,))
         return bool(rows)
 
+    def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        """Delete the user's keys (of ``tenant_id`` only) and their viewer sessions: a user's
+        erasure (`keel.stores.erase_user`'s ``extra``); what was removed, by table."""
+        return self.database.run(lambda: _erase_user(tenant_id, user_id))
+
     def start_session(self, key_id: str, lifetime_s: float) -> str:
         """A new viewer session for the key ``key_id`` (verified by the caller), ending after
         ``lifetime_s`` seconds: its token, the only time it is seen (only its hash is kept).
@@ -350,3 +355,14 @@ class CachedKeys:
 
 def _rows(statement: Statement) -> Plan[list[tuple[Any, ...]]]:
     return [tuple(row) for row in (yield statement).rows]
+
+
+def _erase_user(tenant_id: str, user_id: str) -> Plan[dict[str, int]]:
+    keys = "SELECT key_id FROM keel_api_keys WHERE tenant_id = ? AND user_id = ?"
+    sessions = yield Statement(
+        f"DELETE FROM keel_ui_sessions WHERE key_id IN ({keys})", (tenant_id, user_id)
+    )
+    deleted = yield Statement(
+        "DELETE FROM keel_api_keys WHERE tenant_id = ? AND user_id = ?", (tenant_id, user_id)
+    )
+    return {"api_keys": int(deleted.rowcount), "ui_sessions": int(sessions.rowcount)}

@@ -7,12 +7,13 @@ validated again there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer
 
 from keel.errors import ConfigError
+from keel.memory import RetentionPolicies
 from keel.models import ChatModel, resolve_model
 from keel.privacy import DEFAULT_MASKER
 from keel.runtime import Agent, Backends
@@ -20,8 +21,10 @@ from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
+from keel.service._pruning import service_pruner
 from keel.service._source import AgentSource, load_agent
 from keel.settings import Settings, load_settings, validation_problems
+from keel.stores import ErasureReport, aerase_user
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -302,5 +305,29 @@ def build_service(
         approvals=backends.approvals,
         carry_out_every_s=settings.carry_out_every_s,
         ui=ui,
+        erase_user=user_eraser(backends, keys),
+        pruner=service_pruner(
+            None if backends.memory is None else backends.memory.store,
+            RetentionPolicies.parse(settings.memory_retention),
+            settings.memory_prune_every_s,
+        ),
     )
     return app, agents, keys
+
+
+def user_eraser(
+    backends: Backends, keys: APIKeys
+) -> Callable[[str, str, str], Awaitable[ErasureReport]]:
+    """``POST /v1/privacy/erase``'s work: the user out of every store of ``backends``, and
+    their API keys and viewer sessions out of ``keys``."""
+
+    async def erase(tenant_id: str, user_id: str, requested_by: str) -> ErasureReport:
+        return await aerase_user(
+            backends,
+            tenant_id,
+            user_id,
+            requested_by=requested_by,
+            extra={"service": keys.erase_user},
+        )
+
+    return erase

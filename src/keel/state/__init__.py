@@ -34,6 +34,7 @@ from keel.state._checkpoint import (
     Retention,
     VacuumReport,
 )
+from keel.state._erasure import StateErasure, erase_user_sessions
 from keel.state._lease import SessionLock
 from keel.state._machine import (
     Guard,
@@ -73,6 +74,7 @@ __all__ = [
     "SessionLock",
     "SessionRuntime",
     "StateBackend",
+    "StateErasure",
     "StateMachine",
     "StateMigration",
     "StateSchema",
@@ -83,6 +85,7 @@ __all__ = [
     "add",
     "add_messages",
     "append",
+    "erase_user_sessions",
     "merge",
     "overwrite",
     "reducer",

@@ -8,7 +8,7 @@ new backend is a few hundred lines of driver code and must pass ``keel.testing.s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -175,6 +175,28 @@ class StateBackend(ABC):
         default, for backends that cannot tell). Lets a new process take over the lease of a
         process on the same machine that died holding it instead of waiting for its expiry."""
         return None
+
+    def sessions_under(self, prefix: str) -> list[str]:
+        """The ids of stored sessions that start with ``prefix`` (a tenant's: a user's
+        erasure, `keel.state.erase_user_sessions`). This default filters [`sessions`][]; a
+        backend that can should ask its store for those alone."""
+        return [session_id for session_id in self.sessions() if session_id.startswith(prefix)]
+
+    def erase_sessions(self, session_ids: Sequence[str]) -> dict[str, int]:
+        """Delete the sessions ``session_ids`` whole (every checkpoint, the head, the lease
+        ``session:<id>``): a user's erasure. Idempotent (a session already gone counts 0).
+        Returns what was removed: ``{"sessions": ..., "checkpoints": ..., "leases": ...}``.
+
+        This default counts each session's history and deletes it; a backend should do it
+        in one transaction and remove the leases too."""
+        sessions = checkpoints = 0
+        for session_id in session_ids:
+            # Read as of 1970, before any expiry: an expired session's rows are counted too.
+            found = len(self.history(session_id, 0.0))
+            if self.delete(session_id):
+                sessions += 1
+                checkpoints += found
+        return {"sessions": sessions, "checkpoints": checkpoints, "leases": 0}
 
     @abstractmethod
     def storage_bytes(self) -> int:

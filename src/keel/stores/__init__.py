@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from keel._urls import DatabaseURL, parse_database_url
+from keel.stores._erasure import ErasureReport, UserErasure, aerase_user, erase_user
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._open import STORE_NAMES, Backends, StoreName, pii_key_from_settings
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
@@ -37,6 +38,7 @@ __all__ = [
     "STORE_NAMES",
     "Backends",
     "DatabaseURL",
+    "ErasureReport",
     "Migration",
     "MigrationSet",
     "PostgresDatabase",
@@ -52,7 +54,10 @@ __all__ = [
     "SQLiteMemoryStore",
     "SQLiteVaultStore",
     "StoreName",
+    "UserErasure",
+    "aerase_user",
     "approval_migrations",
+    "erase_user",
     "journal_migrations",
     "parse_database_url",
     "pii_key_from_settings",

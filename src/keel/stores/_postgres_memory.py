@@ -585,6 +585,13 @@ class PostgresMemoryStore(SQLMemoryStore):
         """Block until the ANALYZE runs this store started are done (tests, benchmarks)."""
         self._statistics.wait(timeout)
 
+    def _vector_table_names(self) -> Plan[list[str]]:
+        # Read from the catalogue: another process may have made a table this one never saw.
+        found = yield Statement(
+            "SELECT tablename FROM pg_tables WHERE tablename LIKE 'memory_vectors_%%'"
+        )
+        return sorted(str(name) for (name,) in found.rows if _VECTOR_TABLE.match(str(name)))
+
     def close(self) -> None:
         self._statistics.wait(10.0)
 

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from keel.errors import (
@@ -25,6 +26,7 @@ from keel.errors import (
     StoreError,
 )
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
+from keel.state._erasure import LEASE_KEY_PREFIX
 from keel.state._twins import backend_call, sync_twin
 from keel.stores._redis_client import (
     RedisDurability,
@@ -713,6 +715,26 @@ class RedisStateBackend(StateBackend):
             self._redis.run(self._client.srem, self._sessions_key, session_id)
             expired.append(session_id)
         return expired
+
+    def erase_sessions(self, session_ids: Sequence[str]) -> dict[str, int]:
+        """Each session's keys (head, rows, fulls, tombstone), its lease and its index entry,
+        deleted in one round trip per session (idempotent: a rerun deletes what is left); its
+        checkpoints counted from its rows' metadata fields first."""
+        counts = {"sessions": 0, "checkpoints": 0, "leases": 0}
+        for session_id in dict.fromkeys(session_ids):
+            head, rows, fulls, tomb = self._keys(session_id)
+            fields = self._redis.run(self._client.hkeys, rows)
+            pipe = self._client.pipeline(transaction=False)
+            for key in (head, rows, fulls, tomb):  # one key a DEL: a cluster's pipeline wants so
+                pipe.delete(key)
+            pipe.delete(self._lock_key(LEASE_KEY_PREFIX + session_id)[0])
+            pipe.srem(self._sessions_key, session_id)
+            *removed, leases, indexed = self._redis.run(pipe.execute)
+            removed_keys = sum(int(count) for count in removed)
+            counts["checkpoints"] += sum(1 for name in fields if _text(name).startswith("m:"))
+            counts["sessions"] += int(bool(removed_keys or indexed))
+            counts["leases"] += int(leases)
+        return counts
 
     def storage_bytes(self) -> int:
         total = 0

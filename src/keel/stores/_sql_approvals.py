@@ -214,6 +214,14 @@ class SQLApprovalStore(ApprovalStore):
     async def aexpire(self, now: float) -> int:
         return await self.db.arun(lambda: _count(Statement(_EXPIRE_ALL, (EXPIRED_REASON, now))))
 
+    async def auser_sessions(self, tenant_id: str, user_id: str) -> list[str]:
+        query = Statement(_USER_SESSIONS, (tenant_id, user_id))
+        return await self.db.arun(lambda: _strings(query), write=False)
+
+    async def aerase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        statement = Statement(_ERASE_USER, (tenant_id, user_id))
+        return {"approvals": await self.db.arun(lambda: _count(statement))}
+
 
 def _row(request: ApprovalRequest) -> tuple[Any, ...]:
     decision = None if request.decision is None else request.decision.model_dump_json()
@@ -321,3 +329,13 @@ _EXPIRE_ALL = (
     "UPDATE keel_approvals SET status = 'expired', status_reason = ? "
     "WHERE status = 'pending' AND expires_at IS NOT NULL AND expires_at <= ?"
 )
+
+
+_USER_SESSIONS = (
+    "SELECT DISTINCT session_id FROM keel_approvals WHERE tenant_id = ? AND user_id = ?"
+)
+_ERASE_USER = "DELETE FROM keel_approvals WHERE tenant_id = ? AND user_id = ?"
+
+
+def _strings(query: Statement) -> Plan[list[str]]:
+    return sorted(str(value) for (value,) in (yield query).rows)

@@ -20,6 +20,7 @@ from typing import Any
 from keel.errors import StoreError
 from keel.messages import Message
 from keel.stores._dialect import SqlDialect
+from keel.stores._erase_sql import count_deleted, starts_with
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sql_plan import Plan, Result, SQLDatabase, Statement
 from keel.tools._journal import JournalClaim, JournalEntry, ToolJournal, entry_from_row
@@ -197,6 +198,10 @@ class SQLToolJournal(ToolJournal):
     async def adecision(self, session_id: str, step: int) -> Message | None:
         return await self.db.arun(lambda: _decision(session_id, step), write=False)
 
+    def erase_sessions(self, session_ids: Sequence[str]) -> dict[str, int]:
+        ids = list(dict.fromkeys(session_ids))
+        return self.db.run(lambda: _erase_sessions(ids))
+
 
 _CLAIM = (
     "INSERT INTO keel_tool_journal (key, session_id, step, call_index, tool, arguments, status, "
@@ -235,3 +240,15 @@ def _select(sql: str, params: Sequence[Any]) -> Plan[list[JournalEntry]]:
 def _decision(session_id: str, step: int) -> Plan[Message | None]:
     rows = (yield Statement(_DECISION, (session_id, step))).rows
     return None if not rows else Message.model_validate_json(rows[0][0])
+
+
+def _erase_sessions(session_ids: list[str]) -> Plan[dict[str, int]]:
+    """The sessions' entries and decisions (a turn's are keyed ``<session>#<turn>``), in one
+    transaction."""
+    counts = {"tool_journal": 0, "tool_decisions": 0}
+    for session_id in session_ids:
+        turns, params = starts_with("session_id", session_id + "#")
+        for table in ("journal", "decisions"):
+            sql = f"DELETE FROM keel_tool_{table} WHERE session_id = ? OR {turns}"
+            yield from count_deleted(counts, f"tool_{table}", sql, (session_id, *params))
+    return counts

@@ -18,7 +18,14 @@ from functools import cache
 from typing import Any, TypeVar
 
 from keel.errors import UsageError
-from keel.memory._records import MemoryFilter, MemoryRecord, Scope, is_fact, reopened, same_content
+from keel.memory._records import (
+    MemoryFilter,
+    MemoryRecord,
+    Scope,
+    is_fact,
+    reopened,
+    same_content,
+)
 from keel.memory._rows import (
     RECORD_COLUMNS,
     current_fact_sql,
@@ -30,6 +37,7 @@ from keel.memory._rows import (
 from keel.memory._store import FloatArray, InsertResult, MemoryStore, OutboxEntry
 from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._sql_memory_erasure import MemoryErasure
 from keel.stores._sql_plan import Plan, Result, SQLDatabase, Statement
 
 __all__ = [
@@ -93,7 +101,7 @@ class MemorySchema:
         )
 
 
-class SQLMemoryStore(MemoryStore):
+class SQLMemoryStore(MemoryErasure, MemoryStore):
     """The memory CRUD's plans, run by the database; a subclass keeps what its engine does
     its own way: search (vectors, full text), the vectors' table, and the lock writers of one
     key or fact take turns on.

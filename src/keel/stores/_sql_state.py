@@ -25,7 +25,9 @@ from typing import Any, TypeVar
 
 from keel.errors import ConflictError, ExpiredError, StoreError
 from keel.state._backend import Chain, SessionHead, StateBackend, StoredCheckpoint
+from keel.state._erasure import LEASE_KEY_PREFIX
 from keel.stores._dialect import POSTGRES, SQLITE, SqlDialect
+from keel.stores._erase_sql import count_deleted, starts_with
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase
 from keel.stores._sql_plan import Plan, Statement
@@ -551,6 +553,15 @@ class SQLStateBackend(StateBackend):
     async def aclose(self) -> None:
         """Nothing to release: the database is the caller's to close."""
 
+    # --- a user's erasure (keel.stores._erasure): sessions found by their tenant's prefix --------
+
+    def sessions_under(self, prefix: str) -> list[str]:
+        return self.db.run(lambda: _sessions_under(prefix), write=False)
+
+    def erase_sessions(self, session_ids: Sequence[str]) -> dict[str, int]:
+        ids = list(dict.fromkeys(session_ids))
+        return self.db.run(lambda: _erase_sessions(self.dialect, ids))
+
     def __repr__(self) -> str:
         return f"SQLStateBackend({self.db!r})"
 
@@ -677,3 +688,23 @@ _ENGINES = {
         POSTGRES_STATE_MIGRATIONS, _postgres_append, False, _postgres_storage_bytes
     ),
 }
+
+
+def _sessions_under(prefix: str) -> Plan[list[str]]:
+    under, params = starts_with("session_id", prefix)
+    found = yield Statement(f"SELECT session_id FROM keel_state_sessions WHERE {under}", params)
+    return sorted(str(value) for (value,) in found.rows)
+
+
+def _erase_sessions(dialect: SqlDialect, session_ids: list[str]) -> Plan[dict[str, int]]:
+    """Every checkpoint, head and lease of ``session_ids``, in one transaction."""
+    counts = {"sessions": 0, "checkpoints": 0, "leases": 0}
+    for batch in dialect.batches(session_ids):
+        sessions, params = dialect.one_of("session_id", batch)
+        delete = "DELETE FROM keel_state_{} WHERE " + sessions
+        yield from count_deleted(counts, "checkpoints", delete.format("checkpoints"), params)
+        yield from count_deleted(counts, "sessions", delete.format("sessions"), params)
+        leases, params = dialect.one_of("key", [LEASE_KEY_PREFIX + key for key in batch])
+        delete = f"DELETE FROM keel_state_locks WHERE {leases}"
+        yield from count_deleted(counts, "leases", delete, params)
+    return counts

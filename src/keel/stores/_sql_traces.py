@@ -27,6 +27,7 @@ from typing import Any, TypeVar, cast
 
 from keel.errors import StoreError
 from keel.stores._dialect import SqlDialect
+from keel.stores._erase_sql import count_deleted
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sql_plan import Plan, SQLDatabase, Statement
 from keel.tracing._models import (
@@ -467,6 +468,13 @@ class SQLTraceStore(TraceStore):
         cutoff = (self.db.dialect.to_time(before),)
         return self.db.run(lambda: _delete_runs(cutoff))
 
+    def user_sessions(self, tenant_id: str, user_id: str) -> list[str]:
+        rows = self._fetch(_USER_SESSIONS, (tenant_id, user_id))
+        return sorted(str(session_id) for (session_id,) in rows)
+
+    def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        return self.db.run(lambda: _erase_user(tenant_id, user_id))
+
     # --- reads --------------------------------------------------------------------------------
 
     def _run_query(self, run_id: str) -> tuple[str, tuple[Any, ...]]:
@@ -583,3 +591,17 @@ def _write_steps(sql: TraceSQL, steps: Sequence[Step]) -> Plan[None]:
     now = sql.dialect.to_time(datetime.now(UTC))
     for run_id, delta in totals.items():
         yield Statement(_ADD_TOTALS, (*delta, now, now, run_id))
+
+
+_OF_USER = "FROM trace_runs WHERE tenant_id = ? AND user_id = ?"
+_USER_SESSIONS = f"SELECT DISTINCT session_id {_OF_USER}"
+
+
+def _erase_user(tenant_id: str, user_id: str) -> Plan[dict[str, int]]:
+    """The user's runs and their steps, in one transaction."""
+    counts: dict[str, int] = {}
+    params = (tenant_id, user_id)
+    steps = f"DELETE FROM trace_steps WHERE run_id IN (SELECT run_id {_OF_USER})"
+    yield from count_deleted(counts, "trace_steps", steps, params)
+    yield from count_deleted(counts, "trace_runs", f"DELETE {_OF_USER}", params)
+    return counts

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from keel.errors import StoreError
 from keel.privacy import StoredKey, VaultStore
 from keel.stores._dialect import SqlDialect
+from keel.stores._erase_sql import count_deleted
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sql_plan import Plan, SQLDatabase, Statement
 
@@ -345,6 +346,9 @@ class SQLVaultStore(VaultStore):
     def forget(self, tenant_id: str, user_id: str) -> int:
         return self._run_write(lambda: _forget(tenant_id, user_id))
 
+    def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        return self._run_write(lambda: _erase_user(tenant_id, user_id))
+
     def counts(self) -> VaultCounts:
         """How many users have a data key, values are kept sealed, values were erased."""
         return self.db.run(_counts, write=False)
@@ -466,3 +470,12 @@ def _counts() -> Plan[VaultCounts]:
 def _forget(tenant_id: str, user_id: str) -> Plan[int]:
     yield Statement(_FORGET_KEY, (tenant_id, user_id))
     return (yield Statement(_FORGET_VALUES, (tenant_id, user_id))).rowcount
+
+
+def _erase_user(tenant_id: str, user_id: str) -> Plan[dict[str, int]]:
+    counts: dict[str, int] = {}
+    params = (tenant_id, user_id)
+    yield from count_deleted(counts, "pii_keys", _FORGET_KEY, params)
+    values = f"DELETE FROM keel_pii_values WHERE {_OWNER}"
+    yield from count_deleted(counts, "pii_values", values, params)
+    return counts

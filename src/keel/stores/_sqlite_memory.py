@@ -501,6 +501,22 @@ class SQLiteMemoryStore(SQLMemoryStore):
             many=True,
         )
 
+    def _vector_table_names(self) -> Plan[list[str]]:
+        yield from ()
+        return ["memory_vectors"]
+
+    def _after_erasure(self, tenant_id: str, user_id: str) -> Plan[None]:
+        # FTS5 deletes leave the old terms in earlier index segments (marked deleted) until
+        # they are merged: 'optimize' merges them all, so none of the user's words is left.
+        yield Statement("INSERT INTO memory_fts(memory_fts) VALUES ('optimize')")
+
+    def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        counts = super().erase_user(tenant_id, user_id)
+        with self._index_lock:  # the in-process copies of the scope's vectors go too
+            for key in [key for key in self._indexes if key[:2] == (tenant_id, user_id)]:
+                del self._indexes[key]
+        return counts
+
     def close(self) -> None:
         with self._index_lock:
             self._indexes.clear()

@@ -50,6 +50,11 @@ class SQLiteVaultStore(SQLVaultStore):
         self.purge_log()
         return erased
 
+    def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        erased = super().erase_user(tenant_id, user_id)
+        self.purge_log()
+        return erased
+
     def purge_log(self) -> bool:
         """Copy the write-ahead log into the file and truncate it to nothing, so that no
         older copy of an erased page is left in it; False when a reader still holds part of

@@ -398,3 +398,20 @@ class ApprovalStoreConformance:
             )
             assert await reopened.alist(TENANT) == [waiting]
             assert await reopened.alist_to_carry_out(TENANT) == []
+
+    # --- a user's erasure -----------------------------------------------------------------------
+
+    async def test_erase_user_deletes_every_request_of_the_user_and_only_theirs(
+        self, store: ApprovalStore
+    ) -> None:
+        await store.aadd(request("a", session_id="s1"))
+        await store.aadd(request("b", session_id="s2"))
+        await store.adecide(TENANT, "b", "approved", _decision())
+        await store.aadd(request("c", user_id="bob"))
+        await store.aadd(request("d", tenant_id="globex"))
+        assert await store.auser_sessions(TENANT, "alice") == ["s1", "s2"]
+        assert await store.aerase_user(TENANT, "alice") == {"approvals": 2}
+        assert await store.aget(TENANT, "a") is None and await store.aget(TENANT, "b") is None
+        assert await store.aget(TENANT, "c") is not None
+        assert await store.aget("globex", "d") is not None
+        assert await store.aerase_user(TENANT, "alice") == {"approvals": 0}

@@ -572,3 +572,54 @@ class MemoryStoreConformance:
                 record.id
             ]
         memory.close()
+
+    # --- a user's erasure and retention -------------------------------------------------------
+
+    def test_erase_user_deletes_their_records_vectors_and_index_and_only_theirs(
+        self, make_store: StoreFactory
+    ) -> None:
+        memory = _memory(make_store())
+        for scope in (ALICE, *OTHERS):
+            memory.add("zanzibarian quokka flight", scope=scope, kind="episodic", session_id="s1")
+        memory.add("second note", scope=ALICE, kind="semantic", session_id="s2")
+        memory.flush()
+        assert memory.store.user_sessions("acme", "alice") == ["s1", "s2"]
+        erased = memory.store.erase_user("acme", "alice")
+        assert erased["memory_records"] == 2 and erased["memory_vectors"] == 2
+        assert memory.store.count(ALICE) == 0
+        assert memory.search("zanzibarian quokka", scope=ALICE) == []
+        for other in OTHERS:
+            assert memory.store.count(other) == 1
+            assert len(memory.search("zanzibarian quokka", scope=other)) == 1
+        assert set(memory.store.erase_user("acme", "alice").values()) == {0}
+        memory.close()
+
+    def test_prune_by_age_and_by_count_per_user_within_one_tenant_and_kind(
+        self, make_store: StoreFactory
+    ) -> None:
+        from datetime import UTC, datetime, timedelta
+
+        memory = _memory(make_store())
+        now = datetime.now(UTC)
+        for scope in (ALICE, BOB, EVE):
+            for days in (40, 20, 10, 1):
+                memory.add(
+                    f"note {days} days old",
+                    scope=scope,
+                    kind="episodic",
+                    event_time=now - timedelta(days=days),
+                )
+            memory.add("a fact kept", scope=scope, kind="semantic")
+        store = memory.store
+        assert store.tenants() == ["acme", "evil-corp"]
+        # Created now: none is older than a day; each acme user keeps their newest 2 turns.
+        assert store.prune("acme", "episodic", before=now - timedelta(days=1), keep=2) == 4
+        for scope in (ALICE, BOB):
+            kept = store.list_records(scope, MemoryFilter(kinds=("episodic",)))
+            assert [record.text for record in kept] == ["note 1 days old", "note 10 days old"]
+            assert store.count(scope) == 3
+        assert store.count(EVE) == 5
+        assert store.prune("acme", "episodic", before=None, keep=2) == 0
+        assert store.prune("acme", "episodic", before=now + timedelta(seconds=5), keep=None) == 4
+        assert store.count(ALICE) == 1 and store.count(EVE) == 5
+        memory.close()

@@ -40,7 +40,16 @@ from keel.errors import (
     StateValidationError,
 )
 from keel.messages import Message
-from keel.state import Retention, StateBackend, StateSchema, StateStore, append
+from keel.state import (
+    AgentState,
+    Retention,
+    SessionRuntime,
+    StateBackend,
+    StateSchema,
+    StateStore,
+    append,
+    erase_user_sessions,
+)
 from keel.state._backend import Chain
 from keel.state._lease import THIS_PROCESS
 from keel.testing._state_models import ConversationState, CounterState
@@ -75,7 +84,45 @@ class _ProfileV2(BaseModel):
     locale: str = "en"
 
 
-class StateBackendConformance(StateScenarios):
+class _UserErasureConformance:
+    """A user's erasure from a state backend (`erase_user_sessions`): part of
+    `StateBackendConformance`, its tests kept in a class of their own."""
+
+    def test_erase_user_deletes_their_sessions_whole_and_only_theirs(
+        self, backend: StateBackend
+    ) -> None:
+        store = StateStore(backend, AgentState, snapshot_every=2)
+        owners = {
+            "acme/s1": ("acme", "ada"),
+            "acme/s2": ("acme", "ada"),
+            "acme/s3": ("acme", "bob"),
+            "ACME/s4": ("ACME", "ada"),  # another tenant, spelled alike but for case
+            "acme%2Fx/s5": ("acme/x", "ada"),  # another tenant, whose key starts "acme"
+            "acme_/s6": ("acme_", "ada"),  # a LIKE wildcard in the tenant
+        }
+        for key, (tenant, user) in owners.items():
+            runtime = SessionRuntime(tenant_id=tenant, user_id=user)
+            checkpoint = store.create(key, AgentState(runtime=runtime))
+            for n in range(3):
+                checkpoint = store.update(
+                    key, {"data": {"n": n}}, expected_version=checkpoint.version
+                )
+        now = time.time()
+        assert backend.acquire_lock("session:acme/s1", "worker-1", 60, now)
+        assert backend.sessions_under("acme/") == ["acme/s1", "acme/s2", "acme/s3"]
+        erased = erase_user_sessions(backend, "acme", "ada")
+        assert sorted(erased.sessions) == ["acme/s1", "acme/s2"]
+        assert erased.counts == {"sessions": 2, "checkpoints": 8, "leases": 1}
+        assert store.get("acme/s1") is None and store.get("acme/s2") is None
+        assert sorted(backend.sessions()) == sorted(set(owners) - {"acme/s1", "acme/s2"})
+        for kept in set(owners) - {"acme/s1", "acme/s2"}:
+            assert len(store.history(kept)) == 4
+        assert backend.acquire_lock("session:acme/s1", "worker-2", 60, now), "the lease stayed"
+        assert erase_user_sessions(backend, "acme", "ada").sessions == ()
+        assert backend.erase_sessions(["acme/s1"]) == {"sessions": 0, "checkpoints": 0, "leases": 1}
+
+
+class StateBackendConformance(StateScenarios, _UserErasureConformance):
     """Backend-independent tests; subclasses override the ``state_backend_url`` fixture."""
 
     @pytest.fixture

@@ -467,3 +467,27 @@ class TraceStoreConformance:
         assert secret not in dumped and "ann@example.com" not in dumped
         tree = detail.tree()
         assert tree[0].step.kind == "model" and tree[0].children[0].step.kind == "tool"
+
+    # --- a user's erasure -----------------------------------------------------------------------
+
+    def test_erase_user_deletes_their_runs_and_steps_and_only_theirs(
+        self, trace_store: TraceStore
+    ) -> None:
+        owners = {
+            "r1": ("s1", "acme", "ada"),
+            "r2": ("s2", "acme", "ada"),
+            "r3": ("s1", "acme", "bob"),
+            "r4": ("s1", "globex", "ada"),
+        }
+        for run_id, (session, tenant, user) in owners.items():
+            trace_store.start_run(_run(run_id, session, tenant_id=tenant, user_id=user))
+            trace_store.write_step(_step(run_id, 0))
+        trace_store.write_step(_step("r1", 1, "tool"))
+        assert trace_store.user_sessions("acme", "ada") == ["s1", "s2"]
+        assert trace_store.erase_user("acme", "ada") == {"trace_runs": 2, "trace_steps": 3}
+        assert trace_store.get_run("r1") is None and trace_store.get_steps("r1") == []
+        for kept in ("r3", "r4"):
+            assert trace_store.get_run(kept) is not None
+            assert len(trace_store.get_steps(kept)) == 1
+        assert trace_store.user_sessions("acme", "ada") == []
+        assert trace_store.erase_user("acme", "ada") == {"trace_runs": 0, "trace_steps": 0}

@@ -539,3 +539,29 @@ class VaultStoreConformance:
             won = _race([partial(store.rewrap, *owner, old, new) for new in news])
             assert sorted(won) == [False, True]  # type: ignore[type-var]
             assert store.data_key(*owner) == news[won.index(True)]
+
+    # --- a user's whole erasure ------------------------------------------------------------------
+
+    def test_erase_user_deletes_every_row_of_the_user_and_only_theirs(
+        self, make_store: StoreFactory
+    ) -> None:
+        store = make_store()
+        kept: dict[tuple[str, str], tuple[StoredKey, bytes]] = {}
+        for owner in (ALICE, *OTHERS):
+            key = _with_key(store, owner)
+            token = _token()
+            store.add_value(*owner, "EMAIL", token, _sealed(), key=key)
+            kept[owner] = (key, token)
+        store.add_value(*ALICE, "PHONE", _token(), _sealed(), key=kept[ALICE][0])
+        store.forget(*ALICE)  # a forgotten value's row (its number) goes too
+        assert store.erase_user(*ALICE) == {"pii_keys": 0, "pii_values": 2}
+        _with_key(store, ALICE)
+        assert store.erase_user(*ALICE) == {"pii_keys": 1, "pii_values": 0}
+        reopened = make_store()
+        assert reopened.data_key(*ALICE) is None
+        assert reopened.sealed(*ALICE, [("EMAIL", 1), ("PHONE", 1)]) == {}
+        for other in OTHERS:
+            key, token = kept[other]
+            assert reopened.data_key(*other) == key
+            assert reopened.numbers(*other, [token]) == {token: ("EMAIL", 1)}
+        assert reopened.erase_user(*ALICE) == {"pii_keys": 0, "pii_values": 0}

@@ -16,7 +16,7 @@ import hashlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -176,6 +176,15 @@ class ToolJournal(ABC):
         """Calls that started and recorded no result: an operator must look at them."""
         return self.entries(session_id, in_doubt_only=True)
 
+    def erase_sessions(self, session_ids: Sequence[str]) -> dict[str, int]:
+        """Delete every entry and decision of the sessions ``session_ids`` (a user's erasure),
+        decisions recorded per turn (``<session>#<turn>``) included; what was removed, by
+        table (``{"tool_journal": ..., "tool_decisions": ...}``). Idempotent.
+
+        Operator tool, sync only. This default raises: a journal that keeps entries across
+        processes must implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot erase sessions")
+
     # --- async twins: what an event loop calls ----------------------------------------------
 
     async def acall(self, call: Callable[[], _T]) -> _T:
@@ -318,6 +327,21 @@ class InMemoryJournal(ToolJournal):
     def decision(self, session_id: str, step: int) -> Message | None:
         with self._lock:
             return self._decisions.get((session_id, step))
+
+    def erase_sessions(self, session_ids: Sequence[str]) -> dict[str, int]:
+        sessions = set(session_ids)
+
+        def doomed(session_id: str) -> bool:
+            return session_id in sessions or session_id.split("#", 1)[0] in sessions
+
+        with self._lock:
+            entries = [key for key, entry in self._entries.items() if doomed(entry.session_id)]
+            decisions = [key for key in self._decisions if doomed(key[0])]
+            for key in entries:
+                del self._entries[key]
+            for pair in decisions:
+                del self._decisions[pair]
+        return {"tool_journal": len(entries), "tool_decisions": len(decisions)}
 
     def _require(self, key: str) -> JournalEntry:
         entry = self._entries.get(key)

@@ -132,6 +132,16 @@ class TraceStore(ABC):
     def delete_runs(self, *, before: datetime) -> int:
         """Delete runs (and their steps) started before ``before``; returns how many."""
 
+    def user_sessions(self, tenant_id: str, user_id: str) -> list[str]:
+        """The sessions the user's runs were in (where a user's erasure looks for what else of
+        theirs there is). This default raises: a backend that erases implements it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list a user's sessions")
+
+    def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
+        """Delete every run of ``user_id`` in ``tenant_id`` with its steps (a user's erasure);
+        ``{"trace_runs": ..., "trace_steps": ...}``. Idempotent. This default raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot erase a user")
+
     @abstractmethod
     def close(self) -> None:
         """Release connections."""
