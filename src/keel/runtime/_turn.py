@@ -410,6 +410,7 @@ class TurnRunner:
             budget=self.prompt.last.report if self.prompt.last else None,
             state_version=writer.version,
             transitions=cursor.transitions,
+            prompt=self.prompt.last.messages if self.prompt.last else None,
         )
         cursor.transitions.clear()
         writer.note_step(record)

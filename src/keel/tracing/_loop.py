@@ -1,10 +1,11 @@
 """How one step of a model-and-tools loop becomes trace steps.
 
 A loop step is one model call and the tool calls it asked for. In the trace it is a ``model``
-step (usage, finish reason, the budget report of the prompt, the raw output and the action
-parsed from it) with, under it, a ``tool`` step per call, a ``guard`` step per loop warning and
-a ``transition`` step per workflow move. The runtime's own records satisfy the protocols below;
-tracing depends on their shape, not on the runtime.
+step (usage, finish reason, the budget report of the prompt, the messages it was sent as the
+history holds them, the raw output and the action parsed from it) with, under it, a ``tool``
+step per call, a ``guard`` step per loop warning and a ``transition`` step per workflow move.
+The runtime's own records satisfy the protocols below; tracing depends on their shape, not on
+the runtime.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from keel.messages import Usage
+from keel.messages import Message, Usage
 from keel.tracing._tracer import RunTrace
 
 __all__ = ["LoopStep", "ToolOutcome", "arecord_loop_step"]
@@ -86,11 +87,18 @@ async def arecord_loop_step(
     budget: BaseModel | None = None,
     state_version: int | None = None,
     transitions: Sequence[tuple[str, str]] = (),
+    prompt: Sequence[Message] | None = None,
 ) -> None:
     """Record ``step`` in ``run``: the model call, then each tool call, loop warning and
     workflow transition under it. ``model`` names the model when the step does not (a call
-    that failed before any answer); ``budget`` is the prompt's budget report."""
+    that failed before any answer); ``budget`` is the prompt's budget report; ``prompt`` the
+    messages the call was sent, masked as the history keeps them (never the values a trusted
+    model is shown), kept in the step's ``prompt`` attribute in the OpenAI wire format and
+    redacted like every other attribute."""
     name = step.model or model
+    attributes: dict[str, object] = {"step": step.step, "guard_events": list(step.guard_events)}
+    if prompt is not None:
+        attributes["prompt"] = [message.to_openai() for message in prompt]
     model_step = await run.arecord(
         "model",
         name,
@@ -112,7 +120,7 @@ async def arecord_loop_step(
         error_message=step.error,
         latency_ms=step.model_latency_ms,
         ttft_ms=step.ttft_ms,
-        attributes={"step": step.step, "guard_events": list(step.guard_events)},
+        attributes=attributes,
     )
     parent = model_step.step_id if model_step is not None else None
     for result in step.tool_results:
