@@ -108,15 +108,15 @@ def machine_graph(
     ]
     for state in dict.fromkeys([initial, *states]):
         if state == current:
-            style = 'class="current", fillcolor="#1f5fbf", color="#1f5fbf", fontcolor="#ffffff"'
+            style = 'class="current", fillcolor="#174a99", color="#174a99", fontcolor="#ffffff"'
         elif state in visited:
             style = 'class="visited", fillcolor="#e7effb"'
         else:
             style = 'class="state"'
         lines.append(f"{_dot_id(state)} [{style}];")
-    for source, target, _ in edges:
+    for source, target in dict.fromkeys((source, target) for source, target, _ in edges):
         style = (
-            'class="taken", color="#1f5fbf", penwidth=2.5'
+            'class="taken", color="#174a99", penwidth=2.5'
             if (source, target) in taken
             else 'class="move"'
         )

@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from keel.context._engine import MEMORIES_HEADING, RULES_HEADING, SUMMARY_HEADING
+from keel.tools._journal import SETTLED_NOTE
 from keel.tracing import Run, RunDetail, RunQuery, Step, TraceStore
 
 __all__ = [
@@ -265,8 +266,8 @@ def session_turns(
     for entry in journal:
         if entry.in_doubt:
             status = "in doubt"
-        elif entry.attempts > 1 or (entry.output or "").startswith("resolved"):
-            status = "settled" if entry.ok else "settled, did not happen"
+        elif (entry.output or "").startswith(SETTLED_NOTE):
+            status = "in doubt, settled by an operator" + ("" if entry.ok else ": not done")
         else:
             status = "done" if entry.ok else "failed"
         entries.append(
