@@ -411,6 +411,7 @@ class TurnRunner:
             state_version=writer.version,
             transitions=cursor.transitions,
             prompt=self.prompt.last.messages if self.prompt.last else None,
+            history=self.log.live,
         )
         cursor.transitions.clear()
         writer.note_step(record)

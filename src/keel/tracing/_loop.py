@@ -11,14 +11,38 @@ the runtime.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from keel.messages import Message, Usage
 from keel.tracing._tracer import RunTrace
 
-__all__ = ["LoopStep", "ToolOutcome", "arecord_loop_step"]
+__all__ = ["LoopStep", "ToolOutcome", "arecord_loop_step", "prompt_record"]
+
+
+def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list[dict[str, Any]]:
+    """What a model step keeps of the ``prompt`` it was sent. A run of messages that are the
+    session's stored ``history`` messages (the very objects) is one ``{"messages": [first,
+    last]}``: their positions there, both included (the checkpoint of the step's
+    ``state_version`` holds them). Any other message (the system prompt, the memories,
+    summary and rules blocks, a pruned output) is kept whole, in the OpenAI wire format.
+    Copying every message would store the window again at every step (a trace 30 times
+    larger on ``keel bench turns``); this keeps a step's record the size of its blocks. Only
+    the last ``len(prompt)`` stored messages are looked at: a prompt's turns are the newest,
+    so the cost does not grow with the session."""
+    start = max(len(history) - len(prompt), 0)
+    stored = {id(message): start + i for i, message in enumerate(history[start:])}
+    record: list[dict[str, Any]] = []
+    for message in prompt:
+        index = stored.get(id(message))
+        if index is None:
+            record.append(message.to_openai())
+        elif record and record[-1].get("messages", [0, -2])[1] == index - 1:
+            record[-1]["messages"][1] = index
+        else:
+            record.append({"messages": [index, index]})
+    return record
 
 
 class ToolOutcome(Protocol):
@@ -88,17 +112,18 @@ async def arecord_loop_step(
     state_version: int | None = None,
     transitions: Sequence[tuple[str, str]] = (),
     prompt: Sequence[Message] | None = None,
+    history: Sequence[Message] = (),
 ) -> None:
     """Record ``step`` in ``run``: the model call, then each tool call, loop warning and
     workflow transition under it. ``model`` names the model when the step does not (a call
     that failed before any answer); ``budget`` is the prompt's budget report; ``prompt`` the
     messages the call was sent, masked as the history keeps them (never the values a trusted
-    model is shown), kept in the step's ``prompt`` attribute in the OpenAI wire format and
-    redacted like every other attribute."""
+    model is shown), kept in the step's ``prompt`` attribute (see [`prompt_record`][]);
+    ``history`` the session's stored messages the prompt's turns were taken from."""
     name = step.model or model
     attributes: dict[str, object] = {"step": step.step, "guard_events": list(step.guard_events)}
     if prompt is not None:
-        attributes["prompt"] = [message.to_openai() for message in prompt]
+        attributes["prompt"] = prompt_record(prompt, history)
     model_step = await run.arecord(
         "model",
         name,

@@ -27,10 +27,11 @@ from fastapi.staticfiles import StaticFiles
 from keel._bridge import run_blocking
 from keel.errors import ConflictError, SessionBusyError, StateError
 from keel.memory import MemoryFilter, Scope
+from keel.messages import Message
 from keel.service._access import path_session_id, revert_holding_lease
 from keel.service._context import context_of
 from keel.service._ids import RawPathRoute, Text
-from keel.tracing import RUN_STATUSES, Run, RunQuery, TraceStore
+from keel.tracing import RUN_STATUSES, Run, RunDetail, RunQuery, TraceStore
 from keel.ui._approvals import router as approvals_router
 from keel.ui._diff import field_diff
 from keel.ui._render import indicator_series, line_chart, machine_graph, token_bar
@@ -240,6 +241,9 @@ async def run(
         raise Missing
     session_id = detail.run.session_id
     prefix = f"{tenant}/"
+    stored = await _stored_messages(
+        viewer.agent_for(tenant), session_id.removeprefix(prefix), detail
+    )
     return viewer.page(
         "run.html",
         request,
@@ -247,12 +251,38 @@ async def run(
         run=detail.run,
         nodes=detail.tree(),
         bar=token_bar,
-        prompt=prompt_messages,
+        prompt=lambda step: prompt_messages(step, stored.get(step.state_version)),
         json_view=json_view,
         other_attributes=other_attributes,
         session=session_id[len(prefix) :] if session_id.startswith(prefix) else session_id,
         live=detail.run.status == "running",
     )
+
+
+async def _stored_messages(
+    agent: Agent, session_id: str, detail: RunDetail
+) -> dict[int | None, list[Message]]:
+    """The session's messages at each checkpoint a model step of ``detail`` names: a step's
+    trace names the turns it was sent by their positions there."""
+    key = agent.session_key(session_id)
+    versions = {
+        step.state_version
+        for step in detail.steps
+        if step.kind == "model"
+        and any("messages" in entry for entry in step.attributes.get("prompt") or ())
+    }
+    stored: dict[int | None, list[Message]] = {}
+    for version in versions:
+        try:
+            if version is None:
+                checkpoint = await agent.state.aget(key)
+            else:
+                checkpoint = await agent.state.aat(key, version)
+        except StateError:
+            continue
+        if checkpoint is not None:
+            stored[version] = list(checkpoint.state.messages)
+    return stored
 
 
 @router.get("/ui/runs/{run_id}/timeline")

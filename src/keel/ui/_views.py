@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from keel.context._engine import MEMORIES_HEADING, RULES_HEADING, SUMMARY_HEADING
+from keel.messages import Message
 from keel.tools._journal import SETTLED_NOTE
 from keel.tracing import Run, RunDetail, RunQuery, Step, TraceStore
 
@@ -85,28 +86,41 @@ def _section(index: int, role: str, content: str) -> str:
     return "turns"
 
 
-def prompt_messages(step: Step) -> list[PromptMessage]:
+def _prompt_message(index: int, wire: dict[str, Any]) -> PromptMessage:
+    role, content = str(wire.get("role", "")), wire.get("content") or ""
+    content = content if isinstance(content, str) else json.dumps(content)
+    calls = tuple(
+        f"{call.get('function', {}).get('name', '')}"
+        f"({call.get('function', {}).get('arguments', '')})"
+        for call in wire.get("tool_calls") or ()
+        if isinstance(call, dict)
+    )
+    section = _section(index, role, content)
+    return PromptMessage(section, role, content, calls, wire.get("tool_call_id"))
+
+
+def prompt_messages(step: Step, stored: Sequence[Message] | None) -> list[PromptMessage]:
     """The messages ``step`` (a model call) was sent, as the trace keeps them (masked), each
     with its section: the compiler's layout (system prompt first, then the memories and
     summary blocks, the turns, the rules block before the newest user message) tells them
-    apart by position and heading. Empty for a trace recorded before prompts were kept."""
-    shown = []
-    for index, wire in enumerate(step.attributes.get("prompt") or ()):
-        if not isinstance(wire, dict):
+    apart by position and heading. A run of the session's messages the trace names by
+    position (see [`prompt_record`][keel.tracing._loop.prompt_record]) is read from
+    ``stored``, the session's messages at the step's checkpoint. Empty for a trace recorded
+    before prompts were kept."""
+    shown: list[PromptMessage] = []
+    for entry in step.attributes.get("prompt") or ():
+        if not isinstance(entry, dict):
             continue
-        role, content = str(wire.get("role", "")), wire.get("content") or ""
-        content = content if isinstance(content, str) else json.dumps(content)
-        calls = tuple(
-            f"{call.get('function', {}).get('name', '')}"
-            f"({call.get('function', {}).get('arguments', '')})"
-            for call in wire.get("tool_calls") or ()
-            if isinstance(call, dict)
-        )
-        shown.append(
-            PromptMessage(
-                _section(index, role, content), role, content, calls, wire.get("tool_call_id")
-            )
-        )
+        if "messages" not in entry:
+            shown.append(_prompt_message(len(shown), entry))
+            continue
+        first, last = entry["messages"]
+        for position in range(first, last + 1):
+            if stored is not None and position < len(stored):
+                shown.append(_prompt_message(len(shown), stored[position].to_openai()))
+            else:
+                missing = f"(message {position} of the session: no longer stored)"
+                shown.append(PromptMessage("turns", "?", missing))
     return shown
 
 
