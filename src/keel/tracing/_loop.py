@@ -118,7 +118,7 @@ async def arecord_loop_step(
     workflow transition under it. ``model`` names the model when the step does not (a call
     that failed before any answer); ``budget`` is the prompt's budget report; ``prompt`` the
     messages the call was sent, masked as the history keeps them (never the values a trusted
-    model is shown), kept in the step's ``prompt`` attribute (see [`prompt_record`][]);
+    model is shown), kept in the step's ``prompt`` attribute (see ``prompt_record``);
     ``history`` the session's stored messages the prompt's turns were taken from."""
     name = step.model or model
     attributes: dict[str, object] = {"step": step.step, "guard_events": list(step.guard_events)}

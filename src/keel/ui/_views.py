@@ -104,7 +104,7 @@ def prompt_messages(step: Step, stored: Sequence[Message] | None) -> list[Prompt
     with its section: the compiler's layout (system prompt first, then the memories and
     summary blocks, the turns, the rules block before the newest user message) tells them
     apart by position and heading. A run of the session's messages the trace names by
-    position (see [`prompt_record`][keel.tracing._loop.prompt_record]) is read from
+    position (see ``keel.tracing._loop.prompt_record``) is read from
     ``stored``, the session's messages at the step's checkpoint. Empty for a trace recorded
     before prompts were kept."""
     shown: list[PromptMessage] = []
