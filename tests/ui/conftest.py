@@ -33,8 +33,10 @@ def _chromium() -> str:
     return found
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
+    """One browser per test module: Playwright's sync API runs an event loop on this thread
+    while it is open, which later tests' own loops must not find running."""
     with sync_playwright() as playwright:
         launched = playwright.chromium.launch(
             executable_path=_chromium(), headless=True, args=["--no-sandbox"]
