@@ -11,14 +11,42 @@ the runtime.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pydantic import BaseModel
 
 from keel.messages import Message, Usage
 from keel.tracing._tracer import RunTrace
 
-__all__ = ["LoopStep", "ToolOutcome", "arecord_loop_step", "prompt_record"]
+__all__ = [
+    "Compiled",
+    "LoopStep",
+    "SentPrompt",
+    "ToolOutcome",
+    "arecord_loop_step",
+    "prompt_record",
+]
+
+
+class SentPrompt(NamedTuple):
+    """The messages a model call was sent, and the session's stored (masked) messages its
+    turns were taken from."""
+
+    messages: Sequence[Message]
+    history: Sequence[Message]
+
+    @classmethod
+    def of(cls, compiled: Compiled | None, history: Sequence[Message]) -> SentPrompt | None:
+        """The messages of ``compiled`` (a compiled prompt) with ``history``; None without a
+        prompt."""
+        return None if compiled is None else cls(compiled.messages, history)
+
+
+class Compiled(Protocol):
+    """What the trace reads of a compiled prompt (keel's ``CompiledPrompt``)."""
+
+    @property
+    def messages(self) -> Sequence[Message]: ...
 
 
 def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list[dict[str, Any]]:
@@ -111,19 +139,18 @@ async def arecord_loop_step(
     budget: BaseModel | None = None,
     state_version: int | None = None,
     transitions: Sequence[tuple[str, str]] = (),
-    prompt: Sequence[Message] | None = None,
-    history: Sequence[Message] = (),
+    prompt: SentPrompt | None = None,
 ) -> None:
     """Record ``step`` in ``run``: the model call, then each tool call, loop warning and
     workflow transition under it. ``model`` names the model when the step does not (a call
     that failed before any answer); ``budget`` is the prompt's budget report; ``prompt`` the
     messages the call was sent, masked as the history keeps them (never the values a trusted
-    model is shown), kept in the step's ``prompt`` attribute (see ``prompt_record``);
-    ``history`` the session's stored messages the prompt's turns were taken from."""
+    model is shown), with the session's stored messages its turns were taken from, kept in
+    the step's ``prompt`` attribute (see ``prompt_record``)."""
     name = step.model or model
     attributes: dict[str, object] = {"step": step.step, "guard_events": list(step.guard_events)}
     if prompt is not None:
-        attributes["prompt"] = prompt_record(prompt, history)
+        attributes["prompt"] = prompt_record(prompt.messages, prompt.history)
     model_step = await run.arecord(
         "model",
         name,
