@@ -153,6 +153,7 @@ def test_a_model_step_shows_the_messages_it_was_sent_by_section_beside_its_outpu
     sent = visit.shown(f"{opened} .exchange .sent ol.messages")
     sections = {name.strip() for name in sent.first.locator(".section-name").all_inner_texts()}
     assert {"system", "turns", "rules"} <= sections
+    visit.shown(f"{opened} .exchange .sent li.message pre", at_least=3)
     legend = step.locator(".legend").first.inner_text()
     assert all(name in legend for name in sections), "each message's section is on the bar"
     assert "Yes, book it." in sent.first.inner_text()
