@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["FieldChange", "Words", "field_diff"]
+__all__ = ["FieldChange", "Words", "field_diff", "parsed_json"]
 
 _LONG = 60
 """Strings longer than this (either side) are diffed by words rather than shown whole twice."""
@@ -44,16 +44,16 @@ def _shown(value: Any) -> str:
         return ""
     if isinstance(value, str):
         return value
-    return json.dumps(_deep(value), ensure_ascii=False, sort_keys=True)
+    return json.dumps(parsed_json(value), ensure_ascii=False, sort_keys=True)
 
 
-def _deep(value: Any) -> Any:
+def parsed_json(value: Any) -> Any:
     """``value`` with every string that holds JSON parsed (a tool call's arguments)."""
     value = _as_json(value)
     if isinstance(value, dict):
-        return {key: _deep(item) for key, item in value.items()}
+        return {key: parsed_json(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_deep(item) for item in value]
+        return [parsed_json(item) for item in value]
     return value
 
 

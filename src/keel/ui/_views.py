@@ -15,6 +15,7 @@ from keel.context._engine import MEMORIES_HEADING, RULES_HEADING, SUMMARY_HEADIN
 from keel.messages import Message
 from keel.tools._journal import SETTLED_NOTE
 from keel.tracing import Run, RunDetail, RunQuery, Step, TraceStore
+from keel.ui._diff import parsed_json
 
 __all__ = [
     "SEARCH_SCAN",
@@ -45,20 +46,7 @@ def json_view(value: Any) -> str:
             value = json.loads(text)
         except ValueError:
             return text
-    return json.dumps(_parsed(value), indent=2, ensure_ascii=False)
-
-
-def _parsed(value: Any) -> Any:
-    if isinstance(value, str) and value[:1] in "{[":
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    if isinstance(value, dict):
-        return {key: _parsed(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_parsed(item) for item in value]
-    return value
+    return json.dumps(parsed_json(value), indent=2, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
