@@ -33,11 +33,13 @@ def _free_port() -> int:
         return port
 
 
-def _shoot(page: Page, name: str, *, top: str | None = None) -> None:
-    """The page's first screen (from ``top``, when given) into docs/viewer-NAME.png."""
+def _shoot(page: Page, name: str, *, top: str | None = None, above: int = 12) -> None:
+    """The page's first screen (from ``above`` pixels over ``top``, when given) into
+    docs/viewer-NAME.png."""
     if top is not None:
         page.locator(top).first.evaluate(
-            "(element) => { element.scrollIntoView(); window.scrollBy(0, -12); }"
+            "(element, above) => { element.scrollIntoView(); window.scrollBy(0, -above); }",
+            above,
         )
     target = DOCS / f"viewer-{name}.png"
     page.screenshot(path=str(target))
@@ -63,7 +65,8 @@ def _pages(url: str, key: str) -> None:
         page.goto(f"{url}{run}/timeline")
         _shoot(page, "timeline")
         page.goto(f"{url}/ui/sessions/demo-session")
-        _shoot(page, "session")
+        # The turn a killed worker left open, and the run that resumed it.
+        _shoot(page, "session", top="li.turn.status-interrupted", above=260)
         page.goto(f"{url}/ui/memory?user=demo-user&q=flight")
         _shoot(page, "memory")
         browser.close()
