@@ -55,11 +55,12 @@ echo "==> bundled offline models"
 # Debian packages the tests start: redis-server (the Redis backend, and a Redis Cluster of six),
 # pgbouncer (transaction pooling in front of the test PostgreSQL) and chromium (the web viewer's
 # browser tests, driven by Playwright through its executable path: Playwright's own browser
-# download is never used).
+# download is never used); graphviz's dot lays out the viewer's workflow graphs.
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v dot >/dev/null 2>&1 || missing+=(graphviz)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "==> ${missing[*]} (Debian packages, for the tests)"
@@ -71,11 +72,12 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 # An MCP server no one here wrote, for the MCP tool tests: the reference "everything" server,
-# pinned, into a folder of the venv. Without npm the tests that need it are skipped.
+# pinned, into a folder of the venv; and axe-core, the accessibility checks the viewer's browser
+# tests run in each page. Without npm the tests that need them are skipped.
 if command -v npm >/dev/null 2>&1; then
-  echo "==> @modelcontextprotocol/server-everything (npm, for the MCP tests)"
+  echo "==> @modelcontextprotocol/server-everything and axe-core (npm, for the MCP and viewer tests)"
   npm install --silent --no-audit --no-fund --prefix .venv/npm \
-    @modelcontextprotocol/server-everything@2026.8.31 >/dev/null
+    @modelcontextprotocol/server-everything@2026.8.31 axe-core@4.14.1 >/dev/null
 else
   echo "warning: npm not found; the MCP tests against server-everything will be skipped" >&2
 fi

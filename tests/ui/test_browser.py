@@ -4,19 +4,12 @@ Playwright through its executable path), against ``keel serve`` on a database a 
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from playwright.sync_api import Browser, Page
 
-from tests.service.conftest import create_key, keel_serve
+from tests.ui.conftest import DemoViewer
 
 pytestmark = pytest.mark.slow
 
@@ -24,39 +17,13 @@ DEMO_SESSION = "demo-session"
 DEMO_USER = "demo-user"
 
 
-@dataclass
-class Viewer:
-    url: str
-    key: str
-    other_key: str
-    shots: Path
+Viewer = DemoViewer
 
 
 @pytest.fixture(scope="module")
-def viewer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Viewer]:
-    work = tmp_path_factory.mktemp("ui")
-    env = {
-        **os.environ,
-        "KEEL_DATA_DIR": str(work / "data"),
-        "KEEL_EMBEDDER": "hashing:64",
-        "KEEL_DATABASE": f"sqlite:///{work / 'demo' / 'keel.db'}",
-    }
-    demo = subprocess.run(
-        [
-            *(sys.executable, "-m", "keel", "demo", "--trips", "2", "--side-questions", "1"),
-            *("--workdir", str(work / "demo"), "--json"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert demo.returncode == 0, demo.stderr[-2000:]
-    assert json.loads(demo.stdout.strip().splitlines()[-1])["passed"]
-    key, other = create_key("default", env), create_key("other", env)
-    with keel_serve("--model", "scripted:echo", env=env) as served:
-        yield Viewer(served.url, key, other, work / "screenshots")
+def viewer(demo_viewer: DemoViewer) -> DemoViewer:
+    """The demo database and server the page tests share (tests/ui/conftest.py)."""
+    return demo_viewer
 
 
 def _signed_in(browser: Browser, viewer: Viewer, key: str, width: int = 1280) -> Page:
@@ -104,9 +71,10 @@ def test_from_the_run_list_into_a_run_its_session_and_a_diff(
     page.locator("table.checkpoints tbody tr").nth(1).get_by_label(re.compile("diff from")).check()
     page.locator("table.checkpoints tbody tr").nth(0).get_by_label(re.compile("diff to")).check()
     page.get_by_role("button", name="Diff the two versions").click()
-    diff = page.locator("pre.diff")
+    # Per field since issue 49 (was one unified diff in a pre.diff, its lines span.add/.del).
+    diff = page.locator("table.diff")
     assert diff.is_visible()
-    assert diff.locator("span.add").count() + diff.locator("span.del").count() > 0
+    assert diff.locator("ins").count() + diff.locator("del").count() > 0
     page.screenshot(path=str(viewer.shots / "session.png"), full_page=True)
     page.close()
 

@@ -38,6 +38,7 @@ from keel.runtime._workflow import Workflow, WorkflowCursor
 from keel.state import AgentState, StateStore
 from keel.tools import ToolJournal, ToolScope
 from keel.tracing import Tracer, arecord_loop_step
+from keel.tracing._loop import SentPrompt
 
 __all__ = ["RunExtras", "TurnDeps", "TurnOptions", "TurnRunner"]
 
@@ -410,6 +411,7 @@ class TurnRunner:
             budget=self.prompt.last.report if self.prompt.last else None,
             state_version=writer.version,
             transitions=cursor.transitions,
+            prompt=SentPrompt.of(self.prompt.last, self.log.live),
         )
         cursor.transitions.clear()
         writer.note_step(record)

@@ -1,23 +1,76 @@
 """How one step of a model-and-tools loop becomes trace steps.
 
 A loop step is one model call and the tool calls it asked for. In the trace it is a ``model``
-step (usage, finish reason, the budget report of the prompt, the raw output and the action
-parsed from it) with, under it, a ``tool`` step per call, a ``guard`` step per loop warning and
-a ``transition`` step per workflow move. The runtime's own records satisfy the protocols below;
-tracing depends on their shape, not on the runtime.
+step (usage, finish reason, the budget report of the prompt, the messages it was sent as the
+history holds them, the raw output and the action parsed from it) with, under it, a ``tool``
+step per call, a ``guard`` step per loop warning and a ``transition`` step per workflow move.
+The runtime's own records satisfy the protocols below; tracing depends on their shape, not on
+the runtime.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pydantic import BaseModel
 
-from keel.messages import Usage
+from keel.messages import Message, Usage
 from keel.tracing._tracer import RunTrace
 
-__all__ = ["LoopStep", "ToolOutcome", "arecord_loop_step"]
+__all__ = [
+    "Compiled",
+    "LoopStep",
+    "SentPrompt",
+    "ToolOutcome",
+    "arecord_loop_step",
+    "prompt_record",
+]
+
+
+class SentPrompt(NamedTuple):
+    """The messages a model call was sent, and the session's stored (masked) messages its
+    turns were taken from."""
+
+    messages: Sequence[Message]
+    history: Sequence[Message]
+
+    @classmethod
+    def of(cls, compiled: Compiled | None, history: Sequence[Message]) -> SentPrompt | None:
+        """The messages of ``compiled`` (a compiled prompt) with ``history``; None without a
+        prompt."""
+        return None if compiled is None else cls(compiled.messages, history)
+
+
+class Compiled(Protocol):
+    """What the trace reads of a compiled prompt (keel's ``CompiledPrompt``)."""
+
+    @property
+    def messages(self) -> Sequence[Message]: ...
+
+
+def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list[dict[str, Any]]:
+    """What a model step keeps of the ``prompt`` it was sent. A run of messages that are the
+    session's stored ``history`` messages (the very objects) is one ``{"messages": [first,
+    last]}``: their positions there, both included (the checkpoint of the step's
+    ``state_version`` holds them). Any other message (the system prompt, the memories,
+    summary and rules blocks, a pruned output) is kept whole, in the OpenAI wire format.
+    Copying every message would store the window again at every step (a trace 30 times
+    larger on ``keel bench turns``); this keeps a step's record the size of its blocks. Only
+    the last ``len(prompt)`` stored messages are looked at: a prompt's turns are the newest,
+    so the cost does not grow with the session."""
+    start = max(len(history) - len(prompt), 0)
+    stored = {id(message): start + i for i, message in enumerate(history[start:])}
+    record: list[dict[str, Any]] = []
+    for message in prompt:
+        index = stored.get(id(message))
+        if index is None:
+            record.append(message.to_openai())
+        elif record and record[-1].get("messages", [0, -2])[1] == index - 1:
+            record[-1]["messages"][1] = index
+        else:
+            record.append({"messages": [index, index]})
+    return record
 
 
 class ToolOutcome(Protocol):
@@ -86,11 +139,18 @@ async def arecord_loop_step(
     budget: BaseModel | None = None,
     state_version: int | None = None,
     transitions: Sequence[tuple[str, str]] = (),
+    prompt: SentPrompt | None = None,
 ) -> None:
     """Record ``step`` in ``run``: the model call, then each tool call, loop warning and
     workflow transition under it. ``model`` names the model when the step does not (a call
-    that failed before any answer); ``budget`` is the prompt's budget report."""
+    that failed before any answer); ``budget`` is the prompt's budget report; ``prompt`` the
+    messages the call was sent, masked as the history keeps them (never the values a trusted
+    model is shown), with the session's stored messages its turns were taken from, kept in
+    the step's ``prompt`` attribute (see ``prompt_record``)."""
     name = step.model or model
+    attributes: dict[str, object] = {"step": step.step, "guard_events": list(step.guard_events)}
+    if prompt is not None:
+        attributes["prompt"] = prompt_record(prompt.messages, prompt.history)
     model_step = await run.arecord(
         "model",
         name,
@@ -112,7 +172,7 @@ async def arecord_loop_step(
         error_message=step.error,
         latency_ms=step.model_latency_ms,
         ttft_ms=step.ttft_ms,
-        attributes={"step": step.step, "guard_events": list(step.guard_events)},
+        attributes=attributes,
     )
     parent = model_step.step_id if model_step is not None else None
     for result in step.tool_results:

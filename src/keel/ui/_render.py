@@ -6,6 +6,10 @@ from __future__ import annotations
 import difflib
 import itertools
 import json
+import math
+import re
+import shutil
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -68,6 +72,15 @@ def state_diff(older: Any, newer: Any, older_label: str, newer_label: str) -> li
     )
 
 
+_DOT_TIMEOUT_S = 10.0
+"""Longest a graph layout may take (a workflow of hundreds of states lays out in well under a
+second)."""
+
+
+def _dot_id(name: str) -> str:
+    return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def machine_graph(
     states: Sequence[str],
     edges: Sequence[tuple[str, str, str]],
@@ -75,8 +88,72 @@ def machine_graph(
     path: Sequence[str],
     current: str | None,
 ) -> str:
-    """The workflow as an SVG: states in columns by their distance from ``initial``, every
-    allowed move an arrow, the moves the session took drawn bold, its state filled."""
+    """The workflow as an SVG laid out by Graphviz's ``dot`` (installed by ``setup.sh``), top
+    to bottom so that it fits the page's width: every allowed move an arrow (back edges routed
+    around the states, never clipped), the moves the session took drawn bold, its state
+    filled. Blocking (a subprocess): call it through ``run_blocking``. Without ``dot`` on the
+    PATH, a simpler grid layout."""
+    dot = shutil.which("dot")
+    if dot is None:
+        return _grid_graph(states, edges, initial, path, current)
+    taken = set(itertools.pairwise(path))
+    visited = set(path)
+    lines = [
+        "digraph workflow {",
+        'graph [rankdir=TB, bgcolor="transparent", nodesep=0.35, ranksep=0.45, '
+        'fontname="sans-serif"];',
+        'node [shape=box, style="rounded,filled", fontname="sans-serif", fontsize=12, '
+        'height=0.4, color="#8a96a3", fillcolor="#ffffff", fontcolor="#1d232b"];',
+        'edge [color="#8a96a3", arrowsize=0.7];',
+    ]
+    for state in dict.fromkeys([initial, *states]):
+        if state == current:
+            style = 'class="current", fillcolor="#174a99", color="#174a99", fontcolor="#ffffff"'
+        elif state in visited:
+            style = 'class="visited", fillcolor="#e7effb"'
+        else:
+            style = 'class="state"'
+        lines.append(f"{_dot_id(state)} [{style}];")
+    for source, target in dict.fromkeys((source, target) for source, target, _ in edges):
+        style = (
+            'class="taken", color="#174a99", penwidth=2.5'
+            if (source, target) in taken
+            else 'class="move"'
+        )
+        lines.append(f"{_dot_id(source)} -> {_dot_id(target)} [{style}];")
+    lines.append("}")
+    done = subprocess.run(
+        [dot, "-Tsvg"],
+        input="\n".join(lines),
+        capture_output=True,
+        text=True,
+        timeout=_DOT_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        return _grid_graph(states, edges, initial, path, current)
+    svg = done.stdout[done.stdout.index("<svg") :]
+    svg = re.sub(r"<!--.*?-->\n?", "", svg, flags=re.DOTALL)
+    # Drawn at its natural size, never wider than its box (scaled down, not cut).
+    width = re.search(r'<svg width="([\d.]+)pt" height="([\d.]+)pt"', svg)
+    natural = f"{float(width.group(1)) * 4 / 3:.0f}px" if width else "100%"
+    svg = re.sub(
+        r'<svg width="[\d.]+pt" height="[\d.]+pt"',
+        f'<svg class="graph" role="img" aria-label="workflow graph" style="max-width: {natural}"',
+        svg,
+        count=1,
+    )
+    return svg.replace("<title>workflow</title>", "", 1)
+
+
+def _grid_graph(
+    states: Sequence[str],
+    edges: Sequence[tuple[str, str, str]],
+    initial: str,
+    path: Sequence[str],
+    current: str | None,
+) -> str:
+    """The workflow as an SVG grid: states in columns by their distance from ``initial``."""
     depth = {initial: 0}
     frontier = [initial]
     while frontier:
@@ -101,7 +178,7 @@ def machine_graph(
     total_h = max((y for _, y in position.values()), default=0) + height + 20
     parts = [
         f'<svg class="graph" role="img" viewBox="0 0 {total_w} {total_h}" '
-        f'width="{total_w}" height="{total_h}" aria-label="workflow graph">',
+        f'style="max-width: {total_w}px" aria-label="workflow graph">',
         '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
         'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z"/></marker>'
         "</defs>",
@@ -138,6 +215,15 @@ class Series:
     name: str
     unit: str
     points: tuple[tuple[datetime, float], ...]
+    shown_as: str | None = None
+    """The unit the chart's axis reads, when not ``unit`` (a share shown in percent)."""
+    scale: float = 1.0
+    """What the chart multiplies the values by to show them in ``shown_as``."""
+
+    @property
+    def axis_unit(self) -> str:
+        """The unit the chart's axis reads."""
+        return self.shown_as or self.unit
 
 
 def indicator_series(metrics: Sequence[StepMetric], buckets: int = 24) -> list[Series]:
@@ -166,43 +252,90 @@ def indicator_series(metrics: Sequence[StepMetric], buckets: int = 24) -> list[S
         if figures.ttfts_ms:
             ttft.append((at, sum(figures.ttfts_ms) / len(figures.ttfts_ms)))
     return [
-        Series("retry rate", "share of calls", tuple(retry)),
+        Series("retry rate", "share of calls", tuple(retry), shown_as="% of calls", scale=100),
         Series("prompt tokens per call", "tokens", tuple(tokens)),
         Series("machine resets", "resets", tuple(resets)),
         Series("time to first token", "ms", tuple(ttft)),
     ]
 
 
-def line_chart(series: Series, width: int = 560, height: int = 160) -> str:
-    """One series as an SVG line chart with its axis range and a point per time slice."""
+def _nice_ticks(high: float, count: int = 4) -> list[float]:
+    """Round tick values from 0 to at least ``high``: steps of 1, 2, 2.5 or 5 times a power of
+    ten."""
+    if high <= 0:
+        return [0.0, 1.0]
+    raw = high / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    ticks = [0.0]
+    while ticks[-1] < high - 1e-9:
+        ticks.append(ticks[-1] + step)
+    return ticks
+
+
+def _tick_label(value: float) -> str:
+    if value == int(value):
+        return f"{int(value):,}"
+    return f"{value:,.2f}".rstrip("0").rstrip(".")
+
+
+def line_chart(series: Series, width: int = 560, height: int = 220) -> str:
+    """One series as an SVG line chart: a y axis with round ticks in the series' unit, a time
+    axis with a few ticks, and a point (with its value as a tooltip) per time slice."""
     if not series.points:
         return '<p class="empty">no data</p>'
+    unit = series.axis_unit
+    series = Series(series.name, unit, tuple((at, v * series.scale) for at, v in series.points))
     values = [value for _, value in series.points]
-    low, high = min(0.0, min(values)), max(values)
-    high = high if high > low else low + 1
-    pad = 28
+    ticks = _nice_ticks(max(max(values), 0.0))
+    low, high = 0.0, ticks[-1]
+    left, right, top, bottom = 64, 16, 14, 40
     count = len(series.points)
+    start, end = series.points[0][0], series.points[-1][0]
+    span = max((end - start).total_seconds(), 1e-9)
 
-    def xy(index: int, value: float) -> tuple[float, float]:
-        x = pad + (width - 2 * pad) * (index / max(count - 1, 1))
-        y = height - pad - (height - 2 * pad) * ((value - low) / (high - low))
-        return round(x, 1), round(y, 1)
+    def x_of(at: datetime) -> float:
+        if count == 1:
+            return round(left + (width - left - right) / 2, 1)
+        return round(left + (width - left - right) * (at - start).total_seconds() / span, 1)
 
-    points = [xy(i, value) for i, (_, value) in enumerate(series.points)]
-    polyline = " ".join(f"{x},{y}" for x, y in points)
-    dots = "".join(
-        f'<circle cx="{x}" cy="{y}" r="3"><title>{at:%Y-%m-%d %H:%M:%S}: {value:.3g}</title>'
-        "</circle>"
+    def y_of(value: float) -> float:
+        return round(height - bottom - (height - top - bottom) * (value - low) / (high - low), 1)
+
+    parts = [
+        f'<svg class="chart" role="img" viewBox="0 0 {width} {height}" '
+        f'aria-label="{escape(series.name)} over time, in {escape(series.unit)}">'
+    ]
+    for tick in ticks:
+        y = y_of(tick)
+        parts.append(
+            f'<line class="grid" x1="{left}" y1="{y}" x2="{width - right}" y2="{y}"/>'
+            f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">{_tick_label(tick)}</text>'
+        )
+    parts.append(
+        f'<text class="unit" x="12" y="{(top + height - bottom) / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 12 {(top + height - bottom) / 2})">{escape(series.unit)}</text>'
+        f'<line class="axis" x1="{left}" y1="{height - bottom}" x2="{width - right}" '
+        f'y2="{height - bottom}"/>'
+    )
+    daily = span > 86_400
+    shown = [start] if count == 1 else [start + (end - start) * i / 3 for i in range(4)]
+    for index, at in enumerate(shown):
+        anchor = "start" if index == 0 else "end" if index == len(shown) - 1 else "middle"
+        label = at.strftime("%m-%d %H:%M" if daily else "%H:%M:%S")
+        parts.append(
+            f'<text x="{x_of(at)}" y="{height - bottom + 18}" text-anchor="{anchor}">{label}</text>'
+        )
+    parts.append(
+        f'<text class="unit" x="{(left + width - right) / 2}" y="{height - 4}" '
+        f'text-anchor="middle">time (UTC)</text>'
+    )
+    points = [(x_of(at), y_of(value)) for at, value in series.points]
+    parts.append(f'<polyline points="{" ".join(f"{x},{y}" for x, y in points)}"/>')
+    parts.extend(
+        f'<circle cx="{x}" cy="{y}" r="3.5"><title>{at:%Y-%m-%d %H:%M:%S}: '
+        f"{_tick_label(round(value, 2))} {escape(series.unit)}</title></circle>"
         for (x, y), (at, value) in zip(points, series.points, strict=True)
     )
-    start, end = series.points[0][0], series.points[-1][0]
-    return (
-        f'<svg class="chart" role="img" viewBox="0 0 {width} {height}" '
-        f'aria-label="{escape(series.name)} over time">'
-        f'<line class="axis" x1="{pad}" y1="{height - pad}" x2="{width - pad}" '
-        f'y2="{height - pad}"/>'
-        f'<text x="{pad}" y="{pad - 10}">{high:.3g} {escape(series.unit)}</text>'
-        f'<text x="{pad}" y="{height - 8}">{start:%H:%M:%S}</text>'
-        f'<text x="{width - pad}" y="{height - 8}" text-anchor="end">{end:%H:%M:%S}</text>'
-        f'<polyline points="{polyline}"/>{dots}</svg>'
-    )
+    parts.append("</svg>")
+    return "".join(parts)

@@ -27,11 +27,14 @@ from fastapi.staticfiles import StaticFiles
 from keel._bridge import run_blocking
 from keel.errors import ConflictError, SessionBusyError, StateError
 from keel.memory import MemoryFilter, Scope
+from keel.messages import Message
 from keel.service._access import path_session_id, revert_holding_lease
+from keel.service._context import context_of
 from keel.service._ids import RawPathRoute, Text
-from keel.tracing import RUN_STATUSES, Run, RunQuery, TraceStore
+from keel.tracing import RUN_STATUSES, Run, RunDetail, RunQuery, TraceStore
 from keel.ui._approvals import router as approvals_router
-from keel.ui._render import indicator_series, line_chart, machine_graph, state_diff, token_bar
+from keel.ui._diff import field_diff
+from keel.ui._render import indicator_series, line_chart, machine_graph, token_bar
 from keel.ui._viewer import (
     COOKIE,
     SESSION_LIFETIME_S,
@@ -40,6 +43,14 @@ from keel.ui._viewer import (
     Viewer,
     current_viewer,
     signed_in_tenant,
+)
+from keel.ui._views import (
+    json_view,
+    other_attributes,
+    prompt_messages,
+    search_runs,
+    session_turns,
+    timeline,
 )
 
 if TYPE_CHECKING:
@@ -50,6 +61,10 @@ if TYPE_CHECKING:
 __all__ = ["mount_ui"]
 
 _PAGE = 25
+_CHECKPOINTS_PAGE = 20
+"""Checkpoints per page of the session's checkpoint table."""
+_USERS_SCAN = 1_000
+"""Runs read to list the users the memory page offers when none is chosen."""
 _STATUSES = RUN_STATUSES
 
 SHORTEST_RUN_PREFIX = 8
@@ -136,6 +151,8 @@ async def runs(
     tool_error: str | None = Query(default=None),
     since: str | None = Query(default=None),
     until: datetime | None = None,
+    text: str | None = Query(default=None, max_length=500),
+    tool: str | None = Query(default=None, max_length=256),
     tenant: str = Depends(signed_in_tenant),
     viewer: Viewer = Depends(current_viewer),
 ) -> Response:
@@ -149,9 +166,26 @@ async def runs(
         until=until,
         limit=_PAGE + 1,
     )
-    found = await run_blocking(viewer.traces.list_runs, query)
+    traces = viewer.traces
+    text, tool = (text or "").strip(), (tool or "").strip()
+    stopped = False
+    if text or tool:
+
+        def tool_runs() -> set[str]:
+            metrics = traces.step_metrics(
+                session_id=query.session_id, since=query.since, tenant_id=tenant
+            )
+            return {m.run_id for m in metrics if m.kind == "tool" and m.name == tool}
+
+        found, stopped = await run_blocking(
+            search_runs, traces, query, text, tool, tool_runs, _PAGE + 1
+        )
+    else:
+        found = await run_blocking(traces.list_runs, query)
     shown, more = found[:_PAGE], len(found) > _PAGE
     filters = {
+        "text": text,
+        "tool": tool,
         "session": session or "",
         "status": status or "",
         "min_steps": "" if min_steps is None else str(min_steps),
@@ -170,6 +204,7 @@ async def runs(
         filters=filters,
         statuses=_STATUSES,
         older=older,
+        stopped=stopped,
         live=any(run.status == "running" for run in shown),
     )
 
@@ -206,6 +241,9 @@ async def run(
         raise Missing
     session_id = detail.run.session_id
     prefix = f"{tenant}/"
+    stored = await _stored_messages(
+        viewer.agent_for(tenant), session_id.removeprefix(prefix), detail
+    )
     return viewer.page(
         "run.html",
         request,
@@ -213,6 +251,67 @@ async def run(
         run=detail.run,
         nodes=detail.tree(),
         bar=token_bar,
+        prompt=lambda step: prompt_messages(step, stored.get(step.state_version)),
+        json_view=json_view,
+        other_attributes=other_attributes,
+        session=session_id[len(prefix) :] if session_id.startswith(prefix) else session_id,
+        live=detail.run.status == "running",
+    )
+
+
+async def _stored_messages(
+    agent: Agent, session_id: str, detail: RunDetail
+) -> dict[int | None, list[Message]]:
+    """The session's messages at each checkpoint a model step of ``detail`` names: a step's
+    trace names the turns it was sent by their positions there."""
+    key = agent.session_key(session_id)
+    versions = {
+        step.state_version
+        for step in detail.steps
+        if step.kind == "model"
+        and any("messages" in entry for entry in step.attributes.get("prompt") or ())
+    }
+    stored: dict[int | None, list[Message]] = {}
+    for version in versions:
+        try:
+            if version is None:
+                checkpoint = await agent.state.aget(key)
+            else:
+                checkpoint = await agent.state.aat(key, version)
+        except StateError:
+            continue
+        if checkpoint is not None:
+            stored[version] = list(checkpoint.state.messages)
+    return stored
+
+
+@router.get("/ui/runs/{run_id}/timeline")
+async def run_timeline(
+    request: Request,
+    run_id: str,
+    tenant: str = Depends(signed_in_tenant),
+    viewer: Viewer = Depends(current_viewer),
+) -> Response:
+    named = await run_blocking(_tenant_runs, viewer.traces, tenant, run_id)
+    detail = (
+        await run_blocking(viewer.traces.get_run_detail, named[0].run_id)
+        if len(named) == 1
+        else None
+    )
+    if detail is None:
+        raise Missing
+    session_id = detail.run.session_id
+    prefix = f"{tenant}/"
+    agent = viewer.agent_for(tenant)
+    key = agent.session_key(session_id.removeprefix(prefix))
+    history = await agent.state.ahistory(key, limit=200)
+    marks = [(info.created_at, f"checkpoint v{info.version} ({info.reason})") for info in history]
+    return viewer.page(
+        "timeline.html",
+        request,
+        tenant=tenant,
+        run=detail.run,
+        timeline=timeline(detail, marks),
         session=session_id[len(prefix) :] if session_id.startswith(prefix) else session_id,
         live=detail.run.status == "running",
     )
@@ -243,28 +342,55 @@ def _workflow_graph(agent: Agent, position: MachinePosition | None) -> str | Non
 
 
 async def _session_view(
-    viewer: Viewer, request: Request, tenant: str, session_id: str, **extra: Any
+    viewer: Viewer,
+    request: Request,
+    tenant: str,
+    session_id: str,
+    page: int = 1,
+    **extra: Any,
 ) -> HTMLResponse:
     agent = viewer.agent_for(tenant)
     key = agent.session_key(session_id)
     checkpoint = await agent.state.aget(key)
     if checkpoint is None:
         raise Missing
-    history = await agent.state.ahistory(key, limit=200)
+    # The newest versions first, a page at a time: the table no longer pushes the rest down.
+    wanted = page * _CHECKPOINTS_PAGE + 1
+    history = await agent.state.ahistory(key, limit=wanted)
+    shown = history[(page - 1) * _CHECKPOINTS_PAGE : page * _CHECKPOINTS_PAGE]
     position = checkpoint.state.machine
-    in_doubt = []
+    in_doubt, journal, approvals = [], [], []
     if agent.journal is not None:
         in_doubt = await run_blocking(agent.journal.in_doubt, key)
+        journal = await run_blocking(agent.journal.entries, key)
+    queue = context_of(request).approvals
+    if queue is not None:
+        approvals = await queue.alist(
+            tenant,
+            session_id=key,
+            statuses=("pending", "approved", "rejected", "expired", "cancelled"),
+        )
+    runs: list[Run] = []
+    # A run's trace names its session by the store key, or by the id the application used.
+    for name in dict.fromkeys([key, session_id]):
+        query = RunQuery(tenant_id=tenant, session_id=name, limit=200)
+        runs += await run_blocking(viewer.traces.list_runs, query)
+    graph = await run_blocking(_workflow_graph, agent, position)
     return viewer.page(
         "session.html",
         request,
         tenant=tenant,
         session_id=session_id,
         checkpoint=checkpoint,
-        history=history,
-        graph=_workflow_graph(agent, position),
+        history=shown,
+        versions=[info.version for info in history],
+        page=page,
+        more=len(history) > page * _CHECKPOINTS_PAGE,
+        graph=graph,
         position=position,
         in_doubt=in_doubt,
+        turns=session_turns(runs, journal, approvals),
+        json_view=json_view,
         user=checkpoint.state.runtime.user_id,
         **extra,
     )
@@ -276,6 +402,7 @@ async def session(
     session_id: str = Depends(path_session_id),
     a: int | None = Query(default=None, ge=1),
     b: int | None = Query(default=None, ge=1),
+    page: int = Query(default=1, ge=1, le=10_000),
     tenant: str = Depends(signed_in_tenant),
     viewer: Viewer = Depends(current_viewer),
 ) -> Response:
@@ -288,13 +415,17 @@ async def session(
             newer = await agent.state.aat(key, max(a, b))
         except StateError:
             raise Missing from None
-        diff = state_diff(
-            older.state.model_dump(mode="json"),
-            newer.state.model_dump(mode="json"),
-            f"version {older.version}",
-            f"version {newer.version}",
-        )
-    return await _session_view(viewer, request, tenant, session_id, diff=diff, a=a, b=b)
+        diff = field_diff(older.state.model_dump(mode="json"), newer.state.model_dump(mode="json"))
+    return await _session_view(
+        viewer,
+        request,
+        tenant,
+        session_id,
+        page=page,
+        diff=diff,
+        a=a,
+        b=b,
+    )
 
 
 @router.post("/ui/sessions/{session_id}/revert")
@@ -371,6 +502,13 @@ async def memory(
         if q:
             hits = await store.asearch(q, scope=scope, k=10)
             packed = await store.aretrieve(q, scope=scope, budget_tokens=budget)
+    users: list[str] = []
+    if store is not None and not user:
+        # The users the tenant's runs served, to choose from (the store keeps no user list).
+        seen = await run_blocking(
+            viewer.traces.list_runs, RunQuery(tenant_id=tenant, limit=_USERS_SCAN)
+        )
+        users = sorted({run.user_id for run in seen if run.user_id})
     return viewer.page(
         "memory.html",
         request,
@@ -383,6 +521,7 @@ async def memory(
         histories=histories,
         hits=hits,
         packed=packed,
+        users=users,
     )
 
 
@@ -435,6 +574,11 @@ def mount_ui(
     async def missing(request: Request, exc: Exception) -> Response:
         return viewer.page("missing.html", request, status=404, tenant=None)
 
+    async def favicon() -> Response:
+        return RedirectResponse("/ui/static/favicon.svg", status_code=301)
+
+    # Browsers ask the site's root for its icon; the viewer's is the service's.
+    app.add_api_route("/favicon.ico", favicon, include_in_schema=False)
     app.add_exception_handler(SignInFirst, sign_in_first)
     app.add_exception_handler(Missing, missing)
     app.include_router(router)

@@ -28,6 +28,7 @@ __all__ = [
     "SignInFirst",
     "Viewer",
     "current_viewer",
+    "duration",
     "signed_in",
     "signed_in_tenant",
 ]
@@ -38,6 +39,23 @@ over https): never the API key."""
 
 SESSION_LIFETIME_S = 8 * 3600
 """How long a sign-in lasts (a working day); then the viewer asks for the key again."""
+
+
+def duration(ms: float | None) -> str:
+    """A duration for people, precise below a millisecond: ``0.042 ms``, ``3.17 ms``,
+    ``85.2 ms``, ``1.48 s``, ``2 min 03 s``; empty when unknown."""
+    if ms is None:
+        return ""
+    if ms < 1:
+        return f"{ms:.3f} ms"
+    if ms < 10:
+        return f"{ms:.2f} ms"
+    if ms < 1000:
+        return f"{ms:.1f} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.2f} s"
+    minutes, seconds = divmod(ms / 1000, 60)
+    return f"{minutes:.0f} min {seconds:02.0f} s"
 
 
 class SignInFirst(Exception):
@@ -59,7 +77,8 @@ def _environment() -> Environment:
         "" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
     )
     environment.filters["session_url"] = session_url
-    environment.filters["ms"] = lambda value: "" if value is None else f"{value:.0f} ms"
+    environment.filters["ms"] = duration
+    environment.filters["n"] = lambda value: "" if value is None else f"{value:,}"
     environment.filters["epoch"] = lambda value: datetime.fromtimestamp(value, UTC).strftime(
         "%Y-%m-%d %H:%M:%S"
     )
