@@ -419,7 +419,7 @@ class SQLTraceStore(TraceStore):
         await self.db.arun(lambda: _write_batch(self.statements, run, steps, end))
 
     def rider(self, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> Rider:
-        """[`awrite_batch`][] as a [`Rider`][keel.stores._sql_plan.Rider]: written by the next
+        """[`awrite_batch`][] as a rider (``keel.stores._sql_plan.Rider``): written by the next
         write on this store's database in the rider's context (a turn's checkpoint), in the
         same transaction."""
         return Rider(self.db, lambda: _write_batch(self.statements, run, steps, end))
