@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,9 @@ from keel.runtime._loop_run import LoopResult, StepRecord
 from keel.runtime._reply import AgentReply, with_reply
 from keel.runtime._workflow import WORKFLOW_TOOLS, Workflow
 from keel.state import AgentState, MachinePosition, StateStore
-from keel.tracing import RunTrace
+from keel.stores import SQLTraceStore
+from keel.stores._sql_plan import Rider, riding
+from keel.tracing import RunStatus, RunTrace, TraceBatch
 
 if TYPE_CHECKING:
     from keel.runtime._masking import Masking
@@ -226,32 +228,68 @@ class TurnWriter:
 
     # --- while the turn runs ----------------------------------------------------------------
 
-    async def checkpoint(self, update: dict[str, Any], **options: Any) -> int:
+    async def checkpoint(
+        self, update: dict[str, Any], *, trace: TraceBatch | None = None, **options: Any
+    ) -> int:
         """A compare-and-set checkpoint of the turn that appends the log's messages since the
         last one and sets ``update``'s fields (the turn stays open unless ``update`` closes
-        it): its cost is what is new, however long the session's history is."""
+        it): its cost is what is new, however long the session's history is.
+
+        ``trace``: the run's writes taken out of it (``RunTrace.take_batch``), made durable
+        with the checkpoint: in its transaction where the trace is in the state's SQLite file
+        (one commit, not two), else written right after it."""
         options.setdefault("reason", "update")
         new = self.log.since(self.written)
-        version = await self.store.aappend(
-            self.key,
-            {"messages": new} if new else {},
-            update=update,
-            expected_version=self.version,
-            **options,
+        version = await self._carrying(
+            trace,
+            lambda: self.store.aappend(
+                self.key,
+                {"messages": new} if new else {},
+                update=update,
+                expected_version=self.version,
+                **options,
+            ),
         )
         self.state = self.state.model_copy(update={**update, "messages": self.log.live})
         self.written += len(new)
         return self._written(version, options["reason"])
 
-    async def _write(self, state: AgentState, **options: Any) -> int:
+    async def _write(
+        self, state: AgentState, *, trace: TraceBatch | None = None, **options: Any
+    ) -> int:
         """A compare-and-set checkpoint of the whole ``state`` (history rewritten): the log
-        is built again from the store next turn."""
-        version = await self.store.acheckpoint(
-            self.key, state, expected_version=self.version, **options
+        is built again from the store next turn. ``trace``: as [`checkpoint`][]'s."""
+        version = await self._carrying(
+            trace,
+            lambda: self.store.acheckpoint(
+                self.key, state, expected_version=self.version, **options
+            ),
         )
         self.state = state
         self.written = len(state.messages)
         return self._written(version, options["reason"])
+
+    async def _carrying(self, batch: TraceBatch | None, write: Callable[[], Awaitable[int]]) -> int:
+        """``write()`` with the trace's ``batch`` riding in its transaction, then the batch
+        handed back to the run: written, failed (logged, as a failed flush), or, where it
+        could not ride (a trace kept elsewhere), written on its own after the checkpoint. A
+        checkpoint that fails hands it back unwritten, for the run's next flush or end."""
+        rider = _rider(batch)
+        try:
+            with riding(rider):
+                version = await write()
+        except BaseException:
+            if batch is not None:
+                self.trace.batch_returned(batch)
+            raise
+        if batch is not None:
+            if rider is not None and rider.ran:
+                self.trace.batch_written(batch)
+            elif rider is not None and rider.error is not None:
+                self.trace.batch_failed(batch, rider.error)
+            else:
+                await self.trace.awrite(batch)
+        return version
 
     def _written(self, version: int, reason: str) -> int:
         self.version = version
@@ -325,23 +363,24 @@ class TurnWriter:
         if parked:
             reason = "turn parked: " + ("escalated" if escalated else "awaiting approval")
         final_state = self._with_reply(final_state, reply)
+        # The run's end commits with the turn (one commit): the summary and the hand-off to
+        # memory that follow are the session's, not the run's.
+        status: RunStatus = "succeeded" if result.ok else _run_status(result.status)
+        end = self.trace.take_end(status, output=text, error=result.error)
         if rebuilt:
-            version = await self._write(final_state, reason=reason, good=True)
+            version = await self._write(final_state, reason=reason, good=True, trace=end)
             # History was rewritten: the log is built again from the store next turn.
             self.logs.pop(self.key, None)
         else:
             # The turn's messages stand as they are: appended, whatever the history's length.
             fields = ("step", "machine", "runtime")
             update = {name: getattr(final_state, name) for name in fields}
-            version = await self.checkpoint(update, reason=reason, good=True)
+            version = await self.checkpoint(update, reason=reason, good=True, trace=end)
         if result.ok:
             version = await self._summarize(ends.deadline)
             await self._hand_off(text, position)
-        await self.trace.aend(
-            "succeeded" if result.ok else _run_status(result.status),
-            output=text,
-            error=result.error,
-        )
+        # Ends a run whose end did not ride (an unbuffered run, no trace store); else a no-op.
+        await self.trace.aend(status, output=text, error=result.error)
         if not ends.reveal:
             # For a caller who may not read the user's values: the reply as stored, and the
             # structured answer masked as its text was.
@@ -658,6 +697,14 @@ def without_corrections(segment: list[Message]) -> list[Message]:
 def clip(text: str, limit: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _rider(batch: TraceBatch | None) -> Rider | None:
+    """``batch`` as a rider of the checkpoint's transaction, where its store is SQL (it rides
+    only a write on its own database: elsewhere it is written on its own)."""
+    if batch is None or not isinstance(batch.store, SQLTraceStore):
+        return None
+    return batch.store.rider(batch.run, batch.steps, batch.end)
 
 
 def hand_off(

@@ -384,10 +384,10 @@ class TurnRunner:
         await self.log.atake(history, masking.amask_message)
         # The checkpoint before the model call: compare-and-set on the version we read.
         update = {"step": step, "machine": self.cursor.position, "runtime": writer.state.runtime}
-        await writer.checkpoint(update, reason="before model call", step=step)
-        # The trace so far is made durable with the checkpoint: a process killed during the
-        # model call leaves both at the same point.
-        await writer.trace.aflush()
+        # The trace so far is made durable with the checkpoint (one commit): a process killed
+        # during the model call leaves both at the same point.
+        batch = writer.trace.take_batch()
+        await writer.checkpoint(update, reason="before model call", step=step, trace=batch)
         rules = self.deps.workflow.rules(self.cursor.position)
         compiled = self.prompt.compile(self.log.conversation, rules)
         # The model is shown values only when the deployment trusts it; the log keeps masks.

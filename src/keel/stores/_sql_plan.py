@@ -9,14 +9,26 @@ between them are never written twice for sync and async.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from keel.stores._dialect import SqlDialect
 from keel.stores._migrations import MigrationSet
 
-__all__ = ["Plan", "Result", "SQLDatabase", "Statement", "arun_plan", "run_plan"]
+__all__ = [
+    "Plan",
+    "Result",
+    "Rider",
+    "SQLDatabase",
+    "Statement",
+    "arun_plan",
+    "riders_for",
+    "riding",
+    "run_plan",
+]
 
 _T = TypeVar("_T")
 
@@ -96,3 +108,71 @@ async def arun_plan(cursor: Any, dialect: SqlDialect, plan: Plan[_T]) -> _T:
             statement = plan.send(Result(rows, cursor.rowcount))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
+
+
+class Rider:
+    """A plan that rides along with the next write transaction on ``db`` made in its context
+    (see [`riding`][keel.stores._sql_plan.riding]): two writes for one commit.
+
+    It runs inside a savepoint after the write's own plan, so its failure never undoes that
+    write: ``error`` keeps it and the write commits without it. ``ran`` is set once the
+    transaction that carried it has committed; a rider that neither ran nor failed met no
+    write on ``db`` (its caller writes it on its own).
+    """
+
+    __slots__ = ("db", "error", "plan", "ran")
+
+    def __init__(self, db: object, plan: Callable[[], Plan[None]]) -> None:
+        self.db = db
+        self.plan = plan
+        self.ran = False
+        self.error: Exception | None = None
+
+
+_riders: ContextVar[tuple[Rider, ...]] = ContextVar("keel_plan_riders", default=())
+
+
+@contextmanager
+def riding(rider: Rider | None) -> Iterator[None]:
+    """Writes on ``rider.db`` inside this block carry ``rider`` (the first one that commits
+    runs it; a no-op for None)."""
+    if rider is None:
+        yield
+        return
+    token = _riders.set((*_riders.get(), rider))
+    try:
+        yield
+    finally:
+        _riders.reset(token)
+
+
+def riders_for(db: object) -> tuple[Rider, ...]:
+    """The riders waiting for a write on ``db`` in this context."""
+    waiting = _riders.get()
+    if not waiting:
+        return ()
+    return tuple(r for r in waiting if r.db is db and not r.ran and r.error is None)
+
+
+def run_riders(cursor: Any, dialect: SqlDialect, riders: tuple[Rider, ...]) -> list[Rider]:
+    """Run each of ``riders`` in a savepoint of the open transaction; the ones that ran (to be
+    marked ``ran`` once it commits). A rider that fails is rolled back to its savepoint, its
+    error kept on it."""
+    carried = []
+    for rider in riders:
+        cursor.execute("SAVEPOINT keel_rider")
+        try:
+            run_plan(cursor, dialect, rider.plan())
+        except Exception as exc:
+            try:
+                cursor.execute("ROLLBACK TO keel_rider")
+                cursor.execute("RELEASE keel_rider")
+            except Exception:
+                # The engine ended the whole transaction (a full disk): the write fails
+                # with the rider's error, as it would have on its own.
+                raise exc from None
+            rider.error = exc
+            continue
+        cursor.execute("RELEASE keel_rider")
+        carried.append(rider)
+    return carried

@@ -29,7 +29,7 @@ from keel.errors import StoreError
 from keel.stores._dialect import SqlDialect
 from keel.stores._erase_sql import count_deleted
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_plan import Plan, SQLDatabase, Statement
+from keel.stores._sql_plan import Plan, Rider, SQLDatabase, Statement
 from keel.tracing._models import (
     ABANDON_SLACK_CAP_S,
     DEFAULT_RUN_TIME_LIMIT_S,
@@ -418,6 +418,12 @@ class SQLTraceStore(TraceStore):
     ) -> None:
         """Async twin of [`write_batch`][]."""
         await self.db.arun(lambda: _write_batch(self.statements, run, steps, end))
+
+    def rider(self, run: Run | None, steps: Sequence[Step], end: RunEnding | None) -> Rider:
+        """[`awrite_batch`][] as a rider (``keel.stores._sql_plan.Rider``): written by the next
+        write on this store's database in the rider's context (a turn's checkpoint), in the
+        same transaction."""
+        return Rider(self.db, lambda: _write_batch(self.statements, run, steps, end))
 
     def start_run(self, run: Run) -> None:
         """Insert the run (or replace its header, keeping steps and totals)."""

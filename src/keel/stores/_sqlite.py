@@ -38,7 +38,7 @@ from keel.errors import (
 )
 from keel.stores._dialect import SQLITE
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_plan import Plan, run_plan
+from keel.stores._sql_plan import Plan, riders_for, run_plan, run_riders
 
 __all__ = ["CORE_MIGRATIONS", "SQLiteDatabase", "translate_sqlite_error"]
 
@@ -396,8 +396,18 @@ class SQLiteDatabase:
         """Run the statements of ``plan()`` (a fresh plan each call): in one transaction when
         ``write``, else on this thread's connection outside one (a read of one statement is
         atomic on its own)."""
-        with self.transaction() if write else self.translated() as conn:
-            return run_plan(conn.cursor(), self.dialect, plan())
+        if not write:
+            with self.translated() as conn:
+                return run_plan(conn.cursor(), self.dialect, plan())
+        riders = riders_for(self)
+        with self.transaction() as conn:
+            cursor = conn.cursor()
+            result = run_plan(cursor, self.dialect, plan())
+            # What waits for this write (a turn's trace) commits with it, at no extra commit.
+            carried = run_riders(cursor, self.dialect, riders) if riders else ()
+        for rider in carried:
+            rider.ran = True
+        return result
 
     async def arun(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
         """[`run`][] for an event loop, as [`acall`][] runs a call (``plan`` may be called

@@ -28,6 +28,8 @@ _OPENAI_REPLY_PRIMING = 3
 _OPENAI_PER_TOOL_CALL = 6  # id, type and function framing of one call in an assistant turn
 _OPENAI_TOOLS_FRAMING = 12  # the system-side wrapper announcing the functions namespace
 _TOOLS_CACHE_SIZE = 64
+_LAST_LISTS = 8
+"""Lists whose running sums are kept (a turn counts its conversation and its prompt)."""
 
 _CHATML_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -128,7 +130,10 @@ class ChatTokenCounter:
         # Short texts counted again and again (the same memories packed on every turn): their
         # counts, by text. Long texts are tokenized each time rather than kept alive here.
         self._text_counts: dict[str, int] = {}
-        self._last_list: tuple[list[Message], list[int]] | None = None
+        # The running sums of the last lists counted, by their first message's identity (that
+        # message kept alive in the list, so its id is not reused): a prompt and the
+        # conversation it was compiled from are counted in turn, and each continues its own.
+        self._last_lists: dict[int, tuple[list[Message], list[int]]] = {}
 
     @property
     def exact(self) -> bool:
@@ -256,7 +261,8 @@ class ChatTokenCounter:
         """
         # Taken, not shared (``dict.pop`` is atomic): the running sums are cut and extended in
         # place, so a thread counting at the same moment starts afresh instead of from them.
-        previous: tuple[list[Message], list[int]] | None = self.__dict__.pop("_last_list", None)
+        first = id(messages[0]) if messages else 0
+        previous = self._last_lists.pop(first, None)
         start = 0
         running: list[int] = []
         if previous is not None:
@@ -273,7 +279,12 @@ class ChatTokenCounter:
         sums = itertools.accumulate(cast(list[int], counts), initial=running[-1] if running else 0)
         next(sums)  # ``accumulate`` repeats its initial value first
         running.extend(sums)
-        self._last_list = (messages, running)
+        if messages:
+            if len(self._last_lists) >= _LAST_LISTS:
+                # Oldest first; another thread may evict it first.
+                with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                    del self._last_lists[next(iter(self._last_lists))]
+            self._last_lists[first] = (messages, running)
         return running[-1] if running else 0
 
     def _chatml_priming(self) -> int:

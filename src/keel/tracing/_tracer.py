@@ -20,24 +20,19 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar, Token
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import count
 from types import TracebackType
-from typing import Any, Protocol, TypedDict, Unpack
+from typing import Any, Unpack
 
-from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from keel.errors import (
-    GuardError,
-    LoopDetectedError,
-    StepLimitError,
-    TimeLimitError,
-    ToolInDoubtError,
-    TurnInterruptedError,
-)
+from keel.errors import TurnInterruptedError
 from keel.messages import Usage
 from keel.models import Completion
+from keel.tracing._fields import Final as _Final
+from keel.tracing._fields import StepFields, TraceExporter, status_for
 from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepKind
 from keel.tracing._redact import Redactor, redact_json, redact_pii
 from keel.tracing._stats import LOOP_GUARD_NAME
@@ -68,69 +63,6 @@ class _Auto:
 
 
 AUTO = _Auto()
-
-# (status, ended_at, output, error_type, error_message) of a run being ended.
-_Final = tuple[RunStatus, datetime, str | None, str | None, str | None]
-
-
-class StepFields(TypedDict, total=False):
-    """The fields a step can carry; every one is optional. Passed as keyword arguments.
-
-    Text fields are redacted before storage; ``budget``, ``parsed_action`` and ``attributes``
-    are redacted recursively (every string value). Pydantic models are dumped to JSON.
-    ``usage`` fills the token counts; ``completion`` (a [`keel.models.Completion`][]) fills
-    tokens, model, finish reason, time to first token, attempt and the raw output (the text, or
-    the assistant message in the OpenAI wire format when it calls tools). Explicit fields win.
-    """
-
-    prompt_tokens: int
-    completion_tokens: int
-    usage: Usage
-    completion: Completion
-    model: str | None
-    finish_reason: str | None
-    budget: Mapping[str, Any] | BaseModel | None
-    state_version: int | None
-    raw_output: str | None
-    parsed_action: Any
-    tool_name: str | None
-    tool_call_id: str | None
-    tool_arguments: str | Mapping[str, Any] | None
-    tool_result: Any
-    error: BaseException | None
-    error_type: str | None
-    error_message: str | None
-    latency_ms: float | None
-    ttft_ms: float | None
-    attempt: int
-    attributes: Mapping[str, Any]
-
-
-class TraceExporter(Protocol):
-    """Receives each finished run with its steps (already redacted), e.g. for OpenTelemetry."""
-
-    def export(self, run: Run, steps: Sequence[Step]) -> None:
-        """Export one finished run."""
-
-
-def status_for(error: BaseException | None) -> RunStatus:
-    """The run status an exception ends a run with.
-
-    Step and time limits -> ``limited``; loops and tool calls in doubt -> ``escalated`` (a
-    human or the caller must decide); a turn interrupted with its turn left open ->
-    ``interrupted``; anything else -> ``failed``; no error -> ``succeeded``.
-    """
-    if error is None:
-        return "succeeded"
-    if isinstance(error, TurnInterruptedError):
-        return "interrupted"
-    if isinstance(error, StepLimitError | TimeLimitError):
-        return "limited"
-    if isinstance(error, LoopDetectedError | ToolInDoubtError):
-        return "escalated"
-    if isinstance(error, GuardError):
-        return "limited"
-    return "failed"
 
 
 def _now() -> datetime:
@@ -442,6 +374,24 @@ class Tracer:
                 self._failed("export", exc)
 
 
+@dataclass(frozen=True, slots=True)
+class TraceBatch:
+    """A buffered run's writes taken out of it (see [`RunTrace.take_batch`][]): the header
+    when not stored yet, the steps, and with [`RunTrace.take_end`][] the run's end, for
+    ``store``."""
+
+    store: TraceStore
+    run_id: str
+    run: Run | None
+    steps: list[Step]
+    final: _Final | None = None
+
+    @property
+    def end(self) -> RunEnding | None:
+        """The run's end as the store writes it (None for a batch of steps)."""
+        return None if self.final is None else RunEnding(self.run_id, *self.final)
+
+
 class RunTrace:
     """One run being traced. Made by [`Tracer.start_run`][]; ended by [`end`][]."""
 
@@ -735,6 +685,67 @@ class RunTrace:
         if run is not None:
             self._stored = True
 
+    def take_batch(self) -> TraceBatch | None:
+        """What [`aflush`][] would write now (the header if not stored yet, the steps since
+        the last flush), taken out of the run, for a caller that writes it in a transaction of
+        its own (the turn's checkpoint before a model call: one commit for both). None when
+        there is nothing to write. Hand it back with [`batch_written`][],
+        [`batch_failed`][] or [`batch_returned`][], or write it with [`awrite`][]."""
+        batch = self._batch()
+        if batch is None:
+            return None
+        store, run, steps = batch
+        if run is None and not steps:
+            return None
+        return TraceBatch(store, self.run_id, run, steps)
+
+    def take_end(
+        self,
+        status: RunStatus | None = None,
+        *,
+        output: str | None = None,
+        error: BaseException | None = None,
+    ) -> TraceBatch | None:
+        """[`aend`][]'s batch (what is pending and the run's end) taken out of the run, as
+        [`take_batch`][] takes a flush's: the run ends when the batch is handed back written
+        or failed (or written with [`awrite`][]); handed back unwritten, it runs on. None
+        when the run is not buffered or has ended (end it with [`aend`][])."""
+        batch = self._batch() if self.status == "running" else None
+        if batch is None:
+            return None
+        store, run, steps = batch
+        return TraceBatch(store, self.run_id, run, steps, self._final(status, output, error))
+
+    def batch_written(self, batch: TraceBatch) -> None:
+        """``batch`` was committed by its caller."""
+        if batch.run is not None:
+            self._stored = True
+        self._ended(batch)
+
+    def batch_failed(self, batch: TraceBatch, exc: Exception) -> None:
+        """``batch`` failed to write: as a failed [`aflush`][] (logged, the steps dropped,
+        the header tried again with the next batch)."""
+        self._flush_failed(batch.end, batch.steps, exc)
+        self._ended(batch)
+
+    def batch_returned(self, batch: TraceBatch) -> None:
+        """``batch`` was not written (rolled back): its steps go back for the next flush."""
+        self._pending[:0] = batch.steps
+
+    async def awrite(self, batch: TraceBatch) -> None:
+        """Write ``batch`` on its own, as [`aflush`][] or [`aend`][] would. Never raises."""
+        try:
+            await batch.store.awrite_batch(run=batch.run, steps=batch.steps, end=batch.end)
+        except Exception as exc:
+            self.batch_failed(batch, exc)
+            return
+        self.batch_written(batch)
+
+    def _ended(self, batch: TraceBatch) -> None:
+        if batch.final is not None and self.status == "running":
+            self.status = batch.final[0]
+            self._exported(batch.final)
+
     def _flush_failed(self, end: RunEnding | None, steps: list[Step], exc: Exception) -> None:
         what = "run end" if end is not None else f"{len(steps)} steps"
         self.tracer._failed(what, exc)
@@ -746,8 +757,15 @@ class RunTrace:
     ) -> _Final | None:
         if self.status != "running":
             return None  # ended already; ending twice is a no-op
+        final = self._final(status, output, error)
+        self.status = final[0]
+        return final
+
+    def _final(
+        self, status: RunStatus | None, output: str | None, error: BaseException | None
+    ) -> _Final:
+        """The run's end as it is written (redacted), the run not marked ended yet."""
         final = status or status_for(error)
-        self.status = final
         ended = _now()
         try:
             redacted_output = self.tracer._text(output)
@@ -758,9 +776,7 @@ class RunTrace:
             redacted_output = error_type = error_message = None
         return final, ended, redacted_output, error_type, error_message
 
-    def _exported(
-        self, final: tuple[RunStatus, datetime, str | None, str | None, str | None]
-    ) -> None:
+    def _exported(self, final: _Final) -> None:
         if not self.tracer.exporters or self._header is None:
             return
         status, ended, output, error_type, error_message = final
