@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
 
 from keel._bridge import run_blocking
@@ -23,6 +23,7 @@ from keel.errors import (
     StorageFullError,
     StoreError,
 )
+from keel.stores._availability import Availability
 from keel.stores._dialect import POSTGRES
 from keel.stores._migrations import MigrationSet
 from keel.stores._sql_plan import Plan, arun_plan, run_plan
@@ -125,8 +126,25 @@ def translate_postgres_error(exc: Exception, url: str) -> StoreError:
             f"is on): {exc}"
         )
     if isinstance(exc, psycopg.OperationalError):
-        return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}")
+        return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}", store=_STORE)
     return StoreError(f"PostgreSQL at {where}: {exc}")
+
+
+_STORE = "postgresql"
+
+
+def _went_away(exc: Exception) -> bool:
+    """Whether ``exc`` says the server went away (refused, cut, shut down, restarting, or no
+    connection within the pool's timeout), rather than that one statement failed."""
+    import psycopg
+    from psycopg_pool import PoolTimeout
+
+    if isinstance(exc, PoolTimeout):
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    sqlstate = getattr(exc, "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith(("08", "57P"))
 
 
 def _location(url: str) -> str:
@@ -195,6 +213,8 @@ class PostgresDatabase:
         self._apool: Any = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._aopening: asyncio.Future[None] | None = None
+        self.availability = Availability(_STORE, _location(url))
+        """Whether the server answered lately: while it is down, calls fail at once."""
 
     def open(self) -> None:
         """Open the pool and wait for its first connection (idempotent).
@@ -242,20 +262,58 @@ class PostgresDatabase:
         # libpq's message spans lines (a hint on a tab-indented second line): one line here.
         reason = " ".join(str(exc).split())
         return BackendUnavailableError(
-            f"cannot connect to PostgreSQL at {_location(self.url)}: {reason}"
+            f"cannot connect to PostgreSQL at {_location(self.url)}: {reason}", store=_STORE
         )
+
+    def _failure(self, exc: Exception) -> StoreError:
+        """The keel error for a psycopg error; one that says the server went away marks it
+        down, so that the next calls fail at once instead of waiting for the pool."""
+        error = translate_postgres_error(exc, self.url)
+        error.store = _STORE
+        if _went_away(exc):
+            self.availability.failed(" ".join(str(exc).split()))
+        return error
+
+    def _recover(self) -> None:
+        """While the server is down: try it with one new connection; when it answers, drop
+        the sync pool's connections that died with it."""
+        try:
+            self._first_connection()
+        except BackendUnavailableError as exc:
+            self.availability.failed(str(exc))
+            raise
+        if self._opened:
+            with suppress(Exception):  # the pool replaces on its own what fails later
+                self._pool.check()
+        self.availability.answered()
+
+    async def _arecover(self) -> None:
+        """Async twin of [`_recover`][], for the running loop's pool."""
+        try:
+            await self._afirst_connection()
+        except BackendUnavailableError as exc:
+            self.availability.failed(str(exc))
+            raise
+        opening = self._aopening
+        ours = self._apool is not None and self._aloop is asyncio.get_running_loop()
+        if ours and opening is not None and opening.done() and not opening.cancelled():
+            with suppress(Exception):  # as in _recover
+                await self._apool.check()
+        self.availability.answered()
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
         """A pooled connection in autocommit: each statement is its own transaction."""
         import psycopg
 
+        if self.availability.must_try():  # raises while down, but once an interval
+            self._recover()
         self.open()
         try:
             with self._pool.connection() as conn:
                 yield conn
         except psycopg.Error as exc:
-            raise translate_postgres_error(exc, self.url) from exc
+            raise self._failure(exc) from exc
 
     @contextmanager
     def transaction(self) -> Iterator[Any]:
@@ -303,12 +361,14 @@ class PostgresDatabase:
         """Async twin of [`connection`][], from the running event loop's pool."""
         import psycopg
 
+        if self.availability.must_try():  # raises while down, but once an interval
+            await self._arecover()
         try:
             pool = await self._async_pool()
             async with pool.connection() as conn:
                 yield conn
         except psycopg.Error as exc:
-            raise translate_postgres_error(exc, self.url) from exc
+            raise self._failure(exc) from exc
 
     @asynccontextmanager
     async def atransaction(self) -> AsyncIterator[Any]:
@@ -359,7 +419,8 @@ class PostgresDatabase:
                 await asyncio.gather(*(hold_one() for _ in range(wanted)))
         except TimeoutError as exc:
             raise BackendUnavailableError(
-                f"PostgreSQL at {_location(self.url)} did not answer within {self.timeout:g} s"
+                f"PostgreSQL at {_location(self.url)} did not answer within {self.timeout:g} s",
+                store=_STORE,
             ) from exc
 
     def close(self) -> None:

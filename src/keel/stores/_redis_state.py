@@ -308,9 +308,9 @@ class _RedisScripts:
     def _translated(self, exc: Exception) -> Exception:
         redis = self._redis
         if isinstance(exc, redis.TimeoutError):
-            return BackendUnavailableError(f"Redis timed out: {exc}")
+            return BackendUnavailableError(f"Redis timed out: {exc}", store="redis")
         if isinstance(exc, redis.ConnectionError):
-            return BackendUnavailableError(f"Redis is unavailable: {exc}")
+            return BackendUnavailableError(f"Redis is unavailable: {exc}", store="redis")
         return StoreError(f"Redis: {exc}")
 
     def call(self, name: str, keys: list[str], args: list[Any]) -> Any:
