@@ -62,18 +62,22 @@ def _assert_not_ready(client: httpx.Client, store: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def own_postgres() -> Iterator[PostgresTestServer]:
+def own_postgres() -> Iterator[tuple[PostgresTestServer, StoppablePostgres]]:
     """A PostgreSQL of this module's own: the tests stop it."""
     with postgres_server() as server:
-        yield server
+        stoppable = StoppablePostgres(server)
+        try:
+            yield server, stoppable
+        finally:
+            stoppable.stop_for_good()
 
 
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 def test_postgres_stopped_gives_503_fast_and_the_same_worker_serves_when_it_is_back(
-    own_postgres: PostgresTestServer, mode: str
+    own_postgres: tuple[PostgresTestServer, StoppablePostgres], mode: str
 ) -> None:
-    stoppable = StoppablePostgres(own_postgres)
-    with own_postgres.throwaway_database() as url:
+    server, stoppable = own_postgres
+    with server.throwaway_database() as url:
         app, _, keys = build_service(url, model=ScriptedModel(_echo), memory=False)
         key = keys.create("acme")
         with serving(app) as running:
@@ -145,12 +149,13 @@ def test_redis_stopped_gives_503_and_the_same_worker_serves_when_it_is_back(
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_a_connection_cut_at_commit_loses_and_doubles_nothing(
+def test_a_connection_cut_mid_write_loses_and_doubles_nothing(
     postgres_test_server: PostgresTestServer, postgres_url: str, tmp_path: Path, when: str
 ) -> None:
-    """The proxy cuts the connection of the next three COMMITs it sees (dropped before the
-    server reads them, or delivered with the answer dropped), in the middle of a turn; the
-    client sends the turn again with its key until it lands."""
+    """The proxy cuts the connection of the turn's next two checkpoint writes (each one
+    statement, atomic: dropped before the server reads it, or delivered and committed with the
+    answer dropped), in the middle of a turn; the client sends the turn again with its key
+    until it lands."""
     booked: list[str] = []
 
     @tool(side_effect=True, idempotent=False)
@@ -175,11 +180,11 @@ def test_a_connection_cut_at_commit_loses_and_doubles_nothing(
         f"unix:{socket}",
         tmp_path / "proxy.log",
         "--cut-on",
-        "COMMIT",
+        "INSERT INTO keel_state_checkpoints",
         "--cut-when",
         when,
         "--cut-count",
-        "3",
+        "2",
         "--disarmed",
     )
     through_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}"
@@ -210,7 +215,7 @@ def test_a_connection_cut_at_commit_loses_and_doubles_nothing(
                         # As a load balancer does: back to this worker once it is ready.
                         _ready_again(client)
                 assert statuses[-1] == 200 and 503 in statuses, statuses
-                assert len(proxy.cuts()) == 3, proxy.cuts()
+                assert len(proxy.cuts()) == 2, proxy.cuts()
                 assert _user_messages(client, "s1") == ["t0", "t1"]
                 in_doubt = client.get("/v1/sessions/s1/in-doubt").json()
     finally:

