@@ -306,6 +306,8 @@ class _Driver:
         """Each 200: the worker, when, the reply's text (the chaos run's recovery times)."""
         self.refused_s: list[float] = []
         """How long each 503 took to come back (a store that is down must fail fast)."""
+        self.honour_retry_after = False
+        """Wait a 503's ``Retry-After`` before sending the turn again (else 50-250 ms)."""
         self.round_robin = iter(range(1 << 62))
         self.started = time.monotonic()
         self.stop_at = self.started + load.duration_s
@@ -350,6 +352,9 @@ class _Driver:
                     return
                 if response.status_code == 503:
                     self.refused_s.append(time.monotonic() - sent_at)
+                    wait = response.headers.get("Retry-After", "")
+                    if self.honour_retry_after and wait.isdigit():
+                        await asyncio.sleep(int(wait) * self.rng.uniform(1.0, 1.5))
                 if response.status_code not in (409, 429, 500, 502, 503):
                     turn.gave_up = True
                     turn.ended = time.monotonic()

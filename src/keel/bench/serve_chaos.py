@@ -22,6 +22,9 @@ balancer would, until it lands. Faults, at seeded random times (the seed is prin
   calls its non-idempotent ``write`` instead of ``book``; the server is killed and restarted,
   hung (SIGSTOP) for 2-10 s, or down for 2-10 s. Its effects are counted from its own file.
 
+The client sends a turn again after a 503 once its ``Retry-After`` has passed (1-1.5 times it),
+after a dropped connection or a 409 within 50-250 ms.
+
 Counted per kind from the committed state and the effects (the ``bench_effects`` rows, the MCP
 server's file): turns sent, committed, answered 503 (``failed_fast``, with the slowest such
 answer), lost (answered 200, absent from the state afterwards), duplicated, double effects,
@@ -219,6 +222,9 @@ class _ChaosDriver(_Driver):
         self.kind = kind
         self.fault_rng = random.Random(f"{chaos.seed}-{kind}")
         self.faults: list[_Fault] = []
+        # As a well-behaved client (or a load balancer) does: a worker whose store is down is
+        # not asked again before its Retry-After.
+        self.honour_retry_after = True
 
     async def run(self) -> int:
         injecting = asyncio.create_task(self._inject())

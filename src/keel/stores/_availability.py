@@ -35,6 +35,8 @@ class Availability:
         self.retry_every_s = retry_every_s
         self.down_since: float | None = None
         self.reason = ""
+        self.refused = 0
+        """Tries of a new connection that failed since the server went away."""
         self._next_try = 0.0
         self._lock = threading.Lock()
 
@@ -71,17 +73,21 @@ class Availability:
             now = time.monotonic()
             if tried:
                 self._next_try = now + self.retry_every_s
+                self.refused += 1
             elif self.down_since is None:
                 self._next_try = now
             if self.down_since is None:
                 self.down_since = now
             self.reason = reason
 
-    def answered(self) -> None:
-        """The server answered: calls go to it again."""
+    def answered(self) -> int:
+        """The server answered: calls go to it again. How many tries had failed before (none:
+        a connection was cut, the server itself never went away)."""
         with self._lock:
+            refused, self.refused = self.refused, 0
             self.down_since = None
             self.reason = ""
+            return refused
 
     def unavailable(self) -> BackendUnavailableError:
         """The error a call gets while the server is down."""

@@ -137,10 +137,12 @@ def _went_away(exc: Exception) -> bool:
     """Whether ``exc`` says the server went away (refused, cut, shut down, restarting, or no
     connection within the pool's timeout), rather than that one statement failed."""
     import psycopg
-    from psycopg_pool import PoolTimeout
+    from psycopg_pool import PoolClosed, PoolTimeout
 
     if isinstance(exc, PoolTimeout):
         return True
+    if isinstance(exc, PoolClosed):  # a pool replaced after an outage: the server is back
+        return False
     if not isinstance(exc, psycopg.OperationalError):
         return False
     sqlstate = getattr(exc, "sqlstate", None)
@@ -302,7 +304,8 @@ class PostgresDatabase:
         except BackendUnavailableError as exc:
             self.availability.failed(str(exc), tried=True)
             raise
-        self.availability.answered()
+        if self.availability.answered():
+            self._new_pool()
 
     async def _arecover(self) -> None:
         """Async twin of [`_recover`][], for the running loop's pool."""
@@ -311,7 +314,38 @@ class PostgresDatabase:
         except BackendUnavailableError as exc:
             self.availability.failed(str(exc), tried=True)
             raise
-        self.availability.answered()
+        if self.availability.answered() and self._aloop is asyncio.get_running_loop():
+            await self._anew_pool()
+
+    # After an outage in which the server refused new connections, a pool waits out its own
+    # reconnection back-off (doubling from 1 s) before it grows again, and holds every caller
+    # meanwhile: a fresh pool serves at once instead.
+
+    def _new_pool(self) -> None:
+        """The sync pool replaced by a fresh one, opened at the next call."""
+        from psycopg_pool import ConnectionPool
+
+        with self._open_lock:
+            old, self._opened = self._pool, False
+            self._pool = ConnectionPool(
+                self.url,
+                min_size=self.min_size,
+                max_size=self.max_size,
+                timeout=self.timeout,
+                kwargs=self._options,
+                open=False,
+            )
+        self._stale.discard("sync")
+        with suppress(Exception):  # its callers get PoolClosed: 503, and send again
+            old.close(timeout=0)
+
+    async def _anew_pool(self) -> None:
+        """The running loop's pool replaced by a fresh one, opened at the next call."""
+        old, self._apool = self._apool, None
+        self._stale.discard("async")
+        if old is not None:
+            with suppress(Exception):  # as in _new_pool
+                await old.close(timeout=0)
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
