@@ -152,10 +152,10 @@ def test_redis_stopped_gives_503_and_the_same_worker_serves_when_it_is_back(
 def test_a_connection_cut_mid_write_loses_and_doubles_nothing(
     postgres_test_server: PostgresTestServer, postgres_url: str, tmp_path: Path, when: str
 ) -> None:
-    """The proxy cuts the connection of the turn's next two checkpoint writes (each one
-    statement, atomic: dropped before the server reads it, or delivered and committed with the
-    answer dropped), in the middle of a turn; the client sends the turn again with its key
-    until it lands."""
+    """The proxy cuts the connection that carries the turn's last checkpoint (the one with the
+    final answer; one statement, atomic): dropped before the server reads it, or delivered and
+    committed with the answer dropped. The client sends the turn again with its key until it
+    lands."""
     booked: list[str] = []
 
     @tool(side_effect=True, idempotent=False)
@@ -180,11 +180,11 @@ def test_a_connection_cut_mid_write_loses_and_doubles_nothing(
         f"unix:{socket}",
         tmp_path / "proxy.log",
         "--cut-on",
-        "INSERT INTO keel_state_checkpoints",
+        "Done: booked t1",
         "--cut-when",
         when,
         "--cut-count",
-        "2",
+        "1",
         "--disarmed",
     )
     through_proxy = f"postgresql://postgres@127.0.0.1:{proxy.port}/{database}"
@@ -215,7 +215,7 @@ def test_a_connection_cut_mid_write_loses_and_doubles_nothing(
                         # As a load balancer does: back to this worker once it is ready.
                         _ready_again(client)
                 assert statuses[-1] == 200 and 503 in statuses, statuses
-                assert len(proxy.cuts()) == 2, proxy.cuts()
+                assert len(proxy.cuts()) == 1, proxy.cuts()
                 assert _user_messages(client, "s1") == ["t0", "t1"]
                 in_doubt = client.get("/v1/sessions/s1/in-doubt").json()
     finally:
