@@ -9,7 +9,7 @@ a turn that waited for the pool instead of failing fast shows as a client timeou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -72,6 +72,32 @@ def own_postgres() -> Iterator[tuple[PostgresTestServer, StoppablePostgres]]:
             stoppable.stop_for_good()
 
 
+def _outage_and_recovery(
+    url: str, key: str, store: str, stop: Callable[[], None], start: Callable[[], None]
+) -> None:
+    """Through the service at ``url``: a turn; ``stop`` the store: turns sent meanwhile get 503
+    at once (several: the pool's dead connections first, then the known outage), never a wait
+    for the pool, and ``/ready`` names the store; ``start`` it: the same server is ready
+    again by itself, the turn sent again with its key lands once, the first one is kept."""
+    headers = {"Authorization": f"Bearer {key}"}
+    two = {"json": {"message": "two", "user": "u1"}, "headers": {"Idempotency-Key": "two"}}
+    with httpx.Client(base_url=url, headers=headers, timeout=_TIMEOUT_S) as client:
+        first = client.post("/v1/sessions/s1/turns", json={"message": "one", "user": "u1"})
+        assert first.status_code == 200, first.text
+        stop()
+        try:
+            for _ in range(6):
+                _assert_fails_fast(client.post("/v1/sessions/s1/turns", **two))
+            _assert_not_ready(client, store)
+        finally:
+            start()
+        assert _ready_again(client).json() == {"status": "ready"}
+        again = client.post("/v1/sessions/s1/turns", **two)
+        assert again.status_code == 200, again.text
+        assert again.json()["text"] == "echo: two"
+        assert _user_messages(client, "s1") == ["one", "two"]
+
+
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 def test_postgres_stopped_gives_503_fast_and_the_same_worker_serves_when_it_is_back(
     own_postgres: tuple[PostgresTestServer, StoppablePostgres], mode: str
@@ -81,38 +107,15 @@ def test_postgres_stopped_gives_503_fast_and_the_same_worker_serves_when_it_is_b
         app, _, keys = build_service(url, model=ScriptedModel(_echo), memory=False)
         key = keys.create("acme")
         with serving(app) as running:
-            headers = {"Authorization": f"Bearer {key}"}
-            with httpx.Client(base_url=running.url, headers=headers, timeout=_TIMEOUT_S) as client:
-                first = client.post("/v1/sessions/s1/turns", json={"message": "one", "user": "u1"})
-                assert first.status_code == 200, first.text
-                stoppable.stop(mode)
-                try:
-                    # Every turn while it is down: 503 at once (several: the pool's dead
-                    # connections first, then the known outage), never a wait for the pool.
-                    for _ in range(6):
-                        down = client.post(
-                            "/v1/sessions/s1/turns",
-                            json={"message": "two", "user": "u1"},
-                            headers={"Idempotency-Key": "turn-two"},
-                        )
-                        _assert_fails_fast(down)
-                    _assert_not_ready(client, "postgresql")
-                finally:
-                    stoppable.start()
-                assert _ready_again(client).json() == {"status": "ready"}
-                again = client.post(
-                    "/v1/sessions/s1/turns",
-                    json={"message": "two", "user": "u1"},
-                    headers={"Idempotency-Key": "turn-two"},
-                )
-                assert again.status_code == 200, again.text
-                assert again.json()["text"] == "echo: two"
-                assert _user_messages(client, "s1") == ["one", "two"]
+            _outage_and_recovery(
+                running.url, key, "postgresql", lambda: stoppable.stop(mode), stoppable.start
+            )
 
 
 def test_redis_stopped_gives_503_and_the_same_worker_serves_when_it_is_back(
     postgres_url: str, tmp_path: Path
 ) -> None:
+    """The state in Redis; its append-only file keeps the first turn across the restart."""
     redis = StoppableRedis(tmp_path / "redis")
     with redis.running():
         app, _, keys = build_service(
@@ -120,32 +123,7 @@ def test_redis_stopped_gives_503_and_the_same_worker_serves_when_it_is_back(
         )
         key = keys.create("acme")
         with serving(app) as running:
-            headers = {"Authorization": f"Bearer {key}"}
-            with httpx.Client(base_url=running.url, headers=headers, timeout=_TIMEOUT_S) as client:
-                assert client.post(
-                    "/v1/sessions/s1/turns", json={"message": "one", "user": "u1"}
-                ).is_success
-                redis.stop()
-                try:
-                    for _ in range(3):
-                        down = client.post(
-                            "/v1/sessions/s1/turns",
-                            json={"message": "two", "user": "u1"},
-                            headers={"Idempotency-Key": "turn-two"},
-                        )
-                        _assert_fails_fast(down)
-                    _assert_not_ready(client, "redis")
-                finally:
-                    redis.start()
-                assert _ready_again(client).json() == {"status": "ready"}
-                again = client.post(
-                    "/v1/sessions/s1/turns",
-                    json={"message": "two", "user": "u1"},
-                    headers={"Idempotency-Key": "turn-two"},
-                )
-                assert again.status_code == 200, again.text
-                # The append-only file kept the first turn across the restart.
-                assert _user_messages(client, "s1") == ["one", "two"]
+            _outage_and_recovery(running.url, key, "redis", redis.stop, redis.start)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

@@ -271,7 +271,6 @@ def _recoveries(driver: _ChaosDriver, workers: int) -> list[float | None]:
 
 
 def _figures(
-    kind: str,
     chaos: ChaosLoad,
     driver: _ChaosDriver,
     held: Counter[str],
@@ -377,7 +376,7 @@ async def _drive_phase(
     finally:
         gc.unfreeze()
         fleet.stop()
-    return _figures(phase.kind, chaos, driver, held, effects, reconciled)
+    return _figures(chaos, driver, held, effects, reconciled)
 
 
 def _proxied(url: str, port: int) -> str:

@@ -321,20 +321,25 @@ class PostgresDatabase:
     # reconnection back-off (doubling from 1 s) before it grows again, and holds every caller
     # meanwhile: a fresh pool serves at once instead.
 
-    def _new_pool(self) -> None:
-        """The sync pool replaced by a fresh one, opened at the next call."""
+    def _sync_pool(self) -> Any:
+        """A sync pool of this database's sizes and options, not opened yet (as ``__init__``
+        makes the first one)."""
         from psycopg_pool import ConnectionPool
 
+        return ConnectionPool(
+            self.url,
+            min_size=self.min_size,
+            max_size=self.max_size,
+            timeout=self.timeout,
+            kwargs=self._options,
+            open=False,
+        )
+
+    def _new_pool(self) -> None:
+        """The sync pool replaced by a fresh one, opened at the next call."""
         with self._open_lock:
             old, self._opened = self._pool, False
-            self._pool = ConnectionPool(
-                self.url,
-                min_size=self.min_size,
-                max_size=self.max_size,
-                timeout=self.timeout,
-                kwargs=self._options,
-                open=False,
-            )
+            self._pool = self._sync_pool()
         self._stale.discard("sync")
         with suppress(Exception):  # its callers get PoolClosed: 503, and send again
             old.close(timeout=0)
