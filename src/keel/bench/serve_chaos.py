@@ -525,7 +525,9 @@ def run_chaos_bench(
     """
     unknown = [kind for kind in kinds if kind not in CHAOS_KINDS]
     if unknown:
-        raise ValueError(f"unknown chaos kind(s) {', '.join(unknown)}: use {CHAOS_KINDS}")
+        raise ValueError(
+            f"unknown chaos kind(s) {', '.join(unknown)}: use {', '.join(CHAOS_KINDS)}"
+        )
     chaos = ChaosLoad(
         workers,
         sessions,
