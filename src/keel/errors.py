@@ -229,6 +229,10 @@ class ApprovalSettledError(KeelRuntimeError):
 class StoreError(KeelRuntimeError):
     """A storage backend failed."""
 
+    store: str | None = None
+    """Which store failed (``"postgresql"``, ``"redis"``, ``"sqlite"``), where the code that
+    raised knew it: ``/ready`` names it."""
+
 
 class ConflictError(StoreError):
     """A compare-and-set write lost: the version the writer read is no longer current."""
@@ -308,7 +312,17 @@ class DatabaseReadOnlyError(DataDirectoryError):
 
 
 class BackendUnavailableError(StoreError):
-    """A server backend (PostgreSQL, Redis) cannot be reached."""
+    """A server backend (PostgreSQL, Redis) cannot be reached: refused, cut mid-call, shut
+    down, or known to be down since a recent failure (keel fails fast then, and tries the
+    server again about every ``retry_after_s`` seconds). The service answers 503 with
+    ``Retry-After``."""
+
+    def __init__(
+        self, message: str, *, store: str | None = None, retry_after_s: float = 1.0
+    ) -> None:
+        super().__init__(message)
+        self.store = store
+        self.retry_after_s = retry_after_s
 
 
 class ExpiredError(StoreError):

@@ -22,7 +22,7 @@ from keel.messages import Message
 from keel.service import Drain, DrainingServer, build_service
 from keel.service._protocol import ServiceConfig
 from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import Tool, tool
+from keel.tools import MCPServer, Tool, tool
 
 __all__ = ["EFFECTS_TABLE", "WORKER_ENV", "effect_tool", "main"]
 
@@ -35,6 +35,15 @@ def _policy(call: ScriptedCall) -> Message | str:
     if last.role == "tool":
         return f"Done: {last.content}"
     return ScriptedModel.tool_call("book", json.dumps({"tag": call.last_user_text}))
+
+
+def _mcp_policy(call: ScriptedCall) -> Message | str:
+    """The MCP fault server's ``write`` instead of ``book``: its effect is a line in the
+    server's own file."""
+    last = call.messages[-1]
+    if last.role == "tool":
+        return f"Done: {last.content}"
+    return ScriptedModel.tool_call("write", json.dumps({"item": call.last_user_text}))
 
 
 async def _nothing_to_open() -> None:
@@ -55,6 +64,10 @@ def effect_tool(effects: str) -> tuple[Tool, Callable[[], Awaitable[None]]]:
         connection: list[psycopg.AsyncConnection[Any]] = []
 
         async def connect() -> None:
+            # Again after the server went away (a restart closes it): the chaos bench stops
+            # the database under the tool.
+            if connection and connection[0].closed:
+                connection.clear()
             if not connection:
                 connection.append(await psycopg.AsyncConnection.connect(effects, autocommit=True))
 
@@ -110,13 +123,19 @@ def _opening_first(app: ASGIApp, open_first: Callable[[], Awaitable[None]]) -> A
 
 def main() -> None:
     options = json.loads(os.environ[WORKER_ENV])
-    model = ScriptedModel(_policy, delay_s=options["model_latency_s"])
+    mcp_url = options.get("mcp_url")
+    model = ScriptedModel(_mcp_policy if mcp_url else _policy, delay_s=options["model_latency_s"])
     drain = Drain()
     book, open_book = effect_tool(options["effects"])
+    tools: list[Tool | MCPServer] = [book]
+    if mcp_url:
+        # The chaos bench's MCP server (keel's fault server over streamable HTTP), killed,
+        # hung and stopped under load; its calls time out after a few seconds.
+        tools.append(MCPServer.http(mcp_url, name="fault", timeout_s=options.get("mcp_timeout_s")))
     service, _, _ = build_service(
         options["database"],
         model=model,
-        tools=[book],
+        tools=tools,
         redis_url=options.get("redis_url") or "",
         memory=False,
         drain=drain,

@@ -249,18 +249,27 @@ class _Load:
     seed: int
 
 
-async def _reconcile(client: Any, url: str, sessions: int, effects: str) -> dict[str, int]:
+async def _reconcile(
+    client: Any,
+    url: str,
+    sessions: int,
+    effects: str,
+    *,
+    done: Counter[str] | None = None,
+    argument: str = "tag",
+) -> dict[str, int]:
     """The operator's pass: each in-doubt call (started, no result recorded: its worker died
-    mid-call) is resolved from the effects table, the source of truth for whether it ran."""
+    mid-call) is resolved from the effects table (or ``done``: the effects counted elsewhere,
+    by the call's ``argument``), the source of truth for whether it ran."""
     entries = []
     for session in range(sessions):
         response = await client.get(f"{url}/v1/sessions/s{session}/in-doubt")
         response.raise_for_status()
         entries += response.json()
-    done = _effect_counts(effects)
+    done = _effect_counts(effects) if done is None else done
     took_effect = 0
     for entry in entries:
-        tag = json.loads(entry["arguments"])["tag"]
+        tag = json.loads(entry["arguments"])[argument]
         happened = done[tag] > 0
         took_effect += happened
         verdict = {"ok": happened, "content": f"booked {tag}" if happened else "not booked"}
@@ -293,6 +302,12 @@ class _Driver:
         self.statuses: Counter[str] = Counter()
         self.turns: list[_Turn] = []
         self.kill_windows: list[tuple[float, float]] = []
+        self.answered: list[tuple[int, float, str]] = []
+        """Each 200: the worker, when, the reply's text (the chaos run's recovery times)."""
+        self.refused_s: list[float] = []
+        """How long each 503 took to come back (a store that is down must fail fast)."""
+        self.honour_retry_after = False
+        """Wait a 503's ``Retry-After`` before sending the turn again (else 50-250 ms)."""
         self.round_robin = iter(range(1 << 62))
         self.started = time.monotonic()
         self.stop_at = self.started + load.duration_s
@@ -316,7 +331,9 @@ class _Driver:
         deadline = turn.started + self.load.turn_timeout_s
         while True:
             turn.attempts += 1
-            url = self.fleet.url(next(self.round_robin) % self.load.workers)
+            index = next(self.round_robin) % self.load.workers
+            url = self.fleet.url(index)
+            sent_at = time.monotonic()
             try:
                 response = await self.client.post(
                     f"{url}/v1/sessions/s{session}/turns",
@@ -328,9 +345,16 @@ class _Driver:
             else:
                 self.statuses[str(response.status_code)] += 1
                 if response.status_code == 200:
-                    turn.reply_status = response.json()["status"]
+                    reply = response.json()
+                    turn.reply_status = reply["status"]
                     turn.ended = time.monotonic()
+                    self.answered.append((index, turn.ended, str(reply.get("text") or "")))
                     return
+                if response.status_code == 503:
+                    self.refused_s.append(time.monotonic() - sent_at)
+                    wait = response.headers.get("Retry-After", "")
+                    if self.honour_retry_after and wait.isdigit():
+                        await asyncio.sleep(int(wait) * self.rng.uniform(1.0, 1.5))
                 if response.status_code not in (409, 429, 500, 502, 503):
                     turn.gave_up = True
                     turn.ended = time.monotonic()

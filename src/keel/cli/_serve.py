@@ -383,7 +383,10 @@ def bench_serve_command(
     workers: Annotated[int, typer.Option(min=1, help="Worker processes on PostgreSQL.")] = 4,
     sessions: Annotated[int, typer.Option(min=1, help="Concurrent sessions.")] = 200,
     duration: Annotated[
-        float | None, typer.Option(min=1, help="Seconds of load (60; 30 with --hostile).")
+        float | None,
+        typer.Option(
+            min=1, help="Seconds of load (60; 30 with --hostile; 30 per kind with --chaos)."
+        ),
     ] = None,
     kill_every: Annotated[
         float, typer.Option(min=0, help="Seconds between SIGKILLs of a random worker (0: none).")
@@ -408,12 +411,42 @@ def bench_serve_command(
             "10 MB chunked bodies and bodies a byte a second.",
         ),
     ] = False,
+    chaos: Annotated[
+        str | None,
+        typer.Option(
+            "--chaos",
+            help="Instead of worker kills, infrastructure faults, one phase of --duration "
+            "(default 30 s) per kind: postgres (stopped 2-10 s, fast or immediate), redis "
+            "(stopped and restarted), network (a proxy resets connections), disk (the "
+            "database's tmpfs full; needs root), mcp (an MCP server killed, hung, down). "
+            "Comma-separated.",
+        ),
+    ] = None,
 ) -> None:
     """The service under load on PostgreSQL + Redis while workers are SIGKILLed and restarted:
     lost and duplicated turns, double effects (counted from the effects), keel-added latency,
-    RSS; then the same on SQLite with one worker. With --hostile, against hostile clients."""
+    RSS; then the same on SQLite with one worker. With --hostile, against hostile clients; with
+    --chaos, while PostgreSQL, Redis, the network, the disk or an MCP server fail (no kills)."""
     if hostile:
         _bench_hostile(duration or 30.0, seed, as_json)
+        return
+    if chaos is not None:
+        from keel.bench.serve_chaos import run_chaos_bench
+
+        kinds = [kind.strip() for kind in chaos.split(",") if kind.strip()]
+        _bench_chaos(
+            run_chaos_bench,
+            kinds,
+            as_json,
+            workers=workers,
+            sessions=sessions,
+            duration_s=duration or 30.0,
+            model_latency_ms=model_latency_ms,
+            think_s=think,
+            lease_ttl_s=lease_ttl,
+            seed=seed,
+            progress=lambda text: err_console.print(text, markup=False),
+        )
         return
     from keel.bench.serve import run_serve_bench
 
@@ -446,6 +479,35 @@ def bench_serve_command(
             f"{figures['double_effects']}; RSS max {figures['rss_mb_max']} MB",
             markup=False,
         )
+
+
+def _bench_chaos(run: Any, kinds: list[str], as_json: bool, **options: Any) -> None:
+    """``keel bench serve --chaos``: the report, one line per kind (or the JSON)."""
+    try:
+        report = run(kinds, **options)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--chaos") from None
+    if as_json:
+        emit_json(report)
+        return
+    for kind, figures in report["chaos"].items():
+        if "skipped" in figures:
+            out_console.print(f"{kind}: skipped ({figures['skipped']})", markup=False)
+            continue
+        out_console.print(
+            f"{kind}: {figures['injections']} faults, {figures['down_s']} s down; "
+            f"{figures['committed']} of {figures['turns_sent']} turns committed, "
+            f"{figures['failed_fast']} answers 503 (slowest {figures['failed_fast_ms_max']} ms); "
+            f"lost {figures['lost_turns']}, duplicated {figures['duplicated_turns']}, double "
+            f"effects {figures['double_effects']}, in doubt {figures['in_doubt']}; recovered "
+            f"in {figures['recover_s_p50']} s p50, {figures['recover_s_max']} s max",
+            markup=False,
+        )
+    added = report["keel_added_ms"]
+    out_console.print(
+        f"keel-added outside the fault windows: p50 {added['p50']} ms, p99 {added['p99']} ms",
+        markup=False,
+    )
 
 
 def _bench_hostile(duration_s: float, seed: int, as_json: bool) -> None:

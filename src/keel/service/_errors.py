@@ -38,6 +38,7 @@ __all__ = [
     "install_error_handlers",
     "is_openai_path",
     "openai_error",
+    "retry_after",
 ]
 
 _OPENAI_ROUTES = ("/v1/chat/completions", "/v1/models")
@@ -128,6 +129,13 @@ def draining_response(path: str | None = None) -> JSONResponse:
     return response
 
 
+def retry_after(exc: KeelError) -> str:
+    """The ``Retry-After`` (whole seconds, at least 1) of a 503 a store's failure causes: a
+    store known to be down is tried again about that often."""
+    seconds = getattr(exc, "retry_after_s", 1.0)
+    return str(max(1, round(seconds)))
+
+
 def error_status(exc: KeelError) -> int:
     """The HTTP status of one of keel's exceptions."""
     if isinstance(exc, AccessDeniedError):
@@ -188,6 +196,9 @@ async def _on_keel_error(request: Request, exc: Exception) -> JSONResponse:
     if error_status(exc) == 503:
         route = getattr(request.scope.get("route"), "path", "unmatched")
         log_store_failure(request.method, route, exc)
+        response = error_response(*describe(exc), path=request.url.path)
+        response.headers["Retry-After"] = retry_after(exc)
+        return response
     return error_response(*describe(exc), path=request.url.path)
 
 

@@ -24,7 +24,13 @@ from starlette.types import Scope as ASGIScope
 
 from keel.errors import KeelError
 from keel.service._context import ServiceContext, authenticated_caller
-from keel.service._errors import HTTPError, draining_response, error_response, error_status
+from keel.service._errors import (
+    HTTPError,
+    draining_response,
+    error_response,
+    error_status,
+    retry_after,
+)
 from keel.service._logging import RequestFacts, log_access, log_store_failure, request_facts
 
 __all__ = ["Gate"]
@@ -137,7 +143,10 @@ class Gate:
             if status == 503:
                 log_store_failure(scope["method"], self._template(scope), exc)
             message = "the API keys cannot be read now"
-            return error_response(status, type(exc).__name__, message, path=scope["path"])
+            response = error_response(status, type(exc).__name__, message, path=scope["path"])
+            if status == 503:
+                response.headers["Retry-After"] = retry_after(exc)
+            return response
         return None
 
     def _refused_while_draining(self, scope: ASGIScope) -> bool:

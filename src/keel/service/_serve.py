@@ -29,7 +29,7 @@ from keel.stores import ErasureReport, aerase_user
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from keel.tools import Tool
+    from keel.tools import MCPServer, Tool
 
 __all__ = ["WARM_CONNECTIONS", "ServeOptions", "ServiceAgents", "build_service"]
 
@@ -54,7 +54,7 @@ class ServiceAgents:
         model: ChatModel,
         *,
         system_prompt: str,
-        tools: Sequence[Tool] = (),
+        tools: Sequence[Tool | MCPServer] = (),
         name: str = "agent",
         **agent_options: Any,
     ) -> None:
@@ -219,7 +219,7 @@ def build_service(
     agent: AgentSource | None = None,
     model: ChatModel | str | None = None,
     system_prompt: str = "You are a helpful assistant.",
-    tools: Sequence[Tool] = (),
+    tools: Sequence[Tool | MCPServer] = (),
     redis_url: str | None = None,
     memory: bool = True,
     max_body_bytes: int = 1_000_000,

@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
 
 from keel._bridge import run_blocking
@@ -23,6 +23,7 @@ from keel.errors import (
     StorageFullError,
     StoreError,
 )
+from keel.stores._availability import Availability
 from keel.stores._dialect import POSTGRES
 from keel.stores._migrations import MigrationSet
 from keel.stores._sql_plan import Plan, arun_plan, run_plan
@@ -125,8 +126,27 @@ def translate_postgres_error(exc: Exception, url: str) -> StoreError:
             f"is on): {exc}"
         )
     if isinstance(exc, psycopg.OperationalError):
-        return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}")
+        return BackendUnavailableError(f"PostgreSQL at {where} is unavailable: {exc}", store=_STORE)
     return StoreError(f"PostgreSQL at {where}: {exc}")
+
+
+_STORE = "postgresql"
+
+
+def _went_away(exc: Exception) -> bool:
+    """Whether ``exc`` says the server went away (refused, cut, shut down, restarting, or no
+    connection within the pool's timeout), rather than that one statement failed."""
+    import psycopg
+    from psycopg_pool import PoolClosed, PoolTimeout
+
+    if isinstance(exc, PoolTimeout):
+        return True
+    if isinstance(exc, PoolClosed):  # a pool replaced after an outage: the server is back
+        return False
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    sqlstate = getattr(exc, "sqlstate", None)
+    return sqlstate is None or sqlstate.startswith(("08", "57P"))
 
 
 def _location(url: str) -> str:
@@ -195,6 +215,9 @@ class PostgresDatabase:
         self._apool: Any = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._aopening: asyncio.Future[None] | None = None
+        self.availability = Availability(_STORE, _location(url))
+        """Whether the server answered lately: while it is down, calls fail at once."""
+        self._stale: set[str] = set()
 
     def open(self) -> None:
         """Open the pool and wait for its first connection (idempotent).
@@ -242,20 +265,108 @@ class PostgresDatabase:
         # libpq's message spans lines (a hint on a tab-indented second line): one line here.
         reason = " ".join(str(exc).split())
         return BackendUnavailableError(
-            f"cannot connect to PostgreSQL at {_location(self.url)}: {reason}"
+            f"cannot connect to PostgreSQL at {_location(self.url)}: {reason}", store=_STORE
         )
+
+    def _failure(self, exc: Exception) -> StoreError:
+        """The keel error for a psycopg error; one that says the server went away marks it
+        down, so that the next calls fail at once instead of waiting for the pool."""
+        error = translate_postgres_error(exc, self.url)
+        error.store = _STORE
+        if _went_away(exc):
+            self.availability.failed(" ".join(str(exc).split()))
+            # Both pools may hold connections that died with the server: each checks its
+            # own once the server answers again.
+            self._stale = {"sync", "async"}
+        return error
+
+    def _check_pool(self) -> None:
+        """After an outage, the sync pool's connections checked once (the dead ones dropped)."""
+        if "sync" in self._stale and self._opened:
+            self._stale.discard("sync")
+            with suppress(Exception):  # the pool replaces on its own what fails later
+                self._pool.check()
+
+    async def _acheck_pool(self) -> None:
+        """Async twin of [`_check_pool`][], for the running loop's pool."""
+        opening = self._aopening
+        ours = self._apool is not None and self._aloop is asyncio.get_running_loop()
+        if "async" in self._stale and ours and opening is not None and opening.done():
+            self._stale.discard("async")
+            with suppress(Exception):  # as in _check_pool
+                await self._apool.check()
+
+    def _recover(self) -> None:
+        """While the server is down: try it with one new connection (not the pool's, which
+        would wait for its timeout); when it answers, calls go to the pools again."""
+        try:
+            self._first_connection()
+        except BackendUnavailableError as exc:
+            self.availability.failed(str(exc), tried=True)
+            raise
+        if self.availability.answered():
+            self._new_pool()
+
+    async def _arecover(self) -> None:
+        """Async twin of [`_recover`][], for the running loop's pool."""
+        try:
+            await self._afirst_connection()
+        except BackendUnavailableError as exc:
+            self.availability.failed(str(exc), tried=True)
+            raise
+        if self.availability.answered() and self._aloop is asyncio.get_running_loop():
+            await self._anew_pool()
+
+    # After an outage in which the server refused new connections, a pool waits out its own
+    # reconnection back-off (doubling from 1 s) before it grows again, and holds every caller
+    # meanwhile: a fresh pool serves at once instead.
+
+    def _sync_pool(self) -> Any:
+        """A sync pool of this database's sizes and options, not opened yet (as ``__init__``
+        makes the first one)."""
+        from psycopg_pool import ConnectionPool
+
+        return ConnectionPool(
+            self.url,
+            min_size=self.min_size,
+            max_size=self.max_size,
+            timeout=self.timeout,
+            kwargs=self._options,
+            open=False,
+        )
+
+    def _new_pool(self) -> None:
+        """The sync pool replaced by a fresh one, opened at the next call."""
+        with self._open_lock:
+            old, self._opened = self._pool, False
+            self._pool = self._sync_pool()
+        self._stale.discard("sync")
+        with suppress(Exception):  # its callers get PoolClosed: 503, and send again
+            old.close(timeout=0)
+
+    async def _anew_pool(self) -> None:
+        """The running loop's pool replaced by a fresh one, opened at the next call."""
+        old, self._apool = self._apool, None
+        self._stale.discard("async")
+        if old is not None:
+            with suppress(Exception):  # as in _new_pool
+                await old.close(timeout=0)
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
         """A pooled connection in autocommit: each statement is its own transaction."""
         import psycopg
 
+        if self.availability.must_try():  # raises while down, but once an interval
+            self._recover()
+        if self._stale:
+            self._check_pool()
         self.open()
         try:
             with self._pool.connection() as conn:
                 yield conn
         except psycopg.Error as exc:
-            raise translate_postgres_error(exc, self.url) from exc
+            raise self._failure(exc) from exc
 
     @contextmanager
     def transaction(self) -> Iterator[Any]:
@@ -303,12 +414,16 @@ class PostgresDatabase:
         """Async twin of [`connection`][], from the running event loop's pool."""
         import psycopg
 
+        if self.availability.must_try():  # raises while down, but once an interval
+            await self._arecover()
+        if self._stale:
+            await self._acheck_pool()
         try:
             pool = await self._async_pool()
             async with pool.connection() as conn:
                 yield conn
         except psycopg.Error as exc:
-            raise translate_postgres_error(exc, self.url) from exc
+            raise self._failure(exc) from exc
 
     @asynccontextmanager
     async def atransaction(self) -> AsyncIterator[Any]:
@@ -359,7 +474,8 @@ class PostgresDatabase:
                 await asyncio.gather(*(hold_one() for _ in range(wanted)))
         except TimeoutError as exc:
             raise BackendUnavailableError(
-                f"PostgreSQL at {_location(self.url)} did not answer within {self.timeout:g} s"
+                f"PostgreSQL at {_location(self.url)} did not answer within {self.timeout:g} s",
+                store=_STORE,
             ) from exc
 
     def close(self) -> None:

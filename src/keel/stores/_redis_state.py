@@ -370,9 +370,9 @@ class _RedisScripts:
     def _translated(self, exc: Exception) -> Exception:
         redis = self._redis
         if isinstance(exc, redis.TimeoutError):
-            return BackendUnavailableError(f"Redis timed out: {exc}")
+            return BackendUnavailableError(f"Redis timed out: {exc}", store="redis")
         if isinstance(exc, redis.ConnectionError):
-            return BackendUnavailableError(f"Redis is unavailable: {exc}")
+            return BackendUnavailableError(f"Redis is unavailable: {exc}", store="redis")
         if isinstance(
             exc,
             (
@@ -381,7 +381,7 @@ class _RedisScripts:
                 redis.exceptions.RedisClusterException,
             ),
         ) or str(exc).startswith(("MASTERDOWN", "TRYAGAIN")):
-            return BackendUnavailableError(f"Redis Cluster is unavailable: {exc}")
+            return BackendUnavailableError(f"Redis Cluster is unavailable: {exc}", store="redis")
         return StoreError(f"Redis: {exc}")
 
     def call(self, name: str, keys: list[str], args: list[Any]) -> Any:

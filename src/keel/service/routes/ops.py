@@ -8,8 +8,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import PlainTextResponse
 
+from keel.errors import StoreError
 from keel.service._context import ServiceContext, context_of
-from keel.service._errors import HTTPError, draining_response
+from keel.service._errors import HTTPError, draining_response, error_response, retry_after
+from keel.service._logging import log_store_failure
 
 __all__ = ["router"]
 
@@ -96,9 +98,24 @@ async def health() -> dict[str, str]:
 @router.get("/ready", responses={503: {"description": "Draining, or a store does not answer"}})
 async def readiness(context: ServiceContext = Depends(context_of)) -> Any:
     """Readiness: the stores answer and the server is not draining (a load balancer sends
-    turns only to a ready worker)."""
+    turns only to a ready worker). A store that does not answer: 503 with ``Retry-After``,
+    ``{"status": "unavailable", "store": "postgresql"}`` (or ``"redis"``) and the error."""
     if context.drain is not None and context.drain.draining:
         return draining_response()
     if context.ready is not None:
-        await context.ready()
+        try:
+            await context.ready()
+        except StoreError as exc:
+            # Which store, never its address or driver message: those are the operator's, in
+            # the log line.
+            log_store_failure("GET", "/ready", exc)
+            store = exc.store or "a store"
+            response = error_response(
+                503,
+                type(exc).__name__,
+                f"not ready: {store} does not answer",
+                extra={"status": "unavailable", "store": exc.store},
+            )
+            response.headers["Retry-After"] = retry_after(exc)
+            return response
     return {"status": "ready"}
