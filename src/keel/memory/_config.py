@@ -55,6 +55,35 @@ class RetrievalConfig(BaseModel):
     recency_half_life_days: float = Field(
         default=30.0, gt=0, description="Age at which the recency boost halves."
     )
+    temporal_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="Boost for a memory whose time falls in a date or relative time the query "
+        "names ('on 7 July, 2023', 'in May', 'last week'): its fused score is multiplied by "
+        "1 + this (0 disables).",
+    )
+    expansion_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of a second keyword search for the names the best hits mention "
+        "and the query does not (multi-hop expansion; 0 disables).",
+    )
+    expansion_seeds: int = Field(
+        default=2, ge=1, le=10, description="Best hits whose names the expansion searches for."
+    )
+    session_spread: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Per hit already picked from the same session, a candidate's relevance is "
+        "multiplied by 1 - this: answers that span sessions get hits in each (0 disables).",
+    )
+    wide_hits: int = Field(
+        default=0,
+        ge=0,
+        description="The best this many hits are shown with one more turn on each side than "
+        "``neighbours`` (spends more of the token budget on the likeliest context).",
+    )
     judge_candidates: int = Field(
         default=20, ge=1, description="Candidates shown to the optional model judge."
     )
