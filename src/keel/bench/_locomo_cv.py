@@ -37,7 +37,7 @@ Setting = tuple[tuple[str, float], ...]
 """Retrieval-config overrides, as sorted ``(field, value)`` pairs (hashable: a cache key)."""
 
 LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
-    "temporal": tuple({"temporal_weight": w} for w in (0.0, 0.25, 0.5, 1.0, 2.0)),
+    "temporal": tuple({"temporal_weight": w} for w in (0.0, 0.5, 1.0, 2.0, 4.0)),
     "expansion": (
         {"expansion_weight": 0.0},
         {"expansion_weight": 0.25, "expansion_seeds": 1},
@@ -45,11 +45,14 @@ LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
         {"expansion_weight": 0.25, "expansion_seeds": 3},
         {"expansion_weight": 0.5, "expansion_seeds": 3},
     ),
-    "session_spread": tuple({"session_spread": p} for p in (0.0, 0.1, 0.2, 0.35, 0.5)),
-    "budget": tuple({"wide_hits": n} for n in (0, 1, 2, 3, 4)),
+    "session_spread": tuple({"session_spread": p} for p in (0.0, 0.1, 0.2, 0.35)),
+    "budget": tuple(
+        {"wide_hits": wide, "context_hits": tail} for tail in (0, 7, 5) for wide in (0, 2, 4, 6)
+    ),
 }
-"""Each lever's grid; the first value of each is off. Budget: the best ``wide_hits`` hits
-show one more turn on each side, which spends tokens, so the token limit binds there."""
+"""Each lever's grid; the first value of each is off. Budget: how the tokens are spread over
+the ranks: the best ``wide_hits`` hits show one more turn on each side, hits after the best
+``context_hits`` show none (0: all do); the token limit binds there."""
 
 PROCEDURE = (
     "leave-one-conversation-out; per fold, coordinate ascent over the levers in the order "

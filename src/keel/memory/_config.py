@@ -84,6 +84,12 @@ class RetrievalConfig(BaseModel):
         description="The best this many hits are shown with one more turn on each side than "
         "``neighbours`` (spends more of the token budget on the likeliest context).",
     )
+    context_hits: int = Field(
+        default=0,
+        ge=0,
+        description="Only the best this many hits are shown with their neighbouring turns; "
+        "later hits come alone (0: every hit). Frees tokens where context rarely helps.",
+    )
     judge_candidates: int = Field(
         default=20, ge=1, description="Candidates shown to the optional model judge."
     )

@@ -451,6 +451,8 @@ class Retriever:
     def _span(self, index: int) -> int:
         """Turns shown on each side of the hit at ``index`` (0-based rank)."""
         cfg = self.config
+        if cfg.context_hits and index >= cfg.context_hits:
+            return 0
         return cfg.neighbours + (1 if index < cfg.wide_hits else 0)
 
     def _turns_around(self, hits: list[MemoryHit], scope: Scope) -> dict[str, list[MemoryRecord]]:
