@@ -133,3 +133,14 @@ def test_the_best_hits_get_one_more_turn_each_side(store: SQLiteMemoryStore) -> 
 
     assert shown(_memory(store, embedder=True)) == [2, 3, 4]
     assert shown(_memory(store, embedder=True, wide_hits=1)) == [1, 2, 3, 4, 5]
+
+    writer.add("the telescope is heavy", scope=SCOPE, session_id="s2", turn=0)
+    writer.add("small talk in another session", scope=SCOPE, session_id="s2", turn=1)
+    writer.flush()
+    narrow = _memory(store, embedder=True, context_hits=1)
+    hits = narrow.search("telescope", scope=SCOPE, k=2, now=NOW)
+    assert [len(hit.records) for hit in hits] == [3, 1]
+    assert [
+        len(hit.records)
+        for hit in _memory(store, embedder=True).search("telescope", scope=SCOPE, k=2, now=NOW)
+    ] == [3, 2]
