@@ -34,6 +34,7 @@ from typing import Any
 
 from keel.bench._locomo_cv import (
     LEVER_GRIDS,
+    MEASURED_GRIDS,
     PROCEDURE,
     Score,
     Setting,
@@ -498,15 +499,20 @@ def _cross_validation(
     """Each lever alone, then all of them, cross-validated over the conversations."""
     scorer = _GridScorer(run, store, embedder, base, token_model)
     names = list(run.questions)
-    off = setting_of({k: v for grid in LEVER_GRIDS.values() for k, v in grid[0].items()})
+    every = {**LEVER_GRIDS, **MEASURED_GRIDS}
+    off = setting_of({k: v for grid in every.values() for k, v in grid[0].items()})
     report: dict[str, Any] = {"procedure": PROCEDURE, "max_tokens": max_tokens}
     levers: dict[str, Any] = {}
-    for lever in LEVER_GRIDS:
-        result = cross_validate(scorer, names, grids=lever_alone(lever), max_tokens=max_tokens)
+    for lever in every:
+        result = cross_validate(
+            scorer, names, grids=lever_alone(lever, every), max_tokens=max_tokens
+        )
         result["cost"] = scorer.cost(setting_of(result["chosen_on_all"]), off)
         levers[lever] = result
     report["levers"] = levers
-    report["all"] = cross_validate(scorer, names, max_tokens=max_tokens)
+    # The kept levers together; the measured-only ones stay off.
+    kept = {**LEVER_GRIDS, **{name: grid[:1] for name, grid in MEASURED_GRIDS.items()}}
+    report["all"] = cross_validate(scorer, names, grids=kept, max_tokens=max_tokens)
     report["all"]["cost"] = scorer.cost(setting_of(report["all"]["chosen_on_all"]), off)
     report["off"] = {
         name: {
@@ -518,6 +524,7 @@ def _cross_validation(
         if (scored := scorer(off, [name]))
     }
     report["grids"] = {name: list(grid) for name, grid in LEVER_GRIDS.items()}
+    report["measured_only"] = {name: list(grid) for name, grid in MEASURED_GRIDS.items()}
     report["settings_searched"] = len(scorer.memories)
     return report
 
