@@ -31,7 +31,10 @@ def _memory(store: SQLiteMemoryStore, embedder: bool = False, **config: float) -
     return Memory(
         store,
         embedder=HashingEmbedder(64) if embedder else None,
-        config=RetrievalConfig.model_validate({"recency_weight": 0.0, **config}),
+        # Every lever off unless the test turns it on (some are on by default).
+        config=RetrievalConfig.model_validate(
+            {"recency_weight": 0.0, "temporal_weight": 0.0, "wide_hits": 0, **config}
+        ),
     )
 
 

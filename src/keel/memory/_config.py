@@ -85,7 +85,8 @@ class RetrievalConfig(BaseModel):
         default=6,
         ge=0,
         description="The best this many hits are shown with one more turn on each side than "
-        "``neighbours`` (spends more of the token budget on the likeliest context).",
+        "``neighbours`` (spends more of the token budget on the likeliest context; nothing "
+        "when ``neighbours`` is 0).",
     )
     context_hits: int = Field(
         default=0,

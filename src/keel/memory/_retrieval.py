@@ -451,7 +451,8 @@ class Retriever:
     def _span(self, index: int) -> int:
         """Turns shown on each side of the hit at ``index`` (0-based rank)."""
         cfg = self.config
-        if cfg.context_hits and index >= cfg.context_hits:
+        # No neighbours means none: ``wide_hits`` widens a context, never creates one.
+        if cfg.neighbours == 0 or (cfg.context_hits and index >= cfg.context_hits):
             return 0
         return cfg.neighbours + (1 if index < cfg.wide_hits else 0)
 
