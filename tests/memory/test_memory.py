@@ -133,9 +133,16 @@ def test_neighbouring_turns_come_with_a_hit(memory: Memory) -> None:
         for i, t in enumerate(texts)
     ]
     memory.flush()
-    hits = memory.search("Kyoto temples", scope=SCOPE, k=1)
+    one_each_side = Memory(
+        memory.store, embedder=memory.embedder, config=RetrievalConfig(wide_hits=0)
+    )
+    hits = one_each_side.search("Kyoto temples", scope=SCOPE, k=1)
     assert [r.id for r in hits[0].context] == [records[0].id, records[1].id, records[2].id]
     assert hits[0].record.id == records[1].id
+    # By default the best hits show one more turn each side (``wide_hits``).
+    wide = memory.search("Kyoto temples", scope=SCOPE, k=1)[0]
+    assert wide.record.id == records[1].id
+    assert [r.id for r in wide.context] == [r.id for r in records[:4]]
     narrow = Memory(memory.store, embedder=memory.embedder, config=RetrievalConfig(neighbours=0))
     only = narrow.search("Kyoto temples", scope=SCOPE, k=1)[0].records
     assert [r.id for r in only] == [records[1].id]

@@ -32,9 +32,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from keel.bench._locomo_cv import (
+    LEVER_GRIDS,
+    MEASURED_GRIDS,
+    PROCEDURE,
+    Score,
+    Setting,
+    cross_validate,
+    lever_alone,
+    setting_of,
+)
 from keel.bench._stats import nearest_rank
 from keel.errors import ConfigError
 from keel.memory import Embedder, Memory, MemoryHit, MemoryStore, RetrievalConfig, Scope
+from keel.memory._embedders import FloatArray
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 from keel.tokens import counter_for
 
@@ -108,8 +119,12 @@ class _Tally:
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
         self.latencies: list[float] = []
+        self.conversations: list[str] = []
 
-    def add_scores(self, category: int, top5: _Scored, top10: _Scored) -> None:
+    def add_scores(
+        self, category: int, top5: _Scored, top10: _Scored, conversation: str = ""
+    ) -> None:
+        self.conversations.append(conversation)
         self.rows.append(
             {
                 "category": category,
@@ -188,12 +203,17 @@ class _LocomoRun:
         self.turns_total = 0
         self.ingest_seconds = 0.0
         self.asked = 0
+        self.questions: dict[str, list[_Question]] = {}
+        self.scopes: dict[str, Scope] = {}
 
     def conversation(self, memories: dict[str, Memory], number: int, item: dict[str, Any]) -> None:
-        scope = Scope(tenant_id="locomo", user_id=str(item.get("sample_id", number)))
+        name = str(item.get("sample_id", number))
+        scope = Scope(tenant_id="locomo", user_id=name)
         by_dia = self._ingest(memories["keel"], scope, item["conversation"])
         dia_of = {record_id: dia for dia, record_id in by_dia.items()}
         known = set(by_dia)
+        self.scopes[name] = scope
+        asked = self.questions.setdefault(name, [])
         for qa in item["qa"]:
             category = qa.get("category")
             if category not in CATEGORY_NAMES:
@@ -204,7 +224,9 @@ class _LocomoRun:
             if not evidence:
                 self.skipped_questions += 1
                 continue
-            self._ask(memories, scope, str(qa["question"]), int(category), evidence, dia_of)
+            question = _Question(str(qa["question"]), int(category), tuple(evidence), dia_of)
+            asked.append(question)
+            self._ask(memories, scope, question, name)
             if self.progress is not None:
                 self.progress("questions", self.asked, self.questions_total)
 
@@ -240,12 +262,12 @@ class _LocomoRun:
         self,
         memories: dict[str, Memory],
         scope: Scope,
-        question: str,
-        category: int,
-        evidence: list[str],
-        dia_of: dict[str, str],
+        asked: _Question,
+        conversation: str,
     ) -> None:
         counter = self.counter
+        question, category, dia_of = asked.text, asked.category, asked.dia_of
+        evidence = list(asked.evidence)
         budget5 = budget10 = 0
         for name, memory in memories.items():
             started = time.perf_counter()
@@ -260,7 +282,7 @@ class _LocomoRun:
             )
             scored5 = _score(top5, evidence, dia_of, counter)
             scored10 = _score(hits[:10], evidence, dia_of, counter)
-            self.tallies[name].add_scores(category, scored5, scored10)
+            self.tallies[name].add_scores(category, scored5, scored10, conversation)
             if name == "keel":
                 budget5, budget10 = scored5.tokens, scored10.tokens
                 continue
@@ -280,6 +302,18 @@ class _LocomoRun:
             # Latency belongs to the search, reported with the baselines at k.
             row.pop("search_ms_p50", None)
             row.pop("search_ms_p95", None)
+        keel = self.tallies["keel"]
+        report["per_conversation"] = {
+            name: round(
+                statistics.fmean(
+                    row["r10"]
+                    for row, owner in zip(keel.rows, keel.conversations, strict=True)
+                    if owner == name
+                ),
+                4,
+            )
+            for name in self.questions
+        }
         report["dropped_evidence_ids"] = self.dropped_evidence
         report["questions_without_evidence"] = self.skipped_questions
         return report
@@ -293,12 +327,19 @@ def run_locomo(
     config: RetrievalConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     store: Callable[[], MemoryStore] | None = None,
+    cv: bool = False,
+    max_tokens: float = 1000.0,
 ) -> dict[str, Any]:
     """Run the benchmark on a LoCoMo-format file; returns the JSON-able report.
 
-    ``store`` makes the (empty) store to fill; a fresh SQLite database by default.
+    ``store`` makes the (empty) store to fill; a fresh SQLite database by default. ``cv``
+    adds leave-one-conversation-out cross-validation of the retrieval levers
+    (``cv_recall_at_10_mean``, ``cv_recall_at_10_spread``, ``cv_folds`` and ``cv``; see
+    [`keel.bench._locomo_cv`][]), their constants chosen within ``max_tokens``.
     """
     conversations = load_locomo(path)
+    if cv and len(conversations) < 2:
+        raise ConfigError("--cv needs at least two conversations (one to hold out)")
     counter = counter_for(token_model, allow_estimate=True)
     default_cfg = config or RetrievalConfig()
     systems = _systems(default_cfg)
@@ -315,6 +356,11 @@ def run_locomo(
         }
         for number, item in enumerate(conversations):
             run.conversation(memories, number, item)
+        cross = (
+            _cross_validation(run, memory_store, embedder, default_cfg, token_model, max_tokens)
+            if cv
+            else None
+        )
         memory_store.close()
         db.close()
     report = run.report()
@@ -325,6 +371,161 @@ def run_locomo(
     report["store"] = type(memory_store).__name__
     report["config"] = default_cfg.model_dump()
     report["data"] = str(path)
+    if cross is not None:
+        report["cv"] = cross
+        report["cv_recall_at_10_mean"] = cross["all"]["recall_at_10_mean"]
+        report["cv_recall_at_10_spread"] = cross["all"]["recall_at_10_spread"]
+        report["cv_folds"] = [fold["recall_at_10"] for fold in cross["all"]["folds"]]
+    return report
+
+
+@dataclass(frozen=True)
+class _Question:
+    """One question of a conversation, with what scores it."""
+
+    text: str
+    category: int
+    evidence: tuple[str, ...]
+    dia_of: dict[str, str]
+
+
+class _QueryCache(Embedder):
+    """An embedder that embeds each distinct query once: the grid asks every question once
+    per setting, and the setting never changes the query's vector."""
+
+    def __init__(self, inner: Embedder) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.dimension = inner.dimension
+        self._queries: dict[str, FloatArray] = {}
+
+    def embed(self, texts: Any) -> FloatArray:
+        return self.inner.embed(texts)
+
+    def embed_one(self, text: str) -> FloatArray:
+        if text not in self._queries:
+            self._queries[text] = self.inner.embed_one(text)
+        return self._queries[text]
+
+
+class _GridScorer:
+    """Scores retrieval settings on conversations already ingested, each (setting,
+    conversation) searched once and remembered."""
+
+    def __init__(
+        self,
+        run: _LocomoRun,
+        store: MemoryStore,
+        embedder: Embedder,
+        base: RetrievalConfig,
+        token_model: str,
+    ) -> None:
+        self.run = run
+        self.store = store
+        self.embedder = _QueryCache(embedder)
+        self.base = base
+        self.token_model = token_model
+        self.memories: dict[Setting, Memory] = {}
+        self.rows: dict[tuple[Setting, str], list[tuple[float, float, float]]] = {}
+
+    def _memory(self, setting: Setting) -> Memory:
+        if setting not in self.memories:
+            config = RetrievalConfig.model_validate({**self.base.model_dump(), **dict(setting)})
+            self.memories[setting] = Memory(
+                self.store, embedder=self.embedder, config=config, token_model=self.token_model
+            )
+        return self.memories[setting]
+
+    def _rows(self, setting: Setting, conversation: str) -> list[tuple[float, float, float]]:
+        key = (setting, conversation)
+        if key not in self.rows:
+            memory = self._memory(setting)
+            scope = self.run.scopes[conversation]
+            rows: list[tuple[float, float, float]] = []
+            for question in self.run.questions[conversation]:
+                hits = memory.search(question.text, scope=scope, k=10)
+                scored = _score(
+                    hits[:10], list(question.evidence), question.dia_of, self.run.counter
+                )
+                rows.append((scored.recall, scored.session_recall, float(scored.tokens)))
+            self.rows[key] = rows
+        return self.rows[key]
+
+    def __call__(self, setting: Setting, conversations: Any) -> Score:
+        rows = [row for name in conversations for row in self._rows(setting, name)]
+        if not rows:
+            return Score(0.0, 0.0, 0.0, 0)
+        return Score(
+            recall_at_10=statistics.fmean(r[0] for r in rows),
+            session_recall_at_10=statistics.fmean(r[1] for r in rows),
+            tokens_at_10=statistics.fmean(r[2] for r in rows),
+            questions=len(rows),
+        )
+
+    def cost(self, setting: Setting, off: Setting, every: int = 4) -> dict[str, float]:
+        """Search time of ``setting`` against every lever off, timed in pairs on every
+        ``every``-th question (alternating which goes first, so load on the machine falls on
+        both alike); the query's vector is cached, so this is the ranking's own cost."""
+        on_ms: list[float] = []
+        off_ms: list[float] = []
+        pairs = [
+            (name, question)
+            for name, questions in self.run.questions.items()
+            for question in questions[::every]
+        ]
+        for index, (name, question) in enumerate(pairs):
+            order = [(setting, on_ms), (off, off_ms)]
+            for chosen, times in order if index % 2 == 0 else order[::-1]:
+                memory = self._memory(chosen)
+                started = time.perf_counter()
+                memory.search(question.text, scope=self.run.scopes[name], k=10)
+                times.append((time.perf_counter() - started) * 1000)
+        return {
+            "search_ms_p50": round(nearest_rank(on_ms, 0.5), 2),
+            "search_ms_p95": round(nearest_rank(on_ms, 0.95), 2),
+            "search_ms_p50_off": round(nearest_rank(off_ms, 0.5), 2),
+            "search_ms_p95_off": round(nearest_rank(off_ms, 0.95), 2),
+        }
+
+
+def _cross_validation(
+    run: _LocomoRun,
+    store: MemoryStore,
+    embedder: Embedder,
+    base: RetrievalConfig,
+    token_model: str,
+    max_tokens: float,
+) -> dict[str, Any]:
+    """Each lever alone, then all of them, cross-validated over the conversations."""
+    scorer = _GridScorer(run, store, embedder, base, token_model)
+    names = list(run.questions)
+    every = {**LEVER_GRIDS, **MEASURED_GRIDS}
+    off = setting_of({k: v for grid in every.values() for k, v in grid[0].items()})
+    report: dict[str, Any] = {"procedure": PROCEDURE, "max_tokens": max_tokens}
+    levers: dict[str, Any] = {}
+    for lever in every:
+        result = cross_validate(
+            scorer, names, grids=lever_alone(lever, every), max_tokens=max_tokens
+        )
+        result["cost"] = scorer.cost(setting_of(result["chosen_on_all"]), off)
+        levers[lever] = result
+    report["levers"] = levers
+    # The kept levers together; the measured-only ones stay off.
+    kept = {**LEVER_GRIDS, **{name: grid[:1] for name, grid in MEASURED_GRIDS.items()}}
+    report["all"] = cross_validate(scorer, names, grids=kept, max_tokens=max_tokens)
+    report["all"]["cost"] = scorer.cost(setting_of(report["all"]["chosen_on_all"]), off)
+    report["off"] = {
+        name: {
+            "recall_at_10": round(scored.recall_at_10, 4),
+            "session_recall_at_10": round(scored.session_recall_at_10, 4),
+            "tokens_at_10": round(scored.tokens_at_10, 1),
+        }
+        for name in names
+        if (scored := scorer(off, [name]))
+    }
+    report["grids"] = {name: list(grid) for name, grid in LEVER_GRIDS.items()}
+    report["measured_only"] = {name: list(grid) for name, grid in MEASURED_GRIDS.items()}
+    report["settings_searched"] = len(scorer.memories)
     return report
 
 

@@ -199,6 +199,15 @@ def bench_locomo_command(
             "measures the static embeddings distilled from it.",
         ),
     ] = "local:all-minilm-l6-v2",
+    cv: Annotated[
+        bool,
+        typer.Option(
+            "--cv/--no-cv",
+            help="Also cross-validate the retrieval levers leave-one-conversation-out: each "
+            "lever's constants chosen on the other conversations by a grid, scored on the "
+            "held-out one (adds cv_recall_at_10_mean, cv_recall_at_10_spread, cv_folds).",
+        ),
+    ] = False,
     as_json: JsonLastOption = False,
 ) -> None:
     """Turn-level evidence recall of keel's default memory search on LoCoMo."""
@@ -218,7 +227,7 @@ def bench_locomo_command(
                 PostgresDatabase(_fresh_postgres(stack), max_size=8, timeout=10)
             )
             factory = lambda: PostgresMemoryStore(database)  # noqa: E731
-        result = run_locomo(data, embedder=embedder, progress=report, store=factory)
+        result = run_locomo(data, embedder=embedder, progress=report, store=factory, cv=cv)
     emit_or_show(result, as_json, _print_locomo)
 
 
@@ -258,6 +267,15 @@ def _print_locomo(result: dict[str, Any]) -> None:
     for category, r in result["by_category"].items():
         out_console.print(f"  {category}: R@10 {r['recall_at_10']} ({r['questions']} questions)")
     out_console.print(f"dropped evidence ids: {result['dropped_evidence_ids']}")
+    if "cv" in result:
+        cross = result["cv"]
+        out_console.print(f"cross-validation: {cross['procedure']}")
+        for name, lever in [*cross["levers"].items(), ("all", cross["all"])]:
+            folds = ", ".join(str(fold["recall_at_10"]) for fold in lever["folds"])
+            out_console.print(
+                f"  {name}: R@10 {lever['recall_at_10_mean']} (folds {folds}; spread "
+                f"{lever['recall_at_10_spread']}), chosen on all: {lever['chosen_on_all']}"
+            )
 
 
 @bench_app.command("memory")

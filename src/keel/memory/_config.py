@@ -28,6 +28,9 @@ class RetrievalConfig(BaseModel):
     weigh the same in reciprocal-rank fusion, each turn is embedded with the turn before it,
     and a hit is shown with the neighbouring turn on each side. ``rrf_k`` and the recency
     boost were chosen on the LoCoMo dev split (five conversations; see ``keel bench locomo``).
+    The levers after them (``temporal_weight``, ``expansion_*``, ``session_spread``,
+    ``wide_hits``, ``context_hits``) are what ``keel bench locomo --cv``'s procedure picks on
+    all five conversations; its leave-one-conversation-out figure is their honest measure.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -68,6 +71,42 @@ class RetrievalConfig(BaseModel):
     )
     recency_half_life_days: float = Field(
         default=30.0, gt=0, description="Age at which the recency boost halves."
+    )
+    temporal_weight: float = Field(
+        default=4.0,
+        ge=0,
+        description="Boost for a memory whose time falls in a date or relative time the query "
+        "names ('on 7 July, 2023', 'in May', 'last week'): its fused score is multiplied by "
+        "1 + this (0 disables).",
+    )
+    expansion_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of a second keyword search for the names the best hits mention "
+        "and the query does not (multi-hop expansion; 0 disables).",
+    )
+    expansion_seeds: int = Field(
+        default=3, ge=1, le=10, description="Best hits whose names the expansion searches for."
+    )
+    session_spread: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Per hit already picked from the same session, a candidate's relevance is "
+        "multiplied by 1 - this: answers that span sessions get hits in each (0 disables).",
+    )
+    wide_hits: int = Field(
+        default=6,
+        ge=0,
+        description="The best this many hits are shown with one more turn on each side than "
+        "``neighbours`` (spends more of the token budget on the likeliest context; nothing "
+        "when ``neighbours`` is 0).",
+    )
+    context_hits: int = Field(
+        default=0,
+        ge=0,
+        description="Only the best this many hits are shown with their neighbouring turns; "
+        "later hits come alone (0: every hit). Frees tokens where context rarely helps.",
     )
     judge_candidates: int = Field(
         default=20, ge=1, description="Candidates shown to the optional model judge."

@@ -22,10 +22,12 @@ from keel._bridge import Forked, fork
 from keel.errors import KeelError, UsageError
 from keel.memory._config import RetrievalConfig
 from keel.memory._embedders import Embedder
+from keel.memory._expansion import entity_terms
 from keel.memory._packing import PackedMemory, label_for, pack_items
 from keel.memory._records import MemoryFilter, MemoryRecord, Scope, mask_text, utcnow
 from keel.memory._similarity import gram
 from keel.memory._store import MemoryStore, ScoredId
+from keel.memory._temporal import time_ranges
 from keel.memory._text import keyword_terms, word_set
 from keel.privacy import PIIMasker
 from keel.tokens import ChatTokenCounter
@@ -222,15 +224,18 @@ class Retriever:
     ) -> list[MemoryHit]:
         """Fused candidates, best first: at least the best ``window`` of them (when there are
         that many), each with its record."""
-        keyword, vector = self._candidates(
-            mask_text(self.masker, query, scope.tenant_id), scope, filters
-        )
+        masked = mask_text(self.masker, query, scope.tenant_id)
+        keyword, vector = self._candidates(masked, scope, filters)
         fused = self._fuse(keyword, vector)
         if not fused.scores:
             return []
-        records = self._fetch_reachable(scope, filters, fused.scores, window)
         cfg = self.config
+        if cfg.expansion_weight > 0 and cfg.keyword_weight > 0:
+            self._expand(fused, masked, scope, filters)
         reference = now or utcnow()
+        ranges = time_ranges(query, reference) if cfg.temporal_weight > 0 else []
+        dated = 1.0 + cfg.temporal_weight if ranges else 1.0
+        records = self._fetch_reachable(scope, filters, fused.scores, window, dated)
         hits: list[MemoryHit] = []
         for record_id, record in records.items():
             score = fused.scores[record_id]
@@ -241,6 +246,8 @@ class Retriever:
                     0.5, age_days / cfg.recency_half_life_days
                 )
                 score *= boost
+            if ranges and any(span.contains(record.when) for span in ranges):
+                score *= dated
             hits.append(
                 MemoryHit(
                     record=record,
@@ -302,19 +309,44 @@ class Retriever:
             )
         return fused
 
+    def _expand(
+        self, fused: _Fused, masked_query: str, scope: Scope, filters: MemoryFilter
+    ) -> None:
+        """Multi-hop expansion: a keyword search for the names the best ``expansion_seeds``
+        candidates mention and the query does not, fused in with ``expansion_weight``."""
+        cfg = self.config
+        scores = fused.scores
+        best = sorted(scores, key=lambda record_id: (-scores[record_id], record_id))
+        seeds = self.store.fetch(scope, best[: cfg.expansion_seeds], filters)
+        terms = entity_terms([r.text for r in seeds], keyword_terms(masked_query))
+        if not terms:
+            return
+        for rank, hit in enumerate(
+            self.store.keyword_search(scope, terms, filters, cfg.candidates), start=1
+        ):
+            scores[hit.record_id] = scores.get(hit.record_id, 0.0) + (
+                cfg.expansion_weight / (cfg.rrf_k + rank)
+            )
+
     def _fetch_reachable(
-        self, scope: Scope, filters: MemoryFilter, scores: dict[str, float], window: int
+        self,
+        scope: Scope,
+        filters: MemoryFilter,
+        scores: dict[str, float],
+        window: int,
+        dated: float = 1.0,
     ) -> dict[str, MemoryRecord]:
         """The records of every candidate that can still finish in the best ``window``.
 
-        Recency multiplies a fused score by a factor in [1, 1 + recency_weight], so the
+        Recency multiplies a fused score by a factor in [1, 1 + recency_weight] (and a date
+        the query names by one in [1, ``dated``]), so the
         ``window``-th best fused score is a floor under the ``window``-th best final score and
         a candidate whose boosted score stays below it can never enter: its record is not read
         (about 40 records instead of 200). Candidates the store drops (a filter, a concurrent
         delete) are replaced from the rest.
         """
         ordered = sorted(scores, key=lambda record_id: (-scores[record_id], record_id))
-        boost = 1.0 + self.config.recency_weight
+        boost = (1.0 + self.config.recency_weight) * dated
         records: dict[str, MemoryRecord] = {}
         start = 0
         while start < len(ordered):
@@ -340,9 +372,13 @@ class Retriever:
         relevance = relevance / max(float(relevance.max()), 1e-12)
         alive = np.ones(count, dtype=bool)
         redundancy = np.zeros(count, dtype=np.float64)
+        # Hits already picked from each candidate's session: with ``session_spread`` every
+        # one of them discounts the candidate's relevance, so hits spread over sessions.
+        sessions = [h.record.session_id for h in hits]
+        spread = np.ones(count, dtype=np.float64)
         selected: list[int] = []
         while len(selected) < keep and alive.any():
-            values = cfg.mmr_lambda * relevance - (1 - cfg.mmr_lambda) * redundancy
+            values = cfg.mmr_lambda * relevance * spread - (1 - cfg.mmr_lambda) * redundancy
             values[~alive] = -np.inf
             chosen = int(np.argmax(values))
             selected.append(chosen)
@@ -350,6 +386,9 @@ class Retriever:
             # Near-duplicates of what was chosen are removed for good.
             alive &= similarity[chosen] < cfg.duplicate_similarity
             redundancy = np.maximum(redundancy, similarity[chosen])
+            if cfg.session_spread > 0 and sessions[chosen] is not None:
+                same = np.array([s == sessions[chosen] for s in sessions], dtype=bool)
+                spread[same] *= 1.0 - cfg.session_spread
         return [hits[i] for i in selected]
 
     def _similarities(self, hits: list[MemoryHit], scope: Scope) -> Any:
@@ -378,11 +417,11 @@ class Retriever:
         ``k`` and extends that earlier block with its own neighbours, so adjacent hits become
         one contiguous block and no turn is shown twice.
         """
-        span = self.config.neighbours
         owner: dict[str, int] = {}
         blocks: list[MemoryHit] = []
         around = self._turns_around(hits[:k], scope)
-        for hit in hits[:k]:
+        for position, hit in enumerate(hits[:k]):
+            span = self._span(position)
             record = hit.record
             turns: tuple[MemoryRecord, ...] = (record,)
             if span and record.session_id is not None and record.turn is not None:
@@ -409,13 +448,22 @@ class Retriever:
             blocks.append(hit.model_copy(update={"context": fresh if span else ()}))
         return blocks
 
+    def _span(self, index: int) -> int:
+        """Turns shown on each side of the hit at ``index`` (0-based rank)."""
+        cfg = self.config
+        # No neighbours means none: ``wide_hits`` widens a context, never creates one.
+        if cfg.neighbours == 0 or (cfg.context_hits and index >= cfg.context_hits):
+            return 0
+        return cfg.neighbours + (1 if index < cfg.wide_hits else 0)
+
     def _turns_around(self, hits: list[MemoryHit], scope: Scope) -> dict[str, list[MemoryRecord]]:
         """Every hit's neighbouring turns, by session, in one read (not one per hit)."""
-        span = self.config.neighbours
         spans = {
             (hit.record.session_id, hit.record.turn - span, hit.record.turn + span)
-            for hit in hits
-            if span and hit.record.session_id is not None and hit.record.turn is not None
+            for index, hit in enumerate(hits)
+            if (span := self._span(index))
+            and hit.record.session_id is not None
+            and hit.record.turn is not None
         }
         around: dict[str, list[MemoryRecord]] = {}
         for found in self.store.turns_around(scope, sorted(spans)) if spans else ():

@@ -1,0 +1,149 @@
+"""The retrieval levers (dates in a query, multi-hop expansion, session spread, wider context
+for the best hits), each through ``Memory.search`` on a real SQLite store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from keel.memory import HashingEmbedder, Memory, RetrievalConfig, Scope
+from keel.memory._expansion import entity_terms
+from keel.memory._temporal import time_ranges
+from keel.stores import SQLiteDatabase, SQLiteMemoryStore
+
+SCOPE = Scope(tenant_id="acme", user_id="u1")
+NOW = datetime(2023, 8, 10, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SQLiteMemoryStore]:
+    database = SQLiteDatabase(tmp_path / "m.db")
+    memory_store = SQLiteMemoryStore(database)
+    yield memory_store
+    memory_store.close()
+    database.close()
+
+
+def _memory(store: SQLiteMemoryStore, embedder: bool = False, **config: float) -> Memory:
+    return Memory(
+        store,
+        embedder=HashingEmbedder(64) if embedder else None,
+        # Every lever off unless the test turns it on (some are on by default).
+        config=RetrievalConfig.model_validate(
+            {"recency_weight": 0.0, "temporal_weight": 0.0, "wide_hits": 0, **config}
+        ),
+    )
+
+
+def _texts(memory: Memory, query: str, k: int) -> list[str]:
+    return [hit.record.text for hit in memory.search(query, scope=SCOPE, k=k, now=NOW)]
+
+
+def test_dates_in_a_query_become_time_ranges() -> None:
+    (day,) = time_ranges("What did Maria plan on the evening of 7 July, 2023?", NOW)
+    assert day.contains(datetime(2023, 7, 7, 18, 0, tzinfo=UTC))
+    assert day.contains(datetime(2023, 7, 12, tzinfo=UTC))  # told about within the week
+    assert not day.contains(datetime(2023, 7, 5, tzinfo=UTC))
+    (other_order,) = time_ranges("Who did she meet on May 3, 2023?", NOW)
+    assert other_order.contains(datetime(2023, 5, 3, tzinfo=UTC))
+    assert not other_order.contains(datetime(2023, 5, 20, tzinfo=UTC))
+    (month,) = time_ranges("What did Maria donate in December 2023?", NOW)
+    assert month.contains(datetime(2023, 12, 30, tzinfo=UTC))
+    assert not month.contains(datetime(2023, 11, 30, tzinfo=UTC))
+    (june,) = time_ranges("When did Melanie go camping in June?", NOW)
+    assert june.contains(datetime(2021, 6, 15, tzinfo=UTC))
+    assert not june.contains(datetime(2021, 8, 15, tzinfo=UTC))
+    (last_week,) = time_ranges("What did John do last week?", NOW)
+    assert last_week.contains(datetime(2023, 8, 4, tzinfo=UTC))
+    assert not last_week.contains(datetime(2023, 6, 1, tzinfo=UTC))
+    (ago,) = time_ranges("Where did she move three months ago?", NOW)
+    assert ago.contains(datetime(2023, 5, 12, tzinfo=UTC))
+    assert not ago.contains(datetime(2023, 8, 1, tzinfo=UTC))
+    assert time_ranges("What is the name of Ben's dog?", NOW) == []
+    # "may" the verb names no month.
+    assert time_ranges("Who may come to the party?", NOW) == []
+
+
+def test_a_date_in_the_query_lifts_the_memory_of_that_day(store: SQLiteMemoryStore) -> None:
+    writer = _memory(store)
+    writer.add(
+        "Maria: dinner with my mother",
+        scope=SCOPE,
+        event_time=datetime(2023, 4, 2, tzinfo=UTC),
+    )
+    writer.add(
+        "Maria: we went out with the gym friends for dinner after a long day at the shelter",
+        scope=SCOPE,
+        event_time=datetime(2023, 5, 3, 19, 0, tzinfo=UTC),
+    )
+    query = "Who did Maria have dinner with on May 3, 2023?"
+    assert _texts(_memory(store), query, 1) == ["Maria: dinner with my mother"]
+    assert _texts(_memory(store, temporal_weight=1.0), query, 1) == [
+        "Maria: we went out with the gym friends for dinner after a long day at the shelter"
+    ]
+    # A query that names no date ranks as without the lever.
+    assert _texts(_memory(store, temporal_weight=1.0), "Who did Maria have dinner with?", 1) == [
+        "Maria: dinner with my mother"
+    ]
+
+
+def test_names_of_a_first_hit_are_searched_in_a_second_hop(store: SQLiteMemoryStore) -> None:
+    assert entity_terms(
+        ["Ann: We moved when Erik got the job in Gothenburg. Yesterday was fun."], ["ann", "move"]
+    ) == ["erik", "gothenburg"]
+    writer = _memory(store)
+    writer.add("Ann: We moved when Erik got the job in Gothenburg.", scope=SCOPE)
+    writer.add("Ben: Gothenburg has the best harbour in the north.", scope=SCOPE)
+    writer.add("Ben: I like pottery and long walks.", scope=SCOPE)
+    query = "Where did Ann move?"
+    assert _texts(_memory(store), query, 3) == [
+        "Ann: We moved when Erik got the job in Gothenburg."
+    ]
+    assert _texts(_memory(store, expansion_weight=0.5, expansion_seeds=1), query, 3) == [
+        "Ann: We moved when Erik got the job in Gothenburg.",
+        "Ben: Gothenburg has the best harbour in the north.",
+    ]
+
+
+def test_session_spread_gives_a_second_session_a_hit(store: SQLiteMemoryStore) -> None:
+    writer = _memory(store)
+    for turn, text in enumerate(
+        ["hiking trip hiking boots", "hiking trip in the rain", "hiking trip photos"]
+    ):
+        writer.add(text, scope=SCOPE, session_id="s1", turn=turn)
+    writer.add("a hiking weekend", scope=SCOPE, session_id="s2", turn=0)
+    query = "hiking trip"
+    plain = _memory(store, neighbours=0)
+    assert {h.record.session_id for h in plain.search(query, scope=SCOPE, k=2, now=NOW)} == {"s1"}
+    spread = _memory(store, neighbours=0, session_spread=0.5)
+    hits = spread.search(query, scope=SCOPE, k=2, now=NOW)
+    assert [h.record.session_id for h in hits] == ["s1", "s2"]
+
+
+def test_the_best_hits_get_one_more_turn_each_side(store: SQLiteMemoryStore) -> None:
+    writer = _memory(store, embedder=True)
+    for turn in range(7):
+        text = "the telescope arrived" if turn == 3 else f"small talk number {turn}"
+        writer.add(text, scope=SCOPE, session_id="s1", turn=turn)
+    writer.flush()
+
+    def shown(memory: Memory) -> list[int | None]:
+        (hit, *_) = memory.search("telescope", scope=SCOPE, k=1, now=NOW)
+        return [record.turn for record in hit.records]
+
+    assert shown(_memory(store, embedder=True)) == [2, 3, 4]
+    assert shown(_memory(store, embedder=True, wide_hits=1)) == [1, 2, 3, 4, 5]
+
+    writer.add("the telescope is heavy", scope=SCOPE, session_id="s2", turn=0)
+    writer.add("small talk in another session", scope=SCOPE, session_id="s2", turn=1)
+    writer.flush()
+    narrow = _memory(store, embedder=True, context_hits=1)
+    hits = narrow.search("telescope", scope=SCOPE, k=2, now=NOW)
+    assert [len(hit.records) for hit in hits] == [3, 1]
+    assert [
+        len(hit.records)
+        for hit in _memory(store, embedder=True).search("telescope", scope=SCOPE, k=2, now=NOW)
+    ] == [3, 2]
