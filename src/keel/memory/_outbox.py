@@ -5,6 +5,12 @@ batches (in a background worker, or when ``process`` / ``flush`` is called) and 
 vectors, so a crash between the two is repaired by processing the outbox on the next start.
 The worker is a task on keel's bridge loop (`keel._bridge.spawn`) that runs each batch on the
 blocking pool (`keel._bridge.run_blocking`): no thread of its own.
+
+The worker gathers adds into batches: woken by an add, it waits until ``batch_size`` entries
+are waiting or ``BATCH_WAIT_S`` has passed (a flush, a stop or ``notify_work()`` without an add
+cuts the wait short). A turn's add then costs the worker nothing until a batch is due, and a
+batch's fixed costs (the outbox read, the context read, the transaction, the embedder's call)
+are paid once per batch instead of once per turn, away from the turns that wrote it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ logger = logging.getLogger("keel.memory")
 WORKER_POLL_S = 1.0
 """How long the background worker sleeps without a signal before it looks at the outbox again:
 the only way it sees rows another process wrote (this process's adds wake it at once)."""
+
+BATCH_WAIT_S = 0.5
+"""How long the background worker, woken by an add, waits for more adds before it embeds what
+is waiting (unless a whole batch is waiting sooner, or a flush asks for it): until then a new
+record is found by its words, not yet by its vector."""
 
 FLUSH_RECHECK_S = 1.0
 """How long ``flush`` waits for the worker's signal before it counts the outbox again (a bound
@@ -98,6 +109,8 @@ class OutboxIndexer:
         # which is what ``flush`` waits for.
         self._signal = threading.Condition()
         self._work = 0
+        self._added = 0  # entries added (``notify_work(added=...)``), for gathering batches
+        self._urgent = 0  # wakes that are not an add: a flush, a stop, an explicit call
         self._progress = 0
         self._stop = threading.Event()
         self._worker: Future[None] | None = None
@@ -242,10 +255,14 @@ class OutboxIndexer:
 
     # --- the background worker and its signals ----------------------------------------------
 
-    def notify_work(self) -> None:
-        """Wake the worker: there is work (or a flush, or a stop)."""
+    def notify_work(self, *, added: int = 0) -> None:
+        """Wake the worker: ``added`` entries were added (the worker may wait for a batch), or,
+        with none, there is work to do now (a flush, a stop)."""
         with self._signal:
             self._work += 1
+            self._added += added
+            if not added:
+                self._urgent += 1
             self._signal.notify_all()
         self._wake_worker()
 
@@ -282,13 +299,17 @@ class OutboxIndexer:
     async def _run(self) -> None:
         wake = self._wake = asyncio.Event()
         self._wake_loop = asyncio.get_running_loop()
-        seen = -1  # the first pass runs at once: the outbox may hold work from a crash
+        # The first pass runs at once: the outbox may hold work from a crash.
+        seen = urgent = added = -1
         while not self._stop.is_set():
             wake.clear()  # before reading ``_work``: a signal after this read sets it again
             if self._work == seen:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), WORKER_POLL_S)
-            seen = self._work
+            if self._urgent == urgent and self._added != added:
+                await self._gather(wake, added)
+            # Read before the pass: what is added during it wakes the next one.
+            seen, urgent, added = self._work, self._urgent, self._added
             if self._stop.is_set():
                 break
             try:
@@ -301,6 +322,21 @@ class OutboxIndexer:
                 await asyncio.sleep(0.5)
             self._notify_progress()
         self._wake = self._wake_loop = None
+
+    async def _gather(self, wake: asyncio.Event, added: int) -> None:
+        """Woken by adds (``added`` counted at the last pass), wait until a whole batch is
+        waiting or ``BATCH_WAIT_S`` has passed; a wake that is not an add (a flush, a stop)
+        ends the wait at once."""
+        urgent = self._urgent
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BATCH_WAIT_S
+        while self._added - added < self.batch_size:
+            wake.clear()  # before the checks: a signal after them sets it again
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._urgent != urgent or self._stop.is_set():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), remaining)
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Block until everything added so far is embedded.

@@ -134,6 +134,7 @@ MEMORY_MIGRATIONS = MigrationSet(
             """,
         ),
         MemorySchema.keyed_records("REAL"),
+        MemorySchema.records_by_kind,
     ),
 )
 
