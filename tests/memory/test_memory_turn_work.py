@@ -157,6 +157,9 @@ def test_a_flush_does_not_wait_for_a_whole_batch(
     database = SQLiteDatabase(tmp_path / "flush.db")
     memory = Memory(SQLiteMemoryStore(database), embedder=HashingEmbedder(64), masker=None)
     memory.start()
+    signal = memory.indexer._signal
+    with signal:  # the first pass (over an empty outbox) is over: the worker sleeps
+        assert signal.wait_for(lambda: memory.indexer._progress >= 1, timeout=20)
     memory.add("the boiler code is inside the cupboard", scope=SCOPE)
     memory.flush(timeout=20)  # raises TimeoutError if the worker went on gathering
     assert memory.pending() == 0
