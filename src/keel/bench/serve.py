@@ -247,6 +247,7 @@ class _Load:
     think_s: float
     turn_timeout_s: float
     seed: int
+    memory: bool = False
 
 
 async def _reconcile(client: Any, url: str, sessions: int, effects: str) -> dict[str, int]:
@@ -440,6 +441,7 @@ def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict
         "duration_s": load.duration_s,
         "model_latency_ms": load.model_latency_s * 1000,
         "think_s": load.think_s,
+        "memory": load.memory,
         "turns_sent": len(sent),
         "turns_committed": sum(1 for tag in sent if held[tag] >= 1),
         "turns_per_s": round(sum(1 for tag in sent if held[tag] >= 1) / driven["elapsed_s"], 2),
@@ -480,6 +482,7 @@ def _run(
         redis_url=redis_url,
         model_latency_s=load.model_latency_s,
         lease_ttl_s=load.lease_ttl_s,
+        memory=load.memory,
     )
     # This client's full collections would stall every session's clock at once, counted as
     # keel's time: the collector scans only what the run adds, and sees the rest again after.
@@ -513,10 +516,12 @@ def run_serve_bench(
     turn_timeout_s: float = 60.0,
     seed: int = 7,
     sqlite: bool = True,
+    memory: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the load on PostgreSQL + Redis with ``workers`` workers, then (``sqlite``) on SQLite
-    with one; the figures of the first, with the second's under ``"sqlite"``."""
+    with one; the figures of the first, with the second's under ``"sqlite"``. ``memory``: the
+    workers' agents have long-term memory (the embedder the settings name)."""
     load = _Load(
         workers,
         sessions,
@@ -527,6 +532,7 @@ def run_serve_bench(
         think_s,
         turn_timeout_s,
         seed,
+        memory,
     )
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(_folder())
