@@ -212,6 +212,24 @@ def _effect_counts(effects: str) -> Counter[str]:
     return Counter({str(tag): int(count) for tag, count in rows})
 
 
+def _memory_records(database: str) -> int:
+    """The memory records the workers' agents wrote (0 when memory never opened its table)."""
+    query = "SELECT count(*) FROM memory_records"
+    try:
+        if database.startswith("postgresql://"):
+            import psycopg
+
+            with psycopg.connect(database) as conn:
+                row = conn.execute(query).fetchone()
+        else:
+            path = database.removeprefix("sqlite:///")
+            with contextlib.closing(sqlite3.connect(path)) as conn:
+                row = conn.execute(query).fetchone()
+    except Exception:  # no such table: memory was never used
+        return 0
+    return int(row[0]) if row else 0
+
+
 def _api_key(database: str) -> str:
     settings = load_settings()
     backends = Backends.open(database, settings=settings, memory=False, redis_url="")
@@ -495,6 +513,8 @@ def _run(
         fleet.stop()
     figures = _figures(load, driven, _effect_counts(effects))
     figures.update(fleet.rss_figures(warmup_s=5.0))
+    if load.memory:
+        figures["memory_records"] = _memory_records(database)
     return figures
 
 
