@@ -307,7 +307,7 @@ class OutboxIndexer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), WORKER_POLL_S)
             if self._urgent == urgent and self._added != added:
-                await self._gather(wake, added)
+                await self._gather(wake, added, urgent)
             # Read before the pass: what is added during it wakes the next one.
             seen, urgent, added = self._work, self._urgent, self._added
             if self._stop.is_set():
@@ -323,11 +323,10 @@ class OutboxIndexer:
             self._notify_progress()
         self._wake = self._wake_loop = None
 
-    async def _gather(self, wake: asyncio.Event, added: int) -> None:
-        """Woken by adds (``added`` counted at the last pass), wait until a whole batch is
-        waiting or ``BATCH_WAIT_S`` has passed; a wake that is not an add (a flush, a stop)
-        ends the wait at once."""
-        urgent = self._urgent
+    async def _gather(self, wake: asyncio.Event, added: int, urgent: int) -> None:
+        """Woken by adds (``added`` and ``urgent`` counted at the last pass), wait until a
+        whole batch is waiting or ``BATCH_WAIT_S`` has passed; a wake that is not an add (a
+        flush, a stop) ends the wait at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BATCH_WAIT_S
         while self._added - added < self.batch_size:
