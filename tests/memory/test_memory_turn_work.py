@@ -230,3 +230,30 @@ async def test_a_memory_on_turn_builds_only_the_records_it_never_read(tmp_path: 
     assert statistics.median(built[8:]) <= 6, built
     memory.close()
     database.close()
+
+
+def test_the_worker_embeds_short_and_long_texts_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A transformer pads a pass's texts to the longest: a long summary gathered with short turns
+    # would make each short one cost as much. An explicit process keeps one call per batch.
+    monkeypatch.setattr("keel.memory._outbox.BATCH_WAIT_S", 3600.0)
+    database = SQLiteDatabase(tmp_path / "lengths.db")
+    embedder = _RecordingEmbedder()
+    memory = Memory(SQLiteMemoryStore(database), embedder=embedder, batch_size=3, masker=None)
+    long = "the running summary of the whole session so far " * 20
+    memory.add("a short turn", scope=SCOPE)
+    memory.process_outbox()
+    memory.add("another short turn", scope=SCOPE)
+    memory.add(long, scope=SCOPE)
+    memory.add("a third short turn", scope=SCOPE)
+    memory.start()
+    with memory.indexer._signal:
+        assert memory.indexer._signal.wait_for(lambda: memory.pending() == 0, timeout=20)
+    assert embedder.batches == [
+        ["a short turn"],
+        ["another short turn", "a third short turn"],
+        [long],
+    ]
+    memory.close()
+    database.close()

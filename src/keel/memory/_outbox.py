@@ -119,7 +119,7 @@ class OutboxIndexer:
         self._wake_loop: asyncio.AbstractEventLoop | None = None
         self._process_lock = threading.Lock()
 
-    def process(self, *, max_batches: int | None = None) -> int:
+    def process(self, *, max_batches: int | None = None, by_length: bool = False) -> int:
         """Embed and index what the outbox holds; returns how many records were embedded.
 
         Safe to call from several threads (one processes at a time). Without an embedder the
@@ -139,7 +139,7 @@ class OutboxIndexer:
                     if not entries:
                         break
                     batches += 1
-                    vectors = self._embed(entries)
+                    vectors = self._embed(entries, by_length=by_length)
                     if vectors is None:
                         if self.embedder is not None:
                             break  # the embedder failed: the entries wait for a later pass
@@ -159,15 +159,19 @@ class OutboxIndexer:
         pending = self.store.pending(self.batch_size + len(in_flight), self.max_attempts)
         return [entry for entry in pending if entry.id not in in_flight][: self.batch_size]
 
-    def _embed(self, entries: list[OutboxEntry]) -> list[Any] | None:
+    def _embed(self, entries: list[OutboxEntry], *, by_length: bool = False) -> list[Any] | None:
         """The entries' vectors; None when there are none to write (no embedder, or it failed:
-        the entries are marked failed and retried on a later pass)."""
+        the entries are marked failed and retried on a later pass). ``by_length``: texts of
+        like lengths are embedded together (see `_by_length`)."""
         if self.embedder is None:
             self.store.fail(entries, "no embedder configured")
             self._notify_progress()
             return None
         try:
-            return list(self.embedder.embed(self._embedding_texts(entries)))
+            texts = self._embedding_texts(entries)
+            if by_length:
+                return _by_length(self.embedder, texts)
+            return list(self.embedder.embed(texts))
         except KeelError as exc:
             self._on_error(str(exc))
             self.store.fail(entries, str(exc))
@@ -313,7 +317,7 @@ class OutboxIndexer:
             if self._stop.is_set():
                 break
             try:
-                while await run_blocking(self.process, max_batches=1):
+                while await run_blocking(self.process, max_batches=1, by_length=True):
                     if self._stop.is_set():
                         break
             except Exception as exc:  # the worker must outlive one bad batch
@@ -371,3 +375,24 @@ class OutboxIndexer:
         if worker is not None and self._worker_pid == os.getpid() and not on_bridge_thread():
             with contextlib.suppress(Exception):
                 worker.result(timeout=10)
+
+
+def _by_length(embedder: Embedder, texts: list[str]) -> list[Any]:
+    """``texts``' vectors, in order, embedded in groups of like lengths (a text at most twice
+    the group's shortest, plus 64 characters). The worker's batches gather what turns wrote
+    over a while, a long running summary among short turns: embedded at once, a transformer
+    pads every text of a pass to the longest, and the short ones cost what the long one does
+    (``keel demo``: 14% more CPU than embedding each turn's records as they came). An explicit
+    ``process`` keeps one call per batch, so the vectors it writes stay as they were."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    groups: list[list[int]] = []
+    for index in order:
+        if groups and len(texts[index]) <= 2 * len(texts[groups[-1][0]]) + 64:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    vectors: list[Any] = [None] * len(texts)
+    for group in groups:
+        for index, vector in zip(group, embedder.embed([texts[i] for i in group]), strict=True):
+            vectors[index] = vector
+    return vectors
