@@ -33,3 +33,18 @@ def test_bench_serve_loses_and_repeats_nothing_while_workers_are_killed() -> Non
             # no such turns at all.
             assert calm["turns"] < first["turns"], figures
     assert report["workers"] == 2 and report["sqlite"]["workers"] == 1
+
+
+def test_bench_serve_with_memory_gives_the_workers_agents_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KEEL_EMBEDDER", "hashing:64")  # the workers read it from the settings
+    report = bench_json(
+        "serve",
+        *("--workers", "1", "--sessions", "4", "--duration", "4", "--kill-every", "0"),
+        *("--model-latency-ms", "20", "--no-sqlite", "--memory"),
+    )
+    assert report["memory"] is True and report["lost_turns"] == 0, report
+    assert report["turns_committed"] == report["turns_sent"] > 0, report
+    # Each committed turn left its words in memory: the user's and the model's.
+    assert report["memory_records"] >= report["turns_committed"], report

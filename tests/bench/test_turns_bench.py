@@ -11,6 +11,10 @@ def test_bench_turns_json_contract() -> None:
     assert len(figures["buckets_ms_p50"]) == 2 and figures["flatness"] > 0
     assert figures["p50_ms"] > 0 and figures["turns_per_s"] > 0 and figures["db_bytes"] > 0
     assert figures["memory_on"]["tool_executions"] == 20
+    # Memory on against memory off in the same run, and CPU per turn for each.
+    assert figures["cpu_ms_per_turn"] > 0 and figures["memory_on"]["cpu_ms_per_turn"] > 0
+    assert figures["memory_on"]["p50_vs_memory_off"] > 0
+    assert figures["memory_on"]["cpu_vs_memory_off"] > 0
     assert figures["langgraph"]["db_bytes"] > 0 and figures["speedup_vs_langgraph"] > 0
 
 

@@ -137,7 +137,7 @@ def main() -> None:
         model=model,
         tools=tools,
         redis_url=options.get("redis_url") or "",
-        memory=False,
+        memory=bool(options.get("memory", False)),
         drain=drain,
         lease_ttl_s=options["lease_ttl_s"],
         body_timeout_s=options.get("body_timeout_s", 30.0),

@@ -212,6 +212,24 @@ def _effect_counts(effects: str) -> Counter[str]:
     return Counter({str(tag): int(count) for tag, count in rows})
 
 
+def _memory_records(database: str) -> int:
+    """The memory records the workers' agents wrote (0 when memory never opened its table)."""
+    query = "SELECT count(*) FROM memory_records"
+    try:
+        if database.startswith("postgresql://"):
+            import psycopg
+
+            with psycopg.connect(database) as conn:
+                row = conn.execute(query).fetchone()
+        else:
+            path = database.removeprefix("sqlite:///")
+            with contextlib.closing(sqlite3.connect(path)) as conn:
+                row = conn.execute(query).fetchone()
+    except Exception:  # no such table: memory was never used
+        return 0
+    return int(row[0]) if row else 0
+
+
 def _api_key(database: str) -> str:
     settings = load_settings()
     backends = Backends.open(database, settings=settings, memory=False, redis_url="")
@@ -247,6 +265,7 @@ class _Load:
     think_s: float
     turn_timeout_s: float
     seed: int
+    memory: bool = False
 
 
 async def _reconcile(
@@ -464,6 +483,7 @@ def _figures(load: _Load, driven: dict[str, Any], effects: Counter[str]) -> dict
         "duration_s": load.duration_s,
         "model_latency_ms": load.model_latency_s * 1000,
         "think_s": load.think_s,
+        "memory": load.memory,
         "turns_sent": len(sent),
         "turns_committed": sum(1 for tag in sent if held[tag] >= 1),
         "turns_per_s": round(sum(1 for tag in sent if held[tag] >= 1) / driven["elapsed_s"], 2),
@@ -504,6 +524,7 @@ def _run(
         redis_url=redis_url,
         model_latency_s=load.model_latency_s,
         lease_ttl_s=load.lease_ttl_s,
+        memory=load.memory,
     )
     # This client's full collections would stall every session's clock at once, counted as
     # keel's time: the collector scans only what the run adds, and sees the rest again after.
@@ -516,6 +537,8 @@ def _run(
         fleet.stop()
     figures = _figures(load, driven, _effect_counts(effects))
     figures.update(fleet.rss_figures(warmup_s=5.0))
+    if load.memory:
+        figures["memory_records"] = _memory_records(database)
     return figures
 
 
@@ -537,10 +560,12 @@ def run_serve_bench(
     turn_timeout_s: float = 60.0,
     seed: int = 7,
     sqlite: bool = True,
+    memory: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the load on PostgreSQL + Redis with ``workers`` workers, then (``sqlite``) on SQLite
-    with one; the figures of the first, with the second's under ``"sqlite"``."""
+    with one; the figures of the first, with the second's under ``"sqlite"``. ``memory``: the
+    workers' agents have long-term memory (the embedder the settings name)."""
     load = _Load(
         workers,
         sessions,
@@ -551,6 +576,7 @@ def run_serve_bench(
         think_s,
         turn_timeout_s,
         seed,
+        memory,
     )
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(_folder())

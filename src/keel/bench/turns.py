@@ -8,8 +8,11 @@ prebuilt ReAct agent with ``SqliteSaver`` and a chat model that plays the same p
 
 Figures: the median and p95 of each ``bucket`` turns, ``flatness`` (the last bucket's median
 over the first's: 1.0 is a runtime whose cost does not grow with the session), p50/p95 over
-all turns, turns per second, and the database's bytes counted from the files on disk. Every
-turn's reply is checked, and the tool's executions are counted from the tool itself.
+all turns, turns per second, the process's CPU time per turn (``cpu_ms_per_turn``: every
+thread's, the memory outbox's background embedding included; on a machine shared with other
+work it moves far less than the wall-clock figures do), and the database's bytes counted from
+the files on disk. Every turn's reply is checked, and the tool's executions are counted from
+the tool itself.
 """
 
 from __future__ import annotations
@@ -106,11 +109,13 @@ def _keel(
         memory=memory,
     )
     times: list[float] = []
+    cpu = {"seconds": 0.0}
 
     async def drive() -> float:
         # Closed on this loop: the PostgreSQL pools the agent opened belong to it.
         try:
             started = time.perf_counter()
+            cpu_started = time.process_time()
             for turn in range(turns):
                 before = time.perf_counter()
                 reply = await agent.handle("bench", "user", _question(turn))
@@ -119,6 +124,7 @@ def _keel(
                     raise RuntimeError(
                         f"turn {turn} did not complete: {reply.status} {reply.error}"
                     )
+            cpu["seconds"] = time.process_time() - cpu_started
             return time.perf_counter() - started
         finally:
             await agent.aclose()
@@ -127,6 +133,7 @@ def _keel(
     if executions["count"] != turns:
         raise RuntimeError(f"the tool ran {executions['count']} times for {turns} turns")
     figures = _summary(times, bucket, elapsed)
+    figures["cpu_ms_per_turn"] = round(cpu["seconds"] * 1000 / max(turns, 1), 3)
     if postgres_url is not None:
         # What the session added to the database, counted by the server.
         figures["db_bytes"] = _postgres_bytes(postgres_url) - empty_bytes
@@ -186,7 +193,9 @@ def _combined(runs: list[dict[str, Any]], bucket: int) -> dict[str, Any]:
         for index in range(len(runs[0]["buckets_ms_p95"]))
     ]
     every = [time for run in runs for time in run["times_ms"]]
+    cpu = [run["cpu_ms_per_turn"] for run in runs if "cpu_ms_per_turn" in run]
     return {
+        **({"cpu_ms_per_turn": statistics.median(cpu)} if cpu else {}),
         **_bucket_figures(p50s, p95s, every),
         "turns_per_s": statistics.median(run["turns_per_s"] for run in runs),
         "db_bytes": runs[0]["db_bytes"],
@@ -195,6 +204,21 @@ def _combined(runs: list[dict[str, Any]], bucket: int) -> dict[str, Any]:
         "flatness_of_each_run": [run["flatness"] for run in runs],
         "turns_per_s_of_each_run": [run["turns_per_s"] for run in runs],
     }
+
+
+def _against_memory_off(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """Memory on against memory off in the same run (p50 and CPU per turn, on / off), and the
+    last bucket's median over the third's (turns 201-300 at the default bucket of 100: the
+    session past its start-up) for memory on."""
+    figures: dict[str, Any] = {}
+    if off.get("p50_ms"):
+        figures["p50_vs_memory_off"] = round(on["p50_ms"] / off["p50_ms"], 3)
+    if off.get("cpu_ms_per_turn"):
+        figures["cpu_vs_memory_off"] = round(on["cpu_ms_per_turn"] / off["cpu_ms_per_turn"], 3)
+    buckets = on["buckets_ms_p50"]
+    if len(buckets) >= 4 and buckets[2] > 0:
+        figures["last_vs_third_bucket"] = round(buckets[-1] / buckets[2], 3)
+    return figures
 
 
 def run_turns_bench(
@@ -239,7 +263,8 @@ def run_turns_bench(
         result.update(_combined(runs, bucket))
         if memory:
             progress(f"keel on {database}, memory on: {turns} turns")
-            result["memory_on"] = _combined([keel_run(True, "keel-memory")], bucket)
+            on = result["memory_on"] = _combined([keel_run(True, "keel-memory")], bucket)
+            on.update(_against_memory_off(on, result))
         if langgraph:
             progress(f"LangGraph create_react_agent + SqliteSaver: {turns} turns")
             lang = _langgraph(turns, bucket, directory)

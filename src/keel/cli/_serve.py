@@ -401,6 +401,12 @@ def bench_serve_command(
         float, typer.Option(min=0.1, help="Session lease time to live (a dead worker's holds).")
     ] = 2.0,
     sqlite: Annotated[bool, typer.Option(help="Also run on SQLite with one worker.")] = True,
+    memory: Annotated[
+        bool,
+        typer.Option(
+            help="Give the workers' agents long-term memory (the embedder KEEL_EMBEDDER names)."
+        ),
+    ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the kills and the client's jitter.")] = 7,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object last.")] = False,
     hostile: Annotated[
@@ -459,6 +465,7 @@ def bench_serve_command(
         think_s=think,
         lease_ttl_s=lease_ttl,
         sqlite=sqlite,
+        memory=memory,
         seed=seed,
         progress=lambda text: err_console.print(text),
     )

@@ -68,6 +68,35 @@ class _LoadedModels:
             return model
 
 
+RECENT_QUERIES = 256
+"""Query vectors an embedder keeps, by text (`Embedder.embed_one`)."""
+
+
+class _RecentVectors:
+    """The vectors of the last ``size`` texts embedded one at a time, by text (thread-safe)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.computed = 0  # texts that were embedded (not found here)
+        self._vectors: dict[str, FloatArray] = {}
+        self._lock = threading.Lock()
+
+    def vector(self, text: str, embed: Callable[[Sequence[str]], FloatArray]) -> FloatArray:
+        with self._lock:
+            found = self._vectors.pop(text, None)
+            if found is not None:
+                self._vectors[text] = found  # the most recent again
+        if found is None:
+            found = np.array(embed([text])[0], dtype=np.float32)
+            found.flags.writeable = False  # shared by every caller that asks for the text
+            with self._lock:
+                self.computed += 1
+                self._vectors[text] = found
+                while len(self._vectors) > self.size:
+                    del self._vectors[next(iter(self._vectors))]
+        return found
+
+
 class Embedder(ABC):
     """Turns texts into unit vectors. ``name`` is stored with every vector."""
 
@@ -83,9 +112,13 @@ class Embedder(ABC):
         return await run_blocking(self.embed, texts)
 
     def embed_one(self, text: str) -> FloatArray:
-        """The vector of one text, shape ``(dimension,)``."""
-        row: FloatArray = self.embed([text])[0]
-        return row
+        """The vector of one text, shape ``(dimension,)``: a search's query. The last
+        ``RECENT_QUERIES`` texts' vectors are kept, so a text asked again (the same query
+        searched twice in a turn, a retried turn) costs no second pass of the model."""
+        recent: _RecentVectors | None = self.__dict__.get("_recent")
+        if recent is None:
+            recent = self.__dict__.setdefault("_recent", _RecentVectors(RECENT_QUERIES))
+        return recent.vector(text, self.embed)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, dimension={self.dimension})"

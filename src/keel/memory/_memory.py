@@ -176,6 +176,66 @@ class Memory:
             UsageError: empty text, or ``provenance="verified"`` without ``verified_by``
                 (a user's claim is never stored as verified).
         """
+        return self._insert(
+            [
+                self._draft(
+                    text,
+                    scope=scope,
+                    kind=kind,
+                    type=type,
+                    provenance=provenance,
+                    verified_by=verified_by,
+                    session_id=session_id,
+                    step=step,
+                    turn=turn,
+                    event_time=event_time,
+                    subject=subject,
+                    attribute=attribute,
+                    metadata=metadata,
+                    key=key,
+                    expires_at=expires_at,
+                )
+            ]
+        )[0]
+
+    def add_many(self, entries: Sequence[Mapping[str, Any]], *, scope: Scope) -> list[MemoryRecord]:
+        """Store several memories of ``scope`` in one transaction (all or none); each entry
+        holds [`add`][]'s keyword arguments, ``text`` among them. What each returns is what
+        ``add`` would (a content stored already is the record stored first).
+
+        Raises:
+            UsageError: an entry [`add`][] would refuse (nothing is stored then).
+        """
+        return self._insert([self._draft(scope=scope, **entry) for entry in entries])
+
+    def _insert(self, records: Sequence[MemoryRecord]) -> list[MemoryRecord]:
+        """Store ``records`` in one transaction and wake the outbox worker for the new ones."""
+        results = self.store.insert_many(records)
+        created = sum(1 for result in results if result.created)
+        if created:
+            self.indexer.notify_work(added=created)
+        return [result.record for result in results]
+
+    def _draft(
+        self,
+        text: str,
+        *,
+        scope: Scope,
+        kind: MemoryKind = "episodic",
+        type: str = "note",
+        provenance: Provenance = "user_claim",
+        verified_by: str | None = None,
+        session_id: str | None = None,
+        step: int | None = None,
+        turn: int | None = None,
+        event_time: datetime | None = None,
+        subject: str | None = None,
+        attribute: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        key: str | None = None,
+        expires_at: datetime | None = None,
+    ) -> MemoryRecord:
+        """The masked record ``add`` would store (see [`add`][])."""
         if not text.strip():
             raise UsageError("a memory needs non-empty text")
         if provenance == "verified" and not verified_by:
@@ -192,7 +252,7 @@ class Memory:
         subject_m = None if subject is None else view.mask(subject)
         attribute_m = None if attribute is None else view.mask(attribute)
         now = utcnow()
-        record = MemoryRecord(
+        return MemoryRecord(
             id=uuid.uuid4().hex,
             tenant_id=scope.tenant_id,
             user_id=scope.user_id,
@@ -214,10 +274,6 @@ class Memory:
             key=key,
             expires_at=expires_at,
         )
-        result = self.store.insert(record)
-        if result.created:
-            self.indexer.notify_work()
-        return result.record
 
     async def aadd(self, text: str, *, scope: Scope, **fields: Any) -> MemoryRecord:
         """Async twin of [`add`][]."""

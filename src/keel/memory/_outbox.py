@@ -5,6 +5,12 @@ batches (in a background worker, or when ``process`` / ``flush`` is called) and 
 vectors, so a crash between the two is repaired by processing the outbox on the next start.
 The worker is a task on keel's bridge loop (`keel._bridge.spawn`) that runs each batch on the
 blocking pool (`keel._bridge.run_blocking`): no thread of its own.
+
+The worker gathers adds into batches: woken by an add, it waits until ``batch_size`` entries
+are waiting or ``BATCH_WAIT_S`` has passed (a flush, a stop or ``notify_work()`` without an add
+cuts the wait short). A turn's add then costs the worker nothing until a batch is due, and a
+batch's fixed costs (the outbox read, the context read, the transaction, the embedder's call)
+are paid once per batch instead of once per turn, away from the turns that wrote it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ logger = logging.getLogger("keel.memory")
 WORKER_POLL_S = 1.0
 """How long the background worker sleeps without a signal before it looks at the outbox again:
 the only way it sees rows another process wrote (this process's adds wake it at once)."""
+
+BATCH_WAIT_S = 0.5
+"""How long the background worker, woken by an add, waits for more adds before it embeds what
+is waiting (unless a whole batch is waiting sooner, or a flush asks for it): until then a new
+record is found by its words, not yet by its vector."""
 
 FLUSH_RECHECK_S = 1.0
 """How long ``flush`` waits for the worker's signal before it counts the outbox again (a bound
@@ -98,6 +109,8 @@ class OutboxIndexer:
         # which is what ``flush`` waits for.
         self._signal = threading.Condition()
         self._work = 0
+        self._added = 0  # entries added (``notify_work(added=...)``), for gathering batches
+        self._urgent = 0  # wakes that are not an add: a flush, a stop, an explicit call
         self._progress = 0
         self._stop = threading.Event()
         self._worker: Future[None] | None = None
@@ -106,7 +119,7 @@ class OutboxIndexer:
         self._wake_loop: asyncio.AbstractEventLoop | None = None
         self._process_lock = threading.Lock()
 
-    def process(self, *, max_batches: int | None = None) -> int:
+    def process(self, *, max_batches: int | None = None, by_length: bool = False) -> int:
         """Embed and index what the outbox holds; returns how many records were embedded.
 
         Safe to call from several threads (one processes at a time). Without an embedder the
@@ -126,7 +139,7 @@ class OutboxIndexer:
                     if not entries:
                         break
                     batches += 1
-                    vectors = self._embed(entries)
+                    vectors = self._embed(entries, by_length=by_length)
                     if vectors is None:
                         if self.embedder is not None:
                             break  # the embedder failed: the entries wait for a later pass
@@ -146,15 +159,19 @@ class OutboxIndexer:
         pending = self.store.pending(self.batch_size + len(in_flight), self.max_attempts)
         return [entry for entry in pending if entry.id not in in_flight][: self.batch_size]
 
-    def _embed(self, entries: list[OutboxEntry]) -> list[Any] | None:
+    def _embed(self, entries: list[OutboxEntry], *, by_length: bool = False) -> list[Any] | None:
         """The entries' vectors; None when there are none to write (no embedder, or it failed:
-        the entries are marked failed and retried on a later pass)."""
+        the entries are marked failed and retried on a later pass). ``by_length``: texts of
+        like lengths are embedded together (see `_by_length`)."""
         if self.embedder is None:
             self.store.fail(entries, "no embedder configured")
             self._notify_progress()
             return None
         try:
-            return list(self.embedder.embed(self._embedding_texts(entries)))
+            texts = self._embedding_texts(entries)
+            if by_length:
+                return _by_length(self.embedder, texts)
+            return list(self.embedder.embed(texts))
         except KeelError as exc:
             self._on_error(str(exc))
             self.store.fail(entries, str(exc))
@@ -242,10 +259,14 @@ class OutboxIndexer:
 
     # --- the background worker and its signals ----------------------------------------------
 
-    def notify_work(self) -> None:
-        """Wake the worker: there is work (or a flush, or a stop)."""
+    def notify_work(self, *, added: int = 0) -> None:
+        """Wake the worker: ``added`` entries were added (the worker may wait for a batch), or,
+        with none, there is work to do now (a flush, a stop)."""
         with self._signal:
             self._work += 1
+            self._added += added
+            if not added:
+                self._urgent += 1
             self._signal.notify_all()
         self._wake_worker()
 
@@ -282,17 +303,21 @@ class OutboxIndexer:
     async def _run(self) -> None:
         wake = self._wake = asyncio.Event()
         self._wake_loop = asyncio.get_running_loop()
-        seen = -1  # the first pass runs at once: the outbox may hold work from a crash
+        # The first pass runs at once: the outbox may hold work from a crash.
+        seen = urgent = added = -1
         while not self._stop.is_set():
             wake.clear()  # before reading ``_work``: a signal after this read sets it again
             if self._work == seen:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), WORKER_POLL_S)
-            seen = self._work
+            if self._urgent == urgent and self._added != added:
+                await self._gather(wake, added, urgent)
+            # Read before the pass: what is added during it wakes the next one.
+            seen, urgent, added = self._work, self._urgent, self._added
             if self._stop.is_set():
                 break
             try:
-                while await run_blocking(self.process, max_batches=1):
+                while await run_blocking(self.process, max_batches=1, by_length=True):
                     if self._stop.is_set():
                         break
             except Exception as exc:  # the worker must outlive one bad batch
@@ -301,6 +326,20 @@ class OutboxIndexer:
                 await asyncio.sleep(0.5)
             self._notify_progress()
         self._wake = self._wake_loop = None
+
+    async def _gather(self, wake: asyncio.Event, added: int, urgent: int) -> None:
+        """Woken by adds (``added`` and ``urgent`` counted at the last pass), wait until a
+        whole batch is waiting or ``BATCH_WAIT_S`` has passed; a wake that is not an add (a
+        flush, a stop) ends the wait at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BATCH_WAIT_S
+        while self._added - added < self.batch_size:
+            wake.clear()  # before the checks: a signal after them sets it again
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._urgent != urgent or self._stop.is_set():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), remaining)
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Block until everything added so far is embedded.
@@ -336,3 +375,24 @@ class OutboxIndexer:
         if worker is not None and self._worker_pid == os.getpid() and not on_bridge_thread():
             with contextlib.suppress(Exception):
                 worker.result(timeout=10)
+
+
+def _by_length(embedder: Embedder, texts: list[str]) -> list[Any]:
+    """``texts``' vectors, in order, embedded in groups of like lengths (a text at most twice
+    the group's shortest, plus 64 characters). The worker's batches gather what turns wrote
+    over a while, a long running summary among short turns: embedded at once, a transformer
+    pads every text of a pass to the longest, and the short ones cost what the long one does
+    (``keel demo``: 14% more CPU than embedding each turn's records as they came). An explicit
+    ``process`` keeps one call per batch, so the vectors it writes stay as they were."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    groups: list[list[int]] = []
+    for index in order:
+        if groups and len(texts[index]) <= 2 * len(texts[groups[-1][0]]) + 64:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    vectors: list[Any] = [None] * len(texts)
+    for group in groups:
+        for index, vector in zip(group, embedder.embed([texts[i] for i in group]), strict=True):
+            vectors[index] = vector
+    return vectors

@@ -84,6 +84,11 @@ class MemoryStore(ABC):
         transaction.
         """
 
+    def insert_many(self, records: Sequence[MemoryRecord]) -> list[InsertResult]:
+        """[`insert`][] each of ``records``, in order; one transaction where the backend can
+        (SQLite: a turn's records cost one commit, not one each)."""
+        return [self.insert(record) for record in records]
+
     @abstractmethod
     def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
         """One record of ``scope`` by id (None if absent or another scope's)."""

@@ -758,27 +758,25 @@ class MemoryHandOff:
         is the user's claim; what the model answered is the assistant's, never the user's (a
         model inventing "you live at 1027 Bergen Street" is not the user saying so). Both
         writes (and the memory's masking through the user's vault) run off the event loop,
-        in one trip to the bridge's pool."""
+        in one trip to the bridge's pool and one transaction."""
         said: tuple[tuple[str, str, Provenance], ...] = (
             ("user", f"User: {request}", "user_claim"),
             ("assistant", f"Assistant: {reply}", "inferred"),
         )
-        scope = self._scope(user_id)
-
-        def write() -> None:
-            for speaker, text, provenance in said:
-                self.memory.add(
-                    text,
-                    scope=scope,
-                    kind="episodic",
-                    type="turn",
-                    provenance=provenance,
-                    session_id=session_id,
-                    turn=turn,
-                    metadata={"speaker": speaker},
-                )
-
-        await run_blocking(write)
+        entries = [
+            {
+                "text": text,
+                "kind": "episodic",
+                "type": "turn",
+                "provenance": provenance,
+                "session_id": session_id,
+                "turn": turn,
+                "metadata": {"speaker": speaker},
+            }
+            for speaker, text, provenance in said
+        ]
+        # Both records in one transaction: one commit a turn, not one a record.
+        await run_blocking(self.memory.add_many, entries, scope=self._scope(user_id))
 
     async def remember_run(
         self, session_id: str, user_id: str, task: str, tool_calls: Sequence[ToolCall]

@@ -110,6 +110,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             ALTER INDEX memory_records_tsv SET (gin_pending_list_limit = 256);
             """,
         ),
+        MemorySchema.records_by_kind,
     ),
 )
 
@@ -285,6 +286,10 @@ class PostgresMemoryStore(SQLMemoryStore):
         if result.created:
             self._statistics.wrote({"memory_records": 1, "memory_outbox": 1})
         return result
+
+    def insert_many(self, records: Sequence[MemoryRecord]) -> list[InsertResult]:
+        # One by one: a plain record is one atomic statement of its own (`_insert_plain`).
+        return [self.insert(record) for record in records]
 
     def _lock(self, what: str, record: MemoryRecord, name: str) -> Plan[None]:
         """Take the transaction's advisory lock on one name of the record's scope (a key, a

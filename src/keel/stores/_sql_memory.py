@@ -28,6 +28,7 @@ from keel.memory._records import (
 )
 from keel.memory._rows import (
     RECORD_COLUMNS,
+    RecordCache,
     current_fact_sql,
     filter_sql,
     record_from_row,
@@ -100,6 +101,15 @@ class MemorySchema:
             """,
         )
 
+    #: The migration that indexes a scope's records by kind and time, so the profile (the
+    #: newest semantic records) reads its rows, not every record of the scope past them.
+    records_by_kind = Migration(
+        "a scope's records by kind and time (the profile's look-up)",
+        """
+        CREATE INDEX memory_records_kind ON memory_records (tenant_id, user_id, kind, created_at);
+        """,
+    )
+
 
 class SQLMemoryStore(MemoryErasure, MemoryStore):
     """The memory CRUD's plans, run by the database; a subclass keeps what its engine does
@@ -119,6 +129,8 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
     def __init__(self, db: SQLDatabase) -> None:
         self.db = db
         self._ready = False
+        # The records of rows read before: a retrieval reads the same turns every turn.
+        self.records = RecordCache()
 
     def setup(self) -> None:
         self.db.migrate(self.migrations)
@@ -139,6 +151,17 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
 
     def insert(self, record: MemoryRecord) -> InsertResult:
         return self._migrated().run(lambda: self._insert(record))
+
+    def insert_many(self, records: Sequence[MemoryRecord]) -> list[InsertResult]:
+        if not records:
+            return []
+        return self._migrated().run(lambda: self._insert_all(records))
+
+    def _insert_all(self, records: Sequence[MemoryRecord]) -> Plan[list[InsertResult]]:
+        results = []
+        for record in records:
+            results.append((yield from self._insert(record)))
+        return results
 
     def _insert(self, record: MemoryRecord) -> Plan[InsertResult]:
         if record.key is not None:
@@ -209,7 +232,8 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
 
     def _query(self, statement: str, params: Sequence[Any]) -> list[MemoryRecord]:
         query = Statement(statement, params)
-        return self._migrated().run(lambda: _records_of(query), write=False)
+        rows = self._migrated().run(lambda: rows_of(query), write=False)
+        return [self.records.record(row) for row in rows]
 
     def _scoped(
         self,
@@ -290,11 +314,18 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
     ) -> list[MemoryRecord]:
         if not spans:
             return []
-        ranges = " OR ".join(["(session_id = ? AND turn BETWEEN ? AND ?)"] * len(spans))
+        # Each span names its scope too, so each is one range of the session index: with the
+        # scope outside the ORs, the engine walks every record of the scope instead (a read
+        # that grew with the scope, every turn).
+        span = f"({_IN_SCOPE} AND session_id = ? AND turn BETWEEN ? AND ?)"
         return self._query(
-            f"SELECT {_COLUMNS} FROM memory_records WHERE {_IN_SCOPE} AND ({ranges}) "
+            f"SELECT {_COLUMNS} FROM memory_records WHERE {' OR '.join([span] * len(spans))} "
             f"ORDER BY session_id, turn, {self.inserted_order}",
-            (scope.tenant_id, scope.user_id, *(value for span in spans for value in span)),
+            tuple(
+                value
+                for session_id, first, last in spans
+                for value in (scope.tenant_id, scope.user_id, session_id, first, last)
+            ),
         )
 
     def count(self, scope: Scope | None = None) -> int:
@@ -428,10 +459,6 @@ def _supersede(record: MemoryRecord) -> Plan[tuple[str, ...]]:
 
 def _records(result: Result) -> list[MemoryRecord]:
     return [record_from_row(row) for row in result.rows]
-
-
-def _records_of(query: Statement) -> Plan[list[MemoryRecord]]:
-    return _records((yield query))
 
 
 def rows_of(query: Statement) -> Plan[list[Any]]:

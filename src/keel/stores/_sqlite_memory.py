@@ -134,6 +134,7 @@ MEMORY_MIGRATIONS = MigrationSet(
             """,
         ),
         MemorySchema.keyed_records("REAL"),
+        MemorySchema.records_by_kind,
     ),
 )
 
@@ -474,11 +475,30 @@ class SQLiteMemoryStore(SQLMemoryStore):
             order = np.argsort(-scores)[:limit]
             return [ScoredId(index.ids[int(positions[o])], float(scores[o])) for o in order]
         positions, scores = index.nearest(query, limit * 2 + 20)
-        hits = [
-            ScoredId(index.ids[int(p)], float(s)) for p, s in zip(positions, scores, strict=True)
-        ]
-        alive = set(self._scoped_ids(scope, filters, [hit.record_id for hit in hits]))
-        return [hit for hit in hits if hit.record_id in alive][:limit]
+        ids = index.ids
+        nearest = [(ids[p], s) for p, s in zip(positions.tolist(), scores.tolist(), strict=True)]
+        return [ScoredId(i, s) for i, s in self._alive_first(scope, filters, nearest, limit)]
+
+    def _alive_first(
+        self,
+        scope: Scope,
+        filters: MemoryFilter,
+        nearest: list[tuple[str, float]],
+        limit: int,
+    ) -> list[tuple[str, float]]:
+        """The first ``limit`` of ``nearest`` whose records are in ``scope`` and pass
+        ``filters``. Rows are checked ``limit`` at a time (then as many as were dropped, and
+        a margin), not all at once: a filtered-out record is rare, so one read of ``limit``
+        ids usually settles it."""
+        kept: list[tuple[str, float]] = []
+        start = 0
+        while len(kept) < limit and start < len(nearest):
+            missing = limit - len(kept)
+            chunk = nearest[start : start + (limit if start == 0 else missing + 20)]
+            start += len(chunk)
+            alive = set(self._scoped_ids(scope, filters, [record_id for record_id, _ in chunk]))
+            kept.extend(hit for hit in chunk if hit[0] in alive)
+        return kept[:limit]
 
     def vectors(self, scope: Scope, record_ids: Sequence[str], model: str) -> dict[str, FloatArray]:
         index = self._index(scope, model)
