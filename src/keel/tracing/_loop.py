@@ -11,6 +11,7 @@ the runtime.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import is_
 from typing import Any, NamedTuple, Protocol
 
 from pydantic import BaseModel
@@ -49,28 +50,61 @@ class Compiled(Protocol):
     def messages(self) -> Sequence[Message]: ...
 
 
+KEPT_CHARS = 4_000
+"""The most characters of one message a model step keeps whole (a block, a pruned output):
+a long summary block would otherwise be stored, and redacted, again at every step."""
+
+
 def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list[dict[str, Any]]:
     """What a model step keeps of the ``prompt`` it was sent. A run of messages that are the
     session's stored ``history`` messages (the very objects) is one ``{"messages": [first,
     last]}``: their positions there, both included (the checkpoint of the step's
     ``state_version`` holds them). Any other message (the system prompt, the memories,
-    summary and rules blocks, a pruned output) is kept whole, in the OpenAI wire format.
+    summary and rules blocks, a pruned output) is kept whole, in the OpenAI wire format, its
+    text cut at ``KEPT_CHARS`` (``"cut_chars"`` says how many were left out).
     Copying every message would store the window again at every step (a trace 30 times
-    larger on ``keel bench turns``); this keeps a step's record the size of its blocks. Only
-    the last ``len(prompt)`` stored messages are looked at: a prompt's turns are the newest,
-    so the cost does not grow with the session."""
-    start = max(len(history) - len(prompt), 0)
-    stored = {id(message): start + i for i, message in enumerate(history[start:])}
+    larger on ``keel bench turns``). The cost does not grow with the session: a run's start
+    is found by a few guesses at where the prompt's turns sit (they are the newest), and the
+    run itself is compared object by object in one pass in C; a stored message no guess
+    finds is kept whole, which is still what the model saw."""
     record: list[dict[str, Any]] = []
-    for message in prompt:
-        index = stored.get(id(message))
-        if index is None:
-            record.append(message.to_openai())
-        elif record and record[-1].get("messages", [0, -2])[1] == index - 1:
-            record[-1]["messages"][1] = index
-        else:
-            record.append({"messages": [index, index]})
+    total, stored = len(prompt), len(history)
+    expected = -1  # where the next stored message would be if the last run went on
+    kept_since = 0  # messages kept whole since the last run ended
+    i = 0
+    while i < total:
+        message = prompt[i]
+        remaining = total - i
+        guesses = (
+            expected,
+            expected + kept_since,
+            stored - remaining,
+            stored - remaining + 1,
+            stored - remaining + 2,
+            stored - 1,
+        )
+        first = next((g for g in guesses if 0 <= g < stored and history[g] is message), None)
+        if first is None:
+            record.append(_kept_whole(message))
+            kept_since += 1
+            i += 1
+            continue
+        span = min(remaining, stored - first)
+        same = list(map(is_, prompt[i : i + span], history[first : first + span]))
+        run = same.index(False) if False in same else span
+        record.append({"messages": [first, first + run - 1]})
+        expected, kept_since = first + run, 0
+        i += run
     return record
+
+
+def _kept_whole(message: Message) -> dict[str, Any]:
+    wire = message.to_openai()
+    content = wire.get("content")
+    if isinstance(content, str) and len(content) > KEPT_CHARS:
+        wire["content"] = content[:KEPT_CHARS]
+        wire["cut_chars"] = len(content) - KEPT_CHARS
+    return wire
 
 
 class ToolOutcome(Protocol):

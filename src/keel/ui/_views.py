@@ -84,6 +84,8 @@ def _prompt_message(index: int, wire: dict[str, Any]) -> PromptMessage:
         if isinstance(call, dict)
     )
     section = _section(index, role, content)
+    if isinstance(wire.get("cut_chars"), int):
+        content += f"\n[... {wire['cut_chars']:,} more characters were sent, not kept]"
     return PromptMessage(section, role, content, calls, wire.get("tool_call_id"))
 
 
