@@ -8,6 +8,7 @@ how fast a loaded machine runs 0.1 s timeouts.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -40,6 +41,19 @@ def _statuses(row: dict[str, int]) -> set[str]:
 @pytest.fixture(scope="module")
 def report() -> FaultBenchReport:
     return run_fault_bench(160, seed=7, kills=0, pairs=0)
+
+
+def test_a_bench_run_in_process_gives_the_process_its_logging_back(
+    report: FaultBenchReport, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bench quiets the warnings its faults cause on purpose. It once left "keel.tools" at
+    # ERROR for good, and a later test in the same process lost an MCP server's start-up
+    # warning (CI, random order).
+    monkeypatch.setattr(logging.getLogger("keel"), "propagate", True)
+    caplog.set_level(logging.WARNING)
+    for name in ("keel.tools.mcp", "keel.guards"):
+        logging.getLogger(name).warning("said after the bench by %s", name)
+        assert f"said after the bench by {name}" in caplog.text
 
 
 def test_randomized_faulty_runs_of_the_agent_all_end_cleanly(report: FaultBenchReport) -> None:

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -370,8 +370,36 @@ def run_fault_bench(
     durable journal: the control that shows ``double_executions`` can count doubles."""
     kills = min(kills, runs)
     pairs = min(pairs, runs - kills)
-    logging.getLogger("keel.guards").setLevel(logging.ERROR)
-    logging.getLogger("keel.tools").setLevel(logging.ERROR)
+    with _expected_warnings_quiet():
+        return _run_fault_bench(runs, seed, kills, pairs, pair_turns, journal, workdir, progress)
+
+
+@contextlib.contextmanager
+def _expected_warnings_quiet() -> Iterator[None]:
+    """The injected faults make the guards and tools warn on purpose: quiet them for the run,
+    then give the process its logging back (a bench run in-process, by a test or a notebook,
+    must not silence later warnings)."""
+    loggers = [logging.getLogger(name) for name in ("keel.guards", "keel.tools")]
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for each, level in zip(loggers, levels, strict=True):
+            each.setLevel(level)
+
+
+def _run_fault_bench(
+    runs: int,
+    seed: int,
+    kills: int,
+    pairs: int,
+    pair_turns: int,
+    journal: bool,
+    workdir: Path | None,
+    progress: Callable[[int], None] | None,
+) -> FaultBenchReport:
     # Load the scripted model's tokenizer before the clock starts: it is a one-off cost.
     ScriptedModel().counter.count_text("warm up")
     started = time.perf_counter()
