@@ -336,6 +336,11 @@ async def test_a_timed_out_booking_is_in_doubt_and_never_runs_twice(wrapped: boo
     replay = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=4)
     assert replay.replayed and replay.content == repeat.content
     assert effects == ["KL7", "AF9"]
+    # A second repeat gets it too: the first one's journalled answer ran nothing.
+    second = await _run(executor, "book_slowly", '{"flight": "KL7"}', step=5)
+    assert second.ok and second.replayed and not second.executed
+    assert first.idempotency_key in second.content and "booked KL7, ref PNR1" in second.content
+    assert effects == ["KL7", "AF9"]
 
 
 async def test_a_timed_out_idempotent_call_may_be_retried_and_settles_later() -> None:

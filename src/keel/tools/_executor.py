@@ -97,6 +97,11 @@ LATE_NOTE = "[finished after keel had stopped waiting for it] "
 was cancelled): the model was told it was in doubt, so a repeat gets this result instead of
 running again."""
 
+REPEAT_NOTE = "Not run again: the same call made earlier "
+"""Starts the journalled ``content`` of a repeat answered with the result of the call that did
+it (see `ToolExecutor._answer_repeat`): nothing ran under that key, so it stands for that call
+when the next repeat is judged."""
+
 
 class CallDispatch:
     """Whether a journalled call has left keel, for a tool that can tell (an MCP tool: its
@@ -427,17 +432,21 @@ class ToolExecutor:
         self, found: Tool, session_id: str, key: str, arguments: str
     ) -> JournalEntry | None:
         """An earlier identical call (same session, tool, canonical arguments; another key)
-        that forbids running this one: one still in doubt, or else the newest one if it was
-        settled as done after the model was told it was in doubt (the model never saw it
-        done): by its own late result, or by an operator. Settled as failed, it did not
-        happen, and the repeat runs."""
+        that forbids running this one: one still in doubt, or else the newest one that ran if
+        it was settled as done after the model was told it was in doubt (the model never saw it
+        done): by its own late result, or by an operator. Every repeat of it then gets its
+        result, the second as the first (a repeat answered so ran nothing). Settled as failed,
+        it did not happen, and the repeat runs."""
         same = await self.journal.asame_calls(session_id, found.name, arguments)
         earlier = [entry for entry in same if entry.key != key]
         doubtful = [e for e in earlier if e.in_doubt]
         if doubtful:
             return doubtful[0]
-        if earlier and earlier[-1].ok and _settled_late(earlier[-1]):
-            return earlier[-1]
+        # A repeat answered before ran nothing: the call it was answered with is the one to
+        # judge, or its journalled answer would let the next repeat run the effect again.
+        ran = [e for e in earlier if not (e.content or "").startswith(REPEAT_NOTE)]
+        if ran and ran[-1].ok and _settled_late(ran[-1]):
+            return ran[-1]
         return None
 
     async def _answer_repeat(
@@ -472,7 +481,7 @@ class ToolExecutor:
             )
         done = (earlier.content or "").removeprefix(LATE_NOTE)
         output = (earlier.output or "").removeprefix(SETTLED_NOTE) or done
-        content = f"Not run again: the same call made earlier (call {earlier.key}) did it: {done}"
+        content = f"{REPEAT_NOTE}(call {earlier.key}) did it: {done}"
         key = base["idempotency_key"]
         claim = await self.journal.aclaim(
             key=key,
