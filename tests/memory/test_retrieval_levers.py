@@ -33,7 +33,13 @@ def _memory(store: SQLiteMemoryStore, embedder: bool = False, **config: float) -
         embedder=HashingEmbedder(64) if embedder else None,
         # Every lever off unless the test turns it on (some are on by default).
         config=RetrievalConfig.model_validate(
-            {"recency_weight": 0.0, "temporal_weight": 0.0, "wide_hits": 0, **config}
+            {
+                "recency_weight": 0.0,
+                "temporal_weight": 0.0,
+                "wide_hits": 0,
+                "expansion_weight": 0.0,
+                **config,
+            }
         ),
     )
 
@@ -105,6 +111,35 @@ def test_names_of_a_first_hit_are_searched_in_a_second_hop(store: SQLiteMemorySt
     assert _texts(_memory(store, expansion_weight=0.5, expansion_seeds=1), query, 3) == [
         "Ann: We moved when Erik got the job in Gothenburg.",
         "Ben: Gothenburg has the best harbour in the north.",
+    ]
+
+
+def test_the_default_search_follows_a_first_hits_names_and_never_lifts_the_hit_itself(
+    store: SQLiteMemoryStore,
+) -> None:
+    writer = _memory(store, embedder=True)
+    for text in [
+        "Alice adopted a cat named Miso",
+        "Alice runs every morning before work",
+        "Alice is allergic to peanuts",
+        "The quarterly report is due on Friday",
+        "Miso sleeps on the windowsill all afternoon",
+    ]:
+        writer.add(text, scope=SCOPE)
+    writer.flush()
+    default = Memory(store, embedder=HashingEmbedder(64))
+    assert default.config.expansion_weight > 0
+    # The cat's record is one of the best hits and names Miso; the names a seed mentions
+    # never lift the seed itself, so the answer stays on top ...
+    hits = default.search("is Alice allergic to anything?", scope=SCOPE, k=5, now=NOW)
+    assert hits[0].record.text == "Alice is allergic to peanuts"
+    # ... and the record only the cat's name leads to is found in the second hop.
+    texts = [hit.record.text for hit in hits]
+    assert "Miso sleeps on the windowsill all afternoon" in texts
+    off = _memory(store, embedder=True, recency_weight=0.05, temporal_weight=4.0, wide_hits=6)
+    assert "Miso sleeps on the windowsill all afternoon" not in [
+        hit.record.text
+        for hit in off.search("is Alice allergic to anything?", scope=SCOPE, k=5, now=NOW)
     ]
 
 

@@ -321,9 +321,14 @@ class Retriever:
         terms = entity_terms([r.text for r in seeds], keyword_terms(masked_query))
         if not terms:
             return
+        # The seeds are what the hop starts from: a seed is never lifted by names it
+        # mentions itself (a lone hit naming a pet would otherwise climb over the answer).
+        starts = {record.id for record in seeds}
         for rank, hit in enumerate(
             self.store.keyword_search(scope, terms, filters, cfg.candidates), start=1
         ):
+            if hit.record_id in starts:
+                continue
             scores[hit.record_id] = scores.get(hit.record_id, 0.0) + (
                 cfg.expansion_weight / (cfg.rrf_k + rank)
             )
