@@ -39,6 +39,15 @@ Setting = tuple[tuple[str, float], ...]
 
 LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
     "temporal": tuple({"temporal_weight": w} for w in (0.0, 0.5, 1.0, 2.0, 4.0)),
+    "budget": tuple(
+        {"wide_hits": wide, "context_hits": tail} for tail in (0, 7, 5) for wide in (0, 2, 4, 6)
+    ),
+}
+"""The levers kept, each with its grid; the first value of each is off. Budget: how the
+tokens are spread over the ranks: the best ``wide_hits`` hits show one more turn on each side,
+hits after the best ``context_hits`` show none (0: all do); the token limit binds there."""
+
+MEASURED_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
     "expansion": (
         {"expansion_weight": 0.0},
         {"expansion_weight": 0.25, "expansion_seeds": 1},
@@ -46,22 +55,11 @@ LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
         {"expansion_weight": 0.25, "expansion_seeds": 3},
         {"expansion_weight": 0.5, "expansion_seeds": 3},
     ),
-    "budget": tuple(
-        {"wide_hits": wide, "context_hits": tail} for tail in (0, 7, 5) for wide in (0, 2, 4, 6)
-    ),
-}
-"""The levers kept, each with its grid; the first value of each is off. Expansion: a second
-keyword search for the names the best hits mention (a seed is never lifted by its own names).
-Budget: how the tokens are spread over the ranks: the best ``wide_hits`` hits show one more
-turn on each side, hits after the best ``context_hits`` show none (0: all do); the token limit
-binds there."""
-
-MEASURED_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
     "session_spread": tuple({"session_spread": p} for p in (0.0, 0.1, 0.2, 0.35)),
 }
-"""Levers measured alone (cross-validated the same way) but not kept: session spread was
-never chosen on any fold (it buys session-level recall with turn-level recall and tokens).
-Off by default."""
+"""Levers measured alone (cross-validated the same way) but not kept: on 2026-12-06 expansion
+gained 0.003 alone and lifts unrelated records in a small store; session spread was never
+chosen on any fold. Off by default."""
 
 PROCEDURE = (
     "leave-one-conversation-out; per fold, coordinate ascent over the levers in the order "

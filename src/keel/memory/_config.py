@@ -80,11 +80,10 @@ class RetrievalConfig(BaseModel):
         "1 + this (0 disables).",
     )
     expansion_weight: float = Field(
-        default=0.25,
+        default=0.0,
         ge=0,
         description="Weight of a second keyword search for the names the best hits mention "
-        "and the query does not (multi-hop expansion; 0 disables). It lifts what the best "
-        "hits lead to, never those hits themselves.",
+        "and the query does not (multi-hop expansion; 0 disables).",
     )
     expansion_seeds: int = Field(
         default=3, ge=1, le=10, description="Best hits whose names the expansion searches for."
