@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import re
 import sys
@@ -169,6 +170,11 @@ class Tool:
     def _parameters(self) -> dict[str, Any]:
         schema: dict[str, Any] = _strip_titles(self.args_model.model_json_schema())
         return schema
+
+    @functools.cached_property
+    def _schema_text(self) -> str:
+        """[`schema`][] as JSON text: a registry built for each turn copies it from here."""
+        return json.dumps(self.schema(), ensure_ascii=False)
 
     def parameters_schema(self) -> dict[str, Any]:
         """The JSON schema of the arguments (titles removed; they only cost tokens)."""
