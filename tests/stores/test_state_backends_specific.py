@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +119,29 @@ def test_unreachable_servers_raise_backend_unavailable() -> None:
         SQLStateBackend(database)
     database.close()
     assert "secret" not in str(caught.value)
+
+
+async def test_a_stale_append_on_sqlite_names_the_head_it_lost_to(tmp_path: Path) -> None:
+    """The compare-and-set is the head's UPDATE; the head is read only when it fails, in the
+    same transaction, and the conflict says which version won (two workers, one file)."""
+    from keel.stores import SQLiteDatabase
+
+    database = SQLiteDatabase(tmp_path / "state.db")
+    one = StateStore(SQLStateBackend(database), CounterState)
+    other = StateStore(SQLStateBackend(database), CounterState)
+    try:
+        first = (await one.acreate("s", CounterState(counter=1))).version
+        assert other.load("s").version == first  # the other worker knows this version too
+        won = await one.aappend(
+            "s", {}, update={"counter": 2}, expected_version=first, reason="update"
+        )
+        with pytest.raises(ConflictError) as raised:
+            await other.aappend(
+                "s", {"items": ["late"]}, update={}, expected_version=first, reason="update"
+            )
+        assert (raised.value.expected, raised.value.actual) == (first, won)
+        assert one.load("s").state == CounterState(counter=2)
+    finally:
+        one.close()
+        other.close()
+        database.close()

@@ -69,3 +69,16 @@ def test_the_viewer_says_a_kept_block_was_cut() -> None:
     shown = _prompt_message(1, wire)
 
     assert shown.content.endswith("[... 1,234 more characters were sent, not kept]")
+
+
+def test_a_prompt_given_as_a_tuple_is_recorded_as_a_list_would_be() -> None:
+    history = _history(400)
+    pruned = Message.user("[pruned]")
+    prompt = (Message.system("you are"), *history[:150], pruned, *history[151:])
+
+    assert prompt_record(prompt, history) == prompt_record(list(prompt), history)
+    assert prompt_record(prompt, history)[1:] == [
+        {"messages": [0, 149]},
+        pruned.to_openai(),
+        {"messages": [151, 399]},
+    ]

@@ -582,7 +582,6 @@ _SQLITE_MOVE_HEAD = (
 
 def _sqlite_append(plans: _Plans, append: _Append) -> Plan[None]:
     session_id, row = append.session_id, append.row
-    found = (yield Statement(_HEAD, (session_id,))).rows
     moved = yield Statement(
         _SQLITE_MOVE_HEAD,
         (
@@ -591,6 +590,9 @@ def _sqlite_append(plans: _Plans, append: _Append) -> Plan[None]:
         ),
     )  # fmt: skip
     if moved.rowcount != 1:
+        # Read only on a conflict: the transaction holds the write lock, so the head is still
+        # the one the UPDATE did not move (a success, nearly every write, reads nothing).
+        found = (yield Statement(_HEAD, (session_id,))).rows
         head_version = int(found[0][0]) if found else None
         raise ConflictError(session_id, append.expected_version, head_version)
     yield plans.insert_checkpoint(session_id, row)

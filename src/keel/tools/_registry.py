@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import difflib
+import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,7 +22,7 @@ class ToolRegistry:
 
     def __init__(self, tools: Iterable[Tool | Callable[..., Any]] = ()) -> None:
         self._tools: dict[str, Tool] = {}
-        self._schemas: list[dict[str, Any]] | None = None
+        self._schemas: str | None = None
         for item in tools:
             self.register(item)
 
@@ -59,8 +59,12 @@ class ToolRegistry:
     def schemas(self) -> list[dict[str, Any]]:
         """Every tool in the OpenAI ``tools`` format, in registration order."""
         if self._schemas is None:
-            self._schemas = [registered.schema() for registered in self._tools.values()]
-        return copy.deepcopy(self._schemas)
+            # Kept as JSON text: each caller gets its own copy (a model may change what it is
+            # given) from one C call, at a fraction of a deep copy's cost (the schemas are JSON).
+            texts = (registered._schema_text for registered in self._tools.values())
+            self._schemas = f"[{','.join(texts)}]"
+        schemas: list[dict[str, Any]] = json.loads(self._schemas)
+        return schemas
 
     def suggest(self, name: str, limit: int = 3) -> list[str]:
         """The valid tool names closest to ``name`` (case-insensitive), best first."""
