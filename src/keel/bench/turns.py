@@ -1,8 +1,7 @@
 """``keel bench turns``: the runtime's own cost per turn over one long session, versus LangGraph.
 
 Workload: one session of ``turns`` turns. In each, the user asks a question, the model calls
-one tool (a sync function declared ``blocking=False``: it runs on the event loop), the tool
-answers and the model answers (two model calls, one tool call). The model
+one tool, the tool answers and the model answers (two model calls, one tool call). The model
 is a zero-latency scripted policy, so what is timed is the runtime itself: state, context,
 journal and traces. keel runs as ``Agent.embedded`` (one SQLite file); LangGraph runs its
 prebuilt ReAct agent with ``SqliteSaver`` and a chat model that plays the same policy.
@@ -83,9 +82,7 @@ def _keel(
 ) -> dict[str, Any]:
     executions = {"count": 0}
 
-    # A pure function that returns at once: declared so, it runs on the event loop instead
-    # of a thread of its own (the hand-off, not the tool, is what a thread would time).
-    @tool(blocking=False)
+    @tool
     def lookup(query: str) -> str:
         """Look records up.
 
