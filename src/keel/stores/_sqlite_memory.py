@@ -141,6 +141,8 @@ MEMORY_MIGRATIONS = MigrationSet(
 
 # Scopes with more vectors than this are searched through the sign-bit shortlist.
 _EXACT_VECTORS = 20_000
+# Scopes up to this many vectors are searched on the event loop's thread (see searches_inline).
+_INLINE_SEARCH_VECTORS = 10_000
 # The shortlist's share of a scope's vectors, and its floor per requested result.
 _SHORTLIST_SHARE = 25  # 1/25 = 4%
 _SHORTLIST_PER_RESULT = 20
@@ -378,6 +380,8 @@ class SQLiteMemoryStore(SQLMemoryStore):
 
     inserted_order = "rowid"
     migrations = MEMORY_MIGRATIONS
+    # Keyword and vector queries are both CPU work in this process: run one after the other.
+    concurrent_searches = False
 
     def __init__(self, db: SQLiteDatabase) -> None:
         super().__init__(require_database(db, SQLiteDatabase, "SQLiteMemoryStore"))
@@ -438,6 +442,14 @@ class SQLiteMemoryStore(SQLMemoryStore):
                 ).rows
         # Scores are lower for better rows (FTS5's bm25() is negative): negated, higher is.
         return [ScoredId(str(row[0]), -float(row[1])) for row in rows]
+
+    def searches_inline(self, scope: Scope, model: str | None) -> bool:
+        # Inline once the scope's vectors are in this process (their first load reads them
+        # all) and few: then a search is a few milliseconds whatever it finds (the keyword
+        # query ranks a bounded number of rows), about what two thread switches cost a turn
+        # on a busy machine.
+        index = self._indexes.get((scope.tenant_id, scope.user_id, model or ""))
+        return model is not None and index is not None and index.size <= _INLINE_SEARCH_VECTORS
 
     def _index(self, scope: Scope, model: str) -> _ScopeIndex:
         key = (scope.tenant_id, scope.user_id, model)
