@@ -342,7 +342,9 @@ class OutboxIndexer:
         flush, a stop) ends the wait at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BATCH_WAIT_S
-        self._gathering_from = added
+        with self._signal:  # under the lock an add reads it with; whoever waits re-checks
+            self._gathering_from = added
+            self._signal.notify_all()
         try:
             while self._added - added < self.batch_size:
                 wake.clear()  # before the checks: a signal after them sets it again
