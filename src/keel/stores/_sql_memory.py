@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import cache
 from typing import Any, TypeVar
@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 _D = TypeVar("_D")
-_T = TypeVar("_T")
 _COLUMNS = ", ".join(RECORD_COLUMNS)
 _IN_SCOPE = "tenant_id = ? AND user_id = ?"
 
@@ -136,12 +135,6 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
     def setup(self) -> None:
         self.db.migrate(self.migrations)
         self._ready = True
-
-    async def acall(self, call: Callable[[], _T]) -> _T:
-        # The database's own way: SQLite runs a call inline unless it would wait for the
-        # write lock (a thread switch each way costs more than a turn's memory write);
-        # PostgreSQL on the blocking pool.
-        return await self.db.acall(call)
 
     def _migrated(self) -> SQLDatabase:
         """The database, its memory schema applied first."""

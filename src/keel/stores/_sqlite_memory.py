@@ -17,8 +17,9 @@ cache entry (a deleted record) can never leak out.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +43,7 @@ from keel.stores._sqlite import SQLiteDatabase
 __all__ = ["MEMORY_MIGRATIONS", "SQLiteMemoryStore"]
 
 FloatArray = npt.NDArray[np.float32]
+_T = TypeVar("_T")
 
 MEMORY_MIGRATIONS = MigrationSet(
     "memory",
@@ -442,6 +444,12 @@ class SQLiteMemoryStore(SQLMemoryStore):
                 ).rows
         # Scores are lower for better rows (FTS5's bm25() is negative): negated, higher is.
         return [ScoredId(str(row[0]), -float(row[1])) for row in rows]
+
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        # The database's way: inline unless the call would wait for the write lock (a thread
+        # switch each way costs more than a turn's memory write), as keel's other SQLite
+        # stores' calls; a read never waits for it.
+        return await self.db.acall(call)
 
     def searches_inline(self, scope: Scope, model: str | None) -> bool:
         # Inline once the scope's vectors are in this process (their first load reads them
