@@ -13,7 +13,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager, suppress
+from dataclasses import dataclass
+from functools import cache
 from typing import Any, TypeVar
+
+import numpy as np
 
 from keel._bridge import run_blocking
 from keel.errors import (
@@ -30,6 +34,7 @@ from keel.stores._sql_plan import Plan, arun_plan, run_plan
 
 __all__ = [
     "SCHEMA_LOCK_KEY",
+    "BinaryVector",
     "PostgresDatabase",
     "apply_migrations",
     "translate_postgres_error",
@@ -39,6 +44,42 @@ _T = TypeVar("_T")
 
 SCHEMA_LOCK_KEY = 0x6B65656C  # "keel"
 """The advisory lock every keel setup takes on PostgreSQL."""
+
+
+@dataclass(frozen=True, slots=True)
+class BinaryVector:
+    """A vector parameter psycopg sends in pgvector's binary wire format (``%b::vector``: the
+    cast tells the server the parameter's type): a third of the text format's bytes, and
+    0.01 ms to build instead of 0.16 ms for 384 dimensions."""
+
+    values: Any
+
+
+def vector_to_binary(vector: Any) -> bytes:
+    """A vector in pgvector's binary wire format: int16 dimension, int16 unused, then
+    big-endian float4s."""
+    values = np.asarray(vector, dtype=">f4").reshape(-1)
+    return int(values.shape[0]).to_bytes(2, "big") + b"\0\0" + values.tobytes()
+
+
+@cache
+def _register_wire_types() -> None:
+    """Teach psycopg (once, for this process) to send a [`BinaryVector`][] in binary. A
+    connection copies psycopg's adapters when it opens, so this runs before any pool of
+    keel's opens one: registered later (by the first memory store), the connections a pool
+    already held could not send a vector, and a fresh process's first embeddings failed."""
+    import psycopg
+    from psycopg.adapt import Dumper
+    from psycopg.pq import Format
+
+    class VectorDumper(Dumper):
+        format = Format.BINARY
+
+        def dump(self, obj: Any) -> bytes:
+            return vector_to_binary(obj.values)
+
+    psycopg.adapters.register_dumper(BinaryVector, VectorDumper)
+
 
 _DISK_FULL = "53100"
 _READ_ONLY_TRANSACTION = "25006"
@@ -196,6 +237,7 @@ class PostgresDatabase:
             raise BackendUnavailableError(
                 "psycopg and psycopg-pool are not installed (the 'postgres' extra)"
             ) from exc
+        _register_wire_types()
         self.url = url
         self.min_size = min_size
         self.max_size = max_size

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ from keel.stores._keywords import (
     common_term_cap,
 )
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._postgres import PostgresDatabase
+from keel.stores._postgres import BinaryVector, PostgresDatabase
 from keel.stores._sql_memory import (
     MemorySchema,
     SQLMemoryStore,
@@ -138,39 +137,6 @@ def _vector_from_binary(data: bytes) -> FloatArray:
     return np.frombuffer(data, dtype=">f4", count=dimension, offset=4).astype(np.float32)
 
 
-def _vector_to_binary(vector: FloatArray) -> bytes:
-    """A vector in pgvector's binary wire format (the inverse of `_vector_from_binary`):
-    a third of the text format's bytes, and 0.01 ms to build instead of 0.16 ms for 384
-    dimensions, on the thread that writes while the embedder computes."""
-    values = np.asarray(vector, dtype=">f4").reshape(-1)
-    return int(values.shape[0]).to_bytes(2, "big") + b"\0\0" + values.tobytes()
-
-
-@dataclass(frozen=True, slots=True)
-class _BinaryVector:
-    """A vector parameter psycopg sends as a binary pgvector value (``%b::vector``: the cast
-    tells the server the parameter's type)."""
-
-    values: FloatArray
-
-
-@cache
-def _register_vector_dumper() -> None:
-    """Teach psycopg (once, for this process) to send a `_BinaryVector` in pgvector's binary
-    format: the type is keel's own, so no other value is sent differently."""
-    import psycopg
-    from psycopg.adapt import Dumper
-    from psycopg.pq import Format
-
-    class VectorDumper(Dumper):
-        format = Format.BINARY
-
-        def dump(self, obj: Any) -> bytes:
-            return _vector_to_binary(obj.values)
-
-    psycopg.adapters.register_dumper(_BinaryVector, VectorDumper)
-
-
 def _dimension(vectors: Sequence[FloatArray]) -> int:
     """The dimension of a batch of vectors (one model made them all)."""
     return int(np.asarray(vectors[0]).reshape(-1).shape[0])
@@ -233,7 +199,6 @@ class PostgresMemoryStore(SQLMemoryStore):
         self._vector_tables: set[int] = set()
         self._statistics = _GrowthStatistics(db)
         self._term_frequencies = TermFrequencies()
-        _register_vector_dumper()
 
     def setup(self) -> None:
         if self._ready:
@@ -573,14 +538,14 @@ class PostgresMemoryStore(SQLMemoryStore):
                 f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(?)",
                 ([e.record_id for e in entries],),
             )
-        # %b: the vector goes in pgvector's binary format (_BinaryVector's dumper).
+        # %b: the vector goes in pgvector's binary format (BinaryVector's dumper).
         yield Statement(
             f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
             "SELECT id, tenant_id, user_id, ?, %b::vector FROM memory_records "
             "WHERE id = ? ON CONFLICT (record_id) DO UPDATE SET "
             "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
             [
-                (model, _BinaryVector(np.asarray(vector)), entry.record_id)
+                (model, BinaryVector(np.asarray(vector)), entry.record_id)
                 for entry, vector in zip(entries, vectors, strict=True)
             ],
             many=True,
