@@ -417,3 +417,33 @@ def test_hnsw_indexes_build_after_a_bulk_load(open_database: OpenDatabase) -> No
     assert "Index Scan using memory_vectors_64_hnsw" in plan()
     assert store.build_hnsw_indexes() == []
     loader.close()
+
+
+def test_a_halfvec_index_serves_narrow_embeddings_too(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
+    # halfvec=True: 384 dimensions (which `vector` could index) indexed as 16-bit halfvec,
+    # searched through that index, ranked by the stored 32-bit vectors' similarity.
+    store = PostgresMemoryStore(open_database(), halfvec=True)
+    memory = Memory(store, embedder=HashingEmbedder(384), masker=None)
+    allergy = memory.add("Alice is allergic to peanuts", scope=ALICE)
+    memory.add("Alice runs every morning", scope=ALICE)
+    memory.flush()
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'memory_vectors_384_hnsw'"
+        ).fetchone()
+    assert row is not None and "halfvec(384)" in row[0] and "halfvec_cosine_ops" in row[0]
+    query = HashingEmbedder(384).embed_one("allergic peanuts")
+    hits = store.vector_search(ALICE, query, "keel-hashing-384", MemoryFilter(), 1)
+    assert [h.record_id for h in hits] == [allergy.id]
+    expected = float(query @ HashingEmbedder(384).embed_one(allergy.text))
+    assert hits[0].score == pytest.approx(expected, abs=1e-6)
+    sql, params = store._vector_search_sql(ALICE, query, "keel-hashing-384", MemoryFilter(), 5)
+
+    def explain() -> Plan[list[Any]]:
+        yield Statement("SET LOCAL enable_sort = off")
+        return (yield from store._searched(Statement("EXPLAIN " + sql, params)))
+
+    assert "Index Scan using memory_vectors_384_hnsw" in _scans(store.db.run(explain))
+    memory.close()

@@ -261,7 +261,7 @@ def _hnsw_recall(
     progress: Callable[[str, int, int], None] | None,
 ) -> dict[str, Any]:
     """recall@10 of the store's vector search (HNSW at its ``ef_search``) against exact search
-    (the same query with index scans off), over ``vectors``."""
+    (over the 32-bit vectors, index scans off), over ``vectors``."""
     import numpy as np
 
     from keel.memory import MemoryFilter
@@ -269,13 +269,16 @@ def _hnsw_recall(
 
     if not isinstance(store, PostgresMemoryStore):
         return {}
+    # Without HNSW the store orders by the stored 32-bit vectors' own distance (a halfvec
+    # index's store would order by its 16-bit copies).
+    exact = PostgresMemoryStore(store.db, hnsw=False)
     recalls = []
     for number, vector in enumerate(vectors):
         query = np.asarray(vector, dtype=np.float32).reshape(-1)
         found = {
             hit.record_id for hit in store.vector_search(_SCOPE, query, model, MemoryFilter(), 10)
         }
-        sql, params = store._vector_search_sql(_SCOPE, query, model, MemoryFilter(), 10)
+        sql, params = exact._vector_search_sql(_SCOPE, query, model, MemoryFilter(), 10)
         truth = {str(row[0]) for row in store.db.run(partial(_exactly, Statement(sql, params)))}
         recalls.append(len(found & truth) / max(len(truth), 1))
         if progress is not None:

@@ -336,6 +336,14 @@ def bench_memory_command(
             "its graph fits (about 2 GB at 1M 384-dimension vectors).",
         ),
     ] = "1GB",
+    halfvec: Annotated[
+        bool,
+        typer.Option(
+            "--postgres-halfvec/--no-postgres-halfvec",
+            help="Index PostgreSQL's vectors as 16-bit halfvec: half the graph's bytes "
+            "(PostgresMemoryStore(halfvec=True)).",
+        ),
+    ] = False,
     as_json: JsonLastOption = False,
 ) -> None:
     """Ingest synthetic records into the embedded memory, then measure search latency."""
@@ -351,7 +359,7 @@ def bench_memory_command(
             "shared_buffers": postgres_shared_buffers,
             "maintenance_work_mem": maintenance_work_mem,
         }
-        on_postgres = _on_fresh_postgres(stack, server_settings) if postgres else {}
+        on_postgres = _on_fresh_postgres(stack, server_settings, halfvec) if postgres else {}
         with _stage_progress("memory") as report:
             result = run_memory_bench(
                 records,
@@ -365,10 +373,13 @@ def bench_memory_command(
             )
         if postgres:
             result["postgres"]["server_settings"] = server_settings
+            result["postgres"]["halfvec"] = halfvec
     emit_or_show(result, as_json, _print_memory)
 
 
-def _on_fresh_postgres(stack: ExitStack, settings: dict[str, str]) -> dict[str, Any]:
+def _on_fresh_postgres(
+    stack: ExitStack, settings: dict[str, str], halfvec: bool = False
+) -> dict[str, Any]:
     """``run_memory_bench``'s PostgreSQL arguments, on a server started with ``settings``: its
     store, the VACUUM ANALYZE after ingestion, and the server's CPU reading."""
     from keel.bench.memory import postgres_server_cpu
@@ -376,7 +387,7 @@ def _on_fresh_postgres(stack: ExitStack, settings: dict[str, str]) -> dict[str, 
 
     url = _fresh_postgres(stack, settings)
     database = stack.enter_context(PostgresDatabase(url, max_size=8, timeout=10))
-    factory = lambda hnsw: PostgresMemoryStore(database, hnsw=hnsw)  # noqa: E731
+    factory = lambda hnsw: PostgresMemoryStore(database, hnsw=hnsw, halfvec=halfvec)  # noqa: E731
 
     def vacuum() -> None:
         import psycopg

@@ -203,9 +203,10 @@ def _dimension(vectors: Sequence[FloatArray]) -> int:
     return int(np.asarray(vectors[0]).reshape(-1).shape[0])
 
 
-def _hnsw_operand(dimension: int) -> tuple[str, str] | None:
-    """The indexed expression and its cast for a query vector; None when HNSW cannot index it."""
-    if dimension <= _HNSW_VECTOR_MAX:
+def _hnsw_operand(dimension: int, halfvec: bool = False) -> tuple[str, str] | None:
+    """The indexed expression and its cast for a query vector; None when HNSW cannot index it.
+    ``halfvec`` indexes 16-bit floats even where ``vector`` could be indexed."""
+    if dimension <= _HNSW_VECTOR_MAX and not halfvec:
         return "embedding", "vector"
     if dimension <= _HNSW_HALFVEC_MAX:
         return f"embedding::halfvec({dimension})", f"halfvec({dimension})"
@@ -245,18 +246,30 @@ class PostgresMemoryStore(SQLMemoryStore):
         ef_search: HNSW candidate list size per search (pgvector's ``hnsw.ef_search``,
             1..1000); higher is slower with better recall. Iterative scans extend it when a
             search asks for more rows or filters many out.
+        halfvec: index (and search) the vectors as 16-bit ``halfvec``: the graph takes about
+            half the bytes and memory; vectors are still stored as 32-bit floats. It names the
+            index's expression, so every store on the database must agree: a store whose
+            setting differs from the index it finds searches exactly, without the index.
     """
 
     inserted_order = "seq"
     migrations = POSTGRES_MEMORY_MIGRATIONS
     db: PostgresDatabase
 
-    def __init__(self, db: PostgresDatabase, *, hnsw: bool = True, ef_search: int = 100) -> None:
+    def __init__(
+        self,
+        db: PostgresDatabase,
+        *,
+        hnsw: bool = True,
+        ef_search: int = 100,
+        halfvec: bool = False,
+    ) -> None:
         if not 1 <= ef_search <= 1000:
             raise ConfigError(f"ef_search must be within 1..1000 (pgvector's range): {ef_search}")
         super().__init__(require_database(db, PostgresDatabase, "PostgresMemoryStore"))
         self.hnsw = hnsw
         self.ef_search = int(ef_search)
+        self.halfvec = halfvec
         self._vector_tables: set[int] = set()
         self._statistics = _GrowthStatistics(db)
         self._term_frequencies = TermFrequencies()
@@ -285,7 +298,7 @@ class PostgresMemoryStore(SQLMemoryStore):
                 "tenant_id TEXT NOT NULL, user_id TEXT NOT NULL, model TEXT NOT NULL, "
                 f"embedding vector({int(dimension)}) NOT NULL)"
             )
-            operand = _hnsw_operand(dimension)
+            operand = _hnsw_operand(dimension, self.halfvec)
             if self.hnsw and operand is not None:
                 yield _hnsw_index_statement(table, operand)
             yield Statement(
@@ -390,7 +403,7 @@ class PostgresMemoryStore(SQLMemoryStore):
         tables = self._migrated().run(self._vector_table_names, write=False)
         for table in tables:
             match = _VECTOR_TABLE.match(table)
-            operand = _hnsw_operand(int(match.group(1))) if match else None
+            operand = _hnsw_operand(int(match.group(1)), self.halfvec) if match else None
             if operand is None:
                 continue
             exists = Statement("SELECT to_regclass(?)", (f"{table}_hnsw",))
@@ -593,7 +606,7 @@ class PostgresMemoryStore(SQLMemoryStore):
         dimension = int(query.shape[0])
         where, params = filter_sql(filters, "%s", prefix="r.")
         literal = _vector_literal(query)
-        operand = _hnsw_operand(dimension)
+        operand = _hnsw_operand(dimension, self.halfvec)
         if self.hnsw and operand is not None:
             # The index's own expression, or the planner cannot use the index.
             expression, cast = operand
