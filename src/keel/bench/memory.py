@@ -23,9 +23,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from keel.bench._stats import nearest_rank
-from keel.memory import Embedder, Memory, MemoryStore, Scope
-from keel.stores import SQLiteDatabase, SQLiteMemoryStore
+from keel.memory import Embedder, Memory, MemoryFilter, MemoryStore, Scope
+from keel.stores import PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
 from keel.stores._sql_plan import Plan, Statement
 
 __all__ = ["run_memory_bench", "synthetic_corpus"]
@@ -229,8 +231,6 @@ def _sqlite_sizes(folder: Path, records: int) -> dict[str, Any]:
 
 def _postgres_sizes(store: MemoryStore, records: int) -> dict[str, Any]:
     """The memory tables' and indexes' bytes in PostgreSQL, in all and per record."""
-    from keel.stores import PostgresMemoryStore
-
     if not isinstance(store, PostgresMemoryStore):
         return {}
 
@@ -262,11 +262,6 @@ def _hnsw_recall(
 ) -> dict[str, Any]:
     """recall@10 of the store's vector search (HNSW at its ``ef_search``) against exact search
     (over the 32-bit vectors, index scans off), over ``vectors``."""
-    import numpy as np
-
-    from keel.memory import MemoryFilter
-    from keel.stores import PostgresMemoryStore
-
     if not isinstance(store, PostgresMemoryStore):
         return {}
     # Without HNSW the store orders by the stored 32-bit vectors' own distance (a halfvec
