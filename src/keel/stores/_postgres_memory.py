@@ -325,6 +325,9 @@ class PostgresMemoryStore(SQLMemoryStore):
         # (a WAL flush) instead of one per record: a bulk load wrote 1,400 records/s one by one.
         if not records:
             return []
+        if len(records) == 1:
+            # `Memory.add`: one statement in autocommit, without BEGIN and COMMIT round trips.
+            return [self.insert(records[0])]
         results = self._migrated().run(lambda: self._insert_batch(records))
         created = sum(1 for result in results if result.created)
         if created:
