@@ -170,7 +170,7 @@ def test_memory_bench_measures_postgresql_again_once_settled(postgres_url: str) 
         report = run_memory_bench(
             100,
             embedder=HashingEmbedder(64),
-            postgres_store=lambda: PostgresMemoryStore(database),
+            postgres_store=lambda hnsw: PostgresMemoryStore(database, hnsw=hnsw),
             postgres_records=150,
             postgres_settle=lambda: settled.append(True),
             postgres_cpu=postgres_server_cpu(postgres_url),
@@ -223,3 +223,39 @@ def test_the_server_cpu_reading_counts_the_servers_own_work(postgres_url: str) -
         time.sleep(0.05)
         after = read()
     assert after is not None and after >= during
+
+
+@pytest.mark.postgres
+def test_memory_bench_bulk_load_builds_the_index_after_and_sizes_each_store(
+    postgres_url: str,
+) -> None:
+    with PostgresDatabase(postgres_url) as database:
+        report = run_memory_bench(
+            200,
+            embedder=HashingEmbedder(64),
+            postgres_store=lambda hnsw: PostgresMemoryStore(database, hnsw=hnsw),
+            postgres_settle=lambda: None,
+            batch=100,
+            bulk=True,
+            recall_queries=5,
+        )
+    sqlite, postgres = report["sqlite"], report["postgres"]
+    assert report["bulk"] is True and sqlite["records"] == postgres["records"] == 200
+    # The graph is built once, after the load, and searched: scored against exact search.
+    assert postgres["indexes_built"] == ["memory_vectors_64_hnsw"]
+    assert postgres["index_build_s"] >= 0 and postgres["search_ms_p95"] > 0
+    assert 0 < postgres["hnsw_recall_at_10"] <= 1 and postgres["recall_queries"] == 5
+    assert postgres["hnsw_index_bytes"] > 0
+    assert postgres["disk_bytes"] == sum(postgres["relation_bytes"].values())
+    for figures in (sqlite, postgres):
+        assert figures["bytes_per_record"] == round(figures["disk_bytes"] / 200) > 0
+    assert sqlite["peak_rss_bytes"] > 0 and sqlite["raw_embed_per_s"] is None
+
+
+def test_memory_bench_cli_needs_a_store() -> None:
+    from typer.testing import CliRunner
+
+    from keel.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "memory", "--records", "100", "--no-sqlite"])
+    assert result.exit_code != 0 and "--no-sqlite needs --postgres" in result.output

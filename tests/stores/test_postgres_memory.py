@@ -12,7 +12,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from keel.errors import ConfigError
+from keel.errors import ConfigError, StoreError
 from keel.memory import HashingEmbedder, Memory, MemoryFilter, Scope
 from keel.stores import PostgresDatabase, PostgresMemoryStore
 from keel.stores._sql_plan import Plan, Statement
@@ -322,4 +322,128 @@ def test_the_keyword_index_pending_list_stays_short(
             "SELECT pending_pages FROM pgstatginindex('memory_records_tsv')"
         ).fetchone()
     assert row is not None and int(row[0]) <= 256 // 8 + 1
+    memory.close()
+
+
+def test_add_many_writes_a_batch_in_one_transaction(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
+    # Plain records of a batch go in one statement (their outbox entries with them), so a
+    # batch is all or none, as add_many promises: one by one, each was its own commit.
+    memory = Memory(PostgresMemoryStore(open_database()), embedder=HashingEmbedder(64), masker=None)
+    kept = memory.add("the spare key is under the blue flowerpot", scope=ALICE)
+    with pytest.raises(StoreError):
+        # PostgreSQL's text takes no NUL: the batch's third record fails, after two good ones.
+        memory.add_many(
+            [
+                {"text": "the boat is moored at pier 4"},
+                {"text": "pier 4 has a red crane"},
+                {"text": "a NUL \x00 in the middle"},
+            ],
+            scope=ALICE,
+        )
+    with psycopg.connect(postgres_url) as conn:
+        texts = conn.execute("SELECT text FROM memory_records ORDER BY seq").fetchall()
+    assert texts == [(kept.text,)]
+    # A content already stored, or twice in the batch, is the record stored first; keyed
+    # records and facts keep their own path, in order, in the same transaction.
+    records = memory.add_many(
+        [
+            {"text": "the boat is moored at pier 4"},
+            {"text": kept.text},
+            {"text": "the boat is moored at pier 4"},
+            {
+                "text": "Alice lives in Lyon",
+                "kind": "semantic",
+                "subject": "Alice",
+                "attribute": "city",
+            },
+            {"text": "the gate code is 4512", "key": "gate"},
+            {"text": "the gate code is 9000", "key": "gate"},
+            {
+                "text": "Alice lives in Porto",
+                "kind": "semantic",
+                "subject": "Alice",
+                "attribute": "city",
+            },
+        ],
+        scope=ALICE,
+    )
+    assert records[1].id == kept.id and records[2].id == records[0].id != kept.id
+    memory.flush()
+    assert memory.pending() == 0
+    with psycopg.connect(postgres_url) as conn:
+        rows = conn.execute(
+            "SELECT text, valid_to IS NULL FROM memory_records ORDER BY seq"
+        ).fetchall()
+    assert rows == [
+        (kept.text, True),
+        ("the boat is moored at pier 4", True),
+        ("Alice lives in Lyon", False),
+        ("the gate code is 9000", True),
+        ("Alice lives in Porto", True),
+    ]
+    hits = memory.search("where is the boat moored", scope=ALICE, k=1)
+    assert [h.record.id for h in hits] == [records[0].id]
+    memory.close()
+
+
+def test_hnsw_indexes_build_after_a_bulk_load(open_database: OpenDatabase) -> None:
+    # A bulk load writes vectors without the graph (hnsw=False), then builds it once.
+    loader = Memory(
+        PostgresMemoryStore(open_database(), hnsw=False), embedder=HashingEmbedder(64), masker=None
+    )
+    words = ["harbour", "lantern", "orchard", "granite", "meadow", "violin", "saffron"]
+    loader.add_many(
+        [{"text": f"note {n}: {words[n % 7]} {words[(n * 3) % 7]}"} for n in range(300)],
+        scope=ALICE,
+    )
+    loader.flush()
+    store = loader.store
+    assert isinstance(store, PostgresMemoryStore)
+    query = HashingEmbedder(64).embed_one("harbour meadow")
+
+    def plan() -> str:
+        sql, params = store._vector_search_sql(ALICE, query, "keel-hashing-64", MemoryFilter(), 5)
+
+        def explain() -> Plan[list[Any]]:
+            yield Statement("SET LOCAL enable_sort = off")
+            return (yield from store._searched(Statement("EXPLAIN " + sql, params)))
+
+        return _scans(store.db.run(explain))
+
+    assert "_hnsw" not in plan()
+    assert store.build_hnsw_indexes() == ["memory_vectors_64_hnsw"]
+    assert "Index Scan using memory_vectors_64_hnsw" in plan()
+    assert store.build_hnsw_indexes() == []
+    loader.close()
+
+
+def test_a_halfvec_index_serves_narrow_embeddings_too(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
+    # halfvec=True: 384 dimensions (which `vector` could index) indexed as 16-bit halfvec,
+    # searched through that index, ranked by the stored 32-bit vectors' similarity.
+    store = PostgresMemoryStore(open_database(), halfvec=True)
+    memory = Memory(store, embedder=HashingEmbedder(384), masker=None)
+    allergy = memory.add("Alice is allergic to peanuts", scope=ALICE)
+    memory.add("Alice runs every morning", scope=ALICE)
+    memory.flush()
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'memory_vectors_384_hnsw'"
+        ).fetchone()
+    assert row is not None and "halfvec(384)" in row[0] and "halfvec_cosine_ops" in row[0]
+    query = HashingEmbedder(384).embed_one("allergic peanuts")
+    hits = store.vector_search(ALICE, query, "keel-hashing-384", MemoryFilter(), 1)
+    assert [h.record_id for h in hits] == [allergy.id]
+    expected = float(query @ HashingEmbedder(384).embed_one(allergy.text))
+    assert hits[0].score == pytest.approx(expected, abs=1e-6)
+    sql, params = store._vector_search_sql(ALICE, query, "keel-hashing-384", MemoryFilter(), 5)
+
+    def explain() -> Plan[list[Any]]:
+        yield Statement("SET LOCAL enable_sort = off")
+        return (yield from store._searched(Statement("EXPLAIN " + sql, params)))
+
+    assert "Index Scan using memory_vectors_384_hnsw" in _scans(store.db.run(explain))
     memory.close()

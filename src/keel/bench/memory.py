@@ -19,12 +19,16 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from keel.bench._stats import nearest_rank
-from keel.memory import Embedder, Memory, MemoryStore, Scope
-from keel.stores import SQLiteDatabase, SQLiteMemoryStore
+from keel.memory import Embedder, Memory, MemoryFilter, MemoryStore, Scope
+from keel.stores import PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
+from keel.stores._sql_plan import Plan, Statement
 
 __all__ = ["run_memory_bench", "synthetic_corpus"]
 
@@ -91,14 +95,26 @@ def _measure(
     progress: Callable[[str, int, int], None] | None,
     batch: int,
     server_cpu: Callable[[], float | None] | None = None,
+    *,
+    bulk: bool = False,
+    raw: bool = True,
 ) -> dict[str, Any]:
     scope = _SCOPE
     writing = embedding = 0.0
     indexing_cpu: float | None = 0.0
     for start in range(0, len(texts), batch):
         t0 = time.perf_counter()
-        for text in texts[start : start + batch]:
-            memory.add(text, scope=scope, kind="episodic", type="note")
+        if bulk:
+            memory.add_many(
+                [
+                    {"text": text, "kind": "episodic", "type": "note"}
+                    for text in texts[start : start + batch]
+                ],
+                scope=scope,
+            )
+        else:
+            for text in texts[start : start + batch]:
+                memory.add(text, scope=scope, kind="episodic", type="note")
         t1 = time.perf_counter()
         before = None if server_cpu is None else server_cpu()
         memory.process_outbox()
@@ -112,7 +128,7 @@ def _measure(
         if progress is not None:
             progress("ingest", min(start + batch, len(texts)), len(texts))
     ingest = writing + embedding
-    raw = _raw_embedding_seconds(memory, texts)
+    raw_s = _raw_embedding_seconds(memory, texts) if raw else None
     server = {}
     if server_cpu is not None and indexing_cpu is not None:
         # The database server's own CPU while vectors were indexed (pgvector's HNSW
@@ -129,10 +145,9 @@ def _measure(
         "embed_records_per_s": round(len(texts) / embedding, 1),
         "write_per_s": round(len(texts) / writing, 1),
         "index_per_s": round(len(texts) / embedding, 1),
-        "raw_embed_per_s": None if raw is None else round(len(texts) / raw, 1),
-        "index_vs_raw": None if raw is None else round(raw / embedding, 3),
+        "raw_embed_per_s": None if raw_s is None else round(len(texts) / raw_s, 1),
+        "index_vs_raw": None if raw_s is None else round(raw_s / embedding, 3),
         **server,
-        **_search_latency(memory, queries, progress),
     }
 
 
@@ -208,48 +223,164 @@ def _search_latency(
     }
 
 
+def _sqlite_sizes(folder: Path, records: int) -> dict[str, Any]:
+    """The SQLite database's bytes on disk (the file and its WAL), in all and per record."""
+    total = sum(path.stat().st_size for path in folder.glob("memory.db*"))
+    return {"disk_bytes": total, "bytes_per_record": round(total / records)}
+
+
+def _postgres_sizes(store: MemoryStore, records: int) -> dict[str, Any]:
+    """The memory tables' and indexes' bytes in PostgreSQL, in all and per record."""
+    if not isinstance(store, PostgresMemoryStore):
+        return {}
+
+    def sizes() -> Plan[list[Any]]:
+        found = yield Statement(
+            "SELECT c.relname, c.relkind, pg_table_size(c.oid) FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = current_schema() AND c.relname LIKE 'memory%%' "
+            "AND c.relkind IN ('r', 'i')"
+        )
+        return found.rows
+
+    relations = {str(name): int(size) for name, _, size in store.db.run(sizes, write=False)}
+    total = sum(relations.values())
+    hnsw = sum(size for name, size in relations.items() if name.endswith("_hnsw"))
+    return {
+        "disk_bytes": total,
+        "bytes_per_record": round(total / records),
+        "hnsw_index_bytes": hnsw,
+        "relation_bytes": dict(sorted(relations.items())),
+    }
+
+
+def _hnsw_recall(
+    store: MemoryStore,
+    vectors: list[Any],
+    model: str,
+    progress: Callable[[str, int, int], None] | None,
+) -> dict[str, Any]:
+    """recall@10 of the store's vector search (HNSW at its ``ef_search``) against exact search
+    (over the 32-bit vectors, index scans off), over ``vectors``."""
+    if not isinstance(store, PostgresMemoryStore):
+        return {}
+    # Without HNSW the store orders by the stored 32-bit vectors' own distance (a halfvec
+    # index's store would order by its 16-bit copies).
+    exact = PostgresMemoryStore(store.db, hnsw=False)
+    recalls = []
+    for number, vector in enumerate(vectors):
+        query = np.asarray(vector, dtype=np.float32).reshape(-1)
+        found = {
+            hit.record_id for hit in store.vector_search(_SCOPE, query, model, MemoryFilter(), 10)
+        }
+        sql, params = exact._vector_search_sql(_SCOPE, query, model, MemoryFilter(), 10)
+        truth = {str(row[0]) for row in store.db.run(partial(_exactly, Statement(sql, params)))}
+        recalls.append(len(found & truth) / max(len(truth), 1))
+        if progress is not None:
+            progress("recall", number + 1, len(vectors))
+    return {
+        "hnsw_recall_at_10": round(statistics.fmean(recalls), 3),
+        "recall_queries": len(recalls),
+    }
+
+
+def _exactly(search: Statement) -> Plan[list[Any]]:
+    """``search``'s rows with index scans off: the vector search ranks every row exactly."""
+    yield Statement("SET LOCAL enable_indexscan = off")
+    return (yield search).rows
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def run_memory_bench(
     records: int,
     *,
     embedder: Embedder,
-    postgres_store: Callable[[], MemoryStore] | None = None,
+    postgres_store: Callable[[bool], MemoryStore] | None = None,
     postgres_records: int | None = None,
     postgres_settle: Callable[[], None] | None = None,
     postgres_cpu: Callable[[], float | None] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     batch: int = 512,
+    sqlite: bool = True,
+    bulk: bool = False,
+    recall_queries: int = 0,
 ) -> dict[str, Any]:
     """Run the benchmark on the embedded backend (and PostgreSQL when a factory is given).
 
+    ``postgres_store(hnsw)`` opens a store on the benchmark's PostgreSQL database.
     ``postgres_settle`` (VACUUM ANALYZE, say) runs after PostgreSQL's ingestion; search is
     then measured again through a new store (no term counts cached) as ``settled``: right
     after a bulk load, autovacuum catches up on the same CPUs the searches use.
     ``postgres_cpu`` (see `postgres_server_cpu`) reads the server's CPU seconds, so
     the report says how much of the indexing time was the server's own work.
+
+    ``bulk`` writes through [`Memory.add_many`][keel.memory.Memory.add_many], ``batch`` records a
+    transaction, instead of one ``add`` each, and skips the raw embedder pass; on PostgreSQL the
+    vectors are stored without an HNSW index, which is built once after the load
+    (``index_build_s``). ``recall_queries`` queries (PostgreSQL) compare the HNSW search with
+    exact search (``hnsw_recall_at_10``). Each backend reports its bytes on disk.
     """
     texts, queries = synthetic_corpus(records)
     # Loaded (the default builds its ONNX graph, about 1.5 s) before anything is timed, so
     # neither the first backend's indexing nor its raw figure counts the load.
     embedder.embed(texts[:64])
-    report: dict[str, Any] = {"embedding_model": embedder.name}
-    with tempfile.TemporaryDirectory(prefix="keel-membench-") as tmp:
-        db = SQLiteDatabase(Path(tmp) / "memory.db")
-        memory = Memory(SQLiteMemoryStore(db), embedder=embedder)
-        report["sqlite"] = _measure(memory, texts, queries, progress, batch)
-        memory.close()
-        db.close()
+    report: dict[str, Any] = {"embedding_model": embedder.name, "bulk": bulk}
+    if sqlite:
+        with tempfile.TemporaryDirectory(prefix="keel-membench-") as tmp:
+            db = SQLiteDatabase(Path(tmp) / "memory.db")
+            memory = Memory(SQLiteMemoryStore(db), embedder=embedder)
+            figures = _measure(memory, texts, queries, progress, batch, bulk=bulk, raw=not bulk)
+            figures.update(_search_latency(memory, queries, progress))
+            figures.update(_sqlite_sizes(Path(tmp), len(texts)))
+            figures["peak_rss_bytes"] = _peak_rss_bytes()
+            report["sqlite"] = figures
+            memory.close()
+            db.close()
     if postgres_store is not None:
         count = postgres_records or records
-        pg_texts, pg_queries = synthetic_corpus(count)
-        memory = Memory(postgres_store(), embedder=embedder)
-        report["postgres"] = _measure(
-            memory, pg_texts, pg_queries, progress, batch, server_cpu=postgres_cpu
+        pg_texts, pg_queries = synthetic_corpus(count) if count != records else (texts, queries)
+        memory = Memory(postgres_store(not bulk), embedder=embedder)
+        figures = _measure(
+            memory,
+            pg_texts,
+            pg_queries,
+            progress,
+            batch,
+            server_cpu=postgres_cpu,
+            bulk=bulk,
+            raw=not bulk,
         )
+        if bulk:
+            store = memory.store
+            started = time.perf_counter()
+            if progress is not None:
+                progress("index build", 0, 1)
+            built: list[str] = getattr(store, "build_hnsw_indexes", list)()
+            figures["index_build_s"] = round(time.perf_counter() - started, 1)
+            figures["indexes_built"] = built
+        else:
+            figures.update(_search_latency(memory, pg_queries, progress))
+        report["postgres"] = figures
         memory.close()
         if postgres_settle is not None:
             postgres_settle()
-            memory = Memory(postgres_store(), embedder=embedder)
-            report["postgres"]["settled"] = _search_latency(memory, pg_queries, progress)
+            memory = Memory(postgres_store(True), embedder=embedder)
+            figures["settled"] = _search_latency(memory, pg_queries, progress)
+            if bulk:
+                figures.update(figures["settled"])
+            figures.update(_postgres_sizes(memory.store, count))
+            if recall_queries and memory.embedder is not None:
+                vectors = memory.embedder.embed(pg_queries[:recall_queries])
+                figures.update(
+                    _hnsw_recall(memory.store, list(vectors), memory.embedder.name, progress)
+                )
             memory.close()
-    report.update(report["sqlite"])
+    report.update(report.get("sqlite") or report.get("postgres") or {})
     return report

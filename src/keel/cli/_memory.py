@@ -307,6 +307,43 @@ def bench_memory_command(
             "the storage and index path without model inference.",
         ),
     ] = "local:all-minilm-l6-v2",
+    sqlite: Annotated[
+        bool, typer.Option("--sqlite/--no-sqlite", help="Run on the embedded SQLite store.")
+    ] = True,
+    bulk: Annotated[
+        bool,
+        typer.Option(
+            "--bulk/--no-bulk",
+            help="Load as a bulk import: Memory.add_many, 512 records a transaction, and on "
+            "PostgreSQL the HNSW index built once after the load (index_build_s).",
+        ),
+    ] = False,
+    recall_queries: Annotated[
+        int,
+        typer.Option(
+            "--recall-queries",
+            min=0,
+            max=200,
+            help="Queries whose PostgreSQL HNSW results are compared with exact search "
+            "(hnsw_recall_at_10).",
+        ),
+    ] = 0,
+    maintenance_work_mem: Annotated[
+        str,
+        typer.Option(
+            "--postgres-maintenance-work-mem",
+            help="maintenance_work_mem of the PostgreSQL server: an HNSW build is fast while "
+            "its graph fits (about 2 GB at 1M 384-dimension vectors).",
+        ),
+    ] = "1GB",
+    halfvec: Annotated[
+        bool,
+        typer.Option(
+            "--postgres-halfvec/--no-postgres-halfvec",
+            help="Index PostgreSQL's vectors as 16-bit halfvec: half the graph's bytes "
+            "(PostgresMemoryStore(halfvec=True)).",
+        ),
+    ] = False,
     as_json: JsonLastOption = False,
 ) -> None:
     """Ingest synthetic records into the embedded memory, then measure search latency."""
@@ -316,22 +353,33 @@ def bench_memory_command(
     from keel.settings import load_settings
 
     with ExitStack() as stack:
-        server_settings = {"shared_buffers": postgres_shared_buffers}
-        on_postgres = _on_fresh_postgres(stack, server_settings) if postgres else {}
+        if not (sqlite or postgres):
+            raise typer.BadParameter("--no-sqlite needs --postgres: nothing to measure")
+        server_settings = {
+            "shared_buffers": postgres_shared_buffers,
+            "maintenance_work_mem": maintenance_work_mem,
+        }
+        on_postgres = _on_fresh_postgres(stack, server_settings, halfvec) if postgres else {}
         with _stage_progress("memory") as report:
             result = run_memory_bench(
                 records,
                 embedder=embedder_from_spec(embedder_spec, load_settings()),
                 postgres_records=postgres_records,
                 progress=report,
+                sqlite=sqlite,
+                bulk=bulk,
+                recall_queries=recall_queries,
                 **on_postgres,
             )
         if postgres:
             result["postgres"]["server_settings"] = server_settings
+            result["postgres"]["halfvec"] = halfvec
     emit_or_show(result, as_json, _print_memory)
 
 
-def _on_fresh_postgres(stack: ExitStack, settings: dict[str, str]) -> dict[str, Any]:
+def _on_fresh_postgres(
+    stack: ExitStack, settings: dict[str, str], halfvec: bool = False
+) -> dict[str, Any]:
     """``run_memory_bench``'s PostgreSQL arguments, on a server started with ``settings``: its
     store, the VACUUM ANALYZE after ingestion, and the server's CPU reading."""
     from keel.bench.memory import postgres_server_cpu
@@ -339,7 +387,7 @@ def _on_fresh_postgres(stack: ExitStack, settings: dict[str, str]) -> dict[str, 
 
     url = _fresh_postgres(stack, settings)
     database = stack.enter_context(PostgresDatabase(url, max_size=8, timeout=10))
-    factory = lambda: PostgresMemoryStore(database)  # noqa: E731
+    factory = lambda hnsw: PostgresMemoryStore(database, hnsw=hnsw, halfvec=halfvec)  # noqa: E731
 
     def vacuum() -> None:
         import psycopg

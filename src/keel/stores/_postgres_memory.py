@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from keel.memory._records import (
     is_fact,
 )
 from keel.memory._rows import (
+    RECORD_COLUMNS,
     filter_sql,
     record_to_row,
 )
@@ -119,6 +121,32 @@ _INSERT_WITH_OUTBOX = (
     "queued AS (INSERT INTO memory_outbox (record_id, created_at) SELECT id, ? FROM inserted) "
     "SELECT id FROM inserted"
 )
+# Plain records of a batch in one statement: each column one array parameter (a short text
+# psycopg parses once, whatever the rows), unnested back into rows.
+_ARRAY_TYPES = {
+    "step": "int[]",
+    "turn": "int[]",
+    "created_at": "float8[]",
+    "event_time": "float8[]",
+    "valid_from": "float8[]",
+    "valid_to": "float8[]",
+    "expires_at": "float8[]",
+}
+_INSERT_ROWS = _INSERT_WITH_OUTBOX.format(
+    insert=(
+        f"INSERT INTO memory_records ({', '.join(RECORD_COLUMNS)}) SELECT "
+        + ", ".join(
+            f"{column}::jsonb" if column == "metadata" else column for column in RECORD_COLUMNS
+        )
+        + " FROM unnest("
+        + ", ".join(f"?::{_ARRAY_TYPES.get(column, 'text[]')}" for column in RECORD_COLUMNS)
+        + f") AS rows ({', '.join(RECORD_COLUMNS)}) "
+        "ON CONFLICT (tenant_id, user_id, content_hash) DO NOTHING RETURNING id"
+    )
+)
+# Plain records written by one INSERT in a batch: PostgreSQL takes at most 65,535
+# parameters a statement, and a record has about 20.
+_ROWS_PER_INSERT = 1000
 _VECTOR_TABLE = re.compile(r"^memory_vectors_(\d+)$")
 # pgvector's HNSW limits: 2,000 dimensions for ``vector``, 4,000 for ``halfvec``.
 _HNSW_VECTOR_MAX = 2000
@@ -142,9 +170,10 @@ def _dimension(vectors: Sequence[FloatArray]) -> int:
     return int(np.asarray(vectors[0]).reshape(-1).shape[0])
 
 
-def _hnsw_operand(dimension: int) -> tuple[str, str] | None:
-    """The indexed expression and its cast for a query vector; None when HNSW cannot index it."""
-    if dimension <= _HNSW_VECTOR_MAX:
+def _hnsw_operand(dimension: int, halfvec: bool = False) -> tuple[str, str] | None:
+    """The indexed expression and its cast for a query vector; None when HNSW cannot index it.
+    ``halfvec`` indexes 16-bit floats even where ``vector`` could be indexed."""
+    if dimension <= _HNSW_VECTOR_MAX and not halfvec:
         return "embedding", "vector"
     if dimension <= _HNSW_HALFVEC_MAX:
         return f"embedding::halfvec({dimension})", f"halfvec({dimension})"
@@ -184,18 +213,30 @@ class PostgresMemoryStore(SQLMemoryStore):
         ef_search: HNSW candidate list size per search (pgvector's ``hnsw.ef_search``,
             1..1000); higher is slower with better recall. Iterative scans extend it when a
             search asks for more rows or filters many out.
+        halfvec: index (and search) the vectors as 16-bit ``halfvec``: the graph takes about
+            half the bytes and memory; vectors are still stored as 32-bit floats. It names the
+            index's expression, so every store on the database must agree: a store whose
+            setting differs from the index it finds searches exactly, without the index.
     """
 
     inserted_order = "seq"
     migrations = POSTGRES_MEMORY_MIGRATIONS
     db: PostgresDatabase
 
-    def __init__(self, db: PostgresDatabase, *, hnsw: bool = True, ef_search: int = 100) -> None:
+    def __init__(
+        self,
+        db: PostgresDatabase,
+        *,
+        hnsw: bool = True,
+        ef_search: int = 100,
+        halfvec: bool = False,
+    ) -> None:
         if not 1 <= ef_search <= 1000:
             raise ConfigError(f"ef_search must be within 1..1000 (pgvector's range): {ef_search}")
         super().__init__(require_database(db, PostgresDatabase, "PostgresMemoryStore"))
         self.hnsw = hnsw
         self.ef_search = int(ef_search)
+        self.halfvec = halfvec
         self._vector_tables: set[int] = set()
         self._statistics = _GrowthStatistics(db)
         self._term_frequencies = TermFrequencies()
@@ -223,16 +264,9 @@ class PostgresMemoryStore(SQLMemoryStore):
                 "tenant_id TEXT NOT NULL, user_id TEXT NOT NULL, model TEXT NOT NULL, "
                 f"embedding vector({int(dimension)}) NOT NULL)"
             )
-            operand = _hnsw_operand(dimension)
+            operand = _hnsw_operand(dimension, self.halfvec)
             if self.hnsw and operand is not None:
-                expression, cast = operand
-                if cast == "vector":
-                    indexed = f"{expression} vector_cosine_ops"
-                else:
-                    indexed = f"({expression}) halfvec_cosine_ops"
-                yield Statement(
-                    f"CREATE INDEX IF NOT EXISTS {table}_hnsw ON {table} USING hnsw ({indexed})"
-                )
+                yield _hnsw_index_statement(table, operand)
             yield Statement(
                 f"CREATE INDEX IF NOT EXISTS {table}_scope ON {table} (tenant_id, user_id, model)"
             )
@@ -253,8 +287,58 @@ class PostgresMemoryStore(SQLMemoryStore):
         return result
 
     def insert_many(self, records: Sequence[MemoryRecord]) -> list[InsertResult]:
-        # One by one: a plain record is one atomic statement of its own (`_insert_plain`).
-        return [self.insert(record) for record in records]
+        # One transaction for the batch, as `add_many` promises (all or none), and one commit
+        # (a WAL flush) instead of one per record: a bulk load wrote 1,400 records/s one by one.
+        if not records:
+            return []
+        if len(records) == 1:
+            # `Memory.add`: one statement in autocommit, without BEGIN and COMMIT round trips.
+            return [self.insert(records[0])]
+        results = self._migrated().run(lambda: self._insert_batch(records))
+        created = sum(1 for result in results if result.created)
+        if created:
+            self._statistics.wrote({"memory_records": created, "memory_outbox": created})
+        return results
+
+    def _insert_batch(self, records: Sequence[MemoryRecord]) -> Plan[list[InsertResult]]:
+        """``records`` in order: each run of plain ones (no key, no fact) in one statement
+        with their outbox entries, a keyed record or a fact on its own (it may replace)."""
+        results: list[InsertResult] = []
+        start = 0
+        while start < len(records):
+            end = start
+            while (
+                end < len(records)
+                and end - start < _ROWS_PER_INSERT
+                and records[end].key is None
+                and not is_fact(records[end])
+            ):
+                end += 1
+            if end > start:
+                results.extend((yield from self._insert_plain_rows(records[start:end])))
+                start = end
+            else:
+                results.append((yield from self._insert(records[start])))
+                start += 1
+        return results
+
+    def _insert_plain_rows(self, records: Sequence[MemoryRecord]) -> Plan[list[InsertResult]]:
+        """Plain records and their outbox entries in one statement: a statement a record in
+        one transaction spent 6.0 s of 5,000 records' 7.2 s in round trips (a loaded 2-core
+        machine), one for 512 records wrote them in 1.3 s. A content its scope holds
+        already, even from earlier in the same rows, is the record stored first."""
+        columns = list(zip(*(record_to_row(record) for record in records), strict=True))
+        arrays = tuple(list(values) for values in columns)
+        created = {
+            str(row[0]) for row in (yield Statement(_INSERT_ROWS, (*arrays, time.time()))).rows
+        }
+        results = []
+        for record in records:
+            if record.id in created:
+                results.append(InsertResult(record, created=True))
+            else:
+                results.append(InsertResult((yield from stored_content(record)), created=False))
+        return results
 
     def _lock(self, what: str, record: MemoryRecord, name: str) -> Plan[None]:
         """Take the transaction's advisory lock on one name of the record's scope (a key, a
@@ -274,6 +358,29 @@ class PostgresMemoryStore(SQLMemoryStore):
         if not (yield Statement(insert, (*record_to_row(record), time.time()))).rows:
             return InsertResult((yield from stored_content(record)), created=False)
         return InsertResult(record, created=True)
+
+    def build_hnsw_indexes(self) -> list[str]:
+        """Build the HNSW index of every vector table that has none; the names built.
+
+        For bulk loads: a store opened with ``hnsw=False`` writes vectors without walking a
+        graph per row, and one build afterwards is several times faster than the inserts'
+        (pgvector's build, with the server's ``maintenance_work_mem`` and parallel workers;
+        ``m`` 16 and ``ef_construction`` 64, its defaults). Tables wider than HNSW can index
+        are left to exact search. Idempotent; searches use a built index at once.
+        """
+        built = []
+        tables = self._migrated().run(self._vector_table_names, write=False)
+        for table in tables:
+            match = _VECTOR_TABLE.match(table)
+            operand = _hnsw_operand(int(match.group(1)), self.halfvec) if match else None
+            if operand is None:
+                continue
+            exists = Statement("SELECT to_regclass(?)", (f"{table}_hnsw",))
+            if self.db.run(partial(rows_of, exists), write=False)[0][0] is not None:
+                continue
+            self.db.run(partial(_run_one, _hnsw_index_statement(table, operand)), write=False)
+            built.append(f"{table}_hnsw")
+        return built
 
     # --- search -------------------------------------------------------------------------
 
@@ -468,7 +575,7 @@ class PostgresMemoryStore(SQLMemoryStore):
         dimension = int(query.shape[0])
         where, params = filter_sql(filters, "%s", prefix="r.")
         literal = _vector_literal(query)
-        operand = _hnsw_operand(dimension)
+        operand = _hnsw_operand(dimension, self.halfvec)
         if self.hnsw and operand is not None:
             # The index's own expression, or the planner cannot use the index.
             expression, cast = operand
@@ -567,6 +674,20 @@ class PostgresMemoryStore(SQLMemoryStore):
 
     def __repr__(self) -> str:
         return f"PostgresMemoryStore({self.db!r})"
+
+
+def _hnsw_index_statement(table: str, operand: tuple[str, str]) -> Statement:
+    """The CREATE INDEX of ``table``'s HNSW index on ``operand`` (see `_hnsw_operand`)."""
+    expression, cast = operand
+    if cast == "vector":
+        indexed = f"{expression} vector_cosine_ops"
+    else:
+        indexed = f"({expression}) halfvec_cosine_ops"
+    return Statement(f"CREATE INDEX IF NOT EXISTS {table}_hnsw ON {table} USING hnsw ({indexed})")
+
+
+def _run_one(statement: Statement) -> Plan[None]:
+    yield statement
 
 
 def _all_rows(statements: Sequence[Statement]) -> Plan[list[Any]]:
