@@ -55,7 +55,9 @@ def test_store_modules_use_only_the_database_objects_api() -> None:
 
 def test_the_journal_and_the_approvals_queue_are_one_class_each() -> None:
     for store in (SQLToolJournal, SQLApprovalStore):
-        assert store.__subclasses__() == [], store
+        # keel's own subclasses only: a test may subclass one to inject a fault.
+        keels = [cls for cls in store.__subclasses__() if cls.__module__.startswith("keel.")]
+        assert keels == [], store
 
 
 def test_engine_subclasses_are_the_engine_differences_only() -> None:
