@@ -11,9 +11,10 @@ A run's ``heartbeat_at`` is refreshed by every write of the run (start, resume, 
 reads report a ``running`` run whose heartbeat is older than ``abandon_after_s`` of its time
 limit as ``abandoned`` (``keel.tracing.RunStatus``).
 
-Every operation is a plan (``_sql_plan.py``) run by the database. A batch of steps locks its
-run's row first (PostgreSQL; SQLite's write transaction holds the whole file), so concurrent
-writers of one run take turns and each step's difference moves the run's totals exactly once.
+Every operation is a plan (``_sql_plan.py``) run by the database. A batch of steps updates its
+run's totals first, which locks the run's row (PostgreSQL; SQLite's write transaction holds the
+whole file), so concurrent writers of one run take turns and each step's difference moves the
+run's totals exactly once; a batch that ends the run ends it in that same statement.
 [`PostgresTraceStore`][keel.stores.PostgresTraceStore] sends a batch in one pipeline instead
 (one round trip).
 """
@@ -361,9 +362,12 @@ _ADD_TOTALS = (
     "model_calls = model_calls + ?, tool_calls = tool_calls + ?, "
     "tool_errors = tool_errors + ?, prompt_tokens = prompt_tokens + ?, "
     "completion_tokens = completion_tokens + ?, heartbeat_at = CASE "
-    "WHEN heartbeat_at IS NULL OR heartbeat_at < ? THEN ? ELSE heartbeat_at END "
-    "WHERE run_id = ?"
+    "WHEN heartbeat_at IS NULL OR heartbeat_at < ? THEN ? ELSE heartbeat_at END"
 )
+_OF_RUN = " WHERE run_id = ?"
+# A batch that ends the run its steps belong to (a turn's last flush) ends it in the same
+# statement: the end's columns, as `TraceSQL.end_run` sets them.
+_AND_END = ", status = ?, ended_at = ?, output = ?, error_type = ?, error_message = ?"
 _DELETE_STEPS = (
     "DELETE FROM trace_steps WHERE run_id IN (SELECT run_id FROM trace_runs WHERE started_at < ?)"
 )
@@ -570,33 +574,55 @@ def _write_batch(
     if run is not None:
         yield Statement(sql.upsert_run, sql.run_values(run))
     if steps:
-        yield from _write_steps(sql, steps)
+        end = yield from _write_steps(sql, steps, end)
     if end is not None and (yield Statement(sql.end_run, sql.end_values(end))).rowcount == 0:
         raise StoreError(f"cannot end run {end.run_id!r}: no such run")
 
 
-def _write_steps(sql: TraceSQL, steps: Sequence[Step]) -> Plan[None]:
-    """Insert or replace each step; each run's totals move by the difference, once."""
-    totals: dict[str, list[int]] = {}
+def _write_steps(
+    sql: TraceSQL, steps: Sequence[Step], end: RunEnding | None
+) -> Plan[RunEnding | None]:
+    """Insert or replace each step; each run's totals move by the difference, exactly.
+
+    Per run, its totals move first, by what its steps add if all are new: one UPDATE that
+    also finds the run (none: the batch fails, nothing written) and, on PostgreSQL, locks its
+    row, so concurrent writers of one run take turns and each (READ COMMITTED) sees the steps
+    of the writer before. It ends the run too when ``end`` is this run's (a turn's last
+    flush). A step written again then takes back what its old row added. Returns ``end``
+    when no run of the steps took it."""
+    by_run: dict[str, list[Step]] = {}
     for step in steps:
-        delta = totals.get(step.run_id)
-        if delta is None:
-            if not (yield Statement(sql.lock_run, (step.run_id,))).rows:
-                raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
-            delta = totals[step.run_id] = [0] * 6
-        added = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
-        values = sql.step_values(step)
-        if (yield Statement(sql.insert_new_step, values)).rowcount == 0:
-            # A step written again: replace it, and count only what changed.
-            old_row = (yield Statement(_OLD_STEP, (step.run_id, step.step_id))).rows[0]
-            old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
-            added = tuple(a - b for a, b in zip(added, old, strict=True))
-            yield Statement(sql.upsert_step, values)
-        for position, value in enumerate(added):
-            delta[position] += value
+        by_run.setdefault(step.run_id, []).append(step)
     now = sql.dialect.to_time(datetime.now(UTC))
-    for run_id, delta in totals.items():
-        yield Statement(_ADD_TOTALS, (*delta, now, now, run_id))
+    for run_id, written in by_run.items():
+        added = [0] * 6
+        for step in written:
+            contribution = _contribution(
+                step.kind, step.failed, step.prompt_tokens, step.completion_tokens
+            )
+            added = [a + b for a, b in zip(added, contribution, strict=True)]
+        if end is not None and end.run_id == run_id:
+            ending = sql.end_values(end)[:-1]
+            totals = Statement(
+                _ADD_TOTALS + _AND_END + _OF_RUN, (*added, now, now, *ending, run_id)
+            )
+            end = None
+        else:
+            totals = Statement(_ADD_TOTALS + _OF_RUN, (*added, now, now, run_id))
+        if (yield totals).rowcount == 0:
+            raise StoreError(f"cannot write step {written[0].step_id}: no run {run_id!r}")
+        taken_back: list[int] | None = None
+        for step in written:
+            values = sql.step_values(step)
+            if (yield Statement(sql.insert_new_step, values)).rowcount == 0:
+                # A step written again: replace it, and take back what its old row added.
+                old_row = (yield Statement(_OLD_STEP, (step.run_id, step.step_id))).rows[0]
+                old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
+                taken_back = [t - o for t, o in zip(taken_back or [0] * 6, old, strict=True)]
+                yield Statement(sql.upsert_step, values)
+        if taken_back is not None:
+            yield Statement(_ADD_TOTALS + _OF_RUN, (*taken_back, now, now, run_id))
+    return end
 
 
 _OF_USER = "FROM trace_runs WHERE tenant_id = ? AND user_id = ?"
