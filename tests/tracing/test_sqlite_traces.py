@@ -164,3 +164,34 @@ def test_a_batch_that_ends_the_run_of_its_steps_writes_the_run_once(tmp_path: Pa
     assert (run.tool_calls, run.prompt_tokens) == (1, 6)
     store.close()
     store.db.close()
+
+
+def test_json_columns_keep_what_json_keeps(tmp_path: Path) -> None:
+    """JSON columns kept as text hold what ``json.dumps`` wrote: infinities and NaN too."""
+    import math
+    from datetime import UTC, datetime
+
+    from keel.tracing import Run, Step
+
+    store = SQLTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+    attributes = {"ratio": math.inf, "drift": math.nan, "é\u2028": ["a", 1, None, True]}
+    budget = {"window": 8192, "sections": {"history": 1200}, "big": 10**20}
+    store.write_step(
+        Step(
+            run_id="r1",
+            step_id="s0",
+            seq=0,
+            kind="model",
+            started_at=now,
+            budget=budget,
+            attributes=attributes,
+        )
+    )
+    (step,) = store.get_steps("r1")
+    assert step.budget == budget
+    assert step.attributes["ratio"] == math.inf and math.isnan(step.attributes["drift"])
+    assert step.attributes["é\u2028"] == ["a", 1, None, True]
+    store.close()
+    store.db.close()
