@@ -378,10 +378,13 @@ _ADD_TOTALS = (
     "completion_tokens = completion_tokens + ?, heartbeat_at = CASE "
     "WHEN heartbeat_at IS NULL OR heartbeat_at < ? THEN ? ELSE heartbeat_at END"
 )
-_OF_RUN = " WHERE run_id = ?"
+_ADD_TOTALS_OF_RUN = f"{_ADD_TOTALS} WHERE run_id = ?"
 # A batch that ends the run its steps belong to (a turn's last flush) ends it in the same
 # statement: the end's columns, as `TraceSQL.end_run` sets them.
-_AND_END = ", status = ?, ended_at = ?, output = ?, error_type = ?, error_message = ?"
+_ADD_TOTALS_AND_END = (
+    f"{_ADD_TOTALS}, status = ?, ended_at = ?, output = ?, error_type = ?, error_message = ? "
+    "WHERE run_id = ?"
+)
 _DELETE_STEPS = (
     "DELETE FROM trace_steps WHERE run_id IN (SELECT run_id FROM trace_runs WHERE started_at < ?)"
 )
@@ -617,12 +620,10 @@ def _write_steps(
             added = [a + b for a, b in zip(added, contribution, strict=True)]
         if end is not None and end.run_id == run_id:
             ending = sql.end_values(end)[:-1]
-            totals = Statement(
-                _ADD_TOTALS + _AND_END + _OF_RUN, (*added, now, now, *ending, run_id)
-            )
+            totals = Statement(_ADD_TOTALS_AND_END, (*added, now, now, *ending, run_id))
             end = None
         else:
-            totals = Statement(_ADD_TOTALS + _OF_RUN, (*added, now, now, run_id))
+            totals = Statement(_ADD_TOTALS_OF_RUN, (*added, now, now, run_id))
         if (yield totals).rowcount == 0:
             raise StoreError(f"cannot write step {written[0].step_id}: no run {run_id!r}")
         taken_back: list[int] | None = None
@@ -635,7 +636,7 @@ def _write_steps(
                 taken_back = [t - o for t, o in zip(taken_back or [0] * 6, old, strict=True)]
                 yield Statement(sql.upsert_step, values)
         if taken_back is not None:
-            yield Statement(_ADD_TOTALS + _OF_RUN, (*taken_back, now, now, run_id))
+            yield Statement(_ADD_TOTALS_OF_RUN, (*taken_back, now, now, run_id))
     return end
 
 
