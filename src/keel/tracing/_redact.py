@@ -162,9 +162,12 @@ def redact_json(value: Any, redact: Redactor) -> Any:
     """
     if isinstance(value, str):
         return redact(value)
-    if isinstance(value, dict | list | tuple):
+    if isinstance(value, _CONTAINERS):
         return _redact_container(value, redact)
     return value
+
+
+_CONTAINERS = (dict, list, tuple)  # a tuple: ``dict | list | tuple`` is built at every call
 
 
 # Numbers, booleans and null are kept as they are without a call each: a trace's budget and
