@@ -133,3 +133,65 @@ def test_a_batch_is_one_transaction(tmp_path: Path) -> None:
     assert [s.step_id for s in store.get_steps("r1")] == ["s0"]
     store.close()
     store.db.close()
+
+
+def test_a_batch_that_ends_the_run_of_its_steps_writes_the_run_once(tmp_path: Path) -> None:
+    """A turn's last flush: its steps' totals and the run's end are one UPDATE of the run,
+    which also finds it (no SELECT of the run before the steps)."""
+    from datetime import UTC, datetime
+
+    from keel.tracing import Run, Step
+    from keel.tracing._store import RunEnding
+
+    store = SQLTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+    steps = [
+        Step(run_id="r1", step_id=f"s{seq}", seq=seq, kind=kind, started_at=now, prompt_tokens=3)
+        for seq, kind in enumerate(("model", "tool"))
+    ]
+    statements: list[str] = []
+    conn = store.db.connection()
+    conn.set_trace_callback(statements.append)
+    store.write_batch(run=None, steps=steps, end=RunEnding("r1", "succeeded", now, "done"))
+    conn.set_trace_callback(None)
+    assert [sql.split(" SET ")[0] for sql in statements if "trace_runs" in sql] == [
+        "UPDATE trace_runs"
+    ]
+    run = store.get_run("r1")
+    assert run is not None
+    assert (run.status, run.output, run.step_count, run.model_calls) == ("succeeded", "done", 2, 1)
+    assert (run.tool_calls, run.prompt_tokens) == (1, 6)
+    store.close()
+    store.db.close()
+
+
+def test_json_columns_keep_what_json_keeps(tmp_path: Path) -> None:
+    """JSON columns kept as text hold what ``json.dumps`` wrote: infinities and NaN too."""
+    import math
+    from datetime import UTC, datetime
+
+    from keel.tracing import Run, Step
+
+    store = SQLTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+    attributes = {"ratio": math.inf, "drift": math.nan, "é\u2028": ["a", 1, None, True]}
+    budget = {"window": 8192, "sections": {"history": 1200}, "big": 10**20}
+    store.write_step(
+        Step(
+            run_id="r1",
+            step_id="s0",
+            seq=0,
+            kind="model",
+            started_at=now,
+            budget=budget,
+            attributes=attributes,
+        )
+    )
+    (step,) = store.get_steps("r1")
+    assert step.budget == budget
+    assert step.attributes["ratio"] == math.inf and math.isnan(step.attributes["drift"])
+    assert step.attributes["é\u2028"] == ["a", 1, None, True]
+    store.close()
+    store.db.close()

@@ -11,9 +11,10 @@ A run's ``heartbeat_at`` is refreshed by every write of the run (start, resume, 
 reads report a ``running`` run whose heartbeat is older than ``abandon_after_s`` of its time
 limit as ``abandoned`` (``keel.tracing.RunStatus``).
 
-Every operation is a plan (``_sql_plan.py``) run by the database. A batch of steps locks its
-run's row first (PostgreSQL; SQLite's write transaction holds the whole file), so concurrent
-writers of one run take turns and each step's difference moves the run's totals exactly once.
+Every operation is a plan (``_sql_plan.py``) run by the database. A batch of steps updates its
+run's totals first, which locks the run's row (PostgreSQL; SQLite's write transaction holds the
+whole file), so concurrent writers of one run take turns and each step's difference moves the
+run's totals exactly once; a batch that ends the run ends it in that same statement.
 [`PostgresTraceStore`][keel.stores.PostgresTraceStore] sends a batch in one pipeline instead
 (one round trip).
 """
@@ -25,8 +26,10 @@ from datetime import UTC, datetime
 from functools import cache
 from typing import Any, TypeVar, cast
 
+from pydantic_core import to_json
+
 from keel.errors import StoreError
-from keel.stores._dialect import SqlDialect
+from keel.stores._dialect import SqlDialect, _json_text
 from keel.stores._erase_sql import count_deleted
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sql_plan import Plan, Rider, SQLDatabase, Statement
@@ -180,6 +183,9 @@ class TraceSQL:
 
     def __init__(self, dialect: SqlDialect) -> None:
         self.dialect = dialect
+        # JSON kept as text (SQLite) is written by pydantic-core, several times faster than
+        # ``json.dumps`` (the same JSON without its spaces); PostgreSQL's jsonb as the dialect does.
+        self.to_json = _compact_json if dialect.to_json is _json_text else dialect.to_json
         # The status as read: a run still 'running' with no sign of life for longer than
         # abandon_after_s(time_limit_s) is 'abandoned' (its worker died). One parameter: now.
         limit = f"COALESCE(time_limit_s, {DEFAULT_RUN_TIME_LIMIT_S!r})"
@@ -224,14 +230,14 @@ class TraceSQL:
             run.output,
             run.error_type,
             run.error_message,
-            self.dialect.to_json(run.attributes),
+            self.to_json(run.attributes),
             run.time_limit_s,
             to_time(datetime.now(UTC)),
         )
 
     def step_values(self, step: Step) -> tuple[Any, ...]:
         """The parameters of `upsert_step` and `insert_new_step`."""
-        to_json, to_time = self.dialect.to_json, self.dialect.to_time
+        to_json, to_time = self.to_json, self.dialect.to_time
         values: list[Any] = []
         for name in STEP_FIELDS:
             value = getattr(step, name)
@@ -341,6 +347,15 @@ class TraceSQL:
         )
 
 
+def _compact_json(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        return to_json(value, inf_nan_mode="constants").decode()
+    except Exception:  # what pydantic-core will not write, json.dumps writes as it did
+        return _json_text(value)
+
+
 def _where(conditions: list[str]) -> str:
     return f" WHERE {' AND '.join(conditions)}" if conditions else ""
 
@@ -361,7 +376,13 @@ _ADD_TOTALS = (
     "model_calls = model_calls + ?, tool_calls = tool_calls + ?, "
     "tool_errors = tool_errors + ?, prompt_tokens = prompt_tokens + ?, "
     "completion_tokens = completion_tokens + ?, heartbeat_at = CASE "
-    "WHEN heartbeat_at IS NULL OR heartbeat_at < ? THEN ? ELSE heartbeat_at END "
+    "WHEN heartbeat_at IS NULL OR heartbeat_at < ? THEN ? ELSE heartbeat_at END"
+)
+_ADD_TOTALS_OF_RUN = f"{_ADD_TOTALS} WHERE run_id = ?"
+# A batch that ends the run its steps belong to (a turn's last flush) ends it in the same
+# statement: the end's columns, as `TraceSQL.end_run` sets them.
+_ADD_TOTALS_AND_END = (
+    f"{_ADD_TOTALS}, status = ?, ended_at = ?, output = ?, error_type = ?, error_message = ? "
     "WHERE run_id = ?"
 )
 _DELETE_STEPS = (
@@ -570,33 +591,53 @@ def _write_batch(
     if run is not None:
         yield Statement(sql.upsert_run, sql.run_values(run))
     if steps:
-        yield from _write_steps(sql, steps)
+        end = yield from _write_steps(sql, steps, end)
     if end is not None and (yield Statement(sql.end_run, sql.end_values(end))).rowcount == 0:
         raise StoreError(f"cannot end run {end.run_id!r}: no such run")
 
 
-def _write_steps(sql: TraceSQL, steps: Sequence[Step]) -> Plan[None]:
-    """Insert or replace each step; each run's totals move by the difference, once."""
-    totals: dict[str, list[int]] = {}
+def _write_steps(
+    sql: TraceSQL, steps: Sequence[Step], end: RunEnding | None
+) -> Plan[RunEnding | None]:
+    """Insert or replace each step; each run's totals move by the difference, exactly.
+
+    Per run, its totals move first, by what its steps add if all are new: one UPDATE that
+    also finds the run (none: the batch fails, nothing written) and, on PostgreSQL, locks its
+    row, so concurrent writers of one run take turns and each (READ COMMITTED) sees the steps
+    of the writer before. It ends the run too when ``end`` is this run's (a turn's last
+    flush). A step written again then takes back what its old row added. Returns ``end``
+    when no run of the steps took it."""
+    by_run: dict[str, list[Step]] = {}
     for step in steps:
-        delta = totals.get(step.run_id)
-        if delta is None:
-            if not (yield Statement(sql.lock_run, (step.run_id,))).rows:
-                raise StoreError(f"cannot write step {step.step_id}: no run {step.run_id!r}")
-            delta = totals[step.run_id] = [0] * 6
-        added = _contribution(step.kind, step.failed, step.prompt_tokens, step.completion_tokens)
-        values = sql.step_values(step)
-        if (yield Statement(sql.insert_new_step, values)).rowcount == 0:
-            # A step written again: replace it, and count only what changed.
-            old_row = (yield Statement(_OLD_STEP, (step.run_id, step.step_id))).rows[0]
-            old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
-            added = tuple(a - b for a, b in zip(added, old, strict=True))
-            yield Statement(sql.upsert_step, values)
-        for position, value in enumerate(added):
-            delta[position] += value
+        by_run.setdefault(step.run_id, []).append(step)
     now = sql.dialect.to_time(datetime.now(UTC))
-    for run_id, delta in totals.items():
-        yield Statement(_ADD_TOTALS, (*delta, now, now, run_id))
+    for run_id, written in by_run.items():
+        added = [0] * 6
+        for step in written:
+            contribution = _contribution(
+                step.kind, step.failed, step.prompt_tokens, step.completion_tokens
+            )
+            added = [a + b for a, b in zip(added, contribution, strict=True)]
+        if end is not None and end.run_id == run_id:
+            ending = sql.end_values(end)[:-1]
+            totals = Statement(_ADD_TOTALS_AND_END, (*added, now, now, *ending, run_id))
+            end = None
+        else:
+            totals = Statement(_ADD_TOTALS_OF_RUN, (*added, now, now, run_id))
+        if (yield totals).rowcount == 0:
+            raise StoreError(f"cannot write step {written[0].step_id}: no run {run_id!r}")
+        taken_back: list[int] | None = None
+        for step in written:
+            values = sql.step_values(step)
+            if (yield Statement(sql.insert_new_step, values)).rowcount == 0:
+                # A step written again: replace it, and take back what its old row added.
+                old_row = (yield Statement(_OLD_STEP, (step.run_id, step.step_id))).rows[0]
+                old = _contribution(old_row[0], old_row[1] is not None, old_row[2], old_row[3])
+                taken_back = [t - o for t, o in zip(taken_back or [0] * 6, old, strict=True)]
+                yield Statement(sql.upsert_step, values)
+        if taken_back is not None:
+            yield Statement(_ADD_TOTALS_OF_RUN, (*taken_back, now, now, run_id))
+    return end
 
 
 _OF_USER = "FROM trace_runs WHERE tenant_id = ? AND user_id = ?"

@@ -141,6 +141,34 @@ class TraceStoreConformance:
             return
         raise AssertionError("a batch ending an unknown run did not raise StoreError")
 
+    def test_a_batch_of_steps_of_an_unknown_run_fails_whole(self, trace_store: TraceStore) -> None:
+        trace_store.start_run(_run("r1"))
+        try:
+            trace_store.write_batch(
+                run=None,
+                steps=[_step("r1", 0), _step("ghost", 0)],
+                end=RunEnding("ghost", "failed", T0),
+            )
+        except StoreError as exc:
+            assert "ghost" in str(exc), exc  # the error names the missing run
+        else:
+            raise AssertionError("a batch of steps of an unknown run did not raise StoreError")
+        run = trace_store.get_run("r1")
+        assert run is not None and run.step_count == 0 and trace_store.get_steps("r1") == []
+
+    def test_a_batch_ends_another_run_than_its_steps(self, trace_store: TraceStore) -> None:
+        trace_store.start_run(_run("r1"))
+        trace_store.start_run(_run("r2"))
+        trace_store.write_batch(
+            run=None,
+            steps=[_step("r1", 0, prompt_tokens=7), _step("r2", 0, "tool")],
+            end=RunEnding("r2", "failed", T0, error_type="E", error_message="boom"),
+        )
+        first, second = trace_store.get_run("r1"), trace_store.get_run("r2")
+        assert first is not None and second is not None
+        assert (first.status, first.step_count, first.prompt_tokens) == ("running", 1, 7)
+        assert (second.status, second.error_message, second.tool_calls) == ("failed", "boom", 1)
+
     # --- steps ----------------------------------------------------------------------------
 
     def test_every_step_field_round_trips_whole(self, trace_store: TraceStore) -> None:

@@ -67,13 +67,12 @@ from keel.tracing._stats import (
     percentile,
     session_stats,
 )
-from keel.tracing._store import TraceStore
+from keel.tracing._store import TraceBatch, TraceStore
 from keel.tracing._time import parse_since
 from keel.tracing._tracer import (
     RunTrace,
     StepFields,
     StepTrace,
-    TraceBatch,
     TraceExporter,
     Tracer,
     status_for,

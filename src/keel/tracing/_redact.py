@@ -33,10 +33,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from keel.privacy import mask_pii
+from keel.privacy import DEFAULT_MASKER, PIIMasker, PrivacyView, mask_pii
 from keel.privacy._detectors import luhn_ok
 
-__all__ = ["Redactor", "redact_json", "redact_pii", "redact_secrets"]
+__all__ = ["RedactionMemo", "Redactor", "redact_json", "redact_pii", "redact_secrets"]
 
 Redactor = Callable[[str], str]
 """A function that masks sensitive parts of a text and returns the masked text."""
@@ -162,9 +162,12 @@ def redact_json(value: Any, redact: Redactor) -> Any:
     """
     if isinstance(value, str):
         return redact(value)
-    if isinstance(value, dict | list | tuple):
+    if isinstance(value, _CONTAINERS):
         return _redact_container(value, redact)
     return value
+
+
+_CONTAINERS = (dict, list, tuple)  # a tuple: ``dict | list | tuple`` is built at every call
 
 
 # Numbers, booleans and null are kept as they are without a call each: a trace's budget and
@@ -193,3 +196,123 @@ def _redact_container(value: dict[Any, Any] | list[Any] | tuple[Any, ...], redac
         else redact_json(item, redact)
         for item in value
     ]
+
+
+_MEMO_TEXT_CHARS = 4096
+"""The longest text a [`RedactionMemo`][keel.tracing._redact.RedactionMemo] keeps: a model
+step's kept messages are cut at 4,000 characters (``keel.tracing._loop.KEPT_CHARS``)."""
+_MEMO_TEXTS = 1024
+"""The most texts each of its stores keeps (the oldest goes first): a turn records some
+hundred, most of them the same every turn (the budget report's keys, the system prompt)."""
+
+
+class _Texts:
+    """Texts and their redaction under one policy object, forgotten when it is another."""
+
+    __slots__ = ("kept", "policy")
+
+    def __init__(self) -> None:
+        self.policy: object = None
+        self.kept: dict[str, str] = {}
+
+    def under(self, policy: object) -> dict[str, str]:
+        if policy is not self.policy:
+            self.kept, self.policy = {}, policy
+        return self.kept
+
+
+def _keep(kept: dict[str, str], text: str, masked: str) -> None:
+    if len(text) <= _MEMO_TEXT_CHARS:
+        if len(kept) >= _MEMO_TEXTS:
+            del kept[next(iter(kept))]
+        kept[text] = masked
+
+
+class RedactionMemo:
+    """A tracer's redaction, remembered for the texts that come back at every step and turn.
+
+    Only a redactor known to be a pure function of its masking policy and the text is
+    remembered: [`redact_pii`][keel.tracing.redact_pii], [`redact_secrets`][], a
+    ``functools.partial(masker.mask_text, tenant_id=...)`` of a [`PIIMasker`][] (what an
+    agent's tracer masks with), or a turn's [`PrivacyView.mask`][keel.privacy.PrivacyView.mask]
+    (numbered through the user's vault: one placeholder per value, for the view's life). Any
+    other ``Callable`` is called for every text, as it is given. What is remembered is the
+    redactor's own answer for the very text, forgotten whenever the policy in force is
+    another object (``PIIMasker.set_policy``): a text is never stored less masked than the
+    redactor would mask it now.
+
+    Texts the policy leaves as they are (most of a trace) are kept per policy, in ``clean``,
+    which the memo of a turn's copy of the tracer shares when it masks with the same masker
+    and tenant (``shared_with``): they are the same under any user's numbering. A text with
+    something masked is kept per memo only, since its placeholders may be one user's.
+    """
+
+    __slots__ = ("_clean", "_masked", "_policy", "_source", "redact")
+
+    def __init__(self, redact: Redactor, shared_with: RedactionMemo | None = None) -> None:
+        self.redact = redact
+        found = _policy_of(redact)
+        self._source: _Source | None = None if found is None else found[0]
+        self._policy: Callable[[], object] | None = None if found is None else found[1]
+        self._clean: _Texts = (
+            shared_with._clean
+            if shared_with is not None and found is not None and shared_with._source == found[0]
+            else _Texts()
+        )
+        self._masked = _Texts()
+
+    def current(self) -> Redactor:
+        """The redactor to use now (for one step or run header): remembering, when
+        ``redact`` is one of the known policies; else ``redact`` itself."""
+        if self._policy is None:
+            return self.redact
+        policy = self._policy()
+        clean, masked_texts, redact = (
+            self._clean.under(policy),
+            self._masked.under(policy),
+            self.redact,
+        )
+
+        def remembered(text: str) -> str:
+            if text in clean:
+                return text
+            masked = masked_texts.get(text)
+            if masked is None:
+                masked = redact(text)
+                _keep(clean if masked == text else masked_texts, text, masked)
+            return masked
+
+        return remembered
+
+
+_Source = tuple[str, object, str | None]
+"""Which policy a redactor masks with: its kind, the masker, the tenant."""
+
+
+def _policy_of(redact: Redactor) -> tuple[_Source, Callable[[], object]] | None:
+    """Which policy ``redact`` masks with, and what gives the policy object in force now,
+    when ``redact`` is a known pure policy; None otherwise."""
+    if redact is redact_pii:
+        return ("pii", DEFAULT_MASKER, None), lambda: DEFAULT_MASKER.policy_for(None)
+    if redact is redact_secrets:
+        return ("secrets", None, None), lambda: redact_secrets
+    if isinstance(redact, functools.partial):
+        masker = getattr(redact.func, "__self__", None)
+        if (
+            isinstance(masker, PIIMasker)
+            and getattr(redact.func, "__func__", None) is PIIMasker.mask_text
+            and not redact.args
+            and set(redact.keywords) <= {"tenant_id"}
+        ):
+            return _masker_policy(masker, redact.keywords.get("tenant_id"))
+        return None
+    view = getattr(redact, "__self__", None)
+    if isinstance(view, PrivacyView) and getattr(redact, "__func__", None) is PrivacyView.mask:
+        return None if view.masker is None else _masker_policy(view.masker, view.tenant_id)
+    return None
+
+
+def _masker_policy(
+    masker: PIIMasker, tenant_id: str | None
+) -> tuple[_Source, Callable[[], object]]:
+    return ("mask_text", masker, tenant_id), lambda: masker.policy_for(tenant_id)

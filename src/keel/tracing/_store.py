@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from keel._bridge import run_blocking
 from keel.errors import UsageError
+from keel.tracing._fields import Final
 from keel.tracing._models import (
     Run,
     RunDetail,
@@ -29,7 +30,7 @@ from keel.tracing._models import (
 )
 from keel.tracing._stats import session_stats
 
-__all__ = ["RunEnding", "TraceStore"]
+__all__ = ["RunEnding", "TraceBatch", "TraceStore"]
 
 _T = TypeVar("_T")
 
@@ -44,6 +45,25 @@ class RunEnding:
     output: str | None = None
     error_type: str | None = None
     error_message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceBatch:
+    """A buffered run's writes taken out of it (see
+    [`RunTrace.take_batch`][keel.tracing.RunTrace.take_batch]): the header when not stored
+    yet, the steps, and with [`RunTrace.take_end`][keel.tracing.RunTrace.take_end] the run's
+    end, for ``store``."""
+
+    store: TraceStore
+    run_id: str
+    run: Run | None
+    steps: list[Step]
+    final: Final | None = None
+
+    @property
+    def end(self) -> RunEnding | None:
+        """The run's end as the store writes it (None for a batch of steps)."""
+        return None if self.final is None else RunEnding(self.run_id, *self.final)
 
 
 class TraceStore(ABC):

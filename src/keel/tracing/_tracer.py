@@ -16,11 +16,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar, Token
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import count
 from types import TracebackType
@@ -34,9 +34,9 @@ from keel.models import Completion
 from keel.tracing._fields import Final as _Final
 from keel.tracing._fields import StepFields, TraceExporter, status_for
 from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepKind
-from keel.tracing._redact import Redactor, redact_json, redact_pii
+from keel.tracing._redact import RedactionMemo, Redactor, redact_json, redact_pii
 from keel.tracing._stats import LOOP_GUARD_NAME
-from keel.tracing._store import RunEnding, TraceStore
+from keel.tracing._store import RunEnding, TraceBatch, TraceStore
 
 __all__ = [
     "RunTrace",
@@ -71,6 +71,11 @@ def _now() -> datetime:
 
 def _new_id() -> str:
     return uuid.uuid4().hex
+
+
+def _step_id() -> str:
+    # 16 random hex digits, as a run id's first 16 were, without building a UUID per step.
+    return os.urandom(8).hex()
 
 
 def _from_completion(data: dict[str, Any], completion: Completion) -> None:
@@ -125,7 +130,7 @@ class Tracer:
     ) -> None:
         self.store = store
         self.run_time_limit_s = run_time_limit_s
-        self.redact: Redactor = redact if redact is not None else (lambda text: text)
+        self.redact = redact if redact is not None else (lambda text: text)
         self.exporters = tuple(exporters)
         self.agent = agent
         self.write_failures = 0
@@ -155,11 +160,22 @@ class Tracer:
 
     # --- redaction ----------------------------------------------------------------------------
 
-    def _text(self, value: str | None) -> str | None:
-        return None if value is None else self.redact(value)
+    @property
+    def redact(self) -> Redactor:
+        """What masks every text this tracer records (see the ``redact`` argument)."""
+        return self._memo.redact
 
-    def _json(self, value: Any) -> Any:
-        return None if value is None else redact_json(_jsonable(value), self.redact)
+    @redact.setter
+    def redact(self, redact: Redactor) -> None:
+        # A turn's copy masking with the user's view keeps its own memo (sharing clean texts).
+        self._memo = RedactionMemo(redact, getattr(self, "_memo", None))
+
+    def _text(self, value: str | None, redact: Redactor | None = None) -> str | None:
+        return None if value is None else (redact or self._memo.current())(value)
+
+    def _json(self, value: Any, redact: Redactor | None = None) -> Any:
+        redact = redact or self._memo.current()
+        return None if value is None else redact_json(_jsonable(value), redact)
 
     # --- runs ---------------------------------------------------------------------------------
 
@@ -374,24 +390,6 @@ class Tracer:
                 self._failed("export", exc)
 
 
-@dataclass(frozen=True, slots=True)
-class TraceBatch:
-    """A buffered run's writes taken out of it (see [`RunTrace.take_batch`][]): the header
-    when not stored yet, the steps, and with [`RunTrace.take_end`][] the run's end, for
-    ``store``."""
-
-    store: TraceStore
-    run_id: str
-    run: Run | None
-    steps: list[Step]
-    final: _Final | None = None
-
-    @property
-    def end(self) -> RunEnding | None:
-        """The run's end as the store writes it (None for a batch of steps)."""
-        return None if self.final is None else RunEnding(self.run_id, *self.final)
-
-
 class RunTrace:
     """One run being traced. Made by [`Tracer.start_run`][]; ended by [`end`][]."""
 
@@ -541,6 +539,7 @@ class RunTrace:
     ) -> Step | None:
         tracer = self.tracer
         try:
+            redact = tracer._memo.current()
             data: dict[str, Any] = dict(fields)
             error = data.pop("error", None)
             if isinstance(error, BaseException):
@@ -570,26 +569,26 @@ class RunTrace:
                 "tool_call_id",
             ):
                 if isinstance(data.get(key), str):
-                    data[key] = tracer.redact(data[key])
+                    data[key] = redact(data[key])
             arguments = data.get("tool_arguments")
             if arguments is not None and not isinstance(arguments, str):
                 arguments = json.dumps(_jsonable(arguments), ensure_ascii=False)
-            data["tool_arguments"] = tracer._text(arguments)
+            data["tool_arguments"] = tracer._text(arguments, redact)
             result = data.get("tool_result")
             if result is not None and not isinstance(result, str):
                 result = json.dumps(_jsonable(result), ensure_ascii=False)
-            data["tool_result"] = tracer._text(result)
+            data["tool_result"] = tracer._text(result, redact)
             for key in ("budget", "parsed_action"):
                 if key in data:
-                    data[key] = tracer._json(data[key])
-            data["attributes"] = tracer._json(dict(data.get("attributes") or {}))
+                    data[key] = tracer._json(data[key], redact)
+            data["attributes"] = tracer._json(dict(data.get("attributes") or {}), redact)
             return Step(
                 run_id=self.run_id,
-                step_id=step_id or _new_id()[:16],
+                step_id=step_id or _step_id(),
                 parent_id=parent_id,
                 seq=next(self._seq) if seq is None else seq,
                 kind=kind,
-                name=tracer.redact(name),
+                name=redact(name),
                 started_at=start,
                 ended_at=end,
                 **data,
@@ -902,7 +901,7 @@ class StepTrace:
         self.kind: StepKind = kind
         self.name = name
         self.parent_id = parent
-        self.step_id = _new_id()[:16]
+        self.step_id = _step_id()
         """The step's id; pass the StepTrace (or this id) as ``parent=`` to nest steps."""
         self.seq = next(run._seq)
         self.started_at = _now()
