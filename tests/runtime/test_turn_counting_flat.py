@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from keel.messages import Message
-from keel.context import ContextBudget
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.testing import ScriptedCall, ScriptedModel
@@ -80,64 +79,3 @@ async def test_counting_a_turns_prompts_looks_up_as_many_messages_at_turn_40_as_
     # Before, each turn's first prompt was looked up message by message from the memories
     # block on: about 4 more look-ups every turn (40 more at turn 40 than at turn 30).
     assert statistics.median(late) <= statistics.median(early) + 2, (early, late)
-
-
-class _CountedTokenizer:
-    """A tokenizer that counts the long texts it tokenizes (each a pass over the text)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self.long_texts: list[int] = []
-
-    def count(self, text: str) -> int:
-        if len(text) > 4096:
-            self.long_texts.append(len(text))
-        return int(self._tokenizer.count(text))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
-async def test_a_standing_summary_is_tokenized_once_not_on_every_turn(tmp_path: Path) -> None:
-    """A small window fills within a few turns; from then on the session's running summary
-    (thousands of characters, up to its cap) is in every prompt and, as the session's memory,
-    among every turn's search hits, whose texts are counted when they are packed. While it
-    stands it costs one tokenization, not one per turn."""
-    model = ScriptedModel(_policy)
-    tokenizer = _CountedTokenizer(model.counter.tokenizer)
-    model.counter.tokenizer = tokenizer  # type: ignore[assignment]
-    agent = Agent.open(
-        None,
-        settings=load_settings(data_dir=tmp_path, embedder="hashing:64"),
-        model=model,
-        system_prompt="You look records up.",
-        tools=[lookup],
-        memory=True,
-        context=ContextBudget(window=4000, summary_cap=1500),
-    )
-    summaries: set[str] = set()
-    long_texts: list[int] = []
-    try:
-        for turn in range(100):
-            before = len(tokenizer.long_texts)
-            reply = await agent.handle("long", "u1", f"what do the records say about item {turn}?")
-            assert reply.status == "completed", reply
-            long_texts.append(len(tokenizer.long_texts) - before)
-            summaries.add(
-                next(
-                    (
-                        m.content
-                        for m in model.calls[-1].messages[1:3]
-                        if m.content.startswith("Summary")
-                    ),
-                    "",
-                )
-            )
-    finally:
-        await agent.aclose()
-    long_summaries = [s for s in summaries if len(s) > 4096]
-    # The workload is what this test says it is: a summary past the short-text cache stood.
-    assert len(long_summaries) >= 2, [len(s) for s in summaries]
-    # Each long summary is tokenized a few times when it is made (the summary, its block, its
-    # memory record); a turn while it stands tokenizes no long text.
-    assert sum(long_texts) <= 4 * len(long_summaries), (long_texts, len(long_summaries))

@@ -217,7 +217,6 @@ class ContextEngine:
         self._priming = counter.count_messages([empty]) - counter.count_message(empty)
         self._blocks: dict[str, tuple[Message, int, int]] = {}
         self._line_tokens: dict[str, int] = {}
-        self._last_summary: tuple[str, tuple[Message | None, int, int]] | None = None
 
     @property
     def model(self) -> str:
@@ -293,17 +292,9 @@ class ContextEngine:
         return self._block(MEMORIES_HEADING + "\n" + "\n".join(f"- {m.text.strip()}" for m in kept))
 
     def _summary_block(self, summary: str) -> tuple[Message | None, int, int]:
-        # The running summary is the same object from compile to compile until it changes,
-        # and up to its cap long (a tenth of the window): the last one's block is found by
-        # identity, not by building and hashing its text again on every compile.
-        last = self._last_summary
-        if last is not None and last[0] is summary:
-            return last[1]
-        block: tuple[Message | None, int, int] = (None, 0, 0)
-        if summary.strip():
-            block = self._block(f"{SUMMARY_HEADING}\n{summary}")
-        self._last_summary = (summary, block)
-        return block
+        if not summary.strip():
+            return None, 0, 0
+        return self._block(f"{SUMMARY_HEADING}\n{summary}")
 
     # --- compiling -----------------------------------------------------------------------
 

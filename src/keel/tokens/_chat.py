@@ -103,10 +103,6 @@ def render_tools_for_counting(tools: Sequence[Mapping[str, Any]]) -> str:
 # 32 MB of text in the worst case, typically well under one (memories are short).
 _CACHED_TEXT_CHARS = 4096
 _CACHED_TEXTS = 8192
-# Longer texts: only the last few, each of at most a million characters
-# (a summary's cap is a tenth of the window: tens of thousands of characters).
-_CACHED_LONG_TEXTS = 4
-_CACHED_LONG_TEXT_CHARS = 1_000_000
 
 
 class ChatTokenCounter:
@@ -132,7 +128,6 @@ class ChatTokenCounter:
         # Short texts counted again and again (the same memories packed on every turn): their
         # counts, by text. Long texts are tokenized each time rather than kept alive here.
         self._text_counts: dict[str, int] = {}
-        self._long_text_counts: dict[str, int] = {}
         # The totals of the last lists counted, by their first message's identity (that
         # message kept alive in the list, so its id is not reused): a prompt and the
         # conversation it was compiled from are counted in turn, and each continues its own.
@@ -144,14 +139,9 @@ class ChatTokenCounter:
         return self.tokenizer.exact and self.profile.exact
 
     def count_text(self, text: str) -> int:
-        """Tokens of plain text (cached for texts up to ``_CACHED_TEXT_CHARS`` characters, and
-        for the last ``_CACHED_LONG_TEXTS`` longer ones)."""
-        if self.cache_size <= 0:
+        """Tokens of plain text (cached for texts up to ``_CACHED_TEXT_CHARS`` characters)."""
+        if len(text) > _CACHED_TEXT_CHARS or self.cache_size <= 0:
             return self.tokenizer.count(text)
-        if len(text) > _CACHED_LONG_TEXT_CHARS:
-            return self.tokenizer.count(text)
-        if len(text) > _CACHED_TEXT_CHARS:
-            return self._count_long_text(text)
         tokens = self._text_counts.get(text)
         if tokens is None:
             tokens = self.tokenizer.count(text)
@@ -160,19 +150,6 @@ class ChatTokenCounter:
                 with contextlib.suppress(RuntimeError, StopIteration):
                     self._text_counts.pop(next(iter(self._text_counts)), None)
             self._text_counts[text] = tokens
-        return tokens
-
-    def _count_long_text(self, text: str) -> int:
-        """Tokens of a long text, the last few kept: a session's running summary is counted
-        again on every turn while it stands (as the memory of the session, packed or not),
-        and tokenizing it costs far more than finding it by its text."""
-        tokens = self._long_text_counts.get(text)
-        if tokens is None:
-            tokens = self.tokenizer.count(text)
-            if len(self._long_text_counts) >= _CACHED_LONG_TEXTS:
-                with contextlib.suppress(RuntimeError, StopIteration):
-                    self._long_text_counts.pop(next(iter(self._long_text_counts)), None)
-            self._long_text_counts[text] = tokens
         return tokens
 
     def _chatml_render(self, message: Message) -> str:
