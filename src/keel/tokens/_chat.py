@@ -70,6 +70,8 @@ def _run_length(earlier: list[Message], j: int, messages: list[Message], i: int)
 
 _RESYNC = 3
 """How far ahead in the earlier list a message is looked for (blocks left out of a prompt)."""
+_TAIL = 8
+"""Messages added at the end that the guess of where a shifted window resumes allows for."""
 
 
 def render_tools_for_counting(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -280,11 +282,23 @@ class ChatTokenCounter:
             )
             if ahead is None and missed:
                 # Two misses in a row: turns left out of this prompt, most likely (the oldest,
-                # summarized). Where each message was is looked up from now on.
-                if where is None:
-                    where = dict(zip(map(id, earlier), range(before), strict=True))
-                found = where.get(id(message), -1)
-                ahead = found if found >= j and earlier[found] is message else None
+                # summarized, or a window that slides). If the rest is the end of the earlier
+                # list with a few messages added, this one sits as far from that end; failing
+                # that, where each message was is looked up from now on.
+                end = before - (size - i)
+                ahead = next(
+                    (
+                        k
+                        for k in range(max(j, end), min(end + _TAIL, before))
+                        if earlier[k] is message
+                    ),
+                    None,
+                )
+                if ahead is None:
+                    if where is None:
+                        where = dict(zip(map(id, earlier), range(before), strict=True))
+                    found = where.get(id(message), -1)
+                    ahead = found if found >= j and earlier[found] is message else None
             if ahead is None:
                 total += self.count_message(message)  # new here (or moved)
                 missed = True
