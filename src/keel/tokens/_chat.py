@@ -10,11 +10,9 @@ Tool schemas are counted in the TypeScript-like form OpenAI renders them in.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
-import operator
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from keel.messages import Message
 from keel.tokens._base import Tokenizer
@@ -52,26 +50,28 @@ def _json_type(schema: Mapping[str, Any]) -> str:
     return str(kind or "any")
 
 
-def _common_start(earlier: list[Message], messages: list[Message]) -> int:
-    """How many leading messages the two lists share (equal messages cost the same tokens).
+def _run_length(earlier: list[Message], j: int, messages: list[Message], i: int) -> int:
+    """How many messages of ``messages`` from ``i`` on are ``earlier``'s from ``j`` on, the
+    same objects (the first pair is). Compared as lists, in C: a list comparison passes
+    identical items without calling ``__eq__``; where the whole span differs, the longest
+    equal start is found by halving."""
+    span = min(len(earlier) - j, len(messages) - i)
+    if messages[i : i + span] == earlier[j : j + span]:
+        return span
+    low, high = 1, span - 1  # the first pair is one object; the whole span differs
+    while low < high:
+        middle = (low + high + 1) // 2
+        if messages[i : i + middle] == earlier[j : j + middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
-    A new prompt most often repeats the last one with messages added, or with its final
-    message (the operating rules) moved after what was added: the last shared item tells
-    which (an identity check), then one list comparison confirms it, which stops at identical
-    items without calling ``__eq__``; otherwise item by item.
-    """
-    shared = min(len(earlier), len(messages))
-    for start in (shared, shared - 1):
-        if start <= 0 or earlier[start - 1] is not messages[start - 1]:
-            continue
-        if earlier[:start] == messages[:start]:
-            return start
-        break
-    same = list(map(operator.is_, earlier, messages))
-    try:
-        return same.index(False)
-    except ValueError:
-        return len(same)
+
+_RESYNC = 3
+"""How far ahead in the earlier list a message is looked for (blocks left out of a prompt)."""
+_TAIL = 8
+"""Messages added at the end that the guess of where a shifted window resumes allows for."""
 
 
 def render_tools_for_counting(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -130,10 +130,10 @@ class ChatTokenCounter:
         # Short texts counted again and again (the same memories packed on every turn): their
         # counts, by text. Long texts are tokenized each time rather than kept alive here.
         self._text_counts: dict[str, int] = {}
-        # The running sums of the last lists counted, by their first message's identity (that
+        # The totals of the last lists counted, by their first message's identity (that
         # message kept alive in the list, so its id is not reused): a prompt and the
         # conversation it was compiled from are counted in turn, and each continues its own.
-        self._last_lists: dict[int, tuple[list[Message], list[int]]] = {}
+        self._last_lists: dict[int, tuple[list[Message], int]] = {}
 
     @property
     def exact(self) -> bool:
@@ -254,38 +254,68 @@ class ChatTokenCounter:
     def _count_list(self, messages: list[Message]) -> int:
         """The summed counts of ``messages``, from the previous list where they agree.
 
-        Successive prompts of a session repeat the one before with a few messages changed at
-        the end, so the running sums of the last list counted are kept: the length of the
-        common start is found by identity and only what follows is looked up. All at C speed:
-        a whole window costs a pass of identity checks, not a dict look-up per message.
+        Successive prompts of a session repeat the one before with a few messages changed:
+        some added at the end, a block near the start replaced (the memories of this turn,
+        a new summary), one moved (the rules, after the newest user message), the oldest
+        turns left out. The total of the last list counted is kept with it; runs of the same
+        objects in both are found by identity and compared as lists in C, and only the
+        messages outside them are looked up: a prompt costs what changed in it, not a look-up
+        per message of its window.
         """
-        # Taken, not shared (``dict.pop`` is atomic): the running sums are cut and extended in
-        # place, so a thread counting at the same moment starts afresh instead of from them.
+        # Taken, not shared (``dict.pop`` is atomic): a thread counting at the same moment
+        # starts afresh instead of from them.
         first = id(messages[0]) if messages else 0
         previous = self._last_lists.pop(first, None)
-        start = 0
-        running: list[int] = []
-        if previous is not None:
-            earlier, running = previous
-            start = _common_start(earlier, messages)
-            del running[start:]
-        rest = messages[start:]
-        counts: list[int | None] = list(map(self._identity_counts.get, map(id, rest)))
-        with contextlib.suppress(ValueError):
-            position = counts.index(None)
-            while True:
-                counts[position] = self.count_message(rest[position])
-                position = counts.index(None, position + 1)
-        sums = itertools.accumulate(cast(list[int], counts), initial=running[-1] if running else 0)
-        next(sums)  # ``accumulate`` repeats its initial value first
-        running.extend(sums)
+        if previous is None:
+            earlier: list[Message] = []
+            total = 0
+        else:
+            earlier, total = previous
+        i = j = 0
+        size, before = len(messages), len(earlier)
+        where: dict[int, int] | None = None  # earlier's positions, made on a second miss
+        missed = False
+        while i < size and j < before:
+            message = messages[i]
+            ahead = next(
+                (k for k in range(j, min(j + _RESYNC, before)) if earlier[k] is message), None
+            )
+            if ahead is None and missed:
+                # Two misses in a row: turns left out of this prompt, most likely (the oldest,
+                # summarized, or a window that slides). If the rest is the end of the earlier
+                # list with a few messages added, this one sits as far from that end; failing
+                # that, where each message was is looked up from now on.
+                end = before - (size - i)
+                ahead = next(
+                    (
+                        k
+                        for k in range(max(j, end), min(end + _TAIL, before))
+                        if earlier[k] is message
+                    ),
+                    None,
+                )
+                if ahead is None:
+                    if where is None:
+                        where = dict(zip(map(id, earlier), range(before), strict=True))
+                    found = where.get(id(message), -1)
+                    ahead = found if found >= j and earlier[found] is message else None
+            if ahead is None:
+                total += self.count_message(message)  # new here (or moved)
+                missed = True
+                i += 1
+                continue
+            total -= sum(map(self.count_message, earlier[j:ahead]))  # left out of this one
+            run = _run_length(earlier, ahead, messages, i)
+            i, j, missed = i + run, ahead + run, False
+        total += sum(map(self.count_message, messages[i:]))  # added at the end
+        total -= sum(map(self.count_message, earlier[j:]))
         if messages:
             if len(self._last_lists) >= _LAST_LISTS:
                 # Oldest first; another thread may evict it first.
                 with contextlib.suppress(KeyError, RuntimeError, StopIteration):
                     del self._last_lists[next(iter(self._last_lists))]
-            self._last_lists[first] = (messages, running)
-        return running[-1] if running else 0
+            self._last_lists[first] = (messages, total)
+        return total
 
     def _chatml_priming(self) -> int:
         encode_template = getattr(self.tokenizer, "encode_template", None)
