@@ -327,6 +327,9 @@ class TurnRunner:
             first_step=self.writer.state.step,
             turn_id=self.writer.turn_id,
             tools=self.registry.schemas(),
+            # A new message under an id keel just made: no run before this one knows it, so
+            # its first step has no journalled decision to find (no look-up).
+            decided_before=self.resume or self.extras.turn_id is not None,
         )
         try:
             async with asyncio.timeout(guards.run_timeout_s):
