@@ -1,0 +1,73 @@
+"""The statements a turn runs on SQLite, counted through a real `Agent` (the ``keel bench turns``
+workload: a question, one tool call, an answer): a ceiling, so that a statement added to every
+turn shows here, where a timing on a shared machine would not.
+
+A turn takes the session's lease and gives it back (one statement each, atomic on its own, no
+BEGIN and COMMIT around it), reads the head, and writes three checkpoints (before each of the
+two model calls, and the commit), each in one transaction with the trace written so far riding
+in it (no savepoint around it: a trace that fails rolls the transaction back and the checkpoint
+is written again alone). A turn keel has just opened under an id it made looks up no journalled
+decision: no run before it can have recorded one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+from keel.runtime import Agent
+from keel.stores import SQLiteDatabase
+from tests.runtime.test_turn_commits import _agent, _database
+
+CEILING = 24
+"""Statements of one turn of the workload (35 before the lease's BEGIN/COMMIT, the riders'
+savepoints and the fresh turn's decision look-up went)."""
+
+
+@contextlib.contextmanager
+def _statements(db: SQLiteDatabase) -> Iterator[list[str]]:
+    """Every statement ``db``'s connections run inside the block, as SQLite traces them."""
+    seen: list[str] = []
+    connection = db.connection
+    traced: list[sqlite3.Connection] = []
+
+    def tracing() -> sqlite3.Connection:
+        conn = connection()
+        if conn not in traced:
+            conn.set_trace_callback(lambda sql: seen.append(" ".join(sql.split())))
+            traced.append(conn)
+        return conn
+
+    db.connection = tracing  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        del db.connection
+        for conn in traced:
+            conn.set_trace_callback(None)
+
+
+def _turn(agent: Agent, text: str) -> list[str]:
+    with _statements(_database(agent)) as seen:
+        reply = agent.handle_sync("s1", "u1", text)
+    assert reply.status == "completed", reply
+    return seen
+
+
+def test_a_turn_runs_at_most_its_ceiling_of_statements(tmp_path: Path) -> None:
+    agent = _agent(tmp_path)
+    try:
+        agent.handle_sync("s1", "u1", "warm up")
+        seen = _turn(agent, "find the record")
+        assert len(seen) <= CEILING, "\n".join(seen)
+        # Three write transactions, the checkpoints'; the lease's writes are one statement.
+        assert sum(sql == "BEGIN IMMEDIATE" for sql in seen) == 3, seen
+        assert sum(sql == "COMMIT" for sql in seen) == 3, seen
+        assert not [sql for sql in seen if sql.startswith(("SAVEPOINT", "RELEASE"))], seen
+        leases = [sql for sql in seen if "keel_state_locks" in sql]
+        assert [sql.split()[0] for sql in leases] == ["INSERT", "DELETE"], seen
+        assert not [sql for sql in seen if "keel_tool_decisions" in sql], seen
+    finally:
+        agent.close()
