@@ -55,7 +55,7 @@ def test_quiet_windows_warn_exactly_as_computed_ones() -> None:
             for monitor in (quick, computing):
                 monitor.record_state_reset(session_id=session, agent="a")
             continue
-        call = {
+        call: dict[str, Any] = {
             "session_id": session,
             "agent": "a",
             "prompt_tokens": draw.randrange(100, 4000),
