@@ -13,12 +13,20 @@ decision: no run before it can have recorded one.
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from keel._bridge import run_sync
+from keel.messages import Message
 from keel.runtime import Agent
+from keel.settings import load_settings
 from keel.stores import SQLiteDatabase
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.tools import tool
 from tests.runtime.test_turn_commits import _agent, _database
 
 CEILING = 24
@@ -71,3 +79,58 @@ def test_a_turn_runs_at_most_its_ceiling_of_statements(tmp_path: Path) -> None:
         assert not [sql for sql in seen if "keel_tool_decisions" in sql], seen
     finally:
         agent.close()
+
+
+def test_a_resumed_turn_still_finds_the_decision_its_crashed_run_journalled(
+    tmp_path: Path,
+) -> None:
+    """The look-up a fresh turn skips is the one a resumed turn needs: a process died while
+    its booking ran; the next process finishes the turn from the decision journalled for that
+    step (the booking, now in doubt), never from a new answer of the model."""
+    effects: list[str] = []
+
+    class _Crash(BaseException):
+        pass
+
+    @tool(side_effect=True, idempotent=False)
+    def book(what: str) -> str:
+        """Book it.
+
+        Args:
+            what: What to book.
+        """
+        effects.append(what)
+        raise _Crash
+
+    def books(call: ScriptedCall) -> Message | str:
+        if call.messages[-1].role == "tool":
+            return "Booked."
+        return ScriptedModel.tool_call("book", json.dumps({"what": "CARD7"}))
+
+    def opened(model: ScriptedModel) -> Agent:
+        return Agent.open(
+            None,
+            settings=load_settings(data_dir=tmp_path, embedder="hashing:64"),
+            model=model,
+            system_prompt="You book things.",
+            tools=[book],
+            memory=False,
+        )
+
+    first = opened(ScriptedModel(books))
+    try:
+        with pytest.raises(_Crash):
+            first.handle_sync("s1", "u1", "book CARD7")
+    finally:
+        first.close()
+    # The next process's model would answer without booking, were it asked.
+    fresh = ScriptedModel(lambda call: "Nothing to book.")
+    second = opened(fresh)
+    try:
+        reply = run_sync(second.resume("s1", "u1"))
+    finally:
+        second.close()
+    assert reply is not None
+    assert reply.status == "tool_in_doubt", reply
+    assert effects == ["CARD7"]
+    assert fresh.calls == []
