@@ -9,9 +9,8 @@ between them are never written twice for sync and async.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -159,18 +158,23 @@ class Rider:
 _riders: ContextVar[tuple[Rider, ...]] = ContextVar("keel_plan_riders", default=())
 
 
-@contextmanager
-def riding(rider: Rider | None) -> Iterator[None]:
+class riding:
     """Writes on ``rider.db`` inside this block carry ``rider`` (the first one that commits
-    runs it; a no-op for None)."""
-    if rider is None:
-        yield
-        return
-    token = _riders.set((*_riders.get(), rider))
-    try:
-        yield
-    finally:
-        _riders.reset(token)
+    runs it; a no-op for None). A class, not a generator: it is entered on every checkpoint."""
+
+    __slots__ = ("_rider", "_token")
+
+    def __init__(self, rider: Rider | None) -> None:
+        self._rider = rider
+        self._token: Token[tuple[Rider, ...]] | None = None
+
+    def __enter__(self) -> None:
+        if self._rider is not None:
+            self._token = _riders.set((*_riders.get(), self._rider))
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _riders.reset(self._token)
 
 
 def riders_for(db: object) -> tuple[Rider, ...]:
