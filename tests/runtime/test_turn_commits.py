@@ -14,7 +14,6 @@ import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from keel.messages import Message
 from keel.runtime import Agent
@@ -59,24 +58,40 @@ def _database(agent: Agent) -> SQLiteDatabase:
     return sql
 
 
+_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE")
+
+
 @contextlib.contextmanager
 def _counting_commits(db: SQLiteDatabase) -> Iterator[list[int]]:
-    """The write transactions ``db`` opens inside the block, counted (a joined one is not)."""
+    """The commits ``db``'s connections make inside the block, counted as SQLite sees them:
+    each ``COMMIT``, and each write statement run outside a transaction (in autocommit, a
+    transaction of its own)."""
     counted = [0]
-    opened = db.transaction
+    connection = db.connection
+    traced: list[sqlite3.Connection] = []
 
-    @contextlib.contextmanager
-    def transaction() -> Iterator[Any]:
-        if not getattr(db._local, "open_transaction", False):
-            counted[0] += 1
-        with opened() as conn:
-            yield conn
+    def trace(conn: sqlite3.Connection) -> None:
+        def seen(sql: str) -> None:
+            word = sql.lstrip().split(None, 1)[0].upper()
+            if word == "COMMIT" or (word in _WRITES and not conn.in_transaction):
+                counted[0] += 1
 
-    db.transaction = transaction  # type: ignore[method-assign]
+        conn.set_trace_callback(seen)
+        traced.append(conn)
+
+    def counting() -> sqlite3.Connection:
+        conn = connection()
+        if conn not in traced:
+            trace(conn)
+        return conn
+
+    db.connection = counting  # type: ignore[method-assign]
     try:
         yield counted
     finally:
-        del db.transaction
+        del db.connection
+        for conn in traced:
+            conn.set_trace_callback(None)
 
 
 def test_a_turn_writes_its_trace_in_its_checkpoints_transactions(tmp_path: Path) -> None:

@@ -107,6 +107,17 @@ class _Scope:
     calls: deque[_Call]
     resets: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     warned: frozenset[str] = frozenset()
+    retries: int = 0
+    """Retries among ``calls``, kept as calls come and go (see `_Scope.add`)."""
+
+    def add(self, call: _Call) -> None:
+        """``call`` into the window (the oldest call leaves a full one)."""
+        calls = self.calls
+        if calls.maxlen is not None and len(calls) == calls.maxlen and calls[0].retry:
+            self.retries -= 1
+        calls.append(call)
+        if call.retry:
+            self.retries += 1
 
 
 class SpiralMonitor:
@@ -161,10 +172,11 @@ class SpiralMonitor:
         """
         limit = prompt_limit if prompt_limit is not None else self.prompt_limit
         call = _Call(time.monotonic(), prompt_tokens, retry, ttft_ms, limit)
+        names = self._names(session_id, agent)
         with self._lock:
-            for name in self._names(session_id, agent):
-                self._scope(name).calls.append(call)
-        return self._evaluate(session_id, agent)
+            for name in names:
+                self._scope(name).add(call)
+        return self._evaluate(session_id, agent, names)
 
     def record_state_reset(
         self, *, session_id: str | None = None, agent: str | None = None
@@ -189,23 +201,44 @@ class SpiralMonitor:
         with self._lock:
             return self._compute(name, self._scope(name))[0]()
 
-    def _evaluate(self, session_id: str | None, agent: str | None) -> list[SpiralSnapshot]:
+    def _evaluate(
+        self, session_id: str | None, agent: str | None, names: list[str] | None = None
+    ) -> list[SpiralSnapshot]:
         crossed: list[SpiralSnapshot] = []
         with self._lock:
-            for name in self._names(session_id, agent)[1:] or ["all"]:
+            for name in (names or self._names(session_id, agent))[1:] or ["all"]:
                 scope = self._scope(name)
                 # Keyed by indicator, not by its text: a retry rate moving from 50% to 56% is
                 # the same crossing, logged once.
-                snapshot, keys = self._compute(name, scope)
+                quiet = self._quiet_keys(scope)
+                snapshot, keys = self._compute(name, scope) if quiet is None else (None, quiet)
                 new = keys - scope.warned
                 scope.warned = keys
-                if new:
+                if new and snapshot is not None:
                     crossed.append(snapshot())
         for snap in crossed:
             logger.warning(
                 "death-spiral indicators for %s: %s", snap.scope, "; ".join(snap.warnings)
             )
         return crossed
+
+    def _quiet_keys(self, scope: _Scope) -> frozenset[str] | None:
+        """The indicators past their thresholds, found without `_compute` when the window has
+        no retry and no reset (nearly every model call): then only the time to first token
+        can warn. None: compute them all."""
+        calls = scope.calls
+        if scope.retries or not calls:
+            return None
+        if scope.resets and scope.resets[-1] >= calls[0].at:
+            return None  # a reset within the window's time span
+        total, measured = 0.0, 0
+        for call in calls:
+            if call.ttft_ms is not None:
+                total += call.ttft_ms
+                measured += 1
+        if measured and total / measured > self.thresholds.max_ttft_ms:
+            return None
+        return frozenset()
 
     def _compute(
         self, name: str, scope: _Scope

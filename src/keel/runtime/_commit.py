@@ -206,6 +206,13 @@ class TurnWriter:
         return self.run
 
     @property
+    def decided_before(self) -> bool:
+        """Whether a run before this turn's may have journalled a decision under its id: not
+        for a new message under an id keel has just made (no run before knows it, so the
+        first step looks nothing up); a resumed turn, or one its caller named, may have."""
+        return self.resumed or self.record_reply
+
+    @property
     def loaded(self) -> tuple[AgentState, int]:
         """The session as this turn last wrote it (its state and version): what the session's
         next turn starts from, without reading the store again (its messages are the log's,

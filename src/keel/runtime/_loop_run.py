@@ -346,6 +346,9 @@ class LoopRun:
     reported: int = 0
     """Finished steps the driver has taken (see `take_finished`)."""
     agent: str | None = None
+    decided_before: bool = True
+    """Whether a run before this one may have journalled the decision of its first step
+    (False: a turn keel has just opened under an id it made, which nothing else knows)."""
 
     def begin(self, guards: GuardConfig) -> None:
         """Start a step, or stop: the step limit is reached, the deadline passed."""

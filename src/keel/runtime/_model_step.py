@@ -102,11 +102,15 @@ class ModelStep:
         first_step: int,
         turn_id: str | None,
         tools: list[dict[str, Any]],
+        decided_before: bool = True,
     ) -> LoopRun:
-        """A run from ``messages`` (not copied: see `History`)."""
+        """A run from ``messages`` (not copied: see `History`). ``decided_before``: False
+        when no run before this one can have journalled a decision under its turn (a turn
+        keel has just opened under an id it made): its first step looks nothing up."""
         return LoopRun(
             session_id=session_id,
             turn_id=turn_id,
+            decided_before=decided_before,
             history=History(messages),
             started=time.perf_counter(),
             detector=LoopDetector(self.guards),
@@ -123,7 +127,7 @@ class ModelStep:
         # Only a run's first step can find a decision journalled before it: a run resumes at
         # the step of its last checkpoint, and a later step is decided by this run (a
         # concurrent writer's decision still wins, when ours is recorded).
-        if run.steps:
+        if run.steps or not run.decided_before:
             return None
         try:
             decision = await self.journal.adecision(decision_scope(run), run.step)

@@ -138,32 +138,46 @@ class Lease:
         self.lock = lock
         self.session_id = session_id
         self.lost = False
-        self._ended = asyncio.Event()
+        self._ended = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._renewal: asyncio.Task[None] | None = None
 
-    async def heartbeat(self) -> None:
-        """Renew the lease every third of its time to live until `end`."""
-        period = max(self.lock.ttl / 3, 0.05)
-        while not self.lost:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ended.wait(), period)
-            # Checked after every await, not left to cancellation alone: a client library
-            # can swallow a cancel that lands mid-command (asyncio.wait_for before Python
-            # 3.12 drops one that races the inner result), and this loop would renew the
-            # lease forever while the turn waits for it to stop.
-            if self._ended.is_set():
-                return
-            try:
-                if not await self.lock.aacquire(0):
-                    self.lost = True
-            except StoreError:
-                logger.warning("could not renew the lease on session %s", self.session_id)
+    def start(self) -> None:
+        """Renew the lease every third of its time to live until `end`: a timer on the loop,
+        and a renewal task only when one is due (a turn shorter than that, nearly every one,
+        starts none)."""
+        if not self._ended and not self.lost:
+            period = max(self.lock.ttl / 3, 0.05)
+            self._timer = asyncio.get_running_loop().call_later(period, self._due)
 
-    async def end(self, heartbeat: asyncio.Task[None]) -> None:
-        """Stop renewing: the turn is over."""
-        self._ended.set()
-        heartbeat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await heartbeat
+    def _due(self) -> None:
+        self._timer = None
+        self._renewal = asyncio.ensure_future(self._renew())
+
+    async def _renew(self) -> None:
+        try:
+            if not await self.lock.aacquire(0):
+                self.lost = True
+        except StoreError:
+            logger.warning("could not renew the lease on session %s", self.session_id)
+        # Checked after the await, not left to cancellation alone: a client library can
+        # swallow a cancel that lands mid-command (asyncio.wait_for before Python 3.12 drops
+        # one that races the inner result), and the lease would be renewed forever while the
+        # turn waits for it to stop.
+        self._renewal = None
+        self.start()
+
+    async def end(self) -> None:
+        """Stop renewing: the turn is over (a renewal in flight is cancelled and waited for)."""
+        self._ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        renewal = self._renewal
+        if renewal is not None:
+            renewal.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewal
 
     async def check(self) -> None:
         """Renew now; raise when another owner has taken the session."""
@@ -188,11 +202,11 @@ async def own_session(
     if not await lock.aacquire(wait_s):
         raise SessionBusyError(key, wait_s)
     lease = Lease(lock, key)
-    heartbeat = asyncio.create_task(lease.heartbeat())
+    lease.start()
     try:
         yield lease
     finally:
-        await lease.end(heartbeat)
+        await lease.end()
         if not lease.lost:
             try:
                 await lock.arelease()

@@ -306,8 +306,7 @@ class TurnRunner:
         """The model-and-tools loop, driven here: a checkpoint and a compiled prompt before each
         model step, the trace (and a checkpoint after a transition) after each step."""
         deps = self.deps
-        # The run's time limit covers the whole turn: what memory retrieval took is gone, and
-        # a slice is kept back for the commit.
+        # The run's time limit covers the whole turn (memory recall spent some), less a slice.
         margin = min(2.0, deps.guards.run_timeout_s * 0.1)
         guards = deps.guards.model_copy(
             update={"run_timeout_s": max(self.remaining() - margin, 0.001)}
@@ -327,6 +326,7 @@ class TurnRunner:
             first_step=self.writer.state.step,
             turn_id=self.writer.turn_id,
             tools=self.registry.schemas(),
+            decided_before=self.writer.decided_before,
         )
         try:
             async with asyncio.timeout(guards.run_timeout_s):

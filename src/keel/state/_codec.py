@@ -9,7 +9,6 @@ cost of what changed.
 
 from __future__ import annotations
 
-import json
 import operator
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +21,7 @@ from pydantic import BaseModel
 from keel.errors import UsageError
 from keel.state._backend import Chain, StoredCheckpoint
 from keel.state._checkpoint import CheckpointInfo
-from keel.state._delta import delta_of, diff, encode_full, patch_of, replay
+from keel.state._delta import delta_of, diff, encode_full, encode_json, patch_of, replay
 from keel.state._schema import JSONState, StateSchema
 
 __all__ = [
@@ -330,6 +329,8 @@ class VersionCodec(Generic[S]):
         for name, items in append.items():
             if name in update:
                 raise UsageError(f"{name!r} is both appended to and set")
+            if type(items) is list or type(items) is tuple:
+                continue
             if isinstance(items, str | bytes | Mapping) or not isinstance(items, Sequence):
                 raise UsageError(f"the items to append to {name!r} must be a sequence")
 
@@ -389,7 +390,7 @@ class VersionCodec(Generic[S]):
             self._encode_changed(base, name, value, data, sets, patches, immutable)
         extends = {name: items for name, items in tails_json.items() if items}
         delta = delta_of(sets, extends, patches)
-        payload = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
+        payload = encode_json(delta)
         replay_bytes = base.replay_bytes + payload_bytes(payload) + ROW_REPLAY_COST
         full_lists: dict[str, list[Any]] | None = None
         full_bytes = base.full_bytes
@@ -441,7 +442,7 @@ class VersionCodec(Generic[S]):
         if not full:
             if delta is None:
                 delta = diff(base.data, data)
-            payload = json.dumps(delta, separators=(",", ":"), ensure_ascii=False)
+            payload = encode_json(delta)
             replay_bytes = base.replay_bytes + payload_bytes(payload) + ROW_REPLAY_COST
             full = self._snapshot_due(base, version, replay_bytes)
         if full:

@@ -81,9 +81,14 @@ def patch_of(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
+encode_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+"""A payload's JSON: ``json.dumps(value, separators=(",", ":"), ensure_ascii=False)``, with
+one encoder for every payload (``json.dumps`` builds one a call for these options)."""
+
+
 def encode_full(state: dict[str, Any]) -> str:
     """A full snapshot payload."""
-    return json.dumps({"full": state}, separators=(",", ":"), ensure_ascii=False)
+    return encode_json({"full": state})
 
 
 def replay(payloads: Iterable[str], state: dict[str, Any] | None = None) -> dict[str, Any]:

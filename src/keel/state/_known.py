@@ -236,9 +236,12 @@ class KnownVersions(Generic[S]):
             for name, value in self._codec.schema.field_values(cast(S, state)).items():
                 if name not in lists:
                     values[name] = list(value) if isinstance(value, list) else value
-            new_base = replace(
-                base,
+            # Built whole, not with ``dataclasses.replace`` (which walks the fields each call):
+            # every checkpoint makes one.
+            new_base = Base(
+                session_id=base.session_id,
                 version=row.version,
+                epoch=base.epoch,
                 step=row.step,
                 last_full=row.version if plan.full_lists is not None else base.last_full,
                 stored_schema_version=self._codec.schema.version,

@@ -30,7 +30,7 @@ from keel.errors import (
 from keel.stores._availability import Availability
 from keel.stores._dialect import POSTGRES
 from keel.stores._migrations import MigrationSet
-from keel.stores._sql_plan import Plan, arun_plan, run_plan
+from keel.stores._sql_plan import Plan, Write, arun_plan, run_plan
 
 __all__ = [
     "SCHEMA_LOCK_KEY",
@@ -473,15 +473,16 @@ class PostgresDatabase:
         async with self.aconnection() as conn, conn.transaction():
             yield conn
 
-    def run(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
-        """Run the statements of ``plan()``: in one transaction when ``write``, else in
-        autocommit (one statement, atomic on its own, without BEGIN and COMMIT round trips)."""
-        with self.transaction() if write else self.connection() as conn:
+    def run(self, plan: Callable[[], Plan[_T]], *, write: Write = True) -> _T:
+        """Run the statements of ``plan()``: in one transaction when ``write`` is True, else
+        in autocommit (a read, or a write of one statement: atomic on its own, without BEGIN
+        and COMMIT round trips)."""
+        with self.transaction() if write is True else self.connection() as conn:
             return run_plan(conn.cursor(), self.dialect, plan())
 
-    async def arun(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+    async def arun(self, plan: Callable[[], Plan[_T]], *, write: Write = True) -> _T:
         """Async twin of [`run`][], on the running event loop's pool."""
-        async with self.atransaction() if write else self.aconnection() as conn:
+        async with self.atransaction() if write is True else self.aconnection() as conn:
             return await arun_plan(conn.cursor(), self.dialect, plan())
 
     def migrate(self, migrations: MigrationSet) -> None:

@@ -11,9 +11,9 @@ place, `_Engine`, at the end of this module:
   one ``BEGIN IMMEDIATE`` transaction (its one write lock makes the pair atomic); PostgreSQL
   does both in one data-modifying statement (a CTE SQLite does not have), in autocommit: one
   round trip, the head's row lock serialising writers, safe behind a transaction pooler;
-- a write of one statement (a mark, a lease): in autocommit on PostgreSQL (atomic on its own,
-  without BEGIN and COMMIT round trips); in a write transaction on SQLite, so that it queues
-  behind the process's write lock as every write there does;
+- a write of one statement (a mark, a lease) runs as one (``write="statement"``): atomic on
+  its own without BEGIN and COMMIT, in autocommit on PostgreSQL (no round trips for them),
+  queued behind the process's write lock on SQLite as every write there is;
 - the bytes the state tables use (``dbstat`` on SQLite, ``pg_total_relation_size``).
 """
 
@@ -30,7 +30,7 @@ from keel.stores._dialect import POSTGRES, SQLITE, SqlDialect
 from keel.stores._erase_sql import count_deleted, starts_with
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import PostgresDatabase
-from keel.stores._sql_plan import Plan, Statement
+from keel.stores._sql_plan import Plan, Statement, Write
 from keel.stores._sqlite import SQLiteDatabase
 
 __all__ = ["POSTGRES_STATE_MIGRATIONS", "STATE_MIGRATIONS", "SQLStateBackend", "state_migrations"]
@@ -290,13 +290,13 @@ class _Plans:
         new_epoch: str | None,
         ttl: float | None,
         now: float,
-    ) -> tuple[Callable[[], Plan[None]], bool]:
+    ) -> tuple[Callable[[], Plan[None]], Write]:
         """The plan of `write` (a create, or the engine's append) and its ``write`` flag."""
         version, epoch = expected
         if version is None:
             return lambda: self.create(session_id, row, new_epoch, ttl, now), True
         append = _Append(session_id, row, version, epoch, now)
-        return lambda: self.engine.append(self, append), self.engine.single_write
+        return lambda: self.engine.append(self, append), self.engine.append_write
 
     def create(
         self,
@@ -501,11 +501,11 @@ class SQLStateBackend(StateBackend):
 
     def mark(self, session_id: str, version: int, good: bool | None) -> bool:
         plan = lambda: self._plans.mark(session_id, version, good)  # noqa: E731
-        return self.db.run(plan, write=self._engine.single_write)
+        return self.db.run(plan, write="statement")
 
     async def amark(self, session_id: str, version: int, good: bool | None) -> bool:
         plan = lambda: self._plans.mark(session_id, version, good)  # noqa: E731
-        return await self.db.arun(plan, write=self._engine.single_write)
+        return await self.db.arun(plan, write="statement")
 
     def rewrite(self, session_id: str, delete: list[int], replace: list[StoredCheckpoint]) -> None:
         self.db.run(lambda: self._plans.rewrite(session_id, delete, replace))
@@ -524,11 +524,11 @@ class SQLStateBackend(StateBackend):
 
     def acquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
         plan = lambda: self._plans.acquire_lock(key, owner, ttl, now)  # noqa: E731
-        return self.db.run(plan, write=self._engine.single_write)
+        return self.db.run(plan, write="statement")
 
     async def aacquire_lock(self, key: str, owner: str, ttl: float, now: float) -> bool:
         plan = lambda: self._plans.acquire_lock(key, owner, ttl, now)  # noqa: E731
-        return await self.db.arun(plan, write=self._engine.single_write)
+        return await self.db.arun(plan, write="statement")
 
     def lock_holder(self, key: str, now: float) -> str | None:
         return self.db.run(lambda: self._plans.lock_holder(key, now), write=False)
@@ -538,11 +538,11 @@ class SQLStateBackend(StateBackend):
 
     def release_lock(self, key: str, owner: str) -> bool:
         plan = lambda: self._plans.release_lock(key, owner)  # noqa: E731
-        return self.db.run(plan, write=self._engine.single_write)
+        return self.db.run(plan, write="statement")
 
     async def arelease_lock(self, key: str, owner: str) -> bool:
         plan = lambda: self._plans.release_lock(key, owner)  # noqa: E731
-        return await self.db.arun(plan, write=self._engine.single_write)
+        return await self.db.arun(plan, write="statement")
 
     def storage_bytes(self) -> int:
         return self._engine.storage_bytes(self.db)
@@ -678,16 +678,15 @@ class _Engine:
     append: Callable[[_Plans, _Append], Plan[None]]
     """The compare-and-set append: raises ConflictError, with nothing written, when the head
     is not the one expected."""
-    single_write: bool
-    """The ``write`` flag of a write of one statement (the append included): a write
-    transaction, or autocommit."""
+    append_write: Write
+    """The append's ``write`` flag: a write transaction (two statements), or one statement."""
     storage_bytes: Callable[[SQLiteDatabase | PostgresDatabase], int]
 
 
 _ENGINES = {
     SQLITE.name: _Engine(STATE_MIGRATIONS, _sqlite_append, True, _sqlite_storage_bytes),
     POSTGRES.name: _Engine(
-        POSTGRES_STATE_MIGRATIONS, _postgres_append, False, _postgres_storage_bytes
+        POSTGRES_STATE_MIGRATIONS, _postgres_append, "statement", _postgres_storage_bytes
     ),
 }
 

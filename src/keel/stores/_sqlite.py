@@ -38,7 +38,16 @@ from keel.errors import (
 )
 from keel.stores._dialect import SQLITE
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_plan import Plan, riders_for, run_plan, run_riders
+from keel.stores._sql_plan import (
+    Plan,
+    RiderFailed,
+    Write,
+    ride,
+    riders_for,
+    run_plan,
+    run_riders,
+    run_statement,
+)
 
 __all__ = ["CORE_MIGRATIONS", "SQLiteDatabase", "translate_sqlite_error"]
 
@@ -392,24 +401,64 @@ class SQLiteDatabase:
             inline.wrote = True
             return
 
-    def run(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+    def run(self, plan: Callable[[], Plan[_T]], *, write: Write = True) -> _T:
         """Run the statements of ``plan()`` (a fresh plan each call): in one transaction when
-        ``write``, else on this thread's connection outside one (a read of one statement is
-        atomic on its own)."""
+        ``write`` is True, else on this thread's connection outside one (a read of one
+        statement is atomic on its own; so is a write of one, ``"statement"``, which still
+        queues behind this process's other writes)."""
         if not write:
             with self.translated() as conn:
                 return run_plan(conn.cursor(), self.dialect, plan())
         riders = riders_for(self)
-        with self.transaction() as conn:
-            cursor = conn.cursor()
-            result = run_plan(cursor, self.dialect, plan())
-            # What waits for this write (a turn's trace) commits with it, at no extra commit.
-            carried = run_riders(cursor, self.dialect, riders) if riders else ()
-        for rider in carried:
+        if write == "statement" and not riders:
+            return self._run_statement(plan)
+        joined = getattr(self._local, "open_transaction", False)
+        try:
+            with self.transaction() as conn:
+                cursor = conn.cursor()
+                result = run_plan(cursor, self.dialect, plan())
+                # What waits for this write (a turn's trace) commits with it, at no extra
+                # commit: in a transaction of the write's own, without a savepoint each.
+                if joined:
+                    riders = tuple(run_riders(cursor, self.dialect, riders))
+                elif riders:
+                    ride(cursor, self.dialect, riders)
+        except RiderFailed as failed:
+            # Rolled back, rider and write alike: the write is made again without it.
+            failed.rider.error = failed.error
+            return self.run(plan, write=write)
+        for rider in riders:
             rider.ran = True
         return result
 
-    async def arun(self, plan: Callable[[], Plan[_T]], *, write: bool = True) -> _T:
+    def _run_statement(self, plan: Callable[[], Plan[_T]]) -> _T:
+        """A write of one statement, without BEGIN and COMMIT: SQLite runs it atomically in a
+        transaction of its own, taking the write lock as it starts (waiting out the busy
+        timeout for it, as ``BEGIN IMMEDIATE`` does), so a statement that met the lock wrote
+        nothing. Inside an open transaction it joins it; in an inline call that has written
+        already (which must wait, never move) it runs as a transaction does."""
+        inline: _InlineCall | None = getattr(self._local, "inline", None)
+        if getattr(self._local, "open_transaction", False) or (inline is not None and inline.wrote):
+            with self.transaction() as conn:
+                return run_statement(conn.cursor(), self.dialect, plan())
+        self.check_file()
+        conn = self.connection()
+        if not self._write_lock.acquire(blocking=inline is None):
+            raise _WouldWait
+        try:
+            try:
+                result = run_statement(conn.cursor(), self.dialect, plan())
+            except sqlite3.Error as exc:
+                if inline is not None and _is_busy(exc):
+                    raise _WouldWait from exc
+                raise translate_sqlite_error(exc, self.path) from exc
+            if inline is not None:
+                inline.wrote = True
+            return result
+        finally:
+            self._write_lock.release()
+
+    async def arun(self, plan: Callable[[], Plan[_T]], *, write: Write = True) -> _T:
         """[`run`][] for an event loop, as [`acall`][] runs a call (``plan`` may be called
         again: a plan is built fresh for each try)."""
         return await self.acall(lambda: self.run(plan, write=write))
