@@ -81,6 +81,9 @@ class _RecentVectors:
         self._vectors: dict[str, FloatArray] = {}
         self._lock = threading.Lock()
 
+    def __contains__(self, text: object) -> bool:
+        return text in self._vectors
+
     def vector(self, text: str, embed: Callable[[Sequence[str]], FloatArray]) -> FloatArray:
         with self._lock:
             found = self._vectors.pop(text, None)
@@ -102,6 +105,9 @@ class Embedder(ABC):
 
     name: str
     dimension: int
+    #: A query's vector costs about what handing it to a thread would (no model to run):
+    #: computed where the search needs it, never overlapped with another query.
+    cheap_queries: bool = False
 
     @abstractmethod
     def embed(self, texts: Sequence[str]) -> FloatArray:
@@ -115,10 +121,17 @@ class Embedder(ABC):
         """The vector of one text, shape ``(dimension,)``: a search's query. The last
         ``RECENT_QUERIES`` texts' vectors are kept, so a text asked again (the same query
         searched twice in a turn, a retried turn) costs no second pass of the model."""
+        return self._recent_vectors().vector(text, self.embed)
+
+    def has_query(self, text: str) -> bool:
+        """Whether [`embed_one`][]'s vector of ``text`` is kept (asking for it costs nothing)."""
+        return text in self._recent_vectors()
+
+    def _recent_vectors(self) -> _RecentVectors:
         recent: _RecentVectors | None = self.__dict__.get("_recent")
         if recent is None:
             recent = self.__dict__.setdefault("_recent", _RecentVectors(RECENT_QUERIES))
-        return recent.vector(text, self.embed)
+        return recent
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, dimension={self.dimension})"
@@ -369,6 +382,8 @@ class HashingEmbedder(Embedder):
     Lexical only (it knows nothing about synonyms); useful for tests and for deployments that
     rely on keyword search and want vectors without torch.
     """
+
+    cheap_queries = True
 
     def __init__(self, dimension: int = 256) -> None:
         self.dimension = dimension

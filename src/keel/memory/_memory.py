@@ -18,15 +18,16 @@ the implementation, and each async twin runs its sync method through
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel._bridge import run_blocking, run_sync
-from keel.errors import UsageError
+from keel.errors import KeelError, UsageError
 from keel.memory._config import RetrievalConfig
 from keel.memory._embedders import Embedder
 from keel.memory._judge import ModelJudge
@@ -39,6 +40,7 @@ from keel.memory._records import (
     Provenance,
     Scope,
     content_hash,
+    mask_text,
     utcnow,
 )
 from keel.memory._retrieval import RUN_TYPE, MemoryHit, Retriever
@@ -48,6 +50,8 @@ from keel.privacy import DEFAULT_MASKER, PIIMasker, PrivacyView, Vault, privacy_
 from keel.tokens import ChatTokenCounter, counter_for
 
 __all__ = ["EmbeddingStatus", "Memory", "MemoryHit", "ReplayExample"]
+
+_T = TypeVar("_T")
 
 
 class ReplayExample(BaseModel):
@@ -276,8 +280,15 @@ class Memory:
         )
 
     async def aadd(self, text: str, *, scope: Scope, **fields: Any) -> MemoryRecord:
-        """Async twin of [`add`][]."""
-        return await run_blocking(lambda: self.add(text, scope=scope, **fields))
+        """Async twin of [`add`][] (through the store's [`acall`][keel.memory.MemoryStore.acall]:
+        inline on SQLite while no other writer holds the lock)."""
+        return await self.store.acall(lambda: self.add(text, scope=scope, **fields))
+
+    async def aadd_many(
+        self, entries: Sequence[Mapping[str, Any]], *, scope: Scope
+    ) -> list[MemoryRecord]:
+        """Async twin of [`add_many`][] (run as [`aadd`][] runs)."""
+        return await self.store.acall(lambda: self.add_many(entries, scope=scope))
 
     def remember_fact(
         self,
@@ -430,7 +441,9 @@ class Memory:
 
     async def asearch(self, query: str, *, scope: Scope, **options: Any) -> list[MemoryHit]:
         """Async twin of [`search`][]."""
-        return await run_blocking(lambda: self.search(query, scope=scope, **options))
+        return await self._asearching(
+            query, scope, lambda: self.search(query, scope=scope, **options)
+        )
 
     def retrieve(
         self,
@@ -472,14 +485,31 @@ class Memory:
     ) -> PackedMemory:
         """Async twin of [`retrieve`][]."""
         judged = self.judge is not None
-        draft = await run_blocking(
+        draft = await self._asearching(
+            query,
+            scope,
             lambda: self.retriever.draft(
                 query, scope, budget_tokens, k, include_profile, recent, filters, now, judged
-            )
+            ),
         )
         judge = self.judge if draft.hits else None
         kept = None if judge is None else await judge.ajudge(query, draft.to_judge())
         return draft.pack(kept, self.counter)
+
+    async def _asearching(self, query: str, scope: Scope, search: Callable[[], _T]) -> _T:
+        """Run ``search`` (of ``query`` in ``scope``) for an event loop: on the loop's own
+        thread where the store says a search of the scope costs a few milliseconds (the query
+        embedded on the blocking pool first, unless that costs nothing), else on the pool.
+        A turn's recall then costs no thread switch: on a busy machine each one waits for a
+        CPU, and a turn made several (the search, its keyword query, the write after it)."""
+        embedder = self.embedder if self.config.vector_weight > 0 else None
+        if not self.store.searches_inline(scope, None if embedder is None else embedder.name):
+            return await run_blocking(search)
+        if embedder is not None and not embedder.cheap_queries:
+            masked = mask_text(self.masker, query, scope.tenant_id)
+            with contextlib.suppress(KeelError):  # the search says so, and goes on without it
+                await run_blocking(embedder.embed_one, masked)
+        return await self.store.acall(search)
 
     # --- experience replay ----------------------------------------------------------------
 

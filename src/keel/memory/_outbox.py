@@ -117,6 +117,8 @@ class OutboxIndexer:
         self._worker_pid = 0  # a forked child has none of its parent's bridge loop
         self._wake: asyncio.Event | None = None  # the worker's, on the bridge loop
         self._wake_loop: asyncio.AbstractEventLoop | None = None
+        # ``_added`` when the worker began gathering a batch (None: it is not gathering).
+        self._gathering_from: int | None = None
         self._process_lock = threading.Lock()
 
     def process(self, *, max_batches: int | None = None, by_length: bool = False) -> int:
@@ -268,7 +270,14 @@ class OutboxIndexer:
             if not added:
                 self._urgent += 1
             self._signal.notify_all()
-        self._wake_worker()
+            # A worker gathering a batch waits for its deadline anyway: an add that does not
+            # fill the batch would wake it (a switch to the bridge loop's thread, every turn)
+            # only for it to wait again. What it did not see it finds on its next pass.
+            gathering = self._gathering_from
+            quiet = bool(added) and gathering is not None
+            quiet = quiet and self._added - (gathering or 0) < self.batch_size
+        if not quiet:
+            self._wake_worker()
 
     def _wake_worker(self) -> None:
         wake, loop = self._wake, self._wake_loop
@@ -333,13 +342,19 @@ class OutboxIndexer:
         flush, a stop) ends the wait at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BATCH_WAIT_S
-        while self._added - added < self.batch_size:
-            wake.clear()  # before the checks: a signal after them sets it again
-            remaining = deadline - loop.time()
-            if remaining <= 0 or self._urgent != urgent or self._stop.is_set():
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), remaining)
+        with self._signal:  # under the lock an add reads it with; whoever waits re-checks
+            self._gathering_from = added
+            self._signal.notify_all()
+        try:
+            while self._added - added < self.batch_size:
+                wake.clear()  # before the checks: a signal after them sets it again
+                remaining = deadline - loop.time()
+                if remaining <= 0 or self._urgent != urgent or self._stop.is_set():
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), remaining)
+        finally:
+            self._gathering_from = None
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Block until everything added so far is embedded.

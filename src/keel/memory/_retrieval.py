@@ -274,10 +274,18 @@ class Retriever:
                 return [], []
             return self.store.keyword_search(scope, terms, filters, cfg.candidates), []
         # The keyword query runs while the query is embedded and the vectors scanned:
-        # SQLite, ONNX Runtime and numpy all release the GIL, so the two overlap.
+        # SQLite, ONNX Runtime and numpy all release the GIL, so the two overlap. Unless
+        # there is nothing to overlap: an embedded store with a query vector that costs
+        # nothing runs both here (the thread switch would cost more than it saves).
         pending: Forked[list[ScoredId]] | None = None
-        if use_keywords:
+        overlap = self.store.concurrent_searches or not (
+            embedder.cheap_queries or embedder.has_query(masked_query)
+        )
+        if use_keywords and overlap:
             pending = fork(self.store.keyword_search, scope, terms, filters, cfg.candidates)
+        keyword: list[ScoredId] = []
+        if use_keywords and pending is None:
+            keyword = self.store.keyword_search(scope, terms, filters, cfg.candidates)
         vector: list[ScoredId] = []
         try:
             query_vector = embedder.embed_one(masked_query)
@@ -289,7 +297,7 @@ class Retriever:
             vector = self.store.vector_search(
                 scope, query_vector, embedder.name, filters, cfg.candidates
             )
-        return ([] if pending is None else pending.join()), vector
+        return (keyword if pending is None else pending.join()), vector
 
     def _fuse(self, keyword: list[ScoredId], vector: list[ScoredId]) -> _Fused:
         """Weighted reciprocal rank over both lists; a vector-only candidate under the

@@ -118,6 +118,7 @@ class StaticEmbedder(Embedder):
     """
 
     _models = _LoadedModels()
+    cheap_queries = True  # a query is a look-up of its tokens' rows and a mean
 
     def __init__(
         self,

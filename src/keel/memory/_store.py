@@ -7,18 +7,21 @@ never read or touch another tenant's or user's records, whatever else it passes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from keel._bridge import run_blocking
 from keel.memory._records import MemoryFilter, MemoryKind, MemoryRecord, Scope
 
 __all__ = ["InsertResult", "MemoryStore", "OutboxEntry", "ScoredId"]
 
 FloatArray = npt.NDArray[np.float32]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,27 @@ class MemoryStore(ABC):
 
     Sync/async contract: every method is blocking and thread-safe, with no async twins: a
     memory operation is several store calls and an embedding, so [`keel.memory.Memory`][]
-    runs the whole operation on keel's blocking pool (`keel._bridge.run_blocking`) for its
-    async API.
+    runs the whole operation through [`acall`][] for its async API: on keel's blocking pool
+    (`keel._bridge.run_blocking`), or inline where the engine says a call is as cheap as the
+    thread switch would be.
     """
+
+    #: Whether a search's keyword and vector queries gain from running at once (each a round
+    #: trip to a server). An embedded engine's are work on this process's CPUs: run one after
+    #: the other, they cost no thread switch and no passing of the GIL between them.
+    concurrent_searches: bool = True
+
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        """Run ``call``, a memory operation of blocking store calls, for an event loop: on
+        keel's blocking pool unless the backend runs it another way (SQLite: inline while it
+        would not wait for a lock, as its other stores' writes)."""
+        return await run_blocking(call)
+
+    def searches_inline(self, scope: Scope, model: str | None) -> bool:
+        """Whether a search of ``scope`` (by vectors of ``model``; None: keywords only)
+        costs little enough to run on an event loop's thread: a few milliseconds at most,
+        whatever it finds. False by default."""
+        return False
 
     @abstractmethod
     def setup(self) -> None:

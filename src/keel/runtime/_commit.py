@@ -735,7 +735,9 @@ class MemoryHandOff:
     Memory keeps one summary per session, the latest: each running summary restates most of
     the one before (which the prompt held), so storing every one filled memory with copies
     (158 of 166 summaries over a 507-turn ``keel demo``). What a summary drops is in the turns.
-    Every write runs off the event loop (``keel._bridge.run_blocking``).
+    Every write runs as the memory store runs a call for an event loop
+    ([`acall`][keel.memory.MemoryStore.acall]: on SQLite inline while no other writer holds
+    the lock, else on keel's blocking pool).
     """
 
     def __init__(self, memory: Memory, *, tenant_id: str, budget_tokens: int) -> None:
@@ -764,8 +766,9 @@ class MemoryHandOff:
         """The turn's words in memory, each with its speaker's provenance: what the user wrote
         is the user's claim; what the model answered is the assistant's, never the user's (a
         model inventing "you live at 1027 Bergen Street" is not the user saying so). Both
-        writes (and the memory's masking through the user's vault) run off the event loop,
-        in one trip to the bridge's pool and one transaction."""
+        writes (and the memory's masking through the user's vault) are one call of the
+        store's and one transaction: on SQLite inline, as the turn's checkpoints are, unless
+        another writer holds the lock (then on the bridge's pool)."""
         said: tuple[tuple[str, str, Provenance], ...] = (
             ("user", f"User: {request}", "user_claim"),
             ("assistant", f"Assistant: {reply}", "inferred"),
@@ -783,7 +786,7 @@ class MemoryHandOff:
             for speaker, text, provenance in said
         ]
         # Both records in one transaction: one commit a turn, not one a record.
-        await run_blocking(self.memory.add_many, entries, scope=self._scope(user_id))
+        await self.memory.aadd_many(entries, scope=self._scope(user_id))
 
     async def remember_run(
         self, session_id: str, user_id: str, task: str, tool_calls: Sequence[ToolCall]
@@ -807,8 +810,7 @@ class MemoryHandOff:
             return
         # Under the session's key the new summary replaces the last one in the same
         # transaction, so a retried summary is safe and only the newest is kept.
-        await run_blocking(
-            self.memory.add,
+        await self.memory.aadd(
             summary,
             scope=self._scope(user_id),
             kind="episodic",

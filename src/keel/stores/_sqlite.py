@@ -73,6 +73,15 @@ _SQLITE_FULL = 13
 _SQLITE_CANTOPEN = 14
 _SQLITE_NOTADB = 26
 
+_CURRENT_SCHEMA = "SELECT 1 FROM sqlite_master LIMIT 0"
+"""Run first in every write transaction: it reloads the connection's copy of the schema if
+another connection changed it since (its schema cookie check), before any statement of the
+transaction is compiled. SQLite (3.40 to 3.51 at least) fails to compile a first DELETE on a
+table with ``ON DELETE CASCADE`` children and a trigger writing to a virtual table (memory's
+FTS5 index) against a stale copy: the virtual table's connect runs SQL of its own, which
+notices the change and drops the schema mid-compile, and the cascade then finds no parent
+table ("no such table: memory_records"). Reads never compile cascades."""
+
 CORE_MIGRATIONS = MigrationSet(
     "core",
     (
@@ -362,6 +371,7 @@ class SQLiteDatabase:
                 raise translate_sqlite_error(exc, self.path) from exc
             self._local.open_transaction = True
             try:
+                conn.execute(_CURRENT_SCHEMA)  # under the write lock: no change can follow
                 yield conn
             except sqlite3.Error as exc:
                 self._rollback(conn, exc)

@@ -17,8 +17,9 @@ cache entry (a deleted record) can never leak out.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +43,7 @@ from keel.stores._sqlite import SQLiteDatabase
 __all__ = ["MEMORY_MIGRATIONS", "SQLiteMemoryStore"]
 
 FloatArray = npt.NDArray[np.float32]
+_T = TypeVar("_T")
 
 MEMORY_MIGRATIONS = MigrationSet(
     "memory",
@@ -141,6 +143,8 @@ MEMORY_MIGRATIONS = MigrationSet(
 
 # Scopes with more vectors than this are searched through the sign-bit shortlist.
 _EXACT_VECTORS = 20_000
+# Scopes up to this many vectors are searched on the event loop's thread (see searches_inline).
+_INLINE_SEARCH_VECTORS = 10_000
 # The shortlist's share of a scope's vectors, and its floor per requested result.
 _SHORTLIST_SHARE = 25  # 1/25 = 4%
 _SHORTLIST_PER_RESULT = 20
@@ -378,6 +382,8 @@ class SQLiteMemoryStore(SQLMemoryStore):
 
     inserted_order = "rowid"
     migrations = MEMORY_MIGRATIONS
+    # Keyword and vector queries are both CPU work in this process: run one after the other.
+    concurrent_searches = False
 
     def __init__(self, db: SQLiteDatabase) -> None:
         super().__init__(require_database(db, SQLiteDatabase, "SQLiteMemoryStore"))
@@ -438,6 +444,20 @@ class SQLiteMemoryStore(SQLMemoryStore):
                 ).rows
         # Scores are lower for better rows (FTS5's bm25() is negative): negated, higher is.
         return [ScoredId(str(row[0]), -float(row[1])) for row in rows]
+
+    async def acall(self, call: Callable[[], _T]) -> _T:
+        # The database's way: inline unless the call would wait for the write lock (a thread
+        # switch each way costs more than a turn's memory write), as keel's other SQLite
+        # stores' calls; a read never waits for it.
+        return await self.db.acall(call)
+
+    def searches_inline(self, scope: Scope, model: str | None) -> bool:
+        # Inline once the scope's vectors are in this process (their first load reads them
+        # all) and few: then a search is a few milliseconds whatever it finds (the keyword
+        # query ranks a bounded number of rows), about what two thread switches cost a turn
+        # on a busy machine.
+        index = self._indexes.get((scope.tenant_id, scope.user_id, model or ""))
+        return model is not None and index is not None and index.size <= _INLINE_SEARCH_VECTORS
 
     def _index(self, scope: Scope, model: str) -> _ScopeIndex:
         key = (scope.tenant_id, scope.user_id, model)
