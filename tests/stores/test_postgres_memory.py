@@ -15,6 +15,7 @@ import pytest
 from keel.errors import ConfigError, StoreError
 from keel.memory import HashingEmbedder, Memory, MemoryFilter, Scope
 from keel.stores import PostgresDatabase, PostgresMemoryStore
+from keel.stores._keywords import SCOPE_ROWS
 from keel.stores._sql_plan import Plan, Statement
 
 pytestmark = pytest.mark.postgres
@@ -446,4 +447,143 @@ def test_a_halfvec_index_serves_narrow_embeddings_too(
         return (yield from store._searched(Statement("EXPLAIN " + sql, params)))
 
     assert "Index Scan using memory_vectors_384_hnsw" in _scans(store.db.run(explain))
+    memory.close()
+
+
+class _Statements:
+    """The SQL of every statement the stores run through ``PostgresDatabase.run``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import keel.stores._postgres as postgres
+
+        self.seen: list[Statement] = []
+        run_plan = postgres.run_plan
+
+        def recording(cursor: Any, dialect: Any, plan: Plan[Any]) -> Any:
+            def recorded() -> Plan[Any]:
+                try:
+                    statement = next(plan)
+                    while True:
+                        self.seen.append(statement)
+                        statement = plan.send((yield statement))
+                except StopIteration as done:
+                    return done.value
+
+            return run_plan(cursor, dialect, recorded())
+
+        monkeypatch.setattr(postgres, "run_plan", recording)
+
+    def matching(self, start: str) -> list[Statement]:
+        return [statement for statement in self.seen if statement.sql.startswith(start)]
+
+
+def test_the_outbox_writes_a_batch_of_vectors_in_one_statement(
+    postgres_url: str, open_database: OpenDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One statement a vector, each parsed and planned on its own, cost the server twice
+    # the CPU of the whole batch's one INSERT (keel bench memory --bulk).
+    memory = Memory(
+        PostgresMemoryStore(open_database(), hnsw=False),
+        embedder=HashingEmbedder(64),
+        masker=None,
+        batch_size=64,
+    )
+    memory.add_many([{"text": f"note {n}: harbour lantern {n}"} for n in range(100)], scope=ALICE)
+    statements = _Statements(monkeypatch)
+    memory.flush()
+    inserts = statements.matching("INSERT INTO memory_vectors_64")
+    assert [(s.many, len(s.params)) for s in inserts] == [(False, 1 + 2 * 64), (False, 1 + 2 * 36)]
+    query = HashingEmbedder(64).embed_one("note 7: harbour lantern 7")
+    hits = memory.store.vector_search(ALICE, query, "keel-hashing-64", MemoryFilter(), 1)
+    with psycopg.connect(postgres_url) as conn:
+        row = conn.execute("SELECT id FROM memory_records WHERE text LIKE 'note 7:%'").fetchone()
+    assert row is not None and [h.record_id for h in hits] == [row[0]]
+    assert hits[0].score == pytest.approx(1.0, abs=1e-6)
+    memory.close()
+
+
+def test_a_batch_of_vectors_skips_deleted_records_and_repeats(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
+    # The outbox's batch may name a record deleted since it was queued (no vector, no
+    # error) or the same record twice (one vector); each vector takes its record's scope.
+    store = PostgresMemoryStore(open_database())
+    memory = Memory(store, embedder=None, masker=None)
+    kept = memory.add("the lighthouse keeper feeds the gulls", scope=ALICE)
+    gone = memory.add("the ferry leaves at noon", scope=ALICE)
+    other = memory.add("the lighthouse is painted red", scope=BOB)
+    entries = store.pending(10)
+    assert {e.record_id for e in entries} == {kept.id, gone.id, other.id}
+    assert store.delete(ALICE, gone.id)
+    embedder = HashingEmbedder(32)
+    batch = [*entries, entries[0]]
+    store.complete(batch, [embedder.embed_one(e.text) for e in batch], embedder.name)
+    with psycopg.connect(postgres_url) as conn:
+        rows = conn.execute(
+            "SELECT record_id, tenant_id, user_id, model FROM memory_vectors_32 ORDER BY user_id"
+        ).fetchall()
+    assert rows == [
+        (kept.id, "acme", "alice", embedder.name),
+        (other.id, "acme", "bob", embedder.name),
+    ]
+    assert store.pending(10) == []
+    found = store.vectors(ALICE, [kept.id], embedder.name)
+    assert np.allclose(found[kept.id], embedder.embed_one(kept.text))
+    memory.close()
+
+
+def test_setting_a_records_embedding_model_keeps_it_on_its_page(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
+    # The outbox sets each record's embedding_model after its vector is written. Records'
+    # pages are left half full so that UPDATE is a HOT one: the new row version on the same
+    # page, no new entry in any of the table's indexes (on a full page, every index got one).
+    memory = Memory(PostgresMemoryStore(open_database()), embedder=HashingEmbedder(32), masker=None)
+    memory.add_many(
+        [{"text": f"note {n}: the orchard by the granite wall"} for n in range(300)], scope=ALICE
+    )
+
+    def pages() -> dict[str, int]:
+        with psycopg.connect(postgres_url) as conn:
+            rows = conn.execute(
+                "SELECT id, (ctid::text::point)[0]::int FROM memory_records"
+            ).fetchall()
+        return {str(record_id): int(page) for record_id, page in rows}
+
+    before = pages()
+    memory.flush()
+    after = pages()
+    with psycopg.connect(postgres_url) as conn:
+        embedded = conn.execute(
+            "SELECT COUNT(*) FROM memory_records WHERE embedding_model = %s", ("keel-hashing-32",)
+        ).fetchone()
+    assert embedded == (300,)
+    stayed = sum(1 for record_id, page in before.items() if after[record_id] == page)
+    assert stayed >= 0.9 * len(before), f"{stayed} of {len(before)} stayed on their page"
+    memory.close()
+
+
+def test_a_keyword_search_counts_a_term_no_further_than_a_bound(
+    postgres_url: str, open_database: OpenDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A term's rows in a scope are counted by reading each match: the count stops at 20,000
+    # (a term in more is dropped as common, as on SQLite), not at 1/20 of the table, which
+    # grew with it (50,000 rows read a term at 1M records).
+    store = PostgresMemoryStore(open_database())
+    memory = Memory(store, embedder=None, masker=None)
+    memory.add_many(
+        [{"text": f"note {n}: the orchard by the granite wall"} for n in range(40)], scope=ALICE
+    )
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        # The table's size is read as its largest seq: a table of a million records...
+        conn.execute("SELECT setval('memory_records_seq_seq', 1000000)")
+    memory.add("the orchard gate is green", scope=ALICE)
+    # ... all of them Alice's, as her scope's count (kept while the table grows < 5%) says.
+    store._term_frequencies._counts[("acme", "alice", SCOPE_ROWS)] = (1_000_000, 1_000_041)
+    statements = _Statements(monkeypatch)
+    hits = memory.search("orchard gate", scope=ALICE, k=3)
+    assert hits and hits[0].record.text == "the orchard gate is green"
+    counts = statements.matching("SELECT COUNT(*) FROM (SELECT 1")
+    limits = [s.params[-1] for s in counts if isinstance(s.params, tuple)]
+    assert limits and max(limits) <= 20_001, limits
     memory.close()

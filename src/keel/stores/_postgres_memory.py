@@ -112,6 +112,21 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             """,
         ),
         MemorySchema.records_by_kind,
+        Migration(
+            "records' pages half full: a record's embedding_model is set in place",
+            # The outbox sets each record's embedding_model once its vector is written. On a
+            # full page that UPDATE writes the new row version to another page and a new entry
+            # into every index (the GIN of its words among them) until VACUUM removes the old
+            # ones; with room on the page it is a HOT update, touching no index. At 20,000
+            # records (hashing:384 vectors) the outbox's UPDATEs took 1,034 ms at fillfactor
+            # 100 and under 200 ms at 50 (18,392 of 20,000 HOT). The price is the heap: at
+            # 200,000 records, after VACUUM, it took 206 MB against 135 MB, while the indexes,
+            # with no second entries to split their pages, took 89 MB against 127 MB (4,837
+            # against 4,667 bytes a record in all, the HNSW graph included).
+            """
+            ALTER TABLE memory_records SET (fillfactor = 50);
+            """,
+        ),
     ),
 )
 
@@ -147,6 +162,8 @@ _INSERT_ROWS = _INSERT_WITH_OUTBOX.format(
 # Plain records written by one INSERT in a batch: PostgreSQL takes at most 65,535
 # parameters a statement, and a record has about 20.
 _ROWS_PER_INSERT = 1000
+# Vectors written by one INSERT (two parameters each, of PostgreSQL's 65,535 a statement).
+_VECTORS_PER_INSERT = 1000
 _VECTOR_TABLE = re.compile(r"^memory_vectors_(\d+)$")
 # pgvector's HNSW limits: 2,000 dimensions for ``vector``, 4,000 for ``halfvec``.
 _HNSW_VECTOR_MAX = 2000
@@ -182,6 +199,13 @@ def _hnsw_operand(dimension: int, halfvec: bool = False) -> tuple[str, str] | No
 
 # Keyword search ranks at most this many rows, the same budget as SQLite's bm25().
 _SCORED_ROWS = 1500
+# A term in more rows than this is dropped as common, however large the table (SQLite's
+# bound too): counting a term's rows in a scope reads each matching row (a GIN index cannot
+# answer a count alone), and 1/20 of the table, the bound below this, grew with it: at
+# 200,000 records in one scope, the counts of a query's new terms were the slowest part of
+# a search (p50 5.5 ms, up to 55 ms a term on a loaded machine), and 1M would count up to
+# 50,000 rows a term.
+_MOST_COMMON_ROWS = 20_000
 # BM25's parameters, FTS5's defaults: term-frequency saturation and length normalization.
 _BM25_K1 = 1.2
 _BM25_B = 0.75
@@ -473,7 +497,7 @@ class PostgresMemoryStore(SQLMemoryStore):
             (yield Statement("SELECT COALESCE(MAX(seq), 0) FROM memory_records")).rows[0][0]
         )
         scope_key = (scope.tenant_id, scope.user_id)
-        cap = common_term_cap(total)
+        cap = common_term_cap(total, _MOST_COMMON_ROWS)
 
         def count(term: str, limit: int) -> Plan[int]:
             counted = yield Statement(
@@ -504,6 +528,7 @@ class PostgresMemoryStore(SQLMemoryStore):
             listed=listed,
             budget=_SCORED_ROWS,
             count=count,
+            most_common_rows=_MOST_COMMON_ROWS,
         )
         matches: dict[str, int] = {}
         for term in plan.terms:
@@ -645,18 +670,27 @@ class PostgresMemoryStore(SQLMemoryStore):
                 f"DELETE FROM memory_vectors_{other} WHERE record_id = ANY(?)",
                 ([e.record_id for e in entries],),
             )
-        # %b: the vector goes in pgvector's binary format (BinaryVector's dumper).
-        yield Statement(
-            f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
-            "SELECT id, tenant_id, user_id, ?, %b::vector FROM memory_records "
-            "WHERE id = ? ON CONFLICT (record_id) DO UPDATE SET "
-            "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
-            [
-                (model, BinaryVector(np.asarray(vector)), entry.record_id)
-                for entry, vector in zip(entries, vectors, strict=True)
-            ],
-            many=True,
-        )
+        # One statement for the batch's vectors (a VALUES row each, the vector in pgvector's
+        # binary format: %b, BinaryVector's dumper), not one statement a vector, each parsed
+        # and planned on its own. The join takes each record's scope from its row and skips
+        # a record deleted since it was queued.
+        pairs = [
+            (entry.record_id, BinaryVector(np.asarray(vector)))
+            for entry, vector in zip(entries, vectors, strict=True)
+        ]
+        for start in range(0, len(pairs), _VECTORS_PER_INSERT):
+            chunk = pairs[start : start + _VECTORS_PER_INSERT]
+            # DISTINCT ON: one row a record, as ON CONFLICT DO UPDATE needs (a record queued
+            # twice in one batch gets one vector).
+            yield Statement(
+                f"INSERT INTO {table} (record_id, tenant_id, user_id, model, embedding) "
+                "SELECT DISTINCT ON (r.id) r.id, r.tenant_id, r.user_id, ?, v.embedding FROM "
+                f"(VALUES {', '.join('(?, %b::vector)' for _ in chunk)}) "
+                "AS v (record_id, embedding) JOIN memory_records r ON r.id = v.record_id "
+                "ORDER BY r.id ON CONFLICT (record_id) DO UPDATE SET "
+                "model = EXCLUDED.model, embedding = EXCLUDED.embedding",
+                (model, *(value for pair in chunk for value in pair)),
+            )
 
     def wait_for_statistics(self, timeout: float | None = None) -> None:
         """Block until the ANALYZE runs this store started are done (tests, benchmarks)."""
