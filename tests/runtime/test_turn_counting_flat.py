@@ -61,6 +61,12 @@ async def _lookups_per_turn(directory: Path, turns: int) -> tuple[list[int], int
             reply = await agent.handle("long", "u1", f"what do the records say about item {turn}?")
             assert reply.status == "completed" and reply.tool_calls == ("lookup",), reply
             counts.append(_CountedLookups.looked_up)
+            # The turn's records embedded before the next turn, as on a quiet machine: which
+            # turn first recalls a new record then never depends on the outbox worker's timing
+            # (without it, a quiet run recalled the same memories turn after turn and the old
+            # counter passed too).
+            assert agent.memory is not None
+            await agent.memory.aflush()
     finally:
         await agent.aclose()
     with_memories = sum(
