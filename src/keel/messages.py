@@ -7,6 +7,7 @@ the one written (``Message.model_validate_json(m.model_dump_json()) == m``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -141,3 +142,24 @@ class Message(BaseModel):
         if self.name is not None and self.role != "tool":
             wire["name"] = self.name
         return wire
+
+
+def equal_run_length(
+    messages: Sequence[Message], i: int, other: Sequence[Message], j: int, span: int
+) -> int:
+    """How many of ``messages`` from ``i`` on equal ``other``'s from ``j`` on (at most
+    ``span``; the first pair is known to be the same object). Compared as lists, in C: a list
+    comparison passes identical items without calling ``__eq__``, several times faster than an
+    identity check per item; where the whole span differs, the longest equal start is found by
+    halving. Shared by the token counter and the trace's prompt record, which both follow a
+    list of messages against the one before it."""
+    if messages[i : i + span] == other[j : j + span]:
+        return span
+    low, high = 1, span - 1  # the first pair is one object; the whole span differs
+    while low < high:
+        middle = (low + high + 1) // 2
+        if messages[i : i + middle] == other[j : j + middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

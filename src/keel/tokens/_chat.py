@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from keel.messages import Message
+from keel.messages import Message, equal_run_length
 from keel.tokens._base import Tokenizer
 from keel.tokens._catalog import ModelProfile
 
@@ -48,24 +48,6 @@ def _json_type(schema: Mapping[str, Any]) -> str:
     if "anyOf" in schema:
         return " | ".join(_json_type(part) for part in schema["anyOf"])
     return str(kind or "any")
-
-
-def _run_length(earlier: list[Message], j: int, messages: list[Message], i: int) -> int:
-    """How many messages of ``messages`` from ``i`` on are ``earlier``'s from ``j`` on, the
-    same objects (the first pair is). Compared as lists, in C: a list comparison passes
-    identical items without calling ``__eq__``; where the whole span differs, the longest
-    equal start is found by halving."""
-    span = min(len(earlier) - j, len(messages) - i)
-    if messages[i : i + span] == earlier[j : j + span]:
-        return span
-    low, high = 1, span - 1  # the first pair is one object; the whole span differs
-    while low < high:
-        middle = (low + high + 1) // 2
-        if messages[i : i + middle] == earlier[j : j + middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 _RESYNC = 3
@@ -305,7 +287,9 @@ class ChatTokenCounter:
                 i += 1
                 continue
             total -= sum(map(self.count_message, earlier[j:ahead]))  # left out of this one
-            run = _run_length(earlier, ahead, messages, i)
+            run = equal_run_length(
+                messages, i, earlier, ahead, min(len(earlier) - ahead, len(messages) - i)
+            )
             i, j, missed = i + run, ahead + run, False
         total += sum(map(self.count_message, messages[i:]))  # added at the end
         total -= sum(map(self.count_message, earlier[j:]))

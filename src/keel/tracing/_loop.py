@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from pydantic import BaseModel
 
-from keel.messages import Message, Usage
+from keel.messages import Message, Usage, equal_run_length
 from keel.tracing._tracer import RunTrace
 
 __all__ = [
@@ -64,7 +64,7 @@ def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list
     Copying every message would store the window again at every step (a trace 30 times
     larger on ``keel bench turns``). The cost does not grow with the session: a run's start
     is found by a few guesses at where the prompt's turns sit (they are the newest), and the
-    run itself is compared as lists in C (`_run_length`); a stored message no guess finds is
+    run itself is compared as lists in C (`equal_run_length`); a stored message no guess finds is
     kept whole, which is still what the model saw."""
     record: list[dict[str, Any]] = []
     # Lists both, so that their slices compare (a tuple never equals a list).
@@ -90,7 +90,7 @@ def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list
             kept_since += 1
             i += 1
             continue
-        run = _run_length(prompt, i, history, first, min(remaining, stored - first))
+        run = equal_run_length(prompt, i, history, first, min(remaining, stored - first))
         record.append({"messages": [first, first + run - 1]})
         expected, kept_since = first + run, 0
         i += run
@@ -99,28 +99,6 @@ def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list
 
 def _as_list(messages: Sequence[Message]) -> list[Message]:
     return messages if isinstance(messages, list) else list(messages)
-
-
-def _run_length(
-    prompt: Sequence[Message], i: int, history: Sequence[Message], first: int, span: int
-) -> int:
-    """How many of ``prompt``'s messages from ``i`` on are ``history``'s from ``first`` on
-    (at most ``span``; the first pair is the same object). Compared as lists, in C: a list
-    comparison passes identical items without calling ``__eq__``, several times faster than
-    an identity check per item; the longest equal start is found by halving where the whole
-    span differs (a rules block placed before the newest message). An equal message that is
-    not the stored object joins the run: the checkpoint holds one equal to it, which is what
-    the run's positions say."""
-    if prompt[i : i + span] == history[first : first + span]:
-        return span
-    low, high = 1, span - 1  # the first pair is one object; the whole span differs
-    while low < high:
-        middle = (low + high + 1) // 2
-        if prompt[i : i + middle] == history[first : first + middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 def _kept_whole(message: Message) -> dict[str, Any]:
