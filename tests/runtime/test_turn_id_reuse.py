@@ -51,9 +51,7 @@ async def test_an_id_reused_after_a_revert_replays_nothing_of_its_first_turn(
     before = await agent.run("Book Rome", session="s1", user="u1", turn_id="req-0")
     first = await agent.run("Book Oslo", session="s1", user="u1", turn_id="req-1")
     # The operator puts the session back to before that turn; its booking stays made.
-    await agent.revert(
-        "s1", expected_version=first.state_version, to_version=before.state_version
-    )
+    await agent.revert("s1", expected_version=first.state_version, to_version=before.state_version)
     with pytest.raises(UsageError, match="another message"):
         await agent.run("Book Lima", session="s1", user="u1", turn_id="req-1")
     assert booked == ["Rome", "Oslo"], "nothing may run under an id another message used"

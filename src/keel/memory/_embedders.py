@@ -108,10 +108,24 @@ class Embedder(ABC):
     #: A query's vector costs about what handing it to a thread would (no model to run):
     #: computed where the search needs it, never overlapped with another query.
     cheap_queries: bool = False
+    #: The vectors come from a model this process loads on its first [`embed`][] (a second
+    #: or two for MiniLM): [`warm`][] loads it ahead.
+    loads_model: bool = False
 
     @abstractmethod
     def embed(self, texts: Sequence[str]) -> FloatArray:
         """One unit-length row per text, shape ``(len(texts), dimension)``."""
+
+    def warm(self) -> bool:
+        """Load now what the first [`embed`][] would (the model, its tokenizer, the runtime's
+        first pass), so that no request waits for it: a server calls it before it takes
+        traffic. True when a model was loaded; an embedder with none to load (a remote API,
+        hashing) does nothing and returns False. Blocking: an event loop runs it through
+        ``run_blocking``."""
+        if not self.loads_model:
+            return False
+        self.embed(["warm"])
+        return True
 
     async def aembed(self, texts: Sequence[str]) -> FloatArray:
         """``embed`` without blocking the event loop."""
@@ -155,6 +169,7 @@ class OnnxEmbedder(Embedder):
     """
 
     _sessions = _LoadedModels()
+    loads_model = True
 
     def __init__(
         self,
@@ -247,6 +262,7 @@ class SentenceTransformerEmbedder(Embedder):
     """
 
     _models = _LoadedModels()
+    loads_model = True
 
     def __init__(
         self,

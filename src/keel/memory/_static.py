@@ -119,6 +119,7 @@ class StaticEmbedder(Embedder):
 
     _models = _LoadedModels()
     cheap_queries = True  # a query is a look-up of its tokens' rows and a mean
+    loads_model = True  # loaded when made (its dimension is read): warm is one cheap pass
 
     def __init__(
         self,

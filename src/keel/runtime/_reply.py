@@ -1,22 +1,37 @@
 """What one turn of an [`Agent`][] produced, and the replies a session keeps for retries: a
 turn the caller gave its own id (an HTTP ``Idempotency-Key``) runs once; its reply is committed
-with the turn, and a retry gets it back."""
+with the turn, and a retry gets it back.
+
+The session keeps the newest 16 such replies; the id itself is claimed for good in the tool
+journal, beside the turn's decisions (scope ``<session>#<turn id>``, step -1, which no model
+step takes), before the turn runs: the claim survives the reply leaving the session and a
+revert of the session to before the turn (a step number the turn used can then come round
+again, and the journal would hand its decisions and tool results to whatever runs under the
+id). Sent later with the same message, the id gets the reply found in the session's history;
+with another message it is refused, and nothing of the first turn is replayed."""
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+import uuid
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from keel.errors import UsageError
+from keel.errors import StateError, UsageError
+from keel.messages import Message
 from keel.runtime._loop_run import LoopStatus
 from keel.state import AgentState
+
+if TYPE_CHECKING:
+    from keel.state import StateStore
+    from keel.tools import ToolJournal
 
 __all__ = [
     "AgentReply",
     "AgentStatus",
     "PendingApproval",
+    "claimed_turn",
     "recorded_reply",
     "request_digest",
     "with_reply",
@@ -24,6 +39,14 @@ __all__ = [
 
 _REPLIES_KEPT = 16
 """Replies kept for turns that came with the caller's own turn id (retries come within minutes)."""
+
+_REQUEST_STEP = -1
+"""The journal step of a caller's turn id's claim, under the turn's decision scope: below
+every model step (they count from 0), so the claim is never taken for a decision."""
+
+_HISTORY_SCANNED = 256
+"""Versions after its claim a retry reads for a turn's reply no longer in the session (a turn
+writes a checkpoint per model step and its commit a few after its claim)."""
 
 AgentStatus = Literal[LoopStatus, "failed", "escalated"]
 """How a turn ended: ``completed``, a loop status ([`LoopStatus`][], among
@@ -133,3 +156,65 @@ def with_reply(state: AgentState, turn_id: str, request: str, reply: AgentReply)
     kept = [r for r in runtime.replies if r.get("turn_id") != turn_id]
     replies = (*kept, record)[-_REPLIES_KEPT:]
     return state.model_copy(update={"runtime": runtime.model_copy(update={"replies": replies})})
+
+
+async def claimed_turn(
+    journal: ToolJournal,
+    store: StateStore[AgentState],
+    key: str,
+    loaded: tuple[AgentState, int],
+    turn_id: str,
+    masked_text: str,
+) -> AgentReply | None:
+    """Claim the caller's ``turn_id`` on the session ``key`` (its state and version
+    ``loaded``) for the message ``masked_text``, before the turn runs; None: the message runs
+    as a new turn. The id claimed before for the same message, whose turn the session no
+    longer holds (its reply left the 16 kept, or a revert went to before it): that turn's
+    reply from the session's history, marked ``replayed``; nothing runs.
+
+    Raises:
+        UsageError: the id was claimed for another message; or for this one, whose turn took
+            steps and whose reply is no longer in the session's history (nothing runs again).
+    """
+    state, version = loaded
+    digest = request_digest(masked_text)
+    scope = f"{key}#{turn_id}"  # the turn's own decision scope (`decision_scope`)
+    claim = uuid.uuid4().hex
+    mine = Message.user(digest, metadata={"claim": claim, "version": version, "step": state.step})
+    held = await journal.arecord_decision(scope, _REQUEST_STEP, mine)
+    if held.metadata.get("claim") == claim:
+        return None
+    if held.content != digest:
+        raise UsageError(f"turn id {turn_id!r} was used for another message")
+    earlier = await _reply_in_history(store, key, turn_id, digest, int(held.metadata["version"]))
+    if earlier is not None:
+        return earlier
+    if await journal.adecision(scope, int(held.metadata["step"])) is None:
+        return None  # the first try stopped before its first model step: nothing ran
+    raise UsageError(
+        f"turn id {turn_id!r} was answered on this session earlier and its reply is no longer "
+        "kept: nothing was run again (send a new message under a new turn id)"
+    )
+
+
+async def _reply_in_history(
+    store: StateStore[AgentState], key: str, turn_id: str, digest: str, since: int
+) -> AgentReply | None:
+    """The reply of turn ``turn_id`` (request ``digest``) as the session's history last
+    recorded it, read from the versions after ``since`` (its claim's) on; None when none
+    does (the history was pruned, or the turn never committed)."""
+    versions = sorted(info.version for info in await store.ahistory(key) if info.version > since)
+    found: dict[str, Any] | None = None
+    for version in versions[:_HISTORY_SCANNED]:
+        try:
+            runtime = (await store.aat(key, version)).state.runtime
+        except StateError:
+            continue  # a version pruned since the history was listed
+        record = next((r for r in runtime.replies if r.get("turn_id") == turn_id), None)
+        if record is not None and record.get("request") == digest:
+            found = record
+        if found is not None and runtime.open_turn != turn_id and not runtime.awaiting:
+            break  # the turn is closed: the reply recorded last is its reply
+    if found is None:
+        return None
+    return AgentReply.model_validate(found["reply"]).model_copy(update={"replayed": True})

@@ -58,7 +58,7 @@ from keel.runtime._approvals import Approvals, pending_view, waiting_text
 from keel.runtime._events import AgentEvent
 from keel.runtime._log import SessionLogs
 from keel.runtime._masking import Masking
-from keel.runtime._reply import AgentReply, recorded_reply
+from keel.runtime._reply import AgentReply, claimed_turn, recorded_reply
 from keel.runtime._turn import RunExtras, TurnDeps, TurnRunner
 from keel.state import AgentState, Checkpoint, SessionLock, SessionRuntime, StateStore
 from keel.tools import validated_arguments
@@ -340,6 +340,7 @@ class Sessions:
         runtime = state.runtime
         masking = deps.masking
         turn_id = extras.turn_id if extras is not None else None
+        masked = ""
         if turn_id is not None:
             masked = await masking.amask(storable(text))
             replayed = recorded_reply(state, turn_id, masked)
@@ -357,7 +358,15 @@ class Sessions:
             interrupted, loaded = await self._turn(deps, lease, ids, loaded, None)
             if open_text is not None and open_text == await masking.amask(storable(text)):
                 return interrupted, loaded
-        reply, loaded = await self._turn(deps, lease, ids, loaded, text, emit, extras)
+        earlier: AgentReply | None = None
+        if turn_id is not None:
+            # The id is claimed for this message before anything runs under it (see _reply).
+            store = deps.state
+            earlier = await claimed_turn(deps.journal, store, ids[0], loaded, turn_id, masked)
+        if earlier is not None:
+            reply = earlier.model_copy(update={"text": await masking.areveal(earlier.text)})
+        else:
+            reply, loaded = await self._turn(deps, lease, ids, loaded, text, emit, extras)
         if interrupted is not None:
             reply = reply.model_copy(update={"interrupted_turn": interrupted})
         return reply, loaded

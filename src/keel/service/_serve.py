@@ -7,11 +7,13 @@ validated again there.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer
 
+from keel._bridge import run_blocking
 from keel.errors import ConfigError
 from keel.memory import RetentionPolicies
 from keel.models import ChatModel, resolve_model
@@ -21,6 +23,7 @@ from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
+from keel.service._logging import SERVICE_LOGGER
 from keel.service._pruning import service_pruner
 from keel.service._source import AgentSource, load_agent
 from keel.settings import Settings, load_settings, validation_problems
@@ -68,6 +71,7 @@ class ServiceAgents:
         self.agent_options = agent_options
         self._agents: dict[str, Agent] = {}
         self._warm = False
+        self._embedder_loaded = False
 
     @classmethod
     def from_source(
@@ -106,14 +110,30 @@ class ServiceAgents:
 
     async def aready(self) -> None:
         """Wait until the stores answer, with the connections a worker's turns overlap on
-        already open (the first call opens them; later ones check one).
+        already open (the first call opens them; later ones check one), and memory's
+        embedder loaded (the first call loads it): the app's start-up awaits this before
+        the worker takes traffic, so that no turn of a (re)started worker waits for a model.
 
         Raises:
             BackendUnavailableError: a server does not answer.
             StoreError: a database cannot be read.
+            ConfigError: the embedder cannot be loaded (its libraries are missing).
         """
+        await self._load_embedder()
         await self.backends.aready(1 if self._warm else WARM_CONNECTIONS)
         self._warm = True
+
+    async def _load_embedder(self) -> None:
+        """Load memory's embedder once (on keel's blocking pool), saying so in the log."""
+        memory = self.backends.memory
+        embedder = None if memory is None else memory.embedder
+        if embedder is None or self._embedder_loaded:
+            return
+        started = time.perf_counter()
+        if await run_blocking(embedder.warm):
+            took_ms = (time.perf_counter() - started) * 1000
+            SERVICE_LOGGER.info("memory's embedder %s loaded (%.0f ms)", embedder.name, took_ms)
+        self._embedder_loaded = True
 
     def tenants(self) -> list[str]:
         """The tenants whose agent was made."""
