@@ -131,7 +131,9 @@ class _Fleet:
         worker.process.wait()
         self.retired.append(worker)
 
-    async def ready(self, index: int, client: Any, timeout_s: float = 60.0) -> None:
+    async def ready(self, index: int, client: Any, timeout_s: float = 180.0) -> None:
+        # A worker with memory loads its embedder before /ready (MiniLM: a second or two on
+        # a quiet machine, tens of seconds on a loaded 2-core one).
         deadline = time.monotonic() + timeout_s
         while True:
             worker = self.live[index]
