@@ -1,8 +1,9 @@
 """A deterministic model for tests and demos: replies come from a list or a function.
 
 Every call is recorded (messages, tools, options), so a test can assert exactly what the
-runtime sent; ``keep_calls`` bounds that record to the newest calls for a long run. A scripted reply may be text, a Message, a Completion, an exception to raise,
-or a function of the call that returns any of those.
+runtime sent; ``keep_calls`` bounds that record to the newest calls for a long run. A scripted
+reply may be text, a Message, a Completion, an exception to raise, or a function of the call
+that returns any of those.
 """
 
 from __future__ import annotations
