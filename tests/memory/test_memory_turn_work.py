@@ -257,3 +257,60 @@ def test_the_worker_embeds_short_and_long_texts_apart(
     ]
     memory.close()
     database.close()
+
+
+async def _keyword_work_of_turns(
+    tmp_path: Path, turns: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, int]:
+    """The SQLite VM instructions (in tens) the keyword search of turn ``turns`` runs, and the
+    records memory then holds. Every question's words are in every record but its own
+    number, which no record holds yet: each turn's query is one word common to all rows."""
+    database = SQLiteDatabase(tmp_path / f"common-{turns}.db")
+    memory = Memory(SQLiteMemoryStore(database), embedder=HashingEmbedder(64))
+    store = memory.store
+    assert isinstance(store, SQLiteMemoryStore)
+    agent = Agent(
+        ScriptedModel(_policy, keep_calls=0),
+        state=StateStore(SQLStateBackend(database), AgentState),
+        system_prompt="You answer questions from the records.",
+        tools=[lookup],
+        memory=memory,
+    )
+    counted = [0]
+    search = store.keyword_search
+
+    def counting(*args: Any) -> Any:
+        def tick() -> int:
+            counted[0] += 1
+            return 0
+
+        connection = database.connection()
+        connection.set_progress_handler(tick, 10)
+        try:
+            return search(*args)
+        finally:
+            connection.set_progress_handler(None, 0)
+
+    monkeypatch.setattr(store, "keyword_search", counting)
+    for turn in range(turns + 1):
+        counted[0] = 0
+        question = f"Question {turn}: what does record {turn % 7} say?"
+        reply = await agent.handle("s1", "ada", question)
+        assert reply.status == "completed"
+    held = store.count(Scope(tenant_id="default", user_id="ada"))
+    memory.close()
+    database.close()
+    return counted[0], held
+
+
+async def test_a_late_turn_ranks_no_more_rows_of_a_word_every_record_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bound is lowered so that a short session passes it (600 rows on its own).
+    monkeypatch.setattr("keel.stores._sqlite_memory._COMMON_ONLY_ROWS", 30)
+    early, early_records = await _keyword_work_of_turns(tmp_path, 45, monkeypatch)
+    late, late_records = await _keyword_work_of_turns(tmp_path, 150, monkeypatch)
+    assert late_records >= 3 * early_records, (early_records, late_records)
+    # "question", "does", "record", "say" are in every record: the query keeps the rarest
+    # and ranks its newest 30 rows, three times the records later as much as before.
+    assert late <= early * 1.3 + 20, (early, late)

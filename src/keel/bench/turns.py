@@ -103,7 +103,9 @@ def _keel(
     agent = Agent.open(
         postgres_url,
         settings=settings,
-        model=ScriptedModel(policy),
+        # The policy reads the call it is given: no prompt is kept (keeping a thousand turns'
+        # prompts would time the garbage collector's ever longer full passes, not keel).
+        model=ScriptedModel(policy, keep_calls=0),
         system_prompt="You answer questions from the records.",
         tools=[lookup],
         memory=memory,

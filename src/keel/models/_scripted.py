@@ -1,8 +1,9 @@
 """A deterministic model for tests and demos: replies come from a list or a function.
 
 Every call is recorded (messages, tools, options), so a test can assert exactly what the
-runtime sent. A scripted reply may be text, a Message, a Completion, an exception to raise,
-or a function of the call that returns any of those.
+runtime sent; ``keep_calls`` bounds that record to the newest calls for a long run. A scripted
+reply may be text, a Message, a Completion, an exception to raise, or a function of the call
+that returns any of those.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class ScriptedModel(ChatModel):
         stream_chunk_chars: streamed (``astream``), a text reply comes in pieces of this many
             characters, and each tool call's arguments in two pieces.
         stream_delay_s: sleep this long before each streamed piece.
+        keep_calls: how many of the newest calls ``calls`` keeps (None, the default: every
+            one). A long run (a benchmark's thousand turns, a server) keeps a few or none:
+            each kept call holds the whole prompt it was sent, and a heap that only grows
+            makes the garbage collector's full passes, which walk all of it, ever longer.
     """
 
     def __init__(
@@ -81,9 +86,12 @@ class ScriptedModel(ChatModel):
         counter: ChatTokenCounter | None = None,
         stream_chunk_chars: int = 4,
         stream_delay_s: float = 0.0,
+        keep_calls: int | None = None,
     ) -> None:
         if stream_chunk_chars < 1:
             raise UsageError(f"stream_chunk_chars must be >= 1, got {stream_chunk_chars}")
+        if keep_calls is not None and keep_calls < 0:
+            raise UsageError(f"keep_calls must be >= 0 or None, got {keep_calls}")
         counter = counter or counter_for(model, allow_estimate=True)
         super().__init__(f"scripted:{model}", counter.profile, counter)
         self._policy: Callable[[ScriptedCall], ScriptedReply] | None = None
@@ -95,8 +103,19 @@ class ScriptedModel(ChatModel):
         self.delay_s = delay_s
         self.repeat_last = repeat_last
         self.calls: list[ScriptedCall] = []
+        self.keep_calls = keep_calls
         self.stream_chunk_chars = stream_chunk_chars
         self.stream_delay_s = stream_delay_s
+
+    def _record(self, call: ScriptedCall) -> None:
+        """Append ``call`` to ``calls``, dropping the oldest past ``keep_calls``."""
+        calls, keep = self.calls, self.keep_calls
+        if keep is None:
+            calls.append(call)
+        elif keep > 0:
+            calls.append(call)
+            if len(calls) > keep:
+                del calls[: len(calls) - keep]
 
     def _next_reply(self, call: ScriptedCall) -> ScriptedReply:
         if self._policy is not None:
@@ -115,7 +134,7 @@ class ScriptedModel(ChatModel):
     ) -> Completion:
         started = time.perf_counter()
         call = ScriptedCall(tuple(messages), tuple(tools), options)
-        self.calls.append(call)
+        self._record(call)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         reply = self._next_reply(call)

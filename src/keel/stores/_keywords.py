@@ -151,6 +151,11 @@ class TermFrequencies:
         self._counts[key] = (value, total_rows)
         return value
 
+    def known(self, scope: tuple[str, str], term: str) -> int | None:
+        """The count of ``term`` in ``scope`` last counted (however old), or None."""
+        cached = self._counts.get((*scope, term))
+        return None if cached is None else cached[0]
+
     def plan(
         self,
         scope: tuple[str, str],

@@ -271,6 +271,13 @@ def _smallest_positions(distance: npt.NDArray[np.uint16], count: int) -> npt.NDA
 
 # Keyword search ranks at most about this many rows, whatever the table's size.
 _SCORED_DOCUMENTS = 1500
+# A query left with one word in more than half of the scope's rows (every word it has is that
+# common, see ``informative_terms``) ranks only that word's newest rows, this many. BM25 tells
+# such rows apart by length alone (the word's IDF is negative, FTS5 floors it at 1e-6), and
+# ranking them all made a late turn of a long session (``keel bench turns``: every record
+# holds "question") rank every record it had written. 600 is above the most any LoCoMo
+# question ranks (550 rows of a 663-record conversation), so its recall is unchanged.
+_COMMON_ONLY_ROWS = 600
 # A term in more rows than this is dropped as common even when it is in fewer than 1/20 of
 # them (tables over 400k rows). FTS5's bm25() walks every ranked term's whole doclist to count
 # its rows before it scores one: at 1M rows the first-time keyword query p95 was 33 ms with
@@ -339,10 +346,17 @@ def _plan_keyword_query(
         count=count,
         most_common_rows=_MOST_COMMON_ROWS,
     )
-    if small:
-        return _KeywordQuery(_match(plan.terms, scope))
-    match = _match(plan.terms, narrowing)
+    match = _match(plan.terms, scope if small else narrowing)
     if not plan.newest:
+        if len(plan.terms) == 1:
+            counted = frequencies.known(scope_key, plan.terms[0]) or 0
+            common_only = yield from _newest_of_common_only(
+                match, counted > max(scope_rows / 2, listed)
+            )
+            if common_only is not None:
+                return common_only
+        return _KeywordQuery(match)
+    if small:
         return _KeywordQuery(match)
     floors = (
         yield Statement(
@@ -369,6 +383,24 @@ def _plan_keyword_query(
         " AND (rowid >= ? OR rowid IN (SELECT rowid FROM memory_fts WHERE memory_fts MATCH ?))",
         (int(floor[0]), _match(plan.rare, narrowing)),
     )
+
+
+def _newest_of_common_only(match: str, common_only: bool) -> Plan[_KeywordQuery | None]:
+    """The query ranking only the newest `_COMMON_ONLY_ROWS` rows of ``match`` (one word) when
+    it is ``common_only`` (in more than half of the scope's rows, see ``informative_terms``)
+    and has more matches than that; None otherwise (every match is ranked)."""
+    if not common_only:
+        return None
+    oldest = (
+        yield Statement(
+            "SELECT rowid FROM memory_fts WHERE memory_fts MATCH ? ORDER BY rowid DESC "
+            "LIMIT 1 OFFSET ?",
+            (match, _COMMON_ONLY_ROWS - 1),
+        )
+    ).rows
+    if not oldest:
+        return None
+    return _KeywordQuery(match, " AND rowid >= ?", (int(oldest[0][0]),))
 
 
 class SQLiteMemoryStore(SQLMemoryStore):
