@@ -28,9 +28,10 @@ class RetrievalConfig(BaseModel):
     weigh the same in reciprocal-rank fusion, each turn is embedded with the turn before it,
     and a hit is shown with the neighbouring turn on each side. ``rrf_k`` and the recency
     boost were chosen on the LoCoMo dev split (five conversations; see ``keel bench locomo``).
-    The levers after them (``temporal_weight``, ``expansion_*``, ``session_spread``,
-    ``wide_hits``, ``context_hits``) are what ``keel bench locomo --cv``'s procedure picks on
-    all five conversations; its leave-one-conversation-out figure is their honest measure.
+    The levers after them (``temporal_weight``, ``expansion_*``, ``wide_hits``,
+    ``context_hits``) are what ``keel bench locomo --cv``'s procedure picks on all five
+    conversations; its leave-one-conversation-out figure is their honest measure.
+    ``session_spread``, ``spread_after`` and ``context_reach`` are measured there alone, off.
     """
 
     model_config = ConfigDict(frozen=True)
