@@ -38,6 +38,7 @@ def _memory(store: SQLiteMemoryStore, embedder: bool = False, **config: float) -
                 "temporal_weight": 0.0,
                 "wide_hits": 0,
                 "expansion_weight": 0.0,
+                "context_reach": 0,
                 **config,
             }
         ),
@@ -186,3 +187,43 @@ def test_the_best_hits_get_one_more_turn_each_side(store: SQLiteMemoryStore) -> 
         len(hit.records)
         for hit in _memory(store, embedder=True).search("telescope", scope=SCOPE, k=2, now=NOW)
     ] == [3, 2]
+
+
+def test_spread_after_spares_the_best_hits(store: SQLiteMemoryStore) -> None:
+    writer = _memory(store)
+    for turn, text in enumerate(
+        ["hiking trip hiking boots", "hiking trip in the rain", "hiking trip photos"]
+    ):
+        writer.add(text, scope=SCOPE, session_id="s1", turn=turn)
+    writer.add("a hiking weekend", scope=SCOPE, session_id="s2", turn=0)
+
+    def sessions(**config: float) -> list[str | None]:
+        memory = _memory(store, neighbours=0, **config)
+        return [h.record.session_id for h in memory.search("hiking trip", scope=SCOPE, k=3)]
+
+    assert sessions() == ["s1", "s1", "s1"]
+    # Spread from the first pick: the second hit already goes to the other session ...
+    assert sessions(session_spread=0.9) == ["s1", "s2", "s1"]
+    # ... spared for the best two: they are picked by relevance alone, the third spreads.
+    assert sessions(session_spread=0.9, spread_after=2) == ["s1", "s1", "s2"]
+
+
+def test_context_reach_shows_the_well_ranked_turns_near_a_hit(store: SQLiteMemoryStore) -> None:
+    writer = _memory(store)
+    texts = {4: "the telescope arrived today", 7: "the telescope lens", 9: "a telescope stand"}
+    for turn in range(10):
+        writer.add(
+            texts.get(turn, f"small talk number {turn}"), scope=SCOPE, session_id="s1", turn=turn
+        )
+
+    def shown(**config: float) -> list[int | None]:
+        (hit,) = _memory(store, **config).search("telescope arrived", scope=SCOPE, k=1, now=NOW)
+        return [record.turn for record in hit.records]
+
+    assert shown() == [3, 4, 5]
+    # Turn 7 ranks on its own and is within 3 turns: shown. Turn 6 (between) does not rank;
+    # turn 9 ranks but is 5 turns away.
+    assert shown(context_reach=3) == [3, 4, 5, 7]
+    assert shown(context_reach=5) == [3, 4, 5, 7, 9]
+    # Like ``wide_hits`` it widens a context and never creates one.
+    assert shown(context_reach=3, neighbours=0) == [4]

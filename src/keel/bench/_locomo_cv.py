@@ -38,16 +38,7 @@ Setting = tuple[tuple[str, float], ...]
 """Retrieval-config overrides, as sorted ``(field, value)`` pairs (hashable: a cache key)."""
 
 LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
-    "temporal": tuple({"temporal_weight": w} for w in (0.0, 0.5, 1.0, 2.0, 4.0)),
-    "budget": tuple(
-        {"wide_hits": wide, "context_hits": tail} for tail in (0, 7, 5) for wide in (0, 2, 4, 6)
-    ),
-}
-"""The levers kept, each with its grid; the first value of each is off. Budget: how the
-tokens are spread over the ranks: the best ``wide_hits`` hits show one more turn on each side,
-hits after the best ``context_hits`` show none (0: all do); the token limit binds there."""
-
-MEASURED_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
+    "temporal": tuple({"temporal_weight": w} for w in (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)),
     "expansion": (
         {"expansion_weight": 0.0},
         {"expansion_weight": 0.25, "expansion_seeds": 1},
@@ -55,11 +46,31 @@ MEASURED_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
         {"expansion_weight": 0.25, "expansion_seeds": 3},
         {"expansion_weight": 0.5, "expansion_seeds": 3},
     ),
-    "session_spread": tuple({"session_spread": p} for p in (0.0, 0.1, 0.2, 0.35)),
+    "budget": tuple(
+        {"wide_hits": wide, "context_hits": tail} for tail in (0, 7, 5) for wide in (0, 2, 4, 6)
+    ),
 }
-"""Levers measured alone (cross-validated the same way) but not kept: on 2026-12-06 expansion
-gained 0.003 alone and lifts unrelated records in a small store; session spread was never
-chosen on any fold. Off by default."""
+"""The levers kept, each with its grid; the first value of each is off. The dates' grid
+reaches 16 since 4, its old top, was picked in every fold (2026-12-06). Budget: how the
+tokens are spread over the ranks: the best ``wide_hits`` hits show one more turn on each side,
+hits after the best ``context_hits`` show none (0: all do); the token limit binds there."""
+
+MEASURED_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
+    "session_spread": (
+        {"session_spread": 0.0, "spread_after": 0},
+        {"session_spread": 0.2, "spread_after": 0},
+        {"session_spread": 0.35, "spread_after": 0},
+        {"session_spread": 0.5, "spread_after": 6},
+        {"session_spread": 0.9, "spread_after": 6},
+        {"session_spread": 0.9, "spread_after": 8},
+    ),
+    "reach": tuple({"context_reach": r} for r in (0, 2, 3, 4, 6, 8)),
+}
+"""Levers measured alone (cross-validated the same way) but not kept, off by default. Session
+spread (from the first hit, or sparing the best ``spread_after``) was never chosen on any
+fold: it buys session-level recall with turn-level recall and tokens. Reach (turns near a hit
+that rank on their own) alone about matches the budget lever (CV 0.833 against 0.831 on
+2026-12-06, at the same tokens), and the budget lever already spends the tokens."""
 
 PROCEDURE = (
     "leave-one-conversation-out; per fold, coordinate ascent over the levers in the order "

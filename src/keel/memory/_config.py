@@ -28,9 +28,10 @@ class RetrievalConfig(BaseModel):
     weigh the same in reciprocal-rank fusion, each turn is embedded with the turn before it,
     and a hit is shown with the neighbouring turn on each side. ``rrf_k`` and the recency
     boost were chosen on the LoCoMo dev split (five conversations; see ``keel bench locomo``).
-    The levers after them (``temporal_weight``, ``expansion_*``, ``session_spread``,
-    ``wide_hits``, ``context_hits``) are what ``keel bench locomo --cv``'s procedure picks on
-    all five conversations; its leave-one-conversation-out figure is their honest measure.
+    The levers after them (``temporal_weight``, ``expansion_*``, ``wide_hits``,
+    ``context_hits``) are what ``keel bench locomo --cv``'s procedure picks on all five
+    conversations; its leave-one-conversation-out figure is their honest measure.
+    ``session_spread``, ``spread_after`` and ``context_reach`` are measured there alone, off.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -73,14 +74,14 @@ class RetrievalConfig(BaseModel):
         default=30.0, gt=0, description="Age at which the recency boost halves."
     )
     temporal_weight: float = Field(
-        default=4.0,
+        default=8.0,
         ge=0,
         description="Boost for a memory whose time falls in a date or relative time the query "
         "names ('on 7 July, 2023', 'in May', 'last week'): its fused score is multiplied by "
         "1 + this (0 disables).",
     )
     expansion_weight: float = Field(
-        default=0.0,
+        default=0.25,
         ge=0,
         description="Weight of a second keyword search for the names the best hits mention "
         "and the query does not (multi-hop expansion; 0 disables).",
@@ -95,12 +96,26 @@ class RetrievalConfig(BaseModel):
         description="Per hit already picked from the same session, a candidate's relevance is "
         "multiplied by 1 - this: answers that span sessions get hits in each (0 disables).",
     )
+    spread_after: int = Field(
+        default=0,
+        ge=0,
+        description="``session_spread`` spares the best this many hits: they are picked by "
+        "relevance alone, the later ones spread over sessions (0: every hit spreads).",
+    )
     wide_hits: int = Field(
         default=6,
         ge=0,
         description="The best this many hits are shown with one more turn on each side than "
         "``neighbours`` (spends more of the token budget on the likeliest context; nothing "
         "when ``neighbours`` is 0).",
+    )
+    context_reach: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Turns of a hit's session up to this many away are shown with it when "
+        "they rank among the search's best candidates themselves (0: only ``neighbours``; "
+        "like ``wide_hits`` it widens a context, never creates one).",
     )
     context_hits: int = Field(
         default=0,

@@ -209,9 +209,10 @@ class Retriever:
         # MMR picks the k hits from the best ``window`` candidates; only those are read back.
         window = max(k * 4, 40)
         ranked = self._rank(query, scope, filters, now=now, window=window)
+        nearby = ranked[:window] if self.config.context_reach else []
         if not distinct:
-            return self._finish(ranked[:k], scope, k)
-        return self._finish(self._diversify(ranked[:window], scope, keep=k), scope, k)
+            return self._finish(ranked[:k], scope, k, nearby)
+        return self._finish(self._diversify(ranked[:window], scope, keep=k), scope, k, nearby)
 
     def _rank(
         self,
@@ -391,7 +392,11 @@ class Retriever:
         spread = np.ones(count, dtype=np.float64)
         selected: list[int] = []
         while len(selected) < keep and alive.any():
-            values = cfg.mmr_lambda * relevance * spread - (1 - cfg.mmr_lambda) * redundancy
+            spreading = cfg.session_spread > 0 and len(selected) >= cfg.spread_after
+            values = (
+                cfg.mmr_lambda * relevance * (spread if spreading else 1.0)
+                - (1 - cfg.mmr_lambda) * redundancy
+            )
             values[~alive] = -np.inf
             chosen = int(np.argmax(values))
             selected.append(chosen)
@@ -423,13 +428,23 @@ class Retriever:
                 similarity[a, b] = similarity[b, a] = value
         return similarity
 
-    def _finish(self, hits: list[MemoryHit], scope: Scope, k: int) -> list[MemoryHit]:
+    def _finish(
+        self, hits: list[MemoryHit], scope: Scope, k: int, nearby: Sequence[MemoryHit] = ()
+    ) -> list[MemoryHit]:
         """Top ``k`` hits with their neighbouring turns.
 
         A hit that an earlier hit already shows (as a neighbour) still counts as one of the
         ``k`` and extends that earlier block with its own neighbours, so adjacent hits become
-        one contiguous block and no turn is shown twice.
+        one contiguous block and no turn is shown twice. ``nearby``: the search's best
+        candidates; those of a hit's session within ``context_reach`` turns of it join its
+        block (a turn that ranks well on its own is worth showing next to the hit; a turn
+        that does not is left out, so the reach costs few tokens).
         """
+        reach = self.config.context_reach
+        close: dict[str, list[MemoryRecord]] = {}
+        for candidate in nearby:
+            if candidate.record.session_id is not None and candidate.record.turn is not None:
+                close.setdefault(candidate.record.session_id, []).append(candidate.record)
         owner: dict[str, int] = {}
         blocks: list[MemoryHit] = []
         around = self._turns_around(hits[:k], scope)
@@ -444,6 +459,17 @@ class Retriever:
                     for r in around.get(record.session_id, ())
                     if r.turn is not None and first <= r.turn <= last
                 ) or (record,)
+            # Like ``wide_hits``, the reach widens a context and never creates one.
+            if span and reach > span and record.session_id is not None and record.turn is not None:
+                turn_of = record.turn
+                extra = [
+                    r
+                    for r in close.get(record.session_id, ())
+                    if r.turn is not None and span < abs(r.turn - turn_of) <= reach
+                ]
+                if extra:
+                    joined = {r.id: r for r in (*turns, *extra)}
+                    turns = tuple(sorted(joined.values(), key=lambda r: (r.turn or 0, r.id)))
             if record.id in owner:
                 index = owner[record.id]
                 block = blocks[index]
