@@ -210,8 +210,8 @@ class Retriever:
         window = max(k * 4, 40)
         ranked = self._rank(query, scope, filters, now=now, window=window)
         if not distinct:
-            return self._finish(ranked[:k], scope, k)
-        return self._finish(self._diversify(ranked[:window], scope, keep=k), scope, k)
+            return self._finish(ranked[:k], scope, k, filters)
+        return self._finish(self._diversify(ranked[:window], scope, keep=k), scope, k, filters)
 
     def _rank(
         self,
@@ -423,7 +423,9 @@ class Retriever:
                 similarity[a, b] = similarity[b, a] = value
         return similarity
 
-    def _finish(self, hits: list[MemoryHit], scope: Scope, k: int) -> list[MemoryHit]:
+    def _finish(
+        self, hits: list[MemoryHit], scope: Scope, k: int, filters: MemoryFilter
+    ) -> list[MemoryHit]:
         """Top ``k`` hits with their neighbouring turns.
 
         A hit that an earlier hit already shows (as a neighbour) still counts as one of the
@@ -432,7 +434,7 @@ class Retriever:
         """
         owner: dict[str, int] = {}
         blocks: list[MemoryHit] = []
-        around = self._turns_around(hits[:k], scope)
+        around = self._turns_around(hits[:k], scope, filters)
         for position, hit in enumerate(hits[:k]):
             span = self._span(position)
             record = hit.record
@@ -469,8 +471,11 @@ class Retriever:
             return 0
         return cfg.neighbours + (1 if index < cfg.wide_hits else 0)
 
-    def _turns_around(self, hits: list[MemoryHit], scope: Scope) -> dict[str, list[MemoryRecord]]:
-        """Every hit's neighbouring turns, by session, in one read (not one per hit)."""
+    def _turns_around(
+        self, hits: list[MemoryHit], scope: Scope, filters: MemoryFilter
+    ) -> dict[str, list[MemoryRecord]]:
+        """Every hit's neighbouring turns, by session, in one read (not one per hit); none
+        that the asking prompt shows (``filters.shown``)."""
         spans = {
             (hit.record.session_id, hit.record.turn - span, hit.record.turn + span)
             for index, hit in enumerate(hits)
@@ -478,6 +483,8 @@ class Retriever:
             and hit.record.session_id is not None
             and hit.record.turn is not None
         }
+        if filters.shown is not None:
+            spans = {clipped for span in spans if (clipped := filters.shown.clip(*span))}
         around: dict[str, list[MemoryRecord]] = {}
         for found in self.store.turns_around(scope, sorted(spans)) if spans else ():
             around.setdefault(found.session_id or "", []).append(found)
