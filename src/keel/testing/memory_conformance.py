@@ -362,7 +362,7 @@ class MemoryStoreConformance:
             text = f"ledger note {number}"
             kept.add(memory.add(text, scope=ALICE, type="turn", session_id="t", turn=number).id)
         kept.add(memory.add("ledger note of s", scope=ALICE, type="note", session_id="s").id)
-        kept.add(memory.add("ledger note of no session", scope=ALICE, type="note").id)
+        kept.add(memory.add("ledger note of no session", scope=ALICE, type="note", turn=7).id)
         memory.add(
             "ledger entry shelf crate of bob", scope=BOB, type="turn", session_id="s", turn=9
         )
