@@ -363,6 +363,17 @@ class Conversation:
             return bool(self._evictable_count())
         return False
 
+    def window_messages(self) -> Iterator[Message]:
+        """The held messages from the oldest turn of the last compiled prompt's window on
+        (every held message before the first compile), oldest first, with those added since:
+        what the next prompt shows verbatim while its window stays where it was. Lazy: a
+        caller that stops at the first message it needs reads only that far."""
+        turns = self._turns
+        start = max(0, self._window_start_seq - turns[0].seq) if turns else 0
+        for index in range(start, len(turns)):
+            for form in turns[index].raw:
+                yield form.message
+
     def newest_user_index(self) -> int | None:
         """Index in [`turns`][] of the newest user message's turn, or None."""
         if self._last_user_seq is None or not self._turns:

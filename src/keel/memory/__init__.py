@@ -33,6 +33,7 @@ from keel.memory._records import (
     MemoryRecord,
     Provenance,
     Scope,
+    ShownSession,
 )
 from keel.memory._retention import PruneReport, prune_memory
 from keel.memory._specs import embedder_from_settings, embedder_from_spec
@@ -69,6 +70,7 @@ __all__ = [
     "Scope",
     "ScoredId",
     "SentenceTransformerEmbedder",
+    "ShownSession",
     "StaticEmbedder",
     "default_embedder",
     "distill_minilm",

@@ -16,6 +16,7 @@ __all__ = [
     "MemoryRecord",
     "Provenance",
     "Scope",
+    "ShownSession",
     "content_hash",
     "mask_text",
     "utcnow",
@@ -152,6 +153,36 @@ def reopened(record: MemoryRecord) -> MemoryRecord:
     return record.model_copy(update={"content_hash": unique})
 
 
+class ShownSession(BaseModel):
+    """What a prompt already shows of one session, for a search to leave out: its turns from
+    ``first_turn`` on (verbatim in the prompt's window) and its running summary (the record
+    under ``summary_key``). The session's earlier turns, its other records and every other
+    session's records stay searchable. A search with it leaves these records out of its
+    candidates, and out of the neighbouring turns it shows with a hit, so its ``k`` hits are
+    all records the prompt does not show.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    session_id: str = Field(description="The session the prompt shows.")
+    first_turn: int | None = Field(
+        default=None,
+        description="The session's first turn in the prompt's window: records of this turn "
+        "and later ones are left out (None: no turn is).",
+    )
+    summary_key: str | None = Field(
+        default=None, description="The key of the session's summary record, left out too."
+    )
+
+    def clip(self, session_id: str, first: int, last: int) -> tuple[str, int, int] | None:
+        """The part of a span of ``session_id``'s turns (``first`` to ``last``, both
+        included) the prompt does not show; None when it shows all of it."""
+        if session_id != self.session_id or self.first_turn is None:
+            return session_id, first, last
+        last = min(last, self.first_turn - 1)
+        return (session_id, first, last) if first <= last else None
+
+
 class MemoryFilter(BaseModel):
     """Optional narrowing of a search or listing; the scope is always applied on top."""
 
@@ -173,6 +204,10 @@ class MemoryFilter(BaseModel):
         default=None,
         description="Only records whose key starts with this text, compared character by "
         "character (no character is a wildcard).",
+    )
+    shown: ShownSession | None = Field(
+        default=None,
+        description="What the asking prompt already shows of its own session, left out.",
     )
     include_expired: bool = Field(default=False, description="Also return expired records.")
     alive_at: datetime | None = Field(

@@ -211,8 +211,9 @@ class Retriever:
         ranked = self._rank(query, scope, filters, now=now, window=window)
         nearby = ranked[:window] if self.config.context_reach else []
         if not distinct:
-            return self._finish(ranked[:k], scope, k, nearby)
-        return self._finish(self._diversify(ranked[:window], scope, keep=k), scope, k, nearby)
+            return self._finish(ranked[:k], scope, k, filters, nearby)
+        diverse = self._diversify(ranked[:window], scope, keep=k)
+        return self._finish(diverse, scope, k, filters, nearby)
 
     def _rank(
         self,
@@ -429,7 +430,12 @@ class Retriever:
         return similarity
 
     def _finish(
-        self, hits: list[MemoryHit], scope: Scope, k: int, nearby: Sequence[MemoryHit] = ()
+        self,
+        hits: list[MemoryHit],
+        scope: Scope,
+        k: int,
+        filters: MemoryFilter,
+        nearby: Sequence[MemoryHit] = (),
     ) -> list[MemoryHit]:
         """Top ``k`` hits with their neighbouring turns.
 
@@ -447,7 +453,7 @@ class Retriever:
                 close.setdefault(candidate.record.session_id, []).append(candidate.record)
         owner: dict[str, int] = {}
         blocks: list[MemoryHit] = []
-        around = self._turns_around(hits[:k], scope)
+        around = self._turns_around(hits[:k], scope, filters)
         for position, hit in enumerate(hits[:k]):
             span = self._span(position)
             record = hit.record
@@ -495,8 +501,11 @@ class Retriever:
             return 0
         return cfg.neighbours + (1 if index < cfg.wide_hits else 0)
 
-    def _turns_around(self, hits: list[MemoryHit], scope: Scope) -> dict[str, list[MemoryRecord]]:
-        """Every hit's neighbouring turns, by session, in one read (not one per hit)."""
+    def _turns_around(
+        self, hits: list[MemoryHit], scope: Scope, filters: MemoryFilter
+    ) -> dict[str, list[MemoryRecord]]:
+        """Every hit's neighbouring turns, by session, in one read (not one per hit); none
+        that the asking prompt shows (``filters.shown``)."""
         spans = {
             (hit.record.session_id, hit.record.turn - span, hit.record.turn + span)
             for index, hit in enumerate(hits)
@@ -504,6 +513,8 @@ class Retriever:
             and hit.record.session_id is not None
             and hit.record.turn is not None
         }
+        if filters.shown is not None:
+            spans = {clipped for span in spans if (clipped := filters.shown.clip(*span))}
         around: dict[str, list[MemoryRecord]] = {}
         for found in self.store.turns_around(scope, sorted(spans)) if spans else ():
             around.setdefault(found.session_id or "", []).append(found)

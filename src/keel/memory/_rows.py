@@ -177,10 +177,31 @@ def filter_sql(filters: Any, placeholder: str, prefix: str = "") -> tuple[str, l
         # An equality on the key's first characters, not LIKE: '%' and '_' are just text.
         conditions.append(f"substr({prefix}key, 1, CAST({p} AS INTEGER)) = {p}")
         params.extend((len(filters.key_prefix), filters.key_prefix))
+    if filters.shown is not None and (kept := _not_shown(filters.shown, p, prefix, params)):
+        conditions.append(kept)
     if not filters.include_expired:
         conditions.append(f"({prefix}expires_at IS NULL OR {prefix}expires_at > {p})")
         params.append(to_epoch(filters.alive_at or datetime.now(UTC)))
     return " AND ".join(conditions), params
+
+
+def _not_shown(shown: Any, p: str, prefix: str, params: list[Any]) -> str | None:
+    """The condition that keeps the records a prompt does not show (a `ShownSession`): those
+    of another session or of none, and those of the shown session before its first shown turn
+    (or of no turn) that are not its summary; None when it shows nothing. Every NULL is tested
+    for, so none makes the condition NULL and drops a record it should keep."""
+    own: list[str] = []
+    values: list[Any] = [shown.session_id]
+    if shown.first_turn is not None:
+        own.append(f"({prefix}turn IS NULL OR {prefix}turn < {p})")
+        values.append(shown.first_turn)
+    if shown.summary_key is not None:
+        own.append(f"({prefix}key IS NULL OR {prefix}key <> {p})")
+        values.append(shown.summary_key)
+    if not own:
+        return None
+    params.extend(values)
+    return f"({prefix}session_id IS NULL OR {prefix}session_id <> {p} OR {' AND '.join(own)})"
 
 
 def is_selective(filters: Any) -> bool:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from keel._bridge import run_blocking
 from keel.context import ContextMemory, runtime_note
 from keel.errors import ConflictError, KeelError, StoreError
-from keel.memory import Memory, Provenance, Scope
+from keel.memory import Memory, MemoryFilter, Provenance, Scope, ShownSession
+from keel.memory._retrieval import RUN_TYPE
 from keel.messages import Message, ToolCall
 from keel.privacy import Vault, storable
 from keel.runtime._approvals import ESCALATED_NOTE, ApprovalHold, pending_view
@@ -218,6 +219,21 @@ class TurnWriter:
         next turn starts from, without reading the store again (its messages are the log's,
         not copied: read them, never change them)."""
         return self.state, self.version
+
+    @property
+    def shown(self) -> ShownSession:
+        """What the turn's prompt shows of its session that memory holds too, for its recall
+        to leave out: the running summary (archived under the session's key), and the turns
+        from the first whose user message is in the window on (the window as the session's
+        last prompt had it: this turn's is compiled after its recall). A turn whose message
+        the window lost keeps its records searchable, its reply too."""
+        first = None
+        for message in self.log.conversation.window_messages():
+            if is_user_turn(message) and isinstance(turn := message.metadata.get("turn"), int):
+                first = turn
+                break
+        summary = f"{SUMMARY_KEY_PREFIX}{self.session_id}"
+        return ShownSession(session_id=self.session_id, first_turn=first, summary_key=summary)
 
     def _checkpointed_effects(self) -> list[tuple[ToolCall, Message]]:
         """A resumed turn's side-effecting calls that a process before this one ran and
@@ -748,12 +764,19 @@ class MemoryHandOff:
     def _scope(self, user_id: str) -> Scope:
         return Scope(tenant_id=self.tenant_id, user_id=user_id)
 
-    async def recall(self, user_id: str, query: str) -> list[ContextMemory]:
-        """The memories for ``query``, within the budget."""
+    async def recall(
+        self, user_id: str, query: str, shown: ShownSession | None = None
+    ) -> list[ContextMemory]:
+        """The memories for ``query``, within the budget; none of those ``shown`` (what the
+        prompt already holds of its session: its summary, the turns in its window), which
+        would spend the budget on copies."""
         if not query.strip() or self.budget_tokens <= 0:
             return []
         packed = await self.memory.aretrieve(
-            query, scope=self._scope(user_id), budget_tokens=self.budget_tokens
+            query,
+            scope=self._scope(user_id),
+            budget_tokens=self.budget_tokens,
+            filters=MemoryFilter(exclude_types=(RUN_TYPE,), shown=shown),
         )
         return [
             ContextMemory(text=item.text, score=item.score, id=",".join(item.record_ids))

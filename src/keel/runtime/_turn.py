@@ -200,7 +200,7 @@ class TurnRunner:
         try:
             if deps.memory is not None:
                 query = writer.user_message.content
-                self.prompt.memories = await deps.memory.recall(self.user_id, query)
+                self.prompt.memories = await deps.memory.recall(self.user_id, query, writer.shown)
             tools = self._tool_step()
             if self.resume and writer.state.runtime.awaiting:
                 await self._settle(tools.hold)  # a parked turn goes on: its decisions first

@@ -526,10 +526,17 @@ class SQLiteMemoryStore(SQLMemoryStore):
             scores = row_dots(index.matrix[positions], query)
             order = np.argsort(-scores)[:limit]
             return [ScoredId(index.ids[int(positions[o])], float(scores[o])) for o in order]
-        positions, scores = index.nearest(query, limit * 2 + 20)
-        ids = index.ids
-        nearest = [(ids[p], s) for p, s in zip(positions.tolist(), scores.tolist(), strict=True)]
-        return [ScoredId(i, s) for i, s in self._alive_first(scope, filters, nearest, limit)]
+        want = limit * 2 + 20
+        while True:
+            positions, scores = index.nearest(query, want)
+            ids = index.ids
+            pairs = zip(positions.tolist(), scores.tolist(), strict=True)
+            kept = self._alive_first(scope, filters, [(ids[p], s) for p, s in pairs], limit)
+            # The filters left fewer than ``limit`` of the nearest (a prompt's own session
+            # left out, say) and there are more rows: the next nearest are read too.
+            if len(kept) >= limit or want >= index.size:
+                return [ScoredId(i, s) for i, s in kept]
+            want *= 4
 
     def _alive_first(
         self,

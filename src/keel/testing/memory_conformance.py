@@ -14,7 +14,8 @@ class TestMyStore(MemoryStoreConformance):
 
 The suite checks round trips, idempotent adds, facts superseded over time (and changed back to an
 earlier value, as a new interval), the outbox, its count and its replay after a crash, keyword
-search (BM25-like: rare words outweigh common ones) and vector search, filters, deletion,
+search (BM25-like: rare words outweigh common ones) and vector search, filters (what a prompt
+shows of its session left out in the query: searches still fill their limit), deletion,
 re-embedding, tenant isolation against crafted queries, and write isolation: a write for one
 (tenant, user) never touches another's records, neither when it supersedes a fact with the same
 key, nor when it forgets a record by id, nor when a re-embed rewrites every vector. The other
@@ -30,7 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from keel.memory import HashingEmbedder, Memory, MemoryFilter, MemoryStore, Scope
+from keel.memory import HashingEmbedder, Memory, MemoryFilter, MemoryStore, Scope, ShownSession
 
 __all__ = ["MemoryStoreConformance", "StoreFactory"]
 
@@ -335,6 +336,62 @@ class MemoryStoreConformance:
         assert turn.id not in {
             h.record_id for h in memory.store.keyword_search(ALICE, ["boots"], no_turns, 10)
         }
+        memory.close()
+
+    def test_a_shown_session_is_left_out_in_the_query_not_after_it(
+        self, make_store: StoreFactory
+    ) -> None:
+        # What a prompt shows of its session (turns 3 on, its summary) is never a candidate,
+        # nor a neighbour of a hit: every search still fills its limit from the rest, even
+        # when the shown records are the nearest ones by far. Everything else stays: the
+        # session's earlier turns and its other records, another session's turns and summary
+        # (the same turn numbers), records of no session.
+        memory = _memory(make_store())
+        store = memory.store
+        kept: set[str] = set()
+        shown_ids: set[str] = set()
+        for number in range(1, 41):
+            text = f"ledger entry shelf crate {number}"
+            record = memory.add(text, scope=ALICE, type="turn", session_id="s", turn=number)
+            (shown_ids if number >= 3 else kept).add(record.id)
+        for session, text in (("s", "ledger shelf summary"), ("t", "ledger shelf summary of t")):
+            key = f"summary:{session}"
+            record = memory.add(text, scope=ALICE, type="summary", session_id=session, key=key)
+            (shown_ids if session == "s" else kept).add(record.id)
+        for number in range(1, 6):
+            text = f"ledger note {number}"
+            kept.add(memory.add(text, scope=ALICE, type="turn", session_id="t", turn=number).id)
+        kept.add(memory.add("ledger note of s", scope=ALICE, type="note", session_id="s").id)
+        kept.add(memory.add("ledger note of no session", scope=ALICE, type="note", turn=7).id)
+        memory.add(
+            "ledger entry shelf crate of bob", scope=BOB, type="turn", session_id="s", turn=9
+        )
+        memory.flush()
+        shown = ShownSession(session_id="s", first_turn=3, summary_key="summary:s")
+        filters = MemoryFilter(shown=shown)
+        everything = kept | shown_ids
+        assert {r.id for r in store.list_records(ALICE, filters, limit=100)} == kept
+        assert {r.id for r in store.fetch(ALICE, sorted(everything), filters)} == kept
+        keyword = store.keyword_search(ALICE, ["ledger"], filters, 100)
+        assert {h.record_id for h in keyword} == kept
+        vector = memory.embedder.embed_one("ledger entry shelf crate")  # type: ignore[union-attr]
+        model = "keel-hashing-64"
+        assert {h.record_id for h in store.vector_search(ALICE, vector, model, filters, 100)} == (
+            kept
+        )
+        # The 38 shown turns are about the nearest 30 (a search for 5 reads the nearest 30 at
+        # first, on SQLite), fewer than 5 of those are kept: a search for 5 still finds 5.
+        nearest = store.vector_search(ALICE, vector, model, MemoryFilter(), 30)
+        assert len({h.record_id for h in nearest} & kept) < 5
+        five = store.vector_search(ALICE, vector, model, filters, 5)
+        assert len(five) == 5 and {h.record_id for h in five} <= kept
+        # Neighbours of a hit just before the shown turns stop where they start.
+        hits = memory.search("ledger entry shelf crate 2", scope=ALICE, k=3, filters=filters)
+        assert hits and all(r.id in kept for hit in hits for r in hit.records)
+        assert any(r.turn == 2 and r.session_id == "s" for hit in hits for r in hit.records)
+        # A session that shows nothing of itself in memory leaves nothing out.
+        nothing = MemoryFilter(shown=ShownSession(session_id="s"))
+        assert {r.id for r in store.list_records(ALICE, nothing, limit=100)} == everything
         memory.close()
 
     def test_session_turns_in_order(self, make_store: StoreFactory) -> None:
