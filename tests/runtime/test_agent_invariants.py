@@ -501,7 +501,7 @@ async def test_the_time_limit_covers_memory_retrieval_and_commit(
     agent = sqlite_agent(database, model, guards=GuardConfig(run_timeout_s=1.0, model_timeout_s=5))
 
     class SlowMemories:
-        async def recall(self, user_id: str, query: str) -> list[object]:
+        async def recall(self, user_id: str, query: str, shown: object) -> list[object]:
             await asyncio.sleep(0.8)
             return []
 

@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from keel.memory import Scope
 from keel.messages import Message
 from keel.runtime import Agent
 from keel.settings import load_settings
@@ -56,6 +57,18 @@ async def _lookups_per_turn(directory: Path, turns: int) -> tuple[list[int], int
     )
     counts: list[int] = []
     try:
+        assert agent.memory is not None
+        # What the user's earlier sessions left, one record per item: a turn's recall leaves
+        # out its own session's turns while they are in the window, so the block each prompt
+        # carries comes from here and changes with the turn's item.
+        scope = Scope(tenant_id=agent.tenant_id, user_id="u1")
+        for item in range(turns):
+            await agent.memory.aadd(
+                f"The records say item {item} is on shelf {item % 7}.",
+                scope=scope,
+                session_id="earlier",
+            )
+        await agent.memory.aflush()
         for turn in range(turns):
             _CountedLookups.looked_up = 0
             reply = await agent.handle("long", "u1", f"what do the records say about item {turn}?")
