@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from keel.errors import ConfigError, StoreError, UsageError
-from keel.memory import Scope
+from keel.memory import HashingEmbedder, Scope
 from keel.privacy import MaskingPolicy, PIIMasker
 from keel.runtime import Agent
 from keel.settings import load_settings
-from keel.stores import STORE_NAMES, Backends, RedisStateBackend, SQLiteDatabase
+from keel.state import AgentState
+from keel.stores import STORE_NAMES, Backends, MemoryOptions, RedisStateBackend, SQLiteDatabase
 from keel.testing import ScriptedModel
 
 
@@ -143,3 +144,53 @@ def test_agents_on_the_stores_mask_with_their_privacy_policy(tmp_path: Path) -> 
         assert run.input is not None
         assert "bob@example.com" not in run.input and "+1 415 555 0100" in run.input
         assert agent.memory is not None and agent.memory.masker is emails_only
+
+
+def test_memory_options_give_memory_its_own_embedder(tmp_path: Path) -> None:
+    embedder = HashingEmbedder(16)
+    options = MemoryOptions(embedder=embedder)
+    with Backends.open(
+        load_settings(data_dir=tmp_path), only=("memory",), vault=False, memory=options
+    ) as backends:
+        assert backends.memory is not None and backends.memory.embedder is embedder
+        assert backends.vault is None
+    with Backends.open(load_settings(data_dir=tmp_path), only=("memory",), vault=False) as other:
+        assert other.memory is not None and other.memory.embedder.name == "keel-hashing-64"
+
+
+def test_the_vault_store_counts_a_vault_opened_without_its_key(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path)
+    with Backends.open(settings, memory=False) as sealed:
+        assert sealed.vault is not None
+        sealed.vault.user("t", "u").placeholder("EMAIL", "bob@example.com")
+        assert sealed.vault_store is sealed.vault.store
+    with Backends.open(settings, memory=False, vault=False) as keyless:
+        assert keyless.vault is None
+        counts = keyless.vault_store.counts()
+        assert (counts.users, counts.values) == (1, 1)
+        assert keyless.vault_store is keyless.vault_store  # built once
+
+
+def test_the_memory_store_is_built_only_where_memory_has_tables(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path)
+    with Backends.open(settings, memory=False) as without:
+        assert without.memory_store is None
+    assert not any("memor" in name for name in _tables(tmp_path / "keel.db"))
+    with Backends.open(settings) as with_memory:
+        assert with_memory.memory is not None
+        assert with_memory.memory_store is with_memory.memory.store
+    with Backends.open(settings, memory=False) as after:
+        store = after.memory_store
+        assert store is not None and store.count() == 0
+
+
+def test_the_state_prefix_is_the_redis_key_prefix(tmp_path: Path, redis_url: str) -> None:
+    import redis
+
+    settings = load_settings(data_dir=tmp_path)
+    with Backends.open(redis_url, settings=settings, only=("state",), state_prefix="app") as opened:
+        opened.state.create("t/s1", AgentState())
+    keys = {key.decode() for key in redis.Redis.from_url(redis_url).scan_iter()}
+    assert keys and all(key.startswith("app:") for key in keys), keys
+    with pytest.raises(UsageError, match="state_prefix"):
+        Backends.open(settings, memory=False, state_prefix="app")

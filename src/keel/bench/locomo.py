@@ -43,10 +43,10 @@ from keel.bench._locomo_cv import (
     setting_of,
 )
 from keel.bench._stats import nearest_rank
+from keel.bench.memory import memory_backends
 from keel.errors import ConfigError
 from keel.memory import Embedder, Memory, MemoryHit, MemoryStore, RetrievalConfig, Scope
 from keel.memory._embedders import FloatArray
-from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 from keel.tokens import counter_for
 
 __all__ = ["CATEGORY_NAMES", "load_locomo", "parse_session_date", "repair_evidence", "run_locomo"]
@@ -332,8 +332,10 @@ def run_locomo(
 ) -> dict[str, Any]:
     """Run the benchmark on a LoCoMo-format file; returns the JSON-able report.
 
-    ``store`` makes the (empty) store to fill; a fresh SQLite database by default. ``cv``
-    adds leave-one-conversation-out cross-validation of the retrieval levers
+    ``store`` makes the (empty) store to fill; by default memory's store on a fresh SQLite
+    database, opened as keel opens it
+    ([`memory_backends`][keel.bench.memory.memory_backends]). ``cv`` adds
+    leave-one-conversation-out cross-validation of the retrieval levers
     (``cv_recall_at_10_mean``, ``cv_recall_at_10_spread``, ``cv_folds`` and ``cv``; see
     [`keel.bench._locomo_cv`][]), their constants chosen within ``max_tokens``.
     """
@@ -347,9 +349,13 @@ def run_locomo(
         1 for c in conversations for q in c["qa"] if q.get("category") in CATEGORY_NAMES
     )
     run = _LocomoRun(systems, counter, questions_total, progress)
-    with tempfile.TemporaryDirectory(prefix="keel-locomo-") as tmp:
-        db = SQLiteDatabase(Path(tmp) / "locomo.db")
-        memory_store = SQLiteMemoryStore(db) if store is None else store()
+    with (
+        tempfile.TemporaryDirectory(prefix="keel-locomo-") as tmp,
+        memory_backends(f"sqlite:///{Path(tmp) / 'locomo.db'}", embedder) as backends,
+    ):
+        opened = backends.memory
+        assert opened is not None
+        memory_store = opened.store if store is None else store()
         memories = {
             name: Memory(memory_store, embedder=embedder, config=cfg, token_model=token_model)
             for name, cfg in systems.items()
@@ -361,8 +367,8 @@ def run_locomo(
             if cv
             else None
         )
-        memory_store.close()
-        db.close()
+        if store is not None:
+            memory_store.close()  # the default store closes with its backends
     report = run.report()
     report["conversations"] = len(conversations)
     report["turns"] = run.turns_total

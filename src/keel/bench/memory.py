@@ -27,7 +27,8 @@ import numpy as np
 
 from keel.bench._stats import nearest_rank
 from keel.memory import Embedder, Memory, MemoryFilter, MemoryStore, Scope
-from keel.stores import PostgresMemoryStore, SQLiteDatabase, SQLiteMemoryStore
+from keel.settings import Settings, load_settings
+from keel.stores import Backends, MemoryOptions, PostgresMemoryStore
 from keel.stores._sql_plan import Plan, Statement
 
 __all__ = ["run_memory_bench", "synthetic_corpus"]
@@ -264,16 +265,13 @@ def _hnsw_recall(
     (over the 32-bit vectors, index scans off), over ``vectors``."""
     if not isinstance(store, PostgresMemoryStore):
         return {}
-    # Without HNSW the store orders by the stored 32-bit vectors' own distance (a halfvec
-    # index's store would order by its 16-bit copies).
-    exact = PostgresMemoryStore(store.db, hnsw=False)
     recalls = []
     for number, vector in enumerate(vectors):
         query = np.asarray(vector, dtype=np.float32).reshape(-1)
         found = {
             hit.record_id for hit in store.vector_search(_SCOPE, query, model, MemoryFilter(), 10)
         }
-        sql, params = exact._vector_search_sql(_SCOPE, query, model, MemoryFilter(), 10)
+        sql, params = store._vector_search_sql(_SCOPE, query, model, MemoryFilter(), 10, exact=True)
         truth = {str(row[0]) for row in store.db.run(partial(_exactly, Statement(sql, params)))}
         recalls.append(len(found & truth) / max(len(truth), 1))
         if progress is not None:
@@ -288,6 +286,28 @@ def _exactly(search: Statement) -> Plan[list[Any]]:
     """``search``'s rows with index scans off: the vector search ranks every row exactly."""
     yield Statement("SET LOCAL enable_indexscan = off")
     return (yield search).rows
+
+
+def memory_backends(
+    url: str,
+    embedder: Embedder,
+    *,
+    settings: Settings | None = None,
+    hnsw: bool = True,
+    halfvec: bool = False,
+) -> Backends:
+    """Memory alone on the database ``url``, opened as keel opens it ([`Backends.open`][]),
+    for a bench: ``embedder``'s vectors, no vault, records embedded on ``flush`` only (the
+    bench times the indexing), PostgreSQL's vector index as ``hnsw`` and ``halfvec`` say."""
+    return Backends.open(
+        url,
+        settings=settings or load_settings(),
+        only=("memory",),
+        memory=MemoryOptions(embedder=embedder, hnsw=hnsw, halfvec=halfvec),
+        vault=False,
+        background=False,
+        redis_url="",
+    )
 
 
 def _peak_rss_bytes() -> int | None:
@@ -333,16 +353,17 @@ def run_memory_bench(
     embedder.embed(texts[:64])
     report: dict[str, Any] = {"embedding_model": embedder.name, "bulk": bulk}
     if sqlite:
-        with tempfile.TemporaryDirectory(prefix="keel-membench-") as tmp:
-            db = SQLiteDatabase(Path(tmp) / "memory.db")
-            memory = Memory(SQLiteMemoryStore(db), embedder=embedder)
+        with (
+            tempfile.TemporaryDirectory(prefix="keel-membench-") as tmp,
+            memory_backends(f"sqlite:///{Path(tmp) / 'memory.db'}", embedder) as backends,
+        ):
+            memory = backends.memory
+            assert memory is not None
             figures = _measure(memory, texts, queries, progress, batch, bulk=bulk, raw=not bulk)
             figures.update(_search_latency(memory, queries, progress))
             figures.update(_sqlite_sizes(Path(tmp), len(texts)))
             figures["peak_rss_bytes"] = _peak_rss_bytes()
             report["sqlite"] = figures
-            memory.close()
-            db.close()
     if postgres_store is not None:
         count = postgres_records or records
         pg_texts, pg_queries = synthetic_corpus(count) if count != records else (texts, queries)

@@ -31,7 +31,6 @@ from keel.errors import ConflictError, UsageError
 from keel.messages import Message
 from keel.settings import load_settings
 from keel.state import StateBackend, StateStore
-from keel.stores import RedisStateBackend
 from keel.testing._state_models import ConversationState, CounterState
 from keel.testing._state_worker import state_backend_at
 from keel.testing.servers import postgres_server, redis_server
@@ -253,8 +252,8 @@ def _backend_runs(
         runs.append(
             _BackendRun(
                 "redis",
-                # Its own key prefix, which the opener does not take: the bench resets it.
-                lambda: RedisStateBackend(rurl, prefix="keel:bench"),
+                # Its own key prefix: the bench resets it, and nothing else of the Redis.
+                lambda: state_backend_at(rurl, redis_prefix="keel:bench"),
                 before=lambda: _reset_redis(rurl),
                 after=lambda: _reset_redis(rurl),
             )

@@ -22,7 +22,7 @@ from keel.cli._app import (
 from keel.cli._database import DatabaseOption
 
 if TYPE_CHECKING:
-    from keel.memory import Memory
+    from keel.memory import Embedder, Memory, MemoryStore
 
 memory_app = typer.Typer(help="Long-term memory: status and maintenance.", no_args_is_help=True)
 app.add_typer(memory_app, name="memory")
@@ -124,9 +124,7 @@ def prune_command(
     else:
         # Deleting needs no embedder and no vault: the memory store alone, on the database.
         with Backends.open(settings, redis_url="", memory=False, vault=False, only=()) as opened:
-            from keel.stores._erasure import memory_store_on
-
-            store = memory_store_on(opened.sql)
+            store = opened.memory_store
             report = prune_memory(store, policies, tenant_id=tenant) if store else None
         removed = {} if report is None else report.removed
         report_total = 0 if report is None else report.total
@@ -171,6 +169,22 @@ def reembed_command(
         )
         return
     out_console.print(f"re-embedded {done} records with {after.configured}")
+
+
+def _memory_store_on(
+    stack: ExitStack, url: str, embedder: Embedder, *, hnsw: bool = True, halfvec: bool = False
+) -> MemoryStore:
+    """Memory's store on the bench's database ``url``, opened as keel opens it (closed by
+    ``stack``), on a pool of 8 connections."""
+    from keel.bench.memory import memory_backends
+    from keel.settings import load_settings
+
+    settings = load_settings().model_copy(update={"postgres_pool_size": 8})
+    backends = stack.enter_context(
+        memory_backends(url, embedder, settings=settings, hnsw=hnsw, halfvec=halfvec)
+    )
+    assert backends.memory is not None
+    return backends.memory.store
 
 
 def _fresh_postgres(stack: ExitStack, settings: dict[str, str] | None = None) -> str:
@@ -221,12 +235,8 @@ def bench_locomo_command(
     with ExitStack() as stack, _stage_progress("LoCoMo") as report:
         factory = None
         if postgres:
-            from keel.stores import PostgresDatabase, PostgresMemoryStore
-
-            database = stack.enter_context(
-                PostgresDatabase(_fresh_postgres(stack), max_size=8, timeout=10)
-            )
-            factory = lambda: PostgresMemoryStore(database)  # noqa: E731
+            url = _fresh_postgres(stack)
+            factory = lambda: _memory_store_on(stack, url, embedder)  # noqa: E731
         result = run_locomo(data, embedder=embedder, progress=report, store=factory, cv=cv)
     emit_or_show(result, as_json, _print_locomo)
 
@@ -359,11 +369,14 @@ def bench_memory_command(
             "shared_buffers": postgres_shared_buffers,
             "maintenance_work_mem": maintenance_work_mem,
         }
-        on_postgres = _on_fresh_postgres(stack, server_settings, halfvec) if postgres else {}
+        embedder = embedder_from_spec(embedder_spec, load_settings())
+        on_postgres = (
+            _on_fresh_postgres(stack, server_settings, embedder, halfvec) if postgres else {}
+        )
         with _stage_progress("memory") as report:
             result = run_memory_bench(
                 records,
-                embedder=embedder_from_spec(embedder_spec, load_settings()),
+                embedder=embedder,
                 postgres_records=postgres_records,
                 progress=report,
                 sqlite=sqlite,
@@ -378,16 +391,16 @@ def bench_memory_command(
 
 
 def _on_fresh_postgres(
-    stack: ExitStack, settings: dict[str, str], halfvec: bool = False
+    stack: ExitStack, settings: dict[str, str], embedder: Embedder, halfvec: bool = False
 ) -> dict[str, Any]:
     """``run_memory_bench``'s PostgreSQL arguments, on a server started with ``settings``: its
     store, the VACUUM ANALYZE after ingestion, and the server's CPU reading."""
     from keel.bench.memory import postgres_server_cpu
-    from keel.stores import PostgresDatabase, PostgresMemoryStore
 
     url = _fresh_postgres(stack, settings)
-    database = stack.enter_context(PostgresDatabase(url, max_size=8, timeout=10))
-    factory = lambda hnsw: PostgresMemoryStore(database, hnsw=hnsw, halfvec=halfvec)  # noqa: E731
+
+    def factory(hnsw: bool) -> MemoryStore:
+        return _memory_store_on(stack, url, embedder, hnsw=hnsw, halfvec=halfvec)
 
     def vacuum() -> None:
         import psycopg

@@ -275,15 +275,7 @@ def status_command(database: DatabaseOption = None, as_json: JsonOption = False)
 
 
 def _counts(backends: Backends) -> VaultCounts:
-    from keel.stores import SQLiteDatabase
-    from keel.stores._sql_vault import SQLVaultStore
-    from keel.stores._sqlite_vault import SQLiteVaultStore
-
-    store = backends.vault.store if backends.vault is not None else None
-    if not isinstance(store, SQLVaultStore):
-        sql = backends.sql
-        store = SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)
-    return store.counts()
+    return backends.vault_store.counts()
 
 
 def _show_status(payload: dict[str, Any]) -> None:
@@ -328,11 +320,11 @@ def erase_user_command(
     vault's values, leaving placeholders.)"""
     from keel.cli._database import database_settings
     from keel.stores import Backends, erase_user
-    from keel.stores._erasure import table_names
+    from keel.stores._sql_plan import table_names
 
     settings = database_settings(database)
-    # No vault key and no embedder are needed to delete rows: both stores are built on the
-    # database by the erasure itself.
+    # No vault key and no embedder are needed to delete rows: the backends build both stores
+    # on the database for the erasure (Backends.vault_store, Backends.memory_store).
     with Backends.open(settings, memory=False, vault=False) as backends:
         extra = {}
         if "keel_api_keys" in table_names(backends.sql):

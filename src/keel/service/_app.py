@@ -66,9 +66,18 @@ def _lifespan(
     on_shutdown: Callable[[], Awaitable[None]] | None,
     carrier: DecisionCarrier | None = None,
     pruner: MemoryPruner | None = None,
+    on_startup: Callable[[], Awaitable[None]] | None = None,
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if on_startup is not None:
+            try:
+                await on_startup()
+            except BaseException:
+                # Start-up fails (nothing is served): what was opened is closed first.
+                if on_shutdown is not None:
+                    await on_shutdown()
+                raise
         if ready is not None:
             # Open the stores' connections before traffic comes; a store that is down now
             # is reported by /ready rather than stopping the server.
@@ -94,6 +103,7 @@ def create_app(
     body_timeout_s: float = 30.0,
     key_cache_s: float = 30.0,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    on_startup: Callable[[], Awaitable[None]] | None = None,
     metrics_token: str | None = None,
     tenants: Callable[[], Iterable[str]] | None = None,
     rate_limiter: RateLimiter | None = None,
@@ -119,7 +129,10 @@ def create_app(
         body_timeout_s: a body that has not arrived whole within this time gets 408.
         key_cache_s: how long a verified key is trusted without a look-up (a revoked key
             stops working within this time).
-        on_shutdown: awaited when the server stops (close the agents' stores there).
+        on_shutdown: awaited when the server stops (close the agents' stores there), or
+            when ``on_startup`` fails.
+        on_startup: awaited once before the server takes traffic (start the agents' MCP
+            servers there); what it raises fails the start-up.
         metrics_token: the operator's token for ``/metrics`` (Prometheus text format); the
             metrics name tenants, so without a token the route does not exist.
         tenants: the tenants whose agents exist (their death-spiral indicators are exported).
@@ -154,7 +167,7 @@ def create_app(
     )
 
     app = FastAPI(
-        lifespan=_lifespan(ready, on_shutdown, carrier, pruner),
+        lifespan=_lifespan(ready, on_shutdown, carrier, pruner, on_startup),
         title="keel",
         description="An agent runtime: sessions, turns (JSON or server-sent events), runs.",
         version="1",

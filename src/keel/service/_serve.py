@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer
@@ -28,11 +29,10 @@ from keel.service._pruning import service_pruner
 from keel.service._source import AgentSource, load_agent
 from keel.settings import Settings, load_settings, validation_problems
 from keel.stores import ErasureReport, aerase_user
+from keel.tools import MCPServer, Tool, start_servers
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-
-    from keel.tools import MCPServer, Tool
 
 __all__ = ["WARM_CONNECTIONS", "ServeOptions", "ServiceAgents", "build_service"]
 
@@ -72,6 +72,7 @@ class ServiceAgents:
         self._agents: dict[str, Agent] = {}
         self._warm = False
         self._embedder_loaded = False
+        self._servers: list[MCPServer] = []
 
     @classmethod
     def from_source(
@@ -108,6 +109,40 @@ class ServiceAgents:
             )
         return agent
 
+    async def astart(self) -> None:
+        """Start the served agent's MCP servers before the service takes traffic: the service
+        owns them for its life (the tenants' agents use them as they are, and [`aclose`][]
+        stops them), so a server that cannot start fails the start-up, not a tenant's first
+        turn. A factory's later calls (one per tenant) may give servers of their own: each
+        tenant's agent starts those on its first turn and stops them at shutdown. A server
+        over HTTP that cannot be reached yet is left out and retried, as a store that is down
+        is reported by ``/ready`` (see ``start_servers``'s ``strict``).
+
+        Raises:
+            ToolDefinitionError: a server's command cannot be run, or a stdio server exits
+                before listing its tools (the error names the server, its exit code and
+                last stderr lines), or two tools share a name; the servers started here are
+                stopped.
+            ConfigError: the ``mcp`` extra is not installed, or a ``FromEnv`` is unset.
+        """
+        tools = self._definition_tools()
+        servers = [t for t in tools if isinstance(t, MCPServer)]
+        if not servers:
+            return
+        taken = {t.name for t in tools if isinstance(t, Tool)}
+        # start_servers waits on keel's bridge loop: off this one, on the blocking pool.
+        self._servers = await run_blocking(
+            partial(start_servers, servers, taken=taken, strict=True)
+        )
+
+    def _definition_tools(self) -> list[Tool | MCPServer]:
+        """The tools the served agents are defined with: the source's agent's, or ours."""
+        if self.source is None or self.settings is None:
+            return list(self.tools)
+        template = self.source.check(self.settings)
+        workflow = template._workflow
+        return [*workflow._own.values(), *workflow.servers]
+
     async def aready(self) -> None:
         """Wait until the stores answer, with the connections a worker's turns overlap on
         already open (the first call opens them; later ones check one), and memory's
@@ -140,12 +175,20 @@ class ServiceAgents:
         return list(self._agents)
 
     async def aclose(self) -> None:
-        """Close the models' clients and the stores."""
-        models = {id(self.model): self.model}
-        models.update((id(agent.model), agent.model) for agent in self._agents.values())
-        for model in models.values():
-            await model.aclose()
-        await self.backends.aclose()
+        """Stop the MCP servers (those [`astart`][] started, and those the tenants' agents
+        did), close the models' clients and the stores."""
+        try:
+            for agent in self._agents.values():
+                await agent.aclose()  # its MCP servers: the stores are the service's
+            servers, self._servers = self._servers, []
+            for server in reversed(servers):
+                await server.aclose()
+        finally:
+            models = {id(self.model): self.model}
+            models.update((id(agent.model), agent.model) for agent in self._agents.values())
+            for model in models.values():
+                await model.aclose()
+            await self.backends.aclose()
 
 
 class ServeOptions(BaseModel):
@@ -315,6 +358,7 @@ def build_service(
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         on_shutdown=shutdown,
+        on_startup=agents.astart,
         metrics_token=metrics_token,
         tenants=agents.tenants,
         rate_limiter=limiter,

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 from keel._urls import DatabaseURL, parse_database_url
 from keel.stores._erasure import ErasureReport, UserErasure, aerase_user, erase_user
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._open import STORE_NAMES, Backends, StoreName, pii_key_from_settings
+from keel.stores._open import (
+    STORE_NAMES,
+    Backends,
+    MemoryOptions,
+    StoreName,
+    pii_key_from_settings,
+)
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
 from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._redis_state import RedisStateBackend
@@ -39,6 +45,7 @@ __all__ = [
     "Backends",
     "DatabaseURL",
     "ErasureReport",
+    "MemoryOptions",
     "Migration",
     "MigrationSet",
     "PostgresDatabase",

@@ -42,19 +42,10 @@ from keel._bridge import run_blocking, run_sync
 from keel.errors import UsageError
 from keel.state._erasure import tenant_key_prefix, user_session_keys
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._postgres import PostgresDatabase
-from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._sql_plan import Plan, SQLDatabase, Statement
-from keel.stores._sql_vault import SQLVaultStore
-from keel.stores._sqlite import SQLiteDatabase
-from keel.stores._sqlite_memory import SQLiteMemoryStore
-from keel.stores._sqlite_vault import SQLiteVaultStore
 
 if TYPE_CHECKING:
-    from keel.memory import MemoryStore
-    from keel.privacy import VaultStore
     from keel.stores._open import Backends
-    from keel.stores._postgres import PostgresDatabase
 
 __all__ = ["ERASURE_STORES", "ErasureReport", "UserErasure", "aerase_user", "erase_user"]
 
@@ -154,8 +145,8 @@ async def aerase_user(
         backends.approvals,
         backends.traces,
     )
-    memory = _memory_store(backends)
-    vault = _vault_store(backends)
+    # Built on the SQL database where memory or the vault did not open: no key, no embedder.
+    memory, vault = await run_blocking(lambda: (backends.memory_store, backends.vault_store))
     erasure_id = uuid.uuid4().hex
     await run_blocking(_audit_start, sql, erasure_id, tenant_id, requested_by)
 
@@ -183,49 +174,6 @@ async def aerase_user(
     removed = {store: dict(tables) for store, tables in removed.items()}
     await run_blocking(_audit_finish, sql, erasure_id, removed)
     return ErasureReport(erasure_id=erasure_id, tenant_id=tenant_id, removed=removed)
-
-
-def _memory_store(backends: Backends) -> MemoryStore | None:
-    """The memory store on the SQL database: memory's when it is open, else one built on the
-    database when it holds memory's tables (a service running with memory off may have
-    records from before)."""
-    if backends.memory is not None:
-        return backends.memory.store
-    return memory_store_on(backends.sql)
-
-
-def memory_store_on(sql: SQLiteDatabase | PostgresDatabase) -> MemoryStore | None:
-    """A memory store on ``sql`` when it holds memory's tables (None otherwise: nothing is
-    created), for work that needs no embedder: an erasure, retention."""
-
-    if "memory_records" not in table_names(sql):
-        return None
-    return SQLiteMemoryStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresMemoryStore(sql)
-
-
-def _vault_store(backends: Backends) -> VaultStore:
-    """The vault's store on the SQL database: the open vault's, else one built there (its rows
-    are deleted without the master key)."""
-    if backends.vault is not None:
-        return backends.vault.store
-
-    sql = backends.sql
-    return SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)
-
-
-def table_names(sql: SQLDatabase) -> set[str]:
-    """The tables of ``sql`` (SQLite's schema, PostgreSQL's current schema)."""
-    query = (
-        "SELECT name FROM sqlite_master WHERE type = 'table'"
-        if sql.dialect.name == "sqlite"
-        else "SELECT table_name FROM information_schema.tables "
-        "WHERE table_schema = current_schema()"
-    )
-
-    def plan() -> Plan[set[str]]:
-        return {str(name) for (name,) in (yield Statement(query)).rows}
-
-    return sql.run(plan, write=False)
 
 
 def _migrated(sql: SQLDatabase) -> SQLDatabase:

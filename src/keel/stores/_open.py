@@ -11,6 +11,13 @@ not built for. Given a PII master key (``pii_key=``, else the settings' ``pii_ke
 ``pii_key_file``), the PII vault opens on the SQL database too, and its key is checked there:
 a wrong key is a ``VaultKeyError`` at start-up, never values stored raw.
 
+``memory=`` takes [`MemoryOptions`][] where memory is built otherwise than the settings say (a
+memory bench's embedder, PostgreSQL's vector index), and ``state_prefix=`` the Redis key prefix
+state is kept under (the state bench's own). [`Backends.vault_store`][] and
+[`Backends.memory_store`][] are the vault's and memory's stores for work that needs neither
+the master key nor an embedder (counting the vault's rows, a user's erasure, retention): built
+here on first use when the vault or memory did not open.
+
 ``only=`` names the stores wanted, for whoever needs fewer than an agent: the state alone
 (``KeelCheckpointSaver(url)``, ``keel state``, the state conformance kit: a Redis URL is
 accepted there), the state and the vault (the adapters' histories), the journal alone, or none
@@ -40,7 +47,7 @@ from keel._bridge import run_blocking
 from keel._urls import DatabaseURL, parse_database_url
 from keel.approvals import ApprovalStore
 from keel.errors import ConfigError, UsageError, VaultKeyError
-from keel.memory import Memory, MemoryStore, embedder_from_settings
+from keel.memory import Embedder, Memory, MemoryStore, embedder_from_settings
 from keel.privacy import (
     DEFAULT_MASKER,
     KeyProvider,
@@ -48,7 +55,6 @@ from keel.privacy import (
     MasterKey,
     PIIMasker,
     Vault,
-    VaultStore,
 )
 from keel.privacy._keys import embedded_key
 from keel.settings import Settings, default_pii_key_file
@@ -59,6 +65,7 @@ from keel.stores._redis_client import RedisDurability
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore
 from keel.stores._sql_journal import SQLToolJournal
+from keel.stores._sql_plan import table_names
 from keel.stores._sql_state import SQLStateBackend
 from keel.stores._sql_traces import SQLTraceStore
 from keel.stores._sql_vault import SQLVaultStore
@@ -68,7 +75,7 @@ from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
 
-__all__ = ["STORE_NAMES", "Backends", "StoreName", "pii_key_from_settings"]
+__all__ = ["STORE_NAMES", "Backends", "MemoryOptions", "StoreName", "pii_key_from_settings"]
 
 logger = logging.getLogger("keel.stores")
 
@@ -84,9 +91,27 @@ StoreName = Literal["state", "journal", "approvals", "traces", "memory", "vault"
 STORE_NAMES: tuple[StoreName, ...] = get_args(StoreName)
 """Every store [`Backends.open`][] opens unless ``only=`` names fewer."""
 
+_DEFAULT_STATE_PREFIX = "keel:state"
+"""The Redis key prefix state is kept under unless ``state_prefix=`` says otherwise."""
+
 _READINESS_PROBE = "keel-readiness-probe"
 """A state key no session has (theirs are ``tenant/session``): reading it checks that the
 state store answers."""
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Memory as [`Backends.open`][] builds it where the settings do not say it all: for
+    whoever measures one memory on a database of its own (``keel bench memory``, ``keel bench
+    locomo``). ``Backends.open(..., memory=MemoryOptions(...))`` opens memory with them."""
+
+    embedder: Embedder | None = None
+    """The embedder (None: the settings' ``embedder``)."""
+    hnsw: bool = True
+    """PostgreSQL: an HNSW index on each vector table as it is created (False: exact scans,
+    the index built later, e.g. once after a bulk load)."""
+    halfvec: bool = False
+    """PostgreSQL: index and search the vectors as 16-bit ``halfvec``."""
 
 
 @dataclass
@@ -122,6 +147,8 @@ class Backends:
     _traces: TraceStore | None = field(default=None, repr=False)
     _sql: SQLiteDatabase | PostgresDatabase | None = field(default=None, repr=False)
     _closers: list[_Closer] = field(default_factory=list, repr=False)
+    _vault_store: SQLVaultStore | None = field(default=None, repr=False)
+    _memory_store: MemoryStore | None = field(default=None, repr=False)
 
     @property
     def state(self) -> StateStore[AgentState]:
@@ -151,6 +178,30 @@ class Backends:
             raise UsageError(f"no SQL database was opened: the state alone is on {self.database}")
         return self._sql
 
+    @property
+    def vault_store(self) -> SQLVaultStore:
+        """The PII vault's store on the SQL database: the open vault's, else one built here
+        (on first use, its schema applied) without the master key, for what needs none:
+        counting its rows (``keel privacy status``), deleting a user's (an erasure)."""
+        if self.vault is not None and isinstance(self.vault.store, SQLVaultStore):
+            return self.vault.store
+        if self._vault_store is None:
+            self._vault_store = _vault_store(self.sql)
+        return self._vault_store
+
+    @property
+    def memory_store(self) -> MemoryStore | None:
+        """Memory's store: the open memory's, else one built here on the SQL database when it
+        holds memory's tables (None otherwise: nothing is created), for work that needs no
+        embedder: a user's erasure, retention (a service running with memory off may hold
+        records from before)."""
+        if self.memory is not None:
+            return self.memory.store
+        if self._memory_store is None and "memory_records" in table_names(self.sql):
+            store = self._memory_store = _memory_store(self.sql, MemoryOptions())
+            self._closers.append((store.close, None))
+        return self._memory_store
+
     @classmethod
     def open(
         cls,
@@ -159,11 +210,12 @@ class Backends:
         only: Iterable[StoreName] | None = None,
         settings: Settings | None = None,
         redis_url: str | None = None,
-        memory: bool = True,
+        memory: bool | MemoryOptions = True,
         background: bool = True,
         privacy: PIIMasker | None = DEFAULT_MASKER,
         pii_key: KeyProvider | KeyRing | None = None,
         vault: bool | None = None,
+        state_prefix: str | None = None,
     ) -> Backends:
         """Open state, journal, approvals, traces and memory on ``database`` (state on Redis
         if set), or only the stores ``only`` names.
@@ -181,7 +233,8 @@ class Backends:
                 and hands them down).
             redis_url: ``redis://...``: state on Redis, the rest on ``database`` (default:
                 ``settings.redis_url``; ``""``: state on ``database`` whatever it says).
-            memory: open long-term memory (embedder from ``settings.embedder``).
+            memory: open long-term memory (embedder from ``settings.embedder``), or
+                [`MemoryOptions`][]: open it built so (its own embedder, PostgreSQL's index).
             background: memory embeds in its background worker (False: on ``flush`` /
                 ``process_outbox`` only, as a one-shot command wants).
             privacy: the privacy policy (memory masks with it; agents on these stores too,
@@ -193,10 +246,12 @@ class Backends:
                 use), on PostgreSQL no vault (a warning says so once).
             vault: False: no vault, masking only (no key made or required); default:
                 ``settings.pii_vault``.
+            state_prefix: the Redis key prefix state is kept under (default ``keel:state``;
+                several applications may share one Redis).
 
         Raises:
-            UsageError: a URL (or None) without ``settings``, or a name ``only`` does not know
-                (the message lists the stores).
+            UsageError: a URL (or None) without ``settings``, a name ``only`` does not know
+                (the message lists the stores), or ``state_prefix`` for state not on Redis.
             ConfigError: settings given twice, ``database`` of another type, or a URL keel
                 cannot open (a Redis URL for more than the state, an unknown scheme).
             BackendUnavailableError: a server cannot be reached or its driver is not installed.
@@ -205,14 +260,17 @@ class Backends:
                 it is not the key this database's vault was sealed with, or no key is given
                 for a PostgreSQL database that holds a vault (nothing is left open).
         """
-        wanted = _wanted(only, memory=memory)
+        wanted = _wanted(only, memory=memory is not False)
+        memory_options = memory if isinstance(memory, MemoryOptions) else MemoryOptions()
         settings, url = _settings_and_url(database, settings)
         parsed, redis = _urls(url, wanted, settings.redis_url if redis_url is None else redis_url)
+        if state_prefix is not None and (redis is None or "state" not in wanted):
+            raise UsageError("state_prefix= is the Redis key prefix: state is not on Redis here")
         vault_on = "vault" in wanted and (settings.pii_vault if vault is None else vault)
         keys = _vault_keys(settings, pii_key) if vault_on else None
-        opened = _Opened()
+        opened = _Opened(memory_options=memory_options)
         try:
-            opened.open(parsed, redis, wanted, settings, keys, vault_on)
+            opened.open(parsed, redis, wanted, settings, keys, vault_on, state_prefix)
             opened.open_memory(settings, background=background, privacy=privacy)
         except BaseException:
             opened.close_quietly()
@@ -297,6 +355,7 @@ class _Opened:
     memory: Memory | None = None
     vault: Vault | None = None
     closers: list[_Closer] = field(default_factory=list)
+    memory_options: MemoryOptions = field(default_factory=MemoryOptions)
 
     def own(self, sync: Callable[[], None], asynchronous: _AsyncClose) -> None:
         self.closers.append((sync, asynchronous))
@@ -309,6 +368,7 @@ class _Opened:
         settings: Settings,
         keys: KeyProvider | KeyRing | None,
         vault_on: bool,
+        state_prefix: str | None = None,
     ) -> None:
         """The SQL database and the stores ``wanted`` on it, then the state on ``redis``."""
         on_sql = wanted - {"state"} if redis is not None else wanted
@@ -320,7 +380,8 @@ class _Opened:
                 on_sql -= {"state"}
             _open_on_sql(self, on_sql, keys, vault_on, self.own)
         if redis is not None and "state" in wanted:
-            self.state = _state_on_redis(redis, settings, self.own)
+            prefix = _DEFAULT_STATE_PREFIX if state_prefix is None else state_prefix
+            self.state = _state_on_redis(redis, settings, self.own, prefix)
 
     def open_memory(
         self, settings: Settings, *, background: bool, privacy: PIIMasker | None
@@ -328,9 +389,10 @@ class _Opened:
         """Memory on the memory store opened (if any), sealing values in the vault."""
         if self.memory_store is None:
             return
+        embedder = self.memory_options.embedder
         self.memory = Memory(
             self.memory_store,
-            embedder=embedder_from_settings(settings),
+            embedder=embedder_from_settings(settings) if embedder is None else embedder,
             background=background,
             masker=privacy,
             vault=self.vault,
@@ -466,15 +528,25 @@ def _open_on_sql(
     if "traces" in names:
         opened.traces = _trace_store(sql)
     if "memory" in names:
-        opened.memory_store = (
-            SQLiteMemoryStore(sql) if isinstance(sql, SQLiteDatabase) else PostgresMemoryStore(sql)
-        )
+        opened.memory_store = _memory_store(sql, opened.memory_options)
     if "vault" in names:
         opened.vault = _open_vault(sql, keys, wanted=vault_on)
         if opened.vault is not None:
             own(opened.vault.store.close, None)
     if "state" in names:
         opened.state = StateStore(SQLStateBackend(sql), AgentState)
+
+
+def _memory_store(sql: SQLiteDatabase | PostgresDatabase, options: MemoryOptions) -> MemoryStore:
+    """Memory's store on ``sql`` (migrated): PostgreSQL's vector index as ``options`` say."""
+    if isinstance(sql, SQLiteDatabase):
+        return SQLiteMemoryStore(sql)
+    return PostgresMemoryStore(sql, hnsw=options.hnsw, halfvec=options.halfvec)
+
+
+def _vault_store(sql: SQLiteDatabase | PostgresDatabase) -> SQLVaultStore:
+    """The vault's store on ``sql`` (migrated; it holds nothing of its own)."""
+    return SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)
 
 
 def _trace_store(sql: SQLiteDatabase | PostgresDatabase) -> TraceStore:
@@ -524,13 +596,15 @@ def _open_sql(
     return postgres
 
 
-def _state_on_redis(redis: DatabaseURL, settings: Settings, own: _Own) -> StateStore[AgentState]:
+def _state_on_redis(
+    redis: DatabaseURL, settings: Settings, own: _Own, prefix: str
+) -> StateStore[AgentState]:
     durability = RedisDurability(
         wait_replicas=settings.redis_wait_replicas,
         wait_timeout_ms=settings.redis_wait_timeout_ms,
         policy=settings.redis_durability,
     )
-    backend = RedisStateBackend(redis.url, durability=durability)
+    backend = RedisStateBackend(redis.url, durability=durability, prefix=prefix)
     own(backend.close, backend.aclose)
     return StateStore(backend, AgentState)
 
@@ -594,10 +668,7 @@ def _open_vault(
 
 
 def _checked_vault(sql: SQLiteDatabase | PostgresDatabase, keys: KeyProvider | KeyRing) -> Vault:
-    store: VaultStore = (
-        SQLiteVaultStore(sql) if isinstance(sql, SQLiteDatabase) else SQLVaultStore(sql)
-    )
-    vault = Vault(store, keys)
+    vault = Vault(_vault_store(sql), keys)
     vault.check()
     return vault
 
@@ -626,7 +697,7 @@ def _no_vault_without_its_key(sql: PostgresDatabase) -> None:
         VaultKeyError: the database holds a vault.
     """
     global _warned_no_vault
-    store = SQLVaultStore(sql)
+    store = _vault_store(sql)
     counts = store.counts()
     if store.key_checks() or counts.users or counts.values:
         raise VaultKeyError(

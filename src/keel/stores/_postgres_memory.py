@@ -6,8 +6,8 @@ edit; each has an HNSW index (cosine). pgvector indexes ``vector`` columns of up
 dimensions, so wider embeddings (3,072 for text-embedding-3-large) are indexed as ``halfvec``
 (up to 4,000); wider still are searched exactly. Searches run with ``hnsw.iterative_scan`` so a
 scope that is a small part of a shared index still gets its full ``limit`` of rows. psycopg is
-imported lazily: keel works without the ``postgres`` extra until this store is used, and the
-store connects on first use.
+imported lazily: keel works without the ``postgres`` extra until this store is built, and
+building it applies its schema, as every store's is.
 """
 
 from __future__ import annotations
@@ -257,17 +257,17 @@ class PostgresMemoryStore(SQLMemoryStore):
     ) -> None:
         if not 1 <= ef_search <= 1000:
             raise ConfigError(f"ef_search must be within 1..1000 (pgvector's range): {ef_search}")
-        super().__init__(require_database(db, PostgresDatabase, "PostgresMemoryStore"))
         self.hnsw = hnsw
         self.ef_search = int(ef_search)
         self.halfvec = halfvec
         self._vector_tables: set[int] = set()
         self._statistics = _GrowthStatistics(db)
         self._term_frequencies = TermFrequencies()
+        super().__init__(require_database(db, PostgresDatabase, "PostgresMemoryStore"))
 
     def setup(self) -> None:
-        if self._ready:
-            return
+        """Apply the schema and find the vector tables there (idempotent): run when the store
+        is built."""
         self.db.migrate(self.migrations)
         tables = Statement(
             "SELECT tablename FROM pg_tables WHERE tablename LIKE 'memory_vectors_%%'"
@@ -276,7 +276,6 @@ class PostgresMemoryStore(SQLMemoryStore):
             match = _VECTOR_TABLE.match(str(name))
             if match:
                 self._vector_tables.add(int(match.group(1)))
-        self._ready = True
 
     def _ensure_vector_table(self, dimension: int) -> Plan[str]:
         table = f"memory_vectors_{int(dimension)}"
@@ -318,7 +317,7 @@ class PostgresMemoryStore(SQLMemoryStore):
         if len(records) == 1:
             # `Memory.add`: one statement in autocommit, without BEGIN and COMMIT round trips.
             return [self.insert(records[0])]
-        results = self._migrated().run(lambda: self._insert_batch(records))
+        results = self.db.run(lambda: self._insert_batch(records))
         created = sum(1 for result in results if result.created)
         if created:
             self._statistics.wrote({"memory_records": created, "memory_outbox": created})
@@ -375,7 +374,7 @@ class PostgresMemoryStore(SQLMemoryStore):
     def _insert_plain(self, record: MemoryRecord) -> InsertResult:
         """A record that replaces nothing (no key, no fact to supersede): the row and its
         outbox entry in one statement, itself atomic, so one round trip instead of four."""
-        return self._migrated().run(lambda: self._insert_with_outbox(record), write=False)
+        return self.db.run(lambda: self._insert_with_outbox(record), write=False)
 
     def _insert_with_outbox(self, record: MemoryRecord) -> Plan[InsertResult]:
         insert = _INSERT_WITH_OUTBOX.format(insert=insert_row_sql(self.db.dialect))
@@ -393,7 +392,7 @@ class PostgresMemoryStore(SQLMemoryStore):
         are left to exact search. Idempotent; searches use a built index at once.
         """
         built = []
-        tables = self._migrated().run(self._vector_table_names, write=False)
+        tables = self.db.run(self._vector_table_names, write=False)
         for table in tables:
             match = _VECTOR_TABLE.match(table)
             operand = _hnsw_operand(int(match.group(1)), self.halfvec) if match else None
@@ -419,7 +418,7 @@ class PostgresMemoryStore(SQLMemoryStore):
         where, params = filter_sql(filters, "%s")
         scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
         scope_args = (scope.tenant_id, scope.user_id, *params)
-        return self._migrated().run(
+        return self.db.run(
             lambda: self._keyword_search(scope, safe, scoped, scope_args, int(limit)), write=False
         )
 
@@ -557,7 +556,6 @@ class PostgresMemoryStore(SQLMemoryStore):
     def vector_search(
         self, scope: Scope, vector: FloatArray, model: str, filters: MemoryFilter, limit: int
     ) -> list[ScoredId]:
-        self.setup()
         query = np.asarray(vector, dtype=np.float32).reshape(-1)
         # A zero vector (a query with no words for the hashing embedder) has no direction:
         # its cosine is undefined, so nothing is similar to it.
@@ -594,14 +592,23 @@ class PostgresMemoryStore(SQLMemoryStore):
         return (yield search).rows
 
     def _vector_search_sql(
-        self, scope: Scope, query: FloatArray, model: str, filters: MemoryFilter, limit: int
+        self,
+        scope: Scope,
+        query: FloatArray,
+        model: str,
+        filters: MemoryFilter,
+        limit: int,
+        *,
+        exact: bool = False,
     ) -> tuple[str, tuple[Any, ...]]:
-        """The nearest-neighbour query (separate so tests can EXPLAIN exactly this SQL)."""
+        """The nearest-neighbour query (separate so tests can EXPLAIN exactly this SQL);
+        ``exact`` orders by the stored 32-bit vectors' own distance, as a store without HNSW
+        does (a halfvec index's store would order by its 16-bit copies)."""
         dimension = int(query.shape[0])
         where, params = filter_sql(filters, "%s", prefix="r.")
         literal = _vector_literal(query)
         operand = _hnsw_operand(dimension, self.halfvec)
-        if self.hnsw and operand is not None:
+        if self.hnsw and not exact and operand is not None:
             # The index's own expression, or the planner cannot use the index.
             expression, cast = operand
             order = f"v.{expression} <=> %s::{cast}"
@@ -635,7 +642,7 @@ class PostgresMemoryStore(SQLMemoryStore):
         found: dict[str, FloatArray] = {}
         if not record_ids:
             return found
-        database = self._migrated()  # first: setup finds the vector tables
+        database = self.db
         # vector_send: each vector in its binary format (see _vector_from_binary).
         reads = [
             Statement(

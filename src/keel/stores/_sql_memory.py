@@ -117,8 +117,9 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
     key or fact take turns on.
 
     A subclass sets `inserted_order`, names its `migrations`, and implements search,
-    `vectors` and `_write_vectors`. The schema is applied by [`setup`][] (the first use runs
-    it): a store built for a memory that is off never creates its tables.
+    `vectors` and `_write_vectors`. The schema is applied when the store is built, as every
+    store's is: a memory that is off is never built (`Backends.open` leaves it out), so it
+    creates no tables.
     """
 
     #: The column that orders rows as they were inserted (SQLite's rowid, PostgreSQL's seq).
@@ -128,19 +129,13 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
 
     def __init__(self, db: SQLDatabase) -> None:
         self.db = db
-        self._ready = False
         # The records of rows read before: a retrieval reads the same turns every turn.
         self.records = RecordCache()
+        self.setup()
 
     def setup(self) -> None:
+        """Apply the schema (idempotent): run when the store is built."""
         self.db.migrate(self.migrations)
-        self._ready = True
-
-    def _migrated(self) -> SQLDatabase:
-        """The database, its memory schema applied first."""
-        if not self._ready:
-            self.setup()
-        return self.db
 
     def _lock(self, what: str, record: MemoryRecord, name: str) -> Plan[None]:
         """Make the writers of one name of ``record``'s scope (a key, a fact) take turns, for
@@ -150,12 +145,12 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
     # --- writes -------------------------------------------------------------------------
 
     def insert(self, record: MemoryRecord) -> InsertResult:
-        return self._migrated().run(lambda: self._insert(record))
+        return self.db.run(lambda: self._insert(record))
 
     def insert_many(self, records: Sequence[MemoryRecord]) -> list[InsertResult]:
         if not records:
             return []
-        return self._migrated().run(lambda: self._insert_all(records))
+        return self.db.run(lambda: self._insert_all(records))
 
     def _insert_all(self, records: Sequence[MemoryRecord]) -> Plan[list[InsertResult]]:
         results = []
@@ -204,7 +199,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             f"DELETE FROM memory_records WHERE id = ? AND {_IN_SCOPE}",
             (record_id, scope.tenant_id, scope.user_id),
         )
-        return self._migrated().run(lambda: _changed(statement)) > 0
+        return self.db.run(lambda: _changed(statement)) > 0
 
     def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
         if not expiry:
@@ -217,7 +212,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             ],
             many=True,
         )
-        self._migrated().run(lambda: _changed(statement))
+        self.db.run(lambda: _changed(statement))
 
     def purge_expired(self, scope: Scope | None, now: datetime) -> int:
         where = "expires_at IS NOT NULL AND expires_at <= ?"
@@ -226,13 +221,13 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             where += f" AND {_IN_SCOPE}"
             params += (scope.tenant_id, scope.user_id)
         statement = Statement(f"DELETE FROM memory_records WHERE {where}", params)
-        return self._migrated().run(lambda: _changed(statement))
+        return self.db.run(lambda: _changed(statement))
 
     # --- reads --------------------------------------------------------------------------
 
     def _query(self, statement: str, params: Sequence[Any]) -> list[MemoryRecord]:
         query = Statement(statement, params)
-        rows = self._migrated().run(lambda: rows_of(query), write=False)
+        rows = self.db.run(lambda: rows_of(query), write=False)
         return [self.records.record(row) for row in rows]
 
     def _scoped(
@@ -269,7 +264,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
         """The ids of the rows of ``scope`` that pass ``filters`` (among ``record_ids`` when
         given): what search may return of its candidates."""
         statements = [Statement(*found) for found in self._scoped("id", scope, filters, record_ids)]
-        return self._migrated().run(lambda: _ids(statements), write=False)
+        return self.db.run(lambda: _ids(statements), write=False)
 
     def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
         found = self._query(
@@ -329,7 +324,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
         )
 
     def count(self, scope: Scope | None = None) -> int:
-        return self._migrated().run(lambda: count_records(scope), write=False)
+        return self.db.run(lambda: count_records(scope), write=False)
 
     # --- outbox -------------------------------------------------------------------------
 
@@ -345,7 +340,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             f"WHERE o.attempts < ?{in_scope} ORDER BY o.id LIMIT ?",
             (int(max_attempts), *scoped, int(limit)),
         )
-        rows = self._migrated().run(lambda: rows_of(query), write=False)
+        rows = self.db.run(lambda: rows_of(query), write=False)
         return [_outbox_entry(row) for row in rows]
 
     def count_pending(self, max_attempts: int = 5) -> int:
@@ -354,7 +349,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             "WHERE o.attempts < ?",
             (int(max_attempts),),
         )
-        return int(self._migrated().run(lambda: rows_of(query), write=False)[0][0])
+        return int(self.db.run(lambda: rows_of(query), write=False)[0][0])
 
     @abstractmethod
     def _write_vectors(
@@ -366,7 +361,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
         self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
     ) -> None:
         if entries:
-            self._migrated().run(lambda: self._complete(entries, vectors, model))
+            self.db.run(lambda: self._complete(entries, vectors, model))
 
     def _complete(
         self, entries: Sequence[OutboxEntry], vectors: Sequence[FloatArray], model: str
@@ -396,7 +391,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
                     (error[:2000], *params),
                 )
             )
-        self._migrated().run(lambda: _all_changed(statements))
+        self.db.run(lambda: _all_changed(statements))
 
     def enqueue_reembed(self, model: str) -> int:
         statements = [
@@ -410,14 +405,14 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
                 (time.time(), model),
             ),
         ]
-        return self._migrated().run(lambda: _all_changed(statements))
+        return self.db.run(lambda: _all_changed(statements))
 
     def embedding_models(self) -> dict[str, int]:
         query = Statement(
             "SELECT COALESCE(embedding_model, ''), COUNT(*) FROM memory_records "
             "GROUP BY COALESCE(embedding_model, '')"
         )
-        rows = self._migrated().run(lambda: rows_of(query), write=False)
+        rows = self.db.run(lambda: rows_of(query), write=False)
         return {str(model): int(count) for model, count in rows}
 
 

@@ -25,12 +25,10 @@ _IN_SCOPE = "tenant_id = ? AND user_id = ?"
 
 class MemoryErasure:
     """A user's erasure and memory's retention, for a SQL memory store (a mixin: the store
-    gives `_migrated` and `inserted_order`)."""
+    gives its migrated `db` and `inserted_order`)."""
 
     inserted_order: str
-
-    def _migrated(self) -> SQLDatabase:
-        raise NotImplementedError
+    db: SQLDatabase
 
     def user_sessions(self, tenant_id: str, user_id: str) -> list[str]:
         query = Statement(
@@ -38,11 +36,11 @@ class MemoryErasure:
             "AND session_id IS NOT NULL",
             (tenant_id, user_id),
         )
-        rows = self._migrated().run(lambda: _rows(query), write=False)
+        rows = self.db.run(lambda: _rows(query), write=False)
         return sorted(str(session_id) for (session_id,) in rows)
 
     def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
-        return self._migrated().run(lambda: self._erase_user(tenant_id, user_id))
+        return self.db.run(lambda: self._erase_user(tenant_id, user_id))
 
     def _erase_user(self, tenant_id: str, user_id: str) -> Plan[dict[str, int]]:
         """The scope's outbox rows, vectors and records (their keyword index entries go with
@@ -72,7 +70,7 @@ class MemoryErasure:
 
     def tenants(self) -> list[str]:
         query = Statement("SELECT DISTINCT tenant_id FROM memory_records ORDER BY tenant_id")
-        rows = self._migrated().run(lambda: _rows(query), write=False)
+        rows = self.db.run(lambda: _rows(query), write=False)
         return [str(tenant_id) for (tenant_id,) in rows]
 
     def prune(
@@ -106,7 +104,7 @@ class MemoryErasure:
             )
         if not statements:
             return 0
-        return self._migrated().run(lambda: _all_changed(statements))
+        return self.db.run(lambda: _all_changed(statements))
 
 
 def _rows(query: Statement) -> Plan[list[Any]]:

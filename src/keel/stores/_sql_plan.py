@@ -32,6 +32,7 @@ __all__ = [
     "riding",
     "run_plan",
     "run_statement",
+    "table_names",
 ]
 
 _T = TypeVar("_T")
@@ -230,3 +231,18 @@ def run_riders(cursor: Any, dialect: SqlDialect, riders: tuple[Rider, ...]) -> l
         cursor.execute("RELEASE keel_rider")
         carried.append(rider)
     return carried
+
+
+def table_names(sql: SQLDatabase) -> set[str]:
+    """The tables of ``sql`` (SQLite's schema, PostgreSQL's current schema)."""
+    query = (
+        "SELECT name FROM sqlite_master WHERE type = 'table'"
+        if sql.dialect.name == "sqlite"
+        else "SELECT table_name FROM information_schema.tables "
+        "WHERE table_schema = current_schema()"
+    )
+
+    def plan() -> Plan[set[str]]:
+        return {str(name) for (name,) in (yield Statement(query)).rows}
+
+    return sql.run(plan, write=False)

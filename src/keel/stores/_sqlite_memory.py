@@ -418,10 +418,10 @@ class SQLiteMemoryStore(SQLMemoryStore):
     concurrent_searches = False
 
     def __init__(self, db: SQLiteDatabase) -> None:
-        super().__init__(require_database(db, SQLiteDatabase, "SQLiteMemoryStore"))
         self._indexes: dict[tuple[str, str, str], _ScopeIndex] = {}
         self._term_frequencies = TermFrequencies()
         self._index_lock = threading.Lock()
+        super().__init__(require_database(db, SQLiteDatabase, "SQLiteMemoryStore"))
 
     def keyword_search(
         self, scope: Scope, terms: Sequence[str], filters: MemoryFilter, limit: int
@@ -431,7 +431,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
         safe = [term.replace('"', "") for term in terms if term.strip('"')]
         if not safe or limit <= 0:
             return []
-        return self._migrated().run(
+        return self.db.run(
             lambda: self._keyword_search(scope, safe, filters, int(limit)), write=False
         )
 
@@ -500,7 +500,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
                 "AND user_id = ? AND model = ? AND rowid > ? ORDER BY rowid",
                 (scope.tenant_id, scope.user_id, model, index.watermark),
             )
-            for rowid, record_id, blob in self._migrated().run(lambda: rows_of(newer), write=False):
+            for rowid, record_id, blob in self.db.run(lambda: rows_of(newer), write=False):
                 index.add(str(record_id), np.frombuffer(blob, dtype=np.float32))
                 index.watermark = int(rowid)
             return index

@@ -31,11 +31,14 @@ def expected_messages(step: int, pending_user: bool) -> list[str]:
     return contents
 
 
-def state_backend_at(url: str) -> StateBackend:
+def state_backend_at(url: str, *, redis_prefix: str | None = None) -> StateBackend:
     """The state backend at ``url`` (SQLite, PostgreSQL or Redis), opened alone as keel opens
     it ([`Backends.open`][keel.stores.Backends.open] with ``only=("state",)``, whatever
-    ``KEEL_REDIS_URL`` says): closing it closes its database."""
-    opened = Backends.open(url, settings=load_settings(), only=("state",), redis_url="")
+    ``KEEL_REDIS_URL`` says; on Redis under ``redis_prefix``, default ``keel:state``): closing
+    it closes its database."""
+    opened = Backends.open(
+        url, settings=load_settings(), only=("state",), redis_url="", state_prefix=redis_prefix
+    )
     return opened.state.backend
 
 

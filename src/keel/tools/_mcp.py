@@ -466,13 +466,31 @@ def result_text(result: Any, tool_name: str) -> str:
     return text
 
 
-def start_servers(servers: Sequence[MCPServer], *, taken: set[str]) -> None:
-    """Start ``servers`` (each one's [`start`][keel.tools.MCPServer.start]: yours to close)
-    and check their tools' names against ``taken`` and each other's; on any failure the ones
-    started here are closed again.
+def start_servers(
+    servers: Sequence[MCPServer], *, taken: set[str], strict: bool = False
+) -> list[MCPServer]:
+    """Start ``servers`` (each one's [`start`][keel.tools.MCPServer.start]) and check their
+    tools' names against ``taken`` and each other's; on any failure the ones started here are
+    closed again. ``keel serve`` starts its agent's servers so (``strict``), before it takes
+    traffic.
+
+    Args:
+        servers: the servers.
+        taken: the names of the Python tools beside them.
+        strict: a stdio server that fails before it lists its tools (its process exits at
+            once: a wrong argument, a missing module) fails this too, where
+            [`start`][keel.tools.MCPServer.start] leaves it out and retries it. A server over
+            HTTP that cannot be reached yet is left out either way, as a store that is down
+            does not stop ``keel serve`` (``/ready`` reports it).
+
+    Returns:
+        The servers started here (one started already is left as it is): yours to close.
 
     Raises:
-        ToolDefinitionError: a server's command cannot be run, or two tools share a name.
+        ToolDefinitionError: a server's command cannot be run, or (``strict``) a stdio
+            server failed before listing its tools: the error names the server (and its exit
+            code and last stderr lines, masked); or two tools share a name.
+        ConfigError: the ``mcp`` extra is not installed, or a [`FromEnv`][] is unset.
     """
     started: list[MCPServer] = []
     try:
@@ -480,11 +498,27 @@ def start_servers(servers: Sequence[MCPServer], *, taken: set[str]) -> None:
             if "connection" not in server._state:
                 server.start()
                 started.append(server)
+                if strict:
+                    _require_listed(server)
         check_names(servers, taken=taken)
     except BaseException:
         for server in started:
             server.close()
         raise
+    return started
+
+
+def _require_listed(server: MCPServer) -> None:
+    """Refuse a stdio server whose first connection failed (see `start_servers`).
+
+    Raises:
+        ToolDefinitionError: it did, naming it and saying why.
+    """
+    left_out = server._connection.left_out
+    if server.transport == "stdio" and left_out is not None:
+        raise ToolDefinitionError(
+            f"MCP server {server.name!r} {left_out}: check its command, arguments and environment"
+        )
 
 
 def check_names(

@@ -106,6 +106,9 @@ class Connection:
         self.tools: dict[str, SchemaTool] = {}
         self.problems: list[str] = []
         self.restarts = 0
+        self.left_out: str | None = None
+        """Why the first connection failed (an exit code, the last stderr lines), while no
+        later one has listed the tools; None once listed."""
         self._client: Client | None = None
         self._process: StdioProcess | None = None
         self._secrets: list[str] = []
@@ -181,6 +184,7 @@ class Connection:
                     self._ready.set()
                     connected = True
                     delay = _BACKOFF_FIRST_S
+                    self.left_out = None
                     self._settle(None)
                     if self._first is not None and not self._first.done():
                         self._first.set_result(None)  # unless astart gave up waiting
@@ -201,6 +205,7 @@ class Connection:
                     self._settle(why)  # the calls waiting for this attempt are not sent
                 if starting:
                     assert self._first is not None
+                    self.left_out = f"{why} before listing its tools{self._said()}"
                     self._first.set_result(None)  # left out, not fatal: retried below
                     logger.warning(
                         "MCP server %r %s before listing its tools; its tools are left out "
