@@ -1,0 +1,69 @@
+"""The service starts its agent's MCP servers at start-up, before it takes traffic: a server
+that cannot start fails the start-up with a typed error naming it (not a tenant's first turn),
+and the servers stop at shutdown. Against real MCP servers in real processes: keel's fault
+server, and a stdio command that exits at once."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from keel.errors import ToolDefinitionError
+from keel.service import build_service
+from keel.settings import load_settings
+from keel.testing import ScriptedModel
+from keel.testing.mcp_fault_server import stdio_server
+from keel.tools import MCPServer
+from tests.tools.test_mcp_lifecycle import _servers_running, _until_gone
+
+
+def _service(tmp_path: Path, server: MCPServer, model: ScriptedModel | None = None) -> tuple:  # type: ignore[type-arg]
+    return build_service(
+        f"sqlite:///{tmp_path / 'keel.db'}",
+        model=model or ScriptedModel(["Hi."]),
+        tools=[server],
+        memory=False,
+        settings=load_settings(data_dir=tmp_path),
+        ui=False,
+    )
+
+
+async def test_the_service_starts_its_server_before_any_request_and_stops_it_at_shutdown(
+    tmp_path: Path,
+) -> None:
+    effects = tmp_path / "effects.txt"
+    model = ScriptedModel([ScriptedModel.tool_call("echo", json.dumps({"text": "hi"})), "Done."])
+    app, agents, _ = _service(tmp_path, stdio_server(effects), model)
+    assert _servers_running(effects) == []  # built: nothing started
+    async with app.router.lifespan_context(app):
+        assert len(_servers_running(effects)) == 1  # started at start-up, no request yet
+        reply = await agents("acme").handle("s1", "u1", "Echo.")
+        assert reply.status == "completed", reply
+        assert len(_servers_running(effects)) == 1  # the tenant's agent used the same one
+    await _until_gone(effects)
+
+
+async def test_a_server_that_exits_at_once_fails_the_start_up_naming_it(tmp_path: Path) -> None:
+    quitter = MCPServer.stdio(
+        sys.executable,
+        ["-c", "import sys; sys.stderr.write('no such flag: --bogus\\n'); sys.exit(3)"],
+        name="quitter",
+    )
+    app, agents, _ = _service(tmp_path, quitter)
+    said = r"MCP server 'quitter' .*before listing its tools"
+    with pytest.raises(ToolDefinitionError, match=said):
+        async with app.router.lifespan_context(app):
+            pytest.fail("the service started with a server that exited")
+    assert quitter.tools() == {} and agents.tenants() == []
+    assert "connection" not in quitter._state  # stopped again: no supervisor retries it
+
+
+async def test_a_server_whose_command_cannot_run_fails_the_start_up(tmp_path: Path) -> None:
+    broken = MCPServer.stdio(str(tmp_path / "no-such-server"), name="broken")
+    app, _, _ = _service(tmp_path, broken)
+    with pytest.raises(ToolDefinitionError, match="'broken' could not be started"):
+        async with app.router.lifespan_context(app):
+            pytest.fail("the service started with a server that cannot run")
