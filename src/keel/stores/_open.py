@@ -217,8 +217,7 @@ class Backends:
         vault: bool | None = None,
         state_prefix: str | None = None,
     ) -> Backends:
-        """Open state, journal, approvals, traces and memory on ``database`` (state on Redis
-        if set), or only the stores ``only`` names.
+        """Open the stores on ``database`` (state on Redis if set): all, or those ``only`` names.
 
         Args:
             database: ``sqlite:///PATH`` or ``postgresql://...`` (``redis://...`` for the
@@ -227,16 +226,14 @@ class Backends:
             only: the stores wanted, of [`STORE_NAMES`][keel.stores.STORE_NAMES] (default:
                 all). Memory brings the vault it seals values in; ``()`` opens the SQL
                 database alone, unmigrated. The state alone (or with the vault alone) owns
-                its database: closing its backend closes it, so the backend can be handed on.
-            settings: the SQLite busy timeout, the PostgreSQL pool size, the embedder and the
-                Redis URL (required with a URL: keel reads its settings once, at its edge,
-                and hands them down).
+                its database, so that its backend can be handed on.
+            settings: the SQLite busy timeout, the PostgreSQL pool size, the embedder, the
+                Redis URL (required with a URL: keel reads settings once, at its edge).
             redis_url: ``redis://...``: state on Redis, the rest on ``database`` (default:
                 ``settings.redis_url``; ``""``: state on ``database`` whatever it says).
-            memory: open long-term memory (embedder from ``settings.embedder``), or
-                [`MemoryOptions`][]: open it built so (its own embedder, PostgreSQL's index).
-            background: memory embeds in its background worker (False: on ``flush`` /
-                ``process_outbox`` only, as a one-shot command wants).
+            memory: open long-term memory (embedder from ``settings.embedder``); or
+                [`MemoryOptions`][]: its own embedder, PostgreSQL's index.
+            background: memory embeds in its background worker (False: on ``flush`` only).
             privacy: the privacy policy (memory masks with it; agents on these stores too,
                 unless given their own). None turns masking off.
             pii_key: the PII vault's master key (a [`MasterKey`][], a KMS-backed
@@ -246,8 +243,7 @@ class Backends:
                 use), on PostgreSQL no vault (a warning says so once).
             vault: False: no vault, masking only (no key made or required); default:
                 ``settings.pii_vault``.
-            state_prefix: the Redis key prefix state is kept under (default ``keel:state``;
-                several applications may share one Redis).
+            state_prefix: the Redis key prefix of state (default ``keel:state``).
 
         Raises:
             UsageError: a URL (or None) without ``settings``, a name ``only`` does not know
@@ -261,14 +257,11 @@ class Backends:
                 for a PostgreSQL database that holds a vault (nothing is left open).
         """
         wanted = _wanted(only, memory=memory is not False)
-        memory_options = memory if isinstance(memory, MemoryOptions) else MemoryOptions()
         settings, url = _settings_and_url(database, settings)
         parsed, redis = _urls(url, wanted, settings.redis_url if redis_url is None else redis_url)
-        if state_prefix is not None and (redis is None or "state" not in wanted):
-            raise UsageError("state_prefix= is the Redis key prefix: state is not on Redis here")
-        vault_on = "vault" in wanted and (settings.pii_vault if vault is None else vault)
-        keys = _vault_keys(settings, pii_key) if vault_on else None
-        opened = _Opened(memory_options=memory_options)
+        _check_state_prefix(state_prefix, redis, wanted)
+        vault_on, keys = _vault_keys(settings, wanted, vault, pii_key)
+        opened = _Opened(memory_options=memory if isinstance(memory, MemoryOptions) else None)
         try:
             opened.open(parsed, redis, wanted, settings, keys, vault_on, state_prefix)
             opened.open_memory(settings, background=background, privacy=privacy)
@@ -355,7 +348,7 @@ class _Opened:
     memory: Memory | None = None
     vault: Vault | None = None
     closers: list[_Closer] = field(default_factory=list)
-    memory_options: MemoryOptions = field(default_factory=MemoryOptions)
+    memory_options: MemoryOptions | None = None
 
     def own(self, sync: Callable[[], None], asynchronous: _AsyncClose) -> None:
         self.closers.append((sync, asynchronous))
@@ -389,7 +382,7 @@ class _Opened:
         """Memory on the memory store opened (if any), sealing values in the vault."""
         if self.memory_store is None:
             return
-        embedder = self.memory_options.embedder
+        embedder = None if self.memory_options is None else self.memory_options.embedder
         self.memory = Memory(
             self.memory_store,
             embedder=embedder_from_settings(settings) if embedder is None else embedder,
@@ -419,6 +412,15 @@ class _Opened:
         return frozenset(name for name in wanted if present[name] is not None)
 
 
+def _check_state_prefix(
+    prefix: str | None, redis: DatabaseURL | None, wanted: frozenset[StoreName]
+) -> None:
+    """Raises:
+    UsageError: a Redis key prefix for state that is not on Redis."""
+    if prefix is not None and (redis is None or "state" not in wanted):
+        raise UsageError("state_prefix= is the Redis key prefix: state is not on Redis here")
+
+
 def _urls(
     url: str, wanted: frozenset[StoreName], redis_url: str | None
 ) -> tuple[DatabaseURL, DatabaseURL | None]:
@@ -445,10 +447,16 @@ def _urls(
 
 
 def _vault_keys(
-    settings: Settings, pii_key: KeyProvider | KeyRing | None
-) -> KeyProvider | KeyRing | None:
-    """The vault's keys: ``pii_key`` when given, else the settings'."""
-    return pii_key if pii_key is not None else pii_key_from_settings(settings)
+    settings: Settings,
+    wanted: frozenset[StoreName],
+    vault: bool | None,
+    pii_key: KeyProvider | KeyRing | None,
+) -> tuple[bool, KeyProvider | KeyRing | None]:
+    """Whether the vault is on, and its keys: ``pii_key`` when given, else the settings'."""
+    vault_on = "vault" in wanted and (settings.pii_vault if vault is None else vault)
+    if not vault_on:
+        return False, None
+    return True, pii_key if pii_key is not None else pii_key_from_settings(settings)
 
 
 def _wanted(only: Iterable[StoreName] | None, *, memory: bool) -> frozenset[StoreName]:
@@ -528,7 +536,7 @@ def _open_on_sql(
     if "traces" in names:
         opened.traces = _trace_store(sql)
     if "memory" in names:
-        opened.memory_store = _memory_store(sql, opened.memory_options)
+        opened.memory_store = _memory_store(sql, opened.memory_options or MemoryOptions())
     if "vault" in names:
         opened.vault = _open_vault(sql, keys, wanted=vault_on)
         if opened.vault is not None:
