@@ -6,6 +6,8 @@ server, and a stdio command that exits at once."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -67,3 +69,46 @@ async def test_a_server_whose_command_cannot_run_fails_the_start_up(tmp_path: Pa
     with pytest.raises(ToolDefinitionError, match="'broken' could not be started"):
         async with app.router.lifespan_context(app):
             pytest.fail("the service started with a server that cannot run")
+
+
+_BROKEN_AGENT = """
+import sys
+
+from keel.runtime import Agent
+from keel.testing import ScriptedModel
+from keel.tools import MCPServer
+
+
+def build(settings):
+    quitter = MCPServer.stdio(
+        sys.executable,
+        ["-c", "import sys; sys.stderr.write('no such flag: --bogus\\\\n'); sys.exit(3)"],
+        name="quitter",
+    )
+    return Agent.open(
+        settings, model=ScriptedModel(["Hi."]), system_prompt="Hi.", tools=[quitter], memory=False
+    )
+"""
+
+
+def test_keel_serve_does_not_start_with_a_server_that_exits(tmp_path: Path) -> None:
+    (tmp_path / "broken_agent.py").write_text(_BROKEN_AGENT)
+    source = str(Path(__file__).resolve().parents[2] / "src")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]),
+        "KEEL_DATA_DIR": str(tmp_path / "data"),
+    }
+    served = subprocess.run(
+        [sys.executable, "-m", "keel", "serve", "--port", "0", "--agent", "broken_agent:build"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert served.returncode != 0, served.stderr
+    said = "ToolDefinitionError: MCP server 'quitter' exited with code 3 before listing its tools"
+    assert said in served.stderr, served.stderr
+    assert "no such flag: --bogus" in served.stderr
