@@ -266,8 +266,10 @@ class PostgresMemoryStore(SQLMemoryStore):
         super().__init__(require_database(db, PostgresDatabase, "PostgresMemoryStore"))
 
     def setup(self) -> None:
-        """Apply the schema and find the vector tables there (idempotent): run when the store
-        is built."""
+        """Apply the schema and find the vector tables there: run when the store is built
+        (later calls return at once)."""
+        if self._ready:
+            return
         self.db.migrate(self.migrations)
         tables = Statement(
             "SELECT tablename FROM pg_tables WHERE tablename LIKE 'memory_vectors_%%'"
@@ -276,6 +278,7 @@ class PostgresMemoryStore(SQLMemoryStore):
             match = _VECTOR_TABLE.match(str(name))
             if match:
                 self._vector_tables.add(int(match.group(1)))
+        self._ready = True
 
     def _ensure_vector_table(self, dimension: int) -> Plan[str]:
         table = f"memory_vectors_{int(dimension)}"

@@ -131,11 +131,15 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
         self.db = db
         # The records of rows read before: a retrieval reads the same turns every turn.
         self.records = RecordCache()
+        self._ready = False
         self.setup()
 
     def setup(self) -> None:
-        """Apply the schema (idempotent): run when the store is built."""
+        """Apply the schema: run when the store is built (later calls return at once)."""
+        if self._ready:
+            return
         self.db.migrate(self.migrations)
+        self._ready = True
 
     def _lock(self, what: str, record: MemoryRecord, name: str) -> Plan[None]:
         """Make the writers of one name of ``record``'s scope (a key, a fact) take turns, for
