@@ -71,6 +71,17 @@ def _postgres_bytes(url: str) -> int:
     return int(row[0]) if row else 0
 
 
+async def _earlier_session(agent: Agent, turns: int) -> None:
+    """The user's earlier session, untimed: memory holds its turns (embedded) before the
+    timed session starts, so that session's first turns have something to recall too."""
+    for turn in range(turns):
+        reply = await agent.handle("earlier", "user", _question(turn))
+        if reply.status != "completed":
+            raise RuntimeError(f"earlier turn {turn} did not complete: {reply.error}")
+    if turns and agent.memory is not None:
+        await agent.memory.aflush()
+
+
 def _keel(
     turns: int,
     bucket: int,
@@ -117,14 +128,7 @@ def _keel(
     async def drive() -> float:
         # Closed on this loop: the PostgreSQL pools the agent opened belong to it.
         try:
-            # The user's earlier session, untimed: memory holds its turns before the timed
-            # session starts, so its first turns have something to recall too.
-            for turn in range(earlier_turns):
-                reply = await agent.handle("earlier", "user", _question(turn))
-                if reply.status != "completed":
-                    raise RuntimeError(f"earlier turn {turn} did not complete: {reply.error}")
-            if earlier_turns and agent.memory is not None:
-                await agent.memory.aflush()
+            await _earlier_session(agent, earlier_turns)
             executions["count"] = 0
             started = time.perf_counter()
             cpu_started = time.process_time()
