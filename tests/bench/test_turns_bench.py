@@ -18,6 +18,22 @@ def test_bench_turns_json_contract() -> None:
     assert figures["langgraph"]["db_bytes"] > 0 and figures["speedup_vs_langgraph"] > 0
 
 
+def test_bench_turns_memory_with_history_is_a_separate_figure() -> None:
+    figures = bench_json(
+        "turns", "--turns", "6", "--bucket", "3", "--no-langgraph", "--memory-history", "4"
+    )
+    # The plain memory-on session is still measured and reported as before ...
+    assert figures["memory_on"]["tool_executions"] == 6
+    assert "earlier_turns" not in figures["memory_on"]
+    # ... and next to it the same session for a user whose earlier session memory holds.
+    held = figures["memory_with_history"]
+    assert held["earlier_turns"] == 4 and held["tool_executions"] == 6
+    assert len(held["buckets_ms_p50"]) == 2 and held["p50_vs_memory_off"] > 0
+    assert "memory_with_history" not in bench_json(
+        "turns", "--turns", "2", "--no-langgraph", "--no-memory", "--memory-history", "4"
+    )
+
+
 def test_bench_turns_on_a_throwaway_postgres() -> None:
     figures = bench_json(
         "turns",

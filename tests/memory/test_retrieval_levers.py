@@ -148,6 +148,40 @@ def test_expansion_follows_a_first_hits_names_and_never_lifts_the_hit_itself(
     ]
 
 
+def test_expansion_seeds_are_read_once_per_search(
+    store: SQLiteMemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = _memory(store, embedder=True)
+    for text in [
+        "Alice adopted a cat named Miso",
+        "Alice runs every morning before work",
+        "Alice is allergic to peanuts",
+        "Miso sleeps on the windowsill all afternoon",
+    ]:
+        writer.add(text, scope=SCOPE)
+    writer.flush()
+    default = Memory(
+        store,
+        embedder=HashingEmbedder(64),
+        config=RetrievalConfig(expansion_weight=0.25, expansion_seeds=3),
+    )
+    before = default.search("is Alice allergic to anything?", scope=SCOPE, k=4, now=NOW)
+    read: list[str] = []
+    fetch = store.fetch
+
+    def counted_fetch(*args: object, **kwargs: object) -> object:
+        records = fetch(*args, **kwargs)  # type: ignore[arg-type]
+        read.extend(record.id for record in records)
+        return records
+
+    monkeypatch.setattr(store, "fetch", counted_fetch)
+    hits = default.search("is Alice allergic to anything?", scope=SCOPE, k=4, now=NOW)
+    # The seeds the expansion read for their names are ranked from that read, not read
+    # again: every record is fetched once, and the hits are what they were.
+    assert read and len(read) == len(set(read))
+    assert [(h.record.id, h.score) for h in hits] == [(h.record.id, h.score) for h in before]
+
+
 def test_session_spread_gives_a_second_session_a_hit(store: SQLiteMemoryStore) -> None:
     writer = _memory(store)
     for turn, text in enumerate(

@@ -71,6 +71,17 @@ def _postgres_bytes(url: str) -> int:
     return int(row[0]) if row else 0
 
 
+async def _earlier_session(agent: Agent, turns: int) -> None:
+    """The user's earlier session, untimed: memory holds its turns (embedded) before the
+    timed session starts, so that session's first turns have something to recall too."""
+    for turn in range(turns):
+        reply = await agent.handle("earlier", "user", _question(turn))
+        if reply.status != "completed":
+            raise RuntimeError(f"earlier turn {turn} did not complete: {reply.error}")
+    if turns and agent.memory is not None:
+        await agent.memory.aflush()
+
+
 def _keel(
     turns: int,
     bucket: int,
@@ -79,6 +90,7 @@ def _keel(
     memory: bool,
     postgres_url: str | None = None,
     name: str = "keel",
+    earlier_turns: int = 0,
 ) -> dict[str, Any]:
     executions = {"count": 0}
 
@@ -116,6 +128,8 @@ def _keel(
     async def drive() -> float:
         # Closed on this loop: the PostgreSQL pools the agent opened belong to it.
         try:
+            await _earlier_session(agent, earlier_turns)
+            executions["count"] = 0
             started = time.perf_counter()
             cpu_started = time.process_time()
             for turn in range(turns):
@@ -231,9 +245,15 @@ def run_turns_bench(
     langgraph: bool = True,
     database: str = "sqlite",
     repeat: int = 1,
+    memory_history: int = 0,
     progress: Callable[[str], None] = lambda text: None,
 ) -> dict[str, Any]:
     """Run the workload on keel (memory off, and on if asked) and on LangGraph.
+
+    ``memory_history``: also run memory on for a user whose earlier session of that many
+    turns memory already holds (``memory_with_history``, with its own ratios): every turn of
+    that session can recall something, where the plain memory-on session's first few hundred
+    turns find nothing outside their own window. The plain figures are unchanged by it.
 
     ``database``: ``sqlite`` (the embedded default, one file) or ``postgres`` (a throwaway
     embedded PostgreSQL with pgvector, started here and dropped afterwards, holding state,
@@ -249,12 +269,20 @@ def run_turns_bench(
             progress("starting a throwaway PostgreSQL")
             server = stack.enter_context(postgres_server())
 
-        def keel_run(memory_on: bool, name: str) -> dict[str, Any]:
+        def keel_run(memory_on: bool, name: str, earlier: int = 0) -> dict[str, Any]:
             if server is None:
-                return _keel(turns, bucket, directory, memory=memory_on, name=name)
+                return _keel(
+                    turns, bucket, directory, memory=memory_on, name=name, earlier_turns=earlier
+                )
             with server.throwaway_database() as url:
                 return _keel(
-                    turns, bucket, directory, memory=memory_on, postgres_url=url, name=name
+                    turns,
+                    bucket,
+                    directory,
+                    memory=memory_on,
+                    postgres_url=url,
+                    name=name,
+                    earlier_turns=earlier,
                 )
 
         result: dict[str, Any] = {"turns": turns, "bucket": bucket, "database": database}
@@ -267,6 +295,15 @@ def run_turns_bench(
             progress(f"keel on {database}, memory on: {turns} turns")
             on = result["memory_on"] = _combined([keel_run(True, "keel-memory")], bucket)
             on.update(_against_memory_off(on, result))
+            if memory_history > 0:
+                progress(
+                    f"keel on {database}, memory on after an earlier session of "
+                    f"{memory_history} turns: {turns} turns"
+                )
+                held = _combined([keel_run(True, "keel-history", memory_history)], bucket)
+                held.update(_against_memory_off(held, result))
+                held["earlier_turns"] = memory_history
+                result["memory_with_history"] = held
         if langgraph:
             progress(f"LangGraph create_react_agent + SqliteSaver: {turns} turns")
             lang = _langgraph(turns, bucket, directory)

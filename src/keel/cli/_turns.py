@@ -37,6 +37,13 @@ def bench_turns_command(
             "the median of their medians is reported, and each run's flatness."
         ),
     ] = 1,
+    memory_history: Annotated[
+        int,
+        typer.Option(
+            help="Also run memory on for a user whose earlier session of this many turns "
+            "memory already holds (memory_with_history); the figures above are unchanged."
+        ),
+    ] = 0,
     as_json: JsonLastOption = False,
 ) -> None:
     """Per-turn cost (median, p95 per bucket), flatness, turns/s and bytes, versus LangGraph."""
@@ -45,6 +52,8 @@ def bench_turns_command(
 
     if turns < 1 or bucket < 1 or repeat < 1:
         raise UsageError("turns, bucket and repeat must be >= 1")
+    if memory_history < 0:
+        raise UsageError("--memory-history must be >= 0")
     if database not in ("sqlite", "postgres"):
         raise UsageError(f"--database must be 'sqlite' or 'postgres', not {database!r}")
     result = run_turns_bench(
@@ -54,6 +63,7 @@ def bench_turns_command(
         langgraph=langgraph,
         database=database,
         repeat=repeat,
+        memory_history=memory_history if memory else 0,
         progress=err_console.print,
     )
     emit_or_show(result, as_json, _show)
@@ -63,6 +73,8 @@ def _show(result: dict[str, Any]) -> None:
     rows = [("keel", result)]
     if "memory_on" in result:
         rows.append(("keel+memory", result["memory_on"]))
+    if "memory_with_history" in result:
+        rows.append(("+history", result["memory_with_history"]))
     if "langgraph" in result:
         rows.append(("langgraph", result["langgraph"]))
     for name, figures in rows:

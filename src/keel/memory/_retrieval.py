@@ -232,12 +232,13 @@ class Retriever:
         if not fused.scores:
             return []
         cfg = self.config
+        seeds: list[MemoryRecord] = []
         if cfg.expansion_weight > 0 and cfg.keyword_weight > 0:
-            self._expand(fused, masked, scope, filters)
+            seeds = self._expand(fused, masked, scope, filters)
         reference = now or utcnow()
         ranges = time_ranges(query, reference) if cfg.temporal_weight > 0 else []
         dated = 1.0 + cfg.temporal_weight if ranges else 1.0
-        records = self._fetch_reachable(scope, filters, fused.scores, window, dated)
+        records = self._fetch_reachable(scope, filters, fused.scores, window, dated, seeds)
         hits: list[MemoryHit] = []
         for record_id, record in records.items():
             score = fused.scores[record_id]
@@ -321,16 +322,17 @@ class Retriever:
 
     def _expand(
         self, fused: _Fused, masked_query: str, scope: Scope, filters: MemoryFilter
-    ) -> None:
+    ) -> list[MemoryRecord]:
         """Multi-hop expansion: a keyword search for the names the best ``expansion_seeds``
-        candidates mention and the query does not, fused in with ``expansion_weight``."""
+        candidates mention and the query does not, fused in with ``expansion_weight``. The
+        seeds' records, read for their names, are returned: the ranking needs them too."""
         cfg = self.config
         scores = fused.scores
         best = sorted(scores, key=lambda record_id: (-scores[record_id], record_id))
         seeds = self.store.fetch(scope, best[: cfg.expansion_seeds], filters)
         terms = entity_terms([r.text for r in seeds], keyword_terms(masked_query))
         if not terms:
-            return
+            return seeds
         # The seeds are what the hop starts from: a seed is never lifted by names it
         # mentions itself (a lone hit naming a pet would otherwise climb over the answer).
         starts = {record.id for record in seeds}
@@ -342,6 +344,7 @@ class Retriever:
             scores[hit.record_id] = scores.get(hit.record_id, 0.0) + (
                 cfg.expansion_weight / (cfg.rrf_k + rank)
             )
+        return seeds
 
     def _fetch_reachable(
         self,
@@ -350,8 +353,11 @@ class Retriever:
         scores: dict[str, float],
         window: int,
         dated: float = 1.0,
+        read: Sequence[MemoryRecord] = (),
     ) -> dict[str, MemoryRecord]:
-        """The records of every candidate that can still finish in the best ``window``.
+        """The records of every candidate that can still finish in the best ``window``
+        (``read``: records this search has read already, under the same scope and filters,
+        which are not read again).
 
         Recency multiplies a fused score by a factor in [1, 1 + recency_weight] (and a date
         the query names by one in [1, ``dated``]), so the
@@ -362,6 +368,7 @@ class Retriever:
         """
         ordered = sorted(scores, key=lambda record_id: (-scores[record_id], record_id))
         boost = (1.0 + self.config.recency_weight) * dated
+        known = {record.id: record for record in read}
         records: dict[str, MemoryRecord] = {}
         start = 0
         while start < len(ordered):
@@ -370,7 +377,15 @@ class Retriever:
             end = start + max(missing, 1)
             while end < len(ordered) and scores[ordered[end]] * boost >= floor:
                 end += 1
-            records.update((r.id, r) for r in self.store.fetch(scope, ordered[start:end], filters))
+            wanted = ordered[start:end]
+            unread = [record_id for record_id in wanted if record_id not in known]
+            fetched = {r.id: r for r in self.store.fetch(scope, unread, filters)} if unread else {}
+            # In rank order, as a read of them all would have given them.
+            records.update(
+                (record_id, record)
+                for record_id in wanted
+                if (record := known.get(record_id) or fetched.get(record_id)) is not None
+            )
             start = end
             if len(records) >= window:
                 break
