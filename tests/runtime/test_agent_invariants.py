@@ -380,7 +380,6 @@ async def test_bad_arguments_are_usage_errors(
     assert agent.state.sessions() == []
 
 
-
 @pytest.mark.parametrize("text", ["日本語", "\u200bé", " \u00a0Ωμέγα\n", "🙂"])
 async def test_a_message_visible_only_outside_ascii_is_answered(
     database: SQLiteDatabase, text: str
@@ -392,6 +391,7 @@ async def test_a_message_visible_only_outside_ascii_is_answered(
     assert reply.status == "completed", reply
     state = agent.session_state("s1")
     assert state is not None and state.messages[0].content == text
+
 
 async def test_lone_surrogates_from_the_user_and_the_model_are_stored_safely(
     database: SQLiteDatabase,

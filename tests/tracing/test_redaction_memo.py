@@ -19,8 +19,8 @@ from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 from keel.tracing import RunQuery, Tracer, redact_json, redact_secrets
 from keel.tracing._redact import RedactionMemo
-from tests.tracing.test_redact import SECRETS
 from tests.privacy._samples import MODEL_PII, USER_PII, dump_sqlite, leaks, sentence
+from tests.tracing.test_redact import SECRETS
 
 SYSTEM_PROMPT = (
     f"You look records up. Escalations go to {USER_PII['EMAIL']}, key {USER_PII['API_KEY']}."
@@ -110,7 +110,6 @@ def test_a_new_masking_policy_is_not_answered_from_memory(tmp_path: Path) -> Non
     steps = dump_sqlite(tmp_path / "traces.db")["trace_steps"]
     assert steps.count(USER_PII["EMAIL"]) == 1  # the first run's, under the old policy
     assert "write to <EMAIL_1>" in steps
-
 
 
 def test_a_json_walk_asks_the_redactor_only_about_texts_not_known_clean() -> None:
