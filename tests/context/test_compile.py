@@ -358,3 +358,20 @@ def test_a_recent_giant_tool_output_takes_at_most_its_share() -> None:
     assert [(p.tool_call_id, p.how, p.original_tokens) for p in report.pruned] == [
         ("big", "pruned", original)
     ]
+
+
+def test_each_prompt_shows_the_summary_its_conversation_holds_now() -> None:
+    """The summary block is kept while the summary is the same object: a summary rewritten
+    since (a new object, even one of the same length) shows in the next prompt, and so does
+    going back to one shown before."""
+    engine = ContextEngine("gpt-4o")
+    history = [Message.user(f"My code is {n}.") for n in range(3)]
+    shown = []
+    for summary in ("Codes 1 and 2.", "Codes 3 and 4.", "Codes 1 and 2.", ""):
+        conversation = engine.conversation("s", history, summary=summary, turns_summarized=1)
+        prompt = engine.compile(conversation, system="S")
+        shown.append([m.content for m in prompt.messages if m.role == "system"])
+        assert (prompt.report.sections.summary > 0) == bool(summary)
+    assert "Codes 1 and 2." in shown[0][1] and "Codes 3 and 4." in shown[1][1]
+    assert "Codes 1 and 2." in shown[2][1]
+    assert shown[3] == ["S"], shown[3]

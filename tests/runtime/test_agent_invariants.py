@@ -380,6 +380,19 @@ async def test_bad_arguments_are_usage_errors(
     assert agent.state.sessions() == []
 
 
+@pytest.mark.parametrize("text", ["日本語", "\u200bé", " \u00a0Ωμέγα\n", "🙂"])
+async def test_a_message_visible_only_outside_ascii_is_answered(
+    database: SQLiteDatabase, text: str
+) -> None:
+    """A message with no visible ASCII character is read character by character (the C check
+    for one settles most messages): visible text in any script is a message."""
+    agent = sqlite_agent(database, ScriptedModel(lambda call: "ok"))
+    reply = await agent.handle("s1", "u1", text)
+    assert reply.status == "completed", reply
+    state = agent.session_state("s1")
+    assert state is not None and state.messages[0].content == text
+
+
 async def test_lone_surrogates_from_the_user_and_the_model_are_stored_safely(
     database: SQLiteDatabase,
 ) -> None:

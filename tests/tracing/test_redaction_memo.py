@@ -17,8 +17,10 @@ from keel.stores import SQLiteDatabase
 from keel.stores._sql_traces import SQLTraceStore
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
-from keel.tracing import RunQuery, Tracer
+from keel.tracing import RunQuery, Tracer, redact_json, redact_secrets
+from keel.tracing._redact import RedactionMemo
 from tests.privacy._samples import MODEL_PII, USER_PII, dump_sqlite, leaks, sentence
+from tests.tracing.test_redact import SECRETS
 
 SYSTEM_PROMPT = (
     f"You look records up. Escalations go to {USER_PII['EMAIL']}, key {USER_PII['API_KEY']}."
@@ -108,3 +110,37 @@ def test_a_new_masking_policy_is_not_answered_from_memory(tmp_path: Path) -> Non
     steps = dump_sqlite(tmp_path / "traces.db")["trace_steps"]
     assert steps.count(USER_PII["EMAIL"]) == 1  # the first run's, under the old policy
     assert "write to <EMAIL_1>" in steps
+
+
+def test_a_json_walk_asks_the_redactor_only_about_texts_not_known_clean() -> None:
+    """A step's JSON fields (a budget report, attributes) come back every step: once a text is
+    known clean, walking them again looks it up in the memo without calling the redactor, keys
+    included, while the secrets in them, nested in lists and dicts and as a key, are masked
+    every time."""
+    memo = RedactionMemo(redact_secrets)
+    remembered = memo.current()
+    asked: list[str] = []
+
+    def counting(text: str) -> str:
+        asked.append(text)
+        return remembered(text)
+
+    # The walk finds the memo's clean texts on the redactor it is given, as on ``remembered``.
+    for name in dir(remembered):
+        if name.startswith("keel_"):
+            setattr(counting, name, getattr(remembered, name))
+    key = SECRETS["aws"]
+    value = {
+        "sections": {"system": 12, "turns": [{"role": "user", "note": "kept whole"}]},
+        key: ["clean item", {"nested": SECRETS["github"]}, (SECRETS["slack"], 1.5)],
+    }
+    first = redact_json(value, counting)
+    assert "clean item" in asked and "sections" in asked
+    asked.clear()
+    second = redact_json(value, counting)
+    # Only the texts with something masked (not known clean) go to the redactor again.
+    assert sorted(asked) == sorted([key, SECRETS["github"], SECRETS["slack"]]), asked
+    assert first == second
+    flat = repr(second)
+    assert not [s for s in (key, SECRETS["github"], SECRETS["slack"]) if s in flat], flat
+    assert second["sections"] == {"system": 12, "turns": [{"role": "user", "note": "kept whole"}]}

@@ -216,6 +216,7 @@ class ContextEngine:
         empty = Message.system("")
         self._priming = counter.count_messages([empty]) - counter.count_message(empty)
         self._blocks: dict[str, tuple[Message, int, int]] = {}
+        self._last_summary: tuple[str, tuple[Message | None, int, int]] | None = None
         self._line_tokens: dict[str, int] = {}
 
     @property
@@ -292,9 +293,16 @@ class ContextEngine:
         return self._block(MEMORIES_HEADING + "\n" + "\n".join(f"- {m.text.strip()}" for m in kept))
 
     def _summary_block(self, summary: str) -> tuple[Message | None, int, int]:
-        if not summary.strip():
-            return None, 0, 0
-        return self._block(f"{SUMMARY_HEADING}\n{summary}")
+        # The session's summary is one object from one rewrite to the next (tens of kB late in
+        # a session): stripping, joining and hashing it again at every compile cost its length.
+        last = self._last_summary
+        if last is not None and last[0] is summary:
+            return last[1]
+        block: tuple[Message | None, int, int] = (None, 0, 0)
+        if summary.strip():
+            block = self._block(f"{SUMMARY_HEADING}\n{summary}")
+        self._last_summary = (summary, block)
+        return block
 
     # --- compiling -----------------------------------------------------------------------
 

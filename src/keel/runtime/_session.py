@@ -676,10 +676,10 @@ def user_text(text: object) -> str:
     """``text`` as a user's message, once it is one: text with something visible, no NUL."""
     if not isinstance(text, str):
         raise UsageError(f"the user message must be a string, got {type(text).__name__}")
-    visible = "".join(
-        ch for ch in text if not ch.isspace() and unicodedata.category(ch) not in ("Cf", "Cc")
-    )
-    if not visible:
+    # A visible ASCII character settles it in C; only text without one is read per character.
+    if _VISIBLE_ASCII.search(text) is None and not any(
+        not ch.isspace() and unicodedata.category(ch) not in ("Cf", "Cc") for ch in text
+    ):
         raise UsageError("the user message is empty")
     if "\x00" in text:
         # PostgreSQL cannot store a NUL; SQLite could, so both refuse it before a turn starts.
@@ -688,6 +688,7 @@ def user_text(text: object) -> str:
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_VISIBLE_ASCII = re.compile("[!-~]")
 
 
 def _config(deps: TurnDeps) -> Approvals:
