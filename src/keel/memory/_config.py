@@ -123,6 +123,30 @@ class RetrievalConfig(BaseModel):
         description="Only the best this many hits are shown with their neighbouring turns; "
         "later hits come alone (0: every hit). Frees tokens where context rarely helps.",
     )
+    narrow_context_hits: int = Field(
+        default=0,
+        ge=0,
+        description="For a question about one event (past tense, 'when', 'why' or a date it "
+        "names), only the best this many hits are shown with their neighbouring turns, in "
+        "place of ``context_hits`` (0: such a question is treated like any other).",
+    )
+    broad_reach: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="For a broad question (not about one event), ``context_reach`` is this "
+        "(0: such a question is treated like any other).",
+    )
+    broad_spread: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="For a broad question, ``session_spread`` is this, sparing the best "
+        "``broad_spread_after`` hits (0: such a question is treated like any other).",
+    )
+    broad_spread_after: int = Field(
+        default=0, ge=0, description="The best hits ``broad_spread`` spares."
+    )
     judge_candidates: int = Field(
         default=20, ge=1, description="Candidates shown to the optional model judge."
     )

@@ -8,6 +8,7 @@ judge (when there is one) filters and which is then packed into an exact token b
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from keel.memory._embedders import Embedder
 from keel.memory._expansion import entity_terms
 from keel.memory._packing import PackedMemory, label_for, pack_items
 from keel.memory._records import MemoryFilter, MemoryRecord, Scope, mask_text, utcnow
+from keel.memory._shape import shaped_config
 from keel.memory._similarity import gram
 from keel.memory._store import MemoryStore, ScoredId
 from keel.memory._temporal import time_ranges
@@ -205,6 +207,12 @@ class Retriever:
         distinct: bool,
     ) -> list[MemoryHit]:
         """What ``Memory.search`` answers (its arguments, by position)."""
+        shaped = shaped_config(self.config, query, now or utcnow())
+        if shaped is not self.config:
+            # The settings the question's shape gets, for this search only.
+            retriever = copy.copy(self)
+            retriever.config = shaped
+            return retriever.search(query, scope, k, filters, now, distinct)
         filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
         # MMR picks the k hits from the best ``window`` candidates; only those are read back.
         window = max(k * 4, 40)
