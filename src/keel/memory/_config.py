@@ -103,7 +103,7 @@ class RetrievalConfig(BaseModel):
         "relevance alone, the later ones spread over sessions (0: every hit spreads).",
     )
     wide_hits: int = Field(
-        default=6,
+        default=4,
         ge=0,
         description="The best this many hits are shown with one more turn on each side than "
         "``neighbours`` (spends more of the token budget on the likeliest context; nothing "
@@ -118,7 +118,7 @@ class RetrievalConfig(BaseModel):
         "like ``wide_hits`` it widens a context, never creates one).",
     )
     context_hits: int = Field(
-        default=0,
+        default=7,
         ge=0,
         description="Only the best this many hits are shown with their neighbouring turns; "
         "later hits come alone (0: every hit). Frees tokens where context rarely helps.",
@@ -131,21 +131,21 @@ class RetrievalConfig(BaseModel):
         "place of ``context_hits`` (0: such a question is treated like any other).",
     )
     broad_reach: int = Field(
-        default=0,
+        default=8,
         ge=0,
         le=16,
         description="For a broad question (not about one event), ``context_reach`` is this "
         "(0: such a question is treated like any other).",
     )
     broad_spread: float = Field(
-        default=0.0,
+        default=0.9,
         ge=0,
         lt=1,
         description="For a broad question, ``session_spread`` is this, sparing the best "
         "``broad_spread_after`` hits (0: such a question is treated like any other).",
     )
     broad_spread_after: int = Field(
-        default=0, ge=0, description="The best hits ``broad_spread`` spares."
+        default=4, ge=0, description="The best hits ``broad_spread`` spares."
     )
     judge_candidates: int = Field(
         default=20, ge=1, description="Candidates shown to the optional model judge."
