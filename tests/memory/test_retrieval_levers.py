@@ -40,6 +40,10 @@ def _memory(store: SQLiteMemoryStore, embedder: bool = False, **config: float) -
                 "wide_hits": 0,
                 "expansion_weight": 0.0,
                 "context_reach": 0,
+                "context_hits": 0,
+                "broad_reach": 0,
+                "broad_spread": 0.0,
+                "broad_spread_after": 0,
                 **config,
             }
         ),
@@ -305,3 +309,20 @@ def test_broad_spread_gives_a_broad_question_hits_in_more_sessions(
     assert sessions(narrow, broad_spread=0.9) == ["s1", "s1"]
     # Spared hits are picked by relevance alone.
     assert sessions(broad, broad_spread=0.9, broad_spread_after=2) == ["s1", "s1"]
+
+
+def test_a_block_too_big_for_the_budget_is_packed_as_its_hit_alone(
+    store: SQLiteMemoryStore,
+) -> None:
+    writer = _memory(store)
+    for turn in range(12):
+        writer.add(f"pasta recipe number {turn} with basil", scope=SCOPE, session_id="s", turn=turn)
+    memory = _memory(store, broad_reach=8)
+    (hit,) = memory.search("pasta recipe with basil", scope=SCOPE, k=1, now=NOW)
+    assert len(hit.records) > 5  # the well-ranked turns around it join its block
+    packed = memory.retrieve(
+        "pasta recipe with basil", scope=SCOPE, budget_tokens=40, k=1, include_profile=False
+    )
+    (item,) = packed.items
+    assert item.record_ids == (hit.record.id,)
+    assert item.text.endswith(hit.record.text)

@@ -102,10 +102,14 @@ class RetrievalDraft:
         candidates: list[tuple[str, str, tuple[str, ...], float]] = [
             ("profile", f"{label_for(r)} {r.text}", (r.id,), math.inf) for r in self.facts
         ]
-        candidates.extend(
-            ("relevant", h.render(), tuple(r.id for r in h.records), h.score)
-            for h in hits[: self.k]
-        )
+        for hit in hits[: self.k]:
+            candidates.append(
+                ("relevant", hit.render(), tuple(r.id for r in hit.records), hit.score)
+            )
+            if len(hit.records) > 1:
+                # A block too big for what is left of the budget is shown as its hit alone.
+                alone = f"{label_for(hit.record)} {hit.record.text}"
+                candidates.append(("relevant", alone, (hit.record.id,), hit.score))
         candidates.extend(
             ("recent", f"{label_for(r)} {r.text}", (r.id,), 0.0) for r in self.actions
         )
