@@ -51,11 +51,13 @@ LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
         for narrow in (0, 7, 6, 5)
         for reach in (0, 4, 8)
     ),
-    "broad_spread": ({"broad_spread": 0.0, "broad_spread_after": 0},)
-    + tuple(
-        {"broad_spread": spread, "broad_spread_after": after}
-        for after in (2, 4, 6, 7)
-        for spread in (0.5, 0.9)
+    "broad_spread": (
+        {"broad_spread": 0.0, "broad_spread_after": 0},
+        *(
+            {"broad_spread": spread, "broad_spread_after": after}
+            for after in (2, 4, 6, 7)
+            for spread in (0.5, 0.9)
+        ),
     ),
     "budget": tuple(
         {"wide_hits": wide, "context_hits": tail} for tail in (0, 7, 5) for wide in (0, 2, 4, 6)
