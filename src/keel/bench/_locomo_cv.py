@@ -66,7 +66,13 @@ LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
 """The levers kept, each with its grid; the first value of each is off. The dates' grid
 reaches 16 since 4, its old top, was picked in every fold (2026-12-06). Budget: how the
 tokens are spread over the ranks: the best ``wide_hits`` hits show one more turn on each side,
-hits after the best ``context_hits`` show none (0: all do); the token limit binds there."""
+hits after the best ``context_hits`` show none (0: all do); the token limit binds there.
+Shape (2026-12-07): a question about one event (past tense, "when", "why", a date) shows
+neighbours for its best ``narrow_context_hits`` hits only; a broad one shows the well-ranked
+turns up to ``broad_reach`` from a hit, and spreads its hits after the best
+``broad_spread_after`` over sessions (``broad_spread``). Shape and spread come before the
+budget: after it, no token was left for them (every fold then took the shape lever's reach
+and nothing of the spread; CV session-level stayed at 0.903)."""
 
 MEASURED_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
     "session_spread": (

@@ -28,7 +28,8 @@ class RetrievalConfig(BaseModel):
     weigh the same in reciprocal-rank fusion, each turn is embedded with the turn before it,
     and a hit is shown with the neighbouring turn on each side. ``rrf_k`` and the recency
     boost were chosen on the LoCoMo dev split (five conversations; see ``keel bench locomo``).
-    The levers after them (``temporal_weight``, ``expansion_*``, ``wide_hits``,
+    The levers after them (``temporal_weight``, ``expansion_*``, the question-shape levers
+    ``narrow_context_hits``, ``broad_reach`` and ``broad_spread*``, ``wide_hits``,
     ``context_hits``) are what ``keel bench locomo --cv``'s procedure picks on all five
     conversations; its leave-one-conversation-out figure is their honest measure.
     ``session_spread``, ``spread_after`` and ``context_reach`` are measured there alone, off.
