@@ -11,6 +11,7 @@ import pytest
 
 from keel.memory import HashingEmbedder, Memory, RetrievalConfig, Scope
 from keel.memory._expansion import entity_terms
+from keel.memory._shape import is_broad
 from keel.memory._temporal import time_ranges
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 
@@ -39,6 +40,10 @@ def _memory(store: SQLiteMemoryStore, embedder: bool = False, **config: float) -
                 "wide_hits": 0,
                 "expansion_weight": 0.0,
                 "context_reach": 0,
+                "context_hits": 0,
+                "broad_reach": 0,
+                "broad_spread": 0.0,
+                "broad_spread_after": 0,
                 **config,
             }
         ),
@@ -261,3 +266,97 @@ def test_context_reach_shows_the_well_ranked_turns_near_a_hit(store: SQLiteMemor
     assert shown(context_reach=5) == [3, 4, 5, 7, 9]
     # Like ``wide_hits`` it widens a context and never creates one.
     assert shown(context_reach=3, neighbours=0) == [4]
+
+
+def test_a_question_about_one_event_is_told_from_a_broad_one() -> None:
+    assert is_broad("What books has Melanie read?", NOW)
+    assert is_broad("What are Joanna's hobbies?", NOW)
+    assert not is_broad("What did Melanie read last summer?", NOW)  # past tense
+    assert not is_broad("When is Tim going to Ireland?", NOW)
+    assert not is_broad("What is Tim reading in July 2023?", NOW)  # a date it names
+    assert not is_broad("What is Tim reading these days, as of last week?", NOW)
+
+
+def _telescope_talk(store: SQLiteMemoryStore) -> None:
+    """Two sessions talking about a telescope, with small talk around each mention."""
+    writer = _memory(store)
+    texts = {
+        ("s1", 2): "my telescope arrived",
+        ("s1", 5): "the telescope lens is scratched",
+        ("s2", 2): "a telescope for my birthday",
+    }
+    for session in ("s1", "s2"):
+        for turn in range(8):
+            text = texts.get((session, turn), f"small talk number {turn} in {session}")
+            writer.add(text, scope=SCOPE, session_id=session, turn=turn)
+
+
+def _blocks(memory: Memory, query: str, k: int) -> list[tuple[str | None, list[int | None]]]:
+    return [
+        (hit.record.session_id, [record.turn for record in hit.records])
+        for hit in memory.search(query, scope=SCOPE, k=k, now=NOW)
+    ]
+
+
+def test_narrow_context_hits_leave_the_later_hits_of_a_one_event_question_alone(
+    store: SQLiteMemoryStore,
+) -> None:
+    _telescope_talk(store)
+    narrow = "When did the telescope arrive?"
+    broad = "What does she think of telescopes and the telescope?"
+    plain = _memory(store)
+    assert [len(turns) for _, turns in _blocks(plain, narrow, 2)] == [3, 3]
+    lever = _memory(store, narrow_context_hits=1)
+    # The question about one event: the second hit comes alone ...
+    assert [len(turns) for _, turns in _blocks(lever, narrow, 2)] == [3, 1]
+    # ... a broad one keeps every hit's neighbours, as without the lever.
+    assert _blocks(lever, broad, 2) == _blocks(plain, broad, 2)
+    assert all(len(turns) == 3 for _, turns in _blocks(lever, broad, 2))
+
+
+def test_broad_reach_shows_well_ranked_turns_near_the_hits_of_a_broad_question(
+    store: SQLiteMemoryStore,
+) -> None:
+    _telescope_talk(store)
+    broad = "What telescope has she got?"
+    narrow = "What telescope did she get?"
+    lever = _memory(store, broad_reach=3)
+    # The broad question: turn 5 (the lens) ranks on its own, 3 turns from the hit at 2.
+    assert _blocks(lever, broad, 1) == [("s1", [1, 2, 3, 5])]
+    assert _blocks(_memory(store), broad, 1) == [("s1", [1, 2, 3])]
+    # The question about one event is left as it was.
+    assert _blocks(lever, narrow, 1) == [("s1", [1, 2, 3])]
+
+
+def test_broad_spread_gives_a_broad_question_hits_in_more_sessions(
+    store: SQLiteMemoryStore,
+) -> None:
+    _telescope_talk(store)
+    broad = "What has she said about her telescope?"
+    narrow = "What did she say about her telescope?"
+
+    def sessions(query: str, **config: float) -> list[str | None]:
+        return [s for s, _ in _blocks(_memory(store, neighbours=0, **config), query, 2)]
+
+    assert sessions(broad) == ["s1", "s1"]
+    assert sessions(broad, broad_spread=0.9) == ["s1", "s2"]
+    assert sessions(narrow, broad_spread=0.9) == ["s1", "s1"]
+    # Spared hits are picked by relevance alone.
+    assert sessions(broad, broad_spread=0.9, broad_spread_after=2) == ["s1", "s1"]
+
+
+def test_a_block_too_big_for_the_budget_is_packed_as_its_hit_alone(
+    store: SQLiteMemoryStore,
+) -> None:
+    writer = _memory(store)
+    for turn in range(12):
+        writer.add(f"pasta recipe number {turn} with basil", scope=SCOPE, session_id="s", turn=turn)
+    memory = _memory(store, broad_reach=8)
+    (hit,) = memory.search("pasta recipe with basil", scope=SCOPE, k=1, now=NOW)
+    assert len(hit.records) > 5  # the well-ranked turns around it join its block
+    packed = memory.retrieve(
+        "pasta recipe with basil", scope=SCOPE, budget_tokens=40, k=1, include_profile=False
+    )
+    (item,) = packed.items
+    assert item.record_ids == (hit.record.id,)
+    assert item.text.endswith(hit.record.text)

@@ -46,6 +46,19 @@ LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
         {"expansion_weight": 0.25, "expansion_seeds": 3},
         {"expansion_weight": 0.5, "expansion_seeds": 3},
     ),
+    "shape": tuple(
+        {"narrow_context_hits": narrow, "broad_reach": reach}
+        for narrow in (0, 7, 6, 5)
+        for reach in (0, 4, 8)
+    ),
+    "broad_spread": (
+        {"broad_spread": 0.0, "broad_spread_after": 0},
+        *(
+            {"broad_spread": spread, "broad_spread_after": after}
+            for after in (2, 4, 6, 7)
+            for spread in (0.5, 0.9)
+        ),
+    ),
     "budget": tuple(
         {"wide_hits": wide, "context_hits": tail} for tail in (0, 7, 5) for wide in (0, 2, 4, 6)
     ),
@@ -53,7 +66,13 @@ LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
 """The levers kept, each with its grid; the first value of each is off. The dates' grid
 reaches 16 since 4, its old top, was picked in every fold (2026-12-06). Budget: how the
 tokens are spread over the ranks: the best ``wide_hits`` hits show one more turn on each side,
-hits after the best ``context_hits`` show none (0: all do); the token limit binds there."""
+hits after the best ``context_hits`` show none (0: all do); the token limit binds there.
+Shape (2026-12-07): a question about one event (past tense, "when", "why", a date) shows
+neighbours for its best ``narrow_context_hits`` hits only; a broad one shows the well-ranked
+turns up to ``broad_reach`` from a hit, and spreads its hits after the best
+``broad_spread_after`` over sessions (``broad_spread``). Shape and spread come before the
+budget: after it, no token was left for them (every fold then took the shape lever's reach
+and nothing of the spread; CV session-level stayed at 0.903)."""
 
 MEASURED_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
     "session_spread": (

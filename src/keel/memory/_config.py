@@ -28,7 +28,8 @@ class RetrievalConfig(BaseModel):
     weigh the same in reciprocal-rank fusion, each turn is embedded with the turn before it,
     and a hit is shown with the neighbouring turn on each side. ``rrf_k`` and the recency
     boost were chosen on the LoCoMo dev split (five conversations; see ``keel bench locomo``).
-    The levers after them (``temporal_weight``, ``expansion_*``, ``wide_hits``,
+    The levers after them (``temporal_weight``, ``expansion_*``, the question-shape levers
+    ``narrow_context_hits``, ``broad_reach`` and ``broad_spread*``, ``wide_hits``,
     ``context_hits``) are what ``keel bench locomo --cv``'s procedure picks on all five
     conversations; its leave-one-conversation-out figure is their honest measure.
     ``session_spread``, ``spread_after`` and ``context_reach`` are measured there alone, off.
@@ -103,7 +104,7 @@ class RetrievalConfig(BaseModel):
         "relevance alone, the later ones spread over sessions (0: every hit spreads).",
     )
     wide_hits: int = Field(
-        default=6,
+        default=4,
         ge=0,
         description="The best this many hits are shown with one more turn on each side than "
         "``neighbours`` (spends more of the token budget on the likeliest context; nothing "
@@ -118,10 +119,34 @@ class RetrievalConfig(BaseModel):
         "like ``wide_hits`` it widens a context, never creates one).",
     )
     context_hits: int = Field(
-        default=0,
+        default=7,
         ge=0,
         description="Only the best this many hits are shown with their neighbouring turns; "
         "later hits come alone (0: every hit). Frees tokens where context rarely helps.",
+    )
+    narrow_context_hits: int = Field(
+        default=0,
+        ge=0,
+        description="For a question about one event (past tense, 'when', 'why' or a date it "
+        "names), only the best this many hits are shown with their neighbouring turns, in "
+        "place of ``context_hits`` (0: such a question is treated like any other).",
+    )
+    broad_reach: int = Field(
+        default=8,
+        ge=0,
+        le=16,
+        description="For a broad question (not about one event), ``context_reach`` is this "
+        "(0: such a question is treated like any other).",
+    )
+    broad_spread: float = Field(
+        default=0.9,
+        ge=0,
+        lt=1,
+        description="For a broad question, ``session_spread`` is this, sparing the best "
+        "``broad_spread_after`` hits (0: such a question is treated like any other).",
+    )
+    broad_spread_after: int = Field(
+        default=4, ge=0, description="The best hits ``broad_spread`` spares."
     )
     judge_candidates: int = Field(
         default=20, ge=1, description="Candidates shown to the optional model judge."

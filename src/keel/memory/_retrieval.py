@@ -8,6 +8,7 @@ judge (when there is one) filters and which is then packed into an exact token b
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from keel.memory._embedders import Embedder
 from keel.memory._expansion import entity_terms
 from keel.memory._packing import PackedMemory, label_for, pack_items
 from keel.memory._records import MemoryFilter, MemoryRecord, Scope, mask_text, utcnow
+from keel.memory._shape import shaped_config
 from keel.memory._similarity import gram
 from keel.memory._store import MemoryStore, ScoredId
 from keel.memory._temporal import time_ranges
@@ -100,10 +102,14 @@ class RetrievalDraft:
         candidates: list[tuple[str, str, tuple[str, ...], float]] = [
             ("profile", f"{label_for(r)} {r.text}", (r.id,), math.inf) for r in self.facts
         ]
-        candidates.extend(
-            ("relevant", h.render(), tuple(r.id for r in h.records), h.score)
-            for h in hits[: self.k]
-        )
+        for hit in hits[: self.k]:
+            candidates.append(
+                ("relevant", hit.render(), tuple(r.id for r in hit.records), hit.score)
+            )
+            if len(hit.records) > 1:
+                # A block too big for what is left of the budget is shown as its hit alone.
+                alone = f"{label_for(hit.record)} {hit.record.text}"
+                candidates.append(("relevant", alone, (hit.record.id,), hit.score))
         candidates.extend(
             ("recent", f"{label_for(r)} {r.text}", (r.id,), 0.0) for r in self.actions
         )
@@ -205,6 +211,12 @@ class Retriever:
         distinct: bool,
     ) -> list[MemoryHit]:
         """What ``Memory.search`` answers (its arguments, by position)."""
+        shaped = shaped_config(self.config, query, now or utcnow())
+        if shaped is not self.config:
+            # The settings the question's shape gets, for this search only.
+            retriever = copy.copy(self)
+            retriever.config = shaped
+            return retriever.search(query, scope, k, filters, now, distinct)
         filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
         # MMR picks the k hits from the best ``window`` candidates; only those are read back.
         window = max(k * 4, 40)
