@@ -60,7 +60,9 @@ LEVER_GRIDS: dict[str, tuple[dict[str, float], ...]] = {
         ),
     ),
     "budget": tuple(
-        {"wide_hits": wide, "context_hits": tail} for tail in (0, 7, 5) for wide in (0, 2, 4, 6)
+        {"wide_hits": wide, "context_hits": tail}
+        for tail in (0, 7, 5, 9)
+        for wide in (0, 2, 4, 6, 8)
     ),
 }
 """The levers kept, each with its grid; the first value of each is off. The dates' grid

@@ -104,7 +104,7 @@ class RetrievalConfig(BaseModel):
         "relevance alone, the later ones spread over sessions (0: every hit spreads).",
     )
     wide_hits: int = Field(
-        default=4,
+        default=2,
         ge=0,
         description="The best this many hits are shown with one more turn on each side than "
         "``neighbours`` (spends more of the token budget on the likeliest context; nothing "
@@ -119,7 +119,7 @@ class RetrievalConfig(BaseModel):
         "like ``wide_hits`` it widens a context, never creates one).",
     )
     context_hits: int = Field(
-        default=7,
+        default=9,
         ge=0,
         description="Only the best this many hits are shown with their neighbouring turns; "
         "later hits come alone (0: every hit). Frees tokens where context rarely helps.",
