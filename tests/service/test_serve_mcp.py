@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from keel.errors import ToolDefinitionError
+from keel.errors import ConfigError, StoreError, ToolDefinitionError
 from keel.service import build_service
 from keel.settings import load_settings
+from keel.stores._sql_plan import table_names
 from keel.testing import ScriptedModel
 from keel.testing.mcp_fault_server import stdio_server
 from keel.tools import MCPServer
@@ -46,6 +47,56 @@ async def test_the_service_starts_its_server_before_any_request_and_stops_it_at_
         assert reply.status == "completed", reply
         assert len(_servers_running(effects)) == 1  # the tenant's agent used the same one
     await _until_gone(effects)
+
+
+async def test_a_start_up_that_fails_after_the_servers_started_stops_them(
+    tmp_path: Path,
+) -> None:
+    """The servers start first; memory's embedder loads after them, before traffic. An
+    embedder that cannot load fails the start-up, and what was started is stopped: the MCP
+    server's process and the stores."""
+    effects = tmp_path / "effects.txt"
+    # Its folder has its configuration but no tokenizer: it is built, and fails to load.
+    folder = tmp_path / "embedder"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1})
+    )
+    app, agents, _ = build_service(
+        f"sqlite:///{tmp_path / 'keel.db'}",
+        model=ScriptedModel(["Hi."]),
+        tools=[stdio_server(effects)],
+        settings=load_settings(data_dir=tmp_path, embedder=f"local:{folder}"),
+        ui=False,
+    )
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
+        async with app.router.lifespan_context(app):
+            pytest.fail("the service started with an embedder that cannot load")
+    await _until_gone(effects)
+    with pytest.raises(StoreError, match="closed"):
+        table_names(agents.backends.sql)
+
+
+async def test_shutdown_stops_the_servers_and_closes_the_stores_whatever_fails_to_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    effects = tmp_path / "effects.txt"
+    model = ScriptedModel(["Hi."])
+    app, agents, _ = _service(tmp_path, stdio_server(effects), model)
+
+    async def fails() -> None:
+        raise RuntimeError("could not close")
+
+    with pytest.raises(RuntimeError, match="could not close"):
+        async with app.router.lifespan_context(app):
+            assert len(_servers_running(effects)) == 1
+            monkeypatch.setattr(agents("acme"), "aclose", fails)
+            monkeypatch.setattr(model, "aclose", fails)
+    # The tenant's agent and the model failed to close: the service's server is stopped and
+    # its stores closed all the same.
+    await _until_gone(effects)
+    with pytest.raises(StoreError, match="closed"):
+        table_names(agents.backends.sql)
 
 
 async def test_a_server_that_exits_at_once_fails_the_start_up_naming_it(tmp_path: Path) -> None:

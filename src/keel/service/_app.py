@@ -70,20 +70,16 @@ def _lifespan(
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if on_startup is not None:
-            try:
-                await on_startup()
-            except BaseException:
-                # Start-up fails (nothing is served): what was opened is closed first.
-                if on_shutdown is not None:
-                    await on_shutdown()
-                raise
-        if ready is not None:
-            # Open the stores' connections before traffic comes; a store that is down now
-            # is reported by /ready rather than stopping the server.
-            with contextlib.suppress(BackendUnavailableError, StoreError):
-                await ready()
+        # Whatever fails from here on (a server that cannot start, an embedder that cannot
+        # load), what on_startup started and the stores are stopped before it is raised.
         try:
+            if on_startup is not None:
+                await on_startup()
+            if ready is not None:
+                # Open the stores' connections before traffic comes; a store that is down now
+                # is reported by /ready rather than stopping the server.
+                with contextlib.suppress(BackendUnavailableError, StoreError):
+                    await ready()
             # Both stopped before the stores close.
             async with carrying_out(carrier), pruning(pruner):
                 yield
@@ -130,7 +126,8 @@ def create_app(
         key_cache_s: how long a verified key is trusted without a look-up (a revoked key
             stops working within this time).
         on_shutdown: awaited when the server stops (close the agents' stores there), or
-            when ``on_startup`` fails.
+            when its start-up fails (``on_startup``, or ``ready`` with another error than
+            a store's).
         on_startup: awaited once before the server takes traffic (start the agents' MCP
             servers there); what it raises fails the start-up.
         metrics_token: the operator's token for ``/metrics`` (Prometheus text format); the

@@ -176,19 +176,23 @@ class ServiceAgents:
 
     async def aclose(self) -> None:
         """Stop the MCP servers (those [`astart`][] started, and those the tenants' agents
-        did), close the models' clients and the stores."""
-        try:
-            for agent in self._agents.values():
-                await agent.aclose()  # its MCP servers: the stores are the service's
-            servers, self._servers = self._servers, []
-            for server in reversed(servers):
-                await server.aclose()
-        finally:
-            models = {id(self.model): self.model}
-            models.update((id(agent.model), agent.model) for agent in self._agents.values())
-            for model in models.values():
-                await model.aclose()
-            await self.backends.aclose()
+        did), close the models' clients and the stores: each of them, whatever one of them
+        raises (the first error is raised at the end)."""
+        closers = [agent.aclose for agent in self._agents.values()]  # their MCP servers
+        servers, self._servers = self._servers, []
+        closers.extend(server.aclose for server in reversed(servers))
+        models = {id(self.model): self.model}
+        models.update((id(agent.model), agent.model) for agent in self._agents.values())
+        closers.extend(model.aclose for model in models.values())
+        closers.append(self.backends.aclose)
+        errors: list[Exception] = []
+        for close in closers:
+            try:
+                await close()
+            except Exception as exc:  # a subprocess or a pool left open would outlive us
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 class ServeOptions(BaseModel):
