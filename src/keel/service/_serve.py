@@ -26,7 +26,7 @@ from keel.service._keys import APIKeys
 from keel.service._limits import RateLimiter
 from keel.service._logging import SERVICE_LOGGER
 from keel.service._pruning import service_pruner
-from keel.service._source import AgentSource, load_agent
+from keel.service._source import AgentSource, definition_tools, load_agent
 from keel.settings import Settings, load_settings, validation_problems
 from keel.stores import ErasureReport, aerase_user
 from keel.tools import MCPServer, Tool, start_servers
@@ -139,9 +139,7 @@ class ServiceAgents:
         """The tools the served agents are defined with: the source's agent's, or ours."""
         if self.source is None or self.settings is None:
             return list(self.tools)
-        template = self.source.check(self.settings)
-        workflow = template._workflow
-        return [*workflow._own.values(), *workflow.servers]
+        return definition_tools(self.source.check(self.settings))
 
     async def aready(self) -> None:
         """Wait until the stores answer, with the connections a worker's turns overlap on

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from keel.stores import Backends
     from keel.tools import MCPServer, Tool
 
-__all__ = ["AgentFactory", "AgentSource", "load_agent", "served_agent"]
+__all__ = ["AgentFactory", "AgentSource", "definition_tools", "load_agent", "served_agent"]
 
 AgentFactory: TypeAlias = Callable[[], Agent] | Callable[["Settings"], Agent]
 """A function that builds the application's agent: ``factory()``, or ``factory(settings)``
@@ -179,13 +179,18 @@ class AgentSource:
                 template.backends.close()
 
 
+def definition_tools(template: Agent) -> list[Tool | MCPServer]:
+    """The tools ``template`` was given: its Python tools and its MCP servers."""
+    workflow = template._workflow
+    return [*workflow._own.values(), *workflow.servers]
+
+
 def served_agent(template: Agent, backends: Backends, tenant_id: str) -> Agent:
     """``template``'s definition (model, prompt, tools, rules, workflow, guards, options) as an
     agent of ``tenant_id`` on ``backends``."""
     # The tools as given to the template (Python tools and MCP servers, shared: started by the
     # first agent to run a turn, stopped by the last to close).
-    workflow = template._workflow
-    tools: list[Tool | MCPServer] = [*workflow._own.values(), *workflow.servers]
+    tools = definition_tools(template)
     options: dict[str, Any] = {}
     if template.approvals is not None:
         options["approvals"] = dataclasses.replace(template.approvals, store=backends.approvals)
