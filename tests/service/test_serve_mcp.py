@@ -114,6 +114,54 @@ async def test_a_server_that_exits_at_once_fails_the_start_up_naming_it(tmp_path
     assert "connection" not in quitter._state  # stopped again: no supervisor retries it
 
 
+_NOTES_SERVER = """
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("notes")
+
+
+@server.tool()
+def remember(text: str) -> str:
+    return text
+
+
+server.run()
+"""
+
+
+async def test_a_server_tool_named_as_a_workflow_tool_fails_the_start_up(tmp_path: Path) -> None:
+    """An agent with a state machine has the workflow's tools (``go_to``, ``remember``): a
+    server listing one of those names would fail every tenant's agent as it is built, so it
+    fails the start-up instead, and the server is stopped."""
+    from keel.state import MachineState, StateMachine, Transition
+
+    machine = StateMachine(
+        "notes",
+        states=[
+            MachineState("open", "taking notes", "Take notes.", ()),
+            MachineState("done", "done", "Say goodbye.", (), terminal=True),
+        ],
+        transitions=[Transition("open", "done")],
+        initial="open",
+    )
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+    notes = MCPServer.stdio(sys.executable, ["-c", _NOTES_SERVER], name="notes", env=env)
+    app, agents, _ = build_service(
+        f"sqlite:///{tmp_path / 'keel.db'}",
+        model=ScriptedModel(["Hi."]),
+        tools=[notes],
+        machine=machine,
+        memory=False,
+        settings=load_settings(data_dir=tmp_path),
+        ui=False,
+    )
+    said = "tool 'remember' of MCP server 'notes' clashes with the workflow's"
+    with pytest.raises(ToolDefinitionError, match=said):
+        async with app.router.lifespan_context(app):
+            pytest.fail("the service started with a server whose tool the workflow reserves")
+    assert "connection" not in notes._state and agents.tenants() == []
+
+
 async def test_a_server_whose_command_cannot_run_fails_the_start_up(tmp_path: Path) -> None:
     broken = MCPServer.stdio(str(tmp_path / "no-such-server"), name="broken")
     app, _, _ = _service(tmp_path, broken)

@@ -20,6 +20,7 @@ from keel.memory import RetentionPolicies
 from keel.models import ChatModel, resolve_model
 from keel.privacy import DEFAULT_MASKER
 from keel.runtime import Agent, Backends
+from keel.runtime._workflow import Workflow
 from keel.service._app import create_app
 from keel.service._drain import Drain
 from keel.service._keys import APIKeys
@@ -33,6 +34,8 @@ from keel.tools import MCPServer, Tool, start_servers
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+    from keel.state import StateMachine
 
 __all__ = ["WARM_CONNECTIONS", "ServeOptions", "ServiceAgents", "build_service"]
 
@@ -121,25 +124,35 @@ class ServiceAgents:
         Raises:
             ToolDefinitionError: a server's command cannot be run, or a stdio server exits
                 before listing its tools (the error names the server, its exit code and
-                last stderr lines), or two tools share a name; the servers started here are
+                last stderr lines), or two tools share a name (a server's tool named as one
+                of a state machine's workflow tools too); the servers started here are
                 stopped.
             ConfigError: the ``mcp`` extra is not installed, or a ``FromEnv`` is unset.
         """
-        tools = self._definition_tools()
+        tools, machine = self._definition()
         servers = [t for t in tools if isinstance(t, MCPServer)]
         if not servers:
             return
         taken = {t.name for t in tools if isinstance(t, Tool)}
         # start_servers waits on keel's bridge loop: off this one, on the blocking pool.
-        self._servers = await run_blocking(
-            partial(start_servers, servers, taken=taken, strict=True)
-        )
+        started = await run_blocking(partial(start_servers, servers, taken=taken, strict=True))
+        try:
+            # The check each tenant's agent makes as it is built, now that the servers have
+            # listed their tools: a clash with the workflow's tools fails here, once.
+            Workflow(machine, tools)
+        except BaseException:
+            for server in reversed(started):
+                await server.aclose()
+            raise
+        self._servers = started
 
-    def _definition_tools(self) -> list[Tool | MCPServer]:
-        """The tools the served agents are defined with: the source's agent's, or ours."""
+    def _definition(self) -> tuple[list[Tool | MCPServer], StateMachine | None]:
+        """The tools and the state machine the served agents are defined with: the source's
+        agent's, or ours."""
         if self.source is None or self.settings is None:
-            return list(self.tools)
-        return definition_tools(self.source.check(self.settings))
+            return list(self.tools), self.agent_options.get("machine")
+        template = self.source.check(self.settings)
+        return definition_tools(template), template.machine
 
     async def aready(self) -> None:
         """Wait until the stores answer, with the connections a worker's turns overlap on
