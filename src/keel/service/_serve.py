@@ -128,6 +128,7 @@ class ServiceAgents:
                 of a state machine's workflow tools too); the servers started here are
                 stopped.
             ConfigError: the ``mcp`` extra is not installed, or a ``FromEnv`` is unset.
+            UsageError: a Python tool named as one of a state machine's workflow tools.
         """
         tools, machine = self._definition()
         servers = [t for t in tools if isinstance(t, MCPServer)]
