@@ -287,9 +287,9 @@ def test_a_reply_counted_as_usage_is_not_tokenized_again_as_history() -> None:
     assert counter.count_message_content(reply.model_copy()) == expected
     assert counter.count_message_content(result) == fresh.count_message_content(result)
     assert counter.count_message(result.model_copy()) == fresh.count_message(result)
-    assert sorted(tokenized) == sorted(
-        [reply.content, "lookup", call.arguments, result.content]
-    ), tokenized
+    assert sorted(tokenized) == sorted([reply.content, "lookup", call.arguments, result.content]), (
+        tokenized
+    )
 
 
 @pytest.mark.parametrize("model", ["gpt-4o", "gpt-4", "local:smollm2"])
