@@ -262,6 +262,36 @@ def test_a_short_text_counted_again_is_not_tokenized_again() -> None:
     assert len(counter._text_counts) <= 8192
 
 
+def test_a_reply_counted_as_usage_is_not_tokenized_again_as_history() -> None:
+    """A turn counts the model's reply (its usage), then the conversation counts its masked
+    copy, another object with the same texts: its content, the tool's name and arguments are
+    tokenized once, and the counts are the tokenizer's."""
+    shared = counter_for("gpt-4o")
+    tokenized: list[str] = []
+    real = shared.tokenizer
+
+    class Counting:
+        exact = real.exact
+
+        def count(self, text: str) -> int:
+            tokenized.append(text)
+            return real.count(text)
+
+    counter = ChatTokenCounter(shared.profile, Counting())  # type: ignore[arg-type]
+    fresh = ChatTokenCounter(shared.profile, real)
+    call = ToolCall(id="c1", name="lookup", arguments='{"query": "item 7"}')
+    reply = Message.assistant("Here is what I found about item 7.", tool_calls=[call])
+    result = Message.tool("c1", "records for item 7: one entry", name="lookup")
+    assert counter.count_message(reply) == fresh.count_message(reply)
+    expected = fresh.count_message_content(reply.model_copy())
+    assert counter.count_message_content(reply.model_copy()) == expected
+    assert counter.count_message_content(result) == fresh.count_message_content(result)
+    assert counter.count_message(result.model_copy()) == fresh.count_message(result)
+    assert sorted(tokenized) == sorted([reply.content, "lookup", call.arguments, result.content]), (
+        tokenized
+    )
+
+
 @pytest.mark.parametrize("model", ["gpt-4o", "gpt-4", "local:smollm2"])
 def test_a_messages_content_tokens_are_its_count_less_its_framing(model: str) -> None:
     counter = counter_for(model)

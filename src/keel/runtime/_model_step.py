@@ -89,10 +89,11 @@ class ModelStep:
         self.agent = agent
         self.output_schema = output_schema
         base = options or ModelOptions()
-        if base.timeout_s is None:
-            base = base.model_copy(update={"timeout_s": guards.model_timeout_s})
         # A cut answer is this loop's to continue, not an error to retry from scratch.
-        self.options = base.model_copy(update={"allow_truncated": True})
+        update: dict[str, Any] = {"allow_truncated": True}
+        if base.timeout_s is None:
+            update["timeout_s"] = guards.model_timeout_s
+        self.options = base.model_copy(update=update)
 
     def start(
         self,

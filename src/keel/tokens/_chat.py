@@ -109,8 +109,10 @@ class ChatTokenCounter:
         self._identity_counts: dict[int, int] = {}
         self._identity_kept: dict[int, Message] = {}
         self._tools_counts: dict[str, int] = {}
-        # Short texts counted again and again (the same memories packed on every turn): their
-        # counts, by text. Long texts are tokenized each time rather than kept alive here.
+        # Short texts counted again and again (the same memories packed on every turn; a
+        # message's content, tool names and arguments, counted as the model's reply and again
+        # as the conversation takes in its masked copy): their counts, by text. Long texts are
+        # tokenized each time rather than kept alive here.
         self._text_counts: dict[str, int] = {}
         # The totals of the last lists counted, by their first message's identity (that
         # message kept alive in the list, so its id is not reused): a prompt and the
@@ -163,7 +165,7 @@ class ChatTokenCounter:
             tokens = self.count_message(message)
             framing = self.count_message(message.model_copy(update={"content": ""}))
             return tokens, max(0, tokens - framing)
-        content = self.tokenizer.count(message.content)
+        content = self.count_text(message.content)
         known = self._identity_counts.get(id(message))
         if known is None:
             known = self._remember(message, self._count_openai(message, content))
@@ -206,19 +208,16 @@ class ChatTokenCounter:
                 return len(encode_template(rendered))
             framing = self.tokenizer.count(f"<|im_start|>{message.role}\n") + 3
             return framing + self.tokenizer.count(rendered)
-        return self._count_openai(message, self.tokenizer.count(message.content))
+        return self._count_openai(message, self.count_text(message.content))
 
     def _count_openai(self, message: Message, content_tokens: int) -> int:
         """A message's tokens in OpenAI's chat format, its content's already counted."""
         tokens = _OPENAI_PER_MESSAGE + content_tokens
         if message.name:
-            tokens += _OPENAI_PER_NAME + self.tokenizer.count(message.name)
+            tokens += _OPENAI_PER_NAME + self.count_text(message.name)
         for call in message.tool_calls:
-            tokens += (
-                _OPENAI_PER_TOOL_CALL
-                + self.tokenizer.count(call.name)
-                + self.tokenizer.count(call.arguments)
-            )
+            tokens += _OPENAI_PER_TOOL_CALL + self.count_text(call.name)
+            tokens += self.count_text(call.arguments)
         return tokens
 
     def count_messages(self, messages: Iterable[Message], *, prime_reply: bool = True) -> int:

@@ -164,9 +164,10 @@ class Tool:
         assert callable(policy)
         return policy(arguments, context)
 
-    @property
+    @functools.cached_property
     def is_async(self) -> bool:
-        """True when the function is a coroutine function (run on the event loop)."""
+        """True when the function is a coroutine function (run on the event loop); asked at
+        every call, answered once (the tool is frozen: its function never changes)."""
         return inspect.iscoroutinefunction(self.function)
 
     @functools.cached_property
