@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import pytest
 
-from keel.memory import Memory, MemoryFilter, MemoryStore, Scope
+from keel.memory import Memory, MemoryFilter, MemoryStore, RetrievalConfig, Scope
 from keel.stores import (
     PostgresDatabase,
     SQLiteDatabase,
@@ -163,6 +163,31 @@ def test_term_counts_are_reused_only_while_within_five_percent() -> None:
     assert len(counted) == before + 1  # "" was last counted at 10_050
     _planned(cache.get(scope, "", 10_051, count))
     assert len(counted) == before + 1
+
+
+def test_a_word_counted_to_half_a_smaller_scope_is_counted_again_as_the_scope_grows(
+    make_store: Callable[[], MemoryStore],
+) -> None:
+    # "note" is in every record, so it tells none of them apart and is left out of the query
+    # (more than half of the scope). Its count stops at half the scope plus one; counted
+    # when the scope was smaller, that bound says nothing about the larger scope's half.
+    store = make_store()
+    memory = Memory(store, embedder=None, config=RetrievalConfig(candidates=10))
+    memory.add_many([{"text": f"note {number}"} for number in range(100)], scope=SCOPE)
+    memory.add("note about a zebra", scope=SCOPE)
+
+    def found() -> list[str]:
+        return [hit.record.text for hit in memory.search("note zebra", scope=SCOPE, k=10)]
+
+    assert found() == ["note about a zebra"]
+    # Each count is reused while the table grew by less than 5% of it: "note"'s (51, its
+    # bound) for 2 rows, the scope's (101) for 5. 4 rows later "note" is counted again (to
+    # 51 still: the scope's count is kept), then 2 more and only the scope's is.
+    memory.add_many([{"text": f"note {number}"} for number in range(100, 104)], scope=SCOPE)
+    assert found() == ["note about a zebra"]
+    memory.add_many([{"text": f"note {number}"} for number in range(104, 106)], scope=SCOPE)
+    assert found() == ["note about a zebra"]
+    store.close()
 
 
 def test_a_word_in_most_rows_ranks_its_newest_matches_shortest_first(

@@ -125,12 +125,17 @@ class TermFrequencies:
     steer the plan (which terms to drop, where the recency floor goes) and weigh terms by IDF;
     a term that comes back in later queries costs nothing. Keys that are not words
     (`SCOPE_ROWS`, `AVERAGE_LENGTH_MILLI`) hold figures of the scope itself.
+    A count that stopped at its bound says only that the term has at least that many rows: it
+    is not reused for a question with a higher bound (a growing scope raises the half of it
+    that `informative_terms` compares with, and a count capped at the old half would keep a
+    term in every row as informative).
     Safe to share between threads (single dict operations).
     """
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self._counts: dict[tuple[str, str, str], tuple[int, int]] = {}
+        # (count, table rows when counted, the bound it was counted to or None)
+        self._counts: dict[tuple[str, str, str], tuple[int, int, int | None]] = {}
 
     def get(
         self,
@@ -138,17 +143,23 @@ class TermFrequencies:
         term: str,
         total_rows: int,
         count: Callable[[str], Plan[int]],
+        limit: int | None = None,
     ) -> Plan[int]:
         """The count of ``term`` in ``scope``: the one kept, while it is close enough, else
-        what the plan ``count(term)`` counts (a statement of the store's search plan)."""
+        what the plan ``count(term)`` counts (a statement of the store's search plan), which
+        counts up to ``limit`` rows when given."""
         key = (*scope, term)
         cached = self._counts.get(key)
-        if cached is not None and total_rows - cached[1] <= 0.05 * cached[0]:
+        if (
+            cached is not None
+            and total_rows - cached[1] <= 0.05 * cached[0]
+            and not _capped_below(cached[0], cached[2], limit)
+        ):
             return cached[0]
         value = yield from count(term)
         if len(self._counts) >= self.max_entries:
             self._counts.clear()
-        self._counts[key] = (value, total_rows)
+        self._counts[key] = (value, total_rows, limit)
         return value
 
     def known(self, scope: tuple[str, str], term: str) -> int | None:
@@ -178,13 +189,15 @@ class TermFrequencies:
         enough = max(scope_rows // 2, listed) + 1
         if total_rows <= budget:
             small = yield from self._counts_of(
-                scope, unique, total_rows, lambda t: count(t, enough)
+                scope, unique, total_rows, lambda t: count(t, enough), enough
             )
             return KeywordPlan(informative_terms(small, scope_rows, listed), total_rows=total_rows)
         cap = common_term_cap(total_rows, most_common_rows)
         # Past the cap a term is dropped as common: counted no further.
         limit = min(cap + 1, enough)
-        frequency = yield from self._counts_of(scope, unique, total_rows, lambda t: count(t, limit))
+        frequency = yield from self._counts_of(
+            scope, unique, total_rows, lambda t: count(t, limit), limit
+        )
         kept = informative_terms(frequency, scope_rows, listed)
         return plan_terms(
             {term: frequency[term] for term in kept}, cap=cap, budget=budget, total_rows=total_rows
@@ -196,9 +209,18 @@ class TermFrequencies:
         terms: list[str],
         total_rows: int,
         count: Callable[[str], Plan[int]],
+        limit: int,
     ) -> Plan[dict[str, int]]:
-        """`get` of each of ``terms``."""
+        """`get` of each of ``terms``, each counted up to ``limit``."""
         found: dict[str, int] = {}
         for term in terms:
-            found[term] = yield from self.get(scope, term, total_rows, count)
+            found[term] = yield from self.get(scope, term, total_rows, count, limit)
         return found
+
+
+def _capped_below(value: int, counted_to: int | None, limit: int | None) -> bool:
+    """Whether a count of ``value`` made up to ``counted_to`` rows stopped at that bound,
+    below the ``limit`` now asked for (so the term may have more rows than it says)."""
+    if counted_to is None or limit is None:
+        return False
+    return value >= counted_to and limit > counted_to
