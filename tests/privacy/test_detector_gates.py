@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keel.privacy import PIIMasker
-from keel.privacy._detectors import DETECTORS, Detector, fold
+from keel.privacy._detectors import DETECTORS, Detector, find_all, fold
 
 CORPUS = Path(__file__).parent / "corpus"
 GATED = [detector for detector in DETECTORS if detector.gate is not None]
@@ -84,12 +84,10 @@ def test_generated_texts_hold_no_match_without_its_gate(pieces: list[str]) -> No
         assert detector.find(text) == dataclasses.replace(detector, gate=None).find(text)
 
 
-def test_a_masked_memories_block_is_what_it_was_before_the_gates() -> None:
-    """A block of recalled records (digits, dates, colons on every line) and a block with one
-    value of each gated kind: the masker's text is the same as with no gates at all."""
-    plain = PIIMasker()
-    ungated = PIIMasker(extra_detectors=())
-    ungated_detectors = [dataclasses.replace(d, gate=None) for d in DETECTORS]
+def test_a_memories_block_holds_what_the_ungated_detectors_find() -> None:
+    """A block of recalled records (digits, dates, colons on every line) with one value of
+    each gated kind: the masker finds what the detectors without their gates find."""
+    ungated = [dataclasses.replace(d, gate=None) for d in DETECTORS]
     block = "\n".join(
         [
             "Relevant memories (from earlier sessions, most relevant first):",
@@ -100,8 +98,10 @@ def test_a_masked_memories_block_is_what_it_was_before_the_gates() -> None:
             "server 10.20.30.40 and fe80::1ff:fe23:4567:890a",
         ]
     )
-    masked = plain.mask_text(block)
+    masked = PIIMasker().mask_text(block)
     for value in ("sk-live-Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2", "536-22-1234", "10.20.30.40", "fe80::1ff"):
         assert value not in masked
-    ungated._detectors[id(ungated.policy)] = (ungated.policy, ungated_detectors)
-    assert masked == ungated.mask_text(block)
+    found = PIIMasker().findings(block)
+    assert [(f.entity, f.text) for f in found] == [
+        (f.entity, f.text) for f in find_all(block, ungated)
+    ]
