@@ -43,16 +43,42 @@ class Finding:
 
 @dataclass(frozen=True)
 class Detector:
-    """A named pattern plus an optional validator of each match."""
+    """A named pattern plus an optional validator of each match.
+
+    ``gate``: a pattern that every match of ``pattern`` contains, cheaper to look for (it
+    starts with a literal, or fails at once where ``pattern`` tries a long alternation): a
+    text without it holds no match, and ``pattern`` is not run on it. Only a gate that every
+    match contains keeps the findings what they were (tests/privacy/test_detector_gates.py).
+
+    ``line_bound``: what it finds in a text it finds in the text's lines read one by one, or
+    less: no match holds a line break, no look-around reads one as anything but a line's end,
+    and whether a match is kept reads nothing of the other lines (except to drop it). The
+    masker then knows a text holds nothing for it when none of its lines does
+    (``PIIMasker`` keeps the lines it found clean). False, the default, for a custom
+    detector: it is run on every text whole.
+
+    ``continues``: for a detector whose match may run on past a line break, what the line it
+    breaks from holds (a match that holds no line break is found in its line as in the text):
+    in a text with no line that holds it, the detector is line-bound."""
 
     entity: EntityType
     pattern: re.Pattern[str]
     validate: Callable[[str], bool] | None = None
     priority: int = 0
     group: int = 0
+    gate: re.Pattern[str] | None = None
+    line_bound: bool = False
+    continues: re.Pattern[str] | None = None
+
+    def drops_for(self, text: str) -> bool:
+        """Whether a match in one of ``text``'s lines may be dropped for what another line
+        holds (a line-bound detector's only way to find less in a text than in its lines)."""
+        return False
 
     def find(self, text: str) -> list[Finding]:
         """Every validated match in ``text``."""
+        if self.gate is not None and self.gate.search(text) is None:
+            return []
         found: list[Finding] = []
         for match in self.pattern.finditer(text):
             value = match.group(self.group)
@@ -381,6 +407,10 @@ def _phone_span(value: str, text: str, start: int) -> tuple[int, int, bool] | No
 
 @dataclass(frozen=True)
 class _PhoneDetector(Detector):
+    def drops_for(self, text: str) -> bool:
+        # A bare number labelled as an id anywhere in the text is dropped wherever it stands.
+        return _ID_LABELLED.search(text) is not None
+
     def find(self, text: str) -> list[Finding]:
         found: list[Finding] = []
         bare: list[Finding] = []
@@ -404,6 +434,13 @@ class _PhoneDetector(Detector):
         return found
 
 
+# Line-bound (see ``Detector``): every built-in but a private key (``[\s\S]*?`` runs from its
+# BEGIN line to its END line) and a bearer token (``\s+`` may be a line break: "Bearer" ending
+# one line, the token the next), which say what the line they continue from holds
+# (``continues``). The others' classes, separators and look-arounds hold no
+# ``\n`` (a line break before or after reads as the text's start or end does); a phone
+# number's look-ahead may read past one, but a number it accepts has its seven digits within
+# itself, and an id labelled elsewhere in the text only drops a number.
 DETECTORS: tuple[Detector, ...] = (
     Detector(
         "PRIVATE_KEY",
@@ -411,17 +448,21 @@ DETECTORS: tuple[Detector, ...] = (
             r"-----BEGIN (?:[A-Z]+ )*PRIVATE KEY-----[\s\S]*?-----END (?:[A-Z]+ )*PRIVATE KEY-----"
         ),
         priority=100,
+        continues=re.compile("-----BEGIN "),  # the line it starts on
     ),
     Detector(
         "JWT",
         re.compile(r"eyJ(?<!\weyJ)[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
         priority=90,
+        line_bound=True,
     ),
     Detector(
         "BEARER_TOKEN",
         re.compile(r"(?i)b(?<!\wb)earer\s+([A-Za-z0-9\-._~+/]{16,}=*)"),
         priority=85,
         group=1,
+        # "bearer" then only white space to the line's end: the token may be on a later line.
+        continues=re.compile(r"(?i)earer\s*$", re.MULTILINE),
     ),
     Detector(
         "API_KEY",
@@ -435,8 +476,11 @@ DETECTORS: tuple[Detector, ...] = (
             r"|(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,})"
         ),
         priority=80,
+        line_bound=True,
+        # Each alternative's fixed start: the pattern itself is tried at every word's start.
+        gate=re.compile(r"sk-|AKIA|ASIA|gh[pousr]_|github_pat_|xox|AIza|k_(?:live|test)_"),
     ),
-    _EmailDetector("EMAIL", _EMAIL_DOMAIN, priority=70),
+    _EmailDetector("EMAIL", _EMAIL_DOMAIN, priority=70, line_bound=True),
     Detector(
         "IBAN",
         re.compile(
@@ -445,6 +489,7 @@ DETECTORS: tuple[Detector, ...] = (
         ),
         _iban,
         priority=60,
+        line_bound=True,
     ),
     Detector(
         "CREDIT_CARD",
@@ -456,21 +501,35 @@ DETECTORS: tuple[Detector, ...] = (
         ),
         _card,
         priority=50,
+        line_bound=True,
     ),
-    Detector("US_SSN", re.compile(r"\d(?<![\d\-]\d)\d{2}-\d{2}-\d{4}(?![\d-])"), _ssn, priority=45),
+    Detector(
+        "US_SSN",
+        re.compile(r"\d(?<![\d\-]\d)\d{2}-\d{2}-\d{4}(?![\d-])"),
+        _ssn,
+        priority=45,
+        line_bound=True,
+        gate=re.compile(r"-\d\d-\d{4}"),  # its last two groups (a date's "-12-07" is not)
+    ),
     Detector(
         "IP_ADDRESS",
         re.compile(r"\d(?<![\d.]\d)\d{0,2}(?:\.\d{1,3}){3}(?![\d.])"),
         _ipv4,
         priority=40,
+        line_bound=True,
+        gate=re.compile(r"\.\d"),  # a dot before a digit, not tried at every digit
     ),
     Detector(
         "IP_ADDRESS",
         re.compile(r"(?<![0-9A-Za-z:.])[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4}){2,7}(?![0-9A-Za-z:])"),
         _ipv6,
         priority=40,
+        line_bound=True,
+        # Its first two colons: the pattern, which may start with no hex digit, is otherwise
+        # tried at every position of the text ("User: ..." has one colon, then none near).
+        gate=re.compile(r":[0-9A-Fa-f]{0,4}:"),
     ),
-    _PhoneDetector("PHONE", _PHONE, priority=30),
+    _PhoneDetector("PHONE", _PHONE, priority=30, line_bound=True),
 )
 
 

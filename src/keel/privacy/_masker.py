@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -104,7 +105,7 @@ class PIIMasker:
         self.tenant_policies: dict[str, MaskingPolicy] = dict(tenant_policies or {})
         self._extra = tuple(extra_detectors)
         self._presidio: Any = None
-        self._detectors: dict[int, tuple[MaskingPolicy, list[Detector]]] = {}
+        self._detectors: dict[int, _PolicyDetectors] = {}
         """The detectors of each policy, by the policy's identity (see ``_results``)."""
         # Masking is a pure function of (policy, text); the same texts come back many times
         # (a message masked by the agent, then by the tracer, then its report), so recent
@@ -135,13 +136,13 @@ class PIIMasker:
         if not policy.enabled or not text:
             return []
         kept = self._detectors.get(id(policy))
-        if kept is None or kept[0] is not policy:
+        if kept is None or kept.policy is not policy:
             detectors = [d for d in (*DETECTORS, *self._extra) if d.entity in policy.entities]
             detectors.extend(d for d in self._extra if d.entity not in policy.entities)
             if len(self._detectors) >= _CACHED_POLICIES:
-                del self._detectors[next(iter(self._detectors))]
-            kept = self._detectors[id(policy)] = (policy, detectors)
-        found = find_all(text, kept[1])
+                self._detectors.pop(next(iter(self._detectors)), None)
+            kept = self._detectors[id(policy)] = _PolicyDetectors(policy, detectors)
+        found = [] if kept.clean_by_lines(text) else find_all(text, kept.detectors)
         if policy.presidio and self._presidio is not None:
             found = _merge(found, _presidio_findings(self._presidio, text))
         return [finding for finding in found if finding.text not in policy.allow]
@@ -264,6 +265,73 @@ class PIIMasker:
 
     def __call__(self, text: str, *, tenant_id: str | None = None) -> str:
         return self.mask_text(text, tenant_id=tenant_id)
+
+
+_LINES_FROM = 512
+"""The shortest text whose lines the masker looks up one by one (`_PolicyDetectors`)."""
+_CLEAN_LINES = 8192
+"""The most lines a policy's detectors keep as found clean (the oldest goes first)."""
+_LONGEST_KEPT_LINE = 2048
+"""A longer line is scanned whenever it comes back, never kept: the lines kept stay bounded in
+characters (16M at most a policy), whatever a tool's output holds."""
+
+
+class _PolicyDetectors:
+    """One policy's detectors, and the lines they were found to hold nothing in.
+
+    A long text of many lines is often lines met before: a prompt's memories block (records
+    recalled turn after turn, under their labels) or running summary, masked again each time
+    a line of it changes. The text holds nothing to mask when each line holds nothing for the
+    line-bound detectors (see `Detector`: what one finds in a text it finds in its lines) and
+    the others find nothing in the text whole; else it is scanned whole, as it always is, so
+    what is masked and how is the same either way. The lines are kept per policy object: a
+    line is never taken as clean under a policy other than the one that found it so."""
+
+    __slots__ = ("clean_lines", "continues", "detectors", "line_bound", "policy", "whole")
+
+    def __init__(self, policy: MaskingPolicy, detectors: list[Detector]) -> None:
+        self.policy = policy
+        self.detectors = detectors
+        self.line_bound = [d for d in detectors if d.line_bound or d.continues is not None]
+        self.continues = [d.continues for d in detectors if d.continues and not d.line_bound]
+        self.whole = [d for d in detectors if not d.line_bound and d.continues is None]
+        # An OrderedDict: its popitem(last=False) is one call under the GIL, so threads masking
+        # with one masker never see the dict change between finding the oldest line and
+        # dropping it (a plain dict's next(iter(...)) then pop can raise mid-way).
+        self.clean_lines: OrderedDict[str, None] = OrderedDict()
+
+    def clean_by_lines(self, text: str) -> bool:
+        """Whether ``text`` is known to hold nothing to mask from its lines (False: it may
+        hold something, or is too short to look its lines up).
+
+        The lines not met before are scanned as one text (a subset of the text's lines: a
+        line-bound detector finds in the text no more than in it); a line that a match may
+        continue past (``Detector.continues``) sends the text to be scanned whole; a custom
+        detector scans it whole. Found clean, the new lines are kept, unless a detector may
+        have dropped a finding of one line for what another holds (an id label: a line is kept
+        only if it holds nothing on its own). A kept line is clean, and continues nothing."""
+        if len(text) < _LINES_FROM or "\n" not in text or not self.line_bound:
+            return False
+        clean = self.clean_lines
+        new = [line for line in dict.fromkeys(text.split("\n")) if line not in clean]
+        unseen = "\n".join(new)
+        if new and any(pattern.search(unseen) for pattern in self.continues):
+            return False
+        if new and find_all(unseen, self.line_bound):
+            return False
+        if self.whole and find_all(text, self.whole):
+            return False
+        if new and not any(detector.drops_for(unseen) for detector in self.line_bound):
+            for line in new:
+                if len(line) > _LONGEST_KEPT_LINE:
+                    continue
+                while len(clean) >= _CLEAN_LINES:
+                    try:
+                        clean.popitem(last=False)
+                    except KeyError:  # another thread emptied it first
+                        break
+                clean[line] = None
+        return True
 
 
 DEFAULT_MASKER = PIIMasker()

@@ -1,0 +1,135 @@
+"""A long text of lines met before (a memories block recalled turn after turn) is known clean
+from its lines: the masker keeps the lines it found holding nothing, per policy. What it masks
+is what a scan of the whole text masks, always: a value a line holds, one that runs from one
+line to the next (a bearer token after "Bearer" on the line before, a private key), and a
+number that one text labels as an id but another holds bare."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keel.privacy import MaskingPolicy, PIIMasker
+from keel.privacy._detectors import DETECTORS, find_all
+
+RECORDS = [
+    f"User: Question {n}: what do the records say about item {n} on 2026-12-{n % 28 + 1:02d}?"
+    for n in range(40)
+]
+LABEL = "- [episodic · 2026-12-07 · user_claim]"
+
+
+def _block(lines: list[str]) -> str:
+    return "\n".join(["Relevant memories (from earlier sessions, most relevant first):", *lines])
+
+
+def _whole(text: str) -> list[tuple[str, str]]:
+    """What a scan of the whole text finds (no lines kept)."""
+    return [(f.entity, f.text) for f in find_all(text, DETECTORS)]
+
+
+def _found(masker: PIIMasker, text: str) -> list[tuple[str, str]]:
+    return [(f.entity, f.text) for f in masker.findings(text)]
+
+
+def _kept_lines(masker: PIIMasker) -> int:
+    return sum(len(kept.clean_lines) for kept in masker._detectors.values())
+
+
+def _warm(masker: PIIMasker) -> None:
+    """Every clean line of the tests, kept by the masker (as turns of recalls would)."""
+    assert masker.findings(_block([LABEL, *RECORDS])) == []
+    assert _kept_lines(masker) == len(RECORDS) + 2
+
+
+def test_a_block_of_known_lines_is_clean_without_a_scan_and_a_new_value_is_found() -> None:
+    masker = PIIMasker()
+    _warm(masker)
+    again = _block([LABEL, *RECORDS[5:30]])
+    assert _found(masker, again) == [] == _whole(again)
+    leaking = _block([LABEL, *RECORDS[:20], "Assistant: write to mallory.x7q@example.org", LABEL])
+    assert _found(masker, leaking) == [("EMAIL", "mallory.x7q@example.org")]
+    assert "mallory" not in masker.mask_text(leaking)
+
+
+def test_a_bearer_token_on_the_line_after_bearer_is_masked() -> None:
+    masker = PIIMasker()
+    _warm(masker)
+    token = "Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2Lk"
+    header = "Assistant: send Authorization: Bearer"
+    # Each line, in a block of its own, holds nothing: the token is one only after "Bearer".
+    for line in (header, token):
+        assert _found(masker, _block([LABEL, *RECORDS[:20], line, LABEL])) == []
+    text = _block([LABEL, *RECORDS[:20], header, token])
+    assert _found(masker, text) == _whole(text) == [("BEARER_TOKEN", token)]
+    assert token not in masker.mask_text(text)
+
+
+def test_a_private_key_over_several_lines_is_masked() -> None:
+    masker = PIIMasker()
+    _warm(masker)
+    key = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC\n-----END PRIVATE KEY-----"
+    for line in key.split("\n"):  # each line, in a block of its own, holds nothing
+        assert _found(masker, _block([LABEL, *RECORDS[:20], line])) == []
+    text = _block([LABEL, *RECORDS[:20], key])
+    assert _found(masker, text) == _whole(text) == [("PRIVATE_KEY", key)]
+    assert "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC" not in masker.mask_text(text)
+
+
+def test_a_line_clean_only_beside_an_id_label_is_not_kept_as_clean() -> None:
+    """A bare number is an id where the text labels it so: the line that holds it bare is
+    clean in that text, not on its own, and is masked in a text without the label."""
+    masker = PIIMasker()
+    _warm(masker)
+    bare = "Assistant: 4155550132 is the one"
+    labelled = _block([LABEL, *RECORDS[:20], "User: order id 4155550132", bare])
+    assert _found(masker, labelled) == _whole(labelled) == []
+    alone = _block([LABEL, *RECORDS[:20], bare])
+    assert _found(masker, alone) == _whole(alone) == [("PHONE", "4155550132")]
+
+
+def test_the_lines_are_kept_per_policy() -> None:
+    masker = PIIMasker(MaskingPolicy(entities=frozenset({"PHONE"})))
+    text = _block([LABEL, *RECORDS, "Assistant: write to mallory.x7q@example.org"])
+    assert masker.findings(text) == []  # e-mail addresses are not this tenant's to mask
+    masker.set_policy("acme", MaskingPolicy())
+    assert [f.entity for f in masker.findings(text, tenant_id="acme")] == ["EMAIL"]
+
+
+_LINES = st.sampled_from(
+    [
+        *RECORDS[:6],
+        LABEL,
+        "Assistant: write to mallory.x7q@example.org",
+        "Authorization: Bearer",
+        "authorization: BEARER   ",
+        "Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2Lk",
+        "-----BEGIN RSA PRIVATE KEY-----",
+        "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC",
+        "-----END RSA PRIVATE KEY-----",
+        "User: order id 4155550132",
+        "4155550132",
+        "call +1 415 555 0132 or",
+        "(415) 555-0198 tomorrow",
+        "card 4111 1111 1111 1111",
+        "536-22-1234",
+        "server 10.20.30.40 and fe80::1ff:fe23:4567:890a",
+        "sk-proj-Q7wErTy8uIoP9aSdFgHj0kLzXcVb",
+        "GB82 WEST 1234 5698 7654 32",
+        "",
+        "   ",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(first=st.lists(_LINES, min_size=12, max_size=40), then=st.lists(_LINES, max_size=40))
+def test_what_is_found_is_what_a_scan_of_the_whole_text_finds(
+    first: list[str], then: list[str]
+) -> None:
+    masker = PIIMasker()
+    _warm(masker)
+    earlier = _block([*RECORDS[:12], *first])
+    assert _found(masker, earlier) == _whole(earlier)
+    later = _block([*RECORDS[10:22], *then])
+    assert _found(masker, later) == _whole(later)
