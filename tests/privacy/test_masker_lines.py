@@ -133,3 +133,15 @@ def test_what_is_found_is_what_a_scan_of_the_whole_text_finds(
     assert _found(masker, earlier) == _whole(earlier)
     later = _block([*RECORDS[10:22], *then])
     assert _found(masker, later) == _whole(later)
+
+
+def test_a_long_line_is_scanned_each_time_never_kept() -> None:
+    """The lines kept stay bounded in characters: a tool's long output line is scanned again
+    whenever it comes back (what is found is the same either way)."""
+    masker = PIIMasker()
+    long_line = "Tool: " + " ".join(f"row {n} ok" for n in range(400))
+    assert len(long_line) > 2048
+    text = _block([LABEL, long_line, *RECORDS[:5]])
+    assert _found(masker, text) == [] == _whole(text)
+    assert _kept_lines(masker) == 5 + 2
+    assert _found(masker, text) == []
