@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 
@@ -234,9 +235,10 @@ def test_successive_prompts_cost_what_their_messages_cost(model: str) -> None:
         assert counter.count_messages(prompt) == expected, prompt
 
 
-def test_a_short_text_counted_again_is_not_tokenized_again() -> None:
-    """Memory packing counts the same memories on every turn: a look-up, not a tokenization,
-    with the same counts as the tokenizer's, and long texts never kept."""
+def _recording_counter() -> tuple[ChatTokenCounter, list[str], Any]:
+    """A counter of its own over gpt-4o's tokenizer that records every text it tokenizes, the
+    list it records into, and the real tokenizer. Not counter_for's: that one is shared by the
+    process (other tests use its tokenizer, and its cache may hold these texts already)."""
     shared = counter_for("gpt-4o")
     tokenized: list[str] = []
     real = shared.tokenizer
@@ -248,9 +250,13 @@ def test_a_short_text_counted_again_is_not_tokenized_again() -> None:
             tokenized.append(text)
             return real.count(text)
 
-    # A counter of its own: counter_for's is shared by the process (other tests use its
-    # tokenizer, and its cache may hold these texts already).
-    counter = ChatTokenCounter(shared.profile, Counting())  # type: ignore[arg-type]
+    return ChatTokenCounter(shared.profile, Counting()), tokenized, real  # type: ignore[arg-type]
+
+
+def test_a_short_text_counted_again_is_not_tokenized_again() -> None:
+    """Memory packing counts the same memories on every turn: a look-up, not a tokenization,
+    with the same counts as the tokenizer's, and long texts never kept."""
+    counter, tokenized, real = _recording_counter()
     memory = "On 2026-11-30 the user said: my daughter is allergic to peanuts."
     long_output = "row " * 2000
     counts = [counter.count_text(memory) for _ in range(5)]
@@ -266,19 +272,8 @@ def test_a_reply_counted_as_usage_is_not_tokenized_again_as_history() -> None:
     """A turn counts the model's reply (its usage), then the conversation counts its masked
     copy, another object with the same texts: its content, the tool's name and arguments are
     tokenized once, and the counts are the tokenizer's."""
-    shared = counter_for("gpt-4o")
-    tokenized: list[str] = []
-    real = shared.tokenizer
-
-    class Counting:
-        exact = real.exact
-
-        def count(self, text: str) -> int:
-            tokenized.append(text)
-            return real.count(text)
-
-    counter = ChatTokenCounter(shared.profile, Counting())  # type: ignore[arg-type]
-    fresh = ChatTokenCounter(shared.profile, real)
+    counter, tokenized, real = _recording_counter()
+    fresh = ChatTokenCounter(counter.profile, real)
     call = ToolCall(id="c1", name="lookup", arguments='{"query": "item 7"}')
     reply = Message.assistant("Here is what I found about item 7.", tool_calls=[call])
     result = Message.tool("c1", "records for item 7: one entry", name="lookup")
