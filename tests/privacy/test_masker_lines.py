@@ -88,6 +88,49 @@ def test_a_line_clean_only_beside_an_id_label_is_not_kept_as_clean() -> None:
     assert _found(masker, alone) == _whole(alone) == [("PHONE", "4155550132")]
 
 
+# Lines the detectors read as a key's BEGIN line, "Bearer" and an id label only once folded
+# (a no-break space, fullwidth letters): their rules read the folded lines too.
+_FOLDED_BEGIN = "User: zebra key -----BEGIN\u00a0RSA PRIVATE KEY-----"
+_FOLDED_BEARER = "Authorization: \uff42\uff45\uff41\uff52\uff45\uff52"
+_FOLDED_ID_LABEL = "User: order id\u00a04155550132"
+
+
+def test_a_key_whose_begin_line_was_met_clean_before_is_masked() -> None:
+    masker = PIIMasker()
+    _warm(masker)
+    assert _found(masker, _block([LABEL, *RECORDS[:20], _FOLDED_BEGIN, "no key after all"])) == []
+    body = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC"
+    text = _block([LABEL, *RECORDS[:20], _FOLDED_BEGIN, body, "-----END RSA PRIVATE KEY-----"])
+    assert [entity for entity, _ in _whole(text)] == ["PRIVATE_KEY"]
+    assert _found(masker, text) == _whole(text)
+    assert body not in masker.mask_text(text)
+
+
+def test_a_token_after_a_fullwidth_bearer_met_clean_before_is_masked() -> None:
+    masker = PIIMasker()
+    _warm(masker)
+    assert _found(masker, _block([LABEL, *RECORDS[:20], _FOLDED_BEARER, "and nothing"])) == []
+    token = "Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2Lk"
+    text = _block([LABEL, *RECORDS[:20], _FOLDED_BEARER, token])
+    assert _found(masker, text) == _whole(text) == [("BEARER_TOKEN", token)]
+    assert token not in masker.mask_text(text)
+
+
+def test_a_line_clean_only_beside_a_folded_id_label_is_not_kept_as_clean() -> None:
+    masker = PIIMasker()
+    _warm(masker)
+    bare = "Assistant: 4155550132 is the one"
+    labelled = _block([LABEL, *RECORDS[:20], _FOLDED_ID_LABEL, bare])
+    assert _found(masker, labelled) == _whole(labelled) == []
+    alone = _block([LABEL, *RECORDS[:20], bare])
+    assert _found(masker, alone) == _whole(alone) == [("PHONE", "4155550132")]
+
+
+def test_an_empty_id_list_beside_a_bare_number_is_no_error() -> None:
+    text = '{"item_ids": [], "ref": "4155550132"}'
+    assert PIIMasker().mask_text(text) == '{"item_ids": [], "ref": "<PHONE_1>"}'
+
+
 def test_the_lines_are_kept_per_policy() -> None:
     masker = PIIMasker(MaskingPolicy(entities=frozenset({"PHONE"})))
     text = _block([LABEL, *RECORDS, "Assistant: write to mallory.x7q@example.org"])
@@ -116,6 +159,10 @@ _LINES = st.sampled_from(
         "server 10.20.30.40 and fe80::1ff:fe23:4567:890a",
         "sk-proj-Q7wErTy8uIoP9aSdFgHj0kLzXcVb",
         "GB82 WEST 1234 5698 7654 32",
+        _FOLDED_BEGIN,
+        _FOLDED_BEARER,
+        _FOLDED_ID_LABEL,
+        '"item_ids": [] then',
         "",
         "   ",
     ]

@@ -118,3 +118,42 @@ async def test_values_in_and_across_recalled_records_never_reach_the_trace(agent
     assert "zebra key <PRIVATE_KEY_" in traced
     assert f"{KEY_BODY}\\n-----END" not in traced
     assert EMAIL not in traced
+
+
+async def test_a_key_whose_begin_line_holds_a_no_break_space_never_reaches_the_trace(
+    agent: Agent,
+) -> None:
+    # The detectors read "-----BEGIN\u00a0PRIVATE KEY-----" as a BEGIN line (a no-break space
+    # folds to a space): the line is met first with no END line after it, then the key's body
+    # and END line are recalled beneath it.
+    try:
+        keyed = await _recalled(
+            agent,
+            "bob",
+            [
+                [
+                    *_fillers(10),
+                    (29, "User: here is my zebra key"),
+                    (30, "-----BEGIN\u00a0PRIVATE KEY-----"),
+                ],
+                [(31, KEY_BODY), (32, "-----END PRIVATE KEY----- is the zebra key")],
+            ],
+        )
+        assert f"-----BEGIN\u00a0PRIVATE KEY-----\n{KEY_BODY}\n-----END" in keyed
+        assert len(keyed) > 512
+    finally:
+        await agent.aclose()
+    traced = _traces(agent)
+    assert KEY_BODY not in traced
+    assert "<PRIVATE_KEY_" in traced
+
+
+async def test_a_bare_number_beside_an_empty_id_list_is_masked_in_the_trace(agent: Agent) -> None:
+    # '"item_ids": []' labels no number as an id: the bare number after it is a phone number.
+    try:
+        await agent.handle("s", "ann", 'my order {"item_ids": [], "ref": "4155550132"}')
+    finally:
+        await agent.aclose()
+    traced = _traces(agent)
+    assert "4155550132" not in traced
+    assert "<PHONE_" in traced

@@ -426,7 +426,7 @@ class _PhoneDetector(Detector):
             ids = {
                 number
                 for hit in _ID_LABELLED.finditer(text)
-                for number in _ID_DIGITS.findall(hit.group(1) or hit.group(2))
+                for number in _ID_DIGITS.findall(hit.group(1) or hit.group(2) or "")
             }
             ids -= {finding.text for finding in found}
             found.extend(finding for finding in bare if finding.text not in ids)

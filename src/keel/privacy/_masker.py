@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel.errors import ConfigError
-from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all
+from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all, fold
 
 __all__ = [
     "DEFAULT_MASKER",
@@ -315,13 +315,16 @@ class _PolicyDetectors:
         clean = self.clean_lines
         new = [line for line in dict.fromkeys(text.split("\n")) if line not in clean]
         unseen = "\n".join(new)
-        if new and any(pattern.search(unseen) for pattern in self.continues):
+        # The detectors read the folded text (a fullwidth "ｂｅａｒｅｒ", a BEGIN line with a
+        # no-break space, an id label after one are theirs): so do the line rules.
+        folded = fold(unseen)
+        if new and any(pattern.search(folded) for pattern in self.continues):
             return False
         if new and find_all(unseen, self.line_bound):
             return False
         if self.whole and find_all(text, self.whole):
             return False
-        if new and not any(detector.drops_for(unseen) for detector in self.line_bound):
+        if new and not any(detector.drops_for(folded) for detector in self.line_bound):
             for line in new:
                 if len(line) > _LONGEST_KEPT_LINE:
                     continue
