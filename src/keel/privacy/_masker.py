@@ -315,7 +315,7 @@ class _PolicyDetectors:
         clean = self.clean_lines
         new = [line for line in dict.fromkeys(text.split("\n")) if line not in clean]
         unseen = "\n".join(new)
-        # The detectors read the folded text (a fullwidth "ｂｅａｒｅｒ", a BEGIN line with a
+        # The detectors read the folded text (fullwidth letters in "bearer", a BEGIN line with a
         # no-break space, an id label after one are theirs): so do the line rules.
         folded = fold(unseen)
         if new and any(pattern.search(folded) for pattern in self.continues):
