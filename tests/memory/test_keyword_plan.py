@@ -190,6 +190,62 @@ def test_a_word_counted_to_half_a_smaller_scope_is_counted_again_as_the_scope_gr
     store.close()
 
 
+def _in_scope_again(store: MemoryStore, memory: Memory) -> list[str]:
+    """The scope's texts for "alpha zebra" once it holds only two records, one per word."""
+    memory.add("alpha beta", scope=SCOPE)
+    memory.add("zebra gamma", scope=SCOPE)
+    return sorted(hit.record.text for hit in memory.search("alpha zebra", scope=SCOPE, k=10))
+
+
+def test_an_erased_users_word_counts_go_with_the_rows(
+    make_store: Callable[[], MemoryStore],
+) -> None:
+    # Counted in 100 rows ("alpha" in all of them, so left out of the query as telling none
+    # apart), then the rows are erased: the counts said nothing of the two rows written after.
+    store = make_store()
+    memory = Memory(store, embedder=None, config=RetrievalConfig(candidates=10))
+    memory.add_many([{"text": f"alpha note {number}"} for number in range(100)], scope=SCOPE)
+    assert len(memory.search("alpha zebra", scope=SCOPE, k=10)) == 10
+    store.erase_user(SCOPE.tenant_id, SCOPE.user_id)
+    assert _in_scope_again(store, memory) == ["alpha beta", "zebra gamma"]
+    store.erase_user(SCOPE.tenant_id, SCOPE.user_id)
+    # Nor are the user's words kept in the store's counts.
+    assert not any(key[:2] == ("t", "u") for key in store._term_frequencies._counts)  # type: ignore[attr-defined]
+    store.close()
+
+
+def test_a_scopes_word_counts_are_made_again_after_its_records_are_forgotten(
+    make_store: Callable[[], MemoryStore],
+) -> None:
+    store = make_store()
+    memory = Memory(store, embedder=None, config=RetrievalConfig(candidates=10))
+    added = memory.add_many(
+        [{"text": f"alpha note {number}"} for number in range(100)], scope=SCOPE
+    )
+    ids = [record.id for record in added]
+    assert len(memory.search("alpha zebra", scope=SCOPE, k=10)) == 10
+    for record_id in ids:
+        memory.forget(SCOPE, record_id)
+    assert _in_scope_again(store, memory) == ["alpha beta", "zebra gamma"]
+    store.close()
+
+
+def test_a_count_made_when_the_table_was_larger_is_made_again() -> None:
+    # Rows deleted by another process (a smaller MAX(rowid)): the count may be of rows gone.
+    frequencies = TermFrequencies()
+    counted: list[str] = []
+
+    def count(term: str) -> Plan[int]:
+        counted.append(term)
+        return _counted(40)
+
+    assert _planned(frequencies.get(("t", "u"), "alpha", 100, count)) == 40
+    assert _planned(frequencies.get(("t", "u"), "alpha", 101, count)) == 40
+    assert counted == ["alpha"]
+    _planned(frequencies.get(("t", "u"), "alpha", 60, count))
+    assert counted == ["alpha", "alpha"]
+
+
 def test_a_word_in_most_rows_ranks_its_newest_matches_shortest_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

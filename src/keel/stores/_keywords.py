@@ -129,6 +129,10 @@ class TermFrequencies:
     is not reused for a question with a higher bound (a growing scope raises the half of it
     that `informative_terms` compares with, and a count capped at the old half would keep a
     term in every row as informative).
+    A store drops a scope's counts when it deletes rows of it (`forget`): a count is kept
+    while the table grows, and says nothing once the rows it counted are gone (an erased
+    user's words are not kept either). A table with fewer rows than when a count was made
+    has lost rows to another process: the count is made again.
     Safe to share between threads (single dict operations).
     """
 
@@ -152,7 +156,7 @@ class TermFrequencies:
         cached = self._counts.get(key)
         if (
             cached is not None
-            and total_rows - cached[1] <= 0.05 * cached[0]
+            and 0 <= total_rows - cached[1] <= 0.05 * cached[0]
             and not _capped_below(cached[0], cached[2], limit)
         ):
             return cached[0]
@@ -161,6 +165,13 @@ class TermFrequencies:
             self._counts.clear()
         self._counts[key] = (value, total_rows, limit)
         return value
+
+    def forget(self, tenant_id: str | None = None, user_id: str | None = None) -> None:
+        """Drop the counts of ``tenant_id``'s scope of ``user_id`` (every user's when None;
+        every tenant's when ``tenant_id`` is None too): rows of it were deleted."""
+        for key in tuple(self._counts):
+            if tenant_id in (None, key[0]) and user_id in (None, key[1]):
+                self._counts.pop(key, None)
 
     def known(self, scope: tuple[str, str], term: str) -> int | None:
         """The count of ``term`` in ``scope`` last counted (however old), or None."""

@@ -43,7 +43,6 @@ from keel.stores._keywords import (
     AVERAGE_LENGTH_MILLI,
     SCOPE_ROWS,
     KeywordPlan,
-    TermFrequencies,
     common_term_cap,
 )
 from keel.stores._migrations import Migration, MigrationSet
@@ -262,7 +261,6 @@ class PostgresMemoryStore(SQLMemoryStore):
         self.halfvec = halfvec
         self._vector_tables: set[int] = set()
         self._statistics = _GrowthStatistics(db)
-        self._term_frequencies = TermFrequencies()
         super().__init__(require_database(db, PostgresDatabase, "PostgresMemoryStore"))
 
     def setup(self) -> None:

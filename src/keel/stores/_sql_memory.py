@@ -37,6 +37,7 @@ from keel.memory._rows import (
 )
 from keel.memory._store import FloatArray, InsertResult, MemoryStore, OutboxEntry
 from keel.stores._dialect import SqlDialect
+from keel.stores._keywords import TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._sql_memory_erasure import MemoryErasure
 from keel.stores._sql_plan import Plan, Result, SQLDatabase, Statement
@@ -131,6 +132,8 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
         self.db = db
         # The records of rows read before: a retrieval reads the same turns every turn.
         self.records = RecordCache()
+        # Each scope's term counts, which plan its keyword queries (see keel.stores._keywords).
+        self._term_frequencies = TermFrequencies()
         self._ready = False
         self.setup()
 
@@ -203,7 +206,10 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             f"DELETE FROM memory_records WHERE id = ? AND {_IN_SCOPE}",
             (record_id, scope.tenant_id, scope.user_id),
         )
-        return self.db.run(lambda: _changed(statement)) > 0
+        deleted = self.db.run(lambda: _changed(statement)) > 0
+        if deleted:
+            self._term_frequencies.forget(scope.tenant_id, scope.user_id)
+        return deleted
 
     def set_expiry(self, scope: Scope, expiry: Mapping[str, datetime | None]) -> None:
         if not expiry:
@@ -225,7 +231,13 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             where += f" AND {_IN_SCOPE}"
             params += (scope.tenant_id, scope.user_id)
         statement = Statement(f"DELETE FROM memory_records WHERE {where}", params)
-        return self.db.run(lambda: _changed(statement))
+        deleted = self.db.run(lambda: _changed(statement))
+        if deleted:
+            if scope is None:
+                self._term_frequencies.forget()
+            else:
+                self._term_frequencies.forget(scope.tenant_id, scope.user_id)
+        return deleted
 
     # --- reads --------------------------------------------------------------------------
 

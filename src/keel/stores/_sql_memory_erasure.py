@@ -16,6 +16,7 @@ from keel.errors import UsageError
 from keel.memory._records import MemoryKind
 from keel.memory._rows import to_epoch
 from keel.stores._erase_sql import count_deleted
+from keel.stores._keywords import TermFrequencies
 from keel.stores._sql_plan import Plan, SQLDatabase, Statement
 
 __all__ = ["MemoryErasure"]
@@ -28,6 +29,7 @@ class MemoryErasure:
     gives its migrated `db` and `inserted_order`)."""
 
     inserted_order: str
+    _term_frequencies: TermFrequencies
     db: SQLDatabase
 
     def user_sessions(self, tenant_id: str, user_id: str) -> list[str]:
@@ -40,7 +42,10 @@ class MemoryErasure:
         return sorted(str(session_id) for (session_id,) in rows)
 
     def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
-        return self.db.run(lambda: self._erase_user(tenant_id, user_id))
+        counts = self.db.run(lambda: self._erase_user(tenant_id, user_id))
+        # The counts of the user's words go with the rows (and the words with them).
+        self._term_frequencies.forget(tenant_id, user_id)
+        return counts
 
     def _erase_user(self, tenant_id: str, user_id: str) -> Plan[dict[str, int]]:
         """The scope's outbox rows, vectors and records (their keyword index entries go with
@@ -104,7 +109,10 @@ class MemoryErasure:
             )
         if not statements:
             return 0
-        return self.db.run(lambda: _all_changed(statements))
+        deleted = self.db.run(lambda: _all_changed(statements))
+        if deleted:
+            self._term_frequencies.forget(tenant_id)
+        return deleted
 
 
 def _rows(query: Statement) -> Plan[list[Any]]:

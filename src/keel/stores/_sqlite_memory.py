@@ -419,7 +419,6 @@ class SQLiteMemoryStore(SQLMemoryStore):
 
     def __init__(self, db: SQLiteDatabase) -> None:
         self._indexes: dict[tuple[str, str, str], _ScopeIndex] = {}
-        self._term_frequencies = TermFrequencies()
         self._index_lock = threading.Lock()
         super().__init__(require_database(db, SQLiteDatabase, "SQLiteMemoryStore"))
 
