@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.errors import ConfigError, StoreError, ToolDefinitionError
+from keel.errors import ConfigError, StoreError, ToolDefinitionError, UsageError
 from keel.service import build_service
 from keel.settings import load_settings
 from keel.stores._sql_plan import table_names
@@ -160,6 +160,43 @@ async def test_a_server_tool_named_as_a_workflow_tool_fails_the_start_up(tmp_pat
         async with app.router.lifespan_context(app):
             pytest.fail("the service started with a server whose tool the workflow reserves")
     assert "connection" not in notes._state and agents.tenants() == []
+
+
+async def test_a_python_tool_named_as_a_workflow_tool_fails_the_start_up(tmp_path: Path) -> None:
+    """As a server's tool of that name does (above), with no server to start: not every
+    tenant's first request, as its agent is built."""
+    from keel.state import MachineState, StateMachine, Transition
+    from keel.tools import tool
+
+    @tool
+    def remember(text: str) -> str:
+        """Keep a note."""
+        return text
+
+    machine = StateMachine(
+        "notes",
+        states=[
+            MachineState("open", "taking notes", "Take notes.", ()),
+            MachineState("done", "done", "Say goodbye.", (), terminal=True),
+        ],
+        transitions=[Transition("open", "done")],
+        initial="open",
+    )
+    app, agents, _ = build_service(
+        f"sqlite:///{tmp_path / 'keel.db'}",
+        model=ScriptedModel(["Hi."]),
+        tools=[remember],
+        machine=machine,
+        memory=False,
+        settings=load_settings(data_dir=tmp_path),
+        ui=False,
+    )
+    started = False
+    with pytest.raises(UsageError, match=r"\['remember'\] are reserved for the workflow"):
+        async with app.router.lifespan_context(app):
+            started = True
+    assert not started, "the service started with a tool the workflow reserves"
+    assert agents.tenants() == []
 
 
 async def test_a_server_whose_command_cannot_run_fails_the_start_up(tmp_path: Path) -> None:

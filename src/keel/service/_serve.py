@@ -131,6 +131,9 @@ class ServiceAgents:
             UsageError: a Python tool named as one of a state machine's workflow tools.
         """
         tools, machine = self._definition()
+        # A Python tool the workflow reserves fails every tenant's agent as it is built: it
+        # fails the start-up instead, servers or none (their tools are checked once listed).
+        Workflow(machine, tools)
         servers = [t for t in tools if isinstance(t, MCPServer)]
         if not servers:
             return
