@@ -6,10 +6,12 @@ number that one text labels as an id but another holds bare."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keel.privacy import MaskingPolicy, PIIMasker
+from keel.privacy import MaskingPolicy, MaskResult, PIIMasker
 from keel.privacy._detectors import DETECTORS, find_all
 
 RECORDS = [
@@ -192,3 +194,20 @@ def test_a_long_line_is_scanned_each_time_never_kept() -> None:
     assert _found(masker, text) == [] == _whole(text)
     assert _kept_lines(masker) == 5 + 2
     assert _found(masker, text) == []
+
+
+class _EvictedMeanwhile(dict[str, MaskResult]):
+    """Kept results whose oldest entry another thread drops between this thread's finding it
+    and dropping it (both found the cache full)."""
+
+    def __iter__(self) -> Iterator[str]:
+        keys = list(super().__iter__())
+        super().__delitem__(keys[0])
+        return iter(keys)
+
+
+def test_a_full_result_cache_another_thread_trimmed_first_is_no_error() -> None:
+    masker = PIIMasker()
+    full = _EvictedMeanwhile({f"text {n}": MaskResult(text=f"text {n}") for n in range(2048)})
+    masker._results[id(masker.policy)] = (masker.policy, full)
+    assert masker.mask_text("mail mallory.x7q@example.org") == "mail <EMAIL_1>"

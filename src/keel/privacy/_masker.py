@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -140,7 +141,7 @@ class PIIMasker:
             detectors = [d for d in (*DETECTORS, *self._extra) if d.entity in policy.entities]
             detectors.extend(d for d in self._extra if d.entity not in policy.entities)
             if len(self._detectors) >= _CACHED_POLICIES:
-                self._detectors.pop(next(iter(self._detectors)), None)
+                _drop_oldest(self._detectors)
             kept = self._detectors[id(policy)] = _PolicyDetectors(policy, detectors)
         found = [] if kept.clean_by_lines(text) else find_all(text, kept.detectors)
         if policy.presidio and self._presidio is not None:
@@ -176,8 +177,7 @@ class PIIMasker:
         result = self._mask(text, tenant_id, numbered)
         if numbered is None or not result.masked:
             if len(results) >= _CACHED_RESULTS:
-                # Oldest first: dicts keep insertion order.
-                del results[next(iter(results))]
+                _drop_oldest(results)
             results[text] = result
         return result
 
@@ -187,7 +187,7 @@ class PIIMasker:
         kept = self._results.get(id(policy))
         if kept is None or kept[0] is not policy:
             if len(self._results) >= _CACHED_POLICIES:
-                del self._results[next(iter(self._results))]
+                _drop_oldest(self._results)
             kept = self._results[id(policy)] = (policy, {})
         return kept[1]
 
@@ -265,6 +265,13 @@ class PIIMasker:
 
     def __call__(self, text: str, *, tenant_id: str | None = None) -> str:
         return self.mask_text(text, tenant_id=tenant_id)
+
+
+def _drop_oldest(kept: dict[Any, Any]) -> None:
+    """Drop ``kept``'s oldest entry (dicts keep insertion order). Threads share a masker: one
+    may drop that entry, or add another, between this one's finding it and dropping it."""
+    with contextlib.suppress(RuntimeError, StopIteration):
+        kept.pop(next(iter(kept)), None)
 
 
 _LINES_FROM = 512
