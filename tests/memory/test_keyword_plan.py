@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
-from keel.memory import Memory, MemoryFilter, MemoryStore, RetrievalConfig, Scope
+from keel.memory import Memory, MemoryFilter, MemoryRecord, MemoryStore, RetrievalConfig, Scope
 from keel.stores import (
     PostgresDatabase,
     SQLiteDatabase,
@@ -214,18 +215,32 @@ def test_an_erased_users_word_counts_go_with_the_rows(
     store.close()
 
 
-def test_a_scopes_word_counts_are_made_again_after_its_records_are_forgotten(
-    make_store: Callable[[], MemoryStore],
+_LONG_AGO = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+def _delete(store: MemoryStore, memory: Memory, how: str, records: list[MemoryRecord]) -> None:
+    if how == "forget":
+        for record in records:
+            memory.forget(SCOPE, record.id)
+        return
+    if how == "prune":
+        store.prune(SCOPE.tenant_id, records[0].kind, before=None, keep=0)
+        return
+    store.set_expiry(SCOPE, {record.id: _LONG_AGO for record in records})
+    store.purge_expired(SCOPE if how == "purge_expired" else None, datetime.now(UTC))
+
+
+@pytest.mark.parametrize("how", ["forget", "purge_expired", "purge_expired_everywhere", "prune"])
+def test_a_scopes_word_counts_are_made_again_after_its_records_are_deleted(
+    make_store: Callable[[], MemoryStore], how: str
 ) -> None:
     store = make_store()
     memory = Memory(store, embedder=None, config=RetrievalConfig(candidates=10))
     added = memory.add_many(
         [{"text": f"alpha note {number}"} for number in range(100)], scope=SCOPE
     )
-    ids = [record.id for record in added]
     assert len(memory.search("alpha zebra", scope=SCOPE, k=10)) == 10
-    for record_id in ids:
-        memory.forget(SCOPE, record_id)
+    _delete(store, memory, how, added)
     assert _in_scope_again(store, memory) == ["alpha beta", "zebra gamma"]
     store.close()
 
