@@ -138,8 +138,10 @@ class TermFrequencies:
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        # (count, table rows when counted, the bound it was counted to or None)
-        self._counts: dict[tuple[str, str, str], tuple[int, int, int | None]] = {}
+        # Per scope, per term: (count, table rows when counted, the bound it was counted to
+        # or None). By scope, so a scope's counts are dropped at once (`forget`).
+        self._counts: dict[tuple[str, str], dict[str, tuple[int, int, int | None]]] = {}
+        self._entries = 0  # about how many counts are kept (threads may miss an update)
 
     def get(
         self,
@@ -152,8 +154,8 @@ class TermFrequencies:
         """The count of ``term`` in ``scope``: the one kept, while it is close enough, else
         what the plan ``count(term)`` counts (a statement of the store's search plan), which
         counts up to ``limit`` rows when given."""
-        key = (*scope, term)
-        cached = self._counts.get(key)
+        kept = self._counts.get(scope)
+        cached = None if kept is None else kept.get(term)
         if (
             cached is not None
             and 0 <= total_rows - cached[1] <= 0.05 * cached[0]
@@ -161,21 +163,28 @@ class TermFrequencies:
         ):
             return cached[0]
         value = yield from count(term)
-        if len(self._counts) >= self.max_entries:
+        if self._entries >= self.max_entries:
             self._counts.clear()
-        self._counts[key] = (value, total_rows, limit)
+            self._entries = 0
+        kept = self._counts.setdefault(scope, {})
+        if term not in kept:
+            self._entries += 1
+        kept[term] = (value, total_rows, limit)
         return value
 
     def forget(self, tenant_id: str | None = None, user_id: str | None = None) -> None:
         """Drop the counts of ``tenant_id``'s scope of ``user_id`` (every user's when None;
         every tenant's when ``tenant_id`` is None too): rows of it were deleted."""
-        for key in tuple(self._counts):
-            if tenant_id in (None, key[0]) and user_id in (None, key[1]):
-                self._counts.pop(key, None)
+        if tenant_id is not None and user_id is not None:
+            self._counts.pop((tenant_id, user_id), None)
+            return
+        for scope in tuple(self._counts):
+            if tenant_id in (None, scope[0]) and user_id in (None, scope[1]):
+                self._counts.pop(scope, None)
 
     def known(self, scope: tuple[str, str], term: str) -> int | None:
         """The count of ``term`` in ``scope`` last counted (however old), or None."""
-        cached = self._counts.get((*scope, term))
+        cached = self._counts.get(scope, {}).get(term)
         return None if cached is None else cached[0]
 
     def plan(
