@@ -264,8 +264,10 @@ class Retriever:
                 score *= boost
             if ranges and any(span.contains(record.when) for span in ranges):
                 score *= dated
+            # Every value is this search's own, typed as the fields are: built, not validated
+            # (one per candidate, some forty a recall).
             hits.append(
-                MemoryHit(
+                MemoryHit.model_construct(
                     record=record,
                     score=score,
                     keyword_rank=fused.keyword_rank.get(record_id),
@@ -489,9 +491,9 @@ class Retriever:
         close: dict[tuple[str, int], list[MemoryRecord]] = {}
         for candidate in nearby:
             if candidate.record.session_id is not None and candidate.record.turn is not None:
-                close.setdefault(
-                    (candidate.record.session_id, candidate.record.turn), []
-                ).append(candidate.record)
+                close.setdefault((candidate.record.session_id, candidate.record.turn), []).append(
+                    candidate.record
+                )
         owner: dict[str, int] = {}
         blocks: list[MemoryHit] = []
         around: dict[tuple[str, int], list[MemoryRecord]] = {}

@@ -153,12 +153,15 @@ class ChatTokenCounter:
         tokens = self._text_counts.get(text)
         if tokens is None:
             tokens = self.tokenizer.count(text)
-            if len(self._text_counts) >= min(self.cache_size, _CACHED_TEXTS):
-                # Oldest first, as the message counts; another thread may evict it first.
-                with contextlib.suppress(RuntimeError, StopIteration):
-                    self._text_counts.pop(next(iter(self._text_counts)), None)
-            self._text_counts[text] = tokens
+            self._keep_count(text, tokens)
         return tokens
+
+    def _keep_count(self, text: str, tokens: int) -> None:
+        if len(self._text_counts) >= min(self.cache_size, _CACHED_TEXTS):
+            # Oldest first, as the message counts; another thread may evict it first.
+            with contextlib.suppress(RuntimeError, StopIteration):
+                self._text_counts.pop(next(iter(self._text_counts)), None)
+        self._text_counts[text] = tokens
 
     def count_lines(self, text: str) -> int:
         """[`count_text`][] of a text that repeats lines counted before (memories recalled
@@ -171,7 +174,14 @@ class ChatTokenCounter:
             or "\n" not in text
         ):
             return self.count_text(text)
-        return sum(self.count_text(piece) for piece in newline_pieces(text))
+        known = self._text_counts.get(text)
+        if known is not None:
+            return known
+        tokens = sum(self.count_text(piece) for piece in newline_pieces(text))
+        if len(text) <= _CACHED_TEXT_CHARS:
+            # A block shown again whole (the same hit and neighbours): one look-up next time.
+            self._keep_count(text, tokens)
+        return tokens
 
     def _chatml_render(self, message: Message) -> str:
         body = message.content
@@ -190,9 +200,7 @@ class ChatTokenCounter:
             return known
         return self._remember(message, self._count_by_content(message))
 
-    def count_message_content(
-        self, message: Message, *, by_lines: bool = False
-    ) -> tuple[int, int]:
+    def count_message_content(self, message: Message, *, by_lines: bool = False) -> tuple[int, int]:
         """[`count_message`][] of ``message``, and the tokens of its content within that (what
         cutting its content can save): the content is tokenized once, not once more for a
         copy without it, where the framing adds to the content (OpenAI's chat format).
