@@ -264,10 +264,8 @@ class Retriever:
                 score *= boost
             if ranges and any(span.contains(record.when) for span in ranges):
                 score *= dated
-            # Every value is this search's own, typed as the fields are: built, not validated
-            # (one per candidate, some forty a recall).
             hits.append(
-                MemoryHit.model_construct(
+                MemoryHit(
                     record=record,
                     score=score,
                     keyword_rank=fused.keyword_rank.get(record_id),
