@@ -260,8 +260,9 @@ class ContextEngine:
 
     # --- cached counting -----------------------------------------------------------------
 
-    def _block(self, text: str) -> tuple[Message, int, int]:
-        """A system message with ``text``, its tokens and its content tokens (cached)."""
+    def _block(self, text: str, *, by_lines: bool = False) -> tuple[Message, int, int]:
+        """A system message with ``text``, its tokens and its content tokens (cached);
+        ``by_lines``: its lines recur in other blocks, counted once each (exact all the same)."""
         cached = self._blocks.get(text)
         if cached is None:
             if len(self._blocks) >= _BLOCK_CACHE_SIZE:
@@ -273,7 +274,7 @@ class ContextEngine:
             else:
                 # The text tokenized once: OpenAI's framing adds to it (a new summary, every
                 # turn, would be tokenized twice).
-                tokens, content = self.counter.count_message_content(message)
+                tokens, content = self.counter.count_message_content(message, by_lines=by_lines)
             cached = (message, tokens, content)
             self._blocks[text] = cached
         return cached
@@ -283,14 +284,17 @@ class ContextEngine:
         if tokens is None:
             if len(self._line_tokens) >= _BLOCK_CACHE_SIZE * 8:
                 self._line_tokens.clear()
-            tokens = self.counter.count_text(f"- {text}\n")
+            # A memory recalled again in another block shares most of its lines with it.
+            tokens = self.counter.count_lines(f"- {text}\n")
             self._line_tokens[text] = tokens
         return tokens
 
     def _memories_block(self, kept: Sequence[ContextMemory]) -> tuple[Message | None, int, int]:
         if not kept:
             return None, 0, 0
-        return self._block(MEMORIES_HEADING + "\n" + "\n".join(f"- {m.text.strip()}" for m in kept))
+        # Consecutive turns recall mostly the same memories: the block's lines were counted.
+        text = MEMORIES_HEADING + "\n" + "\n".join(f"- {m.text.strip()}" for m in kept)
+        return self._block(text, by_lines=True)
 
     def _summary_block(self, summary: str) -> tuple[Message | None, int, int]:
         # The session's summary is one object from one rewrite to the next (tens of kB late in

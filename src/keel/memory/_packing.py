@@ -53,7 +53,8 @@ def pack_items(
 ) -> PackedMemory:
     """Greedy packing in the given (value) order: a block that does not fit is skipped and
     smaller later blocks may still fit. The joined text is re-counted exactly, so the result
-    is within ``budget`` even where tokens merge across the separators.
+    is within ``budget`` even where tokens merge across the separators (line by line where
+    the tokenizer allows it: the blocks recalled turn after turn share their lines).
 
     ``candidates`` are ``(section, text, record_ids, score)`` tuples.
     """
@@ -65,7 +66,7 @@ def pack_items(
     for section, text, record_ids, score in candidates:
         if record_ids and set(record_ids) <= seen:
             continue
-        tokens = counter.count_text(text)
+        tokens = counter.count_lines(text)
         extra = tokens + (separator_tokens if chosen else 0)
         if used + extra > budget:
             dropped += 1
@@ -78,12 +79,12 @@ def pack_items(
         seen.update(record_ids)
         used += extra
     text = "\n\n".join(item.text for item in chosen)
-    total = counter.count_text(text) if text else 0
+    total = counter.count_lines(text) if text else 0
     while chosen and total > budget:
         chosen.pop()
         dropped += 1
         text = "\n\n".join(item.text for item in chosen)
-        total = counter.count_text(text) if text else 0
+        total = counter.count_lines(text) if text else 0
     return PackedMemory(
         items=tuple(chosen), text=text, tokens=total, budget=budget, dropped=dropped
     )

@@ -9,6 +9,7 @@ judge (when there is one) filters and which is then packed into an exact token b
 from __future__ import annotations
 
 import copy
+import heapq
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -340,8 +341,11 @@ class Retriever:
         seeds' records, read for their names, are returned: the ranking needs them too."""
         cfg = self.config
         scores = fused.scores
-        best = sorted(scores, key=lambda record_id: (-scores[record_id], record_id))
-        seeds = self.store.fetch(scope, best[: cfg.expansion_seeds], filters)
+        # The best few only: a partial selection, not a sort of every candidate.
+        best = heapq.nsmallest(
+            cfg.expansion_seeds, scores, key=lambda record_id: (-scores[record_id], record_id)
+        )
+        seeds = self.store.fetch(scope, best, filters)
         terms = entity_terms([r.text for r in seeds], keyword_terms(masked_query))
         if not terms:
             return seeds
@@ -417,6 +421,13 @@ class Retriever:
         # Hits already picked from each candidate's session: with ``session_spread`` every
         # one of them discounts the candidate's relevance, so hits spread over sessions.
         sessions = [h.record.session_id for h in hits]
+        # Each hit's session as a number (None: -1), so a pick discounts its session's
+        # candidates in one comparison, not one per candidate.
+        numbers: dict[str, int] = {}
+        session_of = np.array(
+            [-1 if s is None else numbers.setdefault(s, len(numbers)) for s in sessions],
+            dtype=np.int64,
+        )
         spread = np.ones(count, dtype=np.float64)
         selected: list[int] = []
         while len(selected) < keep and alive.any():
@@ -433,8 +444,7 @@ class Retriever:
             alive &= similarity[chosen] < cfg.duplicate_similarity
             redundancy = np.maximum(redundancy, similarity[chosen])
             if cfg.session_spread > 0 and sessions[chosen] is not None:
-                same = np.array([s == sessions[chosen] for s in sessions], dtype=bool)
-                spread[same] *= 1.0 - cfg.session_spread
+                spread[session_of == session_of[chosen]] *= 1.0 - cfg.session_spread
         return [hits[i] for i in selected]
 
     def _similarities(self, hits: list[MemoryHit], scope: Scope) -> Any:
@@ -474,31 +484,40 @@ class Retriever:
         that does not is left out, so the reach costs few tokens).
         """
         reach = self.config.context_reach
-        close: dict[str, list[MemoryRecord]] = {}
+        # By session and turn: a hit looks up the few turns it may show, not every candidate
+        # and neighbour read (each list keeps its read order: turns_around's, the ranking's).
+        close: dict[tuple[str, int], list[MemoryRecord]] = {}
         for candidate in nearby:
             if candidate.record.session_id is not None and candidate.record.turn is not None:
-                close.setdefault(candidate.record.session_id, []).append(candidate.record)
+                close.setdefault((candidate.record.session_id, candidate.record.turn), []).append(
+                    candidate.record
+                )
         owner: dict[str, int] = {}
         blocks: list[MemoryHit] = []
-        around = self._turns_around(hits[:k], scope, filters)
+        around: dict[tuple[str, int], list[MemoryRecord]] = {}
+        for session_id, found in self._turns_around(hits[:k], scope, filters).items():
+            for neighbour in found:
+                if neighbour.turn is not None:
+                    around.setdefault((session_id, neighbour.turn), []).append(neighbour)
         for position, hit in enumerate(hits[:k]):
             span = self._span(position)
             record = hit.record
             turns: tuple[MemoryRecord, ...] = (record,)
             if span and record.session_id is not None and record.turn is not None:
-                first, last = record.turn - span, record.turn + span
+                session_id, turn_of = record.session_id, record.turn
                 turns = tuple(
                     r
-                    for r in around.get(record.session_id, ())
-                    if r.turn is not None and first <= r.turn <= last
+                    for turn in range(turn_of - span, turn_of + span + 1)
+                    for r in around.get((session_id, turn), ())
                 ) or (record,)
             # Like ``wide_hits``, the reach widens a context and never creates one.
             if span and reach > span and record.session_id is not None and record.turn is not None:
-                turn_of = record.turn
+                session_id, turn_of = record.session_id, record.turn
                 extra = [
                     r
-                    for r in close.get(record.session_id, ())
-                    if r.turn is not None and span < abs(r.turn - turn_of) <= reach
+                    for distance in range(span + 1, reach + 1)
+                    for turn in (turn_of - distance, turn_of + distance)
+                    for r in close.get((session_id, turn), ())
                 ]
                 if extra:
                     joined = {r.id: r for r in (*turns, *extra)}

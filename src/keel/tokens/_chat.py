@@ -56,6 +56,28 @@ _TAIL = 8
 """Messages added at the end that the guess of where a shifted window resumes allows for."""
 
 
+_LINE_STARTS = frozenset("[-")
+"""Besides letters and digits, what may follow a newline where a text is cut for counting."""
+
+
+def newline_pieces(text: str) -> list[str]:
+    """``text`` cut after each newline that a letter, a digit, ``[`` or ``-`` follows (each
+    piece keeps its newlines): where a tokenizer with ``splits_after_newlines`` starts a new
+    pre-token anyway."""
+    pieces: list[str] = []
+    start = 0
+    end = len(text)
+    found = text.find("\n")
+    while found != -1:
+        after = found + 1
+        if after < end and ((char := text[after]).isalnum() or char in _LINE_STARTS):
+            pieces.append(text[start:after])
+            start = after
+        found = text.find("\n", after)
+    pieces.append(text[start:])
+    return pieces
+
+
 def render_tools_for_counting(tools: Sequence[Mapping[str, Any]]) -> str:
     """Tools in OpenAI's ``tools`` format rendered as the model reads them."""
     lines = ["namespace functions {", ""]
@@ -131,11 +153,34 @@ class ChatTokenCounter:
         tokens = self._text_counts.get(text)
         if tokens is None:
             tokens = self.tokenizer.count(text)
-            if len(self._text_counts) >= min(self.cache_size, _CACHED_TEXTS):
-                # Oldest first, as the message counts; another thread may evict it first.
-                with contextlib.suppress(RuntimeError, StopIteration):
-                    self._text_counts.pop(next(iter(self._text_counts)), None)
-            self._text_counts[text] = tokens
+            self._keep_count(text, tokens)
+        return tokens
+
+    def _keep_count(self, text: str, tokens: int) -> None:
+        if len(self._text_counts) >= min(self.cache_size, _CACHED_TEXTS):
+            # Oldest first, as the message counts; another thread may evict it first.
+            with contextlib.suppress(RuntimeError, StopIteration):
+                self._text_counts.pop(next(iter(self._text_counts)), None)
+        self._text_counts[text] = tokens
+
+    def count_lines(self, text: str) -> int:
+        """[`count_text`][] of a text that repeats lines counted before (memories recalled
+        again, in other blocks and orders): exactly, as the sum of its lines' cached counts
+        where the tokenizer starts a new pre-token after a newline anyway
+        (``splits_after_newlines``), so only its new lines are tokenized; else whole."""
+        if (
+            self.cache_size <= 0
+            or not getattr(self.tokenizer, "splits_after_newlines", False)
+            or "\n" not in text
+        ):
+            return self.count_text(text)
+        known = self._text_counts.get(text)
+        if known is not None:
+            return known
+        tokens = sum(self.count_text(piece) for piece in newline_pieces(text))
+        if len(text) <= _CACHED_TEXT_CHARS:
+            # A block shown again whole (the same hit and neighbours): one look-up next time.
+            self._keep_count(text, tokens)
         return tokens
 
     def _chatml_render(self, message: Message) -> str:
@@ -155,17 +200,18 @@ class ChatTokenCounter:
             return known
         return self._remember(message, self._count_by_content(message))
 
-    def count_message_content(self, message: Message) -> tuple[int, int]:
+    def count_message_content(self, message: Message, *, by_lines: bool = False) -> tuple[int, int]:
         """[`count_message`][] of ``message``, and the tokens of its content within that (what
         cutting its content can save): the content is tokenized once, not once more for a
-        copy without it, where the framing adds to the content (OpenAI's chat format)."""
+        copy without it, where the framing adds to the content (OpenAI's chat format).
+        ``by_lines``: the content is counted with [`count_lines`][] (it repeats lines)."""
         if not message.content:
             return self.count_message(message), 0
         if self.profile.chat_format == "chatml":
             tokens = self.count_message(message)
             framing = self.count_message(message.model_copy(update={"content": ""}))
             return tokens, max(0, tokens - framing)
-        content = self.count_text(message.content)
+        content = (self.count_lines if by_lines else self.count_text)(message.content)
         known = self._identity_counts.get(id(message))
         if known is None:
             known = self._remember(message, self._count_openai(message, content))

@@ -49,6 +49,12 @@ def _pieces(text: str) -> list[tuple[str, bool]]:
 class OpenAIEncoding(ExactTokenizer):
     """An exact tokenizer for one of OpenAI's encodings."""
 
+    splits_after_newlines = True
+    """Both encodings' pre-tokenizers start a new pre-token after a newline that a letter, a
+    digit, ``[`` or ``-`` follows (no pattern carries a newline on into such a character; the
+    one that takes newlines after punctuation takes ``/`` too, never these), and encode each
+    pre-token alone: a text cut there counts as the sum of its pieces, exactly."""
+
     def __init__(self, name: str, encoding: Any) -> None:
         super().__init__(name)
         self._encoding = encoding
