@@ -16,7 +16,9 @@ from keel.privacy import VaultStore
 from keel.state import StateBackend
 from keel.stores import PostgresDatabase, SQLiteDatabase
 from keel.stores import _open as opener
+from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._postgres_traces import PostgresTraceStore
+from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
 
@@ -27,7 +29,9 @@ INTERFACES = (StateBackend, ToolJournal, ApprovalStore, TraceStore, MemoryStore,
 
 def _store_classes() -> set[str]:
     """The database objects, and every class of ``keel.stores`` behind a store interface."""
-    names = {SQLiteDatabase.__name__, PostgresDatabase.__name__, PostgresTraceStore.__name__}
+    # Loaded on first use (psycopg; numpy for memory's), so not among the modules' names.
+    lazy = (PostgresTraceStore, SQLiteMemoryStore, PostgresMemoryStore)
+    names = {SQLiteDatabase.__name__, PostgresDatabase.__name__, *(c.__name__ for c in lazy)}
     modules = [keel.stores, opener]
     for module in modules:
         for name, value in vars(module).items():

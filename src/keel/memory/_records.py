@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from keel.privacy import PIIMasker
 
 __all__ = [
+    "RUN_TYPE",
     "MemoryFilter",
     "MemoryKind",
     "MemoryRecord",
@@ -27,6 +28,9 @@ MemoryKind = Literal["episodic", "semantic", "procedural"]
 
 Provenance = Literal["user_claim", "verified", "inferred"]
 """Who vouches for a record: the user said it, a tool/system verified it, or a model inferred it."""
+
+RUN_TYPE = "run"
+"""The type of a successful run kept for experience replay (never a search hit otherwise)."""
 
 
 def utcnow() -> datetime:

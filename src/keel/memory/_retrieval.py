@@ -26,7 +26,7 @@ from keel.memory._config import RetrievalConfig
 from keel.memory._embedders import Embedder
 from keel.memory._expansion import entity_terms
 from keel.memory._packing import PackedMemory, label_for, pack_items
-from keel.memory._records import MemoryFilter, MemoryRecord, Scope, mask_text, utcnow
+from keel.memory._records import RUN_TYPE, MemoryFilter, MemoryRecord, Scope, mask_text, utcnow
 from keel.memory._shape import shaped_config
 from keel.memory._similarity import gram
 from keel.memory._store import MemoryStore, ScoredId
@@ -38,9 +38,6 @@ from keel.tokens import ChatTokenCounter
 __all__ = ["RUN_TYPE", "MemoryHit", "RetrievalDraft", "Retriever"]
 
 logger = logging.getLogger("keel.memory")
-
-RUN_TYPE = "run"
-"""The type of a successful run kept for experience replay (never a search hit otherwise)."""
 
 
 class MemoryHit(BaseModel):

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from keel._bridge import run_blocking
 from keel.context import ContextMemory, runtime_note
 from keel.errors import ConflictError, KeelError, StoreError
-from keel.memory import Memory, MemoryFilter, Provenance, Scope, ShownSession
-from keel.memory._retrieval import RUN_TYPE
+from keel.memory import MemoryFilter, Provenance, Scope, ShownSession
+from keel.memory._records import RUN_TYPE
 from keel.messages import Message, ToolCall
 from keel.privacy import Vault, storable
 from keel.runtime._approvals import ESCALATED_NOTE, ApprovalHold, pending_view
@@ -39,6 +39,7 @@ from keel.stores._sql_plan import Rider, riding
 from keel.tracing import RunStatus, RunTrace, TraceBatch
 
 if TYPE_CHECKING:
+    from keel.memory import Memory
     from keel.runtime._masking import Masking
 
 __all__ = [

@@ -22,7 +22,6 @@ from keel.stores._open import (
     pii_key_from_settings,
 )
 from keel.stores._postgres import PostgresDatabase, translate_postgres_error
-from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore, approval_migrations
 from keel.stores._sql_journal import SQLToolJournal, journal_migrations
@@ -30,13 +29,15 @@ from keel.stores._sql_state import STATE_MIGRATIONS, SQLStateBackend
 from keel.stores._sql_traces import SQLTraceStore, trace_migrations
 from keel.stores._sql_vault import SQLVaultStore, vault_migrations
 from keel.stores._sqlite import CORE_MIGRATIONS, SQLiteDatabase, translate_sqlite_error
-from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_vault import SQLiteVaultStore
 
 if TYPE_CHECKING:
-    # Imports psycopg at module level: loaded on first use so that keel.stores works
-    # without the postgres extra.
+    # The memory stores import numpy, the trace store psycopg, at module level: loaded on
+    # first use, so that an agent with memory off never loads numpy (nor OpenBLAS's threads)
+    # and keel.stores works without the postgres extra.
+    from keel.stores._postgres_memory import PostgresMemoryStore
     from keel.stores._postgres_traces import PostgresTraceStore
+    from keel.stores._sqlite_memory import SQLiteMemoryStore
 
 __all__ = [
     "CORE_MIGRATIONS",
@@ -81,4 +82,14 @@ def __getattr__(name: str) -> Any:
         from keel.stores import _postgres_traces
 
         return getattr(_postgres_traces, name)
+    if name == "SQLiteMemoryStore":
+        # Imports numpy: loaded with the first memory, never for an agent with memory off.
+        from keel.stores import _sqlite_memory
+
+        return _sqlite_memory.SQLiteMemoryStore
+    if name == "PostgresMemoryStore":
+        # Imports numpy: loaded with the first memory, never for an agent with memory off.
+        from keel.stores import _postgres_memory
+
+        return _postgres_memory.PostgresMemoryStore
     raise AttributeError(f"module 'keel.stores' has no attribute {name!r}")

@@ -39,7 +39,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Literal, TypeVar, get_args
 
 from pydantic import SecretStr
 
@@ -47,7 +47,6 @@ from keel._bridge import run_blocking
 from keel._urls import DatabaseURL, parse_database_url
 from keel.approvals import ApprovalStore
 from keel.errors import ConfigError, UsageError, VaultKeyError
-from keel.memory import Embedder, Memory, MemoryStore, embedder_from_settings
 from keel.privacy import (
     DEFAULT_MASKER,
     KeyProvider,
@@ -60,7 +59,6 @@ from keel.privacy._keys import embedded_key
 from keel.settings import Settings, default_pii_key_file
 from keel.state import AgentState, StateStore
 from keel.stores._postgres import PostgresDatabase
-from keel.stores._postgres_memory import PostgresMemoryStore
 from keel.stores._redis_client import RedisDurability
 from keel.stores._redis_state import RedisStateBackend
 from keel.stores._sql_approvals import SQLApprovalStore
@@ -70,10 +68,12 @@ from keel.stores._sql_state import SQLStateBackend
 from keel.stores._sql_traces import SQLTraceStore
 from keel.stores._sql_vault import SQLVaultStore
 from keel.stores._sqlite import SQLiteDatabase
-from keel.stores._sqlite_memory import SQLiteMemoryStore
 from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.tools import ToolJournal
 from keel.tracing import TraceStore
+
+if TYPE_CHECKING:
+    from keel.memory import Embedder, Memory, MemoryStore
 
 __all__ = ["STORE_NAMES", "Backends", "MemoryOptions", "StoreName", "pii_key_from_settings"]
 
@@ -382,6 +382,9 @@ class _Opened:
         """Memory on the memory store opened (if any), sealing values in the vault."""
         if self.memory_store is None:
             return
+        # Lazy: memory's modules load numpy, which an agent with memory off never needs.
+        from keel.memory import Memory, embedder_from_settings
+
         embedder = None if self.memory_options is None else self.memory_options.embedder
         self.memory = Memory(
             self.memory_store,
@@ -547,8 +550,14 @@ def _open_on_sql(
 
 def _memory_store(sql: SQLiteDatabase | PostgresDatabase, options: MemoryOptions) -> MemoryStore:
     """Memory's store on ``sql`` (migrated): PostgreSQL's vector index as ``options`` say."""
+    # Lazy: the memory stores load numpy, which an agent with memory off never needs.
     if isinstance(sql, SQLiteDatabase):
+        from keel.stores._sqlite_memory import SQLiteMemoryStore
+
         return SQLiteMemoryStore(sql)
+    # Lazy as above: numpy (and pgvector's adapters) only for memory.
+    from keel.stores._postgres_memory import PostgresMemoryStore
+
     return PostgresMemoryStore(sql, hnsw=options.hnsw, halfvec=options.halfvec)
 
 

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, TypeVar
 
-import numpy as np
-
 from keel._bridge import run_blocking
 from keel.errors import (
     BackendUnavailableError,
@@ -58,6 +56,9 @@ class BinaryVector:
 def vector_to_binary(vector: Any) -> bytes:
     """A vector in pgvector's binary wire format: int16 dimension, int16 unused, then
     big-endian float4s."""
+    # Imported here: only memory sends vectors, and an agent with memory off never loads numpy.
+    import numpy as np
+
     values = np.asarray(vector, dtype=">f4").reshape(-1)
     return int(values.shape[0]).to_bytes(2, "big") + b"\0\0" + values.tobytes()
 
