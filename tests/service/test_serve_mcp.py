@@ -162,6 +162,55 @@ async def test_a_server_tool_named_as_a_workflow_tool_fails_the_start_up(tmp_pat
     assert "connection" not in notes._state and agents.tenants() == []
 
 
+async def test_a_failed_start_up_stops_every_server_whichever_fails_to_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up fails after two servers started (one lists a tool the workflow reserves),
+    and the first one it stops raises: the other is stopped all the same, and the start-up's
+    own error is the one raised. (A real server does not fail to stop on demand: its
+    ``aclose`` is replaced.)"""
+    from keel.state import MachineState, StateMachine, Transition
+
+    machine = StateMachine(
+        "notes",
+        states=[
+            MachineState("open", "taking notes", "Take notes.", ()),
+            MachineState("done", "done", "Say goodbye.", (), terminal=True),
+        ],
+        transitions=[Transition("open", "done")],
+        initial="open",
+    )
+    effects = tmp_path / "effects.txt"
+    env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+    notes = MCPServer.stdio(sys.executable, ["-c", _NOTES_SERVER], name="notes", env=env)
+    stops = MCPServer.aclose
+
+    async def aclose(server: MCPServer) -> None:
+        if server is notes:
+            raise RuntimeError("could not stop")
+        await stops(server)
+
+    monkeypatch.setattr(MCPServer, "aclose", aclose)
+    app, _, _ = build_service(
+        f"sqlite:///{tmp_path / 'keel.db'}",
+        model=ScriptedModel(["Hi."]),
+        tools=[stdio_server(effects), notes],  # stopped in reverse: notes first
+        machine=machine,
+        memory=False,
+        settings=load_settings(data_dir=tmp_path),
+        ui=False,
+    )
+    try:
+        with pytest.raises(Exception) as raised:
+            async with app.router.lifespan_context(app):
+                pytest.fail("the service started with a server whose tool the workflow reserves")
+        assert isinstance(raised.value, ToolDefinitionError), repr(raised.value)
+        assert "clashes with the workflow's" in str(raised.value)
+        await _until_gone(effects)  # the other server's process is gone
+    finally:
+        await stops(notes)
+
+
 async def test_a_python_tool_named_as_a_workflow_tool_fails_the_start_up(tmp_path: Path) -> None:
     """As a server's tool of that name does (above), with no server to start: not every
     tenant's first request, as its agent is built."""

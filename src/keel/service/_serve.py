@@ -145,8 +145,15 @@ class ServiceAgents:
             # listed their tools: a clash with the workflow's tools fails here, once.
             Workflow(machine, tools)
         except BaseException:
+            # Every server started is stopped, whichever of them fails to stop: the start-up's
+            # own error is the one raised, and a process left running would outlive the service.
             for server in reversed(started):
-                await server.aclose()
+                try:
+                    await server.aclose()
+                except Exception:
+                    SERVICE_LOGGER.warning(
+                        "MCP server %r did not stop cleanly", server.name, exc_info=True
+                    )
             raise
         self._servers = started
 
