@@ -130,7 +130,11 @@ def test_a_line_clean_only_beside_a_folded_id_label_is_not_kept_as_clean() -> No
 
 def test_an_empty_id_list_beside_a_bare_number_is_no_error() -> None:
     text = '{"item_ids": [], "ref": "4155550132"}'
-    assert PIIMasker().mask_text(text) == '{"item_ids": [], "ref": "<PHONE_1>"}'
+    try:
+        masked = PIIMasker().mask_text(text)
+    except TypeError as error:  # the phone detector's, once
+        masked = repr(error)
+    assert masked == '{"item_ids": [], "ref": "<PHONE_1>"}'
 
 
 def test_the_lines_are_kept_per_policy() -> None:
