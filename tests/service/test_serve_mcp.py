@@ -16,6 +16,7 @@ import pytest
 from keel.errors import ConfigError, StoreError, ToolDefinitionError, UsageError
 from keel.service import build_service
 from keel.settings import load_settings
+from keel.state import MachineState, StateMachine, Transition
 from keel.stores._sql_plan import table_names
 from keel.testing import ScriptedModel
 from keel.testing.mcp_fault_server import stdio_server
@@ -31,6 +32,19 @@ def _service(tmp_path: Path, server: MCPServer, model: ScriptedModel | None = No
         memory=False,
         settings=load_settings(data_dir=tmp_path),
         ui=False,
+    )
+
+
+def _notes_machine() -> StateMachine:
+    """A state machine: its agent has the workflow's tools (``go_to``, ``remember``)."""
+    return StateMachine(
+        "notes",
+        states=[
+            MachineState("open", "taking notes", "Take notes.", ()),
+            MachineState("done", "done", "Say goodbye.", (), terminal=True),
+        ],
+        transitions=[Transition("open", "done")],
+        initial="open",
     )
 
 
@@ -133,17 +147,7 @@ async def test_a_server_tool_named_as_a_workflow_tool_fails_the_start_up(tmp_pat
     """An agent with a state machine has the workflow's tools (``go_to``, ``remember``): a
     server listing one of those names would fail every tenant's agent as it is built, so it
     fails the start-up instead, and the server is stopped."""
-    from keel.state import MachineState, StateMachine, Transition
-
-    machine = StateMachine(
-        "notes",
-        states=[
-            MachineState("open", "taking notes", "Take notes.", ()),
-            MachineState("done", "done", "Say goodbye.", (), terminal=True),
-        ],
-        transitions=[Transition("open", "done")],
-        initial="open",
-    )
+    machine = _notes_machine()
     env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
     notes = MCPServer.stdio(sys.executable, ["-c", _NOTES_SERVER], name="notes", env=env)
     app, agents, _ = build_service(
@@ -169,17 +173,7 @@ async def test_a_failed_start_up_stops_every_server_whichever_fails_to_stop(
     and the first one it stops raises: the other is stopped all the same, and the start-up's
     own error is the one raised. (A real server does not fail to stop on demand: its
     ``aclose`` is replaced.)"""
-    from keel.state import MachineState, StateMachine, Transition
-
-    machine = StateMachine(
-        "notes",
-        states=[
-            MachineState("open", "taking notes", "Take notes.", ()),
-            MachineState("done", "done", "Say goodbye.", (), terminal=True),
-        ],
-        transitions=[Transition("open", "done")],
-        initial="open",
-    )
+    machine = _notes_machine()
     effects = tmp_path / "effects.txt"
     env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
     notes = MCPServer.stdio(sys.executable, ["-c", _NOTES_SERVER], name="notes", env=env)
