@@ -34,6 +34,7 @@ from keel.privacy._masker import (
     Numbering,
     PIIMasker,
     mask_pii,
+    maskable_json,
 )
 from keel.privacy._stream import RevealStream, StreamMasker
 from keel.privacy._vault import (
@@ -73,6 +74,7 @@ __all__ = [
     "defang_placeholders",
     "key_provider_from_env",
     "mask_pii",
+    "maskable_json",
     "message_placeholders",
     "placeholders_in",
     "privacy_view",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = [
     "Numbering",
     "PIIMasker",
     "mask_pii",
+    "maskable_json",
 ]
 
 Numbering = Callable[[str, str], str]
@@ -353,6 +355,14 @@ its own hands this one to its state, journal, traces and memory."""
 def mask_pii(text: str) -> str:
     """Mask every built-in PII and secret type in ``text`` with the default policy."""
     return DEFAULT_MASKER.mask_text(text)
+
+
+def maskable_json(value: Any, *, sort_keys: bool = True) -> str:
+    """``value`` as JSON to be masked (a call's arguments for its journal or an approval, a
+    tool's result): characters as written, never ``\\u`` escapes, which would hide an address
+    with an accent (``j\\u00f6rg@...``) or a card in fullwidth digits from every detector and
+    store it as it is. Keys sorted by default: identical calls stay identical once masked."""
+    return json.dumps(value, sort_keys=sort_keys, ensure_ascii=False, default=str)
 
 
 def _batched(

@@ -49,6 +49,7 @@ from keel.approvals import (
 from keel.context import runtime_note
 from keel.errors import PlaceholderError, ToolArgumentsError, ToolInDoubtError
 from keel.messages import Message, ToolCall
+from keel.privacy import maskable_json
 from keel.runtime._events import AgentEvent, ApprovalDecided, ApprovalRequested
 from keel.runtime._loop_run import LoopResult, LoopRun, MaybeAwaitable, blocked, call_hook
 from keel.runtime._reply import PendingApproval
@@ -307,7 +308,7 @@ class ApprovalHold:
                 f"Error: {call.name} needs a person's approval and this agent has no approval "
                 "queue, so it was not run.",
             )
-        masked = await facts.masked(json.dumps(arguments.model_dump(), sort_keys=True, default=str))
+        masked = await facts.masked(maskable_json(arguments.model_dump()))
         request = await self._request(
             found, call, run.step, index, context.idempotency_key, masked, need
         )

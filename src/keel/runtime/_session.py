@@ -53,7 +53,7 @@ from keel.errors import (
     TurnInterruptedError,
     UsageError,
 )
-from keel.privacy import storable
+from keel.privacy import maskable_json, storable
 from keel.runtime._approvals import Approvals, pending_view, waiting_text
 from keel.runtime._events import AgentEvent
 from keel.runtime._log import SessionLogs
@@ -733,7 +733,7 @@ async def _corrected(
     if found is None or not isinstance(arguments, str):
         raise UsageError("arguments= corrects a tool call's arguments: one JSON object")
     validated = validated_arguments(found, arguments)
-    return await masking.amask(json.dumps(validated.model_dump(mode="json"), sort_keys=True))
+    return await masking.amask(maskable_json(validated.model_dump(mode="json")))
 
 
 async def _corrected_by_schema(
@@ -750,7 +750,7 @@ async def _corrected_by_schema(
     if not isinstance(value, dict):
         raise UsageError("arguments= corrects a tool call's arguments: one JSON object")
     check_corrected_arguments(request, value)
-    return await masking.amask(json.dumps(value, sort_keys=True))
+    return await masking.amask(maskable_json(value))
 
 
 async def _recorded(

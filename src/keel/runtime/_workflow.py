@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from keel.errors import UsageError
 from keel.messages import ToolCall
+from keel.privacy import maskable_json
 from keel.runtime._events import AgentEvent, WorkflowTransition
 from keel.state import MachinePosition, StateMachine
 from keel.tools import MCPServer, Tool, ToolRegistry, ToolResult, tool
@@ -145,7 +146,7 @@ class Workflow:
             """
             position = cursor.position or machine.start()
             cursor.position = machine.fill(position, **{slot: value})
-            return json.dumps({"remembered": {slot: value}})
+            return maskable_json({"remembered": {slot: value}}, sort_keys=False)
 
         # Slots are state, stored as they are: they keep the user's placeholders, never values.
         keep_placeholders = tool(sees_values=False)

@@ -56,7 +56,14 @@ from keel.errors import (
     UnknownToolError,
 )
 from keel.messages import Message, ToolCall
-from keel.privacy import PLACEHOLDER, NoVault, UserVault, defang_placeholders, placeholders_in
+from keel.privacy import (
+    PLACEHOLDER,
+    NoVault,
+    UserVault,
+    defang_placeholders,
+    maskable_json,
+    placeholders_in,
+)
 from keel.privacy._vault import FOREIGN_REASON
 from keel.tools._journal import (
     SETTLED_NOTE,
@@ -369,7 +376,7 @@ class ToolExecutor:
         key = base["idempotency_key"]
         try:
             # Masking is deterministic, so identical calls stay identical in the journal.
-            canonical = await self._amasked(json.dumps(arguments, sort_keys=True))
+            canonical = await self._amasked(maskable_json(arguments))
         except Exception as exc:
             # Raw arguments never reach the journal, and without an intent the call is not run.
             unmasked = ToolExecutionError(

@@ -1,0 +1,117 @@
+"""A tool call's arguments reach the journal and the approval queue masked whatever characters
+they hold: an address with accents, a card in fullwidth digits. JSON's ``\\u`` escapes
+(``j\\u00f6rg@...``) would hide them from every detector, and they would be stored as they are."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keel.messages import Message, ToolCall
+from keel.runtime import Agent
+from keel.testing import ScriptedCall, ScriptedModel
+from keel.tools import tool
+from tests.privacy._samples import dump_sqlite, leaks
+
+EMAIL = "jörg.müller@bücher.example"
+CARD = "４１１１ １１１１ １１１１ １１１１"
+# Each value as it is, and as JSON with ASCII escapes writes it.
+VALUES = {
+    "EMAIL": EMAIL,
+    "CREDIT_CARD": CARD,
+    "EMAIL (escaped)": json.dumps(EMAIL)[1:-1],
+    "CREDIT_CARD (escaped)": json.dumps(CARD)[1:-1],
+}
+sent: list[tuple[str, str]] = []
+
+
+@tool(side_effect=True, idempotent=False)
+def send_receipt(to: str, card: str) -> str:
+    """Mail a receipt for a card payment.
+
+    Args:
+        to: The customer's address.
+        card: The card charged.
+    """
+    sent.append((to, card))
+    return "receipt sent"
+
+
+@tool(approval=True, side_effect=True)
+def refund(to: str, card: str) -> str:
+    """Refund a card payment.
+
+    Args:
+        to: The customer's address.
+        card: The card to refund.
+    """
+    return "refunded"
+
+
+def _call(name: str) -> Message:
+    # The model writes the characters as they are (no escapes): keel's own JSON must too.
+    arguments = json.dumps({"to": EMAIL, "card": CARD}, ensure_ascii=False)
+    return Message.assistant("", tool_calls=[ToolCall(id="c1", name=name, arguments=arguments)])
+
+
+def _model(name: str) -> ScriptedModel:
+    def reply(call: ScriptedCall) -> Message | str:
+        return "Done." if any(m.role == "tool" for m in call.messages) else _call(name)
+
+    return ScriptedModel(reply)
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Iterator[Path]:
+    sent.clear()
+    yield tmp_path / "keel.db"
+
+
+def _open(database: Path, name: str) -> Agent:
+    return Agent.open(
+        f"sqlite:///{database}",
+        system_prompt="You send receipts and refund payments.",
+        model=_model(name),
+        tools=[send_receipt, refund],
+        memory=False,
+    )
+
+
+def _masked(arguments: str) -> dict[str, Any]:
+    values: dict[str, Any] = json.loads(arguments)
+    return values
+
+
+async def test_a_journalled_call_holds_no_accented_address_nor_fullwidth_card(
+    database: Path,
+) -> None:
+    agent = _open(database, "send_receipt")
+    try:
+        reply = await agent.run("Send my receipt.", session="s1", user="u1")
+    finally:
+        await agent.aclose()
+    assert reply.status == "completed", reply
+    # The tool got the values as the model wrote them.
+    assert sent == [(EMAIL, CARD)]
+    dumped = dump_sqlite(database)
+    assert "send_receipt" in dumped["keel_tool_journal"]
+    assert leaks(dumped, VALUES) == []
+
+
+async def test_an_approval_request_holds_no_accented_address_nor_fullwidth_card(
+    database: Path,
+) -> None:
+    agent = _open(database, "refund")
+    try:
+        parked = await agent.run("Refund me.", session="s1", user="u1")
+    finally:
+        await agent.aclose()
+    assert parked.status == "awaiting_approval", parked
+    [waiting] = parked.approvals
+    asked = _masked(waiting.arguments)
+    assert asked["to"].startswith("<EMAIL_") and asked["card"].startswith("<CREDIT_CARD_")
+    assert leaks(dump_sqlite(database), VALUES) == []
