@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -241,6 +242,61 @@ def test_a_scopes_word_counts_are_made_again_after_its_records_are_deleted(
     )
     assert len(memory.search("alpha zebra", scope=SCOPE, k=10)) == 10
     _delete(store, memory, how, added)
+    assert _in_scope_again(store, memory) == ["alpha beta", "zebra gamma"]
+    store.close()
+
+
+class _PausedAfterCounting(TermFrequencies):
+    """Term counts whose count of ``word`` waits, once made, until the test lets it be kept
+    (a search in one thread while another thread deletes the rows it counted)."""
+
+    def __init__(self, word: str) -> None:
+        super().__init__()
+        self.word = word
+        self.counted = threading.Event()
+        self.resume = threading.Event()
+
+    def get(
+        self,
+        scope: tuple[str, str],
+        term: str,
+        total_rows: int,
+        count: Callable[[str], Plan[int]],
+        limit: int | None = None,
+    ) -> Plan[int]:
+        def paused(counted_term: str) -> Plan[int]:
+            value = yield from count(counted_term)
+            if counted_term == self.word and not self.counted.is_set():
+                self.counted.set()
+                assert self.resume.wait(timeout=60)
+            return value
+
+        return super().get(scope, term, total_rows, paused, limit)
+
+
+def test_a_count_made_while_the_user_is_erased_is_not_kept(
+    make_store: Callable[[], MemoryStore],
+) -> None:
+    # A search counts "alpha" in the user's 100 rows; before it keeps that count, another
+    # thread erases the user. Kept, the count would outlive the erasure (the user's words in
+    # memory) and drop "alpha" from the returning user's queries as in every row.
+    store = make_store()
+    paused = _PausedAfterCounting("alpha")
+    store._term_frequencies = paused  # type: ignore[attr-defined]
+    memory = Memory(store, embedder=None, config=RetrievalConfig(candidates=10))
+    memory.add_many([{"text": f"alpha note {number}"} for number in range(100)], scope=SCOPE)
+    # Another user's newer rows: the table's last row stays, so does its size as counted.
+    memory.add_many([{"text": f"other note {number}"} for number in range(20)], scope=OTHER)
+    searching = threading.Thread(
+        target=memory.search, args=("alpha zebra",), kwargs={"scope": SCOPE}
+    )
+    searching.start()
+    assert paused.counted.wait(timeout=60)
+    store.erase_user(SCOPE.tenant_id, SCOPE.user_id)
+    paused.resume.set()
+    searching.join()
+    # What is kept of "alpha" now counts none of the erased rows.
+    assert paused.known(("t", "u"), "alpha") in (None, 0)
     assert _in_scope_again(store, memory) == ["alpha beta", "zebra gamma"]
     store.close()
 

@@ -20,6 +20,7 @@ Document frequencies are counted with a bound (``LIMIT cap + 1``), so planning i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -142,6 +143,10 @@ class TermFrequencies:
         # or None). By scope, so a scope's counts are dropped at once (`forget`).
         self._counts: dict[tuple[str, str], dict[str, tuple[int, int, int | None]]] = {}
         self._entries = 0  # about how many counts are kept (threads may miss an update)
+        # Bumped by every `forget` (next() on a count is one step under the GIL): a count made
+        # while rows were deleted may have counted them, and is not kept.
+        self._forgets = itertools.count()
+        self._forgotten = 0
 
     def get(
         self,
@@ -162,7 +167,12 @@ class TermFrequencies:
             and not _capped_below(cached[0], cached[2], limit)
         ):
             return cached[0]
+        forgotten = self._forgotten
         value = yield from count(term)
+        if self._forgotten != forgotten:
+            # Rows were deleted (a user erased, a record forgotten) while this count was made:
+            # kept, it would outlive the `forget` meant to drop it, and say what is gone.
+            return value
         if self._entries >= self.max_entries:
             self._counts.clear()
             self._entries = 0
@@ -174,7 +184,9 @@ class TermFrequencies:
 
     def forget(self, tenant_id: str | None = None, user_id: str | None = None) -> None:
         """Drop the counts of ``tenant_id``'s scope of ``user_id`` (every user's when None;
-        every tenant's when ``tenant_id`` is None too): rows of it were deleted."""
+        every tenant's when ``tenant_id`` is None too): rows of it were deleted. A count
+        being made meanwhile (another thread's search) is not kept either."""
+        self._forgotten = next(self._forgets) + 1
         if tenant_id is not None and user_id is not None:
             self._counts.pop((tenant_id, user_id), None)
             return
