@@ -301,6 +301,30 @@ def test_a_count_made_while_the_user_is_erased_is_not_kept(
     store.close()
 
 
+def test_a_user_erased_by_another_worker_finds_their_new_memories(
+    make_store: Callable[[], MemoryStore],
+) -> None:
+    # Two workers of one service (two stores on one database): one counted "alpha" in the
+    # user's 100 rows, the other erased the user. The table's last row is another user's, so
+    # its size does not fall: only the count of deleting transactions tells the first worker.
+    counting, erasing = make_store(), make_store()
+    config = RetrievalConfig(candidates=10)
+    memory = Memory(counting, embedder=None, config=config)
+    memory.add_many([{"text": f"alpha note {number}"} for number in range(100)], scope=SCOPE)
+    memory.add_many([{"text": f"other note {number}"} for number in range(20)], scope=OTHER)
+    assert len(memory.search("alpha zebra", scope=SCOPE, k=10)) == 10
+    erasing.erase_user(SCOPE.tenant_id, SCOPE.user_id)
+    assert _in_scope_again(counting, memory) == ["alpha beta", "zebra gamma"]
+    # The same after a record forgotten there.
+    [gone] = Memory(erasing, embedder=None, config=config).search("beta", scope=SCOPE, k=1)
+    assert erasing.delete(SCOPE, gone.record.id)
+    assert [h.record.text for h in memory.search("alpha zebra", scope=SCOPE, k=10)] == [
+        "zebra gamma"
+    ]
+    erasing.close()
+    counting.close()
+
+
 def test_a_count_made_when_the_table_was_larger_is_made_again() -> None:
     # Rows deleted by another process (a smaller MAX(rowid)): the count may be of rows gone.
     frequencies = TermFrequencies()

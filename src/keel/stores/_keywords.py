@@ -132,8 +132,9 @@ class TermFrequencies:
     term in every row as informative).
     A store drops a scope's counts when it deletes rows of it (`forget`): a count is kept
     while the table grows, and says nothing once the rows it counted are gone (an erased
-    user's words are not kept either). A table with fewer rows than when a count was made
-    has lost rows to another process: the count is made again.
+    user's words are not kept either). Rows another process deleted (another worker erased a
+    user) are seen in the store's count of deleting transactions (`saw_deletions`): every
+    count is made again. A table with fewer rows than when a count was made has lost rows too.
     Safe to share between threads (single dict operations).
     """
 
@@ -147,6 +148,7 @@ class TermFrequencies:
         # while rows were deleted may have counted them, and is not kept.
         self._forgets = itertools.count()
         self._forgotten = 0
+        self._deletions: int | None = None
 
     def get(
         self,
@@ -193,6 +195,17 @@ class TermFrequencies:
         for scope in tuple(self._counts):
             if tenant_id in (None, scope[0]) and user_id in (None, scope[1]):
                 self._counts.pop(scope, None)
+
+    def saw_deletions(self, deletions: int) -> None:
+        """``deletions``: how many transactions ever deleted rows of the table (its store's
+        ``memory_deletions``), read with the table's size. A change since the last read says
+        that rows went, in this process or another (a worker that erased a user, `keel memory
+        prune`), of any scope: every count kept may count them, and is dropped. (The table's
+        size, its largest row number, seldom falls when rows are deleted.)"""
+        if deletions != self._deletions:
+            if self._deletions is not None:
+                self.forget()
+            self._deletions = deletions
 
     def known(self, scope: tuple[str, str], term: str) -> int | None:
         """The count of ``term`` in ``scope`` last counted (however old), or None."""

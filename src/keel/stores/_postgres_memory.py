@@ -56,6 +56,7 @@ from keel.stores._sql_memory import (
     rows_of,
     stored_content,
 )
+from keel.stores._sql_memory_erasure import DELETIONS_MIGRATION
 from keel.stores._sql_plan import Plan, Statement
 
 __all__ = ["POSTGRES_MEMORY_MIGRATIONS", "PostgresMemoryStore"]
@@ -126,6 +127,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             ALTER TABLE memory_records SET (fillfactor = 50);
             """,
         ),
+        DELETIONS_MIGRATION,
     ),
 )
 
@@ -493,9 +495,15 @@ class PostgresMemoryStore(SQLMemoryStore):
         """The bounded plan for ``terms`` in ``scope``, listing ``listed`` rows (see
         `keel.stores._keywords`)
         and what BM25 needs: each term's IDF and the scope's average record length."""
-        total = int(
-            (yield Statement("SELECT COALESCE(MAX(seq), 0) FROM memory_records")).rows[0][0]
-        )
+        # The table's size, and how many transactions ever deleted from it (any process's).
+        sized = (
+            yield Statement(
+                "SELECT (SELECT COALESCE(MAX(seq), 0) FROM memory_records), "
+                "(SELECT deletions FROM memory_deletions)"
+            )
+        ).rows[0]
+        total = int(sized[0])
+        self._term_frequencies.saw_deletions(int(sized[1] or 0))
         scope_key = (scope.tenant_id, scope.user_id)
         cap = common_term_cap(total, _MOST_COMMON_ROWS)
 

@@ -39,7 +39,7 @@ from keel.memory._store import FloatArray, InsertResult, MemoryStore, OutboxEntr
 from keel.stores._dialect import SqlDialect
 from keel.stores._keywords import TermFrequencies
 from keel.stores._migrations import Migration, MigrationSet
-from keel.stores._sql_memory_erasure import MemoryErasure
+from keel.stores._sql_memory_erasure import MemoryErasure, deleting
 from keel.stores._sql_plan import Plan, Result, SQLDatabase, Statement
 
 __all__ = [
@@ -206,7 +206,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             f"DELETE FROM memory_records WHERE id = ? AND {_IN_SCOPE}",
             (record_id, scope.tenant_id, scope.user_id),
         )
-        deleted = self.db.run(lambda: _changed(statement)) > 0
+        deleted = self.db.run(lambda: deleting([statement])) > 0
         if deleted:
             self._term_frequencies.forget(scope.tenant_id, scope.user_id)
         return deleted
@@ -231,7 +231,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             where += f" AND {_IN_SCOPE}"
             params += (scope.tenant_id, scope.user_id)
         statement = Statement(f"DELETE FROM memory_records WHERE {where}", params)
-        deleted = self.db.run(lambda: _changed(statement))
+        deleted = self.db.run(lambda: deleting([statement]))
         if deleted:
             if scope is None:
                 self._term_frequencies.forget()

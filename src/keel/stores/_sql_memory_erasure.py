@@ -17,9 +17,25 @@ from keel.memory._records import MemoryKind
 from keel.memory._rows import to_epoch
 from keel.stores._erase_sql import count_deleted
 from keel.stores._keywords import TermFrequencies
+from keel.stores._migrations import Migration
 from keel.stores._sql_plan import Plan, SQLDatabase, Statement
 
-__all__ = ["MemoryErasure"]
+__all__ = ["DELETIONS_MIGRATION", "MemoryErasure", "deleting"]
+
+DELETIONS_MIGRATION = Migration(
+    "memory_deletions counts the transactions that deleted records, for every process",
+    # Read with the table's size by each keyword search: a change says that rows went (in this
+    # process or another: a worker that erased a user, `keel memory prune`), so the term counts
+    # kept are dropped (see keel.stores._keywords.TermFrequencies.saw_deletions).
+    """
+    CREATE TABLE memory_deletions (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        deletions BIGINT NOT NULL
+    );
+    INSERT INTO memory_deletions (id, deletions) VALUES (1, 0);
+    """,
+)
+_COUNT_DELETION = Statement("UPDATE memory_deletions SET deletions = deletions + 1")
 
 _IN_SCOPE = "tenant_id = ? AND user_id = ?"
 
@@ -62,6 +78,8 @@ class MemoryErasure:
             yield from count_deleted(counts, "memory_vectors", delete, params)
         delete = f"DELETE FROM memory_records WHERE {_IN_SCOPE}"
         yield from count_deleted(counts, "memory_records", delete, params)
+        if counts.get("memory_records"):
+            yield _COUNT_DELETION
         yield from self._after_erasure(tenant_id, user_id)
         return counts
 
@@ -109,7 +127,7 @@ class MemoryErasure:
             )
         if not statements:
             return 0
-        deleted = self.db.run(lambda: _all_changed(statements))
+        deleted = self.db.run(lambda: deleting(statements))
         if deleted:
             self._term_frequencies.forget(tenant_id)
         return deleted
@@ -119,8 +137,12 @@ def _rows(query: Statement) -> Plan[list[Any]]:
     return list((yield query).rows)
 
 
-def _all_changed(statements: Sequence[Statement]) -> Plan[int]:
+def deleting(statements: Sequence[Statement]) -> Plan[int]:
+    """The records ``statements`` delete, counted in ``memory_deletions`` (in the same
+    transaction) when there are any: every process's term counts learn that rows went."""
     total = 0
     for statement in statements:
         total += int((yield statement).rowcount)
+    if total:
+        yield _COUNT_DELETION
     return total

@@ -37,6 +37,7 @@ from keel.stores._sql_memory import (
     require_database,
     rows_of,
 )
+from keel.stores._sql_memory_erasure import DELETIONS_MIGRATION
 from keel.stores._sql_plan import Plan, Statement
 from keel.stores._sqlite import SQLiteDatabase
 
@@ -137,6 +138,7 @@ MEMORY_MIGRATIONS = MigrationSet(
         ),
         MemorySchema.keyed_records("REAL"),
         MemorySchema.records_by_kind,
+        DELETIONS_MIGRATION,
     ),
 )
 
@@ -318,7 +320,15 @@ def _plan_keyword_query(
 ) -> Plan[_KeywordQuery]:
     """The bounded query for ``terms`` in ``scope``, listing ``listed`` rows (see
     `keel.stores._keywords`)."""
-    total = int((yield Statement("SELECT MAX(rowid) FROM memory_records")).rows[0][0] or 0)
+    # The table's size, and how many transactions ever deleted from it (any process's).
+    sized = (
+        yield Statement(
+            "SELECT (SELECT MAX(rowid) FROM memory_records), "
+            "(SELECT deletions FROM memory_deletions)"
+        )
+    ).rows[0]
+    total = int(sized[0] or 0)
+    frequencies.saw_deletions(int(sized[1] or 0))
     scope_key = (scope.tenant_id, scope.user_id)
     # The scope token narrows a match to the scope's rows. For a scope that is nearly the
     # whole table (one user on a laptop) it is pure overhead: every matching row would also
