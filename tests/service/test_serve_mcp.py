@@ -205,6 +205,42 @@ async def test_a_failed_start_up_stops_every_server_whichever_fails_to_stop(
         await stops(notes)
 
 
+async def test_servers_sharing_a_tool_name_are_all_stopped_whichever_fails_to_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two servers list the same tool names: the start-up fails once both started, and the
+    first one it stops raises. The other is stopped all the same, and the start-up's own error
+    is the one raised. (A real server does not fail to stop on demand: its ``close`` is
+    replaced.)"""
+    first_effects, second_effects = tmp_path / "first.txt", tmp_path / "second.txt"
+    first = stdio_server(first_effects, name="first")
+    second = stdio_server(second_effects, name="second")
+    stops = MCPServer.close
+
+    def close(server: MCPServer) -> None:
+        if server is first:
+            raise RuntimeError("could not stop")
+        stops(server)
+
+    monkeypatch.setattr(MCPServer, "close", close)
+    app, _, _ = build_service(
+        f"sqlite:///{tmp_path / 'keel.db'}",
+        model=ScriptedModel(["Hi."]),
+        tools=[first, second],
+        memory=False,
+        settings=load_settings(data_dir=tmp_path),
+        ui=False,
+    )
+    try:
+        with pytest.raises(Exception) as raised:
+            async with app.router.lifespan_context(app):
+                pytest.fail("the service started with two servers listing one tool name")
+        assert isinstance(raised.value, ToolDefinitionError), repr(raised.value)
+        await _until_gone(second_effects)  # the other server's process is gone
+    finally:
+        await first.aclose()
+
+
 async def test_a_python_tool_named_as_a_workflow_tool_fails_the_start_up(tmp_path: Path) -> None:
     """As a server's tool of that name does (above), with no server to start: not every
     tenant's first request, as its agent is built."""

@@ -502,8 +502,13 @@ def start_servers(
                     _require_listed(server)
         check_names(servers, taken=taken)
     except BaseException:
+        # Every server started here is stopped, whichever of them fails to stop: the start's
+        # own error is the one raised, and a process left running would outlive its caller.
         for server in started:
-            server.close()
+            try:
+                server.close()
+            except Exception:
+                logger.warning("MCP server %r did not stop cleanly", server.name, exc_info=True)
         raise
     return started
 
