@@ -1,6 +1,8 @@
 """A tool call's arguments reach the journal and the approval queue masked whatever characters
 they hold: an address with accents, a card in fullwidth digits. JSON's ``\\u`` escapes
-(``j\\u00f6rg@...``) would hide them from every detector, and they would be stored as they are."""
+(``j\\u00f6rg@...``) would hide them from every detector, and they would be stored as they are.
+A tool that never sees personal data (the workflow's ``remember``) gets a value the model wrote
+masked, so the session's state never holds it."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
+from keel.state import MachineState, StateMachine, Transition
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 from tests.privacy._samples import dump_sqlite, leaks
@@ -115,3 +118,45 @@ async def test_an_approval_request_holds_no_accented_address_nor_fullwidth_card(
     asked = _masked(waiting.arguments)
     assert asked["to"].startswith("<EMAIL_") and asked["card"].startswith("<CREDIT_CARD_")
     assert leaks(dump_sqlite(database), VALUES) == []
+
+
+def _slots_machine() -> StateMachine:
+    return StateMachine(
+        "receipts",
+        states=[
+            MachineState("open", "taking details", "Take the details.", ("email",)),
+            MachineState("done", "done", "Say goodbye.", (), terminal=True),
+        ],
+        transitions=[Transition("open", "done")],
+        initial="open",
+    )
+
+
+@pytest.mark.parametrize("email", [EMAIL, "mallory.x7q@example.org"])
+async def test_a_value_the_model_remembers_in_a_slot_is_kept_masked(
+    database: Path, email: str
+) -> None:
+    def reply(call: ScriptedCall) -> Message | str:
+        if any(m.role == "tool" for m in call.messages):
+            return "Noted."
+        arguments = json.dumps({"slot": "email", "value": email}, ensure_ascii=False)
+        call_message = ToolCall(id="c1", name="remember", arguments=arguments)
+        return Message.assistant("", tool_calls=[call_message])
+
+    agent = Agent.open(
+        f"sqlite:///{database}",
+        system_prompt="You take details.",
+        model=ScriptedModel(reply),
+        machine=_slots_machine(),
+        memory=False,
+    )
+    try:
+        reply_to_user = await agent.run("Note my address.", session="s1", user="u1")
+        state = agent.session_state("s1")
+    finally:
+        await agent.aclose()
+    assert reply_to_user.status == "completed", reply_to_user
+    assert state is not None and state.machine is not None
+    assert state.machine.slots["email"].startswith("<EMAIL_")
+    dumped = dump_sqlite(database)
+    assert leaks(dumped, {"EMAIL": email, "EMAIL (escaped)": json.dumps(email)[1:-1]}) == []

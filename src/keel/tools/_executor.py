@@ -56,14 +56,8 @@ from keel.errors import (
     UnknownToolError,
 )
 from keel.messages import Message, ToolCall
-from keel.privacy import (
-    PLACEHOLDER,
-    NoVault,
-    UserVault,
-    defang_placeholders,
-    maskable_json,
-    placeholders_in,
-)
+from keel.privacy import PLACEHOLDER, NoVault, UserVault, defang_placeholders, placeholders_in
+from keel.privacy._masker import maskable_json
 from keel.privacy._vault import FOREIGN_REASON
 from keel.tools._journal import (
     SETTLED_NOTE,
@@ -72,6 +66,7 @@ from keel.tools._journal import (
     ToolJournal,
     idempotency_key,
 )
+from keel.tools._masked_arguments import masked_json
 from keel.tools._registry import ToolRegistry
 from keel.tools._tool import AbandonedResult, Tool, ToolContext, ToolScope, abandoned_result
 
@@ -304,6 +299,12 @@ class ToolExecutor:
         if isinstance(checked, ToolResult):
             return checked
         validated, repairs = checked
+        if not found.sees_values and self.redact is not None:  # nor a value the model wrote
+            masked = await masked_json(validated.model_dump(mode="json"), self._amasked)
+            checked = _check_arguments(found, maskable_json(masked), base, started, values)
+            if isinstance(checked, ToolResult):
+                return checked
+            validated = checked[0]
         # What is journalled, traced and streamed keeps the placeholders; the tool gets values.
         arguments = _with_placeholders(validated.model_dump(mode="json"), values)
         base.update(arguments=arguments, repairs=repairs)

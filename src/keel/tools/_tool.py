@@ -294,7 +294,8 @@ def tool(
         sees_values: with a PII vault (``Agent(vault=...)``), placeholders such as
             ``<EMAIL_1>`` in the call's arguments are replaced by the user's real values
             before the arguments are validated and the tool runs. False: the tool gets the
-            placeholders (one that must never see personal data).
+            placeholders (one that must never see personal data), and a value the model
+            wrote itself masked, where keel has a masker.
         masked_arguments: names of top-level arguments that keep their placeholders even for a
             tool that sees values (secrets it passes on without reading).
         approval: the call waits for a person before it runs: ``True`` or ``"operator"``
