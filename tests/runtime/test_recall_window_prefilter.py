@@ -7,7 +7,7 @@ same id are all still searched; and a session held whole by its window reads no 
 back at all (before, every record of the window was read back and dropped, every turn).
 
 Seen where the model sees it, the prompt a scripted model was sent; retrieval is by vector
-alone (``keyword_weight=0``), so a record the vector search wrongly leaves out is missing.
+alone (``keyword_weight=0``) and shows no neighbouring turns, so a record the vector search wrongly leaves out is missing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 
 _NOTE = re.compile(r"zephyr(\d{3})")
-_VECTOR_ONLY = RetrievalConfig(keyword_weight=0.0, min_similarity=0.0)
+# No neighbouring turns either: a hit's block is the hit alone, found by the vector search.
+_VECTOR_ONLY = RetrievalConfig(keyword_weight=0.0, min_similarity=0.0, neighbours=0)
 
 
 @tool
@@ -67,7 +68,7 @@ class _CountingStore(SQLiteMemoryStore):
 
 def _memory(database: SQLiteDatabase) -> Memory:
     return Memory(
-        _CountingStore(database), embedder=HashingEmbedder(dimension=64), config=_VECTOR_ONLY
+        _CountingStore(database), embedder=HashingEmbedder(dimension=4096), config=_VECTOR_ONLY
     )
 
 
@@ -141,25 +142,30 @@ async def test_only_what_the_prompt_shows_is_left_out_of_the_vector_search(
         await agent.handle("s1", "ada", f"Note zephyr{turn:03d}: shelf {turn} holds a box.")
         await beta.handle("s0", "ada", f"Note zephyr{turn + 500:03d}: shelf {turn} is empty.")
         memory.flush()
-    first = min(_window_notes(model.calls[-1].messages))
-    asked = [f"alpha{first + 1:03d}", f"zephyr{first - 1:03d}", f"bravo{first + 1:03d}"]
+    # The window the next prompt shows starts about where the last one did: the question
+    # names ada's facts of two turn numbers past its start, and two of her notes before it.
+    near = min(_window_notes(model.calls[-1].messages))
+    asked = [f"alpha{near + 2:03d}", f"alpha{near + 3:03d}"]
+    asked += [f"zephyr{near - 3:03d}", f"zephyr{near - 2:03d}"]
     await agent.handle("s1", "ada", " ".join(asked))
     prompt = model.calls[-1].messages
     recalled = _recalled(prompt)
     window = _window_notes(prompt)
-    # The test means something: the window moved on, so a turn before it may be recalled.
-    assert 1 < first == min(window) and len(window) < 30
-    # Still searched: another session's turn past the window's first turn number, and the
-    # session's turn just before its window.
-    assert asked[0] in recalled, recalled
-    assert asked[1] in recalled, recalled
+    first = min(window)
+    # The test means something: the window moved on, past the notes asked about and not
+    # past the facts' turn numbers.
+    assert near - 2 < first <= near + 2 and len(window) < 30
+    # Still searched: another session's turns at or past the window's first turn number,
+    # and the session's turns before its window.
+    for word in asked:
+        assert word in recalled, (word, recalled)
     # Left out: the window's own turns; and the other tenant's records, never recalled.
     assert not {int(n) for n in _NOTE.findall(recalled)} & set(window)
     assert "bravo" not in recalled and "empty" not in recalled
 
     # The other tenant's ada, in her session s1, recalls her own notes and never these.
-    own, acmes = f"zephyr{first + 500:03d}", f"zephyr{first - 1:03d}"
-    await beta.handle("s1", "ada", f"{own} {acmes} alpha{first + 1:03d}")
+    own, acmes = f"zephyr{first + 500:03d}", asked[2]
+    await beta.handle("s1", "ada", f"{own} {acmes} {asked[0]}")
     theirs = _recalled(beta_model.calls[-1].messages)
     assert own in theirs, theirs
     assert acmes not in theirs and "alpha" not in theirs and "holds a box" not in theirs
