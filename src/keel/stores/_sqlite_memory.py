@@ -180,31 +180,31 @@ _NO_TURN = -(2**62)
 
 @dataclass
 class _SessionPlaces:
-    """Where one session's records sit in a `_ScopeIndex`: each one's position and turn, and
-    the positions of each key (its running summary's, say)."""
+    """Where one session's records sit in a `_ScopeIndex`: each one's position and turn (in
+    arrays grown by doubling, the first ``count`` entries filled), and the positions of each
+    key (its running summary's, say)."""
 
-    positions: list[int] = field(default_factory=list)
-    turns: list[int] = field(default_factory=list)
+    positions: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(16, np.int64))
+    turns: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(16, np.int64))
+    count: int = 0
     keys: dict[str, list[int]] = field(default_factory=dict)
-    # The two lists as arrays, made again only once they have grown.
-    _arrays: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
 
     def add(self, position: int, turn: int | None, key: str | None) -> None:
-        self.positions.append(position)
-        self.turns.append(_NO_TURN if turn is None else turn)
+        if self.count == self.positions.size:
+            self.positions = np.concatenate([self.positions, np.zeros_like(self.positions)])
+            self.turns = np.concatenate([self.turns, np.zeros_like(self.turns)])
+        # The entry is filled before it is counted: a reader sees only filled ones.
+        self.positions[self.count] = position
+        self.turns[self.count] = _NO_TURN if turn is None else turn
         if key is not None:
             self.keys.setdefault(key, []).append(position)
+        self.count += 1
 
-    def arrays(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        arrays = self._arrays
-        count = len(self.positions)
-        if arrays is None or arrays[0].size != count:
-            arrays = (
-                np.array(self.positions[:count], dtype=np.int64),
-                np.array(self.turns[:count], dtype=np.int64),
-            )
-            self._arrays = arrays
-        return arrays
+    def at_or_after(self, first_turn: int, size: int) -> npt.NDArray[np.int64]:
+        """The positions below ``size`` of the session's records of ``first_turn`` or later."""
+        count = self.count
+        positions, turns = self.positions[:count], self.turns[:count]
+        return positions[(turns >= first_turn) & (positions < size)]
 
 
 @dataclass
@@ -263,8 +263,7 @@ class _ScopeIndex:
             return None
         hidden = np.zeros(size, dtype=bool)
         if shown.first_turn is not None:
-            positions, turns = places.arrays()
-            hidden[positions[(turns >= shown.first_turn) & (positions < size)]] = True
+            hidden[places.at_or_after(shown.first_turn, size)] = True
         if shown.summary_key is not None:
             for position in places.keys.get(shown.summary_key, ()):
                 if position < size:
