@@ -7,7 +7,8 @@ same id are all still searched; and a session held whole by its window reads no 
 back at all (before, every record of the window was read back and dropped, every turn).
 
 Seen where the model sees it, the prompt a scripted model was sent; retrieval is by vector
-alone (``keyword_weight=0``) and shows no neighbouring turns, so a record the vector search wrongly leaves out is missing.
+alone (``keyword_weight=0``) and shows no neighbouring turns, so a record the vector search
+wrongly leaves out is missing.
 """
 
 from __future__ import annotations
