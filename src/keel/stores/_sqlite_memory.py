@@ -237,9 +237,7 @@ class _ScopeIndex:
         if position is None:
             session_id, turn, key = place
             if session_id is not None:
-                self.sessions.setdefault(session_id, _SessionPlaces()).add(
-                    self.size, turn, key
-                )
+                self.sessions.setdefault(session_id, _SessionPlaces()).add(self.size, turn, key)
             if self.dimension == 0:
                 self.dimension = int(vector.shape[0])
                 self.matrix = np.zeros((1024, self.dimension), dtype=np.float32)
