@@ -24,7 +24,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from keel.memory._records import MemoryFilter, Scope
+from keel.memory._records import MemoryFilter, Scope, ShownSession
 from keel.memory._rows import filter_sql, is_selective
 from keel.memory._similarity import row_dots
 from keel.memory._store import OutboxEntry, ScoredId
@@ -176,9 +176,46 @@ def _sign_bits(vectors: FloatArray) -> npt.NDArray[np.uint64]:
     return bits
 
 
+# A record of no turn: never at or past a prompt's first shown turn.
+_NO_TURN = -(2**62)
+
+
+@dataclass
+class _SessionPlaces:
+    """Where one session's records sit in a `_ScopeIndex`: each one's position and turn (in
+    arrays grown by doubling, the first ``count`` entries filled), and the positions of each
+    key (its running summary's, say)."""
+
+    positions: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(16, np.int64))
+    turns: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(16, np.int64))
+    count: int = 0
+    keys: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, position: int, turn: int | None, key: str | None) -> None:
+        if self.count == self.positions.size:
+            self.positions = np.concatenate([self.positions, np.zeros_like(self.positions)])
+            self.turns = np.concatenate([self.turns, np.zeros_like(self.turns)])
+        # The entry is filled before it is counted: a reader sees only filled ones.
+        self.positions[self.count] = position
+        self.turns[self.count] = _NO_TURN if turn is None else turn
+        if key is not None:
+            self.keys.setdefault(key, []).append(position)
+        self.count += 1
+
+    def at_or_after(self, first_turn: int, size: int) -> npt.NDArray[np.int64]:
+        """The positions below ``size`` of the session's records of ``first_turn`` or later."""
+        count = self.count
+        positions, turns = self.positions[:count], self.turns[:count]
+        return positions[(turns >= first_turn) & (positions < size)]
+
+
 @dataclass
 class _ScopeIndex:
-    """One scope's vectors for one model, mirrored from ``memory_vectors``."""
+    """One scope's vectors for one model, mirrored from ``memory_vectors``, with where each
+    vector's record sits (its session, turn and key: fixed for the record's life), so that
+    what a prompt shows of its own session (``MemoryFilter.shown``) is left out before the
+    nearest are picked, not read back and dropped one by one (in a session longer than the
+    search's candidates, its own window is what lies nearest to each new question)."""
 
     dimension: int = 0
     matrix: FloatArray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
@@ -189,10 +226,20 @@ class _ScopeIndex:
     ids: list[str] = field(default_factory=list)
     positions: dict[str, int] = field(default_factory=dict)
     watermark: int = 0
+    sessions: dict[str, _SessionPlaces] = field(default_factory=dict)
 
-    def add(self, record_id: str, vector: FloatArray) -> None:
+    def add(
+        self,
+        record_id: str,
+        vector: FloatArray,
+        place: tuple[str | None, int | None, str | None] = (None, None, None),
+    ) -> None:
+        """Mirror ``record_id``'s vector; ``place``: its record's session, turn and key."""
         position = self.positions.get(record_id)
         if position is None:
+            session_id, turn, key = place
+            if session_id is not None:
+                self.sessions.setdefault(session_id, _SessionPlaces()).add(self.size, turn, key)
             if self.dimension == 0:
                 self.dimension = int(vector.shape[0])
                 self.matrix = np.zeros((1024, self.dimension), dtype=np.float32)
@@ -207,20 +254,49 @@ class _ScopeIndex:
         self.matrix[position] = vector
         self.bits[:, position] = _sign_bits(vector.reshape(1, -1))[0]
 
-    def nearest(self, query: FloatArray, want: int) -> tuple[npt.NDArray[np.int64], FloatArray]:
-        """Positions of the ``want`` most similar vectors, best first, and their cosines."""
+    def hidden(self, shown: ShownSession, size: int) -> npt.NDArray[np.bool_] | None:
+        """Which of the first ``size`` positions hold records ``shown`` leaves out (as
+        ``filter_sql`` does: of its session, at or past its first turn, or its summary);
+        None when none does."""
+        places = self.sessions.get(shown.session_id)
+        if places is None or (shown.first_turn is None and shown.summary_key is None):
+            return None
+        hidden = np.zeros(size, dtype=bool)
+        if shown.first_turn is not None:
+            hidden[places.at_or_after(shown.first_turn, size)] = True
+        if shown.summary_key is not None:
+            for position in places.keys.get(shown.summary_key, ()):
+                if position < size:
+                    hidden[position] = True
+        return hidden
+
+    def nearest(
+        self, query: FloatArray, want: int, shown: ShownSession | None = None
+    ) -> tuple[npt.NDArray[np.int64], FloatArray]:
+        """Positions of the ``want`` most similar vectors, best first, and their cosines;
+        none of the records ``shown`` leaves out (fewer than ``want``: there are no more)."""
         # add() may replace the arrays meanwhile (to grow them): use one consistent set.
-        matrix, bits, size = self.matrix, self.bits, self.size
+        # The size first: the arrays read after it were grown before it was.
+        size = self.size
+        matrix, bits = self.matrix, self.bits
+        hidden = None if shown is None else self.hidden(shown, size)
         if size <= _EXACT_VECTORS:
             rows = np.arange(size)
             scores = row_dots(matrix[:size], query)
+            if hidden is not None:
+                rows = np.flatnonzero(~hidden)
+                scores = scores[rows]
         else:
             distance = np.zeros(size, dtype=np.uint16)
             for word, query_word in zip(
                 bits[:, :size], _sign_bits(query.reshape(1, -1))[0], strict=True
             ):
                 distance += np.bitwise_count(word ^ query_word)
+            if hidden is not None:
+                distance[hidden] = np.iinfo(np.uint16).max
             rows = _smallest_positions(distance, _shortlist_size(size, want))
+            if hidden is not None:
+                rows = rows[~hidden[rows]]
             scores = _rescored(matrix, rows, query)
         want = min(want, rows.size)
         top = np.argpartition(-scores, want - 1)[:want] if want < rows.size else np.arange(want)
@@ -504,13 +580,24 @@ class SQLiteMemoryStore(SQLMemoryStore):
         key = (scope.tenant_id, scope.user_id, model)
         with self._index_lock:
             index = self._indexes.setdefault(key, _ScopeIndex())
+            # Each vector with where its record sits (a record's session, turn and key never
+            # change; a vector whose record is gone mid-read is mirrored without them, as
+            # before, and never returned: candidates are re-read through SQL).
             newer = Statement(
-                "SELECT rowid, record_id, vector FROM memory_vectors WHERE tenant_id = ? "
-                "AND user_id = ? AND model = ? AND rowid > ? ORDER BY rowid",
+                "SELECT v.rowid, v.record_id, v.vector, r.session_id, r.turn, r.key "
+                "FROM memory_vectors v LEFT JOIN memory_records r ON r.id = v.record_id "
+                "WHERE v.tenant_id = ? AND v.user_id = ? AND v.model = ? AND v.rowid > ? "
+                "ORDER BY v.rowid",
                 (scope.tenant_id, scope.user_id, model, index.watermark),
             )
-            for rowid, record_id, blob in self.db.run(lambda: rows_of(newer), write=False):
-                index.add(str(record_id), np.frombuffer(blob, dtype=np.float32))
+            for rowid, record_id, blob, session_id, turn, key in self.db.run(
+                lambda: rows_of(newer), write=False
+            ):
+                index.add(
+                    str(record_id),
+                    np.frombuffer(blob, dtype=np.float32),
+                    (session_id, turn, key),
+                )
                 index.watermark = int(rowid)
             return index
 
@@ -537,13 +624,13 @@ class SQLiteMemoryStore(SQLMemoryStore):
             return [ScoredId(index.ids[int(positions[o])], float(scores[o])) for o in order]
         want = limit * 2 + 20
         while True:
-            positions, scores = index.nearest(query, want)
+            positions, scores = index.nearest(query, want, filters.shown)
             ids = index.ids
             pairs = zip(positions.tolist(), scores.tolist(), strict=True)
             kept = self._alive_first(scope, filters, [(ids[p], s) for p, s in pairs], limit)
-            # The filters left fewer than ``limit`` of the nearest (a prompt's own session
-            # left out, say) and there are more rows: the next nearest are read too.
-            if len(kept) >= limit or want >= index.size:
+            # The filters left fewer than ``limit`` of the nearest (expired records left
+            # out, say) and there are more rows: the next nearest are read too.
+            if len(kept) >= limit or positions.size < want or want >= index.size:
                 return [ScoredId(i, s) for i, s in kept]
             want *= 4
 
