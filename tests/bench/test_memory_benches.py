@@ -16,6 +16,7 @@ from keel.memory import STOPWORDS, HashingEmbedder
 from keel.stores import PostgresDatabase, PostgresMemoryStore
 from keel.tokens import counter_for
 from tests.bench._cli import bench_json
+from tests.cli import keel_process
 
 
 def _tiny_locomo(path: Path) -> Path:
@@ -259,3 +260,21 @@ def test_memory_bench_cli_needs_a_store() -> None:
 
     result = CliRunner().invoke(app, ["bench", "memory", "--records", "100", "--no-sqlite"])
     assert result.exit_code != 0 and "--no-sqlite needs --postgres" in result.output
+
+
+def test_memory_bench_cli_refuses_fewer_postgres_records_than_it_measures() -> None:
+    result = keel_process(
+        "bench", "memory", "--records", "100", "--postgres", "--postgres-records", "-5"
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "--postgres-records" in result.stderr
+
+
+@pytest.mark.postgres
+def test_memory_bench_cli_names_a_server_setting_postgresql_refuses() -> None:
+    result = keel_process(
+        "bench", "memory", "--records", "100", "--postgres", "--no-sqlite",
+        "--embedder", "hashing:8", "--postgres-shared-buffers", "lots",
+    )  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "shared_buffers = 'lots'" in result.stderr
