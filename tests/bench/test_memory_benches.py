@@ -99,6 +99,26 @@ def test_locomo_harness_on_a_tiny_file(tmp_path: Path) -> None:
         run_locomo(tmp_path / "missing.json", embedder=HashingEmbedder(8))
 
 
+def test_locomo_cli_on_files_it_cannot_score(tmp_path: Path) -> None:
+    # Each was a traceback: bytes that are not UTF-8 (UnicodeDecodeError), a conversation
+    # without questions (statistics' fmean of nothing); a file of none reported zeros.
+    tiny = json.loads(_tiny_locomo(tmp_path / "tiny.json").read_text())
+    (tmp_path / "latin1.json").write_bytes('[{"qa": [], "conversation": "\xe9"}]'.encode("latin-1"))
+    (tmp_path / "none.json").write_text(json.dumps([{**tiny[0], "qa": []}]))
+    for name, said in [("latin1", "is not UTF-8"), ("none", "holds no questions")]:
+        path = str(tmp_path / f"{name}.json")
+        result = keel_process("bench", "locomo", "--data", path, "--embedder", "hashing:8")
+        assert "Traceback" not in result.stderr, result.stderr
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+    mixed = tmp_path / "mixed.json"
+    quiet = {**tiny[0], "sample_id": "quiet", "qa": []}
+    mixed.write_text(json.dumps([*tiny, {**tiny[0], "sample_id": "tiny-2"}, quiet]))
+    report = bench_json("locomo", "--data", str(mixed), "--embedder", "hashing:8", "--cv")
+    assert report["questions"] == 6 and set(report["per_conversation"]) == {"tiny-1", "tiny-2"}
+    # A conversation without questions is no fold (it was one, of recall 0).
+    assert len(report["cv_folds"]) == 2 and min(report["cv_folds"]) > 0
+
+
 def test_the_budget_keeps_the_leading_hits_that_fit() -> None:
     counter = counter_for("gpt-4o", allow_estimate=True)
     records = [
