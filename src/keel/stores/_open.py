@@ -480,8 +480,7 @@ def _wanted(only: Iterable[StoreName] | None, *, memory: bool) -> frozenset[Stor
     unknown = sorted({repr(name) for name in names if name not in STORE_NAMES})
     if unknown:
         raise UsageError(
-            f"no store named {', '.join(unknown)} in only=: the stores are "
-            f"{', '.join(STORE_NAMES)}"
+            f"no store named {', '.join(unknown)} in only=: the stores are {', '.join(STORE_NAMES)}"
         )
     wanted = frozenset(name for name in STORE_NAMES if name in names)
     if not memory and only is not None and "memory" in wanted:
