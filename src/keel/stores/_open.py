@@ -246,9 +246,8 @@ class Backends:
             state_prefix: the Redis key prefix of state (default ``keel:state``).
 
         Raises:
-            UsageError: a URL (or None) without ``settings``, a name ``only`` does not know
-                (the message lists the stores), memory in ``only`` with ``memory=False``, or
-                ``state_prefix`` for state not on Redis.
+            UsageError: a URL (or None) without ``settings``, ``only`` naming no store (or
+                memory with ``memory=False``), or ``state_prefix`` for state not on Redis.
             ConfigError: settings given twice, ``database`` of another type, or a URL keel
                 cannot open (a Redis URL for more than the state, an unknown scheme).
             BackendUnavailableError: a server cannot be reached or its driver is not installed.
