@@ -85,6 +85,26 @@ def test_doctor_says_the_default_model_is_a_demo_model_and_how_to_set_a_real_one
     assert "model: scripted:echo" in real.stdout and "KEEL_MODEL" not in real.stdout
 
 
+def test_doctor_prints_what_it_found_as_written(tmp_path: Path) -> None:
+    # Its lines were read as rich markup: a bracketed word vanished, as "[local]" did from
+    # the advice "pip install 'keel-runtime[local]'" on a machine without llama-cpp-python.
+    data = tmp_path / "data[local]"
+    result = _keel("doctor", env={"KEEL_DATA_DIR": str(data)})
+    printed = "".join(result.stdout.split())  # rich wraps long lines; the path has no spaces
+    assert f"datadirectory{data}" in printed and f"sqlite:///{data}/keel.db" in printed
+
+
+def test_an_error_line_prints_its_message_as_written(tmp_path: Path) -> None:
+    # Error lines were rich markup: "[local]" vanished from a message (the advice
+    # "pip install 'keel-runtime[local]'" among them) and "[/x]" raised MarkupError.
+    for folder in ("x[local]", "[/x]"):
+        url = f"sqlite:///{tmp_path / folder / 'keel.db'}"
+        result = _keel("users", "erase", "acme", "bob", "--database", url)
+        assert "Traceback" not in result.stderr, result.stderr
+        printed = "".join(result.stderr.split())
+        assert result.returncode == 2 and f"nodatabaseat{tmp_path / folder}" in printed, printed
+
+
 def test_doctor_fails_on_a_corrupt_database(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()

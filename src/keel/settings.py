@@ -9,6 +9,7 @@ the defaults below. The default data directory follows the platform's convention
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
@@ -20,6 +21,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from keel._urls import DatabaseURL, parse_database_url
@@ -297,6 +299,13 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
         return Settings(**overrides)
     except ValidationError as exc:
         raise ConfigError(f"invalid settings: {validation_problems(exc, 'settings')}") from exc
+    except SettingsError as exc:
+        # A KEEL_* variable of a table or list field that does not parse as JSON: pydantic
+        # -settings raises this before validation, naming the field in its message.
+        field_named = re.search(r'field "(\w+)"', str(exc))
+        variable = f"KEEL_{field_named[1].upper()}" if field_named else "a KEEL_* variable"
+        reason = exc.__cause__ or exc
+        raise ConfigError(f"invalid settings: {variable} is not valid JSON ({reason})") from exc
     finally:
         _file_values.reset(token)
 

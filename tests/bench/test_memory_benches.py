@@ -16,6 +16,7 @@ from keel.memory import STOPWORDS, HashingEmbedder
 from keel.stores import PostgresDatabase, PostgresMemoryStore
 from keel.tokens import counter_for
 from tests.bench._cli import bench_json
+from tests.cli import keel_process
 
 
 def _tiny_locomo(path: Path) -> Path:
@@ -96,6 +97,26 @@ def test_locomo_harness_on_a_tiny_file(tmp_path: Path) -> None:
     assert 0 < report["tokens_at_10"] < 200
     with pytest.raises(ConfigError):
         run_locomo(tmp_path / "missing.json", embedder=HashingEmbedder(8))
+
+
+def test_locomo_cli_on_files_it_cannot_score(tmp_path: Path) -> None:
+    # Each was a traceback: bytes that are not UTF-8 (UnicodeDecodeError), a conversation
+    # without questions (statistics' fmean of nothing); a file of none reported zeros.
+    tiny = json.loads(_tiny_locomo(tmp_path / "tiny.json").read_text())
+    (tmp_path / "latin1.json").write_bytes('[{"qa": [], "conversation": "\xe9"}]'.encode("latin-1"))
+    (tmp_path / "none.json").write_text(json.dumps([{**tiny[0], "qa": []}]))
+    for name, said in [("latin1", "is not UTF-8"), ("none", "holds no questions")]:
+        path = str(tmp_path / f"{name}.json")
+        result = keel_process("bench", "locomo", "--data", path, "--embedder", "hashing:8")
+        assert "Traceback" not in result.stderr, result.stderr
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+    mixed = tmp_path / "mixed.json"
+    quiet = {**tiny[0], "sample_id": "quiet", "qa": []}
+    mixed.write_text(json.dumps([*tiny, {**tiny[0], "sample_id": "tiny-2"}, quiet]))
+    report = bench_json("locomo", "--data", str(mixed), "--embedder", "hashing:8", "--cv")
+    assert report["questions"] == 6 and set(report["per_conversation"]) == {"tiny-1", "tiny-2"}
+    # A conversation without questions is no fold (it was one, of recall 0).
+    assert len(report["cv_folds"]) == 2 and min(report["cv_folds"]) > 0
 
 
 def test_the_budget_keeps_the_leading_hits_that_fit() -> None:
@@ -259,3 +280,21 @@ def test_memory_bench_cli_needs_a_store() -> None:
 
     result = CliRunner().invoke(app, ["bench", "memory", "--records", "100", "--no-sqlite"])
     assert result.exit_code != 0 and "--no-sqlite needs --postgres" in result.output
+
+
+def test_memory_bench_cli_refuses_fewer_postgres_records_than_it_measures() -> None:
+    result = keel_process(
+        "bench", "memory", "--records", "100", "--postgres", "--postgres-records", "-5"
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "--postgres-records" in result.stderr
+
+
+@pytest.mark.postgres
+def test_memory_bench_cli_names_a_server_setting_postgresql_refuses() -> None:
+    result = keel_process(
+        "bench", "memory", "--records", "100", "--postgres", "--no-sqlite",
+        "--embedder", "hashing:8", "--postgres-shared-buffers", "lots",
+    )  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "shared_buffers = 'lots'" in result.stderr

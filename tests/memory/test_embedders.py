@@ -19,7 +19,10 @@ from keel.memory import (
     SentenceTransformerEmbedder,
     embedder_from_spec,
 )
+from keel.runtime import Agent
+from keel.settings import load_settings
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore
+from keel.testing import ScriptedModel
 
 
 def _vector(text: str, dimension: int) -> list[float]:
@@ -207,3 +210,15 @@ def test_onnx_minilm_gives_the_sentence_transformers_vectors(minilm: OnnxEmbedde
     assert float(cosine.min()) > 0.99999
     # Batching and length sorting never reorder the output rows.
     assert np.allclose(minilm.embed(texts[2:3])[0], ours[2], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec", ["hashing:0", "hashing:99999999999", "local:minilm-static/0", "openai:small/0"]
+)
+def test_an_embedder_dimension_out_of_range_stops_the_agent_opening(
+    spec: str, tmp_path: Path
+) -> None:
+    # hashing:0 opened, and every turn then failed on a division by zero in the embedder.
+    settings = load_settings(data_dir=tmp_path, embedder=spec, pii_vault=False)
+    with pytest.raises(ConfigError, match=r"dimension must be 1 to 16000"):
+        Agent.open(settings, model=ScriptedModel(["ok"]), system_prompt="You help.")

@@ -92,6 +92,14 @@ def test_a_policy_keel_does_not_know_is_one_error_line() -> None:
         RetentionPolicies.parse({"*": {"episodic": {"max_count": -1}}})
 
 
+@pytest.mark.parametrize("text", ["", "not json", "{'acme': {}}"])
+def test_a_policy_that_is_not_json_is_one_error_line(text: str) -> None:
+    result = keel_process("memory", "prune", env={"KEEL_MEMORY_RETENTION": text})
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "KEEL_MEMORY_RETENTION is not valid JSON" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 async def test_two_workers_pruning_at_once_delete_each_record_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'keel.db'}"
     settings = _settings(tmp_path)

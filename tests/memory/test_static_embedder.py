@@ -121,7 +121,7 @@ def test_a_build_killed_mid_write_is_never_taken_for_a_model(tmp_path: Path) -> 
 
 
 def test_bad_specs_and_folders_are_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="dimension must be a number"):
+    with pytest.raises(ConfigError, match="dimension must be 1 to 16000"):
         embedder_from_spec("local:minilm-static/wide")
     with pytest.raises(ConfigError, match="needs a folder"):
         embedder_from_spec("model2vec:")

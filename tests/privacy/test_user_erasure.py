@@ -156,3 +156,30 @@ def test_sessions_on_redis_are_erased_with_the_rest(tmp_path: Path, redis_url: s
     assert redis_holds(NEIGHBOURLY.session) and redis_holds(NEIGHBOURLY.word)
     assert left_of(ERASED, scan(url)) == {}
     client.close()
+
+
+def test_an_erased_users_key_stops_at_once_on_the_worker_that_erased_them(
+    tmp_path: Path,
+) -> None:
+    # The worker trusts a verified key for a while without a look-up; the erasure deleted the
+    # key, so the worker that ran it must not go on serving it (and writing the user again).
+    url = f"sqlite:///{tmp_path / 'keel.db'}"
+    settings = load_settings(embedder="hashing:64", pii_key=MasterKey.new_key_text())
+    app, _, keys = build_service(
+        url, model=ScriptedModel(_policy), tools=[book, refund], memory=True, settings=settings
+    )
+    operator, own_key = keys.create(TENANT), keys.create(TENANT, USER)
+    turn = {"message": f"I am {ERASED.email}", "user": USER}
+    mine = {"Authorization": f"Bearer {own_key}"}
+    with serving(app) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+        first = client.post(f"/v1/sessions/{ERASED.session}/turns", json=turn, headers=mine)
+        assert first.status_code == 200, first.text
+        erased = client.post(
+            "/v1/privacy/erase",
+            json={"user_id": USER},
+            headers={"Authorization": f"Bearer {operator}"},
+        )
+        assert erased.status_code == 200, erased.text
+        again = client.post(f"/v1/sessions/{ERASED.session}/turns", json=turn, headers=mine)
+        assert again.status_code == 401, again.text
+    assert left_of(ERASED, scan(url)) == {}

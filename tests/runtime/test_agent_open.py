@@ -293,6 +293,29 @@ def test_sync_close_on_postgres_leaves_no_connection(postgres_url: str) -> None:
 
 
 @pytest.mark.postgres
+def test_an_agent_awaited_on_event_loops_that_ended_closes_on_postgres(postgres_url: str) -> None:
+    # A script's asyncio.run(agent.revert(...)) (revert has no sync twin) or asyncio.run per
+    # turn: each loop got its own async pool, and close() then raised "Event loop is closed"
+    # on the dead loop's pool, leaving the sync pool open.
+    import asyncio
+
+    model = ScriptedModel(["Hi."], repeat_last=True)
+    agent = Agent.open(postgres_url, model=model, system_prompt="You greet.", memory=False)
+    asyncio.run(agent.run("Hello", session="s1", user="u1"))
+    asyncio.run(agent.run("Hello again", session="s1", user="u1"))
+    head = agent.state.history(agent.session_key("s1"))[0].version
+    reverted = asyncio.run(agent.revert("s1", expected_version=head, to_version=1))
+    assert reverted.version == head + 1
+    failure: Exception | None = None
+    try:
+        agent.close()
+    except Exception as exc:  # the defect: an untyped RuntimeError from a dead loop's pool
+        failure = exc
+    assert failure is None, repr(failure)
+    assert _connections_drain(postgres_url)
+
+
+@pytest.mark.postgres
 @pytest.mark.redis
 async def test_open_on_postgres_and_redis_keeps_state_on_redis(
     postgres_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch

@@ -201,6 +201,19 @@ def test_revert_is_compare_and_set_and_scoped_to_the_tenant(service: Service) ->
         assert stale.status_code == 409 and stale.json()["error"]["type"] == "ConflictError"
 
 
+def test_a_revert_to_a_version_no_store_can_hold_is_404(service: Service) -> None:
+    # SQLite raised OverflowError past 2**63 (a 500), PostgreSQL "integer out of range" past
+    # 2**31 (a StoreError: 503 with Retry-After, as if the database were down).
+    with service.client(service.keys.create("acme")) as acme:
+        head = _turn(acme, "s1", "Book Oslo").json()["state_version"]
+        for version in (2**31, 10**20):
+            body = {"version": version, "expected_version": head}
+            answer = acme.post("/v1/sessions/s1/revert", json=body)
+            assert answer.status_code == 404, answer.text
+            assert f"no stored version {version}" in answer.json()["error"]["message"]
+        assert acme.get("/v1/sessions/s1").json()["version"] == head
+
+
 def test_in_doubt_calls_are_listed_and_resolved_within_the_tenant(service: Service) -> None:
     from keel.runtime import session_key
     from keel.stores import SQLiteDatabase, SQLToolJournal

@@ -37,6 +37,7 @@ def test_keels_routes_answer_keels_error_body_for_every_error(facade: OpenAIServ
         wrong_method = acme.delete("/v1/sessions/s1/turns")
         _keel_error(wrong_method, 405, "MethodNotAllowed")
         assert wrong_method.headers["allow"] == "POST"
+        assert wrong_method.json()["error"]["message"] == "DELETE is not allowed here (POST)"
         turns = "/v1/sessions/s1/turns"
         _keel_error(acme.post(turns, content=_NOT_UTF8, headers=_JSON), 400, "MalformedJSON")
         _keel_error(acme.post(turns, content=_TOO_DEEP, headers=_JSON), 400, "MalformedJSON")

@@ -104,6 +104,29 @@ def test_only_opens_the_stores_it_names_and_says_which_are_missing(tmp_path: Pat
     assert not any("trace" in name or "memor" in name for name in tables), tables
 
 
+@pytest.mark.parametrize(
+    ("only", "memory", "said"),
+    [
+        (["memroy", None], True, "no store named 'memroy', None in only="),
+        ([["state"]], True, "no store named ['state'] in only="),
+        (5, True, "only= takes store names"),
+        (["state", "memory"], False, "only= names memory but memory=False"),
+    ],
+)
+def test_only_that_names_no_store_is_a_usage_error(
+    tmp_path: Path, only: object, memory: bool, said: str
+) -> None:
+    # Each was a bare TypeError (sorting a name beside None, a list, an int), or memory
+    # asked for by name and left out without a word.
+    settings = load_settings(data_dir=tmp_path, embedder="hashing:8")
+    error: Exception | None = None
+    try:
+        Backends.open(settings, only=only, memory=memory)  # type: ignore[arg-type]
+    except Exception as exc:
+        error = exc
+    assert isinstance(error, UsageError) and said in str(error), repr(error)
+
+
 def test_only_the_database_alone_is_left_unmigrated(tmp_path: Path) -> None:
     with Backends.open(load_settings(data_dir=tmp_path), only=()) as backends:
         assert backends.opened == frozenset()

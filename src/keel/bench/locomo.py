@@ -100,12 +100,16 @@ def load_locomo(path: str | Path) -> list[dict[str, Any]]:
     """
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"LoCoMo data {path} is not UTF-8 (byte {exc.start})") from exc
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read LoCoMo data {path}: {exc}") from exc
     if not isinstance(data, list) or not all(
         isinstance(item, dict) and "conversation" in item and "qa" in item for item in data
     ):
         raise ConfigError(f"{path} is not a LoCoMo file (a list of {{conversation, qa}} items)")
+    if not any(item["qa"] for item in data):
+        raise ConfigError(f"LoCoMo data {path} holds no questions: nothing to score")
     return data
 
 
@@ -313,6 +317,7 @@ class _LocomoRun:
                 4,
             )
             for name in self.questions
+            if name in keel.conversations  # a conversation without questions has no recall
         }
         report["dropped_evidence_ids"] = self.dropped_evidence
         report["questions_without_evidence"] = self.skipped_questions
@@ -340,8 +345,9 @@ def run_locomo(
     [`keel.bench._locomo_cv`][]), their constants chosen within ``max_tokens``.
     """
     conversations = load_locomo(path)
-    if cv and len(conversations) < 2:
-        raise ConfigError("--cv needs at least two conversations (one to hold out)")
+    asked = [c for c in conversations if any(q.get("category") in CATEGORY_NAMES for q in c["qa"])]
+    if cv and len(asked) < 2:
+        raise ConfigError("--cv needs at least two conversations with questions (one to hold out)")
     counter = counter_for(token_model, allow_estimate=True)
     default_cfg = config or RetrievalConfig()
     systems = _systems(default_cfg)
@@ -504,7 +510,8 @@ def _cross_validation(
 ) -> dict[str, Any]:
     """Each lever alone, then all of them, cross-validated over the conversations."""
     scorer = _GridScorer(run, store, embedder, base, token_model)
-    names = list(run.questions)
+    # A conversation without questions would be a fold of recall 0, not a fold left out.
+    names = [name for name, asked in run.questions.items() if asked]
     every = {**LEVER_GRIDS, **MEASURED_GRIDS}
     off = setting_of({k: v for grid in every.values() for k, v in grid[0].items()})
     report: dict[str, Any] = {"procedure": PROCEDURE, "max_tokens": max_tokens}

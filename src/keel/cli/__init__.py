@@ -6,6 +6,7 @@ import sys
 from types import ModuleType
 
 import typer
+from rich.markup import escape
 
 # Importing the command modules registers their commands on the app.
 from keel.cli import (  # noqa: F401
@@ -86,7 +87,7 @@ def _show_click_error(exc: Exception) -> int:
         exc.show()  # type: ignore[attr-defined]
     else:
         line = _usage_line(exc) if isinstance(exc, _click().UsageError) else str(exc)
-        err_console.print(f"[bold red]error:[/] {line}", markup=True, highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(line)}", markup=True, highlight=False)
     return int(exc.exit_code)  # type: ignore[attr-defined]
 
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         # Without standalone mode click returns the exit code of typer.Exit instead of exiting.
         result = app(args=argv, prog_name="keel", standalone_mode=False)
     except KeelError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
         return 2 if isinstance(exc, UsageError) else 1
     except typer.Exit as exc:
         return int(exc.exit_code or 0)

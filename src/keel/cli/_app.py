@@ -13,6 +13,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from keel.errors import KeelError, UsageError
 
@@ -95,7 +96,7 @@ def emit_or_show(
 def fail(error: KeelError | str, *, code: int | None = None) -> NoReturn:
     """Print one clear error line (no traceback) and exit: 2 for usage errors, else 1."""
     text = str(error)
-    err_console.print(f"[bold red]error:[/] {text}", markup=True, highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(text)}", markup=True, highlight=False)
     if code is None:
         code = 2 if isinstance(error, UsageError) else 1
     raise typer.Exit(code)

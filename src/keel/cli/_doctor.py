@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import typer
+from rich.markup import escape
 
 from keel._version import __version__
 from keel.cli._app import JsonOption, app, demo_model_note, emit_json, out_console
@@ -229,15 +230,13 @@ def doctor_command(
     else:
         marks = {"ok": "[green]ok  [/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]"}
         for check in checks:
-            out_console.print(
-                f"{marks[check.status]} {check.area:<10} {check.name:<24} {check.detail}",
-                markup=True,
-                highlight=False,
-            )
+            # What a check found is text, not markup: "keel-runtime[local]" keeps "[local]".
+            found = escape(f"{check.area:<10} {check.name:<24} {check.detail}")
+            out_console.print(f"{marks[check.status]} {found}", markup=True, highlight=False)
         verdict = "healthy" if healthy else "NOT healthy"
         out_console.print(f"embedded default: {verdict}")
         out_console.print(f"model: {settings.model}", markup=False)
         if note is not None:
-            out_console.print(f"[yellow]note[/] {note}", highlight=False)
+            out_console.print(f"[yellow]note[/] {escape(note)}", highlight=False)
     if not healthy:
         raise typer.Exit(1)

@@ -298,7 +298,7 @@ def bench_memory_command(
     ] = False,
     postgres_records: Annotated[
         int | None,
-        typer.Option("--postgres-records", help="Records for PostgreSQL (default: same)."),
+        typer.Option("--postgres-records", min=100, help="Records for PostgreSQL (default: same)."),
     ] = None,
     postgres_shared_buffers: Annotated[
         str,

@@ -36,11 +36,8 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
     """
     kind, _, rest = spec.partition(":")
     if kind == "local" and rest.lower().partition("/")[0] == "minilm-static":
-        size = rest.partition("/")[2]
-        if size and not size.isdigit():
-            raise ConfigError(f"embedder spec {spec!r}: the dimension must be a number")
         cache = settings.data_dir / "models" if settings is not None else None
-        return StaticEmbedder(dimension=int(size or 256), cache_dir=cache)
+        return StaticEmbedder(dimension=_dimension(spec, rest.partition("/")[2]), cache_dir=cache)
     if kind == "model2vec":
         if not rest:
             raise ConfigError(f"embedder spec {spec!r} needs a folder: model2vec:/path/to/folder")
@@ -52,9 +49,7 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
     if kind == "sentence-transformers":
         return SentenceTransformerEmbedder(rest or None)
     if kind == "hashing":
-        if rest and not rest.isdigit():
-            raise ConfigError(f"embedder spec {spec!r}: the dimension must be a number")
-        return HashingEmbedder(int(rest or 256))
+        return HashingEmbedder(_dimension(spec, rest))
     if kind in {"openai", "openai-compatible"}:
         target, _, url = rest.partition("@")
         model, _, dim = target.rpartition("/")
@@ -69,7 +64,7 @@ def embedder_from_spec(spec: str, settings: Settings | None = None) -> Embedder:
             else None
         )
         base = url or (settings.openai_base_url if settings else None)
-        return OpenAIEmbedder(model, dimension=int(dim), base_url=base, api_key=key)
+        return OpenAIEmbedder(model, dimension=_dimension(spec, dim), base_url=base, api_key=key)
     raise ConfigError(
         f"unknown embedder spec {spec!r}: use local:all-minilm-l6-v2, local:FOLDER, "
         "local:minilm-static, model2vec:FOLDER, sentence-transformers:FOLDER, hashing:DIM, "
@@ -88,3 +83,20 @@ def embedder_from_settings(settings: Settings) -> Embedder:
         ConfigError: an unknown or incomplete spec.
     """
     return embedder_from_spec(settings.embedder, settings)
+
+
+_MAX_DIMENSION = 16_000
+"""pgvector's largest ``vector``; beyond it no PostgreSQL store could hold the vectors, and a
+typo (``hashing:99999999999``) would allocate its matrix."""
+
+
+def _dimension(spec: str, text: str, default: int = 256) -> int:
+    """The dimension a spec names (``default`` when it names none), checked: an embedder of 0
+    dimensions divides by zero at its first text."""
+    if not text:
+        return default
+    if not text.isdigit() or not 1 <= int(text) <= _MAX_DIMENSION:
+        raise ConfigError(
+            f"embedder spec {spec!r}: the dimension must be 1 to {_MAX_DIMENSION}, got {text!r}"
+        )
+    return int(text)

@@ -210,7 +210,10 @@ async def _on_starlette_error(request: Request, exc: Exception) -> JSONResponse:
     if status == 404:
         kind, message = "NotFound", f"no route {request.url.path!r}"
     elif status == 405:
-        allowed = (exc.headers or {}).get("allow", "")
+        # Starlette names the header "Allow"; HTTP header names are case-insensitive.
+        allowed = next(
+            (value for name, value in (exc.headers or {}).items() if name.lower() == "allow"), ""
+        )
         kind, message = "MethodNotAllowed", f"{request.method} is not allowed here ({allowed})"
     elif status == 400 and exc.detail == _UNPARSED:
         # FastAPI's answer when json.loads raises something other than a syntax error:

@@ -340,6 +340,15 @@ class CachedKeys:
             return cached
         return self._remember(fingerprint, _as_caller(await self._atenant_of_key(key)))
 
+    def forget_user(self, tenant_id: str, user_id: str) -> None:
+        """Stop trusting the cached keys of one user of a tenant (an erasure deleted them):
+        on this worker they fail at once, not up to ``ttl_s`` later."""
+        self._verified = {
+            fingerprint: entry
+            for fingerprint, entry in self._verified.items()
+            if (entry[0].tenant_id, entry[0].user_id) != (tenant_id, user_id)
+        }
+
     def _cached(self, key: str) -> tuple[str, Caller | None]:
         fingerprint = hashlib.sha256(key.encode()).hexdigest()
         cached = self._verified.get(fingerprint)

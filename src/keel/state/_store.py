@@ -46,6 +46,11 @@ __all__ = ["StateStore"]
 
 S = TypeVar("S")
 
+_LARGEST_VERSION = 2**31 - 1
+"""The largest version a backend stores (PostgreSQL's ``INTEGER`` column): a larger one is not
+stored anywhere, and asking a database for it fails there (SQLite past 2**63, PostgreSQL past
+2**31) instead of saying so."""
+
 
 class StateStore(Generic[S]):
     """Typed, versioned state of agent sessions on one backend.
@@ -202,7 +207,7 @@ class StateStore(Generic[S]):
         Raises:
             StateError: that version is not stored (never written, or removed by retention).
         """
-        found = await self._read(session_id, version)
+        found = await self._read(session_id, version) if _storable(version) else None
         if found is None or found[1].version != version:
             raise StateError(f"session {session_id!r} has no stored version {version}")
         return found[1]
@@ -391,7 +396,9 @@ class StateStore(Generic[S]):
             StateError: that version is not stored.
         """
         backend = self.backend
-        if not await backend_call(backend.mark, backend.amark, session_id, version, good):
+        if not _storable(version) or not await backend_call(
+            backend.mark, backend.amark, session_id, version, good
+        ):
             raise StateError(f"session {session_id!r} has no stored version {version}")
 
     async def arevert(
@@ -536,3 +543,8 @@ class StateStore(Generic[S]):
     fork = sync_twin(afork)
     delete = sync_twin(adelete)
     close = sync_twin(aclose)
+
+
+def _storable(version: int) -> bool:
+    """Whether a backend could hold ``version`` (versions count from 1)."""
+    return 1 <= version <= _LARGEST_VERSION

@@ -246,8 +246,8 @@ class Backends:
             state_prefix: the Redis key prefix of state (default ``keel:state``).
 
         Raises:
-            UsageError: a URL (or None) without ``settings``, a name ``only`` does not know
-                (the message lists the stores), or ``state_prefix`` for state not on Redis.
+            UsageError: a URL (or None) without ``settings``, ``only`` naming no store (or
+                memory with ``memory=False``), or ``state_prefix`` for state not on Redis.
             ConfigError: settings given twice, ``database`` of another type, or a URL keel
                 cannot open (a Redis URL for more than the state, an unknown scheme).
             BackendUnavailableError: a server cannot be reached or its driver is not installed.
@@ -467,21 +467,23 @@ def _wanted(only: Iterable[StoreName] | None, *, memory: bool) -> frozenset[Stor
     memory dropped when it is off, and the vault brought in by memory (it seals values there).
 
     Raises:
-        UsageError: a name that is no store's, or one name given as a string.
+        UsageError: a name that is no store's, names given otherwise than as an iterable of
+            strings (one string, a number), or memory named while ``memory=False``.
     """
     if only is None:
-        names: set[str] = set(STORE_NAMES)
-    elif isinstance(only, str):
-        raise UsageError(f"only= takes store names, e.g. only=({only!r},), not a string")
+        names: list[object] = list(STORE_NAMES)
+    elif isinstance(only, str) or not isinstance(only, Iterable):
+        raise UsageError(f"only= takes store names, e.g. only=('state',), not {only!r}")
     else:
-        names = set(only)
-    unknown = sorted(names - set(STORE_NAMES))
+        names = list(only)
+    unknown = sorted({repr(name) for name in names if name not in STORE_NAMES})
     if unknown:
         raise UsageError(
-            f"no store named {', '.join(map(repr, unknown))} in only=: the stores are "
-            f"{', '.join(STORE_NAMES)}"
+            f"no store named {', '.join(unknown)} in only=: the stores are {', '.join(STORE_NAMES)}"
         )
     wanted = frozenset(name for name in STORE_NAMES if name in names)
+    if not memory and only is not None and "memory" in wanted:
+        raise UsageError("only= names memory but memory=False: leave one of them out")
     if not memory:
         wanted -= {"memory"}
     if "memory" in wanted:

@@ -530,11 +530,17 @@ class PostgresDatabase:
             self._pool.close()
 
     async def aclose(self) -> None:
-        """Close the running loop's async pool, then the sync pool (idempotent)."""
-        if self._apool is not None:
-            pool, self._apool = self._apool, None
-            await pool.close()
-        self.close()
+        """Close the async pool, then the sync pool (idempotent). A pool made on another event
+        loop is closed there if that loop still runs, and dropped if it ended (a script's
+        ``asyncio.run`` per call): its connections' tasks cannot be awaited on this one."""
+        pool, loop, self._apool = self._apool, self._aloop, None
+        try:
+            if pool is not None and loop is asyncio.get_running_loop():
+                await pool.close()
+            elif pool is not None and loop is not None and not loop.is_closed():
+                asyncio.run_coroutine_threadsafe(pool.close(), loop)
+        finally:
+            self.close()
 
     def __enter__(self) -> PostgresDatabase:
         return self

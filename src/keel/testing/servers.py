@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from keel._assets import smollm2_gguf
-from keel.errors import BackendUnavailableError
+from keel.errors import BackendUnavailableError, ConfigError
 
 __all__ = [
     "PostgresTestServer",
@@ -111,9 +111,16 @@ def _apply_settings(uri: str, settings: Mapping[str, str]) -> bool:
 
     with psycopg.connect(uri, autocommit=True) as conn:
         for name, value in settings.items():
-            conn.execute(
-                sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value))
-            )
+            try:
+                conn.execute(
+                    sql.SQL("ALTER SYSTEM SET {} = {}").format(
+                        sql.Identifier(name), sql.Literal(value)
+                    )
+                )
+            except psycopg.Error as exc:  # a setting it does not know, a value it refuses
+                raise ConfigError(
+                    f"PostgreSQL refused {name} = {value!r}: {exc.diag.message_primary or exc}"
+                ) from exc
         conn.execute("SELECT pg_reload_conf()")
         row = conn.execute(
             "SELECT count(*) FROM pg_settings WHERE name = ANY(%s) AND context = 'postmaster'",
