@@ -89,6 +89,8 @@ def _group(sql: str) -> str:
         return "vector"
     if sql.startswith("SELECT COUNT(*)") and "tsv @@" in sql:
         return "count"
+    if "FROM memory_terms t" in sql:
+        return "terms"
     if sql.startswith("WITH q"):
         return "rank"
     if sql.startswith("SELECT id, tenant"):

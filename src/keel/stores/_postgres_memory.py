@@ -41,16 +41,16 @@ from keel.memory._rows import (
 from keel.memory._store import InsertResult, OutboxEntry, ScoredId
 from keel.stores._keywords import (
     AVERAGE_LENGTH_MILLI,
-    SCOPE_ROWS,
     KeywordPlan,
+    TermFrequencies,
     common_term_cap,
 )
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import BinaryVector, PostgresDatabase
+from keel.stores._postgres_terms import MEMORY_TERMS_MIGRATION, ScopeTerms, scope_terms
 from keel.stores._sql_memory import (
     MemorySchema,
     SQLMemoryStore,
-    count_records,
     insert_row_sql,
     require_database,
     rows_of,
@@ -126,6 +126,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             ALTER TABLE memory_records SET (fillfactor = 50);
             """,
         ),
+        MEMORY_TERMS_MIGRATION,
     ),
 )
 
@@ -498,8 +499,15 @@ class PostgresMemoryStore(SQLMemoryStore):
         )
         scope_key = (scope.tenant_id, scope.user_id)
         cap = common_term_cap(total, _MOST_COMMON_ROWS)
+        # Every count exact and current, from memory_terms (one statement); only a word of
+        # several lexemes is counted from the records, as before.
+        known: ScopeTerms = yield from scope_terms(scope, terms)
 
         def count(term: str, limit: int) -> Plan[int]:
+            rows = known.rows(term)
+            if rows is not None:
+                # Bounded as a count from the records was, so plans stay as they were.
+                return min(rows, limit)
             counted = yield Statement(
                 "SELECT COUNT(*) FROM (SELECT 1 FROM memory_records WHERE tenant_id = ? "
                 "AND user_id = ? AND tsv @@ plainto_tsquery('english', ?) LIMIT ?) s",
@@ -516,10 +524,9 @@ class PostgresMemoryStore(SQLMemoryStore):
             )
             return round(1000 * float(average.rows[0][0] or 0))
 
-        frequencies = self._term_frequencies
-        scope_rows = yield from frequencies.get(
-            scope_key, SCOPE_ROWS, total, lambda _: count_records(scope)
-        )
+        scope_rows = known.scope_rows
+        # Counts made for this search alone: the table's are exact, never stale.
+        frequencies = TermFrequencies()
         plan = yield from frequencies.plan(
             scope_key,
             terms,
@@ -541,7 +548,9 @@ class PostgresMemoryStore(SQLMemoryStore):
             term: max(math.log((rows - found + 0.5) / (found + 0.5)), 1e-6)
             for term, found in matches.items()
         }
-        average = yield from frequencies.get(scope_key, AVERAGE_LENGTH_MILLI, total, length_milli)
+        average = yield from self._term_frequencies.get(
+            scope_key, AVERAGE_LENGTH_MILLI, total, length_milli
+        )
         return _KeywordStatistics(plan, idf, average / 1000)
 
     def _has_vector_table(self, dimension: int) -> bool:
