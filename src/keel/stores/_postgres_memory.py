@@ -199,11 +199,9 @@ def _hnsw_operand(dimension: int, halfvec: bool = False) -> tuple[str, str] | No
 # Keyword search ranks at most this many rows, the same budget as SQLite's bm25().
 _SCORED_ROWS = 1500
 # A term in more rows than this is dropped as common, however large the table (SQLite's
-# bound too): counting a term's rows in a scope reads each matching row (a GIN index cannot
-# answer a count alone), and 1/20 of the table, the bound below this, grew with it: at
-# 200,000 records in one scope, the counts of a query's new terms were the slowest part of
-# a search (p50 5.5 ms, up to 55 ms a term on a loaded machine), and 1M would count up to
-# 50,000 rows a term.
+# bound too). It once bounded counting a term's rows, which read each match (1/20 of the
+# table, the bound below this, grew with it); counts now come from memory_terms, and the
+# bound keeps the plans (which terms are common) what they were.
 _MOST_COMMON_ROWS = 20_000
 
 
