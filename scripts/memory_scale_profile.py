@@ -91,7 +91,7 @@ def _group(sql: str) -> str:
         return "count"
     if "FROM memory_terms t" in sql:
         return "terms"
-    if sql.startswith(("WITH q", "SELECT id, score")):
+    if sql.startswith(("WITH q", "WITH recent", "SELECT id, score")):
         return "rank"
     if sql.startswith("SELECT id, tenant"):
         return "fetch"
