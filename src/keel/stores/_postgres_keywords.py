@@ -123,9 +123,8 @@ def _chosen_rows_sql(
     (`_recent_window`): the GIN index's matches and the seq index's range meet in a bitmap,
     so only rows that are both are read, about as many as are ranked. Before, every match
     of the common terms in the table was read (up to 20,000 a term, each a page) to keep
-    the newest. The older records are searched only when the recent ones fell short (the
-    Append reads its second part only if the LIMIT still wants rows), so the rows chosen
-    are exactly the newest matches either way.
+    the newest. The older records are searched only when the recent ones fell short, so the
+    rows chosen are exactly the newest matches either way.
     """
     plan = statistics.plan
     common = f"{scoped} AND tsv @@ ({_ts_any(plan.common)})"
@@ -138,22 +137,28 @@ def _chosen_rows_sql(
     # the index from it.
     walk = 3 * plan.common_rows**2 > plan.newest * plan.total_rows
     older_order = "seq" if walk else "seq + 0"
+    recent = ""
+    recent_args: tuple[object, ...] = ()
     if window:
-        newest_rows = (
-            f"(SELECT id, seq, {score} AS score FROM memory_records WHERE {common} "
-            "AND seq > %s ORDER BY seq + 0 DESC LIMIT %s) UNION ALL "
-            f"(SELECT id, seq, {score} AS score FROM memory_records WHERE {common} "
-            f"AND seq <= %s ORDER BY {older_order} DESC LIMIT %s)"
+        # Materialized, so the older records' part can ask how many it found; that part is
+        # gated on it (a one-time filter: never run when the recent records held enough).
+        recent = (
+            f"WITH recent AS MATERIALIZED (SELECT id, seq, {score} AS score FROM "
+            f"memory_records WHERE {common} AND seq > %s ORDER BY seq + 0 DESC LIMIT %s) "
         )
         low = plan.total_rows - window
+        recent_args = (*score_args, *common_args, low, plan.newest)
+        newest_rows = (
+            "SELECT * FROM recent UNION ALL "
+            f"(SELECT id, seq, {score} AS score FROM memory_records WHERE {common} "
+            f"AND seq <= %s AND (SELECT COUNT(*) FROM recent) < %s "
+            f"ORDER BY {older_order} DESC LIMIT %s)"
+        )
         newest_args: tuple[object, ...] = (
             *score_args,
             *common_args,
             low,
             plan.newest,
-            *score_args,
-            *common_args,
-            low,
             plan.newest,
         )
     else:
@@ -162,7 +167,7 @@ def _chosen_rows_sql(
             f"ORDER BY {older_order} DESC LIMIT %s"
         )
         newest_args = (*score_args, *common_args, plan.newest)
-    chosen = f"(SELECT * FROM ({newest_rows}) newest LIMIT %s)"
+    chosen = f"(SELECT * FROM ({newest_rows}) newest ORDER BY seq DESC LIMIT %s)"
     chosen_args = (*newest_args, plan.newest)
     if plan.rare:
         chosen += (
@@ -170,5 +175,5 @@ def _chosen_rows_sql(
             f"AND tsv @@ ({_ts_any(plan.rare)}))"
         )
         chosen_args += (*score_args, *scope_args, *plan.rare)
-    sql = f"SELECT id, score FROM ({chosen}) chosen ORDER BY score DESC, seq LIMIT %s"
-    return sql, (*chosen_args, int(limit)), bool(window)
+    sql = f"{recent}SELECT id, score FROM ({chosen}) chosen ORDER BY score DESC, seq LIMIT %s"
+    return sql, (*recent_args, *chosen_args, int(limit)), bool(window)
