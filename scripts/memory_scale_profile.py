@@ -89,7 +89,9 @@ def _group(sql: str) -> str:
         return "vector"
     if sql.startswith("SELECT COUNT(*)") and "tsv @@" in sql:
         return "count"
-    if sql.startswith("WITH q"):
+    if "FROM memory_terms t" in sql:
+        return "terms"
+    if sql.startswith(("WITH q", "WITH recent", "SELECT id, score")):
         return "rank"
     if sql.startswith("SELECT id, tenant"):
         return "fetch"

@@ -15,7 +15,6 @@ import pytest
 from keel.errors import ConfigError, StoreError
 from keel.memory import HashingEmbedder, Memory, MemoryFilter, Scope
 from keel.stores import PostgresDatabase, PostgresMemoryStore
-from keel.stores._keywords import SCOPE_ROWS
 from keel.stores._sql_plan import Plan, Statement
 
 pytestmark = pytest.mark.postgres
@@ -560,32 +559,4 @@ def test_setting_a_records_embedding_model_keeps_it_on_its_page(
     assert embedded == (300,)
     stayed = sum(1 for record_id, page in before.items() if after[record_id] == page)
     assert stayed >= 0.9 * len(before), f"{stayed} of {len(before)} stayed on their page"
-    memory.close()
-
-
-def test_a_keyword_search_counts_a_term_no_further_than_a_bound(
-    postgres_url: str, open_database: OpenDatabase, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A term's rows in a scope are counted by reading each match: the count stops at 20,000
-    # (a term in more is dropped as common, as on SQLite), not at 1/20 of the table, which
-    # grew with it (50,000 rows read a term at 1M records).
-    store = PostgresMemoryStore(open_database())
-    memory = Memory(store, embedder=None, masker=None)
-    memory.add_many(
-        [{"text": f"note {n}: the orchard by the granite wall"} for n in range(40)], scope=ALICE
-    )
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        # The table's size is read as its largest seq: a table of a million records...
-        conn.execute("SELECT setval('memory_records_seq_seq', 1000000)")
-    memory.add("the orchard gate is green", scope=ALICE)
-    # ... all of them Alice's, as her scope's count (kept while the table grows < 5%) says.
-    # (Counted at the table's size now: a count made when the table was larger is made again.)
-    scope_counts = store._term_frequencies._counts.setdefault(("acme", "alice"), {})
-    scope_counts[SCOPE_ROWS] = (1_000_000, 1_000_001, None)
-    statements = _Statements(monkeypatch)
-    hits = memory.search("orchard gate", scope=ALICE, k=3)
-    assert hits and hits[0].record.text == "the orchard gate is green"
-    counts = statements.matching("SELECT COUNT(*) FROM (SELECT 1")
-    limits = [s.params[-1] for s in counts if isinstance(s.params, tuple)]
-    assert limits and max(limits) <= 20_001, limits
     memory.close()

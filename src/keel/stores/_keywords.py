@@ -15,7 +15,9 @@ table. Both stores plan the same way:
    terms, the newest fill the rest. A broad query prefers recent memories; a specific word
    always finds its rows, however old.
 
-Document frequencies are counted with a bound (``LIMIT cap + 1``), so planning is cheap too.
+Document frequencies are counted with a bound (``LIMIT cap + 1``), so planning is cheap too;
+PostgreSQL reads them from a table its triggers keep (`keel.stores._postgres_terms`), exact,
+and bounds them the same way, so both plan alike.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -41,16 +40,16 @@ from keel.memory._rows import (
 from keel.memory._store import InsertResult, OutboxEntry, ScoredId
 from keel.stores._keywords import (
     AVERAGE_LENGTH_MILLI,
-    SCOPE_ROWS,
-    KeywordPlan,
+    TermFrequencies,
     common_term_cap,
 )
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import BinaryVector, PostgresDatabase
+from keel.stores._postgres_keywords import KeywordStatistics, keyword_ranking, with_bitmaps
+from keel.stores._postgres_terms import MEMORY_TERMS_MIGRATION, ScopeTerms, scope_terms
 from keel.stores._sql_memory import (
     MemorySchema,
     SQLMemoryStore,
-    count_records,
     insert_row_sql,
     require_database,
     rows_of,
@@ -127,6 +126,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
             ALTER TABLE memory_records SET (fillfactor = 50);
             """,
         ),
+        MEMORY_TERMS_MIGRATION,
         DELETIONS_MIGRATION,
     ),
 )
@@ -201,29 +201,10 @@ def _hnsw_operand(dimension: int, halfvec: bool = False) -> tuple[str, str] | No
 # Keyword search ranks at most this many rows, the same budget as SQLite's bm25().
 _SCORED_ROWS = 1500
 # A term in more rows than this is dropped as common, however large the table (SQLite's
-# bound too): counting a term's rows in a scope reads each matching row (a GIN index cannot
-# answer a count alone), and 1/20 of the table, the bound below this, grew with it: at
-# 200,000 records in one scope, the counts of a query's new terms were the slowest part of
-# a search (p50 5.5 ms, up to 55 ms a term on a loaded machine), and 1M would count up to
-# 50,000 rows a term.
+# bound too). It once bounded counting a term's rows, which read each match (1/20 of the
+# table, the bound below this, grew with it); counts now come from memory_terms, and the
+# bound keeps the plans (which terms are common) what they were.
 _MOST_COMMON_ROWS = 20_000
-# BM25's parameters, FTS5's defaults: term-frequency saturation and length normalization.
-_BM25_K1 = 1.2
-_BM25_B = 0.75
-
-
-@dataclass(frozen=True)
-class _KeywordStatistics:
-    """A keyword query's plan, each planned term's IDF, and the scope's average length."""
-
-    plan: KeywordPlan
-    idf: dict[str, float]
-    average_length: float
-
-
-def _ts_any(terms: Sequence[str]) -> str:
-    """A tsquery matching any of ``terms`` (each one a query parameter)."""
-    return " || ".join("plainto_tsquery('english', %s)" for _ in terms)
 
 
 class PostgresMemoryStore(SQLMemoryStore):
@@ -421,77 +402,19 @@ class PostgresMemoryStore(SQLMemoryStore):
         where, params = filter_sql(filters, "%s")
         scoped = "tenant_id = %s AND user_id = %s" + (f" AND {where}" if where else "")
         scope_args = (scope.tenant_id, scope.user_id, *params)
-        return self.db.run(
-            lambda: self._keyword_search(scope, safe, scoped, scope_args, int(limit)), write=False
+        statistics = self.db.run(
+            lambda: self._keyword_statistics(scope, safe, int(limit)), write=False
         )
-
-    def _keyword_search(
-        self,
-        scope: Scope,
-        safe: list[str],
-        scoped: str,
-        scope_args: tuple[object, ...],
-        limit: int,
-    ) -> Plan[list[ScoredId]]:
-        statistics = yield from self._keyword_statistics(scope, safe, limit)
-        plan = statistics.plan
-        # Which rows to rank: every match when the plan allows, else the chosen ones.
-        ranked = f"{scoped} AND tsv @@ q.query"
-        ranked_args: tuple[object, ...] = scope_args
-        if plan.newest:
-            # The rows to rank: the newest matches of the common terms, and every match of
-            # a rare one. Two ways to find the newest matches: walk the seq index backwards
-            # testing each row's tsvector (~0.5-1 us a row, newest * total / matches rows),
-            # or let the GIN index find every match and keep the newest (~2.2 us a match).
-            # PostgreSQL underrates the first's cost and walks 31k rows (17 ms) for two
-            # words in 6.5k rows at 100k; "seq + 0" hides the index from it.
-            walk = 3 * plan.common_rows**2 > plan.newest * plan.total_rows
-            chosen = (
-                f"(SELECT seq FROM memory_records WHERE {scoped} AND tsv @@ "
-                f"({_ts_any(plan.common)}) ORDER BY {'seq' if walk else 'seq + 0'} DESC "
-                "LIMIT %s)"
-            )
-            chosen_args: tuple[object, ...] = (*scope_args, *plan.common, plan.newest)
-            if plan.rare:
-                chosen += (
-                    f" UNION (SELECT seq FROM memory_records WHERE {scoped} AND tsv @@ "
-                    f"({_ts_any(plan.rare)}))"
-                )
-                chosen_args += (*scope_args, *plan.rare)
-            # = ANY(ARRAY(...)): the chosen rows are read back through the seq index,
-            # never by a hash join over the whole table. The scope is checked again on
-            # the rows read back, as on every other read.
-            ranked = f"seq = ANY(ARRAY({chosen})) AND tenant_id = %s AND user_id = %s"
-            ranked_args = (*chosen_args, scope.tenant_id, scope.user_id)
-        # BM25 as SQLite's FTS5 computes it (k1 1.2, b 0.75), with each term counted once
-        # per record (memories are short) and the IDF of the scope's own rows. PostgreSQL's
-        # ts_rank_cd knows no IDF: a name said in every turn weighed as much as the one
-        # rare word that finds the answer (LoCoMo R@10 0.744 against 0.770 on SQLite), and
-        # it costs 4x more per row.
-        matched = " + ".join(
-            "%s * (tsv @@ plainto_tsquery('english', %s))::int" for _ in plan.terms
-        )
-        weights = statistics.idf
-        sql = (
-            f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
-            f"SELECT id, ({matched}) / (%s + %s * length(tsv)) AS score "
-            f"FROM memory_records, q WHERE {ranked} ORDER BY score DESC, seq LIMIT %s"
-        )
-        length_norm = _BM25_K1 * _BM25_B / max(statistics.average_length, 1.0)
-        args = (
-            *plan.terms,
-            *(value for term in plan.terms for value in (weights[term], term)),
-            1 + _BM25_K1 * (1 - _BM25_B),
-            length_norm,
-            *ranked_args,
-            int(limit),
-        )
-        rows = (yield Statement(sql, args)).rows
+        ranking, windowed = keyword_ranking(statistics, scoped, scope_args, int(limit))
+        if windowed:
+            rows = self.db.run(lambda: with_bitmaps(ranking))
+        else:
+            rows = self.db.run(lambda: rows_of(ranking), write=False)
         return [ScoredId(str(r[0]), float(r[1])) for r in rows]
 
     def _keyword_statistics(
         self, scope: Scope, terms: list[str], listed: int
-    ) -> Plan[_KeywordStatistics]:
+    ) -> Plan[KeywordStatistics]:
         """The bounded plan for ``terms`` in ``scope``, listing ``listed`` rows (see
         `keel.stores._keywords`)
         and what BM25 needs: each term's IDF and the scope's average record length."""
@@ -506,8 +429,15 @@ class PostgresMemoryStore(SQLMemoryStore):
         self._term_frequencies.saw_deletions(int(sized[1] or 0))
         scope_key = (scope.tenant_id, scope.user_id)
         cap = common_term_cap(total, _MOST_COMMON_ROWS)
+        # Every count exact and current, from memory_terms (one statement); only a word of
+        # several lexemes is counted from the records, as before.
+        known: ScopeTerms = yield from scope_terms(scope, terms)
 
         def count(term: str, limit: int) -> Plan[int]:
+            rows = known.rows(term)
+            if rows is not None:
+                # Bounded as a count from the records was, so plans stay as they were.
+                return min(rows, limit)
             counted = yield Statement(
                 "SELECT COUNT(*) FROM (SELECT 1 FROM memory_records WHERE tenant_id = ? "
                 "AND user_id = ? AND tsv @@ plainto_tsquery('english', ?) LIMIT ?) s",
@@ -524,10 +454,9 @@ class PostgresMemoryStore(SQLMemoryStore):
             )
             return round(1000 * float(average.rows[0][0] or 0))
 
-        frequencies = self._term_frequencies
-        scope_rows = yield from frequencies.get(
-            scope_key, SCOPE_ROWS, total, lambda _: count_records(scope)
-        )
+        scope_rows = known.scope_rows
+        # Counts made for this search alone: the table's are exact, never stale.
+        frequencies = TermFrequencies()
         plan = yield from frequencies.plan(
             scope_key,
             terms,
@@ -549,8 +478,14 @@ class PostgresMemoryStore(SQLMemoryStore):
             term: max(math.log((rows - found + 0.5) / (found + 0.5)), 1e-6)
             for term, found in matches.items()
         }
-        average = yield from frequencies.get(scope_key, AVERAGE_LENGTH_MILLI, total, length_milli)
-        return _KeywordStatistics(plan, idf, average / 1000)
+        average = yield from self._term_frequencies.get(
+            scope_key, AVERAGE_LENGTH_MILLI, total, length_milli
+        )
+        exact = {term: known.rows(term) for term in plan.terms}
+        rows_of_terms = {
+            term: matches[term] if found is None else found for term, found in exact.items()
+        }
+        return KeywordStatistics(plan, idf, average / 1000, scope_rows, rows_of_terms)
 
     def _has_vector_table(self, dimension: int) -> bool:
         if dimension not in self._vector_tables:
