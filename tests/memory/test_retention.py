@@ -100,6 +100,21 @@ def test_a_policy_that_is_not_json_is_one_error_line(text: str) -> None:
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize("tenant", ["", "  "])
+def test_an_empty_tenant_is_one_error_line_not_a_clean_run(tmp_path: Path, tenant: str) -> None:
+    url = f"sqlite:///{tmp_path / 'keel.db'}"
+    with Backends.open(url, settings=_settings(tmp_path), background=False) as backends:
+        assert backends.memory is not None
+        _fill(backends.memory)
+    env = {"KEEL_MEMORY_RETENTION": json.dumps(POLICY)}
+    result = keel_process("memory", "prune", "--tenant", tenant, "--database", url, env=env)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "--tenant is empty" in result.stderr and "Traceback" not in result.stderr
+    with Backends.open(url, settings=_settings(tmp_path), background=False) as backends:
+        assert backends.memory is not None
+        assert sum(_counts(backends.memory).values()) == 36  # nothing pruned
+
+
 async def test_two_workers_pruning_at_once_delete_each_record_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'keel.db'}"
     settings = _settings(tmp_path)

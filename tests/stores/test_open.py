@@ -15,6 +15,7 @@ from keel.settings import load_settings
 from keel.state import AgentState
 from keel.stores import STORE_NAMES, Backends, MemoryOptions, RedisStateBackend, SQLiteDatabase
 from keel.testing import ScriptedModel
+from tests.cli import keel_process
 
 
 @pytest.fixture(autouse=True)
@@ -217,3 +218,29 @@ def test_the_state_prefix_is_the_redis_key_prefix(tmp_path: Path, redis_url: str
     assert keys and all(key.startswith("app:") for key in keys), keys
     with pytest.raises(UsageError, match="state_prefix"):
         Backends.open(settings, memory=False, state_prefix="app")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://ada:s3cret@[::1/keel",  # an IPv6 host never closed
+        "postgresql://ada:s3cret@localhost:99999/keel",
+        "postgresql://ada:s3cret@localhost:port/keel",
+        "postgresql://ada:s3cret@one:5432,two:0/keel",
+    ],
+)
+def test_a_postgresql_url_libpq_cannot_read_is_a_config_error_without_its_password(
+    tmp_path: Path, url: str
+) -> None:
+    # Not "the server is down" (BackendUnavailableError, retried by callers): the URL is
+    # wrong, and libpq's own reason quotes the whole URI, password included.
+    raised: Exception | None = None
+    try:
+        Backends.open(url, settings=load_settings(data_dir=tmp_path), memory=False).close()
+    except Exception as exc:  # the type is the assertion, not the raise
+        raised = exc
+    assert isinstance(raised, ConfigError), repr(raised)
+    assert "s3cret" not in str(raised)
+    result = keel_process("memory", "status", "--database", url)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr and "s3cret" not in result.stderr + result.stdout

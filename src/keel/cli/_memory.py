@@ -114,9 +114,13 @@ def prune_command(
     count per user, for each kind) once: delete the records past them. Safe beside running
     workers (`keel serve` prunes on its own every KEEL_MEMORY_PRUNE_EVERY_S)."""
     from keel.cli._database import database_settings
+    from keel.errors import UsageError
     from keel.memory import RetentionPolicies, prune_memory
     from keel.stores import Backends
 
+    if tenant is not None and not tenant.strip():
+        # Else it names no tenant at all and prunes nothing, reported as a clean run.
+        raise UsageError("--tenant is empty: name a tenant, or leave it out to prune every one")
     settings = database_settings(database)
     policies = RetentionPolicies.parse(settings.memory_retention)
     if policies.empty:

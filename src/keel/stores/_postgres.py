@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from keel._bridge import run_blocking
 from keel.errors import (
     BackendUnavailableError,
+    ConfigError,
     DatabaseReadOnlyError,
     SchemaVersionError,
     StorageFullError,
@@ -138,12 +139,19 @@ def apply_migrations(target: Any, migrations: MigrationSet) -> int:
 def _connection_options(url: str) -> dict[str, Any]:
     """The options every connection is made with: keel's, and a connection timeout unless the
     URL sets its own."""
+    import psycopg
     from psycopg.conninfo import conninfo_to_dict
 
     try:
         given = conninfo_to_dict(url)
-    except Exception:  # psycopg's ProgrammingError: the connection reports it, as before
-        given = {}
+    except psycopg.ProgrammingError as exc:
+        # A URL libpq cannot read is the caller's to fix, not a server that is down. libpq's
+        # reason quotes the whole URI, password and all: only what it found wrong is kept.
+        reason = " ".join(str(exc).split()).partition(" in URI:")[0]
+        raise ConfigError(f"not a PostgreSQL URL libpq can read ({reason})") from None
+    for port in str(given.get("port", "")).split(","):
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"PostgreSQL URL {_location(url)}: port {port!r} is not 1-65535")
     if "connect_timeout" in given:
         return dict(_CONNECTION_OPTIONS)
     return {**_CONNECTION_OPTIONS, "connect_timeout": DEFAULT_CONNECT_TIMEOUT_S}
