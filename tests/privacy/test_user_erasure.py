@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from keel.memory import MemoryFilter, Scope
 from keel.privacy import MasterKey
 from keel.service import APIKeys, build_service
 from keel.settings import Settings, load_settings
@@ -183,3 +184,22 @@ def test_an_erased_users_key_stops_at_once_on_the_worker_that_erased_them(
         again = client.post(f"/v1/sessions/{ERASED.session}/turns", json=turn, headers=mine)
         assert again.status_code == 401, again.text
     assert left_of(ERASED, scan(url)) == {}
+
+
+def test_an_erased_users_records_leave_the_process_that_read_them(tmp_path: Path) -> None:
+    # The records a store built from the user's rows (kept to skip validating a row read
+    # again; SQLite's rows are hashable, PostgreSQL's JSON columns are not) are dropped with
+    # the rows: their texts do not outlive the erasure in this process's memory.
+    url, settings = _world(tmp_path)
+    scope = Scope(tenant_id=TENANT, user_id=USER)
+    other = Scope(tenant_id="globex", user_id=USER)
+    with Backends.open(url, settings=settings, background=False) as backends:
+        assert backends.memory is not None
+        store = backends.memory.store
+        shown = MemoryFilter()
+        assert store.list_records(scope, shown) and store.list_records(other, shown)  # cached
+        cached = store.records  # type: ignore[attr-defined]
+        assert {r.user_id for r in cached._records.values()} == {USER}
+        erase_user(backends, TENANT, USER)
+        left = {(r.tenant_id, r.user_id) for r in cached._records.values()}
+        assert left == {("globex", USER)}, left

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Hashable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -112,7 +111,7 @@ class RecordCache:
     def __init__(self, size: int = 4096) -> None:
         self.size = size
         self.built = 0  # records validated from their rows (not found here)
-        self._records: dict[Hashable, MemoryRecord] = {}
+        self._records: dict[tuple[Any, ...], MemoryRecord] = {}
         self._lock = threading.Lock()
 
     def record(self, row: tuple[Any, ...] | Any) -> MemoryRecord:
@@ -132,6 +131,19 @@ class RecordCache:
                 del self._records[next(iter(self._records))]
             self._records[key] = record
         return record
+
+    def forget(self, tenant_id: str, user_id: str) -> None:
+        """Drop the records of ``tenant_id``'s ``user_id`` (erased: their rows are gone, and
+        their texts should not outlive them in this process's memory either)."""
+        with self._lock:
+            for key in [
+                key for key in self._records if key[_TENANT] == tenant_id and key[_USER] == user_id
+            ]:
+                del self._records[key]
+
+
+_TENANT = RECORD_COLUMNS.index("tenant_id")
+_USER = RECORD_COLUMNS.index("user_id")
 
 
 def current_fact_sql(record: MemoryRecord, placeholder: str) -> tuple[str, tuple[Any, ...]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from keel.errors import UsageError
 from keel.memory._records import MemoryKind
-from keel.memory._rows import to_epoch
+from keel.memory._rows import RecordCache, to_epoch
 from keel.stores._erase_sql import count_deleted
 from keel.stores._keywords import TermFrequencies
 from keel.stores._migrations import Migration
@@ -46,6 +46,7 @@ class MemoryErasure:
 
     inserted_order: str
     _term_frequencies: TermFrequencies
+    records: RecordCache
     db: SQLDatabase
 
     def user_sessions(self, tenant_id: str, user_id: str) -> list[str]:
@@ -59,8 +60,10 @@ class MemoryErasure:
 
     def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
         counts = self.db.run(lambda: self._erase_user(tenant_id, user_id))
-        # The counts of the user's words go with the rows (and the words with them).
+        # The counts of the user's words go with the rows (and the words with them), and so
+        # do the records this process built from their rows.
         self._term_frequencies.forget(tenant_id, user_id)
+        self.records.forget(tenant_id, user_id)
         return counts
 
     def _erase_user(self, tenant_id: str, user_id: str) -> Plan[dict[str, int]]:
