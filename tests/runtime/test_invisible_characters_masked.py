@@ -87,7 +87,6 @@ async def test_values_with_invisible_characters_never_reach_the_database(
     dumped = dump_sqlite(database)
     assert "send_receipt" in dumped["keel_tool_journal"]
     assert any(table.startswith("trace") for table in dumped)
-    assert any("memor" in table and "<EMAIL_" in text for table, text in dumped.items())
     leaked = [
         f"{kind} {form!r} in {table}"
         for values in (USER_VALUES, MODEL_VALUES)
@@ -97,3 +96,5 @@ async def test_values_with_invisible_characters_never_reach_the_database(
         if form in text
     ]
     assert leaked == []
+    # The memory was written (masked): the values were in what it stores.
+    assert any("memor" in table and "<EMAIL_" in text for table, text in dumped.items())

@@ -9,10 +9,11 @@ scripts, Unicode spaces and dashes become their ASCII equivalents one character 
 invisible format characters (zero-width space and joiners, soft hyphen, word joiner, byte order
 mark: Unicode category Cf) are left out, so a card written in fullwidth digits or an address
 with a zero-width space inside is found like any other, and the span replaced is the original
-one, the invisible characters inside it included. Addresses may hold any letters (``jörg.müller@bücher.example``, a Cyrillic letter among
-Latin ones). A phone number needs a shape no count or date has (a ``+``, a trunk ``0``, ten
-digits in groups) or a word such as "call" or "Telefon" just before it; bare digits the text
-labels as an id (``"product_id": "4896585277"``) are an id wherever they stand in it.
+one, the invisible characters inside it included. Addresses may hold any letters
+(``jörg.müller@bücher.example``, a Cyrillic letter among Latin ones). A phone number needs a
+shape no count or date has (a ``+``, a trunk ``0``, ten digits in groups) or a word such as
+"call" or "Telefon" just before it; bare digits the text labels as an id
+(``"product_id": "4896585277"``) are an id wherever they stand in it.
 
 Every pattern starts with a character class, not a look-behind, so the regular expression
 engine skips to the positions that can start a match instead of trying each one; the masker
