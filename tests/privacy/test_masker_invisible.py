@@ -90,6 +90,10 @@ def test_the_clean_lines_memo_reads_the_folded_lines(char: str) -> None:
     # The first text's lines are kept as clean, the second's new line is judged by the detectors.
     assert masker.mask_text(_long_text("nothing here")) == _long_text("nothing here")
     assert len(_long_text("x")) > 512
+    # Only the detectors' folded reading finds the address: read raw, the line holds nothing.
+    assert masker.mask_text(_long_text(f"mail bob{char}@example.com")) == _long_text(
+        "mail <EMAIL_1>"
+    )
     masked = masker.mask_text(_long_text(f"mail bob{char}@example.com or 4111{char}1111 1111 1111"))
     assert masked == _long_text("mail <EMAIL_1> or <CREDIT_CARD_1>")
     # A line with an invisible character is kept clean only when it holds nothing.
