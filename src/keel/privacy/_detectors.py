@@ -5,12 +5,15 @@ mod-97 for IBANs, octet ranges for IPv4, SSA rules for SSNs) reject the strings 
 like one, so order numbers, dates and version strings stay readable.
 
 The detectors read a folded copy of the text (`fold`): fullwidth forms, digits of other
-scripts, Unicode spaces and dashes become their ASCII equivalents one character for one, so a
-card written in fullwidth digits is found like any other and the span replaced is the original
-one. Addresses may hold any letters (``jörg.müller@bücher.example``, a Cyrillic letter among
-Latin ones). A phone number needs a shape no count or date has (a ``+``, a trunk ``0``, ten
-digits in groups) or a word such as "call" or "Telefon" just before it; bare digits the text
-labels as an id (``"product_id": "4896585277"``) are an id wherever they stand in it.
+scripts, Unicode spaces and dashes become their ASCII equivalents one character for one, and
+invisible format characters (zero-width space and joiners, soft hyphen, word joiner, byte order
+mark: Unicode category Cf) are left out, so a card written in fullwidth digits or an address
+with a zero-width space inside is found like any other, and the span replaced is the original
+one, the invisible characters inside it included. Addresses may hold any letters
+(``jörg.müller@bücher.example``, a Cyrillic letter among Latin ones). A phone number needs a
+shape no count or date has (a ``+``, a trunk ``0``, ten digits in groups) or a word such as
+"call" or "Telefon" just before it; bare digits the text labels as an id
+(``"product_id": "4896585277"``) are an id wherever they stand in it.
 
 Every pattern starts with a character class, not a look-behind, so the regular expression
 engine skips to the positions that can start a match instead of trying each one; the masker
@@ -98,18 +101,32 @@ _UNICODE_SPACES = "\u00a0\u1680\u202f\u205f\u3000" + "".join(map(chr, range(0x20
 # The dashes found between digit groups (hyphen, non-breaking hyphen, figure dash, minus, small
 # hyphen-minus); not the en and em dashes of prose (year ranges, asides).
 _UNICODE_DASHES = "\u2010\u2011\u2012\u2212\ufe63"
+# Unicode's format characters (category Cf, as of Unicode 15, and the Egyptian format controls
+# Unicode 15 adds after them): invisible, so a value written with one inside (pasted, or put
+# there to slip past the masker) reads as the value. tests/privacy/test_masker_invisible.py
+# checks that this covers every Cf character of the running Python's Unicode database.
+_FORMAT_CHARS = (
+    "\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd"
+    "\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001"
+    "\U000e0020-\U000e007f"
+)
+_FORMAT = re.compile(f"[{_FORMAT_CHARS}]+")
 _FOLD_CACHE_LIMIT = 1 << 16
 
 
-class _FoldTable(dict[int, int | str]):
+class _FoldTable(dict[int, int | str | None]):
     """``str.translate``'s table, filled on first sight of each character: a digit of any script
     becomes its ASCII digit, a fullwidth form its ASCII character, a Unicode space or dash an
-    ASCII one; anything else stays. One character for one, so positions do not move."""
+    ASCII one, a format character nothing; anything else stays. One character for one, except
+    the format characters: where one is left out, `_kept_positions` maps positions back."""
 
-    def __missing__(self, code: int) -> int | str:
+    def __missing__(self, code: int) -> int | str | None:
         char = chr(code)
-        folded: int | str = code
-        if 0xFF01 <= code <= 0xFF5E:
+        folded: int | str | None = code
+        if _FORMAT.match(char):
+            folded = None
+        elif 0xFF01 <= code <= 0xFF5E:
             folded = chr(code - 0xFEE0)
         elif char in _UNICODE_SPACES:
             folded = " "
@@ -128,15 +145,29 @@ _FOLD_TABLE = _FoldTable()
 # A character ``fold`` changes: non-ASCII, then (checked only there) a digit, a fullwidth form,
 # a Unicode space or dash. Most non-ASCII text (accents, other scripts) has none and is left as
 # it is without a pass over each character in Python's mapping.
-_FOLDABLE = re.compile(rf"[^\x00-\x7f](?<=[\d\uff01-\uff5e{_UNICODE_SPACES}{_UNICODE_DASHES}])")
+_FOLDABLE = re.compile(
+    rf"[^\x00-\x7f](?<=[\d\uff01-\uff5e{_UNICODE_SPACES}{_UNICODE_DASHES}{_FORMAT_CHARS}])"
+)
 
 
 def fold(text: str) -> str:
     """``text`` with fullwidth forms, digits of every script, Unicode spaces and dashes as their
-    ASCII equivalents, character for character (same length, same positions)."""
+    ASCII equivalents, character for character, and its format characters left out (then
+    shorter: `_kept_positions` gives each folded character's position in ``text``)."""
     if text.isascii() or _FOLDABLE.search(text) is None:
         return text
     return text.translate(_FOLD_TABLE)
+
+
+def _kept_positions(text: str) -> list[int]:
+    """The position in ``text`` of each character of ``fold(text)`` (those not left out)."""
+    kept: list[int] = []
+    start = 0
+    for run in _FORMAT.finditer(text):
+        kept.extend(range(start, run.start()))
+        start = run.end()
+    kept.extend(range(start, len(text)))
+    return kept
 
 
 # --- validators ------------------------------------------------------------------------------
@@ -536,9 +567,11 @@ DETECTORS: tuple[Detector, ...] = (
 def find_all(text: str, detectors: tuple[Detector, ...] | list[Detector]) -> list[Finding]:
     """Non-overlapping findings in text order; on overlap the higher priority, then longer, wins.
 
-    The detectors read `fold`'s copy of ``text``; each finding's ``text`` is the original
-    span (fullwidth digits as written)."""
+    The detectors read `fold`'s copy of ``text``; each finding's span and ``text`` are the
+    original ones (fullwidth digits as written, format characters inside it included; those
+    just before or after it are not part of it)."""
     folded = fold(text)
+    positions = _kept_positions(text) if len(folded) != len(text) else None
     candidates: list[tuple[int, Finding]] = []
     for detector in detectors:
         candidates.extend((detector.priority, finding) for finding in detector.find(folded))
@@ -548,9 +581,10 @@ def find_all(text: str, detectors: tuple[Detector, ...] | list[Detector]) -> lis
         if any(finding.start < other.end and other.start < finding.end for other in chosen):
             continue
         if folded is not text:
-            finding = Finding(
-                finding.entity, finding.start, finding.end, text[finding.start : finding.end]
-            )
+            start, end = finding.start, finding.end
+            if positions is not None:
+                start, end = positions[start], positions[end - 1] + 1
+            finding = Finding(finding.entity, start, end, text[start:end])
         chosen.append(finding)
     chosen.sort(key=lambda finding: finding.start)
     return chosen
