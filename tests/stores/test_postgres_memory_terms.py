@@ -19,7 +19,7 @@ from keel.stores import PostgresDatabase, PostgresMemoryStore
 from keel.stores._migrations import MigrationSet
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS
 from keel.stores._postgres_terms import scope_terms
-from keel.stores._sql_plan import Plan, Statement
+from tests.stores.test_postgres_memory import _Statements
 
 pytestmark = pytest.mark.postgres
 
@@ -147,33 +147,6 @@ def test_the_migration_counts_the_records_already_there(
     PostgresMemoryStore(open_database())
     assert _kept(postgres_url) == _recounted(postgres_url)
     assert _words(postgres_url, ALICE) == {"": 2, "orchard": 2, "gate": 1}
-
-
-class _Statements:
-    """The statements every plan run through ``PostgresDatabase.run`` yields."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import keel.stores._postgres as postgres
-
-        self.seen: list[Statement] = []
-        run_plan = postgres.run_plan
-
-        def recording(cursor: Any, dialect: Any, plan: Plan[Any]) -> Any:
-            def recorded() -> Plan[Any]:
-                try:
-                    statement = next(plan)
-                    while True:
-                        self.seen.append(statement)
-                        statement = plan.send((yield statement))
-                except StopIteration as done:
-                    return done.value
-
-            return run_plan(cursor, dialect, recorded())
-
-        monkeypatch.setattr(postgres, "run_plan", recording)
-
-    def matching(self, start: str) -> list[Statement]:
-        return [statement for statement in self.seen if statement.sql.startswith(start)]
 
 
 def test_a_search_counts_records_only_for_a_word_of_several_lexemes(
