@@ -26,23 +26,11 @@ from keel.runtime import Agent
 from keel.state import AgentState, StateStore
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore, SQLStateBackend
 from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import tool
+from tests.runtime.test_recall_leaves_out_the_prompt import shelf
 
 _NOTE = re.compile(r"zephyr(\d{3})")
 # No neighbouring turns either: a hit's block is the hit alone, found by the vector search.
 _VECTOR_ONLY = RetrievalConfig(keyword_weight=0.0, min_similarity=0.0, neighbours=0)
-
-
-@tool
-def shelf(number: int) -> str:
-    """Read a shelf's inventory.
-
-    Args:
-        number: The shelf.
-    """
-    # Long output: the window moves on within a few turns, while the turns memory keeps
-    # (the user's words and the reply) stay short.
-    return f"Shelf {number}: " + "crate " * 300
 
 
 def _policy(call: ScriptedCall) -> Message | str:
