@@ -10,8 +10,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_stream_json_contract_and_no_violations() -> None:
-    report = bench_json("stream", "--latency-turns", "2", "--turns", "12", "--max-tokens", "12")
-    assert report["turns"] == 12 and report["violations"] == 0, report["chaos"]
+    report = bench_json("stream", "--latency-turns", "1", "--turns", "6", "--max-tokens", "12")
+    assert report["turns"] == 6 and report["violations"] == 0, report["chaos"]
     ttft = report["ttft_ms_p50"]
     assert set(ttft) == {"sdk", "sdk_masked", "agent_stream", "agent_stream_unmasked"}
     # The SDK's caller masking as keel does shows its first text no sooner than the raw delta.
