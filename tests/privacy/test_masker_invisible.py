@@ -111,3 +111,12 @@ def test_a_streamed_value_with_an_invisible_character_is_never_released_raw(char
     released = "".join(stream.feed(piece) for piece in pieces)
     released += stream.finish()
     assert released == "card <CREDIT_CARD_1> ok now and more"
+
+
+@pytest.mark.parametrize("count", [1, 8, 30])
+def test_invisible_characters_before_values_never_hide_the_values_after_them(count: int) -> None:
+    # The findings are told apart where the detectors found them: moved back to the text's
+    # positions first, the address (found first) covered the phone number's folded span.
+    text = "\u00ad" * count + "mail bob@example.com, call +1 415 555 0132 or 4111 1111 1111 1111"
+    expected = "\u00ad" * count + "mail <EMAIL_1>, call <PHONE_1> or <CREDIT_CARD_1>"
+    assert PIIMasker().mask_text(text) == expected

@@ -98,3 +98,25 @@ async def test_values_with_invisible_characters_never_reach_the_database(
     assert leaked == []
     # The memory was written (masked): the values were in what it stores.
     assert any("memor" in table and "<EMAIL_" in text for table, text in dumped.items())
+
+
+async def test_values_after_soft_hyphenated_words_are_all_masked(database: Path) -> None:
+    # Text pasted from a web page keeps its soft hyphens: ten of them before the address put
+    # its original span where the phone number lies in the text the detectors read.
+    pasted = (
+        "Ac\u00adcom\u00admo\u00adda\u00adtion re\u00adser\u00adva\u00adtion "
+        "con\u00adfir\u00adma\u00adtion: mallory.z3k@example.org, call +1 415 555 0132"
+    )
+    agent = Agent.open(
+        f"sqlite:///{database}",
+        system_prompt="You confirm bookings.",
+        model=ScriptedModel(lambda call: "Noted."),
+    )
+    try:
+        reply = await agent.run(pasted, session="s1", user="u1")
+    finally:
+        await agent.aclose()
+    assert reply.status == "completed", reply
+    stored = "\n".join(dump_sqlite(database).values())
+    assert "<EMAIL_1>" in stored
+    assert "415 555 0132" not in stored, "the phone number reached the database raw"
