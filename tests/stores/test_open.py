@@ -244,3 +244,24 @@ def test_a_postgresql_url_libpq_cannot_read_is_a_config_error_without_its_passwo
     result = keel_process("memory", "status", "--database", url)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr and "s3cret" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://ada:pa%ss-s3cret@localhost/keel",  # a generated password's own "%"
+        "postgresql://ada:s3cret%00@localhost/keel",
+        "postgresql://ada@localhost/keel?password=s3cr%zzet",
+    ],
+)
+def test_a_password_libpq_cannot_decode_is_not_quoted_in_the_error(
+    tmp_path: Path, url: str
+) -> None:
+    # libpq quotes the token it could not percent-decode: the password, when it is the one.
+    raised: Exception | None = None
+    try:
+        Backends.open(url, settings=load_settings(data_dir=tmp_path), memory=False).close()
+    except Exception as exc:  # the message is the assertion, not the raise
+        raised = exc
+    assert isinstance(raised, ConfigError), repr(raised)
+    assert "s3cr" not in str(raised), str(raised)
