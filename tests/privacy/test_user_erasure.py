@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from keel.memory import MemoryFilter, Scope
+from keel.memory import Memory, MemoryFilter, Scope
 from keel.privacy import MasterKey
 from keel.service import APIKeys, build_service
 from keel.settings import Settings, load_settings
-from keel.stores import Backends, SQLiteDatabase, SQLTraceStore, erase_user
+from keel.stores import Backends, SQLiteDatabase, SQLiteMemoryStore, SQLTraceStore, erase_user
 from keel.testing import ScriptedModel
 from tests.cli import keel_process
 from tests.privacy._erasure_checks import assert_erased_only, assert_found_before
@@ -203,3 +205,33 @@ def test_an_erased_users_records_leave_the_process_that_read_them(tmp_path: Path
         erase_user(backends, TENANT, USER)
         left = {(r.tenant_id, r.user_id) for r in cached._records.values()}
         assert left == {("globex", USER)}, left
+
+
+def test_records_read_while_their_user_is_erased_are_not_kept_after(tmp_path: Path) -> None:
+    # A read of the user's rows, made just before the erasure deleted them, builds its records
+    # just after the store dropped the user's: keeping them then would outlive the erasure.
+    scope = Scope(tenant_id=TENANT, user_id=USER)
+    with SQLiteDatabase(tmp_path / "keel.db") as database:
+        store = SQLiteMemoryStore(database)
+        Memory(store, embedder=None, masker=None).add("the orchard gate is green", scope=scope)
+        read, erased = threading.Event(), threading.Event()
+        reader = threading.current_thread
+
+        def run_then_wait(plan: Any, **options: Any) -> Any:
+            found = SQLiteDatabase.run(database, plan, **options)
+            if reader().name == "reader" and not read.is_set():
+                read.set()
+                erased.wait()
+            return found
+
+        database.run = run_then_wait  # type: ignore[method-assign]
+        thread = threading.Thread(
+            target=lambda: store.list_records(scope, MemoryFilter()), name="reader"
+        )
+        thread.start()
+        assert read.wait(10)
+        store.erase_user(TENANT, USER)
+        erased.set()
+        thread.join()
+        left = [record.text for record in store.records._records.values()]
+        assert left == [], left
