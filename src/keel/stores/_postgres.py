@@ -214,8 +214,17 @@ def _went_away(exc: Exception) -> bool:
 
 
 def _location(url: str) -> str:
-    """Host, port and database of ``url``: no user, password or query parameters."""
-    return url.rpartition("@")[2].partition("?")[0]
+    """Host, port and database of ``url``: no user, password or query parameters. A libpq
+    ``key=value`` string (which psycopg takes too) is named by those keys alone."""
+    if "://" in url:
+        return url.rpartition("@")[2].partition("?")[0]
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(url)
+    except Exception:  # unreadable: nothing of it is safe to quote
+        return "(a connection string libpq cannot read)"
+    return f"{given.get('host', '')}:{given.get('port', '')}/{given.get('dbname', '')}"
 
 
 class PostgresDatabase:
