@@ -219,3 +219,32 @@ async def test_a_tool_that_sees_no_values_gets_no_key_nor_number_the_model_wrote
     assert bool(seen_by_tagger) is reaches_the_tool, seen
     if reaches_the_tool:
         assert [*seen_by_tagger[0][0]] == ["<EMAIL_1>"], seen
+
+
+async def test_a_lone_surrogate_in_a_calls_arguments_does_not_fail_the_turn(
+    database: Path,
+) -> None:
+    # A model's JSON may hold half of an emoji's escape pair ("\ud83d"): it reads as a lone
+    # surrogate, which UTF-8 cannot encode. Written as it is (not escaped), the journal's
+    # arguments made the store raise, and the turn failed.
+    def reply(call: ScriptedCall) -> Message | str:
+        if any(m.role == "tool" for m in call.messages):
+            return "Done."
+        arguments = '{"to": "mallory.x7q@example.org", "card": "thanks \\ud83d"}'
+        written = ToolCall(id="c1", name="send_receipt", arguments=arguments)
+        return Message.assistant("", tool_calls=[written])
+
+    agent = Agent.open(
+        f"sqlite:///{database}",
+        system_prompt="You send receipts.",
+        model=ScriptedModel(reply),
+        tools=[send_receipt],
+        memory=False,
+    )
+    try:
+        reply_to_user = await agent.run("Send my receipt.", session="s1", user="u1")
+    finally:
+        await agent.aclose()
+    assert reply_to_user.status == "completed", reply_to_user
+    assert sent == [("mallory.x7q@example.org", "thanks \ud83d")]
+    assert "mallory.x7q" not in dump_sqlite(database)["keel_tool_journal"]
