@@ -113,6 +113,7 @@ async def test_values_after_soft_hyphenated_words_are_all_masked(database: Path)
         f"sqlite:///{database}",
         system_prompt="You confirm bookings.",
         model=ScriptedModel(lambda call: "Noted."),
+        memory=False,
     )
     try:
         reply = await agent.run(pasted, session="s1", user="u1")
