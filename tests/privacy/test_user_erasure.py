@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from keel.errors import StoreError
 from keel.memory import Memory, MemoryFilter, Scope
 from keel.privacy import MasterKey
 from keel.service import APIKeys, build_service
@@ -235,3 +236,35 @@ def test_records_read_while_their_user_is_erased_are_not_kept_after(tmp_path: Pa
         thread.join()
         left = [record.text for record in store.records._records.values()]
         assert left == [], left
+
+
+def test_an_erasure_that_fails_after_deleting_the_keys_stops_them_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The keys go last but one (the audit row is finished after them): an erasure that fails
+    # then has deleted them, and the worker must not go on trusting its cached copy.
+    import keel.service._serve as serve
+
+    erase_every_store = serve.aerase_user
+
+    async def erase_then_fail(*args: Any, **options: Any) -> Any:
+        await erase_every_store(*args, **options)
+        raise StoreError("the audit row could not be finished")
+
+    monkeypatch.setattr(serve, "aerase_user", erase_then_fail)
+    url = f"sqlite:///{tmp_path / 'keel.db'}"
+    app, _, keys = build_service(url, model=ScriptedModel(lambda call: "Hi."), memory=False)
+    operator, own_key = keys.create(TENANT), keys.create(TENANT, USER)
+    turn = {"message": "hello", "user": USER}
+    mine = {"Authorization": f"Bearer {own_key}"}
+    with serving(app) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+        first = client.post(f"/v1/sessions/{ERASED.session}/turns", json=turn, headers=mine)
+        assert first.status_code == 200, first.text
+        erased = client.post(
+            "/v1/privacy/erase",
+            json={"user_id": USER},
+            headers={"Authorization": f"Bearer {operator}"},
+        )
+        assert erased.status_code >= 500, erased.text
+        again = client.post(f"/v1/sessions/{ERASED.session}/turns", json=turn, headers=mine)
+        assert again.status_code == 401, again.text
