@@ -111,3 +111,25 @@ def test_a_streamed_value_with_an_invisible_character_is_never_released_raw(char
     released = "".join(stream.feed(piece) for piece in pieces)
     released += stream.finish()
     assert released == "card <CREDIT_CARD_1> ok now and more"
+
+
+@pytest.mark.parametrize("count", [1, 8, 30])
+def test_invisible_characters_before_values_never_hide_the_values_after_them(count: int) -> None:
+    # The findings are told apart where the detectors found them: moved back to the text's
+    # positions first, the address (found first) covered the phone number's folded span.
+    text = "\u00ad" * count + "mail bob@example.com, call +1 415 555 0132 or 4111 1111 1111 1111"
+    expected = "\u00ad" * count + "mail <EMAIL_1>, call <PHONE_1> or <CREDIT_CARD_1>"
+    assert PIIMasker().mask_text(text) == expected
+
+
+@pytest.mark.parametrize("by_word", [True, False])
+def test_a_streamed_value_is_held_back_by_the_characters_the_detectors_read(by_word: bool) -> None:
+    # Padded with zero-width spaces past the hold-back (64 characters counted with them), the
+    # IBAN's first group was released raw, and nothing after it ever was.
+    groups = ["GB82", "WEST", "1234", "5698", "7654", "32"]
+    padded = " ".join(("\u200b" * 4).join(group) for group in groups)
+    text = f"wire it to {padded} and that is all for today, see you soon"
+    stream = StreamMasker(PIIMasker().mask_text, by_word=by_word)
+    released = [stream.feed(char) for char in text]
+    assert "GB82" not in "".join(released).replace("\u200b", "")
+    assert "".join(released) + stream.finish() == PIIMasker().mask_text(text)

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from keel.memory import MemoryFilter, Scope
+from keel.errors import StoreError
+from keel.memory import Memory, MemoryFilter, Scope
 from keel.privacy import MasterKey
 from keel.service import APIKeys, build_service
 from keel.settings import Settings, load_settings
-from keel.stores import Backends, SQLiteDatabase, SQLTraceStore, erase_user
+from keel.stores import Backends, SQLiteDatabase, SQLiteMemoryStore, SQLTraceStore, erase_user
 from keel.testing import ScriptedModel
 from tests.cli import keel_process
 from tests.privacy._erasure_checks import assert_erased_only, assert_found_before
@@ -203,3 +206,65 @@ def test_an_erased_users_records_leave_the_process_that_read_them(tmp_path: Path
         erase_user(backends, TENANT, USER)
         left = {(r.tenant_id, r.user_id) for r in cached._records.values()}
         assert left == {("globex", USER)}, left
+
+
+def test_records_read_while_their_user_is_erased_are_not_kept_after(tmp_path: Path) -> None:
+    # A read of the user's rows, made just before the erasure deleted them, builds its records
+    # just after the store dropped the user's: keeping them then would outlive the erasure.
+    scope = Scope(tenant_id=TENANT, user_id=USER)
+    with SQLiteDatabase(tmp_path / "keel.db") as database:
+        store = SQLiteMemoryStore(database)
+        Memory(store, embedder=None, masker=None).add("the orchard gate is green", scope=scope)
+        read, erased = threading.Event(), threading.Event()
+        reader = threading.current_thread
+
+        def run_then_wait(plan: Any, **options: Any) -> Any:
+            found = SQLiteDatabase.run(database, plan, **options)
+            if reader().name == "reader" and not read.is_set():
+                read.set()
+                erased.wait()
+            return found
+
+        database.run = run_then_wait  # type: ignore[method-assign]
+        thread = threading.Thread(
+            target=lambda: store.list_records(scope, MemoryFilter()), name="reader"
+        )
+        thread.start()
+        assert read.wait(10)
+        store.erase_user(TENANT, USER)
+        erased.set()
+        thread.join()
+        left = [record.text for record in store.records._records.values()]
+        assert left == [], left
+
+
+def test_an_erasure_that_fails_after_deleting_the_keys_stops_them_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The keys go last but one (the audit row is finished after them): an erasure that fails
+    # then has deleted them, and the worker must not go on trusting its cached copy.
+    import keel.service._serve as serve
+
+    erase_every_store = serve.aerase_user
+
+    async def erase_then_fail(*args: Any, **options: Any) -> Any:
+        await erase_every_store(*args, **options)
+        raise StoreError("the audit row could not be finished")
+
+    monkeypatch.setattr(serve, "aerase_user", erase_then_fail)
+    url = f"sqlite:///{tmp_path / 'keel.db'}"
+    app, _, keys = build_service(url, model=ScriptedModel(lambda call: "Hi."), memory=False)
+    operator, own_key = keys.create(TENANT), keys.create(TENANT, USER)
+    turn = {"message": "hello", "user": USER}
+    mine = {"Authorization": f"Bearer {own_key}"}
+    with serving(app) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+        first = client.post(f"/v1/sessions/{ERASED.session}/turns", json=turn, headers=mine)
+        assert first.status_code == 200, first.text
+        erased = client.post(
+            "/v1/privacy/erase",
+            json={"user_id": USER},
+            headers={"Authorization": f"Bearer {operator}"},
+        )
+        assert erased.status_code >= 500, erased.text
+        again = client.post(f"/v1/sessions/{ERASED.session}/turns", json=turn, headers=mine)
+        assert again.status_code == 401, again.text

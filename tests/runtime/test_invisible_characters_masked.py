@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from keel.messages import Message, ToolCall
-from keel.runtime import Agent
+from keel.runtime import Agent, TextDelta
+from keel.stores import SQLiteDatabase
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 from tests.privacy._samples import dump_sqlite
+from tests.runtime.conftest import sqlite_agent
 
 USER_VALUES = {
     "EMAIL": "mallory.z3k\u200b@example.org",
@@ -98,3 +100,44 @@ async def test_values_with_invisible_characters_never_reach_the_database(
     assert leaked == []
     # The memory was written (masked): the values were in what it stores.
     assert any("memor" in table and "<EMAIL_" in text for table, text in dumped.items())
+
+
+async def test_values_after_soft_hyphenated_words_are_all_masked(database: Path) -> None:
+    # Text pasted from a web page keeps its soft hyphens: ten of them before the address put
+    # its original span where the phone number lies in the text the detectors read.
+    pasted = (
+        "Ac\u00adcom\u00admo\u00adda\u00adtion re\u00adser\u00adva\u00adtion "
+        "con\u00adfir\u00adma\u00adtion: mallory.z3k@example.org, call +1 415 555 0132"
+    )
+    agent = Agent.open(
+        f"sqlite:///{database}",
+        system_prompt="You confirm bookings.",
+        model=ScriptedModel(lambda call: "Noted."),
+        memory=False,
+    )
+    try:
+        reply = await agent.run(pasted, session="s1", user="u1")
+    finally:
+        await agent.aclose()
+    assert reply.status == "completed", reply
+    stored = "\n".join(dump_sqlite(database).values())
+    assert "<EMAIL_1>" in stored
+    assert "415 555 0132" not in stored, "the phone number reached the database raw"
+
+
+async def test_a_streamed_value_padded_with_invisible_characters_is_held_back_whole(
+    database: Path,
+) -> None:
+    # Four zero-width spaces after each character make the IBAN 91 characters long: held back
+    # by 64 characters counted with them, its first group was streamed raw, and the rest of
+    # the reply never came (it no longer followed what was shown).
+    gap = "\u200b" * 4
+    padded = " ".join(gap.join(group) for group in ["GB82", "WEST", "1234", "5698", "7654", "32"])
+    answer = f"Wire it to {padded} today, and that is all for now; see you next week."
+    with SQLiteDatabase(database) as sqlite:
+        agent = sqlite_agent(sqlite, ScriptedModel(lambda call: answer))  # streams masked
+        events = [event async for event in agent.stream("Where to?", session="s1", user="u1")]
+    reply = events[-1].reply  # type: ignore[union-attr]
+    streamed = "".join(event.text for event in events if isinstance(event, TextDelta))
+    assert "GB82" not in streamed.replace("\u200b", ""), streamed
+    assert streamed == reply.text and reply.text.endswith("see you next week."), streamed

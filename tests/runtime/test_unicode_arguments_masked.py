@@ -7,6 +7,7 @@ masked, so the session's state never holds it."""
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.state import MachineState, StateMachine, Transition
 from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import tool
+from keel.tools import NestedArgumentsWarning, tool
 from tests.privacy._samples import dump_sqlite, leaks
 
 EMAIL = "jörg.müller@bücher.example"
@@ -160,3 +161,90 @@ async def test_a_value_the_model_remembers_in_a_slot_is_kept_masked(
     assert state.machine.slots["email"].startswith("<EMAIL_")
     dumped = dump_sqlite(database)
     assert leaks(dumped, {"EMAIL": email, "EMAIL (escaped)": json.dumps(email)[1:-1]}) == []
+
+
+seen_by_tagger: list[tuple[dict[str, str], int]] = []
+
+
+def _tag_contacts(labels: dict[str, str], account: int) -> str:
+    """Tag contacts of an account.
+
+    Args:
+        labels: Each contact's label.
+        account: The account's number.
+    """
+    seen_by_tagger.append((labels, account))
+    return "tagged"
+
+
+with warnings.catch_warnings():  # an object argument is the point: its keys are texts
+    warnings.simplefilter("ignore", NestedArgumentsWarning)
+    tag_contacts = tool(sees_values=False, name="tag_contacts")(_tag_contacts)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "reaches_the_tool"),
+    [
+        # An address as an object's key: masked as the values are.
+        ({"labels": {"mallory.x7q@example.org": "vip"}, "account": 7}, True),
+        # A card number written as a number: its placeholder is no int, the call is refused.
+        ({"labels": {}, "account": 4111111111111111}, False),
+    ],
+)
+async def test_a_tool_that_sees_no_values_gets_no_key_nor_number_the_model_wrote(
+    database: Path, arguments: dict[str, Any], reaches_the_tool: bool
+) -> None:
+    seen_by_tagger.clear()
+
+    def reply(call: ScriptedCall) -> Message | str:
+        if any(m.role == "tool" for m in call.messages):
+            return "Done."
+        written = ToolCall(id="c1", name="tag_contacts", arguments=json.dumps(arguments))
+        return Message.assistant("", tool_calls=[written])
+
+    agent = Agent.open(
+        f"sqlite:///{database}",
+        system_prompt="You tag contacts.",
+        model=ScriptedModel(reply),
+        tools=[tag_contacts],
+        memory=False,
+    )
+    try:
+        reply_to_user = await agent.run("Tag my contacts.", session="s1", user="u1")
+    finally:
+        await agent.aclose()
+    assert reply_to_user.status == "completed", reply_to_user
+    seen = repr(seen_by_tagger)
+    assert "mallory.x7q@example.org" not in seen and "4111111111111111" not in seen, seen
+    assert bool(seen_by_tagger) is reaches_the_tool, seen
+    if reaches_the_tool:
+        assert [*seen_by_tagger[0][0]] == ["<EMAIL_1>"], seen
+
+
+async def test_a_lone_surrogate_in_a_calls_arguments_does_not_fail_the_turn(
+    database: Path,
+) -> None:
+    # A model's JSON may hold half of an emoji's escape pair ("\ud83d"): it reads as a lone
+    # surrogate, which UTF-8 cannot encode. Written as it is (not escaped), the journal's
+    # arguments made the store raise, and the turn failed.
+    def reply(call: ScriptedCall) -> Message | str:
+        if any(m.role == "tool" for m in call.messages):
+            return "Done."
+        arguments = '{"to": "mallory.x7q@example.org", "card": "thanks \\ud83d"}'
+        written = ToolCall(id="c1", name="send_receipt", arguments=arguments)
+        return Message.assistant("", tool_calls=[written])
+
+    agent = Agent.open(
+        f"sqlite:///{database}",
+        system_prompt="You send receipts.",
+        model=ScriptedModel(reply),
+        tools=[send_receipt],
+        memory=False,
+    )
+    try:
+        reply_to_user = await agent.run("Send my receipt.", session="s1", user="u1")
+    finally:
+        await agent.aclose()
+    assert reply_to_user.status == "completed", reply_to_user
+    assert sent == [("mallory.x7q@example.org", "thanks \ud83d")]
+    assert "mallory.x7q" not in dump_sqlite(database)["keel_tool_journal"]

@@ -65,3 +65,33 @@ def test_a_cached_key_is_checked_on_the_loop_without_the_sync_look_up(keys: APIK
     assert sync_calls == []
     assert cached(acme) == "acme"
     assert sync_calls == []
+
+
+def test_a_key_looked_up_while_its_user_is_erased_is_not_trusted_after(tmp_path: Path) -> None:
+    # A request's look-up read the key just before the erasure deleted it, and finished just
+    # after the worker dropped the user's cached keys: caching that answer then would trust
+    # the erased user's key for the cache's whole life again.
+    with SQLiteDatabase(tmp_path / "keys.db") as database:
+        keys = APIKeys(database)
+        own_key = keys.create("acme", "bob")
+        looked_up = asyncio.Event()
+        erased = asyncio.Event()
+
+        async def look_up_then_wait(key: str) -> object:
+            caller = await keys.acaller_of(key)
+            looked_up.set()
+            await erased.wait()
+            return caller
+
+        cached = CachedKeys(keys.caller_of, ttl_s=60.0, atenant_of_key=look_up_then_wait)
+
+        async def erase_during_the_look_up() -> str | None:
+            in_flight = asyncio.create_task(cached.acheck(own_key))
+            await looked_up.wait()
+            keys.erase_user("acme", "bob")
+            cached.forget_user("acme", "bob")
+            erased.set()
+            await in_flight
+            return await cached.acheck(own_key)
+
+        assert asyncio.run(erase_during_the_look_up()) is None

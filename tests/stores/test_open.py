@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from keel.errors import ConfigError, StoreError, UsageError
+from keel.errors import ConfigError, KeelError, StoreError, UsageError
 from keel.memory import HashingEmbedder, Scope
 from keel.privacy import MaskingPolicy, PIIMasker
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.state import AgentState
-from keel.stores import STORE_NAMES, Backends, MemoryOptions, RedisStateBackend, SQLiteDatabase
+from keel.stores import (
+    STORE_NAMES,
+    Backends,
+    MemoryOptions,
+    PostgresDatabase,
+    RedisStateBackend,
+    SQLiteDatabase,
+)
+from keel.stores._sql_memory import rows_of
+from keel.stores._sql_plan import Statement
 from keel.testing import ScriptedModel
 from tests.cli import keel_process
 
@@ -244,3 +254,40 @@ def test_a_postgresql_url_libpq_cannot_read_is_a_config_error_without_its_passwo
     result = keel_process("memory", "status", "--database", url)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr and "s3cret" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://ada:pa%ss-s3cret@localhost/keel",  # a generated password's own "%"
+        "postgresql://ada:s3cret%00@localhost/keel",
+        "postgresql://ada@localhost/keel?password=s3cr%zzet",
+    ],
+)
+def test_a_password_libpq_cannot_decode_is_not_quoted_in_the_error(
+    tmp_path: Path, url: str
+) -> None:
+    # libpq quotes the token it could not percent-decode: the password, when it is the one.
+    raised: Exception | None = None
+    try:
+        Backends.open(url, settings=load_settings(data_dir=tmp_path), memory=False).close()
+    except Exception as exc:  # the message is the assertion, not the raise
+        raised = exc
+    assert isinstance(raised, ConfigError), repr(raised)
+    assert "s3cr" not in str(raised), str(raised)
+
+
+def test_a_key_value_connection_string_is_named_without_its_password() -> None:
+    # libpq's other spelling, which psycopg (and so PostgresDatabase) takes as well: the
+    # messages and the repr named "where" by the whole string, password and all.
+    conninfo = "host=127.0.0.1 port=1 user=ada password=s3cret dbname=keel connect_timeout=1"
+    raised: list[str] = []
+    for spelled in (conninfo, conninfo.replace("port=1", "port=99999")):
+        try:
+            with PostgresDatabase(spelled, timeout=2) as database:
+                raised.append(repr(database))
+                database.run(partial(rows_of, Statement("SELECT 1")))
+        except KeelError as exc:
+            raised.append(str(exc))
+    assert len(raised) == 3 and "127.0.0.1" in raised[0], raised
+    assert not [said for said in raised if "s3cret" in said], raised

@@ -113,9 +113,13 @@ class RecordCache:
         self.built = 0  # records validated from their rows (not found here)
         self._records: dict[tuple[Any, ...], MemoryRecord] = {}
         self._lock = threading.Lock()
+        #: Bumped by each `forget`: rows read before it may be an erased user's, and the
+        #: records built from them are not kept (see ``record``'s ``read_at``).
+        self.forgets = 0
 
-    def record(self, row: tuple[Any, ...] | Any) -> MemoryRecord:
-        """The record of ``row`` (in ``RECORD_COLUMNS`` order)."""
+    def record(self, row: tuple[Any, ...] | Any, read_at: int | None = None) -> MemoryRecord:
+        """The record of ``row`` (in ``RECORD_COLUMNS`` order); ``read_at``: ``forgets`` as it
+        was before the row was read (a record of a row read before a `forget` is not kept)."""
         key = tuple(row)
         try:
             found = self._records.get(key)
@@ -127,6 +131,8 @@ class RecordCache:
         record = record_from_row(key)
         with self._lock:
             self.built += 1
+            if read_at is not None and read_at != self.forgets:
+                return record
             if len(self._records) >= self.size:
                 del self._records[next(iter(self._records))]
             self._records[key] = record
@@ -136,6 +142,7 @@ class RecordCache:
         """Drop the records of ``tenant_id``'s ``user_id`` (erased: their rows are gone, and
         their texts should not outlive them in this process's memory either)."""
         with self._lock:
+            self.forgets += 1
             for key in [
                 key for key in self._records if key[_TENANT] == tenant_id and key[_USER] == user_id
             ]:

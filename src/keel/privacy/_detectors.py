@@ -578,13 +578,18 @@ def find_all(text: str, detectors: tuple[Detector, ...] | list[Detector]) -> lis
     candidates.sort(key=lambda item: (-item[0], -(item[1].end - item[1].start), item[1].start))
     chosen: list[Finding] = []
     for _, finding in candidates:
+        # Compared where the detectors found them (the folded text): a finding moved back to
+        # the original text's positions would be compared with one that was not.
         if any(finding.start < other.end and other.start < finding.end for other in chosen):
             continue
-        if folded is not text:
-            start, end = finding.start, finding.end
-            if positions is not None:
-                start, end = positions[start], positions[end - 1] + 1
-            finding = Finding(finding.entity, start, end, text[start:end])
         chosen.append(finding)
     chosen.sort(key=lambda finding: finding.start)
-    return chosen
+    if folded is text:
+        return chosen
+    original: list[Finding] = []
+    for finding in chosen:
+        start, end = finding.start, finding.end
+        if positions is not None:
+            start, end = positions[start], positions[end - 1] + 1
+        original.append(Finding(finding.entity, start, end, text[start:end]))
+    return original

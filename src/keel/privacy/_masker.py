@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -361,8 +362,17 @@ def maskable_json(value: Any, *, sort_keys: bool = True) -> str:
     """``value`` as JSON to be masked (a call's arguments for its journal or an approval, a
     tool's result): characters as written, never ``\\u`` escapes, which would hide an address
     with an accent (``j\\u00f6rg@...``) or a card in fullwidth digits from every detector and
-    store it as it is. Keys sorted by default: identical calls stay identical once masked."""
-    return json.dumps(value, sort_keys=sort_keys, ensure_ascii=False, default=str)
+    store it as it is. Keys sorted by default: identical calls stay identical once masked.
+    A lone surrogate (half of an emoji's escape pair in a model's JSON) stays escaped: UTF-8
+    cannot encode it, and no store could keep the text."""
+    written = json.dumps(value, sort_keys=sort_keys, ensure_ascii=False, default=str)
+    if written.isascii():
+        return written
+    return _LONE_SURROGATE.sub(lambda found: f"\\u{ord(found[0]):04x}", written)
+
+
+# In JSON's text a surrogate can only stand inside a string, where its escape means the same.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _batched(

@@ -127,17 +127,40 @@ class StreamMasker:
         return cut
 
     def _held_back_cut(self, text: str, block: int | None) -> int:
-        """The last whitespace at least ``hold_chars`` before the end (and before ``block``)."""
-        limit = len(text) - self.hold_chars
+        """The last whitespace at least ``hold_chars`` before the end (and before ``block``).
+
+        Characters are counted as the detectors read them, without format characters (see
+        `fold`): a value padded with zero-width spaces is as long to them as without, and
+        must be held back whole all the same."""
+        limit = _start_of_last(text, len(text), self.hold_chars)
         if block is not None:
             limit = min(limit, block)
         if limit <= 0:
             return 0
         space = max(text.rfind(char, 0, limit) for char in _WHITESPACE)
-        if space > 0 and limit - space <= self.max_word_chars:
+        run_too_long = _start_of_last(text, limit, self.max_word_chars + 1) >= max(space, 0)
+        if space > 0 and not run_too_long:
             return space
         # A very long run without whitespace: release it up to the hold-back.
-        return limit if limit - max(space, 0) > self.max_word_chars else 0
+        return limit if run_too_long else 0
+
+
+def _visible(text: str) -> int:
+    """How many characters of ``text`` the detectors read (all but format characters)."""
+    return len(fold(text))
+
+
+def _start_of_last(text: str, end: int, count: int) -> int:
+    """Where the last ``count`` characters the detectors read of ``text[:end]`` start
+    (format characters are not counted): ``end - count`` when there are none, below 0 when
+    the text holds fewer."""
+    start = end - count
+    while start > 0:
+        missing = count - _visible(text[start:end])
+        if missing <= 0:
+            break
+        start -= missing
+    return start
 
 
 _SPANNING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+()-./: ")

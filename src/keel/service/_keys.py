@@ -307,6 +307,9 @@ class CachedKeys:
         self._atenant_of_key = atenant_of_key or (lambda key: run_blocking(tenant_of_key, key))
         self._ttl_s = ttl_s
         self._verified: dict[str, tuple[Caller, float]] = {}
+        # Bumped by each `forget_user`: a look-up that began before it may have read a key the
+        # erasure deleted, and its answer is not kept.
+        self._forgets = 0
 
     def __call__(self, key: str) -> str | None:
         """The key's tenant, or None for an unknown or revoked key."""
@@ -323,7 +326,8 @@ class CachedKeys:
         fingerprint, cached = self._cached(key)
         if cached is not None:
             return cached
-        return self._remember(fingerprint, _as_caller(self._tenant_of_key(key)))
+        forgets = self._forgets
+        return self._remember(fingerprint, _as_caller(self._tenant_of_key(key)), forgets)
 
     async def acheck(self, key: str) -> str | None:
         """``self(key)`` from an event loop."""
@@ -338,14 +342,17 @@ class CachedKeys:
         fingerprint, cached = self._cached(key)
         if cached is not None:
             return cached
-        return self._remember(fingerprint, _as_caller(await self._atenant_of_key(key)))
+        forgets = self._forgets
+        return self._remember(fingerprint, _as_caller(await self._atenant_of_key(key)), forgets)
 
     def forget_user(self, tenant_id: str, user_id: str) -> None:
         """Stop trusting the cached keys of one user of a tenant (an erasure deleted them):
-        on this worker they fail at once, not up to ``ttl_s`` later."""
+        on this worker they fail at once, not up to ``ttl_s`` later, and a look-up under way
+        meanwhile is not kept. (A snapshot of the entries: a thread's check may add one.)"""
+        self._forgets += 1
         self._verified = {
             fingerprint: entry
-            for fingerprint, entry in self._verified.items()
+            for fingerprint, entry in tuple(self._verified.items())
             if (entry[0].tenant_id, entry[0].user_id) != (tenant_id, user_id)
         }
 
@@ -356,8 +363,8 @@ class CachedKeys:
             return fingerprint, cached[0]
         return fingerprint, None
 
-    def _remember(self, fingerprint: str, found: Caller | None) -> Caller | None:
-        if found is not None:
+    def _remember(self, fingerprint: str, found: Caller | None, forgets: int) -> Caller | None:
+        if found is not None and forgets == self._forgets:
             self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
         return found
 

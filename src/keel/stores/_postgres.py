@@ -9,6 +9,7 @@ connection pooler (it is released at commit, never held by a pooled session).
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -136,6 +137,16 @@ def apply_migrations(target: Any, migrations: MigrationSet) -> int:
     return applied
 
 
+_QUOTED = re.compile(r'"([^"]*)"')
+"""A quoted part of libpq's reason."""
+_SEPARATORS = frozenset("=[]@:/?&,")
+
+
+def _unquoted(reason: str) -> str:
+    """libpq's ``reason`` with what it quotes left out, but a separator (``"="``)."""
+    return _QUOTED.sub(lambda quoted: quoted[0] if quoted[1] in _SEPARATORS else '"..."', reason)
+
+
 def _connection_options(url: str) -> dict[str, Any]:
     """The options every connection is made with: keel's, and a connection timeout unless the
     URL sets its own."""
@@ -148,6 +159,9 @@ def _connection_options(url: str) -> dict[str, Any]:
         # A URL libpq cannot read is the caller's to fix, not a server that is down. libpq's
         # reason quotes the whole URI, password and all: only what it found wrong is kept.
         reason = " ".join(str(exc).split()).partition(" in URI:")[0]
+        # It quotes the part it could not read, too: a password with a percent sign of its own
+        # ("pa%ss") or a NUL is quoted whole. Only a quoted separator ("=") is kept.
+        reason = _unquoted(reason)
         raise ConfigError(f"not a PostgreSQL URL libpq can read ({reason})") from None
     for port in str(given.get("port", "")).split(","):
         if port and not (port.isdigit() and 0 < int(port) < 65536):
@@ -200,8 +214,17 @@ def _went_away(exc: Exception) -> bool:
 
 
 def _location(url: str) -> str:
-    """Host, port and database of ``url``: no user, password or query parameters."""
-    return url.rpartition("@")[2].partition("?")[0]
+    """Host, port and database of ``url``: no user, password or query parameters. A libpq
+    ``key=value`` string (which psycopg takes too) is named by those keys alone."""
+    if "://" in url:
+        return url.rpartition("@")[2].partition("?")[0]
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(url)
+    except Exception:  # unreadable: nothing of it is safe to quote
+        return "(a connection string libpq cannot read)"
+    return f"{given.get('host', '')}:{given.get('port', '')}/{given.get('dbname', '')}"
 
 
 class PostgresDatabase:

@@ -243,8 +243,9 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
 
     def _query(self, statement: str, params: Sequence[Any]) -> list[MemoryRecord]:
         query = Statement(statement, params)
+        read_at = self.records.forgets  # before the read: an erasure meanwhile is seen
         rows = self.db.run(lambda: rows_of(query), write=False)
-        return [self.records.record(row) for row in rows]
+        return [self.records.record(row, read_at) for row in rows]
 
     def _scoped(
         self,

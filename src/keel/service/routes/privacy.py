@@ -86,9 +86,12 @@ async def erase_user(
         raise HTTPError(404, "NotFound", "not found")
     if context.erase_user is None:
         raise HTTPError(404, "NotFound", "this service cannot erase users")
-    report = await context.erase_user(who.tenant_id, body.user_id, f"operator key {who.key_id}")
-    # The erasure deleted the user's keys; this worker's cache of verified keys still held them.
-    context.keys.forget_user(who.tenant_id, body.user_id)
+    try:
+        report = await context.erase_user(who.tenant_id, body.user_id, f"operator key {who.key_id}")
+    finally:
+        # The erasure deleted the user's keys (or may have, before it failed); this worker's
+        # cache of verified keys still held them.
+        context.keys.forget_user(who.tenant_id, body.user_id)
     access_log.info(
         "operator key %s erased a user (%d rows, erasure %s)",
         who.key_id,
