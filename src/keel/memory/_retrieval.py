@@ -453,8 +453,13 @@ class Retriever:
         if count <= 1:
             return hits
         similarity = self._similarities(hits, scope)
-        if cfg.mmr_lambda == 1.0:
-            return [hits[i] for i in self._by_relevance(hits, similarity, keep)]
+        pick = self._by_relevance if cfg.mmr_lambda == 1.0 else self._by_mmr
+        return [hits[i] for i in pick(hits, similarity, keep)]
+
+    def _by_mmr(self, hits: list[MemoryHit], similarity: Any, keep: int) -> list[int]:
+        """`_diversify`'s picks (positions in ``hits``), by MMR over ``similarity``."""
+        cfg = self.config
+        count = len(hits)
         relevance = np.array([h.score for h in hits], dtype=np.float64)
         relevance = relevance / max(float(relevance.max()), 1e-12)
         alive = np.ones(count, dtype=bool)
@@ -486,13 +491,13 @@ class Retriever:
             redundancy = np.maximum(redundancy, similarity[chosen])
             if cfg.session_spread > 0 and sessions[chosen] is not None:
                 spread[session_of == session_of[chosen]] *= 1.0 - cfg.session_spread
-        return [hits[i] for i in selected]
+        return selected
 
     def _by_relevance(self, hits: list[MemoryHit], similarity: Any, keep: int) -> list[int]:
-        """`_diversify`'s picks with ``mmr_lambda`` 1 (redundancy weighs nothing), in plain
-        Python: the same picks, in the same order, as the array steps would make (the same
-        arithmetic, the first of equals, a near-duplicate compared at the similarities'
-        precision), without a dozen array operations per pick over forty candidates."""
+        """`_by_mmr`'s picks with ``mmr_lambda`` 1 (redundancy weighs nothing), in plain
+        Python: the same picks in the same order (the same arithmetic, the first of equals,
+        a near-duplicate compared at the similarities' precision), without `_by_mmr`'s dozen
+        array operations a pick, each dearer than a plain loop over forty candidates."""
         cfg = self.config
         count = len(hits)
         scores = [h.score for h in hits]
