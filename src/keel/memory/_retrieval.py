@@ -27,10 +27,10 @@ from keel.memory._embedders import Embedder
 from keel.memory._expansion import entity_terms
 from keel.memory._packing import PackedMemory, label_for, pack_items
 from keel.memory._records import RUN_TYPE, MemoryFilter, MemoryRecord, Scope, mask_text, utcnow
-from keel.memory._shape import shaped_config
+from keel.memory._shape import broad_question, settings_for_shape
 from keel.memory._similarity import gram
 from keel.memory._store import MemoryStore, ScoredId
-from keel.memory._temporal import time_ranges
+from keel.memory._temporal import TimeRange, time_ranges
 from keel.memory._text import keyword_terms, word_set
 from keel.privacy import PIIMasker
 from keel.tokens import ChatTokenCounter
@@ -38,6 +38,9 @@ from keel.tokens import ChatTokenCounter
 __all__ = ["RUN_TYPE", "MemoryHit", "RetrievalDraft", "Retriever"]
 
 logger = logging.getLogger("keel.memory")
+
+# The profile's filter, made once (a frozen model): a prompt's recall reads the profile.
+_PROFILE = MemoryFilter(kinds=("semantic",))
 
 
 class MemoryHit(BaseModel):
@@ -148,12 +151,14 @@ class Retriever:
         self.masker = masker
         self.config = config
         self._on_error = on_error
+        # Each question shape's settings, with the configuration they were made from.
+        self._shapes: dict[bool, tuple[RetrievalConfig, RetrievalConfig]] = {}
 
     # --- exact tier -------------------------------------------------------------------------
 
     def profile(self, scope: Scope, *, limit: int = 50) -> list[MemoryRecord]:
         """Current semantic facts and preferences of the user, newest first."""
-        return self.store.list_records(scope, MemoryFilter(kinds=("semantic",)), limit=limit)
+        return self.store.list_records(scope, _PROFILE, limit=limit)
 
     def recent(
         self, scope: Scope, *, limit: int = 10, types: Sequence[str] = ()
@@ -209,16 +214,52 @@ class Retriever:
         distinct: bool,
     ) -> list[MemoryHit]:
         """What ``Memory.search`` answers (its arguments, by position)."""
-        shaped = shaped_config(self.config, query, now or utcnow())
+        # One clock reading and one reading of the query's dates serve its shape and its
+        # ranking alike.
+        reference = now or utcnow()
+        ranges = time_ranges(query, reference) if self._reads_dates() else []
+        shaped = self._shaped(query, ranges)
         if shaped is not self.config:
             # The settings the question's shape gets, for this search only.
             retriever = copy.copy(self)
             retriever.config = shaped
-            return retriever.search(query, scope, k, filters, now, distinct)
+            return retriever._search(query, scope, k, filters, reference, ranges, distinct)
+        return self._search(query, scope, k, filters, reference, ranges, distinct)
+
+    def _reads_dates(self) -> bool:
+        """Whether a search reads the dates its query names (for its shape or its ranking)."""
+        cfg = self.config
+        shape = cfg.narrow_context_hits or cfg.broad_reach or cfg.broad_spread
+        return bool(shape or cfg.temporal_weight > 0)
+
+    def _shaped(self, query: str, ranges: Sequence[TimeRange]) -> RetrievalConfig:
+        """``shaped_config`` of the query, each shape's settings made once per configuration
+        (not copied again for every search)."""
+        config = self.config
+        if not (config.narrow_context_hits or config.broad_reach or config.broad_spread):
+            return config
+        broad = broad_question(query, ranges)
+        cached = self._shapes.get(broad)
+        if cached is None or cached[0] is not config:
+            cached = (config, settings_for_shape(config, broad))
+            self._shapes[broad] = cached
+        return cached[1]
+
+    def _search(
+        self,
+        query: str,
+        scope: Scope,
+        k: int,
+        filters: MemoryFilter | None,
+        reference: datetime,
+        ranges: Sequence[TimeRange],
+        distinct: bool,
+    ) -> list[MemoryHit]:
+        """`search` with its settings shaped, at ``reference`` (the query names ``ranges``)."""
         filters = filters or MemoryFilter(exclude_types=(RUN_TYPE,))
         # MMR picks the k hits from the best ``window`` candidates; only those are read back.
         window = max(k * 4, 40)
-        ranked = self._rank(query, scope, filters, now=now, window=window)
+        ranked = self._rank(query, scope, filters, reference, ranges, window=window)
         nearby = ranked[:window] if self.config.context_reach else []
         if not distinct:
             return self._finish(ranked[:k], scope, k, filters, nearby)
@@ -230,8 +271,9 @@ class Retriever:
         query: str,
         scope: Scope,
         filters: MemoryFilter,
+        reference: datetime,
+        ranges: Sequence[TimeRange],
         *,
-        now: datetime | None,
         window: int,
     ) -> list[MemoryHit]:
         """Fused candidates, best first: at least the best ``window`` of them (when there are
@@ -245,8 +287,8 @@ class Retriever:
         seeds: list[MemoryRecord] = []
         if cfg.expansion_weight > 0 and cfg.keyword_weight > 0:
             seeds = self._expand(fused, masked, scope, filters)
-        reference = now or utcnow()
-        ranges = time_ranges(query, reference) if cfg.temporal_weight > 0 else []
+        if cfg.temporal_weight <= 0:
+            ranges = []
         dated = 1.0 + cfg.temporal_weight if ranges else 1.0
         records = self._fetch_reachable(scope, filters, fused.scores, window, dated, seeds)
         hits: list[MemoryHit] = []
@@ -411,6 +453,13 @@ class Retriever:
         if count <= 1:
             return hits
         similarity = self._similarities(hits, scope)
+        pick = self._by_relevance if cfg.mmr_lambda == 1.0 else self._by_mmr
+        return [hits[i] for i in pick(hits, similarity, keep)]
+
+    def _by_mmr(self, hits: list[MemoryHit], similarity: Any, keep: int) -> list[int]:
+        """`_diversify`'s picks (positions in ``hits``), by MMR over ``similarity``."""
+        cfg = self.config
+        count = len(hits)
         relevance = np.array([h.score for h in hits], dtype=np.float64)
         relevance = relevance / max(float(relevance.max()), 1e-12)
         alive = np.ones(count, dtype=bool)
@@ -442,7 +491,45 @@ class Retriever:
             redundancy = np.maximum(redundancy, similarity[chosen])
             if cfg.session_spread > 0 and sessions[chosen] is not None:
                 spread[session_of == session_of[chosen]] *= 1.0 - cfg.session_spread
-        return [hits[i] for i in selected]
+        return selected
+
+    def _by_relevance(self, hits: list[MemoryHit], similarity: Any, keep: int) -> list[int]:
+        """`_by_mmr`'s picks with ``mmr_lambda`` 1 (redundancy weighs nothing), in plain
+        Python: the same picks in the same order (the same arithmetic, the first of equals,
+        a near-duplicate compared at the similarities' precision), without `_by_mmr`'s dozen
+        array operations a pick, each dearer than a plain loop over forty candidates."""
+        cfg = self.config
+        count = len(hits)
+        scores = [h.score for h in hits]
+        top = max(max(scores), 1e-12)
+        relevance = [score / top for score in scores]
+        # Compared as the array steps compare: the threshold at the similarities' precision.
+        threshold = float(similarity.dtype.type(cfg.duplicate_similarity))
+        # Each session's candidates, so a pick discounts its session's only.
+        members: dict[str, list[int]] = {}
+        for index, hit in enumerate(hits):
+            if hit.record.session_id is not None:
+                members.setdefault(hit.record.session_id, []).append(index)
+        spread = [1.0] * count
+        alive = list(range(count))  # in rank order, as the first of equals wins
+        selected: list[int] = []
+        while len(selected) < keep and alive:
+            spreading = cfg.session_spread > 0 and len(selected) >= cfg.spread_after
+            chosen, best = alive[0], -math.inf
+            for index in alive:
+                value = relevance[index] * spread[index] if spreading else relevance[index]
+                if value > best:
+                    chosen, best = index, value
+            selected.append(chosen)
+            # Near-duplicates of what was chosen are removed for good.
+            row = similarity[chosen].tolist()
+            alive = [index for index in alive if index != chosen and row[index] < threshold]
+            session = hits[chosen].record.session_id
+            if cfg.session_spread > 0 and session is not None:
+                factor = 1.0 - cfg.session_spread
+                for index in members[session]:
+                    spread[index] *= factor
+        return selected
 
     def _similarities(self, hits: list[MemoryHit], scope: Scope) -> Any:
         """Pairwise similarity of the hits: cosine of their vectors when every hit has one,

@@ -13,19 +13,25 @@ tuned: only the levers' constants are, by ``keel bench locomo --cv``.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from datetime import datetime
 
 from keel.memory._config import RetrievalConfig
-from keel.memory._temporal import time_ranges
+from keel.memory._temporal import TimeRange, time_ranges
 
-__all__ = ["is_broad", "shaped_config"]
+__all__ = ["broad_question", "is_broad", "settings_for_shape", "shaped_config"]
 
 _ONE_EVENT = re.compile(r"\b(did|was|were|when|why)\b", re.IGNORECASE)
 
 
 def is_broad(query: str, now: datetime) -> bool:
     """Whether ``query`` asks about something broad rather than one event."""
-    return not _ONE_EVENT.search(query) and not time_ranges(query, now)
+    return broad_question(query, time_ranges(query, now))
+
+
+def broad_question(query: str, ranges: Sequence[TimeRange]) -> bool:
+    """`is_broad` of ``query``, given the time ranges it names (``time_ranges``)."""
+    return not ranges and not _ONE_EVENT.search(query)
 
 
 def shaped_config(config: RetrievalConfig, query: str, now: datetime) -> RetrievalConfig:
@@ -33,8 +39,15 @@ def shaped_config(config: RetrievalConfig, query: str, now: datetime) -> Retriev
     is on); the result has its shape levers off, so applying it again changes nothing."""
     if not (config.narrow_context_hits or config.broad_reach or config.broad_spread):
         return config
+    return settings_for_shape(config, is_broad(query, now))
+
+
+def settings_for_shape(config: RetrievalConfig, broad: bool) -> RetrievalConfig:
+    """`shaped_config` for a question that is ``broad`` (or about one event)."""
+    if not (config.narrow_context_hits or config.broad_reach or config.broad_spread):
+        return config
     update: dict[str, float] = {"narrow_context_hits": 0, "broad_reach": 0, "broad_spread": 0.0}
-    if is_broad(query, now):
+    if broad:
         if config.broad_reach:
             update["context_reach"] = config.broad_reach
         if config.broad_spread:
