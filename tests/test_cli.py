@@ -62,7 +62,9 @@ def test_unreadable_config_is_one_error_line(tmp_path: Path) -> None:
 
 
 def test_doctor_is_healthy_on_the_embedded_default(tmp_path: Path) -> None:
-    result = _keel("doctor", "--json")
+    # A misspelt setting is ignored (KEEL_ is also a prefix of the user's own variables):
+    # the doctor names it, as a warning.
+    result = _keel("doctor", "--json", env={"KEEL_MODLE": "openai:gpt-4o"})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["healthy"] is True
@@ -75,6 +77,8 @@ def test_doctor_is_healthy_on_the_embedded_default(tmp_path: Path) -> None:
     assert (tmp_path / "data" / "keel.db").exists()
     assert report["model"] == "local:smollm2"
     assert "135M-parameter demo model" in report["model_note"]
+    assert by_name["environment"]["status"] == "warn"
+    assert by_name["environment"]["detail"] == "not keel settings, so ignored: KEEL_MODLE"
 
 
 def test_doctor_says_the_default_model_is_a_demo_model_and_how_to_set_a_real_one() -> None:

@@ -42,6 +42,8 @@ def _run(area: str, name: str, probe: Callable[[], str], *, required: bool = Fal
         return Check(area, name, "ok", probe(), required)
     except KeelError as exc:
         return Check(area, name, "fail" if required else "warn", str(exc), required)
+    except RuntimeError as exc:  # what a probe found wrong, in its own words
+        return Check(area, name, "fail" if required else "warn", str(exc), required)
     except Exception as exc:  # a probe must never crash the doctor
         return Check(
             area, name, "fail" if required else "warn", f"{type(exc).__name__}: {exc}", required
@@ -184,6 +186,24 @@ def _pii_vault(settings: Settings) -> str:
     )
 
 
+_READ_ELSEWHERE = frozenset(
+    {"KEEL_CONFIG", "KEEL_METRICS_TOKEN", "KEEL_SERVE_OPTIONS", "KEEL_SETUP_FORCE"}
+)
+"""``KEEL_*`` variables keel reads that are not settings (the config file's path, the metrics
+token, the options ``keel serve`` hands its workers, the set-up's force switch)."""
+
+
+def _environment() -> str:
+    """``KEEL_*`` variables that are no setting: a misspelt one is ignored, so say so."""
+    import os
+
+    known = {f"KEEL_{name.upper()}" for name in Settings.model_fields} | _READ_ELSEWHERE
+    unknown = sorted(name for name in os.environ if name.startswith("KEEL_") and name not in known)
+    if unknown:
+        raise RuntimeError(f"not keel settings, so ignored: {', '.join(unknown)}")
+    return "every KEEL_* variable is a setting"
+
+
 def _redis(settings: Settings) -> str:
     if settings.redis_url:
         import redis
@@ -218,6 +238,7 @@ def doctor_command(
             "ok",
             f"keel {__version__}, Python {platform.python_version()} ({sys.executable})",
         ),
+        _run("settings", "environment", _environment),
         _run("storage", "data directory", lambda: _data_dir(settings), required=True),
         _run("storage", "database", lambda: _database(database), required=True),
         _run("tokenizers", "cl100k_base", _encoding("cl100k_base"), required=True),
