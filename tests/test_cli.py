@@ -62,7 +62,9 @@ def test_unreadable_config_is_one_error_line(tmp_path: Path) -> None:
 
 
 def test_doctor_is_healthy_on_the_embedded_default(tmp_path: Path) -> None:
-    result = _keel("doctor", "--json")
+    # A misspelt setting is ignored (KEEL_ is also a prefix of the user's own variables):
+    # the doctor names it, as a warning.
+    result = _keel("doctor", "--json", env={"KEEL_MODLE": "openai:gpt-4o"})
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["healthy"] is True
@@ -75,6 +77,9 @@ def test_doctor_is_healthy_on_the_embedded_default(tmp_path: Path) -> None:
     assert (tmp_path / "data" / "keel.db").exists()
     assert report["model"] == "local:smollm2"
     assert "135M-parameter demo model" in report["model_note"]
+    environment = by_name.get("environment", {})
+    assert environment.get("status") == "warn", sorted(by_name)
+    assert environment["detail"] == "not keel settings, so ignored: KEEL_MODLE"
 
 
 def test_doctor_says_the_default_model_is_a_demo_model_and_how_to_set_a_real_one() -> None:
@@ -139,3 +144,18 @@ def test_doctor_fails_on_an_unusable_data_dir(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "FAIL" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_doctor_checks_a_postgresql_database_and_shows_no_password(postgres_url: str) -> None:
+    # On PostgreSQL the doctor answered FAIL ("opened by Backends.open, not as the embedded
+    # SQLite database") and exit 1, and a Redis URL's password was printed whole.
+    redis = "redis://:s3cret-pw@127.0.0.1:1/0"  # nothing listens on port 1
+    env = {"KEEL_DATABASE": postgres_url, "KEEL_REDIS_URL": redis, "KEEL_PII_VAULT": "off"}
+    result = _keel("doctor", "--json", env=env)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    by_name = {check["name"]: check for check in report["checks"]}
+    assert by_name["database"]["status"] == "ok", by_name["database"]
+    assert "PostgreSQL 18" in by_name["database"]["detail"]
+    assert report["healthy"] is True and result.returncode == 0
+    assert by_name["redis"]["status"] == "warn" and ":***@127.0.0.1:1" in by_name["redis"]["detail"]
+    assert "s3cret-pw" not in result.stdout + result.stderr

@@ -123,3 +123,15 @@ def test_a_postgres_server_that_is_not_there_fails_at_once_in_one_line(
     assert f"cannot connect to PostgreSQL at {url.rpartition('@')[2]}" in lines[0], lines[0]
     assert "Connection refused" in lines[0], lines[0]
     assert took < 15, f"took {took:.1f} s"
+
+
+def test_a_password_in_database_is_warned_of_and_never_printed() -> None:
+    """``--database postgresql://user:PASSWORD@...`` puts the password where ``ps`` shows it
+    to every user of the machine; the deployment page says to keep it in ``KEEL_DATABASE``,
+    and the command said nothing."""
+    url = f"postgresql://keel:s3cret-pw@127.0.0.1:{free_port()}/x"
+    result = _keel("runs", "list", "--database", url)
+    assert result.returncode == 1, result.stdout + result.stderr
+    said = " ".join(result.stderr.split())
+    assert said.startswith("warning: --database holds a password, which ps shows"), said
+    assert "KEEL_DATABASE" in said and "s3cret-pw" not in said

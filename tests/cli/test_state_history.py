@@ -3,6 +3,9 @@ store's keys are ``tenant/session``): the error names the sessions they may have
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from tests.cli import keel_process
 
 
@@ -32,3 +35,18 @@ def test_a_mistyped_session_gets_the_near_names_suggested() -> None:
     # Nothing near: where the names are.
     said = _error_line("zzz")
     assert "did you mean" not in said and "keel state sessions lists them" in said, said
+
+
+def test_the_state_commands_read_the_state_where_the_deployment_keeps_it(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """With ``KEEL_REDIS_URL`` set the agents keep their state on Redis, but ``keel state``
+    read the SQL database's: no sessions, and "no state stored" for a session that had one."""
+    env = {"KEEL_DATABASE": f"sqlite:///{tmp_path / 'keel.db'}", "KEEL_REDIS_URL": redis_url}
+    chat = keel_process(
+        "chat", "--no-memory", "-m", "scripted:echo", "--session", "s1", "--create",
+        stdin="hi\n", env=env,
+    )  # fmt: skip
+    assert chat.returncode == 0, chat.stderr
+    listed = keel_process("state", "sessions", "--json", env=env)
+    assert json.loads(listed.stdout.strip().splitlines()[-1]) == {"sessions": ["default/s1"]}

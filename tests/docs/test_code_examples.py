@@ -93,3 +93,24 @@ def test_examples_import_the_public_api_only() -> None:
     private = re.compile(r"^\s*(?:from|import)\s+keel(?:\.\w+)*\.(?:_\w+|demo)\b", re.M)
     found = [block.where for block in PYTHON if private.search(block.code)]
     assert found == []
+
+
+_SQLITE_FILE = re.compile(r"sqlite:///([\w./-]+)")
+
+
+def test_an_example_with_its_own_pii_key_opens_no_file_an_earlier_one_opened() -> None:
+    """A reader runs a page's examples in order in one folder: an example that sets
+    ``KEEL_PII_KEY`` on a database file an earlier example sealed with keel's own key file
+    fails with ``VaultKeyError`` (the integrations page's two checkpointer examples both
+    used ``keel.db``)."""
+    clashes = []
+    for path in documents():
+        opened: set[str] = set()
+        for block in code_blocks(path):
+            if block.language != "python" or block.not_run_reason is not None:
+                continue
+            files = set(_SQLITE_FILE.findall(block.code))
+            if "KEEL_PII_KEY" in block.code and files & opened:
+                clashes.append(f"{block.where}: {sorted(files & opened)}")
+            opened |= files
+    assert clashes == []

@@ -5,6 +5,7 @@ masked, storage that grows with what changed), through real LangGraph graphs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import operator
 import sqlite3
 import threading
@@ -17,6 +18,7 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langgraph.graph import START, StateGraph
 from langgraph.graph.message import add_messages
 
+from keel.errors import StoreError
 from keel.integrations.langgraph import KeelCheckpointSaver, StaleWriterError
 from keel.privacy import DEFAULT_MASKER
 from keel.testing.langgraph import conformance_failures
@@ -479,3 +481,24 @@ def test_a_config_from_get_state_forks_after_the_thread_moved_on(
         ends = {tuple(_texts_or_error(lambda s=s: s)) for s in graph.get_state_history(_thread())}
         assert ("one", "echo: one", "two", "echo: two") in ends
         assert ("one", "echo: one", "fork", "echo: fork", "three", "echo: three") in ends
+
+
+def test_an_async_graph_opens_and_closes_the_saver_with_async_with(db_url: str) -> None:
+    """As LangGraph's own async savers are used (``async with ... as saver``); it was a
+    TypeError, so async code had to close the saver by hand."""
+    opened = KeelCheckpointSaver(db_url)
+    assert isinstance(opened, contextlib.AbstractAsyncContextManager)
+
+    async def main() -> dict[str, Any]:
+        async with opened as saver:
+            graph = _echo_graph(saver)
+            result: dict[str, Any] = await graph.ainvoke(
+                {"messages": [HumanMessage("hi")], "steps": 0}, _thread()
+            )
+            return result
+
+    assert asyncio.run(main())["messages"][-1].content == "echo: hi"
+    with pytest.raises(StoreError, match="is closed"):  # the database it opened, released
+        opened.get_tuple(_thread())
+    with KeelCheckpointSaver(db_url) as again:
+        assert again.get_tuple(_thread()) is not None

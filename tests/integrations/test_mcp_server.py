@@ -207,3 +207,25 @@ def test_memory_over_http_refuses_a_key_of_one_user(http_server: Any) -> None:
         url, json={}, headers={"Authorization": f"Bearer {create_key('acme', env)}"}
     )
     assert operator.status_code != 401
+
+
+def test_stdio_says_which_database_it_serves(tmp_path: Path) -> None:
+    """An MCP client starts ``keel mcp`` with the SDK's reduced environment (HOME and PATH,
+    not ``KEEL_*``): the server silently served the home directory's database, and said
+    nothing of it. It names its tenant and database on stderr (stdout is the protocol)."""
+    import subprocess
+
+    env = _env(tmp_path)
+    started = subprocess.run(
+        [sys.executable, "-m", "keel", "mcp", "--tenant", "acme"],
+        env=env,
+        stdin=subprocess.DEVNULL,  # the client hangs up at once: the server ends
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert started.returncode == 0, started.stderr
+    said = " ".join(started.stderr.split())
+    assert f"tenant acme, database {env['KEEL_DATABASE']}" in said, started.stderr
+    assert started.stdout == ""

@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from keel.errors import ModelUnavailableError
+from keel.models import OpenAICompatibleModel, RetryPolicy
 from keel.runtime import Agent
 from keel.testing import ScriptedModel
 
@@ -69,3 +70,24 @@ def test_only_the_servers_own_address_is_kept_in_an_error(
     assert reply.error is not None
     assert f"HTTP 400 from {_ServerRefuses.endpoint}: cannot serve" in reply.error, reply.error
     assert "ana@example.com" not in reply.error and "10.20.30.40" not in reply.error
+
+
+def test_a_password_in_the_model_servers_url_is_never_shown_nor_stored() -> None:
+    """The acceptance run found ``cannot reach http://user:PASSWORD@host/v1`` in the reply's
+    error (an HTTP client reads it) and in the traces, and the spec, password and all, as the
+    model step's name."""
+    port = _closed_port()
+    url = f"http://proxy:s3cret-pw@127.0.0.1:{port}/v1"
+    once = RetryPolicy(max_attempts=1)  # one refused connection says it all
+    model = OpenAICompatibleModel("m", base_url=url, api_key="unused", retry=once)
+    agent = Agent.open(model=model, memory=False, system_prompt="You help.")
+    try:
+        reply = agent.handle_sync("s1", "u1", "Hello")
+        detail = agent.backends.traces.get_run_detail(reply.run_id)
+    finally:
+        agent.close()
+    assert reply.error is not None and detail is not None
+    assert f"http://proxy:***@127.0.0.1:{port}/v1" in reply.error, reply.error
+    stored = detail.model_dump_json()
+    assert "s3cret-pw" not in stored and "proxy:***@" in stored, stored
+    assert "s3cret-pw" not in agent.model.spec

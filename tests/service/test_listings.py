@@ -98,3 +98,19 @@ def test_a_listing_that_pages_by_number_refuses_any_other_cursor(service: Servic
         older = acme.get("/v1/sessions/s1/checkpoints", params={"cursor": "2"})
         assert [info["version"] for info in older.json()] == [1]
         assert acme.get("/v1/sessions/s1/in-doubt", params={"cursor": "0"}).json() == []
+
+
+def test_a_query_parameter_the_route_does_not_take_is_refused_by_name(service: Service) -> None:
+    """``?user=`` on /v1/runs once answered every user's runs, as if filtered by that user."""
+    with service.client(service.keys.create("acme")) as acme:
+        turn = acme.post("/v1/sessions/s1/turns", json={"message": "Book Oslo", "user": "u1"})
+        assert turn.status_code == 200, turn.text
+        refused = acme.get("/v1/runs", params={"user": "u2", "limit": 5})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "UnknownParameter" and error["message"].startswith("user:")
+        assert "session" in error["message"]  # what the route does take
+        for path in ("/v1/sessions/s1", "/v1/sessions/s1/checkpoints", "/v1/approvals"):
+            assert acme.get(path, params={"tenant": "other"}).status_code == 400, path
+        assert acme.get("/v1/runs", params={"session": "s1", "limit": 5}).status_code == 200
+        assert acme.get("/health", params={"probe": "lb"}).status_code == 200

@@ -109,3 +109,19 @@ def test_the_viewer_signs_in_only_an_operator_key(service: Service) -> None:
         ):
             answer = browser.post("/ui/login", data={"key": key, "next": "/ui/runs"})
             assert answer.status_code == status, answer.text
+
+
+def test_a_user_key_need_not_name_its_user_in_a_turn(service: Service) -> None:
+    """The key already names the user: its turn's body was refused without ``user``, as the
+    OpenAI route, which takes the user from the key, never did."""
+    with (
+        service.client(service.keys.create("acme", "ada")) as ada,
+        service.client(service.keys.create("acme")) as operator,
+    ):
+        turn = ada.post("/v1/sessions/s1/turns", json={"message": "Book Oslo"})
+        assert turn.status_code == 200, turn.text
+        assert ada.get("/v1/sessions/s1").status_code == 200  # hers
+        unnamed = operator.post("/v1/sessions/s2/turns", json={"message": "Book Oslo"})
+        assert unnamed.status_code == 422 and "user:" in unnamed.json()["error"]["message"]
+        named = operator.post("/v1/sessions/s2/turns", json={"message": "Book Rome", "user": "bob"})
+        assert named.status_code == 200, named.text

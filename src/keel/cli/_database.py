@@ -10,6 +10,7 @@ settings configure (``KEEL_DATABASE``) for a command that writes, and any path g
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -25,6 +26,9 @@ DATABASE_HELP = (
     "Database URL: sqlite:///PATH or postgresql://... (default: KEEL_DATABASE, else keel.db in "
     "the data directory). A SQLite file must exist unless it is the default one."
 )
+
+_HOLDS_PASSWORD = re.compile(r"://[^:/@]*:[^@/]+@|[?&]password=[^&]")
+"""A URL with a non-empty password in its user info or in libpq's query parameters."""
 
 DatabaseOption = Annotated[str | None, typer.Option("--database", help=DATABASE_HELP)]
 CreateOption = Annotated[
@@ -51,6 +55,14 @@ def database_settings(
     """
     from keel.settings import load_settings
 
+    if database is not None and _HOLDS_PASSWORD.search(database):
+        from keel.cli._app import err_console
+
+        err_console.print(
+            "warning: --database holds a password, which ps shows to every user of this "
+            "machine: set the URL in KEEL_DATABASE instead",
+            markup=False,
+        )
     settings = load_settings(**({"database": database} if database is not None else {}))
     path = settings.sqlite_path
     if path is None or path.exists() or _is_default(path, settings):

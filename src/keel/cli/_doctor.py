@@ -8,16 +8,20 @@ import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import typer
 from rich.markup import escape
 
+from keel._urls import redact_url
 from keel._version import __version__
 from keel.cli._app import JsonOption, app, demo_model_note, emit_json, out_console
 from keel.cli._database import DatabaseOption
 from keel.errors import KeelError
 from keel.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from keel.stores import PostgresDatabase
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -38,6 +42,8 @@ def _run(area: str, name: str, probe: Callable[[], str], *, required: bool = Fal
         return Check(area, name, "ok", probe(), required)
     except KeelError as exc:
         return Check(area, name, "fail" if required else "warn", str(exc), required)
+    except RuntimeError as exc:  # what a probe found wrong, in its own words
+        return Check(area, name, "fail" if required else "warn", str(exc), required)
     except Exception as exc:  # a probe must never crash the doctor
         return Check(
             area, name, "fail" if required else "warn", f"{type(exc).__name__}: {exc}", required
@@ -46,23 +52,34 @@ def _run(area: str, name: str, probe: Callable[[], str], *, required: bool = Fal
 
 def _database(database: str | None) -> str:
     from keel.cli._database import database_settings
-    from keel.errors import UsageError
     from keel.stores import Backends, SQLiteDatabase
 
     settings = database_settings(database, writes=True)
-    if settings.sqlite_path is None:
-        raise UsageError(
-            f"{settings.parsed_database.kind} databases are opened by Backends.open, "
-            "not as the embedded SQLite database"
-        )
-    # The database alone, unmigrated: the doctor migrates it and checks it.
+    # The database alone, unmigrated: the doctor migrates an embedded file and checks it; a
+    # server's schema is its deployment's, so it is only read.
     with Backends.open(settings, only=(), redis_url="") as backends:
         db = backends.sql
-        assert isinstance(db, SQLiteDatabase)
+        if not isinstance(db, SQLiteDatabase):
+            return f"{settings.parsed_database.redacted} ({_server_schema(db)})"
         versions = db.setup()
         db.check_integrity()
     schema = ", ".join(f"{name} v{version}" for name, version in sorted(versions.items()))
     return f"{settings.database_url} (WAL, schema {schema})"
+
+
+def _server_schema(db: PostgresDatabase) -> str:
+    """The server's version and the schema versions keel recorded there."""
+    from psycopg.rows import tuple_row
+
+    with db.connection() as conn:
+        cursor = conn.cursor(row_factory=tuple_row)
+        (server,) = cursor.execute("SHOW server_version").fetchone()
+        (table,) = cursor.execute("SELECT to_regclass('keel_schema')").fetchone()
+        rows = [] if table is None else cursor.execute(
+            "SELECT component, version FROM keel_schema ORDER BY component"
+        ).fetchall()  # fmt: skip
+    schema = ", ".join(f"{name} v{version}" for name, version in rows) or "no keel tables yet"
+    return f"PostgreSQL {server}, schema {schema}"
 
 
 def _data_dir(settings: Settings) -> str:
@@ -169,6 +186,24 @@ def _pii_vault(settings: Settings) -> str:
     )
 
 
+_READ_ELSEWHERE = frozenset(
+    {"KEEL_CONFIG", "KEEL_METRICS_TOKEN", "KEEL_SERVE_OPTIONS", "KEEL_SETUP_FORCE"}
+)
+"""``KEEL_*`` variables keel reads that are not settings (the config file's path, the metrics
+token, the options ``keel serve`` hands its workers, the set-up's force switch)."""
+
+
+def _environment() -> str:
+    """``KEEL_*`` variables that are no setting: a misspelt one is ignored, so say so."""
+    import os
+
+    known = {f"KEEL_{name.upper()}" for name in Settings.model_fields} | _READ_ELSEWHERE
+    unknown = sorted(name for name in os.environ if name.startswith("KEEL_") and name not in known)
+    if unknown:
+        raise RuntimeError(f"not keel settings, so ignored: {', '.join(unknown)}")
+    return "every KEEL_* variable is a setting"
+
+
 def _redis(settings: Settings) -> str:
     if settings.redis_url:
         import redis
@@ -177,10 +212,10 @@ def _redis(settings: Settings) -> str:
         try:
             client.ping()
         except redis.RedisError as exc:
-            raise RuntimeError(f"{settings.redis_url} is not reachable: {exc}") from exc
+            raise RuntimeError(f"{redact_url(settings.redis_url)} is not reachable: {exc}") from exc
         finally:
             client.close()
-        return f"reachable at {settings.redis_url}"
+        return f"reachable at {redact_url(settings.redis_url)}"
     binary = shutil.which("redis-server")
     if importlib.util.find_spec("redis") is None:
         raise RuntimeError("redis-py is not installed (the 'redis' extra)")
@@ -203,6 +238,7 @@ def doctor_command(
             "ok",
             f"keel {__version__}, Python {platform.python_version()} ({sys.executable})",
         ),
+        _run("settings", "environment", _environment),
         _run("storage", "data directory", lambda: _data_dir(settings), required=True),
         _run("storage", "database", lambda: _database(database), required=True),
         _run("tokenizers", "cl100k_base", _encoding("cl100k_base"), required=True),
@@ -234,7 +270,8 @@ def doctor_command(
             found = escape(f"{check.area:<10} {check.name:<24} {check.detail}")
             out_console.print(f"{marks[check.status]} {found}", markup=True, highlight=False)
         verdict = "healthy" if healthy else "NOT healthy"
-        out_console.print(f"embedded default: {verdict}")
+        where = "embedded default" if settings.sqlite_path is not None else "deployment"
+        out_console.print(f"{where}: {verdict}")
         out_console.print(f"model: {settings.model}", markup=False)
         if note is not None:
             out_console.print(f"[yellow]note[/] {escape(note)}", highlight=False)

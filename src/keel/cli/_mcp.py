@@ -43,7 +43,11 @@ def mcp_command(
         if memory is None:
             raise UsageError("this database has no long-term memory")
         memory.start()
+        # An MCP client starts this with its own, reduced environment (the SDK passes HOME
+        # and PATH, not KEEL_*): say which database it serves, on stderr (stdout is the protocol).
+        where = settings.parsed_database.redacted
         if mode == "stdio":
+            err_console.print(f"keel mcp: stdio, tenant {tenant}, database {where}", markup=False)
             memory_server(memory, tenant=tenant).run("stdio")
             return
         import uvicorn
@@ -52,7 +56,9 @@ def mcp_command(
         keys = CachedKeys(APIKeys(backends.sql).caller_of).operator_tenant
         server = memory_server(memory, tenant_of_key=keys)
         gated = require_api_key(server.streamable_http_app(host=host), keys)
-        err_console.print(f"keel mcp: http://{host}:{port}/mcp (Bearer API keys)")
+        err_console.print(
+            f"keel mcp: http://{host}:{port}/mcp (Bearer API keys), database {where}", markup=False
+        )
         uvicorn.run(gated, host=host, port=port, log_level="warning")
     finally:
         backends.close()

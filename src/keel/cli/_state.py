@@ -89,20 +89,25 @@ app.add_typer(state_app, name="state")
 
 _URL_HELP = (
     "The state's database URL (sqlite:///..., postgresql://..., redis://...; default: "
-    "KEEL_DATABASE, else keel.db in the data directory). A SQLite file must exist."
+    "KEEL_REDIS_URL when set, else KEEL_DATABASE, else keel.db in the data directory). A "
+    "SQLite file must exist."
 )
 UrlOption = Annotated[str | None, typer.Option("--database", "--url", help=_URL_HELP)]
 
 
 def _open(url: str | None) -> StateBackend:
-    """The state backend ``url`` names (else the configured database's), alone: closing it
-    closes its database. The state is where the URL says, whatever ``KEEL_REDIS_URL`` says."""
+    """The state backend ``url`` names, alone: closing it closes its database. A URL says
+    where the state is, whatever ``KEEL_REDIS_URL`` says; without one, the state is where the
+    configured deployment keeps it (on ``KEEL_REDIS_URL`` when set, as its agents do)."""
+    from keel._urls import parse_database_url
     from keel.cli._database import database_settings
     from keel.settings import load_settings
     from keel.stores import Backends
 
-    if url is not None and url.startswith(("redis://", "rediss://")):
+    if url is not None and parse_database_url(url).kind == "redis":
         opened = Backends.open(url, settings=load_settings(), only=("state",))
+    elif url is None:
+        opened = Backends.open(database_settings(None), only=("state",))
     else:
         opened = Backends.open(database_settings(url), only=("state",), redis_url="")
     return opened.state.backend

@@ -29,6 +29,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from keel._urls import redact_url
 from keel.errors import (
     AuthenticationError,
     BadRequestError,
@@ -162,14 +163,18 @@ class OpenAICompatibleModel(ChatModel):
         default_headers: Mapping[str, str] | None = None,
     ) -> None:
         counter = counter or counter_for(model, allow_estimate=True)
+        # The spec and the endpoint name the model in errors, traces and logs: a password in
+        # the URL's user info stays in base_url, for the client alone.
         super().__init__(
-            spec or f"openai-compatible:{model}@{base_url or 'https://api.openai.com/v1'}",
+            redact_url(
+                spec or f"openai-compatible:{model}@{base_url or 'https://api.openai.com/v1'}"
+            ),
             counter.profile,
             counter,
         )
         self.model = model
         self.base_url = base_url
-        self.endpoint = base_url
+        self.endpoint = None if base_url is None else redact_url(base_url)
         self.retry = retry or RetryPolicy()
         self.max_tokens_param = max_tokens_param
         self._api_key = api_key
@@ -254,7 +259,7 @@ class OpenAICompatibleModel(ChatModel):
             return RetryableModelError(
                 _with_cause(
                     ModelUnavailableError(
-                        f"cannot reach {self.base_url or 'OpenAI'}: {exc}", model=model
+                        f"cannot reach {self.endpoint or 'OpenAI'}: {exc}", model=model
                     ),
                     exc,
                 )
@@ -263,7 +268,7 @@ class OpenAICompatibleModel(ChatModel):
             status = exc.status_code
             body = exc.body if isinstance(exc.body, dict) else {}
             detail = body.get("message") if isinstance(body.get("message"), str) else exc.message
-            message = f"HTTP {status} from {self.base_url or 'OpenAI'}: {detail}"
+            message = f"HTTP {status} from {self.endpoint or 'OpenAI'}: {detail}"
             after = _retry_after(exc.response.headers)
             if status in (401, 403):
                 return _with_cause(AuthenticationError(message, model=model), exc)

@@ -48,8 +48,11 @@ def path_session_id(session_id: str) -> str:
     return session_id_from_wire(session_id)
 
 
-def user_of(who: Caller, user_id: str) -> str:
-    """``user_id`` when the key may act for that user; 403 when a user key names another."""
+def user_of(who: Caller, user_id: str | None) -> str:
+    """``user_id`` when the key may act for that user; 403 when a user key names another,
+    422 when an operator key names none."""
+    if user_id is None:
+        raise HTTPError(422, "ValidationError", "user: an operator key names the user")
     if who.user_id is not None and who.user_id != user_id:
         raise HTTPError(403, "Forbidden", "this API key acts only for its own user")
     return user_id

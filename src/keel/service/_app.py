@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from keel.errors import BackendUnavailableError, StoreError
 from keel.service import routes
@@ -34,6 +34,7 @@ from keel.service._keys import CachedKeys
 from keel.service._models import ChatCompletionRequest, TurnRequest
 from keel.service._privacy import Disclosure
 from keel.service._pruning import MemoryPruner, pruning
+from keel.service._query import known_query
 
 if TYPE_CHECKING:
     from keel.approvals import ApprovalStore
@@ -193,7 +194,9 @@ def create_app(
         routes=[route for router in _ROUTERS for route in router.routes],
     )
     for router in _ROUTERS:
-        app.include_router(router)
+        # The OpenAI routes and the probes keep OpenAI's and load balancers' leniency.
+        lenient = router in (routes.chat.router, routes.models.router, routes.ops.router)
+        app.include_router(router, dependencies=None if lenient else [Depends(known_query)])
     if ui:
         # Not at the top: keel.ui imports keel.service's route helpers (a cycle otherwise).
         from keel.ui import mount_ui

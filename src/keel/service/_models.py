@@ -33,7 +33,11 @@ class TurnRequest(BaseModel):
     message: Text = Field(
         min_length=1, max_length=MAX_MESSAGE_CHARS, description="What the user wrote."
     )
-    user: UserId = Field(description="The user the session belongs to.")
+    user: UserId | None = Field(
+        default=None,
+        description="The user the session belongs to (default: the user of a user's key; "
+        "an operator key names one).",
+    )
 
 
 class ErrorBody(BaseModel):

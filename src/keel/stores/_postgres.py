@@ -9,6 +9,7 @@ connection pooler (it is released at commit, never held by a pooled session).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
 import time
@@ -225,6 +226,14 @@ def _location(url: str) -> str:
     except Exception:  # unreadable: nothing of it is safe to quote
         return "(a connection string libpq cannot read)"
     return f"{given.get('host', '')}:{given.get('port', '')}/{given.get('dbname', '')}"
+
+
+def _on(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is the running loop of this thread."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class PostgresDatabase:
@@ -554,7 +563,17 @@ class PostgresDatabase:
             ) from exc
 
     def close(self) -> None:
-        """Close the pool (idempotent); an async pool is closed by [`aclose`][]."""
+        """Close the pools (idempotent). An async pool on an event loop that runs in another
+        thread (keel's bridge loop, which every sync twin such as ``erase_user`` runs on) is
+        closed there; one on the caller's own running loop is left to [`aclose`][]."""
+        pool, loop = self._apool, self._aloop
+        if pool is not None and loop is not None and loop.is_running() and not _on(loop):
+            self._apool = None
+            # Left open, its worker tasks die with the loop at exit, each one printing "Task
+            # was destroyed but it is pending!" after a CLI command had finished.
+            closing = asyncio.run_coroutine_threadsafe(pool.close(), loop)
+            with contextlib.suppress(Exception):
+                closing.result(timeout=self.timeout)
         with self._open_lock:
             self._closed = True
             self._opened = False

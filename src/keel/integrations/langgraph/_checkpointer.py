@@ -565,8 +565,18 @@ class KeelCheckpointSaver(BaseCheckpointSaver[int]):
             if self._backends is not None:
                 self._backends.close()
 
+    async def aclose(self) -> None:
+        """Async twin of `close`, off the event loop."""
+        await run_blocking(self.close)
+
     def __enter__(self) -> KeelCheckpointSaver:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> KeelCheckpointSaver:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

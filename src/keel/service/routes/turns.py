@@ -38,7 +38,7 @@ async def post_turn(
     With an ``Idempotency-Key``, sending the same request again (after a timeout, a dead
     worker) runs the turn once: a committed turn's reply comes back (``replayed``), a turn
     left open is finished. The same key with another message is 422."""
-    tenant_id, user_id = who.tenant_id, user_of(who, turn.user)
+    tenant_id, user_id = who.tenant_id, user_of(who, turn.user or who.user_id)
     agent = context.agent_for(tenant_id)
     turn_id = turn_id_of(idempotency_key)
     if "text/event-stream" not in request.headers.get("accept", ""):
