@@ -8,9 +8,11 @@ that more text can no longer change:
 
 * it ends at whitespace (no e-mail, key or token crosses it) at least ``hold_chars`` before the
   end of what was received, which is longer than any pattern that spans whitespace (IBANs,
-  cards and phone numbers in groups); with ``by_word``, it may also end right after a word
-  that holds a character none of those patterns can contain (a lowercase letter, say): no
-  such pattern can run across that word, so a reply streams word by word;
+  cards and phone numbers in groups), both counted as the detectors read the text (a value in
+  JSON escapes, ``\\u0034\\u0031...``, is longer as written); with ``by_word``, it may also
+  end right after a word that ends in a character none of those patterns can contain (a
+  lowercase letter, a comma, say), or in ones none starts with after such a character: no
+  such pattern can run on past that word, so a reply streams word by word;
 * nothing from a ``-----BEGIN`` block the mask has not masked (a PEM private key whose end
   has not arrived) onwards, whatever its length;
 * the masked prefix must be the start of the masked whole, so a finding still open across it
@@ -30,7 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from keel.privacy._detectors import fold
+from keel.privacy._detectors import fold, fold_map
 
 __all__ = ["RevealStream", "StreamMasker"]
 
@@ -48,7 +50,7 @@ class StreamMasker:
         max_word_chars: a run of text without whitespace longer than this is released up to
             ``hold_chars`` from its end (an e-mail address is at most 254 characters).
         by_word: release up to the end of a word that no whitespace-spanning pattern can
-            contain, without the hold-back. Only for masks whose findings that span whitespace
+            run on past, without the hold-back. Only for masks whose findings that span whitespace
             are made of digits, capitals and ``+()-./:`` (the built-in detectors'; see
             [`PIIMasker.streams_by_word`][]).
     """
@@ -127,7 +129,17 @@ class StreamMasker:
         return cut
 
     def _held_back_cut(self, text: str, block: int | None) -> int:
-        """The last whitespace at least ``hold_chars`` before the end (and before ``block``)."""
+        """The last whitespace at least ``hold_chars`` before the end (and before ``block``),
+        both counted in the text as the detectors read it (`fold`): a value written in JSON
+        escapes is up to six times as long (``\\u0034\\u0031...``), its whitespace may be an
+        escape (``\\u0020``, ``\\n``), and a cut never falls inside an escape."""
+        folded, positions = fold_map(text)
+        if positions is None:
+            return self._whitespace_cut(text, block)
+        cut = self._whitespace_cut(folded, None if block is None else positions.index(block))
+        return positions.span(cut, cut + 1)[0] if cut > 0 else 0
+
+    def _whitespace_cut(self, text: str, block: int | None) -> int:
         limit = len(text) - self.hold_chars
         if block is not None:
             limit = min(limit, block)
@@ -145,6 +157,27 @@ _SPANNING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+()-./: ")
 the detectors read them (`fold`): a fullwidth digit or a
 no-break space between groups is one of these too."""
 _WHITESPACE = " \t\n\r"
+_STARTING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ(+")
+"""The characters a built-in finding that may hold whitespace starts with."""
+_LAST_FOLDED_WORD = re.compile(r"\S*\Z")
+"""What of a word, as the detectors read it, comes after its last whitespace: a word written
+with an escape (``card\\u00204111``) reads as two, and a finding may start in the second."""
+
+
+def _ends_a_finding_never_crosses(word: str) -> bool:
+    """Whether no whitespace-spanning finding can run on past the end of ``word``.
+
+    Such a finding holds the end of the word as the detectors read it (`fold`), back to where
+    it starts: so it cannot when the word's last part (``card\\u00204111`` reads as two) ends
+    in a character none holds ("Hello,"), or in a run of characters they may hold after one
+    they do not, no character of which starts one ("confirmed."). A run that starts one
+    (``"4111``, a card's first group in quotes) or the whole part (a group before) may."""
+    last = _LAST_FOLDED_WORD.search(fold(word))
+    tail = "" if last is None else last.group()
+    run = len(tail)
+    while run and tail[run - 1] in _SPANNING_CHARS:
+        run -= 1
+    return run > 0 and _STARTING_CHARS.isdisjoint(tail[run:])
 
 
 def _last_safe_word_end(text: str, floor: int) -> int:
@@ -157,7 +190,7 @@ def _last_safe_word_end(text: str, floor: int) -> int:
             return 0
         start = max(text.rfind(char, floor, space) for char in _WHITESPACE) + 1
         word = text[start:space]
-        if word and not _SPANNING_CHARS.issuperset(fold(word)):
+        if word and _ends_a_finding_never_crosses(word):
             return space
         end = space
     return 0
