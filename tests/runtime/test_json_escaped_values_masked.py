@@ -2,8 +2,8 @@
 JSON's escapes (``j\\u00f6rg.m\\u00fcller@b\\u00fccher.example``, a phone number's no-break
 spaces as ``\\u00a0``, a card in fullwidth digits as ``\\uff14...``, a token after an escaped
 line break), and so does a user's pasted JSON: none of them reaches the database, in any of
-its forms: not the session's messages, the tool journal, the traces nor the memory. The model is shown the output masked
-and still JSON."""
+its forms: not the session's messages, the tool journal, the traces nor the memory. The model
+is shown the output masked and still JSON."""
 
 from __future__ import annotations
 
