@@ -158,31 +158,35 @@ the detectors read them (`fold`): a fullwidth digit or a
 no-break space between groups is one of these too."""
 _WHITESPACE = " \t\n\r"
 _STARTING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ(+")
-"""The characters a built-in finding that may hold whitespace starts with."""
-_LAST_FOLDED_WORD = re.compile(r"\S*\Z")
-"""What of a word, as the detectors read it, comes after its last whitespace: a word written
-with an escape (``card\\u00204111``) reads as two, and a finding may start in the second."""
+"""The characters a built-in finding that may hold whitespace starts with..."""
+_NOT_AFTER = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+"""...but never right after one of these (they would continue a word, a number or a code)."""
 
 
 def _ends_a_finding_never_crosses(word: str) -> bool:
     """Whether no whitespace-spanning finding can run on past the end of ``word``.
 
     Such a finding holds the end of the word as the detectors read it (`fold`), back to where
-    it starts: so it cannot when the word's last part (``card\\u00204111`` reads as two) ends
-    in a character none holds ("Hello,"), or in a run of characters they may hold after one
-    they do not, no character of which starts one ("confirmed."). A run that starts one
-    (``"4111``, a card's first group in quotes) or the whole part (a group before) may."""
-    last = _LAST_FOLDED_WORD.search(fold(word))
-    tail = "" if last is None else last.group()
-    run = len(tail)
-    while run and tail[run - 1] in _SPANNING_CHARS:
+    it starts: so it cannot when the word ends in a character none holds ("Hello,"), or in a
+    run of characters they may hold after one they do not, none of which can start one
+    ("confirmed.", "mp3"). A run one can start in may: a card's first group in quotes
+    (``"4111``) or after an escaped space (``card\\u00204111`` reads "card 4111"); so may a
+    word made of such characters only (a group after another)."""
+    folded = fold(word)
+    run = len(folded)
+    while run and folded[run - 1] in _SPANNING_CHARS:
         run -= 1
-    return run > 0 and _STARTING_CHARS.isdisjoint(tail[run:])
+    if run == 0:
+        return False
+    return not any(
+        folded[at] in _STARTING_CHARS and folded[at - 1] not in _NOT_AFTER
+        for at in range(run, len(folded))
+    )
 
 
 def _last_safe_word_end(text: str, floor: int) -> int:
-    """The end of the last word after ``floor`` followed by whitespace that holds a character
-    no whitespace-spanning finding can contain (0: none)."""
+    """The end of the last word after ``floor`` followed by whitespace that no
+    whitespace-spanning finding can run on past (0: none)."""
     end = len(text)
     while end > floor:
         space = max(text.rfind(char, floor, end) for char in _WHITESPACE)
