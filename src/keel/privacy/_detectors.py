@@ -180,32 +180,71 @@ _FOLDABLE = re.compile(
 # pair is one escape of one character; a lone surrogate stands for itself (as json.loads reads
 # it). Nothing else after a backslash is an escape: it is read as written.
 _JSON_ESCAPE = re.compile(
-    r"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[\"\\/bfnrt])"
+    r"(\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[\"\\/bfnrt]))"
 )
-_JSON_SHORT_ESCAPES = {
-    '"': '"',
-    "\\": "\\",
-    "/": "/",
-    "b": "\b",
-    "f": "\f",
-    "n": "\n",
-    "r": "\r",
-    "t": "\t",
-}
+"""One group: ``split`` gives the text between the escapes and the escapes, in C."""
 
 
-@dataclass(frozen=True)
+class _EscapeTable(dict[str, str]):
+    """Each escape's character, found on first sight (bounded as the fold table is)."""
+
+    def __missing__(self, escape: str) -> str:
+        if len(escape) == 12:
+            high, low = int(escape[2:6], 16), int(escape[8:], 16)
+            char = chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))
+        else:
+            char = chr(int(escape[2:], 16))
+        if len(self) < _FOLD_CACHE_LIMIT:
+            self[escape] = char
+        return char
+
+
+_ESCAPE_TABLE = _EscapeTable(
+    {
+        '\\"': '"',
+        "\\\\": "\\",
+        "\\/": "/",
+        "\\b": "\b",
+        "\\f": "\f",
+        "\\n": "\n",
+        "\\r": "\r",
+        "\\t": "\t",
+    }
+)
+
+
 class _Escapes:
-    """Where a text's JSON escapes stand: each one's character's position in the decoded text
-    (``decoded_at``, ascending) and its original span (``starts``, ``ends``)."""
+    """A text with its JSON escapes decoded (``decoded``), and where each one stood: its
+    character's position in the decoded text (``decoded_at``, ascending) and its original span
+    (``starts``, ``ends``), worked out when first asked (most texts hold no finding)."""
 
-    decoded: str
-    decoded_at: list[int]
-    starts: list[int]
-    ends: list[int]
+    __slots__ = ("_parts", "decoded", "decoded_at", "ends", "starts")
+
+    def __init__(self, decoded: str, parts: list[str]) -> None:
+        self.decoded = decoded
+        self._parts = parts  # text, escape, text, escape, ..., text (as written)
+        self.decoded_at: list[int] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def _locate(self) -> None:
+        if self.starts:
+            return
+        position = decoded = 0
+        parts = self._parts
+        for index in range(1, len(parts), 2):
+            before = len(parts[index - 1])
+            position += before
+            decoded += before
+            self.decoded_at.append(decoded)
+            self.starts.append(position)
+            position += len(parts[index])
+            self.ends.append(position)
+            decoded += 1
 
     def start(self, at: int) -> int:
         """Where decoded character ``at`` starts in the original."""
+        self._locate()
         escape = bisect_right(self.decoded_at, at) - 1
         if escape < 0:
             return at
@@ -215,6 +254,7 @@ class _Escapes:
 
     def end(self, at: int) -> int:
         """Where decoded character ``at`` ends in the original."""
+        self._locate()
         escape = bisect_right(self.decoded_at, at) - 1
         if escape >= 0 and self.decoded_at[escape] == at:
             return self.ends[escape]
@@ -222,6 +262,7 @@ class _Escapes:
 
     def count_before(self, position: int) -> int:
         """How many decoded characters start before original ``position``."""
+        self._locate()
         escape = bisect_left(self.starts, position) - 1
         if escape < 0:
             return position
@@ -232,26 +273,16 @@ class _Escapes:
 
 def _unescaped(text: str) -> _Escapes | None:
     """``text`` with its JSON string escapes decoded, and where they stood; None if it holds
-    none (the caller looks for a backslash first: most texts have none)."""
-    decoded_at: list[int] = []
-    starts: list[int] = []
-    ends: list[int] = []
-
-    def decode(match: re.Match[str]) -> str:
-        start, end = match.span()
-        decoded_at.append(start - (ends[-1] - decoded_at[-1] - 1 if ends else 0))
-        starts.append(start)
-        ends.append(end)
-        escape = match.group()
-        if len(escape) == 2:
-            return _JSON_SHORT_ESCAPES[escape[1]]
-        if len(escape) == 12:
-            high, low = int(escape[2:6], 16), int(escape[8:], 16)
-            return chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))
-        return chr(int(escape[2:], 16))
-
-    decoded = _JSON_ESCAPE.sub(decode, text)
-    return _Escapes(decoded, decoded_at, starts, ends) if starts else None
+    none (the caller looks for a backslash first: most texts have none). Split in C, each
+    escape looked up in a table: no Python call per escape (a JSON document written with
+    ASCII escapes holds thousands)."""
+    parts = _JSON_ESCAPE.split(text)
+    if len(parts) == 1:
+        return None
+    decoded = parts.copy()
+    table = _ESCAPE_TABLE
+    decoded[1::2] = [table[escape] for escape in parts[1::2]]
+    return _Escapes("".join(decoded), parts)
 
 
 def _folded_chars(text: str) -> str:
