@@ -152,15 +152,14 @@ class StreamMasker:
         return limit if limit - max(space, 0) > self.max_word_chars else 0
 
 
-_SPANNING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+()-./: ")
-"""Every character of the built-in findings that may hold whitespace (IBAN, card, phone), as
-the detectors read them (`fold`): a fullwidth digit or a
-no-break space between groups is one of these too."""
 _WHITESPACE = " \t\n\r"
-_STARTING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ(+")
-"""The characters a built-in finding that may hold whitespace starts with..."""
-_NOT_AFTER = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-"""...but never right after one of these (they would continue a word, a number or a code)."""
+_TRAILING_RUN = re.compile(r"[0-9A-Z+()\-./: ]*\Z")
+"""The run at a word's end of the characters the built-in findings that may hold whitespace
+(IBAN, card, phone) are made of, as the detectors read them (`fold`): a fullwidth digit or a
+no-break space between groups is one of these too."""
+_STARTS_ONE = re.compile(r"(?<![0-9A-Za-z])[0-9A-Z(+]")
+"""Where such a finding may start: at a digit, a capital, "(" or "+", never right after a
+letter or a digit (it would continue a word, a number or a code)."""
 
 
 def _ends_a_finding_never_crosses(word: str) -> bool:
@@ -173,15 +172,9 @@ def _ends_a_finding_never_crosses(word: str) -> bool:
     (``"4111``) or after an escaped space (``card\\u00204111`` reads "card 4111"); so may a
     word made of such characters only (a group after another)."""
     folded = fold(word)
-    run = len(folded)
-    while run and folded[run - 1] in _SPANNING_CHARS:
-        run -= 1
-    if run == 0:
-        return False
-    return not any(
-        folded[at] in _STARTING_CHARS and folded[at - 1] not in _NOT_AFTER
-        for at in range(run, len(folded))
-    )
+    run = _TRAILING_RUN.search(folded)
+    start = len(folded) if run is None else run.start()
+    return start > 0 and _STARTS_ONE.search(folded, start) is None
 
 
 def _last_safe_word_end(text: str, floor: int) -> int:
