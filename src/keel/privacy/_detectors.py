@@ -56,17 +56,19 @@ class Finding:
     ``text`` is the span as written; ``value`` the value as the detectors read it (`fold`:
     JSON escapes decoded, invisible characters left out, fullwidth digits as ASCII): the same
     value written two ways has one ``value``, which the masker numbers and a vault keeps.
-    Empty when given: ``text``."""
+    ``folded`` holds it where it differs from ``text`` (else it is empty: a finding is made
+    for every match of every detector, and most read as written)."""
 
     entity: EntityType
     start: int
     end: int
     text: str
-    value: str = field(default="", compare=False)
+    folded: str = field(default="", compare=False)
 
-    def __post_init__(self) -> None:
-        if not self.value:
-            object.__setattr__(self, "value", self.text)
+    @property
+    def value(self) -> str:
+        """The value as the detectors read it."""
+        return self.folded or self.text
 
 
 @dataclass(frozen=True)

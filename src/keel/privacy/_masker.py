@@ -206,7 +206,9 @@ class PIIMasker:
             return MaskResult(text=text)
         # Numbered by the value as the detectors read it: written escaped, with an invisible
         # character or in fullwidth digits, it is the same value, with one placeholder.
-        keys = list(dict.fromkeys((finding.entity, finding.value) for finding in found))
+        keys = list(
+            dict.fromkeys((finding.entity, finding.folded or finding.text) for finding in found)
+        )
         if numbered is not None:
             numbering = dict(zip(keys, numbered(keys), strict=True))
         else:
@@ -220,7 +222,7 @@ class PIIMasker:
         counts: dict[str, int] = {}
         for finding in found:
             pieces.append(text[cursor : finding.start])
-            pieces.append(numbering[(finding.entity, finding.value)])
+            pieces.append(numbering[(finding.entity, finding.folded or finding.text)])
             cursor = finding.end
             counts[finding.entity] = counts.get(finding.entity, 0) + 1
         pieces.append(text[cursor:])
