@@ -9,7 +9,11 @@ scripts, Unicode spaces and dashes become their ASCII equivalents one character 
 invisible format characters (zero-width space and joiners, soft hyphen, word joiner, byte order
 mark: Unicode category Cf) are left out, so a card written in fullwidth digits or an address
 with a zero-width space inside is found like any other, and the span replaced is the original
-one, the invisible characters inside it included. Addresses may hold any letters
+one, the invisible characters inside it included. Before that, JSON's string escapes are read
+as the characters they stand for (`_unescaped`): a tool's output written with
+``json.dumps(..., ensure_ascii=True)`` holds ``j\\u00f6rg@b\\u00fccher.example``,
+``+1 415\\u0020555 0132`` or ``Bearer\\nTOKEN``, and each escape stands for one character
+whose span is the whole escape. Addresses may hold any letters
 (``jörg.müller@bücher.example``, a Cyrillic letter among Latin ones). A phone number needs a
 shape no count or date has (a ``+``, a trunk ``0``, ten digits in groups) or a word such as
 "call" or "Telefon" just before it; bare digits the text labels as an id
@@ -25,10 +29,21 @@ from __future__ import annotations
 import ipaddress
 import re
 import unicodedata
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["DETECTORS", "Detector", "EntityType", "Finding", "find_all", "fold", "luhn_ok"]
+__all__ = [
+    "DETECTORS",
+    "Detector",
+    "EntityType",
+    "Finding",
+    "FoldMap",
+    "find_all",
+    "fold",
+    "fold_map",
+    "luhn_ok",
+]
 
 EntityType = str
 """An entity type name, also the placeholder's prefix (``EMAIL`` -> ``<EMAIL_1>``)."""
@@ -36,12 +51,24 @@ EntityType = str
 
 @dataclass(frozen=True)
 class Finding:
-    """One detected span of sensitive text."""
+    """One detected span of sensitive text.
+
+    ``text`` is the span as written; ``value`` the value as the detectors read it (`fold`:
+    JSON escapes decoded, invisible characters left out, fullwidth digits as ASCII): the same
+    value written two ways has one ``value``, which the masker numbers and a vault keeps.
+    ``folded`` holds it where it differs from ``text`` (else it is empty: a finding is made
+    for every match of every detector, and most read as written)."""
 
     entity: EntityType
     start: int
     end: int
     text: str
+    folded: str = field(default="", compare=False)
+
+    @property
+    def value(self) -> str:
+        """The value as the detectors read it."""
+        return self.folded or self.text
 
 
 @dataclass(frozen=True)
@@ -150,17 +177,174 @@ _FOLDABLE = re.compile(
 )
 
 
-def fold(text: str) -> str:
-    """``text`` with fullwidth forms, digits of every script, Unicode spaces and dashes as their
-    ASCII equivalents, character for character, and its format characters left out (then
-    shorter: `_kept_positions` gives each folded character's position in ``text``)."""
+# JSON's string escapes, read left to right as a JSON parser reads them: a backslash escaped
+# (two in the text, then "u00f6") is one escape, and the "u00f6" after it is text. A surrogate
+# pair is one escape of one character; a lone surrogate stands for itself (as json.loads reads
+# it). Nothing else after a backslash is an escape: it is read as written.
+_JSON_ESCAPE = re.compile(
+    r"(\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[\"\\/bfnrt]))"
+)
+"""One group: ``split`` gives the text between the escapes and the escapes, in C."""
+
+
+class _EscapeTable(dict[str, str]):
+    """Each escape's character, found on first sight (bounded as the fold table is)."""
+
+    def __missing__(self, escape: str) -> str:
+        if len(escape) == 12:
+            high, low = int(escape[2:6], 16), int(escape[8:], 16)
+            char = chr(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))
+        else:
+            char = chr(int(escape[2:], 16))
+        if len(self) < _FOLD_CACHE_LIMIT:
+            self[escape] = char
+        return char
+
+
+_ESCAPE_TABLE = _EscapeTable(
+    {
+        '\\"': '"',
+        "\\\\": "\\",
+        "\\/": "/",
+        "\\b": "\b",
+        "\\f": "\f",
+        "\\n": "\n",
+        "\\r": "\r",
+        "\\t": "\t",
+    }
+)
+
+
+class _Escapes:
+    """A text with its JSON escapes decoded (``decoded``), and where each one stood: its
+    character's position in the decoded text (``decoded_at``, ascending) and its original span
+    (``starts``, ``ends``), worked out when first asked (most texts hold no finding)."""
+
+    __slots__ = ("_parts", "decoded", "decoded_at", "ends", "starts")
+
+    def __init__(self, decoded: str, parts: list[str]) -> None:
+        self.decoded = decoded
+        self._parts = parts  # text, escape, text, escape, ..., text (as written)
+        self.decoded_at: list[int] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def _locate(self) -> None:
+        if self.starts:
+            return
+        position = decoded = 0
+        parts = self._parts
+        for index in range(1, len(parts), 2):
+            before = len(parts[index - 1])
+            position += before
+            decoded += before
+            self.decoded_at.append(decoded)
+            self.starts.append(position)
+            position += len(parts[index])
+            self.ends.append(position)
+            decoded += 1
+
+    def start(self, at: int) -> int:
+        """Where decoded character ``at`` starts in the original."""
+        self._locate()
+        escape = bisect_right(self.decoded_at, at) - 1
+        if escape < 0:
+            return at
+        if self.decoded_at[escape] == at:
+            return self.starts[escape]
+        return self.ends[escape] + at - self.decoded_at[escape] - 1
+
+    def end(self, at: int) -> int:
+        """Where decoded character ``at`` ends in the original."""
+        self._locate()
+        escape = bisect_right(self.decoded_at, at) - 1
+        if escape >= 0 and self.decoded_at[escape] == at:
+            return self.ends[escape]
+        return self.start(at) + 1
+
+    def count_before(self, position: int) -> int:
+        """How many decoded characters start before original ``position``."""
+        self._locate()
+        escape = bisect_left(self.starts, position) - 1
+        if escape < 0:
+            return position
+        if self.ends[escape] > position:  # inside that escape
+            return self.decoded_at[escape] + 1
+        return position - (self.ends[escape] - self.decoded_at[escape] - 1)
+
+
+def _unescaped(text: str) -> _Escapes | None:
+    """``text`` with its JSON string escapes decoded, and where they stood; None if it holds
+    none (the caller looks for a backslash first: most texts have none). Split in C, each
+    escape looked up in a table: no Python call per escape (a JSON document written with
+    ASCII escapes holds thousands)."""
+    parts = _JSON_ESCAPE.split(text)
+    if len(parts) == 1:
+        return None
+    decoded = parts.copy()
+    table = _ESCAPE_TABLE
+    decoded[1::2] = [table[escape] for escape in parts[1::2]]
+    return _Escapes("".join(decoded), parts)
+
+
+def _folded_chars(text: str) -> str:
+    """``text`` folded character for character (format characters left out); no escapes."""
     if text.isascii() or _FOLDABLE.search(text) is None:
         return text
     return text.translate(_FOLD_TABLE)
 
 
+def fold(text: str) -> str:
+    """``text`` as the detectors read it: its JSON string escapes decoded (``\\u00f6``,
+    ``\\n``, ``\\/``...), fullwidth forms, digits of every script, Unicode spaces and dashes as
+    their ASCII equivalents, character for character, and its format characters left out
+    (then shorter: `fold_map` gives each folded character's span in ``text``)."""
+    if "\\" in text:
+        escapes = _unescaped(text)
+        if escapes is not None:
+            text = escapes.decoded
+    return _folded_chars(text)
+
+
+@dataclass(frozen=True)
+class FoldMap:
+    """Where each character of ``fold(text)`` stands in ``text``: a decoded escape spans the
+    whole escape, any other character itself (format characters left out belong to no
+    folded character)."""
+
+    escapes: _Escapes | None
+    kept: list[int] | None
+    """The position in the decoded text of each folded character (None: all of them)."""
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The original span of folded characters ``start`` to ``end`` (``end > start``)."""
+        first, last = start, end - 1
+        if self.kept is not None:
+            first, last = self.kept[first], self.kept[last]
+        if self.escapes is None:
+            return first, last + 1
+        return self.escapes.start(first), self.escapes.end(last)
+
+    def index(self, position: int) -> int:
+        """How many folded characters start before original ``position``."""
+        decoded = position if self.escapes is None else self.escapes.count_before(position)
+        return decoded if self.kept is None else bisect_left(self.kept, decoded)
+
+
+def fold_map(text: str) -> tuple[str, FoldMap | None]:
+    """``fold(text)`` and where its characters stand in ``text`` (None: each where it is)."""
+    escapes = _unescaped(text) if "\\" in text else None
+    decoded = text if escapes is None else escapes.decoded
+    folded = _folded_chars(decoded)
+    kept = _kept_positions(decoded) if len(folded) != len(decoded) else None
+    if escapes is None and kept is None:
+        return folded, None
+    return folded, FoldMap(escapes, kept)
+
+
 def _kept_positions(text: str) -> list[int]:
-    """The position in ``text`` of each character of ``fold(text)`` (those not left out)."""
+    """The position in ``text`` of each character of ``_folded_chars(text)`` (those not left
+    out)."""
     kept: list[int] = []
     start = 0
     for run in _FORMAT.finditer(text):
@@ -568,28 +752,27 @@ def find_all(text: str, detectors: tuple[Detector, ...] | list[Detector]) -> lis
     """Non-overlapping findings in text order; on overlap the higher priority, then longer, wins.
 
     The detectors read `fold`'s copy of ``text``; each finding's span and ``text`` are the
-    original ones (fullwidth digits as written, format characters inside it included; those
-    just before or after it are not part of it)."""
-    folded = fold(text)
-    positions = _kept_positions(text) if len(folded) != len(text) else None
+    original ones (fullwidth digits as written, a JSON escape whole, format characters inside
+    it included; those just before or after it are not part of it), its ``value`` the folded
+    one."""
+    folded, positions = fold_map(text)
     candidates: list[tuple[int, Finding]] = []
     for detector in detectors:
         candidates.extend((detector.priority, finding) for finding in detector.find(folded))
     candidates.sort(key=lambda item: (-item[0], -(item[1].end - item[1].start), item[1].start))
     chosen: list[Finding] = []
     for _, finding in candidates:
-        # Compared where the detectors found them (the folded text): a finding moved back to
-        # the original text's positions would be compared with one that was not.
+        # Overlap in the folded text's positions: those of the findings the detectors gave.
         if any(finding.start < other.end and other.start < finding.end for other in chosen):
             continue
         chosen.append(finding)
     chosen.sort(key=lambda finding: finding.start)
     if folded is text:
         return chosen
-    original: list[Finding] = []
+    found: list[Finding] = []
     for finding in chosen:
         start, end = finding.start, finding.end
         if positions is not None:
-            start, end = positions[start], positions[end - 1] + 1
-        original.append(Finding(finding.entity, start, end, text[start:end]))
-    return original
+            start, end = positions.span(start, end)
+        found.append(Finding(finding.entity, start, end, text[start:end], finding.text))
+    return found

@@ -27,7 +27,9 @@ __all__ = [
 ]
 
 Numbering = Callable[[str, str], str]
-"""``(entity, value) -> placeholder``: how a masker numbers what it finds (a user's vault)."""
+"""``(entity, value) -> placeholder``: how a masker numbers what it finds (a user's vault);
+``value`` as the detectors read it ([`Finding.value`][keel.privacy.Finding]: JSON escapes
+decoded, invisible characters left out), so a value written two ways has one placeholder."""
 
 BatchNumbering = Callable[[Sequence[tuple[str, str]]], list[str]]
 """``[(entity, value), ...] -> [placeholder, ...]``: a [`Numbering`][] of all of a text's
@@ -149,7 +151,10 @@ class PIIMasker:
         found = [] if kept.clean_by_lines(text) else find_all(text, kept.detectors)
         if policy.presidio and self._presidio is not None:
             found = _merge(found, _presidio_findings(self._presidio, text))
-        return [finding for finding in found if finding.text not in policy.allow]
+        allow = policy.allow
+        if not allow:
+            return found
+        return [f for f in found if f.text not in allow and f.value not in allow]
 
     def mask(
         self,
@@ -200,7 +205,11 @@ class PIIMasker:
         found = self.findings(text, tenant_id=tenant_id)
         if not found:
             return MaskResult(text=text)
-        keys = list(dict.fromkeys((finding.entity, finding.text) for finding in found))
+        # Numbered by the value as the detectors read it: written escaped, with an invisible
+        # character or in fullwidth digits, it is the same value, with one placeholder.
+        keys = list(
+            dict.fromkeys((finding.entity, finding.folded or finding.text) for finding in found)
+        )
         if numbered is not None:
             numbering = dict(zip(keys, numbered(keys), strict=True))
         else:
@@ -214,7 +223,7 @@ class PIIMasker:
         counts: dict[str, int] = {}
         for finding in found:
             pieces.append(text[cursor : finding.start])
-            pieces.append(numbering[(finding.entity, finding.text)])
+            pieces.append(numbering[(finding.entity, finding.folded or finding.text)])
             cursor = finding.end
             counts[finding.entity] = counts.get(finding.entity, 0) + 1
         pieces.append(text[cursor:])

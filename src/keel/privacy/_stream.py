@@ -8,9 +8,11 @@ that more text can no longer change:
 
 * it ends at whitespace (no e-mail, key or token crosses it) at least ``hold_chars`` before the
   end of what was received, which is longer than any pattern that spans whitespace (IBANs,
-  cards and phone numbers in groups); with ``by_word``, it may also end right after a word
-  that holds a character none of those patterns can contain (a lowercase letter, say): no
-  such pattern can run across that word, so a reply streams word by word;
+  cards and phone numbers in groups), both counted as the detectors read the text (a value in
+  JSON escapes, ``\\u0034\\u0031...``, is longer as written); with ``by_word``, it may also
+  end right after a word that ends in a character none of those patterns can contain (a
+  lowercase letter, a comma, say), or in ones none starts with after such a character: no
+  such pattern can run on past that word, so a reply streams word by word;
 * nothing from a ``-----BEGIN`` block the mask has not masked (a PEM private key whose end
   has not arrived) onwards, whatever its length;
 * the masked prefix must be the start of the masked whole, so a finding still open across it
@@ -30,7 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from keel.privacy._detectors import fold
+from keel.privacy._detectors import fold, fold_map
 
 __all__ = ["RevealStream", "StreamMasker"]
 
@@ -48,7 +50,7 @@ class StreamMasker:
         max_word_chars: a run of text without whitespace longer than this is released up to
             ``hold_chars`` from its end (an e-mail address is at most 254 characters).
         by_word: release up to the end of a word that no whitespace-spanning pattern can
-            contain, without the hold-back. Only for masks whose findings that span whitespace
+            run on past, without the hold-back. Only for masks whose findings that span whitespace
             are made of digits, capitals and ``+()-./:`` (the built-in detectors'; see
             [`PIIMasker.streams_by_word`][]).
     """
@@ -127,52 +129,57 @@ class StreamMasker:
         return cut
 
     def _held_back_cut(self, text: str, block: int | None) -> int:
-        """The last whitespace at least ``hold_chars`` before the end (and before ``block``).
+        """The last whitespace at least ``hold_chars`` before the end (and before ``block``),
+        both counted in the text as the detectors read it (`fold`): a value written in JSON
+        escapes is up to six times as long (``\\u0034\\u0031...``), its whitespace may be an
+        escape (``\\u0020``, ``\\n``), and a cut never falls inside an escape."""
+        folded, positions = fold_map(text)
+        if positions is None:
+            return self._whitespace_cut(text, block)
+        cut = self._whitespace_cut(folded, None if block is None else positions.index(block))
+        return positions.span(cut, cut + 1)[0] if cut > 0 else 0
 
-        Characters are counted as the detectors read them, without format characters (see
-        `fold`): a value padded with zero-width spaces is as long to them as without, and
-        must be held back whole all the same."""
-        limit = _start_of_last(text, len(text), self.hold_chars)
+    def _whitespace_cut(self, text: str, block: int | None) -> int:
+        limit = len(text) - self.hold_chars
         if block is not None:
             limit = min(limit, block)
         if limit <= 0:
             return 0
         space = max(text.rfind(char, 0, limit) for char in _WHITESPACE)
-        run_too_long = _start_of_last(text, limit, self.max_word_chars + 1) >= max(space, 0)
-        if space > 0 and not run_too_long:
+        if space > 0 and limit - space <= self.max_word_chars:
             return space
         # A very long run without whitespace: release it up to the hold-back.
-        return limit if run_too_long else 0
+        return limit if limit - max(space, 0) > self.max_word_chars else 0
 
 
-def _visible(text: str) -> int:
-    """How many characters of ``text`` the detectors read (all but format characters)."""
-    return len(fold(text))
-
-
-def _start_of_last(text: str, end: int, count: int) -> int:
-    """Where the last ``count`` characters the detectors read of ``text[:end]`` start
-    (format characters are not counted): ``end - count`` when there are none, below 0 when
-    the text holds fewer."""
-    start = end - count
-    while start > 0:
-        missing = count - _visible(text[start:end])
-        if missing <= 0:
-            break
-        start -= missing
-    return start
-
-
-_SPANNING_CHARS = frozenset("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+()-./: ")
-"""Every character of the built-in findings that may hold whitespace (IBAN, card, phone), as
-the detectors read them (`fold`): a fullwidth digit or a
-no-break space between groups is one of these too."""
 _WHITESPACE = " \t\n\r"
+_TRAILING_RUN = re.compile(r"[0-9A-Z+()\-./: ]*\Z")
+"""The run at a word's end of the characters the built-in findings that may hold whitespace
+(IBAN, card, phone) are made of, as the detectors read them (`fold`): a fullwidth digit or a
+no-break space between groups is one of these too."""
+_STARTS_ONE = re.compile(r"(?<![0-9A-Za-z])[0-9A-Z(+]")
+"""Where such a finding may start: at a digit, a capital, "(" or "+", never right after a
+letter or a digit (it would continue a word, a number or a code)."""
+
+
+def _ends_a_finding_never_crosses(word: str) -> bool:
+    """Whether no whitespace-spanning finding can run on past the end of ``word``.
+
+    Such a finding holds the end of the word as the detectors read it (`fold`), back to where
+    it starts: so it cannot when the word ends in a character none holds ("Hello,"), or in a
+    run of characters they may hold after one they do not, none of which can start one
+    ("confirmed.", "mp3"). A run one can start in may: a card's first group in quotes
+    (``"4111``) or after an escaped space (``card\\u00204111`` reads "card 4111"); so may a
+    word made of such characters only (a group after another)."""
+    folded = fold(word)
+    run = _TRAILING_RUN.search(folded)
+    start = len(folded) if run is None else run.start()
+    return start > 0 and _STARTS_ONE.search(folded, start) is None
 
 
 def _last_safe_word_end(text: str, floor: int) -> int:
-    """The end of the last word after ``floor`` followed by whitespace that holds a character
-    no whitespace-spanning finding can contain (0: none)."""
+    """The end of the last word after ``floor`` followed by whitespace that no
+    whitespace-spanning finding can run on past (0: none)."""
     end = len(text)
     while end > floor:
         space = max(text.rfind(char, floor, end) for char in _WHITESPACE)
@@ -180,7 +187,7 @@ def _last_safe_word_end(text: str, floor: int) -> int:
             return 0
         start = max(text.rfind(char, floor, space) for char in _WHITESPACE) + 1
         word = text[start:space]
-        if word and not _SPANNING_CHARS.issuperset(fold(word)):
+        if word and _ends_a_finding_never_crosses(word):
             return space
         end = space
     return 0

@@ -1,7 +1,9 @@
 """The PII vault: stable placeholders for each tenant's and user's values, the values sealed.
 
 Within one tenant and user, one value has one placeholder for ever (``<EMAIL_3>`` is the same
-address in every turn, checkpoint, memory record and trace of that user, in every process).
+address in every turn, checkpoint, memory record and trace of that user, in every process). The
+value is the one the masker reads ([`Finding.value`][keel.privacy.Finding]): written in JSON
+escapes, or with an invisible character inside, it is the same value, kept as it reads.
 The way from a value to its placeholder is an HMAC under the user's data key, never a plain
 hash (a phone number or a zip code is easy to brute-force from an unkeyed one). The value
 itself is sealed with AES-256-GCM under that data key, bound to its owner and its row; the data
