@@ -271,3 +271,41 @@ def test_default_summarizer_follows_the_configured_model() -> None:
     assert isinstance(summarizer_for(ScriptedModel(model="gpt-4")), ExtractiveSummarizer)  # 8k
     chosen = summarizer_for(ScriptedModel(model="gpt-4o"))
     assert isinstance(chosen, ModelSummarizer) and chosen.model.profile.name == "gpt-4o"
+
+
+def _fold_messages(fold: int) -> list[Message]:
+    """One fold's turns: a fact, a repeat of an older fact, a decision, a tool call."""
+    return [
+        Message.user(f"My order number is {fold}. My order number is {fold // 3}."),
+        Message.assistant(f"I have booked slot {fold % 4} for you."),
+        Message.assistant(
+            "", tool_calls=[ToolCall(id=f"c{fold}", name="lookup", arguments=f'{{"n": {fold}}}')]
+        ),
+        Message.tool(f"c{fold}", f"order {fold}: shipped"),
+    ]
+
+
+def test_a_summary_extended_from_its_last_text_equals_one_read_afresh() -> None:
+    """The summarizer starts from its last summary's parsed lines when given that text back:
+    the summaries are those a summarizer reading every ``previous`` afresh writes, lines that
+    the cap dropped come back when said again, and a ``previous`` it did not write is read."""
+    counter = counter_for("gpt-4o")
+    kept = ExtractiveSummarizer()
+    previous = ""
+    for fold in range(40):
+        # A cap that drops old lines from fold 10 on; a text it did not write at fold 25.
+        if fold == 25:
+            previous = "Facts:\n- User said: My order number is 7.\n- Free text\nFree text"
+        request = SummaryRequest(
+            previous=previous,
+            messages=_fold_messages(fold),
+            max_tokens=120,
+            counter=counter,
+        )
+        fresh = ExtractiveSummarizer().summarize_sync(request)
+        extended = kept.summarize_sync(request)
+        assert extended == fresh, fold
+        assert counter.count_text(extended) <= 120
+        previous = extended
+    # The repeat of fold 39 // 3 = 13, dropped by the cap long ago, is a line again.
+    assert "User said: My order number is 13." in previous

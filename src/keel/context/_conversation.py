@@ -537,7 +537,8 @@ class Conversation:
         resummarized = False
         try:
             summary = await self._summarize_once(self._summary, said)
-            summary_tokens = self.counter.count_text(summary)
+            # By lines (exact): a summary repeats the last one's lines, counted before.
+            summary_tokens = self.counter.count_lines(summary)
             if summary_tokens > self.summary_cap:
                 resummarized = True
                 summary, summary_tokens = await self._condense(summary)

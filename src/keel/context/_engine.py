@@ -304,7 +304,8 @@ class ContextEngine:
             return last[1]
         block: tuple[Message | None, int, int] = (None, 0, 0)
         if summary.strip():
-            block = self._block(f"{SUMMARY_HEADING}\n{summary}")
+            # By lines: the summary's lines were counted when it was written.
+            block = self._block(f"{SUMMARY_HEADING}\n{summary}", by_lines=True)
         self._last_summary = (summary, block)
         return block
 

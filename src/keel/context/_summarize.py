@@ -149,6 +149,10 @@ class ExtractiveSummarizer:
         self.max_line_chars = max_line_chars
         # Lines survive from one summary to the next: count each one once.
         self._line_tokens: dict[tuple[str, str], int] = {}
+        # The last summary written, parsed, with its lines' keys: the next request's
+        # ``previous`` is almost always that text, and reading it again (split, normalize
+        # every line) would cost the whole summary's length at every fold.
+        self._last: tuple[str, dict[str, list[str]], dict[str, int]] | None = None
 
     async def summarize(self, request: SummaryRequest) -> str:
         """The merged summary, within ``request.max_tokens``."""
@@ -156,8 +160,7 @@ class ExtractiveSummarizer:
 
     def summarize_sync(self, request: SummaryRequest) -> str:
         """Synchronous form of [`summarize`][] (the work is pure CPU)."""
-        sections = parse_summary(request.previous)
-        seen = {_normalize(line) for lines in sections.values() for line in lines}
+        sections, seen = self._parsed(request.previous)
         results = {m.tool_call_id: m for m in request.messages if m.role == "tool"}
 
         def add(section: str, line: str) -> None:
@@ -165,7 +168,7 @@ class ExtractiveSummarizer:
             key = _normalize(line)
             if len(key) < 3 or key in seen:
                 return
-            seen.add(key)
+            seen[key] = 1
             sections[section].append(line)
 
         for message in request.messages:
@@ -200,7 +203,25 @@ class ExtractiveSummarizer:
                         add("Facts", sentence)
                 elif message.role == "system":
                     add("Facts", f"Note: {sentence}")
-        return self._fit(sections, request.counter, request.max_tokens)
+        text = self._fit(sections, request.counter, request.max_tokens, seen)
+        self._last = (text, sections, seen)
+        return text
+
+    def _parsed(self, previous: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+        """``previous``'s sections and their lines' keys (how many lines have each), copies
+        the caller may change: those of the last summary written when ``previous`` is that
+        text (parsing a rendered summary gives its sections back: each line is one clipped
+        line), else parsed."""
+        last = self._last
+        if last is not None and (last[0] is previous or last[0] == previous):
+            return {name: list(lines) for name, lines in last[1].items()}, dict(last[2])
+        sections = parse_summary(previous)
+        seen: dict[str, int] = {}
+        for lines in sections.values():
+            for line in lines:
+                key = _normalize(line)
+                seen[key] = seen.get(key, 0) + 1
+        return sections, seen
 
     def _count_line(self, counter: ChatTokenCounter, line: str) -> int:
         key = (counter.profile.encoding, line)
@@ -212,9 +233,18 @@ class ExtractiveSummarizer:
             self._line_tokens[key] = tokens
         return tokens
 
-    def _fit(self, sections: dict[str, list[str]], counter: ChatTokenCounter, cap: int) -> str:
+    def _fit(
+        self,
+        sections: dict[str, list[str]],
+        counter: ChatTokenCounter,
+        cap: int,
+        seen: dict[str, int] | None = None,
+    ) -> str:
+        """The sections rendered within ``cap`` tokens, oldest lines dropped first (from
+        ``sections``, and their keys from ``seen``). Counted by lines: exact, and a summary
+        that repeats the last one's lines tokenizes only its new ones."""
         text = render_summary(sections)
-        if counter.count_text(text) <= cap:
+        if counter.count_lines(text) <= cap:
             return text
         sizes = {
             name: [self._count_line(counter, line) for line in lines]
@@ -224,16 +254,27 @@ class ExtractiveSummarizer:
         headers = sum(counter.count_text(f"{name}:\n") for name in _SECTIONS)
         while sum(totals.values()) + headers > cap and any(sections.values()):
             name = max((n for n in _SECTIONS if sections[n]), key=lambda n: totals[n] / _WEIGHTS[n])
-            sections[name].pop(0)
+            _forget(seen, sections[name].pop(0))
             totals[name] -= sizes[name].pop(0)
         text = render_summary(sections)
-        while text and counter.count_text(text) > cap:
+        while text and counter.count_lines(text) > cap:
             # The per-line estimate can be off by a token or two at the seams.
             name = max((n for n in _SECTIONS if sections[n]), key=lambda n: totals[n])
-            sections[name].pop(0)
+            _forget(seen, sections[name].pop(0))
             totals[name] -= sizes[name].pop(0)
             text = render_summary(sections)
         return text
+
+
+def _forget(seen: dict[str, int] | None, line: str) -> None:
+    if seen is None:
+        return
+    key = _normalize(line)
+    left = seen.get(key, 0) - 1
+    if left > 0:
+        seen[key] = left
+    else:
+        seen.pop(key, None)
 
 
 # --- model -------------------------------------------------------------------------------
