@@ -35,7 +35,10 @@ docs:
 	HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 NO_PROXY= NO_MKDOCS_2_WARNING=1 \
 		.venv/bin/mkdocs build --strict
 
-# pytest exits 5 when it collected nothing: treated as a failure, never as a pass.
+# pytest exits 5 when it collected nothing: treated as a failure, never as a pass. Two test
+# processes (pytest-xdist), each test file whole in one of them (its module and package fixtures
+# built once); each process starts its own PostgreSQL and Redis. The random order's seed is
+# printed first: `.venv/bin/pytest -n 2 --dist loadfile -p randomly --randomly-seed=N` replays it.
 pytest:
-	@.venv/bin/pytest -q; status=$$?; \
+	@.venv/bin/pytest -q -n 2 --dist loadfile; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$status
