@@ -273,11 +273,60 @@ class _Escapes:
         return position - (self.ends[escape] - self.decoded_at[escape] - 1)
 
 
+# Left in a text once decoded, a ``\\uXXXX`` or an escaped backslash is the sign of JSON
+# encoded twice (a JSON text held in a JSON string); nothing else is: a Windows path written
+# once as JSON reads ``C:\\nina`` once decoded, which a second pass must not read as a line
+# break.
+_ESCAPED_TWICE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|\\)")
+
+
+class _TwiceEscaped(_Escapes):
+    """JSON decoded twice (or more): ``outer`` maps the once-decoded text to the original,
+    ``inner`` the text decoded again (``decoded``) to the once-decoded; each position goes
+    through both, so a character's span is the whole of its escape escaped again
+    (``\\\\u00f6``)."""
+
+    __slots__ = ("inner", "outer")
+
+    def __init__(self, outer: _Escapes, inner: _Escapes) -> None:
+        super().__init__(inner.decoded, [])
+        self.outer = outer
+        self.inner = inner
+
+    def start(self, at: int) -> int:
+        return self.outer.start(self.inner.start(at))
+
+    def end(self, at: int) -> int:
+        return self.outer.end(self.inner.end(at) - 1)
+
+    def count_before(self, position: int) -> int:
+        return self.inner.count_before(self.outer.count_before(position))
+
+
 def _unescaped(text: str) -> _Escapes | None:
     """``text`` with its JSON string escapes decoded, and where they stood; None if it holds
-    none (the caller looks for a backslash first: most texts have none). Split in C, each
-    escape looked up in a table: no Python call per escape (a JSON document written with
-    ASCII escapes holds thousands)."""
+    none (the caller looks for a backslash first: most texts have none). Decoded twice where
+    the once-decoded text still holds a ``\\uXXXX`` or an escaped backslash: a JSON text held
+    in a JSON string (a tool's JSON output in a result keel writes as JSON, an MCP server's
+    JSON text wrapped again) hides its values behind two levels of escapes."""
+    escapes = _unescaped_once(text)
+    if (
+        escapes is not None
+        and "\\" in escapes.decoded
+        and _ESCAPED_TWICE.search(escapes.decoded) is not None
+    ):
+        # Each level is shorter than the one it is decoded from: a JSON text wrapped three
+        # times is decoded three times, and the passes end.
+        inner = _unescaped(escapes.decoded)
+        if inner is not None:
+            return _TwiceEscaped(escapes, inner)
+    return escapes
+
+
+def _unescaped_once(text: str) -> _Escapes | None:
+    """One level of ``text``'s JSON escapes decoded, or None. Split in C, each escape looked
+    up in a table: no Python call per escape (a JSON document written with ASCII escapes
+    holds thousands)."""
     parts = _JSON_ESCAPE.split(text)
     if len(parts) == 1:
         return None

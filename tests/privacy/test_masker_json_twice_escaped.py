@@ -1,0 +1,114 @@
+"""JSON encoded twice: a JSON text held in a JSON string (``json.dumps({"content":
+json.dumps(...)})``, what a tool or an MCP server returns as JSON text once wrapped again, and
+what keel writes when a tool's result holds a JSON text) carries its values behind two levels
+of escapes: ``j\\\\u00f6rg``, ``4111\\\\u00201111``. Once decoded they still read as escapes, so
+the detectors read the text decoded again; the placeholder covers the value's whole span as
+written, each doubly escaped character in it whole, and the result is JSON at both levels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from keel.privacy import PIIMasker
+from keel.privacy._detectors import fold, fold_map
+
+TOKEN = "Q7wErTy8uIoP9aSdFgHj0kLz"
+INNER = {
+    "to": "jörg.müller@bücher.example",
+    "card": "4111\u00a01111\u00a01111\u00a01111",
+    "phone": "+1\u00a0415\u00a0555\u00a00132",
+    "auth": f"Bearer\n{TOKEN}",
+    "name": "Jörg",
+}
+MASKED = {
+    "to": "<EMAIL_1>",
+    "card": "<CREDIT_CARD_1>",
+    "phone": "<PHONE_1>",
+    "auth": "Bearer\n<BEARER_TOKEN_1>",
+    "name": "Jörg",
+}
+
+
+def test_a_json_text_in_a_json_string_is_masked_and_stays_json_at_both_levels() -> None:
+    written = json.dumps({"content": json.dumps(INNER)})
+    assert "j\\\\u00f6rg.m\\\\u00fcller" in written  # two levels of escapes, as the brief's
+    masked = PIIMasker().mask_text(written)
+    assert json.loads(json.loads(masked)["content"]) == MASKED
+    assert masked == json.dumps({"content": json.dumps(MASKED)})
+
+
+def test_each_finding_is_the_doubly_escaped_span_whole() -> None:
+    written = json.dumps({"content": json.dumps({"to": INNER["to"], "card": INNER["card"]})})
+    email, card = PIIMasker().findings(written)
+    assert email.text == r"j\\u00f6rg.m\\u00fcller@b\\u00fccher.example"
+    assert card.text == r"4111\\u00a01111\\u00a01111\\u00a01111"
+    assert (email.value, card.value) == ("jörg.müller@bücher.example", "4111 1111 1111 1111")
+    assert written[email.start - 2 : email.start] == '\\"'  # the quote before, left whole
+    assert written[email.end : email.end + 2] == '\\"'
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("caf\u00e9 ", " na\u00efve"),  # a doubly escaped character just before and after
+        ("\U0001f600", "\U0001f44d"),  # surrogate pairs, escaped again
+        ("\\", "\\"),  # backslashes: four in the text
+        ("\u00e9 \t", "\n"),  # short escapes, in a text that holds a \\uXXXX once decoded
+    ],
+)
+def test_doubly_escaped_characters_around_a_value_are_left_whole(before: str, after: str) -> None:
+    text = f"{before}+1 415 555 0132{after} {before}bob@example.com{after}"
+    masked = PIIMasker().mask_text(json.dumps({"content": json.dumps(text)}))
+    expected = f"{before}<PHONE_1>{after} {before}<EMAIL_1>{after}"
+    assert masked == json.dumps({"content": json.dumps(expected)})
+
+
+def test_the_escapes_as_written_by_hand_are_masked() -> None:
+    # Written as the brief had it: a space as its escape, which json.dumps never writes.
+    written = (
+        r'{"content": "{\"to\": \"j\\u00f6rg.m\\u00fcller@b\\u00fccher.example\", '
+        r'\"card\": \"4111\\u00201111\\u00201111\\u00201111\"}"}'
+    )
+    masked = PIIMasker().mask_text(written)
+    assert masked == r'{"content": "{\"to\": \"<EMAIL_1>\", \"card\": \"<CREDIT_CARD_1>\"}"}'
+    assert json.loads(json.loads(masked)["content"]) == {"to": "<EMAIL_1>", "card": "<CREDIT_CARD_1>"}
+
+
+def test_a_json_text_wrapped_three_times_is_masked() -> None:
+    written = json.dumps({"c": json.dumps({"content": json.dumps(INNER)})})
+    masked = PIIMasker().mask_text(written)
+    assert json.loads(json.loads(json.loads(masked)["c"])["content"]) == MASKED
+
+
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [
+        (r"j\\u00f6rg", "jörg"),  # twice
+        (r"C:\\nina", "C:\\nina"),  # a Windows path once: only \uXXXX or \\ is read twice
+        (r"C:\\\\nina \\u00f6", "C:\\nina ö"),  # the same path, twice
+        (r"j\\\\u00f6rg", "jörg"),  # three times
+        (r"j\\uzzzz", "j\\uzzzz"),  # no escape once decoded: read as it reads
+    ],
+)
+def test_a_text_is_decoded_again_only_while_it_still_holds_escapes(
+    written: str, read: str
+) -> None:
+    assert fold(written) == read
+
+
+def test_the_position_map_goes_through_both_levels() -> None:
+    written = r"a\\u00f6b\\u00fc"  # reads "aöbü"
+    folded, positions = fold_map(written)
+    assert folded == "aöbü" and positions is not None
+    assert [positions.span(at, at + 1) for at in range(4)] == [(0, 1), (1, 8), (8, 9), (9, 16)]
+    assert [positions.index(at) for at in (0, 1, 4, 8, 9, 16)] == [0, 1, 2, 2, 3, 4]
+
+
+def test_once_escaped_json_reads_as_before() -> None:
+    written = json.dumps({"path": "C:\\nina@example.com", "to": INNER["to"]})
+    assert json.loads(PIIMasker().mask_text(written)) == {
+        "path": "C:\\<EMAIL_1>",
+        "to": "<EMAIL_2>",
+    }
