@@ -13,7 +13,8 @@ one, the invisible characters inside it included. Before that, JSON's string esc
 as the characters they stand for (`_unescaped`): a tool's output written with
 ``json.dumps(..., ensure_ascii=True)`` holds ``j\\u00f6rg@b\\u00fccher.example``,
 ``+1 415\\u0020555 0132`` or ``Bearer\\nTOKEN``, and each escape stands for one character
-whose span is the whole escape. Addresses may hold any letters
+whose span is the whole escape; a JSON text held in a JSON string, escaped twice
+(``j\\\\u00f6rg``), is decoded again. Addresses may hold any letters
 (``jörg.müller@bücher.example``, a Cyrillic letter among Latin ones). A phone number needs a
 shape no count or date has (a ``+``, a trunk ``0``, ten digits in groups) or a word such as
 "call" or "Telefon" just before it; bare digits the text labels as an id
