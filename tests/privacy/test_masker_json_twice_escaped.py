@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from keel.privacy import PIIMasker
+from keel.privacy import PIIMasker, StreamMasker
 from keel.privacy._detectors import fold, fold_map
 
 TOKEN = "Q7wErTy8uIoP9aSdFgHj0kLz"
@@ -111,3 +111,16 @@ def test_once_escaped_json_reads_as_before() -> None:
         "path": "C:\\<EMAIL_1>",
         "to": "<EMAIL_2>",
     }
+
+
+@pytest.mark.parametrize("size", [1, 7])
+def test_a_stream_never_releases_a_doubly_escaped_value(size: int) -> None:
+    written = json.dumps({"content": json.dumps(INNER)})
+    masker = PIIMasker()
+    whole = masker.mask_text(written)
+    stream = StreamMasker(masker.mask_text, by_word=True)
+    shown = ""
+    for start in range(0, len(written), size):
+        shown += stream.feed(written[start : start + size])
+        assert whole.startswith(shown)
+    assert shown + stream.finish() == whole
