@@ -156,9 +156,13 @@ class Served:
 
 
 @contextlib.contextmanager
-def keel_serve(*arguments: str, env: dict[str, str], cwd: Path | None = None) -> Iterator[Served]:
+def keel_serve(
+    *arguments: str, env: dict[str, str], cwd: Path | None = None, until_said: bool = False
+) -> Iterator[Served]:
     """``keel serve ARGUMENTS`` as a subprocess on a free port (in ``cwd``), once its /health
-    answers; terminated (SIGTERM) afterwards."""
+    answers (with ``until_said``: once it printed its "listening on" line, as a script that
+    waits for that line would; the line stays the first of ``stdout``); terminated (SIGTERM)
+    afterwards."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "keel", "serve", "--port", str(port), *arguments],
@@ -169,9 +173,14 @@ def keel_serve(*arguments: str, env: dict[str, str], cwd: Path | None = None) ->
         text=True,
     )
     served = Served(f"http://127.0.0.1:{port}", process)
+    said = ""
     try:
+        if until_said:
+            assert process.stdout is not None
+            said = process.stdout.readline()  # "" once the process exits without saying it
+            assert said.startswith("keel serve: listening on"), said + process.communicate()[1]
         deadline = time.monotonic() + 90
-        while True:
+        while not until_said:
             assert process.poll() is None, process.communicate()[1]
             try:
                 if httpx.get(f"{served.url}/health", timeout=1).status_code == 200:
@@ -185,6 +194,7 @@ def keel_serve(*arguments: str, env: dict[str, str], cwd: Path | None = None) ->
         if process.poll() is None:
             process.terminate()
         served.stdout, served.stderr = process.communicate(timeout=60)
+        served.stdout = said + served.stdout
 
 
 def create_key(tenant: str, env: dict[str, str], user: str | None = None) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -168,7 +170,7 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 def _listening_line(
     listening: socket.socket, options: ServeOptions, settings: Settings, workers: int
 ) -> str:
-    """What ``keel serve`` says once it is about to take traffic: where, what, on what."""
+    """What ``keel serve`` says once it takes traffic: where, what, on what."""
     host, port = listening.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     serving = (
@@ -187,12 +189,21 @@ def _say(line: str) -> None:
 
 
 def _run_workers(
-    options: ServeOptions, workers: int, transport: dict[str, Any], listening: socket.socket
+    options: ServeOptions,
+    workers: int,
+    transport: dict[str, Any],
+    listening: socket.socket,
+    on_ready: Callable[[], None],
 ) -> None:
     """``workers`` processes, each building the service from ``options`` and draining on
-    SIGTERM as a single process does."""
+    SIGTERM as a single process does; ``on_ready`` once every one of them takes traffic.
+
+    Raises:
+        ConfigError: a worker stopped before it was ready (its error is in the log).
+    """
     import os
 
+    from keel.errors import ConfigError
     from keel.service._drain import DrainingMultiprocess
     from keel.service._factory import SERVE_ENV
     from keel.service._protocol import ServiceConfig
@@ -203,7 +214,13 @@ def _run_workers(
     config = ServiceConfig(
         "keel.service._factory:create", factory=True, workers=workers, **transport
     )
-    DrainingMultiprocess(config, sockets=[listening]).run()
+    supervisor = DrainingMultiprocess(config, sockets=[listening], on_ready=on_ready)
+    supervisor.run()
+    if supervisor.failed_exit_code is not None:
+        raise ConfigError(
+            f"a worker stopped before it was ready (exit code {supervisor.failed_exit_code}); "
+            "its error is logged above"
+        )
 
 
 @app.command("serve")
@@ -305,8 +322,8 @@ def serve_command(
         if workers > 1:
             _check_vault(settings)
             _check_agent(options, settings)
-            _say(_listening_line(listening, options, settings, workers))
-            _run_workers(options, workers, transport, listening)
+            line = _listening_line(listening, options, settings, workers)
+            _run_workers(options, workers, transport, listening, partial(_say, line))
         else:
             _run_one(options, settings, transport, listening)
     finally:
@@ -374,8 +391,11 @@ def _run_one(
 
     drain = Drain()
     service, _, _ = options.build(drain=drain, settings=settings)
-    _say(_listening_line(listening, options, settings, 1))
-    DrainingServer(ServiceConfig(service, **transport), drain).run(sockets=[listening])
+    # Said once the app's start-up (the agent's servers, the embedder, the connections) is
+    # done and the socket accepts: a client that waits for the line is then answered.
+    said = partial(_say, _listening_line(listening, options, settings, 1))
+    server = DrainingServer(ServiceConfig(service, **transport), drain, on_started=said)
+    server.run(sockets=[listening])
 
 
 @bench_app.command("serve")

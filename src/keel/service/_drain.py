@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -73,11 +74,21 @@ class DrainingServer(_server_base()):  # type: ignore[misc]
         drain: the app's [`Drain`][] (``create_app(drain=...)``).
         drain_timeout_s: the longest the turns in flight are waited for (default: the
             config's ``drain_timeout_s``, else 60 s).
+        on_started: called once the app's start-up is done and the socket accepts: a
+            request sent from then on is answered.
     """
 
-    def __init__(self, config: Any, drain: Drain, *, drain_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        drain: Drain,
+        *,
+        drain_timeout_s: float | None = None,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.drain = drain
+        self.on_started = on_started
         self._exit_after_drain: tuple[int, FrameType | None, float] | None = None
         self.drain_timeout_s = (
             drain_timeout_s
@@ -90,6 +101,8 @@ class DrainingServer(_server_base()):  # type: ignore[misc]
         # adds (its connections) is little.
         freeze_startup_heap()
         await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining:
@@ -130,7 +143,48 @@ class _DrainingProcess(_multiprocess_bases()[0]):  # type: ignore[misc]
 class DrainingMultiprocess(_multiprocess_bases()[1]):  # type: ignore[misc]
     """uvicorn's multi-process supervisor whose workers are [`DrainingServer`][] s: on
     SIGTERM each keeps serving, refusing new requests with 503, until its turns are done.
-    The app the workers load must use `worker_drain` as its drain."""
+    The app the workers load must use `worker_drain` as its drain.
+
+    Args:
+        config: uvicorn's ``Config``.
+        sockets: the listening sockets the workers share.
+        on_ready: called once every first worker has finished its start-up (agent,
+            embedder, connections) and accepts: a request sent from then on is answered.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        sockets: list[socket.socket],
+        *,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(config, sockets)
+        self.on_ready = on_ready
+        self.failed_exit_code: int | None = None
+        """The exit code of a first worker that stopped before it was ready (else None)."""
+
+    def init_processes(self) -> None:
+        super().init_processes()
+        # Until the first worker's start-up ends the socket does not even accept: a client
+        # told "listening" before then is refused. Wait for every worker, so that a request
+        # is never queued behind one still loading its embedder.
+        waiting = list(self.processes)
+        while waiting and not self.should_exit.is_set():
+            for process in list(waiting):
+                if not process.process.is_alive():
+                    process.join()
+                    self.failed_exit_code = process.exitcode
+                    # run() then stops the other workers and returns.
+                    self.should_exit.set()
+                    return
+                if process.is_ready(timeout=1):
+                    waiting.remove(process)
+            self.handle_signals()  # SIGTERM while starting: stop, never say ready
+            if waiting:
+                self.should_exit.wait(0.05)
+        if not waiting and not self.should_exit.is_set() and self.on_ready is not None:
+            self.on_ready()
 
     def run(self) -> None:
         from uvicorn.supervisors import multiprocess
