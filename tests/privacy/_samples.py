@@ -9,6 +9,7 @@ a leak says where it came from: the user's text, a tool's output, or the model's
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["MODEL_PII", "TOOL_PII", "USER_PII", "dump_sqlite", "leaks", "sentence"]
@@ -79,12 +80,17 @@ def dump_sqlite(path: Path) -> dict[str, str]:
     return dumped
 
 
-def leaks(dumped: dict[str, str], *sets: dict[str, str]) -> list[str]:
-    """``'KIND value in table'`` for every raw value found in the dump."""
+def leaks(
+    dumped: dict[str, str],
+    *sets: dict[str, str],
+    forms: Callable[[str], set[str]] = _raw_forms,
+) -> list[str]:
+    """``'KIND form in table'`` for every form of a value (``forms``: the ways it could be
+    written, raw by default) found in the dump."""
     found: list[str] = []
     for values in sets:
         for kind, value in values.items():
-            for form in _raw_forms(value):
+            for form in forms(value):
                 found.extend(
                     f"{kind} {form!r} in {table}" for table, text in dumped.items() if form in text
                 )

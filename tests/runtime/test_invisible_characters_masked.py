@@ -17,7 +17,7 @@ from keel.runtime import Agent, TextDelta
 from keel.stores import SQLiteDatabase
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
-from tests.privacy._samples import dump_sqlite
+from tests.privacy._samples import dump_sqlite, leaks
 from tests.runtime.conftest import sqlite_agent
 
 USER_VALUES = {
@@ -89,14 +89,7 @@ async def test_values_with_invisible_characters_never_reach_the_database(
     dumped = dump_sqlite(database)
     assert "send_receipt" in dumped["keel_tool_journal"]
     assert any(table.startswith("trace") for table in dumped)
-    leaked = [
-        f"{kind} {form!r} in {table}"
-        for values in (USER_VALUES, MODEL_VALUES)
-        for kind, value in values.items()
-        for form in _forms(value)
-        for table, text in dumped.items()
-        if form in text
-    ]
+    leaked = leaks(dumped, USER_VALUES, MODEL_VALUES, forms=_forms)
     assert leaked == []
     # The memory was written (masked): the values were in what it stores.
     assert any("memor" in table and "<EMAIL_" in text for table, text in dumped.items())

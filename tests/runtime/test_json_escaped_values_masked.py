@@ -19,7 +19,7 @@ from keel.privacy._detectors import fold
 from keel.runtime import Agent
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
-from tests.privacy._samples import dump_sqlite
+from tests.privacy._samples import dump_sqlite, leaks
 
 TOKEN = "Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2"
 VALUES = {
@@ -106,14 +106,7 @@ async def test_values_a_tool_wrote_in_json_escapes_never_reach_the_database(
     dumped = dump_sqlite(database)
     assert "open_ticket" in dumped["keel_tool_journal"]
     assert any(table.startswith("trace") for table in dumped)
-    leaked = [
-        f"{kind} {form!r} in {table}"
-        for values in (VALUES, USER_VALUES)
-        for kind, value in values.items()
-        for form in _forms(value)
-        for table, text in dumped.items()
-        if form in text
-    ]
+    leaked = leaks(dumped, VALUES, USER_VALUES, forms=_forms)
     assert leaked == []
     # What was looked in holds the values masked: the output in the journal, the user's
     # message in the memory.

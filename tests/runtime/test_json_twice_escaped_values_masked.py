@@ -19,7 +19,7 @@ from keel.messages import Message, ToolCall
 from keel.runtime import Agent
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
-from tests.privacy._samples import dump_sqlite
+from tests.privacy._samples import dump_sqlite, leaks
 
 TOKEN = "Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2"
 CUSTOMER = {
@@ -105,12 +105,6 @@ async def test_values_in_json_encoded_twice_never_reach_the_database(database: P
     assert "export_customer" in dumped["keel_tool_journal"]
     assert "fetch_customer" in dumped["keel_tool_journal"]
     assert any(table.startswith("trace") for table in dumped)
-    leaked = [
-        f"{field} {form!r} in {table}"
-        for field, value in [*CUSTOMER.items(), ("token", TOKEN)]
-        for form in _forms(value)
-        for table, text in dumped.items()
-        if form in text
-    ]
+    leaked = leaks(dumped, {**CUSTOMER, "token": TOKEN}, forms=_forms)
     assert leaked == []
     assert "<CREDIT_CARD_" in dumped["keel_tool_journal"]
