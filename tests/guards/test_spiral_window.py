@@ -65,3 +65,27 @@ def test_quiet_windows_warn_exactly_as_computed_ones() -> None:
         assert quick.record_call(**call) == computing.record_call(**call)
         for name in ("session:s1", "session:s2", "agent:a"):
             assert quick._scope(name).warned == computing._scope(name).warned
+
+
+def test_slow_first_tokens_that_left_the_window_compute_nothing_more() -> None:
+    """The window's time to first token is kept as calls come and go: once the slow ones have
+    left, a quiet call computes no window again (nor warns)."""
+    monitor = SpiralMonitor(SpiralThresholds(window=4, max_ttft_ms=400))
+    computed = [0]
+    compute = monitor._compute
+
+    def counting(name: str, scope: Any) -> Any:
+        computed[0] += 1
+        return compute(name, scope)
+
+    monitor._compute = counting  # type: ignore[method-assign]
+    crossed = [monitor.record_call(session_id="s", prompt_tokens=500, ttft_ms=900.5)]
+    crossed += [monitor.record_call(session_id="s", prompt_tokens=500, ttft_ms=900.5)]
+    assert [[snapshot.scope for snapshot in new] for new in crossed] == [["session:s"], []]
+    for _ in range(4):  # the slow calls leave the window of four
+        monitor.record_call(session_id="s", prompt_tokens=500, ttft_ms=20.25)
+    before = computed[0]
+    for _ in range(10):
+        assert monitor.record_call(session_id="s", prompt_tokens=500, ttft_ms=20.25) == []
+    assert computed[0] == before
+    assert monitor.snapshot(session_id="s").avg_ttft_ms == 20.25

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,3 +135,26 @@ def test_a_resumed_turn_still_finds_the_decision_its_crashed_run_journalled(
     assert reply.status == "tool_in_doubt", reply
     assert effects == ["CARD7"]
     assert fresh.calls == []
+
+
+_LITERALS = re.compile(r"'(?:[^']|'')*'|\b\d+(?:\.\d+)?(?:e[+-]?\d+)?\b")
+
+
+def _shapes(statements: list[str]) -> list[str]:
+    """The statements with their values left out (SQLite traces them with values bound)."""
+    return [_LITERALS.sub("?", sql) for sql in statements]
+
+
+def test_a_turn_runs_the_same_statements_however_long_the_session(tmp_path: Path) -> None:
+    """A turn's statements are the same on the session's 2nd turn and its 25th (seventy
+    checkpoints on): none is added, or run once more, per message or turn the session holds."""
+    agent = _agent(tmp_path)
+    try:
+        agent.handle_sync("s1", "u1", "warm up")
+        early = _shapes(_turn(agent, "find the record 1"))
+        for number in range(2, 24):
+            agent.handle_sync("s1", "u1", f"find the record {number}")
+        late = _shapes(_turn(agent, "find the record 24"))
+        assert late == early
+    finally:
+        agent.close()

@@ -109,15 +109,29 @@ class _Scope:
     warned: frozenset[str] = frozenset()
     retries: int = 0
     """Retries among ``calls``, kept as calls come and go (see `_Scope.add`)."""
+    measured: int = 0
+    """Calls among ``calls`` with a time to first token, kept like ``retries``."""
+    ttft_total: float = 0.0
+    """Their times to first token, summed, kept like ``retries``: every model call checks the
+    window's average, which then costs no pass over the window."""
 
     def add(self, call: _Call) -> None:
         """``call`` into the window (the oldest call leaves a full one)."""
         calls = self.calls
-        if calls.maxlen is not None and len(calls) == calls.maxlen and calls[0].retry:
-            self.retries -= 1
+        if calls.maxlen is not None and len(calls) == calls.maxlen:
+            leaving = calls[0]
+            if leaving.retry:
+                self.retries -= 1
+            if leaving.ttft_ms is not None:
+                self.measured -= 1
+                # Back to exactly zero with none left: no rounding carried past an empty window.
+                self.ttft_total = self.ttft_total - leaving.ttft_ms if self.measured else 0.0
         calls.append(call)
         if call.retry:
             self.retries += 1
+        if call.ttft_ms is not None:
+            self.measured += 1
+            self.ttft_total += call.ttft_ms
 
 
 class SpiralMonitor:
@@ -231,12 +245,9 @@ class SpiralMonitor:
             return None
         if scope.resets and scope.resets[-1] >= calls[0].at:
             return None  # a reset within the window's time span
-        total, measured = 0.0, 0
-        for call in calls:
-            if call.ttft_ms is not None:
-                total += call.ttft_ms
-                measured += 1
-        if measured and total / measured > self.thresholds.max_ttft_ms:
+        # The kept sum may be off by rounding: one near the threshold is computed exactly.
+        limit = self.thresholds.max_ttft_ms * scope.measured * (1 - 1e-9)
+        if scope.measured and scope.ttft_total > limit:
             return None
         return frozenset()
 
