@@ -124,3 +124,44 @@ def test_a_stream_never_releases_a_doubly_escaped_value(size: int) -> None:
         shown += stream.feed(written[start : start + size])
         assert whole.startswith(shown)
     assert shown + stream.finish() == whole
+
+
+@pytest.mark.parametrize(
+    ("entity", "value"),
+    [
+        ("CREDIT_CARD", "4111 1111 1111 1111"),
+        ("IBAN", "GB82 WEST 1234 5698 7654 32"),
+        ("API_KEY", "sk-live-Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2"),
+        ("EMAIL", "bob@example.com"),
+        ("PHONE", "+1 415 555 0132"),
+    ],
+)
+@pytest.mark.parametrize("escape", ["\n", "\t", "\r", '"'])
+def test_a_value_after_a_short_escape_in_json_encoded_twice_is_masked(
+    entity: str, value: str, escape: str
+) -> None:
+    # ASCII only: once decoded, no \uXXXX and no escaped backslash is left, only "\n" (say),
+    # which read as written glued the value to a letter ("n4111": no card; "nbob@...": the
+    # placeholder after a lone backslash, and the inner JSON no longer JSON).
+    text = f"on file:{escape}{value}{escape} ok"
+    written = json.dumps({"content": json.dumps({"note": text})})
+    masked = PIIMasker().mask_text(written)
+    expected = f"on file:{escape}<{entity}_1>{escape} ok"
+    assert masked == json.dumps({"content": json.dumps({"note": expected})})
+    assert json.loads(json.loads(masked)["content"])["note"] == expected
+
+
+def test_a_stream_reads_a_word_as_the_whole_text_reads_it() -> None:
+    # Alone, the word "hello\\nGB82" reads "hello\nGB82" (a backslash, an "n": no IBAN can
+    # start in "nGB82"); in the JSON text held in a JSON string it reads "hello", a line
+    # break, "GB82": the IBAN's first group, which must not be released before the rest.
+    inner = {"a": "caf\u00e9", "n": "ok hello\nGB82 WEST 1234 5698 7654 32 ok"}
+    written = json.dumps({"content": json.dumps(inner)})
+    masker = PIIMasker()
+    whole = masker.mask_text(written)
+    assert "<IBAN_1>" in whole
+    stream = StreamMasker(masker.mask_text, by_word=True)
+    cut = written.index("GB82 ") + len("GB82 ")
+    shown = stream.feed(written[:cut])
+    assert whole.startswith(shown), shown
+    assert shown + stream.feed(written[cut:]) + stream.finish() == whole

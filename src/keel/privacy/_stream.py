@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from keel.privacy._detectors import fold, fold_map
+from keel.privacy._detectors import FoldMap, fold_map
 
 __all__ = ["RevealStream", "StreamMasker"]
 
@@ -121,21 +121,27 @@ class StreamMasker:
         """Where the releasable prefix of the received text ends (0: nowhere yet)."""
         text = self._text
         block = self._open_block()
-        cut = self._held_back_cut(text, block)
+        # Both cuts are found in the text as the detectors read it (`fold`), whole: how an
+        # escape reads depends on the rest of the text (``\\n`` is a line break in a JSON
+        # text held in a JSON string, which a word read alone cannot tell).
+        folded, positions = fold_map(text)
+        cut = self._held_back_cut(folded, positions, block)
         if self.by_word:
-            word_end = _last_safe_word_end(text, self._cut_at)
+            floor = self._cut_at if positions is None else positions.index(self._cut_at)
+            word_end = _last_safe_word_end(folded, floor)
+            if word_end > 0 and positions is not None:
+                word_end = positions.span(word_end, word_end + 1)[0]
             if block is None or word_end <= block:
                 cut = max(cut, word_end)
         return cut
 
-    def _held_back_cut(self, text: str, block: int | None) -> int:
+    def _held_back_cut(self, folded: str, positions: FoldMap | None, block: int | None) -> int:
         """The last whitespace at least ``hold_chars`` before the end (and before ``block``),
-        both counted in the text as the detectors read it (`fold`): a value written in JSON
+        both counted in the text as the detectors read it (``folded``): a value written in JSON
         escapes is up to six times as long (``\\u0034\\u0031...``), its whitespace may be an
         escape (``\\u0020``, ``\\n``), and a cut never falls inside an escape."""
-        folded, positions = fold_map(text)
         if positions is None:
-            return self._whitespace_cut(text, block)
+            return self._whitespace_cut(folded, block)
         cut = self._whitespace_cut(folded, None if block is None else positions.index(block))
         return positions.span(cut, cut + 1)[0] if cut > 0 else 0
 
@@ -162,24 +168,26 @@ _STARTS_ONE = re.compile(r"(?<![0-9A-Za-z])[0-9A-Z(+]")
 letter or a digit (it would continue a word, a number or a code)."""
 
 
-def _ends_a_finding_never_crosses(word: str) -> bool:
-    """Whether no whitespace-spanning finding can run on past the end of ``word``.
+def _ends_a_finding_never_crosses(folded: str) -> bool:
+    """Whether no whitespace-spanning finding can run on past the end of a word (``folded``:
+    as the detectors read it, `fold`).
 
-    Such a finding holds the end of the word as the detectors read it (`fold`), back to where
+    Such a finding holds the end of the word as the detectors read it, back to where
     it starts: so it cannot when the word ends in a character none holds ("Hello,"), or in a
     run of characters they may hold after one they do not, none of which can start one
     ("confirmed.", "mp3"). A run one can start in may: a card's first group in quotes
     (``"4111``) or after an escaped space (``card\\u00204111`` reads "card 4111"); so may a
     word made of such characters only (a group after another)."""
-    folded = fold(word)
     run = _TRAILING_RUN.search(folded)
     start = len(folded) if run is None else run.start()
     return start > 0 and _STARTS_ONE.search(folded, start) is None
 
 
-def _last_safe_word_end(text: str, floor: int) -> int:
+def _last_safe_word_end(folded: str, floor: int) -> int:
     """The end of the last word after ``floor`` followed by whitespace that no
-    whitespace-spanning finding can run on past (0: none)."""
+    whitespace-spanning finding can run on past (0: none), in the text as the detectors read
+    it (``folded``)."""
+    text = folded
     end = len(text)
     while end > floor:
         space = max(text.rfind(char, floor, end) for char in _WHITESPACE)
