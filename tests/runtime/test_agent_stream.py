@@ -333,3 +333,27 @@ async def test_a_streamed_json_text_in_a_json_string_shows_no_value_before_its_p
     streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert "GB82" not in streamed, streamed
     assert streamed == reply.text and "<IBAN_1>" in streamed
+
+
+@pytest.mark.parametrize(
+    "begin",
+    [
+        "-----BE\u200bGIN PRIVATE KEY-----",  # an invisible character inside
+        "\\u002d----BEGIN PRIVATE KEY-----",  # in JSON, a dash escaped
+    ],
+)
+async def test_a_streamed_private_key_whose_begin_line_is_written_oddly_is_never_shown(
+    database: SQLiteDatabase, begin: str
+) -> None:
+    # The mask reads "-----BEGIN" as the detectors read the text and masks the key once its
+    # END comes; the stream looked for "-----BEGIN" as written, found none, and released the
+    # key's body 64 characters behind what had come.
+    body = "\\n".join(f"MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC{i}" for i in range(8))
+    answer = f'{{"key": "{begin}\\n{body}\\n-----END PRIVATE KEY-----", "ok": true}}'
+    agent = sqlite_agent(database, ScriptedModel([answer], stream_chunk_chars=7), [])
+    events = await _events(agent, "show the key")
+    assert isinstance(events[-1], TurnFinished)
+    reply = events[-1].reply
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert "MIIEvQ" not in streamed, streamed
+    assert streamed == reply.text and "<PRIVATE_KEY_1>" in streamed

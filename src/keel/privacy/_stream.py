@@ -107,24 +107,29 @@ class StreamMasker:
         self._released = whole
         return new
 
-    def _open_block(self) -> int | None:
-        """Where the first ``-----BEGIN`` block the mask has not masked (yet) starts."""
+    def _open_block(self, folded: str, positions: FoldMap | None) -> int | None:
+        """Where the first ``-----BEGIN`` block the mask has not masked (yet) starts, found in
+        the text as the detectors read it (``folded``): written with an invisible character
+        inside or in JSON escapes (``\\u002d----BEGIN``), the mask masks it once it ends, and
+        its body must not be released before."""
         text = self._text
-        start = text.find(_BLOCK_START)
+        start = folded.find(_BLOCK_START)
         while start != -1:
-            if self._mask(text[start:]).startswith(_BLOCK_START):
-                return start
-            start = text.find(_BLOCK_START, start + 1)
+            begin, end = start, start + len(_BLOCK_START)
+            if positions is not None:
+                begin, end = positions.span(begin, end)
+            if self._mask(text[begin:]).startswith(text[begin:end]):
+                return begin
+            start = folded.find(_BLOCK_START, start + 1)
         return None
 
     def _cut(self) -> int:
         """Where the releasable prefix of the received text ends (0: nowhere yet)."""
-        text = self._text
-        block = self._open_block()
-        # Both cuts are found in the text as the detectors read it (`fold`), whole: how an
-        # escape reads depends on the rest of the text (``\\n`` is a line break in a JSON
-        # text held in a JSON string, which a word read alone cannot tell).
-        folded, positions = fold_map(text)
+        # The block and both cuts are found in the text as the detectors read it (`fold`),
+        # whole: how an escape reads depends on the rest of the text (``\\n`` is a line break
+        # in a JSON text held in a JSON string, which a word read alone cannot tell).
+        folded, positions = fold_map(self._text)
+        block = self._open_block(folded, positions)
         cut = self._held_back_cut(folded, positions, block)
         if self.by_word:
             floor = self._cut_at if positions is None else positions.index(self._cut_at)
