@@ -14,7 +14,8 @@ that more text can no longer change:
   lowercase letter, a comma, say), or in ones none starts with after such a character: no
   such pattern can run on past that word, so a reply streams word by word;
 * nothing from a ``-----BEGIN`` block the mask has not masked (a PEM private key whose end
-  has not arrived) onwards, whatever its length;
+  has not arrived) onwards, whatever its length, found as the detectors read the text (an
+  invisible character or a JSON escape in it hides nothing);
 * the masked prefix must be the start of the masked whole, so a finding still open across it
   holds it back.
 
