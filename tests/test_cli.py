@@ -86,8 +86,12 @@ def test_doctor_says_the_default_model_is_a_demo_model_and_how_to_set_a_real_one
     bundled = " ".join(_keel("doctor").stdout.split())
     assert "model: local:smollm2" in bundled and "135M-parameter demo model" in bundled
     assert "KEEL_MODEL=openai:gpt-4o-mini" in bundled
-    real = _keel("doctor", env={"KEEL_MODEL": "scripted:echo"})
-    assert "model: scripted:echo" in real.stdout and "KEEL_MODEL" not in real.stdout
+    # A model server's URL may hold a password: the doctor's report hides it.
+    model = "openai-compatible:llama@http://proxy:s3cret-pw@10.1.2.3:8000/v1"
+    real = _keel("doctor", env={"KEEL_MODEL": model})
+    shown = "model: openai-compatible:llama@http://proxy:***@10.1.2.3:8000/v1"
+    assert shown in real.stdout and "KEEL_MODEL" not in real.stdout, real.stdout
+    assert "s3cret-pw" not in real.stdout + real.stderr
 
 
 def test_doctor_prints_what_it_found_as_written(tmp_path: Path) -> None:

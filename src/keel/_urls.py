@@ -40,7 +40,9 @@ _EXAMPLES: dict[DatabaseKind, str] = {
     "postgres": "postgresql://...",
     "redis": "redis://HOST:PORT/DB",
 }
-_PASSWORD = re.compile(r"(://[^:/@]*):[^@/]*@")
+# The user info ends at the authority's last "@" (as HTTP clients, redis-py and urllib read it):
+# a password may hold an "@" of its own, not percent-encoded, and all of it is hidden.
+_PASSWORD = re.compile(r"(://[^:/@]*):[^/?#]*@")
 
 
 @dataclass(frozen=True)

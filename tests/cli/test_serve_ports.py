@@ -72,3 +72,18 @@ def test_the_listening_line_masks_the_database_password(tmp_path: Path) -> None:
         f"keel serve: listening on http://127.0.0.1:{port} · model scripted:echo · "
         "database postgresql://keel:***@db.internal:5432/keel · 4 workers"
     )
+
+
+def test_the_listening_line_masks_the_model_servers_password(tmp_path: Path) -> None:
+    # The model spec names its server's URL, password and all, as a proxy's may hold one.
+    from keel.cli._serve import _listening_line
+    from keel.service import ServeOptions
+    from keel.settings import load_settings
+
+    settings = load_settings(data_dir=tmp_path)
+    options = ServeOptions(model="openai-compatible:llama@http://proxy:s3cret@pw@10.1.2.3:8000/v1")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        line = _listening_line(listening, options, settings, 1)
+    assert "model openai-compatible:llama@http://proxy:***@10.1.2.3:8000/v1 · " in line, line
+    assert "s3cret" not in line and "pw@" not in line

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keel.privacy import PIIMasker, StreamMasker
 from keel.privacy._detectors import fold, fold_map
@@ -124,3 +126,86 @@ def test_a_stream_never_releases_a_doubly_escaped_value(size: int) -> None:
         shown += stream.feed(written[start : start + size])
         assert whole.startswith(shown)
     assert shown + stream.finish() == whole
+
+
+@pytest.mark.parametrize(
+    ("entity", "value"),
+    [
+        ("CREDIT_CARD", "4111 1111 1111 1111"),
+        ("IBAN", "GB82 WEST 1234 5698 7654 32"),
+        ("API_KEY", "sk-live-Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2"),
+        ("EMAIL", "bob@example.com"),
+        ("PHONE", "+1 415 555 0132"),
+    ],
+)
+@pytest.mark.parametrize("escape", ["\n", "\t", "\r", '"'])
+def test_a_value_after_a_short_escape_in_json_encoded_twice_is_masked(
+    entity: str, value: str, escape: str
+) -> None:
+    # ASCII only: once decoded, no \uXXXX and no escaped backslash is left, only "\n" (say),
+    # which read as written glued the value to a letter ("n4111": no card; "nbob@...": the
+    # placeholder after a lone backslash, and the inner JSON no longer JSON).
+    text = f"on file:{escape}{value}{escape} ok"
+    written = json.dumps({"content": json.dumps({"note": text})})
+    masked = PIIMasker().mask_text(written)
+    expected = f"on file:{escape}<{entity}_1>{escape} ok"
+    assert masked == json.dumps({"content": json.dumps({"note": expected})})
+    assert json.loads(json.loads(masked)["content"])["note"] == expected
+
+
+def test_a_stream_reads_a_word_as_the_whole_text_reads_it() -> None:
+    # Alone, the word "hello\\nGB82" reads "hello\nGB82" (a backslash, an "n": no IBAN can
+    # start in "nGB82"); in the JSON text held in a JSON string it reads "hello", a line
+    # break, "GB82": the IBAN's first group, which must not be released before the rest.
+    inner = {"a": "caf\u00e9", "n": "ok hello\nGB82 WEST 1234 5698 7654 32 ok"}
+    written = json.dumps({"content": json.dumps(inner)})
+    masker = PIIMasker()
+    whole = masker.mask_text(written)
+    assert "<IBAN_1>" in whole
+    stream = StreamMasker(masker.mask_text, by_word=True)
+    cut = written.index("GB82 ") + len("GB82 ")
+    shown = stream.feed(written[:cut])
+    assert whole.startswith(shown), shown
+    assert shown + stream.feed(written[cut:]) + stream.finish() == whole
+
+
+_VALUES = {
+    "GB82 WEST 1234 5698 7654 32": "IBAN",
+    "4111 1111 1111 1111": "CREDIT_CARD",
+    "+1 415 555 0132": "PHONE",
+    "bob@example.com": "EMAIL",
+}
+_WORDS = ["ok", "hello", "Card:", "caf\u00e9", "\U0001f600", "C:\\nina", "ID"]
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    parts=st.lists(
+        st.tuples(st.sampled_from(_WORDS), st.sampled_from([*_VALUES, ""])), min_size=1, max_size=5
+    ),
+    breaks=st.lists(st.sampled_from([" ", "\n", "\t", ", "]), min_size=10, max_size=10),
+    levels=st.integers(1, 2),
+    size=st.integers(1, 9),
+)
+def test_a_stream_of_json_releases_only_the_start_of_the_masked_whole(
+    parts: list[tuple[str, str]], breaks: list[str], levels: int, size: int
+) -> None:
+    # Words and values, each after a line break, a tab or a space, in JSON once or twice: what
+    # a stream releases is always the start of the masked whole, and holds no value.
+    text = "".join(
+        f"{word}{breaks[i]}{value}{breaks[-1 - i]}" for i, (word, value) in enumerate(parts)
+    )
+    written = json.dumps({"note": text})
+    if levels == 2:
+        written = json.dumps({"content": written})
+    masker = PIIMasker()
+    whole = masker.mask_text(written)
+    stream = StreamMasker(masker.mask_text, by_word=True)
+    shown = ""
+    for start in range(0, len(written), size):
+        shown += stream.feed(written[start : start + size])
+        assert whole.startswith(shown)
+    assert shown + stream.finish() == whole
+    for value, entity in _VALUES.items():
+        assert value.split(" ")[0] not in fold(whole), (value, whole)
+        assert (f"<{entity}_" in whole) == any(value == part[1] for part in parts)

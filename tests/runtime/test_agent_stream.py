@@ -316,3 +316,44 @@ async def test_streamed_prefixes_stay_out_of_the_maskers_cache(database: SQLiteD
     cached = sum(len(results) for _, results in masker._results.values())
     # The messages (user text, the reply) are cached, not each of the 100 prefixes streamed.
     assert cached < 10, cached
+
+
+async def test_a_streamed_json_text_in_a_json_string_shows_no_value_before_its_placeholder(
+    database: SQLiteDatabase,
+) -> None:
+    # A reply that is a JSON text held in a JSON string: its "\\n" is a line break before the
+    # IBAN. The word "hello\\nGB82" read alone (a backslash, "nGB82": no IBAN starts there)
+    # released the IBAN's first group, one character at a time, before the rest came.
+    inner = {"a": "caf\u00e9", "n": "ok hello\nGB82 WEST 1234 5698 7654 32 ok"}
+    answer = json.dumps({"content": json.dumps(inner)})
+    agent = sqlite_agent(database, ScriptedModel([answer], stream_chunk_chars=1), [])
+    events = await _events(agent, "export it")
+    assert isinstance(events[-1], TurnFinished)
+    reply = events[-1].reply
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert "GB82" not in streamed, streamed
+    assert streamed == reply.text and "<IBAN_1>" in streamed
+
+
+@pytest.mark.parametrize(
+    "begin",
+    [
+        "-----BE\u200bGIN PRIVATE KEY-----",  # an invisible character inside
+        "\\u002d----BEGIN PRIVATE KEY-----",  # in JSON, a dash escaped
+    ],
+)
+async def test_a_streamed_private_key_whose_begin_line_is_written_oddly_is_never_shown(
+    database: SQLiteDatabase, begin: str
+) -> None:
+    # The mask reads "-----BEGIN" as the detectors read the text and masks the key once its
+    # END comes; the stream looked for "-----BEGIN" as written, found none, and released the
+    # key's body 64 characters behind what had come.
+    body = "\\n".join(f"MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC{i}" for i in range(8))
+    answer = f'{{"key": "{begin}\\n{body}\\n-----END PRIVATE KEY-----", "ok": true}}'
+    agent = sqlite_agent(database, ScriptedModel([answer], stream_chunk_chars=7), [])
+    events = await _events(agent, "show the key")
+    assert isinstance(events[-1], TurnFinished)
+    reply = events[-1].reply
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert "MIIEvQ" not in streamed, streamed
+    assert streamed == reply.text and "<PRIVATE_KEY_1>" in streamed

@@ -72,12 +72,14 @@ def test_only_the_servers_own_address_is_kept_in_an_error(
     assert "ana@example.com" not in reply.error and "10.20.30.40" not in reply.error
 
 
-def test_a_password_in_the_model_servers_url_is_never_shown_nor_stored() -> None:
+@pytest.mark.parametrize("password", ["s3cret-tail7Qv", "s3cret@tail7Qv"])
+def test_a_password_in_the_model_servers_url_is_never_shown_nor_stored(password: str) -> None:
     """The acceptance run found ``cannot reach http://user:PASSWORD@host/v1`` in the reply's
     error (an HTTP client reads it) and in the traces, and the spec, password and all, as the
-    model step's name."""
+    model step's name. A password may hold an "@" (httpx reads the user info up to the last
+    one): its part after the "@" was shown."""
     port = _closed_port()
-    url = f"http://proxy:s3cret-pw@127.0.0.1:{port}/v1"
+    url = f"http://proxy:{password}@127.0.0.1:{port}/v1"
     once = RetryPolicy(max_attempts=1)  # one refused connection says it all
     model = OpenAICompatibleModel("m", base_url=url, api_key="unused", retry=once)
     agent = Agent.open(model=model, memory=False, system_prompt="You help.")
@@ -89,5 +91,7 @@ def test_a_password_in_the_model_servers_url_is_never_shown_nor_stored() -> None
     assert reply.error is not None and detail is not None
     assert f"http://proxy:***@127.0.0.1:{port}/v1" in reply.error, reply.error
     stored = detail.model_dump_json()
-    assert "s3cret-pw" not in stored and "proxy:***@" in stored, stored
-    assert "s3cret-pw" not in agent.model.spec
+    assert "s3cret" not in stored and "tail7Qv" not in stored, stored
+    assert "proxy:***@" in stored, stored
+    assert "s3cret" not in agent.model.spec and "tail7Qv" not in agent.model.spec
+    assert "tail7Qv" not in reply.error

@@ -16,6 +16,7 @@ import pytest
 
 from keel.messages import Message, ToolCall
 from keel.runtime import Agent
+from keel.settings import load_settings
 from keel.state import MachineState, StateMachine, Transition
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import NestedArgumentsWarning, tool
@@ -248,3 +249,36 @@ async def test_a_lone_surrogate_in_a_calls_arguments_does_not_fail_the_turn(
     assert reply_to_user.status == "completed", reply_to_user
     assert sent == [("mallory.x7q@example.org", "thanks \ud83d")]
     assert "mallory.x7q" not in dump_sqlite(database)["keel_tool_journal"]
+
+
+async def test_two_values_the_model_wrote_for_a_tool_that_sees_none_get_two_placeholders(
+    database: Path,
+) -> None:
+    # Without a vault a masker numbers placeholders per text: each string masked alone made
+    # both addresses <EMAIL_1> (one value told twice), and, as keys, one entry of two.
+    seen_by_tagger.clear()
+    arguments = {
+        "labels": {"mallory.x7q@example.org": "vip", "trent.k4v@example.net": "churned"},
+        "account": 7,
+    }
+
+    def reply(call: ScriptedCall) -> Message | str:
+        if any(m.role == "tool" for m in call.messages):
+            return "Done."
+        written = ToolCall(id="c1", name="tag_contacts", arguments=json.dumps(arguments))
+        return Message.assistant("", tool_calls=[written])
+
+    agent = Agent.open(
+        f"sqlite:///{database}",
+        system_prompt="You tag contacts.",
+        model=ScriptedModel(reply),
+        tools=[tag_contacts],
+        memory=False,
+        settings=load_settings(data_dir=database.parent, pii_vault=False),
+    )
+    try:
+        reply_to_user = await agent.run("Tag my contacts.", session="s1", user="u1")
+    finally:
+        await agent.aclose()
+    assert reply_to_user.status == "completed", reply_to_user
+    assert seen_by_tagger == [({"<EMAIL_1>": "vip", "<EMAIL_2>": "churned"}, 7)], seen_by_tagger

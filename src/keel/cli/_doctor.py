@@ -258,7 +258,7 @@ def doctor_command(
         emit_json(
             {
                 "healthy": healthy,
-                "model": settings.model,
+                "model": redact_url(settings.model),
                 "model_note": note,
                 "checks": [check.__dict__ for check in checks],
             }
@@ -272,7 +272,7 @@ def doctor_command(
         verdict = "healthy" if healthy else "NOT healthy"
         where = "embedded default" if settings.sqlite_path is not None else "deployment"
         out_console.print(f"{where}: {verdict}")
-        out_console.print(f"model: {settings.model}", markup=False)
+        out_console.print(f"model: {redact_url(settings.model)}", markup=False)
         if note is not None:
             out_console.print(f"[yellow]note[/] {escape(note)}", highlight=False)
     if not healthy:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from keel._urls import redact_url
 from keel.cli._app import app, bench_app, emit_json, err_console, out_console
 from keel.cli._database import CreateOption, DatabaseOption
 
@@ -173,8 +174,11 @@ def _listening_line(
     """What ``keel serve`` says once it takes traffic: where, what, on what."""
     host, port = listening.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
+    # A model server's URL in the spec may hold a password: the line goes to every log.
     serving = (
-        f"agent {options.agent}" if options.agent else f"model {options.model or settings.model}"
+        f"agent {options.agent}"
+        if options.agent
+        else f"model {redact_url(options.model or settings.model)}"
     )
     count = "1 worker" if workers == 1 else f"{workers} workers"
     database = settings.parsed_database.redacted

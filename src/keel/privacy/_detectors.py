@@ -230,6 +230,11 @@ class _Escapes:
         self.starts: list[int] = []
         self.ends: list[int] = []
 
+    def holds(self, escape: str) -> bool:
+        """Whether ``escape`` is one of the escapes decoded (an escaped backslash before a
+        quote, ``\\\\"``, is not an escaped quote)."""
+        return escape in self._parts[1::2]
+
     def _locate(self) -> None:
         if self.starts:
             return
@@ -275,10 +280,14 @@ class _Escapes:
 
 
 # Left in a text once decoded, a ``\\uXXXX`` or an escaped backslash is the sign of JSON
-# encoded twice (a JSON text held in a JSON string); nothing else is: a Windows path written
-# once as JSON reads ``C:\\nina`` once decoded, which a second pass must not read as a line
-# break.
+# encoded twice (a JSON text held in a JSON string). Any other escape left is one too where the
+# text holds an escaped quote: a JSON text's strings are quoted, so one held in a JSON string
+# has its quotes escaped (``{\\"note\\": \\"Card:\\\\n4111 ...\\"}``), and its ``\\n`` left
+# undecoded would glue the value after it to a letter ("n4111": no card, the address
+# "nbob@..."). Without an escaped quote it is not: a Windows path written once as JSON reads
+# ``C:\\nina`` once decoded, which a second pass must not read as a line break.
 _ESCAPED_TWICE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|\\)")
+_ESCAPED_AGAIN = re.compile(r"\\[\"/bfnrt]")
 
 
 class _TwiceEscaped(_Escapes):
@@ -307,14 +316,18 @@ class _TwiceEscaped(_Escapes):
 def _unescaped(text: str) -> _Escapes | None:
     """``text`` with its JSON string escapes decoded, and where they stood; None if it holds
     none (the caller looks for a backslash first: most texts have none). Decoded twice where
-    the once-decoded text still holds a ``\\uXXXX`` or an escaped backslash: a JSON text held
+    the once-decoded text still holds a ``\\uXXXX`` or an escaped backslash, or any escape when
+    ``text`` holds an escaped quote (`_ESCAPED_TWICE`): a JSON text held
     in a JSON string (a tool's JSON output in a result keel writes as JSON, an MCP server's
     JSON text wrapped again) hides its values behind two levels of escapes."""
     escapes = _unescaped_once(text)
     if (
         escapes is not None
         and "\\" in escapes.decoded
-        and _ESCAPED_TWICE.search(escapes.decoded) is not None
+        and (
+            _ESCAPED_TWICE.search(escapes.decoded) is not None
+            or (escapes.holds('\\"') and _ESCAPED_AGAIN.search(escapes.decoded) is not None)
+        )
     ):
         # Each level is shorter than the one it is decoded from: a JSON text wrapped three
         # times is decoded three times, and the passes end.

@@ -293,6 +293,10 @@ _CLEAN_LINES = 8192
 _LONGEST_KEPT_LINE = 2048
 """A longer line is scanned whenever it comes back, never kept: the lines kept stay bounded in
 characters (16M at most a policy), whatever a tool's output holds."""
+_READ_AGAIN = re.compile(r"\\\\|\\u005[cC]")
+"""An escaped backslash: once decoded, a backslash is left that may start an escape the
+detectors read in a second pass, and whether they make one depends on the whole text (`fold`:
+an escaped quote or a ``\\uXXXX`` in another line). A line holding one is not judged alone."""
 
 
 class _PolicyDetectors:
@@ -334,6 +338,8 @@ class _PolicyDetectors:
         clean = self.clean_lines
         new = [line for line in dict.fromkeys(text.split("\n")) if line not in clean]
         unseen = "\n".join(new)
+        if "\\" in unseen and _READ_AGAIN.search(unseen) is not None:
+            return False
         # The detectors read the folded text (fullwidth letters in "bearer", a BEGIN line with a
         # no-break space, an id label after one are theirs): so do the line rules.
         folded = fold(unseen)

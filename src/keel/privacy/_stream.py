@@ -14,7 +14,8 @@ that more text can no longer change:
   lowercase letter, a comma, say), or in ones none starts with after such a character: no
   such pattern can run on past that word, so a reply streams word by word;
 * nothing from a ``-----BEGIN`` block the mask has not masked (a PEM private key whose end
-  has not arrived) onwards, whatever its length;
+  has not arrived) onwards, whatever its length, found as the detectors read the text (an
+  invisible character or a JSON escape in it hides nothing);
 * the masked prefix must be the start of the masked whole, so a finding still open across it
   holds it back.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from keel.privacy._detectors import fold, fold_map
+from keel.privacy._detectors import FoldMap, fold_map
 
 __all__ = ["RevealStream", "StreamMasker"]
 
@@ -107,35 +108,46 @@ class StreamMasker:
         self._released = whole
         return new
 
-    def _open_block(self) -> int | None:
-        """Where the first ``-----BEGIN`` block the mask has not masked (yet) starts."""
+    def _open_block(self, folded: str, positions: FoldMap | None) -> int | None:
+        """Where the first ``-----BEGIN`` block the mask has not masked (yet) starts, found in
+        the text as the detectors read it (``folded``): written with an invisible character
+        inside or in JSON escapes (``\\u002d----BEGIN``), the mask masks it once it ends, and
+        its body must not be released before."""
         text = self._text
-        start = text.find(_BLOCK_START)
+        start = folded.find(_BLOCK_START)
         while start != -1:
-            if self._mask(text[start:]).startswith(_BLOCK_START):
-                return start
-            start = text.find(_BLOCK_START, start + 1)
+            begin, end = start, start + len(_BLOCK_START)
+            if positions is not None:
+                begin, end = positions.span(begin, end)
+            if self._mask(text[begin:]).startswith(text[begin:end]):
+                return begin
+            start = folded.find(_BLOCK_START, start + 1)
         return None
 
     def _cut(self) -> int:
         """Where the releasable prefix of the received text ends (0: nowhere yet)."""
-        text = self._text
-        block = self._open_block()
-        cut = self._held_back_cut(text, block)
+        # The block and both cuts are found in the text as the detectors read it (`fold`),
+        # whole: how an escape reads depends on the rest of the text (``\\n`` is a line break
+        # in a JSON text held in a JSON string, which a word read alone cannot tell).
+        folded, positions = fold_map(self._text)
+        block = self._open_block(folded, positions)
+        cut = self._held_back_cut(folded, positions, block)
         if self.by_word:
-            word_end = _last_safe_word_end(text, self._cut_at)
+            floor = self._cut_at if positions is None else positions.index(self._cut_at)
+            word_end = _last_safe_word_end(folded, floor)
+            if word_end > 0 and positions is not None:
+                word_end = positions.span(word_end, word_end + 1)[0]
             if block is None or word_end <= block:
                 cut = max(cut, word_end)
         return cut
 
-    def _held_back_cut(self, text: str, block: int | None) -> int:
+    def _held_back_cut(self, folded: str, positions: FoldMap | None, block: int | None) -> int:
         """The last whitespace at least ``hold_chars`` before the end (and before ``block``),
-        both counted in the text as the detectors read it (`fold`): a value written in JSON
+        both counted in the text as the detectors read it (``folded``): a value written in JSON
         escapes is up to six times as long (``\\u0034\\u0031...``), its whitespace may be an
         escape (``\\u0020``, ``\\n``), and a cut never falls inside an escape."""
-        folded, positions = fold_map(text)
         if positions is None:
-            return self._whitespace_cut(text, block)
+            return self._whitespace_cut(folded, block)
         cut = self._whitespace_cut(folded, None if block is None else positions.index(block))
         return positions.span(cut, cut + 1)[0] if cut > 0 else 0
 
@@ -162,24 +174,26 @@ _STARTS_ONE = re.compile(r"(?<![0-9A-Za-z])[0-9A-Z(+]")
 letter or a digit (it would continue a word, a number or a code)."""
 
 
-def _ends_a_finding_never_crosses(word: str) -> bool:
-    """Whether no whitespace-spanning finding can run on past the end of ``word``.
+def _ends_a_finding_never_crosses(folded: str) -> bool:
+    """Whether no whitespace-spanning finding can run on past the end of a word (``folded``:
+    as the detectors read it, `fold`).
 
-    Such a finding holds the end of the word as the detectors read it (`fold`), back to where
+    Such a finding holds the end of the word as the detectors read it, back to where
     it starts: so it cannot when the word ends in a character none holds ("Hello,"), or in a
     run of characters they may hold after one they do not, none of which can start one
     ("confirmed.", "mp3"). A run one can start in may: a card's first group in quotes
     (``"4111``) or after an escaped space (``card\\u00204111`` reads "card 4111"); so may a
     word made of such characters only (a group after another)."""
-    folded = fold(word)
     run = _TRAILING_RUN.search(folded)
     start = len(folded) if run is None else run.start()
     return start > 0 and _STARTS_ONE.search(folded, start) is None
 
 
-def _last_safe_word_end(text: str, floor: int) -> int:
+def _last_safe_word_end(folded: str, floor: int) -> int:
     """The end of the last word after ``floor`` followed by whitespace that no
-    whitespace-spanning finding can run on past (0: none)."""
+    whitespace-spanning finding can run on past (0: none), in the text as the detectors read
+    it (``folded``)."""
+    text = folded
     end = len(text)
     while end > floor:
         space = max(text.rfind(char, floor, end) for char in _WHITESPACE)
