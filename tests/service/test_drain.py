@@ -8,8 +8,10 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from keel.service import APIKeys, Drain, DrainingServer, ServiceAgents, create_app
 from keel.settings import load_settings
@@ -100,3 +102,32 @@ def test_a_streamed_turn_counts_as_in_flight_until_its_last_event_is_sent(
     finally:
         gc.unfreeze()
         backends.close()
+
+
+def test_a_worker_builds_its_server_before_the_health_check_thread_can_read_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both threads reaching the lazy property at once could each build a server: the pings
+    # would then read one that never starts. Forced: the health-check thread is recorded,
+    # not run, and must find the server the worker runs already built.
+    from uvicorn import Config
+    from uvicorn.supervisors import multiprocess
+
+    from keel.service import _drain
+
+    ran: list[object] = []
+    seen_by_thread: list[object] = []
+
+    class RecordedThread:
+        def __init__(self, target: Any, daemon: bool) -> None:
+            self.owner = target.__self__
+
+        def start(self) -> None:
+            seen_by_thread.append(self.owner.__dict__.get("_server"))
+
+    monkeypatch.setattr(multiprocess.threading, "Thread", RecordedThread)
+    monkeypatch.setattr(_drain.DrainingServer, "run", lambda server, sockets=None: ran.append(server))
+    worker = _drain._DrainingProcess(Config(app=lambda scope: None), sockets=[])
+    worker.target(sockets=None)
+    assert seen_by_thread and seen_by_thread[0] is not None
+    assert ran == seen_by_thread

@@ -139,6 +139,13 @@ class _DrainingProcess(_multiprocess_bases()[0]):  # type: ignore[misc]
             server = self._server = DrainingServer(self.config, worker_drain())
         return server
 
+    def target(self, sockets: list[socket.socket] | None = None) -> None:
+        # Built before uvicorn starts the health-check thread: were both threads to build it
+        # lazily at once, the pings could read a server that never starts, and the
+        # supervisor would wait for a ready worker for ever.
+        _ = self.server
+        super().target(sockets)
+
 
 class DrainingMultiprocess(_multiprocess_bases()[1]):  # type: ignore[misc]
     """uvicorn's multi-process supervisor whose workers are [`DrainingServer`][] s: on
