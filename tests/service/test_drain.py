@@ -126,7 +126,9 @@ def test_a_worker_builds_its_server_before_the_health_check_thread_can_read_it(
             seen_by_thread.append(self.owner.__dict__.get("_server"))
 
     monkeypatch.setattr(multiprocess.threading, "Thread", RecordedThread)
-    monkeypatch.setattr(_drain.DrainingServer, "run", lambda server, sockets=None: ran.append(server))
+    monkeypatch.setattr(
+        _drain.DrainingServer, "run", lambda server, sockets=None: ran.append(server)
+    )
     worker = _drain._DrainingProcess(Config(app=lambda scope: None), sockets=[])
     worker.target(sockets=None)
     assert seen_by_thread and seen_by_thread[0] is not None
