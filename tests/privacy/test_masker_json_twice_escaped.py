@@ -124,3 +124,20 @@ def test_a_stream_never_releases_a_doubly_escaped_value(size: int) -> None:
         shown += stream.feed(written[start : start + size])
         assert whole.startswith(shown)
     assert shown + stream.finish() == whole
+
+
+def test_a_json_text_in_a_json_string_with_short_escapes_only_is_read_decoded_twice() -> None:
+    # No \uXXXX once decoded, only "\n": read as written once, the address would start at the
+    # "n" and its mask leave the inner JSON a lone backslash ("\<EMAIL_1>"); the text's quotes
+    # escaped say it is JSON encoded twice, so the reading decoded twice places the spans.
+    inner = {"note": "mail\nbob@example.com\ncard\n4111 1111 1111 1111"}
+    written = json.dumps({"content": json.dumps(inner)})
+    masked = PIIMasker().mask_text(written)
+    assert json.loads(json.loads(masked)["content"]) == {
+        "note": "mail\n<EMAIL_1>\ncard\n<CREDIT_CARD_1>"
+    }
+    # Without escaped quotes a backslash before a letter is first a backslash (a Windows path),
+    # and what only the other reading finds is masked too.
+    assert PIIMasker().mask_text(r"C:\\nina@example.com \\n4111 1111 1111 1111") == (
+        r"C:\\<EMAIL_1> \\n<CREDIT_CARD_1>"
+    )

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel.errors import ConfigError
-from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all, fold
+from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all, fold_readings
 
 __all__ = [
     "DEFAULT_MASKER",
@@ -336,14 +336,17 @@ class _PolicyDetectors:
         unseen = "\n".join(new)
         # The detectors read the folded text (fullwidth letters in "bearer", a BEGIN line with a
         # no-break space, an id label after one are theirs): so do the line rules.
-        folded = fold(unseen)
-        if new and any(pattern.search(folded) for pattern in self.continues):
+        # Both readings of a text whose escapes read two ways (`fold_readings`).
+        readings = [folded for folded, _ in fold_readings(unseen)]
+        if new and any(pattern.search(folded) for folded in readings for pattern in self.continues):
             return False
         if new and find_all(unseen, self.line_bound):
             return False
         if self.whole and find_all(text, self.whole):
             return False
-        if new and not any(detector.drops_for(folded) for detector in self.line_bound):
+        if new and not any(
+            detector.drops_for(folded) for folded in readings for detector in self.line_bound
+        ):
             for line in new:
                 if len(line) > _LONGEST_KEPT_LINE:
                     continue

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from keel.privacy._detectors import fold, fold_map
+from keel.privacy._detectors import fold_map, fold_readings
 
 __all__ = ["RevealStream", "StreamMasker"]
 
@@ -171,10 +171,12 @@ def _ends_a_finding_never_crosses(word: str) -> bool:
     ("confirmed.", "mp3"). A run one can start in may: a card's first group in quotes
     (``"4111``) or after an escaped space (``card\\u00204111`` reads "card 4111"); so may a
     word made of such characters only (a group after another)."""
-    folded = fold(word)
-    run = _TRAILING_RUN.search(folded)
-    start = len(folded) if run is None else run.start()
-    return start > 0 and _STARTS_ONE.search(folded, start) is None
+    for folded, _ in fold_readings(word):  # each way a word with short escapes reads
+        run = _TRAILING_RUN.search(folded)
+        start = len(folded) if run is None else run.start()
+        if start == 0 or _STARTS_ONE.search(folded, start) is not None:
+            return False
+    return True
 
 
 def _last_safe_word_end(text: str, floor: int) -> int:
