@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from keel.privacy._detectors import fold_map, fold_readings
+from keel.privacy._detectors import FoldMap, fold_map, fold_readings
 
 __all__ = ["RevealStream", "StreamMasker"]
 
@@ -107,33 +107,39 @@ class StreamMasker:
         self._released = whole
         return new
 
-    def _open_block(self) -> int | None:
-        """Where the first ``-----BEGIN`` block the mask has not masked (yet) starts."""
-        text = self._text
-        start = text.find(_BLOCK_START)
+    def _open_block(self, text: str, folded: str, positions: FoldMap | None) -> int | None:
+        """Where the first ``-----BEGIN`` block the mask has not masked (yet) starts, found as
+        the detectors read the text (``folded``): a block in a JSON string may be written with
+        escapes (``\\u002d``) or an invisible character inside its ``-----BEGIN``."""
+        start = folded.find(_BLOCK_START)
         while start != -1:
-            if self._mask(text[start:]).startswith(_BLOCK_START):
-                return start
-            start = text.find(_BLOCK_START, start + 1)
+            at, end = start, start + len(_BLOCK_START)
+            if positions is not None:
+                at, end = positions.span(at, end)
+            if self._mask(text[at:]).startswith(text[at:end]):
+                return at
+            start = folded.find(_BLOCK_START, start + 1)
         return None
 
     def _cut(self) -> int:
         """Where the releasable prefix of the received text ends (0: nowhere yet)."""
         text = self._text
-        block = self._open_block()
-        cut = self._held_back_cut(text, block)
+        folded, positions = fold_map(text)
+        block = self._open_block(text, folded, positions)
+        cut = self._held_back_cut(text, folded, positions, block)
         if self.by_word:
             word_end = _last_safe_word_end(text, self._cut_at)
             if block is None or word_end <= block:
                 cut = max(cut, word_end)
         return cut
 
-    def _held_back_cut(self, text: str, block: int | None) -> int:
+    def _held_back_cut(
+        self, text: str, folded: str, positions: FoldMap | None, block: int | None
+    ) -> int:
         """The last whitespace at least ``hold_chars`` before the end (and before ``block``),
-        both counted in the text as the detectors read it (`fold`): a value written in JSON
-        escapes is up to six times as long (``\\u0034\\u0031...``), its whitespace may be an
-        escape (``\\u0020``, ``\\n``), and a cut never falls inside an escape."""
-        folded, positions = fold_map(text)
+        both counted in the text as the detectors read it (``folded``): a value written in
+        JSON escapes is up to six times as long (``\\u0034\\u0031...``), its whitespace may be
+        an escape (``\\u0020``, ``\\n``), and a cut never falls inside an escape."""
         if positions is None:
             return self._whitespace_cut(text, block)
         cut = self._whitespace_cut(folded, None if block is None else positions.index(block))
