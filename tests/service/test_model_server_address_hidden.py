@@ -44,7 +44,9 @@ def test_a_client_is_told_the_model_server_failed_not_where_it_is(
         completion = api.post("/v1/chat/completions", json=chat, headers={"X-Keel-Session": "s3"})
     assert turn["status"] == "model_failed"
     assert turn["error"] == "cannot reach the model server: Connection error.", turn
-    finished = [line for line in streamed.splitlines() if line.startswith("data:") and '"final"' in line]
+    finished = [
+        line for line in streamed.splitlines() if line.startswith("data:") and '"final"' in line
+    ]
     assert finished and "cannot reach the model server" in finished[-1], streamed
     assert completion.status_code == 502
     assert "cannot reach the model server" in completion.json()["error"]["message"]
