@@ -14,7 +14,9 @@ as the characters they stand for (`_unescaped`): a tool's output written with
 ``json.dumps(..., ensure_ascii=True)`` holds ``j\\u00f6rg@b\\u00fccher.example``,
 ``+1 415\\u0020555 0132`` or ``Bearer\\nTOKEN``, and each escape stands for one character
 whose span is the whole escape; a JSON text held in a JSON string, escaped twice
-(``j\\\\u00f6rg``), is decoded again. Addresses may hold any letters
+(``j\\\\u00f6rg``), is decoded again, and a text whose once-decoded form still holds only short
+escapes (``card\\\\n4111...``: JSON encoded twice, or ``C:\\\\nina``, a path) is read both ways
+(`fold_readings`). Addresses may hold any letters
 (``jörg.müller@bücher.example``, a Cyrillic letter among Latin ones). A phone number needs a
 shape no count or date has (a ``+``, a trunk ``0``, ten digits in groups) or a word such as
 "call" or "Telefon" just before it; bare digits the text labels as an id
@@ -318,7 +320,8 @@ def _unescaped(text: str) -> _Escapes | None:
     none (the caller looks for a backslash first: most texts have none). Decoded twice where
     the once-decoded text still holds a ``\\uXXXX`` or an escaped backslash: a JSON text held
     in a JSON string (a tool's JSON output in a result keel writes as JSON, an MCP server's
-    JSON text wrapped again) hides its values behind two levels of escapes."""
+    JSON text wrapped again) hides its values behind two levels of escapes. Where it still
+    holds only short escapes, the reading returned has the other one as ``other``."""
     escapes = _unescaped_once(text)
     if escapes is None or "\\" not in escapes.decoded:
         return escapes
