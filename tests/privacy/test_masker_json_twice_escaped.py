@@ -209,3 +209,20 @@ def test_a_stream_of_json_releases_only_the_start_of_the_masked_whole(
     for value, entity in _VALUES.items():
         assert value.split(" ")[0] not in fold(whole), (value, whole)
         assert (f"<{entity}_" in whole) == any(value == part[1] for part in parts)
+
+
+def test_a_json_text_in_a_json_string_with_short_escapes_only_is_read_decoded_twice() -> None:
+    # No \uXXXX once decoded, only "\n": read as written once, the address would start at the
+    # "n" and its mask leave the inner JSON a lone backslash ("\<EMAIL_1>"); the text's quotes
+    # escaped say it is JSON encoded twice, so the reading decoded twice places the spans.
+    inner = {"note": "mail\nbob@example.com\ncard\n4111 1111 1111 1111"}
+    written = json.dumps({"content": json.dumps(inner)})
+    masked = PIIMasker().mask_text(written)
+    assert json.loads(json.loads(masked)["content"]) == {
+        "note": "mail\n<EMAIL_1>\ncard\n<CREDIT_CARD_1>"
+    }
+    # Without escaped quotes a backslash before a letter is first a backslash (a Windows path),
+    # and what only the other reading finds is masked too.
+    assert PIIMasker().mask_text(r"C:\\nina@example.com \\n4111 1111 1111 1111") == (
+        r"C:\\<EMAIL_1> \\n<CREDIT_CARD_1>"
+    )

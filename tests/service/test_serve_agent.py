@@ -201,7 +201,7 @@ def _serve_fails(env: dict[str, str], *arguments: str) -> subprocess.CompletedPr
     [
         ("examples.no_such_module:build", "no module 'examples.no_such_module'"),
         ("examples.ecommerce_support:nothing", "has no attribute 'nothing'"),
-        ("examples.ecommerce_support:SUPPORT_PROMPT", "is a str, not an Agent"),
+        ("examples.ecommerce_support:SUPPORT_PROMPT", "is of type str, not an Agent"),
         ("examples.ecommerce_support", "write MODULE:ATTRIBUTE"),
         ("examples.ecommerce_support:support_policy", "the factory raised"),
     ],

@@ -206,10 +206,13 @@ def test_the_start_up_check_refuses_a_redis_that_can_lose_writes(
     redis_cluster_url: str,
     raw: Any,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No persistence (the test cluster's): ``require`` refuses it, naming what is missing;
-    the default warns once; with an fsynced append-only file on every primary, ``require``
+    the default warns once (a process warns once per Redis: forget the warnings logged by
+    the tests before); with an fsynced append-only file on every primary, ``require``
     opens."""
+    monkeypatch.setattr("keel.stores._redis_state._WARNED_NOT_DURABLE", set())
     with pytest.raises(ConfigError, match="appendonly is 'no'"):
         _store(tmp_path, redis_cluster_url, redis_durability="require")
     with pytest.raises(ConfigError, match="fewer than the 2 each state write waits for"):

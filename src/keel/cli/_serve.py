@@ -390,9 +390,15 @@ def _run_one(
     listening: socket.socket,
 ) -> None:
     """One process; SIGTERM: turns in flight finish, new requests get 503, then it stops."""
+    import logging.config
+
     from keel.service import Drain, DrainingServer
+    from keel.service._logging import logging_config
     from keel.service._protocol import ServiceConfig
 
+    # The service's logging (stderr) from the start, as a worker process has it: what the
+    # build logs (a Redis that can lose writes) is said where the server's lines are.
+    logging.config.dictConfig(logging_config(transport["log_format"]))
     drain = Drain()
     service, _, _ = options.build(drain=drain, settings=settings)
     # Said once the app's start-up (the agent's servers, the embedder, the connections) is

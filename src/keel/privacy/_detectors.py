@@ -14,7 +14,9 @@ as the characters they stand for (`_unescaped`): a tool's output written with
 ``json.dumps(..., ensure_ascii=True)`` holds ``j\\u00f6rg@b\\u00fccher.example``,
 ``+1 415\\u0020555 0132`` or ``Bearer\\nTOKEN``, and each escape stands for one character
 whose span is the whole escape; a JSON text held in a JSON string, escaped twice
-(``j\\\\u00f6rg``), is decoded again. Addresses may hold any letters
+(``j\\\\u00f6rg``), is decoded again, and a text whose once-decoded form still holds only short
+escapes (``card\\\\n4111...``: JSON encoded twice, or ``C:\\\\nina``, a path) is read both ways
+(`fold_readings`). Addresses may hold any letters
 (``jörg.müller@bücher.example``, a Cyrillic letter among Latin ones). A phone number needs a
 shape no count or date has (a ``+``, a trunk ``0``, ten digits in groups) or a word such as
 "call" or "Telefon" just before it; bare digits the text labels as an id
@@ -43,6 +45,7 @@ __all__ = [
     "find_all",
     "fold",
     "fold_map",
+    "fold_readings",
     "luhn_ok",
 ]
 
@@ -221,19 +224,19 @@ class _Escapes:
     character's position in the decoded text (``decoded_at``, ascending) and its original span
     (``starts``, ``ends``), worked out when first asked (most texts hold no finding)."""
 
-    __slots__ = ("_parts", "decoded", "decoded_at", "ends", "starts")
+    __slots__ = ("_parts", "decoded", "decoded_at", "ends", "other", "starts")
 
     def __init__(self, decoded: str, parts: list[str]) -> None:
         self.decoded = decoded
         self._parts = parts  # text, escape, text, escape, ..., text (as written)
+        self.other: _Escapes | None = None  # the other reading of an ambiguous text
         self.decoded_at: list[int] = []
         self.starts: list[int] = []
         self.ends: list[int] = []
 
-    def holds(self, escape: str) -> bool:
-        """Whether ``escape`` is one of the escapes decoded (an escaped backslash before a
-        quote, ``\\\\"``, is not an escaped quote)."""
-        return escape in self._parts[1::2]
+    def escapes(self) -> list[str]:
+        """The escapes as written, in text order."""
+        return self._parts[1::2]
 
     def _locate(self) -> None:
         if self.starts:
@@ -280,14 +283,13 @@ class _Escapes:
 
 
 # Left in a text once decoded, a ``\\uXXXX`` or an escaped backslash is the sign of JSON
-# encoded twice (a JSON text held in a JSON string). Any other escape left is one too where the
-# text holds an escaped quote: a JSON text's strings are quoted, so one held in a JSON string
-# has its quotes escaped (``{\\"note\\": \\"Card:\\\\n4111 ...\\"}``), and its ``\\n`` left
-# undecoded would glue the value after it to a letter ("n4111": no card, the address
-# "nbob@..."). Without an escaped quote it is not: a Windows path written once as JSON reads
-# ``C:\\nina`` once decoded, which a second pass must not read as a line break.
+# encoded twice (a JSON text held in a JSON string); a short escape is not: a Windows path
+# written once as JSON reads ``C:\\nina`` once decoded, which is no line break, and JSON
+# encoded twice holding no ``\\uXXXX`` reads ``card\\n4111...``, which is one. The text is
+# then read both ways (`_Escapes.other`).
 _ESCAPED_TWICE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|\\)")
-_ESCAPED_AGAIN = re.compile(r"\\[\"/bfnrt]")
+# Any other escape left once decoded: the text may be JSON encoded twice, or not.
+_SHORT_ESCAPE = re.compile(r'\\["/bfnrt]')
 
 
 class _TwiceEscaped(_Escapes):
@@ -316,24 +318,34 @@ class _TwiceEscaped(_Escapes):
 def _unescaped(text: str) -> _Escapes | None:
     """``text`` with its JSON string escapes decoded, and where they stood; None if it holds
     none (the caller looks for a backslash first: most texts have none). Decoded twice where
-    the once-decoded text still holds a ``\\uXXXX`` or an escaped backslash, or any escape when
-    ``text`` holds an escaped quote (`_ESCAPED_TWICE`): a JSON text held
+    the once-decoded text still holds a ``\\uXXXX`` or an escaped backslash: a JSON text held
     in a JSON string (a tool's JSON output in a result keel writes as JSON, an MCP server's
-    JSON text wrapped again) hides its values behind two levels of escapes."""
+    JSON text wrapped again) hides its values behind two levels of escapes. Where it still
+    holds only short escapes, the reading returned has the other one as ``other``."""
     escapes = _unescaped_once(text)
-    if (
-        escapes is not None
-        and "\\" in escapes.decoded
-        and (
-            _ESCAPED_TWICE.search(escapes.decoded) is not None
-            or (escapes.holds('\\"') and _ESCAPED_AGAIN.search(escapes.decoded) is not None)
-        )
-    ):
+    if escapes is None or "\\" not in escapes.decoded:
+        return escapes
+    decoded = escapes.decoded
+    if _ESCAPED_TWICE.search(decoded) is not None:
         # Each level is shorter than the one it is decoded from: a JSON text wrapped three
         # times is decoded three times, and the passes end.
-        inner = _unescaped(escapes.decoded)
-        if inner is not None:
-            return _TwiceEscaped(escapes, inner)
+        inner = _unescaped(decoded)
+        return escapes if inner is None else _TwiceEscaped(escapes, inner)
+    if _SHORT_ESCAPE.search(decoded) is None:
+        return escapes
+    # Only short escapes left (``\\n``, ``\\"``): a JSON text in a JSON string that holds no
+    # ``\\uXXXX`` (its line breaks and quotes escaped twice), or a backslash written once
+    # before a letter (``C:\\nina``). Both readings are kept: the detectors read each, so a
+    # card after an escaped line break escaped again is not read as glued to an "n". The
+    # text's own quotes escaped (``{\\"note\\": ...}``) say which comes first, whose spans win.
+    inner = _unescaped(decoded)
+    if inner is None:
+        return escapes
+    twice = _TwiceEscaped(escapes, inner)
+    if '\\"' in escapes.escapes():
+        twice.other = escapes
+        return twice
+    escapes.other = twice
     return escapes
 
 
@@ -396,7 +408,20 @@ class FoldMap:
 
 def fold_map(text: str) -> tuple[str, FoldMap | None]:
     """``fold(text)`` and where its characters stand in ``text`` (None: each where it is)."""
+    return _reading(text, _unescaped(text) if "\\" in text else None)
+
+
+def fold_readings(text: str) -> list[tuple[str, FoldMap | None]]:
+    """`fold_map`'s reading of ``text``, then, where its escapes read two ways (short escapes
+    left once decoded: JSON encoded twice, or a backslash before a letter), the other one."""
     escapes = _unescaped(text) if "\\" in text else None
+    readings = [_reading(text, escapes)]
+    if escapes is not None and escapes.other is not None:
+        readings.append(_reading(text, escapes.other))
+    return readings
+
+
+def _reading(text: str, escapes: _Escapes | None) -> tuple[str, FoldMap | None]:
     decoded = text if escapes is None else escapes.decoded
     folded = _folded_chars(decoded)
     kept = _kept_positions(decoded) if len(folded) != len(decoded) else None
@@ -818,18 +843,52 @@ def find_all(text: str, detectors: tuple[Detector, ...] | list[Detector]) -> lis
     original ones (fullwidth digits as written, a JSON escape whole, format characters inside
     it included; those just before or after it are not part of it), its ``value`` the folded
     one."""
-    folded, positions = fold_map(text)
+    readings = fold_readings(text)
+    if len(readings) == 1:
+        folded, positions = readings[0]
+        return _in_text(text, folded, positions, [f for _, f in _chosen(folded, detectors)])
+    # Read two ways: the readings' findings compete as one reading's do, in the text's
+    # positions (the higher priority, then the first reading's, then the longer wins).
+    candidates: list[tuple[int, int, Finding]] = []
+    for rank, (folded, positions) in enumerate(readings):
+        chosen = _chosen(folded, detectors)
+        found = _in_text(text, folded, positions, [finding for _, finding in chosen])
+        candidates.extend(
+            (priority, rank, finding) for (priority, _), finding in zip(chosen, found, strict=True)
+        )
+    candidates.sort(
+        key=lambda item: (-item[0], item[1], item[2].start - item[2].end, item[2].start)
+    )
+    found = []
+    for _, _, finding in candidates:
+        if not any(finding.start < other.end and other.start < finding.end for other in found):
+            found.append(finding)
+    found.sort(key=lambda finding: finding.start)
+    return found
+
+
+def _chosen(
+    folded: str, detectors: tuple[Detector, ...] | list[Detector]
+) -> list[tuple[int, Finding]]:
+    """The findings in one reading of a text, in its positions, with their priorities."""
     candidates: list[tuple[int, Finding]] = []
     for detector in detectors:
         candidates.extend((detector.priority, finding) for finding in detector.find(folded))
     candidates.sort(key=lambda item: (-item[0], -(item[1].end - item[1].start), item[1].start))
-    chosen: list[Finding] = []
-    for _, finding in candidates:
+    chosen: list[tuple[int, Finding]] = []
+    for priority, finding in candidates:
         # Overlap in the folded text's positions: those of the findings the detectors gave.
-        if any(finding.start < other.end and other.start < finding.end for other in chosen):
+        if any(finding.start < other.end and other.start < finding.end for _, other in chosen):
             continue
-        chosen.append(finding)
-    chosen.sort(key=lambda finding: finding.start)
+        chosen.append((priority, finding))
+    chosen.sort(key=lambda item: item[1].start)
+    return chosen
+
+
+def _in_text(
+    text: str, folded: str, positions: FoldMap | None, chosen: list[Finding]
+) -> list[Finding]:
+    """``chosen`` (found in ``folded``, a reading of ``text``) in ``text``'s positions."""
     if folded is text:
         return chosen
     found: list[Finding] = []

@@ -12,7 +12,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from keel.errors import ConfigError
-from keel.privacy._detectors import DETECTORS, Detector, Finding, find_all, fold
+from keel.privacy._detectors import (
+    DETECTORS,
+    Detector,
+    Finding,
+    find_all,
+    fold_map,
+    fold_readings,
+)
 
 __all__ = [
     "DEFAULT_MASKER",
@@ -342,14 +349,17 @@ class _PolicyDetectors:
             return False
         # The detectors read the folded text (fullwidth letters in "bearer", a BEGIN line with a
         # no-break space, an id label after one are theirs): so do the line rules.
-        folded = fold(unseen)
-        if new and any(pattern.search(folded) for pattern in self.continues):
+        # Both readings of a text whose escapes read two ways (`fold_readings`).
+        readings = [folded for folded, _ in fold_readings(unseen)]
+        if new and any(pattern.search(folded) for folded in readings for pattern in self.continues):
             return False
         if new and find_all(unseen, self.line_bound):
             return False
         if self.whole and find_all(text, self.whole):
             return False
-        if new and not any(detector.drops_for(folded) for detector in self.line_bound):
+        if new and not any(
+            detector.drops_for(folded) for folded in readings for detector in self.line_bound
+        ):
             for line in new:
                 if len(line) > _LONGEST_KEPT_LINE:
                     continue
@@ -412,17 +422,25 @@ def _load_presidio() -> Any:
 
 
 def _presidio_findings(engine: Any, text: str) -> list[Finding]:
-    results = engine.analyze(text=text, language="en")
-    return [
-        Finding(
-            str(result.entity_type),
-            int(result.start),
-            int(result.end),
-            text[result.start : result.end],
+    """Presidio's findings in ``text``, read as the built-in detectors read it (`fold_map`: JSON
+    escapes decoded, invisible characters left out), each span moved back to ``text``'s
+    positions: a name in a tool's ``ensure_ascii`` JSON (``J\\u00f6rg M\\u00fcller``) or with a
+    zero-width space inside is found, a span never ends inside an escape, and the value is
+    the one the built-in findings of the same text are numbered by."""
+    folded, positions = fold_map(text)
+    found: list[Finding] = []
+    for result in engine.analyze(text=folded, language="en"):
+        start, end = int(result.start), int(result.end)
+        if float(result.score) < 0.5 or not 0 <= start < end <= len(folded):
+            continue
+        value = folded[start:end]
+        if positions is not None:
+            start, end = positions.span(start, end)
+        written = text[start:end]
+        found.append(
+            Finding(str(result.entity_type), start, end, written, "" if value == written else value)
         )
-        for result in results
-        if float(result.score) >= 0.5
-    ]
+    return found
 
 
 def _merge(primary: list[Finding], secondary: list[Finding]) -> list[Finding]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from keel.privacy._detectors import FoldMap, fold_map
+from keel.privacy._detectors import FoldMap, fold_readings
 
 __all__ = ["RevealStream", "StreamMasker"]
 
@@ -129,7 +129,14 @@ class StreamMasker:
         # The block and both cuts are found in the text as the detectors read it (`fold`),
         # whole: how an escape reads depends on the rest of the text (``\\n`` is a line break
         # in a JSON text held in a JSON string, which a word read alone cannot tell).
-        folded, positions = fold_map(self._text)
+        # Where the escapes read two ways (`fold_readings`: short escapes left once decoded),
+        # only what both readings release is released.
+        return min(
+            self._cut_in(folded, positions) for folded, positions in fold_readings(self._text)
+        )
+
+    def _cut_in(self, folded: str, positions: FoldMap | None) -> int:
+        """`_cut` in one reading of the received text."""
         block = self._open_block(folded, positions)
         cut = self._held_back_cut(folded, positions, block)
         if self.by_word:

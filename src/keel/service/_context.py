@@ -13,7 +13,7 @@ from fastapi import Depends, Header, Request
 
 from keel.service._errors import HTTPError, RateLimited
 from keel.service._keys import bearer_key, key_id_of
-from keel.service._logging import note_run, note_tenant
+from keel.service._logging import SERVICE_LOGGER, note_run, note_tenant
 from keel.service._privacy import Disclosure
 
 if TYPE_CHECKING:
@@ -67,10 +67,26 @@ class ServiceContext:
     """Turns by tenant and how they ended."""
 
     def counted(self, tenant_id: str, reply: AgentReply) -> AgentReply:
-        """Count a finished turn for ``/metrics`` (and name its run in the access log)."""
+        """Count a finished turn for ``/metrics`` (and name its run in the access log); the
+        reply as a client is shown it (`told`)."""
         note_run(reply.run_id)
         self.turns[(tenant_id, reply.status)] += 1
-        return reply
+        if not reply.error:
+            return reply
+        error = self.told(tenant_id, reply.error)
+        if error == reply.error:
+            return reply
+        # The operator reads the error as it was: here, and in the run's trace.
+        SERVICE_LOGGER.warning("run %s %s: %s", reply.run_id, reply.status, reply.error)
+        return reply.model_copy(update={"error": error})
+
+    def told(self, tenant_id: str, text: str) -> str:
+        """``text`` as a client is told it: the model server's address (an internal URL, in
+        ``cannot reach http://10.0.0.5:8000/v1``) named only as "the model server"."""
+        endpoint = self.agent_for(tenant_id).model.endpoint
+        if not endpoint or endpoint not in text:
+            return text
+        return text.replace(endpoint, "the model server")
 
 
 def context_of(request: Request) -> ServiceContext:

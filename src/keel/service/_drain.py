@@ -15,6 +15,7 @@ exits and drops them. `DrainingMultiprocess` makes every worker a
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -172,7 +173,15 @@ class DrainingMultiprocess(_multiprocess_bases()[1]):  # type: ignore[misc]
         """The exit code of a first worker that stopped before it was ready (else None)."""
 
     def init_processes(self) -> None:
-        super().init_processes()
+        # Ctrl-C reaches every process of the terminal's group: a worker still importing keel
+        # printed a KeyboardInterrupt traceback each. The workers start with it ignored (an
+        # ignored signal stays ignored in a spawned process) until their server takes its
+        # signals as it starts; the supervisor stops them on its own Ctrl-C.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            super().init_processes()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         # Until the first worker's start-up ends the socket does not even accept: a client
         # told "listening" before then is refused. Wait for every worker, so that a request
         # is never queued behind one still loading its embedder.
@@ -181,7 +190,11 @@ class DrainingMultiprocess(_multiprocess_bases()[1]):  # type: ignore[misc]
             for process in list(waiting):
                 if not process.process.is_alive():
                     process.join()
-                    self.failed_exit_code = process.exitcode
+                    # A SIGTERM sent to the whole group (systemd's default) stops the workers
+                    # as it stops this process: a stop, not a worker that failed.
+                    self.handle_signals()
+                    if not self.should_exit.is_set():
+                        self.failed_exit_code = process.exitcode
                     # run() then stops the other workers and returns.
                     self.should_exit.set()
                     return

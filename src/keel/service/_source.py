@@ -78,8 +78,8 @@ def load_agent(spec: str) -> Agent | Callable[..., Any]:
     if isinstance(found, Agent) or callable(found):
         return found  # type: ignore[no-any-return]
     raise UsageError(
-        f"--agent {spec!r}: {attribute} is a {type(found).__name__}, not an Agent or a function "
-        "that returns one"
+        f"--agent {spec!r}: {attribute} is of type {type(found).__name__}, not an Agent or a "
+        "function that returns one"
     )
 
 
@@ -152,7 +152,8 @@ class AgentSource:
             ) from exc
         if not isinstance(built, Agent):
             raise UsageError(
-                f"{self.label}: the factory returned a {type(built).__name__}, not an Agent"
+                f"{self.label}: the factory returned a value of type {type(built).__name__}, "
+                "not an Agent"
             )
         return built
 

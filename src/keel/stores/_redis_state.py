@@ -312,6 +312,10 @@ def _flag(good: bool | None) -> str:
     return "" if good is None else ("1" if good else "0")
 
 
+_WARNED_NOT_DURABLE: set[str] = set()
+"""The durability warnings this process logged (each Redis's, as its problems read)."""
+
+
 class _RedisScripts:
     """keel's Lua scripts on one Redis, through a sync client and, per event loop, an async one
     (redis.asyncio clients belong to one loop); driver errors translated into keel's."""
@@ -365,7 +369,11 @@ class _RedisScripts:
         if self.durability.policy == "require":
             self.client.close()
             raise ConfigError(what + "; KEEL_REDIS_DURABILITY=require refuses it")
-        logger.warning("%s", what)
+        # Once per process: a served agent's factory opens the stores, then the service its
+        # own (and a factory per tenant, once each); the operator needs to read it once.
+        if what not in _WARNED_NOT_DURABLE:
+            _WARNED_NOT_DURABLE.add(what)
+            logger.warning("%s", what)
 
     def _translated(self, exc: Exception) -> Exception:
         redis = self._redis

@@ -501,7 +501,7 @@ def require_database(database: object, kind: type[_D], store: str) -> _D:
     a path or URL ([`Backends`][] opens those)."""
     if not isinstance(database, kind):
         raise UsageError(
-            f"{store} takes a {kind.__name__}, not a {type(database).__name__}: "
+            f"{store} takes a {kind.__name__}, not a value of type {type(database).__name__}: "
             f"open one with {kind.__name__}(...) and pass it"
         )
     return database

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import StreamingResponse
 
 from keel.errors import KeelError
-from keel.runtime import TurnFinished
+from keel.runtime import TextDiscarded, TurnFinished
 from keel.service._access import caller, path_session_id, user_of
 from keel.service._context import ServiceContext, context_of, turn_id_of
 from keel.service._errors import STORE_UNAVAILABLE, error_status
@@ -51,7 +51,13 @@ async def post_turn(
                 turn.message, session=session_id, user=user_id, turn_id=turn_id
             ):
                 if isinstance(event, TurnFinished):
-                    context.counted(tenant_id, event.reply)
+                    event = event.model_copy(
+                        update={"reply": context.counted(tenant_id, event.reply)}
+                    )
+                elif isinstance(event, TextDiscarded):  # its reason may be the model's error
+                    event = event.model_copy(
+                        update={"reason": context.told(tenant_id, event.reason)}
+                    )
                 payload = event.model_dump_json()
                 yield f"event: {event.type}\ndata: {payload}\n\n".encode()
         except KeelError as exc:
