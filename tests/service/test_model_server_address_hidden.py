@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,3 +56,26 @@ def test_a_client_is_told_the_model_server_failed_not_where_it_is(
     # The operator's log names the server, once per failed turn.
     logged = [r.getMessage() for r in caplog.records if address in r.getMessage()]
     assert len(logged) == 3 and all("cannot reach http://" in line for line in logged), logged
+
+
+def test_a_failed_runs_trace_read_over_http_does_not_say_where_the_model_server_is(
+    unreachable: Service, address: str
+) -> None:
+    key = unreachable.keys.create("acme", user_id="u1")
+    with unreachable.client(key) as api:
+        turn = api.post("/v1/sessions/s1/turns", json={"message": "hi"}).json()
+        listed = api.get("/v1/runs").text
+        detail = api.get(f"/v1/runs/{turn['run_id']}")
+    assert detail.status_code == 200
+    # The trace stores the address's host masked (an IP address), its port and path as written.
+    port = address.rsplit(":", 1)[1]
+    told_error = detail.json()["run"]["error_message"]
+    assert told_error == "cannot reach the model server: Connection error.", told_error
+    for told in (listed, detail.text):
+        assert address not in told and f":{port}/v1" not in told, told[:400]
+    # The trace itself keeps it, for the operator reading the store.
+    with sqlite3.connect(unreachable.database) as db:
+        [(stored,)] = db.execute(
+            "SELECT error_message FROM trace_runs WHERE run_id = ?", (turn["run_id"],)
+        ).fetchall()
+    assert stored.startswith("cannot reach http://") and f":{port}/v1" in stored, stored

@@ -4,10 +4,12 @@ reached through the request (``request.app.state.keel``), as FastAPI's dependenc
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from fastapi import Depends, Header, Request
 
@@ -80,6 +82,14 @@ class ServiceContext:
         SERVICE_LOGGER.warning("run %s %s: %s", reply.run_id, reply.status, reply.error)
         return reply.model_copy(update={"error": error})
 
+    def told_all(self, tenant_id: str, value: Any) -> Any:
+        """`told` through a JSON value (a run's detail: its error and its steps' errors), where
+        the address may be stored masked (its host an ``<IP_ADDRESS_1>``)."""
+        endpoint = self.agent_for(tenant_id).model.endpoint
+        if not endpoint:
+            return value
+        return _replaced(value, _stored_forms(endpoint))
+
     def told(self, tenant_id: str, text: str) -> str:
         """``text`` as a client is told it: the model server's address (an internal URL, in
         ``cannot reach http://10.0.0.5:8000/v1``) named only as "the model server"."""
@@ -151,3 +161,25 @@ def turn_id_of(idempotency_key: str | None) -> str | None:
     if idempotency_key is None:
         return None
     return "idem-" + hashlib.sha256(idempotency_key.encode()).hexdigest()[:40]
+
+
+def _stored_forms(endpoint: str) -> re.Pattern[str]:
+    """``endpoint`` as written, or with its host masked as a trace stores it."""
+    host = urlsplit(endpoint).hostname or ""
+    if not host or host not in endpoint:
+        return re.compile(re.escape(endpoint))
+    before, _, after = endpoint.partition(host)
+    return re.compile(
+        f"{re.escape(before)}(?:{re.escape(host)}|<[A-Z][A-Z0-9_]*_[0-9]+>){re.escape(after)}",
+        re.IGNORECASE,
+    )
+
+
+def _replaced(value: Any, endpoint: re.Pattern[str]) -> Any:
+    if isinstance(value, str):
+        return endpoint.sub("the model server", value) if "/" in value else value
+    if isinstance(value, dict):
+        return {key: _replaced(item, endpoint) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_replaced(item, endpoint) for item in value]
+    return value

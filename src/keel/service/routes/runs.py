@@ -77,9 +77,18 @@ async def list_runs(
             "operator key %s listed the runs of tenant %s", who.key_id, who.tenant_id,
             extra={"tenant": who.tenant_id, "key_id": who.key_id, "read": "runs"},
         )  # fmt: skip
+    # The model server's address (in a failed run's error) is the deployment's, not the
+    # tenant's: named "the model server", as in a turn's reply.
     return [
         await context.privacy.shown(
-            who, run.user_id, clip(run.model_dump(mode="json"), "input", "output", "error_message")
+            who,
+            run.user_id,
+            clip(
+                context.told_all(who.tenant_id, run.model_dump(mode="json")),
+                "input",
+                "output",
+                "error_message",
+            ),
         )
         for run in page
     ]
@@ -97,4 +106,5 @@ async def get_run(
     if detail is None or detail.run.tenant_id != who.tenant_id:
         raise HTTPError(404, "NotFound", "not found")
     read_of(who, detail.run.user_id, f"the run {run_id!r}")
-    return await context.privacy.shown(who, detail.run.user_id, detail.model_dump(mode="json"))
+    shown = context.told_all(who.tenant_id, detail.model_dump(mode="json"))
+    return await context.privacy.shown(who, detail.run.user_id, shown)
