@@ -453,6 +453,7 @@ class MemoryStoreConformance:
         written = [record.id for record in memory.add_many(entries, scope=ALICE)]
         cases = [
             [("s", 4, 6), ("s", 7, 9), ("s", 5, 5), ("t", 2, 4)],  # adjacent, nested
+            [("s", 14, 16), ("s", 10, 12)],  # one turn apart
             [("s", 9, 4), ("t", -2, 1)],  # a reversed span holds nothing; turns below 0
             [("s", 0, 100), ("s", 120, 122), ("t", 10, 12)],  # one span wider than most
             [("s", n, n + 4) for n in range(0, 130, 10)],  # more turns than are listed
