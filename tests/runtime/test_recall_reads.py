@@ -311,3 +311,23 @@ def test_similarity_rows_are_the_rows_of_the_whole_product(dimension: int) -> No
     for index in rng.permutation(40):
         assert np.array_equal(rows[int(index)], whole[index]), index
     assert rows.dtype == np.float32
+
+
+def test_a_filter_made_once_still_reads_the_clock_for_expiry(
+    database: SQLiteDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    memory = Memory(SQLiteMemoryStore(database))
+    memory.add("Ada's parking permit", scope=_ADA, expires_at=_NOW)
+    clock = {"now": _NOW - timedelta(minutes=1)}
+
+    class _Clock(datetime):
+        @classmethod
+        def now(cls, tz: object = None) -> datetime:  # type: ignore[override]
+            return clock["now"]
+
+    monkeypatch.setattr("keel.memory._rows.datetime", _Clock)
+    current = MemoryFilter()  # one filter object, its SQL made once
+    assert len(memory.search("parking permit", scope=_ADA, filters=current)) == 1
+    clock["now"] = _NOW + timedelta(minutes=1)
+    assert memory.search("parking permit", scope=_ADA, filters=current) == []
+    memory.close()
