@@ -637,11 +637,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
         want = limit * 2 + 20
         while True:
             positions, scores = index.nearest(query, want, filters.shown)
-            ids, rowids = index.ids, index.rowids
-            pairs = zip(positions.tolist(), scores.tolist(), strict=True)
-            kept = self._alive_first(
-                scope, filters, [(ids[p], s, rowids[p]) for p, s in pairs], limit
-            )
+            kept = self._alive_first(scope, filters, index, (positions, scores), limit)
             # The filters left fewer than ``limit`` of the nearest (expired records left
             # out, say) and there are more rows: the next nearest are read too.
             if len(kept) >= limit or positions.size < want or want >= index.size:
@@ -652,18 +648,26 @@ class SQLiteMemoryStore(SQLMemoryStore):
         self,
         scope: Scope,
         filters: MemoryFilter,
-        nearest: list[tuple[str, float, int]],
+        index: _ScopeIndex,
+        nearest: tuple[npt.NDArray[np.int64], FloatArray],
         limit: int,
     ) -> list[tuple[str, float]]:
-        """The first ``limit`` of ``nearest`` (id, score, record rowid) whose records are in
-        ``scope`` and pass ``filters``. Rows are checked ``limit`` at a time (then as many as
-        were dropped, and a margin), not all at once: a filtered-out record is rare, so one
-        read of ``limit`` ids usually settles it."""
+        """The first ``limit`` of the ``nearest`` positions of ``index`` (with their scores)
+        whose records are in ``scope`` and pass ``filters``. Rows are checked ``limit`` at a
+        time (then as many as were dropped, and a margin), not all at once: a filtered-out
+        record is rare, so one read of ``limit`` ids usually settles it (and only the
+        positions checked are looked up)."""
+        positions, scores = nearest[0].tolist(), nearest[1].tolist()
+        ids, rowids = index.ids, index.rowids
         kept: list[tuple[str, float]] = []
         start = 0
-        while len(kept) < limit and start < len(nearest):
+        while len(kept) < limit and start < len(positions):
             missing = limit - len(kept)
-            chunk = nearest[start : start + (limit if start == 0 else missing + 20)]
+            end = start + (limit if start == 0 else missing + 20)
+            chunk = [
+                (ids[position], score, rowids[position])
+                for position, score in zip(positions[start:end], scores[start:end], strict=True)
+            ]
             start += len(chunk)
             alive = self._alive_ids(scope, filters, chunk)
             kept.extend((record_id, score) for record_id, score, _ in chunk if record_id in alive)
