@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,7 +28,7 @@ from keel.memory._expansion import entity_terms
 from keel.memory._packing import PackedMemory, label_for, pack_items
 from keel.memory._records import RUN_TYPE, MemoryFilter, MemoryRecord, Scope, mask_text, utcnow
 from keel.memory._shape import broad_question, settings_for_shape
-from keel.memory._similarity import gram
+from keel.memory._similarity import FloatArray, row_dots
 from keel.memory._store import MemoryStore, ScoredId
 from keel.memory._temporal import TimeRange, time_ranges
 from keel.memory._text import keyword_terms, word_set
@@ -115,6 +115,60 @@ class RetrievalDraft:
             ("recent", f"{label_for(r)} {r.text}", (r.id,), 0.0) for r in self.actions
         )
         return pack_items(candidates, self.budget_tokens, counter)
+
+
+@dataclass(slots=True)
+class _Ranked:
+    """A candidate as the ranking scored it: what its `MemoryHit` will hold. Only the hits a
+    search returns become `MemoryHit` (validated, about 4 us each); the forty candidates MMR
+    and the neighbouring turns look at stay these."""
+
+    record: MemoryRecord
+    score: float
+    keyword_rank: int | None
+    vector_rank: int | None
+    similarity: float | None
+    recency_boost: float | None
+
+    def hit(self, context: tuple[MemoryRecord, ...]) -> MemoryHit:
+        """The search result, with ``context`` (the record with its neighbouring turns)."""
+        return MemoryHit(
+            record=self.record,
+            score=self.score,
+            keyword_rank=self.keyword_rank,
+            vector_rank=self.vector_rank,
+            similarity=self.similarity,
+            recency_boost=self.recency_boost,
+            context=context,
+        )
+
+
+class _Scored(Protocol):
+    """A candidate MMR picks among: a `_Ranked`, or a `MemoryHit`."""
+
+    @property
+    def record(self) -> MemoryRecord: ...
+
+    @property
+    def score(self) -> float: ...
+
+
+class _SimilarityRows:
+    """The pairwise similarity of a search's candidates, row by row as MMR asks for them: a
+    search picks about ten of forty candidates, so about ten rows of the forty are needed.
+    A row is the row of the whole product (``gram``): the same dot products, summed in the
+    same order."""
+
+    def __init__(self, vectors: FloatArray) -> None:
+        self.vectors = vectors
+        self.dtype = vectors.dtype
+        self._rows: dict[int, FloatArray] = {}
+
+    def __getitem__(self, index: int) -> FloatArray:
+        row = self._rows.get(index)
+        if row is None:
+            row = self._rows[index] = row_dots(self.vectors, self.vectors[index])
+        return row
 
 
 @dataclass
@@ -275,7 +329,7 @@ class Retriever:
         ranges: Sequence[TimeRange],
         *,
         window: int,
-    ) -> list[MemoryHit]:
+    ) -> list[_Ranked]:
         """Fused candidates, best first: at least the best ``window`` of them (when there are
         that many), each with its record."""
         masked = mask_text(self.masker, query, scope.tenant_id)
@@ -291,7 +345,7 @@ class Retriever:
             ranges = []
         dated = 1.0 + cfg.temporal_weight if ranges else 1.0
         records = self._fetch_reachable(scope, filters, fused.scores, window, dated, seeds)
-        hits: list[MemoryHit] = []
+        hits: list[_Ranked] = []
         for record_id, record in records.items():
             score = fused.scores[record_id]
             boost = None
@@ -304,13 +358,13 @@ class Retriever:
             if ranges and any(span.contains(record.when) for span in ranges):
                 score *= dated
             hits.append(
-                MemoryHit(
-                    record=record,
-                    score=score,
-                    keyword_rank=fused.keyword_rank.get(record_id),
-                    vector_rank=fused.vector_rank.get(record_id),
-                    similarity=fused.similarity.get(record_id),
-                    recency_boost=boost,
+                _Ranked(
+                    record,
+                    score,
+                    fused.keyword_rank.get(record_id),
+                    fused.vector_rank.get(record_id),
+                    fused.similarity.get(record_id),
+                    boost,
                 )
             )
         hits.sort(key=lambda h: (-h.score, h.record.id))
@@ -446,7 +500,7 @@ class Retriever:
                 break
         return records
 
-    def _diversify(self, hits: list[MemoryHit], scope: Scope, keep: int) -> list[MemoryHit]:
+    def _diversify(self, hits: list[_Ranked], scope: Scope, keep: int) -> list[_Ranked]:
         """``keep`` of ``hits`` without near-duplicates; with ``mmr_lambda`` < 1 picked by MMR."""
         cfg = self.config
         count = len(hits)
@@ -456,7 +510,7 @@ class Retriever:
         pick = self._by_relevance if cfg.mmr_lambda == 1.0 else self._by_mmr
         return [hits[i] for i in pick(hits, similarity, keep)]
 
-    def _by_mmr(self, hits: list[MemoryHit], similarity: Any, keep: int) -> list[int]:
+    def _by_mmr(self, hits: Sequence[_Scored], similarity: Any, keep: int) -> list[int]:
         """`_diversify`'s picks (positions in ``hits``), by MMR over ``similarity``."""
         cfg = self.config
         count = len(hits)
@@ -493,7 +547,7 @@ class Retriever:
                 spread[session_of == session_of[chosen]] *= 1.0 - cfg.session_spread
         return selected
 
-    def _by_relevance(self, hits: list[MemoryHit], similarity: Any, keep: int) -> list[int]:
+    def _by_relevance(self, hits: Sequence[_Scored], similarity: Any, keep: int) -> list[int]:
         """`_by_mmr`'s picks with ``mmr_lambda`` 1 (redundancy weighs nothing), in plain
         Python: the same picks in the same order (the same arithmetic, the first of equals,
         a near-duplicate compared at the similarities' precision), without `_by_mmr`'s dozen
@@ -531,16 +585,18 @@ class Retriever:
                     spread[index] *= factor
         return selected
 
-    def _similarities(self, hits: list[MemoryHit], scope: Scope) -> Any:
-        """Pairwise similarity of the hits: cosine of their vectors when every hit has one,
-        else the Jaccard overlap of their words."""
+    def _similarities(self, hits: list[_Ranked], scope: Scope) -> Any:
+        """Pairwise similarity of the hits, by row (``similarity[i]``): cosine of their
+        vectors when every hit has one (each row computed when first asked for), else the
+        Jaccard overlap of their words."""
         count = len(hits)
         ids = [h.record.id for h in hits]
         vectors: dict[str, Any] = {}
         if self.embedder is not None:
             vectors = self.store.vectors(scope, ids, self.embedder.name)
         if len(vectors) == count:
-            return gram(np.stack([np.asarray(vectors[i], dtype=np.float32) for i in ids]))
+            stacked = np.stack([np.asarray(vectors[i], dtype=np.float32) for i in ids])
+            return _SimilarityRows(stacked)
         words = [word_set(h.record.text) for h in hits]
         similarity = np.zeros((count, count), dtype=np.float32)
         for a in range(count):
@@ -552,11 +608,11 @@ class Retriever:
 
     def _finish(
         self,
-        hits: list[MemoryHit],
+        hits: list[_Ranked],
         scope: Scope,
         k: int,
         filters: MemoryFilter,
-        nearby: Sequence[MemoryHit] = (),
+        nearby: Sequence[_Ranked] = (),
     ) -> list[MemoryHit]:
         """Top ``k`` hits with their neighbouring turns.
 
@@ -620,7 +676,7 @@ class Retriever:
             fresh = tuple(r for r in turns if r.id not in owner or r.id == record.id)
             for turn in fresh:
                 owner[turn.id] = len(blocks)
-            blocks.append(hit.model_copy(update={"context": fresh if span else ()}))
+            blocks.append(hit.hit(fresh if span else ()))
         return blocks
 
     def _span(self, index: int) -> int:
@@ -632,7 +688,7 @@ class Retriever:
         return cfg.neighbours + (1 if index < cfg.wide_hits else 0)
 
     def _turns_around(
-        self, hits: list[MemoryHit], scope: Scope, filters: MemoryFilter
+        self, hits: list[_Ranked], scope: Scope, filters: MemoryFilter
     ) -> dict[str, list[MemoryRecord]]:
         """Every hit's neighbouring turns, by session, in one read (not one per hit); none
         that the asking prompt shows (``filters.shown``)."""

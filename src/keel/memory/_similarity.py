@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["gram", "row_dots"]
+__all__ = ["row_dots"]
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -23,10 +23,4 @@ FloatArray = npt.NDArray[np.float32]
 def row_dots(matrix: FloatArray, vector: FloatArray) -> FloatArray:
     """``matrix @ vector`` (one dot product per row), on the calling thread only."""
     result: FloatArray = np.einsum("ij,j->i", matrix, vector)
-    return result
-
-
-def gram(matrix: FloatArray) -> FloatArray:
-    """``matrix @ matrix.T`` (every pair of rows), on the calling thread only."""
-    result: FloatArray = np.einsum("ik,jk->ij", matrix, matrix)
     return result

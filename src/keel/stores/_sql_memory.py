@@ -281,7 +281,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
         """The ids of the rows of ``scope`` that pass ``filters`` (among ``record_ids`` when
         given): what search may return of its candidates."""
         statements = [Statement(*found) for found in self._scoped("id", scope, filters, record_ids)]
-        return self.db.run(lambda: _ids(statements), write=False)
+        return self.db.run(lambda: ids_of(statements), write=False)
 
     def get(self, scope: Scope, record_id: str) -> MemoryRecord | None:
         found = self._query(
@@ -324,20 +324,26 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
     def turns_around(
         self, scope: Scope, spans: Sequence[tuple[str, int, int]]
     ) -> list[MemoryRecord]:
-        if not spans:
+        # Each condition names its scope and session too, so each is read through the
+        # session index: with the scope outside the ORs, the engine walks every record of the
+        # scope instead (a read that grew with the scope, every turn).
+        conditions: list[str] = []
+        params: list[Any] = []
+        sessions = _session_turns(spans)
+        if not sessions:
             return []
-        # Each span names its scope too, so each is one range of the session index: with the
-        # scope outside the ORs, the engine walks every record of the scope instead (a read
-        # that grew with the scope, every turn).
-        span = f"({_IN_SCOPE} AND session_id = ? AND turn BETWEEN ? AND ?)"
+        for session_id, turns in sessions:
+            if isinstance(turns, list):
+                listed, listed_params = self.db.dialect.one_of("turn", turns)
+                conditions.append(f"({_IN_SCOPE} AND session_id = ? AND {listed})")
+                params.extend((scope.tenant_id, scope.user_id, session_id, *listed_params))
+            else:
+                conditions.append(f"({_IN_SCOPE} AND session_id = ? AND turn BETWEEN ? AND ?)")
+                params.extend((scope.tenant_id, scope.user_id, session_id, *turns))
         return self._query(
-            f"SELECT {_COLUMNS} FROM memory_records WHERE {' OR '.join([span] * len(spans))} "
+            f"SELECT {_COLUMNS} FROM memory_records WHERE {' OR '.join(conditions)} "
             f"ORDER BY session_id, turn, {self.inserted_order}",
-            tuple(
-                value
-                for session_id, first, last in spans
-                for value in (scope.tenant_id, scope.user_id, session_id, first, last)
-            ),
+            tuple(params),
         )
 
     def count(self, scope: Scope | None = None) -> int:
@@ -433,6 +439,38 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
         return {str(model): int(count) for model, count in rows}
 
 
+# A session's neighbouring turns are listed (``turn IN (...)``) up to this many in all; more
+# are read as ranges.
+_LISTED_TURNS = 64
+
+
+def _session_turns(
+    spans: Sequence[tuple[str, int, int]],
+) -> list[tuple[str, list[int] | tuple[int, int]]]:
+    """``spans`` (session, first turn, last turn) as conditions: a session's turns listed
+    (one look-up of the session index each, where each span was a range scan of its own,
+    and the spans of hits a turn or two apart overlap), or where they are more than
+    `_LISTED_TURNS`, its spans merged into ranges. The same rows either way."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for session_id, first, last in sorted(spans):
+        if first > last:
+            continue
+        merged = ranges.setdefault(session_id, [])
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    conditions: list[tuple[str, list[int] | tuple[int, int]]] = []
+    for session_id, merged in ranges.items():
+        if sum(last - first + 1 for first, last in merged) <= _LISTED_TURNS:
+            conditions.append(
+                (session_id, [turn for first, last in merged for turn in range(first, last + 1)])
+            )
+        else:
+            conditions.extend((session_id, span) for span in merged)
+    return conditions
+
+
 def count_records(scope: Scope | None) -> Plan[int]:
     """`SQLMemoryStore.count` as a plan (keyword search plans with the scope's size)."""
     statement: str = "SELECT COUNT(*) FROM memory_records"
@@ -478,7 +516,7 @@ def rows_of(query: Statement) -> Plan[list[Any]]:
     return (yield query).rows
 
 
-def _ids(statements: Sequence[Statement]) -> Plan[list[str]]:
+def ids_of(statements: Sequence[Statement]) -> Plan[list[str]]:
     found: list[str] = []
     for statement in statements:
         found.extend(str(row[0]) for row in (yield statement).rows)

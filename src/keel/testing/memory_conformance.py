@@ -435,6 +435,40 @@ class MemoryStoreConformance:
         assert memory.store.turns_around(ALICE, []) == []
         memory.close()
 
+    def test_turns_around_finds_what_each_span_finds_alone(self, make_store: StoreFactory) -> None:
+        memory = _memory(make_store())
+        turns = {"s": range(-2, 131), "t": range(-2, 16)}
+        entries = [
+            {
+                "text": f"{session} turn {turn} said by the {speaker}",
+                "type": "turn",
+                "session_id": session,
+                "turn": turn,
+            }
+            for session, numbers in turns.items()
+            for turn in numbers
+            if turn % 7 != 3  # some turns are missing
+            for speaker in ("user", "assistant")  # two records a turn, in the order written
+        ]
+        written = [record.id for record in memory.add_many(entries, scope=ALICE)]
+        cases = [
+            [("s", 4, 6), ("s", 7, 9), ("s", 5, 5), ("t", 2, 4)],  # adjacent, nested
+            [("s", 14, 16), ("s", 10, 12)],  # one turn apart
+            [("s", 9, 4), ("t", -2, 1)],  # a reversed span holds nothing; turns below 0
+            [("s", 0, 100), ("s", 120, 122), ("t", 10, 12)],  # one span wider than most
+            [("s", n, n + 4) for n in range(0, 130, 10)],  # more turns than are listed
+            [("s", 3, 3), ("u", 0, 5)],  # a missing turn, a session of nothing
+        ]
+        for spans in cases:
+            around = memory.store.turns_around(ALICE, spans)
+            alone = {r.id: r for span in spans for r in memory.store.session_turns(ALICE, *span)}
+            expected = sorted(
+                alone.values(), key=lambda r: (r.session_id, r.turn, written.index(r.id))
+            )
+            assert [r.id for r in around] == [r.id for r in expected], spans
+            assert around or spans[0][1] == 3, spans  # the test means something
+        memory.close()
+
     def test_delete_and_reembed(self, make_store: StoreFactory) -> None:
         memory = _memory(make_store())
         keep = memory.add("keep this memory", scope=ALICE)
