@@ -107,7 +107,14 @@ def search(folder: Path, records: int, out: Path) -> None:
     from keel.settings import load_settings
 
     url = f"postgresql://postgres:@/m{records // 1000}k?host={folder}"
-    _, queries = synthetic_corpus(records)
+    # The corpus is made again only for its queries (a minute and a half at 1M): kept beside
+    # the output, so alternating runs of two checkouts spend it once.
+    kept = out.parent / f"bench_queries_{records}.json"
+    if kept.exists():
+        queries = json.loads(kept.read_text())
+    else:
+        _, queries = synthetic_corpus(records)
+        kept.write_text(json.dumps(queries))
     embedder = embedder_from_spec("hashing:384", load_settings())
     settings = load_settings().model_copy(update={"postgres_pool_size": 8})
     spent: dict[str, float] = {}
