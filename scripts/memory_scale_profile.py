@@ -1,19 +1,20 @@
 """Profile PostgreSQL memory search at scale on databases built once and searched again.
 
     PYTHONPATH=src python scripts/memory_scale_profile.py build DIR 100000 300000
-    PYTHONPATH=src python scripts/memory_scale_profile.py serve DIR          # until Ctrl-C
+    PYTHONPATH=src python scripts/memory_scale_profile.py serve DIR [2GB]    # until Ctrl-C
     PYTHONPATH=src python scripts/memory_scale_profile.py search DIR 300000 OUT.json
     PYTHONPATH=src python scripts/memory_scale_profile.py replay 3000000
 
 ``build`` loads ``keel bench memory``'s corpus (one scope, ``hashing:384``, ``halfvec``, the
 bulk path, then the HNSW build and ``VACUUM (ANALYZE)``) into a database ``m<N/1000>k`` of a
-server kept in DIR (``shared_buffers`` 1 GB, ``pg_stat_statements``). ``search`` runs the
-bench's 200 queries through ``Memory.search`` on a fresh store against the server ``serve``
-keeps up, and writes p50/p95, each query's top-10 ids, the time in each store call, and
-``pg_stat_statements`` grouped by statement: run it with ``PYTHONPATH`` on one checkout's
-``src`` then another's, alternating, to compare them on the same database. ``replay`` counts
-the rows the keyword plan's term counts read over the bench's queries at N records, from the
-corpus' word frequencies (with the sampled counts of a table-wide scope and without).
+server kept in DIR (``shared_buffers`` 1 GB unless ``serve`` is given another, and
+``pg_stat_statements``). ``search`` runs the bench's 200 queries through ``Memory.search`` on
+a fresh store against the server ``serve`` keeps up, and writes p50/p95, each query's top-10
+ids, the time in each store call, and ``pg_stat_statements`` grouped by statement: run it with
+``PYTHONPATH`` on one checkout's ``src`` then another's, alternating, to compare them on the
+same database. ``replay`` counts the rows the keyword plan's term counts read over the bench's
+queries at N records, from the corpus' word frequencies (with the sampled counts of a
+table-wide scope and without).
 """
 
 from __future__ import annotations
@@ -68,11 +69,12 @@ def build(folder: Path, sizes: list[int]) -> None:
                 conn.execute("VACUUM (ANALYZE)")
 
 
-def serve(folder: Path) -> None:
+def serve(folder: Path, shared_buffers: str | None = None) -> None:
     from keel.testing.servers import postgres_server
 
     stops = {signal.SIGTERM, signal.SIGINT}
-    with postgres_server(folder, settings=SETTINGS) as server:
+    settings = {**SETTINGS, **({"shared_buffers": shared_buffers} if shared_buffers else {})}
+    with postgres_server(folder, settings=settings) as server:
         # Blocked (once the server runs: it would inherit the mask), so that sigwait takes
         # them and the server is stopped on the way out.
         signal.pthread_sigmask(signal.SIG_BLOCK, stops)
@@ -107,7 +109,14 @@ def search(folder: Path, records: int, out: Path) -> None:
     from keel.settings import load_settings
 
     url = f"postgresql://postgres:@/m{records // 1000}k?host={folder}"
-    _, queries = synthetic_corpus(records)
+    # The corpus is made again only for its queries (a minute and a half at 1M): kept beside
+    # the output, so alternating runs of two checkouts spend it once.
+    kept = out.parent / f"bench_queries_{records}.json"
+    if kept.exists():
+        queries = json.loads(kept.read_text())
+    else:
+        _, queries = synthetic_corpus(records)
+        kept.write_text(json.dumps(queries))
     embedder = embedder_from_spec("hashing:384", load_settings())
     settings = load_settings().model_copy(update={"postgres_pool_size": 8})
     spent: dict[str, float] = {}
@@ -241,7 +250,7 @@ if __name__ == "__main__":
     if command == "build":
         build(Path(rest[0]), [int(size) for size in rest[1:]])
     elif command == "serve":
-        serve(Path(rest[0]))
+        serve(Path(rest[0]), *rest[1:2])
     elif command == "search":
         search(Path(rest[0]), int(rest[1]), Path(rest[2]))
     elif command == "replay":

@@ -80,8 +80,6 @@ class KeywordPlan:
     rare: list[str] = field(default_factory=list)
     common: list[str] = field(default_factory=list)
     newest: int = 0
-    #: Rows with a common term (the sum of their counts; the table when a count hit the cap).
-    common_rows: int = 0
     #: Rows in the table when planned.
     total_rows: int = 0
     #: Every term was over the cap: ``terms`` is the rarest alone, and it is common.
@@ -105,15 +103,11 @@ def plan_terms(
             break
         rare.append(term)
         rare_rows += frequency[term]
-    common = kept[len(rare) :]
-    # A term over the cap was counted no further: its rows may be most of the table.
-    uncounted = any(frequency[term] > cap for term in common)
     return KeywordPlan(
         kept,
         rare,
-        common,
+        kept[len(rare) :],
         newest=budget - rare_rows,
-        common_rows=total_rows if uncounted else sum(frequency[term] for term in common),
         total_rows=total_rows,
         broad=broad,
     )

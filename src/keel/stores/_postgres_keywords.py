@@ -42,27 +42,53 @@ def _ts_any(terms: Sequence[str]) -> str:
 # records: this many times the records that should hold enough of them, so that a guess a
 # little off still finds them there (and when it does not, the older records are searched).
 _WINDOW_MARGIN = 1.5
+# What finding a broad query's newest matches costs, in reads of a heap page at random (the
+# unit: every row a bitmap keeps is one), measured at 1M records: a row walked back through
+# the seq index from the newest (its neighbours share its page; 1-3 us), an entry of the GIN
+# index's bitmap of a word's matches (0.1-0.3 us) and one of the seq index's range (about
+# 0.1 us), against 7-10 us a page read at random (most from the OS's cache, not PostgreSQL's).
+_WALKED_ROW = 1 / 3
+_POSTING = 1 / 40
+_RANGE_ENTRY = 1 / 200
 
 
-def _recent_window(statistics: KeywordStatistics, total_rows: int) -> int:
-    """How many of the newest sequence numbers should hold ``plan.newest`` rows of the scope
-    with a common term, were its rows and each term's spread evenly over the table; 0 when
-    reading them there costs about as much as reading every match."""
+def _common_matches(statistics: KeywordStatistics) -> float:
+    """Rows of the scope with one of the plan's common terms, were each term's rows spread
+    independently over the scope (from the exact counts where ``memory_terms`` has them)."""
     plan = statistics.plan
     scope_rows = max(statistics.scope_rows, 1)
     missing = 1.0
     for term in plan.common:
         missing *= 1 - min(1.0, statistics.rows.get(term, scope_rows) / scope_rows)
-    matches = (1 - missing) * scope_rows
+    return (1 - missing) * scope_rows
+
+
+def _walk_cheaper(plan: KeywordPlan, matches: float) -> bool:
+    """Whether walking back from the newest record finds ``plan.newest`` of ``matches`` for
+    less than reading every match (``matches`` per ``plan.total_rows``)."""
+    walked = plan.newest * plan.total_rows / max(matches, 1.0)
+    return walked * _WALKED_ROW < matches * (1 + _POSTING)
+
+
+def _recent_window(statistics: KeywordStatistics, total_rows: int) -> int:
+    """How many of the newest sequence numbers should hold ``plan.newest`` rows of the scope
+    with a common term, were its rows and each term's spread evenly over the table; 0 when
+    reading them there costs more than reading every match, or than walking back from the
+    newest record until that many matched (a word in 40% of a million records: its 400,000
+    postings took 49 ms to gather for the window, a walk reads about 3,700 rows)."""
+    plan = statistics.plan
+    matches = _common_matches(statistics)
     # Rows of the scope with a common term, per sequence number of the table.
     density = matches / max(total_rows, 1)
     if density <= 0:
         return 0
     window = math.ceil(_WINDOW_MARGIN * plan.newest / density) + 100
-    # The window costs a page a row it keeps and its seq index's leaves (about 300 entries
-    # a page); every match costs a page each.
-    cheaper = _WINDOW_MARGIN * plan.newest + window / 300 < matches
-    return window if window < total_rows and cheaper else 0
+    # The window reads a page a row it keeps, after both indexes' bitmaps; every match
+    # costs a page each; a walk reads the rows back to the newest match it needs.
+    windowed = _WINDOW_MARGIN * plan.newest + matches * _POSTING + window * _RANGE_ENTRY
+    everything = matches * (1 + _POSTING)
+    walked = plan.newest / density * _WALKED_ROW
+    return window if window < total_rows and windowed < min(everything, walked) else 0
 
 
 def keyword_ranking(
@@ -131,11 +157,10 @@ def _chosen_rows_sql(
     common_args = (*scope_args, *plan.common)
     window = _recent_window(statistics, plan.total_rows)
     # Two ways to find the older matches: walk the seq index backwards testing each row's
-    # tsvector (~0.5-1 us a row, newest * total / matches rows), or let the GIN index find
-    # every match and keep the newest (~2.2 us a match). PostgreSQL underrates the first's
-    # cost and walks 31k rows (17 ms) for two words in 6.5k rows at 100k; "seq + 0" hides
-    # the index from it.
-    walk = 3 * plan.common_rows**2 > plan.newest * plan.total_rows
+    # tsvector (newest * total / matches rows), or let the GIN index find every match and
+    # keep the newest (`_walk_cheaper`). PostgreSQL underrates the first's cost and walks
+    # 31k rows (17 ms) for two words in 6.5k rows at 100k; "seq + 0" hides the index from it.
+    walk = _walk_cheaper(plan, _common_matches(statistics))
     older_order = "seq" if walk else "seq + 0"
     recent = ""
     recent_args: tuple[object, ...] = ()
