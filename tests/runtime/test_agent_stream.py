@@ -357,3 +357,24 @@ async def test_a_streamed_private_key_whose_begin_line_is_written_oddly_is_never
     streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert "MIIEvQ" not in streamed, streamed
     assert streamed == reply.text and "<PRIVATE_KEY_1>" in streamed
+
+
+async def test_a_reply_whose_escapes_read_another_way_late_streams_all_of_it_masked(
+    database: SQLiteDatabase,
+) -> None:
+    # A log line quoted twice escaped: until the late "\\u00fc" the text reads "\" then
+    # "nnina@...", so "\<EMAIL_1>" is released; the whole, decoded twice, masks "\\n<EMAIL_1>",
+    # which no longer starts with what was shown: the rest of the reply was dropped.
+    answer = (
+        "The log reads: Hello,\\\\nnina@example.com "
+        + "is the address on file for this booking, " * 3
+        + "and the office is in Z\\\\u00fcrich. Write back any time, we answer within a day."
+    )
+    agent = sqlite_agent(database, ScriptedModel([answer], stream_chunk_chars=7), [])
+    events = await _events(agent, "read me the log")
+    assert isinstance(events[-1], TurnFinished)
+    reply = events[-1].reply
+    streamed = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert "nina@" not in streamed and "<EMAIL_1>" in streamed
+    # Everything after the address is shown, as the whole masks it.
+    assert streamed.partition("<EMAIL_1>")[2] == reply.text.partition("<EMAIL_1>")[2], streamed

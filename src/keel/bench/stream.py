@@ -305,7 +305,9 @@ async def _sdk_turn(
     if it masked as the agent does (keel's StreamMasker over the same deltas, with ``policy``,
     the agent's own); tokens; decode seconds."""
     masker = StreamMasker(
-        lambda whole: policy.mask_text(whole, remember=False), by_word=policy.streams_by_word()
+        lambda whole: policy.mask_text(whole, remember=False),
+        by_word=policy.streams_by_word(),
+        spans=policy.mask_spans,
     )
     mark = clock.mark()
     started = time.perf_counter()

@@ -212,19 +212,7 @@ class PIIMasker:
         found = self.findings(text, tenant_id=tenant_id)
         if not found:
             return MaskResult(text=text)
-        # Numbered by the value as the detectors read it: written escaped, with an invisible
-        # character or in fullwidth digits, it is the same value, with one placeholder.
-        keys = list(
-            dict.fromkeys((finding.entity, finding.folded or finding.text) for finding in found)
-        )
-        if numbered is not None:
-            numbering = dict(zip(keys, numbered(keys), strict=True))
-        else:
-            per_type: dict[str, int] = {}
-            numbering = {}
-            for entity, value in keys:
-                per_type[entity] = per_type.get(entity, 0) + 1
-                numbering[(entity, value)] = f"<{entity}_{per_type[entity]}>"
+        numbering = _numbered(found, numbered)
         pieces: list[str] = []
         cursor = 0
         counts: dict[str, int] = {}
@@ -239,6 +227,24 @@ class PIIMasker:
             counts=counts,
             placeholders={placeholder: entity for (entity, _), placeholder in numbering.items()},
         )
+
+    def mask_spans(
+        self, text: str, *, tenant_id: str | None = None
+    ) -> list[tuple[int, int, str, str]]:
+        """What `mask_text` replaces in ``text`` (numbered per text, no vault): each finding's
+        ``(start, end, placeholder, value)``, in text order; ``value`` names the value as
+        numbered (its entity and the value as the detectors read it). A
+        [`StreamMasker`][] masks the text it has not released yet with them, in the context of
+        the whole text."""
+        found = self.findings(text, tenant_id=tenant_id)
+        if not found:
+            return []
+        numbering = _numbered(found, None)
+        spans: list[tuple[int, int, str, str]] = []
+        for finding in found:
+            key = (finding.entity, finding.folded or finding.text)
+            spans.append((finding.start, finding.end, numbering[key], "\0".join(key)))
+        return spans
 
     def streams_by_word(self, tenant_id: str | None = None) -> bool:
         """Whether a [`StreamMasker`][] may release this policy's masked text
@@ -284,6 +290,24 @@ class PIIMasker:
 
     def __call__(self, text: str, *, tenant_id: str | None = None) -> str:
         return self.mask_text(text, tenant_id=tenant_id)
+
+
+def _numbered(
+    found: list[Finding], numbered: BatchNumbering | None
+) -> dict[tuple[str, str], str]:
+    """Each finding's ``(entity, value)`` and its placeholder: by ``numbered``, else
+    ``<ENTITY_n>`` in order of appearance."""
+    # Numbered by the value as the detectors read it: written escaped, with an invisible
+    # character or in fullwidth digits, it is the same value, with one placeholder.
+    keys = list(dict.fromkeys((finding.entity, finding.folded or finding.text) for finding in found))
+    if numbered is not None:
+        return dict(zip(keys, numbered(keys), strict=True))
+    per_type: dict[str, int] = {}
+    numbering = {}
+    for entity, value in keys:
+        per_type[entity] = per_type.get(entity, 0) + 1
+        numbering[(entity, value)] = f"<{entity}_{per_type[entity]}>"
+    return numbering
 
 
 def _drop_oldest(kept: dict[Any, Any]) -> None:

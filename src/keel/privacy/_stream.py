@@ -31,7 +31,7 @@ and each one is revealed whole.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from keel.privacy._detectors import FoldMap, fold_readings
 
@@ -63,10 +63,12 @@ class StreamMasker:
         hold_chars: int = 64,
         max_word_chars: int = 512,
         by_word: bool = False,
+        spans: MaskSpans | None = None,
     ) -> None:
         if hold_chars < 1 or max_word_chars <= hold_chars:
             raise ValueError("need 1 <= hold_chars < max_word_chars")
         self._mask = mask
+        self._spans = spans
         self.by_word = by_word
         self.hold_chars = hold_chars
         self.max_word_chars = max(max_word_chars, 256 + hold_chars)
@@ -74,6 +76,10 @@ class StreamMasker:
         self._text = ""
         self._released = ""
         self._cut_at = 0  # where in the received text the released part ends
+        # Once the masked whole no longer starts with what was released (`_diverged`): the
+        # placeholder shown for each value (see `MaskSpans`), so the rest keeps to it.
+        self._diverged = False
+        self._shown: dict[str, str] = {}
 
     @property
     def released(self) -> str:
@@ -86,27 +92,97 @@ class StreamMasker:
             return ""
         self._text += piece
         cut = self._cut()
-        if cut <= 0:
+        if cut <= self._cut_at:
             return ""
-        head = self._mask(self._text[:cut])
-        if not head.startswith(self._released) or len(head) == len(self._released):
-            return ""
-        if not self._mask(self._text).startswith(head):
-            return ""  # a finding is still open across the cut: wait for more text
-        new = head[len(self._released) :]
-        self._released = head
-        self._cut_at = cut
-        return new
+        if not self._diverged:
+            head = self._mask(self._text[:cut])
+            if head.startswith(self._released):
+                if len(head) == len(self._released):
+                    return ""
+                if not self._mask(self._text).startswith(head):
+                    return ""  # a finding is still open across the cut: wait for more text
+                new = head[len(self._released) :]
+                self._released = head
+                self._cut_at = cut
+                return new
+            if self._spans is None:
+                return ""  # `finish` releases the rest, masked on its own
+            self._diverge()
+        return self._release_masked(cut)
 
     def finish(self) -> str:
         """Everything not released yet, masked (the stream ended)."""
-        whole = self._mask(self._text)
-        if not whole.startswith(self._released):
-            # Cannot happen for masks that keep to the contract; never re-send what was shown.
+        if not self._diverged:
+            whole = self._mask(self._text)
+            if whole.startswith(self._released):
+                new = whole[len(self._released) :]
+                self._released = whole
+                self._cut_at = len(self._text)
+                return new
+            if self._spans is None:
+                # The rest masked on its own: it is never lost, and never re-sends what was
+                # shown.
+                new = self._mask(self._text[self._cut_at :])
+                self._released += new
+                self._cut_at = len(self._text)
+                return new
+            self._diverge()
+        return self._release_masked(len(self._text))
+
+    def _diverge(self) -> None:
+        """The text read so far no longer masks as it did when its start was released (its
+        escapes read another way now): from here on the rest is masked by the findings of
+        the whole text (`_release_masked`), after the raw text already released."""
+        self._diverged = True
+        assert self._spans is not None
+        # Until now what was released was the masked text up to `_cut_at`, whole.
+        for _start, _end, placeholder, value in self._spans(self._text[: self._cut_at]):
+            self._shown.setdefault(value, placeholder)
+
+    def _release_masked(self, cut: int) -> str:
+        """The raw text from `_cut_at` to ``cut`` masked by the findings of the whole text
+        received ('' when a finding runs on past ``cut``, or reads otherwise in the text up
+        to ``cut`` alone: more text may change it); its placeholders kept to those shown."""
+        assert self._spans is not None
+        text, start = self._text, self._cut_at
+        found = _spans_between(self._spans(text), start, cut)
+        if found is None:
             return ""
-        new = whole[len(self._released) :]
-        self._released = whole
+        if cut < len(text):
+            alone = _spans_between(self._spans(text[:cut]), start, cut)
+            if alone is None or _positions(alone) != _positions(found):
+                return ""
+        pieces: list[str] = []
+        cursor = start
+        for span_start, span_end, placeholder, value in found:
+            # A finding that began in the released text: the rest of it is masked too.
+            pieces.append(text[cursor : max(span_start, cursor)])
+            pieces.append(self._placeholder(placeholder, value))
+            cursor = span_end
+        pieces.append(text[cursor:cut])
+        new = "".join(pieces)
+        self._released += new
+        self._cut_at = cut
         return new
+
+    def _placeholder(self, placeholder: str, value: str) -> str:
+        """The placeholder to show for ``value``: the one shown before, else the whole's
+        unless it was shown for another value (renumbered then: the next free number)."""
+        shown = self._shown.get(value)
+        if shown is not None:
+            return shown
+        taken = set(self._shown.values())
+        numbered = _NUMBERED.fullmatch(placeholder)
+        if placeholder in taken and numbered is not None:
+            entity = numbered.group(1)
+            last = max(
+                int(match.group(2))
+                for match in map(_NUMBERED.fullmatch, taken)
+                if match is not None and match.group(1) == entity
+            )
+            placeholder = f"<{entity}_{last + 1}>"
+        self._shown[value] = placeholder
+        return placeholder
 
     def _open_block(self, folded: str, positions: FoldMap | None) -> int | None:
         """Where the first ``-----BEGIN`` block the mask has not masked (yet) starts, found in
@@ -169,6 +245,29 @@ class StreamMasker:
             return space
         # A very long run without whitespace: release it up to the hold-back.
         return limit if limit - max(space, 0) > self.max_word_chars else 0
+
+
+MaskSpans = Callable[[str], Sequence[tuple[int, int, str, str]]]
+"""What a mask replaces in a text: ``(start, end, placeholder, value)`` for each finding, in
+text order (``value``: what the placeholder numbers; [`PIIMasker.mask_spans`][])."""
+
+_NUMBERED = re.compile(r"<([A-Z][A-Z0-9_]*)_([0-9]+)>")
+
+
+def _spans_between(
+    spans: Sequence[tuple[int, int, str, str]], start: int, end: int
+) -> list[tuple[int, int, str, str]] | None:
+    """The spans that end after ``start`` and start before ``end``; None if one runs on past
+    ``end``."""
+    found = [span for span in spans if span[1] > start and span[0] < end]
+    if found and found[-1][1] > end:
+        return None
+    return found
+
+
+def _positions(spans: Sequence[tuple[int, int, str, str]]) -> list[tuple[int, int, str]]:
+    """Where each finding stands and the value it numbers (its number aside)."""
+    return [(start, end, value) for start, end, _placeholder, value in spans]
 
 
 _WHITESPACE = " \t\n\r"

@@ -237,6 +237,7 @@ class Masking:
             # Each call masks a longer prefix, never seen again: not worth caching.
             lambda whole: policy.mask_text(storable(whole), tenant_id=tenant_id, remember=False),
             by_word=policy.streams_by_word(tenant_id),
+            spans=lambda whole: policy.mask_spans(storable(whole), tenant_id=tenant_id),
         )
 
     # --- placeholders -> values -----------------------------------------------------------------
