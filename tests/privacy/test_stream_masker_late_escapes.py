@@ -62,8 +62,13 @@ def test_a_value_the_whole_numbers_as_one_shown_for_another_gets_a_number_of_its
 
 
 _VALUES = ("jane.doe@example.com", "bob@ex.org", "4111 1111 1111 1111", "(415) 555-0198")
-_ESCAPES = ('\\"', '\\\\"', "\\n", "\\\\n", "\\u0041", "\\\\u0041", "\\\\", "\\\\\\\\")
-_WORDS = ("hello ", "to ", "mail ", "the ", ", ", " ", "x ")
+# Before a value: escapes that read one way until a late one makes the text decode twice.
+_EARLY_ESCAPES = ("\\\\n", "\\\\", "\\n", '\\"', " ", "")
+# Late: a "\\uXXXX" or an escaped backslash (decoded twice), an escaped quote (the other
+# reading wins), or none.
+_LATE_ESCAPES = ("\\\\u0041", "\\\\\\\\", '\\\\"', '\\"', "\\u0041", "")
+_WORDS = ("hello ", "to ", "the ", ", ", " ", "x")
+_FILLER = "is what the record says, word for word, as it was written down. "
 _END = " end of reply."
 
 
@@ -82,14 +87,27 @@ def _common_prefix(one: str, other: str) -> int:
 
 @settings(max_examples=60, derandomize=True, deadline=None)
 @given(
-    parts=st.lists(st.sampled_from(_VALUES + _ESCAPES + _WORDS), min_size=3, max_size=30),
+    early=st.lists(
+        st.tuples(st.sampled_from(_EARLY_ESCAPES), st.sampled_from(_VALUES + _WORDS)),
+        min_size=1,
+        max_size=8,
+    ),
+    late=st.lists(st.sampled_from(_LATE_ESCAPES + _VALUES + _WORDS), max_size=8),
+    filler=st.integers(min_value=0, max_value=2),
     sizes=st.lists(st.integers(min_value=1, max_value=9), min_size=1, max_size=8),
     by_word=st.booleans(),
 )
 def test_pieces_hold_no_raw_value_and_lose_no_text_when_the_reading_changes_late(
-    parts: list[str], sizes: list[int], by_word: bool
+    early: list[tuple[str, str]],
+    late: list[str],
+    filler: int,
+    sizes: list[int],
+    by_word: bool,
 ) -> None:
-    text = "".join(parts) + _END
+    # Values behind escapes released first (the filler pushes them past the hold-back), then
+    # escapes that may change how all of it reads.
+    text = "".join(escape + value for escape, value in early) + " " + _FILLER * filler
+    text += "".join(late) + _END
     whole = _MASKER.mask_text(text)
     pieces = _stream(text, sizes, by_word=by_word)
     shown = "".join(pieces)

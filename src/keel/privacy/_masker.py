@@ -292,14 +292,14 @@ class PIIMasker:
         return self.mask_text(text, tenant_id=tenant_id)
 
 
-def _numbered(
-    found: list[Finding], numbered: BatchNumbering | None
-) -> dict[tuple[str, str], str]:
+def _numbered(found: list[Finding], numbered: BatchNumbering | None) -> dict[tuple[str, str], str]:
     """Each finding's ``(entity, value)`` and its placeholder: by ``numbered``, else
     ``<ENTITY_n>`` in order of appearance."""
     # Numbered by the value as the detectors read it: written escaped, with an invisible
     # character or in fullwidth digits, it is the same value, with one placeholder.
-    keys = list(dict.fromkeys((finding.entity, finding.folded or finding.text) for finding in found))
+    keys = list(
+        dict.fromkeys((finding.entity, finding.folded or finding.text) for finding in found)
+    )
     if numbered is not None:
         return dict(zip(keys, numbered(keys), strict=True))
     per_type: dict[str, int] = {}

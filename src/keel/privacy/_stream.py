@@ -19,8 +19,18 @@ that more text can no longer change:
 * the masked prefix must be the start of the masked whole, so a finding still open across it
   holds it back.
 
-What is released is therefore exactly the start of ``mask(whole text)``, and `finish`
-releases the rest: the pieces put together are the masked whole.
+What is released is therefore the start of ``mask(whole text)``, and `finish` releases the
+rest: the pieces put together are the masked whole. But how a text's escapes read can change
+late: a ``\\uXXXX`` or an escaped backslash that arrives after a value was released makes the
+whole decode twice, an escaped quote makes its other reading win (`fold_readings`), and the
+masked whole may no longer start with what was released (``\\<EMAIL_1>`` shown where the whole
+reads ``\\n<EMAIL_1>``), nor number its values as they were shown. Released text is never sent
+again, and the rest is never dropped: from then on (with ``spans``, a [`PIIMasker`][]'s
+``mask_spans``) the raw text after what was released is masked by the findings of the whole
+text received, in its context (a finding that began in the released text is masked for the
+rest of it), under the same cuts; a value keeps the placeholder it was shown with, and one
+the whole numbers as a value already shown gets the next free number. Without ``spans``,
+`finish` masks that rest on its own.
 
 [`RevealStream`][] goes the other way, for a user's vault: it shows a streamed text with the
 user's own placeholders replaced by their values, holding back an unfinished ``<...`` until it
@@ -54,6 +64,9 @@ class StreamMasker:
             run on past, without the hold-back. Only for masks whose findings that span whitespace
             are made of digits, capitals and ``+()-./:`` (the built-in detectors'; see
             [`PIIMasker.streams_by_word`][]).
+        spans: what ``mask`` replaces in a text, where and by what (a [`PIIMasker`][]'s
+            ``mask_spans``, with the same policy): how the rest is masked once the masked
+            whole no longer starts with what was released (see the module docstring).
     """
 
     def __init__(
