@@ -212,7 +212,7 @@ class PIIMasker:
         found = self.findings(text, tenant_id=tenant_id)
         if not found:
             return MaskResult(text=text)
-        numbering = _numbered(found, numbered)
+        numbering = _numbered(text, found, numbered)
         pieces: list[str] = []
         cursor = 0
         counts: dict[str, int] = {}
@@ -239,7 +239,7 @@ class PIIMasker:
         found = self.findings(text, tenant_id=tenant_id)
         if not found:
             return []
-        numbering = _numbered(found, None)
+        numbering = _numbered(text, found, None)
         spans: list[tuple[int, int, str, str]] = []
         for finding in found:
             key = (finding.entity, finding.folded or finding.text)
@@ -292,9 +292,11 @@ class PIIMasker:
         return self.mask_text(text, tenant_id=tenant_id)
 
 
-def _numbered(found: list[Finding], numbered: BatchNumbering | None) -> dict[tuple[str, str], str]:
+def _numbered(
+    text: str, found: list[Finding], numbered: BatchNumbering | None
+) -> dict[tuple[str, str], str]:
     """Each finding's ``(entity, value)`` and its placeholder: by ``numbered``, else
-    ``<ENTITY_n>`` in order of appearance."""
+    ``<ENTITY_n>`` in order of appearance, past the placeholders ``text`` already holds."""
     # Numbered by the value as the detectors read it: written escaped, with an invisible
     # character or in fullwidth digits, it is the same value, with one placeholder.
     keys = list(
@@ -302,12 +304,21 @@ def _numbered(found: list[Finding], numbered: BatchNumbering | None) -> dict[tup
     )
     if numbered is not None:
         return dict(zip(keys, numbered(keys), strict=True))
+    # A text masked before and written again with a new value ("<EMAIL_1> and carol@..."):
+    # numbered from 1, the new value would read as the one already masked.
+    taken = set(_PLACEHOLDER.findall(text)) if "<" in text else set()
     per_type: dict[str, int] = {}
     numbering = {}
     for entity, value in keys:
-        per_type[entity] = per_type.get(entity, 0) + 1
-        numbering[(entity, value)] = f"<{entity}_{per_type[entity]}>"
+        number = per_type.get(entity, 0) + 1
+        while (entity, str(number)) in taken:
+            number += 1
+        per_type[entity] = number
+        numbering[(entity, value)] = f"<{entity}_{number}>"
     return numbering
+
+
+_PLACEHOLDER = re.compile(r"<([A-Z][A-Z0-9_]*)_([0-9]+)>")
 
 
 def _drop_oldest(kept: dict[Any, Any]) -> None:
