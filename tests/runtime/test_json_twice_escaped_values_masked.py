@@ -110,66 +110,6 @@ async def test_values_in_json_encoded_twice_never_reach_the_database(database: P
     assert "<CREDIT_CARD_" in dumped["keel_tool_journal"]
 
 
-# Plain ASCII: escaped twice, its line breaks are the only escapes (``\\n``), and no \\uXXXX
-# is left once decoded. Read once, "\\n4111" glued the card to a letter ("n4111": no card,
-# its first group kept), and the IBAN and the key after one were kept whole.
-NOTES = {
-    "IBAN": "GB82 WEST 1234 5698 7654 32",
-    "CREDIT_CARD": "4111 1111 1111 1111",
-    "API_KEY": "sk-live-Zx9Cv8Bn7Mq6Wr5Ty4Ui3Op2",
-    "EMAIL": "trent.k4v@example.net",
-}
-
-
-@tool(side_effect=True, idempotent=False)
-def export_notes(customer_id: str) -> str:
-    """Export a customer's notes: a JSON text in a JSON envelope, one value a line.
-
-    Args:
-        customer_id: The customer's id.
-    """
-    lines = "".join(f"{kind}:\n{value}\n" for kind, value in NOTES.items())
-    return json.dumps({"content": json.dumps({"notes": lines})})
-
-
-async def test_values_after_a_line_break_in_json_encoded_twice_never_reach_the_database(
-    database: Path,
-) -> None:
-    def reply(call: ScriptedCall) -> Message | str:
-        results = [m for m in call.messages if m.role == "tool"]
-        if results:
-            shown.extend(str(m.content) for m in results)
-            return "Done."
-        arguments = json.dumps({"customer_id": "c-17"})
-        return Message.assistant(
-            "", tool_calls=[ToolCall(id="c1", name="export_notes", arguments=arguments)]
-        )
-
-    agent = Agent.open(
-        f"sqlite:///{database}",
-        system_prompt="You export customers.",
-        model=ScriptedModel(reply),
-        tools=[export_notes],
-    )
-    try:
-        result = await agent.run("Export customer c-17's notes.", session="s1", user="u1")
-    finally:
-        await agent.aclose()
-    assert result.status == "completed", result
-    dumped = dump_sqlite(database)
-    assert "export_notes" in dumped["keel_tool_journal"]
-    assert leaks(dumped, NOTES, {"first group": "4111 "}, forms=_forms) == []
-    [output] = shown
-    inner = json.loads(output)["content"]
-    assert "\\<" not in inner  # no placeholder after a backslash it split from its "n"
-    notes = json.loads(inner)["notes"]  # JSON at both levels
-    assert re.fullmatch(
-        r"IBAN:\n<IBAN_\d>\nCREDIT_CARD:\n<CREDIT_CARD_\d>\nAPI_KEY:\n<API_KEY_\d>\n"
-        r"EMAIL:\n<EMAIL_\d>\n",
-        notes,
-    ), notes
-
-
 # A long output is masked line by line, each line found clean kept so as not to be read again.
 # A line with an escaped backslash may read as the rest of the text says: "C:\\nGB82 ..." is a
 # path or a line break before an IBAN (another line holds a \\uXXXX escaped again). Such a

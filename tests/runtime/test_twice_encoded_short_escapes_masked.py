@@ -51,6 +51,11 @@ def _reply(call: ScriptedCall) -> Message | str:
     )
 
 
+def _escaped_forms(value: str) -> set[str]:
+    once = json.dumps(value)[1:-1]
+    return {value, once, json.dumps(once)[1:-1]}
+
+
 @pytest.fixture
 def database(tmp_path: Path) -> Iterator[Path]:
     shown.clear()
@@ -74,10 +79,14 @@ async def test_values_behind_short_escapes_escaped_twice_never_reach_the_databas
     assert reply.status == "completed", reply
     dumped = dump_sqlite(database)
     assert "fetch_note" in dumped["keel_tool_journal"]
-    assert leaks(dumped, VALUES) == []
+    # Raw, escaped once or twice, and the card's first group alone (read glued to an "n", it
+    # was the part kept).
+    assert leaks(dumped, VALUES, {"first group": "4111 "}, forms=_escaped_forms) == []
     assert "<CREDIT_CARD_" in dumped["keel_tool_journal"]
     [output] = shown
-    note = json.loads(json.loads(output)["content"])["note"]
+    inner = json.loads(output)["content"]
+    assert "\\<" not in inner  # no placeholder after a backslash split from its "n"
+    note = json.loads(inner)["note"]  # JSON at both levels
     assert re.fullmatch(
         r"card\n<CREDIT_CARD_1>\nkey\t<API_KEY_1>\nmail\n\"<EMAIL_1>\"\nIBAN\n<IBAN_1>\n"
         r"call\n<PHONE_1>\nSSN\n<US_SSN_1>\nauth: Bearer\n<BEARER_TOKEN_1>",
