@@ -61,6 +61,15 @@ def test_a_value_the_whole_numbers_as_one_shown_for_another_gets_a_number_of_its
     assert _MASKER.mask_text(text).endswith("Again: <EMAIL_1> and <EMAIL_2>, done. ")
 
 
+def test_a_renumbered_value_skips_a_placeholder_the_text_quotes() -> None:
+    # As above, and the reply quotes <EMAIL_2> itself before the value: the renumbered value
+    # must not take it (one quoted after it was released cannot be foreseen).
+    text = _EARLY + _LATE + "As in <EMAIL_2>: again nina@example.com, done. "
+    shown = "".join(_stream(text, [5]))
+    assert "nina@" not in shown
+    assert shown.endswith("As in <EMAIL_2>: again <EMAIL_3>, done. "), shown[-60:]
+
+
 _VALUES = ("jane.doe@example.com", "bob@ex.org", "4111 1111 1111 1111", "(415) 555-0198")
 # Before a value: escapes that read one way until a late one makes the text decode twice.
 _EARLY_ESCAPES = ("\\\\n", "\\\\", "\\n", '\\"', " ", "")

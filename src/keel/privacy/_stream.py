@@ -184,16 +184,16 @@ class StreamMasker:
         shown = self._shown.get(value)
         if shown is not None:
             return shown
+        # Taken: the placeholders shown for other values, and those the text itself holds
+        # (a reply quoting one it was shown), which the whole's numbering skips too.
         taken = set(self._shown.values())
         numbered = _NUMBERED.fullmatch(placeholder)
         if placeholder in taken and numbered is not None:
-            entity = numbered.group(1)
-            last = max(
-                int(match.group(2))
-                for match in map(_NUMBERED.fullmatch, taken)
-                if match is not None and match.group(1) == entity
-            )
-            placeholder = f"<{entity}_{last + 1}>"
+            taken.update(match.group(0) for match in _NUMBERED.finditer(self._text))
+            entity, number = numbered.group(1), int(numbered.group(2))
+            while f"<{entity}_{number}>" in taken:
+                number += 1
+            placeholder = f"<{entity}_{number}>"
         self._shown[value] = placeholder
         return placeholder
 
