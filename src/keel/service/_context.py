@@ -93,10 +93,8 @@ class ServiceContext:
     def told(self, tenant_id: str, text: str) -> str:
         """``text`` as a client is told it: the model server's address (an internal URL, in
         ``cannot reach http://10.0.0.5:8000/v1``) named only as "the model server"."""
-        endpoint = self.agent_for(tenant_id).model.endpoint
-        if not endpoint or endpoint not in text:
-            return text
-        return text.replace(endpoint, "the model server")
+        told: str = self.told_all(tenant_id, text)
+        return told
 
 
 def context_of(request: Request) -> ServiceContext:
