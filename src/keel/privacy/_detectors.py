@@ -135,9 +135,13 @@ _UNICODE_DASHES = "\u2010\u2011\u2012\u2212\ufe63"
 # Unicode's format characters (category Cf, as of Unicode 15, and the Egyptian format controls
 # Unicode 15 adds after them): invisible, so a value written with one inside (pasted, or put
 # there to slip past the masker) reads as the value. tests/privacy/test_masker_invisible.py
-# checks that this covers every Cf character of the running Python's Unicode database.
+# checks that this covers every Cf character of the running Python's Unicode database. Read as
+# absent too: a lone surrogate (category Cs: half a character, which a Python string or a JSON
+# escape can hold) and U+FFFD, the replacement character a lone surrogate becomes before it is
+# stored (`storable`) and an undecodable byte becomes when read: neither is part of a value, so
+# "4111 1111\ufffd 1111 1111" reads as the card a person reading it sees.
 _FORMAT_CHARS = (
-    "\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f"
+    "\ud800-\udfff\ufffd\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f"
     "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd"
     "\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001"
     "\U000e0020-\U000e007f"
