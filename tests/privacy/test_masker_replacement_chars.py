@@ -22,7 +22,8 @@ BROKEN = ["\ud800", "\udfff", "\ufffd"]
 
 @pytest.mark.parametrize("char", BROKEN)
 def test_a_value_with_a_broken_character_inside_is_masked_whole(char: str) -> None:
-    text = f"card 4111 1111{char} 1111 1111, mail bob{char}@example.com, call +1 415 555{char} 0132."
+    text = f"card 4111 1111{char} 1111 1111, mail bob{char}@example.com, "
+    text += f"call +1 415 555{char} 0132."
     assert PIIMasker().mask_text(text) == "card <CREDIT_CARD_1>, mail <EMAIL_1>, call <PHONE_1>."
 
 
