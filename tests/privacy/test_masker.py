@@ -102,6 +102,37 @@ def test_secrets_in_multiline_text() -> None:
     assert "<PRIVATE_KEY_1>" in masked
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sk_live_51HabcdefghijklmnopqrstUV",
+        "sk-live-abcdefghijklmnopqrstuvwx1234",
+        "sk-proj-abcdefghijklmnopqrstuvwx1234",
+        "ghp_16C7e42F292c6912E7710c838347Ae178B4a",
+        "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123",
+        "xoxb-123456789012-abcdefghij",
+    ],
+)
+def test_a_key_whose_prefix_no_word_holds_is_found_glued_to_a_word(key: str) -> None:
+    for text, masked in [
+        (f"KEY{key} end", "KEY<API_KEY_1> end"),
+        (f"export TOKEN=x{key}", "export TOKEN=x<API_KEY_1>"),
+    ]:
+        assert PIIMasker().mask_text(text) == masked
+
+
+def test_a_bare_sk_dash_aws_or_google_prefix_inside_a_word_is_no_key() -> None:
+    words = [
+        "task-abcdefghijklmnopqrstuvwxyz0123",
+        "xsk-abcdefghijklmnopqrstuvwxyz0123",
+        "dAKIAIOSFODNN7EXAMPLE",
+        "xAIzaSyA1234567890abcdefghijklmnopqrstu",
+    ]
+    for word in words:
+        assert PIIMasker().mask_text(f"see {word} now") == f"see {word} now"
+    assert PIIMasker().mask_text("see AKIAIOSFODNN7EXAMPLE") == "see <API_KEY_1>"
+
+
 def test_remembered_results_follow_each_tenants_policy_and_its_changes() -> None:
     masker = PIIMasker(tenant_policies={"t2": MaskingPolicy(entities=frozenset({"PHONE"}))})
     text = "mail bob@example.com or call +1 415 555 0198"

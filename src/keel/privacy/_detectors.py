@@ -774,13 +774,15 @@ DETECTORS: tuple[Detector, ...] = (
     Detector(
         "API_KEY",
         re.compile(
-            r"\b(?:sk-(?:proj-|ant-|live-|test-)?[A-Za-z0-9_-]{20,}"
-            r"|(?:AKIA|ASIA)[0-9A-Z]{16}"
+            # A prefix no word holds is found glued to the text before it ("KEYsk_live_...",
+            # "idghp_..."); a bare "sk-", "AKIA" or "AIza" only at a word's start, as "task-"
+            # and base64 hold them.
+            r"(?:sk-(?:proj|ant|live|test)-[A-Za-z0-9_-]{20,}"
             r"|gh[pousr]_[A-Za-z0-9]{36,}"
             r"|github_pat_[A-Za-z0-9_]{40,}"
             r"|xox[abposr]-[A-Za-z0-9-]{10,}"
-            r"|AIza[0-9A-Za-z_-]{35}"
-            r"|(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,})"
+            r"|(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}"
+            r"|\b(?:sk-[A-Za-z0-9_-]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|AIza[0-9A-Za-z_-]{35}))"
         ),
         priority=80,
         line_bound=True,
