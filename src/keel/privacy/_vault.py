@@ -627,7 +627,9 @@ class UserVault:
 
     def reveal(self, text: str) -> str:
         """``text`` with the user's own placeholders replaced by their values; any other
-        placeholder (unknown, erased, undecryptable, foreign) is left as written."""
+        placeholder (unknown, erased, undecryptable, foreign) is left as written. A JSON text
+        stays JSON: there every placeholder stands inside a string, so a value that holds a
+        quote, a backslash or a line break (a private key's lines) is written escaped."""
         found = placeholders_in(text)
         if not found:
             return text
@@ -641,6 +643,10 @@ class UserVault:
             for placeholder, value in self._opened(refs).items()
             if isinstance(value, str)
         }
+        if any(_NEEDS_JSON_ESCAPE.search(value) for value in values.values()) and _is_json(text):
+            values = {
+                name: json.dumps(value, ensure_ascii=False)[1:-1] for name, value in values.items()
+            }
         return PLACEHOLDER.sub(lambda match: values.get(match.group(0), match.group(0)), text)
 
     def resolve_arguments(self, arguments: str, *, keep: Iterable[str] = ()) -> str:
@@ -753,3 +759,20 @@ class UserVault:
 def _owner(tenant_id: str, user_id: str) -> bytes:
     """What a wrapped key and a sealed value are bound to: their tenant and user."""
     return json.dumps([tenant_id, user_id]).encode()
+
+
+_NEEDS_JSON_ESCAPE = re.compile(r'["\\\x00-\x1f]')
+"""A character a JSON string holds only escaped."""
+
+
+def _is_json(text: str) -> bool:
+    """Whether ``text`` is one JSON text (an object, an array or a string: where a placeholder
+    can stand only inside a string)."""
+    stripped = text.strip()
+    if not stripped or stripped[0] not in '{["':
+        return False
+    try:
+        json.loads(stripped)
+    except ValueError:
+        return False
+    return True
