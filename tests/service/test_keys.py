@@ -4,6 +4,9 @@ sync one on both databases, and a cached or async check never touches the sync p
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,3 +98,42 @@ def test_a_key_looked_up_while_its_user_is_erased_is_not_trusted_after(tmp_path:
             return await cached.acheck(own_key)
 
         assert asyncio.run(erase_during_the_look_up()) is None
+
+
+def test_an_erasure_between_a_threads_check_and_its_keep_drops_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sync look-up on a request's thread has checked that no erasure began since it read the
+    # key; the erasure then runs whole on another thread before the look-up keeps its answer.
+    # Kept, the erased user's key would be trusted for the cache's whole life.
+    with SQLiteDatabase(tmp_path / "keys.db") as database:
+        keys = APIKeys(database)
+        own_key = keys.create("acme", "bob")
+        cached = CachedKeys(keys.caller_of, ttl_s=60.0)
+        checked, erased = threading.Event(), threading.Event()
+        clock = time.monotonic
+
+        def keeping_clock() -> float:
+            # `_remember` reads the clock after its check, as it keeps the answer.
+            keeping = sys._getframe(1).f_code.co_name == "_remember"
+            if keeping and threading.current_thread().name == "request" and not checked.is_set():
+                checked.set()
+                erased.wait(timeout=2.0)  # the erasure cannot finish while the keep holds it
+            return clock()
+
+        def erase() -> None:
+            checked.wait()
+            keys.erase_user("acme", "bob")
+            cached.forget_user("acme", "bob")
+            erased.set()
+
+        monkeypatch.setattr(time, "monotonic", keeping_clock)
+        answers: list[str | None] = []
+        request = threading.Thread(target=lambda: answers.append(cached(own_key)), name="request")
+        eraser = threading.Thread(target=erase)
+        request.start()
+        eraser.start()
+        request.join()
+        eraser.join()
+        assert answers == ["acme"]  # looked up before the erasure
+        assert cached(own_key) is None

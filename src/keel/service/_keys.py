@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import re
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -310,6 +311,10 @@ class CachedKeys:
         # Bumped by each `forget_user`: a look-up that began before it may have read a key the
         # erasure deleted, and its answer is not kept.
         self._forgets = 0
+        # Checks run on threads (the sync look-up) beside an erasure's `forget_user`: the
+        # bump-and-drop and the check-then-keep must not interleave, or a look-up that checked
+        # before the bump keeps the erased key after it.
+        self._lock = threading.Lock()
 
     def __call__(self, key: str) -> str | None:
         """The key's tenant, or None for an unknown or revoked key."""
@@ -348,13 +353,14 @@ class CachedKeys:
     def forget_user(self, tenant_id: str, user_id: str) -> None:
         """Stop trusting the cached keys of one user of a tenant (an erasure deleted them):
         on this worker they fail at once, not up to ``ttl_s`` later, and a look-up under way
-        meanwhile is not kept. (A snapshot of the entries: a thread's check may add one.)"""
-        self._forgets += 1
-        self._verified = {
-            fingerprint: entry
-            for fingerprint, entry in tuple(self._verified.items())
-            if (entry[0].tenant_id, entry[0].user_id) != (tenant_id, user_id)
-        }
+        meanwhile is not kept."""
+        with self._lock:
+            self._forgets += 1
+            self._verified = {
+                fingerprint: entry
+                for fingerprint, entry in self._verified.items()
+                if (entry[0].tenant_id, entry[0].user_id) != (tenant_id, user_id)
+            }
 
     def _cached(self, key: str) -> tuple[str, Caller | None]:
         fingerprint = hashlib.sha256(key.encode()).hexdigest()
@@ -364,8 +370,10 @@ class CachedKeys:
         return fingerprint, None
 
     def _remember(self, fingerprint: str, found: Caller | None, forgets: int) -> Caller | None:
-        if found is not None and forgets == self._forgets:
-            self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
+        if found is not None:
+            with self._lock:
+                if forgets == self._forgets:
+                    self._verified[fingerprint] = (found, time.monotonic() + self._ttl_s)
         return found
 
 
