@@ -44,6 +44,8 @@ import re
 from collections.abc import Callable, Sequence
 
 from keel.privacy._detectors import FoldMap, fold_readings
+from keel.privacy._json_strings import JsonStrings, inside, json_escaped
+from keel.privacy._vault import PLACEHOLDER
 
 __all__ = ["RevealStream", "StreamMasker"]
 
@@ -346,6 +348,7 @@ class RevealStream:
         self._reveal = reveal
         self.max_held_chars = max_held_chars
         self._held = ""
+        self._strings = JsonStrings()
 
     def feed(self, piece: str) -> str:
         """Take ``piece``; return the revealed text that can be shown now ('' when none)."""
@@ -353,9 +356,29 @@ class RevealStream:
         opened = _OPEN_PLACEHOLDER.search(text, max(0, len(text) - self.max_held_chars))
         cut = len(text) if opened is None else opened.start()
         self._held = text[cut:]
-        return self._reveal(text[:cut]) if cut else ""
+        return self._revealed(text[:cut]) if cut else ""
 
     def finish(self) -> str:
         """Everything held back, revealed (the stream ended)."""
         held, self._held = self._held, ""
-        return self._reveal(held) if held else ""
+        return self._revealed(held) if held else ""
+
+    def _revealed(self, text: str) -> str:
+        """``text`` revealed; in a streamed JSON text, a placeholder inside a string alone and
+        its value escaped, as [`UserVault.reveal`][keel.privacy.UserVault.reveal] shows the
+        text whole."""
+        strings = self._strings.spans(text)
+        placed = [match for match in PLACEHOLDER.finditer(text) if inside(strings, match.start())]
+        if not placed:
+            return self._reveal(text)
+        pieces: list[str] = []
+        start = 0
+        for match in placed:
+            pieces.append(
+                self._reveal(text[start : match.start()]) if start < match.start() else ""
+            )
+            value = self._reveal(match.group(0))
+            pieces.append(value if value == match.group(0) else json_escaped(value))
+            start = match.end()
+        pieces.append(self._reveal(text[start:]) if start < len(text) else "")
+        return "".join(pieces)

@@ -45,6 +45,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from keel._bridge import run_blocking
 from keel.errors import PlaceholderError, VaultKeyError
+from keel.privacy._json_strings import JsonStrings, inside, json_escaped
 from keel.privacy._keys import KEY_BYTES, KeyProvider, KeyRing
 
 __all__ = [
@@ -628,8 +629,8 @@ class UserVault:
     def reveal(self, text: str) -> str:
         """``text`` with the user's own placeholders replaced by their values; any other
         placeholder (unknown, erased, undecryptable, foreign) is left as written. A JSON text
-        stays JSON: there every placeholder stands inside a string, so a value that holds a
-        quote, a backslash or a line break (a private key's lines) is written escaped."""
+        stays JSON: a value revealed inside one of its strings is written escaped (a private
+        key's line breaks as ``\\n``; see `keel.privacy._json_strings`)."""
         found = placeholders_in(text)
         if not found:
             return text
@@ -643,11 +644,19 @@ class UserVault:
             for placeholder, value in self._opened(refs).items()
             if isinstance(value, str)
         }
-        if any(_NEEDS_JSON_ESCAPE.search(value) for value in values.values()) and _is_json(text):
-            values = {
-                name: json.dumps(value, ensure_ascii=False)[1:-1] for name, value in values.items()
-            }
-        return PLACEHOLDER.sub(lambda match: values.get(match.group(0), match.group(0)), text)
+        strings = (
+            JsonStrings().spans(text)
+            if any(_NEEDS_JSON_ESCAPE.search(value) for value in values.values())
+            else []
+        )
+
+        def shown(match: re.Match[str]) -> str:
+            value = values.get(match.group(0))
+            if value is None:
+                return match.group(0)
+            return json_escaped(value) if inside(strings, match.start()) else value
+
+        return PLACEHOLDER.sub(shown, text)
 
     def resolve_arguments(self, arguments: str, *, keep: Iterable[str] = ()) -> str:
         """A tool call's JSON arguments with placeholders resolved in every string value,
@@ -763,16 +772,3 @@ def _owner(tenant_id: str, user_id: str) -> bytes:
 
 _NEEDS_JSON_ESCAPE = re.compile(r'["\\\x00-\x1f]')
 """A character a JSON string holds only escaped."""
-
-
-def _is_json(text: str) -> bool:
-    """Whether ``text`` is one JSON text (an object, an array or a string: where a placeholder
-    can stand only inside a string)."""
-    stripped = text.strip()
-    if not stripped or stripped[0] not in '{["':
-        return False
-    try:
-        json.loads(stripped)
-    except ValueError:
-        return False
-    return True
