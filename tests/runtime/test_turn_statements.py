@@ -16,6 +16,7 @@ import contextlib
 import json
 import re
 import sqlite3
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def test_a_turn_runs_at_most_its_ceiling_of_statements(tmp_path: Path) -> None:
         assert sum(sql == "COMMIT" for sql in seen) == 3, seen
         assert not [sql for sql in seen if sql.startswith(("SAVEPOINT", "RELEASE"))], seen
         leases = [sql for sql in seen if "keel_state_locks" in sql]
-        assert [sql.split()[0] for sql in leases] == ["INSERT", "DELETE"], seen
+        # Given back in place (an UPDATE of its row): the next turn takes the same row back.
+        assert [sql.split()[0] for sql in leases] == ["INSERT", "UPDATE"], seen
         assert not [sql for sql in seen if "keel_tool_decisions" in sql], seen
     finally:
         agent.close()
@@ -156,5 +158,48 @@ def test_a_turn_runs_the_same_statements_however_long_the_session(tmp_path: Path
             agent.handle_sync("s1", "u1", f"find the record {number}")
         late = _shapes(_turn(agent, "find the record 24"))
         assert late == early
+    finally:
+        agent.close()
+
+
+def _wal_pages(database: Path) -> list[str]:
+    """The b-tree (table or index) of each page the write-ahead log holds, one per frame."""
+    wal = (database.parent / (database.name + "-wal")).read_bytes()
+    page_size = struct.unpack(">I", wal[8:12])[0]
+    pages = [
+        struct.unpack(">I", wal[offset : offset + 4])[0]
+        for offset in range(32, len(wal) - page_size - 23, 24 + page_size)
+    ]
+    reader = sqlite3.connect(database)
+    try:
+        owner = dict(reader.execute("SELECT pageno, name FROM dbstat"))
+    except sqlite3.OperationalError:
+        pytest.skip("this SQLite has no dbstat table")
+    finally:
+        reader.close()
+    return [str(owner.get(page, "?")) for page in pages]
+
+
+def test_a_turn_gives_its_lease_back_in_place_writing_one_page_each_way(
+    tmp_path: Path,
+) -> None:
+    """The lease is given back by expiring its row, not deleting it: the next turn takes the
+    same row back, so neither writes the key's index (two log pages a turn less)."""
+    agent = _agent(tmp_path)
+    try:
+        agent.handle_sync("s1", "u1", "warm up")
+        database = Path(_database(agent).path)
+        checkpointer = sqlite3.connect(database)
+        checkpointer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        checkpointer.close()
+        for number in range(3):
+            agent.handle_sync("s1", "u1", f"find the record {number}")
+        pages = _wal_pages(database)
+        assert pages.count("keel_state_locks") == 6, pages  # its row, taken and given back
+        assert "sqlite_autoindex_keel_state_locks_1" not in pages, pages
+        reader = sqlite3.connect(database)
+        rows = reader.execute("SELECT owner, expires_at FROM keel_state_locks").fetchall()
+        reader.close()
+        assert len(rows) == 1 and rows[0][1] == 0, rows  # given back: held by no one
     finally:
         agent.close()

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keel.state._delta import diff, encode_full, replay
+from keel.state._delta import diff, encode_full, encode_json, replay
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5),
@@ -41,3 +42,19 @@ def test_objects_store_only_the_keys_that_changed() -> None:
     delta = diff(old, new)
     assert delta == {"patch": {"runtime": {"set": {"turns": 2}, "unset": ["open_turn"]}}}
     assert replay([encode_full(old), json.dumps(delta)]) == new
+
+
+def test_a_payload_reads_back_as_the_value_json_would_have_written() -> None:
+    """Payloads are written by pydantic-core: the JSON value ``json`` writes, whatever the
+    text (numbers ``json`` spells its own way, non-finite floats, text left unescaped)."""
+    value = {
+        "floats": [1e16, 1e-7, -0.0, 0.1, float("inf"), float("-inf")],
+        "text": 'é中\u2028\x00"\\ <EMAIL_1>',
+        "nested": {"list": [None, True, 2**70], "empty": {}},
+        1: "an int key",
+    }
+    written = encode_json(value)
+    assert "\\u00e9" not in written and "é中" in written  # unescaped, as ensure_ascii=False
+    assert json.loads(written) == json.loads(json.dumps(value, ensure_ascii=False))
+    nan = json.loads(encode_json({"x": float("nan")}))["x"]
+    assert math.isnan(nan)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -10,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from keel.errors import StateValidationError
 from keel.messages import Message
-from keel.state import AgentState, StateSchema, StateStore, add_messages, append
+from keel.state import AgentState, StateSchema, StateStore, _codec, _delta, add_messages, append
+from keel.state._delta import encode_full, encode_json
 from keel.testing._state_models import ConversationState, CounterState
 from keel.testing._state_worker import state_backend_at
 
@@ -203,6 +206,77 @@ def test_snapshots_of_a_growing_list_keep_storage_linear(tmp_path: Path) -> None
     assert fresh.load("c").state == store.load("c").state
     store.close()
     fresh.close()
+
+
+def _appended_with_encoded_chars(
+    store: StateStore[Any], versions: int, monkeypatch: pytest.MonkeyPatch
+) -> dict[int, int]:
+    """Append a message per version to a new session ``c``; the characters of JSON the
+    codec encoded for each version's write."""
+    encoded: dict[int, int] = {}
+    current = {"version": 0}
+
+    def counting(value: Any) -> str:
+        text = encode_json(value)
+        encoded[current["version"]] = encoded.get(current["version"], 0) + len(text)
+        return text
+
+    monkeypatch.setattr(_codec, "encode_json", counting)
+    monkeypatch.setattr(_delta, "encode_json", counting)
+    version = store.create("c", ConversationState()).version
+    for k in range(1, versions + 1):
+        current["version"] = version + 1
+        message = Message.user(f"message {k} " + "x" * 150)
+        version = store.append(
+            "c", {"messages": [message]}, update={"step": k}, expected_version=version, reason="r"
+        )
+    return encoded
+
+
+def test_a_snapshot_encodes_the_items_since_the_last_one_not_the_whole_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot's text joins what the last one encoded (and the items since, encoded as
+    one run): a long session's snapshot no longer encodes its whole history again."""
+    store = _store(tmp_path, ConversationState, snapshot_every=10)
+    encoded = _appended_with_encoded_chars(store, 400, monkeypatch)
+    history = sorted(store.history("c"), key=lambda h: h.version)
+    fulls = [h for h in history if h.kind == "full" and h.version > 1]
+    assert len(fulls) >= 3, fulls
+    for later in fulls[1:]:
+        # Its payload holds every message; what it encoded is the messages since the last
+        # snapshot (the deltas' worth: about half the payload under the snapshot policy).
+        assert encoded[later.version] < 0.6 * later.size_bytes, (later, encoded[later.version])
+    fresh = _store(tmp_path, ConversationState)
+    for probe in (fulls[-1].version - 1, fulls[-1].version, fulls[-1].version + 1):
+        assert len(fresh.at("c", probe).state.messages) == probe - 1
+    assert fresh.load("c").state == store.load("c").state
+    store.close()
+    fresh.close()
+
+
+def test_a_joined_snapshot_is_the_text_the_whole_state_encodes_to(tmp_path: Path) -> None:
+    """Byte for byte what ``encode_full`` writes, so readers and sizes see no difference;
+    after a read from the store (no texts kept) the first snapshot encodes the list whole."""
+    store = _store(tmp_path, ConversationState, snapshot_every=5)
+    version = store.create("c", ConversationState()).version
+    for k in range(1, 120):
+        if k == 60:
+            store.close()
+            store = _store(tmp_path, ConversationState, snapshot_every=5)
+        message = Message.user(f"message {k} \u00e9\u4e2d " + "y" * (k % 7) * 20)
+        version = store.append(
+            "c", {"messages": [message]}, update={"step": k}, expected_version=version, reason="r"
+        )
+    db = sqlite3.connect(tmp_path / "g.db")
+    rows = db.execute(
+        "SELECT version, payload FROM keel_state_checkpoints WHERE kind = 'full' AND version > 1"
+    ).fetchall()
+    db.close()
+    assert len(rows) >= 4
+    for _, payload in rows:
+        assert payload == encode_full(json.loads(payload)["full"])
+    store.close()
 
 
 def test_small_states_still_get_a_snapshot_every_snapshot_every_versions(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import secrets
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -21,12 +22,21 @@ from pydantic import BaseModel
 from keel.errors import UsageError
 from keel.state._backend import Chain, StoredCheckpoint
 from keel.state._checkpoint import CheckpointInfo
-from keel.state._delta import delta_of, diff, encode_full, encode_json, patch_of, replay
+from keel.state._delta import (
+    delta_of,
+    diff,
+    encode_full,
+    encode_full_joined,
+    encode_json,
+    patch_of,
+    replay,
+)
 from keel.state._schema import JSONState, StateSchema
 
 __all__ = [
     "AppendPlan",
     "Base",
+    "ItemTexts",
     "VersionCodec",
     "checkpoint_info",
     "immutable_lists",
@@ -83,6 +93,52 @@ class AppendPlan:
     immutable: frozenset[str]
     full_bytes: int
     replay_bytes: int
+    full_texts: dict[str, list[str]] | None
+    """With ``full_lists``: their text, as `ItemTexts` keeps it."""
+
+
+class ItemTexts:
+    """The JSON text of the list fields of the bases a store keeps, by list object: a
+    snapshot joins these texts (`encode_full_joined`) instead of encoding the whole history
+    again, so a write costs what is new since the last snapshot even when it is one.
+
+    A list's text is kept as runs of its items (each run the inside of a JSON array, in
+    order), with how many items they cover. An entry holds its list object (an id is never
+    reused while it lives) and is valid for the items it covers: the lists of a base only
+    ever grow, in place, by immutable items (see ``KnownVersions.remember_append``), so the
+    items after those are encoded, as one run, when the next snapshot needs them, the rest
+    never again. At most ``size`` lists are kept, the oldest dropped first (its next
+    snapshot encodes the list whole, as before).
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._texts: dict[int, tuple[list[Any], list[str], int]] = {}
+        self._lock = threading.Lock()
+
+    def of(self, items: list[Any]) -> list[str]:
+        """The runs of ``items``' text: those kept, and the items after them encoded now."""
+        with self._lock:
+            entry = self._texts.get(id(items))
+            runs, covered = ([], 0) if entry is None or entry[0] is not items else entry[1:]
+        if covered > len(items):
+            runs, covered = [], 0
+        if covered < len(items):
+            tail = items[covered:]
+            runs = [*runs, encode_json(tail)[1:-1]]
+            self.keep(items, runs, covered + len(tail))
+        return runs
+
+    def keep(self, items: list[Any], runs: list[str], covered: int) -> None:
+        """Keep ``runs`` as the text of the first ``covered`` of ``items``."""
+        with self._lock:
+            self._texts.pop(id(items), None)
+            if len(self._texts) >= self.size:
+                del self._texts[next(iter(self._texts))]
+            self._texts[id(items)] = (items, runs, covered)
+
+    def __len__(self) -> int:
+        return len(self._texts)
 
 
 _IMMUTABLE: dict[type, bool] = {
@@ -174,6 +230,8 @@ class VersionCodec(Generic[S]):
             decorators is not None
             and (decorators.field_serializers or decorators.model_serializers)
         )
+        self.item_texts = ItemTexts()
+        """The JSON text of the items of the known bases' lists (the next snapshot's)."""
 
     def rebuild(self, session_id: str, chain: Chain) -> tuple[Base, S, StoredCheckpoint]:
         """The base, state and last row of a chain that starts at a full snapshot."""
@@ -389,14 +447,22 @@ class VersionCodec(Generic[S]):
                 continue
             self._encode_changed(base, name, value, data, sets, patches, immutable)
         extends = {name: items for name, items in tails_json.items() if items}
-        delta = delta_of(sets, extends, patches)
-        payload = encode_json(delta)
+        payload = encode_json(delta_of(sets, extends, patches))
         replay_bytes = base.replay_bytes + payload_bytes(payload) + ROW_REPLAY_COST
         full_lists: dict[str, list[Any]] | None = None
+        full_texts: dict[str, list[str]] | None = None
         full_bytes = base.full_bytes
         if self._snapshot_due(base, base.version + 1, replay_bytes):
             full_lists = {name: [*base.data[name], *items] for name, items in tails_json.items()}
-            payload = encode_full({**data, **full_lists})
+            # The history's texts as the last snapshot (or the first read) left them, the
+            # items since encoded now: a snapshot encodes what is new since the last one.
+            texts = self.item_texts.of
+            full_texts = {
+                name: [*texts(base.data[name]), encode_json(items)[1:-1]]
+                for name, items in tails_json.items()
+            }
+            lists = {name: texts(base.data[name]) for name in unchanged}
+            payload = encode_full_joined({**data, **full_lists}, {**lists, **full_texts})
             full_bytes = payload_bytes(payload)
             replay_bytes = 0
         row = self._row(
@@ -414,6 +480,7 @@ class VersionCodec(Generic[S]):
             immutable=frozenset(immutable),
             full_bytes=full_bytes,
             replay_bytes=replay_bytes,
+            full_texts=full_texts,
         )
 
     def plan_write(

@@ -220,6 +220,7 @@ class KnownVersions(Generic[S]):
             in_place = current is base
             values = dict(base.values)
             data = dict(plan.data)
+            texts = self._codec.item_texts
             for name, items in plan.tails.items():
                 if in_place:
                     values[name].extend(items)
@@ -227,6 +228,8 @@ class KnownVersions(Generic[S]):
                     values[name] = [*values[name], *items]
                 if plan.full_lists is not None:
                     data[name] = plan.full_lists[name]
+                    if plan.full_texts is not None:
+                        texts.keep(data[name], plan.full_texts[name], len(data[name]))
                 elif in_place:
                     data[name].extend(plan.tails_json[name])
                 else:

@@ -406,8 +406,14 @@ class _Plans:
 
     @staticmethod
     def release_lock(key: str, owner: str) -> Plan[bool]:
+        # Expired in place, not deleted: the row's page alone is written (a delete rewrites
+        # the key's index too, and the session's next turn inserts it again: two pages a turn
+        # on SQLite's log). A released row reads as no lease (`lock_holder`), any owner takes
+        # it (`_LOCK`), and `vacuum` deletes it with the other expired ones.
         released = yield Statement(
-            "DELETE FROM keel_state_locks WHERE key = ? AND owner = ?", (key, owner)
+            "UPDATE keel_state_locks SET expires_at = 0 "
+            "WHERE key = ? AND owner = ? AND expires_at > 0",
+            (key, owner),
         )
         return released.rowcount == 1
 
