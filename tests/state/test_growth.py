@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from keel.errors import StateValidationError
+from keel.errors import ConflictError, StateValidationError, UsageError
 from keel.messages import Message
 from keel.state import AgentState, StateSchema, StateStore, _codec, _delta, add_messages, append
 from keel.state._delta import encode_full, encode_json
@@ -421,3 +421,58 @@ def test_a_reader_another_writer_moved_on_validates_only_the_items_written_since
     assert [m.content for m in strict_reader.load("s").state.messages] == ["a", "b"]
     for store in (writer, reader, strict_writer, strict_reader):
         store.close()
+
+
+def _entries(name: str, count: int = 3) -> list[Entry]:
+    return [Entry(text=f"{name}{k}") for k in range(count)]
+
+
+def test_a_store_keeps_the_most_recently_used_sessions_and_reads_the_others_whole(
+    tmp_path: Path,
+) -> None:
+    # A service worker meets sessions without end: what it keeps of them is bounded.
+    store = _store(tmp_path, Journal, known_sessions=2)
+    for name in ("a", "b", "c"):
+        store.create(name, Journal(entries=_entries(name)))
+    _checked.clear()
+    assert [len(store.load(name).state.entries) for name in ("c", "b")] == [3, 3]
+    assert _checked == []  # kept: nothing decoded or validated again
+    a = store.load("a")  # the least recently used, dropped: read whole
+    assert sorted(_checked) == ["a0", "a1", "a2"]
+    assert a.state.entries == _entries("a")
+    _checked.clear()
+    store.load("b")  # used more recently than c, so c went when a came back
+    store.load("c")
+    assert _checked == ["c0", "c1", "c2"]
+    # A dropped session's next write is as safe as any: on the version read, a stale one refused.
+    version = store.load("b").version
+    store.append("b", {"entries": [Entry(text="b3")]}, expected_version=version, reason="r")
+    with pytest.raises(ConflictError):
+        store.append("b", {"entries": [Entry(text="bx")]}, expected_version=version, reason="r")
+    assert [e.text for e in store.load("b").state.entries] == ["b0", "b1", "b2", "b3"]
+
+
+def test_a_store_keeps_about_its_byte_bound_and_always_the_newest(tmp_path: Path) -> None:
+    store = _store(tmp_path, Journal, known_bytes=1)
+    for name in ("a", "b"):
+        store.create(name, Journal(entries=_entries(name)))
+    _checked.clear()
+    store.load("b")
+    assert _checked == []  # the newest, kept whatever its size
+    store.load("a")
+    assert sorted(_checked) == ["a0", "a1", "a2"]
+    with pytest.raises(UsageError):
+        _store(tmp_path, Journal, known_sessions=0)
+
+
+def test_a_store_left_to_its_defaults_drops_the_session_unused_longest(tmp_path: Path) -> None:
+    # The default bound (1,024 sessions): a worker serving more users than that keeps the
+    # recent ones, not every session it ever met.
+    store = _store(tmp_path, Journal)
+    for k in range(1025):
+        store.create(f"s{k}", Journal(entries=[Entry(text=f"s{k}")]))
+    _checked.clear()
+    store.load("s1024")
+    assert _checked == []
+    store.load("s0")
+    assert _checked == ["s0"]

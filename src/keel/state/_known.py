@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Generic, TypeVar, cast
 
@@ -30,7 +31,7 @@ from keel.state._codec import (
 )
 from keel.state._delta import replay
 
-__all__ = ["PARTIAL", "KnownVersions", "Partial", "whole"]
+__all__ = ["KNOWN_BYTES", "KNOWN_SESSIONS", "PARTIAL", "KnownVersions", "Partial", "whole"]
 
 S = TypeVar("S")
 _T = TypeVar("_T")
@@ -51,6 +52,11 @@ def whole(found: _T | Partial) -> _T:
     if isinstance(found, Partial):
         raise StoreError("the backend's chain does not start at a full snapshot")
     return found
+
+
+def _state_bytes(base: Base) -> int:
+    """About how many bytes of JSON ``base``'s state is: its last snapshot and the rows since."""
+    return base.full_bytes + base.replay_bytes
 
 
 def _copy(state: Any) -> Any:
@@ -75,17 +81,56 @@ def _container_copy(value: Any) -> Any:
     return value
 
 
-class KnownVersions(Generic[S]):
-    """The newest base of each session this store read or wrote, and reads resolved on it."""
+KNOWN_SESSIONS = 1024
+KNOWN_BYTES = 64 << 20
 
-    def __init__(self, codec: VersionCodec[S]) -> None:
+
+class KnownVersions(Generic[S]):
+    """The newest base of each session this store read or wrote, and reads resolved on it.
+
+    A long-running process (a service worker) meets sessions without end: the bases kept are
+    the most recently used, at most ``max_sessions`` of them and about ``max_bytes`` of their
+    state's JSON (the newest base is kept whatever its size). A session whose base was dropped
+    is read whole on its next turn, as by a process that never knew it."""
+
+    def __init__(
+        self,
+        codec: VersionCodec[S],
+        *,
+        max_sessions: int = KNOWN_SESSIONS,
+        max_bytes: int = KNOWN_BYTES,
+    ) -> None:
         self._codec = codec
-        self._bases: dict[str, Base] = {}
+        self._bases: OrderedDict[str, Base] = OrderedDict()
+        self._bytes = 0
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        return len(self._bases)
+
     def get(self, session_id: str) -> Base | None:
-        """The session's newest known base, if any."""
-        return self._bases.get(session_id)
+        """The session's newest known base, if any (now the most recently used)."""
+        with self._lock:
+            base = self._bases.get(session_id)
+            if base is not None:
+                self._bases.move_to_end(session_id)
+            return base
+
+    def _keep(self, base: Base) -> None:
+        """``base`` as its session's known one, the least recently used dropped past the
+        bounds. Called with the lock held."""
+        old = self._bases.pop(base.session_id, None)
+        if old is not None:
+            self._bytes -= _state_bytes(old)
+        self._bases[base.session_id] = base
+        self._bytes += _state_bytes(base)
+        while len(self._bases) > 1 and (
+            len(self._bases) > self.max_sessions or self._bytes > self.max_bytes
+        ):
+            _, dropped = self._bases.popitem(last=False)
+            self._bytes -= _state_bytes(dropped)
 
     def resolve(
         self,
@@ -206,7 +251,7 @@ class KnownVersions(Generic[S]):
         with self._lock:
             current = self._bases.get(base.session_id)
             if current is None or current.epoch != base.epoch or current.version <= base.version:
-                self._bases[base.session_id] = base
+                self._keep(base)
 
     def remember_append(self, plan: AppendPlan) -> int:
         """Make the committed append the session's known base; returns its version.
@@ -256,15 +301,18 @@ class KnownVersions(Generic[S]):
                 replay_bytes=plan.replay_bytes,
             )
             if current is None or current.epoch != base.epoch or current.version < row.version:
-                self._bases[base.session_id] = new_base
+                self._keep(new_base)
         return row.version
 
     def forget(self, session_id: str) -> None:
         """Forget a session's base (its history was rewritten or deleted)."""
         with self._lock:
-            self._bases.pop(session_id, None)
+            dropped = self._bases.pop(session_id, None)
+            if dropped is not None:
+                self._bytes -= _state_bytes(dropped)
 
     def clear(self) -> None:
         """Forget every session's base."""
         with self._lock:
             self._bases.clear()
+            self._bytes = 0

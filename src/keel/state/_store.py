@@ -36,7 +36,7 @@ from keel.state._checkpoint import (
     VacuumReport,
 )
 from keel.state._codec import Base, VersionCodec, checkpoint_info, ttl_seconds
-from keel.state._known import KnownVersions, Partial, whole
+from keel.state._known import KNOWN_BYTES, KNOWN_SESSIONS, KnownVersions, Partial, whole
 from keel.state._lease import SessionLock
 from keel.state._retention import drop_rows, vacuum
 from keel.state._schema import StateSchema
@@ -71,6 +71,10 @@ class StateStore(Generic[S]):
             would store a growing history over and over: quadratic in the session's length.)
         default_ttl: time to live (seconds or timedelta) of new sessions; each write extends it.
         clock: seconds since the epoch; injectable for tests of expiry and retention.
+        known_sessions: how many sessions' newest state the store keeps in memory, the most
+            recently used, so that their next read and write cost what is new (a session it no
+            longer keeps is read whole); ``known_bytes``: about how much of their JSON, all
+            together. A service worker meets sessions without end: these bound its memory.
     """
 
     def __init__(
@@ -82,9 +86,13 @@ class StateStore(Generic[S]):
         snapshot_every: int = 100,
         default_ttl: float | timedelta | None = None,
         clock: Callable[[], float] = time.time,
+        known_sessions: int = KNOWN_SESSIONS,
+        known_bytes: int = KNOWN_BYTES,
     ) -> None:
         if snapshot_every < 1:
             raise UsageError("snapshot_every must be >= 1")
+        if known_sessions < 1 or known_bytes < 0:
+            raise UsageError("known_sessions must be >= 1 and known_bytes >= 0")
         self.backend = backend
         self.schema: StateSchema[S] = (
             schema if isinstance(schema, StateSchema) else StateSchema(schema)
@@ -94,7 +102,7 @@ class StateStore(Generic[S]):
         self.default_ttl = ttl_seconds(default_ttl)
         self.clock = clock
         self._codec = VersionCodec(self.schema, snapshot_every, clock)
-        self._known = KnownVersions(self._codec)
+        self._known = KnownVersions(self._codec, max_sessions=known_sessions, max_bytes=known_bytes)
 
     # --- the backend, through the one core ----------------------------------------------------
 
