@@ -89,3 +89,23 @@ def test_growth_while_retries_climb_warns_and_so_does_a_full_window_failing() ->
     for i in range(10):
         unknown.record_call(session_id="p", prompt_tokens=7000 + 80 * i, retry=i >= 6)
     assert unknown.snapshot(session_id="p").healthy
+
+
+def test_a_monitor_keeps_the_windows_of_the_sessions_used_most_recently() -> None:
+    # One monitor serves every run of a process, which meets sessions without end.
+    monitor = SpiralMonitor(max_sessions=2)
+    for name in ("s1", "s2", "s1", "s3"):
+        monitor.record_call(session_id=name, agent="a", prompt_tokens=100)
+    assert monitor.snapshot(session_id="s1").calls == 2  # used again after s2: kept
+    assert monitor.snapshot(session_id="s3").calls == 1
+    assert monitor.snapshot(session_id="s2").calls == 0  # the least recently used: dropped
+    assert monitor.snapshot(agent="a").calls == 4  # agents' and the process's windows stay
+    assert monitor.snapshot().calls == 4
+
+
+def test_a_monitor_left_to_its_defaults_does_not_keep_every_session() -> None:
+    monitor = SpiralMonitor()
+    for k in range(4097):
+        monitor.record_call(session_id=f"s{k}", prompt_tokens=100)
+    assert monitor.snapshot(session_id="s4096").calls == 1
+    assert monitor.snapshot(session_id="s0").calls == 0

@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -143,21 +143,36 @@ class SpiralMonitor:
         thresholds: where each indicator warns.
         prompt_limit: tokens a prompt may take, if known for every call (``record_call`` may
             give it per call instead); it lets a prompt pinned near the limit count.
+        max_sessions: how many sessions' windows are kept, the most recently used: a
+            long-running process meets sessions without end.
     """
 
     def __init__(
-        self, thresholds: SpiralThresholds | None = None, *, prompt_limit: int | None = None
+        self,
+        thresholds: SpiralThresholds | None = None,
+        *,
+        prompt_limit: int | None = None,
+        max_sessions: int = 4096,
     ) -> None:
         self.thresholds = thresholds or SpiralThresholds()
         self.prompt_limit = prompt_limit
+        self.max_sessions = max_sessions
         self._scopes: dict[str, _Scope] = {}
+        # A process meets sessions without end: the windows kept are the most recently used
+        # sessions' (a session quiet that long has no spiral under way to watch).
+        self._sessions: OrderedDict[str, _Scope] = OrderedDict()
         self._lock = threading.Lock()
 
     def _scope(self, name: str) -> _Scope:
-        scope = self._scopes.get(name)
+        kept = self._sessions if name.startswith("session:") else self._scopes
+        scope = kept.get(name)
         if scope is None:
             scope = _Scope(calls=deque(maxlen=self.thresholds.window))
-            self._scopes[name] = scope
+            kept[name] = scope
+            if kept is self._sessions and len(kept) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        elif kept is self._sessions:
+            self._sessions.move_to_end(name)
         return scope
 
     @staticmethod
