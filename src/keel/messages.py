@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from itertools import compress, count
+from operator import is_not
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -150,16 +152,17 @@ def equal_run_length(
     """How many of ``messages`` from ``i`` on equal ``other``'s from ``j`` on (at most
     ``span``; the first pair is known to be the same object). Compared as lists, in C: a list
     comparison passes identical items without calling ``__eq__``, several times faster than an
-    identity check per item; where the whole span differs, the longest equal start is found by
-    halving. Shared by the token counter and the trace's prompt record, which both follow a
-    list of messages against the one before it."""
-    if messages[i : i + span] == other[j : j + span]:
+    identity check per item. Where the whole span differs, the first pair that differs is the
+    first pair of different objects (found in C too) that do not compare equal: one pass, not
+    the halving this did before (two new slices of the span at each of its ~11 steps, for a
+    prompt's window of a thousand messages). Shared by the token counter and the trace's
+    prompt record, which both follow a list of messages against the one before it."""
+    mine, theirs = messages[i : i + span], other[j : j + span]
+    if mine == theirs:
         return span
-    low, high = 1, span - 1  # the first pair is one object; the whole span differs
-    while low < high:
-        middle = (low + high + 1) // 2
-        if messages[i : i + middle] == other[j : j + middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    # A list comparison stops at the first pair that is neither one object nor equal: so
+    # does this, looking at pairs of different objects only.
+    for k in compress(count(), map(is_not, mine, theirs)):
+        if mine[k] != theirs[k]:
+            return k
+    return min(len(mine), len(theirs))

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from keel.memory._records import ShownSession
 from keel.stores import _sqlite_memory
 from keel.stores._sqlite_memory import _ScopeIndex
 
@@ -96,3 +97,76 @@ def test_a_shortlist_of_a_million_is_chosen_without_partitioning_all_of_them() -
     # Every closer row is in, and the rest are at the cut-off itself.
     closer = int(np.count_nonzero(values < cut))
     assert int(np.count_nonzero(values[chosen] < cut)) == closer < 40_000
+
+
+def _session_index(vectors: np.ndarray, sessions: list[str]) -> _ScopeIndex:
+    """Each vector a turn of its session (turns counted per session, in order)."""
+    index = _ScopeIndex()
+    turns: dict[str, int] = {}
+    for number, (vector, session) in enumerate(zip(vectors, sessions, strict=True)):
+        turn = turns[session] = turns.get(session, -1) + 1
+        index.add(f"r{number}", vector, (session, turn, None), number + 1)
+    return index
+
+
+@pytest.mark.parametrize("layout", ["one session", "two sessions taking turns", "scattered"])
+def test_a_shown_window_is_left_unscored_and_the_nearest_are_the_same(
+    monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """Late in a long session most of its index is its own window, which a search never
+    returns: only the other rows are scored, and what the search finds is what scoring every
+    row and dropping the window's found (positions, and scores to the bit)."""
+    vectors = _clustered(2000, dimension=256)
+    rng = np.random.default_rng(5)
+    if layout == "one session":
+        sessions = ["s"] * 2000
+    elif layout == "two sessions taking turns":
+        sessions = [("s", "t")[(n // 50) % 2] for n in range(2000)]
+    else:
+        sessions = [("s", "t", "u")[int(choice)] for choice in rng.integers(0, 3, size=2000)]
+    index = _session_index(vectors, sessions)
+    shown = ShownSession(session_id="s", first_turn=300)
+    hidden = index.hidden(shown, index.size)
+    assert hidden is not None
+    visible = np.flatnonzero(~hidden)
+    scored: list[int] = []
+    real = _sqlite_memory.row_dots
+
+    def counted(matrix: np.ndarray, vector: np.ndarray) -> np.ndarray:
+        scored.append(matrix.shape[0])
+        return real(matrix, vector)
+
+    monkeypatch.setattr(_sqlite_memory, "row_dots", counted)
+    for seed in range(5):
+        query = vectors[seed * 311] + 0.05 * np.random.default_rng(seed).normal(size=256)
+        query = (query / np.linalg.norm(query)).astype(np.float32)
+        scored.clear()
+        positions, scores = index.nearest(query, 120, shown)
+        # What the search did before: every row scored, the window's dropped after.
+        every = real(index.matrix[: index.size], query)[visible]
+        top = np.argpartition(-every, 119)[:120]
+        top = top[np.argsort(-every[top])]
+        assert positions.tolist() == visible[top].tolist()
+        assert np.array_equal(scores.view(np.uint32), every[top].view(np.uint32))
+        assert not hidden[positions].any()
+        if layout == "scattered":  # too many runs: the whole span, as before
+            assert sum(scored) <= index.size
+        else:
+            assert sum(scored) == visible.size < index.size
+
+
+@given(
+    st.lists(st.integers(0, 299), max_size=300, unique=True),
+    st.sampled_from([7, 64, 256, 384]),
+)
+def test_scoring_by_runs_gives_the_whole_products_rows_to_the_bit(
+    picked: list[int], dimension: int
+) -> None:
+    rng = np.random.default_rng(len(picked) + dimension)
+    matrix = rng.normal(size=(300, dimension)).astype(np.float32)
+    query = rng.normal(size=dimension).astype(np.float32)
+    rows = np.array(sorted(picked), dtype=np.int64)
+    runs = _sqlite_memory._dots_by_runs(matrix, rows, query)
+    whole = _sqlite_memory.row_dots(matrix, query)[rows]
+    assert runs.dtype == whole.dtype == np.float32
+    assert np.array_equal(runs.view(np.uint32), whole.view(np.uint32))

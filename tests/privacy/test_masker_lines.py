@@ -6,7 +6,7 @@ number that one text labels as an id but another holds bare."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import OrderedDict
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -200,18 +200,17 @@ def test_a_long_line_is_scanned_each_time_never_kept() -> None:
     assert _found(masker, text) == []
 
 
-class _EvictedMeanwhile(dict[str, MaskResult]):
-    """Kept results whose oldest entry another thread drops between this thread's finding it
-    and dropping it (both found the cache full)."""
+class _EvictedMeanwhile(OrderedDict[str, MaskResult]):
+    """Kept results that other threads empty just before this thread drops its oldest (all
+    found the cache full): the drop finds nothing to drop."""
 
-    def __iter__(self) -> Iterator[str]:
-        keys = list(super().__iter__())
-        super().__delitem__(keys[0])
-        return iter(keys)
+    def popitem(self, last: bool = True) -> tuple[str, MaskResult]:
+        self.clear()
+        return super().popitem(last=last)
 
 
 def test_a_full_result_cache_another_thread_trimmed_first_is_no_error() -> None:
     masker = PIIMasker()
-    full = _EvictedMeanwhile({f"text {n}": MaskResult(text=f"text {n}") for n in range(2048)})
+    full = _EvictedMeanwhile((f"text {n}", MaskResult(text=f"text {n}")) for n in range(2048))
     masker._results[id(masker.policy)] = (masker.policy, full)
     assert masker.mask_text("mail mallory.x7q@example.org") == "mail <EMAIL_1>"

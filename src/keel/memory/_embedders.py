@@ -14,6 +14,7 @@ import hashlib
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,10 @@ class _RecentVectors:
     def __init__(self, size: int) -> None:
         self.size = size
         self.computed = 0  # texts that were embedded (not found here)
-        self._vectors: dict[str, FloatArray] = {}
+        # In use order, the least recent first: a hit moves to the end and the least recent
+        # goes in one step (a plain dict, popped and set again, found its first entry past
+        # every slot those moves emptied).
+        self._vectors: OrderedDict[str, FloatArray] = OrderedDict()
         self._lock = threading.Lock()
 
     def __contains__(self, text: object) -> bool:
@@ -86,9 +90,9 @@ class _RecentVectors:
 
     def vector(self, text: str, embed: Callable[[Sequence[str]], FloatArray]) -> FloatArray:
         with self._lock:
-            found = self._vectors.pop(text, None)
+            found = self._vectors.get(text)
             if found is not None:
-                self._vectors[text] = found  # the most recent again
+                self._vectors.move_to_end(text)  # the most recent again
         if found is None:
             found = np.array(embed([text])[0], dtype=np.float32)
             found.flags.writeable = False  # shared by every caller that asks for the text
@@ -96,7 +100,7 @@ class _RecentVectors:
                 self.computed += 1
                 self._vectors[text] = found
                 while len(self._vectors) > self.size:
-                    del self._vectors[next(iter(self._vectors))]
+                    self._vectors.popitem(last=False)
         return found
 
 

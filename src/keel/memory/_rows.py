@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -112,7 +113,9 @@ class RecordCache:
     def __init__(self, size: int = 4096) -> None:
         self.size = size
         self.built = 0  # records validated from their rows (not found here)
-        self._records: dict[tuple[Any, ...], MemoryRecord] = {}
+        # Its oldest entry goes in one step (a plain dict's is found past every slot its
+        # earlier drops emptied).
+        self._records: OrderedDict[tuple[Any, ...], MemoryRecord] = OrderedDict()
         self._lock = threading.Lock()
         #: Bumped by each `forget`: rows read before it may be an erased user's, and the
         #: records built from them are not kept (see ``record``'s ``read_at``).
@@ -135,7 +138,7 @@ class RecordCache:
             if read_at is not None and read_at != self.forgets:
                 return record
             if len(self._records) >= self.size:
-                del self._records[next(iter(self._records))]
+                self._records.popitem(last=False)
             self._records[key] = record
         return record
 

@@ -292,11 +292,14 @@ class _ScopeIndex:
         matrix, bits = self.matrix, self.bits
         hidden = None if shown is None else self.hidden(shown, size)
         if size <= _EXACT_VECTORS:
-            rows = np.arange(size)
-            scores = row_dots(matrix[:size], query)
-            if hidden is not None:
+            if hidden is None:
+                rows = np.arange(size)
+                scores = row_dots(matrix[:size], query)
+            else:
+                # Only the rows a search may return are scored: late in a long session most
+                # of the index is its own window.
                 rows = np.flatnonzero(~hidden)
-                scores = scores[rows]
+                scores = _dots_by_runs(matrix, rows, query)
         else:
             distance = np.zeros(size, dtype=np.uint16)
             for word, query_word in zip(
@@ -317,6 +320,31 @@ class _ScopeIndex:
 
 # Rows gathered and scored at a time: a few MB at once instead of the whole shortlist.
 _RESCORE_ROWS = 8192
+
+# Runs of consecutive rows `_dots_by_runs` scores one by one; more (rows scattered between
+# sessions) and it scores the whole span at once.
+_SCORED_RUNS = 16
+
+
+def _dots_by_runs(matrix: FloatArray, rows: npt.NDArray[np.int64], query: FloatArray) -> FloatArray:
+    """``row_dots(matrix, query)[rows]`` for ascending ``rows``, scoring only those rows: each
+    run of consecutive rows is one product over a view of the matrix (no copy). Bit for bit
+    the same scores: each row's dot product is summed on its own, in the same order, however
+    many rows the product has (tested against the whole product)."""
+    if rows.size == 0:
+        return np.zeros(0, dtype=np.float32)
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    if breaks.size >= _SCORED_RUNS:
+        return row_dots(matrix[: int(rows[-1]) + 1], query)[rows]
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), int(rows.size)]
+    firsts = rows[starts].tolist()
+    return np.concatenate(
+        [
+            row_dots(matrix[first : first + end - start], query)
+            for first, start, end in zip(firsts, starts, ends, strict=True)
+        ]
+    )
 
 
 def _rescored(matrix: FloatArray, rows: npt.NDArray[np.int64], query: FloatArray) -> FloatArray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -123,23 +124,26 @@ class ChatTokenCounter:
         # A message's count is a pure function of its role, text, name and tool calls: keep
         # the counts of recent messages, so a prompt that repeats the window (every compile,
         # every usage report) costs a dict look-up per message, not a tokenization.
-        self._message_counts: dict[tuple[Any, ...], int] = {}
+        # Each bounded cache here is an OrderedDict: its oldest entry goes in one step, where a
+        # plain dict's is found past every slot its earlier drops emptied (a full cache paid
+        # for a walk of thousands of empty slots a drop).
+        self._message_counts: OrderedDict[tuple[Any, ...], int] = OrderedDict()
         # The same message objects are counted on every compile: by identity first, which
         # costs one dict look-up instead of building the content key, and lets a whole list
         # be summed at C speed. The objects are kept alive with their entries, so an id
         # cannot be reused while its entry lives.
-        self._identity_counts: dict[int, int] = {}
+        self._identity_counts: OrderedDict[int, int] = OrderedDict()
         self._identity_kept: dict[int, Message] = {}
         self._tools_counts: dict[str, int] = {}
         # Short texts counted again and again (the same memories packed on every turn; a
         # message's content, tool names and arguments, counted as the model's reply and again
         # as the conversation takes in its masked copy): their counts, by text. Long texts are
         # tokenized each time rather than kept alive here.
-        self._text_counts: dict[str, int] = {}
+        self._text_counts: OrderedDict[str, int] = OrderedDict()
         # The totals of the last lists counted, by their first message's identity (that
         # message kept alive in the list, so its id is not reused): a prompt and the
         # conversation it was compiled from are counted in turn, and each continues its own.
-        self._last_lists: dict[int, tuple[list[Message], int]] = {}
+        self._last_lists: OrderedDict[int, tuple[list[Message], int]] = OrderedDict()
 
     @property
     def exact(self) -> bool:
@@ -159,8 +163,8 @@ class ChatTokenCounter:
     def _keep_count(self, text: str, tokens: int) -> None:
         if len(self._text_counts) >= min(self.cache_size, _CACHED_TEXTS):
             # Oldest first, as the message counts; another thread may evict it first.
-            with contextlib.suppress(RuntimeError, StopIteration):
-                self._text_counts.pop(next(iter(self._text_counts)), None)
+            with contextlib.suppress(KeyError):
+                self._text_counts.popitem(last=False)
         self._text_counts[text] = tokens
 
     def count_lines(self, text: str) -> int:
@@ -221,8 +225,7 @@ class ChatTokenCounter:
         """Keep ``tokens`` as ``message``'s count (by identity, the object kept alive)."""
         if self.cache_size > 0:
             if len(self._identity_counts) >= self.cache_size:
-                oldest = next(iter(self._identity_counts))
-                del self._identity_counts[oldest]
+                oldest, _ = self._identity_counts.popitem(last=False)
                 del self._identity_kept[oldest]
             self._identity_counts[id(message)] = tokens
             self._identity_kept[id(message)] = message
@@ -241,8 +244,9 @@ class ChatTokenCounter:
         tokens = self._count_message(message)
         if self.cache_size > 0:
             if len(self._message_counts) >= self.cache_size:
-                # Oldest first: dicts keep insertion order.
-                del self._message_counts[next(iter(self._message_counts))]
+                # Oldest first.
+                with contextlib.suppress(KeyError):
+                    self._message_counts.popitem(last=False)
             self._message_counts[key] = tokens
         return tokens
 
@@ -341,8 +345,8 @@ class ChatTokenCounter:
         if messages:
             if len(self._last_lists) >= _LAST_LISTS:
                 # Oldest first; another thread may evict it first.
-                with contextlib.suppress(KeyError, RuntimeError, StopIteration):
-                    del self._last_lists[next(iter(self._last_lists))]
+                with contextlib.suppress(KeyError):
+                    self._last_lists.popitem(last=False)
             self._last_lists[first] = (messages, total)
         return total
 

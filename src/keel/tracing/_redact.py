@@ -28,8 +28,10 @@ It does not mask phone numbers, IBANs or SSNs: on its own it is not enough for t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -232,18 +234,21 @@ class _Texts:
 
     def __init__(self) -> None:
         self.policy: object = None
-        self.kept: dict[str, str] = {}
+        self.kept: OrderedDict[str, str] = OrderedDict()
 
-    def under(self, policy: object) -> dict[str, str]:
+    def under(self, policy: object) -> OrderedDict[str, str]:
         if policy is not self.policy:
-            self.kept, self.policy = {}, policy
+            self.kept, self.policy = OrderedDict(), policy
         return self.kept
 
 
-def _keep(kept: dict[str, str], text: str, masked: str) -> None:
+def _keep(kept: OrderedDict[str, str], text: str, masked: str) -> None:
     if len(text) <= _MEMO_TEXT_CHARS:
         if len(kept) >= _MEMO_TEXTS:
-            del kept[next(iter(kept))]
+            # The oldest, in one step (a plain dict's first entry is found past every slot
+            # its earlier drops emptied); another thread may have dropped it first.
+            with contextlib.suppress(KeyError):
+                kept.popitem(last=False)
         kept[text] = masked
 
 
