@@ -186,6 +186,9 @@ def test_searches_read_the_narrow_rows_and_rank_as_the_records_would(
         memory.search(query, scope=ALICE, k=10)
     vector = [plan for plan in plans if "memory_vectors_64" in plan]
     assert vector and len(plans) > len(vector), plans
+    for plan in vector:
+        # Each candidate's filters looked up by its key, not the whole table read.
+        assert "Index Scan using memory_search_rows_id_key" in plan, plan
     for plan in plans:
         assert "memory_search_rows" in plan and "on memory_records" not in plan, plan
     # Read from the records' heap instead (the code before this table), the same ranking.
