@@ -531,12 +531,6 @@ class PostgresMemoryStore(SQLMemoryStore):
         strict_order: strict ordering made some scans walk most of the graph (2.5 s against
         18 ms at p95, 3k rows); the few rows it returns out of order are re-sorted by
         vector_search.
-
-        Sequential scans off: the candidates' filters are checked on ``memory_search_rows``
-        by its key, and a scope newer than the vectors' statistics is planned as one row, for
-        which scanning a small mirror whole looked cheaper than a look-up: once per
-        candidate, quadratic (45,150 rows compared for 300 candidates). The vectors are
-        still read through the graph, or a scope's index when that is cheaper.
         """
         yield Statement(
             "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true), "
@@ -573,7 +567,9 @@ class PostgresMemoryStore(SQLMemoryStore):
         # read back through fetch(), which checks r's scope again. Repeating the scope on r
         # here made the planner reach r through its scope index once it misjudged the scope
         # as one row (no statistics yet, or a scope newer than the last ANALYZE): the whole
-        # scope scanned once per candidate, 1.2 s at 2,000 records. r is joined by its key.
+        # scope scanned once per candidate, 1.2 s at 2,000 records. r is joined by its key,
+        # and is the record's narrow row (memory_search_rows: its filter columns on pages a
+        # third the size of the records', see keel.stores._postgres_search_rows).
         sql = (
             "SELECT v.record_id, 1 - (v.embedding <=> %s::vector) AS similarity "
             f"FROM memory_vectors_{dimension} v JOIN {SEARCH_ROWS} r ON r.id = v.record_id "
