@@ -123,6 +123,12 @@ def test_the_migration_copies_the_records_already_there(
         }
     # The full-text index moved: the records' one would only cost every write.
     assert "memory_search_rows_tsv" in indexes and "memory_records_tsv" not in indexes
+    with psycopg.connect(postgres_url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stats WHERE tablename = 'memory_search_rows'"
+        ).fetchone()
+    # Analyzed as it was filled: the planner knows its columns (a scope's share, NULLs).
+    assert row is not None and row[0] > 0
     hits = store.keyword_search(ALICE, ["orchard"], MemoryFilter(), 10)
     assert {hit.record_id for hit in hits} == {"r0", "r1"}
 
