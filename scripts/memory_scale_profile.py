@@ -2,7 +2,9 @@
 
     PYTHONPATH=src python scripts/memory_scale_profile.py build DIR 100000 300000
     PYTHONPATH=src python scripts/memory_scale_profile.py serve DIR [2GB]    # until Ctrl-C
-    PYTHONPATH=src python scripts/memory_scale_profile.py search DIR 300000 OUT.json
+    PYTHONPATH=src python scripts/memory_scale_profile.py search DIR 300000 OUT.json [DB]
+    PYTHONPATH=src python scripts/memory_scale_profile.py explain DIR 300000 OUT.json [DB]
+    PYTHONPATH=src python scripts/memory_scale_profile.py pages DIR 300000 [DB]
     PYTHONPATH=src python scripts/memory_scale_profile.py replay 3000000
 
 ``build`` loads ``keel bench memory``'s corpus (one scope, ``hashing:384``, ``halfvec``, the
@@ -12,7 +14,13 @@ server kept in DIR (``shared_buffers`` 1 GB unless ``serve`` is given another, a
 a fresh store against the server ``serve`` keeps up, and writes p50/p95, each query's top-10
 ids, the time in each store call, and ``pg_stat_statements`` grouped by statement: run it with
 ``PYTHONPATH`` on one checkout's ``src`` then another's, alternating, to compare them on the
-same database. ``replay`` counts the rows the keyword plan's term counts read over the bench's
+same database (``DB``, ``m<N/1000>k`` unless named: a copy made with ``CREATE DATABASE ...
+TEMPLATE`` lets one checkout's migration leave the other's database as it was). ``explain``
+runs the same searches with each search statement run first under ``EXPLAIN (ANALYZE,
+BUFFERS)`` and writes each one's server milliseconds and buffers (hit, read) by statement.
+``pages`` lists the pages of each relation in PostgreSQL's buffer cache (``pg_buffercache``):
+after a server restart and one ``search``, the distinct pages the 200 searches touched.
+``replay`` counts the rows the keyword plan's term counts read over the bench's
 queries at N records, from the corpus' word frequencies (with the sampled counts of a
 table-wide scope and without).
 """
@@ -100,7 +108,9 @@ def _group(sql: str) -> str:
     return "vectors" if "vector_send" in sql else "other"
 
 
-def search(folder: Path, records: int, out: Path) -> None:
+def search(
+    folder: Path, records: int, out: Path, database: str | None = None, explain: bool = False
+) -> None:
     import psycopg
 
     from keel.bench._stats import nearest_rank
@@ -108,7 +118,7 @@ def search(folder: Path, records: int, out: Path) -> None:
     from keel.memory import embedder_from_spec
     from keel.settings import load_settings
 
-    url = f"postgresql://postgres:@/m{records // 1000}k?host={folder}"
+    url = f"postgresql://postgres:@/{database or f'm{records // 1000}k'}?host={folder}"
     # The corpus is made again only for its queries (a minute and a half at 1M): kept beside
     # the output, so alternating runs of two checkouts spend it once.
     kept = out.parent / f"bench_queries_{records}.json"
@@ -142,6 +152,9 @@ def search(folder: Path, records: int, out: Path) -> None:
         assert memory is not None
         for name in ("keyword_search", "vector_search", "fetch", "vectors"):
             setattr(memory.store, name, timed(name, getattr(memory.store, name)))
+        explained: list[tuple[str, float, int, int]] = []
+        if explain:
+            _explaining(memory.store.db, explained)  # type: ignore[attr-defined]
         memory.search("warm up the index", scope=_SCOPE, k=10)
         for query in queries:
             spent.clear()
@@ -178,8 +191,86 @@ def search(folder: Path, records: int, out: Path) -> None:
         "phases": phases,
         "tops": tops,
     }
+    if explain:
+        result["explained"] = _explained(explained)
     out.write_text(json.dumps(result))
     print(json.dumps({key: result[key] for key in ("p50", "p95", "mean", "per_search")}))
+
+
+def _explaining(database: Any, explained: list[tuple[str, float, int, int]]) -> None:
+    """Make ``database`` run each search statement under ``EXPLAIN (ANALYZE, BUFFERS)``
+    first, noting its group, server milliseconds and buffers hit and read."""
+    from keel.stores._sql_plan import Statement
+
+    run = database.run
+
+    def explaining(plan: Callable[[], Any], **options: Any) -> Any:
+        def again() -> Any:
+            statements = plan()
+            reply = None
+            try:
+                while True:
+                    statement = statements.send(reply)
+                    group = _group(" ".join(statement.sql.split()))
+                    if group in ("vector", "rank", "terms", "fetch", "vectors", "count"):
+                        found = yield Statement(
+                            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement.sql,
+                            statement.params,
+                        )
+                        shown = found.rows[0][0]
+                        shown = json.loads(shown) if isinstance(shown, str) else shown
+                        top = shown[0]["Plan"]
+                        explained.append(
+                            (
+                                group,
+                                float(shown[0]["Execution Time"]),
+                                int(top.get("Shared Hit Blocks", 0)),
+                                int(top.get("Shared Read Blocks", 0)),
+                            )
+                        )
+                    reply = yield statement
+            except StopIteration as stop:
+                return stop.value
+
+        return run(again, **options)
+
+    database.run = explaining
+
+
+def _explained(explained: list[tuple[str, float, int, int]]) -> dict[str, Any]:
+    """Each group's statements: count, ms p50 / p95 / mean, buffers hit and read a statement."""
+    from keel.bench._stats import nearest_rank
+
+    groups: dict[str, Any] = {}
+    for name in sorted({group for group, *_ in explained}):
+        rows = [row for row in explained if row[0] == name]
+        ms = [row[1] for row in rows]
+        groups[name] = {
+            "statements": len(rows),
+            "ms_p50": round(nearest_rank(ms, 0.5), 2),
+            "ms_p95": round(nearest_rank(ms, 0.95), 2),
+            "ms_mean": round(statistics.fmean(ms), 2),
+            "hit": round(statistics.fmean(row[2] for row in rows), 1),
+            "read": round(statistics.fmean(row[3] for row in rows), 1),
+        }
+    return groups
+
+
+def pages(folder: Path, records: int, database: str | None = None) -> None:
+    import psycopg
+
+    url = f"postgresql://postgres:@/{database or f'm{records // 1000}k'}?host={folder}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_buffercache")
+        rows = conn.execute(
+            "SELECT c.relname, count(*), pg_relation_size(c.oid) FROM pg_buffercache b "
+            "JOIN pg_class c ON b.relfilenode = pg_relation_filenode(c.oid) AND "
+            "b.reldatabase = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "WHERE c.relname LIKE 'memory%' GROUP BY c.relname, c.oid ORDER BY 2 DESC"
+        ).fetchall()
+    for name, cached, size in rows:
+        print(f"{name}: {cached} pages cached ({cached * 8192 / 1e6:.1f} MB of {size / 1e6:.1f})")
+    print(f"total: {sum(row[1] for row in rows) * 8192 / 1e6:.1f} MB")
 
 
 def _driven(plan: Iterator[Any]) -> Any:
@@ -251,8 +342,11 @@ if __name__ == "__main__":
         build(Path(rest[0]), [int(size) for size in rest[1:]])
     elif command == "serve":
         serve(Path(rest[0]), *rest[1:2])
-    elif command == "search":
-        search(Path(rest[0]), int(rest[1]), Path(rest[2]))
+    elif command in ("search", "explain"):
+        named = rest[3] if len(rest) > 3 else None
+        search(Path(rest[0]), int(rest[1]), Path(rest[2]), named, explain=command == "explain")
+    elif command == "pages":
+        pages(Path(rest[0]), int(rest[1]), rest[2] if len(rest) > 2 else None)
     elif command == "replay":
         replay(int(rest[0]))
     else:

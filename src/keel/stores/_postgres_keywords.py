@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keel.stores._keywords import KeywordPlan
+from keel.stores._postgres_search_rows import SEARCH_ROWS
 from keel.stores._sql_plan import Plan, Statement
 
 __all__ = ["KeywordStatistics", "keyword_ranking", "with_bitmaps"]
@@ -118,7 +119,7 @@ def keyword_ranking(
         return Statement(sql, args), windowed
     sql = (
         f"WITH q AS (SELECT ({_ts_any(plan.terms)}) AS query) "
-        f"SELECT id, {score} AS score FROM memory_records, q "
+        f"SELECT id, {score} AS score FROM {SEARCH_ROWS}, q "
         f"WHERE {scoped} AND tsv @@ q.query ORDER BY score DESC, seq LIMIT %s"
     )
     return Statement(sql, (*plan.terms, *score_args, *scope_args, limit)), False
@@ -169,13 +170,13 @@ def _chosen_rows_sql(
         # gated on it (a one-time filter: never run when the recent records held enough).
         recent = (
             f"WITH recent AS MATERIALIZED (SELECT id, seq, {score} AS score FROM "
-            f"memory_records WHERE {common} AND seq > %s ORDER BY seq + 0 DESC LIMIT %s) "
+            f"{SEARCH_ROWS} WHERE {common} AND seq > %s ORDER BY seq + 0 DESC LIMIT %s) "
         )
         low = plan.total_rows - window
         recent_args = (*score_args, *common_args, low, plan.newest)
         newest_rows = (
             "SELECT * FROM recent UNION ALL "
-            f"(SELECT id, seq, {score} AS score FROM memory_records WHERE {common} "
+            f"(SELECT id, seq, {score} AS score FROM {SEARCH_ROWS} WHERE {common} "
             f"AND seq <= %s AND (SELECT COUNT(*) FROM recent) < %s "
             f"ORDER BY {older_order} DESC LIMIT %s)"
         )
@@ -188,7 +189,7 @@ def _chosen_rows_sql(
         )
     else:
         newest_rows = (
-            f"SELECT id, seq, {score} AS score FROM memory_records WHERE {common} "
+            f"SELECT id, seq, {score} AS score FROM {SEARCH_ROWS} WHERE {common} "
             f"ORDER BY {older_order} DESC LIMIT %s"
         )
         newest_args = (*score_args, *common_args, plan.newest)
@@ -196,7 +197,7 @@ def _chosen_rows_sql(
     chosen_args = (*newest_args, plan.newest)
     if plan.rare:
         chosen += (
-            f" UNION (SELECT id, seq, {score} AS score FROM memory_records WHERE {scoped} "
+            f" UNION (SELECT id, seq, {score} AS score FROM {SEARCH_ROWS} WHERE {scoped} "
             f"AND tsv @@ ({_ts_any(plan.rare)}))"
         )
         chosen_args += (*score_args, *scope_args, *plan.rare)

@@ -46,6 +46,7 @@ from keel.stores._keywords import (
 from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres import BinaryVector, PostgresDatabase
 from keel.stores._postgres_keywords import KeywordStatistics, keyword_ranking, with_bitmaps
+from keel.stores._postgres_search_rows import MEMORY_SEARCH_ROWS_MIGRATION, SEARCH_ROWS
 from keel.stores._postgres_terms import MEMORY_TERMS_MIGRATION, ScopeTerms, scope_terms
 from keel.stores._sql_memory import (
     MemorySchema,
@@ -128,6 +129,7 @@ POSTGRES_MEMORY_MIGRATIONS = MigrationSet(
         ),
         MEMORY_TERMS_MIGRATION,
         DELETIONS_MIGRATION,
+        MEMORY_SEARCH_ROWS_MIGRATION,
     ),
 )
 
@@ -290,7 +292,7 @@ class PostgresMemoryStore(SQLMemoryStore):
         else:
             result = super().insert(record)
         if result.created:
-            self._statistics.wrote({"memory_records": 1, "memory_outbox": 1})
+            self._statistics.wrote({"memory_records": 1, "memory_outbox": 1, SEARCH_ROWS: 1})
         return result
 
     def insert_many(self, records: Sequence[MemoryRecord]) -> list[InsertResult]:
@@ -304,7 +306,9 @@ class PostgresMemoryStore(SQLMemoryStore):
         results = self.db.run(lambda: self._insert_batch(records))
         created = sum(1 for result in results if result.created)
         if created:
-            self._statistics.wrote({"memory_records": created, "memory_outbox": created})
+            self._statistics.wrote(
+                {"memory_records": created, "memory_outbox": created, SEARCH_ROWS: created}
+            )
         return results
 
     def _insert_batch(self, records: Sequence[MemoryRecord]) -> Plan[list[InsertResult]]:
@@ -439,7 +443,7 @@ class PostgresMemoryStore(SQLMemoryStore):
                 # Bounded as a count from the records was, so plans stay as they were.
                 return min(rows, limit)
             counted = yield Statement(
-                "SELECT COUNT(*) FROM (SELECT 1 FROM memory_records WHERE tenant_id = ? "
+                f"SELECT COUNT(*) FROM (SELECT 1 FROM {SEARCH_ROWS} WHERE tenant_id = ? "
                 "AND user_id = ? AND tsv @@ plainto_tsquery('english', ?) LIMIT ?) s",
                 (scope.tenant_id, scope.user_id, term, limit),
             )
@@ -563,10 +567,12 @@ class PostgresMemoryStore(SQLMemoryStore):
         # read back through fetch(), which checks r's scope again. Repeating the scope on r
         # here made the planner reach r through its scope index once it misjudged the scope
         # as one row (no statistics yet, or a scope newer than the last ANALYZE): the whole
-        # scope scanned once per candidate, 1.2 s at 2,000 records. r is joined by its key.
+        # scope scanned once per candidate, 1.2 s at 2,000 records. r is joined by its key,
+        # and is the record's narrow row (memory_search_rows: its filter columns on pages a
+        # third the size of the records', see keel.stores._postgres_search_rows).
         sql = (
             "SELECT v.record_id, 1 - (v.embedding <=> %s::vector) AS similarity "
-            f"FROM memory_vectors_{dimension} v JOIN memory_records r ON r.id = v.record_id "
+            f"FROM memory_vectors_{dimension} v JOIN {SEARCH_ROWS} r ON r.id = v.record_id "
             "WHERE v.tenant_id = %s AND v.user_id = %s AND v.model = %s"
             + (f" AND {where}" if where else "")
             + f" ORDER BY {order} LIMIT %s"
