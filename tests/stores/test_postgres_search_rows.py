@@ -231,3 +231,31 @@ def test_a_keyword_ranking_reads_fewer_pages_than_from_the_records(
     assert narrow_ids == wide_ids and len(narrow_ids) == 1500
     assert narrow * 3 < wide, (narrow, wide)
     memory.close()
+
+
+def test_a_small_scope_is_ranked_from_its_own_rows_not_the_whole_table(
+    postgres_url: str, open_database: OpenDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = PostgresMemoryStore(open_database())
+    memory = Memory(store, embedder=None, masker=None)
+    memory.add_many([{"text": f"the orchard gate {n}"} for n in range(5)], scope=ALICE)
+    # Another tenant's 20,000 records with the same word (a bulk load, by SQL for speed): the
+    # narrow rows had no scope index, so ranking alice's five read every row of the table.
+    with psycopg.connect(postgres_url) as conn:
+        conn.execute(
+            "INSERT INTO memory_records (id, tenant_id, user_id, kind, type, text, provenance, "
+            "created_at, content_hash) SELECT 'big' || g, 'globex', 'u' || (g % 50), "
+            "'episodic', 'note', 'the orchard row ' || g, 'user_claim', g, 'h' || g "
+            "FROM generate_series(1, 20000) g"
+        )
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+    plans = _plans(store, monkeypatch)
+    hits = memory.search("orchard", scope=ALICE, k=10)
+    assert len(hits) == 5 and all(hit.record.user_id == "alice" for hit in hits)
+    assert plans
+    for plan in plans:
+        assert "Seq Scan on memory_search_rows" not in plan, plan
+        # A few pages for five rows (the whole table is about 400).
+        assert _buffers(plan) < 40, plan
+    memory.close()
