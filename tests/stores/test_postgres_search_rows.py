@@ -15,9 +15,10 @@ import pytest
 
 import keel.stores._postgres_keywords as postgres_keywords
 import keel.stores._postgres_memory as postgres_memory
+from keel.errors import StoreError
 from keel.memory import HashingEmbedder, Memory, MemoryFilter, Scope
 from keel.stores import PostgresDatabase, PostgresMemoryStore
-from keel.stores._migrations import MigrationSet
+from keel.stores._migrations import Migration, MigrationSet
 from keel.stores._postgres_memory import POSTGRES_MEMORY_MIGRATIONS
 from keel.stores._sql_plan import Statement
 
@@ -259,3 +260,75 @@ def test_a_small_scope_is_ranked_from_its_own_rows_not_the_whole_table(
         # A few pages for five rows (the whole table is about 400).
         assert _buffers(plan) < 40, plan
     memory.close()
+
+
+def test_the_search_rows_follow_copy_merge_upserts_and_rollbacks(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
+    memory = Memory(PostgresMemoryStore(open_database()), embedder=None, masker=None)
+    memory.add_many([{"text": f"note {n} of the orchard"} for n in range(5)], scope=ALICE)
+    columns = "id, tenant_id, user_id, kind, type, text, provenance, created_at, content_hash"
+    with psycopg.connect(postgres_url) as conn:
+        # A bulk load by COPY, then another client's upserts (each ON CONFLICT target).
+        with conn.cursor().copy(f"COPY memory_records ({columns}) FROM STDIN") as copy:
+            for n in range(4):
+                row = (f"c{n}", "acme", "carol", "episodic", "note", f"lark {n}", "user_claim")
+                copy.write_row((*row, time.time(), f"hash{n}"))
+        conn.execute(
+            f"INSERT INTO memory_records ({columns}) VALUES ('c0', 'acme', 'carol', "
+            "'episodic', 'note', 'a swan', 'user_claim', 1, 'x') ON CONFLICT (id) DO UPDATE "
+            "SET text = EXCLUDED.text, expires_at = 5"
+        )
+        conn.execute(
+            f"INSERT INTO memory_records ({columns}) VALUES ('c9', 'acme', 'carol', "
+            "'episodic', 'note', 'ignored', 'user_claim', 1, 'hash1') ON CONFLICT "
+            "(tenant_id, user_id, content_hash) DO UPDATE SET session_id = 's9', turn = 4"
+        )
+        conn.execute(
+            "MERGE INTO memory_records r USING (VALUES ('c2', 'a heron'), ('m1', 'a wren')) "
+            "v (id, text) ON r.id = v.id WHEN MATCHED THEN UPDATE SET text = v.text "
+            f"WHEN NOT MATCHED THEN INSERT ({columns}) VALUES (v.id, 'acme', 'erin', "
+            "'episodic', 'note', v.text, 'user_claim', 1, 'merged')"
+        )
+    assert _mirrored(postgres_url) and len(_rows(postgres_url, "memory_search_rows")) == 10
+    with psycopg.connect(postgres_url) as conn:
+        # Writes rolled back, whole or to a savepoint, leave the rows as they were.
+        with conn.transaction():
+            conn.execute("DELETE FROM memory_records WHERE id = 'c3'")
+            with conn.transaction():
+                conn.execute("UPDATE memory_records SET type = 'tip' WHERE id = 'c1'")
+                conn.execute("DELETE FROM memory_records WHERE id = 'm1'")
+                raise psycopg.Rollback()
+        conn.execute("UPDATE memory_records SET text = 'gone' WHERE id = 'c0'")
+        conn.rollback()
+    assert _mirrored(postgres_url) and len(_rows(postgres_url, "memory_search_rows")) == 9
+    memory.close()
+
+
+def test_a_migration_that_fails_halfway_leaves_version_7_and_runs_again(
+    postgres_url: str, open_database: OpenDatabase
+) -> None:
+    migrations = POSTGRES_MEMORY_MIGRATIONS.migrations
+    open_database().migrate(MigrationSet("memory", migrations[:-1]))
+    with psycopg.connect(postgres_url) as conn:
+        conn.execute(
+            "INSERT INTO memory_records (id, tenant_id, user_id, kind, type, text, provenance, "
+            "created_at, content_hash, key, expires_at) VALUES ('r1', 'acme', 'alice', "
+            "'episodic', 'note', 'the orchard', 'user_claim', 1, 'h1', 'k', 99)"
+        )
+    last = migrations[-1]
+    assert isinstance(last.apply, str)
+    failing = Migration(last.description, last.apply + "\nSELECT 1 / 0;")
+    with pytest.raises(StoreError, match="division by zero"):
+        open_database().migrate(MigrationSet("memory", (*migrations[:-1], failing)))
+    with psycopg.connect(postgres_url) as conn:
+        found = conn.execute(
+            "SELECT to_regclass('memory_search_rows'), to_regclass('memory_records_tsv'), "
+            "(SELECT version FROM keel_schema WHERE component = 'memory')"
+        ).fetchone()
+    assert found == (None, "memory_records_tsv", 7)
+    store = PostgresMemoryStore(open_database())
+    open_database().migrate(POSTGRES_MEMORY_MIGRATIONS)  # again: nothing to do
+    assert _mirrored(postgres_url) and len(_rows(postgres_url, "memory_search_rows")) == 1
+    hits = store.keyword_search(ALICE, ["orchard"], MemoryFilter(include_expired=True), 10)
+    assert [hit.record_id for hit in hits] == ["r1"]
