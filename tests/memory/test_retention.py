@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from keel.errors import ConfigError
-from keel.memory import Memory, RetentionPolicies, Scope, prune_memory
+from keel.memory import Memory, MemoryFilter, RetentionPolicies, Scope, prune_memory
 from keel.service import build_service
 from keel.service._pruning import MemoryPruner
 from keel.settings import Settings, load_settings
@@ -28,6 +28,8 @@ POLICY = {
     "acme": {"episodic": {"max_count": 1}, "semantic": {"max_age_days": 30}},
     "keep-all": {},
 }
+EPISODIC = MemoryFilter(kinds=("episodic",))
+SEMANTIC = MemoryFilter(kinds=("semantic",))
 
 
 def _fill(memory: Memory) -> None:
@@ -148,3 +150,40 @@ def test_keel_serve_prunes_on_its_own_schedule(tmp_path: Path) -> None:
             time.sleep(0.05)
         # One pass prunes the tenants in order: acme's went before globex's.
         assert _counts(memory)["acme/bob"] == 3 and _counts(memory)["keep-all/ada"] == 6
+
+
+@pytest.mark.postgres
+def test_keel_memory_prune_on_postgresql_leaves_searches_only_what_it_kept(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    settings = _settings(tmp_path)
+    with Backends.open(postgres_url, settings=settings, background=False) as backends:
+        assert backends.memory is not None
+        _fill(backends.memory)
+    env = {"KEEL_MEMORY_RETENTION": json.dumps(POLICY)}
+    result = keel_process("memory", "prune", "--database", postgres_url, "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["removed"] == {"acme": {"episodic": 6}, "globex": {"episodic": 4}}
+    with Backends.open(postgres_url, settings=settings, background=False) as backends:
+        memory = backends.memory
+        assert memory is not None
+        # Searches read the narrow rows (memory_search_rows on PostgreSQL): a pruned turn is
+        # never found, each kept one still is, and only in its own scope.
+        for tenant, kept in (("acme", 1), ("globex", 2), ("keep-all", 4)):
+            for user in ("ada", "bob"):
+                scope = Scope(tenant_id=tenant, user_id=user)
+                hits = memory.search("turn of", scope=scope, k=10, filters=EPISODIC)
+                texts = sorted(hit.record.text for hit in hits)
+                assert texts == [f"turn {n} of {user}" for n in range(4 - kept, 4)], texts
+                assert all(hit.record.tenant_id == tenant for hit in hits)
+                # The ranking itself, before records are read back (which drops a gone one).
+                ranked = memory.store.keyword_search(scope, ["turn"], EPISODIC, 10)
+                assert {hit.record_id for hit in ranked} == {hit.record.id for hit in hits}
+        # Forty days on, acme's facts go as well, from the searches too.
+        later = time.time() + 40 * 86_400
+        aged = prune_memory(memory.store, RetentionPolicies.parse(POLICY), now=later)
+        assert aged.removed == {"acme": {"semantic": 4}}
+        acme = Scope(tenant_id="acme", user_id="ada")
+        assert not memory.search("fact of ada", scope=acme, k=10, filters=SEMANTIC)
+        assert memory.search("fact of ada", scope=Scope(tenant_id="globex", user_id="ada"), k=10)
