@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sqlite3
+import tracemalloc
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -476,3 +478,48 @@ def test_a_store_left_to_its_defaults_drops_the_session_unused_longest(tmp_path:
     assert _checked == []
     store.load("s0")
     assert _checked == ["s0"]
+
+
+class Line(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    text: str
+
+
+class Log(BaseModel):
+    lines: Annotated[list[Line], append] = Field(default_factory=list)
+
+
+def _long_session(store: StateStore[Any], name: str) -> None:
+    """A session whose appends reach snapshots (each snapshot joins its lists' texts)."""
+    lines = [Line(text=f"{name}{k}" + "x" * 500) for k in range(20)]
+    version = store.create(name, Log(lines=lines)).version
+    for k in range(30):
+        line = Line(text=f"{name}-{k}" + "y" * 600)
+        version = store.append(name, {"lines": [line]}, expected_version=version, reason="r")
+
+
+def test_a_session_the_store_no_longer_keeps_leaves_nothing_of_it_in_memory(
+    tmp_path: Path,
+) -> None:
+    # known_sessions bounds a worker's memory: the text a snapshot joined (its lists' items
+    # encoded before) goes with the base that held those lists, not every session's history
+    # (each ~55 KB of JSON here) kept until 256 lists were met.
+    store = _store(tmp_path, Log, known_sessions=1, snapshot_every=1)
+    _long_session(store, "warm")
+    tracemalloc.start()
+    try:
+        gc.collect()
+        start = tracemalloc.get_traced_memory()[0]
+        _long_session(store, "s0")
+        gc.collect()
+        one = tracemalloc.get_traced_memory()[0] - start
+        for k in range(1, 20):
+            _long_session(store, f"s{k}")
+        gc.collect()
+        twenty = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert len(store.load("s19").state.lines) == 50
+    assert twenty < one + 20_000, (one, twenty)
+    store.close()

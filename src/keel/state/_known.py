@@ -121,9 +121,13 @@ class KnownVersions(Generic[S]):
     def _keep(self, base: Base) -> None:
         """``base`` as its session's known one, the least recently used dropped past the
         bounds. Called with the lock held."""
+        texts = self._codec.item_texts
         old = self._bases.pop(base.session_id, None)
         if old is not None:
             self._bytes -= _state_bytes(old)
+            # The lists the new base no longer holds (a snapshot's are new objects) take
+            # their text with them.
+            texts.drop(old.data, base.data)
         self._bases[base.session_id] = base
         self._bytes += _state_bytes(base)
         while len(self._bases) > 1 and (
@@ -131,6 +135,7 @@ class KnownVersions(Generic[S]):
         ):
             _, dropped = self._bases.popitem(last=False)
             self._bytes -= _state_bytes(dropped)
+            texts.drop(dropped.data)
 
     def resolve(
         self,
@@ -310,9 +315,11 @@ class KnownVersions(Generic[S]):
             dropped = self._bases.pop(session_id, None)
             if dropped is not None:
                 self._bytes -= _state_bytes(dropped)
+                self._codec.item_texts.drop(dropped.data)
 
     def clear(self) -> None:
         """Forget every session's base."""
         with self._lock:
             self._bases.clear()
             self._bytes = 0
+            self._codec.item_texts.clear()
