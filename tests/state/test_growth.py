@@ -523,3 +523,27 @@ def test_a_session_the_store_no_longer_keeps_leaves_nothing_of_it_in_memory(
     assert len(store.load("s19").state.lines) == 50
     assert twenty < one + 20_000, (one, twenty)
     store.close()
+
+
+def test_a_snapshot_encodes_only_the_items_appended_since_the_last_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each snapshot joins the text the last one encoded: over a session's snapshots every
+    # item is encoded for them once, not once a snapshot (the text stays with the newest base).
+    store = _store(tmp_path, Log, snapshot_every=1)
+    encoded: list[int] = []
+    real = _codec.encode_json
+
+    def counting(value: Any) -> str:
+        if isinstance(value, list):
+            encoded.append(len(value))
+        return real(value)
+
+    monkeypatch.setattr(_codec, "encode_json", counting)
+    version = store.create("s", Log(lines=[Line(text=f"s{k}") for k in range(5)])).version
+    for k in range(5, 150):
+        line = Line(text=f"s{k}")
+        version = store.append("s", {"lines": [line]}, expected_version=version, reason="r")
+    assert sum(info.kind == "full" for info in store.history("s")) >= 4
+    assert sum(encoded) <= len(store.load("s").state.lines) == 150
+    store.close()
