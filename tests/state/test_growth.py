@@ -547,3 +547,37 @@ def test_a_snapshot_encodes_only_the_items_appended_since_the_last_one(
     assert sum(info.kind == "full" for info in store.history("s")) >= 4
     assert sum(encoded) <= len(store.load("s").state.lines) == 150
     store.close()
+
+
+def test_a_snapshot_a_reader_overtook_leaves_nothing_of_its_session_in_memory(
+    tmp_path: Path,
+) -> None:
+    # A reader of the store (another thread) reads the snapshot just committed before its
+    # writer makes it the known base: the reader's base is kept, and the writer's joined text
+    # must not stay behind it, holding a dropped session's history.
+    store = _store(tmp_path, Log, known_sessions=1, snapshot_every=1)
+    write = store.backend.write
+
+    def write_then_read(session_id: str, row: Any, **options: Any) -> None:
+        write(session_id, row, **options)
+        if row.kind == "full":
+            store.load(session_id)
+
+    store.backend.write = write_then_read  # type: ignore[method-assign]
+    _long_session(store, "warm")
+    tracemalloc.start()
+    try:
+        gc.collect()
+        start = tracemalloc.get_traced_memory()[0]
+        _long_session(store, "s0")
+        gc.collect()
+        one = tracemalloc.get_traced_memory()[0] - start
+        for k in range(1, 20):
+            _long_session(store, f"s{k}")
+        gc.collect()
+        twenty = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert [len(store.load(f"s{k}").state.lines) for k in (0, 19)] == [50, 50]
+    assert twenty < one + 20_000, (one, twenty)
+    store.close()

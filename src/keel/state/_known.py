@@ -270,7 +270,7 @@ class KnownVersions(Generic[S]):
             in_place = current is base
             values = dict(base.values)
             data = dict(plan.data)
-            texts = self._codec.item_texts
+            joined: list[tuple[list[Any], list[str]]] = []
             for name, items in plan.tails.items():
                 if in_place:
                     values[name].extend(items)
@@ -279,7 +279,7 @@ class KnownVersions(Generic[S]):
                 if plan.full_lists is not None:
                     data[name] = plan.full_lists[name]
                     if plan.full_texts is not None:
-                        texts.keep(data[name], plan.full_texts[name], len(data[name]))
+                        joined.append((data[name], plan.full_texts[name]))
                 elif in_place:
                     data[name].extend(plan.tails_json[name])
                 else:
@@ -307,6 +307,10 @@ class KnownVersions(Generic[S]):
             )
             if current is None or current.epoch != base.epoch or current.version < row.version:
                 self._keep(new_base)
+                # The snapshot's text, kept with the base that holds its lists (one not kept,
+                # a reader's newer base kept meanwhile, would hold its history to no use).
+                for items, runs in joined:
+                    self._codec.item_texts.keep(items, runs, len(items))
         return row.version
 
     def forget(self, session_id: str) -> None:
