@@ -107,8 +107,10 @@ class ItemTexts:
     reused while it lives) and is valid for the items it covers: the lists of a base only
     ever grow, in place, by immutable items (see ``KnownVersions.remember_append``), so the
     items after those are encoded, as one run, when the next snapshot needs them, the rest
-    never again. At most ``size`` lists are kept, the oldest dropped first (its next
-    snapshot encodes the list whole, as before).
+    never again. An entry goes with the base that holds its list (``KnownVersions`` drops it
+    when that base is replaced, dropped or forgotten): it holds the list, so one left behind
+    would keep a session's history in memory past ``known_sessions``. At most ``size`` lists
+    are kept, the oldest dropped first (its next snapshot encodes the list whole, as before).
     """
 
     def __init__(self, size: int = 256) -> None:
