@@ -139,15 +139,17 @@ class ItemTexts:
                 del self._texts[next(iter(self._texts))]
             self._texts[id(items)] = (items, runs, covered)
 
-    def drop(self, data: Mapping[str, Any], kept: Mapping[str, Any] | None = None) -> None:
-        """Forget the text of ``data``'s lists (a base the store no longer keeps), but of
+    def drop(self, base: Base, kept: Base | None = None) -> None:
+        """Forget the text of ``base``'s lists (a base the store no longer keeps), but of
         those ``kept`` (the base that replaced it) holds still: an entry holds its list, so
-        one left behind would keep a dropped session's history in memory."""
+        one left behind would keep a dropped session's history in memory. Only the lists of
+        immutable items have text (a snapshot joins no other)."""
         with self._lock:
             if not self._texts:
                 return
-            for name, items in data.items():
-                if not isinstance(items, list) or (kept is not None and kept.get(name) is items):
+            for name in base.immutable_lists:
+                items = base.data.get(name)
+                if kept is not None and kept.data.get(name) is items:
                     continue
                 entry = self._texts.get(id(items))
                 if entry is not None and entry[0] is items:

@@ -127,7 +127,7 @@ class KnownVersions(Generic[S]):
             self._bytes -= _state_bytes(old)
             # The lists the new base no longer holds (a snapshot's are new objects) take
             # their text with them.
-            texts.drop(old.data, base.data)
+            texts.drop(old, base)
         self._bases[base.session_id] = base
         self._bytes += _state_bytes(base)
         while len(self._bases) > 1 and (
@@ -135,7 +135,7 @@ class KnownVersions(Generic[S]):
         ):
             _, dropped = self._bases.popitem(last=False)
             self._bytes -= _state_bytes(dropped)
-            texts.drop(dropped.data)
+            texts.drop(dropped)
 
     def resolve(
         self,
@@ -319,7 +319,7 @@ class KnownVersions(Generic[S]):
             dropped = self._bases.pop(session_id, None)
             if dropped is not None:
                 self._bytes -= _state_bytes(dropped)
-                self._codec.item_texts.drop(dropped.data)
+                self._codec.item_texts.drop(dropped)
 
     def clear(self) -> None:
         """Forget every session's base."""
