@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sqlite3
+import tracemalloc
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -476,3 +478,106 @@ def test_a_store_left_to_its_defaults_drops_the_session_unused_longest(tmp_path:
     assert _checked == []
     store.load("s0")
     assert _checked == ["s0"]
+
+
+class Line(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    text: str
+
+
+class Log(BaseModel):
+    lines: Annotated[list[Line], append] = Field(default_factory=list)
+
+
+def _long_session(store: StateStore[Any], name: str) -> None:
+    """A session whose appends reach snapshots (each snapshot joins its lists' texts)."""
+    lines = [Line(text=f"{name}{k}" + "x" * 500) for k in range(20)]
+    version = store.create(name, Log(lines=lines)).version
+    for k in range(30):
+        line = Line(text=f"{name}-{k}" + "y" * 600)
+        version = store.append(name, {"lines": [line]}, expected_version=version, reason="r")
+
+
+def test_a_session_the_store_no_longer_keeps_leaves_nothing_of_it_in_memory(
+    tmp_path: Path,
+) -> None:
+    # known_sessions bounds a worker's memory: the text a snapshot joined (its lists' items
+    # encoded before) goes with the base that held those lists, not every session's history
+    # (each ~55 KB of JSON here) kept until 256 lists were met.
+    store = _store(tmp_path, Log, known_sessions=1, snapshot_every=1)
+    _long_session(store, "warm")
+    tracemalloc.start()
+    try:
+        gc.collect()
+        start = tracemalloc.get_traced_memory()[0]
+        _long_session(store, "s0")
+        gc.collect()
+        one = tracemalloc.get_traced_memory()[0] - start
+        for k in range(1, 20):
+            _long_session(store, f"s{k}")
+        gc.collect()
+        twenty = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert len(store.load("s19").state.lines) == 50
+    assert twenty < one + 20_000, (one, twenty)
+    store.close()
+
+
+def test_a_snapshot_encodes_only_the_items_appended_since_the_last_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each snapshot joins the text the last one encoded: over a session's snapshots every
+    # item is encoded for them once, not once a snapshot (the text stays with the newest base).
+    store = _store(tmp_path, Log, snapshot_every=1)
+    encoded: list[int] = []
+    real = _codec.encode_json
+
+    def counting(value: Any) -> str:
+        if isinstance(value, list):
+            encoded.append(len(value))
+        return real(value)
+
+    monkeypatch.setattr(_codec, "encode_json", counting)
+    version = store.create("s", Log(lines=[Line(text=f"s{k}") for k in range(5)])).version
+    for k in range(5, 150):
+        line = Line(text=f"s{k}")
+        version = store.append("s", {"lines": [line]}, expected_version=version, reason="r")
+    assert sum(info.kind == "full" for info in store.history("s")) >= 4
+    assert sum(encoded) <= len(store.load("s").state.lines) == 150
+    store.close()
+
+
+def test_a_snapshot_a_reader_overtook_leaves_nothing_of_its_session_in_memory(
+    tmp_path: Path,
+) -> None:
+    # A reader of the store (another thread) reads the snapshot just committed before its
+    # writer makes it the known base: the reader's base is kept, and the writer's joined text
+    # must not stay behind it, holding a dropped session's history.
+    store = _store(tmp_path, Log, known_sessions=1, snapshot_every=1)
+    write = store.backend.write
+
+    def write_then_read(session_id: str, row: Any, **options: Any) -> None:
+        write(session_id, row, **options)
+        if row.kind == "full":
+            store.load(session_id)
+
+    store.backend.write = write_then_read  # type: ignore[method-assign]
+    _long_session(store, "warm")
+    tracemalloc.start()
+    try:
+        gc.collect()
+        start = tracemalloc.get_traced_memory()[0]
+        _long_session(store, "s0")
+        gc.collect()
+        one = tracemalloc.get_traced_memory()[0] - start
+        for k in range(1, 20):
+            _long_session(store, f"s{k}")
+        gc.collect()
+        twenty = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert [len(store.load(f"s{k}").state.lines) for k in (0, 19)] == [50, 50]
+    assert twenty < one + 20_000, (one, twenty)
+    store.close()

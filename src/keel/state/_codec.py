@@ -107,8 +107,10 @@ class ItemTexts:
     reused while it lives) and is valid for the items it covers: the lists of a base only
     ever grow, in place, by immutable items (see ``KnownVersions.remember_append``), so the
     items after those are encoded, as one run, when the next snapshot needs them, the rest
-    never again. At most ``size`` lists are kept, the oldest dropped first (its next
-    snapshot encodes the list whole, as before).
+    never again. An entry goes with the base that holds its list (``KnownVersions`` drops it
+    when that base is replaced, dropped or forgotten): it holds the list, so one left behind
+    would keep a session's history in memory past ``known_sessions``. At most ``size`` lists
+    are kept, the oldest dropped first (its next snapshot encodes the list whole, as before).
     """
 
     def __init__(self, size: int = 256) -> None:
@@ -136,6 +138,27 @@ class ItemTexts:
             if len(self._texts) >= self.size:
                 del self._texts[next(iter(self._texts))]
             self._texts[id(items)] = (items, runs, covered)
+
+    def drop(self, base: Base, kept: Base | None = None) -> None:
+        """Forget the text of ``base``'s lists (a base the store no longer keeps), but of
+        those ``kept`` (the base that replaced it) holds still: an entry holds its list, so
+        one left behind would keep a dropped session's history in memory. Only the lists of
+        immutable items have text (a snapshot joins no other)."""
+        with self._lock:
+            if not self._texts:
+                return
+            for name in base.immutable_lists:
+                items = base.data.get(name)
+                if kept is not None and kept.data.get(name) is items:
+                    continue
+                entry = self._texts.get(id(items))
+                if entry is not None and entry[0] is items:
+                    del self._texts[id(items)]
+
+    def clear(self) -> None:
+        """Forget every list's text."""
+        with self._lock:
+            self._texts.clear()
 
     def __len__(self) -> int:
         return len(self._texts)

@@ -121,9 +121,13 @@ class KnownVersions(Generic[S]):
     def _keep(self, base: Base) -> None:
         """``base`` as its session's known one, the least recently used dropped past the
         bounds. Called with the lock held."""
+        texts = self._codec.item_texts
         old = self._bases.pop(base.session_id, None)
         if old is not None:
             self._bytes -= _state_bytes(old)
+            # The lists the new base no longer holds (a snapshot's are new objects) take
+            # their text with them.
+            texts.drop(old, base)
         self._bases[base.session_id] = base
         self._bytes += _state_bytes(base)
         while len(self._bases) > 1 and (
@@ -131,6 +135,7 @@ class KnownVersions(Generic[S]):
         ):
             _, dropped = self._bases.popitem(last=False)
             self._bytes -= _state_bytes(dropped)
+            texts.drop(dropped)
 
     def resolve(
         self,
@@ -265,7 +270,7 @@ class KnownVersions(Generic[S]):
             in_place = current is base
             values = dict(base.values)
             data = dict(plan.data)
-            texts = self._codec.item_texts
+            joined: list[tuple[list[Any], list[str]]] = []
             for name, items in plan.tails.items():
                 if in_place:
                     values[name].extend(items)
@@ -274,7 +279,7 @@ class KnownVersions(Generic[S]):
                 if plan.full_lists is not None:
                     data[name] = plan.full_lists[name]
                     if plan.full_texts is not None:
-                        texts.keep(data[name], plan.full_texts[name], len(data[name]))
+                        joined.append((data[name], plan.full_texts[name]))
                 elif in_place:
                     data[name].extend(plan.tails_json[name])
                 else:
@@ -302,6 +307,10 @@ class KnownVersions(Generic[S]):
             )
             if current is None or current.epoch != base.epoch or current.version < row.version:
                 self._keep(new_base)
+                # The snapshot's text, kept with the base that holds its lists (one not kept,
+                # a reader's newer base kept meanwhile, would hold its history to no use).
+                for items, runs in joined:
+                    self._codec.item_texts.keep(items, runs, len(items))
         return row.version
 
     def forget(self, session_id: str) -> None:
@@ -310,9 +319,11 @@ class KnownVersions(Generic[S]):
             dropped = self._bases.pop(session_id, None)
             if dropped is not None:
                 self._bytes -= _state_bytes(dropped)
+                self._codec.item_texts.drop(dropped)
 
     def clear(self) -> None:
         """Forget every session's base."""
         with self._lock:
             self._bases.clear()
             self._bytes = 0
+            self._codec.item_texts.clear()

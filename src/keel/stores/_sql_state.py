@@ -370,6 +370,12 @@ class _Plans:
         deleted = yield Statement(
             "DELETE FROM keel_state_sessions WHERE session_id = ?", (session_id,)
         )
+        # Its lease given back (`release_lock` expires the row in place) goes with it: no row
+        # naming the session outlives it; a lease still held is its holder's.
+        yield Statement(
+            "DELETE FROM keel_state_locks WHERE key = ? AND expires_at <= 0",
+            (LEASE_KEY_PREFIX + session_id,),
+        )
         return deleted.rowcount == 1
 
     @staticmethod

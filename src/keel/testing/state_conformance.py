@@ -121,6 +121,23 @@ class _UserErasureConformance:
         assert erase_user_sessions(backend, "acme", "ada").sessions == ()
         assert backend.erase_sessions(["acme/s1"]) == {"sessions": 0, "checkpoints": 0, "leases": 1}
 
+    def test_a_deleted_session_leaves_no_lease_behind(self, backend: StateBackend) -> None:
+        # A lease given back may stay as a row that holds nothing (SQL expires it in place):
+        # the session's deletion takes it, so no key naming the session outlives it (an
+        # erasure later finds no session there, and erases nothing of it).
+        store = StateStore(backend, AgentState)
+        runtime = SessionRuntime(tenant_id="acme", user_id="ada")
+        store.create("acme/gone", AgentState(runtime=runtime))
+        with store.lock("acme/gone"):
+            pass
+        assert store.delete("acme/gone")
+        assert erase_user_sessions(backend, "acme", "ada").sessions == ()
+        assert backend.erase_sessions(["acme/gone"]) == {
+            "sessions": 0,
+            "checkpoints": 0,
+            "leases": 0,
+        }
+
 
 class StateBackendConformance(StateScenarios, _UserErasureConformance):
     """Backend-independent tests; subclasses override the ``state_backend_url`` fixture."""
