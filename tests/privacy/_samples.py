@@ -9,10 +9,19 @@ a leak says where it came from: the user's text, a tool's output, or the model's
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
-__all__ = ["MODEL_PII", "TOOL_PII", "USER_PII", "dump_sqlite", "leaks", "sentence"]
+__all__ = [
+    "MODEL_PII",
+    "TOOL_PII",
+    "USER_PII",
+    "dump_sqlite",
+    "fed_in_pieces",
+    "leaks",
+    "sentence",
+]
 
 USER_PII = {
     "EMAIL": "mallory.x7q@example.org",
@@ -95,3 +104,21 @@ def leaks(
                     f"{kind} {form!r} in {table}" for table, text in dumped.items() if form in text
                 )
     return found
+
+
+class _Stream(Protocol):
+    def feed(self, piece: str) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+def fed_in_pieces(stream: _Stream, text: str, cuts: Sequence[int]) -> str:
+    """What ``stream`` (a `StreamMasker` or a `RevealStream`) shows of ``text`` fed in pieces
+    of the sizes ``cuts`` gives, cycling, then finished."""
+    shown, position, turn = "", 0, 0
+    while position < len(text):
+        size = cuts[turn % len(cuts)]
+        turn += 1
+        shown += stream.feed(text[position : position + size])
+        position += size
+    return shown + stream.finish()

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from keel.privacy import PLACEHOLDER, RevealStream
+from tests.privacy._samples import fed_in_pieces
 
 _VALUES = {"<EMAIL_1>": "alice@example.com", "<PHONE_12>": "+1 415 555 0198"}
 _PARTS = (*_VALUES, "<EMAIL_9>", "<", "<EMAIL", "_1", ">", "a < b", "x<y", "Hi", " ", "\n")
@@ -30,14 +31,7 @@ def test_pieces_never_split_a_placeholder_and_add_up_to_the_revealed_whole(
         seen.append(segment)
         return _reveal(segment)
 
-    stream = RevealStream(reveal)
-    shown, position, turn = "", 0, 0
-    while position < len(text):
-        size = cuts[turn % len(cuts)]
-        turn += 1
-        shown += stream.feed(text[position : position + size])
-        position += size
-    shown += stream.finish()
+    shown = fed_in_pieces(RevealStream(reveal), text, cuts)
     assert shown == _reveal(text)
     assert "".join(seen) == text
     # Every placeholder of the whole lies inside one revealed segment.

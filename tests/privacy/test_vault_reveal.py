@@ -17,6 +17,7 @@ from keel.runtime import Agent, TextDelta, TurnFinished
 from keel.stores import SQLiteDatabase
 from keel.stores._sqlite_vault import SQLiteVaultStore
 from keel.testing import ScriptedCall, ScriptedModel
+from tests.privacy._samples import fed_in_pieces
 
 
 def test_reveal_shows_the_users_values_and_leaves_any_other_placeholder() -> None:
@@ -114,15 +115,7 @@ def test_a_streamed_json_text_is_revealed_as_the_whole_is_and_stays_json(
     key, name, email = placed
     # ``before``: a string's text as JSON writes it (an escaped quote, an escaped backslash).
     text = f'\n{{\n "key": "{key}",\n "{before}{name}": ["{before}{email} and {key}"], "n": 1}}'
-    shown = ""
-    stream = RevealStream(ada.reveal)
-    position, turn = 0, 0
-    while position < len(text):
-        size = cuts[turn % len(cuts)]
-        turn += 1
-        shown += stream.feed(text[position : position + size])
-        position += size
-    shown += stream.finish()
+    shown = fed_in_pieces(RevealStream(ada.reveal), text, cuts)
     assert shown == ada.reveal(text)
     decoded = json.loads(shown)
     assert decoded["key"] == PEM

@@ -499,13 +499,8 @@ def _long_session(store: StateStore[Any], name: str) -> None:
         version = store.append(name, {"lines": [line]}, expected_version=version, reason="r")
 
 
-def test_a_session_the_store_no_longer_keeps_leaves_nothing_of_it_in_memory(
-    tmp_path: Path,
-) -> None:
-    # known_sessions bounds a worker's memory: the text a snapshot joined (its lists' items
-    # encoded before) goes with the base that held those lists, not every session's history
-    # (each ~55 KB of JSON here) kept until 256 lists were met.
-    store = _store(tmp_path, Log, known_sessions=1, snapshot_every=1)
+def _retained_by_one_and_twenty_sessions(store: StateStore[Any]) -> tuple[int, int]:
+    """The bytes still allocated after one long session, then after twenty (a warm-up first)."""
     _long_session(store, "warm")
     tracemalloc.start()
     try:
@@ -517,9 +512,19 @@ def test_a_session_the_store_no_longer_keeps_leaves_nothing_of_it_in_memory(
         for k in range(1, 20):
             _long_session(store, f"s{k}")
         gc.collect()
-        twenty = tracemalloc.get_traced_memory()[0] - start
+        return one, tracemalloc.get_traced_memory()[0] - start
     finally:
         tracemalloc.stop()
+
+
+def test_a_session_the_store_no_longer_keeps_leaves_nothing_of_it_in_memory(
+    tmp_path: Path,
+) -> None:
+    # known_sessions bounds a worker's memory: the text a snapshot joined (its lists' items
+    # encoded before) goes with the base that held those lists, not every session's history
+    # (each ~55 KB of JSON here) kept until 256 lists were met.
+    store = _store(tmp_path, Log, known_sessions=1, snapshot_every=1)
+    one, twenty = _retained_by_one_and_twenty_sessions(store)
     assert len(store.load("s19").state.lines) == 50
     assert twenty < one + 20_000, (one, twenty)
     store.close()
@@ -564,20 +569,7 @@ def test_a_snapshot_a_reader_overtook_leaves_nothing_of_its_session_in_memory(
             store.load(session_id)
 
     store.backend.write = write_then_read  # type: ignore[method-assign]
-    _long_session(store, "warm")
-    tracemalloc.start()
-    try:
-        gc.collect()
-        start = tracemalloc.get_traced_memory()[0]
-        _long_session(store, "s0")
-        gc.collect()
-        one = tracemalloc.get_traced_memory()[0] - start
-        for k in range(1, 20):
-            _long_session(store, f"s{k}")
-        gc.collect()
-        twenty = tracemalloc.get_traced_memory()[0] - start
-    finally:
-        tracemalloc.stop()
+    one, twenty = _retained_by_one_and_twenty_sessions(store)
     assert [len(store.load(f"s{k}").state.lines) for k in (0, 19)] == [50, 50]
     assert twenty < one + 20_000, (one, twenty)
     store.close()
