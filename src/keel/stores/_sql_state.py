@@ -718,6 +718,9 @@ def _erase_sessions(dialect: SqlDialect, session_ids: list[str]) -> Plan[dict[st
         yield from count_deleted(counts, "checkpoints", delete.format("checkpoints"), params)
         yield from count_deleted(counts, "sessions", delete.format("sessions"), params)
         leases, params = dialect.one_of("key", [LEASE_KEY_PREFIX + key for key in batch])
+        # A lease given back stays as a row that holds nothing (expired in place): removed
+        # uncounted, so the count is of leases held, as on Redis, whose given-back lease is gone.
         delete = f"DELETE FROM keel_state_locks WHERE {leases}"
+        yield Statement(delete + " AND expires_at <= 0", tuple(params))
         yield from count_deleted(counts, "leases", delete, params)
     return counts

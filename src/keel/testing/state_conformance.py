@@ -138,6 +138,24 @@ class _UserErasureConformance:
             "leases": 0,
         }
 
+    def test_an_erasure_counts_the_leases_held_not_those_given_back(
+        self, backend: StateBackend
+    ) -> None:
+        store = StateStore(backend, AgentState)
+        runtime = SessionRuntime(tenant_id="acme", user_id="ada")
+        store.create("acme/idle", AgentState(runtime=runtime))
+        store.create("acme/busy", AgentState(runtime=runtime))
+        with store.lock("acme/idle"):
+            pass
+        assert backend.acquire_lock("session:acme/busy", "worker-1", 60, time.time())
+        erased = erase_user_sessions(backend, "acme", "ada")
+        assert erased.counts == {"sessions": 2, "checkpoints": 2, "leases": 1}
+        assert backend.erase_sessions(["acme/idle", "acme/busy"]) == {
+            "sessions": 0,
+            "checkpoints": 0,
+            "leases": 0,
+        }
+
 
 class StateBackendConformance(StateScenarios, _UserErasureConformance):
     """Backend-independent tests; subclasses override the ``state_backend_url`` fixture."""
