@@ -57,6 +57,8 @@ def test_the_cli_erases_the_user_from_every_table_and_no_one_else(tmp_path: Path
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["removed"]["service"] == {"api_keys": 1, "ui_sessions": 0}
+    # Their turns ended, so their sessions' leases were given back: none held, none counted.
+    assert report["removed"]["state"]["leases"] == 0
     assert_erased_only(before, scan(url), report)
 
     settings = load_settings(embedder="hashing:64")
@@ -156,6 +158,7 @@ def test_sessions_on_redis_are_erased_with_the_rest(tmp_path: Path, redis_url: s
         report = erase_user(backends, TENANT, USER)
     assert report.removed["state"]["sessions"] == 1
     assert report.removed["state"]["checkpoints"] >= 2
+    assert report.removed["state"]["leases"] == 0  # given back, as on SQL
     assert redis_holds(ERASED.session) == 0 and redis_holds(ERASED.word) == 0
     assert redis_holds(NEIGHBOURLY.session) and redis_holds(NEIGHBOURLY.word)
     assert left_of(ERASED, scan(url)) == {}
