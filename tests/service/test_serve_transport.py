@@ -241,5 +241,5 @@ def test_sigterm_drains_the_same_with_any_number_of_workers(
         finished = [future.result(timeout=60) for future in in_flight]
         assert [r.status_code for r in finished] == [200, 200]
         assert [r.json()["text"] for r in finished] == ["finished", "finished"]
-        # uvicorn re-raises the signal it drained on once it is done: ended by it, or cleanly.
-        assert served.process.wait(timeout=60) in (0, -signal.SIGTERM)
+        # Drained, then stopped cleanly: exit 0 with one worker as with several.
+        assert served.process.wait(timeout=60) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import signal
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -405,7 +406,17 @@ def _run_one(
     # done and the socket accepts: a client that waits for the line is then answered.
     said = partial(_say, _listening_line(listening, options, settings, 1))
     server = DrainingServer(ServiceConfig(service, **transport), drain, on_started=said)
+    # Once drained, uvicorn raises again the signal it stopped on, with the handlers it found:
+    # under the default ones this process would end killed by SIGTERM (143) or with a
+    # KeyboardInterrupt, where `--workers N` exits 0. Handlers that take the raised signal
+    # and do nothing make a drained stop exit 0 either way.
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, _drained)
     server.run(sockets=[listening])
+
+
+def _drained(signum: int, frame: object) -> None:
+    """The stop signal uvicorn raises again after its drain: already handled."""
 
 
 @bench_app.command("serve")
