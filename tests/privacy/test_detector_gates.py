@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keel.privacy import PIIMasker
-from keel.privacy._detectors import DETECTORS, Detector, find_all, fold
+from keel.privacy._detectors import DETECTORS, Detector, _LabelledDetector, find_all, fold
 
 CORPUS = Path(__file__).parent / "corpus"
 GATED = [detector for detector in DETECTORS if detector.gate is not None]
+LABELLED = [detector for detector in DETECTORS if isinstance(detector, _LabelledDetector)]
 
 
 def _corpus() -> list[str]:
@@ -36,6 +37,9 @@ _NEAR = [
     "536-22-1234 078-05-1120 2026-12-07 12-34-5678 1-22-3333",
     "10.0.0.1 192.168.001.010 1.2.3 v10.0.19041.1264 3.14159",
     "fe80::1 ::1 2001:db8::8a2e:370:7334 12:30:45 a:b:c User: Question 18: item",
+    "password: hunter2! DB_PASSWORD=x pwd='abc' api_key: null token = get_token() PIN is 4821",
+    "postgres://u:p@ss@h:5432/d https://example.com:8080/x Authorization: Basic dXNlcjpw",
+    '{"client_secret": "a b c", "passcode": "1"} my password is incorrect; passwords: 3',
 ]
 
 
@@ -50,8 +54,8 @@ def _misses(detector: Detector, text: str) -> list[str]:
 
 
 def test_the_gated_detectors_are_the_costly_ones() -> None:
-    assert {d.entity for d in GATED} == {"API_KEY", "US_SSN", "IP_ADDRESS"}
-    assert len(GATED) == 4  # both IP address detectors
+    assert {d.entity for d in GATED} == {"API_KEY", "US_SSN", "IP_ADDRESS", "SECRET"}
+    assert len(GATED) == 5  # both IP address detectors, a URL's password
 
 
 def test_every_match_holds_its_gate_and_the_findings_are_the_same() -> None:
@@ -71,6 +75,7 @@ _PIECES = st.sampled_from(
         *("sk-", "sk_", "rk_", "pk_", "live_", "test_", "proj-", "AKIA", "ASIA", "gh", "p_"),
         *("github_pat_", "xox", "b-", "AIza", "A", "z", "Q7wErTy8uIoP9aSdFgHj", "-", ".", ":"),
         *("::", "1", "22", "333", "4444", "fe80", "db8", " ", "\n", "_", "x"),
+        *("pass", "word", "PIN", " is ", "=", '"', "'", "://", "@", "Basic ", "token", "key"),
     ]
 )
 
@@ -82,6 +87,32 @@ def test_generated_texts_hold_no_match_without_its_gate(pieces: list[str]) -> No
     for detector in GATED:
         assert _misses(detector, text) == []
         assert detector.find(text) == dataclasses.replace(detector, gate=None).find(text)
+    for labelled in LABELLED:
+        assert labelled.find(text) == _plain(labelled).find(text), text
+
+
+def _plain(detector: Detector) -> Detector:
+    """``detector``'s pattern and validator run over the whole text."""
+    return Detector(
+        detector.entity,
+        detector.pattern,
+        detector.validate,
+        detector.priority,
+        detector.group,
+        line_bound=detector.line_bound,
+    )
+
+
+def test_a_labelled_detector_finds_what_its_pattern_finds_over_the_whole_text() -> None:
+    """It tries its pattern only where one of its words stands: never a match less."""
+    assert len(LABELLED) == 3
+    texts = [*_corpus(), *_NEAR, "\n".join(_NEAR), " ".join(_NEAR).upper()]
+    matched = 0
+    for detector in LABELLED:
+        for text in texts:
+            assert detector.find(text) == _plain(detector).find(text), (detector.pattern, text)
+            matched += len(detector.find(text))
+    assert matched > 15
 
 
 def test_a_memories_block_holds_what_the_ungated_detectors_find() -> None:

@@ -500,6 +500,104 @@ def _ssn(value: str) -> bool:
     return group != "00" and serial != "0000"
 
 
+# --- credentials, found by their label or their place ----------------------------------------
+# A credential has no shape of its own: it is what follows "password:", "DB_PASSWORD=",
+# '"api_key": "..."' or "my PIN is", or what stands between "user:" and "@host" in a URL. The
+# value alone is masked; the label stays, so the text still says what was given.
+_SECRET_LABEL = (
+    r"(?:pass(?:word|wd|phrase|code)|pwd|secret(?:[_\-]?(?:access[_\-]?)?key)?"
+    r"|client[_\-]?secret|(?:access|api|private|signing|encryption)[_\-]?key|apikey"
+    r"|(?:(?:access|refresh|auth|api|session|bearer)[_\-]?)?token|credentials?)"
+)
+_SECRET_ASSIGNED = re.compile(
+    # The label (after "DB_", "aws_" or nothing; nothing glued to it after), its closing
+    # quote, ":", "=", "=>" or ":=", then the value: quoted whole, or unquoted up to a space,
+    # a quote or a bracket, and not a call or an index ("get_password()", "env[...]").
+    rf"(?i)(?<![a-z0-9]){_SECRET_LABEL}[\"']?[ \t]*(?::=|=>|[:=])[ \t]*[\"']?"
+    r"((?<=\")[^\"\n]{3,256}(?=\")|(?<=')[^'\n]{3,256}(?=')"
+    r"|(?<![\"'])[^\s\"'`,;{}<>()\[\]]{4,256}+(?![(\[]))"
+)
+_SECRET_SAID = re.compile(
+    # "my password is Zx9!qLmP", "the PIN was 4821": a value with a digit or a sign in it
+    # (`_said_secret`), its sentence's closing punctuation left out.
+    r"(?i)(?<![a-z0-9])(?:pass(?:word|phrase|code)|pin(?: code)?)[ \t]+(?:is|was)[ \t]*:?[ \t]+"
+    r"([^\s\"'`<>]{3,128}?)(?=[.,;:!?)]*(?:\s|$|[\"']))"
+)
+_URL_PASSWORD = re.compile(
+    # scheme://user:PASSWORD@host: the password may hold an "@" written unencoded (the last
+    # one before the host ends it).
+    r"(?i)[a-z](?<![a-z0-9+.\-][a-z])[a-z0-9+.\-]{1,20}://[^\s/?#@:]{0,128}:"
+    r"([^\s/?#]{1,256})@(?=[a-z0-9\[])"
+)
+_BASIC_CREDENTIALS = re.compile(
+    r"(?i)(?<![a-z])authorization[\"']?[ \t]*[:=][ \t]*[\"']?basic[ \t]+([A-Za-z0-9+/]{6,}={0,2})"
+)
+_NOT_A_SECRET = frozenset(
+    {"null", "none", "nil", "true", "false", "undefined", "empty", "required", "optional"}
+)
+_PLACEHOLDER_SHAPE = re.compile(r"<[A-Z][A-Z0-9_]*_\d+>|\[REDACTED[^\]]*\]")
+_MASKED_ALREADY = re.compile(r"[*x•.\-_ ]+")
+
+
+def _assigned_secret(value: str) -> bool:
+    """A value, not a word saying there is none, a variable, or a mask already applied."""
+    return not (
+        value.lower() in _NOT_A_SECRET
+        or value.startswith(("$", "%(", "{{"))
+        or _PLACEHOLDER_SHAPE.fullmatch(value) is not None
+        or _MASKED_ALREADY.fullmatch(value) is not None
+    )
+
+
+def _said_secret(value: str) -> bool:
+    """Said in a sentence ("my password is ..."): only a value with a digit or a sign in it,
+    so "my password is incorrect" stays as written."""
+    return _assigned_secret(value) and not value.isalpha()
+
+
+@dataclass(frozen=True)
+class _LabelledDetector(Detector):
+    """A detector whose every match holds one of ``words`` (lower case), ``after`` right
+    after it, and starts at most ``reach`` characters before it. The text's lower-case copy is
+    searched for the words (``str.find``) and the pattern tried only where one stands: a
+    case-insensitive alternation tried at every character of a long text costs milliseconds.
+    It finds what ``pattern.finditer`` finds (tests/privacy/test_detector_gates.py)."""
+
+    words: tuple[str, ...] = ()
+    after: re.Pattern[str] = re.compile("")
+    reach: int = 0
+    needs: tuple[str, ...] = ()
+    """Strings of which every match holds one (in lower case): a text with none is passed
+    over before its words are looked for."""
+
+    def find(self, text: str) -> list[Finding]:
+        lowered = text.lower()
+        if not any(needed in lowered for needed in self.needs):
+            return []
+        if len(lowered) != len(text):  # a letter whose lower case is longer: read it all
+            return Detector.find(self, text)
+        starts: set[int] = set()
+        for word in self.words:
+            at = lowered.find(word)
+            while at != -1:
+                if self.after.match(lowered, at + len(word)):
+                    starts.update(range(max(0, at - self.reach), at + 1))
+                at = lowered.find(word, at + 1)
+        found: list[Finding] = []
+        matched_to = 0  # as finditer: the next match starts after the one before
+        for start in sorted(starts):
+            match = self.pattern.match(text, start) if start >= matched_to else None
+            if match is None:
+                continue
+            matched_to = match.end()
+            value = match.group(self.group)
+            if value and (self.validate is None or self.validate(value)):
+                found.append(
+                    Finding(self.entity, match.start(self.group), match.end(self.group), value)
+                )
+        return found
+
+
 def _ipv4(value: str) -> bool:
     try:
         ipaddress.IPv4Address(value)
@@ -788,6 +886,53 @@ DETECTORS: tuple[Detector, ...] = (
         line_bound=True,
         # Each alternative's fixed start: the pattern itself is tried at every word's start.
         gate=re.compile(r"sk-|AKIA|ASIA|gh[pousr]_|github_pat_|xox|AIza|k_(?:live|test)_"),
+    ),
+    Detector(
+        "SECRET",
+        _URL_PASSWORD,
+        _assigned_secret,
+        priority=95,
+        group=1,
+        line_bound=True,
+        gate=re.compile("://"),
+    ),
+    _LabelledDetector(
+        "SECRET",
+        _BASIC_CREDENTIALS,
+        priority=85,
+        group=1,
+        line_bound=True,
+        words=("authorization",),
+        needs=("basic",),
+        after=re.compile(r"[\"']?[ \t]*[:=][ \t]*[\"']?basic[ \t]"),
+    ),
+    # Below the keys of a known shape: "OPENAI_API_KEY=sk-..." is an API_KEY. Every label
+    # ends with one of the words ("secret_access_key" 14 characters before its "key").
+    _LabelledDetector(
+        "SECRET",
+        _SECRET_ASSIGNED,
+        _assigned_secret,
+        priority=75,
+        group=1,
+        line_bound=True,
+        words=(
+            *("password", "passwd", "passphrase", "passcode", "pwd"),
+            *("secret", "key", "token", "credential"),
+        ),
+        after=re.compile(r"s?[\"']?[ \t]*[:=]"),
+        reach=16,
+        needs=(":", "="),
+    ),
+    _LabelledDetector(
+        "SECRET",
+        _SECRET_SAID,
+        _said_secret,
+        priority=75,
+        group=1,
+        line_bound=True,
+        words=("password", "passphrase", "passcode", "pin"),
+        after=re.compile(r"(?: code)?[ \t]+(?:is|was)[ \t:]"),
+        needs=("is", "was"),
     ),
     _EmailDetector("EMAIL", _EMAIL_DOMAIN, priority=70, line_bound=True),
     Detector(

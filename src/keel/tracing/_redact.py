@@ -75,8 +75,13 @@ _ASSIGNMENT = re.compile(
 )
 
 
+_PLACEHOLDER = re.compile(r"[\"']?<[A-Z][A-Z0-9_]*_\d+>[\"']?")
+
+
 def _assignment(match: re.Match[str]) -> str:
     value = match.group(2)
+    if _PLACEHOLDER.fullmatch(value):  # masked already (``<SECRET_1>``): the vault's to reveal
+        return match.group(0)
     quote = value[0] if value[0] in "\"'" else ""
     return f"{match.group(1)}{quote}[REDACTED:secret]{quote}"
 
