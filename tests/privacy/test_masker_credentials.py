@@ -11,13 +11,13 @@ import json
 import pytest
 
 from keel.messages import Message
-from keel.privacy import PIIMasker
+from keel.privacy import PIIMasker, StreamMasker
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tools import tool
 from keel.tracing._redact import redact_pii
-from tests.privacy._samples import dump_sqlite
+from tests.privacy._samples import dump_sqlite, fed_in_pieces
 
 MASKED = [
     ("my db password: hunter2!", "my db password: <SECRET_1>"),
@@ -106,3 +106,22 @@ async def test_no_table_holds_a_credential_a_user_a_tool_or_the_model_wrote(
     found = {secret: [t for t, text in dumped.items() if secret in text] for secret in SECRETS}
     assert found == {secret: [] for secret in SECRETS}
     assert "<SECRET_" in dumped["keel_state_checkpoints"]
+
+
+STREAMED = [
+    '{"user": "ops", "password": "correct horse battery staple", "port": 5432}',
+    "Here: DB_PASSWORD=Tr0ub4dor&3 and my password is Zx9!qLmP, then postgres://a:s3cret@db/x ok",
+    "pwd = 'a long pass phrase with spaces in it that runs past the hold of a stream' done",
+]
+
+
+@pytest.mark.parametrize("by_word", [True, False])
+@pytest.mark.parametrize("text", STREAMED)
+def test_a_streamed_credential_is_never_shown_in_part(text: str, by_word: bool) -> None:
+    """A quoted value may hold spaces: the stream holds it back until its quote closes, so
+    what is shown, piece by piece, is the masked whole."""
+    whole = PIIMasker().mask_text(text)
+    assert "<SECRET_" in whole
+    for cuts in ([1], [3], [2, 5, 1, 7], [11]):
+        stream = StreamMasker(PIIMasker().mask_text, by_word=by_word)
+        assert fed_in_pieces(stream, text, cuts) == whole, cuts

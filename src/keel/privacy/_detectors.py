@@ -47,6 +47,7 @@ __all__ = [
     "fold_map",
     "fold_readings",
     "luhn_ok",
+    "open_quoted_secret",
 ]
 
 EntityType = str
@@ -517,6 +518,24 @@ _SECRET_ASSIGNED = re.compile(
     r"((?<=\")[^\"\n]{3,256}(?=\")|(?<=')[^'\n]{3,256}(?=')"
     r"|(?<![\"'])[^\s\"'`,;{}<>()\[\]]{4,256}+(?![(\[]))"
 )
+_OPEN_QUOTED_SECRET = re.compile(
+    rf"(?i)(?<![a-z0-9]){_SECRET_LABEL}[\"']?[ \t]*(?::=|=>|[:=])[ \t]*"
+    r"(?:\"[^\"\n]{0,255}|'[^'\n]{0,255})\Z"
+)
+
+
+def open_quoted_secret(folded: str) -> int | None:
+    """Where the quoted value of a credential whose closing quote has not come yet starts in
+    ``folded`` (a text as the detectors read it), else None: a value in quotes may hold
+    spaces ('"password": "correct horse battery"'), so a stream holds it back until it
+    closes (`StreamMasker`)."""
+    found = _OPEN_QUOTED_SECRET.search(folded, max(0, len(folded) - 320))
+    if found is None:
+        return None
+    quote = max(folded.rfind('"', found.start()), folded.rfind("'", found.start()))
+    return quote + 1
+
+
 _SECRET_SAID = re.compile(
     # "my password is Zx9!qLmP", "the PIN was 4821": a value with a digit or a sign in it
     # (`_said_secret`), its sentence's closing punctuation left out.

@@ -43,7 +43,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-from keel.privacy._detectors import FoldMap, fold_readings
+from keel.privacy._detectors import FoldMap, fold_readings, open_quoted_secret
 from keel.privacy._json_strings import JsonStrings, inside, json_escaped
 from keel.privacy._vault import PLACEHOLDER
 
@@ -229,6 +229,12 @@ class StreamMasker:
     def _cut_in(self, folded: str, positions: FoldMap | None) -> int:
         """`_cut` in one reading of the received text."""
         block = self._open_block(folded, positions)
+        quoted = open_quoted_secret(folded)
+        if quoted is not None:
+            if positions is not None:
+                at_end = quoted >= len(folded)
+                quoted = len(self._text) if at_end else positions.span(quoted, quoted + 1)[0]
+            block = quoted if block is None else min(block, quoted)
         cut = self._held_back_cut(folded, positions, block)
         if self.by_word:
             floor = self._cut_at if positions is None else positions.index(self._cut_at)
