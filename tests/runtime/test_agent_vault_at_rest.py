@@ -35,32 +35,37 @@ _MORE = {
         "192.168.1.10",
         "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c",
         "MIIEpAIBAAKCAQEA1c7+9z5Pad7OejecsQ0bu3aumgyu",
+        "Vx7!harbor-Lamp9",
     ),
     "tool": (
         "c9f0f895fb98ab9159f51fd0297e236d",
         "10.20.30.40",
         "Tq2mZ8vNc4Lp0Wx7Rb3Ks6Jd9Fh1Gy5Ue2Ia8Oz4Cn",
         "MIIEowIBAAKCAQEAz9Qx3Lm7Rt2Vb8Nc5Kp1Wy6Hd4Jg",
+        "Qm4#granite_Owl2",
     ),
     "model": (
         "45c48cce2e2d7fbdea1afc51c7c6ad26",
         "172.16.4.20",
         "Hn6Yb2Qw9Ep4Rt7Uy1Io3Pa5Sd8Fg0Jk2Lz6Xc9Vb4",
         "MIIEogIBAAKCAQEAq1Wz7Ex3Rc9Tv5Yb2Un8Im4Ok6Pl",
+        "Ry2%meadow.Fox81",
     ),
 }
 """Per source, the kinds ``_samples`` has no value of: a bearer token, an IP address, a JWT's
-signature (its header and claims are the same in every JWT) and a private key's body."""
+signature (its header and claims are the same in every JWT), a private key's body and a
+password (given after its label)."""
 
 
 def _with_more(values: dict[str, str], source: str) -> dict[str, str]:
-    bearer, address, signature, key_body = _MORE[source]
+    bearer, address, signature, key_body, password = _MORE[source]
     return {
         **values,
         "BEARER_TOKEN": bearer,
         "IP_ADDRESS": address,
         "JWT": _JWT_HEAD + signature,
         "PRIVATE_KEY": key_body,
+        "SECRET": password,
     }
 
 
@@ -76,7 +81,8 @@ def _text(values: dict[str, str]) -> str:
     """One text carrying every value of the set (every kind of ``ENTITY_TYPES``)."""
     return (
         f"{sentence(values)}; send Authorization: Bearer {values['BEARER_TOKEN']} to "
-        f"{values['IP_ADDRESS']}, token {values['JWT']}, key -----BEGIN RSA PRIVATE KEY-----\n"
+        f"{values['IP_ADDRESS']}, password: {values['SECRET']} token {values['JWT']}, "
+        "key -----BEGIN RSA PRIVATE KEY-----\n"
         f"{values['PRIVATE_KEY']}\n-----END RSA PRIVATE KEY-----"
     )
 
