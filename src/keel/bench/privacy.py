@@ -79,6 +79,7 @@ _WEIGHTS = {
     "BEARER_TOKEN": 1,
     "JWT": 1,
     "PRIVATE_KEY": 1,
+    "SECRET": 1,
 }
 _SENTENCES = {
     "BEARER_TOKEN": "Authorization: Bearer {value}",
@@ -91,6 +92,7 @@ _SENTENCES = {
     "US_SSN": "SSN {value}",
     "IP_ADDRESS": "from {value}",
     "JWT": "token {value}",
+    "SECRET": "my password: {value}",
 }
 _REPEAT = 0.3
 """The share of a user's values that are one they gave before."""
@@ -152,6 +154,9 @@ _MAKERS: dict[str, Callable[[random.Random], str]] = {
         "-----BEGIN PRIVATE KEY----- "
         + base64.b64encode(r.randbytes(24)).decode()
         + " -----END PRIVATE KEY-----"
+    ),
+    "SECRET": lambda r: (
+        _alnum(r, 9, string.ascii_letters + string.digits) + r.choice("!#%&") + str(r.randrange(10))
     ),
 }
 
