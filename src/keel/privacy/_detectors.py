@@ -617,6 +617,20 @@ class _LabelledDetector(Detector):
         return found
 
 
+_SSN_LABELLED = re.compile(
+    # "SSN: 536221234", "my ssn is 536 22 1234", "Social Security No. 536.22.1234": after its
+    # label, nine digits in the SSN's groups with any one separator, or none.
+    r"(?i)(?<![a-z0-9])(?:ssn|social[ \t]+security(?:[ \t]+(?:number|no\.?|#))?)[\"']?[ \t]*"
+    r"(?:#|no\.?|number)?[ \t]*[:=]?[ \t]*(?:(?:is|was)[ \t]+)?[\"']?"
+    r"(\d{3}([ \-.]?)\d{2}\2\d{4})(?![\d\-])"
+)
+
+
+def _labelled_ssn(value: str) -> bool:
+    digits = "".join(char for char in value if char.isdigit())
+    return _ssn(f"{digits[:3]}-{digits[3:5]}-{digits[5:]}")
+
+
 def _ipv4(value: str) -> bool:
     try:
         ipaddress.IPv4Address(value)
@@ -704,7 +718,8 @@ class _EmailDetector(Detector):
 
 _PHONE = re.compile(
     # A "(", "+" or digit that does not continue a word, a number, an id or a version...
-    r"[(+\d](?<![A-Za-z0-9_+\-./#@:,$%][(+\d])"
+    # (a "+" may follow a ":": "tel:+1 415...", "phone:+44..."; a digit there is a time's)
+    r"[(+\d](?<![A-Za-z0-9_+\-./#@,$%][(+\d])(?<!:[(\d])"
     # (six more digits at least, no more than three other characters apart: most numbers in
     # a text are shorter, and are dropped here rather than by the checks in Python)
     r"(?=(?:\D{0,3}\d){6})"
@@ -983,6 +998,16 @@ DETECTORS: tuple[Detector, ...] = (
         priority=45,
         line_bound=True,
         gate=re.compile(r"-\d\d-\d{4}"),  # its last two groups (a date's "-12-07" is not)
+    ),
+    _LabelledDetector(
+        "US_SSN",
+        _SSN_LABELLED,
+        _labelled_ssn,
+        priority=45,
+        group=1,
+        line_bound=True,
+        words=("ssn", "social"),
+        needs=("ssn", "social"),
     ),
     Detector(
         "IP_ADDRESS",
