@@ -5,6 +5,10 @@ gone."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -106,3 +110,48 @@ def test_a_schema_two_trace_database_upgrades_with_its_runs_kept(database: SQLDa
     store.end_run("live", status="succeeded", ended_at=T0 + timedelta(minutes=6))
     assert [run.run_id for run in store.list_runs(RunQuery(min_steps=4))] == ["live", "ended"]
     assert [run.run_id for run in store.list_runs(RunQuery(min_steps=4, status="running"))] == []
+
+
+_CRASHING_UPGRADE = """
+import os, signal, sys
+from keel.stores import PostgresDatabase, SQLiteDatabase
+from keel.stores._migrations import Migration, MigrationSet
+from keel.stores._sql_traces import trace_migrations
+
+target = sys.argv[1]
+db = PostgresDatabase(target) if "://" in target else SQLiteDatabase(target)
+migrations = trace_migrations(db.dialect).migrations
+# Schema 3's statements run, then the process dies before the upgrade's transaction commits.
+die = Migration("killed", lambda conn: os.kill(os.getpid(), signal.SIGKILL))
+db.migrate(MigrationSet("traces", (*migrations, die)))
+"""
+
+
+def test_a_process_killed_during_the_upgrade_leaves_schema_two_whole(
+    database: SQLDatabase,
+) -> None:
+    old = _SchemaTwo(database)
+    old.start_run(_run("ended", minutes=0))
+    for seq in range(6):
+        old.write_step(_step("ended", seq))
+    old.end_run("ended", status="succeeded", ended_at=T0 + timedelta(minutes=1))
+    old.start_run(_run("live", minutes=5))
+    for seq in (2, 0, 1):
+        old.write_step(_step("live", seq))
+    before = _reads(old)
+    indexes = _indexes(database)
+    if isinstance(database, SQLiteDatabase):
+        target = str(database.path)
+    else:
+        assert isinstance(database, PostgresDatabase)
+        target = database.url
+    killed = subprocess.run(
+        [sys.executable, "-c", _CRASHING_UPGRADE, target], env=os.environ, check=False
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert _version(database) == 2
+    assert _indexes(database) == indexes
+    assert _reads(old) == before
+    SQLTraceStore(database)  # the next process upgrades it
+    assert _version(database) == 3
+    assert _reads(old) == before
