@@ -62,10 +62,10 @@ def test_list_filters_use_indexes(tmp_path: Path) -> None:
         (RunQuery(min_model_calls=10), "trace_runs_ended_model_calls"),
     ):
         sql, params = trace_sql(SQLITE).list_runs(query)
-        plan = [str(row[-1]) for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
-        assert any(f"USING INDEX {index} " in step for step in plan), plan
-        assert any("USING INDEX trace_runs_status (status=?)" in step for step in plan), plan
-        assert not [step for step in plan if step.startswith("SCAN trace_runs")], plan
+        steps = [str(row[-1]) for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
+        assert any(f"USING INDEX {index} " in step for step in steps), steps
+        assert any("USING INDEX trace_runs_status (status=?)" in step for step in steps), steps
+        assert not [step for step in steps if step.startswith("SCAN trace_runs")], steps
     store.close()
     store.db.close()
 
