@@ -33,7 +33,6 @@ import itertools
 import logging
 import os
 import queue
-import select
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
@@ -358,14 +357,17 @@ class _OwnThread:
         self._woken.close()
 
     def _work(self) -> None:
+        # A timeout on the socket (poll underneath), not select(): select refuses a descriptor
+        # numbered over 1024, which a busy server's socket pair can be.
+        self._woken.settimeout(self._pool.idle_s)
         while True:
-            ready, _, _ = select.select([self._woken], [], [], self._pool.idle_s)
-            if not ready:
+            try:
+                self._woken.recv(1)
+            except TimeoutError:
                 if self._pool.retire(self):
                     self.close()
                     return
                 continue  # a caller took this thread just now: its job is on the way
-            self._woken.recv(1)
             job = self._job
             assert job is not None
             self._job = None

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
+import resource
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -115,3 +118,54 @@ async def test_a_call_still_running_delivers_its_outcome_once_it_ends() -> None:
     assert not pending.done()
     release.set()
     assert await pending == "answered"
+
+
+def _run_on(pool: bridge._OwnThreads, call: Callable[[], object]) -> bridge._Job:
+    job = bridge._Job(lambda: (True, call()))
+    pool.submit(job)
+    return job
+
+
+def _ended(job: bridge._Job) -> bool:
+    for _ in range(1000):  # at most 10 s, for a call that returns at once
+        if job.outcome is not None:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_thread_idle_for_its_time_ends_and_the_next_call_starts_another() -> None:
+    pool = bridge._OwnThreads(idle_s=0.01)
+    first = _run_on(pool, threading.current_thread)
+    assert _ended(first)
+    for _ in range(1000):
+        with pool._lock:
+            if not pool._idle:
+                break
+        time.sleep(0.01)
+    assert pool._idle == []  # retired, its socket pair closed
+    second = _run_on(pool, threading.current_thread)
+    assert _ended(second)
+    assert first.outcome is not None and second.outcome is not None
+    assert first.outcome[1] is not second.outcome[1]  # another thread (an ident may repeat)
+
+
+def test_a_thread_woken_through_a_descriptor_past_1024_still_runs_its_calls() -> None:
+    """A busy server holds many descriptors: the thread's socket pair may be numbered past
+    select()'s limit of 1024, and is waited on without select()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open at most {hard} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        pool = bridge._OwnThreads()
+        job = _run_on(pool, lambda: "ran")
+        assert _ended(job)
+        assert job.outcome == (True, "ran")
+    finally:
+        for descriptor in held:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
