@@ -33,11 +33,12 @@ import itertools
 import logging
 import os
 import queue
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar, cast
 
 from keel.errors import UsageError
 
@@ -306,6 +307,75 @@ def map_blocking(function: Callable[[A], T], items: Sequence[A], *, width: int) 
     return results
 
 
+class _Job:
+    """One call on an own thread: its outcome, and how it reaches a caller who awaits it."""
+
+    __slots__ = ("deliver", "lock", "outcome", "run")
+
+    def __init__(self, run: Callable[[], _Outcome]) -> None:
+        self.run = run
+        self.lock = threading.Lock()
+        self.outcome: _Outcome | None = None
+        self.deliver: Callable[[_Outcome], None] | None = None
+
+    def finish(self, outcome: _Outcome) -> None:
+        """Keep the outcome for a caller who has not started waiting, or hand it to the one
+        who has."""
+        with self.lock:
+            self.outcome = outcome
+            deliver = self.deliver
+        if deliver is not None:
+            deliver(outcome)
+
+    def collect(self, deliver: Callable[[_Outcome], None]) -> _Outcome | None:
+        """The outcome if the call has ended; else None, and ``deliver`` gets it when it does."""
+        with self.lock:
+            if self.outcome is None:
+                self.deliver = deliver
+            return self.outcome
+
+
+class _OwnThread:
+    """A daemon thread woken by a byte on a socket pair: the waker sends it with the GIL
+    released (a socket write releases it), so the woken thread can take the GIL and run a
+    short call at once, often before the waker has it back (`run_in_thread` then has the
+    outcome without a trip through its event loop). A queue's put keeps the GIL: the woken
+    thread waited for the waker to reach its loop's wait, and the loop was woken back."""
+
+    def __init__(self, pool: _OwnThreads) -> None:
+        self._pool = pool
+        self._wake, self._woken = socket.socketpair()
+        self._job: _Job | None = None
+        threading.Thread(target=self._work, name="keel-thread", daemon=True).start()
+
+    def give(self, job: _Job) -> None:
+        self._job = job
+        self._wake.send(b"\0")
+
+    def close(self) -> None:
+        self._wake.close()
+        self._woken.close()
+
+    def _work(self) -> None:
+        # A timeout on the socket (poll underneath), not select(): select refuses a descriptor
+        # numbered over 1024, which a busy server's socket pair can be.
+        self._woken.settimeout(self._pool.idle_s)
+        while True:
+            try:
+                self._woken.recv(1)
+            except TimeoutError:
+                if self._pool.retire(self):
+                    self.close()
+                    return
+                continue  # a caller took this thread just now: its job is on the way
+            job = self._job
+            assert job is not None
+            self._job = None
+            outcome = job.run()
+            self._pool.rest(self)
+            job.finish(outcome)
+
+
 class _OwnThreads:
     """Daemon threads for work that may never end: an idle one is reused, a new one starts
     when none is.
@@ -320,45 +390,40 @@ class _OwnThreads:
     def __init__(self, idle_s: float = 30.0) -> None:
         self.idle_s = idle_s
         self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[_Job]] = []
+        self._idle: list[_OwnThread] = []
         os.register_at_fork(after_in_child=self._forget)
 
     def _forget(self) -> None:
-        # A forked child has none of its parent's threads.
+        # A forked child has none of its parent's threads, only copies of their sockets.
+        for thread in self._idle:
+            thread.close()
         self._lock = threading.Lock()
         self._idle = []
 
-    def submit(self, run: Callable[[], _Outcome], deliver: Callable[[_Outcome], None]) -> None:
-        """Call ``run`` in a thread, then ``deliver`` its outcome once the thread is idle
-        again (so the caller's next call can reuse it)."""
+    def submit(self, job: _Job) -> None:
+        """Run ``job`` in an idle thread, or a new one."""
         with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(
-                target=self._work, args=(inbox,), name="keel-thread", daemon=True
-            ).start()
-        inbox.put((run, deliver))
+            thread = self._idle.pop() if self._idle else None
+        if thread is None:
+            thread = _OwnThread(self)
+        thread.give(job)
 
-    def _work(self, inbox: queue.SimpleQueue[_Job]) -> None:
-        while True:
-            try:
-                run, deliver = inbox.get(timeout=self.idle_s)
-            except queue.Empty:
-                with self._lock:
-                    if inbox in self._idle:
-                        self._idle.remove(inbox)
-                        return
-                # A caller took this thread just now: its job is on the way.
-                continue
-            outcome = run()
-            with self._lock:
-                self._idle.append(inbox)
-            deliver(outcome)
+    def rest(self, thread: _OwnThread) -> None:
+        """``thread`` is idle again (before it hands its outcome over, so that the caller's
+        next call can reuse it)."""
+        with self._lock:
+            self._idle.append(thread)
+
+    def retire(self, thread: _OwnThread) -> bool:
+        """Whether ``thread``, idle for ``idle_s``, may end (no caller took it meanwhile)."""
+        with self._lock:
+            if thread in self._idle:
+                self._idle.remove(thread)
+                return True
+            return False
 
 
 _Outcome = tuple[bool, Any]
-_Job = tuple[Callable[[], _Outcome], Callable[[_Outcome], None]]
 _own_threads = _OwnThreads()
 
 Abandoned = Callable[[bool, Any], None]
@@ -372,12 +437,26 @@ async def run_in_thread(call: Callable[[], T], *, on_abandoned: Abandoned | None
     that hangs past its timeout, a model's generation. Cancelling the caller stops waiting,
     not ``call``: its late outcome goes to ``on_abandoned``.
 
+    A short ``call`` has often ended by the time the thread is woken and this one runs again
+    (see `_OwnThread`): its outcome is then returned at once, without waiting on the loop.
+    Work that takes longer (or blocks, releasing the GIL) is awaited, so a timeout or a
+    cancellation stops the wait as before.
+
     `run_blocking` is for keel's own short blocking work: its pool is bounded, so work that
     may never return must not hold one of its threads.
     """
     loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
     context = contextvars.copy_context()
+
+    def run() -> _Outcome:
+        try:
+            return True, context.run(call)
+        except BaseException as exc:
+            return False, exc
+
+    job = _Job(run)
+    _own_threads.submit(job)
+    future: asyncio.Future[T] = loop.create_future()
 
     def abandon(ok: bool, value: Any) -> None:
         if on_abandoned is None:
@@ -396,17 +475,16 @@ async def run_in_thread(call: Callable[[], T], *, on_abandoned: Abandoned | None
         else:
             future.set_exception(value)
 
-    def run() -> _Outcome:
-        try:
-            return True, context.run(call)
-        except BaseException as exc:
-            return False, exc
-
     def hand_over(outcome: _Outcome) -> None:
         try:
             loop.call_soon_threadsafe(deliver, *outcome)
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             abandon(*outcome)
 
-    _own_threads.submit(run, hand_over)
+    outcome = job.collect(hand_over)
+    if outcome is not None:
+        ok, value = outcome
+        if ok:
+            return cast(T, value)
+        raise value
     return await future

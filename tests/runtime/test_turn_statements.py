@@ -203,3 +203,35 @@ def test_a_turn_gives_its_lease_back_in_place_writing_one_page_each_way(
         assert len(rows) == 1 and rows[0][1] == 0, rows  # given back: held by no one
     finally:
         agent.close()
+
+
+def test_a_turn_writes_the_trace_counter_indexes_once_and_one_index_of_steps(
+    tmp_path: Path,
+) -> None:
+    """A running run's totals move with each batch of its steps without touching the counter
+    indexes (they hold the runs that have ended: the turn's last write enters its run there,
+    one page each a turn); a run's steps go in one index, their key's."""
+    agent = _agent(tmp_path)
+    try:
+        agent.handle_sync("s1", "u1", "warm up")
+        database = Path(_database(agent).path)
+        reader = sqlite3.connect(database)
+        reader.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        indexes = reader.execute(
+            "SELECT name, tbl_name, sql FROM sqlite_master WHERE type = 'index'"
+        ).fetchall()
+        reader.close()
+        counters = [
+            name
+            for name, table, sql in indexes
+            if table == "trace_runs" and sql and ("step_count" in sql or "model_calls" in sql)
+        ]
+        of_steps = [name for name, table, _ in indexes if table == "trace_steps"]
+        for number in range(3):
+            agent.handle_sync("s1", "u1", f"find the record {number}")
+        pages = _wal_pages(database)
+        assert len(counters) == 2, indexes
+        assert [pages.count(name) for name in counters] == [3, 3], pages
+        assert of_steps == ["sqlite_autoindex_trace_steps_1"], indexes
+    finally:
+        agent.close()

@@ -9,7 +9,7 @@ from keel.settings import load_settings
 from keel.stores import Backends, PostgresDatabase, SQLTraceStore
 from keel.stores._postgres_traces import PostgresTraceStore
 from keel.testing.trace_conformance import TraceStoreConformance
-from keel.tracing import TraceStore
+from keel.tracing import RunQuery, TraceStore
 
 pytestmark = pytest.mark.postgres
 
@@ -121,3 +121,34 @@ async def test_an_async_batch_whose_end_names_no_run_writes_nothing(postgres_url
         assert store.get_steps("r1") == []
     finally:
         await database.aclose()
+
+
+def test_a_selective_counter_filter_reads_the_ended_runs_counter_index(postgres_url: str) -> None:
+    """50,000 runs, 50 of them with 60 steps, 500 still running: ``--min-steps 55`` finds the
+    ended ones by the partial counter index and the running ones by the status index, as the
+    counter index over every run served it before (schema 3)."""
+    with PostgresDatabase(postgres_url, max_size=2) as database:
+        store = SQLTraceStore(database)
+        with database.connection() as conn:
+            conn.execute(
+                "INSERT INTO trace_runs (run_id, session_id, agent, status, started_at, "
+                "step_count, model_calls) SELECT 'r' || g, 's', 'a', CASE WHEN g % 100 = 0 "
+                "THEN 'running' ELSE 'succeeded' END, now() - g * interval '1 second', "
+                "CASE WHEN g % 1000 = 7 THEN 60 ELSE g % 50 END, "
+                "CASE WHEN g % 1000 = 7 THEN 60 ELSE g % 50 END "
+                "FROM generate_series(1, 50000) g"
+            )
+            conn.execute("ANALYZE trace_runs")
+            for query, index in (
+                (RunQuery(min_steps=55), "trace_runs_ended_steps"),
+                (RunQuery(min_model_calls=55), "trace_runs_ended_model_calls"),
+            ):
+                sql, params = store.statements.list_runs(query)
+                plan = "\n".join(
+                    str(row[0])
+                    for row in conn.execute("EXPLAIN " + database.dialect.sql(sql), params)
+                )
+                assert f"Bitmap Index Scan on {index}" in plan, plan
+                assert "Bitmap Index Scan on trace_runs_status" in plan, plan
+        assert len(store.list_runs(RunQuery(min_steps=55))) == 50
+        store.close()

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from keel.stores import SQLiteDatabase
-from keel.stores._sql_traces import SQLTraceStore
+from keel.stores._dialect import SQLITE
+from keel.stores._sql_traces import SQLTraceStore, trace_sql
 from keel.testing.trace_conformance import TraceStoreConformance
-from keel.tracing import Tracer, TraceStore
+from keel.tracing import RunQuery, Tracer, TraceStore
 
 
 class TestSQLiteTraceStore(TraceStoreConformance):
@@ -36,7 +37,7 @@ def test_traces_share_the_database_file_as_their_own_component(tmp_path: Path) -
     db = SQLiteDatabase(tmp_path / "keel.db")
     store = SQLTraceStore(db)
     store.setup()
-    assert db.schema_versions() == {"core": 1, "traces": 2}
+    assert db.schema_versions() == {"core": 1, "traces": 3}
     store.close()  # not its database: still usable
     assert db.connection().execute("SELECT count(*) FROM trace_runs").fetchone()[0] == 0
     db.close()
@@ -48,13 +49,23 @@ def test_list_filters_use_indexes(tmp_path: Path) -> None:
     conn = store.db.connection()
     plans = {
         "session": "SELECT * FROM trace_runs WHERE session_id = 'x' ORDER BY started_at DESC",
-        "steps": "SELECT * FROM trace_runs WHERE step_count >= 10",
         "errors": "SELECT * FROM trace_runs WHERE tool_errors > 0 ORDER BY started_at DESC",
         "steps_of_run": "SELECT * FROM trace_steps WHERE run_id = 'r' ORDER BY seq",
     }
     for name, sql in plans.items():
         plan = " ".join(str(row[-1]) for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}"))
         assert "USING INDEX" in plan or "USING COVERING INDEX" in plan, (name, plan)
+    # The counter filters as the store runs them: the runs that are not running by the partial
+    # counter index, the running ones by the status index; never a scan of every run.
+    for query, index in (
+        (RunQuery(min_steps=10), "trace_runs_ended_steps"),
+        (RunQuery(min_model_calls=10), "trace_runs_ended_model_calls"),
+    ):
+        sql, params = trace_sql(SQLITE).list_runs(query)
+        steps = [str(row[-1]) for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params)]
+        assert any(f"USING INDEX {index} " in step for step in steps), steps
+        assert any("USING INDEX trace_runs_status (status=?)" in step for step in steps), steps
+        assert not [step for step in steps if step.startswith("SCAN trace_runs")], steps
     store.close()
     store.db.close()
 

@@ -290,6 +290,7 @@ class TraceStoreConformance:
         assert ids(session_id="s1") == ["broken", "long"]
         assert ids(min_steps=10) == ["long"]
         assert ids(min_steps=2) == ["broken", "long"]
+        assert ids(min_steps=1) == ["other", "broken", "long"]  # "other" is still running
         assert ids(tool_error=True) == ["broken"]
         assert ids(tool_error=False) == ["other", "long"]
         assert ids(status="running") == ["other"]
