@@ -344,26 +344,51 @@ class _OwnThread:
 
     def __init__(self, pool: _OwnThreads) -> None:
         self._pool = pool
-        self._wake, self._woken = socket.socketpair()
         self._job: _Job | None = None
+        self._wake: socket.socket | None = None
+        self._woken: socket.socket | None = None
+        self._inbox: queue.SimpleQueue[bool] | None = None
+        try:
+            self._wake, self._woken = socket.socketpair()
+        except OSError:
+            # Out of descriptors (a thread a call in flight, two descriptors each): woken
+            # through a queue instead, one wake-up slower, never a call refused.
+            self._inbox = queue.SimpleQueue()
         threading.Thread(target=self._work, name="keel-thread", daemon=True).start()
 
     def give(self, job: _Job) -> None:
         self._job = job
-        self._wake.send(b"\0")
+        if self._wake is not None:
+            self._wake.send(b"\0")
+        else:
+            assert self._inbox is not None
+            self._inbox.put(True)
 
     def close(self) -> None:
-        self._wake.close()
-        self._woken.close()
+        if self._wake is not None and self._woken is not None:
+            self._wake.close()
+            self._woken.close()
+
+    def _woken_within_idle_time(self) -> bool:
+        if self._woken is None:
+            assert self._inbox is not None
+            try:
+                return self._inbox.get(timeout=self._pool.idle_s)
+            except queue.Empty:
+                return False
+        try:
+            self._woken.recv(1)
+        except TimeoutError:
+            return False
+        return True
 
     def _work(self) -> None:
         # A timeout on the socket (poll underneath), not select(): select refuses a descriptor
         # numbered over 1024, which a busy server's socket pair can be.
-        self._woken.settimeout(self._pool.idle_s)
+        if self._woken is not None:
+            self._woken.settimeout(self._pool.idle_s)
         while True:
-            try:
-                self._woken.recv(1)
-            except TimeoutError:
+            if not self._woken_within_idle_time():
                 if self._pool.retire(self):
                     self.close()
                     return

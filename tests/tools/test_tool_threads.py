@@ -169,3 +169,21 @@ def test_a_thread_woken_through_a_descriptor_past_1024_still_runs_its_calls() ->
         for descriptor in held:
             os.close(descriptor)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_out_of_descriptors_a_thread_is_woken_through_a_queue_and_runs_its_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every call in flight holds a thread, each with a socket pair: a server at its limit of
+    open files still runs the next call (a slower wake-up), never refuses it."""
+
+    def no_descriptors_left() -> tuple[object, object]:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(bridge.socket, "socketpair", no_descriptors_left)
+    pool = bridge._OwnThreads(idle_s=0.01)
+    job = _run_on(pool, lambda: "ran")
+    assert _ended(job)
+    assert job.outcome == (True, "ran")
+    again = _run_on(pool, lambda: "again")  # reused while idle, or retired and started anew
+    assert _ended(again) and again.outcome == (True, "again")
