@@ -233,6 +233,11 @@ class _PrunedHistory:
             return frozenset()
         return frozenset().union(*self._marks[low:high])
 
+    def first_message(self, turn: int) -> int:
+        """The number of held turn ``turn``'s first message, counted from the conversation's
+        first message (summarized ones included)."""
+        return self._messages_before[turn]
+
     def cuts(self, turns: range) -> list[tuple[int, _Form, _Form]]:
         """The cut messages of a run of held turns: position in the run, raw and cut form."""
         first = self._messages_before[turns.start]

@@ -143,7 +143,7 @@ class ChatTokenCounter:
         # The totals of the last lists counted, by their first message's identity (that
         # message kept alive in the list, so its id is not reused): a prompt and the
         # conversation it was compiled from are counted in turn, and each continues its own.
-        self._last_lists: OrderedDict[int, tuple[list[Message], int]] = OrderedDict()
+        self._last_lists: OrderedDict[int, tuple[tuple[Message, ...], int]] = OrderedDict()
 
     @property
     def exact(self) -> bool:
@@ -272,7 +272,9 @@ class ChatTokenCounter:
 
     def count_messages(self, messages: Iterable[Message], *, prime_reply: bool = True) -> int:
         """Tokens of a whole message list, including the reply priming."""
-        message_list = list(messages)
+        # Kept (see `_count_list`) as a tuple, which cannot change under the next count: a
+        # tuple given (a compiled prompt's) is not copied.
+        message_list = messages if type(messages) is tuple else tuple(messages)
         total = self._count_list(message_list)
         if self.profile.chat_format == "chatml":
             if not message_list or message_list[0].role != "system":
@@ -282,7 +284,7 @@ class ChatTokenCounter:
             return total
         return total + (_OPENAI_REPLY_PRIMING if prime_reply else 0)
 
-    def _count_list(self, messages: list[Message]) -> int:
+    def _count_list(self, messages: tuple[Message, ...]) -> int:
         """The summed counts of ``messages``, from the previous list where they agree.
 
         Successive prompts of a session repeat the one before with a few messages changed:
@@ -298,7 +300,7 @@ class ChatTokenCounter:
         first = id(messages[0]) if messages else 0
         previous = self._last_lists.pop(first, None)
         if previous is None:
-            earlier: list[Message] = []
+            earlier: tuple[Message, ...] = ()
             total = 0
         else:
             earlier, total = previous
