@@ -219,7 +219,8 @@ class _PrunedHistory:
         return self._raw_before[turns.stop] - self._raw_before[turns.start]
 
     def messages(self, turns: range) -> list[Message]:
-        """The messages of a run of held turns, tool output pruned."""
+        """The messages of a run of held turns, tool output pruned (a new list, the
+        caller's)."""
         base = self._messages_before[0]
         before = self._messages_before
         return self._messages[before[turns.start] - base : before[turns.stop] - base]

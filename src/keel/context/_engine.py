@@ -746,7 +746,7 @@ class _Compilation:
         pruned: list[PrunedOutput] = []
         if self.summary_cut is not None and self.summary_msg is not None:
             pruned.append(self.summary_cut.model_copy(update={"message_index": len(messages) - 1}))
-        kept_raw, kept_messages, placeholders, held = self._place_turns(messages, pruned)
+        messages, kept_raw, kept_messages, placeholders, held = self._place_turns(messages, pruned)
         self._mark_window_start()
         turns_kept = len(self.older_turns) + len(self.plan)
         outside = len(self.conv._turns) - turns_kept - (1 if self.left_open else 0)
@@ -766,22 +766,26 @@ class _Compilation:
         )
 
     def _place_turns(
-        self, messages: list[Message], pruned: list[PrunedOutput]
-    ) -> tuple[int, int, frozenset[str], tuple[tuple[int, int, int], ...]]:
-        """Append the window's turns (the older run, then the planned entries, the rules just
-        before the newest user message) and their cuts; the raw tokens and messages kept, the
-        placeholders the whole prompt shows (``messages`` holds the fixed blocks so far), and
-        where the prompt shows the held messages themselves (`CompiledPrompt.held`)."""
+        self, blocks: list[Message], pruned: list[PrunedOutput]
+    ) -> tuple[list[Message], int, int, frozenset[str], tuple[tuple[int, int, int], ...]]:
+        """The prompt's messages: the fixed ``blocks`` so far, then the window's turns (the
+        older run, then the planned entries, the rules just before the newest user message),
+        their cuts added to ``pruned``; with the raw tokens and messages kept, the
+        placeholders the whole prompt shows, and where the prompt shows the held messages
+        themselves (`CompiledPrompt.held`)."""
         older = self.older_turns
         history = self.conv._pruned_history
         kept_raw = history.raw_tokens_of(older)
         # The fixed blocks are scanned (a few texts), the history never: its forms carry
         # their placeholders, and the older run's are kept by message number.
-        shown = [message_placeholders(message) for message in messages]
+        shown = [message_placeholders(message) for message in blocks]
         shown.append(history.placeholders(older))
-        older_start = len(messages)
-        messages += history.messages(older)
-        kept_messages = len(messages) - older_start
+        older_start = len(blocks)
+        # The older run's slice is the list the prompt is built in, the few blocks moved in
+        # front of it: the window is copied once here, not once more into the blocks' list.
+        messages = history.messages(older)
+        kept_messages = len(messages)
+        messages[:0] = blocks
         held = _HeldRuns()
         number = history.first_message(older.start) if older else 0
         after_cut = 0  # offset in the older run after the last cut message
@@ -812,7 +816,7 @@ class _Compilation:
             if not rules_placed:
                 messages.append(self.rules_msg)
             shown.append(message_placeholders(self.rules_msg))
-        return kept_raw, kept_messages, frozenset().union(*shown), tuple(held.runs)
+        return messages, kept_raw, kept_messages, frozenset().union(*shown), tuple(held.runs)
 
     def _mark_window_start(self) -> None:
         """Remember the oldest turn sent, where the next compile's window starts looking."""
