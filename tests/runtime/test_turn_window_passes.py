@@ -26,6 +26,7 @@ from keel.messages import Message
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.testing import ScriptedCall, ScriptedModel
+from keel.tokens import ChatTokenCounter
 from keel.tools import tool
 from keel.tracing import _loop
 
@@ -137,3 +138,43 @@ async def test_the_model_is_handed_the_compiled_prompt_itself(tmp_path: Path) ->
     # masking's, the model's own): the very tuple the engine built, whatever its length.
     for call, prompt in zip(model.calls, compiled, strict=True):
         assert call.messages is prompt.messages
+
+
+class _Reporting(ScriptedModel):
+    """A scripted model whose usage reports are kept with an independent count of each
+    prompt (a counter of its own, which has counted nothing before)."""
+
+    def __init__(self) -> None:
+        super().__init__(_policy, keep_calls=0)
+        self.reports: list[tuple[int, int]] = []
+        self.fresh = ChatTokenCounter(self.counter.profile, self.counter.tokenizer)
+
+    async def _acomplete(self, messages: Any, tools: Any, options: Any) -> Any:
+        completion = await super()._acomplete(messages, tools, options)
+        exact = self.fresh.count_prompt(list(messages), tools)
+        self.reports.append((completion.usage.prompt_tokens, exact))
+        return completion
+
+
+async def test_the_models_usage_count_reads_none_of_the_prompts_messages(tmp_path: Path) -> None:
+    model = _Reporting()
+    compared: list[int] = []
+    count_list = model.counter._count_list
+
+    def counted(messages: tuple[Message, ...]) -> int:
+        compared.append(len(messages))
+        return count_list(messages)
+
+    agent = _agent(tmp_path, model)
+    model.counter._count_list = counted  # type: ignore[method-assign]
+    try:
+        for turn in range(40):
+            assert (await agent.handle("s", "u1", f"look up item {turn}")).status == "completed"
+    finally:
+        await agent.aclose()
+    # The model counts each prompt it is handed (its usage report): the engine noted the
+    # compiled tuple's count as it built it, so no message of it is looked up or compared...
+    assert compared == []
+    # ... and the count is exact, as a counter that never saw the engine's says.
+    assert len(model.reports) == 80
+    assert all(reported == exact for reported, exact in model.reports), model.reports

@@ -757,8 +757,12 @@ class _Compilation:
             turns_outside_window=max(0, outside),
             pruned=tuple(pruned),
         )
+        sent = tuple(messages)
+        # The prompt's count as built, for a model that counts what it is handed.
+        engine = self.engine
+        engine.counter.note_sum(sent, self.total - self.tools_t - engine._priming)
         return CompiledPrompt(
-            messages=tuple(messages),
+            messages=sent,
             tools=self.tools,
             report=report,
             placeholders=placeholders,
