@@ -70,7 +70,10 @@ def check_invariants(
     """Assert invariants 1-3 of DESIGN.md on one compiled prompt, independently of its report."""
     messages = prompt.messages
     budget = engine.budget
-    exact = engine.counter.count_prompt(messages, prompt.tools)
+    # Recounted message by message: a copy, not the compiled tuple, whose count the engine
+    # noted with its counter as it built it (``note_sum``); the tuple's must agree.
+    exact = engine.counter.count_prompt(list(messages), prompt.tools)
+    assert engine.counter.count_prompt(messages, prompt.tools) == exact
     # Invariant 1: exact recount, plus the reserve, within the (effective) window.
     assert exact == prompt.report.prompt_tokens
     assert exact + budget.reserve <= budget.effective_window <= budget.window

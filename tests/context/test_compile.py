@@ -16,6 +16,7 @@ from keel.context import (
 )
 from keel.errors import ContextOverflowError, UsageError
 from keel.messages import Message, ToolCall
+from keel.tokens import ChatTokenCounter
 from tests.context._helpers import check_invariants, text_of
 
 
@@ -82,7 +83,10 @@ def test_report_adds_up_and_matches_an_exact_recount() -> None:
         tools=tools,
     )
     report = prompt.report
-    assert report.prompt_tokens == engine.counter.count_prompt(prompt.messages, tools)
+    # Recounted from a copy: the compiled tuple's count is the one the engine noted.
+    assert report.prompt_tokens == engine.counter.count_prompt(list(prompt.messages), tools)
+    fresh = ChatTokenCounter(engine.counter.profile, engine.counter.tokenizer)
+    assert fresh.count_prompt(prompt.messages, tools) == report.prompt_tokens
     assert report.sections.tools == engine.counter.count_tools(tools) > 0
     assert sum(report.sections.model_dump().values()) == report.prompt_tokens
     assert report.headroom == report.limit - report.prompt_tokens >= 0

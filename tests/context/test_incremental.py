@@ -179,6 +179,25 @@ class ReferenceCompilation(_Compilation):
         return CompiledPrompt(messages=tuple(messages), tools=self.tools, report=report)
 
 
+def held_runs(
+    prompt: CompiledPrompt, conversation: Conversation
+) -> tuple[tuple[int, int, int], ...]:
+    """`CompiledPrompt.held` found from scratch: every message of the prompt that is one the
+    conversation holds (the very object), by its number, in maximal runs."""
+    first = conversation.messages_summarized
+    numbers = {id(message): first + k for k, message in enumerate(conversation.messages)}
+    runs: list[tuple[int, int, int]] = []
+    for index, message in enumerate(prompt.messages):
+        number = numbers.get(id(message))
+        if number is None:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == index and runs[-1][1] + runs[-1][2] == number:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((index, number, 1))
+    return tuple(runs)
+
+
 class ScriptedSummarizer:
     """Summaries of scripted sizes, some over the summary cap (condensed again on commit)."""
 
@@ -329,6 +348,9 @@ class Session:
         assert conversation._window_start_seq == expected_start
         scanned = frozenset().union(*map(message_placeholders, actual.messages))
         assert actual.placeholders == scanned
+        assert actual.held == held_runs(actual, conversation)
+        if len(actual.held) > 1:
+            event("the prompt shows held messages in more than one run")
         if scanned:
             event("placeholders shown")
         if any(set(placeholders_in(cut.original)) - scanned for cut in actual.report.pruned):

@@ -66,3 +66,14 @@ def test_each_list_costs_what_a_fresh_counter_says(steps: list[list[tuple]]) -> 
 
 def _fresh(counter: ChatTokenCounter) -> ChatTokenCounter:
     return ChatTokenCounter(counter.profile, counter.tokenizer)
+
+
+def test_a_tuple_is_kept_as_it_is_for_the_next_count() -> None:
+    counter = counter_for("gpt-4o-mini")
+    prompt = tuple(_POOL[:30])
+
+    counter.count_messages(prompt)
+
+    # A compiled prompt's tuple cannot change under the next count: kept, not copied (a copy
+    # of the window at every model call the counter follows).
+    assert counter._last_lists[id(prompt[0])][0] is prompt

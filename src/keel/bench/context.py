@@ -352,7 +352,9 @@ class _Tally:
         )
         self.assembly_ms.append((time.perf_counter() - started) * 1000)
         self.compiles += 1
-        exact = self.counter.count_prompt(prompt.messages, TOOLS)
+        # Recounted message by message from a copy (the compiled tuple's count is the one the
+        # engine noted with the counter as it built it: no check of it).
+        exact = self.counter.count_prompt(list(prompt.messages), TOOLS)
         problems = check_prompt(
             prompt.messages, tokens=exact, limit=self.budget.limit, rules_first_line=_RULES_LINE
         )

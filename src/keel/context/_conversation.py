@@ -219,7 +219,8 @@ class _PrunedHistory:
         return self._raw_before[turns.stop] - self._raw_before[turns.start]
 
     def messages(self, turns: range) -> list[Message]:
-        """The messages of a run of held turns, tool output pruned."""
+        """The messages of a run of held turns, tool output pruned (a new list, the
+        caller's)."""
         base = self._messages_before[0]
         before = self._messages_before
         return self._messages[before[turns.start] - base : before[turns.stop] - base]
@@ -232,6 +233,11 @@ class _PrunedHistory:
         if low == high:
             return frozenset()
         return frozenset().union(*self._marks[low:high])
+
+    def first_message(self, turn: int) -> int:
+        """The number of held turn ``turn``'s first message, counted from the conversation's
+        first message (summarized ones included)."""
+        return self._messages_before[turn]
 
     def cuts(self, turns: range) -> list[tuple[int, _Form, _Form]]:
         """The cut messages of a run of held turns: position in the run, raw and cut form."""

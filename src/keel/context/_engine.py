@@ -129,6 +129,13 @@ class CompiledPrompt:
     each history message's were found once, when it was added, so noting what a prompt
     shows ([`PrivacyView.note_shown`][keel.privacy.PrivacyView.note_shown]) costs what is
     new, not the window."""
+    held: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    """Where the messages show the conversation's own, as they were added (the very
+    objects): runs of ``(index in messages, message number, length)``, the number counted
+    from the conversation's first message (summarized ones included), each run as long as
+    it goes on in both. Known from how the prompt was built, so a reader that follows the
+    prompt against the stored history (the trace's record of it) need not compare the
+    window item by item."""
 
     @property
     def tokens(self) -> int:
@@ -153,6 +160,27 @@ class _Entry:
     turn: Turn
     forms: list[_Form]
     tokens: int
+
+
+class _HeldRuns:
+    """The runs of `CompiledPrompt.held` as a prompt is built, each joined to the one before
+    when it goes on from it in the prompt and in the conversation alike."""
+
+    __slots__ = ("runs",)
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, int, int]] = []
+
+    def add(self, index: int, number: int, length: int) -> None:
+        if length <= 0:
+            return
+        runs = self.runs
+        if runs:
+            last_index, last_number, last_length = runs[-1]
+            if last_index + last_length == index and last_number + last_length == number:
+                runs[-1] = (last_index, last_number, last_length + length)
+                return
+        runs.append((index, number, length))
 
 
 def _rank(memories: Sequence[str | ContextMemory]) -> list[ContextMemory]:
@@ -718,7 +746,7 @@ class _Compilation:
         pruned: list[PrunedOutput] = []
         if self.summary_cut is not None and self.summary_msg is not None:
             pruned.append(self.summary_cut.model_copy(update={"message_index": len(messages) - 1}))
-        kept_raw, kept_messages, placeholders = self._place_turns(messages, pruned)
+        messages, kept_raw, kept_messages, placeholders, held = self._place_turns(messages, pruned)
         self._mark_window_start()
         turns_kept = len(self.older_turns) + len(self.plan)
         outside = len(self.conv._turns) - turns_kept - (1 if self.left_open else 0)
@@ -729,28 +757,47 @@ class _Compilation:
             turns_outside_window=max(0, outside),
             pruned=tuple(pruned),
         )
+        sent = tuple(messages)
+        # The prompt's count as built, for a model that counts what it is handed.
+        engine = self.engine
+        engine.counter.note_sum(sent, self.total - self.tools_t - engine._priming)
         return CompiledPrompt(
-            messages=tuple(messages), tools=self.tools, report=report, placeholders=placeholders
+            messages=sent,
+            tools=self.tools,
+            report=report,
+            placeholders=placeholders,
+            held=held,
         )
 
     def _place_turns(
-        self, messages: list[Message], pruned: list[PrunedOutput]
-    ) -> tuple[int, int, frozenset[str]]:
-        """Append the window's turns (the older run, then the planned entries, the rules just
-        before the newest user message) and their cuts; the raw tokens and messages kept, and
-        the placeholders the whole prompt shows (``messages`` holds the fixed blocks so far)."""
+        self, blocks: list[Message], pruned: list[PrunedOutput]
+    ) -> tuple[list[Message], int, int, frozenset[str], tuple[tuple[int, int, int], ...]]:
+        """The prompt's messages: the fixed ``blocks`` so far, then the window's turns (the
+        older run, then the planned entries, the rules just before the newest user message),
+        their cuts added to ``pruned``; with the raw tokens and messages kept, the
+        placeholders the whole prompt shows, and where the prompt shows the held messages
+        themselves (`CompiledPrompt.held`)."""
         older = self.older_turns
         history = self.conv._pruned_history
         kept_raw = history.raw_tokens_of(older)
         # The fixed blocks are scanned (a few texts), the history never: its forms carry
         # their placeholders, and the older run's are kept by message number.
-        shown = [message_placeholders(message) for message in messages]
+        shown = [message_placeholders(message) for message in blocks]
         shown.append(history.placeholders(older))
-        older_start = len(messages)
-        messages += history.messages(older)
-        kept_messages = len(messages) - older_start
+        older_start = len(blocks)
+        # The older run's slice is the list the prompt is built in, the few blocks moved in
+        # front of it: the window is copied once here, not once more into the blocks' list.
+        messages = history.messages(older)
+        kept_messages = len(messages)
+        messages[:0] = blocks
+        held = _HeldRuns()
+        number = history.first_message(older.start) if older else 0
+        after_cut = 0  # offset in the older run after the last cut message
         for offset, raw, form in history.cuts(older):
             pruned.append(self._pruned_output(older_start + offset, raw, form))
+            held.add(older_start + after_cut, number + after_cut, offset - after_cut)
+            after_cut = offset + 1
+        held.add(older_start + after_cut, number + after_cut, kept_messages - after_cut)
         rules_placed = False
         for entry in self.plan:
             if entry.index == self.newest_user and self.rules_msg is not None:
@@ -758,11 +805,14 @@ class _Compilation:
                 rules_placed = True
             kept_raw += entry.turn.raw_total
             kept_messages += len(entry.forms)
+            number = history.first_message(entry.index)
             for position, form in enumerate(entry.forms):
                 if form.how is not None:
                     pruned.append(
                         self._pruned_output(len(messages), entry.turn.raw[position], form)
                     )
+                else:
+                    held.add(len(messages), number + position, 1)
                 messages.append(form.message)
                 if form.placeholders:
                     shown.append(form.placeholders)
@@ -770,7 +820,7 @@ class _Compilation:
             if not rules_placed:
                 messages.append(self.rules_msg)
             shown.append(message_placeholders(self.rules_msg))
-        return kept_raw, kept_messages, frozenset().union(*shown)
+        return messages, kept_raw, kept_messages, frozenset().union(*shown), tuple(held.runs)
 
     def _mark_window_start(self) -> None:
         """Remember the oldest turn sent, where the next compile's window starts looking."""

@@ -48,6 +48,10 @@ class ScriptedCall:
         return ""
 
 
+def _as_tuple(messages: Sequence[Message]) -> tuple[Message, ...]:
+    return messages if type(messages) is tuple else tuple(messages)
+
+
 ScriptedReply = (
     str | Message | Completion | BaseException | Callable[[ScriptedCall], "ScriptedReply"]
 )
@@ -107,6 +111,25 @@ class ScriptedModel(ChatModel):
         self.stream_chunk_chars = stream_chunk_chars
         self.stream_delay_s = stream_delay_s
 
+    async def acomplete(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[ToolSchema] = (),
+        options: ModelOptions | None = None,
+    ) -> Completion:
+        """Answer from the script. A tuple of messages (a compiled prompt) is the call's
+        record as it is: the prompt is not copied twice (into a list, then back)."""
+        return await self._acomplete(_as_tuple(messages), list(tools), options or ModelOptions())
+
+    def astream(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[ToolSchema] = (),
+        options: ModelOptions | None = None,
+    ) -> AsyncIterator[CompletionChunk]:
+        """Stream the scripted answer (see `acomplete` for ``messages``)."""
+        return self._astream(_as_tuple(messages), list(tools), options or ModelOptions())
+
     def _record(self, call: ScriptedCall) -> None:
         """Append ``call`` to ``calls``, dropping the oldest past ``keep_calls``."""
         calls, keep = self.calls, self.keep_calls
@@ -146,7 +169,8 @@ class ScriptedModel(ChatModel):
             return reply
         message = Message.assistant(reply) if isinstance(reply, str) else reply
         usage = Usage(
-            prompt_tokens=self.counter.count_prompt(messages, tools),
+            # The call's tuple: counted without another copy of the prompt.
+            prompt_tokens=self.counter.count_prompt(call.messages, tools),
             completion_tokens=self.counter.count_message(message),
         )
         return Completion(

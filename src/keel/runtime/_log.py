@@ -77,6 +77,13 @@ class SessionLog:
         return len(self._messages)
 
     @property
+    def conversation_start(self) -> int:
+        """The position in the log of the conversation's first message (its message number
+        0): the log holds every message the conversation was given, in order, after those
+        summarized before it was built."""
+        return self._summarized_before
+
+    @property
     def messages(self) -> list[Message]:
         """The log, as a list of the caller's own (what a checkpoint stores)."""
         return list(self._messages)

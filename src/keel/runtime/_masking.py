@@ -259,7 +259,7 @@ class Masking:
 
     async def afor_model(
         self, messages: Sequence[Message], placeholders: frozenset[str] | None = None
-    ) -> list[Message]:
+    ) -> Sequence[Message]:
         """`for_model`, the vault read off the event loop when there is one to do. The
         placeholders in ``messages`` (``placeholders`` when the compiled prompt knows them)
         are noted as shown to the model: from now on the turn resolves and reveals those and
@@ -267,12 +267,14 @@ class Masking:
         self.view.note_shown(messages, placeholders=placeholders)
         user_vault = self.user_vault
         if self.model_sees != "values" or user_vault is None:
-            return list(messages)
+            return messages
         return await user_vault.vault.store.acall(functools.partial(self.for_model, messages))
 
-    def for_model(self, messages: Sequence[Message]) -> list[Message]:
+    def for_model(self, messages: Sequence[Message]) -> Sequence[Message]:
         """The compiled prompt as the model is shown it: revealed when the deployment trusts
-        the model with values, else as compiled (placeholders). Nothing revealed is stored."""
+        the model with values, else as compiled (placeholders), ``messages`` themselves (the
+        model gets its own copy from ``ChatModel``: one here would cost the window again).
+        Nothing revealed is stored."""
         if self.model_sees != "values" or self.user_vault is None:
-            return list(messages)
+            return messages
         return [self.view.reveal_message(message) for message in messages]

@@ -146,7 +146,7 @@ class ModelStep:
     async def ask(
         self,
         run: LoopRun,
-        sent: list[Message],
+        sent: Sequence[Message],
         options: ModelOptions,
         on_text: Callable[[int, str], MaybeAwaitable[None]] | None = None,
     ) -> ModelOutcome:
@@ -394,7 +394,7 @@ class ModelStep:
 class _Call:
     """One model call in flight: its prompt, when it started, the text it streamed so far."""
 
-    sent: list[Message]
+    sent: Sequence[Message]
     started: float
     produced: list[str] = field(default_factory=list)
 
@@ -533,7 +533,7 @@ class TurnPrompt:
         """The largest prompt compiled."""
         self._shrink_next = False
 
-    def compile(self, conversation: Conversation, rules: Sequence[str]) -> list[Message]:
+    def compile(self, conversation: Conversation, rules: Sequence[str]) -> Sequence[Message]:
         """The next model call's prompt: ``conversation`` within the budget, the agent's rules
         and then ``rules`` (the workflow's), the memories, the tools."""
         self.headroom = self._headroom()
@@ -548,7 +548,8 @@ class TurnPrompt:
         self._shrink_next = False
         self.last = prompt
         self.max_tokens = max(self.max_tokens, prompt.tokens)
-        return list(prompt.messages)
+        # The compiled tuple itself (it cannot change): a copy would cost the window.
+        return prompt.messages
 
     def sized(self, options: ModelOptions) -> ModelOptions:
         """``options`` with what the next model call may generate (DESIGN.md, "The answer's

@@ -379,7 +379,7 @@ class TurnRunner:
         )
         return run.stopped(ended, reverted=True)
 
-    async def _before_model_call(self, step: int, history: Sequence[Message]) -> list[Message]:
+    async def _before_model_call(self, step: int, history: Sequence[Message]) -> Sequence[Message]:
         writer, masking = self.writer, self.deps.masking
         await self.log.atake(history, masking.amask_message)
         # The checkpoint before the model call: compare-and-set on the version we read.
@@ -411,7 +411,7 @@ class TurnRunner:
             budget=self.prompt.last.report if self.prompt.last else None,
             state_version=writer.version,
             transitions=cursor.transitions,
-            prompt=SentPrompt.of(self.prompt.last, self.log.live),
+            prompt=SentPrompt.of(self.prompt.last, self.log.live, self.log.conversation_start),
         )
         cursor.transitions.clear()
         writer.note_step(record)

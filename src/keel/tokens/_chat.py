@@ -143,7 +143,10 @@ class ChatTokenCounter:
         # The totals of the last lists counted, by their first message's identity (that
         # message kept alive in the list, so its id is not reused): a prompt and the
         # conversation it was compiled from are counted in turn, and each continues its own.
-        self._last_lists: OrderedDict[int, tuple[list[Message], int]] = OrderedDict()
+        self._last_lists: OrderedDict[int, tuple[tuple[Message, ...], int]] = OrderedDict()
+        # The summed counts of tuples noted by whoever built and counted them (`note_sum`),
+        # by the tuple's identity (kept alive with its entry, so its id is not reused).
+        self._known_sums: OrderedDict[int, tuple[tuple[Message, ...], int]] = OrderedDict()
 
     @property
     def exact(self) -> bool:
@@ -272,8 +275,15 @@ class ChatTokenCounter:
 
     def count_messages(self, messages: Iterable[Message], *, prime_reply: bool = True) -> int:
         """Tokens of a whole message list, including the reply priming."""
-        message_list = list(messages)
-        total = self._count_list(message_list)
+        # Kept (see `_count_list`) as a tuple, which cannot change under the next count: a
+        # tuple given (a compiled prompt's) is not copied.
+        message_list = messages if type(messages) is tuple else tuple(messages)
+        known = self._known_sums.get(id(message_list))
+        if known is not None and known[0] is message_list:
+            total = known[1]
+            self._keep_list(message_list, total)  # where the next list's count starts
+        else:
+            total = self._count_list(message_list)
         if self.profile.chat_format == "chatml":
             if not message_list or message_list[0].role != "system":
                 total += self.count_message(Message.system(_CHATML_DEFAULT_SYSTEM))
@@ -282,7 +292,7 @@ class ChatTokenCounter:
             return total
         return total + (_OPENAI_REPLY_PRIMING if prime_reply else 0)
 
-    def _count_list(self, messages: list[Message]) -> int:
+    def _count_list(self, messages: tuple[Message, ...]) -> int:
         """The summed counts of ``messages``, from the previous list where they agree.
 
         Successive prompts of a session repeat the one before with a few messages changed:
@@ -298,7 +308,7 @@ class ChatTokenCounter:
         first = id(messages[0]) if messages else 0
         previous = self._last_lists.pop(first, None)
         if previous is None:
-            earlier: list[Message] = []
+            earlier: tuple[Message, ...] = ()
             total = 0
         else:
             earlier, total = previous
@@ -342,13 +352,34 @@ class ChatTokenCounter:
             i, j, missed = i + run, ahead + run, False
         total += sum(map(self.count_message, messages[i:]))  # added at the end
         total -= sum(map(self.count_message, earlier[j:]))
+        self._keep_list(messages, total)
+        return total
+
+    def _keep_list(self, messages: tuple[Message, ...], total: int) -> None:
+        """Keep ``messages`` and their summed counts for the next list with the same first."""
         if messages:
             if len(self._last_lists) >= _LAST_LISTS:
                 # Oldest first; another thread may evict it first.
                 with contextlib.suppress(KeyError):
                     self._last_lists.popitem(last=False)
-            self._last_lists[first] = (messages, total)
-        return total
+            self._last_lists[id(messages[0])] = (messages, total)
+
+    def note_sum(self, messages: tuple[Message, ...], tokens: int) -> None:
+        """Keep ``tokens`` as the summed counts of ``messages`` (a tuple, which cannot change)
+        for a count of that very tuple. The context engine notes each prompt it compiles, as
+        counted while it built it (exact: [`CompiledPrompt.tokens`][keel.context.CompiledPrompt]):
+        a model that reports usage by counting the prompt it is handed (a scripted one, a
+        provider that sent no usage, a failed call's trace) then costs a look-up, not a pass
+        over the window. A copy of the prompt, or another counter, counts it message by
+        message."""
+        if self.cache_size <= 0 or not messages:
+            return
+        known = self._known_sums
+        if len(known) >= _LAST_LISTS:
+            # Oldest first; another thread may evict it first.
+            with contextlib.suppress(KeyError):
+                known.popitem(last=False)
+        known[id(messages)] = (messages, tokens)
 
     def _chatml_priming(self) -> int:
         encode_template = getattr(self.tokenizer, "encode_template", None)

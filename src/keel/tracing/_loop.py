@@ -10,6 +10,8 @@ the runtime.
 
 from __future__ import annotations
 
+import functools
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -28,18 +30,31 @@ __all__ = [
 ]
 
 
+Runs = Sequence[tuple[int, int, int]]
+"""Runs of ``(index in the prompt, index in the history, length)`` where a prompt shows the
+history's very message objects."""
+
+
 class SentPrompt(NamedTuple):
     """The messages a model call was sent, and the session's stored (masked) messages its
-    turns were taken from."""
+    turns were taken from; ``runs``, when known, where the prompt shows them (see
+    ``prompt_record``)."""
 
     messages: Sequence[Message]
     history: Sequence[Message]
+    runs: Runs | None = None
 
     @classmethod
-    def of(cls, compiled: Compiled | None, history: Sequence[Message]) -> SentPrompt | None:
-        """The messages of ``compiled`` (a compiled prompt) with ``history``; None without a
-        prompt."""
-        return None if compiled is None else cls(compiled.messages, history)
+    def of(
+        cls, compiled: Compiled | None, history: Sequence[Message], first: int = 0
+    ) -> SentPrompt | None:
+        """The messages of ``compiled`` (a compiled prompt) with ``history``, whose message
+        ``first`` is the first of the conversation the prompt was compiled from (those
+        before it summarized); None without a prompt."""
+        if compiled is None:
+            return None
+        runs = [(index, first + number, length) for index, number, length in compiled.held]
+        return cls(compiled.messages, history, runs)
 
 
 class Compiled(Protocol):
@@ -47,6 +62,8 @@ class Compiled(Protocol):
 
     @property
     def messages(self) -> Sequence[Message]: ...
+    @property
+    def held(self) -> Sequence[tuple[int, int, int]]: ...
 
 
 KEPT_CHARS = 4_000
@@ -54,7 +71,9 @@ KEPT_CHARS = 4_000
 a long summary block would otherwise be stored, and redacted, again at every step."""
 
 
-def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list[dict[str, Any]]:
+def prompt_record(
+    prompt: Sequence[Message], history: Sequence[Message], runs: Runs | None = None
+) -> list[dict[str, Any]]:
     """What a model step keeps of the ``prompt`` it was sent. A run of messages that are the
     session's stored ``history`` messages (the very objects) is one ``{"messages": [first,
     last]}``: their positions there, both included (the checkpoint of the step's
@@ -65,10 +84,17 @@ def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list
     larger on ``keel bench turns``). The cost does not grow with the session: a run's start
     is found by a few guesses at where the prompt's turns sit (they are the newest), and the
     run itself is compared as lists in C (`equal_run_length`); a stored message no guess finds is
-    kept whole, which is still what the model saw."""
+    kept whole, which is still what the model saw.
+
+    ``runs`` (see `SentPrompt`), when the one who built the prompt knows them, say how far
+    each run goes without comparing it: only the pair where a known run ends is compared
+    (a longer run of equal messages is then followed as without them), so the record is the
+    same, and its cost that of the prompt's blocks and runs, not of its window."""
     record: list[dict[str, Any]] = []
-    # Lists both, so that their slices compare (a tuple never equals a list).
-    prompt, history = _as_list(prompt), _as_list(history)
+    known = _KnownRuns(runs) if runs is not None else None
+    if known is None:
+        # Lists both, so that their slices compare (a tuple never equals a list).
+        prompt, history = _as_list(prompt), _as_list(history)
     total, stored = len(prompt), len(history)
     expected = -1  # where the next stored message would be if the last run went on
     kept_since = 0  # messages kept whole since the last run ended
@@ -90,7 +116,11 @@ def prompt_record(prompt: Sequence[Message], history: Sequence[Message]) -> list
             kept_since += 1
             i += 1
             continue
-        run = equal_run_length(prompt, i, history, first, min(remaining, stored - first))
+        span = min(remaining, stored - first)
+        if known is None:
+            run = equal_run_length(prompt, i, history, first, span)
+        else:
+            run = known.length(prompt, i, history, first, span)
         record.append({"messages": [first, first + run - 1]})
         expected, kept_since = first + run, 0
         i += run
@@ -101,13 +131,64 @@ def _as_list(messages: Sequence[Message]) -> list[Message]:
     return messages if isinstance(messages, list) else list(messages)
 
 
+class _KnownRuns:
+    """`prompt_record`'s runs looked up by where they start in the prompt."""
+
+    __slots__ = ("_runs", "_starts")
+
+    def __init__(self, runs: Runs) -> None:
+        self._runs = sorted(runs)
+        self._starts = [index for index, _, _ in self._runs]
+
+    def length(
+        self,
+        prompt: Sequence[Message],
+        i: int,
+        history: Sequence[Message],
+        j: int,
+        span: int,
+    ) -> int:
+        """What ``equal_run_length`` answers for ``prompt`` from ``i`` against ``history``
+        from ``j`` (the first pair the same object), comparing only past the known run."""
+        at = bisect_right(self._starts, i) - 1
+        known = 0
+        if at >= 0:
+            index, number, length = self._runs[at]
+            if number + (i - index) == j:
+                known = min(max(0, index + length - i), span)
+                if known and prompt[i + known - 1] is not history[j + known - 1]:
+                    known = 0  # not the runs of this history after all: compared instead
+        if known < span:
+            mine, theirs = prompt[i + known], history[j + known]
+            if known == 0 or mine is theirs or mine == theirs:
+                # Past what is known (or none is): compared as before, as lists.
+                rest = span - known
+                known += equal_run_length(
+                    _as_list(prompt[i + known : i + known + rest]),
+                    0,
+                    _as_list(history[j + known : j + known + rest]),
+                    0,
+                    rest,
+                )
+        return known
+
+
 def _kept_whole(message: Message) -> dict[str, Any]:
     wire = message.to_openai()
     content = wire.get("content")
     if isinstance(content, str) and len(content) > KEPT_CHARS:
-        wire["content"] = content[:KEPT_CHARS]
+        wire["content"] = _kept_text(content)
         wire["cut_chars"] = len(content) - KEPT_CHARS
     return wire
+
+
+@functools.lru_cache(maxsize=16)
+def _kept_text(content: str) -> str:
+    """The kept start of a long text: one string object for as long as the text comes back
+    (the summary block, at every step until the next summary), so that what the trace does
+    with it next (its redaction looked up, its UTF-8 for the JSON) is done once for it, not
+    once per step; the look-up itself costs nothing more for the text object it has seen."""
+    return content[:KEPT_CHARS]
 
 
 class ToolOutcome(Protocol):
@@ -187,7 +268,7 @@ async def arecord_loop_step(
     name = step.model or model
     attributes: dict[str, object] = {"step": step.step, "guard_events": list(step.guard_events)}
     if prompt is not None:
-        attributes["prompt"] = prompt_record(prompt.messages, prompt.history)
+        attributes["prompt"] = prompt_record(prompt.messages, prompt.history, prompt.runs)
     model_step = await run.arecord(
         "model",
         name,
