@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from keel.memory import HashingEmbedder, Memory, MemoryFilter, MemoryHit, Scope
-from keel.memory._records import ShownSession
-from keel.memory._retrieval import _SimilarityRows
+from keel.memory._records import MemoryRecord, ShownSession
+from keel.memory._retrieval import _Ranked, _SimilarityRows, best_first, by_score
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 
 _ADA = Scope(tenant_id="default", user_id="ada")
@@ -299,6 +299,41 @@ def test_a_record_stored_again_under_its_id_passes_the_nearest_ids_check(
     assert _rowid(database, boat.id) != old_rowid  # the test means something
     assert search()[0].record_id == boat.id  # as the check by id found it
     memory.close()
+
+
+_RECORD = MemoryRecord(
+    id="r",
+    tenant_id="default",
+    user_id="ada",
+    kind="episodic",
+    type="note",
+    text="a note",
+    provenance="user_claim",
+    created_at=_NOW,
+    content_hash="h",
+)
+
+
+def test_candidates_rank_best_score_first_and_equal_scores_by_id() -> None:
+    """The ranking's order of its fused candidates (and the expansion's best few), made by
+    two sorts in C: the order of one sort by ``(-score, id)``, ties included (reciprocal
+    ranks tie often: a keyword-only and a vector-only candidate at one rank)."""
+    rng = random.Random(64)
+    for _ in range(500):
+        count = rng.randint(0, 300)
+        scores = {
+            f"{rng.getrandbits(40):010x}": rng.choice((1 / 11, 1 / 12, 0.0, -0.0, rng.random()))
+            for _ in range(count)
+        }
+        assert by_score(scores) == sorted(scores, key=lambda i: (-scores[i], i))
+        # The ranked candidates (records read, scores boosted), the same way.
+        hits = [
+            _Ranked(_RECORD.model_copy(update={"id": record_id}), score, None, None, None, None)
+            for record_id, score in scores.items()
+        ]
+        expected = sorted(hits, key=lambda h: (-h.score, h.record.id))
+        best_first(hits)
+        assert [h.record.id for h in hits] == [h.record.id for h in expected]
 
 
 @pytest.mark.parametrize("dimension", [64, 256, 384])

@@ -9,6 +9,7 @@ judge (when there is one) filters and which is then packed into an exact token b
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import operator
@@ -154,6 +155,13 @@ class _Ranked:
 
 _record_id = operator.attrgetter("record.id")
 _score = operator.attrgetter("score")
+
+
+def best_first(hits: list[_Ranked]) -> None:
+    """Sort ``hits`` as ``hits.sort(key=lambda h: (-h.score, h.record.id))`` does, in two
+    sorts in C (as `by_score`)."""
+    hits.sort(key=_record_id)
+    hits.sort(key=_score, reverse=True)
 
 
 class _Scored(Protocol):
@@ -380,9 +388,7 @@ class Retriever:
                     boost,
                 )
             )
-        # Best first, equal scores by id (as `by_score`: two sorts in C, the second stable).
-        hits.sort(key=_record_id)
-        hits.sort(key=_score, reverse=True)
+        best_first(hits)
         return hits
 
     def _candidates(
@@ -573,16 +579,21 @@ class Retriever:
         threshold = float(similarity.dtype.type(cfg.duplicate_similarity))
         # Each session's candidates, so a pick discounts its session's only.
         members: dict[str, list[int]] = {}
-        for index, hit in enumerate(hits):
-            if hit.record.session_id is not None:
-                members.setdefault(hit.record.session_id, []).append(index)
+        if cfg.session_spread > 0:
+            for index, hit in enumerate(hits):
+                if hit.record.session_id is not None:
+                    members.setdefault(hit.record.session_id, []).append(index)
+        # Candidates come best first (the ranking's order): then, while no spread discounts
+        # them, the first alive is the first of the best and needs no pass over the rest.
+        # (A NaN compares false: such a list takes the passes.)
+        ranked = all(a >= b for a, b in itertools.pairwise(relevance))
         spread = [1.0] * count
         alive = list(range(count))  # in rank order, as the first of equals wins
         selected: list[int] = []
         while len(selected) < keep and alive:
             spreading = cfg.session_spread > 0 and len(selected) >= cfg.spread_after
             chosen, best = alive[0], -math.inf
-            for index in alive:
+            for index in alive if spreading or not ranked else ():
                 value = relevance[index] * spread[index] if spreading else relevance[index]
                 if value > best:
                     chosen, best = index, value
