@@ -3,10 +3,10 @@
 The workload of ``keel bench turns``' keel session, memory off (``--memory``: on, as the
 bench's memory-on leg runs it, its outbox embedding on its own thread, every thread counted):
 one session on SQLite, the scripted model calling the bench's sync ``lookup`` tool once and
-answering (two model calls, one tool call a turn). ``--warm`` turns run uncounted, then each of ``--count`` turns is counted on its own
-(callgrind's client requests, through a small C helper this script compiles with ``gcc``
-against valgrind's headers), so the median turn is seen apart from the rare turns that write a
-snapshot or run SQLite's WAL checkpoint::
+answering (two model calls, one tool call a turn). ``--warm`` turns run uncounted, then each
+of ``--count`` turns is counted on its own (callgrind's client requests, through a small C
+helper this script compiles with ``gcc`` against valgrind's headers), so the median turn is
+seen apart from the rare turns that write a snapshot or run SQLite's WAL checkpoint::
 
     PYTHONHASHSEED=0 valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no \\
         --callgrind-out-file=/tmp/turns.cg python scripts/turn_instructions.py --count 100
