@@ -17,9 +17,10 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from keel.memory import HashingEmbedder, Memory, MemoryFilter, MemoryHit, Scope
+from keel.memory import HashingEmbedder, Memory, MemoryFilter, MemoryHit, RetrievalConfig, Scope
 from keel.memory._records import MemoryRecord, ShownSession
-from keel.memory._retrieval import _Ranked, _SimilarityRows, best_first, by_score
+from keel.memory._retrieval import Retriever, _Ranked, _SimilarityRows, best_first, by_score
+from keel.memory._store import ScoredId
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 
 _ADA = Scope(tenant_id="default", user_id="ada")
@@ -334,6 +335,26 @@ def test_candidates_rank_best_score_first_and_equal_scores_by_id() -> None:
         expected = sorted(hits, key=lambda h: (-h.score, h.record.id))
         best_first(hits)
         assert [h.record.id for h in hits] == [h.record.id for h in expected]
+
+
+def test_fusion_weighs_each_list_with_its_own_weight_and_floor(database: SQLiteDatabase) -> None:
+    """Reciprocal-rank fusion with weights that differ (the defaults are both 1): each list's
+    ranks by its own weight, a vector-only candidate under the similarity floor left out
+    (though its rank and similarity are kept), one found by both summed."""
+    config = RetrievalConfig(keyword_weight=0.7, vector_weight=1.3, rrf_k=5.0, min_similarity=0.2)
+    retriever = Retriever(SQLiteMemoryStore(database), None, None, config, print)
+    keyword = [ScoredId("a", 3.0), ScoredId("b", 2.0), ScoredId("e", 1.0)]
+    vector = [ScoredId("b", 0.9), ScoredId("c", 0.5), ScoredId("d", 0.1), ScoredId("e", 0.05)]
+    fused = retriever._fuse(keyword, vector)
+    assert fused.scores == {
+        "a": 0.7 / 6,
+        "b": 0.7 / 7 + 1.3 / 6,
+        "e": 0.7 / 8 + 1.3 / 9,
+        "c": 1.3 / 7,
+    }
+    assert fused.keyword_rank == {"a": 1, "b": 2, "e": 3}
+    assert fused.vector_rank == {"b": 1, "c": 2, "d": 3, "e": 4}
+    assert fused.similarity == {"b": 0.9, "c": 0.5, "d": 0.1, "e": 0.05}
 
 
 @pytest.mark.parametrize("dimension", [64, 256, 384])
