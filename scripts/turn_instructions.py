@@ -1,15 +1,21 @@
-"""Instructions a memory-off turn runs, one count per turn, under callgrind (load-independent).
+"""Instructions a turn runs, one count per turn, under callgrind (load-independent).
 
-The workload of ``keel bench turns --no-memory``: one session on SQLite, the scripted model
-calling the bench's sync ``lookup`` tool once and answering (two model calls, one tool call a
-turn). ``--warm`` turns run uncounted, then each of ``--count`` turns is counted on its own
-(callgrind's client requests, through a small C helper this script compiles with ``gcc``
-against valgrind's headers), so the median turn is seen apart from the rare turns that write a
-snapshot or run SQLite's WAL checkpoint::
+The workload of ``keel bench turns``' keel session, memory off (``--memory``: on, as the
+bench's memory-on leg runs it, its outbox embedding on its own thread, every thread counted):
+one session on SQLite, the scripted model calling the bench's sync ``lookup`` tool once and
+answering (two model calls, one tool call a turn). ``--warm`` turns run uncounted, then each
+of ``--count`` turns is counted on its own (callgrind's client requests, through a small C
+helper this script compiles with ``gcc`` against valgrind's headers), so the median turn is
+seen apart from the rare turns that write a snapshot or run SQLite's WAL checkpoint::
 
     PYTHONHASHSEED=0 valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no \\
         --callgrind-out-file=/tmp/turns.cg python scripts/turn_instructions.py --count 100
     python scripts/turn_instructions.py --summarize /tmp/turns.cg
+
+A memory-on session recalls nothing while its whole session is in the prompt's window (recall
+leaves out what the window shows) and ten hits late: count ``--memory --warm 200`` and
+``--memory --warm 900`` for turns 201-300 and 901-1000. ``--whole`` dumps the counted turns
+once, for ``callgrind_annotate`` by function (the median is then not seen).
 
 Run outside valgrind, the requests do nothing: the script then prints the turns' wall-clock
 p50 and CPU time, as a quick check.
@@ -51,7 +57,7 @@ def _helper(directory: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-def _run(warm: int, count: int) -> None:
+def _run(warm: int, count: int, *, memory: bool = False, whole: bool = False) -> None:
     @tool
     def lookup(query: str) -> str:
         """Look records up.
@@ -74,7 +80,7 @@ def _run(warm: int, count: int) -> None:
             model=ScriptedModel(policy, keep_calls=0),
             system_prompt="You answer questions from the records.",
             tools=[lookup],
-            memory=False,
+            memory=memory,
         )
 
         async def drive() -> tuple[list[float], float]:
@@ -88,9 +94,12 @@ def _run(warm: int, count: int) -> None:
                     started = time.perf_counter()
                     reply = await agent.handle("bench", "user", question(turn))
                     times.append((time.perf_counter() - started) * 1000)
-                    counter.turn_dump()
+                    if not whole:
+                        counter.turn_dump()
                     if reply.text != ANSWER:
                         raise RuntimeError(f"turn {turn}: {reply.status} {reply.error}")
+                if whole:
+                    counter.turn_dump()
                 counter.turns_end()
                 return times, (time.process_time() - cpu) * 1000 / count
             finally:
@@ -124,12 +133,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--warm", type=int, default=120)
     parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--memory", action="store_true", help="memory on, as the bench runs it")
+    parser.add_argument("--whole", action="store_true", help="one dump for the counted turns")
     parser.add_argument("--summarize", metavar="OUT_FILE", help="read the dumps of a run")
     options = parser.parse_args()
     if options.summarize:
         _summarize(options.summarize)
     else:
-        _run(options.warm, options.count)
+        _run(options.warm, options.count, memory=options.memory, whole=options.whole)
 
 
 if __name__ == "__main__":

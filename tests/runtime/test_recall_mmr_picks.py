@@ -103,9 +103,12 @@ def _hit(index: int, score: float, session: str | None) -> MemoryHit:
     return MemoryHit(record=record, score=score)
 
 
+@pytest.mark.parametrize("ranked", [False, True], ids=["any-order", "best-first"])
 def test_plain_picks_equal_the_array_picks_on_ties_and_threshold_exact_similarities(
-    database: SQLiteDatabase,
+    database: SQLiteDatabase, ranked: bool
 ) -> None:
+    """``best-first``: candidates as the ranking hands them over (best score first, where the
+    plain picks skip their pass over the candidates while no session spread applies)."""
     store = SQLiteMemoryStore(database)
     rng = random.Random(47)
     mismatches = []
@@ -113,6 +116,8 @@ def test_plain_picks_equal_the_array_picks_on_ties_and_threshold_exact_similarit
         count = rng.randint(2, 40)
         # Scores from a few values: equal relevance is common, and the first of equals wins.
         scores = [rng.choice((0.5, 0.25, 0.125, rng.random())) for _ in range(count)]
+        if ranked:
+            scores.sort(reverse=True)
         sessions = [rng.choice((None, "s0", "s1", "s2")) for _ in range(count)]
         hits = [_hit(i, scores[i], sessions[i]) for i in range(count)]
         duplicate = rng.choice((0.9, 0.97))  # float32 rounds 0.9 down and 0.97 up

@@ -17,9 +17,10 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from keel.memory import HashingEmbedder, Memory, MemoryFilter, MemoryHit, Scope
-from keel.memory._records import ShownSession
-from keel.memory._retrieval import _SimilarityRows
+from keel.memory import HashingEmbedder, Memory, MemoryFilter, MemoryHit, RetrievalConfig, Scope
+from keel.memory._records import MemoryRecord, ShownSession
+from keel.memory._retrieval import Retriever, _Ranked, _SimilarityRows, best_first, by_score
+from keel.memory._store import ScoredId
 from keel.stores import SQLiteDatabase, SQLiteMemoryStore
 
 _ADA = Scope(tenant_id="default", user_id="ada")
@@ -299,6 +300,61 @@ def test_a_record_stored_again_under_its_id_passes_the_nearest_ids_check(
     assert _rowid(database, boat.id) != old_rowid  # the test means something
     assert search()[0].record_id == boat.id  # as the check by id found it
     memory.close()
+
+
+_RECORD = MemoryRecord(
+    id="r",
+    tenant_id="default",
+    user_id="ada",
+    kind="episodic",
+    type="note",
+    text="a note",
+    provenance="user_claim",
+    created_at=_NOW,
+    content_hash="h",
+)
+
+
+def test_candidates_rank_best_score_first_and_equal_scores_by_id() -> None:
+    """The ranking's order of its fused candidates (and the expansion's best few), made by
+    two sorts in C: the order of one sort by ``(-score, id)``, ties included (reciprocal
+    ranks tie often: a keyword-only and a vector-only candidate at one rank)."""
+    rng = random.Random(64)
+    for _ in range(500):
+        count = rng.randint(0, 300)
+        scores = {
+            f"{rng.getrandbits(40):010x}": rng.choice((1 / 11, 1 / 12, 0.0, -0.0, rng.random()))
+            for _ in range(count)
+        }
+        assert by_score(scores) == sorted(scores, key=lambda i: (-scores[i], i))
+        # The ranked candidates (records read, scores boosted), the same way.
+        hits = [
+            _Ranked(_RECORD.model_copy(update={"id": record_id}), score, None, None, None, None)
+            for record_id, score in scores.items()
+        ]
+        expected = sorted(hits, key=lambda h: (-h.score, h.record.id))
+        best_first(hits)
+        assert [h.record.id for h in hits] == [h.record.id for h in expected]
+
+
+def test_fusion_weighs_each_list_with_its_own_weight_and_floor(database: SQLiteDatabase) -> None:
+    """Reciprocal-rank fusion with weights that differ (the defaults are both 1): each list's
+    ranks by its own weight, a vector-only candidate under the similarity floor left out
+    (though its rank and similarity are kept), one found by both summed."""
+    config = RetrievalConfig(keyword_weight=0.7, vector_weight=1.3, rrf_k=5.0, min_similarity=0.2)
+    retriever = Retriever(SQLiteMemoryStore(database), None, None, config, print)
+    keyword = [ScoredId("a", 3.0), ScoredId("b", 2.0), ScoredId("e", 1.0)]
+    vector = [ScoredId("b", 0.9), ScoredId("c", 0.5), ScoredId("d", 0.1), ScoredId("e", 0.05)]
+    fused = retriever._fuse(keyword, vector)
+    assert fused.scores == {
+        "a": 0.7 / 6,
+        "b": 0.7 / 7 + 1.3 / 6,
+        "e": 0.7 / 8 + 1.3 / 9,
+        "c": 1.3 / 7,
+    }
+    assert fused.keyword_rank == {"a": 1, "b": 2, "e": 3}
+    assert fused.vector_rank == {"b": 1, "c": 2, "d": 3, "e": 4}
+    assert fused.similarity == {"b": 0.9, "c": 0.5, "d": 0.1, "e": 0.05}
 
 
 @pytest.mark.parametrize("dimension", [64, 256, 384])
