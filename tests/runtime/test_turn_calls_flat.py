@@ -83,4 +83,6 @@ async def test_a_turn_makes_as_many_calls_at_turn_100_as_at_turn_10(
     early, late = counts[10:15], counts[100:105]
     # Before the prompt's placeholders were kept as the history grew, noting what each prompt
     # showed the model walked every message of it: about 20 more calls every turn.
-    assert statistics.median(late) == statistics.median(early), (early, late)
+    # Process-wide memos another test may have filled (the traces' redaction of short texts,
+    # a masker's results) can spare a turn a call or two, never a walk's worth: both ways.
+    assert abs(statistics.median(late) - statistics.median(early)) <= 3, (early, late)

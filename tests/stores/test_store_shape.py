@@ -62,7 +62,9 @@ def test_the_journal_and_the_approvals_queue_are_one_class_each() -> None:
 
 def test_engine_subclasses_are_the_engine_differences_only() -> None:
     assert SQLVaultStore.__subclasses__() == [SQLiteVaultStore]
-    assert {c.__name__ for c in SQLTraceStore.__subclasses__()} <= {"PostgresTraceStore"}
+    # keel's own (a test may subclass a store: the migration tests' older schema does)
+    shipped = [c for c in SQLTraceStore.__subclasses__() if c.__module__.startswith("keel.")]
+    assert {c.__name__ for c in shipped} <= {"PostgresTraceStore"}
     assert set(SQLMemoryStore.__subclasses__()) == {SQLiteMemoryStore, PostgresMemoryStore}
     # What the SQLite vault adds to the shared store: secure delete and the log's purge (after
     # a forget and after a user's whole erasure).

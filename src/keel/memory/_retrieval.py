@@ -675,26 +675,7 @@ class Retriever:
         for position, hit in enumerate(hits[:k]):
             span = self._span(position)
             record = hit.record
-            turns: tuple[MemoryRecord, ...] = (record,)
-            if span and record.session_id is not None and record.turn is not None:
-                session_id, turn_of = record.session_id, record.turn
-                turns = tuple(
-                    r
-                    for turn in range(turn_of - span, turn_of + span + 1)
-                    for r in around.get((session_id, turn), ())
-                ) or (record,)
-            # Like ``wide_hits``, the reach widens a context and never creates one.
-            if span and reach > span and record.session_id is not None and record.turn is not None:
-                session_id, turn_of = record.session_id, record.turn
-                extra = [
-                    r
-                    for distance in range(span + 1, reach + 1)
-                    for turn in (turn_of - distance, turn_of + distance)
-                    for r in close.get((session_id, turn), ())
-                ]
-                if extra:
-                    joined = {r.id: r for r in (*turns, *extra)}
-                    turns = tuple(sorted(joined.values(), key=lambda r: (r.turn or 0, r.id)))
+            turns = _block_turns(record, span, reach, around, close)
             if record.id in owner:
                 index = owner[record.id]
                 merged = blocks[index][1]
@@ -743,3 +724,34 @@ class Retriever:
         for found in self.store.turns_around(scope, sorted(spans)) if spans else ():
             around.setdefault(found.session_id or "", []).append(found)
         return around
+
+
+def _block_turns(
+    record: MemoryRecord,
+    span: int,
+    reach: int,
+    around: dict[tuple[str, int], list[MemoryRecord]],
+    close: dict[tuple[str, int], list[MemoryRecord]],
+) -> tuple[MemoryRecord, ...]:
+    """The turns a hit's block shows: those within ``span`` of it (``around``), widened to
+    ``reach`` by the search's own candidates of its session (``close``)."""
+    if not span or record.session_id is None or record.turn is None:
+        return (record,)
+    session_id, turn_of = record.session_id, record.turn
+    turns = tuple(
+        r
+        for turn in range(turn_of - span, turn_of + span + 1)
+        for r in around.get((session_id, turn), ())
+    ) or (record,)
+    # Like ``wide_hits``, the reach widens a context and never creates one.
+    if reach > span:
+        extra = [
+            r
+            for distance in range(span + 1, reach + 1)
+            for turn in (turn_of - distance, turn_of + distance)
+            for r in close.get((session_id, turn), ())
+        ]
+        if extra:
+            joined = {r.id: r for r in (*turns, *extra)}
+            turns = tuple(sorted(joined.values(), key=lambda r: (r.turn or 0, r.id)))
+    return turns
