@@ -12,6 +12,7 @@ import pytest
 
 from keel.messages import Message
 from keel.privacy import PIIMasker, StreamMasker
+from keel.privacy._detectors import _OPEN_QUOTED_SECRET, open_quoted_secret
 from keel.runtime import Agent
 from keel.settings import load_settings
 from keel.testing import ScriptedCall, ScriptedModel
@@ -125,3 +126,20 @@ def test_a_streamed_credential_is_never_shown_in_part(text: str, by_word: bool) 
     for cuts in ([1], [3], [2, 5, 1, 7], [11]):
         stream = StreamMasker(PIIMasker().mask_text, by_word=by_word)
         assert fed_in_pieces(stream, text, cuts) == whole, cuts
+
+
+def test_the_open_quote_check_is_its_pattern_behind_a_cheap_gate() -> None:
+    """Looked for at every piece a stream receives, so gated by str operations: never a
+    different answer from the pattern alone, at any cut of any of these texts."""
+
+    def by_the_pattern(folded: str) -> int | None:
+        found = _OPEN_QUOTED_SECRET.search(folded, max(0, len(folded) - 320))
+        if found is None:
+            return None
+        return max(folded.rfind('"', found.start()), folded.rfind("'", found.start())) + 1
+
+    texts = [*STREAMED, *KEPT, *(text for text, _ in MASKED), "x" * 400 + ' "token": "ab c']
+    for text in texts:
+        for cut in range(len(text) + 1):
+            assert open_quoted_secret(text[:cut]) == by_the_pattern(text[:cut]), text[:cut]
+    assert open_quoted_secret('{"password": "correct horse') == len('{"password": "')

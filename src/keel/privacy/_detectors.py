@@ -204,11 +204,22 @@ _OPEN_QUOTED_SECRET = re.compile(
 )
 
 
+_QUOTED_LABEL_WORDS = ("pass", "pwd", "secret", "key", "token", "credential")
+
+
 def open_quoted_secret(folded: str) -> int | None:
     """Where the quoted value of a credential whose closing quote has not come yet starts in
     ``folded`` (a text as the detectors read it), else None: a value in quotes may hold
     spaces ('"password": "correct horse battery"'), so a stream holds it back until it
     closes (`StreamMasker`)."""
+    tail = folded[-320:]
+    # Looked for on every piece a stream receives: a text with no quote, no ":" or "=", or
+    # none of the labels' words near its end holds none (str operations, not the pattern).
+    if not ('"' in tail or "'" in tail) or not (":" in tail or "=" in tail):
+        return None
+    lowered = tail.lower()
+    if not any(word in lowered for word in _QUOTED_LABEL_WORDS):
+        return None
     found = _OPEN_QUOTED_SECRET.search(folded, max(0, len(folded) - 320))
     if found is None:
         return None
