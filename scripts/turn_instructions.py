@@ -57,31 +57,40 @@ def _helper(directory: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
+@tool
+def lookup(query: str) -> str:
+    """Look records up.
+
+    Args:
+        query: What to look up.
+    """
+    return tool_output(query)
+
+
+def _policy(call: ScriptedCall) -> Message | str:
+    if call.messages[-1].role == "tool":
+        return ANSWER
+    return ScriptedModel.tool_call("lookup", json.dumps({"query": call.last_user_text[-24:]}))
+
+
+def bench_agent(directory: Path, *, memory: bool = False) -> Agent:
+    """The ``keel bench turns`` agent on a database in ``directory`` (also the workload of
+    ``turn_pages.py`` and ``turn_switches.py``): the scripted model calls ``lookup`` once a
+    turn, then answers."""
+    return Agent.open(
+        None,
+        settings=load_settings(data_dir=directory / "keel", embedder="hashing:256"),
+        model=ScriptedModel(_policy, keep_calls=0),
+        system_prompt="You answer questions from the records.",
+        tools=[lookup],
+        memory=memory,
+    )
+
+
 def _run(warm: int, count: int, *, memory: bool = False, whole: bool = False) -> None:
-    @tool
-    def lookup(query: str) -> str:
-        """Look records up.
-
-        Args:
-            query: What to look up.
-        """
-        return tool_output(query)
-
-    def policy(call: ScriptedCall) -> Message | str:
-        if call.messages[-1].role == "tool":
-            return ANSWER
-        return ScriptedModel.tool_call("lookup", json.dumps({"query": call.last_user_text[-24:]}))
-
     with tempfile.TemporaryDirectory() as directory:
         counter = _helper(Path(directory))
-        agent = Agent.open(
-            None,
-            settings=load_settings(data_dir=Path(directory) / "keel", embedder="hashing:256"),
-            model=ScriptedModel(policy, keep_calls=0),
-            system_prompt="You answer questions from the records.",
-            tools=[lookup],
-            memory=memory,
-        )
+        agent = bench_agent(Path(directory), memory=memory)
 
         async def drive() -> tuple[list[float], float]:
             times: list[float] = []

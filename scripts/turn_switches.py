@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import selectors
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from keel.bench._react import ANSWER, question, tool_output
-from keel.messages import Message
-from keel.runtime import Agent
-from keel.settings import load_settings
-from keel.testing import ScriptedCall, ScriptedModel
-from keel.tools import tool
+from turn_instructions import bench_agent
+
+from keel.bench._react import question
 
 
 def _switches() -> tuple[int, int]:
@@ -57,29 +53,8 @@ def main() -> None:
 
     selectors.DefaultSelector.select = counted  # type: ignore[method-assign]
 
-    @tool
-    def lookup(query: str) -> str:
-        """Look records up.
-
-        Args:
-            query: What to look up.
-        """
-        return tool_output(query)
-
-    def policy(call: ScriptedCall) -> Message | str:
-        if call.messages[-1].role == "tool":
-            return ANSWER
-        return ScriptedModel.tool_call("lookup", json.dumps({"query": call.last_user_text[-24:]}))
-
     with tempfile.TemporaryDirectory() as directory:
-        agent = Agent.open(
-            None,
-            settings=load_settings(data_dir=Path(directory) / "keel", embedder="hashing:256"),
-            model=ScriptedModel(policy, keep_calls=0),
-            system_prompt="You answer questions from the records.",
-            tools=[lookup],
-            memory=False,
-        )
+        agent = bench_agent(Path(directory))
 
         async def drive() -> None:
             try:
