@@ -7,7 +7,7 @@ import json
 from keel.bench.tau2._customer import first_message
 from keel.bench.tau2._data import GoldAction, Task, load_policy, load_tasks
 from keel.bench.tau2._oracle import FINAL, GroundedOracle, attribute_placeholders
-from keel.messages import Message
+from keel.messages import Message, ToolCall
 from keel.models import ModelOptions
 from keel.testing import ScriptedCall
 from tests.bench._cli import bench_json
@@ -118,3 +118,24 @@ def test_placeholders_side_by_side_are_told_apart() -> None:
         "<EMAIL_1>": "a.one@example.com",
         "<EMAIL_2>": "a.two@example.com",
     }
+
+
+def test_a_call_keel_showed_with_placeholders_for_its_values_is_not_made_again() -> None:
+    # Task 34's shape: the customer's words show the name as written ("called Noah Patel"),
+    # keel masks the oracle's own arguments after "first_name"; the call was made, once.
+    known = "I am an interesting guy called Noah Patel, living in the Big Apple in 10108."
+    find = GoldAction(
+        "find_user_id_by_name_zip", {"first_name": "Noah", "last_name": "Patel", "zip": "10108"}
+    )
+    task = _task(find, GoldAction("get_user_details", {"user_id": "noah_patel_6952"}), known=known)
+    oracle = GroundedOracle(task, [known])
+    masked = json.dumps({"first_name": "<PERSON_1>", "last_name": "<PERSON_2>", "zip": "10108"})
+    made = ToolCall(id="call_1", name=find.name, arguments=masked)
+    call = Message.assistant("", tool_calls=[made])
+    reply = _decide(
+        oracle,
+        Message.user(known),
+        call,
+        Message.tool("call_1", "noah_patel_6952"),
+    )
+    assert _arguments(reply) == ("get_user_details", {"user_id": "noah_patel_6952"})

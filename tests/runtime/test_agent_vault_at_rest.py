@@ -36,6 +36,7 @@ _MORE = {
         "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c",
         "MIIEpAIBAAKCAQEA1c7+9z5Pad7OejecsQ0bu3aumgyu",
         "Vx7!harbor-Lamp9",
+        ("Marisol", "1984-02-29", "X4721956", "D5520317", "4417 Quenby Lane"),
     ),
     "tool": (
         "c9f0f895fb98ab9159f51fd0297e236d",
@@ -43,6 +44,7 @@ _MORE = {
         "Tq2mZ8vNc4Lp0Wx7Rb3Ks6Jd9Fh1Gy5Ue2Ia8Oz4Cn",
         "MIIEowIBAAKCAQEAz9Qx3Lm7Rt2Vb8Nc5Kp1Wy6Hd4Jg",
         "Qm4#granite_Owl2",
+        ("Oyelaran", "1990-11-05", "P8830142", "S7761045", "98 Harrowgate Road"),
     ),
     "model": (
         "45c48cce2e2d7fbdea1afc51c7c6ad26",
@@ -50,16 +52,24 @@ _MORE = {
         "Hn6Yb2Qw9Ep4Rt7Uy1Io3Pa5Sd8Fg0Jk2Lz6Xc9Vb4",
         "MIIEogIBAAKCAQEAq1Wz7Ex3Rc9Tv5Yb2Un8Im4Ok6Pl",
         "Ry2%meadow.Fox81",
+        ("Tavish", "1977-07-17", "C01X00T47", "W4409981", "250 Kestrel Avenue"),
     ),
 }
 """Per source, the kinds ``_samples`` has no value of: a bearer token, an IP address, a JWT's
-signature (its header and claims are the same in every JWT), a private key's body and a
-password (given after its label)."""
+signature (its header and claims are the same in every JWT), a private key's body, a
+password (given after its label), and personal data found by its label: a name, a date of
+birth, a passport and a driver's licence number, a street address."""
 
 
 def _with_more(values: dict[str, str], source: str) -> dict[str, str]:
-    bearer, address, signature, key_body, password = _MORE[source]
+    bearer, address, signature, key_body, password, personal = _MORE[source]
+    name, birth, passport, licence, street = personal
     return {
+        "PERSON": name,
+        "DATE_OF_BIRTH": birth,
+        "PASSPORT": passport,
+        "DRIVER_LICENSE": licence,
+        "ADDRESS": street,
         **values,
         "BEARER_TOKEN": bearer,
         "IP_ADDRESS": address,
@@ -83,7 +93,10 @@ def _text(values: dict[str, str]) -> str:
         f"{sentence(values)}; send Authorization: Bearer {values['BEARER_TOKEN']} to "
         f"{values['IP_ADDRESS']}, password: {values['SECRET']} token {values['JWT']}, "
         "key -----BEGIN RSA PRIVATE KEY-----\n"
-        f"{values['PRIVATE_KEY']}\n-----END RSA PRIVATE KEY-----"
+        f"{values['PRIVATE_KEY']}\n-----END RSA PRIVATE KEY-----\n"
+        f"My name is {values['PERSON']}, DOB: {values['DATE_OF_BIRTH']}, passport no. "
+        f"{values['PASSPORT']}, driver's license: {values['DRIVER_LICENSE']}; ship to "
+        f"{values['ADDRESS']}."
     )
 
 

@@ -80,6 +80,11 @@ _WEIGHTS = {
     "JWT": 1,
     "PRIVATE_KEY": 1,
     "SECRET": 1,
+    "PERSON": 3,
+    "ADDRESS": 2,
+    "DATE_OF_BIRTH": 1,
+    "PASSPORT": 1,
+    "DRIVER_LICENSE": 1,
 }
 _SENTENCES = {
     "BEARER_TOKEN": "Authorization: Bearer {value}",
@@ -93,6 +98,11 @@ _SENTENCES = {
     "IP_ADDRESS": "from {value}",
     "JWT": "token {value}",
     "SECRET": "my password: {value}",
+    "PERSON": "my name is {value}",
+    "ADDRESS": "ship to {value}",
+    "DATE_OF_BIRTH": "DOB: {value}",
+    "PASSPORT": "passport no. {value}",
+    "DRIVER_LICENSE": "driver's license: {value}",
 }
 _REPEAT = 0.3
 """The share of a user's values that are one they gave before."""
@@ -158,6 +168,20 @@ _MAKERS: dict[str, Callable[[random.Random], str]] = {
     "SECRET": lambda r: (
         _alnum(r, 9, string.ascii_letters + string.digits) + r.choice("!#%&") + str(r.randrange(10))
     ),
+    # One word: a name is masked word by word, so each word is a value of its own.
+    "PERSON": lambda r: (
+        r.choice(["Ada", "Bo", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun"])
+        + r.choice(["", "a", "ie", "o", "lyn", "ton", "ell", "is"])
+    ),
+    "ADDRESS": lambda r: (
+        f"{r.randrange(1, 9999)} {r.choice(['Oak', 'Maple', 'Cedar', 'Harbor', 'Mill'])} "
+        f"{r.choice(['Street', 'Ave', 'Road', 'Lane', 'Blvd'])}"
+    ),
+    "DATE_OF_BIRTH": lambda r: (
+        f"{r.randrange(1930, 2010)}-{r.randrange(1, 13):02d}-{r.randrange(1, 29):02d}"
+    ),
+    "PASSPORT": lambda r: r.choice(string.ascii_uppercase) + _alnum(r, 8, string.digits),
+    "DRIVER_LICENSE": lambda r: r.choice(string.ascii_uppercase) + _alnum(r, 7, string.digits),
 }
 
 

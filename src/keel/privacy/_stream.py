@@ -15,7 +15,10 @@ that more text can no longer change:
   such pattern can run on past that word, so a reply streams word by word;
 * nothing from a ``-----BEGIN`` block the mask has not masked (a PEM private key whose end
   has not arrived) onwards, whatever its length, found as the detectors read the text (an
-  invisible character or a JSON escape in it hides nothing);
+  invisible character or a JSON escape in it hides nothing); nor from a value that spans
+  words and may be unfinished: a quoted credential whose quote has not closed, a street
+  line whose street type has not come ("I live at 42 Baker"), a date of birth in words
+  whose year has not;
 * the masked prefix must be the start of the masked whole, so a finding still open across it
   holds it back.
 
@@ -45,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 from keel.privacy._detectors import FoldMap, fold_readings, open_quoted_secret
 from keel.privacy._json_strings import JsonStrings, inside, json_escaped
+from keel.privacy._personal import open_personal_value
 from keel.privacy._vault import PLACEHOLDER
 
 __all__ = ["RevealStream", "StreamMasker"]
@@ -230,6 +234,9 @@ class StreamMasker:
         """`_cut` in one reading of the received text."""
         block = self._open_block(folded, positions)
         quoted = open_quoted_secret(folded)
+        personal = open_personal_value(folded)
+        if personal is not None:
+            quoted = personal if quoted is None else min(quoted, personal)
         if quoted is not None:
             if positions is not None:
                 at_end = quoted >= len(folded)

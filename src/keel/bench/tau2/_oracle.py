@@ -19,7 +19,6 @@ import copy
 import importlib
 import json
 import re
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -281,7 +280,7 @@ class GroundedOracle(ScriptedModel):
         made, done = _calls_made(messages)
         self._replay(made)
         seen = self._grounding(messages, made)
-        used: Counter[str] = Counter()
+        unused = list(done)
         for index, action in enumerate(self.task.actions):
             lookup = self._lookup_for(action, seen, made)
             if lookup is not None:
@@ -290,9 +289,12 @@ class GroundedOracle(ScriptedModel):
             if arguments is None:
                 self._ungrounded(index)
                 continue
-            key = _canonical(action.name, arguments)
-            if used[key] < done[key]:
-                used[key] += 1
+            made_before = next(
+                (at for at, call in enumerate(unused) if _same_call(call, action.name, arguments)),
+                None,
+            )
+            if made_before is not None:
+                del unused[made_before]
                 continue
             if action.writes and not _confirmed(messages, index):
                 return _confirmation(index, action.name, arguments)
@@ -336,7 +338,6 @@ class GroundedOracle(ScriptedModel):
         depth: int = 3,
     ) -> tuple[str, dict[str, Any]] | None:
         """The first read to make so that a value of ``action`` the prompt lacks shows up."""
-        done = Counter(_canonical(n, a) for n, a in made)
         for value in _values(action.arguments, action.name):
             if seen.exact(value) is not None:
                 continue
@@ -347,7 +348,7 @@ class GroundedOracle(ScriptedModel):
                 shown = self._ground(needed, seen)
                 if shown is not None:
                     # Once more when keel's context has trimmed an older result; not again.
-                    if done[_canonical(name, shown)] < _LOOKUPS:
+                    if sum(_same_call(call, name, shown) for call in made) < _LOOKUPS:
                         return name, shown
                     continue
                 deeper = self._lookup_for(needed, seen, made, depth - 1) if depth else None
@@ -364,12 +365,35 @@ class GroundedOracle(ScriptedModel):
                 out.write(f"{index}\n")
 
 
-def _calls_made(messages: list[Message]) -> tuple[list[tuple[str, dict[str, Any]]], Counter[str]]:
-    """The calls in the prompt, in order, and how many of each got an answer that is not an
+def _same_call(made: tuple[str, dict[str, Any]], name: str, arguments: dict[str, Any]) -> bool:
+    """Whether a call the prompt shows is the call ``name(arguments)``: each argument as
+    written, or a placeholder keel showed in its place (keel masks what a model's own
+    arguments hold, a name after "first_name", that the customer's words did not show as
+    one)."""
+    made_name, made_arguments = made
+    return (
+        made_name == name
+        and made_arguments.keys() == arguments.keys()
+        and all(_same_value(made_arguments[key], value) for key, value in arguments.items())
+    )
+
+
+def _same_value(made: Any, value: Any) -> bool:
+    if isinstance(made, list) and isinstance(value, list):
+        return len(made) == len(value) and all(map(_same_value, made, value))
+    if isinstance(made, str) and isinstance(value, str) and _PLACEHOLDER.fullmatch(made):
+        return True
+    return bool(made == value)
+
+
+def _calls_made(
+    messages: list[Message],
+) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, dict[str, Any]]]]:
+    """The calls in the prompt, in order, and those that got an answer that is not an
     in-doubt notice (those are done; one in doubt is asked again)."""
     results = {m.tool_call_id: m.content for m in messages if m.role == "tool"}
     made: list[tuple[str, dict[str, Any]]] = []
-    done: Counter[str] = Counter()
+    done: list[tuple[str, dict[str, Any]]] = []
     for message in messages:
         for tool_call in message.tool_calls:
             try:
@@ -379,7 +403,7 @@ def _calls_made(messages: list[Message]) -> tuple[list[tuple[str, dict[str, Any]
             made.append((tool_call.name, arguments))
             result = results.get(tool_call.id)
             if result is not None and not any(words in result for words in _UNSETTLED):
-                done[_canonical(tool_call.name, arguments)] += 1
+                done.append((tool_call.name, arguments))
     return made, done
 
 
