@@ -7,7 +7,22 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Detector", "EntityType", "Finding", "LabelledDetector"]
+__all__ = ["Detector", "EntityType", "Finding", "LabelledDetector", "lower_case"]
+
+_LAST_LOWERED: tuple[str, str] = ("", "")
+
+
+def lower_case(text: str) -> str:
+    """``text.lower()``, kept for the last text: the labelled detectors each read the lower
+    case of the one text the masker hands them in turn."""
+    global _LAST_LOWERED
+    last = _LAST_LOWERED  # one read: another thread may replace the pair, never half of it
+    if last[0] is text:
+        return last[1]
+    lowered = text.lower()
+    _LAST_LOWERED = (text, lowered)
+    return lowered
+
 
 EntityType = str
 """An entity type name, also the placeholder's prefix (``EMAIL`` -> ``<EMAIL_1>``)."""
@@ -102,11 +117,11 @@ class LabelledDetector(Detector):
     reach: int = 0
     needs: tuple[str, ...] = ()
     """Strings of which every match holds one (in lower case): a text with none is passed
-    over before its words are looked for."""
+    over before its words are looked for (none: the words alone are looked for)."""
 
     def find(self, text: str) -> list[Finding]:
-        lowered = text.lower()
-        if not any(needed in lowered for needed in self.needs):
+        lowered = lower_case(text)
+        if self.needs and not any(needed in lowered for needed in self.needs):
             return []
         if len(lowered) != len(text):  # a letter whose lower case is longer: read it all
             return Detector.find(self, text)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from keel.privacy._matching import Detector, Finding, LabelledDetector
+from keel.privacy._matching import Detector, Finding, LabelledDetector, lower_case
 
 __all__ = ["PERSONAL_DETECTORS", "open_personal_value"]
 
@@ -209,7 +209,7 @@ class _NameDetector(LabelledDetector):
 
     def labelled(self, text: str) -> list[Finding]:
         """The runs of words after a label: what ``pattern.finditer`` finds, group 1."""
-        lowered = text.lower()
+        lowered = lower_case(text)
         if self.qualified is None or len(lowered) != len(text):
             return LabelledDetector.find(self, text)
         word = self.words[0]
@@ -282,7 +282,6 @@ PERSONAL_DETECTORS: tuple[Detector, ...] = (
         line_bound=True,
         words=("dob", "d.o.b", "birth", "born"),
         reach=9,  # "date of birth": the match starts 9 characters before "birth"
-        needs=("dob", "d.o.b", "birth", "born"),
     ),
     LabelledDetector(
         "PASSPORT",
@@ -292,7 +291,6 @@ PERSONAL_DETECTORS: tuple[Detector, ...] = (
         group=1,
         line_bound=True,
         words=("passport",),
-        needs=("passport",),
     ),
     LabelledDetector(
         "DRIVER_LICENSE",
@@ -316,7 +314,6 @@ PERSONAL_DETECTORS: tuple[Detector, ...] = (
         after=re.compile(r"(?:[ \t]+(?:is|was)[ \t:]|[\"']?[ \t]*[:=])"),
         # The longest label before "name": "account_holder's " (17 characters).
         reach=18,
-        needs=("name",),
     ),
     _NameDetector(
         "PERSON",
@@ -325,7 +322,6 @@ PERSONAL_DETECTORS: tuple[Detector, ...] = (
         group=1,
         line_bound=True,
         words=("i am ", "i'm ", "i\u2019m "),
-        needs=("i am ", "i'm ", "i\u2019m "),
         min_words=2,
     ),
 )
