@@ -251,8 +251,10 @@ class PIIMasker:
     def streams_by_word(self, tenant_id: str | None = None) -> bool:
         """Whether a [`StreamMasker`][] may release this policy's masked text
         word by word (``by_word``): true when only the built-in detectors run, whose findings
-        that span whitespace are made of digits, capitals and separators. Presidio (names,
-        places) and custom detectors may span any words: their text is held back instead."""
+        that span whitespace are made of digits, capitals and separators, or are held back
+        while they may be unfinished (a street line, a date of birth in words; a name is
+        masked word by word). Presidio (names, places) and custom detectors may span any
+        words: their text is held back instead."""
         policy = self.policy_for(tenant_id)
         return not self._extra and not (policy.presidio and self._presidio is not None)
 

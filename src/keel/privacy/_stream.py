@@ -68,7 +68,8 @@ class StreamMasker:
             ``hold_chars`` from its end (an e-mail address is at most 254 characters).
         by_word: release up to the end of a word that no whitespace-spanning pattern can
             run on past, without the hold-back. Only for masks whose findings that span whitespace
-            are made of digits, capitals and ``+()-./:`` (the built-in detectors'; see
+            are made of digits, capitals and ``+()-./:``, or are held back while unfinished
+            (a street line, a date of birth in words: the built-in detectors'; see
             [`PIIMasker.streams_by_word`][]).
         spans: what ``mask`` replaces in a text, where and by what (a [`PIIMasker`][]'s
             ``mask_spans``, with the same policy): how the rest is masked once the masked
