@@ -95,6 +95,7 @@ STREAMED = [
     "Thanks! I live at 42 Baker Street, London NW1 6XE and was born on March 14, 1985, ok?",
     "Ship it to 1600 Pennsylvania Ave NW, Washington, DC 20500 please, my name is Jane Doe.",
     "My passport number is C01X00T47 and my driver's license: D1234567 thanks",
+    "Jane here. Hi, I am Yusuf Rossi and my name is Jane Doe, so Jane and Yusuf it is.",
 ]
 
 

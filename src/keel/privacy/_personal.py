@@ -257,7 +257,10 @@ class _NameDetector(LabelledDetector):
             return found
         # A name given once is the same name where the text says it again ("My name is Jane
         # Doe. ... Regards, Jane"), on any of its lines.
+        # Only after the first label: a text streamed is masked as it comes (`StreamMasker`),
+        # and the words before a label were shown before it came.
         named = {finding.start for finding in found}
+        first = min(named)
         again = re.compile(
             r"(?<![\w\-'\u2019])(?:"
             + "|".join(sorted({re.escape(f.text) for f in found}, key=len, reverse=True))
@@ -265,7 +268,7 @@ class _NameDetector(LabelledDetector):
         )
         found.extend(
             Finding(self.entity, match.start(), match.end(), match.group())
-            for match in again.finditer(text)
+            for match in again.finditer(text, first)
             if match.start() not in named
         )
         found.sort(key=lambda finding: finding.start)
@@ -339,6 +342,10 @@ _OPEN_DATE_OF_BIRTH = re.compile(
     # A label then up to 24 characters a date is made of: its year may be on its way.
     rf"(?i){_DOB_LABEL}[\"']?[ \t]*(?:(?:is|was)[ \t]+|[:=][ \t]*)?[\"']?[\w ,.\-/]{{0,24}}\Z"
 )
+_OPEN_SELF_NAMED = re.compile(
+    # "I am" and one capitalised word: a last name may be on its way.
+    rf"(?<![A-Za-z0-9])I(?:[ \t]+am|['\u2019]m)[ \t]+{_NAME_WORD}[ \t]*\Z"
+)
 _OPEN_TAIL_CHARS = 128
 
 
@@ -346,7 +353,8 @@ def open_personal_value(folded: str) -> int | None:
     """Where a value that spans words and may still be unfinished starts near the end of
     ``folded`` (a text as the detectors read it), else None: a street line whose type has
     not come yet ("I live at 42 Baker"), a date of birth in words whose year has not
-    ("born on March 14,"). A stream holds it back (`StreamMasker`), as it holds an open
+    ("born on March 14,"), a name after "I am" whose last name has not ("I am Yusuf"). A
+    stream holds it back (`StreamMasker`), as it holds an open
     quoted credential."""
     begin = max(0, len(folded) - _OPEN_TAIL_CHARS)
     starts = []
@@ -355,6 +363,10 @@ def open_personal_value(folded: str) -> int | None:
         if address is not None:
             starts.append(address.start())
     lowered = folded[begin:].lower()
+    if "i am " in lowered or "i'm " in lowered or "i\u2019m " in lowered:
+        named = _OPEN_SELF_NAMED.search(folded, begin)
+        if named is not None:
+            starts.append(named.start())
     if "birth" in lowered or "born" in lowered or "dob" in lowered or "d.o.b" in lowered:
         date = _OPEN_DATE_OF_BIRTH.search(folded, begin)
         if date is not None:
