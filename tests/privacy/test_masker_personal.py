@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keel.privacy import ENTITY_TYPES, MaskingPolicy, MasterKey, PIIMasker, StreamMasker
 from keel.runtime import Agent
@@ -167,3 +169,28 @@ async def test_a_tool_gets_a_first_and_a_last_name_apart_and_the_user_reads_them
     assert reply.text == "Found you, Yusuf Rossi."
     dumped = dump_sqlite(path)
     assert [table for table, text in dumped.items() if "Yusuf" in text or "Rossi" in text] == []
+
+
+_PIECES = st.sampled_from(
+    [
+        *("my name is ", "I am ", "I'm ", "Jane", "Doe", "Rossi", " ", ", ", ". ", "\n", "and "),
+        *("42 ", "221B ", "Baker ", "Elm ", "Street", "St.", " NW", ", London NW1 6XE", "Suite 5"),
+        *(", Springfield, IL 62704", "ship to ", "I live at ", "born on ", "DOB: ", "March "),
+        *("14, ", "14th of ", "1985", "1990-01-02", "passport no. ", "X1234567", "lives "),
+        *('{"first_name": "', '", ', "Apt 4B", "3 ", "the ", "(", "Google Drive ", "at "),
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(_PIECES, min_size=1, max_size=25),
+    cuts=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    by_word=st.booleans(),
+)
+def test_any_streamed_text_shows_what_its_whole_masks(
+    pieces: list[str], cuts: list[int], by_word: bool
+) -> None:
+    text = "".join(pieces)
+    stream = StreamMasker(PIIMasker().mask_text, by_word=by_word)
+    assert fed_in_pieces(stream, text, cuts) == PIIMasker().mask_text(text)

@@ -190,6 +190,14 @@ _SELF_NAMED = re.compile(
 )
 
 
+def _in_code(text: str, end: int) -> bool:
+    """Whether the word that ends at ``end`` is code: a type or a call (``Optional[str]``,
+    ``Column(...)``), an assignment, a generic, an attribute's owner (``Foo.bar``). Read from
+    the character right after the word only, so a word's fate never waits on later words."""
+    after = text[end : end + 1]
+    return after in ("[", "(", "=", "<") or (after == "." and text[end + 1 : end + 2].isalnum())
+
+
 @dataclass(frozen=True)
 class _NameDetector(LabelledDetector):
     """The capitalised words after a name's label, each its own finding (a first name and a
@@ -239,16 +247,13 @@ class _NameDetector(LabelledDetector):
             ]
             kept: list[tuple[int, str]] = []
             for start, word in words:
-                if word[0].isupper() and word.lower() not in _NOT_A_NAME:
+                if _in_code(text, start + len(word)):
+                    break  # a type, a call, an attribute: the run ends before it
+                if len(word) > 1 and word[0].isupper() and word.lower() not in _NOT_A_NAME:
                     kept.append((start, word))
                 elif word.lower() not in _PARTICLES or not kept:
                     break
             if len(kept) < self.min_words:
-                continue
-            after = kept[-1][0] + len(kept[-1][1])
-            if text[after : after + 1] in ("[", "(", "=", "<") or (
-                text[after : after + 1] == "." and text[after + 1 : after + 2].isalnum()
-            ):
                 continue
             found.extend(
                 Finding(self.entity, start, start + len(word), word) for start, word in kept
@@ -256,20 +261,21 @@ class _NameDetector(LabelledDetector):
         if not found:
             return found
         # A name given once is the same name where the text says it again ("My name is Jane
-        # Doe. ... Regards, Jane"), on any of its lines.
-        # Only after the first label: a text streamed is masked as it comes (`StreamMasker`),
-        # and the words before a label were shown before it came.
-        named = {finding.start for finding in found}
-        first = min(named)
+        # Doe. ... Regards, Jane"), on any of its lines, after it was given: a text streamed
+        # is masked as it comes (`StreamMasker`), and what came before was shown before.
+        given: dict[str, int] = {}
+        for finding in found:
+            given.setdefault(finding.text, finding.start)
         again = re.compile(
             r"(?<![\w\-'\u2019])(?:"
-            + "|".join(sorted({re.escape(f.text) for f in found}, key=len, reverse=True))
+            + "|".join(sorted(map(re.escape, given), key=len, reverse=True))
             + r")(?![\w\-'\u2019])"
         )
+        labelled = {finding.start for finding in found}
         found.extend(
             Finding(self.entity, match.start(), match.end(), match.group())
-            for match in again.finditer(text, first)
-            if match.start() not in named
+            for match in again.finditer(text, min(given.values()) + 1)
+            if match.start() > given[match.group()] and match.start() not in labelled
         )
         found.sort(key=lambda finding: finding.start)
         return found
@@ -333,18 +339,19 @@ PERSONAL_DETECTORS: tuple[Detector, ...] = (
 # --- what a stream holds back -------------------------------------------------------------------
 
 _OPEN_ADDRESS = re.compile(
-    # A house number then words that start with a capital, a digit or "#" up to the end (a
-    # street type, a unit, a city and a ZIP may be on their way; a word in lower case ends it).
-    r"\d(?<![\w.\-/:#$]\d)\d{0,5}[A-Za-z]?(?:-\d{1,5}[A-Za-z]?)?,?[ \t]+"
-    r"(?:[A-Z0-9#][\w'\u2019\-.#]*,?[ \t]+){0,9}[\w'\u2019\-.#,]*\Z"
+    # A house number then words that start with a capital, a digit or "#", apart by spaces
+    # and commas, up to the end (a street type, a unit, a city and a ZIP may be on their
+    # way; a word in lower case ends it), the last word perhaps cut short.
+    r"\d(?<![\w.\-/:#$]\d)\d{0,5}[A-Za-z]?(?:-\d{1,5}[A-Za-z]?)?"
+    r"(?:[ \t,]+[A-Z0-9#][\w'\u2019\-.#]*){0,10}[ \t,]*[\w'\u2019\-.#]*\Z"
 )
 _OPEN_DATE_OF_BIRTH = re.compile(
     # A label then up to 24 characters a date is made of: its year may be on its way.
     rf"(?i){_DOB_LABEL}[\"']?[ \t]*(?:(?:is|was)[ \t]+|[:=][ \t]*)?[\"']?[\w ,.\-/]{{0,24}}\Z"
 )
 _OPEN_SELF_NAMED = re.compile(
-    # "I am" and one capitalised word: a last name may be on its way.
-    rf"(?<![A-Za-z0-9])I(?:[ \t]+am|['\u2019]m)[ \t]+{_NAME_WORD}[ \t]*\Z"
+    # "I am" and one word, and what has come of the next: a last name may be on its way.
+    rf"(?<![A-Za-z0-9])I(?:[ \t]+am|['\u2019]m)[ \t]+{_NAME_WORD}(?:[ \t]+[\w'\u2019\-]*)?\Z"
 )
 _OPEN_TAIL_CHARS = 128
 
