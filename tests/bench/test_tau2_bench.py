@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from keel.bench.tau2._customer import first_message
 from keel.bench.tau2._data import GoldAction, Task, load_policy, load_tasks
 from keel.bench.tau2._oracle import FINAL, GroundedOracle, attribute_placeholders
 from keel.messages import Message, ToolCall
 from keel.models import ModelOptions
-from keel.testing import ScriptedCall
+from keel.privacy import MasterKey
+from keel.runtime import Agent
+from keel.testing import ScriptedCall, ScriptedModel
 from tests.bench._cli import bench_json
 
 _EMAIL = "yusuf.rossi7301@example.com"
@@ -139,3 +144,49 @@ def test_a_call_keel_showed_with_placeholders_for_its_values_is_not_made_again()
         Message.tool("call_1", "noah_patel_6952"),
     )
     assert _arguments(reply) == ("get_user_details", {"user_id": "noah_patel_6952"})
+
+
+async def test_an_operator_settles_a_masked_write_by_its_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Task 22 killed inside its third write: the journal keeps the address masked, the
+    # server's call log has it as sent. Compared masked, the write read as never made, and
+    # ran again (a doubled write).
+    from keel.bench.tau2 import _run
+
+    sent = {"user_id": "ethan_garcia_1261", "address1": "667 Highland Drive", "zip": "80280"}
+    log = [
+        {
+            "tau2_tool_call": {"name": "modify_user_address", "arguments": sent},
+            "tau2_tool_message": {"error": False, "content": "address updated"},
+        }
+    ]
+
+    async def call_log(state_dir: Path, key: str) -> list[dict[str, object]]:
+        return log
+
+    monkeypatch.setattr(_run, "call_log", call_log)
+    monkeypatch.setenv("KEEL_PII_KEY", MasterKey.new_key_text())
+    agent = Agent.open(
+        f"sqlite:///{tmp_path / 'keel.db'}", model=ScriptedModel(["ok"]), system_prompt="s"
+    )
+    try:
+        assert agent.vault is not None and agent.journal is not None
+        shown = agent.vault.user(agent.tenant_id, _run.USER).placeholder(
+            "ADDRESS", "667 Highland Drive"
+        )
+        masked = json.dumps({**sent, "address1": shown})
+        agent.journal.claim(
+            key="k1",
+            session_id=agent.session_key("s"),
+            step=3,
+            call_index=0,
+            tool="modify_user_address",
+            arguments=masked,
+        )
+        settled = await _run.settle_from_call_log(tmp_path, "key")(agent, "s")
+        entry = agent.journal.get("k1")
+    finally:
+        await agent.aclose()
+    assert settled == 1 and entry is not None
+    assert (entry.status, entry.content) == ("succeeded", "address updated")

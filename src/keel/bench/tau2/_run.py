@@ -194,7 +194,13 @@ def settle_from_call_log(state_dir: Path, key: str) -> Callable[[Agent, str], Aw
         calls = await call_log(state_dir, key)
         entries = journal.in_doubt(agent.session_key(session))
         for entry in entries:
-            arguments = json.loads(entry.arguments)
+            # The journal keeps the arguments masked; the operator, granted the user's values,
+            # reads them as the server got them (as `GET /v1/sessions/{id}/in-doubt` shows
+            # them to an operator key granted values).
+            shown = entry.arguments
+            if agent.vault is not None:
+                shown = agent.vault.user(agent.tenant_id, USER).reveal(shown)
+            arguments = json.loads(shown)
             done = [
                 c
                 for c in calls
