@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
@@ -12,9 +13,11 @@ import typer
 
 from keel.cli._app import JsonOption, app, bench_app, emit_json, out_console
 from keel.cli._database import DatabaseOption
+from keel.errors import UsageError
 
 if TYPE_CHECKING:
-    from keel.tools import ToolJournal
+    from keel.stores import Backends
+    from keel.tools import JournalEntry, ToolJournal
 
 
 @bench_app.command("faults")
@@ -65,11 +68,46 @@ app.add_typer(tools_app, name="tools")
 
 @contextlib.contextmanager
 def _journal(database: str | None) -> Iterator[ToolJournal]:
+    with _backends(database) as backends:
+        yield backends.journal
+
+
+@contextlib.contextmanager
+def _backends(database: str | None) -> Iterator[Backends]:
     from keel.cli._database import database_settings
     from keel.stores import Backends
 
     with Backends.open(database_settings(database), memory=False, redis_url="") as backends:
-        yield backends.journal
+        yield backends
+
+
+def _revealed(backends: Backends, entries: list[JournalEntry]) -> list[JournalEntry]:
+    """``entries`` with their arguments as the tool got them: each session's user's
+    placeholders replaced by their values (the journal keeps them masked), each read logged
+    on ``keel.service.access`` as the service logs an operator's."""
+    access_log = logging.getLogger("keel.service.access")
+    vault = backends.vault
+    if vault is None:
+        raise UsageError(
+            "--reveal needs the PII key the agent masked with (KEEL_PII_KEY or "
+            "KEEL_PII_KEY_FILE): without it no value was kept"
+        )
+    shown: list[JournalEntry] = []
+    for entry in entries:
+        checkpoint = backends.state.get(entry.session_id)
+        runtime = None if checkpoint is None else checkpoint.state.runtime
+        if runtime is None or not runtime.tenant_id or not runtime.user_id:
+            shown.append(entry)  # no owner on record: nothing of anyone's to reveal
+            continue
+        access_log.info(
+            "cli operator read the arguments of in-doubt call %r of tenant %r user %r",
+            entry.key,
+            runtime.tenant_id,
+            runtime.user_id,
+        )
+        arguments = vault.user(runtime.tenant_id, runtime.user_id).reveal(entry.arguments)
+        shown.append(entry.model_copy(update={"arguments": arguments}))
+    return shown
 
 
 @tools_app.command("in-doubt")
@@ -78,11 +116,22 @@ def tools_in_doubt_command(
         str | None, typer.Option("--session", help="Only this session's calls.")
     ] = None,
     database: DatabaseOption = None,
+    reveal: Annotated[
+        bool,
+        typer.Option(
+            "--reveal",
+            help="Show the arguments with the session user's values, as the tool got them "
+            "(the journal keeps them masked; needs the PII key; each read is logged on "
+            "keel.service.access).",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """List side-effecting calls that started and recorded no result (check them by hand)."""
-    with _journal(database) as journal:
-        entries = journal.in_doubt(session)
+    with _backends(database) as backends:
+        entries = backends.journal.in_doubt(session)
+        if reveal:
+            entries = _revealed(backends, entries)
     if as_json:
         emit_json({"in_doubt": [entry.model_dump() for entry in entries]})
         return
@@ -122,8 +171,6 @@ def tools_resolve_command(
 ) -> None:
     """Record the outcome of an in-doubt call after checking it by hand (a call already
     settled, by its late result or another operator, is left as it is, and said how)."""
-    from keel.errors import UsageError
-
     with _journal(database) as journal:
         entry = journal.get(key)
         if entry is None:
