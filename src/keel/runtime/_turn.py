@@ -39,7 +39,6 @@ from keel.state import AgentState, StateStore
 from keel.tools import ToolJournal, ToolScope
 from keel.tracing import Tracer, arecord_loop_step
 from keel.tracing._loop import SentPrompt
-from keel.tracing._redact import OwnId
 
 __all__ = ["RunExtras", "TurnDeps", "TurnOptions", "TurnRunner"]
 
@@ -184,15 +183,13 @@ class TurnRunner:
     async def __call__(self) -> AgentReply:
         """Run the turn to its reply (a failure the turn owns is a reply too)."""
         deps, writer = self.deps, self.writer
-        # A caller's turn id is redacted in the trace as any text is; keel's own kept whole.
-        turn_id = writer.turn_id if writer.record_reply else OwnId(writer.turn_id)
         run = writer.run = await deps.tracer.astart_run(
             self.session_id,
             user_id=self.user_id,
             tenant_id=deps.tenant_id,
             agent=deps.name,
             input=writer.user_message.content,
-            attributes={"resumed": self.resume, "turn_id": turn_id},
+            attributes={"resumed": self.resume, "turn_id": writer.traced_turn_id},
             time_limit_s=deps.guards.run_timeout_s,
             buffered=True,
         )
