@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from keel.privacy import PIIMasker
-from keel.runtime import Agent
-from keel.runtime import _commit
+from keel.runtime import Agent, _commit
 from keel.settings import load_settings
 from keel.testing import ScriptedCall, ScriptedModel
 from keel.tracing import Run, RunQuery
@@ -95,7 +94,7 @@ async def test_a_callers_turn_id_is_redacted_as_before(tmp_path: Path) -> None:
 def test_only_an_own_id_of_a_uuid_hex_skips_redaction() -> None:
     def redact(value: object) -> object:
         assert isinstance(value, dict)
-        return {name: "<REDACTED>" for name in value}
+        return dict.fromkeys(value, "<REDACTED>")
 
     attributes = {
         "resumed": False,
