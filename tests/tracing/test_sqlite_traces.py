@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from keel.stores import SQLiteDatabase
-from keel.stores._dialect import SQLITE
-from keel.stores._sql_traces import SQLTraceStore, trace_sql
+from keel.stores._dialect import SQLITE, _json_text
+from keel.stores._sql_traces import SQLTraceStore, _json_bytes, trace_sql
 from keel.testing.trace_conformance import TraceStoreConformance
 from keel.tracing import RunQuery, Tracer, TraceStore
 
@@ -204,5 +204,52 @@ def test_json_columns_keep_what_json_keeps(tmp_path: Path) -> None:
     assert step.budget == budget
     assert step.attributes["ratio"] == math.inf and math.isnan(step.attributes["drift"])
     assert step.attributes["é\u2028"] == ["a", 1, None, True]
+    store.close()
+    store.db.close()
+
+
+def test_a_steps_json_is_stored_as_the_text_it_was(tmp_path: Path) -> None:
+    """A step's JSON is bound as UTF-8 bytes and cast to TEXT (fast65): each column holds the
+    text pydantic-core writes, of type text (never a blob), non-ASCII and escapes as they
+    were (a text pydantic-core will not write is given to ``json.dumps``, as before)."""
+    from datetime import UTC, datetime
+
+    from pydantic_core import to_json
+
+    from keel.tracing import Run, Step
+
+    store = SQLTraceStore(SQLiteDatabase(tmp_path / "keel.db"))
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    store.start_run(Run(run_id="r1", session_id="s", agent="a", started_at=now))
+    budget = {"summary": 'Earlier… «the user» said "hi"\n\x00', "tokens": 12}
+    action = {"action": "final", "text": "\u2028日本"}
+    attributes = {"note": "tab\there", "n": [1.5, None, True]}
+    store.write_step(
+        Step(
+            run_id="r1",
+            step_id="s0",
+            seq=0,
+            kind="model",
+            started_at=now,
+            budget=budget,
+            parsed_action=action,
+            attributes=attributes,
+        )
+    )
+    row = (
+        store.db.connection()
+        .execute(
+            "SELECT typeof(budget), budget, typeof(parsed_action), parsed_action, "
+            "typeof(attributes), attributes FROM trace_steps WHERE step_id = 's0'"
+        )
+        .fetchone()
+    )
+    assert row[0::2] == ("text", "text", "text")
+    assert row[1] == to_json(budget).decode()
+    assert row[3] == to_json(action).decode()
+    assert row[5] == to_json(attributes).decode()
+    (step,) = store.get_steps("r1")
+    assert (step.budget, step.parsed_action, step.attributes) == (budget, action, attributes)
+    assert _json_bytes({"lone": "a\ud800"}) == _json_text({"lone": "a\ud800"})
     store.close()
     store.db.close()

@@ -37,6 +37,7 @@ from keel.state import AgentState, MachinePosition, StateStore
 from keel.stores import SQLTraceStore
 from keel.stores._sql_plan import Rider, riding
 from keel.tracing import RunStatus, RunTrace, TraceBatch
+from keel.tracing._redact import OwnId
 
 if TYPE_CHECKING:
     from keel.memory import Memory
@@ -123,6 +124,12 @@ class TurnWriter:
         """Side-effecting calls that ran, were replayed or are in doubt, with their results."""
         self.run: RunTrace | None = None
         """The turn's run in the trace store, once started."""
+
+    @property
+    def traced_turn_id(self) -> str:
+        """The turn's id as its run's trace records it: keel's own kept whole (an `OwnId`:
+        it holds nothing of the user's), a caller's redacted as any text is."""
+        return self.turn_id if self.record_reply else OwnId(self.turn_id)
 
     @classmethod
     def opened(

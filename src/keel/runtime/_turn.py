@@ -189,7 +189,7 @@ class TurnRunner:
             tenant_id=deps.tenant_id,
             agent=deps.name,
             input=writer.user_message.content,
-            attributes={"resumed": self.resume, "turn_id": writer.turn_id},
+            attributes={"resumed": self.resume, "turn_id": writer.traced_turn_id},
             time_limit_s=deps.guards.run_timeout_s,
             buffered=True,
         )

@@ -22,7 +22,7 @@ run's totals exactly once; a batch that ends the run ends it in that same statem
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any, TypeVar, cast
@@ -193,10 +193,13 @@ _STEP_TIMES = tuple(index for index, name in enumerate(STEP_FIELDS) if name in _
 _LIST_FILTERS = ("session_id", "user_id", "tenant_id", "agent")
 
 
-def _upsert(table: str, fields: Sequence[str], key: str, action: str) -> str:
+def _upsert(
+    table: str, fields: Sequence[str], key: str, action: str, as_text: Collection[str] = ()
+) -> str:
+    """``as_text``: fields whose value is bound as UTF-8 bytes and stored as the text they spell."""
+    values = ", ".join("CAST(? AS TEXT)" if name in as_text else "?" for name in fields)
     return (
-        f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({', '.join('?' for _ in fields)}) "
-        f"ON CONFLICT ({key}) {action}"
+        f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({values}) ON CONFLICT ({key}) {action}"
     )
 
 
@@ -214,6 +217,12 @@ class TraceSQL:
         # JSON kept as text (SQLite) is written by pydantic-core, several times faster than
         # ``json.dumps`` (the same JSON without its spaces); PostgreSQL's jsonb as the dialect does.
         self.to_json = _compact_json if dialect.to_json is _json_text else dialect.to_json
+        # A step's JSON as text (SQLite) is bound as pydantic-core's UTF-8 and cast to TEXT by
+        # SQLite: the same stored text, without decoding it into a ``str`` that the driver
+        # then encodes back (a model step's summary block, 4,000 characters, is not ASCII).
+        text_json = dialect.to_json is _json_text
+        self.step_json = _json_bytes if text_json else dialect.to_json
+        as_text = _JSON if text_json else frozenset()
         # The status as read: a run still 'running' with no sign of life for longer than
         # abandon_after_s(time_limit_s) is 'abandoned' (its worker died). One parameter: now.
         limit = f"COALESCE(time_limit_s, {DEFAULT_RUN_TIME_LIMIT_S!r})"
@@ -231,9 +240,11 @@ class TraceSQL:
             "trace_runs", _RUN_HEADER_FIELDS, "run_id", _replace(_RUN_HEADER_FIELDS[1:])
         )
         self.upsert_step = _upsert(
-            "trace_steps", STEP_FIELDS, "run_id, step_id", _replace(STEP_FIELDS[2:])
+            "trace_steps", STEP_FIELDS, "run_id, step_id", _replace(STEP_FIELDS[2:]), as_text
         )
-        self.insert_new_step = _upsert("trace_steps", STEP_FIELDS, "run_id, step_id", "DO NOTHING")
+        self.insert_new_step = _upsert(
+            "trace_steps", STEP_FIELDS, "run_id, step_id", "DO NOTHING", as_text
+        )
         self.end_run = (
             "UPDATE trace_runs SET status = ?, ended_at = ?, output = ?, "
             "error_type = ?, error_message = ? WHERE run_id = ?"
@@ -268,7 +279,7 @@ class TraceSQL:
         # The fields read in one C call, then the five that are converted: three steps a
         # turn, twenty-six fields each.
         values = list(_step_fields(step))
-        to_json, to_time = self.to_json, self.dialect.to_time
+        to_json, to_time = self.step_json, self.dialect.to_time
         for index in _STEP_JSON:
             values[index] = to_json(values[index])
         for index in _STEP_TIMES:
@@ -383,6 +394,17 @@ def _compact_json(value: Any) -> str | None:
         return None
     try:
         return to_json(value, inf_nan_mode="constants").decode()
+    except Exception:  # what pydantic-core will not write, json.dumps writes as it did
+        return _json_text(value)
+
+
+def _json_bytes(value: Any) -> bytes | str | None:
+    """``value`` as JSON for a ``CAST(? AS TEXT)`` marker: pydantic-core's UTF-8 bytes (it
+    refuses a text it cannot encode, a lone surrogate), else `_compact_json`'s text."""
+    if value is None:
+        return None
+    try:
+        return to_json(value, inf_nan_mode="constants")
     except Exception:  # what pydantic-core will not write, json.dumps writes as it did
         return _json_text(value)
 

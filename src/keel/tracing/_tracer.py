@@ -34,7 +34,7 @@ from keel.models import Completion
 from keel.tracing._fields import Final as _Final
 from keel.tracing._fields import StepFields, TraceExporter, status_for
 from keel.tracing._models import Run, RunQuery, RunStatus, Step, StepKind
-from keel.tracing._redact import RedactionMemo, Redactor, redact_json, redact_pii
+from keel.tracing._redact import RedactionMemo, Redactor, redact_attributes, redact_json, redact_pii
 from keel.tracing._stats import LOOP_GUARD_NAME
 from keel.tracing._store import RunEnding, TraceBatch, TraceStore
 
@@ -209,7 +209,7 @@ class Tracer:
                 status="running",
                 started_at=handle.started_at,
                 input=self._text(input),
-                attributes=self._json(dict(attributes or {})),
+                attributes=redact_attributes(attributes, self._json),
                 time_limit_s=time_limit_s if time_limit_s is not None else self.run_time_limit_s,
             )
         except Exception as exc:
