@@ -555,10 +555,11 @@ DETECTORS: tuple[Detector, ...] = (
     Detector(
         "CREDIT_CARD",
         re.compile(
-            # After a "+" it is a phone number, after a "." a decimal fraction.
+            # After a "+" it is a phone number, after a "." a decimal fraction; glued to a
+            # letter on either side it is part of a code (a hex id's first digits).
             r"\d(?<![A-Za-z0-9_\-+.]\d)"
             r"(?:\d{3}(?:[ \-]?\d{4}){2}(?:[ \-]?\d{1,4}){0,2}|\d{3}[ \-]?\d{6}[ \-]?\d{4,5})"
-            r"(?![\d\-])"
+            r"(?![A-Za-z0-9_\-])"
         ),
         _card,
         priority=50,
