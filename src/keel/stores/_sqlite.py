@@ -411,6 +411,10 @@ class SQLiteDatabase:
             inline.wrote = True
             return
 
+    def in_write(self) -> bool:
+        """Whether this thread has a write transaction open (what it reads may roll back)."""
+        return bool(getattr(self._local, "open_transaction", False))
+
     def run(self, plan: Callable[[], Plan[_T]], *, write: Write = True) -> _T:
         """Run the statements of ``plan()`` (a fresh plan each call): in one transaction when
         ``write`` is True, else on this thread's connection outside one (a read of one
