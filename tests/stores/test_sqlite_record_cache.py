@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from keel.memory import (
@@ -380,6 +380,14 @@ def varied(tmp_path_factory: pytest.TempPathFactory) -> tuple[SQLiteMemoryStore,
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(filters=_filters)
+# Each condition at its boundary alone (a random filter is mostly narrowed by several).
+@example(filters=MemoryFilter(shown=ShownSession(session_id="a", first_turn=3)))
+@example(filters=MemoryFilter(shown=ShownSession(session_id="a", summary_key="k1")))
+@example(filters=MemoryFilter(key_prefix="kx"))
+@example(filters=MemoryFilter(keys=("k1", "q")))
+@example(filters=MemoryFilter(session_id="b", include_superseded=True))
+@example(filters=MemoryFilter(alive_at=NOW + timedelta(days=2)))
+@example(filters=MemoryFilter(include_expired=True, exclude_types=("run",)))
 def test_the_filters_on_kept_rows_are_sql_s(
     varied: tuple[SQLiteMemoryStore, list[str]], filters: MemoryFilter
 ) -> None:
