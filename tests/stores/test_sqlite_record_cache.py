@@ -414,3 +414,33 @@ def test_kept_records_come_in_the_statements_order(
     assert store.fetch(SCOPE, asked, everything) == SQLMemoryStore.fetch(
         store, SCOPE, asked, everything
     )
+
+
+def test_a_read_in_a_snapshot_keeps_nothing_older_than_what_was_applied(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    _fill(path)
+    memory, twin = _warm(path)
+    twin.close()
+    store = _store(memory)
+    target = _kept_hit(memory)
+    database = store.db
+    assert isinstance(database, SQLiteDatabase)
+    with database.snapshot():
+        store.count(SCOPE)  # the snapshot is taken by its first read
+        with sqlite3.connect(path) as plain:
+            plain.execute(
+                "UPDATE memory_records SET text = replace(text, 'spare', 'extra') WHERE id = ?",
+                (target,),
+            )
+        caught_up = threading.Event()
+
+        def other_thread() -> None:  # applies the change (the target is dropped, not read)
+            store.db.run(store.trusted.catch_up, write=False)
+            caught_up.set()
+
+        threading.Thread(target=other_thread).start()
+        assert caught_up.wait(10)
+        # In the snapshot, the text as it was then.
+        assert "spare" in store.fetch_by_id(SCOPE, [target], MemoryFilter())[target].text
+    assert "extra" in store.fetch_by_id(SCOPE, [target], MemoryFilter())[target].text
+    memory.close()

@@ -561,7 +561,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
     def fetch(
         self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
     ) -> list[MemoryRecord]:
-        if self._sqlite.in_write():
+        if self._sqlite.in_transaction():
             return super().fetch(scope, record_ids, filters)
         return self.db.run(lambda: self._fetch(scope, record_ids, filters), write=False)
 
@@ -580,7 +580,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
     def fetch_by_id(
         self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
     ) -> dict[str, MemoryRecord]:
-        if self._sqlite.in_write():  # what this transaction reads may roll back
+        if self._sqlite.in_transaction():  # what it reads may roll back, or be old
             return super().fetch_by_id(scope, record_ids, filters)
         return self.db.run(lambda: self._fetch_by_id(scope, record_ids, filters), write=False)
 
@@ -605,7 +605,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
         self, scope: Scope, spans: Sequence[tuple[str, int, int]]
     ) -> list[MemoryRecord]:
         sessions = spans_by_session(spans)
-        if self._sqlite.in_write() or any(not isinstance(t, list) for _, t in sessions):
+        if self._sqlite.in_transaction() or any(not isinstance(t, list) for _, t in sessions):
             return super().turns_around(scope, spans)  # a long range is read as one
         keys = [
             (scope.tenant_id, scope.user_id, session_id, turn)

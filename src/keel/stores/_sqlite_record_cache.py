@@ -23,8 +23,8 @@ What is kept:
   to a row of that turn number (in any session) drops them, an insert included.
 
 The log keeps its newest 4,096 entries; a reader further behind (a gap in the sequence)
-drops everything. A read inside a write transaction bypasses all this (what it reads may
-roll back). Records read by a thread that another thread's catching up overtook are not kept
+drops everything. A read inside a transaction bypasses all this (a write's reads may roll
+back, a snapshot's may be older than what was applied). Records read by a thread that another thread's catching up overtook are not kept
 (their row may predate a change already applied).
 """
 
