@@ -24,8 +24,8 @@ What is kept:
 
 The log keeps its newest 4,096 entries; a reader further behind (a gap in the sequence)
 drops everything. A read inside a transaction bypasses all this (a write's reads may roll
-back, a snapshot's may be older than what was applied). Records read by a thread that another thread's catching up overtook are not kept
-(their row may predate a change already applied).
+back, a snapshot's may be older than what was applied). Records read by a thread that another
+thread's catching up overtook are not kept (their row may predate a change already applied).
 """
 
 from __future__ import annotations
