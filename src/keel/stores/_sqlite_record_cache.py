@@ -16,7 +16,7 @@ outbox's embeddings): it would clear everything every turn, and tell nothing of 
 
 What is kept:
 
-- records by id, each with its row, for [`fetch_by_id`][keel.stores.SQLMemoryStore.fetch_by_id]:
+- records by id, each with its row, for `fetch_by_id` and `fetch`:
   a kept record is returned when its row passes the filter (`row_passes`, the filter's SQL
   evaluated on the row: the same clock reading rule, expiry judged at each read);
 - the records of one session's turn, in the table's order, for ``turns_around``; any change
