@@ -188,6 +188,13 @@ class _FetchCountingStore(SQLiteMemoryStore):
         self.fetched.extend(record_ids)
         return [r for r in super().fetch(scope, record_ids, filters) if r.id not in self.lost]
 
+    def fetch_by_id(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> dict[str, Any]:
+        self.fetched.extend(record_ids)
+        found = super().fetch_by_id(scope, record_ids, filters)
+        return {i: r for i, r in found.items() if i not in self.lost}
+
 
 def _many_lantern_notes(
     tmp_path: Path, recency_weight: float

@@ -89,7 +89,11 @@ def _retrieval_work(tmp_path: Path, records: int) -> dict[str, int]:
                 )
 
         def neighbours() -> None:
-            memory.store.turns_around(SCOPE, [("s", n * 7, n * 7 + 2) for n in range(10)])
+            # Read from the table, not from the turns the store keeps across reads.
+            store = memory.store
+            assert isinstance(store, SQLiteMemoryStore)
+            store.trusted.forget()
+            store.turns_around(SCOPE, [("s", n * 7, n * 7 + 2) for n in range(10)])
 
         return {
             "retrieve": _instructions(database, retrieve),

@@ -510,7 +510,7 @@ class Retriever:
                 end += 1
             wanted = ordered[start:end]
             unread = [record_id for record_id in wanted if record_id not in known]
-            fetched = {r.id: r for r in self.store.fetch(scope, unread, filters)} if unread else {}
+            fetched = self.store.fetch_by_id(scope, unread, filters) if unread else {}
             # In rank order, as a read of them all would have given them.
             records.update(
                 (record_id, record)

@@ -120,6 +120,13 @@ class MemoryStore(ABC):
     ) -> list[MemoryRecord]:
         """The records of ``scope`` among ``record_ids`` that pass ``filters`` (any order)."""
 
+    def fetch_by_id(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> dict[str, MemoryRecord]:
+        """[`fetch`][]'s records by id: what a search's ranking reads (in no order it needs),
+        which a backend may serve from records it keeps."""
+        return {record.id: record for record in self.fetch(scope, record_ids, filters)}
+
     @abstractmethod
     def list_records(
         self, scope: Scope, filters: MemoryFilter, *, limit: int = 50, newest_first: bool = True

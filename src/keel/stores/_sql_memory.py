@@ -49,6 +49,7 @@ __all__ = [
     "insert_row_sql",
     "require_database",
     "rows_of",
+    "spans_by_session",
     "stored_content",
 ]
 
@@ -324,14 +325,21 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
     def turns_around(
         self, scope: Scope, spans: Sequence[tuple[str, int, int]]
     ) -> list[MemoryRecord]:
+        sessions = spans_by_session(spans)
+        if not sessions:
+            return []
+        return self._query(*self._turns_sql(scope, sessions))
+
+    def _turns_sql(
+        self, scope: Scope, sessions: Sequence[tuple[str, list[int] | tuple[int, int]]]
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The statement reading ``sessions``' turns (listed, or a range) in ``scope``, in
+        session and turn order, and its parameters."""
         # Each condition names its scope and session too, so each is read through the
         # session index: with the scope outside the ORs, the engine walks every record of the
         # scope instead (a read that grew with the scope, every turn).
         conditions: list[str] = []
         params: list[Any] = []
-        sessions = _session_turns(spans)
-        if not sessions:
-            return []
         for session_id, turns in sessions:
             if isinstance(turns, list):
                 listed, listed_params = self.db.dialect.one_of("turn", turns)
@@ -340,7 +348,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
             else:
                 conditions.append(f"({_IN_SCOPE} AND session_id = ? AND turn BETWEEN ? AND ?)")
                 params.extend((scope.tenant_id, scope.user_id, session_id, *turns))
-        return self._query(
+        return (
             f"SELECT {_COLUMNS} FROM memory_records WHERE {' OR '.join(conditions)} "
             f"ORDER BY session_id, turn, {self.inserted_order}",
             tuple(params),
@@ -444,7 +452,7 @@ class SQLMemoryStore(MemoryErasure, MemoryStore):
 _LISTED_TURNS = 64
 
 
-def _session_turns(
+def spans_by_session(
     spans: Sequence[tuple[str, int, int]],
 ) -> list[tuple[str, list[int] | tuple[int, int]]]:
     """``spans`` (session, first turn, last turn) as conditions: a session's turns listed

@@ -411,6 +411,15 @@ class SQLiteDatabase:
             inline.wrote = True
             return
 
+    def in_transaction(self) -> bool:
+        """Whether this thread's connection has a transaction open: a write's (what it reads
+        may roll back) or a [`snapshot`][]'s (what it reads may be older than the file)."""
+        if getattr(self._local, "open_transaction", False):
+            return True
+        slot = "conn" if getattr(self._local, "inline", None) is None else "inline_conn"
+        conn: sqlite3.Connection | None = getattr(self._local, slot, None)
+        return conn is not None and conn.in_transaction
+
     def run(self, plan: Callable[[], Plan[_T]], *, write: Write = True) -> _T:
         """Run the statements of ``plan()`` (a fresh plan each call): in one transaction when
         ``write`` is True, else on this thread's connection outside one (a read of one

@@ -24,8 +24,8 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from keel.memory._records import MemoryFilter, Scope, ShownSession
-from keel.memory._rows import filter_sql, is_selective
+from keel.memory._records import MemoryFilter, MemoryRecord, Scope, ShownSession
+from keel.memory._rows import RECORD_COLUMNS, filter_sql, is_selective
 from keel.memory._similarity import row_dots
 from keel.memory._store import OutboxEntry, ScoredId
 from keel.stores._dialect import SQLITE
@@ -38,15 +38,20 @@ from keel.stores._sql_memory import (
     ids_of,
     require_database,
     rows_of,
+    spans_by_session,
 )
 from keel.stores._sql_memory_erasure import DELETIONS_MIGRATION
 from keel.stores._sql_plan import Plan, Statement
 from keel.stores._sqlite import SQLiteDatabase
+from keel.stores._sqlite_record_cache import CHANGES_MIGRATION, TrustedRecords, TurnKey
 
 __all__ = ["MEMORY_MIGRATIONS", "SQLiteMemoryStore"]
 
 FloatArray = npt.NDArray[np.float32]
 _T = TypeVar("_T")
+_COLUMNS = ", ".join(RECORD_COLUMNS)
+_SESSION = RECORD_COLUMNS.index("session_id")
+_TURN = RECORD_COLUMNS.index("turn")
 
 MEMORY_MIGRATIONS = MigrationSet(
     "memory",
@@ -141,6 +146,7 @@ MEMORY_MIGRATIONS = MigrationSet(
         MemorySchema.keyed_records("REAL"),
         MemorySchema.records_by_kind,
         DELETIONS_MIGRATION,
+        CHANGES_MIGRATION,
     ),
 )
 
@@ -545,7 +551,90 @@ class SQLiteMemoryStore(SQLMemoryStore):
     def __init__(self, db: SQLiteDatabase) -> None:
         self._indexes: dict[tuple[str, str, str], _ScopeIndex] = {}
         self._index_lock = threading.Lock()
-        super().__init__(require_database(db, SQLiteDatabase, "SQLiteMemoryStore"))
+        # Records kept across reads, in step with every writer (see _sqlite_record_cache).
+        self.trusted = TrustedRecords()
+        self._sqlite = require_database(db, SQLiteDatabase, "SQLiteMemoryStore")
+        super().__init__(self._sqlite)
+
+    # --- reads served from the records kept -------------------------------------------------
+
+    def fetch(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> list[MemoryRecord]:
+        if self._sqlite.in_transaction():
+            return super().fetch(scope, record_ids, filters)
+        return self.db.run(lambda: self._fetch(scope, record_ids, filters), write=False)
+
+    def _fetch(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> Plan[list[MemoryRecord]]:
+        found = yield from self._fetch_by_id(scope, record_ids, filters)
+        # In the order the statements give them (the expansion reads its seeds' names in
+        # it): one statement a batch, each found through the id index, so by id (BINARY
+        # order: a str's, code point by code point). Tested against the statements.
+        ordered: list[MemoryRecord] = []
+        for batch in SQLITE.batches(list(dict.fromkeys(record_ids))):
+            ordered.extend(found[i] for i in sorted(batch) if i in found)
+        return ordered
+
+    def fetch_by_id(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> dict[str, MemoryRecord]:
+        if self._sqlite.in_transaction():  # what it reads may roll back, or be old
+            return super().fetch_by_id(scope, record_ids, filters)
+        return self.db.run(lambda: self._fetch_by_id(scope, record_ids, filters), write=False)
+
+    def _fetch_by_id(
+        self, scope: Scope, record_ids: Sequence[str], filters: MemoryFilter
+    ) -> Plan[dict[str, MemoryRecord]]:
+        trusted = self.trusted
+        position = yield from trusted.catch_up()
+        found, missing = trusted.kept(scope, record_ids, filters)
+        if missing:
+            read_at = self.records.forgets
+            rows: list[tuple[object, ...]] = []
+            for statement, params in self._scoped(_COLUMNS, scope, filters, missing):
+                rows.extend(tuple(row) for row in (yield Statement(statement, params)).rows)
+            for record in trusted.keep(
+                position, rows, lambda row: self.records.record(row, read_at)
+            ):
+                found[record.id] = record
+        return found
+
+    def turns_around(
+        self, scope: Scope, spans: Sequence[tuple[str, int, int]]
+    ) -> list[MemoryRecord]:
+        sessions = spans_by_session(spans)
+        if self._sqlite.in_transaction() or any(not isinstance(t, list) for _, t in sessions):
+            return super().turns_around(scope, spans)  # a long range is read as one
+        keys = [
+            (scope.tenant_id, scope.user_id, session_id, turn)
+            for session_id, turns in sessions
+            for turn in turns
+        ]
+        if not keys:
+            return []
+        return self.db.run(lambda: self._turns_around(scope, keys), write=False)
+
+    def _turns_around(self, scope: Scope, keys: list[TurnKey]) -> Plan[list[MemoryRecord]]:
+        trusted = self.trusted
+        position = yield from trusted.catch_up()
+        found, missing = trusted.kept_turns(keys)
+        if missing:
+            by_session: dict[str, list[int]] = {}
+            for _, _, session_id, turn in missing:
+                by_session.setdefault(session_id, []).append(turn)
+            read: dict[TurnKey, list[MemoryRecord]] = {key: [] for key in missing}
+            read_at = self.records.forgets
+            statement = Statement(*self._turns_sql(scope, list(by_session.items())))
+            for row in (yield statement).rows:
+                record = self.records.record(row, read_at)
+                key = (scope.tenant_id, scope.user_id, row[_SESSION], row[_TURN])
+                read[key].append(record)
+            whole = {key: tuple(records) for key, records in read.items()}
+            trusted.keep_turns(position, whole)
+            found.update(whole)
+        return [record for key in keys for record in found[key]]
 
     def keyword_search(
         self, scope: Scope, terms: Sequence[str], filters: MemoryFilter, limit: int
@@ -768,6 +857,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
 
     def erase_user(self, tenant_id: str, user_id: str) -> dict[str, int]:
         counts = super().erase_user(tenant_id, user_id)
+        self.trusted.forget(tenant_id, user_id)
         with self._index_lock:  # the in-process copies of the scope's vectors go too
             for key in [key for key in self._indexes if key[:2] == (tenant_id, user_id)]:
                 del self._indexes[key]
@@ -776,6 +866,7 @@ class SQLiteMemoryStore(SQLMemoryStore):
     def close(self) -> None:
         with self._index_lock:
             self._indexes.clear()
+        self.trusted.forget()
 
     def __repr__(self) -> str:
         return f"SQLiteMemoryStore({self.db!r})"
