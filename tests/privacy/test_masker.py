@@ -159,3 +159,15 @@ def test_a_hex_id_is_no_card_even_when_its_first_digits_pass_luhn() -> None:
     assert masker.mask_text("卡号4111111111111111谢谢, 4111 1111 1111 1111.") == (
         "卡号<CREDIT_CARD_1>谢谢, <CREDIT_CARD_2>."
     )
+
+
+def test_a_bare_number_as_a_json_objects_key_is_an_id_not_a_phone() -> None:
+    # A product's variants keyed by id (tau2's retail lookups): the id was masked as a phone
+    # number, and a model then passed its placeholder where the store wanted the id.
+    masker = PIIMasker()
+    variants = '{"variants": {"5206946487": {"price": 3}}, "name": "Lamp"}'
+    assert masker.mask_text(variants) == variants
+    # As a value, after a cue or with its "+", a number is still a phone.
+    assert masker.mask_text('{"phone": "4155550132", "+14155550132": 1}') == (
+        '{"phone": "<PHONE_1>", "<PHONE_2>": 1}'
+    )

@@ -430,6 +430,8 @@ class _PhoneDetector(Detector):
             span = _phone_span(match.group(), text, match.start())
             if span is not None:
                 start, end = match.start() + span[0], match.start() + span[1]
+                if span[2] and text[start - 1 : start] == '"' and text[end : end + 2] == '":':
+                    continue  # a bare number as a JSON object's key: an id ("5206946487": {})
                 finding = Finding(self.entity, start, end, text[start:end])
                 (bare if span[2] else found).append(finding)
         if bare:
