@@ -168,9 +168,10 @@ _MAKERS: dict[str, Callable[[random.Random], str]] = {
     "SECRET": lambda r: (
         _alnum(r, 9, string.ascii_letters + string.digits) + r.choice("!#%&") + str(r.randrange(10))
     ),
-    # One word: a name is masked word by word, so each word is a value of its own.
+    # One word: a name is masked word by word, so each word is a value of its own; six letters
+    # at least, so a scan of the stores for it never meets it in a key's random bytes.
     "PERSON": lambda r: (
-        r.choice(["Ada", "Bo", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun"])
+        r.choice(["Adaeze", "Bogdan", "Chenoa", "Dariusz", "Ekaterina", "Farrukh", "Goran", "Hamish"])
         + r.choice(["", "a", "ie", "o", "lyn", "ton", "ell", "is"])
     ),
     "ADDRESS": lambda r: (
