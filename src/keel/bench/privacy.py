@@ -171,7 +171,9 @@ _MAKERS: dict[str, Callable[[random.Random], str]] = {
     # One word: a name is masked word by word, so each word is a value of its own; six letters
     # at least, so a scan of the stores for it never meets it in a key's random bytes.
     "PERSON": lambda r: (
-        r.choice(["Adaeze", "Bogdan", "Chenoa", "Dariusz", "Ekaterina", "Farrukh", "Goran", "Hamish"])
+        r.choice(
+            ["Adaeze", "Bogdan", "Chenoa", "Dariusz", "Ekaterina", "Farrukh", "Goran", "Hamish"]
+        )
         + r.choice(["", "a", "ie", "o", "lyn", "ton", "ell", "is"])
     ),
     "ADDRESS": lambda r: (
